@@ -1,0 +1,1 @@
+"""Text generation controllers: the step loop, sampling, acceptance, proposers."""

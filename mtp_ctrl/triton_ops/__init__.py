@@ -1,0 +1,47 @@
+"""Per-step kernels (Triton) with pure-torch twins of the same signature.
+
+Contract: ``shared/SPEC_OPS.md``. Each public op validates its arguments, then runs the Triton
+kernel on CUDA tensors (or on CPU tensors under ``TRITON_INTERPRET=1``) and the torch reference
+in :mod:`mtp_ctrl.triton_ops.reference` otherwise.
+
+Ops are loaded on first use, so importing the package imports neither Triton nor any kernel.
+"""
+
+import importlib
+
+# public name -> module of this package that defines it
+_OP_MODULES = {
+    # MTP step (SPEC_OPS 1-4) and the fused step op
+    "verify_speculative_tokens": "verify_tokens",
+    "prepare_next_forward_pass": "prepare_next_forward",
+    "rewind_kv_cache": "kv_rewind",
+    "mamba_state_selective_copy": "mamba_state_copy",
+    "verify_and_commit": "fused_step",
+    # drafting inputs (SPEC_OPS 5-11)
+    "copy_and_expand_eagle_inputs": "eagle_inputs",
+    "eagle_prepare_inputs_padded": "eagle_padded",
+    "eagle_prepare_next_token_padded": "eagle_padded",
+    "eagle_step_update_slot_mapping_and_metadata": "eagle_slot_mapping",
+    "extend_all_queries_by_n": "extend_queries",
+    "ptd_prepare_inputs": "parallel_drafting",
+    "shift_and_gather_cache": "shift_gather_cache",
+    "shift_and_gather_cache_hidden": "shift_gather_cache",
+    # paged attention
+    "write_kv_cache": "kv_cache_write",
+    "paged_attention": "paged_attn",
+}
+
+__all__ = sorted(_OP_MODULES)
+
+
+def __getattr__(name):
+    module_name = _OP_MODULES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    op = getattr(importlib.import_module(f"{__name__}.{module_name}"), name)
+    globals()[name] = op
+    return op
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,40 @@
+"""Pure-torch references of every kernel in :mod:`mtp_ctrl.triton_ops`.
+
+Same names, argument order and return values as the public ops; vectorised torch with no
+Python loop over requests. They are the CPU path and the ground truth of the kernel tests.
+"""
+
+import importlib
+
+_REFERENCE_MODULES = {
+    "verify_speculative_tokens": "mtp_step",
+    "prepare_next_forward_pass": "mtp_step",
+    "rewind_kv_cache": "mtp_step",
+    "mamba_state_selective_copy": "mtp_step",
+    "verify_and_commit": "mtp_step",
+    "copy_and_expand_eagle_inputs": "drafting",
+    "eagle_prepare_inputs_padded": "drafting",
+    "eagle_prepare_next_token_padded": "drafting",
+    "eagle_step_update_slot_mapping_and_metadata": "drafting",
+    "extend_all_queries_by_n": "drafting",
+    "ptd_prepare_inputs": "drafting",
+    "shift_and_gather_cache": "drafting",
+    "shift_and_gather_cache_hidden": "drafting",
+    "write_kv_cache": "attention",
+    "paged_attention": "attention",
+}
+
+__all__ = sorted(_REFERENCE_MODULES)
+
+
+def __getattr__(name):
+    module_name = _REFERENCE_MODULES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    op = getattr(importlib.import_module(f"{__name__}.{module_name}"), name)
+    globals()[name] = op
+    return op
+
+
+def __dir__():
+    return __all__
