@@ -1,0 +1,145 @@
+"""User-facing configuration: how the engine is sized, and how one request samples.
+
+Both are frozen dataclasses validated on construction, so a bad value fails where it is
+written, naming the field, before any state exists.
+"""
+
+import dataclasses
+from typing import Optional, Tuple
+
+MTP_ATTENTION_MODES = ("paged", "single_position")
+
+
+def _require_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _require_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceConfig:
+    """How the controller sizes its state.
+
+    num_speculative_tokens: S, drafts per decode step (0 = plain decoding). Must not exceed the
+        model's MTP depth; the controller checks that against the model.
+    max_requests: requests running at once; more are queued.
+    block_size_tokens: tokens per KV block.
+    num_kv_blocks / kv_cache_bytes: the KV pool, as a block count or a byte budget (one of them;
+        neither = enough blocks for max_requests full-length requests).
+    max_model_len: prompt + generated tokens of one request.
+    max_tokens_per_step: query rows of one forward pass (prefill chunks share this budget).
+    cuda_graph_batch_sizes: decode batch buckets captured as CUDA graphs (CUDA only; empty = eager).
+    mtp_attention: "paged" drafts with each MTP layer attending over its own paged KV cache (as
+        trained); "single_position" attends to the current row only (Megatron-LM's inference).
+    """
+
+    num_speculative_tokens: int = 0
+    max_requests: int = 8
+    block_size_tokens: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_bytes: Optional[int] = None
+    max_model_len: int = 512
+    max_tokens_per_step: int = 256
+    cuda_graph_batch_sizes: Tuple[int, ...] = ()
+    mtp_attention: str = "paged"
+
+    def __post_init__(self):
+        _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        _require_int("max_requests", self.max_requests, 1)
+        _require_int("block_size_tokens", self.block_size_tokens, 1)
+        _require_int("max_model_len", self.max_model_len, 2)
+        _require_int("max_tokens_per_step", self.max_tokens_per_step, 1)
+        if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_bytes, not both")
+        if self.num_kv_blocks is not None:
+            _require_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.kv_cache_bytes is not None:
+            _require_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+        stride = self.num_speculative_tokens + 1
+        if self.max_tokens_per_step < stride:
+            raise ValueError(
+                f"max_tokens_per_step ({self.max_tokens_per_step}) must hold one decode request's "
+                f"1 + num_speculative_tokens = {stride} rows"
+            )
+        buckets = tuple(self.cuda_graph_batch_sizes)
+        for size in buckets:
+            _require_int("cuda_graph_batch_sizes entries", size, 1)
+        if list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"cuda_graph_batch_sizes must be strictly increasing, got {buckets}")
+        if buckets and buckets[-1] * stride > self.max_tokens_per_step:
+            raise ValueError(
+                f"the largest CUDA-graph batch ({buckets[-1]} requests x {stride} rows) exceeds "
+                f"max_tokens_per_step ({self.max_tokens_per_step})"
+            )
+        object.__setattr__(self, "cuda_graph_batch_sizes", buckets)
+        if self.mtp_attention not in MTP_ATTENTION_MODES:
+            raise ValueError(f"mtp_attention must be one of {MTP_ATTENTION_MODES}, got {self.mtp_attention!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
+    top_k: keep the k most likely tokens (0 = all). top_p: nucleus mass in (0, 1] (1 = all).
+    seed: per-request seed; equal seeds give equal outputs, with or without speculation and on
+        every tensor-parallel rank. None draws one from the controller's generator.
+    eos_token_ids: generation stops after emitting any of these (the token is emitted).
+    stop_sequences: generation stops once the output ends with one of these token sequences
+        (the sequence is emitted).
+    max_new_tokens: at most this many generated tokens.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    eos_token_ids: Tuple[int, ...] = ()
+    stop_sequences: Tuple[Tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        _require_int("max_new_tokens", self.max_new_tokens, 1)
+        temperature = _require_number("temperature", self.temperature)
+        if not temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _require_int("top_k", self.top_k, 0)
+        top_p = _require_number("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _require_int("seed", self.seed, 0)
+        eos = tuple(self.eos_token_ids)
+        for token in eos:
+            _require_int("eos_token_ids entries", token, 0)
+        stops = tuple(tuple(seq) for seq in self.stop_sequences)
+        for seq in stops:
+            if not seq:
+                raise ValueError("stop_sequences must not contain an empty sequence")
+            for token in seq:
+                _require_int("stop_sequences tokens", token, 0)
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "eos_token_ids", eos)
+        object.__setattr__(self, "stop_sequences", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a stop token lies outside the vocabulary."""
+        for token in self.eos_token_ids:
+            if token >= vocab_size:
+                raise ValueError(f"eos_token_ids entry {token} is outside the vocabulary ({vocab_size})")
+        for seq in self.stop_sequences:
+            for token in seq:
+                if token >= vocab_size:
+                    raise ValueError(f"stop_sequences token {token} is outside the vocabulary ({vocab_size})")

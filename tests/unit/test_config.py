@@ -1,0 +1,62 @@
+"""InferenceConfig and SamplingParams reject bad values on construction, naming the field."""
+
+import pytest
+
+from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, field",
+    [
+        (dict(num_speculative_tokens=-1), ValueError, "num_speculative_tokens"),
+        (dict(num_speculative_tokens=1.5), TypeError, "num_speculative_tokens"),
+        (dict(max_requests=0), ValueError, "max_requests"),
+        (dict(block_size_tokens=0), ValueError, "block_size_tokens"),
+        (dict(max_model_len=1), ValueError, "max_model_len"),
+        (dict(num_kv_blocks=4, kv_cache_bytes=1024), ValueError, "num_kv_blocks"),
+        (dict(num_kv_blocks=0), ValueError, "num_kv_blocks"),
+        (dict(max_tokens_per_step=2, num_speculative_tokens=3), ValueError, "max_tokens_per_step"),
+        (dict(cuda_graph_batch_sizes=(4, 2)), ValueError, "cuda_graph_batch_sizes"),
+        (dict(cuda_graph_batch_sizes=(1, 128), max_tokens_per_step=64), ValueError, "cuda_graph_batch_sizes"),
+        (dict(mtp_attention="full"), ValueError, "mtp_attention"),
+    ],
+)
+def test_inference_config_rejects(kwargs, error, field):
+    with pytest.raises(error, match=field):
+        InferenceConfig(**kwargs)
+
+
+def test_inference_config_defaults_and_normalisation():
+    config = InferenceConfig(num_speculative_tokens=2, cuda_graph_batch_sizes=[1, 2, 4])
+    assert config.cuda_graph_batch_sizes == (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, field",
+    [
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+        (dict(temperature=-0.1), ValueError, "temperature"),
+        (dict(temperature=float("nan")), ValueError, "temperature"),
+        (dict(temperature="hot"), TypeError, "temperature"),
+        (dict(top_k=-1), ValueError, "top_k"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(seed=-3), ValueError, "seed"),
+        (dict(eos_token_ids=(-1,)), ValueError, "eos_token_ids"),
+        (dict(stop_sequences=((),)), ValueError, "stop_sequences"),
+        (dict(stop_sequences=((1, -2),)), ValueError, "stop_sequences"),
+    ],
+)
+def test_sampling_params_rejects(kwargs, error, field):
+    with pytest.raises(error, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_vocabulary_check():
+    params = SamplingParams(eos_token_ids=[3], stop_sequences=[[1, 2]], temperature=1)
+    assert params.eos_token_ids == (3,) and params.stop_sequences == ((1, 2),) and not params.greedy
+    params.check_vocab(4)
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        params.check_vocab(3)
+    with pytest.raises(ValueError, match="stop_sequences"):
+        SamplingParams(stop_sequences=[[9]]).check_vocab(5)
