@@ -75,7 +75,7 @@ class InferenceConfig:
             raise ValueError(f"cuda_graph_batch_sizes must be strictly increasing, got {buckets}")
         if buckets and buckets[-1] * stride > self.max_tokens_per_step:
             raise ValueError(
-                f"the largest CUDA-graph batch ({buckets[-1]} requests x {stride} rows) exceeds "
+                f"cuda_graph_batch_sizes: the largest batch ({buckets[-1]} requests x {stride} rows) exceeds "
                 f"max_tokens_per_step ({self.max_tokens_per_step})"
             )
         object.__setattr__(self, "cuda_graph_batch_sizes", buckets)
