@@ -1,0 +1,334 @@
+"""Causal attention of packed query rows over a paged KV cache (mixed prefill and decode).
+
+Request ``b`` owns query rows ``query_start_loc[b] : query_start_loc[b + 1]`` (``q_b`` rows);
+row ``i`` of it sits at position ``seq_lens[b] - q_b + i`` and attends to the request's cached
+positions ``0 ..`` its own position, read through ``block_table[b]``.
+
+Kernel layout. One program handles (query tile, request, kv head, kv split). Its tile is
+``BLOCK_Q`` query rows x all ``G = Hq / Hkv`` query heads that share the kv head, flattened
+into ``BLOCK_M = BLOCK_Q * G`` (padded to a power of two) matrix rows, so a decode request's
+``1 + S`` rows and its whole head group read each KV byte once. The KV range is cut into
+``num_kv_splits`` pieces (split-K); with more than one, every program writes an unnormalised
+partial (running max, sum, accumulator) and a second kernel combines them. Softmax runs online
+over ``BLOCK_N``-token tiles in fp32, in base 2.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from mtp_ctrl.triton_ops import reference
+from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from mtp_ctrl.triton_ops._dispatch import use_triton
+
+MAX_HEAD_DIM = 256
+_TARGET_BLOCK_M = 64  # matrix rows (query rows x group heads) per program
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_KV_SPLITS = 32
+_INT32_MAX = 2**31 - 1
+
+
+@triton.jit
+def _tile_rows(QUERY_START_LOC_PTR, request, q_tile, group_size, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Map the tile's matrix rows to (packed row, head in group) and their validity.
+
+    Example: G = 2, BLOCK_Q = 2, BLOCK_M = 4, q_tile = 0 -> matrix rows 0..3 are
+    (query row 0, head 0), (0, 1), (1, 0), (1, 1) of the request.
+    """
+    q_start = tl.load(QUERY_START_LOC_PTR + request)
+    q_len = tl.load(QUERY_START_LOC_PTR + request + 1) - q_start
+    m = tl.arange(0, BLOCK_M)
+    row_in_request = q_tile * BLOCK_Q + m // group_size  # [BLOCK_M]
+    head_in_group = m % group_size  # [BLOCK_M]
+    row_valid = (m < BLOCK_Q * group_size) & (row_in_request < q_len)
+    rows = (q_start + row_in_request).to(tl.int64)  # [BLOCK_M] packed query row
+    return rows, row_in_request, head_in_group, row_valid, q_len
+
+
+@triton.jit
+def _paged_attention_kernel(
+    QUERY_PTR,
+    KEY_CACHE_PTR,
+    VALUE_CACHE_PTR,
+    BLOCK_TABLE_PTR,
+    SEQ_LENS_PTR,
+    QUERY_START_LOC_PTR,
+    OUTPUT_PTR,
+    PARTIAL_ACC_PTR,
+    PARTIAL_MAX_PTR,
+    PARTIAL_SUM_PTR,
+    qk_scale,  # softmax_scale * log2(e)
+    query_stride_t,
+    query_stride_h,
+    output_stride_t,
+    output_stride_h,
+    key_cache_stride_block,
+    key_cache_stride_token,
+    key_cache_stride_h,
+    value_cache_stride_block,
+    value_cache_stride_token,
+    value_cache_stride_h,
+    block_table_stride_b,
+    num_tokens,
+    num_query_heads,
+    block_size_tokens,
+    head_dim,
+    group_size,
+    tokens_per_split,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    request = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_KV_SPLITS
+    split = tl.program_id(2) % NUM_KV_SPLITS
+    rows, row_in_request, head_in_group, row_valid, q_len = _tile_rows(
+        QUERY_START_LOC_PTR, request, q_tile, group_size, BLOCK_Q, BLOCK_M
+    )
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(SEQ_LENS_PTR + request)
+        positions = seq_len - q_len + row_in_request  # [BLOCK_M] token position of each matrix row
+        query_heads = (kv_head * group_size + head_in_group).to(tl.int64)  # [BLOCK_M]
+        dims = tl.arange(0, BLOCK_D)
+        dim_valid = dims < head_dim
+        query = tl.load(
+            QUERY_PTR + rows[:, None] * query_stride_t + query_heads[:, None] * query_stride_h + dims[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_D]
+
+        # The tile's last row sees positions < tile_kv_end; this split covers [kv_lo, kv_hi).
+        tile_kv_end = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+        kv_lo = split * tokens_per_split
+        kv_hi = tl.minimum(kv_lo + tokens_per_split, tile_kv_end)
+        key_base = KEY_CACHE_PTR + kv_head.to(tl.int64) * key_cache_stride_h
+        value_base = VALUE_CACHE_PTR + kv_head.to(tl.int64) * value_cache_stride_h
+        block_table_row = BLOCK_TABLE_PTR + request.to(tl.int64) * block_table_stride_b
+
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for tile_start in range(kv_lo, kv_hi, BLOCK_N):
+            kv_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            kv_valid = kv_pos < kv_hi
+            block_ids = tl.load(block_table_row + kv_pos // block_size_tokens, mask=kv_valid, other=0).to(tl.int64)
+            offsets = (kv_pos % block_size_tokens).to(tl.int64)
+            key_t = tl.load(
+                key_base
+                + block_ids[None, :] * key_cache_stride_block
+                + offsets[None, :] * key_cache_stride_token
+                + dims[:, None],
+                mask=dim_valid[:, None] & kv_valid[None, :],
+                other=0.0,
+            )  # [BLOCK_D, BLOCK_N]
+            scores = tl.dot(query, key_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            visible = (kv_pos[None, :] <= positions[:, None]) & kv_valid[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that saw nothing yet
+            rescale = tl.exp2(running_max - safe_max)
+            probs = tl.exp2(scores - safe_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            value = tl.load(
+                value_base
+                + block_ids[:, None] * value_cache_stride_block
+                + offsets[:, None] * value_cache_stride_token
+                + dims[None, :],
+                mask=kv_valid[:, None] & dim_valid[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+            acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value, input_precision=DOT_PRECISION)
+            running_max = new_max
+
+        store_mask = row_valid[:, None] & dim_valid[None, :]
+        if NUM_KV_SPLITS == 1:
+            out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+            out_ptrs = OUTPUT_PTR + rows[:, None] * output_stride_t + query_heads[:, None] * output_stride_h
+            tl.store(out_ptrs + dims[None, :], out.to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
+        else:
+            # partials: [NUM_KV_SPLITS, T, Hq] (+ [D] for the accumulator), contiguous fp32
+            stat_index = (split * num_tokens + rows) * num_query_heads + query_heads  # [BLOCK_M] int64
+            tl.store(PARTIAL_MAX_PTR + stat_index, running_max, mask=row_valid)
+            tl.store(PARTIAL_SUM_PTR + stat_index, running_sum, mask=row_valid)
+            tl.store(PARTIAL_ACC_PTR + stat_index[:, None] * head_dim + dims[None, :], acc, mask=store_mask)
+
+
+@triton.jit
+def _combine_kv_splits_kernel(
+    PARTIAL_ACC_PTR,
+    PARTIAL_MAX_PTR,
+    PARTIAL_SUM_PTR,
+    QUERY_START_LOC_PTR,
+    OUTPUT_PTR,
+    output_stride_t,
+    output_stride_h,
+    num_tokens,
+    num_query_heads,
+    head_dim,
+    group_size,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+):
+    """Merge the split partials of one (query tile, request, kv head) into the output."""
+    q_tile = tl.program_id(0)
+    request = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    rows, row_in_request, head_in_group, row_valid, q_len = _tile_rows(
+        QUERY_START_LOC_PTR, request, q_tile, group_size, BLOCK_Q, BLOCK_M
+    )
+    if q_tile * BLOCK_Q < q_len:
+        query_heads = (kv_head * group_size + head_in_group).to(tl.int64)  # [BLOCK_M]
+        dims = tl.arange(0, BLOCK_D)
+        store_mask = row_valid[:, None] & (dims < head_dim)[None, :]
+        total_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for split in range(NUM_KV_SPLITS):
+            stat_index = (split * num_tokens + rows) * num_query_heads + query_heads  # [BLOCK_M] int64
+            split_max = tl.load(PARTIAL_MAX_PTR + stat_index, mask=row_valid, other=float("-inf"))
+            split_sum = tl.load(PARTIAL_SUM_PTR + stat_index, mask=row_valid, other=0.0)
+            split_acc = tl.load(PARTIAL_ACC_PTR + stat_index[:, None] * head_dim + dims[None, :], mask=store_mask, other=0.0)
+            new_max = tl.maximum(total_max, split_max)
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            old_weight = tl.exp2(total_max - safe_max)
+            split_weight = tl.exp2(split_max - safe_max)
+            total_sum = total_sum * old_weight + split_sum * split_weight
+            acc = acc * old_weight[:, None] + split_acc * split_weight[:, None]
+            total_max = new_max
+        out = acc / tl.where(total_sum > 0, total_sum, 1.0)[:, None]
+        out_ptrs = OUTPUT_PTR + rows[:, None] * output_stride_t + query_heads[:, None] * output_stride_h
+        tl.store(out_ptrs + dims[None, :], out.to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
+
+
+def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, softmax_scale,
+                max_query_len, max_seq_len, num_kv_splits):
+    check_tensor("query", query, dtypes=FLOAT_DTYPES, ndim=3)
+    num_query_heads, head_dim = query.shape[1], query.shape[2]
+    check_tensor("key_cache", key_cache, dtypes=(query.dtype,), shape=(None, None, None, head_dim))
+    check_tensor("value_cache", value_cache, dtypes=(query.dtype,), shape=tuple(key_cache.shape))
+    num_kv_heads = key_cache.shape[2]
+    if num_kv_heads == 0 or num_query_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query has {num_query_heads} heads, not a multiple of key_cache's {num_kv_heads} kv heads"
+        )
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"query head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
+    batch_size = block_table.shape[0]
+    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(batch_size,))
+    check_tensor("query_start_loc", query_start_loc, dtypes=INDEX_DTYPES, shape=(batch_size + 1,))
+    check_same_device(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+                      seq_lens=seq_lens, query_start_loc=query_start_loc)
+    for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+    if max_query_len is not None:
+        check_int("max_query_len", max_query_len, low=0)
+    if max_seq_len is not None:
+        check_int("max_seq_len", max_seq_len, low=0)
+    if num_kv_splits is not None:
+        check_int("num_kv_splits", num_kv_splits, low=1, high=_MAX_KV_SPLITS)
+
+
+def _choose_num_kv_splits(device, programs_per_split, kv_token_bound, block_n):
+    """Enough splits to give every SM two programs, each split at least _MIN_TOKENS_PER_SPLIT long."""
+    if device.type != "cuda":
+        return 1
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(2 * sm_count, max(programs_per_split, 1))
+    longest = max(1, triton.cdiv(kv_token_bound, max(_MIN_TOKENS_PER_SPLIT, block_n)))
+    return max(1, min(wanted, longest, _MAX_KV_SPLITS))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D] float
+    key_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D], query's dtype
+    value_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D], query's dtype
+    block_table: torch.Tensor,  # [B, max_blocks_per_request] int32, KV block ids
+    seq_lens: torch.Tensor,  # [B] int32, context length incl. this step's rows
+    query_start_loc: torch.Tensor,  # [B + 1] int32, prefix sum of query rows per request
+    softmax_scale: float,
+    *,
+    max_query_len: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    num_kv_splits: Optional[int] = None,
+) -> torch.Tensor:  # [T, Hq, D], query's dtype
+    """Causal paged attention; returns a new ``[T, Hq, D]`` tensor.
+
+    Example, ``block_size_tokens = 2``, one request with ``block_table[0] = [5, 3]``,
+    ``seq_lens = [3]``, ``query_start_loc = [0, 2]``: rows 0 and 1 sit at positions 1 and 2;
+    row 0 attends to positions 0..1 (block 5, offsets 0..1), row 1 to 0..2 (plus block 3,
+    offset 0). Query head ``h`` reads kv head ``h // (Hq // Hkv)``.
+
+    Rows past ``query_start_loc[B]`` (and every row of a request with no query rows, a padding
+    request) are zeros in the output. ``max_query_len`` and ``max_seq_len`` are optional Python
+    ints bounding ``q_b`` and ``seq_lens`` (``AttentionMetadata`` has both): they size the grid
+    and the split-K pieces without a host sync, and must not be below the real maxima.
+    ``num_kv_splits`` overrides the split-K count (default: chosen from the SM count on CUDA).
+    """
+    _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, softmax_scale,
+                max_query_len, max_seq_len, num_kv_splits)
+    if not use_triton(query):
+        return reference.paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                          softmax_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                                          num_kv_splits=num_kv_splits)
+    num_tokens, num_query_heads, head_dim = query.shape
+    block_size_tokens, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    batch_size = block_table.shape[0]
+    output = torch.zeros_like(query)  # [T, Hq, D]
+    query_rows_bound = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
+    if num_tokens == 0 or batch_size == 0 or query_rows_bound == 0:
+        return output
+    kv_token_bound = block_table.shape[1] * block_size_tokens if max_seq_len is None else max_seq_len
+
+    group_size = num_query_heads // num_kv_heads
+    block_q = min(triton.next_power_of_2(query_rows_bound), max(1, _TARGET_BLOCK_M // triton.next_power_of_2(group_size)))
+    block_m = max(16, triton.next_power_of_2(block_q * group_size))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    num_q_tiles = triton.cdiv(query_rows_bound, block_q)
+    if num_kv_splits is None:
+        num_kv_splits = _choose_num_kv_splits(query.device, num_q_tiles * batch_size * num_kv_heads, kv_token_bound, block_n)
+    if num_kv_splits == 1:
+        tokens_per_split = _INT32_MAX  # one split covers any context
+    else:
+        tokens_per_split = triton.cdiv(triton.cdiv(max(kv_token_bound, 1), num_kv_splits), block_n) * block_n
+
+    if num_kv_splits > 1:
+        partial_acc = torch.empty((num_kv_splits, num_tokens, num_query_heads, head_dim), dtype=torch.float32, device=query.device)
+        partial_max = torch.empty((num_kv_splits, num_tokens, num_query_heads), dtype=torch.float32, device=query.device)
+        partial_sum = torch.empty_like(partial_max)  # [splits, T, Hq] fp32
+    else:
+        partial_acc = partial_max = partial_sum = output  # unused by the kernel
+    _paged_attention_kernel[(num_q_tiles, batch_size, num_kv_heads * num_kv_splits)](
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        output, partial_acc, partial_max, partial_sum,
+        softmax_scale * math.log2(math.e),
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0),
+        num_tokens, num_query_heads, block_size_tokens, head_dim, group_size, tokens_per_split,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        NUM_KV_SPLITS=num_kv_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    if num_kv_splits > 1:
+        _combine_kv_splits_kernel[(num_q_tiles, batch_size, num_kv_heads)](
+            partial_acc, partial_max, partial_sum, query_start_loc, output,
+            output.stride(0), output.stride(1),
+            num_tokens, num_query_heads, head_dim, group_size,
+            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, NUM_KV_SPLITS=num_kv_splits,
+        )
+    return output

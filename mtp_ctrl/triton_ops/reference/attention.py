@@ -1,0 +1,82 @@
+"""Pure-torch twins of the paged KV-cache write and paged attention ops.
+
+No loop over requests: the query rows of every request are padded to the batch's longest
+query, the request's KV is gathered through its block table, and one masked softmax in fp32
+covers the whole batch.
+"""
+
+from typing import Optional
+
+import torch
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; -1 = skip
+) -> None:
+    block_size_tokens = key_cache.shape[1]
+    written = slot_mapping >= 0  # [T] bool
+    slots = slot_mapping[written]  # [W] int64
+    block_ids, offsets = slots // block_size_tokens, slots % block_size_tokens
+    key_cache[block_ids, offsets] = key[written]
+    value_cache[block_ids, offsets] = value[written]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D]
+    block_table: torch.Tensor,  # [B, max_blocks_per_request] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    softmax_scale: float,
+    *,
+    max_query_len: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    num_kv_splits: Optional[int] = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Same contract as :func:`mtp_ctrl.triton_ops.paged_attention`; ``num_kv_splits`` is ignored.
+
+    Padded layout example: ``query_start_loc = [0, 3, 4]`` gives ``q_lens = [3, 1]``, padded to
+    ``Q = 3`` columns; ``rows = [[0, 1, 2], [3, 4, 5]]`` of which ``[[T, T, T], [T, F, F]]``
+    are real.
+    """
+    num_tokens, num_query_heads, _ = query.shape
+    batch_size, max_blocks = block_table.shape
+    block_size_tokens, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    output = torch.zeros_like(query)  # [T, Hq, D]
+    query_starts = query_start_loc[:-1].long()  # [B]
+    q_lens = query_start_loc[1:].long() - query_starts  # [B]
+    if num_tokens == 0 or batch_size == 0:
+        return output
+    padded_q = int(q_lens.max()) if max_query_len is None else min(max_query_len, num_tokens)
+    if padded_q == 0:
+        return output
+    kv_blocks = max_blocks
+    if max_seq_len is not None:
+        kv_blocks = min(max_blocks, max(1, -(-max_seq_len // block_size_tokens)))
+    block_ids = block_table[:, :kv_blocks].long().clamp(min=0)  # [B, kv_blocks]; unused ids are masked below
+    keys = key_cache[block_ids].flatten(1, 2).float()  # [B, N, Hkv, D]
+    values = value_cache[block_ids].flatten(1, 2).float()  # [B, N, Hkv, D]
+    group_size = num_query_heads // num_kv_heads
+    keys = keys.repeat_interleave(group_size, dim=2)  # [B, N, Hq, D]
+    values = values.repeat_interleave(group_size, dim=2)  # [B, N, Hq, D]
+
+    query_index = torch.arange(padded_q, device=query.device)  # [Q]
+    row_valid = query_index[None, :] < q_lens[:, None]  # [B, Q] bool
+    rows = (query_starts[:, None] + query_index[None, :]).clamp(max=num_tokens - 1)  # [B, Q] int64
+    positions = seq_lens.long()[:, None] - q_lens[:, None] + query_index[None, :]  # [B, Q] int64
+    kv_positions = torch.arange(keys.shape[1], device=query.device)  # [N]
+    visible = (kv_positions[None, None, :] <= positions[:, :, None]) & row_valid[:, :, None]  # [B, Q, N]
+
+    queries = query[rows].float()  # [B, Q, Hq, D]
+    scores = torch.einsum("bqhd,bnhd->bhqn", queries, keys) * softmax_scale  # [B, Hq, Q, N] fp32
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(visible[:, None], probs, 0.0)  # fully masked (padding) rows give NaN: zero them
+    attended = torch.einsum("bhqn,bnhd->bqhd", probs, values)  # [B, Q, Hq, D] fp32
+    output[rows[row_valid]] = attended[row_valid].to(query.dtype)
+    return output

@@ -1,0 +1,130 @@
+"""paged_attention: Triton kernel (interpreter) == torch reference == dense SDPA on unpaged K/V."""
+
+import pytest
+import torch
+
+from mtp_ctrl.triton_ops import paged_attention, reference
+from tests.unit.paged_attention_cases import dense_attention, make_paged_case, random_mixed_lengths
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _check_all_paths(case, **hints):
+    expected = dense_attention(case)
+    ref_out = reference.paged_attention(*case.op_args(), **hints)
+    kernel_out = paged_attention(*case.op_args(), **hints)
+    torch.testing.assert_close(ref_out, expected, **TOL)
+    torch.testing.assert_close(kernel_out, expected, **TOL)
+
+
+def test_reference_hand_worked_single_row():
+    # One request, one kv head, D = 1: row at position 1 sees keys [1, 0] -> scores [2, 0].
+    case = make_paged_case([1], [2], num_query_heads=1, num_kv_heads=1, head_dim=1, block_size_tokens=2)
+    block = int(case.block_table[0, 0])
+    case.key_cache[block, :, 0, 0] = torch.tensor([1.0, 0.0])
+    case.value_cache[block, :, 0, 0] = torch.tensor([10.0, 20.0])
+    case.query[0, 0, 0] = 2.0
+    case.softmax_scale = 1.0
+    weight = torch.softmax(torch.tensor([2.0, 0.0]), dim=0)
+    want = weight[0] * 10.0 + weight[1] * 20.0
+    torch.testing.assert_close(reference.paged_attention(*case.op_args())[0, 0, 0], want)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_query_heads,num_kv_heads", [(4, 2), (3, 1), (2, 2)])
+def test_mixed_prefill_decode_matches_dense(head_dim, num_query_heads, num_kv_heads):
+    q_lens = [4, 11, 1, 0, 6]  # decode 1 + 3, prefill chunk, plain decode, padding, full prompt
+    seq_lens = [37, 20, 9, 0, 6]
+    case = make_paged_case(q_lens, seq_lens, num_query_heads=num_query_heads, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, block_size_tokens=8, padding_rows=3, seed=head_dim)
+    _check_all_paths(case)
+
+
+@pytest.mark.parametrize("num_kv_splits", [2, 3])
+def test_split_kv_matches_dense(num_kv_splits):
+    case = make_paged_case([4, 2, 1], [150, 70, 3], num_query_heads=4, num_kv_heads=2, head_dim=32,
+                           block_size_tokens=16, seed=num_kv_splits)
+    expected = dense_attention(case)
+    # max_seq_len sizes the splits: 150 tokens in 2 or 3 pieces rounded to the kv tile
+    out = paged_attention(*case.op_args(), max_query_len=4, max_seq_len=150, num_kv_splits=num_kv_splits)
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_decode_hint_and_odd_block_size():
+    case = make_paged_case([4, 4, 4], [5, 33, 18], num_query_heads=8, num_kv_heads=2, head_dim=64,
+                           block_size_tokens=5, seed=3)
+    _check_all_paths(case, max_query_len=4, max_seq_len=33)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches(seed):
+    generator = torch.Generator().manual_seed(seed)
+    q_lens, seq_lens = random_mixed_lengths(generator, num_requests=4, max_context=40)
+    case = make_paged_case(q_lens, seq_lens, num_query_heads=4, num_kv_heads=2, head_dim=16,
+                           block_size_tokens=4, padding_rows=seed, seed=seed)
+    _check_all_paths(case)
+
+
+def test_padding_rows_and_requests_are_zero():
+    case = make_paged_case([0, 3, 0], [0, 5, 0], num_query_heads=2, num_kv_heads=1, head_dim=16,
+                           block_size_tokens=4, padding_rows=2)
+    out = paged_attention(*case.op_args())
+    assert out[3:].abs().sum() == 0
+    assert out[:3].abs().sum() > 0
+
+
+def test_empty_inputs():
+    case = make_paged_case([], [], num_query_heads=2, num_kv_heads=1, head_dim=16, block_size_tokens=4)
+    assert paged_attention(*case.op_args()).shape == (0, 2, 16)
+    assert reference.paged_attention(*case.op_args()).shape == (0, 2, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_half_precision(dtype):
+    case = make_paged_case([3, 1], [10, 7], num_query_heads=4, num_kv_heads=2, head_dim=64,
+                           block_size_tokens=4, dtype=dtype)
+    out = reference.paged_attention(*case.op_args())
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), dense_attention(case), atol=2e-2, rtol=2e-2)
+
+
+def test_kernel_fp16():
+    case = make_paged_case([4, 9], [12, 9], num_query_heads=4, num_kv_heads=2, head_dim=64,
+                           block_size_tokens=8, dtype=torch.float16, seed=5)
+    out = paged_attention(*case.op_args())
+    torch.testing.assert_close(out.float(), dense_attention(case), atol=1e-2, rtol=1e-2)
+
+
+def _bad_args(case, **changes):
+    args = dict(zip(["query", "key_cache", "value_cache", "block_table", "seq_lens", "query_start_loc",
+                     "softmax_scale"], case.op_args()))
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda c: dict(query=c.query[:, :3]), ValueError, "not a multiple"),
+        (lambda c: dict(query=c.query.double()), TypeError, "query"),
+        (lambda c: dict(key_cache=c.key_cache.half()), TypeError, "key_cache"),
+        (lambda c: dict(value_cache=c.value_cache[:1]), ValueError, "value_cache"),
+        (lambda c: dict(block_table=c.block_table.float()), TypeError, "block_table"),
+        (lambda c: dict(seq_lens=c.seq_lens[:1]), ValueError, "seq_lens"),
+        (lambda c: dict(query_start_loc=c.query_start_loc[:-1]), ValueError, "query_start_loc"),
+        (lambda c: dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+        (lambda c: dict(query=torch.cat([c.query, c.query], dim=-1)[..., ::2]), ValueError, "contiguous"),
+    ],
+)
+def test_bad_inputs(change, error, match):
+    case = make_paged_case([2, 1], [4, 3], num_query_heads=4, num_kv_heads=2, head_dim=16, block_size_tokens=4)
+    with pytest.raises(error, match=match):
+        paged_attention(**_bad_args(case, **change(case)))
+
+
+def test_bad_hints():
+    case = make_paged_case([2], [4], num_query_heads=2, num_kv_heads=1, head_dim=16, block_size_tokens=4)
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        paged_attention(*case.op_args(), num_kv_splits=0)
+    with pytest.raises(TypeError, match="max_query_len"):
+        paged_attention(*case.op_args(), max_query_len=2.0)
