@@ -1,1 +1,26 @@
-"""Adapters that run megatron-core models against mtp_ctrl's inference state."""
+"""Adapters that run megatron-core models against mtp_ctrl's inference state.
+
+Importing this package imports megatron-core.
+"""
+
+from mtp_ctrl.models.forward_context import paged_forward_context
+from mtp_ctrl.models.gpt_builder import build_gpt_model
+from mtp_ctrl.models.layer_specs import (
+    assign_kv_layer_indices,
+    count_kv_layers,
+    get_paged_gpt_layer_spec,
+    get_paged_mtp_block_spec,
+)
+from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
+from mtp_ctrl.models.runner import PagedGPTRunner
+
+__all__ = [
+    "PagedCoreAttention",
+    "PagedGPTRunner",
+    "assign_kv_layer_indices",
+    "build_gpt_model",
+    "count_kv_layers",
+    "get_paged_gpt_layer_spec",
+    "get_paged_mtp_block_spec",
+    "paged_forward_context",
+]

@@ -1,0 +1,91 @@
+"""megatron-core GPT layer specs whose self attention runs through the paged KV cache.
+
+KV cache index of every attention layer (``kv_caches[i]``): decoder layers ``0 .. L-1`` in
+order, then MTP depth ``k`` at ``L + k``. Example, 2 decoder layers and 2 MTP layers:
+``decoder.layers[0] -> 0, decoder.layers[1] -> 1, mtp.layers[0] -> 2, mtp.layers[1] -> 3``.
+"""
+
+import copy
+import importlib.util
+from typing import List, Optional
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def get_paged_gpt_layer_spec(use_transformer_engine: Optional[bool] = None, qk_layernorm: bool = False,
+                             normalization: Optional[str] = None) -> ModuleSpec:
+    """megatron's GPT layer spec with :class:`PagedCoreAttention` as core attention.
+
+    ``use_transformer_engine=None`` picks Transformer Engine's spec when it is installed and the
+    local (pure megatron-core) spec otherwise. ``normalization`` ("LayerNorm" or "RMSNorm") only
+    matters for the local spec; TE's layers read it from the config.
+    """
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+    if use_transformer_engine:
+        if not transformer_engine_available():
+            raise ValueError("use_transformer_engine=True but transformer_engine is not installed")
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = PagedCoreAttention
+    return spec
+
+
+def get_paged_mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec,
+                             use_transformer_engine: Optional[bool] = None):
+    """megatron's MTP block spec built on ``layer_spec``; None when ``config.mtp_num_layers`` is unset."""
+    if not config.mtp_num_layers:
+        return None
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine)
+
+
+def _attention_owners(model) -> List:
+    """Every attention-holding transformer layer, in kv-cache order (decoder, then MTP depths)."""
+    layers = list(model.decoder.layers)
+    if getattr(model, "mtp_process", False):
+        layers += [mtp_layer.transformer_layer for mtp_layer in model.mtp.layers]
+    return layers
+
+
+def paged_attention_modules(model) -> List[PagedCoreAttention]:
+    """The model's core-attention modules in kv-cache order; TypeError if any is not paged."""
+    modules = []
+    for position, layer in enumerate(_attention_owners(model)):
+        core_attention = getattr(getattr(layer, "self_attention", None), "core_attention", None)
+        if not isinstance(core_attention, PagedCoreAttention):
+            raise TypeError(
+                f"attention layer {position} uses {type(core_attention).__name__}, not PagedCoreAttention: "
+                "build the model with mtp_ctrl.models.get_paged_gpt_layer_spec (or build_gpt_model)"
+            )
+        modules.append(core_attention)
+    return modules
+
+
+def assign_kv_layer_indices(model) -> int:
+    """Give every paged core attention its ``kv_caches`` index; returns the number of layers."""
+    modules = paged_attention_modules(model)
+    for index, module in enumerate(modules):
+        module.kv_layer_index = index
+    return len(modules)
+
+
+def count_kv_layers(model) -> int:
+    """How many ``(key_cache, value_cache)`` pairs the model needs: decoder layers + MTP layers."""
+    return len(paged_attention_modules(model))

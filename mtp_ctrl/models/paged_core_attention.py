@@ -1,0 +1,92 @@
+"""megatron-core core-attention module that attends through mtp_ctrl's paged KV cache.
+
+It fills the ``core_attention`` slot of megatron's ``SelfAttention`` and keeps
+``DotProductAttention``'s forward signature. Megatron hands it this forward's rows as a
+sequence of ``T`` packed query rows with batch 1 (``[T, 1, heads_local, D]``), rotary embedding
+already applied; it stores the rows' keys and values at ``metadata.slot_mapping`` in its own
+layer's cache, then runs causal paged attention over each request's blocks.
+"""
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+from mtp_ctrl.models.forward_context import current_paged_forward
+from mtp_ctrl.triton_ops import paged_attention, write_kv_cache
+
+
+class PagedCoreAttention(MegatronModule):
+    """Causal attention of packed rows over a paged KV cache (one cache pair per instance).
+
+    ``kv_layer_index`` picks this module's pair in ``kv_caches``; the model builder assigns it
+    (:func:`mtp_ctrl.models.layer_specs.assign_kv_layer_indices`).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        cp_comm_type: Optional[str] = None,
+        softmax_scale: Optional[float] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if attention_type != "self":
+            raise ValueError(f"PagedCoreAttention supports self attention only, got attention_type={attention_type!r}")
+        if config.context_parallel_size != 1:
+            raise ValueError("PagedCoreAttention does not support context parallelism (context_parallel_size != 1)")
+        tp_size = (pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp")
+                   else parallel_state.get_tensor_model_parallel_world_size())
+        for name in ("num_attention_heads", "num_query_groups"):
+            if getattr(config, name) % tp_size != 0:
+                raise ValueError(f"config.{name}={getattr(config, name)} is not divisible by the "
+                                 f"tensor-parallel size {tp_size}")
+        self.layer_number = layer_number
+        self.num_query_heads_local = divide(config.num_attention_heads, tp_size)
+        self.num_kv_heads_local = divide(config.num_query_groups, tp_size)
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        self.kv_layer_index: Optional[int] = None
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, 1, Hq_local, D]
+        key: torch.Tensor,  # [T, 1, Hkv_local, D]
+        value: torch.Tensor,  # [T, 1, Hkv_local, D]
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type=None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:  # [T, 1, Hq_local * D]
+        forward = current_paged_forward()
+        if self.kv_layer_index is None:
+            raise RuntimeError(f"layer {self.layer_number}: kv_layer_index is unset; build the model with "
+                               "mtp_ctrl.models.build_gpt_model or call assign_kv_layer_indices(model)")
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("PagedCoreAttention takes no attention_bias or packed_seq_params")
+        if query.dim() != 4 or query.shape[1] != 1:
+            raise ValueError(f"query must be [T, 1, heads, D] (packed rows, batch 1), got {tuple(query.shape)}")
+        if self.kv_layer_index >= len(forward.kv_caches):
+            raise ValueError(f"kv_caches has {len(forward.kv_caches)} layers, this attention uses index "
+                             f"{self.kv_layer_index}")
+        key_cache, value_cache = forward.kv_caches[self.kv_layer_index]
+        want = (self.num_kv_heads_local, self.head_dim)
+        if tuple(key_cache.shape[2:]) != want:
+            raise ValueError(f"kv_caches[{self.kv_layer_index}] is {tuple(key_cache.shape)}, expected "
+                             f"[num_blocks, block_size_tokens, {want[0]}, {want[1]}]")
+        metadata = forward.metadata
+        if metadata.num_tokens != query.shape[0]:
+            raise ValueError(f"metadata has {metadata.num_tokens} rows, the forward has {query.shape[0]}")
+        write_kv_cache(key[:, 0], value[:, 0], key_cache, value_cache, metadata.slot_mapping)
+        attended = paged_attention(
+            query[:, 0], key_cache, value_cache, metadata.block_table, metadata.seq_lens,
+            metadata.query_start_loc, self.softmax_scale,
+            max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
+        )  # [T, Hq_local, D]
+        return attended.view(attended.shape[0], 1, -1)

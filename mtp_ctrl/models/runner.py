@@ -1,0 +1,153 @@
+"""Run a megatron-core GPTModel (decoder and MTP layers) over packed rows and the paged KV cache.
+
+Rows are packed as one sequence of ``T`` tokens with batch 1 (megatron's ``[s, b, h]`` with
+``s = T``, ``b = 1``); rotary embedding is taken per row from ``positions``, so any mix of
+prefill chunks and ``1 + S`` decode rows runs in one forward.
+
+Which hidden state is returned. megatron's ``TransformerBlock`` applies the final layer norm
+itself, and ``GPTModel`` feeds that normed decoder output to MTP depth 0; each MTP layer ends in
+its own ``final_layernorm``, whose output feeds the next depth and the shared output layer.
+:meth:`PagedGPTRunner.forward` and :meth:`PagedGPTRunner.mtp_forward` return exactly those
+tensors, so chaining them reproduces megatron's MTP.
+"""
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from mtp_ctrl.models.forward_context import KVCachePair, paged_forward_context
+from mtp_ctrl.models.gpt_builder import check_tensor_parallel_heads
+from mtp_ctrl.models.layer_specs import assign_kv_layer_indices
+from mtp_ctrl.state.attention_metadata import AttentionMetadata
+
+_SUPPORTED_POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+
+
+def _gather_last_dim_over_tp(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate the tensor-parallel ranks' shards along the last dim (device-agnostic)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    world_size = dist.get_world_size(group=group)
+    if world_size == 1:
+        return tensor
+    shards = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
+    return torch.cat(shards, dim=-1)
+
+
+class PagedGPTRunner:
+    """Decoder and MTP forwards of a paged-spec GPTModel; the model is put in eval mode.
+
+    >>> runner = PagedGPTRunner(build_gpt_model(config, vocab_size=97, max_sequence_length=256))
+    >>> logits, hidden = runner.forward(input_ids, positions, metadata, kv_caches)
+    >>> draft_logits, hidden = runner.mtp_forward(0, hidden, next_token_ids, positions, mtp_metadata, kv_caches)
+    """
+
+    def __init__(self, model: GPTModel):
+        if not isinstance(model, GPTModel):
+            raise TypeError(f"model must be a megatron.core GPTModel, got {type(model).__name__}")
+        if not (model.pre_process and model.post_process):
+            raise ValueError("model must hold the whole network (pre_process and post_process): no pipeline stages")
+        if model.config.sequence_parallel:
+            raise ValueError("sequence_parallel is not supported by PagedGPTRunner")
+        if model.position_embedding_type not in _SUPPORTED_POSITION_EMBEDDINGS:
+            raise ValueError(f"position_embedding_type {model.position_embedding_type!r} is not supported; "
+                             f"use one of {_SUPPORTED_POSITION_EMBEDDINGS}")
+        check_tensor_parallel_heads(model.config)
+        self.model = model.eval()
+        self.num_kv_layers = assign_kv_layer_indices(model)  # TypeError when attention is not paged
+        self.num_decoder_layers = len(model.decoder.layers)
+        self.mtp_num_layers = len(model.mtp.layers) if model.mtp_process else 0
+        self._inv_freq: Optional[torch.Tensor] = None  # [rotary_dim / 2] fp32 on the rows' device
+
+    def _rotary_embedding(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """megatron's RotaryEmbedding.get_emb, taken at each row's position -> [T, 1, 1, rotary_dim]."""
+        if self.model.position_embedding_type != "rope":
+            return None
+        rotary = self.model.rotary_pos_emb
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = rotary.inv_freq.to(positions.device)
+        scaled_positions = positions.to(self._inv_freq.dtype)  # [T]
+        if rotary.seq_len_interpolation_factor is not None:
+            scaled_positions = scaled_positions / rotary.seq_len_interpolation_factor
+        freqs = torch.outer(scaled_positions, self._inv_freq)  # [T, rotary_dim / 2]
+        if rotary.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).view(freqs.shape[0], -1)  # f0 f0 f1 f1 ...
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # f0 f1 ... f0 f1 ...
+        return emb[:, None, None, :]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, 1, H] -> [T, V] fp32
+        model = self.model
+        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        local_logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=False)  # [T, 1, V/tp]
+        return _gather_last_dim_over_tp(local_logits)[:, 0].float()
+
+    def _check_rows(self, input_ids, positions, metadata, kv_caches):
+        for name, tensor in (("input_ids", input_ids), ("positions", positions)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int64 or tensor.dim() != 1:
+                raise TypeError(f"{name} must be a 1-D int64 tensor")
+        if not isinstance(metadata, AttentionMetadata):
+            raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
+        if input_ids.shape[0] != positions.shape[0] or input_ids.shape[0] != metadata.num_tokens:
+            raise ValueError(f"input_ids ({input_ids.shape[0]}), positions ({positions.shape[0]}) and "
+                             f"metadata.slot_mapping ({metadata.num_tokens}) must have the same number of rows")
+        if len(kv_caches) != self.num_kv_layers:
+            raise ValueError(f"kv_caches has {len(kv_caches)} pairs, the model has {self.num_kv_layers} "
+                             f"attention layers ({self.num_decoder_layers} decoder + {self.mtp_num_layers} MTP)")
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        metadata: AttentionMetadata,
+        kv_caches: Sequence[KVCachePair],
+    ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [T, V] fp32 (all TP ranks), hidden [T, H]
+        """Embedding, decoder layers (KV written at ``metadata.slot_mapping``), final norm, output layer.
+
+        ``hidden`` is the decoder output after the final layer norm: the input of MTP depth 0.
+        """
+        self._check_rows(input_ids, positions, metadata, kv_caches)
+        with paged_forward_context(metadata, kv_caches):
+            embedded = self.model.embedding(input_ids=input_ids[None], position_ids=positions[None])  # [T, 1, H]
+            hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
+                                        rotary_pos_emb=self._rotary_embedding(positions))  # [T, 1, H]
+        return self._logits(hidden), hidden[:, 0]
+
+    @torch.no_grad()
+    def mtp_forward(
+        self,
+        depth: int,
+        hidden: torch.Tensor,  # [T, H] from the decoder (depth 0) or MTP depth - 1
+        token_ids: torch.Tensor,  # [T] int64, the token following each row
+        positions: torch.Tensor,  # [T] int64, each row's own position
+        metadata: AttentionMetadata,
+        kv_caches: Sequence[KVCachePair],
+    ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [T, V] fp32, hidden [T, H]
+        """MTP layer ``depth`` as megatron computes it in training, attending through cache ``L + depth``.
+
+        Row i combines ``hnorm(hidden[i])`` with ``enorm(embedding(token_ids[i]))`` (megatron rolls
+        the input ids by one per depth: row i at depth k sees token i + k + 1), projects with
+        ``eh_proj``, runs the depth's transformer layer with rotary at ``positions[i]``, applies the
+        depth's ``final_layernorm`` and the shared output layer.
+        """
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth < self.mtp_num_layers:
+            raise ValueError(f"depth must be an int in [0, {self.mtp_num_layers}), got {depth!r}")
+        self._check_rows(token_ids, positions, metadata, kv_caches)
+        if not isinstance(hidden, torch.Tensor) or hidden.shape != (token_ids.shape[0], self.model.config.hidden_size):
+            raise ValueError(f"hidden must be [T, hidden_size] = [{token_ids.shape[0]}, "
+                             f"{self.model.config.hidden_size}], got {getattr(hidden, 'shape', None)}")
+        layer = self.model.mtp.layers[depth]
+        with paged_forward_context(metadata, kv_caches):
+            # megatron rolls position ids with the tokens; only a learned position embedding reads them
+            embedded = self.model.embedding(input_ids=token_ids[None], position_ids=positions[None] + 1)  # [T, 1, H]
+            combined = torch.cat((layer.enorm(embedded), layer.hnorm(hidden[:, None])), dim=-1)  # [T, 1, 2H]
+            projected, _ = layer.eh_proj(combined)  # [T, 1, H / tp]
+            projected = _gather_last_dim_over_tp(projected)  # [T, 1, H]
+            out, _ = layer.transformer_layer(hidden_states=projected, attention_mask=None,
+                                             rotary_pos_emb=self._rotary_embedding(positions))
+            out = layer.final_layernorm(out)  # [T, 1, H]
+        return self._logits(out), out[:, 0]

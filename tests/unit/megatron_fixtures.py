@@ -1,0 +1,197 @@
+"""Helpers for the megatron-core model tests: process groups, a tiny GPT, paged metadata, a dense oracle.
+
+megatron's ``tensor_parallel.model_parallel_cuda_manual_seed`` needs CUDA (it asserts on a CPU
+build of torch), so CPU tests seed with ``torch.manual_seed`` and build with
+``use_cpu_initialization=True``: every TP size then draws the same master weights and shards them.
+"""
+
+import socket
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mtp_ctrl.models import build_gpt_model
+from mtp_ctrl.state.attention_metadata import AttentionMetadata
+
+VOCAB_SIZE = 97
+MAX_SEQUENCE_LENGTH = 128
+BLOCK_SIZE_TOKENS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_groups(rank: int, world_size: int, port: int, tensor_parallel_size: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+
+
+def tiny_config(mtp_num_layers=2, tensor_parallel_size=1, **overrides) -> TransformerConfig:
+    """2 layers, hidden 64, 4 query heads over 2 kv heads (GQA), fp32, no dropout."""
+    fields = dict(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+        mtp_num_layers=mtp_num_layers, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=torch.float32, tensor_model_parallel_size=tensor_parallel_size,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_tiny_model(config: TransformerConfig, seed: int = 1234):
+    torch.manual_seed(seed)
+    return build_gpt_model(config, VOCAB_SIZE, MAX_SEQUENCE_LENGTH).eval()
+
+
+class DenseCausalAttention(MegatronModule):
+    """Oracle core attention: plain causal SDPA over one unpaged sequence ([s, b, heads, D])."""
+
+    def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self", cp_comm_type=None,
+                 softmax_scale=None, pg_collection=None):
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        out = F.scaled_dot_product_attention(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+            is_causal=True, scale=self.softmax_scale, enable_gqa=True,
+        )  # [b, heads, s, D]
+        return out.permute(2, 0, 1, 3).flatten(2)  # [s, b, heads * D]
+
+
+def build_dense_twin(config: TransformerConfig, paged_model) -> GPTModel:
+    """megatron's local-spec GPTModel (dense causal attention) holding the paged model's weights."""
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = DenseCausalAttention
+    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB_SIZE,
+                     max_sequence_length=MAX_SEQUENCE_LENGTH, position_embedding_type="rope",
+                     mtp_block_spec=mtp_spec)
+    model.load_state_dict(paged_model.state_dict())
+    return model.eval()
+
+
+@torch.no_grad()
+def dense_full_sequence(model: GPTModel, tokens: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """One causal forward over ``tokens`` [n]: decoder logits [n, V] and each MTP depth's logits [n, V].
+
+    Runs megatron's own modules (embedding, decoder block, MTP block, output layer); the rotary
+    table is megatron's ``get_freqs_non_repeated`` (its ``get_emb`` moves to CUDA).
+    """
+    positions = torch.arange(tokens.shape[0])
+    freqs = model.rotary_pos_emb.get_freqs_non_repeated(tokens.shape[0])  # [n, rotary_dim / 2]
+    rotary = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    embedded = model.embedding(input_ids=tokens[None], position_ids=positions[None])  # [n, 1, H]
+    hidden = model.decoder(hidden_states=embedded, attention_mask=None, rotary_pos_emb=rotary)
+    logits = model.output_layer(hidden)[0][:, 0]
+    mtp_logits = []
+    if model.mtp_process:
+        stacked = model.mtp(input_ids=tokens[None], position_ids=positions[None], hidden_states=hidden,
+                            attention_mask=None, rotary_pos_emb=rotary, embedding=model.embedding)
+        for depth_hidden in torch.chunk(stacked, 1 + model.config.mtp_num_layers, dim=0)[1:]:
+            mtp_logits.append(model.output_layer(depth_hidden)[0][:, 0])
+    return logits, mtp_logits
+
+
+def allocate_kv_caches(num_layers, num_blocks, num_kv_heads_local, head_dim, dtype=torch.float32, device="cpu"):
+    shape = (num_blocks, BLOCK_SIZE_TOKENS, num_kv_heads_local, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+def make_metadata(block_tables: Sequence[Sequence[int]], chunks: Sequence[Tuple[int, int]], device="cpu"):
+    """Metadata of one forward: request b runs ``q_len`` rows starting at position ``start``.
+
+    ``chunks[b] = (start, q_len)``; ``block_tables[b]`` lists the request's KV block ids.
+    Example: ``chunks = [(0, 3), (5, 2)]`` -> positions ``[0, 1, 2, 5, 6]``, seq_lens ``[3, 7]``.
+    """
+    max_blocks = max(len(table) for table in block_tables)
+    block_table = torch.full((len(block_tables), max_blocks), -1, dtype=torch.int32)
+    for request, table in enumerate(block_tables):
+        block_table[request, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    positions = torch.cat([torch.arange(start, start + q_len) for start, q_len in chunks])  # [T] int64
+    request_of_row = torch.cat([torch.full((q_len,), b) for b, (_, q_len) in enumerate(chunks)])  # [T]
+    slots = block_table[request_of_row, positions // BLOCK_SIZE_TOKENS].long() * BLOCK_SIZE_TOKENS \
+        + positions % BLOCK_SIZE_TOKENS  # [T] int64
+    q_lens = torch.tensor([q_len for _, q_len in chunks])
+    seq_lens = torch.tensor([start + q_len for start, q_len in chunks], dtype=torch.int32)
+    return AttentionMetadata(
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).int().to(device),
+        seq_lens=seq_lens.to(device), slot_mapping=slots.to(device), block_table=block_table.to(device),
+        positions=positions.to(device), num_actual_tokens=int(q_lens.sum()), max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
+def ensure_single_process_groups() -> None:
+    """Initialise a 1-process gloo group with TP = 1 once per process (other test modules may share it)."""
+    if not dist.is_initialized():
+        init_process_groups(0, 1, free_port(), 1)
+    elif not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+# Two requests stepping through a mix of prefill chunks, single-row decodes and 1 + S = 3 row
+# verifies; (start, q_len) per request per forward, (0, 0) = padding request.
+SEQUENCE_LENGTHS = (13, 9)
+BLOCK_TABLES = ([7, 2, 5, 0], [3, 6, 1])
+SCHEDULE = (
+    [(0, 5), (0, 3)],
+    [(5, 1), (3, 6)],
+    [(6, 3), (0, 0)],
+    [(9, 1), (0, 0)],
+    [(10, 3), (0, 0)],
+)
+NUM_BLOCKS = 8
+
+
+def shifted_tokens(tokens: torch.Tensor, shift: int) -> torch.Tensor:
+    """megatron's MTP input at depth ``shift - 1``: tokens rolled left by ``shift``, zeros at the end."""
+    return torch.cat([tokens[shift:], torch.zeros(shift, dtype=tokens.dtype, device=tokens.device)])
+
+
+@torch.no_grad()
+def run_paged_schedule(runner, sequences: Sequence[torch.Tensor], kv_caches, device="cpu"):
+    """Step the runner (decoder + every MTP depth) through SCHEDULE; logits per request, in position order.
+
+    Returns ``(decoder_logits, mtp_logits)``: ``decoder_logits[b]`` is [n_b, V];
+    ``mtp_logits[k][b]`` is [n_b, V] for depth k.
+    """
+    num_depths = runner.mtp_num_layers
+    decoder_rows = [[] for _ in sequences]
+    mtp_rows = [[[] for _ in sequences] for _ in range(num_depths)]
+    for chunks in SCHEDULE:
+        metadata = make_metadata(BLOCK_TABLES, chunks, device=device)
+        token_ids = torch.cat([sequences[b][start:start + q_len] for b, (start, q_len) in enumerate(chunks)])
+        logits, hidden = runner.forward(token_ids.to(device), metadata.positions, metadata, kv_caches)
+        per_depth = []
+        for depth in range(num_depths):
+            next_ids = torch.cat([shifted_tokens(sequences[b], depth + 1)[start:start + q_len]
+                                  for b, (start, q_len) in enumerate(chunks)])
+            depth_logits, hidden = runner.mtp_forward(depth, hidden, next_ids.to(device), metadata.positions,
+                                                      metadata, kv_caches)
+            per_depth.append(depth_logits)
+        row = 0
+        for b, (_, q_len) in enumerate(chunks):
+            decoder_rows[b].append(logits[row:row + q_len])
+            for depth in range(num_depths):
+                mtp_rows[depth][b].append(per_depth[depth][row:row + q_len])
+            row += q_len
+    decoder_logits = [torch.cat(rows) for rows in decoder_rows]
+    mtp_logits = [[torch.cat(rows) for rows in depth_rows] for depth_rows in mtp_rows]
+    return decoder_logits, mtp_logits
+
+
+def random_sequences(seed: int = 0) -> List[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB_SIZE, (n,), generator=generator) for n in SEQUENCE_LENGTHS]
