@@ -39,6 +39,10 @@ def build_gpt_model(
     if parallel_state.get_pipeline_model_parallel_world_size() != 1:
         raise ValueError("pipeline parallelism is not supported: every rank holds the whole model")
     check_tensor_parallel_heads(config)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if vocab_size % tp_size != 0:
+        raise ValueError(f"vocab_size={vocab_size} is not divisible by the tensor-parallel size {tp_size}; "
+                         "pad the vocabulary (megatron's training scripts do)")
     layer_spec = get_paged_gpt_layer_spec(use_transformer_engine, qk_layernorm=config.qk_layernorm,
                                           normalization=config.normalization)
     model = GPTModel(

@@ -40,7 +40,7 @@ def _gather_last_dim_over_tp(tensor: torch.Tensor) -> torch.Tensor:
 class PagedGPTRunner:
     """Decoder and MTP forwards of a paged-spec GPTModel; the model is put in eval mode.
 
-    >>> runner = PagedGPTRunner(build_gpt_model(config, vocab_size=97, max_sequence_length=256))
+    >>> runner = PagedGPTRunner(build_gpt_model(config, vocab_size=96, max_sequence_length=256))
     >>> logits, hidden = runner.forward(input_ids, positions, metadata, kv_caches)
     >>> draft_logits, hidden = runner.mtp_forward(0, hidden, next_token_ids, positions, mtp_metadata, kv_caches)
     """

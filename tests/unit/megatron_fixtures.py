@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from mtp_ctrl.models import build_gpt_model
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 
-VOCAB_SIZE = 97
+VOCAB_SIZE = 96  # divisible by the TP size, as megatron requires (it pads vocabularies in training)
 MAX_SEQUENCE_LENGTH = 128
 BLOCK_SIZE_TOKENS = 4
 
@@ -195,3 +195,36 @@ def run_paged_schedule(runner, sequences: Sequence[torch.Tensor], kv_caches, dev
 def random_sequences(seed: int = 0) -> List[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB_SIZE, (n,), generator=generator) for n in SEQUENCE_LENGTHS]
+
+
+def tensor_parallel_worker(rank: int, world_size: int, port: int, expected_path: str, device_type: str) -> None:
+    """One TP rank (spawned): the paged model's logits at TP = world_size equal the saved TP = 1 ones."""
+    from mtp_ctrl.models import PagedGPTRunner, count_kv_layers
+
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    init_process_groups(rank, world_size, port, world_size)
+    try:
+        device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+        expected = torch.load(expected_path)
+        model = build_tiny_model(tiny_config(mtp_num_layers=2, tensor_parallel_size=world_size)).to(device)
+        runner = PagedGPTRunner(model)
+        caches = allocate_kv_caches(count_kv_layers(model), NUM_BLOCKS, num_kv_heads_local=2 // world_size,
+                                    head_dim=16, device=device)
+        sequences = [tokens.to(device) for tokens in random_sequences(seed=0)]
+        decoder_logits, mtp_logits = run_paged_schedule(runner, sequences, caches, device=device)
+        tolerance = dict(atol=1e-4, rtol=1e-4)
+        for b in range(len(sequences)):
+            torch.testing.assert_close(decoder_logits[b].cpu(), expected["decoder"][b], **tolerance)
+            for depth in range(len(mtp_logits)):
+                torch.testing.assert_close(mtp_logits[depth][b].cpu(), expected["mtp"][depth][b], **tolerance)
+        bad_config = tiny_config(num_query_groups=1, tensor_parallel_size=world_size)
+        try:
+            build_tiny_model(bad_config)
+        except ValueError as error:
+            assert "num_query_groups" in str(error), error
+        else:
+            raise AssertionError("a model whose kv heads do not split over TP ranks was built")
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
