@@ -1,0 +1,77 @@
+"""Mamba state slots: one per live request, allocated once for every Mamba layer.
+
+Letters: L = Mamba layers, M = slots (max_requests), S = num_speculative_tokens.
+
+A request holds one slot ``m`` for its whole life. Its current states are
+``conv_states[:, m]`` / ``ssm_states[:, m]``; a decode step over ``1 + S`` rows writes the state
+after each row to ``intermediate_*[:, m, i]`` (i = 0..S), and the commit copies (or swaps in)
+the one after the last accepted row (``mamba_state_selective_copy``).
+"""
+
+import dataclasses
+from typing import Tuple
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaSpec:
+    num_layers: int  # L, Mamba layers of the model
+    conv_state_shape: Tuple[int, ...]  # per layer and slot, e.g. (conv_channels, kernel_size - 1)
+    ssm_state_shape: Tuple[int, ...]  # per layer and slot, e.g. (heads, head_dim, state_size)
+    dtype: torch.dtype
+
+    def __post_init__(self):
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {self.num_layers!r}")
+        for name in ("conv_state_shape", "ssm_state_shape"):
+            shape = tuple(getattr(self, name))
+            if not shape or any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in shape):
+                raise ValueError(f"{name} must be a non-empty tuple of positive ints, got {shape}")
+            object.__setattr__(self, name, shape)
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
+
+
+class MambaStateSlots:
+    def __init__(self, spec: MambaSpec, num_slots: int, num_speculative_tokens: int, device: torch.device):
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        num_layers, conv_state_shape, ssm_state_shape = spec.num_layers, spec.conv_state_shape, spec.ssm_state_shape
+        stride = num_speculative_tokens + 1
+        self.num_slots = num_slots
+        options = dict(dtype=spec.dtype, device=device)
+        self.conv_states = torch.zeros(num_layers, num_slots, *conv_state_shape, **options)  # [L, M, *conv]
+        self.ssm_states = torch.zeros(num_layers, num_slots, *ssm_state_shape, **options)  # [L, M, *ssm]
+        self.intermediate_conv_states = torch.zeros(  # [L, M, S + 1, *conv]
+            num_layers, num_slots, stride, *conv_state_shape, **options
+        )
+        self.intermediate_ssm_states = torch.zeros(  # [L, M, S + 1, *ssm]
+            num_layers, num_slots, stride, *ssm_state_shape, **options
+        )
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._is_allocated = bytearray(num_slots)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def allocate_slot(self) -> int:
+        """Take a free slot and zero its current states (a new request starts from zero state)."""
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.num_slots} Mamba state slots are in use")
+        slot = self._free_slots.pop()
+        self._is_allocated[slot] = 1
+        self.conv_states[:, slot].zero_()
+        self.ssm_states[:, slot].zero_()
+        return slot
+
+    def release_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise TypeError(f"slot must be an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is outside [0, {self.num_slots})")
+        if not self._is_allocated[slot]:
+            raise ValueError(f"slot {slot} is not allocated (double release)")
+        self._is_allocated[slot] = 0
+        self._free_slots.append(slot)
