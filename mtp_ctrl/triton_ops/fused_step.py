@@ -1,0 +1,377 @@
+"""One kernel launch for a step's bookkeeping: verify + prepare-next-forward + KV rewind.
+
+The fused op writes exactly what ``verify_speculative_tokens``, ``prepare_next_forward_pass``
+and ``rewind_kv_cache`` write when run in a row on the real requests (the decode/prefill split
+comes from the packed layout: requests ``r < num_decode_requests`` decode). Each program keeps
+its request's accepted count in registers and feeds it straight into the rewind, so nothing
+round-trips through memory between the three stages.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from mtp_ctrl.triton_ops import reference
+from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, check_int, check_tensor
+from mtp_ctrl.triton_ops._dispatch import use_triton
+from mtp_ctrl.triton_ops._step_common import (
+    ActiveCount,
+    StepCommit,
+    check_min_rows,
+    check_num_active_requests,
+    check_token_rows,
+    max_released_blocks,
+    release_shape,
+)
+from mtp_ctrl.triton_ops.kv_rewind import (
+    _load_active_count,
+    _rewind_request,
+    active_count_launch_args,
+    check_kv_state,
+    release_strides,
+)
+from mtp_ctrl.triton_ops.prepare_next_forward import _store_accepted_drafts, _store_last_accepted
+from mtp_ctrl.triton_ops.verify_tokens import _accepted_rows, _request_rows
+
+_BLOCK_TAIL = 128  # mask rows past the packed region that one program clears per loop step
+
+
+@triton.jit
+def _verify_and_commit_kernel(
+    INPUT_TOKENS_PTR,
+    input_stride,
+    OUTPUT_TOKENS_PTR,
+    output_stride,
+    REQUIRED_LOGIT_INDICES_PTR,
+    required_stride,
+    ACCEPTED_MASK_PTR,
+    mask_stride,
+    LAST_ONE_INDICES_PTR,
+    last_one_stride,
+    SAMPLED_TOKENS_PTR,
+    sampled_stride,
+    LAST_ACCEPTED_SEQ_PTR,
+    last_seq_stride,
+    ACCEPTED_TOKENS_PTR,
+    accepted_tokens_stride_request,
+    accepted_tokens_stride_draft,
+    ACCEPTED_COUNTS_PTR,
+    accepted_counts_stride,
+    LAST_KV_BLOCK_OFFSET_PTR,
+    offset_stride,
+    KV_LENGTH_OFFSETS_PTR,
+    length_stride,
+    KV_BLOCK_COUNTS_PTR,
+    count_stride,
+    LAST_KV_BLOCK_ID_PTR,
+    last_id_stride,
+    KV_BLOCK_IDS_PTR,
+    block_ids_stride_request,
+    block_ids_stride_block,
+    max_blocks,
+    BLOCKS_TO_RELEASE_PTR,
+    REMOVE_MASK_PTR,
+    release_stride_request,
+    release_stride_block,
+    num_decode_requests,
+    num_requests,
+    packed_row_count,
+    total_row_count,
+    num_active_requests,
+    NUM_ACTIVE_PTR,
+    NUM_SPEC_TOKENS: tl.constexpr,
+    BLOCK_SIZE_TOKENS: tl.constexpr,
+    RELEASE_WIDTH: tl.constexpr,
+    BLOCK_BACK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    COUNT_IN_MEMORY: tl.constexpr,
+):
+    """One program per request slot (decode, then prefill). A padding slot (``r >=``
+    the real count) writes False over its mask rows, -1 as its last index and "release nothing",
+    and leaves the caller's buffers and the KV state alone."""
+    request = tl.program_id(0)
+    request64 = request.to(tl.int64)
+    is_real = request < _load_active_count(num_active_requests, NUM_ACTIVE_PTR, COUNT_IN_MEMORY)
+    is_decode = request < num_decode_requests
+
+    # verify
+    first_row, row_count = _request_rows(request, num_decode_requests, NUM_SPEC_TOKENS + 1)
+    rows, tokens, accepted = _accepted_rows(
+        INPUT_TOKENS_PTR, input_stride, OUTPUT_TOKENS_PTR, output_stride, first_row, row_count, BLOCK_ROWS
+    )
+    accepted = tl.where(is_real, accepted, False)
+    tl.store(ACCEPTED_MASK_PTR + (first_row + rows) * mask_stride, accepted, mask=rows < row_count)
+    last_row = first_row + tl.sum(accepted.to(tl.int32), axis=0) - 1
+    tl.store(LAST_ONE_INDICES_PTR + request64 * last_one_stride, tl.where(is_real, last_row, -1))
+
+    # prepare next forward pass
+    _store_last_accepted(
+        OUTPUT_TOKENS_PTR,
+        output_stride,
+        REQUIRED_LOGIT_INDICES_PTR,
+        required_stride,
+        SAMPLED_TOKENS_PTR + request64 * sampled_stride,
+        LAST_ACCEPTED_SEQ_PTR + request64 * last_seq_stride,
+        last_row,
+        is_real,
+    )
+    writes_drafts = is_decode & is_real
+    accepted_draft_count = _store_accepted_drafts(
+        ACCEPTED_TOKENS_PTR + request64 * accepted_tokens_stride_request,
+        accepted_tokens_stride_draft,
+        ACCEPTED_COUNTS_PTR + request64 * accepted_counts_stride,
+        rows,
+        tokens,
+        accepted,
+        (rows > 0) & (rows < tl.where(writes_drafts, NUM_SPEC_TOKENS + 1, 1)),
+        writes_drafts,
+    )
+
+    # rewind KV bookkeeping past the rejected drafts
+    _rewind_request(
+        request,
+        tl.where(is_decode, NUM_SPEC_TOKENS - accepted_draft_count, 0),
+        is_real,
+        LAST_KV_BLOCK_OFFSET_PTR,
+        offset_stride,
+        KV_LENGTH_OFFSETS_PTR,
+        length_stride,
+        KV_BLOCK_COUNTS_PTR,
+        count_stride,
+        LAST_KV_BLOCK_ID_PTR,
+        last_id_stride,
+        KV_BLOCK_IDS_PTR,
+        block_ids_stride_request,
+        block_ids_stride_block,
+        max_blocks,
+        BLOCKS_TO_RELEASE_PTR,
+        REMOVE_MASK_PTR,
+        release_stride_request,
+        release_stride_block,
+        BLOCK_SIZE_TOKENS,
+        RELEASE_WIDTH,
+        BLOCK_BACK,
+    )
+
+    # mask rows past the packed region, shared out over the programs
+    for start in range(packed_row_count + request * BLOCK_TAIL, total_row_count, num_requests * BLOCK_TAIL):
+        tail_rows = start + tl.arange(0, BLOCK_TAIL)
+        tl.store(
+            ACCEPTED_MASK_PTR + tail_rows.to(tl.int64) * mask_stride,
+            tl.zeros([BLOCK_TAIL], dtype=tl.int1),
+            mask=tail_rows < total_row_count,
+        )
+
+
+def _check_out(out, num_requests, total_row_count, release_width, release_dtype, device) -> StepCommit:
+    if not isinstance(out, Sequence) or len(out) != 4:
+        raise TypeError("out must be a StepCommit (or a sequence of 4 tensors)")
+    out = StepCommit(*out)
+    shape = release_shape(num_requests, release_width)
+    check_tensor("out.last_one_indices", out.last_one_indices, dtypes=(torch.int64,), shape=(num_requests,), device=device)
+    check_tensor("out.accepted_tokens_mask", out.accepted_tokens_mask, dtypes=(torch.bool,), shape=(total_row_count,), device=device)
+    check_tensor("out.blocks_to_release", out.blocks_to_release, dtypes=(release_dtype,), shape=shape, device=device)
+    check_tensor("out.remove_mask", out.remove_mask, dtypes=(torch.bool,), shape=shape, device=device)
+    return out
+
+
+def _check_args(
+    input_tokens,
+    output_tokens,
+    required_logit_indices,
+    sampled_tokens_buf,
+    last_accepted_seq_buf,
+    accepted_tokens_per_request,
+    accepted_token_counts,
+    kv_state,
+    num_decode_requests,
+    num_prefill_requests,
+    num_speculative_tokens,
+    block_size_tokens,
+    num_active_requests,
+    out,
+):
+    """Validate everything (metadata only); return ``([T] input tokens, real count, out or None)``."""
+    tokens = check_token_rows("input_tokens", input_tokens)
+    device = tokens.device
+    check_int("num_decode_requests", num_decode_requests, low=0)
+    check_int("num_prefill_requests", num_prefill_requests, low=0)
+    check_int("num_speculative_tokens", num_speculative_tokens, low=0)
+    check_int("block_size_tokens", block_size_tokens, low=1)
+    num_requests = num_decode_requests + num_prefill_requests
+    packed_row_count = num_decode_requests * (num_speculative_tokens + 1) + num_prefill_requests
+    for name, tensor in (
+        ("input_tokens", tokens),
+        ("output_tokens", output_tokens),
+        ("required_logit_indices", required_logit_indices),
+    ):
+        check_tensor(name, tensor, dtypes=INDEX_DTYPES, ndim=1, device=device)
+        check_min_rows(name, tensor, packed_row_count, "packed rows")
+    for name, buf in (("sampled_tokens_buf", sampled_tokens_buf), ("last_accepted_seq_buf", last_accepted_seq_buf)):
+        check_tensor(name, buf, dtypes=INDEX_DTYPES, ndim=1, device=device)
+        check_min_rows(name, buf, num_requests, "one per request")
+    check_tensor(
+        "accepted_tokens_per_request",
+        accepted_tokens_per_request,
+        dtypes=INDEX_DTYPES,
+        shape=(None, num_speculative_tokens),
+        device=device,
+    )
+    check_min_rows("accepted_tokens_per_request", accepted_tokens_per_request, num_decode_requests, "decode requests")
+    check_tensor("accepted_token_counts", accepted_token_counts, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    check_min_rows("accepted_token_counts", accepted_token_counts, num_decode_requests, "decode requests")
+    check_kv_state(*kv_state, num_requests, device)
+    num_active = check_num_active_requests(num_active_requests, num_requests, device)
+    if out is not None:
+        release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
+        last_kv_block_id = kv_state[3]
+        out = _check_out(out, num_requests, tokens.shape[0], release_width, last_kv_block_id.dtype, device)
+    return tokens, num_active, out
+
+
+def verify_and_commit(
+    input_tokens: torch.Tensor,  # [T] or [1, T] int, packed input rows
+    output_tokens: torch.Tensor,  # [>= packed rows] int, the target's sample at each row
+    required_logit_indices: torch.Tensor,  # [>= packed rows] int, forward-pass position of each row
+    sampled_tokens_buf: torch.Tensor,  # [>= N] int, out: next input token per request
+    last_accepted_seq_buf: torch.Tensor,  # [>= N] int, out: forward position of the last accepted row
+    accepted_tokens_per_request: torch.Tensor,  # [>= Nd, S] int, out: accepted drafts, -1 = rejected
+    accepted_token_counts: torch.Tensor,  # [>= Nd] int, out: accepted drafts per decode request
+    last_kv_block_offset: torch.Tensor,  # [N] int, in/out
+    kv_length_offsets: torch.Tensor,  # [N] int, in/out
+    kv_block_counts: torch.Tensor,  # [N] int, in/out
+    last_kv_block_id: torch.Tensor,  # [N] int, in/out
+    kv_block_ids: torch.Tensor,  # [N, max_blocks] int, in/out
+    num_decode_requests: int,
+    num_prefill_requests: int,
+    num_speculative_tokens: int,
+    block_size_tokens: int,
+    num_active_requests: Optional[ActiveCount] = None,
+    out: Optional[StepCommit] = None,
+) -> StepCommit:
+    """Verify the drafts, write the next step's inputs and rewind the KV bookkeeping, in one launch.
+
+    Same results as, on the real requests::
+
+        last, mask, tokens = verify_speculative_tokens(input_tokens, output_tokens, Nd, Np, S)
+        prepare_next_forward_pass(Nd, output_tokens, required_logit_indices, last, mask, tokens,
+                                  sampled_tokens_buf, last_accepted_seq_buf,
+                                  accepted_tokens_per_request, accepted_token_counts, S)
+        blocks, remove = rewind_kv_cache(accepted_token_counts[:N] (0 for prefill), r >= Nd,
+                                         <the KV state>, S, block_size_tokens, num_active_requests)
+
+    Returns :class:`StepCommit` ``(last_one_indices, accepted_tokens_mask, blocks_to_release,
+    remove_mask)``; the caller releases ``blocks_to_release[remove_mask]`` (``[N]``, or ``[N, W]``
+    when ``S > block_size_tokens``: see :func:`rewind_kv_cache`).
+
+    Use it for the decode step's bookkeeping: one launch instead of three, and inside a CUDA graph
+    captured once per batch bucket. ``N = num_decode_requests + num_prefill_requests`` is the
+    (padded) grid; ``num_active_requests`` (int, or a 1-element int tensor on the device that the
+    kernel reads, so a graph replays with a changing real batch) marks slots ``r >= count`` as
+    padding: their mask rows are False, ``last_one_indices`` -1, nothing released, and the caller's
+    buffers and the KV state are untouched. Pass ``out`` (four preallocated tensors) to allocate
+    nothing per step; it is filled and returned.
+    """
+    kv_state = (last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids)
+    tokens, num_active, out = _check_args(
+        input_tokens,
+        output_tokens,
+        required_logit_indices,
+        sampled_tokens_buf,
+        last_accepted_seq_buf,
+        accepted_tokens_per_request,
+        accepted_token_counts,
+        kv_state,
+        num_decode_requests,
+        num_prefill_requests,
+        num_speculative_tokens,
+        block_size_tokens,
+        num_active_requests,
+        out,
+    )
+    if not use_triton(tokens):
+        return reference.verify_and_commit(
+            tokens,
+            output_tokens,
+            required_logit_indices,
+            sampled_tokens_buf,
+            last_accepted_seq_buf,
+            accepted_tokens_per_request,
+            accepted_token_counts,
+            *kv_state,
+            num_decode_requests,
+            num_prefill_requests,
+            num_speculative_tokens,
+            block_size_tokens,
+            num_active,
+            out,
+        )
+    num_requests = num_decode_requests + num_prefill_requests
+    release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
+    if out is None:
+        shape = release_shape(num_requests, release_width)
+        out = StepCommit(
+            torch.empty(num_requests, dtype=torch.int64, device=tokens.device),
+            torch.empty(tokens.shape[0], dtype=torch.bool, device=tokens.device),
+            torch.empty(shape, dtype=last_kv_block_id.dtype, device=tokens.device),
+            torch.empty(shape, dtype=torch.bool, device=tokens.device),
+        )
+    if num_requests == 0:
+        out.accepted_tokens_mask.zero_()
+        return out
+    stride = num_speculative_tokens + 1
+    active_count, active_count_ptr, count_in_memory = active_count_launch_args(num_active, kv_block_counts)
+    _verify_and_commit_kernel[(num_requests,)](
+        tokens,
+        tokens.stride(0),
+        output_tokens,
+        output_tokens.stride(0),
+        required_logit_indices,
+        required_logit_indices.stride(0),
+        out.accepted_tokens_mask,
+        out.accepted_tokens_mask.stride(0),
+        out.last_one_indices,
+        out.last_one_indices.stride(0),
+        sampled_tokens_buf,
+        sampled_tokens_buf.stride(0),
+        last_accepted_seq_buf,
+        last_accepted_seq_buf.stride(0),
+        accepted_tokens_per_request,
+        accepted_tokens_per_request.stride(0),
+        accepted_tokens_per_request.stride(1),
+        accepted_token_counts,
+        accepted_token_counts.stride(0),
+        last_kv_block_offset,
+        last_kv_block_offset.stride(0),
+        kv_length_offsets,
+        kv_length_offsets.stride(0),
+        kv_block_counts,
+        kv_block_counts.stride(0),
+        last_kv_block_id,
+        last_kv_block_id.stride(0),
+        kv_block_ids,
+        kv_block_ids.stride(0),
+        kv_block_ids.stride(1),
+        kv_block_ids.shape[1],
+        out.blocks_to_release,
+        out.remove_mask,
+        *release_strides(out.blocks_to_release),
+        num_decode_requests,
+        num_requests,
+        num_decode_requests * stride + num_prefill_requests,
+        tokens.shape[0],
+        active_count,
+        active_count_ptr,
+        NUM_SPEC_TOKENS=num_speculative_tokens,
+        BLOCK_SIZE_TOKENS=block_size_tokens,
+        RELEASE_WIDTH=release_width,
+        BLOCK_BACK=triton.next_power_of_2(release_width + 1),
+        BLOCK_ROWS=max(2, triton.next_power_of_2(stride)),
+        BLOCK_TAIL=_BLOCK_TAIL,
+        COUNT_IN_MEMORY=count_in_memory,
+        num_warps=1,
+    )
+    return out
