@@ -1,0 +1,48 @@
+"""BatchDimensions ordering and the CUDA-graph bucket rounding."""
+
+import dataclasses
+
+import pytest
+
+from mtp_ctrl.state import BatchDimensions, round_up_batch_size
+from mtp_ctrl.state.batch_dimensions import check_batch_sizes
+
+
+def test_decode_only_dimensions():
+    dims = BatchDimensions.decode_only(batch_size=4, num_speculative_tokens=2)
+    assert dims == BatchDimensions(token_count=12, decode_request_count=4, prefill_request_count=0)
+    assert dims.request_count == 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dims.token_count = 3
+
+
+def test_ordering_and_hashing():
+    small = BatchDimensions.decode_only(2, 1)
+    large = BatchDimensions.decode_only(8, 1)
+    mixed = BatchDimensions(token_count=4, decode_request_count=1, prefill_request_count=1)
+    assert sorted([large, mixed, small]) == [mixed, small, large]  # by token count first
+    graphs = {small: "graph-2"}
+    assert graphs[BatchDimensions.decode_only(2, 1)] == "graph-2"
+
+
+@pytest.mark.parametrize(
+    "batch_size, expected", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, None)]
+)
+def test_round_up_batch_size(batch_size, expected):
+    assert round_up_batch_size(batch_size, (1, 2, 4, 8)) == expected
+
+
+def test_round_up_without_buckets():
+    assert round_up_batch_size(1, ()) is None
+
+
+def test_check_batch_sizes():
+    assert check_batch_sizes([1, 2, 4], max_requests=4) == (1, 2, 4)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        check_batch_sizes((2, 1), max_requests=4)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        check_batch_sizes((2, 2), max_requests=4)
+    with pytest.raises(ValueError, match=r"in \[1, 4\]"):
+        check_batch_sizes((1, 8), max_requests=4)
+    with pytest.raises(ValueError, match=r"in \[1, 4\]"):
+        check_batch_sizes((0,), max_requests=4)

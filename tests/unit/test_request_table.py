@@ -1,0 +1,123 @@
+"""RequestTable: row groups, moves mirrored on host and device, the one staging copy."""
+
+import random
+
+import pytest
+import torch
+
+from mtp_ctrl.state import RequestTable, RowGroup
+from mtp_ctrl.state.staging import StagingBuffers
+
+GROUPS = (RowGroup.DECODE, RowGroup.PREFILL, RowGroup.PAUSED)
+
+
+def make_table(max_requests=6, max_blocks=3, num_speculative_tokens=2):
+    return RequestTable(max_requests, max_blocks, num_speculative_tokens, torch.device("cpu"), block_size_tokens=4)
+
+
+def fill_row(table, request_id):
+    """Give a request's row distinct values on host and device (as a step's copy would)."""
+    row = table.row_of(request_id)
+    table.host.kv_length_offsets[row] = 100 + request_id
+    table.host.kv_block_ids[row, 0] = request_id
+    table.next_tokens[row] = 1000 + request_id
+    table.draft_tokens[row] = torch.tensor([2000, 3000]) + request_id
+
+
+def test_staging_buffers_one_copy_of_mixed_dtypes():
+    buffers = StagingBuffers({"a": ((3,), torch.int64), "b": ((2, 2), torch.int32)}, torch.device("cpu"))
+    buffers.host["a"][:] = torch.tensor([1, 2, 3])
+    buffers.host["b"][:] = torch.tensor([[4, 5], [6, 7]], dtype=torch.int32)
+    assert buffers.device["b"].dtype == torch.int32 and buffers.device["b"].shape == (2, 2)
+    assert int(buffers.device["a"].sum()) == 0
+    buffers.copy_to_device()
+    assert torch.equal(buffers.device["a"], torch.tensor([1, 2, 3]))
+    assert torch.equal(buffers.device["b"], torch.tensor([[4, 5], [6, 7]], dtype=torch.int32))
+    assert buffers.nbytes == 128  # two 64-byte aligned sections
+
+
+def test_groups_are_contiguous_and_ordered():
+    table = make_table()
+    for request_id, group in ((10, RowGroup.PREFILL), (11, RowGroup.PREFILL), (12, RowGroup.DECODE)):
+        table.insert(request_id, group)
+    assert table.group_rows(RowGroup.DECODE) == (0, 1)
+    assert table.group_rows(RowGroup.PREFILL) == (1, 3)
+    assert table.request_ids_in(RowGroup.DECODE) == [12]
+    assert sorted(table.request_ids_in(RowGroup.PREFILL)) == [10, 11]
+    assert table.host.prefill_status[: 3].tolist() == [0, 1, 1]
+    table.move(11, RowGroup.PAUSED)
+    assert table.group_of(11) == RowGroup.PAUSED and table.row_of(11) == 2
+    table.move(11, RowGroup.DECODE)  # joins the end of the decode group
+    assert table.request_ids_in(RowGroup.DECODE) == [12, 11]
+    assert table.request_ids_in(RowGroup.PREFILL) == [10]
+    table.remove(12)
+    assert table.num_live == 2 and 12 not in table
+    assert table.host.request_ids[2].item() == -1  # the freed row is reset
+
+
+def test_worked_example_of_move():
+    """DECODE [a, b] | PREFILL [c, d]; move(a, PREFILL) -> DECODE [b] | PREFILL [a, c, d]."""
+    table = make_table()
+    for request_id in (1, 2):
+        table.insert(request_id, RowGroup.DECODE)
+    for request_id in (3, 4):
+        table.insert(request_id, RowGroup.PREFILL)
+    table.move(1, RowGroup.PREFILL)
+    assert table.host.request_ids[:4].tolist() == [2, 1, 3, 4]
+    assert table.group_rows(RowGroup.DECODE) == (0, 1)
+
+
+def test_moves_carry_every_row_on_both_sides():
+    rng = random.Random(0)
+    table = make_table()
+    groups = {}
+    next_id = 0
+    for _ in range(300):
+        live = list(groups)
+        action = rng.random()
+        if action < 0.3 and table.num_live < table.max_requests:
+            group = rng.choice(GROUPS)
+            table.insert(next_id, group)
+            fill_row(table, next_id)
+            groups[next_id] = group
+            next_id += 1
+            table.staging.copy_to_device()  # the device learns new rows with a step's copy
+        elif action < 0.8 and live:
+            request_id, group = rng.choice(live), rng.choice(GROUPS)
+            table.move(request_id, group)
+            groups[request_id] = group
+        elif live:
+            request_id = rng.choice(live)
+            table.remove(request_id)
+            del groups[request_id]
+        for group in GROUPS:
+            assert sorted(table.request_ids_in(group)) == sorted(r for r, g in groups.items() if g == group)
+        assert table.mismatched_fields() == []
+        for request_id in groups:
+            row = table.row_of(request_id)
+            assert table.host.kv_length_offsets[row] == 100 + request_id
+            assert table.device.kv_block_ids[row, 0] == request_id
+            assert table.next_tokens[row] == 1000 + request_id
+            assert table.draft_tokens[row].tolist() == [2000 + request_id, 3000 + request_id]
+
+
+def test_mismatch_check_names_fields():
+    table = make_table()
+    table.insert(5, RowGroup.DECODE)
+    table.staging.copy_to_device()
+    assert table.mismatched_fields() == []
+    table.device.kv_block_counts[0] = 3
+    table.device.kv_block_ids[0, 1] = 9
+    assert table.mismatched_fields() == ["kv_block_counts", "kv_block_ids"]
+    table.set_prefill_status(0, 1)
+    assert table.host.prefill_status[0] == 1 and table.device.prefill_status[0] == 1
+
+
+def test_free_rows_and_full_table():
+    table = make_table(max_requests=2)
+    assert table.host.last_kv_block_id.tolist() == [-1, -1]
+    assert table.host.last_kv_block_offset.tolist() == [3, 3]  # (0 - 1) mod 4: the next row opens a block
+    table.insert(1, RowGroup.PREFILL)
+    table.insert(2, RowGroup.PREFILL)
+    with pytest.raises(RuntimeError, match="full"):
+        table.insert(3, RowGroup.PREFILL)
