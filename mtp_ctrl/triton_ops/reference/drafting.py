@@ -233,13 +233,14 @@ def _shift_and_gather_rows(src, cached, query_start_loc, shifts, cached_lens, st
     shifts = shifts.to(torch.int64)
     cached_lens = cached_lens.to(torch.int64)
     last_row = max(num_rows - 1, 0)
+    readable_src = src if num_rows else src.new_zeros((1, src.shape[1]))  # gather needs a row to clamp to
 
     def shifted_values(seq, index):
         """Value of window row ``index`` of sequence ``seq`` after the shift (same shapes)."""
         from_cache = index < shifts[seq]
         cache_row = (cached_lens[seq] - shifts[seq] + index).clamp(0, max_shift - 1)
         src_row = (starts[seq] + index - shifts[seq]).clamp(0, last_row)
-        return torch.where(from_cache[..., None], cached[seq, cache_row], src[src_row])
+        return torch.where(from_cache[..., None], cached[seq, cache_row], readable_src[src_row])
 
     rows = torch.arange(num_rows, device=src.device)  # [T]
     seq = _owner_of_rows(query_start_loc, rows)  # [T]; N for rows past the last window
