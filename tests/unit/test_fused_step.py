@@ -1,0 +1,202 @@
+"""verify_and_commit: one kernel (interpreter) == the reference == the three separate ops in a row."""
+
+import pytest
+import torch
+
+from mtp_ctrl.triton_ops import (
+    prepare_next_forward_pass,
+    reference,
+    rewind_kv_cache,
+    verify_and_commit,
+    verify_speculative_tokens,
+)
+from mtp_ctrl.triton_ops.fused_step import StepCommit
+from mtp_ctrl.triton_ops.kv_rewind import max_released_blocks
+from tests.unit.step_cases import assert_all_equal, clone_all, make_kv_state, make_token_case
+
+OPS = [verify_and_commit, reference.verify_and_commit]
+UNTOUCHED = 77
+
+
+def _buffers(num_rows, num_spec, dtype=torch.int64):
+    """(sampled_tokens_buf, last_accepted_seq_buf, accepted_tokens_per_request, accepted_token_counts)."""
+    return [torch.full((num_rows,), UNTOUCHED, dtype=dtype), torch.full((num_rows,), UNTOUCHED, dtype=dtype),
+            torch.full((num_rows, num_spec), UNTOUCHED, dtype=dtype), torch.full((num_rows,), UNTOUCHED, dtype=dtype)]
+
+
+def _run(op, case, buffers, kv_state, block_size, num_active=None, out=None, input_tokens=None):
+    """Call ``op``; return its outputs followed by every tensor it may write."""
+    result = op(case.input_tokens if input_tokens is None else input_tokens, case.output_tokens,
+                case.required_logit_indices, *buffers, *kv_state, case.num_decode_requests,
+                case.num_prefill_requests, case.num_speculative_tokens, block_size, num_active, out)
+    return list(result) + buffers + kv_state
+
+
+def _kv_state_of(kv_lens, block_ids, block_size, max_blocks):
+    kv_len = torch.tensor(kv_lens)
+    ids = torch.full((len(kv_lens), max_blocks), -1)
+    for request, blocks in enumerate(block_ids):
+        ids[request, : len(blocks)] = torch.tensor(blocks)
+    counts = (kv_len - 1) // block_size + 1
+    return [(kv_len - 1) % block_size, kv_len, counts, ids.gather(1, (counts - 1)[:, None]).squeeze(1), ids]
+
+
+def _known_case():
+    # S = 2, block size 2: decode requests a, b, c accept 1, 2, 0 drafts; d and e are prefill rows.
+    case = make_token_case(3, 2, 2, seed=0)
+    case.input_tokens = torch.tensor([105, 106, 107, 203, 204, 205, 306, 307, 308, 402, 504])
+    case.output_tokens = torch.tensor([106, 999, 998, 204, 205, 206, 777, 308, 309, 403, 505])
+    case.required_logit_indices = torch.arange(11) + 100
+    kv_state = _kv_state_of([7, 8, 6, 3, 1], [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32], [40, 41], [50]],
+                            block_size=2, max_blocks=4)
+    return case, kv_state
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_known_answer_three_decode_two_prefill(op):
+    case, kv_state = _known_case()
+    buffers = _buffers(6, 2)
+    last_one, mask, blocks, remove = _run(op, case, buffers, kv_state, 2)[:4]
+    assert last_one.tolist() == [1, 5, 6, 9, 10]
+    assert mask.tolist() == [True, True, False, True, True, True, True, False, False, True, True]
+    sampled, last_seq, drafts, counts = buffers
+    assert sampled.tolist() == [999, 206, 777, 403, 505, UNTOUCHED]
+    assert last_seq.tolist() == [101, 105, 106, 109, 110, UNTOUCHED]
+    assert drafts[:3].tolist() == [[106, -1], [204, 205], [-1, -1]] and (drafts[3:] == UNTOUCHED).all()
+    assert counts.tolist() == [1, 2, 0, UNTOUCHED, UNTOUCHED, UNTOUCHED]
+    # a rewinds 1 token back across a block boundary, b none, c 2 tokens (back into block 31)
+    assert blocks.tolist() == [13, 23, 32, 41, 50] and remove.tolist() == [True, False, True, False, False]
+    offset, kv_len, block_counts, last_id, ids = kv_state
+    assert kv_len.tolist() == [6, 8, 4, 3, 1] and offset.tolist() == [1, 1, 1, 0, 0]
+    assert block_counts.tolist() == [3, 4, 2, 2, 1] and last_id.tolist() == [12, 23, 31, 41, 50]
+    assert ids[0].tolist() == [10, 11, 12, -1] and ids[2].tolist() == [30, 31, -1, -1]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("num_active", [4, torch.tensor([4])], ids=["int", "tensor"])
+def test_known_answer_with_a_padding_slot(op, num_active):
+    case, kv_state = _known_case()
+    before = clone_all(kv_state)
+    buffers = _buffers(6, 2)
+    last_one, mask, blocks, remove = _run(op, case, buffers, kv_state, 2, num_active)[:4]
+    assert last_one.tolist() == [1, 5, 6, 9, -1]
+    assert mask.tolist() == [True, True, False, True, True, True, True, False, False, True, False]
+    assert buffers[0][4] == UNTOUCHED and buffers[1][4] == UNTOUCHED
+    assert blocks.tolist() == [13, 23, 32, 41, 0] and remove.tolist() == [True, False, True, False, False]
+    for new, old in zip(kv_state, before):
+        assert torch.equal(new[4], old[4])
+
+
+@pytest.mark.parametrize("num_decode,num_prefill,num_spec,block_size", [(3, 2, 2, 2), (6, 0, 5, 2), (2, 3, 8, 1)])
+def test_equals_the_three_separate_ops_in_a_row(num_decode, num_prefill, num_spec, block_size):
+    case = make_token_case(num_decode, num_prefill, num_spec, seed=7, extra_rows=3)
+    kv_state = make_kv_state(case.num_requests, num_spec, block_size, seed=7)
+    buffers = _buffers(case.num_requests + 1, num_spec)
+    separate_buffers, separate_state = clone_all(buffers), clone_all(kv_state)
+    last_one, mask, tokens = verify_speculative_tokens(case.input_tokens, case.output_tokens, num_decode,
+                                                       num_prefill, num_spec)
+    prepare_next_forward_pass(num_decode, case.output_tokens, case.required_logit_indices, last_one, mask, tokens,
+                              *separate_buffers, num_spec)
+    accepted = torch.zeros(case.num_requests, dtype=torch.int64)
+    accepted[:num_decode] = separate_buffers[3][:num_decode]
+    is_prefill = (torch.arange(case.num_requests) >= num_decode).long()
+    blocks, remove = rewind_kv_cache(accepted, is_prefill, *separate_state, num_spec, block_size)
+    want = [last_one, mask, blocks, remove] + separate_buffers + separate_state
+    for op in OPS:
+        assert_all_equal(_run(op, case, clone_all(buffers), clone_all(kv_state), block_size), want)
+
+
+@pytest.mark.parametrize(
+    "num_decode,num_prefill,num_spec,block_size",
+    [(1, 0, 1, 4), (0, 3, 3, 4), (5, 2, 3, 4), (7, 4, 6, 3), (40, 1, 3, 16), (9, 2, 8, 2), (4, 4, 4, 64)],
+)
+@pytest.mark.parametrize("padding", ["none", "int", "tensor"])
+def test_random_cases_kernel_equals_reference(num_decode, num_prefill, num_spec, block_size, padding):
+    for seed in range(2):
+        case = make_token_case(num_decode, num_prefill, num_spec, seed=seed, extra_rows=3 * seed)
+        num_requests = case.num_requests
+        active = {"none": None, "int": num_requests - num_requests // 3,
+                  "tensor": torch.tensor(max(num_requests - 2, 0))}[padding]
+        dtype = (torch.int64, torch.int32)[seed]
+        kv_state = make_kv_state(num_requests, num_spec, block_size, seed=seed, dtype=dtype, views=seed == 1)
+        buffers = _buffers(num_requests + 2, num_spec, dtype)
+        input_tokens = case.input_tokens[None, :] if seed == 1 else None  # [1, T] as the forward pass has it
+        results = [_run(op, case, clone_all(buffers), clone_all(kv_state), block_size, active,
+                        input_tokens=input_tokens) for op in OPS]
+        assert_all_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("num_spec,block_size", [(3, 4), (6, 2)])
+def test_out_buffers_are_overwritten_and_returned(num_spec, block_size):
+    case = make_token_case(4, 2, num_spec, seed=3, extra_rows=300)  # tail longer than one clearing tile
+    kv_state = make_kv_state(6, num_spec, block_size, seed=3)
+    width = max_released_blocks(num_spec, block_size)
+    release = (6,) if width == 1 else (6, width)
+    out = StepCommit(torch.full((6,), 123), torch.ones(case.input_tokens.shape[0], dtype=torch.bool),
+                     torch.full(release, 123), torch.ones(release, dtype=torch.bool))
+    want = _run(reference.verify_and_commit, case, _buffers(6, num_spec), clone_all(kv_state), block_size, 4)
+    got = _run(verify_and_commit, case, _buffers(6, num_spec), clone_all(kv_state), block_size, 4, out)
+    assert all(g.data_ptr() == o.data_ptr() for g, o in zip(got[:4], out))
+    assert_all_equal(got, want)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_no_requests_clears_the_mask(op):
+    case = make_token_case(0, 0, 3, seed=0, extra_rows=5)
+    out = StepCommit(torch.zeros(0, dtype=torch.int64), torch.ones(5, dtype=torch.bool),
+                     torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool))
+    result = _run(op, case, _buffers(0, 3), make_kv_state(0, 3, 4, seed=0), 4, None, out)
+    assert not result[1].any() and result[0].shape == (0,)
+
+
+def _valid_args():
+    case = make_token_case(2, 1, 2, seed=0)
+    return [case.input_tokens, case.output_tokens, case.required_logit_indices, *_buffers(3, 2),
+            *make_kv_state(3, 2, 4, seed=0), 2, 1, 2, 4, None, None]
+
+
+def _out(num_rows=3, mask_rows=7, release=(3,), **changes):
+    fields = dict(last_one_indices=torch.zeros(num_rows, dtype=torch.int64),
+                  accepted_tokens_mask=torch.zeros(mask_rows, dtype=torch.bool),
+                  blocks_to_release=torch.zeros(release, dtype=torch.int64),
+                  remove_mask=torch.zeros(release, dtype=torch.bool))
+    fields.update(changes)
+    return StepCommit(**fields)
+
+
+@pytest.mark.parametrize(
+    "index,bad,error,match",
+    [
+        (0, lambda t: t.float(), TypeError, "input_tokens"),
+        (0, lambda t: t[:5], ValueError, "input_tokens"),
+        (1, lambda t: t.to("meta"), ValueError, "output_tokens"),
+        (2, lambda t: t[:5], ValueError, "required_logit_indices"),
+        (3, lambda t: t[:2], ValueError, "sampled_tokens_buf"),
+        (4, lambda t: t.float(), TypeError, "last_accepted_seq_buf"),
+        (5, lambda t: t[:, :1], ValueError, "accepted_tokens_per_request"),
+        (6, lambda t: t[:1], ValueError, "accepted_token_counts"),
+        (7, lambda t: t[:2], ValueError, "last_kv_block_offset"),
+        (8, lambda t: t.float(), TypeError, "kv_length_offsets"),
+        (9, lambda t: t.to("meta"), ValueError, "kv_block_counts"),
+        (10, lambda t: t[:, None], ValueError, "last_kv_block_id"),
+        (11, lambda t: t[:, :0], ValueError, "kv_block_ids"),
+        (12, lambda n: -1, ValueError, "num_decode_requests"),
+        (13, lambda n: 2, ValueError, "input_tokens"),
+        (14, lambda s: -1, ValueError, "num_speculative_tokens"),
+        (15, lambda b: 0, ValueError, "block_size_tokens"),
+        (16, lambda n: 4, ValueError, "num_active_requests"),
+        (16, lambda n: torch.tensor([1.0]), TypeError, "num_active_requests"),
+        (17, lambda o: "out", TypeError, "out"),
+        (17, lambda o: _out()[:3], TypeError, "out"),
+        (17, lambda o: _out(num_rows=4), ValueError, "out.last_one_indices"),
+        (17, lambda o: _out(mask_rows=8), ValueError, "out.accepted_tokens_mask"),
+        (17, lambda o: _out(release=(3, 1)), ValueError, "out.blocks_to_release"),
+        (17, lambda o: _out(remove_mask=torch.zeros(3, dtype=torch.int64)), TypeError, "out.remove_mask"),
+        (17, lambda o: _out(blocks_to_release=torch.zeros(3, dtype=torch.int32)), TypeError, "out.blocks_to_release"),
+    ],
+)
+def test_bad_arguments(index, bad, error, match):
+    args = _valid_args()
+    args[index] = bad(args[index])
+    with pytest.raises(error, match=match):
+        verify_and_commit(*args)
