@@ -20,9 +20,10 @@ def _starts(lengths, dtype=torch.int32):
     return torch.tensor(bounds, dtype=dtype)
 
 
-def eagle_inputs_case(generator, *, num_requests, max_rows, shift, device="cpu", padding_rows=0):
-    """Arguments of ``copy_and_expand_eagle_inputs``: random lengths, rejected rows and slots."""
-    lengths = [_randint(generator, 1, max_rows) for _ in range(num_requests)]
+def eagle_inputs_case(generator, *, num_requests, max_rows, shift, device="cpu", padding_rows=0, lengths=None,
+                      num_padding_slots=None):
+    """Arguments of ``copy_and_expand_eagle_inputs``: random lengths (unless given), rejected rows, slots."""
+    lengths = lengths or [_randint(generator, 1, max_rows) for _ in range(num_requests)]
     rejected = [_randint(generator, 0, length - 1) for length in lengths]
     query_start_loc = _starts(lengths)
     num_rows = int(query_start_loc[-1]) + padding_rows
@@ -34,7 +35,7 @@ def eagle_inputs_case(generator, *, num_requests, max_rows, shift, device="cpu",
         positions[start : start + length] = first_positions[request] + torch.arange(length)
     token_ids = torch.randint(0, 50_000, (num_rows,), generator=generator, dtype=torch.int32)
     next_token_ids = torch.randint(0, 50_000, (num_requests,), generator=generator, dtype=torch.int32)
-    slots = _randint(generator, 1, 4)
+    slots = num_padding_slots or _randint(generator, 1, 4)
     tensors = [token_ids, positions, next_token_ids, query_start_loc, query_end_loc]
     return (*[t.to(device) for t in tensors], 0, 50_001, slots, shift)
 
@@ -58,10 +59,11 @@ def prepare_next_token_padded_case(generator, *, num_requests, num_sampled, voca
     return tokens.to(device), discard.to(device), backup.to(device), vocab_size
 
 
-def step_slot_mapping_case(generator, *, batch_size, padding_rows, device="cpu"):
+def step_slot_mapping_case(generator, *, batch_size, padding_rows, device="cpu", block_size=None,
+                           max_model_len=None):
     """Arguments of ``eagle_step_update_slot_mapping_and_metadata``; some requests overflow."""
-    block_size = _randint(generator, 1, 8)
-    max_model_len = _randint(generator, 2, 64)
+    block_size = block_size or _randint(generator, 1, 8)
+    max_model_len = max_model_len or _randint(generator, 2, 64)
     max_blocks = -(-max_model_len // block_size)
     positions = torch.randint(0, max_model_len, (batch_size,), generator=generator)
     positions[torch.rand(batch_size, generator=generator) < 0.2] = max_model_len - 1  # these overflow
@@ -77,11 +79,15 @@ def step_slot_mapping_case(generator, *, batch_size, padding_rows, device="cpu")
 
 
 def ptd_case(generator, *, num_requests, max_rows, hidden_size, num_drafts, device="cpu",
-             dtype=torch.float32, padding_rows=0):
-    """Arguments of ``ptd_prepare_inputs``: rejected rows, draft positions past max_model_len."""
-    block_size = _randint(generator, 1, 8)
-    max_model_len = _randint(generator, max_rows + 1, max_rows + 24)
-    lengths = [_randint(generator, 1, max_rows) for _ in range(num_requests)]
+             dtype=torch.float32, padding_rows=0, lengths=None, block_size=None, max_model_len=None):
+    """Arguments of ``ptd_prepare_inputs``: rejected rows, draft positions past max_model_len.
+
+    ``num_output_rows = T_in + R * (K - 1) + padding_rows`` depends on shapes only (as a caller
+    sizes it without a host sync): the rows of rejected inputs become padding rows.
+    """
+    block_size = block_size or _randint(generator, 1, 8)
+    max_model_len = max_model_len or _randint(generator, max_rows + 1, max_rows + 24)
+    lengths = lengths or [_randint(generator, 1, max_rows) for _ in range(num_requests)]
     accepted = [_randint(generator, 1, length) for length in lengths]
     in_query_start_loc = _starts(lengths)
     out_query_start_loc = _starts([a + num_drafts - 1 for a in accepted])
@@ -105,19 +111,19 @@ def ptd_case(generator, *, num_requests, max_rows, hidden_size, num_drafts, devi
         torch.randint(0, 500, (num_requests, max_blocks), generator=generator, dtype=torch.int32),
     ]
     mask_hidden = torch.randn(hidden_size, generator=generator).to(dtype)
-    num_output_rows = int(out_query_start_loc[-1]) + padding_rows
+    num_output_rows = num_rows + num_requests * (num_drafts - 1) + padding_rows
     return (*[t.to(device) for t in tensors], block_size, max_model_len, 50_001, mask_hidden.to(device),
             num_output_rows)
 
 
 def shift_gather_case(generator, *, num_seqs, max_rows, max_shift, hidden_size=None, device="cpu",
-                      dtype=torch.float32, padding_rows=0):
+                      dtype=torch.float32, padding_rows=0, lengths=None):
     """Arguments of ``shift_and_gather_cache`` (``hidden_size=None``) or its hidden twin.
 
     Windows of 0 (padding sequence) to ``max_rows`` rows, shifts 0 .. cached length, and the
     store window of multi-layer EAGLE: the last ``MAX_SHIFT`` rows up to a sampled row.
     """
-    lengths = [_randint(generator, 0, max_rows) for _ in range(num_seqs)]
+    lengths = lengths or [_randint(generator, 0, max_rows) for _ in range(num_seqs)]
     query_start_loc = _starts(lengths)
     num_rows = int(query_start_loc[-1]) + padding_rows
     cached_lens = torch.randint(0, max_shift + 1, (num_seqs,), generator=generator)
