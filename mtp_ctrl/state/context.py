@@ -109,9 +109,9 @@ class DynamicInferenceContext:
             },
             self.device,
         )
-        self.staging = staging
+        self._staging = staging
         self.table = RequestTable(
-            max_requests, self.max_blocks_per_request, num_speculative_tokens, self.device, block_size_tokens, staging
+            max_requests, self.max_blocks_per_request, num_speculative_tokens, block_size_tokens, self.device, staging
         )
         self._step_buffers = StepBuffers(staging, self.table, max_tokens_per_step)
         self._prompts: Dict[int, torch.Tensor] = {}  # request id -> [P] int64 prompt tokens (CPU)
@@ -140,7 +140,7 @@ class DynamicInferenceContext:
         prompt = _as_prompt(prompt_tokens, self.max_model_len)
         if self.num_free_rows == 0:
             raise RuntimeError(f"max_requests ({self.table.max_requests}) requests are live; finish one first")
-        self.staging.wait_until_host_writable()
+        self._staging.wait_until_host_writable()
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
         self.table.insert(request_id, RowGroup.PREFILL, slot)
         self._prompts[request_id] = prompt
@@ -149,7 +149,7 @@ class DynamicInferenceContext:
         """Release the request's KV blocks and Mamba slot and free its row."""
         row = self._live_row(request_id)
         self._require_no_step_in_flight("finish_request")
-        self.staging.wait_until_host_writable()
+        self._staging.wait_until_host_writable()
         resize_kv_rows(self.table.host, row, torch.zeros(1, dtype=torch.int64), self.allocator)
         slot = int(self.table.host.mamba_slot_ids[row])
         if self.mamba is not None:
@@ -164,7 +164,7 @@ class DynamicInferenceContext:
         self._require_no_step_in_flight("pause_request")
         if self.table.group_of(request_id) == RowGroup.PAUSED:
             raise ValueError(f"request {request_id} is already paused")
-        self.staging.wait_until_host_writable()
+        self._staging.wait_until_host_writable()
         self.table.move(request_id, RowGroup.PAUSED)
 
     def resume_request(self, request_id: int) -> None:
@@ -173,7 +173,7 @@ class DynamicInferenceContext:
         self._require_no_step_in_flight("resume_request")
         if self.table.group_of(request_id) != RowGroup.PAUSED:
             raise ValueError(f"request {request_id} is not paused")
-        self.staging.wait_until_host_writable()
+        self._staging.wait_until_host_writable()
         prompt_done = int(self.table.host.kv_length_offsets[row]) >= self._prompts[request_id].shape[0]
         self.table.move(request_id, RowGroup.DECODE if prompt_done else RowGroup.PREFILL)
         self._paused_for_kv.pop(request_id, None)
@@ -190,7 +190,7 @@ class DynamicInferenceContext:
         Raises ``KVCacheFullError`` when requests are live but none can get a block.
         """
         self._require_no_step_in_flight("build_step")
-        self.staging.wait_until_host_writable()
+        self._staging.wait_until_host_writable()
         self._pause_decodes_short_of_blocks()
         self._resume_requests_paused_for_kv()
         host, stride = self.table.host, self.num_speculative_tokens + 1
@@ -232,7 +232,7 @@ class DynamicInferenceContext:
         if step is not self._step_in_flight:
             raise ValueError("step is not the step in flight (build_step returned another one)")
         accepted = _as_accepted_counts(accepted_counts, step.num_decode, self.num_speculative_tokens)
-        self.staging.wait_until_host_writable()
+        self._staging.wait_until_host_writable()
         host, num_decode = self.table.host, step.num_decode
         rewinds = self.num_speculative_tokens - accepted  # [nd] int64
         resize_kv_rows(host, 0, host.kv_length_offsets[:num_decode] - rewinds, self.allocator)

@@ -90,8 +90,8 @@ class RequestTable:
         max_requests: int,
         max_blocks_per_request: int,
         num_speculative_tokens: int,
-        device: torch.device,
         block_size_tokens: int,
+        device: torch.device,
         staging: Optional[StagingBuffers] = None,
     ):
         self.max_requests = max_requests

@@ -12,7 +12,7 @@ GROUPS = (RowGroup.DECODE, RowGroup.PREFILL, RowGroup.PAUSED)
 
 
 def make_table(max_requests=6, max_blocks=3, num_speculative_tokens=2):
-    return RequestTable(max_requests, max_blocks, num_speculative_tokens, torch.device("cpu"), block_size_tokens=4)
+    return RequestTable(max_requests, max_blocks, num_speculative_tokens, 4, torch.device("cpu"))
 
 
 def fill_row(table, request_id):
