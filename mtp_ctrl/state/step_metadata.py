@@ -5,7 +5,8 @@ Letters: R = max_requests, T = query rows, MB = max_blocks_per_request, S = draf
 Rows are packed request by request in table order: every decode request has ``1 + S`` rows
 (its base token, then its drafts), then every prefill request its chunk. Example, ``S = 1``,
 ``block_size_tokens = 4``; request 0 decodes with 6 tokens cached in blocks ``[3, 5]``, request
-1 prefills prompt tokens 4..6 of ``[.. t4 t5 t6 ..]`` with blocks ``[0, 1]`` (2 already cached)::
+1 prefills the final chunk ``t4 t5 t6`` of a 7-token prompt (block ``0`` holds ``t0..t3``, block
+``1`` is new)::
 
     input_ids       = [base0, draft0, t4, t5, t6]   (decode tokens gathered on the device)
     positions       = [6, 7, 4, 5, 6]

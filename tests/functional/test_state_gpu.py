@@ -114,6 +114,9 @@ def test_build_and_commit_do_not_sync():
     for request_id in range(3):
         ctx.add_request(request_id, list(range(9)))
     accepted = torch.ones(4, dtype=torch.int64, device="cuda")
+    step = ctx.build_step()  # warm-up: compiles the rewind kernel
+    device_rewind(ctx, step, accepted)
+    ctx.commit_step(step, [1] * step.num_decode)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
