@@ -44,6 +44,15 @@ Tokens = Union[torch.Tensor, Sequence[int]]
 class DynamicInferenceContext:
     """Letters: R = max_requests, S = num_speculative_tokens, MB = max_blocks_per_request.
 
+    max_requests: live requests (running or paused); rows of the request table and Mamba slots.
+    max_model_len: prompt + generated tokens of one request.
+    block_size_tokens: tokens per KV block. num_speculative_tokens: S drafts per decode step.
+    max_tokens_per_step: query rows of one forward pass (decode rows first, prefill chunks after).
+    kv_cache: layers (decoder + MTP depths), local KV heads, head dim and dtype of the caches.
+    num_blocks / kv_cache_bytes: the KV pool, as a block count or a byte budget.
+    cuda_graph_batch_sizes: decode batch sizes with a CUDA graph (decode-only steps are padded).
+    mamba: Mamba layer count and state shapes, or None for a model without Mamba layers.
+
     Sizing rules (checked here): ``max_tokens_per_step >= R * (1 + S)`` so every decode request
     runs every step; the pool holds at least one full-length request
     (``MB = ceil((max_model_len + S) / block_size_tokens)`` blocks); give ``num_blocks`` or a

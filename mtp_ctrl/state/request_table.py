@@ -53,7 +53,6 @@ ROW_FIELDS = (
     "prefill_status",  # 1 = prefill (no rewind), 0 = decode
     "mamba_slot_ids",  # Mamba state slot of the request; -1 without Mamba layers
 )
-_FREE_ROW_VALUES = {"request_ids": -1, "last_kv_block_id": -1, "mamba_slot_ids": -1}
 
 
 class RowGroup(enum.IntEnum):
@@ -116,9 +115,8 @@ class RequestTable:
         self.host = self._rows(self._host_fields, self._host_block_ids)
         self.device = self._rows(self._device_fields, self._device_block_ids)
         for rows in (self._host_fields, self._device_fields):
-            for name, value in _FREE_ROW_VALUES.items():
-                rows[ROW_FIELDS.index(name)].fill_(value)
-            rows[ROW_FIELDS.index("last_kv_block_offset")].fill_(block_size_tokens - 1)
+            for index, name in enumerate(ROW_FIELDS):
+                rows[index].fill_(self._free_row_value(name))
         self._host_block_ids.fill_(-1)
         self._device_block_ids.fill_(-1)
         self._group_ends = [0, 0, 0, max_requests]  # exclusive end row of each RowGroup
@@ -183,8 +181,7 @@ class RequestTable:
         self.move(request_id, RowGroup.FREE)
         row = self._row_of.pop(request_id)
         for name in ROW_FIELDS:
-            self._set_host_field(name, row, _FREE_ROW_VALUES.get(name, 0))
-        self._set_host_field("last_kv_block_offset", row, self.block_size_tokens - 1)
+            self._set_host_field(name, row, self._free_row_value(name))
         self._host_block_ids[row].fill_(-1)
 
     def move(self, request_id: int, group: RowGroup) -> None:
@@ -224,6 +221,14 @@ class RequestTable:
         self._draft_tokens[dst].copy_(self._draft_tokens[src])
 
     # ----- host values -------------------------------------------------------------------
+
+    def _free_row_value(self, name: str) -> int:
+        """A free row's value of field ``name``: no request, no blocks, no slot."""
+        if name in ("request_ids", "last_kv_block_id", "mamba_slot_ids"):
+            return -1
+        if name == "last_kv_block_offset":
+            return self.block_size_tokens - 1  # (0 - 1) mod block size
+        return 0
 
     def _set_host_field(self, name: str, row: int, value: int) -> None:
         self._host_fields[ROW_FIELDS.index(name), row] = value
