@@ -82,6 +82,9 @@ class RequestTable:
     Device-only rows the controller writes each step (they move with their request):
     ``next_tokens`` ``[R]`` int64, the base token of the next decode step (the token sampled
     last), and ``draft_tokens`` ``[R, S]`` int64, the drafts of the next decode step.
+
+    ``staging``: buffers holding :meth:`sections` (a context shares one with its step buffers,
+    so one copy moves both); None allocates the table's own on ``device``.
     """
 
     def __init__(
