@@ -8,7 +8,7 @@ from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
 from mtp_ctrl.triton_ops._layout_checks import check_bool, check_contiguous
-from mtp_ctrl.triton_ops._row_programs import row_programs_per_request
+from mtp_ctrl.triton_ops._span_programs import programs_per_span
 
 BLOCK_ROWS = 128
 
@@ -213,7 +213,7 @@ def copy_and_expand_eagle_inputs(
         torch.empty(num_input_rows, dtype=torch.int64, device=device) if shift_input_ids else None
     )  # [T_in] int64 or None
     if num_output_rows > 0:
-        programs = row_programs_per_request(num_requests + 1, num_input_rows + slots, BLOCK_ROWS)
+        programs = programs_per_span(num_requests + 1, num_input_rows + slots, BLOCK_ROWS)
         _copy_and_expand_eagle_inputs_kernel[(num_requests + 1, programs)](
             target_token_ids,
             target_positions,

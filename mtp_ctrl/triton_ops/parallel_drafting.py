@@ -14,6 +14,7 @@ from mtp_ctrl.triton_ops._checks import (
 )
 from mtp_ctrl.triton_ops._dispatch import use_triton
 from mtp_ctrl.triton_ops._layout_checks import check_contiguous, check_unit_last_stride
+from mtp_ctrl.triton_ops._span_programs import programs_per_span
 
 BLOCK_ROWS = 4
 MAX_BLOCK_HIDDEN = 1024
@@ -49,10 +50,11 @@ def _ptd_prepare_inputs_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_HIDDEN: tl.constexpr,
 ):
-    """Grid ``(cdiv(T_out, BLOCK_ROWS), cdiv(H, BLOCK_HIDDEN))``: a tile of output rows x hidden.
+    """Grid ``(cdiv(T_out, BLOCK_ROWS), hidden programs)``: a tile of output rows per program.
 
     Each row finds its request by binary search over ``out_query_start_loc`` (``SEARCH_STEPS >=
-    log2(R)`` halvings); the programs of hidden tile 0 also write the row's token, position, slot.
+    log2(R)`` halvings), once per program. Hidden program ``p`` of ``P`` copies hidden tiles
+    ``p, p + P, ...`` of the rows; program 0 also writes their tokens, positions and slots.
     """
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     in_output = rows < num_output_rows
@@ -103,19 +105,23 @@ def _ptd_prepare_inputs_kernel(
         slots = tl.where(is_verified, verified_slot, tl.where(is_draft_slot, draft_slot, -1))
         tl.store(OUT_SLOT_MAPPING_PTR + rows, slots.to(OUT_SLOT_MAPPING_PTR.dtype.element_ty), mask=in_output)
 
-    columns = tl.program_id(1) * BLOCK_HIDDEN + tl.arange(0, BLOCK_HIDDEN)  # [BLOCK_HIDDEN]
-    in_hidden = columns < hidden_size
-    target_rows = tl.load(
-        TARGET_HIDDEN_PTR + source[:, None] * target_hidden_stride + columns[None, :],
-        mask=is_source_row[:, None] & in_hidden[None, :],
-    )
-    mask_row = tl.load(MASK_HIDDEN_PTR + columns, mask=in_hidden)
-    hidden = tl.where(is_verified[:, None], target_rows, mask_row[None, :])
-    tl.store(
-        OUT_HIDDEN_PTR + rows[:, None] * hidden_size + columns[None, :],
-        hidden,
-        mask=in_output[:, None] & in_hidden[None, :],
-    )
+    hidden_tile = tl.arange(0, BLOCK_HIDDEN)  # [BLOCK_HIDDEN]
+    first_column = tl.program_id(1) * BLOCK_HIDDEN
+    column_stride = tl.num_programs(1) * BLOCK_HIDDEN
+    for column_start in range(first_column, hidden_size, column_stride):
+        columns = column_start + hidden_tile
+        in_hidden = columns < hidden_size
+        target_rows = tl.load(
+            TARGET_HIDDEN_PTR + source[:, None] * target_hidden_stride + columns[None, :],
+            mask=is_source_row[:, None] & in_hidden[None, :],
+        )
+        mask_row = tl.load(MASK_HIDDEN_PTR + columns, mask=in_hidden)
+        hidden = tl.where(is_verified[:, None], target_rows, mask_row[None, :])
+        tl.store(
+            OUT_HIDDEN_PTR + rows[:, None] * hidden_size + columns[None, :],
+            hidden,
+            mask=in_output[:, None] & in_hidden[None, :],
+        )
 
 
 def _check_args(
@@ -247,7 +253,8 @@ def ptd_prepare_inputs(
     slot_mapping = torch.empty(num_output_rows, dtype=torch.int64, device=device)  # [T_out]
     if num_output_rows > 0 and hidden_size > 0:
         block_hidden = min(triton.next_power_of_2(hidden_size), MAX_BLOCK_HIDDEN)
-        grid = (triton.cdiv(num_output_rows, BLOCK_ROWS), triton.cdiv(hidden_size, block_hidden))
+        num_row_tiles = triton.cdiv(num_output_rows, BLOCK_ROWS)
+        grid = (num_row_tiles, programs_per_span(num_row_tiles, hidden_size, block_hidden))
         _ptd_prepare_inputs_kernel[grid](
             target_token_ids,
             target_positions,

@@ -16,7 +16,7 @@ from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
 from mtp_ctrl.triton_ops._layout_checks import check_contiguous, check_unit_last_stride
-from mtp_ctrl.triton_ops._row_programs import row_programs_per_request
+from mtp_ctrl.triton_ops._span_programs import programs_per_span
 
 BLOCK_ROWS_1D = 256  # a tile of 1-D values: BLOCK_ROWS_1D rows of width 1
 BLOCK_ROWS_HIDDEN = 4  # a tile of hidden rows: BLOCK_ROWS_HIDDEN x up to MAX_BLOCK_HIDDEN values
@@ -159,7 +159,7 @@ def _launch(src, cached, query_start_loc, shifts, cached_lens, store_starts, sto
     new_cached = torch.empty((num_seqs, max_shift, row_width), dtype=src.dtype, device=src.device)  # [N, MAX_SHIFT, W]
     if row_width == 0 or num_rows + num_seqs == 0:
         return dst, new_cached
-    programs = row_programs_per_request(num_seqs + 1, num_rows, block_rows)
+    programs = programs_per_span(num_seqs + 1, num_rows, block_rows)
     grid = (num_seqs + 1, programs, triton.cdiv(row_width, block_width))
     _shift_and_gather_kernel[grid](
         src,

@@ -106,3 +106,11 @@ def test_non_contiguous_input_is_rejected():
     args[0] = torch.arange(12, dtype=torch.int32)[::2]
     with pytest.raises(ValueError, match="target_token_ids must be contiguous"):
         copy_and_expand_eagle_inputs(*args)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_one_program_per_request_walks_every_row_block(monkeypatch, shift):
+    monkeypatch.setattr("mtp_ctrl.triton_ops._span_programs.TARGET_PROGRAMS", 1)
+    generator = torch.Generator().manual_seed(3)
+    args = eagle_inputs_case(generator, num_requests=2, max_rows=400, shift=shift, padding_rows=300)
+    assert_outputs_equal(copy_and_expand_eagle_inputs(*args), reference.copy_and_expand_eagle_inputs(*args))

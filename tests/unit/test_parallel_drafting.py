@@ -101,3 +101,11 @@ def test_bad_arguments_are_named(index, value, error, match):
     args[index] = value
     with pytest.raises(error, match=match):
         ptd_prepare_inputs(*args)
+
+
+def test_one_program_per_row_tile_walks_every_hidden_tile(monkeypatch):
+    monkeypatch.setattr("mtp_ctrl.triton_ops._span_programs.TARGET_PROGRAMS", 1)
+    generator = torch.Generator().manual_seed(11)
+    args = ptd_case(generator, num_requests=3, max_rows=4, hidden_size=2100, num_drafts=2, padding_rows=1)
+    for got, want in zip(ptd_prepare_inputs(*args), reference.ptd_prepare_inputs(*args)):
+        assert torch.equal(got, want)

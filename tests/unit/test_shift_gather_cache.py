@@ -106,3 +106,14 @@ def test_hidden_bad_cached_width_is_named():
     args[1] = torch.zeros(2, 3, 5)
     with pytest.raises(ValueError, match="cached"):
         shift_and_gather_cache_hidden(*args)
+
+
+def test_one_program_per_window_walks_every_row_block(monkeypatch):
+    monkeypatch.setattr("mtp_ctrl.triton_ops._span_programs.TARGET_PROGRAMS", 1)
+    generator = torch.Generator().manual_seed(9)
+    args = shift_gather_case(generator, num_seqs=2, max_rows=700, max_shift=3, padding_rows=600)
+    for got, want in zip(shift_and_gather_cache(*args), reference.shift_and_gather_cache(*args)):
+        assert torch.equal(got, want)
+    args = shift_gather_case(generator, num_seqs=2, max_rows=9, max_shift=2, hidden_size=20, padding_rows=9)
+    for got, want in zip(shift_and_gather_cache_hidden(*args), reference.shift_and_gather_cache_hidden(*args)):
+        assert torch.equal(got, want)
