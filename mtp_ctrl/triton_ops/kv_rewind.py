@@ -28,9 +28,10 @@ __all__ = ["rewind_kv_cache", "max_released_blocks"]
 def _load_active_count(num_active_requests, NUM_ACTIVE_PTR, COUNT_IN_MEMORY: tl.constexpr):
     """The real request count: from device memory (CUDA-graph replay) or the scalar argument."""
     if COUNT_IN_MEMORY:
-        return tl.load(NUM_ACTIVE_PTR)
+        count = tl.load(NUM_ACTIVE_PTR)
     else:
-        return num_active_requests
+        count = num_active_requests
+    return count
 
 
 def active_count_launch_args(num_active_requests: ActiveCount, placeholder: torch.Tensor) -> tuple:
