@@ -4,11 +4,11 @@ Every request is a decode with S = 3 drafts: 1 + S = 4 rows, a random number of 
 (parallel drafting adds K - 1 = 3 draft rows; multi-layer EAGLE keeps MAX_SHIFT = 3 cached rows).
 Per op and batch size: the median time of the eager op (``triton.testing.do_bench``), of the op
 replayed from a CUDA graph (20 calls captured in one graph; per-call median over replays) and of
-its torch reference (eager). The two hidden-row copies (``ptd_prepare_inputs`` hidden rows, ``shift_and_gather_cache_hidden``) also
-report GB/s (rows read + rows written, from the graph time) and the share of a same-run device
-copy of the same bytes (``dst.copy_(src)``, also graph-timed).
+its torch reference (eager). The two hidden-row copies (``ptd_prepare_inputs`` hidden rows,
+``shift_and_gather_cache_hidden``) also report GB/s (rows read + rows written, from the graph
+time) and the share of a same-run device copy of the same bytes (``dst.copy_(src)``, graph-timed).
 
-    python bench/bench_drafting_ops.py            # 1, 8, 64, 256, 1024 requests; H = 4096 and 7168 (bf16)
+    python bench/bench_drafting_ops.py            # 1, 8, 64, 256, 1024 requests; H = 4096, 7168 (bf16)
     python bench/bench_drafting_ops.py --quick    # 1, 64, 1024 requests; H = 7168
 """
 

@@ -89,7 +89,8 @@ def _copy_and_expand_eagle_inputs_kernel(
             in_bounds = out_rows < num_output_rows
             padding_tokens = (tl.zeros_like(j) + padding_token_id).to(OUT_INPUT_IDS_PTR.dtype.element_ty)
             tl.store(OUT_INPUT_IDS_PTR + out_rows, padding_tokens, mask=in_bounds)
-            tl.store(OUT_POSITIONS_PTR + out_rows, tl.zeros_like(j).to(OUT_POSITIONS_PTR.dtype.element_ty), mask=in_bounds)
+            zero_positions = tl.zeros_like(j).to(OUT_POSITIONS_PTR.dtype.element_ty)
+            tl.store(OUT_POSITIONS_PTR + out_rows, zero_positions, mask=in_bounds)
             tl.store(OUT_IS_REJECTED_PTR + out_rows, j >= 0, mask=in_bounds)
             tl.store(OUT_IS_MASKED_PTR + out_rows, j < 0, mask=in_bounds)
             if INPUT_OFFSET == 1:

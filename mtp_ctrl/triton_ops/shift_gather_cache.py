@@ -212,12 +212,14 @@ def shift_and_gather_cache(
     check_tensor("cached", cached, dtypes=(src.dtype,), ndim=2)
     num_seqs = cached.shape[0]
     if cached.shape[1] < 1:
-        raise ValueError(f"cached must hold at least one row per sequence (MAX_SHIFT >= 1), got shape {tuple(cached.shape)}")
+        raise ValueError(f"cached needs MAX_SHIFT >= 1 rows per sequence, got shape {tuple(cached.shape)}")
     windows = _check_windows(num_seqs, query_start_loc, shifts, cached_lens, store_starts, store_lens)
     check_same_device(src=src, cached=cached, **windows)
     check_contiguous(src=src, cached=cached)
     if not use_triton(src):
-        return reference.shift_and_gather_cache(src, cached, query_start_loc, shifts, cached_lens, store_starts, store_lens)
+        return reference.shift_and_gather_cache(
+            src, cached, query_start_loc, shifts, cached_lens, store_starts, store_lens
+        )
     dst, new_cached = _launch(
         src[:, None], cached[:, :, None], query_start_loc, shifts, cached_lens, store_starts, store_lens,
         block_rows=BLOCK_ROWS_1D, block_width=1,
@@ -244,7 +246,7 @@ def shift_and_gather_cache_hidden(
     check_tensor("cached", cached, dtypes=(src.dtype,), shape=(None, None, hidden_size))
     num_seqs = cached.shape[0]
     if cached.shape[1] < 1:
-        raise ValueError(f"cached must hold at least one row per sequence (MAX_SHIFT >= 1), got shape {tuple(cached.shape)}")
+        raise ValueError(f"cached needs MAX_SHIFT >= 1 rows per sequence, got shape {tuple(cached.shape)}")
     windows = _check_windows(num_seqs, query_start_loc, shifts, cached_lens, store_starts, store_lens)
     check_same_device(src=src, cached=cached, **windows)
     check_unit_last_stride(src=src, cached=cached)

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtp_ctrl.triton_ops import copy_and_expand_eagle_inputs, reference
 from tests.unit.drafting_cases import eagle_inputs_case
@@ -113,4 +115,14 @@ def test_one_program_per_request_walks_every_row_block(monkeypatch, shift):
     monkeypatch.setattr("mtp_ctrl.triton_ops._span_programs.TARGET_PROGRAMS", 1)
     generator = torch.Generator().manual_seed(3)
     args = eagle_inputs_case(generator, num_requests=2, max_rows=400, shift=shift, padding_rows=300)
+    assert_outputs_equal(copy_and_expand_eagle_inputs(*args), reference.copy_and_expand_eagle_inputs(*args))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), num_requests=st.integers(0, 12), max_rows=st.integers(1, 140),
+       padding_rows=st.integers(0, 4), shift=st.booleans())
+def test_kernel_matches_reference_property(seed, num_requests, max_rows, padding_rows, shift):
+    generator = torch.Generator().manual_seed(seed)
+    args = eagle_inputs_case(generator, num_requests=num_requests, max_rows=max_rows, shift=shift,
+                             padding_rows=padding_rows)
     assert_outputs_equal(copy_and_expand_eagle_inputs(*args), reference.copy_and_expand_eagle_inputs(*args))

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtp_ctrl.triton_ops import ptd_prepare_inputs, reference
 from tests.unit.drafting_cases import ptd_case
@@ -107,5 +109,16 @@ def test_one_program_per_row_tile_walks_every_hidden_tile(monkeypatch):
     monkeypatch.setattr("mtp_ctrl.triton_ops._span_programs.TARGET_PROGRAMS", 1)
     generator = torch.Generator().manual_seed(11)
     args = ptd_case(generator, num_requests=3, max_rows=4, hidden_size=2100, num_drafts=2, padding_rows=1)
+    for got, want in zip(ptd_prepare_inputs(*args), reference.ptd_prepare_inputs(*args)):
+        assert torch.equal(got, want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), num_requests=st.integers(0, 12), max_rows=st.integers(1, 8),
+       hidden_size=st.integers(1, 70), num_drafts=st.integers(1, 5), padding_rows=st.integers(0, 4))
+def test_kernel_matches_reference_property(seed, num_requests, max_rows, hidden_size, num_drafts, padding_rows):
+    generator = torch.Generator().manual_seed(seed)
+    args = ptd_case(generator, num_requests=num_requests, max_rows=max_rows, hidden_size=hidden_size,
+                    num_drafts=num_drafts, padding_rows=padding_rows)
     for got, want in zip(ptd_prepare_inputs(*args), reference.ptd_prepare_inputs(*args)):
         assert torch.equal(got, want)

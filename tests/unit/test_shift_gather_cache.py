@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtp_ctrl.triton_ops import reference, shift_and_gather_cache, shift_and_gather_cache_hidden
 from tests.unit.drafting_cases import shift_gather_case
@@ -116,4 +118,17 @@ def test_one_program_per_window_walks_every_row_block(monkeypatch):
         assert torch.equal(got, want)
     args = shift_gather_case(generator, num_seqs=2, max_rows=9, max_shift=2, hidden_size=20, padding_rows=9)
     for got, want in zip(shift_and_gather_cache_hidden(*args), reference.shift_and_gather_cache_hidden(*args)):
+        assert torch.equal(got, want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), num_seqs=st.integers(0, 10), max_rows=st.integers(0, 300),
+       max_shift=st.integers(1, 6), padding_rows=st.integers(0, 4), hidden_size=st.sampled_from([None, 1, 9, 130]))
+def test_kernel_matches_reference_property(seed, num_seqs, max_rows, max_shift, padding_rows, hidden_size):
+    generator = torch.Generator().manual_seed(seed)
+    args = shift_gather_case(generator, num_seqs=num_seqs, max_rows=max_rows, max_shift=max_shift,
+                             hidden_size=hidden_size, padding_rows=padding_rows)
+    op, reference_op = ((shift_and_gather_cache, reference.shift_and_gather_cache) if hidden_size is None else
+                        (shift_and_gather_cache_hidden, reference.shift_and_gather_cache_hidden))
+    for got, want in zip(op(*args), reference_op(*args)):
         assert torch.equal(got, want)

@@ -132,6 +132,19 @@ def eagle_step_update_slot_mapping_and_metadata(
     out_slot_mapping[batch_size:input_batch_size] = PAD_SLOT
 
 
+def _positions_of_rows(query_start_loc, seq_lens, num_rows):
+    """[num_rows] int64: row ``k`` of request ``b`` sits at ``seq_lens[b] - query_len[b] + k``, padding rows at 0."""
+    rows = torch.arange(num_rows, device=query_start_loc.device)  # [T] int64
+    batch_size = seq_lens.shape[0]
+    if batch_size == 0:
+        return torch.zeros_like(rows)
+    starts = query_start_loc.to(torch.int64)  # [B + 1]
+    request = _owner_of_rows(starts, rows).clamp(max=batch_size - 1)  # [T]
+    first_positions = seq_lens.to(torch.int64) - (starts[1:] - starts[:-1])  # [B]
+    positions = first_positions[request] + rows - starts[request]
+    return torch.where(rows < starts[-1], positions, torch.zeros_like(rows))
+
+
 def extend_all_queries_by_n(metadata, n, new_slot_mapping, new_positions=None):
     batch_size = metadata.seq_lens.shape[0]
     query_start_loc = metadata.query_start_loc  # [B + 1]
@@ -139,18 +152,7 @@ def extend_all_queries_by_n(metadata, n, new_slot_mapping, new_positions=None):
     new_query_start_loc = query_start_loc + n * steps
     new_seq_lens = metadata.seq_lens + n
     if new_positions is None:
-        # row k of request b sits at position seq_lens[b] - query_len[b] + k; padding rows at 0
-        rows = torch.arange(new_slot_mapping.shape[0], device=new_slot_mapping.device)  # [T_new]
-        request = _owner_of_rows(new_query_start_loc, rows)
-        is_real = request < batch_size
-        owner = request.clamp(max=max(batch_size - 1, 0))
-        if batch_size == 0:
-            new_positions = torch.zeros_like(rows)
-        else:
-            query_lens = (new_query_start_loc[1:] - new_query_start_loc[:-1]).to(torch.int64)  # [B]
-            first = new_seq_lens.to(torch.int64) - query_lens  # [B] position of each request's first row
-            local = rows - new_query_start_loc[owner].to(torch.int64)
-            new_positions = torch.where(is_real, first[owner] + local, torch.zeros_like(rows))
+        new_positions = _positions_of_rows(new_query_start_loc, new_seq_lens, new_slot_mapping.shape[0])
     return dataclasses.replace(
         metadata,
         query_start_loc=new_query_start_loc,
