@@ -13,7 +13,7 @@ def _randint(generator, low, high):
 
 
 def _starts(lengths, dtype=torch.int32):
-    """``[0, l0, l0 + l1, ...]``: packed start of each span, and the total."""
+    """``[0, l0, l0 + l1, ...]``: the packed start of each span, then the total row count."""
     bounds = [0]
     for length in lengths:
         bounds.append(bounds[-1] + length)
