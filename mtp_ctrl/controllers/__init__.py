@@ -1,1 +1,22 @@
-"""Text generation controllers: the step loop, sampling, acceptance, proposers."""
+"""Text generation controllers: the step loop, sampling, acceptance, proposers.
+
+Importing this package imports megatron-core (through the model adapters).
+"""
+
+from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
+from mtp_ctrl.controllers.controller import TextGenerationController
+from mtp_ctrl.controllers.mtp_proposer import MTPProposer
+from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
+from mtp_ctrl.controllers.requests import GenerationResult
+from mtp_ctrl.controllers.stop_rules import FinishReason
+
+__all__ = [
+    "DraftBatch",
+    "FinishReason",
+    "GenerationResult",
+    "InferenceConfig",
+    "MTPProposer",
+    "Proposer",
+    "SamplingParams",
+    "TextGenerationController",
+]

@@ -34,7 +34,8 @@ class InferenceConfig:
     num_kv_blocks / kv_cache_bytes: the KV pool, as a block count or a byte budget (one of them;
         neither = enough blocks for max_requests full-length requests).
     max_model_len: prompt + generated tokens of one request.
-    max_tokens_per_step: query rows of one forward pass (prefill chunks share this budget).
+    max_tokens_per_step: query rows of one forward pass; at least max_requests x (1 + S), so every
+        decode request runs every step (prefill chunks share the rest).
     cuda_graph_batch_sizes: decode batch buckets captured as CUDA graphs (CUDA only; empty = eager).
     mtp_attention: "paged" drafts with each MTP layer attending over its own paged KV cache (as
         trained); "single_position" attends to the current row only (Megatron-LM's inference).
@@ -63,10 +64,10 @@ class InferenceConfig:
         if self.kv_cache_bytes is not None:
             _require_int("kv_cache_bytes", self.kv_cache_bytes, 1)
         stride = self.num_speculative_tokens + 1
-        if self.max_tokens_per_step < stride:
+        if self.max_tokens_per_step < self.max_requests * stride:
             raise ValueError(
-                f"max_tokens_per_step ({self.max_tokens_per_step}) must hold one decode request's "
-                f"1 + num_speculative_tokens = {stride} rows"
+                f"max_tokens_per_step ({self.max_tokens_per_step}) must hold every running request's "
+                f"decode rows: max_requests x (1 + num_speculative_tokens) = {self.max_requests * stride}"
             )
         buckets = tuple(self.cuda_graph_batch_sizes)
         for size in buckets:

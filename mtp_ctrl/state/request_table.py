@@ -81,7 +81,8 @@ class RequestTable:
 
     Device-only rows the controller writes each step (they move with their request):
     ``next_tokens`` ``[R]`` int64, the base token of the next decode step (the token sampled
-    last), and ``draft_tokens`` ``[R, S]`` int64, the drafts of the next decode step.
+    last), and ``draft_tokens`` ``[R, S]`` int64, the drafts of the next decode step. Callers
+    register more with :meth:`add_device_rows`.
 
     ``staging``: buffers holding :meth:`sections` (a context shares one with its step buffers,
     so one copy moves both); None allocates the table's own on ``device``.
@@ -108,13 +109,9 @@ class RequestTable:
         self._device_fields = staging.device["row_fields"]  # [F, R + 1] int64
         self._host_block_ids = staging.host["kv_block_ids"]  # [R + 1, MB] int64
         self._device_block_ids = staging.device["kv_block_ids"]  # [R + 1, MB] int64
-        device = self._device_fields.device
-        self._next_tokens = torch.zeros(max_requests + 1, dtype=torch.int64, device=device)  # [R + 1] int64
-        self._draft_tokens = torch.zeros(  # [R + 1, S] int64
-            max_requests + 1, num_speculative_tokens, dtype=torch.int64, device=device
-        )
-        self.next_tokens = self._next_tokens[:max_requests]  # [R] int64
-        self.draft_tokens = self._draft_tokens[:max_requests]  # [R, S] int64
+        self._device_rows: Dict[str, torch.Tensor] = {}  # name -> [R + 1, ...] device-only rows
+        self.next_tokens = self.add_device_rows("next_tokens", (), torch.int64)  # [R] int64
+        self.draft_tokens = self.add_device_rows("draft_tokens", (num_speculative_tokens,), torch.int64)  # [R, S] int64
         self.host = self._rows(self._host_fields, self._host_block_ids)
         self.device = self._rows(self._device_fields, self._device_block_ids)
         for rows in (self._host_fields, self._device_fields):
@@ -132,6 +129,16 @@ class RequestTable:
             "row_fields": ((len(ROW_FIELDS), max_requests + 1), torch.int64),
             "kv_block_ids": ((max_requests + 1, max_blocks_per_request), torch.int64),
         }
+
+    def add_device_rows(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+        """Allocate a device-only ``[R, *shape]`` buffer whose row ``r`` belongs to the request at
+        table row ``r`` and moves with it (callers' per-request state: sampling parameters, a
+        proposer's token history, ...). Returns the ``[R, *shape]`` view."""
+        if name in self._device_rows:
+            raise ValueError(f"device rows {name!r} already exist")
+        rows = torch.full((self.max_requests + 1, *shape), fill, dtype=dtype, device=self._device_fields.device)
+        self._device_rows[name] = rows  # [R + 1, *shape]: the last row is the swap scratch row
+        return rows[: self.max_requests]
 
     # ----- where requests are -------------------------------------------------------------
 
@@ -220,8 +227,8 @@ class RequestTable:
         for fields, block_ids in ((self._host_fields, self._host_block_ids), (self._device_fields, self._device_block_ids)):
             fields[:, dst].copy_(fields[:, src])
             block_ids[dst].copy_(block_ids[src])
-        self._next_tokens[dst].copy_(self._next_tokens[src])
-        self._draft_tokens[dst].copy_(self._draft_tokens[src])
+        for rows in self._device_rows.values():
+            rows[dst].copy_(rows[src])
 
     # ----- host values -------------------------------------------------------------------
 

@@ -43,6 +43,8 @@ class StepMetadata:
     num_prefill: int  # prefill requests after them
     num_final_prefill_chunks: int  # the first this many prefill requests finish their prompt
     dimensions: BatchDimensions  # padded to a CUDA-graph batch for decode-only steps
+    host_query_start_loc: torch.Tensor  # [num_requests + 1] int64 (CPU): real requests' rows
+    host_first_positions: torch.Tensor  # [num_requests] int64 (CPU): position of each request's first row
 
     @property
     def num_requests(self) -> int:
@@ -159,4 +161,6 @@ class StepBuffers:
             num_prefill=num_prefill,
             num_final_prefill_chunks=num_final_prefill_chunks,
             dimensions=BatchDimensions(padded_tokens, batch_size - num_prefill, num_prefill),
+            host_query_start_loc=query_start_loc,
+            host_first_positions=seq_lens - query_lengths,
         )

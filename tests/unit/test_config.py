@@ -15,9 +15,9 @@ from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
         (dict(max_model_len=1), ValueError, "max_model_len"),
         (dict(num_kv_blocks=4, kv_cache_bytes=1024), ValueError, "num_kv_blocks"),
         (dict(num_kv_blocks=0), ValueError, "num_kv_blocks"),
-        (dict(max_tokens_per_step=2, num_speculative_tokens=3), ValueError, "max_tokens_per_step"),
+        (dict(max_tokens_per_step=15, max_requests=8, num_speculative_tokens=1), ValueError, "max_tokens_per_step"),
         (dict(cuda_graph_batch_sizes=(4, 2)), ValueError, "cuda_graph_batch_sizes"),
-        (dict(cuda_graph_batch_sizes=(1, 128), max_tokens_per_step=64), ValueError, "cuda_graph_batch_sizes"),
+        (dict(cuda_graph_batch_sizes=(1, 128), max_requests=2, max_tokens_per_step=64), ValueError, "cuda_graph_batch_sizes"),
         (dict(mtp_attention="full"), ValueError, "mtp_attention"),
     ],
 )

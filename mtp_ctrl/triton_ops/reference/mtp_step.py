@@ -31,7 +31,7 @@ def verify_speculative_tokens(
     decode_outputs = output_tokens[:decode_len].reshape(num_decode_requests, stride)  # [Nd, S + 1]
     # draft i (row i + 1) matches when it equals what the target sampled at row i
     draft_matches = decode_inputs[:, 1:] == decode_outputs[:, :-1]  # [Nd, S] bool
-    base_row = torch.ones_like(draft_matches[:, :1])  # [Nd, 1] bool
+    base_row = torch.ones(num_decode_requests, 1, dtype=torch.bool, device=tokens.device)  # [Nd, 1] bool
     decode_accepted = torch.cat([base_row, draft_matches], dim=1).cumprod(dim=1).bool()  # [Nd, S + 1]
 
     accepted_tokens_mask = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)  # [T]

@@ -1,0 +1,49 @@
+"""Proposers: what drafts the next S tokens of every request from verified state.
+
+A proposer is bound to the controller once (:meth:`Proposer.bind`), may register per-request
+device rows in the request table there (they move with their request), and is called once per
+step after verification with a :class:`DraftBatch`. It returns ``[n, S]`` int64 drafts for the
+``n`` requests that sampled this step, without a host sync. :meth:`Proposer.on_step_committed`
+runs after the step's small read-back, with host values, for bookkeeping.
+
+Subclass :class:`Proposer` to plug in another drafter (see ``examples/custom_proposer.py``).
+"""
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from mtp_ctrl.state.step_metadata import StepMetadata
+
+if TYPE_CHECKING:  # the controller imports this module; no cycle at run time
+    from mtp_ctrl.controllers.controller import TextGenerationController
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftBatch:
+    """A step's verified state, as the proposer sees it. Requests are table rows ``[0, n)``."""
+
+    step: StepMetadata
+    hidden: torch.Tensor  # [T, H] decoder output of the step's rows (after the final norm)
+    num_sampling_requests: int  # n: decodes and final prefill chunks (rows [0, n) of the table)
+    next_tokens: torch.Tensor  # [n] int64, the token each request sampled last (verified)
+    last_accepted_rows: torch.Tensor  # [n] int64, packed row of each request's last accepted row
+    accepted_counts: torch.Tensor  # [n] int64, accepted drafts (0 for prefill requests)
+
+
+class Proposer(abc.ABC):
+    """Drafts ``num_speculative_tokens`` tokens per request."""
+
+    def bind(self, controller: "TextGenerationController") -> None:
+        """Called once by the controller's constructor: allocate buffers here."""
+        self.controller = controller
+
+    @abc.abstractmethod
+    def propose(self, batch: DraftBatch) -> torch.Tensor:
+        """Return ``[batch.num_sampling_requests, S]`` int64 drafts (device tensor, no host sync)."""
+
+    def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
+        """Host-side bookkeeping after the step's read-back (``accepted_counts``: one per
+        sampling request, host ints). Default: nothing."""
