@@ -171,10 +171,13 @@ def _check_out(out, num_requests, total_row_count, release_width, release_dtype,
         raise TypeError("out must be a StepCommit (or a sequence of 4 tensors)")
     out = StepCommit(*out)
     shape = release_shape(num_requests, release_width)
-    check_tensor("out.last_one_indices", out.last_one_indices, dtypes=(torch.int64,), shape=(num_requests,), device=device)
-    check_tensor("out.accepted_tokens_mask", out.accepted_tokens_mask, dtypes=(torch.bool,), shape=(total_row_count,), device=device)
-    check_tensor("out.blocks_to_release", out.blocks_to_release, dtypes=(release_dtype,), shape=shape, device=device)
-    check_tensor("out.remove_mask", out.remove_mask, dtypes=(torch.bool,), shape=shape, device=device)
+    for name, dtype, expected_shape in (
+        ("last_one_indices", torch.int64, (num_requests,)),
+        ("accepted_tokens_mask", torch.bool, (total_row_count,)),
+        ("blocks_to_release", release_dtype, shape),
+        ("remove_mask", torch.bool, shape),
+    ):
+        check_tensor(f"out.{name}", getattr(out, name), dtypes=(dtype,), shape=expected_shape, device=device)
     return out
 
 

@@ -181,7 +181,9 @@ def _rewind_kv_cache_kernel(
     )
 
 
-def check_kv_state(last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids, num_requests, device):
+def check_kv_state(
+    last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids, num_requests, device
+):
     """Validate the per-request KV bookkeeping tensors of ``num_requests`` requests (shared with the fused op)."""
     for name, tensor in (
         ("last_kv_block_offset", last_kv_block_offset),

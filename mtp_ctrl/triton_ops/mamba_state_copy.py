@@ -86,7 +86,10 @@ def _check_args(intermediate_states, current_states, prefill_status, state_idx, 
     check_int("num_layers", num_layers)
     if num_layers != num_layers_held:
         raise ValueError(f"num_layers is {num_layers} but intermediate_states holds {num_layers_held} layers")
-    for name, tensor, first_state_dim in (("intermediate_states", intermediate_states, 3), ("current_states", current_states, 2)):
+    for name, tensor, first_state_dim in (
+        ("intermediate_states", intermediate_states, 3),
+        ("current_states", current_states, 2),
+    ):
         if not _state_dims_contiguous(tensor, first_state_dim):
             raise ValueError(f"{name} must be contiguous over its state dims {state_shape}")
     check_tensor("prefill_status", prefill_status, dtypes=INDEX_DTYPES, ndim=1)

@@ -26,7 +26,8 @@ def _store_last_accepted(
     last_row,
     enabled,
 ):
-    """``*SAMPLED_TOKEN_PTR = output_tokens[last_row]``, ``*LAST_ACCEPTED_SEQ_PTR = required_logit_indices[last_row]``."""
+    """``*SAMPLED_TOKEN_PTR = output_tokens[last_row]`` and
+    ``*LAST_ACCEPTED_SEQ_PTR = required_logit_indices[last_row]``, if ``enabled``."""
     sampled = tl.load(OUTPUT_TOKENS_PTR + last_row * output_stride, mask=enabled)
     sequence_index = tl.load(REQUIRED_LOGIT_INDICES_PTR + last_row * required_stride, mask=enabled)
     tl.store(SAMPLED_TOKEN_PTR, sampled, mask=enabled)

@@ -104,6 +104,8 @@ def _valid_args():
         (1, lambda t: t.to("meta"), ValueError, "output_tokens"),
         (2, lambda t: t[None, :], ValueError, "required_logit_indices"),
         (3, lambda t: t.float(), TypeError, "last_one_indices"),
+        (3, lambda t: t[:, None], ValueError, "last_one_indices"),
+        (4, lambda t: t.to("meta"), ValueError, "accepted_tokens_mask"),
         (4, lambda t: t.long(), TypeError, "accepted_tokens_mask"),
         (4, lambda t: t[:5], ValueError, "accepted_tokens_mask"),
         (5, lambda t: t[:5], ValueError, "input_tokens"),
