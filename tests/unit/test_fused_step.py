@@ -108,7 +108,7 @@ def test_equals_the_three_separate_ops_in_a_row(num_decode, num_prefill, num_spe
 
 @pytest.mark.parametrize(
     "num_decode,num_prefill,num_spec,block_size",
-    [(1, 0, 1, 4), (0, 3, 3, 4), (5, 2, 3, 4), (7, 4, 6, 3), (40, 1, 3, 16), (9, 2, 8, 2), (4, 4, 4, 64)],
+    [(1, 0, 1, 4), (0, 3, 3, 4), (3, 2, 0, 4), (5, 2, 3, 4), (7, 4, 6, 3), (40, 1, 3, 16), (9, 2, 8, 2), (4, 4, 4, 64)],
 )
 @pytest.mark.parametrize("padding", ["none", "int", "tensor"])
 def test_random_cases_kernel_equals_reference(num_decode, num_prefill, num_spec, block_size, padding):

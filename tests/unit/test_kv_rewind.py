@@ -85,7 +85,7 @@ def _check_invariant(old_state, new_state, accepted, prefill, num_active, num_sp
 
 
 @pytest.mark.parametrize("num_requests", [1, 7, 40])
-@pytest.mark.parametrize("num_spec,block_size", [(1, 1), (3, 4), (4, 4), (5, 2), (8, 1), (8, 3), (2, 16), (7, 64)])
+@pytest.mark.parametrize("num_spec,block_size", [(0, 4), (1, 1), (3, 4), (4, 4), (5, 2), (8, 1), (8, 3), (2, 16), (7, 64)])
 def test_random_states_kernel_equals_reference_and_keeps_the_invariant(num_requests, num_spec, block_size):
     for seed in range(2):
         generator = torch.Generator().manual_seed(seed)

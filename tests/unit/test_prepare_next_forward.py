@@ -64,7 +64,7 @@ def test_known_answer_with_prefill_rows_left_alone(op):
 
 @pytest.mark.parametrize(
     "num_decode,num_prefill,num_spec",
-    [(0, 0, 2), (1, 0, 1), (0, 3, 4), (2, 1, 8), (5, 4, 3), (40, 2, 3), (9, 0, 5)],
+    [(0, 0, 2), (1, 0, 1), (0, 3, 4), (2, 1, 8), (3, 2, 0), (5, 4, 3), (40, 2, 3), (9, 0, 5)],
 )
 @pytest.mark.parametrize("dtype,strided", [(torch.int64, False), (torch.int32, True)])
 def test_random_cases_match_the_request_loop(num_decode, num_prefill, num_spec, dtype, strided):

@@ -43,7 +43,7 @@ def test_three_decode_requests_accepting_1_2_0_and_two_prefill_rows(op):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize(
     "num_decode,num_prefill,num_spec",
-    [(0, 0, 3), (1, 0, 1), (0, 1, 2), (1, 1, 8), (3, 2, 4), (7, 5, 3), (5, 0, 7), (40, 3, 3), (13, 0, 6)],
+    [(0, 0, 3), (1, 0, 1), (0, 1, 2), (1, 1, 8), (4, 2, 0), (3, 2, 4), (7, 5, 3), (5, 0, 7), (40, 3, 3), (13, 0, 6)],
 )
 def test_random_cases_match_the_row_loop(op, num_decode, num_prefill, num_spec):
     for seed in range(3):
