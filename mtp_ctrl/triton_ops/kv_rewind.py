@@ -91,6 +91,7 @@ def _rewind_request(
     rewind = tl.where(is_real, rewind, 0)
     position = old_offset - rewind  # the new last token's offset, relative to the old last block
     released = (tl.maximum(-position, 0) + BLOCK_SIZE_TOKENS - 1) // BLOCK_SIZE_TOKENS
+    # never more than the request holds, nor than W (only inconsistent inputs reach either bound)
     released = tl.minimum(released, tl.minimum(tl.maximum(old_count, 0), RELEASE_WIDTH))
     released = tl.where(is_real, released, 0)
     new_count = old_count - released

@@ -98,7 +98,7 @@ def rewind_kv_cache(
     rewind = torch.where(real, rewind, 0)
     position = old_offset - rewind  # [N] new last token's offset relative to the old last block
     released = (torch.clamp(-position, min=0) + block_size_tokens - 1) // block_size_tokens  # ceil(-position / bs)
-    released = torch.minimum(released, old_count.clamp(0, width))
+    released = torch.minimum(released, old_count.clamp(0, width))  # bounds only inconsistent inputs reach
     released = torch.where(real, released, 0)  # [N] blocks freed
     new_count = old_count - released  # [N]
 
