@@ -25,7 +25,10 @@ MAX_KV_TOKENS = 1 << 22  # batch * context cap: 16 GiB of bf16 K + V, plus a den
 
 
 def _time_us(fn):
-    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50)
+    # Eager median (launch included). Timing under triton's do_bench_cudagraph hit an illegal
+    # memory access at batch 32 (context 8k / 32k) on an H100 that eager runs of the same shapes
+    # do not show: under investigation, see bench/RESULTS.md.
+    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def _copy_gbps(num_bytes):
