@@ -65,7 +65,8 @@ def run_scenario(device, seed, block_size_tokens, num_speculative_tokens, steps=
         ctx.commit_step(step, accepted)
         assert ctx.table.mismatched_fields() == []
         att = step.attention
-        record.append([t.cpu() for t in (step.input_ids, step.logits_indices, att.positions, att.slot_mapping,
+        # clone: on the CPU run .cpu() returns the staging buffer itself, which later steps overwrite
+        record.append([t.cpu().clone() for t in (step.input_ids, step.logits_indices, att.positions, att.slot_mapping,
                                           att.query_start_loc, att.seq_lens, att.block_table)])
         record.append(step.request_ids)
         for request_id in step.request_ids:
