@@ -24,10 +24,16 @@ ROWS_PER_REQUEST = 4
 MAX_KV_TOKENS = 1 << 22  # batch * context cap: 16 GiB of bf16 K + V, plus a dense copy for SDPA
 
 
-def _time_us(fn):
-    # Eager median (launch included). Timing under triton's do_bench_cudagraph hit an illegal
-    # memory access at batch 32 (context 8k / 32k) on an H100 that eager runs of the same shapes
-    # do not show: under investigation, see bench/RESULTS.md.
+def _time_us(fn, graph=True):
+    """Median time of ``fn`` in us: replayed from a CUDA graph, or eager (launch included).
+
+    Synchronize first: triton's timers run ``fn`` on a side stream that does not wait for the
+    default stream, so without it the first call can read inputs that are still being written
+    (that race, not the kernel, caused the illegal memory accesses seen in earlier runs).
+    """
+    torch.cuda.synchronize()
+    if graph:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
     return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -50,9 +56,12 @@ def bench_point(batch, context, block_size_tokens):
                                    dtype=torch.int32, device="cuda")  # [B + 1]
     query = torch.randn(batch * ROWS_PER_REQUEST, NUM_QUERY_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     scale = HEAD_DIM ** -0.5
-    paged_us = _time_us(lambda: paged_attention(query, key_cache, value_cache, block_table, seq_lens,
-                                                query_start_loc, scale, max_query_len=ROWS_PER_REQUEST,
-                                                max_seq_len=context))
+    def paged():
+        return paged_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+                               max_query_len=ROWS_PER_REQUEST, max_seq_len=context)
+
+    paged_eager_us = _time_us(paged, graph=False)
+    paged_us = _time_us(paged)
     kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * 2
     del key_cache, value_cache
 
@@ -63,7 +72,7 @@ def bench_point(batch, context, block_size_tokens):
                                                               scale=scale, enable_gqa=True))
     del dense_key, dense_value
     torch.cuda.empty_cache()
-    return paged_us, kv_bytes / (paged_us * 1e-6) / 1e9, sdpa_us
+    return paged_eager_us, paged_us, kv_bytes / (paged_us * 1e-6) / 1e9, sdpa_us
 
 
 def main():
@@ -79,16 +88,17 @@ def main():
         for context in contexts:
             if batch * context > MAX_KV_TOKENS:
                 continue
-            paged_us, gbps, sdpa_us = bench_point(batch, context, args.block_size)
-            rows.append((batch, context, paged_us, gbps, 100 * gbps / copy_gbps, sdpa_us, sdpa_us / paged_us))
+            eager_us, paged_us, gbps, sdpa_us = bench_point(batch, context, args.block_size)
+            rows.append((batch, context, eager_us, paged_us, gbps, 100 * gbps / copy_gbps, sdpa_us, sdpa_us / paged_us))
             print(f"batch {batch:4d} context {context:6d}: {paged_us:9.1f} us  {gbps:7.0f} GB/s", flush=True)
 
     print(f"\n{torch.cuda.get_device_name()}, bf16, Hq={NUM_QUERY_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM}, "
           f"{ROWS_PER_REQUEST} query rows per request, block size {args.block_size}; "
           f"device copy (1 GiB, read + write): {copy_gbps:.0f} GB/s")
-    print(f"{'batch':>5} {'context':>7} {'paged us':>9} {'KV GB/s':>8} {'% copy':>7} {'SDPA us':>9} {'vs SDPA':>8}")
-    for batch, context, paged_us, gbps, percent, sdpa_us, speedup in rows:
-        print(f"{batch:5d} {context:7d} {paged_us:9.1f} {gbps:8.0f} {percent:6.0f}% {sdpa_us:9.1f} {speedup:7.2f}x")
+    print("times: median us; 'graph' = replayed from a CUDA graph (KV GB/s and SDPA from graphs too), 'eager' = launch included")
+    print(f"{'batch':>5} {'context':>7} {'eager us':>9} {'graph us':>9} {'KV GB/s':>8} {'% copy':>7} {'SDPA us':>9} {'vs SDPA':>8}")
+    for batch, context, eager_us, paged_us, gbps, percent, sdpa_us, speedup in rows:
+        print(f"{batch:5d} {context:7d} {eager_us:9.1f} {paged_us:9.1f} {gbps:8.0f} {percent:6.0f}% {sdpa_us:9.1f} {speedup:7.2f}x")
 
 
 if __name__ == "__main__":
