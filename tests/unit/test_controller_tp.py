@@ -1,0 +1,63 @@
+"""Tensor parallelism on CPU: the controller at TP = 2 (two gloo ranks) emits TP = 1's tokens.
+
+Greedy and seeded sampling, with S = 0 and S = 2. Both TP sizes build the same master weights
+(``use_cpu_initialization=True``, same seed) and shard them; every rank runs the controller and
+must produce the same tokens (sampling is a pure function of the gathered logits, seed and
+position, so no broadcast is needed).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from megatron.core import parallel_state
+
+from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups, free_port, init_process_groups, tiny_config
+
+PROMPTS = ([5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45])
+CASES = (  # (num_speculative_tokens, sampling keyword arguments)
+    (0, dict(temperature=0.0)),
+    (2, dict(temperature=0.0)),
+    (0, dict(temperature=0.9, top_k=20, seed=7)),
+    (2, dict(temperature=0.9, top_k=20, seed=7)),
+)
+
+
+def generate_all(tensor_parallel_size: int):
+    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+
+    model = build_tiny_model(tiny_config(mtp_num_layers=2, tensor_parallel_size=tensor_parallel_size))
+    outputs = []
+    for num_speculative_tokens, sampling in CASES:
+        config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=3, block_size_tokens=4,
+                                 max_model_len=48, max_tokens_per_step=64)
+        controller = TextGenerationController(model, config)
+        results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=8, **sampling))
+        outputs.append([list(result.output_tokens) for result in results])
+    return outputs
+
+
+def _tp_worker(rank: int, world_size: int, port: int, expected_path: str) -> None:
+    init_process_groups(rank, world_size, port, world_size)
+    try:
+        expected = torch.load(expected_path)
+        got = generate_all(world_size)
+        for case, (want_case, got_case) in enumerate(zip(expected, got)):
+            assert want_case == got_case, f"rank {rank}, case {CASES[case]}: {got_case} != {want_case}"
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs_path(tmp_path_factory):
+    ensure_single_process_groups()
+    outputs = generate_all(1)
+    assert outputs[0] == outputs[1] and outputs[2] == outputs[3]  # speculation changes nothing at TP = 1
+    path = tmp_path_factory.mktemp("controller_tp") / "tp1_outputs.pt"
+    torch.save(outputs, path)
+    return str(path)
+
+
+def test_controller_tp2_matches_tp1(tp1_outputs_path):
+    mp.spawn(_tp_worker, args=(2, free_port(), tp1_outputs_path), nprocs=2, join=True)
