@@ -111,11 +111,19 @@ class TextGenerationController:
     def add_request(self, prompt_tokens: Union[Sequence[int], torch.Tensor],
                     sampling_params: Optional[SamplingParams] = None) -> int:
         """Queue a request; it joins the running batch as soon as a row is free. Returns its id."""
+        prompt, params = self._check_request(prompt_tokens, sampling_params)
+        return self._queue_request(prompt, params)
+
+    def _check_request(self, prompt_tokens, sampling_params) -> Tuple[List[int], SamplingParams]:
+        """Validate one request without touching any state; returns (prompt, params)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         prompt = self._check_prompt(prompt_tokens)
         params.check_vocab(self.vocab_size)
+        return prompt, params
+
+    def _queue_request(self, prompt: List[int], params: SamplingParams) -> int:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         request_id = self._next_request_id
         self._next_request_id += 1
@@ -305,7 +313,8 @@ class TextGenerationController:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
-        request_ids = [self.add_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+        checked = [self._check_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+        request_ids = [self._queue_request(prompt, params) for prompt, params in checked]  # all valid: queue
         while any(self._records[rid].finish_reason is None for rid in request_ids):
             self.step()
         return [self.result(rid) for rid in request_ids]
