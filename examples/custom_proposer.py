@@ -26,7 +26,8 @@ class RepeatLastTokenProposer(Proposer):
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         # [n] -> [n, S] on the device: no host sync, nothing read back
-        return batch.next_tokens[:, None].expand(-1, self.num_speculative_tokens).clone()
+        next_tokens = batch.next_tokens[: batch.num_sampling_requests]  # [n]
+        return next_tokens[:, None].expand(-1, self.num_speculative_tokens).clone()
 
 
 class PrintingController(TextGenerationController):

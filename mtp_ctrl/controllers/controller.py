@@ -20,6 +20,7 @@ Research hooks, each overridable in a subclass: :meth:`sample_rows` (how a token
 """
 
 import collections
+import dataclasses
 import time
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -27,6 +28,7 @@ import torch
 from megatron.core import parallel_state
 
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
+from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
@@ -34,7 +36,7 @@ from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
 from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
 from mtp_ctrl.models.runner import PagedGPTRunner
-from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpec
+from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
 from mtp_ctrl.triton_ops import verify_and_commit
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
@@ -56,6 +58,8 @@ class TextGenerationController:
         self.proposer = proposer if proposer is not None else MTPProposer(config.mtp_attention)
         if S > 0:
             self.proposer.bind(self)
+        use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes)
+        self._graphs = StepGraphs() if use_graphs else None
         self.metrics = GenerationMetrics(S)
         self._seed_generator = torch.Generator().manual_seed(seed)
         self._records: Dict[int, RequestRecord] = {}
@@ -105,6 +109,7 @@ class TextGenerationController:
         # the step's read-back: [accepted count, bonus token, accepted drafts...] per request
         self._readback = torch.zeros(R, S + 2, dtype=torch.int64, pin_memory=device.type == "cuda")  # [R, S + 2]
         self._readback_device = torch.zeros(R, S + 2, dtype=torch.int64, device=device)
+        self._draft_rows = table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -212,13 +217,48 @@ class TextGenerationController:
         step = self._build_step()
         if step is None:
             return []
-        S, context = self.config.num_speculative_tokens, self.context
-        num_decode, num_sampling = step.num_decode, step.num_sampling_requests
         self._all_greedy = all(self._records[rid].params.greedy for rid in step.request_ids)
+        launch_step = self._with_length_bounds(step) if step.num_prefill == 0 else step
         phase_start = self._phase("schedule", phase_start)
 
-        logits, hidden = self.runner.forward(step.input_ids, step.attention.positions, step.attention, context.kv_caches)
-        phase_start = self._phase("forward", phase_start)
+        graph_batch = launch_step.attention.batch_size
+        if self._graphs is not None and step.num_prefill == 0 and graph_batch in self.config.cuda_graph_batch_sizes:
+            self._graphs.run((graph_batch, self._all_greedy), lambda: self._launch(launch_step))
+        else:
+            self._launch(launch_step)
+        phase_start = self._phase("launch", phase_start)
+
+        readback = self._read_back(step.num_sampling_requests)  # the step's one device-to-host copy
+        phase_start = self._phase("wait", phase_start)
+        accepted = readback[:, 0].tolist()  # host-ok: values already on the host
+        self.context.commit_step(step, accepted[: step.num_decode])
+        if self.config.num_speculative_tokens > 0:
+            self.proposer.on_step_committed(step, accepted)
+        outputs = self._emit(step, readback)
+        self._phase("commit", phase_start)
+        self.on_step_end(outputs)
+        return outputs
+
+    def _with_length_bounds(self, step: StepMetadata) -> StepMetadata:
+        """A decode-only step with the attention's length bounds fixed per configuration, so its
+        kernels' grids do not depend on this batch's lengths (one CUDA graph fits every batch)."""
+        stride = self.config.num_speculative_tokens + 1
+        attention = dataclasses.replace(step.attention, max_query_len=stride,
+                                        max_seq_len=self.config.max_model_len + stride)
+        return dataclasses.replace(step, attention=attention)
+
+    def _launch(self, step: StepMetadata) -> None:
+        """The GPU part of a step: forward, sample, verify + commit, draft, stage the read-back.
+
+        No host sync. A decode-only step also has no value-dependent Python: its grid is the
+        (padded) batch, and the real request count is read on the device, so it can be captured.
+        """
+        S, context, attention = self.config.num_speculative_tokens, self.context, step.attention
+        decode_only = step.num_prefill == 0
+        grid = attention.batch_size if decode_only else step.num_requests  # G
+        num_decode = grid if decode_only else step.num_decode
+        num_sampling = grid if decode_only else step.num_sampling_requests
+        logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches)
 
         stride = S + 1
         num_rows = num_decode * stride + step.num_final_prefill_chunks
@@ -226,9 +266,10 @@ class TextGenerationController:
         row_index = torch.arange(num_rows, device=self.device)
         row_requests = torch.where(row_index < num_decode * stride, row_index // stride,
                                    row_index - num_decode * stride + num_decode)  # [K] table row of each
-        output_tokens = self.sample_rows(logits[rows], row_requests, step.attention.positions[rows] + 1)
+        output_tokens = self.sample_rows(logits[rows], row_requests, attention.positions[rows] + 1)
         self._accepted_tokens.fill_(-1)
         self._accepted_counts.zero_()
+        num_active = (attention.seq_lens > 0).sum() if decode_only else None  # [] int64, real requests
         table = context.table.device
         verify_and_commit(
             step.input_ids[rows], output_tokens, rows,
@@ -237,28 +278,21 @@ class TextGenerationController:
             table.kv_block_counts[:num_sampling], table.last_kv_block_id[:num_sampling],
             table.kv_block_ids[:num_sampling],
             num_decode, step.num_final_prefill_chunks, S, self.config.block_size_tokens,
+            num_active_requests=num_active,
         )
-        phase_start = self._phase("sample+verify", phase_start)
-
         if S > 0:
+            request_index = torch.arange(grid, device=self.device)
+            write_rows = request_index if num_active is None else torch.where(
+                request_index < num_active, request_index, context.table.scratch_row)  # [G] int64
             drafts = self.proposer.propose(DraftBatch(
-                step=step, hidden=hidden, num_sampling_requests=num_sampling,
-                next_tokens=context.table.next_tokens[:num_sampling],
-                last_accepted_rows=self._last_accepted_rows[:num_sampling],
-                accepted_counts=self._accepted_counts[:num_sampling]))
-            context.table.draft_tokens[:num_sampling].copy_(drafts)
-        phase_start = self._phase("draft", phase_start)
-
-        readback = self._read_back(num_sampling)  # the step's one device-to-host copy
-        phase_start = self._phase("wait", phase_start)
-        accepted = readback[:, 0].tolist()  # host-ok: values already on the host
-        context.commit_step(step, accepted[:num_decode])
-        if S > 0:
-            self.proposer.on_step_committed(step, accepted)
-        outputs = self._emit(step, readback)
-        self._phase("commit", phase_start)
-        self.on_step_end(outputs)
-        return outputs
+                step=step, hidden=hidden, num_requests=grid, num_sampling_requests=num_sampling,
+                next_tokens=context.table.next_tokens[:grid], last_accepted_rows=self._last_accepted_rows[:grid],
+                accepted_counts=self._accepted_counts[:grid], write_rows=write_rows))
+            self._draft_rows[write_rows[:num_sampling]] = drafts
+        staged = self._readback_device[:num_sampling]
+        staged[:, 0] = self._accepted_counts[:num_sampling]
+        staged[:, 1] = context.table.next_tokens[:num_sampling]
+        staged[:, 2:] = self._accepted_tokens[:num_sampling]
 
     def _build_step(self):
         while True:
@@ -270,12 +304,10 @@ class TextGenerationController:
                 self._preempt_newest()
 
     def _read_back(self, num_sampling: int) -> torch.Tensor:
-        staged = self._readback_device[:num_sampling]
-        staged[:, 0] = self._accepted_counts[:num_sampling]
-        staged[:, 1] = self.context.table.next_tokens[:num_sampling]
-        staged[:, 2:] = self._accepted_tokens[:num_sampling]
+        """Copy the staged ``[accepted, bonus, accepted drafts]`` rows of the real sampling
+        requests to pinned host memory and wait for them: the step's one synchronisation."""
         host = self._readback[:num_sampling]
-        host.copy_(staged, non_blocking=True)
+        host.copy_(self._readback_device[:num_sampling], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # host-ok: the step's single read-back
         return host

@@ -21,6 +21,10 @@ comes from a small per-request ring, 10 and 11 from this step's rows; depth 0 re
 mtp_attention="single_position": each depth attends to its current row only (Megatron-LM's
 inference today); no window, one row per request and depth.
 
+Decode-only steps take every index from device tensors with shapes fixed by the batch bucket
+(each request gets ``2S`` window rows, the most a decode window spans), so they can be captured
+in a CUDA graph; steps with prefill chunks build their layout on the host.
+
 Draft tokens are sampled with the request's own parameters and the target's noise for that
 position (see ``sampling.py``), which couples draft and target samples: greedy requests draft
 the MTP argmax, sampled requests draft what the target would most likely draw.
@@ -31,9 +35,12 @@ from typing import Dict, Sequence
 import torch
 
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
-from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.step_metadata import StepMetadata
+
+
+def _to_device(device: torch.device, *host_tensors: torch.Tensor):
+    return (tensor.to(device, non_blocking=True) for tensor in host_tensors)
 
 
 class MTPProposer(Proposer):
@@ -41,160 +48,195 @@ class MTPProposer(Proposer):
         if mode not in ("paged", "single_position"):
             raise ValueError(f"mode must be 'paged' or 'single_position', got {mode!r}")
         self.mode = mode
-        self._window_starts: Dict[int, int] = {}  # request id -> w (host)
+        self._prefill_window_starts: Dict[int, int] = {}  # request id -> w, for requests still in prefill
 
     def bind(self, controller) -> None:
         super().bind(controller)
         runner, context = controller.runner, controller.context
-        self.num_speculative_tokens = controller.config.num_speculative_tokens
-        if self.num_speculative_tokens > runner.mtp_num_layers:
-            raise ValueError(
-                f"num_speculative_tokens ({self.num_speculative_tokens}) exceeds the model's MTP depth "
-                f"({runner.mtp_num_layers})"
-            )
-        table, S = context.table, self.num_speculative_tokens
-        self._ring_size = max(S, 1)
+        S = self.num_speculative_tokens = controller.config.num_speculative_tokens
+        if S > runner.mtp_num_layers:
+            raise ValueError(f"num_speculative_tokens ({S}) exceeds the model's MTP depth ({runner.mtp_num_layers})")
+        table = context.table
+        self._ring_size = S
+        self._history_len = context.max_model_len + 2 * S + 2
         hidden_size = runner.model.config.hidden_size
-        dtype = context.kv_caches[0][0].dtype
-        # [R, max_model_len + 2S + 2] int64: verified tokens by position, then this step's drafts
-        self._token_history = table.add_device_rows("mtp_token_history", (context.max_model_len + 2 * S + 2,), torch.int64)
-        # [R, ring, H]: decoder hidden of the last accepted positions (position p at p % ring)
-        self._hidden_ring = table.add_device_rows("mtp_hidden_ring", (self._ring_size, hidden_size), dtype)
+        table.add_device_rows("mtp_token_history", (self._history_len,), torch.int64)
+        table.add_device_rows("mtp_hidden_ring", (S, hidden_size), context.kv_caches[0][0].dtype)
+        table.add_device_rows("mtp_window_start", (), torch.int64)
+        # [R + 1, ...] each (last row: scratch): verified tokens by position, then the drafts;
+        # decoder hidden of the last S accepted positions (position p at p % S); window start w
+        self._token_history = table.device_rows_with_scratch("mtp_token_history")
+        self._hidden_ring = table.device_rows_with_scratch("mtp_hidden_ring")
+        self._window_start = table.device_rows_with_scratch("mtp_window_start")
 
     # ----- host bookkeeping ----------------------------------------------------------------
 
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
-        """Advance each request's window start: ``w = min(e, V - S)``, where ``V`` counts the
-        tokens known on the device (prompt chunk, or verified tokens plus the bonus)."""
-        S, num_sampling = self.num_speculative_tokens, step.num_sampling_requests
-        query_lengths = (step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]).tolist()
-        first_positions = step.host_first_positions.tolist()
+        """The host keeps the window start of requests still in prefill (it sizes their rows):
+        after a chunk ending at ``e`` that did not sample, ``w = max(0, e - S)``."""
+        ends = (step.host_first_positions + step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]).tolist()
         for index, request_id in enumerate(step.request_ids):
-            end = first_positions[index] + query_lengths[index]
-            if index < step.num_decode:
-                end -= S - accepted_counts[index]
-            known_tokens = end + 1 if index < num_sampling else end
-            self._window_starts[request_id] = max(0, min(end, known_tokens - S))
+            if index < step.num_sampling_requests:
+                self._prefill_window_starts.pop(request_id, None)
+            else:
+                self._prefill_window_starts[request_id] = max(0, ends[index] - self.num_speculative_tokens)
 
     def forget(self, request_id: int) -> None:
-        self._window_starts.pop(request_id, None)
+        self._prefill_window_starts.pop(request_id, None)
 
     # ----- drafting ------------------------------------------------------------------------
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
-        step, S = batch.step, self.num_speculative_tokens
-        device = batch.hidden.device
-        num_requests, num_sampling = step.num_requests, batch.num_sampling_requests
-        first_positions = step.host_first_positions  # [n] int64 (CPU)
-        query_lengths = step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]  # [n] int64 (CPU)
-        starts = torch.tensor([self._window_starts.get(rid, 0) for rid in step.request_ids], dtype=torch.int64)
-        host_layout = torch.stack((first_positions, query_lengths, starts, step.host_query_start_loc[:-1]))
-        first, qlen, window_start, main_start = host_layout.to(device, non_blocking=True)  # [n] int64 each
-
-        # end of the verified span per request: decodes drop their rejected rows
-        rewinds = torch.zeros(num_requests, dtype=torch.int64, device=device)  # [n]
-        rewinds[: step.num_decode] = S - batch.accepted_counts[: step.num_decode]
-        ends = first + qlen - rewinds  # [n] int64, e
+        S, step = self.num_speculative_tokens, batch.step
+        device, num_requests, num_sampling = batch.hidden.device, batch.num_requests, batch.num_sampling_requests
+        first, query_lengths, main_start = self._request_layout(batch)  # [G] int64 each
+        num_decode = num_requests if batch.decode_only else step.num_decode
+        rewinds = torch.zeros(num_requests, dtype=torch.int64, device=device)  # [G]
+        rewinds[:num_decode] = S - batch.accepted_counts[:num_decode]
+        ends = first + query_lengths - rewinds  # [G] int64, e: the bonus token's position
         self._record_verified_tokens(batch, ends)
         if self.mode == "paged":
-            window_sizes = first_positions + query_lengths - starts  # [n] int64 (CPU), e - w at most
-            hidden, rows, positions, metadata = self._paged_window(
-                batch, ends, first, window_start, main_start, window_sizes)
+            hidden, rows, positions, metadata = self._paged_window(batch, ends, first, main_start)
         else:
             hidden, rows, positions, metadata = self._single_position_rows(batch, ends)
+        history_rows = batch.write_rows[rows]  # [Tm] table row (scratch for padding) of each row
         last_rows = metadata.query_start_loc[1 : num_sampling + 1].long() - 1  # [n_s] each request's row at e - 1
+        sampling_rows = torch.arange(num_sampling, device=device)
         drafts = torch.empty(num_sampling, S, dtype=torch.int64, device=device)  # [n_s, S]
-        request_rows = torch.arange(num_sampling, device=device)
-        runner, controller = self.controller.runner, self.controller
+        kv_caches = self.controller.context.kv_caches
         for depth in range(S):
-            history_index = (positions + depth + 1).clamp(min=0)  # [Tm] position of t_{i+k+1}
-            tokens = self._token_history[rows, history_index]  # [Tm] int64
-            logits, hidden = runner.mtp_forward(depth, hidden, tokens, positions.clamp(min=0), metadata,
-                                                self.controller.context.kv_caches)
-            draft_positions = ends[:num_sampling] + depth + 1  # [n_s] position each draft will occupy
-            drafts[:, depth] = controller.sample_rows(logits[last_rows], request_rows, draft_positions)
-            self._token_history[request_rows, draft_positions] = drafts[:, depth]
+            token_index = (positions + depth + 1).clamp(0, self._history_len - 1)  # [Tm] position of t_{i+k+1}
+            tokens = self._token_history[history_rows, token_index]  # [Tm] int64
+            logits, hidden = self.controller.runner.mtp_forward(depth, hidden, tokens, positions.clamp(min=0),
+                                                                metadata, kv_caches)
+            draft_positions = (ends[:num_sampling] + depth + 1).clamp(0, self._history_len - 1)  # [n_s]
+            drafts[:, depth] = self.controller.sample_rows(logits[last_rows], sampling_rows, draft_positions)
+            self._token_history[batch.write_rows[:num_sampling], draft_positions] = drafts[:, depth]
+        self._advance_windows(batch, ends)
         if self.mode == "paged":
             self._update_hidden_ring(batch, ends, first, main_start)
         return drafts
 
+    def _request_layout(self, batch: DraftBatch):
+        """``first`` (position of each request's first row), query rows and first packed row, ``[G]``."""
+        step, device, stride = batch.step, batch.hidden.device, self.num_speculative_tokens + 1
+        if batch.decode_only:  # from the device: fixed shapes, nothing staged
+            request_index = torch.arange(batch.num_requests, device=device)
+            first = step.attention.seq_lens[: batch.num_requests].long() - stride  # padding: -stride
+            return first, torch.full_like(first, stride), request_index * stride
+        host_layout = torch.stack((step.host_first_positions, step.host_query_start_loc[1:] - step.host_query_start_loc[:-1],
+                                   step.host_query_start_loc[:-1]))  # [3, n] int64
+        return tuple(host_layout.to(device, non_blocking=True))
+
+    def _row_requests(self, batch: DraftBatch) -> torch.Tensor:
+        """``[T]`` int64: the request of each packed row of the step (padding rows: padding requests)."""
+        step, stride = batch.step, self.num_speculative_tokens + 1
+        if batch.decode_only:
+            return torch.arange(step.input_ids.shape[0], device=batch.hidden.device) // stride
+        query_lengths = step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]
+        return torch.repeat_interleave(torch.arange(step.num_requests), query_lengths).to(batch.hidden.device,
+                                                                                          non_blocking=True)
+
     def _record_verified_tokens(self, batch: DraftBatch, ends: torch.Tensor) -> None:
         """Write this step's input rows at their positions, then each bonus token at ``e``.
         Rejected drafts land past ``e`` and are overwritten by the new drafts."""
-        step = batch.step
-        rows = step.attention.num_actual_tokens
-        row_requests = torch.repeat_interleave(  # [t] int64 request of each real row
-            torch.arange(step.num_requests), step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]
-        ).to(batch.hidden.device, non_blocking=True)
-        self._token_history[row_requests, step.attention.positions[:rows]] = step.input_ids[:rows]
-        num_sampling = batch.num_sampling_requests
-        sampling_rows = torch.arange(num_sampling, device=ends.device)
-        self._token_history[sampling_rows, ends[:num_sampling]] = batch.next_tokens[:num_sampling]
+        step, num_sampling = batch.step, batch.num_sampling_requests
+        row_requests = self._row_requests(batch)  # [T]
+        rows = row_requests.shape[0]
+        self._token_history[batch.write_rows[row_requests], step.attention.positions[:rows]] = step.input_ids[:rows]
+        bonus_positions = ends[:num_sampling].clamp(0, self._history_len - 1)
+        self._token_history[batch.write_rows[:num_sampling], bonus_positions] = batch.next_tokens[:num_sampling]
 
-    def _paged_window(self, batch, ends, first, window_start, main_start, sizes):
-        """Rows for positions ``[w, e)`` of every request, right-aligned in ``sizes`` rows (the
-        host's bound ``first + query_length - w`` on ``e - w``; rows before ``w`` are masked)."""
-        step, device = batch.step, batch.hidden.device
-        block_size = self.controller.config.block_size_tokens
-        query_start_loc = torch.zeros(step.num_requests + 1, dtype=torch.int32)  # [n + 1] int32 (CPU)
+    def _window_layout(self, batch: DraftBatch):
+        """Rows per request and their layout: ``(query_start_loc [G + 1] int32, rows [Tm],
+        from_end [Tm] (distance to the row at e - 1), window_start [G], max rows)``.
+
+        A decode request gets ``2S`` rows (its window spans at most that); a prefill request
+        ``first + q - w`` with the host's ``w``. Rows before ``w`` are masked later.
+        """
+        step, device, S = batch.step, batch.hidden.device, self.num_speculative_tokens
+        num_requests, window_rows = batch.num_requests, 2 * S
+        device_starts = self._window_start[batch.write_rows]  # [G] int64, valid for decode requests
+        if batch.decode_only:
+            row_index = torch.arange(num_requests * window_rows, device=device)
+            query_start_loc = torch.arange(0, (num_requests + 1) * window_rows, window_rows, dtype=torch.int32,
+                                           device=device)
+            return query_start_loc, row_index // window_rows, window_rows - 1 - row_index % window_rows, \
+                device_starts, window_rows
+        starts = torch.tensor([self._prefill_window_starts.get(rid, 0) for rid in step.request_ids], dtype=torch.int64)
+        query_lengths = step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]
+        sizes = torch.where(torch.arange(num_requests) < step.num_decode, window_rows,
+                            step.host_first_positions + query_lengths - starts)  # [n] int64
+        query_start_loc = torch.zeros(num_requests + 1, dtype=torch.int32)
         torch.cumsum(sizes, 0, out=query_start_loc[1:])
-        row_count = int(query_start_loc[-1])
-        rows_host = torch.repeat_interleave(torch.arange(step.num_requests), sizes)  # [Tm] int64
-        from_end_host = query_start_loc[1:].long()[rows_host] - 1 - torch.arange(row_count)  # [Tm] distance to e - 1
-        rows, from_end, query_start_loc = (
-            t.to(device, non_blocking=True) for t in (rows_host, from_end_host, query_start_loc))
+        rows = torch.repeat_interleave(torch.arange(num_requests), sizes)  # [Tm] int64
+        from_end = query_start_loc[1:].long()[rows] - 1 - torch.arange(rows.shape[0])  # [Tm] int64
+        query_start_loc, rows, from_end, starts = _to_device(device, query_start_loc, rows, from_end, starts)
+        is_decode = torch.arange(num_requests, device=device) < step.num_decode
+        return query_start_loc, rows, from_end, torch.where(is_decode, device_starts, starts), int(sizes.max())
+
+    def _paged_window(self, batch: DraftBatch, ends, first, main_start):
+        """Rows for positions ``[w, e)`` of every request, right-aligned in its window rows."""
+        step = batch.step
+        block_size = self.controller.config.block_size_tokens
+        query_start_loc, rows, from_end, window_start, max_rows = self._window_layout(batch)
         positions = ends[rows] - 1 - from_end  # [Tm] int64, may be < w (then masked) or < 0
         valid = positions >= window_start[rows]
         safe_positions = positions.clamp(min=0)
-        block_table = step.attention.block_table
+        block_table = step.attention.block_table[: batch.num_requests]
         block_ids = block_table[rows, safe_positions // block_size].long()
         slot_mapping = torch.where(valid, block_ids * block_size + safe_positions % block_size, -1)  # [Tm] int64
         # depth 0 input: this step's decoder rows for positions >= first, the ring before that
         from_step = positions >= first[rows]
         step_rows = (main_start[rows] + positions - first[rows]).clamp(0, batch.hidden.shape[0] - 1)
-        ring_hidden = self._hidden_ring[rows, safe_positions % self._ring_size]  # [Tm, H]
+        ring_hidden = self._hidden_ring[batch.write_rows[rows], safe_positions % self._ring_size]  # [Tm, H]
         hidden = torch.where(from_step[:, None], batch.hidden[step_rows], ring_hidden)  # [Tm, H]
         metadata = AttentionMetadata(
             query_start_loc=query_start_loc,
-            seq_lens=ends.to(torch.int32),
+            seq_lens=ends.clamp(min=0).to(torch.int32),
             slot_mapping=slot_mapping,
-            block_table=block_table[: step.num_requests],
+            block_table=block_table,
             positions=safe_positions,
-            num_actual_tokens=row_count,
-            max_query_len=int(sizes.max()) if step.num_requests else 0,
+            num_actual_tokens=rows.shape[0],
+            max_query_len=max_rows,
             max_seq_len=step.attention.max_seq_len,
         )
         return hidden, rows, positions, metadata
 
-    def _single_position_rows(self, batch, ends):
+    def _single_position_rows(self, batch: DraftBatch, ends):
         """One row per sampling request at position ``e - 1``, attending to itself only (its K/V
         go to slot 0 of its first block in the depth's cache, which nothing else reads)."""
-        step, device = batch.step, batch.hidden.device
-        num_sampling = batch.num_sampling_requests
+        step, device, num_sampling = batch.step, batch.hidden.device, batch.num_sampling_requests
         block_size = self.controller.config.block_size_tokens
-        rows = torch.arange(num_sampling, device=device)  # [n_s]
+        real = ends[:num_sampling] > 0  # [n_s] bool: False for padding requests of a graph batch
         block_table = step.attention.block_table[:num_sampling]
         metadata = AttentionMetadata(
             query_start_loc=torch.arange(num_sampling + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.ones(num_sampling, dtype=torch.int32, device=device),
-            slot_mapping=block_table[:, 0].long() * block_size,
+            seq_lens=real.to(torch.int32),
+            slot_mapping=torch.where(real, block_table[:, 0].long() * block_size, -1),
             block_table=block_table,
             positions=torch.zeros(num_sampling, dtype=torch.int64, device=device),
             num_actual_tokens=num_sampling,
             max_query_len=1,
             max_seq_len=1,
         )
-        hidden = batch.hidden[batch.last_accepted_rows[:num_sampling]]  # [n_s, H]
-        return hidden, rows, ends[:num_sampling] - 1, metadata
+        hidden = batch.hidden[batch.last_accepted_rows[:num_sampling].clamp(min=0)]  # [n_s, H]
+        return hidden, torch.arange(num_sampling, device=device), ends[:num_sampling] - 1, metadata
 
-    def _update_hidden_ring(self, batch, ends, first, main_start):
-        """Keep the decoder hidden of each request's last ``ring`` accepted positions."""
+    def _advance_windows(self, batch: DraftBatch, ends: torch.Tensor) -> None:
+        """Next window start on the device: ``w = max(0, min(e, V - S))``, where ``V`` counts the
+        tokens known there (the prompt chunk, or the verified tokens and the bonus)."""
+        samples = torch.arange(batch.num_requests, device=ends.device) < batch.num_sampling_requests
+        known_tokens = ends + samples.long()  # [G] int64, V
+        self._window_start[batch.write_rows] = torch.minimum(ends, known_tokens - self.num_speculative_tokens).clamp(min=0)
+
+    def _update_hidden_ring(self, batch: DraftBatch, ends, first, main_start) -> None:
+        """Keep the decoder hidden of each request's last ``S`` accepted positions."""
         ring, device = self._ring_size, batch.hidden.device
-        num_requests = ends.shape[0]
-        positions = ends[:, None] - ring + torch.arange(ring, device=device)[None, :]  # [n, ring]
+        positions = ends[:, None] - ring + torch.arange(ring, device=device)[None, :]  # [G, ring]
         valid = positions >= first[:, None]
         step_rows = (main_start[:, None] + positions - first[:, None]).clamp(0, batch.hidden.shape[0] - 1)
         slots = positions.clamp(min=0) % ring
-        request_rows = torch.arange(num_requests, device=device)[:, None].expand(-1, ring)
-        old = self._hidden_ring[request_rows, slots]  # [n, ring, H]
-        self._hidden_ring[request_rows, slots] = torch.where(valid[..., None], batch.hidden[step_rows], old)
+        table_rows = batch.write_rows[:, None].expand(-1, ring)
+        old = self._hidden_ring[table_rows, slots]  # [G, ring, H]
+        self._hidden_ring[table_rows, slots] = torch.where(valid[..., None], batch.hidden[step_rows], old)

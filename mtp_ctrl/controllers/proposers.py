@@ -23,14 +23,26 @@ if TYPE_CHECKING:  # the controller imports this module; no cycle at run time
 
 @dataclasses.dataclass(frozen=True)
 class DraftBatch:
-    """A step's verified state, as the proposer sees it. Requests are table rows ``[0, n)``."""
+    """A step's verified state, as the proposer sees it.
+
+    Requests are table rows ``[0, G)``: ``G`` is the padded CUDA-graph batch of a decode-only step
+    (rows past the real count are padding) or the step's real request count otherwise. Write
+    per-request state through ``write_rows``, which sends padding requests to the table's scratch
+    row, so that a captured step never touches a request that is not running.
+    """
 
     step: StepMetadata
     hidden: torch.Tensor  # [T, H] decoder output of the step's rows (after the final norm)
-    num_sampling_requests: int  # n: decodes and final prefill chunks (rows [0, n) of the table)
-    next_tokens: torch.Tensor  # [n] int64, the token each request sampled last (verified)
-    last_accepted_rows: torch.Tensor  # [n] int64, packed row of each request's last accepted row
-    accepted_counts: torch.Tensor  # [n] int64, accepted drafts (0 for prefill requests)
+    num_requests: int  # G: requests of the step's grid (all, incl. a prefill chunk that does not sample)
+    num_sampling_requests: int  # requests [0, this) sampled a token (decodes and final prefill chunks)
+    next_tokens: torch.Tensor  # [G] int64, the token each request sampled last (verified)
+    last_accepted_rows: torch.Tensor  # [G] int64, packed row of each request's last accepted row
+    accepted_counts: torch.Tensor  # [G] int64, accepted drafts (0 for prefill and padding requests)
+    write_rows: torch.Tensor  # [G] int64, table row of each request; the scratch row for padding
+
+    @property
+    def decode_only(self) -> bool:
+        return self.step.num_prefill == 0
 
 
 class Proposer(abc.ABC):
@@ -42,7 +54,8 @@ class Proposer(abc.ABC):
 
     @abc.abstractmethod
     def propose(self, batch: DraftBatch) -> torch.Tensor:
-        """Return ``[batch.num_sampling_requests, S]`` int64 drafts (device tensor, no host sync)."""
+        """Return ``[batch.num_sampling_requests, S]`` int64 drafts (device tensor, no host sync, no
+        value-dependent Python: a decode-only step runs this inside a CUDA graph)."""
 
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
         """Host-side bookkeeping after the step's read-back (``accepted_counts``: one per

@@ -140,6 +140,15 @@ class RequestTable:
         self._device_rows[name] = rows  # [R + 1, *shape]: the last row is the swap scratch row
         return rows[: self.max_requests]
 
+    def device_rows_with_scratch(self, name: str) -> torch.Tensor:
+        """The whole ``[R + 1, *shape]`` buffer of :meth:`add_device_rows`: row ``scratch_row`` is a
+        sink that padding requests of a CUDA-graph batch may write without touching a request."""
+        return self._device_rows[name]
+
+    @property
+    def scratch_row(self) -> int:
+        return self._scratch_row
+
     # ----- where requests are -------------------------------------------------------------
 
     def group_rows(self, group: RowGroup) -> Tuple[int, int]:

@@ -76,7 +76,7 @@ def run_with_arrivals(controller: TextGenerationController, arrivals: Sequence[A
 def verified_ends(batch: DraftBatch, num_speculative_tokens: int) -> torch.Tensor:
     """``[n]`` int64 on the device: position ``e`` of the token each sampling request verified
     last (a prefill's prompt length; a decode's base position + 1 + accepted drafts)."""
-    step, num_sampling, device = batch.step, batch.num_sampling_requests, batch.hidden.device
+    step, num_sampling, device = batch.step, batch.step.num_sampling_requests, batch.hidden.device  # real requests
     query_lengths = step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]  # [n_all] int64 (CPU)
     ends = (step.host_first_positions + query_lengths)[:num_sampling].to(device)  # [n] int64
     rewinds = torch.zeros(num_sampling, dtype=torch.int64, device=device)
@@ -126,7 +126,7 @@ class OracleProposer(Proposer):
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         step, S = batch.step, self.num_speculative_tokens
-        num_sampling, device = batch.num_sampling_requests, batch.hidden.device
+        num_sampling, device = step.num_sampling_requests, batch.hidden.device  # the real requests
         request_ids = step.request_ids[:num_sampling]
         length = max((len(self.sequences[rid]) for rid in request_ids), default=0)
         known = torch.tensor([list(self.sequences[rid]) + [0] * (length - len(self.sequences[rid]))
@@ -140,7 +140,9 @@ class OracleProposer(Proposer):
         ends = verified_ends(batch, S)  # [n] int64
         positions = ends[:, None] + 1 + torch.arange(S, device=device)[None, :]  # [n, S] int64
         true_drafts = known.to(device).gather(1, positions)  # [n, S] int64
-        return torch.where(correct.to(device), true_drafts, (true_drafts + 1) % self.vocab_size)
+        drafts = torch.where(correct.to(device), true_drafts, (true_drafts + 1) % self.vocab_size)  # [n, S]
+        padding = batch.num_sampling_requests - num_sampling  # requests padding a CUDA-graph batch
+        return torch.cat([drafts, drafts.new_zeros(padding, S)])
 
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
         for index, request_id in enumerate(step.request_ids[: step.num_decode]):

@@ -1,0 +1,35 @@
+"""CUDA graphs of the GPU part of decode-only steps: one per (batch bucket, all-greedy flag).
+
+The first step of a key runs eagerly (that is the step's real work, and it compiles every
+kernel), then the same call is captured without running; later steps of that key replay it. A
+replay reads only static memory: the staged step buffers (same addresses for a given bucket),
+the request table's device rows, the KV caches and the controller's step buffers; the real
+request count is read on the device (``seq_lens > 0``), so one graph serves every batch that
+rounds up to its bucket. Eager and replayed steps run the same kernels on the same memory.
+"""
+
+from typing import Callable, Dict, Hashable
+
+import torch
+
+
+class StepGraphs:
+    def __init__(self):
+        self._graphs: Dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self._pool = None  # one memory pool shared by every captured graph
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
+    def run(self, key: Hashable, launch: Callable[[], None]) -> None:
+        """Replay the graph of ``key``; on its first use, run ``launch`` eagerly, then capture it."""
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        launch()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):  # synchronises once, at capture
+            launch()
+        self._pool = graph.pool()
+        self._graphs[key] = graph
