@@ -2,6 +2,8 @@
 
 from typing import Optional
 
+import torch
+
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -56,5 +58,9 @@ def build_gpt_model(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         mtp_block_spec=get_paged_mtp_block_spec(config, layer_spec, use_transformer_engine),
     )
+    if config.params_dtype != torch.float32:
+        # megatron builds layer norms in fp32 and leaves the cast to its Float16Module wrapper;
+        # do the same cast here, so inference runs in one dtype (CUDA's layer_norm rejects a mix)
+        model = model.to(config.params_dtype)
     assign_kv_layer_indices(model)
     return model

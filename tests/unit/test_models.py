@@ -135,3 +135,11 @@ def test_bad_runner_inputs(tiny):
         runner.mtp_forward(2, hidden, tokens, metadata.positions, metadata, caches)
     with pytest.raises(ValueError, match="hidden"):
         runner.mtp_forward(0, hidden[:, :8], tokens, metadata.positions, metadata, caches)
+
+
+def test_half_precision_model_has_one_dtype(megatron_groups):
+    """megatron builds layer norms in fp32 (its Float16Module casts them in training): the builder
+    casts the whole model, so a bf16 forward never mixes dtypes (CUDA's layer_norm rejects that)."""
+    torch.manual_seed(0)
+    model = build_tiny_model(tiny_config(mtp_num_layers=1, params_dtype=torch.bfloat16, bf16=True))
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.bfloat16}

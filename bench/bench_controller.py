@@ -1,0 +1,89 @@
+"""Decode-step time of the controller: eager vs CUDA graphs, S = 0 vs S = 2 (paged MTP drafting).
+
+    python bench/bench_controller.py [--quick]
+
+A GPT of 8 layers (hidden 1024, 16 heads over 4 KV groups, 2 MTP layers, bf16, vocab 32768) with
+random weights, so no draft is accepted: the S = 2 rows measure the full cost of verifying and
+drafting, the worst case of speculation. Each point: ``batch`` requests with 128-token prompts,
+prefilled, then 10 warm-up decode steps (graph capture happens there) and the median wall time of
+50 ``controller.step()`` calls (each ends with the step's read-back, so it is the whole step).
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+from mtp_ctrl.models import build_gpt_model
+
+VOCAB_SIZE, PROMPT_LEN = 32768, 128
+
+
+def init_single_process():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+
+
+def build_model():
+    config = TransformerConfig(num_layers=8, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16,
+                               num_query_groups=4, mtp_num_layers=2, hidden_dropout=0.0, attention_dropout=0.0,
+                               use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True)
+    torch.manual_seed(0)
+    return build_gpt_model(config, vocab_size=VOCAB_SIZE, max_sequence_length=2048).cuda().eval()
+
+
+def median_step_ms(model, batch, num_speculative_tokens, graphs, steps):
+    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=32, block_size_tokens=16,
+                             max_model_len=1024, max_tokens_per_step=2048,
+                             cuda_graph_batch_sizes=(1, 8, 32) if graphs else (), mtp_attention="paged")
+    controller = TextGenerationController(model, config)
+    generator = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        controller.add_request(torch.randint(0, VOCAB_SIZE, (PROMPT_LEN,), generator=generator).tolist(),
+                               SamplingParams(max_new_tokens=500))
+    while controller.context.table.group_size(0) < batch:  # until every request decodes
+        controller.step()
+    for _ in range(10):
+        controller.step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        controller.step()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    init_single_process()
+    model = build_model()
+    batches = (1, 8) if args.quick else (1, 8, 32)
+    rows = []
+    for batch in batches:
+        for num_speculative_tokens in (0, 2):
+            eager = median_step_ms(model, batch, num_speculative_tokens, graphs=False, steps=50)
+            graphed = median_step_ms(model, batch, num_speculative_tokens, graphs=True, steps=50)
+            rows.append((batch, num_speculative_tokens, eager, graphed))
+            print(f"batch {batch} S {num_speculative_tokens}: eager {eager:.2f} ms, graph {graphed:.2f} ms", flush=True)
+    print(f"\n{torch.cuda.get_device_name()}; 8-layer GPT, hidden 1024, bf16, random weights (0 drafts accepted); "
+          f"median ms per decode step (whole step incl. scheduling and read-back)")
+    print(f"{'batch':>5} {'S':>2} {'eager ms':>9} {'graph ms':>9} {'graph speed-up':>15}")
+    for batch, num_speculative_tokens, eager, graphed in rows:
+        print(f"{batch:5d} {num_speculative_tokens:2d} {eager:9.2f} {graphed:9.2f} {eager / graphed:14.2f}x")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
