@@ -74,7 +74,7 @@ class MTPProposer(Proposer):
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
         """The host keeps the window start of requests still in prefill (it sizes their rows):
         after a chunk ending at ``e`` that did not sample, ``w = max(0, e - S)``."""
-        ends = (step.host_first_positions + step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]).tolist()
+        ends = (step.host_first_positions + step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]).tolist()  # host-ok: host tensors
         for index, request_id in enumerate(step.request_ids):
             if index < step.num_sampling_requests:
                 self._prefill_window_starts.pop(request_id, None)

@@ -266,7 +266,7 @@ class DynamicInferenceContext:
         needs = self._decode_block_needs()
         fits = (needs == 0) | (torch.cumsum(needs, 0) <= self.allocator.num_free_blocks)
         num_decode = needs.shape[0]
-        for request_id in self.table.host.request_ids[:num_decode][~fits].tolist():
+        for request_id in self.table.host.request_ids[:num_decode][~fits].tolist():  # host-ok: host rows
             self.table.move(request_id, RowGroup.PAUSED)
             self._paused_for_kv[request_id] = None
 
@@ -349,5 +349,5 @@ def _as_accepted_counts(accepted_counts: Tokens, num_decode: int, num_speculativ
     if counts.shape[0] != num_decode:
         raise ValueError(f"accepted_counts has {counts.shape[0]} entries, the step has {num_decode} decode requests")
     if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > num_speculative_tokens):
-        raise ValueError(f"accepted_counts must lie in [0, {num_speculative_tokens}], got {counts.tolist()}")
+        raise ValueError(f"accepted_counts must lie in [0, {num_speculative_tokens}], got {counts.tolist()}")  # host-ok: host values
     return counts

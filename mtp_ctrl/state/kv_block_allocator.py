@@ -115,7 +115,7 @@ def _as_id_list(block_ids: BlockIds) -> list:
             raise TypeError(f"block_ids must be an integer tensor, got {block_ids.dtype}")
         if block_ids.device.type != "cpu":
             raise ValueError(f"block_ids must be a CPU tensor (the free list lives on the host), got {block_ids.device}")
-        return block_ids.reshape(-1).tolist()
+        return block_ids.reshape(-1).tolist()  # host-ok: ids given on the host
     ids = list(block_ids)
     for block_id in ids:
         if isinstance(block_id, bool) or not isinstance(block_id, int):

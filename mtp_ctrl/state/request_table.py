@@ -176,7 +176,7 @@ class RequestTable:
 
     def request_ids_in(self, group: RowGroup) -> List[int]:
         start, end = self.group_rows(group)
-        return self.host.request_ids[start:end].tolist()
+        return self.host.request_ids[start:end].tolist()  # host-ok: host rows
 
     # ----- moving requests ----------------------------------------------------------------
 
@@ -266,9 +266,9 @@ class RequestTable:
         names = [
             name
             for index, name in enumerate(ROW_FIELDS)
-            if not torch.equal(self._host_fields[index, :rows], self._device_fields[index, :rows].cpu())
+            if not torch.equal(self._host_fields[index, :rows], self._device_fields[index, :rows].cpu())  # host-ok: check
         ]
-        if not torch.equal(self._host_block_ids[:rows], self._device_block_ids[:rows].cpu()):
+        if not torch.equal(self._host_block_ids[:rows], self._device_block_ids[:rows].cpu()):  # host-ok: check
             names.append("kv_block_ids")
         return names
 
