@@ -30,17 +30,19 @@ class KVCacheFullError(RuntimeError):
 class KVBlockAllocator:
     """Hands out and takes back KV block ids in ``[0, num_blocks)``."""
 
-    def __init__(self, num_blocks: int, block_size_tokens: int):
+    def __init__(self, num_blocks: int, block_size_tokens: int, device: Union[str, torch.device] = "cpu"):
         _check_positive_int("num_blocks", num_blocks)
         _check_positive_int("block_size_tokens", block_size_tokens)
         self.num_blocks = num_blocks
         self.block_size_tokens = block_size_tokens
+        self.device = torch.device(device)  # where allocate() puts the ids it returns
         # Popped from the end, so block 0 is handed out first.
         self._free_ids = list(range(num_blocks - 1, -1, -1))
         self._is_allocated = bytearray(num_blocks)  # [num_blocks], 1 = held by someone
 
     @classmethod
-    def from_memory_budget(cls, memory_bytes: int, bytes_per_block: int, block_size_tokens: int) -> "KVBlockAllocator":
+    def from_memory_budget(cls, memory_bytes: int, bytes_per_block: int, block_size_tokens: int,
+                           device: Union[str, torch.device] = "cpu") -> "KVBlockAllocator":
         """The largest pool whose blocks fit in ``memory_bytes``.
 
         ``bytes_per_block`` is what one block costs across every layer (keys and values), e.g.
@@ -51,7 +53,7 @@ class KVBlockAllocator:
         num_blocks = memory_bytes // bytes_per_block
         if num_blocks == 0:
             raise ValueError(f"memory_bytes ({memory_bytes}) is smaller than one block ({bytes_per_block} bytes)")
-        return cls(num_blocks, block_size_tokens)
+        return cls(num_blocks, block_size_tokens, device)
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,7 +68,7 @@ class KVBlockAllocator:
         return -(-token_count // self.block_size_tokens)
 
     def allocate(self, count: int) -> torch.Tensor:
-        """Take ``count`` free blocks; return their ids, ``[count]`` int64 on the CPU.
+        """Take ``count`` free blocks; return their ids, ``[count]`` int64 on ``self.device``.
 
         Raises ``KVCacheFullError`` (pool unchanged) when fewer than ``count`` are free.
         """
@@ -78,13 +80,15 @@ class KVBlockAllocator:
         del self._free_ids[len(self._free_ids) - count :]
         for block_id in taken:
             self._is_allocated[block_id] = 1
-        return torch.tensor(taken, dtype=torch.int64)
+        return torch.tensor(taken, dtype=torch.int64, device=self.device)
 
     def release(self, block_ids: BlockIds) -> None:
         """Give allocated blocks back.
 
-        ``block_ids``: a CPU integer tensor (any shape) or a sequence of ints. Every id must be
-        allocated and appear once; otherwise ``ValueError`` and the pool is unchanged.
+        ``block_ids``: an integer tensor (any shape) or a sequence of ints. Every id must be
+        allocated and appear once; otherwise ``ValueError`` and the pool is unchanged. A tensor
+        on a GPU is read back to the host (a synchronisation: the context's step never does
+        this, it releases from its host mirror).
         """
         ids = _as_id_list(block_ids)
         seen = set()
@@ -113,9 +117,7 @@ def _as_id_list(block_ids: BlockIds) -> list:
     if isinstance(block_ids, torch.Tensor):
         if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
             raise TypeError(f"block_ids must be an integer tensor, got {block_ids.dtype}")
-        if block_ids.device.type != "cpu":
-            raise ValueError(f"block_ids must be a CPU tensor (the free list lives on the host), got {block_ids.device}")
-        return block_ids.reshape(-1).tolist()  # host-ok: ids given on the host
+        return block_ids.reshape(-1).tolist()  # host-ok: the free list lives on the host
     ids = list(block_ids)
     for block_id in ids:
         if isinstance(block_id, bool) or not isinstance(block_id, int):

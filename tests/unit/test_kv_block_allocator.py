@@ -139,3 +139,11 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 AllocatorMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+def test_ids_are_returned_on_the_allocators_device():
+    pool = KVBlockAllocator(num_blocks=3, block_size_tokens=4, device="cpu")
+    ids = pool.allocate(2)
+    assert ids.device == torch.device("cpu") and ids.dtype == torch.int64
+    pool.release(ids)
+    assert pool.num_free_blocks == 3
