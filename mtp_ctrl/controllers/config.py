@@ -5,16 +5,20 @@ written, naming the field, before any state exists.
 """
 
 import dataclasses
+import math
 from typing import Optional, Tuple
 
 MTP_ATTENTION_MODES = ("paged", "single_position")
+_INT64_MAX = 2**63 - 1  # seeds and top_k live in int64 device rows
 
 
-def _require_int(name: str, value, low: int) -> None:
+def _require_int(name: str, value, low: int, high: Optional[int] = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
 
 
 def _require_number(name: str, value) -> float:
@@ -88,7 +92,8 @@ class InferenceConfig:
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
+    temperature: 0 = greedy (argmax; so is anything below 1e-5); > 0 samples from
+        softmax(logits / temperature). Must be finite.
     top_k: keep the k most likely tokens (0 = all). top_p: nucleus mass in (0, 1] (1 = all).
     seed: per-request seed; equal seeds give equal outputs, with or without speculation and on
         every tensor-parallel rank. None draws one from the controller's generator.
@@ -109,14 +114,14 @@ class SamplingParams:
     def __post_init__(self):
         _require_int("max_new_tokens", self.max_new_tokens, 1)
         temperature = _require_number("temperature", self.temperature)
-        if not temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _require_int("top_k", self.top_k, 0)
+        if not 0.0 <= temperature < math.inf:  # also rejects NaN
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        _require_int("top_k", self.top_k, 0, high=_INT64_MAX)
         top_p = _require_number("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            _require_int("seed", self.seed, 0)
+            _require_int("seed", self.seed, 0, high=_INT64_MAX)
         eos = tuple(self.eos_token_ids)
         for token in eos:
             _require_int("eos_token_ids entries", token, 0)

@@ -37,7 +37,7 @@ from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
 from mtp_ctrl.models.runner import PagedGPTRunner
 from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
-from mtp_ctrl.triton_ops import verify_and_commit
+from mtp_ctrl.triton_ops import StepCommit, max_released_blocks, verify_and_commit
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
 
@@ -64,6 +64,8 @@ class TextGenerationController:
         use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes) and tp_size == 1
         self._graphs = StepGraphs() if use_graphs else None
         self.metrics = GenerationMetrics(S)
+        self._all_greedy = False  # set per step from the running requests' SamplingParams
+        self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
         self._records: Dict[int, RequestRecord] = {}
         self._waiting: Deque[int] = collections.deque()  # admitted to the controller, not yet to the context
@@ -80,7 +82,7 @@ class TextGenerationController:
             num_layers=self.runner.num_kv_layers,
             num_kv_heads=num_kv_heads // tp_size,
             head_dim=model_config.kv_channels,
-            dtype=model_config.params_dtype,
+            dtype=self.runner.model.embedding.word_embeddings.weight.dtype,  # what K/V will be computed in
         )
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.kv_cache_bytes is None:
@@ -113,6 +115,15 @@ class TextGenerationController:
         self._readback = torch.zeros(R, S + 2, dtype=torch.int64, pin_memory=device.type == "cuda")  # [R, S + 2]
         self._readback_device = torch.zeros(R, S + 2, dtype=torch.int64, device=device)
         self._draft_rows = table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64
+        # verify_and_commit's outputs (the KV release is redone on the host mirror by commit_step)
+        release_shape = (R,) if max_released_blocks(S, self.config.block_size_tokens) == 1 else (
+            R, max_released_blocks(S, self.config.block_size_tokens))
+        self._commit_out = StepCommit(
+            last_one_indices=torch.empty(R, dtype=torch.int64, device=device),  # [R] int64
+            accepted_tokens_mask=torch.empty(self.config.max_tokens_per_step, dtype=torch.bool, device=device),  # [T]
+            blocks_to_release=torch.empty(release_shape, dtype=torch.int64, device=device),  # [R] or [R, W]
+            remove_mask=torch.empty(release_shape, dtype=torch.bool, device=device),
+        )
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -170,9 +181,13 @@ class TextGenerationController:
 
     def _admit_waiting(self) -> None:
         while self._waiting and self.context.num_free_rows > 0:
-            request_id = self._waiting.popleft()
+            request_id = self._waiting[0]
             record = self._records[request_id]
-            self.context.add_request(request_id, record.prompt_tokens + record.output_tokens)
+            tokens = record.prompt_tokens + record.output_tokens
+            if record.preemptions and not self._fits_in_free_blocks(len(tokens)):
+                break  # an evicted request waits until it can be recomputed without evicting again
+            self.context.add_request(request_id, tokens)
+            self._waiting.popleft()  # only once the context holds it
             row = self.context.table.row_of(request_id)
             params = record.params
             self._temperature[row] = params.temperature
@@ -180,6 +195,11 @@ class TextGenerationController:
             self._top_p[row] = params.top_p
             self._seeds[row] = record.seed
             self._admission_order.append(request_id)
+
+    def _fits_in_free_blocks(self, token_count: int) -> bool:
+        block_size = self.config.block_size_tokens
+        needed = -(-(token_count + self.config.num_speculative_tokens + 1) // block_size)
+        return needed <= self.context.allocator.num_free_blocks
 
     def _preempt_newest(self) -> None:
         """Evict the newest live request to free its KV blocks; it is recomputed from its prompt
@@ -191,9 +211,7 @@ class TextGenerationController:
 
     def _release(self, request_id: int) -> None:
         self.context.finish_request(request_id)
-        forget = getattr(self.proposer, "forget", None)
-        if forget is not None:
-            forget(request_id)
+        self.proposer.forget(request_id)
 
     # ----- hooks -------------------------------------------------------------------------
 
@@ -219,6 +237,7 @@ class TextGenerationController:
         self._admit_waiting()
         step = self._build_step()
         if step is None:
+            self._idle_steps += 1
             return []
         self._all_greedy = all(self._records[rid].params.greedy for rid in step.request_ids)
         launch_step = self._with_length_bounds(step) if step.num_prefill == 0 else step
@@ -281,7 +300,7 @@ class TextGenerationController:
             table.kv_block_counts[:num_sampling], table.last_kv_block_id[:num_sampling],
             table.kv_block_ids[:num_sampling],
             num_decode, step.num_final_prefill_chunks, S, self.config.block_size_tokens,
-            num_active_requests=num_active,
+            num_active_requests=num_active, out=self._commit_buffers(num_sampling, num_rows),
         )
         if S > 0:
             request_index = torch.arange(grid, device=self.device)
@@ -291,7 +310,9 @@ class TextGenerationController:
                 step=step, hidden=hidden, num_requests=grid, num_sampling_requests=num_sampling,
                 next_tokens=context.table.next_tokens[:grid], last_accepted_rows=self._last_accepted_rows[:grid],
                 accepted_counts=self._accepted_counts[:grid], write_rows=write_rows))
-            self._draft_rows[write_rows[:num_sampling]] = drafts
+            self._check_drafts(drafts, num_sampling)
+            # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
+            self._draft_rows[write_rows[:num_sampling]] = drafts.clamp(0, self.vocab_size - 1)
         staged = self._readback_device[:num_sampling]
         staged[:, 0] = self._accepted_counts[:num_sampling]
         staged[:, 1] = context.table.next_tokens[:num_sampling]
@@ -305,6 +326,22 @@ class TextGenerationController:
                 if len(self._admission_order) <= 1:
                     raise
                 self._preempt_newest()
+
+    def _check_drafts(self, drafts, num_sampling: int) -> None:
+        """A proposer's output must be ``[n, S]`` int64 on the step's device (metadata only)."""
+        want = (num_sampling, self.config.num_speculative_tokens)
+        if not isinstance(drafts, torch.Tensor) or drafts.dtype != torch.int64 or tuple(drafts.shape) != want:
+            raise TypeError(f"{type(self.proposer).__name__}.propose must return a {list(want)} int64 tensor, got "
+                            f"{getattr(drafts, 'dtype', type(drafts).__name__)} {tuple(getattr(drafts, 'shape', ()))}")
+        if drafts.device != self.device:
+            raise ValueError(f"{type(self.proposer).__name__}.propose returned drafts on {drafts.device}, "
+                             f"expected {self.device}")
+
+    def _commit_buffers(self, num_requests: int, num_rows: int) -> StepCommit:
+        """Views of the preallocated outputs of ``verify_and_commit`` for this step's grid."""
+        buffers = self._commit_out
+        return StepCommit(buffers.last_one_indices[:num_requests], buffers.accepted_tokens_mask[:num_rows],
+                          buffers.blocks_to_release[:num_requests], buffers.remove_mask[:num_requests])
 
     def _read_back(self, num_sampling: int) -> torch.Tensor:
         """Copy the staged ``[accepted, bonus, accepted drafts]`` rows of the real sampling
@@ -351,5 +388,9 @@ class TextGenerationController:
         checked = [self._check_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
         request_ids = [self._queue_request(prompt, params) for prompt, params in checked]  # all valid: queue
         while any(self._records[rid].finish_reason is None for rid in request_ids):
+            idle_steps = self._idle_steps
             self.step()
+            if self._idle_steps != idle_steps:
+                raise RuntimeError("generate: no request can run (all running requests are paused); "
+                                   "resume them or use the step API")
         return [self.result(rid) for rid in request_ids]

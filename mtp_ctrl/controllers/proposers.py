@@ -57,6 +57,9 @@ class Proposer(abc.ABC):
         """Return ``[batch.num_sampling_requests, S]`` int64 drafts (device tensor, no host sync, no
         value-dependent Python: a decode-only step runs this inside a CUDA graph)."""
 
+    def forget(self, request_id: int) -> None:
+        """The request left the running batch (finished or evicted): drop host state kept for it."""
+
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
         """Host-side bookkeeping after the step's read-back (``accepted_counts``: one per
         sampling request, host ints). Default: nothing."""

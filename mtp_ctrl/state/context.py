@@ -210,7 +210,9 @@ class DynamicInferenceContext:
             request_id = int(host.request_ids[:num_decode][too_long][0])
             raise ValueError(f"request {request_id} has reached max_model_len ({self.max_model_len}); finish it")
         resize_kv_rows(host, 0, decode_lengths + stride, self.allocator)
-        chunks = [] if self._paused_for_kv else self._schedule_prefill_chunks(num_decode)
+        # prefill leaves the blocks that the running decodes take next step, so it cannot starve them
+        reserved_blocks = int(self._decode_block_needs().sum())
+        chunks = [] if self._paused_for_kv else self._schedule_prefill_chunks(num_decode, reserved_blocks)
         num_requests = num_decode + len(chunks)
         if num_requests == 0:
             if self.table.group_size(RowGroup.PREFILL) or self._paused_for_kv:
@@ -283,9 +285,10 @@ class DynamicInferenceContext:
             del self._paused_for_kv[request_id]
             spare_blocks -= need
 
-    def _schedule_prefill_chunks(self, num_decode: int) -> list:
+    def _schedule_prefill_chunks(self, num_decode: int, reserved_blocks: int) -> list:
         """Give prefill requests, in row order, chunks under the token budget and the free
-        blocks; take their blocks. Returns each chunk's prompt tokens (``[q]`` int64)."""
+        blocks less ``reserved_blocks``; take their blocks. Returns each chunk's prompt tokens
+        (``[q]`` int64)."""
         host, block_size = self.table.host, self.allocator.block_size_tokens
         budget = self.max_tokens_per_step - num_decode * (self.num_speculative_tokens + 1)
         chunks = []
@@ -293,7 +296,8 @@ class DynamicInferenceContext:
         for row in range(start, end):
             prompt = self._prompts[int(host.request_ids[row])]
             length = int(host.kv_length_offsets[row])
-            capacity = (int(host.kv_block_counts[row]) + self.allocator.num_free_blocks) * block_size - length
+            spare_blocks = max(self.allocator.num_free_blocks - reserved_blocks, 0)
+            capacity = (int(host.kv_block_counts[row]) + spare_blocks) * block_size - length
             chunk_length = min(prompt.shape[0] - length, budget, capacity)
             if chunk_length <= 0:
                 break

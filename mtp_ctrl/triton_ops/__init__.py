@@ -26,6 +26,9 @@ _OP_MODULES = {
     "ptd_prepare_inputs": "parallel_drafting",
     "shift_and_gather_cache": "shift_gather_cache",
     "shift_and_gather_cache_hidden": "shift_gather_cache",
+    # the fused op's result type and release width
+    "StepCommit": "_step_common",
+    "max_released_blocks": "_step_common",
     # paged attention
     "write_kv_cache": "kv_cache_write",
     "paged_attention": "paged_attn",

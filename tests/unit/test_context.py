@@ -215,29 +215,36 @@ def test_rewind_across_two_blocks_when_drafts_outnumber_the_block_size():
     assert ctx.allocator.num_allocated_blocks == 2
 
 
-def test_prefill_chunk_limited_by_free_blocks_and_held_back_while_a_decode_waits():
-    """bs = 1, S = 1 (a decode step needs 2 blocks), pool of 9 blocks."""
+def test_prefill_chunk_leaves_the_decodes_next_blocks_and_waits_behind_a_paused_decode():
+    """bs = 1, S = 1 (a decode step needs 2 blocks), pool of 9 blocks. A prefill chunk takes only
+    the free blocks that the running decodes will not need next step, so it cannot starve them."""
     ctx = make_context(max_requests=2, max_model_len=8, block_size_tokens=1, num_speculative_tokens=1,
                        max_tokens_per_step=8, num_blocks=9)
     ctx.add_request(0, [1, 2, 3])
     step_and_commit(ctx)  # 3 blocks
     ctx.add_request(1, [4, 5, 6, 7, 8, 9, 10, 11])
-    step = ctx.build_step()  # decode 0 takes 2 blocks; the prefill's budget is 6 but 4 blocks are left
-    assert step.attention.query_start_loc.tolist() == [0, 2, 6]
-    assert step.input_ids[2:].tolist() == [4, 5, 6, 7] and step.num_final_prefill_chunks == 0
+    step = ctx.build_step()  # decode 0 takes 2 blocks; of the 4 left, 2 are kept for its next step
+    assert step.attention.query_start_loc.tolist() == [0, 2, 4]
+    assert step.input_ids[2:].tolist() == [4, 5] and step.num_final_prefill_chunks == 0
     run_device_rewind(ctx, step, [0])
-    ctx.commit_step(step, [0])  # request 0 keeps 4 tokens: 1 block back, 1 free
+    ctx.commit_step(step, [0])  # request 0 keeps 4 tokens: 1 block back
+    assert ctx.allocator.num_free_blocks == 3
+
+    step = ctx.build_step()  # decode 0 takes 2 (1 left, less than its next 2): no prefill chunk
+    assert step.request_ids == (0,)
+    run_device_rewind(ctx, step, [1])
+    ctx.commit_step(step, [1])  # both rows accepted: request 0 holds 6 tokens
     assert ctx.allocator.num_free_blocks == 1
 
     with pytest.raises(KVCacheFullError):
         ctx.build_step()  # decode 0 needs 2 blocks: paused; the prefill may not take the free one
     assert ctx.table.group_of(0) == RowGroup.PAUSED
     assert ctx.allocator.num_free_blocks == 1
-    assert ctx.table.host.kv_length_offsets[ctx.table.row_of(1)] == 4
+    assert ctx.table.host.kv_length_offsets[ctx.table.row_of(1)] == 2
 
     ctx.finish_request(1)
     step = ctx.build_step()
-    assert step.request_ids == (0,) and step.attention.positions.tolist() == [4, 5]
+    assert step.request_ids == (0,) and step.attention.positions.tolist() == [6, 7]
 
 
 @pytest.mark.parametrize(

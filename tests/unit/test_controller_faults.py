@@ -78,19 +78,20 @@ def test_more_prompts_than_max_requests(models, unconstrained_outputs):
     _assert_state_released(controller)
 
 
-@pytest.mark.parametrize("num_kv_blocks, path", [(16, "paused"), (12, "preempted")])
-def test_kv_exhaustion_keeps_outputs_and_frees_every_block(models, unconstrained_outputs, num_kv_blocks, path):
-    """A full-length request takes ceil((22 + S) / 4) = 6 blocks. A pool of 16 blocks pauses
-    decodes that cannot grow until others finish; 12 (two full-length requests) also runs out
-    with every live decode paused, so the newest request is preempted and recomputed. Either
-    way the outputs are those of an unconstrained run, and at the end every block is free and
-    no row is live."""
+@pytest.mark.parametrize("num_kv_blocks", [12, 14])
+def test_kv_exhaustion_keeps_outputs_and_frees_every_block(models, unconstrained_outputs, num_kv_blocks):
+    """A full-length request takes ceil((22 + S) / 4) = 6 blocks. Pools of 12 and 14 blocks run
+    out with every live decode paused, so the newest request is preempted and recomputed. The
+    outputs are those of an unconstrained run, no request is evicted twice (prefill leaves the
+    running decodes' next blocks, and an evicted request returns only when it fits), and at the
+    end every block is free and no row is live. (Pausing without preemption is covered at the
+    context level in test_context.py.)"""
     model, _ = models
     controller = make_controller(model, S, max_model_len=22, num_kv_blocks=num_kv_blocks)
     outputs, saw_paused, saw_preempted = _run_observing(controller)
     assert outputs == unconstrained_outputs
-    assert saw_paused
-    assert saw_preempted == (path == "preempted")
+    assert saw_paused and saw_preempted
+    assert max(record.preemptions for record in controller._records.values()) == 1
     _assert_state_released(controller)
 
 

@@ -94,3 +94,24 @@ def test_sampled_frequencies_follow_softmax(temperature):
     counts = torch.bincount(tokens, minlength=6).double()
     expected = (logits / temperature).softmax(-1).double() * draws
     assert _chi_square_p_value(counts, expected) > 1e-3  # significance 0.1%
+
+
+def test_top_p_one_keeps_the_whole_vocabulary():
+    # float32 cumsums over a large vocabulary reach 1.0 before the tail; top_p = 1 must not cut it
+    logits = torch.randn(2, 150_000, generator=torch.Generator().manual_seed(5)) * 4
+    kept = filter_top_k_top_p(logits, torch.zeros(2, dtype=torch.int64), torch.ones(2))
+    assert torch.isfinite(kept).all()
+
+
+def test_noise_of_nearby_keys_is_not_a_permutation():
+    # rows whose keys could differ in only a few low bits must still draw independent noise
+    positions = torch.arange(64, dtype=torch.int64)
+    noise = gumbel_noise(torch.full((64,), 9, dtype=torch.int64), positions, 256)
+    sorted_rows = noise.sort(dim=1).values
+    assert not any(torch.equal(sorted_rows[i], sorted_rows[j]) for i in range(64) for j in range(i))
+
+
+def test_tiny_temperature_is_greedy():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(2))
+    tokens = sample_tokens(logits, positions=torch.arange(5), **_rows(5, temperature=1e-30))
+    assert torch.equal(tokens, logits.argmax(-1))
