@@ -18,9 +18,10 @@ One step::
 
     step = ctx.build_step()          # schedule, take blocks, stage host rows + step rows,
                                      # ONE copy to the device, gather decode tokens there
-    ... forward(step); sample; verify; prepare_next_forward_pass writes
-        ctx.table.next_tokens[:n] / draft_tokens[:n]; rewind_kv_cache and
-        mamba_state_selective_copy on ctx.table.device.*[:n] ...
+    ... forward(step); sample; verify_and_commit (verify, prepare_next_forward_pass into
+        ctx.table.next_tokens[:n], rewind_kv_cache on ctx.table.device.*[:n]); a proposer
+        writes ctx.table.draft_tokens[:n]; a hybrid model would commit its Mamba slots with
+        mamba_state_selective_copy here ...
     ctx.commit_step(step, accepted_counts)   # host mirror catches up with the device rewind,
                                              # frees rewound blocks, flips finished prefills
 """
