@@ -280,15 +280,16 @@ class TextGenerationController:
         grid = attention.batch_size if decode_only else step.num_requests  # G
         num_decode = grid if decode_only else step.num_decode
         num_sampling = grid if decode_only else step.num_sampling_requests
-        logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches)
-
         stride = S + 1
         num_rows = num_decode * stride + step.num_final_prefill_chunks
         rows = step.logits_indices[:num_rows]  # [K] int64 packed rows that sample
+        logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
+                                             logits_rows=rows)  # [K, V], [T, H]
+
         row_index = torch.arange(num_rows, device=self.device)
         row_requests = torch.where(row_index < num_decode * stride, row_index // stride,
                                    row_index - num_decode * stride + num_decode)  # [K] table row of each
-        output_tokens = self.sample_rows(logits[rows], row_requests, attention.positions[rows] + 1)
+        output_tokens = self.sample_rows(logits, row_requests, attention.positions[rows] + 1)
         self._accepted_tokens.fill_(-1)
         self._accepted_counts.zero_()
         num_active = (attention.seq_lens > 0).sum() if decode_only else None  # [] int64, real requests

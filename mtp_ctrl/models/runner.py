@@ -105,17 +105,24 @@ class PagedGPTRunner:
         positions: torch.Tensor,  # [T] int64
         metadata: AttentionMetadata,
         kv_caches: Sequence[KVCachePair],
-    ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [T, V] fp32 (all TP ranks), hidden [T, H]
+        logits_rows: Optional[torch.Tensor] = None,  # [K] int64: rows whose logits are needed (default all)
+    ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [K, V] fp32 (all TP ranks), hidden [T, H]
         """Embedding, decoder layers (KV written at ``metadata.slot_mapping``), final norm, output layer.
 
         ``hidden`` is the decoder output after the final layer norm: the input of MTP depth 0.
+        Only ``logits_rows`` go through the output layer (a prefill samples from its last row
+        only, so projecting every row to the vocabulary would be wasted work and memory).
         """
         self._check_rows(input_ids, positions, metadata, kv_caches)
+        if logits_rows is not None and (not isinstance(logits_rows, torch.Tensor) or logits_rows.dim() != 1
+                                        or logits_rows.dtype != torch.int64):
+            raise TypeError("logits_rows must be a 1-D int64 tensor")
         with paged_forward_context(metadata, kv_caches):
             embedded = self.model.embedding(input_ids=input_ids[None], position_ids=positions[None])  # [T, 1, H]
             hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
                                         rotary_pos_emb=self._rotary_embedding(positions))  # [T, 1, H]
-        return self._logits(hidden), hidden[:, 0]
+        projected = hidden if logits_rows is None else hidden[logits_rows]  # [K, 1, H]
+        return self._logits(projected), hidden[:, 0]
 
     @torch.no_grad()
     def mtp_forward(

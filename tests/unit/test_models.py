@@ -143,3 +143,19 @@ def test_half_precision_model_has_one_dtype(megatron_groups):
     torch.manual_seed(0)
     model = build_tiny_model(tiny_config(mtp_num_layers=1, params_dtype=torch.bfloat16, bf16=True))
     assert {parameter.dtype for parameter in model.parameters()} == {torch.bfloat16}
+
+
+def test_logits_rows_project_only_the_rows_asked_for(megatron_groups):
+    config = tiny_config(mtp_num_layers=None)
+    model = build_tiny_model(config, seed=7)
+    runner = PagedGPTRunner(model)
+    tokens = random_sequences(seed=3)[0]
+    metadata = make_metadata([[4, 1, 6, 2]], [(0, tokens.shape[0])])
+    caches = allocate_kv_caches(2, NUM_BLOCKS, num_kv_heads_local=2, head_dim=16)
+    all_logits, _ = runner.forward(tokens, metadata.positions, metadata, caches)
+    rows = torch.tensor([tokens.shape[0] - 1, 0], dtype=torch.int64)
+    some_logits, hidden = runner.forward(tokens, metadata.positions, metadata, caches, logits_rows=rows)
+    assert some_logits.shape == (2, all_logits.shape[1]) and hidden.shape[0] == tokens.shape[0]
+    torch.testing.assert_close(some_logits, all_logits[rows], **FP32_TOL)
+    with pytest.raises(TypeError, match="logits_rows"):
+        runner.forward(tokens, metadata.positions, metadata, caches, logits_rows=rows.int())
