@@ -74,7 +74,7 @@ class MTPProposer(Proposer):
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
         """The host keeps the window start of requests still in prefill (it sizes their rows):
         after a chunk ending at ``e`` that did not sample, ``w = max(0, e - S)``."""
-        ends = (step.host_first_positions + step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]).tolist()  # host-ok: host tensors
+        ends = (step.host_first_positions + step.host_query_lengths).tolist()  # host-ok: host tensors
         for index, request_id in enumerate(step.request_ids):
             if index < step.num_sampling_requests:
                 self._prefill_window_starts.pop(request_id, None)
@@ -124,7 +124,7 @@ class MTPProposer(Proposer):
             request_index = torch.arange(batch.num_requests, device=device)
             first = step.attention.seq_lens[: batch.num_requests].long() - stride  # padding: -stride
             return first, torch.full_like(first, stride), request_index * stride
-        host_layout = torch.stack((step.host_first_positions, step.host_query_start_loc[1:] - step.host_query_start_loc[:-1],
+        host_layout = torch.stack((step.host_first_positions, step.host_query_lengths,
                                    step.host_query_start_loc[:-1]))  # [3, n] int64
         return tuple(host_layout.to(device, non_blocking=True))
 
@@ -133,7 +133,7 @@ class MTPProposer(Proposer):
         step, stride = batch.step, self.num_speculative_tokens + 1
         if batch.decode_only:
             return torch.arange(step.input_ids.shape[0], device=batch.hidden.device) // stride
-        query_lengths = step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]
+        query_lengths = step.host_query_lengths
         return torch.repeat_interleave(torch.arange(step.num_requests), query_lengths).to(batch.hidden.device,
                                                                                           non_blocking=True)
 
@@ -164,7 +164,7 @@ class MTPProposer(Proposer):
             return query_start_loc, row_index // window_rows, window_rows - 1 - row_index % window_rows, \
                 device_starts, window_rows
         starts = torch.tensor([self._prefill_window_starts.get(rid, 0) for rid in step.request_ids], dtype=torch.int64)
-        query_lengths = step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]
+        query_lengths = step.host_query_lengths
         sizes = torch.where(torch.arange(num_requests) < step.num_decode, window_rows,
                             step.host_first_positions + query_lengths - starts)  # [n] int64
         query_start_loc = torch.zeros(num_requests + 1, dtype=torch.int32)

@@ -47,6 +47,11 @@ class StepMetadata:
     host_first_positions: torch.Tensor  # [num_requests] int64 (CPU): position of each request's first row
 
     @property
+    def host_query_lengths(self) -> torch.Tensor:
+        """``[num_requests]`` int64 (CPU): query rows of each real request."""
+        return self.host_query_start_loc[1:] - self.host_query_start_loc[:-1]
+
+    @property
     def num_requests(self) -> int:
         return self.num_decode + self.num_prefill
 

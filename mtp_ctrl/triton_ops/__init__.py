@@ -7,7 +7,7 @@ in :mod:`mtp_ctrl.triton_ops.reference` otherwise.
 Ops are loaded on first use, so importing the package imports neither Triton nor any kernel.
 """
 
-import importlib
+from mtp_ctrl.triton_ops._lazy import lazy_exports
 
 # public name -> module of this package that defines it
 _OP_MODULES = {
@@ -37,14 +37,4 @@ _OP_MODULES = {
 __all__ = sorted(_OP_MODULES)
 
 
-def __getattr__(name):
-    module_name = _OP_MODULES.get(name)
-    if module_name is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    op = getattr(importlib.import_module(f"{__name__}.{module_name}"), name)
-    globals()[name] = op
-    return op
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _OP_MODULES, globals())

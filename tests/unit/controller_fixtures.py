@@ -77,7 +77,7 @@ def verified_ends(batch: DraftBatch, num_speculative_tokens: int) -> torch.Tenso
     """``[n]`` int64 on the device: position ``e`` of the token each sampling request verified
     last (a prefill's prompt length; a decode's base position + 1 + accepted drafts)."""
     step, num_sampling, device = batch.step, batch.step.num_sampling_requests, batch.hidden.device  # real requests
-    query_lengths = step.host_query_start_loc[1:] - step.host_query_start_loc[:-1]  # [n_all] int64 (CPU)
+    query_lengths = step.host_query_lengths  # [n_all] int64 (CPU)
     ends = (step.host_first_positions + query_lengths)[:num_sampling].to(device)  # [n] int64
     rewinds = torch.zeros(num_sampling, dtype=torch.int64, device=device)
     rewinds[: step.num_decode] = num_speculative_tokens - batch.accepted_counts[: step.num_decode]

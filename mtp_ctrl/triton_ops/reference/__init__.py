@@ -4,7 +4,7 @@ Same names, argument order and return values as the public ops; vectorised torch
 Python loop over requests. They are the CPU path and the ground truth of the kernel tests.
 """
 
-import importlib
+from mtp_ctrl.triton_ops._lazy import lazy_exports
 
 _REFERENCE_MODULES = {
     "verify_speculative_tokens": "mtp_step",
@@ -27,14 +27,4 @@ _REFERENCE_MODULES = {
 __all__ = sorted(_REFERENCE_MODULES)
 
 
-def __getattr__(name):
-    module_name = _REFERENCE_MODULES.get(name)
-    if module_name is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    op = getattr(importlib.import_module(f"{__name__}.{module_name}"), name)
-    globals()[name] = op
-    return op
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _REFERENCE_MODULES, globals())
