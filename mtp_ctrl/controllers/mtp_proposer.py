@@ -30,7 +30,7 @@ position (see ``sampling.py``), which couples draft and target samples: greedy r
 the MTP argmax, sampled requests draft what the target would most likely draw.
 """
 
-from typing import Dict, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -39,8 +39,18 @@ from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.step_metadata import StepMetadata
 
 
-def _to_device(device: torch.device, *host_tensors: torch.Tensor):
-    return (tensor.to(device, non_blocking=True) for tensor in host_tensors)
+class _DraftLayout(NamedTuple):
+    """Where a step's requests and their draft windows sit (device tensors; G requests, T rows)."""
+
+    first: torch.Tensor  # [G] int64, position of each request's first row this step
+    query_lengths: torch.Tensor  # [G] int64, its rows this step
+    main_start: torch.Tensor  # [G] int64, its first packed row
+    row_requests: torch.Tensor  # [T] int64, the request of each packed row
+    window_query_start_loc: torch.Tensor  # [G + 1] int32, window rows per request (paged mode)
+    window_rows: torch.Tensor  # [Tm] int64, the request of each window row
+    window_from_end: torch.Tensor  # [Tm] int64, distance of each window row to the row at e - 1
+    prefill_window_starts: Optional[torch.Tensor]  # [G] int64, the host's w (steps with prefill)
+    max_window_rows: int
 
 
 class MTPProposer(Proposer):
@@ -89,14 +99,15 @@ class MTPProposer(Proposer):
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         S, step = self.num_speculative_tokens, batch.step
         device, num_requests, num_sampling = batch.hidden.device, batch.num_requests, batch.num_sampling_requests
-        first, query_lengths, main_start = self._request_layout(batch)  # [G] int64 each
+        layout = self._layout(batch)
+        first, main_start = layout.first, layout.main_start  # [G] int64 each
         num_decode = num_requests if batch.decode_only else step.num_decode
         rewinds = torch.zeros(num_requests, dtype=torch.int64, device=device)  # [G]
         rewinds[:num_decode] = S - batch.accepted_counts[:num_decode]
-        ends = first + query_lengths - rewinds  # [G] int64, e: the bonus token's position
-        self._record_verified_tokens(batch, ends)
+        ends = first + layout.query_lengths - rewinds  # [G] int64, e: the bonus token's position
+        self._record_verified_tokens(batch, ends, layout.row_requests)
         if self.mode == "paged":
-            hidden, rows, positions, metadata = self._paged_window(batch, ends, first, main_start)
+            hidden, rows, positions, metadata = self._paged_window(batch, ends, layout)
         else:
             hidden, rows, positions, metadata = self._single_position_rows(batch, ends)
         history_rows = batch.write_rows[rows]  # [Tm] table row (scratch for padding) of each row
@@ -117,70 +128,57 @@ class MTPProposer(Proposer):
             self._update_hidden_ring(batch, ends, first, main_start)
         return drafts
 
-    def _request_layout(self, batch: DraftBatch):
-        """``first`` (position of each request's first row), query rows and first packed row, ``[G]``."""
-        step, device, stride = batch.step, batch.hidden.device, self.num_speculative_tokens + 1
-        if batch.decode_only:  # from the device: fixed shapes, nothing staged
-            request_index = torch.arange(batch.num_requests, device=device)
-            first = step.attention.seq_lens[: batch.num_requests].long() - stride  # padding: -stride
-            return first, torch.full_like(first, stride), request_index * stride
-        host_layout = torch.stack((step.host_first_positions, step.host_query_lengths,
-                                   step.host_query_start_loc[:-1]))  # [3, n] int64
-        return tuple(host_layout.to(device, non_blocking=True))
-
-    def _row_requests(self, batch: DraftBatch) -> torch.Tensor:
-        """``[T]`` int64: the request of each packed row of the step (padding rows: padding requests)."""
-        step, stride = batch.step, self.num_speculative_tokens + 1
+    def _layout(self, batch: DraftBatch) -> _DraftLayout:
+        """Decode-only steps derive the layout on the device (fixed shapes per bucket, so the step
+        can be captured); steps with prefill build it on the host and copy it once."""
+        step, device, S = batch.step, batch.hidden.device, self.num_speculative_tokens
+        stride, window_size = S + 1, 2 * S  # a decode window spans at most 2S positions
+        num_requests = batch.num_requests
         if batch.decode_only:
-            return torch.arange(step.input_ids.shape[0], device=batch.hidden.device) // stride
-        query_lengths = step.host_query_lengths
-        return torch.repeat_interleave(torch.arange(step.num_requests), query_lengths).to(batch.hidden.device,
-                                                                                          non_blocking=True)
+            request_index = torch.arange(num_requests, device=device)
+            first = step.attention.seq_lens[:num_requests].long() - stride  # padding: -stride
+            window_index = torch.arange(num_requests * window_size, device=device)
+            return _DraftLayout(
+                first, torch.full_like(first, stride), request_index * stride,
+                torch.arange(step.input_ids.shape[0], device=device) // stride,
+                torch.arange(0, (num_requests + 1) * window_size, window_size, dtype=torch.int32, device=device),
+                window_index // window_size, window_size - 1 - window_index % window_size, None, window_size)
+        query_lengths = step.host_query_lengths  # [n] int64 (CPU), like every host tensor below
+        starts = torch.tensor([self._prefill_window_starts.get(rid, 0) for rid in step.request_ids], dtype=torch.int64)
+        sizes = torch.where(torch.arange(num_requests) < step.num_decode, window_size,
+                            step.host_first_positions + query_lengths - starts)  # [n] window rows
+        window_query_start_loc = torch.zeros(num_requests + 1, dtype=torch.int64)
+        torch.cumsum(sizes, 0, out=window_query_start_loc[1:])
+        window_rows = torch.repeat_interleave(torch.arange(num_requests), sizes)  # [Tm]
+        from_end = window_query_start_loc[1:][window_rows] - 1 - torch.arange(window_rows.shape[0])  # [Tm]
+        host_parts = (step.host_first_positions, query_lengths, step.host_query_start_loc[:-1],
+                      torch.repeat_interleave(torch.arange(num_requests), query_lengths),
+                      window_query_start_loc, window_rows, from_end, starts)
+        device_parts = torch.cat(host_parts).to(device, non_blocking=True).split([p.shape[0] for p in host_parts])
+        first, lengths, main_start, row_requests, window_qsl, rows, from_end, starts = device_parts
+        return _DraftLayout(first, lengths, main_start, row_requests, window_qsl.to(torch.int32), rows, from_end,
+                            starts, int(sizes.max()))
 
-    def _record_verified_tokens(self, batch: DraftBatch, ends: torch.Tensor) -> None:
+    def _record_verified_tokens(self, batch: DraftBatch, ends: torch.Tensor, row_requests: torch.Tensor) -> None:
         """Write this step's input rows at their positions, then each bonus token at ``e``.
         Rejected drafts land past ``e`` and are overwritten by the new drafts."""
         step, num_sampling = batch.step, batch.num_sampling_requests
-        row_requests = self._row_requests(batch)  # [T]
         rows = row_requests.shape[0]
         self._token_history[batch.write_rows[row_requests], step.attention.positions[:rows]] = step.input_ids[:rows]
         bonus_positions = ends[:num_sampling].clamp(0, self._history_len - 1)
         self._token_history[batch.write_rows[:num_sampling], bonus_positions] = batch.next_tokens[:num_sampling]
 
-    def _window_layout(self, batch: DraftBatch):
-        """Rows per request and their layout: ``(query_start_loc [G + 1] int32, rows [Tm],
-        from_end [Tm] (distance to the row at e - 1), window_start [G], max rows)``.
-
-        A decode request gets ``2S`` rows (its window spans at most that); a prefill request
-        ``first + q - w`` with the host's ``w``. Rows before ``w`` are masked later.
-        """
-        step, device, S = batch.step, batch.hidden.device, self.num_speculative_tokens
-        num_requests, window_rows = batch.num_requests, 2 * S
-        device_starts = self._window_start[batch.write_rows]  # [G] int64, valid for decode requests
-        if batch.decode_only:
-            row_index = torch.arange(num_requests * window_rows, device=device)
-            query_start_loc = torch.arange(0, (num_requests + 1) * window_rows, window_rows, dtype=torch.int32,
-                                           device=device)
-            return query_start_loc, row_index // window_rows, window_rows - 1 - row_index % window_rows, \
-                device_starts, window_rows
-        starts = torch.tensor([self._prefill_window_starts.get(rid, 0) for rid in step.request_ids], dtype=torch.int64)
-        query_lengths = step.host_query_lengths
-        sizes = torch.where(torch.arange(num_requests) < step.num_decode, window_rows,
-                            step.host_first_positions + query_lengths - starts)  # [n] int64
-        query_start_loc = torch.zeros(num_requests + 1, dtype=torch.int32)
-        torch.cumsum(sizes, 0, out=query_start_loc[1:])
-        rows = torch.repeat_interleave(torch.arange(num_requests), sizes)  # [Tm] int64
-        from_end = query_start_loc[1:].long()[rows] - 1 - torch.arange(rows.shape[0])  # [Tm] int64
-        query_start_loc, rows, from_end, starts = _to_device(device, query_start_loc, rows, from_end, starts)
-        is_decode = torch.arange(num_requests, device=device) < step.num_decode
-        return query_start_loc, rows, from_end, torch.where(is_decode, device_starts, starts), int(sizes.max())
-
-    def _paged_window(self, batch: DraftBatch, ends, first, main_start):
-        """Rows for positions ``[w, e)`` of every request, right-aligned in its window rows."""
+    def _paged_window(self, batch: DraftBatch, ends, layout: _DraftLayout):
+        """Rows for positions ``[w, e)`` of every request, right-aligned in its window rows (a
+        decode gets 2S rows, a prefill chunk ``first + q - w``); rows before ``w`` are masked."""
         step = batch.step
         block_size = self.controller.config.block_size_tokens
-        query_start_loc, rows, from_end, window_start, max_rows = self._window_layout(batch)
-        positions = ends[rows] - 1 - from_end  # [Tm] int64, may be < w (then masked) or < 0
+        first, main_start, rows = layout.first, layout.main_start, layout.window_rows
+        window_start = self._window_start[batch.write_rows]  # [G] int64, the device's w (decodes)
+        if layout.prefill_window_starts is not None:
+            is_decode = torch.arange(batch.num_requests, device=ends.device) < step.num_decode
+            window_start = torch.where(is_decode, window_start, layout.prefill_window_starts)
+        positions = ends[rows] - 1 - layout.window_from_end  # [Tm] int64, may be < w (then masked) or < 0
         valid = positions >= window_start[rows]
         safe_positions = positions.clamp(min=0)
         block_table = step.attention.block_table[: batch.num_requests]
@@ -192,13 +190,13 @@ class MTPProposer(Proposer):
         ring_hidden = self._hidden_ring[batch.write_rows[rows], safe_positions % self._ring_size]  # [Tm, H]
         hidden = torch.where(from_step[:, None], batch.hidden[step_rows], ring_hidden)  # [Tm, H]
         metadata = AttentionMetadata(
-            query_start_loc=query_start_loc,
+            query_start_loc=layout.window_query_start_loc,
             seq_lens=ends.clamp(min=0).to(torch.int32),
             slot_mapping=slot_mapping,
             block_table=block_table,
             positions=safe_positions,
             num_actual_tokens=rows.shape[0],
-            max_query_len=max_rows,
+            max_query_len=layout.max_window_rows,
             max_seq_len=step.attention.max_seq_len,
         )
         return hidden, rows, positions, metadata
