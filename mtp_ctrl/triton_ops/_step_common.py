@@ -72,3 +72,18 @@ def check_num_active_requests(
             )
         return num_active_requests
     return check_int("num_active_requests", num_active_requests, low=0, high=grid_size)
+
+
+def check_prepare_outputs(
+    sampled_tokens_buf, last_accepted_seq_buf, accepted_tokens_per_request, accepted_token_counts,
+    num_requests: int, num_decode_requests: int, num_speculative_tokens: int, device: torch.device,
+) -> None:
+    """Validate the caller's prepare-next-forward buffers (shared by the separate and the fused op)."""
+    for name, buf in (("sampled_tokens_buf", sampled_tokens_buf), ("last_accepted_seq_buf", last_accepted_seq_buf)):
+        check_tensor(name, buf, dtypes=INDEX_DTYPES, ndim=1, device=device)
+        check_min_rows(name, buf, num_requests, "one per request")
+    check_tensor("accepted_tokens_per_request", accepted_tokens_per_request, dtypes=INDEX_DTYPES,
+                 shape=(None, num_speculative_tokens), device=device)
+    check_min_rows("accepted_tokens_per_request", accepted_tokens_per_request, num_decode_requests, "decode requests")
+    check_tensor("accepted_token_counts", accepted_token_counts, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    check_min_rows("accepted_token_counts", accepted_token_counts, num_decode_requests, "decode requests")

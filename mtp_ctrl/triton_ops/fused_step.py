@@ -21,6 +21,7 @@ from mtp_ctrl.triton_ops._step_common import (
     StepCommit,
     check_min_rows,
     check_num_active_requests,
+    check_prepare_outputs,
     check_token_rows,
     max_released_blocks,
     release_shape,
@@ -213,19 +214,8 @@ def _check_args(
     ):
         check_tensor(name, tensor, dtypes=INDEX_DTYPES, ndim=1, device=device)
         check_min_rows(name, tensor, packed_row_count, "packed rows")
-    for name, buf in (("sampled_tokens_buf", sampled_tokens_buf), ("last_accepted_seq_buf", last_accepted_seq_buf)):
-        check_tensor(name, buf, dtypes=INDEX_DTYPES, ndim=1, device=device)
-        check_min_rows(name, buf, num_requests, "one per request")
-    check_tensor(
-        "accepted_tokens_per_request",
-        accepted_tokens_per_request,
-        dtypes=INDEX_DTYPES,
-        shape=(None, num_speculative_tokens),
-        device=device,
-    )
-    check_min_rows("accepted_tokens_per_request", accepted_tokens_per_request, num_decode_requests, "decode requests")
-    check_tensor("accepted_token_counts", accepted_token_counts, dtypes=INDEX_DTYPES, ndim=1, device=device)
-    check_min_rows("accepted_token_counts", accepted_token_counts, num_decode_requests, "decode requests")
+    check_prepare_outputs(sampled_tokens_buf, last_accepted_seq_buf, accepted_tokens_per_request,
+                          accepted_token_counts, num_requests, num_decode_requests, num_speculative_tokens, device)
     check_kv_state(*kv_state, num_requests, device)
     num_active = check_num_active_requests(num_active_requests, num_requests, device)
     if out is not None:

@@ -12,7 +12,7 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, check_int, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
-from mtp_ctrl.triton_ops._step_common import check_min_rows, check_token_rows
+from mtp_ctrl.triton_ops._step_common import check_min_rows, check_prepare_outputs, check_token_rows
 
 
 @triton.jit
@@ -137,19 +137,8 @@ def _check_args(
     tokens = check_token_rows("input_tokens", input_tokens)
     check_tensor("input_tokens", tokens, device=device)
     check_min_rows("input_tokens", tokens, decode_rows, "decode rows")
-    for name, buf in (("sampled_tokens_buf", sampled_tokens_buf), ("last_accepted_seq_buf", last_accepted_seq_buf)):
-        check_tensor(name, buf, dtypes=INDEX_DTYPES, ndim=1, device=device)
-        check_min_rows(name, buf, num_requests, "one per request")
-    check_tensor(
-        "accepted_tokens_per_request",
-        accepted_tokens_per_request,
-        dtypes=INDEX_DTYPES,
-        shape=(None, num_speculative_tokens),
-        device=device,
-    )
-    check_min_rows("accepted_tokens_per_request", accepted_tokens_per_request, num_decode_requests, "decode requests")
-    check_tensor("accepted_token_counts", accepted_token_counts, dtypes=INDEX_DTYPES, ndim=1, device=device)
-    check_min_rows("accepted_token_counts", accepted_token_counts, num_decode_requests, "decode requests")
+    check_prepare_outputs(sampled_tokens_buf, last_accepted_seq_buf, accepted_tokens_per_request,
+                          accepted_token_counts, num_requests, num_decode_requests, num_speculative_tokens, device)
     return tokens
 
 
