@@ -10,14 +10,12 @@ from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_ctrl.models import build_gpt_model
+from mtp_ctrl.models.dense_attention import build_dense_gpt_model, dense_full_sequence  # noqa: F401 (re-exported)
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 
 VOCAB_SIZE = 96  # divisible by the TP size, as megatron requires (it pads vocabularies in training)
@@ -53,55 +51,11 @@ def build_tiny_model(config: TransformerConfig, seed: int = 1234):
     return build_gpt_model(config, VOCAB_SIZE, MAX_SEQUENCE_LENGTH).eval()
 
 
-class DenseCausalAttention(MegatronModule):
-    """Oracle core attention: plain causal SDPA over one unpaged sequence ([s, b, heads, D])."""
-
-    def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self", cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None):
-        super().__init__(config=config)
-        self.softmax_scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        out = F.scaled_dot_product_attention(
-            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-            is_causal=True, scale=self.softmax_scale, enable_gqa=True,
-        )  # [b, heads, s, D]
-        return out.permute(2, 0, 1, 3).flatten(2)  # [s, b, heads * D]
-
-
 def build_dense_twin(config: TransformerConfig, paged_model) -> GPTModel:
-    """megatron's local-spec GPTModel (dense causal attention) holding the paged model's weights."""
-    spec = get_gpt_layer_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = DenseCausalAttention
-    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB_SIZE,
-                     max_sequence_length=MAX_SEQUENCE_LENGTH, position_embedding_type="rope",
-                     mtp_block_spec=mtp_spec)
+    """The dense (SDPA causal attention) GPTModel holding the paged model's weights."""
+    model = build_dense_gpt_model(config, VOCAB_SIZE, MAX_SEQUENCE_LENGTH)
     model.load_state_dict(paged_model.state_dict())
     return model.eval()
-
-
-@torch.no_grad()
-def dense_full_sequence(model: GPTModel, tokens: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """One causal forward over ``tokens`` [n]: decoder logits [n, V] and each MTP depth's logits [n, V].
-
-    Runs megatron's own modules (embedding, decoder block, MTP block, output layer); the rotary
-    table is megatron's ``get_freqs_non_repeated`` (its ``get_emb`` moves to CUDA).
-    """
-    positions = torch.arange(tokens.shape[0], device=tokens.device)
-    freqs = model.rotary_pos_emb.get_freqs_non_repeated(tokens.shape[0]).to(tokens.device)  # [n, rotary_dim / 2]
-    rotary = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
-    embedded = model.embedding(input_ids=tokens[None], position_ids=positions[None])  # [n, 1, H]
-    hidden = model.decoder(hidden_states=embedded, attention_mask=None, rotary_pos_emb=rotary)
-    logits = model.output_layer(hidden)[0][:, 0]
-    mtp_logits = []
-    if model.mtp_process:
-        stacked = model.mtp(input_ids=tokens[None], position_ids=positions[None], hidden_states=hidden,
-                            attention_mask=None, rotary_pos_emb=rotary, embedding=model.embedding)
-        for depth_hidden in torch.chunk(stacked, 1 + model.config.mtp_num_layers, dim=0)[1:]:
-            mtp_logits.append(model.output_layer(depth_hidden)[0][:, 0])
-    return logits, mtp_logits
 
 
 def allocate_kv_caches(num_layers, num_blocks, num_kv_heads_local, head_dim, dtype=torch.float32, device="cpu"):
