@@ -1,10 +1,12 @@
 """Argument validation shared by the public ops.
 
 Every check reads only metadata (type, dtype, shape, device) or Python scalars, never tensor
-values, so it costs no host sync on the GPU path. Errors name the argument.
+values, so it costs no host sync on the GPU path. Errors name the argument. An op called every
+step can remember the argument signatures that passed (:class:`ValidatedSignatures`), so a repeated
+call only builds its signature.
 """
 
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import torch
 
@@ -67,3 +69,69 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
         if tensor.device != first.device:
             raise ValueError(f"{name} is on {tensor.device} but {first_name} is on {first.device}")
     return first.device
+
+
+_KEYED_SCALARS = (type(None), bool, int)  # exact types: an int subclass gets no signature
+
+
+class _NoSignature(Exception):
+    """Raised for a value :func:`argument_signature` cannot key."""
+
+
+def argument_signature(values: Sequence) -> tuple:
+    """What a metadata-only check reads from ``values``, as a hashable key.
+
+    A tensor contributes its dtype, shape and device (not its strides or values; a subclass also
+    its type); ``None``, a bool or an int its type and value (so ``True`` and ``1`` differ); a
+    tuple or list (e.g. a ``StepCommit``) its type and its items' signatures. Any other value
+    raises ``_NoSignature``. Example::
+
+        argument_signature((torch.zeros(3, dtype=torch.int64), 2, None))
+        -> ((torch.int64, torch.Size([3]), device(type='cpu')), (int, 2), (NoneType, None))
+    """
+    # the common case (a plain tensor) is inlined: this runs on every call of a step op
+    return tuple([(value.dtype, value.shape, value.device) if type(value) is torch.Tensor else _other_signature(value)
+                  for value in values])
+
+
+def _other_signature(value) -> tuple:
+    kind = type(value)
+    if isinstance(value, torch.Tensor):
+        return (kind, value.dtype, value.shape, value.device)
+    if kind in _KEYED_SCALARS:
+        return (kind, value)
+    if isinstance(value, (tuple, list)):
+        return (kind, argument_signature(value))
+    raise _NoSignature(kind.__name__)
+
+
+class ValidatedSignatures:
+    """The argument signatures that passed one check, so that repeated calls skip the check.
+
+    For a check that reads only what :func:`argument_signature` keys (tensor type, dtype, shape,
+    device; values of ints, bools and None), one signature has one verdict; a check that reads
+    strides or tensor values must not be cached here. Use one instance per check. Holds at most
+    ``capacity`` signatures, the oldest dropped first.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self._capacity = capacity
+        self._passed: Dict[tuple, None] = {}  # an insertion-ordered set of signatures
+
+    def validate(self, check: Callable[..., object], *args) -> None:
+        """Run ``check(*args)`` unless arguments of the same signature passed it before.
+
+        A failing check raises as it would uncached and its signature is not remembered, so bad
+        arguments raise on every call.
+        """
+        try:
+            signature = argument_signature(args)
+        except _NoSignature:  # e.g. a float where an int belongs: always checked (and rejected)
+            check(*args)
+            return
+        if signature in self._passed:
+            return
+        check(*args)
+        if len(self._passed) >= self._capacity:
+            del self._passed[next(iter(self._passed))]
+        self._passed[signature] = None

@@ -5,8 +5,15 @@ and ``rewind_kv_cache`` write when run in a row on the real requests (the decode
 comes from the packed layout: requests ``r < num_decode_requests`` decode). Each program keeps
 its request's accepted count in registers and feeds it straight into the rewind, so nothing
 round-trips through memory between the three stages.
+
+Called every step, eagerly for steps with prefill chunks and under tensor parallelism, so the
+host side is kept short: arguments are validated once per signature (:class:`ValidatedSignatures`),
+the launch constants are computed once per ``(S, block_size_tokens)``, and the per-step counts are
+not specialised on (one compiled kernel serves every batch).
 """
 
+import functools
+import types
 from typing import Optional, Sequence
 
 import torch
@@ -14,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
-from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, check_int, check_tensor
+from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, ValidatedSignatures, check_int, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
 from mtp_ctrl.triton_ops._step_common import (
     ActiveCount,
@@ -37,9 +44,10 @@ from mtp_ctrl.triton_ops.prepare_next_forward import _store_accepted_drafts, _st
 from mtp_ctrl.triton_ops.verify_tokens import _accepted_rows, _request_rows
 
 _BLOCK_TAIL = 128  # mask rows past the packed region that one program clears per loop step
+_VALIDATED = ValidatedSignatures()  # argument signatures that passed _check_args
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_decode_requests", "total_row_count", "num_active_requests"])
 def _verify_and_commit_kernel(
     INPUT_TOKENS_PTR,
     input_stride,
@@ -77,8 +85,6 @@ def _verify_and_commit_kernel(
     release_stride_request,
     release_stride_block,
     num_decode_requests,
-    num_requests,
-    packed_row_count,
     total_row_count,
     num_active_requests,
     NUM_ACTIVE_PTR,
@@ -94,6 +100,8 @@ def _verify_and_commit_kernel(
     the real count) writes False over its mask rows, -1 as its last index and "release nothing",
     and leaves the caller's buffers and the KV state alone."""
     request = tl.program_id(0)
+    num_requests = tl.num_programs(0)
+    packed_row_count = num_decode_requests * NUM_SPEC_TOKENS + num_requests  # Nd * (S + 1) + Np
     request64 = request.to(tl.int64)
     is_real = request < _load_active_count(num_active_requests, NUM_ACTIVE_PTR, COUNT_IN_MEMORY)
     is_decode = request < num_decode_requests
@@ -167,7 +175,7 @@ def _verify_and_commit_kernel(
         )
 
 
-def _check_out(out, num_requests, total_row_count, release_width, release_dtype, device) -> StepCommit:
+def _check_out(out, num_requests, total_row_count, release_width, release_dtype, device) -> None:
     if not isinstance(out, Sequence) or len(out) != 4:
         raise TypeError("out must be a StepCommit (or a sequence of 4 tensors)")
     out = StepCommit(*out)
@@ -179,7 +187,6 @@ def _check_out(out, num_requests, total_row_count, release_width, release_dtype,
         ("remove_mask", torch.bool, shape),
     ):
         check_tensor(f"out.{name}", getattr(out, name), dtypes=(dtype,), shape=expected_shape, device=device)
-    return out
 
 
 def _check_args(
@@ -190,15 +197,19 @@ def _check_args(
     last_accepted_seq_buf,
     accepted_tokens_per_request,
     accepted_token_counts,
-    kv_state,
+    last_kv_block_offset,
+    kv_length_offsets,
+    kv_block_counts,
+    last_kv_block_id,
+    kv_block_ids,
     num_decode_requests,
     num_prefill_requests,
     num_speculative_tokens,
     block_size_tokens,
     num_active_requests,
     out,
-):
-    """Validate everything (metadata only); return ``([T] input tokens, real count, out or None)``."""
+) -> None:
+    """Validate every argument of :func:`verify_and_commit` (metadata only, so cacheable per signature)."""
     tokens = check_token_rows("input_tokens", input_tokens)
     device = tokens.device
     check_int("num_decode_requests", num_decode_requests, low=0)
@@ -216,13 +227,27 @@ def _check_args(
         check_min_rows(name, tensor, packed_row_count, "packed rows")
     check_prepare_outputs(sampled_tokens_buf, last_accepted_seq_buf, accepted_tokens_per_request,
                           accepted_token_counts, num_requests, num_decode_requests, num_speculative_tokens, device)
-    check_kv_state(*kv_state, num_requests, device)
-    num_active = check_num_active_requests(num_active_requests, num_requests, device)
+    check_kv_state(last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids,
+                   num_requests, device)
+    check_num_active_requests(num_active_requests, num_requests, device)
     if out is not None:
         release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
-        last_kv_block_id = kv_state[3]
-        out = _check_out(out, num_requests, tokens.shape[0], release_width, last_kv_block_id.dtype, device)
-    return tokens, num_active, out
+        _check_out(out, num_requests, tokens.shape[0], release_width, last_kv_block_id.dtype, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_constants(num_speculative_tokens: int, block_size_tokens: int) -> types.MappingProxyType:
+    """The kernel's compile-time arguments for one ``(S, block_size_tokens)`` (read-only)."""
+    release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
+    return types.MappingProxyType(dict(
+        NUM_SPEC_TOKENS=num_speculative_tokens,
+        BLOCK_SIZE_TOKENS=block_size_tokens,
+        RELEASE_WIDTH=release_width,
+        BLOCK_BACK=triton.next_power_of_2(release_width + 1),
+        BLOCK_ROWS=max(2, triton.next_power_of_2(num_speculative_tokens + 1)),
+        BLOCK_TAIL=_BLOCK_TAIL,
+        num_warps=1,
+    ))
 
 
 def verify_and_commit(
@@ -267,9 +292,13 @@ def verify_and_commit(
     padding: their mask rows are False, ``last_one_indices`` -1, nothing released, and the caller's
     buffers and the KV state are untouched. Pass ``out`` (four preallocated tensors) to allocate
     nothing per step; it is filled and returned.
+
+    Arguments are validated on the first call of each signature (every tensor's dtype, shape and
+    device, every int): a call that repeats a validated signature skips the checks, one that
+    differs in any checked property is checked again.
     """
-    kv_state = (last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids)
-    tokens, num_active, out = _check_args(
+    _VALIDATED.validate(
+        _check_args,
         input_tokens,
         output_tokens,
         required_logit_indices,
@@ -277,7 +306,11 @@ def verify_and_commit(
         last_accepted_seq_buf,
         accepted_tokens_per_request,
         accepted_token_counts,
-        kv_state,
+        last_kv_block_offset,
+        kv_length_offsets,
+        kv_block_counts,
+        last_kv_block_id,
+        kv_block_ids,
         num_decode_requests,
         num_prefill_requests,
         num_speculative_tokens,
@@ -285,6 +318,11 @@ def verify_and_commit(
         num_active_requests,
         out,
     )
+    tokens = input_tokens if input_tokens.dim() == 1 else input_tokens[0]  # [T]; the forward pass has [1, T]
+    num_requests = num_decode_requests + num_prefill_requests
+    num_active = num_requests if num_active_requests is None else num_active_requests
+    if out is not None and not isinstance(out, StepCommit):
+        out = StepCommit(*out)
     if not use_triton(tokens):
         return reference.verify_and_commit(
             tokens,
@@ -294,7 +332,11 @@ def verify_and_commit(
             last_accepted_seq_buf,
             accepted_tokens_per_request,
             accepted_token_counts,
-            *kv_state,
+            last_kv_block_offset,
+            kv_length_offsets,
+            kv_block_counts,
+            last_kv_block_id,
+            kv_block_ids,
             num_decode_requests,
             num_prefill_requests,
             num_speculative_tokens,
@@ -302,10 +344,9 @@ def verify_and_commit(
             num_active,
             out,
         )
-    num_requests = num_decode_requests + num_prefill_requests
-    release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
+    constants = _launch_constants(num_speculative_tokens, block_size_tokens)
     if out is None:
-        shape = release_shape(num_requests, release_width)
+        shape = release_shape(num_requests, constants["RELEASE_WIDTH"])
         out = StepCommit(
             torch.empty(num_requests, dtype=torch.int64, device=tokens.device),
             torch.empty(tokens.shape[0], dtype=torch.bool, device=tokens.device),
@@ -315,56 +356,46 @@ def verify_and_commit(
     if num_requests == 0:
         out.accepted_tokens_mask.zero_()
         return out
-    stride = num_speculative_tokens + 1
     active_count, active_count_ptr, count_in_memory = active_count_launch_args(num_active, kv_block_counts)
+    # each tensor is followed by its strides: `*t.stride()` is one stride for a 1-D tensor, two for a 2-D one
     _verify_and_commit_kernel[(num_requests,)](
         tokens,
-        tokens.stride(0),
+        *tokens.stride(),
         output_tokens,
-        output_tokens.stride(0),
+        *output_tokens.stride(),
         required_logit_indices,
-        required_logit_indices.stride(0),
+        *required_logit_indices.stride(),
         out.accepted_tokens_mask,
-        out.accepted_tokens_mask.stride(0),
+        *out.accepted_tokens_mask.stride(),
         out.last_one_indices,
-        out.last_one_indices.stride(0),
+        *out.last_one_indices.stride(),
         sampled_tokens_buf,
-        sampled_tokens_buf.stride(0),
+        *sampled_tokens_buf.stride(),
         last_accepted_seq_buf,
-        last_accepted_seq_buf.stride(0),
+        *last_accepted_seq_buf.stride(),
         accepted_tokens_per_request,
-        accepted_tokens_per_request.stride(0),
-        accepted_tokens_per_request.stride(1),
+        *accepted_tokens_per_request.stride(),
         accepted_token_counts,
-        accepted_token_counts.stride(0),
+        *accepted_token_counts.stride(),
         last_kv_block_offset,
-        last_kv_block_offset.stride(0),
+        *last_kv_block_offset.stride(),
         kv_length_offsets,
-        kv_length_offsets.stride(0),
+        *kv_length_offsets.stride(),
         kv_block_counts,
-        kv_block_counts.stride(0),
+        *kv_block_counts.stride(),
         last_kv_block_id,
-        last_kv_block_id.stride(0),
+        *last_kv_block_id.stride(),
         kv_block_ids,
-        kv_block_ids.stride(0),
-        kv_block_ids.stride(1),
+        *kv_block_ids.stride(),
         kv_block_ids.shape[1],
         out.blocks_to_release,
         out.remove_mask,
         *release_strides(out.blocks_to_release),
         num_decode_requests,
-        num_requests,
-        num_decode_requests * stride + num_prefill_requests,
         tokens.shape[0],
         active_count,
         active_count_ptr,
-        NUM_SPEC_TOKENS=num_speculative_tokens,
-        BLOCK_SIZE_TOKENS=block_size_tokens,
-        RELEASE_WIDTH=release_width,
-        BLOCK_BACK=triton.next_power_of_2(release_width + 1),
-        BLOCK_ROWS=max(2, triton.next_power_of_2(stride)),
-        BLOCK_TAIL=_BLOCK_TAIL,
         COUNT_IN_MEMORY=count_in_memory,
-        num_warps=1,
+        **constants,
     )
     return out
