@@ -2,24 +2,23 @@
 
     python examples/generate.py                                   # CPU, or the GPU when there is one
     torchrun --nproc-per-node 2 examples/generate.py --tp 2       # tensor parallel on 2 GPUs
-    python examples/generate.py --checkpoint model.pt             # weights saved with torch.save(model.state_dict())
+    python examples/generate.py --checkpoint mtp_demo.pt          # a model trained by examples/train_mtp.py
 
-The model has MTP layers; with random weights (no checkpoint) the drafts are rarely accepted,
-so the point of that run is the equality of the two outputs, not the speed-up.
+With random weights (no checkpoint) the drafts are rarely accepted, so the point of that run is
+the equality of the two outputs, not the speed-up. A checkpoint written by train_mtp.py brings
+its own model shape; the prompts are then held-out standard-library source text (bytes) and
+the outputs are printed as text too.
 """
 
 import argparse
-import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.transformer.transformer_config import TransformerConfig
 
+from byte_corpus import decode_bytes, evenly_spaced_windows, load_stdlib_corpus
+from demo_model import DEMO_MODEL_ARGS, build_demo_model, init_distributed, load_checkpoint, load_full_state_dict
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
-from mtp_ctrl.models import build_gpt_model
 
 
 def parse_args():
@@ -31,36 +30,33 @@ def parse_args():
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--checkpoint", default=None, help="state_dict of a model with this script's shape")
+    parser.add_argument("--checkpoint", default=None, help="a file written by examples/train_mtp.py")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     return parser.parse_args()
 
 
-def init_distributed(tp: int, device: torch.device) -> None:
-    if "RANK" not in os.environ:  # a plain `python` run: one process of its own
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if dist.get_world_size() != tp:
-        raise ValueError(f"--tp {tp} needs {tp} processes, got {dist.get_world_size()} (use torchrun)")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-
-
 def build_model(args, device: torch.device):
-    config = TransformerConfig(
-        num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4,
-        mtp_num_layers=max(args.num_speculative_tokens, 1), hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, tensor_model_parallel_size=args.tp,
-    )
-    torch.manual_seed(1234)  # every rank draws the same master weights and keeps its shard
-    model = build_gpt_model(config, vocab_size=512, max_sequence_length=1024)
+    """The checkpoint's model (each TP rank loads its shard), or the demo shape with random weights."""
     if args.checkpoint:
-        model.load_state_dict(torch.load(args.checkpoint, map_location="cpu"))
+        model_args, state_dict = load_checkpoint(args.checkpoint)
+        model = build_demo_model(model_args, tensor_parallel_size=args.tp)
+        load_full_state_dict(model, state_dict)
+    else:
+        model_args = dict(DEMO_MODEL_ARGS, mtp_num_layers=max(args.num_speculative_tokens, 1))
+        torch.manual_seed(1234)  # every rank draws the same master weights and keeps its shard
+        model = build_demo_model(model_args, tensor_parallel_size=args.tp)
     return model.to(device).eval()
+
+
+def make_prompts(args):
+    """Prompt i has prompt_len + 3 i tokens: held-out corpus text with a checkpoint, random ids without."""
+    lengths = [args.prompt_len + 3 * i for i in range(args.num_prompts)]
+    if args.checkpoint:
+        windows = evenly_spaced_windows(load_stdlib_corpus().held_out, args.num_prompts, max(lengths))
+        return [window[:length].tolist() for window, length in zip(windows, lengths)]
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, DEMO_MODEL_ARGS["vocab_size"], (length,), generator=generator).tolist()
+            for length in lengths]
 
 
 def run(model, args, num_speculative_tokens: int, prompts, device):
@@ -83,14 +79,14 @@ def main():
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     init_distributed(args.tp, device)
     model = build_model(args, device)
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 512, (args.prompt_len + 3 * i,), generator=generator).tolist()
-               for i in range(args.num_prompts)]
+    prompts = make_prompts(args)
     plain, plain_seconds, _ = run(model, args, 0, prompts, device)
     spec, spec_seconds, metrics = run(model, args, args.num_speculative_tokens, prompts, device)
     if dist.get_rank() == 0:
-        for result in spec:
+        for prompt, result in zip(prompts, spec):
             print(f"request {result.request_id}: {list(result.output_tokens)} ({result.finish_reason.value})")
+            if args.checkpoint:
+                print(f"  {decode_bytes(prompt)!r} -> {decode_bytes(result.output_tokens)!r}")
         tokens = sum(len(r.output_tokens) for r in spec)
         same = [r.output_tokens for r in plain] == [r.output_tokens for r in spec]
         print(f"device {device}, tp {args.tp}, S = {args.num_speculative_tokens} ({args.mtp_attention} MTP attention)")
