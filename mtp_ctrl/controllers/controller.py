@@ -6,6 +6,7 @@ One step (see ``shared/DESIGN.md``)::
     logits, hidden = runner.forward(...)          # decoder over the packed rows
     tokens = sample(logits[step.logits_indices])  # the target's token at every row that needs one
     verify_and_commit(...)                        # one kernel: accept, next inputs, KV rewind
+    mamba_state_selective_copy(...)               # hybrid models: keep the state after the last accepted row
     drafts = proposer.propose(...)                # next S drafts from verified state only
     read back [accepted, bonus, accepted drafts]  # the step's one device-to-host copy
     context.commit_step(...); stop rules; finish  # host bookkeeping
@@ -35,9 +36,10 @@ from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
 from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
+from mtp_ctrl.models.forward_context import MambaForward
 from mtp_ctrl.models.runner import PagedGPTRunner
 from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
-from mtp_ctrl.triton_ops import StepCommit, max_released_blocks, verify_and_commit
+from mtp_ctrl.triton_ops import StepCommit, mamba_state_selective_copy, max_released_blocks, verify_and_commit
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
 
@@ -99,6 +101,7 @@ class TextGenerationController:
             num_blocks=num_blocks,
             kv_cache_bytes=config.kv_cache_bytes,
             cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
+            mamba=self.runner.mamba_spec,  # None without Mamba layers
         )
 
     def _allocate_step_buffers(self) -> None:
@@ -283,8 +286,10 @@ class TextGenerationController:
         stride = S + 1
         num_rows = num_decode * stride + step.num_final_prefill_chunks
         rows = step.logits_indices[:num_rows]  # [K] int64 packed rows that sample
+        num_active = (attention.seq_lens > 0).sum() if decode_only else None  # [] int64, real requests
+        mamba = None if context.mamba is None else self._mamba_forward(step, num_decode, num_active)
         logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
-                                             logits_rows=rows)  # [K, V], [T, H]
+                                             logits_rows=rows, mamba=mamba)  # [K, V], [T, H]
 
         row_index = torch.arange(num_rows, device=self.device)
         row_requests = torch.where(row_index < num_decode * stride, row_index // stride,
@@ -292,7 +297,6 @@ class TextGenerationController:
         output_tokens = self.sample_rows(logits, row_requests, attention.positions[rows] + 1)
         self._accepted_tokens.fill_(-1)
         self._accepted_counts.zero_()
-        num_active = (attention.seq_lens > 0).sum() if decode_only else None  # [] int64, real requests
         table = context.table.device
         verify_and_commit(
             step.input_ids[rows], output_tokens, rows,
@@ -303,6 +307,8 @@ class TextGenerationController:
             num_decode, step.num_final_prefill_chunks, S, self.config.block_size_tokens,
             num_active_requests=num_active, out=self._commit_buffers(num_sampling, num_rows),
         )
+        if mamba is not None and num_decode > 0:
+            self._commit_mamba(mamba.decode_slot_ids, num_decode)
         if S > 0:
             request_index = torch.arange(grid, device=self.device)
             write_rows = request_index if num_active is None else torch.where(
@@ -318,6 +324,34 @@ class TextGenerationController:
         staged[:, 0] = self._accepted_counts[:num_sampling]
         staged[:, 1] = context.table.next_tokens[:num_sampling]
         staged[:, 2:] = self._accepted_tokens[:num_sampling]
+
+    def _mamba_forward(self, step: StepMetadata, num_decode: int, num_active: Optional[torch.Tensor]) -> MambaForward:
+        """Where this step's requests keep their Mamba state: decode slots on the device (requests
+        padding a graph batch, at or past ``num_active``, use the scratch slot), prefill slots
+        and packed row ranges as host ints."""
+        slots, table = self.context.mamba, self.context.table
+        decode_slot_ids = table.device.mamba_slot_ids[:num_decode]  # [nd] int64
+        if num_active is not None:
+            request_index = torch.arange(num_decode, device=self.device)
+            decode_slot_ids = torch.where(request_index < num_active, decode_slot_ids, slots.scratch_slot)
+        starts = step.host_query_start_loc.tolist()  # host-ok: host tensor
+        prefill_rows = range(step.num_decode, step.num_requests)
+        return MambaForward(
+            conv_states=slots.conv_states, ssm_states=slots.ssm_states,
+            intermediate_conv_states=slots.intermediate_conv_states,
+            intermediate_ssm_states=slots.intermediate_ssm_states,
+            decode_slot_ids=decode_slot_ids,
+            prefill_row_ranges=tuple((starts[row], starts[row + 1]) for row in prefill_rows),
+            prefill_slot_ids=tuple(int(table.host.mamba_slot_ids[row]) for row in prefill_rows),
+        )
+
+    def _commit_mamba(self, decode_slot_ids: torch.Tensor, num_decode: int) -> None:
+        """Each decode request keeps the Mamba state after its last accepted row (conv and SSM)."""
+        slots, table = self.context.mamba, self.context.table.device
+        for intermediate, current in ((slots.intermediate_conv_states, slots.conv_states),
+                                      (slots.intermediate_ssm_states, slots.ssm_states)):
+            mamba_state_selective_copy(intermediate, current, table.prefill_status[:num_decode], decode_slot_ids,
+                                       self._accepted_counts[:num_decode], slots.num_layers)
 
     def _build_step(self):
         while True:

@@ -4,27 +4,34 @@ Importing this package imports megatron-core.
 """
 
 from mtp_ctrl.models.dense_attention import DenseCausalAttention, build_dense_gpt_model, dense_full_sequence
-from mtp_ctrl.models.forward_context import paged_forward_context
+from mtp_ctrl.models.forward_context import MambaForward, paged_forward_context
 from mtp_ctrl.models.gpt_builder import build_gpt_model
 from mtp_ctrl.models.layer_specs import (
     assign_kv_layer_indices,
+    assign_mamba_layer_indices,
     count_kv_layers,
     get_paged_gpt_layer_spec,
+    get_paged_mamba_layer_spec,
     get_paged_mtp_block_spec,
 )
+from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
 from mtp_ctrl.models.runner import PagedGPTRunner
 
 __all__ = [
     "DenseCausalAttention",
+    "MambaForward",
     "PagedCoreAttention",
     "PagedGPTRunner",
+    "PagedMambaMixer",
     "assign_kv_layer_indices",
+    "assign_mamba_layer_indices",
     "build_dense_gpt_model",
     "build_gpt_model",
     "count_kv_layers",
     "dense_full_sequence",
     "get_paged_gpt_layer_spec",
+    "get_paged_mamba_layer_spec",
     "get_paged_mtp_block_spec",
     "paged_forward_context",
 ]

@@ -1,11 +1,12 @@
-"""The one side channel through which a forward pass's paged-attention inputs reach core attention.
+"""The one side channel through which a forward pass's paged state reaches attention and Mamba.
 
-megatron-core calls core attention with ``(query, key, value, attention_mask, ...)`` only, so
-the step's :class:`AttentionMetadata` and the KV caches travel through a context variable that
-exactly one context manager sets and always resets::
+megatron-core calls core attention with ``(query, key, value, attention_mask, ...)`` and a
+layer's token mixer with its hidden states only, so the step's :class:`AttentionMetadata`, the
+KV caches and (for hybrid models) the Mamba state of each request travel through a context
+variable that exactly one context manager sets and always resets::
 
-    with paged_forward_context(metadata, kv_caches):
-        hidden = model.decoder(...)          # every PagedCoreAttention reads them here
+    with paged_forward_context(metadata, kv_caches, mamba):
+        hidden = model.decoder(...)   # every PagedCoreAttention and PagedMambaMixer reads them here
 """
 
 import contextlib
@@ -21,24 +22,54 @@ KVCachePair = Tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size_toke
 
 
 @dataclasses.dataclass(frozen=True)
+class MambaForward:
+    """Where each request's Mamba state is read and written during one forward.
+
+    Letters: Lm Mamba layers, M state slots (the last one a scratch slot for padding requests),
+    S drafts, nd decode requests (including CUDA-graph padding), C/W/H/P/N the conv and SSM sizes.
+
+    Decode requests own the first ``nd * (1 + S)`` packed rows; each starts from its current
+    state and writes the state after its row ``j`` to ``intermediate_*[:, slot, j]`` (the
+    controller later commits the one after the last accepted row). Prefill requests continue
+    from their current state and leave the state after their chunk in it.
+    """
+
+    conv_states: torch.Tensor  # [Lm, M, C, W - 1] fp32, current state per slot
+    ssm_states: torch.Tensor  # [Lm, M, H, P, N] fp32
+    intermediate_conv_states: torch.Tensor  # [Lm, M, 1 + S, C, W - 1] fp32
+    intermediate_ssm_states: torch.Tensor  # [Lm, M, 1 + S, H, P, N] fp32
+    decode_slot_ids: torch.Tensor  # [nd] int64 on the device: slot of each decode request
+    prefill_row_ranges: Tuple[Tuple[int, int], ...]  # packed rows [start, end) of each prefill request
+    prefill_slot_ids: Tuple[int, ...]  # slot of each prefill request (host ints)
+
+    @property
+    def rows_per_decode_request(self) -> int:
+        return self.intermediate_conv_states.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
 class PagedForward:
     metadata: AttentionMetadata
     kv_caches: Sequence[KVCachePair]  # index: decoder layer 0..L-1, then MTP depth k at L + k
+    mamba: Optional[MambaForward] = None  # None for a model without Mamba layers
 
 
 _CURRENT: contextvars.ContextVar[Optional[PagedForward]] = contextvars.ContextVar("mtp_ctrl_paged_forward", default=None)
 
 
 @contextlib.contextmanager
-def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[KVCachePair]) -> Iterator[PagedForward]:
-    """Make ``metadata`` and ``kv_caches`` visible to paged core attention inside the block."""
+def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[KVCachePair],
+                          mamba: Optional[MambaForward] = None) -> Iterator[PagedForward]:
+    """Make ``metadata``, ``kv_caches`` and ``mamba`` visible to the paged modules inside the block."""
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
     if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
         raise TypeError("kv_caches must be a sequence of (key_cache, value_cache) pairs, one per attention layer")
+    if mamba is not None and not isinstance(mamba, MambaForward):
+        raise TypeError(f"mamba must be a MambaForward or None, got {type(mamba).__name__}")
     if _CURRENT.get() is not None:
         raise RuntimeError("paged_forward_context is already active; forwards do not nest")
-    token = _CURRENT.set(PagedForward(metadata, kv_caches))
+    token = _CURRENT.set(PagedForward(metadata, kv_caches, mamba))
     try:
         yield _CURRENT.get()
     finally:

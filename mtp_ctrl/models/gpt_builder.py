@@ -8,7 +8,17 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mtp_ctrl.models.layer_specs import assign_kv_layer_indices, get_paged_gpt_layer_spec, get_paged_mtp_block_spec
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+from mtp_ctrl.models.layer_specs import (
+    ATTENTION_LAYER,
+    MAMBA_LAYER,
+    assign_kv_layer_indices,
+    assign_mamba_layer_indices,
+    get_paged_gpt_layer_spec,
+    get_paged_mamba_layer_spec,
+    get_paged_mtp_block_spec,
+)
 
 
 def check_tensor_parallel_heads(config: TransformerConfig) -> None:
@@ -29,12 +39,19 @@ def build_gpt_model(
     share_embeddings_and_output_weights: bool = False,
     rotary_base: int = 10000,
     rotary_percent: float = 1.0,
+    layer_pattern: Optional[str] = None,
+    mamba_d_conv: int = 4,
 ) -> GPTModel:
     """GPTModel with rotary position embedding, paged attention and ``config.mtp_num_layers`` MTP layers.
 
+    ``layer_pattern`` makes a hybrid model: one character per decoder layer, ``"*"`` attention,
+    ``"M"`` Mamba-2 (sizes from ``config.mamba_state_dim``, ``mamba_head_dim``,
+    ``mamba_num_groups``, ``mamba_num_heads``; conv width ``mamba_d_conv``), e.g. ``"M*M*"``.
+    None means every layer is attention. MTP layers are attention layers.
+
     megatron-core's ``parallel_state`` must be initialised (TP only: no pipeline or context
-    parallelism). KV layer indices are assigned, so the model is ready for
-    :class:`mtp_ctrl.models.PagedGPTRunner`.
+    parallelism; Mamba layers need TP = 1). KV and Mamba layer indices are assigned, so the
+    model is ready for :class:`mtp_ctrl.models.PagedGPTRunner`.
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("initialise megatron.core.parallel_state before building the model")
@@ -47,9 +64,11 @@ def build_gpt_model(
                          "pad the vocabulary (megatron's training scripts do)")
     layer_spec = get_paged_gpt_layer_spec(use_transformer_engine, qk_layernorm=config.qk_layernorm,
                                           normalization=config.normalization)
+    decoder_spec = layer_spec if layer_pattern is None else _hybrid_block_spec(
+        config, layer_spec, layer_pattern, mamba_d_conv)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=decoder_spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",
@@ -63,4 +82,16 @@ def build_gpt_model(
         # do the same cast here, so inference runs in one dtype (CUDA's layer_norm rejects a mix)
         model = model.to(config.params_dtype)
     assign_kv_layer_indices(model)
+    assign_mamba_layer_indices(model)
     return model
+
+
+def _hybrid_block_spec(config: TransformerConfig, attention_spec, layer_pattern: str, mamba_d_conv: int):
+    """One layer spec per character of ``layer_pattern``, under megatron's final layer norm."""
+    if not isinstance(layer_pattern, str) or len(layer_pattern) != config.num_layers or \
+            set(layer_pattern) - {ATTENTION_LAYER, MAMBA_LAYER}:
+        raise ValueError(f"layer_pattern must be a string of {config.num_layers} (config.num_layers) characters, "
+                         f"each {ATTENTION_LAYER!r} (attention) or {MAMBA_LAYER!r} (Mamba); got {layer_pattern!r}")
+    mamba_spec = get_paged_mamba_layer_spec(config.normalization, d_conv=mamba_d_conv)
+    layer_specs = [mamba_spec if kind == MAMBA_LAYER else attention_spec for kind in layer_pattern]
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=LayerNormImpl)

@@ -1,8 +1,15 @@
-"""megatron-core GPT layer specs whose self attention runs through the paged KV cache.
+"""megatron-core GPT layer specs whose token mixers run through mtp_ctrl's paged state.
 
-KV cache index of every attention layer (``kv_caches[i]``): decoder layers ``0 .. L-1`` in
-order, then MTP depth ``k`` at ``L + k``. Example, 2 decoder layers and 2 MTP layers:
-``decoder.layers[0] -> 0, decoder.layers[1] -> 1, mtp.layers[0] -> 2, mtp.layers[1] -> 3``.
+Two kinds of decoder layer: attention layers (megatron's GPT layer, core attention replaced by
+:class:`PagedCoreAttention`) and Mamba layers (the same layer with :class:`PagedMambaMixer` in
+the self-attention slot). MTP layers are attention layers.
+
+KV cache index of every attention layer (``kv_caches[i]``): decoder attention layers in order,
+then MTP depth ``k``. Mamba layer index (the first dim of the Mamba state slots): decoder Mamba
+layers in order. Example, decoder pattern ``"M*M*"`` and 2 MTP layers::
+
+    decoder.layers[0] Mamba 0    decoder.layers[1] KV 0    decoder.layers[2] Mamba 1
+    decoder.layers[3] KV 1       mtp.layers[0]     KV 2    mtp.layers[1]     KV 3
 """
 
 import copy
@@ -16,7 +23,10 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
+
+ATTENTION_LAYER, MAMBA_LAYER = "*", "M"  # the characters of a hybrid layer pattern
 
 
 def transformer_engine_available() -> bool:
@@ -46,6 +56,14 @@ def get_paged_gpt_layer_spec(use_transformer_engine: Optional[bool] = None, qk_l
     return spec
 
 
+def get_paged_mamba_layer_spec(normalization: Optional[str] = None, **mixer_params) -> ModuleSpec:
+    """A Mamba layer: megatron's local GPT layer (input norm, mixer, residual, MLP) with
+    :class:`PagedMambaMixer` as its token mixer; ``mixer_params`` go to the mixer (e.g. ``d_conv``)."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    spec.submodules.self_attention = ModuleSpec(module=PagedMambaMixer, params=dict(mixer_params))
+    return spec
+
+
 def get_paged_mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec,
                              use_transformer_engine: Optional[bool] = None):
     """megatron's MTP block spec built on ``layer_spec``; None when ``config.mtp_num_layers`` is unset."""
@@ -56,9 +74,24 @@ def get_paged_mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec,
     return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine)
 
 
+def mamba_mixers(model) -> List[PagedMambaMixer]:
+    """The decoder's Mamba mixers in layer order (empty for a pure-attention model)."""
+    return [layer.self_attention for layer in model.decoder.layers
+            if isinstance(getattr(layer, "self_attention", None), PagedMambaMixer)]
+
+
+def assign_mamba_layer_indices(model) -> int:
+    """Give every Mamba mixer its index in the state slots; returns the number of Mamba layers."""
+    mixers = mamba_mixers(model)
+    for index, mixer in enumerate(mixers):
+        mixer.mamba_layer_index = index
+    return len(mixers)
+
+
 def _attention_owners(model) -> List:
     """Every attention-holding transformer layer, in kv-cache order (decoder, then MTP depths)."""
-    layers = list(model.decoder.layers)
+    layers = [layer for layer in model.decoder.layers
+              if not isinstance(getattr(layer, "self_attention", None), PagedMambaMixer)]
     if getattr(model, "mtp_process", False):
         layers += [mtp_layer.transformer_layer for mtp_layer in model.mtp.layers]
     return layers

@@ -18,10 +18,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
-from mtp_ctrl.models.forward_context import KVCachePair, paged_forward_context
+from mtp_ctrl.models.forward_context import KVCachePair, MambaForward, paged_forward_context
 from mtp_ctrl.models.gpt_builder import check_tensor_parallel_heads
-from mtp_ctrl.models.layer_specs import assign_kv_layer_indices
+from mtp_ctrl.models.layer_specs import assign_kv_layer_indices, assign_mamba_layer_indices, mamba_mixers
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
+from mtp_ctrl.state.mamba_slots import MambaSpec
 
 _SUPPORTED_POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 
@@ -58,9 +59,19 @@ class PagedGPTRunner:
         check_tensor_parallel_heads(model.config)
         self.model = model.eval()
         self.num_kv_layers = assign_kv_layer_indices(model)  # TypeError when attention is not paged
+        self.num_mamba_layers = assign_mamba_layer_indices(model)
         self.num_decoder_layers = len(model.decoder.layers)
         self.mtp_num_layers = len(model.mtp.layers) if model.mtp_process else 0
         self._inv_freq: Optional[torch.Tensor] = None  # [rotary_dim / 2] fp32 on the rows' device
+
+    @property
+    def mamba_spec(self) -> Optional[MambaSpec]:
+        """The state shapes of the model's Mamba layers (kept in fp32); None without Mamba layers."""
+        mixers = mamba_mixers(self.model)
+        if not mixers:
+            return None
+        return MambaSpec(num_layers=len(mixers), conv_state_shape=mixers[0].conv_state_shape,
+                         ssm_state_shape=mixers[0].ssm_state_shape, dtype=torch.float32)
 
     def _rotary_embedding(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
         """megatron's RotaryEmbedding.get_emb, taken at each row's position -> [T, 1, 1, rotary_dim]."""
@@ -106,8 +117,10 @@ class PagedGPTRunner:
         metadata: AttentionMetadata,
         kv_caches: Sequence[KVCachePair],
         logits_rows: Optional[torch.Tensor] = None,  # [K] int64: rows whose logits are needed (default all)
+        mamba: Optional[MambaForward] = None,  # the requests' Mamba state (required with Mamba layers)
     ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [K, V] fp32 (all TP ranks), hidden [T, H]
-        """Embedding, decoder layers (KV written at ``metadata.slot_mapping``), final norm, output layer.
+        """Embedding, decoder layers (KV written at ``metadata.slot_mapping``, Mamba state
+        read and written at ``mamba``'s slots), final norm, output layer.
 
         ``hidden`` is the decoder output after the final layer norm: the input of MTP depth 0.
         Only ``logits_rows`` go through the output layer (a prefill samples from its last row
@@ -117,12 +130,25 @@ class PagedGPTRunner:
         if logits_rows is not None and (not isinstance(logits_rows, torch.Tensor) or logits_rows.dim() != 1
                                         or logits_rows.dtype != torch.int64):
             raise TypeError("logits_rows must be a 1-D int64 tensor")
-        with paged_forward_context(metadata, kv_caches):
+        self._check_mamba(mamba)
+        with paged_forward_context(metadata, kv_caches, mamba):
             embedded = self.model.embedding(input_ids=input_ids[None], position_ids=positions[None])  # [T, 1, H]
             hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
                                         rotary_pos_emb=self._rotary_embedding(positions))  # [T, 1, H]
         projected = hidden if logits_rows is None else hidden[logits_rows]  # [K, 1, H]
         return self._logits(projected), hidden[:, 0]
+
+    def _check_mamba(self, mamba: Optional[MambaForward]) -> None:
+        if self.num_mamba_layers == 0:
+            if mamba is not None:
+                raise ValueError("mamba was given but the model has no Mamba layers")
+            return
+        if not isinstance(mamba, MambaForward):
+            raise TypeError(f"the model has {self.num_mamba_layers} Mamba layers: mamba must be a MambaForward, "
+                            f"got {type(mamba).__name__}")
+        if mamba.conv_states.shape[0] != self.num_mamba_layers:
+            raise ValueError(f"mamba states hold {mamba.conv_states.shape[0]} layers, the model has "
+                             f"{self.num_mamba_layers} Mamba layers")
 
     @torch.no_grad()
     def mtp_forward(

@@ -6,6 +6,9 @@ A request holds one slot ``m`` for its whole life. Its current states are
 ``conv_states[:, m]`` / ``ssm_states[:, m]``; a decode step over ``1 + S`` rows writes the state
 after each row to ``intermediate_*[:, m, i]`` (i = 0..S), and the commit copies (or swaps in)
 the one after the last accepted row (``mamba_state_selective_copy``).
+
+One more slot, ``scratch_slot = M``, is never handed out: requests that only pad a CUDA-graph
+batch read and write it, so a captured step needs no branch on the real batch size.
 """
 
 import dataclasses
@@ -40,14 +43,17 @@ class MambaStateSlots:
         num_layers, conv_state_shape, ssm_state_shape = spec.num_layers, spec.conv_state_shape, spec.ssm_state_shape
         stride = num_speculative_tokens + 1
         self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.scratch_slot = num_slots
         options = dict(dtype=spec.dtype, device=device)
-        self.conv_states = torch.zeros(num_layers, num_slots, *conv_state_shape, **options)  # [L, M, *conv]
-        self.ssm_states = torch.zeros(num_layers, num_slots, *ssm_state_shape, **options)  # [L, M, *ssm]
-        self.intermediate_conv_states = torch.zeros(  # [L, M, S + 1, *conv]
-            num_layers, num_slots, stride, *conv_state_shape, **options
+        total = num_slots + 1  # the scratch slot last
+        self.conv_states = torch.zeros(num_layers, total, *conv_state_shape, **options)  # [L, M + 1, *conv]
+        self.ssm_states = torch.zeros(num_layers, total, *ssm_state_shape, **options)  # [L, M + 1, *ssm]
+        self.intermediate_conv_states = torch.zeros(  # [L, M + 1, S + 1, *conv]
+            num_layers, total, stride, *conv_state_shape, **options
         )
-        self.intermediate_ssm_states = torch.zeros(  # [L, M, S + 1, *ssm]
-            num_layers, num_slots, stride, *ssm_state_shape, **options
+        self.intermediate_ssm_states = torch.zeros(  # [L, M + 1, S + 1, *ssm]
+            num_layers, total, stride, *ssm_state_shape, **options
         )
         self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._is_allocated = bytearray(num_slots)

@@ -290,7 +290,7 @@ def test_mamba_slots_follow_requests():
     ctx.add_request(5, [1, 2])
     ctx.add_request(6, [1, 2])
     assert ctx.table.host.mamba_slot_ids[:2].tolist() == [0, 1]
-    assert ctx.mamba.intermediate_ssm_states.shape == (1, 4, 3, 2, 2)
+    assert ctx.mamba.intermediate_ssm_states.shape == (1, 5, 3, 2, 2)  # 4 slots + scratch
     ctx.finish_request(5)
     assert ctx.mamba.num_free_slots == 3
     assert ctx.table.host.mamba_slot_ids[0] == 1

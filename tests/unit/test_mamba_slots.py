@@ -11,12 +11,14 @@ def make_slots(num_slots=3, num_speculative_tokens=2):
     return MambaStateSlots(spec, num_slots, num_speculative_tokens, torch.device("cpu"))
 
 
-def test_shapes():
+def test_shapes_include_the_scratch_slot():
     slots = make_slots()
-    assert slots.conv_states.shape == (2, 3, 4, 3)
-    assert slots.ssm_states.shape == (2, 3, 2, 5, 6)
-    assert slots.intermediate_conv_states.shape == (2, 3, 3, 4, 3)
-    assert slots.intermediate_ssm_states.shape == (2, 3, 3, 2, 5, 6)
+    assert slots.scratch_slot == 3
+    assert slots.conv_states.shape == (2, 4, 4, 3)
+    assert slots.ssm_states.shape == (2, 4, 2, 5, 6)
+    assert slots.intermediate_conv_states.shape == (2, 4, 3, 4, 3)
+    assert slots.intermediate_ssm_states.shape == (2, 4, 3, 2, 5, 6)
+    assert sorted(slots.allocate_slot() for _ in range(3)) == [0, 1, 2]  # never the scratch slot
 
 
 def test_allocate_zeroes_the_slot_and_release_reuses_it():
