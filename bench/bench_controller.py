@@ -1,12 +1,14 @@
 """Decode-step time of the controller: eager vs CUDA graphs, S = 0 vs S = 2 (paged MTP drafting).
 
-    python bench/bench_controller.py [--quick]
+    python bench/bench_controller.py [--quick] [--layer-pattern M*M*M*M*]
 
 A GPT of 8 layers (hidden 1024, 16 heads over 4 KV groups, 2 MTP layers, bf16, vocab 32768) with
 random weights, so no draft is accepted: the S = 2 rows measure the full cost of verifying and
 drafting, the worst case of speculation. Each point: ``batch`` requests with 128-token prompts,
 prefilled, then 10 warm-up decode steps (graph capture happens there) and the median wall time of
 50 ``controller.step()`` calls (each ends with the step's read-back, so it is the whole step).
+``--layer-pattern`` makes the decoder hybrid ("M" Mamba-2 with 32 heads of 64, 8 groups, state
+128; "*" attention): its S = 2 rows also pay the per-row Mamba states and the Mamba commit.
 """
 
 import argparse
@@ -34,12 +36,14 @@ def init_single_process():
     parallel_state.initialize_model_parallel()
 
 
-def build_model():
+def build_model(layer_pattern=None):
     config = TransformerConfig(num_layers=8, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16,
                                num_query_groups=4, mtp_num_layers=2, hidden_dropout=0.0, attention_dropout=0.0,
-                               use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True)
+                               use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True,
+                               mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8)
     torch.manual_seed(0)
-    return build_gpt_model(config, vocab_size=VOCAB_SIZE, max_sequence_length=2048).cuda().eval()
+    return build_gpt_model(config, vocab_size=VOCAB_SIZE, max_sequence_length=2048,
+                           layer_pattern=layer_pattern).cuda().eval()
 
 
 def median_step_ms(model, batch, num_speculative_tokens, graphs, steps):
@@ -66,9 +70,10 @@ def median_step_ms(model, batch, num_speculative_tokens, graphs, steps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--layer-pattern", default=None, help='hybrid decoder, e.g. "M*M*M*M*" (default: all attention)')
     args = parser.parse_args()
     init_single_process()
-    model = build_model()
+    model = build_model(args.layer_pattern)
     batches = (1, 8) if args.quick else (1, 8, 32)
     rows = []
     for batch in batches:
@@ -77,7 +82,9 @@ def main():
             graphed = median_step_ms(model, batch, num_speculative_tokens, graphs=True, steps=50)
             rows.append((batch, num_speculative_tokens, eager, graphed))
             print(f"batch {batch} S {num_speculative_tokens}: eager {eager:.2f} ms, graph {graphed:.2f} ms", flush=True)
-    print(f"\n{torch.cuda.get_device_name()}; 8-layer GPT, hidden 1024, bf16, random weights (0 drafts accepted); "
+    layers = f"layers {args.layer_pattern}" if args.layer_pattern else "all attention"
+    print(f"\n{torch.cuda.get_device_name()}; 8-layer GPT ({layers}), hidden 1024, bf16, random weights "
+          "(0 drafts accepted); "
           f"median ms per decode step (whole step incl. scheduling and read-back)")
     print(f"{'batch':>5} {'S':>2} {'eager ms':>9} {'graph ms':>9} {'graph speed-up':>15}")
     for batch, num_speculative_tokens, eager, graphed in rows:

@@ -18,6 +18,7 @@ from mtp_ctrl.models.layer_specs import (
     get_paged_gpt_layer_spec,
     get_paged_mamba_layer_spec,
     get_paged_mtp_block_spec,
+    mamba_mixers,
 )
 
 
@@ -81,6 +82,8 @@ def build_gpt_model(
         # megatron builds layer norms in fp32 and leaves the cast to its Float16Module wrapper;
         # do the same cast here, so inference runs in one dtype (CUDA's layer_norm rejects a mix)
         model = model.to(config.params_dtype)
+        for mixer in mamba_mixers(model):  # as megatron's MambaMixer: the SSM decay A_log and skip D stay fp32
+            mixer.A_log.data, mixer.D.data = mixer.A_log.data.float(), mixer.D.data.float()
     assign_kv_layer_indices(model)
     assign_mamba_layer_indices(model)
     return model

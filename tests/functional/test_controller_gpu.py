@@ -10,6 +10,8 @@ import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+from tests.unit.controller_fixtures import OracleProposer
+from tests.unit.hybrid_fixtures import build_hybrid_model
 from tests.unit.megatron_fixtures import (
     VOCAB_SIZE,
     build_tiny_model,
@@ -71,6 +73,48 @@ def test_cuda_graph_tokens_equal_eager(model, mode):
     assert len(graphed_controller._graphs._graphs) > 0  # decode steps really replayed graphs
     tokens = [[r.output_tokens for r in results] for results in (plain, eager, graphed)]
     assert tokens[0] == tokens[1] == tokens[2]
+
+
+@pytest.fixture(scope="module")
+def hybrid_model():
+    """Mamba-2 and attention decoder layers ("M*M*"), 2 attention MTP layers."""
+    ensure_single_process_groups()
+    return build_hybrid_model(mtp_num_layers=2).cuda()
+
+
+def test_hybrid_graphs_equal_eager_without_host_sync(hybrid_model):
+    """A hybrid model's decode step (Mamba decode rows, the Mamba commit, padding requests on the
+    scratch slot) has no host sync, and its graph replays give the eager tokens, which are the
+    plain ones."""
+    params = [SamplingParams(max_new_tokens=10 + i, temperature=0.7 * (i % 2), seed=i) for i in range(len(PROMPTS))]
+    plain = TextGenerationController(hybrid_model, make_config(0)).generate(PROMPTS, params)
+    eager_controller = SyncCheckedController(hybrid_model, make_config(2))
+    eager = eager_controller.generate(PROMPTS, params)
+    graphed_controller = SyncCheckedController(hybrid_model, make_config(2, graphs=True))
+    graphed = graphed_controller.generate(PROMPTS, params)
+    assert eager_controller.decode_launches > 10 and len(graphed_controller._graphs._graphs) > 0
+    tokens = [[r.output_tokens for r in results] for results in (plain, eager, graphed)]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert graphed_controller.context.mamba.num_free_slots == graphed_controller.context.mamba.num_slots
+
+
+def test_hybrid_commit_keeps_the_state_of_every_accepted_count(hybrid_model):
+    """Oracle drafts with 0..S correct leading drafts: the CUDA Mamba commit keeps the state after
+    the last accepted row, so the output stays the plain greedy one and counts match."""
+    S, max_new_tokens = 2, 12
+    plain = TextGenerationController(hybrid_model, make_config(0)).generate(
+        PROMPTS, SamplingParams(max_new_tokens=max_new_tokens + S + 1))
+    sequences = {rid: PROMPTS[rid] + list(result.output_tokens) for rid, result in enumerate(plain)}
+    rng = random.Random(3)
+    pattern = {(rid, index): rng.randint(0, S) for rid in range(len(PROMPTS)) for index in range(16)}
+    proposer = OracleProposer(sequences, lambda rid, index: pattern[rid, index])
+    controller = TextGenerationController(hybrid_model, make_config(S), proposer=proposer)
+    results = controller.generate(PROMPTS, SamplingParams(max_new_tokens=max_new_tokens))
+    for result in results:
+        assert list(result.output_tokens) == sequences[result.request_id][len(PROMPTS[result.request_id]):][
+            :max_new_tokens]
+        observed = proposer.observed[result.request_id]
+        assert observed == proposer.injected[result.request_id][: len(observed)]
 
 
 def test_request_churn_leaks_nothing(model):
