@@ -32,6 +32,14 @@ def max_released_blocks(num_speculative_tokens: int, block_size_tokens: int) -> 
     return max(1, -(-num_speculative_tokens // block_size_tokens))
 
 
+def request_row_tile(num_speculative_tokens: int) -> int:
+    """``BLOCK_ROWS``: the power-of-two tile (at least 2) over one request's ``S + 1`` packed rows.
+
+    E.g. ``S = 0 -> 2``, ``S = 3 -> 4``, ``S = 4 -> 8``.
+    """
+    return max(2, 1 << num_speculative_tokens.bit_length())  # next power of two >= S + 1
+
+
 def release_shape(num_requests: int, release_width: int) -> tuple:
     """Shape of ``blocks_to_release``/``remove_mask``: ``[N]`` when ``W == 1``, else ``[N, W]``."""
     return (num_requests,) if release_width == 1 else (num_requests, release_width)

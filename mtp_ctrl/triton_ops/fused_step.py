@@ -32,6 +32,7 @@ from mtp_ctrl.triton_ops._step_common import (
     check_token_rows,
     max_released_blocks,
     release_shape,
+    request_row_tile,
 )
 from mtp_ctrl.triton_ops.kv_rewind import (
     _load_active_count,
@@ -39,6 +40,7 @@ from mtp_ctrl.triton_ops.kv_rewind import (
     active_count_launch_args,
     check_kv_state,
     release_strides,
+    rewind_constants,
 )
 from mtp_ctrl.triton_ops.prepare_next_forward import _store_accepted_drafts, _store_last_accepted
 from mtp_ctrl.triton_ops.verify_tokens import _accepted_rows, _request_rows
@@ -237,14 +239,10 @@ def _check_args(
 
 @functools.lru_cache(maxsize=64)
 def _launch_constants(num_speculative_tokens: int, block_size_tokens: int) -> types.MappingProxyType:
-    """The kernel's compile-time arguments for one ``(S, block_size_tokens)`` (read-only)."""
-    release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
+    """The kernel's compile-time arguments and launch options for one ``(S, block_size_tokens)`` (read-only)."""
     return types.MappingProxyType(dict(
-        NUM_SPEC_TOKENS=num_speculative_tokens,
-        BLOCK_SIZE_TOKENS=block_size_tokens,
-        RELEASE_WIDTH=release_width,
-        BLOCK_BACK=triton.next_power_of_2(release_width + 1),
-        BLOCK_ROWS=max(2, triton.next_power_of_2(num_speculative_tokens + 1)),
+        rewind_constants(num_speculative_tokens, block_size_tokens),
+        BLOCK_ROWS=request_row_tile(num_speculative_tokens),
         BLOCK_TAIL=_BLOCK_TAIL,
         num_warps=1,
     ))

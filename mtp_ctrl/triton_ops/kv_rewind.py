@@ -5,6 +5,8 @@ tokens stay where they are and are overwritten by later steps. Blocks that no lo
 token are handed back to the caller, which returns them to the allocator.
 """
 
+import functools
+import types
 from typing import Optional
 
 import torch
@@ -12,7 +14,7 @@ import triton
 import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
-from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, check_int, check_tensor
+from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, ValidatedSignatures, check_int, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
 from mtp_ctrl.triton_ops._step_common import (
     ActiveCount,
@@ -22,6 +24,8 @@ from mtp_ctrl.triton_ops._step_common import (
 )
 
 __all__ = ["rewind_kv_cache", "max_released_blocks"]
+
+_VALIDATED = ValidatedSignatures()  # argument signatures that passed _check_args
 
 
 @triton.jit
@@ -39,6 +43,18 @@ def active_count_launch_args(num_active_requests: ActiveCount, placeholder: torc
     if isinstance(num_active_requests, torch.Tensor):
         return 0, num_active_requests, True
     return num_active_requests, placeholder, False
+
+
+@functools.lru_cache(maxsize=64)
+def rewind_constants(num_speculative_tokens: int, block_size_tokens: int) -> types.MappingProxyType:
+    """The rewind's compile-time arguments for one ``(S, block_size_tokens)`` (read-only; the fused op's too)."""
+    release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
+    return types.MappingProxyType(dict(
+        NUM_SPEC_TOKENS=num_speculative_tokens,
+        BLOCK_SIZE_TOKENS=block_size_tokens,
+        RELEASE_WIDTH=release_width,
+        BLOCK_BACK=triton.next_power_of_2(release_width + 1),
+    ))
 
 
 def release_strides(blocks_to_release: torch.Tensor) -> tuple:
@@ -119,7 +135,7 @@ def _rewind_request(
     tl.store(REMOVE_MASK_PTR + release_offsets, is_released, mask=back < RELEASE_WIDTH)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_active_requests"])
 def _rewind_kv_cache_kernel(
     ACCEPTED_COUNTS_PTR,
     accepted_stride,
@@ -209,7 +225,8 @@ def _check_args(
     num_speculative_tokens,
     block_size_tokens,
     num_active_requests,
-):
+) -> None:
+    """Validate every argument (metadata only, so cacheable per signature)."""
     check_tensor("accepted_counts", accepted_counts, dtypes=INDEX_DTYPES, ndim=1)
     num_requests = accepted_counts.shape[0]
     device = accepted_counts.device
@@ -219,7 +236,7 @@ def _check_args(
     )
     check_int("num_speculative_tokens", num_speculative_tokens, low=0)
     check_int("block_size_tokens", block_size_tokens, low=1)
-    return check_num_active_requests(num_active_requests, num_requests, device)
+    check_num_active_requests(num_active_requests, num_requests, device)
 
 
 def rewind_kv_cache(
@@ -255,9 +272,11 @@ def rewind_kv_cache(
     padding: ``blocks_to_release = 0``, ``remove_mask = False``, no state change.
     ``num_active_requests`` is an int in ``[0, N]`` or a 1-element int tensor on the device, read
     by the kernel (a CUDA graph can replay with a changing count). State tensors may be strided
-    views of larger tables; they are updated in place.
+    views of larger tables; they are updated in place. Arguments are checked once per signature
+    (dtypes, shapes, devices, ints); see ``ValidatedSignatures``.
     """
-    num_active = _check_args(
+    _VALIDATED.validate(
+        _check_args,
         accepted_counts,
         prefill_status,
         last_kv_block_offset,
@@ -269,6 +288,8 @@ def rewind_kv_cache(
         block_size_tokens,
         num_active_requests,
     )
+    num_requests = accepted_counts.shape[0]
+    num_active = num_requests if num_active_requests is None else num_active_requests
     if not use_triton(accepted_counts):
         return reference.rewind_kv_cache(
             accepted_counts,
@@ -282,9 +303,8 @@ def rewind_kv_cache(
             block_size_tokens,
             num_active,
         )
-    num_requests = accepted_counts.shape[0]
-    release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
-    shape = release_shape(num_requests, release_width)
+    constants = rewind_constants(num_speculative_tokens, block_size_tokens)
+    shape = release_shape(num_requests, constants["RELEASE_WIDTH"])
     blocks_to_release = torch.empty(shape, dtype=last_kv_block_id.dtype, device=accepted_counts.device)
     remove_mask = torch.empty(shape, dtype=torch.bool, device=accepted_counts.device)
     if num_requests == 0:
@@ -312,11 +332,8 @@ def rewind_kv_cache(
         *release_strides(blocks_to_release),
         active_count,
         active_count_ptr,
-        NUM_SPEC_TOKENS=num_speculative_tokens,
-        BLOCK_SIZE_TOKENS=block_size_tokens,
-        RELEASE_WIDTH=release_width,
-        BLOCK_BACK=triton.next_power_of_2(release_width + 1),
         COUNT_IN_MEMORY=count_in_memory,
         num_warps=1,
+        **constants,
     )
     return blocks_to_release, remove_mask

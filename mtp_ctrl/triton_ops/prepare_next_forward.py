@@ -10,9 +10,16 @@ import triton
 import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
-from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, check_int, check_tensor
+from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, ValidatedSignatures, check_int, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
-from mtp_ctrl.triton_ops._step_common import check_min_rows, check_prepare_outputs, check_token_rows
+from mtp_ctrl.triton_ops._step_common import (
+    check_min_rows,
+    check_prepare_outputs,
+    check_token_rows,
+    request_row_tile,
+)
+
+_VALIDATED = ValidatedSignatures()  # argument signatures that passed _check_args
 
 
 @triton.jit
@@ -55,7 +62,7 @@ def _store_accepted_drafts(
     return accepted_draft_count
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_decode_requests"])
 def _prepare_next_forward_pass_kernel(
     OUTPUT_TOKENS_PTR,
     output_stride,
@@ -124,6 +131,7 @@ def _check_args(
     accepted_token_counts,
     num_speculative_tokens,
 ):
+    """Validate every argument (metadata only, so cacheable per signature)."""
     check_int("num_speculative_tokens", num_speculative_tokens, low=0)
     check_tensor("last_one_indices", last_one_indices, dtypes=INDEX_DTYPES, ndim=1)
     num_requests = last_one_indices.shape[0]
@@ -139,7 +147,6 @@ def _check_args(
     check_min_rows("input_tokens", tokens, decode_rows, "decode rows")
     check_prepare_outputs(sampled_tokens_buf, last_accepted_seq_buf, accepted_tokens_per_request,
                           accepted_token_counts, num_requests, num_decode_requests, num_speculative_tokens, device)
-    return tokens
 
 
 def prepare_next_forward_pass(
@@ -165,9 +172,11 @@ def prepare_next_forward_pass(
 
     Example, S = 2, one decode request with mask ``[1 1 0]`` over inputs ``[a5 a6 a7]`` and
     samples ``[a6 a8 a9]``: ``last_one_indices = [1]`` -> sampled ``a8``;
-    accepted tokens ``[a6, -1]``, count ``1``.
+    accepted tokens ``[a6, -1]``, count ``1``. Arguments are checked once per signature (dtypes,
+    shapes, devices, ints); see ``ValidatedSignatures``.
     """
-    tokens = _check_args(
+    _VALIDATED.validate(
+        _check_args,
         num_decode_requests,
         output_tokens,
         required_logit_indices,
@@ -180,6 +189,7 @@ def prepare_next_forward_pass(
         accepted_token_counts,
         num_speculative_tokens,
     )
+    tokens = input_tokens if input_tokens.dim() == 1 else input_tokens[0]  # [T]
     if not use_triton(tokens):
         return reference.prepare_next_forward_pass(
             num_decode_requests,
@@ -197,7 +207,6 @@ def prepare_next_forward_pass(
     num_requests = last_one_indices.shape[0]
     if num_requests == 0:
         return None
-    stride = num_speculative_tokens + 1
     _prepare_next_forward_pass_kernel[(num_requests,)](
         output_tokens,
         output_tokens.stride(0),
@@ -219,8 +228,8 @@ def prepare_next_forward_pass(
         accepted_token_counts,
         accepted_token_counts.stride(0),
         num_decode_requests,
-        STRIDE=stride,
-        BLOCK_ROWS=max(2, triton.next_power_of_2(stride)),
+        STRIDE=num_speculative_tokens + 1,
+        BLOCK_ROWS=request_row_tile(num_speculative_tokens),
         num_warps=1,
     )
     return None

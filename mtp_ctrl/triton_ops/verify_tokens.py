@@ -11,9 +11,11 @@ import triton
 import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
-from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, check_int, check_tensor
+from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, ValidatedSignatures, check_int, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
-from mtp_ctrl.triton_ops._step_common import check_min_rows, check_token_rows
+from mtp_ctrl.triton_ops._step_common import check_min_rows, check_token_rows, request_row_tile
+
+_VALIDATED = ValidatedSignatures()  # argument signatures that passed _check_args
 
 
 @triton.jit
@@ -53,7 +55,7 @@ def _accepted_rows(
     return rows, tokens, accepted
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_decode_requests"])
 def _verify_speculative_tokens_kernel(
     INPUT_TOKENS_PTR,
     input_stride,
@@ -77,6 +79,7 @@ def _verify_speculative_tokens_kernel(
 
 
 def _check_args(input_tokens, output_tokens, num_decode_requests, num_prefill_requests, num_speculative_tokens):
+    """Validate every argument (metadata only, so cacheable per signature)."""
     tokens = check_token_rows("input_tokens", input_tokens)
     check_tensor("output_tokens", output_tokens, dtypes=INDEX_DTYPES, ndim=1, device=tokens.device)
     check_int("num_decode_requests", num_decode_requests, low=0)
@@ -86,7 +89,6 @@ def _check_args(input_tokens, output_tokens, num_decode_requests, num_prefill_re
     what = "num_decode_requests * (num_speculative_tokens + 1) + num_prefill_requests packed rows"
     check_min_rows("input_tokens", tokens, packed_rows, what)
     check_min_rows("output_tokens", output_tokens, packed_rows, what)
-    return tokens
 
 
 def verify_speculative_tokens(
@@ -110,9 +112,13 @@ def verify_speculative_tokens(
         mask          = [ 1  1  0 |  1  1  1 |  1]     (a7 != a8: the 2nd draft of a is rejected)
         last_one_indices = [1, 5, 6]
 
-    Padded request counts are safe: every request reads and writes only its own rows.
+    Padded request counts are safe: every request reads and writes only its own rows. Arguments
+    are checked once per signature (dtypes, shapes, devices, ints); see ``ValidatedSignatures``.
     """
-    tokens = _check_args(input_tokens, output_tokens, num_decode_requests, num_prefill_requests, num_speculative_tokens)
+    _VALIDATED.validate(
+        _check_args, input_tokens, output_tokens, num_decode_requests, num_prefill_requests, num_speculative_tokens
+    )
+    tokens = input_tokens if input_tokens.dim() == 1 else input_tokens[0]  # [T]
     if not use_triton(tokens):
         return reference.verify_speculative_tokens(
             input_tokens, output_tokens, num_decode_requests, num_prefill_requests, num_speculative_tokens
@@ -121,7 +127,6 @@ def verify_speculative_tokens(
     accepted_tokens_mask = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)  # [T]
     last_one_indices = torch.empty(num_requests, dtype=torch.int64, device=tokens.device)  # [N]
     if num_requests > 0:
-        stride = num_speculative_tokens + 1
         _verify_speculative_tokens_kernel[(num_requests,)](
             tokens,
             tokens.stride(0),
@@ -130,8 +135,8 @@ def verify_speculative_tokens(
             accepted_tokens_mask,
             last_one_indices,
             num_decode_requests,
-            STRIDE=stride,
-            BLOCK_ROWS=max(2, triton.next_power_of_2(stride)),
+            STRIDE=num_speculative_tokens + 1,
+            BLOCK_ROWS=request_row_tile(num_speculative_tokens),
             num_warps=1,
         )
     return last_one_indices, accepted_tokens_mask, tokens

@@ -1,11 +1,19 @@
 """Validation verdicts cached per argument signature: what the signature keys, that a cached
-signature skips the check, and that verify_and_commit still rejects any argument that differs
-from a cached good call in a checked property."""
+signature skips the check, and that the step ops still reject any argument that differs from a
+cached good call in a checked property."""
 
 import pytest
 import torch
 
-from mtp_ctrl.triton_ops import StepCommit, fused_step, reference, verify_and_commit
+from mtp_ctrl.triton_ops import (
+    StepCommit,
+    fused_step,
+    prepare_next_forward_pass,
+    reference,
+    rewind_kv_cache,
+    verify_and_commit,
+    verify_speculative_tokens,
+)
 from mtp_ctrl.triton_ops._checks import ValidatedSignatures, argument_signature
 from tests.unit.step_cases import assert_all_equal, clone_all, make_kv_state, make_token_case
 
@@ -156,3 +164,44 @@ def test_fused_op_results_are_unchanged_by_cached_checks():
         want_out = reference.verify_and_commit(args[0].reshape(-1), *args[1:3], *want, *args[12:17])
         got_out = verify_and_commit(*args)
         assert_all_equal(list(got_out) + args[3:12], list(want_out) + want)
+
+
+def _verify_args():
+    case = make_token_case(2, 1, 2, seed=0)
+    return [case.input_tokens, case.output_tokens, 2, 1, 2]
+
+
+def _prepare_args():
+    case = make_token_case(2, 1, 2, seed=0)
+    last_one_indices, mask, _ = reference.verify_speculative_tokens(case.input_tokens, case.output_tokens, 2, 1, 2)
+    buffers = [torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
+               torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)]
+    return [2, case.output_tokens, case.required_logit_indices, last_one_indices, mask, case.input_tokens, *buffers, 2]
+
+
+def _rewind_args():
+    return [torch.tensor([0, 1, 2]), torch.tensor([0, 0, 1]), *make_kv_state(3, 2, 4, seed=0), 2, 4, None]
+
+
+@pytest.mark.parametrize(
+    "op,valid_args,index,bad,error,match",
+    [
+        (verify_speculative_tokens, _verify_args, 0, lambda t: t.float(), TypeError, "input_tokens"),
+        (verify_speculative_tokens, _verify_args, 1, lambda t: t[:5], ValueError, "output_tokens"),
+        (verify_speculative_tokens, _verify_args, 2, lambda n: 3, ValueError, "input_tokens"),
+        (prepare_next_forward_pass, _prepare_args, 0, lambda n: 4, ValueError, "num_decode_requests"),
+        (prepare_next_forward_pass, _prepare_args, 4, lambda t: t.long(), TypeError, "accepted_tokens_mask"),
+        (prepare_next_forward_pass, _prepare_args, 6, lambda t: t[:2], ValueError, "sampled_tokens_buf"),
+        (rewind_kv_cache, _rewind_args, 1, lambda t: t[:2], ValueError, "prefill_status"),
+        (rewind_kv_cache, _rewind_args, 6, lambda t: t[:, :0], ValueError, "kv_block_ids"),
+        (rewind_kv_cache, _rewind_args, 9, lambda n: 4, ValueError, "num_active_requests"),
+    ],
+)
+def test_separate_ops_reject_a_bad_call_after_a_cached_good_one(op, valid_args, index, bad, error, match):
+    args = valid_args()
+    op(*args)
+    op(*args)
+    args[index] = bad(args[index])
+    for _ in range(2):
+        with pytest.raises(error, match=match):
+            op(*args)

@@ -10,6 +10,7 @@ from mtp_ctrl.triton_ops import (
     verify_and_commit,
     verify_speculative_tokens,
 )
+from mtp_ctrl.triton_ops._step_common import request_row_tile
 from mtp_ctrl.triton_ops.fused_step import StepCommit
 from mtp_ctrl.triton_ops.kv_rewind import max_released_blocks
 from tests.unit.step_cases import assert_all_equal, clone_all, make_kv_state, make_token_case
@@ -200,3 +201,7 @@ def test_bad_arguments(index, bad, error, match):
     args[index] = bad(args[index])
     with pytest.raises(error, match=match):
         verify_and_commit(*args)
+
+
+def test_request_row_tile_is_the_next_power_of_two_of_the_request_rows():
+    assert [request_row_tile(num_spec) for num_spec in range(9)] == [2, 2, 4, 4, 8, 8, 8, 8, 16]
