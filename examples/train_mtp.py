@@ -130,6 +130,7 @@ def evaluate(model: GPTModel, tokens: torch.Tensor, seq_len: int, num_windows: i
     for token i + k + 2) equals the decoder's argmax at row i + k + 1, with the true text as
     prefix; it estimates the acceptance rate of greedy speculation at that depth.
     """
+    was_training = model.training
     model.eval()
     depths = model.config.mtp_num_layers or 0
     loss_sum, mtp_loss_sums, agreement_sums = 0.0, [0.0] * depths, [0.0] * depths
@@ -142,7 +143,7 @@ def evaluate(model: GPTModel, tokens: torch.Tensor, seq_len: int, num_windows: i
             ahead = depth + 2
             mtp_loss_sums[depth] += F.cross_entropy(depth_logits[:-ahead].float(), window[ahead:]).item()
             agreement_sums[depth] += (depth_logits[:-ahead].argmax(-1) == greedy[ahead - 1:-1]).float().mean().item()
-    model.train()
+    model.train(was_training)
     return HeldOutReport(loss_sum / num_windows, [value / num_windows for value in mtp_loss_sums],
                          [value / num_windows for value in agreement_sums])
 
