@@ -133,5 +133,5 @@ class ValidatedSignatures:
             return
         check(*args)
         if len(self._passed) >= self._capacity:
-            del self._passed[next(iter(self._passed))]
+            self._passed.pop(next(iter(self._passed)), None)  # the oldest
         self._passed[signature] = None
