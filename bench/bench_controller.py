@@ -1,6 +1,7 @@
 """Decode-step time of the controller: eager vs CUDA graphs, S = 0 vs S = 2 (paged MTP drafting).
 
     python bench/bench_controller.py [--quick] [--layer-pattern M*M*M*M*]
+    torchrun --nproc-per-node 2 bench/bench_controller.py --quick      # tensor parallel (TP = 2)
 
 A GPT of 8 layers (hidden 1024, 16 heads over 4 KV groups, 2 MTP layers, bf16, vocab 32768) with
 random weights, so no draft is accepted: the S = 2 rows measure the full cost of verifying and
@@ -28,19 +29,26 @@ from mtp_ctrl.models import build_gpt_model
 VOCAB_SIZE, PROMPT_LEN = 32768, 128
 
 
-def init_single_process():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+def init_process_groups() -> int:
+    """One process (plain ``python``) or every torchrun rank as one tensor-parallel group; returns TP."""
+    if "RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    return dist.get_world_size()
 
 
-def build_model(layer_pattern=None):
+def build_model(layer_pattern=None, tensor_parallel_size=1):
     config = TransformerConfig(num_layers=8, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16,
                                num_query_groups=4, mtp_num_layers=2, hidden_dropout=0.0, attention_dropout=0.0,
                                use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True,
-                               mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8)
+                               mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8,
+                               tensor_model_parallel_size=tensor_parallel_size)
     torch.manual_seed(0)
     return build_gpt_model(config, vocab_size=VOCAB_SIZE, max_sequence_length=2048,
                            layer_pattern=layer_pattern).cuda().eval()
@@ -64,6 +72,7 @@ def median_step_ms(model, batch, num_speculative_tokens, graphs, steps):
         started = time.perf_counter()
         controller.step()
         times.append((time.perf_counter() - started) * 1e3)
+    controller.close()  # frees its graphs (a process group with captured collectives cannot be destroyed)
     return statistics.median(times)
 
 
@@ -72,8 +81,8 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--layer-pattern", default=None, help='hybrid decoder, e.g. "M*M*M*M*" (default: all attention)')
     args = parser.parse_args()
-    init_single_process()
-    model = build_model(args.layer_pattern)
+    tp = init_process_groups()
+    model = build_model(args.layer_pattern, tp)
     batches = (1, 8) if args.quick else (1, 8, 32)
     rows = []
     for batch in batches:
@@ -81,9 +90,14 @@ def main():
             eager = median_step_ms(model, batch, num_speculative_tokens, graphs=False, steps=50)
             graphed = median_step_ms(model, batch, num_speculative_tokens, graphs=True, steps=50)
             rows.append((batch, num_speculative_tokens, eager, graphed))
-            print(f"batch {batch} S {num_speculative_tokens}: eager {eager:.2f} ms, graph {graphed:.2f} ms", flush=True)
+            if dist.get_rank() == 0:
+                print(f"batch {batch} S {num_speculative_tokens}: eager {eager:.2f} ms, graph {graphed:.2f} ms",
+                      flush=True)
+    if dist.get_rank() != 0:
+        dist.destroy_process_group()
+        return
     layers = f"layers {args.layer_pattern}" if args.layer_pattern else "all attention"
-    print(f"\n{torch.cuda.get_device_name()}; 8-layer GPT ({layers}), hidden 1024, bf16, random weights "
+    print(f"\n{torch.cuda.get_device_name()} x {tp} (TP = {tp}); 8-layer GPT ({layers}), hidden 1024, bf16, random weights "
           "(0 drafts accepted); "
           f"median ms per decode step (whole step incl. scheduling and read-back)")
     print(f"{'batch':>5} {'S':>2} {'eager ms':>9} {'graph ms':>9} {'graph speed-up':>15}")

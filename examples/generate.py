@@ -60,17 +60,20 @@ def make_prompts(args):
 
 
 def run(model, args, num_speculative_tokens: int, prompts, device):
+    graph_batches = (1, 2, 4, 8) if device.type == "cuda" else ()  # decode steps replay CUDA graphs
     config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=8, block_size_tokens=16,
-                             max_model_len=256, max_tokens_per_step=256, mtp_attention=args.mtp_attention)
+                             max_model_len=256, max_tokens_per_step=256, mtp_attention=args.mtp_attention,
+                             cuda_graph_batch_sizes=graph_batches)
     controller = TextGenerationController(model, config, seed=0)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=None)
-    controller.generate(prompts[:1], params)  # warm-up: kernels compile once
+    controller.generate(prompts, params)  # warm-up: kernels compile, CUDA graphs are captured
     if device.type == "cuda":
         torch.cuda.synchronize()
-    controller = TextGenerationController(model, config, seed=0)
+    controller.metrics.reset()
     started = time.perf_counter()
     results = controller.generate(prompts, params)
     seconds = time.perf_counter() - started
+    controller.close()  # frees the graphs (needed before destroy_process_group under TP)
     return results, seconds, controller.metrics
 
 
@@ -83,8 +86,8 @@ def main():
     plain, plain_seconds, _ = run(model, args, 0, prompts, device)
     spec, spec_seconds, metrics = run(model, args, args.num_speculative_tokens, prompts, device)
     if dist.get_rank() == 0:
-        for prompt, result in zip(prompts, spec):
-            print(f"request {result.request_id}: {list(result.output_tokens)} ({result.finish_reason.value})")
+        for index, (prompt, result) in enumerate(zip(prompts, spec)):
+            print(f"prompt {index}: {list(result.output_tokens)} ({result.finish_reason.value})")
             if args.checkpoint:
                 print(f"  {decode_bytes(prompt)!r} -> {decode_bytes(result.output_tokens)!r}")
         tokens = sum(len(r.output_tokens) for r in spec)

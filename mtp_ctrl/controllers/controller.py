@@ -60,11 +60,8 @@ class TextGenerationController:
         self.proposer = proposer if proposer is not None else MTPProposer(config.mtp_attention)
         if S > 0:
             self.proposer.bind(self)
-        # Graph capture of the TP all-gathers is not validated yet (a TP = 2 capture hung on two
-        # H200s): tensor-parallel runs stay eager.
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes) and tp_size == 1
-        self._graphs = StepGraphs() if use_graphs else None
+        use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes)
+        self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
         self.metrics = GenerationMetrics(S)
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
@@ -127,6 +124,13 @@ class TextGenerationController:
             blocks_to_release=torch.empty(release_shape, dtype=torch.int64, device=device),  # [R] or [R, W]
             remove_mask=torch.empty(release_shape, dtype=torch.bool, device=device),
         )
+
+    def close(self) -> None:
+        """Free the captured CUDA graphs. Call it before ``torch.distributed.destroy_process_group``
+        when running tensor-parallel: a process group otherwise waits forever for the collectives
+        captured in the graphs (pytorch/pytorch#115388). The controller stays usable."""
+        if self._graphs is not None:
+            self._graphs.reset()
 
     # ----- requests ------------------------------------------------------------------------
 

@@ -6,6 +6,10 @@ replay reads only static memory: the staged step buffers (same addresses for a g
 the request table's device rows, the KV caches and the controller's step buffers; the real
 request count is read on the device (``seq_lens > 0``), so one graph serves every batch that
 rounds up to its bucket. Eager and replayed steps run the same kernels on the same memory.
+
+Under tensor parallelism the graphs hold the NCCL collectives of the step. A process group
+waits for captured collectives at ``destroy_process_group`` as if they were pending work
+(pytorch/pytorch#115388), so :meth:`StepGraphs.reset` must run first (the controller's ``close``).
 """
 
 from typing import Callable, Dict, Hashable
@@ -33,3 +37,10 @@ class StepGraphs:
             launch()
         self._pool = graph.pool()
         self._graphs[key] = graph
+
+    def reset(self) -> None:
+        """Free every captured graph and the memory pool; later steps capture again."""
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._pool = None

@@ -14,8 +14,12 @@ class GenerationMetrics:
 
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens
-        self.drafted_per_depth = [0] * num_speculative_tokens  # drafts proposed at depth k + 1
-        self.accepted_per_depth = [0] * num_speculative_tokens  # of those, accepted
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting afresh (e.g. after a warm-up run)."""
+        self.drafted_per_depth = [0] * self.num_speculative_tokens  # drafts proposed at depth k + 1
+        self.accepted_per_depth = [0] * self.num_speculative_tokens  # of those, accepted
         self.verify_steps = 0  # request-steps that verified drafts (decode rows)
         self.emitted_tokens = 0
         self.phase_seconds: Dict[str, float] = collections.defaultdict(float)
