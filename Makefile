@@ -25,7 +25,7 @@ test-gpu: venv
 	$(PY) -m pytest tests/functional -q -p no:cacheprovider
 
 demo: venv
-	$(PY) examples/generate.py
+	$(PY) examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt
 
 clean:
 	rm -rf $(VENV) *.egg-info
