@@ -16,7 +16,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mtp_ctrl.models.layer_specs import get_paged_gpt_layer_spec, get_paged_mtp_block_spec
+from mtp_ctrl.models.gpt_builder import gpt_model_from_specs
+from mtp_ctrl.models.layer_specs import get_paged_gpt_layer_spec
 
 
 class DenseCausalAttention(MegatronModule):
@@ -91,23 +92,14 @@ def build_dense_gpt_model(
     layer_spec = get_paged_gpt_layer_spec(use_transformer_engine, qk_layernorm=config.qk_layernorm,
                                           normalization=config.normalization)
     layer_spec.submodules.self_attention.submodules.core_attention = DenseCausalAttention
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        position_embedding_type="rope",
-        rotary_base=rotary_base,
-        rotary_percent=rotary_percent,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        mtp_block_spec=get_paged_mtp_block_spec(config, layer_spec, use_transformer_engine),
-    )
+    model = gpt_model_from_specs(config, layer_spec, vocab_size, max_sequence_length,
+                                 use_transformer_engine=use_transformer_engine,
+                                 share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                                 rotary_base=rotary_base, rotary_percent=rotary_percent)
     model.rotary_pos_emb = DeviceRotaryEmbedding(
         kv_channels=config.kv_channels, rotary_percent=rotary_percent, rotary_interleaved=config.rotary_interleaved,
         rotary_base=rotary_base, use_cpu_initialization=True,
     )
-    if config.params_dtype != torch.float32:
-        model = model.to(config.params_dtype)  # as build_gpt_model: one dtype, layer norms included
     return model
 
 

@@ -67,9 +67,24 @@ def build_gpt_model(
                                           normalization=config.normalization)
     decoder_spec = layer_spec if layer_pattern is None else _hybrid_block_spec(
         config, layer_spec, layer_pattern, mamba_d_conv)
+    model = gpt_model_from_specs(config, layer_spec, vocab_size, max_sequence_length, decoder_spec=decoder_spec,
+                                 use_transformer_engine=use_transformer_engine,
+                                 share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+                                 rotary_base=rotary_base, rotary_percent=rotary_percent)
+    assign_kv_layer_indices(model)
+    assign_mamba_layer_indices(model)
+    return model
+
+
+def gpt_model_from_specs(config: TransformerConfig, layer_spec, vocab_size: int, max_sequence_length: int, *,
+                         decoder_spec=None, use_transformer_engine: Optional[bool] = None,
+                         share_embeddings_and_output_weights: bool = False, rotary_base: int = 10000,
+                         rotary_percent: float = 1.0) -> GPTModel:
+    """megatron's GPTModel with rotary embedding, ``decoder_spec`` (default: ``layer_spec`` for every
+    layer) and an MTP block built on ``layer_spec``, in one dtype (``config.params_dtype``)."""
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec,
+        transformer_layer_spec=layer_spec if decoder_spec is None else decoder_spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         position_embedding_type="rope",
@@ -84,8 +99,6 @@ def build_gpt_model(
         model = model.to(config.params_dtype)
         for mixer in mamba_mixers(model):  # as megatron's MambaMixer: the SSM decay A_log and skip D stay fp32
             mixer.A_log.data, mixer.D.data = mixer.A_log.data.float(), mixer.D.data.float()
-    assign_kv_layer_indices(model)
-    assign_mamba_layer_indices(model)
     return model
 
 
