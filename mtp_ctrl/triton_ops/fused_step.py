@@ -97,6 +97,7 @@ def _verify_and_commit_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
     COUNT_IN_MEMORY: tl.constexpr,
+    KEEP_RELEASED_BLOCKS: tl.constexpr,
 ):
     """One program per request slot (decode, then prefill). A padding slot (``r >=``
     the real count) writes False over its mask rows, -1 as its last index and "release nothing",
@@ -165,6 +166,7 @@ def _verify_and_commit_kernel(
         BLOCK_SIZE_TOKENS,
         RELEASE_WIDTH,
         BLOCK_BACK,
+        KEEP_RELEASED_BLOCKS,
     )
 
     # mask rows past the packed region, shared out over the programs
@@ -267,6 +269,7 @@ def verify_and_commit(
     block_size_tokens: int,
     num_active_requests: Optional[ActiveCount] = None,
     out: Optional[StepCommit] = None,
+    keep_released_blocks: bool = False,
 ) -> StepCommit:
     """Verify the drafts, write the next step's inputs and rewind the KV bookkeeping, in one launch.
 
@@ -290,6 +293,12 @@ def verify_and_commit(
     padding: their mask rows are False, ``last_one_indices`` -1, nothing released, and the caller's
     buffers and the KV state are untouched. Pass ``out`` (four preallocated tensors) to allocate
     nothing per step; it is filled and returned.
+
+    ``keep_released_blocks=True``: the rewind updates lengths, offsets, counts and last block ids
+    as usual but leaves every id in ``kv_block_ids`` and reports nothing released (``remove_mask``
+    all False). The overlapped controller uses it: a request keeps the blocks past its length as
+    the reserve its next step grows into, and the host, which reserved them, frees them when the
+    request ends.
 
     Arguments are validated on the first call of each signature (every tensor's dtype, shape and
     device, every int): a call that repeats a validated signature skips the checks, one that
@@ -316,6 +325,8 @@ def verify_and_commit(
         num_active_requests,
         out,
     )
+    if not isinstance(keep_released_blocks, bool):
+        raise TypeError(f"keep_released_blocks must be a bool, got {type(keep_released_blocks).__name__}")
     tokens = input_tokens if input_tokens.dim() == 1 else input_tokens[0]  # [T]; the forward pass has [1, T]
     num_requests = num_decode_requests + num_prefill_requests
     num_active = num_requests if num_active_requests is None else num_active_requests
@@ -341,6 +352,7 @@ def verify_and_commit(
             block_size_tokens,
             num_active,
             out,
+            keep_released_blocks,
         )
     constants = _launch_constants(num_speculative_tokens, block_size_tokens)
     if out is None:
@@ -394,6 +406,7 @@ def verify_and_commit(
         active_count,
         active_count_ptr,
         COUNT_IN_MEMORY=count_in_memory,
+        KEEP_RELEASED_BLOCKS=keep_released_blocks,
         **constants,
     )
     return out

@@ -86,8 +86,12 @@ def _rewind_request(
     BLOCK_SIZE_TOKENS: tl.constexpr,
     RELEASE_WIDTH: tl.constexpr,
     BLOCK_BACK: tl.constexpr,
+    KEEP_RELEASED_BLOCKS: tl.constexpr,
 ):
     """Rewind ``request`` by ``rewind`` tokens; a request that is not real only writes "release nothing".
+
+    With ``KEEP_RELEASED_BLOCKS`` the block ids past the new length stay in the table (the caller
+    keeps them as the request's reserve for its next step) and nothing is reported released.
 
     ``back = j`` names the j-th block counting back from the old last block (column
     ``old_count - 1 - j`` of the block table). One tile load and one tile store over the same
@@ -120,7 +124,8 @@ def _rewind_request(
     back_ids = tl.load(back_ptrs, mask=in_table, other=0)  # [BLOCK_BACK]
     is_released = back < released
     # the stored values depend on the loaded ones, so each entry is read before it is cleared
-    tl.store(back_ptrs, tl.where(is_released, -1, back_ids), mask=in_table)
+    if not KEEP_RELEASED_BLOCKS:
+        tl.store(back_ptrs, tl.where(is_released, -1, back_ids), mask=in_table)
     new_last_back = old_count - 1 - tl.maximum(new_count - 1, 0)
     new_last_id = tl.sum(tl.where(back == new_last_back, back_ids, 0), axis=0)
 
@@ -132,7 +137,7 @@ def _rewind_request(
     release_ids = tl.where(back == 0, old_last_id, tl.where(is_released, back_ids, 0))
     release_offsets = request64 * release_stride_request + back * release_stride_block
     tl.store(BLOCKS_TO_RELEASE_PTR + release_offsets, release_ids, mask=back < RELEASE_WIDTH)
-    tl.store(REMOVE_MASK_PTR + release_offsets, is_released, mask=back < RELEASE_WIDTH)
+    tl.store(REMOVE_MASK_PTR + release_offsets, is_released & (not KEEP_RELEASED_BLOCKS), mask=back < RELEASE_WIDTH)
 
 
 @triton.jit(do_not_specialize=["num_active_requests"])
@@ -195,6 +200,7 @@ def _rewind_kv_cache_kernel(
         BLOCK_SIZE_TOKENS,
         RELEASE_WIDTH,
         BLOCK_BACK,
+        False,
     )
 
 

@@ -205,3 +205,44 @@ def test_bad_arguments(index, bad, error, match):
 
 def test_request_row_tile_is_the_next_power_of_two_of_the_request_rows():
     assert [request_row_tile(num_spec) for num_spec in range(9)] == [2, 2, 4, 4, 8, 8, 8, 8, 16]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_keep_released_blocks_rewinds_lengths_but_keeps_every_block_id(op):
+    """The overlapped controller's mode: the same lengths, offsets, counts and last ids as the
+    releasing rewind (hand-worked in test_known_answer_three_decode_two_prefill), every id stays
+    in the table and nothing is reported released."""
+    case, kv_state = _known_case()
+    ids_before = kv_state[4].clone()
+    buffers = _buffers(6, 2)
+    result = op(case.input_tokens, case.output_tokens, case.required_logit_indices, *buffers, *kv_state,
+                case.num_decode_requests, case.num_prefill_requests, case.num_speculative_tokens, 2,
+                keep_released_blocks=True)
+    assert result.remove_mask.tolist() == [False] * 5
+    offset, kv_len, block_counts, last_id, ids = kv_state
+    assert kv_len.tolist() == [6, 8, 4, 3, 1] and offset.tolist() == [1, 1, 1, 0, 0]
+    assert block_counts.tolist() == [3, 4, 2, 2, 1] and last_id.tolist() == [12, 23, 31, 41, 50]
+    assert torch.equal(ids, ids_before)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_keep_released_blocks_kernel_equals_reference(seed):
+    generator = torch.Generator().manual_seed(seed)
+    num_spec, block_size = int(torch.randint(1, 5, (1,), generator=generator)), int(torch.randint(1, 4, (1,), generator=generator))
+    case = make_token_case(3, 2, num_spec, seed=seed)
+    outputs = []
+    for op in OPS:
+        kv_state = make_kv_state(case.num_decode_requests + case.num_prefill_requests, num_spec, block_size, seed=seed)
+        buffers = _buffers(6, num_spec)
+        result = op(case.input_tokens, case.output_tokens, case.required_logit_indices, *buffers, *kv_state,
+                    case.num_decode_requests, case.num_prefill_requests, num_spec, block_size,
+                    keep_released_blocks=True)
+        outputs.append(list(result) + buffers + kv_state)
+    assert_all_equal(outputs[0], outputs[1])
+
+
+def test_keep_released_blocks_must_be_a_bool():
+    case, kv_state = _known_case()
+    with pytest.raises(TypeError, match="keep_released_blocks"):
+        verify_and_commit(case.input_tokens, case.output_tokens, case.required_logit_indices, *_buffers(6, 2),
+                          *kv_state, 3, 2, 2, 2, keep_released_blocks=1)

@@ -162,8 +162,10 @@ def verify_and_commit(
     block_size_tokens,
     num_active_requests=None,
     out: Optional[StepCommit] = None,
+    keep_released_blocks: bool = False,
 ):
-    """The three reference ops in a row, on the real requests only (padding slots keep their state)."""
+    """The three reference ops in a row, on the real requests only (padding slots keep their state).
+    ``keep_released_blocks``: the block ids stay in ``kv_block_ids`` and nothing is reported released."""
     num_requests = num_decode_requests + num_prefill_requests
     device = output_tokens.device
     active = num_requests if num_active_requests is None else num_active_requests
@@ -192,6 +194,7 @@ def verify_and_commit(
     decode_accepted_counts = torch.zeros(num_requests, dtype=torch.int64, device=device)  # [N]
     decode_accepted_counts[:num_decode_requests] = accepted_token_counts[:num_decode_requests]
     is_prefill = (torch.arange(num_requests, device=device) >= num_decode_requests).to(torch.int32)  # [N]
+    kept_block_ids = kv_block_ids.clone() if keep_released_blocks else None
     blocks_to_release, remove_mask = rewind_kv_cache(
         decode_accepted_counts,
         is_prefill,
@@ -205,6 +208,9 @@ def verify_and_commit(
         active,
     )
 
+    if keep_released_blocks:
+        kv_block_ids.copy_(kept_block_ids)
+        remove_mask = torch.zeros_like(remove_mask)
     packed = _request_of_packed_row(num_decode_requests, num_prefill_requests, num_speculative_tokens, device)
     accepted_tokens_mask[: packed.shape[0]] &= real[packed]
     result = StepCommit(
