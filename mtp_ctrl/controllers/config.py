@@ -43,6 +43,11 @@ class InferenceConfig:
     cuda_graph_batch_sizes: decode batch buckets captured as CUDA graphs (CUDA only; empty = eager).
     mtp_attention: "paged" drafts with each MTP layer attending over its own paged KV cache (as
         trained); "single_position" attends to the current row only (Megatron-LM's inference).
+    overlap_scheduling: the host prepares step N + 1 while the GPU runs step N and learns step
+        N's outcome one step late (default). False runs one step at a time (debugging, and the
+        comparison); outputs are identical either way.
+    finished_results_kept: finished requests' results the step API keeps until ``pop_result``
+        takes them; beyond this many the oldest are dropped (``generate`` takes its own).
     """
 
     num_speculative_tokens: int = 0
@@ -54,6 +59,8 @@ class InferenceConfig:
     max_tokens_per_step: int = 256
     cuda_graph_batch_sizes: Tuple[int, ...] = ()
     mtp_attention: str = "paged"
+    overlap_scheduling: bool = True
+    finished_results_kept: int = 4096
 
     def __post_init__(self):
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -84,6 +91,9 @@ class InferenceConfig:
                 f"max_tokens_per_step ({self.max_tokens_per_step})"
             )
         object.__setattr__(self, "cuda_graph_batch_sizes", buckets)
+        if not isinstance(self.overlap_scheduling, bool):
+            raise TypeError(f"overlap_scheduling must be a bool, got {type(self.overlap_scheduling).__name__}")
+        _require_int("finished_results_kept", self.finished_results_kept, 0)
         if self.mtp_attention not in MTP_ATTENTION_MODES:
             raise ValueError(f"mtp_attention must be one of {MTP_ATTENTION_MODES}, got {self.mtp_attention!r}")
 

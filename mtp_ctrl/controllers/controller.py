@@ -1,23 +1,32 @@
 """TextGenerationController: lossless speculative decoding over a paged megatron-core GPT.
 
-One step (see ``shared/DESIGN.md``)::
+One step (see ``docs/design.md``)::
 
     step = context.build_step()                   # schedule, take KV blocks, one H2D copy
+    context.prepare_inputs(step)                  # device: grow KV lengths, positions, slots, tokens
     logits, hidden = runner.forward(...)          # decoder over the packed rows
     tokens = sample(logits[step.logits_indices])  # the target's token at every row that needs one
     verify_and_commit(...)                        # one kernel: accept, next inputs, KV rewind
     mamba_state_selective_copy(...)               # hybrid models: keep the state after the last accepted row
     drafts = proposer.propose(...)                # next S drafts from verified state only
-    read back [accepted, bonus, accepted drafts]  # the step's one device-to-host copy
-    context.commit_step(...); stop rules; finish  # host bookkeeping
+    stage [accepted, bonus, accepted drafts]      # copied to pinned host memory, no wait
+
+The overlapped loop: ``step()`` builds and launches step N + 1 first, then waits for step N's
+read-back and applies it on the host (stop rules, emitted tokens, KV lengths), so the host's
+work hides behind the GPU's. The device is the source of truth for what the host learns late
+(accepted counts, KV lengths, next tokens, drafts); step N + 1 reads them on the device. A
+request that stopped in step N has run in step N + 1 too: that step's tokens for it are dropped,
+so its output ends exactly at the stop. Anything that moves rows (a request joining, a prompt
+turning into decodes, pausing, preemption, finishing) first waits for the step in flight.
+``InferenceConfig(overlap_scheduling=False)`` applies every step before the next one is built.
 
 Acceptance is exact match of the target's own sample, and sampling noise is a function of
 (seed, position) only, so speculative output equals plain output token for token, greedy or
 sampled, on every tensor-parallel rank.
 
 Research hooks, each overridable in a subclass: :meth:`sample_rows` (how a token is drawn),
-:meth:`accept_tokens` (what a request keeps of its verified tokens: stop rules), and
-:meth:`on_step_end` (after each step's host bookkeeping); drafting is the ``proposer``.
+:meth:`accept_tokens` (what a request keeps of its verified tokens), and :meth:`on_step_end`
+(after each step's host bookkeeping); drafting is the ``proposer``.
 """
 
 import collections
@@ -25,6 +34,7 @@ import dataclasses
 import time
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from megatron.core import parallel_state
 
@@ -32,7 +42,9 @@ from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
+from mtp_ctrl.controllers.output_rows import OutputRows
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
+from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
 from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
 from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
@@ -42,6 +54,16 @@ from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpe
 from mtp_ctrl.triton_ops import StepCommit, mamba_state_selective_copy, max_released_blocks, verify_and_commit
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
+
+
+@dataclasses.dataclass
+class _LaunchedStep:
+    """A step on the GPU whose read-back the host has not applied yet."""
+
+    step: StepMetadata
+    readback: torch.Tensor  # [n_s, S + 2] int64, pinned host copy (filled when `done` fires)
+    done: Optional[torch.cuda.Event]  # None on CPU (the copy was synchronous)
+    gpu_start: Optional[torch.cuda.Event]
 
 
 class TextGenerationController:
@@ -55,8 +77,15 @@ class TextGenerationController:
         S = config.num_speculative_tokens
         if proposer is None and S > self.runner.mtp_num_layers:
             raise ValueError(f"num_speculative_tokens ({S}) exceeds the model's MTP depth ({self.runner.mtp_num_layers})")
+        max_sequence_length = getattr(model, "max_sequence_length", None)
+        if max_sequence_length is not None and config.max_model_len + S > max_sequence_length:
+            raise ValueError(f"max_model_len + num_speculative_tokens ({config.max_model_len} + {S}) exceeds the "
+                             f"model's max_sequence_length ({max_sequence_length})")
+        if proposer is not None and not isinstance(proposer, Proposer):
+            raise TypeError(f"proposer must be a Proposer, got {type(proposer).__name__}")
         self.context = self._build_context(model.config)
         self._allocate_step_buffers()
+        self._outputs = OutputRows(self.context.table, config.max_model_len, S)
         self.proposer = proposer if proposer is not None else MTPProposer(config.mtp_attention)
         if S > 0:
             self.proposer.bind(self)
@@ -66,10 +95,15 @@ class TextGenerationController:
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
-        self._records: Dict[int, RequestRecord] = {}
+        self._records: Dict[int, RequestRecord] = {}  # live and unclaimed finished requests
+        self._finished_order: Deque[int] = collections.deque()  # finished, result not taken yet
         self._waiting: Deque[int] = collections.deque()  # admitted to the controller, not yet to the context
         self._admission_order: List[int] = []  # live requests, oldest first (preemption takes the newest)
+        self._retiring: List[int] = []  # finished; their rows are freed once no step is in flight
+        self._in_flight: Optional[_LaunchedStep] = None
+        self._readback_parity = 0
         self._next_request_id = 0
+        self._params_by_row_cache = None
 
     # ----- set-up ------------------------------------------------------------------------
 
@@ -85,7 +119,7 @@ class TextGenerationController:
         )
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.kv_cache_bytes is None:
-            blocks_per_request = -(-(config.max_model_len + S) // config.block_size_tokens)
+            blocks_per_request = -(-(config.max_model_len + 2 * (S + 1)) // config.block_size_tokens)
             num_blocks = config.max_requests * blocks_per_request
         return DynamicInferenceContext(
             max_requests=config.max_requests,
@@ -111,11 +145,13 @@ class TextGenerationController:
         self._last_accepted_rows = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
         self._accepted_tokens = torch.full((R, S), -1, dtype=torch.int64, device=device)  # [R, S] int64
         self._accepted_counts = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
-        # the step's read-back: [accepted count, bonus token, accepted drafts...] per request
-        self._readback = torch.zeros(R, S + 2, dtype=torch.int64, pin_memory=device.type == "cuda")  # [R, S + 2]
-        self._readback_device = torch.zeros(R, S + 2, dtype=torch.int64, device=device)
+        # the step's read-back: [accepted count, bonus token, accepted drafts...] per request;
+        # two pinned host copies, so step N + 1's lands while the host still reads step N's
+        pin = device.type == "cuda"
+        self._readback_host = [torch.zeros(R, S + 2, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._readback_device = torch.zeros(R, S + 2, dtype=torch.int64, device=device)  # [R, S + 2]
         self._draft_rows = table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64
-        # verify_and_commit's outputs (the KV release is redone on the host mirror by commit_step)
+        # verify_and_commit's outputs; with keep_released_blocks nothing is released (see state/context.py)
         release_shape = (R,) if max_released_blocks(S, self.config.block_size_tokens) == 1 else (
             R, max_released_blocks(S, self.config.block_size_tokens))
         self._commit_out = StepCommit(
@@ -126,9 +162,13 @@ class TextGenerationController:
         )
 
     def close(self) -> None:
-        """Free the captured CUDA graphs. Call it before ``torch.distributed.destroy_process_group``
-        when running tensor-parallel: a process group otherwise waits forever for the collectives
-        captured in the graphs (pytorch/pytorch#115388). The controller stays usable."""
+        """Finish the step in flight and free the captured CUDA graphs. Call it before
+        ``torch.distributed.destroy_process_group`` when running tensor-parallel: a process group
+        otherwise waits forever for the collectives captured in the graphs (pytorch/pytorch#115388).
+        The controller stays usable."""
+        if self._in_flight is not None:
+            self._apply_in_flight()
+            self._retire_finished()
         if self._graphs is not None:
             self._graphs.reset()
 
@@ -145,7 +185,7 @@ class TextGenerationController:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        prompt = self._check_prompt(prompt_tokens)
+        prompt = check_prompt(prompt_tokens, self.vocab_size, self.config.max_model_len)
         params.check_vocab(self.vocab_size)
         return prompt, params
 
@@ -157,36 +197,27 @@ class TextGenerationController:
         self._waiting.append(request_id)
         return request_id
 
-    def _check_prompt(self, prompt_tokens) -> List[int]:
-        if isinstance(prompt_tokens, torch.Tensor):
-            if prompt_tokens.dim() != 1 or prompt_tokens.dtype not in (torch.int32, torch.int64):
-                raise TypeError("prompt_tokens must be a 1-D int tensor or a sequence of ints")
-            prompt = prompt_tokens.tolist()  # host-ok: user input, outside the step
-        else:
-            prompt = list(prompt_tokens)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-                raise TypeError("prompt_tokens must be a 1-D int tensor or a sequence of ints")
-        if not prompt:
-            raise ValueError("prompt_tokens is empty")
-        if len(prompt) >= self.config.max_model_len:
-            raise ValueError(f"prompt_tokens has {len(prompt)} tokens; max_model_len ({self.config.max_model_len}) "
-                             "leaves no room to generate")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt_tokens must lie in [0, {self.vocab_size}) (the vocabulary)")
-        return prompt
-
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting) or bool(self._admission_order)
+        return bool(self._waiting) or len(self._admission_order) > len(self._retiring)
 
     def result(self, request_id: int) -> GenerationResult:
+        """The result of a finished request (it stays until :meth:`pop_result` takes it, or until
+        ``InferenceConfig.finished_results_kept`` newer results push it out)."""
         record = self._records.get(request_id)
         if record is None:
-            raise ValueError(f"unknown request_id {request_id}")
+            raise ValueError(f"unknown request_id {request_id} (never added, or its result was taken)")
         if record.finish_reason is None:
             raise ValueError(f"request {request_id} has not finished")
         return GenerationResult.from_record(record, self.config.num_speculative_tokens)
 
+    def pop_result(self, request_id: int) -> GenerationResult:
+        """Take a finished request's result: the controller forgets the request."""
+        result = self.result(request_id)
+        del self._records[request_id]
+        return result
+
     def _admit_waiting(self) -> None:
+        """Rows for waiting requests (no step in flight: admission moves rows)."""
         while self._waiting and self.context.num_free_rows > 0:
             request_id = self._waiting[0]
             record = self._records[request_id]
@@ -201,24 +232,47 @@ class TextGenerationController:
             self._top_k[row] = params.top_k
             self._top_p[row] = params.top_p
             self._seeds[row] = record.seed
+            self._outputs.start(row, params, len(record.prompt_tokens), record.output_tokens,
+                                record.decode_steps, record.accepted_drafts)
             self._admission_order.append(request_id)
 
     def _fits_in_free_blocks(self, token_count: int) -> bool:
-        block_size = self.config.block_size_tokens
-        needed = -(-(token_count + self.config.num_speculative_tokens + 1) // block_size)
+        needed = self.context.blocks_for(token_count + 2 * (self.config.num_speculative_tokens + 1))
         return needed <= self.context.allocator.num_free_blocks
 
     def _preempt_newest(self) -> None:
         """Evict the newest live request to free its KV blocks; it is recomputed from its prompt
         and output so far when it comes back, with unchanged output (sampling is positional)."""
         request_id = self._admission_order.pop()
+        self._save_progress(request_id)
         self._release(request_id)
         self._records[request_id].preemptions += 1
         self._waiting.appendleft(request_id)
 
+    def _save_progress(self, request_id: int) -> None:
+        row, record = self.context.table.row_of(request_id), self._records[request_id]
+        record.output_tokens = self._outputs.output_of(row)
+        record.decode_steps = int(self._outputs.decode_steps[row])
+        record.accepted_drafts = int(self._outputs.accepted_drafts[row])
+
     def _release(self, request_id: int) -> None:
         self.context.finish_request(request_id)
         self.proposer.forget(request_id)
+
+    def _retire_finished(self) -> None:
+        """Free the rows of requests that finished (no step in flight)."""
+        for request_id in self._retiring:
+            self._admission_order.remove(request_id)
+            self._release(request_id)
+        self._retiring.clear()
+
+    def _finish_record(self, request_id: int, reason: FinishReason) -> None:
+        self._save_progress(request_id)
+        self._records[request_id].finish_reason = reason
+        self._retiring.append(request_id)
+        self._finished_order.append(request_id)
+        while len(self._finished_order) > self.config.finished_results_kept:
+            self._records.pop(self._finished_order.popleft(), None)  # the oldest unclaimed result
 
     # ----- hooks -------------------------------------------------------------------------
 
@@ -229,9 +283,13 @@ class TextGenerationController:
                              self._seeds[table_rows], positions, all_greedy=self._all_greedy)
 
     def accept_tokens(self, record: RequestRecord, new_tokens: List[int]) -> Tuple[List[int], Optional[FinishReason]]:
-        """Append a request's verified tokens up to its first stop; returns (emitted, reason)."""
-        return accept_new_tokens(record.output_tokens, new_tokens, record.params, len(record.prompt_tokens),
-                                 self.config.max_model_len)
+        """What a request keeps of a step's verified tokens: a prefix of ``new_tokens``, and a
+        finish reason when it keeps fewer than all of them (the device has already moved on
+        with every verified token, so a request can only drop tokens by finishing). Default:
+        the stop rules (eos ids, stop sequences, max_new_tokens, max_model_len), applied to the
+        whole batch at once unless a subclass overrides this hook."""
+        output = list(record.output_tokens)
+        return accept_new_tokens(output, new_tokens, record.params, len(record.prompt_tokens), self.config.max_model_len)
 
     def on_step_end(self, outputs: List[StepOutput]) -> None:
         """Called after every step with what it emitted. Default: nothing."""
@@ -239,58 +297,186 @@ class TextGenerationController:
     # ----- the step ------------------------------------------------------------------------
 
     def step(self) -> List[StepOutput]:
-        """Run one forward pass over the running batch; returns what each request emitted."""
-        phase_start = time.perf_counter()
-        self._admit_waiting()
-        step = self._build_step()
-        if step is None:
-            self._idle_steps += 1
-            return []
-        self._all_greedy = all(self._records[rid].params.greedy for rid in step.request_ids)
-        launch_step = self._with_length_bounds(step) if step.num_prefill == 0 else step
-        phase_start = self._phase("schedule", phase_start)
+        """Run one step; returns what each request emitted. With overlap scheduling the tokens
+        come one call late: a call launches step N + 1 and returns step N's tokens."""
+        return self._step(collect=True)
 
-        graph_batch = launch_step.attention.batch_size
-        if self._graphs is not None and step.num_prefill == 0 and graph_batch in self.config.cuda_graph_batch_sizes:
-            self._graphs.run((graph_batch, self._all_greedy), lambda: self._launch(launch_step))
-        else:
-            self._launch(launch_step)
-        phase_start = self._phase("launch", phase_start)
-
-        readback = self._read_back(step.num_sampling_requests)  # the step's one device-to-host copy
-        phase_start = self._phase("wait", phase_start)
-        accepted = readback[:, 0].tolist()  # host-ok: values already on the host
-        self.context.commit_step(step, accepted[: step.num_decode])
-        if self.config.num_speculative_tokens > 0:
-            self.proposer.on_step_committed(step, accepted)
-        outputs = self._emit(step, readback)
-        self._phase("commit", phase_start)
-        self.on_step_end(outputs)
+    def _step(self, collect: bool) -> List[StepOutput]:
+        started = time.perf_counter()
+        try:
+            outputs = self._step_once(collect)
+        except BaseException:
+            self._abort_running()
+            raise
+        self.metrics.record_step(time.perf_counter() - started)
+        if self._hook_overridden("on_step_end"):
+            self.on_step_end(outputs)
         return outputs
 
-    def _with_length_bounds(self, step: StepMetadata) -> StepMetadata:
-        """A decode-only step with the attention's length bounds fixed per configuration, so its
-        kernels' grids do not depend on this batch's lengths (one CUDA graph fits every batch)."""
-        stride = self.config.num_speculative_tokens + 1
-        attention = dataclasses.replace(step.attention, max_query_len=stride,
-                                        max_seq_len=self.config.max_model_len + stride)
-        return dataclasses.replace(step, attention=attention)
+    def _step_once(self, collect: bool) -> List[StepOutput]:
+        outputs: List[StepOutput] = []
+        applied = self._in_flight is not None  # this call applies a step, whatever it builds
+        rows_move = bool(self._retiring) or (bool(self._waiting) and self.context.num_free_rows > 0) \
+            or self.context.needs_sync()
+        if self._in_flight is not None and (rows_move or not self.config.overlap_scheduling):
+            outputs += self._apply_in_flight(collect)
+        if self._in_flight is None:
+            self._retire_finished()
+            self._admit_waiting()
+        step = self._build_step()
+        if step is None:
+            if self._in_flight is not None:
+                outputs += self._apply_in_flight(collect)
+                self._retire_finished()
+            elif not applied:
+                self._idle_steps += 1
+            return outputs
+        previous, self._in_flight = self._in_flight, self._launch_step(step)
+        if previous is not None:
+            outputs += self._apply(previous, collect)
+        if not self.config.overlap_scheduling or not self.has_unfinished_requests():
+            outputs += self._apply_in_flight(collect)  # nothing to overlap with: finish now
+        if self._in_flight is None:
+            self._retire_finished()
+        return outputs
+
+    def _build_step(self) -> Optional[StepMetadata]:
+        steps_in_flight = 0 if self._in_flight is None else 1
+        while True:
+            try:
+                return self.context.build_step(steps_in_flight)
+            except KVCacheFullError:
+                if len(self._admission_order) <= 1 or steps_in_flight:
+                    raise
+                self._preempt_newest()
+
+    def _launch_step(self, step: StepMetadata) -> _LaunchedStep:
+        """Launch the step's GPU work and the copy of its read-back; returns without waiting."""
+        self._all_greedy = bool(self._outputs.greedy[: step.num_requests].all())
+        gpu_start = None
+        if self.device.type == "cuda":
+            gpu_start = torch.cuda.Event(enable_timing=True)
+            gpu_start.record()
+        graph_batch = step.attention.batch_size
+        if self._graphs is not None and step.decode_only and graph_batch in self.config.cuda_graph_batch_sizes:
+            self._graphs.run((graph_batch, self._all_greedy), lambda: self._launch(step))
+        else:
+            self._launch(step)
+        num_sampling = step.num_sampling_requests
+        host = self._readback_host[self._readback_parity][:num_sampling]
+        self._readback_parity ^= 1
+        host.copy_(self._readback_device[:num_sampling], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        if self.config.num_speculative_tokens > 0:
+            self.proposer.on_step_scheduled(step)
+        return _LaunchedStep(step, host, done, gpu_start)
+
+    def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
+        launched, self._in_flight = self._in_flight, None
+        return self._apply(launched, collect)
+
+    def _apply(self, launched: _LaunchedStep, collect: bool) -> List[StepOutput]:
+        """Wait for a launched step's read-back and apply it on the host."""
+        if launched.done is not None:
+            launched.done.synchronize()  # host-ok: the step's one read-back, usually long finished
+            self.metrics.record_gpu(launched.gpu_start.elapsed_time(launched.done) / 1e3)
+        step, readback = launched.step, launched.readback.numpy()
+        num_decode = step.num_decode
+        self.context.commit_readback(step, readback[:num_decode, 0])
+        if self.config.num_speculative_tokens > 0 and \
+                type(self.proposer).on_step_committed is not Proposer.on_step_committed:
+            # -1 marks requests that had already stopped: this step ran past their stop
+            counts = np.where(self._outputs.finished[: readback.shape[0]] == 1, -1, readback[:, 0])
+            self.proposer.on_step_committed(step, counts.tolist())
+        if self._hook_overridden("accept_tokens"):
+            new_tokens, emitted, finished = self._apply_with_hook(step, readback)
+        else:
+            new_tokens, emitted, finished = self._outputs.apply(readback, num_decode, self._params_of_row)
+        live_decode = emitted[:num_decode] > 0
+        self.metrics.record_acceptance(readback[:num_decode, 0][live_decode])
+        self.metrics.emitted_tokens += int(emitted.sum())
+        finished_rows = {}
+        for row, reason in finished:
+            request_id = step.request_ids[row]
+            finished_rows[row] = True
+            self._finish_record(request_id, reason)
+        if not collect:
+            return []
+        return [(step.request_ids[row], new_tokens[row, : emitted[row]].tolist(), row in finished_rows)
+                for row in range(readback.shape[0]) if emitted[row] > 0]
+
+    def _apply_with_hook(self, step: StepMetadata, readback: np.ndarray):
+        """The per-request path for a subclass's ``accept_tokens``; enforces its contract."""
+        outputs, S = self._outputs, self.config.num_speculative_tokens
+        num_rows = readback.shape[0]
+        new_tokens = np.empty((num_rows, S + 1), dtype=np.int64)
+        emitted = np.zeros(num_rows, dtype=np.int64)
+        finished = []
+        for row in range(num_rows):
+            accepted = int(readback[row, 0])
+            tokens = readback[row, 2 : 2 + accepted].tolist() + [int(readback[row, 1])]
+            new_tokens[row, : accepted + 1] = tokens
+            if outputs.finished[row]:
+                continue
+            record = self._records[step.request_ids[row]]
+            record.output_tokens = outputs.output_of(row)
+            kept, reason = self.accept_tokens(record, tokens)
+            kept = list(kept)
+            if kept != tokens[: len(kept)] or not kept or (len(kept) < len(tokens) and reason is None):
+                raise ValueError(f"{type(self).__name__}.accept_tokens must keep a non-empty prefix of the new tokens "
+                                 f"and give a finish reason when it drops any (got {kept} of {tokens}, {reason})")
+            outputs.tokens[row, outputs.counts[row] : outputs.counts[row] + len(kept)] = kept
+            outputs.counts[row] += len(kept)
+            emitted[row] = len(kept)
+            if row < step.num_decode:
+                outputs.decode_steps[row] += 1
+                outputs.accepted_drafts[row] += accepted
+            if reason is not None:
+                outputs.finished[row] = 1
+                finished.append((row, reason))
+        return new_tokens, emitted, finished
+
+    def _params_of_row(self, row: int) -> SamplingParams:
+        return self._records[int(self.context.table.host.request_ids[row])].params
+
+    def _hook_overridden(self, name: str) -> bool:
+        return getattr(type(self), name) is not getattr(TextGenerationController, name)
+
+    def _abort_running(self) -> None:
+        """A step raised: end every request in the batch with reason ABORTED (output so far kept)
+        and release its state, so the controller stays usable. Waiting requests stay queued."""
+        self._in_flight = None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # host-ok: error path
+        for request_id in list(self._admission_order):
+            record = self._records[request_id]
+            if record.finish_reason is None:
+                self._save_progress(request_id)
+                record.finish_reason = FinishReason.ABORTED
+                self._finished_order.append(request_id)
+            if request_id not in self._retiring:
+                self._retiring.append(request_id)
+        self._retire_finished()
 
     def _launch(self, step: StepMetadata) -> None:
-        """The GPU part of a step: forward, sample, verify + commit, draft, stage the read-back.
+        """The GPU part of a step: inputs, forward, sample, verify + commit, draft, stage the read-back.
 
         No host sync. A decode-only step also has no value-dependent Python: its grid is the
         (padded) batch, and the real request count is read on the device, so it can be captured.
         """
         S, context, attention = self.config.num_speculative_tokens, self.context, step.attention
-        decode_only = step.num_prefill == 0
+        context.prepare_inputs(step)
+        decode_only = step.decode_only
         grid = attention.batch_size if decode_only else step.num_requests  # G
         num_decode = grid if decode_only else step.num_decode
         num_sampling = grid if decode_only else step.num_sampling_requests
         stride = S + 1
         num_rows = num_decode * stride + step.num_final_prefill_chunks
         rows = step.logits_indices[:num_rows]  # [K] int64 packed rows that sample
-        num_active = (attention.seq_lens > 0).sum() if decode_only else None  # [] int64, real requests
+        num_active = step.num_active if decode_only else None  # [1] int64, real requests
         mamba = None if context.mamba is None else self._mamba_forward(step, num_decode, num_active)
         logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
                                              logits_rows=rows, mamba=mamba)  # [K, V], [T, H]
@@ -310,6 +496,7 @@ class TextGenerationController:
             table.kv_block_ids[:num_sampling],
             num_decode, step.num_final_prefill_chunks, S, self.config.block_size_tokens,
             num_active_requests=num_active, out=self._commit_buffers(num_sampling, num_rows),
+            keep_released_blocks=True,
         )
         if mamba is not None and num_decode > 0:
             self._commit_mamba(mamba.decode_slot_ids, num_decode)
@@ -317,10 +504,15 @@ class TextGenerationController:
             request_index = torch.arange(grid, device=self.device)
             write_rows = request_index if num_active is None else torch.where(
                 request_index < num_active, request_index, context.table.scratch_row)  # [G] int64
+            query_start_loc = attention.query_start_loc[: grid + 1].long()
+            query_lengths = query_start_loc[1:] - query_start_loc[:-1]  # [G] int64
+            rewinds = torch.where(request_index < num_decode, S - self._accepted_counts[:grid], 0)
             drafts = self.proposer.propose(DraftBatch(
                 step=step, hidden=hidden, num_requests=grid, num_sampling_requests=num_sampling,
                 next_tokens=context.table.next_tokens[:grid], last_accepted_rows=self._last_accepted_rows[:grid],
-                accepted_counts=self._accepted_counts[:grid], write_rows=write_rows))
+                accepted_counts=self._accepted_counts[:grid], write_rows=write_rows,
+                first_positions=attention.seq_lens[:grid].long() - query_lengths,
+                bonus_positions=attention.seq_lens[:grid].long() - rewinds))
             self._check_drafts(drafts, num_sampling)
             # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
             self._draft_rows[write_rows[:num_sampling]] = drafts.clamp(0, self.vocab_size - 1)
@@ -357,15 +549,6 @@ class TextGenerationController:
             mamba_state_selective_copy(intermediate, current, table.prefill_status[:num_decode], decode_slot_ids,
                                        self._accepted_counts[:num_decode], slots.num_layers)
 
-    def _build_step(self):
-        while True:
-            try:
-                return self.context.build_step()
-            except KVCacheFullError:
-                if len(self._admission_order) <= 1:
-                    raise
-                self._preempt_newest()
-
     def _check_drafts(self, drafts, num_sampling: int) -> None:
         """A proposer's output must be ``[n, S]`` int64 on the step's device (metadata only)."""
         want = (num_sampling, self.config.num_speculative_tokens)
@@ -382,44 +565,13 @@ class TextGenerationController:
         return StepCommit(buffers.last_one_indices[:num_requests], buffers.accepted_tokens_mask[:num_rows],
                           buffers.blocks_to_release[:num_requests], buffers.remove_mask[:num_requests])
 
-    def _read_back(self, num_sampling: int) -> torch.Tensor:
-        """Copy the staged ``[accepted, bonus, accepted drafts]`` rows of the real sampling
-        requests to pinned host memory and wait for them: the step's one synchronisation."""
-        host = self._readback[:num_sampling]
-        host.copy_(self._readback_device[:num_sampling], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # host-ok: the step's single read-back
-        return host
-
-    def _emit(self, step, readback: torch.Tensor) -> List[StepOutput]:
-        outputs: List[StepOutput] = []
-        values = readback.tolist()  # host-ok: pinned host copy
-        for index, request_id in enumerate(step.request_ids[: step.num_sampling_requests]):
-            record = self._records[request_id]
-            accepted, bonus, drafts = values[index][0], values[index][1], values[index][2:]
-            if index < step.num_decode:
-                record.decode_steps += 1
-                record.accepted_drafts += accepted
-                self.metrics.record_acceptance([accepted])
-            emitted, reason = self.accept_tokens(record, drafts[:accepted] + [bonus])
-            self.metrics.emitted_tokens += len(emitted)
-            if reason is not None:
-                record.finish_reason = reason
-                self._admission_order.remove(request_id)
-                self._release(request_id)
-            outputs.append((request_id, emitted, reason is not None))
-        return outputs
-
-    def _phase(self, name: str, started: float) -> float:
-        now = time.perf_counter()
-        self.metrics.record_phase(name, now - started)
-        return now
-
     # ----- batch API -----------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> List[GenerationResult]:
-        """Generate for every prompt (queued beyond max_requests); results in prompt order."""
+        """Generate for every prompt (queued beyond max_requests); results in prompt order. The
+        controller keeps nothing of these requests afterwards."""
+        prompts = check_prompts(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -428,8 +580,11 @@ class TextGenerationController:
         request_ids = [self._queue_request(prompt, params) for prompt, params in checked]  # all valid: queue
         while any(self._records[rid].finish_reason is None for rid in request_ids):
             idle_steps = self._idle_steps
-            self.step()
+            self._step(collect=self._hook_overridden("on_step_end"))
             if self._idle_steps != idle_steps:
                 raise RuntimeError("generate: no request can run (all running requests are paused); "
                                    "resume them or use the step API")
-        return [self.result(rid) for rid in request_ids]
+        results = [self.result(rid) for rid in request_ids]
+        for request_id in request_ids:
+            self._records.pop(request_id, None)
+        return results

@@ -4,12 +4,16 @@ import collections
 import time
 from typing import Dict, List, Sequence
 
+import numpy as np
+
 
 class GenerationMetrics:
-    """Acceptance per draft depth, mean accepted length, tokens/s and a split of step time.
+    """Acceptance per draft depth, mean accepted length, tokens/s and the host/GPU split of a step.
 
-    Step phases are host wall time between the controller's phase boundaries; on a GPU the
-    phases before the read-back measure launch time, and ``wait`` holds the GPU time left.
+    ``step_seconds``: wall time of the controller's ``step`` calls (host work, launches, and any
+    wait for the GPU). ``gpu_seconds``: GPU time of the steps, between CUDA events recorded
+    around each step's work (CUDA only). With overlap scheduling and a GPU-bound step the two
+    are about equal; ``step_seconds`` well above ``gpu_seconds`` means the host is the bottleneck.
     """
 
     def __init__(self, num_speculative_tokens: int):
@@ -22,15 +26,32 @@ class GenerationMetrics:
         self.accepted_per_depth = [0] * self.num_speculative_tokens  # of those, accepted
         self.verify_steps = 0  # request-steps that verified drafts (decode rows)
         self.emitted_tokens = 0
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.gpu_steps = 0
+        self.gpu_seconds = 0.0
         self.phase_seconds: Dict[str, float] = collections.defaultdict(float)
         self._started = time.perf_counter()
 
     def record_acceptance(self, accepted_counts: Sequence[int]) -> None:
-        for accepted in accepted_counts:
-            self.verify_steps += 1
+        """One entry per decode request of a step: its accepted drafts (ints or an int array)."""
+        counts = np.asarray(accepted_counts, dtype=np.int64)
+        self.verify_steps += int(counts.shape[0])
+        if self.num_speculative_tokens:
+            # a request that accepted a drafts accepted depths 1..a: count requests with a > depth
+            histogram = np.bincount(counts, minlength=self.num_speculative_tokens + 1)
+            reaching = histogram[::-1].cumsum()[::-1]  # [S + 1]: requests accepting at least k
             for depth in range(self.num_speculative_tokens):
-                self.drafted_per_depth[depth] += 1
-                self.accepted_per_depth[depth] += int(depth < accepted)
+                self.drafted_per_depth[depth] += int(counts.shape[0])
+                self.accepted_per_depth[depth] += int(reaching[depth + 1])
+
+    def record_step(self, seconds: float) -> None:
+        self.steps += 1
+        self.step_seconds += seconds
+
+    def record_gpu(self, seconds: float) -> None:
+        self.gpu_steps += 1
+        self.gpu_seconds += seconds
 
     def record_phase(self, name: str, seconds: float) -> None:
         self.phase_seconds[name] += seconds
@@ -49,6 +70,8 @@ class GenerationMetrics:
 
     def summary(self) -> str:
         depths = ", ".join(f"{rate:.2f}" for rate in self.acceptance_per_depth) or "-"
-        phases = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in self.phase_seconds.items())
+        split = f"step {self.step_seconds / max(self.steps, 1) * 1e3:.3f} ms"
+        if self.gpu_steps:
+            split += f" (GPU {self.gpu_seconds / self.gpu_steps * 1e3:.3f} ms)"
         return (f"tokens {self.emitted_tokens}, {self.tokens_per_second():.1f} tok/s, mean accepted length "
-                f"{self.mean_accepted_length:.2f}, acceptance per depth [{depths}]; {phases}")
+                f"{self.mean_accepted_length:.2f}, acceptance per depth [{depths}]; {split} over {self.steps} steps")

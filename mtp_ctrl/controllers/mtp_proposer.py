@@ -81,11 +81,15 @@ class MTPProposer(Proposer):
 
     # ----- host bookkeeping ----------------------------------------------------------------
 
-    def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
+    def on_step_scheduled(self, step: StepMetadata) -> None:
         """The host keeps the window start of requests still in prefill (it sizes their rows):
-        after a chunk ending at ``e`` that did not sample, ``w = max(0, e - S)``."""
+        after a chunk ending at ``e`` that did not sample, ``w = max(0, e - S)``. Only prefill
+        requests change it (host values), so decode-only steps cost nothing here."""
+        if step.num_prefill == 0:
+            return
         ends = (step.host_first_positions + step.host_query_lengths).tolist()  # host-ok: host tensors
-        for index, request_id in enumerate(step.request_ids):
+        for index in range(step.num_decode, step.num_requests):
+            request_id = step.request_ids[index]
             if index < step.num_sampling_requests:
                 self._prefill_window_starts.pop(request_id, None)
             else:
@@ -101,10 +105,7 @@ class MTPProposer(Proposer):
         device, num_requests, num_sampling = batch.hidden.device, batch.num_requests, batch.num_sampling_requests
         layout = self._layout(batch)
         first, main_start = layout.first, layout.main_start  # [G] int64 each
-        num_decode = num_requests if batch.decode_only else step.num_decode
-        rewinds = torch.zeros(num_requests, dtype=torch.int64, device=device)  # [G]
-        rewinds[:num_decode] = S - batch.accepted_counts[:num_decode]
-        ends = first + layout.query_lengths - rewinds  # [G] int64, e: the bonus token's position
+        ends = batch.bonus_positions  # [G] int64, e: the bonus token's position
         self._record_verified_tokens(batch, ends, layout.row_requests)
         if self.mode == "paged":
             hidden, rows, positions, metadata = self._paged_window(batch, ends, layout)
@@ -134,9 +135,9 @@ class MTPProposer(Proposer):
         step, device, S = batch.step, batch.hidden.device, self.num_speculative_tokens
         stride, window_size = S + 1, 2 * S  # a decode window spans at most 2S positions
         num_requests = batch.num_requests
+        first = batch.first_positions  # [G] int64 (padding: -stride)
         if batch.decode_only:
             request_index = torch.arange(num_requests, device=device)
-            first = step.attention.seq_lens[:num_requests].long() - stride  # padding: -stride
             window_index = torch.arange(num_requests * window_size, device=device)
             return _DraftLayout(
                 first, torch.full_like(first, stride), request_index * stride,
@@ -151,11 +152,11 @@ class MTPProposer(Proposer):
         torch.cumsum(sizes, 0, out=window_query_start_loc[1:])
         window_rows = torch.repeat_interleave(torch.arange(num_requests), sizes)  # [Tm]
         from_end = window_query_start_loc[1:][window_rows] - 1 - torch.arange(window_rows.shape[0])  # [Tm]
-        host_parts = (step.host_first_positions, query_lengths, step.host_query_start_loc[:-1],
+        host_parts = (query_lengths, step.host_query_start_loc[:-1],
                       torch.repeat_interleave(torch.arange(num_requests), query_lengths),
                       window_query_start_loc, window_rows, from_end, starts)
         device_parts = torch.cat(host_parts).to(device, non_blocking=True).split([p.shape[0] for p in host_parts])
-        first, lengths, main_start, row_requests, window_qsl, rows, from_end, starts = device_parts
+        lengths, main_start, row_requests, window_qsl, rows, from_end, starts = device_parts
         return _DraftLayout(first, lengths, main_start, row_requests, window_qsl.to(torch.int32), rows, from_end,
                             starts, int(sizes.max()))
 

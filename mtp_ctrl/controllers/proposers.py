@@ -3,8 +3,10 @@
 A proposer is bound to the controller once (:meth:`Proposer.bind`), may register per-request
 device rows in the request table there (they move with their request), and is called once per
 step after verification with a :class:`DraftBatch`. It returns ``[n, S]`` int64 drafts for the
-``n`` requests that sampled this step, without a host sync. :meth:`Proposer.on_step_committed`
-runs after the step's small read-back, with host values, for bookkeeping.
+``n`` requests that sampled this step, without a host sync. :meth:`Proposer.on_step_scheduled`
+runs right after each step is launched (host values the scheduler knows, e.g. prefill chunk
+ends), :meth:`Proposer.on_step_committed` once the host has the step's read-back (with
+overlap scheduling, one step later).
 
 Subclass :class:`Proposer` to plug in another drafter (see ``examples/custom_proposer.py``).
 """
@@ -39,6 +41,9 @@ class DraftBatch:
     last_accepted_rows: torch.Tensor  # [G] int64, packed row of each request's last accepted row
     accepted_counts: torch.Tensor  # [G] int64, accepted drafts (0 for prefill and padding requests)
     write_rows: torch.Tensor  # [G] int64, table row of each request; the scratch row for padding
+    first_positions: torch.Tensor  # [G] int64, position of each request's first row this step
+    bonus_positions: torch.Tensor  # [G] int64, position e of the token each request sampled last
+    # (its bonus token): a decode's base position + 1 + accepted drafts, a final chunk's prompt length
 
     @property
     def decode_only(self) -> bool:
@@ -60,6 +65,13 @@ class Proposer(abc.ABC):
     def forget(self, request_id: int) -> None:
         """The request left the running batch (finished or evicted): drop host state kept for it."""
 
+    def on_step_scheduled(self, step: StepMetadata) -> None:
+        """Host-side bookkeeping right after ``step`` was launched, before the next one is built
+        (only host values: the step's requests and its prefill chunks). Default: nothing."""
+
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
-        """Host-side bookkeeping after the step's read-back (``accepted_counts``: one per
-        sampling request, host ints). Default: nothing."""
+        """Host-side bookkeeping once the step's read-back arrived (``accepted_counts``: one per
+        sampling request, host ints, -1 for a request that had already stopped: with overlap
+        scheduling a request runs one step past its stop, and that step is discarded; this runs
+        one step late).
+        Default: nothing."""

@@ -29,6 +29,7 @@ class GenerationResult:
     decode_steps: int
     accepted_drafts: int
     num_speculative_tokens: int
+    preemptions: int = 0  # times it was evicted for KV space and recomputed
 
     @property
     def mean_accepted_length(self) -> float:
@@ -50,4 +51,5 @@ class GenerationResult:
             decode_steps=record.decode_steps,
             accepted_drafts=record.accepted_drafts,
             num_speculative_tokens=num_speculative_tokens,
+            preemptions=record.preemptions,
         )

@@ -15,6 +15,7 @@ class FinishReason(str, enum.Enum):
     STOP_SEQUENCE = "stop_sequence"  # output ends with one of stop_sequences
     LENGTH = "length"  # max_new_tokens reached
     MAX_MODEL_LEN = "max_model_len"  # prompt + output filled max_model_len
+    ABORTED = "aborted"  # its step raised (a hook, the proposer): the output so far is kept
 
 
 def accept_new_tokens(

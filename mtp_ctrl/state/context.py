@@ -1,45 +1,40 @@
 """DynamicInferenceContext: the state a speculative-decoding controller drives.
 
 It owns the KV block pool, the KV caches, the request table, the Mamba state slots and the
-buffers of each step's metadata. The host is the source of truth for scheduling; the device
-receives one host-to-device copy per step.
+buffers of each step, and decides what each step runs: decode requests, prefill chunks under
+the token budget, and which requests pause when the pool runs dry.
 
 Life cycle of a request::
 
-    add_request   -> PREFILL: a table row (end of the prefill group), a Mamba slot, no blocks
-    build_step    -> runs a prefill chunk (blocks taken for its rows); the final chunk samples
-    commit_step   -> after the final chunk: DECODE (rows move to the decode group)
-    build_step    -> runs 1 + S rows; no free block -> PAUSED (state intact), resumed by a
-                     later build_step once blocks are free
+    add_request    -> PREFILL: a table row, a Mamba slot, no blocks
+    build_step     -> runs prefill chunks; after its final chunk the next build_step makes it
+                      DECODE (it then runs 1 + S rows per step); too few free blocks -> PAUSED
+                      (state intact), resumed by a later build_step once blocks are free
     pause_request / resume_request  -> PAUSED and back, on the caller's word
-    finish_request -> blocks and slot released, row freed (any time no step is in flight)
+    finish_request -> blocks and slot released, row freed
 
-One step::
-
-    step = ctx.build_step()          # schedule, take blocks, stage host rows + step rows,
-                                     # ONE copy to the device, gather decode tokens there
-    ... forward(step); sample; verify_and_commit (verify, prepare_next_forward_pass into
-        ctx.table.next_tokens[:n], rewind_kv_cache on ctx.table.device.*[:n]); a proposer
-        writes ctx.table.draft_tokens[:n]; a hybrid model would commit its Mamba slots with
-        mamba_state_selective_copy here ...
-    ctx.commit_step(step, accepted_counts)   # host mirror catches up with the device rewind,
-                                             # frees rewound blocks, flips finished prefills
+The overlapped loop (see ``controllers/controller.py``): the caller may build step N + 1 before
+it has read step N's outcome back. The device knows each decode request's KV length; the host
+(``table.host.known_lengths``) learns it from the read-back (:meth:`commit_readback`), one step
+late. So a step is built for the worst case, every draft of the steps in flight accepted: each
+decode request holds blocks for ``known_length + (1 + S) * (1 + steps_in_flight)`` tokens.
+Whatever moves rows (admission, a prompt turning into decodes, pausing, finishing) needs the
+host to be exact, so it waits until no step is in flight: :meth:`needs_sync` tells the caller.
 """
 
 from typing import Dict, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from mtp_ctrl.state.batch_dimensions import check_batch_sizes, round_up_batch_size
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
 from mtp_ctrl.state.kv_cache import KVCacheSpec
-from mtp_ctrl.state.kv_rows import blocks_to_add, resize_kv_rows
 from mtp_ctrl.state.mamba_slots import MambaSpec, MambaStateSlots
 from mtp_ctrl.state.request_table import RequestTable, RowGroup
-from mtp_ctrl.state.staging import StagingBuffers
 from mtp_ctrl.state.step_metadata import StepBuffers, StepMetadata
 
-Tokens = Union[torch.Tensor, Sequence[int]]
+Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
 
 class DynamicInferenceContext:
@@ -55,9 +50,9 @@ class DynamicInferenceContext:
     mamba: Mamba layer count and state shapes, or None for a model without Mamba layers.
 
     Sizing rules (checked here): ``max_tokens_per_step >= R * (1 + S)`` so every decode request
-    runs every step; the pool holds at least one full-length request
-    (``MB = ceil((max_model_len + S) / block_size_tokens)`` blocks); give ``num_blocks`` or a
-    ``kv_cache_bytes`` budget, not both.
+    runs every step; a request holds at most ``MB = ceil((max_model_len + 2 (1 + S)) /
+    block_size_tokens)`` blocks (room for a step run past its stop before the host saw it), and
+    the pool holds at least that many; give ``num_blocks`` or ``kv_cache_bytes``, not both.
     """
 
     def __init__(
@@ -98,8 +93,9 @@ class DynamicInferenceContext:
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.max_tokens_per_step = max_tokens_per_step
+        self.block_size_tokens = block_size_tokens
         self.cuda_graph_batch_sizes = check_batch_sizes(cuda_graph_batch_sizes, max_requests)
-        self.max_blocks_per_request = -(-(max_model_len + num_speculative_tokens) // block_size_tokens)
+        self.max_blocks_per_request = self.blocks_for(max_model_len + 2 * stride)
         if num_blocks is not None:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
         else:
@@ -108,25 +104,23 @@ class DynamicInferenceContext:
         if self.allocator.num_blocks < self.max_blocks_per_request:
             raise ValueError(
                 f"the KV pool ({self.allocator.num_blocks} blocks) cannot hold one request of max_model_len "
-                f"{max_model_len} + {num_speculative_tokens} drafts ({self.max_blocks_per_request} blocks)"
+                f"{max_model_len} + 2 x {stride} rows in flight ({self.max_blocks_per_request} blocks)"
             )
         self.kv_caches = kv_cache.allocate(self.allocator.num_blocks, block_size_tokens, self.device)
         self.mamba = None if mamba is None else MambaStateSlots(mamba, max_requests, num_speculative_tokens, self.device)
-        staging = StagingBuffers(
-            {
-                **RequestTable.sections(max_requests, self.max_blocks_per_request),
-                **StepBuffers.sections(max_requests, max_tokens_per_step),
-            },
-            self.device,
-        )
-        self._staging = staging
-        self.table = RequestTable(
-            max_requests, self.max_blocks_per_request, num_speculative_tokens, block_size_tokens, self.device, staging
-        )
-        self._step_buffers = StepBuffers(staging, self.table, max_tokens_per_step)
-        self._prompts: Dict[int, torch.Tensor] = {}  # request id -> [P] int64 prompt tokens (CPU)
+        self.table = RequestTable(max_requests, self.max_blocks_per_request, num_speculative_tokens,
+                                  block_size_tokens, self.device)
+        # each decode request takes at most ceil(2 (1 + S) / bs) + 1 blocks a step; chunks the rest
+        max_block_writes = max_requests * (self.blocks_for(2 * stride) + 1) + self.blocks_for(max_tokens_per_step) + 1
+        self._step_buffers = StepBuffers(self.table, max_tokens_per_step, max_block_writes)
+        self._block_writes = []  # [3, k] int64 arrays (row, column, block id) not yet sent to the device
+        self._prompts: Dict[int, np.ndarray] = {}  # request id -> [P] int64 prompt tokens
         self._paused_for_kv: Dict[int, None] = {}  # ordered set: oldest first
-        self._step_in_flight: Optional[StepMetadata] = None
+        self._prompts_done: Dict[int, None] = {}  # ran their final chunk; become DECODE at the next build
+
+    def blocks_for(self, token_count) -> int:
+        """The one block-count formula: blocks that hold ``token_count`` tokens (int or array)."""
+        return -(-token_count // self.block_size_tokens)
 
     # ----- requests ----------------------------------------------------------------------
 
@@ -139,10 +133,7 @@ class DynamicInferenceContext:
         return request_id in self.table
 
     def add_request(self, request_id: int, prompt_tokens: Tokens) -> None:
-        """Admit a request with its prompt (``[P]`` int tokens, CPU tensor or sequence).
-
-        Allowed while a step is in flight (the new row lies past the step's rows).
-        """
+        """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence)."""
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self.table:
@@ -150,69 +141,72 @@ class DynamicInferenceContext:
         prompt = _as_prompt(prompt_tokens, self.max_model_len)
         if self.num_free_rows == 0:
             raise RuntimeError(f"max_requests ({self.table.max_requests}) requests are live; finish one first")
-        self._staging.wait_until_host_writable()
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
         self.table.insert(request_id, RowGroup.PREFILL, slot)
         self._prompts[request_id] = prompt
 
     def finish_request(self, request_id: int) -> None:
-        """Release the request's KV blocks and Mamba slot and free its row."""
+        """Release the request's KV blocks and Mamba slot and free its row. Its blocks may still
+        be written by a step in flight; the next owner's writes come after it on the stream."""
         row = self._live_row(request_id)
-        self._require_no_step_in_flight("finish_request")
-        self._staging.wait_until_host_writable()
-        resize_kv_rows(self.table.host, row, torch.zeros(1, dtype=torch.int64), self.allocator)
-        slot = int(self.table.host.mamba_slot_ids[row])
+        host = self.table.host
+        self.allocator.release(host.block_ids[row, : host.block_counts[row]].tolist())
         if self.mamba is not None:
-            self.mamba.release_slot(slot)
+            self.mamba.release_slot(int(host.mamba_slot_ids[row]))
         self.table.remove(request_id)
         del self._prompts[request_id]
         self._paused_for_kv.pop(request_id, None)
+        self._prompts_done.pop(request_id, None)
 
     def pause_request(self, request_id: int) -> None:
         """Stop running the request (its blocks and state stay) until ``resume_request``."""
         self._live_row(request_id)
-        self._require_no_step_in_flight("pause_request")
         if self.table.group_of(request_id) == RowGroup.PAUSED:
             raise ValueError(f"request {request_id} is already paused")
-        self._staging.wait_until_host_writable()
+        self._become_decode_if_prompt_done(request_id)
         self.table.move(request_id, RowGroup.PAUSED)
 
     def resume_request(self, request_id: int) -> None:
         """Run a paused request again from the next step (decode, or the rest of its prompt)."""
         row = self._live_row(request_id)
-        self._require_no_step_in_flight("resume_request")
         if self.table.group_of(request_id) != RowGroup.PAUSED:
             raise ValueError(f"request {request_id} is not paused")
-        self._staging.wait_until_host_writable()
-        prompt_done = int(self.table.host.kv_length_offsets[row]) >= self._prompts[request_id].shape[0]
+        prompt_done = int(self.table.host.known_lengths[row]) >= self._prompts[request_id].shape[0]
         self.table.move(request_id, RowGroup.DECODE if prompt_done else RowGroup.PREFILL)
         self._paused_for_kv.pop(request_id, None)
 
     # ----- steps -------------------------------------------------------------------------
 
-    def build_step(self) -> Optional[StepMetadata]:
-        """Schedule the next forward pass and stage everything it reads; None if no request runs.
+    def needs_sync(self) -> bool:
+        """Whether the next :meth:`build_step` would move rows or pause requests, which it may only
+        do once the host knows every decode request's length (no step in flight)."""
+        if self._prompts_done or self._paused_for_kv:
+            return True
+        return int(self._decode_needs(steps_in_flight=1).sum()) > self.allocator.num_free_blocks
 
-        Every decode request runs ``1 + S`` rows; prefill requests then take the rest of
-        ``max_tokens_per_step`` in row order (only the last one may stop mid-prompt). Decode
-        requests that cannot get their blocks are paused; paused ones are resumed (oldest
-        first) when blocks are free again, and no prefill starts while one still waits.
-        Raises ``KVCacheFullError`` when requests are live but none can get a block.
+    def build_step(self, steps_in_flight: int = 0) -> Optional[StepMetadata]:
+        """Schedule the next forward pass, take its blocks and stage it; None if no request runs.
+
+        ``steps_in_flight``: steps built whose read-back :meth:`commit_readback` has not taken
+        yet (0 or 1); with 1, :meth:`needs_sync` must be False. Every decode request runs
+        ``1 + S`` rows; prefill requests then take the rest of ``max_tokens_per_step`` in row
+        order (only the last one may stop mid-prompt). Decode requests that cannot get their
+        blocks are paused; paused ones are resumed (oldest first) when blocks are free again,
+        and no prefill starts while one still waits. Raises ``KVCacheFullError`` when requests
+        are live but none can get a block (nothing changed).
         """
-        self._require_no_step_in_flight("build_step")
-        self._staging.wait_until_host_writable()
-        self._pause_decodes_short_of_blocks()
-        self._resume_requests_paused_for_kv()
+        if steps_in_flight and self.needs_sync():
+            raise RuntimeError("build_step: rows must move; commit the step in flight first")
+        for request_id in list(self._prompts_done):
+            self._become_decode_if_prompt_done(request_id)
+        if not steps_in_flight:
+            self._pause_decodes_short_of_blocks()
+            self._resume_requests_paused_for_kv()
         host, stride = self.table.host, self.num_speculative_tokens + 1
         num_decode = self.table.group_size(RowGroup.DECODE)
-        decode_lengths = host.kv_length_offsets[:num_decode]
-        too_long = decode_lengths >= self.max_model_len
-        if bool(too_long.any()):
-            request_id = int(host.request_ids[:num_decode][too_long][0])
-            raise ValueError(f"request {request_id} has reached max_model_len ({self.max_model_len}); finish it")
-        resize_kv_rows(host, 0, decode_lengths + stride, self.allocator)
+        self._reserve(0, host.known_lengths[:num_decode] + stride * (1 + steps_in_flight))
         # prefill leaves the blocks that the running decodes take next step, so it cannot starve them
-        reserved_blocks = int(self._decode_block_needs().sum())
+        reserved_blocks = num_decode * self.blocks_for(stride)
         chunks = [] if self._paused_for_kv else self._schedule_prefill_chunks(num_decode, reserved_blocks)
         num_requests = num_decode + len(chunks)
         if num_requests == 0:
@@ -222,64 +216,92 @@ class DynamicInferenceContext:
                     "finish or pause requests to make room"
                 )
             return None
-        query_lengths = torch.full((num_requests,), stride, dtype=torch.int64)  # [n] int64
-        query_lengths[num_decode:] = torch.tensor([chunk.shape[0] for chunk in chunks], dtype=torch.int64)
-        final_chunk_count = sum(
-            1 for row in range(num_decode, num_requests)
-            if int(host.kv_length_offsets[row]) == self._prompts[int(host.request_ids[row])].shape[0]
-        )
+        query_lengths = np.full(num_requests, stride, dtype=np.int64)  # [n] int64
+        query_lengths[num_decode:] = [chunk.shape[0] for chunk in chunks]
+        final_chunk_count = 0
+        for row in range(num_decode, num_requests):  # prefill requests: a handful, host values
+            request_id = int(host.request_ids[row])
+            if host.known_lengths[row] == self._prompts[request_id].shape[0]:
+                final_chunk_count += 1
+                self._prompts_done[request_id] = None
         padded_batch_size = None if chunks else round_up_batch_size(num_decode, self.cuda_graph_batch_sizes)
-        step = self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded_batch_size)
-        self._step_in_flight = step
-        return step
+        if padded_batch_size is not None:
+            max_seq_len = self.max_blocks_per_request * self.block_size_tokens  # fixed per graph
+        else:
+            max_seq_len = int(host.block_counts[:num_requests].max()) * self.block_size_tokens
+        block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
+        self._block_writes = []
+        return self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded_batch_size,
+                                        block_writes, max_seq_len)
 
-    def commit_step(self, step: StepMetadata, accepted_counts: Tokens) -> None:
-        """Apply the step's outcome to the host mirror: what ``rewind_kv_cache`` did on the device.
+    def prepare_inputs(self, step: StepMetadata) -> None:
+        """The device half of the step's set-up; run it first in the step (see StepBuffers)."""
+        self._step_buffers.prepare_inputs(step)
 
-        ``accepted_counts``: accepted drafts of each decode request of the step (``[num_decode]``
-        ints in ``[0, S]``, CPU tensor or sequence). Decode lengths become
-        ``old + 1 + accepted``; blocks past them return to the allocator; prefill requests that
-        finished their prompt become decode requests. Call it after the device step ran.
-        """
-        if step is not self._step_in_flight:
-            raise ValueError("step is not the step in flight (build_step returned another one)")
-        accepted = _as_accepted_counts(accepted_counts, step.num_decode, self.num_speculative_tokens)
-        self._staging.wait_until_host_writable()
-        host, num_decode = self.table.host, step.num_decode
-        rewinds = self.num_speculative_tokens - accepted  # [nd] int64
-        resize_kv_rows(host, 0, host.kv_length_offsets[:num_decode] - rewinds, self.allocator)
-        finished_prompts = step.request_ids[num_decode : num_decode + step.num_final_prefill_chunks]
-        for row in range(num_decode, num_decode + len(finished_prompts)):
-            self.table.set_prefill_status(row, 0)
-        for request_id in finished_prompts:
-            self.table.move(request_id, RowGroup.DECODE)
-        self._step_in_flight = None
+    def commit_readback(self, step: StepMetadata, accepted_counts: np.ndarray) -> None:
+        """Learn a decode step's outcome: ``accepted_counts`` ``[num_decode]`` int64 host values.
+
+        The rows must not have moved since ``step`` was built (the caller commits before any
+        build that moves rows). Each decode request's known length grows by ``1 + accepted``."""
+        num_decode = step.num_decode
+        if accepted_counts.shape[0] != num_decode:
+            raise ValueError(f"accepted_counts has {accepted_counts.shape[0]} entries, the step has "
+                             f"{num_decode} decode requests")
+        self.table.host.known_lengths[:num_decode] += 1 + accepted_counts
 
     # ----- scheduling helpers ------------------------------------------------------------
 
-    def _decode_block_needs(self) -> torch.Tensor:
-        """``[nd]`` int64: blocks each decode request needs for its next 1 + S rows."""
+    def _become_decode_if_prompt_done(self, request_id: int) -> None:
+        if request_id not in self._prompts_done:
+            return
+        del self._prompts_done[request_id]
+        self.table.set_prefill_status(self.table.row_of(request_id), 0)
+        self.table.move(request_id, RowGroup.DECODE)
+
+    def _decode_needs(self, steps_in_flight: int) -> np.ndarray:
+        """``[nd]`` int64: blocks each decode request still needs before the next step."""
         num_decode = self.table.group_size(RowGroup.DECODE)
-        lengths = self.table.host.kv_length_offsets[:num_decode] + self.num_speculative_tokens + 1
-        return blocks_to_add(self.table.host, 0, lengths, self.allocator.block_size_tokens)
+        host, stride = self.table.host, self.num_speculative_tokens + 1
+        targets = host.known_lengths[:num_decode] + stride * (1 + steps_in_flight)
+        wanted = np.minimum(self.blocks_for(targets), self.max_blocks_per_request)
+        return np.maximum(wanted - host.block_counts[:num_decode], 0)
+
+    def _reserve(self, start: int, target_lengths: np.ndarray) -> None:
+        """Give rows ``[start, start + n)`` the blocks to hold ``target_lengths`` tokens (host
+        block table and allocator now; the device with the next step's block writes)."""
+        host = self.table.host
+        rows = np.arange(start, start + target_lengths.shape[0])
+        wanted = np.minimum(self.blocks_for(target_lengths), self.max_blocks_per_request)
+        adding = np.maximum(wanted - host.block_counts[rows], 0)  # [n] int64
+        total = int(adding.sum())
+        if total == 0:
+            return
+        block_ids = self.allocator.allocate(total).numpy()  # KVCacheFullError before any change
+        write_rows = np.repeat(rows, adding)  # [k] int64
+        first_of_row = np.cumsum(adding) - adding  # [n] int64, index of each row's first new block
+        write_cols = host.block_counts[write_rows] + np.arange(total) - np.repeat(first_of_row, adding)
+        host.block_ids[write_rows, write_cols] = block_ids
+        host.block_counts[rows] += adding
+        self._block_writes.append(np.stack([write_rows, write_cols, block_ids]))
 
     def _pause_decodes_short_of_blocks(self) -> None:
         """Decode requests get blocks in row order; the first that does not fit and every later
         one that needs a block is paused."""
-        needs = self._decode_block_needs()
-        fits = (needs == 0) | (torch.cumsum(needs, 0) <= self.allocator.num_free_blocks)
+        needs = self._decode_needs(steps_in_flight=0)
+        fits = (needs == 0) | (np.cumsum(needs) <= self.allocator.num_free_blocks)
         num_decode = needs.shape[0]
-        for request_id in self.table.host.request_ids[:num_decode][~fits].tolist():  # host-ok: host rows
+        for request_id in self.table.host.request_ids[:num_decode][~fits].tolist():
             self.table.move(request_id, RowGroup.PAUSED)
             self._paused_for_kv[request_id] = None
 
     def _resume_requests_paused_for_kv(self) -> None:
-        spare_blocks = self.allocator.num_free_blocks - int(self._decode_block_needs().sum())
+        spare_blocks = self.allocator.num_free_blocks - int(self._decode_needs(steps_in_flight=0).sum())
         stride = self.num_speculative_tokens + 1
+        host = self.table.host
         for request_id in list(self._paused_for_kv):
             row = self.table.row_of(request_id)
-            new_length = self.table.host.kv_length_offsets[row : row + 1] + stride
-            need = int(blocks_to_add(self.table.host, row, new_length, self.allocator.block_size_tokens))
+            wanted = min(self.blocks_for(int(host.known_lengths[row]) + stride), self.max_blocks_per_request)
+            need = max(wanted - int(host.block_counts[row]), 0)
             if need > spare_blocks:
                 return  # oldest first: a younger request does not overtake
             self.table.move(request_id, RowGroup.DECODE)
@@ -290,19 +312,20 @@ class DynamicInferenceContext:
         """Give prefill requests, in row order, chunks under the token budget and the free
         blocks less ``reserved_blocks``; take their blocks. Returns each chunk's prompt tokens
         (``[q]`` int64)."""
-        host, block_size = self.table.host, self.allocator.block_size_tokens
+        host, block_size = self.table.host, self.block_size_tokens
         budget = self.max_tokens_per_step - num_decode * (self.num_speculative_tokens + 1)
         chunks = []
         start, end = self.table.group_rows(RowGroup.PREFILL)
         for row in range(start, end):
             prompt = self._prompts[int(host.request_ids[row])]
-            length = int(host.kv_length_offsets[row])
+            length = int(host.known_lengths[row])
             spare_blocks = max(self.allocator.num_free_blocks - reserved_blocks, 0)
-            capacity = (int(host.kv_block_counts[row]) + spare_blocks) * block_size - length
+            capacity = (int(host.block_counts[row]) + spare_blocks) * block_size - length
             chunk_length = min(prompt.shape[0] - length, budget, capacity)
             if chunk_length <= 0:
                 break
-            resize_kv_rows(host, row, torch.tensor([length + chunk_length]), self.allocator)
+            self._reserve(row, np.array([length + chunk_length]))
+            host.known_lengths[row] = length + chunk_length  # exact: a prefill keeps every row
             chunks.append(prompt[length : length + chunk_length])
             budget -= chunk_length
             if length + chunk_length < prompt.shape[0]:
@@ -314,12 +337,8 @@ class DynamicInferenceContext:
             raise ValueError(f"request_id {request_id!r} is not a live request (unknown or finished)")
         return self.table.row_of(request_id)
 
-    def _require_no_step_in_flight(self, what: str) -> None:
-        if self._step_in_flight is not None:
-            raise RuntimeError(f"{what}: a step is in flight; call commit_step first")
 
-
-def _as_prompt(prompt_tokens: Tokens, max_model_len: int) -> torch.Tensor:
+def _as_prompt(prompt_tokens: Tokens, max_model_len: int) -> np.ndarray:
     if isinstance(prompt_tokens, torch.Tensor):
         if prompt_tokens.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"prompt_tokens must be int32 or int64, got {prompt_tokens.dtype}")
@@ -327,32 +346,20 @@ def _as_prompt(prompt_tokens: Tokens, max_model_len: int) -> torch.Tensor:
             raise ValueError(f"prompt_tokens must be a CPU tensor (the host schedules prefill), got {prompt_tokens.device}")
         if prompt_tokens.dim() != 1:
             raise ValueError(f"prompt_tokens must be 1-D, got shape {tuple(prompt_tokens.shape)}")
-        prompt = prompt_tokens.to(torch.int64, copy=True)
+        prompt = prompt_tokens.numpy().astype(np.int64)
+    elif isinstance(prompt_tokens, np.ndarray):
+        if prompt_tokens.dtype.kind not in "iu" or prompt_tokens.ndim != 1:
+            raise TypeError(f"prompt_tokens must be a 1-D int array, got {prompt_tokens.dtype} {prompt_tokens.shape}")
+        prompt = prompt_tokens.astype(np.int64)
     else:
         tokens = list(prompt_tokens)
         if any(isinstance(token, bool) or not isinstance(token, int) for token in tokens):
             raise TypeError("prompt_tokens must hold ints")
-        prompt = torch.tensor(tokens, dtype=torch.int64)
-    if prompt.numel() == 0:
+        prompt = np.array(tokens, dtype=np.int64)
+    if prompt.shape[0] == 0:
         raise ValueError("prompt_tokens is empty")
-    if prompt.numel() > max_model_len:
-        raise ValueError(f"prompt_tokens has {prompt.numel()} tokens, more than max_model_len ({max_model_len})")
+    if prompt.shape[0] > max_model_len:
+        raise ValueError(f"prompt_tokens has {prompt.shape[0]} tokens, more than max_model_len ({max_model_len})")
     if int(prompt.min()) < 0:
         raise ValueError("prompt_tokens must be non-negative token ids")
     return prompt
-
-
-def _as_accepted_counts(accepted_counts: Tokens, num_decode: int, num_speculative_tokens: int) -> torch.Tensor:
-    if isinstance(accepted_counts, torch.Tensor):
-        if accepted_counts.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"accepted_counts must be int32 or int64, got {accepted_counts.dtype}")
-        if accepted_counts.device.type != "cpu":
-            raise ValueError(f"accepted_counts must be a CPU tensor (read back by the caller), got {accepted_counts.device}")
-        counts = accepted_counts.to(torch.int64).reshape(-1)
-    else:
-        counts = torch.tensor(list(accepted_counts), dtype=torch.int64)
-    if counts.shape[0] != num_decode:
-        raise ValueError(f"accepted_counts has {counts.shape[0]} entries, the step has {num_decode} decode requests")
-    if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > num_speculative_tokens):
-        raise ValueError(f"accepted_counts must lie in [0, {num_speculative_tokens}], got {counts.tolist()}")  # host-ok: host values
-    return counts

@@ -1,4 +1,4 @@
-"""Per-request rows: the KV bookkeeping the step kernels consume, on host and device.
+"""Per-request rows: host bookkeeping (numpy) and the device rows the step kernels read and write.
 
 Letters: R = max_requests, MB = max_blocks_per_request, S = num_speculative_tokens.
 
@@ -12,41 +12,39 @@ Rows are grouped, in this order: decode requests, prefill requests, paused reque
 so a step over ``n`` requests reads plain prefixes (``table.device.kv_length_offsets[:n]``), and
 a CUDA-graph batch padded to ``B`` reads rows ``[0, B)`` with ``num_active_requests = n``.
 
-The host rows are the source of truth. The device rows are refreshed by the one host-to-device
-copy of each step (:class:`~mtp_ctrl.state.staging.StagingBuffers`); between that copy and
-the context's ``commit_step`` the step kernels advance the device rows and ``commit_step``
-applies the same change on the host. Moving a request between groups swaps rows on both sides
-by row copies (no host sync), together with the device-only token rows.
+Who owns what (each fact has one owner):
 
-KV fields of request ``r`` with ``kv_len = kv_length_offsets[r]`` rows written to its cache,
-counting this step's rows from ``build_step`` until the rewind (block size ``bs``):
+- The device owns a request's KV length and what follows from it: ``kv_length_offsets``,
+  ``last_kv_block_offset``, ``kv_block_counts``, ``last_kv_block_id``. Every step grows them by
+  its query rows and the fused verify kernel rewinds them past rejected drafts; the host never
+  writes them after a request's row is reset at admission.
+- The host owns which KV blocks a request holds (``host.block_ids``, the allocator's view) and
+  sends each new block to the device as a ``(row, column, block id)`` write with the next step.
+  A request holds blocks for the longest its KV can get before the host hears back (all drafts
+  accepted), so the device never needs a block the host has not given it. Rewound blocks stay
+  with the request as that reserve; all of them return to the allocator when it ends.
+- The host's ``known_lengths`` is a lagging copy of the device length: exact for prefill and
+  paused requests, and for decode requests as of the last step whose read-back it processed.
 
-    kv_block_counts[r]       = ceil(kv_len / bs)
-    kv_block_ids[r, :count]  = its blocks in position order; -1 past them
-    last_kv_block_id[r]      = kv_block_ids[r, count - 1]            (-1 when count == 0)
-    last_kv_block_offset[r]  = (kv_len - 1) mod bs, the offset of the last written row in
-                               its block (bs - 1 when kv_len == 0: "the next row opens a block")
+KV fields of request ``r`` with ``kv_len = kv_length_offsets[r]`` rows written to its cache
+(block size ``bs``): ``kv_block_counts = ceil(kv_len / bs)``, ``last_kv_block_id =
+kv_block_ids[r, count - 1]`` (-1 when count == 0), ``last_kv_block_offset = (kv_len - 1) mod bs``.
 
-Example, ``bs = 4``, ``S = 3``: a request with 5 committed tokens in blocks ``[7, 2]`` runs a
-decode step. ``build_step`` adds its 1 + S = 4 rows (positions 5..8), so ``kv_len = 9``, blocks
-``[7, 2, 9]``, ``last_kv_block_id = 9``, ``last_kv_block_offset = 0``. One draft is accepted:
-``rewind_kv_cache`` rewinds ``S - 1 = 2`` rows, ``0 - 2 < 0`` crosses back into block 2, so
-``kv_len = 7``, ``last_kv_block_offset = 2``, blocks ``[7, 2]``, ``last_kv_block_id = 2``, and
-block 9 goes back to the allocator.
+Moving a request between groups swaps whole rows on both sides (host numpy rows, device rows by
+stream-ordered copies, so no host sync), together with every row buffer callers registered
+(:meth:`add_device_rows`, :meth:`add_host_rows`).
 """
 
 import dataclasses
 import enum
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
+import numpy as np
 import torch
 
-from mtp_ctrl.state.staging import SectionSpec, StagingBuffers
-
-# Int fields packed as the rows of one [len(ROW_FIELDS), R + 1] int64 section.
-ROW_FIELDS = (
-    "request_ids",  # the caller's request id; -1 on free rows
-    "kv_length_offsets",  # KV rows written (see the module docstring)
+# Int fields of a request on the device, the rows of one [len(DEVICE_FIELDS), R + 1] int64 tensor.
+DEVICE_FIELDS = (
+    "kv_length_offsets",  # KV rows written (device-owned)
     "last_kv_block_offset",
     "kv_block_counts",
     "last_kv_block_id",
@@ -64,9 +62,8 @@ class RowGroup(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class RequestRows:
-    """Views of every row of the table on one side (host or device); index with ``[:n]``."""
+    """Views of every device row of the table; index with ``[:n]``."""
 
-    request_ids: torch.Tensor  # [R] int64
     kv_length_offsets: torch.Tensor  # [R] int64
     last_kv_block_offset: torch.Tensor  # [R] int64
     kv_block_counts: torch.Tensor  # [R] int64
@@ -76,59 +73,59 @@ class RequestRows:
     kv_block_ids: torch.Tensor  # [R, MB] int64, -1 = none
 
 
+@dataclasses.dataclass(frozen=True)
+class HostRows:
+    """The host's per-row numpy arrays (``[R + 1]``: the last row is the swap scratch row)."""
+
+    request_ids: np.ndarray  # [R + 1] int64, -1 on free rows
+    known_lengths: np.ndarray  # [R + 1] int64, KV rows as far as the host knows (see module docstring)
+    block_counts: np.ndarray  # [R + 1] int64, blocks the request holds
+    block_ids: np.ndarray  # [R + 1, MB] int64, -1 past block_counts
+    prefill_status: np.ndarray  # [R + 1] int64
+    mamba_slot_ids: np.ndarray  # [R + 1] int64
+
+
 class RequestTable:
-    """Rows of live requests, grouped decode | prefill | paused, mirrored host -> device.
+    """Rows of live requests, grouped decode | prefill | paused.
 
     Device-only rows the controller writes each step (they move with their request):
     ``next_tokens`` ``[R]`` int64, the base token of the next decode step (the token sampled
     last), and ``draft_tokens`` ``[R, S]`` int64, the drafts of the next decode step. Callers
-    register more with :meth:`add_device_rows`.
-
-    ``staging``: buffers holding :meth:`sections` (a context shares one with its step buffers,
-    so one copy moves both); None allocates the table's own on ``device``.
+    register more with :meth:`add_device_rows` and host rows with :meth:`add_host_rows`.
     """
 
-    def __init__(
-        self,
-        max_requests: int,
-        max_blocks_per_request: int,
-        num_speculative_tokens: int,
-        block_size_tokens: int,
-        device: torch.device,
-        staging: Optional[StagingBuffers] = None,
-    ):
+    def __init__(self, max_requests: int, max_blocks_per_request: int, num_speculative_tokens: int,
+                 block_size_tokens: int, device: torch.device):
         self.max_requests = max_requests
         self.max_blocks_per_request = max_blocks_per_request
         self.num_speculative_tokens = num_speculative_tokens
         self.block_size_tokens = block_size_tokens
-        if staging is None:
-            staging = StagingBuffers(self.sections(max_requests, max_blocks_per_request), device)
-        self.staging = staging
-        self._scratch_row = max_requests  # one spare row for swaps
-        self._host_fields = staging.host["row_fields"]  # [F, R + 1] int64
-        self._device_fields = staging.device["row_fields"]  # [F, R + 1] int64
-        self._host_block_ids = staging.host["kv_block_ids"]  # [R + 1, MB] int64
-        self._device_block_ids = staging.device["kv_block_ids"]  # [R + 1, MB] int64
-        self._device_rows: Dict[str, torch.Tensor] = {}  # name -> [R + 1, ...] device-only rows
+        self.device_type = torch.device(device)
+        self._scratch_row = max_requests  # one spare row for swaps and padding writes
+        rows = max_requests + 1
+        self._device_fields = torch.zeros(len(DEVICE_FIELDS), rows, dtype=torch.int64, device=device)  # [F, R + 1]
+        self._device_block_ids = torch.full((rows, max_blocks_per_request), -1, dtype=torch.int64, device=device)
+        # the values a row gets at admission: no KV, no blocks (prefill status and slot set after)
+        self._fresh_row = torch.tensor([self._fresh_value(name) for name in DEVICE_FIELDS],
+                                       dtype=torch.int64).to(device)  # [F] int64
+        self._device_rows: Dict[str, torch.Tensor] = {}  # name -> [R + 1, ...] device rows
+        self._host_rows: Dict[str, np.ndarray] = {}  # name -> [R + 1, ...] host rows
+        self.host = HostRows(
+            request_ids=self.add_host_rows("request_ids", (), fill=-1),
+            known_lengths=self.add_host_rows("known_lengths", ()),
+            block_counts=self.add_host_rows("block_counts", ()),
+            block_ids=self.add_host_rows("block_ids", (max_blocks_per_request,), fill=-1),
+            prefill_status=self.add_host_rows("prefill_status", ()),
+            mamba_slot_ids=self.add_host_rows("mamba_slot_ids", (), fill=-1),
+        )
+        self.device = RequestRows(kv_block_ids=self._device_block_ids[:max_requests],
+                                  **{name: self._device_fields[i, :max_requests] for i, name in enumerate(DEVICE_FIELDS)})
+        for index, name in enumerate(DEVICE_FIELDS):
+            self._device_fields[index].fill_(self._fresh_value(name))
         self.next_tokens = self.add_device_rows("next_tokens", (), torch.int64)  # [R] int64
-        self.draft_tokens = self.add_device_rows("draft_tokens", (num_speculative_tokens,), torch.int64)  # [R, S] int64
-        self.host = self._rows(self._host_fields, self._host_block_ids)
-        self.device = self._rows(self._device_fields, self._device_block_ids)
-        for rows in (self._host_fields, self._device_fields):
-            for index, name in enumerate(ROW_FIELDS):
-                rows[index].fill_(self._free_row_value(name))
-        self._host_block_ids.fill_(-1)
-        self._device_block_ids.fill_(-1)
+        self.draft_tokens = self.add_device_rows("draft_tokens", (num_speculative_tokens,), torch.int64)  # [R, S]
         self._group_ends = [0, 0, 0, max_requests]  # exclusive end row of each RowGroup
         self._row_of: Dict[int, int] = {}
-
-    @staticmethod
-    def sections(max_requests: int, max_blocks_per_request: int) -> Dict[str, SectionSpec]:
-        """The staging sections the table lives in (a context adds its own step sections)."""
-        return {
-            "row_fields": ((len(ROW_FIELDS), max_requests + 1), torch.int64),
-            "kv_block_ids": ((max_requests + 1, max_blocks_per_request), torch.int64),
-        }
 
     def add_device_rows(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
         """Allocate a device-only ``[R, *shape]`` buffer whose row ``r`` belongs to the request at
@@ -137,13 +134,25 @@ class RequestTable:
         if name in self._device_rows:
             raise ValueError(f"device rows {name!r} already exist")
         rows = torch.full((self.max_requests + 1, *shape), fill, dtype=dtype, device=self._device_fields.device)
-        self._device_rows[name] = rows  # [R + 1, *shape]: the last row is the swap scratch row
+        self._device_rows[name] = rows  # [R + 1, *shape]: the last row is the scratch row
         return rows[: self.max_requests]
 
     def device_rows_with_scratch(self, name: str) -> torch.Tensor:
         """The whole ``[R + 1, *shape]`` buffer of :meth:`add_device_rows`: row ``scratch_row`` is a
         sink that padding requests of a CUDA-graph batch may write without touching a request."""
         return self._device_rows[name]
+
+    def add_host_rows(self, name: str, shape: Tuple[int, ...], dtype=np.int64, fill=0) -> np.ndarray:
+        """Allocate a host ``[R + 1, *shape]`` numpy buffer whose rows move with their requests."""
+        if name in self._host_rows:
+            raise ValueError(f"host rows {name!r} already exist")
+        rows = np.full((self.max_requests + 1, *shape), fill, dtype=dtype)
+        self._host_rows[name] = rows
+        return rows
+
+    def device_block_ids_with_scratch(self) -> torch.Tensor:
+        """``[R + 1, MB]`` int64: the device block table including the scratch row."""
+        return self._device_block_ids
 
     @property
     def scratch_row(self) -> int:
@@ -176,21 +185,26 @@ class RequestTable:
 
     def request_ids_in(self, group: RowGroup) -> List[int]:
         start, end = self.group_rows(group)
-        return self.host.request_ids[start:end].tolist()  # host-ok: host rows
+        return self.host.request_ids[start:end].tolist()
 
     # ----- moving requests ----------------------------------------------------------------
 
     def insert(self, request_id: int, group: RowGroup, mamba_slot_id: int = -1) -> int:
         """Put a new request with an empty KV cache at the end of ``group``; return its row.
 
-        Only the host row is written; the device row follows with the next step's copy.
-        """
+        The device row is reset by three stream-ordered writes (no host sync)."""
         if self.num_live == self.max_requests:
             raise RuntimeError(f"the request table is full ({self.max_requests} rows)")
         row = self.num_live  # first free row
-        self._set_host_field("request_ids", row, request_id)
-        self._set_host_field("prefill_status", row, 1 if group == RowGroup.PREFILL else 0)
-        self._set_host_field("mamba_slot_ids", row, mamba_slot_id)
+        prefill = 1 if group == RowGroup.PREFILL else 0
+        for name, rows in self._host_rows.items():
+            rows[row] = -1 if name in ("request_ids", "block_ids", "mamba_slot_ids") else 0
+        host = self.host
+        host.request_ids[row], host.prefill_status[row], host.mamba_slot_ids[row] = request_id, prefill, mamba_slot_id
+        self._device_fields[:, row].copy_(self._fresh_row, non_blocking=True)
+        self._device_fields[DEVICE_FIELDS.index("prefill_status"), row].fill_(prefill)
+        self._device_fields[DEVICE_FIELDS.index("mamba_slot_ids"), row].fill_(mamba_slot_id)
+        self._device_block_ids[row].fill_(-1)
         self._row_of[request_id] = row
         self.move(request_id, group)
         return self._row_of[request_id]
@@ -199,9 +213,9 @@ class RequestTable:
         """Drop a request's row (its blocks and slot must already be released)."""
         self.move(request_id, RowGroup.FREE)
         row = self._row_of.pop(request_id)
-        for name in ROW_FIELDS:
-            self._set_host_field(name, row, self._free_row_value(name))
-        self._host_block_ids[row].fill_(-1)
+        self.host.request_ids[row] = -1
+        self.host.block_counts[row] = 0
+        self.host.block_ids[row] = -1
 
     def move(self, request_id: int, group: RowGroup) -> None:
         """Move a request to ``group``: it becomes the first row of a later group, or the last
@@ -224,55 +238,42 @@ class RequestTable:
     def _swap_rows(self, row_a: int, row_b: int) -> None:
         if row_a == row_b:
             return
-        self._copy_row(row_a, self._scratch_row)
-        self._copy_row(row_b, row_a)
-        self._copy_row(self._scratch_row, row_b)
-        id_a, id_b = int(self._host_fields[0, row_a]), int(self._host_fields[0, row_b])
-        for request_id, row in ((id_a, row_a), (id_b, row_b)):
+        pair, swapped = [row_a, row_b], [row_b, row_a]
+        for rows in self._host_rows.values():
+            rows[pair] = rows[swapped]
+        for rows in (self._device_fields.T, self._device_block_ids, *self._device_rows.values()):
+            # through the scratch row: plain row copies, stream-ordered, no index tensors to upload
+            rows[self._scratch_row].copy_(rows[row_a])
+            rows[row_a].copy_(rows[row_b])
+            rows[row_b].copy_(rows[self._scratch_row])
+        for row in pair:
+            request_id = int(self.host.request_ids[row])
             if request_id in self._row_of:
                 self._row_of[request_id] = row
 
-    def _copy_row(self, src: int, dst: int) -> None:
-        for fields, block_ids in ((self._host_fields, self._host_block_ids), (self._device_fields, self._device_block_ids)):
-            fields[:, dst].copy_(fields[:, src])
-            block_ids[dst].copy_(block_ids[src])
-        for rows in self._device_rows.values():
-            rows[dst].copy_(rows[src])
-
     # ----- host values -------------------------------------------------------------------
 
-    def _free_row_value(self, name: str) -> int:
-        """A free row's value of field ``name``: no request, no blocks, no slot."""
-        if name in ("request_ids", "last_kv_block_id", "mamba_slot_ids"):
+    def _fresh_value(self, name: str) -> int:
+        """A row's value of device field ``name`` before its request writes any KV."""
+        if name in ("last_kv_block_id", "mamba_slot_ids"):
             return -1
         if name == "last_kv_block_offset":
-            return self.block_size_tokens - 1  # (0 - 1) mod block size
+            return self.block_size_tokens - 1  # (0 - 1) mod block size: "the next row opens a block"
         return 0
-
-    def _set_host_field(self, name: str, row: int, value: int) -> None:
-        self._host_fields[ROW_FIELDS.index(name), row] = value
 
     def set_prefill_status(self, row: int, value: int) -> None:
         """Write one row's prefill status on both sides (a request that finished its prompt)."""
-        index = ROW_FIELDS.index("prefill_status")
-        self._host_fields[index, row] = value
-        self._device_fields[index, row].fill_(value)
+        self.host.prefill_status[row] = value
+        self._device_fields[DEVICE_FIELDS.index("prefill_status"), row].fill_(value)
 
-    def mismatched_fields(self, rows: Optional[int] = None) -> List[str]:
-        """Names of the fields whose first ``rows`` rows (default: every live row) differ
-        between host and device. Reads the device: a test / debugging check, not for the step.
-        """
-        rows = self.num_live if rows is None else rows
-        names = [
-            name
-            for index, name in enumerate(ROW_FIELDS)
-            if not torch.equal(self._host_fields[index, :rows], self._device_fields[index, :rows].cpu())  # host-ok: check
-        ]
-        if not torch.equal(self._host_block_ids[:rows], self._device_block_ids[:rows].cpu()):  # host-ok: check
+    def mismatched_rows(self) -> List[str]:
+        """Names of the facts on which the device disagrees with what the host knows, over the
+        live rows: the held block ids, and (for rows whose length the host knows exactly,
+        i.e. when no step is in flight) the KV lengths. Reads the device: for tests only."""
+        rows = self.num_live
+        names = []
+        if not np.array_equal(self.host.block_ids[:rows], self._device_block_ids[:rows].cpu().numpy()):  # host-ok: check
             names.append("kv_block_ids")
+        if not np.array_equal(self.host.known_lengths[:rows], self.device.kv_length_offsets[:rows].cpu().numpy()):  # host-ok
+            names.append("kv_length_offsets")
         return names
-
-    def _rows(self, fields: torch.Tensor, block_ids: torch.Tensor) -> RequestRows:
-        count = self.max_requests
-        views = {name: fields[index, :count] for index, name in enumerate(ROW_FIELDS)}
-        return RequestRows(kv_block_ids=block_ids[:count], **views)

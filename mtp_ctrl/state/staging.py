@@ -1,22 +1,23 @@
-"""Host tensors with device twins, refreshed by one host-to-device copy.
+"""Host tensors with device twins, refreshed by one host-to-device copy per step.
 
-Every section (name -> shape, dtype) is carved out of one byte buffer on the host (pinned when
-the device is CUDA) and one byte buffer of the same layout on the device. The host writes its
-views; :meth:`StagingBuffers.copy_to_device` moves the whole layout with a single
-``copy_(non_blocking=True)``, after which the device views hold the same values.
+Every section (name -> shape, dtype) is carved out of one byte buffer on the device and out of
+``num_host_buffers`` byte buffers of the same layout on the host (pinned when the device is
+CUDA). The host writes the views of its current buffer; :meth:`StagingBuffers.copy_to_device`
+moves the whole layout with a single ``copy_(non_blocking=True)`` and switches to the next host
+buffer. With two host buffers the host fills step N + 1's buffer while step N's copy may still
+wait in the stream behind the GPU work before it (the overlapped loop); it only waits, in
+:meth:`wait_until_host_writable`, for the copy that last read the buffer it is about to write,
+which in the normal case finished long ago.
 
 Example::
 
     buffers = StagingBuffers({"lengths": ((4,), torch.int64), "starts": ((5,), torch.int32)}, device)
+    buffers.wait_until_host_writable()
     buffers.host["lengths"][:2] = torch.tensor([3, 7])
     buffers.copy_to_device()          # buffers.device["lengths"][:2] == [3, 7] once the copy ran
-
-The host must not write its views while a copy is in flight: :meth:`wait_until_host_writable`
-blocks until the last copy has finished reading them (it returns at once on the CPU, or when
-the copy is long done, which is the normal case one step later).
 """
 
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -26,7 +27,7 @@ _ALIGN_BYTES = 64  # every section starts on a 64-byte boundary
 
 
 class StagingBuffers:
-    def __init__(self, sections: Dict[str, SectionSpec], device: torch.device):
+    def __init__(self, sections: Dict[str, SectionSpec], device: torch.device, num_host_buffers: int = 2):
         offsets = {}
         total_bytes = 0
         for name, (shape, dtype) in sections.items():
@@ -35,27 +36,40 @@ class StagingBuffers:
             total_bytes += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
         device = torch.device(device)
         pin = device.type == "cuda"
-        self._host_bytes = torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=pin)  # [bytes] uint8
         self._device_bytes = torch.zeros(total_bytes, dtype=torch.uint8, device=device)  # [bytes] uint8
-        self.host = {name: _carve(self._host_bytes, offsets[name], *spec) for name, spec in sections.items()}
+        self._host_bytes: List[torch.Tensor] = [  # [bytes] uint8 each
+            torch.zeros(total_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(num_host_buffers)
+        ]
+        self._host_views = [{name: _carve(buffer, offsets[name], *spec) for name, spec in sections.items()}
+                            for buffer in self._host_bytes]
         self.device = {name: _carve(self._device_bytes, offsets[name], *spec) for name, spec in sections.items()}
-        self._copy_done = torch.cuda.Event() if pin else None
+        self._copy_done = [torch.cuda.Event() if pin else None for _ in range(num_host_buffers)]
+        self._current = 0
+
+    @property
+    def host(self) -> Dict[str, torch.Tensor]:
+        """The views of the host buffer the next :meth:`copy_to_device` sends."""
+        return self._host_views[self._current]
 
     @property
     def nbytes(self) -> int:
-        return self._host_bytes.numel()
+        return self._device_bytes.numel()
 
     def copy_to_device(self) -> None:
-        """Enqueue the one host-to-device copy of every section on the current stream."""
+        """Enqueue the one host-to-device copy of every section on the current stream, then switch
+        to the next host buffer."""
         # as int64 words: 8x fewer elements, so a CPU "device" copies without waking a thread pool
-        self._device_bytes.view(torch.int64).copy_(self._host_bytes.view(torch.int64), non_blocking=True)
-        if self._copy_done is not None:
-            self._copy_done.record()
+        source = self._host_bytes[self._current]
+        self._device_bytes.view(torch.int64).copy_(source.view(torch.int64), non_blocking=True)
+        if self._copy_done[self._current] is not None:
+            self._copy_done[self._current].record()
+        self._current = (self._current + 1) % len(self._host_bytes)
 
     def wait_until_host_writable(self) -> None:
-        """Block until the last :meth:`copy_to_device` has read the host buffer."""
-        if self._copy_done is not None:
-            self._copy_done.synchronize()
+        """Block until the last copy that read the current host buffer has finished."""
+        event = self._copy_done[self._current]
+        if event is not None:
+            event.synchronize()
 
 
 def _numel(shape: Tuple[int, ...]) -> int:

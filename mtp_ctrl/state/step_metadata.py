@@ -1,23 +1,32 @@
-"""What one forward pass needs, built once per step: :class:`StepMetadata` and its buffers.
+"""What one forward pass needs: :class:`StepMetadata`, staged by the host, completed on the device.
 
-Letters: R = max_requests, T = query rows, MB = max_blocks_per_request, S = drafts.
+Letters: R = max_requests, T = query rows, G = requests of the step's grid, MB = max blocks.
 
 Rows are packed request by request in table order: every decode request has ``1 + S`` rows
-(its base token, then its drafts), then every prefill request its chunk. Example, ``S = 1``,
-``block_size_tokens = 4``; request 0 decodes with 6 tokens cached in blocks ``[3, 5]``, request
-1 prefills the final chunk ``t4 t5 t6`` of a 7-token prompt (block ``0`` holds ``t0..t3``, block
-``1`` is new)::
+(its base token, then its drafts), then every prefill request its chunk. The host knows how
+many rows each request has; the device knows where they are (a decode request's KV length is
+the device's, see ``request_table``). So the work is split:
 
-    input_ids       = [base0, draft0, t4, t5, t6]   (decode tokens gathered on the device)
-    positions       = [6, 7, 4, 5, 6]
+- the host stages ``query_start_loc``, the prefill chunks' tokens, ``logits_indices``, the real
+  request count and the new blocks (``(row, column, id)`` writes), in one host-to-device copy;
+- :meth:`StepBuffers.prepare_inputs`, run on the device at the start of the step (inside its
+  CUDA graph for decode-only steps), writes the new blocks, grows each request's KV length by
+  its rows, and derives ``positions``, ``slot_mapping``, ``seq_lens`` and the decode rows'
+  tokens (``next_tokens``, ``draft_tokens``).
+
+Example, ``S = 1``, ``block_size_tokens = 4``; request 0 decodes with 6 tokens cached in blocks
+``[3, 5]``, request 1 prefills the final chunk ``t4 t5 t6`` of a 7-token prompt (block ``0``
+holds ``t0..t3``, block ``1`` is new)::
+
+    query_start_loc = [0, 2, 5]                  (host)
+    input_ids       = [base0, draft0, t4, t5, t6] (decode tokens gathered on the device)
+    positions       = [6, 7, 4, 5, 6]            (device: KV length + row in request)
     slot_mapping    = [5*4+2, 5*4+3, 1*4+0, 1*4+1, 1*4+2]
-    query_start_loc = [0, 2, 5]          seq_lens = [8, 7]
-    logits_indices  = [0, 1, 4]          (every decode row; the last row of a final chunk)
+    seq_lens        = [8, 7]                     logits_indices = [0, 1, 4]
 
 A decode-only step padded to a CUDA-graph batch ``B`` has exactly ``B * (1 + S)`` rows:
-padding requests have no query rows (``query_start_loc`` repeats, ``seq_lens == 0``, block
-table row ``-1``), padding rows carry token 0, position 0 and slot ``-1`` (no KV write), and
-``logits_indices`` covers all ``B * (1 + S)`` rows (padding logits are ignored).
+padding requests have no query rows (``query_start_loc`` repeats, ``seq_lens == 0``), padding
+rows carry position 0 and slot ``-1`` (no KV write), and ``logits_indices`` covers all rows.
 
 All tensors are views of buffers allocated once; a StepMetadata is valid until the next step.
 """
@@ -25,12 +34,13 @@ All tensors are views of buffers allocated once; a StepMetadata is valid until t
 import dataclasses
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.batch_dimensions import BatchDimensions
 from mtp_ctrl.state.request_table import RequestTable
-from mtp_ctrl.state.staging import SectionSpec, StagingBuffers
+from mtp_ctrl.state.staging import StagingBuffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +53,10 @@ class StepMetadata:
     num_prefill: int  # prefill requests after them
     num_final_prefill_chunks: int  # the first this many prefill requests finish their prompt
     dimensions: BatchDimensions  # padded to a CUDA-graph batch for decode-only steps
+    num_active: torch.Tensor  # [1] int64 on the device: real requests (the rest of the grid pads)
     host_query_start_loc: torch.Tensor  # [num_requests + 1] int64 (CPU): real requests' rows
-    host_first_positions: torch.Tensor  # [num_requests] int64 (CPU): position of each request's first row
+    host_first_positions: torch.Tensor  # [num_requests] int64 (CPU): first row's position; -1 for
+    # decode requests, whose position only the device knows
 
     @property
     def host_query_lengths(self) -> torch.Tensor:
@@ -61,111 +73,133 @@ class StepMetadata:
         chunk that does not end its prompt can only be the last request of the step."""
         return self.num_decode + self.num_final_prefill_chunks
 
+    @property
+    def decode_only(self) -> bool:
+        return self.num_prefill == 0
+
 
 class StepBuffers:
-    """The step's host sections (staged with the table's rows) and its device-only block table."""
+    """The step's staged host sections and the device buffers :meth:`prepare_inputs` fills."""
 
-    def __init__(self, staging: StagingBuffers, table: RequestTable, max_tokens_per_step: int):
-        self.staging = staging
+    def __init__(self, table: RequestTable, max_tokens_per_step: int, max_block_writes: int):
         self.table = table
-        self.host = {name: staging.host[name] for name in self.sections(table.max_requests, max_tokens_per_step)}
-        self.device = {name: staging.device[name] for name in self.host}
-        self.block_table = torch.full(  # [R, MB] int32, -1 = unused
-            (table.max_requests, table.max_blocks_per_request), -1, dtype=torch.int32, device=table.next_tokens.device
-        )
+        device = table.next_tokens.device
+        R = table.max_requests
+        self.max_block_writes = max_block_writes
+        self.staging = StagingBuffers({
+            "input_ids": ((max_tokens_per_step,), torch.int64),
+            "logits_indices": ((max_tokens_per_step,), torch.int64),
+            "query_start_loc": ((R + 1,), torch.int32),
+            "num_active": ((1,), torch.int64),
+            "block_writes": ((3, max_block_writes), torch.int64),  # rows: table row, column, block id
+        }, device)
+        self.positions = torch.zeros(max_tokens_per_step, dtype=torch.int64, device=device)  # [T] int64
+        self.slot_mapping = torch.full((max_tokens_per_step,), -1, dtype=torch.int64, device=device)  # [T] int64
+        self.seq_lens = torch.zeros(R, dtype=torch.int32, device=device)  # [R] int32
+        self.row_index = torch.arange(max_tokens_per_step, device=device)  # [T] int64, constant
 
-    @staticmethod
-    def sections(max_requests: int, max_tokens_per_step: int) -> dict:
-        rows: SectionSpec = ((max_tokens_per_step,), torch.int64)
-        return {
-            "input_ids": rows,
-            "positions": rows,
-            "slot_mapping": rows,
-            "logits_indices": rows,
-            "query_start_loc": ((max_requests + 1,), torch.int32),
-            "seq_lens": ((max_requests,), torch.int32),
-        }
+    def build(self, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
+              num_final_prefill_chunks: int, padded_batch_size: Optional[int], block_writes: np.ndarray,
+              max_seq_len: int) -> StepMetadata:
+        """Stage the step of the requests at table rows ``[0, n)`` and send it to the device.
 
-    def build(
-        self,
-        query_lengths: torch.Tensor,
-        num_decode: int,
-        prefill_chunks: List[torch.Tensor],
-        num_final_prefill_chunks: int,
-        padded_batch_size: Optional[int],
-    ) -> StepMetadata:
-        """Stage the step of the requests at table rows ``[0, n)``, run the one staging copy
-        (the table's rows go with it), then gather the decode tokens and the block table on
-        the device.
-
-        ``query_lengths``: ``[n]`` int64 rows per request; the table's host rows must already
-        count them (``kv_length_offsets`` includes this step's rows). ``prefill_chunks``: the
-        prompt tokens of each prefill request's chunk (``[q]`` int64), in row order.
-        ``padded_batch_size``: the CUDA-graph batch of a decode-only step, or None.
+        ``query_lengths``: ``[n]`` int64 rows per request. ``prefill_chunks``: each prefill
+        request's chunk tokens (``[q]`` int64), in row order. ``padded_batch_size``: the CUDA-graph
+        batch of a decode-only step, or None. ``block_writes``: ``[3, k]`` int64 (table row,
+        column, block id) of the blocks given since the last step. ``max_seq_len``: a bound on
+        every request's KV length after this step's rows.
         """
-        rows, block_size = self.table.host, self.table.block_size_tokens
-        num_requests = query_lengths.shape[0]
+        self.staging.wait_until_host_writable()
         stride = self.table.num_speculative_tokens + 1
+        num_requests = query_lengths.shape[0]
         decode_rows = num_decode * stride
-        query_start_loc = torch.zeros(num_requests + 1, dtype=torch.int64)  # [n + 1] int64
-        torch.cumsum(query_lengths, 0, out=query_start_loc[1:])
+        query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)  # [n + 1] int64
+        np.cumsum(query_lengths, out=query_start_loc[1:])
         token_count = int(query_start_loc[-1])
-        seq_lens = rows.kv_length_offsets[:num_requests]  # [n] int64, this step's rows included
-        request_of_row = torch.repeat_interleave(torch.arange(num_requests), query_lengths)  # [t] int64
-        row_in_query = torch.arange(token_count) - query_start_loc[request_of_row]  # [t] int64
-        positions = (seq_lens - query_lengths)[request_of_row] + row_in_query  # [t] int64
-        block_ids = rows.kv_block_ids[request_of_row, positions // block_size]  # [t] int64
         if padded_batch_size is None:
             batch_size, padded_tokens = num_requests, token_count
-            logits_indices = torch.cat(  # [nd * (1 + S) + final chunks] int64
-                [torch.arange(decode_rows), query_start_loc[num_decode + 1 :][:num_final_prefill_chunks] - 1]
-            )
+            final_chunk_ends = query_start_loc[num_decode + 1 :][:num_final_prefill_chunks] - 1
+            logits_indices = np.concatenate([np.arange(decode_rows), final_chunk_ends])  # [K] int64
         else:
             batch_size, padded_tokens = padded_batch_size, padded_batch_size * stride
-            logits_indices = torch.arange(padded_tokens)  # [B * (1 + S)] int64
+            logits_indices = np.arange(padded_tokens)  # [B * (1 + S)] int64
+        if block_writes.shape[1] > self.max_block_writes:
+            raise RuntimeError(f"{block_writes.shape[1]} block writes in one step, the buffer holds "
+                               f"{self.max_block_writes}")
 
-        host = self.host
-        host["input_ids"][:decode_rows] = 0  # the device copies the table's decode tokens here
+        host = {name: view.numpy() for name, view in self.staging.host.items()}
         if prefill_chunks:
-            torch.cat(prefill_chunks, out=host["input_ids"][decode_rows:token_count])
-        host["positions"][:token_count] = positions
-        host["slot_mapping"][:token_count] = block_ids * block_size + positions % block_size
-        for name, padding_value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
-            host[name][token_count:padded_tokens] = padding_value
+            np.concatenate(prefill_chunks, out=host["input_ids"][decode_rows:token_count])
         host["query_start_loc"][: num_requests + 1] = query_start_loc
         host["query_start_loc"][num_requests + 1 : batch_size + 1] = token_count
-        host["seq_lens"][:num_requests] = seq_lens
-        host["seq_lens"][num_requests:batch_size] = 0
         host["logits_indices"][: logits_indices.shape[0]] = logits_indices
-
+        host["num_active"][0] = num_requests
+        writes = host["block_writes"]
+        writes[:, : block_writes.shape[1]] = block_writes
+        writes[:, block_writes.shape[1] :] = np.array([[self.table.scratch_row], [0], [-1]])  # no-ops
         self.staging.copy_to_device()
 
-        table, device = self.table, self.device
-        decode_ids = device["input_ids"][:decode_rows].view(num_decode, stride)  # [nd, 1 + S] int64
-        decode_ids[:, 0].copy_(table.next_tokens[:num_decode])
-        decode_ids[:, 1:].copy_(table.draft_tokens[:num_decode])
-        self.block_table[:num_requests].copy_(table.device.kv_block_ids[:num_requests])
-        self.block_table[num_requests:batch_size].fill_(-1)
+        device = self.staging.device
+        host_first_positions = np.full(num_requests, -1, dtype=np.int64)  # [n] int64
+        host_first_positions[num_decode:] = self.table.host.known_lengths[num_decode:num_requests] - \
+            query_lengths[num_decode:]
         attention = AttentionMetadata(
             query_start_loc=device["query_start_loc"][: batch_size + 1],
-            seq_lens=device["seq_lens"][:batch_size],
-            slot_mapping=device["slot_mapping"][:padded_tokens],
-            block_table=self.block_table[:batch_size],
-            positions=device["positions"][:padded_tokens],
+            seq_lens=self.seq_lens[:batch_size],
+            slot_mapping=self.slot_mapping[:padded_tokens],
+            block_table=self.table.device.kv_block_ids[:batch_size],
+            positions=self.positions[:padded_tokens],
             num_actual_tokens=token_count,
-            max_query_len=int(query_lengths.max()) if num_requests else 0,
-            max_seq_len=int(seq_lens.max()) if num_requests else 0,
+            max_query_len=int(query_lengths.max()) if padded_batch_size is None else stride,
+            max_seq_len=max_seq_len,
         )
         num_prefill = num_requests - num_decode
         return StepMetadata(
             attention=attention,
             input_ids=device["input_ids"][:padded_tokens],
             logits_indices=device["logits_indices"][: logits_indices.shape[0]],
-            request_ids=tuple(rows.request_ids[:num_requests].tolist()),  # host-ok: host rows
+            request_ids=tuple(self.table.host.request_ids[:num_requests].tolist()),
             num_decode=num_decode,
             num_prefill=num_prefill,
             num_final_prefill_chunks=num_final_prefill_chunks,
             dimensions=BatchDimensions(padded_tokens, batch_size - num_prefill, num_prefill),
-            host_query_start_loc=query_start_loc,
-            host_first_positions=seq_lens - query_lengths,
+            num_active=device["num_active"],
+            host_query_start_loc=torch.from_numpy(query_start_loc),
+            host_first_positions=torch.from_numpy(host_first_positions),
         )
+
+    def prepare_inputs(self, step: StepMetadata) -> None:
+        """The device half of the step's set-up (no host sync, fixed shapes per bucket, so it is
+        captured with the decode step): take the host's new blocks, grow every request's KV by
+        its rows, and derive positions, slots, sequence lengths and the decode rows' tokens."""
+        table, staged = self.table, self.staging.device
+        attention, block_size = step.attention, self.table.block_size_tokens
+        batch_size, num_rows = attention.batch_size, step.input_ids.shape[0]
+        writes = staged["block_writes"]  # [3, k]: the unused tail writes -1 into the scratch row
+        table.device_block_ids_with_scratch().index_put_((writes[0], writes[1]), writes[2])
+        query_start_loc = attention.query_start_loc.long()  # [G + 1] int64
+        query_lengths = query_start_loc[1:] - query_start_loc[:-1]  # [G] int64; 0 for padding requests
+        rows = table.device
+        first_positions = rows.kv_length_offsets[:batch_size].clone()  # [G] int64
+        lengths = first_positions + query_lengths  # [G] int64
+        counts = (lengths + block_size - 1) // block_size
+        rows.kv_length_offsets[:batch_size] = lengths
+        rows.kv_block_counts[:batch_size] = counts
+        rows.last_kv_block_offset[:batch_size] = torch.remainder(lengths - 1, block_size)
+        last_ids = rows.kv_block_ids[:batch_size].gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
+        rows.last_kv_block_id[:batch_size] = torch.where(counts > 0, last_ids, -1)
+        attention.seq_lens.copy_(torch.where(query_lengths > 0, lengths, 0))
+
+        row_index = self.row_index[:num_rows]  # [T] int64
+        row_requests = torch.searchsorted(query_start_loc[1:], row_index, right=True).clamp(max=batch_size - 1)
+        valid = row_index < query_start_loc[-1]  # [T] bool: past the real rows is padding
+        positions = torch.where(valid, first_positions[row_requests] + row_index - query_start_loc[row_requests], 0)
+        block_ids = rows.kv_block_ids[row_requests, positions // block_size]  # [T] int64
+        attention.positions.copy_(positions)
+        attention.slot_mapping.copy_(torch.where(valid, block_ids * block_size + positions % block_size, -1))
+
+        stride = table.num_speculative_tokens + 1
+        num_decode = batch_size if step.decode_only else step.num_decode
+        decode_ids = step.input_ids[: num_decode * stride].view(num_decode, stride)  # [nd, 1 + S] int64
+        decode_ids[:, 0] = table.next_tokens[:num_decode]
+        decode_ids[:, 1:] = table.draft_tokens[:num_decode]

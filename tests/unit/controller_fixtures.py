@@ -76,12 +76,7 @@ def run_with_arrivals(controller: TextGenerationController, arrivals: Sequence[A
 def verified_ends(batch: DraftBatch, num_speculative_tokens: int) -> torch.Tensor:
     """``[n]`` int64 on the device: position ``e`` of the token each sampling request verified
     last (a prefill's prompt length; a decode's base position + 1 + accepted drafts)."""
-    step, num_sampling, device = batch.step, batch.step.num_sampling_requests, batch.hidden.device  # real requests
-    query_lengths = step.host_query_lengths  # [n_all] int64 (CPU)
-    ends = (step.host_first_positions + query_lengths)[:num_sampling].to(device)  # [n] int64
-    rewinds = torch.zeros(num_sampling, dtype=torch.int64, device=device)
-    rewinds[: step.num_decode] = num_speculative_tokens - batch.accepted_counts[: step.num_decode]
-    return ends - rewinds
+    return batch.bonus_positions[: batch.step.num_sampling_requests]
 
 
 class RecordingMTPProposer(MTPProposer):
@@ -139,14 +134,16 @@ class OracleProposer(Proposer):
         correct = torch.arange(S)[None, :] < torch.tensor(counts, dtype=torch.int64)[:, None]  # [n, S] bool
         ends = verified_ends(batch, S)  # [n] int64
         positions = ends[:, None] + 1 + torch.arange(S, device=device)[None, :]  # [n, S] int64
-        true_drafts = known.to(device).gather(1, positions)  # [n, S] int64
+        # a step run past a request's stop (overlap scheduling) drafts past its sequence: clamp, unused
+        true_drafts = known.to(device).gather(1, positions.clamp(max=length - 1))  # [n, S] int64
         drafts = torch.where(correct.to(device), true_drafts, (true_drafts + 1) % self.vocab_size)  # [n, S]
         padding = batch.num_sampling_requests - num_sampling  # requests padding a CUDA-graph batch
         return torch.cat([drafts, drafts.new_zeros(padding, S)])
 
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
         for index, request_id in enumerate(step.request_ids[: step.num_decode]):
-            self.observed.setdefault(request_id, []).append(accepted_counts[index])
+            if accepted_counts[index] >= 0:  # -1: a step run past the request's stop (discarded)
+                self.observed.setdefault(request_id, []).append(accepted_counts[index])
 
 
 def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:

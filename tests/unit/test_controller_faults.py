@@ -91,7 +91,7 @@ def test_kv_exhaustion_keeps_outputs_and_frees_every_block(models, unconstrained
     outputs, saw_paused, saw_preempted = _run_observing(controller)
     assert outputs == unconstrained_outputs
     assert saw_paused and saw_preempted
-    assert max(record.preemptions for record in controller._records.values()) == 1
+    assert max(controller.result(request_id).preemptions for request_id in range(len(PROMPTS))) == 1
     _assert_state_released(controller)
 
 

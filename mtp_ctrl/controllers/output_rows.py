@@ -1,0 +1,116 @@
+"""Each running request's output on the host, and the stop rules applied to a whole step at once.
+
+Per table row (numpy rows that move with their request, see ``RequestTable.add_host_rows``):
+the output tokens so far, the stop parameters (max_new_tokens, eos ids, prompt length), the
+verify counters, and whether the request has finished. One step's read-back
+``[accepted, bonus, accepted drafts]`` per sampling request becomes new tokens with a few
+vectorised numpy operations, whatever the batch size; Python runs per request only for requests
+that finish, or that carry stop sequences (rare: a suffix match per new token).
+
+Example, S = 2, eos 7, a request with 3 output tokens and max_new_tokens 5 whose step accepted
+2 drafts ``[4, 7]`` and the bonus ``9``: the new tokens are ``[4, 7, 9]``; ``7`` is an eos, so
+``[4, 7]`` are emitted, the request finishes with reason EOS and ``9`` is dropped.
+"""
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from mtp_ctrl.controllers.config import SamplingParams
+from mtp_ctrl.controllers.stop_rules import FinishReason
+from mtp_ctrl.state.request_table import RequestTable
+
+EOS_COLUMNS = 4  # eos ids kept in the vectorised check; requests with more take the per-request path
+_REASONS = (None, FinishReason.EOS, FinishReason.LENGTH, FinishReason.MAX_MODEL_LEN)
+
+
+class OutputRows:
+    def __init__(self, table: RequestTable, max_model_len: int, num_speculative_tokens: int):
+        self.max_model_len = max_model_len
+        self.stride = num_speculative_tokens + 1
+        width = max_model_len + 2 * self.stride  # room for a step run past the stop
+        self.tokens = table.add_host_rows("output_tokens", (width,))  # [R + 1, width] int64
+        self.counts = table.add_host_rows("output_counts", ())  # [R + 1] int64, output tokens so far
+        self.max_new_tokens = table.add_host_rows("max_new_tokens", ())
+        self.prompt_lengths = table.add_host_rows("prompt_lengths", ())  # the original prompt's
+        self.eos = table.add_host_rows("eos_token_ids", (EOS_COLUMNS,), fill=-1)  # [R + 1, E] int64, -1 = none
+        self.slow_stops = table.add_host_rows("slow_stop_rules", ())  # 1: stop sequences or many eos ids
+        self.finished = table.add_host_rows("finished", ())  # 1 once a stop was emitted
+        self.greedy = table.add_host_rows("greedy", (), dtype=bool)  # the request samples greedily
+        self.decode_steps = table.add_host_rows("decode_steps", ())
+        self.accepted_drafts = table.add_host_rows("accepted_drafts", ())
+
+    def start(self, row: int, params: SamplingParams, prompt_length: int, output: List[int],
+              decode_steps: int, accepted_drafts: int) -> None:
+        """Set a newly admitted row (``output``: tokens generated before a preemption)."""
+        self.tokens[row, : len(output)] = output
+        self.counts[row] = len(output)
+        self.max_new_tokens[row] = params.max_new_tokens
+        self.prompt_lengths[row] = prompt_length
+        self.eos[row] = -1
+        eos = params.eos_token_ids[:EOS_COLUMNS]
+        self.eos[row, : len(eos)] = eos
+        self.slow_stops[row] = int(bool(params.stop_sequences) or len(params.eos_token_ids) > EOS_COLUMNS)
+        self.finished[row] = 0
+        self.greedy[row] = params.greedy
+        self.decode_steps[row], self.accepted_drafts[row] = decode_steps, accepted_drafts
+
+    def output_of(self, row: int) -> List[int]:
+        return self.tokens[row, : self.counts[row]].tolist()
+
+    def apply(self, readback: np.ndarray, num_decode: int, params_of_row) -> Tuple[np.ndarray, np.ndarray, list]:
+        """Append one step's verified tokens to rows ``[0, n)`` (``readback``: ``[n, S + 2]`` int64
+        host values of the step's sampling requests, decode requests first) up to each stop.
+
+        ``params_of_row(row)`` gives a row's SamplingParams (only rows with slow stop rules ask).
+        Rows that had already finished (a step run past their stop) are left alone. Returns
+        ``(new_tokens [n, 1 + S], emitted counts [n], finished: [(row, reason)])``.
+        """
+        num_rows, S = readback.shape[0], self.stride - 1
+        rows = np.arange(num_rows)
+        accepted = readback[:, 0]
+        live = self.finished[:num_rows] == 0  # [n] bool
+        new_tokens = np.empty((num_rows, self.stride), dtype=np.int64)  # drafts then the bonus at `accepted`
+        new_tokens[:, :S] = readback[:, 2:]
+        new_tokens[rows, accepted] = readback[:, 1]
+        new_counts = accepted + 1  # [n] int64
+        column = np.arange(self.stride)[None, :]
+        valid = column < new_counts[:, None]  # [n, 1 + S] bool
+        lengths_after = self.counts[:num_rows, None] + column + 1  # output length once each token is in
+        is_eos = (new_tokens[:, :, None] == self.eos[:num_rows, None, :]).any(-1)
+        is_length = lengths_after >= self.max_new_tokens[:num_rows, None]
+        is_model_len = self.prompt_lengths[:num_rows, None] + lengths_after >= self.max_model_len
+        reason_codes = np.where(is_eos, 1, np.where(is_length, 2, np.where(is_model_len, 3, 0))) * valid
+        stops = reason_codes > 0
+        first_stop = np.where(stops.any(1), stops.argmax(1), self.stride)  # [n] int64
+        emitted = np.minimum(new_counts, first_stop + 1) * live  # [n] int64
+        reasons = reason_codes[rows, np.minimum(first_stop, S)] * (first_stop < self.stride) * live
+
+        finished = []
+        for row in np.flatnonzero(self.slow_stops[:num_rows] * live):  # stop sequences: per request
+            emitted[row], code = self._slow_stop(row, new_tokens[row, : new_counts[row]], params_of_row(row),
+                                                 int(emitted[row]), int(reasons[row]))
+            reasons[row] = code
+        write = column < emitted[:, None]  # [n, 1 + S] bool
+        write_rows = np.repeat(rows, emitted)
+        self.tokens[write_rows, (self.counts[:num_rows, None] + column)[write]] = new_tokens[write]
+        self.counts[:num_rows] += emitted
+        decode = live[:num_decode]
+        self.decode_steps[:num_decode] += decode
+        self.accepted_drafts[:num_decode] += accepted[:num_decode] * decode
+        for row in np.flatnonzero(reasons):
+            self.finished[row] = 1
+            finished.append((int(row), _REASONS[reasons[row]] if reasons[row] < len(_REASONS) else FinishReason.STOP_SEQUENCE))
+        return new_tokens, emitted, finished
+
+    def _slow_stop(self, row: int, new_tokens: np.ndarray, params: SamplingParams, emitted: int,
+                   code: int) -> Tuple[int, int]:
+        """Stop sequences (and eos lists longer than EOS_COLUMNS), token by token."""
+        output = self.output_of(row)
+        for index, token in enumerate(new_tokens.tolist()[:emitted]):
+            output.append(token)
+            if token in params.eos_token_ids:
+                return index + 1, 1
+            if any(len(output) >= len(seq) and tuple(output[-len(seq):]) == seq for seq in params.stop_sequences):
+                return index + 1, len(_REASONS)  # STOP_SEQUENCE
+        return emitted, code
