@@ -89,12 +89,13 @@ class NaiveMamba2:
         return torch.stack(state[0], dim=1)
 
 
-@pytest.fixture(scope="module")
-def mixer():
+def random_mixer(chunk_size: int = 3) -> PagedMambaMixer:
+    """The hybrid fixtures' mixer sizes (8 heads of 16 in 2 groups, state 8, conv 4), every
+    parameter random so that a swapped or ignored one shows; CPU, fp32."""
     ensure_single_process_groups()
     torch.manual_seed(11)
-    module = PagedMambaMixer(hybrid_config(), layer_number=1, chunk_size=3).eval()  # 2 groups of 4 heads
-    with torch.no_grad():  # every parameter random, so a swapped or ignored one shows
+    module = PagedMambaMixer(hybrid_config(), layer_number=1, chunk_size=chunk_size).eval()
+    with torch.no_grad():
         for name, param in module.named_parameters():
             scale = {"in_proj.weight": 0.3, "conv1d.weight": 0.5, "out_proj.weight": 0.2}.get(name, 0.5)
             param.copy_(torch.randn_like(param) * scale)
@@ -105,19 +106,26 @@ def mixer():
     return module
 
 
-def _slots(mixer, num_slots):
+@pytest.fixture(scope="module")
+def mixer():
+    return random_mixer()
+
+
+def make_slots(mixer, num_slots, device="cpu"):
+    """One layer's state slots; intermediate states start as NaN so an unwritten one shows."""
     conv, ssm = mixer.conv_state_shape, mixer.ssm_state_shape
-    return dict(conv_states=torch.zeros(1, num_slots, *conv), ssm_states=torch.zeros(1, num_slots, *ssm),
-                intermediate_conv_states=torch.full((1, num_slots, 1 + S, *conv), float("nan")),
-                intermediate_ssm_states=torch.full((1, num_slots, 1 + S, *ssm), float("nan")))
+    return dict(conv_states=torch.zeros(1, num_slots, *conv, device=device),
+                ssm_states=torch.zeros(1, num_slots, *ssm, device=device),
+                intermediate_conv_states=torch.full((1, num_slots, 1 + S, *conv), float("nan"), device=device),
+                intermediate_ssm_states=torch.full((1, num_slots, 1 + S, *ssm), float("nan"), device=device))
 
 
-def _forward(mixer, slots, hidden, decode_slots=(), prefill=()):
+def run_mixer(mixer, slots, hidden, decode_slots=(), prefill=()):
     """``prefill``: ((row_start, row_end, slot), ...) after ``len(decode_slots) * (1 + S)`` decode rows."""
-    mamba = MambaForward(**slots, decode_slot_ids=torch.tensor(decode_slots, dtype=torch.int64),
+    mamba = MambaForward(**slots, decode_slot_ids=torch.tensor(decode_slots, dtype=torch.int64, device=hidden.device),
                          prefill_row_ranges=tuple((a, b) for a, b, _ in prefill),
                          prefill_slot_ids=tuple(slot for _, _, slot in prefill))
-    metadata = make_metadata([list(range(8))], [(0, hidden.shape[0])])  # unused by the mixer; the context needs one
+    metadata = make_metadata([list(range(8))], [(0, hidden.shape[0])], device=hidden.device)  # unused by the mixer; the context needs one
     with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
         out, bias = mixer(hidden[:, None])
     assert bias is None
@@ -149,10 +157,10 @@ def test_mixer_equals_the_naive_reference_through_prefill_decode_commit_prefill(
     hidden_a = torch.randn(7 + 1 + S + 5, 64, generator=generator)
     hidden_b = torch.randn(4 + 1 + S + 1, 64, generator=generator)
     slot_a, slot_b = 1, 0
-    slots = _slots(mixer, 3)
+    slots = make_slots(mixer, 3)
 
     # 1. prefill: a's 7 rows (three scan chunks of 3), then b's 4
-    out = _forward(mixer, slots, torch.cat([hidden_a[:7], hidden_b[:4]]), prefill=((0, 7, slot_a), (7, 11, slot_b)))
+    out = run_mixer(mixer, slots, torch.cat([hidden_a[:7], hidden_b[:4]]), prefill=((0, 7, slot_a), (7, 11, slot_b)))
     want_a, states_a = _reference_rows(naive, hidden_a[:7], naive.new_state())
     want_b, states_b = _reference_rows(naive, hidden_b[:4], naive.new_state())
     torch.testing.assert_close(out.double(), torch.cat([want_a, want_b]), **TOLERANCE)
@@ -163,7 +171,7 @@ def test_mixer_equals_the_naive_reference_through_prefill_decode_commit_prefill(
     # 2. decode: 1 + S rows each, b's rows first; the current states do not move
     current = {name: slots[name].clone() for name in ("conv_states", "ssm_states")}
     verify_a, verify_b = hidden_a[7 : 8 + S], hidden_b[4 : 5 + S]
-    out = _forward(mixer, slots, torch.cat([verify_b, verify_a]), decode_slots=(slot_b, slot_a))
+    out = run_mixer(mixer, slots, torch.cat([verify_b, verify_a]), decode_slots=(slot_b, slot_a))
     want_a, rows_a = _reference_rows(naive, verify_a, states_a[-1])
     want_b, rows_b = _reference_rows(naive, verify_b, states_b[-1])
     torch.testing.assert_close(out.double(), torch.cat([want_b, want_a]), **TOLERANCE)
@@ -188,7 +196,7 @@ def test_mixer_equals_the_naive_reference_through_prefill_decode_commit_prefill(
 
     # 4. prefill again from the committed states: a's next 5 rows, b's next 1 row
     next_a, next_b = hidden_a[8 + S :], hidden_b[5 + S :]
-    out = _forward(mixer, slots, torch.cat([next_b, next_a]), prefill=((0, 1, slot_b), (1, 6, slot_a)))
+    out = run_mixer(mixer, slots, torch.cat([next_b, next_a]), prefill=((0, 1, slot_b), (1, 6, slot_a)))
     want_b, _ = _reference_rows(naive, next_b, committed[slot_b])
     want_a, final_a = _reference_rows(naive, next_a, committed[slot_a])
     torch.testing.assert_close(out.double(), torch.cat([want_b, want_a]), **TOLERANCE)
