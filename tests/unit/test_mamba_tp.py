@@ -50,18 +50,18 @@ def _hybrid_model(tensor_parallel_size: int):
 
 
 @torch.no_grad()
-def _schedule_logits(runner, tensor_parallel_size: int) -> torch.Tensor:
+def _schedule_logits(runner, tensor_parallel_size: int, device=torch.device("cpu")) -> torch.Tensor:
     """Prefill 5 tokens, verify 3 rows as a decode request, commit after 1 accepted draft,
-    prefill the remaining 5 in one chunk -> the 13 logit rows [13, V]."""
-    tokens = torch.randint(0, VOCAB_SIZE, (12,), generator=torch.Generator().manual_seed(3))
-    kv_caches = allocate_kv_caches(runner.num_kv_layers, 4, 2 // tensor_parallel_size, 16)
-    slots = MambaStateSlots(runner.mamba_spec, 2, 2, torch.device("cpu"))
+    prefill the remaining 5 in one chunk -> the 12 logit rows [12, V] (on the CPU)."""
+    tokens = torch.randint(0, VOCAB_SIZE, (12,), generator=torch.Generator().manual_seed(3)).to(device)
+    kv_caches = allocate_kv_caches(runner.num_kv_layers, 4, 2 // tensor_parallel_size, 16, device=device)
+    slots = MambaStateSlots(runner.mamba_spec, 2, 2, device)
 
     def forward(start, end, decode):
-        metadata = make_metadata([BLOCKS], [(start, end - start)])
+        metadata = make_metadata([BLOCKS], [(start, end - start)], device=device)
         mamba = MambaForward(
             slots.conv_states, slots.ssm_states, slots.intermediate_conv_states, slots.intermediate_ssm_states,
-            decode_slot_ids=torch.tensor([1] if decode else [], dtype=torch.int64),
+            decode_slot_ids=torch.tensor([1] if decode else [], dtype=torch.int64, device=device),
             prefill_row_ranges=() if decode else ((0, end - start),), prefill_slot_ids=() if decode else (1,),
         )
         logits, _ = runner.forward(tokens[start:end], metadata.positions, metadata, kv_caches, mamba=mamba)
@@ -70,10 +70,10 @@ def _schedule_logits(runner, tensor_parallel_size: int) -> torch.Tensor:
     rows = [forward(0, 5, decode=False), forward(5, 8, decode=True)]
     for intermediate, current in ((slots.intermediate_conv_states, slots.conv_states),
                                   (slots.intermediate_ssm_states, slots.ssm_states)):
-        mamba_state_selective_copy(intermediate, current, torch.zeros(1, dtype=torch.int64), torch.tensor([1]),
-                                   torch.tensor([1]), slots.num_layers)
+        one = torch.ones(1, dtype=torch.int64, device=device)  # slot 1, 1 accepted draft
+        mamba_state_selective_copy(intermediate, current, torch.zeros_like(one), one, one, slots.num_layers)
     rows.append(forward(7, 12, decode=False))  # resumes after the accepted draft (row 6)
-    return torch.cat(rows)
+    return torch.cat(rows).cpu()
 
 
 def _greedy_tokens(model):
@@ -88,16 +88,22 @@ def _greedy_tokens(model):
     return outputs
 
 
-def _tp_worker(rank: int, world_size: int, port: int, expected_path: str) -> None:
-    init_process_groups(rank, world_size, port, world_size)
+def tp_worker(rank: int, world_size: int, port: int, expected_path: str, device_type: str = "cpu") -> None:
+    """One TP rank (spawned): loads the TP = 1 state_dict, checks its local state shapes, logits, tokens."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    init_process_groups(rank, world_size, port, world_size, backend="nccl" if device_type == "cuda" else "gloo")
     try:
+        device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
         expected = torch.load(expected_path)
         model = _hybrid_model(world_size)
         demo_model.load_full_state_dict(model, expected["state_dict"])
+        model = model.to(device)
         runner = PagedGPTRunner(model)
         spec = runner.mamba_spec  # this rank's heads: 64 x channels + 8 B + 8 C; 4 heads of 16 x 8
         assert (spec.conv_state_shape, spec.ssm_state_shape) == ((80, 3), (4, 16, 8)), spec
-        torch.testing.assert_close(_schedule_logits(runner, world_size), expected["logits"], atol=1e-4, rtol=1e-4)
+        tolerance = dict(atol=1e-3, rtol=1e-3) if device_type == "cuda" else dict(atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(_schedule_logits(runner, world_size, device), expected["logits"], **tolerance)
         got = _greedy_tokens(model)
         assert got == expected["tokens"], f"rank {rank}: {got} != {expected['tokens']}"
     finally:
@@ -105,21 +111,28 @@ def _tp_worker(rank: int, world_size: int, port: int, expected_path: str) -> Non
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def tp1_expected_path(tmp_path_factory):
-    ensure_single_process_groups()
+def save_tp1_expected(path: str, device=torch.device("cpu")) -> str:
+    """Run the TP = 1 model (in this process) and save its state_dict (CPU), logits and tokens to ``path``."""
     model = _hybrid_model(1)
+    state_dict = {name: value.clone() if torch.is_tensor(value) else value
+                  for name, value in model.state_dict().items()}
+    model = model.to(device)
     runner = PagedGPTRunner(model)
     assert (runner.mamba_spec.conv_state_shape, runner.mamba_spec.ssm_state_shape) == ((160, 3), (8, 16, 8))
     tokens = _greedy_tokens(model)
     assert tokens[0] == tokens[1]  # speculation changes nothing
-    path = tmp_path_factory.mktemp("mamba_tp") / "tp1.pt"
-    torch.save({"state_dict": model.state_dict(), "logits": _schedule_logits(runner, 1), "tokens": tokens}, path)
-    return str(path)
+    torch.save({"state_dict": state_dict, "logits": _schedule_logits(runner, 1, device), "tokens": tokens}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tp1_expected_path(tmp_path_factory):
+    ensure_single_process_groups()
+    return save_tp1_expected(str(tmp_path_factory.mktemp("mamba_tp") / "tp1.pt"))
 
 
 def test_tp2_hybrid_matches_tp1(tp1_expected_path):
-    mp.spawn(_tp_worker, args=(2, free_port(), tp1_expected_path), nprocs=2, join=True)
+    mp.spawn(tp_worker, args=(2, free_port(), tp1_expected_path), nprocs=2, join=True)
 
 
 def test_shard_full_tensor_keeps_each_ranks_chunk_of_every_section():
