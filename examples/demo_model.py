@@ -19,6 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_ctrl.models import build_dense_gpt_model, build_gpt_model
+from mtp_ctrl.models.mamba_mixer import shard_full_tensor
 
 DEMO_MODEL_ARGS: Dict[str, int] = dict(
     num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4,
@@ -86,7 +87,9 @@ def load_full_state_dict(model: GPTModel, state_dict: Dict[str, Any]) -> None:
     A tensor-parallel parameter keeps this rank's contiguous chunk along its ``partition_dim``,
     as megatron's CPU initialisation shards master weights. Example at TP = 2: a column-parallel
     ``linear_qkv.weight`` [512, 256] gives rank 1 rows 256..511; a row-parallel ``linear_proj.weight``
-    [256, 256] gives rank 1 columns 128..255; layer norms are copied whole. Values are cast to
+    [256, 256] gives rank 1 columns 128..255; layer norms are copied whole. A Mamba mixer's
+    ``in_proj`` and ``conv1d`` keep this rank's chunk of each of their sections (z, x, B, C, dt),
+    megatron's layout (``mtp_ctrl.models.mamba_mixer.shard_full_tensor``). Values are cast to
     the model's dtype.
     """
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -95,9 +98,10 @@ def load_full_state_dict(model: GPTModel, state_dict: Dict[str, Any]) -> None:
     local = {}
     for name, value in state_dict.items():
         parameter = parameters.get(name)
-        if tp_size > 1 and parameter is not None and getattr(parameter, "tensor_model_parallel", False):
-            if parameter.partition_stride != 1:
-                raise ValueError(f"{name}: strided tensor-parallel partitions are not supported")
-            value = value.chunk(tp_size, dim=parameter.partition_dim)[tp_rank]
+        if parameter is not None:
+            try:
+                value = shard_full_tensor(parameter, value, tp_rank, tp_size)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
         local[name] = value
     model.load_state_dict(local)

@@ -9,7 +9,8 @@ import math
 from typing import Optional, Tuple
 
 MTP_ATTENTION_MODES = ("paged", "single_position")
-_INT64_MAX = 2**63 - 1  # seeds and top_k live in int64 device rows
+_INT64_MAX = 2**63 - 1  # seeds, top_k and token ids live in int64 device rows
+_FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p live in float32 device rows
 
 
 def _require_int(name: str, value, low: int, high: Optional[int] = None) -> None:
@@ -24,7 +25,24 @@ def _require_int(name: str, value, low: int, high: Optional[int] = None) -> None
 def _require_number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int too large for a double
+        raise ValueError(f"{name} must be finite and fit in float32 (<= {_FLOAT32_MAX:.7g}), got {value}") from None
+
+
+def _require_float32(name: str, value: float) -> None:
+    """Raise ValueError unless ``value`` (a finite float) is within float32's range, where it is stored."""
+    if not abs(value) <= _FLOAT32_MAX:  # also NaN
+        raise ValueError(f"{name} must be finite and fit in float32 (<= {_FLOAT32_MAX:.7g}), got {value}")
+
+
+def _require_tuple(name: str, value, what: str) -> tuple:
+    """``value`` as a tuple; raise TypeError naming ``name`` unless it is a list, tuple or range
+    (a set or dict has no order, a str or a single int is a common slip)."""
+    if not isinstance(value, (list, tuple, range)):
+        raise TypeError(f"{name} must be a tuple or list of {what}, got {type(value).__name__} {value!r}")
+    return tuple(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +98,7 @@ class InferenceConfig:
                 f"max_tokens_per_step ({self.max_tokens_per_step}) must hold every running request's "
                 f"decode rows: max_requests x (1 + num_speculative_tokens) = {self.max_requests * stride}"
             )
-        buckets = tuple(self.cuda_graph_batch_sizes)
+        buckets = _require_tuple("cuda_graph_batch_sizes", self.cuda_graph_batch_sizes, "batch sizes (() = eager)")
         for size in buckets:
             _require_int("cuda_graph_batch_sizes entries", size, 1)
         if list(buckets) != sorted(set(buckets)):
@@ -126,21 +144,23 @@ class SamplingParams:
         temperature = _require_number("temperature", self.temperature)
         if not 0.0 <= temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        _require_float32("temperature", temperature)
         _require_int("top_k", self.top_k, 0, high=_INT64_MAX)
         top_p = _require_number("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             _require_int("seed", self.seed, 0, high=_INT64_MAX)
-        eos = tuple(self.eos_token_ids)
+        eos = _require_tuple("eos_token_ids", self.eos_token_ids, "token ids (() = none)")
         for token in eos:
-            _require_int("eos_token_ids entries", token, 0)
-        stops = tuple(tuple(seq) for seq in self.stop_sequences)
+            _require_int("eos_token_ids entries", token, 0, high=_INT64_MAX)
+        stops = _require_tuple("stop_sequences", self.stop_sequences, "token sequences, e.g. ((13, 13),)")
+        stops = tuple(_require_tuple("stop_sequences entries", seq, "token ids, e.g. ((13, 13),)") for seq in stops)
         for seq in stops:
             if not seq:
                 raise ValueError("stop_sequences must not contain an empty sequence")
             for token in seq:
-                _require_int("stop_sequences tokens", token, 0)
+                _require_int("stop_sequences tokens", token, 0, high=_INT64_MAX)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "eos_token_ids", eos)

@@ -12,6 +12,14 @@ CPU or GPU and reads and writes the slots of :class:`mtp_ctrl.models.forward_con
   controller commits the one after the last accepted row (``mamba_state_selective_copy``),
   so a rejected draft never touches the current state;
 - prefill requests scan their chunk from the current state and leave the new state in it.
+
+Tensor parallelism shards it as megatron's ``MambaMixer``: each rank owns ``H / tp`` heads and
+``G / tp`` groups. ``in_proj`` (column parallel) gives the rank its own ``[z, x, B, C, dt]``
+rows, the conv, ``dt_bias``, ``A_log``, ``D`` and the gated norm act on the local channels only,
+and ``out_proj`` (row parallel) sums the ranks' outputs. The state slots hold the local heads
+(``conv_state_shape``/``ssm_state_shape`` are per rank), so the scan needs no communication.
+A TP = 1 checkpoint loads into a rank with :func:`shard_full_tensor` (its sections are not
+contiguous slices of the full tensors).
 """
 
 import math
@@ -20,12 +28,39 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_ctrl.models.forward_context import MambaForward, current_paged_forward
 from mtp_ctrl.models.mamba_ops import causal_conv_chunk, causal_conv_step, gated_rms_norm, ssm_chunk_scan, ssm_step
+
+# Attribute of a tensor-parallel parameter whose full tensor is several sections along its
+# partition_dim, each split over the ranks on its own: rank r holds its chunk of every section, in
+# order. E.g. in_proj.weight, sections (z, x, B, C, dt) = (128, 128, 16, 16, 8) rows at TP = 2:
+# rank 1 holds z[64:128], x[64:128], B[8:16], C[8:16], dt[4:8]. See :func:`shard_full_tensor`.
+TP_SECTIONS_ATTR = "tp_shard_sections"
+
+
+def shard_full_tensor(parameter: torch.Tensor, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's part of ``full`` (the TP = 1 value of ``parameter``), megatron's layout.
+
+    A parameter without megatron's ``tensor_model_parallel`` flag is replicated: ``full`` itself.
+    Otherwise ``full`` is split along ``partition_dim`` into the sections named by
+    ``TP_SECTIONS_ATTR`` (one section when absent), each section into ``tp_size`` equal chunks, and
+    chunk ``tp_rank`` of every section is concatenated.
+    """
+    if tp_size == 1 or not getattr(parameter, "tensor_model_parallel", False):
+        return full
+    if getattr(parameter, "partition_stride", 1) != 1:
+        raise ValueError("strided tensor-parallel partitions are not supported")
+    dim = parameter.partition_dim
+    sections = getattr(parameter, TP_SECTIONS_ATTR, None) or (full.shape[dim],)
+    if sum(sections) != full.shape[dim] or any(size % tp_size for size in sections):
+        raise ValueError(f"a full tensor of shape {tuple(full.shape)} does not split into sections {sections} "
+                         f"along dim {dim} over {tp_size} ranks")
+    pieces = torch.split(full, list(sections), dim=dim)
+    return torch.cat([piece.chunk(tp_size, dim=dim)[tp_rank] for piece in pieces], dim=dim)
 
 
 class GatedRMSNorm(torch.nn.Module):
@@ -64,10 +99,8 @@ class PagedMambaMixer(MegatronModule):
         chunk_size: int = 64,
     ):
         super().__init__(config=config)
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        if tp_size != 1:
-            raise ValueError("PagedMambaMixer supports tensor_model_parallel_size 1 only (the in_proj shards "
-                             "of megatron's MambaMixer need a resharding this package does not do yet)")
+        tp_group = getattr(pg_collection, "tp", None)
+        tp_size = tp_group.size() if tp_group is not None else parallel_state.get_tensor_model_parallel_world_size()
         if config.context_parallel_size != 1:
             raise ValueError("PagedMambaMixer does not support context parallelism")
         if isinstance(d_conv, bool) or not isinstance(d_conv, int) or d_conv < 2:
@@ -80,24 +113,41 @@ class PagedMambaMixer(MegatronModule):
         if self.num_heads % self.num_groups != 0:
             raise ValueError(f"mamba heads ({self.num_heads}) must be divisible by config.mamba_num_groups "
                              f"({self.num_groups})")
-        self.conv_channels = self.d_inner + 2 * self.num_groups * self.d_state  # x, B, C go through the conv
+        for name, count in (("mamba heads", self.num_heads), ("config.mamba_num_groups", self.num_groups)):
+            if count % tp_size != 0:
+                raise ValueError(f"{name} ({count}) must be divisible by the tensor-parallel size ({tp_size})")
+        # this rank's share, as megatron's MambaMixer splits it: heads and groups, with their channels
+        self.num_heads_local = self.num_heads // tp_size
+        self.num_groups_local = self.num_groups // tp_size
+        self.d_inner_local = self.num_heads_local * self.head_dim
+        group_channels = self.num_groups_local * self.d_state  # B (or C) channels of this rank
+        self.conv_channels = self.d_inner_local + 2 * group_channels  # x, B, C go through the conv
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        tp_group = getattr(pg_collection, "tp", None)
         dtype = config.params_dtype
 
+        # in_proj's local rows are [z, x, B, C, dt] of this rank's heads and groups (not a contiguous
+        # slice of the full [z, x, B, C, dt] rows); _TP_SECTIONS says how a full weight splits
         self.in_proj = ColumnParallelLinear(  # hidden -> z, x, B, C, dt
             config.hidden_size, 2 * self.d_inner + 2 * self.num_groups * self.d_state + self.num_heads,
             config=config, init_method=config.init_method, bias=False, gather_output=False, tp_group=tp_group,
         )
+        full_group_channels = self.num_groups * self.d_state
+        setattr(self.in_proj.weight, TP_SECTIONS_ATTR,
+                (self.d_inner, self.d_inner, full_group_channels, full_group_channels, self.num_heads))
         self.conv1d = torch.nn.Conv1d(self.conv_channels, self.conv_channels, d_conv, groups=self.conv_channels,
                                       padding=d_conv - 1, bias=True, device=device, dtype=dtype)
         # dt_bias: softplus(dt_bias) log-uniform in [dt_min, dt_max]; A = -exp(A_log) uniform in A_init_range
-        dt = torch.exp(torch.rand(self.num_heads, device=device) * (math.log(dt_max) - math.log(dt_min))
+        heads = self.num_heads_local
+        dt = torch.exp(torch.rand(heads, device=device) * (math.log(dt_max) - math.log(dt_min))
                        + math.log(dt_min)).clamp(min=dt_init_floor)
-        self.dt_bias = torch.nn.Parameter((dt + torch.log(-torch.expm1(-dt))).to(dtype))  # [H]
-        self.A_log = torch.nn.Parameter(torch.log(torch.empty(self.num_heads, device=device).uniform_(*A_init_range)))
-        self.D = torch.nn.Parameter(torch.ones(self.num_heads, device=device))  # [H] fp32, the skip connection
-        self.norm = GatedRMSNorm(self.d_inner, self.d_inner // self.num_groups, device=device, dtype=dtype)
+        self.dt_bias = torch.nn.Parameter((dt + torch.log(-torch.expm1(-dt))).to(dtype))  # [H_local]
+        self.A_log = torch.nn.Parameter(torch.log(torch.empty(heads, device=device).uniform_(*A_init_range)))
+        self.D = torch.nn.Parameter(torch.ones(heads, device=device))  # [H_local] fp32, the skip connection
+        self.norm = GatedRMSNorm(self.d_inner_local, self.d_inner // self.num_groups, device=device, dtype=dtype)
+        for parameter in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight):
+            set_tensor_model_parallel_attributes(parameter, True, 0, 1)  # this rank's rows of the full tensor
+        for parameter in (self.conv1d.weight, self.conv1d.bias):
+            setattr(parameter, TP_SECTIONS_ATTR, (self.d_inner, full_group_channels, full_group_channels))
         self.out_proj = RowParallelLinear(self.d_inner, config.hidden_size, config=config,
                                           init_method=config.output_layer_init_method, bias=False,
                                           input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
@@ -109,7 +159,7 @@ class PagedMambaMixer(MegatronModule):
 
     @property
     def ssm_state_shape(self) -> Tuple[int, int, int]:
-        return (self.num_heads, self.head_dim, self.d_state)
+        return (self.num_heads_local, self.head_dim, self.d_state)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **attention_kwargs):
         """``[T, 1, hidden]`` packed rows -> ``(output [T, 1, hidden], None)``, the contract of
@@ -121,17 +171,18 @@ class PagedMambaMixer(MegatronModule):
         if self.mamba_layer_index is None:
             raise RuntimeError(f"layer {self.layer_number}: mamba_layer_index is unset; build the model with "
                                "mtp_ctrl.models.build_gpt_model")
-        projected, _ = self.in_proj(hidden_states)  # [T, 1, 2 d_inner + 2 G N + H]
-        z, xbc, dt = torch.split(projected[:, 0].float(), [self.d_inner, self.conv_channels, self.num_heads], dim=-1)
-        y = torch.zeros_like(z)  # [T, d_inner] fp32; rows of no request (none today) stay 0
+        projected, _ = self.in_proj(hidden_states)  # [T, 1, 2 d_inner_local + 2 G_local N + H_local]
+        z, xbc, dt = torch.split(projected[:, 0].float(), [self.d_inner_local, self.conv_channels,
+                                                           self.num_heads_local], dim=-1)
+        y = torch.zeros_like(z)  # [T, d_inner_local] fp32; rows of no request (none today) stay 0
         stride = mamba.rows_per_decode_request
         num_decode_rows = mamba.decode_slot_ids.shape[0] * stride
         if num_decode_rows:
             y[:num_decode_rows] = self._decode(mamba, xbc[:num_decode_rows], dt[:num_decode_rows], stride)
         for (start, end), slot in zip(mamba.prefill_row_ranges, mamba.prefill_slot_ids):
             y[start:end] = self._prefill(mamba, xbc[start:end], dt[start:end], slot)
-        normed = self.norm(y, z).to(hidden_states.dtype)  # [T, d_inner]
-        out, _ = self.out_proj(normed[:, None])  # [T, 1, hidden]
+        normed = self.norm(y, z).to(hidden_states.dtype)  # [T, d_inner_local]
+        out, _ = self.out_proj(normed[:, None])  # [T, 1, hidden], summed over the TP ranks
         return out, None
 
     def _parameters_fp32(self):
@@ -141,15 +192,15 @@ class PagedMambaMixer(MegatronModule):
     def _split_conv_output(self, conv_out: torch.Tensor):
         """``[..., C]`` -> x ``[..., H, P]``, B and C ``[..., H, N]`` (each head reads its group's B, C)."""
         lead = conv_out.shape[:-1]
-        x, B, C = torch.split(conv_out, [self.d_inner, self.num_groups * self.d_state,
-                                         self.num_groups * self.d_state], dim=-1)
+        group_channels = self.num_groups_local * self.d_state
+        x, B, C = torch.split(conv_out, [self.d_inner_local, group_channels, group_channels], dim=-1)
         heads_per_group = self.num_heads // self.num_groups
-        B = B.reshape(*lead, self.num_groups, self.d_state).repeat_interleave(heads_per_group, dim=-2)
-        C = C.reshape(*lead, self.num_groups, self.d_state).repeat_interleave(heads_per_group, dim=-2)
-        return x.reshape(*lead, self.num_heads, self.head_dim), B, C
+        B = B.reshape(*lead, self.num_groups_local, self.d_state).repeat_interleave(heads_per_group, dim=-2)
+        C = C.reshape(*lead, self.num_groups_local, self.d_state).repeat_interleave(heads_per_group, dim=-2)
+        return x.reshape(*lead, self.num_heads_local, self.head_dim), B, C
 
     def _decode(self, mamba: MambaForward, xbc: torch.Tensor, dt_raw: torch.Tensor, stride: int) -> torch.Tensor:
-        """Rows of nd decode requests (``[nd * stride, ...]``) -> y ``[nd * stride, d_inner]``."""
+        """Rows of nd decode requests (``[nd * stride, ...]``) -> y ``[nd * stride, d_inner_local]``."""
         layer, slots = self.mamba_layer_index, mamba.decode_slot_ids  # slots: [nd] int64
         num_requests = slots.shape[0]
         xbc = xbc.view(num_requests, stride, -1)  # [nd, 1 + S, C]
@@ -164,11 +215,11 @@ class PagedMambaMixer(MegatronModule):
             y, state = ssm_step(state, x, dt[:, row], A, B, C, D)
             mamba.intermediate_conv_states[layer, slots, row] = window
             mamba.intermediate_ssm_states[layer, slots, row] = state
-            outputs.append(y.reshape(num_requests, self.d_inner))
-        return torch.stack(outputs, dim=1).view(num_requests * stride, self.d_inner)
+            outputs.append(y.reshape(num_requests, self.d_inner_local))
+        return torch.stack(outputs, dim=1).view(num_requests * stride, self.d_inner_local)
 
     def _prefill(self, mamba: MambaForward, xbc: torch.Tensor, dt_raw: torch.Tensor, slot: int) -> torch.Tensor:
-        """The chunk of one prefill request (``[q, ...]``) -> y ``[q, d_inner]``; updates its slot."""
+        """The chunk of one prefill request (``[q, ...]``) -> y ``[q, d_inner_local]``; updates its slot."""
         layer = self.mamba_layer_index
         weight, bias, A, D = self._parameters_fp32()
         conv_out, window = causal_conv_chunk(mamba.conv_states[layer, slot], xbc, weight, bias)
@@ -177,4 +228,4 @@ class PagedMambaMixer(MegatronModule):
         y, state = ssm_chunk_scan(mamba.ssm_states[layer, slot], x, dt, A, B, C, D, self.chunk_size)
         mamba.conv_states[layer, slot] = window
         mamba.ssm_states[layer, slot] = state
-        return y.reshape(y.shape[0], self.d_inner)
+        return y.reshape(y.shape[0], self.d_inner_local)

@@ -31,7 +31,13 @@ def _check_args(metadata, n, new_slot_mapping, new_positions):
     missing = [name for name in _REQUIRED_FIELDS if name not in field_names]
     if missing:
         raise TypeError(f"metadata is missing the AttentionMetadata fields {missing}")
+    check_tensor("metadata.seq_lens", metadata.seq_lens, dtypes=INDEX_DTYPES, ndim=1)
     batch_size = metadata.seq_lens.shape[0]
+    check_tensor("metadata.query_start_loc", metadata.query_start_loc, dtypes=INDEX_DTYPES, shape=(batch_size + 1,))
+    check_tensor("metadata.positions", metadata.positions, dtypes=INDEX_DTYPES, ndim=1)
+    check_int("metadata.num_actual_tokens", metadata.num_actual_tokens, low=0)
+    check_int("metadata.max_query_len", metadata.max_query_len, low=0)
+    check_int("metadata.max_seq_len", metadata.max_seq_len, low=0)
     check_int("n", n, low=0)
     num_rows = metadata.num_actual_tokens + batch_size * n
     check_tensor("new_slot_mapping", new_slot_mapping, dtypes=(torch.int64,), ndim=1)
@@ -40,7 +46,8 @@ def _check_args(metadata, n, new_slot_mapping, new_positions):
             f"new_slot_mapping has {new_slot_mapping.shape[0]} rows, needs at least "
             f"num_actual_tokens + B * n = {num_rows}"
         )
-    tensors = dict(query_start_loc=metadata.query_start_loc, new_slot_mapping=new_slot_mapping)
+    tensors = dict(query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens,
+                   new_slot_mapping=new_slot_mapping)
     if new_positions is not None:
         check_tensor("new_positions", new_positions, dtypes=INDEX_DTYPES, shape=tuple(new_slot_mapping.shape))
         tensors["new_positions"] = new_positions

@@ -75,6 +75,10 @@ def _check_args(intermediate_states, current_states, prefill_status, state_idx, 
         raise ValueError(
             f"intermediate_states must be (L, M, S + 1, *state_shape), got {tuple(intermediate_states.shape)}"
         )
+    if intermediate_states.shape[2] < 1:
+        raise ValueError(
+            f"intermediate_states needs S + 1 >= 1 states per slot (dim 2), got {tuple(intermediate_states.shape)}"
+        )
     num_layers_held, num_slots = intermediate_states.shape[:2]
     state_shape = tuple(intermediate_states.shape[3:])
     check_tensor(

@@ -215,6 +215,8 @@ def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_star
     num_query_heads, head_dim = query.shape[1], query.shape[2]
     check_tensor("key_cache", key_cache, dtypes=(query.dtype,), shape=(None, None, None, head_dim))
     check_tensor("value_cache", value_cache, dtypes=(query.dtype,), shape=tuple(key_cache.shape))
+    if key_cache.shape[1] < 1:
+        raise ValueError(f"key_cache needs block_size_tokens >= 1 (dim 1), got shape {tuple(key_cache.shape)}")
     num_kv_heads = key_cache.shape[2]
     if num_kv_heads == 0 or num_query_heads % num_kv_heads != 0:
         raise ValueError(
@@ -224,6 +226,8 @@ def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_star
         raise ValueError(f"query head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
     batch_size = block_table.shape[0]
+    if batch_size > 0 and block_table.shape[1] < 1:
+        raise ValueError(f"block_table needs at least one block column, got shape {tuple(block_table.shape)}")
     check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(batch_size,))
     check_tensor("query_start_loc", query_start_loc, dtypes=INDEX_DTYPES, shape=(batch_size + 1,))
     check_same_device(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
@@ -286,6 +290,8 @@ def paged_attention(
     num_tokens, num_query_heads, head_dim = query.shape
     block_size_tokens, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     batch_size = block_table.shape[0]
+    if batch_size > 0 and block_table.shape[1] < 1:
+        raise ValueError(f"block_table needs at least one block column, got shape {tuple(block_table.shape)}")
     output = torch.zeros_like(query)  # [T, Hq, D]
     query_rows_bound = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
     if num_tokens == 0 or batch_size == 0 or query_rows_bound == 0:

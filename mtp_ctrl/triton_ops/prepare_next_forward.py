@@ -138,8 +138,13 @@ def _check_args(
     check_int("num_decode_requests", num_decode_requests, low=0, high=num_requests)
     device = last_one_indices.device
     decode_rows = num_decode_requests * (num_speculative_tokens + 1)
+    # last_one_indices (from verify) index the packed rows: Nd * (S + 1) decode rows, then one per prefill
+    packed_rows = decode_rows + (num_requests - num_decode_requests)
+    what = f"{num_decode_requests} decode x (1 + {num_speculative_tokens}) + {num_requests - num_decode_requests} prefill rows"
     check_tensor("output_tokens", output_tokens, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    check_min_rows("output_tokens", output_tokens, packed_rows, what)
     check_tensor("required_logit_indices", required_logit_indices, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    check_min_rows("required_logit_indices", required_logit_indices, packed_rows, what)
     check_tensor("accepted_tokens_mask", accepted_tokens_mask, dtypes=(torch.bool,), ndim=1, device=device)
     check_min_rows("accepted_tokens_mask", accepted_tokens_mask, decode_rows, "decode rows")
     tokens = check_token_rows("input_tokens", input_tokens)

@@ -92,3 +92,22 @@ def test_bad_arguments_are_named(args, error, match):
     args = (_metadata() if args[0] is None else args[0], *args[1:])
     with pytest.raises(error, match=match):
         extend_all_queries_by_n(*args)
+
+
+@pytest.mark.parametrize(
+    "field, bad, error, match",
+    [
+        ("query_start_loc", lambda t: t[:-1], ValueError, "metadata.query_start_loc"),  # shorter than B + 1
+        ("query_start_loc", lambda t: t.float(), TypeError, "metadata.query_start_loc"),
+        ("seq_lens", lambda t: t.tolist(), TypeError, "metadata.seq_lens"),
+        ("seq_lens", lambda t: t[:, None], ValueError, "metadata.seq_lens"),
+        ("positions", lambda t: t.float(), TypeError, "metadata.positions"),
+        ("num_actual_tokens", lambda v: float(v), TypeError, "metadata.num_actual_tokens"),
+        ("max_query_len", lambda v: -1, ValueError, "metadata.max_query_len"),
+    ],
+)
+def test_bad_metadata_fields_are_named(field, bad, error, match):
+    metadata = _metadata()
+    metadata = dataclasses.replace(metadata, **{field: bad(getattr(metadata, field))})
+    with pytest.raises(error, match=match):
+        extend_all_queries_by_n(metadata, 1, torch.zeros(7, dtype=torch.int64))

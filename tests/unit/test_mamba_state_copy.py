@@ -93,6 +93,7 @@ def _valid_args():
         (0, lambda t: t.flatten(1), ValueError, "intermediate_states"),
         (0, lambda t: _column_major(t), ValueError, "intermediate_states must be contiguous"),
         (0, lambda t: "states", TypeError, "intermediate_states"),
+        (0, lambda t: t[:, :, :0], ValueError, "intermediate_states needs S"),  # no state to commit
         (1, lambda t: t.double(), TypeError, "current_states"),
         (1, lambda t: t[:, :3], ValueError, "current_states"),
         (1, lambda t: _column_major(t), ValueError, "current_states must be contiguous"),

@@ -113,6 +113,9 @@ def _bad_args(case, **changes):
         (lambda c: dict(seq_lens=c.seq_lens[:1]), ValueError, "seq_lens"),
         (lambda c: dict(query_start_loc=c.query_start_loc[:-1]), ValueError, "query_start_loc"),
         (lambda c: dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+        (lambda c: dict(key_cache=c.key_cache[:, :0], value_cache=c.value_cache[:, :0]), ValueError,
+         "block_size_tokens"),
+        (lambda c: dict(block_table=c.block_table[:, :0]), ValueError, "block_table"),
         (lambda c: dict(query=torch.cat([c.query, c.query], dim=-1)[..., ::2]), ValueError, "contiguous"),
     ],
 )

@@ -102,7 +102,9 @@ def _valid_args():
         (0, lambda n: -1, ValueError, "num_decode_requests"),
         (1, lambda t: t.float(), TypeError, "output_tokens"),
         (1, lambda t: t.to("meta"), ValueError, "output_tokens"),
+        (1, lambda t: t[:6], ValueError, "output_tokens"),  # 2 x 3 decode rows + 1 prefill row needed
         (2, lambda t: t[None, :], ValueError, "required_logit_indices"),
+        (2, lambda t: t[:6], ValueError, "required_logit_indices"),
         (3, lambda t: t.float(), TypeError, "last_one_indices"),
         (3, lambda t: t[:, None], ValueError, "last_one_indices"),
         (4, lambda t: t.to("meta"), ValueError, "accepted_tokens_mask"),
