@@ -103,6 +103,8 @@ class MTPProposer(Proposer):
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         S, step = self.num_speculative_tokens, batch.step
         device, num_requests, num_sampling = batch.hidden.device, batch.num_requests, batch.num_sampling_requests
+        if num_sampling == 0 and self.mode == "single_position":  # a lone mid-prompt chunk: no row to draft from
+            return torch.empty(0, S, dtype=torch.int64, device=device)
         layout = self._layout(batch)
         first, main_start = layout.first, layout.main_start  # [G] int64 each
         ends = batch.bonus_positions  # [G] int64, e: the bonus token's position

@@ -51,7 +51,7 @@ def build_gpt_model(
     None means every layer is attention. MTP layers are attention layers.
 
     megatron-core's ``parallel_state`` must be initialised (TP only: no pipeline or context
-    parallelism; Mamba layers need TP = 1). KV and Mamba layer indices are assigned, so the
+    parallelism; Mamba layers shard over tensor-parallel ranks like megatron's MambaMixer). KV and Mamba layer indices are assigned, so the
     model is ready for :class:`mtp_ctrl.models.PagedGPTRunner`.
     """
     if not parallel_state.model_parallel_is_initialized():

@@ -61,11 +61,8 @@ def test_drafts_equal_the_dense_oracle_of_their_mode(models, sequences, mode, pr
     assert check_drafts_against_oracle(dense, proposer, sequences, mode) > 0
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="BUG (mtp_proposer single_position): a step whose only request is a prefill chunk "
-                          "that does not sample runs the MTP layers on 0 rows and megatron's attention raises")
 def test_single_position_survives_a_step_with_no_sampling_request(models, sequences):
-    """KNOWN FAILING (strict xfail: it flips to a failure once fixed, then drop the mark).
+    """Regression: this crashed before MTPProposer skipped drafting when nothing samples.
 
     One request with the 12-token prompt and 3 query rows per step: its first chunks do not
     sample, so propose() gets ``num_sampling_requests == 0``. MTPProposer("single_position")
