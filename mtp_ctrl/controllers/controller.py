@@ -305,12 +305,12 @@ class TextGenerationController:
         started = time.perf_counter()
         try:
             outputs = self._step_once(collect)
+            if self._hook_overridden("on_step_end"):
+                self.on_step_end(outputs)
         except BaseException:
             self._abort_running()
             raise
         self.metrics.record_step(time.perf_counter() - started)
-        if self._hook_overridden("on_step_end"):
-            self.on_step_end(outputs)
         return outputs
 
     def _step_once(self, collect: bool) -> List[StepOutput]:

@@ -1,0 +1,208 @@
+"""The overlapped step loop (CPU, TP = 1): overlap on == overlap off == plain decoding, token for
+token, under churn (random arrivals), a KV pool small enough to pause and preempt, stop rules
+that fire inside an accepted draft run, max_model_len reached mid-draft, greedy and sampled
+requests, S = 0..3, and a hybrid Mamba model; no block or row left at the end. Then the
+failure and lifetime contracts: a step that raises aborts its batch and leaves the controller
+usable, accept_tokens cannot drop tokens without finishing, finished results are bounded.
+
+How these fail when the loop is wrong: with the one-step-late commit removed from stop rules
+(a request's extra step not discarded), outputs run past the stop; with the worst-case block
+reserve cut to one step, the device grows into a block the host has not sent, and outputs
+differ from plain decoding (planted: ``stride * (1 + steps_in_flight)`` -> ``stride``).
+"""
+
+import random
+import tracemalloc
+
+import pytest
+import torch
+
+from mtp_ctrl.controllers import FinishReason, Proposer, SamplingParams, TextGenerationController
+from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, build_models, make_controller, run_with_arrivals
+from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups
+
+
+@pytest.fixture(scope="module")
+def models():
+    ensure_single_process_groups()
+    return build_models()
+
+
+def _arrivals(seed: int, count: int):
+    """Random arrival steps, prompts, stop rules and sampling; fixed per seed."""
+    rng = random.Random(seed)
+    arrivals = []
+    for index in range(count):
+        prompt = list(PROMPTS[rng.randrange(len(PROMPTS))])[: rng.randint(2, 12)]
+        sampled = rng.random() < 0.5
+        eos = (rng.randrange(VOCAB_SIZE),) if rng.random() < 0.5 else ()
+        stops = ((rng.randrange(VOCAB_SIZE), rng.randrange(VOCAB_SIZE)),) if rng.random() < 0.3 else ()
+        params = SamplingParams(max_new_tokens=rng.randint(1, 10), temperature=0.9 if sampled else 0.0,
+                                top_k=rng.choice([0, 8]), seed=rng.randrange(1000), eos_token_ids=eos,
+                                stop_sequences=stops)
+        arrivals.append((rng.randint(0, 6), prompt, params))
+    return arrivals
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_overlap_on_equals_off_equals_plain_under_churn_and_preemption(models, seed):
+    model, _ = models
+    arrivals = _arrivals(seed, 7)
+    plain = run_with_arrivals(make_controller(model, 0, max_model_len=24, overlap_scheduling=False), arrivals)
+    for S in (1, 3):
+        for overlap in (False, True):
+            controller = make_controller(model, S, max_model_len=24, overlap_scheduling=overlap, num_kv_blocks=14)
+            assert run_with_arrivals(controller, arrivals) == plain, (S, overlap)
+            context = controller.context
+            assert context.table.num_live == 0 and not controller.has_unfinished_requests()
+            assert context.allocator.num_free_blocks == context.allocator.num_blocks
+
+
+def test_stop_inside_an_accepted_draft_run_and_max_model_len_mid_draft(models):
+    """An oracle drafts the greedy continuation (every draft accepted), so stops fall inside
+    accepted runs: output is cut exactly at an eos id, at a stop sequence, and at max_model_len."""
+    model, _ = models
+    prompt = list(PROMPTS[3])
+    plain = make_controller(model, 0, max_model_len=24).generate([prompt], SamplingParams(max_new_tokens=30))[0]
+    continuation = list(plain.output_tokens)
+    sequences = {0: prompt + continuation + [0] * 8}
+
+    class Oracle(Proposer):
+        def bind(self, controller):
+            super().bind(controller)
+
+        def propose(self, batch):
+            positions = batch.bonus_positions[: batch.num_sampling_requests, None] + 1 + torch.arange(MTP_DEPTH)
+            known = torch.tensor(sequences[0])
+            return known[positions.clamp(max=known.shape[0] - 1)]
+
+    eos = continuation[5]
+    cases = [
+        (SamplingParams(max_new_tokens=11, eos_token_ids=(eos,)), continuation[: continuation.index(eos) + 1],
+         FinishReason.EOS),
+        (SamplingParams(max_new_tokens=11, stop_sequences=(tuple(continuation[3:5]),)), continuation[:5],
+         FinishReason.STOP_SEQUENCE),
+        (SamplingParams(max_new_tokens=30), continuation[: 24 - len(prompt)], FinishReason.MAX_MODEL_LEN),
+    ]
+    for params, want, reason in cases:
+        for overlap in (False, True):
+            controller = make_controller(model, MTP_DEPTH, proposer=Oracle(), max_model_len=24,
+                                         overlap_scheduling=overlap)
+            result = controller.generate([prompt], params)[0]
+            assert list(result.output_tokens) == want and result.finish_reason == reason, (params, overlap)
+            assert result.accepted_drafts > 0
+
+
+def test_step_api_returns_tokens_one_call_late_with_overlap(models):
+    model, _ = models
+    for overlap in (False, True):
+        controller = make_controller(model, 2, overlap_scheduling=overlap)
+        request_id = controller.add_request(list(PROMPTS[1]), SamplingParams(max_new_tokens=6))
+        first = controller.step()  # the prefill: with overlap its token comes with the next call
+        assert (first == []) == overlap
+        emitted = [token for _, tokens, _ in first for token in tokens]
+        while controller.has_unfinished_requests():
+            emitted += [token for rid, tokens, _ in controller.step() if rid == request_id for token in tokens]
+        assert emitted == list(controller.result(request_id).output_tokens)
+
+
+class _FailingProposer(Proposer):
+    """Drafts of the wrong shape on the ``fail_at``-th call, zeros otherwise."""
+
+    def __init__(self, fail_at: int):
+        self.fail_at, self.calls = fail_at, 0
+
+    def bind(self, controller):
+        super().bind(controller)
+        self.num_speculative_tokens = controller.config.num_speculative_tokens
+
+    def propose(self, batch):
+        self.calls += 1
+        rows = batch.num_sampling_requests + (1 if self.calls == self.fail_at else 0)
+        return torch.zeros(rows, self.num_speculative_tokens, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_that_raises_aborts_its_batch_and_the_controller_stays_usable(models, overlap):
+    """Before: every later step raised 'a step is in flight' forever, blocks leaked."""
+    model, _ = models
+    controller = make_controller(model, 2, proposer=_FailingProposer(fail_at=3), overlap_scheduling=overlap)
+    ids = [controller.add_request(list(prompt), SamplingParams(max_new_tokens=5)) for prompt in PROMPTS[:2]]
+    with pytest.raises(TypeError, match="propose must return"):
+        while controller.has_unfinished_requests():
+            controller.step()
+    assert all(controller.result(rid).finish_reason == FinishReason.ABORTED for rid in ids)
+    context = controller.context
+    assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
+    plain = make_controller(model, 0).generate([list(PROMPTS[2])], SamplingParams(max_new_tokens=4))
+    assert controller.generate([list(PROMPTS[2])], SamplingParams(max_new_tokens=4))[0].output_tokens == \
+        plain[0].output_tokens
+
+
+def test_a_raising_hook_aborts_and_accept_tokens_cannot_drop_tokens_silently(models):
+    model, _ = models
+
+    class Truncating(TextGenerationController):
+        def accept_tokens(self, record, new_tokens):
+            return new_tokens[:1], None  # drops verified tokens without finishing: refused
+
+    controller = Truncating(model, make_controller(model, 2).config)
+    with pytest.raises(ValueError, match="accept_tokens must keep"):
+        controller.generate([list(PROMPTS[0])], SamplingParams(max_new_tokens=6))
+    assert controller.context.table.num_live == 0
+
+    class Exploding(TextGenerationController):
+        def on_step_end(self, outputs):
+            raise RuntimeError("hook failed")
+
+    controller = Exploding(model, make_controller(model, 1).config)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        controller.generate([list(PROMPTS[0])], SamplingParams(max_new_tokens=6))
+    assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
+
+
+def test_accept_tokens_override_runs_per_request_and_equals_the_default(models):
+    model, _ = models
+
+    class Recording(TextGenerationController):
+        calls = 0
+
+        def accept_tokens(self, record, new_tokens):
+            Recording.calls += 1
+            return super().accept_tokens(record, new_tokens)
+
+    params = SamplingParams(max_new_tokens=7, eos_token_ids=(3,))
+    want = make_controller(model, 2).generate([list(p) for p in PROMPTS], params)
+    got = Recording(model, make_controller(model, 2).config).generate([list(p) for p in PROMPTS], params)
+    assert [r.output_tokens for r in got] == [r.output_tokens for r in want] and Recording.calls > 0
+
+
+def test_finished_results_are_bounded_and_popped(models):
+    """A long-running step-API server: records of finished requests do not grow without bound
+    (before: every record was kept forever)."""
+    model, _ = models
+    controller = make_controller(model, 1, finished_results_kept=3)
+    tracemalloc.start()
+    sizes = []
+    for round_index in range(6):
+        ids = [controller.add_request([5 + index, 7], SamplingParams(max_new_tokens=1)) for index in range(8)]
+        while controller.has_unfinished_requests():
+            controller.step()
+        assert len(controller._records) <= 3
+        assert controller.pop_result(ids[-1]).output_tokens
+        with pytest.raises(ValueError, match="unknown request_id"):
+            controller.result(ids[0])  # pushed out by newer results
+        sizes.append(tracemalloc.get_traced_memory()[0])
+    tracemalloc.stop()
+    assert sizes[-1] <= sizes[1] + 64 * 1024  # flat, give or take allocator noise
+
+
+def test_hybrid_model_overlap_equals_plain(models):
+    from tests.unit.hybrid_fixtures import build_hybrid_model
+
+    model = build_hybrid_model()
+    prompts = [list(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=6)
+    plain = make_controller(model, 0, overlap_scheduling=False).generate(prompts, params)
+    spec = make_controller(model, 2, overlap_scheduling=True, num_kv_blocks=14).generate(prompts, params)
+    assert [r.output_tokens for r in spec] == [r.output_tokens for r in plain]
