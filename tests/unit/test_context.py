@@ -1,8 +1,11 @@
-"""DynamicInferenceContext: step metadata by hand, chunked prefill, padded buckets, KV
-exhaustion, commit_step against rewind_kv_cache on the device rows, and bad input."""
+"""DynamicInferenceContext: step metadata by hand (after prepare_inputs), chunked prefill,
+padded buckets, KV exhaustion, the worst-case block reserve of the overlapped loop, random
+steps with the device step simulated on the CPU (prepare_inputs, rewind, commit_readback), and
+bad input."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +17,7 @@ from mtp_ctrl.state import (
     MambaSpec,
     RowGroup,
 )
-from mtp_ctrl.triton_ops import rewind_kv_cache
+from mtp_ctrl.triton_ops.reference import rewind_kv_cache
 
 KV_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 
@@ -34,33 +37,50 @@ def make_context(**overrides):
     return DynamicInferenceContext(**args)
 
 
-def run_device_rewind(ctx, step, accepted):
-    """What the controller does on the device between build_step and commit_step."""
+def device_rewind(ctx, step, accepted):
+    """What verify_and_commit(keep_released_blocks=True) does to the KV rows: rewind each decode
+    request past its rejected drafts, keeping every block id (the rewind sees a copy of them)."""
     n = step.num_requests
     accepted_counts = torch.zeros(n, dtype=torch.int64)  # [n] int64, prefill rows ignored
-    accepted_counts[: step.num_decode] = torch.as_tensor(accepted, dtype=torch.int64)
+    accepted_counts[: step.num_decode] = torch.as_tensor(np.asarray(accepted, dtype=np.int64))
     rows = ctx.table.device
-    blocks, remove = rewind_kv_cache(
+    rewind_kv_cache(
         accepted_counts,
         rows.prefill_status[:n],
         rows.last_kv_block_offset[:n],
         rows.kv_length_offsets[:n],
         rows.kv_block_counts[:n],
         rows.last_kv_block_id[:n],
-        rows.kv_block_ids[:n],
+        rows.kv_block_ids[:n].clone(),
         ctx.num_speculative_tokens,
         ctx.allocator.block_size_tokens,
     )
-    return sorted(blocks[remove].tolist())
+
+
+def run_device_step(ctx, step, accepted):
+    """The device half of a step: prepare_inputs, check every real row has a KV slot in a block
+    the host gave, then the rewind."""
+    ctx.prepare_inputs(step)
+    rows = step.attention.num_actual_tokens
+    assert (step.attention.slot_mapping[:rows] >= 0).all()
+    assert (ctx.table.device.kv_block_counts[: step.num_requests].numpy()
+            <= ctx.table.host.block_counts[: step.num_requests]).all()
+    device_rewind(ctx, step, accepted)
 
 
 def step_and_commit(ctx, accepted=None):
     step = ctx.build_step()
-    accepted = [0] * step.num_decode if accepted is None else accepted
-    run_device_rewind(ctx, step, accepted)
-    ctx.commit_step(step, accepted)
-    assert ctx.table.mismatched_fields() == []
+    accepted = np.zeros(step.num_decode, np.int64) if accepted is None else np.asarray(accepted, np.int64)
+    run_device_step(ctx, step, accepted)
+    ctx.commit_readback(step, accepted)
+    assert ctx.table.mismatched_rows() == []
     return step
+
+
+def held_blocks(ctx):
+    host, live = ctx.table.host, ctx.table.num_live
+    held = host.block_ids[:live]
+    return held[held >= 0].tolist()
 
 
 def test_hand_computed_step_of_two_decodes_and_a_prefill_chunk():
@@ -72,16 +92,21 @@ def test_hand_computed_step_of_two_decodes_and_a_prefill_chunk():
     first = step_and_commit(ctx)
     assert first.num_prefill == 2 and first.num_final_prefill_chunks == 2
     assert first.logits_indices.tolist() == [4, 7]  # the last row of each prompt
-    assert ctx.table.request_ids_in(RowGroup.DECODE) == [0, 1]
+    assert first.host_first_positions.tolist() == [0, 0]
+    assert ctx.table.request_ids_in(RowGroup.PREFILL) == [0, 1]  # decode from the next build_step
 
     ctx.table.next_tokens[:2] = torch.tensor([15, 23])
     ctx.table.draft_tokens[:2] = torch.tensor([[16, 17], [24, 25]])
     ctx.add_request(2, list(range(30, 40)))
     step = ctx.build_step()
+    assert ctx.table.request_ids_in(RowGroup.DECODE) == [0, 1]
+    ctx.prepare_inputs(step)
     att = step.attention
     assert step.request_ids == (0, 1, 2)
     assert (step.num_decode, step.num_prefill, step.num_final_prefill_chunks) == (2, 1, 0)
     assert step.num_sampling_requests == 2
+    assert step.host_query_lengths.tolist() == [3, 3, 6]
+    assert step.host_first_positions.tolist() == [-1, -1, 0]  # decode positions: the device's
     assert step.input_ids.tolist() == [15, 16, 17, 23, 24, 25, 30, 31, 32, 33, 34, 35]
     assert att.positions.tolist() == [5, 6, 7, 3, 4, 5, 0, 1, 2, 3, 4, 5]
     # request 0: blocks [0, 1]; request 1: [2] + new 3; request 2: new [4, 5]
@@ -98,14 +123,17 @@ def test_hand_computed_step_of_two_decodes_and_a_prefill_chunk():
     assert rows.kv_block_counts[:3].tolist() == [2, 2, 2]
     assert rows.last_kv_block_id[:3].tolist() == [1, 3, 5]
     assert rows.prefill_status[:3].tolist() == [0, 0, 1]
+    assert ctx.table.host.known_lengths[:3].tolist() == [5, 3, 6]  # decodes: as of the last read-back
 
-    # request 0 accepts both drafts; request 1 none: it rewinds back into block 2 and frees 3
-    assert run_device_rewind(ctx, step, [2, 0]) == [3]
-    ctx.commit_step(step, [2, 0])
-    assert ctx.table.mismatched_fields() == []
-    assert ctx.table.host.kv_length_offsets[:3].tolist() == [8, 4, 6]
-    assert not ctx.allocator.is_allocated(3)
-    assert ctx.allocator.num_allocated_blocks == 5
+    # request 0 accepts both drafts; request 1 none: it rewinds back into block 2, keeps block 3
+    device_rewind(ctx, step, [2, 0])
+    assert rows.kv_length_offsets[:3].tolist() == [8, 4, 6]
+    assert rows.kv_block_counts[:3].tolist() == [2, 1, 2] and rows.last_kv_block_id[:3].tolist() == [1, 2, 5]
+    ctx.commit_readback(step, np.array([2, 0]))
+    assert ctx.table.mismatched_rows() == []
+    assert ctx.table.host.known_lengths[:3].tolist() == [8, 4, 6]
+    assert ctx.table.host.block_ids[1, :2].tolist() == [2, 3] and ctx.allocator.is_allocated(3)
+    assert ctx.allocator.num_allocated_blocks == 6
 
 
 def test_chunked_prefill_under_the_token_budget():
@@ -116,16 +144,22 @@ def test_chunked_prefill_under_the_token_budget():
     for expected_rows in (4, 4, 2):
         step = step_and_commit(ctx)
         assert step.num_prefill == 1 and step.attention.num_actual_tokens == expected_rows
+        assert step.attention.positions.tolist() == list(range(len(seen), len(seen) + expected_rows))
         seen += step.input_ids.tolist()
         final = expected_rows == 2
         assert step.num_final_prefill_chunks == int(final)
         assert step.logits_indices.tolist() == ([expected_rows - 1] if final else [])
     assert seen == prompt
-    assert ctx.table.group_of(7) == RowGroup.DECODE
-    assert ctx.table.host.kv_length_offsets[0] == 10 and ctx.table.host.prefill_status[0] == 0
+    assert ctx.table.group_of(7) == RowGroup.PREFILL and ctx.needs_sync()
+    assert ctx.table.host.known_lengths[0] == 10
+    ctx.table.next_tokens[0] = 110
+    ctx.table.draft_tokens[0] = torch.tensor([111, 112, 113])
     decode = step_and_commit(ctx, [3])
+    assert ctx.table.group_of(7) == RowGroup.DECODE
+    assert ctx.table.host.prefill_status[0] == 0 and ctx.table.device.prefill_status[0] == 0
+    assert decode.input_ids.tolist() == [110, 111, 112, 113]
     assert decode.attention.positions.tolist() == [10, 11, 12, 13]
-    assert ctx.table.host.kv_length_offsets[0] == 14
+    assert ctx.table.host.known_lengths[0] == 14
 
 
 def test_decode_step_padded_to_a_cuda_graph_bucket():
@@ -135,24 +169,28 @@ def test_decode_step_padded_to_a_cuda_graph_bucket():
     step_and_commit(ctx)
     ctx.add_request(9, [4, 5])
     ctx.pause_request(9)  # a paused row sits in the padding rows and must stay untouched
-    ctx.table.draft_tokens[3] = -1  # whatever a paused row's tokens are, padding reads none
-    before = ctx.table.host.kv_block_ids[3].clone()
+    before = ctx.table.host.block_ids[3].copy()
     step = ctx.build_step()
+    ctx.prepare_inputs(step)
     att = step.attention
     assert step.dimensions == BatchDimensions.decode_only(4, 2)
     assert (step.num_decode, step.num_prefill) == (3, 0)
-    assert step.input_ids.shape == (12,) and step.input_ids[9:].tolist() == [0, 0, 0]
-    assert att.slot_mapping[9:].tolist() == [-1, -1, -1]
+    assert step.request_ids == (0, 1, 2) and ctx.table.row_of(9) == 3
+    assert step.input_ids.shape == (12,)
+    assert att.slot_mapping[9:].tolist() == [-1, -1, -1]  # padding rows write no KV
     assert att.positions[9:].tolist() == [0, 0, 0]
+    assert att.positions[:9].tolist() == [3, 4, 5] * 3
     assert att.query_start_loc.tolist() == [0, 3, 6, 9, 9]
     assert att.seq_lens.tolist() == [6, 6, 6, 0]
     assert att.block_table[3].tolist() == [-1] * ctx.max_blocks_per_request
-    assert att.num_actual_tokens == 9
+    assert att.num_actual_tokens == 9 and att.max_seq_len == ctx.max_blocks_per_request * 4
+    assert int(step.num_active[0]) == 3
     assert step.logits_indices.tolist() == list(range(12))
-    run_device_rewind(ctx, step, [1, 2, 0])
-    ctx.commit_step(step, [1, 2, 0])
-    assert torch.equal(ctx.table.host.kv_block_ids[3], before)
-    assert ctx.table.mismatched_fields() == []
+    assert ctx.table.device.kv_length_offsets[3] == 0  # the paused row's KV length is untouched
+    device_rewind(ctx, step, [1, 2, 0])
+    ctx.commit_readback(step, np.array([1, 2, 0]))
+    assert np.array_equal(ctx.table.host.block_ids[3], before)
+    assert ctx.table.mismatched_rows() == []
 
     ctx.add_request(3, [1])
     step_and_commit(ctx)
@@ -160,128 +198,209 @@ def test_decode_step_padded_to_a_cuda_graph_bucket():
     step = ctx.build_step()  # a prefill chunk in the step: eager, exact dimensions
     assert (step.num_decode, step.num_prefill) == (4, 1)
     assert step.dimensions == BatchDimensions(token_count=14, decode_request_count=4, prefill_request_count=1)
-    run_device_rewind(ctx, step, [0] * 4)
-    ctx.commit_step(step, [0] * 4)
+    run_device_step(ctx, step, [0] * 4)
+    ctx.commit_readback(step, np.zeros(4, np.int64))
     step = ctx.build_step()  # 5 decode requests: above every bucket, eager
     assert step.dimensions == BatchDimensions.decode_only(5, 2) and step.attention.num_actual_tokens == 15
 
 
 def test_pause_on_kv_exhaustion_and_resume_when_blocks_free_up():
-    """bs = 2, S = 1: pool of 5 blocks (one request of max_model_len 8 + 1 draft)."""
+    """bs = 2, S = 1, max_model_len 8: a request holds at most ceil((8 + 4) / 2) = 6 blocks;
+    pool of 7. Two 5-token prompts take 3 blocks each, 1 is left."""
     ctx = make_context(max_requests=2, max_model_len=8, block_size_tokens=2, num_speculative_tokens=1,
-                       max_tokens_per_step=8, num_blocks=5)
-    ctx.add_request(0, [1, 2, 3, 4])
-    ctx.add_request(1, [5, 6, 7, 8])
-    step_and_commit(ctx)  # 2 + 2 blocks taken, 1 free
+                       max_tokens_per_step=10, num_blocks=7)
+    ctx.add_request(0, [1, 2, 3, 4, 5])
+    ctx.add_request(1, [5, 6, 7, 8, 9])
+    step_and_commit(ctx)
+    assert ctx.allocator.num_free_blocks == 1
     ctx.table.next_tokens[:2] = torch.tensor([40, 50])
     ctx.table.draft_tokens[:2] = torch.tensor([[41], [51]])
-    step = ctx.build_step()  # both need a block for positions 4, 5: only request 0 gets it
-    assert step.request_ids == (0,) and step.input_ids.tolist() == [40, 41]
+    step = ctx.build_step()  # both need a 4th block for positions 5, 6: only request 0 gets it
+    assert step.request_ids == (0,)
     assert ctx.table.group_of(1) == RowGroup.PAUSED
     paused_row = ctx.table.row_of(1)
-    assert ctx.table.host.kv_length_offsets[paused_row] == 4
-    assert ctx.table.host.kv_block_ids[paused_row, :2].tolist() == [2, 3]
-    run_device_rewind(ctx, step, [1])
-    ctx.commit_step(step, [1])
-    assert ctx.table.mismatched_fields() == []
+    assert ctx.table.host.known_lengths[paused_row] == 5
+    assert ctx.table.host.block_ids[paused_row, :4].tolist() == [3, 4, 5, -1]
+    run_device_step(ctx, step, [1])
+    assert step.input_ids.tolist() == [40, 41]
+    ctx.commit_readback(step, np.array([1]))
+    assert ctx.table.mismatched_rows() == []
     assert ctx.allocator.num_free_blocks == 0
 
+    assert ctx.needs_sync()  # a request waits for blocks
     with pytest.raises(KVCacheFullError, match="no live request can get a KV block"):
-        ctx.build_step()  # request 0 needs a 4th block too: nobody can run
+        ctx.build_step()  # request 0 (7 tokens) needs a 5th block too: nobody can run
     assert ctx.table.group_of(0) == RowGroup.PAUSED and ctx.table.group_of(1) == RowGroup.PAUSED
 
     ctx.finish_request(0)
-    assert ctx.allocator.num_free_blocks == 3
+    assert ctx.allocator.num_free_blocks == 4
     step = ctx.build_step()  # request 1 resumes with its tokens and state
-    assert step.request_ids == (1,) and step.input_ids.tolist() == [50, 51]
-    assert step.attention.positions.tolist() == [4, 5]
-    run_device_rewind(ctx, step, [0])
-    ctx.commit_step(step, [0])
-    assert ctx.table.mismatched_fields() == []
+    assert step.request_ids == (1,) and ctx.table.group_of(1) == RowGroup.DECODE
+    run_device_step(ctx, step, [0])
+    assert step.input_ids.tolist() == [50, 51]
+    assert step.attention.positions.tolist() == [5, 6]
+    ctx.commit_readback(step, np.array([0]))
+    assert ctx.table.mismatched_rows() == []
 
 
 def test_rewind_across_two_blocks_when_drafts_outnumber_the_block_size():
     """bs = 2, S = 3: 3 cached tokens (blocks [0, 1]) + 4 rows -> 7 tokens in 4 blocks; no draft
-    accepted -> back to 4 tokens: blocks 2 and 3 are freed by one rewind."""
+    accepted -> back to 4 tokens in 2 blocks. Blocks 2 and 3 stay the request's reserve: the
+    next step writes into them without taking a new block."""
     ctx = make_context(block_size_tokens=2, num_speculative_tokens=3, max_tokens_per_step=16)
     ctx.add_request(0, [1, 2, 3])
     step_and_commit(ctx)
     step = ctx.build_step()
-    assert ctx.table.device.kv_block_ids[0, :4].tolist() == [0, 1, 2, 3]
-    assert run_device_rewind(ctx, step, [0]) == [2, 3]
-    ctx.commit_step(step, [0])
-    assert ctx.table.mismatched_fields() == []
-    assert ctx.table.host.kv_block_ids[0, :4].tolist() == [0, 1, -1, -1]
-    assert ctx.allocator.num_allocated_blocks == 2
+    ctx.prepare_inputs(step)
+    assert ctx.table.device.kv_block_ids[0, :5].tolist() == [0, 1, 2, 3, -1]
+    assert ctx.table.device.kv_block_counts[0] == 4
+    device_rewind(ctx, step, [0])
+    assert ctx.table.device.kv_length_offsets[0] == 4 and ctx.table.device.kv_block_counts[0] == 2
+    assert ctx.table.device.last_kv_block_id[0] == 1
+    ctx.commit_readback(step, np.array([0]))
+    assert ctx.table.mismatched_rows() == []
+    assert ctx.table.host.block_ids[0, :5].tolist() == [0, 1, 2, 3, -1]
+    assert ctx.allocator.num_allocated_blocks == 4
+
+    step = ctx.build_step()  # 4 + 4 tokens fit the 4 blocks held
+    ctx.prepare_inputs(step)
+    assert ctx.allocator.num_allocated_blocks == 4
+    assert step.attention.positions.tolist() == [4, 5, 6, 7]
+    assert step.attention.slot_mapping.tolist() == [4, 5, 6, 7]  # blocks 2 and 3
+    ctx.finish_request(0)
+    assert ctx.allocator.num_free_blocks == ctx.allocator.num_blocks
 
 
 def test_prefill_chunk_leaves_the_decodes_next_blocks_and_waits_behind_a_paused_decode():
-    """bs = 1, S = 1 (a decode step needs 2 blocks), pool of 9 blocks. A prefill chunk takes only
-    the free blocks that the running decodes will not need next step, so it cannot starve them."""
+    """bs = 1, S = 1 (a decode step needs 2 blocks), max_model_len 8 (12 blocks per request),
+    pool of 12. A prefill chunk takes only the free blocks that the running decodes will not
+    need next step, so it cannot starve them."""
     ctx = make_context(max_requests=2, max_model_len=8, block_size_tokens=1, num_speculative_tokens=1,
-                       max_tokens_per_step=8, num_blocks=9)
+                       max_tokens_per_step=8, num_blocks=12)
     ctx.add_request(0, [1, 2, 3])
     step_and_commit(ctx)  # 3 blocks
     ctx.add_request(1, [4, 5, 6, 7, 8, 9, 10, 11])
-    step = ctx.build_step()  # decode 0 takes 2 blocks; of the 4 left, 2 are kept for its next step
-    assert step.attention.query_start_loc.tolist() == [0, 2, 4]
-    assert step.input_ids[2:].tolist() == [4, 5] and step.num_final_prefill_chunks == 0
-    run_device_rewind(ctx, step, [0])
-    ctx.commit_step(step, [0])  # request 0 keeps 4 tokens: 1 block back
-    assert ctx.allocator.num_free_blocks == 3
+    step = ctx.build_step()  # decode 0 takes 2 blocks; of the 7 left, 2 are kept for its next step
+    assert step.attention.query_start_loc.tolist() == [0, 2, 7]
+    assert step.input_ids[2:].tolist() == [4, 5, 6, 7, 8] and step.num_final_prefill_chunks == 0
+    run_device_step(ctx, step, [0])
+    ctx.commit_readback(step, np.array([0]))  # request 0 keeps 4 tokens; its 5th block stays held
+    assert ctx.allocator.num_free_blocks == 2
 
-    step = ctx.build_step()  # decode 0 takes 2 (1 left, less than its next 2): no prefill chunk
+    step = ctx.build_step()  # decode 0 takes 1 (1 left, less than its next 2): no prefill chunk
     assert step.request_ids == (0,)
-    run_device_rewind(ctx, step, [1])
-    ctx.commit_step(step, [1])  # both rows accepted: request 0 holds 6 tokens
+    run_device_step(ctx, step, [1])
+    ctx.commit_readback(step, np.array([1]))  # both rows accepted: request 0 holds 6 tokens
     assert ctx.allocator.num_free_blocks == 1
 
     with pytest.raises(KVCacheFullError):
         ctx.build_step()  # decode 0 needs 2 blocks: paused; the prefill may not take the free one
     assert ctx.table.group_of(0) == RowGroup.PAUSED
     assert ctx.allocator.num_free_blocks == 1
-    assert ctx.table.host.kv_length_offsets[ctx.table.row_of(1)] == 2
+    assert ctx.table.host.known_lengths[ctx.table.row_of(1)] == 5
 
     ctx.finish_request(1)
     step = ctx.build_step()
+    ctx.prepare_inputs(step)
     assert step.request_ids == (0,) and step.attention.positions.tolist() == [6, 7]
+
+
+def test_reserve_covers_the_steps_in_flight():
+    """bs = 4, S = 2: a decode request of 5 tokens holds blocks for 5 + 3 = 8 tokens (2 blocks);
+    building the next step before the read-back (1 step in flight) raises that to 5 + 2 * 3 = 11
+    tokens (3 blocks), so the device never needs a block the host has not given it."""
+    ctx = make_context()
+    ctx.add_request(0, [1, 2, 3, 4, 5])
+    step_and_commit(ctx)
+    assert ctx.needs_sync()  # the final prefill chunk ran: the request moves to the decode rows
+    first = ctx.build_step()
+    assert not ctx.needs_sync()
+    assert ctx.table.host.block_counts[0] == 2
+    run_device_step(ctx, first, [2])  # the device is at 8 tokens; the host still knows 5
+    second = ctx.build_step(steps_in_flight=1)
+    assert ctx.table.host.block_counts[0] == 3 == ctx.blocks_for(5 + 2 * 3)
+    ctx.commit_readback(first, np.array([2]))
+    assert ctx.table.host.known_lengths[0] == 8
+    run_device_step(ctx, second, [0])
+    assert second.attention.positions.tolist() == [8, 9, 10]
+    assert second.attention.slot_mapping.tolist() == [2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2]
+    ctx.commit_readback(second, np.array([0]))
+    assert ctx.table.host.known_lengths[0] == 9 and ctx.table.mismatched_rows() == []
+
+
+def test_needs_sync_when_the_reserve_would_not_fit():
+    """bs = 4, S = 2, pool of 5: two 4-token decodes hold 2 blocks each (4 + 3 tokens); a step in
+    flight would need 3 each (4 + 6 tokens), 2 more than the 1 free block."""
+    ctx = make_context(max_requests=2, max_model_len=8, max_tokens_per_step=8, num_blocks=5)
+    ctx.add_request(0, [1, 2, 3, 4])
+    ctx.add_request(1, [5, 6, 7, 8])
+    assert not ctx.needs_sync()  # nothing to move yet
+    step_and_commit(ctx)
+    assert ctx.needs_sync()
+    step = ctx.build_step()
+    assert ctx.allocator.num_free_blocks == 1
+    assert ctx.needs_sync()
+    with pytest.raises(RuntimeError, match="commit the step in flight first"):
+        ctx.build_step(steps_in_flight=1)
+    run_device_step(ctx, step, [0, 0])
+    ctx.commit_readback(step, np.zeros(2, np.int64))
+    assert ctx.table.mismatched_rows() == []
 
 
 @pytest.mark.parametrize(
     "block_size_tokens, num_speculative_tokens",
     [(4, 2), (2, 3), (1, 2)],  # the last two have S >= block_size: a rewind may cross several blocks
 )
-def test_commit_matches_rewind_kv_cache_over_random_steps(block_size_tokens, num_speculative_tokens):
+def test_random_overlapped_steps_keep_host_and_device_in_step(block_size_tokens, num_speculative_tokens):
+    """Random admissions, steps (one step in flight whenever needs_sync allows), accepted counts
+    and finishes; the device step is simulated on the CPU. Whenever nothing is in flight the
+    host's block table and known lengths equal the device's; no block is held twice or lost."""
     rng = random.Random(block_size_tokens * 10 + num_speculative_tokens)
+    stride = num_speculative_tokens + 1
     ctx = make_context(
         max_requests=3,
         max_model_len=24,
         block_size_tokens=block_size_tokens,
         num_speculative_tokens=num_speculative_tokens,
-        max_tokens_per_step=3 * (num_speculative_tokens + 1) + 2,
+        max_tokens_per_step=3 * stride + 2,
         num_blocks=60,
     )
-    next_id = 0
-    for _ in range(12):
+    host = ctx.table.host
+    next_id, pending, overlapped = 0, None, 0
+    for _ in range(30):
+        short = host.known_lengths[: ctx.table.num_live].max(initial=0) <= 10  # far from max_model_len
+        if pending is not None and short and not ctx.needs_sync() and rng.random() < 0.7:
+            step = ctx.build_step(steps_in_flight=1)  # built before the previous read-back
+            overlapped += 1
+            decode = slice(0, step.num_decode)
+            assert (host.block_counts[decode] >= ctx.blocks_for(host.known_lengths[decode] + 2 * stride)).all()
+            accepted = np.array([rng.randrange(stride) for _ in range(step.num_decode)], dtype=np.int64)
+            run_device_step(ctx, step, accepted)
+            ctx.commit_readback(*pending)
+            pending = (step, accepted)
+            continue
+        if pending is not None:
+            ctx.commit_readback(*pending)
+            pending = None
+            assert ctx.table.mismatched_rows() == []
+            held = held_blocks(ctx)
+            assert len(held) == len(set(held)) == ctx.allocator.num_allocated_blocks
+            for request_id in host.request_ids[: ctx.table.num_live].tolist():
+                if host.known_lengths[ctx.table.row_of(request_id)] > 10:
+                    ctx.finish_request(request_id)
         while ctx.num_free_rows:
             ctx.add_request(next_id, [rng.randrange(50) for _ in range(rng.randrange(1, 9))])
             next_id += 1
         step = ctx.build_step()
-        accepted = [rng.randrange(num_speculative_tokens + 1) for _ in range(step.num_decode)]
-        released = run_device_rewind(ctx, step, accepted)
-        free_before = ctx.allocator.num_free_blocks
-        ctx.commit_step(step, accepted)
-        assert ctx.allocator.num_free_blocks == free_before + len(released)
-        assert ctx.table.mismatched_fields() == []
-        host = ctx.table.host
-        held = host.kv_block_ids[: ctx.table.num_live]
-        held = held[held >= 0].tolist()
-        assert len(held) == len(set(held)) == ctx.allocator.num_allocated_blocks
-        assert torch.equal(host.kv_block_counts[: ctx.table.num_live],
-                           -(-host.kv_length_offsets[: ctx.table.num_live] // block_size_tokens))
-        for request_id in step.request_ids:
-            if request_id in ctx and host.kv_length_offsets[ctx.table.row_of(request_id)] > 14:
-                ctx.finish_request(request_id)
+        accepted = np.array([rng.randrange(stride) for _ in range(step.num_decode)], dtype=np.int64)
+        run_device_step(ctx, step, accepted)
+        pending = (step, accepted)
+    ctx.commit_readback(*pending)
+    assert ctx.table.mismatched_rows() == []
+    assert overlapped > 3 and next_id > 3
+    for request_id in host.request_ids[: ctx.table.num_live].tolist():
+        ctx.finish_request(request_id)
+    assert ctx.allocator.num_free_blocks == ctx.allocator.num_blocks  # no block leaked
 
 
 def test_mamba_slots_follow_requests():
@@ -347,33 +466,32 @@ def test_step_errors():
     assert ctx.build_step() is None
     ctx.add_request(0, [1, 2, 3])
     step = ctx.build_step()
-    with pytest.raises(RuntimeError, match="a step is in flight"):
-        ctx.build_step()
-    with pytest.raises(RuntimeError, match="a step is in flight"):
-        ctx.finish_request(0)
-    ctx.add_request(1, [4])  # admitting is fine mid-step: the new row lies past the step's rows
+    ctx.prepare_inputs(step)
+    ctx.add_request(1, [4])  # admitting is fine after a build: the new row lies past the step's rows
     with pytest.raises(ValueError, match="has 1 entries, the step has 0"):
-        ctx.commit_step(step, [1])
-    ctx.commit_step(step, [])
-    with pytest.raises(ValueError, match="not the step in flight"):
-        ctx.commit_step(step, [])
-    step = ctx.build_step()
-    with pytest.raises(ValueError, match=r"must lie in \[0, 2\]"):
-        ctx.commit_step(step, [3])
-    with pytest.raises(TypeError, match="int32 or int64"):
-        ctx.commit_step(step, torch.tensor([1.0]))
-    ctx.commit_step(step, [2])
+        ctx.commit_readback(step, np.array([1]))
+    ctx.commit_readback(step, np.zeros(0, np.int64))
+    with pytest.raises(RuntimeError, match="commit the step in flight first"):
+        ctx.build_step(steps_in_flight=1)  # request 0's final chunk ran: rows must move
 
 
-def test_request_at_max_model_len_must_be_finished():
+def test_request_at_max_model_len_runs_a_step_past_its_stop():
+    """A request holds up to ceil((max_model_len + 2 (1 + S)) / bs) blocks: a request of
+    max_model_len tokens can still run the step in flight and one more before the host stops it."""
     ctx = make_context(max_model_len=6)
+    assert ctx.max_blocks_per_request == 3  # ceil((6 + 6) / 4)
     ctx.add_request(0, [1] * 6)
-    step_and_commit(ctx)  # prompt of max_model_len tokens: its sampled token completes it
-    with pytest.raises(ValueError, match="reached max_model_len"):
-        ctx.build_step()
+    step_and_commit(ctx)
+    first = ctx.build_step()
+    run_device_step(ctx, first, [2])
+    second = ctx.build_step(steps_in_flight=1)
+    ctx.commit_readback(first, np.array([2]))
+    run_device_step(ctx, second, [2])
+    ctx.commit_readback(second, np.array([2]))
+    assert ctx.table.host.known_lengths[0] == 12 == ctx.max_blocks_per_request * 4
+    assert ctx.table.mismatched_rows() == []
     ctx.finish_request(0)
     assert ctx.allocator.num_free_blocks == ctx.allocator.num_blocks
-
 
 def test_constructor_errors():
     with pytest.raises(ValueError, match="max_tokens_per_step"):
@@ -381,7 +499,7 @@ def test_constructor_errors():
     with pytest.raises(ValueError, match="exactly one of num_blocks and kv_cache_bytes"):
         make_context(kv_cache_bytes=1024)
     with pytest.raises(ValueError, match="cannot hold one request"):
-        make_context(num_blocks=8)  # ceil((32 + 2) / 4) = 9 blocks
+        make_context(num_blocks=9)  # ceil((32 + 2 * 3) / 4) = 10 blocks
     with pytest.raises(ValueError, match="block_size_tokens"):
         make_context(block_size_tokens=0)
     with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):

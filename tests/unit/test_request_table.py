@@ -1,4 +1,4 @@
-"""RequestTable: row groups, moves mirrored on host and device, the one staging copy."""
+"""RequestTable: row groups, moves mirrored on host (numpy) and device rows, the one staging copy."""
 
 import random
 
@@ -16,12 +16,16 @@ def make_table(max_requests=6, max_blocks=3, num_speculative_tokens=2):
 
 
 def fill_row(table, request_id):
-    """Give a request's row distinct values on host and device (as a step's copy would)."""
+    """Give a request's row distinct values on host and device (as admission and a step would)."""
     row = table.row_of(request_id)
-    table.host.kv_length_offsets[row] = 100 + request_id
-    table.host.kv_block_ids[row, 0] = request_id
+    table.host.known_lengths[row] = 100 + request_id
+    table.host.block_ids[row, 0] = request_id
+    table.host_rows_extra[row] = 4000 + request_id
+    table.device.kv_length_offsets[row] = 100 + request_id
+    table.device.kv_block_ids[row, 0] = request_id
     table.next_tokens[row] = 1000 + request_id
     table.draft_tokens[row] = torch.tensor([2000, 3000]) + request_id
+    table.device_rows_extra[row] = 5000 + request_id
 
 
 def test_staging_buffers_one_copy_of_mixed_dtypes():
@@ -34,6 +38,14 @@ def test_staging_buffers_one_copy_of_mixed_dtypes():
     assert torch.equal(buffers.device["a"], torch.tensor([1, 2, 3]))
     assert torch.equal(buffers.device["b"], torch.tensor([[4, 5], [6, 7]], dtype=torch.int32))
     assert buffers.nbytes == 128  # two 64-byte aligned sections
+    # double-buffered: the next step writes the other host buffer; the device keeps the last copy
+    buffers.wait_until_host_writable()
+    assert int(buffers.host["a"].sum()) == 0
+    buffers.host["a"][:] = torch.tensor([7, 8, 9])
+    assert torch.equal(buffers.device["a"], torch.tensor([1, 2, 3]))
+    buffers.copy_to_device()
+    assert torch.equal(buffers.device["a"], torch.tensor([7, 8, 9]))
+    assert torch.equal(buffers.host["a"], torch.tensor([1, 2, 3]))  # back to the first buffer
 
 
 def test_groups_are_contiguous_and_ordered():
@@ -70,6 +82,8 @@ def test_worked_example_of_move():
 def test_moves_carry_every_row_on_both_sides():
     rng = random.Random(0)
     table = make_table()
+    table.host_rows_extra = table.add_host_rows("extra", ())  # caller rows move with their requests
+    table.device_rows_extra = table.add_device_rows("extra", (), torch.int64)
     groups = {}
     next_id = 0
     for _ in range(300):
@@ -81,7 +95,6 @@ def test_moves_carry_every_row_on_both_sides():
             fill_row(table, next_id)
             groups[next_id] = group
             next_id += 1
-            table.staging.copy_to_device()  # the device learns new rows with a step's copy
         elif action < 0.8 and live:
             request_id, group = rng.choice(live), rng.choice(GROUPS)
             table.move(request_id, group)
@@ -92,32 +105,56 @@ def test_moves_carry_every_row_on_both_sides():
             del groups[request_id]
         for group in GROUPS:
             assert sorted(table.request_ids_in(group)) == sorted(r for r, g in groups.items() if g == group)
-        assert table.mismatched_fields() == []
+        assert table.mismatched_rows() == []
         for request_id in groups:
             row = table.row_of(request_id)
-            assert table.host.kv_length_offsets[row] == 100 + request_id
+            assert table.host.request_ids[row] == request_id
+            assert table.host.known_lengths[row] == 100 + request_id
+            assert table.host_rows_extra[row] == 4000 + request_id
+            assert table.device.kv_length_offsets[row] == 100 + request_id
             assert table.device.kv_block_ids[row, 0] == request_id
             assert table.next_tokens[row] == 1000 + request_id
             assert table.draft_tokens[row].tolist() == [2000 + request_id, 3000 + request_id]
+            assert table.device_rows_extra[row] == 5000 + request_id
+    with pytest.raises(ValueError, match="already exist"):
+        table.add_host_rows("extra", ())
+    with pytest.raises(ValueError, match="already exist"):
+        table.add_device_rows("extra", (), torch.int64)
 
 
 def test_mismatch_check_names_fields():
     table = make_table()
     table.insert(5, RowGroup.DECODE)
-    table.staging.copy_to_device()
-    assert table.mismatched_fields() == []
-    table.device.kv_block_counts[0] = 3
+    assert table.mismatched_rows() == []
     table.device.kv_block_ids[0, 1] = 9
-    assert table.mismatched_fields() == ["kv_block_counts", "kv_block_ids"]
+    assert table.mismatched_rows() == ["kv_block_ids"]
+    table.host.block_ids[0, 1] = 9
+    table.device.kv_length_offsets[0] = 3
+    assert table.mismatched_rows() == ["kv_length_offsets"]
+    table.host.known_lengths[0] = 3
+    assert table.mismatched_rows() == []
     table.set_prefill_status(0, 1)
     assert table.host.prefill_status[0] == 1 and table.device.prefill_status[0] == 1
 
 
 def test_free_rows_and_full_table():
     table = make_table(max_requests=2)
-    assert table.host.last_kv_block_id.tolist() == [-1, -1]
-    assert table.host.last_kv_block_offset.tolist() == [3, 3]  # (0 - 1) mod 4: the next row opens a block
-    table.insert(1, RowGroup.PREFILL)
-    table.insert(2, RowGroup.PREFILL)
+    device = table.device
+    assert device.last_kv_block_id.tolist() == [-1, -1] and device.mamba_slot_ids.tolist() == [-1, -1]
+    assert device.last_kv_block_offset.tolist() == [3, 3]  # (0 - 1) mod 4: the next row opens a block
+    table.insert(1, RowGroup.PREFILL, mamba_slot_id=4)
+    assert table.host.mamba_slot_ids[0] == 4 and device.mamba_slot_ids[0] == 4
+    device.kv_length_offsets[0] = 9  # a step ran
+    device.kv_block_ids[0, 0] = 7
+    table.host.block_counts[0], table.host.block_ids[0, 0], table.host.known_lengths[0] = 1, 7, 9
+    table.remove(1)
+    assert table.host.request_ids[0] == -1 and table.host.block_counts[0] == 0
+    assert table.host.block_ids[0].tolist() == [-1, -1, -1]
+    table.insert(2, RowGroup.DECODE)  # the reused row starts fresh on both sides
+    assert table.host.known_lengths[0] == 0 and table.host.prefill_status[0] == 0
+    assert device.kv_length_offsets[0] == 0 and device.kv_block_ids[0].tolist() == [-1, -1, -1]
+    assert device.last_kv_block_offset[0] == 3 and device.last_kv_block_id[0] == -1
+    assert table.mismatched_rows() == []
+    table.insert(3, RowGroup.PREFILL)
     with pytest.raises(RuntimeError, match="full"):
-        table.insert(3, RowGroup.PREFILL)
+        table.insert(4, RowGroup.PREFILL)
