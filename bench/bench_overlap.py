@@ -59,7 +59,8 @@ def _run(model, prompts, num_speculative_tokens, overlap, new_tokens):
     metrics = controller.metrics
     total = sum(wall)
     decode_wall = statistics.median(wall[3:-3]) if len(wall) > 8 else statistics.median(wall)
-    gpu = metrics.gpu_seconds / max(metrics.gpu_steps, 1)
+    gpu_steps = list(metrics.gpu_step_seconds)
+    gpu = statistics.median(gpu_steps[3:-3]) if len(gpu_steps) > 8 else statistics.median(gpu_steps)
     tokens_per_second = metrics.emitted_tokens / total
 
     # a mixed step: batch - 0 decodes running plus one new prompt's chunk, vs a decode-only step

@@ -2,7 +2,7 @@
 
 import collections
 import time
-from typing import Dict, List, Sequence
+from typing import Deque, Dict, List, Sequence
 
 import numpy as np
 
@@ -30,6 +30,7 @@ class GenerationMetrics:
         self.step_seconds = 0.0
         self.gpu_steps = 0
         self.gpu_seconds = 0.0
+        self.gpu_step_seconds: Deque[float] = collections.deque(maxlen=4096)  # the latest steps' GPU times
         self.phase_seconds: Dict[str, float] = collections.defaultdict(float)
         self._started = time.perf_counter()
 
@@ -52,6 +53,7 @@ class GenerationMetrics:
     def record_gpu(self, seconds: float) -> None:
         self.gpu_steps += 1
         self.gpu_seconds += seconds
+        self.gpu_step_seconds.append(seconds)
 
     def record_phase(self, name: str, seconds: float) -> None:
         self.phase_seconds[name] += seconds

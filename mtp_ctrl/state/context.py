@@ -225,8 +225,8 @@ class DynamicInferenceContext:
                 final_chunk_count += 1
                 self._prompts_done[request_id] = None
         padded_batch_size = None if chunks else round_up_batch_size(num_decode, self.cuda_graph_batch_sizes)
-        if padded_batch_size is not None:
-            max_seq_len = self.max_blocks_per_request * self.block_size_tokens  # fixed per graph
+        if not chunks:  # decode-only, graph or eager: one fixed bound, so both run the same attention split
+            max_seq_len = self.max_blocks_per_request * self.block_size_tokens
         else:
             max_seq_len = int(host.block_counts[:num_requests].max()) * self.block_size_tokens
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)

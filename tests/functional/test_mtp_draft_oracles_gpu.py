@@ -19,7 +19,7 @@ REQUEST_PROMPTS = list(PROMPTS[:3])  # 3 real requests: a bucket of 4 pads one
 def models():
     ensure_single_process_groups()
     model, dense = build_models()
-    return model.cuda(), dense.cuda()
+    return model.cuda(), dense  # the dense oracle runs on the CPU (its helpers build CPU tensors)
 
 
 def _config(mode, graphs):
