@@ -18,6 +18,7 @@ Two calls per point: ``forward`` (decoder over B(1 + S) rows, logits of every ro
     python bench/bench_forward.py                      # H100: B = 1, 8, 32 and S = 0, 2
     python bench/bench_forward.py --quick              # toy model, few points
     python bench/bench_forward.py --quick --device cpu # smoke test: eager wall time, no profiler
+    python bench/bench_forward.py --megatron-fusions   # also fuse megatron's bias/residual adds
 """
 
 import argparse
@@ -50,8 +51,10 @@ def init_single_process(device: torch.device) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
-def build_model(shape: dict, device: torch.device, max_sequence_length: int):
+def build_model(shape: dict, device: torch.device, max_sequence_length: int, megatron_fusions: bool = False):
     fields = {name: value for name, value in shape.items() if name != "vocab_size"}
+    if megatron_fusions:  # megatron's torch.compile'd bias+GeLU and bias+dropout+residual (its jit_fuser)
+        fields.update(bias_activation_fusion=True, bias_dropout_fusion=True)
     dtype = torch.bfloat16
     config = TransformerConfig(**fields, hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=dtype,
                                use_cpu_initialization=device.type != "cuda")
@@ -164,6 +167,8 @@ def main():
     parser.add_argument("--context", type=int, default=None, help="tokens per request (default 1024; quick 64)")
     parser.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
     parser.add_argument("--replays", type=int, default=50, help="CUDA-graph replays per timing")
+    parser.add_argument("--megatron-fusions", action="store_true",
+                        help="config.bias_activation_fusion and bias_dropout_fusion (torch.compile'd element-wise glue)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -174,7 +179,8 @@ def main():
     batches, drafts = ((1, 8) if args.quick else (1, 8, 32)), (0, 2)
 
     init_single_process(device)
-    model = build_model(shape, device, max_sequence_length=max(4096, context))
+    model = build_model(shape, device, max_sequence_length=max(4096, context),
+                        megatron_fusions=args.megatron_fusions)
     runners = {"fused": PagedGPTRunner(model, fused_rope=True), "unfused": PagedGPTRunner(model, fused_rope=False)}
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     spec = KVCacheSpec(num_layers=runners["fused"].num_kv_layers, num_kv_heads=shape["num_query_groups"],
@@ -183,6 +189,7 @@ def main():
     bandwidth = copy_bandwidth(device) if gpu else None
     print(f"{torch.cuda.get_device_name() if gpu else 'CPU'}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
           f"parameters, bf16, context {context}, block size {args.block_size}"
+          + (", megatron bias fusions on" if args.megatron_fusions else "")
           + (f", device copy {bandwidth / 1e9:.0f} GB/s" if gpu else ""), flush=True)
 
     rows = []
