@@ -2,10 +2,11 @@
 
 megatron-core calls core attention with ``(query, key, value, attention_mask, ...)`` and a
 layer's token mixer with its hidden states only, so the step's :class:`AttentionMetadata`, the
-KV caches and (for hybrid models) the Mamba state of each request travel through a context
-variable that exactly one context manager sets and always resets::
+KV caches, (for hybrid models) the Mamba state of each request and (for the fused rotary path)
+the step's rotary tables travel through a context variable that exactly one context manager sets
+and always resets::
 
-    with paged_forward_context(metadata, kv_caches, mamba):
+    with paged_forward_context(metadata, kv_caches, mamba, rotary):
         hidden = model.decoder(...)   # every PagedCoreAttention and PagedMambaMixer reads them here
 """
 
@@ -48,10 +49,22 @@ class MambaForward:
 
 
 @dataclasses.dataclass(frozen=True)
+class RotaryTables:
+    """cos and sin of every row's rotary angles, computed once per forward and shared by every
+    attention layer; the layers rope q and k inside their fused KV write
+    (:func:`mtp_ctrl.triton_ops.rope_and_write_kv_cache`), so megatron applies no rotary itself.
+    ``R`` is the rotary dim (``rotary_percent * head_dim``)."""
+
+    cos: torch.Tensor  # [T, R / 2] fp32, cos(position_t * inv_freq_j) (times megatron's mscale)
+    sin: torch.Tensor  # [T, R / 2] fp32
+
+
+@dataclasses.dataclass(frozen=True)
 class PagedForward:
     metadata: AttentionMetadata
     kv_caches: Sequence[KVCachePair]  # index: decoder layer 0..L-1, then MTP depth k at L + k
     mamba: Optional[MambaForward] = None  # None for a model without Mamba layers
+    rotary: Optional[RotaryTables] = None  # None: no rotary in attention (not rope, or megatron applied it)
 
 
 _CURRENT: contextvars.ContextVar[Optional[PagedForward]] = contextvars.ContextVar("mtp_ctrl_paged_forward", default=None)
@@ -59,17 +72,20 @@ _CURRENT: contextvars.ContextVar[Optional[PagedForward]] = contextvars.ContextVa
 
 @contextlib.contextmanager
 def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[KVCachePair],
-                          mamba: Optional[MambaForward] = None) -> Iterator[PagedForward]:
-    """Make ``metadata``, ``kv_caches`` and ``mamba`` visible to the paged modules inside the block."""
+                          mamba: Optional[MambaForward] = None,
+                          rotary: Optional[RotaryTables] = None) -> Iterator[PagedForward]:
+    """Make ``metadata``, ``kv_caches``, ``mamba`` and ``rotary`` visible to the paged modules inside the block."""
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
     if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
         raise TypeError("kv_caches must be a sequence of (key_cache, value_cache) pairs, one per attention layer")
     if mamba is not None and not isinstance(mamba, MambaForward):
         raise TypeError(f"mamba must be a MambaForward or None, got {type(mamba).__name__}")
+    if rotary is not None and not isinstance(rotary, RotaryTables):
+        raise TypeError(f"rotary must be a RotaryTables or None, got {type(rotary).__name__}")
     if _CURRENT.get() is not None:
         raise RuntimeError("paged_forward_context is already active; forwards do not nest")
-    token = _CURRENT.set(PagedForward(metadata, kv_caches, mamba))
+    token = _CURRENT.set(PagedForward(metadata, kv_caches, mamba, rotary))
     try:
         yield _CURRENT.get()
     finally:

@@ -2,9 +2,15 @@
 
 It fills the ``core_attention`` slot of megatron's ``SelfAttention`` and keeps
 ``DotProductAttention``'s forward signature. Megatron hands it this forward's rows as a
-sequence of ``T`` packed query rows with batch 1 (``[T, 1, heads_local, D]``), rotary embedding
-already applied; it stores the rows' keys and values at ``metadata.slot_mapping`` in its own
-layer's cache, then runs causal paged attention over each request's blocks.
+sequence of ``T`` packed query rows with batch 1 (``[T, 1, heads_local, D]``); it stores the
+rows' keys and values at ``metadata.slot_mapping`` in its own layer's cache, then runs causal
+paged attention over each request's blocks.
+
+Rotary: on the fused path (:class:`mtp_ctrl.models.PagedGPTRunner`'s default) megatron gets
+``rotary_pos_emb=None`` and this module ropes q and k itself from the forward's
+:class:`~mtp_ctrl.models.forward_context.RotaryTables`, in the same launch as the cache write
+(:func:`mtp_ctrl.triton_ops.rope_and_write_kv_cache`). Without tables (the unfused path, or a
+model without rotary) megatron has applied rotary already, and only the cache write runs.
 """
 
 from typing import Optional
@@ -16,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from mtp_ctrl.models.forward_context import current_paged_forward
-from mtp_ctrl.triton_ops import paged_attention, write_kv_cache
+from mtp_ctrl.triton_ops import paged_attention, rope_and_write_kv_cache
 
 
 class PagedCoreAttention(MegatronModule):
@@ -53,6 +59,11 @@ class PagedCoreAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
         self.kv_layer_index: Optional[int] = None
+        # megatron's SelfAttention skips rotary in layers flagged by config.no_rope_freq (0-indexed
+        # list, 1-indexed layer_number); the fused path must skip them too
+        no_rope_freq = config.no_rope_freq if isinstance(config.no_rope_freq, (list, tuple)) else None
+        self.skips_rotary = bool(no_rope_freq and layer_number - 1 < len(no_rope_freq)
+                                 and no_rope_freq[layer_number - 1])
 
     def forward(
         self,
@@ -83,9 +94,14 @@ class PagedCoreAttention(MegatronModule):
         metadata = forward.metadata
         if metadata.num_tokens != query.shape[0]:
             raise ValueError(f"metadata has {metadata.num_tokens} rows, the forward has {query.shape[0]}")
-        write_kv_cache(key[:, 0], value[:, 0], key_cache, value_cache, metadata.slot_mapping)
+        rotary = None if self.skips_rotary else forward.rotary
+        roped_query = rope_and_write_kv_cache(
+            query[:, 0], key[:, 0], value[:, 0], key_cache, value_cache, metadata.slot_mapping,
+            None if rotary is None else rotary.cos, None if rotary is None else rotary.sin,
+            self.config.rotary_interleaved,
+        )  # [T, Hq_local, D]
         attended = paged_attention(
-            query[:, 0], key_cache, value_cache, metadata.block_table, metadata.seq_lens,
+            roped_query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
             metadata.query_start_loc, self.softmax_scale,
             max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
         )  # [T, Hq_local, D]

@@ -4,6 +4,13 @@ Rows are packed as one sequence of ``T`` tokens with batch 1 (megatron's ``[s, b
 ``s = T``, ``b = 1``); rotary embedding is taken per row from ``positions``, so any mix of
 prefill chunks and ``1 + S`` decode rows runs in one forward.
 
+Rotary, fused (the default): cos and sin of the rows' angles are computed once per
+:meth:`~PagedGPTRunner.forward` / :meth:`~PagedGPTRunner.mtp_forward` call and handed to every
+attention layer through the forward context; megatron's attention gets ``rotary_pos_emb=None``
+and each :class:`PagedCoreAttention` ropes q and k inside its KV-cache write (one launch). Unfused
+(``fused_rope=False``, or ``MTP_CTRL_FUSED_ROPE=0`` in the environment when the runner is built):
+megatron's own rotary, as in training; kept for comparison and benchmarks.
+
 Which hidden state is returned. megatron's ``TransformerBlock`` applies the final layer norm
 itself, and ``GPTModel`` feeds that normed decoder output to MTP depth 0; each MTP layer ends in
 its own ``final_layernorm``, whose output feeds the next depth and the shared output layer.
@@ -11,20 +18,32 @@ its own ``final_layernorm``, whose output feeds the next depth and the shared ou
 tensors, so chaining them reproduces megatron's MTP.
 """
 
+import os
 from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
 from megatron.core.models.gpt import GPTModel
 
-from mtp_ctrl.models.forward_context import KVCachePair, MambaForward, paged_forward_context
+from mtp_ctrl.models.forward_context import KVCachePair, MambaForward, RotaryTables, paged_forward_context
 from mtp_ctrl.models.gpt_builder import check_tensor_parallel_heads
 from mtp_ctrl.models.layer_specs import assign_kv_layer_indices, assign_mamba_layer_indices, mamba_mixers
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.mamba_slots import MambaSpec
 
 _SUPPORTED_POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+FUSED_ROPE_ENV = "MTP_CTRL_FUSED_ROPE"  # "0": runners built with fused_rope=None use megatron's rotary
+
+
+def _fused_rope_from_env() -> bool:
+    value = os.environ.get(FUSED_ROPE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{FUSED_ROPE_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _gather_last_dim_over_tp(tensor: torch.Tensor) -> torch.Tensor:
@@ -44,9 +63,17 @@ class PagedGPTRunner:
     >>> runner = PagedGPTRunner(build_gpt_model(config, vocab_size=96, max_sequence_length=256))
     >>> logits, hidden = runner.forward(input_ids, positions, metadata, kv_caches)
     >>> draft_logits, hidden = runner.mtp_forward(0, hidden, next_token_ids, positions, mtp_metadata, kv_caches)
+
+    ``fused_rope``: rope q and k inside the paged KV write, with cos/sin computed once per call
+    (True), or let megatron's attention apply rotary per layer (False); None reads
+    ``MTP_CTRL_FUSED_ROPE`` (default 1). Both give the same tokens; see the module docstring.
     """
 
-    def __init__(self, model: GPTModel):
+    def __init__(self, model: GPTModel, fused_rope: Optional[bool] = None):
+        if fused_rope is None:
+            fused_rope = _fused_rope_from_env()
+        if not isinstance(fused_rope, bool):
+            raise TypeError(f"fused_rope must be a bool or None, got {type(fused_rope).__name__}")
         if not isinstance(model, GPTModel):
             raise TypeError(f"model must be a megatron.core GPTModel, got {type(model).__name__}")
         if not (model.pre_process and model.post_process):
@@ -62,6 +89,7 @@ class PagedGPTRunner:
         self.num_mamba_layers = assign_mamba_layer_indices(model)
         self.num_decoder_layers = len(model.decoder.layers)
         self.mtp_num_layers = len(model.mtp.layers) if model.mtp_process else 0
+        self.fused_rope = fused_rope
         self._inv_freq: Optional[torch.Tensor] = None  # [rotary_dim / 2] fp32 on the rows' device
 
     @property
@@ -73,22 +101,32 @@ class PagedGPTRunner:
         return MambaSpec(num_layers=len(mixers), conv_state_shape=mixers[0].conv_state_shape,
                          ssm_state_shape=mixers[0].ssm_state_shape, dtype=torch.float32)
 
-    def _rotary_embedding(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """megatron's RotaryEmbedding.get_emb, taken at each row's position -> [T, 1, 1, rotary_dim]."""
-        if self.model.position_embedding_type != "rope":
-            return None
+    def _rotary_angles(self, positions: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, rotary_dim / 2] fp32
+        """megatron's RotaryEmbedding frequencies (``get_freqs_non_repeated``) at each row's position."""
         rotary = self.model.rotary_pos_emb
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             self._inv_freq = rotary.inv_freq.to(positions.device)
         scaled_positions = positions.to(self._inv_freq.dtype)  # [T]
         if rotary.seq_len_interpolation_factor is not None:
             scaled_positions = scaled_positions / rotary.seq_len_interpolation_factor
-        freqs = torch.outer(scaled_positions, self._inv_freq)  # [T, rotary_dim / 2]
-        if rotary.rotary_interleaved:
+        return torch.outer(scaled_positions, self._inv_freq)  # [T, rotary_dim / 2]
+
+    def _rotary(self, positions: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[RotaryTables]]:
+        """``(rotary_pos_emb for megatron, tables for the fused path)``: at most one is not None."""
+        if self.model.position_embedding_type != "rope":
+            return None, None
+        freqs = self._rotary_angles(positions)  # [T, rotary_dim / 2] fp32
+        if self.fused_rope:
+            mscale = _yarn_get_concentration_factor_from_config(self.model.config)  # 1.0 unless YaRN
+            cos, sin = torch.cos(freqs), torch.sin(freqs)  # [T, rotary_dim / 2] fp32 each
+            if mscale != 1.0:
+                cos, sin = cos * mscale, sin * mscale
+            return None, RotaryTables(cos=cos, sin=sin)
+        if self.model.rotary_pos_emb.rotary_interleaved:
             emb = torch.stack((freqs, freqs), dim=-1).view(freqs.shape[0], -1)  # f0 f0 f1 f1 ...
         else:
             emb = torch.cat((freqs, freqs), dim=-1)  # f0 f1 ... f0 f1 ...
-        return emb[:, None, None, :]
+        return emb[:, None, None, :], None  # [T, 1, 1, rotary_dim]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, 1, H] -> [T, V] fp32
         model = self.model
@@ -131,10 +169,11 @@ class PagedGPTRunner:
                                         or logits_rows.dtype != torch.int64):
             raise TypeError("logits_rows must be a 1-D int64 tensor")
         self._check_mamba(mamba)
-        with paged_forward_context(metadata, kv_caches, mamba):
+        rotary_pos_emb, rotary = self._rotary(positions)
+        with paged_forward_context(metadata, kv_caches, mamba, rotary):
             embedded = self.model.embedding(input_ids=input_ids[None], position_ids=positions[None])  # [T, 1, H]
             hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
-                                        rotary_pos_emb=self._rotary_embedding(positions))  # [T, 1, H]
+                                        rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
         projected = hidden if logits_rows is None else hidden[logits_rows]  # [K, 1, H]
         return self._logits(projected), hidden[:, 0]
 
@@ -174,13 +213,14 @@ class PagedGPTRunner:
             raise ValueError(f"hidden must be [T, hidden_size] = [{token_ids.shape[0]}, "
                              f"{self.model.config.hidden_size}], got {getattr(hidden, 'shape', None)}")
         layer = self.model.mtp.layers[depth]
-        with paged_forward_context(metadata, kv_caches):
+        rotary_pos_emb, rotary = self._rotary(positions)
+        with paged_forward_context(metadata, kv_caches, rotary=rotary):
             # megatron rolls position ids with the tokens; only a learned position embedding reads them
             embedded = self.model.embedding(input_ids=token_ids[None], position_ids=positions[None] + 1)  # [T, 1, H]
             combined = torch.cat((layer.enorm(embedded), layer.hnorm(hidden[:, None])), dim=-1)  # [T, 1, 2H]
             projected, _ = layer.eh_proj(combined)  # [T, 1, H / tp]
             projected = _gather_last_dim_over_tp(projected)  # [T, 1, H]
             out, _ = layer.transformer_layer(hidden_states=projected, attention_mask=None,
-                                             rotary_pos_emb=self._rotary_embedding(positions))
+                                             rotary_pos_emb=rotary_pos_emb)
             out = layer.final_layernorm(out)  # [T, 1, H]
         return self._logits(out), out[:, 0]

@@ -32,6 +32,7 @@ _OP_MODULES = {
     # paged attention
     "write_kv_cache": "kv_cache_write",
     "paged_attention": "paged_attn",
+    "rope_and_write_kv_cache": "rope_kv_write",
 }
 
 __all__ = sorted(_OP_MODULES)

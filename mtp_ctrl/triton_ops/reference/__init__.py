@@ -22,6 +22,7 @@ _REFERENCE_MODULES = {
     "shift_and_gather_cache_hidden": "drafting",
     "write_kv_cache": "attention",
     "paged_attention": "attention",
+    "rope_and_write_kv_cache": "attention",
 }
 
 __all__ = sorted(_REFERENCE_MODULES)

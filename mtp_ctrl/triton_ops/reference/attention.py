@@ -80,3 +80,44 @@ def paged_attention(
     attended = torch.einsum("bhqn,bnhd->bqhd", probs, values)  # [B, Q, Hq, D] fp32
     output[rows[row_valid]] = attended[row_valid].to(query.dtype)
     return output
+
+
+def _rope(
+    rows: torch.Tensor,  # [T, H, D]
+    cos: torch.Tensor,  # [T, R / 2] fp32
+    sin: torch.Tensor,  # [T, R / 2] fp32
+    rotary_interleaved: bool,
+) -> torch.Tensor:  # [T, H, D], rows' dtype
+    """megatron's rotary (halves or interleaved pairs) on the first ``R`` dims, in fp32."""
+    rotary_dim = 2 * cos.shape[1]
+    rotated, passed = rows.float()[..., :rotary_dim], rows[..., rotary_dim:]  # [T, H, R] fp32, [T, H, D - R]
+    if rotary_interleaved:
+        cos_full = cos.repeat_interleave(2, dim=-1)  # [T, R]: c0 c0 c1 c1 ...
+        sin_full = sin.repeat_interleave(2, dim=-1)
+        partner = torch.stack((-rotated[..., 1::2], rotated[..., 0::2]), dim=-1).flatten(-2)  # -x1 x0 -x3 x2 ...
+    else:
+        cos_full = torch.cat((cos, cos), dim=-1)  # [T, R]: c0 c1 ... c0 c1 ...
+        sin_full = torch.cat((sin, sin), dim=-1)
+        first, second = rotated.chunk(2, dim=-1)
+        partner = torch.cat((-second, first), dim=-1)
+    roped = rotated * cos_full[:, None] + partner * sin_full[:, None]  # [T, H, R] fp32
+    return torch.cat((roped.to(rows.dtype), passed), dim=-1)
+
+
+def rope_and_write_kv_cache(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; -1 = no write
+    cos: Optional[torch.Tensor],  # [T, R / 2] fp32 or None
+    sin: Optional[torch.Tensor],  # [T, R / 2] fp32 or None
+    rotary_interleaved: bool = False,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Same contract as :func:`mtp_ctrl.triton_ops.rope_and_write_kv_cache`."""
+    if cos is None:
+        write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        return query
+    write_kv_cache(_rope(key, cos, sin, rotary_interleaved), value, key_cache, value_cache, slot_mapping)
+    return _rope(query, cos, sin, rotary_interleaved)

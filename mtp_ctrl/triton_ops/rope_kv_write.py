@@ -1,0 +1,197 @@
+"""Rotary embedding of this step's queries and keys fused with the paged KV-cache write.
+
+One launch per attention layer replaces megatron's rotary (several small kernels each for q and
+k) and the separate cache write: program ``(t, g)`` ropes kv head ``g`` of row ``t``, stores it
+and the row's value at ``slot_mapping[t]`` (``-1`` = padding: no write), and ropes the query
+heads of that kv head's group into a new query tensor.
+
+Rotary convention (megatron-core's ``_apply_rotary_pos_emb_bshd``): with ``R = 2 * cos.shape[1]``
+rotated dims (``R < D`` for a partial rotary, ``rotary_percent < 1``), dim ``d < R`` becomes
+``x[d] * cos[j] + sign * x[p] * sin[j]`` and dims ``d >= R`` pass through, where
+
+- halves (``rotary_interleaved=False``): ``j = d mod R/2``, ``p = d + R/2`` with sign ``-1`` in
+  the first half, ``p = d - R/2`` with sign ``+1`` in the second;
+- interleaved (``rotary_interleaved=True``): ``j = d // 2``, ``p = d ^ 1`` (the other dim of the
+  pair), sign ``-1`` on even ``d`` and ``+1`` on odd ``d``.
+
+The arithmetic is fp32 (inputs up-cast, one rounding at the store).
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from mtp_ctrl.triton_ops import reference
+from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from mtp_ctrl.triton_ops._dispatch import use_triton
+from mtp_ctrl.triton_ops._layout_checks import check_bool, check_unit_last_stride
+
+
+@triton.jit
+def _rope_write_kv_cache_kernel(
+    QUERY_PTR,
+    KEY_PTR,
+    VALUE_PTR,
+    QUERY_OUT_PTR,
+    KEY_CACHE_PTR,
+    VALUE_CACHE_PTR,
+    SLOT_MAPPING_PTR,
+    COS_PTR,
+    SIN_PTR,
+    query_stride_t,
+    query_stride_h,
+    key_stride_t,
+    key_stride_h,
+    value_stride_t,
+    value_stride_h,
+    query_out_stride_t,
+    query_out_stride_h,
+    key_cache_stride_block,
+    key_cache_stride_token,
+    key_cache_stride_h,
+    value_cache_stride_block,
+    value_cache_stride_token,
+    value_cache_stride_h,
+    cos_stride_t,
+    sin_stride_t,
+    block_size_tokens,
+    group_size,
+    head_dim,
+    rotary_dim,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (row, kv head): rope + store the key, store the value, rope the query group."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    dim_mask = dims < head_dim
+    half = rotary_dim // 2
+    rotated = dims < rotary_dim
+    if INTERLEAVED:
+        is_even = (dims % 2) == 0
+        partner = tl.where(is_even, dims + 1, dims - 1)
+        freq_index = dims // 2
+        sign = tl.where(is_even, -1.0, 1.0)
+    else:
+        first_half = dims < half
+        partner = tl.where(first_half, dims + half, dims - half)
+        freq_index = tl.where(first_half, dims, dims - half)
+        sign = tl.where(first_half, -1.0, 1.0)
+    partner = tl.where(rotated, partner, dims)  # pass-through dims read themselves (times sin = 0)
+    freq_index = tl.where(rotated, freq_index, 0)
+    cos = tl.load(COS_PTR + row * cos_stride_t + freq_index, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(SIN_PTR + row * sin_stride_t + freq_index, mask=rotated, other=0.0).to(tl.float32) * sign
+
+    slot = tl.load(SLOT_MAPPING_PTR + row).to(tl.int64)
+    if slot >= 0:
+        key_row = KEY_PTR + row * key_stride_t + kv_head * key_stride_h
+        key = tl.load(key_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        key_partner = tl.load(key_row + partner, mask=dim_mask, other=0.0).to(tl.float32)
+        roped_key = key * cos + key_partner * sin  # [BLOCK_D] fp32
+        value = tl.load(VALUE_PTR + row * value_stride_t + kv_head * value_stride_h + dims, mask=dim_mask)
+        block_id = slot // block_size_tokens
+        offset = slot % block_size_tokens
+        key_dst = KEY_CACHE_PTR + block_id * key_cache_stride_block + offset * key_cache_stride_token \
+            + kv_head * key_cache_stride_h
+        value_dst = VALUE_CACHE_PTR + block_id * value_cache_stride_block + offset * value_cache_stride_token \
+            + kv_head * value_cache_stride_h
+        tl.store(key_dst + dims, roped_key.to(KEY_CACHE_PTR.dtype.element_ty), mask=dim_mask)
+        tl.store(value_dst + dims, value, mask=dim_mask)
+
+    group = tl.arange(0, BLOCK_G)  # [BLOCK_G]
+    heads = kv_head * group_size + group  # [BLOCK_G] int64: the query heads reading this kv head
+    mask = (group < group_size)[:, None] & dim_mask[None, :]  # [BLOCK_G, BLOCK_D]
+    query_rows = QUERY_PTR + row * query_stride_t + heads[:, None] * query_stride_h
+    query = tl.load(query_rows + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    query_partner = tl.load(query_rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    roped_query = query * cos[None, :] + query_partner * sin[None, :]  # [BLOCK_G, BLOCK_D] fp32
+    out_rows = QUERY_OUT_PTR + row * query_out_stride_t + heads[:, None] * query_out_stride_h
+    tl.store(out_rows + dims[None, :], roped_query.to(QUERY_OUT_PTR.dtype.element_ty), mask=mask)
+
+
+def _check_args(query, key, value, key_cache, value_cache, slot_mapping, cos, sin, rotary_interleaved):
+    check_tensor("query", query, dtypes=FLOAT_DTYPES, ndim=3)
+    num_tokens, num_query_heads, head_dim = query.shape
+    check_tensor("key", key, dtypes=(query.dtype,), shape=(num_tokens, None, head_dim))
+    num_kv_heads = key.shape[1]
+    if num_kv_heads == 0 or num_query_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_query_heads}) must be a positive multiple of key heads ({num_kv_heads})")
+    check_tensor("value", value, dtypes=(query.dtype,), shape=(num_tokens, num_kv_heads, head_dim))
+    check_tensor("key_cache", key_cache, dtypes=(query.dtype,), shape=(None, None, num_kv_heads, head_dim))
+    check_tensor("value_cache", value_cache, dtypes=(query.dtype,), shape=tuple(key_cache.shape))
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,))
+    check_bool("rotary_interleaved", rotary_interleaved)
+    tensors = dict(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                   slot_mapping=slot_mapping)
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must both be given (rotary) or both be None (no rotary)")
+    if cos is not None:
+        check_tensor("cos", cos, dtypes=(torch.float32,), shape=(num_tokens, None))
+        if not 1 <= cos.shape[1] <= head_dim // 2:
+            raise ValueError(f"cos has {cos.shape[1]} frequencies: the rotary dim 2 * {cos.shape[1]} must lie "
+                             f"in [2, head_dim = {head_dim}]")
+        check_tensor("sin", sin, dtypes=(torch.float32,), shape=tuple(cos.shape))
+        tensors.update(cos=cos, sin=sin)
+    check_same_device(**tensors)
+    check_unit_last_stride(query=query, key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                           **({} if cos is None else dict(cos=cos, sin=sin)))
+
+
+def rope_and_write_kv_cache(
+    query: torch.Tensor,  # [T, Hq, D] float
+    key: torch.Tensor,  # [T, Hkv, D], query's dtype; Hq % Hkv == 0
+    value: torch.Tensor,  # [T, Hkv, D], query's dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D], query's dtype
+    value_cache: torch.Tensor,  # [num_blocks, block_size_tokens, Hkv, D], query's dtype
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * block_size_tokens + offset; -1 = no write
+    cos: Optional[torch.Tensor],  # [T, R / 2] fp32, cos of each row's rotary angles; None = no rotary
+    sin: Optional[torch.Tensor],  # [T, R / 2] fp32
+    rotary_interleaved: bool = False,
+) -> torch.Tensor:  # [T, Hq, D], query's dtype: the roped query (``query`` itself without rotary)
+    """Rope ``query`` and ``key`` at each row's angles, store the roped key and ``value`` at
+    ``slot_mapping`` in the caches (in place), return the roped query as a new tensor.
+
+    ``cos[t, j] = cos(position_t * inv_freq_j)`` (times megatron's mscale, if any); the rotated
+    dims are ``R = 2 * cos.shape[1] <= D`` (see the module docstring for the pairing). With
+    ``cos = sin = None`` (a model without rotary, or a layer that skips it) only the cache write
+    runs and ``query`` is returned as is.
+
+    Example, ``D = 4``, ``R = 4``, halves, one row at angle ``a`` (``cos = [[cos a, cos a']]``):
+    ``key[0, 0] = [x0, x1, x2, x3]`` is stored as ``[x0 c - x2 s, x1 c' - x3 s', x2 c + x0 s,
+    x3 c' + x1 s']`` at slot ``slot_mapping[0]``, unless that slot is -1.
+    Slot values are not range-checked (a host sync); an out-of-range slot is the caller's bug.
+    """
+    _check_args(query, key, value, key_cache, value_cache, slot_mapping, cos, sin, rotary_interleaved)
+    if not use_triton(query):
+        return reference.rope_and_write_kv_cache(query, key, value, key_cache, value_cache, slot_mapping, cos, sin,
+                                                 rotary_interleaved)
+    if cos is None:
+        from mtp_ctrl.triton_ops.kv_cache_write import write_kv_cache
+
+        write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        return query
+    num_tokens, num_query_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group_size = num_query_heads // num_kv_heads
+    query_out = torch.empty((num_tokens, num_query_heads, head_dim), dtype=query.dtype,
+                            device=query.device)  # [T, Hq, D]
+    if num_tokens == 0:
+        return query_out
+    block_g = triton.next_power_of_2(group_size)
+    block_d = triton.next_power_of_2(head_dim)
+    _rope_write_kv_cache_kernel[(num_tokens, num_kv_heads)](
+        query, key, value, query_out, key_cache, value_cache, slot_mapping, cos, sin,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        query_out.stride(0), query_out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        cos.stride(0), sin.stride(0),
+        key_cache.shape[1], group_size, head_dim, 2 * cos.shape[1],
+        INTERLEAVED=rotary_interleaved, BLOCK_G=block_g, BLOCK_D=block_d,
+        num_warps=4 if block_g * block_d >= 1024 else 2,
+    )
+    return query_out
