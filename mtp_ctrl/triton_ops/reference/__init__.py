@@ -20,6 +20,9 @@ _REFERENCE_MODULES = {
     "ptd_prepare_inputs": "drafting",
     "shift_and_gather_cache": "drafting",
     "shift_and_gather_cache_hidden": "drafting",
+    "sample_tokens": "sampling",
+    "gumbel_noise": "sampling",
+    "filter_top_k_top_p": "sampling",
     "write_kv_cache": "attention",
     "paged_attention": "attention",
 }
