@@ -29,6 +29,8 @@ _OP_MODULES = {
     # the fused op's result type and release width
     "StepCommit": "_step_common",
     "max_released_blocks": "_step_common",
+    # sampling
+    "sample_tokens": "gumbel_sampling",
     # paged attention
     "write_kv_cache": "kv_cache_write",
     "paged_attention": "paged_attn",
