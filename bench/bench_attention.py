@@ -12,12 +12,29 @@ K/V with ``enable_gqa`` and no mask (the same bytes, a little less masking work)
 """
 
 import argparse
+import sys
 
-import torch
-import torch.nn.functional as F
-import triton.testing
 
-from mtp_ctrl.triton_ops import paged_attention
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few points only")
+    parser.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help answers before torch loads
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton.testing  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from mtp_ctrl.triton_ops import paged_attention  # noqa: E402
 
 NUM_QUERY_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 ROWS_PER_REQUEST = 4
@@ -75,22 +92,18 @@ def bench_point(batch, context, block_size_tokens):
     return paged_eager_us, paged_us, kv_bytes / (paged_us * 1e-6) / 1e9, sdpa_us
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few points only")
-    parser.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
-    args = parser.parse_args()
+def main(args=None):
+    args = args or parse_args()
     batches = [1, 32, 256] if args.quick else [1, 8, 32, 64, 128, 256]
     contexts = [512, 8192, 32768] if args.quick else [512, 2048, 8192, 32768]
     copy_gbps = _copy_gbps(1 << 30)
     rows = []
-    for batch in batches:
-        for context in contexts:
-            if batch * context > MAX_KV_TOKENS:
-                continue
-            eager_us, paged_us, gbps, sdpa_us = bench_point(batch, context, args.block_size)
-            rows.append((batch, context, eager_us, paged_us, gbps, 100 * gbps / copy_gbps, sdpa_us, sdpa_us / paged_us))
-            print(f"batch {batch:4d} context {context:6d}: {paged_us:9.1f} us  {gbps:7.0f} GB/s", flush=True)
+    points = [(batch, context) for batch in batches for context in contexts if batch * context <= MAX_KV_TOKENS]
+    progress = tqdm(points, desc="points", unit="point", disable=not sys.stdout.isatty())
+    for batch, context in progress:
+        eager_us, paged_us, gbps, sdpa_us = bench_point(batch, context, args.block_size)
+        rows.append((batch, context, eager_us, paged_us, gbps, 100 * gbps / copy_gbps, sdpa_us, sdpa_us / paged_us))
+        progress.set_postfix_str(f"batch {batch} context {context}: {paged_us:.1f} us, {gbps:.0f} GB/s")
 
     print(f"\n{torch.cuda.get_device_name()}, bf16, Hq={NUM_QUERY_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM}, "
           f"{ROWS_PER_REQUEST} query rows per request, block size {args.block_size}; "
@@ -102,4 +115,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -16,15 +16,32 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import time
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
-from mtp_ctrl.models import build_gpt_model
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--layer-pattern", default=None, help='hybrid decoder, e.g. "M*M*M*M*" (default: all attention)')
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help answers before torch loads
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController  # noqa: E402
+from mtp_ctrl.models import build_gpt_model  # noqa: E402
 
 VOCAB_SIZE, PROMPT_LEN = 32768, 128
 
@@ -76,23 +93,19 @@ def median_step_ms(model, batch, num_speculative_tokens, graphs, steps):
     return statistics.median(times)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--layer-pattern", default=None, help='hybrid decoder, e.g. "M*M*M*M*" (default: all attention)')
-    args = parser.parse_args()
+def main(args=None):
+    args = args or parse_args()
     tp = init_process_groups()
     model = build_model(args.layer_pattern, tp)
     batches = (1, 8) if args.quick else (1, 8, 32)
     rows = []
-    for batch in batches:
-        for num_speculative_tokens in (0, 2):
-            eager = median_step_ms(model, batch, num_speculative_tokens, graphs=False, steps=50)
-            graphed = median_step_ms(model, batch, num_speculative_tokens, graphs=True, steps=50)
-            rows.append((batch, num_speculative_tokens, eager, graphed))
-            if dist.get_rank() == 0:
-                print(f"batch {batch} S {num_speculative_tokens}: eager {eager:.2f} ms, graph {graphed:.2f} ms",
-                      flush=True)
+    points = [(batch, num_speculative_tokens) for batch in batches for num_speculative_tokens in (0, 2)]
+    progress = tqdm(points, desc="points", unit="point", disable=not (sys.stdout.isatty() and dist.get_rank() == 0))
+    for batch, num_speculative_tokens in progress:
+        eager = median_step_ms(model, batch, num_speculative_tokens, graphs=False, steps=50)
+        graphed = median_step_ms(model, batch, num_speculative_tokens, graphs=True, steps=50)
+        rows.append((batch, num_speculative_tokens, eager, graphed))
+        progress.set_postfix_str(f"batch {batch} S {num_speculative_tokens}: eager {eager:.2f} ms, graph {graphed:.2f} ms")
     if dist.get_rank() != 0:
         dist.destroy_process_group()
         return
@@ -107,4 +120,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -1,4 +1,4 @@
-"""Drafting-input ops (SPEC_OPS 5-11): eager and CUDA-graph-replayed kernels vs their torch references.
+"""Drafting-input ops (contracts in docs/kernels.md): eager and CUDA-graph-replayed kernels vs their torch references.
 
 Every request is a decode with S = 3 drafts: 1 + S = 4 rows, a random number of them accepted
 (parallel drafting adds K - 1 = 3 draft rows; multi-layer EAGLE keeps MAX_SHIFT = 3 cached rows).
@@ -14,13 +14,29 @@ time) and the share of a same-run device copy of the same bytes (``dst.copy_(src
 
 import argparse
 import statistics
+import sys
 
-import torch
-import triton
-import triton.testing
 
-from mtp_ctrl.state.attention_metadata import AttentionMetadata
-from mtp_ctrl.triton_ops import (
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer batch sizes and one hidden size")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help answers before torch loads
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from mtp_ctrl.state.attention_metadata import AttentionMetadata  # noqa: E402
+from mtp_ctrl.triton_ops import (  # noqa: E402
     copy_and_expand_eagle_inputs,
     eagle_prepare_inputs_padded,
     eagle_prepare_next_token_padded,
@@ -192,7 +208,8 @@ def measure(name, op, args, hidden_bytes=None):
 
 def run(batch_sizes, hidden_sizes):
     rows = []
-    for num_requests in batch_sizes:
+    progress = tqdm(batch_sizes, desc="batch sizes", unit="size", disable=not sys.stdout.isatty())
+    for num_requests in progress:
         point = dict(requests=num_requests, hidden="")
         simple_ops = [
             ("copy_and_expand_eagle_inputs", copy_and_expand_eagle_inputs, eagle_inputs_args(num_requests)),
@@ -215,7 +232,7 @@ def run(batch_sizes, hidden_sizes):
             rows.append({**point, **measure("shift_and_gather_cache_hidden", shift_and_gather_cache_hidden,
                                             shift_gather_args(num_requests, hidden_size),
                                             2 * moved_rows * row_bytes)})
-        print(f"done: {num_requests} requests", flush=True)
+        progress.set_postfix_str(f"done: {num_requests} requests")
     return rows
 
 
@@ -230,10 +247,8 @@ def print_table(rows):
               f"{row['graph']:9.1f} {row['torch']:9.1f} {row['torch'] / row['graph']:10.1f}x {bandwidth}")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer batch sizes and one hidden size")
-    options = parser.parse_args()
+def main(options=None):
+    options = options or parse_args()
     torch.manual_seed(0)
     batch_sizes = [1, 64, 1024] if options.quick else [1, 8, 64, 256, 1024]
     hidden_sizes = [7168] if options.quick else [4096, 7168]
@@ -244,4 +259,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -15,10 +15,26 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help answers before torch loads
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # noqa: E402
 from byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
 from demo_model import build_demo_model, init_distributed, load_checkpoint, load_full_state_dict  # noqa: E402
 
@@ -48,11 +64,8 @@ def tokens_per_second(model, prompts, num_speculative_tokens, mode, repeats):
     return statistics.median(rates), controller.metrics.mean_accepted_length, outputs
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+def main(args=None):
+    args = args or parse_args()
     device = torch.device("cuda")
     init_distributed(1, device)
     model_args, state_dict = load_checkpoint(args.checkpoint)
@@ -61,16 +74,21 @@ def main():
     model = model.to(device).eval()
     held_out = load_stdlib_corpus().held_out
     rows = []
-    for batch in ((1, 8) if args.quick else (1, 8, 32)):
+    batches = (1, 8) if args.quick else (1, 8, 32)
+    progress = tqdm(total=len(batches) * 5, desc="points", unit="point", disable=not sys.stdout.isatty())
+    for batch in batches:
         prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
         plain_rate, _, plain_outputs = tokens_per_second(model, prompts, 0, "paged", 3)
         rows.append((batch, 0, "-", plain_rate, 1.0, 1.0, True))
+        progress.update()
         for num_speculative_tokens in (1, 2):
             for mode in ("paged", "single_position"):
                 rate, accepted_length, outputs = tokens_per_second(model, prompts, num_speculative_tokens, mode, 3)
                 rows.append((batch, num_speculative_tokens, mode, rate, rate / plain_rate, accepted_length,
                              outputs == plain_outputs))
-                print(rows[-1], flush=True)
+                progress.set_postfix_str(f"batch {batch} S {num_speculative_tokens} {mode}: {rate:.0f} tokens/s")
+                progress.update()
+    progress.close()
     print(f"\n{torch.cuda.get_device_name()}; demo GPT trained by examples/train_mtp.py, greedy, "
           f"{PROMPT_LEN}-byte prompts, {NEW_TOKENS} new tokens, CUDA graphs; median of 3 runs")
     print(f"{'batch':>5} {'S':>2} {'MTP attention':>15} {'tokens/s':>9} {'speed-up':>9} {'accepted len':>13} {'== plain':>9}")
@@ -80,4 +98,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -12,12 +12,28 @@ and the copy's device time (CUDA events) against a pageable-memory copy of the s
 
 import argparse
 import statistics
+import sys
 import time
 
-import torch
 
-from mtp_ctrl.state import DynamicInferenceContext, KVCacheSpec
-from mtp_ctrl.triton_ops import rewind_kv_cache
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two batch sizes, fewer steps")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help answers before torch loads
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from mtp_ctrl.state import DynamicInferenceContext, KVCacheSpec  # noqa: E402
+from mtp_ctrl.triton_ops import rewind_kv_cache  # noqa: E402
 
 NUM_SPECULATIVE_TOKENS, BLOCK_SIZE_TOKENS, MAX_MODEL_LEN, PROMPT_LEN = 3, 16, 4096, 100
 
@@ -86,14 +102,12 @@ def bench_batch(batch, steps):
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="two batch sizes, fewer steps")
-    args = parser.parse_args()
+def main(args=None):
+    args = args or parse_args()
     batches, steps = ((1, 64), 30) if args.quick else ((1, 8, 64, 256), 200)
     print(f"device: {torch.cuda.get_device_name()}  S = {NUM_SPECULATIVE_TOKENS}, block_size_tokens = "
           f"{BLOCK_SIZE_TOKENS}, max_model_len = {MAX_MODEL_LEN}")
-    rows = [bench_batch(batch, steps) for batch in batches]
+    rows = [bench_batch(batch, steps) for batch in tqdm(batches, desc="batch sizes", disable=not sys.stdout.isatty())]
     header = f"{'B':>5} {'build_step us':>14} {'commit_step us':>15} {'staged KiB':>11} {'H2D copy us':>12} {'pageable us':>12}"
     print(header)
     for row in rows:
@@ -102,4 +116,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

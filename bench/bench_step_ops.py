@@ -22,12 +22,28 @@ same run. Both are timed from CUDA graphs (10 calls per graph).
 
 import argparse
 import statistics
+import sys
 import time
 
-import torch
-import triton
 
-from mtp_ctrl.triton_ops import (
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer points")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help answers before torch loads
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from mtp_ctrl.triton_ops import (  # noqa: E402
     mamba_state_selective_copy,
     prepare_next_forward_pass,
     reference,
@@ -35,7 +51,7 @@ from mtp_ctrl.triton_ops import (
     verify_and_commit,
     verify_speculative_tokens,
 )
-from mtp_ctrl.triton_ops.fused_step import StepCommit
+from mtp_ctrl.triton_ops.fused_step import StepCommit  # noqa: E402
 
 NUM_SPEC, BLOCK_SIZE, ACCEPT_PROB = 3, 16, 0.7
 MAMBA_LAYERS = 8
@@ -174,22 +190,25 @@ def bench_mamba(num_requests, state_shape, dtype):
     return moved / commit_us / 1e3, moved / copy_us / 1e3
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer points")
-    args = parser.parse_args()
+def main(args=None):
+    args = args or parse_args()
     sizes = [1, 64, 1024] if args.quick else [1, 8, 64, 256, 1024]
     mamba_sizes = [8, 64] if args.quick else sizes
 
+    progress = tqdm(total=len(sizes) + len(MAMBA_STATES) * len(mamba_sizes), desc="points", unit="point",
+                    disable=not sys.stdout.isatty())
     bookkeeping = {}
     for num_requests in sizes:
         bookkeeping[num_requests] = bench_bookkeeping(num_requests)
-        print(f"bookkeeping N={num_requests}: {bookkeeping[num_requests]}", flush=True)
+        progress.set_postfix_str(f"bookkeeping N={num_requests}")
+        progress.update()
     mamba = {}
     for name, (state_shape, dtype) in MAMBA_STATES.items():
         for num_requests in mamba_sizes:
             mamba[name, num_requests] = bench_mamba(num_requests, state_shape, dtype)
-            print(f"mamba {name} N={num_requests}: {mamba[name, num_requests]}", flush=True)
+            progress.set_postfix_str(f"mamba {name} N={num_requests}")
+            progress.update()
+    progress.close()
 
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"S = {NUM_SPEC}, block size {BLOCK_SIZE}, decode-only batches")
@@ -213,4 +232,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -7,16 +7,34 @@ drafter that pays off on repetitive text. Any proposer is lossless: the target v
 draft, so the output equals plain decoding whatever is drafted.
 """
 
-import os
-import socket
+import argparse
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mtp_ctrl.controllers import DraftBatch, InferenceConfig, Proposer, SamplingParams, TextGenerationController
-from mtp_ctrl.models import build_gpt_model
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="S, tokens drafted per step")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    args = parser.parse_args(argv)
+    if args.num_speculative_tokens < 1 or args.max_new_tokens < 1:
+        parser.error("--num-speculative-tokens and --max-new-tokens must be >= 1")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help answers before torch and megatron-core load
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from mtp_ctrl import init_single_process  # noqa: E402
+from mtp_ctrl.controllers import (  # noqa: E402
+    DraftBatch, InferenceConfig, Proposer, SamplingParams, TextGenerationController)
+from mtp_ctrl.models import build_gpt_model  # noqa: E402
 
 
 class RepeatLastTokenProposer(Proposer):
@@ -36,19 +54,16 @@ class PrintingController(TextGenerationController):
             print(f"  request {request_id}: +{tokens}{' (finished)' if finished else ''}")
 
 
-def main():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+def main(args):
+    init_single_process("cpu")  # torch.distributed (gloo) and megatron's parallel_state at TP = 1
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
                                attention_dropout=0.0, use_cpu_initialization=True)
     torch.manual_seed(0)
     model = build_gpt_model(config, vocab_size=64, max_sequence_length=128)  # no MTP layers needed
-    controller = PrintingController(model, InferenceConfig(num_speculative_tokens=3, max_requests=2, max_model_len=64),
-                                    proposer=RepeatLastTokenProposer())
-    results = controller.generate([[1, 2, 3], [7, 7, 7, 7]], SamplingParams(max_new_tokens=8))
+    inference_config = InferenceConfig(num_speculative_tokens=args.num_speculative_tokens, max_requests=2,
+                                       max_model_len=64)
+    controller = PrintingController(model, inference_config, proposer=RepeatLastTokenProposer())
+    results = controller.generate([[1, 2, 3], [7, 7, 7, 7]], SamplingParams(max_new_tokens=args.max_new_tokens))
     for result in results:
         print(f"request {result.request_id}: {list(result.output_tokens)}, "
               f"mean accepted length {result.mean_accepted_length:.2f}")
@@ -56,4 +71,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -1,105 +1,218 @@
-"""Generate with and without MTP speculation on a small megatron-core GPT, and compare.
+"""Generate with and without MTP speculation on a small megatron-core GPT, time both, compare.
 
-    python examples/generate.py                                   # CPU, or the GPU when there is one
-    torchrun --nproc-per-node 2 examples/generate.py --tp 2       # tensor parallel on 2 GPUs
-    python examples/generate.py --checkpoint mtp_demo.pt          # a model trained by examples/train_mtp.py
+    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt   # what `make demo` runs
+    python examples/generate.py                                               # random weights
+    torchrun --nproc-per-node 2 examples/generate.py --tp 2 --checkpoint ...  # tensor parallel on 2 GPUs
+    python examples/generate.py --metrics-json metrics.json                   # keep the figures
 
-With random weights (no checkpoint) the drafts are rarely accepted, so the point of that run is
-the equality of the two outputs, not the speed-up. A checkpoint written by train_mtp.py brings
-its own model shape; the prompts are then held-out standard-library source text (bytes) and
-the outputs are printed as text too.
+Plain decoding (S = 0) and speculative decoding (S = --num-speculative-tokens) are each warmed up
+once, then timed --repeats times, alternating, so that a slow phase of the machine hits both
+alike; the table shows the median tokens/s and the spread (min..max). The outputs of the two
+are compared token for token. With random weights (no checkpoint) drafts are almost never
+accepted: that run shows the outputs are equal, not a speed-up. A checkpoint written by
+examples/train_mtp.py brings its own model shape and prompts from held-out text.
+
+--metrics-json writes {"plain": ..., "speculative": ..., "comparison": ...}: the first two are
+``controller.metrics.as_dict()`` of each mode's last timed run (docs/design.md lists the keys);
+"comparison" holds every timed tokens/s figure, the medians, the speed-up and the equality check.
 """
 
 import argparse
+import json
+import statistics
+import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-from byte_corpus import decode_bytes, evenly_spaced_windows, load_stdlib_corpus
-from demo_model import DEMO_MODEL_ARGS, build_demo_model, init_distributed, load_checkpoint, load_full_state_dict
-from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+NOISY_SPREAD = 0.15  # (max - min) / median of a mode's timed runs above this: too noisy to judge
+SHORT_RUN_SECONDS = 0.5  # a timed run shorter than this: too short to judge
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= processes under torchrun)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=2)
-    parser.add_argument("--mtp-attention", choices=("paged", "single_position"), default="paged")
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--checkpoint", default=None, help="a file written by examples/train_mtp.py")
+    parser.add_argument("--num-speculative-tokens", type=int, default=2, help="S, drafts per step (>= 1)")
+    parser.add_argument("--mtp-attention", choices=("paged", "single_position"), default="paged")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per mode, alternating plain and speculative")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= processes under torchrun)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    return parser.parse_args()
+    parser.add_argument("--show", type=int, default=3, help="outputs printed as text")
+    parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write the metrics to PATH as JSON")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    args = parser.parse_args(argv)
+    for name in ("num_speculative_tokens", "num_prompts", "prompt_len", "max_new_tokens", "tp"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
 
 
-def build_model(args, device: torch.device):
-    """The checkpoint's model (each TP rank loads its shard), or the demo shape with random weights."""
-    if args.checkpoint:
-        model_args, state_dict = load_checkpoint(args.checkpoint)
-        model = build_demo_model(model_args, tensor_parallel_size=args.tp)
-        load_full_state_dict(model, state_dict)
+def main(argv=None):
+    args = parse_args(argv)
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
+    import torch
+    import torch.distributed as dist
+
+    from demo_model import DEMO_MODEL_ARGS, load_checkpoint
+
+    checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None
+    if checkpoint is not None and args.num_speculative_tokens > checkpoint[0]["mtp_num_layers"]:
+        sys.exit(f"error: --num-speculative-tokens {args.num_speculative_tokens} needs at least that many MTP "
+                 f"layers; {args.checkpoint} has {checkpoint[0]['mtp_num_layers']} (use "
+                 f"--num-speculative-tokens {checkpoint[0]['mtp_num_layers']} or less)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    repeats = args.repeats
+
+    from demo_model import build_demo_model, init_distributed, load_full_state_dict
+
+    init_distributed(args.tp, device)
+    if checkpoint is not None:
+        model = build_demo_model(checkpoint[0], tensor_parallel_size=args.tp)
+        load_full_state_dict(model, checkpoint[1])
     else:
-        model_args = dict(DEMO_MODEL_ARGS, mtp_num_layers=max(args.num_speculative_tokens, 1))
+        model_args = dict(DEMO_MODEL_ARGS, mtp_num_layers=args.num_speculative_tokens)
         torch.manual_seed(1234)  # every rank draws the same master weights and keeps its shard
         model = build_demo_model(model_args, tensor_parallel_size=args.tp)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    prompts = make_prompts(args, vocab_size=(checkpoint[0] if checkpoint else DEMO_MODEL_ARGS)["vocab_size"])
+    report = compare(model, args, prompts, device, repeats, show_progress=dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        print_report(args, device, prompts, report)
+        if args.metrics_json:
+            with open(args.metrics_json, "w") as handle:
+                json.dump(report["json"], handle, indent=2)
+            print(f"metrics written to {args.metrics_json}")
+    dist.destroy_process_group()
 
 
-def make_prompts(args):
-    """Prompt i has prompt_len + 3 i tokens: held-out corpus text with a checkpoint, random ids without."""
+def make_prompts(args, vocab_size: int):
+    """Prompt i has prompt_len + 3 i tokens: held-out text with a checkpoint, random ids without."""
+    import torch
+
+    from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
+
     lengths = [args.prompt_len + 3 * i for i in range(args.num_prompts)]
     if args.checkpoint:
         windows = evenly_spaced_windows(load_stdlib_corpus().held_out, args.num_prompts, max(lengths))
         return [window[:length].tolist() for window, length in zip(windows, lengths)]
     generator = torch.Generator().manual_seed(0)
-    return [torch.randint(0, DEMO_MODEL_ARGS["vocab_size"], (length,), generator=generator).tolist()
-            for length in lengths]
+    return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in lengths]
 
 
-def run(model, args, num_speculative_tokens: int, prompts, device):
-    graph_batches = (1, 2, 4, 8) if device.type == "cuda" else ()  # decode steps replay CUDA graphs
-    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=8, block_size_tokens=16,
-                             max_model_len=256, max_tokens_per_step=256, mtp_attention=args.mtp_attention,
-                             cuda_graph_batch_sizes=graph_batches)
-    controller = TextGenerationController(model, config, seed=0)
+def make_controller(model, args, num_speculative_tokens: int, prompts, device):
+    from mtp_ctrl.controllers import InferenceConfig, TextGenerationController
+
+    stride = num_speculative_tokens + 1
+    max_requests = min(len(prompts), 8)
+    graph_batches = tuple(b for b in (1, 2, 4, 8) if b <= max_requests) if device.type == "cuda" else ()
+    config = InferenceConfig(
+        num_speculative_tokens=num_speculative_tokens, max_requests=max_requests, block_size_tokens=16,
+        max_model_len=max(len(p) for p in prompts) + args.max_new_tokens + stride,
+        max_tokens_per_step=max(256, max_requests * stride), mtp_attention=args.mtp_attention,
+        cuda_graph_batch_sizes=graph_batches)  # decode steps replay CUDA graphs on a GPU
+    return TextGenerationController(model, config, seed=0)
+
+
+def compare(model, args, prompts, device, repeats: int, show_progress: bool):
+    """Warm both modes up, then time them alternately; returns what print_report and the JSON need."""
+    import torch
+    from tqdm import tqdm
+
+    from mtp_ctrl.controllers import SamplingParams
+
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=None)
-    controller.generate(prompts, params)  # warm-up: kernels compile, CUDA graphs are captured
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    controller.metrics.reset()
-    started = time.perf_counter()
-    results = controller.generate(prompts, params)
-    seconds = time.perf_counter() - started
-    controller.close()  # frees the graphs (needed before destroy_process_group under TP)
-    return results, seconds, controller.metrics
+    modes = {"plain": 0, "speculative": args.num_speculative_tokens}
+    controllers = {name: make_controller(model, args, S, prompts, device) for name, S in modes.items()}
+    seconds = {name: [] for name in modes}
+    tokens = {name: 0 for name in modes}
+    outputs, metrics = {}, {}
+    runs = [(name, warm_up) for name in modes for warm_up in (True,)] + \
+        [(name, False) for _ in range(repeats) for name in modes]
+    progress = tqdm(runs, desc="generate", unit="run", disable=not (show_progress and sys.stdout.isatty()))
+    for name, warm_up in progress:
+        controller = controllers[name]
+        controller.metrics.reset()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        results = controller.generate(prompts, params)  # the warm-up compiles kernels, captures graphs
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        tokens[name] = sum(len(result.output_tokens) for result in results)
+        outputs[name] = [list(result.output_tokens) for result in results]
+        if not warm_up:
+            seconds[name].append(elapsed)
+            metrics[name] = controller.metrics.as_dict()
+        progress.set_postfix_str(f"{name} {tokens[name] / elapsed:.0f} tok/s{' (warm-up)' if warm_up else ''}")
+    for controller in controllers.values():
+        controller.close()  # frees the graphs (needed before destroy_process_group under TP)
+    rates = {name: [tokens[name] / value for value in seconds[name]] for name in modes}
+    medians = {name: statistics.median(rates[name]) for name in modes}
+    spreads = {name: (max(rates[name]) - min(rates[name])) / medians[name] for name in modes}
+    identical = outputs["plain"] == outputs["speculative"]
+    comparison = {
+        "device": str(device), "tensor_parallel_size": args.tp, "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "num_speculative_tokens": args.num_speculative_tokens,
+        "mtp_attention": args.mtp_attention, "repeats": repeats,
+        "plain_tokens_per_second": rates["plain"], "speculative_tokens_per_second": rates["speculative"],
+        "plain_median_tokens_per_second": medians["plain"],
+        "speculative_median_tokens_per_second": medians["speculative"],
+        "speed_up": medians["speculative"] / medians["plain"], "outputs_identical": identical,
+    }
+    return {"rates": rates, "medians": medians, "spreads": spreads, "seconds": seconds, "outputs": outputs,
+            "identical": identical, "metrics": metrics,
+            "json": {"plain": metrics["plain"], "speculative": metrics["speculative"], "comparison": comparison}}
 
 
-def main():
-    args = parse_args()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    init_distributed(args.tp, device)
-    model = build_model(args, device)
-    prompts = make_prompts(args)
-    plain, plain_seconds, _ = run(model, args, 0, prompts, device)
-    spec, spec_seconds, metrics = run(model, args, args.num_speculative_tokens, prompts, device)
-    if dist.get_rank() == 0:
-        for index, (prompt, result) in enumerate(zip(prompts, spec)):
-            print(f"prompt {index}: {list(result.output_tokens)} ({result.finish_reason.value})")
-            if args.checkpoint:
-                print(f"  {decode_bytes(prompt)!r} -> {decode_bytes(result.output_tokens)!r}")
-        tokens = sum(len(r.output_tokens) for r in spec)
-        same = [r.output_tokens for r in plain] == [r.output_tokens for r in spec]
-        print(f"device {device}, tp {args.tp}, S = {args.num_speculative_tokens} ({args.mtp_attention} MTP attention)")
-        print(f"outputs identical to plain decoding: {same}")
-        print(f"plain:       {tokens / plain_seconds:8.1f} tokens/s")
-        print(f"speculative: {tokens / spec_seconds:8.1f} tokens/s, mean accepted length "
-              f"{metrics.mean_accepted_length:.2f}, acceptance per depth "
-              f"{[round(rate, 2) for rate in metrics.acceptance_per_depth]}")
-        print(f"step time split: {metrics.summary().split('; ')[-1]}")
-    dist.destroy_process_group()
+def verdict(report, repeats: int) -> str:
+    """Whether the figures can be trusted, in plain words."""
+    shortest = min(min(values) for values in report["seconds"].values())
+    noisy = [name for name, spread in report["spreads"].items() if spread > NOISY_SPREAD]
+    problems = []
+    if shortest < SHORT_RUN_SECONDS:
+        problems.append(f"too short to judge: a timed run took {shortest:.2f} s (raise --max-new-tokens or "
+                        f"--num-prompts)")
+    if noisy:
+        problems.append(f"too noisy to judge: {' and '.join(noisy)} varied by more than {NOISY_SPREAD:.0%} "
+                        f"between runs (a busy machine? raise --repeats)")
+    if repeats < 3:
+        problems.append(f"only {repeats} timed run(s) per mode: a rough figure (raise --repeats)")
+    return "; ".join(problems) if problems else f"{repeats} runs per mode, spread within {NOISY_SPREAD:.0%}: usable"
+
+
+def print_report(args, device, prompts, report) -> None:
+    from byte_corpus import decode_bytes
+
+    spec = report["metrics"]["speculative"]
+    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens each, {device}, TP {args.tp}, "
+          f"S = {args.num_speculative_tokens} ({args.mtp_attention} MTP attention)"
+          f"{'' if args.checkpoint else ', random weights'}")
+    for index in range(min(args.show, len(prompts))):
+        print(f"  prompt {index}: {decode_bytes(prompts[index])!r}")
+        print(f"  output {index}: {decode_bytes(report['outputs']['speculative'][index])!r}")
+    print()
+    print(f"{'':14}{'tokens/s (median)':>18}{'spread':>18}")
+    for name in ("plain", "speculative"):
+        rates = report["rates"][name]
+        print(f"{name:14}{report['medians'][name]:18.1f}{f'{min(rates):.1f}..{max(rates):.1f}':>18}")
+    print(f"speed-up: {report['medians']['speculative'] / report['medians']['plain']:.2f}x")
+    depths = ", ".join(f"{rate:.2f}" for rate in spec["acceptance_per_depth"])
+    print(f"accepted length: {spec['mean_accepted_length']:.2f} tokens per verify step; "
+          f"acceptance per depth: [{depths}]")
+    print(f"outputs identical: {'yes' if report['identical'] else 'NO'}")
+    step_time = spec["step_time"]
+    gpu = f", GPU {step_time['mean_gpu_ms']:.3f} ms" if step_time["mean_gpu_ms"] is not None else ""
+    print(f"step time (speculative): {step_time['mean_step_ms']:.3f} ms per step call over "
+          f"{step_time['steps']} calls{gpu}")
+    print(f"verdict: {verdict(report, len(report['rates']['plain']))}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Train the demo GPT and its MTP layers on the Python standard library's source (byte tokens).
 
     python examples/train_mtp.py --steps 50 --batch-size 4 --seq-len 128 --out /tmp/mtp_demo.pt    # CPU check
-    python examples/train_mtp.py --steps 4000 --batch-size 64 --seq-len 256 --out mtp_demo.pt       # a GPU
+    python examples/train_mtp.py --steps 3000 --batch-size 64 --seq-len 256 --out mtp_demo.pt       # a GPU (H100: 2 min)
     python examples/generate.py --checkpoint mtp_demo.pt                                           # serve it
 
 Training is megatron-core's own path: the dense twin of the paged model (same parameter names,
@@ -11,42 +11,41 @@ MTP depth's loss to the backward pass (depth k predicts the token k + 2 ahead). 
 state_dict loads strictly into :func:`mtp_ctrl.models.build_gpt_model`'s paged model.
 """
 
+from __future__ import annotations
+
 import argparse
 import math
+import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-from byte_corpus import evenly_spaced_windows, load_stdlib_corpus, sample_windows
-from demo_model import DEMO_MODEL_ARGS, build_demo_model, init_distributed, save_checkpoint
-from mtp_ctrl.models import dense_full_sequence
-
-try:
-    from tqdm import tqdm
-except ImportError:  # progress is printed every --log-every steps instead
-    tqdm = None
+if TYPE_CHECKING:  # torch and megatron-core load inside the functions, so that --help is instant
+    import torch
+    from megatron.core.models.gpt import GPTModel
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=256, help="tokens (bytes) per training window")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (warm-up, cosine decay)")
-    parser.add_argument("--mtp-num-layers", type=int, default=DEMO_MODEL_ARGS["mtp_num_layers"])
+    parser.add_argument("--mtp-num-layers", type=int, default=2, help="MTP depths trained (the demo model's 2)")
     parser.add_argument("--mtp-loss-scale", type=float, default=0.3, help="megatron's mtp_loss_scaling_factor")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--out", default="mtp_demo.pt", help="checkpoint path")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--log-every", type=int, default=None,
+                        help="steps between loss reports (default: steps / 10, at most 100)")
     parser.add_argument("--eval-windows", type=int, default=16, help="held-out windows of --seq-len evaluated")
-    return parser.parse_args()
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.log_every is None:
+        args.log_every = max(1, min(100, args.steps // 10))
+    return args
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,9 @@ def install_mtp_loss_tracker(num_layers: int, device: torch.device) -> torch.Ten
     megatron creates it on the current CUDA device on first use; creating it here puts it on
     ``device`` (a CPU run has no CUDA device).
     """
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
     values = torch.zeros(num_layers, device=device)
     MTPLossLoggingHelper.tracker["values"] = values
     return values
@@ -82,7 +84,16 @@ def install_mtp_loss_tracker(num_layers: int, device: torch.device) -> torch.Ten
 
 def train(model: GPTModel, tokens: torch.Tensor, *, steps: int, batch_size: int, seq_len: int, lr: float,
           seed: int, log_every: int = 100) -> LossReport:
-    """AdamW on random windows of ``tokens`` [n] uint8; returns the mean losses of the last logging interval."""
+    """AdamW on random windows of ``tokens`` [n] uint8; returns the mean losses of the last logging interval.
+
+    On a terminal a progress bar shows steps/s and the latest losses; otherwise (a log file, a
+    pipe) one line is printed every ``log_every`` steps.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from byte_corpus import sample_windows
+
     device = next(model.parameters()).device
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -92,7 +103,8 @@ def train(model: GPTModel, tokens: torch.Tensor, *, steps: int, batch_size: int,
     mtp_loss_sums = install_mtp_loss_tracker(model.config.mtp_num_layers or 0, device)  # [depths] fp32
     loss_sum = torch.zeros((), device=device)
     report, interval_steps = LossReport(float("nan"), []), 0
-    progress = tqdm(total=steps, unit="step") if tqdm is not None else None
+    interactive = sys.stdout.isatty()
+    progress = tqdm(total=steps, desc="train", unit="step", disable=not interactive)
     started = time.perf_counter()
     for step in range(steps):
         batch = sample_windows(tokens, batch_size, seq_len + 1, generator)  # [B, L + 1] int64
@@ -111,18 +123,16 @@ def train(model: GPTModel, tokens: torch.Tensor, *, steps: int, batch_size: int,
             mtp_loss_sums.zero_()
             interval_steps = 0
             message = f"loss {report.loss:.3f}, mtp {[round(value, 3) for value in report.mtp_losses]}"
-            if progress is not None:
-                progress.set_postfix_str(message)
-            else:
-                print(f"step {step + 1}/{steps}: {message} ({time.perf_counter() - started:.0f} s)", flush=True)
-        if progress is not None:
-            progress.update()
-    if progress is not None:
-        progress.close()
+            progress.set_postfix_str(message, refresh=False)
+            if not interactive:
+                elapsed = time.perf_counter() - started
+                print(f"step {step + 1}/{steps}: {message} ({elapsed:.0f} s, {(step + 1) / elapsed:.2f} steps/s)",
+                      flush=True)
+        progress.update()
+    progress.close()
     return report
 
 
-@torch.no_grad()
 def evaluate(model: GPTModel, tokens: torch.Tensor, seq_len: int, num_windows: int) -> HeldOutReport:
     """Losses and draft agreement over ``num_windows`` evenly spaced windows of ``tokens`` [n] uint8.
 
@@ -130,13 +140,20 @@ def evaluate(model: GPTModel, tokens: torch.Tensor, seq_len: int, num_windows: i
     for token i + k + 2) equals the decoder's argmax at row i + k + 1, with the true text as
     prefix; it estimates the acceptance rate of greedy speculation at that depth.
     """
+    import torch
+    import torch.nn.functional as F
+
+    from byte_corpus import evenly_spaced_windows
+    from mtp_ctrl.models import dense_full_sequence
+
     was_training = model.training
     model.eval()
     depths = model.config.mtp_num_layers or 0
     loss_sum, mtp_loss_sums, agreement_sums = 0.0, [0.0] * depths, [0.0] * depths
     windows = evenly_spaced_windows(tokens, num_windows, seq_len)  # [num_windows, seq_len] int64
     for window in windows:
-        logits, mtp_logits = dense_full_sequence(model, window)  # [n, V], depths x [n, V]
+        with torch.no_grad():
+            logits, mtp_logits = dense_full_sequence(model, window)  # [n, V], depths x [n, V]
         loss_sum += F.cross_entropy(logits[:-1].float(), window[1:]).item()
         greedy = logits.argmax(-1)  # [n] int64
         for depth, depth_logits in enumerate(mtp_logits):
@@ -150,6 +167,15 @@ def evaluate(model: GPTModel, tokens: torch.Tensor, seq_len: int, num_windows: i
 
 def main(args: Optional[argparse.Namespace] = None):
     args = args or parse_args()
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
+    import torch
+    import torch.distributed as dist
+
+    from byte_corpus import load_stdlib_corpus
+    from demo_model import DEMO_MODEL_ARGS, build_demo_model, init_distributed, save_checkpoint
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -157,14 +183,16 @@ def main(args: Optional[argparse.Namespace] = None):
     model_args = dict(DEMO_MODEL_ARGS, mtp_num_layers=args.mtp_num_layers)
     torch.manual_seed(args.seed)
     model = build_demo_model(model_args, dense=True, mtp_loss_scaling_factor=args.mtp_loss_scale).to(device)
+    print("reading the standard library's source ...", flush=True)
     corpus = load_stdlib_corpus()
     print(f"corpus: {corpus.train.numel() / 1e6:.1f} MB train, {corpus.held_out.numel() / 1e3:.0f} kB held out "
           f"({corpus.held_out_files[0]} .. {corpus.held_out_files[-1]}); "
-          f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters on {device}")
+          f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters on {device}", flush=True)
     started = time.perf_counter()
     final = train(model, corpus.train.to(device), steps=args.steps, batch_size=args.batch_size,
                   seq_len=args.seq_len, lr=args.lr, seed=args.seed, log_every=args.log_every)
     seconds = time.perf_counter() - started
+    print(f"evaluating on {args.eval_windows} held-out windows ...", flush=True)
     held_out = evaluate(model, corpus.held_out.to(device), args.seq_len, args.eval_windows)
     save_checkpoint(args.out, model_args, model)
     print(f"trained {args.steps} steps in {seconds:.0f} s")

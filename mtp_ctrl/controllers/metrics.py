@@ -2,7 +2,7 @@
 
 import collections
 import time
-from typing import Deque, Dict, List, Sequence
+from typing import Any, Deque, Dict, List, Sequence
 
 import numpy as np
 
@@ -77,3 +77,33 @@ class GenerationMetrics:
             split += f" (GPU {self.gpu_seconds / self.gpu_steps * 1e3:.3f} ms)"
         return (f"tokens {self.emitted_tokens}, {self.tokens_per_second():.1f} tok/s, mean accepted length "
                 f"{self.mean_accepted_length:.2f}, acceptance per depth [{depths}]; {split} over {self.steps} steps")
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Plain data (ints, floats, lists, dicts: ``json.dump`` takes it as is).
+
+        Keys: ``tokens_per_second``, ``emitted_tokens``, ``elapsed_seconds`` (since the last
+        reset), ``num_speculative_tokens``, ``verify_steps``, ``mean_accepted_length``,
+        ``acceptance_per_depth``, ``drafted_per_depth``, ``accepted_per_depth``, and
+        ``step_time``: ``{"steps", "step_seconds", "mean_step_ms", "gpu_steps", "gpu_seconds",
+        "mean_gpu_ms"}`` (the GPU fields are 0 off CUDA; ``mean_gpu_ms`` is None then).
+        """
+        elapsed = time.perf_counter() - self._started
+        return {
+            "tokens_per_second": self.emitted_tokens / max(elapsed, 1e-9),
+            "emitted_tokens": int(self.emitted_tokens),
+            "elapsed_seconds": elapsed,
+            "num_speculative_tokens": int(self.num_speculative_tokens),
+            "verify_steps": int(self.verify_steps),
+            "mean_accepted_length": float(self.mean_accepted_length),
+            "acceptance_per_depth": [float(rate) for rate in self.acceptance_per_depth],
+            "drafted_per_depth": [int(count) for count in self.drafted_per_depth],
+            "accepted_per_depth": [int(count) for count in self.accepted_per_depth],
+            "step_time": {
+                "steps": int(self.steps),
+                "step_seconds": float(self.step_seconds),
+                "mean_step_ms": self.step_seconds / self.steps * 1e3 if self.steps else None,
+                "gpu_steps": int(self.gpu_steps),
+                "gpu_seconds": float(self.gpu_seconds),
+                "mean_gpu_ms": self.gpu_seconds / self.gpu_steps * 1e3 if self.gpu_steps else None,
+            },
+        }

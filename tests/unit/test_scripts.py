@@ -1,0 +1,80 @@
+"""The scripts people run: --help answers at once, --metrics-json writes the documented keys,
+progress bars stay off when stdout is not a terminal, and megatron's known notices are hidden."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(str(path.relative_to(ROOT)) for folder in ("examples", "bench") for path in (ROOT / folder).glob("*.py")
+                 if path.name not in ("byte_corpus.py", "demo_model.py"))  # those two are modules, not scripts
+METRICS_KEYS = {"tokens_per_second", "emitted_tokens", "elapsed_seconds", "num_speculative_tokens", "verify_steps",
+                "mean_accepted_length", "acceptance_per_depth", "drafted_per_depth", "accepted_per_depth", "step_time"}
+STEP_TIME_KEYS = {"steps", "step_seconds", "mean_step_ms", "gpu_steps", "gpu_seconds", "mean_gpu_ms"}
+
+
+def run_script(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)  # the scripts' CPU path runs the torch references
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_prints_usage_without_running(script):
+    result = run_script(script, "--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage:")
+    assert "--verbose" in result.stdout
+    assert "torch" not in result.stderr  # nothing imported torch-side and failed or warned
+
+
+def test_generate_writes_metrics_json_quietly(tmp_path):
+    path = tmp_path / "metrics.json"
+    result = run_script("examples/generate.py", "--device", "cpu", "--max-new-tokens", "4", "--num-prompts", "1",
+                        "--repeats", "1", "--metrics-json", str(path))
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(path.read_text())
+    assert set(metrics) == {"plain", "speculative", "comparison"}
+    for mode in ("plain", "speculative"):
+        assert set(metrics[mode]) == METRICS_KEYS
+        assert set(metrics[mode]["step_time"]) == STEP_TIME_KEYS
+        assert metrics[mode]["emitted_tokens"] == 4
+    assert metrics["speculative"]["num_speculative_tokens"] == 2
+    assert len(metrics["speculative"]["acceptance_per_depth"]) == 2
+    comparison = metrics["comparison"]
+    assert comparison["outputs_identical"] is True
+    assert len(comparison["plain_tokens_per_second"]) == len(comparison["speculative_tokens_per_second"]) == 1
+    assert "speed-up:" in result.stdout and "outputs identical: yes" in result.stdout
+    assert "too short to judge" in result.stdout  # 4 tokens cannot be judged, and the script says so
+    # stdout is a pipe here: no progress bar (tqdm draws with carriage returns on stderr)
+    assert "\r" not in result.stderr and "run/s" not in result.stderr and "it/s" not in result.stderr
+    # megatron-core's notices about Apex / Transformer Engine are filtered by message
+    assert "Apex" not in result.stderr and "Transformer Engine" not in result.stderr
+
+
+def test_generate_rejects_more_drafts_than_mtp_layers_before_running():
+    result = run_script("examples/generate.py", "--checkpoint", "examples/checkpoints/mtp_demo.pt",
+                        "--num-speculative-tokens", "3")
+    assert result.returncode != 0
+    assert "--num-speculative-tokens 3" in result.stderr and "has 2" in result.stderr
+    assert "tokens/s" not in result.stdout  # nothing was generated
+
+
+def test_verbose_shows_megatron_notices_again():
+    # the filter is the package helper the scripts call; --verbose skips it
+    code = ("import warnings, mtp_ctrl; mtp_ctrl.quiet_known_warnings({verbose})\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('default')\n"
+            "    mtp_ctrl.quiet_known_warnings({verbose})\n"
+            "    warnings.warn('Apex is not installed. Falling back to Torch Norm')\n"
+            "    warnings.warn('something else')\n"
+            "print(sorted(str(w.message)[:14] for w in caught))")
+    quiet = run_script("-c", code.format(verbose=False), timeout=30)
+    loud = run_script("-c", code.format(verbose=True), timeout=30)
+    assert quiet.stdout.strip() == "['something else']", quiet.stderr
+    assert loud.stdout.strip() == "['Apex is not in', 'something else']", loud.stderr
