@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call for the step loop: controller/state GPU tests, then bench_overlap and bench_speedup.
-# Usage (device machine, repo root): bash bench/run_overlap_gpu.sh [--quick]
+# One device call for this session's work: the GPU tests of the step loop, the fused forward and the
+# sampling kernel, then bench_overlap, bench_forward and bench_sampling.
+# Usage (device machine, repo root): bash bench/run_overlap_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
@@ -11,7 +12,9 @@ fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
-timeout 300 python3 -m pytest tests/functional/test_controller_gpu.py tests/functional/test_step_ops_gpu.py \
-  tests/functional/test_mtp_draft_oracles_gpu.py tests/functional/test_state_gpu.py -q -p no:cacheprovider -W ignore -k "not tp2" 2>&1 \
-  | tee "$out/functional.log" | tail -15
-timeout 400 python3 bench/bench_overlap.py "$@" 2>&1 | grep -v Warning | tee "$out/bench_overlap.log" | tail -22
+timeout 200 python3 -m pytest tests/functional/test_controller_gpu.py tests/functional/test_mtp_draft_oracles_gpu.py \
+  tests/functional/test_state_gpu.py tests/functional/test_forward_gpu.py tests/functional/test_sampling_gpu.py \
+  -q -p no:cacheprovider -W ignore -k "not tp2 and not churn" 2>&1 | tee "$out/functional.log" | tail -12
+timeout 150 python3 bench/bench_overlap.py 2>&1 | grep -v Warning | tee "$out/bench_overlap.log" | tail -16
+timeout 100 python3 bench/bench_forward.py 2>&1 | tee "$out/bench_forward.log" | tail -14
+timeout 60 python3 bench/bench_sampling.py --quick 2>&1 | tee "$out/bench_sampling.log" | tail -12
