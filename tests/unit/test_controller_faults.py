@@ -111,18 +111,19 @@ def _assert_untouched(controller):
     assert controller._next_request_id == 0  # no request id was taken
 
 
-@pytest.mark.parametrize("prompt", [[], list(range(16)), [3, -1, 4], [3, VOCAB_SIZE, 4], torch.tensor([1, VOCAB_SIZE])],
-                         ids=["empty", "max_model_len", "negative", "vocab", "tensor_vocab"])
+@pytest.mark.parametrize("prompt", [[], list(range(16)), [3, -1, 4], [3, VOCAB_SIZE, 4], torch.tensor([1, VOCAB_SIZE]),
+                                    torch.tensor([[1, 2]])],
+                         ids=["empty", "max_model_len", "negative", "vocab", "tensor_vocab", "2d_tensor"])
 def test_bad_prompt_is_rejected_before_state_changes(controller, prompt):
-    """Empty, max_model_len long (no room to generate), or out-of-vocabulary prompts raise a
+    """Empty, max_model_len long (no room to generate), 2-D, or out-of-vocabulary prompts raise a
     ValueError naming prompt_tokens and queue nothing."""
     with pytest.raises(ValueError, match="prompt_tokens"):
         controller.add_request(prompt)
     _assert_untouched(controller)
 
 
-@pytest.mark.parametrize("prompt", [[1, 2.0], [True, 2], torch.tensor([[1, 2]]), torch.tensor([1.0, 2.0])],
-                         ids=["float", "bool", "2d_tensor", "float_tensor"])
+@pytest.mark.parametrize("prompt", [[1, 2.0], [True, 2], torch.tensor([1.0, 2.0]), None, 5, {1, 2}],
+                         ids=["float", "bool", "float_tensor", "none", "int", "set"])
 def test_prompt_of_wrong_type_is_rejected(controller, prompt):
     with pytest.raises(TypeError, match="prompt_tokens"):
         controller.add_request(prompt)
