@@ -36,8 +36,8 @@ def parse_args(argv=None):
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed runs per mode, alternating plain and speculative")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per mode, alternating plain and speculative (default: 5 on CUDA, 3 on CPU)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= processes under torchrun)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--show", type=int, default=3, help="outputs printed as text")
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     for name in ("num_speculative_tokens", "num_prompts", "prompt_len", "max_new_tokens", "tp"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     return args
 
@@ -68,7 +68,7 @@ def main(argv=None):
                  f"layers; {args.checkpoint} has {checkpoint[0]['mtp_num_layers']} (use "
                  f"--num-speculative-tokens {checkpoint[0]['mtp_num_layers']} or less)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    repeats = args.repeats
+    repeats = args.repeats or (5 if device.type == "cuda" else 3)  # the CPU path is slow: fewer
 
     from demo_model import build_demo_model, init_distributed, load_full_state_dict
 

@@ -1,6 +1,6 @@
 """Per-step kernels (Triton) with pure-torch twins of the same signature.
 
-Contract: ``shared/SPEC_OPS.md``. Each public op validates its arguments, then runs the Triton
+Contracts: docs/kernels.md. Each public op validates its arguments, then runs the Triton
 kernel on CUDA tensors (or on CPU tensors under ``TRITON_INTERPRET=1``) and the torch reference
 in :mod:`mtp_ctrl.triton_ops.reference` otherwise.
 
