@@ -11,13 +11,13 @@ from mtp_ctrl.triton_ops._lazy import lazy_exports
 
 # public name -> module of this package that defines it
 _OP_MODULES = {
-    # MTP step (SPEC_OPS 1-4) and the fused step op
+    # MTP step (contract: docs/kernels.md) and the fused step op
     "verify_speculative_tokens": "verify_tokens",
     "prepare_next_forward_pass": "prepare_next_forward",
     "rewind_kv_cache": "kv_rewind",
     "mamba_state_selective_copy": "mamba_state_copy",
     "verify_and_commit": "fused_step",
-    # drafting inputs (SPEC_OPS 5-11)
+    # drafting inputs (contract: docs/kernels.md)
     "copy_and_expand_eagle_inputs": "eagle_inputs",
     "eagle_prepare_inputs_padded": "eagle_padded",
     "eagle_prepare_next_token_padded": "eagle_padded",

@@ -1,4 +1,4 @@
-"""Expand the target model's packed rows into the drafter's input rows (SPEC_OPS 5)."""
+"""Expand the target model's packed rows into the drafter's input rows (contract: docs/kernels.md)."""
 
 import torch
 import triton

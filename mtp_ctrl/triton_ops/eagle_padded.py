@@ -1,4 +1,4 @@
-"""Per-request bookkeeping of the padded EAGLE batch after verification (SPEC_OPS 6 and 7).
+"""Per-request bookkeeping of the padded EAGLE batch after verification (contract: docs/kernels.md).
 
 In the padded batch every request keeps all of its ``1 + num_draft`` verified rows, rejected
 ones included; these two ops find, without a host sync, which row each request samples its

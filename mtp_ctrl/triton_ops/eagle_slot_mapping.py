@@ -1,4 +1,4 @@
-"""Advance every request by one drafted token: position, KV slot and sequence length (SPEC_OPS 8)."""
+"""Advance every request by one drafted token: position, KV slot and sequence length (contract: docs/kernels.md)."""
 
 from typing import Optional
 

@@ -1,4 +1,4 @@
-"""Grow every query of a batch's attention metadata by ``n`` rows (SPEC_OPS 9).
+"""Grow every query of a batch's attention metadata by ``n`` rows (contract: docs/kernels.md).
 
 Metadata arithmetic in torch (a handful of tiny element-wise ops, CUDA-graph safe, no host
 sync); there is no Triton kernel. The object is duck-typed (a dataclass with the fields of

@@ -1,4 +1,4 @@
-"""Rewind KV-cache bookkeeping past the rejected drafts of each request (SPEC_OPS 3).
+"""Rewind KV-cache bookkeeping past the rejected drafts of each request (contract: docs/kernels.md).
 
 Only the bookkeeping moves (lengths, block counts, block table); the cached K/V of rejected
 tokens stay where they are and are overwritten by later steps. Blocks that no longer hold any

@@ -1,4 +1,4 @@
-"""Commit the accepted Mamba state of each decode request (SPEC_OPS 4).
+"""Commit the accepted Mamba state of each decode request (contract: docs/kernels.md).
 
 The forward pass writes one intermediate state per row of a decode request (after the base
 token and after each draft); the state after the last accepted row becomes the current state.

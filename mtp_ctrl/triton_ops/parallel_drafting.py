@@ -1,4 +1,4 @@
-"""Inputs of a parallel-drafting forward pass: K drafts from one pass (SPEC_OPS 10)."""
+"""Inputs of a parallel-drafting forward pass: K drafts from one pass (contract: docs/kernels.md)."""
 
 import torch
 import triton

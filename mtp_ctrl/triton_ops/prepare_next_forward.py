@@ -1,4 +1,4 @@
-"""Gather what the next forward pass needs from a verified step (SPEC_OPS 2).
+"""Gather what the next forward pass needs from a verified step (contract: docs/kernels.md).
 
 For every request: the token sampled after its last accepted row (the next input token) and
 that row's position in the forward pass. For decode requests also: the accepted drafts (-1

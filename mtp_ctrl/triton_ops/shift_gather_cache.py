@@ -1,4 +1,4 @@
-"""Shift each sequence's rows right and refill the front from a small per-sequence cache (SPEC_OPS 11).
+"""Shift each sequence's rows right and refill the front from a small per-sequence cache (contract: docs/kernels.md).
 
 Multi-layer EAGLE re-runs the drafter over a window whose first ``shift`` rows come from the
 previous step. Sequence ``n`` owns rows ``[start, end) = [qsl[n], qsl[n + 1])``, a shift ``s`` and

@@ -1,4 +1,4 @@
-"""Verify speculative tokens: which packed rows did the target model accept? (SPEC_OPS 1)
+"""Verify speculative tokens: which packed rows did the target model accept? (contract: docs/kernels.md)
 
 Packed layout: ``num_decode_requests`` decode requests of ``S + 1`` rows each (base token, then
 drafts ``d_1 .. d_S``), then one row per prefill request. ``output_tokens[k]`` is what the target

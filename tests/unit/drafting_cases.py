@@ -1,4 +1,4 @@
-"""Seeded random argument tuples for the drafting-input ops (SPEC_OPS 5-11).
+"""Seeded random argument tuples for the drafting-input ops (contract: docs/kernels.md).
 
 Shared by tests/unit (CPU, Triton's interpreter) and tests/functional (CUDA). Each ``*_case``
 returns the op's positional arguments, built on ``device``, in the op's own argument order.

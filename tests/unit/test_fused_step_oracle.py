@@ -1,4 +1,4 @@
-"""verify_and_commit against oracles that share no code with it (SPEC_OPS 1-3).
+"""verify_and_commit against oracles that share no code with it (contract: docs/kernels.md).
 
 tests/unit/test_fused_step.py holds the kernel equal to the torch references chained; a bug the
 kernel and the references share passes there. Here the expected values come from hand-worked
@@ -168,7 +168,7 @@ class Expected(NamedTuple):
 
 def model_step(inputs, outputs, required, buffers, kv, num_decode, num_prefill, num_spec, block_size,
                num_active) -> Expected:
-    """The step from SPEC_OPS 1-3 on lists of ints, request by request (no torch)."""
+    """The step from docs/kernels.md on lists of ints, request by request (no torch)."""
     sampled, last_seq, drafts, counts = [list(b) for b in buffers]
     drafts = [list(row) for row in drafts]
     offsets, lengths, block_counts, last_ids, table = [list(x) for x in kv]

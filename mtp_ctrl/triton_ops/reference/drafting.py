@@ -1,4 +1,4 @@
-"""Pure-torch twins of the drafting-input ops (SPEC_OPS 5-11).
+"""Pure-torch twins of the drafting-input ops (contract: docs/kernels.md).
 
 Same names, arguments and results as the public ops in :mod:`mtp_ctrl.triton_ops`; the public
 ops' docstrings hold the contracts and worked examples. Every function is vectorised over rows

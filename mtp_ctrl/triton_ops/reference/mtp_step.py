@@ -1,4 +1,4 @@
-"""Torch twins of the MTP step ops (SPEC_OPS 1-4) and of the fused ``verify_and_commit``.
+"""Torch twins of the MTP step ops (contract: docs/kernels.md) and of the fused ``verify_and_commit``.
 
 Vectorised over requests, no host sync except where noted. Arguments are validated by the
 public ops in :mod:`mtp_ctrl.triton_ops`; these functions assume valid inputs.
