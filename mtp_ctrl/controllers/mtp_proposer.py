@@ -122,9 +122,9 @@ class MTPProposer(Proposer):
             token_index = (positions + depth + 1).clamp(0, self._history_len - 1)  # [Tm] position of t_{i+k+1}
             tokens = self._token_history[history_rows, token_index]  # [Tm] int64
             logits, hidden = self.controller.runner.mtp_forward(depth, hidden, tokens, positions.clamp(min=0),
-                                                                metadata, kv_caches)
+                                                                metadata, kv_caches, logits_rows=last_rows)
             draft_positions = (ends[:num_sampling] + depth + 1).clamp(0, self._history_len - 1)  # [n_s]
-            drafts[:, depth] = self.controller.sample_rows(logits[last_rows], sampling_rows, draft_positions)
+            drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, draft_positions)  # [n_s, V] logits
             self._token_history[batch.write_rows[:num_sampling], draft_positions] = drafts[:, depth]
         self._advance_windows(batch, ends)
         if self.mode == "paged":

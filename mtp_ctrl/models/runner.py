@@ -165,9 +165,7 @@ class PagedGPTRunner:
         only, so projecting every row to the vocabulary would be wasted work and memory).
         """
         self._check_rows(input_ids, positions, metadata, kv_caches)
-        if logits_rows is not None and (not isinstance(logits_rows, torch.Tensor) or logits_rows.dim() != 1
-                                        or logits_rows.dtype != torch.int64):
-            raise TypeError("logits_rows must be a 1-D int64 tensor")
+        self._check_logits_rows(logits_rows)
         self._check_mamba(mamba)
         rotary_pos_emb, rotary = self._rotary(positions)
         with paged_forward_context(metadata, kv_caches, mamba, rotary):
@@ -176,6 +174,12 @@ class PagedGPTRunner:
                                         rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
         projected = hidden if logits_rows is None else hidden[logits_rows]  # [K, 1, H]
         return self._logits(projected), hidden[:, 0]
+
+    @staticmethod
+    def _check_logits_rows(logits_rows: Optional[torch.Tensor]) -> None:
+        if logits_rows is not None and (not isinstance(logits_rows, torch.Tensor) or logits_rows.dim() != 1
+                                        or logits_rows.dtype != torch.int64):
+            raise TypeError("logits_rows must be a 1-D int64 tensor")
 
     def _check_mamba(self, mamba: Optional[MambaForward]) -> None:
         if self.num_mamba_layers == 0:
@@ -198,17 +202,21 @@ class PagedGPTRunner:
         positions: torch.Tensor,  # [T] int64, each row's own position
         metadata: AttentionMetadata,
         kv_caches: Sequence[KVCachePair],
-    ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [T, V] fp32, hidden [T, H]
+        logits_rows: Optional[torch.Tensor] = None,  # [K] int64: rows that draft (default all)
+    ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [K, V] fp32, hidden [T, H]
         """MTP layer ``depth`` as megatron computes it in training, attending through cache ``L + depth``.
 
         Row i combines ``hnorm(hidden[i])`` with ``enorm(embedding(token_ids[i]))`` (megatron rolls
         the input ids by one per depth: row i at depth k sees token i + k + 1), projects with
         ``eh_proj``, runs the depth's transformer layer with rotary at ``positions[i]``, applies the
-        depth's ``final_layernorm`` and the shared output layer.
+        depth's ``final_layernorm`` and the shared output layer. Only ``logits_rows`` go through the
+        output layer: a paged draft window has 2S rows per request and drafts from one of them, and
+        at a large vocabulary the output GEMM and the logits dominate drafting.
         """
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth < self.mtp_num_layers:
             raise ValueError(f"depth must be an int in [0, {self.mtp_num_layers}), got {depth!r}")
         self._check_rows(token_ids, positions, metadata, kv_caches)
+        self._check_logits_rows(logits_rows)
         if not isinstance(hidden, torch.Tensor) or hidden.shape != (token_ids.shape[0], self.model.config.hidden_size):
             raise ValueError(f"hidden must be [T, hidden_size] = [{token_ids.shape[0]}, "
                              f"{self.model.config.hidden_size}], got {getattr(hidden, 'shape', None)}")
@@ -223,4 +231,5 @@ class PagedGPTRunner:
             out, _ = layer.transformer_layer(hidden_states=projected, attention_mask=None,
                                              rotary_pos_emb=rotary_pos_emb)
             out = layer.final_layernorm(out)  # [T, 1, H]
-        return self._logits(out), out[:, 0]
+        projected_rows = out if logits_rows is None else out[logits_rows]  # [K, 1, H]
+        return self._logits(projected_rows), out[:, 0]

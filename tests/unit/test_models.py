@@ -159,3 +159,21 @@ def test_logits_rows_project_only_the_rows_asked_for(megatron_groups):
     torch.testing.assert_close(some_logits, all_logits[rows], **FP32_TOL)
     with pytest.raises(TypeError, match="logits_rows"):
         runner.forward(tokens, metadata.positions, metadata, caches, logits_rows=rows.int())
+
+
+def test_mtp_forward_projects_only_the_logits_rows(tiny):
+    """logits_rows picks rows of the full projection (bitwise: the same GEMM per row), the hidden
+    output still covers every row, and a bad logits_rows is a TypeError."""
+    config, model, runner = tiny
+    tokens = torch.arange(5)
+    metadata = make_metadata([[0, 1]], [(0, 5)])
+    hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([4, 1])
+    full_logits, full_hidden = runner.mtp_forward(0, hidden, tokens, metadata.positions, metadata, _fresh_caches(model))
+    logits, out = runner.mtp_forward(0, hidden, tokens, metadata.positions, metadata, _fresh_caches(model),
+                                     logits_rows=rows)
+    assert logits.shape == (2, full_logits.shape[1]) and out.shape == full_hidden.shape
+    torch.testing.assert_close(logits, full_logits[rows])
+    torch.testing.assert_close(out, full_hidden)
+    with pytest.raises(TypeError, match="logits_rows"):
+        runner.mtp_forward(0, hidden, tokens, metadata.positions, metadata, _fresh_caches(model), logits_rows=[4])
