@@ -27,14 +27,34 @@ import socket
 import statistics
 import time
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mtp_ctrl.models import PagedGPTRunner, build_gpt_model
-from mtp_ctrl.state import KVCacheSpec
-from mtp_ctrl.state.attention_metadata import AttentionMetadata
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 2-layer toy model and fewer points")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--context", type=int, default=None, help="tokens per request (default 1024; quick 64)")
+    parser.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
+    parser.add_argument("--replays", type=int, default=50, help="CUDA-graph replays per timing")
+    parser.add_argument("--megatron-fusions", action="store_true",
+                        help="config.bias_activation_fusion and bias_dropout_fusion (torch.compile'd element-wise glue)")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # --help answers before torch loads
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from mtp_ctrl.models import PagedGPTRunner, build_gpt_model  # noqa: E402
+from mtp_ctrl.state import KVCacheSpec  # noqa: E402
+from mtp_ctrl.state.attention_metadata import AttentionMetadata  # noqa: E402
 
 FULL_MODEL = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16,
                   num_query_groups=4, mtp_num_layers=2, vocab_size=32000)
@@ -161,15 +181,7 @@ def floor_bytes(model, runner, batch, context, kv_bytes_per_token_layer):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a 2-layer toy model and fewer points")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--context", type=int, default=None, help="tokens per request (default 1024; quick 64)")
-    parser.add_argument("--block-size", type=int, default=64, help="KV block size in tokens")
-    parser.add_argument("--replays", type=int, default=50, help="CUDA-graph replays per timing")
-    parser.add_argument("--megatron-fusions", action="store_true",
-                        help="config.bias_activation_fusion and bias_dropout_fusion (torch.compile'd element-wise glue)")
-    args = parser.parse_args()
+    args = ARGS
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --quick --device cpu for the CPU smoke test")

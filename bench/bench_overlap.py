@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
@@ -30,6 +29,7 @@ def parse_args():
     parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
     parser.add_argument("--quick", action="store_true", help="demo model only, batch 1 and 8")
     parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
 
@@ -89,7 +89,9 @@ def _run(model, prompts, num_speculative_tokens, overlap, new_tokens):
 
 def main():
     args = parse_args()
-    warnings.filterwarnings("ignore")
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
     import torch
     import torch.distributed as dist
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
