@@ -63,8 +63,9 @@ def _noise(vocab_ids, key_low, key_high):
 def _scaled_tile(row_ptr, ids, vocab_size, scale):
     """``(z, valid)`` of one tile: logits / scale in float32, -inf past the row."""
     valid = ids < vocab_size
-    z = tl.load(row_ptr + ids, mask=valid, other=float("-inf")).to(tl.float32) / scale
-    return z, valid
+    x = tl.load(row_ptr + ids, mask=valid, other=float("-inf")).to(tl.float32)
+    # IEEE division (``/`` is approximate on NVIDIA), so z is bit-equal to the twin's x / T
+    return tl.math.div_rn(x, scale + tl.zeros_like(x)), valid
 
 
 @triton.jit

@@ -1,8 +1,7 @@
-"""Sampling: greedy, seeded determinism, top-k/top-p support, and the sampled distribution."""
+"""Sampling through controllers.sampling: greedy, seeded determinism, top-k/top-p support.
 
-import math
+The sampled distribution is tested in test_sampling_law.py, kernel == twin in test_sampling_kernel.py."""
 
-import pytest
 import torch
 
 from mtp_ctrl.controllers.sampling import filter_top_k_top_p, gumbel_noise, sample_tokens
@@ -57,9 +56,9 @@ def test_top_k_keeps_only_the_k_best():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
     kept = filter_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
     assert torch.isfinite(kept).tolist() == [[False, True, False, True, False]]
-    positions = torch.arange(200)
-    params = _rows(200, top_k=2)
-    tokens = sample_tokens(logits.expand(200, -1), positions=positions, **params)
+    positions = torch.arange(40)
+    params = _rows(40, top_k=2)
+    tokens = sample_tokens(logits.expand(40, -1), positions=positions, **params)
     assert set(tokens.tolist()) == {1, 3}
 
 
@@ -73,27 +72,6 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert torch.isfinite(kept).tolist() == [[True, True, True, False]]
     kept = filter_top_k_top_p(logits, torch.tensor([0]), torch.tensor([1e-6]))
     assert torch.isfinite(kept).tolist() == [[True, False, False, False]]
-
-
-def _chi_square_p_value(counts, expected):
-    """Upper tail of the chi-square statistic (Wilson-Hilferty normal approximation)."""
-    stat = float(((counts - expected) ** 2 / expected).sum())
-    dof = len(counts) - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
-@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.5])
-def test_sampled_frequencies_follow_softmax(temperature):
-    # One draw per position: 20,000 independent draws of the same distribution.
-    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])
-    draws = 20000
-    tokens = sample_tokens(
-        logits.expand(draws, -1), positions=torch.arange(draws), **_rows(draws, temperature=temperature)
-    )
-    counts = torch.bincount(tokens, minlength=6).double()
-    expected = (logits / temperature).softmax(-1).double() * draws
-    assert _chi_square_p_value(counts, expected) > 1e-3  # significance 0.1%
 
 
 def test_top_p_one_keeps_the_whole_vocabulary():
