@@ -102,6 +102,9 @@ class TextGenerationController:
         self._retiring: List[int] = []  # finished; their rows are freed once no step is in flight
         self._in_flight: Optional[_LaunchedStep] = None
         self._readback_parity = 0
+        # CUDA events of the two steps that can be in flight: (start of the step's GPU work, read-back landed)
+        self._step_events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                             for _ in range(2)] if self.device.type == "cuda" else None
         self._next_request_id = 0
         self._params_by_row_cache = None
 
@@ -353,23 +356,23 @@ class TextGenerationController:
     def _launch_step(self, step: StepMetadata) -> _LaunchedStep:
         """Launch the step's GPU work and the copy of its read-back; returns without waiting."""
         self._all_greedy = bool(self._outputs.greedy[: step.num_requests].all())
-        gpu_start = None
-        if self.device.type == "cuda":
-            gpu_start = torch.cuda.Event(enable_timing=True)
-            gpu_start.record()
+        parity = self._readback_parity
+        gpu_start = done = stream = None
+        if self._step_events is not None:
+            gpu_start, done = self._step_events[parity]
+            stream = torch.cuda.current_stream(self.device)  # once per step: the lookup costs host time
+            gpu_start.record(stream)
         graph_batch = step.attention.batch_size
         if self._graphs is not None and step.decode_only and graph_batch in self.config.cuda_graph_batch_sizes:
             self._graphs.run((graph_batch, self._all_greedy), lambda: self._launch(step))
         else:
             self._launch(step)
         num_sampling = step.num_sampling_requests
-        host = self._readback_host[self._readback_parity][:num_sampling]
+        host = self._readback_host[parity][:num_sampling]
         self._readback_parity ^= 1
         host.copy_(self._readback_device[:num_sampling], non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
+        if done is not None:
+            done.record(stream)
         if self.config.num_speculative_tokens > 0:
             self.proposer.on_step_scheduled(step)
         return _LaunchedStep(step, host, done, gpu_start)

@@ -127,7 +127,7 @@ class StepBuffers:
             raise RuntimeError(f"{block_writes.shape[1]} block writes in one step, the buffer holds "
                                f"{self.max_block_writes}")
 
-        host = {name: view.numpy() for name, view in self.staging.host.items()}
+        host = self.staging.host_arrays
         if prefill_chunks:
             np.concatenate(prefill_chunks, out=host["input_ids"][decode_rows:token_count])
         host["query_start_loc"][: num_requests + 1] = query_start_loc
