@@ -98,6 +98,7 @@ def bench_point(vocab_size, batch, bandwidth):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="vocab 128k, batch 1 and 32 only")
+    parser.add_argument("--verbose", action="store_true", help="show every warning (this script imports no megatron)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_sampling: needs a CUDA GPU; nothing to measure here.")

@@ -96,7 +96,9 @@ class TextGenerationController:
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
         self._records: Dict[int, RequestRecord] = {}  # live and unclaimed finished requests
-        self._finished_order: Deque[int] = collections.deque()  # finished, result not taken yet
+        self._finished_order: Deque[int] = collections.deque()  # finished step-API requests, result not taken
+        self._held_by_generate: set = set()  # requests a running generate() waits for: never dropped
+        self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
         self._waiting: Deque[int] = collections.deque()  # admitted to the controller, not yet to the context
         self._admission_order: List[int] = []  # live requests, oldest first (preemption takes the newest)
         self._retiring: List[int] = []  # finished; their rows are freed once no step is in flight
@@ -155,8 +157,8 @@ class TextGenerationController:
         self._readback_device = torch.zeros(R, S + 2, dtype=torch.int64, device=device)  # [R, S + 2]
         self._draft_rows = table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64
         # verify_and_commit's outputs; with keep_released_blocks nothing is released (see state/context.py)
-        release_shape = (R,) if max_released_blocks(S, self.config.block_size_tokens) == 1 else (
-            R, max_released_blocks(S, self.config.block_size_tokens))
+        release_width = max_released_blocks(S, self.config.block_size_tokens)
+        release_shape = (R,) if release_width == 1 else (R, release_width)  # scratch: nothing is released
         self._commit_out = StepCommit(
             last_one_indices=torch.empty(R, dtype=torch.int64, device=device),  # [R] int64
             accepted_tokens_mask=torch.empty(self.config.max_tokens_per_step, dtype=torch.bool, device=device),  # [T]
@@ -169,11 +171,26 @@ class TextGenerationController:
         ``torch.distributed.destroy_process_group`` when running tensor-parallel: a process group
         otherwise waits forever for the collectives captured in the graphs (pytorch/pytorch#115388).
         The controller stays usable."""
-        if self._in_flight is not None:
-            self._apply_in_flight()
-            self._retire_finished()
+        self._sync()
         if self._graphs is not None:
             self._graphs.reset()
+
+    def _sync(self) -> None:
+        """Apply the step in flight (its outputs wait for the next ``step()``) and free the rows
+        of finished requests: afterwards the host knows everything and rows may move."""
+        if self._in_flight is not None:
+            self._pending_outputs += self._apply_in_flight(collect=True)
+        self._retire_finished()
+
+    def pause_request(self, request_id: int) -> None:
+        """Stop running a live request (its KV blocks and state stay) until :meth:`resume_request`."""
+        self._sync()
+        self.context.pause_request(request_id)
+
+    def resume_request(self, request_id: int) -> None:
+        """Run a request paused by :meth:`pause_request` again from the next step."""
+        self._sync()
+        self.context.resume_request(request_id)
 
     # ----- requests ------------------------------------------------------------------------
 
@@ -225,7 +242,7 @@ class TextGenerationController:
             request_id = self._waiting[0]
             record = self._records[request_id]
             tokens = record.prompt_tokens + record.output_tokens
-            if record.preemptions and not self._fits_in_free_blocks(len(tokens)):
+            if not self._can_admit():
                 break  # an evicted request waits until it can be recomputed without evicting again
             self.context.add_request(request_id, tokens)
             self._waiting.popleft()  # only once the context holds it
@@ -267,15 +284,16 @@ class TextGenerationController:
         for request_id in self._retiring:
             self._admission_order.remove(request_id)
             self._release(request_id)
+            if request_id not in self._held_by_generate:
+                self._finished_order.append(request_id)
         self._retiring.clear()
+        while len(self._finished_order) > self.config.finished_results_kept:
+            self._records.pop(self._finished_order.popleft(), None)  # the oldest unclaimed result
 
     def _finish_record(self, request_id: int, reason: FinishReason) -> None:
         self._save_progress(request_id)
         self._records[request_id].finish_reason = reason
         self._retiring.append(request_id)
-        self._finished_order.append(request_id)
-        while len(self._finished_order) > self.config.finished_results_kept:
-            self._records.pop(self._finished_order.popleft(), None)  # the oldest unclaimed result
 
     # ----- hooks -------------------------------------------------------------------------
 
@@ -308,6 +326,8 @@ class TextGenerationController:
         started = time.perf_counter()
         try:
             outputs = self._step_once(collect)
+            if self._pending_outputs:
+                outputs, self._pending_outputs = self._pending_outputs + outputs, []
             if self._hook_overridden("on_step_end"):
                 self.on_step_end(outputs)
         except BaseException:
@@ -319,9 +339,7 @@ class TextGenerationController:
     def _step_once(self, collect: bool) -> List[StepOutput]:
         outputs: List[StepOutput] = []
         applied = self._in_flight is not None  # this call applies a step, whatever it builds
-        rows_move = bool(self._retiring) or (bool(self._waiting) and self.context.num_free_rows > 0) \
-            or self.context.needs_sync()
-        if self._in_flight is not None and (rows_move or not self.config.overlap_scheduling):
+        if self._in_flight is not None and (self._must_sync() or not self.config.overlap_scheduling):
             outputs += self._apply_in_flight(collect)
         if self._in_flight is None:
             self._retire_finished()
@@ -339,17 +357,26 @@ class TextGenerationController:
             outputs += self._apply(previous, collect)
         if not self.config.overlap_scheduling or not self.has_unfinished_requests():
             outputs += self._apply_in_flight(collect)  # nothing to overlap with: finish now
-        if self._in_flight is None:
             self._retire_finished()
         return outputs
 
+    def _must_sync(self) -> bool:
+        """Whether the next step moves rows (finishing, admitting, a prompt turning into decodes,
+        pausing or resuming), so the step in flight must be applied before it is built."""
+        return bool(self._retiring) or self._can_admit() or self.context.needs_sync()
+
+    def _can_admit(self) -> bool:
+        if not self._waiting or self.context.num_free_rows == 0:
+            return False
+        record = self._records[self._waiting[0]]
+        return not record.preemptions or self._fits_in_free_blocks(len(record.prompt_tokens) + len(record.output_tokens))
+
     def _build_step(self) -> Optional[StepMetadata]:
-        steps_in_flight = 0 if self._in_flight is None else 1
         while True:
             try:
-                return self.context.build_step(steps_in_flight)
+                return self.context.build_step()
             except KVCacheFullError:
-                if len(self._admission_order) <= 1 or steps_in_flight:
+                if len(self._admission_order) <= 1 or self._in_flight is not None:
                     raise
                 self._preempt_newest()
 
@@ -452,14 +479,14 @@ class TextGenerationController:
         """A step raised: end every request in the batch with reason ABORTED (output so far kept)
         and release its state, so the controller stays usable. Waiting requests stay queued."""
         self._in_flight = None
+        self.context.abandon_steps_in_flight()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # host-ok: error path
         for request_id in list(self._admission_order):
-            record = self._records[request_id]
-            if record.finish_reason is None:
+            record = self._records.get(request_id)
+            if record is not None and record.finish_reason is None:
                 self._save_progress(request_id)
                 record.finish_reason = FinishReason.ABORTED
-                self._finished_order.append(request_id)
             if request_id not in self._retiring:
                 self._retiring.append(request_id)
         self._retire_finished()
@@ -581,13 +608,18 @@ class TextGenerationController:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         checked = [self._check_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
         request_ids = [self._queue_request(prompt, params) for prompt, params in checked]  # all valid: queue
-        while any(self._records[rid].finish_reason is None for rid in request_ids):
-            idle_steps = self._idle_steps
-            self._step(collect=self._hook_overridden("on_step_end"))
-            if self._idle_steps != idle_steps:
-                raise RuntimeError("generate: no request can run (all running requests are paused); "
-                                   "resume them or use the step API")
-        results = [self.result(rid) for rid in request_ids]
-        for request_id in request_ids:
-            self._records.pop(request_id, None)
-        return results
+        self._held_by_generate.update(request_ids)
+        try:
+            while any(self._records[rid].finish_reason is None for rid in request_ids):
+                idle_steps = self._idle_steps
+                self._step(collect=self._hook_overridden("on_step_end"))
+                if self._idle_steps != idle_steps:
+                    raise RuntimeError("generate: no request can run (all running requests are paused); "
+                                       "resume them or use the step API")
+            return [self.result(rid) for rid in request_ids]
+        finally:  # the caller has the results (or the exception): forget the finished requests
+            self._held_by_generate.difference_update(request_ids)
+            for request_id in request_ids:
+                record = self._records.get(request_id)
+                if record is not None and record.finish_reason is not None:
+                    del self._records[request_id]

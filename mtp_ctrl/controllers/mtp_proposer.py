@@ -137,7 +137,7 @@ class MTPProposer(Proposer):
         step, device, S = batch.step, batch.hidden.device, self.num_speculative_tokens
         stride, window_size = S + 1, 2 * S  # a decode window spans at most 2S positions
         num_requests = batch.num_requests
-        first = batch.first_positions  # [G] int64 (padding: -stride)
+        first = batch.first_positions  # [G] int64 (padding requests: their row's stale length, unused)
         if batch.decode_only:
             request_index = torch.arange(num_requests, device=device)
             window_index = torch.arange(num_requests * window_size, device=device)

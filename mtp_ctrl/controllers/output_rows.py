@@ -21,7 +21,10 @@ from mtp_ctrl.controllers.stop_rules import FinishReason
 from mtp_ctrl.state.request_table import RequestTable
 
 EOS_COLUMNS = 4  # eos ids kept in the vectorised check; requests with more take the per-request path
-_REASONS = (None, FinishReason.EOS, FinishReason.LENGTH, FinishReason.MAX_MODEL_LEN)
+# reason codes of the vectorised stop check, in priority order within one token (0 = no stop)
+_EOS, _LENGTH, _MODEL_LEN, _STOP_SEQUENCE = 1, 2, 3, 4
+_REASONS = {_EOS: FinishReason.EOS, _LENGTH: FinishReason.LENGTH, _MODEL_LEN: FinishReason.MAX_MODEL_LEN,
+            _STOP_SEQUENCE: FinishReason.STOP_SEQUENCE}
 
 
 class OutputRows:
@@ -80,7 +83,7 @@ class OutputRows:
         is_eos = (new_tokens[:, :, None] == self.eos[:num_rows, None, :]).any(-1)
         is_length = lengths_after >= self.max_new_tokens[:num_rows, None]
         is_model_len = self.prompt_lengths[:num_rows, None] + lengths_after >= self.max_model_len
-        reason_codes = np.where(is_eos, 1, np.where(is_length, 2, np.where(is_model_len, 3, 0))) * valid
+        reason_codes = np.where(is_eos, _EOS, np.where(is_length, _LENGTH, np.where(is_model_len, _MODEL_LEN, 0))) * valid
         stops = reason_codes > 0
         first_stop = np.where(stops.any(1), stops.argmax(1), self.stride)  # [n] int64
         emitted = np.minimum(new_counts, first_stop + 1) * live  # [n] int64
@@ -100,7 +103,7 @@ class OutputRows:
         self.accepted_drafts[:num_decode] += accepted[:num_decode] * decode
         for row in np.flatnonzero(reasons):
             self.finished[row] = 1
-            finished.append((int(row), _REASONS[reasons[row]] if reasons[row] < len(_REASONS) else FinishReason.STOP_SEQUENCE))
+            finished.append((int(row), _REASONS[int(reasons[row])]))
         return new_tokens, emitted, finished
 
     def _slow_stop(self, row: int, new_tokens: np.ndarray, params: SamplingParams, emitted: int,
@@ -110,7 +113,7 @@ class OutputRows:
         for index, token in enumerate(new_tokens.tolist()[:emitted]):
             output.append(token)
             if token in params.eos_token_ids:
-                return index + 1, 1
+                return index + 1, _EOS
             if any(len(output) >= len(seq) and tuple(output[-len(seq):]) == seq for seq in params.stop_sequences):
-                return index + 1, len(_REASONS)  # STOP_SEQUENCE
+                return index + 1, _STOP_SEQUENCE
         return emitted, code

@@ -169,11 +169,19 @@ class PagedGPTRunner:
         self._check_mamba(mamba)
         rotary_pos_emb, rotary = self._rotary(positions)
         with paged_forward_context(metadata, kv_caches, mamba, rotary):
-            embedded = self.model.embedding(input_ids=input_ids[None], position_ids=positions[None])  # [T, 1, H]
+            embedded = self.model.embedding(input_ids=input_ids[None], position_ids=self._position_ids(positions))  # [T, 1, H]
             hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
                                         rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
         projected = hidden if logits_rows is None else hidden[logits_rows]  # [K, 1, H]
         return self._logits(projected), hidden[:, 0]
+
+    def _position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[1, T]`` position ids for megatron's embedding. A learned position table has
+        ``max_sequence_length`` rows: positions past it (only a step the overlapped loop runs
+        past a request's stop, whose output is discarded) read its last row instead of faulting."""
+        if self.model.position_embedding_type == "learned_absolute":
+            positions = positions.clamp(max=self.model.max_sequence_length - 1)
+        return positions[None]
 
     @staticmethod
     def _check_logits_rows(logits_rows: Optional[torch.Tensor]) -> None:
@@ -224,7 +232,7 @@ class PagedGPTRunner:
         rotary_pos_emb, rotary = self._rotary(positions)
         with paged_forward_context(metadata, kv_caches, rotary=rotary):
             # megatron rolls position ids with the tokens; only a learned position embedding reads them
-            embedded = self.model.embedding(input_ids=token_ids[None], position_ids=positions[None] + 1)  # [T, 1, H]
+            embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions + 1))  # [T, 1, H]
             combined = torch.cat((layer.enorm(embedded), layer.hnorm(hidden[:, None])), dim=-1)  # [T, 1, 2H]
             projected, _ = layer.eh_proj(combined)  # [T, 1, H / tp]
             projected = _gather_last_dim_over_tp(projected)  # [T, 1, H]

@@ -19,10 +19,11 @@ it has read step N's outcome back. The device knows each decode request's KV len
 late. So a step is built for the worst case, every draft of the steps in flight accepted: each
 decode request holds blocks for ``known_length + (1 + S) * (1 + steps_in_flight)`` tokens.
 Whatever moves rows (admission, a prompt turning into decodes, pausing, finishing) needs the
-host to be exact, so it waits until no step is in flight: :meth:`needs_sync` tells the caller.
+host to be exact, so it waits until no step is in flight: :meth:`needs_sync` tells the caller,
+and the row-moving calls raise ``RuntimeError`` while a built step has not been committed.
 """
 
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -117,6 +118,7 @@ class DynamicInferenceContext:
         self._prompts: Dict[int, np.ndarray] = {}  # request id -> [P] int64 prompt tokens
         self._paused_for_kv: Dict[int, None] = {}  # ordered set: oldest first
         self._prompts_done: Dict[int, None] = {}  # ran their final chunk; become DECODE at the next build
+        self._steps_in_flight: List[StepMetadata] = []  # built, not yet committed (oldest first)
 
     def blocks_for(self, token_count) -> int:
         """The one block-count formula: blocks that hold ``token_count`` tokens (int or array)."""
@@ -133,7 +135,9 @@ class DynamicInferenceContext:
         return request_id in self.table
 
     def add_request(self, request_id: int, prompt_tokens: Tokens) -> None:
-        """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence)."""
+        """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence).
+
+        Allowed while a step is in flight: the new row lands past every row of a built step."""
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self.table:
@@ -149,6 +153,7 @@ class DynamicInferenceContext:
         """Release the request's KV blocks and Mamba slot and free its row. Its blocks may still
         be written by a step in flight; the next owner's writes come after it on the stream."""
         row = self._live_row(request_id)
+        self._require_no_step_in_flight("finish_request")
         host = self.table.host
         self.allocator.release(host.block_ids[row, : host.block_counts[row]].tolist())
         if self.mamba is not None:
@@ -161,6 +166,7 @@ class DynamicInferenceContext:
     def pause_request(self, request_id: int) -> None:
         """Stop running the request (its blocks and state stay) until ``resume_request``."""
         self._live_row(request_id)
+        self._require_no_step_in_flight("pause_request")
         if self.table.group_of(request_id) == RowGroup.PAUSED:
             raise ValueError(f"request {request_id} is already paused")
         self._become_decode_if_prompt_done(request_id)
@@ -169,6 +175,7 @@ class DynamicInferenceContext:
     def resume_request(self, request_id: int) -> None:
         """Run a paused request again from the next step (decode, or the rest of its prompt)."""
         row = self._live_row(request_id)
+        self._require_no_step_in_flight("resume_request")
         if self.table.group_of(request_id) != RowGroup.PAUSED:
             raise ValueError(f"request {request_id} is not paused")
         prompt_done = int(self.table.host.known_lengths[row]) >= self._prompts[request_id].shape[0]
@@ -180,21 +187,33 @@ class DynamicInferenceContext:
     def needs_sync(self) -> bool:
         """Whether the next :meth:`build_step` would move rows or pause requests, which it may only
         do once the host knows every decode request's length (no step in flight)."""
-        if self._prompts_done or self._paused_for_kv:
+        if self._prompts_done:
             return True
-        return int(self._decode_needs(steps_in_flight=1).sum()) > self.allocator.num_free_blocks
+        spare_blocks = self.allocator.num_free_blocks - int(self._decode_needs(steps_in_flight=1).sum())
+        if spare_blocks < 0:
+            return True  # a decode must pause
+        if self._paused_for_kv:  # only worth a sync when the oldest paused request could resume
+            row = self.table.row_of(next(iter(self._paused_for_kv)))
+            return self._blocks_to_resume(row) <= spare_blocks
+        return False
 
-    def build_step(self, steps_in_flight: int = 0) -> Optional[StepMetadata]:
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps built whose outcome :meth:`commit_readback` has not taken yet."""
+        return len(self._steps_in_flight)
+
+    def build_step(self) -> Optional[StepMetadata]:
         """Schedule the next forward pass, take its blocks and stage it; None if no request runs.
 
-        ``steps_in_flight``: steps built whose read-back :meth:`commit_readback` has not taken
-        yet (0 or 1); with 1, :meth:`needs_sync` must be False. Every decode request runs
+        With a step in flight (built, not committed) :meth:`needs_sync` must be False: the step
+        is then built for the worst case of the one in flight. Every decode request runs
         ``1 + S`` rows; prefill requests then take the rest of ``max_tokens_per_step`` in row
         order (only the last one may stop mid-prompt). Decode requests that cannot get their
         blocks are paused; paused ones are resumed (oldest first) when blocks are free again,
         and no prefill starts while one still waits. Raises ``KVCacheFullError`` when requests
         are live but none can get a block (nothing changed).
         """
+        steps_in_flight = self.steps_in_flight
         if steps_in_flight and self.needs_sync():
             raise RuntimeError("build_step: rows must move; commit the step in flight first")
         for request_id in list(self._prompts_done):
@@ -231,8 +250,10 @@ class DynamicInferenceContext:
             max_seq_len = int(host.block_counts[:num_requests].max()) * self.block_size_tokens
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
-        return self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded_batch_size,
+        step = self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded_batch_size,
                                         block_writes, max_seq_len)
+        self._steps_in_flight.append(step)
+        return step
 
     def prepare_inputs(self, step: StepMetadata) -> None:
         """The device half of the step's set-up; run it first in the step (see StepBuffers)."""
@@ -243,11 +264,20 @@ class DynamicInferenceContext:
 
         The rows must not have moved since ``step`` was built (the caller commits before any
         build that moves rows). Each decode request's known length grows by ``1 + accepted``."""
+        if not self._steps_in_flight or step is not self._steps_in_flight[0]:
+            raise ValueError("commit_readback: step is not the oldest step in flight")
         num_decode = step.num_decode
         if accepted_counts.shape[0] != num_decode:
             raise ValueError(f"accepted_counts has {accepted_counts.shape[0]} entries, the step has "
                              f"{num_decode} decode requests")
         self.table.host.known_lengths[:num_decode] += 1 + accepted_counts
+        self._steps_in_flight.pop(0)
+
+    def abandon_steps_in_flight(self) -> None:
+        """Forget the steps in flight without their outcome (their work failed): the caller then
+        finishes every request they held. Block writes not yet sent are dropped too."""
+        self._steps_in_flight.clear()
+        self._block_writes = []
 
     # ----- scheduling helpers ------------------------------------------------------------
 
@@ -296,17 +326,19 @@ class DynamicInferenceContext:
 
     def _resume_requests_paused_for_kv(self) -> None:
         spare_blocks = self.allocator.num_free_blocks - int(self._decode_needs(steps_in_flight=0).sum())
-        stride = self.num_speculative_tokens + 1
-        host = self.table.host
         for request_id in list(self._paused_for_kv):
-            row = self.table.row_of(request_id)
-            wanted = min(self.blocks_for(int(host.known_lengths[row]) + stride), self.max_blocks_per_request)
-            need = max(wanted - int(host.block_counts[row]), 0)
+            need = self._blocks_to_resume(self.table.row_of(request_id))
             if need > spare_blocks:
                 return  # oldest first: a younger request does not overtake
             self.table.move(request_id, RowGroup.DECODE)
             del self._paused_for_kv[request_id]
             spare_blocks -= need
+
+    def _blocks_to_resume(self, row: int) -> int:
+        """Blocks a paused request at ``row`` needs for its next decode step."""
+        host = self.table.host
+        target = int(host.known_lengths[row]) + self.num_speculative_tokens + 1
+        return max(min(self.blocks_for(target), self.max_blocks_per_request) - int(host.block_counts[row]), 0)
 
     def _schedule_prefill_chunks(self, num_decode: int, reserved_blocks: int) -> list:
         """Give prefill requests, in row order, chunks under the token budget and the free
@@ -331,6 +363,11 @@ class DynamicInferenceContext:
             if length + chunk_length < prompt.shape[0]:
                 break  # a partial chunk is the last one of the step
         return chunks
+
+    def _require_no_step_in_flight(self, what: str) -> None:
+        if self._steps_in_flight:
+            raise RuntimeError(f"{what}: a step is in flight (rows may not move); commit it with "
+                               "commit_readback first (the controller's pause_request/resume_request do)")
 
     def _live_row(self, request_id: int) -> int:
         if request_id not in self.table:

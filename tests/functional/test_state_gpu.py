@@ -63,7 +63,7 @@ def run_scenario(device, seed, block_size_tokens, num_speculative_tokens, steps=
         live = ctx.table.num_live
         ctx.table.next_tokens[:live] = torch.arange(live) + 1000 * seed
         ctx.table.draft_tokens[:live] = torch.arange(live * num_speculative_tokens).view(live, -1)
-        step = ctx.build_step(steps_in_flight=steps_in_flight)
+        step = ctx.build_step()
         accepted = np.array([rng.randrange(stride) for _ in range(step.num_decode)], dtype=np.int64)
         accepted_buffer = torch.zeros(4, dtype=torch.int64, device=device)  # [R] int64
         accepted_buffer[: step.num_decode] = torch.from_numpy(accepted)
@@ -153,7 +153,7 @@ def test_build_prepare_and_commit_do_not_sync():
         device_step(ctx, step, accepted)
         for _ in range(3):  # the overlapped loop: build the next step before the read-back
             assert not ctx.needs_sync()
-            next_step = ctx.build_step(steps_in_flight=1)
+            next_step = ctx.build_step()
             device_step(ctx, next_step, accepted)
             ctx.commit_readback(step, np.ones(step.num_decode, np.int64))
             step = next_step

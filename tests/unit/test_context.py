@@ -267,6 +267,8 @@ def test_rewind_across_two_blocks_when_drafts_outnumber_the_block_size():
     assert ctx.allocator.num_allocated_blocks == 4
     assert step.attention.positions.tolist() == [4, 5, 6, 7]
     assert step.attention.slot_mapping.tolist() == [4, 5, 6, 7]  # blocks 2 and 3
+    device_rewind(ctx, step, [0])
+    ctx.commit_readback(step, np.array([0]))
     ctx.finish_request(0)
     assert ctx.allocator.num_free_blocks == ctx.allocator.num_blocks
 
@@ -317,7 +319,7 @@ def test_reserve_covers_the_steps_in_flight():
     assert not ctx.needs_sync()
     assert ctx.table.host.block_counts[0] == 2
     run_device_step(ctx, first, [2])  # the device is at 8 tokens; the host still knows 5
-    second = ctx.build_step(steps_in_flight=1)
+    second = ctx.build_step()
     assert ctx.table.host.block_counts[0] == 3 == ctx.blocks_for(5 + 2 * 3)
     ctx.commit_readback(first, np.array([2]))
     assert ctx.table.host.known_lengths[0] == 8
@@ -341,7 +343,7 @@ def test_needs_sync_when_the_reserve_would_not_fit():
     assert ctx.allocator.num_free_blocks == 1
     assert ctx.needs_sync()
     with pytest.raises(RuntimeError, match="commit the step in flight first"):
-        ctx.build_step(steps_in_flight=1)
+        ctx.build_step()
     run_device_step(ctx, step, [0, 0])
     ctx.commit_readback(step, np.zeros(2, np.int64))
     assert ctx.table.mismatched_rows() == []
@@ -370,7 +372,7 @@ def test_random_overlapped_steps_keep_host_and_device_in_step(block_size_tokens,
     for _ in range(30):
         short = host.known_lengths[: ctx.table.num_live].max(initial=0) <= 10  # far from max_model_len
         if pending is not None and short and not ctx.needs_sync() and rng.random() < 0.7:
-            step = ctx.build_step(steps_in_flight=1)  # built before the previous read-back
+            step = ctx.build_step()  # built before the previous read-back
             overlapped += 1
             decode = slice(0, step.num_decode)
             assert (host.block_counts[decode] >= ctx.blocks_for(host.known_lengths[decode] + 2 * stride)).all()
@@ -471,8 +473,14 @@ def test_step_errors():
     with pytest.raises(ValueError, match="has 1 entries, the step has 0"):
         ctx.commit_readback(step, np.array([1]))
     ctx.commit_readback(step, np.zeros(0, np.int64))
-    with pytest.raises(RuntimeError, match="commit the step in flight first"):
-        ctx.build_step(steps_in_flight=1)  # request 0's final chunk ran: rows must move
+    with pytest.raises(ValueError, match="not the oldest step in flight"):
+        ctx.commit_readback(step, np.zeros(0, np.int64))  # committed twice
+    second = ctx.build_step()  # request 0 turns into a decode: rows move, nothing is in flight
+    for call in (ctx.finish_request, ctx.pause_request):
+        with pytest.raises(RuntimeError, match="a step is in flight"):
+            call(0)
+    ctx.commit_readback(second, np.zeros(second.num_decode, np.int64))
+    ctx.pause_request(0)
 
 
 def test_request_at_max_model_len_runs_a_step_past_its_stop():
@@ -484,7 +492,7 @@ def test_request_at_max_model_len_runs_a_step_past_its_stop():
     step_and_commit(ctx)
     first = ctx.build_step()
     run_device_step(ctx, first, [2])
-    second = ctx.build_step(steps_in_flight=1)
+    second = ctx.build_step()
     ctx.commit_readback(first, np.array([2]))
     run_device_step(ctx, second, [2])
     ctx.commit_readback(second, np.array([2]))

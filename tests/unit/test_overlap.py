@@ -206,3 +206,89 @@ def test_hybrid_model_overlap_equals_plain(models):
     plain = make_controller(model, 0, overlap_scheduling=False).generate(prompts, params)
     spec = make_controller(model, 2, overlap_scheduling=True, num_kv_blocks=14).generate(prompts, params)
     assert [r.output_tokens for r in spec] == [r.output_tokens for r in plain]
+
+
+def test_pause_and_resume_through_the_controller_while_overlapping(models):
+    """Before: context.pause_request while a step was in flight moved rows under the step's
+    read-back and requests swapped tokens. Now the controller applies the step first, and the
+    context refuses to move rows while a step is in flight."""
+    model, _ = models
+    prompts = [list(PROMPTS[0]), list(PROMPTS[1])]
+    params = SamplingParams(max_new_tokens=12)
+    plain = [r.output_tokens for r in make_controller(model, 0, overlap_scheduling=False).generate(prompts, params)]
+    controller = make_controller(model, 2)
+    ids = [controller.add_request(prompt, params) for prompt in prompts]
+    streamed = {rid: [] for rid in ids}
+
+    def collect(outputs):
+        for request_id, tokens, _ in outputs:
+            streamed[request_id] += tokens
+
+    for _ in range(3):
+        collect(controller.step())
+    with pytest.raises(RuntimeError, match="a step is in flight"):
+        controller.context.pause_request(ids[0])
+    controller.pause_request(ids[0])
+    for _ in range(2):
+        collect(controller.step())
+    controller.resume_request(ids[0])
+    while controller.has_unfinished_requests():
+        collect(controller.step())
+    assert [controller.result(rid).output_tokens for rid in ids] == plain
+    assert [tuple(streamed[rid]) for rid in ids] == plain  # nothing the pause applied was lost
+
+
+def test_close_applies_the_step_in_flight_and_step_still_returns_its_tokens(models):
+    model, _ = models
+    controller = make_controller(model, 2)
+    request_id = controller.add_request(list(PROMPTS[2]), SamplingParams(max_new_tokens=12))
+    streamed = []
+    for _ in range(3):
+        streamed += [t for _, tokens, _ in controller.step() for t in tokens]
+    controller.close()
+    while controller.has_unfinished_requests():
+        streamed += [t for _, tokens, _ in controller.step() for t in tokens]
+    streamed += [t for _, tokens, _ in controller.step() for t in tokens]  # anything still pending
+    assert tuple(streamed) == controller.result(request_id).output_tokens
+
+
+def test_generate_keeps_its_results_whatever_finished_results_kept_says(models):
+    """Before: finished_results_kept=1 dropped generate's own records mid-run (KeyError)."""
+    model, _ = models
+    prompts = [list(p) for p in PROMPTS]
+    want = make_controller(model, 2).generate(prompts, SamplingParams(max_new_tokens=5))
+    controller = make_controller(model, 2, finished_results_kept=1)
+    got = controller.generate(prompts, SamplingParams(max_new_tokens=5))
+    assert [r.output_tokens for r in got] == [r.output_tokens for r in want]
+    assert controller._records == {}
+
+
+def test_learned_position_table_is_not_indexed_past_its_end_by_the_extra_step(monkeypatch):
+    """Before: with overlap on, a step run past a request's stop read position max_model_len + S
+    of a learned position table of max_model_len + S rows (IndexError on CPU, a device assert on
+    a GPU). Output equals plain decoding with every draft accepted."""
+    from megatron.core.models.gpt import GPTModel
+
+    from mtp_ctrl.models import build_gpt_model
+    from tests.unit.controller_fixtures import OracleProposer
+    from tests.unit.megatron_fixtures import tiny_config
+
+    ensure_single_process_groups()
+    original = GPTModel.__init__
+
+    def learned_positions(self, *args, **kwargs):
+        kwargs["position_embedding_type"] = "learned_absolute"
+        original(self, *args, **kwargs)
+
+    S, max_model_len = 2, 16
+    monkeypatch.setattr(GPTModel, "__init__", learned_positions)
+    torch.manual_seed(0)
+    model = build_gpt_model(tiny_config(mtp_num_layers=3), VOCAB_SIZE, max_model_len + S).eval()
+    monkeypatch.setattr(GPTModel, "__init__", original)
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_new_tokens=100)
+    plain = make_controller(model, 0, max_model_len=max_model_len, overlap_scheduling=False).generate([prompt], params)
+    sequence = prompt + list(plain[0].output_tokens) + [0] * 10
+    controller = make_controller(model, S, proposer=OracleProposer({0: sequence}, lambda rid, index: S),
+                                 max_model_len=max_model_len)
+    assert controller.generate([prompt], params)[0].output_tokens == plain[0].output_tokens
