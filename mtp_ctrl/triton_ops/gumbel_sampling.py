@@ -1,19 +1,24 @@
-"""One token per logits row in one Triton kernel: greedy, temperature, top-k, top-p, Gumbel-max.
+"""One token per logits row in a few Triton kernels: greedy, temperature, top-k, top-p, Gumbel-max.
 
 The rule (ties, boundaries, the always-kept top token) is written once, in
 :mod:`mtp_ctrl.triton_ops.reference.sampling`; its torch twin sorts, this kernel does not.
-One program per row loops over the vocabulary in tiles of ``BLOCK_VOCAB``:
+Each row is split into up to ``MAX_CHUNKS`` chunks, one program per (row, chunk) for the passes
+over the vocabulary, and one program per row for the tiny combines (partials summed in chunk order,
+ties to the first chunk, so the result never depends on the batch or the timing):
 
-1. scan: row max and greedy argmax, and for sampled rows the first candidate
-   ``c = argmax(z + noise)`` over every token. A tile whose best value plus the largest possible
-   noise (< 17) is below the running best cannot win: its noise is not computed.
-2. top-k with top-p only: the k-th largest value by a 4-way search on the float's ordered
-   32-bit key (count passes, at most 17), then a new candidate inside top-k if needed.
-3. while the candidate's value ``v`` is not kept: one pass counts tokens and sums exp-mass above
-   ``v`` and above a second pivot ``mid`` between ``v`` and the smallest value known to be kept;
-   everything at or below the larger rejected pivot is dropped, and a scan over the remaining
-   tokens draws the next candidate. The candidate is a draw from the remaining mass, so this
-   usually ends after one mass pass; the second pivot halves the search interval every round.
+1. scan (rows x chunks): per chunk the max z with its first index, and the first argmax of
+   ``z + noise`` over every token (tiles that cannot win skip the noise). start (rows): greedy
+   token, candidate ``c`` of value ``low``; a row is done if nothing filters or ``low`` is the max.
+   Top-k with top-p: the k-th largest value by a single-program search (as before).
+2. ``ROUNDS`` x (pass, combine), an open row keeps ``(low, high]`` where ``keep(high)`` holds, the
+   best score above ``high`` and the candidate (argmax over a superset of the kept set, value
+   ``low``). pass (rows x chunks): counts and float64 exp-mass above ``NUM_PIVOTS`` pivots
+   ``low = q_0 <= ... <= high``, and per pivot the Gumbel argmax over ``q_i < z <= high`` (noise only
+   for tokens inside the interval). combine: the kept test at every pivot; if ``q_0`` is kept the
+   candidate is the token; else with ``q_j`` the last dropped pivot the new candidate is the argmax
+   over ``z > q_j``; kept if its value is >= ``q_{j+1}``, else the interval becomes
+   ``(value, q_{j+1}]``. Each round shrinks the interval 16-fold; the last combine finishes a row
+   still open with the single-program loop (mass pass at two pivots, then a rescan) of before.
 
 The argmax of ``z + noise`` over the kept set is what the twin computes: the kept set is
 ``{z >= threshold}``, each rejected candidate proves the threshold is above it, and the argmax
