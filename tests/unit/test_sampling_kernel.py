@@ -113,3 +113,13 @@ def test_validation_names_the_argument(name, value, error):
     args[name] = value
     with pytest.raises(error, match=name):
         sample_tokens(**args)
+
+
+@pytest.mark.parametrize("rounds,pivots", [(1, 2), (2, 4)])
+def test_few_pivot_rounds_and_the_fallback_walk_match_twin(monkeypatch, rounds, pivots):
+    """Coarse rounds: (1, 2) leaves 7 of 16 rows open for the last combine's single-program walk;
+    (2, 4) narrows twice over tied values."""
+    monkeypatch.setattr(gumbel_sampling, "ROUNDS", rounds)
+    monkeypatch.setattr(gumbel_sampling, "NUM_PIVOTS", pivots)
+    case = make_case(16, 200, 15 + rounds, ties=rounds == 2)
+    assert torch.equal(sample_tokens(*_args(case)), reference.sample_tokens(*_args(case)))
