@@ -218,7 +218,7 @@ def _chunk_scan_kernel(
     begin = chunk * CHUNK
     end = tl.minimum(begin + CHUNK, vocab_size)
     all_tokens = tl.full([], _NEG_INF, tl.float32)
-    chunk_max, max_idx, best, best_idx, _ = _scan(
+    chunk_max, max_idx, best, best_idx, _last_value = _scan(
         row_ptr, begin, end, vocab_size, scale, all_tokens, sampled, key_low, key_high, False, BLOCK_VOCAB
     )
     slot = (row.to(tl.int64) * num_chunks + chunk) * NUM_PIVOTS
@@ -254,13 +254,15 @@ def _start_kernel(
     """One program per row: greedy token, first candidate, top-k threshold (top-k with top-p only)."""
     row = tl.program_id(0)
     row_ptr = LOGITS_PTR + row.to(tl.int64) * logits_row_stride
-    sampled, scale, _, _ = _row_keys(TEMPERATURE_PTR, SEEDS_PTR, POSITIONS_PTR, row, GREEDY_TEMPERATURE, ALL_GREEDY)
+    # triton 3.6 types every name once per scope: throwaway results get names of their own
+    sampled, scale, _unused_key_low, _unused_key_high = _row_keys(TEMPERATURE_PTR, SEEDS_PTR, POSITIONS_PTR, row,
+                                                                  GREEDY_TEMPERATURE, ALL_GREEDY)
     row_max, token = _chunk_winner(SCORE_PTR, INDEX_PTR, row, num_chunks, 0, NUM_PIVOTS, C_PAD)
     done = tl.full([], 1, tl.int32)
     value = row_max
     threshold_k = tl.full([], _NEG_INF, tl.float32)
     if sampled:
-        _, token = _chunk_winner(SCORE_PTR, INDEX_PTR, row, num_chunks, 1, NUM_PIVOTS, C_PAD)
+        _candidate_score, token = _chunk_winner(SCORE_PTR, INDEX_PTR, row, num_chunks, 1, NUM_PIVOTS, C_PAD)
         value = _value(row_ptr, token, scale)
         top_k = tl.load(TOP_K_PTR + row).to(tl.int64)
         top_p = tl.load(TOP_P_PTR + row).to(tl.float32)
@@ -300,7 +302,7 @@ def _round_pass_kernel(
     chunk = tl.program_id(1)
     if tl.load(STATE_I_PTR + row * 4) == 0:
         row_ptr = LOGITS_PTR + row.to(tl.int64) * logits_row_stride
-        _, scale, key_low, key_high = _row_keys(
+        _row_sampled, scale, key_low, key_high = _row_keys(
             TEMPERATURE_PTR, SEEDS_PTR, POSITIONS_PTR, row, GREEDY_TEMPERATURE, False
         )
         low = tl.load(STATE_F_PTR + row * 8)
@@ -361,7 +363,7 @@ def _round_combine_kernel(
     done = tl.load(STATE_I_PTR + row * 4)
     if done == 0:
         row_ptr = LOGITS_PTR + row.to(tl.int64) * logits_row_stride
-        _, scale, key_low, key_high = _row_keys(
+        _row_sampled, scale, key_low, key_high = _row_keys(
             TEMPERATURE_PTR, SEEDS_PTR, POSITIONS_PTR, row, GREEDY_TEMPERATURE, False
         )
         low = tl.load(STATE_F_PTR + row * 8)
@@ -431,7 +433,7 @@ def _round_combine_kernel(
                 lower = tl.where(keep_mid, value, mid)  # every token <= lower is dropped
                 smallest_kept = tl.where(keep_mid, mid, smallest_kept)
                 if done == 0:
-                    _, _, _, candidate, value = _scan(
+                    _scan_max, _scan_max_index, _scan_best, candidate, value = _scan(
                         row_ptr, 0, vocab_size, vocab_size, scale, lower, keep_value == 0, key_low, key_high, True,
                         BLOCK_VOCAB,
                     )

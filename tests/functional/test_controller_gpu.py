@@ -217,6 +217,8 @@ def test_graphs_equal_eager_on_the_trained_checkpoint_with_real_acceptance():
     # while all four requests run, the eager and the replayed step have the same shapes, so the
     # same accepted counts; once one finishes, the graph pads to 4 and bf16 matmuls of another
     # row count may break a near-tie differently (the README's batch-variance caveat)
-    full = next(index for index, counts in enumerate(eager_accepted[1:], 1) if len(counts) < 4)
-    assert graph_accepted[:full] == eager_accepted[:full]
+    full = next((index for index, counts in enumerate(eager_accepted[1:], 1) if len(counts) < 4), len(eager_accepted))
+    first_difference = next((index for index, (a, b) in enumerate(zip(graph_accepted, eager_accepted)) if a != b), None)
+    assert graph_accepted[:full] == eager_accepted[:full], (full, first_difference, eager_accepted[:full + 1],
+                                                            graph_accepted[:full + 1])
     assert eager_length > 1.5 and graph_length > 1.5  # drafts really were accepted
