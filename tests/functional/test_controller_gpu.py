@@ -200,8 +200,9 @@ def test_graphs_equal_eager_on_the_trained_checkpoint_with_real_acceptance():
             self.accepted = []
 
         def _apply(self, launched, collect):
+            outputs = super()._apply(launched, collect)  # waits for the read-back: read it after
             self.accepted.append(launched.readback[: launched.step.num_decode, 0].tolist())
-            return super()._apply(launched, collect)
+            return outputs
 
     runs = []
     for graphs in (False, True):
@@ -221,4 +222,5 @@ def test_graphs_equal_eager_on_the_trained_checkpoint_with_real_acceptance():
     first_difference = next((index for index, (a, b) in enumerate(zip(graph_accepted, eager_accepted)) if a != b), None)
     assert graph_accepted[:full] == eager_accepted[:full], (full, first_difference, eager_accepted[:full + 1],
                                                             graph_accepted[:full + 1])
+    assert [tokens[:8] for tokens in graph_tokens] == [tokens[:8] for tokens in eager_tokens]
     assert eager_length > 1.5 and graph_length > 1.5  # drafts really were accepted
