@@ -50,7 +50,7 @@ from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
 from mtp_ctrl.models.forward_context import MambaForward
 from mtp_ctrl.models.runner import PagedGPTRunner
-from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
+from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
 from mtp_ctrl.triton_ops import StepCommit, mamba_state_selective_copy, max_released_blocks, verify_and_commit
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
@@ -389,9 +389,9 @@ class TextGenerationController:
             gpu_start, done = self._step_events[parity]
             stream = torch.cuda.current_stream(self.device)  # once per step: the lookup costs host time
             gpu_start.record(stream)
-        graph_batch = step.attention.batch_size
-        if self._graphs is not None and step.decode_only and graph_batch in self.config.cuda_graph_batch_sizes:
-            self._graphs.run((graph_batch, self._all_greedy), lambda: self._launch(step))
+        key = self._graph_key(step)
+        if self._graphs is not None and key is not None:
+            self._graphs.run(key, lambda: self._launch(step))
         else:
             self._launch(step)
         num_sampling = step.num_sampling_requests
@@ -403,6 +403,13 @@ class TextGenerationController:
         if self.config.num_speculative_tokens > 0:
             self.proposer.on_step_scheduled(step)
         return _LaunchedStep(step, host, done, gpu_start)
+
+    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool]]:
+        """The CUDA graph a step replays: its padded dimensions and whether every request is
+        greedy (the sampling path differs); None for a step no graph covers (it runs eagerly)."""
+        if not step.decode_only or step.attention.batch_size not in self.config.cuda_graph_batch_sizes:
+            return None
+        return step.dimensions, self._all_greedy
 
     def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
         launched, self._in_flight = self._in_flight, None

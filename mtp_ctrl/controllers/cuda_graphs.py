@@ -1,4 +1,4 @@
-"""CUDA graphs of the GPU part of decode-only steps: one per (batch bucket, all-greedy flag).
+"""CUDA graphs of the GPU part of decode-only steps: one per (BatchDimensions, all-greedy flag).
 
 The first step of a key runs eagerly (that is the step's real work, and it compiles every
 kernel), then the same call is captured without running; later steps of that key replay it. A

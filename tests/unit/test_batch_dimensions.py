@@ -1,4 +1,4 @@
-"""BatchDimensions ordering and the CUDA-graph bucket rounding."""
+"""BatchDimensions: ordering, the CUDA-graph bucket rounding, and its use as the graph key."""
 
 import dataclasses
 
@@ -46,3 +46,28 @@ def test_check_batch_sizes():
         check_batch_sizes((1, 8), max_requests=4)
     with pytest.raises(ValueError, match=r"in \[1, 4\]"):
         check_batch_sizes((0,), max_requests=4)
+
+
+def test_the_controller_keys_its_cuda_graphs_by_batch_dimensions():
+    """The role BatchDimensions plays: a decode-only step of 3 requests padded to the bucket of 4
+    replays the graph keyed (BatchDimensions.decode_only(4, S), all greedy); a step with a
+    prefill chunk has no graph."""
+    from mtp_ctrl.controllers import SamplingParams
+    from tests.unit.controller_fixtures import PROMPTS, build_models, make_controller
+    from tests.unit.megatron_fixtures import ensure_single_process_groups
+
+    ensure_single_process_groups()
+    model, _ = build_models()
+    controller = make_controller(model, 2, cuda_graph_batch_sizes=(2, 4))
+    keys = []
+    launch = controller._launch_step
+
+    def recording(step):
+        launched = launch(step)
+        keys.append(controller._graph_key(step))
+        return launched
+
+    controller._launch_step = recording
+    controller.generate([list(prompt) for prompt in PROMPTS[:3]], SamplingParams(max_new_tokens=3))
+    assert keys[0] is None  # the prefill step
+    assert (BatchDimensions.decode_only(4, 2), True) in keys
