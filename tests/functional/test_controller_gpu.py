@@ -1,6 +1,7 @@
 """The controller on CUDA: no host sync in the decode step, CUDA graphs == eager, TP = 2 == TP = 1,
 and long request churn without leaking KV blocks or memory."""
 
+import collections
 import random
 
 import pytest
@@ -9,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
-from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+from mtp_ctrl.controllers import InferenceConfig, Proposer, SamplingParams, TextGenerationController
 from tests.unit.controller_fixtures import OracleProposer
 from tests.unit.hybrid_fixtures import build_hybrid_model
 from tests.unit.megatron_fixtures import (
@@ -224,3 +225,73 @@ def test_graphs_equal_eager_on_the_trained_checkpoint_with_real_acceptance():
                                                             graph_accepted[:full + 1])
     assert [tokens[:8] for tokens in graph_tokens] == [tokens[:8] for tokens in eager_tokens]
     assert eager_length > 1.5 and graph_length > 1.5  # drafts really were accepted
+
+
+class DeviceOracleProposer(Proposer):
+    """Drafts the true continuation from a device table, wrong from a depth chosen by a hash of
+    (request row, bonus position): every accepted count 0..S comes up, and the proposal is pure
+    device work, so it runs inside the replayed decode graphs (unlike OracleProposer)."""
+
+    def __init__(self, sequences: torch.Tensor):
+        self.sequences = sequences  # [R, L] int64 on the device: prompt + plain output, by table row at admission
+
+    def bind(self, controller):
+        super().bind(controller)
+        self.num_speculative_tokens = controller.config.num_speculative_tokens
+        self.vocab_size = controller.vocab_size
+        # the request's row of `sequences`, moved with the request (rows are regrouped)
+        self.sequence_rows = controller.context.table.add_device_rows("oracle_sequence_row", (), torch.int64)
+
+    def propose(self, batch):
+        S, count = self.num_speculative_tokens, batch.num_sampling_requests
+        table_rows = batch.write_rows[:count].clamp(max=self.sequence_rows.shape[0] - 1)
+        sequence = self.sequences[self.sequence_rows[table_rows]]  # [n, L]
+        positions = batch.bonus_positions[:count, None] + 1 + torch.arange(S, device=sequence.device)  # [n, S]
+        true_drafts = sequence.gather(1, positions.clamp(0, sequence.shape[1] - 1))
+        bonus = batch.bonus_positions[:count]
+        correct = (bonus * 5 + bonus // (S + 1) + table_rows * 3) % (S + 1)  # [n] in 0..S, varies step to step
+        wrong = torch.arange(S, device=sequence.device)[None, :] >= correct[:, None]
+        return torch.where(wrong, (true_drafts + 1) % self.vocab_size, true_drafts)
+
+
+def test_every_accepted_count_inside_replayed_graphs(model):
+    """A device-side oracle at a controlled acceptance rate drives accepted counts 0..S while the
+    decode steps replay CUDA graphs; output equals plain decoding and nothing leaks."""
+    S = 3
+    params = SamplingParams(max_new_tokens=24)
+    plain = TextGenerationController(model, make_config(0)).generate(PROMPTS, params)
+    width = max(len(p) + len(r.output_tokens) for p, r in zip(PROMPTS, plain)) + 2 * (S + 1)
+    sequences = torch.zeros(len(PROMPTS), width, dtype=torch.int64)
+    for index, (prompt, result) in enumerate(zip(PROMPTS, plain)):
+        row = list(prompt) + list(result.output_tokens)
+        sequences[index, : len(row)] = torch.tensor(row)
+    proposer = DeviceOracleProposer(sequences.cuda())
+    controller = SyncCheckedController(model, make_config(S, graphs=True), proposer=proposer)
+    seen = collections.Counter()
+    apply = controller._apply
+
+    def recording(launched, collect):
+        outputs = apply(launched, collect)
+        seen.update(launched.readback[: launched.step.num_decode, 0].tolist())
+        return outputs
+
+    controller._apply = recording
+    ids = []
+    for index, prompt in enumerate(PROMPTS):  # admission order = request order: sequence row = request id
+        ids.append(controller.add_request(prompt, params))
+    admit = controller._admit_waiting
+
+    def admit_with_rows():
+        before = set(controller.context.table.request_ids_in(0)) | set(controller.context.table.request_ids_in(1))
+        admit()
+        for request_id in ids:
+            if request_id in controller.context and request_id not in before:
+                proposer.sequence_rows[controller.context.table.row_of(request_id)] = request_id
+
+    controller._admit_waiting = admit_with_rows
+    while controller.has_unfinished_requests():
+        controller.step()
+    assert [controller.result(rid).output_tokens for rid in ids] == [r.output_tokens for r in plain]
+    assert len(controller._graphs._graphs) > 0 and controller.decode_launches > 10
+    assert all(seen[count] > 0 for count in range(S + 1)), seen
+    assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
