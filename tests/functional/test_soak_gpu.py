@@ -46,6 +46,6 @@ def test_hundred_thousand_requests_keep_memory_flat():
     assert len(controller._records) == 0  # finished_results_kept=0: nothing kept once streamed out
     first_rss, first_device = samples[1]
     last_rss, last_device = samples[-1]
-    assert abs(last_device - first_device) < 2**20, samples  # bytes: flat, up to allocator rounding
+    assert last_device - first_device < 2**20, samples  # bytes: no growth (it may shrink as caches settle)
     assert last_rss - first_rss < 64, samples  # MiB: flat, allowing allocator noise
     controller.close()
