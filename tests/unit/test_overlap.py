@@ -178,8 +178,11 @@ def test_accept_tokens_override_runs_per_request_and_equals_the_default(models):
 
 
 def test_finished_results_are_bounded_and_popped(models):
-    """A long-running step-API server: records of finished requests do not grow without bound
-    (before: every record was kept forever)."""
+    """A long-running step-API server: what the controller keeps per request does not grow
+    with the requests served (before: every record was kept forever). The 100,000-request RSS
+    soak is tests/functional/test_soak_gpu.py."""
+    import gc
+
     model, _ = models
     controller = make_controller(model, 1, finished_results_kept=3)
     tracemalloc.start()
@@ -188,13 +191,16 @@ def test_finished_results_are_bounded_and_popped(models):
         ids = [controller.add_request([5 + index, 7], SamplingParams(max_new_tokens=1)) for index in range(8)]
         while controller.has_unfinished_requests():
             controller.step()
-        assert len(controller._records) <= 3
+        assert len(controller._records) <= 3 and len(controller._finished_order) <= 3
+        assert not controller._retiring and not controller.context._prompts
+        assert not controller.proposer._prefill_window_starts
         assert controller.pop_result(ids[-1]).output_tokens
         with pytest.raises(ValueError, match="unknown request_id"):
             controller.result(ids[0])  # pushed out by newer results
+        gc.collect()
         sizes.append(tracemalloc.get_traced_memory()[0])
     tracemalloc.stop()
-    assert sizes[-1] <= sizes[1] + 64 * 1024  # flat, give or take allocator noise
+    assert sizes[-1] <= sizes[1] + 256 * 1024, sizes  # flat but for interpreter and allocator noise
 
 
 def test_hybrid_model_overlap_equals_plain(models):
