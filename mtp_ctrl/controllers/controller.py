@@ -429,7 +429,9 @@ class TextGenerationController:
             counts = np.where(self._outputs.finished[: readback.shape[0]] == 1, -1, readback[:, 0])
             self.proposer.on_step_committed(step, counts.tolist())
         if self._hook_overridden("accept_tokens"):
-            new_tokens, emitted, finished = self._apply_with_hook(step, readback)
+            records = [self._records.get(request_id) for request_id in step.request_ids[: readback.shape[0]]]
+            new_tokens, emitted, finished = self._outputs.apply_with_hook(
+                readback, step.num_decode, records, self.accept_tokens, type(self).__name__)
         else:
             new_tokens, emitted, finished = self._outputs.apply(readback, num_decode, self._params_of_row)
         live_decode = emitted[:num_decode] > 0
@@ -444,37 +446,6 @@ class TextGenerationController:
             return []
         return [(step.request_ids[row], new_tokens[row, : emitted[row]].tolist(), row in finished_rows)
                 for row in range(readback.shape[0]) if emitted[row] > 0]
-
-    def _apply_with_hook(self, step: StepMetadata, readback: np.ndarray):
-        """The per-request path for a subclass's ``accept_tokens``; enforces its contract."""
-        outputs, S = self._outputs, self.config.num_speculative_tokens
-        num_rows = readback.shape[0]
-        new_tokens = np.empty((num_rows, S + 1), dtype=np.int64)
-        emitted = np.zeros(num_rows, dtype=np.int64)
-        finished = []
-        for row in range(num_rows):
-            accepted = int(readback[row, 0])
-            tokens = readback[row, 2 : 2 + accepted].tolist() + [int(readback[row, 1])]
-            new_tokens[row, : accepted + 1] = tokens
-            if outputs.finished[row]:
-                continue
-            record = self._records[step.request_ids[row]]
-            record.output_tokens = outputs.output_of(row)
-            kept, reason = self.accept_tokens(record, tokens)
-            kept = list(kept)
-            if kept != tokens[: len(kept)] or not kept or (len(kept) < len(tokens) and reason is None):
-                raise ValueError(f"{type(self).__name__}.accept_tokens must keep a non-empty prefix of the new tokens "
-                                 f"and give a finish reason when it drops any (got {kept} of {tokens}, {reason})")
-            outputs.tokens[row, outputs.counts[row] : outputs.counts[row] + len(kept)] = kept
-            outputs.counts[row] += len(kept)
-            emitted[row] = len(kept)
-            if row < step.num_decode:
-                outputs.decode_steps[row] += 1
-                outputs.accepted_drafts[row] += accepted
-            if reason is not None:
-                outputs.finished[row] = 1
-                finished.append((row, reason))
-        return new_tokens, emitted, finished
 
     def _params_of_row(self, row: int) -> SamplingParams:
         return self._records[int(self.context.table.host.request_ids[row])].params

@@ -106,6 +106,40 @@ class OutputRows:
             finished.append((int(row), _REASONS[int(reasons[row])]))
         return new_tokens, emitted, finished
 
+    def apply_with_hook(self, readback: np.ndarray, num_decode: int, records: list, accept_tokens,
+                        owner: str) -> Tuple[np.ndarray, np.ndarray, list]:
+        """:meth:`apply` through a subclass's ``accept_tokens(record, new_tokens)`` hook, request
+        by request (``records``: each row's RequestRecord), enforcing its contract: it keeps a
+        non-empty prefix of the new tokens and gives a finish reason when it drops any (the
+        device has moved on with every verified token)."""
+        num_rows = readback.shape[0]
+        new_tokens = np.empty((num_rows, self.stride), dtype=np.int64)
+        emitted = np.zeros(num_rows, dtype=np.int64)
+        finished = []
+        for row in range(num_rows):
+            accepted = int(readback[row, 0])
+            tokens = readback[row, 2 : 2 + accepted].tolist() + [int(readback[row, 1])]
+            new_tokens[row, : accepted + 1] = tokens
+            if self.finished[row]:
+                continue  # a step run past this request's stop
+            record = records[row]
+            record.output_tokens = self.output_of(row)
+            kept, reason = accept_tokens(record, tokens)
+            kept = list(kept)
+            if kept != tokens[: len(kept)] or not kept or (len(kept) < len(tokens) and reason is None):
+                raise ValueError(f"{owner}.accept_tokens must keep a non-empty prefix of the new tokens "
+                                 f"and give a finish reason when it drops any (got {kept} of {tokens}, {reason})")
+            self.tokens[row, self.counts[row] : self.counts[row] + len(kept)] = kept
+            self.counts[row] += len(kept)
+            emitted[row] = len(kept)
+            if row < num_decode:
+                self.decode_steps[row] += 1
+                self.accepted_drafts[row] += accepted
+            if reason is not None:
+                self.finished[row] = 1
+                finished.append((row, reason))
+        return new_tokens, emitted, finished
+
     def _slow_stop(self, row: int, new_tokens: np.ndarray, params: SamplingParams, emitted: int,
                    code: int) -> Tuple[int, int]:
         """Stop sequences (and eos lists longer than EOS_COLUMNS), token by token."""
