@@ -24,6 +24,7 @@ GPU_FP32_TOL = dict(atol=1e-3, rtol=1e-3)
 
 def _kernel_case(seed, dtype, num_tokens, num_kv_heads, group, head_dim, rotary_dim, block_size_tokens=16,
                  num_blocks=64):
+    num_blocks = max(num_blocks, -(-num_tokens // block_size_tokens))  # a distinct slot for every row
     generator = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=generator).to("cuda", dtype)  # noqa: E731
     query = randn(num_tokens, num_kv_heads * group, head_dim)  # [T, Hq, D]
