@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call for this session's work: the GPU tests of the step loop, the fused forward and the
-# sampling kernel, then bench_overlap, bench_forward and bench_sampling.
+# One device call for the step loop, the fused forward and the sampling kernel: their GPU tests,
+# then bench_overlap, bench_forward, bench_sampling and bench_speedup (every table in RESULTS'
+# "Overlapped step loop" section).
 # Usage (device machine, repo root): bash bench/run_overlap_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,4 +18,5 @@ timeout 200 python3 -m pytest tests/functional/test_controller_gpu.py tests/func
   -q -p no:cacheprovider -W ignore -k "not tp2 and not churn" 2>&1 | tee "$out/functional.log" | tail -12
 timeout 150 python3 bench/bench_overlap.py 2>&1 | grep -v Warning | tee "$out/bench_overlap.log" | tail -16
 timeout 100 python3 bench/bench_forward.py 2>&1 | tee "$out/bench_forward.log" | tail -14
-timeout 60 python3 bench/bench_sampling.py --quick 2>&1 | tee "$out/bench_sampling.log" | tail -12
+timeout 100 python3 bench/bench_sampling.py 2>&1 | tee "$out/bench_sampling.log" | tail -12
+timeout 120 python3 bench/bench_speedup.py --quick 2>&1 | tee "$out/bench_speedup.log" | tail -14

@@ -40,6 +40,7 @@ from megatron.core import parallel_state
 
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.cuda_graphs import StepGraphs
+from mtp_ctrl.controllers.mamba_step import commit_mamba_states, mamba_forward
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows
@@ -48,10 +49,9 @@ from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
 from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
 from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
-from mtp_ctrl.models.forward_context import MambaForward
 from mtp_ctrl.models.runner import PagedGPTRunner
 from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
-from mtp_ctrl.triton_ops import StepCommit, mamba_state_selective_copy, max_released_blocks, verify_and_commit
+from mtp_ctrl.triton_ops import StepCommit, max_released_blocks, verify_and_commit
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
 
@@ -427,7 +427,7 @@ class TextGenerationController:
                 type(self.proposer).on_step_committed is not Proposer.on_step_committed:
             # -1 marks requests that had already stopped: this step ran past their stop
             counts = np.where(self._outputs.finished[: readback.shape[0]] == 1, -1, readback[:, 0])
-            self.proposer.on_step_committed(step, counts.tolist())
+            self.proposer.on_step_committed(step, counts.tolist())  # host-ok: numpy read-back
         if self._hook_overridden("accept_tokens"):
             records = [self._records.get(request_id) for request_id in step.request_ids[: readback.shape[0]]]
             new_tokens, emitted, finished = self._outputs.apply_with_hook(
@@ -437,14 +437,12 @@ class TextGenerationController:
         live_decode = emitted[:num_decode] > 0
         self.metrics.record_acceptance(readback[:num_decode, 0][live_decode])
         self.metrics.emitted_tokens += int(emitted.sum())
-        finished_rows = {}
         for row, reason in finished:
-            request_id = step.request_ids[row]
-            finished_rows[row] = True
-            self._finish_record(request_id, reason)
+            self._finish_record(step.request_ids[row], reason)
+        finished_rows = {row for row, _ in finished}
         if not collect:
             return []
-        return [(step.request_ids[row], new_tokens[row, : emitted[row]].tolist(), row in finished_rows)
+        return [(step.request_ids[row], new_tokens[row, : emitted[row]].tolist(), row in finished_rows)  # host-ok: numpy
                 for row in range(readback.shape[0]) if emitted[row] > 0]
 
     def _params_of_row(self, row: int) -> SamplingParams:
@@ -485,7 +483,7 @@ class TextGenerationController:
         num_rows = num_decode * stride + step.num_final_prefill_chunks
         rows = step.logits_indices[:num_rows]  # [K] int64 packed rows that sample
         num_active = step.num_active if decode_only else None  # [1] int64, real requests
-        mamba = None if context.mamba is None else self._mamba_forward(step, num_decode, num_active)
+        mamba = None if context.mamba is None else mamba_forward(context, step, num_decode, num_active)
         logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
                                              logits_rows=rows, mamba=mamba)  # [K, V], [T, H]
 
@@ -507,7 +505,7 @@ class TextGenerationController:
             keep_released_blocks=True,
         )
         if mamba is not None and num_decode > 0:
-            self._commit_mamba(mamba.decode_slot_ids, num_decode)
+            commit_mamba_states(context, mamba.decode_slot_ids, self._accepted_counts, num_decode)
         if S > 0:
             request_index = torch.arange(grid, device=self.device)
             write_rows = request_index if num_active is None else torch.where(
@@ -528,34 +526,6 @@ class TextGenerationController:
         staged[:, 0] = self._accepted_counts[:num_sampling]
         staged[:, 1] = context.table.next_tokens[:num_sampling]
         staged[:, 2:] = self._accepted_tokens[:num_sampling]
-
-    def _mamba_forward(self, step: StepMetadata, num_decode: int, num_active: Optional[torch.Tensor]) -> MambaForward:
-        """Where this step's requests keep their Mamba state: decode slots on the device (requests
-        padding a graph batch, at or past ``num_active``, use the scratch slot), prefill slots
-        and packed row ranges as host ints."""
-        slots, table = self.context.mamba, self.context.table
-        decode_slot_ids = table.device.mamba_slot_ids[:num_decode]  # [nd] int64
-        if num_active is not None:
-            request_index = torch.arange(num_decode, device=self.device)
-            decode_slot_ids = torch.where(request_index < num_active, decode_slot_ids, slots.scratch_slot)
-        starts = step.host_query_start_loc.tolist()  # host-ok: host tensor
-        prefill_rows = range(step.num_decode, step.num_requests)
-        return MambaForward(
-            conv_states=slots.conv_states, ssm_states=slots.ssm_states,
-            intermediate_conv_states=slots.intermediate_conv_states,
-            intermediate_ssm_states=slots.intermediate_ssm_states,
-            decode_slot_ids=decode_slot_ids,
-            prefill_row_ranges=tuple((starts[row], starts[row + 1]) for row in prefill_rows),
-            prefill_slot_ids=tuple(int(table.host.mamba_slot_ids[row]) for row in prefill_rows),
-        )
-
-    def _commit_mamba(self, decode_slot_ids: torch.Tensor, num_decode: int) -> None:
-        """Each decode request keeps the Mamba state after its last accepted row (conv and SSM)."""
-        slots, table = self.context.mamba, self.context.table.device
-        for intermediate, current in ((slots.intermediate_conv_states, slots.conv_states),
-                                      (slots.intermediate_ssm_states, slots.ssm_states)):
-            mamba_state_selective_copy(intermediate, current, table.prefill_status[:num_decode], decode_slot_ids,
-                                       self._accepted_counts[:num_decode], slots.num_layers)
 
     def _check_drafts(self, drafts, num_sampling: int) -> None:
         """A proposer's output must be ``[n, S]`` int64 on the step's device (metadata only)."""

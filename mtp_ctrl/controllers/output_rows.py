@@ -59,7 +59,7 @@ class OutputRows:
         self.decode_steps[row], self.accepted_drafts[row] = decode_steps, accepted_drafts
 
     def output_of(self, row: int) -> List[int]:
-        return self.tokens[row, : self.counts[row]].tolist()
+        return self.tokens[row, : self.counts[row]].tolist()  # host-ok: numpy
 
     def apply(self, readback: np.ndarray, num_decode: int, params_of_row) -> Tuple[np.ndarray, np.ndarray, list]:
         """Append one step's verified tokens to rows ``[0, n)`` (``readback``: ``[n, S + 2]`` int64
@@ -118,7 +118,7 @@ class OutputRows:
         finished = []
         for row in range(num_rows):
             accepted = int(readback[row, 0])
-            tokens = readback[row, 2 : 2 + accepted].tolist() + [int(readback[row, 1])]
+            tokens = readback[row, 2 : 2 + accepted].tolist() + [int(readback[row, 1])]  # host-ok: numpy
             new_tokens[row, : accepted + 1] = tokens
             if self.finished[row]:
                 continue  # a step run past this request's stop
@@ -144,7 +144,7 @@ class OutputRows:
                    code: int) -> Tuple[int, int]:
         """Stop sequences (and eos lists longer than EOS_COLUMNS), token by token."""
         output = self.output_of(row)
-        for index, token in enumerate(new_tokens.tolist()[:emitted]):
+        for index, token in enumerate(new_tokens.tolist()[:emitted]):  # host-ok: numpy
             output.append(token)
             if token in params.eos_token_ids:
                 return index + 1, _EOS

@@ -55,7 +55,7 @@ def _numpy_tokens(name: str, tokens) -> List[int]:
         raise TypeError(f"{name} must have an integer dtype, got numpy {tokens.dtype}")
     if tokens.ndim != 1:
         raise ValueError(f"{name} must be 1-D (one prompt), got shape {tokens.shape}")
-    return [int(token) for token in tokens.tolist()]
+    return [int(token) for token in tokens.tolist()]  # host-ok: user input, outside the step
 
 
 def _as_token_list(name: str, prompt_tokens) -> List[int]:

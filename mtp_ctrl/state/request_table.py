@@ -185,7 +185,7 @@ class RequestTable:
 
     def request_ids_in(self, group: RowGroup) -> List[int]:
         start, end = self.group_rows(group)
-        return self.host.request_ids[start:end].tolist()
+        return self.host.request_ids[start:end].tolist()  # host-ok: numpy
 
     # ----- moving requests ----------------------------------------------------------------
 

@@ -158,7 +158,7 @@ class StepBuffers:
             attention=attention,
             input_ids=device["input_ids"][:padded_tokens],
             logits_indices=device["logits_indices"][: logits_indices.shape[0]],
-            request_ids=tuple(self.table.host.request_ids[:num_requests].tolist()),
+            request_ids=tuple(self.table.host.request_ids[:num_requests].tolist()),  # host-ok: numpy
             num_decode=num_decode,
             num_prefill=num_prefill,
             num_final_prefill_chunks=num_final_prefill_chunks,
