@@ -90,6 +90,7 @@ def _verify_and_commit_kernel(
     total_row_count,
     num_active_requests,
     NUM_ACTIVE_PTR,
+    NUM_DECODE_PTR,
     NUM_SPEC_TOKENS: tl.constexpr,
     BLOCK_SIZE_TOKENS: tl.constexpr,
     RELEASE_WIDTH: tl.constexpr,
@@ -97,6 +98,7 @@ def _verify_and_commit_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
     COUNT_IN_MEMORY: tl.constexpr,
+    DECODE_COUNT_IN_MEMORY: tl.constexpr,
     KEEP_RELEASED_BLOCKS: tl.constexpr,
 ):
     """One program per request slot (decode, then prefill). A padding slot (``r >=``
@@ -104,6 +106,8 @@ def _verify_and_commit_kernel(
     and leaves the caller's buffers and the KV state alone."""
     request = tl.program_id(0)
     num_requests = tl.num_programs(0)
+    if DECODE_COUNT_IN_MEMORY:  # a graph replays with a changing decode/prefill split
+        num_decode_requests = tl.load(NUM_DECODE_PTR)
     packed_row_count = num_decode_requests * NUM_SPEC_TOKENS + num_requests  # Nd * (S + 1) + Np
     request64 = request.to(tl.int64)
     is_real = request < _load_active_count(num_active_requests, NUM_ACTIVE_PTR, COUNT_IN_MEMORY)
@@ -239,6 +243,14 @@ def _check_args(
         _check_out(out, num_requests, tokens.shape[0], release_width, last_kv_block_id.dtype, device)
 
 
+def _check_decode_count(decode_count, num_decode_requests: int, device: torch.device) -> None:
+    """``decode_count``: a 1-element int tensor on the tokens' device (its value, read on the device,
+    must not exceed ``num_decode_requests``: the kernel cannot check it without a sync)."""
+    check_tensor("decode_count", decode_count, dtypes=INDEX_DTYPES, device=device)
+    if decode_count.numel() != 1:
+        raise ValueError(f"decode_count must hold one element, got shape {tuple(decode_count.shape)}")
+
+
 @functools.lru_cache(maxsize=64)
 def _launch_constants(num_speculative_tokens: int, block_size_tokens: int) -> types.MappingProxyType:
     """The kernel's compile-time arguments and launch options for one ``(S, block_size_tokens)`` (read-only)."""
@@ -270,6 +282,7 @@ def verify_and_commit(
     num_active_requests: Optional[ActiveCount] = None,
     out: Optional[StepCommit] = None,
     keep_released_blocks: bool = False,
+    decode_count: Optional[torch.Tensor] = None,
 ) -> StepCommit:
     """Verify the drafts, write the next step's inputs and rewind the KV bookkeeping, in one launch.
 
@@ -300,6 +313,12 @@ def verify_and_commit(
     the reserve its next step grows into, and the host, which reserved them, frees them when the
     request ends.
 
+    ``decode_count`` (a 1-element int tensor on the device): the kernel reads the number of
+    decode requests from it, so one CUDA graph serves every decode/prefill split of a mixed
+    step. ``num_decode_requests`` is then only its upper bound: the grid is still
+    ``N = num_decode_requests + num_prefill_requests`` programs, and requests
+    ``decode_count <= r < N`` are prefill requests of one row each (packed after the decode rows).
+
     Arguments are validated on the first call of each signature (every tensor's dtype, shape and
     device, every int): a call that repeats a validated signature skips the checks, one that
     differs in any checked property is checked again.
@@ -325,6 +344,8 @@ def verify_and_commit(
         num_active_requests,
         out,
     )
+    if decode_count is not None:
+        _check_decode_count(decode_count, num_decode_requests, input_tokens.device)
     if not isinstance(keep_released_blocks, bool):
         raise TypeError(f"keep_released_blocks must be a bool, got {type(keep_released_blocks).__name__}")
     tokens = input_tokens if input_tokens.dim() == 1 else input_tokens[0]  # [T]; the forward pass has [1, T]
@@ -353,6 +374,7 @@ def verify_and_commit(
             num_active,
             out,
             keep_released_blocks,
+            decode_count,
         )
     constants = _launch_constants(num_speculative_tokens, block_size_tokens)
     if out is None:
@@ -405,7 +427,9 @@ def verify_and_commit(
         tokens.shape[0],
         active_count,
         active_count_ptr,
+        active_count_ptr if decode_count is None else decode_count,
         COUNT_IN_MEMORY=count_in_memory,
+        DECODE_COUNT_IN_MEMORY=decode_count is not None,
         KEEP_RELEASED_BLOCKS=keep_released_blocks,
         **constants,
     )

@@ -246,3 +246,29 @@ def test_keep_released_blocks_must_be_a_bool():
     with pytest.raises(TypeError, match="keep_released_blocks"):
         verify_and_commit(case.input_tokens, case.output_tokens, case.required_logit_indices, *_buffers(6, 2),
                           *kv_state, 3, 2, 2, 2, keep_released_blocks=1)
+
+
+@pytest.mark.parametrize("num_decode,num_prefill,num_spec,block_size", [(0, 2, 2, 4), (3, 2, 2, 2), (5, 1, 3, 4), (4, 0, 1, 3)])
+@pytest.mark.parametrize("num_active", [None, "tensor"])
+def test_decode_count_on_the_device_equals_the_host_split(num_decode, num_prefill, num_spec, block_size, num_active):
+    """A mixed step replayed from a graph passes its decode count as a tensor and the grid as the
+    bound: the results equal the call with the split as host ints (kernel and twin)."""
+    for seed in range(2):
+        case = make_token_case(num_decode, num_prefill, num_spec, seed=seed, extra_rows=num_prefill * num_spec + seed)
+        num_requests = case.num_requests
+        active = None if num_active is None else torch.tensor([max(num_requests - 1, 0)])
+        kv_state = make_kv_state(num_requests, num_spec, block_size, seed=seed)
+        buffers = _buffers(num_requests + 1, num_spec)
+        want = _run(reference.verify_and_commit, case, clone_all(buffers), clone_all(kv_state), block_size, active)
+        for op in OPS:
+            got_buffers, got_state = clone_all(buffers), clone_all(kv_state)
+            result = op(case.input_tokens, case.output_tokens, case.required_logit_indices, *got_buffers, *got_state,
+                        num_requests, 0, num_spec, block_size, active, decode_count=torch.tensor([num_decode]))
+            assert_all_equal(list(result) + got_buffers + got_state, want)
+
+
+def test_decode_count_must_be_one_element():
+    case, kv_state = _known_case()
+    with pytest.raises(ValueError, match="decode_count"):
+        verify_and_commit(case.input_tokens, case.output_tokens, case.required_logit_indices, *_buffers(6, 2),
+                          *kv_state, 3, 2, 2, 2, decode_count=torch.tensor([1, 2]))

@@ -163,10 +163,15 @@ def verify_and_commit(
     num_active_requests=None,
     out: Optional[StepCommit] = None,
     keep_released_blocks: bool = False,
+    decode_count=None,
 ):
     """The three reference ops in a row, on the real requests only (padding slots keep their state).
-    ``keep_released_blocks``: the block ids stay in ``kv_block_ids`` and nothing is reported released."""
+    ``keep_released_blocks``: the block ids stay in ``kv_block_ids`` and nothing is reported released.
+    ``decode_count`` (a 1-element tensor): the decode-request count, ``num_decode_requests`` its bound."""
     num_requests = num_decode_requests + num_prefill_requests
+    if decode_count is not None:  # the twin may read it on the host
+        num_decode_requests = int(decode_count.reshape(-1)[0])
+        num_prefill_requests = num_requests - num_decode_requests
     device = output_tokens.device
     active = num_requests if num_active_requests is None else num_active_requests
     real = _real_requests(num_requests, active, device)  # [N] bool
