@@ -12,7 +12,8 @@ layers, hidden 2048, 16 heads over 4 KV groups, 2 MTP layers, bf16) and batch 1,
 - mixed: wall time of a step that also prefills a 64-token prompt chunk, vs a decode-only step
   of the same batch (both synchronised).
 
-Greedy decoding, CUDA graphs for the decode batch sizes. Outputs are checked equal to plain.
+Greedy decoding; `controller.warmup()` captures every graph shape first (decode-only, and mixed
+steps padded to a token bucket), so the mixed step replays a graph. Outputs are checked equal to plain.
 """
 
 import argparse
@@ -43,9 +44,10 @@ def _run(model, prompts, num_speculative_tokens, overlap, new_tokens):
     batch = len(prompts)
     config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=batch + 1,
                              block_size_tokens=16, max_model_len=PROMPT_LEN + new_tokens + 16,
-                             max_tokens_per_step=max((batch + 1) * PROMPT_LEN, 256), cuda_graph_batch_sizes=(batch,),
-                             overlap_scheduling=overlap)
+                             max_tokens_per_step=max((batch + 1) * PROMPT_LEN, 256),
+                             cuda_graph_batch_sizes=(batch, batch + 1), overlap_scheduling=overlap)
     controller = TextGenerationController(model, config)
+    controller.warmup()  # every graph shape, the mixed steps' included
     params = SamplingParams(max_new_tokens=new_tokens)
     controller.generate(prompts, params)  # warm-up: compile, capture the graphs
     controller.metrics.reset()

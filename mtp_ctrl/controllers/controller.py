@@ -166,6 +166,24 @@ class TextGenerationController:
             remove_mask=torch.empty(release_shape, dtype=torch.bool, device=device),
         )
 
+    def warmup(self) -> int:
+        """Capture the CUDA graph of every padded step shape now, for both sampling paths, so
+        that serving never stops to capture (a shape not warmed up is captured on first use).
+        Each graph is recorded from a step that holds no request. Call it before adding requests
+        (on every rank under tensor parallelism); returns the number of graphs held."""
+        if self._graphs is None:
+            return 0
+        if self._admission_order or self._waiting or self._in_flight is not None:
+            raise RuntimeError("warmup: call it before adding requests")
+        for shape in self.context.graph_shapes():
+            step = self.context.build_padding_step(shape)
+            for all_greedy in (True, False):
+                self._all_greedy = all_greedy
+                if (shape, all_greedy) not in self._graphs:
+                    self._graphs.run((shape, all_greedy), lambda: self._launch(step))
+        torch.cuda.current_stream(self.device).synchronize()  # host-ok: start-up
+        return len(self._graphs)
+
     def close(self) -> None:
         """Finish the step in flight and free the captured CUDA graphs. Call it before
         ``torch.distributed.destroy_process_group`` when running tensor-parallel: a process group
@@ -407,9 +425,7 @@ class TextGenerationController:
     def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool]]:
         """The CUDA graph a step replays: its padded dimensions and whether every request is
         greedy (the sampling path differs); None for a step no graph covers (it runs eagerly)."""
-        if not step.decode_only or step.attention.batch_size not in self.config.cuda_graph_batch_sizes:
-            return None
-        return step.dimensions, self._all_greedy
+        return (step.dimensions, self._all_greedy) if step.graph_padded else None
 
     def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
         launched, self._in_flight = self._in_flight, None
@@ -470,26 +486,26 @@ class TextGenerationController:
     def _launch(self, step: StepMetadata) -> None:
         """The GPU part of a step: inputs, forward, sample, verify + commit, draft, stage the read-back.
 
-        No host sync. A decode-only step also has no value-dependent Python: its grid is the
-        (padded) batch, and the real request count is read on the device, so it can be captured.
+        No host sync, and no value-dependent Python: the grid is the step's (padded) request
+        count, every request has ``1 + S`` logits rows, and the real counts (requests, decode
+        requests, sampling requests) are read on the device, so a padded step can be captured.
         """
         S, context, attention = self.config.num_speculative_tokens, self.context, step.attention
         context.prepare_inputs(step)
-        decode_only = step.decode_only
-        grid = attention.batch_size if decode_only else step.num_requests  # G
-        num_decode = grid if decode_only else step.num_decode
-        num_sampling = grid if decode_only else step.num_sampling_requests
-        stride = S + 1
-        num_rows = num_decode * stride + step.num_final_prefill_chunks
-        rows = step.logits_indices[:num_rows]  # [K] int64 packed rows that sample
-        num_active = step.num_active if decode_only else None  # [1] int64, real requests
-        mamba = None if context.mamba is None else mamba_forward(context, step, num_decode, num_active)
+        grid, stride = attention.batch_size, S + 1  # G
+        rows = step.logits_indices  # [G * (1 + S)] int64: decode rows, final chunk ends, then ignored
+        num_decode = step.device_num_decode  # [1] int64
+        mamba = None
+        if context.mamba is not None:  # Mamba steps with prefill run eagerly, with host counts
+            mamba_decode = grid if step.decode_only else step.num_decode
+            mamba = mamba_forward(context, step, mamba_decode, step.num_active if step.decode_only else None)
         logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
-                                             logits_rows=rows, mamba=mamba)  # [K, V], [T, H]
+                                             logits_rows=rows, mamba=mamba)  # [G * (1 + S), V], [T, H]
 
-        row_index = torch.arange(num_rows, device=self.device)
-        row_requests = torch.where(row_index < num_decode * stride, row_index // stride,
-                                   row_index - num_decode * stride + num_decode)  # [K] table row of each
+        row_index = torch.arange(rows.shape[0], device=self.device)
+        decode_rows = num_decode * stride
+        row_requests = torch.where(row_index < decode_rows, row_index // stride,
+                                   row_index - decode_rows + num_decode).clamp(max=grid - 1)  # [K] table row of each
         output_tokens = self.sample_rows(logits, row_requests, attention.positions[rows] + 1)
         self._accepted_tokens.fill_(-1)
         self._accepted_counts.zero_()
@@ -497,35 +513,34 @@ class TextGenerationController:
         verify_and_commit(
             step.input_ids[rows], output_tokens, rows,
             context.table.next_tokens, self._last_accepted_rows, self._accepted_tokens, self._accepted_counts,
-            table.last_kv_block_offset[:num_sampling], table.kv_length_offsets[:num_sampling],
-            table.kv_block_counts[:num_sampling], table.last_kv_block_id[:num_sampling],
-            table.kv_block_ids[:num_sampling],
-            num_decode, step.num_final_prefill_chunks, S, self.config.block_size_tokens,
-            num_active_requests=num_active, out=self._commit_buffers(num_sampling, num_rows),
-            keep_released_blocks=True,
+            table.last_kv_block_offset[:grid], table.kv_length_offsets[:grid],
+            table.kv_block_counts[:grid], table.last_kv_block_id[:grid], table.kv_block_ids[:grid],
+            grid, 0, S, self.config.block_size_tokens, num_active_requests=step.device_num_sampling,
+            out=self._commit_buffers(grid, rows.shape[0]), keep_released_blocks=True, decode_count=num_decode,
         )
-        if mamba is not None and num_decode > 0:
-            commit_mamba_states(context, mamba.decode_slot_ids, self._accepted_counts, num_decode)
+        if mamba is not None and mamba.decode_slot_ids.shape[0] > 0:
+            commit_mamba_states(context, mamba.decode_slot_ids, self._accepted_counts, mamba.decode_slot_ids.shape[0])
         if S > 0:
             request_index = torch.arange(grid, device=self.device)
-            write_rows = request_index if num_active is None else torch.where(
-                request_index < num_active, request_index, context.table.scratch_row)  # [G] int64
+            scratch_row = context.table.scratch_row
+            write_rows = torch.where(request_index < step.num_active, request_index, scratch_row)  # [G] int64
+            samples = request_index < step.device_num_sampling  # [G] bool
             query_start_loc = attention.query_start_loc[: grid + 1].long()
             query_lengths = query_start_loc[1:] - query_start_loc[:-1]  # [G] int64
             rewinds = torch.where(request_index < num_decode, S - self._accepted_counts[:grid], 0)
             drafts = self.proposer.propose(DraftBatch(
-                step=step, hidden=hidden, num_requests=grid, num_sampling_requests=num_sampling,
+                step=step, hidden=hidden, num_requests=grid, num_sampling_requests=grid, samples=samples,
                 next_tokens=context.table.next_tokens[:grid], last_accepted_rows=self._last_accepted_rows[:grid],
                 accepted_counts=self._accepted_counts[:grid], write_rows=write_rows,
                 first_positions=attention.seq_lens[:grid].long() - query_lengths,
                 bonus_positions=attention.seq_lens[:grid].long() - rewinds))
-            self._check_drafts(drafts, num_sampling)
+            self._check_drafts(drafts, grid)
             # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
-            self._draft_rows[write_rows[:num_sampling]] = drafts.clamp(0, self.vocab_size - 1)
-        staged = self._readback_device[:num_sampling]
-        staged[:, 0] = self._accepted_counts[:num_sampling]
-        staged[:, 1] = context.table.next_tokens[:num_sampling]
-        staged[:, 2:] = self._accepted_tokens[:num_sampling]
+            self._draft_rows[torch.where(samples, write_rows, scratch_row)] = drafts.clamp(0, self.vocab_size - 1)
+        staged = self._readback_device[:grid]
+        staged[:, 0] = self._accepted_counts[:grid]
+        staged[:, 1] = context.table.next_tokens[:grid]
+        staged[:, 2:] = self._accepted_tokens[:grid]
 
     def _check_drafts(self, drafts, num_sampling: int) -> None:
         """A proposer's output must be ``[n, S]`` int64 on the step's device (metadata only)."""

@@ -1,11 +1,13 @@
-"""CUDA graphs of the GPU part of decode-only steps: one per (BatchDimensions, all-greedy flag).
+"""CUDA graphs of the GPU part of padded steps: one per (BatchDimensions, all-greedy flag).
 
-The first step of a key runs eagerly (that is the step's real work, and it compiles every
-kernel), then the same call is captured without running; later steps of that key replay it. A
-replay reads only static memory: the staged step buffers (same addresses for a given bucket),
-the request table's device rows, the KV caches and the controller's step buffers; the real
-request count is read on the device (``seq_lens > 0``), so one graph serves every batch that
-rounds up to its bucket. Eager and replayed steps run the same kernels on the same memory.
+A step padded to a graph shape (decode-only: a batch bucket; with prefill chunks: a batch bucket
+and a token bucket) replays the graph of its key. The controller's ``warmup`` captures every key
+at start-up from steps that hold no request; a key not warmed up is captured on first use (that
+step runs eagerly first, which also compiles every kernel). A replay reads only static memory:
+the staged step buffers, the request table's device rows, the KV caches and the controller's
+step buffers; the real counts (requests, decode requests, sampling requests) are read on the
+device, so one graph serves every step that rounds up to its shape. Eager and replayed steps run
+the same kernels on the same memory.
 
 Under tensor parallelism the graphs hold the NCCL collectives of the step. A process group
 waits for captured collectives at ``destroy_process_group`` as if they were pending work
@@ -24,6 +26,9 @@ class StepGraphs:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
 
     def run(self, key: Hashable, launch: Callable[[], None]) -> None:
         """Replay the graph of ``key``; on its first use, run ``launch`` eagerly, then capture it."""

@@ -27,16 +27,19 @@ if TYPE_CHECKING:  # the controller imports this module; no cycle at run time
 class DraftBatch:
     """A step's verified state, as the proposer sees it.
 
-    Requests are table rows ``[0, G)``: ``G`` is the padded CUDA-graph batch of a decode-only step
-    (rows past the real count are padding) or the step's real request count otherwise. Write
-    per-request state through ``write_rows``, which sends padding requests to the table's scratch
-    row, so that a captured step never touches a request that is not running.
+    Requests are table rows ``[0, G)``: ``G`` is the step's grid, padded to a CUDA-graph batch when
+    a graph covers the step (requests past the real count are padding). Which requests are real,
+    decode or sampling is known on the device only (``samples``, ``write_rows``; the step may be
+    replayed from a graph). Write per-request state through ``write_rows``, which sends padding
+    requests to the table's scratch row, so that a captured step never touches a request that is
+    not running; state derived from a sampled token only where ``samples`` is True.
     """
 
     step: StepMetadata
     hidden: torch.Tensor  # [T, H] decoder output of the step's rows (after the final norm)
-    num_requests: int  # G: requests of the step's grid (all, incl. a prefill chunk that does not sample)
-    num_sampling_requests: int  # requests [0, this) sampled a token (decodes and final prefill chunks)
+    num_requests: int  # G: requests of the step's grid
+    num_sampling_requests: int  # G as well: rows of the drafts returned (those not in `samples` are ignored)
+    samples: torch.Tensor  # [G] bool, the request sampled a token (a decode or a final prefill chunk)
     next_tokens: torch.Tensor  # [G] int64, the token each request sampled last (verified)
     last_accepted_rows: torch.Tensor  # [G] int64, packed row of each request's last accepted row
     accepted_counts: torch.Tensor  # [G] int64, accepted drafts (0 for prefill and padding requests)
@@ -60,7 +63,8 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         """Return ``[batch.num_sampling_requests, S]`` int64 drafts (device tensor, no host sync, no
-        value-dependent Python: a decode-only step runs this inside a CUDA graph)."""
+        value-dependent Python: a padded step runs this inside a CUDA graph). Rows of requests
+        that did not sample (``batch.samples`` False) are ignored."""
 
     def forget(self, request_id: int) -> None:
         """The request left the running batch (finished or evicted): drop host state kept for it."""

@@ -1,10 +1,14 @@
-"""The shape of one forward pass, and the rounding that maps a decode batch onto a CUDA graph.
+"""The shape of one forward pass, and the rounding that maps a batch onto a CUDA graph.
 
-A CUDA graph replays fixed shapes, so decode-only steps are padded up to the next captured
-batch size. With ``S = 2`` drafts and buckets ``(1, 2, 4, 8)``, a step of 3 decode requests
-(9 rows) runs the graph of ``BatchDimensions(token_count=12, decode_request_count=4,
-prefill_request_count=0)``: requests 3 and rows 9..11 are padding. Steps with prefill rows
-run eagerly at their exact dimensions.
+A CUDA graph replays fixed shapes, so a step is padded up to a captured shape: its request
+count to the next of the batch buckets and, for a step with prefill chunks, its token count to
+the next token bucket. With ``S = 2`` drafts and batch buckets ``(1, 2, 4, 8)``, a step of 3
+decode requests (9 rows) runs the graph of ``BatchDimensions(token_count=12, request_count=4,
+has_prefill=False)``: request 3 and rows 9..11 are padding. A step of 3 decode requests and a
+20-token prefill chunk (29 rows), with token buckets ``(64, 128, 256)``, runs the graph of
+``BatchDimensions(64, 4, True)``. Inside, the step reads its real counts (requests, decode
+requests, requests that sample) on the device, so one graph serves every split of its shape.
+Shapes above every bucket run eagerly at their exact dimensions.
 """
 
 import dataclasses
@@ -16,16 +20,12 @@ class BatchDimensions:
     """Ordered by token count first, so ``sorted(...)`` lists graphs from small to large."""
 
     token_count: int  # T, query rows of the pass (padding included)
-    decode_request_count: int  # requests with 1 + S rows (padding requests included)
-    prefill_request_count: int  # requests with a prefill chunk
-
-    @property
-    def request_count(self) -> int:
-        return self.decode_request_count + self.prefill_request_count
+    request_count: int  # G, requests of the grid (padding included)
+    has_prefill: bool  # some rows are prefill chunks (else every request has 1 + S rows)
 
     @classmethod
     def decode_only(cls, batch_size: int, num_speculative_tokens: int) -> "BatchDimensions":
-        return cls(batch_size * (num_speculative_tokens + 1), batch_size, 0)
+        return cls(batch_size * (num_speculative_tokens + 1), batch_size, False)
 
 
 def check_batch_sizes(batch_sizes: Sequence[int], max_requests: int) -> Tuple[int, ...]:
@@ -43,8 +43,19 @@ def round_up_batch_size(batch_size: int, batch_sizes: Sequence[int]) -> Optional
     """The smallest of the (increasing) ``batch_sizes`` that holds ``batch_size``, or None.
 
     ``round_up_batch_size(3, (1, 2, 4, 8)) == 4``; ``round_up_batch_size(9, (1, 2, 4, 8)) is None``.
+    Token counts round up to the token buckets the same way.
     """
     for size in batch_sizes:
         if size >= batch_size:
             return size
     return None
+
+
+def token_buckets(max_tokens_per_step: int, smallest: int = 64) -> Tuple[int, ...]:
+    """Token counts of the mixed-step graphs: powers of two from ``smallest``, then the step's
+    maximum. ``token_buckets(256) == (64, 128, 256)``; ``token_buckets(48) == (48,)``."""
+    buckets, size = [], smallest
+    while size < max_tokens_per_step:
+        buckets.append(size)
+        size *= 2
+    return tuple(buckets) + (max_tokens_per_step,)

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from mtp_ctrl.state.batch_dimensions import check_batch_sizes, round_up_batch_size
+from mtp_ctrl.state.batch_dimensions import BatchDimensions, check_batch_sizes, round_up_batch_size, token_buckets
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
 from mtp_ctrl.state.kv_cache import KVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec, MambaStateSlots
@@ -47,7 +47,8 @@ class DynamicInferenceContext:
     max_tokens_per_step: query rows of one forward pass (decode rows first, prefill chunks after).
     kv_cache: layers (decoder + MTP depths), local KV heads, head dim and dtype of the caches.
     num_blocks / kv_cache_bytes: the KV pool, as a block count or a byte budget.
-    cuda_graph_batch_sizes: decode batch sizes with a CUDA graph (decode-only steps are padded).
+    cuda_graph_batch_sizes: batch sizes with a CUDA graph (steps are padded to them; a step with
+        prefill chunks also pads its tokens to ``cuda_graph_token_counts``, powers of two from 64).
     mamba: Mamba layer count and state shapes, or None for a model without Mamba layers.
 
     Sizing rules (checked here): ``max_tokens_per_step >= R * (1 + S)`` so every decode request
@@ -96,6 +97,8 @@ class DynamicInferenceContext:
         self.max_tokens_per_step = max_tokens_per_step
         self.block_size_tokens = block_size_tokens
         self.cuda_graph_batch_sizes = check_batch_sizes(cuda_graph_batch_sizes, max_requests)
+        # token counts of the graphs of steps with prefill chunks (none without batch buckets)
+        self.cuda_graph_token_counts = token_buckets(max_tokens_per_step) if self.cuda_graph_batch_sizes else ()
         self.max_blocks_per_request = self.blocks_for(max_model_len + 2 * stride)
         if num_blocks is not None:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
@@ -243,14 +246,14 @@ class DynamicInferenceContext:
             if host.known_lengths[row] == self._prompts[request_id].shape[0]:
                 final_chunk_count += 1
                 self._prompts_done[request_id] = None
-        padded_batch_size = None if chunks else round_up_batch_size(num_decode, self.cuda_graph_batch_sizes)
-        if not chunks:  # decode-only, graph or eager: one fixed bound, so both run the same attention split
+        padded = self._graph_shape(num_requests, int(query_lengths.sum()), has_prefill=bool(chunks))
+        if padded is not None or not chunks:  # one fixed bound, so a graph and the eager step split attention alike
             max_seq_len = self.max_blocks_per_request * self.block_size_tokens
         else:
             max_seq_len = int(host.block_counts[:num_requests].max()) * self.block_size_tokens
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
-        step = self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded_batch_size,
+        step = self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded,
                                         block_writes, max_seq_len)
         self._steps_in_flight.append(step)
         return step
@@ -280,6 +283,36 @@ class DynamicInferenceContext:
         self._block_writes = []
 
     # ----- scheduling helpers ------------------------------------------------------------
+
+    def _graph_shape(self, num_requests: int, token_count: int, has_prefill: bool) -> Optional[BatchDimensions]:
+        """The CUDA-graph shape a step pads to, or None (exact, eager): the request count rounds
+        up to a batch bucket; a step with prefill rounds its tokens up to a token bucket (not for
+        Mamba models, whose prefill path is laid out on the host)."""
+        batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes)
+        if batch_size is None:
+            return None
+        if not has_prefill:
+            return BatchDimensions.decode_only(batch_size, self.num_speculative_tokens)
+        if self.mamba is not None:
+            return None
+        tokens = round_up_batch_size(token_count, self.cuda_graph_token_counts)
+        return None if tokens is None else BatchDimensions(tokens, batch_size, True)
+
+    def graph_shapes(self) -> List[BatchDimensions]:
+        """Every CUDA-graph shape a step can be padded to (see :meth:`_graph_shape`)."""
+        shapes = [BatchDimensions.decode_only(size, self.num_speculative_tokens) for size in self.cuda_graph_batch_sizes]
+        if self.mamba is None:
+            shapes += [BatchDimensions(tokens, size, True)
+                       for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
+        return shapes
+
+    def build_padding_step(self, shape: BatchDimensions) -> StepMetadata:
+        """A step of ``shape`` that holds no request (every row is padding): running it changes no
+        request, and capturing it records the graph every real step of that shape replays."""
+        if shape not in self.graph_shapes():
+            raise ValueError(f"{shape} is not a CUDA-graph shape of this context")
+        return self._step_buffers.build(np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
+                                        self.max_blocks_per_request * self.block_size_tokens)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:
         if request_id not in self._prompts_done:

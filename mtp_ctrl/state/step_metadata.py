@@ -8,9 +8,10 @@ many rows each request has; the device knows where they are (a decode request's 
 the device's, see ``request_table``). So the work is split:
 
 - the host stages ``query_start_loc``, the prefill chunks' tokens, ``logits_indices``, the real
-  request count and the new blocks (``(row, column, id)`` writes), in one host-to-device copy;
+  counts (requests, decode requests, sampling requests) and the new blocks (``(row, column, id)``
+  writes), in one host-to-device copy;
 - :meth:`StepBuffers.prepare_inputs`, run on the device at the start of the step (inside its
-  CUDA graph for decode-only steps), writes the new blocks, grows each request's KV length by
+  CUDA graph), writes the new blocks, grows each request's KV length by
   its rows, and derives ``positions``, ``slot_mapping``, ``seq_lens`` and the decode rows'
   tokens (``next_tokens``, ``draft_tokens``).
 
@@ -22,11 +23,13 @@ holds ``t0..t3``, block ``1`` is new)::
     input_ids       = [base0, draft0, t4, t5, t6] (decode tokens gathered on the device)
     positions       = [6, 7, 4, 5, 6]            (device: KV length + row in request)
     slot_mapping    = [5*4+2, 5*4+3, 1*4+0, 1*4+1, 1*4+2]
-    seq_lens        = [8, 7]                     logits_indices = [0, 1, 4]
+    seq_lens        = [8, 7]                     logits_indices = [0, 1, 4, 0]
 
-A decode-only step padded to a CUDA-graph batch ``B`` has exactly ``B * (1 + S)`` rows:
-padding requests have no query rows (``query_start_loc`` repeats, ``seq_lens == 0``), padding
-rows carry position 0 and slot ``-1`` (no KV write), and ``logits_indices`` covers all rows.
+``logits_indices`` has ``1 + S`` entries per request of the grid: the decode rows, then each
+final chunk's last row, then zeros (rows computed and ignored), so the shapes of a step depend
+only on its grid. A step padded to a CUDA-graph shape (``B`` requests, ``T`` rows; a decode-only
+step has ``T = B * (1 + S)``): padding requests have no query rows (``query_start_loc`` repeats,
+``seq_lens == 0``), padding rows carry position 0 and slot ``-1`` (no KV write).
 
 All tensors are views of buffers allocated once; a StepMetadata is valid until the next step.
 """
@@ -52,8 +55,9 @@ class StepMetadata:
     num_decode: int  # real decode requests (rows [0, num_decode) of the table)
     num_prefill: int  # prefill requests after them
     num_final_prefill_chunks: int  # the first this many prefill requests finish their prompt
-    dimensions: BatchDimensions  # padded to a CUDA-graph batch for decode-only steps
-    num_active: torch.Tensor  # [1] int64 on the device: real requests (the rest of the grid pads)
+    dimensions: BatchDimensions  # the grid, padded to a CUDA-graph shape when one covers the step
+    graph_padded: bool  # padded to a CUDA-graph shape (else exact, and the step runs eagerly)
+    counts: torch.Tensor  # [3] int64 on the device: real requests, decode requests, sampling requests
     host_query_start_loc: torch.Tensor  # [num_requests + 1] int64 (CPU): real requests' rows
     host_first_positions: torch.Tensor  # [num_requests] int64 (CPU): first row's position; -1 for
     # decode requests, whose position only the device knows
@@ -75,7 +79,23 @@ class StepMetadata:
 
     @property
     def decode_only(self) -> bool:
-        return self.num_prefill == 0
+        """Every request of the grid has ``1 + S`` rows (the layout a graph of this shape uses)."""
+        return not self.dimensions.has_prefill
+
+    @property
+    def num_active(self) -> torch.Tensor:
+        """``[1]`` int64 on the device: the real requests (the rest of the grid pads)."""
+        return self.counts[0:1]
+
+    @property
+    def device_num_decode(self) -> torch.Tensor:
+        """``[1]`` int64 on the device: the decode requests (the grid's first requests)."""
+        return self.counts[1:2]
+
+    @property
+    def device_num_sampling(self) -> torch.Tensor:
+        """``[1]`` int64 on the device: the requests that sample (decodes, then final chunks)."""
+        return self.counts[2:3]
 
 
 class StepBuffers:
@@ -90,7 +110,7 @@ class StepBuffers:
             "input_ids": ((max_tokens_per_step,), torch.int64),
             "logits_indices": ((max_tokens_per_step,), torch.int64),
             "query_start_loc": ((R + 1,), torch.int32),
-            "num_active": ((1,), torch.int64),
+            "counts": ((3,), torch.int64),  # real requests, decode requests, sampling requests
             "block_writes": ((3, max_block_writes), torch.int64),  # rows: table row, column, block id
         }, device)
         self.positions = torch.zeros(max_tokens_per_step, dtype=torch.int64, device=device)  # [T] int64
@@ -99,30 +119,29 @@ class StepBuffers:
         self.row_index = torch.arange(max_tokens_per_step, device=device)  # [T] int64, constant
 
     def build(self, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
-              num_final_prefill_chunks: int, padded_batch_size: Optional[int], block_writes: np.ndarray,
+              num_final_prefill_chunks: int, padded: Optional[BatchDimensions], block_writes: np.ndarray,
               max_seq_len: int) -> StepMetadata:
         """Stage the step of the requests at table rows ``[0, n)`` and send it to the device.
 
         ``query_lengths``: ``[n]`` int64 rows per request. ``prefill_chunks``: each prefill
-        request's chunk tokens (``[q]`` int64), in row order. ``padded_batch_size``: the CUDA-graph
-        batch of a decode-only step, or None. ``block_writes``: ``[3, k]`` int64 (table row,
-        column, block id) of the blocks given since the last step. ``max_seq_len``: a bound on
-        every request's KV length after this step's rows.
+        request's chunk tokens (``[q]`` int64), in row order. ``padded``: the CUDA-graph shape the
+        step is padded to, or None (exact shape, eager). With no request at all, the step is
+        all padding: it changes no request (a graph captured from it serves every real step of
+        its shape).
+        ``block_writes``: ``[3, k]`` int64 (table row, column, block id) of the blocks given since
+        the last step. ``max_seq_len``: a bound on every request's KV length after this step.
         """
         self.staging.wait_until_host_writable()
         stride = self.table.num_speculative_tokens + 1
         num_requests = query_lengths.shape[0]
+        num_sampling = num_decode + num_final_prefill_chunks
         decode_rows = num_decode * stride
         query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)  # [n + 1] int64
         np.cumsum(query_lengths, out=query_start_loc[1:])
         token_count = int(query_start_loc[-1])
-        if padded_batch_size is None:
-            batch_size, padded_tokens = num_requests, token_count
-            final_chunk_ends = query_start_loc[num_decode + 1 :][:num_final_prefill_chunks] - 1
-            logits_indices = np.concatenate([np.arange(decode_rows), final_chunk_ends])  # [K] int64
-        else:
-            batch_size, padded_tokens = padded_batch_size, padded_batch_size * stride
-            logits_indices = np.arange(padded_tokens)  # [B * (1 + S)] int64
+        num_prefill = num_requests - num_decode
+        dimensions = BatchDimensions(token_count, num_requests, num_prefill > 0) if padded is None else padded
+        batch_size, padded_tokens = dimensions.request_count, dimensions.token_count
         if block_writes.shape[1] > self.max_block_writes:
             raise RuntimeError(f"{block_writes.shape[1]} block writes in one step, the buffer holds "
                                f"{self.max_block_writes}")
@@ -132,8 +151,14 @@ class StepBuffers:
             np.concatenate(prefill_chunks, out=host["input_ids"][decode_rows:token_count])
         host["query_start_loc"][: num_requests + 1] = query_start_loc
         host["query_start_loc"][num_requests + 1 : batch_size + 1] = token_count
-        host["logits_indices"][: logits_indices.shape[0]] = logits_indices
-        host["num_active"][0] = num_requests
+        # logits rows: every decode row, then each final chunk's last row; 1 + S per grid request in
+        # all (the rest point at row 0 and are ignored), so a graph's shapes do not depend on the split
+        logits_indices = host["logits_indices"][: batch_size * stride]  # [G * (1 + S)] int64
+        final_chunk_ends = query_start_loc[num_decode + 1 :][:num_final_prefill_chunks] - 1
+        logits_indices[:decode_rows] = np.arange(decode_rows)
+        logits_indices[decode_rows : decode_rows + num_final_prefill_chunks] = final_chunk_ends
+        logits_indices[decode_rows + num_final_prefill_chunks :] = 0
+        host["counts"][:] = (num_requests, num_decode, num_sampling)
         writes = host["block_writes"]
         writes[:, : block_writes.shape[1]] = block_writes
         writes[:, block_writes.shape[1] :] = np.array([[self.table.scratch_row], [0], [-1]])  # no-ops
@@ -143,6 +168,10 @@ class StepBuffers:
         host_first_positions = np.full(num_requests, -1, dtype=np.int64)  # [n] int64
         host_first_positions[num_decode:] = self.table.host.known_lengths[num_decode:num_requests] - \
             query_lengths[num_decode:]
+        if not dimensions.has_prefill:
+            max_query_len = stride
+        else:  # a graph's bound must hold for every step it replays
+            max_query_len = padded_tokens if padded is not None else int(query_lengths.max())
         attention = AttentionMetadata(
             query_start_loc=device["query_start_loc"][: batch_size + 1],
             seq_lens=self.seq_lens[:batch_size],
@@ -150,20 +179,20 @@ class StepBuffers:
             block_table=self.table.device.kv_block_ids[:batch_size],
             positions=self.positions[:padded_tokens],
             num_actual_tokens=token_count,
-            max_query_len=int(query_lengths.max()) if padded_batch_size is None else stride,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-        num_prefill = num_requests - num_decode
         return StepMetadata(
             attention=attention,
             input_ids=device["input_ids"][:padded_tokens],
-            logits_indices=device["logits_indices"][: logits_indices.shape[0]],
+            logits_indices=device["logits_indices"][: batch_size * stride],
             request_ids=tuple(self.table.host.request_ids[:num_requests].tolist()),  # host-ok: numpy
             num_decode=num_decode,
             num_prefill=num_prefill,
             num_final_prefill_chunks=num_final_prefill_chunks,
-            dimensions=BatchDimensions(padded_tokens, batch_size - num_prefill, num_prefill),
-            num_active=device["num_active"],
+            dimensions=dimensions,
+            graph_padded=padded is not None,
+            counts=device["counts"],
             host_query_start_loc=torch.from_numpy(query_start_loc),
             host_first_positions=torch.from_numpy(host_first_positions),
         )
@@ -198,8 +227,13 @@ class StepBuffers:
         attention.positions.copy_(positions)
         attention.slot_mapping.copy_(torch.where(valid, block_ids * block_size + positions % block_size, -1))
 
+        # decode rows take the last verified token, then the drafts; prefill rows keep the staged chunk
         stride = table.num_speculative_tokens + 1
-        num_decode = batch_size if step.decode_only else step.num_decode
-        decode_ids = step.input_ids[: num_decode * stride].view(num_decode, stride)  # [nd, 1 + S] int64
-        decode_ids[:, 0] = table.next_tokens[:num_decode]
-        decode_ids[:, 1:] = table.draft_tokens[:num_decode]
+        row_request = (row_index // stride).clamp(max=batch_size - 1)  # [T] int64, if the row decodes
+        row_in_request = row_index % stride
+        decode_tokens = table.next_tokens[row_request]  # [T] int64
+        if stride > 1:
+            drafts = table.draft_tokens[row_request, (row_in_request - 1).clamp(min=0)]
+            decode_tokens = torch.where(row_in_request > 0, drafts, decode_tokens)
+        is_decode_row = row_index < step.device_num_decode * stride
+        step.input_ids.copy_(torch.where(is_decode_row, decode_tokens, step.input_ids))

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
 from mtp_ctrl.controllers import InferenceConfig, Proposer, SamplingParams, TextGenerationController
-from tests.unit.controller_fixtures import OracleProposer
+from tests.unit.controller_fixtures import OracleProposer, run_with_arrivals
 from tests.unit.hybrid_fixtures import build_hybrid_model
 from tests.unit.megatron_fixtures import (
     VOCAB_SIZE,
@@ -119,6 +119,55 @@ def test_hybrid_commit_keeps_the_state_of_every_accepted_count(hybrid_model):
             :max_new_tokens]
         observed = proposer.observed[result.request_id]
         assert observed == proposer.injected[result.request_id][: len(observed)]
+
+
+class AllStepsSyncChecked(TextGenerationController):
+    """Launches every step, prefill chunks included, under ``set_sync_debug_mode("error")``;
+    counts the steps with prefill chunks that replayed a graph."""
+
+    mixed_replays = 0
+
+    def _launch_step(self, step):
+        replay = step.graph_padded and (step.dimensions, bool(self._outputs.greedy[: step.num_requests].all())) \
+            in self._graphs
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = super()._launch_step(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        self.mixed_replays += int(replay and step.num_prefill > 0)
+        return launched
+
+
+@pytest.mark.parametrize("mode", ["paged", "single_position"])
+def test_mixed_steps_replay_warmed_up_graphs_and_equal_eager(model, mode):
+    """``warmup()`` captures every shape; then requests arrive while others decode, so steps mix
+    decode rows and prefill chunks (some chunked across steps). Every step replays a graph, none
+    syncs with the host, no graph is captured while serving, and the tokens equal eager and plain
+    decoding (greedy and sampled)."""
+    rng = random.Random(1)
+    arrivals = [(rng.randrange(0, 12), [rng.randrange(VOCAB_SIZE) for _ in range(rng.randrange(1, 40))],
+                 SamplingParams(max_new_tokens=rng.randrange(4, 20), temperature=rng.choice([0.0, 0.8]),
+                                seed=rng.randrange(99))) for _ in range(12)]
+    config = dict(max_tokens_per_step=64, mtp_attention=mode)
+    plain = run_with_arrivals(TextGenerationController(model, make_config(0, **config)), arrivals)
+    eager = run_with_arrivals(TextGenerationController(model, make_config(2, **config)), arrivals)
+    controller = AllStepsSyncChecked(model, make_config(2, graphs=True, **config))
+    graphs = controller.warmup()
+    assert graphs == 2 * len(controller.context.graph_shapes())
+    graphed = run_with_arrivals(controller, arrivals)
+    assert len(controller._graphs) == graphs  # nothing captured while serving
+    assert controller.mixed_replays > 3
+    assert graphed == eager == plain
+    assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
+
+
+def test_warmup_refuses_a_busy_controller(model):
+    controller = TextGenerationController(model, make_config(2, graphs=True))
+    controller.add_request([1, 2, 3])
+    with pytest.raises(RuntimeError, match="warmup"):
+        controller.warmup()
+    controller.generate([[4, 5]], SamplingParams(max_new_tokens=2))
 
 
 def test_request_churn_leaks_nothing(model):

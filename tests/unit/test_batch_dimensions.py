@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 
 from mtp_ctrl.state import BatchDimensions, round_up_batch_size
-from mtp_ctrl.state.batch_dimensions import check_batch_sizes
+from mtp_ctrl.state.batch_dimensions import check_batch_sizes, token_buckets
 
 
 def test_decode_only_dimensions():
     dims = BatchDimensions.decode_only(batch_size=4, num_speculative_tokens=2)
-    assert dims == BatchDimensions(token_count=12, decode_request_count=4, prefill_request_count=0)
+    assert dims == BatchDimensions(token_count=12, request_count=4, has_prefill=False)
     assert dims.request_count == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         dims.token_count = 3
@@ -19,7 +19,7 @@ def test_decode_only_dimensions():
 def test_ordering_and_hashing():
     small = BatchDimensions.decode_only(2, 1)
     large = BatchDimensions.decode_only(8, 1)
-    mixed = BatchDimensions(token_count=4, decode_request_count=1, prefill_request_count=1)
+    mixed = BatchDimensions(token_count=3, request_count=2, has_prefill=True)
     assert sorted([large, mixed, small]) == [mixed, small, large]  # by token count first
     graphs = {small: "graph-2"}
     assert graphs[BatchDimensions.decode_only(2, 1)] == "graph-2"
@@ -30,6 +30,13 @@ def test_ordering_and_hashing():
 )
 def test_round_up_batch_size(batch_size, expected):
     assert round_up_batch_size(batch_size, (1, 2, 4, 8)) == expected
+
+
+def test_token_buckets():
+    assert token_buckets(256) == (64, 128, 256)
+    assert token_buckets(200) == (64, 128, 200)
+    assert token_buckets(64) == (64,)
+    assert token_buckets(48) == (48,)
 
 
 def test_round_up_without_buckets():
@@ -50,8 +57,8 @@ def test_check_batch_sizes():
 
 def test_the_controller_keys_its_cuda_graphs_by_batch_dimensions():
     """The role BatchDimensions plays: a decode-only step of 3 requests padded to the bucket of 4
-    replays the graph keyed (BatchDimensions.decode_only(4, S), all greedy); a step with a
-    prefill chunk has no graph."""
+    replays the graph keyed (BatchDimensions.decode_only(4, S), all greedy); the first step, three
+    prompts, pads to 4 requests and the next token bucket."""
     from mtp_ctrl.controllers import SamplingParams
     from tests.unit.controller_fixtures import PROMPTS, build_models, make_controller
     from tests.unit.megatron_fixtures import ensure_single_process_groups
@@ -69,5 +76,8 @@ def test_the_controller_keys_its_cuda_graphs_by_batch_dimensions():
 
     controller._launch_step = recording
     controller.generate([list(prompt) for prompt in PROMPTS[:3]], SamplingParams(max_new_tokens=3))
-    assert keys[0] is None  # the prefill step
+    prefill_dims, _ = keys[0]
+    total_prompt = sum(len(prompt) for prompt in PROMPTS[:3])
+    assert prefill_dims.has_prefill and prefill_dims.request_count == 4
+    assert prefill_dims.token_count == round_up_batch_size(total_prompt, token_buckets(controller.config.max_tokens_per_step))
     assert (BatchDimensions.decode_only(4, 2), True) in keys

@@ -115,8 +115,8 @@ def test_hand_computed_step_of_two_decodes_and_a_prefill_chunk():
     assert att.seq_lens.tolist() == [8, 6, 6]
     assert att.block_table[:, :3].tolist() == [[0, 1, -1], [2, 3, -1], [4, 5, -1]]
     assert (att.num_actual_tokens, att.max_query_len, att.max_seq_len) == (12, 6, 8)
-    assert step.logits_indices.tolist() == [0, 1, 2, 3, 4, 5]  # the partial chunk samples nothing
-    assert step.dimensions == BatchDimensions(token_count=12, decode_request_count=2, prefill_request_count=1)
+    assert step.logits_indices.tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 0]  # the partial chunk samples nothing
+    assert step.dimensions == BatchDimensions(token_count=12, request_count=3, has_prefill=True)
     rows = ctx.table.device  # what the step kernels see: this step's rows counted
     assert rows.kv_length_offsets[:3].tolist() == [8, 6, 6]
     assert rows.last_kv_block_offset[:3].tolist() == [3, 1, 1]
@@ -197,7 +197,7 @@ def test_decode_step_padded_to_a_cuda_graph_bucket():
     ctx.resume_request(9)
     step = ctx.build_step()  # a prefill chunk in the step: eager, exact dimensions
     assert (step.num_decode, step.num_prefill) == (4, 1)
-    assert step.dimensions == BatchDimensions(token_count=14, decode_request_count=4, prefill_request_count=1)
+    assert step.dimensions == BatchDimensions(token_count=14, request_count=5, has_prefill=True)
     run_device_step(ctx, step, [0] * 4)
     ctx.commit_readback(step, np.zeros(4, np.int64))
     step = ctx.build_step()  # 5 decode requests: above every bucket, eager
