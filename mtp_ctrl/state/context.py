@@ -149,6 +149,11 @@ class DynamicInferenceContext:
         self.table.insert(request_id, RowGroup.PREFILL, slot)
         self._prompts[request_id] = prompt
 
+    def prompt_tokens(self, request_id: int) -> np.ndarray:
+        """``[P]`` int64: the tokens the request prefills (its prompt, plus the output kept before a preemption)."""
+        self._live_row(request_id)
+        return self._prompts[request_id]
+
     def finish_request(self, request_id: int) -> None:
         """Release the request's KV blocks and Mamba slot and free its row. Its blocks may still
         be written by a step in flight; the next owner's writes come after it on the stream."""
