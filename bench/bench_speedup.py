@@ -7,6 +7,12 @@ library's source serves prompts from the held-out text (64 bytes each) greedily.
 size it runs plain decoding (S = 0) and S = 1, 2 with both MTP attention modes, decode steps
 replayed from CUDA graphs; each point is the median of 3 timed ``generate`` calls after a
 warm-up call (which compiles and captures). Outputs are checked equal to plain decoding.
+
+With ``--draft-checkpoint PATH`` (an EAGLE head from examples/train_eagle.py) it compares EAGLE
+at S = 1..4 with paged MTP at S = 1, 2 instead, greedy and at ``--temperature`` (seeded, so
+outputs still equal plain decoding's):
+
+    python bench/bench_speedup.py --draft-checkpoint examples/checkpoints/eagle_demo.pt --temperature 0.7
 """
 
 import argparse
@@ -20,6 +26,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--draft-checkpoint", default=None, help="EAGLE head: compare EAGLE S=1..4 with MTP S=1,2")
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: also time seeded sampling at this T")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -43,13 +51,13 @@ from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGeneration
 PROMPT_LEN, NEW_TOKENS = 64, 128
 
 
-def tokens_per_second(model, prompts, num_speculative_tokens, mode, repeats):
+def tokens_per_second(model, prompts, num_speculative_tokens, mode, repeats, proposer=None, temperature=0.0):
     config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=len(prompts),
                              block_size_tokens=16, max_model_len=PROMPT_LEN + NEW_TOKENS + 8,
                              max_tokens_per_step=len(prompts) * PROMPT_LEN, mtp_attention=mode,
                              cuda_graph_batch_sizes=(len(prompts),))
-    controller = TextGenerationController(model, config)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    controller = TextGenerationController(model, config, proposer=proposer)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=temperature, seed=1 if temperature > 0 else None)
     controller.generate(prompts, params)  # warm-up: compile, capture
     rates, outputs = [], None
     controller.metrics.reset()
@@ -76,24 +84,37 @@ def main(args=None):
     rows = []
     batches = (1, 8) if args.quick else (1, 8, 32)
     progress = tqdm(total=len(batches) * 5, desc="points", unit="point", disable=not sys.stdout.isatty())
-    for batch in batches:
-        prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
-        plain_rate, _, plain_outputs = tokens_per_second(model, prompts, 0, "paged", 3)
-        rows.append((batch, 0, "-", plain_rate, 1.0, 1.0, True))
-        progress.update()
-        for num_speculative_tokens in (1, 2):
-            for mode in ("paged", "single_position"):
-                rate, accepted_length, outputs = tokens_per_second(model, prompts, num_speculative_tokens, mode, 3)
+    if args.draft_checkpoint:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+        from generate import load_eagle_proposer
+
+        points = [(S, "paged", None) for S in (1, 2)] + [(S, "eagle", load_eagle_proposer) for S in (1, 2, 3, 4)]
+    else:
+        points = [(S, mode, None) for S in (1, 2) for mode in ("paged", "single_position")]
+    temperatures = (0.0,) if args.temperature <= 0 else (0.0, args.temperature)
+    progress.total = len(batches) * len(temperatures) * (1 + len(points))
+    for temperature in temperatures:
+        for batch in batches:
+            prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
+            plain_rate, _, plain_outputs = tokens_per_second(model, prompts, 0, "paged", 3, temperature=temperature)
+            rows.append((batch, 0, "-", plain_rate, 1.0, 1.0, True, temperature))
+            progress.update()
+            for num_speculative_tokens, mode, make_proposer in points:
+                proposer = None if make_proposer is None else make_proposer(model, args.draft_checkpoint)
+                rate, accepted_length, outputs = tokens_per_second(
+                    model, prompts, num_speculative_tokens, "paged" if mode == "eagle" else mode, 3,
+                    proposer=proposer, temperature=temperature)
                 rows.append((batch, num_speculative_tokens, mode, rate, rate / plain_rate, accepted_length,
-                             outputs == plain_outputs))
+                             outputs == plain_outputs, temperature))
                 progress.set_postfix_str(f"batch {batch} S {num_speculative_tokens} {mode}: {rate:.0f} tokens/s")
                 progress.update()
     progress.close()
-    print(f"\n{torch.cuda.get_device_name()}; demo GPT trained by examples/train_mtp.py, greedy, "
+    print(f"\n{torch.cuda.get_device_name()}; demo GPT trained by examples/train_mtp.py, T as listed, "
           f"{PROMPT_LEN}-byte prompts, {NEW_TOKENS} new tokens, CUDA graphs; median of 3 runs")
-    print(f"{'batch':>5} {'S':>2} {'MTP attention':>15} {'tokens/s':>9} {'speed-up':>9} {'accepted len':>13} {'== plain':>9}")
-    for batch, S, mode, rate, speedup, accepted_length, same in rows:
-        print(f"{batch:5d} {S:2d} {mode:>15} {rate:9.0f} {speedup:8.2f}x {accepted_length:13.2f} {str(same):>9}")
+    print(f"{'T':>4} {'batch':>5} {'S':>2} {'drafter':>15} {'tokens/s':>9} {'speed-up':>9} {'accepted len':>13} {'== plain':>9}")
+    for batch, S, mode, rate, speedup, accepted_length, same, temperature in rows:
+        print(f"{temperature:4.1f} {batch:5d} {S:2d} {mode:>15} {rate:9.0f} {speedup:8.2f}x {accepted_length:13.2f} "
+              f"{str(same):>9}")
     dist.destroy_process_group()
 
 

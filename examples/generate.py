@@ -32,6 +32,10 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint", default=None, help="a file written by examples/train_mtp.py")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, help="S, drafts per step (>= 1)")
     parser.add_argument("--mtp-attention", choices=("paged", "single_position"), default="paged")
+    parser.add_argument("--proposer", choices=("mtp", "eagle"), default="mtp",
+                        help="drafter: the model's MTP layers, or an EAGLE head (--draft-checkpoint)")
+    parser.add_argument("--draft-checkpoint", default=None, metavar="PATH",
+                        help="an EAGLE head written by examples/train_eagle.py (with --proposer eagle)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -63,7 +67,9 @@ def main(argv=None):
     from demo_model import DEMO_MODEL_ARGS, load_checkpoint
 
     checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None
-    if checkpoint is not None and args.num_speculative_tokens > checkpoint[0]["mtp_num_layers"]:
+    if (args.proposer == "eagle") != (args.draft_checkpoint is not None):
+        sys.exit("error: --proposer eagle and --draft-checkpoint PATH go together")
+    if checkpoint is not None and args.proposer == "mtp" and args.num_speculative_tokens > checkpoint[0]["mtp_num_layers"]:
         sys.exit(f"error: --num-speculative-tokens {args.num_speculative_tokens} needs at least that many MTP "
                  f"layers; {args.checkpoint} has {checkpoint[0]['mtp_num_layers']} (use "
                  f"--num-speculative-tokens {checkpoint[0]['mtp_num_layers']} or less)")
@@ -116,8 +122,29 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device):
         num_speculative_tokens=num_speculative_tokens, max_requests=max_requests, block_size_tokens=16,
         max_model_len=max(len(p) for p in prompts) + args.max_new_tokens + stride,
         max_tokens_per_step=max(256, max_requests * stride), mtp_attention=args.mtp_attention,
-        cuda_graph_batch_sizes=graph_batches)  # decode steps replay CUDA graphs on a GPU
-    return TextGenerationController(model, config, seed=0)
+        cuda_graph_batch_sizes=graph_batches)  # on a GPU every step replays a CUDA graph
+    proposer = None
+    if args.proposer == "eagle" and num_speculative_tokens > 0:
+        proposer = load_eagle_proposer(model, args.draft_checkpoint)
+    controller = TextGenerationController(model, config, proposer=proposer, seed=0)
+    controller.warmup()  # capture every graph shape now, not while serving (nothing on CPU)
+    return controller
+
+
+def load_eagle_proposer(model, path: str):
+    """An EagleProposer with the head saved by examples/train_eagle.py (sharded for this TP rank)."""
+    import torch
+
+    from demo_model import load_full_state_dict
+    from mtp_ctrl.controllers import EagleProposer
+    from mtp_ctrl.models import build_eagle_head
+
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(saved, dict) or "aux_layer_ids" not in saved or "state_dict" not in saved:
+        raise ValueError(f"{path} is not an EAGLE head checkpoint (examples/train_eagle.py writes one)")
+    head = build_eagle_head(model, saved["aux_layer_ids"], use_transformer_engine=False)
+    load_full_state_dict(head, saved["state_dict"])
+    return EagleProposer(head.to(next(model.parameters()).device))
 
 
 def compare(model, args, prompts, device, repeats: int, show_progress: bool):

@@ -5,6 +5,8 @@ Importing this package imports megatron-core (through the model adapters).
 
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.controller import TextGenerationController
+from mtp_ctrl.controllers.eagle_proposer import EagleProposer
+from mtp_ctrl.controllers.hidden_state_capture import HiddenStateCapture
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.controllers.requests import GenerationResult
@@ -12,8 +14,10 @@ from mtp_ctrl.controllers.stop_rules import FinishReason
 
 __all__ = [
     "DraftBatch",
+    "EagleProposer",
     "FinishReason",
     "GenerationResult",
+    "HiddenStateCapture",
     "InferenceConfig",
     "MTPProposer",
     "Proposer",

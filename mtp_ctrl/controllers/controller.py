@@ -533,7 +533,7 @@ class TextGenerationController:
                 next_tokens=context.table.next_tokens[:grid], last_accepted_rows=self._last_accepted_rows[:grid],
                 accepted_counts=self._accepted_counts[:grid], write_rows=write_rows,
                 first_positions=attention.seq_lens[:grid].long() - query_lengths,
-                bonus_positions=attention.seq_lens[:grid].long() - rewinds))
+                bonus_positions=attention.seq_lens[:grid].long() - rewinds, aux_hidden=self.runner.aux_hidden))
             self._check_drafts(drafts, grid)
             # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
             self._draft_rows[torch.where(samples, write_rows, scratch_row)] = drafts.clamp(0, self.vocab_size - 1)

@@ -13,7 +13,7 @@ Subclass :class:`Proposer` to plug in another drafter (see ``examples/custom_pro
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -47,6 +47,7 @@ class DraftBatch:
     first_positions: torch.Tensor  # [G] int64, position of each request's first row this step
     bonus_positions: torch.Tensor  # [G] int64, position e of the token each request sampled last
     # (its bonus token): a decode's base position + 1 + accepted drafts, a final chunk's prompt length
+    aux_hidden: Optional[torch.Tensor] = None  # [T, k * H] the target's aux layers' outputs (EAGLE), else None
 
     @property
     def decode_only(self) -> bool:

@@ -4,6 +4,7 @@ Importing this package imports megatron-core.
 """
 
 from mtp_ctrl.models.dense_attention import DenseCausalAttention, build_dense_gpt_model, dense_full_sequence
+from mtp_ctrl.models.eagle_head import EagleHead, build_eagle_head, default_aux_layer_ids
 from mtp_ctrl.models.forward_context import MambaForward, paged_forward_context
 from mtp_ctrl.models.gpt_builder import build_gpt_model
 from mtp_ctrl.models.layer_specs import (
@@ -20,6 +21,7 @@ from mtp_ctrl.models.runner import PagedGPTRunner
 
 __all__ = [
     "DenseCausalAttention",
+    "EagleHead",
     "MambaForward",
     "PagedCoreAttention",
     "PagedGPTRunner",
@@ -27,8 +29,10 @@ __all__ = [
     "assign_kv_layer_indices",
     "assign_mamba_layer_indices",
     "build_dense_gpt_model",
+    "build_eagle_head",
     "build_gpt_model",
     "count_kv_layers",
+    "default_aux_layer_ids",
     "dense_full_sequence",
     "get_paged_gpt_layer_spec",
     "get_paged_mamba_layer_spec",

@@ -16,6 +16,11 @@ itself, and ``GPTModel`` feeds that normed decoder output to MTP depth 0; each M
 its own ``final_layernorm``, whose output feeds the next depth and the shared output layer.
 :meth:`PagedGPTRunner.forward` and :meth:`PagedGPTRunner.mtp_forward` return exactly those
 tensors, so chaining them reproduces megatron's MTP.
+
+Aux hidden states (EAGLE): :meth:`PagedGPTRunner.set_aux_layers` registers forward hooks on
+chosen decoder layers; every later :meth:`~PagedGPTRunner.forward` then leaves those layers'
+outputs (before the final norm) in :attr:`PagedGPTRunner.aux_hidden`, ``[T, k * H]``, from the
+same forward pass (no second forward, no host sync; works inside a captured CUDA graph).
 """
 
 import os
@@ -44,6 +49,19 @@ def _fused_rope_from_env() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{FUSED_ROPE_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def check_aux_layer_ids(aux_layer_ids, num_decoder_layers: int) -> Tuple[int, ...]:
+    """``aux_layer_ids`` as a tuple of distinct decoder layer indices in ``[0, num_decoder_layers)``."""
+    if isinstance(aux_layer_ids, (str, bytes, torch.Tensor)) or not isinstance(aux_layer_ids, Sequence):
+        raise TypeError(f"aux_layer_ids must be a sequence of ints, got {type(aux_layer_ids).__name__}")
+    ids = tuple(aux_layer_ids)
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"aux_layer_ids must be a non-empty sequence of ints, got {aux_layer_ids!r}")
+    if any(not 0 <= i < num_decoder_layers for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"aux_layer_ids must be distinct decoder layer indices in [0, {num_decoder_layers}), "
+                         f"got {aux_layer_ids!r}")
+    return ids
 
 
 def _gather_last_dim_over_tp(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,6 +109,28 @@ class PagedGPTRunner:
         self.mtp_num_layers = len(model.mtp.layers) if model.mtp_process else 0
         self.fused_rope = fused_rope
         self._inv_freq: Optional[torch.Tensor] = None  # [rotary_dim / 2] fp32 on the rows' device
+        self.aux_layer_ids: Tuple[int, ...] = ()
+        self.aux_hidden: Optional[torch.Tensor] = None  # [T, k * H] after each forward with aux layers
+        self._aux_parts: list = []  # [T, H] output of each aux layer, filled by the hooks
+        self._aux_hooks: list = []
+
+    def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
+        """Keep the outputs of decoder layers ``aux_layer_ids`` (0-based, in the order given) of
+        every later :meth:`forward` in :attr:`aux_hidden` ``[T, k * H]``; ``()`` stops it.
+        Forward hooks on those layers: the forward runs once, as before."""
+        ids = () if isinstance(aux_layer_ids, (tuple, list)) and not aux_layer_ids else check_aux_layer_ids(aux_layer_ids, self.num_decoder_layers)
+        for handle in self._aux_hooks:
+            handle.remove()
+        self._aux_hooks = [self.model.decoder.layers[layer].register_forward_hook(self._aux_hook(slot))
+                           for slot, layer in enumerate(ids)]
+        self.aux_layer_ids, self.aux_hidden = ids, None
+
+    def _aux_hook(self, slot: int):
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output  # [T, 1, H]
+            if self._aux_parts:  # only inside forward(): an MTP or EAGLE forward leaves it alone
+                self._aux_parts[slot] = hidden[:, 0].clone()  # a later layer may not write into it
+        return hook
 
     @property
     def mamba_spec(self) -> Optional[MambaSpec]:
@@ -143,7 +183,7 @@ class PagedGPTRunner:
         if input_ids.shape[0] != positions.shape[0] or input_ids.shape[0] != metadata.num_tokens:
             raise ValueError(f"input_ids ({input_ids.shape[0]}), positions ({positions.shape[0]}) and "
                              f"metadata.slot_mapping ({metadata.num_tokens}) must have the same number of rows")
-        if len(kv_caches) != self.num_kv_layers:
+        if kv_caches is not None and len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"kv_caches has {len(kv_caches)} pairs, the model has {self.num_kv_layers} "
                              f"attention layers ({self.num_decoder_layers} decoder + {self.mtp_num_layers} MTP)")
 
@@ -168,10 +208,15 @@ class PagedGPTRunner:
         self._check_logits_rows(logits_rows)
         self._check_mamba(mamba)
         rotary_pos_emb, rotary = self._rotary(positions)
-        with paged_forward_context(metadata, kv_caches, mamba, rotary):
-            embedded = self.model.embedding(input_ids=input_ids[None], position_ids=self._position_ids(positions))  # [T, 1, H]
-            hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
-                                        rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
+        self._aux_parts = [None] * len(self.aux_layer_ids)
+        try:
+            with paged_forward_context(metadata, kv_caches, mamba, rotary):
+                embedded = self.model.embedding(input_ids=input_ids[None], position_ids=self._position_ids(positions))  # [T, 1, H]
+                hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
+                                            rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
+            self.aux_hidden = torch.cat(self._aux_parts, dim=-1) if self._aux_parts else None  # [T, k * H]
+        finally:
+            self._aux_parts = []
         projected = hidden if logits_rows is None else hidden[logits_rows]  # [K, 1, H]
         return self._logits(projected), hidden[:, 0]
 
@@ -240,4 +285,31 @@ class PagedGPTRunner:
                                              rotary_pos_emb=rotary_pos_emb)
             out = layer.final_layernorm(out)  # [T, 1, H]
         projected_rows = out if logits_rows is None else out[logits_rows]  # [K, 1, H]
+        return self._logits(projected_rows), out[:, 0]
+
+    @torch.no_grad()
+    def eagle_forward(
+        self,
+        head,  # mtp_ctrl.models.EagleHead built for this model
+        features: torch.Tensor,  # [T, H]: head.fc(aux hidden) (draft step 1) or the head's own output
+        token_ids: torch.Tensor,  # [T] int64, the token following each row
+        positions: torch.Tensor,  # [T] int64, each row's own position
+        metadata: AttentionMetadata,
+        kv_caches: Sequence[KVCachePair],  # the head's own cache: one pair
+        logits_rows: Optional[torch.Tensor] = None,  # [K] int64: rows that draft (default all)
+    ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [K, V] fp32, hidden [T, H] (the head's output, pre-norm)
+        """One application of an EAGLE head: row i combines ``features[i]`` with the embedding of
+        ``token_ids[i]`` (:meth:`EagleHead.forward`), attends through the head's paged cache at
+        ``positions[i]``, and the target's final norm and output layer give the logits."""
+        self._check_rows(token_ids, positions, metadata, None)
+        self._check_logits_rows(logits_rows)
+        if not isinstance(features, torch.Tensor) or features.shape != (token_ids.shape[0], self.model.config.hidden_size):
+            raise ValueError(f"features must be [T, hidden_size] = [{token_ids.shape[0]}, "
+                             f"{self.model.config.hidden_size}], got {getattr(features, 'shape', None)}")
+        rotary_pos_emb, rotary = self._rotary(positions)
+        with paged_forward_context(metadata, kv_caches, rotary=rotary):
+            embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions + 1))  # [T, 1, H]
+            out = head(embedded, features[:, None], rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
+        normed = self.model.decoder.final_layernorm(out)  # the target's final norm
+        projected_rows = normed if logits_rows is None else normed[logits_rows]  # [K, 1, H]
         return self._logits(projected_rows), out[:, 0]

@@ -240,12 +240,15 @@ class DynamicInferenceContext:
             return None
         query_lengths = np.full(num_requests, stride, dtype=np.int64)  # [n] int64
         query_lengths[num_decode:] = [chunk.shape[0] for chunk in chunks]
-        final_chunk_count = 0
+        final_chunk_count, next_prompt_token = 0, 0
         for row in range(num_decode, num_requests):  # prefill requests: a handful, host values
             request_id = int(host.request_ids[row])
-            if host.known_lengths[row] == self._prompts[request_id].shape[0]:
+            prompt, known_length = self._prompts[request_id], int(host.known_lengths[row])
+            if known_length == prompt.shape[0]:
                 final_chunk_count += 1
                 self._prompts_done[request_id] = None
+            else:  # only the step's last request can stop mid-prompt
+                next_prompt_token = int(prompt[known_length])
         padded = self._graph_shape(num_requests, int(query_lengths.sum()), has_prefill=bool(chunks))
         if padded is not None or not chunks:  # one fixed bound, so a graph and the eager step split attention alike
             max_seq_len = self.max_blocks_per_request * self.block_size_tokens
@@ -254,7 +257,7 @@ class DynamicInferenceContext:
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
         step = self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded,
-                                        block_writes, max_seq_len)
+                                        block_writes, max_seq_len, next_prompt_token)
         self._steps_in_flight.append(step)
         return step
 

@@ -58,6 +58,9 @@ class StepMetadata:
     dimensions: BatchDimensions  # the grid, padded to a CUDA-graph shape when one covers the step
     graph_padded: bool  # padded to a CUDA-graph shape (else exact, and the step runs eagerly)
     counts: torch.Tensor  # [3] int64 on the device: real requests, decode requests, sampling requests
+    next_prompt_token: torch.Tensor  # [1] int64 on the device: the prompt token after a chunk that
+    # stops mid-prompt (only ever the last request's), 0 when there is none
+    device_request_ids: torch.Tensor  # [G] int64 on the device: each request's id, -1 for padding
     host_query_start_loc: torch.Tensor  # [num_requests + 1] int64 (CPU): real requests' rows
     host_first_positions: torch.Tensor  # [num_requests] int64 (CPU): first row's position; -1 for
     # decode requests, whose position only the device knows
@@ -111,6 +114,8 @@ class StepBuffers:
             "logits_indices": ((max_tokens_per_step,), torch.int64),
             "query_start_loc": ((R + 1,), torch.int32),
             "counts": ((3,), torch.int64),  # real requests, decode requests, sampling requests
+            "next_prompt_token": ((1,), torch.int64),
+            "request_ids": ((R,), torch.int64),
             "block_writes": ((3, max_block_writes), torch.int64),  # rows: table row, column, block id
         }, device)
         self.positions = torch.zeros(max_tokens_per_step, dtype=torch.int64, device=device)  # [T] int64
@@ -120,7 +125,7 @@ class StepBuffers:
 
     def build(self, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
               num_final_prefill_chunks: int, padded: Optional[BatchDimensions], block_writes: np.ndarray,
-              max_seq_len: int) -> StepMetadata:
+              max_seq_len: int, next_prompt_token: int = 0) -> StepMetadata:
         """Stage the step of the requests at table rows ``[0, n)`` and send it to the device.
 
         ``query_lengths``: ``[n]`` int64 rows per request. ``prefill_chunks``: each prefill
@@ -130,6 +135,8 @@ class StepBuffers:
         its shape).
         ``block_writes``: ``[3, k]`` int64 (table row, column, block id) of the blocks given since
         the last step. ``max_seq_len``: a bound on every request's KV length after this step.
+        ``next_prompt_token``: the prompt token after the last request's chunk when that chunk
+        does not end its prompt (drafters that feed each row the token after it need it).
         """
         self.staging.wait_until_host_writable()
         stride = self.table.num_speculative_tokens + 1
@@ -159,6 +166,9 @@ class StepBuffers:
         logits_indices[decode_rows : decode_rows + num_final_prefill_chunks] = final_chunk_ends
         logits_indices[decode_rows + num_final_prefill_chunks :] = 0
         host["counts"][:] = (num_requests, num_decode, num_sampling)
+        host["next_prompt_token"][0] = next_prompt_token
+        host["request_ids"][:num_requests] = self.table.host.request_ids[:num_requests]
+        host["request_ids"][num_requests:batch_size] = -1
         writes = host["block_writes"]
         writes[:, : block_writes.shape[1]] = block_writes
         writes[:, block_writes.shape[1] :] = np.array([[self.table.scratch_row], [0], [-1]])  # no-ops
@@ -193,6 +203,8 @@ class StepBuffers:
             dimensions=dimensions,
             graph_padded=padded is not None,
             counts=device["counts"],
+            next_prompt_token=device["next_prompt_token"],
+            device_request_ids=device["request_ids"][:batch_size],
             host_query_start_loc=torch.from_numpy(query_start_loc),
             host_first_positions=torch.from_numpy(host_first_positions),
         )

@@ -1,0 +1,246 @@
+"""Train an EAGLE-3-style draft head for the frozen demo model, end to end.
+
+1. Capture: the paged target generates over windows of training text (the Python standard
+   library's source, examples/byte_corpus.py) with ``HiddenStateCapture``: each window is a
+   prompt, so every byte of it is verified and its aux hidden states (an early, a middle and the
+   last decoder layer) land in safetensors shards, from the serving forward itself.
+2. Train: the head (``mtp_ctrl.models.build_eagle_head(..., dense=True)``) on the captured
+   states, the target frozen. Losses (our choice, and why):
+   - token loss: cross-entropy of the head's logits at position p against the *target's*
+     next-token distribution at p + 1 (computed from the captured last-layer state through the
+     target's final norm and output layer, no second target forward). Distilling the target's
+     distribution rather than the text's next byte is what acceptance measures: a draft is kept
+     when it equals the target's token.
+   - feature loss (EAGLE's regression): smooth L1 between the head's output at p and the step-1
+     feature at p + 1 (``fc`` of the captured states, detached). Draft steps k > 1 feed the head
+     its own output as the feature, so training that output to look like the next position's
+     feature is what makes deeper drafts work. Weight ``--feature-loss-scale`` (0.5).
+   - EAGLE-3's training-time test (unrolling the head on its own outputs with the matching
+     attention mask) is not done here: it needs a custom attention mask over the unrolled
+     depths; the feature loss is the cheaper stand-in. Depth agreement below shows its effect.
+3. Save ``{"model_args", "aux_layer_ids", "target_checkpoint", "state_dict"}`` (bf16).
+4. Evaluate on held-out text with the serving path: ``EagleProposer`` at ``--eval-depth`` drafts,
+   greedy; prints the acceptance rate per depth (draft agreement: how often the k-th draft is
+   the target's token, given the earlier ones were) and the mean accepted length.
+
+    python examples/train_eagle.py --out eagle_demo.pt                       # H100: a few minutes
+    python examples/train_eagle.py --quick --out /tmp/eagle_quick.pt         # CPU smoke run, seconds
+    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt --proposer eagle \\
+        --draft-checkpoint eagle_demo.pt --num-speculative-tokens 3
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_TARGET = str(Path(__file__).resolve().parent / "checkpoints" / "mtp_demo.pt")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=DEFAULT_TARGET, help="the frozen target (examples/train_mtp.py)")
+    parser.add_argument("--aux-layers", default=None, help="comma-separated decoder layers (default: first, middle, last)")
+    parser.add_argument("--capture-windows", type=int, default=2048, help="training-text windows captured")
+    parser.add_argument("--window-len", type=int, default=512, help="bytes per captured window")
+    parser.add_argument("--capture-dir", default=None, help="where the shards go (default: a temporary directory)")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=256, help="positions per training crop")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (warm-up, cosine decay)")
+    parser.add_argument("--feature-loss-scale", type=float, default=0.5)
+    parser.add_argument("--eval-prompts", type=int, default=16)
+    parser.add_argument("--eval-new-tokens", type=int, default=128)
+    parser.add_argument("--eval-depth", type=int, default=4, help="S of the held-out evaluation")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--out", default="eagle_demo.pt")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: a few windows, steps and tokens")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.capture_windows, args.window_len, args.steps, args.batch_size, args.seq_len = 4, 48, 3, 2, 32
+        args.eval_prompts, args.eval_new_tokens, args.eval_depth = 2, 6, 2
+    return args
+
+
+def load_target(path: str, device):
+    """(paged target for serving and capture, dense twin for training), frozen, same weights."""
+    from demo_model import build_demo_model, load_checkpoint, load_full_state_dict
+
+    model_args, state_dict = load_checkpoint(path)
+    paged = build_demo_model(model_args)
+    load_full_state_dict(paged, state_dict)
+    dense = build_demo_model(model_args, dense=True)
+    load_full_state_dict(dense, state_dict)
+    for model in (paged, dense):
+        model.to(device).eval().requires_grad_(False)
+    return model_args, paged, dense
+
+
+def make_controller(model, num_speculative_tokens: int, proposer, max_model_len: int, device, max_requests: int = 8):
+    from mtp_ctrl.controllers import InferenceConfig, TextGenerationController
+
+    graphs = (1, 2, 4, 8) if device.type == "cuda" else ()
+    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=max_requests,
+                             block_size_tokens=16, max_model_len=max_model_len,
+                             max_tokens_per_step=max(1024, max_requests * (num_speculative_tokens + 1)),
+                             cuda_graph_batch_sizes=graphs)
+    return TextGenerationController(model, config, proposer=proposer)
+
+
+def capture(model, windows, aux_layer_ids, output_dir: str, device):
+    """Prefill every window (one sampled token each) through HiddenStateCapture; returns
+    ``(aux [n, W, k * H], tokens [n, W] int64)`` on the CPU, in window order."""
+    import torch
+
+    from mtp_ctrl.controllers import HiddenStateCapture, SamplingParams
+    from mtp_ctrl.controllers.hidden_state_capture import load_capture
+
+    window_len = windows.shape[1]
+    recorder = HiddenStateCapture(aux_layer_ids, output_dir, capacity_tokens=1 << 16)
+    controller = make_controller(model, 1, recorder, window_len + 8, device)
+    controller.generate([w.tolist() for w in windows], SamplingParams(max_new_tokens=1))
+    recorder.close()
+    hidden, tokens, positions, request_ids = load_capture(output_dir)
+    keep = positions < window_len  # the prompt's rows (request ids are 0..n-1 in window order)
+    count = windows.shape[0]
+    aux = hidden[keep].view(count, window_len, -1)
+    tokens = tokens[keep].view(count, window_len)
+    if not torch.equal(tokens, windows.long().cpu()):
+        raise RuntimeError("captured token ids differ from the windows")
+    return aux, tokens
+
+
+def target_log_probs(dense, aux_last):  # [s, b, H] -> [s, b, V] fp32
+    from mtp_ctrl.models.eagle_head import eagle_logits
+
+    return eagle_logits(dense, aux_last).log_softmax(-1)
+
+
+def train_head(dense, head, aux, tokens, *, steps: int, batch_size: int, seq_len: int, lr: float,
+               feature_loss_scale: float, seed: int, log_every: Optional[int] = None):
+    """AdamW on the head only; returns the last step's ``(token_loss, feature_loss)``."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from mtp_ctrl.models.eagle_head import dense_eagle_forward, eagle_logits
+
+    device = next(head.parameters()).device
+    hidden_size = dense.config.hidden_size
+    last_is_aux = dense.config.num_layers - 1 in head.aux_layer_ids
+    last_slot = head.aux_layer_ids.index(dense.config.num_layers - 1) if last_is_aux else None
+    generator = torch.Generator().manual_seed(seed)
+    head.train()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    seq_len = min(seq_len, tokens.shape[1])
+    losses = (float("nan"), float("nan"))
+    for step in range(steps):
+        factor = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr * factor
+        rows = torch.randint(0, tokens.shape[0], (batch_size,), generator=generator)
+        starts = torch.randint(0, tokens.shape[1] - seq_len + 1, (batch_size,), generator=generator)
+        index = starts[:, None] + torch.arange(seq_len)[None, :]  # [b, s]
+        batch_aux = aux[rows[:, None], index].to(device).transpose(0, 1)  # [s, b, k * H]
+        batch_tokens = tokens[rows[:, None], index].to(device)  # [b, s]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            features = head.project_aux(batch_aux)  # [s, b, H]
+            out = dense_eagle_forward(dense, head, features[:-1], batch_tokens[:, 1:])  # [s - 1, b, H]: predicts t_{p+2}
+            logits = eagle_logits(dense, out[:-1])  # [s - 2, b, V]
+            if last_is_aux:
+                last = batch_aux[1:-1, :, last_slot * hidden_size:(last_slot + 1) * hidden_size]  # target at p + 1
+                with torch.no_grad():
+                    target = target_log_probs(dense, last).exp()  # [s - 2, b, V]
+                token_loss = -(target * logits.log_softmax(-1)).sum(-1).mean()
+            else:
+                token_loss = F.cross_entropy(logits.flatten(0, 1), batch_tokens[:, 2:].transpose(0, 1).flatten())
+            feature_loss = F.smooth_l1_loss(out[:-1].float(), features[1:-1].detach().float())
+            loss = token_loss + feature_loss_scale * feature_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        losses = (float(token_loss.detach()), float(feature_loss.detach()))
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"step {step:5d}  token loss {losses[0]:.3f}  feature loss {losses[1]:.4f}", flush=True)
+    head.eval()
+    return losses
+
+
+def evaluate(model, head_state, aux_layer_ids, prompts, depth: int, new_tokens: int, device):
+    """Greedy generation with EagleProposer at ``depth``: (acceptance per depth, mean accepted length)."""
+    from mtp_ctrl.controllers import EagleProposer, SamplingParams
+    from mtp_ctrl.models import build_eagle_head
+
+    head = build_eagle_head(model, aux_layer_ids, use_transformer_engine=False)
+    head.load_state_dict(head_state)
+    head.to(device)
+    controller = make_controller(model, depth, EagleProposer(head), max(len(p) for p in prompts) + new_tokens + 8,
+                                 device)
+    controller.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
+    metrics = controller.metrics.as_dict()
+    controller.close()
+    return metrics["acceptance_per_depth"], metrics["mean_accepted_length"]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
+    import torch
+    import torch.distributed as dist
+
+    from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
+    from demo_model import CHECKPOINT_DTYPE, init_distributed
+    from mtp_ctrl.models import build_eagle_head, default_aux_layer_ids
+
+    device = torch.device(args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda"))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    init_distributed(1, device)
+    model_args, paged, dense = load_target(args.checkpoint, device)
+    aux_layer_ids = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else \
+        default_aux_layer_ids(model_args["num_layers"])
+    corpus = load_stdlib_corpus()
+    windows = evenly_spaced_windows(corpus.train, args.capture_windows, args.window_len)  # [n, W]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        aux, tokens = capture(paged, windows, aux_layer_ids, args.capture_dir or scratch, device)
+    capture_seconds = time.perf_counter() - started
+    print(f"captured {tokens.numel()} positions x {aux.shape[-1]} states (layers {list(aux_layer_ids)}) "
+          f"in {capture_seconds:.0f} s", flush=True)
+    torch.manual_seed(args.seed)
+    head = build_eagle_head(dense, aux_layer_ids, dense=True, use_transformer_engine=False).float().to(device)
+    started = time.perf_counter()
+    token_loss, feature_loss = train_head(dense, head, aux, tokens, steps=args.steps, batch_size=args.batch_size,
+                                          seq_len=args.seq_len, lr=args.lr, feature_loss_scale=args.feature_loss_scale,
+                                          seed=args.seed, log_every=None if args.quick else max(1, args.steps // 20))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    train_seconds = time.perf_counter() - started
+    state_dict = {name: value.detach().to("cpu", CHECKPOINT_DTYPE) if torch.is_tensor(value) and value.is_floating_point()
+                  else value for name, value in head.state_dict().items()}
+    torch.save({"model_args": dict(model_args), "aux_layer_ids": list(aux_layer_ids),
+                "target_checkpoint": os.path.basename(args.checkpoint), "state_dict": state_dict}, args.out)
+    held_out = evenly_spaced_windows(corpus.held_out, args.eval_prompts, 64)
+    acceptance, accepted_length = evaluate(paged, state_dict, aux_layer_ids, [w.tolist() for w in held_out],
+                                           args.eval_depth, args.eval_new_tokens, device)
+    print(f"trained {args.steps} steps in {train_seconds:.0f} s ({device.type}-seconds: capture {capture_seconds:.0f}, "
+          f"training {train_seconds:.0f}); final token loss {token_loss:.3f}, feature loss {feature_loss:.4f}")
+    print(f"held-out greedy, S = {args.eval_depth}: draft agreement per depth {[round(a, 3) for a in acceptance]}, "
+          f"mean accepted length {accepted_length:.2f}")
+    print(f"saved {args.out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules (demo_model, byte_corpus)
+    main()

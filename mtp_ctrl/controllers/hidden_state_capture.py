@@ -1,0 +1,155 @@
+"""HiddenStateCapture: record the target's aux hidden states of every verified token (EAGLE training data).
+
+A proposer with S = 1 whose draft is the token it was given (the bonus token each request just
+verified, repeated): drafting is not its job, the output is plain decoding's (a repeated token is
+accepted exactly when the target would have produced it). Its job: in every step, for every
+verified packed row (a prompt chunk's rows; a decode's base row and its accepted draft), copy the
+target's outputs at ``aux_layer_ids`` (:meth:`~mtp_ctrl.models.PagedGPTRunner.set_aux_layers`:
+the same forward, no second pass), the token id at that row, its position and its request id
+into a preallocated device buffer. No host sync per step (the row count lives on the device;
+the step's rows are the same rows the EAGLE proposer's first draft step reads, found with
+:func:`~mtp_ctrl.triton_ops.eagle_prepare_inputs_padded`), so it runs in captured decode steps.
+
+The host bounds the buffer's fill from the rows it scheduled; before a step could overflow it,
+and at :meth:`close`, the buffer is written to ``output_dir/capture_NNNNN.safetensors`` (tensors
+``hidden_states [n, k * H]`` in the model dtype, ``token_ids``, ``positions``, ``request_ids``
+``[n]`` int64; metadata ``aux_layer_ids``, ``hidden_size``). A preempted request is recomputed
+from its prompt, so its positions appear again with the same token ids: readers keep one
+record per ``(request_id, position)``. Under tensor parallelism every rank holds the same
+states; tensor-parallel rank 0 writes.
+"""
+
+import json
+import os
+from typing import Sequence
+
+import torch
+
+from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
+from mtp_ctrl.models.runner import check_aux_layer_ids
+from mtp_ctrl.state.step_metadata import StepMetadata
+from mtp_ctrl.triton_ops import eagle_prepare_inputs_padded
+
+
+class HiddenStateCapture(Proposer):
+    """``HiddenStateCapture(aux_layer_ids, output_dir)``; use with ``num_speculative_tokens=1``
+    and call :meth:`close` (or the controller's ``close`` followed by it) to write the last shard."""
+
+    def __init__(self, aux_layer_ids: Sequence[int], output_dir: str, capacity_tokens: int = 1 << 16):
+        if isinstance(aux_layer_ids, (str, bytes, torch.Tensor)) or not isinstance(aux_layer_ids, Sequence):
+            raise TypeError(f"aux_layer_ids must be a sequence of ints, got {type(aux_layer_ids).__name__}")
+        self.aux_layer_ids = check_aux_layer_ids(aux_layer_ids, num_decoder_layers=1 << 30)  # range: at bind
+        if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 1:
+            raise ValueError(f"capacity_tokens must be an int >= 1, got {capacity_tokens!r}")
+        if not isinstance(output_dir, (str, os.PathLike)):
+            raise TypeError(f"output_dir must be a path, got {type(output_dir).__name__}")
+        try:
+            import safetensors.torch  # noqa: F401  (a clear error now rather than at the first flush)
+        except ImportError as error:
+            raise ImportError("HiddenStateCapture writes safetensors shards: pip install safetensors") from error
+        self.output_dir = os.fspath(output_dir)
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"output_dir {self.output_dir!r} cannot be created: {error}") from None
+        if not os.path.isdir(self.output_dir) or not os.access(self.output_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"output_dir {self.output_dir!r} is not a writable directory")
+        self.capacity_tokens = capacity_tokens
+        self.shard_paths = []  # written so far, in order
+        self.records_written = 0
+
+    def bind(self, controller) -> None:
+        runner, config = controller.runner, controller.config
+        if config.num_speculative_tokens != 1:
+            raise ValueError(f"HiddenStateCapture needs num_speculative_tokens == 1, got {config.num_speculative_tokens}")
+        check_aux_layer_ids(self.aux_layer_ids, runner.num_decoder_layers)
+        if self.capacity_tokens < config.max_tokens_per_step:
+            raise ValueError(f"capacity_tokens ({self.capacity_tokens}) must hold one step's rows: "
+                             f">= max_tokens_per_step ({config.max_tokens_per_step})")
+        super().bind(controller)
+        runner.set_aux_layers(self.aux_layer_ids)
+        device, capacity = controller.device, self.capacity_tokens
+        self._hidden_size = runner.model.config.hidden_size
+        width = len(self.aux_layer_ids) * self._hidden_size
+        dtype = runner.model.embedding.word_embeddings.weight.dtype
+        # row `capacity` is a scratch row: rows that record nothing are written there
+        self._hidden = torch.zeros(capacity + 1, width, dtype=dtype, device=device)  # [C + 1, k * H]
+        self._records = torch.zeros(3, capacity + 1, dtype=torch.int64, device=device)  # token, position, request id
+        self._count = torch.zeros(1, dtype=torch.int64, device=device)  # [1] records in the buffer
+        self._host_bound = 0  # >= the device count: every row the host scheduled since the last flush
+
+    # ----- device: one step ----------------------------------------------------------------
+
+    def propose(self, batch: DraftBatch) -> torch.Tensor:
+        step, attention, device = batch.step, batch.step.attention, batch.hidden.device
+        G = batch.num_requests
+        query_start_loc = attention.query_start_loc[: G + 1]  # [G + 1]
+        request_index = torch.arange(G, device=device)
+        cu_num_drafts = torch.minimum(request_index + 1, step.device_num_decode)  # [G] int64 (S = 1)
+        last_rows, _ = eagle_prepare_inputs_padded(cu_num_drafts, batch.accepted_counts + 1, query_start_loc)  # [G]
+        num_rows = step.input_ids.shape[0]
+        rows = torch.arange(num_rows, device=device)  # [T] int64
+        owner = torch.searchsorted(query_start_loc[1:].long().contiguous(), rows, right=True).clamp(max=max(G - 1, 0))
+        verified = (rows < query_start_loc[G]) & (rows <= last_rows[owner])  # [T] bool
+        offsets = self._count + torch.cumsum(verified, 0) - 1  # [T] int64
+        dest = torch.where(verified & (offsets < self.capacity_tokens), offsets, self.capacity_tokens)  # [T]
+        self._hidden[dest] = batch.aux_hidden.to(self._hidden.dtype)
+        request_ids = step.device_request_ids[owner]  # [T]
+        self._records[:, dest] = torch.stack([step.input_ids, attention.positions, request_ids])
+        self._count += verified.sum()
+        return batch.next_tokens[:, None].clone()  # [G, 1]: the token it was given
+
+    # ----- host ----------------------------------------------------------------------------
+
+    def on_step_scheduled(self, step: StepMetadata) -> None:
+        self._host_bound += int(step.host_query_start_loc[-1])  # host-ok: host tensor
+        if self._host_bound + self.controller.config.max_tokens_per_step > self.capacity_tokens:
+            self.flush()  # the next step could overflow the buffer
+
+    def flush(self) -> None:
+        """Wait for the launched steps, write the buffer as one shard (if it holds records), empty it."""
+        if self.controller.device.type == "cuda":
+            torch.cuda.current_stream(self.controller.device).synchronize()  # host-ok: a flush, not a step
+        count = int(self._count[0])  # host-ok: a flush
+        self._host_bound = 0
+        if count == 0:
+            return
+        from megatron.core import parallel_state
+        from safetensors.torch import save_file
+
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            records = self._records[:, :count].cpu()
+            tensors = {"hidden_states": self._hidden[:count].cpu().contiguous(), "token_ids": records[0].contiguous(),
+                       "positions": records[1].contiguous(), "request_ids": records[2].contiguous()}
+            path = os.path.join(self.output_dir, f"capture_{len(self.shard_paths):05d}.safetensors")
+            save_file(tensors, path, metadata={"aux_layer_ids": json.dumps(list(self.aux_layer_ids)),
+                                               "hidden_size": str(self._hidden_size)})
+            self.shard_paths.append(path)
+        self.records_written += count
+        self._count.zero_()
+
+    def close(self) -> None:
+        """Finish the controller's step in flight and write what the buffer holds."""
+        self.controller.close()
+        self.flush()
+
+
+def load_capture(output_dir: str):
+    """Every shard of ``output_dir`` merged, one record per ``(request_id, position)``, sorted by
+    request then position: ``(hidden_states [n, k * H], token_ids, positions, request_ids [n])``."""
+    from safetensors.torch import load_file
+
+    paths = sorted(p for p in os.listdir(output_dir) if p.startswith("capture_") and p.endswith(".safetensors"))
+    if not paths:
+        raise ValueError(f"no capture_*.safetensors shards in {output_dir!r}")
+    shards = [load_file(os.path.join(output_dir, p)) for p in paths]
+    hidden = torch.cat([s["hidden_states"] for s in shards])
+    tokens, positions, request_ids = (torch.cat([s[name] for s in shards])
+                                      for name in ("token_ids", "positions", "request_ids"))
+    key = request_ids * (1 << 32) + positions  # [n] int64
+    order = torch.argsort(key, stable=True)
+    key = key[order]
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[1:] = key[1:] != key[:-1]  # the first record of each (request, position)
+    keep = order[first]
+    return hidden[keep], tokens[keep], positions[keep], request_ids[keep]

@@ -1,0 +1,85 @@
+"""Fixtures of the EAGLE tests: a target whose greedy tokens come from a small set (so a
+random-weight head's drafts are often accepted and every accept count occurs), its dense twin,
+a random head and its dense twin, and the dense oracle of the drafts."""
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from mtp_ctrl.controllers import EagleProposer
+from mtp_ctrl.controllers.proposers import DraftBatch
+from mtp_ctrl.models import build_eagle_head
+from mtp_ctrl.models.eagle_head import dense_eagle_forward, eagle_logits
+from tests.unit.megatron_fixtures import build_dense_twin, build_tiny_model, tiny_config
+
+AUX_LAYERS = (0, 1)
+LIVE_TOKENS = 5  # output rows >= this are zero: greedy tokens fall in [0, 5]
+
+
+def build_eagle_models(tensor_parallel_size: int = 1, live_tokens: int = LIVE_TOKENS):
+    """(paged target, dense target, paged head, dense head), same weights, fp32, CPU."""
+    config = tiny_config(mtp_num_layers=0, tensor_parallel_size=tensor_parallel_size) if tensor_parallel_size > 1 \
+        else tiny_config(mtp_num_layers=0)
+    model = build_tiny_model(config)
+    with torch.no_grad():
+        weight = model.output_layer.weight  # [V / tp, H]: zero the rows of tokens >= live_tokens
+        first_row = weight.shape[0] * (torch.distributed.get_rank() if tensor_parallel_size > 1 else 0)
+        rows = torch.arange(weight.shape[0]) + first_row
+        weight[rows >= live_tokens] = 0
+    torch.manual_seed(77)
+    head = build_eagle_head(model, AUX_LAYERS).eval()
+    if tensor_parallel_size > 1:
+        return model, None, head, None
+    dense = build_dense_twin(config, model)
+    dense_head = build_eagle_head(dense, AUX_LAYERS, dense=True).eval()
+    dense_head.load_state_dict(head.state_dict())
+    return model, dense, head, dense_head
+
+
+class RecordingEagleProposer(EagleProposer):
+    """Records ``(request_id, e, drafts)`` of every proposal (test-only device reads)."""
+
+    def __init__(self, head):
+        super().__init__(head)
+        self.proposals: List[Tuple[int, int, List[int]]] = []
+
+    def propose(self, batch: DraftBatch) -> torch.Tensor:
+        drafts = super().propose(batch)
+        num_sampling = batch.step.num_sampling_requests
+        ends = batch.bonus_positions[:num_sampling].tolist()
+        for index, request_id in enumerate(batch.step.request_ids[:num_sampling]):
+            self.proposals.append((request_id, ends[index], drafts[index].tolist()))
+        return drafts
+
+
+@torch.no_grad()
+def dense_aux(dense, tokens: torch.Tensor, layers: Sequence[int] = AUX_LAYERS) -> torch.Tensor:
+    """``[n, k * H]``: the outputs of ``layers`` in a full causal forward of the dense target."""
+    outputs = {}
+    hooks = [dense.decoder.layers[layer].register_forward_hook(
+        lambda module, args, output, layer=layer: outputs.__setitem__(layer, output[0][:, 0])) for layer in layers]
+    try:
+        embedded = dense.embedding(input_ids=tokens[None], position_ids=torch.arange(tokens.shape[0])[None])
+        dense.decoder(hidden_states=embedded, attention_mask=None, rotary_pos_emb=dense.rotary_pos_emb(tokens.shape[0]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.cat([outputs[layer] for layer in layers], dim=-1)
+
+
+@torch.no_grad()
+def dense_eagle_drafts(dense, dense_head, tokens: Sequence[int], num_drafts: int) -> List[int]:
+    """Greedy drafts after ``tokens`` = ``t_0 .. t_e``: step 1 over positions ``[0, e)`` with the
+    target's aux states; step k extends the sequence by the previous output and draft (causal,
+    so the earlier rows are unchanged, as in the paged cache)."""
+    tokens = torch.tensor(tokens, dtype=torch.int64)
+    features = dense_head.project_aux(dense_aux(dense, tokens[:-1]))  # [e, H]
+    next_tokens = tokens[1:]  # [e]
+    drafts = []
+    for _ in range(num_drafts):
+        out = dense_eagle_forward(dense, dense_head, features[:, None], next_tokens[None])  # [n, 1, H]
+        draft = int(eagle_logits(dense, out[-1:])[0, 0].argmax())
+        drafts.append(draft)
+        features = torch.cat([features, out[-1:, 0]])
+        next_tokens = torch.cat([next_tokens, torch.tensor([draft])])
+    return drafts

@@ -1,0 +1,111 @@
+"""EagleProposer (CPU, TP = 1): output == plain decoding for S = 1..4, greedy and seeded
+sampling, under churn, pausing and preemption, overlap on and off, on a hybrid Mamba target too;
+every greedy draft equals the dense head's draft over the verified sequence; bad heads raise."""
+
+import pytest
+import torch
+
+from mtp_ctrl.controllers import EagleProposer, SamplingParams
+from mtp_ctrl.models import build_eagle_head
+from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
+from tests.unit.eagle_fixtures import AUX_LAYERS, RecordingEagleProposer, build_eagle_models, dense_eagle_drafts
+from tests.unit.megatron_fixtures import ensure_single_process_groups
+from tests.unit.test_overlap import _arrivals
+
+
+@pytest.fixture(scope="module")
+def models():
+    ensure_single_process_groups()
+    return build_eagle_models()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(models):
+    prompts = [list(p) for p in PROMPTS]
+    results = make_controller(models[0], 0).generate(prompts, SamplingParams(max_new_tokens=10))
+    return [list(r.output_tokens) for r in results]
+
+
+def test_greedy_equals_plain(models, plain_greedy):
+    controller = make_controller(models[0], 3, proposer=EagleProposer(models[2]))
+    results = controller.generate([list(p) for p in PROMPTS], SamplingParams(max_new_tokens=10))
+    assert [list(r.output_tokens) for r in results] == plain_greedy
+
+
+def test_drafts_equal_the_dense_head_across_chunks_and_tail_blocks(models, plain_greedy):
+    """S = 4 with 4-token blocks: draft positions cross into the head's tail blocks; the 12-token
+    prompt is prefilled in two chunks (max_tokens_per_step 10)."""
+    model, dense, head, dense_head = models
+    proposer = RecordingEagleProposer(head)
+    controller = make_controller(model, 4, proposer=proposer, max_requests=2, max_tokens_per_step=10)
+    results = controller.generate([list(p) for p in PROMPTS[2:]], SamplingParams(max_new_tokens=10))
+    assert [list(r.output_tokens) for r in results] == plain_greedy[2:]
+    request_ids = sorted({rid for rid, _, _ in proposer.proposals})
+    sequences = {rid: list(PROMPTS[2 + index]) + plain_greedy[2 + index] for index, rid in enumerate(request_ids)}
+    checked = accepted = 0
+    for request_id, end, drafts in proposer.proposals[:12]:
+        sequence = sequences[request_id]
+        if end + 1 >= len(sequence):
+            continue  # a step run past the request's stop (overlap): its drafts are discarded
+        assert drafts == dense_eagle_drafts(dense, dense_head, sequence[: end + 1], 4), (request_id, end)
+        checked += 1
+        accepted += drafts[0] == sequence[end + 1]
+    assert checked >= 6 and accepted > 0  # the head's drafts do get accepted sometimes
+
+
+def test_churn_preemption_sampling_padded_steps_equal_plain(models):
+    """S = 4, overlap on, every step padded to a graph shape (mixed steps included): the real
+    counts and the mid-prompt chunk's next token come from the device, as in a replayed graph."""
+    model, _, head, _ = models
+    arrivals = _arrivals(seed=1, count=7)
+    plain = run_with_arrivals(make_controller(model, 0, max_model_len=24, overlap_scheduling=False), arrivals)
+    controller = make_controller(model, 4, proposer=EagleProposer(head), max_model_len=24, num_kv_blocks=14,
+                                 max_tokens_per_step=20, cuda_graph_batch_sizes=(2, 4))
+    assert run_with_arrivals(controller, arrivals) == plain
+    assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
+
+
+def test_pause_and_resume_equal_plain(models, plain_greedy):
+    model, _, head, _ = models
+    controller = make_controller(model, 3, proposer=EagleProposer(head))
+    ids = [controller.add_request(list(p), SamplingParams(max_new_tokens=10)) for p in PROMPTS]
+    for _ in range(3):
+        controller.step()
+    controller.pause_request(ids[1])
+    for _ in range(3):
+        controller.step()
+    controller.resume_request(ids[1])
+    while controller.has_unfinished_requests():
+        controller.step()
+    assert [list(controller.result(i).output_tokens) for i in ids] == plain_greedy
+
+
+def test_hybrid_mamba_target_equals_plain():
+    from tests.unit.hybrid_fixtures import build_hybrid_model
+
+    ensure_single_process_groups()
+    model = build_hybrid_model(mtp_num_layers=0)
+    torch.manual_seed(3)
+    head = build_eagle_head(model, (1, 3))
+    prompts = [list(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=11)
+    plain = make_controller(model, 0).generate(prompts, params)
+    spec = make_controller(model, 3, proposer=EagleProposer(head), num_kv_blocks=14).generate(prompts, params)
+    assert [r.output_tokens for r in spec] == [r.output_tokens for r in plain]
+
+
+def test_bad_heads_raise_and_the_target_stays_usable(models, plain_greedy):
+    model, _, head, _ = models
+    with pytest.raises(TypeError, match="head"):
+        EagleProposer(model)
+    from tests.unit.hybrid_fixtures import build_hybrid_model
+
+    other = build_eagle_head(build_hybrid_model(mtp_num_layers=0), (3,))  # layer 3: the target has 2
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        make_controller(model, 2, proposer=EagleProposer(other))
+    with pytest.raises(ValueError, match="num_speculative_tokens|exceeds"):
+        make_controller(model, 2)  # no MTP layers and no proposer
+    controller = make_controller(model, 2, proposer=EagleProposer(head))
+    results = controller.generate([list(p) for p in PROMPTS[:2]], SamplingParams(max_new_tokens=10))
+    assert [list(r.output_tokens) for r in results] == plain_greedy[:2]
+    assert AUX_LAYERS == controller.runner.aux_layer_ids
