@@ -9,6 +9,7 @@ import math
 from typing import Optional, Tuple
 
 MTP_ATTENTION_MODES = ("paged", "single_position")
+ACCEPTANCE_MODES = ("exact_match", "rejection")
 _INT64_MAX = 2**63 - 1  # seeds, top_k and token ids live in int64 device rows
 _FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p live in float32 device rows
 
@@ -66,6 +67,13 @@ class InferenceConfig:
         comparison); outputs are identical either way.
     finished_results_kept: finished requests' results the step API keeps until ``pop_result``
         takes them; beyond this many the oldest are dropped (``generate`` takes its own).
+    acceptance: how a sampled request's drafts are verified. "exact_match" (default) keeps a draft
+        while it equals the target's own sample at its position: output identical to plain
+        decoding for the same seed, token for token and batch-invariant. "rejection" is
+        speculative sampling: draft d is kept with probability min(1, p(d) / q(d)), the first
+        rejected one replaced by a draw from max(0, p - q): the same distribution as plain
+        sampling (not the same tokens), and more drafts accepted at temperature > 0. Greedy
+        requests are verified by exact match either way.
     """
 
     num_speculative_tokens: int = 0
@@ -79,6 +87,7 @@ class InferenceConfig:
     mtp_attention: str = "paged"
     overlap_scheduling: bool = True
     finished_results_kept: int = 4096
+    acceptance: str = "exact_match"
 
     def __post_init__(self):
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -114,6 +123,10 @@ class InferenceConfig:
         _require_int("finished_results_kept", self.finished_results_kept, 0)
         if self.mtp_attention not in MTP_ATTENTION_MODES:
             raise ValueError(f"mtp_attention must be one of {MTP_ATTENTION_MODES}, got {self.mtp_attention!r}")
+        if not isinstance(self.acceptance, str):
+            raise TypeError(f"acceptance must be a str, one of {ACCEPTANCE_MODES}, got {type(self.acceptance).__name__}")
+        if self.acceptance not in ACCEPTANCE_MODES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}")
 
 
 @dataclasses.dataclass(frozen=True)

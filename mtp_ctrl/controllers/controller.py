@@ -22,7 +22,8 @@ turning into decodes, pausing, preemption, finishing) first waits for the step i
 
 Acceptance is exact match of the target's own sample, and sampling noise is a function of
 (seed, position) only, so speculative output equals plain output token for token, greedy or
-sampled, on every tensor-parallel rank.
+sampled, on every tensor-parallel rank. ``InferenceConfig(acceptance="rejection")`` rewrites the
+draft rows' tokens first (speculative sampling, ``acceptance.py``): same distribution, more accepted.
 
 Research hooks, each overridable in a subclass: :meth:`sample_rows` (how a token is drawn),
 :meth:`accept_tokens` (what a request keeps of its verified tokens), and :meth:`on_step_end`
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 
+from mtp_ctrl.controllers.acceptance import RejectionAcceptance
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.mamba_step import commit_mamba_states, mamba_forward
@@ -89,6 +91,8 @@ class TextGenerationController:
         self.proposer = proposer if proposer is not None else MTPProposer(config.mtp_attention)
         if S > 0:
             self.proposer.bind(self)
+        self._rejection = RejectionAcceptance(self.context.table, S, self.proposer) \
+            if config.acceptance == "rejection" and S > 0 else None
         use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes)
         self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
         self.metrics = GenerationMetrics(S)
@@ -506,7 +510,11 @@ class TextGenerationController:
         decode_rows = num_decode * stride
         row_requests = torch.where(row_index < decode_rows, row_index // stride,
                                    row_index - decode_rows + num_decode).clamp(max=grid - 1)  # [K] table row of each
-        output_tokens = self.sample_rows(logits, row_requests, attention.positions[rows] + 1)
+        positions = attention.positions[rows] + 1  # [K] int64, where each row's token goes
+        output_tokens = self.sample_rows(logits, row_requests, positions)
+        if self._rejection is not None and not self._all_greedy:  # draft rows: accept min(1, p/q) or resample
+            output_tokens = self._rejection.resample(logits, output_tokens, step.input_ids[rows], row_requests,
+                                                     positions, num_decode)
         self._accepted_tokens.fill_(-1)
         self._accepted_counts.zero_()
         table = context.table.device

@@ -28,13 +28,17 @@ a CUDA graph.
 
 Draft tokens are sampled with the request's own parameters and the target's noise for that
 position (see ``sampling.py``), which couples draft and target samples: greedy requests draft
-the MTP argmax, sampled requests draft what the target would most likely draw.
+the MTP argmax, sampled requests draft what the target would most likely draw. With
+``acceptance="rejection"`` each depth also records the distribution ``q`` it drew from (the same
+filtered softmax, ``[R + 1, S, V]`` float32 rows that follow their request), which the next
+step's rejection sampling reads (``controllers/acceptance.py``).
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
+from mtp_ctrl.controllers.acceptance import RequestSampling
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 
@@ -79,6 +83,14 @@ class MTPProposer(Proposer):
         self._token_history = table.device_rows_with_scratch("mtp_token_history")
         self._hidden_ring = table.device_rows_with_scratch("mtp_hidden_ring")
         self._window_start = table.device_rows_with_scratch("mtp_window_start")
+        self._draft_probs = None  # [R + 1, S, V] float32: q of each draft (rejection acceptance only)
+        if controller.config.acceptance == "rejection":
+            table.add_device_rows("mtp_draft_probs", (S, controller.vocab_size), torch.float32)
+            self._draft_probs = table.device_rows_with_scratch("mtp_draft_probs")
+            self._sampling = RequestSampling(table)
+
+    def draft_probs(self) -> Optional[torch.Tensor]:
+        return self._draft_probs
 
     # ----- drafting ------------------------------------------------------------------------
 
@@ -103,6 +115,8 @@ class MTPProposer(Proposer):
                                                                 metadata, kv_caches, logits_rows=last_rows)
             draft_positions = (ends + depth + 1).clamp(0, self._history_len - 1)  # [G]
             drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, draft_positions)  # [G, V] logits
+            if self._draft_probs is not None:  # q: the same filtered softmax the draft was drawn from
+                self._draft_probs[draft_write_rows, depth] = self._sampling.probs(logits, sampling_rows)
             self._token_history[draft_write_rows, draft_positions] = drafts[:, depth]
         self._advance_windows(batch, ends)
         if self.mode == "paged":

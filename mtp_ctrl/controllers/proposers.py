@@ -67,6 +67,17 @@ class Proposer(abc.ABC):
         value-dependent Python: a padded step runs this inside a CUDA graph). Rows of requests
         that did not sample (``batch.samples`` False) are ignored."""
 
+    def draft_probs(self) -> Optional[torch.Tensor]:
+        """For ``InferenceConfig(acceptance="rejection")``: ``[R + 1, S, V]`` float32 rows, per
+        table row (register them with ``table.add_device_rows`` so they follow their request), the
+        distribution ``q`` each current draft ``k`` of the request was sampled from, written in
+        the same ``propose`` call as the drafts (padding requests write the scratch row).
+        Default: None, the drafts are treated as deterministic (``q`` one-hot at the draft), which
+        stays lossless: a draft is kept with probability ``p(d)``. Drafts must be drawn
+        independently of the acceptance noise (e.g. with ``gumbel_noise(seed, position)``, as the
+        controller's ``sample_rows`` does)."""
+        return None
+
     def forget(self, request_id: int) -> None:
         """The request left the running batch (finished or evicted): drop host state kept for it."""
 

@@ -31,6 +31,7 @@ _OP_MODULES = {
     "max_released_blocks": "_step_common",
     # sampling
     "sample_tokens": "gumbel_sampling",
+    "rejection_sample": "rejection_sampling",
     # paged attention
     "write_kv_cache": "kv_cache_write",
     "paged_attention": "paged_attn",
