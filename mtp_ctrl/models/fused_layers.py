@@ -150,9 +150,11 @@ class FusedGlueTransformerLayer(TransformerLayer):
                        attention_bias=None, inference_context=None, packed_seq_params=None,
                        sequence_len_offset=None, padding_mask=None, *, inference_params=None):
         shape = hidden_states.shape  # [s, b, H]
+        if inference_context is None:
+            inference_context = inference_params  # megatron's deprecated name
         normed = self.input_layernorm(hidden_states)  # [s, b, H]
         attention_out, attention_out_bias = self.self_attention(
-            normed, attention_mask=attention_mask, inference_context=inference_context or inference_params,
+            normed, attention_mask=attention_mask, inference_context=inference_context,
             rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
             rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
             packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,

@@ -198,7 +198,8 @@ def add_bias_residual_norm(
         x if norm_bias is None else norm_bias, new_residual, new_residual if normed is None else normed,
         x.stride(0), residual.stride(0), new_residual.stride(0), width, float(eps),
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None, HAS_NORM_BIAS=norm_bias is not None,
-        RMS_NORM=rms_norm, ROUND_BF16=x.dtype == torch.bfloat16, BLOCK_H=block_h, num_warps=min(16, max(1, block_h // 256)),
+        RMS_NORM=rms_norm, ROUND_BF16=x.dtype == torch.bfloat16, BLOCK_H=block_h,
+        num_warps=min(16, max(1, block_h // 256)),
     )
     return new_residual, normed
 

@@ -100,7 +100,8 @@ def test_bias_activation_matches_twin_and_megatron(dtype, activation, gated, num
 
 def test_bias_activation_known_answer():
     assert bias_activation(torch.tensor([[-1.0, 2.0]]), None, "relu").tolist() == [[0.0, 2.0]]
-    assert bias_activation(torch.tensor([[-1.0, 2.0]]), torch.tensor([3.0, 0.0]), "relu", gated=True).tolist() == [[4.0]]
+    gated = bias_activation(torch.tensor([[-1.0, 2.0]]), torch.tensor([3.0, 0.0]), "relu", gated=True)
+    assert gated.tolist() == [[4.0]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,7 +116,8 @@ def test_split_qkv_heads_matches_twin_and_megatron(dtype, num_tokens, groups, pe
         got = split_qkv_heads(mixed, case_bias, groups, head_dim)
         want = reference.split_qkv_heads(mixed, case_bias, groups, head_dim)
         # megatron's SelfAttention: bias add in the linear, view per group, split, reshape the query
-        hidden = (mixed if case_bias is None else mixed + case_bias).view(num_tokens, groups, (per_group + 2) * head_dim)
+        hidden = mixed if case_bias is None else mixed + case_bias
+        hidden = hidden.view(num_tokens, groups, (per_group + 2) * head_dim)
         query, key, value = torch.split(hidden, [per_group * head_dim, head_dim, head_dim], dim=2)
         megatron = (query.reshape(num_tokens, groups * per_group, head_dim), key.reshape(num_tokens, groups, head_dim),
                     value.reshape(num_tokens, groups, head_dim))
