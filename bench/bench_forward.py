@@ -1,24 +1,35 @@
-"""One decode forward of a paged megatron GPT: fused rope + KV write against megatron's rotary.
+"""One decode forward of a paged megatron GPT: fused layer glue and fused rope + KV write against megatron's own.
 
 Model (default): 16 layers, hidden 2048, ffn 8192, 16 query heads over 4 KV groups (D = 128),
 2 MTP layers, vocab 32000, bf16, megatron-core's local layers (944M parameters); ``--quick``: a
 2-layer toy. Batch: B requests x (1 + S) rows (a verify of S drafts) at ``--context`` tokens each
-(the step's rows included), KV caches filled with noise. Per point and path (``fused`` =
-``PagedGPTRunner(fused_rope=True)``, ``unfused`` = megatron's rotary per layer):
+(the step's rows included), KV caches filled with noise. Paths, all on the same weights:
+
+- ``glue``: ``PagedGPTRunner(fused_rope=True, fused_glue=True)`` (the default): rope inside the KV
+  write, and each layer's bias / residual / norm / activation / QKV-split glue as Triton kernels;
+- ``rope``: ``fused_rope=True, fused_glue=False``: rope fused, megatron's element-wise glue;
+- ``unfused``: ``fused_rope=False, fused_glue=False``: megatron's rotary and glue.
+
+Per point, path and call:
 
 - kernels: GPU kernel events of one eager call under torch.profiler (memcpy/memset apart);
+- k/layer: kernels of one decoder layer alone (layer 0 replayed with its captured inputs);
 - graph us: median GPU time of the call replayed from a CUDA graph (``--replays`` replays);
 - floor us: bytes the call must read from HBM (weights of the layers it runs + the output
   layer, and the K/V of every context token in those layers; embedding rows ignored) over a
   same-run device-to-device copy's bandwidth (1 GiB, counted read + write).
 
 Two calls per point: ``forward`` (decoder over B(1 + S) rows, logits of every row) and ``mtp``
-(one MTP depth over the same rows). The last column checks the paths agree (greedy tokens).
+(one MTP depth over the same rows). "same tokens" compares each path's greedy tokens with the
+``unfused`` path. In bf16 a few rows can differ; for each differing row the bench prints the
+unfused path's top-2 logit margin and the largest logit difference between the two paths on that
+row: a margin within that difference (often 0, an exact bf16 tie) is a near-tie that rounding
+decides, not a bug.
 
     python bench/bench_forward.py                      # H100: B = 1, 8, 32 and S = 0, 2
     python bench/bench_forward.py --quick              # toy model, few points
     python bench/bench_forward.py --quick --device cpu # smoke test: eager wall time, no profiler
-    python bench/bench_forward.py --megatron-fusions   # also fuse megatron's bias/residual adds
+    python bench/bench_forward.py --megatron-fusions   # also megatron's bias/residual fusions in the megatron paths
 """
 
 import argparse
@@ -180,6 +191,63 @@ def floor_bytes(model, runner, batch, context, kv_bytes_per_token_layer):
     return decoder, mtp
 
 
+def decoder_layer_kernels(runner, token_ids, metadata, caches):
+    """Kernels (GPU events, memcpy/memset apart) of decoder layer 0 alone: its inputs are captured
+    during one forward, then the layer runs again on them under the profiler, inside the same paged
+    forward context (it rewrites the same K/V slots with the same values)."""
+    from mtp_ctrl.models.forward_context import paged_forward_context
+
+    layer = runner.model.decoder.layers[0]
+    captured = {}
+
+    def capture(module, args, kwargs):
+        captured.update(args=args, kwargs=kwargs)
+
+    handle = layer.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        runner.forward(token_ids, metadata.positions, metadata, caches)
+    finally:
+        handle.remove()
+    _, rotary = runner._rotary(metadata.positions)
+
+    def call():
+        with torch.no_grad(), paged_forward_context(metadata, caches, None, rotary, fused_glue=runner.fused_glue):
+            layer(*captured["args"], **captured["kwargs"])
+
+    call()
+    return count_gpu_events(call)[0]
+
+
+def diagnose_token_mismatch(label, reference_logits, logits, max_rows=8):
+    """Rows whose greedy token differs from the reference path's, one line each (up to max_rows).
+
+    Per row: the reference's top-2 margin, the reference's gap between the two paths' tokens, and
+    that row's largest |logit difference| between the paths. The verdict compares the gap with the
+    paths' typical disagreement (the median over all rows of that largest difference): a gap
+    within twice of it is a near-tie that rounding decides; a larger one deserves a look."""
+    reference_logits, logits = reference_logits.float(), logits.float()  # [T, V] fp32
+    differs = (reference_logits.argmax(-1) != logits.argmax(-1)).nonzero().flatten().tolist()
+    if not differs:
+        return
+    top2 = reference_logits.topk(2, dim=-1).values  # [T, 2]
+    margins = top2[:, 0] - top2[:, 1]  # [T]
+    row_differences = (reference_logits - logits).abs().amax(-1)  # [T]
+    noise = row_differences.median().item()
+    print(f"  {label}: {len(differs)} of {logits.shape[0]} rows differ; over all rows: median top-2 margin "
+          f"{margins.median().item():.4f}, median max |logit diff| {noise:.4f}")
+    for row in differs[:max_rows]:
+        reference_token, token = int(reference_logits[row].argmax()), int(logits[row].argmax())
+        gap = (reference_logits[row, reference_token] - reference_logits[row, token]).item()
+        verdict = "near-tie (rounding)" if gap <= 2 * noise else "LARGE GAP: check"
+        print(f"    row {row}: tokens {reference_token} vs {token}, reference top-2 margin {margins[row].item():.4f}, "
+              f"reference gap between the two tokens {gap:.4f}, max |logit diff| {row_differences[row].item():.4f}: "
+              f"{verdict}")
+
+
+PATHS = {"glue": dict(fused_rope=True, fused_glue=True), "rope": dict(fused_rope=True, fused_glue=False),
+         "unfused": dict(fused_rope=False, fused_glue=False)}
+
+
 def main():
     args = ARGS
     device = torch.device(args.device)
@@ -193,9 +261,10 @@ def main():
     init_single_process(device)
     model = build_model(shape, device, max_sequence_length=max(4096, context),
                         megatron_fusions=args.megatron_fusions)
-    runners = {"fused": PagedGPTRunner(model, fused_rope=True), "unfused": PagedGPTRunner(model, fused_rope=False)}
+    runners = {path: PagedGPTRunner(model, **flags) for path, flags in PATHS.items()}
+    reference_path = "unfused"
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    spec = KVCacheSpec(num_layers=runners["fused"].num_kv_layers, num_kv_heads=shape["num_query_groups"],
+    spec = KVCacheSpec(num_layers=runners["glue"].num_kv_layers, num_kv_heads=shape["num_query_groups"],
                        head_dim=head_dim, dtype=torch.bfloat16)
     kv_bytes_per_token_layer = 2 * shape["num_query_groups"] * head_dim * 2
     bandwidth = copy_bandwidth(device) if gpu else None
@@ -216,7 +285,7 @@ def main():
             generator = torch.Generator().manual_seed(batch * 10 + num_drafts)
             token_ids = torch.randint(0, shape["vocab_size"], (num_tokens,), generator=generator).to(device)
             next_ids = torch.randint(0, shape["vocab_size"], (num_tokens,), generator=generator).to(device)
-            floors = floor_bytes(model, runners["fused"], batch, context, kv_bytes_per_token_layer)
+            floors = floor_bytes(model, runners["glue"], batch, context, kv_bytes_per_token_layer)
             results = {}
             for path, runner in runners.items():
                 hidden = runner.forward(token_ids, metadata.positions, metadata, caches)[1]
@@ -224,6 +293,7 @@ def main():
                 if runner.mtp_num_layers:
                     calls["mtp"] = lambda r=runner, h=hidden: r.mtp_forward(0, h, next_ids, metadata.positions, metadata=metadata,
                                                                             kv_caches=caches)
+                layer_kernels = decoder_layer_kernels(runner, token_ids, metadata, caches) if gpu else None
                 for call, fn in calls.items():
                     logits = fn()[0]
                     if gpu:
@@ -232,30 +302,34 @@ def main():
                     else:
                         kernels = memory_ops = None
                         time_us = eager_time_us(fn, repeats=5)
-                    results[path, call] = (kernels, memory_ops, time_us, logits.argmax(-1))
+                    results[path, call] = (kernels, layer_kernels if call == "forward" else None, memory_ops, time_us,
+                                           logits)
             for call, floor in zip(("forward", "mtp"), floors):
-                if ("fused", call) not in results:
+                if (reference_path, call) not in results:
                     continue
-                agree = torch.equal(results["fused", call][3], results["unfused", call][3])
                 floor_us = floor / bandwidth * 1e6 if gpu else None
+                reference_logits = results[reference_path, call][4]
                 for path in runners:
-                    kernels, memory_ops, time_us, _ = results[path, call]
-                    rows.append((batch, num_drafts, num_tokens, call, path, kernels, memory_ops, time_us, floor_us,
-                                 agree))
+                    kernels, layer_kernels, memory_ops, time_us, logits = results[path, call]
+                    agree = torch.equal(logits.argmax(-1), reference_logits.argmax(-1))
+                    rows.append((batch, num_drafts, num_tokens, call, path, kernels, layer_kernels, memory_ops,
+                                 time_us, floor_us, agree))
                     print(f"B {batch:3d} S {num_drafts} {call:7s} {path:7s}: {time_us:9.1f} us", flush=True)
-            del caches
+                    if path != reference_path:
+                        diagnose_token_mismatch(f"{path} vs {reference_path}", reference_logits, logits)
+            del caches, results
             if gpu:
                 torch.cuda.empty_cache()
 
     timing = "graph us" if gpu else "eager us"
-    print(f"\n{'B':>3} {'S':>2} {'T':>4} {'call':>7} {'path':>7} {'kernels':>7} {'memops':>6} {timing:>9} "
-          f"{'floor us':>8} {'x floor':>7} {'same tokens':>11}")
-    for batch, num_drafts, num_tokens, call, path, kernels, memory_ops, time_us, floor_us, agree in rows:
+    print(f"\n{'B':>3} {'S':>2} {'T':>4} {'call':>7} {'path':>7} {'kernels':>7} {'k/layer':>7} {'memops':>6} "
+          f"{timing:>9} {'floor us':>8} {'x floor':>7} {'same tokens':>11}")
+    for batch, num_drafts, num_tokens, call, path, kernels, layer_kernels, memory_ops, time_us, floor_us, agree in rows:
         fmt = lambda value, spec: "n/a" if value is None else format(value, spec)  # noqa: E731
         ratio = None if floor_us is None else time_us / floor_us
         print(f"{batch:3d} {num_drafts:2d} {num_tokens:4d} {call:>7} {path:>7} {fmt(kernels, '7d'):>7} "
-              f"{fmt(memory_ops, '6d'):>6} {time_us:9.1f} {fmt(floor_us, '8.1f'):>8} {fmt(ratio, '7.2f'):>7} "
-              f"{str(agree):>11}")
+              f"{fmt(layer_kernels, '7d'):>7} {fmt(memory_ops, '6d'):>6} {time_us:9.1f} {fmt(floor_us, '8.1f'):>8} "
+              f"{fmt(ratio, '7.2f'):>7} {str(agree):>11}")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -65,6 +65,7 @@ class PagedForward:
     kv_caches: Sequence[KVCachePair]  # index: decoder layer 0..L-1, then MTP depth k at L + k
     mamba: Optional[MambaForward] = None  # None for a model without Mamba layers
     rotary: Optional[RotaryTables] = None  # None: no rotary in attention (not rope, or megatron applied it)
+    fused_glue: bool = False  # layers fuse their bias / residual / norm / activation glue (models.fused_layers)
 
 
 _CURRENT: contextvars.ContextVar[Optional[PagedForward]] = contextvars.ContextVar("mtp_ctrl_paged_forward", default=None)
@@ -73,8 +74,9 @@ _CURRENT: contextvars.ContextVar[Optional[PagedForward]] = contextvars.ContextVa
 @contextlib.contextmanager
 def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[KVCachePair],
                           mamba: Optional[MambaForward] = None,
-                          rotary: Optional[RotaryTables] = None) -> Iterator[PagedForward]:
-    """Make ``metadata``, ``kv_caches``, ``mamba`` and ``rotary`` visible to the paged modules inside the block."""
+                          rotary: Optional[RotaryTables] = None, fused_glue: bool = False) -> Iterator[PagedForward]:
+    """Make ``metadata``, ``kv_caches``, ``mamba``, ``rotary`` and ``fused_glue`` visible to the
+    paged modules inside the block."""
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
     if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
@@ -83,9 +85,11 @@ def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[KVCac
         raise TypeError(f"mamba must be a MambaForward or None, got {type(mamba).__name__}")
     if rotary is not None and not isinstance(rotary, RotaryTables):
         raise TypeError(f"rotary must be a RotaryTables or None, got {type(rotary).__name__}")
+    if not isinstance(fused_glue, bool):
+        raise TypeError(f"fused_glue must be a bool, got {type(fused_glue).__name__}")
     if _CURRENT.get() is not None:
         raise RuntimeError("paged_forward_context is already active; forwards do not nest")
-    token = _CURRENT.set(PagedForward(metadata, kv_caches, mamba, rotary))
+    token = _CURRENT.set(PagedForward(metadata, kv_caches, mamba, rotary, fused_glue))
     try:
         yield _CURRENT.get()
     finally:
@@ -101,3 +105,10 @@ def current_paged_forward() -> PagedForward:
             "run the model through mtp_ctrl.models.PagedGPTRunner"
         )
     return forward
+
+
+def fused_glue_enabled() -> bool:
+    """True inside a paged forward that asked for the fused layer glue; False anywhere else
+    (e.g. training the dense twin), so the fused layers fall back to megatron's forward."""
+    forward = _CURRENT.get()
+    return forward is not None and forward.fused_glue

@@ -21,8 +21,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from mtp_ctrl.models.fused_layers import use_fused_glue_layers
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
 
@@ -50,7 +53,8 @@ def get_paged_gpt_layer_spec(use_transformer_engine: Optional[bool] = None, qk_l
 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)
+        spec = use_fused_glue_layers(copy.deepcopy(  # the same layers, glue fused when the runner asks
+            get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)))
     spec = copy.deepcopy(spec)
     spec.submodules.self_attention.submodules.core_attention = PagedCoreAttention
     return spec
@@ -59,7 +63,7 @@ def get_paged_gpt_layer_spec(use_transformer_engine: Optional[bool] = None, qk_l
 def get_paged_mamba_layer_spec(normalization: Optional[str] = None, **mixer_params) -> ModuleSpec:
     """A Mamba layer: megatron's local GPT layer (input norm, mixer, residual, MLP) with
     :class:`PagedMambaMixer` as its token mixer; ``mixer_params`` go to the mixer (e.g. ``d_conv``)."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    spec = use_fused_glue_layers(copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization)))
     spec.submodules.self_attention = ModuleSpec(module=PagedMambaMixer, params=dict(mixer_params))
     return spec
 
@@ -71,6 +75,10 @@ def get_paged_mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec,
         return None
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
+    if isinstance(layer_spec, ModuleSpec) and layer_spec.module is not TransformerLayer:
+        # megatron accepts a bare layer spec only for TransformerLayer itself (not our fused subclass);
+        # a one-layer block spec hands it the same layer spec
+        layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec])
     return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine)
 
 

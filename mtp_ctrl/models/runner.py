@@ -42,13 +42,18 @@ from mtp_ctrl.state.mamba_slots import MambaSpec
 
 _SUPPORTED_POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 FUSED_ROPE_ENV = "MTP_CTRL_FUSED_ROPE"  # "0": runners built with fused_rope=None use megatron's rotary
+FUSED_GLUE_ENV = "MTP_CTRL_FUSED_GLUE"  # "0": runners built with fused_glue=None run megatron's layer glue
+
+
+def _flag_from_env(name: str) -> bool:
+    value = os.environ.get(name, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _fused_rope_from_env() -> bool:
-    value = os.environ.get(FUSED_ROPE_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSED_ROPE_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return _flag_from_env(FUSED_ROPE_ENV)
 
 
 def check_aux_layer_ids(aux_layer_ids, num_decoder_layers: int) -> Tuple[int, ...]:
@@ -85,13 +90,21 @@ class PagedGPTRunner:
     ``fused_rope``: rope q and k inside the paged KV write, with cos/sin computed once per call
     (True), or let megatron's attention apply rotary per layer (False); None reads
     ``MTP_CTRL_FUSED_ROPE`` (default 1). Both give the same tokens; see the module docstring.
+
+    ``fused_glue``: layers built by :func:`mtp_ctrl.models.build_gpt_model` (local spec) run their
+    bias / residual / norm / activation / QKV-split glue as Triton kernels
+    (:mod:`mtp_ctrl.models.fused_layers`) (True), or megatron's element-wise ops (False); None reads
+    ``MTP_CTRL_FUSED_GLUE`` (default 1). Same math and rounding points; fp32 tokens are identical.
     """
 
-    def __init__(self, model: GPTModel, fused_rope: Optional[bool] = None):
+    def __init__(self, model: GPTModel, fused_rope: Optional[bool] = None, fused_glue: Optional[bool] = None):
         if fused_rope is None:
             fused_rope = _fused_rope_from_env()
-        if not isinstance(fused_rope, bool):
-            raise TypeError(f"fused_rope must be a bool or None, got {type(fused_rope).__name__}")
+        if fused_glue is None:
+            fused_glue = _flag_from_env(FUSED_GLUE_ENV)
+        for name, flag in (("fused_rope", fused_rope), ("fused_glue", fused_glue)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
         if not isinstance(model, GPTModel):
             raise TypeError(f"model must be a megatron.core GPTModel, got {type(model).__name__}")
         if not (model.pre_process and model.post_process):
@@ -108,6 +121,7 @@ class PagedGPTRunner:
         self.num_decoder_layers = len(model.decoder.layers)
         self.mtp_num_layers = len(model.mtp.layers) if model.mtp_process else 0
         self.fused_rope = fused_rope
+        self.fused_glue = fused_glue
         self._inv_freq: Optional[torch.Tensor] = None  # [rotary_dim / 2] fp32 on the rows' device
         self.aux_layer_ids: Tuple[int, ...] = ()
         self.aux_hidden: Optional[torch.Tensor] = None  # [T, k * H] after each forward with aux layers
@@ -210,7 +224,7 @@ class PagedGPTRunner:
         rotary_pos_emb, rotary = self._rotary(positions)
         self._aux_parts = [None] * len(self.aux_layer_ids)
         try:
-            with paged_forward_context(metadata, kv_caches, mamba, rotary):
+            with paged_forward_context(metadata, kv_caches, mamba, rotary, fused_glue=self.fused_glue):
                 embedded = self.model.embedding(input_ids=input_ids[None], position_ids=self._position_ids(positions))  # [T, 1, H]
                 hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
                                             rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
@@ -275,7 +289,7 @@ class PagedGPTRunner:
                              f"{self.model.config.hidden_size}], got {getattr(hidden, 'shape', None)}")
         layer = self.model.mtp.layers[depth]
         rotary_pos_emb, rotary = self._rotary(positions)
-        with paged_forward_context(metadata, kv_caches, rotary=rotary):
+        with paged_forward_context(metadata, kv_caches, rotary=rotary, fused_glue=self.fused_glue):
             # megatron rolls position ids with the tokens; only a learned position embedding reads them
             embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions + 1))  # [T, 1, H]
             combined = torch.cat((layer.enorm(embedded), layer.hnorm(hidden[:, None])), dim=-1)  # [T, 1, 2H]
@@ -307,7 +321,7 @@ class PagedGPTRunner:
             raise ValueError(f"features must be [T, hidden_size] = [{token_ids.shape[0]}, "
                              f"{self.model.config.hidden_size}], got {getattr(features, 'shape', None)}")
         rotary_pos_emb, rotary = self._rotary(positions)
-        with paged_forward_context(metadata, kv_caches, rotary=rotary):
+        with paged_forward_context(metadata, kv_caches, rotary=rotary, fused_glue=self.fused_glue):
             embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions + 1))  # [T, 1, H]
             out = head(embedded, features[:, None], rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
         normed = self.model.decoder.final_layernorm(out)  # the target's final norm

@@ -36,6 +36,10 @@ _OP_MODULES = {
     "write_kv_cache": "kv_cache_write",
     "paged_attention": "paged_attn",
     "rope_and_write_kv_cache": "rope_kv_write",
+    # transformer-layer glue (bias, residual, norm, activation, QKV split)
+    "add_bias_residual_norm": "layer_glue",
+    "bias_activation": "layer_glue",
+    "split_qkv_heads": "layer_glue",
 }
 
 __all__ = sorted(_OP_MODULES)

@@ -29,6 +29,9 @@ _REFERENCE_MODULES = {
     "write_kv_cache": "attention",
     "paged_attention": "attention",
     "rope_and_write_kv_cache": "attention",
+    "add_bias_residual_norm": "glue",
+    "bias_activation": "glue",
+    "split_qkv_heads": "glue",
 }
 
 __all__ = sorted(_REFERENCE_MODULES)
