@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as torch_dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
@@ -137,7 +138,10 @@ def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
     for item in nested_values(request):  # read into fresh tensors: the model is untouched until the end
         if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
             item.data = torch.empty_like(item.data.detach())
-    loaded = dist_checkpointing.load(request, str(path))
+    try:
+        loaded = dist_checkpointing.load(request, str(path))
+    except CheckpointException as error:  # a BaseException in torch.distributed.checkpoint: make it an Exception
+        raise RuntimeError(f"reading checkpoint {str(path)!r} failed (the model was not changed): {error}") from error
     _assign(model, loaded, path)
 
 
