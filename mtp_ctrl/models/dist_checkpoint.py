@@ -28,7 +28,7 @@ with ``dist_checkpointing.load``.
 
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as torch_dcp
@@ -86,8 +86,12 @@ class SynchronousTorchDistSaveStrategy(SaveShardedStrategy):
         return True
 
 
-def save_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[str, os.PathLike]) -> None:
+def save_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[str, os.PathLike],
+                                content_metadata: Optional[dict] = None) -> None:
     """``dist_checkpointing.save(model.sharded_state_dict(), checkpoint_dir)`` on every rank.
+
+    ``content_metadata`` (e.g. the model's shape) is stored with the checkpoint; read it back with
+    ``dist_checkpointing.load_content_metadata(checkpoint_dir)``.
 
     ``checkpoint_dir`` is created if missing and must be empty. Parameters on CUDA use megatron's
     default (asynchronous-capable) torch_dist writer, on the CPU :class:`SynchronousTorchDistSaveStrategy`.
@@ -100,7 +104,8 @@ def save_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
     path.mkdir(parents=True, exist_ok=True)
     on_cuda = next(model.parameters()).is_cuda
     dist_checkpointing.save(model.sharded_state_dict(), str(path),
-                            sharded_strategy=None if on_cuda else SynchronousTorchDistSaveStrategy())
+                            sharded_strategy=None if on_cuda else SynchronousTorchDistSaveStrategy(),
+                            content_metadata=content_metadata)
 
 
 def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[str, os.PathLike]) -> None:
@@ -135,6 +140,7 @@ def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
     problems += [f"unexpected key {key!r} (shape {tuple(tensors_metadata[key].global_shape)}) in the checkpoint, "
                  "not in the model" for key in unexpected]
     _raise_if(problems, path, "does not match the model")
+    requested_names = set(request)
     for item in nested_values(request):  # read into fresh tensors: the model is untouched until the end
         if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
             item.data = torch.empty_like(item.data.detach())
@@ -142,7 +148,8 @@ def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
         loaded = dist_checkpointing.load(request, str(path))
     except CheckpointException as error:  # a BaseException in torch.distributed.checkpoint: make it an Exception
         raise RuntimeError(f"reading checkpoint {str(path)!r} failed (the model was not changed): {error}") from error
-    _assign(model, loaded, path)
+    # the result also holds the checkpoint's common (non-tensor) state, e.g. its content metadata
+    _assign(model, {name: value for name, value in loaded.items() if name in requested_names}, path)
 
 
 def drop_extra_state(sharded_state_dict: Dict[str, Any]) -> None:
