@@ -26,7 +26,9 @@ megatron's sharded tensors and megatron's own save planner, through
 with ``dist_checkpointing.load``.
 """
 
+import contextlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -61,6 +63,16 @@ CHECKPOINT_KEY_ALIASES: Tuple[Tuple[str, str], ...] = (
 IGNORED_CHECKPOINT_PREFIXES: Tuple[str, ...] = ("optimizer.",)
 _EXTRA_STATE = "_extra_state"  # Transformer Engine's FP8 metadata objects; local layers hold none
 _MAX_LISTED = 8  # problems listed by name in one error message
+# torch.distributed.checkpoint's deprecation notices on megatron-core 0.16's torch_dist path (not actionable here)
+_TORCH_DCP_NOTICES = (r"`load_state_dict` is deprecated", r"Please use DTensor instead and we are deprecating ShardedTensor")
+
+
+@contextlib.contextmanager
+def _quiet_torch_dcp_notices():
+    with warnings.catch_warnings():
+        for message in _TORCH_DCP_NOTICES:
+            warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        yield
 
 
 class SynchronousTorchDistSaveStrategy(SaveShardedStrategy):
@@ -103,9 +115,10 @@ def save_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
         torch.distributed.barrier()  # every rank sees the directory empty before rank 0 creates it
     path.mkdir(parents=True, exist_ok=True)
     on_cuda = next(model.parameters()).is_cuda
-    dist_checkpointing.save(model.sharded_state_dict(), str(path),
-                            sharded_strategy=None if on_cuda else SynchronousTorchDistSaveStrategy(),
-                            content_metadata=content_metadata)
+    with _quiet_torch_dcp_notices():
+        dist_checkpointing.save(model.sharded_state_dict(), str(path),
+                                sharded_strategy=None if on_cuda else SynchronousTorchDistSaveStrategy(),
+                                content_metadata=content_metadata)
 
 
 def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[str, os.PathLike]) -> None:
@@ -145,7 +158,8 @@ def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
         if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
             item.data = torch.empty_like(item.data.detach())
     try:
-        loaded = dist_checkpointing.load(request, str(path))
+        with _quiet_torch_dcp_notices():
+            loaded = dist_checkpointing.load(request, str(path))
     except CheckpointException as error:  # a BaseException in torch.distributed.checkpoint: make it an Exception
         raise RuntimeError(f"reading checkpoint {str(path)!r} failed (the model was not changed): {error}") from error
     # the result also holds the checkpoint's common (non-tensor) state, e.g. its content metadata

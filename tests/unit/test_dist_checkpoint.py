@@ -173,3 +173,28 @@ def test_save_needs_an_empty_directory(tmp_path, tp1_paged):
     (tmp_path / "full" / "something").write_text("x")
     with pytest.raises(ValueError, match="checkpoint_dir .*full.* must be an empty directory"):
         save_distributed_checkpoint(tp1_paged, tmp_path / "full")
+
+
+def test_generate_serves_a_dist_checkpoint(tmp_path):
+    """``examples/generate.py --load DIR``: the shape comes from the checkpoint's content metadata."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mtp_ctrl.models import build_gpt_model
+    from tests.unit.test_scripts import run_script
+
+    ensure_single_process_groups()
+    model_args = dict(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                      mtp_num_layers=2, vocab_size=512, max_sequence_length=256)
+    config = TransformerConfig(**{k: v for k, v in model_args.items() if k not in ("vocab_size", "max_sequence_length")},
+                               hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True)
+    torch.manual_seed(0)
+    save_distributed_checkpoint(build_gpt_model(config, 512, 256), tmp_path / "served",
+                                content_metadata={"model_args": model_args})
+    result = run_script("examples/generate.py", "--load", str(tmp_path / "served"), "--device", "cpu",
+                        "--max-new-tokens", "3", "--num-prompts", "1", "--prompt-len", "8", "--repeats", "1",
+                        timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert f"loaded {tmp_path / 'served'} at TP 1" in result.stdout
+    assert "outputs identical: yes" in result.stdout
+    result = run_script("examples/generate.py", "--load", str(tmp_path), "--device", "cpu", timeout=600)
+    assert result.returncode != 0 and "not a megatron dist_checkpointing directory" in result.stderr
