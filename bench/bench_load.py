@@ -50,6 +50,10 @@ if __name__ == "__main__":
     import mtp_ctrl
 
     mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
+    if not ARGS.verbose:  # torch.distributed.checkpoint's deprecation notices on megatron's plain load path
+        import warnings
+
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
