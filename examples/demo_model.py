@@ -1,6 +1,10 @@
 """The demo GPT: its shape, how it is built (paged for serving, dense for training), its checkpoint file,
 and the process-group setup megatron-core needs before building it.
 
+Distributed checkpoints (megatron's ``dist_checkpointing``, any TP size) are written by
+``examples/train_mtp.py --save-format dist`` with ``{"model_args": ...}`` as their content metadata
+and read by ``examples/generate.py --load DIR`` (``mtp_ctrl.models.load_distributed_checkpoint``).
+
 A checkpoint is one ``torch.save``'d dict ``{"model_args": DEMO_MODEL_ARGS-like dict,
 "state_dict": the TP = 1 model's state_dict in bf16}``; :func:`load_checkpoint` reads it and
 :func:`load_full_state_dict` loads it into a model of any tensor-parallel size (each rank keeps
@@ -64,6 +68,13 @@ def build_demo_model(model_args: Dict[str, int], tensor_parallel_size: int = 1, 
     )
     build = build_dense_gpt_model if dense else build_gpt_model
     return build(config, model_args["vocab_size"], model_args["max_sequence_length"], use_transformer_engine=False)
+
+
+def config_overrides(model_args: Dict[str, Any]) -> Dict[str, Any]:
+    """The entries of ``model_args`` that are not shape fields: extra TransformerConfig fields
+    (e.g. ``{"normalization": "RMSNorm", "gated_linear_unit": True}``) for :func:`build_demo_model`."""
+    return {name: value for name, value in model_args.items()
+            if name not in (*_SHAPE_FIELDS, "vocab_size", "max_sequence_length")}
 
 
 def save_checkpoint(path: str, model_args: Dict[str, int], model: GPTModel) -> None:

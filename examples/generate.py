@@ -3,6 +3,7 @@
     python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt   # what `make demo` runs
     python examples/generate.py                                               # random weights
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --checkpoint ...  # tensor parallel on 2 GPUs
+    torchrun --nproc-per-node 2 examples/generate.py --tp 2 --load DIR        # a megatron dist checkpoint
     python examples/generate.py --metrics-json metrics.json                   # keep the figures
 
 Plain decoding (S = 0) and speculative decoding (S = --num-speculative-tokens) are each warmed up
@@ -11,6 +12,14 @@ alike; the table shows the median tokens/s and the spread (min..max). The output
 are compared token for token. With random weights (no checkpoint) drafts are almost never
 accepted: that run shows the outputs are equal, not a speed-up. A checkpoint written by
 examples/train_mtp.py brings its own model shape and prompts from held-out text.
+
+--load DIR serves a megatron ``dist_checkpointing`` directory (torch_dist, saved at any TP size,
+e.g. by ``examples/train_mtp.py --save-format dist``). Its shape comes from the checkpoint's
+content metadata ``{"model_args": {...}}`` when it has one, else from --model-args: a JSON object
+with num_layers, hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups,
+mtp_num_layers, vocab_size (padded, as trained), max_sequence_length, and optionally any other
+TransformerConfig field (e.g. "normalization": "RMSNorm"). Prompts are text when the vocabulary
+holds the 256 byte tokens, random ids otherwise.
 
 --metrics-json writes {"plain": ..., "speculative": ..., "comparison": ...}: the first two are
 ``controller.metrics.as_dict()`` of each mode's last timed run (docs/design.md lists the keys);
@@ -29,7 +38,11 @@ SHORT_RUN_SECONDS = 0.5  # a timed run shorter than this: too short to judge
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=None, help="a file written by examples/train_mtp.py")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", default=None, help="a file written by examples/train_mtp.py")
+    source.add_argument("--load", default=None, metavar="DIR", help="a megatron dist_checkpointing directory")
+    parser.add_argument("--model-args", default=None, metavar="JSON",
+                        help="the model's shape for --load (default: the checkpoint's content metadata)")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, help="S, drafts per step (>= 1)")
     parser.add_argument("--mtp-attention", choices=("paged", "single_position"), default="paged")
     parser.add_argument("--proposer", choices=("mtp", "eagle"), default="mtp",
@@ -53,7 +66,31 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.model_args is not None:
+        if args.load is None:
+            parser.error("--model-args goes with --load")
+        try:
+            args.model_args = json.loads(args.model_args)
+        except json.JSONDecodeError as error:
+            parser.error(f"--model-args is not JSON: {error}")
+        if not isinstance(args.model_args, dict):
+            parser.error("--model-args must be a JSON object")
     return args
+
+
+def dist_checkpoint_model_args(args):
+    """The model shape of --load: --model-args, else the checkpoint's content metadata."""
+    if args.model_args is not None:
+        return args.model_args
+    from megatron.core import dist_checkpointing
+
+    if not dist_checkpointing.check_is_distributed_checkpoint(args.load):
+        sys.exit(f"error: --load {args.load} is not a megatron dist_checkpointing directory (no metadata.json)")
+    metadata = dist_checkpointing.load_content_metadata(args.load) or {}
+    if not isinstance(metadata.get("model_args"), dict):
+        sys.exit(f"error: {args.load} does not record its model shape (no content metadata 'model_args'): "
+                 "pass --model-args '{\"num_layers\": ..., ...}' (see --help)")
+    return metadata["model_args"]
 
 
 def main(argv=None):
@@ -69,19 +106,32 @@ def main(argv=None):
     checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None
     if (args.proposer == "eagle") != (args.draft_checkpoint is not None):
         sys.exit("error: --proposer eagle and --draft-checkpoint PATH go together")
-    if checkpoint is not None and args.proposer == "mtp" and args.num_speculative_tokens > checkpoint[0]["mtp_num_layers"]:
+    if args.load:
+        checkpoint = (dist_checkpoint_model_args(args), None)  # (model_args, weights read after the build)
+    source = args.checkpoint or args.load
+    if checkpoint is not None and args.proposer == "mtp" and \
+            args.num_speculative_tokens > checkpoint[0].get("mtp_num_layers", 0):
         sys.exit(f"error: --num-speculative-tokens {args.num_speculative_tokens} needs at least that many MTP "
-                 f"layers; {args.checkpoint} has {checkpoint[0]['mtp_num_layers']} (use "
-                 f"--num-speculative-tokens {checkpoint[0]['mtp_num_layers']} or less)")
+                 f"layers; {source} has {checkpoint[0].get('mtp_num_layers', 0)} (use "
+                 f"--num-speculative-tokens {checkpoint[0].get('mtp_num_layers', 0)} or less)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     repeats = args.repeats or (5 if device.type == "cuda" else 3)  # the CPU path is slow: fewer
 
-    from demo_model import build_demo_model, init_distributed, load_full_state_dict
+    from demo_model import build_demo_model, config_overrides, init_distributed, load_full_state_dict
 
     init_distributed(args.tp, device)
     if checkpoint is not None:
-        model = build_demo_model(checkpoint[0], tensor_parallel_size=args.tp)
-        load_full_state_dict(model, checkpoint[1])
+        model = build_demo_model(checkpoint[0], tensor_parallel_size=args.tp, **config_overrides(checkpoint[0]))
+        if args.load:
+            from mtp_ctrl.models import load_distributed_checkpoint
+
+            model = model.to(device)  # each rank reads its shard straight into the device's memory
+            started = time.perf_counter()
+            load_distributed_checkpoint(model, args.load)
+            if dist.get_rank() == 0:
+                print(f"loaded {args.load} at TP {args.tp} in {time.perf_counter() - started:.2f} s")
+        else:
+            load_full_state_dict(model, checkpoint[1])
     else:
         model_args = dict(DEMO_MODEL_ARGS, mtp_num_layers=args.num_speculative_tokens)
         torch.manual_seed(1234)  # every rank draws the same master weights and keeps its shard
@@ -105,7 +155,7 @@ def make_prompts(args, vocab_size: int):
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
 
     lengths = [args.prompt_len + 3 * i for i in range(args.num_prompts)]
-    if args.checkpoint:
+    if args.checkpoint or (args.load and vocab_size >= 256):
         windows = evenly_spaced_windows(load_stdlib_corpus().held_out, args.num_prompts, max(lengths))
         return [window[:length].tolist() for window, length in zip(windows, lengths)]
     generator = torch.Generator().manual_seed(0)
@@ -221,7 +271,7 @@ def print_report(args, device, prompts, report) -> None:
     spec = report["metrics"]["speculative"]
     print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens each, {device}, TP {args.tp}, "
           f"S = {args.num_speculative_tokens} ({args.mtp_attention} MTP attention)"
-          f"{'' if args.checkpoint else ', random weights'}")
+          f"{'' if args.checkpoint or args.load else ', random weights'}")
     for index in range(min(args.show, len(prompts))):
         print(f"  prompt {index}: {decode_bytes(prompts[index])!r}")
         print(f"  output {index}: {decode_bytes(report['outputs']['speculative'][index])!r}")

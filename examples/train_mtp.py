@@ -3,18 +3,26 @@
     python examples/train_mtp.py --steps 50 --batch-size 4 --seq-len 128 --out /tmp/mtp_demo.pt    # CPU check
     python examples/train_mtp.py --steps 3000 --batch-size 64 --seq-len 256 --out mtp_demo.pt       # a GPU (H100: 2 min)
     python examples/generate.py --checkpoint mtp_demo.pt                                           # serve it
+    python examples/train_mtp.py --steps 50 --batch-size 4 --seq-len 128 --save-format dist --out /tmp/mtp_dist
+    torchrun --nproc-per-node 2 examples/generate.py --tp 2 --load /tmp/mtp_dist                   # megatron's format
 
 Training is megatron-core's own path: the dense twin of the paged model (same parameter names,
 causal SDPA attention) runs ``GPTModel.forward`` with labels; megatron computes the
 language-model loss it returns and adds ``mtp_loss_scaling_factor / mtp_num_layers`` times each
 MTP depth's loss to the backward pass (depth k predicts the token k + 2 ahead). The saved
 state_dict loads strictly into :func:`mtp_ctrl.models.build_gpt_model`'s paged model.
+
+``--save-format dist`` writes megatron's distributed checkpoint instead (a directory,
+``dist_checkpointing`` torch_dist, the training dtype fp32, the model shape as its content metadata
+``{"model_args": ...}``): what Megatron training writes, loadable at any TP size by
+``examples/generate.py --load DIR`` (:func:`mtp_ctrl.models.load_distributed_checkpoint`).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +42,9 @@ def parse_args(argv=None):
     parser.add_argument("--mtp-num-layers", type=int, default=2, help="MTP depths trained (the demo model's 2)")
     parser.add_argument("--mtp-loss-scale", type=float, default=0.3, help="megatron's mtp_loss_scaling_factor")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--out", default="mtp_demo.pt", help="checkpoint path")
+    parser.add_argument("--out", default="mtp_demo.pt", help="checkpoint path (a new directory with --save-format dist)")
+    parser.add_argument("--save-format", choices=("torch", "dist"), default="torch",
+                        help="torch: one torch.save file (bf16); dist: a megatron dist_checkpointing directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=None,
                         help="steps between loss reports (default: steps / 10, at most 100)")
@@ -43,6 +53,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.save_format == "dist" and os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        parser.error(f"--out {args.out} must be a new or empty directory with --save-format dist")
     if args.log_every is None:
         args.log_every = max(1, min(100, args.steps // 10))
     return args
@@ -194,7 +206,12 @@ def main(args: Optional[argparse.Namespace] = None):
     seconds = time.perf_counter() - started
     print(f"evaluating on {args.eval_windows} held-out windows ...", flush=True)
     held_out = evaluate(model, corpus.held_out.to(device), args.seq_len, args.eval_windows)
-    save_checkpoint(args.out, model_args, model)
+    if args.save_format == "dist":
+        from mtp_ctrl.models import save_distributed_checkpoint
+
+        save_distributed_checkpoint(model, args.out, content_metadata={"model_args": dict(model_args)})
+    else:
+        save_checkpoint(args.out, model_args, model)
     print(f"trained {args.steps} steps in {seconds:.0f} s")
     print(f"final train loss {final.loss:.3f} nats/byte; MTP loss per depth "
           f"{[round(value, 3) for value in final.mtp_losses]}")

@@ -101,12 +101,17 @@ class EagleProposer(Proposer):
         input_ids, positions, is_rejected, _, new_token_rows, _ = copy_and_expand_eagle_inputs(
             step.input_ids, attention.positions, self._next_tokens(batch), query_start_loc, last_rows,
             0, 0, 1, True)  # [T] each; new_token_rows [G]: the last accepted row of each request
+        # rows past the real ones (a padded step) are left unset by the kernel: make them inert
+        padding_rows = torch.arange(input_ids.shape[0], device=device) >= query_start_loc[-1]  # [T] bool
+        input_ids = torch.where(padding_rows, 0, input_ids)
+        positions = torch.where(padding_rows, 0, positions)
+        is_rejected = is_rejected | padding_rows
         metadata = AttentionMetadata(
             query_start_loc=attention.query_start_loc, seq_lens=attention.seq_lens,
             slot_mapping=torch.where(is_rejected, -1, attention.slot_mapping), block_table=block_table,
             positions=positions, num_actual_tokens=attention.num_actual_tokens,
             max_query_len=attention.max_query_len, max_seq_len=attention.max_seq_len)
-        draft_rows = new_token_rows.clamp(min=0)  # [G] int64
+        draft_rows = new_token_rows.clamp(0, step.input_ids.shape[0] - 1)  # [G] int64 (padding requests: unset)
         features = self.head.project_aux(batch.aux_hidden)  # [T, H]
         logits, hidden = runner.eagle_forward(self.head, features, input_ids, positions, metadata, self._kv_caches,
                                               logits_rows=draft_rows)  # [G, V], [T, H]

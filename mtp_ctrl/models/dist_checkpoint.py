@@ -1,0 +1,260 @@
+"""Megatron distributed checkpoints (``megatron.core.dist_checkpointing``, torch_dist format) in and out.
+
+A Megatron user's checkpoint is a directory written by
+``dist_checkpointing.save(model.sharded_state_dict(), dir)`` at some tensor-parallel size.
+Every tensor in it is stored once, under a *checkpoint key* with its global (unsharded) shape;
+decoder layers are stacked on a leading layer dimension (``decoder.layers.mlp.linear_fc1.weight``
+is ``[num_layers, ffn, hidden]``). :func:`load_distributed_checkpoint` asks our model for its own
+sharded state dict (which names this rank's shard of each tensor under those keys), so
+dist_checkpointing reads exactly this rank's slices whatever TP size wrote the file.
+
+Steps of a load (nothing in ``model`` changes unless every step succeeds):
+1. The directory must be a dist checkpoint (``metadata.json``).
+2. Our sharded state dict is built; each key is mapped to the checkpoint's spelling
+   (:data:`CHECKPOINT_KEY_ALIASES`, the one place where names are mapped); extra state is dropped.
+3. Every requested key must be in the checkpoint with the same global shape, and every tensor of
+   the checkpoint must be requested (optimizer state aside): else ValueError naming the keys.
+4. dist_checkpointing loads into fresh tensors (not the model's parameters).
+5. The loaded state dict is checked against ``model.state_dict()`` and copied in strictly.
+
+Saving: :func:`save_distributed_checkpoint` writes the same format. megatron-core 0.16.1's
+default torch_dist writer calls CUDA unconditionally (``torch.cuda.synchronize`` after its
+asynchronous copy to the host, ``torch.cuda.current_device()`` in its finalisation), so a model on
+the CPU is written by :class:`SynchronousTorchDistSaveStrategy` instead: the same translation of
+megatron's sharded tensors and megatron's own save planner, through
+``torch.distributed.checkpoint.save`` (synchronous, any process group). Either output loads
+with ``dist_checkpointing.load``.
+"""
+
+import contextlib
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed.checkpoint as torch_dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
+
+# The one place where parameter names differ between layer specs. Each pair is two spellings of
+# one checkpoint-key fragment: Transformer Engine fuses the layer norms into the next linear
+# layer (``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``);
+# megatron's local spec keeps them apart (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``).
+# The local spec already writes the fused names (its ``sharded_state_dict_keys_map``), so most
+# checkpoints match as they are; a key of ours that is absent is looked up under the other
+# spelling of each pair (both directions), e.g. the separate ``pre_mlp_layernorm`` of TE's MoE
+# layers, or checkpoints written before megatron mapped the names.
+CHECKPOINT_KEY_ALIASES: Tuple[Tuple[str, str], ...] = (
+    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+)
+# Checkpoint tensors that are not the model's and are ignored (not "unexpected"): optimizer state
+# written next to the model by Megatron-LM's training loop.
+IGNORED_CHECKPOINT_PREFIXES: Tuple[str, ...] = ("optimizer.",)
+_EXTRA_STATE = "_extra_state"  # Transformer Engine's FP8 metadata objects; local layers hold none
+_MAX_LISTED = 8  # problems listed by name in one error message
+# torch.distributed.checkpoint's deprecation notices on megatron-core 0.16's torch_dist path (not actionable here)
+_TORCH_DCP_NOTICES = (r"`load_state_dict` is deprecated", r"Please use DTensor instead and we are deprecating ShardedTensor")
+
+
+@contextlib.contextmanager
+def _quiet_torch_dcp_notices():
+    with warnings.catch_warnings():
+        for message in _TORCH_DCP_NOTICES:
+            warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        yield
+
+
+class SynchronousTorchDistSaveStrategy(SaveShardedStrategy):
+    """torch_dist save without CUDA: megatron's key translation and planner, written synchronously.
+
+    Use it as ``dist_checkpointing.save(sharded_state_dict, dir, sharded_strategy=SynchronousTorchDistSaveStrategy())``.
+    Relies on two helpers of megatron-core's torch strategy module (``_replace_state_dict_keys_with_sharded_keys``,
+    ``mcore_to_pyt_state_dict``) as of 0.16.
+    """
+
+    def __init__(self, thread_count: int = 1):
+        super().__init__("torch_dist", 1)
+        self.thread_count = thread_count
+
+    def save(self, sharded_state_dict, checkpoint_dir: Path) -> None:
+        by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
+        torch_state_dict = mcore_to_pyt_state_dict(by_key, False)
+        torch_dcp.save(torch_state_dict, storage_writer=torch_dcp.FileSystemWriter(str(checkpoint_dir),
+                                                                                  thread_count=self.thread_count),
+                       planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
+
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+def save_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[str, os.PathLike],
+                                content_metadata: Optional[dict] = None) -> None:
+    """``dist_checkpointing.save(model.sharded_state_dict(), checkpoint_dir)`` on every rank.
+
+    ``content_metadata`` (e.g. the model's shape) is stored with the checkpoint; read it back with
+    ``dist_checkpointing.load_content_metadata(checkpoint_dir)``.
+
+    ``checkpoint_dir`` is created if missing and must be empty. Parameters on CUDA use megatron's
+    default (asynchronous-capable) torch_dist writer, on the CPU :class:`SynchronousTorchDistSaveStrategy`.
+    """
+    path = Path(checkpoint_dir)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"checkpoint_dir {str(path)!r} must be an empty directory or not exist")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank sees the directory empty before rank 0 creates it
+    path.mkdir(parents=True, exist_ok=True)
+    on_cuda = next(model.parameters()).is_cuda
+    with _quiet_torch_dcp_notices():
+        dist_checkpointing.save(model.sharded_state_dict(), str(path),
+                                sharded_strategy=None if on_cuda else SynchronousTorchDistSaveStrategy(),
+                                content_metadata=content_metadata)
+
+
+def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[str, os.PathLike]) -> None:
+    """Load a megatron dist checkpoint into ``model`` (e.g. :func:`mtp_ctrl.models.build_gpt_model`'s), in place.
+
+    The checkpoint comes from ``dist_checkpointing.save(gpt_model.sharded_state_dict(), dir)`` of a
+    megatron GPTModel of the same architecture (local or Transformer Engine spec, MTP layers
+    included), written at any tensor-parallel size; ``model`` may be built at any other. Call it on
+    every rank (each reads its own shard). Values are cast to the model's dtypes.
+
+    Raises FileNotFoundError / NotADirectoryError / ValueError naming ``checkpoint_dir`` when it is
+    not a dist checkpoint, and ValueError naming every missing key, unexpected key and shape
+    mismatch (found before anything is read). On any error ``model`` is left as it was.
+    """
+    path = _check_checkpoint_dir(checkpoint_dir)
+    request = model.sharded_state_dict()
+    drop_extra_state(request)
+    tensors_metadata = dist_checkpointing.load_tensors_metadata(str(path))  # checkpoint key -> ShardedTensor
+    objects_metadata = None
+    problems, requested_keys = [], set()
+    for name, item in _flat_items(request):
+        if isinstance(item, ShardedObject):
+            objects_metadata = objects_metadata or load_sharded_metadata(str(path))
+            if item.unique_key not in objects_metadata:
+                problems.append(f"missing key {name!r} (checkpoint object {item.unique_key!r})")
+            continue
+        item_problems, keys = _resolve_key(name, item, tensors_metadata)
+        problems += item_problems
+        requested_keys.update(keys)
+    unexpected = sorted(key for key in tensors_metadata if key not in requested_keys
+                        and not key.startswith(IGNORED_CHECKPOINT_PREFIXES))
+    problems += [f"unexpected key {key!r} (shape {tuple(tensors_metadata[key].global_shape)}) in the checkpoint, "
+                 "not in the model" for key in unexpected]
+    _raise_if(problems, path, "does not match the model")
+    requested_names = set(request)
+    for item in nested_values(request):  # read into fresh tensors: the model is untouched until the end
+        if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
+            item.data = torch.empty_like(item.data.detach())
+    try:
+        with _quiet_torch_dcp_notices():
+            loaded = dist_checkpointing.load(request, str(path))
+    except CheckpointException as error:  # a BaseException in torch.distributed.checkpoint: make it an Exception
+        raise RuntimeError(f"reading checkpoint {str(path)!r} failed (the model was not changed): {error}") from error
+    # the result also holds the checkpoint's common (non-tensor) state, e.g. its content metadata
+    _assign(model, {name: value for name, value in loaded.items() if name in requested_names}, path)
+
+
+def drop_extra_state(sharded_state_dict: Dict[str, Any]) -> None:
+    """Remove the ``*._extra_state`` entries (Transformer Engine FP8 metadata) from a nested sharded state dict."""
+    for key in list(sharded_state_dict):
+        value = sharded_state_dict[key]
+        if isinstance(value, dict):
+            drop_extra_state(value)
+        elif key.endswith(_EXTRA_STATE):
+            del sharded_state_dict[key]
+
+
+def checkpoint_key_spellings(key: str) -> List[str]:
+    """``key`` and its other spellings under :data:`CHECKPOINT_KEY_ALIASES`, ``key`` first.
+
+    >>> checkpoint_key_spellings("decoder.layers.mlp.linear_fc1.layer_norm_weight")
+    ['decoder.layers.mlp.linear_fc1.layer_norm_weight', 'decoder.layers.pre_mlp_layernorm.weight']
+    """
+    spellings = [key]
+    for first, second in CHECKPOINT_KEY_ALIASES:
+        for old, new in ((first, second), (second, first)):
+            if old in key:
+                spellings.append(key.replace(old, new))
+    return spellings
+
+
+def _check_checkpoint_dir(checkpoint_dir) -> Path:
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir must be a path, got {type(checkpoint_dir).__name__}")
+    path = Path(checkpoint_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint_dir {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"checkpoint_dir {str(path)!r} is not a directory")
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+        raise ValueError(f"checkpoint_dir {str(path)!r} is not a megatron.core.dist_checkpointing checkpoint "
+                         "(no metadata.json)")
+    return path
+
+
+def _flat_items(sharded_state_dict, prefix: str = ""):
+    """``(state-dict name, sharded item)`` pairs; a factory is its own item (it builds its tensors at load)."""
+    for key, value in sharded_state_dict.items():
+        if isinstance(value, dict):
+            yield from _flat_items(value, prefix)
+        else:
+            yield key, value
+
+
+def _resolve_key(name: str, item, tensors_metadata) -> Tuple[List[str], List[str]]:
+    """Point ``item`` at the checkpoint's spelling of its key; ``(problems found, checkpoint keys read)``."""
+    found = next((key for key in checkpoint_key_spellings(item.key) if key in tensors_metadata), None)
+    if found is None:
+        return [f"missing key {name!r} (checkpoint key {item.key!r}) in the checkpoint"], []
+    item.key = found
+    built = item.build() if isinstance(item, ShardedTensorFactory) else item  # a factory: the tensors it reads
+    problems, keys = [], []
+    for tensor in nested_values(built) if isinstance(built, (dict, list)) else [built]:
+        stored = tensors_metadata.get(tensor.key)
+        if stored is None:
+            problems.append(f"missing key {name!r} (checkpoint key {tensor.key!r}) in the checkpoint")
+            continue
+        keys.append(tensor.key)
+        if tuple(tensor.global_shape) != tuple(stored.global_shape):
+            stacked = " (dimension 0 of decoder.layers.* is the layer count)" if tensor.key.startswith(
+                "decoder.layers.") else ""
+            problems.append(f"shape mismatch for {name!r} (checkpoint key {tensor.key!r}): the checkpoint has "
+                            f"{tuple(stored.global_shape)}, the model needs {tuple(tensor.global_shape)}{stacked}: "
+                            "another architecture?")
+    return problems, keys
+
+
+def _assign(model: torch.nn.Module, loaded: Dict[str, Any], path: Path) -> None:
+    """Copy ``loaded`` into ``model`` after checking it covers ``model.state_dict()`` with equal shapes."""
+    current = model.state_dict()
+    for key in current:  # the dropped extra state keeps the model's own value
+        if key.endswith(_EXTRA_STATE) and key not in loaded:
+            loaded[key] = current[key]
+    problems = [f"missing key {key!r} after loading" for key in current if key not in loaded]
+    problems += [f"unexpected key {key!r} after loading" for key in loaded if key not in current]
+    problems += [f"shape mismatch for {key!r}: loaded {tuple(value.shape)}, the model needs {tuple(current[key].shape)}"
+                 for key, value in loaded.items() if torch.is_tensor(value) and key in current
+                 and torch.is_tensor(current[key]) and value.shape != current[key].shape]
+    _raise_if(problems, path, "did not load into the model")
+    model.load_state_dict(loaded, strict=True)
+
+
+def _raise_if(problems: List[str], path: Path, what: str) -> None:
+    if not problems:
+        return
+    listed = "\n  ".join(problems[:_MAX_LISTED])
+    more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+    raise ValueError(f"checkpoint {str(path)!r} {what} ({len(problems)} problem(s); the model was not changed):"
+                     f"\n  {listed}{more}")
