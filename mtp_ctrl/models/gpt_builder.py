@@ -20,7 +20,7 @@ from mtp_ctrl.models.layer_specs import (
     get_paged_mtp_block_spec,
     mamba_mixers,
 )
-from mtp_ctrl.models.moe import check_moe_config, moe_layer_pattern
+from mtp_ctrl.models.moe import check_moe_config, moe_layer_pattern, use_inference_dispatchers
 
 
 def check_tensor_parallel_heads(config: TransformerConfig) -> None:
@@ -100,6 +100,7 @@ def gpt_model_from_specs(config: TransformerConfig, layer_spec, vocab_size: int,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         mtp_block_spec=get_paged_mtp_block_spec(config, layer_spec, use_transformer_engine),
     )
+    use_inference_dispatchers(model)  # MoE all-gather collectives on the rows' device (models/moe.py)
     if config.params_dtype != torch.float32:
         # megatron builds layer norms in fp32 and leaves the cast to its Float16Module wrapper;
         # do the same cast here, so inference runs in one dtype (CUDA's layer_norm rejects a mix)

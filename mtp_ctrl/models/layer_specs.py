@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
-from mtp_ctrl.models.moe import InferenceMoELayer, InferenceTopKRouter
+from mtp_ctrl.models.moe import InferenceTopKRouter
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
 
 ATTENTION_LAYER, MAMBA_LAYER = "*", "M"  # the characters of a hybrid layer pattern
@@ -63,11 +63,10 @@ def get_paged_gpt_layer_spec(use_transformer_engine: Optional[bool] = None, qk_l
 
 
 def _with_inference_router(spec: ModuleSpec) -> ModuleSpec:
-    """An MoE layer spec made :class:`InferenceMoELayer` with :class:`InferenceTopKRouter`
-    (megatron's MoE layer and router with inference fixes; same parameters, see ``models/moe.py``)."""
+    """An MoE layer spec's router replaced by :class:`InferenceTopKRouter` (same parameters;
+    ``models/moe.py``; the builder also swaps the all-gather dispatcher, ``use_inference_dispatchers``)."""
     mlp = spec.submodules.mlp
     if isinstance(mlp, ModuleSpec) and isinstance(mlp.submodules, MoESubmodules):
-        mlp.module = InferenceMoELayer
         mlp.submodules.router = InferenceTopKRouter
     return spec
 

@@ -32,7 +32,7 @@ from typing import List, Sequence, Union
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -111,17 +111,26 @@ class InferenceAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         return hidden_states
 
 
-class InferenceMoELayer(MoELayer):
-    """megatron's ``MoELayer`` (router, experts, shared experts, dispatch) with the all-gather
-    dispatcher replaced by :class:`InferenceAllGatherTokenDispatcher`; same parameters."""
+def use_inference_dispatchers(model) -> int:
+    """Give every MoE layer whose dispatcher is megatron's all-gather one an
+    :class:`InferenceAllGatherTokenDispatcher` over the same process groups (a dispatcher holds no
+    parameters); returns how many were replaced. (The layer stays megatron's ``MoELayer``: its
+    TransformerLayer hands process groups only to that exact class.)"""
+    replaced = 0
+    for layer in moe_layers(model):
+        old = layer.token_dispatcher
+        if type(old) is MoEAllGatherTokenDispatcher:
+            layer.token_dispatcher = InferenceAllGatherTokenDispatcher(
+                layer.num_local_experts, layer.local_expert_indices, config=layer.config,
+                pg_collection=_dispatcher_groups(old))
+            replaced += 1
+    return replaced
 
-    def __init__(self, config: TransformerConfig, submodules=None, layer_number=None, pg_collection=None):
-        if pg_collection is None:
-            pg_collection = get_default_pg_collection()
-        super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
-        if type(self.token_dispatcher) is MoEAllGatherTokenDispatcher:
-            self.token_dispatcher = InferenceAllGatherTokenDispatcher(
-                self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
+
+def _dispatcher_groups(dispatcher) -> ProcessGroupCollection:
+    groups = ProcessGroupCollection()
+    groups.ep, groups.expt_tp, groups.tp_ep = dispatcher.ep_group, dispatcher.tp_group, dispatcher.tp_ep_group
+    return groups
 
 
 def is_moe_config(config: TransformerConfig) -> bool:
