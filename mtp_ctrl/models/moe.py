@@ -31,10 +31,10 @@ from typing import List, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # settings under which a row's routing depends on the rest of the batch, or on random draws

@@ -184,3 +184,16 @@ def test_dense_config_is_unchanged(megatron_groups):
     """Without experts the builder makes the same dense model as before (no MoE layer, graphs allowed)."""
     model = build_tiny_model(tiny_config(mtp_num_layers=1))
     assert not moe_layers(model) and PagedGPTRunner(model).cuda_graph_capturable
+
+
+def test_hybrid_mamba_moe_speculative_equals_plain(megatron_groups):
+    """A Mamba layer's MLP can be MoE too (layer pattern "M*", both layers MoE): S = 2 == S = 0."""
+    from mtp_ctrl.models import build_gpt_model
+    from tests.unit.megatron_fixtures import MAX_SEQUENCE_LENGTH, VOCAB_SIZE
+
+    config = moe_config(moe_layer_freq=[1, 1], mamba_state_dim=8, mamba_head_dim=16, mamba_num_groups=2)
+    torch.manual_seed(5)
+    model = build_gpt_model(config, VOCAB_SIZE, MAX_SEQUENCE_LENGTH, layer_pattern="M*").eval()
+    assert len(moe_layers(model)) == 2 + 2
+    plain, speculative = generate_cases(model, ((0, GREEDY), (2, GREEDY)), prompts=MOE_PROMPTS[:2], max_new_tokens=5)
+    assert speculative == plain
