@@ -93,7 +93,9 @@ class TextGenerationController:
             self.proposer.bind(self)
         self._rejection = RejectionAcceptance(self.context.table, S, self.proposer) \
             if config.acceptance == "rejection" and S > 0 else None
-        use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes)
+        # an MoE model's steps run eagerly: megatron's expert dispatch syncs with the host (models/moe.py)
+        use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes) and \
+            self.runner.cuda_graph_capturable
         self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
         self.metrics = GenerationMetrics(S)
         self._all_greedy = False  # set per step from the running requests' SamplingParams

@@ -17,12 +17,14 @@ from mtp_ctrl.models.layer_specs import (
     get_paged_mtp_block_spec,
 )
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
+from mtp_ctrl.models.moe import InferenceTopKRouter, has_moe_layers, moe_layer_pattern, moe_layers
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
 from mtp_ctrl.models.runner import PagedGPTRunner
 
 __all__ = [
     "DenseCausalAttention",
     "EagleHead",
+    "InferenceTopKRouter",
     "MambaForward",
     "PagedCoreAttention",
     "PagedGPTRunner",
@@ -38,7 +40,10 @@ __all__ = [
     "get_paged_gpt_layer_spec",
     "get_paged_mamba_layer_spec",
     "get_paged_mtp_block_spec",
+    "has_moe_layers",
     "load_distributed_checkpoint",
+    "moe_layer_pattern",
+    "moe_layers",
     "paged_forward_context",
     "save_distributed_checkpoint",
 ]

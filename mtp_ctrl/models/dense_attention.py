@@ -16,8 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mtp_ctrl.models.gpt_builder import gpt_model_from_specs
-from mtp_ctrl.models.layer_specs import get_paged_gpt_layer_spec
+from mtp_ctrl.models.gpt_builder import gpt_model_from_specs, paged_model_specs
 
 
 class DenseCausalAttention(MegatronModule):
@@ -89,10 +88,11 @@ def build_dense_gpt_model(
     """
     if config.context_parallel_size != 1 or config.sequence_parallel:
         raise ValueError("the dense model supports neither context nor sequence parallelism")
-    layer_spec = get_paged_gpt_layer_spec(use_transformer_engine, qk_layernorm=config.qk_layernorm,
-                                          normalization=config.normalization)
-    layer_spec.submodules.self_attention.submodules.core_attention = DenseCausalAttention
-    model = gpt_model_from_specs(config, layer_spec, vocab_size, max_sequence_length,
+    layer_spec, decoder_spec = paged_model_specs(config, use_transformer_engine)  # MoE layers as build_gpt_model's
+    decoder_layers = getattr(decoder_spec, "layer_specs", [decoder_spec])
+    for spec in [layer_spec, *decoder_layers]:
+        spec.submodules.self_attention.submodules.core_attention = DenseCausalAttention
+    model = gpt_model_from_specs(config, layer_spec, vocab_size, max_sequence_length, decoder_spec=decoder_spec,
                                  use_transformer_engine=use_transformer_engine,
                                  share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                                  rotary_base=rotary_base, rotary_percent=rotary_percent)

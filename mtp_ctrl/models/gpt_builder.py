@@ -20,6 +20,7 @@ from mtp_ctrl.models.layer_specs import (
     get_paged_mtp_block_spec,
     mamba_mixers,
 )
+from mtp_ctrl.models.moe import check_moe_config, moe_layer_pattern, use_inference_dispatchers
 
 
 def check_tensor_parallel_heads(config: TransformerConfig) -> None:
@@ -50,7 +51,15 @@ def build_gpt_model(
     ``mamba_num_groups``, ``mamba_num_heads``; conv width ``mamba_d_conv``), e.g. ``"M*M*"``.
     None means every layer is attention. MTP layers are attention layers.
 
-    megatron-core's ``parallel_state`` must be initialised (TP only: no pipeline or context
+    MoE: ``config.num_moe_experts`` makes the MLP of the layers ``config.moe_layer_freq`` picks
+    (an int N: layers 0, N, 2N, ...; or one 0/1 per layer) megatron's own ``MoELayer`` (router,
+    experts, token dispatcher), sized by ``moe_router_topk``, ``moe_ffn_hidden_size`` and
+    ``moe_shared_expert_intermediate_size``; experts shard over parallel_state's expert-parallel
+    ranks (``expert_model_parallel_size``). MTP layers take the last decoder layer's MLP kind, as
+    megatron's ``get_gpt_mtp_block_spec`` does. Settings under which a row's routing would depend
+    on the other rows are refused (``mtp_ctrl/models/moe.py``); MoE steps run without CUDA graphs.
+
+    megatron-core's ``parallel_state`` must be initialised (TP and EP only: no pipeline or context
     parallelism; Mamba layers shard over tensor-parallel ranks like megatron's MambaMixer). KV and Mamba layer indices are assigned, so the
     model is ready for :class:`mtp_ctrl.models.PagedGPTRunner`.
     """
@@ -63,10 +72,8 @@ def build_gpt_model(
     if vocab_size % tp_size != 0:
         raise ValueError(f"vocab_size={vocab_size} is not divisible by the tensor-parallel size {tp_size}; "
                          "pad the vocabulary (megatron's training scripts do)")
-    layer_spec = get_paged_gpt_layer_spec(use_transformer_engine, qk_layernorm=config.qk_layernorm,
-                                          normalization=config.normalization)
-    decoder_spec = layer_spec if layer_pattern is None else _hybrid_block_spec(
-        config, layer_spec, layer_pattern, mamba_d_conv)
+    check_moe_config(config, parallel_state.get_expert_model_parallel_world_size())
+    layer_spec, decoder_spec = paged_model_specs(config, use_transformer_engine, layer_pattern, mamba_d_conv)
     model = gpt_model_from_specs(config, layer_spec, vocab_size, max_sequence_length, decoder_spec=decoder_spec,
                                  use_transformer_engine=use_transformer_engine,
                                  share_embeddings_and_output_weights=share_embeddings_and_output_weights,
@@ -93,6 +100,7 @@ def gpt_model_from_specs(config: TransformerConfig, layer_spec, vocab_size: int,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         mtp_block_spec=get_paged_mtp_block_spec(config, layer_spec, use_transformer_engine),
     )
+    use_inference_dispatchers(model)  # MoE all-gather collectives on the rows' device (models/moe.py)
     if config.params_dtype != torch.float32:
         # megatron builds layer norms in fp32 and leaves the cast to its Float16Module wrapper;
         # do the same cast here, so inference runs in one dtype (CUDA's layer_norm rejects a mix)
@@ -102,12 +110,35 @@ def gpt_model_from_specs(config: TransformerConfig, layer_spec, vocab_size: int,
     return model
 
 
-def _hybrid_block_spec(config: TransformerConfig, attention_spec, layer_pattern: str, mamba_d_conv: int):
-    """One layer spec per character of ``layer_pattern``, under megatron's final layer norm."""
+def paged_model_specs(config: TransformerConfig, use_transformer_engine: Optional[bool] = None,
+                      layer_pattern: Optional[str] = None, mamba_d_conv: int = 4):
+    """``(MTP layer spec, decoder spec)`` of the paged model: the decoder spec is one layer spec for
+    every layer (dense attention model) or one per layer, under megatron's final layer norm, when
+    layers differ (``layer_pattern`` for Mamba layers, ``config.moe_layer_freq`` for MoE MLPs)."""
+    moe_pattern = moe_layer_pattern(config)  # [L] bool, all False without experts
+
+    def attention_spec(moe: bool):
+        return get_paged_gpt_layer_spec(use_transformer_engine, qk_layernorm=config.qk_layernorm,
+                                        normalization=config.normalization,
+                                        num_experts=config.num_moe_experts if moe else None,
+                                        moe_grouped_gemm=config.moe_grouped_gemm)
+
+    dense_spec = attention_spec(False)
+    moe_spec = attention_spec(True) if any(moe_pattern) else None
+    mtp_spec = moe_spec if moe_pattern[-1] else dense_spec  # megatron: MTP layers follow the last decoder layer
+    if layer_pattern is None and not any(moe_pattern):
+        return mtp_spec, dense_spec
+    if layer_pattern is None:
+        layer_pattern = ATTENTION_LAYER * config.num_layers
     if not isinstance(layer_pattern, str) or len(layer_pattern) != config.num_layers or \
             set(layer_pattern) - {ATTENTION_LAYER, MAMBA_LAYER}:
         raise ValueError(f"layer_pattern must be a string of {config.num_layers} (config.num_layers) characters, "
                          f"each {ATTENTION_LAYER!r} (attention) or {MAMBA_LAYER!r} (Mamba); got {layer_pattern!r}")
-    mamba_spec = get_paged_mamba_layer_spec(config.normalization, d_conv=mamba_d_conv)
-    layer_specs = [mamba_spec if kind == MAMBA_LAYER else attention_spec for kind in layer_pattern]
-    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=LayerNormImpl)
+    layer_specs = []
+    for kind, moe in zip(layer_pattern, moe_pattern):
+        if kind == MAMBA_LAYER:
+            layer_specs.append(get_paged_mamba_layer_spec(config.normalization, d_conv=mamba_d_conv,
+                                                          num_experts=config.num_moe_experts if moe else None))
+        else:
+            layer_specs.append(moe_spec if moe else dense_spec)
+    return mtp_spec, TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=LayerNormImpl)

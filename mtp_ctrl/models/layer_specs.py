@@ -20,6 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_mtp_block_spec,
 )
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -27,6 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mtp_ctrl.models.fused_layers import use_fused_glue_layers
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
+from mtp_ctrl.models.moe import InferenceTopKRouter
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
 
 ATTENTION_LAYER, MAMBA_LAYER = "*", "M"  # the characters of a hybrid layer pattern
@@ -37,12 +39,14 @@ def transformer_engine_available() -> bool:
 
 
 def get_paged_gpt_layer_spec(use_transformer_engine: Optional[bool] = None, qk_layernorm: bool = False,
-                             normalization: Optional[str] = None) -> ModuleSpec:
+                             normalization: Optional[str] = None, num_experts: Optional[int] = None,
+                             moe_grouped_gemm: bool = False) -> ModuleSpec:
     """megatron's GPT layer spec with :class:`PagedCoreAttention` as core attention.
 
     ``use_transformer_engine=None`` picks Transformer Engine's spec when it is installed and the
     local (pure megatron-core) spec otherwise. ``normalization`` ("LayerNorm" or "RMSNorm") only
-    matters for the local spec; TE's layers read it from the config.
+    matters for the local spec; TE's layers read it from the config. ``num_experts`` makes the
+    MLP megatron's MoE layer (its router is :class:`InferenceTopKRouter`; see ``models/moe.py``).
     """
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
@@ -51,19 +55,33 @@ def get_paged_gpt_layer_spec(use_transformer_engine: Optional[bool] = None, qk_l
             raise ValueError("use_transformer_engine=True but transformer_engine is not installed")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                                          qk_layernorm=qk_layernorm)
     else:
         spec = use_fused_glue_layers(copy.deepcopy(  # the same layers, glue fused when the runner asks
-            get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization)))
-    spec = copy.deepcopy(spec)
+            get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
+                                     qk_layernorm=qk_layernorm, normalization=normalization)))
+    spec = _with_inference_router(copy.deepcopy(spec))
     spec.submodules.self_attention.submodules.core_attention = PagedCoreAttention
     return spec
 
 
-def get_paged_mamba_layer_spec(normalization: Optional[str] = None, **mixer_params) -> ModuleSpec:
-    """A Mamba layer: megatron's local GPT layer (input norm, mixer, residual, MLP) with
-    :class:`PagedMambaMixer` as its token mixer; ``mixer_params`` go to the mixer (e.g. ``d_conv``)."""
-    spec = use_fused_glue_layers(copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization)))
+def _with_inference_router(spec: ModuleSpec) -> ModuleSpec:
+    """An MoE layer spec's router replaced by :class:`InferenceTopKRouter` (same parameters;
+    ``models/moe.py``; the builder also swaps the all-gather dispatcher, ``use_inference_dispatchers``)."""
+    mlp = spec.submodules.mlp
+    if isinstance(mlp, ModuleSpec) and isinstance(mlp.submodules, MoESubmodules):
+        mlp.submodules.router = InferenceTopKRouter
+    return spec
+
+
+def get_paged_mamba_layer_spec(normalization: Optional[str] = None, num_experts: Optional[int] = None,
+                               **mixer_params) -> ModuleSpec:
+    """A Mamba layer: megatron's local GPT layer (input norm, mixer, residual, MLP or, with
+    ``num_experts``, megatron's MoE layer) with :class:`PagedMambaMixer` as its token mixer;
+    ``mixer_params`` go to the mixer (e.g. ``d_conv``)."""
+    spec = _with_inference_router(use_fused_glue_layers(copy.deepcopy(
+        get_gpt_layer_local_spec(num_experts=num_experts, normalization=normalization))))
     spec.submodules.self_attention = ModuleSpec(module=PagedMambaMixer, params=dict(mixer_params))
     return spec
 

@@ -37,6 +37,7 @@ from megatron.core.models.gpt import GPTModel
 from mtp_ctrl.models.forward_context import KVCachePair, MambaForward, RotaryTables, paged_forward_context
 from mtp_ctrl.models.gpt_builder import check_tensor_parallel_heads
 from mtp_ctrl.models.layer_specs import assign_kv_layer_indices, assign_mamba_layer_indices, mamba_mixers
+from mtp_ctrl.models.moe import has_moe_layers
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.mamba_slots import MambaSpec
 
@@ -120,6 +121,9 @@ class PagedGPTRunner:
         self.num_mamba_layers = assign_mamba_layer_indices(model)
         self.num_decoder_layers = len(model.decoder.layers)
         self.mtp_num_layers = len(model.mtp.layers) if model.mtp_process else 0
+        # megatron's MoE dispatch reads per-expert token counts on the host (models/moe.py):
+        # a forward with MoE layers syncs and cannot be captured in a CUDA graph
+        self.cuda_graph_capturable = not has_moe_layers(model)
         self.fused_rope = fused_rope
         self.fused_glue = fused_glue
         self._inv_freq: Optional[torch.Tensor] = None  # [rotary_dim / 2] fp32 on the rows' device
