@@ -6,7 +6,7 @@
   deliberately bad proposer (uniform q) and with a proposer that records no q (one-hot).
 - Greedy requests and exact-match mode are unchanged: token for token equal to plain decoding.
 
-The controller's ops run through their torch twins here (``TRITON_INTERPRET=0`` for these tests,
+The controller's ops run through their torch twins here (the interpreter is switched off for these tests,
 so CPU tensors take the reference path): the kernels equal the twins in their own tests
 (test_rejection_sampling.py, test_sampling_kernel.py, ...), and the interpreter would make
 these runs minutes long.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import InferenceConfig, Proposer, SamplingParams
-from mtp_ctrl.triton_ops import reference
+from mtp_ctrl.triton_ops import _dispatch, reference
 from tests.unit.controller_fixtures import PROMPTS, build_models, chi_square_p_value, filtered_softmax, make_controller
 from tests.unit.megatron_fixtures import VOCAB_SIZE, dense_full_sequence, ensure_single_process_groups
 
@@ -34,7 +34,9 @@ def models():
 
 @pytest.fixture(autouse=True)
 def reference_ops(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read per call by triton_ops._dispatch.use_triton
+    # the torch twins, without touching TRITON_INTERPRET (Triton caches what it first reads of it,
+    # and other tests in this process run kernels through the interpreter)
+    monkeypatch.setattr(_dispatch, "interpreter_enabled", lambda: False)
 
 
 class UniformProposer(Proposer):

@@ -91,7 +91,7 @@ def test_hand_computed_step_of_two_decodes_and_a_prefill_chunk():
     ctx.add_request(1, [20, 21, 22])
     first = step_and_commit(ctx)
     assert first.num_prefill == 2 and first.num_final_prefill_chunks == 2
-    assert first.logits_indices.tolist() == [4, 7]  # the last row of each prompt
+    assert first.logits_indices.tolist() == [4, 7, 0, 0, 0, 0]  # each prompt's last row, then 1 + S per request
     assert first.host_first_positions.tolist() == [0, 0]
     assert ctx.table.request_ids_in(RowGroup.PREFILL) == [0, 1]  # decode from the next build_step
 
@@ -148,7 +148,7 @@ def test_chunked_prefill_under_the_token_budget():
         seen += step.input_ids.tolist()
         final = expected_rows == 2
         assert step.num_final_prefill_chunks == int(final)
-        assert step.logits_indices.tolist() == ([expected_rows - 1] if final else [])
+        assert step.logits_indices.tolist() == ([expected_rows - 1, 0, 0, 0] if final else [0] * 4)
     assert seen == prompt
     assert ctx.table.group_of(7) == RowGroup.PREFILL and ctx.needs_sync()
     assert ctx.table.host.known_lengths[0] == 10
@@ -185,7 +185,7 @@ def test_decode_step_padded_to_a_cuda_graph_bucket():
     assert att.block_table[3].tolist() == [-1] * ctx.max_blocks_per_request
     assert att.num_actual_tokens == 9 and att.max_seq_len == ctx.max_blocks_per_request * 4
     assert int(step.num_active[0]) == 3
-    assert step.logits_indices.tolist() == list(range(12))
+    assert step.logits_indices.tolist() == list(range(9)) + [0, 0, 0]  # padding rows point at row 0
     assert ctx.table.device.kv_length_offsets[3] == 0  # the paused row's KV length is untouched
     device_rewind(ctx, step, [1, 2, 0])
     ctx.commit_readback(step, np.array([1, 2, 0]))
