@@ -71,14 +71,17 @@ def build_model(layer_pattern=None, tensor_parallel_size=1):
                            layer_pattern=layer_pattern).cuda().eval()
 
 
-def median_step_ms(model, batch, num_speculative_tokens, graphs, steps):
+def median_step_ms(model, batch, num_speculative_tokens, graphs, steps, vocab_size=VOCAB_SIZE,
+                   batch_buckets=(1, 8, 32)):
+    """Median wall ms of ``controller.step()`` once ``batch`` random 128-token prompts all decode
+    (also used by bench_moe.py)."""
     config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=32, block_size_tokens=16,
                              max_model_len=1024, max_tokens_per_step=2048,
-                             cuda_graph_batch_sizes=(1, 8, 32) if graphs else (), mtp_attention="paged")
+                             cuda_graph_batch_sizes=batch_buckets if graphs else (), mtp_attention="paged")
     controller = TextGenerationController(model, config)
     generator = torch.Generator().manual_seed(batch)
     for _ in range(batch):
-        controller.add_request(torch.randint(0, VOCAB_SIZE, (PROMPT_LEN,), generator=generator).tolist(),
+        controller.add_request(torch.randint(0, vocab_size, (PROMPT_LEN,), generator=generator).tolist(),
                                SamplingParams(max_new_tokens=500))
     while controller.context.table.group_size(0) < batch:  # until every request decodes
         controller.step()

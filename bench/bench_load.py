@@ -26,6 +26,7 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -62,27 +63,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from mtp_ctrl.models import build_gpt_model, load_distributed_checkpoint, save_distributed_checkpoint  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))  # noqa: E402
+from demo_model import init_distributed  # noqa: E402  one process, or every torchrun rank
+
 FULL_MODEL = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16,
                   num_query_groups=4, mtp_num_layers=2, vocab_size=32000)
 QUICK_MODEL = dict(num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
                    num_query_groups=2, mtp_num_layers=2, vocab_size=512)
 MAX_SEQUENCE_LENGTH = 4096
-
-
-def init_distributed(tp: int, device: torch.device) -> None:
-    if "RANK" not in os.environ:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if dist.get_world_size() != tp:
-        raise SystemExit(f"--tp {tp} needs {tp} processes, got {dist.get_world_size()} (use torchrun)")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
 def build_model(shape: dict, device: torch.device, tp: int, seed: int):

@@ -21,9 +21,7 @@ and with CUDA graphs, so the table shows both the MoE layer's own cost and what 
 import argparse
 import os
 import socket
-import statistics
 import sys
-import time
 
 
 def parse_args(argv=None):
@@ -48,10 +46,10 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController  # noqa: E402
 from mtp_ctrl.models import build_gpt_model, moe_layers  # noqa: E402
 
-PROMPT_LEN = 128
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
+from bench_controller import median_step_ms  # noqa: E402  the same timing loop
 
 
 def init_process_groups(expert_parallel_size: int):
@@ -98,30 +96,6 @@ def build_models(args, device, tp, ep):
     return models, vocab
 
 
-def median_step_ms(model, vocab, batch, num_speculative_tokens, graphs, steps, device):
-    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=32, block_size_tokens=16,
-                             max_model_len=1024, max_tokens_per_step=2048,
-                             cuda_graph_batch_sizes=(1, 4, 8, 32) if graphs else (), mtp_attention="paged")
-    controller = TextGenerationController(model, config)
-    generator = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        controller.add_request(torch.randint(0, vocab, (PROMPT_LEN,), generator=generator).tolist(),
-                               SamplingParams(max_new_tokens=500))
-    while controller.context.table.group_size(0) < batch:  # until every request decodes
-        controller.step()
-    for _ in range(10):
-        controller.step()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        controller.step()
-        times.append((time.perf_counter() - started) * 1e3)
-    if graphs and device.type == "cuda":
-        assert controller._graphs is not None and len(controller._graphs._graphs) > 0, "no graph was replayed"
-    controller.close()  # frees its graphs (a process group with captured collectives cannot be destroyed)
-    return statistics.median(times)
-
-
 def main(args=None):
     args = args or parse_args()
     device, tp, ep = init_process_groups(args.ep)
@@ -136,7 +110,7 @@ def main(args=None):
     for batch, (name, model, graphs) in progress:
         for num_speculative_tokens in (0, 2):
             times[batch, name, graphs, num_speculative_tokens] = median_step_ms(
-                model, vocab, batch, num_speculative_tokens, graphs, steps, device)
+                model, batch, num_speculative_tokens, graphs, steps, vocab_size=vocab, batch_buckets=(1, 4, 8, 32))
     if dist.get_rank() != 0:
         dist.destroy_process_group()
         return
