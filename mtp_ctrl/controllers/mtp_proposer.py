@@ -143,8 +143,11 @@ class MTPProposer(Proposer):
         torch.cumsum(sizes, 0, out=window_query_start_loc[1:])
         if step.decode_only:
             num_window_rows, max_window_rows = num_requests * 2 * S, 2 * S
-        else:
+        elif step.graph_padded:  # a bound that holds for every step the graph replays
             num_window_rows, max_window_rows = num_rows + num_requests * S, num_rows + S
+        else:  # eager: the host's longest chunk bounds the windows (the attention grid follows it)
+            longest_chunk = int(step.host_query_lengths.max())  # host-ok: host tensor
+            num_window_rows, max_window_rows = num_rows + num_requests * S, max(2 * S, longest_chunk + S)
         window_index = torch.arange(num_window_rows, device=device)
         window_rows = torch.searchsorted(window_query_start_loc[1:], window_index, right=True).clamp(max=num_requests - 1)
         row_index = torch.arange(num_rows, device=device)

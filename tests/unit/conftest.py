@@ -7,3 +7,21 @@ defined), so it is set here, before any test module imports a kernel.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The layer-glue kernels through the interpreter would double the time of every model test. The
+# rest of the suite runs megatron's own glue; tests/unit/test_fused_layers.py runs the fused glue
+# through the model and the controller (fused == unfused), and the GPU tests run it by default.
+os.environ.setdefault("MTP_CTRL_FUSED_GLUE", "0")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def torch_twins():
+    """Run every op through its torch twin instead of the interpreted kernel (each kernel == its
+    twin in its own tests). For the slow controller-level tests whose subject is the loop, not the
+    kernels: at least one test of each kind still runs the kernels through the interpreter."""
+    from tests.unit.megatron_fixtures import torch_twins as twins
+
+    with twins():
+        yield

@@ -5,6 +5,7 @@ build of torch), so CPU tests seed with ``torch.manual_seed`` and build with
 ``use_cpu_initialization=True``: every TP size then draws the same master weights and shards them.
 """
 
+import contextlib
 import socket
 from typing import List, Sequence, Tuple
 
@@ -183,3 +184,17 @@ def tensor_parallel_worker(rank: int, world_size: int, port: int, expected_path:
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def torch_twins():
+    """Inside: every op runs its torch twin, not the interpreted kernel (each kernel == its twin in
+    its own tests). For slow tests whose subject is the controller, and the processes they spawn."""
+    from mtp_ctrl.triton_ops import _dispatch
+
+    saved = _dispatch.interpreter_enabled
+    _dispatch.interpreter_enabled = lambda: False
+    try:
+        yield
+    finally:
+        _dispatch.interpreter_enabled = saved

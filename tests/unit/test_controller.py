@@ -197,7 +197,7 @@ def test_mixed_drafts_accept_exactly_the_injected_prefix(models, greedy_continua
 # ----- sampling ------------------------------------------------------------------------------
 
 
-def test_seeded_sampling_is_lossless_and_seed_dependent(models):
+def test_seeded_sampling_is_lossless_and_seed_dependent(models, torch_twins):
     """Sampled requests (temperature 0.8, top-k, top-p) give the same tokens with S = 2 as with
     S = 0 for the same seeds; the same seed twice in a batch gives the same tokens, another
     seed other tokens. The real MTP drafts, sampled with the target's noise, get accepted."""
@@ -213,7 +213,7 @@ def test_seeded_sampling_is_lossless_and_seed_dependent(models):
     assert sum(result.accepted_drafts for result in speculative_results) > 0
 
 
-def test_sampled_distribution_matches_dense_softmax(models):
+def test_sampled_distribution_matches_dense_softmax(models, torch_twins):
     """Speculative sampling (S = 1) over many seeds: the first token follows the dense twin's
     filtered softmax at the prompt's last position, and the second token (verified against a
     draft) follows its marginal sum_t1 p(t1) p(t2 | prompt, t1) (chi-square, significance 0.1%)."""

@@ -67,7 +67,7 @@ def _assert_state_released(controller):
 # ----- queueing and KV exhaustion ----------------------------------------------------------
 
 
-def test_more_prompts_than_max_requests(models, unconstrained_outputs):
+def test_more_prompts_than_max_requests(models, unconstrained_outputs, torch_twins):
     """Four requests through two rows, with prompts prefilled in chunks (6 query rows per step
     hold only the two decodes' 1 + S rows): every request waits its turn and gets the same
     tokens as with room for all."""
@@ -79,7 +79,7 @@ def test_more_prompts_than_max_requests(models, unconstrained_outputs):
 
 
 @pytest.mark.parametrize("num_kv_blocks", [12, 14])
-def test_kv_exhaustion_keeps_outputs_and_frees_every_block(models, unconstrained_outputs, num_kv_blocks):
+def test_kv_exhaustion_keeps_outputs_and_frees_every_block(models, unconstrained_outputs, num_kv_blocks, torch_twins):
     """A full-length request takes ceil((22 + S) / 4) = 6 blocks. Pools of 12 and 14 blocks run
     out with every live decode paused, so the newest request is preempted and recomputed. The
     outputs are those of an unconstrained run, no request is evicted twice (prefill leaves the

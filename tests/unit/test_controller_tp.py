@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU: the controller at TP = 2 (two gloo ranks) emits TP = 1's tokens.
 
-Greedy and seeded sampling, with S = 0 and S = 2. Both TP sizes build the same master weights
+Greedy and seeded sampling, with S = 0 and S = 2 (MTP drafting), and S = 2 with an EAGLE head
+(same seed at both TP sizes, so the same master weights). Both TP sizes build the same master weights
 (``use_cpu_initialization=True``, same seed) and shard them; every rank runs the controller and
 must produce the same tokens (sampling is a pure function of the gathered logits, seed and
 position, so no broadcast is needed).
@@ -12,7 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
-from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups, free_port, init_process_groups, tiny_config
+from tests.unit.megatron_fixtures import (
+    build_tiny_model,
+    ensure_single_process_groups,
+    free_port,
+    init_process_groups,
+    tiny_config,
+    torch_twins,
+)
 
 PROMPTS = ([5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45])
 CASES = (  # (num_speculative_tokens, sampling keyword arguments)
@@ -34,6 +42,17 @@ def generate_all(tensor_parallel_size: int):
         controller = TextGenerationController(model, config)
         results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=8, **sampling))
         outputs.append([list(result.output_tokens) for result in results])
+    from mtp_ctrl.controllers import EagleProposer
+    from mtp_ctrl.models import build_eagle_head
+
+    torch.manual_seed(77)
+    head = build_eagle_head(model, (0, 1)).eval()
+    for _, sampling in CASES[1::2]:  # greedy and sampled
+        config = InferenceConfig(num_speculative_tokens=2, max_requests=3, block_size_tokens=4, max_model_len=48,
+                                 max_tokens_per_step=64)
+        controller = TextGenerationController(model, config, proposer=EagleProposer(head))
+        results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=8, **sampling))
+        outputs.append([list(result.output_tokens) for result in results])
     return outputs
 
 
@@ -41,9 +60,10 @@ def _tp_worker(rank: int, world_size: int, port: int, expected_path: str) -> Non
     init_process_groups(rank, world_size, port, world_size)
     try:
         expected = torch.load(expected_path)
-        got = generate_all(world_size)
+        with torch_twins():
+            got = generate_all(world_size)
         for case, (want_case, got_case) in enumerate(zip(expected, got)):
-            assert want_case == got_case, f"rank {rank}, case {CASES[case]}: {got_case} != {want_case}"
+            assert want_case == got_case, f"rank {rank}, case {case}: {got_case} != {want_case}"
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -52,8 +72,9 @@ def _tp_worker(rank: int, world_size: int, port: int, expected_path: str) -> Non
 @pytest.fixture(scope="module")
 def tp1_outputs_path(tmp_path_factory):
     ensure_single_process_groups()
-    outputs = generate_all(1)
-    assert outputs[0] == outputs[1] and outputs[2] == outputs[3]  # speculation changes nothing at TP = 1
+    with torch_twins():  # TP is the subject here, not the kernels (each == its twin in its own tests)
+        outputs = generate_all(1)
+    assert outputs[0] == outputs[1] == outputs[4] and outputs[2] == outputs[3] == outputs[5]  # MTP, EAGLE == plain
     path = tmp_path_factory.mktemp("controller_tp") / "tp1_outputs.pt"
     torch.save(outputs, path)
     return str(path)

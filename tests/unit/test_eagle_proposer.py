@@ -53,7 +53,7 @@ def test_drafts_equal_the_dense_head_across_chunks_and_tail_blocks(models, plain
     assert checked >= 6 and accepted > 0  # the head's drafts do get accepted sometimes
 
 
-def test_churn_preemption_sampling_padded_steps_equal_plain(models):
+def test_churn_preemption_sampling_padded_steps_equal_plain(models, torch_twins):
     """S = 4, overlap on, every step padded to a graph shape (mixed steps included): the real
     counts and the mid-prompt chunk's next token come from the device, as in a replayed graph."""
     model, _, head, _ = models

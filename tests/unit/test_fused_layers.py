@@ -132,6 +132,7 @@ def test_training_and_unsupported_configs_run_megatrons_forward(monkeypatch):
 
 def test_fused_glue_switch(monkeypatch):
     model = _build({})
+    monkeypatch.delenv(FUSED_GLUE_ENV, raising=False)  # conftest turns it off for the other tests
     assert PagedGPTRunner(model).fused_glue is True
     monkeypatch.setenv(FUSED_GLUE_ENV, "0")
     assert PagedGPTRunner(model).fused_glue is False
