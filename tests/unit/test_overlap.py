@@ -183,7 +183,7 @@ def test_accept_tokens_override_runs_per_request_and_equals_the_default(models):
     assert [r.output_tokens for r in got] == [r.output_tokens for r in want] and Recording.calls > 0
 
 
-def test_finished_results_are_bounded_and_popped(models):
+def test_finished_results_are_bounded_and_popped(models, torch_twins):
     """A long-running step-API server: what the controller keeps per request does not grow
     with the requests served (before: every record was kept forever). The 100,000-request RSS
     soak is tests/functional/test_soak_gpu.py."""
