@@ -32,6 +32,17 @@ def test_greedy_equals_plain(models, plain_greedy):
     assert [list(r.output_tokens) for r in results] == plain_greedy
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_one_draft_equals_plain_greedy_and_sampled(models, torch_twins, temperature):
+    """S = 1 (step 1 only, no head-on-head steps), greedy and seeded sampling."""
+    model, _, head, _ = models
+    prompts = [list(p) for p in PROMPTS]
+    params = [SamplingParams(max_new_tokens=10, temperature=temperature, seed=seed) for seed in range(len(prompts))]
+    plain = make_controller(model, 0).generate(prompts, params)
+    spec = make_controller(model, 1, proposer=EagleProposer(head)).generate(prompts, params)
+    assert [r.output_tokens for r in spec] == [r.output_tokens for r in plain]
+
+
 def test_drafts_equal_the_dense_head_across_chunks_and_tail_blocks(models, plain_greedy):
     """S = 4 with 4-token blocks: draft positions cross into the head's tail blocks; the 12-token
     prompt is prefilled in two chunks (max_tokens_per_step 10)."""
