@@ -2,11 +2,12 @@
 
 A proposer is bound to the controller once (:meth:`Proposer.bind`), may register per-request
 device rows in the request table there (they move with their request), and is called once per
-step after verification with a :class:`DraftBatch`. It returns ``[n, S]`` int64 drafts for the
-``n`` requests that sampled this step, without a host sync. :meth:`Proposer.on_step_scheduled`
-runs right after each step is launched (host values the scheduler knows, e.g. prefill chunk
-ends), :meth:`Proposer.on_step_committed` once the host has the step's read-back (with
-overlap scheduling, one step later).
+step after verification with a :class:`DraftBatch`. It returns ``[G, S]`` int64 drafts for the
+step's grid (rows of requests that did not sample are ignored), without a host sync.
+:meth:`Proposer.on_step_scheduled` runs right after each step is launched (host values the
+scheduler knows), :meth:`Proposer.on_step_committed` once the host has the step's read-back
+(with overlap scheduling, one step later). A step replayed from a CUDA graph runs no Python, so
+what ``propose`` needs per request lives in device rows of the request table, not on the host.
 
 Subclass :class:`Proposer` to plug in another drafter (see ``examples/custom_proposer.py``).
 """
