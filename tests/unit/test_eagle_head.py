@@ -6,6 +6,7 @@ import torch
 
 from mtp_ctrl.models import PagedGPTRunner, build_eagle_head
 from mtp_ctrl.models.eagle_head import dense_eagle_forward, eagle_logits
+from tests.unit.eagle_fixtures import dense_aux
 from tests.unit.megatron_fixtures import (
     BLOCK_TABLES, NUM_BLOCKS, SCHEDULE, allocate_kv_caches, build_dense_twin, build_tiny_model,
     ensure_single_process_groups, make_metadata, random_sequences, tiny_config,
@@ -25,20 +26,6 @@ def models():
     dense_head = build_eagle_head(dense, AUX_LAYERS, dense=True).eval()
     dense_head.load_state_dict(head.state_dict())
     return model, dense, head, dense_head
-
-
-@torch.no_grad()
-def dense_aux(dense, tokens):  # [n] -> [n, k * H] outputs of AUX_LAYERS in a full causal forward
-    outputs = {}
-    hooks = [dense.decoder.layers[layer].register_forward_hook(
-        lambda module, args, output, layer=layer: outputs.__setitem__(layer, output[0][:, 0])) for layer in AUX_LAYERS]
-    try:
-        embedded = dense.embedding(input_ids=tokens[None], position_ids=torch.arange(tokens.shape[0])[None])
-        dense.decoder(hidden_states=embedded, attention_mask=None, rotary_pos_emb=dense.rotary_pos_emb(tokens.shape[0]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return torch.cat([outputs[layer] for layer in AUX_LAYERS], dim=-1)
 
 
 @torch.no_grad()
@@ -65,7 +52,7 @@ def test_aux_hidden_and_paged_head_match_dense(models):
             logits_rows[b].append(logits[row:row + q])
             row += q
     for b, tokens in enumerate(sequences):
-        want_aux = dense_aux(dense, tokens)
+        want_aux = dense_aux(dense, tokens, AUX_LAYERS)
         torch.testing.assert_close(torch.cat(aux_rows[b]), want_aux, rtol=1e-4, atol=1e-4)
         next_tokens = torch.cat([tokens[1:], tokens[:1]])[None]  # [1, n]
         out = dense_eagle_forward(dense, dense_head, dense_head.project_aux(want_aux)[:, None], next_tokens)
