@@ -152,7 +152,9 @@ class TextGenerationController:
         self._top_k = table.add_device_rows("top_k", (), torch.int64)  # [R] int64
         self._top_p = table.add_device_rows("top_p", (), torch.float32, fill=1.0)  # [R] float32
         self._seeds = table.add_device_rows("seed", (), torch.int64)  # [R] int64
-        device = self.device
+        device, T = self.device, self.config.max_tokens_per_step
+        self._greedy_params = (torch.zeros(T, device=device), torch.zeros(T, dtype=torch.int64, device=device),
+                               torch.ones(T, device=device), torch.zeros(T, dtype=torch.int64, device=device))
         self._last_accepted_rows = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
         self._accepted_tokens = torch.full((R, S), -1, dtype=torch.int64, device=device)  # [R, S] int64
         self._accepted_counts = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
@@ -324,8 +326,11 @@ class TextGenerationController:
     def sample_rows(self, logits: torch.Tensor, table_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Draw one token per logits row ``[K, V]`` with the parameters of the request at
         ``table_rows`` ``[K]``, for the token that will sit at ``positions`` ``[K]``."""
-        return sample_tokens(logits, self._temperature[table_rows], self._top_k[table_rows], self._top_p[table_rows],
-                             self._seeds[table_rows], positions, all_greedy=self._all_greedy)
+        if self._all_greedy:  # every row is greedy: constant parameters, no per-row gathers
+            params = [tensor[: logits.shape[0]] for tensor in self._greedy_params]
+        else:
+            params = [tensor[table_rows] for tensor in (self._temperature, self._top_k, self._top_p, self._seeds)]
+        return sample_tokens(logits, *params, positions, all_greedy=self._all_greedy)
 
     def accept_tokens(self, record: RequestRecord, new_tokens: List[int]) -> Tuple[List[int], Optional[FinishReason]]:
         """What a request keeps of a step's verified tokens: a prefix of ``new_tokens``, and a

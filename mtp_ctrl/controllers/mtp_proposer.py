@@ -107,11 +107,11 @@ class MTPProposer(Proposer):
         sampling_rows = torch.arange(num_requests, device=device)
         draft_write_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)  # [G] int64
         drafts = torch.empty(num_requests, S, dtype=torch.int64, device=device)  # [G, S]
-        kv_caches = self.controller.context.kv_caches
+        kv_caches, row_positions = self.controller.context.kv_caches, positions.clamp(min=0)
         for depth in range(S):
             token_index = (positions + depth + 1).clamp(0, self._history_len - 1)  # [Tm] position of t_{i+k+1}
             tokens = self._token_history[history_rows, token_index]  # [Tm] int64
-            logits, hidden = self.controller.runner.mtp_forward(depth, hidden, tokens, positions.clamp(min=0),
+            logits, hidden = self.controller.runner.mtp_forward(depth, hidden, tokens, row_positions,
                                                                 metadata, kv_caches, logits_rows=last_rows)
             draft_positions = (ends + depth + 1).clamp(0, self._history_len - 1)  # [G]
             drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, draft_positions)  # [G, V] logits
