@@ -92,6 +92,15 @@ def load_checkpoint(path: str) -> Tuple[Dict[str, int], Dict[str, Any]]:
     return checkpoint["model_args"], checkpoint["state_dict"]
 
 
+def load_demo_model(path: str, tensor_parallel_size: int = 1) -> Tuple[Dict[str, int], GPTModel]:
+    """``(model_args, model)``: the paged demo model built from a :func:`save_checkpoint` file and
+    loaded with its weights (on the CPU, this rank's shard)."""
+    model_args, state_dict = load_checkpoint(path)
+    model = build_demo_model(model_args, tensor_parallel_size)
+    load_full_state_dict(model, state_dict)
+    return model_args, model
+
+
 def load_full_state_dict(model: GPTModel, state_dict: Dict[str, Any]) -> None:
     """Strictly load a TP = 1 state_dict into ``model`` built at any tensor-parallel size.
 

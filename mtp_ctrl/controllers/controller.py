@@ -46,7 +46,7 @@ from mtp_ctrl.controllers.mamba_step import commit_mamba_states, mamba_forward
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows
-from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
+from mtp_ctrl.controllers.proposers import DraftBatch, Proposer, check_drafts
 from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
 from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
 from mtp_ctrl.controllers.sampling import sample_tokens
@@ -114,7 +114,6 @@ class TextGenerationController:
         self._step_events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                              for _ in range(2)] if self.device.type == "cuda" else None
         self._next_request_id = 0
-        self._params_by_row_cache = None
 
     # ----- set-up ------------------------------------------------------------------------
 
@@ -549,23 +548,13 @@ class TextGenerationController:
                 accepted_counts=self._accepted_counts[:grid], write_rows=write_rows,
                 first_positions=attention.seq_lens[:grid].long() - query_lengths,
                 bonus_positions=attention.seq_lens[:grid].long() - rewinds, aux_hidden=self.runner.aux_hidden))
-            self._check_drafts(drafts, grid)
+            check_drafts(self.proposer, drafts, (grid, S), self.device)
             # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
             self._draft_rows[torch.where(samples, write_rows, scratch_row)] = drafts.clamp(0, self.vocab_size - 1)
         staged = self._readback_device[:grid]
         staged[:, 0] = self._accepted_counts[:grid]
         staged[:, 1] = context.table.next_tokens[:grid]
         staged[:, 2:] = self._accepted_tokens[:grid]
-
-    def _check_drafts(self, drafts, num_sampling: int) -> None:
-        """A proposer's output must be ``[n, S]`` int64 on the step's device (metadata only)."""
-        want = (num_sampling, self.config.num_speculative_tokens)
-        if not isinstance(drafts, torch.Tensor) or drafts.dtype != torch.int64 or tuple(drafts.shape) != want:
-            raise TypeError(f"{type(self.proposer).__name__}.propose must return a {list(want)} int64 tensor, got "
-                            f"{getattr(drafts, 'dtype', type(drafts).__name__)} {tuple(getattr(drafts, 'shape', ()))}")
-        if drafts.device != self.device:
-            raise ValueError(f"{type(self.proposer).__name__}.propose returned drafts on {drafts.device}, "
-                             f"expected {self.device}")
 
     def _commit_buffers(self, num_requests: int, num_rows: int) -> StepCommit:
         """Views of the preallocated outputs of ``verify_and_commit`` for this step's grid."""

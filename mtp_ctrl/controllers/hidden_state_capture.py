@@ -118,8 +118,9 @@ class HiddenStateCapture(Proposer):
         from safetensors.torch import save_file
 
         if parallel_state.get_tensor_model_parallel_rank() == 0:
-            records = self._records[:, :count].cpu()
-            tensors = {"hidden_states": self._hidden[:count].cpu().contiguous(), "token_ids": records[0].contiguous(),
+            records = self._records[:, :count].cpu()  # host-ok: a flush, not a step
+            hidden_states = self._hidden[:count].cpu()  # host-ok: a flush
+            tensors = {"hidden_states": hidden_states.contiguous(), "token_ids": records[0].contiguous(),
                        "positions": records[1].contiguous(), "request_ids": records[2].contiguous()}
             path = os.path.join(self.output_dir, f"capture_{len(self.shard_paths):05d}.safetensors")
             save_file(tensors, path, metadata={"aux_layer_ids": json.dumps(list(self.aux_layer_ids)),

@@ -14,7 +14,7 @@ Subclass :class:`Proposer` to plug in another drafter (see ``examples/custom_pro
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,3 +92,14 @@ class Proposer(abc.ABC):
         scheduling a request runs one step past its stop, and that step is discarded; this runs
         one step late).
         Default: nothing."""
+
+
+def check_drafts(proposer: Proposer, drafts, shape: Tuple[int, int], device: torch.device) -> None:
+    """What ``proposer.propose`` returned must be a ``shape`` (``[G, S]``) int64 tensor on ``device``
+    (metadata only: no host sync)."""
+    name = type(proposer).__name__
+    if not isinstance(drafts, torch.Tensor) or drafts.dtype != torch.int64 or tuple(drafts.shape) != shape:
+        raise TypeError(f"{name}.propose must return a {list(shape)} int64 tensor, got "
+                        f"{getattr(drafts, 'dtype', type(drafts).__name__)} {tuple(getattr(drafts, 'shape', ()))}")
+    if drafts.device != device:
+        raise ValueError(f"{name}.propose returned drafts on {drafts.device}, expected {device}")

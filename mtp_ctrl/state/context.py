@@ -158,7 +158,7 @@ class DynamicInferenceContext:
         row = self._live_row(request_id)
         self._require_no_step_in_flight("finish_request")
         host = self.table.host
-        self.allocator.release(host.block_ids[row, : host.block_counts[row]].tolist())
+        self.allocator.release(host.block_ids[row, : host.block_counts[row]].tolist())  # host-ok: numpy
         if self.mamba is not None:
             self.mamba.release_slot(int(host.mamba_slot_ids[row]))
         self.table.remove(request_id)
@@ -356,7 +356,7 @@ class DynamicInferenceContext:
         needs = self._decode_needs(steps_in_flight=0)
         fits = (needs == 0) | (np.cumsum(needs) <= self.allocator.num_free_blocks)
         num_decode = needs.shape[0]
-        for request_id in self.table.host.request_ids[:num_decode][~fits].tolist():
+        for request_id in self.table.host.request_ids[:num_decode][~fits].tolist():  # host-ok: numpy
             self.table.move(request_id, RowGroup.PAUSED)
             self._paused_for_kv[request_id] = None
 

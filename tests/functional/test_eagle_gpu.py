@@ -19,12 +19,10 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 @pytest.fixture(scope="module")
 def target_and_head_path():
-    from demo_model import build_demo_model, load_checkpoint, load_full_state_dict
+    from demo_model import load_demo_model
 
     ensure_single_process_groups()
-    model_args, state_dict = load_checkpoint(os.path.join(ROOT, "examples", "checkpoints", "mtp_demo.pt"))
-    model = build_demo_model(model_args)
-    load_full_state_dict(model, state_dict)
+    _, model = load_demo_model(os.path.join(ROOT, "examples", "checkpoints", "mtp_demo.pt"))
     # fp32: padded (graph) and exact (eager) shapes then round alike, so tokens compare exactly
     return model.cuda().float().eval(), os.path.join(ROOT, "examples", "checkpoints", "eagle_demo.pt")
 
