@@ -4,7 +4,8 @@ decode steps of the demo model, by kernel.
     python bench/profile_step_kernels.py [--batch 1] [--num-speculative-tokens 2] [--steps 20]
 
 Eager steps (no graph) so every launch is visible; kernel times are the same work a replayed
-graph runs. Prints kernels per step and the top kernels by total time.
+graph runs. Prints kernels per step, the kernels by part of the step (set-up, decoder forward,
+sampling, verify, drafting and its MTP forwards), and the top kernels by total time.
 """
 
 import collections
@@ -15,10 +16,54 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_step_host import decoding_demo_controller, parse_args  # noqa: E402  the same set-up
 
 
+# Parts of a step, labelled by wrapping the methods that run them (a profile-only wrapper).
+REGIONS = (("context", "prepare_inputs", "set-up (prepare_inputs)"), ("runner", "forward", "decoder forward"),
+           ("runner", "mtp_forward", "MTP forward (all depths)"), ("proposer", "propose", "drafting glue"),
+           ("controller", "sample_rows", "sampling"))
+
+
+def label_regions(controller, torch):
+    owners = {"context": controller.context, "runner": controller.runner, "proposer": controller.proposer,
+              "controller": controller}
+    for owner_name, method_name, label in REGIONS:
+        owner = owners[owner_name]
+        method = getattr(owner, method_name)
+
+        def labelled(*args, _method=method, _label=label, **kwargs):
+            with torch.profiler.record_function("region:" + _label):
+                return _method(*args, **kwargs)
+
+        setattr(owner, method_name, labelled)
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
+                "cudaMemsetAsync", "cudaGraphLaunch")
+
+
+def launches_by_region(profiler):
+    """{label: launches}: each CUDA launch call counts for the innermost labelled part whose time
+    range holds it (the profiler does not link device kernels to record_function ranges)."""
+    events = profiler.events()
+    regions = sorted((e for e in events if e.name.startswith("region:")), key=lambda e: e.time_range.start)
+    totals = collections.Counter()
+    for event in events:
+        if not event.name.startswith(LAUNCH_CALLS):
+            continue
+        label, width = "rest of the step (verify, staging, read-back)", float("inf")
+        for region in regions:
+            if region.time_range.start <= event.time_range.start <= region.time_range.end \
+                    and region.time_range.elapsed_us() < width and region.thread == event.thread:
+                label, width = region.name[len("region:"):], region.time_range.elapsed_us()
+        totals[label] += 1
+    return totals
+
+
 def main():
     args = parse_args(__doc__.splitlines()[0], default_batch=1, default_speculative=2, default_steps=20)
     controller = decoding_demo_controller(args, graphs=False)  # eager: every launch is visible
     import torch
+
+    label_regions(controller, torch)
 
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
@@ -36,6 +81,9 @@ def main():
     print(f"{torch.cuda.get_device_name()}; demo, batch {args.batch}, S = {args.num_speculative_tokens}, eager, "
           f"{args.steps} steps: {total_count / args.steps:.0f} GPU ops per step, {total_us / args.steps:.0f} us "
           f"of GPU time per step")
+    print(f"{'launches/step':>14}  part of the step")
+    for label, count in launches_by_region(profiler).most_common():
+        print(f"{count / args.steps:14.1f}  {label}")
     print(f"{'us/step':>8} {'n/step':>7}  kernel")
     for name, total in times.most_common(args.top):
         print(f"{total / args.steps:8.1f} {kernels[name] / args.steps:7.1f}  {name}")

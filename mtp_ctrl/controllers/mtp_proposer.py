@@ -34,28 +34,14 @@ filtered softmax, ``[R + 1, S, V]`` float32 rows that follow their request), whi
 step's rejection sampling reads (``controllers/acceptance.py``).
 """
 
-from typing import NamedTuple, Optional
+from typing import Optional, Tuple
 
 import torch
 
 from mtp_ctrl.controllers.acceptance import RequestSampling
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
-
-
-class _DraftLayout(NamedTuple):
-    """Where a step's requests and their draft windows sit (device tensors; G requests, T rows,
-    Tm window rows: a bound fixed by the step's shape, rows past the real ones are padding)."""
-
-    first: torch.Tensor  # [G] int64, position of each request's first row this step
-    main_start: torch.Tensor  # [G] int64, its first packed row
-    history_rows: torch.Tensor  # [T] int64, table row of each packed row (scratch for padding rows)
-    window_start: torch.Tensor  # [G] int64, w: the first window position of each request
-    window_query_start_loc: torch.Tensor  # [G + 1] int32, window rows per request (paged mode)
-    window_rows: torch.Tensor  # [Tm] int64, the request of each window row (clamped for padding rows)
-    in_window: torch.Tensor  # [Tm] bool, the row belongs to a request's window
-    window_from_end: torch.Tensor  # [Tm] int64, distance of each window row to the row at e - 1
-    max_window_rows: int  # a bound on any request's window rows
+from mtp_ctrl.triton_ops import mtp_advance_window, mtp_draft_window
 
 
 class MTPProposer(Proposer):
@@ -96,103 +82,88 @@ class MTPProposer(Proposer):
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         S, device, num_requests = self.num_speculative_tokens, batch.hidden.device, batch.num_requests
-        layout = self._layout(batch)
         ends = batch.bonus_positions  # [G] int64, e: the bonus token's position
-        self._record_verified_tokens(batch, ends, layout)
         if self.mode == "paged":
-            hidden, positions, history_rows, metadata = self._paged_window(batch, ends, layout)
+            hidden, positions, history_rows, metadata = self._paged_window(batch)
         else:
+            self._record_verified_tokens(batch)
             hidden, positions, history_rows, metadata = self._single_position_rows(batch, ends)
         last_rows = metadata.query_start_loc[1:].long() - 1  # [G] each request's row at e - 1
         sampling_rows = torch.arange(num_requests, device=device)
         draft_write_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)  # [G] int64
         drafts = torch.empty(num_requests, S, dtype=torch.int64, device=device)  # [G, S]
-        kv_caches, row_positions = self.controller.context.kv_caches, positions.clamp(min=0)
+        runner, kv_caches = self.controller.runner, self.controller.context.kv_caches
+        row_positions = positions.clamp(min=0)
+        rotary = runner.rotary_tables(row_positions)  # the same rows at every depth
+        depth_offsets = torch.arange(1, S + 1, device=device)[:, None]  # [S, 1]
+        # [S, Tm] position of t_{i+k+1} for depth k; [S, G] where draft k goes
+        token_index = (positions[None, :] + depth_offsets).clamp(0, self._history_len - 1)
+        draft_positions = (ends[None, :] + depth_offsets).clamp(0, self._history_len - 1)
         for depth in range(S):
-            token_index = (positions + depth + 1).clamp(0, self._history_len - 1)  # [Tm] position of t_{i+k+1}
-            tokens = self._token_history[history_rows, token_index]  # [Tm] int64
-            logits, hidden = self.controller.runner.mtp_forward(depth, hidden, tokens, row_positions,
-                                                                metadata, kv_caches, logits_rows=last_rows)
-            draft_positions = (ends + depth + 1).clamp(0, self._history_len - 1)  # [G]
-            drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, draft_positions)  # [G, V] logits
+            tokens = self._token_history[history_rows, token_index[depth]]  # [Tm] int64
+            logits, hidden = runner.mtp_forward(depth, hidden, tokens, row_positions, metadata, kv_caches,
+                                                logits_rows=last_rows, rotary=rotary)  # [G, V] logits
+            drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, draft_positions[depth])
             if self._draft_probs is not None:  # q: the same filtered softmax the draft was drawn from
                 self._draft_probs[draft_write_rows, depth] = self._sampling.probs(logits, sampling_rows)
-            self._token_history[draft_write_rows, draft_positions] = drafts[:, depth]
-        self._advance_windows(batch, ends)
-        if self.mode == "paged":
-            self._update_hidden_ring(batch, ends, layout)
+            self._token_history[draft_write_rows, draft_positions[depth]] = drafts[:, depth]
+        # the next window start, and the decoder hidden of each request's last S positions
+        mtp_advance_window(batch.first_positions, ends, batch.write_rows, batch.samples,
+                           batch.step.attention.query_start_loc[: num_requests + 1], batch.hidden,
+                           self._window_start, self._hidden_ring, S)
         return drafts
 
-    def _layout(self, batch: DraftBatch) -> _DraftLayout:
-        """Derived on the device from the step's staged rows, with shapes fixed by the step's grid
-        and token count, so a padded step can be captured. A decode request's window has ``2S``
-        rows (the most it spans); a prefill chunk's covers ``[w, e)``, at most ``q + S`` rows."""
-        step, device, S = batch.step, batch.hidden.device, self.num_speculative_tokens
-        num_requests, num_rows = batch.num_requests, step.input_ids.shape[0]  # G, T
-        request_index = torch.arange(num_requests, device=device)
-        query_start_loc = step.attention.query_start_loc.long()  # [G + 1]
-        main_start, query_lengths = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
-        first = batch.first_positions  # [G] int64 (padding requests: their row's stale length, unused)
-        is_decode = request_index < step.device_num_decode
-        # w: the device's, kept by _advance_windows; a prompt's first chunk starts at 0 (the row may
-        # hold a previous request's value)
-        window_start = torch.where(first == 0, 0, self._window_start[batch.write_rows])
-        is_real = request_index < step.num_active
-        sizes = torch.where(is_decode, 2 * S, torch.where(is_real, first + query_lengths - window_start, 0))
-        window_query_start_loc = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
-        torch.cumsum(sizes, 0, out=window_query_start_loc[1:])
+    def _window_bounds(self, batch: DraftBatch) -> Tuple[int, int]:
+        """(Tm, the longest window): bounds fixed by the step's shape, so a padded step can be
+        captured. A decode request's window has ``2S`` rows (the most it spans); a prefill chunk's
+        covers ``[w, e)``, at most ``q + S`` rows."""
+        step, S, num_requests = batch.step, self.num_speculative_tokens, batch.num_requests
+        num_rows = step.input_ids.shape[0]
         if step.decode_only:
-            num_window_rows, max_window_rows = num_requests * 2 * S, 2 * S
-        elif step.graph_padded:  # a bound that holds for every step the graph replays
-            num_window_rows, max_window_rows = num_rows + num_requests * S, num_rows + S
-        else:  # eager: the host's longest chunk bounds the windows (the attention grid follows it)
-            longest_chunk = int(step.host_query_lengths.max())  # host-ok: host tensor
-            num_window_rows, max_window_rows = num_rows + num_requests * S, max(2 * S, longest_chunk + S)
-        window_index = torch.arange(num_window_rows, device=device)
-        window_rows = torch.searchsorted(window_query_start_loc[1:], window_index, right=True).clamp(max=num_requests - 1)
-        row_index = torch.arange(num_rows, device=device)
-        row_requests = torch.searchsorted(query_start_loc[1:], row_index, right=True).clamp(max=num_requests - 1)
-        history_rows = torch.where(row_index < query_start_loc[-1], batch.write_rows[row_requests], self._scratch_row)
-        return _DraftLayout(
-            first, main_start, history_rows, window_start, window_query_start_loc.to(torch.int32), window_rows,
-            window_index < window_query_start_loc[-1], window_query_start_loc[1:][window_rows] - 1 - window_index,
-            max_window_rows)
+            return num_requests * 2 * S, 2 * S
+        if step.graph_padded:  # a bound that holds for every step the graph replays
+            return num_rows + num_requests * S, num_rows + S
+        # eager: the host's longest chunk bounds the windows (the attention grid follows it)
+        longest_chunk = int(step.host_query_lengths.max())  # host-ok: host tensor
+        return num_rows + num_requests * S, max(2 * S, longest_chunk + S)
 
-    def _record_verified_tokens(self, batch: DraftBatch, ends: torch.Tensor, layout: _DraftLayout) -> None:
-        """Write this step's input rows at their positions, then each bonus token at ``e``.
-        Rejected drafts land past ``e`` and are overwritten by the new drafts."""
-        step, num_rows = batch.step, layout.history_rows.shape[0]
-        self._token_history[layout.history_rows, step.attention.positions[:num_rows]] = step.input_ids[:num_rows]
-        bonus_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)
-        self._token_history[bonus_rows, ends.clamp(0, self._history_len - 1)] = batch.next_tokens
+    def _draft_window(self, batch: DraftBatch, num_window_rows: int):
+        """Record the step's verified tokens and lay out the windows (``mtp_draft_window``);
+        returns its outputs: window query_start_loc [G + 1] int32, positions, slot mapping and
+        table rows [Tm] int64, depth 0's hidden [Tm, H]."""
+        step, device, num_requests = batch.step, batch.hidden.device, batch.num_requests
+        attention = step.attention
+        window_query_start_loc = torch.empty(num_requests + 1, dtype=torch.int32, device=device)
+        positions, slot_mapping, history_rows = torch.empty(3, num_window_rows, dtype=torch.int64, device=device)
+        hidden = torch.empty(num_window_rows, batch.hidden.shape[1], dtype=batch.hidden.dtype, device=device)
+        num_rows = batch.hidden.shape[0]
+        mtp_draft_window(
+            attention.query_start_loc[: num_requests + 1], batch.first_positions, batch.bonus_positions,
+            batch.write_rows, batch.samples, step.device_num_decode, step.num_active,
+            attention.positions[:num_rows], step.input_ids[:num_rows], batch.next_tokens, batch.hidden,
+            attention.block_table[:num_requests], self._window_start, self._token_history, self._hidden_ring,
+            self.num_speculative_tokens, self.controller.config.block_size_tokens, self._scratch_row,
+            window_query_start_loc, positions, slot_mapping, history_rows, hidden)
+        return window_query_start_loc, positions, slot_mapping, history_rows, hidden
 
-    def _paged_window(self, batch: DraftBatch, ends, layout: _DraftLayout):
+    def _record_verified_tokens(self, batch: DraftBatch) -> None:
+        """The step's rows at their positions, then each bonus token at ``e`` (no window)."""
+        self._draft_window(batch, num_window_rows=0)
+
+    def _paged_window(self, batch: DraftBatch):
         """Rows for positions ``[w, e)`` of every request, right-aligned in its window rows; rows
         before ``w`` and padding rows are masked (no KV write, output unused)."""
         step = batch.step
-        block_size = self.controller.config.block_size_tokens
-        first, main_start, rows = layout.first, layout.main_start, layout.window_rows
-        # [Tm] int64, may be < w (then masked) or < 0; -1 for padding rows
-        positions = torch.where(layout.in_window, ends[rows] - 1 - layout.window_from_end, -1)
-        valid = positions >= layout.window_start[rows]
-        safe_positions = positions.clamp(min=0)
-        block_table = step.attention.block_table[: batch.num_requests]
-        block_ids = block_table[rows, safe_positions // block_size].long()
-        slot_mapping = torch.where(valid, block_ids * block_size + safe_positions % block_size, -1)  # [Tm] int64
-        history_rows = torch.where(layout.in_window, batch.write_rows[rows], self._scratch_row)  # [Tm] int64
-        # depth 0 input: this step's decoder rows for positions >= first, the ring before that
-        from_step = positions >= first[rows]
-        step_rows = (main_start[rows] + positions - first[rows]).clamp(0, batch.hidden.shape[0] - 1)
-        ring_hidden = self._hidden_ring[history_rows, safe_positions % self._ring_size]  # [Tm, H]
-        hidden = torch.where(from_step[:, None], batch.hidden[step_rows], ring_hidden)  # [Tm, H]
+        num_window_rows, max_window_rows = self._window_bounds(batch)
+        window_query_start_loc, positions, slot_mapping, history_rows, hidden = self._draft_window(batch, num_window_rows)
         metadata = AttentionMetadata(
-            query_start_loc=layout.window_query_start_loc,
-            seq_lens=ends.clamp(min=0).to(torch.int32),
+            query_start_loc=window_query_start_loc,
+            seq_lens=batch.bonus_positions.clamp(min=0).to(torch.int32),
             slot_mapping=slot_mapping,
-            block_table=block_table,
-            positions=safe_positions,
-            num_actual_tokens=rows.shape[0],
-            max_query_len=layout.max_window_rows,
+            block_table=step.attention.block_table[: batch.num_requests],
+            positions=positions.clamp(min=0),
+            num_actual_tokens=num_window_rows,
+            max_query_len=max_window_rows,
             max_seq_len=step.attention.max_seq_len,
         )
         return hidden, positions, history_rows, metadata
@@ -217,20 +188,3 @@ class MTPProposer(Proposer):
         hidden = batch.hidden[batch.last_accepted_rows.clamp(min=0)]  # [G, H]
         history_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)
         return hidden, ends - 1, history_rows, metadata
-
-    def _advance_windows(self, batch: DraftBatch, ends: torch.Tensor) -> None:
-        """Next window start on the device: ``w = max(0, min(e, V - S))``, where ``V`` counts the
-        tokens known there (the prompt chunk, or the verified tokens and the bonus)."""
-        known_tokens = ends + batch.samples.long()  # [G] int64, V
-        self._window_start[batch.write_rows] = torch.minimum(ends, known_tokens - self.num_speculative_tokens).clamp(min=0)
-
-    def _update_hidden_ring(self, batch: DraftBatch, ends, layout: _DraftLayout) -> None:
-        """Keep the decoder hidden of each request's last ``S`` accepted positions."""
-        ring, device, first, main_start = self._ring_size, batch.hidden.device, layout.first, layout.main_start
-        positions = ends[:, None] - ring + torch.arange(ring, device=device)[None, :]  # [G, ring]
-        valid = positions >= first[:, None]
-        step_rows = (main_start[:, None] + positions - first[:, None]).clamp(0, batch.hidden.shape[0] - 1)
-        slots = positions.clamp(min=0) % ring
-        table_rows = batch.write_rows[:, None].expand(-1, ring)
-        old = self._hidden_ring[table_rows, slots]  # [G, ring, H]
-        self._hidden_ring[table_rows, slots] = torch.where(valid[..., None], batch.hidden[step_rows], old)

@@ -169,8 +169,9 @@ class PagedGPTRunner:
             scaled_positions = scaled_positions / rotary.seq_len_interpolation_factor
         return torch.outer(scaled_positions, self._inv_freq)  # [T, rotary_dim / 2]
 
-    def _rotary(self, positions: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[RotaryTables]]:
-        """``(rotary_pos_emb for megatron, tables for the fused path)``: at most one is not None."""
+    def rotary_tables(self, positions: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[RotaryTables]]:
+        """``(rotary_pos_emb for megatron, tables for the fused path)`` at ``positions`` ``[T]``
+        int64: at most one is not None. Drafting passes them to every depth over the same rows."""
         if self.model.position_embedding_type != "rope":
             return None, None
         freqs = self._rotary_angles(positions)  # [T, rotary_dim / 2] fp32
@@ -225,7 +226,7 @@ class PagedGPTRunner:
         self._check_rows(input_ids, positions, metadata, kv_caches)
         self._check_logits_rows(logits_rows)
         self._check_mamba(mamba)
-        rotary_pos_emb, rotary = self._rotary(positions)
+        rotary_pos_emb, rotary = self.rotary_tables(positions)
         self._aux_parts = [None] * len(self.aux_layer_ids)
         try:
             with paged_forward_context(metadata, kv_caches, mamba, rotary, fused_glue=self.fused_glue):
@@ -238,12 +239,13 @@ class PagedGPTRunner:
         projected = hidden if logits_rows is None else hidden[logits_rows]  # [K, 1, H]
         return self._logits(projected), hidden[:, 0]
 
-    def _position_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        """``[1, T]`` position ids for megatron's embedding. A learned position table has
+    def _position_ids(self, positions: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``[1, T]`` position ids (``positions + offset``) for megatron's embedding, which reads
+        them only for a learned position table (else no kernel runs here). That table has
         ``max_sequence_length`` rows: positions past it (only a step the overlapped loop runs
         past a request's stop, whose output is discarded) read its last row instead of faulting."""
         if self.model.position_embedding_type == "learned_absolute":
-            positions = positions.clamp(max=self.model.max_sequence_length - 1)
+            positions = (positions + offset).clamp(max=self.model.max_sequence_length - 1)
         return positions[None]
 
     @staticmethod
@@ -274,6 +276,7 @@ class PagedGPTRunner:
         metadata: AttentionMetadata,
         kv_caches: Sequence[KVCachePair],
         logits_rows: Optional[torch.Tensor] = None,  # [K] int64: rows that draft (default all)
+        rotary=None,  # rotary_tables(positions), to share one computation across depths
     ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [K, V] fp32, hidden [T, H]
         """MTP layer ``depth`` as megatron computes it in training, attending through cache ``L + depth``.
 
@@ -292,10 +295,10 @@ class PagedGPTRunner:
             raise ValueError(f"hidden must be [T, hidden_size] = [{token_ids.shape[0]}, "
                              f"{self.model.config.hidden_size}], got {getattr(hidden, 'shape', None)}")
         layer = self.model.mtp.layers[depth]
-        rotary_pos_emb, rotary = self._rotary(positions)
+        rotary_pos_emb, rotary = rotary if rotary is not None else self.rotary_tables(positions)
         with paged_forward_context(metadata, kv_caches, rotary=rotary, fused_glue=self.fused_glue):
             # megatron rolls position ids with the tokens; only a learned position embedding reads them
-            embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions + 1))  # [T, 1, H]
+            embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions, offset=1))  # [T, 1, H]
             combined = torch.cat((layer.enorm(embedded), layer.hnorm(hidden[:, None])), dim=-1)  # [T, 1, 2H]
             projected, _ = layer.eh_proj(combined)  # [T, 1, H / tp]
             projected = _gather_last_dim_over_tp(projected)  # [T, 1, H]
@@ -324,9 +327,9 @@ class PagedGPTRunner:
         if not isinstance(features, torch.Tensor) or features.shape != (token_ids.shape[0], self.model.config.hidden_size):
             raise ValueError(f"features must be [T, hidden_size] = [{token_ids.shape[0]}, "
                              f"{self.model.config.hidden_size}], got {getattr(features, 'shape', None)}")
-        rotary_pos_emb, rotary = self._rotary(positions)
+        rotary_pos_emb, rotary = self.rotary_tables(positions)
         with paged_forward_context(metadata, kv_caches, rotary=rotary, fused_glue=self.fused_glue):
-            embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions + 1))  # [T, 1, H]
+            embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions, offset=1))  # [T, 1, H]
             out = head(embedded, features[:, None], rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
         normed = self.model.decoder.final_layernorm(out)  # the target's final norm
         projected_rows = normed if logits_rows is None else normed[logits_rows]  # [K, 1, H]

@@ -44,6 +44,7 @@ from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.batch_dimensions import BatchDimensions
 from mtp_ctrl.state.request_table import RequestTable
 from mtp_ctrl.state.staging import StagingBuffers
+from mtp_ctrl.triton_ops import prepare_step_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,6 @@ class StepBuffers:
         self.positions = torch.zeros(max_tokens_per_step, dtype=torch.int64, device=device)  # [T] int64
         self.slot_mapping = torch.full((max_tokens_per_step,), -1, dtype=torch.int64, device=device)  # [T] int64
         self.seq_lens = torch.zeros(R, dtype=torch.int32, device=device)  # [R] int32
-        self.row_index = torch.arange(max_tokens_per_step, device=device)  # [T] int64, constant
 
     def build(self, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
               num_final_prefill_chunks: int, padded: Optional[BatchDimensions], block_writes: np.ndarray,
@@ -213,39 +213,11 @@ class StepBuffers:
         """The device half of the step's set-up (no host sync, fixed shapes per bucket, so it is
         captured with the decode step): take the host's new blocks, grow every request's KV by
         its rows, and derive positions, slots, sequence lengths and the decode rows' tokens."""
-        table, staged = self.table, self.staging.device
-        attention, block_size = step.attention, self.table.block_size_tokens
-        batch_size, num_rows = attention.batch_size, step.input_ids.shape[0]
-        writes = staged["block_writes"]  # [3, k]: the unused tail writes -1 into the scratch row
-        table.device_block_ids_with_scratch().index_put_((writes[0], writes[1]), writes[2])
-        query_start_loc = attention.query_start_loc.long()  # [G + 1] int64
-        query_lengths = query_start_loc[1:] - query_start_loc[:-1]  # [G] int64; 0 for padding requests
-        rows = table.device
-        first_positions = rows.kv_length_offsets[:batch_size].clone()  # [G] int64
-        lengths = first_positions + query_lengths  # [G] int64
-        counts = (lengths + block_size - 1) // block_size
-        rows.kv_length_offsets[:batch_size] = lengths
-        rows.kv_block_counts[:batch_size] = counts
-        rows.last_kv_block_offset[:batch_size] = torch.remainder(lengths - 1, block_size)
-        last_ids = rows.kv_block_ids[:batch_size].gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0]
-        rows.last_kv_block_id[:batch_size] = torch.where(counts > 0, last_ids, -1)
-        attention.seq_lens.copy_(torch.where(query_lengths > 0, lengths, 0))
-
-        row_index = self.row_index[:num_rows]  # [T] int64
-        row_requests = torch.searchsorted(query_start_loc[1:], row_index, right=True).clamp(max=batch_size - 1)
-        valid = row_index < query_start_loc[-1]  # [T] bool: past the real rows is padding
-        positions = torch.where(valid, first_positions[row_requests] + row_index - query_start_loc[row_requests], 0)
-        block_ids = rows.kv_block_ids[row_requests, positions // block_size]  # [T] int64
-        attention.positions.copy_(positions)
-        attention.slot_mapping.copy_(torch.where(valid, block_ids * block_size + positions % block_size, -1))
-
-        # decode rows take the last verified token, then the drafts; prefill rows keep the staged chunk
-        stride = table.num_speculative_tokens + 1
-        row_request = (row_index // stride).clamp(max=batch_size - 1)  # [T] int64, if the row decodes
-        row_in_request = row_index % stride
-        decode_tokens = table.next_tokens[row_request]  # [T] int64
-        if stride > 1:
-            drafts = table.draft_tokens[row_request, (row_in_request - 1).clamp(min=0)]
-            decode_tokens = torch.where(row_in_request > 0, drafts, decode_tokens)
-        is_decode_row = row_index < step.device_num_decode * stride
-        step.input_ids.copy_(torch.where(is_decode_row, decode_tokens, step.input_ids))
+        table, attention, rows = self.table, step.attention, self.table.device
+        batch_size = attention.batch_size
+        prepare_step_inputs(
+            self.staging.device["block_writes"],  # [3, k]: the unused tail writes -1 into the scratch row
+            table.device_block_ids_with_scratch(), attention.query_start_loc[: batch_size + 1],
+            rows.kv_length_offsets, rows.kv_block_counts, rows.last_kv_block_offset, rows.last_kv_block_id,
+            table.next_tokens, table.draft_tokens, step.device_num_decode, table.block_size_tokens,
+            attention.seq_lens, attention.positions, attention.slot_mapping, step.input_ids)

@@ -17,6 +17,7 @@ _OP_MODULES = {
     "rewind_kv_cache": "kv_rewind",
     "mamba_state_selective_copy": "mamba_state_copy",
     "verify_and_commit": "fused_step",
+    "prepare_step_inputs": "step_inputs",
     # drafting inputs (contract: docs/kernels.md)
     "copy_and_expand_eagle_inputs": "eagle_inputs",
     "eagle_prepare_inputs_padded": "eagle_padded",
@@ -24,6 +25,8 @@ _OP_MODULES = {
     "eagle_step_update_slot_mapping_and_metadata": "eagle_slot_mapping",
     "extend_all_queries_by_n": "extend_queries",
     "ptd_prepare_inputs": "parallel_drafting",
+    "mtp_draft_window": "mtp_window",
+    "mtp_advance_window": "mtp_window",
     "shift_and_gather_cache": "shift_gather_cache",
     "shift_and_gather_cache_hidden": "shift_gather_cache",
     # the fused op's result type and release width

@@ -1,0 +1,88 @@
+"""Torch twins of the MTP draft-window ops (:mod:`mtp_ctrl.triton_ops.mtp_window`)."""
+
+import torch
+
+
+def _window_layout(query_start_loc, first_positions, write_rows, num_decode, num_active, window_starts,
+                   num_speculative_tokens):
+    """Per request: w (its first window position) and its window row count."""
+    num_requests = first_positions.shape[0]
+    S, device = num_speculative_tokens, first_positions.device
+    request_index = torch.arange(num_requests, device=device)
+    starts = query_start_loc.long()
+    query_lengths = starts[1:] - starts[:-1]  # [G] int64
+    window_start = torch.where(first_positions == 0, 0, window_starts[write_rows])  # [G] int64
+    sizes = torch.where(request_index < num_decode, 2 * S,
+                        torch.where(request_index < num_active, first_positions + query_lengths - window_start, 0))
+    return window_start, sizes
+
+
+def mtp_draft_window(
+    query_start_loc, first_positions, bonus_positions, write_rows, samples, num_decode, num_active,
+    step_positions, step_input_ids, next_tokens, step_hidden, block_table, window_starts, token_history,
+    hidden_ring, num_speculative_tokens, block_size, padding_row,
+    out_window_query_start_loc, out_positions, out_slot_mapping, out_history_rows, out_hidden,
+):
+    """Twin of :func:`mtp_ctrl.triton_ops.mtp_draft_window`."""
+    G, T = first_positions.shape[0], step_positions.shape[0]
+    Tm, S = out_positions.shape[0], num_speculative_tokens
+    device = first_positions.device
+    history_len = token_history.shape[1]
+    if G == 0:  # nothing to record; every window row is padding
+        out_window_query_start_loc.zero_()
+        out_positions.fill_(-1)
+        out_slot_mapping.fill_(-1)
+        out_history_rows.fill_(padding_row)
+        out_hidden.zero_()
+        return
+    num_decode, num_active = num_decode.reshape(()), num_active.reshape(())
+    ends, first = bonus_positions, first_positions
+    starts = query_start_loc.long()
+    # 1. this step's rows at their positions, then each request's bonus token at e
+    row_index = torch.arange(T, device=device)
+    row_requests = torch.searchsorted(starts[1:], row_index, right=True).clamp(max=G - 1)
+    real_rows = row_index < starts[G]
+    token_history[write_rows[row_requests][real_rows], step_positions[real_rows]] = step_input_ids[real_rows]
+    bonus_rows = torch.where(samples, write_rows, padding_row)
+    token_history[bonus_rows, ends.clamp(0, history_len - 1)] = next_tokens[:G]
+    # 2. the windows
+    window_start, sizes = _window_layout(query_start_loc, first, write_rows, num_decode, num_active, window_starts, S)
+    window_query_start_loc = torch.zeros(G + 1, dtype=torch.int64, device=device)
+    torch.cumsum(sizes, 0, out=window_query_start_loc[1:])
+    out_window_query_start_loc.copy_(window_query_start_loc)
+    window_index = torch.arange(Tm, device=device)
+    rows = torch.searchsorted(window_query_start_loc[1:], window_index, right=True).clamp(max=G - 1)
+    in_window = window_index < window_query_start_loc[G]
+    from_end = window_query_start_loc[1:][rows] - 1 - window_index
+    positions = torch.where(in_window, ends[rows] - 1 - from_end, -1)  # [Tm] int64
+    valid = in_window & (positions >= window_start[rows])
+    safe_positions = positions.clamp(min=0)
+    block_ids = block_table[rows, safe_positions // block_size].long()
+    out_positions.copy_(positions)
+    out_slot_mapping.copy_(torch.where(valid, block_ids * block_size + safe_positions % block_size, -1))
+    history_rows = torch.where(in_window, write_rows[rows], padding_row)
+    out_history_rows.copy_(history_rows)
+    # depth 0's hidden: this step's decoder rows for positions >= first, the ring before that
+    from_step = positions >= first[rows]
+    step_rows = (starts[:-1][rows] + positions - first[rows]).clamp(0, max(T - 1, 0))
+    ring_hidden = hidden_ring[history_rows, safe_positions % S]  # [Tm, H]
+    hidden = torch.where(from_step[:, None], step_hidden[step_rows], ring_hidden) if T > 0 else ring_hidden
+    out_hidden.copy_(torch.where(in_window[:, None], hidden, 0))
+
+
+def mtp_advance_window(first_positions, bonus_positions, write_rows, samples, query_start_loc, step_hidden,
+                       window_starts, hidden_ring, num_speculative_tokens):
+    """Twin of :func:`mtp_ctrl.triton_ops.mtp_advance_window`."""
+    G, T, S = first_positions.shape[0], step_hidden.shape[0], num_speculative_tokens
+    if G == 0:
+        return
+    ends, first, device = bonus_positions, first_positions, first_positions.device
+    window_starts[write_rows] = torch.minimum(ends, ends + samples.long() - S).clamp(min=0)
+    positions = ends[:, None] - S + torch.arange(S, device=device)[None, :]  # [G, S]
+    valid = (positions >= first[:, None]) & (positions >= 0)
+    step_rows = (query_start_loc[:-1].long()[:, None] + positions - first[:, None]).clamp(0, max(T - 1, 0))
+    slots = positions.clamp(min=0) % S
+    table_rows = write_rows[:, None].expand(-1, S)
+    old = hidden_ring[table_rows, slots]  # [G, S, H]
+    new = step_hidden[step_rows] if T > 0 else old
+    hidden_ring[table_rows, slots] = torch.where(valid[..., None], new, old)

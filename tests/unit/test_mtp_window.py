@@ -1,0 +1,153 @@
+"""mtp_draft_window / mtp_advance_window: kernel == reference on random steps (decode rows,
+prefill chunks, a mid-prompt chunk, padding requests and rows, block boundaries), the module's
+worked example, and named errors."""
+
+import pytest
+import torch
+
+from mtp_ctrl.triton_ops import mtp_advance_window, mtp_draft_window, reference
+
+BLOCK_SIZE = 4
+
+
+def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidden_size=8, max_requests=12,
+               padding_step_rows=3, mid_prompt=True, dtype=torch.float32, extra_window_rows=None):
+    """A step's tensors: ``num_decode`` decode requests, prefill chunks of ``prefill_lengths`` (the
+    last one mid-prompt when ``mid_prompt``), ``num_padding`` padding requests."""
+    def randint(low, high, size=()):
+        return torch.randint(low, high, size, generator=generator)
+
+    num_prefill = len(prefill_lengths)
+    G = num_decode + num_prefill + num_padding
+    R, history_len = max_requests, 96
+    padding_row = R
+    query_lengths = [1 + S] * num_decode + list(prefill_lengths) + [0] * num_padding
+    first, ends, samples = [], [], []
+    for r in range(G):
+        if r < num_decode:
+            start = int(randint(0, 40))
+            first.append(start)
+            ends.append(start + 1 + int(randint(0, S + 1)))
+            samples.append(True)
+        elif r < num_decode + num_prefill:
+            start = 0 if bool(randint(0, 2)) else int(randint(1, 30))
+            first.append(start)
+            ends.append(start + query_lengths[r])
+            samples.append(not (mid_prompt and r == num_decode + num_prefill - 1))
+        else:
+            first.append(int(randint(-3, 50)))  # a padding request's stale value
+            ends.append(int(randint(-3, 50)))
+            samples.append(False)
+    starts = torch.zeros(G + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(query_lengths, dtype=torch.int32), 0)
+    T = int(starts[-1]) + padding_step_rows
+    step_positions = torch.zeros(T, dtype=torch.int64)
+    for r in range(G):
+        step_positions[int(starts[r]): int(starts[r + 1])] = torch.arange(query_lengths[r]) + first[r]
+    write_rows = torch.randperm(R, generator=generator)[:G].clone()  # [G] int64
+    write_rows[num_decode + num_prefill:] = padding_row
+    window_starts = randint(0, 40, (R + 1,))
+    for r in range(num_decode + num_prefill):  # w <= first, at most S before it
+        window_starts[write_rows[r]] = max(0, first[r] - int(randint(0, S + 1)))
+    Tm = G * 2 * S if not num_prefill else T + G * S
+    Tm += int(randint(0, 4)) if extra_window_rows is None else extra_window_rows  # padding rows past the windows
+    blocks_per_request = (history_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    return dict(
+        query_start_loc=starts, first_positions=torch.tensor(first, dtype=torch.int64),
+        bonus_positions=torch.tensor(ends, dtype=torch.int64), write_rows=write_rows,
+        samples=torch.tensor(samples, dtype=torch.bool), num_decode=torch.tensor([num_decode]),
+        num_active=torch.tensor([num_decode + num_prefill]), step_positions=step_positions,
+        step_input_ids=randint(0, 50, (T,)), next_tokens=randint(0, 50, (G + 2,)),
+        step_hidden=torch.randn(T, hidden_size, generator=generator).to(dtype),
+        block_table=randint(0, 200, (G + 1, blocks_per_request)).to(torch.int32),
+        window_starts=window_starts, token_history=randint(0, 50, (R + 1, history_len)),
+        hidden_ring=torch.randn(R + 1, S, hidden_size, generator=generator).to(dtype),
+        num_speculative_tokens=S, block_size=BLOCK_SIZE, padding_row=padding_row,
+        out_window_query_start_loc=torch.full((G + 1,), -7, dtype=torch.int32),
+        out_positions=torch.full((Tm,), -7), out_slot_mapping=torch.full((Tm,), -7),
+        out_history_rows=torch.full((Tm,), -7), out_hidden=torch.full((Tm, hidden_size), 7.0, dtype=dtype),
+    )
+
+
+def _clone(case):
+    return {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in case.items()}
+
+
+def _assert_same(got, want, padding_row):
+    for name, value in got.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if name in ("token_history", "hidden_ring", "window_starts"):  # the padding row takes racing writes
+            value, expected = value[:padding_row], want[name][:padding_row]
+        else:
+            expected = want[name]
+        assert torch.equal(value, expected), name
+
+
+ADVANCE_ARGS = ("first_positions", "bonus_positions", "write_rows", "samples", "query_start_loc", "step_hidden",
+                "window_starts", "hidden_ring", "num_speculative_tokens")
+
+
+@pytest.mark.parametrize("S", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(1, (), 0), (3, (), 2), (0, (5,), 0), (2, (7, 3), 1), (0, (33,), 3),
+                                   (4, (1, 6, 2), 0), (0, (), 2)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernels_match_reference(S, shape, seed):
+    num_decode, prefill_lengths, num_padding = shape
+    generator = torch.Generator().manual_seed(seed * 100 + S * 10 + num_decode)
+    case = mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, mid_prompt=bool(seed))
+    want = _clone(case)
+    mtp_draft_window(**case)
+    reference.mtp_draft_window(**want)
+    _assert_same(case, want, case["padding_row"])
+    mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS})
+    reference.mtp_advance_window(**{name: want[name] for name in ADVANCE_ARGS})
+    _assert_same(case, want, case["padding_row"])
+
+
+@pytest.mark.parametrize("op", [mtp_draft_window, reference.mtp_draft_window])
+def test_worked_example(op):
+    """S = 2, one decode request: e = 12, w = 9, first = 10 -> window positions 8, 9, 10, 11."""
+    case = mtp_window_case(torch.Generator().manual_seed(0), 1, (), 0, 2, max_requests=2)
+    case.update(first_positions=torch.tensor([10]), bonus_positions=torch.tensor([12]),
+                write_rows=torch.tensor([0]))
+    case["step_positions"][:3] = torch.tensor([10, 11, 12])
+    case["window_starts"][0] = 9
+    case["block_table"][0, 2] = 5  # positions 8..11 sit in block column 2
+    op(**case)
+    assert case["out_window_query_start_loc"].tolist() == [0, 4]
+    assert case["out_positions"][:4].tolist() == [8, 9, 10, 11]
+    assert case["out_slot_mapping"][:4].tolist() == [-1, 21, 22, 23]
+    hidden, ring = case["out_hidden"], case["hidden_ring"]
+    assert torch.equal(hidden[1], ring[0, 9 % 2]) and torch.equal(hidden[2:4], case["step_hidden"][0:2])
+    assert case["token_history"][0, 10:13].tolist() == [*case["step_input_ids"][:2].tolist(),
+                                                       int(case["next_tokens"][0])]  # the bonus wins at e
+
+
+@pytest.mark.parametrize("op", [mtp_draft_window, reference.mtp_draft_window])
+def test_empty_grid_writes_padding_rows(op):
+    case = mtp_window_case(torch.Generator().manual_seed(1), 0, (), 0, 2)
+    case["out_positions"] = torch.full((5,), -7)
+    for name in ("out_slot_mapping", "out_history_rows"):
+        case[name] = torch.full((5,), -7)
+    case["out_hidden"] = torch.full((5, 8), 7.0)
+    op(**case)
+    assert case["out_positions"].tolist() == [-1] * 5 and case["out_slot_mapping"].tolist() == [-1] * 5
+    assert case["out_history_rows"].tolist() == [case["padding_row"]] * 5
+    assert case["out_hidden"].abs().sum() == 0 and case["out_window_query_start_loc"].tolist() == [0]
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("first_positions", torch.zeros(2, dtype=torch.int32), TypeError),
+    ("samples", torch.zeros(2, dtype=torch.int64), TypeError),
+    ("num_decode", torch.zeros(2, dtype=torch.int64), ValueError),
+    ("hidden_ring", torch.zeros(13, 3, 8), ValueError),
+    ("out_hidden", torch.zeros(4, 8, dtype=torch.float64), TypeError),
+    ("num_speculative_tokens", 0, ValueError),
+    ("padding_row", 99, ValueError),
+])
+def test_bad_arguments_are_named(name, value, error):
+    case = mtp_window_case(torch.Generator().manual_seed(2), 2, (), 0, 2)
+    case[name] = value
+    with pytest.raises(error, match=name):
+        mtp_draft_window(**case)
