@@ -52,7 +52,7 @@ def launches_by_region(profiler):
         label, width = "rest of the step (verify, staging, read-back)", float("inf")
         for region in regions:
             if region.time_range.start <= event.time_range.start <= region.time_range.end \
-                    and region.time_range.elapsed_us() < width and region.thread == event.thread:
+                    and region.time_range.elapsed_us() < width:
                 label, width = region.name[len("region:"):], region.time_range.elapsed_us()
         totals[label] += 1
     return totals
