@@ -18,6 +18,8 @@ _OP_MODULES = {
     "mamba_state_selective_copy": "mamba_state_copy",
     "verify_and_commit": "fused_step",
     "prepare_step_inputs": "step_inputs",
+    "logits_row_requests": "step_rows",
+    "draft_batch_rows": "step_rows",
     # drafting inputs (contract: docs/kernels.md)
     "copy_and_expand_eagle_inputs": "eagle_inputs",
     "eagle_prepare_inputs_padded": "eagle_padded",

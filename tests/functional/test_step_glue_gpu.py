@@ -86,3 +86,21 @@ def test_prepare_step_inputs_matches_reference_without_sync_and_replay():
     graph.replay()
     reference.prepare_step_inputs(**fresh)
     _assert_equal(gpu, fresh)
+
+
+def test_step_rows_match_reference_on_cuda():
+    from mtp_ctrl.triton_ops import draft_batch_rows, logits_row_requests
+    from tests.unit.test_step_rows import draft_rows_case, logits_rows_case
+
+    for op, twin, case in ((logits_row_requests, reference.logits_row_requests,
+                            logits_rows_case(torch.Generator().manual_seed(0), 64, 40, 2)),
+                           (draft_batch_rows, reference.draft_batch_rows,
+                            draft_rows_case(torch.Generator().manual_seed(0), 64, (50, 30, 45), 2))):
+        gpu = _to(case, "cuda")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            op(**gpu)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        twin(**case)
+        _assert_equal(gpu, case)

@@ -13,6 +13,8 @@ _REFERENCE_MODULES = {
     "mamba_state_selective_copy": "mtp_step",
     "verify_and_commit": "mtp_step",
     "prepare_step_inputs": "step_inputs",
+    "logits_row_requests": "step_rows",
+    "draft_batch_rows": "step_rows",
     "copy_and_expand_eagle_inputs": "drafting",
     "eagle_prepare_inputs_padded": "drafting",
     "eagle_prepare_next_token_padded": "drafting",
