@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --checkpoint ...  # tensor parallel on 2 GPUs
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --load DIR        # a megatron dist checkpoint
     python examples/generate.py --metrics-json metrics.json                   # keep the figures
-    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \
+    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \\
         --num-speculative-tokens 3    # draft layers of examples/train_multi_layer_eagle.py (--draft-checkpoint PATH)
 
 Plain decoding (S = 0) and speculative decoding (S = --num-speculative-tokens) are each warmed up
