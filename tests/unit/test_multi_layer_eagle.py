@@ -60,19 +60,22 @@ def test_drafts_equal_the_dense_layers_across_chunks(models, plain_greedy):
     (1, 0.0, "exact_match"), (1, 0.8, "exact_match"), (2, 0.8, "exact_match"), (2, 0.8, "rejection"),
 ])
 def test_equals_plain_greedy_sampled_and_rejection(models, torch_twins, num_layers, temperature, acceptance):
+    """Rejection acceptance keeps plain decoding's distribution, not its tokens: there, the greedy
+    requests (every other one) must still equal plain decoding."""
     model, _, _, _ = models
     heads, _ = build_heads(model, None, num_layers)
     prompts = [list(p) for p in PROMPTS]
-    params = [SamplingParams(max_new_tokens=8, temperature=temperature, seed=seed) for seed in range(len(prompts))]
+    greedy = [acceptance == "exact_match" or seed % 2 == 0 for seed in range(len(prompts))]
+    params = [SamplingParams(max_new_tokens=8, temperature=0.0 if acceptance != "exact_match" and greedy[seed]
+                             else temperature, seed=seed) for seed in range(len(prompts))]
     plain = make_controller(model, 0).generate(prompts, params)
     controller = make_controller(model, num_layers, proposer=MultiLayerEagleProposer(heads), acceptance=acceptance)
     spec = controller.generate(prompts, params)
-    if acceptance == "exact_match":
-        assert [r.output_tokens for r in spec] == [r.output_tokens for r in plain]
-    else:  # same distribution, not the same tokens: reproducible, and greedy-equal where it must be
-        again = make_controller(model, num_layers, proposer=MultiLayerEagleProposer(heads), acceptance=acceptance)
-        assert [r.output_tokens for r in again.generate(prompts, params)] == [r.output_tokens for r in spec]
-        assert all(len(r.output_tokens) == 8 for r in spec)
+    for index, (got, want) in enumerate(zip(spec, plain)):
+        if greedy[index]:
+            assert got.output_tokens == want.output_tokens, index
+        else:
+            assert len(got.output_tokens) == 8 and got.finish_reason == want.finish_reason
 
 
 def test_churn_preemption_sampling_padded_steps_equal_plain(models, torch_twins):
