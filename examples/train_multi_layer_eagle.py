@@ -35,7 +35,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=DEFAULT_TARGET, help="the frozen target (examples/train_mtp.py)")
     parser.add_argument("--num-layers", type=int, default=3, help="draft layers = S served (>= 1)")
-    parser.add_argument("--aux-layers", default=None, help="comma-separated decoder layers (default: first, middle, last)")
+    parser.add_argument("--aux-layers", default=None,
+                        help="comma-separated decoder layers (default: first, middle, last)")
     parser.add_argument("--capture-windows", type=int, default=2048, help="training-text windows captured")
     parser.add_argument("--window-len", type=int, default=512, help="bytes per captured window")
     parser.add_argument("--capture-dir", default=None, help="where the shards go (default: a temporary directory)")
@@ -82,7 +83,8 @@ def load_multi_layer_eagle_heads(model, path: str):
     state_dict = saved["state_dict"]
     layers_saved = {name.split(".")[1] for name in state_dict if name.startswith("layers.")}
     if len(layers_saved) != num_layers:
-        raise ValueError(f"{path}: num_layers is {num_layers} but the state_dict holds {len(layers_saved)} draft layers")
+        raise ValueError(f"{path}: num_layers is {num_layers} but the state_dict holds "
+                         f"{len(layers_saved)} draft layers")
     heads = build_multi_layer_eagle_heads(model, num_layers, saved["aux_layer_ids"], use_transformer_engine=False)
     try:
         load_full_state_dict(heads, state_dict)
@@ -115,7 +117,8 @@ def train_heads(dense, heads, aux, tokens, *, steps: int, batch_size: int, seq_l
     rows_per_crop = seq_len - num_layers - 1  # s: row p's deepest label t_{p+S+1} is still in the crop
     losses = [float("nan")] * num_layers
     for step in range(steps):
-        factor = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        decay = 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        factor = (step + 1) / warmup if step < warmup else decay
         for group in optimizer.param_groups:
             group["lr"] = lr * factor
         crops = torch.randint(0, tokens.shape[0], (batch_size,), generator=generator)
@@ -201,12 +204,14 @@ def main(argv=None):
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_seconds = time.perf_counter() - started
-    state_dict = {name: value.detach().to("cpu", CHECKPOINT_DTYPE) if torch.is_tensor(value) and value.is_floating_point()
-                  else value for name, value in heads.state_dict().items()}
+    state_dict = {name: value.detach().to("cpu", CHECKPOINT_DTYPE)
+                  if torch.is_tensor(value) and value.is_floating_point() else value
+                  for name, value in heads.state_dict().items()}
     torch.save({"model_args": dict(model_args), "aux_layer_ids": list(aux_layer_ids), "num_layers": args.num_layers,
                 "target_checkpoint": os.path.basename(args.checkpoint), "state_dict": state_dict}, args.out)
     held_out = evenly_spaced_windows(corpus.held_out, args.eval_prompts, 64)
-    acceptance, accepted_length = evaluate(paged, args.out, [w.tolist() for w in held_out], args.eval_new_tokens, device)
+    prompts = [window.tolist() for window in held_out]
+    acceptance, accepted_length = evaluate(paged, args.out, prompts, args.eval_new_tokens, device)
     print(f"trained {args.num_layers} layers, {args.steps} steps in {train_seconds:.0f} s ({device.type}-seconds: "
           f"capture {capture_seconds:.0f}, training {train_seconds:.0f}); final loss per layer "
           f"{[round(value, 3) for value in losses]}")

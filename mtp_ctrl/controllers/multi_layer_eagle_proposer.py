@@ -81,8 +81,8 @@ class MultiLayerEagleProposer(Proposer):
         self._block_size = context.block_size_tokens
         shape = (context.allocator.num_blocks, self._block_size, *self._kv_head_shape())  # [blocks, bs, Hkv_local, D]
         device = controller.device
-        self._kv_caches = [[(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
-                           for _ in range(S)]  # one pair per draft layer
+        self._kv_caches = [[(torch.zeros(shape, dtype=dtype, device=device),
+                             torch.zeros(shape, dtype=dtype, device=device))] for _ in range(S)]  # a pair per layer
 
     def _kv_head_shape(self):
         attention = self.heads.layers[0].transformer_layer.self_attention.core_attention
@@ -109,8 +109,8 @@ class MultiLayerEagleProposer(Proposer):
         ends = batch.bonus_positions  # [G] int64, e
         drafts = torch.empty(G, S, dtype=torch.int64, device=device)  # [G, S]
         for depth, layer in enumerate(self.heads.layers):
-            logits, features = runner.eagle_forward(layer, features, tokens, positions, metadata, self._kv_caches[depth],
-                                                    logits_rows=draft_rows)  # [G, V], [Tw, H]
+            logits, features = runner.eagle_forward(layer, features, tokens, positions, metadata,
+                                                    self._kv_caches[depth], logits_rows=draft_rows)  # [G, V], [Tw, H]
             drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, ends + depth + 1)
             if depth + 1 < S:  # the next layer reads one token further: shift left, d_{depth+1} at e - 1
                 shifted = torch.cat([tokens[1:], tokens[-1:]])  # [Tw] int64

@@ -68,8 +68,8 @@ class MultiLayerEagleHeads(torch.nn.Module):
         return self.layers[0].project_aux(aux_hidden)
 
 
-def build_multi_layer_eagle_heads(target_model: GPTModel, num_layers: int, aux_layer_ids: Optional[Sequence[int]] = None,
-                                  *, dense: bool = False,
+def build_multi_layer_eagle_heads(target_model: GPTModel, num_layers: int,
+                                  aux_layer_ids: Optional[Sequence[int]] = None, *, dense: bool = False,
                                   use_transformer_engine: Optional[bool] = None) -> MultiLayerEagleHeads:
     """``num_layers`` draft layers for ``target_model`` (same config, dtype, device and TP size);
     serve them with ``num_speculative_tokens == num_layers``. ``aux_layer_ids`` default:

@@ -57,8 +57,8 @@ def test_multi_layer_eagle_graphs_equal_eager_and_plain_without_host_sync(target
                  SamplingParams(max_new_tokens=48, temperature=0.7 * (index % 2), seed=index))
                 for index, window in enumerate(windows)]
     plain = run_with_arrivals(TextGenerationController(model, _config(0, False)), arrivals)
-    eager = run_with_arrivals(TextGenerationController(model, _config(S, False), proposer=MultiLayerEagleProposer(heads)),
-                              arrivals)
+    eager_controller = TextGenerationController(model, _config(S, False), proposer=MultiLayerEagleProposer(heads))
+    eager = run_with_arrivals(eager_controller, arrivals)
     controller = AllStepsSyncChecked(model, _config(S, True), proposer=MultiLayerEagleProposer(heads))
     graphs = controller.warmup()
     graphed = run_with_arrivals(controller, arrivals)

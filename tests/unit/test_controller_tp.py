@@ -1,10 +1,11 @@
 """Tensor parallelism on CPU: the controller at TP = 2 (two gloo ranks) emits TP = 1's tokens.
 
 Greedy and seeded sampling, with S = 0 and S = 2 (MTP drafting), and S = 2 with an EAGLE head
-or two multi-layer EAGLE draft layers (same seed at both TP sizes, so the same master weights).
-Both TP sizes build the same master weights (``use_cpu_initialization=True``, same seed) and shard them; every rank runs the controller and
+(same seed at both TP sizes, so the same master weights). Both TP sizes build the same master weights
+(``use_cpu_initialization=True``, same seed) and shard them; every rank runs the controller and
 must produce the same tokens (sampling is a pure function of the gathered logits, seed and
 position, so no broadcast is needed).
+Multi-layer EAGLE (two draft layers, S = 2) has a test of its own (``-k multi_layer``).
 """
 
 import pytest

@@ -16,7 +16,11 @@ from mtp_ctrl.models import (
 from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
 from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models
 from tests.unit.megatron_fixtures import ensure_single_process_groups
-from tests.unit.multi_layer_eagle_fixtures import RecordingMultiLayerEagleProposer, build_heads, dense_multi_layer_drafts
+from tests.unit.multi_layer_eagle_fixtures import (
+    RecordingMultiLayerEagleProposer,
+    build_heads,
+    dense_multi_layer_drafts,
+)
 from tests.unit.test_overlap import _arrivals
 
 
@@ -118,7 +122,8 @@ def test_hybrid_mamba_target_equals_plain(torch_twins):
     prompts = [list(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=11)
     plain = make_controller(model, 0).generate(prompts, params)
-    spec = make_controller(model, 2, proposer=MultiLayerEagleProposer(heads), num_kv_blocks=14).generate(prompts, params)
+    controller = make_controller(model, 2, proposer=MultiLayerEagleProposer(heads), num_kv_blocks=14)
+    spec = controller.generate(prompts, params)
     assert [r.output_tokens for r in spec] == [r.output_tokens for r in plain]
 
 
