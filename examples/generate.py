@@ -5,6 +5,8 @@
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --checkpoint ...  # tensor parallel on 2 GPUs
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --load DIR        # a megatron dist checkpoint
     python examples/generate.py --metrics-json metrics.json                   # keep the figures
+    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \\
+        --num-speculative-tokens 3    # draft layers of examples/train_multi_layer_eagle.py (--draft-checkpoint PATH)
 
 Plain decoding (S = 0) and speculative decoding (S = --num-speculative-tokens) are each warmed up
 once, then timed --repeats times, alternating, so that a slow phase of the machine hits both
@@ -28,10 +30,12 @@ holds the 256 byte tokens, random ids otherwise.
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
+DEFAULT_MULTI_LAYER_EAGLE = "examples/checkpoints/multi_layer_eagle_demo.pt"
 NOISY_SPREAD = 0.15  # (max - min) / median of a mode's timed runs above this: too noisy to judge
 SHORT_RUN_SECONDS = 0.5  # a timed run shorter than this: too short to judge
 
@@ -45,10 +49,13 @@ def parse_args(argv=None):
                         help="the model's shape for --load (default: the checkpoint's content metadata)")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, help="S, drafts per step (>= 1)")
     parser.add_argument("--mtp-attention", choices=("paged", "single_position"), default="paged")
-    parser.add_argument("--proposer", choices=("mtp", "eagle"), default="mtp",
-                        help="drafter: the model's MTP layers, or an EAGLE head (--draft-checkpoint)")
+    parser.add_argument("--proposer", choices=("mtp", "eagle", "multi_layer_eagle"), default="mtp",
+                        help="drafter: the model's MTP layers, an EAGLE head, or multi-layer EAGLE draft layers "
+                             "(--draft-checkpoint)")
     parser.add_argument("--draft-checkpoint", default=None, metavar="PATH",
-                        help="an EAGLE head written by examples/train_eagle.py (with --proposer eagle)")
+                        help="an EAGLE head written by examples/train_eagle.py (with --proposer eagle), or draft "
+                             "layers written by examples/train_multi_layer_eagle.py (--proposer multi_layer_eagle; "
+                             f"default {DEFAULT_MULTI_LAYER_EAGLE} when it exists)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -104,8 +111,14 @@ def main(argv=None):
     from demo_model import DEMO_MODEL_ARGS, load_checkpoint
 
     checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None
-    if (args.proposer == "eagle") != (args.draft_checkpoint is not None):
-        sys.exit("error: --proposer eagle and --draft-checkpoint PATH go together")
+    if args.proposer == "multi_layer_eagle" and args.draft_checkpoint is None:
+        default = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "multi_layer_eagle_demo.pt")
+        if not os.path.exists(default):
+            sys.exit(f"error: --proposer multi_layer_eagle needs --draft-checkpoint PATH ({DEFAULT_MULTI_LAYER_EAGLE} "
+                     "does not exist: examples/train_multi_layer_eagle.py writes one)")
+        args.draft_checkpoint = default
+    if (args.proposer in ("eagle", "multi_layer_eagle")) != (args.draft_checkpoint is not None):
+        sys.exit("error: --draft-checkpoint PATH goes with --proposer eagle or multi_layer_eagle")
     if args.load:
         checkpoint = (dist_checkpoint_model_args(args), None)  # (model_args, weights read after the build)
     source = args.checkpoint or args.load
@@ -176,6 +189,8 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device):
     proposer = None
     if args.proposer == "eagle" and num_speculative_tokens > 0:
         proposer = load_eagle_proposer(model, args.draft_checkpoint)
+    if args.proposer == "multi_layer_eagle" and num_speculative_tokens > 0:
+        proposer = load_multi_layer_eagle_proposer(model, args.draft_checkpoint, num_speculative_tokens)
     controller = TextGenerationController(model, config, proposer=proposer, seed=0)
     controller.warmup()  # capture every graph shape now, not while serving (nothing on CPU)
     return controller
@@ -195,6 +210,17 @@ def load_eagle_proposer(model, path: str):
     head = build_eagle_head(model, saved["aux_layer_ids"], use_transformer_engine=False)
     load_full_state_dict(head, saved["state_dict"])
     return EagleProposer(head.to(next(model.parameters()).device))
+
+
+def load_multi_layer_eagle_proposer(model, path: str, num_speculative_tokens: int):
+    """A MultiLayerEagleProposer with the layers saved by examples/train_multi_layer_eagle.py."""
+    from mtp_ctrl.controllers import MultiLayerEagleProposer
+    from train_multi_layer_eagle import load_multi_layer_eagle_heads
+
+    heads = load_multi_layer_eagle_heads(model, path)
+    if heads.num_layers != num_speculative_tokens:
+        sys.exit(f"error: {path} has {heads.num_layers} draft layers: use --num-speculative-tokens {heads.num_layers}")
+    return MultiLayerEagleProposer(heads)
 
 
 def compare(model, args, prompts, device, repeats: int, show_progress: bool):

@@ -18,6 +18,11 @@ from mtp_ctrl.models.layer_specs import (
 )
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
 from mtp_ctrl.models.moe import InferenceTopKRouter, has_moe_layers, moe_layer_pattern, moe_layers
+from mtp_ctrl.models.multi_layer_eagle import (
+    MultiLayerEagleHeads,
+    build_multi_layer_eagle_heads,
+    dense_multi_layer_eagle_forward,
+)
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
 from mtp_ctrl.models.runner import PagedGPTRunner
 
@@ -26,6 +31,7 @@ __all__ = [
     "EagleHead",
     "InferenceTopKRouter",
     "MambaForward",
+    "MultiLayerEagleHeads",
     "PagedCoreAttention",
     "PagedGPTRunner",
     "PagedMambaMixer",
@@ -34,9 +40,11 @@ __all__ = [
     "build_dense_gpt_model",
     "build_eagle_head",
     "build_gpt_model",
+    "build_multi_layer_eagle_heads",
     "count_kv_layers",
     "default_aux_layer_ids",
     "dense_full_sequence",
+    "dense_multi_layer_eagle_forward",
     "get_paged_gpt_layer_spec",
     "get_paged_mamba_layer_spec",
     "get_paged_mtp_block_spec",

@@ -5,6 +5,7 @@ Greedy and seeded sampling, with S = 0 and S = 2 (MTP drafting), and S = 2 with 
 (``use_cpu_initialization=True``, same seed) and shard them; every rank runs the controller and
 must produce the same tokens (sampling is a pure function of the gathered logits, seed and
 position, so no broadcast is needed).
+Multi-layer EAGLE (two draft layers, S = 2) has a test of its own (``-k multi_layer``).
 """
 
 import pytest
@@ -82,3 +83,45 @@ def tp1_outputs_path(tmp_path_factory):
 
 def test_controller_tp2_matches_tp1(tp1_outputs_path):
     mp.spawn(_tp_worker, args=(2, free_port(), tp1_outputs_path), nprocs=2, join=True)
+
+
+def generate_multi_layer_eagle(tensor_parallel_size: int, with_plain: bool = False):
+    """Multi-layer EAGLE (2 draft layers, S = 2), greedy and sampled (same seed at both TP sizes);
+    ``with_plain``: each case's plain (S = 0) output first."""
+    from mtp_ctrl.controllers import InferenceConfig, MultiLayerEagleProposer, SamplingParams, TextGenerationController
+    from mtp_ctrl.models import build_multi_layer_eagle_heads
+
+    model = build_tiny_model(tiny_config(mtp_num_layers=0, tensor_parallel_size=tensor_parallel_size))
+    torch.manual_seed(78)
+    heads = build_multi_layer_eagle_heads(model, 2, (0, 1)).eval()
+    outputs = []
+    for num_speculative_tokens, sampling in CASES if with_plain else CASES[1::2]:  # greedy and sampled
+        config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=3, block_size_tokens=4,
+                                 max_model_len=48, max_tokens_per_step=64)
+        proposer = MultiLayerEagleProposer(heads) if num_speculative_tokens else None
+        controller = TextGenerationController(model, config, proposer=proposer)
+        results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=8, **sampling))
+        outputs.append([list(result.output_tokens) for result in results])
+    return outputs
+
+
+def _multi_layer_eagle_worker(rank: int, world_size: int, port: int, expected_path: str) -> None:
+    init_process_groups(rank, world_size, port, world_size)
+    try:
+        expected = torch.load(expected_path)
+        with torch_twins():
+            got = generate_multi_layer_eagle(world_size)
+        assert got == expected, f"rank {rank}: {got} != {expected}"
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_multi_layer_eagle_tp2_matches_tp1(tmp_path):
+    ensure_single_process_groups()
+    with torch_twins():
+        outputs = generate_multi_layer_eagle(1, with_plain=True)
+    assert outputs[0] == outputs[1] and outputs[2] == outputs[3]  # drafted == plain, greedy and sampled
+    path = tmp_path / "multi_layer_eagle_tp1.pt"
+    torch.save(outputs[1::2], path)
+    mp.spawn(_multi_layer_eagle_worker, args=(2, free_port(), str(path)), nprocs=2, join=True)
