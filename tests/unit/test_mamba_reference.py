@@ -122,9 +122,12 @@ def make_slots(mixer, num_slots, device="cpu"):
 
 def run_mixer(mixer, slots, hidden, decode_slots=(), prefill=()):
     """``prefill``: ((row_start, row_end, slot), ...) after ``len(decode_slots) * (1 + S)`` decode rows."""
-    mamba = MambaForward(**slots, decode_slot_ids=torch.tensor(decode_slots, dtype=torch.int64, device=hidden.device),
-                         prefill_row_ranges=tuple((a, b) for a, b, _ in prefill),
-                         prefill_slot_ids=tuple(slot for _, _, slot in prefill))
+    def column(values):
+        return torch.tensor(values, dtype=torch.int64, device=hidden.device)
+    segments = {} if not prefill else dict(
+        prefill_row_start=column([a for a, _, _ in prefill]), prefill_row_count=column([b - a for a, b, _ in prefill]),
+        prefill_slot_ids=column([slot for _, _, slot in prefill]))
+    mamba = MambaForward(**slots, decode_slot_ids=column(list(decode_slots)), **segments)
     metadata = make_metadata([list(range(8))], [(0, hidden.shape[0])], device=hidden.device)  # unused by the mixer; the context needs one
     with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
         out, bias = mixer(hidden[:, None])

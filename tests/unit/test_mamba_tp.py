@@ -62,7 +62,8 @@ def _schedule_logits(runner, tensor_parallel_size: int, device=torch.device("cpu
         mamba = MambaForward(
             slots.conv_states, slots.ssm_states, slots.intermediate_conv_states, slots.intermediate_ssm_states,
             decode_slot_ids=torch.tensor([1] if decode else [], dtype=torch.int64, device=device),
-            prefill_row_ranges=() if decode else ((0, end - start),), prefill_slot_ids=() if decode else (1,),
+            **({} if decode else {name: torch.tensor([value], device=device) for name, value in
+                                  (("prefill_row_start", 0), ("prefill_row_count", end - start), ("prefill_slot_ids", 1))}),
         )
         logits, _ = runner.forward(tokens[start:end], metadata.positions, metadata, kv_caches, mamba=mamba)
         return logits
