@@ -164,7 +164,8 @@ def main():
         sizes, chunk_size, layouts = (32, 64, 128, 32 * 64 + 2 * 8 * 128, 4), 64, LAYOUTS
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; heads x head_dim x state "
           f"= {sizes[0]} x {sizes[1]} x {sizes[2]}, conv channels {sizes[3]}, chunk {chunk_size}; ms per call")
-    print(f"{'layout':>28} {'T':>6} {'n':>4} {'loop':>10} {'varlen':>10} {'graph':>10} {'peak MiB':>9} {'max diff':>10}")
+    header = ("layout", "T", "n", "loop", "varlen", "graph", "peak MiB", "max diff")
+    print(" ".join(f"{name:>{width}}" for name, width in zip(header, (28, 6, 4, 10, 10, 10, 9, 10))))
     for name, num_rows, segments in layouts:
         bench_layout(name, num_rows, segments, sizes, chunk_size, device)
     return 0

@@ -301,8 +301,9 @@ class DynamicInferenceContext:
     def graph_shapes(self) -> List[BatchDimensions]:
         """Every CUDA-graph shape a step can be padded to (see :meth:`_graph_shape`)."""
         shapes = [BatchDimensions.decode_only(size, self.num_speculative_tokens) for size in self.cuda_graph_batch_sizes]
-        return shapes + [BatchDimensions(tokens, size, True)
-                         for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
+        shapes += [BatchDimensions(tokens, size, True)
+                   for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
+        return shapes
 
     def build_padding_step(self, shape: BatchDimensions) -> StepMetadata:
         """A step of ``shape`` that holds no request (every row is padding): running it changes no
