@@ -190,8 +190,9 @@ def ssm_varlen_scan(
        ``d + 1`` on, never as a difference of two long sums (fp32 keeps them exact enough);
     3. each row adds ``exp(L_t) C_t . state_in``; each segment's final state is its last chunk's.
 
-    Memory: ``K Q^2 H + K^2 H + 3 K H P N`` fp32; e.g. T = 2048, n = 64, Q = 64, H P N = 2^18:
-    about 0.4 GB (a CUDA graph keeps it in its pool).
+    Memory: about ``K Q H (P + 2 N) + 3 K Q^2 H + 4 K H P N`` fp32 at its peak; e.g. T = 2048,
+    n = 64, Q = 64, H = 32, P = 64, N = 128 (K = 95): about 0.8 GB, freed after each layer (a CUDA
+    graph keeps it in its pool); ``bench/bench_mamba_prefill.py`` measures it.
     """
     num_rows, heads, head_dim = x.shape
     num_segments, device = states.shape[0], x.device
@@ -223,19 +224,24 @@ def ssm_varlen_scan(
     to_end = torch.exp(chunk_decay[:, None, :] - log_decay) * dt_c  # [K, Q, H]
     chunk_states = torch.einsum("ksh,kshp,kshn->khpn", to_end, x_c, B_c)  # [K, H, P, N], s_c from zero
 
+    # state passing, in place where it can (four [K, H, P, N] tensors live at most)
+    first = (chunk_index == 0)[:, None, None, None]  # [K, 1, 1, 1]: a segment's first chunk
     initial = states[chunk_segment]  # [K, H, P, N]
-    first = (chunk_index == 0)[:, None, None, None]
-    carried = chunk_states + torch.where(first, torch.exp(chunk_decay)[:, :, None, None] * initial, 0.0)  # s'
+    carried = (torch.exp(chunk_decay)[:, :, None, None] * initial).masked_fill_(~first, 0.0).add_(chunk_states)  # s'
     # span[c, d] = a_{d+1} + .. + a_c for d < c (a cumulative sum that starts at d + 1)
     later = torch.ones(K, K, dtype=torch.bool, device=device).tril(-1)[:, :, None]  # [c, d, 1]: d < c
     span = torch.cumsum(torch.where(later, chunk_decay[:, None, :], 0.0), dim=0)  # [K, K, H]
     incoming = torch.cat((span.new_zeros(1, K, heads), span[:-1]))  # [c, d, H] = a_{d+1} + .. + a_{c-1}
     same = (chunk_segment[:, None] == chunk_segment[None, :])[:, :, None] & later
     passing = torch.exp(incoming.masked_fill(~same, float("-inf")))  # [K, K, H]
-    state_in = torch.where(first, initial, torch.einsum("cdh,dhpn->chpn", passing, carried))  # [K, H, P, N]
+    state_in = torch.einsum("cdh,dhpn->chpn", passing, carried)  # [K, H, P, N], the state entering each chunk
+    del carried
+    state_in.masked_fill_(first, 0.0).add_(initial.masked_fill_(~first, 0.0))  # first chunks: the segment's state
+    del initial
     y = y + torch.exp(log_decay)[..., None] * torch.einsum("khpn,kthn->kthp", state_in, C_c)
-    state_out = torch.exp(chunk_decay)[:, :, None, None] * state_in + chunk_states  # [K, H, P, N]
-    final = torch.where((chunks_of > 0)[:, None, None, None], state_out[(chunk_end - 1).clamp(min=0)], states)
+    last = (chunk_end - 1).clamp(min=0)  # [n] each segment's last chunk
+    final = torch.exp(chunk_decay[last])[:, :, None, None] * state_in[last] + chunk_states[last]  # [n, H, P, N]
+    final = torch.where((chunks_of > 0)[:, None, None, None], final, states)
 
     segment, offset, inside = segment_of_rows(row_start, row_count, num_rows)
     aligned = (chunk_begin[segment] * Q + offset).clamp(max=K * Q - 1)  # [T] row of the chunk layout
