@@ -21,6 +21,7 @@ import sys
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (CPU allowed, no CUDA graph there)")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
 
@@ -28,7 +29,7 @@ if __name__ == "__main__":
     ARGS = parse_args()  # --help answers before torch loads
     import mtp_ctrl
 
-    mtp_ctrl.quiet_known_warnings(False)  # before megatron-core is imported
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)  # before megatron-core is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
