@@ -506,9 +506,10 @@ class TextGenerationController:
         rows = step.logits_indices  # [G * (1 + S)] int64: decode rows, final chunk ends, then ignored
         num_decode = step.device_num_decode  # [1] int64
         mamba = None
-        if context.mamba is not None:  # Mamba steps with prefill run eagerly, with host counts
-            mamba_decode = grid if step.decode_only else step.num_decode
-            mamba = mamba_forward(context, step, mamba_decode, step.num_active if step.decode_only else None)
+        if context.mamba is not None:  # a padded grid: every request may decode, those past the real ones as scratch
+            padded = step.graph_padded or step.decode_only
+            mamba = mamba_forward(context, step, grid if padded else step.num_decode,
+                                  step.device_num_decode if padded else None)
         logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
                                              logits_rows=rows, mamba=mamba)  # [G * (1 + S), V], [T, H]
 

@@ -11,23 +11,35 @@ from mtp_ctrl.triton_ops import mamba_state_selective_copy
 
 
 def mamba_forward(context: DynamicInferenceContext, step: StepMetadata, num_decode: int,
-                  num_active: Optional[torch.Tensor]) -> MambaForward:
-    """Decode slots on the device (requests padding a graph batch, at or past ``num_active``, use
-    the scratch slot); prefill slots and packed row ranges as host ints (prefill steps are eager)."""
+                  decode_limit: Optional[torch.Tensor]) -> MambaForward:
+    """The step's Mamba layout, device tensors only (a CUDA graph captures it with the step).
+
+    Decode: the first ``num_decode`` requests of the grid; those at or past ``decode_limit``
+    (``[1]`` int64 on the device, or None: all decode) use the scratch slot. Prefill (a step with
+    prefill chunks): one segment per request of the grid, of its rows when it is a prefill
+    request and of 0 rows in the scratch slot otherwise (decode and padding requests)."""
     slots, table = context.mamba, context.table
-    decode_slot_ids = table.device.mamba_slot_ids[:num_decode]  # [nd] int64
-    if num_active is not None:
+    slot_ids = table.device.mamba_slot_ids  # [R] int64
+    decode_slot_ids = slot_ids[:num_decode]  # [nd] int64
+    if decode_limit is not None:
         request_index = torch.arange(num_decode, device=decode_slot_ids.device)
-        decode_slot_ids = torch.where(request_index < num_active, decode_slot_ids, slots.scratch_slot)
-    starts = step.host_query_start_loc.tolist()  # host-ok: host tensor
-    prefill_rows = range(step.num_decode, step.num_requests)
+        decode_slot_ids = torch.where(request_index < decode_limit, decode_slot_ids, slots.scratch_slot)
+    prefill = {}
+    if not step.decode_only:
+        grid = step.attention.batch_size  # G
+        query_start_loc = step.attention.query_start_loc[: grid + 1].long()  # [G + 1] int64
+        request_index = torch.arange(grid, device=query_start_loc.device)
+        prefilling = (request_index >= step.device_num_decode) & (request_index < step.num_active)  # [G] bool
+        prefill = dict(
+            prefill_row_start=query_start_loc[:-1],
+            prefill_row_count=torch.where(prefilling, query_start_loc[1:] - query_start_loc[:-1], 0),
+            prefill_slot_ids=torch.where(prefilling, slot_ids[:grid], slots.scratch_slot),
+        )
     return MambaForward(
         conv_states=slots.conv_states, ssm_states=slots.ssm_states,
         intermediate_conv_states=slots.intermediate_conv_states,
         intermediate_ssm_states=slots.intermediate_ssm_states,
-        decode_slot_ids=decode_slot_ids,
-        prefill_row_ranges=tuple((starts[row], starts[row + 1]) for row in prefill_rows),
-        prefill_slot_ids=tuple(int(table.host.mamba_slot_ids[row]) for row in prefill_rows),
+        decode_slot_ids=decode_slot_ids, **prefill,
     )
 
 

@@ -24,15 +24,22 @@ KVCachePair = Tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size_toke
 
 @dataclasses.dataclass(frozen=True)
 class MambaForward:
-    """Where each request's Mamba state is read and written during one forward.
+    """Where each request's Mamba state is read and written during one forward, as device
+    tensors only (so a CUDA graph can capture a step with decode rows and prefill chunks).
 
     Letters: Lm Mamba layers, M state slots (the last one a scratch slot for padding requests),
-    S drafts, nd decode requests (including CUDA-graph padding), C/W/H/P/N the conv and SSM sizes.
+    S drafts, nd decode requests (including CUDA-graph padding), n prefill segments (one per
+    request of the grid; 0 rows for a request that does not prefill), C/W/H/P/N the conv and
+    SSM sizes.
 
-    Decode requests own the first ``nd * (1 + S)`` packed rows; each starts from its current
-    state and writes the state after its row ``j`` to ``intermediate_*[:, slot, j]`` (the
-    controller later commits the one after the last accepted row). Prefill requests continue
-    from their current state and leave the state after their chunk in it.
+    Decode requests own the first ``nd * (1 + S)`` packed rows (rows inside a prefill segment
+    excepted: a padded grid's decode requests past the real ones may overlap prefill rows, and
+    use the scratch slot); each starts from its current state and writes the state after its
+    row ``j`` to ``intermediate_*[:, slot, j]`` (the controller later commits the one after the
+    last accepted row). Prefill segment ``g`` is rows ``[prefill_row_start[g], +
+    prefill_row_count[g])`` (segments in row order); it continues from the current state of
+    ``prefill_slot_ids[g]`` and leaves the state after its rows in it. A segment of 0 rows
+    leaves its slot as it was; give it the scratch slot.
     """
 
     conv_states: torch.Tensor  # [Lm, M, C, W - 1] fp32, current state per slot
@@ -40,8 +47,22 @@ class MambaForward:
     intermediate_conv_states: torch.Tensor  # [Lm, M, 1 + S, C, W - 1] fp32
     intermediate_ssm_states: torch.Tensor  # [Lm, M, 1 + S, H, P, N] fp32
     decode_slot_ids: torch.Tensor  # [nd] int64 on the device: slot of each decode request
-    prefill_row_ranges: Tuple[Tuple[int, int], ...]  # packed rows [start, end) of each prefill request
-    prefill_slot_ids: Tuple[int, ...]  # slot of each prefill request (host ints)
+    prefill_row_start: Optional[torch.Tensor] = None  # [n] int64 on the device; None: no prefill rows
+    prefill_row_count: Optional[torch.Tensor] = None  # [n] int64 on the device
+    prefill_slot_ids: Optional[torch.Tensor] = None  # [n] int64 on the device
+
+    def __post_init__(self):
+        given = [name for name in ("prefill_row_start", "prefill_row_count", "prefill_slot_ids")
+                 if getattr(self, name) is not None]
+        if given and len(given) != 3:
+            raise ValueError(f"give all of prefill_row_start, prefill_row_count and prefill_slot_ids, or none "
+                             f"(got {given})")
+        if given and not (self.prefill_row_start.shape == self.prefill_row_count.shape == self.prefill_slot_ids.shape):
+            raise ValueError("prefill_row_start, prefill_row_count and prefill_slot_ids must have one shape [n]")
+
+    @property
+    def has_prefill(self) -> bool:
+        return self.prefill_row_start is not None
 
     @property
     def rows_per_decode_request(self) -> int:

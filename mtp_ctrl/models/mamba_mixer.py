@@ -11,7 +11,10 @@ CPU or GPU and reads and writes the slots of :class:`mtp_ctrl.models.forward_con
   current state and write the state after every row to the slot's intermediate buffers; the
   controller commits the one after the last accepted row (``mamba_state_selective_copy``),
   so a rejected draft never touches the current state;
-- prefill requests scan their chunk from the current state and leave the new state in it.
+- prefill requests scan their chunk from the current state and leave the new state in it: all
+  of a step's chunks in one varlen conv and one segment-aware scan with fixed shapes
+  (``causal_conv_varlen``, ``ssm_varlen_scan``), so a step with prefill chunks is captured in
+  a CUDA graph like a decode step.
 
 Tensor parallelism shards it as megatron's ``MambaMixer``: each rank owns ``H / tp`` heads and
 ``G / tp`` groups. ``in_proj`` (column parallel) gives the rank its own ``[z, x, B, C, dt]``
@@ -33,7 +36,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_ctrl.models.forward_context import MambaForward, current_paged_forward
-from mtp_ctrl.models.mamba_ops import causal_conv_chunk, causal_conv_step, gated_rms_norm, ssm_chunk_scan, ssm_step
+from mtp_ctrl.models.mamba_ops import (causal_conv_step, causal_conv_varlen, gated_rms_norm, segment_of_rows, ssm_step,
+                                      ssm_varlen_scan)
 
 # Attribute of a tensor-parallel parameter whose full tensor is several sections along its
 # partition_dim, each split over the ranks on its own: rank r holds its chunk of every section, in
@@ -174,13 +178,17 @@ class PagedMambaMixer(MegatronModule):
         projected, _ = self.in_proj(hidden_states)  # [T, 1, 2 d_inner_local + 2 G_local N + H_local]
         z, xbc, dt = torch.split(projected[:, 0].float(), [self.d_inner_local, self.conv_channels,
                                                            self.num_heads_local], dim=-1)
-        y = torch.zeros_like(z)  # [T, d_inner_local] fp32; rows of no request (none today) stay 0
-        stride = mamba.rows_per_decode_request
+        num_rows, stride = z.shape[0], mamba.rows_per_decode_request
+        y = torch.zeros_like(z)  # [T, d_inner_local] fp32; rows of no request (padding) stay 0
+        inside = None
+        if mamba.has_prefill:
+            y, inside = self._prefill(mamba, xbc, dt)
         num_decode_rows = mamba.decode_slot_ids.shape[0] * stride
-        if num_decode_rows:
-            y[:num_decode_rows] = self._decode(mamba, xbc[:num_decode_rows], dt[:num_decode_rows], stride)
-        for (start, end), slot in zip(mamba.prefill_row_ranges, mamba.prefill_slot_ids):
-            y[start:end] = self._prefill(mamba, xbc[start:end], dt[start:end], slot)
+        if num_decode_rows:  # a padded grid's decode rows may run past T: they then read zero rows
+            decoded = self._decode(mamba, _first_rows(xbc, num_decode_rows), _first_rows(dt, num_decode_rows), stride)
+            rows = min(num_rows, num_decode_rows)
+            decoded = decoded[:rows]
+            y[:rows] = decoded if inside is None else torch.where(inside[:rows, None], y[:rows], decoded)
         normed = self.norm(y, z).to(hidden_states.dtype)  # [T, d_inner_local]
         out, _ = self.out_proj(normed[:, None])  # [T, 1, hidden], summed over the TP ranks
         return out, None
@@ -218,14 +226,26 @@ class PagedMambaMixer(MegatronModule):
             outputs.append(y.reshape(num_requests, self.d_inner_local))
         return torch.stack(outputs, dim=1).view(num_requests * stride, self.d_inner_local)
 
-    def _prefill(self, mamba: MambaForward, xbc: torch.Tensor, dt_raw: torch.Tensor, slot: int) -> torch.Tensor:
-        """The chunk of one prefill request (``[q, ...]``) -> y ``[q, d_inner_local]``; updates its slot."""
-        layer = self.mamba_layer_index
+    def _prefill(self, mamba: MambaForward, xbc: torch.Tensor, dt_raw: torch.Tensor):
+        """Every prefill segment of the packed rows (``[T, ...]``) at once -> (y ``[T, d_inner_local]``,
+        0 outside the segments; inside ``[T]`` bool); each segment's slot gets its new state."""
+        layer, slots = self.mamba_layer_index, mamba.prefill_slot_ids  # slots: [n] int64
+        start, count = mamba.prefill_row_start, mamba.prefill_row_count
         weight, bias, A, D = self._parameters_fp32()
-        conv_out, window = causal_conv_chunk(mamba.conv_states[layer, slot], xbc, weight, bias)
+        conv_out, windows = causal_conv_varlen(mamba.conv_states[layer, slots].float(), xbc, start, count, weight, bias)
         x, B, C = self._split_conv_output(conv_out)
-        dt = F.softplus(dt_raw + self.dt_bias.float())  # [q, H]
-        y, state = ssm_chunk_scan(mamba.ssm_states[layer, slot], x, dt, A, B, C, D, self.chunk_size)
-        mamba.conv_states[layer, slot] = window
-        mamba.ssm_states[layer, slot] = state
-        return y.reshape(y.shape[0], self.d_inner_local)
+        dt = F.softplus(dt_raw + self.dt_bias.float())  # [T, H]
+        y, states = ssm_varlen_scan(mamba.ssm_states[layer, slots].float(), x, dt, A, B, C, D, start, count,
+                                    self.chunk_size)
+        # a segment of 0 rows (scratch slot) writes back the state it read: duplicates agree
+        mamba.conv_states[layer, slots] = windows.to(mamba.conv_states.dtype)
+        mamba.ssm_states[layer, slots] = states.to(mamba.ssm_states.dtype)
+        _, _, inside = segment_of_rows(start, count, xbc.shape[0])
+        return y.reshape(y.shape[0], self.d_inner_local), inside
+
+
+def _first_rows(values: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` rows of ``values`` (``[T, ...]``), zero rows appended past ``T``."""
+    if values.shape[0] >= count:
+        return values[:count]
+    return torch.cat((values, values.new_zeros(count - values.shape[0], *values.shape[1:])))

@@ -289,24 +289,20 @@ class DynamicInferenceContext:
 
     def _graph_shape(self, num_requests: int, token_count: int, has_prefill: bool) -> Optional[BatchDimensions]:
         """The CUDA-graph shape a step pads to, or None (exact, eager): the request count rounds
-        up to a batch bucket; a step with prefill rounds its tokens up to a token bucket (not for
-        Mamba models, whose prefill path is laid out on the host)."""
+        up to a batch bucket; a step with prefill rounds its tokens up to a token bucket."""
         batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes)
         if batch_size is None:
             return None
         if not has_prefill:
             return BatchDimensions.decode_only(batch_size, self.num_speculative_tokens)
-        if self.mamba is not None:
-            return None
         tokens = round_up_batch_size(token_count, self.cuda_graph_token_counts)
         return None if tokens is None else BatchDimensions(tokens, batch_size, True)
 
     def graph_shapes(self) -> List[BatchDimensions]:
         """Every CUDA-graph shape a step can be padded to (see :meth:`_graph_shape`)."""
         shapes = [BatchDimensions.decode_only(size, self.num_speculative_tokens) for size in self.cuda_graph_batch_sizes]
-        if self.mamba is None:
-            shapes += [BatchDimensions(tokens, size, True)
-                       for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
+        shapes += [BatchDimensions(tokens, size, True)
+                   for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
         return shapes
 
     def build_padding_step(self, shape: BatchDimensions) -> StepMetadata:

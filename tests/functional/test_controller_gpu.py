@@ -139,17 +139,15 @@ class AllStepsSyncChecked(TextGenerationController):
         return launched
 
 
-@pytest.mark.parametrize("mode", ["paged", "single_position"])
-def test_mixed_steps_replay_warmed_up_graphs_and_equal_eager(model, mode):
-    """``warmup()`` captures every shape; then requests arrive while others decode, so steps mix
-    decode rows and prefill chunks (some chunked across steps). Every step replays a graph, none
-    syncs with the host, no graph is captured while serving, and the tokens equal eager and plain
-    decoding (greedy and sampled)."""
+def _mixed_steps_replay_warmed_up_graphs(model, **config):
+    """Requests arrive while others decode; every step replays a graph captured by ``warmup()``,
+    under ``set_sync_debug_mode("error")``. Returns the controller (for its state) after checking
+    graphed == eager == plain."""
     rng = random.Random(1)
     arrivals = [(rng.randrange(0, 12), [rng.randrange(VOCAB_SIZE) for _ in range(rng.randrange(1, 40))],
                  SamplingParams(max_new_tokens=rng.randrange(4, 20), temperature=rng.choice([0.0, 0.8]),
                                 seed=rng.randrange(99))) for _ in range(12)]
-    config = dict(max_tokens_per_step=64, mtp_attention=mode)
+    config = dict(max_tokens_per_step=64, **config)
     plain = run_with_arrivals(TextGenerationController(model, make_config(0, **config)), arrivals)
     eager = run_with_arrivals(TextGenerationController(model, make_config(2, **config)), arrivals)
     controller = AllStepsSyncChecked(model, make_config(2, graphs=True, **config))
@@ -160,6 +158,25 @@ def test_mixed_steps_replay_warmed_up_graphs_and_equal_eager(model, mode):
     assert controller.mixed_replays > 3
     assert graphed == eager == plain
     assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
+    return controller
+
+
+@pytest.mark.parametrize("mode", ["paged", "single_position"])
+def test_mixed_steps_replay_warmed_up_graphs_and_equal_eager(model, mode):
+    """``warmup()`` captures every shape; then requests arrive while others decode, so steps mix
+    decode rows and prefill chunks (some chunked across steps). Every step replays a graph, none
+    syncs with the host, no graph is captured while serving, and the tokens equal eager and plain
+    decoding (greedy and sampled)."""
+    _mixed_steps_replay_warmed_up_graphs(model, mtp_attention=mode)
+
+
+def test_hybrid_mixed_steps_replay_warmed_up_graphs_and_equal_eager(hybrid_model):
+    """The same for a hybrid model: a step's Mamba prefill chunks (the varlen conv and scan) and
+    decode rows are captured in one graph per (batch bucket, token bucket); every Mamba slot
+    comes back."""
+    controller = _mixed_steps_replay_warmed_up_graphs(hybrid_model)
+    assert any(shape.has_prefill for shape in controller.context.graph_shapes())
+    assert controller.context.mamba.num_free_slots == controller.context.mamba.num_slots
 
 
 def test_warmup_refuses_a_busy_controller(model):

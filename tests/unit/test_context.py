@@ -417,6 +417,23 @@ def test_mamba_slots_follow_requests():
     assert ctx.table.host.mamba_slot_ids[0] == 1
 
 
+def test_mamba_steps_with_prefill_pad_to_token_buckets():
+    """A Mamba model's steps that carry prefill chunks pad to (batch bucket, token bucket) like an
+    attention-only model's (their Mamba layout is on the device), and warm-up covers those shapes."""
+    mamba = MambaSpec(num_layers=1, conv_state_shape=(2, 3), ssm_state_shape=(2, 2), dtype=torch.float32)
+    ctx = make_context(mamba=mamba, cuda_graph_batch_sizes=(1, 2, 4))
+    assert ctx.cuda_graph_token_counts == (12,)
+    assert {shape for shape in ctx.graph_shapes() if shape.has_prefill} == {
+        BatchDimensions(12, size, True) for size in (1, 2, 4)}
+    ctx.add_request(0, [1, 2, 3])
+    first = step_and_commit(ctx)
+    assert first.graph_padded and first.dimensions == BatchDimensions(12, 1, True)
+    ctx.add_request(1, [4, 5, 6, 7])
+    mixed = step_and_commit(ctx)
+    assert (mixed.num_decode, mixed.num_prefill) == (1, 1)
+    assert mixed.graph_padded and mixed.dimensions == BatchDimensions(12, 2, True)
+
+
 def test_kv_caches_and_byte_budget():
     bytes_per_block = KV_SPEC.bytes_per_block(4)
     assert bytes_per_block == 2 * 2 * 4 * 1 * 4 * 4

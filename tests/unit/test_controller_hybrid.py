@@ -94,3 +94,45 @@ def test_preempted_requests_recompute_their_state(model):
     assert [r.output_tokens for r in results] == [r.output_tokens for r in unconstrained]
     assert max(result.preemptions for result in results) >= 1
     _assert_released(controller)
+
+
+def _run_paused(controller, params):
+    """ARRIVALS with ``params[i]``; the third request is paused after its first step (mid-prompt:
+    it arrives at step 1 and its prompt is longer than that step's chunk) and resumed at step 5.
+    Returns the steps launched and each request's output tokens."""
+    launched, launch = [], controller._launch_step
+
+    def recording(step):
+        launched.append(step)
+        return launch(step)
+
+    controller._launch_step = recording
+    request_ids, step_index = [None] * len(ARRIVALS), 0
+    while step_index == 0 or controller.has_unfinished_requests() or None in request_ids:
+        for index, (arrival_step, prompt, _) in enumerate(ARRIVALS):
+            if arrival_step == step_index:
+                request_ids[index] = controller.add_request(prompt, params[index])
+        if step_index == 2:
+            controller.pause_request(request_ids[2])
+        if step_index == 5:
+            controller.resume_request(request_ids[2])
+        controller.step()
+        step_index += 1
+    return launched, [controller.result(request_id).output_tokens for request_id in request_ids]
+
+
+def test_padded_mixed_steps_equal_plain_with_arrivals_pausing_and_sampling(model, torch_twins):
+    """With batch buckets every step pads to a CUDA-graph shape, steps that carry prefill chunks
+    included (their Mamba chunks run the varlen path with the decode rows of the padded grid);
+    greedy and seeded sampled requests, arrivals mid-run and a request paused mid-prompt give
+    the plain exact-shape outputs."""
+    params = [SamplingParams(max_new_tokens=n) if index % 2 == 0 else
+              SamplingParams(max_new_tokens=n, temperature=0.8, top_k=20, seed=100 + index)
+              for index, (_, _, n) in enumerate(ARRIVALS)]
+    _, plain = _run_paused(make_controller(model, 0, **CONFIG), params)
+    controller = make_controller(model, 2, cuda_graph_batch_sizes=(2, 4), **CONFIG)
+    launched, outputs = _run_paused(controller, params)
+    assert outputs == plain
+    assert all(step.graph_padded for step in launched)
+    assert any(step.num_decode and step.num_prefill for step in launched)  # a mixed step, padded
+    _assert_released(controller)

@@ -47,8 +47,9 @@ def _forward(runner, slots, tokens, start, decode_rows=0, slot=0):
     mamba = MambaForward(
         slots.conv_states, slots.ssm_states, slots.intermediate_conv_states, slots.intermediate_ssm_states,
         decode_slot_ids=torch.tensor([slot] if decode_rows else [], dtype=torch.int64),
-        prefill_row_ranges=() if decode_rows else ((0, tokens.shape[0]),),
-        prefill_slot_ids=() if decode_rows else (slot,),
+        **({} if decode_rows else dict(prefill_row_start=torch.tensor([0]),
+                                       prefill_row_count=torch.tensor([tokens.shape[0]]),
+                                       prefill_slot_ids=torch.tensor([slot]))),
     )
     logits, _ = runner.forward(tokens, metadata.positions, metadata, _forward.kv_caches, mamba=mamba)
     return logits

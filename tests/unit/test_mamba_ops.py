@@ -1,11 +1,23 @@
 """The Mamba-2 math: chunked scan == row-by-row recurrence, chunked conv == row-by-row conv,
-the gated norm per group; random shapes, initial states and chunk boundaries."""
+the gated norm per group; random shapes, initial states and chunk boundaries. The varlen conv
+and scan over a whole step's packed rows == the per-request ones, segment by segment."""
+
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_ctrl.models.mamba_ops import causal_conv_chunk, causal_conv_step, gated_rms_norm, ssm_chunk_scan, ssm_step
+from mtp_ctrl.models.mamba_ops import (
+    causal_conv_chunk,
+    causal_conv_step,
+    causal_conv_varlen,
+    gated_rms_norm,
+    segment_of_rows,
+    ssm_chunk_scan,
+    ssm_step,
+    ssm_varlen_scan,
+)
 
 
 def _ssm_inputs(generator, rows, heads=3, head_dim=4, state_size=5):
@@ -71,3 +83,75 @@ def test_gated_norm_normalises_each_group_on_its_own():
         gated = y[:, group] * torch.sigmoid(gate[:, group]) * gate[:, group]
         expected = gated / torch.sqrt((gated ** 2).mean(-1, keepdim=True) + 1e-5) * weight[group]
         torch.testing.assert_close(out[:, group], expected)
+
+
+def _packed_layout(pieces):
+    """``pieces``: ("prefill", q) a segment of q rows; ("other", q) q rows of no segment (decode
+    rows) behind a 0-row segment, as the controller lays them out; ("pad", q) trailing padding
+    rows behind a 0-row segment. -> (row_start [n], row_count [n], T)."""
+    starts, counts, row = [], [], 0
+    for kind, rows in pieces:
+        starts.append(row)
+        counts.append(rows if kind == "prefill" else 0)
+        row += rows
+    return torch.tensor(starts, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64), row
+
+
+def _random_pieces(rng):
+    pieces = [("other", rng.choice([0, 3])) for _ in range(rng.randint(0, 2))]
+    pieces += [("prefill", rng.randint(1, 11)) for _ in range(rng.randint(0, 4))]
+    return pieces + [("pad", rng.randint(0, 5))]
+
+
+LAYOUTS = {
+    "no_prefill": [("other", 3), ("other", 3), ("pad", 2)],
+    "one_row": [("prefill", 1)],
+    "crossing_chunks": [("other", 3), ("prefill", 7), ("prefill", 5), ("prefill", 9), ("pad", 3)],
+    "short_after_long": [("prefill", 13), ("prefill", 1), ("prefill", 2), ("pad", 1), ("pad", 0)],
+    "empty_step": [],
+    **{f"random{seed}": _random_pieces(random.Random(seed)) for seed in range(4)},
+}
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_varlen_conv_and_scan_equal_the_per_request_ones(layout, chunk_size):
+    """Every segment's rows, final conv window and final SSM state equal causal_conv_chunk and
+    ssm_chunk_scan run on that segment alone from the same (random, non-zero) initial state; a
+    0-row segment keeps its window and state bit for bit; rows of no segment get y = 0."""
+    row_start, row_count, num_rows = _packed_layout(LAYOUTS[layout])
+    generator = torch.Generator().manual_seed(len(layout) * 7 + chunk_size)
+    n, channels, width = row_start.shape[0], 6, 4
+    states, x, dt, A, B, C, D = _ssm_inputs(generator, num_rows)
+    states = torch.randn(n, *states.shape, generator=generator)  # [n, H, P, N]
+    windows = torch.randn(n, channels, width - 1, generator=generator)
+    inputs = torch.randn(num_rows, channels, generator=generator)
+    weight, bias = torch.randn(channels, width, generator=generator), torch.randn(channels, generator=generator)
+
+    y, final = ssm_varlen_scan(states, x, dt, A, B, C, D, row_start, row_count, chunk_size)
+    conv_out, new_windows = causal_conv_varlen(windows, inputs, row_start, row_count, weight, bias)
+    assert y.shape == x.shape and final.shape == states.shape
+    assert conv_out.shape == inputs.shape and new_windows.shape == windows.shape
+    inside = torch.zeros(num_rows, dtype=torch.bool)
+    for g, (start, count) in enumerate(zip(row_start.tolist(), row_count.tolist())):
+        if count == 0:
+            assert torch.equal(final[g], states[g]) and torch.equal(new_windows[g], windows[g])
+            continue
+        rows = slice(start, start + count)
+        inside[rows] = True
+        want_y, want_state = ssm_chunk_scan(states[g], x[rows], dt[rows], A, B[rows], C[rows], D, chunk_size)
+        torch.testing.assert_close(y[rows], want_y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final[g], want_state, rtol=1e-5, atol=1e-5)
+        want_out, want_window = causal_conv_chunk(windows[g], inputs[rows], weight, bias)
+        torch.testing.assert_close(conv_out[rows], want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(new_windows[g], want_window)
+    assert torch.equal(segment_of_rows(row_start, row_count, num_rows)[2], inside)
+    assert not y[~inside].any()
+    assert torch.isfinite(conv_out).all()
+
+
+def test_segment_of_rows_worked_example():
+    segment, offset, inside = segment_of_rows(torch.tensor([0, 3, 5, 7]), torch.tensor([0, 2, 1, 0]), 7)
+    assert segment.tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert offset.tolist() == [0, 1, 2, 0, 1, 0, 1]
+    assert inside.tolist() == [False, False, False, True, True, True, False]

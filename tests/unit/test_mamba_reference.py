@@ -122,9 +122,12 @@ def make_slots(mixer, num_slots, device="cpu"):
 
 def run_mixer(mixer, slots, hidden, decode_slots=(), prefill=()):
     """``prefill``: ((row_start, row_end, slot), ...) after ``len(decode_slots) * (1 + S)`` decode rows."""
-    mamba = MambaForward(**slots, decode_slot_ids=torch.tensor(decode_slots, dtype=torch.int64, device=hidden.device),
-                         prefill_row_ranges=tuple((a, b) for a, b, _ in prefill),
-                         prefill_slot_ids=tuple(slot for _, _, slot in prefill))
+    def column(values):
+        return torch.tensor(values, dtype=torch.int64, device=hidden.device)
+    segments = {} if not prefill else dict(
+        prefill_row_start=column([a for a, _, _ in prefill]), prefill_row_count=column([b - a for a, b, _ in prefill]),
+        prefill_slot_ids=column([slot for _, _, slot in prefill]))
+    mamba = MambaForward(**slots, decode_slot_ids=column(list(decode_slots)), **segments)
     metadata = make_metadata([list(range(8))], [(0, hidden.shape[0])], device=hidden.device)  # unused by the mixer; the context needs one
     with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
         out, bias = mixer(hidden[:, None])
@@ -202,3 +205,41 @@ def test_mixer_equals_the_naive_reference_through_prefill_decode_commit_prefill(
     torch.testing.assert_close(out.double(), torch.cat([want_b, want_a]), **TOLERANCE)
     torch.testing.assert_close(slots["ssm_states"][0, slot_a].double(), final_a[-1][1], **TOLERANCE)
 
+
+
+@pytest.mark.parametrize("padding_rows", [0, 6], ids=["decode_grid_past_T", "padding_rows"])
+def test_one_mixed_padded_step_equals_its_requests_run_alone(mixer, padding_rows):
+    """One forward with the layout of a CUDA-graph-padded mixed step (grid of 4: a decode request
+    in slot 0, prefill chunks continuing slot 1 (3 scan chunks) and starting slot 2, a padding
+    request; all 4 grid requests on the decode path, the last 3 in the scratch slot 4, so decode
+    rows overlap the prefill rows; with ``padding_rows`` = 0 the 4 * (1 + S) decode rows run past
+    T) == each request run alone; slot 3 (not in the step) and the other slots' unused state are
+    untouched."""
+    generator = torch.Generator().manual_seed(17)
+    scratch = 4
+    slots = make_slots(mixer, 5)
+    for name in ("conv_states", "ssm_states"):
+        slots[name].normal_(generator=generator)  # every slot starts from a non-zero state
+    alone = {name: value.clone() for name, value in slots.items()}
+    decode = torch.randn(1 + S, 64, generator=generator)
+    chunk_1, chunk_2 = torch.randn(8, 64, generator=generator), torch.randn(2, 64, generator=generator)
+    hidden = torch.cat([decode, chunk_1, chunk_2, torch.randn(padding_rows, 64, generator=generator)])
+    starts = [0, 1 + S, 9 + S, 11 + S]  # one segment per grid request; decode and padding: 0 rows
+    segments = dict(prefill_row_start=torch.tensor(starts), prefill_row_count=torch.tensor([0, 8, 2, 0]),
+                    prefill_slot_ids=torch.tensor([scratch, 1, 2, scratch]))
+    mamba = MambaForward(**slots, decode_slot_ids=torch.tensor([0, scratch, scratch, scratch]), **segments)
+    metadata = make_metadata([list(range(8))], [(0, hidden.shape[0])])
+    with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
+        out = mixer(hidden[:, None])[0][:, 0]
+
+    want_decode = run_mixer(mixer, alone, decode, decode_slots=(0,))
+    want_1 = run_mixer(mixer, alone, chunk_1, prefill=((0, 8, 1),))
+    want_2 = run_mixer(mixer, alone, chunk_2, prefill=((0, 2, 2),))
+    torch.testing.assert_close(out[: 11 + S], torch.cat([want_decode, want_1, want_2]), rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all()
+    for name in ("conv_states", "ssm_states"):
+        torch.testing.assert_close(slots[name][:, :3], alone[name][:, :3], rtol=1e-5, atol=1e-5)
+        assert torch.equal(slots[name][:, 3], alone[name][:, 3])
+    for name in ("intermediate_conv_states", "intermediate_ssm_states"):
+        torch.testing.assert_close(slots[name][:, 0], alone[name][:, 0], rtol=1e-5, atol=1e-5)
+        assert slots[name][:, 1:4].isnan().all()  # only slot 0 and the scratch slot decode

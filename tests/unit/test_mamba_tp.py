@@ -62,7 +62,9 @@ def _schedule_logits(runner, tensor_parallel_size: int, device=torch.device("cpu
         mamba = MambaForward(
             slots.conv_states, slots.ssm_states, slots.intermediate_conv_states, slots.intermediate_ssm_states,
             decode_slot_ids=torch.tensor([1] if decode else [], dtype=torch.int64, device=device),
-            prefill_row_ranges=() if decode else ((0, end - start),), prefill_slot_ids=() if decode else (1,),
+            **({} if decode else dict(prefill_row_start=torch.tensor([0], device=device),
+                                      prefill_row_count=torch.tensor([end - start], device=device),
+                                      prefill_slot_ids=torch.tensor([1], device=device))),
         )
         logits, _ = runner.forward(tokens[start:end], metadata.positions, metadata, kv_caches, mamba=mamba)
         return logits
