@@ -124,7 +124,7 @@ class DynamicInferenceContext:
         self.mamba = None if mamba is None else MambaStateSlots(mamba, max_requests, num_speculative_tokens, self.device)
         self.table = RequestTable(max_requests, self.max_blocks_per_request, num_speculative_tokens,
                                   block_size_tokens, self.device)
-        self._prefill_lengths = self.table.add_host_rows("prefill_lengths", ())  # [R + 1] int64: tokens to prefill
+        self._prefill_lengths = self.table.add_host_rows("prefill_lengths", ())  # [R + 1] int64, prompt tokens
         self._step_buffers = StepBuffers(self.table, max_tokens_per_step, self.scheduler.max_block_writes_per_step)
         self._block_writes = []  # [3, k] int64 arrays (row, column, block id) not yet sent to the device
         self._prompts: Dict[int, np.ndarray] = {}  # request id -> [P] int64 prompt tokens
@@ -214,7 +214,8 @@ class DynamicInferenceContext:
         if self._prompts_done and not self._prompts_done_in_place():
             return True
         num_decode = self.table.group_size(RowGroup.DECODE) + len(self._prompts_done)  # the next step's
-        spare_blocks = self.allocator.num_free_blocks - int(self._decode_needs(steps_in_flight=1, num_decode=num_decode).sum())
+        needs = self._decode_needs(steps_in_flight=1, num_decode=num_decode)
+        spare_blocks = self.allocator.num_free_blocks - int(needs.sum())
         if spare_blocks < 0:
             return True  # a decode must pause
         oldest = self.scheduler.oldest_paused()

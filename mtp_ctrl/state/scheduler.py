@@ -68,8 +68,8 @@ class Scheduler:
         self.max_blocks_per_request = worst_case_blocks(max_model_len, 1, num_speculative_tokens, block_size_tokens)
         # block writes one step can stage: each decode's worst case from zero (+1 when its KV does
         # not start on a block boundary), then the prefill chunks' tokens (+1 for a partial block)
-        self.max_block_writes_per_step = max_requests * (worst_case_blocks(0, 1, num_speculative_tokens, block_size_tokens) + 1) \
-            + self.blocks_for(max_tokens_per_step) + 1
+        from_zero = worst_case_blocks(0, 1, num_speculative_tokens, block_size_tokens)
+        self.max_block_writes_per_step = max_requests * (from_zero + 1) + self.blocks_for(max_tokens_per_step) + 1
         self.waiting: Deque[int] = collections.deque()  # request ids waiting for a row, next first
         self.admission_order: Dict[int, None] = {}  # live requests (ordered set), oldest first
         self.paused_for_kv: Dict[int, None] = {}  # ordered set: paused by the scheduler, oldest first
@@ -159,7 +159,8 @@ class Scheduler:
         budget = self.prefill_budget(num_decode)
         spare_blocks = max(free_blocks - self.decode_reserve(num_decode), 0)
         lengths: List[int] = []
-        for left, known, held in zip(remaining.tolist(), known_lengths.tolist(), block_counts.tolist()):  # host-ok: numpy
+        rows = zip(remaining.tolist(), known_lengths.tolist(), block_counts.tolist())  # host-ok: numpy
+        for left, known, held in rows:
             capacity = (held + spare_blocks) * self.block_size_tokens - known
             length = min(left, budget, capacity)
             if length <= 0:
