@@ -155,10 +155,8 @@ class DynamicInferenceContext:
     def add_request(self, request_id: int, prompt_tokens: Tokens) -> None:
         """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence).
 
-        Allowed while a step is in flight: the new row lands past every row of a built step, and
-        its device rows are reset by stream-ordered writes that run after that step. With paused
-        requests it swaps the first paused row to the end: the caller then commits the steps in
-        flight first if it needs that row's host values to stay put (see :attr:`adds_in_place`)."""
+        Allowed while a step is in flight: the new row lands past every row of a built step (its
+        device rows are reset by writes stream-ordered after it); see :attr:`adds_in_place`."""
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self.table:
@@ -346,10 +344,8 @@ class DynamicInferenceContext:
                                         self.max_blocks_per_request * self.block_size_tokens)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:
-        """Move a request whose final chunk ran to the decode rows: with it at the first prefill
-        row this only moves the group boundary (no swap; safe with steps in flight: the step that
-        ran its chunk reads its row as a prefill row, the prefill-status write follows it on the
-        stream, and its read-back row index does not change)."""
+        """A request whose final chunk ran joins the decode rows; at the first prefill row only the
+        boundary moves (its row, so its read-back's, stays; the status write is stream-ordered)."""
         if request_id not in self._prompts_done:
             return
         del self._prompts_done[request_id]
