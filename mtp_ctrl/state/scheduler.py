@@ -28,7 +28,7 @@ next step takes one more block for it (``blocks_needed`` gives 1).
 """
 
 import collections
-from typing import Deque, Dict, List, Optional, Sequence, Union
+from typing import Deque, Dict, Iterable, List, Optional, Union
 
 import numpy as np
 
@@ -129,7 +129,11 @@ class Scheduler:
         fits = (needs == 0) | (np.cumsum(needs) <= free_blocks)
         return ~fits
 
-    def num_to_resume(self, needs: Sequence[int], spare_blocks: int) -> int:
+    def oldest_paused(self) -> Optional[int]:
+        """The request paused for KV the longest (the next to resume), or None."""
+        return next(iter(self.paused_for_kv), None)
+
+    def num_to_resume(self, needs: Iterable[int], spare_blocks: int) -> int:
         """How many of the requests paused for KV resume: ``needs`` are their blocks for one
         decode step, oldest first; they resume in that order while the spare blocks last."""
         count = 0
@@ -171,6 +175,3 @@ class Scheduler:
             if length < left:
                 break  # a partial chunk is the last one of the step
         return lengths
-
-    def oldest_paused(self) -> Optional[int]:
-        return next(iter(self.paused_for_kv), None)

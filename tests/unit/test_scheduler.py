@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpec, RowGroup
+from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpec
 from mtp_ctrl.state.scheduler import Scheduler, worst_case_blocks
 
 
