@@ -146,7 +146,9 @@ class DynamicInferenceContext:
     @property
     def adds_in_place(self) -> bool:
         """Whether :meth:`add_request` moves no live row (no request is paused: the new request
-        takes the first free row, the end of the prefill rows), so it may run with steps in flight."""
+        takes the first free row, the end of the prefill rows), so it may run with steps in flight.
+        With paused rows the insert swaps one past the step's rows: likely safe, but kept behind a
+        sync (rare: the pool is short then; untested under a step in flight)."""
         return self.table.group_size(RowGroup.PAUSED) == 0
 
     def __contains__(self, request_id: int) -> bool:
