@@ -81,7 +81,7 @@ def _run(model, prompts, num_speculative_tokens, overlap, new_tokens):
     torch.cuda.synchronize()
     started = time.perf_counter()
     controller.step()
-    controller.step()  # admission syncs on the step in flight; the second call carries the chunk
+    controller.step()  # the first call admits (no sync: the new row is past the step in flight) and launches the chunk
     torch.cuda.synchronize()
     mixed_step = (time.perf_counter() - started) - decode_step
     controller.step()  # applies the mixed step: its GPU time is recorded

@@ -13,7 +13,8 @@ fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
-timeout 200 python3 -m pytest tests/functional/test_controller_gpu.py tests/functional/test_mtp_draft_oracles_gpu.py \
+timeout 200 python3 -m pytest tests/functional/test_controller_gpu.py tests/functional/test_overlap_gpu.py \
+  tests/functional/test_mtp_draft_oracles_gpu.py \
   tests/functional/test_state_gpu.py tests/functional/test_forward_gpu.py tests/functional/test_sampling_gpu.py \
   tests/functional/test_layer_glue_gpu.py tests/functional/test_rejection_gpu.py \
   -q -p no:cacheprovider -W ignore -k "not tp2 and not churn" 2>&1 | tee "$out/functional.log" | tail -12

@@ -16,8 +16,9 @@ read-back and applies it on the host (stop rules, emitted tokens, KV lengths), s
 work hides behind the GPU's. The device is the source of truth for what the host learns late
 (accepted counts, KV lengths, next tokens, drafts); step N + 1 reads them on the device. A
 request that stopped in step N has run in step N + 1 too: that step's tokens for it are dropped,
-so its output ends exactly at the stop. Anything that moves rows (a request joining, a prompt
-turning into decodes, pausing, preemption, finishing) first waits for the step in flight.
+so its output ends exactly at the stop. What swaps rows (pausing, preemption, finishing) first
+waits for the step in flight; a request joining while none is paused, or a prompt turning into a
+decode, swaps none and does not wait. Policy is ``context.scheduler``'s (``state/scheduler.py``).
 ``InferenceConfig(overlap_scheduling=False)`` applies every step before the next one is built.
 
 Acceptance is exact match of the target's own sample, and sampling noise is a function of
@@ -53,6 +54,7 @@ from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
 from mtp_ctrl.models.runner import PagedGPTRunner
 from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
+from mtp_ctrl.state.scheduler import worst_case_blocks
 from mtp_ctrl.triton_ops import StepCommit, max_released_blocks, verify_and_commit
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
@@ -86,6 +88,7 @@ class TextGenerationController:
         if proposer is not None and not isinstance(proposer, Proposer):
             raise TypeError(f"proposer must be a Proposer, got {type(proposer).__name__}")
         self.context = self._build_context(model.config)
+        self._scheduler = self.context.scheduler  # admission, pausing, preemption, chunking
         self._allocate_step_buffers()
         self._outputs = OutputRows(self.context.table, config.max_model_len, S)
         self.proposer = proposer if proposer is not None else MTPProposer(config.mtp_attention)
@@ -105,8 +108,7 @@ class TextGenerationController:
         self._finished_order: Deque[int] = collections.deque()  # finished step-API requests, result not taken
         self._held_by_generate: set = set()  # requests a running generate() waits for: never dropped
         self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
-        self._waiting: Deque[int] = collections.deque()  # admitted to the controller, not yet to the context
-        self._admission_order: List[int] = []  # live requests, oldest first (preemption takes the newest)
+        self._waiting: Deque[int] = self._scheduler.waiting  # queued here, not yet in the context
         self._retiring: List[int] = []  # finished; their rows are freed once no step is in flight
         self._in_flight: Optional[_LaunchedStep] = None
         self._readback_parity = 0
@@ -129,7 +131,7 @@ class TextGenerationController:
         )
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.kv_cache_bytes is None:
-            blocks_per_request = -(-(config.max_model_len + 2 * (S + 1)) // config.block_size_tokens)
+            blocks_per_request = worst_case_blocks(config.max_model_len, 1, S, config.block_size_tokens)
             num_blocks = config.max_requests * blocks_per_request
         return DynamicInferenceContext(
             max_requests=config.max_requests,
@@ -180,7 +182,7 @@ class TextGenerationController:
         (on every rank under tensor parallelism); returns the number of graphs held."""
         if self._graphs is None:
             return 0
-        if self._admission_order or self._waiting or self._in_flight is not None:
+        if self.context.table.num_live or self._waiting or self._in_flight is not None:
             raise RuntimeError("warmup: call it before adding requests")
         for shape in self.context.graph_shapes():
             step = self.context.build_padding_step(shape)
@@ -243,7 +245,7 @@ class TextGenerationController:
         return request_id
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting) or len(self._admission_order) > len(self._retiring)
+        return bool(self._waiting) or self.context.table.num_live > len(self._retiring)
 
     def result(self, request_id: int) -> GenerationResult:
         """The result of a finished request (it stays until :meth:`pop_result` takes it, or until
@@ -262,33 +264,26 @@ class TextGenerationController:
         return result
 
     def _admit_waiting(self) -> None:
-        """Rows for waiting requests (no step in flight: admission moves rows)."""
-        while self._waiting and self.context.num_free_rows > 0:
+        """Rows for waiting requests; with a step in flight only while none is paused: the new row
+        is then the first free one, past the step's rows, and what is written here is that row's
+        (host rows its read-back never reads, device rows by writes stream-ordered after it)."""
+        while self._can_admit() and (self._in_flight is None or self.context.adds_in_place):
             request_id = self._waiting[0]
             record = self._records[request_id]
-            tokens = record.prompt_tokens + record.output_tokens
-            if not self._can_admit():
-                break  # an evicted request waits until it can be recomputed without evicting again
-            self.context.add_request(request_id, tokens)
+            self.context.add_request(request_id, record.prompt_tokens + record.output_tokens)
             self._waiting.popleft()  # only once the context holds it
             row = self.context.table.row_of(request_id)
             params = record.params
-            self._temperature[row] = params.temperature
-            self._top_k[row] = params.top_k
-            self._top_p[row] = params.top_p
-            self._seeds[row] = record.seed
+            for rows, value in ((self._temperature, params.temperature), (self._top_k, params.top_k),
+                                (self._top_p, params.top_p), (self._seeds, record.seed)):
+                rows[row].fill_(value)  # stream-ordered (`rows[row] = value` would copy from pageable memory: a sync)
             self._outputs.start(row, params, len(record.prompt_tokens), record.output_tokens,
                                 record.decode_steps, record.accepted_drafts)
-            self._admission_order.append(request_id)
-
-    def _fits_in_free_blocks(self, token_count: int) -> bool:
-        needed = self.context.blocks_for(token_count + 2 * (self.config.num_speculative_tokens + 1))
-        return needed <= self.context.allocator.num_free_blocks
 
     def _preempt_newest(self) -> None:
         """Evict the newest live request to free its KV blocks; it is recomputed from its prompt
         and output so far when it comes back, with unchanged output (sampling is positional)."""
-        request_id = self._admission_order.pop()
+        request_id = self._scheduler.preemption_victim()
         self._save_progress(request_id)
         self._release(request_id)
         self._records[request_id].preemptions += 1
@@ -307,7 +302,6 @@ class TextGenerationController:
     def _retire_finished(self) -> None:
         """Free the rows of requests that finished (no step in flight)."""
         for request_id in self._retiring:
-            self._admission_order.remove(request_id)
             self._release(request_id)
             if request_id not in self._held_by_generate:
                 self._finished_order.append(request_id)
@@ -371,7 +365,7 @@ class TextGenerationController:
             outputs += self._apply_in_flight(collect)
         if self._in_flight is None:
             self._retire_finished()
-            self._admit_waiting()
+        self._admit_waiting()  # with a step in flight: only into rows past it (see _must_sync)
         step = self._build_step()
         if step is None:
             if self._in_flight is not None:
@@ -389,22 +383,28 @@ class TextGenerationController:
         return outputs
 
     def _must_sync(self) -> bool:
-        """Whether the next step moves rows (finishing, admitting, a prompt turning into decodes,
-        pausing or resuming), so the step in flight must be applied before it is built."""
-        return bool(self._retiring) or self._can_admit() or self.context.needs_sync()
+        """Whether the next step swaps rows, so the step in flight is applied first: finishing (a
+        freed row takes the last live row, whose read-back would land on the wrong request),
+        admitting while requests are paused, pausing or resuming."""
+        return bool(self._retiring) or (self._can_admit() and not self.context.adds_in_place) or \
+            self.context.needs_sync()
 
     def _can_admit(self) -> bool:
-        if not self._waiting or self.context.num_free_rows == 0:
+        if not self._waiting:
             return False
         record = self._records[self._waiting[0]]
-        return not record.preemptions or self._fits_in_free_blocks(len(record.prompt_tokens) + len(record.output_tokens))
+        return self._scheduler.can_admit(len(record.prompt_tokens) + len(record.output_tokens), record.preemptions > 0,
+                                         self.context.num_free_rows, self.context.allocator.num_free_blocks)
 
     def _build_step(self) -> Optional[StepMetadata]:
         while True:
             try:
                 return self.context.build_step()
             except KVCacheFullError:
-                if len(self._admission_order) <= 1 or self._in_flight is not None:
+                if self._in_flight is not None:  # learn the step in flight's outcome, then decide
+                    self._sync()
+                    continue
+                if not self._scheduler.should_preempt(self.context.table.num_live, self.context.steps_in_flight):
                     raise
                 self._preempt_newest()
 
@@ -484,7 +484,7 @@ class TextGenerationController:
         self.context.abandon_steps_in_flight()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # host-ok: error path
-        for request_id in list(self._admission_order):
+        for request_id in list(self._scheduler.admission_order):
             record = self._records.get(request_id)
             if record is not None and record.finish_reason is None:
                 self._save_progress(request_id)

@@ -1,8 +1,9 @@
 """DynamicInferenceContext: the state a speculative-decoding controller drives.
 
 It owns the KV block pool, the KV caches, the request table, the Mamba state slots and the
-buffers of each step, and decides what each step runs: decode requests, prefill chunks under
-the token budget, and which requests pause when the pool runs dry.
+buffers of each step, and carries out what its :class:`~mtp_ctrl.state.scheduler.Scheduler`
+decides (``self.scheduler``: which decodes pause or resume, the prefill chunks under the token
+budget, the worst-case block reserve): table moves, block reservation and staging.
 
 Life cycle of a request::
 
@@ -17,10 +18,15 @@ The overlapped loop (see ``controllers/controller.py``): the caller may build st
 it has read step N's outcome back. The device knows each decode request's KV length; the host
 (``table.host.known_lengths``) learns it from the read-back (:meth:`commit_readback`), one step
 late. So a step is built for the worst case, every draft of the steps in flight accepted: each
-decode request holds blocks for ``known_length + (1 + S) * (1 + steps_in_flight)`` tokens.
-Whatever moves rows (admission, a prompt turning into decodes, pausing, finishing) needs the
-host to be exact, so it waits until no step is in flight: :meth:`needs_sync` tells the caller,
-and the row-moving calls raise ``RuntimeError`` while a built step has not been committed.
+decode request holds blocks for ``known_length + (1 + S) * (1 + steps_in_flight)`` tokens
+(``scheduler.worst_case_blocks``, the one formula). Whatever swaps rows (pausing, resuming,
+finishing, admitting while requests are paused) needs the host to be exact, so it waits until no
+step is in flight: :meth:`needs_sync` tells the caller, and the row-moving calls raise
+``RuntimeError`` while a built step has not been committed. Two moves need no swap and so no
+wait: a request admitted while none is paused takes the first free row, past every row of a built
+step (:attr:`adds_in_place`), and a prompt whose final chunk ran becomes a decode by moving the
+decode | prefill boundary past it when it is the first prefill row (always the case: chunks are
+scheduled in row order from the first prefill row).
 """
 
 from typing import Dict, List, Optional, Sequence, Union
@@ -33,6 +39,7 @@ from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
 from mtp_ctrl.state.kv_cache import KVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec, MambaStateSlots
 from mtp_ctrl.state.request_table import RequestTable, RowGroup
+from mtp_ctrl.state.scheduler import Scheduler
 from mtp_ctrl.state.step_metadata import StepBuffers, StepMetadata
 
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
@@ -99,7 +106,10 @@ class DynamicInferenceContext:
         self.cuda_graph_batch_sizes = check_batch_sizes(cuda_graph_batch_sizes, max_requests)
         # token counts of the graphs of steps with prefill chunks (none without batch buckets)
         self.cuda_graph_token_counts = token_buckets(max_tokens_per_step) if self.cuda_graph_batch_sizes else ()
-        self.max_blocks_per_request = self.blocks_for(max_model_len + 2 * stride)
+        self.scheduler = Scheduler(max_requests=max_requests, max_model_len=max_model_len,
+                                   block_size_tokens=block_size_tokens, num_speculative_tokens=num_speculative_tokens,
+                                   max_tokens_per_step=max_tokens_per_step)
+        self.max_blocks_per_request = self.scheduler.max_blocks_per_request
         if num_blocks is not None:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
         else:
@@ -114,18 +124,17 @@ class DynamicInferenceContext:
         self.mamba = None if mamba is None else MambaStateSlots(mamba, max_requests, num_speculative_tokens, self.device)
         self.table = RequestTable(max_requests, self.max_blocks_per_request, num_speculative_tokens,
                                   block_size_tokens, self.device)
-        # each decode request takes at most ceil(2 (1 + S) / bs) + 1 blocks a step; chunks the rest
-        max_block_writes = max_requests * (self.blocks_for(2 * stride) + 1) + self.blocks_for(max_tokens_per_step) + 1
-        self._step_buffers = StepBuffers(self.table, max_tokens_per_step, max_block_writes)
+        self._prefill_lengths = self.table.add_host_rows("prefill_lengths", ())  # [R + 1] int64, prompt tokens
+        self._step_buffers = StepBuffers(self.table, max_tokens_per_step, self.scheduler.max_block_writes_per_step)
         self._block_writes = []  # [3, k] int64 arrays (row, column, block id) not yet sent to the device
         self._prompts: Dict[int, np.ndarray] = {}  # request id -> [P] int64 prompt tokens
-        self._paused_for_kv: Dict[int, None] = {}  # ordered set: oldest first
         self._prompts_done: Dict[int, None] = {}  # ran their final chunk; become DECODE at the next build
         self._steps_in_flight: List[StepMetadata] = []  # built, not yet committed (oldest first)
 
     def blocks_for(self, token_count) -> int:
-        """The one block-count formula: blocks that hold ``token_count`` tokens (int or array)."""
-        return -(-token_count // self.block_size_tokens)
+        """Blocks that hold ``token_count`` tokens (int or array); the worst-case reserve of a
+        decode request is ``scheduler.worst_case_blocks``."""
+        return self.scheduler.blocks_for(token_count)
 
     # ----- requests ----------------------------------------------------------------------
 
@@ -134,13 +143,22 @@ class DynamicInferenceContext:
         """How many more requests ``add_request`` accepts now."""
         return self.table.max_requests - self.table.num_live
 
+    @property
+    def adds_in_place(self) -> bool:
+        """Whether :meth:`add_request` moves no live row (no request is paused: the new request
+        takes the first free row, the end of the prefill rows), so it may run with steps in flight.
+        With paused rows the insert swaps one past the step's rows: likely safe, but kept behind a
+        sync (rare: the pool is short then; untested under a step in flight)."""
+        return self.table.group_size(RowGroup.PAUSED) == 0
+
     def __contains__(self, request_id: int) -> bool:
         return request_id in self.table
 
     def add_request(self, request_id: int, prompt_tokens: Tokens) -> None:
         """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence).
 
-        Allowed while a step is in flight: the new row lands past every row of a built step."""
+        Allowed while a step is in flight: the new row lands past every row of a built step (its
+        device rows are reset by writes stream-ordered after it); see :attr:`adds_in_place`."""
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self.table:
@@ -149,8 +167,10 @@ class DynamicInferenceContext:
         if self.num_free_rows == 0:
             raise RuntimeError(f"max_requests ({self.table.max_requests}) requests are live; finish one first")
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
-        self.table.insert(request_id, RowGroup.PREFILL, slot)
+        row = self.table.insert(request_id, RowGroup.PREFILL, slot)
+        self._prefill_lengths[row] = prompt.shape[0]
         self._prompts[request_id] = prompt
+        self.scheduler.admitted(request_id)
 
     def finish_request(self, request_id: int) -> None:
         """Release the request's KV blocks and Mamba slot and free its row. Its blocks may still
@@ -163,7 +183,7 @@ class DynamicInferenceContext:
             self.mamba.release_slot(int(host.mamba_slot_ids[row]))
         self.table.remove(request_id)
         del self._prompts[request_id]
-        self._paused_for_kv.pop(request_id, None)
+        self.scheduler.released(request_id)
         self._prompts_done.pop(request_id, None)
 
     def pause_request(self, request_id: int) -> None:
@@ -183,22 +203,32 @@ class DynamicInferenceContext:
             raise ValueError(f"request {request_id} is not paused")
         prompt_done = int(self.table.host.known_lengths[row]) >= self._prompts[request_id].shape[0]
         self.table.move(request_id, RowGroup.DECODE if prompt_done else RowGroup.PREFILL)
-        self._paused_for_kv.pop(request_id, None)
+        self.scheduler.paused_for_kv.pop(request_id, None)
 
     # ----- steps -------------------------------------------------------------------------
 
     def needs_sync(self) -> bool:
-        """Whether the next :meth:`build_step` would move rows or pause requests, which it may only
-        do once the host knows every decode request's length (no step in flight)."""
-        if self._prompts_done:
+        """Whether the next :meth:`build_step` would swap rows or pause requests, which it may only
+        do once the host knows every decode request's length (no step in flight). Prompts that
+        finished at the first prefill rows become decodes in place and need no sync."""
+        if self._prompts_done and not self._prompts_done_in_place():
             return True
-        spare_blocks = self.allocator.num_free_blocks - int(self._decode_needs(steps_in_flight=1).sum())
+        num_decode = self.table.group_size(RowGroup.DECODE) + len(self._prompts_done)  # the next step's
+        needs = self._decode_needs(steps_in_flight=1, num_decode=num_decode)
+        spare_blocks = self.allocator.num_free_blocks - int(needs.sum())
         if spare_blocks < 0:
             return True  # a decode must pause
-        if self._paused_for_kv:  # only worth a sync when the oldest paused request could resume
-            row = self.table.row_of(next(iter(self._paused_for_kv)))
-            return self._blocks_to_resume(row) <= spare_blocks
+        oldest = self.scheduler.oldest_paused()
+        if oldest is not None:  # only worth a sync when the oldest paused request could resume
+            return self._blocks_to_resume(self.table.row_of(oldest)) <= spare_blocks
         return False
+
+    def _prompts_done_in_place(self) -> bool:
+        """The prompts whose final chunk ran are exactly the first prefill rows: each becomes a
+        decode by moving the group boundary, no row swaps."""
+        start = self.table.group_size(RowGroup.DECODE)
+        rows = sorted(self.table.row_of(request_id) for request_id in self._prompts_done)
+        return rows == list(range(start, start + len(rows)))
 
     @property
     def steps_in_flight(self) -> int:
@@ -219,20 +249,18 @@ class DynamicInferenceContext:
         steps_in_flight = self.steps_in_flight
         if steps_in_flight and self.needs_sync():
             raise RuntimeError("build_step: rows must move; commit the step in flight first")
-        for request_id in list(self._prompts_done):
+        for request_id in sorted(self._prompts_done, key=self.table.row_of):  # first prefill row first: in place
             self._become_decode_if_prompt_done(request_id)
         if not steps_in_flight:
             self._pause_decodes_short_of_blocks()
             self._resume_requests_paused_for_kv()
         host, stride = self.table.host, self.num_speculative_tokens + 1
         num_decode = self.table.group_size(RowGroup.DECODE)
-        self._reserve(0, host.known_lengths[:num_decode] + stride * (1 + steps_in_flight))
-        # prefill leaves the blocks that the running decodes take next step, so it cannot starve them
-        reserved_blocks = num_decode * self.blocks_for(stride)
-        chunks = [] if self._paused_for_kv else self._schedule_prefill_chunks(num_decode, reserved_blocks)
+        self._reserve(0, self.scheduler.worst_case_blocks(host.known_lengths[:num_decode], steps_in_flight))
+        chunks = [] if self.scheduler.paused_for_kv else self._schedule_prefill_chunks(num_decode)
         num_requests = num_decode + len(chunks)
         if num_requests == 0:
-            if self.table.group_size(RowGroup.PREFILL) or self._paused_for_kv:
+            if self.table.group_size(RowGroup.PREFILL) or self.scheduler.paused_for_kv:
                 raise KVCacheFullError(
                     f"no live request can get a KV block ({self.allocator.num_free_blocks} free); "
                     "finish or pause requests to make room"
@@ -314,26 +342,28 @@ class DynamicInferenceContext:
                                         self.max_blocks_per_request * self.block_size_tokens)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:
+        """A request whose final chunk ran joins the decode rows; at the first prefill row only the
+        boundary moves (its row, so its read-back's, stays; the status write is stream-ordered)."""
         if request_id not in self._prompts_done:
             return
         del self._prompts_done[request_id]
         self.table.set_prefill_status(self.table.row_of(request_id), 0)
         self.table.move(request_id, RowGroup.DECODE)
 
-    def _decode_needs(self, steps_in_flight: int) -> np.ndarray:
-        """``[nd]`` int64: blocks each decode request still needs before the next step."""
-        num_decode = self.table.group_size(RowGroup.DECODE)
-        host, stride = self.table.host, self.num_speculative_tokens + 1
-        targets = host.known_lengths[:num_decode] + stride * (1 + steps_in_flight)
-        wanted = np.minimum(self.blocks_for(targets), self.max_blocks_per_request)
-        return np.maximum(wanted - host.block_counts[:num_decode], 0)
-
-    def _reserve(self, start: int, target_lengths: np.ndarray) -> None:
-        """Give rows ``[start, start + n)`` the blocks to hold ``target_lengths`` tokens (host
-        block table and allocator now; the device with the next step's block writes)."""
+    def _decode_needs(self, steps_in_flight: int, num_decode: Optional[int] = None) -> np.ndarray:
+        """``[nd]`` int64: blocks each of the first ``num_decode`` rows (default: the decode
+        rows) still needs before the next step."""
+        num_decode = self.table.group_size(RowGroup.DECODE) if num_decode is None else num_decode
         host = self.table.host
-        rows = np.arange(start, start + target_lengths.shape[0])
-        wanted = np.minimum(self.blocks_for(target_lengths), self.max_blocks_per_request)
+        return self.scheduler.blocks_needed(host.known_lengths[:num_decode], host.block_counts[:num_decode],
+                                            steps_in_flight)
+
+    def _reserve(self, start: int, wanted: np.ndarray) -> None:
+        """Give rows ``[start, start + n)`` ``wanted`` blocks (``[n]`` int64; rows holding more
+        keep theirs): host block table and allocator now, the device with the next step's block
+        writes."""
+        host = self.table.host
+        rows = np.arange(start, start + wanted.shape[0])
         adding = np.maximum(wanted - host.block_counts[rows], 0)  # [n] int64
         total = int(adding.sum())
         if total == 0:
@@ -347,53 +377,43 @@ class DynamicInferenceContext:
         self._block_writes.append(np.stack([write_rows, write_cols, block_ids]))
 
     def _pause_decodes_short_of_blocks(self) -> None:
-        """Decode requests get blocks in row order; the first that does not fit and every later
-        one that needs a block is paused."""
+        """Pause the decode requests the scheduler cannot give their next blocks."""
         needs = self._decode_needs(steps_in_flight=0)
-        fits = (needs == 0) | (np.cumsum(needs) <= self.allocator.num_free_blocks)
-        num_decode = needs.shape[0]
-        for request_id in self.table.host.request_ids[:num_decode][~fits].tolist():  # host-ok: numpy
+        pause = self.scheduler.decodes_to_pause(needs, self.allocator.num_free_blocks)
+        for request_id in self.table.host.request_ids[: needs.shape[0]][pause].tolist():  # host-ok: numpy
             self.table.move(request_id, RowGroup.PAUSED)
-            self._paused_for_kv[request_id] = None
+            self.scheduler.paused_for_kv[request_id] = None
 
     def _resume_requests_paused_for_kv(self) -> None:
+        paused = self.scheduler.paused_for_kv
+        if not paused:
+            return
         spare_blocks = self.allocator.num_free_blocks - int(self._decode_needs(steps_in_flight=0).sum())
-        for request_id in list(self._paused_for_kv):
-            need = self._blocks_to_resume(self.table.row_of(request_id))
-            if need > spare_blocks:
-                return  # oldest first: a younger request does not overtake
+        request_ids = list(paused)
+        needs = (self._blocks_to_resume(self.table.row_of(request_id)) for request_id in request_ids)
+        for request_id in request_ids[: self.scheduler.num_to_resume(needs, spare_blocks)]:
             self.table.move(request_id, RowGroup.DECODE)
-            del self._paused_for_kv[request_id]
-            spare_blocks -= need
+            del paused[request_id]
 
     def _blocks_to_resume(self, row: int) -> int:
         """Blocks a paused request at ``row`` needs for its next decode step."""
         host = self.table.host
-        target = int(host.known_lengths[row]) + self.num_speculative_tokens + 1
-        return max(min(self.blocks_for(target), self.max_blocks_per_request) - int(host.block_counts[row]), 0)
+        return int(self.scheduler.blocks_needed(host.known_lengths[row], host.block_counts[row], steps_in_flight=0))
 
-    def _schedule_prefill_chunks(self, num_decode: int, reserved_blocks: int) -> list:
-        """Give prefill requests, in row order, chunks under the token budget and the free
-        blocks less ``reserved_blocks``; take their blocks. Returns each chunk's prompt tokens
-        (``[q]`` int64)."""
-        host, block_size = self.table.host, self.block_size_tokens
-        budget = self.max_tokens_per_step - num_decode * (self.num_speculative_tokens + 1)
-        chunks = []
+    def _schedule_prefill_chunks(self, num_decode: int) -> list:
+        """Run the scheduler's chunks for the prefill rows and take their blocks. Returns each
+        chunk's prompt tokens (``[q]`` int64)."""
+        host = self.table.host
         start, end = self.table.group_rows(RowGroup.PREFILL)
-        for row in range(start, end):
-            prompt = self._prompts[int(host.request_ids[row])]
+        lengths = self.scheduler.prefill_chunk_lengths(
+            self._prefill_lengths[start:end] - host.known_lengths[start:end], host.known_lengths[start:end],
+            host.block_counts[start:end], self.allocator.num_free_blocks, num_decode)
+        chunks = []
+        for row, chunk_length in zip(range(start, start + len(lengths)), lengths):
             length = int(host.known_lengths[row])
-            spare_blocks = max(self.allocator.num_free_blocks - reserved_blocks, 0)
-            capacity = (int(host.block_counts[row]) + spare_blocks) * block_size - length
-            chunk_length = min(prompt.shape[0] - length, budget, capacity)
-            if chunk_length <= 0:
-                break
-            self._reserve(row, np.array([length + chunk_length]))
+            self._reserve(row, np.array([self.blocks_for(length + chunk_length)]))
             host.known_lengths[row] = length + chunk_length  # exact: a prefill keeps every row
-            chunks.append(prompt[length : length + chunk_length])
-            budget -= chunk_length
-            if length + chunk_length < prompt.shape[0]:
-                break  # a partial chunk is the last one of the step
+            chunks.append(self._prompts[int(host.request_ids[row])][length : length + chunk_length])
         return chunks
 
     def _require_no_step_in_flight(self, what: str) -> None:

@@ -150,7 +150,8 @@ def test_chunked_prefill_under_the_token_budget():
         assert step.num_final_prefill_chunks == int(final)
         assert step.logits_indices.tolist() == ([expected_rows - 1, 0, 0, 0] if final else [0] * 4)
     assert seen == prompt
-    assert ctx.table.group_of(7) == RowGroup.PREFILL and ctx.needs_sync()
+    # the final chunk ran at the first prefill row: it becomes a decode in place, no sync needed
+    assert ctx.table.group_of(7) == RowGroup.PREFILL and not ctx.needs_sync()
     assert ctx.table.host.known_lengths[0] == 10
     ctx.table.next_tokens[0] = 110
     ctx.table.draft_tokens[0] = torch.tensor([111, 112, 113])
@@ -314,7 +315,7 @@ def test_reserve_covers_the_steps_in_flight():
     ctx = make_context()
     ctx.add_request(0, [1, 2, 3, 4, 5])
     step_and_commit(ctx)
-    assert ctx.needs_sync()  # the final prefill chunk ran: the request moves to the decode rows
+    assert not ctx.needs_sync()  # the final chunk ran: the request becomes a decode in place
     first = ctx.build_step()
     assert not ctx.needs_sync()
     assert ctx.table.host.block_counts[0] == 2

@@ -303,3 +303,34 @@ def test_learned_position_table_is_not_indexed_past_its_end_by_the_extra_step(mo
     controller = make_controller(model, S, proposer=OracleProposer({0: sequence}, lambda rid, index: S),
                                  max_model_len=max_model_len)
     assert controller.generate([prompt], params)[0].output_tokens == plain[0].output_tokens
+
+
+def test_arrivals_while_decoding_join_without_applying_the_step_in_flight(models, torch_twins):
+    """Issue 14: a request arriving while others decode takes the first free row with the step in
+    flight still unapplied, and a prompt whose final chunk ran becomes a decode in place; the host
+    applies a step in flight early only to retire finished requests. Outputs == plain decoding.
+    (Before: every arrival and every prompt turning into a decode applied the step in flight.)"""
+    model, _ = models
+    params = SamplingParams(max_new_tokens=10)
+    arrivals = [(0, PROMPTS[0], params), (2, PROMPTS[1], params), (3, PROMPTS[2], params),
+                (5, PROMPTS[3], SamplingParams(max_new_tokens=8, temperature=0.9, seed=4))]
+    plain = run_with_arrivals(make_controller(model, 0, overlap_scheduling=False), arrivals)
+    controller = make_controller(model, 2)
+    steps_in_flight_at_admission, early_applications = [], []
+    add_request, apply_in_flight = controller.context.add_request, controller._apply_in_flight
+
+    def add_and_record(request_id, tokens):
+        steps_in_flight_at_admission.append(controller.context.steps_in_flight)
+        add_request(request_id, tokens)
+
+    def apply_and_record(collect=False):
+        if not controller._retiring and controller.has_unfinished_requests():
+            early_applications.append(controller.context.steps_in_flight)
+        return apply_in_flight(collect)
+
+    controller.context.add_request, controller._apply_in_flight = add_and_record, apply_and_record
+    assert run_with_arrivals(controller, arrivals) == plain
+    assert steps_in_flight_at_admission == [0, 1, 1, 1]  # the first request found nothing in flight
+    assert early_applications == []
+    context = controller.context
+    assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks

@@ -1,0 +1,177 @@
+"""Scheduler: the policy of the step loop (who joins, who runs, who waits, who gives way).
+
+Sizes in, decisions out: it reads host numbers (KV lengths, held block counts, free blocks, free
+rows) and returns decisions. The context applies them (table moves, block reservation, staging);
+the controller keeps each request's record. What it decides, and nothing else does:
+
+- **The KV reserve.** :func:`worst_case_blocks` is the one block-count formula of the
+  overlapped loop: a decode request whose host-known KV length is ``known`` holds blocks for
+  ``known + (1 + S) * (1 + steps_in_flight)`` tokens (every draft of the steps the host has not
+  heard back from accepted, and the step being built). Every other block count derives from it.
+- **Admission.** Waiting requests join in arrival order (FIFO); an evicted request goes back to
+  the front of the queue, and joins only once it can be recomputed without evicting again
+  (:meth:`Scheduler.can_admit`).
+- **Pausing for KV.** Decode rows get their blocks in row order; the first that does not fit and
+  every later one that needs a block pause (:meth:`Scheduler.decodes_to_pause`). Paused requests
+  resume oldest first, a younger one never overtakes (:meth:`Scheduler.num_to_resume`), and no
+  prefill chunk runs while one waits.
+- **Preemption.** When a step cannot be built at all, the newest live request is evicted
+  (:meth:`Scheduler.preemption_victim`), only with no step in flight and while another request
+  stays (:meth:`Scheduler.should_preempt`).
+- **Chunking.** Prefill requests, in row order, share the token budget the decodes leave and the
+  free blocks less those the running decodes take next step; only the last may stop mid-prompt
+  (:meth:`Scheduler.prefill_chunk_lengths`).
+
+Example, ``S = 2``, blocks of 4 tokens, a decode request known at 5 tokens holding 2 blocks, with
+one step in flight: ``worst_case_blocks(5, 1, 2, 4) = ceil((5 + 3 * 2) / 4) = 3``, so building the
+next step takes one more block for it (``blocks_needed`` gives 1).
+"""
+
+import collections
+from typing import Deque, Dict, Iterable, List, Optional, Union
+
+import numpy as np
+
+Lengths = Union[int, np.ndarray]
+
+
+def worst_case_blocks(known_lengths: Lengths, steps_in_flight: int, num_speculative_tokens: int,
+                      block_size_tokens: int) -> Lengths:
+    """The one block-count formula: blocks a request with ``known_lengths`` host-known KV tokens
+    (int, or ``[n]`` int64 array) must hold before a step is built while ``steps_in_flight`` steps
+    have not been read back: room for ``known + (1 + S) * (1 + steps_in_flight)`` tokens."""
+    tokens = known_lengths + (num_speculative_tokens + 1) * (1 + steps_in_flight)
+    return -(-tokens // block_size_tokens)
+
+
+class Scheduler:
+    """The step loop's policy for a context of these sizes (see the module docstring).
+
+    It also keeps the order requests joined (:attr:`admission_order`, oldest first), the queue of
+    requests waiting for a row (:attr:`waiting`) and the requests paused for KV
+    (:attr:`paused_for_kv`, oldest first): the state its decisions read.
+    """
+
+    def __init__(self, *, max_requests: int, max_model_len: int, block_size_tokens: int,
+                 num_speculative_tokens: int, max_tokens_per_step: int):
+        for name, value, low in (("max_requests", max_requests, 1), ("max_model_len", max_model_len, 1),
+                                 ("block_size_tokens", block_size_tokens, 1),
+                                 ("num_speculative_tokens", num_speculative_tokens, 0),
+                                 ("max_tokens_per_step", max_tokens_per_step, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self.block_size_tokens = block_size_tokens
+        self.num_speculative_tokens = num_speculative_tokens
+        self.stride = num_speculative_tokens + 1
+        self.max_tokens_per_step = max_tokens_per_step
+        # a request never holds more than its longest KV with a step run past its stop in flight
+        self.max_blocks_per_request = worst_case_blocks(max_model_len, 1, num_speculative_tokens, block_size_tokens)
+        # block writes one step can stage: each decode's worst case from zero (+1 when its KV does
+        # not start on a block boundary), then the prefill chunks' tokens (+1 for a partial block)
+        from_zero = worst_case_blocks(0, 1, num_speculative_tokens, block_size_tokens)
+        self.max_block_writes_per_step = max_requests * (from_zero + 1) + self.blocks_for(max_tokens_per_step) + 1
+        self.waiting: Deque[int] = collections.deque()  # request ids waiting for a row, next first
+        self.admission_order: Dict[int, None] = {}  # live requests (ordered set), oldest first
+        self.paused_for_kv: Dict[int, None] = {}  # ordered set: paused by the scheduler, oldest first
+
+    # ----- block counts ----------------------------------------------------------------------
+
+    def blocks_for(self, token_count: Lengths) -> Lengths:
+        """Blocks that hold ``token_count`` tokens (int or array): ``ceil(tokens / block size)``."""
+        return -(-token_count // self.block_size_tokens)
+
+    def worst_case_blocks(self, known_lengths: Lengths, steps_in_flight: int) -> Lengths:
+        """:func:`worst_case_blocks` for this context, capped at ``max_blocks_per_request`` (a request
+        at max_model_len stops; the cap already holds the step it runs past its stop)."""
+        blocks = worst_case_blocks(known_lengths, steps_in_flight, self.num_speculative_tokens, self.block_size_tokens)
+        return np.minimum(blocks, self.max_blocks_per_request)
+
+    def blocks_needed(self, known_lengths: np.ndarray, block_counts: np.ndarray, steps_in_flight: int) -> np.ndarray:
+        """``[n]`` int64: blocks each of ``n`` decode requests must still take before the next step."""
+        return np.maximum(self.worst_case_blocks(known_lengths, steps_in_flight) - block_counts, 0)
+
+    # ----- admission and preemption ----------------------------------------------------------
+
+    def can_admit(self, token_count: int, preempted: bool, free_rows: int, free_blocks: int) -> bool:
+        """Whether the next waiting request (``token_count`` tokens to prefill; ``preempted``: it
+        was evicted before) may take a row now. An evicted request waits until its whole KV, with
+        a step in flight, fits the free blocks, so that it is not evicted again at once."""
+        if free_rows <= 0:
+            return False
+        return not preempted or int(self.worst_case_blocks(token_count, steps_in_flight=1)) <= free_blocks
+
+    def admitted(self, request_id: int) -> None:
+        """The request took a row."""
+        self.admission_order[request_id] = None
+
+    def released(self, request_id: int) -> None:
+        """The request left its row (finished or evicted)."""
+        self.admission_order.pop(request_id, None)
+        self.paused_for_kv.pop(request_id, None)
+
+    def should_preempt(self, num_live: int, steps_in_flight: int) -> bool:
+        """A step found no request able to get a block: evict one, if that can help (another
+        request stays) and the host knows every length (no step in flight)."""
+        return num_live > 1 and steps_in_flight == 0
+
+    def preemption_victim(self) -> int:
+        """The request to evict for KV space: the newest live one (it has the least work to redo)."""
+        if not self.admission_order:
+            raise ValueError("preemption_victim: no live request")
+        return next(reversed(self.admission_order))
+
+    # ----- pausing for KV --------------------------------------------------------------------
+
+    def decodes_to_pause(self, needs: np.ndarray, free_blocks: int) -> np.ndarray:
+        """``[n]`` bool: which decode rows pause, given each one's ``needs`` (``[n]`` int64, row
+        order) and the free blocks: rows take blocks in order; the first that does not fit and
+        every later one that needs a block pause."""
+        fits = (needs == 0) | (np.cumsum(needs) <= free_blocks)
+        return ~fits
+
+    def oldest_paused(self) -> Optional[int]:
+        """The request paused for KV the longest (the next to resume), or None."""
+        return next(iter(self.paused_for_kv), None)
+
+    def num_to_resume(self, needs: Iterable[int], spare_blocks: int) -> int:
+        """How many of the requests paused for KV resume: ``needs`` are their blocks for one
+        decode step, oldest first; they resume in that order while the spare blocks last."""
+        count = 0
+        for need in needs:
+            if need > spare_blocks:
+                break  # oldest first: a younger request does not overtake
+            spare_blocks -= need
+            count += 1
+        return count
+
+    # ----- chunking --------------------------------------------------------------------------
+
+    def prefill_budget(self, num_decode: int) -> int:
+        """Query rows left for prefill chunks once ``num_decode`` decode requests took theirs."""
+        return self.max_tokens_per_step - num_decode * self.stride
+
+    def decode_reserve(self, num_decode: int) -> int:
+        """Free blocks a prefill chunk must leave: those the running decodes may take next step."""
+        return num_decode * int(self.worst_case_blocks(0, steps_in_flight=0))
+
+    def prefill_chunk_lengths(self, remaining: np.ndarray, known_lengths: np.ndarray, block_counts: np.ndarray,
+                              free_blocks: int, num_decode: int) -> List[int]:
+        """Chunk lengths of the prefill requests, in row order (``remaining``, ``known_lengths``,
+        ``block_counts``: ``[p]`` int64 each): each takes what is left of its prompt, the token
+        budget and the blocks (free less the decodes' reserve); the list stops at the first
+        request that gets nothing or stops mid-prompt."""
+        budget = self.prefill_budget(num_decode)
+        spare_blocks = max(free_blocks - self.decode_reserve(num_decode), 0)
+        lengths: List[int] = []
+        rows = zip(remaining.tolist(), known_lengths.tolist(), block_counts.tolist())  # host-ok: numpy
+        for left, known, held in rows:
+            capacity = (held + spare_blocks) * self.block_size_tokens - known
+            length = min(left, budget, capacity)
+            if length <= 0:
+                break
+            spare_blocks -= max(int(self.blocks_for(known + length)) - held, 0)
+            lengths.append(length)
+            budget -= length
+            if length < left:
+                break  # a partial chunk is the last one of the step
+        return lengths

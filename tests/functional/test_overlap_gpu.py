@@ -1,0 +1,73 @@
+"""The overlapped loop on CUDA: a request arriving while others decode joins without the host
+waiting for the step in flight. Its admission (table row reset, sampling
+parameter rows, output rows) runs under ``torch.cuda.set_sync_debug_mode("error")`` (a sync would
+raise: e.g. ``cuda_tensor[row] = python_float`` copies from pageable memory and syncs), the step
+in flight is still unapplied when the new request takes its row (the host waits for a step only
+in ``_apply``, which is not called early), and outputs equal plain decoding."""
+
+import pytest
+import torch
+
+from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+from tests.unit.controller_fixtures import run_with_arrivals
+from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups, tiny_config
+
+PROMPTS = [[5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45], [4] * 11]
+
+
+@pytest.fixture(scope="module")
+def model():
+    ensure_single_process_groups()
+    return build_tiny_model(tiny_config(mtp_num_layers=3)).cuda()
+
+
+class AdmissionSyncChecked(TextGenerationController):
+    """Admits under ``set_sync_debug_mode("error")`` whenever a step is in flight, and records how many steps were in flight at each admission and every early application of a
+    step in flight (one not made to retire finished requests)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps_in_flight_at_admission = []
+        self.early_applications = 0
+        add_request = self.context.add_request
+
+        def add_and_record(request_id, tokens):
+            self.steps_in_flight_at_admission.append(self.context.steps_in_flight)
+            add_request(request_id, tokens)
+
+        self.context.add_request = add_and_record
+
+    def _checked(self, function):
+        if self._in_flight is None or not self._waiting:
+            return function()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return function()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def _admit_waiting(self):
+        return self._checked(super()._admit_waiting)
+
+    def _apply_in_flight(self, collect=False):
+        if not self._retiring and self.has_unfinished_requests():
+            self.early_applications += 1
+        return super()._apply_in_flight(collect)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_arrival_during_decode_does_not_wait_for_the_step_in_flight(model, graphs):
+    params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8, seed=3)]
+    arrivals = [(0, PROMPTS[0], params[0]), (3, PROMPTS[1], params[1]), (4, PROMPTS[2], params[0]),
+                (6, PROMPTS[3], params[1])]
+    fields = dict(max_requests=8, block_size_tokens=4, max_model_len=96, max_tokens_per_step=128)
+    plain = run_with_arrivals(TextGenerationController(
+        model, InferenceConfig(num_speculative_tokens=0, overlap_scheduling=False, **fields)), arrivals)
+    controller = AdmissionSyncChecked(model, InferenceConfig(
+        num_speculative_tokens=2, cuda_graph_batch_sizes=(1, 2, 4, 8) if graphs else (), **fields))
+    controller.warmup()
+    assert run_with_arrivals(controller, arrivals) == plain
+    assert controller.steps_in_flight_at_admission == [0, 1, 1, 1]
+    assert controller.early_applications == 0
+    context = controller.context
+    assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
