@@ -55,7 +55,8 @@ from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
 from mtp_ctrl.models.runner import PagedGPTRunner
 from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
 from mtp_ctrl.state.scheduler import worst_case_blocks
-from mtp_ctrl.triton_ops import StepCommit, max_released_blocks, verify_and_commit
+from mtp_ctrl.triton_ops import (StepCommit, draft_batch_rows, logits_row_requests, max_released_blocks,
+                                verify_and_commit)
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
 
@@ -159,6 +160,9 @@ class TextGenerationController:
         self._last_accepted_rows = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
         self._accepted_tokens = torch.full((R, S), -1, dtype=torch.int64, device=device)  # [R, S] int64
         self._accepted_counts = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
+        self._row_requests = torch.zeros(2, R * (S + 1), dtype=torch.int64, device=device)  # [2, K]: logits_row_requests
+        self._draft_positions = torch.zeros(3, R, dtype=torch.int64, device=device)  # [3, R]: draft_batch_rows
+        self._draft_samples = torch.zeros(R, dtype=torch.bool, device=device)  # [R] bool
         # the step's read-back: [accepted count, bonus token, accepted drafts...] per request;
         # two pinned host copies, so step N + 1's lands while the host still reads step N's
         pin = device.type == "cuda"
@@ -502,7 +506,7 @@ class TextGenerationController:
         """
         S, context, attention = self.config.num_speculative_tokens, self.context, step.attention
         context.prepare_inputs(step)
-        grid, stride = attention.batch_size, S + 1  # G
+        grid = attention.batch_size  # G
         rows = step.logits_indices  # [G * (1 + S)] int64: decode rows, final chunk ends, then ignored
         num_decode = step.device_num_decode  # [1] int64
         mamba = None
@@ -513,11 +517,9 @@ class TextGenerationController:
         logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
                                              logits_rows=rows, mamba=mamba)  # [G * (1 + S), V], [T, H]
 
-        row_index = torch.arange(rows.shape[0], device=self.device)
-        decode_rows = num_decode * stride
-        row_requests = torch.where(row_index < decode_rows, row_index // stride,
-                                   row_index - decode_rows + num_decode).clamp(max=grid - 1)  # [K] table row of each
-        positions = attention.positions[rows] + 1  # [K] int64, where each row's token goes
+        # [K] int64 each: the table row of each logits row, where its token goes
+        row_requests, positions = self._row_requests[:, : rows.shape[0]]
+        logits_row_requests(rows, attention.positions, num_decode, S, grid, row_requests, positions)
         output_tokens = self.sample_rows(logits, row_requests, positions)
         if self._rejection is not None and not self._all_greedy:  # draft rows: accept min(1, p/q) or resample
             output_tokens = self._rejection.resample(logits, output_tokens, step.input_ids[rows], row_requests,
@@ -536,19 +538,16 @@ class TextGenerationController:
         if mamba is not None and mamba.decode_slot_ids.shape[0] > 0:
             commit_mamba_states(context, mamba.decode_slot_ids, self._accepted_counts, mamba.decode_slot_ids.shape[0])
         if S > 0:
-            request_index = torch.arange(grid, device=self.device)
             scratch_row = context.table.scratch_row
-            write_rows = torch.where(request_index < step.num_active, request_index, scratch_row)  # [G] int64
-            samples = request_index < step.device_num_sampling  # [G] bool
-            query_start_loc = attention.query_start_loc[: grid + 1].long()
-            query_lengths = query_start_loc[1:] - query_start_loc[:-1]  # [G] int64
-            rewinds = torch.where(request_index < num_decode, S - self._accepted_counts[:grid], 0)
+            write_rows, first_positions, bonus_positions = self._draft_positions[:, :grid]  # [G] int64 each
+            samples = self._draft_samples[:grid]  # [G] bool
+            draft_batch_rows(attention.query_start_loc[: grid + 1], attention.seq_lens[:grid], self._accepted_counts,
+                             step.counts, S, scratch_row, write_rows, samples, first_positions, bonus_positions)
             drafts = self.proposer.propose(DraftBatch(
                 step=step, hidden=hidden, num_requests=grid, num_sampling_requests=grid, samples=samples,
                 next_tokens=context.table.next_tokens[:grid], last_accepted_rows=self._last_accepted_rows[:grid],
-                accepted_counts=self._accepted_counts[:grid], write_rows=write_rows,
-                first_positions=attention.seq_lens[:grid].long() - query_lengths,
-                bonus_positions=attention.seq_lens[:grid].long() - rewinds, aux_hidden=self.runner.aux_hidden))
+                accepted_counts=self._accepted_counts[:grid], write_rows=write_rows, first_positions=first_positions,
+                bonus_positions=bonus_positions, aux_hidden=self.runner.aux_hidden))
             check_drafts(self.proposer, drafts, (grid, S), self.device)
             # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
             self._draft_rows[torch.where(samples, write_rows, scratch_row)] = drafts.clamp(0, self.vocab_size - 1)
