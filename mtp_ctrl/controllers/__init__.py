@@ -8,6 +8,7 @@ from mtp_ctrl.controllers.controller import TextGenerationController
 from mtp_ctrl.controllers.eagle_proposer import EagleProposer
 from mtp_ctrl.controllers.hidden_state_capture import HiddenStateCapture
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
+from mtp_ctrl.controllers.parallel_drafting_proposer import ParallelDraftingProposer
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.controllers.requests import GenerationResult
 from mtp_ctrl.controllers.stop_rules import FinishReason
@@ -20,6 +21,7 @@ __all__ = [
     "HiddenStateCapture",
     "InferenceConfig",
     "MTPProposer",
+    "ParallelDraftingProposer",
     "Proposer",
     "SamplingParams",
     "TextGenerationController",
