@@ -28,10 +28,12 @@ holds the 256 byte tokens, random ids otherwise.
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
+DEFAULT_PTD_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "ptd_demo.pt")
 NOISY_SPREAD = 0.15  # (max - min) / median of a mode's timed runs above this: too noisy to judge
 SHORT_RUN_SECONDS = 0.5  # a timed run shorter than this: too short to judge
 
@@ -45,10 +47,12 @@ def parse_args(argv=None):
                         help="the model's shape for --load (default: the checkpoint's content metadata)")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, help="S, drafts per step (>= 1)")
     parser.add_argument("--mtp-attention", choices=("paged", "single_position"), default="paged")
-    parser.add_argument("--proposer", choices=("mtp", "eagle"), default="mtp",
-                        help="drafter: the model's MTP layers, or an EAGLE head (--draft-checkpoint)")
+    parser.add_argument("--proposer", choices=("mtp", "eagle", "ptd"), default="mtp",
+                        help="drafter: the model's MTP layers, an EAGLE head drafting serially, or a "
+                             "parallel-drafting head drafting all S tokens in one pass (--draft-checkpoint)")
     parser.add_argument("--draft-checkpoint", default=None, metavar="PATH",
-                        help="an EAGLE head written by examples/train_eagle.py (with --proposer eagle)")
+                        help="a head written by examples/train_eagle.py (--proposer eagle; --proposer ptd: one "
+                             "trained with --mode ptd, default examples/checkpoints/ptd_demo.pt if it exists)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -104,8 +108,11 @@ def main(argv=None):
     from demo_model import DEMO_MODEL_ARGS, load_checkpoint
 
     checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None
-    if (args.proposer == "eagle") != (args.draft_checkpoint is not None):
-        sys.exit("error: --proposer eagle and --draft-checkpoint PATH go together")
+    if args.proposer == "ptd" and args.draft_checkpoint is None and os.path.exists(DEFAULT_PTD_CHECKPOINT):
+        args.draft_checkpoint = DEFAULT_PTD_CHECKPOINT
+    if (args.proposer in ("eagle", "ptd")) != (args.draft_checkpoint is not None):
+        sys.exit(f"error: --proposer {args.proposer if args.proposer != 'mtp' else 'eagle/ptd'} and "
+                 "--draft-checkpoint PATH go together")
     if args.load:
         checkpoint = (dist_checkpoint_model_args(args), None)  # (model_args, weights read after the build)
     source = args.checkpoint or args.load
@@ -176,25 +183,52 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device):
     proposer = None
     if args.proposer == "eagle" and num_speculative_tokens > 0:
         proposer = load_eagle_proposer(model, args.draft_checkpoint)
+    elif args.proposer == "ptd" and num_speculative_tokens > 0:
+        proposer = load_ptd_proposer(model, args.draft_checkpoint)
     controller = TextGenerationController(model, config, proposer=proposer, seed=0)
     controller.warmup()  # capture every graph shape now, not while serving (nothing on CPU)
     return controller
 
 
-def load_eagle_proposer(model, path: str):
-    """An EagleProposer with the head saved by examples/train_eagle.py (sharded for this TP rank)."""
+def _load_head(model, path: str):
+    """The head saved by examples/train_eagle.py (sharded for this TP rank); a parallel-drafting
+    checkpoint (``mask_token_id`` saved, ``mask_hidden`` in its state_dict) builds a PTD head."""
     import torch
 
     from demo_model import load_full_state_dict
-    from mtp_ctrl.controllers import EagleProposer
     from mtp_ctrl.models import build_eagle_head
 
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(saved, dict) or "aux_layer_ids" not in saved or "state_dict" not in saved:
         raise ValueError(f"{path} is not an EAGLE head checkpoint (examples/train_eagle.py writes one)")
-    head = build_eagle_head(model, saved["aux_layer_ids"], use_transformer_engine=False)
+    mask_token_id = saved.get("mask_token_id")
+    if (mask_token_id is None) != ("mask_hidden" not in saved["state_dict"]):
+        raise ValueError(f"{path} has {'no ' if mask_token_id is None else ''}mask_token_id but "
+                         f"{'a' if mask_token_id is None else 'no'} mask_hidden: a parallel-drafting head needs both "
+                         "(examples/train_eagle.py --mode ptd saves both)")
+    head = build_eagle_head(model, saved["aux_layer_ids"], use_transformer_engine=False,
+                            parallel_drafting=mask_token_id is not None, mask_token_id=mask_token_id)
     load_full_state_dict(head, saved["state_dict"])
-    return EagleProposer(head.to(next(model.parameters()).device))
+    return head.to(next(model.parameters()).device)
+
+
+def load_eagle_proposer(model, path: str):
+    """An EagleProposer (serial drafting) with the head saved by examples/train_eagle.py (either mode)."""
+    from mtp_ctrl.controllers import EagleProposer
+
+    return EagleProposer(_load_head(model, path))
+
+
+def load_ptd_proposer(model, path: str):
+    """A ParallelDraftingProposer with the head saved by ``examples/train_eagle.py --mode ptd``;
+    a checkpoint without ``mask_token_id`` / ``mask_hidden`` raises a ValueError."""
+    from mtp_ctrl.controllers import ParallelDraftingProposer
+
+    head = _load_head(model, path)
+    if not head.parallel_drafting:
+        raise ValueError(f"{path} has no mask_token_id / mask_hidden: it is a serial EAGLE head; parallel drafting "
+                         "needs a head trained with examples/train_eagle.py --mode ptd (or use --proposer eagle)")
+    return ParallelDraftingProposer(head)
 
 
 def compare(model, args, prompts, device, repeats: int, show_progress: bool):
