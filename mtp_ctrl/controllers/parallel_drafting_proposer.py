@@ -103,6 +103,6 @@ class ParallelDraftingProposer(EagleProposer):
         draft_rows = draft_rows.clamp(0, num_rows - 1).flatten()  # [G * S] (padding requests: any valid row)
         logits, _ = runner.eagle_forward(head, hidden, input_ids, positions, metadata, self._kv_caches,
                                          logits_rows=draft_rows)  # [G * S, V]
-        sampling_rows = request_index.repeat_interleave(S)  # [G * S]
+        sampling_rows = request_index[:, None].expand(G, S).flatten()  # [G * S] table row of each draft
         draft_positions = (ends[:, None] + torch.arange(1, S + 1, device=device)).flatten()  # [G * S] int64
         return self.controller.sample_rows(logits, sampling_rows, draft_positions).view(G, S)
