@@ -153,6 +153,22 @@ def test_pause_and_resume_equal_plain(models, plain_greedy, torch_twins, overlap
     assert [list(controller.result(i).output_tokens) for i in ids] == plain_greedy
 
 
+def test_hybrid_mamba_target_equals_plain(torch_twins):
+    """A Mamba + attention target: the mask rows touch only the head's KV cache, never the
+    target's Mamba state, and the target commits its state as with any proposer."""
+    from tests.unit.hybrid_fixtures import build_hybrid_model
+
+    ensure_single_process_groups()
+    model = build_hybrid_model(mtp_num_layers=0)
+    torch.manual_seed(3)
+    head = build_eagle_head(model, (1, 3), parallel_drafting=True)
+    prompts = [list(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=11)
+    plain = make_controller(model, 0).generate(prompts, params)
+    spec = make_controller(model, 3, proposer=ParallelDraftingProposer(head), num_kv_blocks=14).generate(prompts, params)
+    assert [r.output_tokens for r in spec] == [r.output_tokens for r in plain]
+
+
 def test_training_layout_known_answer():
     positions, blocked = ptd_training_layout(3, 2)
     assert positions.tolist() == [0, 1, 2, 1, 2, 2, 3, 3, 4]
