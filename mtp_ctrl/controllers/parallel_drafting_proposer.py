@@ -93,7 +93,10 @@ class ParallelDraftingProposer(EagleProposer):
             step.input_ids, attention.positions, features, attention.slot_mapping, self._next_tokens(batch),
             last_rows, query_start_loc, out_query_start_loc, block_table, self._block_size, self._max_positions,
             head.mask_token_id, head.mask_hidden.detach(), num_rows)  # [T_out] x3 (+ hidden [T_out, H])
-        seq_lens = torch.where(real, (ends + (S - 1)).clamp(max=self._max_positions), 0).to(torch.int32)  # [G]
+        # a request's rows sit at consecutive positions from its first row's: e + S - 1 for a sampling
+        # request, and right for a chunk that stops mid-prompt too (whose bonus position is not e)
+        last_ends = (batch.first_positions + row_counts).clamp(0, self._max_positions)  # [G] int64
+        seq_lens = torch.where(real, last_ends, 0).to(torch.int32)  # [G] int32
         metadata = AttentionMetadata(
             query_start_loc=out_query_start_loc, seq_lens=seq_lens, slot_mapping=slots, block_table=block_table,
             positions=positions, num_actual_tokens=num_rows, max_query_len=attention.max_query_len + S - 1,
