@@ -111,8 +111,10 @@ def main(argv=None):
     if args.proposer == "ptd" and args.draft_checkpoint is None and os.path.exists(DEFAULT_PTD_CHECKPOINT):
         args.draft_checkpoint = DEFAULT_PTD_CHECKPOINT
     if (args.proposer in ("eagle", "ptd")) != (args.draft_checkpoint is not None):
+        hint = " (no examples/checkpoints/ptd_demo.pt yet: examples/train_eagle.py --mode ptd trains one)" \
+            if args.proposer == "ptd" else ""
         sys.exit(f"error: --proposer {args.proposer if args.proposer != 'mtp' else 'eagle/ptd'} and "
-                 "--draft-checkpoint PATH go together")
+                 f"--draft-checkpoint PATH go together{hint}")
     if args.load:
         checkpoint = (dist_checkpoint_model_args(args), None)  # (model_args, weights read after the build)
     source = args.checkpoint or args.load
