@@ -153,6 +153,19 @@ def test_pause_and_resume_equal_plain(models, plain_greedy, torch_twins, overlap
     assert [list(controller.result(i).output_tokens) for i in ids] == plain_greedy
 
 
+def test_rejection_acceptance_greedy_equals_plain_and_sampling_is_reproducible(models, plain_greedy, torch_twins):
+    """acceptance="rejection" (PTD drafts are deterministic: q one-hot): greedy requests keep plain
+    decoding's tokens; a seeded sampled request gives the same tokens run after run."""
+    model, _, head, _ = models
+    prompts = [list(p) for p in PROMPTS]
+    params = [SamplingParams(max_new_tokens=10, temperature=0.8 * (index % 2), seed=index) for index in range(4)]
+    runs = [[r.output_tokens for r in make_controller(model, 3, proposer=ParallelDraftingProposer(head),
+                                                      acceptance="rejection").generate(prompts, params)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert [list(runs[0][index]) for index in (0, 2)] == [plain_greedy[0], plain_greedy[2]]
+
+
 def test_hybrid_mamba_target_equals_plain(torch_twins):
     """A Mamba + attention target: the mask rows touch only the head's KV cache, never the
     target's Mamba state, and the target commits its state as with any proposer."""
