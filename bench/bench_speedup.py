@@ -13,6 +13,12 @@ at S = 1..4 with paged MTP at S = 1, 2 instead, greedy and at ``--temperature`` 
 outputs still equal plain decoding's):
 
     python bench/bench_speedup.py --draft-checkpoint examples/checkpoints/eagle_demo.pt --temperature 0.7
+
+With ``--ptd-checkpoint PATH`` (a parallel-drafting head, ``examples/train_eagle.py --mode ptd``)
+it adds parallel drafting at S = 1..4 (with ``--draft-checkpoint`` too: EAGLE and PTD side by side):
+
+    python bench/bench_speedup.py --draft-checkpoint examples/checkpoints/eagle_demo.pt \
+        --ptd-checkpoint examples/checkpoints/ptd_demo.pt --temperature 0.7
 """
 
 import argparse
@@ -27,6 +33,7 @@ def parse_args(argv=None):
     parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--draft-checkpoint", default=None, help="EAGLE head: compare EAGLE S=1..4 with MTP S=1,2")
+    parser.add_argument("--ptd-checkpoint", default=None, help="parallel-drafting head: add PTD S=1..4")
     parser.add_argument("--temperature", type=float, default=0.0, help="> 0: also time seeded sampling at this T")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
@@ -84,13 +91,16 @@ def main(args=None):
     rows = []
     batches = (1, 8) if args.quick else (1, 8, 32)
     progress = tqdm(total=len(batches) * 5, desc="points", unit="point", disable=not sys.stdout.isatty())
-    if args.draft_checkpoint:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-        from generate import load_eagle_proposer
+    from generate import load_eagle_proposer, load_ptd_proposer
 
-        points = [(S, "paged", None) for S in (1, 2)] + [(S, "eagle", load_eagle_proposer) for S in (1, 2, 3, 4)]
+    if args.draft_checkpoint or args.ptd_checkpoint:
+        points = [(S, "paged", None, None) for S in (1, 2)]
+        if args.draft_checkpoint:
+            points += [(S, "eagle", load_eagle_proposer, args.draft_checkpoint) for S in (1, 2, 3, 4)]
+        if args.ptd_checkpoint:
+            points += [(S, "ptd", load_ptd_proposer, args.ptd_checkpoint) for S in (1, 2, 3, 4)]
     else:
-        points = [(S, mode, None) for S in (1, 2) for mode in ("paged", "single_position")]
+        points = [(S, mode, None, None) for S in (1, 2) for mode in ("paged", "single_position")]
     temperatures = (0.0,) if args.temperature <= 0 else (0.0, args.temperature)
     progress.total = len(batches) * len(temperatures) * (1 + len(points))
     for temperature in temperatures:
@@ -99,10 +109,10 @@ def main(args=None):
             plain_rate, _, plain_outputs = tokens_per_second(model, prompts, 0, "paged", 3, temperature=temperature)
             rows.append((batch, 0, "-", plain_rate, 1.0, 1.0, True, temperature))
             progress.update()
-            for num_speculative_tokens, mode, make_proposer in points:
-                proposer = None if make_proposer is None else make_proposer(model, args.draft_checkpoint)
+            for num_speculative_tokens, mode, make_proposer, path in points:
+                proposer = None if make_proposer is None else make_proposer(model, path)
                 rate, accepted_length, outputs = tokens_per_second(
-                    model, prompts, num_speculative_tokens, "paged" if mode == "eagle" else mode, 3,
+                    model, prompts, num_speculative_tokens, "paged" if mode in ("eagle", "ptd") else mode, 3,
                     proposer=proposer, temperature=temperature)
                 rows.append((batch, num_speculative_tokens, mode, rate, rate / plain_rate, accepted_length,
                              outputs == plain_outputs, temperature))

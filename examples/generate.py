@@ -35,7 +35,11 @@ import statistics
 import sys
 import time
 
-DEFAULT_MULTI_LAYER_EAGLE = "examples/checkpoints/multi_layer_eagle_demo.pt"
+CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
+DEFAULT_DRAFT_CHECKPOINTS = {"ptd": os.path.join(CHECKPOINTS, "ptd_demo.pt"),
+                             "multi_layer_eagle": os.path.join(CHECKPOINTS, "multi_layer_eagle_demo.pt")}
+TRAINED_BY = {"eagle": "examples/train_eagle.py", "ptd": "examples/train_eagle.py --mode ptd",
+              "multi_layer_eagle": "examples/train_multi_layer_eagle.py"}
 NOISY_SPREAD = 0.15  # (max - min) / median of a mode's timed runs above this: too noisy to judge
 SHORT_RUN_SECONDS = 0.5  # a timed run shorter than this: too short to judge
 
@@ -49,13 +53,15 @@ def parse_args(argv=None):
                         help="the model's shape for --load (default: the checkpoint's content metadata)")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, help="S, drafts per step (>= 1)")
     parser.add_argument("--mtp-attention", choices=("paged", "single_position"), default="paged")
-    parser.add_argument("--proposer", choices=("mtp", "eagle", "multi_layer_eagle"), default="mtp",
-                        help="drafter: the model's MTP layers, an EAGLE head, or multi-layer EAGLE draft layers "
+    parser.add_argument("--proposer", choices=("mtp", "eagle", "ptd", "multi_layer_eagle"), default="mtp",
+                        help="drafter: the model's MTP layers, an EAGLE head drafting serially, a parallel-drafting "
+                             "head drafting all S tokens in one pass, or multi-layer EAGLE draft layers "
                              "(--draft-checkpoint)")
     parser.add_argument("--draft-checkpoint", default=None, metavar="PATH",
-                        help="an EAGLE head written by examples/train_eagle.py (with --proposer eagle), or draft "
-                             "layers written by examples/train_multi_layer_eagle.py (--proposer multi_layer_eagle; "
-                             f"default {DEFAULT_MULTI_LAYER_EAGLE} when it exists)")
+                        help="the drafter's weights: an EAGLE head (examples/train_eagle.py), a parallel-drafting "
+                             "head (train_eagle.py --mode ptd; default examples/checkpoints/ptd_demo.pt), or draft "
+                             "layers (examples/train_multi_layer_eagle.py; default "
+                             "examples/checkpoints/multi_layer_eagle_demo.pt)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -111,14 +117,14 @@ def main(argv=None):
     from demo_model import DEMO_MODEL_ARGS, load_checkpoint
 
     checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None
-    if args.proposer == "multi_layer_eagle" and args.draft_checkpoint is None:
-        default = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "multi_layer_eagle_demo.pt")
-        if not os.path.exists(default):
-            sys.exit(f"error: --proposer multi_layer_eagle needs --draft-checkpoint PATH ({DEFAULT_MULTI_LAYER_EAGLE} "
-                     "does not exist: examples/train_multi_layer_eagle.py writes one)")
-        args.draft_checkpoint = default
-    if (args.proposer in ("eagle", "multi_layer_eagle")) != (args.draft_checkpoint is not None):
-        sys.exit("error: --draft-checkpoint PATH goes with --proposer eagle or multi_layer_eagle")
+    default_draft = DEFAULT_DRAFT_CHECKPOINTS.get(args.proposer)
+    if args.draft_checkpoint is None and default_draft is not None and os.path.exists(default_draft):
+        args.draft_checkpoint = default_draft
+    if (args.proposer != "mtp") != (args.draft_checkpoint is not None):
+        if args.proposer == "mtp":
+            sys.exit("error: --draft-checkpoint PATH goes with --proposer eagle, ptd or multi_layer_eagle")
+        sys.exit(f"error: --proposer {args.proposer} needs --draft-checkpoint PATH ({TRAINED_BY[args.proposer]} "
+                 "writes one)")
     if args.load:
         checkpoint = (dist_checkpoint_model_args(args), None)  # (model_args, weights read after the build)
     source = args.checkpoint or args.load
@@ -187,29 +193,63 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device):
         max_tokens_per_step=max(256, max_requests * stride), mtp_attention=args.mtp_attention,
         cuda_graph_batch_sizes=graph_batches)  # on a GPU every step replays a CUDA graph
     proposer = None
-    if args.proposer == "eagle" and num_speculative_tokens > 0:
-        proposer = load_eagle_proposer(model, args.draft_checkpoint)
-    if args.proposer == "multi_layer_eagle" and num_speculative_tokens > 0:
-        proposer = load_multi_layer_eagle_proposer(model, args.draft_checkpoint, num_speculative_tokens)
+    if args.proposer != "mtp" and num_speculative_tokens > 0:
+        proposer = load_draft_proposer(args.proposer, model, args.draft_checkpoint, num_speculative_tokens)
     controller = TextGenerationController(model, config, proposer=proposer, seed=0)
     controller.warmup()  # capture every graph shape now, not while serving (nothing on CPU)
     return controller
 
 
-def load_eagle_proposer(model, path: str):
-    """An EagleProposer with the head saved by examples/train_eagle.py (sharded for this TP rank)."""
+def _load_head(model, path: str):
+    """The head saved by examples/train_eagle.py (sharded for this TP rank); a parallel-drafting
+    checkpoint (``mask_token_id`` saved, ``mask_hidden`` in its state_dict) builds a PTD head."""
     import torch
 
     from demo_model import load_full_state_dict
-    from mtp_ctrl.controllers import EagleProposer
     from mtp_ctrl.models import build_eagle_head
 
     saved = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(saved, dict) or "aux_layer_ids" not in saved or "state_dict" not in saved:
         raise ValueError(f"{path} is not an EAGLE head checkpoint (examples/train_eagle.py writes one)")
-    head = build_eagle_head(model, saved["aux_layer_ids"], use_transformer_engine=False)
+    mask_token_id = saved.get("mask_token_id")
+    if (mask_token_id is None) != ("mask_hidden" not in saved["state_dict"]):
+        raise ValueError(f"{path} has {'no ' if mask_token_id is None else ''}mask_token_id but "
+                         f"{'a' if mask_token_id is None else 'no'} mask_hidden: a parallel-drafting head needs both "
+                         "(examples/train_eagle.py --mode ptd saves both)")
+    head = build_eagle_head(model, saved["aux_layer_ids"], use_transformer_engine=False,
+                            parallel_drafting=mask_token_id is not None, mask_token_id=mask_token_id)
     load_full_state_dict(head, saved["state_dict"])
-    return EagleProposer(head.to(next(model.parameters()).device))
+    return head.to(next(model.parameters()).device)
+
+
+def load_eagle_proposer(model, path: str):
+    """An EagleProposer (serial drafting) with the head saved by examples/train_eagle.py (either mode)."""
+    from mtp_ctrl.controllers import EagleProposer
+
+    return EagleProposer(_load_head(model, path))
+
+
+def load_ptd_proposer(model, path: str):
+    """A ParallelDraftingProposer with the head saved by ``examples/train_eagle.py --mode ptd``;
+    a checkpoint without ``mask_token_id`` / ``mask_hidden`` raises a ValueError."""
+    from mtp_ctrl.controllers import ParallelDraftingProposer
+
+    head = _load_head(model, path)
+    if not head.parallel_drafting:
+        raise ValueError(f"{path} has no mask_token_id / mask_hidden: it is a serial EAGLE head; parallel drafting "
+                         "needs a head trained with examples/train_eagle.py --mode ptd (or use --proposer eagle)")
+    return ParallelDraftingProposer(head)
+
+
+def load_draft_proposer(kind: str, model, path: str, num_speculative_tokens: int):
+    """The proposer of ``--proposer kind`` ("eagle", "ptd" or "multi_layer_eagle") with its weights at ``path``."""
+    if kind == "eagle":
+        return load_eagle_proposer(model, path)
+    if kind == "ptd":
+        return load_ptd_proposer(model, path)
+    if kind == "multi_layer_eagle":
+        return load_multi_layer_eagle_proposer(model, path, num_speculative_tokens)
+    raise ValueError(f"kind must be 'eagle', 'ptd' or 'multi_layer_eagle', got {kind!r}")
 
 
 def load_multi_layer_eagle_proposer(model, path: str, num_speculative_tokens: int):

@@ -1,4 +1,5 @@
-"""Train an EAGLE-3-style draft head for the frozen demo model, end to end.
+"""Train an EAGLE-3-style draft head for the frozen demo model, end to end (serial EAGLE drafting,
+or with ``--mode ptd`` a parallel-drafting head that drafts all S tokens in one forward).
 
 1. Capture: the paged target generates over windows of training text (the Python standard
    library's source, examples/byte_corpus.py) with ``HiddenStateCapture``: each window is a
@@ -18,13 +19,24 @@
    - EAGLE-3's training-time test (unrolling the head on its own outputs with the matching
      attention mask) is not done here: it needs a custom attention mask over the unrolled
      depths; the feature loss is the cheaper stand-in. Depth agreement below shows its effect.
-3. Save ``{"model_args", "aux_layer_ids", "target_checkpoint", "state_dict"}`` (bf16).
-4. Evaluate on held-out text with the serving path: ``EagleProposer`` at ``--eval-depth`` drafts,
-   greedy; prints the acceptance rate per depth (draft agreement: how often the k-th draft is
-   the target's token, given the earlier ones were) and the mean accepted length.
+   ``--mode ptd`` (parallel drafting) trains the head as ``ParallelDraftingProposer`` runs it:
+   every position p of a crop is an anchor (its last verified row, token t_{p+1}) followed by
+   ``--eval-depth - 1`` mask rows (``mask_token_id``, the learned ``mask_hidden`` feature) at
+   positions p + 1, ...; a mask row attends to the verified rows <= p and its anchor's earlier
+   mask rows only (``mtp_ctrl.models.ptd_layout``), all anchors in one forward. Draft k of anchor
+   p (row p for k = 1, its (k-1)-th mask row after) is distilled to the target's distribution of
+   t_{p+k+1}; each depth's loss weighs the same. No feature loss: no output is fed back.
+3. Save ``{"model_args", "aux_layer_ids", "target_checkpoint", "state_dict"}`` (bf16), and with
+   ``--mode ptd`` ``"mask_token_id"`` (``mask_hidden`` is in the state_dict).
+4. Evaluate on held-out text with the serving path: ``EagleProposer`` (or
+   ``ParallelDraftingProposer``) at ``--eval-depth`` drafts, greedy; prints the acceptance rate
+   per depth (draft agreement: how often the k-th draft is the target's token, given the earlier
+   ones were) and the mean accepted length.
 
     python examples/train_eagle.py --out eagle_demo.pt                       # H100: a few minutes
     python examples/train_eagle.py --quick --out /tmp/eagle_quick.pt         # CPU smoke run, seconds
+    python examples/train_eagle.py --mode ptd --out examples/checkpoints/ptd_demo.pt   # parallel drafting
+    python examples/train_eagle.py --mode ptd --quick --out /tmp/ptd_quick.pt
     python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt --proposer eagle \\
         --draft-checkpoint eagle_demo.pt --num-speculative-tokens 3
 """
@@ -42,6 +54,11 @@ DEFAULT_TARGET = str(Path(__file__).resolve().parent / "checkpoints" / "mtp_demo
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("eagle", "ptd"), default="eagle",
+                        help="eagle: serial drafting (EagleProposer); ptd: parallel drafting, all drafts in one "
+                             "forward (ParallelDraftingProposer), trained for S = --eval-depth")
+    parser.add_argument("--mask-token-id", type=int, default=None,
+                        help="--mode ptd: the mask rows' token (default: the vocabulary's last id, never text)")
     parser.add_argument("--checkpoint", default=DEFAULT_TARGET, help="the frozen target (examples/train_mtp.py)")
     parser.add_argument("--aux-layers", default=None, help="comma-separated decoder layers (default: first, middle, last)")
     parser.add_argument("--capture-windows", type=int, default=2048, help="training-text windows captured")
@@ -54,13 +71,18 @@ def parse_args(argv=None):
     parser.add_argument("--feature-loss-scale", type=float, default=0.5)
     parser.add_argument("--eval-prompts", type=int, default=16)
     parser.add_argument("--eval-new-tokens", type=int, default=128)
-    parser.add_argument("--eval-depth", type=int, default=4, help="S of the held-out evaluation")
+    parser.add_argument("--eval-depth", type=int, default=4,
+                        help="S of the held-out evaluation (--mode ptd: also the S trained for)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--out", default="eagle_demo.pt")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: a few windows, steps and tokens")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args(argv)
+    if args.eval_depth < 1:
+        parser.error(f"--eval-depth must be >= 1, got {args.eval_depth}")
+    if args.mask_token_id is not None and args.mode != "ptd":
+        parser.error("--mask-token-id goes with --mode ptd")
     if args.quick:
         args.capture_windows, args.window_len, args.steps, args.batch_size, args.seq_len = 4, 48, 3, 2, 32
         args.eval_prompts, args.eval_new_tokens, args.eval_depth = 2, 6, 2
@@ -174,16 +196,84 @@ def train_head(dense, head, aux, tokens, *, steps: int, batch_size: int, seq_len
     return losses
 
 
-def evaluate(model, head_state, aux_layer_ids, prompts, depth: int, new_tokens: int, device):
-    """Greedy generation with EagleProposer at ``depth``: (acceptance per depth, mean accepted length)."""
-    from mtp_ctrl.controllers import EagleProposer, SamplingParams
+def train_head_ptd(dense, head, aux, tokens, *, steps: int, batch_size: int, seq_len: int, lr: float, depth: int,
+                   seed: int, log_every: Optional[int] = None):
+    """AdamW on a parallel-drafting head (``mask_hidden`` included) over the multi-anchor layout
+    of ``mtp_ctrl.models.ptd_layout``; returns the last step's loss per depth ``[depth]``."""
+    import math
+
+    import torch
+
+    from mtp_ctrl.models.eagle_head import eagle_logits
+    from mtp_ctrl.models.ptd_layout import dense_ptd_forward, ptd_draft_rows
+
+    device = next(head.parameters()).device
+    hidden_size = dense.config.hidden_size
+    last_is_aux = dense.config.num_layers - 1 in head.aux_layer_ids
+    last_slot = head.aux_layer_ids.index(dense.config.num_layers - 1) if last_is_aux else None
+    generator = torch.Generator().manual_seed(seed)
+    head.train()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    seq_len = min(seq_len, tokens.shape[1])
+    num_anchors, num_mask_rows = seq_len - 1, depth - 1  # anchors p = 0 .. s - 2 (row p's token t_{p+1})
+    draft_rows = ptd_draft_rows(num_anchors, num_mask_rows, device)  # [n, depth]
+    # anchor p's draft k (column k - 1) predicts t_{p+k+1}: the target's distribution at position p + k
+    target_positions = torch.arange(num_anchors, device=device)[:, None] + torch.arange(1, depth + 1, device=device)
+    valid = target_positions <= seq_len - 1  # [n, depth] (the target's state at p + k is in the crop)
+    if not last_is_aux:
+        valid &= target_positions + 1 <= seq_len - 1  # the next byte t_{p+k+1} is in the crop
+    target_positions = target_positions.clamp(max=seq_len - 1)
+    losses = [float("nan")] * depth
+    for step in range(steps):
+        factor = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr * factor
+        rows = torch.randint(0, tokens.shape[0], (batch_size,), generator=generator)
+        starts = torch.randint(0, tokens.shape[1] - seq_len + 1, (batch_size,), generator=generator)
+        index = starts[:, None] + torch.arange(seq_len)[None, :]  # [b, s]
+        batch_aux = aux[rows[:, None], index].to(device).transpose(0, 1)  # [s, b, k * H]
+        batch_tokens = tokens[rows[:, None], index].to(device)  # [b, s]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            features = head.project_aux(batch_aux[:-1])  # [n, b, H]
+            out = dense_ptd_forward(dense, head, features, batch_tokens[:, 1:], num_mask_rows)  # [n * depth, b, H]
+            logits = eagle_logits(dense, out[draft_rows.flatten()])  # [n * depth, b, V] fp32
+            log_probs = logits.log_softmax(-1).view(num_anchors, depth, batch_size, -1)  # [n, depth, b, V]
+            if last_is_aux:
+                last = batch_aux[target_positions.flatten(), :, last_slot * hidden_size:(last_slot + 1) * hidden_size]
+                with torch.no_grad():
+                    target = target_log_probs(dense, last).exp().view_as(log_probs)  # [n, depth, b, V]
+                per_row = -(target * log_probs).sum(-1)  # [n, depth, b]
+            else:
+                labels = batch_tokens.transpose(0, 1)[(target_positions + 1).clamp(max=seq_len - 1)]  # [n, depth, b]
+                per_row = -log_probs.gather(-1, labels[..., None])[..., 0]
+            weights = valid[..., None].float()  # [n, depth, 1]
+            depth_losses = (per_row * weights).sum((0, 2)) / (weights.sum((0, 2)) * batch_size)  # [depth]
+            loss = depth_losses.mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        losses = [float(value) for value in depth_losses.detach()]
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"step {step:5d}  token loss per depth {[round(value, 3) for value in losses]}", flush=True)
+    head.eval()
+    return losses
+
+
+def evaluate(model, head_state, aux_layer_ids, prompts, depth: int, new_tokens: int, device,
+             mask_token_id: Optional[int] = None):
+    """Greedy generation with EagleProposer at ``depth`` (ParallelDraftingProposer when
+    ``mask_token_id`` is given): (acceptance per depth, mean accepted length)."""
+    from mtp_ctrl.controllers import EagleProposer, ParallelDraftingProposer, SamplingParams
     from mtp_ctrl.models import build_eagle_head
 
-    head = build_eagle_head(model, aux_layer_ids, use_transformer_engine=False)
+    head = build_eagle_head(model, aux_layer_ids, use_transformer_engine=False,
+                            parallel_drafting=mask_token_id is not None, mask_token_id=mask_token_id)
     head.load_state_dict(head_state)
     head.to(device)
-    controller = make_controller(model, depth, EagleProposer(head), max(len(p) for p in prompts) + new_tokens + 8,
-                                 device)
+    proposer = EagleProposer(head) if mask_token_id is None else ParallelDraftingProposer(head)
+    controller = make_controller(model, depth, proposer, max(len(p) for p in prompts) + new_tokens + 8, device)
     controller.generate(prompts, SamplingParams(max_new_tokens=new_tokens))
     metrics = controller.metrics.as_dict()
     controller.close()
@@ -218,23 +308,38 @@ def main(argv=None):
     print(f"captured {tokens.numel()} positions x {aux.shape[-1]} states (layers {list(aux_layer_ids)}) "
           f"in {capture_seconds:.0f} s", flush=True)
     torch.manual_seed(args.seed)
-    head = build_eagle_head(dense, aux_layer_ids, dense=True, use_transformer_engine=False).float().to(device)
+    ptd = args.mode == "ptd"
+    head = build_eagle_head(dense, aux_layer_ids, dense=True, use_transformer_engine=False, parallel_drafting=ptd,
+                            mask_token_id=args.mask_token_id).float().to(device)
     started = time.perf_counter()
-    token_loss, feature_loss = train_head(dense, head, aux, tokens, steps=args.steps, batch_size=args.batch_size,
-                                          seq_len=args.seq_len, lr=args.lr, feature_loss_scale=args.feature_loss_scale,
-                                          seed=args.seed, log_every=None if args.quick else max(1, args.steps // 20))
+    log_every = None if args.quick else max(1, args.steps // 20)
+    if ptd:
+        depth_losses = train_head_ptd(dense, head, aux, tokens, steps=args.steps, batch_size=args.batch_size,
+                                      seq_len=args.seq_len, lr=args.lr, depth=args.eval_depth, seed=args.seed,
+                                      log_every=log_every)
+        final_losses = f"final token loss per depth {[round(value, 3) for value in depth_losses]}"
+    else:
+        token_loss, feature_loss = train_head(dense, head, aux, tokens, steps=args.steps, batch_size=args.batch_size,
+                                              seq_len=args.seq_len, lr=args.lr,
+                                              feature_loss_scale=args.feature_loss_scale, seed=args.seed,
+                                              log_every=log_every)
+        final_losses = f"final token loss {token_loss:.3f}, feature loss {feature_loss:.4f}"
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_seconds = time.perf_counter() - started
     state_dict = {name: value.detach().to("cpu", CHECKPOINT_DTYPE) if torch.is_tensor(value) and value.is_floating_point()
                   else value for name, value in head.state_dict().items()}
-    torch.save({"model_args": dict(model_args), "aux_layer_ids": list(aux_layer_ids),
-                "target_checkpoint": os.path.basename(args.checkpoint), "state_dict": state_dict}, args.out)
+    saved = {"model_args": dict(model_args), "aux_layer_ids": list(aux_layer_ids),
+             "target_checkpoint": os.path.basename(args.checkpoint), "state_dict": state_dict}
+    if ptd:
+        saved.update(mode="ptd", mask_token_id=head.mask_token_id, trained_depth=args.eval_depth)
+    torch.save(saved, args.out)
     held_out = evenly_spaced_windows(corpus.held_out, args.eval_prompts, 64)
     acceptance, accepted_length = evaluate(paged, state_dict, aux_layer_ids, [w.tolist() for w in held_out],
-                                           args.eval_depth, args.eval_new_tokens, device)
+                                           args.eval_depth, args.eval_new_tokens, device,
+                                           mask_token_id=head.mask_token_id if ptd else None)
     print(f"trained {args.steps} steps in {train_seconds:.0f} s ({device.type}-seconds: capture {capture_seconds:.0f}, "
-          f"training {train_seconds:.0f}); final token loss {token_loss:.3f}, feature loss {feature_loss:.4f}")
+          f"training {train_seconds:.0f}); {final_losses}")
     print(f"held-out greedy, S = {args.eval_depth}: draft agreement per depth {[round(a, 3) for a in acceptance]}, "
           f"mean accepted length {accepted_length:.2f}")
     print(f"saved {args.out}")

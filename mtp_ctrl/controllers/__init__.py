@@ -9,6 +9,7 @@ from mtp_ctrl.controllers.eagle_proposer import EagleProposer
 from mtp_ctrl.controllers.hidden_state_capture import HiddenStateCapture
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.multi_layer_eagle_proposer import MultiLayerEagleProposer
+from mtp_ctrl.controllers.parallel_drafting_proposer import ParallelDraftingProposer
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.controllers.requests import GenerationResult
 from mtp_ctrl.controllers.stop_rules import FinishReason
@@ -22,6 +23,7 @@ __all__ = [
     "InferenceConfig",
     "MTPProposer",
     "MultiLayerEagleProposer",
+    "ParallelDraftingProposer",
     "Proposer",
     "SamplingParams",
     "TextGenerationController",

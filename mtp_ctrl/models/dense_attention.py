@@ -22,8 +22,9 @@ from mtp_ctrl.models.gpt_builder import gpt_model_from_specs, paged_model_specs
 class DenseCausalAttention(MegatronModule):
     """Core attention of one causal sequence per batch entry: ``[s, b, heads, D]`` in, ``[s, b, heads * D]`` out.
 
-    Grouped-query attention is handled by SDPA (``enable_gqa``); megatron's attention mask is
-    ignored (causal is implied), so callers pass ``attention_mask=None``.
+    Grouped-query attention is handled by SDPA (``enable_gqa``). ``attention_mask=None`` (what
+    every caller but parallel-drafting training passes) is causal; else a bool mask broadcastable
+    to ``[b, heads, s, s]``, True where a row may NOT attend (megatron's convention).
     """
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self", cp_comm_type=None,
@@ -34,9 +35,10 @@ class DenseCausalAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        allowed = None if attention_mask is None else ~attention_mask  # SDPA: True = may attend
         out = F.scaled_dot_product_attention(
             query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-            is_causal=True, scale=self.softmax_scale, enable_gqa=True,
+            attn_mask=allowed, is_causal=attention_mask is None, scale=self.softmax_scale, enable_gqa=True,
             dropout_p=self.dropout_p if self.training else 0.0,
         )  # [b, heads, s, D]
         return out.permute(2, 0, 1, 3).flatten(2)  # [s, b, heads * D]

@@ -15,6 +15,11 @@ and the target's final norm and (shared) output layer give the logits::
 the tensor-parallel ranks), the layer shards its heads and MLP like the target's layers, so the
 head runs at any TP size the target runs at. ``dense=True`` builds the training twin: the same
 parameter names with causal SDPA attention over whole sequences (state dicts move strictly).
+
+``parallel_drafting=True`` adds what parallel drafting (PTD) needs: a learned ``mask_hidden``
+``[H]`` feature and a ``mask_token_id``; the rows after the bonus token carry them, so all S
+drafts come from one forward (:class:`~mtp_ctrl.controllers.ParallelDraftingProposer`,
+:mod:`mtp_ctrl.models.ptd_layout`).
 """
 
 from typing import Optional, Sequence
@@ -33,7 +38,8 @@ from mtp_ctrl.models.runner import _gather_last_dim_over_tp, check_aux_layer_ids
 class EagleHead(MegatronModule):
     """``fc``, ``enorm``, ``hnorm``, ``eh_proj`` and one ``transformer_layer``; see the module docstring."""
 
-    def __init__(self, config, aux_layer_ids: Sequence[int], layer_spec, use_transformer_engine: bool):
+    def __init__(self, config, aux_layer_ids: Sequence[int], layer_spec, use_transformer_engine: bool,
+                 mask_token_id: Optional[int] = None):
         super().__init__(config=config)
         if use_transformer_engine:
             from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
@@ -55,6 +61,18 @@ class EagleHead(MegatronModule):
         core_attention = getattr(self.transformer_layer.self_attention, "core_attention", None)
         if isinstance(core_attention, PagedCoreAttention):
             core_attention.kv_layer_index = 0  # the head's own cache is the only pair it is given
+        # parallel drafting: the token id and the feature of every mask row (None: a serial-only head)
+        self.mask_token_id = mask_token_id
+        if mask_token_id is not None:  # [H], replicated over TP ranks (features are gathered)
+            self.mask_hidden = torch.nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
+            torch.nn.init.normal_(self.mask_hidden, std=config.init_method_std)
+        else:
+            self.mask_hidden = None
+
+    @property
+    def parallel_drafting(self) -> bool:
+        """The head has ``mask_token_id`` and ``mask_hidden`` (built with ``parallel_drafting=True``)."""
+        return self.mask_token_id is not None and self.mask_hidden is not None
 
     def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:  # [..., k * H] -> [..., H]
         """Draft step 1's feature: ``fc`` of the concatenated aux hidden states."""
@@ -62,12 +80,16 @@ class EagleHead(MegatronModule):
         return _gather_last_dim_over_tp(projected)
 
     def forward(self, embedded: torch.Tensor, features: torch.Tensor,
-                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:  # [s, b, H] x2 -> [s, b, H]
-        """The head's output hidden state (before the target's final norm)."""
+                rotary_pos_emb: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:  # [s, b, H] x2 -> [s, b, H]
+        """The head's output hidden state (before the target's final norm). ``attention_mask``
+        (dense heads only): ``[s, s]`` bool, True where a row may NOT attend (megatron's
+        convention); None is causal."""
         combined = torch.cat((self.enorm(embedded), self.hnorm(features)), dim=-1)  # [s, b, 2H]
         projected, _ = self.eh_proj(combined)  # [s, b, H / tp]
         projected = _gather_last_dim_over_tp(projected)  # [s, b, H]
-        out, _ = self.transformer_layer(hidden_states=projected, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
+        out, _ = self.transformer_layer(hidden_states=projected, attention_mask=attention_mask,
+                                        rotary_pos_emb=rotary_pos_emb)
         return out
 
 
@@ -76,13 +98,36 @@ def default_aux_layer_ids(num_layers: int) -> tuple:
     return tuple(sorted({0, num_layers // 2, num_layers - 1}))
 
 
+def default_mask_token_id(vocab_size: int) -> int:
+    """The mask token of a parallel-drafting head: the last id of the (padded) vocabulary.
+
+    megatron pads the vocabulary to a multiple of 128, so its last ids are never text; the demo's
+    byte vocabulary (512 ids, bytes 0..255) never emits 511 either. A token that never occurs in
+    text keeps the mask rows apart from real ones: its embedding says "unknown token here",
+    nothing the head could mistake for a verified byte."""
+    return vocab_size - 1
+
+
 def build_eagle_head(target_model: GPTModel, aux_layer_ids: Optional[Sequence[int]] = None, *, dense: bool = False,
-                     use_transformer_engine: Optional[bool] = None) -> EagleHead:
+                     use_transformer_engine: Optional[bool] = None, parallel_drafting: bool = False,
+                     mask_token_id: Optional[int] = None) -> EagleHead:
     """An :class:`EagleHead` for ``target_model`` (same config, dtype and device; the target's
     ``parallel_state`` TP size). ``aux_layer_ids`` default: :func:`default_aux_layer_ids`.
-    ``dense=True``: causal SDPA attention over whole sequences (training), else paged attention."""
+    ``dense=True``: causal SDPA attention over whole sequences (training), else paged attention.
+    ``parallel_drafting=True``: the head also owns ``mask_hidden`` ``[H]`` and ``mask_token_id``
+    (default :func:`default_mask_token_id`), for :class:`~mtp_ctrl.controllers.ParallelDraftingProposer`."""
     if not isinstance(target_model, GPTModel):
         raise TypeError(f"target_model must be a megatron.core GPTModel, got {type(target_model).__name__}")
+    if not isinstance(parallel_drafting, bool):
+        raise TypeError(f"parallel_drafting must be a bool, got {type(parallel_drafting).__name__}")
+    vocab_size = target_model.vocab_size
+    if not parallel_drafting:
+        if mask_token_id is not None:
+            raise ValueError("mask_token_id is for parallel_drafting=True heads only")
+    elif mask_token_id is None:
+        mask_token_id = default_mask_token_id(vocab_size)
+    elif isinstance(mask_token_id, bool) or not isinstance(mask_token_id, int) or not 0 <= mask_token_id < vocab_size:
+        raise ValueError(f"mask_token_id must be an int in [0, {vocab_size}), got {mask_token_id!r}")
     config = target_model.config
     if aux_layer_ids is None:
         aux_layer_ids = default_aux_layer_ids(config.num_layers)
@@ -95,7 +140,7 @@ def build_eagle_head(target_model: GPTModel, aux_layer_ids: Optional[Sequence[in
         from mtp_ctrl.models.dense_attention import DenseCausalAttention
 
         layer_spec.submodules.self_attention.submodules.core_attention = DenseCausalAttention
-    head = EagleHead(config, ids, layer_spec, use_transformer_engine)
+    head = EagleHead(config, ids, layer_spec, use_transformer_engine, mask_token_id=mask_token_id)
     reference = target_model.embedding.word_embeddings.weight
     return head.to(device=reference.device, dtype=reference.dtype)
 

@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU: the controller at TP = 2 (two gloo ranks) emits TP = 1's tokens.
 
 Greedy and seeded sampling, with S = 0 and S = 2 (MTP drafting), and S = 2 with an EAGLE head
-(same seed at both TP sizes, so the same master weights). Both TP sizes build the same master weights
+and S = 3 with a parallel-drafting head (same seed at both TP sizes, so the same master weights). Both TP sizes build the same master weights
 (``use_cpu_initialization=True``, same seed) and shard them; every rank runs the controller and
 must produce the same tokens (sampling is a pure function of the gathered logits, seed and
 position, so no broadcast is needed).
@@ -54,6 +54,16 @@ def generate_all(tensor_parallel_size: int):
         controller = TextGenerationController(model, config, proposer=EagleProposer(head))
         results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=8, **sampling))
         outputs.append([list(result.output_tokens) for result in results])
+    from mtp_ctrl.controllers import ParallelDraftingProposer
+
+    torch.manual_seed(78)
+    ptd_head = build_eagle_head(model, (0, 1), parallel_drafting=True).eval()  # mask_hidden replicated
+    for _, sampling in CASES[1::2]:  # greedy and sampled
+        config = InferenceConfig(num_speculative_tokens=3, max_requests=3, block_size_tokens=4, max_model_len=48,
+                                 max_tokens_per_step=64)
+        controller = TextGenerationController(model, config, proposer=ParallelDraftingProposer(ptd_head))
+        results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=8, **sampling))
+        outputs.append([list(result.output_tokens) for result in results])
     return outputs
 
 
@@ -75,7 +85,8 @@ def tp1_outputs_path(tmp_path_factory):
     ensure_single_process_groups()
     with torch_twins():  # TP is the subject here, not the kernels (each == its twin in its own tests)
         outputs = generate_all(1)
-    assert outputs[0] == outputs[1] == outputs[4] and outputs[2] == outputs[3] == outputs[5]  # MTP, EAGLE == plain
+    assert outputs[0] == outputs[1] == outputs[4] == outputs[6]  # MTP, EAGLE, PTD == plain (greedy)
+    assert outputs[2] == outputs[3] == outputs[5] == outputs[7]  # (sampled)
     path = tmp_path_factory.mktemp("controller_tp") / "tp1_outputs.pt"
     torch.save(outputs, path)
     return str(path)
