@@ -330,7 +330,8 @@ def main(argv=None):
     state_dict = {name: value.detach().to("cpu", CHECKPOINT_DTYPE) if torch.is_tensor(value) and value.is_floating_point()
                   else value for name, value in head.state_dict().items()}
     saved = {"model_args": dict(model_args), "aux_layer_ids": list(aux_layer_ids),
-             "target_checkpoint": os.path.basename(args.checkpoint), "state_dict": state_dict}
+             "target_checkpoint": os.path.basename(args.checkpoint), "state_dict": state_dict,
+             "train_seconds": capture_seconds + train_seconds}  # the training cost, capture included
     if ptd:
         saved.update(mode="ptd", mask_token_id=head.mask_token_id, trained_depth=args.eval_depth)
     torch.save(saved, args.out)

@@ -208,7 +208,8 @@ def main(argv=None):
                   if torch.is_tensor(value) and value.is_floating_point() else value
                   for name, value in heads.state_dict().items()}
     torch.save({"model_args": dict(model_args), "aux_layer_ids": list(aux_layer_ids), "num_layers": args.num_layers,
-                "target_checkpoint": os.path.basename(args.checkpoint), "state_dict": state_dict}, args.out)
+                "target_checkpoint": os.path.basename(args.checkpoint), "state_dict": state_dict,
+                "train_seconds": capture_seconds + train_seconds}, args.out)  # the training cost, capture included
     held_out = evenly_spaced_windows(corpus.held_out, args.eval_prompts, 64)
     prompts = [window.tolist() for window in held_out]
     acceptance, accepted_length = evaluate(paged, args.out, prompts, args.eval_new_tokens, device)
