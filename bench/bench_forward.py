@@ -208,7 +208,7 @@ def decoder_layer_kernels(runner, token_ids, metadata, caches):
         runner.forward(token_ids, metadata.positions, metadata, caches)
     finally:
         handle.remove()
-    _, rotary = runner._rotary(metadata.positions)
+    _, rotary = runner.rotary_tables(metadata.positions)
 
     def call():
         with torch.no_grad(), paged_forward_context(metadata, caches, None, rotary, fused_glue=runner.fused_glue):

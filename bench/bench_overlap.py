@@ -31,6 +31,8 @@ def parse_args():
     parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
     parser.add_argument("--quick", action="store_true", help="demo model only, batch 1 and 8")
     parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--hybrid", action="store_true",
+                        help="also a random hybrid GPT (bench_controller's: 8 layers M*M*M*M*, hidden 1024, Mamba-2)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
@@ -116,6 +118,11 @@ def main():
         torch.manual_seed(0)
         big = build_demo_model(big_args).to(device=device, dtype=torch.bfloat16).eval()
         models.append(("GPT 16x2048 (~1B, bf16, random)", big, big_args["vocab_size"]))
+    if args.hybrid:  # Mamba layers: steps with prefill chunks replay graphs too (state passed on the device)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_controller import VOCAB_SIZE, build_model
+
+        models.append(("hybrid M*M*M*M* (random)", build_model("M*M*M*M*"), VOCAB_SIZE))
     held_out = load_stdlib_corpus().held_out
     rows = []
     for name, model, vocab in models:

@@ -280,17 +280,16 @@ def evaluate(model, head_state, aux_layer_ids, prompts, depth: int, new_tokens: 
     return metrics["acceptance_per_depth"], metrics["mean_accepted_length"]
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    import mtp_ctrl
-
-    mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
+def capture_training_states(args):
+    """The set-up both training scripts share: the device, the frozen target (paged and dense),
+    the aux layers, and the capture of their states over ``args.capture_windows`` windows of the
+    training text. Returns ``(device, model_args, paged, dense, aux_layer_ids, corpus, aux [n, W,
+    k*H], tokens [n, W], capture_seconds)``."""
     import torch
-    import torch.distributed as dist
 
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
-    from demo_model import CHECKPOINT_DTYPE, init_distributed
-    from mtp_ctrl.models import build_eagle_head, default_aux_layer_ids
+    from demo_model import init_distributed
+    from mtp_ctrl.models import default_aux_layer_ids
 
     device = torch.device(args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda"))
     if device.type == "cuda":
@@ -307,6 +306,22 @@ def main(argv=None):
     capture_seconds = time.perf_counter() - started
     print(f"captured {tokens.numel()} positions x {aux.shape[-1]} states (layers {list(aux_layer_ids)}) "
           f"in {capture_seconds:.0f} s", flush=True)
+    return device, model_args, paged, dense, aux_layer_ids, corpus, aux, tokens, capture_seconds
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
+    import torch
+    import torch.distributed as dist
+
+    from byte_corpus import evenly_spaced_windows
+    from demo_model import CHECKPOINT_DTYPE
+    from mtp_ctrl.models import build_eagle_head
+
+    device, model_args, paged, dense, aux_layer_ids, corpus, aux, tokens, capture_seconds = capture_training_states(args)
     torch.manual_seed(args.seed)
     ptd = args.mode == "ptd"
     head = build_eagle_head(dense, aux_layer_ids, dense=True, use_transformer_engine=False, parallel_drafting=ptd,

@@ -24,7 +24,6 @@
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -175,26 +174,12 @@ def main(argv=None):
     import torch
     import torch.distributed as dist
 
-    from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
-    from demo_model import CHECKPOINT_DTYPE, init_distributed
-    from mtp_ctrl.models import build_multi_layer_eagle_heads, default_aux_layer_ids
-    from train_eagle import capture, load_target
+    from byte_corpus import evenly_spaced_windows
+    from demo_model import CHECKPOINT_DTYPE
+    from mtp_ctrl.models import build_multi_layer_eagle_heads
+    from train_eagle import capture_training_states
 
-    device = torch.device(args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda"))
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    init_distributed(1, device)
-    model_args, paged, dense = load_target(args.checkpoint, device)
-    aux_layer_ids = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else \
-        default_aux_layer_ids(model_args["num_layers"])
-    corpus = load_stdlib_corpus()
-    windows = evenly_spaced_windows(corpus.train, args.capture_windows, args.window_len)  # [n, W]
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
-        aux, tokens = capture(paged, windows, aux_layer_ids, args.capture_dir or scratch, device)
-    capture_seconds = time.perf_counter() - started
-    print(f"captured {tokens.numel()} positions x {aux.shape[-1]} states (layers {list(aux_layer_ids)}) "
-          f"in {capture_seconds:.0f} s", flush=True)
+    device, model_args, paged, dense, aux_layer_ids, corpus, aux, tokens, capture_seconds = capture_training_states(args)
     torch.manual_seed(args.seed)
     heads = build_multi_layer_eagle_heads(dense, args.num_layers, aux_layer_ids, dense=True,
                                           use_transformer_engine=False).float().to(device)

@@ -4,34 +4,24 @@ S = 2 runs random draft layers; S = 3 the shipped ones (examples/checkpoints/mul
 whose drafts must then be accepted) when they exist, else random ones too."""
 
 import os
-import sys
 
 import pytest
 import torch
 
-from mtp_ctrl.controllers import InferenceConfig, MultiLayerEagleProposer, SamplingParams, TextGenerationController
+from mtp_ctrl.controllers import MultiLayerEagleProposer, SamplingParams, TextGenerationController
 from tests.functional.test_controller_gpu import AllStepsSyncChecked
 from tests.unit.controller_fixtures import run_with_arrivals
-from tests.unit.megatron_fixtures import ensure_single_process_groups
+from tests.functional.drafter_fixtures import CHECKPOINTS, drafter_config, load_demo_target
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-SHIPPED = os.path.join(ROOT, "examples", "checkpoints", "multi_layer_eagle_demo.pt")
+SHIPPED = os.path.join(CHECKPOINTS, "multi_layer_eagle_demo.pt")
 
 
 @pytest.fixture(scope="module")
 def target():
-    from demo_model import load_demo_model
-
-    ensure_single_process_groups()
-    _, model = load_demo_model(os.path.join(ROOT, "examples", "checkpoints", "mtp_demo.pt"))
-    # fp32: padded (graph) and exact (eager) shapes then round alike, so tokens compare exactly
-    return model.cuda().float().eval()
+    return load_demo_target()
 
 
-def _config(S, graphs):
-    return InferenceConfig(num_speculative_tokens=S, max_requests=4, block_size_tokens=16, max_model_len=160,
-                           max_tokens_per_step=64, cuda_graph_batch_sizes=(1, 2, 4) if graphs else ())
+_config = drafter_config
 
 
 def _heads(model, S):

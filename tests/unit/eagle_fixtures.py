@@ -36,20 +36,28 @@ def build_eagle_models(tensor_parallel_size: int = 1, live_tokens: int = LIVE_TO
     return model, dense, head, dense_head
 
 
-class RecordingEagleProposer(EagleProposer):
-    """Records ``(request_id, e, drafts)`` of every proposal (test-only device reads)."""
+def recording(proposer_class):
+    """``proposer_class`` that also records ``(request_id, e, drafts)`` of every proposal in
+    ``.proposals`` (test-only device reads)."""
 
-    def __init__(self, head):
-        super().__init__(head)
-        self.proposals: List[Tuple[int, int, List[int]]] = []
+    class Recording(proposer_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.proposals: List[Tuple[int, int, List[int]]] = []
 
-    def propose(self, batch: DraftBatch) -> torch.Tensor:
-        drafts = super().propose(batch)
-        num_sampling = batch.step.num_sampling_requests
-        ends = batch.bonus_positions[:num_sampling].tolist()
-        for index, request_id in enumerate(batch.step.request_ids[:num_sampling]):
-            self.proposals.append((request_id, ends[index], drafts[index].tolist()))
-        return drafts
+        def propose(self, batch: DraftBatch) -> torch.Tensor:
+            drafts = super().propose(batch)
+            num_sampling = batch.step.num_sampling_requests
+            ends = batch.bonus_positions[:num_sampling].tolist()
+            for index, request_id in enumerate(batch.step.request_ids[:num_sampling]):
+                self.proposals.append((request_id, ends[index], drafts[index].tolist()))
+            return drafts
+
+    Recording.__name__ = Recording.__qualname__ = "Recording" + proposer_class.__name__
+    return Recording
+
+
+RecordingEagleProposer = recording(EagleProposer)
 
 
 @torch.no_grad()

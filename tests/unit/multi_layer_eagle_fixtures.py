@@ -2,15 +2,14 @@
 greedy tokens come from a small set, so random drafts are often accepted), their dense twin, and
 the dense oracle of the drafts."""
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 
 from mtp_ctrl.controllers import MultiLayerEagleProposer
-from mtp_ctrl.controllers.proposers import DraftBatch
 from mtp_ctrl.models import build_multi_layer_eagle_heads, dense_multi_layer_eagle_forward
 from mtp_ctrl.models.eagle_head import eagle_logits
-from tests.unit.eagle_fixtures import AUX_LAYERS, dense_aux
+from tests.unit.eagle_fixtures import AUX_LAYERS, dense_aux, recording
 
 
 def build_heads(model, dense, num_layers: int, seed: int = 5):
@@ -24,20 +23,7 @@ def build_heads(model, dense, num_layers: int, seed: int = 5):
     return heads, dense_heads
 
 
-class RecordingMultiLayerEagleProposer(MultiLayerEagleProposer):
-    """Records ``(request_id, e, drafts)`` of every proposal (test-only device reads)."""
-
-    def __init__(self, heads):
-        super().__init__(heads)
-        self.proposals: List[Tuple[int, int, List[int]]] = []
-
-    def propose(self, batch: DraftBatch) -> torch.Tensor:
-        drafts = super().propose(batch)
-        num_sampling = batch.step.num_sampling_requests
-        ends = batch.bonus_positions[:num_sampling].tolist()
-        for index, request_id in enumerate(batch.step.request_ids[:num_sampling]):
-            self.proposals.append((request_id, ends[index], drafts[index].tolist()))
-        return drafts
+RecordingMultiLayerEagleProposer = recording(MultiLayerEagleProposer)
 
 
 @torch.no_grad()

@@ -14,26 +14,13 @@ from mtp_ctrl.models import build_eagle_head
 from mtp_ctrl.models.eagle_head import default_mask_token_id, eagle_logits
 from mtp_ctrl.models.ptd_layout import dense_ptd_forward, ptd_draft_rows, ptd_training_layout
 from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
-from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models, dense_aux
+from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models, dense_aux, recording
 from tests.unit import megatron_fixtures
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 from tests.unit.test_overlap import _arrivals
 
 
-class RecordingPTDProposer(ParallelDraftingProposer):
-    """Records ``(request_id, e, drafts)`` of every proposal (test-only device reads)."""
-
-    def __init__(self, head):
-        super().__init__(head)
-        self.proposals = []
-
-    def propose(self, batch):
-        drafts = super().propose(batch)
-        num_sampling = batch.step.num_sampling_requests
-        ends = batch.bonus_positions[:num_sampling].tolist()
-        for index, request_id in enumerate(batch.step.request_ids[:num_sampling]):
-            self.proposals.append((request_id, ends[index], drafts[index].tolist()))
-        return drafts
+RecordingPTDProposer = recording(ParallelDraftingProposer)
 
 
 @pytest.fixture(scope="module")

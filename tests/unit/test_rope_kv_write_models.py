@@ -84,7 +84,7 @@ def test_models_without_rope_only_write_the_cache(position_embedding_type):
                      max_sequence_length=MAX_SEQUENCE_LENGTH, position_embedding_type=position_embedding_type,
                      mtp_block_spec=get_paged_mtp_block_spec(config, spec, use_transformer_engine=False)).eval()
     runner = PagedGPTRunner(model, fused_rope=True)
-    assert runner._rotary(torch.arange(3)) == (None, None)
+    assert runner.rotary_tables(torch.arange(3)) == (None, None)
     _assert_paths_agree(model)
 
 
@@ -92,11 +92,11 @@ def test_rotary_tables_are_computed_once_per_call():
     torch.manual_seed(15)
     model = build_gpt_model(tiny_config(mtp_num_layers=1), VOCAB_SIZE, MAX_SEQUENCE_LENGTH).eval()
     runner = PagedGPTRunner(model, fused_rope=True)
-    emb, tables = runner._rotary(torch.tensor([0, 5, 9]))
+    emb, tables = runner.rotary_tables(torch.tensor([0, 5, 9]))
     assert emb is None and isinstance(tables, RotaryTables)
     assert tables.cos.shape == (3, 8) and tables.cos.dtype == torch.float32  # head_dim 16: 8 frequencies
     torch.testing.assert_close(tables.cos[0], torch.ones(8))
-    emb, tables = PagedGPTRunner(model, fused_rope=False)._rotary(torch.tensor([0, 5, 9]))
+    emb, tables = PagedGPTRunner(model, fused_rope=False).rotary_tables(torch.tensor([0, 5, 9]))
     assert tables is None and emb.shape == (3, 1, 1, 16)
 
 
