@@ -59,9 +59,9 @@ def parse_args(argv=None):
                              "(--draft-checkpoint)")
     parser.add_argument("--draft-checkpoint", default=None, metavar="PATH",
                         help="the drafter's weights: an EAGLE head (examples/train_eagle.py), a parallel-drafting "
-                             "head (train_eagle.py --mode ptd; default examples/checkpoints/ptd_demo.pt), or draft "
-                             "layers (examples/train_multi_layer_eagle.py; default "
-                             "examples/checkpoints/multi_layer_eagle_demo.pt)")
+                             "head (train_eagle.py --mode ptd), or draft layers (examples/train_multi_layer_eagle.py); "
+                             "with the shipped target, ptd and multi_layer_eagle default to the shipped "
+                             "examples/checkpoints/ptd_demo.pt and multi_layer_eagle_demo.pt")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -117,8 +117,12 @@ def main(argv=None):
     from demo_model import DEMO_MODEL_ARGS, load_checkpoint
 
     checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None
+    # the shipped heads were trained for the shipped target: a default only when serving that one
+    shipped_target = os.path.join(CHECKPOINTS, "mtp_demo.pt")
+    serves_shipped_target = args.checkpoint is not None and os.path.exists(args.checkpoint) and \
+        os.path.samefile(args.checkpoint, shipped_target)
     default_draft = DEFAULT_DRAFT_CHECKPOINTS.get(args.proposer)
-    if args.draft_checkpoint is None and default_draft is not None and os.path.exists(default_draft):
+    if args.draft_checkpoint is None and serves_shipped_target and default_draft and os.path.exists(default_draft):
         args.draft_checkpoint = default_draft
     if (args.proposer != "mtp") != (args.draft_checkpoint is not None):
         if args.proposer == "mtp":

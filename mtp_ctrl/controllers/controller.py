@@ -160,7 +160,7 @@ class TextGenerationController:
         self._last_accepted_rows = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
         self._accepted_tokens = torch.full((R, S), -1, dtype=torch.int64, device=device)  # [R, S] int64
         self._accepted_counts = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
-        self._row_requests = torch.zeros(2, R * (S + 1), dtype=torch.int64, device=device)  # [2, K]: logits_row_requests
+        self._row_requests = torch.zeros(2, R * (S + 1), dtype=torch.int64, device=device)  # [2, K] logits_row_requests
         self._draft_positions = torch.zeros(3, R, dtype=torch.int64, device=device)  # [3, R]: draft_batch_rows
         self._draft_samples = torch.zeros(R, dtype=torch.bool, device=device)  # [R] bool
         # the step's read-back: [accepted count, bonus token, accepted drafts...] per request;

@@ -212,9 +212,10 @@ def mtp_draft_window(
     Token history: each of the step's rows writes its token at its position in its request's row,
     then each request writes its bonus token at ``e`` (clamped to ``[0, Lh)``) in its row if it
     ``samples``, else in ``padding_row``. Window rows ``[wqsl[r], wqsl[r + 1])`` of request r hold
-    positions ``e - size .. e - 1``; a row is masked (slot -1) when its position is below ``w``. Its hidden comes from the step's row at that
-    position when the position is ``>= first``, else from ``hidden_ring[row, position % S]``.
-    Rows past the last window are padding. Tm must hold every window (the caller's bound).
+    positions ``e - size .. e - 1``; a row is masked (slot -1) when its position is below ``w``. Its
+    hidden comes from the step's row at that position when the position is ``>= first``, else from
+    ``hidden_ring[row, position % S]``. Rows past the last window are padding. Tm must hold every
+    window (the caller's bound).
     """
     num_requests = _check_common(first_positions, bonus_positions, write_rows, samples, query_start_loc,
                                  step_hidden, window_starts, hidden_ring, num_speculative_tokens)

@@ -35,6 +35,7 @@ def _prepare_step_inputs_kernel(
         query_start = tl.load(QUERY_START_LOC_PTR + r).to(tl.int64)
         query_end = tl.load(QUERY_START_LOC_PTR + r + 1).to(tl.int64)
         first = tl.load(KV_LENGTHS_PTR + r)
+        tl.debug_barrier()  # every thread has read the old length before one of them overwrites it
         length = first + query_end - query_start
         count = (length + block_size - 1) // block_size
         tl.store(KV_LENGTHS_PTR + r, length)

@@ -112,7 +112,8 @@ def draft_batch_rows(
     check_tensor("counts", counts, dtypes=(torch.int64,), shape=(3,))
     check_int("num_speculative_tokens", num_speculative_tokens, low=0)
     check_int("padding_row", padding_row, low=0)
-    for name, tensor, dtype in (("out_write_rows", out_write_rows, torch.int64), ("out_samples", out_samples, torch.bool),
+    for name, tensor, dtype in (("out_write_rows", out_write_rows, torch.int64),
+                                ("out_samples", out_samples, torch.bool),
                                 ("out_first_positions", out_first_positions, torch.int64),
                                 ("out_bonus_positions", out_bonus_positions, torch.int64)):
         check_tensor(name, tensor, dtypes=(dtype,), shape=(num_requests,))

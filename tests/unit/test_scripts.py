@@ -82,9 +82,11 @@ def test_verbose_shows_megatron_notices_again():
 
 @pytest.mark.parametrize("proposer, num_speculative_tokens", [("eagle", 2), ("ptd", 3), ("multi_layer_eagle", 3)])
 def test_generate_serves_each_shipped_drafter(proposer, num_speculative_tokens):
-    """--proposer picks the shipped head (examples/checkpoints) and its output equals plain decoding."""
+    """--proposer picks the shipped head (examples/checkpoints) for the shipped target, and its output
+    equals plain decoding."""
     extra = ["--draft-checkpoint", "examples/checkpoints/eagle_demo.pt"] if proposer == "eagle" else []
-    result = run_script("examples/generate.py", "--device", "cpu", "--proposer", proposer, *extra,
+    result = run_script("examples/generate.py", "--checkpoint", "examples/checkpoints/mtp_demo.pt", "--device", "cpu",
+                        "--proposer", proposer, *extra,
                         "--num-speculative-tokens", str(num_speculative_tokens), "--max-new-tokens", "6",
                         "--num-prompts", "1", "--repeats", "1", timeout=300)
     assert result.returncode == 0, result.stderr
@@ -92,5 +94,6 @@ def test_generate_serves_each_shipped_drafter(proposer, num_speculative_tokens):
 
 
 def test_generate_names_the_missing_draft_checkpoint():
-    result = run_script("examples/generate.py", "--device", "cpu", "--proposer", "eagle", timeout=60)
-    assert result.returncode != 0 and "--proposer eagle needs --draft-checkpoint" in result.stderr
+    """No shipped head is assumed for a target it was not trained for (here a random model)."""
+    result = run_script("examples/generate.py", "--device", "cpu", "--proposer", "ptd", timeout=60)
+    assert result.returncode != 0 and "--proposer ptd needs --draft-checkpoint" in result.stderr

@@ -41,7 +41,7 @@ def mtp_draft_window(
     # 1. this step's rows at their positions, then each request's bonus token at e
     row_index = torch.arange(T, device=device)
     row_requests = torch.searchsorted(starts[1:], row_index, right=True).clamp(max=G - 1)
-    real_rows = row_index < starts[G]
+    real_rows = (row_index < starts[G]) & (step_positions >= 0) & (step_positions < history_len)
     token_history[write_rows[row_requests][real_rows], step_positions[real_rows]] = step_input_ids[real_rows]
     bonus_rows = torch.where(samples, write_rows, padding_row)
     token_history[bonus_rows, ends.clamp(0, history_len - 1)] = next_tokens[:G]
@@ -57,7 +57,7 @@ def mtp_draft_window(
     positions = torch.where(in_window, ends[rows] - 1 - from_end, -1)  # [Tm] int64
     valid = in_window & (positions >= window_start[rows])
     safe_positions = positions.clamp(min=0)
-    block_ids = block_table[rows, safe_positions // block_size].long()
+    block_ids = block_table[rows, (safe_positions // block_size).clamp(max=block_table.shape[1] - 1)].long()
     out_positions.copy_(positions)
     out_slot_mapping.copy_(torch.where(valid, block_ids * block_size + safe_positions % block_size, -1))
     history_rows = torch.where(in_window, write_rows[rows], padding_row)
