@@ -143,10 +143,32 @@ def target_log_probs(dense, aux_last):  # [s, b, H] -> [s, b, V] fp32
     return eagle_logits(dense, aux_last).log_softmax(-1)
 
 
+def set_learning_rate(optimizer, lr: float, step: int, steps: int, warmup: int) -> None:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``steps``."""
+    import math
+
+    if step < warmup:
+        factor = (step + 1) / warmup
+    else:
+        factor = 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    for group in optimizer.param_groups:
+        group["lr"] = lr * factor
+
+
+def random_crops(aux, tokens, batch_size: int, seq_len: int, generator, device):
+    """``batch_size`` random crops of ``seq_len`` captured positions: aux states ``[s, b, k * H]``
+    (sequence first, as megatron's layers take them) and tokens ``[b, s]``, on ``device``."""
+    import torch
+
+    crops = torch.randint(0, tokens.shape[0], (batch_size,), generator=generator)
+    starts = torch.randint(0, tokens.shape[1] - seq_len + 1, (batch_size,), generator=generator)
+    index = starts[:, None] + torch.arange(seq_len)[None, :]  # [b, s]
+    return aux[crops[:, None], index].to(device).transpose(0, 1), tokens[crops[:, None], index].to(device)
+
+
 def train_head(dense, head, aux, tokens, *, steps: int, batch_size: int, seq_len: int, lr: float,
                feature_loss_scale: float, seed: int, log_every: Optional[int] = None):
     """AdamW on the head only; returns the last step's ``(token_loss, feature_loss)``."""
-    import math
 
     import torch
     import torch.nn.functional as F
@@ -164,14 +186,8 @@ def train_head(dense, head, aux, tokens, *, steps: int, batch_size: int, seq_len
     seq_len = min(seq_len, tokens.shape[1])
     losses = (float("nan"), float("nan"))
     for step in range(steps):
-        factor = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr * factor
-        rows = torch.randint(0, tokens.shape[0], (batch_size,), generator=generator)
-        starts = torch.randint(0, tokens.shape[1] - seq_len + 1, (batch_size,), generator=generator)
-        index = starts[:, None] + torch.arange(seq_len)[None, :]  # [b, s]
-        batch_aux = aux[rows[:, None], index].to(device).transpose(0, 1)  # [s, b, k * H]
-        batch_tokens = tokens[rows[:, None], index].to(device)  # [b, s]
+        set_learning_rate(optimizer, lr, step, steps, warmup)
+        batch_aux, batch_tokens = random_crops(aux, tokens, batch_size, seq_len, generator, device)  # [s, b, kH], [b, s]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             features = head.project_aux(batch_aux)  # [s, b, H]
             out = dense_eagle_forward(dense, head, features[:-1], batch_tokens[:, 1:])  # [s - 1, b, H]: predicts t_{p+2}
@@ -200,7 +216,6 @@ def train_head_ptd(dense, head, aux, tokens, *, steps: int, batch_size: int, seq
                    seed: int, log_every: Optional[int] = None):
     """AdamW on a parallel-drafting head (``mask_hidden`` included) over the multi-anchor layout
     of ``mtp_ctrl.models.ptd_layout``; returns the last step's loss per depth ``[depth]``."""
-    import math
 
     import torch
 
@@ -226,14 +241,8 @@ def train_head_ptd(dense, head, aux, tokens, *, steps: int, batch_size: int, seq
     target_positions = target_positions.clamp(max=seq_len - 1)
     losses = [float("nan")] * depth
     for step in range(steps):
-        factor = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr * factor
-        rows = torch.randint(0, tokens.shape[0], (batch_size,), generator=generator)
-        starts = torch.randint(0, tokens.shape[1] - seq_len + 1, (batch_size,), generator=generator)
-        index = starts[:, None] + torch.arange(seq_len)[None, :]  # [b, s]
-        batch_aux = aux[rows[:, None], index].to(device).transpose(0, 1)  # [s, b, k * H]
-        batch_tokens = tokens[rows[:, None], index].to(device)  # [b, s]
+        set_learning_rate(optimizer, lr, step, steps, warmup)
+        batch_aux, batch_tokens = random_crops(aux, tokens, batch_size, seq_len, generator, device)  # [s, b, kH], [b, s]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             features = head.project_aux(batch_aux[:-1])  # [n, b, H]
             out = dense_ptd_forward(dense, head, features, batch_tokens[:, 1:], num_mask_rows)  # [n * depth, b, H]

@@ -95,14 +95,13 @@ def load_multi_layer_eagle_heads(model, path: str):
 def train_heads(dense, heads, aux, tokens, *, steps: int, batch_size: int, seq_len: int, lr: float, seed: int,
                 log_every=None):
     """AdamW on the draft layers only; returns the last step's loss per layer."""
-    import math
 
     import torch
     import torch.nn.functional as F
 
     from mtp_ctrl.models import dense_multi_layer_eagle_forward
     from mtp_ctrl.models.eagle_head import eagle_logits
-    from train_eagle import target_log_probs
+    from train_eagle import random_crops, set_learning_rate, target_log_probs
 
     device = next(heads.parameters()).device
     hidden_size, num_layers = dense.config.hidden_size, heads.num_layers
@@ -116,15 +115,8 @@ def train_heads(dense, heads, aux, tokens, *, steps: int, batch_size: int, seq_l
     rows_per_crop = seq_len - num_layers - 1  # s: row p's deepest label t_{p+S+1} is still in the crop
     losses = [float("nan")] * num_layers
     for step in range(steps):
-        decay = 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-        factor = (step + 1) / warmup if step < warmup else decay
-        for group in optimizer.param_groups:
-            group["lr"] = lr * factor
-        crops = torch.randint(0, tokens.shape[0], (batch_size,), generator=generator)
-        starts = torch.randint(0, tokens.shape[1] - seq_len + 1, (batch_size,), generator=generator)
-        index = starts[:, None] + torch.arange(seq_len)[None, :]  # [b, N]
-        batch_aux = aux[crops[:, None], index].to(device).transpose(0, 1)  # [N, b, m * H]
-        batch_tokens = tokens[crops[:, None], index].to(device)  # [b, N]
+        set_learning_rate(optimizer, lr, step, steps, warmup)
+        batch_aux, batch_tokens = random_crops(aux, tokens, batch_size, seq_len, generator, device)  # [N, b, mH], [b, N]
         s = rows_per_crop
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             features = heads.project_aux(batch_aux[:s])  # [s, b, H]
