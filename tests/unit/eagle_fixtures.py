@@ -91,3 +91,17 @@ def dense_eagle_drafts(dense, dense_head, tokens: Sequence[int], num_drafts: int
         features = torch.cat([features, out[-1:, 0]])
         next_tokens = torch.cat([next_tokens, torch.tensor([draft])])
     return drafts
+
+
+def plain_greedy_outputs(target, max_new_tokens: int = 10) -> List[List[int]]:
+    """Plain greedy decoding of every PROMPT on ``target``: the reference the drafters' outputs
+    must equal (torch twins: plain decoding's kernels are tested elsewhere)."""
+    from mtp_ctrl.controllers import SamplingParams
+    from tests.unit.controller_fixtures import PROMPTS, make_controller
+    from tests.unit.megatron_fixtures import torch_twins
+
+    with torch_twins():
+        results = make_controller(target, 0).generate([list(p) for p in PROMPTS],
+                                                      SamplingParams(max_new_tokens=max_new_tokens))
+    return [list(r.output_tokens) for r in results]
+

@@ -8,7 +8,8 @@ import torch
 from mtp_ctrl.controllers import EagleProposer, SamplingParams
 from mtp_ctrl.models import build_eagle_head
 from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
-from tests.unit.eagle_fixtures import AUX_LAYERS, RecordingEagleProposer, build_eagle_models, dense_eagle_drafts
+from tests.unit.eagle_fixtures import (AUX_LAYERS, RecordingEagleProposer, build_eagle_models, dense_eagle_drafts,
+                                      plain_greedy_outputs)
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 from tests.unit.test_overlap import _arrivals
 
@@ -21,9 +22,7 @@ def models():
 
 @pytest.fixture(scope="module")
 def plain_greedy(models):
-    prompts = [list(p) for p in PROMPTS]
-    results = make_controller(models[0], 0).generate(prompts, SamplingParams(max_new_tokens=10))
-    return [list(r.output_tokens) for r in results]
+    return plain_greedy_outputs(models[0])
 
 
 def test_greedy_equals_plain(models, plain_greedy):

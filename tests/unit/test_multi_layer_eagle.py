@@ -14,7 +14,7 @@ from mtp_ctrl.models import (
     dense_multi_layer_eagle_forward,
 )
 from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
-from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models
+from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models, plain_greedy_outputs
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 from tests.unit.multi_layer_eagle_fixtures import (
     RecordingMultiLayerEagleProposer,
@@ -32,9 +32,7 @@ def models():
 
 @pytest.fixture(scope="module")
 def plain_greedy(models):
-    prompts = [list(p) for p in PROMPTS]
-    results = make_controller(models[0], 0).generate(prompts, SamplingParams(max_new_tokens=10))
-    return [list(r.output_tokens) for r in results]
+    return plain_greedy_outputs(models[0])
 
 
 def test_drafts_equal_the_dense_layers_across_chunks(models, plain_greedy):

@@ -14,8 +14,7 @@ from mtp_ctrl.models import build_eagle_head
 from mtp_ctrl.models.eagle_head import default_mask_token_id, eagle_logits
 from mtp_ctrl.models.ptd_layout import dense_ptd_forward, ptd_draft_rows, ptd_training_layout
 from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
-from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models, dense_aux, recording
-from tests.unit import megatron_fixtures
+from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models, dense_aux, plain_greedy_outputs, recording
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 from tests.unit.test_overlap import _arrivals
 
@@ -37,10 +36,7 @@ def models():
 
 @pytest.fixture(scope="module")
 def plain_greedy(models):
-    prompts = [list(p) for p in PROMPTS]
-    with megatron_fixtures.torch_twins():  # the reference run: plain decoding's kernels are tested elsewhere
-        results = make_controller(models[0], 0).generate(prompts, SamplingParams(max_new_tokens=10))
-    return [list(r.output_tokens) for r in results]
+    return plain_greedy_outputs(models[0])
 
 
 @torch.no_grad()
