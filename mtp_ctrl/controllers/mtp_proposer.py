@@ -24,7 +24,9 @@ inference today); no window, one row per request and depth.
 Every index comes from device tensors with shapes fixed by the step's grid and token count (a
 decode request gets ``2S`` window rows, the most a decode window spans; a prefill chunk of ``q``
 rows at most ``q + S``), so any padded step, with or without prefill chunks, can be captured in
-a CUDA graph.
+a CUDA graph. Two kernels do the index work (``triton_ops/mtp_window.py``): ``mtp_draft_window``
+records the step's tokens and lays the windows out before the depths run, ``mtp_advance_window``
+moves each request's ``w`` and hidden ring on after them.
 
 Draft tokens are sampled with the request's own parameters and the target's noise for that
 position (see ``sampling.py``), which couples draft and target samples: greedy requests draft
