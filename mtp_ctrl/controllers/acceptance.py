@@ -71,6 +71,36 @@ class RequestSampling:
         return sampling_probs(logits, self.temperature[table_rows], self.top_k[table_rows], self.top_p[table_rows])
 
 
+class DraftProbabilities:
+    """``q`` of every draft a proposer samples, for rejection acceptance: ``[R + 1, S, V]`` float32
+    request-table rows (they follow their request; the last row is the scratch row), written with
+    the same filtered softmax the draft was drawn from. Build it with :func:`draft_probabilities`
+    in ``Proposer.bind`` and return :attr:`rows` from ``Proposer.draft_probs``."""
+
+    def __init__(self, controller, name: str):
+        table, S = controller.context.table, controller.config.num_speculative_tokens
+        table.add_device_rows(name, (S, controller.vocab_size), torch.float32)
+        self.rows = table.device_rows_with_scratch(name)  # [R + 1, S, V] float32
+        self._sampling = RequestSampling(table)
+
+    def record(self, logits: torch.Tensor, sampling_rows: torch.Tensor, write_rows: torch.Tensor,
+               depth: Optional[int] = None) -> None:
+        """``logits`` ``[G, V]`` of draft ``depth`` (or ``[G * S, V]``, every depth of each request
+        in order, when ``depth`` is None) under the parameters of the table rows ``sampling_rows``
+        (``[G]`` or ``[G * S]``), stored at table rows ``write_rows`` ``[G]`` (the scratch row for
+        requests that did not sample)."""
+        probs = self._sampling.probs(logits, sampling_rows)
+        if depth is None:
+            self.rows[write_rows] = probs.view(write_rows.shape[0], -1, probs.shape[-1])
+        else:
+            self.rows[write_rows, depth] = probs
+
+
+def draft_probabilities(controller, name: str) -> Optional[DraftProbabilities]:
+    """A proposer's ``q`` rows when the controller accepts by rejection sampling, else None."""
+    return DraftProbabilities(controller, name) if controller.config.acceptance == "rejection" else None
+
+
 class RejectionAcceptance:
     """Rewrites a step's sampled tokens at the draft rows (module docstring). Built by the
     controller when ``acceptance == "rejection"`` and ``S > 0``, after the proposer is bound."""

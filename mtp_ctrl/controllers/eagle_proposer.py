@@ -36,8 +36,11 @@ without prefill chunks, runs inside its CUDA graph (padding requests write nothi
 target's noise at the draft's position).
 """
 
+from typing import Optional
+
 import torch
 
+from mtp_ctrl.controllers.acceptance import draft_probabilities
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.models.eagle_head import EagleHead
 from mtp_ctrl.models.runner import check_aux_layer_ids
@@ -81,6 +84,17 @@ class EagleProposer(Proposer):
         dtype = runner.model.embedding.word_embeddings.weight.dtype
         self._kv_caches = [(torch.zeros(shape, dtype=dtype, device=controller.device),
                             torch.zeros(shape, dtype=dtype, device=controller.device))]
+        self._draft_probs = draft_probabilities(controller, "eagle_draft_probs")  # q (rejection acceptance only)
+
+    def draft_probs(self) -> Optional[torch.Tensor]:
+        return None if self._draft_probs is None else self._draft_probs.rows
+
+    def _record_draft_probs(self, batch: DraftBatch, logits: torch.Tensor, sampling_rows: torch.Tensor,
+                            depth: Optional[int] = None) -> None:
+        """q of the drafts just sampled from ``logits`` (rejection acceptance only)."""
+        if self._draft_probs is not None:
+            write_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)  # [G] int64
+            self._draft_probs.record(logits, sampling_rows, write_rows, depth)
 
     # ----- drafting ------------------------------------------------------------------------
 
@@ -118,6 +132,7 @@ class EagleProposer(Proposer):
         sampling_rows = torch.arange(G, device=device)
         drafts = torch.empty(G, S, dtype=torch.int64, device=device)  # [G, S]
         drafts[:, 0] = self.controller.sample_rows(logits, sampling_rows, ends + 1)
+        self._record_draft_probs(batch, logits, sampling_rows, 0)
         if S == 1:
             return drafts
 
@@ -139,6 +154,7 @@ class EagleProposer(Proposer):
             logits, features = runner.eagle_forward(self.head, features, drafts[:, depth - 1], next_positions,
                                                     metadata, self._kv_caches)  # [G, V], [G, H]
             drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, ends + depth + 1)
+            self._record_draft_probs(batch, logits, sampling_rows, depth)
             step_positions = next_positions
         return drafts
 

@@ -40,7 +40,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from mtp_ctrl.controllers.acceptance import RequestSampling
+from mtp_ctrl.controllers.acceptance import draft_probabilities
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.triton_ops import mtp_advance_window, mtp_draft_window
@@ -71,14 +71,10 @@ class MTPProposer(Proposer):
         self._token_history = table.device_rows_with_scratch("mtp_token_history")
         self._hidden_ring = table.device_rows_with_scratch("mtp_hidden_ring")
         self._window_start = table.device_rows_with_scratch("mtp_window_start")
-        self._draft_probs = None  # [R + 1, S, V] float32: q of each draft (rejection acceptance only)
-        if controller.config.acceptance == "rejection":
-            table.add_device_rows("mtp_draft_probs", (S, controller.vocab_size), torch.float32)
-            self._draft_probs = table.device_rows_with_scratch("mtp_draft_probs")
-            self._sampling = RequestSampling(table)
+        self._draft_probs = draft_probabilities(controller, "mtp_draft_probs")  # q (rejection acceptance only)
 
     def draft_probs(self) -> Optional[torch.Tensor]:
-        return self._draft_probs
+        return None if self._draft_probs is None else self._draft_probs.rows
 
     # ----- drafting ------------------------------------------------------------------------
 
@@ -107,7 +103,7 @@ class MTPProposer(Proposer):
                                                 logits_rows=last_rows, rotary=rotary)  # [G, V] logits
             drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, draft_positions[depth])
             if self._draft_probs is not None:  # q: the same filtered softmax the draft was drawn from
-                self._draft_probs[draft_write_rows, depth] = self._sampling.probs(logits, sampling_rows)
+                self._draft_probs.record(logits, sampling_rows, draft_write_rows, depth)
             self._token_history[draft_write_rows, draft_positions[depth]] = drafts[:, depth]
         # the next window start, and the decoder hidden of each request's last S positions
         mtp_advance_window(batch.first_positions, ends, batch.write_rows, batch.samples,

@@ -33,8 +33,11 @@ Drafts are sampled like the other proposers' (the request's own parameters and t
 noise at the draft's position).
 """
 
+from typing import Optional
+
 import torch
 
+from mtp_ctrl.controllers.acceptance import draft_probabilities
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.models.multi_layer_eagle import MultiLayerEagleHeads
 from mtp_ctrl.models.runner import check_aux_layer_ids
@@ -83,6 +86,11 @@ class MultiLayerEagleProposer(Proposer):
         device = controller.device
         self._kv_caches = [[(torch.zeros(shape, dtype=dtype, device=device),
                              torch.zeros(shape, dtype=dtype, device=device))] for _ in range(S)]  # a pair per layer
+        self._scratch_row = table.scratch_row
+        self._draft_probs = draft_probabilities(controller, "multi_layer_eagle_draft_probs")  # q (rejection only)
+
+    def draft_probs(self) -> Optional[torch.Tensor]:
+        return None if self._draft_probs is None else self._draft_probs.rows
 
     def _kv_head_shape(self):
         attention = self.heads.layers[0].transformer_layer.self_attention.core_attention
@@ -112,6 +120,9 @@ class MultiLayerEagleProposer(Proposer):
             logits, features = runner.eagle_forward(layer, features, tokens, positions, metadata,
                                                     self._kv_caches[depth], logits_rows=draft_rows)  # [G, V], [Tw, H]
             drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, ends + depth + 1)
+            if self._draft_probs is not None:  # q: the same filtered softmax the draft was drawn from
+                write_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)  # [G] int64
+                self._draft_probs.record(logits, sampling_rows, write_rows, depth)
             if depth + 1 < S:  # the next layer reads one token further: shift left, d_{depth+1} at e - 1
                 shifted = torch.cat([tokens[1:], tokens[-1:]])  # [Tw] int64
                 tokens = torch.where(is_draft_row, drafts[owners, depth], shifted)

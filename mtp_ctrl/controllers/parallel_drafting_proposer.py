@@ -108,4 +108,6 @@ class ParallelDraftingProposer(EagleProposer):
                                          logits_rows=draft_rows)  # [G * S, V]
         sampling_rows = request_index[:, None].expand(G, S).flatten()  # [G * S] table row of each draft
         draft_positions = (ends[:, None] + torch.arange(1, S + 1, device=device)).flatten()  # [G * S] int64
-        return self.controller.sample_rows(logits, sampling_rows, draft_positions).view(G, S)
+        drafts = self.controller.sample_rows(logits, sampling_rows, draft_positions).view(G, S)
+        self._record_draft_probs(batch, logits, sampling_rows)  # every depth at once
+        return drafts

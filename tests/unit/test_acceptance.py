@@ -120,12 +120,30 @@ def _generate(model, S, temperature, top_k, top_p, proposer=None, acceptance="re
     return controller.generate([list(PROMPTS[1])] * len(params), params)
 
 
+def _eagle_family_proposer(model, kind: str, S: int):
+    """A random-weight EAGLE (serial), PTD or multi-layer EAGLE drafter for ``model``: their q rows
+    come from the shared DraftProbabilities recorder."""
+    from mtp_ctrl.controllers import EagleProposer, MultiLayerEagleProposer, ParallelDraftingProposer
+    from mtp_ctrl.models import build_eagle_head, build_multi_layer_eagle_heads, default_aux_layer_ids
+
+    torch.manual_seed(3)
+    aux_layer_ids = default_aux_layer_ids(model.config.num_layers)
+    if kind == "multi_layer_eagle":
+        return MultiLayerEagleProposer(build_multi_layer_eagle_heads(model, S, aux_layer_ids).eval())
+    head = build_eagle_head(model, aux_layer_ids, parallel_drafting=kind == "ptd").eval()
+    return ParallelDraftingProposer(head) if kind == "ptd" else EagleProposer(head)
+
+
 @pytest.mark.parametrize("S,temperature,top_k,top_p,proposer", [
     (1, 0.7, 4, 1.0, "mtp"), (2, 1.0, 3, 0.9, "mtp"), (3, 0.8, 4, 0.95, "mtp"),
-    (2, 0.8, 4, 1.0, "uniform"), (2, 1.0, 4, 0.95, "none")])
+    (2, 0.8, 4, 1.0, "uniform"), (2, 1.0, 4, 0.95, "none"), (2, 0.9, 4, 1.0, "eagle"), (2, 1.0, 3, 0.95, "ptd"),
+    (2, 0.8, 4, 1.0, "multi_layer_eagle")])
 def test_rejection_output_follows_the_dense_distribution(models, S, temperature, top_k, top_p, proposer):
     model, dense = models
-    drafter = {"mtp": None, "uniform": UniformProposer(), "none": RepeatLastTokenProposer()}[proposer]
+    if proposer in ("eagle", "ptd", "multi_layer_eagle"):
+        drafter = _eagle_family_proposer(model, proposer, S)
+    else:
+        drafter = {"mtp": None, "uniform": UniformProposer(), "none": RepeatLastTokenProposer()}[proposer]
     results = _generate(model, S, temperature, top_k, top_p, proposer=drafter)
     outputs = torch.tensor([result.output_tokens for result in results])  # [NUM_SEEDS, NEW_TOKENS]
     for law, tokens in zip(_laws(dense, PROMPTS[1], temperature, top_k, top_p), outputs.T):
@@ -171,8 +189,13 @@ def test_acceptance_is_validated():
         InferenceConfig(acceptance=1)
 
 
-def test_draft_probs_are_allocated_only_for_rejection(models):
+@pytest.mark.parametrize("proposer", ["mtp", "eagle", "ptd", "multi_layer_eagle"])
+def test_draft_probs_are_allocated_only_for_rejection(models, proposer):
     model, _ = models
-    assert make_controller(model, 2).proposer.draft_probs() is None
-    probs = make_controller(model, 2, acceptance="rejection").proposer.draft_probs()
+
+    def drafter():
+        return None if proposer == "mtp" else _eagle_family_proposer(model, proposer, 2)
+
+    assert make_controller(model, 2, proposer=drafter()).proposer.draft_probs() is None
+    probs = make_controller(model, 2, proposer=drafter(), acceptance="rejection").proposer.draft_probs()
     assert probs.shape == (4 + 1, 2, VOCAB_SIZE) and probs.dtype == torch.float32  # [R + 1, S, V]
