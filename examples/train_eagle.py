@@ -155,6 +155,20 @@ def set_learning_rate(optimizer, lr: float, step: int, steps: int, warmup: int) 
         group["lr"] = lr * factor
 
 
+def start_training(module, dense, lr: float, steps: int, seed: int):
+    """What every training loop starts with: ``module`` in train mode, its AdamW optimizer, the
+    warm-up length, a seeded generator for the crops, and the slot of the target's last decoder
+    layer among ``module.aux_layer_ids`` (None when it is not captured). Returns ``(optimizer,
+    warmup, generator, last_slot)``."""
+    import torch
+
+    module.train()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    last_layer = dense.config.num_layers - 1
+    last_slot = module.aux_layer_ids.index(last_layer) if last_layer in module.aux_layer_ids else None
+    return optimizer, max(1, steps // 20), torch.Generator().manual_seed(seed), last_slot
+
+
 def random_crops(aux, tokens, batch_size: int, seq_len: int, generator, device):
     """``batch_size`` random crops of ``seq_len`` captured positions: aux states ``[s, b, k * H]``
     (sequence first, as megatron's layers take them) and tokens ``[b, s]``, on ``device``."""
@@ -177,12 +191,8 @@ def train_head(dense, head, aux, tokens, *, steps: int, batch_size: int, seq_len
 
     device = next(head.parameters()).device
     hidden_size = dense.config.hidden_size
-    last_is_aux = dense.config.num_layers - 1 in head.aux_layer_ids
-    last_slot = head.aux_layer_ids.index(dense.config.num_layers - 1) if last_is_aux else None
-    generator = torch.Generator().manual_seed(seed)
-    head.train()
-    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    warmup = max(1, steps // 20)
+    optimizer, warmup, generator, last_slot = start_training(head, dense, lr, steps, seed)
+    last_is_aux = last_slot is not None
     seq_len = min(seq_len, tokens.shape[1])
     losses = (float("nan"), float("nan"))
     for step in range(steps):
@@ -224,12 +234,8 @@ def train_head_ptd(dense, head, aux, tokens, *, steps: int, batch_size: int, seq
 
     device = next(head.parameters()).device
     hidden_size = dense.config.hidden_size
-    last_is_aux = dense.config.num_layers - 1 in head.aux_layer_ids
-    last_slot = head.aux_layer_ids.index(dense.config.num_layers - 1) if last_is_aux else None
-    generator = torch.Generator().manual_seed(seed)
-    head.train()
-    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    warmup = max(1, steps // 20)
+    optimizer, warmup, generator, last_slot = start_training(head, dense, lr, steps, seed)
+    last_is_aux = last_slot is not None
     seq_len = min(seq_len, tokens.shape[1])
     num_anchors, num_mask_rows = seq_len - 1, depth - 1  # anchors p = 0 .. s - 2 (row p's token t_{p+1})
     draft_rows = ptd_draft_rows(num_anchors, num_mask_rows, device)  # [n, depth]

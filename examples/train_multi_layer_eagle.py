@@ -101,16 +101,11 @@ def train_heads(dense, heads, aux, tokens, *, steps: int, batch_size: int, seq_l
 
     from mtp_ctrl.models import dense_multi_layer_eagle_forward
     from mtp_ctrl.models.eagle_head import eagle_logits
-    from train_eagle import random_crops, set_learning_rate, target_log_probs
+    from train_eagle import random_crops, set_learning_rate, start_training, target_log_probs
 
     device = next(heads.parameters()).device
     hidden_size, num_layers = dense.config.hidden_size, heads.num_layers
-    last_layer = dense.config.num_layers - 1
-    last_slot = heads.aux_layer_ids.index(last_layer) if last_layer in heads.aux_layer_ids else None
-    generator = torch.Generator().manual_seed(seed)
-    heads.train()
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    warmup = max(1, steps // 20)
+    optimizer, warmup, generator, last_slot = start_training(heads, dense, lr, steps, seed)
     seq_len = min(seq_len, tokens.shape[1])
     rows_per_crop = seq_len - num_layers - 1  # s: row p's deepest label t_{p+S+1} is still in the crop
     losses = [float("nan")] * num_layers

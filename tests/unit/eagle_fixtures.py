@@ -105,3 +105,44 @@ def plain_greedy_outputs(target, max_new_tokens: int = 10) -> List[List[int]]:
                                                       SamplingParams(max_new_tokens=max_new_tokens))
     return [list(r.output_tokens) for r in results]
 
+
+def assert_drafts_equal_dense(model, proposer, S: int, plain_greedy, dense_drafts, limit=None) -> None:
+    """Serve PROMPTS[2:] with a recording ``proposer`` at S drafts, the 12-token prompt prefilled in
+    two chunks (max_tokens_per_step 10): the output equals plain decoding, and each of the first
+    ``limit`` proposals equals ``dense_drafts(verified tokens up to e)`` (at least 6 checked, and
+    the drafts do get accepted sometimes)."""
+    from mtp_ctrl.controllers import SamplingParams
+    from tests.unit.controller_fixtures import PROMPTS, make_controller
+
+    controller = make_controller(model, S, proposer=proposer, max_requests=2, max_tokens_per_step=10)
+    results = controller.generate([list(p) for p in PROMPTS[2:]], SamplingParams(max_new_tokens=10))
+    assert [list(r.output_tokens) for r in results] == plain_greedy[2:]
+    request_ids = sorted({rid for rid, _, _ in proposer.proposals})
+    sequences = {rid: list(PROMPTS[2 + index]) + plain_greedy[2 + index] for index, rid in enumerate(request_ids)}
+    checked = accepted = 0
+    for request_id, end, drafts in proposer.proposals[:limit]:
+        sequence = sequences[request_id]
+        if end + 1 >= len(sequence):
+            continue  # a step run past the request's stop (overlap): its drafts are discarded
+        assert drafts == dense_drafts(sequence[: end + 1]), (request_id, end)
+        checked += 1
+        accepted += drafts[0] == sequence[end + 1]
+    assert checked >= 6 and accepted > 0
+
+
+def outputs_with_a_pause(controller) -> List[List[int]]:
+    """Every PROMPT through the step API, request 1 paused for three steps after three steps."""
+    from mtp_ctrl.controllers import SamplingParams
+    from tests.unit.controller_fixtures import PROMPTS
+
+    ids = [controller.add_request(list(p), SamplingParams(max_new_tokens=10)) for p in PROMPTS]
+    for _ in range(3):
+        controller.step()
+    controller.pause_request(ids[1])
+    for _ in range(3):
+        controller.step()
+    controller.resume_request(ids[1])
+    while controller.has_unfinished_requests():
+        controller.step()
+    return [list(controller.result(i).output_tokens) for i in ids]
+

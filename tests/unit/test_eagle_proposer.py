@@ -8,8 +8,8 @@ import torch
 from mtp_ctrl.controllers import EagleProposer, SamplingParams
 from mtp_ctrl.models import build_eagle_head
 from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
-from tests.unit.eagle_fixtures import (AUX_LAYERS, RecordingEagleProposer, build_eagle_models, dense_eagle_drafts,
-                                      plain_greedy_outputs)
+from tests.unit.eagle_fixtures import (AUX_LAYERS, RecordingEagleProposer, assert_drafts_equal_dense, build_eagle_models,
+                                      dense_eagle_drafts, outputs_with_a_pause, plain_greedy_outputs)
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 from tests.unit.test_overlap import _arrivals
 
@@ -46,21 +46,8 @@ def test_drafts_equal_the_dense_head_across_chunks_and_tail_blocks(models, plain
     """S = 4 with 4-token blocks: draft positions cross into the head's tail blocks; the 12-token
     prompt is prefilled in two chunks (max_tokens_per_step 10)."""
     model, dense, head, dense_head = models
-    proposer = RecordingEagleProposer(head)
-    controller = make_controller(model, 4, proposer=proposer, max_requests=2, max_tokens_per_step=10)
-    results = controller.generate([list(p) for p in PROMPTS[2:]], SamplingParams(max_new_tokens=10))
-    assert [list(r.output_tokens) for r in results] == plain_greedy[2:]
-    request_ids = sorted({rid for rid, _, _ in proposer.proposals})
-    sequences = {rid: list(PROMPTS[2 + index]) + plain_greedy[2 + index] for index, rid in enumerate(request_ids)}
-    checked = accepted = 0
-    for request_id, end, drafts in proposer.proposals[:12]:
-        sequence = sequences[request_id]
-        if end + 1 >= len(sequence):
-            continue  # a step run past the request's stop (overlap): its drafts are discarded
-        assert drafts == dense_eagle_drafts(dense, dense_head, sequence[: end + 1], 4), (request_id, end)
-        checked += 1
-        accepted += drafts[0] == sequence[end + 1]
-    assert checked >= 6 and accepted > 0  # the head's drafts do get accepted sometimes
+    assert_drafts_equal_dense(model, RecordingEagleProposer(head), 4, plain_greedy,
+                              lambda tokens: dense_eagle_drafts(dense, dense_head, tokens, 4), limit=12)
 
 
 def test_churn_preemption_sampling_padded_steps_equal_plain(models, torch_twins):
@@ -78,16 +65,7 @@ def test_churn_preemption_sampling_padded_steps_equal_plain(models, torch_twins)
 def test_pause_and_resume_equal_plain(models, plain_greedy):
     model, _, head, _ = models
     controller = make_controller(model, 3, proposer=EagleProposer(head))
-    ids = [controller.add_request(list(p), SamplingParams(max_new_tokens=10)) for p in PROMPTS]
-    for _ in range(3):
-        controller.step()
-    controller.pause_request(ids[1])
-    for _ in range(3):
-        controller.step()
-    controller.resume_request(ids[1])
-    while controller.has_unfinished_requests():
-        controller.step()
-    assert [list(controller.result(i).output_tokens) for i in ids] == plain_greedy
+    assert outputs_with_a_pause(controller) == plain_greedy
 
 
 def test_hybrid_mamba_target_equals_plain():

@@ -14,7 +14,8 @@ from mtp_ctrl.models import (
     dense_multi_layer_eagle_forward,
 )
 from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
-from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models, plain_greedy_outputs
+from tests.unit.eagle_fixtures import (AUX_LAYERS, assert_drafts_equal_dense, build_eagle_models, outputs_with_a_pause,
+                                      plain_greedy_outputs)
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 from tests.unit.multi_layer_eagle_fixtures import (
     RecordingMultiLayerEagleProposer,
@@ -41,21 +42,8 @@ def test_drafts_equal_the_dense_layers_across_chunks(models, plain_greedy):
     dense layers give over the whole verified sequence, layer by layer."""
     model, dense, _, _ = models
     heads, dense_heads = build_heads(model, dense, 3)
-    proposer = RecordingMultiLayerEagleProposer(heads)
-    controller = make_controller(model, 3, proposer=proposer, max_requests=2, max_tokens_per_step=10)
-    results = controller.generate([list(p) for p in PROMPTS[2:]], SamplingParams(max_new_tokens=10))
-    assert [list(r.output_tokens) for r in results] == plain_greedy[2:]
-    request_ids = sorted({rid for rid, _, _ in proposer.proposals})
-    sequences = {rid: list(PROMPTS[2 + index]) + plain_greedy[2 + index] for index, rid in enumerate(request_ids)}
-    checked = accepted = 0
-    for request_id, end, drafts in proposer.proposals[:10]:
-        sequence = sequences[request_id]
-        if end + 1 >= len(sequence):
-            continue  # a step run past the request's stop (overlap): its drafts are discarded
-        assert drafts == dense_multi_layer_drafts(dense, dense_heads, sequence[: end + 1]), (request_id, end)
-        checked += 1
-        accepted += drafts[0] == sequence[end + 1]
-    assert checked >= 6 and accepted > 0  # the random layers' drafts do get accepted sometimes
+    assert_drafts_equal_dense(model, RecordingMultiLayerEagleProposer(heads), 3, plain_greedy,
+                              lambda tokens: dense_multi_layer_drafts(dense, dense_heads, tokens), limit=10)
 
 
 @pytest.mark.parametrize("num_layers, temperature, acceptance", [
@@ -98,16 +86,7 @@ def test_pause_and_resume_equal_plain(models, plain_greedy, torch_twins):
     model, _, _, _ = models
     heads, _ = build_heads(model, None, 2)
     controller = make_controller(model, 2, proposer=MultiLayerEagleProposer(heads))
-    ids = [controller.add_request(list(p), SamplingParams(max_new_tokens=10)) for p in PROMPTS]
-    for _ in range(3):
-        controller.step()
-    controller.pause_request(ids[1])
-    for _ in range(3):
-        controller.step()
-    controller.resume_request(ids[1])
-    while controller.has_unfinished_requests():
-        controller.step()
-    assert [list(controller.result(i).output_tokens) for i in ids] == plain_greedy
+    assert outputs_with_a_pause(controller) == plain_greedy
 
 
 def test_hybrid_mamba_target_equals_plain(torch_twins):
