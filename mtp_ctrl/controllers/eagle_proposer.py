@@ -52,6 +52,20 @@ from mtp_ctrl.triton_ops import (
 )
 
 
+def attach_draft_module(module, name: str, controller) -> None:
+    """Check that an EAGLE-family draft ``module`` (``name`` in errors) fits the controller's target
+    (hidden size, device, aux layers), then make the target's forward expose those aux layers."""
+    runner = controller.runner
+    if module.config.hidden_size != runner.model.config.hidden_size:
+        raise ValueError(f"{name} hidden size {module.config.hidden_size} != the target's "
+                         f"{runner.model.config.hidden_size}")
+    parameter = next(module.parameters())
+    if parameter.device != controller.device:
+        raise ValueError(f"{name} lives on {parameter.device}, the target on {controller.device}")
+    check_aux_layer_ids(module.aux_layer_ids, runner.num_decoder_layers)
+    runner.set_aux_layers(module.aux_layer_ids)
+
+
 class EagleProposer(Proposer):
     """Serial EAGLE drafting with ``head``; pass it as ``TextGenerationController(model, config, proposer=...)``."""
 
@@ -63,14 +77,8 @@ class EagleProposer(Proposer):
     def bind(self, controller) -> None:
         runner, context = controller.runner, controller.context
         head = self.head
-        if head.config.hidden_size != runner.model.config.hidden_size:
-            raise ValueError(f"head hidden size {head.config.hidden_size} != the target's {runner.model.config.hidden_size}")
-        parameter = next(head.parameters())
-        if parameter.device != controller.device:
-            raise ValueError(f"head is on {parameter.device}, the target on {controller.device}")
-        check_aux_layer_ids(head.aux_layer_ids, runner.num_decoder_layers)
+        attach_draft_module(head, "head", controller)
         super().bind(controller)
-        runner.set_aux_layers(head.aux_layer_ids)
         S = self.num_speculative_tokens = controller.config.num_speculative_tokens
         block_size = self._block_size = context.block_size_tokens
         self._tail_blocks = 0 if S == 1 else -(-(S - 1) // block_size) + 1

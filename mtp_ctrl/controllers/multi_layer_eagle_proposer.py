@@ -38,9 +38,9 @@ from typing import Optional
 import torch
 
 from mtp_ctrl.controllers.acceptance import draft_probabilities
+from mtp_ctrl.controllers.eagle_proposer import attach_draft_module
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.models.multi_layer_eagle import MultiLayerEagleHeads
-from mtp_ctrl.models.runner import check_aux_layer_ids
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.triton_ops import shift_and_gather_cache, shift_and_gather_cache_hidden
 
@@ -63,14 +63,8 @@ class MultiLayerEagleProposer(Proposer):
             raise ValueError(f"num_speculative_tokens ({S}) must equal the number of draft layers of the heads "
                              f"({heads.num_layers}): layer k drafts token k")
         hidden_size = runner.model.config.hidden_size
-        if heads.config.hidden_size != hidden_size:
-            raise ValueError(f"heads hidden size {heads.config.hidden_size} != the target's {hidden_size}")
-        parameter = next(heads.parameters())
-        if parameter.device != controller.device:
-            raise ValueError(f"heads are on {parameter.device}, the target on {controller.device}")
-        check_aux_layer_ids(heads.aux_layer_ids, runner.num_decoder_layers)
+        attach_draft_module(heads, "heads", controller)
         super().bind(controller)
-        runner.set_aux_layers(heads.aux_layer_ids)
         self.num_speculative_tokens = S
         self._cache_rows = 2 * S - 1  # MAX_SHIFT: the most window rows a step takes from the cache
         dtype = runner.model.embedding.word_embeddings.weight.dtype
