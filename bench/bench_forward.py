@@ -48,6 +48,8 @@ def parse_args(argv=None):
     parser.add_argument("--replays", type=int, default=50, help="CUDA-graph replays per timing")
     parser.add_argument("--megatron-fusions", action="store_true",
                         help="config.bias_activation_fusion and bias_dropout_fusion (torch.compile'd element-wise glue)")
+    parser.add_argument("--kernel-table", action="store_true",
+                        help="only B = 1, S = 0, the default path: GPU time per kernel name inside a graph replay")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -152,6 +154,45 @@ def graph_time_us(fn, replays):
     times = [1e3 * start.elapsed_time(end) for start, end in zip(starts, ends)]
     del graph
     return statistics.median(times)
+
+
+def kernel_table(fn, replays=20, top=25):
+    """Kernel names, launches and GPU us per call, summed over ``replays`` graph replays under
+    torch.profiler; also the replay's span, so the idle time between kernels shows (their sum vs
+    the span)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
+    if not events:
+        print("  the profiler saw no kernels inside graph replays")
+        return
+    by_name = {}
+    for event in events:
+        count, total = by_name.get(event.name, (0, 0.0))
+        by_name[event.name] = (count + 1, total + event.device_time)
+    busy = sum(total for _, total in by_name.values()) / replays
+    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / replays
+    print(f"  kernels per replay {len(events) / replays:.0f}, kernel time {busy:.1f} us, replay span ~{span:.1f} us "
+          f"(idle between kernels ~{span - busy:.1f} us)")
+    for name, (count, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:top]:
+        print(f"  {total / replays:8.1f} us {count / replays:5.0f}x  {name[:110]}")
+    del graph
 
 
 def eager_time_us(fn, repeats):
@@ -272,6 +313,16 @@ def main():
           f"parameters, bf16, context {context}, block size {args.block_size}"
           + (", megatron bias fusions on" if args.megatron_fusions else "")
           + (f", device copy {bandwidth / 1e9:.0f} GB/s" if gpu else ""), flush=True)
+
+    if args.kernel_table:
+        metadata, num_blocks = decode_batch(1, 1, context, args.block_size, device)
+        caches = spec.allocate(num_blocks, args.block_size, device)
+        token_ids = torch.randint(0, shape["vocab_size"], (metadata.num_tokens,), device=device)
+        for path in ("glue",):
+            runner = runners[path]
+            print(f"B 1 S 0 forward, path {path}: graph {graph_time_us(lambda: runner.forward(token_ids, metadata.positions, metadata, caches), args.replays):.1f} us")
+            kernel_table(lambda: runner.forward(token_ids, metadata.positions, metadata, caches))
+        return
 
     rows = []
     for batch in batches:

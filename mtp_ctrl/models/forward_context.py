@@ -87,6 +87,26 @@ class PagedForward:
     mamba: Optional[MambaForward] = None  # None for a model without Mamba layers
     rotary: Optional[RotaryTables] = None  # None: no rotary in attention (not rope, or megatron applied it)
     fused_glue: bool = False  # layers fuse their bias / residual / norm / activation glue (models.fused_layers)
+    # a layer's output -> the next layer's input norm of it, computed by the layer's last fused
+    # kernel (models.fused_layers): id(hidden states) -> (hidden states, normed), taken once
+    normed_inputs: dict = dataclasses.field(default_factory=dict)
+
+
+def stash_normed_input(hidden_states: torch.Tensor, normed: torch.Tensor) -> None:
+    """Record, inside a paged forward, that the next layer's input norm of ``hidden_states`` is
+    ``normed``; :func:`take_normed_input` hands it to that layer."""
+    forward = _CURRENT.get()
+    if forward is not None:
+        forward.normed_inputs[id(hidden_states)] = (hidden_states, normed)
+
+
+def take_normed_input(hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+    """The normed input stashed for exactly this tensor object (and forget it), else None."""
+    forward = _CURRENT.get()
+    if forward is None:
+        return None
+    stashed = forward.normed_inputs.pop(id(hidden_states), None)
+    return stashed[1] if stashed is not None and stashed[0] is hidden_states else None
 
 
 _CURRENT: contextvars.ContextVar[Optional[PagedForward]] = contextvars.ContextVar("mtp_ctrl_paged_forward", default=None)

@@ -35,6 +35,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.models.gpt import GPTModel
 
 from mtp_ctrl.models.forward_context import KVCachePair, MambaForward, RotaryTables, paged_forward_context
+from mtp_ctrl.models.fused_layers import link_input_norms
 from mtp_ctrl.models.gpt_builder import check_tensor_parallel_heads
 from mtp_ctrl.models.layer_specs import assign_kv_layer_indices, assign_mamba_layer_indices, mamba_mixers
 from mtp_ctrl.models.moe import has_moe_layers
@@ -120,6 +121,7 @@ class PagedGPTRunner:
         self.num_kv_layers = assign_kv_layer_indices(model)  # TypeError when attention is not paged
         self.num_mamba_layers = assign_mamba_layer_indices(model)
         self.num_decoder_layers = len(model.decoder.layers)
+        link_input_norms(model.decoder.layers)  # fused layers norm their successor's input (fused_layers.py)
         self.mtp_num_layers = len(model.mtp.layers) if model.mtp_process else 0
         # megatron's MoE dispatch reads per-expert token counts on the host (models/moe.py):
         # a forward with MoE layers syncs and cannot be captured in a CUDA graph

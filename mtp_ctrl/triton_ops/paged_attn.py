@@ -9,8 +9,13 @@ Kernel layout. One program handles (query tile, request, kv head, kv split). Its
 into ``BLOCK_M = BLOCK_Q * G`` (padded to a power of two) matrix rows, so a decode request's
 ``1 + S`` rows and its whole head group read each KV byte once. The KV range is cut into
 ``num_kv_splits`` pieces (split-K); with more than one, every program writes an unnormalised
-partial (running max, sum, accumulator) and a second kernel combines them. Softmax runs online
-over ``BLOCK_N``-token tiles in fp32, in base 2.
+partial (running max, sum, accumulator) and a second kernel combines them, reading every split
+at once. Softmax runs online over ``BLOCK_N``-token tiles in fp32, in base 2.
+
+At small batch a program is latency-bound (a block-table read, then the K and V reads of one
+tile), so the splits go down to one tile each until every SM has two programs, and K and V are
+read together. On an H100 that took a 944M GPT's attention at batch 1, 1024 tokens, from 15.6 to
+about 6 us per layer, combine included (bench/RESULTS.md, 2026-11-23 night).
 """
 
 import math
@@ -26,8 +31,10 @@ from mtp_ctrl.triton_ops._dispatch import use_triton
 
 MAX_HEAD_DIM = 256
 _TARGET_BLOCK_M = 64  # matrix rows (query rows x group heads) per program
-_MIN_TOKENS_PER_SPLIT = 256
+_MIN_TOKENS_PER_SPLIT = 64  # one BLOCK_N tile: a short split is cheap now that the combine reads splits at once
 _MAX_KV_SPLITS = 32
+_COMBINE_MIN_ROWS = 1  # the combine has no tl.dot, so no 16-row floor
+_COMBINE_TILE_ELEMENTS = 1024  # fp32 partials one combine program holds: [splits, matrix rows, head-dim chunk]
 _INT32_MAX = 2**31 - 1
 
 
@@ -120,15 +127,14 @@ def _paged_attention_kernel(
             kv_valid = kv_pos < kv_hi
             block_ids = tl.load(block_table_row + kv_pos // block_size_tokens, mask=kv_valid, other=0).to(tl.int64)
             offsets = (kv_pos % block_size_tokens).to(tl.int64)
-            key_t = tl.load(
-                key_base
-                + block_ids[None, :] * key_cache_stride_block
-                + offsets[None, :] * key_cache_stride_token
-                + dims[:, None],
-                mask=dim_valid[:, None] & kv_valid[None, :],
-                other=0.0,
-            )  # [BLOCK_D, BLOCK_N]
-            scores = tl.dot(query, key_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            kv_mask = kv_valid[:, None] & dim_valid[None, :]
+            # K and V are loaded together, rows along the contiguous head dim: both reads are in
+            # flight at once (a decode tile is latency-bound, not bandwidth-bound)
+            key = tl.load(key_base + (block_ids * key_cache_stride_block + offsets * key_cache_stride_token)[:, None]
+                          + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            value = tl.load(value_base + (block_ids * value_cache_stride_block + offsets * value_cache_stride_token)[:, None]
+                            + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
             visible = (kv_pos[None, :] <= positions[:, None]) & kv_valid[None, :]
             scores = tl.where(visible, scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -136,14 +142,6 @@ def _paged_attention_kernel(
             rescale = tl.exp2(running_max - safe_max)
             probs = tl.exp2(scores - safe_max[:, None])
             running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-            value = tl.load(
-                value_base
-                + block_ids[:, None] * value_cache_stride_block
-                + offsets[:, None] * value_cache_stride_token
-                + dims[None, :],
-                mask=kv_valid[:, None] & dim_valid[None, :],
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_D]
             acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value, input_precision=DOT_PRECISION)
             running_max = new_max
 
@@ -173,40 +171,42 @@ def _combine_kv_splits_kernel(
     num_query_heads,
     head_dim,
     group_size,
+    num_kv_splits,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+    NUM_D_CHUNKS: tl.constexpr,
 ):
-    """Merge the split partials of one (query tile, request, kv head) into the output."""
+    """Merge the split partials of one (query tile, request, kv head, head-dim chunk) into the
+    output. Every split is read at once (``[BLOCK_S, BLOCK_M, BLOCK_DC]``): a loop over the splits
+    would wait on one read after another."""
     q_tile = tl.program_id(0)
     request = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(2) // NUM_D_CHUNKS
+    dims = (tl.program_id(2) % NUM_D_CHUNKS) * BLOCK_DC + tl.arange(0, BLOCK_DC)  # [BLOCK_DC]
     rows, row_in_request, head_in_group, row_valid, q_len = _tile_rows(
         QUERY_START_LOC_PTR, request, q_tile, group_size, BLOCK_Q, BLOCK_M
     )
     if q_tile * BLOCK_Q < q_len:
         query_heads = (kv_head * group_size + head_in_group).to(tl.int64)  # [BLOCK_M]
-        dims = tl.arange(0, BLOCK_D)
-        store_mask = row_valid[:, None] & (dims < head_dim)[None, :]
-        total_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        total_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for split in range(NUM_KV_SPLITS):
-            stat_index = (split * num_tokens + rows) * num_query_heads + query_heads  # [BLOCK_M] int64
-            split_max = tl.load(PARTIAL_MAX_PTR + stat_index, mask=row_valid, other=float("-inf"))
-            split_sum = tl.load(PARTIAL_SUM_PTR + stat_index, mask=row_valid, other=0.0)
-            split_acc = tl.load(PARTIAL_ACC_PTR + stat_index[:, None] * head_dim + dims[None, :], mask=store_mask, other=0.0)
-            new_max = tl.maximum(total_max, split_max)
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            old_weight = tl.exp2(total_max - safe_max)
-            split_weight = tl.exp2(split_max - safe_max)
-            total_sum = total_sum * old_weight + split_sum * split_weight
-            acc = acc * old_weight[:, None] + split_acc * split_weight[:, None]
-            total_max = new_max
+        splits = tl.arange(0, BLOCK_S)
+        stat_mask = (splits < num_kv_splits)[:, None] & row_valid[None, :]  # [BLOCK_S, BLOCK_M]
+        stat_index = (splits[:, None] * num_tokens + rows[None, :]) * num_query_heads + query_heads[None, :]
+        split_max = tl.load(PARTIAL_MAX_PTR + stat_index, mask=stat_mask, other=float("-inf"))  # [BLOCK_S, BLOCK_M]
+        split_sum = tl.load(PARTIAL_SUM_PTR + stat_index, mask=stat_mask, other=0.0)
+        dim_valid = dims < head_dim
+        split_acc = tl.load(PARTIAL_ACC_PTR + stat_index[:, :, None] * head_dim + dims[None, None, :],
+                            mask=stat_mask[:, :, None] & dim_valid[None, None, :], other=0.0)  # [BLOCK_S, BLOCK_M, BLOCK_DC]
+        total_max = tl.max(split_max, axis=0)  # [BLOCK_M]
+        safe_max = tl.where(total_max == float("-inf"), 0.0, total_max)  # rows no split saw anything for
+        weight = tl.exp2(split_max - safe_max[None, :])  # [BLOCK_S, BLOCK_M], 0 for empty splits
+        total_sum = tl.sum(split_sum * weight, axis=0)  # [BLOCK_M]
+        acc = tl.sum(split_acc * weight[:, :, None], axis=0)  # [BLOCK_M, BLOCK_DC]
         out = acc / tl.where(total_sum > 0, total_sum, 1.0)[:, None]
         out_ptrs = OUTPUT_PTR + rows[:, None] * output_stride_t + query_heads[:, None] * output_stride_h
-        tl.store(out_ptrs + dims[None, :], out.to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
+        tl.store(out_ptrs + dims[None, :], out.to(OUTPUT_PTR.dtype.element_ty),
+                 mask=row_valid[:, None] & dim_valid[None, :])
 
 
 def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, softmax_scale,
@@ -243,6 +243,14 @@ def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_star
         check_int("max_seq_len", max_seq_len, low=0)
     if num_kv_splits is not None:
         check_int("num_kv_splits", num_kv_splits, low=1, high=_MAX_KV_SPLITS)
+
+
+def _num_warps(device, num_programs):
+    """8 warps while the grid leaves SMs idle (each program then hides its read latency better),
+    4 once every SM has work (measured on an H100: bench/RESULTS.md, paged attention)."""
+    if device.type != "cuda":
+        return 4
+    return 8 if num_programs < torch.cuda.get_device_properties(device).multi_processor_count else 4
 
 
 def _choose_num_kv_splits(device, programs_per_split, kv_token_bound, block_n):
@@ -329,12 +337,17 @@ def paged_attention(
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         NUM_KV_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=_num_warps(query.device, num_q_tiles * batch_size * num_kv_heads * num_kv_splits),
     )
     if num_kv_splits > 1:
-        _combine_kv_splits_kernel[(num_q_tiles, batch_size, num_kv_heads)](
+        block_s = triton.next_power_of_2(num_kv_splits)
+        combine_m = max(_COMBINE_MIN_ROWS, triton.next_power_of_2(block_q * group_size))
+        block_dc = max(1, min(block_d, _COMBINE_TILE_ELEMENTS // (block_s * combine_m)))  # [S, M, DC] fp32 in registers
+        num_d_chunks = triton.cdiv(block_d, block_dc)
+        _combine_kv_splits_kernel[(num_q_tiles, batch_size, num_kv_heads * num_d_chunks)](
             partial_acc, partial_max, partial_sum, query_start_loc, output,
             output.stride(0), output.stride(1),
-            num_tokens, num_query_heads, head_dim, group_size,
-            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, NUM_KV_SPLITS=num_kv_splits,
+            num_tokens, num_query_heads, head_dim, group_size, num_kv_splits,
+            BLOCK_Q=block_q, BLOCK_M=combine_m, BLOCK_S=block_s, BLOCK_DC=block_dc, NUM_D_CHUNKS=num_d_chunks,
         )
     return output

@@ -96,6 +96,22 @@ def test_fused_glue_matches_megatron_glue_fp32(name, monkeypatch):
             assert torch.equal(got.argmax(-1), want.argmax(-1))  # the same greedy tokens
 
 
+def test_a_layers_input_norm_comes_from_its_predecessors_last_kernel():
+    """link_input_norms: decoder layer 1's input norm is computed by layer 0's fc2 bias + residual
+    kernel on the fused path (its own norm module never runs); megatron's path runs both."""
+    model = _build({})
+    calls = {0: 0, 1: 0}
+    for index, layer in enumerate(model.decoder.layers):
+        layer.input_layernorm.register_forward_hook(lambda *args, index=index: calls.__setitem__(index, calls[index] + 1))
+    fused = _schedule_logits(model, fused_glue=True)
+    assert model.decoder.layers[0].next_input_norm is not None and model.decoder.layers[1].next_input_norm is None
+    assert calls == {0: 5, 1: 0}  # SCHEDULE's 5 steps
+    unfused = _schedule_logits(model, fused_glue=False)
+    assert calls == {0: 10, 1: 5}
+    for got, want in zip(fused[0], unfused[0]):
+        torch.testing.assert_close(got, want, **FP32_TOL)
+
+
 def test_fused_glue_bf16_is_within_rounding_of_megatron():
     model = _build(CONFIGS["rmsnorm_swiglu_no_bias"], params_dtype=torch.bfloat16, bf16=True)
     fused = _schedule_logits(model, fused_glue=True, dtype=torch.bfloat16)

@@ -40,13 +40,25 @@ def test_mixed_prefill_decode_matches_dense(head_dim, num_query_heads, num_kv_he
     _check_all_paths(case)
 
 
-@pytest.mark.parametrize("num_kv_splits", [2, 3])
+@pytest.mark.parametrize("num_kv_splits", [2, 3, 32])
 def test_split_kv_matches_dense(num_kv_splits):
+    """32 splits of 150 tokens: most splits of the short requests see nothing (empty partials), and
+    the combine reads splits in chunks of the head dim."""
     case = make_paged_case([4, 2, 1], [150, 70, 3], num_query_heads=4, num_kv_heads=2, head_dim=32,
                            block_size_tokens=16, seed=num_kv_splits)
     expected = dense_attention(case)
     # max_seq_len sizes the splits: 150 tokens in 2 or 3 pieces rounded to the kv tile
     out = paged_attention(*case.op_args(), max_query_len=4, max_seq_len=150, num_kv_splits=num_kv_splits)
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_many_splits_with_a_bound_far_above_the_contexts():
+    """A CUDA graph sizes the splits from max_model_len: each request's context then ends in an
+    early split, the later ones are empty; odd head dim and 5 query heads per kv head."""
+    case = make_paged_case([1, 3, 0, 2], [40, 9, 0, 64], num_query_heads=10, num_kv_heads=2, head_dim=24,
+                           block_size_tokens=8, seed=7)
+    expected = dense_attention(case)
+    out = paged_attention(*case.op_args(), max_query_len=3, max_seq_len=1024, num_kv_splits=16)
     torch.testing.assert_close(out, expected, **TOL)
 
 
