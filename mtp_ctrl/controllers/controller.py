@@ -46,7 +46,7 @@ from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.mamba_step import commit_mamba_states, mamba_forward
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
-from mtp_ctrl.controllers.output_rows import OutputRows
+from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer, check_drafts
 from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
 from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
@@ -69,6 +69,7 @@ class _LaunchedStep:
     readback: torch.Tensor  # [n_s, S + 2] int64, pinned host copy (filled when `done` fires)
     done: Optional[torch.cuda.Event]  # None on CPU (the copy was synchronous)
     gpu_start: Optional[torch.cuda.Event]
+    table_moves: int  # the table's row moves when it was built: another count -> realign by request id
 
 
 class TextGenerationController:
@@ -367,8 +368,7 @@ class TextGenerationController:
         applied = self._in_flight is not None  # this call applies a step, whatever it builds
         if self._in_flight is not None and (self._must_sync() or not self.config.overlap_scheduling):
             outputs += self._apply_in_flight(collect)
-        if self._in_flight is None:
-            self._retire_finished()
+        self._retire_finished()  # also with a step in flight: its read-back is realigned by request id
         self._admit_waiting()  # with a step in flight: only into rows past it (see _must_sync)
         step = self._build_step()
         if step is None:
@@ -387,11 +387,10 @@ class TextGenerationController:
         return outputs
 
     def _must_sync(self) -> bool:
-        """Whether the next step swaps rows, so the step in flight is applied first: finishing (a
-        freed row takes the last live row, whose read-back would land on the wrong request),
-        admitting while requests are paused, pausing or resuming."""
-        return bool(self._retiring) or (self._can_admit() and not self.context.adds_in_place) or \
-            self.context.needs_sync()
+        """Whether the next step needs the host's lengths exact, so the step in flight is applied
+        first: admitting while requests are paused, pausing or resuming. (Finishing does not:
+        rows move by stream-ordered copies and the read-back is realigned, see :meth:`_apply`.)"""
+        return (self._can_admit() and not self.context.adds_in_place) or self.context.needs_sync()
 
     def _can_admit(self) -> bool:
         if not self._waiting:
@@ -434,7 +433,7 @@ class TextGenerationController:
             done.record(stream)
         if self.config.num_speculative_tokens > 0:
             self.proposer.on_step_scheduled(step)
-        return _LaunchedStep(step, host, done, gpu_start)
+        return _LaunchedStep(step, host, done, gpu_start, self.context.table.num_moves)
 
     def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool]]:
         """The CUDA graph a step replays: its padded dimensions and whether every request is
@@ -450,29 +449,40 @@ class TextGenerationController:
         if launched.done is not None:
             launched.done.synchronize()  # host-ok: the step's one read-back, usually long finished
             self.metrics.record_gpu(launched.gpu_start.elapsed_time(launched.done) / 1e3)
-        step, readback = launched.step, launched.readback.numpy()
-        num_decode = step.num_decode
-        self.context.commit_readback(step, readback[:num_decode, 0])
+        step, readback = launched.step, launched.readback.numpy()  # [n_s, S + 2], the step's row order
+        num_decode, table = step.num_decode, self.context.table
+        rows = None  # rows moved since the step was built (a request finished): where its requests are now
+        if table.num_moves != launched.table_moves:
+            rows = np.array([table.row_of(request_id) if request_id in table else -1
+                             for request_id in step.request_ids[: readback.shape[0]]], dtype=np.int64)
+        self.context.commit_readback(step, readback[:num_decode, 0], None if rows is None else rows[:num_decode])
         if self.config.num_speculative_tokens > 0 and \
                 type(self.proposer).on_step_committed is not Proposer.on_step_committed:
             # -1 marks requests that had already stopped: this step ran past their stop
-            counts = np.where(self._outputs.finished[: readback.shape[0]] == 1, -1, readback[:, 0])
-            self.proposer.on_step_committed(step, counts.tolist())  # host-ok: numpy read-back
+            finished = self._outputs.finished[: readback.shape[0]] if rows is None else \
+                np.where(rows >= 0, self._outputs.finished[rows.clip(min=0)], 1)
+            self.proposer.on_step_committed(step, np.where(finished == 1, -1, readback[:, 0]).tolist())  # host-ok: numpy
+        present = None
+        if rows is None:
+            decode = np.arange(readback.shape[0]) < num_decode
+        else:  # in the table's current row order from here on
+            readback, decode, present = realign_readback(readback, rows, num_decode)
+        request_ids = table.host.request_ids[: readback.shape[0]]
         if self._hook_overridden("accept_tokens"):
-            records = [self._records.get(request_id) for request_id in step.request_ids[: readback.shape[0]]]
+            records = [self._records.get(int(request_id)) if present is None or present[row] else None
+                       for row, request_id in enumerate(request_ids)]
             new_tokens, emitted, finished = self._outputs.apply_with_hook(
-                readback, step.num_decode, records, self.accept_tokens, type(self).__name__)
+                readback, decode, records, self.accept_tokens, type(self).__name__)
         else:
-            new_tokens, emitted, finished = self._outputs.apply(readback, num_decode, self._params_of_row)
-        live_decode = emitted[:num_decode] > 0
-        self.metrics.record_acceptance(readback[:num_decode, 0][live_decode])
+            new_tokens, emitted, finished = self._outputs.apply(readback, decode, self._params_of_row, present)
+        self.metrics.record_acceptance(readback[:, 0][decode & (emitted > 0)])
         self.metrics.emitted_tokens += int(emitted.sum())
         for row, reason in finished:
-            self._finish_record(step.request_ids[row], reason)
+            self._finish_record(int(request_ids[row]), reason)
         finished_rows = {row for row, _ in finished}
         if not collect:
             return []
-        return [(step.request_ids[row], new_tokens[row, : emitted[row]].tolist(), row in finished_rows)  # host-ok: numpy
+        return [(int(request_ids[row]), new_tokens[row, : emitted[row]].tolist(), row in finished_rows)  # host-ok: numpy
                 for row in range(readback.shape[0]) if emitted[row] > 0]
 
     def _params_of_row(self, row: int) -> SamplingParams:

@@ -61,9 +61,12 @@ class OutputRows:
     def output_of(self, row: int) -> List[int]:
         return self.tokens[row, : self.counts[row]].tolist()  # host-ok: numpy
 
-    def apply(self, readback: np.ndarray, num_decode: int, params_of_row) -> Tuple[np.ndarray, np.ndarray, list]:
+    def apply(self, readback: np.ndarray, decode: np.ndarray, params_of_row,
+              present: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray, list]:
         """Append one step's verified tokens to rows ``[0, n)`` (``readback``: ``[n, S + 2]`` int64
-        host values of the step's sampling requests, decode requests first) up to each stop.
+        host values of the step's sampling requests, in the table's current row order) up to
+        each stop. ``decode`` ``[n]`` bool: the rows that ran as decodes (they count a verify);
+        ``present`` ``[n]`` bool or None (all): the rows the step ran (others are left alone).
 
         ``params_of_row(row)`` gives a row's SamplingParams (only rows with slow stop rules ask).
         Rows that had already finished (a step run past their stop) are left alone. Returns
@@ -73,6 +76,8 @@ class OutputRows:
         rows = np.arange(num_rows)
         accepted = readback[:, 0]
         live = self.finished[:num_rows] == 0  # [n] bool
+        if present is not None:
+            live &= present
         new_tokens = np.empty((num_rows, self.stride), dtype=np.int64)  # drafts then the bonus at `accepted`
         new_tokens[:, :S] = readback[:, 2:]
         new_tokens[rows, accepted] = readback[:, 1]
@@ -98,20 +103,21 @@ class OutputRows:
         write_rows = np.repeat(rows, emitted)
         self.tokens[write_rows, (self.counts[:num_rows, None] + column)[write]] = new_tokens[write]
         self.counts[:num_rows] += emitted
-        decode = live[:num_decode]
-        self.decode_steps[:num_decode] += decode
-        self.accepted_drafts[:num_decode] += accepted[:num_decode] * decode
+        verified = live & decode
+        self.decode_steps[:num_rows] += verified
+        self.accepted_drafts[:num_rows] += accepted * verified
         for row in np.flatnonzero(reasons):
             self.finished[row] = 1
             finished.append((int(row), _REASONS[int(reasons[row])]))
         return new_tokens, emitted, finished
 
-    def apply_with_hook(self, readback: np.ndarray, num_decode: int, records: list, accept_tokens,
+    def apply_with_hook(self, readback: np.ndarray, decode: np.ndarray, records: list, accept_tokens,
                         owner: str) -> Tuple[np.ndarray, np.ndarray, list]:
         """:meth:`apply` through a subclass's ``accept_tokens(record, new_tokens)`` hook, request
         by request (``records``: each row's RequestRecord), enforcing its contract: it keeps a
         non-empty prefix of the new tokens and gives a finish reason when it drops any (the
-        device has moved on with every verified token)."""
+        device has moved on with every verified token). A row whose record is None did not run
+        in the step (see :meth:`apply`'s ``present``)."""
         num_rows = readback.shape[0]
         new_tokens = np.empty((num_rows, self.stride), dtype=np.int64)
         emitted = np.zeros(num_rows, dtype=np.int64)
@@ -120,9 +126,9 @@ class OutputRows:
             accepted = int(readback[row, 0])
             tokens = readback[row, 2 : 2 + accepted].tolist() + [int(readback[row, 1])]  # host-ok: numpy
             new_tokens[row, : accepted + 1] = tokens
-            if self.finished[row]:
-                continue  # a step run past this request's stop
             record = records[row]
+            if self.finished[row] or record is None:
+                continue  # a step run past this request's stop, or a row the step did not run
             record.output_tokens = self.output_of(row)
             kept, reason = accept_tokens(record, tokens)
             kept = list(kept)
@@ -132,7 +138,7 @@ class OutputRows:
             self.tokens[row, self.counts[row] : self.counts[row] + len(kept)] = kept
             self.counts[row] += len(kept)
             emitted[row] = len(kept)
-            if row < num_decode:
+            if decode[row]:
                 self.decode_steps[row] += 1
                 self.accepted_drafts[row] += accepted
             if reason is not None:
@@ -151,3 +157,22 @@ class OutputRows:
             if any(len(output) >= len(seq) and tuple(output[-len(seq):]) == seq for seq in params.stop_sequences):
                 return index + 1, _STOP_SEQUENCE
         return emitted, code
+
+
+def realign_readback(readback: np.ndarray, rows: np.ndarray, num_decode: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A step's read-back ``[n, S + 2]`` (in the step's row order) moved to the table's current
+    rows: ``rows`` ``[n]`` int64 is where each of the step's requests sits now, -1 for one that
+    finished since. Returns ``(readback [m, S + 2], decode [m] bool, present [m] bool)`` over the
+    current rows ``[0, m)``; rows the step did not run (a request admitted since) are not present.
+
+    Example: the step ran requests (a, b, c), a finished, c moved into a's row 0 -> rows
+    ``[-1, 1, 0]``: the result's row 0 is c's read-back, row 1 b's."""
+    kept = rows >= 0
+    num_rows = int(rows.max()) + 1 if kept.any() else 0
+    aligned = np.zeros((num_rows, readback.shape[1]), dtype=readback.dtype)
+    aligned[rows[kept]] = readback[kept]
+    present = np.zeros(num_rows, dtype=bool)
+    present[rows[kept]] = True
+    decode = np.zeros(num_rows, dtype=bool)
+    decode[rows[kept]] = (np.arange(rows.shape[0]) < num_decode)[kept]
+    return aligned, decode, present

@@ -19,14 +19,19 @@ it has read step N's outcome back. The device knows each decode request's KV len
 (``table.host.known_lengths``) learns it from the read-back (:meth:`commit_readback`), one step
 late. So a step is built for the worst case, every draft of the steps in flight accepted: each
 decode request holds blocks for ``known_length + (1 + S) * (1 + steps_in_flight)`` tokens
-(``scheduler.worst_case_blocks``, the one formula). Whatever swaps rows (pausing, resuming,
-finishing, admitting while requests are paused) needs the host to be exact, so it waits until no
-step is in flight: :meth:`needs_sync` tells the caller, and the row-moving calls raise
-``RuntimeError`` while a built step has not been committed. Two moves need no swap and so no
-wait: a request admitted while none is paused takes the first free row, past every row of a built
-step (:attr:`adds_in_place`), and a prompt whose final chunk ran becomes a decode by moving the
-decode | prefill boundary past it when it is the first prefill row (always the case: chunks are
-scheduled in row order from the first prefill row).
+(``scheduler.worst_case_blocks``, the one formula). Pausing, resuming and admitting while
+requests are paused need the host's lengths exact, so they wait until no step is in flight:
+:meth:`needs_sync` tells the caller, and those calls raise ``RuntimeError`` while a built step has
+not been committed. Three moves need no wait:
+
+- finishing a request (:meth:`finish_request`): its row is freed at once, rows move by copies
+  stream-ordered after the steps in flight, and those steps' read-backs are committed with the
+  rows their requests hold now (``table.num_moves`` tells the caller that rows moved);
+- admitting while none is paused: the new request takes the first free row, past every row of a
+  built step (:attr:`adds_in_place`);
+- a prompt whose final chunk ran becomes a decode by moving the decode | prefill boundary past it
+  when it is the first prefill row (always the case: chunks are scheduled in row order from the
+  first prefill row).
 """
 
 from typing import Dict, List, Optional, Sequence, Union
@@ -173,10 +178,12 @@ class DynamicInferenceContext:
         self.scheduler.admitted(request_id)
 
     def finish_request(self, request_id: int) -> None:
-        """Release the request's KV blocks and Mamba slot and free its row. Its blocks may still
-        be written by a step in flight; the next owner's writes come after it on the stream."""
+        """Release the request's KV blocks and Mamba slot and free its row. Allowed with steps in
+        flight: its blocks and slot may still be written by them, and the next owner's writes
+        come after them on the stream; rows that move are copied after them too. The caller then
+        commits those steps' read-backs with the rows their requests hold now
+        (:meth:`commit_readback`'s ``rows``)."""
         row = self._live_row(request_id)
-        self._require_no_step_in_flight("finish_request")
         host = self.table.host
         self.allocator.release(host.block_ids[row, : host.block_counts[row]].tolist())  # host-ok: numpy
         if self.mamba is not None:
@@ -293,18 +300,23 @@ class DynamicInferenceContext:
         """The device half of the step's set-up; run it first in the step (see StepBuffers)."""
         self._step_buffers.prepare_inputs(step)
 
-    def commit_readback(self, step: StepMetadata, accepted_counts: np.ndarray) -> None:
+    def commit_readback(self, step: StepMetadata, accepted_counts: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
         """Learn a decode step's outcome: ``accepted_counts`` ``[num_decode]`` int64 host values.
 
-        The rows must not have moved since ``step`` was built (the caller commits before any
-        build that moves rows). Each decode request's known length grows by ``1 + accepted``."""
+        Each decode request's known length grows by ``1 + accepted``. ``rows`` ``[num_decode]``
+        int64: where each of the step's decode requests sits now (-1: finished since), when rows
+        moved after the step was built (``table.num_moves`` changed); None: they did not."""
         if not self._steps_in_flight or step is not self._steps_in_flight[0]:
             raise ValueError("commit_readback: step is not the oldest step in flight")
         num_decode = step.num_decode
         if accepted_counts.shape[0] != num_decode:
             raise ValueError(f"accepted_counts has {accepted_counts.shape[0]} entries, the step has "
                              f"{num_decode} decode requests")
-        self.table.host.known_lengths[:num_decode] += 1 + accepted_counts
+        if rows is None:
+            self.table.host.known_lengths[:num_decode] += 1 + accepted_counts
+        else:
+            kept = rows >= 0
+            self.table.host.known_lengths[rows[kept]] += 1 + accepted_counts[kept]
         self._steps_in_flight.pop(0)
 
     def abandon_steps_in_flight(self) -> None:

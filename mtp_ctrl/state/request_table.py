@@ -126,6 +126,9 @@ class RequestTable:
         self.draft_tokens = self.add_device_rows("draft_tokens", (num_speculative_tokens,), torch.int64)  # [R, S]
         self._group_ends = [0, 0, 0, max_requests]  # exclusive end row of each RowGroup
         self._row_of: Dict[int, int] = {}
+        # row swaps and removals so far: a step built at another count reads some rows as other
+        # requests' (the controller then realigns its read-back by request id)
+        self.num_moves = 0
 
     def add_device_rows(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
         """Allocate a device-only ``[R, *shape]`` buffer whose row ``r`` belongs to the request at
@@ -212,6 +215,7 @@ class RequestTable:
     def remove(self, request_id: int) -> None:
         """Drop a request's row (its blocks and slot must already be released)."""
         self.move(request_id, RowGroup.FREE)
+        self.num_moves += 1  # its row may be taken by the next request: a step built before reads it as this one's
         row = self._row_of.pop(request_id)
         self.host.request_ids[row] = -1
         self.host.block_counts[row] = 0
@@ -238,6 +242,7 @@ class RequestTable:
     def _swap_rows(self, row_a: int, row_b: int) -> None:
         if row_a == row_b:
             return
+        self.num_moves += 1
         pair, swapped = [row_a, row_b], [row_b, row_a]
         for rows in self._host_rows.values():
             rows[pair] = rows[swapped]

@@ -494,11 +494,34 @@ def test_step_errors():
     with pytest.raises(ValueError, match="not the oldest step in flight"):
         ctx.commit_readback(step, np.zeros(0, np.int64))  # committed twice
     second = ctx.build_step()  # request 0 turns into a decode: rows move, nothing is in flight
-    for call in (ctx.finish_request, ctx.pause_request):
+    for call in (ctx.pause_request, ctx.resume_request):
         with pytest.raises(RuntimeError, match="a step is in flight"):
             call(0)
     ctx.commit_readback(second, np.zeros(second.num_decode, np.int64))
     ctx.pause_request(0)
+
+
+def test_finish_with_a_step_in_flight_then_commit_by_current_rows():
+    """finish_request needs no sync: the freed row takes the last decode row's request (the rows
+    move, table.num_moves counts it), and the step in flight is committed with the rows its
+    requests hold now (-1 for the finished one); the blocks come back, the lengths stay exact."""
+    ctx = make_context()
+    for request_id in range(3):
+        ctx.add_request(request_id, [1, 2, 3])
+    step_and_commit(ctx)  # three prompts
+    step_and_commit(ctx, [0, 0, 0])  # three decodes
+    step = ctx.build_step()
+    accepted = np.array([2, 1, 0], np.int64)
+    run_device_step(ctx, step, accepted)
+    moves = ctx.table.num_moves
+    ctx.finish_request(0)  # request 2 takes row 0
+    assert ctx.table.num_moves > moves and ctx.table.row_of(2) == 0 and ctx.table.row_of(1) == 1
+    ctx.commit_readback(step, accepted, rows=np.array([-1, 1, 0]))
+    assert ctx.table.host.known_lengths[:2].tolist() == [4 + 1 + 0, 4 + 1 + 1]  # requests 2 and 1
+    assert ctx.table.mismatched_rows() == []
+    for request_id in (1, 2):
+        ctx.finish_request(request_id)
+    assert ctx.allocator.num_free_blocks == ctx.allocator.num_blocks
 
 
 def test_request_at_max_model_len_runs_a_step_past_its_stop():

@@ -334,3 +334,46 @@ def test_arrivals_while_decoding_join_without_applying_the_step_in_flight(models
     assert early_applications == []
     context = controller.context
     assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_finishing_requests_retire_without_applying_the_step_in_flight(models, torch_twins, hook):
+    """Issue 14: a request that finished (seen one step late) gives up its row while the next
+    step is in flight: rows move by stream-ordered copies and that step's read-back is realigned
+    by request id (the finished request's extra step dropped, the moved requests' tokens landing
+    on their new rows). Requests finish at different steps, in every row position, greedy and
+    sampled, with stop rules; through the vectorised stop rules and through an accept_tokens
+    override. Outputs == plain decoding, and no step in flight is applied early."""
+    model, _ = models
+    rng = random.Random(11)
+    arrivals = [(step, list(PROMPTS[index % len(PROMPTS)])[: rng.randint(2, 9)],
+                 SamplingParams(max_new_tokens=rng.randint(1, 9), temperature=rng.choice([0.0, 0.8]), seed=index,
+                                eos_token_ids=(rng.randrange(VOCAB_SIZE),) if index % 3 == 0 else ()))
+                for index, step in enumerate([0, 0, 0, 0, 1, 1, 2, 4])]
+    plain = run_with_arrivals(make_controller(model, 0, overlap_scheduling=False), arrivals)
+
+    class Overridden(TextGenerationController):
+        def accept_tokens(self, record, new_tokens):
+            return super().accept_tokens(record, new_tokens)
+
+    controller = make_controller(model, 2)
+    if hook:
+        controller.__class__ = Overridden
+    early_applications, realigned = [], []
+    apply_in_flight, apply = controller._apply_in_flight, controller._apply
+
+    def apply_and_record(collect=False):
+        if controller.has_unfinished_requests():
+            early_applications.append(controller.context.steps_in_flight)
+        return apply_in_flight(collect)
+
+    def apply_counting_moves(launched, collect):
+        realigned.append(launched.table_moves != controller.context.table.num_moves)
+        return apply(launched, collect)
+
+    controller._apply_in_flight, controller._apply = apply_and_record, apply_counting_moves
+    assert run_with_arrivals(controller, arrivals) == plain
+    assert early_applications == []
+    assert sum(realigned) >= 3  # several steps were applied after rows moved under them
+    context = controller.context
+    assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
