@@ -366,9 +366,10 @@ class TextGenerationController:
     def _step_once(self, collect: bool) -> List[StepOutput]:
         outputs: List[StepOutput] = []
         applied = self._in_flight is not None  # this call applies a step, whatever it builds
+        self._retire_finished()  # also with a step in flight: its read-back is realigned by request id
         if self._in_flight is not None and (self._must_sync() or not self.config.overlap_scheduling):
             outputs += self._apply_in_flight(collect)
-        self._retire_finished()  # also with a step in flight: its read-back is realigned by request id
+            self._retire_finished()
         self._admit_waiting()  # with a step in flight: only into rows past it (see _must_sync)
         step = self._build_step()
         if step is None:
