@@ -82,6 +82,60 @@ def _segment_of_rows_kernel(ROW_START_PTR, ROW_COUNT_PTR, OUT_SEGMENT_PTR, OUT_O
 
 
 @triton.jit
+def _conv_rows(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR, BIAS_PTR, OUT_PTR, tile, channel,
+               num_rows, num_segments, channels, window_stride_n, window_stride_c, window_stride_w, input_stride_t,
+               input_stride_c, weight_stride_c, weight_stride_w, bias_stride,
+               WIDTH: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               BLOCK_CHANNELS: tl.constexpr):
+    """silu(bias + sum_k weight[:, k] * tap_k) of BLOCK_ROWS rows x BLOCK_CHANNELS channels."""
+    HISTORY: tl.constexpr = WIDTH - 1
+    is_channel = channel < channels
+    channel64 = channel.to(tl.int64)
+    rows = tile.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS] int64
+    is_row = rows < num_rows
+    segment, offset, _, has_segment = _find_segments(ROW_START_PTR, ROW_COUNT_PTR, rows, num_segments, SEARCH_STEPS)
+    acc = tl.load(BIAS_PTR + channel64 * bias_stride, mask=is_channel, other=0.0)[None, :] + tl.zeros(
+        (BLOCK_ROWS, BLOCK_CHANNELS), dtype=tl.float32)  # [BLOCK_ROWS, BLOCK_CHANNELS] fp32
+    valid = is_row[:, None] & is_channel[None, :]
+    for k in tl.static_range(WIDTH):
+        back = HISTORY - k  # this tap reads `back` rows before the row
+        j = offset - back  # [BLOCK_ROWS] offset of the tap in the segment
+        source = rows - back
+        from_rows = (j >= 0) | ~has_segment
+        tap = tl.load(INPUTS_PTR + source[:, None] * input_stride_t + channel64[None, :] * input_stride_c,
+                      mask=valid & (from_rows & (source >= 0))[:, None], other=0.0)
+        column = HISTORY + j  # the window column of a tap before the segment's first row
+        tap += tl.load(WINDOWS_PTR + segment[:, None] * window_stride_n + channel64[None, :] * window_stride_c
+                       + column[:, None] * window_stride_w,
+                       mask=valid & (~from_rows & (column >= 0))[:, None], other=0.0)
+        acc += tap * tl.load(WEIGHT_PTR + channel64 * weight_stride_c + k * weight_stride_w, mask=is_channel,
+                             other=0.0)[None, :]
+    out = acc / (1.0 + tl.exp(-acc))  # silu; exp overflow gives -0.0, still finite
+    tl.store(OUT_PTR + rows[:, None] * channels + channel64[None, :], out, mask=valid)
+
+
+@triton.jit
+def _conv_window(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_WINDOWS_PTR, segment, channel, channels,
+                 window_stride_n, window_stride_c, window_stride_w, input_stride_t, input_stride_c,
+                 WIDTH: tl.constexpr, BLOCK_HISTORY: tl.constexpr):
+    """New window column w of a segment is its offset count - (W - 1) + w: a row, or an old column."""
+    HISTORY: tl.constexpr = WIDTH - 1
+    is_channel = channel < channels
+    channel64 = channel.to(tl.int64)
+    start = tl.load(ROW_START_PTR + segment)
+    count = tl.load(ROW_COUNT_PTR + segment)
+    column = tl.arange(0, BLOCK_HISTORY)  # [BLOCK_HISTORY]
+    j = count - HISTORY + column  # [BLOCK_HISTORY] int64
+    mask = is_channel[:, None] & (column < HISTORY)[None, :]  # [BLOCK_CHANNELS, BLOCK_HISTORY]
+    value = tl.load(INPUTS_PTR + (start + j)[None, :] * input_stride_t + channel64[:, None] * input_stride_c,
+                    mask=mask & (j >= 0)[None, :], other=0.0)
+    value += tl.load(WINDOWS_PTR + segment * window_stride_n + channel64[:, None] * window_stride_c
+                     + (HISTORY + j)[None, :] * window_stride_w, mask=mask & (j < 0)[None, :], other=0.0)
+    tl.store(OUT_WINDOWS_PTR + segment * channels * HISTORY + channel64[:, None] * HISTORY + column[None, :],
+             value, mask=mask)
+
+
+@triton.jit
 def _causal_conv_varlen_kernel(
     WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR, BIAS_PTR, OUT_PTR, OUT_WINDOWS_PTR,
     num_rows, num_segments, channels, num_row_tiles,
@@ -90,50 +144,18 @@ def _causal_conv_varlen_kernel(
     WIDTH: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr,
     BLOCK_HISTORY: tl.constexpr,
 ):
-    HISTORY: tl.constexpr = WIDTH - 1
+    # grid: (row tiles + segments, channel tiles); the first programs write rows, the rest windows
     tile = tl.program_id(0)
     channel = tl.program_id(1) * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS)  # [BLOCK_CHANNELS] int32
-    is_channel = channel < channels
-    channel64 = channel.to(tl.int64)
     if tile < num_row_tiles:
-        # rows role: silu(bias + sum_k weight[:, k] * tap_k) for BLOCK_ROWS rows
-        rows = tile.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS] int64
-        is_row = rows < num_rows
-        segment, offset, _, has_segment = _find_segments(ROW_START_PTR, ROW_COUNT_PTR, rows, num_segments,
-                                                         SEARCH_STEPS)
-        acc = tl.load(BIAS_PTR + channel64 * bias_stride, mask=is_channel, other=0.0)[None, :] + tl.zeros(
-            (BLOCK_ROWS, BLOCK_CHANNELS), dtype=tl.float32)
-        valid = is_row[:, None] & is_channel[None, :]
-        for k in tl.static_range(WIDTH):
-            back = HISTORY - k  # this tap reads `back` rows before the row
-            j = offset - back  # [BLOCK_ROWS] offset of the tap in the segment
-            source = rows - back
-            from_rows = (j >= 0) | ~has_segment
-            tap = tl.load(INPUTS_PTR + source[:, None] * input_stride_t + channel64[None, :] * input_stride_c,
-                          mask=valid & (from_rows & (source >= 0))[:, None], other=0.0)
-            column = HISTORY + j  # the window column of a tap before the segment's first row
-            tap += tl.load(WINDOWS_PTR + segment[:, None] * window_stride_n + channel64[None, :] * window_stride_c
-                           + column[:, None] * window_stride_w,
-                           mask=valid & (~from_rows & (column >= 0))[:, None], other=0.0)
-            acc += tap * tl.load(WEIGHT_PTR + channel64 * weight_stride_c + k * weight_stride_w, mask=is_channel,
-                                 other=0.0)[None, :]
-        out = acc / (1.0 + tl.exp(-acc))  # silu
-        tl.store(OUT_PTR + rows[:, None] * channels + channel64[None, :], out, mask=valid)
+        _conv_rows(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR, BIAS_PTR, OUT_PTR, tile,
+                   channel, num_rows, num_segments, channels, window_stride_n, window_stride_c, window_stride_w,
+                   input_stride_t, input_stride_c, weight_stride_c, weight_stride_w, bias_stride,
+                   WIDTH, SEARCH_STEPS, BLOCK_ROWS, BLOCK_CHANNELS)
     else:
-        # window role: new column w of segment g is offset count - (W - 1) + w: a row, or an old column
-        segment = (tile - num_row_tiles).to(tl.int64)
-        start = tl.load(ROW_START_PTR + segment)
-        count = tl.load(ROW_COUNT_PTR + segment)
-        column = tl.arange(0, BLOCK_HISTORY)  # [BLOCK_HISTORY]
-        is_column = column < HISTORY
-        j = count - HISTORY + column  # [BLOCK_HISTORY] int64
-        mask = is_channel[:, None] & is_column[None, :]
-        value = tl.load(INPUTS_PTR + (start + j)[None, :] * input_stride_t + channel64[:, None] * input_stride_c,
-                        mask=mask & (j >= 0)[None, :], other=0.0)
-        value += tl.load(WINDOWS_PTR + segment * window_stride_n + channel64[:, None] * window_stride_c
-                         + (HISTORY + j)[None, :] * window_stride_w, mask=mask & (j < 0)[None, :], other=0.0)
-        tl.store(OUT_WINDOWS_PTR + segment * channels * HISTORY + channel64[:, None] * HISTORY + column[None, :],
-                 value, mask=mask)
+        _conv_window(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_WINDOWS_PTR,
+                     (tile - num_row_tiles).to(tl.int64), channel, channels, window_stride_n, window_stride_c,
+                     window_stride_w, input_stride_t, input_stride_c, WIDTH, BLOCK_HISTORY)
 
 
 @triton.jit
