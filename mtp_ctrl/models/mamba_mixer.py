@@ -13,8 +13,9 @@ CPU or GPU and reads and writes the slots of :class:`mtp_ctrl.models.forward_con
   so a rejected draft never touches the current state;
 - prefill requests scan their chunk from the current state and leave the new state in it: all
   of a step's chunks in one varlen conv and one segment-aware scan with fixed shapes
-  (``causal_conv_varlen``, ``ssm_varlen_scan``), so a step with prefill chunks is captured in
-  a CUDA graph like a decode step.
+  (``causal_conv_varlen``, ``ssm_varlen_scan``, ``segment_of_rows``: one Triton launch each on
+  CUDA, :mod:`mtp_ctrl.triton_ops.mamba_varlen`; their torch twins on CPU), so a step with
+  prefill chunks is captured in a CUDA graph like a decode step.
 
 Tensor parallelism shards it as megatron's ``MambaMixer``: each rank owns ``H / tp`` heads and
 ``G / tp`` groups. ``in_proj`` (column parallel) gives the rank its own ``[z, x, B, C, dt]``
