@@ -45,6 +45,7 @@ _OP_MODULES = {
     "causal_conv_varlen": "mamba_varlen",
     "ssm_varlen_scan": "mamba_varlen",
     "segment_of_rows": "mamba_varlen",
+    "mamba_decode_rows": "mamba_decode",
     # transformer-layer glue (bias, residual, norm, activation, QKV split)
     "add_bias_residual_norm": "layer_glue",
     "bias_activation": "layer_glue",

@@ -37,6 +37,7 @@ _REFERENCE_MODULES = {
     "causal_conv_varlen": "mamba_varlen",
     "ssm_varlen_scan": "mamba_varlen",
     "segment_of_rows": "mamba_varlen",
+    "mamba_decode_rows": "mamba_decode",
     "add_bias_residual_norm": "glue",
     "bias_activation": "glue",
     "split_qkv_heads": "glue",
