@@ -152,7 +152,8 @@ def bench_layout(name, num_rows, segments, sizes, chunk_size, device):
         error = 0.0
         for ops in (reference, triton_ops):
             got_y, got_conv = varlen(ops, inputs, windows, states, row_start, row_count, chunk_size)
-            error = max(error, (want_y - got_y).abs().max().item(), (want_conv - got_conv)[inside].abs().max().item())
+            error = max(error, (want_y - got_y).abs().max().item(),
+                        (want_conv - got_conv)[inside].abs().max().item())
         loop_ms = time_ms(lambda: per_request(inputs, loop_windows, loop_states, segments, chunk_size), device)
         torch_path = lambda: varlen(reference, inputs, windows, states, row_start, row_count, chunk_size)  # noqa: E731
         triton_path = lambda: varlen(triton_ops, inputs, windows, states, row_start, row_count, chunk_size)  # noqa: E731

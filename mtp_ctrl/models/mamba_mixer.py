@@ -6,7 +6,8 @@ attention and Mamba layers and keep its MTP block), with the parameters of megat
 same shapes, same meaning). megatron's own mixer needs the ``mamba_ssm`` CUDA kernels and its
 own inference context; this one runs the math in our Triton kernels on CUDA and their torch
 twins on CPU (:mod:`mtp_ctrl.models.mamba_ops`, :mod:`mtp_ctrl.triton_ops.mamba_varlen`,
-:mod:`mtp_ctrl.triton_ops.mamba_decode`) and reads and writes the slots of :class:`mtp_ctrl.models.forward_context.MambaForward`:
+:mod:`mtp_ctrl.triton_ops.mamba_decode`) and reads and writes the slots of
+:class:`mtp_ctrl.models.forward_context.MambaForward`:
 
 - decode requests (``1 + S`` rows each) step their rows one after another from the slot's
   current state and write the state after every row to the slot's intermediate buffers
@@ -29,6 +30,7 @@ contiguous slices of the full tensors).
 """
 
 import math
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -38,15 +40,28 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mtp_ctrl import triton_ops
 from mtp_ctrl.models.forward_context import MambaForward, current_paged_forward
-from mtp_ctrl.models.mamba_ops import causal_conv_varlen, gated_rms_norm, segment_of_rows, ssm_varlen_scan
-from mtp_ctrl.triton_ops import mamba_decode_rows
+from mtp_ctrl.models.mamba_ops import gated_rms_norm
+from mtp_ctrl.triton_ops import reference as torch_twins
+
+# "0": mixers built from now on call the torch twins of the Mamba kernels directly, on any device
+# (tests/unit/conftest.py sets it: the interpreted kernels would multiply the model tests' time;
+# the kernels' own tests and one mixer-level test run them). Default "1": the dispatching ops.
+MAMBA_KERNELS_ENV = "MTP_CTRL_MAMBA_KERNELS"
 
 # Attribute of a tensor-parallel parameter whose full tensor is several sections along its
 # partition_dim, each split over the ranks on its own: rank r holds its chunk of every section, in
 # order. E.g. in_proj.weight, sections (z, x, B, C, dt) = (128, 128, 16, 16, 8) rows at TP = 2:
 # rank 1 holds z[64:128], x[64:128], B[8:16], C[8:16], dt[4:8]. See :func:`shard_full_tensor`.
 TP_SECTIONS_ATTR = "tp_shard_sections"
+
+
+def mamba_kernels_from_env() -> bool:
+    value = os.environ.get(MAMBA_KERNELS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{MAMBA_KERNELS_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def shard_full_tensor(parameter: torch.Tensor, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -159,6 +174,8 @@ class PagedMambaMixer(MegatronModule):
                                           init_method=config.output_layer_init_method, bias=False,
                                           input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
         self.mamba_layer_index: Optional[int] = None
+        # the conv/scan ops: Triton kernels on CUDA (twins on CPU), or always the twins (MAMBA_KERNELS_ENV)
+        self.mamba_kernels = mamba_kernels_from_env()
 
     @property
     def conv_state_shape(self) -> Tuple[int, int]:
@@ -197,6 +214,10 @@ class PagedMambaMixer(MegatronModule):
         out, _ = self.out_proj(normed[:, None])  # [T, 1, hidden], summed over the TP ranks
         return out, None
 
+    def _ops(self):
+        """Where the conv, scan and decode-row ops come from (``self.mamba_kernels``)."""
+        return triton_ops if self.mamba_kernels else torch_twins
+
     def _parameters_fp32(self):
         weight = self.conv1d.weight[:, 0].float()  # [C, W]
         return weight, self.conv1d.bias.float(), -torch.exp(self.A_log.float()), self.D.float()
@@ -216,9 +237,9 @@ class PagedMambaMixer(MegatronModule):
         rows, zero past T) -> y ``[nd (1 + S), d_inner_local]``; the state after every row goes to the
         slot's intermediate buffers (one launch on CUDA: ``mamba_decode_rows``)."""
         weight, bias, A, D = self._parameters_fp32()
-        return mamba_decode_rows(mamba.conv_states, mamba.ssm_states, mamba.intermediate_conv_states,
-                                 mamba.intermediate_ssm_states, self.mamba_layer_index, mamba.decode_slot_ids, xbc,
-                                 dt, weight, bias, A, D)
+        return self._ops().mamba_decode_rows(mamba.conv_states, mamba.ssm_states, mamba.intermediate_conv_states,
+                                             mamba.intermediate_ssm_states, self.mamba_layer_index,
+                                             mamba.decode_slot_ids, xbc, dt, weight, bias, A, D)
 
     def _prefill(self, mamba: MambaForward, xbc: torch.Tensor, dt: torch.Tensor):
         """Every prefill segment of the packed rows (``[T, ...]``) at once -> (y ``[T, d_inner_local]``,
@@ -226,12 +247,14 @@ class PagedMambaMixer(MegatronModule):
         layer, slots = self.mamba_layer_index, mamba.prefill_slot_ids  # slots: [n] int64
         start, count = mamba.prefill_row_start, mamba.prefill_row_count
         weight, bias, A, D = self._parameters_fp32()
-        conv_out, windows = causal_conv_varlen(mamba.conv_states[layer, slots].float(), xbc, start, count, weight, bias)
+        ops = self._ops()
+        conv_out, windows = ops.causal_conv_varlen(mamba.conv_states[layer, slots].float(), xbc, start, count, weight,
+                                                   bias)
         x, B, C = self._split_conv_output(conv_out)
-        y, states = ssm_varlen_scan(mamba.ssm_states[layer, slots].float(), x, dt, A, B, C, D, start, count,
-                                    self.chunk_size)
+        y, states = ops.ssm_varlen_scan(mamba.ssm_states[layer, slots].float(), x, dt, A, B, C, D, start, count,
+                                        self.chunk_size)
         # a segment of 0 rows (scratch slot) writes back the state it read: duplicates agree
         mamba.conv_states[layer, slots] = windows.to(mamba.conv_states.dtype)
         mamba.ssm_states[layer, slots] = states.to(mamba.ssm_states.dtype)
-        _, _, inside = segment_of_rows(start, count, xbc.shape[0])
+        _, _, inside = ops.segment_of_rows(start, count, xbc.shape[0])
         return y.reshape(y.shape[0], self.d_inner_local), inside

@@ -2,14 +2,20 @@
 intermediate buffer, current states untouched) on random slots, 1 or 3 rows per request, rows past
 T, 1 or 2 groups, conv widths 2 and 4, bf16 states; the twin == the per-row step functions of
 mtp_ctrl.models.mamba_ops; a shared scratch slot leaves the real slots right; errors name the
-argument."""
+argument. And PagedMambaMixer with its kernels (decode rows + varlen prefill, interpreted) == with
+its twins over a padded mixed step (the other model tests run the twins: tests/unit/conftest.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from mtp_ctrl.models import MambaForward
+from mtp_ctrl.models.forward_context import paged_forward_context
+from mtp_ctrl.models.mamba_mixer import MAMBA_KERNELS_ENV, mamba_kernels_from_env
 from mtp_ctrl.models.mamba_ops import causal_conv_step, ssm_step
 from mtp_ctrl.triton_ops import mamba_decode_rows, reference
+from tests.unit.megatron_fixtures import make_metadata
+from tests.unit.test_mamba_reference import S, make_slots, random_mixer
 
 LAYERS, SLOTS = 2, 6
 
@@ -124,3 +130,46 @@ def test_bad_inputs_are_named():
         _call(mamba_decode_rows, states, LAYERS, slot_ids, rest)
     with pytest.raises(TypeError, match="^slot_ids "):
         _call(mamba_decode_rows, states, 0, slot_ids.int(), rest)
+
+
+@pytest.mark.parametrize("padding_rows", [0, 5], ids=["decode_grid_past_T", "padding_rows"])
+def test_mixer_with_kernels_equals_mixer_with_twins(padding_rows):
+    """A CUDA-graph-padded mixed step (grid of 4: decode requests in slots 0 and 3, prefill chunks
+    of 8 rows (3 scan chunks) and 2 rows in slots 1 and 2, the other grid requests in the scratch
+    slot 4) through one mixer, with its kernels and with its twins: same output rows and slots."""
+    mixer = random_mixer()
+    generator = torch.Generator().manual_seed(23)
+    scratch = 4
+    slots = make_slots(mixer, 5)
+    for name in ("conv_states", "ssm_states"):
+        slots[name].normal_(generator=generator)
+    hidden = torch.randn(2 * (1 + S) + 10 + padding_rows, 64, generator=generator)
+    starts = [0, 2 * (1 + S), 2 * (1 + S) + 8, 2 * (1 + S) + 10]  # decode and padding requests: 0 rows
+    results = []
+    for kernels in (True, False):
+        mixer.mamba_kernels = kernels
+        state = {name: value.clone() for name, value in slots.items()}
+        mamba = MambaForward(**state, decode_slot_ids=torch.tensor([0, 3, scratch, scratch]),
+                             prefill_row_start=torch.tensor(starts), prefill_row_count=torch.tensor([0, 8, 2, 0]),
+                             prefill_slot_ids=torch.tensor([scratch, 1, 2, scratch]))
+        with torch.no_grad(), paged_forward_context(make_metadata([list(range(8))], [(0, hidden.shape[0])]), [],
+                                                    mamba=mamba):
+            results.append((mixer(hidden[:, None])[0][:, 0], state))
+    (out, state), (want_out, want_state) = results
+    torch.testing.assert_close(out[:starts[-1]], want_out[:starts[-1]], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all()
+    for name in ("conv_states", "ssm_states"):
+        torch.testing.assert_close(state[name][:, :scratch], want_state[name][:, :scratch], rtol=1e-5, atol=1e-5)
+    for name in ("intermediate_conv_states", "intermediate_ssm_states"):  # decode slots 0, 3; 1, 2 stay NaN
+        torch.testing.assert_close(state[name][:, :scratch], want_state[name][:, :scratch], rtol=1e-5, atol=1e-5,
+                                   equal_nan=True)
+
+
+def test_kernels_flag_reads_the_environment(monkeypatch):
+    monkeypatch.setenv(MAMBA_KERNELS_ENV, "1")
+    assert mamba_kernels_from_env() and random_mixer().mamba_kernels
+    monkeypatch.setenv(MAMBA_KERNELS_ENV, "0")
+    assert not mamba_kernels_from_env()
+    monkeypatch.setenv(MAMBA_KERNELS_ENV, "on")
+    with pytest.raises(ValueError, match=MAMBA_KERNELS_ENV):
+        mamba_kernels_from_env()
