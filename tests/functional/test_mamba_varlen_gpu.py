@@ -1,14 +1,16 @@
-"""Mamba varlen kernels on CUDA: kernel == torch twin at a hybrid layer's sizes (32 heads of 64,
-state 128, 4096 conv channels) on mixed, long and empty layouts; captured in a CUDA graph with no
-host sync and replayed with other segment lengths (same T, n) and other values."""
+"""Mamba kernels on CUDA: the varlen prefill kernels and mamba_decode_rows == their torch twins at a
+hybrid layer's sizes (32 heads of 64, 8 groups of state 128, 4096 conv channels) on mixed, long and
+empty layouts; captured in a CUDA graph with no host sync and replayed with other segment lengths
+(same T, n), other slots and other values."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_ctrl.triton_ops import causal_conv_varlen, reference, segment_of_rows, ssm_varlen_scan
+from mtp_ctrl.triton_ops import causal_conv_varlen, mamba_decode_rows, reference, segment_of_rows, ssm_varlen_scan
 
-HEADS, HEAD_DIM, STATE_SIZE, CHANNELS, WIDTH = 32, 64, 128, 4096, 4
+HEADS, HEAD_DIM, STATE_SIZE, GROUPS, WIDTH = 32, 64, 128, 8, 4
+CHANNELS = HEADS * HEAD_DIM + 2 * GROUPS * STATE_SIZE  # 4096
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -133,3 +135,69 @@ def test_graph_replay_with_new_segments_and_values_without_host_sync():
         inside = reference.segment_of_rows(row_start, row_count, num_rows)[2]
         assert torch.equal(inside_out, inside)
         _assert_equal_to_twins(outputs, want, inside)
+
+
+def _decode_case(num_rows, seed, layers=2, slots=10, rows_per_request=3):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=generator, device="cuda") * scale
+    states = dict(conv_states=rand(layers, slots, CHANNELS, WIDTH - 1),
+                  ssm_states=rand(layers, slots, HEADS, HEAD_DIM, STATE_SIZE, scale=0.1),
+                  intermediate_conv_states=rand(layers, slots, rows_per_request, CHANNELS, WIDTH - 1),
+                  intermediate_ssm_states=rand(layers, slots, rows_per_request, HEADS, HEAD_DIM, STATE_SIZE))
+    rest = dict(xbc=rand(num_rows, CHANNELS), dt=F.softplus(rand(num_rows, HEADS) - 2),
+                weight=rand(CHANNELS, WIDTH, scale=0.5), bias=rand(CHANNELS),
+                A=-torch.rand(HEADS, generator=generator, device="cuda") * 4 - 0.1, D=rand(HEADS))
+    return states, rest
+
+
+def _decode(op, states, slot_ids, rest, layer=1):
+    return op(states["conv_states"], states["ssm_states"], states["intermediate_conv_states"],
+              states["intermediate_ssm_states"], layer, slot_ids, rest["xbc"], rest["dt"], rest["weight"],
+              rest["bias"], rest["A"], rest["D"])
+
+
+def _assert_decode_equal(y, states, want_y, want_states):
+    torch.testing.assert_close(y, want_y, **TOLERANCE)
+    for name in ("conv_states", "ssm_states", "intermediate_conv_states"):
+        assert torch.equal(states[name], want_states[name])  # read only / copies only
+    torch.testing.assert_close(states["intermediate_ssm_states"], want_states["intermediate_ssm_states"], **TOLERANCE)
+
+
+@pytest.mark.parametrize("num_rows", [24, 20], ids=["rows_fit", "rows_past_T"])
+def test_decode_rows_equal_twin(num_rows):
+    states, rest = _decode_case(num_rows, seed=num_rows)
+    slot_ids = torch.tensor([7, 0, 3, 9, 1, 2, 5, 8], device="cuda")  # 8 requests of 3 rows
+    want_states = {name: value.clone() for name, value in states.items()}
+    y = _decode(mamba_decode_rows, states, slot_ids, rest)
+    want_y = _decode(reference.mamba_decode_rows, want_states, slot_ids, rest)
+    _assert_decode_equal(y, states, want_y, want_states)
+
+
+def test_decode_rows_graph_replay_with_new_slots_without_host_sync():
+    states, rest = _decode_case(24, seed=5)
+    slot_ids = torch.tensor([7, 0, 3, 9, 1, 2, 5, 8], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile off the capture
+        _decode(mamba_decode_rows, states, slot_ids, rest)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            y = _decode(mamba_decode_rows, states, slot_ids, rest)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for seed, slots in ((6, [1, 2, 3, 4, 5, 6, 7, 8]), (7, [9, 8, 7, 6, 5, 4, 3, 2])):
+        new_states, new_rest = _decode_case(24, seed=seed)
+        for name, value in new_states.items():
+            states[name].copy_(value)
+        for name, value in new_rest.items():
+            rest[name].copy_(value)
+        slot_ids.copy_(torch.tensor(slots, device="cuda"))
+        want_states = {name: value.clone() for name, value in states.items()}
+        graph.replay()
+        want_y = _decode(reference.mamba_decode_rows, want_states, slot_ids, rest)
+        _assert_decode_equal(y, states, want_y, want_states)
