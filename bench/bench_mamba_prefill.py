@@ -12,7 +12,11 @@ replayed from a CUDA graph, the Triton path eagerly and replayed, and the torch 
 peak extra memory. Both varlen paths' outputs are compared with the loop's first (max abs
 difference, the larger of the two).
 
-    python bench/bench_mamba_prefill.py            # H100: five layouts
+A second table times the decode rows of one layer (``mamba_decode_rows``: nd requests of 1 + S
+rows, conv + SSM row by row, the state after every row written out): the torch twin (a loop of
+torch ops per row) against the Triton kernel, eager and graph-replayed.
+
+    python bench/bench_mamba_prefill.py            # H100: five layouts, three decode batches
     python bench/bench_mamba_prefill.py --quick    # small sizes; runs on CPU too (no graph; the
                                                    # triton column is the twin unless TRITON_INTERPRET=1)
 """
@@ -102,6 +106,7 @@ def graph_ms(fn, device):
 def time_ms(fn, device):
     if device.type != "cuda":
         import time
+        fn()  # warm-up
         runs = []
         for _ in range(3):
             start = time.perf_counter()
@@ -155,8 +160,12 @@ def bench_layout(name, num_rows, segments, sizes, chunk_size, device):
             error = max(error, (want_y - got_y).abs().max().item(),
                         (want_conv - got_conv)[inside].abs().max().item())
         loop_ms = time_ms(lambda: per_request(inputs, loop_windows, loop_states, segments, chunk_size), device)
-        torch_path = lambda: varlen(reference, inputs, windows, states, row_start, row_count, chunk_size)  # noqa: E731
-        triton_path = lambda: varlen(triton_ops, inputs, windows, states, row_start, row_count, chunk_size)  # noqa: E731
+        def torch_path():
+            return varlen(reference, inputs, windows, states, row_start, row_count, chunk_size)
+
+        def triton_path():
+            return varlen(triton_ops, inputs, windows, states, row_start, row_count, chunk_size)
+
         torch_ms, triton_ms = time_ms(torch_path, device), time_ms(triton_path, device)
         peak_mib = float("nan")
         if device.type == "cuda":
@@ -169,6 +178,37 @@ def bench_layout(name, num_rows, segments, sizes, chunk_size, device):
         torch_graph_ms, triton_graph_ms = graph_ms(torch_path, device), graph_ms(triton_path, device)
     print(f"{name:>28} {num_rows:>6} {len(segments):>4} {loop_ms:>10.3f} {torch_ms:>10.3f} {torch_graph_ms:>10.3f} "
           f"{triton_ms:>10.3f} {triton_graph_ms:>10.3f} {peak_mib:>9.1f} {error:>10.2e}")
+
+
+DECODE_BATCHES = [(1, 3), (8, 3), (32, 3)]  # (decode requests, 1 + S rows each)
+QUICK_DECODE_BATCHES = [(2, 3)]
+
+
+def bench_decode(num_requests, rows_per_request, sizes, device):
+    heads, head_dim, state_size, channels, width = sizes
+    generator = torch.Generator(device=device).manual_seed(1)
+    num_slots = num_requests + 1
+    num_rows = num_requests * rows_per_request
+    inputs = make_inputs(num_rows, heads, head_dim, state_size, channels, width, device, generator)
+    states = dict(conv=torch.randn(1, num_slots, channels, width - 1, generator=generator, device=device),
+                  ssm=torch.randn(1, num_slots, heads, head_dim, state_size, generator=generator,
+                                  device=device) * 0.1,
+                  inter_conv=torch.zeros(1, num_slots, rows_per_request, channels, width - 1, device=device),
+                  inter_ssm=torch.zeros(1, num_slots, rows_per_request, heads, head_dim, state_size, device=device))
+    slot_ids = torch.randperm(num_slots, generator=generator, device=device)[:num_requests]
+
+    def run(ops):
+        return ops.mamba_decode_rows(states["conv"], states["ssm"], states["inter_conv"], states["inter_ssm"], 0,
+                                     slot_ids, inputs["conv_in"], inputs["dt"], inputs["weight"], inputs["bias"],
+                                     inputs["A"], inputs["D"])
+
+    with torch.no_grad():
+        error = (run(reference) - run(triton_ops)).abs().max().item()
+        torch_ms, triton_ms = time_ms(lambda: run(reference), device), time_ms(lambda: run(triton_ops), device)
+        torch_graph_ms = graph_ms(lambda: run(reference), device)
+        triton_graph_ms = graph_ms(lambda: run(triton_ops), device)
+    print(f"{num_requests:>10} {rows_per_request:>6} {torch_ms:>10.3f} {torch_graph_ms:>10.3f} {triton_ms:>10.3f} "
+          f"{triton_graph_ms:>10.3f} {error:>10.2e}")
 
 
 def main():
@@ -186,6 +226,15 @@ def main():
     print(" ".join(f"{name:>{width}}" for name, width in zip(header, (28, 6, 4, 10, 10, 10, 10, 10, 9, 10))))
     for name, num_rows, segments in layouts:
         bench_layout(name, num_rows, segments, sizes, chunk_size, device)
+    print("\ndecode rows of one layer (mamba_decode_rows); ms per call")
+    header = ("requests", "rows", "torch", "graph", "triton", "tri graph", "max diff")
+    print(" ".join(f"{name:>{width}}" for name, width in zip(header, (10, 6, 10, 10, 10, 10, 10))))
+    heads, head_dim, state_size = sizes[:3]
+    groups = (sizes[3] - heads * head_dim) // (2 * state_size)
+    if groups < 1 or heads % groups:
+        raise SystemExit(f"bench_mamba_prefill: conv channels {sizes[3]} do not hold x, B and C")
+    for num_requests, rows_per_request in (QUICK_DECODE_BATCHES if ARGS.quick else DECODE_BATCHES):
+        bench_decode(num_requests, rows_per_request, sizes, device)
     return 0
 
 
