@@ -1,16 +1,24 @@
 """Mamba-2 prefill of one step: the per-request loop (``causal_conv_chunk`` + ``ssm_chunk_scan``
 per request, host row ranges, eager) against the varlen path that a CUDA graph captures
-(``causal_conv_varlen`` + ``ssm_varlen_scan`` over the packed rows, device segments).
+(``causal_conv_varlen`` + ``ssm_varlen_scan`` + ``segment_of_rows`` over the packed rows, device
+segments, as the mixer calls them), in two forms: the torch twins
+(``mtp_ctrl.triton_ops.reference``, dozens of small ops) and the Triton kernels (three launches).
 
 One Mamba layer's math (no projections), fp32, the sizes of bench_controller's hybrid layers:
 32 heads of 64, 8 groups of state 128 (each head's B, C expanded), conv width 4 (4096 conv
 channels), scan chunks of 64 rows. Per layout (T packed rows of n requests): milliseconds per
-call (CUDA events, median of 5 runs of 10 calls) for the loop, the varlen path eagerly and the
-varlen path replayed from a CUDA graph, and the varlen path's peak extra memory. The two paths'
-outputs are compared first (max abs difference).
+call (CUDA events, median of 5 runs of 10 calls) for the loop, the torch varlen path eagerly and
+replayed from a CUDA graph, the Triton path eagerly and replayed, and the torch varlen path's
+peak extra memory. Both varlen paths' outputs are compared with the loop's first (max abs
+difference, the larger of the two).
 
-    python bench/bench_mamba_prefill.py            # H100: four layouts
-    python bench/bench_mamba_prefill.py --quick    # small sizes; runs on CPU too (no graph)
+A second table times the decode rows of one layer (``mamba_decode_rows``: nd requests of 1 + S
+rows, conv + SSM row by row, the state after every row written out): the torch twin (a loop of
+torch ops per row) against the Triton kernel, eager and graph-replayed.
+
+    python bench/bench_mamba_prefill.py            # H100: five layouts, three decode batches
+    python bench/bench_mamba_prefill.py --quick    # small sizes; runs on CPU too (no graph; the
+                                                   # triton column is the twin unless TRITON_INTERPRET=1)
 """
 
 import argparse
@@ -34,12 +42,9 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mtp_ctrl.models.mamba_ops import (  # noqa: E402
-    causal_conv_chunk,
-    causal_conv_varlen,
-    ssm_chunk_scan,
-    ssm_varlen_scan,
-)
+from mtp_ctrl import triton_ops  # noqa: E402
+from mtp_ctrl.models.mamba_ops import causal_conv_chunk, ssm_chunk_scan  # noqa: E402
+from mtp_ctrl.triton_ops import reference  # noqa: E402
 
 # (name, T, [(first row, rows)] of the prefill requests; other rows are decode rows or padding)
 LAYOUTS = [
@@ -47,6 +52,7 @@ LAYOUTS = [
     ("8 prompts x 256", 2048, [(256 * i, 256) for i in range(8)]),
     ("64 chunks x 32", 2048, [(32 * i, 32) for i in range(64)]),
     ("mixed: 8 decodes x 3 + 40", 64, [(24, 40)]),
+    ("mixed: 8 decodes x 3 + 64", 88, [(24, 64)]),
 ]
 QUICK_LAYOUTS = [("1 x 40", 64, [(0, 40)]), ("3 x 13 + decodes", 64, [(9, 13), (22, 13), (35, 13)])]
 
@@ -72,16 +78,35 @@ def per_request(inputs, windows, states, segments, chunk_size):
     return y, conv_out
 
 
-def varlen(inputs, windows, states, row_start, row_count, chunk_size):
-    conv_out, _ = causal_conv_varlen(windows, inputs["conv_in"], row_start, row_count, inputs["weight"], inputs["bias"])
-    y, _ = ssm_varlen_scan(states, inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], inputs["D"],
-                           row_start, row_count, chunk_size)
+def varlen(ops, inputs, windows, states, row_start, row_count, chunk_size):
+    """One layer's varlen prefill through ``ops`` (the Triton ops or their torch twins)."""
+    conv_out, _ = ops.causal_conv_varlen(windows, inputs["conv_in"], row_start, row_count, inputs["weight"],
+                                         inputs["bias"])
+    y, _ = ops.ssm_varlen_scan(states, inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], inputs["D"],
+                               row_start, row_count, chunk_size)
+    ops.segment_of_rows(row_start, row_count, conv_out.shape[0])  # the mixer's `inside` mask
     return y, conv_out
+
+
+def graph_ms(fn, device):
+    """Milliseconds per replay of ``fn`` captured in a CUDA graph (nan off CUDA)."""
+    if device.type != "cuda":
+        return float("nan")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up (and Triton compiles) off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, device)
 
 
 def time_ms(fn, device):
     if device.type != "cuda":
         import time
+        fn()  # warm-up
         runs = []
         for _ in range(3):
             start = time.perf_counter()
@@ -126,32 +151,64 @@ def bench_layout(name, num_rows, segments, sizes, chunk_size, device):
 
     with torch.no_grad():
         want_y, want_conv = per_request(inputs, loop_windows, loop_states, segments, chunk_size)
-        got_y, got_conv = varlen(inputs, windows, states, row_start, row_count, chunk_size)
         inside = torch.zeros(num_rows, dtype=torch.bool, device=device)  # rows outside: unspecified conv output
         for start, count in segments:
             inside[start:start + count] = True
-        error = max((want_y - got_y).abs().max().item(), (want_conv - got_conv)[inside].abs().max().item())
+        error = 0.0
+        for ops in (reference, triton_ops):
+            got_y, got_conv = varlen(ops, inputs, windows, states, row_start, row_count, chunk_size)
+            error = max(error, (want_y - got_y).abs().max().item(),
+                        (want_conv - got_conv)[inside].abs().max().item())
         loop_ms = time_ms(lambda: per_request(inputs, loop_windows, loop_states, segments, chunk_size), device)
-        eager_ms = time_ms(lambda: varlen(inputs, windows, states, row_start, row_count, chunk_size), device)
-        graph_ms, peak_mib = float("nan"), float("nan")
+        def torch_path():
+            return varlen(reference, inputs, windows, states, row_start, row_count, chunk_size)
+
+        def triton_path():
+            return varlen(triton_ops, inputs, windows, states, row_start, row_count, chunk_size)
+
+        torch_ms, triton_ms = time_ms(torch_path, device), time_ms(triton_path, device)
+        peak_mib = float("nan")
         if device.type == "cuda":
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            varlen(inputs, windows, states, row_start, row_count, chunk_size)
+            torch_path()
             torch.cuda.synchronize()
             peak_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                varlen(inputs, windows, states, row_start, row_count, chunk_size)  # warm-up off the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                varlen(inputs, windows, states, row_start, row_count, chunk_size)
-            graph_ms = time_ms(graph.replay, device)
-    print(f"{name:>28} {num_rows:>6} {len(segments):>4} {loop_ms:>10.3f} {eager_ms:>10.3f} {graph_ms:>10.3f} "
-          f"{peak_mib:>9.1f} {error:>10.2e}")
+        torch_graph_ms, triton_graph_ms = graph_ms(torch_path, device), graph_ms(triton_path, device)
+    print(f"{name:>28} {num_rows:>6} {len(segments):>4} {loop_ms:>10.3f} {torch_ms:>10.3f} {torch_graph_ms:>10.3f} "
+          f"{triton_ms:>10.3f} {triton_graph_ms:>10.3f} {peak_mib:>9.1f} {error:>10.2e}")
+
+
+DECODE_BATCHES = [(1, 3), (8, 3), (32, 3)]  # (decode requests, 1 + S rows each)
+QUICK_DECODE_BATCHES = [(2, 3)]
+
+
+def bench_decode(num_requests, rows_per_request, sizes, device):
+    heads, head_dim, state_size, channels, width = sizes
+    generator = torch.Generator(device=device).manual_seed(1)
+    num_slots = num_requests + 1
+    num_rows = num_requests * rows_per_request
+    inputs = make_inputs(num_rows, heads, head_dim, state_size, channels, width, device, generator)
+    states = dict(conv=torch.randn(1, num_slots, channels, width - 1, generator=generator, device=device),
+                  ssm=torch.randn(1, num_slots, heads, head_dim, state_size, generator=generator,
+                                  device=device) * 0.1,
+                  inter_conv=torch.zeros(1, num_slots, rows_per_request, channels, width - 1, device=device),
+                  inter_ssm=torch.zeros(1, num_slots, rows_per_request, heads, head_dim, state_size, device=device))
+    slot_ids = torch.randperm(num_slots, generator=generator, device=device)[:num_requests]
+
+    def run(ops):
+        return ops.mamba_decode_rows(states["conv"], states["ssm"], states["inter_conv"], states["inter_ssm"], 0,
+                                     slot_ids, inputs["conv_in"], inputs["dt"], inputs["weight"], inputs["bias"],
+                                     inputs["A"], inputs["D"])
+
+    with torch.no_grad():
+        error = (run(reference) - run(triton_ops)).abs().max().item()
+        torch_ms, triton_ms = time_ms(lambda: run(reference), device), time_ms(lambda: run(triton_ops), device)
+        torch_graph_ms = graph_ms(lambda: run(reference), device)
+        triton_graph_ms = graph_ms(lambda: run(triton_ops), device)
+    print(f"{num_requests:>10} {rows_per_request:>6} {torch_ms:>10.3f} {torch_graph_ms:>10.3f} {triton_ms:>10.3f} "
+          f"{triton_graph_ms:>10.3f} {error:>10.2e}")
 
 
 def main():
@@ -165,10 +222,19 @@ def main():
         sizes, chunk_size, layouts = (32, 64, 128, 32 * 64 + 2 * 8 * 128, 4), 64, LAYOUTS
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; heads x head_dim x state "
           f"= {sizes[0]} x {sizes[1]} x {sizes[2]}, conv channels {sizes[3]}, chunk {chunk_size}; ms per call")
-    header = ("layout", "T", "n", "loop", "varlen", "graph", "peak MiB", "max diff")
-    print(" ".join(f"{name:>{width}}" for name, width in zip(header, (28, 6, 4, 10, 10, 10, 9, 10))))
+    header = ("layout", "T", "n", "loop", "varlen", "graph", "triton", "tri graph", "peak MiB", "max diff")
+    print(" ".join(f"{name:>{width}}" for name, width in zip(header, (28, 6, 4, 10, 10, 10, 10, 10, 9, 10))))
     for name, num_rows, segments in layouts:
         bench_layout(name, num_rows, segments, sizes, chunk_size, device)
+    print("\ndecode rows of one layer (mamba_decode_rows); ms per call")
+    header = ("requests", "rows", "torch", "graph", "triton", "tri graph", "max diff")
+    print(" ".join(f"{name:>{width}}" for name, width in zip(header, (10, 6, 10, 10, 10, 10, 10))))
+    heads, head_dim, state_size = sizes[:3]
+    groups = (sizes[3] - heads * head_dim) // (2 * state_size)
+    if groups < 1 or heads % groups:
+        raise SystemExit(f"bench_mamba_prefill: conv channels {sizes[3]} do not hold x, B and C")
+    for num_requests, rows_per_request in (QUICK_DECODE_BATCHES if ARGS.quick else DECODE_BATCHES):
+        bench_decode(num_requests, rows_per_request, sizes, device)
     return 0
 
 

@@ -4,17 +4,21 @@ It fills the ``self_attention`` slot of a megatron ``TransformerLayer`` (so a GP
 attention and Mamba layers and keep its MTP block), with the parameters of megatron-core's
 ``MambaMixer`` (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``;
 same shapes, same meaning). megatron's own mixer needs the ``mamba_ssm`` CUDA kernels and its
-own inference context; this one runs the math in torch (:mod:`mtp_ctrl.models.mamba_ops`) on
-CPU or GPU and reads and writes the slots of :class:`mtp_ctrl.models.forward_context.MambaForward`:
+own inference context; this one runs the math in our Triton kernels on CUDA and their torch
+twins on CPU (:mod:`mtp_ctrl.models.mamba_ops`, :mod:`mtp_ctrl.triton_ops.mamba_varlen`,
+:mod:`mtp_ctrl.triton_ops.mamba_decode`) and reads and writes the slots of
+:class:`mtp_ctrl.models.forward_context.MambaForward`:
 
 - decode requests (``1 + S`` rows each) step their rows one after another from the slot's
-  current state and write the state after every row to the slot's intermediate buffers; the
-  controller commits the one after the last accepted row (``mamba_state_selective_copy``),
-  so a rejected draft never touches the current state;
+  current state and write the state after every row to the slot's intermediate buffers
+  (``mamba_decode_rows``: one Triton launch on CUDA, its torch twin on CPU); the controller
+  commits the one after the last accepted row (``mamba_state_selective_copy``), so a rejected
+  draft never touches the current state;
 - prefill requests scan their chunk from the current state and leave the new state in it: all
   of a step's chunks in one varlen conv and one segment-aware scan with fixed shapes
-  (``causal_conv_varlen``, ``ssm_varlen_scan``), so a step with prefill chunks is captured in
-  a CUDA graph like a decode step.
+  (``causal_conv_varlen``, ``ssm_varlen_scan``, ``segment_of_rows``: one Triton launch each on
+  CUDA, :mod:`mtp_ctrl.triton_ops.mamba_varlen`; their torch twins on CPU), so a step with
+  prefill chunks is captured in a CUDA graph like a decode step.
 
 Tensor parallelism shards it as megatron's ``MambaMixer``: each rank owns ``H / tp`` heads and
 ``G / tp`` groups. ``in_proj`` (column parallel) gives the rank its own ``[z, x, B, C, dt]``
@@ -26,6 +30,7 @@ contiguous slices of the full tensors).
 """
 
 import math
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -35,15 +40,28 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mtp_ctrl import triton_ops
 from mtp_ctrl.models.forward_context import MambaForward, current_paged_forward
-from mtp_ctrl.models.mamba_ops import (causal_conv_step, causal_conv_varlen, gated_rms_norm, segment_of_rows, ssm_step,
-                                      ssm_varlen_scan)
+from mtp_ctrl.models.mamba_ops import gated_rms_norm
+from mtp_ctrl.triton_ops import reference as torch_twins
+
+# "0": mixers built from now on call the torch twins of the Mamba kernels directly, on any device
+# (tests/unit/conftest.py sets it: the interpreted kernels would multiply the model tests' time;
+# the kernels' own tests and one mixer-level test run them). Default "1": the dispatching ops.
+MAMBA_KERNELS_ENV = "MTP_CTRL_MAMBA_KERNELS"
 
 # Attribute of a tensor-parallel parameter whose full tensor is several sections along its
 # partition_dim, each split over the ranks on its own: rank r holds its chunk of every section, in
 # order. E.g. in_proj.weight, sections (z, x, B, C, dt) = (128, 128, 16, 16, 8) rows at TP = 2:
 # rank 1 holds z[64:128], x[64:128], B[8:16], C[8:16], dt[4:8]. See :func:`shard_full_tensor`.
 TP_SECTIONS_ATTR = "tp_shard_sections"
+
+
+def mamba_kernels_from_env() -> bool:
+    value = os.environ.get(MAMBA_KERNELS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{MAMBA_KERNELS_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def shard_full_tensor(parameter: torch.Tensor, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -156,6 +174,8 @@ class PagedMambaMixer(MegatronModule):
                                           init_method=config.output_layer_init_method, bias=False,
                                           input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
         self.mamba_layer_index: Optional[int] = None
+        # the conv/scan ops: Triton kernels on CUDA (twins on CPU), or always the twins (MAMBA_KERNELS_ENV)
+        self.mamba_kernels = mamba_kernels_from_env()
 
     @property
     def conv_state_shape(self) -> Tuple[int, int]:
@@ -179,19 +199,24 @@ class PagedMambaMixer(MegatronModule):
         z, xbc, dt = torch.split(projected[:, 0].float(), [self.d_inner_local, self.conv_channels,
                                                            self.num_heads_local], dim=-1)
         num_rows, stride = z.shape[0], mamba.rows_per_decode_request
+        dt = F.softplus(dt + self.dt_bias.float())  # [T, H_local]
         y = torch.zeros_like(z)  # [T, d_inner_local] fp32; rows of no request (padding) stay 0
         inside = None
         if mamba.has_prefill:
             y, inside = self._prefill(mamba, xbc, dt)
         num_decode_rows = mamba.decode_slot_ids.shape[0] * stride
         if num_decode_rows:  # a padded grid's decode rows may run past T: they then read zero rows
-            decoded = self._decode(mamba, _first_rows(xbc, num_decode_rows), _first_rows(dt, num_decode_rows), stride)
+            decoded = self._decode(mamba, xbc, dt)
             rows = min(num_rows, num_decode_rows)
             decoded = decoded[:rows]
             y[:rows] = decoded if inside is None else torch.where(inside[:rows, None], y[:rows], decoded)
         normed = self.norm(y, z).to(hidden_states.dtype)  # [T, d_inner_local]
         out, _ = self.out_proj(normed[:, None])  # [T, 1, hidden], summed over the TP ranks
         return out, None
+
+    def _ops(self):
+        """Where the conv, scan and decode-row ops come from (``self.mamba_kernels``)."""
+        return triton_ops if self.mamba_kernels else torch_twins
 
     def _parameters_fp32(self):
         weight = self.conv1d.weight[:, 0].float()  # [C, W]
@@ -207,45 +232,29 @@ class PagedMambaMixer(MegatronModule):
         C = C.reshape(*lead, self.num_groups_local, self.d_state).repeat_interleave(heads_per_group, dim=-2)
         return x.reshape(*lead, self.num_heads_local, self.head_dim), B, C
 
-    def _decode(self, mamba: MambaForward, xbc: torch.Tensor, dt_raw: torch.Tensor, stride: int) -> torch.Tensor:
-        """Rows of nd decode requests (``[nd * stride, ...]``) -> y ``[nd * stride, d_inner_local]``."""
-        layer, slots = self.mamba_layer_index, mamba.decode_slot_ids  # slots: [nd] int64
-        num_requests = slots.shape[0]
-        xbc = xbc.view(num_requests, stride, -1)  # [nd, 1 + S, C]
-        dt = F.softplus(dt_raw.view(num_requests, stride, -1) + self.dt_bias.float())  # [nd, 1 + S, H]
+    def _decode(self, mamba: MambaForward, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """The ``1 + S`` rows of each of nd decode requests (the first ``nd (1 + S)`` of the ``[T, ...]``
+        rows, zero past T) -> y ``[nd (1 + S), d_inner_local]``; the state after every row goes to the
+        slot's intermediate buffers (one launch on CUDA: ``mamba_decode_rows``)."""
         weight, bias, A, D = self._parameters_fp32()
-        window = mamba.conv_states[layer, slots]  # [nd, C, W - 1]
-        state = mamba.ssm_states[layer, slots]  # [nd, H, P, N]
-        outputs = []
-        for row in range(stride):
-            conv_out, window = causal_conv_step(window, xbc[:, row], weight, bias)
-            x, B, C = self._split_conv_output(conv_out)
-            y, state = ssm_step(state, x, dt[:, row], A, B, C, D)
-            mamba.intermediate_conv_states[layer, slots, row] = window
-            mamba.intermediate_ssm_states[layer, slots, row] = state
-            outputs.append(y.reshape(num_requests, self.d_inner_local))
-        return torch.stack(outputs, dim=1).view(num_requests * stride, self.d_inner_local)
+        return self._ops().mamba_decode_rows(mamba.conv_states, mamba.ssm_states, mamba.intermediate_conv_states,
+                                             mamba.intermediate_ssm_states, self.mamba_layer_index,
+                                             mamba.decode_slot_ids, xbc, dt, weight, bias, A, D)
 
-    def _prefill(self, mamba: MambaForward, xbc: torch.Tensor, dt_raw: torch.Tensor):
+    def _prefill(self, mamba: MambaForward, xbc: torch.Tensor, dt: torch.Tensor):
         """Every prefill segment of the packed rows (``[T, ...]``) at once -> (y ``[T, d_inner_local]``,
         0 outside the segments; inside ``[T]`` bool); each segment's slot gets its new state."""
         layer, slots = self.mamba_layer_index, mamba.prefill_slot_ids  # slots: [n] int64
         start, count = mamba.prefill_row_start, mamba.prefill_row_count
         weight, bias, A, D = self._parameters_fp32()
-        conv_out, windows = causal_conv_varlen(mamba.conv_states[layer, slots].float(), xbc, start, count, weight, bias)
+        ops = self._ops()
+        conv_out, windows = ops.causal_conv_varlen(mamba.conv_states[layer, slots].float(), xbc, start, count, weight,
+                                                   bias)
         x, B, C = self._split_conv_output(conv_out)
-        dt = F.softplus(dt_raw + self.dt_bias.float())  # [T, H]
-        y, states = ssm_varlen_scan(mamba.ssm_states[layer, slots].float(), x, dt, A, B, C, D, start, count,
-                                    self.chunk_size)
+        y, states = ops.ssm_varlen_scan(mamba.ssm_states[layer, slots].float(), x, dt, A, B, C, D, start, count,
+                                        self.chunk_size)
         # a segment of 0 rows (scratch slot) writes back the state it read: duplicates agree
         mamba.conv_states[layer, slots] = windows.to(mamba.conv_states.dtype)
         mamba.ssm_states[layer, slots] = states.to(mamba.ssm_states.dtype)
-        _, _, inside = segment_of_rows(start, count, xbc.shape[0])
+        _, _, inside = ops.segment_of_rows(start, count, xbc.shape[0])
         return y.reshape(y.shape[0], self.d_inner_local), inside
-
-
-def _first_rows(values: torch.Tensor, count: int) -> torch.Tensor:
-    """The first ``count`` rows of ``values`` (``[T, ...]``), zero rows appended past ``T``."""
-    if values.shape[0] >= count:
-        return values[:count]
-    return torch.cat((values, values.new_zeros(count - values.shape[0], *values.shape[1:])))

@@ -41,6 +41,11 @@ _OP_MODULES = {
     "write_kv_cache": "kv_cache_write",
     "paged_attention": "paged_attn",
     "rope_and_write_kv_cache": "rope_kv_write",
+    # Mamba-2 prefill over the packed rows of a step
+    "causal_conv_varlen": "mamba_varlen",
+    "ssm_varlen_scan": "mamba_varlen",
+    "segment_of_rows": "mamba_varlen",
+    "mamba_decode_rows": "mamba_decode",
     # transformer-layer glue (bias, residual, norm, activation, QKV split)
     "add_bias_residual_norm": "layer_glue",
     "bias_activation": "layer_glue",

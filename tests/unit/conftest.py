@@ -11,6 +11,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # rest of the suite runs megatron's own glue; tests/unit/test_fused_layers.py runs the fused glue
 # through the model and the controller (fused == unfused), and the GPU tests run it by default.
 os.environ.setdefault("MTP_CTRL_FUSED_GLUE", "0")
+# Likewise the Mamba conv/scan/decode-row kernels: model tests' mixers run their torch twins
+# (mtp_ctrl.models.mamba_mixer.MAMBA_KERNELS_ENV); tests/unit/test_mamba_varlen_kernels.py and
+# test_mamba_decode_kernel.py run the kernels, the latter also through a mixer.
+os.environ.setdefault("MTP_CTRL_MAMBA_KERNELS", "0")
 
 
 import pytest  # noqa: E402
