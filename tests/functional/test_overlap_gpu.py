@@ -23,12 +23,13 @@ def model():
 
 class AdmissionSyncChecked(TextGenerationController):
     """Admits under ``set_sync_debug_mode("error")`` whenever a step is in flight, and records how many steps were in flight at each admission and every early application of a
-    step in flight (one not made to retire finished requests)."""
+    step in flight, and how many finished requests gave up their rows with a step in flight."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.steps_in_flight_at_admission = []
         self.early_applications = 0
+        self.retired_with_step_in_flight = 0
         add_request = self.context.add_request
 
         def add_and_record(request_id, tokens):
@@ -49,6 +50,17 @@ class AdmissionSyncChecked(TextGenerationController):
     def _admit_waiting(self):
         return self._checked(super()._admit_waiting)
 
+    def _retire_finished(self):
+        """Freeing the rows of finished requests with a step in flight must not sync either."""
+        if self._in_flight is None or not self._retiring:
+            return super()._retire_finished()
+        self.retired_with_step_in_flight += len(self._retiring)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return super()._retire_finished()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
     def _apply_in_flight(self, collect=False):
         if not self._retiring and self.has_unfinished_requests():
             self.early_applications += 1
@@ -68,6 +80,28 @@ def test_an_arrival_during_decode_does_not_wait_for_the_step_in_flight(model, gr
     controller.warmup()
     assert run_with_arrivals(controller, arrivals) == plain
     assert controller.steps_in_flight_at_admission == [0, 1, 1, 1]
+    assert controller.early_applications == 0
+    context = controller.context
+    assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_finishing_requests_free_their_rows_without_waiting_for_the_step_in_flight(model, graphs):
+    """Requests finish at different steps (max_new_tokens, greedy and sampled) while others keep
+    decoding and one more arrives: each finished row is freed with the next step in flight, under
+    sync-debug "error", and that step's read-back is realigned by request id. == plain decoding."""
+    lengths = [3, 9, 5, 14, 7]
+    arrivals = [(step, PROMPTS[index % len(PROMPTS)],
+                 SamplingParams(max_new_tokens=lengths[index], temperature=0.8 if index % 2 else 0.0, seed=index))
+                for index, step in enumerate([0, 0, 0, 0, 5])]
+    fields = dict(max_requests=8, block_size_tokens=4, max_model_len=96, max_tokens_per_step=128)
+    plain = run_with_arrivals(TextGenerationController(
+        model, InferenceConfig(num_speculative_tokens=0, overlap_scheduling=False, **fields)), arrivals)
+    controller = AdmissionSyncChecked(model, InferenceConfig(
+        num_speculative_tokens=2, cuda_graph_batch_sizes=(1, 2, 4, 8) if graphs else (), **fields))
+    controller.warmup()
+    assert run_with_arrivals(controller, arrivals) == plain
+    assert controller.retired_with_step_in_flight >= 3
     assert controller.early_applications == 0
     context = controller.context
     assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
