@@ -69,7 +69,7 @@ class _LaunchedStep:
     readback: torch.Tensor  # [n_s, S + 2] int64, pinned host copy (filled when `done` fires)
     done: Optional[torch.cuda.Event]  # None on CPU (the copy was synchronous)
     gpu_start: Optional[torch.cuda.Event]
-    table_moves: int  # the table's row moves when it was built: another count -> realign by request id
+    table_moves: int  # the table's row moves at launch (none happen between build and launch): another count -> realign
 
 
 class TextGenerationController:
@@ -284,23 +284,21 @@ class TextGenerationController:
                 rows[row].fill_(value)  # stream-ordered (`rows[row] = value` would copy from pageable memory: a sync)
             self._outputs.start(row, params, len(record.prompt_tokens), record.output_tokens,
                                 record.decode_steps, record.accepted_drafts)
+            record.attach(self._outputs, self.context.table)  # the row owns output and counters now
 
     def _preempt_newest(self) -> None:
         """Evict the newest live request to free its KV blocks; it is recomputed from its prompt
         and output so far when it comes back, with unchanged output (sampling is positional)."""
         request_id = self._scheduler.preemption_victim()
-        self._save_progress(request_id)
         self._release(request_id)
         self._records[request_id].preemptions += 1
         self._waiting.appendleft(request_id)
 
-    def _save_progress(self, request_id: int) -> None:
-        row, record = self.context.table.row_of(request_id), self._records[request_id]
-        record.output_tokens = self._outputs.output_of(row)
-        record.decode_steps = int(self._outputs.decode_steps[row])
-        record.accepted_drafts = int(self._outputs.accepted_drafts[row])
-
     def _release(self, request_id: int) -> None:
+        """The request leaves its row (finished, preempted or aborted): its record keeps what the row held."""
+        record = self._records.get(request_id)
+        if record is not None:
+            record.detach()
         self.context.finish_request(request_id)
         self.proposer.forget(request_id)
 
@@ -315,7 +313,6 @@ class TextGenerationController:
             self._records.pop(self._finished_order.popleft(), None)  # the oldest unclaimed result
 
     def _finish_record(self, request_id: int, reason: FinishReason) -> None:
-        self._save_progress(request_id)
         self._records[request_id].finish_reason = reason
         self._retiring.append(request_id)
 
@@ -502,7 +499,6 @@ class TextGenerationController:
         for request_id in list(self._scheduler.admission_order):
             record = self._records.get(request_id)
             if record is not None and record.finish_reason is None:
-                self._save_progress(request_id)
                 record.finish_reason = FinishReason.ABORTED
             if request_id not in self._retiring:
                 self._retiring.append(request_id)

@@ -160,7 +160,6 @@ class OutputRows:
             record = records[row]
             if self.finished[row] or record is None:
                 continue  # a step run past this request's stop, or a row the step did not run
-            record.output_tokens = self.output_of(row)
             kept, reason = accept_tokens(record, tokens)
             kept = list(kept)
             if kept != tokens[: len(kept)] or not kept or (len(kept) < len(tokens) and reason is None):

@@ -1,23 +1,69 @@
 """What the controller keeps per request on the host, and what it hands back."""
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from mtp_ctrl.controllers.config import SamplingParams
 from mtp_ctrl.controllers.stop_rules import FinishReason
 
+if TYPE_CHECKING:  # annotations only: output_rows imports nothing from here, but keep the graph flat
+    from mtp_ctrl.controllers.output_rows import OutputRows
+    from mtp_ctrl.state.request_table import RequestTable
+
 
 @dataclasses.dataclass
 class RequestRecord:
+    """Everything the controller knows about one request, read through one object.
+
+    Fixed at ``add_request``: the prompt, the sampling parameters and the seed. Changed by the
+    loop: the output so far and the verify counters, which live in the request's table row
+    (``OutputRows``, numpy rows the step's stop rules update for the whole batch at once) while
+    it holds one, and in this record once it leaves (finished or preempted): :meth:`attach` and
+    :meth:`detach` move them, so each of these facts has exactly one owner at any time and the
+    properties below always read the current one. Lifecycle: ``finish_reason``, ``preemptions``.
+    """
+
     request_id: int
     prompt_tokens: List[int]
     params: SamplingParams
     seed: int  # the request's sampling seed (its params' seed, or one drawn at admission)
-    output_tokens: List[int] = dataclasses.field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
-    decode_steps: int = 0  # verify steps this request took part in
-    accepted_drafts: int = 0  # drafts accepted over those steps
     preemptions: int = 0  # times it was evicted for KV space and recomputed
+    _saved: Tuple[List[int], int, int] = dataclasses.field(default_factory=lambda: ([], 0, 0), repr=False)
+    _row: Optional[Tuple["OutputRows", "RequestTable"]] = dataclasses.field(default=None, repr=False)
+
+    def attach(self, outputs: "OutputRows", table: "RequestTable") -> None:
+        """The request took a table row (``outputs.start`` has filled it): read from the row now."""
+        self._row = (outputs, table)
+
+    def detach(self) -> None:
+        """The request leaves its row: keep what the row held."""
+        self._saved = (self.output_tokens, self.decode_steps, self.accepted_drafts)
+        self._row = None
+
+    def _live_row(self) -> Optional[Tuple["OutputRows", int]]:
+        if self._row is None:
+            return None
+        outputs, table = self._row
+        return outputs, table.row_of(self.request_id)
+
+    @property
+    def output_tokens(self) -> List[int]:
+        """The tokens generated so far (a copy)."""
+        live = self._live_row()
+        return live[0].output_of(live[1]) if live is not None else list(self._saved[0])
+
+    @property
+    def decode_steps(self) -> int:
+        """Verify steps this request took part in."""
+        live = self._live_row()
+        return int(live[0].decode_steps[live[1]]) if live is not None else self._saved[1]
+
+    @property
+    def accepted_drafts(self) -> int:
+        """Drafts accepted over those steps."""
+        live = self._live_row()
+        return int(live[0].accepted_drafts[live[1]]) if live is not None else self._saved[2]
 
 
 @dataclasses.dataclass(frozen=True)

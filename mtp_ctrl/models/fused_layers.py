@@ -53,7 +53,8 @@ def use_fused_glue_layers(spec: ModuleSpec) -> ModuleSpec:
 def link_input_norms(layers) -> int:
     """Give each fused layer whose successor in ``layers`` (a decoder's layer list) is a fused
     layer with a plain norm that successor's input norm, so its last kernel computes it; returns
-    the number of links. Layers of other kinds (Mamba, megatron's own) break the chain."""
+    the number of links. A hybrid model's Mamba layers are fused layers too (their token mixer
+    differs, their input norm does not), so they link as well; other kinds break the chain."""
     links = 0
     for layer, successor in zip(layers, list(layers)[1:]):
         if isinstance(layer, FusedGlueTransformerLayer):

@@ -132,7 +132,9 @@ class DynamicInferenceContext:
         self._prefill_lengths = self.table.add_host_rows("prefill_lengths", ())  # [R + 1] int64, prompt tokens
         self._step_buffers = StepBuffers(self.table, max_tokens_per_step, self.scheduler.max_block_writes_per_step)
         self._block_writes = []  # [3, k] int64 arrays (row, column, block id) not yet sent to the device
-        self._prompts: Dict[int, np.ndarray] = {}  # request id -> [P] int64 prompt tokens
+        # request id -> [P] int64: the tokens its prefill computes (the prompt, plus the output so far
+        # for a preempted request); the controller's RequestRecord keeps the prompt and the output
+        self._prefill_tokens: Dict[int, np.ndarray] = {}
         self._prompts_done: Dict[int, None] = {}  # ran their final chunk; become DECODE at the next build
         self._steps_in_flight: List[StepMetadata] = []  # built, not yet committed (oldest first)
 
@@ -174,7 +176,7 @@ class DynamicInferenceContext:
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
         row = self.table.insert(request_id, RowGroup.PREFILL, slot)
         self._prefill_lengths[row] = prompt.shape[0]
-        self._prompts[request_id] = prompt
+        self._prefill_tokens[request_id] = prompt
         self.scheduler.admitted(request_id)
 
     def finish_request(self, request_id: int) -> None:
@@ -189,7 +191,7 @@ class DynamicInferenceContext:
         if self.mamba is not None:
             self.mamba.release_slot(int(host.mamba_slot_ids[row]))
         self.table.remove(request_id)
-        del self._prompts[request_id]
+        del self._prefill_tokens[request_id]
         self.scheduler.released(request_id)
         self._prompts_done.pop(request_id, None)
 
@@ -208,7 +210,7 @@ class DynamicInferenceContext:
         self._require_no_step_in_flight("resume_request")
         if self.table.group_of(request_id) != RowGroup.PAUSED:
             raise ValueError(f"request {request_id} is not paused")
-        prompt_done = int(self.table.host.known_lengths[row]) >= self._prompts[request_id].shape[0]
+        prompt_done = int(self.table.host.known_lengths[row]) >= self._prefill_tokens[request_id].shape[0]
         self.table.move(request_id, RowGroup.DECODE if prompt_done else RowGroup.PREFILL)
         self.scheduler.paused_for_kv.pop(request_id, None)
 
@@ -278,7 +280,7 @@ class DynamicInferenceContext:
         final_chunk_count, next_prompt_token = 0, 0
         for row in range(num_decode, num_requests):  # prefill requests: a handful, host values
             request_id = int(host.request_ids[row])
-            prompt, known_length = self._prompts[request_id], int(host.known_lengths[row])
+            prompt, known_length = self._prefill_tokens[request_id], int(host.known_lengths[row])
             if known_length == prompt.shape[0]:
                 final_chunk_count += 1
                 self._prompts_done[request_id] = None
@@ -425,7 +427,7 @@ class DynamicInferenceContext:
             length = int(host.known_lengths[row])
             self._reserve(row, np.array([self.blocks_for(length + chunk_length)]))
             host.known_lengths[row] = length + chunk_length  # exact: a prefill keeps every row
-            chunks.append(self._prompts[int(host.request_ids[row])][length : length + chunk_length])
+            chunks.append(self._prefill_tokens[int(host.request_ids[row])][length : length + chunk_length])
         return chunks
 
     def _require_no_step_in_flight(self, what: str) -> None:

@@ -78,9 +78,9 @@ def _store_window(XBC_PTR, WINDOW_PTR, OUT_PTR, channels64, is_channel, first_ro
 @triton.jit
 def _mamba_decode_rows_kernel(
     CONV_PTR, SSM_PTR, INTER_CONV_PTR, INTER_SSM_PTR, SLOTS_PTR, XBC_PTR, DT_PTR, WEIGHT_PTR, BIAS_PTR, A_PTR,
-    D_PTR, OUT_Y_PTR, layer, num_rows, heads, head_dim, state_size, heads_per_group,
-    conv_s0, conv_s1, conv_s2, conv_s3, ssm_s0, ssm_s1, ssm_s2, ssm_s3, ssm_s4,
-    iconv_s0, iconv_s1, iconv_s2, iconv_s3, iconv_s4, issm_s0, issm_s1, issm_s2, issm_s3, issm_s4, issm_s5,
+    D_PTR, OUT_Y_PTR, num_rows, heads, head_dim, state_size, heads_per_group,
+    conv_s1, conv_s2, conv_s3, ssm_s1, ssm_s2, ssm_s3, ssm_s4,
+    iconv_s1, iconv_s2, iconv_s3, iconv_s4, issm_s1, issm_s2, issm_s3, issm_s4, issm_s5,
     xbc_stride_t, xbc_stride_c, dt_stride_t, dt_stride_h, weight_stride_c, weight_stride_w, bias_stride,
     a_stride, d_stride,
     ROWS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -98,10 +98,10 @@ def _mamba_decode_rows_kernel(
     x_channels = head * head_dim + dims  # [BLOCK_P]
     b_channels = heads * head_dim + group * state_size + state_index  # [BLOCK_N]
     c_channels = b_channels + num_groups * state_size
-    window = CONV_PTR + layer * conv_s0 + slot * conv_s1  # this slot's [C, W - 1] current window
+    window = CONV_PTR + slot * conv_s1  # this slot's [C, W - 1] current window
     tile_offsets = dims[:, None] * ssm_s3 + state_index[None, :] * ssm_s4
     tile_mask = is_dim[:, None] & is_state[None, :]
-    state = tl.load(SSM_PTR + layer * ssm_s0 + slot * ssm_s1 + head * ssm_s2 + tile_offsets, mask=tile_mask,
+    state = tl.load(SSM_PTR + slot * ssm_s1 + head * ssm_s2 + tile_offsets, mask=tile_mask,
                     other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
     decay_rate = tl.load(A_PTR + head * a_stride)
     skip = tl.load(D_PTR + head * d_stride)
@@ -123,8 +123,8 @@ def _mamba_decode_rows_kernel(
         state = state * tl.exp(dt * decay_rate)[:, None] + (dt * x)[:, None] * b[None, :]
         y = tl.sum(state * c[None, :], axis=1) + skip * x  # [BLOCK_P]
         tl.store(OUT_Y_PTR + row * heads * head_dim + x_channels, y, mask=is_dim)
-        inter = layer * iconv_s0 + slot * iconv_s1 + j * iconv_s2
-        tl.store(INTER_SSM_PTR + layer * issm_s0 + slot * issm_s1 + j * issm_s2 + head * issm_s3
+        inter = slot * iconv_s1 + j * iconv_s2
+        tl.store(INTER_SSM_PTR + slot * issm_s1 + j * issm_s2 + head * issm_s3
                  + dims[:, None] * issm_s4 + state_index[None, :] * issm_s5, state, mask=tile_mask)
         _store_window(XBC_PTR, window, INTER_CONV_PTR + inter, x_channels, is_dim, first_row, j, num_rows,
                       xbc_stride_t, xbc_stride_c, conv_s2, conv_s3, iconv_s3, iconv_s4, WIDTH)
@@ -206,11 +206,13 @@ def mamba_decode_rows(
     block_p = min(MAX_BLOCK_P, triton.next_power_of_2(head_dim))
     if slot_ids.stride(0) != 1 and num_requests > 1:
         raise ValueError(f"slot_ids must be contiguous, got stride {slot_ids.stride(0)}")
+    # the layer's views: their offsets are computed here in int64 (a layer index times a layer
+    # stride overflows int32 inside the kernel for big models)
+    layer_states = (conv_states[layer], ssm_states[layer], intermediate_conv_states[layer], intermediate_ssm_states[layer])
     _mamba_decode_rows_kernel[(num_requests, heads, triton.cdiv(head_dim, block_p))](
-        conv_states, ssm_states, intermediate_conv_states, intermediate_ssm_states, slot_ids, xbc, dt, weight, bias,
-        A, D, y, layer, xbc.shape[0], heads, head_dim, state_size, heads // num_groups,
-        *conv_states.stride(), *ssm_states.stride(), *intermediate_conv_states.stride(),
-        *intermediate_ssm_states.stride(), *xbc.stride(), *dt.stride(), *weight.stride(), bias.stride(0),
+        *layer_states, slot_ids, xbc, dt, weight, bias,
+        A, D, y, xbc.shape[0], heads, head_dim, state_size, heads // num_groups,
+        *(stride for states in layer_states for stride in states.stride()), *xbc.stride(), *dt.stride(), *weight.stride(), bias.stride(0),
         A.stride(0), D.stride(0),
         ROWS=rows_per_request, WIDTH=weight.shape[1], BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size))
     return y

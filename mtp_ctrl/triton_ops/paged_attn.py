@@ -18,6 +18,7 @@ read together. On an H100 that took a 944M GPT's attention at batch 1, 1024 toke
 about 6 us per layer, combine included (bench/RESULTS.md, 2026-11-23 night).
 """
 
+import functools
 import math
 from typing import Optional
 
@@ -245,19 +246,24 @@ def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_star
         check_int("num_kv_splits", num_kv_splits, low=1, high=_MAX_KV_SPLITS)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _num_warps(device, num_programs):
     """8 warps while the grid leaves SMs idle (each program then hides its read latency better),
     4 once every SM has work (measured on an H100: bench/RESULTS.md, paged attention)."""
     if device.type != "cuda":
         return 4
-    return 8 if num_programs < torch.cuda.get_device_properties(device).multi_processor_count else 4
+    return 8 if num_programs < _sm_count(device.index if device.index is not None else torch.cuda.current_device()) else 4
 
 
 def _choose_num_kv_splits(device, programs_per_split, kv_token_bound, block_n):
     """Enough splits to give every SM two programs, each split at least _MIN_TOKENS_PER_SPLIT long."""
     if device.type != "cuda":
         return 1
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     wanted = triton.cdiv(2 * sm_count, max(programs_per_split, 1))
     longest = max(1, triton.cdiv(kv_token_bound, max(_MIN_TOKENS_PER_SPLIT, block_n)))
     return max(1, min(wanted, longest, _MAX_KV_SPLITS))
@@ -342,7 +348,8 @@ def paged_attention(
     if num_kv_splits > 1:
         block_s = triton.next_power_of_2(num_kv_splits)
         combine_m = max(_COMBINE_MIN_ROWS, triton.next_power_of_2(block_q * group_size))
-        block_dc = max(1, min(block_d, _COMBINE_TILE_ELEMENTS // (block_s * combine_m)))  # [S, M, DC] fp32 in registers
+        # [S, M, DC] fp32 in registers; at least 16 dims, so a program never gathers single scalars
+        block_dc = max(min(16, block_d), min(block_d, _COMBINE_TILE_ELEMENTS // (block_s * combine_m)))
         num_d_chunks = triton.cdiv(block_d, block_dc)
         _combine_kv_splits_kernel[(num_q_tiles, batch_size, num_kv_heads * num_d_chunks)](
             partial_acc, partial_max, partial_sum, query_start_loc, output,

@@ -137,7 +137,7 @@ def test_graph_replay_with_new_segments_and_values_without_host_sync():
         _assert_equal_to_twins(outputs, want, inside)
 
 
-def _decode_case(num_rows, seed, layers=2, slots=10, rows_per_request=3):
+def _decode_case(num_rows, seed, layers=3, slots=10, rows_per_request=3):
     generator = torch.Generator(device="cuda").manual_seed(seed)
 
     def rand(*shape, scale=1.0):
@@ -165,13 +165,15 @@ def _assert_decode_equal(y, states, want_y, want_states):
     torch.testing.assert_close(states["intermediate_ssm_states"], want_states["intermediate_ssm_states"], **TOLERANCE)
 
 
+@pytest.mark.parametrize("layer", ["first", "last"])
 @pytest.mark.parametrize("num_rows", [24, 20], ids=["rows_fit", "rows_past_T"])
-def test_decode_rows_equal_twin(num_rows):
+def test_decode_rows_equal_twin(num_rows, layer):
     states, rest = _decode_case(num_rows, seed=num_rows)
+    layer = 0 if layer == "first" else states["ssm_states"].shape[0] - 1  # layer 1 alone is a constant to triton
     slot_ids = torch.tensor([7, 0, 3, 9, 1, 2, 5, 8], device="cuda")  # 8 requests of 3 rows
     want_states = {name: value.clone() for name, value in states.items()}
-    y = _decode(mamba_decode_rows, states, slot_ids, rest)
-    want_y = _decode(reference.mamba_decode_rows, want_states, slot_ids, rest)
+    y = _decode(mamba_decode_rows, states, slot_ids, rest, layer)
+    want_y = _decode(reference.mamba_decode_rows, want_states, slot_ids, rest, layer)
     _assert_decode_equal(y, states, want_y, want_states)
 
 

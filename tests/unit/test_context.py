@@ -557,3 +557,25 @@ def test_constructor_errors():
         make_context(kv_cache=None)
     with pytest.raises(TypeError, match="floating"):
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.int8)
+
+
+def test_a_removal_that_reorders_prefill_rows_makes_the_next_build_wait():
+    """Finishing the only decode request (step in flight) moves the LAST prefill row into its
+    row, ahead of a prompt whose final chunk just ran: that prompt is then not the first prefill
+    row, so it cannot become a decode in place; needs_sync says so and build_step refuses."""
+    ctx = make_context()
+    ctx.add_request(0, [1, 2, 3])
+    step_and_commit(ctx)  # request 0's prompt
+    ctx.add_request(1, [4, 5])  # finishes its prompt in the next step
+    ctx.add_request(2, list(range(30)))  # still mid-prompt after it
+    step = ctx.build_step()
+    assert step.request_ids == (0, 1, 2) and step.num_decode == 1
+    assert not ctx.needs_sync()
+    ctx.finish_request(0)
+    assert [ctx.table.row_of(request_id) for request_id in (2, 1)] == [0, 1]
+    assert ctx.needs_sync()
+    with pytest.raises(RuntimeError, match="commit the step in flight first"):
+        ctx.build_step()
+    ctx.commit_readback(step, np.zeros(1, np.int64), rows=np.array([-1]))
+    second = ctx.build_step()  # no step in flight: request 1 moves to the decode rows
+    assert second.num_decode == 1 and ctx.table.row_of(1) == 0

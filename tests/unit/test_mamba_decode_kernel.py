@@ -55,21 +55,22 @@ CASES = {  # name: (slot ids, _case arguments)
 }
 
 
+@pytest.mark.parametrize("layer", [0, LAYERS - 1])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_kernel_equals_twin(case):
+def test_kernel_equals_twin(case, layer):
     slot_list, arguments = CASES[case]
     states, rest = _case(len(case), **arguments)
     slot_ids = torch.tensor(slot_list, dtype=torch.int64)
     before = _clone(states)
     want_states = _clone(states)
-    y = _call(mamba_decode_rows, states, 1, slot_ids, rest)
-    want_y = _call(reference.mamba_decode_rows, want_states, 1, slot_ids, rest)
+    y = _call(mamba_decode_rows, states, layer, slot_ids, rest)
+    want_y = _call(reference.mamba_decode_rows, want_states, layer, slot_ids, rest)
     tolerance = dict(rtol=1e-5, atol=1e-5) if arguments.get("dtype") is None else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
     for name in ("intermediate_conv_states", "intermediate_ssm_states"):
         torch.testing.assert_close(states[name], want_states[name], **tolerance)
         untouched = torch.ones(LAYERS, SLOTS, dtype=torch.bool)
-        untouched[1, slot_ids] = False
+        untouched[layer, slot_ids] = False
         assert torch.equal(states[name][untouched], before[name][untouched])
     for name in ("conv_states", "ssm_states"):
         assert torch.equal(states[name], before[name])  # the current state is only read

@@ -198,7 +198,7 @@ def test_finished_results_are_bounded_and_popped(models, torch_twins):
         while controller.has_unfinished_requests():
             controller.step()
         assert len(controller._records) <= 3 and len(controller._finished_order) <= 3
-        assert not controller._retiring and not controller.context._prompts
+        assert not controller._retiring and not controller.context._prefill_tokens
         assert controller.pop_result(ids[-1]).output_tokens
         with pytest.raises(ValueError, match="unknown request_id"):
             controller.result(ids[0])  # pushed out by newer results

@@ -1,0 +1,104 @@
+"""OutputRows: the vectorised stop rules of a whole step, its no-stop fast path, and the
+realignment of a read-back after rows moved (a request finished with the step in flight)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mtp_ctrl.controllers.config import SamplingParams
+from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
+from mtp_ctrl.state.request_table import RequestTable
+
+MAX_MODEL_LEN = 40
+
+
+def _rows(S, requests):
+    """OutputRows over a table of 4 rows; ``requests``: (params, prompt length, output so far) per row."""
+    table = RequestTable(4, 16, S, 4, torch.device("cpu"))
+    outputs = OutputRows(table, MAX_MODEL_LEN, S)
+    for row, (params, prompt_length, output) in enumerate(requests):
+        outputs.start(row, params, prompt_length, output, 0, 0)
+    return outputs
+
+
+def _state(outputs, n):
+    return [outputs.output_of(row) for row in range(n)], outputs.finished[:n].tolist(), \
+        outputs.decode_steps[:n].tolist(), outputs.accepted_drafts[:n].tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(S=st.integers(0, 3), data=st.data())
+def test_fast_path_equals_the_full_stop_check(S, data):
+    """Whatever the step accepted, the no-stop fast path (taken when no row can stop) and the
+    full check (forced by passing ``present``) give the same tokens, counts and finishes, also
+    with max_new_tokens and max_model_len exactly at or one past the step's reach."""
+    n = data.draw(st.integers(1, 4))
+    requests = []
+    for _ in range(n):
+        prompt_length = data.draw(st.integers(1, 20))
+        output = data.draw(st.lists(st.integers(0, 99), max_size=8))
+        reach = len(output) + 1 + S  # the output length after a full accept
+        max_new_tokens = data.draw(st.sampled_from([reach - 1, reach, reach + 1, 50])) if reach > 1 else 50
+        eos = data.draw(st.sampled_from([(), (7,)]))
+        requests.append((SamplingParams(max_new_tokens=max(1, max_new_tokens), eos_token_ids=eos), prompt_length,
+                         output))
+    readback = np.zeros((n, S + 2), dtype=np.int64)
+    for row in range(n):
+        readback[row, 0] = data.draw(st.integers(0, S))
+        readback[row, 1:] = data.draw(st.lists(st.integers(0, 9), min_size=S + 1, max_size=S + 1))
+    decode = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    fast, full = _rows(S, requests), _rows(S, requests)
+    took_fast = fast._no_stop_possible(n)
+    got = fast.apply(readback, decode, lambda row: requests[row][0])
+    want = full.apply(readback, decode, lambda row: requests[row][0], np.ones(n, dtype=bool))
+    assert np.array_equal(got[1], want[1]) and got[2] == want[2]
+    for row in range(n):
+        assert np.array_equal(got[0][row, : got[1][row]], want[0][row, : want[1][row]])
+    assert _state(fast, n) == _state(full, n)
+    if took_fast:
+        assert got[2] == []
+
+
+def test_the_fast_path_is_taken_only_when_no_row_can_stop():
+    S, output = 2, [1, 2]
+    reach = len(output) + 1 + S  # 5
+    assert _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=reach), 3, output)])._no_stop_possible(1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach, output)])._no_stop_possible(1)
+    assert _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach - 1, output)])._no_stop_possible(1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=50, eos_token_ids=(3,)), 3, output)])._no_stop_possible(1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=50, stop_sequences=((4, 5),)), 3, output)])._no_stop_possible(1)
+
+
+def test_realign_readback_follows_requests_to_their_current_rows():
+    """The step ran (a, b, c, d), a and d finished since, c moved into a's row 0 and a new request
+    took row 2: rows [-1, 1, 0, -1]. Row 0 gets c's read-back, row 1 b's; row 2 is not present."""
+    readback = np.arange(4 * 3).reshape(4, 3)  # [a, b, c, d] rows of [accepted, bonus, draft]
+    aligned, decode, present = realign_readback(readback, np.array([-1, 1, 0, -1]), num_decode=2)
+    assert aligned.tolist() == [readback[2].tolist(), readback[1].tolist()]
+    assert present.tolist() == [True, True] and decode.tolist() == [False, True]  # c was a final prefill chunk
+    aligned, decode, present = realign_readback(readback, np.array([-1, -1, -1, -1]), num_decode=4)
+    assert aligned.shape == (0, 3) and present.shape == (0,)
+    aligned, decode, present = realign_readback(readback[:2], np.array([2, 0]), num_decode=2)
+    assert present.tolist() == [True, False, True] and aligned[2].tolist() == readback[0].tolist()
+
+
+def test_rows_not_present_are_left_alone():
+    outputs = _rows(1, [(SamplingParams(max_new_tokens=1), 3, []), (SamplingParams(max_new_tokens=9), 3, [4])])
+    readback = np.array([[1, 5, 6], [1, 7, 8]], dtype=np.int64)
+    new_tokens, emitted, finished = outputs.apply(readback, np.ones(2, dtype=bool), None, np.array([False, True]))
+    assert emitted.tolist() == [0, 2] and finished == []
+    assert outputs.output_of(0) == [] and outputs.output_of(1) == [4, 8, 7]
+    assert outputs.decode_steps[:2].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("S", [0, 2])
+def test_decode_mask_counts_verify_steps_only_for_decode_rows(S):
+    outputs = _rows(S, [(SamplingParams(max_new_tokens=30), 3, [])] * 2)
+    readback = np.zeros((2, S + 2), dtype=np.int64)
+    readback[:, 0] = S
+    outputs.apply(readback, np.array([True, False]), None)
+    assert outputs.decode_steps[:2].tolist() == [1, 0]
+    assert outputs.accepted_drafts[:2].tolist() == [S, 0]
