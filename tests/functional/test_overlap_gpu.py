@@ -67,11 +67,8 @@ class AdmissionSyncChecked(TextGenerationController):
         return super()._apply_in_flight(collect)
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_an_arrival_during_decode_does_not_wait_for_the_step_in_flight(model, graphs):
-    params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8, seed=3)]
-    arrivals = [(0, PROMPTS[0], params[0]), (3, PROMPTS[1], params[1]), (4, PROMPTS[2], params[0]),
-                (6, PROMPTS[3], params[1])]
+def _run_checked(model, arrivals, graphs):
+    """Plain decoding, then S = 2 with overlap through AdmissionSyncChecked: outputs equal."""
     fields = dict(max_requests=8, block_size_tokens=4, max_model_len=96, max_tokens_per_step=128)
     plain = run_with_arrivals(TextGenerationController(
         model, InferenceConfig(num_speculative_tokens=0, overlap_scheduling=False, **fields)), arrivals)
@@ -79,6 +76,15 @@ def test_an_arrival_during_decode_does_not_wait_for_the_step_in_flight(model, gr
         num_speculative_tokens=2, cuda_graph_batch_sizes=(1, 2, 4, 8) if graphs else (), **fields))
     controller.warmup()
     assert run_with_arrivals(controller, arrivals) == plain
+    return controller
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_arrival_during_decode_does_not_wait_for_the_step_in_flight(model, graphs):
+    params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.8, seed=3)]
+    arrivals = [(0, PROMPTS[0], params[0]), (3, PROMPTS[1], params[1]), (4, PROMPTS[2], params[0]),
+                (6, PROMPTS[3], params[1])]
+    controller = _run_checked(model, arrivals, graphs)
     assert controller.steps_in_flight_at_admission == [0, 1, 1, 1]
     assert controller.early_applications == 0
     context = controller.context
@@ -94,13 +100,7 @@ def test_finishing_requests_free_their_rows_without_waiting_for_the_step_in_flig
     arrivals = [(step, PROMPTS[index % len(PROMPTS)],
                  SamplingParams(max_new_tokens=lengths[index], temperature=0.8 if index % 2 else 0.0, seed=index))
                 for index, step in enumerate([0, 0, 0, 0, 5])]
-    fields = dict(max_requests=8, block_size_tokens=4, max_model_len=96, max_tokens_per_step=128)
-    plain = run_with_arrivals(TextGenerationController(
-        model, InferenceConfig(num_speculative_tokens=0, overlap_scheduling=False, **fields)), arrivals)
-    controller = AdmissionSyncChecked(model, InferenceConfig(
-        num_speculative_tokens=2, cuda_graph_batch_sizes=(1, 2, 4, 8) if graphs else (), **fields))
-    controller.warmup()
-    assert run_with_arrivals(controller, arrivals) == plain
+    controller = _run_checked(model, arrivals, graphs)
     assert controller.retired_with_step_in_flight >= 3
     assert controller.early_applications == 0
     context = controller.context

@@ -11,19 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from mtp_ctrl.triton_ops import causal_conv_varlen, reference, segment_of_rows, ssm_varlen_scan
+from tests.unit.test_mamba_ops import _packed_layout as _layout  # one layout helper for both files
 
 WIDTH, CHANNELS, HEADS, HEAD_DIM, STATE_SIZE = 4, 5, 2, 3, 6
-
-
-def _layout(pieces):
-    """``pieces``: ("prefill", q) a segment of q rows; ("other", q) q rows in no segment behind a
-    0-row segment (decode rows, padding). -> (row_start [n] int64, row_count [n] int64, T)."""
-    starts, counts, row = [], [], 0
-    for kind, rows in pieces:
-        starts.append(row)
-        counts.append(rows if kind == "prefill" else 0)
-        row += rows
-    return torch.tensor(starts, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64), row
 
 
 def _random_pieces(rng):
