@@ -269,10 +269,11 @@ class TextGenerationController:
         return result
 
     def _admit_waiting(self) -> None:
-        """Rows for waiting requests; with a step in flight only while none is paused: the new row
-        is then the first free one, past the step's rows, and what is written here is that row's
-        (host rows its read-back never reads, device rows by writes stream-ordered after it)."""
-        while self._can_admit() and (self._in_flight is None or self.context.adds_in_place):
+        """Rows for waiting requests, also with a step in flight: the new row lies past the step's
+        rows (at most a paused row, which no step runs, moves to the end to make room), its device
+        rows are reset by writes stream-ordered after the step, and the step's read-back is
+        realigned when rows moved (see :meth:`_apply`)."""
+        while self._can_admit():
             request_id = self._waiting[0]
             record = self._records[request_id]
             self.context.add_request(request_id, record.prompt_tokens + record.output_tokens)
@@ -386,9 +387,10 @@ class TextGenerationController:
 
     def _must_sync(self) -> bool:
         """Whether the next step needs the host's lengths exact, so the step in flight is applied
-        first: admitting while requests are paused, pausing or resuming. (Finishing does not:
-        rows move by stream-ordered copies and the read-back is realigned, see :meth:`_apply`.)"""
-        return (self._can_admit() and not self.context.adds_in_place) or self.context.needs_sync()
+        first: a decode must pause or a paused one can resume (``context.needs_sync``). Finishing
+        and admitting do not: rows move by stream-ordered copies and the read-back is realigned
+        (see :meth:`_apply`)."""
+        return self.context.needs_sync()
 
     def _can_admit(self) -> bool:
         if not self._waiting:

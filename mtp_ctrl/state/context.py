@@ -19,16 +19,18 @@ it has read step N's outcome back. The device knows each decode request's KV len
 (``table.host.known_lengths``) learns it from the read-back (:meth:`commit_readback`), one step
 late. So a step is built for the worst case, every draft of the steps in flight accepted: each
 decode request holds blocks for ``known_length + (1 + S) * (1 + steps_in_flight)`` tokens
-(``scheduler.worst_case_blocks``, the one formula). Pausing, resuming and admitting while
-requests are paused need the host's lengths exact, so they wait until no step is in flight:
+(``scheduler.worst_case_blocks``, the one formula). Pausing and resuming need the host's lengths
+exact, so they wait until no step is in flight:
 :meth:`needs_sync` tells the caller, and those calls raise ``RuntimeError`` while a built step has
 not been committed. Three moves need no wait:
 
 - finishing a request (:meth:`finish_request`): its row is freed at once, rows move by copies
   stream-ordered after the steps in flight, and those steps' read-backs are committed with the
   rows their requests hold now (``table.num_moves`` tells the caller that rows moved);
-- admitting while none is paused: the new request takes the first free row, past every row of a
-  built step (:attr:`adds_in_place`);
+- admitting: the new request takes the end of the prefill rows (with requests paused, the first
+  paused row moves to the end to make room; paused rows run in no step); its device rows are
+  reset after the steps in flight on the stream, and no read-back of a step it was not in is
+  applied to its row (the caller realigns by request id whenever rows moved);
 - a prompt whose final chunk ran becomes a decode by moving the decode | prefill boundary past it
   when it is the first prefill row (always the case: chunks are scheduled in row order from the
   first prefill row).
@@ -150,22 +152,15 @@ class DynamicInferenceContext:
         """How many more requests ``add_request`` accepts now."""
         return self.table.max_requests - self.table.num_live
 
-    @property
-    def adds_in_place(self) -> bool:
-        """Whether :meth:`add_request` moves no live row (no request is paused: the new request
-        takes the first free row, the end of the prefill rows), so it may run with steps in flight.
-        With paused rows the insert swaps one past the step's rows: likely safe, but kept behind a
-        sync (rare: the pool is short then; untested under a step in flight)."""
-        return self.table.group_size(RowGroup.PAUSED) == 0
-
     def __contains__(self, request_id: int) -> bool:
         return request_id in self.table
 
     def add_request(self, request_id: int, prompt_tokens: Tokens) -> None:
         """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence).
 
-        Allowed while a step is in flight: the new row lands past every row of a built step (its
-        device rows are reset by writes stream-ordered after it); see :attr:`adds_in_place`."""
+        Allowed while a step is in flight (see the module docstring): the new row is the end of
+        the prefill rows (with requests paused, the first paused row moves to the end to make
+        room), and its device rows are reset by writes stream-ordered after the step."""
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self.table:

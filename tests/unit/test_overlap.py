@@ -19,6 +19,7 @@ import torch
 
 from mtp_ctrl.controllers import FinishReason, Proposer, SamplingParams, TextGenerationController
 from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, build_models, make_controller, run_with_arrivals
+from mtp_ctrl.state.request_table import RowGroup
 from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups
 
 
@@ -375,5 +376,43 @@ def test_finishing_requests_retire_without_applying_the_step_in_flight(models, t
     assert run_with_arrivals(controller, arrivals) == plain
     assert early_applications == []
     assert sum(realigned) >= 3  # several steps were applied after rows moved under them
+    context = controller.context
+    assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
+
+
+def test_admission_while_a_request_is_paused_does_not_apply_the_step_in_flight(models, torch_twins):
+    """Issue 14: with a request paused on the caller's word, new requests still join while a
+    step is in flight (the paused row moves to the end by stream-ordered copies; the read-back is
+    realigned). Pausing and resuming themselves apply the step in flight. Outputs == plain."""
+    model, _ = models
+    params = SamplingParams(max_new_tokens=9)
+    prompts = [list(PROMPTS[index]) for index in range(4)]
+    plain = [r.output_tokens for r in make_controller(model, 0, overlap_scheduling=False).generate(prompts, params)]
+    controller = make_controller(model, 2)
+    early_applications = []
+    apply_in_flight = controller._apply_in_flight
+
+    def apply_and_record(collect=False):
+        if controller.has_unfinished_requests():
+            early_applications.append(controller.context.table.group_size(RowGroup.PAUSED))
+        return apply_in_flight(collect)
+
+    ids = [controller.add_request(prompts[0], params), controller.add_request(prompts[1], params)]
+    for _ in range(2):
+        controller.step()
+    controller.pause_request(ids[0])  # applies the step in flight (nothing paused yet)
+    controller._apply_in_flight = apply_and_record
+    controller.step()
+    ids += [controller.add_request(prompt, params) for prompt in prompts[2:]]
+    moves = controller.context.table.num_moves
+    for _ in range(3):
+        controller.step()
+    assert controller.context.table.num_moves > moves  # the paused row moved under a step in flight
+    assert early_applications == []
+    controller._apply_in_flight = apply_in_flight
+    controller.resume_request(ids[0])
+    while controller.has_unfinished_requests():
+        controller.step()
+    assert [controller.result(rid).output_tokens for rid in ids] == plain
     context = controller.context
     assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
