@@ -16,9 +16,9 @@ read-back and applies it on the host (stop rules, emitted tokens, KV lengths), s
 work hides behind the GPU's. The device is the source of truth for what the host learns late
 (accepted counts, KV lengths, next tokens, drafts); step N + 1 reads them on the device. A
 request that stopped in step N has run in step N + 1 too: that step's tokens for it are dropped,
-so its output ends exactly at the stop. What swaps rows (pausing, preemption, finishing) first
-waits for the step in flight; a request joining while none is paused, or a prompt turning into a
-decode, swaps none and does not wait. Policy is ``context.scheduler``'s (``state/scheduler.py``).
+so its output ends exactly at the stop. Only pausing, resuming and preemption wait for the step in
+flight; finishing and joining move rows by stream-ordered copies, and the step's read-back is
+realigned by request id. Policy is ``context.scheduler``'s (``state/scheduler.py``).
 ``InferenceConfig(overlap_scheduling=False)`` applies every step before the next one is built.
 
 Acceptance is exact match of the target's own sample, and sampling noise is a function of
@@ -304,10 +304,10 @@ class TextGenerationController:
         self.proposer.forget(request_id)
 
     def _retire_finished(self) -> None:
-        """Free the rows of requests that finished (no step in flight)."""
+        """Free the rows of requests that finished (a step may be in flight, see :meth:`_apply`)."""
         for request_id in self._retiring:
             self._release(request_id)
-            if request_id not in self._held_by_generate:
+            if request_id not in self._held_by_generate and request_id in self._records:  # not taken yet
                 self._finished_order.append(request_id)
         self._retiring.clear()
         while len(self._finished_order) > self.config.finished_results_kept:
@@ -368,7 +368,7 @@ class TextGenerationController:
         if self._in_flight is not None and (self._must_sync() or not self.config.overlap_scheduling):
             outputs += self._apply_in_flight(collect)
             self._retire_finished()
-        self._admit_waiting()  # with a step in flight: only into rows past it (see _must_sync)
+        self._admit_waiting()
         step = self._build_step()
         if step is None:
             if self._in_flight is not None:
@@ -474,7 +474,8 @@ class TextGenerationController:
             new_tokens, emitted, finished = self._outputs.apply_with_hook(
                 readback, decode, records, self.accept_tokens, type(self).__name__)
         else:
-            new_tokens, emitted, finished = self._outputs.apply(readback, decode, self._params_of_row, present)
+            new_tokens, emitted, finished = self._outputs.apply(
+                readback, decode, lambda row: self._records[int(request_ids[row])].params, present)
         self.metrics.record_acceptance(readback[:, 0][decode & (emitted > 0)])
         self.metrics.emitted_tokens += int(emitted.sum())
         for row, reason in finished:
@@ -484,9 +485,6 @@ class TextGenerationController:
             return []
         return [(int(request_ids[row]), new_tokens[row, : emitted[row]].tolist(), row in finished_rows)  # host-ok: numpy
                 for row in range(readback.shape[0]) if emitted[row] > 0]
-
-    def _params_of_row(self, row: int) -> SamplingParams:
-        return self._records[int(self.context.table.host.request_ids[row])].params
 
     def _hook_overridden(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(TextGenerationController, name)

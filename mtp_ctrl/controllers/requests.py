@@ -30,21 +30,21 @@ class RequestRecord:
     finish_reason: Optional[FinishReason] = None
     preemptions: int = 0  # times it was evicted for KV space and recomputed
     _saved: Tuple[List[int], int, int] = dataclasses.field(default_factory=lambda: ([], 0, 0), repr=False)
-    _row: Optional[Tuple["OutputRows", "RequestTable"]] = dataclasses.field(default=None, repr=False)
+    _source: Optional[Tuple["OutputRows", "RequestTable"]] = dataclasses.field(default=None, repr=False)
 
     def attach(self, outputs: "OutputRows", table: "RequestTable") -> None:
         """The request took a table row (``outputs.start`` has filled it): read from the row now."""
-        self._row = (outputs, table)
+        self._source = (outputs, table)
 
     def detach(self) -> None:
         """The request leaves its row: keep what the row held."""
         self._saved = (self.output_tokens, self.decode_steps, self.accepted_drafts)
-        self._row = None
+        self._source = None
 
     def _live_row(self) -> Optional[Tuple["OutputRows", int]]:
-        if self._row is None:
+        if self._source is None:
             return None
-        outputs, table = self._row
+        outputs, table = self._source
         return outputs, table.row_of(self.request_id)
 
     @property

@@ -102,3 +102,33 @@ def test_decode_mask_counts_verify_steps_only_for_decode_rows(S):
     outputs.apply(readback, np.array([True, False]), None)
     assert outputs.decode_steps[:2].tolist() == [1, 0]
     assert outputs.accepted_drafts[:2].tolist() == [S, 0]
+
+
+def test_a_record_reads_its_row_while_attached_and_keeps_it_after():
+    """RequestRecord: one owner at a time for the output and counters. Attached, it reads the
+    request's current row (also after the row moved); detached, what the row held; re-admitted
+    (a preemption), the new row starts from it."""
+    from mtp_ctrl.controllers.requests import RequestRecord
+    from mtp_ctrl.state.request_table import RowGroup
+
+    table = RequestTable(4, 16, 1, 4, torch.device("cpu"))
+    outputs = OutputRows(table, MAX_MODEL_LEN, 1)
+    params = SamplingParams(max_new_tokens=30)
+    records = {request_id: RequestRecord(request_id, [1, 2], params, seed=0) for request_id in (7, 8)}
+    for request_id, record in records.items():
+        row = table.insert(request_id, RowGroup.DECODE)
+        outputs.start(row, params, 2, record.output_tokens, record.decode_steps, record.accepted_drafts)
+        record.attach(outputs, table)
+    outputs.apply(np.array([[1, 5, 4], [0, 6, 9]]), np.ones(2, dtype=bool), None)
+    assert (records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts) == ([4, 5], 1, 1)
+    assert records[8].output_tokens == [6]
+    records[7].detach()
+    table.remove(7)  # request 8 moves into row 0
+    assert table.row_of(8) == 0 and records[8].output_tokens == [6]
+    assert (records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts) == ([4, 5], 1, 1)
+    outputs.apply(np.array([[0, 3, 0]]), np.ones(1, dtype=bool), None)  # only request 8 runs now
+    assert records[7].output_tokens == [4, 5] and records[8].output_tokens == [6, 3]
+    row = table.insert(7, RowGroup.DECODE)  # back after a preemption
+    outputs.start(row, params, 2, records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts)
+    records[7].attach(outputs, table)
+    assert (records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts) == ([4, 5], 1, 1)

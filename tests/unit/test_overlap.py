@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import FinishReason, Proposer, SamplingParams, TextGenerationController
-from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, build_models, make_controller, run_with_arrivals
 from mtp_ctrl.state.request_table import RowGroup
+from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, build_models, make_controller, run_with_arrivals
 from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups
 
 
@@ -416,3 +416,22 @@ def test_admission_while_a_request_is_paused_does_not_apply_the_step_in_flight(m
     assert [controller.result(rid).output_tokens for rid in ids] == plain
     context = controller.context
     assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
+
+
+def test_a_result_taken_before_its_row_is_freed_does_not_push_out_another(models, torch_twins):
+    """pop_result right after step() reported the finish (the request still holds its row until
+    the next step frees it) must not count toward finished_results_kept: A's result stays while
+    only A and B are unclaimed. (Before, C's taken result was counted and pushed A out.)"""
+    model, _ = models
+    controller = make_controller(model, 1, finished_results_kept=2)
+    lengths = {"A": 2, "C": 5, "B": 9}
+    ids = {name: controller.add_request(list(PROMPTS[index]), SamplingParams(max_new_tokens=length))
+           for index, (name, length) in enumerate(lengths.items())}
+    taken = None
+    while controller.has_unfinished_requests():
+        for request_id, _, finished in controller.step():
+            if finished and request_id == ids["C"]:
+                taken = controller.pop_result(request_id)
+    assert taken is not None and len(taken.output_tokens) == lengths["C"]
+    assert len(controller.result(ids["A"]).output_tokens) == lengths["A"]
+    assert len(controller.result(ids["B"]).output_tokens) == lengths["B"]
