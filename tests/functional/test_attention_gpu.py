@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mtp_ctrl.triton_ops import paged_attention, reference, write_kv_cache
+from tests.functional.sync_checks import no_host_sync
 from tests.unit.paged_attention_cases import dense_attention, make_paged_case, random_mixed_lengths
 
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
@@ -72,12 +73,9 @@ def test_decode_step_in_cuda_graph_without_host_sync():
         step()  # warm-up compiles the kernels outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         with torch.cuda.graph(graph):
             graph_out = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for _ in range(2):
         case.query.normal_()
         new_key.normal_()

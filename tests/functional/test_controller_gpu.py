@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
 from mtp_ctrl.controllers import InferenceConfig, Proposer, SamplingParams, TextGenerationController
+from tests.functional.sync_checks import no_host_sync
 from tests.unit.controller_fixtures import OracleProposer, run_with_arrivals
 from tests.unit.hybrid_fixtures import build_hybrid_model
 from tests.unit.megatron_fixtures import (
@@ -49,11 +50,8 @@ class SyncCheckedController(TextGenerationController):
     def _launch_step(self, step):
         if step.num_prefill:
             return super()._launch_step(step)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             launched = super()._launch_step(step)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         self.decode_launches += 1
         return launched
 
@@ -130,11 +128,8 @@ class AllStepsSyncChecked(TextGenerationController):
     def _launch_step(self, step):
         replay = step.graph_padded and (step.dimensions, bool(self._outputs.greedy[: step.num_requests].all())) \
             in self._graphs
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             launched = super()._launch_step(step)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         self.mixed_replays += int(replay and step.num_prefill > 0)
         return launched
 

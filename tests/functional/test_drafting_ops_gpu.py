@@ -21,6 +21,7 @@ from mtp_ctrl.triton_ops import (
     shift_and_gather_cache,
     shift_and_gather_cache_hidden,
 )
+from tests.functional.sync_checks import no_host_sync
 from tests.unit import drafting_cases as cases
 
 DEVICE = "cuda"
@@ -110,11 +111,8 @@ def test_kernel_matches_reference_without_host_sync(name, seed):
     reference_args = _clone(args)
     OPS[name](*_clone(args))  # compile outside sync-debug mode
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         returned = OPS[name](*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     expected = _results(name, reference_args, _reference_op(name)(*reference_args))
     _assert_same(_results(name, args, returned), expected)
 
@@ -181,13 +179,10 @@ def test_extend_all_queries_by_n_in_a_cuda_graph():
     new_slot_mapping = torch.arange(metadata.num_tokens + len(BASE_LENGTHS) * n, device=DEVICE)
     extend_all_queries_by_n(metadata, n, new_slot_mapping)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_extended = extend_all_queries_by_n(metadata, n, new_slot_mapping)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for seed in (1, 2):
         generator = torch.Generator().manual_seed(seed)
         new_metadata = _metadata(generator, _permuted_lengths(generator))

@@ -6,6 +6,7 @@ import torch
 
 from mtp_ctrl.models import PagedGPTRunner, count_kv_layers
 from mtp_ctrl.triton_ops import reference, rope_and_write_kv_cache
+from tests.functional.sync_checks import no_host_sync
 from tests.unit.megatron_fixtures import (
     MAX_SEQUENCE_LENGTH,
     NUM_BLOCKS,
@@ -106,12 +107,9 @@ def test_fused_forward_in_a_cuda_graph_without_host_sync(megatron_groups):
         step()  # compiles the kernels outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         with torch.cuda.graph(graph):
             graph_logits, graph_draft_logits = step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for seed in (3, 4):
         token_ids.copy_(torch.randint(0, VOCAB_SIZE, (3,), generator=torch.Generator().manual_seed(seed)))
         graph.replay()

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp_ctrl.triton_ops import causal_conv_varlen, mamba_decode_rows, reference, segment_of_rows, ssm_varlen_scan
+from tests.functional.sync_checks import no_host_sync
 
 HEADS, HEAD_DIM, STATE_SIZE, GROUPS, WIDTH = 32, 64, 128, 8, 4
 CHANNELS = HEADS * HEAD_DIM + 2 * GROUPS * STATE_SIZE  # 4096
@@ -111,13 +112,10 @@ def test_graph_replay_with_new_segments_and_values_without_host_sync():
         segment_of_rows(row_start, row_count, num_rows)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         with torch.cuda.graph(graph):
             outputs = _run(causal_conv_varlen, ssm_varlen_scan, conv, scan, row_start, row_count, num_rows)
             inside_out = segment_of_rows(row_start, row_count, num_rows)[2]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     new_layouts = [[(3, False)] * 2 + [(1, True)] * 6 + [(40, True), (44, False)],
                    [(96, True)] + [(0, False)] * 9,
                    pieces]
@@ -186,12 +184,9 @@ def test_decode_rows_graph_replay_with_new_slots_without_host_sync():
         _decode(mamba_decode_rows, states, slot_ids, rest)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         with torch.cuda.graph(graph):
             y = _decode(mamba_decode_rows, states, slot_ids, rest)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for seed, slots in ((6, [1, 2, 3, 4, 5, 6, 7, 8]), (7, [9, 8, 7, 6, 5, 4, 3, 2])):
         new_states, new_rest = _decode_case(24, seed=seed)
         for name, value in new_states.items():

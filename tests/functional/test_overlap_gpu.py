@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+from tests.functional.sync_checks import no_host_sync
 from tests.unit.controller_fixtures import run_with_arrivals
 from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups, tiny_config
 
@@ -41,11 +42,8 @@ class AdmissionSyncChecked(TextGenerationController):
     def _checked(self, function):
         if self._in_flight is None or not self._waiting:
             return function()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             return function()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
 
     def _admit_waiting(self):
         return self._checked(super()._admit_waiting)
@@ -55,11 +53,8 @@ class AdmissionSyncChecked(TextGenerationController):
         if self._in_flight is None or not self._retiring:
             return super()._retire_finished()
         self.retired_with_step_in_flight += len(self._retiring)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             return super()._retire_finished()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
 
     def _apply_in_flight(self, collect=False):
         if not self._retiring and self.has_unfinished_requests():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mtp_ctrl.triton_ops import reference, rejection_sample
+from tests.functional.sync_checks import no_host_sync
 from tests.unit.rejection_cases import make_case
 
 CUDA = "cuda"
@@ -31,12 +32,9 @@ def test_graph_capture_replay_without_host_sync():
     rejection_sample(*args, out=out)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         with torch.cuda.graph(graph):
             rejection_sample(*args, out=out)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     fresh = _cuda_args(make_case(24, 4096, 2))
     for arg, new in zip(args, fresh):
         arg.copy_(new)

@@ -1,25 +1,16 @@
 """sample_tokens on CUDA: kernel == torch twin (vocab up to 128k), CUDA-graph capture and replay
 with new inputs, no host sync."""
 
-import contextlib
 
 import pytest
 import torch
 
 from mtp_ctrl.triton_ops import reference, sample_tokens
+from tests.functional.sync_checks import no_host_sync
 from tests.unit.sampling_cases import make_case
 
 CUDA = "cuda"
 NAMES = ("logits", "temperature", "top_k", "top_p", "seeds", "positions")
-
-
-@contextlib.contextmanager
-def _no_host_sync():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _cuda_case(num_rows, vocab_size, seed, **kwargs):
@@ -67,7 +58,7 @@ def test_graph_capture_and_replay_without_host_sync(all_greedy):
         fresh = _cuda_case(num_rows, vocab_size, seed=seed)
         for name in NAMES:
             static[name].copy_(fresh[name])
-        with _no_host_sync():
+        with no_host_sync():
             graph.replay()
             sample_tokens(*args, all_greedy=all_greedy, out=torch.empty_like(out))  # eager: no sync either
         want = reference.sample_tokens(*[fresh[name] for name in NAMES], all_greedy=all_greedy)

@@ -11,6 +11,7 @@ import torch
 
 from mtp_ctrl.state import DynamicInferenceContext, KVCacheSpec
 from mtp_ctrl.triton_ops import rewind_kv_cache
+from tests.functional.sync_checks import no_host_sync
 
 KV_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 
@@ -147,8 +148,7 @@ def test_build_prepare_and_commit_do_not_sync():
     device_step(ctx, step, accepted)
     ctx.commit_readback(step, np.ones(step.num_decode, np.int64))
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         step = ctx.build_step()
         device_step(ctx, step, accepted)
         for _ in range(3):  # the overlapped loop: build the next step before the read-back
@@ -163,6 +163,4 @@ def test_build_prepare_and_commit_do_not_sync():
         step = ctx.build_step()
         device_step(ctx, step, accepted)
         ctx.commit_readback(step, np.ones(step.num_decode, np.int64))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert ctx.table.mismatched_rows() == []

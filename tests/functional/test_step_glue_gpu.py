@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mtp_ctrl.triton_ops import mtp_advance_window, mtp_draft_window, prepare_step_inputs, reference
+from tests.functional.sync_checks import no_host_sync
 from tests.unit.test_mtp_window import ADVANCE_ARGS, mtp_window_case
 from tests.unit.test_step_inputs import step_inputs_case
 
@@ -42,11 +43,8 @@ def test_mtp_window_kernels_match_reference_without_sync_and_replay(dtype):
 
     case = make(0)
     gpu = _to(case, "cuda")
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         _draft_window_step(gpu)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     _reference_draft_window_step(case)
     _assert_equal(gpu, case, case["padding_row"])
     graph = torch.cuda.CUDAGraph()
@@ -68,11 +66,8 @@ def test_prepare_step_inputs_matches_reference_without_sync_and_replay():
 
     case = make(0)
     gpu = _to(case, "cuda")
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         prepare_step_inputs(**gpu)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     reference.prepare_step_inputs(**case)
     _assert_equal(gpu, case)
     graph = torch.cuda.CUDAGraph()
@@ -97,10 +92,7 @@ def test_step_rows_match_reference_on_cuda():
                            (draft_batch_rows, reference.draft_batch_rows,
                             draft_rows_case(torch.Generator().manual_seed(0), 64, (50, 30, 45), 2))):
         gpu = _to(case, "cuda")
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             op(**gpu)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         twin(**case)
         _assert_equal(gpu, case)

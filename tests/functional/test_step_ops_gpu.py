@@ -1,7 +1,5 @@
 """MTP step ops on CUDA: kernel == reference, CUDA-graph capture and replay with new inputs, no host sync."""
 
-import contextlib
-
 import pytest
 import torch
 
@@ -15,18 +13,10 @@ from mtp_ctrl.triton_ops import (
 )
 from mtp_ctrl.triton_ops.fused_step import StepCommit
 from mtp_ctrl.triton_ops.kv_rewind import max_released_blocks
+from tests.functional.sync_checks import no_host_sync
 from tests.unit.step_cases import assert_all_equal, clone_all, make_kv_state, make_token_case
 
 CUDA = "cuda"
-
-
-@contextlib.contextmanager
-def _no_host_sync():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _buffers(num_rows, num_spec):
@@ -140,7 +130,7 @@ def test_every_op_runs_without_host_sync():
 
     step()  # compile every kernel first
     torch.cuda.synchronize()
-    with _no_host_sync():
+    with no_host_sync():
         step()
     torch.cuda.synchronize()
 
@@ -153,7 +143,7 @@ def _capture(fn):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with _no_host_sync(), torch.cuda.graph(graph):
+    with no_host_sync(), torch.cuda.graph(graph):
         fn()
     return graph
 
