@@ -451,7 +451,7 @@ class TextGenerationController:
             self.metrics.record_gpu(launched.gpu_start.elapsed_time(launched.done) / 1e3)
         step, readback = launched.step, launched.readback.numpy()  # [n_s, S + 2], the step's row order
         num_decode, table = step.num_decode, self.context.table
-        rows = None  # rows moved since the step was built (a request finished): where its requests are now
+        rows = None  # rows moved since launch (a request left, or a paused row made room): where its requests are now
         if table.num_moves != launched.table_moves:
             rows = np.array([table.row_of(request_id) if request_id in table else -1
                              for request_id in step.request_ids[: readback.shape[0]]], dtype=np.int64)
