@@ -6,8 +6,9 @@ add, the residual add, the pre-MLP norm, the fc1 bias add, the activation (and a
 GLU), the fc2 bias add and the residual add: 8 to 9 element-wise launches. The two classes here
 run the same math in 3 (:mod:`mtp_ctrl.triton_ops.layer_glue`):
 
-- :class:`FusedQKVSelfAttention` (megatron's ``SelfAttention``): QKV bias + per-group split into
-  contiguous query / key / value heads, one launch;
+- :class:`FusedQKVSelfAttention` (megatron's ``SelfAttention``): inside a paged forward, QKV bias +
+  per-group head split + rope + KV-cache write, one launch that reads the QKV GEMM's rows in place;
+  with megatron's own rotary, QKV bias + split into contiguous query / key / value heads;
 - :class:`FusedGlueTransformerLayer` (megatron's ``TransformerLayer``): attention bias + residual +
   pre-MLP LayerNorm / RMSNorm, one launch; fc1 bias + activation (+ GLU), one launch; fc2 bias +
   residual + the NEXT layer's input norm, one launch (:func:`link_input_norms` tells each layer
@@ -34,6 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mtp_ctrl.models.forward_context import fused_glue_enabled, stash_normed_input, take_normed_input
+from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
 from mtp_ctrl.triton_ops import add_bias_residual_norm, bias_activation, split_qkv_heads
 
 _ACTIVATIONS = {F.gelu: "gelu", F.silu: "silu", F.relu: "relu"}
@@ -103,7 +105,9 @@ def _same_dtype(bias: Optional[torch.Tensor], like: torch.Tensor) -> Optional[to
 
 
 class FusedQKVSelfAttention(SelfAttention):
-    """megatron's ``SelfAttention``; on the fused path the QKV bias add and the head split are one launch."""
+    """megatron's ``SelfAttention``. Inside a paged forward its QKV bias add, head split, rope and
+    KV-cache write are one launch (:meth:`PagedCoreAttention.forward_mixed_qkv`); with megatron's
+    rotary (the unfused comparison path) the bias add and the split are one launch."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -113,18 +117,36 @@ class FusedQKVSelfAttention(SelfAttention):
             and not self.linear_qkv.gather_output and not config.sequence_parallel and not config.test_mode
             and config.num_query_groups >= self.world_size
         )
+        self.fused_mixed_supported = (
+            self.fused_split_supported and isinstance(self.core_attention, PagedCoreAttention)
+            and isinstance(self.q_layernorm, (type(None), IdentityOp))
+            and isinstance(self.k_layernorm, (type(None), IdentityOp))
+            and not config.attention_output_gate
+        )
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        megatron_only = (key_value_states, inference_context, inference_params, rotary_pos_emb, rotary_pos_cos,
+                         rotary_pos_sin, rotary_pos_cos_sin, attention_bias, packed_seq_params)
+        if not (self.fused_mixed_supported and all(arg is None for arg in megatron_only) and not self.training
+                and fused_glue_enabled()):
+            return super().forward(
+                hidden_states, attention_mask, key_value_states=key_value_states, inference_context=inference_context,
+                rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                inference_params=inference_params)
+        mixed_qkv, bias = self._qkv_projection(hidden_states)  # [s, b, G * (Q / G + 2) * D], bias or None
+        attended = self.core_attention.forward_mixed_qkv(_rows(mixed_qkv), _same_dtype(bias, mixed_qkv))
+        return self.linear_proj(attended.view(*mixed_qkv.shape[:2], -1))  # (output [s, b, H], bias)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
         if not (self.fused_split_supported and split_qkv and not output_gate and key_value_states is None
                 and not self.training and fused_glue_enabled()):
             return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
                                                        split_qkv=split_qkv)
-        linear = self.linear_qkv
-        linear.skip_bias_add = True  # the bias goes to the split kernel (restored right after)
-        try:
-            mixed_qkv, bias = linear(hidden_states)  # [s, b, G * (Q / G + 2) * D], bias [G * (Q / G + 2) * D]
-        finally:
-            linear.skip_bias_add = False
+        mixed_qkv, bias = self._qkv_projection(hidden_states)
         seq, batch = mixed_qkv.shape[:2]
         head_dim = self.hidden_size_per_attention_head
         query, key, value = split_qkv_heads(_rows(mixed_qkv), _same_dtype(bias, mixed_qkv),
@@ -137,6 +159,15 @@ class FusedQKVSelfAttention(SelfAttention):
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
         return query, key, value
+
+    def _qkv_projection(self, hidden_states):
+        """The QKV GEMM without its bias add: (rows ``[s, b, G * (Q / G + 2) * D]``, bias or None)."""
+        linear = self.linear_qkv
+        linear.skip_bias_add = True  # the bias goes to the next kernel (restored right after)
+        try:
+            return linear(hidden_states)
+        finally:
+            linear.skip_bias_add = False
 
 
 class FusedGlueTransformerLayer(TransformerLayer):

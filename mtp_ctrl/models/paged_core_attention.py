@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from mtp_ctrl.models.forward_context import current_paged_forward
-from mtp_ctrl.triton_ops import paged_attention, rope_and_write_kv_cache
+from mtp_ctrl.triton_ops import paged_attention, rope_and_write_kv_cache, rope_and_write_kv_cache_mixed
 
 
 class PagedCoreAttention(MegatronModule):
@@ -75,14 +75,41 @@ class PagedCoreAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:  # [T, 1, Hq_local * D]
-        forward = current_paged_forward()
-        if self.kv_layer_index is None:
-            raise RuntimeError(f"layer {self.layer_number}: kv_layer_index is unset; build the model with "
-                               "mtp_ctrl.models.build_gpt_model or call assign_kv_layer_indices(model)")
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("PagedCoreAttention takes no attention_bias or packed_seq_params")
         if query.dim() != 4 or query.shape[1] != 1:
             raise ValueError(f"query must be [T, 1, heads, D] (packed rows, batch 1), got {tuple(query.shape)}")
+        forward, key_cache, value_cache = self._layer_cache(query.shape[0])
+        rotary = None if self.skips_rotary else forward.rotary
+        roped_query = rope_and_write_kv_cache(
+            query[:, 0], key[:, 0], value[:, 0], key_cache, value_cache, forward.metadata.slot_mapping,
+            None if rotary is None else rotary.cos, None if rotary is None else rotary.sin,
+            self.config.rotary_interleaved,
+        )  # [T, Hq_local, D]
+        return self._attend(roped_query, key_cache, value_cache, forward.metadata)
+
+    def forward_mixed_qkv(
+        self,
+        mixed_qkv: torch.Tensor,  # [T, G_local * (Hq / G + 2) * D]: megatron's fused QKV projection rows
+        bias: Optional[torch.Tensor],  # [mixed_qkv.shape[1]] or None: that projection's bias, not yet added
+    ) -> torch.Tensor:  # [T, 1, Hq_local * D]
+        """:meth:`forward` straight from the QKV projection: the bias add, the head split, rope and
+        the cache write are one launch (:func:`mtp_ctrl.triton_ops.rope_and_write_kv_cache_mixed`)."""
+        forward, key_cache, value_cache = self._layer_cache(mixed_qkv.shape[0])
+        rotary = None if self.skips_rotary else forward.rotary
+        roped_query = rope_and_write_kv_cache_mixed(
+            mixed_qkv, bias, self.num_kv_heads_local, self.head_dim, key_cache, value_cache,
+            forward.metadata.slot_mapping, None if rotary is None else rotary.cos,
+            None if rotary is None else rotary.sin, self.config.rotary_interleaved,
+        )  # [T, Hq_local, D]
+        return self._attend(roped_query, key_cache, value_cache, forward.metadata)
+
+    def _layer_cache(self, num_rows: int):
+        """This forward's context and this layer's cache pair, checked against ``num_rows`` query rows."""
+        forward = current_paged_forward()
+        if self.kv_layer_index is None:
+            raise RuntimeError(f"layer {self.layer_number}: kv_layer_index is unset; build the model with "
+                               "mtp_ctrl.models.build_gpt_model or call assign_kv_layer_indices(model)")
         if self.kv_layer_index >= len(forward.kv_caches):
             raise ValueError(f"kv_caches has {len(forward.kv_caches)} layers, this attention uses index "
                              f"{self.kv_layer_index}")
@@ -91,15 +118,11 @@ class PagedCoreAttention(MegatronModule):
         if tuple(key_cache.shape[2:]) != want:
             raise ValueError(f"kv_caches[{self.kv_layer_index}] is {tuple(key_cache.shape)}, expected "
                              f"[num_blocks, block_size_tokens, {want[0]}, {want[1]}]")
-        metadata = forward.metadata
-        if metadata.num_tokens != query.shape[0]:
-            raise ValueError(f"metadata has {metadata.num_tokens} rows, the forward has {query.shape[0]}")
-        rotary = None if self.skips_rotary else forward.rotary
-        roped_query = rope_and_write_kv_cache(
-            query[:, 0], key[:, 0], value[:, 0], key_cache, value_cache, metadata.slot_mapping,
-            None if rotary is None else rotary.cos, None if rotary is None else rotary.sin,
-            self.config.rotary_interleaved,
-        )  # [T, Hq_local, D]
+        if forward.metadata.num_tokens != num_rows:
+            raise ValueError(f"metadata has {forward.metadata.num_tokens} rows, the forward has {num_rows}")
+        return forward, key_cache, value_cache
+
+    def _attend(self, roped_query, key_cache, value_cache, metadata) -> torch.Tensor:  # [T, 1, Hq_local * D]
         attended = paged_attention(
             roped_query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
             metadata.query_start_loc, self.softmax_scale,

@@ -41,6 +41,7 @@ _OP_MODULES = {
     "write_kv_cache": "kv_cache_write",
     "paged_attention": "paged_attn",
     "rope_and_write_kv_cache": "rope_kv_write",
+    "rope_and_write_kv_cache_mixed": "rope_kv_write",
     # Mamba-2 prefill over the packed rows of a step
     "causal_conv_varlen": "mamba_varlen",
     "ssm_varlen_scan": "mamba_varlen",

@@ -240,6 +240,19 @@ def bias_activation(
     return out
 
 
+def check_mixed_qkv(mixed_qkv: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
+    """Check megatron's fused QKV rows ``[T, G * (Q / G + 2) * D]``; returns ``Q / G``."""
+    check_tensor("mixed_qkv", mixed_qkv, dtypes=FLOAT_DTYPES, ndim=2)
+    check_int("num_kv_heads", num_kv_heads, low=1)
+    check_int("head_dim", head_dim, low=1)
+    width, group_width = mixed_qkv.shape[1], num_kv_heads * head_dim
+    if width % group_width != 0 or width // group_width < 3:
+        raise ValueError(f"mixed_qkv's width {width} must be num_kv_heads * (heads_per_group + 2) * head_dim "
+                         f"with heads_per_group >= 1 (num_kv_heads={num_kv_heads}, head_dim={head_dim})")
+    check_unit_last_stride(mixed_qkv=mixed_qkv)
+    return width // group_width - 2
+
+
 def split_qkv_heads(
     mixed_qkv: torch.Tensor,  # [T, G * (Q / G + 2) * D] float: per kv group, its query heads, key, value
     bias: Optional[torch.Tensor],  # [mixed_qkv.shape[1]], mixed_qkv's dtype, or None
@@ -252,20 +265,11 @@ def split_qkv_heads(
     its key head, then its value head. Example, ``G = 2``, ``Q = 4``, ``D = 1``: the row
     ``[q0 q1 k0 v0 q2 q3 k1 v1]`` gives query ``[q0 q1 q2 q3]``, key ``[k0 k1]``, value ``[v0 v1]``.
     """
-    check_tensor("mixed_qkv", mixed_qkv, dtypes=FLOAT_DTYPES, ndim=2)
-    check_int("num_kv_heads", num_kv_heads, low=1)
-    check_int("head_dim", head_dim, low=1)
-    width = mixed_qkv.shape[1]
-    group_width = num_kv_heads * head_dim
-    if width % group_width != 0 or width // group_width < 3:
-        raise ValueError(f"mixed_qkv's width {width} must be num_kv_heads * (heads_per_group + 2) * head_dim "
-                         f"with heads_per_group >= 1 (num_kv_heads={num_kv_heads}, head_dim={head_dim})")
-    _check_vector("bias", bias, width, (mixed_qkv.dtype,), mixed_qkv.device)
-    check_unit_last_stride(mixed_qkv=mixed_qkv)
+    heads_per_group = check_mixed_qkv(mixed_qkv, num_kv_heads, head_dim)
+    _check_vector("bias", bias, mixed_qkv.shape[1], (mixed_qkv.dtype,), mixed_qkv.device)
     if not use_triton(mixed_qkv):
         return reference.split_qkv_heads(mixed_qkv, bias, num_kv_heads, head_dim)
     num_tokens = mixed_qkv.shape[0]
-    heads_per_group = width // group_width - 2
     options = dict(dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     query = torch.empty((num_tokens, num_kv_heads * heads_per_group, head_dim), **options)  # [T, Q, D]
     key = torch.empty((num_tokens, num_kv_heads, head_dim), **options)  # [T, G, D]

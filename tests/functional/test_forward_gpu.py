@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mtp_ctrl.models import PagedGPTRunner, count_kv_layers
-from mtp_ctrl.triton_ops import reference, rope_and_write_kv_cache
+from mtp_ctrl.triton_ops import reference, rope_and_write_kv_cache, rope_and_write_kv_cache_mixed
 from tests.functional.sync_checks import no_host_sync
 from tests.unit.megatron_fixtures import (
     MAX_SEQUENCE_LENGTH,
@@ -56,6 +56,35 @@ def test_kernel_matches_reference_on_gpu(dtype, interleaved, num_tokens, num_kv_
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, **tolerance)
     assert torch.equal(results[0][2], results[1][2])  # values are copied bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias,rotary", [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("num_tokens,num_kv_heads,group,head_dim", [(1, 4, 4, 128), (96, 4, 4, 128), (333, 8, 1, 64)])
+def test_mixed_qkv_kernel_matches_reference_on_gpu(dtype, with_bias, rotary, num_tokens, num_kv_heads, group,
+                                                   head_dim):
+    """rope_and_write_kv_cache_mixed (QKV rows + bias in place) == split + rope twins, also replayed from a graph."""
+    case = _kernel_case(num_tokens + 7, dtype, num_tokens, num_kv_heads, group, head_dim, head_dim)
+    _, _, _, key_cache, value_cache, slots, cos, sin = case
+    generator = torch.Generator().manual_seed(num_tokens)
+    width = num_kv_heads * (group + 2) * head_dim
+    mixed = torch.randn(num_tokens, width, generator=generator).to("cuda", dtype)  # [T, G * (Q/G + 2) * D]
+    bias = torch.randn(width, generator=generator).to("cuda", dtype) if with_bias else None
+    cos, sin = (cos, sin) if rotary else (None, None)
+    want_caches = key_cache.clone(), value_cache.clone()
+    want = reference.rope_and_write_kv_cache_mixed(mixed, bias, num_kv_heads, head_dim, *want_caches, slots, cos, sin)
+    caches = key_cache.clone(), value_cache.clone()
+    rope_and_write_kv_cache_mixed(mixed, bias, num_kv_heads, head_dim, *caches, slots, cos, sin)  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = rope_and_write_kv_cache_mixed(mixed, bias, num_kv_heads, head_dim, *caches, slots, cos, sin)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for got_tensor, want_tensor in zip((got, *caches), (want, *want_caches)):
+        torch.testing.assert_close(got_tensor, want_tensor, **tolerance)
+    assert torch.equal(caches[1], want_caches[1])  # values: a copy after one rounding, bit for bit
 
 
 @pytest.fixture(scope="module")

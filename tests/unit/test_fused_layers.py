@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from mtp_ctrl.controllers import SamplingParams
 from mtp_ctrl.models import PagedGPTRunner, count_kv_layers
-from mtp_ctrl.models import fused_layers
+from mtp_ctrl.models import fused_layers, paged_core_attention
 from mtp_ctrl.models.fused_layers import FusedGlueTransformerLayer, FusedQKVSelfAttention
 from mtp_ctrl.models.runner import FUSED_GLUE_ENV
 from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
@@ -65,9 +65,10 @@ class _KernelCalls:
 
     def __init__(self, monkeypatch):
         self.counts = {}
-        for name in ("add_bias_residual_norm", "bias_activation", "split_qkv_heads"):
-            op = getattr(fused_layers, name)
-            monkeypatch.setattr(fused_layers, name, self._counting(name, op))
+        for module, name in ((fused_layers, "add_bias_residual_norm"), (fused_layers, "bias_activation"),
+                             (fused_layers, "split_qkv_heads"), (paged_core_attention, "rope_and_write_kv_cache_mixed")):
+            op = getattr(module, name)
+            monkeypatch.setattr(module, name, self._counting(name, op))
 
     def _counting(self, name, op):
         def counted(*args, **kwargs):
@@ -88,7 +89,12 @@ def test_fused_glue_matches_megatron_glue_fp32(name, monkeypatch):
     assert calls.counts == {}  # megatron's glue only
     fused = _schedule_logits(model, fused_glue=True)
     layer_calls = 5 * (2 + 1)  # SCHEDULE's 5 steps, each through 2 decoder layers and 1 MTP layer
-    assert calls.counts == {"split_qkv_heads": layer_calls, "add_bias_residual_norm": 2 * layer_calls,
+    # the QKV bias, head split, rope and cache write: one launch from the GEMM's rows (with q/k norms
+    # between the split and the rope: the split launch, then megatron's norms, then the rope)
+    mixed = all(layer.self_attention.fused_mixed_supported for layer in layers)
+    assert mixed == ("qk_layernorm" not in name)
+    qkv_op = "rope_and_write_kv_cache_mixed" if mixed else "split_qkv_heads"
+    assert calls.counts == {qkv_op: layer_calls, "add_bias_residual_norm": 2 * layer_calls,
                             "bias_activation": layer_calls}
     for fused_depth, unfused_depth in zip(fused, unfused):  # decoder, then each MTP depth
         for got, want in zip(fused_depth, unfused_depth):  # per request

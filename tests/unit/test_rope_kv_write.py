@@ -4,7 +4,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-from mtp_ctrl.triton_ops import reference, rope_and_write_kv_cache
+from mtp_ctrl.triton_ops import reference, rope_and_write_kv_cache, rope_and_write_kv_cache_mixed
 
 BLOCK_SIZE_TOKENS = 4
 
@@ -161,3 +161,66 @@ def test_bad_inputs(index, bad, error, match):
     args[index] = bad(args[index])
     with pytest.raises(error, match=match):
         rope_and_write_kv_cache(*args)
+
+
+def _mixed_case(num_tokens, num_kv_heads, heads_per_group, head_dim, dtype, seed, with_bias):
+    generator = torch.Generator().manual_seed(seed)
+    width = num_kv_heads * (heads_per_group + 2) * head_dim
+    mixed = torch.randn(num_tokens, width, generator=generator).to(dtype)  # [T, G * (Q/G + 2) * D]
+    bias = torch.randn(width, generator=generator).to(dtype) if with_bias else None
+    return mixed, bias
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_mixed_qkv_kernel_matches_split_then_rope(seed):
+    """rope_and_write_kv_cache_mixed == split_qkv_heads + rope_and_write_kv_cache (the twin) on random
+    shapes: with and without bias and rotary, padding rows, fp32 exactly and bf16 within a rounding."""
+    pick = torch.Generator().manual_seed(100 + seed)
+
+    def choose(options):
+        return options[int(torch.randint(len(options), (1,), generator=pick))]
+
+    num_kv_heads, heads_per_group, head_dim = choose([1, 2, 3]), choose([1, 2, 3]), choose([8, 16, 24])
+    num_tokens, dtype = choose([0, 1, 6, 11]), choose([torch.float32, torch.bfloat16])
+    rotary_dim = choose([0, head_dim // 2 // 2 * 2, head_dim])  # 0: a layer without rotary
+    with_bias, interleaved = bool(seed % 2), choose([False, True])
+    mixed, bias = _mixed_case(num_tokens, num_kv_heads, heads_per_group, head_dim, dtype, seed, with_bias)
+    _, _, _, key_cache, value_cache, slots, angles = _case(num_tokens, num_kv_heads * heads_per_group, num_kv_heads,
+                                                           head_dim, max(rotary_dim, 2), dtype=dtype, seed=seed)
+    cos, sin = (angles.cos(), angles.sin()) if rotary_dim else (None, None)
+    outputs = []
+    for op in (rope_and_write_kv_cache_mixed, reference.rope_and_write_kv_cache_mixed):
+        caches = key_cache.clone(), value_cache.clone()
+        query = op(mixed, bias, num_kv_heads, head_dim, *caches, slots, cos, sin, interleaved)
+        assert query.shape == (num_tokens, num_kv_heads * heads_per_group, head_dim) and query.dtype == dtype
+        outputs.append((query, *caches))
+    tolerance = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got, want, **tolerance)
+    assert torch.equal(outputs[0][2], outputs[1][2])  # values are a copy after one rounding: exact in any dtype
+
+
+def test_mixed_qkv_known_layout():
+    """G = 2 groups of 1 query head, D = 1, no rotary: the row [q0 k0 v0 q1 k1 v1] + bias."""
+    mixed = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
+    bias = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
+    key_cache, value_cache = torch.zeros(1, 2, 2, 1), torch.zeros(1, 2, 2, 1)
+    query = rope_and_write_kv_cache_mixed(mixed, bias, 2, 1, key_cache, value_cache, torch.tensor([1]), None, None)
+    assert query.flatten().tolist() == [11.0, 44.0]
+    assert key_cache[0, 1].flatten().tolist() == [22.0, 55.0] and value_cache[0, 1].flatten().tolist() == [33.0, 66.0]
+    assert not key_cache[0, 0].any() and not value_cache[0, 0].any()
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(mixed_qkv=torch.zeros(2, 10)), ValueError, "width"),
+    (dict(bias=torch.zeros(5)), ValueError, "bias"),
+    (dict(num_kv_heads=2.0), TypeError, "num_kv_heads"),
+    (dict(key_cache=torch.zeros(2, 4, 2, 8)), ValueError, "key_cache"),
+])
+def test_mixed_qkv_bad_inputs(bad, error, match):
+    args = dict(mixed_qkv=torch.zeros(3, 2 * 3 * 4), bias=None, num_kv_heads=2, head_dim=4,
+                key_cache=torch.zeros(2, 4, 2, 4), value_cache=torch.zeros(2, 4, 2, 4),
+                slot_mapping=torch.tensor([0, 1, -1]), cos=None, sin=None)
+    args.update(bad)
+    with pytest.raises(error, match=match):
+        rope_and_write_kv_cache_mixed(**args)

@@ -34,6 +34,7 @@ _REFERENCE_MODULES = {
     "write_kv_cache": "attention",
     "paged_attention": "attention",
     "rope_and_write_kv_cache": "attention",
+    "rope_and_write_kv_cache_mixed": "attention",
     "causal_conv_varlen": "mamba_varlen",
     "ssm_varlen_scan": "mamba_varlen",
     "segment_of_rows": "mamba_varlen",

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from mtp_ctrl.triton_ops.reference.glue import split_qkv_heads
+
 
 def write_kv_cache(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -121,3 +123,21 @@ def rope_and_write_kv_cache(
         return query
     write_kv_cache(_rope(key, cos, sin, rotary_interleaved), value, key_cache, value_cache, slot_mapping)
     return _rope(query, cos, sin, rotary_interleaved)
+
+
+def rope_and_write_kv_cache_mixed(
+    mixed_qkv: torch.Tensor,  # [T, G * (Q / G + 2) * D]
+    bias: Optional[torch.Tensor],  # [mixed_qkv.shape[1]] or None
+    num_kv_heads: int,
+    head_dim: int,
+    key_cache: torch.Tensor,  # [num_blocks, block_size_tokens, G, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size_tokens, G, D]
+    slot_mapping: torch.Tensor,  # [T] int64; -1 = no write
+    cos: Optional[torch.Tensor],  # [T, R / 2] fp32 or None
+    sin: Optional[torch.Tensor],  # [T, R / 2] fp32 or None
+    rotary_interleaved: bool = False,
+) -> torch.Tensor:  # [T, Q, D]
+    """Same contract as :func:`mtp_ctrl.triton_ops.rope_and_write_kv_cache_mixed`: the split, then the rope."""
+    query, key, value = split_qkv_heads(mixed_qkv, bias, num_kv_heads, head_dim)
+    return rope_and_write_kv_cache(query, key, value, key_cache, value_cache, slot_mapping, cos, sin,
+                                   rotary_interleaved)
