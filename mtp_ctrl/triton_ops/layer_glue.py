@@ -63,6 +63,10 @@ def _add_bias_residual_norm_kernel(
         bias = tl.load(BIAS_PTR + cols, mask=mask, other=0.0).to(tl.float32)
         hidden = _round(hidden + bias, ROUND_BF16, out_dtype)  # megatron's bias add rounds here
     residual = tl.load(RESIDUAL_PTR + row * residual_stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # every load is issued before the first reduction: their latencies overlap
+        norm_weight = tl.load(NORM_WEIGHT_PTR + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM_BIAS:
+            norm_bias = tl.load(NORM_BIAS_PTR + cols, mask=mask, other=0.0).to(tl.float32)
     rows = _round(residual + hidden, ROUND_BF16, out_dtype)  # [BLOCK_H] fp32, exact in out_dtype
     tl.store(RESIDUAL_OUT_PTR + row * out_stride_t + cols, rows.to(out_dtype), mask=mask)
     if HAS_NORM:
@@ -72,9 +76,9 @@ def _add_bias_residual_norm_kernel(
             centred = tl.where(mask, rows - tl.sum(rows, axis=0) / width, 0.0)
         variance = tl.sum(centred * centred, axis=0) / width
         normed = centred * (1.0 / tl.sqrt(variance + eps))
-        normed = normed * tl.load(NORM_WEIGHT_PTR + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = normed * norm_weight
         if HAS_NORM_BIAS:
-            normed = normed + tl.load(NORM_BIAS_PTR + cols, mask=mask, other=0.0).to(tl.float32)
+            normed = normed + norm_bias
         tl.store(NORMED_OUT_PTR + row * out_stride_t + cols, _round(normed, ROUND_BF16, out_dtype).to(out_dtype),
                  mask=mask)
 
