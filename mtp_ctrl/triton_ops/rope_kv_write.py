@@ -101,51 +101,51 @@ def _rope_write_kv_cache_kernel(
         cos = tl.load(COS_PTR + row * cos_stride_t + freq_index, mask=rotated, other=1.0).to(tl.float32)
         sin = tl.load(SIN_PTR + row * sin_stride_t + freq_index, mask=rotated, other=0.0).to(tl.float32) * sign
 
-    slot = tl.load(SLOT_MAPPING_PTR + row).to(tl.int64)
-    if slot >= 0:
-        key_row = KEY_PTR + row * key_stride_t + kv_head * key_stride_h
-        key = tl.load(key_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
-        value = tl.load(VALUE_PTR + row * value_stride_t + kv_head * value_stride_h + dims, mask=dim_mask,
-                        other=0.0).to(tl.float32)
-        if HAS_BIAS:  # the bias add rounds to the input dtype first, as megatron's separate add does
-            key_bias = KEY_BIAS_PTR + kv_head * key_bias_stride_h
-            key = _round(key + tl.load(key_bias + dims, mask=dim_mask, other=0.0).to(tl.float32), ROUND_BF16,
-                         KEY_PTR.dtype.element_ty)
-            value = _round(value + tl.load(VALUE_BIAS_PTR + kv_head * value_bias_stride_h + dims, mask=dim_mask,
-                                           other=0.0).to(tl.float32), ROUND_BF16, KEY_PTR.dtype.element_ty)
-        if HAS_ROTARY:
-            key_partner = tl.load(key_row + partner, mask=dim_mask, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                key_partner = _round(key_partner + tl.load(key_bias + partner, mask=dim_mask, other=0.0).to(tl.float32),
-                                     ROUND_BF16, KEY_PTR.dtype.element_ty)
-            key = key * cos + key_partner * sin  # [BLOCK_D] fp32
-        block_id = slot // block_size_tokens
-        offset = slot % block_size_tokens
-        key_dst = KEY_CACHE_PTR + block_id * key_cache_stride_block + offset * key_cache_stride_token \
-            + kv_head * key_cache_stride_h
-        value_dst = VALUE_CACHE_PTR + block_id * value_cache_stride_block + offset * value_cache_stride_token \
-            + kv_head * value_cache_stride_h
-        tl.store(key_dst + dims, key.to(KEY_CACHE_PTR.dtype.element_ty), mask=dim_mask)
-        tl.store(value_dst + dims, value.to(VALUE_CACHE_PTR.dtype.element_ty), mask=dim_mask)
-
+    # Every load is issued before any arithmetic and without a branch: a decode launch is a few
+    # hundred bytes per program, so its time is the latency of dependent loads, not bandwidth.
+    slot = tl.load(SLOT_MAPPING_PTR + row).to(tl.int64)  # -1: a padding row, nothing is stored
     group = tl.arange(0, BLOCK_G)  # [BLOCK_G]: query heads kv_head * group_size + group read this kv head
-    mask = (group < group_size)[:, None] & dim_mask[None, :]  # [BLOCK_G, BLOCK_D]
+    query_mask = (group < group_size)[:, None] & dim_mask[None, :]  # [BLOCK_G, BLOCK_D]
     query_rows = QUERY_PTR + row * query_stride_t + kv_head * query_stride_g + group[:, None] * query_stride_h
-    query = tl.load(query_rows + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        query_bias = QUERY_BIAS_PTR + kv_head * query_bias_stride_g + group[:, None] * query_bias_stride_h
-        query = _round(query + tl.load(query_bias + dims[None, :], mask=mask, other=0.0).to(tl.float32), ROUND_BF16,
-                       QUERY_PTR.dtype.element_ty)
+    query = tl.load(query_rows + dims[None, :], mask=query_mask, other=0.0).to(tl.float32)
+    key_row = KEY_PTR + row * key_stride_t + kv_head * key_stride_h
+    key = tl.load(key_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    value = tl.load(VALUE_PTR + row * value_stride_t + kv_head * value_stride_h + dims, mask=dim_mask,
+                    other=0.0).to(tl.float32)
     if HAS_ROTARY:
-        query_partner = tl.load(query_rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            query_partner = _round(query_partner + tl.load(query_bias + partner[None, :], mask=mask,
-                                                           other=0.0).to(tl.float32),
-                                   ROUND_BF16, QUERY_PTR.dtype.element_ty)
+        query_partner = tl.load(query_rows + partner[None, :], mask=query_mask, other=0.0).to(tl.float32)
+        key_partner = tl.load(key_row + partner, mask=dim_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # the bias add rounds to the input dtype first, as megatron's separate add does
+        in_dtype = KEY_PTR.dtype.element_ty
+        query_bias = QUERY_BIAS_PTR + kv_head * query_bias_stride_g + group[:, None] * query_bias_stride_h
+        key_bias = KEY_BIAS_PTR + kv_head * key_bias_stride_h
+        query = _round(query + tl.load(query_bias + dims[None, :], mask=query_mask, other=0.0).to(tl.float32),
+                       ROUND_BF16, in_dtype)
+        key = _round(key + tl.load(key_bias + dims, mask=dim_mask, other=0.0).to(tl.float32), ROUND_BF16, in_dtype)
+        value = _round(value + tl.load(VALUE_BIAS_PTR + kv_head * value_bias_stride_h + dims, mask=dim_mask,
+                                       other=0.0).to(tl.float32), ROUND_BF16, in_dtype)
+        if HAS_ROTARY:
+            query_partner = _round(query_partner + tl.load(query_bias + partner[None, :], mask=query_mask,
+                                                           other=0.0).to(tl.float32), ROUND_BF16, in_dtype)
+            key_partner = _round(key_partner + tl.load(key_bias + partner, mask=dim_mask, other=0.0).to(tl.float32),
+                                 ROUND_BF16, in_dtype)
+    if HAS_ROTARY:
         query = query * cos[None, :] + query_partner * sin[None, :]  # [BLOCK_G, BLOCK_D] fp32
+        key = key * cos + key_partner * sin  # [BLOCK_D] fp32
+
+    cache_mask = dim_mask & ((dims * 0 + slot) >= 0)  # [BLOCK_D]
+    safe_slot = tl.maximum(slot, 0)
+    block_id = safe_slot // block_size_tokens
+    offset = safe_slot % block_size_tokens
+    key_dst = KEY_CACHE_PTR + block_id * key_cache_stride_block + offset * key_cache_stride_token \
+        + kv_head * key_cache_stride_h
+    value_dst = VALUE_CACHE_PTR + block_id * value_cache_stride_block + offset * value_cache_stride_token \
+        + kv_head * value_cache_stride_h
+    tl.store(key_dst + dims, key.to(KEY_CACHE_PTR.dtype.element_ty), mask=cache_mask)
+    tl.store(value_dst + dims, value.to(VALUE_CACHE_PTR.dtype.element_ty), mask=cache_mask)
     heads = kv_head * group_size + group  # [BLOCK_G] int64
     out_rows = QUERY_OUT_PTR + row * query_out_stride_t + heads[:, None] * query_out_stride_h
-    tl.store(out_rows + dims[None, :], query.to(QUERY_OUT_PTR.dtype.element_ty), mask=mask)
+    tl.store(out_rows + dims[None, :], query.to(QUERY_OUT_PTR.dtype.element_ty), mask=query_mask)
 
 
 def _check_args(query, key, value, key_cache, value_cache, slot_mapping, cos, sin, rotary_interleaved):
