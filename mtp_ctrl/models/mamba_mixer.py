@@ -248,13 +248,13 @@ class PagedMambaMixer(MegatronModule):
         start, count = mamba.prefill_row_start, mamba.prefill_row_count
         weight, bias, A, D = self._parameters_fp32()
         ops = self._ops()
-        conv_out, windows = ops.causal_conv_varlen(mamba.conv_states[layer, slots].float(), xbc, start, count, weight,
-                                                   bias)
+        conv_pool, ssm_pool = mamba.conv_states[layer], mamba.ssm_states[layer]  # [num_slots, ...] fp32 views
+        # both ops read each segment's state at its slot (no gather); the scan also writes it back in place
+        conv_out, windows = ops.causal_conv_varlen(conv_pool, xbc, start, count, weight, bias, slot_ids=slots)
         x, B, C = self._split_conv_output(conv_out)
-        y, states = ops.ssm_varlen_scan(mamba.ssm_states[layer, slots].float(), x, dt, A, B, C, D, start, count,
-                                        self.chunk_size)
-        # a segment of 0 rows (scratch slot) writes back the state it read: duplicates agree
-        mamba.conv_states[layer, slots] = windows.to(mamba.conv_states.dtype)
-        mamba.ssm_states[layer, slots] = states.to(mamba.ssm_states.dtype)
+        y, _ = ops.ssm_varlen_scan(ssm_pool, x, dt, A, B, C, D, start, count, self.chunk_size, slot_ids=slots)
+        # the conv's row programs read the old windows while its window programs write the new ones,
+        # so those land here, after it; a 0-row segment (scratch slot) writes back what it read
+        conv_pool[slots] = windows
         _, _, inside = ops.segment_of_rows(start, count, xbc.shape[0])
         return y.reshape(y.shape[0], self.d_inner_local), inside

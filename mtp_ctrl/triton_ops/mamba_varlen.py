@@ -28,7 +28,7 @@ of segment 1, then packed rows 3 and 4.
 Twins: :mod:`mtp_ctrl.triton_ops.reference.mamba_varlen`.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -82,11 +82,11 @@ def _segment_of_rows_kernel(ROW_START_PTR, ROW_COUNT_PTR, OUT_SEGMENT_PTR, OUT_O
 
 
 @triton.jit
-def _conv_rows(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR, BIAS_PTR, OUT_PTR, tile, channel,
-               num_rows, num_segments, channels, window_stride_n, window_stride_c, window_stride_w, input_stride_t,
-               input_stride_c, weight_stride_c, weight_stride_w, bias_stride,
+def _conv_rows(WINDOWS_PTR, SLOT_IDS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR, BIAS_PTR, OUT_PTR,
+               tile, channel, num_rows, num_segments, channels, window_stride_n, window_stride_c, window_stride_w,
+               input_stride_t, input_stride_c, weight_stride_c, weight_stride_w, bias_stride,
                WIDTH: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-               BLOCK_CHANNELS: tl.constexpr):
+               BLOCK_CHANNELS: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """silu(bias + sum_k weight[:, k] * tap_k) of BLOCK_ROWS rows x BLOCK_CHANNELS channels."""
     HISTORY: tl.constexpr = WIDTH - 1
     is_channel = channel < channels
@@ -94,6 +94,9 @@ def _conv_rows(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR
     rows = tile.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS] int64
     is_row = rows < num_rows
     segment, offset, _, has_segment = _find_segments(ROW_START_PTR, ROW_COUNT_PTR, rows, num_segments, SEARCH_STEPS)
+    window_row = segment  # [BLOCK_ROWS]: where each row's segment keeps its window
+    if HAS_SLOTS:
+        window_row = tl.load(SLOT_IDS_PTR + segment, mask=has_segment, other=0).to(tl.int64)
     acc = tl.load(BIAS_PTR + channel64 * bias_stride, mask=is_channel, other=0.0)[None, :] + tl.zeros(
         (BLOCK_ROWS, BLOCK_CHANNELS), dtype=tl.float32)  # [BLOCK_ROWS, BLOCK_CHANNELS] fp32
     valid = is_row[:, None] & is_channel[None, :]
@@ -105,7 +108,7 @@ def _conv_rows(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR
         tap = tl.load(INPUTS_PTR + source[:, None] * input_stride_t + channel64[None, :] * input_stride_c,
                       mask=valid & (from_rows & (source >= 0))[:, None], other=0.0)
         column = HISTORY + j  # the window column of a tap before the segment's first row
-        tap += tl.load(WINDOWS_PTR + segment[:, None] * window_stride_n + channel64[None, :] * window_stride_c
+        tap += tl.load(WINDOWS_PTR + window_row[:, None] * window_stride_n + channel64[None, :] * window_stride_c
                        + column[:, None] * window_stride_w,
                        mask=valid & (~from_rows & (column >= 0))[:, None], other=0.0)
         acc += tap * tl.load(WEIGHT_PTR + channel64 * weight_stride_c + k * weight_stride_w, mask=is_channel,
@@ -115,9 +118,9 @@ def _conv_rows(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR
 
 
 @triton.jit
-def _conv_window(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_WINDOWS_PTR, segment, channel, channels,
-                 window_stride_n, window_stride_c, window_stride_w, input_stride_t, input_stride_c,
-                 WIDTH: tl.constexpr, BLOCK_HISTORY: tl.constexpr):
+def _conv_window(WINDOWS_PTR, SLOT_IDS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_WINDOWS_PTR, segment,
+                 channel, channels, window_stride_n, window_stride_c, window_stride_w, input_stride_t, input_stride_c,
+                 WIDTH: tl.constexpr, BLOCK_HISTORY: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """New window column w of a segment is its offset count - (W - 1) + w: a row, or an old column."""
     HISTORY: tl.constexpr = WIDTH - 1
     is_channel = channel < channels
@@ -129,7 +132,10 @@ def _conv_window(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_WIND
     mask = is_channel[:, None] & (column < HISTORY)[None, :]  # [BLOCK_CHANNELS, BLOCK_HISTORY]
     value = tl.load(INPUTS_PTR + (start + j)[None, :] * input_stride_t + channel64[:, None] * input_stride_c,
                     mask=mask & (j >= 0)[None, :], other=0.0)
-    value += tl.load(WINDOWS_PTR + segment * window_stride_n + channel64[:, None] * window_stride_c
+    window_row = segment
+    if HAS_SLOTS:
+        window_row = tl.load(SLOT_IDS_PTR + segment).to(tl.int64)
+    value += tl.load(WINDOWS_PTR + window_row * window_stride_n + channel64[:, None] * window_stride_c
                      + (HISTORY + j)[None, :] * window_stride_w, mask=mask & (j < 0)[None, :], other=0.0)
     tl.store(OUT_WINDOWS_PTR + segment * channels * HISTORY + channel64[:, None] * HISTORY + column[None, :],
              value, mask=mask)
@@ -137,36 +143,39 @@ def _conv_window(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_WIND
 
 @triton.jit
 def _causal_conv_varlen_kernel(
-    WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR, BIAS_PTR, OUT_PTR, OUT_WINDOWS_PTR,
-    num_rows, num_segments, channels, num_row_tiles,
+    WINDOWS_PTR, SLOT_IDS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR, BIAS_PTR, OUT_PTR,
+    OUT_WINDOWS_PTR, num_rows, num_segments, channels, num_row_tiles,
     window_stride_n, window_stride_c, window_stride_w, input_stride_t, input_stride_c,
     weight_stride_c, weight_stride_w, bias_stride,
     WIDTH: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_CHANNELS: tl.constexpr,
-    BLOCK_HISTORY: tl.constexpr,
+    BLOCK_HISTORY: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     # grid: (row tiles + segments, channel tiles); the first programs write rows, the rest windows
     tile = tl.program_id(0)
     channel = tl.program_id(1) * BLOCK_CHANNELS + tl.arange(0, BLOCK_CHANNELS)  # [BLOCK_CHANNELS] int32
     if tile < num_row_tiles:
-        _conv_rows(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR, BIAS_PTR, OUT_PTR, tile,
-                   channel, num_rows, num_segments, channels, window_stride_n, window_stride_c, window_stride_w,
+        _conv_rows(WINDOWS_PTR, SLOT_IDS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, WEIGHT_PTR, BIAS_PTR, OUT_PTR,
+                   tile, channel, num_rows, num_segments, channels, window_stride_n, window_stride_c, window_stride_w,
                    input_stride_t, input_stride_c, weight_stride_c, weight_stride_w, bias_stride,
-                   WIDTH, SEARCH_STEPS, BLOCK_ROWS, BLOCK_CHANNELS)
+                   WIDTH, SEARCH_STEPS, BLOCK_ROWS, BLOCK_CHANNELS, HAS_SLOTS)
     else:
-        _conv_window(WINDOWS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_WINDOWS_PTR,
+        _conv_window(WINDOWS_PTR, SLOT_IDS_PTR, INPUTS_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_WINDOWS_PTR,
                      (tile - num_row_tiles).to(tl.int64), channel, channels, window_stride_n, window_stride_c,
-                     window_stride_w, input_stride_t, input_stride_c, WIDTH, BLOCK_HISTORY)
+                     window_stride_w, input_stride_t, input_stride_c, WIDTH, BLOCK_HISTORY, HAS_SLOTS)
 
 
 @triton.jit
 def _ssm_varlen_scan_kernel(
-    STATES_PTR, X_PTR, DT_PTR, A_PTR, B_PTR, C_PTR, D_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_Y_PTR,
+    STATES_PTR, SLOT_IDS_PTR, X_PTR, DT_PTR, A_PTR, B_PTR, C_PTR, D_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_Y_PTR,
     OUT_STATES_PTR, num_rows, num_segments, heads, head_dim, state_size,
-    state_stride_n, state_stride_h, state_stride_p, state_stride_s, x_stride_t, x_stride_h, x_stride_p,
+    state_stride_n, state_stride_h, state_stride_p, state_stride_s,
+    out_state_stride_n, out_state_stride_h, out_state_stride_p, out_state_stride_s, x_stride_t, x_stride_h, x_stride_p,
     dt_stride_t, dt_stride_h, a_stride, d_stride, b_stride_t, b_stride_h, b_stride_s,
     c_stride_t, c_stride_h, c_stride_s,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
+    """IN_PLACE: STATES_PTR is the slot pool, OUT_STATES_PTR the same pool; segment g reads and
+    writes slot SLOT_IDS[g], and a segment of 0 rows touches nothing (0-row segments may share a slot)."""
     segment = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     dims = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] this tile's head dims
@@ -177,35 +186,45 @@ def _ssm_varlen_scan_kernel(
     tile_mask = is_dim[:, None] & is_state[None, :]
     start = tl.load(ROW_START_PTR + segment)
     count = tl.load(ROW_COUNT_PTR + segment)
-    state = tl.load(STATES_PTR + segment * state_stride_n + head * state_stride_h + dims64[:, None] * state_stride_p
-                    + state_index[None, :] * state_stride_s, mask=tile_mask, other=0.0)  # [BLOCK_P, BLOCK_N]
-    decay_rate = tl.load(A_PTR + head * a_stride)
-    skip = tl.load(D_PTR + head * d_stride)
-    # row `start` before the loop; inside it, row t + 1 loads while row t computes. Row indices are
-    # clamped into [0, T) (T > 0 here), so no load needs a row mask: a clamped row is never used
-    last_row = num_rows - 1
-    row = tl.minimum(start, last_row)
-    x = tl.load(X_PTR + row * x_stride_t + head * x_stride_h + dims64 * x_stride_p, mask=is_dim, other=0.0)
-    dt = tl.load(DT_PTR + row * dt_stride_t + head * dt_stride_h)
-    b = tl.load(B_PTR + row * b_stride_t + head * b_stride_h + state_index * b_stride_s, mask=is_state, other=0.0)
-    c = tl.load(C_PTR + row * c_stride_t + head * c_stride_h + state_index * c_stride_s, mask=is_state, other=0.0)
-    y_base = OUT_Y_PTR + head * head_dim + dims64  # [BLOCK_P] pointers; y is [T, H, P] contiguous
-    for i in range(count):
-        row = start + i
-        next_row = tl.minimum(row + 1, last_row)
-        next_x = tl.load(X_PTR + next_row * x_stride_t + head * x_stride_h + dims64 * x_stride_p, mask=is_dim,
-                         other=0.0)
-        next_dt = tl.load(DT_PTR + next_row * dt_stride_t + head * dt_stride_h)
-        next_b = tl.load(B_PTR + next_row * b_stride_t + head * b_stride_h + state_index * b_stride_s, mask=is_state,
-                         other=0.0)
-        next_c = tl.load(C_PTR + next_row * c_stride_t + head * c_stride_h + state_index * c_stride_s, mask=is_state,
-                         other=0.0)
-        state = state * tl.exp(dt * decay_rate) + (dt * x)[:, None] * b[None, :]
-        y = tl.sum(state * c[None, :], axis=1) + skip * x  # [BLOCK_P]
-        tl.store(y_base + row * heads * head_dim, y, mask=is_dim)
-        x, dt, b, c = next_x, next_dt, next_b, next_c
-    tl.store(OUT_STATES_PTR + ((segment * heads + head) * head_dim + dims64[:, None]) * state_size
-             + state_index[None, :], state, mask=tile_mask)
+    state_row = segment
+    if IN_PLACE:
+        state_row = tl.load(SLOT_IDS_PTR + segment).to(tl.int64)
+    skip = count < 0  # never: out of place, a 0-row segment copies its state through
+    if IN_PLACE:
+        skip = count == 0  # in place, a 0-row segment's slot already holds its state
+    if not skip:
+        state = tl.load(STATES_PTR + state_row * state_stride_n + head * state_stride_h
+                        + dims64[:, None] * state_stride_p + state_index[None, :] * state_stride_s,
+                        mask=tile_mask, other=0.0)  # [BLOCK_P, BLOCK_N]
+        decay_rate = tl.load(A_PTR + head * a_stride)
+        skip_weight = tl.load(D_PTR + head * d_stride)
+        # row `start` before the loop; inside it, row t + 1 loads while row t computes. Row indices
+        # are clamped into [0, T) (T > 0 here), so no load needs a row mask: a clamped row is never used
+        last_row = num_rows - 1
+        row = tl.minimum(start, last_row)
+        x = tl.load(X_PTR + row * x_stride_t + head * x_stride_h + dims64 * x_stride_p, mask=is_dim, other=0.0)
+        dt = tl.load(DT_PTR + row * dt_stride_t + head * dt_stride_h)
+        b = tl.load(B_PTR + row * b_stride_t + head * b_stride_h + state_index * b_stride_s, mask=is_state, other=0.0)
+        c = tl.load(C_PTR + row * c_stride_t + head * c_stride_h + state_index * c_stride_s, mask=is_state, other=0.0)
+        y_rows = OUT_Y_PTR + head * head_dim + dims64  # [BLOCK_P] pointers; y is [T, H, P] contiguous
+        for i in range(count):
+            row = start + i
+            next_row = tl.minimum(row + 1, last_row)
+            next_x = tl.load(X_PTR + next_row * x_stride_t + head * x_stride_h + dims64 * x_stride_p, mask=is_dim,
+                             other=0.0)
+            next_dt = tl.load(DT_PTR + next_row * dt_stride_t + head * dt_stride_h)
+            next_b = tl.load(B_PTR + next_row * b_stride_t + head * b_stride_h + state_index * b_stride_s,
+                             mask=is_state, other=0.0)
+            next_c = tl.load(C_PTR + next_row * c_stride_t + head * c_stride_h + state_index * c_stride_s,
+                             mask=is_state, other=0.0)
+            state = state * tl.exp(dt * decay_rate) + (dt * x)[:, None] * b[None, :]
+            y = tl.sum(state * c[None, :], axis=1) + skip_weight * x  # [BLOCK_P]
+            tl.store(y_rows + row * heads * head_dim, y, mask=is_dim)
+            x, dt, b, c = next_x, next_dt, next_b, next_c
+        tl.store(OUT_STATES_PTR + state_row * out_state_stride_n + head * out_state_stride_h
+                 + dims64[:, None] * out_state_stride_p + state_index[None, :] * out_state_stride_s,
+                 state, mask=tile_mask)
+    y_base = OUT_Y_PTR + head * head_dim + dims64  # [BLOCK_P] pointers
     # y = 0 on the rows in no segment: those after this segment, before the next one (or T); segment 0
     # also takes the rows before its start
     gap_begin = start + count
@@ -269,7 +288,22 @@ def segment_of_rows(
     return segment, offset, inside
 
 
-def _check_conv_args(windows, inputs, row_start, row_count, weight, bias) -> None:
+def _num_segments(pool_or_states, row_start, slot_ids) -> int:
+    """n: the states' first dim, or with slot ids (the states are then a slot pool) row_start's length."""
+    if slot_ids is None:
+        return pool_or_states.shape[0]
+    check_tensor("row_start", row_start, dtypes=(torch.int64,), ndim=1)
+    return row_start.shape[0]
+
+
+def _check_slot_ids(slot_ids, num_segments, device) -> None:
+    if slot_ids is not None:
+        check_tensor("slot_ids", slot_ids, dtypes=(torch.int64,), shape=(num_segments,))
+        if slot_ids.device != device:
+            raise ValueError(f"slot_ids is on {slot_ids.device}, the rows on {device}")
+
+
+def _check_conv_args(windows, inputs, row_start, row_count, weight, bias, slot_ids) -> None:
     check_tensor("inputs", inputs, dtypes=(torch.float32,), ndim=2)
     num_rows, channels = inputs.shape
     check_tensor("weight", weight, dtypes=(torch.float32,), shape=(channels, None))
@@ -279,7 +313,9 @@ def _check_conv_args(windows, inputs, row_start, row_count, weight, bias) -> Non
     check_tensor("windows", windows, dtypes=(torch.float32,), shape=(None, channels, width - 1))
     check_tensor("bias", bias, dtypes=(torch.float32,), shape=(channels,))
     check_same_device(inputs=inputs, windows=windows, weight=weight, bias=bias)
-    _check_segments(row_start, row_count, windows.shape[0], inputs.device)
+    num_segments = _num_segments(windows, row_start, slot_ids)
+    _check_segments(row_start, row_count, num_segments, inputs.device)
+    _check_slot_ids(slot_ids, num_segments, inputs.device)
 
 
 def causal_conv_varlen(
@@ -289,20 +325,24 @@ def causal_conv_varlen(
     row_count: torch.Tensor,  # [n] int64 on the device
     weight: torch.Tensor,  # [C, W] fp32 depthwise kernel
     bias: torch.Tensor,  # [C] fp32
+    *,
+    slot_ids: Optional[torch.Tensor] = None,  # [n] int64 on the device: windows is a slot pool, see below
 ) -> Tuple[torch.Tensor, torch.Tensor]:  # silu(conv) [T, C], new windows [n, C, W - 1] (both contiguous)
     """The causal depthwise conv of every segment of the packed rows in one launch: a row's taps
     before its segment's first row come from the segment's window. A segment of 0 rows keeps its
     window; rows in no segment get unspecified (finite) outputs. Fixed shapes, no host sync.
+    With ``slot_ids``, ``windows`` is a pool ``[num_slots, C, W - 1]`` and segment ``g`` reads its
+    window at ``windows[slot_ids[g]]`` (no gather); the new windows are returned as without.
 
     Tap ``k`` of row ``t`` (offset ``i`` in its segment) reads offset ``j = i - (W - 1) + k``:
     the packed row ``t - (W - 1) + k`` when ``j >= 0``, else the window's column ``W - 1 + j``.
     """
-    _CONV_VALIDATED.validate(_check_conv_args, windows, inputs, row_start, row_count, weight, bias)
+    _CONV_VALIDATED.validate(_check_conv_args, windows, inputs, row_start, row_count, weight, bias, slot_ids)
     _check_unit_strides(row_start, row_count)
     if not use_triton(inputs):
-        return reference.causal_conv_varlen(windows, inputs, row_start, row_count, weight, bias)
+        return reference.causal_conv_varlen(windows, inputs, row_start, row_count, weight, bias, slot_ids=slot_ids)
     num_rows, channels = inputs.shape
-    num_segments, width = windows.shape[0], weight.shape[1]
+    num_segments, width = row_start.shape[0], weight.shape[1]
     out = torch.empty(num_rows, channels, dtype=torch.float32, device=inputs.device)  # [T, C] fp32
     new_windows = torch.empty(num_segments, channels, width - 1, dtype=torch.float32,
                               device=inputs.device)  # [n, C, W - 1] fp32
@@ -311,16 +351,16 @@ def causal_conv_varlen(
         return out, new_windows
     grid = (num_row_tiles + num_segments, triton.cdiv(channels, BLOCK_CHANNELS))
     _causal_conv_varlen_kernel[grid](
-        windows, inputs, row_start, row_count, weight, bias, out, new_windows,
+        windows, windows if slot_ids is None else slot_ids, inputs, row_start, row_count, weight, bias, out, new_windows,
         num_rows, num_segments, channels, num_row_tiles,
         windows.stride(0), windows.stride(1), windows.stride(2), inputs.stride(0), inputs.stride(1),
         weight.stride(0), weight.stride(1), bias.stride(0),
         WIDTH=width, SEARCH_STEPS=_search_steps(num_segments), BLOCK_ROWS=BLOCK_ROWS,
-        BLOCK_CHANNELS=BLOCK_CHANNELS, BLOCK_HISTORY=triton.next_power_of_2(width - 1))
+        BLOCK_CHANNELS=BLOCK_CHANNELS, BLOCK_HISTORY=triton.next_power_of_2(width - 1), HAS_SLOTS=slot_ids is not None)
     return out, new_windows
 
 
-def _check_scan_args(states, x, dt, A, B, C, D, row_start, row_count, chunk_size) -> None:
+def _check_scan_args(states, x, dt, A, B, C, D, row_start, row_count, chunk_size, slot_ids) -> None:
     check_tensor("x", x, dtypes=(torch.float32,), ndim=3)
     num_rows, heads, head_dim = x.shape
     check_tensor("states", states, dtypes=(torch.float32,), shape=(None, heads, head_dim, None))
@@ -331,7 +371,9 @@ def _check_scan_args(states, x, dt, A, B, C, D, row_start, row_count, chunk_size
     check_tensor("C", C, dtypes=(torch.float32,), shape=(num_rows, heads, state_size))
     check_tensor("D", D, dtypes=(torch.float32,), shape=(heads,))
     check_same_device(x=x, states=states, dt=dt, A=A, B=B, C=C, D=D)
-    _check_segments(row_start, row_count, states.shape[0], x.device)
+    num_segments = _num_segments(states, row_start, slot_ids)
+    _check_segments(row_start, row_count, num_segments, x.device)
+    _check_slot_ids(slot_ids, num_segments, x.device)
     check_int("chunk_size", chunk_size, low=1)
 
 
@@ -346,7 +388,9 @@ def ssm_varlen_scan(
     row_start: torch.Tensor,  # [n] int64 on the device (see segment_of_rows)
     row_count: torch.Tensor,  # [n] int64 on the device
     chunk_size: int = 64,  # the twin's chunk length; the kernel steps row by row
-) -> Tuple[torch.Tensor, torch.Tensor]:  # y [T, H, P] (0 on rows in no segment), final states [n, H, P, N]
+    *,
+    slot_ids: Optional[torch.Tensor] = None,  # [n] int64 on the device: states is a slot pool, see below
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:  # y [T, H, P] (0 in no segment), final [n, H, P, N] or None
     """The SSM recurrence over every segment of the packed rows in one launch, per row ``t``::
 
         h_t = exp(dt_t * A) * h_{t-1} + dt_t * outer(x_t, B_t)     # [P, N] per head
@@ -354,22 +398,29 @@ def ssm_varlen_scan(
 
     from the segment's state; its final state is returned (a segment of 0 rows keeps its state,
     bit for bit). Fixed shapes, no host sync. Equal to the twin's chunked form up to fp32 rounding.
+
+    With ``slot_ids``, ``states`` is a pool ``[num_slots, H, P, N]`` updated in place: segment ``g``
+    starts from ``states[slot_ids[g]]`` and leaves its final state there, and None is returned in
+    place of the final states (no gather, no scatter). Segments with rows must have distinct
+    slots; segments of 0 rows touch nothing, so they may share one (a scratch slot).
     """
-    _SCAN_VALIDATED.validate(_check_scan_args, states, x, dt, A, B, C, D, row_start, row_count, chunk_size)
+    _SCAN_VALIDATED.validate(_check_scan_args, states, x, dt, A, B, C, D, row_start, row_count, chunk_size,
+                             slot_ids)
     _check_unit_strides(row_start, row_count)
-    if not use_triton(x):
-        return reference.ssm_varlen_scan(states, x, dt, A, B, C, D, row_start, row_count, chunk_size)
     num_rows, heads, head_dim = x.shape
-    num_segments, state_size = states.shape[0], states.shape[3]
-    if num_rows == 0 or num_segments == 0 or heads == 0 or head_dim == 0 or state_size == 0:
-        return reference.ssm_varlen_scan(states, x, dt, A, B, C, D, row_start, row_count, chunk_size)
+    num_segments, state_size = row_start.shape[0], states.shape[3]
+    if not use_triton(x) or num_rows == 0 or num_segments == 0 or heads == 0 or head_dim == 0 or state_size == 0:
+        return reference.ssm_varlen_scan(states, x, dt, A, B, C, D, row_start, row_count, chunk_size,
+                                         slot_ids=slot_ids)
     y = torch.empty(num_rows, heads, head_dim, dtype=torch.float32, device=x.device)  # [T, H, P] fp32
-    final = torch.empty(num_segments, heads, head_dim, state_size, dtype=torch.float32,
-                        device=x.device)  # [n, H, P, N] fp32
+    final = states if slot_ids is not None else torch.empty(
+        num_segments, heads, head_dim, state_size, dtype=torch.float32, device=x.device)  # [n, H, P, N] fp32
     block_p = min(MAX_BLOCK_P, triton.next_power_of_2(head_dim))
     grid = (num_segments, heads, triton.cdiv(head_dim, block_p))
     _ssm_varlen_scan_kernel[grid](
-        states, x, dt, A, B, C, D, row_start, row_count, y, final, num_rows, num_segments, heads, head_dim, state_size,
-        *states.stride(), *x.stride(), *dt.stride(), A.stride(0), D.stride(0), *B.stride(), *C.stride(),
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), BLOCK_ROWS=BLOCK_ROWS)
-    return y, final
+        states, states if slot_ids is None else slot_ids, x, dt, A, B, C, D, row_start, row_count, y, final,
+        num_rows, num_segments, heads, head_dim, state_size, *states.stride(), *final.stride(),
+        *x.stride(), *dt.stride(), A.stride(0), D.stride(0), *B.stride(), *C.stride(),
+        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), BLOCK_ROWS=BLOCK_ROWS,
+        IN_PLACE=slot_ids is not None)
+    return y, (None if slot_ids is not None else final)

@@ -90,6 +90,44 @@ def test_kernels_equal_twins(layout):
     assert torch.equal(got[3][empty], scan[0][empty])
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_slot_pools_in_place_under_a_graph(layout):
+    """With slot_ids (pools, 0-row segments on one scratch slot), captured and replayed: the scan's
+    pool == the out-of-place twin's final states at the real slots, untouched elsewhere."""
+    row_start, row_count, num_rows = _segments(LAYOUTS[layout])
+    num_segments = row_start.shape[0]
+    conv, scan = _inputs(num_segments, num_rows, seed=3 + len(layout))
+    slot_ids = torch.where(row_count > 0, torch.randperm(num_segments, device="cuda") + 1, 0)  # 0: scratch
+    window_pool = torch.randn(num_segments + 1, CHANNELS, WIDTH - 1, device="cuda")
+    state_pool = torch.randn(num_segments + 1, HEADS, HEAD_DIM, STATE_SIZE, device="cuda") * 0.1
+    windows, inputs, _, _, weight, bias = conv
+    want_out, want_windows = reference.causal_conv_varlen(window_pool[slot_ids], inputs, row_start, row_count,
+                                                          weight, bias)
+    want_y, want_final = reference.ssm_varlen_scan(state_pool[slot_ids], *scan[1:], row_start, row_count, 64)
+    expected = state_pool.clone()
+    expected[slot_ids[row_count > 0]] = want_final[row_count > 0]
+    inside = reference.segment_of_rows(row_start, row_count, num_rows)[2]
+
+    pool = state_pool.clone()
+    def step():
+        out, new_windows = causal_conv_varlen(window_pool, inputs, row_start, row_count, weight, bias,
+                                              slot_ids=slot_ids)
+        y, _ = ssm_varlen_scan(pool, *scan[1:], row_start, row_count, 64, slot_ids=slot_ids)
+        return out, new_windows, y
+    step()  # compile
+    pool.copy_(state_pool)
+    graph = torch.cuda.CUDAGraph()
+    with no_host_sync(), torch.cuda.graph(graph):
+        out, new_windows, y = step()
+    pool.copy_(state_pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out[inside], want_out[inside], **TOLERANCE)
+    assert torch.equal(new_windows, want_windows)
+    torch.testing.assert_close(y, want_y, **TOLERANCE)
+    torch.testing.assert_close(pool, expected, **TOLERANCE)
+
+
 def test_empty_step():
     row_start = torch.zeros(0, dtype=torch.int64, device="cuda")
     conv, scan = _inputs(0, 0, seed=0)

@@ -151,3 +151,57 @@ def test_bad_inputs_are_named():
             call(op, *args, torch.stack((row_start, row_start), 1)[:, 0], row_count)
     with pytest.raises(ValueError, match="^num_rows "):
         segment_of_rows(row_start, row_count, -1)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "empty_step"])
+def test_slot_pools_in_place_equal_gather_compute_scatter(layout):
+    """With slot_ids the ops read each segment's state from a pool (the conv's window, the scan's
+    state) and the scan writes its final state back in place: == the out-of-place op on gathered
+    states, for the kernels and the twins. Slots are in random order; every 0-row segment shares one
+    scratch slot, which stays untouched (as does every slot no segment names)."""
+    row_start, row_count, num_rows = _layout(LAYOUTS[layout])
+    num_segments = row_start.shape[0]
+    conv, scan = _inputs(num_segments, num_rows, seed=7 * num_rows + num_segments)
+    num_slots = num_segments + 3
+    rng = random.Random(num_rows)
+    real_slots = rng.sample(range(1, num_slots), num_segments)  # slot 0: the scratch slot
+    slot_ids = torch.tensor([slot if count > 0 else 0 for slot, count in zip(real_slots, row_count.tolist())],
+                            dtype=torch.int64)
+    generator = torch.Generator().manual_seed(num_slots)
+    window_pool = torch.randn(num_slots, CHANNELS, WIDTH - 1, generator=generator)
+    state_pool = torch.randn(num_slots, HEADS, HEAD_DIM, STATE_SIZE, generator=generator)
+    gathered_conv = dict(conv, windows=window_pool[slot_ids])
+    gathered_scan = dict(scan, states=state_pool[slot_ids])
+    inside = reference.segment_of_rows(row_start, row_count, num_rows)[2]
+
+    for conv_op, scan_op in ((causal_conv_varlen, ssm_varlen_scan),
+                             (reference.causal_conv_varlen, reference.ssm_varlen_scan)):
+        want_out, want_windows = _call_conv(conv_op, gathered_conv, row_start, row_count)
+        out, windows = conv_op(window_pool, conv["inputs"], row_start, row_count, conv["weight"], conv["bias"],
+                               slot_ids=slot_ids)
+        assert torch.equal(out[inside], want_out[inside]) and torch.equal(windows, want_windows)
+
+        want_y, want_final = _call_scan(scan_op, gathered_scan, row_start, row_count, 4)
+        pool = state_pool.clone()
+        y, final = scan_op(pool, scan["x"], scan["dt"], scan["A"], scan["B"], scan["C"], scan["D"], row_start,
+                           row_count, 4, slot_ids=slot_ids)
+        assert final is None
+        torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+        expected = state_pool.clone()
+        for segment, slot in enumerate(slot_ids.tolist()):
+            if row_count[segment] > 0:
+                expected[slot] = want_final[segment]
+        torch.testing.assert_close(pool, expected, rtol=0, atol=0)  # the scratch and unnamed slots unchanged
+
+
+def test_slot_ids_are_checked():
+    row_start, row_count, num_rows = _layout([("prefill", 3), ("other", 2)])
+    conv, scan = _inputs(2, num_rows, seed=0)
+    pool = torch.zeros(4, HEADS, HEAD_DIM, STATE_SIZE)
+    for bad, error in ((torch.tensor([0, 1], dtype=torch.int32), TypeError), (torch.tensor([0]), ValueError)):
+        with pytest.raises(error, match="^slot_ids "):
+            ssm_varlen_scan(pool, scan["x"], scan["dt"], scan["A"], scan["B"], scan["C"], scan["D"], row_start,
+                            row_count, 4, slot_ids=bad)
+        with pytest.raises(error, match="^slot_ids "):
+            causal_conv_varlen(torch.zeros(4, CHANNELS, WIDTH - 1), conv["inputs"], row_start, row_count,
+                               conv["weight"], conv["bias"], slot_ids=bad)

@@ -8,7 +8,7 @@ size; everything fp32. The per-request functions of :mod:`mtp_ctrl.models.mamba_
 The conv state of a request is the last ``W - 1`` inputs of its causal conv, ``[C, W - 1]``, oldest first.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,8 @@ def causal_conv_varlen(
     row_count: torch.Tensor,  # [n] int64 on the device
     weight: torch.Tensor,  # [C, W] fp32
     bias: torch.Tensor,  # [C] fp32
+    *,
+    slot_ids: Optional[torch.Tensor] = None,  # [n] int64: windows is a slot pool [num_slots, C, W - 1]
 ) -> Tuple[torch.Tensor, torch.Tensor]:  # silu(conv) [T, C], new windows [n, C, W - 1]
     """``causal_conv_chunk`` over every segment of the packed rows at once: a row's taps
     before its segment's first row come from the segment's window. A segment of 0 rows keeps its
@@ -52,6 +54,8 @@ def causal_conv_varlen(
     Tap ``k`` of row ``t`` (offset ``i`` in its segment) reads offset ``j = i - (W - 1) + k``:
     the packed row ``t - (W - 1) + k`` when ``j >= 0``, else the window's column ``W - 1 + j``.
     """
+    if slot_ids is not None:
+        windows = windows[slot_ids]  # [n, C, W - 1]
     num_rows, channels = inputs.shape
     num_segments, width = windows.shape[0], weight.shape[1]
     history = width - 1
@@ -86,7 +90,9 @@ def ssm_varlen_scan(
     row_start: torch.Tensor,  # [n] int64 on the device (see segment_of_rows)
     row_count: torch.Tensor,  # [n] int64 on the device
     chunk_size: int = 64,
-) -> Tuple[torch.Tensor, torch.Tensor]:  # y [T, H, P] (0 on rows in no segment), final states [n, H, P, N]
+    *,
+    slot_ids: Optional[torch.Tensor] = None,  # [n] int64: states is a slot pool, updated in place
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:  # y [T, H, P] (0 in no segment), final [n, H, P, N] or None
     """``ssm_chunk_scan`` over every segment of the packed rows at once, with fixed shapes
     and no host sync (a segment of 0 rows keeps its state).
 
@@ -107,6 +113,11 @@ def ssm_varlen_scan(
     n = 64, Q = 64, H = 32, P = 64, N = 128 (K = 95): about 0.8 GB, freed after each layer (a CUDA
     graph keeps it in its pool); ``bench/bench_mamba_prefill.py`` measures it.
     """
+    if slot_ids is not None:  # the pool's slots in, the final states back into them (0-row segments unchanged)
+        pool, states = states, states[slot_ids]  # [n, H, P, N]
+        y, final = ssm_varlen_scan(states, x, dt, A, B, C, D, row_start, row_count, chunk_size)
+        pool[slot_ids] = torch.where((row_count > 0)[:, None, None, None], final, states)  # duplicates agree
+        return y, None
     num_rows, heads, head_dim = x.shape
     num_segments, device = states.shape[0], x.device
     if num_rows == 0 or num_segments == 0:
