@@ -202,11 +202,12 @@ class PagedMambaMixer(MegatronModule):
         dt = F.softplus(dt + self.dt_bias.float())  # [T, H_local]
         y = torch.zeros_like(z)  # [T, d_inner_local] fp32; rows of no request (padding) stay 0
         inside = None
+        parameters = self._parameters_fp32()  # once per forward: prefill and decode rows share them
         if mamba.has_prefill:
-            y, inside = self._prefill(mamba, xbc, dt)
+            y, inside = self._prefill(mamba, xbc, dt, parameters)
         num_decode_rows = mamba.decode_slot_ids.shape[0] * stride
         if num_decode_rows:  # a padded grid's decode rows may run past T: they then read zero rows
-            decoded = self._decode(mamba, xbc, dt)
+            decoded = self._decode(mamba, xbc, dt, parameters)
             rows = min(num_rows, num_decode_rows)
             decoded = decoded[:rows]
             y[:rows] = decoded if inside is None else torch.where(inside[:rows, None], y[:rows], decoded)
@@ -219,40 +220,41 @@ class PagedMambaMixer(MegatronModule):
         return triton_ops if self.mamba_kernels else torch_twins
 
     def _parameters_fp32(self):
+        """(conv weight [C, W], conv bias [C], A [H_local], D [H_local]), fp32 (a bf16 model's are cast)."""
         weight = self.conv1d.weight[:, 0].float()  # [C, W]
         return weight, self.conv1d.bias.float(), -torch.exp(self.A_log.float()), self.D.float()
 
     def _split_conv_output(self, conv_out: torch.Tensor):
-        """``[..., C]`` -> x ``[..., H, P]``, B and C ``[..., H, N]`` (each head reads its group's B, C)."""
-        lead = conv_out.shape[:-1]
+        """``[T, C]`` -> views x ``[T, H, P]``, B and C ``[T, G, N]`` (head h reads group h // (H / G))."""
         group_channels = self.num_groups_local * self.d_state
         x, B, C = torch.split(conv_out, [self.d_inner_local, group_channels, group_channels], dim=-1)
-        heads_per_group = self.num_heads // self.num_groups
-        B = B.reshape(*lead, self.num_groups_local, self.d_state).repeat_interleave(heads_per_group, dim=-2)
-        C = C.reshape(*lead, self.num_groups_local, self.d_state).repeat_interleave(heads_per_group, dim=-2)
-        return x.reshape(*lead, self.num_heads_local, self.head_dim), B, C
+        num_rows = conv_out.shape[0]
+        return (x.reshape(num_rows, self.num_heads_local, self.head_dim),
+                B.reshape(num_rows, self.num_groups_local, self.d_state),
+                C.reshape(num_rows, self.num_groups_local, self.d_state))
 
-    def _decode(self, mamba: MambaForward, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    def _decode(self, mamba: MambaForward, xbc: torch.Tensor, dt: torch.Tensor, parameters) -> torch.Tensor:
         """The ``1 + S`` rows of each of nd decode requests (the first ``nd (1 + S)`` of the ``[T, ...]``
         rows, zero past T) -> y ``[nd (1 + S), d_inner_local]``; the state after every row goes to the
         slot's intermediate buffers (one launch on CUDA: ``mamba_decode_rows``)."""
-        weight, bias, A, D = self._parameters_fp32()
+        weight, bias, A, D = parameters
         return self._ops().mamba_decode_rows(mamba.conv_states, mamba.ssm_states, mamba.intermediate_conv_states,
                                              mamba.intermediate_ssm_states, self.mamba_layer_index,
                                              mamba.decode_slot_ids, xbc, dt, weight, bias, A, D)
 
-    def _prefill(self, mamba: MambaForward, xbc: torch.Tensor, dt: torch.Tensor):
+    def _prefill(self, mamba: MambaForward, xbc: torch.Tensor, dt: torch.Tensor, parameters):
         """Every prefill segment of the packed rows (``[T, ...]``) at once -> (y ``[T, d_inner_local]``,
         0 outside the segments; inside ``[T]`` bool); each segment's slot gets its new state."""
         layer, slots = self.mamba_layer_index, mamba.prefill_slot_ids  # slots: [n] int64
         start, count = mamba.prefill_row_start, mamba.prefill_row_count
-        weight, bias, A, D = self._parameters_fp32()
+        weight, bias, A, D = parameters
         ops = self._ops()
         conv_pool, ssm_pool = mamba.conv_states[layer], mamba.ssm_states[layer]  # [num_slots, ...] fp32 views
         # both ops read each segment's state at its slot (no gather); the scan also writes it back in place
         conv_out, windows = ops.causal_conv_varlen(conv_pool, xbc, start, count, weight, bias, slot_ids=slots)
         x, B, C = self._split_conv_output(conv_out)
-        y, _ = ops.ssm_varlen_scan(ssm_pool, x, dt, A, B, C, D, start, count, self.chunk_size, slot_ids=slots)
+        y, _ = ops.ssm_varlen_scan(ssm_pool, x, dt, A, B, C, D, start, count, self.chunk_size, slot_ids=slots,
+                                   heads_per_group=self.num_heads // self.num_groups)
         # the conv's row programs read the old windows while its window programs write the new ones,
         # so those land here, after it; a 0-row segment (scratch slot) writes back what it read
         conv_pool[slots] = windows

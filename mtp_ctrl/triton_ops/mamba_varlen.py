@@ -41,7 +41,11 @@ from mtp_ctrl.triton_ops._dispatch import use_triton
 BLOCK_ROWS = 16  # conv rows per program (and y rows zeroed per store in the scan)
 BLOCK_CHANNELS = 128  # conv channels per program
 BLOCK_SEGMENT_ROWS = 128  # rows per program of segment_of_rows
-MAX_BLOCK_P = 16  # head dims per scan program: the state tile is [BLOCK_P, N] fp32 in registers
+# head dims per scan program (the state tile is [BLOCK_P, N] fp32 in registers) and its warps: each
+# program's rows run one after another, so more, smaller programs finish sooner (H100, bench/RESULTS.md:
+# 8 dims on 2 warps took 24 us where 16 on 4 took 34, for a 64-row chunk of 16 heads of 64 x 128)
+MAX_BLOCK_P = 8
+SCAN_WARPS = 2
 
 _CONV_VALIDATED = ValidatedSignatures()  # argument signatures that passed _check_conv_args
 _SCAN_VALIDATED = ValidatedSignatures()  # argument signatures that passed _check_scan_args
@@ -167,7 +171,7 @@ def _causal_conv_varlen_kernel(
 @triton.jit
 def _ssm_varlen_scan_kernel(
     STATES_PTR, SLOT_IDS_PTR, X_PTR, DT_PTR, A_PTR, B_PTR, C_PTR, D_PTR, ROW_START_PTR, ROW_COUNT_PTR, OUT_Y_PTR,
-    OUT_STATES_PTR, num_rows, num_segments, heads, head_dim, state_size,
+    OUT_STATES_PTR, num_rows, num_segments, heads, head_dim, state_size, heads_per_group,
     state_stride_n, state_stride_h, state_stride_p, state_stride_s,
     out_state_stride_n, out_state_stride_h, out_state_stride_p, out_state_stride_s, x_stride_t, x_stride_h, x_stride_p,
     dt_stride_t, dt_stride_h, a_stride, d_stride, b_stride_t, b_stride_h, b_stride_s,
@@ -178,6 +182,7 @@ def _ssm_varlen_scan_kernel(
     writes slot SLOT_IDS[g], and a segment of 0 rows touches nothing (0-row segments may share a slot)."""
     segment = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
+    group = head // heads_per_group  # the B, C group this head reads
     dims = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P] this tile's head dims
     is_dim = dims < head_dim
     dims64 = dims.to(tl.int64)
@@ -204,8 +209,8 @@ def _ssm_varlen_scan_kernel(
         row = tl.minimum(start, last_row)
         x = tl.load(X_PTR + row * x_stride_t + head * x_stride_h + dims64 * x_stride_p, mask=is_dim, other=0.0)
         dt = tl.load(DT_PTR + row * dt_stride_t + head * dt_stride_h)
-        b = tl.load(B_PTR + row * b_stride_t + head * b_stride_h + state_index * b_stride_s, mask=is_state, other=0.0)
-        c = tl.load(C_PTR + row * c_stride_t + head * c_stride_h + state_index * c_stride_s, mask=is_state, other=0.0)
+        b = tl.load(B_PTR + row * b_stride_t + group * b_stride_h + state_index * b_stride_s, mask=is_state, other=0.0)
+        c = tl.load(C_PTR + row * c_stride_t + group * c_stride_h + state_index * c_stride_s, mask=is_state, other=0.0)
         y_rows = OUT_Y_PTR + head * head_dim + dims64  # [BLOCK_P] pointers; y is [T, H, P] contiguous
         for i in range(count):
             row = start + i
@@ -213,9 +218,9 @@ def _ssm_varlen_scan_kernel(
             next_x = tl.load(X_PTR + next_row * x_stride_t + head * x_stride_h + dims64 * x_stride_p, mask=is_dim,
                              other=0.0)
             next_dt = tl.load(DT_PTR + next_row * dt_stride_t + head * dt_stride_h)
-            next_b = tl.load(B_PTR + next_row * b_stride_t + head * b_stride_h + state_index * b_stride_s,
+            next_b = tl.load(B_PTR + next_row * b_stride_t + group * b_stride_h + state_index * b_stride_s,
                              mask=is_state, other=0.0)
-            next_c = tl.load(C_PTR + next_row * c_stride_t + head * c_stride_h + state_index * c_stride_s,
+            next_c = tl.load(C_PTR + next_row * c_stride_t + group * c_stride_h + state_index * c_stride_s,
                              mask=is_state, other=0.0)
             state = state * tl.exp(dt * decay_rate) + (dt * x)[:, None] * b[None, :]
             y = tl.sum(state * c[None, :], axis=1) + skip_weight * x  # [BLOCK_P]
@@ -360,15 +365,19 @@ def causal_conv_varlen(
     return out, new_windows
 
 
-def _check_scan_args(states, x, dt, A, B, C, D, row_start, row_count, chunk_size, slot_ids) -> None:
+def _check_scan_args(states, x, dt, A, B, C, D, row_start, row_count, chunk_size, slot_ids, heads_per_group) -> None:
     check_tensor("x", x, dtypes=(torch.float32,), ndim=3)
     num_rows, heads, head_dim = x.shape
     check_tensor("states", states, dtypes=(torch.float32,), shape=(None, heads, head_dim, None))
     state_size = states.shape[3]
     check_tensor("dt", dt, dtypes=(torch.float32,), shape=(num_rows, heads))
     check_tensor("A", A, dtypes=(torch.float32,), shape=(heads,))
-    check_tensor("B", B, dtypes=(torch.float32,), shape=(num_rows, heads, state_size))
-    check_tensor("C", C, dtypes=(torch.float32,), shape=(num_rows, heads, state_size))
+    check_int("heads_per_group", heads_per_group, low=1)
+    if heads % heads_per_group:
+        raise ValueError(f"heads_per_group={heads_per_group} does not divide the {heads} heads")
+    groups = heads // heads_per_group
+    check_tensor("B", B, dtypes=(torch.float32,), shape=(num_rows, groups, state_size))
+    check_tensor("C", C, dtypes=(torch.float32,), shape=(num_rows, groups, state_size))
     check_tensor("D", D, dtypes=(torch.float32,), shape=(heads,))
     check_same_device(x=x, states=states, dt=dt, A=A, B=B, C=C, D=D)
     num_segments = _num_segments(states, row_start, slot_ids)
@@ -382,14 +391,15 @@ def ssm_varlen_scan(
     x: torch.Tensor,  # [T, H, P] fp32, packed rows (any strides)
     dt: torch.Tensor,  # [T, H] fp32, after softplus
     A: torch.Tensor,  # [H] fp32, negative
-    B: torch.Tensor,  # [T, H, N] fp32 (each head's group already expanded)
-    C: torch.Tensor,  # [T, H, N] fp32
+    B: torch.Tensor,  # [T, H / heads_per_group, N] fp32: head h reads group h // heads_per_group
+    C: torch.Tensor,  # [T, H / heads_per_group, N] fp32
     D: torch.Tensor,  # [H] fp32
     row_start: torch.Tensor,  # [n] int64 on the device (see segment_of_rows)
     row_count: torch.Tensor,  # [n] int64 on the device
     chunk_size: int = 64,  # the twin's chunk length; the kernel steps row by row
     *,
     slot_ids: Optional[torch.Tensor] = None,  # [n] int64 on the device: states is a slot pool, see below
+    heads_per_group: int = 1,  # Mamba-2's heads sharing one B, C group (read in place, not expanded)
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:  # y [T, H, P] (0 in no segment), final [n, H, P, N] or None
     """The SSM recurrence over every segment of the packed rows in one launch, per row ``t``::
 
@@ -405,13 +415,13 @@ def ssm_varlen_scan(
     slots; segments of 0 rows touch nothing, so they may share one (a scratch slot).
     """
     _SCAN_VALIDATED.validate(_check_scan_args, states, x, dt, A, B, C, D, row_start, row_count, chunk_size,
-                             slot_ids)
+                             slot_ids, heads_per_group)
     _check_unit_strides(row_start, row_count)
     num_rows, heads, head_dim = x.shape
     num_segments, state_size = row_start.shape[0], states.shape[3]
     if not use_triton(x) or num_rows == 0 or num_segments == 0 or heads == 0 or head_dim == 0 or state_size == 0:
         return reference.ssm_varlen_scan(states, x, dt, A, B, C, D, row_start, row_count, chunk_size,
-                                         slot_ids=slot_ids)
+                                         slot_ids=slot_ids, heads_per_group=heads_per_group)
     y = torch.empty(num_rows, heads, head_dim, dtype=torch.float32, device=x.device)  # [T, H, P] fp32
     final = states if slot_ids is not None else torch.empty(
         num_segments, heads, head_dim, state_size, dtype=torch.float32, device=x.device)  # [n, H, P, N] fp32
@@ -419,8 +429,8 @@ def ssm_varlen_scan(
     grid = (num_segments, heads, triton.cdiv(head_dim, block_p))
     _ssm_varlen_scan_kernel[grid](
         states, states if slot_ids is None else slot_ids, x, dt, A, B, C, D, row_start, row_count, y, final,
-        num_rows, num_segments, heads, head_dim, state_size, *states.stride(), *final.stride(),
+        num_rows, num_segments, heads, head_dim, state_size, heads_per_group, *states.stride(), *final.stride(),
         *x.stride(), *dt.stride(), A.stride(0), D.stride(0), *B.stride(), *C.stride(),
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), BLOCK_ROWS=BLOCK_ROWS,
-        IN_PLACE=slot_ids is not None)
+        IN_PLACE=slot_ids is not None, num_warps=SCAN_WARPS)
     return y, (None if slot_ids is not None else final)

@@ -103,16 +103,24 @@ def test_slot_pools_in_place_under_a_graph(layout):
     windows, inputs, _, _, weight, bias = conv
     want_out, want_windows = reference.causal_conv_varlen(window_pool[slot_ids], inputs, row_start, row_count,
                                                           weight, bias)
-    want_y, want_final = reference.ssm_varlen_scan(state_pool[slot_ids], *scan[1:], row_start, row_count, 64)
-    expected = state_pool.clone()
-    expected[slot_ids[row_count > 0]] = want_final[row_count > 0]
     inside = reference.segment_of_rows(row_start, row_count, num_rows)[2]
 
     pool = state_pool.clone()
+    x, dt, A, B, C, D = scan[1:]
+    heads_per_group = HEADS // GROUPS  # B and C as the mixer passes them: one [N] row per group, read in place
+    B, C = B[:, ::heads_per_group].contiguous(), C[:, ::heads_per_group].contiguous()  # [T, G, N]
+    want_y, want_final = reference.ssm_varlen_scan(state_pool[slot_ids], x, dt, A,
+                                                   B.repeat_interleave(heads_per_group, dim=1),
+                                                   C.repeat_interleave(heads_per_group, dim=1), D,
+                                                   row_start, row_count, 64)
+    expected = state_pool.clone()
+    expected[slot_ids[row_count > 0]] = want_final[row_count > 0]
+
     def step():
         out, new_windows = causal_conv_varlen(window_pool, inputs, row_start, row_count, weight, bias,
                                               slot_ids=slot_ids)
-        y, _ = ssm_varlen_scan(pool, *scan[1:], row_start, row_count, 64, slot_ids=slot_ids)
+        y, _ = ssm_varlen_scan(pool, x, dt, A, B, C, D, row_start, row_count, 64, slot_ids=slot_ids,
+                               heads_per_group=heads_per_group)
         return out, new_windows, y
     step()  # compile
     pool.copy_(state_pool)

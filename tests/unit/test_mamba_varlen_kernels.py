@@ -205,3 +205,21 @@ def test_slot_ids_are_checked():
         with pytest.raises(error, match="^slot_ids "):
             causal_conv_varlen(torch.zeros(4, CHANNELS, WIDTH - 1), conv["inputs"], row_start, row_count,
                                conv["weight"], conv["bias"], slot_ids=bad)
+
+
+def test_grouped_b_and_c_are_read_in_place():
+    """heads_per_group: B and C [T, G, N] (head h reads group h // (H / G)) == the expanded [T, H, N]
+    call, kernel and twin; a group count that does not divide the heads is rejected."""
+    row_start, row_count, num_rows = _layout([("other", 2), ("prefill", 7), ("other", 0), ("prefill", 3)])
+    _, scan = _inputs(row_start.shape[0], num_rows, seed=11)
+    grouped = dict(scan, B=scan["B"][:, :1], C=scan["C"][:, 1:])  # G = 1 group of HEADS = 2 heads
+    expanded = dict(scan, B=grouped["B"].expand(-1, HEADS, -1), C=grouped["C"].expand(-1, HEADS, -1))
+    for op in (ssm_varlen_scan, reference.ssm_varlen_scan):
+        want = _call_scan(op, expanded, row_start, row_count, 4)
+        got = op(grouped["states"], grouped["x"], grouped["dt"], grouped["A"], grouped["B"], grouped["C"], grouped["D"],
+                 row_start, row_count, 4, heads_per_group=HEADS)
+        for got_tensor, want_tensor in zip(got, want):
+            torch.testing.assert_close(got_tensor, want_tensor, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="^heads_per_group="):
+        ssm_varlen_scan(scan["states"], scan["x"], scan["dt"], scan["A"], scan["B"], scan["C"], scan["D"], row_start,
+                        row_count, 4, heads_per_group=3)

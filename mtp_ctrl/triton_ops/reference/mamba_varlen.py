@@ -92,6 +92,7 @@ def ssm_varlen_scan(
     chunk_size: int = 64,
     *,
     slot_ids: Optional[torch.Tensor] = None,  # [n] int64: states is a slot pool, updated in place
+    heads_per_group: int = 1,  # B, C are [T, H / heads_per_group, N]: head h reads group h // heads_per_group
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:  # y [T, H, P] (0 in no segment), final [n, H, P, N] or None
     """``ssm_chunk_scan`` over every segment of the packed rows at once, with fixed shapes
     and no host sync (a segment of 0 rows keeps its state).
@@ -113,6 +114,8 @@ def ssm_varlen_scan(
     n = 64, Q = 64, H = 32, P = 64, N = 128 (K = 95): about 0.8 GB, freed after each layer (a CUDA
     graph keeps it in its pool); ``bench/bench_mamba_prefill.py`` measures it.
     """
+    if heads_per_group > 1:
+        B, C = B.repeat_interleave(heads_per_group, dim=1), C.repeat_interleave(heads_per_group, dim=1)  # [T, H, N]
     if slot_ids is not None:  # the pool's slots in, the final states back into them (0-row segments unchanged)
         pool, states = states, states[slot_ids]  # [n, H, P, N]
         y, final = ssm_varlen_scan(states, x, dt, A, B, C, D, row_start, row_count, chunk_size)
