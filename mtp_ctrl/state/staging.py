@@ -59,6 +59,15 @@ class StagingBuffers:
         return self._host_arrays[self._current]
 
     @property
+    def num_host_buffers(self) -> int:
+        return len(self._host_bytes)
+
+    @property
+    def current_buffer(self) -> int:
+        """Index of the host buffer the next :meth:`copy_to_device` sends."""
+        return self._current
+
+    @property
     def nbytes(self) -> int:
         return self._device_bytes.numel()
 

@@ -119,6 +119,12 @@ class StepBuffers:
             "request_ids": ((R,), torch.int64),
             "block_writes": ((3, max_block_writes), torch.int64),  # rows: table row, column, block id
         }, device)
+        # A steady decode step (the same graph shape, requests and rows as the step before) stages
+        # the same sections as that step but its block writes: it reuses that step's metadata and
+        # rewrites only the block writes. Per host buffer: the steady key its sections were written for.
+        self._no_op_write = np.array([[table.scratch_row], [0], [-1]], dtype=np.int64)  # [3, 1]
+        self._buffer_keys: List[Optional[tuple]] = [None] * self.staging.num_host_buffers
+        self._steady: Optional[Tuple[tuple, np.ndarray, StepMetadata]] = None  # key, request ids, step
         self.positions = torch.zeros(max_tokens_per_step, dtype=torch.int64, device=device)  # [T] int64
         self.slot_mapping = torch.full((max_tokens_per_step,), -1, dtype=torch.int64, device=device)  # [T] int64
         self.seq_lens = torch.zeros(R, dtype=torch.int32, device=device)  # [R] int32
@@ -139,8 +145,15 @@ class StepBuffers:
         does not end its prompt (drafters that feed each row the token after it need it).
         """
         self.staging.wait_until_host_writable()
-        stride = self.table.num_speculative_tokens + 1
         num_requests = query_lengths.shape[0]
+        steady_key = None
+        if padded is not None and not prefill_chunks and num_final_prefill_chunks == 0:
+            # row moves and removals bump num_moves; a join or a pause changes the counts
+            steady_key = (num_requests, num_decode, padded, max_seq_len, self.table.num_moves)
+            step = self._steady_step(steady_key, block_writes)
+            if step is not None:
+                return step
+        stride = self.table.num_speculative_tokens + 1
         num_sampling = num_decode + num_final_prefill_chunks
         decode_rows = num_decode * stride
         query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)  # [n + 1] int64
@@ -169,9 +182,8 @@ class StepBuffers:
         host["next_prompt_token"][0] = next_prompt_token
         host["request_ids"][:num_requests] = self.table.host.request_ids[:num_requests]
         host["request_ids"][num_requests:batch_size] = -1
-        writes = host["block_writes"]
-        writes[:, : block_writes.shape[1]] = block_writes
-        writes[:, block_writes.shape[1] :] = np.array([[self.table.scratch_row], [0], [-1]])  # no-ops
+        self._stage_block_writes(block_writes)
+        self._buffer_keys[self.staging.current_buffer] = steady_key
         self.staging.copy_to_device()
 
         device = self.staging.device
@@ -192,7 +204,7 @@ class StepBuffers:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-        return StepMetadata(
+        step = StepMetadata(
             attention=attention,
             input_ids=device["input_ids"][:padded_tokens],
             logits_indices=device["logits_indices"][: batch_size * stride],
@@ -208,6 +220,27 @@ class StepBuffers:
             host_query_start_loc=torch.from_numpy(query_start_loc),
             host_first_positions=torch.from_numpy(host_first_positions),
         )
+        self._steady = None if steady_key is None else (
+            steady_key, self.table.host.request_ids[:num_requests].copy(), step)
+        return step
+
+    def _steady_step(self, key: tuple, block_writes: np.ndarray) -> Optional[StepMetadata]:
+        """The last step's metadata when this step is the same decode step (``key`` and request ids
+        equal, and the current host buffer staged for it): only the block writes are staged and
+        sent. None otherwise."""
+        if self._steady is None or self._steady[0] != key or self._buffer_keys[self.staging.current_buffer] != key:
+            return None
+        _, request_ids, step = self._steady
+        if not np.array_equal(request_ids, self.table.host.request_ids[: request_ids.shape[0]]):
+            return None
+        self._stage_block_writes(block_writes)
+        self.staging.copy_to_device()
+        return step
+
+    def _stage_block_writes(self, block_writes: np.ndarray) -> None:
+        writes = self.staging.host_arrays["block_writes"]  # [3, max_block_writes] int64
+        writes[:, : block_writes.shape[1]] = block_writes
+        writes[:, block_writes.shape[1] :] = self._no_op_write  # scratch row, column 0, block -1
 
     def prepare_inputs(self, step: StepMetadata) -> None:
         """The device half of the step's set-up (no host sync, fixed shapes per bucket, so it is
