@@ -365,11 +365,14 @@ class TextGenerationController:
         outputs: List[StepOutput] = []
         applied = self._in_flight is not None  # this call applies a step, whatever it builds
         self._retire_finished()  # also with a step in flight: its read-back is realigned by request id
-        if self._in_flight is not None and (self._must_sync() or not self.config.overlap_scheduling):
-            outputs += self._apply_in_flight(collect)
-            self._retire_finished()
-        self._admit_waiting()
-        step = self._build_step()
+        sync_checked = False  # needs_sync() said False for the context the step is built from
+        if self._in_flight is not None:
+            sync_checked = self.config.overlap_scheduling and not self._must_sync()
+            if not sync_checked:
+                outputs += self._apply_in_flight(collect)
+                self._retire_finished()
+        self._admit_waiting()  # admission adds prefill rows, which needs_sync() does not read
+        step = self._build_step(sync_checked)
         if step is None:
             if self._in_flight is not None:
                 outputs += self._apply_in_flight(collect)
@@ -386,10 +389,8 @@ class TextGenerationController:
         return outputs
 
     def _must_sync(self) -> bool:
-        """Whether the next step needs the host's lengths exact, so the step in flight is applied
-        first: a decode must pause or a paused one can resume (``context.needs_sync``). Finishing
-        and admitting do not: rows move by stream-ordered copies and the read-back is realigned
-        (see :meth:`_apply`)."""
+        """Whether the step in flight is applied first: a decode must pause or a paused one can resume
+        (``context.needs_sync``). Finishing and admitting need not: the read-back is realigned (:meth:`_apply`)."""
         return self.context.needs_sync()
 
     def _can_admit(self) -> bool:
@@ -399,13 +400,14 @@ class TextGenerationController:
         return self._scheduler.can_admit(len(record.prompt_tokens) + len(record.output_tokens), record.preemptions > 0,
                                          self.context.num_free_rows, self.context.allocator.num_free_blocks)
 
-    def _build_step(self) -> Optional[StepMetadata]:
+    def _build_step(self, sync_checked: bool = False) -> Optional[StepMetadata]:
         while True:
             try:
-                return self.context.build_step()
+                return self.context.build_step(sync_checked=sync_checked)
             except KVCacheFullError:
                 if self._in_flight is not None:  # learn the step in flight's outcome, then decide
                     self._sync()
+                    sync_checked = False
                     continue
                 if not self._scheduler.should_preempt(self.context.table.num_live, self.context.steps_in_flight):
                     raise

@@ -239,7 +239,7 @@ class DynamicInferenceContext:
         """Steps built whose outcome :meth:`commit_readback` has not taken yet."""
         return len(self._steps_in_flight)
 
-    def build_step(self) -> Optional[StepMetadata]:
+    def build_step(self, *, sync_checked: bool = False) -> Optional[StepMetadata]:
         """Schedule the next forward pass, take its blocks and stage it; None if no request runs.
 
         With a step in flight (built, not committed) :meth:`needs_sync` must be False: the step
@@ -248,10 +248,12 @@ class DynamicInferenceContext:
         order (only the last one may stop mid-prompt). Decode requests that cannot get their
         blocks are paused; paused ones are resumed (oldest first) when blocks are free again,
         and no prefill starts while one still waits. Raises ``KVCacheFullError`` when requests
-        are live but none can get a block (nothing changed).
+        are live but none can get a block (nothing changed). ``sync_checked``: the caller asked
+        :meth:`needs_sync` after the context last changed (adding requests aside) and got False,
+        so it is not evaluated again.
         """
         steps_in_flight = self.steps_in_flight
-        if steps_in_flight and self.needs_sync():
+        if steps_in_flight and not sync_checked and self.needs_sync():
             raise RuntimeError("build_step: rows must move; commit the step in flight first")
         for request_id in sorted(self._prompts_done, key=self.table.row_of):  # first prefill row first: in place
             self._become_decode_if_prompt_done(request_id)
