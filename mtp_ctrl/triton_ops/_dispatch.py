@@ -6,6 +6,7 @@ tensors (that is how CI tests kernels without a GPU). The variable must be set b
 is imported, because ``triton.jit`` reads it when a kernel is defined.
 """
 
+import functools
 import os
 
 import torch
@@ -18,3 +19,13 @@ def interpreter_enabled() -> bool:
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when an op over ``tensor`` should launch its Triton kernel."""
     return tensor.is_cuda or interpreter_enabled()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the property lookup costs host time)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())

@@ -36,16 +36,11 @@ import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import ValidatedSignatures, check_int, check_same_device, check_tensor
-from mtp_ctrl.triton_ops._dispatch import use_triton
+from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
 
 BLOCK_ROWS = 16  # conv rows per program (and y rows zeroed per store in the scan)
 BLOCK_CHANNELS = 128  # conv channels per program
 BLOCK_SEGMENT_ROWS = 128  # rows per program of segment_of_rows
-# head dims per scan program (the state tile is [BLOCK_P, N] fp32 in registers) and its warps: each
-# program's rows run one after another, so more, smaller programs finish sooner (H100, bench/RESULTS.md:
-# 8 dims on 2 warps took 24 us where 16 on 4 took 34, for a 64-row chunk of 16 heads of 64 x 128)
-MAX_BLOCK_P = 8
-SCAN_WARPS = 2
 
 _CONV_VALIDATED = ValidatedSignatures()  # argument signatures that passed _check_conv_args
 _SCAN_VALIDATED = ValidatedSignatures()  # argument signatures that passed _check_scan_args
@@ -249,6 +244,20 @@ def _ssm_varlen_scan_kernel(
                  mask=(rows < lead_end)[:, None] & is_dim[None, :])
 
 
+def _scan_tiling(num_rows: int, num_segments: int, heads: int, head_dim: int, device: torch.device) -> Tuple[int, int]:
+    """(head dims, warps) per scan program. Each program walks its segment's rows one after
+    another, so a step takes one segment's walk: when the programs with rows leave SMs idle, tiles
+    of 8 dims on 2 warps (twice the programs) finish sooner than 16 on 4 (H100: 24 vs 34 us for a
+    64-row chunk of 16 heads of 64 x 128); when they fill the SMs, 16 on 4 is faster (8 x 256-row
+    prompts of 32 heads: 0.39 vs 0.44 ms). Which segments have rows lives on the device (a
+    graph's counts): assume at most one per 128 rows."""
+    if device.type != "cuda":
+        return 16, 4
+    segments_with_rows = min(num_segments, max(1, num_rows // 128))
+    busy_programs = segments_with_rows * heads * triton.cdiv(head_dim, 16)
+    return (16, 4) if busy_programs >= sm_count(device) else (8, 2)
+
+
 def _search_steps(num_segments: int) -> int:
     """Binary-search steps that find a row's segment among n: ceil(log2(n + 1))."""
     return max(1, int(num_segments).bit_length())
@@ -425,12 +434,13 @@ def ssm_varlen_scan(
     y = torch.empty(num_rows, heads, head_dim, dtype=torch.float32, device=x.device)  # [T, H, P] fp32
     final = states if slot_ids is not None else torch.empty(
         num_segments, heads, head_dim, state_size, dtype=torch.float32, device=x.device)  # [n, H, P, N] fp32
-    block_p = min(MAX_BLOCK_P, triton.next_power_of_2(head_dim))
+    block_p, num_warps = _scan_tiling(num_rows, num_segments, heads, head_dim, x.device)
+    block_p = min(block_p, triton.next_power_of_2(head_dim))
     grid = (num_segments, heads, triton.cdiv(head_dim, block_p))
     _ssm_varlen_scan_kernel[grid](
         states, states if slot_ids is None else slot_ids, x, dt, A, B, C, D, row_start, row_count, y, final,
         num_rows, num_segments, heads, head_dim, state_size, heads_per_group, *states.stride(), *final.stride(),
         *x.stride(), *dt.stride(), A.stride(0), D.stride(0), *B.stride(), *C.stride(),
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), BLOCK_ROWS=BLOCK_ROWS,
-        IN_PLACE=slot_ids is not None, num_warps=SCAN_WARPS)
+        IN_PLACE=slot_ids is not None, num_warps=num_warps)
     return y, (None if slot_ids is not None else final)

@@ -18,7 +18,6 @@ read together. On an H100 that took a 944M GPT's attention at batch 1, 1024 toke
 about 6 us per layer, combine included (bench/RESULTS.md, 2026-11-23 night).
 """
 
-import functools
 import math
 from typing import Optional
 
@@ -28,7 +27,7 @@ import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
-from mtp_ctrl.triton_ops._dispatch import use_triton
+from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
 
 MAX_HEAD_DIM = 256
 _TARGET_BLOCK_M = 64  # matrix rows (query rows x group heads) per program
@@ -246,25 +245,19 @@ def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_star
         check_int("num_kv_splits", num_kv_splits, low=1, high=_MAX_KV_SPLITS)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_warps(device, num_programs):
     """8 warps while the grid leaves SMs idle (each program then hides its read latency better),
     4 once every SM has work (measured on an H100: bench/RESULTS.md, paged attention)."""
     if device.type != "cuda":
         return 4
-    return 8 if num_programs < _sm_count(device.index if device.index is not None else torch.cuda.current_device()) else 4
+    return 8 if num_programs < sm_count(device) else 4
 
 
 def _choose_num_kv_splits(device, programs_per_split, kv_token_bound, block_n):
     """Enough splits to give every SM two programs, each split at least _MIN_TOKENS_PER_SPLIT long."""
     if device.type != "cuda":
         return 1
-    sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    wanted = triton.cdiv(2 * sm_count, max(programs_per_split, 1))
+    wanted = triton.cdiv(2 * sm_count(device), max(programs_per_split, 1))
     longest = max(1, triton.cdiv(kv_token_bound, max(_MIN_TOKENS_PER_SPLIT, block_n)))
     return max(1, min(wanted, longest, _MAX_KV_SPLITS))
 
