@@ -250,10 +250,11 @@ def _scan_tiling(num_rows: int, num_segments: int, heads: int, head_dim: int, de
     of 8 dims on 2 warps (twice the programs) finish sooner than 16 on 4 (H100: 24 vs 34 us for a
     64-row chunk of 16 heads of 64 x 128); when they fill the SMs, 16 on 4 is faster (8 x 256-row
     prompts of 32 heads: 0.39 vs 0.44 ms). Which segments have rows lives on the device (a
-    graph's counts): assume at most one per 128 rows."""
+    graph's counts), and a mixed step's graph pads one chunk to a token bucket of hundreds of
+    rows: assume one segment with rows per 512 rows."""
     if device.type != "cuda":
         return 16, 4
-    segments_with_rows = min(num_segments, max(1, num_rows // 128))
+    segments_with_rows = min(num_segments, max(1, num_rows // 512))
     busy_programs = segments_with_rows * heads * triton.cdiv(head_dim, 16)
     return (16, 4) if busy_programs >= sm_count(device) else (8, 2)
 
