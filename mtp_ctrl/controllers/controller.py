@@ -365,12 +365,11 @@ class TextGenerationController:
         outputs: List[StepOutput] = []
         applied = self._in_flight is not None  # this call applies a step, whatever it builds
         self._retire_finished()  # also with a step in flight: its read-back is realigned by request id
-        sync_checked = False  # needs_sync() said False for the context the step is built from
-        if self._in_flight is not None:
-            sync_checked = self.config.overlap_scheduling and not self._must_sync()
-            if not sync_checked:
-                outputs += self._apply_in_flight(collect)
-                self._retire_finished()
+        # sync_checked: needs_sync() said False for the context the step is built from
+        sync_checked = self._in_flight is not None and self.config.overlap_scheduling and not self._must_sync()
+        if self._in_flight is not None and not sync_checked:
+            outputs += self._apply_in_flight(collect)
+            self._retire_finished()
         self._admit_waiting()  # admission adds prefill rows, which needs_sync() does not read
         step = self._build_step(sync_checked)
         if step is None:
