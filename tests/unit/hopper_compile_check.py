@@ -1,0 +1,111 @@
+"""Compile kernels for an H100 (sm_90) on a machine without a GPU; run as a script with
+``TRITON_INTERPRET=0`` (under the interpreter ``triton.jit`` makes no compilable kernels).
+
+The interpreter runs a kernel's Python with every int argument a plain value, but on the GPU
+Triton specialises an int argument equal to 1 into a constant, which has no tensor methods
+(``n.to(tl.int64)`` then fails to compile). So each kernel is compiled twice: with its int
+arguments as ``i32``, and with all of them the constant 1. Prints one line per failure and
+exits 1 if any; prints ``skip: ...`` and exits 0 when this Triton cannot compile for sm_90.
+
+    TRITON_INTERPRET=0 python tests/unit/hopper_compile_check.py
+"""
+
+import sys
+
+
+def compile_for_hopper(kernel, pointer_types, float_args, constexprs, ints_as_one):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constants = {}, dict(constexprs)
+    for param in kernel.params:
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+        elif param.name in pointer_types:
+            signature[param.name] = "*" + pointer_types[param.name]
+        elif param.name in float_args:
+            signature[param.name] = "fp32"
+        elif ints_as_one:
+            signature[param.name], constants[param.name] = "constexpr", 1
+        else:
+            signature[param.name] = "i32"
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32))
+
+
+def pointers(kernel, default, **special):
+    """Every ``*_PTR`` argument of ``kernel`` typed ``default`` unless named in ``special``."""
+    types = {param.name: default for param in kernel.params if param.name.endswith("_PTR")}
+    types.update(special)
+    return types
+
+
+def cases():
+    """(label, kernel, pointer types, float args, constexprs): the kernels of a decode step's
+    attention and glue, and the Mamba prefill kernels, in the variants the models launch."""
+    from mtp_ctrl.triton_ops import layer_glue, mamba_varlen, paged_attn, rope_kv_write
+
+    attention = paged_attn._paged_attention_kernel
+    attention_pointers = pointers(attention, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32",
+                                  QUERY_START_LOC_PTR="i32", PARTIAL_ACC_PTR="fp32", PARTIAL_MAX_PTR="fp32",
+                                  PARTIAL_SUM_PTR="fp32")
+    for splits in (1, 4):
+        yield (f"paged attention, {splits} splits", attention, attention_pointers, {"qk_scale"},
+               dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, NUM_KV_SPLITS=splits, DOT_PRECISION="tf32"))
+    combine = paged_attn._combine_kv_splits_kernel
+    yield ("attention merge", combine, pointers(combine, "fp32", QUERY_START_LOC_PTR="i32", OUTPUT_PTR="bf16"), set(),
+           dict(BLOCK_Q=1, BLOCK_M=4, BLOCK_S=16, BLOCK_DC=16, NUM_D_CHUNKS=8))
+    rope = rope_kv_write._rope_write_kv_cache_kernel
+    for has_bias, has_rotary in ((True, True), (False, True), (True, False)):
+        yield (f"rope + KV write, bias {has_bias}, rotary {has_rotary}", rope,
+               pointers(rope, "bf16", SLOT_MAPPING_PTR="i64", COS_PTR="fp32", SIN_PTR="fp32"), set(),
+               dict(HAS_ROTARY=has_rotary, HAS_BIAS=has_bias, ROUND_BF16=True, INTERLEAVED=False, BLOCK_G=4,
+                    BLOCK_D=128))
+    norm = layer_glue._add_bias_residual_norm_kernel
+    yield ("bias + residual + norm", norm, pointers(norm, "bf16"), {"eps"},
+           dict(HAS_BIAS=True, HAS_NORM=True, HAS_NORM_BIAS=True, RMS_NORM=False, ROUND_BF16=True, BLOCK_H=2048))
+    scan = mamba_varlen._ssm_varlen_scan_kernel
+    for in_place in (False, True):
+        yield (f"SSM varlen scan, in place {in_place}", scan,
+               pointers(scan, "fp32", SLOT_IDS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
+               dict(BLOCK_P=8, BLOCK_N=128, BLOCK_ROWS=16, IN_PLACE=in_place))
+    conv = mamba_varlen._causal_conv_varlen_kernel
+    for has_slots in (False, True):
+        yield (f"causal conv varlen, slots {has_slots}", conv,
+               pointers(conv, "fp32", SLOT_IDS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
+               dict(WIDTH=4, SEARCH_STEPS=4, BLOCK_ROWS=16, BLOCK_CHANNELS=128, BLOCK_HISTORY=4, HAS_SLOTS=has_slots))
+
+
+def _summary(error: Exception) -> str:
+    """The error's message line, or else the source line Triton's caret points at."""
+    lines = [line for line in str(error).splitlines() if line.strip() and set(line.strip()) != {"^"}]
+    named = [line.strip() for line in lines if "Error" in line]
+    if named:
+        return named[-1]
+    return f"{type(error).__name__} at: {lines[-1].strip()}" if lines else type(error).__name__
+
+
+def main() -> int:
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as error:
+        print(f"skip: this Triton has no ahead-of-time compiler API ({error})")
+        return 0
+    failures = 0
+    for label, kernel, pointer_types, float_args, constexprs in cases():
+        for ints_as_one in (False, True):
+            try:
+                compile_for_hopper(kernel, pointer_types, float_args, constexprs, ints_as_one)
+            except Exception as error:  # report every failing variant, not just the first
+                if "ptxas" in str(error).lower() and "not found" in str(error).lower():
+                    print(f"skip: no ptxas for sm_90 ({error})")
+                    return 0
+                failures += 1
+                print(f"FAIL {label}, int arguments {'= 1 (constants)' if ints_as_one else 'as i32'}: "
+                      f"{_summary(error)}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
