@@ -34,6 +34,7 @@ _TARGET_BLOCK_M = 64  # matrix rows (query rows x group heads) per program
 _MIN_TOKENS_PER_SPLIT = 64  # one BLOCK_N tile: a short split is cheap now that the combine reads splits at once
 _MAX_KV_SPLITS = 32
 _COMBINE_MIN_ROWS = 1  # the combine has no tl.dot, so no 16-row floor
+_ZERO_BLOCK = 1024  # output elements per store when the kernel zeroes the padding rows
 _COMBINE_TILE_ELEMENTS = 1024  # fp32 partials one combine program holds: [splits, matrix rows, head-dim chunk]
 _INT32_MAX = 2**31 - 1
 
@@ -85,15 +86,31 @@ def _paged_attention_kernel(
     head_dim,
     group_size,
     tokens_per_split,
+    batch_size,
+    num_q_tiles,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     request = tl.program_id(1)
+    if (request == batch_size - 1) & (tl.program_id(2) == 0):
+        # rows past the last request's (padding) belong to no program below: the last request's
+        # first programs zero them, each a share (the output is [T, Hq, D] contiguous, not pre-zeroed)
+        row_elements = num_query_heads * head_dim
+        tail_start = tl.load(QUERY_START_LOC_PTR + batch_size).to(tl.int64) * row_elements
+        tail_end = tl.cast(num_tokens, tl.int64) * row_elements
+        share = tl.cdiv(tail_end - tail_start, num_q_tiles)
+        share_start = tail_start + q_tile * share
+        share_end = tl.minimum(share_start + share, tail_end)
+        zeros = tl.zeros([ZERO_BLOCK], dtype=tl.float32)  # the store casts to the output's dtype
+        for first in range(share_start, share_end, ZERO_BLOCK):
+            elements = first + tl.arange(0, ZERO_BLOCK)
+            tl.store(OUTPUT_PTR + elements, zeros, mask=elements < share_end)
     kv_head = tl.program_id(2) // NUM_KV_SPLITS
     split = tl.program_id(2) % NUM_KV_SPLITS
     rows, row_in_request, head_in_group, row_valid, q_len = _tile_rows(
@@ -299,10 +316,11 @@ def paged_attention(
     batch_size = block_table.shape[0]
     if batch_size > 0 and block_table.shape[1] < 1:
         raise ValueError(f"block_table needs at least one block column, got shape {tuple(block_table.shape)}")
-    output = torch.zeros_like(query)  # [T, Hq, D]
     query_rows_bound = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
     if num_tokens == 0 or batch_size == 0 or query_rows_bound == 0:
-        return output
+        return torch.zeros((num_tokens, num_query_heads, head_dim), dtype=query.dtype, device=query.device)
+    # every row is written by the kernel (padding rows as zeros): no separate zero fill
+    output = torch.empty((num_tokens, num_query_heads, head_dim), dtype=query.dtype, device=query.device)
     kv_token_bound = block_table.shape[1] * block_size_tokens if max_seq_len is None else max_seq_len
 
     group_size = num_query_heads // num_kv_heads
@@ -333,8 +351,9 @@ def paged_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
         num_tokens, num_query_heads, block_size_tokens, head_dim, group_size, tokens_per_split,
+        batch_size, num_q_tiles,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        NUM_KV_SPLITS=num_kv_splits,
+        NUM_KV_SPLITS=num_kv_splits, ZERO_BLOCK=_ZERO_BLOCK,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=_num_warps(query.device, num_q_tiles * batch_size * num_kv_heads * num_kv_splits),
     )

@@ -52,7 +52,8 @@ def cases():
                                   PARTIAL_SUM_PTR="fp32")
     for splits in (1, 4):
         yield (f"paged attention, {splits} splits", attention, attention_pointers, {"qk_scale"},
-               dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, NUM_KV_SPLITS=splits, DOT_PRECISION="tf32"))
+               dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, NUM_KV_SPLITS=splits, DOT_PRECISION="tf32",
+                    ZERO_BLOCK=paged_attn._ZERO_BLOCK))
     combine = paged_attn._combine_kv_splits_kernel
     yield ("attention merge", combine, pointers(combine, "fp32", QUERY_START_LOC_PTR="i32", OUTPUT_PTR="bf16"), set(),
            dict(BLOCK_Q=1, BLOCK_M=4, BLOCK_S=16, BLOCK_DC=16, NUM_D_CHUNKS=8))

@@ -85,6 +85,30 @@ def test_padding_rows_and_requests_are_zero():
     assert out[:3].abs().sum() > 0
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("q_lens,seq_lens,padding_rows", [
+    ([0, 3, 0], [0, 5, 0], 2), ([2, 1], [9, 4], 1100), ([1, 1, 1], [3, 7, 2], 0), ([0, 0], [0, 0], 5),
+])
+def test_padding_rows_are_zeroed_by_the_kernel_on_dirty_memory(monkeypatch, q_lens, seq_lens, padding_rows,
+                                                                 num_kv_splits):
+    """The output is not zero-filled first: the last request's programs zero the rows past every
+    request (a share each, in 1024-element stores). With every float torch.empty NaN-filled, the
+    kernel still equals the reference, padding rows exactly 0."""
+    case = make_paged_case(q_lens, seq_lens, num_query_heads=4, num_kv_heads=2, head_dim=16, block_size_tokens=4,
+                           padding_rows=padding_rows, seed=len(q_lens) + padding_rows)
+    empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    out = paged_attention(*case.op_args(), num_kv_splits=num_kv_splits)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, reference.paged_attention(*case.op_args()), **TOL)
+    assert not out[sum(q_lens):].any()
+
+
 def test_empty_inputs():
     case = make_paged_case([], [], num_query_heads=2, num_kv_heads=1, head_dim=16, block_size_tokens=4)
     assert paged_attention(*case.op_args()).shape == (0, 2, 16)
