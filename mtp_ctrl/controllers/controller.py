@@ -136,10 +136,8 @@ class TextGenerationController:
             blocks_per_request = worst_case_blocks(config.max_model_len, 1, S, config.block_size_tokens)
             num_blocks = config.max_requests * blocks_per_request
         return DynamicInferenceContext(
-            max_requests=config.max_requests,
-            max_model_len=config.max_model_len,
-            block_size_tokens=config.block_size_tokens,
-            num_speculative_tokens=S,
+            max_requests=config.max_requests, max_model_len=config.max_model_len,
+            block_size_tokens=config.block_size_tokens, num_speculative_tokens=S,
             max_tokens_per_step=config.max_tokens_per_step,
             kv_cache=kv_cache,
             device=self.device,
@@ -195,6 +193,7 @@ class TextGenerationController:
                 self._all_greedy = all_greedy
                 if (shape, all_greedy) not in self._graphs:
                     self._graphs.run((shape, all_greedy), lambda: self._launch(step))
+                    self._graphs.replay((shape, all_greedy))  # uploads the graph now, not mid-serving
         torch.cuda.current_stream(self.device).synchronize()  # host-ok: start-up
         return len(self._graphs)
 

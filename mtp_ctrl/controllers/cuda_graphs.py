@@ -43,6 +43,13 @@ class StepGraphs:
         self._pool = graph.pool()
         self._graphs[key] = graph
 
+    def replay(self, key: Hashable) -> None:
+        """Replay the graph of ``key``. The first replay of a graph also uploads it to the device,
+        which can cost more than the replay itself: warmup replays each graph once, from its
+        padding step (which holds no request, so the replay changes nothing), to keep that cost
+        out of serving."""
+        self._graphs[key].replay()
+
     def reset(self) -> None:
         """Free every captured graph and the memory pool; later steps capture again."""
         for graph in self._graphs.values():

@@ -12,8 +12,8 @@ device, so a CUDA graph replays the step for any chunk lengths that fit its T an
   from the segment's window; a segment program writes the segment's new window.
 - :func:`ssm_varlen_scan`: one program per (segment, head, tile of ``BLOCK_P`` head dims). It walks
   its segment's rows in order with the state tile ``[BLOCK_P, N]`` in registers
-  (``h = exp(dt A) h + dt x outer B``, ``y = h . C + D x``), loading row ``t + 1`` while it computes
-  row ``t``, then writes the final state; it also zeroes y on the rows between its segment's end and
+  (``h = exp(dt A) h + dt x outer B``, ``y = h . C + D x``), its row loads pipelined a few rows
+  ahead, then writes the final state; it also zeroes y on the rows between its segment's end and
   the next segment's start (segment 0 also before its start), so every row of y is written once.
   A segment of 0 rows copies its state through and costs one load and one store. This is the
   recurrence itself, not the chunked form of the twin: the two agree to fp32 rounding, and
@@ -172,6 +172,7 @@ def _ssm_varlen_scan_kernel(
     dt_stride_t, dt_stride_h, a_stride, d_stride, b_stride_t, b_stride_h, b_stride_s,
     c_stride_t, c_stride_h, c_stride_s,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr, IN_PLACE: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """IN_PLACE: STATES_PTR is the slot pool, OUT_STATES_PTR the same pool; segment g reads and
     writes slot SLOT_IDS[g], and a segment of 0 rows touches nothing (0-row segments may share a slot)."""
@@ -198,29 +199,22 @@ def _ssm_varlen_scan_kernel(
                         mask=tile_mask, other=0.0)  # [BLOCK_P, BLOCK_N]
         decay_rate = tl.load(A_PTR + head * a_stride)
         skip_weight = tl.load(D_PTR + head * d_stride)
-        # row `start` before the loop; inside it, row t + 1 loads while row t computes. Row indices
-        # are clamped into [0, T) (T > 0 here), so no load needs a row mask: a clamped row is never used
-        last_row = num_rows - 1
-        row = tl.minimum(start, last_row)
-        x = tl.load(X_PTR + row * x_stride_t + head * x_stride_h + dims64 * x_stride_p, mask=is_dim, other=0.0)
-        dt = tl.load(DT_PTR + row * dt_stride_t + head * dt_stride_h)
-        b = tl.load(B_PTR + row * b_stride_t + group * b_stride_h + state_index * b_stride_s, mask=is_state, other=0.0)
-        c = tl.load(C_PTR + row * c_stride_t + group * c_stride_h + state_index * c_stride_s, mask=is_state, other=0.0)
         y_rows = OUT_Y_PTR + head * head_dim + dims64  # [BLOCK_P] pointers; y is [T, H, P] contiguous
-        for i in range(count):
+        # The rows' loads do not depend on the state: Triton's pipeliner issues them STAGES - 1 rows
+        # ahead (cp.async), so a row waits on its arithmetic, not on a memory round trip
+        for i in tl.range(0, count, num_stages=STAGES):
             row = start + i
-            next_row = tl.minimum(row + 1, last_row)
-            next_x = tl.load(X_PTR + next_row * x_stride_t + head * x_stride_h + dims64 * x_stride_p, mask=is_dim,
-                             other=0.0)
-            next_dt = tl.load(DT_PTR + next_row * dt_stride_t + head * dt_stride_h)
-            next_b = tl.load(B_PTR + next_row * b_stride_t + group * b_stride_h + state_index * b_stride_s,
-                             mask=is_state, other=0.0)
-            next_c = tl.load(C_PTR + next_row * c_stride_t + group * c_stride_h + state_index * c_stride_s,
-                             mask=is_state, other=0.0)
-            state = state * tl.exp(dt * decay_rate) + (dt * x)[:, None] * b[None, :]
-            y = tl.sum(state * c[None, :], axis=1) + skip_weight * x  # [BLOCK_P]
+            x = tl.load(X_PTR + row * x_stride_t + head * x_stride_h + dims64 * x_stride_p, mask=is_dim, other=0.0)
+            dt = tl.load(DT_PTR + row * dt_stride_t + head * dt_stride_h)
+            b = tl.load(B_PTR + row * b_stride_t + group * b_stride_h + state_index * b_stride_s, mask=is_state,
+                        other=0.0)
+            c = tl.load(C_PTR + row * c_stride_t + group * c_stride_h + state_index * c_stride_s, mask=is_state,
+                        other=0.0)
+            # explicit fma: which product the compiler would fuse depends on the loop's code
+            # shape, and every tiling must round alike (a step's shape picks the tiling)
+            state = tl.fma(state, tl.exp(dt * decay_rate), (dt * x)[:, None] * b[None, :])
+            y = tl.fma(skip_weight, x, tl.sum(state * c[None, :], axis=1))  # [BLOCK_P]
             tl.store(y_rows + row * heads * head_dim, y, mask=is_dim)
-            x, dt, b, c = next_x, next_dt, next_b, next_c
         tl.store(OUT_STATES_PTR + state_row * out_state_stride_n + head * out_state_stride_h
                  + dims64[:, None] * out_state_stride_p + state_index[None, :] * out_state_stride_s,
                  state, mask=tile_mask)
@@ -244,19 +238,22 @@ def _ssm_varlen_scan_kernel(
                  mask=(rows < lead_end)[:, None] & is_dim[None, :])
 
 
-def _scan_tiling(num_rows: int, num_segments: int, heads: int, head_dim: int, device: torch.device) -> Tuple[int, int]:
-    """(head dims, warps) per scan program. Each program walks its segment's rows one after
-    another, so a step takes one segment's walk: when the programs with rows leave SMs idle, tiles
-    of 8 dims on 2 warps (twice the programs) finish sooner than 16 on 4 (H100: 24 vs 34 us for a
-    64-row chunk of 16 heads of 64 x 128); when they fill the SMs, 16 on 4 is faster (8 x 256-row
-    prompts of 32 heads: 0.39 vs 0.44 ms). Which segments have rows lives on the device (a
-    graph's counts), and a mixed step's graph pads one chunk to a token bucket of hundreds of
-    rows: assume one segment with rows per 512 rows."""
+def _scan_tiling(num_rows: int, num_segments: int, heads: int, head_dim: int,
+                 device: torch.device) -> Tuple[int, int, int]:
+    """(head dims, warps, pipeline stages) per scan program: 4 dims on one warp. Each program
+    walks its segment's rows one after another, so while few programs have rows a step lasts one
+    segment's walk, and loading rows three ahead (``tl.range(num_stages=4)``) halves it; once the
+    busy programs give every SM 8 warps, their number hides the load latency and the pipeline
+    only costs (H100, 32 heads of 64 x 128: one 2048-row prompt 1242 -> 494 us pipelined; 8 x 256
+    rows 217 us plain vs 272 pipelined). Which segments have rows lives on the device (a graph's
+    counts), and a mixed step's graph pads one chunk to a token bucket of hundreds of rows:
+    assume one segment with rows per 512 rows. Every tiling rounds alike (explicit fma). The
+    interpreter runs programs one by one: few, wide ones there."""
     if device.type != "cuda":
-        return 16, 4
+        return 16, 4, 1
     segments_with_rows = min(num_segments, max(1, num_rows // 512))
-    busy_programs = segments_with_rows * heads * triton.cdiv(head_dim, 16)
-    return (16, 4) if busy_programs >= sm_count(device) else (8, 2)
+    busy_programs = segments_with_rows * heads * triton.cdiv(head_dim, 4)
+    return (4, 1, 1) if busy_programs >= 8 * sm_count(device) else (4, 1, 4)
 
 
 def _search_steps(num_segments: int) -> int:
@@ -435,7 +432,7 @@ def ssm_varlen_scan(
     y = torch.empty(num_rows, heads, head_dim, dtype=torch.float32, device=x.device)  # [T, H, P] fp32
     final = states if slot_ids is not None else torch.empty(
         num_segments, heads, head_dim, state_size, dtype=torch.float32, device=x.device)  # [n, H, P, N] fp32
-    block_p, num_warps = _scan_tiling(num_rows, num_segments, heads, head_dim, x.device)
+    block_p, num_warps, stages = _scan_tiling(num_rows, num_segments, heads, head_dim, x.device)
     block_p = min(block_p, triton.next_power_of_2(head_dim))
     grid = (num_segments, heads, triton.cdiv(head_dim, block_p))
     _ssm_varlen_scan_kernel[grid](
@@ -443,5 +440,5 @@ def ssm_varlen_scan(
         num_rows, num_segments, heads, head_dim, state_size, heads_per_group, *states.stride(), *final.stride(),
         *x.stride(), *dt.stride(), A.stride(0), D.stride(0), *B.stride(), *C.stride(),
         BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size), BLOCK_ROWS=BLOCK_ROWS,
-        IN_PLACE=slot_ids is not None, num_warps=num_warps)
+        IN_PLACE=slot_ids is not None, STAGES=stages, num_warps=num_warps)
     return y, (None if slot_ids is not None else final)

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_ctrl.triton_ops import causal_conv_varlen, mamba_decode_rows, reference, segment_of_rows, ssm_varlen_scan
+from mtp_ctrl.triton_ops import (causal_conv_varlen, mamba_decode_rows, mamba_varlen, reference, segment_of_rows,
+                                 ssm_varlen_scan)
 from tests.functional.sync_checks import no_host_sync
 
 HEADS, HEAD_DIM, STATE_SIZE, GROUPS, WIDTH = 32, 64, 128, 8, 4
@@ -88,6 +89,21 @@ def test_kernels_equal_twins(layout):
     _assert_equal_to_twins(got, want, inside)
     empty = row_count == 0
     assert torch.equal(got[3][empty], scan[0][empty])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_every_scan_tiling_rounds_alike(monkeypatch, layout):
+    """A step's shape picks the scan's tiling (``_scan_tiling``), and a speculative run and a plain
+    one cut the same prompt into steps of other shapes: each tiling, pipelined or not, must give
+    the same bits, or a near-tie token could differ between them."""
+    row_start, row_count, num_rows = _segments(LAYOUTS[layout])
+    _, scan = _inputs(row_start.shape[0], num_rows, seed=7 + len(layout))
+    results = []
+    for tiling in ((4, 1, 4), (4, 1, 1), (4, 1, 2), (8, 2, 4), (16, 4, 1), (32, 4, 1)):
+        monkeypatch.setattr(mamba_varlen, "_scan_tiling", lambda *args, tiling=tiling: tiling)
+        results.append(ssm_varlen_scan(*scan, row_start, row_count, 64))
+    for y, states in results[1:]:
+        assert torch.equal(y, results[0][0]) and torch.equal(states, results[0][1])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))

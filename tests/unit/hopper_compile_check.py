@@ -67,10 +67,10 @@ def cases():
     yield ("bias + residual + norm", norm, pointers(norm, "bf16"), {"eps"},
            dict(HAS_BIAS=True, HAS_NORM=True, HAS_NORM_BIAS=True, RMS_NORM=False, ROUND_BF16=True, BLOCK_H=2048))
     scan = mamba_varlen._ssm_varlen_scan_kernel
-    for in_place in (False, True):
-        yield (f"SSM varlen scan, in place {in_place}", scan,
+    for in_place, stages in ((False, 1), (True, 1), (True, 4)):
+        yield (f"SSM varlen scan, in place {in_place}, {stages} stages", scan,
                pointers(scan, "fp32", SLOT_IDS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
-               dict(BLOCK_P=8, BLOCK_N=128, BLOCK_ROWS=16, IN_PLACE=in_place))
+               dict(BLOCK_P=4, BLOCK_N=128, BLOCK_ROWS=16, IN_PLACE=in_place, STAGES=stages))
     conv = mamba_varlen._causal_conv_varlen_kernel
     for has_slots in (False, True):
         yield (f"causal conv varlen, slots {has_slots}", conv,
