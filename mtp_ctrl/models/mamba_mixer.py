@@ -42,7 +42,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_ctrl import triton_ops
 from mtp_ctrl.models.forward_context import MambaForward, current_paged_forward
-from mtp_ctrl.models.mamba_ops import gated_rms_norm
 from mtp_ctrl.triton_ops import reference as torch_twins
 
 # "0": mixers built from now on call the torch twins of the Mamba kernels directly, on any device
@@ -94,8 +93,11 @@ class GatedRMSNorm(torch.nn.Module):
         self.group_size = group_size
         self.eps = eps
 
-    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps)
+    def forward(self, y: torch.Tensor, gate: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+                kernels: bool = True) -> torch.Tensor:
+        """``[T, d]`` y and gate -> ``[T, d]`` out_dtype (default y's); ``kernels`` False: the torch twin."""
+        ops = triton_ops if kernels else torch_twins
+        return ops.gated_rms_norm(y, gate, self.weight, self.group_size, self.eps, out_dtype)
 
 
 class PagedMambaMixer(MegatronModule):
@@ -211,7 +213,7 @@ class PagedMambaMixer(MegatronModule):
             rows = min(num_rows, num_decode_rows)
             decoded = decoded[:rows]
             y[:rows] = decoded if inside is None else torch.where(inside[:rows, None], y[:rows], decoded)
-        normed = self.norm(y, z).to(hidden_states.dtype)  # [T, d_inner_local]
+        normed = self.norm(y, z, hidden_states.dtype, self.mamba_kernels)  # [T, d_inner_local], one launch
         out, _ = self.out_proj(normed[:, None])  # [T, 1, hidden], summed over the TP ranks
         return out, None
 

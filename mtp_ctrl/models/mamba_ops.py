@@ -104,18 +104,3 @@ def ssm_chunk_scan(
         to_end = torch.exp(log_decay[-1][None, :] - log_decay) * dt_c  # [q_c, H]
         state = torch.exp(log_decay[-1])[:, None, None] * state + torch.einsum("sh,shp,shn->hpn", to_end, x_c, B_c)
     return torch.cat(outputs, dim=0), state
-
-
-def gated_rms_norm(
-    y: torch.Tensor,  # [T, d] fp32
-    gate: torch.Tensor,  # [T, d] fp32 (z)
-    weight: torch.Tensor,  # [d]
-    group_size: int,
-    eps: float,
-) -> torch.Tensor:  # [T, d] fp32
-    """``rmsnorm(y * silu(gate))`` over groups of ``group_size`` channels, scaled by ``weight``
-    (mamba's RMSNormGated with ``norm_before_gate=False``)."""
-    gated = y * F.silu(gate)
-    grouped = gated.view(gated.shape[0], -1, group_size)  # [T, groups, group_size]
-    normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
-    return normed.view_as(gated) * weight.float()

@@ -51,6 +51,7 @@ _OP_MODULES = {
     "add_bias_residual_norm": "layer_glue",
     "bias_activation": "layer_glue",
     "split_qkv_heads": "layer_glue",
+    "gated_rms_norm": "layer_glue",
 }
 
 __all__ = sorted(_OP_MODULES)

@@ -7,6 +7,9 @@
   not (megatron: bias add, activation; for GLU also the chunk's multiply).
 - :func:`split_qkv_heads`: the QKV projection's bias add and its per-group split into contiguous
   query, key and value heads (megatron: bias add, then a copy of the non-contiguous query view).
+- :func:`gated_rms_norm`: the Mamba mixer's gated norm ``rmsnorm(y * silu(gate))`` per group of
+  channels, scaled, rounded once to the output dtype (torch: 10 launches with the weight's cast
+  and the output's).
 
 Rounding follows megatron's unfused path: every element-wise result is rounded to the input dtype
 where megatron rounds it (bias add, residual add, activation, GLU product); a norm runs in fp32 and
@@ -151,6 +154,24 @@ def _split_qkv_heads_kernel(
     tl.store(VALUE_PTR + kv_offsets, values, mask=mask & (heads == heads_per_group + 1)[:, None])
 
 
+@triton.jit
+def _gated_rms_norm_kernel(Y_PTR, GATE_PTR, WEIGHT_PTR, OUT_PTR, y_stride, gate_stride, out_stride, group_size, eps,
+                           ROUND_BF16: tl.constexpr, BLOCK_G: tl.constexpr):
+    """One program per (row, group of channels): the group's gated values, their mean square, the
+    scaled result."""
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK_G)
+    mask = offsets < group_size
+    channels = tl.program_id(1).to(tl.int64) * group_size + offsets  # [BLOCK_G]
+    y = tl.load(Y_PTR + row * y_stride + channels, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(GATE_PTR + row * gate_stride + channels, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(WEIGHT_PTR + channels, mask=mask, other=0.0).to(tl.float32)
+    gated = y * (gate / (1.0 + tl.exp(-gate)))  # silu; exp overflow gives -0.0
+    mean_square = tl.sum(gated * gated, axis=0) / group_size
+    out = gated * (1.0 / tl.sqrt(mean_square + eps)) * weight
+    tl.store(OUT_PTR + row * out_stride + channels, _round(out, ROUND_BF16, OUT_PTR.dtype.element_ty), mask=mask)
+
+
 def _check_vector(name, vector, width, dtypes, device):
     if vector is not None:
         check_tensor(name, vector, dtypes=dtypes, shape=(width,), device=device)
@@ -241,6 +262,46 @@ def bias_activation(
         ROUND_BF16=x.dtype == torch.bfloat16, BLOCK_F=block_f,
         num_warps=4,
     )
+    return out
+
+
+def gated_rms_norm(
+    y: torch.Tensor,  # [T, d] float
+    gate: torch.Tensor,  # [T, d] float (the mixer's z)
+    weight: torch.Tensor,  # [d] float
+    group_size: int,  # channels per group; divides d
+    eps: float,
+    out_dtype: Optional[torch.dtype] = None,  # default: y's dtype
+) -> torch.Tensor:  # [T, d] out_dtype
+    """``g = y * silu(gate)``; per group of ``group_size`` channels ``g / sqrt(mean(g^2) + eps)``,
+    times ``weight``, in fp32, rounded once to ``out_dtype``: mamba's ``RMSNormGated`` with
+    ``norm_before_gate=False``, and the cast megatron's mixer applies after it, in one launch.
+
+    Example: ``y = [[2, 2]]``, ``gate = [[30, 30]]`` (silu ~ 30), one group, ``weight = [1, 1]``,
+    ``eps = 0`` -> ``[[1, 1]]``.
+    """
+    check_tensor("y", y, dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor("gate", gate, dtypes=FLOAT_DTYPES, shape=tuple(y.shape), device=y.device)
+    width = y.shape[1]
+    _check_vector("weight", weight, width, FLOAT_DTYPES, y.device)
+    check_int("group_size", group_size, low=1, high=_MAX_NORM_WIDTH)
+    if width % group_size != 0:
+        raise ValueError(f"group_size {group_size} does not divide y's width {width}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    out_dtype = y.dtype if out_dtype is None else out_dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+    check_unit_last_stride(y=y, gate=gate)
+    if not use_triton(y):
+        return reference.gated_rms_norm(y, gate, weight, group_size, eps, out_dtype)
+    out = torch.empty(y.shape, dtype=out_dtype, device=y.device)  # [T, d]
+    if y.shape[0] == 0 or width == 0:
+        return out
+    block_g = triton.next_power_of_2(group_size)
+    _gated_rms_norm_kernel[(y.shape[0], width // group_size)](
+        y, gate, weight, out, y.stride(0), gate.stride(0), out.stride(0), group_size, float(eps),
+        ROUND_BF16=out_dtype == torch.bfloat16, BLOCK_G=block_g, num_warps=min(8, max(1, block_g // 256)))
     return out
 
 

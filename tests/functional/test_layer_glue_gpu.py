@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp_ctrl.models import PagedGPTRunner, count_kv_layers
-from mtp_ctrl.triton_ops import add_bias_residual_norm, bias_activation, reference, split_qkv_heads
+from mtp_ctrl.triton_ops import add_bias_residual_norm, bias_activation, gated_rms_norm, reference, split_qkv_heads
 from tests.unit.megatron_fixtures import (
     MAX_SEQUENCE_LENGTH,
     NUM_BLOCKS,
@@ -59,6 +59,19 @@ def test_glue_kernels_match_twins(dtype, num_tokens):
         assert torch.equal(got_part, want_part)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 88, 1000])
+def test_gated_rms_norm_matches_twin_at_the_hybrid_mixer_sizes(out_dtype, num_tokens):
+    """The hybrid bench's mixer: 4096 channels in 8 groups, y and z fp32, z a strided view of the
+    projected rows, a bf16 weight; a padding row of zeros gives zeros."""
+    generator = torch.Generator(device="cuda").manual_seed(num_tokens)
+    projected = torch.randn(num_tokens, 2 * 4096 + 264, generator=generator, device="cuda")
+    z, y = projected[:, :4096], torch.randn(num_tokens, 4096, generator=generator, device="cuda")
+    y[-1], z[-1] = 0, 0
+    weight = (torch.rand(4096, generator=generator, device="cuda") + 0.5).to(torch.bfloat16)
+    got = gated_rms_norm(y, z, weight, 512, 1e-5, out_dtype)
+    torch.testing.assert_close(got, reference.gated_rms_norm(y, z, weight, 512, 1e-5, out_dtype), **TOLERANCE[out_dtype])
+    assert not got[-1].any()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("overrides", [dict(), dict(normalization="RMSNorm", gated_linear_unit=True,
                                                     activation_func=F.silu, add_bias_linear=False)])

@@ -66,6 +66,9 @@ def cases():
     norm = layer_glue._add_bias_residual_norm_kernel
     yield ("bias + residual + norm", norm, pointers(norm, "bf16"), {"eps"},
            dict(HAS_BIAS=True, HAS_NORM=True, HAS_NORM_BIAS=True, RMS_NORM=False, ROUND_BF16=True, BLOCK_H=2048))
+    gated_norm = layer_glue._gated_rms_norm_kernel
+    yield ("gated RMS norm (Mamba mixer)", gated_norm, pointers(gated_norm, "fp32", WEIGHT_PTR="bf16", OUT_PTR="bf16"),
+           {"eps"}, dict(ROUND_BF16=True, BLOCK_G=512))
     scan = mamba_varlen._ssm_varlen_scan_kernel
     for in_place, stages in ((False, 1), (True, 1), (True, 4)):
         yield (f"SSM varlen scan, in place {in_place}, {stages} stages", scan,

@@ -1,10 +1,11 @@
-"""Layer-glue kernels (interpreter) == their torch twins == megatron-core's unfused modules."""
+"""Layer-glue kernels (interpreter) == their torch twins == megatron-core's unfused modules (the
+Mamba mixer's gated norm: == the per-group formula)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_ctrl.triton_ops import add_bias_residual_norm, bias_activation, reference, split_qkv_heads
+from mtp_ctrl.triton_ops import add_bias_residual_norm, bias_activation, gated_rms_norm, reference, split_qkv_heads
 
 # fp32: reduction order and libm-vs-Triton transcendentals; bf16: one rounding of the norm / activation
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -151,3 +152,45 @@ def test_validation_errors_name_the_argument():
         split_qkv_heads(torch.zeros(2, 10), None, num_kv_heads=2, head_dim=2)
     with pytest.raises(TypeError, match="num_kv_heads"):
         split_qkv_heads(x, None, num_kv_heads=1.0, head_dim=1)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,width,group_size", [(0, 8, 4), (1, 1, 1), (5, 48, 16), (6, 40, 40), (3, 300, 75)])
+def test_gated_rms_norm_matches_twin_and_formula(out_dtype, num_tokens, width, group_size):
+    """Padding rows (zeros: the output is 0, not NaN), strided rows, groups that are not a power of
+    two, one group and one channel; fp32 inputs as the mixer gives them, a bf16 weight as a bf16
+    model holds it."""
+    generator = torch.Generator().manual_seed(num_tokens * 1000 + width + group_size)
+    y = _rows(generator, num_tokens, width, torch.float32, padding_rows=min(2, num_tokens))
+    gate = _rows(generator, num_tokens, width, torch.float32, padding_rows=min(2, num_tokens)) * 4
+    weight = (_randn(generator, width) + 1).to(torch.bfloat16)
+    got = gated_rms_norm(y, gate, weight, group_size, 1e-5, out_dtype)
+    want = reference.gated_rms_norm(y, gate, weight, group_size, 1e-5, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (num_tokens, width)
+    torch.testing.assert_close(got, want, **TOLERANCE[out_dtype])
+    assert torch.isfinite(got).all()
+    gated = y * gate * torch.sigmoid(gate)
+    for start in range(0, width, group_size):
+        group = gated[:, start:start + group_size]
+        formula = group / torch.sqrt(group.pow(2).mean(-1, keepdim=True) + 1e-5) * weight[start:start + group_size].float()
+        torch.testing.assert_close(got[:, start:start + group_size], formula.to(out_dtype), **TOLERANCE[out_dtype])
+
+
+def test_gated_rms_norm_known_answer():
+    """silu(30) = 30 to fp32 precision: g = [60, 60], mean square 3600, so g / 60 = [1, 1]."""
+    out = gated_rms_norm(torch.tensor([[2.0, 2.0]]), torch.tensor([[30.0, 30.0]]), torch.ones(2), 2, 0.0)
+    torch.testing.assert_close(out, torch.tensor([[1.0, 1.0]]))
+
+
+def test_gated_rms_norm_validation_names_the_argument():
+    y = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="gate"):
+        gated_rms_norm(y, torch.zeros(2, 4), torch.ones(8), 4, 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        gated_rms_norm(y, y, torch.ones(7), 4, 1e-5)
+    with pytest.raises(ValueError, match="group_size"):
+        gated_rms_norm(y, y, torch.ones(8), 3, 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        gated_rms_norm(y, y, torch.ones(8), 4, -1.0)
+    with pytest.raises(TypeError, match="out_dtype"):
+        gated_rms_norm(y, y, torch.ones(8), 4, 1e-5, torch.int32)

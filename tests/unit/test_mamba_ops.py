@@ -12,12 +12,12 @@ from mtp_ctrl.models.mamba_ops import (
     causal_conv_chunk,
     causal_conv_step,
     causal_conv_varlen,
-    gated_rms_norm,
     segment_of_rows,
     ssm_chunk_scan,
     ssm_step,
     ssm_varlen_scan,
 )
+from mtp_ctrl.triton_ops.reference import gated_rms_norm
 
 
 def _ssm_inputs(generator, rows, heads=3, head_dim=4, state_size=5):

@@ -42,6 +42,7 @@ _REFERENCE_MODULES = {
     "add_bias_residual_norm": "glue",
     "bias_activation": "glue",
     "split_qkv_heads": "glue",
+    "gated_rms_norm": "glue",
 }
 
 __all__ = sorted(_REFERENCE_MODULES)

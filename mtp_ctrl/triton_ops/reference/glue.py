@@ -73,3 +73,17 @@ def split_qkv_heads(
     grouped = hidden.view(num_tokens, num_kv_heads, heads_per_group + 2, head_dim)
     query = grouped[:, :, :heads_per_group].reshape(num_tokens, num_kv_heads * heads_per_group, head_dim)
     return query.contiguous(), grouped[:, :, heads_per_group].contiguous(), grouped[:, :, heads_per_group + 1].contiguous()
+
+
+def gated_rms_norm(
+    y: torch.Tensor,  # [T, d] float
+    gate: torch.Tensor,  # [T, d] float
+    weight: torch.Tensor,  # [d] float
+    group_size: int,
+    eps: float,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:  # [T, d] out_dtype (default: y's dtype)
+    gated = y.float() * F.silu(gate.float())  # [T, d] fp32
+    grouped = gated.view(gated.shape[0], gated.shape[1] // group_size, group_size)  # [T, groups, group_size]
+    normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed.view_as(gated) * weight.float()).to(y.dtype if out_dtype is None else out_dtype)
