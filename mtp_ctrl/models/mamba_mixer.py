@@ -202,23 +202,18 @@ class PagedMambaMixer(MegatronModule):
                                                            self.num_heads_local], dim=-1)
         num_rows, stride = z.shape[0], mamba.rows_per_decode_request
         dt = F.softplus(dt + self.dt_bias)  # [T, H_local] fp32 (a bf16 bias is promoted in the add)
-        inside = None
         parameters = self._parameters_fp32()  # once per forward: prefill and decode rows share them
+        y, inside = self._prefill(mamba, xbc, dt, parameters) if mamba.has_prefill else (None, None)
         num_decode_rows = mamba.decode_slot_ids.shape[0] * stride
-        if mamba.has_prefill:
-            y, inside = self._prefill(mamba, xbc, dt, parameters)
-        elif num_decode_rows and num_decode_rows >= num_rows:  # a decode grid: its decode rows are all the rows
-            y = None
-        else:
-            y = torch.zeros_like(z)  # [T, d_inner_local] fp32; rows of no request (padding) stay 0
         if num_decode_rows:  # a padded grid's decode rows may run past T: they then read zero rows
-            decoded = self._decode(mamba, xbc, dt, parameters)
-            rows = min(num_rows, num_decode_rows)
-            decoded = decoded[:rows]
-            if y is None:
-                y = decoded
-            else:
-                y[:rows] = decoded if inside is None else torch.where(inside[:rows, None], y[:rows], decoded)
+            decoded = self._decode(mamba, xbc, dt, parameters)[:num_rows]  # [min(T, nd (1 + S)), d_inner_local]
+            rows = decoded.shape[0]
+            if y is not None:
+                y[:rows] = torch.where(inside[:rows, None], y[:rows], decoded)
+            else:  # a decode grid's rows are usually all decode rows; the rest (padding) are 0
+                y = decoded if rows == num_rows else F.pad(decoded, (0, 0, 0, num_rows - rows))
+        if y is None:
+            y = torch.zeros_like(z)  # [T, d_inner_local] fp32: no request has a row
         normed = self.norm(y, z, hidden_states.dtype, self.mamba_kernels)  # [T, d_inner_local], one launch
         out, _ = self.out_proj(normed[:, None])  # [T, 1, hidden], summed over the TP ranks
         return out, None
