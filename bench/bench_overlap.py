@@ -1,14 +1,18 @@
-"""Overlapped step loop: step wall time vs the GPU work of the same step, overlap on vs off,
-speculative (S = 2) vs plain (S = 0), and a mixed prefill + decode step vs a decode step.
+"""Overlapped step loop: step wall time vs the GPU work of the same step, overlap on vs off, one
+step per launch vs decode runs, speculative (S = 2) vs plain (S = 0), and a mixed prefill +
+decode step vs a decode step.
 
-    python bench/bench_overlap.py [--quick] [--checkpoint examples/checkpoints/mtp_demo.pt]
+    python bench/bench_overlap.py [--quick] [--decode-steps-per-launch 4] [--checkpoint examples/checkpoints/mtp_demo.pt]
 
 For each model (the shipped demo checkpoint; a random-weight GPT of about 1B parameters: 16
 layers, hidden 2048, 16 heads over 4 KV groups, 2 MTP layers, bf16) and batch 1, 8, 32:
 
-- step wall: median wall time of ``controller.step()`` over a decode run (host work, launches,
-  and any wait for the GPU); GPU: the GPU time of the same steps, between CUDA events around
-  each step's work (its CUDA graph replay and copies); tokens/s of the whole run;
+- step wall: median wall time of ``controller.step()`` over the decode phase (host work,
+  launches, and any wait for the GPU), per step; GPU: the GPU time of the same steps, between
+  CUDA events around each launch's work (its CUDA graph replay and copies); tokens/s of the
+  whole run. Three loops: overlap off, overlap on with one step per launch, and overlap on with
+  decode runs of up to ``--decode-steps-per-launch`` steps (a call that launches a run of k
+  steps counts as k steps of a k-th of its wall time);
 - mixed: wall time of a step that also prefills a 64-token prompt chunk (the two ``step()``
   calls that admit and launch it, less a decode step), vs a decode-only step of the same batch
   (both synchronised); and the GPU time of that step vs a decode step's.
@@ -33,6 +37,7 @@ def parse_args():
     parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
     parser.add_argument("--quick", action="store_true", help="demo model only, batch 1 and 8")
     parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--decode-steps-per-launch", type=int, default=4, help="the decode-run loop's k")
     parser.add_argument("--hybrid", action="store_true",
                         help="also a random hybrid GPT (bench_controller's: 8 layers M*M*M*M*, hidden 1024, Mamba-2)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
@@ -42,7 +47,7 @@ def parse_args():
 PROMPT_LEN = 64
 
 
-def _run(model, prompts, num_speculative_tokens, overlap, new_tokens):
+def _run(model, prompts, num_speculative_tokens, overlap, new_tokens, decode_steps_per_launch=1):
     from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
     import torch
 
@@ -50,7 +55,8 @@ def _run(model, prompts, num_speculative_tokens, overlap, new_tokens):
     config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=batch + 1,
                              block_size_tokens=16, max_model_len=PROMPT_LEN + new_tokens + 16,
                              max_tokens_per_step=max((batch + 1) * PROMPT_LEN, 256),
-                             cuda_graph_batch_sizes=(batch, batch + 1), overlap_scheduling=overlap)
+                             cuda_graph_batch_sizes=(batch, batch + 1), overlap_scheduling=overlap,
+                             decode_steps_per_launch=decode_steps_per_launch)
     controller = TextGenerationController(model, config)
     controller.warmup()  # every graph shape, the mixed steps' included
     params = SamplingParams(max_new_tokens=new_tokens)
@@ -59,18 +65,24 @@ def _run(model, prompts, num_speculative_tokens, overlap, new_tokens):
     # requests end at different steps (new_tokens, - 8, - 16, - 24): rows are freed mid-run
     ids = [controller.add_request(prompt, SamplingParams(max_new_tokens=new_tokens - 8 * (index % 4)))
            for index, prompt in enumerate(prompts)]
-    wall = []
+    metrics = controller.metrics
+    wall = []  # per step: a call that launched a run of k steps gives k entries of a k-th of its time
     while controller.has_unfinished_requests():
+        steps_before = metrics.steps
         started = time.perf_counter()
         controller.step()
-        wall.append(time.perf_counter() - started)
+        steps = metrics.steps - steps_before
+        wall += [(time.perf_counter() - started) / steps] * steps
     outputs = [controller.pop_result(rid).output_tokens for rid in ids]
-    metrics = controller.metrics
     total = sum(wall)
     decode_wall = statistics.median(wall[3:-3]) if len(wall) > 8 else statistics.median(wall)
     gpu_steps = list(metrics.gpu_step_seconds)
     gpu = statistics.median(gpu_steps[3:-3]) if len(gpu_steps) > 8 else statistics.median(gpu_steps)
     tokens_per_second = metrics.emitted_tokens / total
+    if decode_steps_per_launch > 1:  # the mixed step is measured in the one-step loop
+        controller.close()
+        return dict(wall=decode_wall, gpu=gpu, tps=tokens_per_second, accepted=metrics.mean_accepted_length,
+                    outputs=outputs)
 
     # a mixed step: batch - 0 decodes running plus one new prompt's chunk, vs a decode-only step
     for rid in [controller.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)) for prompt in prompts]:
@@ -135,24 +147,31 @@ def main():
         for batch in ((1, 8) if args.quick else (1, 8, 32)):
             prompts = [[t % vocab for t in w.tolist()] for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
             results = {}
+            K = args.decode_steps_per_launch
             for S in (0, 2):
-                for overlap in (False, True):
-                    results[S, overlap] = _run(model, prompts, S, overlap, args.new_tokens)
-            plain = results[0, True]["outputs"]
+                for overlap, steps in ((False, 1), (True, 1), (True, K)):
+                    results[S, overlap, steps] = _run(model, prompts, S, overlap, args.new_tokens, steps)
+            plain = results[0, True, 1]["outputs"]
             for S in (0, 2):
-                on, off = results[S, True], results[S, False]
-                rows.append((name, batch, S, off["wall"], on["wall"], on["gpu"], on["wall"] / on["gpu"], on["tps"],
-                             on["tps"] / results[0, True]["tps"], on["accepted"], on["mixed_step"] / on["decode_step"],
-                             on["mixed_gpu"] / on["gpu"],
-                             on["outputs"] == off["outputs"], on["outputs"] == plain and off["outputs"] == plain))
+                off, on, runs = results[S, False, 1], results[S, True, 1], results[S, True, K]
+                same_shapes = on["outputs"] == off["outputs"] == runs["outputs"]
+                rows.append((name, batch, S, off["wall"], on["wall"], on["gpu"], on["wall"] / on["gpu"], runs["wall"],
+                             runs["gpu"], runs["wall"] / runs["gpu"], on["tps"], runs["tps"],
+                             runs["tps"] / results[0, True, K]["tps"], on["accepted"],
+                             on["mixed_step"] / on["decode_step"], on["mixed_gpu"] / on["gpu"], same_shapes,
+                             all(result["outputs"] == plain for result in (off, on, runs))))
                 print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}; greedy, {PROMPT_LEN}-token prompts, {args.new_tokens} new tokens, "
-          "CUDA graphs; times per step (median), GPU = CUDA events around each step")
-    print(f"{'model':>32} {'B':>3} {'S':>2} {'wall off ms':>11} {'wall on ms':>10} {'GPU ms':>7} {'wall/GPU':>8} "
-          f"{'tok/s':>8} {'vs S=0':>7} {'acc len':>7} {'mixed/dec wall':>14} {'GPU':>5} {'on==off':>7} {'==plain':>7}")
-    for name, batch, S, off, on, gpu, ratio, tps, speedup, accepted, mixed, mixed_gpu, on_off, same in rows:
-        print(f"{name:>32} {batch:3d} {S:2d} {off * 1e3:11.3f} {on * 1e3:10.3f} {gpu * 1e3:7.3f} {ratio:8.2f} "
-              f"{tps:8.0f} {speedup:6.2f}x {accepted:7.2f} {mixed:14.2f} {mixed_gpu:5.2f} {str(on_off):>7} {str(same):>7}")
+          "CUDA graphs; times per step (median), GPU = CUDA events around each launch; "
+          f"'k=1': one step per launch, 'k={args.decode_steps_per_launch}': decode runs of up to that many steps")
+    print(f"{'model':>32} {'B':>3} {'S':>2} {'wall off':>8} {'wall k=1':>8} {'GPU k=1':>7} {'w/GPU':>5} "
+          f"{'wall k=K':>8} {'GPU k=K':>7} {'w/GPU':>5} {'tok/s k=1':>9} {'tok/s k=K':>9} {'vs S=0':>7} {'acc len':>7} "
+          f"{'mixed/dec wall':>14} {'GPU':>5} {'off==on==runs':>13} {'==plain':>7}")
+    for (name, batch, S, off, on, gpu, ratio, runs, runs_gpu, runs_ratio, tps, runs_tps, speedup, accepted, mixed,
+         mixed_gpu, same_shapes, same) in rows:
+        print(f"{name:>32} {batch:3d} {S:2d} {off * 1e3:8.3f} {on * 1e3:8.3f} {gpu * 1e3:7.3f} {ratio:5.2f} "
+              f"{runs * 1e3:8.3f} {runs_gpu * 1e3:7.3f} {runs_ratio:5.2f} {tps:9.0f} {runs_tps:9.0f} {speedup:6.2f}x "
+              f"{accepted:7.2f} {mixed:14.2f} {mixed_gpu:5.2f} {str(same_shapes):>13} {str(same):>7}")
     dist.destroy_process_group()
 
 

@@ -68,13 +68,17 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed runs per mode, alternating plain and speculative (default: 5 on CUDA, 3 on CPU)")
+    parser.add_argument("--decode-steps-per-launch", type=int, default=4,
+                        help="decode steps one launch may run back to back (one host build and apply for all): "
+                             "a small model's step is shorter than the host's work for it (1 = one step per launch)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= processes under torchrun)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--show", type=int, default=3, help="outputs printed as text")
     parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write the metrics to PATH as JSON")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args(argv)
-    for name in ("num_speculative_tokens", "num_prompts", "prompt_len", "max_new_tokens", "tp"):
+    for name in ("num_speculative_tokens", "num_prompts", "prompt_len", "max_new_tokens", "tp",
+                 "decode_steps_per_launch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.repeats is not None and args.repeats < 1:
@@ -195,7 +199,8 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device):
         num_speculative_tokens=num_speculative_tokens, max_requests=max_requests, block_size_tokens=16,
         max_model_len=max(len(p) for p in prompts) + args.max_new_tokens + stride,
         max_tokens_per_step=max(256, max_requests * stride), mtp_attention=args.mtp_attention,
-        cuda_graph_batch_sizes=graph_batches)  # on a GPU every step replays a CUDA graph
+        cuda_graph_batch_sizes=graph_batches,  # on a GPU every step replays a CUDA graph
+        decode_steps_per_launch=args.decode_steps_per_launch)
     proposer = None
     if args.proposer != "mtp" and num_speculative_tokens > 0:
         proposer = load_draft_proposer(args.proposer, model, args.draft_checkpoint, num_speculative_tokens)
@@ -357,8 +362,8 @@ def print_report(args, device, prompts, report) -> None:
     print(f"outputs identical: {'yes' if report['identical'] else 'NO'}")
     step_time = spec["step_time"]
     gpu = f", GPU {step_time['mean_gpu_ms']:.3f} ms" if step_time["mean_gpu_ms"] is not None else ""
-    print(f"step time (speculative): {step_time['mean_step_ms']:.3f} ms per step call over "
-          f"{step_time['steps']} calls{gpu}")
+    print(f"step time (speculative): {step_time['mean_step_ms']:.3f} ms per step over "
+          f"{step_time['steps']} steps{gpu} (up to {args.decode_steps_per_launch} decode steps per launch)")
     print(f"verdict: {verdict(report, len(report['rates']['plain']))}")
 
 

@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 MTP_ATTENTION_MODES = ("paged", "single_position")
 ACCEPTANCE_MODES = ("exact_match", "rejection")
+MAX_DECODE_STEPS_PER_LAUNCH = 64  # a decode run's graph holds every one of its steps
 _INT64_MAX = 2**63 - 1  # seeds, top_k and token ids live in int64 device rows
 _FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p live in float32 device rows
 
@@ -74,6 +75,14 @@ class InferenceConfig:
         rejected one replaced by a draw from max(0, p - q): the same distribution as plain
         sampling (not the same tokens), and more drafts accepted at temperature > 0. Greedy
         requests are verified by exact match either way.
+    decode_steps_per_launch: when every running request decodes and none waits, the host may
+        build once, launch up to this many decode steps back to back (one CUDA graph) and apply
+        their read-back at once: its work per step shrinks by about this factor, which matters
+        when a step's GPU work is shorter than the host's (a small model). A ``step()`` call then
+        returns the tokens of every step it applied. Runs end before any request can reach
+        max_new_tokens or max_model_len; a request that emits an eos id or a stop sequence mid-run
+        is cut there (the rest of its run is discarded). 1 (default): one step per launch.
+        Outputs are identical for every value.
     """
 
     num_speculative_tokens: int = 0
@@ -88,6 +97,7 @@ class InferenceConfig:
     overlap_scheduling: bool = True
     finished_results_kept: int = 4096
     acceptance: str = "exact_match"
+    decode_steps_per_launch: int = 1
 
     def __post_init__(self):
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -127,6 +137,7 @@ class InferenceConfig:
             raise TypeError(f"acceptance must be a str, one of {ACCEPTANCE_MODES}, got {type(self.acceptance).__name__}")
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}")
+        _require_int("decode_steps_per_launch", self.decode_steps_per_launch, 1, high=MAX_DECODE_STEPS_PER_LAUNCH)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,8 @@ so its output ends exactly at the stop. Only pausing, resuming and preemption wa
 flight; finishing and joining move rows by stream-ordered copies, and the step's read-back is
 realigned by request id. Policy is ``context.scheduler``'s (``state/scheduler.py``).
 ``InferenceConfig(overlap_scheduling=False)`` applies every step before the next one is built.
+With ``InferenceConfig(decode_steps_per_launch=k)`` a build of decode steps only may stage a
+decode run: one launch (one CUDA graph) of up to k steps back to back, built and applied once.
 
 Acceptance is exact match of the target's own sample, and sampling noise is a function of
 (seed, position) only, so speculative output equals plain output token for token, greedy or
@@ -66,7 +68,7 @@ class _LaunchedStep:
     """A step on the GPU whose read-back the host has not applied yet."""
 
     step: StepMetadata
-    readback: torch.Tensor  # [n_s, S + 2] int64, pinned host copy (filled when `done` fires)
+    readback: torch.Tensor  # [step.num_steps, n_s, S + 2] int64, pinned host copy (filled when `done` fires)
     done: Optional[torch.cuda.Event]  # None on CPU (the copy was synchronous)
     gpu_start: Optional[torch.cuda.Event]
     table_moves: int  # the table's row moves at launch (none happen between build and launch): another count -> realign
@@ -118,6 +120,7 @@ class TextGenerationController:
         self._step_events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                              for _ in range(2)] if self.device.type == "cuda" else None
         self._next_request_id = 0
+        self._steps_launched = 0  # by the current step() call (its wall time is shared among them)
 
     # ----- set-up ------------------------------------------------------------------------
 
@@ -145,6 +148,7 @@ class TextGenerationController:
             kv_cache_bytes=config.kv_cache_bytes,
             cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
             mamba=self.runner.mamba_spec,  # None without Mamba layers
+            decode_steps_per_launch=config.decode_steps_per_launch,
         )
 
     def _allocate_step_buffers(self) -> None:
@@ -162,11 +166,11 @@ class TextGenerationController:
         self._row_requests = torch.zeros(2, R * (S + 1), dtype=torch.int64, device=device)  # [2, K] logits_row_requests
         self._draft_positions = torch.zeros(3, R, dtype=torch.int64, device=device)  # [3, R]: draft_batch_rows
         self._draft_samples = torch.zeros(R, dtype=torch.bool, device=device)  # [R] bool
-        # the step's read-back: [accepted count, bonus token, accepted drafts...] per request;
-        # two pinned host copies, so step N + 1's lands while the host still reads step N's
-        pin = device.type == "cuda"
-        self._readback_host = [torch.zeros(R, S + 2, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._readback_device = torch.zeros(R, S + 2, dtype=torch.int64, device=device)  # [R, S + 2]
+        # the launch's read-back: [accepted count, bonus token, accepted drafts...] per step and request;
+        # two pinned host copies, so launch N + 1's lands while the host still reads launch N's
+        pin, K = device.type == "cuda", self._scheduler.run_lengths[-1]  # K: steps of the longest decode run
+        self._readback_host = [torch.zeros(K, R, S + 2, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._readback_device = torch.zeros(K, R, S + 2, dtype=torch.int64, device=device)  # [K, R, S + 2]
         self._draft_rows = table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64
         # verify_and_commit's outputs; with keep_released_blocks nothing is released (see state/context.py)
         release_width = max_released_blocks(S, self.config.block_size_tokens)
@@ -179,21 +183,24 @@ class TextGenerationController:
         )
 
     def warmup(self) -> int:
-        """Capture the CUDA graph of every padded step shape now, for both sampling paths, so
-        that serving never stops to capture (a shape not warmed up is captured on first use).
-        Each graph is recorded from a step that holds no request. Call it before adding requests
-        (on every rank under tensor parallelism); returns the number of graphs held."""
+        """Capture the CUDA graph of every padded step shape now (and of every decode run length
+        of the decode-only shapes), for both sampling paths, so that serving never stops to
+        capture (a shape not warmed up is captured on first use). Each graph is recorded from a
+        step that holds no request. Call it before adding requests (on every rank under tensor
+        parallelism); returns the number of graphs held."""
         if self._graphs is None:
             return 0
         if self.context.table.num_live or self._waiting or self._in_flight is not None:
             raise RuntimeError("warmup: call it before adding requests")
         for shape in self.context.graph_shapes():
-            step = self.context.build_padding_step(shape)
-            for all_greedy in (True, False):
-                self._all_greedy = all_greedy
-                if (shape, all_greedy) not in self._graphs:
-                    self._graphs.run((shape, all_greedy), lambda: self._launch(step))
-                    self._graphs.replay((shape, all_greedy))  # uploads the graph now, not mid-serving
+            for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
+                step = self.context.build_padding_step(shape, num_steps)
+                for all_greedy in (True, False):
+                    self._all_greedy = all_greedy
+                    key = self._graph_key(step)
+                    if key not in self._graphs:
+                        self._graphs.run(key, lambda: self._launch_run(step))
+                        self._graphs.replay(key)  # uploads the graph now, not mid-serving
         torch.cuda.current_stream(self.device).synchronize()  # host-ok: start-up
         return len(self._graphs)
 
@@ -348,6 +355,7 @@ class TextGenerationController:
 
     def _step(self, collect: bool) -> List[StepOutput]:
         started = time.perf_counter()
+        self._steps_launched = 0
         try:
             outputs = self._step_once(collect)
             if self._pending_outputs:
@@ -357,7 +365,7 @@ class TextGenerationController:
         except BaseException:
             self._abort_running()
             raise
-        self.metrics.record_step(time.perf_counter() - started)
+        self.metrics.record_step(time.perf_counter() - started, max(self._steps_launched, 1))
         return outputs
 
     def _step_once(self, collect: bool) -> List[StepOutput]:
@@ -399,9 +407,12 @@ class TextGenerationController:
                                          self.context.num_free_rows, self.context.allocator.num_free_blocks)
 
     def _build_step(self, sync_checked: bool = False) -> Optional[StepMetadata]:
+        # a decode run must end before any running request can reach a length stop (scheduler.decode_run_steps)
+        tokens_to_length_stop = 0 if len(self._scheduler.run_lengths) == 1 else \
+            self._outputs.tokens_to_length_stop(self.context.table.num_live)
         while True:
             try:
-                return self.context.build_step(sync_checked=sync_checked)
+                return self.context.build_step(sync_checked=sync_checked, tokens_to_length_stop=tokens_to_length_stop)
             except KVCacheFullError:
                 if self._in_flight is not None:  # learn the step in flight's outcome, then decide
                     self._sync()
@@ -412,7 +423,8 @@ class TextGenerationController:
                 self._preempt_newest()
 
     def _launch_step(self, step: StepMetadata) -> _LaunchedStep:
-        """Launch the step's GPU work and the copy of its read-back; returns without waiting."""
+        """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;
+        returns without waiting."""
         self._all_greedy = bool(self._outputs.greedy[: step.num_requests].all())
         parity = self._readback_parity
         gpu_start = done = stream = None
@@ -422,69 +434,93 @@ class TextGenerationController:
             gpu_start.record(stream)
         key = self._graph_key(step)
         if self._graphs is not None and key is not None:
-            self._graphs.run(key, lambda: self._launch(step))
+            self._graphs.run(key, lambda: self._launch_run(step))
         else:
-            self._launch(step)
-        num_sampling = step.num_sampling_requests
-        host = self._readback_host[parity][:num_sampling]
+            self._launch_run(step)
+        num_steps, num_sampling = step.num_steps, step.num_sampling_requests
+        # one contiguous copy: the sampling rows of a step, or every row of a run's steps
+        rows = slice(None) if num_steps > 1 else slice(0, num_sampling)
+        self._readback_host[parity][:num_steps, rows].copy_(self._readback_device[:num_steps, rows], non_blocking=True)
+        host = self._readback_host[parity][:num_steps, :num_sampling]  # [k, n_s, S + 2]
         self._readback_parity ^= 1
-        host.copy_(self._readback_device[:num_sampling], non_blocking=True)
         if done is not None:
             done.record(stream)
         if self.config.num_speculative_tokens > 0:
-            self.proposer.on_step_scheduled(step)
+            for _ in range(num_steps):
+                self.proposer.on_step_scheduled(step)
+        self._steps_launched += num_steps
         return _LaunchedStep(step, host, done, gpu_start, self.context.table.num_moves)
 
-    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool]]:
-        """The CUDA graph a step replays: its padded dimensions and whether every request is
-        greedy (the sampling path differs); None for a step no graph covers (it runs eagerly)."""
-        return (step.dimensions, self._all_greedy) if step.graph_padded else None
+    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int]]:
+        """The CUDA graph a step replays: its padded dimensions, whether every request is greedy
+        (the sampling path differs) and its decode steps; None for a step no graph covers (it
+        runs eagerly)."""
+        return (step.dimensions, self._all_greedy, step.num_steps) if step.graph_padded else None
+
+    def _launch_run(self, step: StepMetadata) -> None:
+        """Every step of the launch (one, or a decode run): each derives its inputs on the device
+        from the one before and stages its read-back in its own slot."""
+        for index in range(step.num_steps):
+            self._launch(step, self._readback_device[index])
 
     def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
         launched, self._in_flight = self._in_flight, None
         return self._apply(launched, collect)
 
     def _apply(self, launched: _LaunchedStep, collect: bool) -> List[StepOutput]:
-        """Wait for a launched step's read-back and apply it on the host."""
+        """Wait for a launch's read-back and apply it on the host (every step of a decode run:
+        a request that stopped in one of them emits nothing after it)."""
+        step, num_steps = launched.step, launched.step.num_steps
         if launched.done is not None:
-            launched.done.synchronize()  # host-ok: the step's one read-back, usually long finished
-            self.metrics.record_gpu(launched.gpu_start.elapsed_time(launched.done) / 1e3)
-        step, readback = launched.step, launched.readback.numpy()  # [n_s, S + 2], the step's row order
-        num_decode, table = step.num_decode, self.context.table
+            launched.done.synchronize()  # host-ok: the launch's one read-back, usually long finished
+            self.metrics.record_gpu(launched.gpu_start.elapsed_time(launched.done) / 1e3, num_steps)
+        readbacks = launched.readback.numpy()  # [k, n_s, S + 2], the step's row order
+        num_decode, table, num_launched = step.num_decode, self.context.table, readbacks.shape[1]
         rows = None  # rows moved since launch (a request left, or a paused row made room): where its requests are now
         if table.num_moves != launched.table_moves:
             rows = np.array([table.row_of(request_id) if request_id in table else -1
-                             for request_id in step.request_ids[: readback.shape[0]]], dtype=np.int64)
-        self.context.commit_readback(step, readback[:num_decode, 0], None if rows is None else rows[:num_decode])
-        if self.config.num_speculative_tokens > 0 and \
-                type(self.proposer).on_step_committed is not Proposer.on_step_committed:
-            # -1 marks requests that had already stopped: this step ran past their stop
-            finished = self._outputs.finished[: readback.shape[0]] if rows is None else \
-                np.where(rows >= 0, self._outputs.finished[rows.clip(min=0)], 1)
-            self.proposer.on_step_committed(step, np.where(finished == 1, -1, readback[:, 0]).tolist())  # host-ok: numpy
+                             for request_id in step.request_ids[:num_launched]], dtype=np.int64)
+        self.context.commit_readback(step, readbacks[:, :num_decode, 0], None if rows is None else rows[:num_decode])
         present = None
         if rows is None:
-            decode = np.arange(readback.shape[0]) < num_decode
+            decode = np.arange(num_launched) < num_decode
         else:  # in the table's current row order from here on
-            readback, decode, present = realign_readback(readback, rows, num_decode)
-        request_ids = table.host.request_ids[: readback.shape[0]]
+            readbacks, decode, present = realign_readback(readbacks, rows, num_decode)
+        num_rows = readbacks.shape[1]
+        request_ids = table.host.request_ids[:num_rows]
+        counts_before = self._outputs.counts[:num_rows].copy()
         if self._hook_overridden("accept_tokens"):
             records = [self._records.get(int(request_id)) if present is None or present[row] else None
                        for row, request_id in enumerate(request_ids)]
-            new_tokens, emitted, finished = self._outputs.apply_with_hook(
-                readback, decode, records, self.accept_tokens, type(self).__name__)
+            emitted, finished = self._outputs.apply_with_hook(readbacks, decode, records, self.accept_tokens,
+                                                              type(self).__name__)
         else:
-            new_tokens, emitted, finished = self._outputs.apply(
-                readback, decode, lambda row: self._records[int(request_ids[row])].params, present)
-        self.metrics.record_acceptance(readback[:, 0][decode & (emitted > 0)])
+            emitted, finished = self._outputs.apply(
+                readbacks, decode, lambda row: self._records[int(request_ids[row])].params, present)  # [k, m]
+        self._tell_proposer_committed(step, readbacks, emitted, rows)
+        self.metrics.record_acceptance(readbacks[:, :, 0][decode[None, :] & (emitted > 0)])
         self.metrics.emitted_tokens += int(emitted.sum())
         for row, reason in finished:
             self._finish_record(int(request_ids[row]), reason)
-        finished_rows = {row for row, _ in finished}
         if not collect:
             return []
-        return [(int(request_ids[row]), new_tokens[row, : emitted[row]].tolist(), row in finished_rows)  # host-ok: numpy
-                for row in range(readback.shape[0]) if emitted[row] > 0]
+        finished_rows = {row for row, _ in finished}
+        counts_after = self._outputs.counts[:num_rows]
+        return [(int(request_ids[row]), self._outputs.tokens[row, counts_before[row] : counts_after[row]].tolist(),  # host-ok: numpy
+                 row in finished_rows) for row in range(num_rows) if counts_after[row] > counts_before[row]]
+
+    def _tell_proposer_committed(self, step: StepMetadata, readbacks: np.ndarray, emitted: np.ndarray,
+                                 rows: Optional[np.ndarray]) -> None:
+        """``proposer.on_step_committed`` once per step of the launch, in the step's row order, -1
+        for a request that emitted nothing in it (it had stopped: the step ran past its stop)."""
+        if self.config.num_speculative_tokens == 0 or \
+                type(self.proposer).on_step_committed is Proposer.on_step_committed:
+            return
+        for index in range(step.num_steps):
+            accepted = np.where(emitted[index] > 0, readbacks[index, :, 0], -1)  # [m] current rows
+            if rows is not None:  # back to the step's row order
+                accepted = np.where(rows >= 0, accepted[rows.clip(min=0)] if accepted.shape[0] else -1, -1)
+            self.proposer.on_step_committed(step, accepted.tolist())  # host-ok: numpy
 
     def _hook_overridden(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(TextGenerationController, name)
@@ -504,8 +540,9 @@ class TextGenerationController:
                 self._retiring.append(request_id)
         self._retire_finished()
 
-    def _launch(self, step: StepMetadata) -> None:
-        """The GPU part of a step: inputs, forward, sample, verify + commit, draft, stage the read-back.
+    def _launch(self, step: StepMetadata, readback: torch.Tensor) -> None:
+        """The GPU part of a step: inputs, forward, sample, verify + commit, draft, stage the
+        read-back into ``readback`` (``[R, S + 2]`` int64 on the device).
 
         No host sync, and no value-dependent Python: the grid is the step's (padded) request
         count, every request has ``1 + S`` logits rows, and the real counts (requests, decode
@@ -558,7 +595,7 @@ class TextGenerationController:
             check_drafts(self.proposer, drafts, (grid, S), self.device)
             # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
             self._draft_rows[torch.where(samples, write_rows, scratch_row)] = drafts.clamp(0, self.vocab_size - 1)
-        staged = self._readback_device[:grid]
+        staged = readback[:grid]  # [G, S + 2]
         staged[:, 0] = self._accepted_counts[:grid]
         staged[:, 1] = context.table.next_tokens[:grid]
         staged[:, 2:] = self._accepted_tokens[:grid]

@@ -63,9 +63,13 @@ class HiddenStateCapture(Proposer):
         if config.num_speculative_tokens != 1:
             raise ValueError(f"HiddenStateCapture needs num_speculative_tokens == 1, got {config.num_speculative_tokens}")
         check_aux_layer_ids(self.aux_layer_ids, runner.num_decoder_layers)
-        if self.capacity_tokens < config.max_tokens_per_step:
-            raise ValueError(f"capacity_tokens ({self.capacity_tokens}) must hold one step's rows: "
-                             f">= max_tokens_per_step ({config.max_tokens_per_step})")
+        # one launch: a step with prefill, or a decode run of up to decode_steps_per_launch steps
+        self._most_rows_per_launch = max(config.max_tokens_per_step,
+                                         config.decode_steps_per_launch * config.max_requests * 2)
+        if self.capacity_tokens < self._most_rows_per_launch:
+            raise ValueError(f"capacity_tokens ({self.capacity_tokens}) must hold one launch's rows: "
+                             f">= max(max_tokens_per_step, decode_steps_per_launch x max_requests x 2) "
+                             f"= {self._most_rows_per_launch}")
         super().bind(controller)
         runner.set_aux_layers(self.aux_layer_ids)
         device, capacity = controller.device, self.capacity_tokens
@@ -103,8 +107,8 @@ class HiddenStateCapture(Proposer):
 
     def on_step_scheduled(self, step: StepMetadata) -> None:
         self._host_bound += int(step.host_query_start_loc[-1])  # host-ok: host tensor
-        if self._host_bound + self.controller.config.max_tokens_per_step > self.capacity_tokens:
-            self.flush()  # the next step could overflow the buffer
+        if self._host_bound + self._most_rows_per_launch > self.capacity_tokens:
+            self.flush()  # the next launch could overflow the buffer
 
     def flush(self) -> None:
         """Wait for the launched steps, write the buffer as one shard (if it holds records), empty it."""

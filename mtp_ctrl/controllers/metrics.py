@@ -12,8 +12,10 @@ class GenerationMetrics:
 
     ``step_seconds``: wall time of the controller's ``step`` calls (host work, launches, and any
     wait for the GPU). ``gpu_seconds``: GPU time of the steps, between CUDA events recorded
-    around each step's work (CUDA only). With overlap scheduling and a GPU-bound step the two
+    around each launch's work (CUDA only). With overlap scheduling and a GPU-bound step the two
     are about equal; ``step_seconds`` well above ``gpu_seconds`` means the host is the bottleneck.
+    A call that launches a decode run of k steps counts as k steps of a k-th of its time each,
+    on both clocks.
     """
 
     def __init__(self, num_speculative_tokens: int):
@@ -46,14 +48,16 @@ class GenerationMetrics:
                 self.drafted_per_depth[depth] += int(counts.shape[0])
                 self.accepted_per_depth[depth] += int(reaching[depth + 1])
 
-    def record_step(self, seconds: float) -> None:
-        self.steps += 1
+    def record_step(self, seconds: float, steps: int = 1) -> None:
+        """A ``step`` call that took ``seconds`` and launched ``steps`` steps (a decode run: several)."""
+        self.steps += steps
         self.step_seconds += seconds
 
-    def record_gpu(self, seconds: float) -> None:
-        self.gpu_steps += 1
+    def record_gpu(self, seconds: float, steps: int = 1) -> None:
+        """The GPU time of a launch of ``steps`` steps."""
+        self.gpu_steps += steps
         self.gpu_seconds += seconds
-        self.gpu_step_seconds.append(seconds)
+        self.gpu_step_seconds.extend([seconds / steps] * steps)
 
     def record_phase(self, name: str, seconds: float) -> None:
         self.phase_seconds[name] += seconds

@@ -2,10 +2,11 @@
 
 Per table row (numpy rows that move with their request, see ``RequestTable.add_host_rows``):
 the output tokens so far, the stop parameters (max_new_tokens, eos ids, prompt length), the
-verify counters, and whether the request has finished. One step's read-back
-``[accepted, bonus, accepted drafts]`` per sampling request becomes new tokens with a few
-vectorised numpy operations, whatever the batch size; Python runs per request only for requests
-that finish, or that carry stop sequences (rare: a suffix match per new token).
+verify counters, and whether the request has finished. A launch's read-back
+``[accepted, bonus, accepted drafts]`` per step and sampling request becomes new tokens with a
+few vectorised numpy operations, whatever the batch size and however many steps the launch ran
+(a decode run); Python runs per request only for requests that finish, or that carry stop
+sequences (rare: a suffix match per new token).
 
 Example, S = 2, eos 7, a request with 3 output tokens and max_new_tokens 5 whose step accepted
 2 drafts ``[4, 7]`` and the bonus ``9``: the new tokens are ``[4, 7, 9]``; ``7`` is an eos, so
@@ -61,20 +62,43 @@ class OutputRows:
     def output_of(self, row: int) -> List[int]:
         return self.tokens[row, : self.counts[row]].tolist()  # host-ok: numpy
 
-    def apply(self, readback: np.ndarray, decode: np.ndarray, params_of_row,
-              present: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray, list]:
-        """Append one step's verified tokens to rows ``[0, n)`` (``readback``: ``[n, S + 2]`` int64
-        host values of the step's sampling requests, in the table's current row order) up to
-        each stop. ``decode`` ``[n]`` bool: the rows that ran as decodes (they count a verify);
-        ``present`` ``[n]`` bool or None (all): the rows the step ran (others are left alone).
+    def tokens_to_length_stop(self, num_rows: int) -> int:
+        """The fewest tokens any unfinished row of ``[0, num_rows)`` may still emit before
+        max_new_tokens or max_model_len stops it (what ``scheduler.decode_run_steps`` reads)."""
+        live = self.finished[:num_rows] == 0
+        if not live.any():
+            return 0
+        counts = self.counts[:num_rows][live]
+        left = np.minimum(self.max_new_tokens[:num_rows][live] - counts,
+                          self.max_model_len - self.prompt_lengths[:num_rows][live] - counts)
+        return int(left.min())
+
+    def apply(self, readbacks: np.ndarray, decode: np.ndarray, params_of_row,
+              present: Optional[np.ndarray] = None) -> Tuple[np.ndarray, list]:
+        """Append a launch's verified tokens to rows ``[0, n)`` up to each stop (``readbacks``:
+        ``[k, n, S + 2]`` int64 host values of the sampling requests of each of the launch's
+        ``k`` steps, in the table's current row order). ``decode`` ``[n]`` bool: the rows that ran
+        as decodes (they count a verify per step); ``present`` ``[n]`` bool or None (all): the
+        rows the launch ran (others are left alone).
 
         ``params_of_row(row)`` gives a row's SamplingParams (only rows with slow stop rules ask).
-        Rows that had already finished (a step run past their stop) are left alone. Returns
-        ``(new_tokens [n, 1 + S], emitted counts [n], finished: [(row, reason)])``.
+        Rows that have finished (steps run past their stop) are left alone. Returns
+        ``(emitted counts [k, n], finished: [(row, reason)])``; the tokens are in :attr:`tokens`.
         """
+        num_steps, num_rows = readbacks.shape[:2]
+        if present is None and self._no_stop_possible(num_rows, num_steps):
+            return self._append_all(readbacks, decode), []
+        emitted = np.zeros((num_steps, num_rows), dtype=np.int64)
+        finished = []
+        for step in range(num_steps):
+            emitted[step], step_finished = self._apply_step(readbacks[step], decode, params_of_row, present)
+            finished += step_finished
+        return emitted, finished
+
+    def _apply_step(self, readback: np.ndarray, decode: np.ndarray, params_of_row,
+                    present: Optional[np.ndarray]) -> Tuple[np.ndarray, list]:
+        """:meth:`apply` for one step (``readback`` ``[n, S + 2]``): ``(emitted [n], finished)``."""
         num_rows, S = readback.shape[0], self.stride - 1
-        if present is None and self._no_stop_possible(num_rows):
-            return self._append_all(readback, decode)
         rows = np.arange(num_rows)
         accepted = readback[:, 0]
         live = self.finished[:num_rows] == 0  # [n] bool
@@ -111,52 +135,67 @@ class OutputRows:
         for row in np.flatnonzero(reasons):
             self.finished[row] = 1
             finished.append((int(row), _REASONS[int(reasons[row])]))
-        return new_tokens, emitted, finished
+        return emitted, finished
 
-    def _no_stop_possible(self, num_rows: int) -> bool:
-        """No row of ``[0, n)`` can stop in this step whatever it accepts: none has finished,
-        none has eos ids or stop sequences, and 1 + S more tokens reach neither max_new_tokens
-        nor max_model_len (the common decode step: 5 numpy reductions instead of the full check)."""
-        counts = self.counts[:num_rows] + self.stride  # [n] int64, the output length after a full accept
+    def _no_stop_possible(self, num_rows: int, num_steps: int) -> bool:
+        """No row of ``[0, n)`` can stop in these ``num_steps`` steps whatever they accept: none has
+        finished, none has eos ids or stop sequences, and ``num_steps * (1 + S)`` more tokens
+        reach neither max_new_tokens nor max_model_len (the common decode launch: 5 numpy
+        reductions instead of the full check)."""
+        counts = self.counts[:num_rows] + num_steps * self.stride  # [n] int64, the output length after full accepts
         return not (self.finished[:num_rows].any() or self.slow_stops[:num_rows].any() or (self.eos[:num_rows] >= 0).any()
                     or (counts >= self.max_new_tokens[:num_rows]).any()
                     or (self.prompt_lengths[:num_rows] + counts >= self.max_model_len).any())
 
-    def _append_all(self, readback: np.ndarray, decode: np.ndarray) -> Tuple[np.ndarray, np.ndarray, list]:
-        """:meth:`apply` when no row can stop: every verified token is emitted."""
-        num_rows, S = readback.shape[0], self.stride - 1
-        accepted = readback[:, 0]  # [n] int64
-        new_tokens = np.empty((num_rows, self.stride), dtype=np.int64)
-        new_tokens[:, :S] = readback[:, 2:]
-        rows = np.arange(num_rows)
-        new_tokens[rows, accepted] = readback[:, 1]
-        emitted = accepted + 1  # [n] int64
-        if S == 0:
-            self.tokens[rows, self.counts[:num_rows]] = new_tokens[:, 0]
-        else:
-            column = np.arange(self.stride)[None, :]
-            write = column < emitted[:, None]  # [n, 1 + S] bool
-            self.tokens[np.repeat(rows, emitted), (self.counts[:num_rows, None] + column)[write]] = new_tokens[write]
-        self.counts[:num_rows] += emitted
-        self.decode_steps[:num_rows] += decode
-        self.accepted_drafts[:num_rows] += accepted * decode
-        return new_tokens, emitted, []
+    def _append_all(self, readbacks: np.ndarray, decode: np.ndarray) -> np.ndarray:
+        """:meth:`apply` when no row can stop: every verified token of every step is emitted.
+        Returns the emitted counts ``[k, n]``.
 
-    def apply_with_hook(self, readback: np.ndarray, decode: np.ndarray, records: list, accept_tokens,
-                        owner: str) -> Tuple[np.ndarray, np.ndarray, list]:
-        """:meth:`apply` through a subclass's ``accept_tokens(record, new_tokens)`` hook, request
-        by request (``records``: each row's RequestRecord), enforcing its contract: it keeps a
-        non-empty prefix of the new tokens and gives a finish reason when it drops any (the
-        device has moved on with every verified token). A row whose record is None did not run
-        in the step (see :meth:`apply`'s ``present``)."""
-        num_rows = readback.shape[0]
-        new_tokens = np.empty((num_rows, self.stride), dtype=np.int64)
-        emitted = np.zeros(num_rows, dtype=np.int64)
+        Example, S = 1, one row with 5 output tokens, two steps: step 0 accepted its draft ``a``
+        (bonus ``b``), step 1 none (bonus ``c``): emitted ``[[2], [1]]``, the tokens go to output
+        positions 5, 6 (step 0 starts at 5) and 7 (step 1 starts at 5 + 2)."""
+        num_steps, num_rows = readbacks.shape[:2]
+        S = self.stride - 1
+        accepted = readbacks[:, :, 0]  # [k, n] int64
+        emitted = accepted + 1  # [k, n] int64
+        rows = np.arange(num_rows)
+        if S == 0:  # one token a step: step j's goes to output position counts + j
+            self.tokens[rows[None, :], self.counts[None, :num_rows] + np.arange(num_steps)[:, None]] = readbacks[:, :, 1]
+        else:
+            new_tokens = np.empty((num_steps, num_rows, self.stride), dtype=np.int64)  # drafts, bonus at `accepted`
+            new_tokens[:, :, :S] = readbacks[:, :, 2:]
+            np.put_along_axis(new_tokens, accepted[:, :, None], readbacks[:, :, 1:2], axis=2)
+            starts = self.counts[None, :num_rows] + np.cumsum(emitted, axis=0) - emitted  # [k, n] each step's first position
+            column = np.arange(self.stride)
+            write = column < emitted[:, :, None]  # [k, n, 1 + S] bool
+            write_rows = np.broadcast_to(rows[None, :, None], write.shape)[write]
+            self.tokens[write_rows, (starts[:, :, None] + column)[write]] = new_tokens[write]
+        self.counts[:num_rows] += emitted.sum(0)
+        self.decode_steps[:num_rows] += decode * num_steps
+        self.accepted_drafts[:num_rows] += accepted.sum(0) * decode
+        return emitted
+
+    def apply_with_hook(self, readbacks: np.ndarray, decode: np.ndarray, records: list, accept_tokens,
+                        owner: str) -> Tuple[np.ndarray, list]:
+        """:meth:`apply` through a subclass's ``accept_tokens(record, new_tokens)`` hook, step by
+        step and request by request (``records``: each row's RequestRecord), enforcing its
+        contract: it keeps a non-empty prefix of the new tokens and gives a finish reason when it
+        drops any (the device has moved on with every verified token). A row whose record is
+        None did not run in the launch (see :meth:`apply`'s ``present``)."""
+        num_steps, num_rows = readbacks.shape[:2]
+        emitted = np.zeros((num_steps, num_rows), dtype=np.int64)
         finished = []
-        for row in range(num_rows):
+        for step in range(num_steps):
+            finished += self._apply_step_with_hook(readbacks[step], decode, records, accept_tokens, owner, emitted[step])
+        return emitted, finished
+
+    def _apply_step_with_hook(self, readback: np.ndarray, decode: np.ndarray, records: list, accept_tokens,
+                              owner: str, emitted: np.ndarray) -> list:
+        """One step of :meth:`apply_with_hook`: fills ``emitted`` ``[n]``, returns the finished rows."""
+        finished = []
+        for row in range(readback.shape[0]):
             accepted = int(readback[row, 0])
             tokens = readback[row, 2 : 2 + accepted].tolist() + [int(readback[row, 1])]  # host-ok: numpy
-            new_tokens[row, : accepted + 1] = tokens
             record = records[row]
             if self.finished[row] or record is None:
                 continue  # a step run past this request's stop, or a row the step did not run
@@ -174,7 +213,7 @@ class OutputRows:
             if reason is not None:
                 self.finished[row] = 1
                 finished.append((row, reason))
-        return new_tokens, emitted, finished
+        return finished
 
     def _slow_stop(self, row: int, new_tokens: np.ndarray, params: SamplingParams, emitted: int,
                    code: int) -> Tuple[int, int]:
@@ -189,18 +228,19 @@ class OutputRows:
         return emitted, code
 
 
-def realign_readback(readback: np.ndarray, rows: np.ndarray, num_decode: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A step's read-back ``[n, S + 2]`` (in the step's row order) moved to the table's current
-    rows: ``rows`` ``[n]`` int64 is where each of the step's requests sits now, -1 for one that
-    finished since. Returns ``(readback [m, S + 2], decode [m] bool, present [m] bool)`` over the
-    current rows ``[0, m)``; rows the step did not run (a request admitted since) are not present.
+def realign_readback(readbacks: np.ndarray, rows: np.ndarray, num_decode: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A launch's read-back ``[k, n, S + 2]`` (in the step's row order) moved to the table's
+    current rows: ``rows`` ``[n]`` int64 is where each of the step's requests sits now, -1 for one
+    that finished since. Returns ``(readbacks [k, m, S + 2], decode [m] bool, present [m] bool)``
+    over the current rows ``[0, m)``; rows the launch did not run (a request admitted since) are
+    not present.
 
     Example: the step ran requests (a, b, c), a finished, c moved into a's row 0 -> rows
     ``[-1, 1, 0]``: the result's row 0 is c's read-back, row 1 b's."""
     kept = rows >= 0
     num_rows = int(rows.max()) + 1 if kept.any() else 0
-    aligned = np.zeros((num_rows, readback.shape[1]), dtype=readback.dtype)
-    aligned[rows[kept]] = readback[kept]
+    aligned = np.zeros((readbacks.shape[0], num_rows, readbacks.shape[2]), dtype=readbacks.dtype)
+    aligned[:, rows[kept]] = readbacks[:, kept]
     present = np.zeros(num_rows, dtype=bool)
     present[rows[kept]] = True
     decode = np.zeros(num_rows, dtype=bool)

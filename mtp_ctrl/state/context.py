@@ -18,8 +18,10 @@ The overlapped loop (see ``controllers/controller.py``): the caller may build st
 it has read step N's outcome back. The device knows each decode request's KV length; the host
 (``table.host.known_lengths``) learns it from the read-back (:meth:`commit_readback`), one step
 late. So a step is built for the worst case, every draft of the steps in flight accepted: each
-decode request holds blocks for ``known_length + (1 + S) * (1 + steps_in_flight)`` tokens
-(``scheduler.worst_case_blocks``, the one formula). Pausing and resuming need the host's lengths
+decode request holds blocks for ``known_length + (1 + S) * (new_steps + steps_in_flight)`` tokens
+(``scheduler.worst_case_blocks``, the one formula). A build may stage a decode run: ``new_steps``
+decode steps that one launch runs back to back (``StepMetadata.num_steps``; the scheduler picks
+it, :meth:`build_step`). Pausing and resuming need the host's lengths
 exact, so they wait until no step is in flight:
 :meth:`needs_sync` tells the caller, and those calls raise ``RuntimeError`` while a built step has
 not been committed. Three moves need no wait:
@@ -64,6 +66,8 @@ class DynamicInferenceContext:
     cuda_graph_batch_sizes: batch sizes with a CUDA graph (steps are padded to them; a step with
         prefill chunks also pads its tokens to ``cuda_graph_token_counts``, powers of two from 64).
     mamba: Mamba layer count and state shapes, or None for a model without Mamba layers.
+    decode_steps_per_launch: the most decode steps one build stages for one launch (a decode run;
+        1 = every step is built on its own).
 
     Sizing rules (checked here): ``max_tokens_per_step >= R * (1 + S)`` so every decode request
     runs every step; a request holds at most ``MB = ceil((max_model_len + 2 (1 + S)) /
@@ -85,6 +89,7 @@ class DynamicInferenceContext:
         kv_cache_bytes: Optional[int] = None,
         cuda_graph_batch_sizes: Sequence[int] = (),
         mamba: Optional[MambaSpec] = None,
+        decode_steps_per_launch: int = 1,
     ):
         for name, value, low in (
             ("max_requests", max_requests, 1),
@@ -115,7 +120,8 @@ class DynamicInferenceContext:
         self.cuda_graph_token_counts = token_buckets(max_tokens_per_step) if self.cuda_graph_batch_sizes else ()
         self.scheduler = Scheduler(max_requests=max_requests, max_model_len=max_model_len,
                                    block_size_tokens=block_size_tokens, num_speculative_tokens=num_speculative_tokens,
-                                   max_tokens_per_step=max_tokens_per_step)
+                                   max_tokens_per_step=max_tokens_per_step,
+                                   decode_steps_per_launch=decode_steps_per_launch)
         self.max_blocks_per_request = self.scheduler.max_blocks_per_request
         if num_blocks is not None:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
@@ -138,7 +144,7 @@ class DynamicInferenceContext:
         # for a preempted request); the controller's RequestRecord keeps the prompt and the output
         self._prefill_tokens: Dict[int, np.ndarray] = {}
         self._prompts_done: Dict[int, None] = {}  # ran their final chunk; become DECODE at the next build
-        self._steps_in_flight: List[StepMetadata] = []  # built, not yet committed (oldest first)
+        self._steps_in_flight: List[StepMetadata] = []  # built, not yet committed (oldest first); runs count num_steps
 
     def blocks_for(self, token_count) -> int:
         """Blocks that hold ``token_count`` tokens (int or array); the worst-case reserve of a
@@ -218,7 +224,8 @@ class DynamicInferenceContext:
         if self._prompts_done and not self._prompts_done_in_place():
             return True
         num_decode = self.table.group_size(RowGroup.DECODE) + len(self._prompts_done)  # the next step's
-        needs = self._decode_needs(steps_in_flight=1, num_decode=num_decode)
+        # the next step is built with the launch in flight (one step, or a decode run's steps)
+        needs = self._decode_needs(steps_in_flight=max(self.steps_in_flight, 1), num_decode=num_decode)
         spare_blocks = self.allocator.num_free_blocks - int(needs.sum())
         if spare_blocks < 0:
             return True  # a decode must pause
@@ -236,10 +243,11 @@ class DynamicInferenceContext:
 
     @property
     def steps_in_flight(self) -> int:
-        """Steps built whose outcome :meth:`commit_readback` has not taken yet."""
-        return len(self._steps_in_flight)
+        """Steps built whose outcome :meth:`commit_readback` has not taken yet (a decode run counts
+        each of its steps)."""
+        return sum(step.num_steps for step in self._steps_in_flight)
 
-    def build_step(self, *, sync_checked: bool = False) -> Optional[StepMetadata]:
+    def build_step(self, *, sync_checked: bool = False, tokens_to_length_stop: int = 0) -> Optional[StepMetadata]:
         """Schedule the next forward pass, take its blocks and stage it; None if no request runs.
 
         With a step in flight (built, not committed) :meth:`needs_sync` must be False: the step
@@ -251,6 +259,13 @@ class DynamicInferenceContext:
         are live but none can get a block (nothing changed). ``sync_checked``: the caller asked
         :meth:`needs_sync` after the context last changed (adding requests aside) and got False,
         so it is not evaluated again.
+
+        Decode runs: when every running request decodes (no prefill row, none paused for KV) and
+        the blocks are free, the step is staged as a run of ``step.num_steps`` decode steps
+        (``scheduler.decode_run_steps``; at most ``decode_steps_per_launch``), reserving blocks
+        for all of them. ``tokens_to_length_stop``: the fewest tokens any running request may
+        still emit before max_new_tokens or max_model_len (the caller's output rows know it); 0
+        (the default) builds single steps.
         """
         steps_in_flight = self.steps_in_flight
         if steps_in_flight and not sync_checked and self.needs_sync():
@@ -262,7 +277,8 @@ class DynamicInferenceContext:
             self._resume_requests_paused_for_kv()
         host, stride = self.table.host, self.num_speculative_tokens + 1
         num_decode = self.table.group_size(RowGroup.DECODE)
-        self._reserve(0, self.scheduler.worst_case_blocks(host.known_lengths[:num_decode], steps_in_flight))
+        num_steps = self._decode_run_steps(num_decode, tokens_to_length_stop)
+        self._reserve(0, self.scheduler.worst_case_blocks(host.known_lengths[:num_decode], steps_in_flight, num_steps))
         chunks = [] if self.scheduler.paused_for_kv else self._schedule_prefill_chunks(num_decode)
         num_requests = num_decode + len(chunks)
         if num_requests == 0:
@@ -291,31 +307,49 @@ class DynamicInferenceContext:
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
         step = self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded,
-                                        block_writes, max_seq_len, next_prompt_token)
+                                        block_writes, max_seq_len, next_prompt_token, num_steps)
         self._steps_in_flight.append(step)
         return step
+
+    def _decode_run_steps(self, num_decode: int, tokens_to_length_stop: int) -> int:
+        """Decode steps the build stages (see :meth:`build_step`): 1 unless every running request
+        decodes and the free blocks hold the run's worst case."""
+        scheduler = self.scheduler
+        if len(scheduler.run_lengths) == 1 or num_decode == 0 or self.table.group_size(RowGroup.PREFILL) or \
+                scheduler.paused_for_kv:
+            return 1
+        num_steps = scheduler.decode_run_steps(tokens_to_length_stop, self.steps_in_flight)
+        if num_steps > 1 and int(self._decode_needs(self.steps_in_flight, new_steps=num_steps).sum()) > \
+                self.allocator.num_free_blocks:
+            return 1  # short of blocks: single steps (which pause or preempt as usual)
+        return num_steps
 
     def prepare_inputs(self, step: StepMetadata) -> None:
         """The device half of the step's set-up; run it first in the step (see StepBuffers)."""
         self._step_buffers.prepare_inputs(step)
 
     def commit_readback(self, step: StepMetadata, accepted_counts: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
-        """Learn a decode step's outcome: ``accepted_counts`` ``[num_decode]`` int64 host values.
+        """Learn a decode step's outcome: ``accepted_counts`` ``[num_decode]`` int64 host values
+        (or ``[num_steps, num_decode]``, one row per step of a decode run).
 
-        Each decode request's known length grows by ``1 + accepted``. ``rows`` ``[num_decode]``
-        int64: where each of the step's decode requests sits now (-1: finished since), when rows
-        moved after the step was built (``table.num_moves`` changed); None: they did not."""
+        Each decode request's known length grows by ``1 + accepted`` per step. ``rows``
+        ``[num_decode]`` int64: where each of the step's decode requests sits now (-1: finished
+        since), when rows moved after the step was built (``table.num_moves`` changed); None: they
+        did not."""
         if not self._steps_in_flight or step is not self._steps_in_flight[0]:
             raise ValueError("commit_readback: step is not the oldest step in flight")
         num_decode = step.num_decode
-        if accepted_counts.shape[0] != num_decode:
-            raise ValueError(f"accepted_counts has {accepted_counts.shape[0]} entries, the step has "
-                             f"{num_decode} decode requests")
+        if accepted_counts.ndim == 1:
+            accepted_counts = accepted_counts[None]  # [1, num_decode]: one step
+        if accepted_counts.shape != (step.num_steps, num_decode):
+            raise ValueError(f"accepted_counts has shape {accepted_counts.shape}, the step has {step.num_steps} "
+                             f"step(s) of {num_decode} decode requests")
+        grown = (1 + accepted_counts).sum(0)  # [num_decode] int64
         if rows is None:
-            self.table.host.known_lengths[:num_decode] += 1 + accepted_counts
+            self.table.host.known_lengths[:num_decode] += grown
         else:
             kept = rows >= 0
-            self.table.host.known_lengths[rows[kept]] += 1 + accepted_counts[kept]
+            self.table.host.known_lengths[rows[kept]] += grown[kept]
         self._steps_in_flight.pop(0)
 
     def abandon_steps_in_flight(self) -> None:
@@ -344,13 +378,17 @@ class DynamicInferenceContext:
                    for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
         return shapes
 
-    def build_padding_step(self, shape: BatchDimensions) -> StepMetadata:
-        """A step of ``shape`` that holds no request (every row is padding): running it changes no
-        request, and capturing it records the graph every real step of that shape replays."""
+    def build_padding_step(self, shape: BatchDimensions, num_steps: int = 1) -> StepMetadata:
+        """A step of ``shape`` (a decode run of ``num_steps``) that holds no request (every row is
+        padding): running it changes no request, and capturing it records the graph every real
+        step of that shape replays."""
         if shape not in self.graph_shapes():
             raise ValueError(f"{shape} is not a CUDA-graph shape of this context")
+        if num_steps not in self.scheduler.run_lengths or (num_steps > 1 and shape.has_prefill):
+            raise ValueError(f"num_steps {num_steps}: decode runs have {self.scheduler.run_lengths} steps, and only "
+                             "decode-only shapes run several")
         return self._step_buffers.build(np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
-                                        self.max_blocks_per_request * self.block_size_tokens)
+                                        self.max_blocks_per_request * self.block_size_tokens, num_steps=num_steps)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:
         """A request whose final chunk ran joins the decode rows; at the first prefill row only the
@@ -361,13 +399,13 @@ class DynamicInferenceContext:
         self.table.set_prefill_status(self.table.row_of(request_id), 0)
         self.table.move(request_id, RowGroup.DECODE)
 
-    def _decode_needs(self, steps_in_flight: int, num_decode: Optional[int] = None) -> np.ndarray:
+    def _decode_needs(self, steps_in_flight: int, num_decode: Optional[int] = None, new_steps: int = 1) -> np.ndarray:
         """``[nd]`` int64: blocks each of the first ``num_decode`` rows (default: the decode
-        rows) still needs before the next step."""
+        rows) still needs before the next ``new_steps`` steps."""
         num_decode = self.table.group_size(RowGroup.DECODE) if num_decode is None else num_decode
         host = self.table.host
         return self.scheduler.blocks_needed(host.known_lengths[:num_decode], host.block_counts[:num_decode],
-                                            steps_in_flight)
+                                            steps_in_flight, new_steps)
 
     def _reserve(self, start: int, wanted: np.ndarray) -> None:
         """Give rows ``[start, start + n)`` ``wanted`` blocks (``[n]`` int64; rows holding more

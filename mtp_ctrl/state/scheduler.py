@@ -6,8 +6,15 @@ the controller keeps each request's record. What it decides, and nothing else do
 
 - **The KV reserve.** :func:`worst_case_blocks` is the one block-count formula of the
   overlapped loop: a decode request whose host-known KV length is ``known`` holds blocks for
-  ``known + (1 + S) * (1 + steps_in_flight)`` tokens (every draft of the steps the host has not
-  heard back from accepted, and the step being built). Every other block count derives from it.
+  ``known + (1 + S) * (new_steps + steps_in_flight)`` tokens (every draft of the steps the host
+  has not heard back from accepted, and of the ``new_steps`` being built). Every other block
+  count derives from it.
+- **Decode runs.** When every running request decodes, one launch may run several decode steps
+  back to back (``decode_steps_per_launch``; the host builds and applies once for all of them):
+  :meth:`Scheduler.decode_run_steps` picks how many, never so many that a request could reach a
+  length stop (max_new_tokens, max_model_len) before the run's last step. So a request runs past
+  a length stop as far as with single steps, and only an eos or a stop sequence (which no host
+  can foresee) lets it run on to the end of its run.
 - **Admission.** Waiting requests join in arrival order (FIFO); an evicted request goes back to
   the front of the queue, and joins only once it can be recomputed without evicting again
   (:meth:`Scheduler.can_admit`).
@@ -24,11 +31,12 @@ the controller keeps each request's record. What it decides, and nothing else do
 
 Example, ``S = 2``, blocks of 4 tokens, a decode request known at 5 tokens holding 2 blocks, with
 one step in flight: ``worst_case_blocks(5, 1, 2, 4) = ceil((5 + 3 * 2) / 4) = 3``, so building the
-next step takes one more block for it (``blocks_needed`` gives 1).
+next step takes one more block for it (``blocks_needed`` gives 1). A run of 4 steps instead:
+``worst_case_blocks(5, 1, 2, 4, new_steps=4) = ceil((5 + 3 * 5) / 4) = 5``.
 """
 
 import collections
-from typing import Deque, Dict, Iterable, List, Optional, Union
+from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -36,12 +44,24 @@ Lengths = Union[int, np.ndarray]
 
 
 def worst_case_blocks(known_lengths: Lengths, steps_in_flight: int, num_speculative_tokens: int,
-                      block_size_tokens: int) -> Lengths:
+                      block_size_tokens: int, new_steps: int = 1) -> Lengths:
     """The one block-count formula: blocks a request with ``known_lengths`` host-known KV tokens
-    (int, or ``[n]`` int64 array) must hold before a step is built while ``steps_in_flight`` steps
-    have not been read back: room for ``known + (1 + S) * (1 + steps_in_flight)`` tokens."""
-    tokens = known_lengths + (num_speculative_tokens + 1) * (1 + steps_in_flight)
+    (int, or ``[n]`` int64 array) must hold before ``new_steps`` decode steps are launched while
+    ``steps_in_flight`` steps have not been read back: room for
+    ``known + (1 + S) * (new_steps + steps_in_flight)`` tokens."""
+    tokens = known_lengths + (num_speculative_tokens + 1) * (new_steps + steps_in_flight)
     return -(-tokens // block_size_tokens)
+
+
+def decode_run_lengths(decode_steps_per_launch: int) -> Tuple[int, ...]:
+    """The step counts a decode run may have (each has its own CUDA graph): the powers of two below
+    ``decode_steps_per_launch``, and it. Example: 6 -> (1, 2, 4, 6)."""
+    lengths = {decode_steps_per_launch}
+    power = 1
+    while power < decode_steps_per_launch:
+        lengths.add(power)
+        power *= 2
+    return tuple(sorted(lengths))
 
 
 class Scheduler:
@@ -53,22 +73,26 @@ class Scheduler:
     """
 
     def __init__(self, *, max_requests: int, max_model_len: int, block_size_tokens: int,
-                 num_speculative_tokens: int, max_tokens_per_step: int):
+                 num_speculative_tokens: int, max_tokens_per_step: int, decode_steps_per_launch: int = 1):
         for name, value, low in (("max_requests", max_requests, 1), ("max_model_len", max_model_len, 1),
                                  ("block_size_tokens", block_size_tokens, 1),
                                  ("num_speculative_tokens", num_speculative_tokens, 0),
-                                 ("max_tokens_per_step", max_tokens_per_step, 1)):
+                                 ("max_tokens_per_step", max_tokens_per_step, 1),
+                                 ("decode_steps_per_launch", decode_steps_per_launch, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self.block_size_tokens = block_size_tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.stride = num_speculative_tokens + 1
         self.max_tokens_per_step = max_tokens_per_step
+        self.run_lengths = decode_run_lengths(decode_steps_per_launch)  # step counts of a launch, 1 first
         # a request never holds more than its longest KV with a step run past its stop in flight
+        # (decode runs keep to that: decode_run_steps)
         self.max_blocks_per_request = worst_case_blocks(max_model_len, 1, num_speculative_tokens, block_size_tokens)
-        # block writes one step can stage: each decode's worst case from zero (+1 when its KV does
+        # block writes one launch can stage: each decode's worst case from zero (+1 when its KV does
         # not start on a block boundary), then the prefill chunks' tokens (+1 for a partial block)
-        from_zero = worst_case_blocks(0, 1, num_speculative_tokens, block_size_tokens)
+        longest = self.run_lengths[-1]
+        from_zero = worst_case_blocks(0, longest, num_speculative_tokens, block_size_tokens, new_steps=longest)
         self.max_block_writes_per_step = max_requests * (from_zero + 1) + self.blocks_for(max_tokens_per_step) + 1
         self.waiting: Deque[int] = collections.deque()  # request ids waiting for a row, next first
         self.admission_order: Dict[int, None] = {}  # live requests (ordered set), oldest first
@@ -80,15 +104,30 @@ class Scheduler:
         """Blocks that hold ``token_count`` tokens (int or array): ``ceil(tokens / block size)``."""
         return -(-token_count // self.block_size_tokens)
 
-    def worst_case_blocks(self, known_lengths: Lengths, steps_in_flight: int) -> Lengths:
+    def worst_case_blocks(self, known_lengths: Lengths, steps_in_flight: int, new_steps: int = 1) -> Lengths:
         """:func:`worst_case_blocks` for this context, capped at ``max_blocks_per_request`` (a request
         at max_model_len stops; the cap already holds the step it runs past its stop)."""
-        blocks = worst_case_blocks(known_lengths, steps_in_flight, self.num_speculative_tokens, self.block_size_tokens)
+        blocks = worst_case_blocks(known_lengths, steps_in_flight, self.num_speculative_tokens, self.block_size_tokens,
+                                   new_steps)
         return np.minimum(blocks, self.max_blocks_per_request)
 
-    def blocks_needed(self, known_lengths: np.ndarray, block_counts: np.ndarray, steps_in_flight: int) -> np.ndarray:
-        """``[n]`` int64: blocks each of ``n`` decode requests must still take before the next step."""
-        return np.maximum(self.worst_case_blocks(known_lengths, steps_in_flight) - block_counts, 0)
+    def blocks_needed(self, known_lengths: np.ndarray, block_counts: np.ndarray, steps_in_flight: int,
+                      new_steps: int = 1) -> np.ndarray:
+        """``[n]`` int64: blocks each of ``n`` decode requests must still take before ``new_steps``
+        more steps are launched."""
+        return np.maximum(self.worst_case_blocks(known_lengths, steps_in_flight, new_steps) - block_counts, 0)
+
+    def decode_run_steps(self, tokens_to_length_stop: int, steps_in_flight: int) -> int:
+        """How many decode steps the next launch runs, when every running request decodes: the
+        longest run length no request can reach a length stop before the end of. Each step adds at
+        most ``1 + S`` tokens, so ``(1 + S) * (steps_in_flight + steps - 1) < tokens_to_length_stop``
+        (the fewest tokens any running request may still emit before max_new_tokens or
+        max_model_len, as the host knows now). Example, ``S = 0``, run lengths (1, 2, 4), one run of
+        4 in flight: 8 tokens left -> 4 (4 + 4 - 1 < 8); 6 left -> 2; 4 left -> 1."""
+        for steps in reversed(self.run_lengths):
+            if steps == 1 or self.stride * (steps_in_flight + steps - 1) < tokens_to_length_stop:
+                return steps
+        return 1
 
     # ----- admission and preemption ----------------------------------------------------------
 

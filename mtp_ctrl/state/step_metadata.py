@@ -31,6 +31,11 @@ only on its grid. A step padded to a CUDA-graph shape (``B`` requests, ``T`` row
 step has ``T = B * (1 + S)``): padding requests have no query rows (``query_start_loc`` repeats,
 ``seq_lens == 0``), padding rows carry position 0 and slot ``-1`` (no KV write).
 
+A decode run (``num_steps > 1``, decode-only steps) is one build launched several times in a row:
+every launch's set-up reads the same staged sections (its block writes are absolute, so applying
+them again changes nothing) and grows each request from the KV length and tokens the launch
+before it left on the device.
+
 All tensors are views of buffers allocated once; a StepMetadata is valid until the next step.
 """
 
@@ -65,6 +70,8 @@ class StepMetadata:
     host_query_start_loc: torch.Tensor  # [num_requests + 1] int64 (CPU): real requests' rows
     host_first_positions: torch.Tensor  # [num_requests] int64 (CPU): first row's position; -1 for
     # decode requests, whose position only the device knows
+    num_steps: int = 1  # a decode run: the launch runs this many decode steps of this layout back to
+    # back, each deriving its inputs from the one before on the device (1 for any step with prefill)
 
     @property
     def host_query_lengths(self) -> torch.Tensor:
@@ -131,7 +138,7 @@ class StepBuffers:
 
     def build(self, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
               num_final_prefill_chunks: int, padded: Optional[BatchDimensions], block_writes: np.ndarray,
-              max_seq_len: int, next_prompt_token: int = 0) -> StepMetadata:
+              max_seq_len: int, next_prompt_token: int = 0, num_steps: int = 1) -> StepMetadata:
         """Stage the step of the requests at table rows ``[0, n)`` and send it to the device.
 
         ``query_lengths``: ``[n]`` int64 rows per request. ``prefill_chunks``: each prefill
@@ -143,13 +150,16 @@ class StepBuffers:
         the last step. ``max_seq_len``: a bound on every request's KV length after this step.
         ``next_prompt_token``: the prompt token after the last request's chunk when that chunk
         does not end its prompt (drafters that feed each row the token after it need it).
+        ``num_steps``: decode steps the launch runs (a decode run; decode-only steps only).
         """
         self.staging.wait_until_host_writable()
         num_requests = query_lengths.shape[0]
+        if num_steps > 1 and num_decode != num_requests:
+            raise ValueError(f"a decode run ({num_steps} steps) holds decode requests only")
         steady_key = None
         if padded is not None and not prefill_chunks and num_final_prefill_chunks == 0:
             # row moves and removals bump num_moves; a join or a pause changes the counts
-            steady_key = (num_requests, num_decode, padded, max_seq_len, self.table.num_moves)
+            steady_key = (num_requests, num_decode, padded, max_seq_len, self.table.num_moves, num_steps)
             step = self._steady_step(steady_key, block_writes)
             if step is not None:
                 return step
@@ -219,6 +229,7 @@ class StepBuffers:
             device_request_ids=device["request_ids"][:batch_size],
             host_query_start_loc=torch.from_numpy(query_start_loc),
             host_first_positions=torch.from_numpy(host_first_positions),
+            num_steps=num_steps,
         )
         self._steady = None if steady_key is None else (
             steady_key, self.table.host.request_ids[:num_requests].copy(), step)

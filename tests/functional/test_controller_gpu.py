@@ -126,8 +126,8 @@ class AllStepsSyncChecked(TextGenerationController):
     mixed_replays = 0
 
     def _launch_step(self, step):
-        replay = step.graph_padded and (step.dimensions, bool(self._outputs.greedy[: step.num_requests].all())) \
-            in self._graphs
+        greedy = bool(self._outputs.greedy[: step.num_requests].all())
+        replay = step.graph_padded and (step.dimensions, greedy, step.num_steps) in self._graphs
         with no_host_sync():
             launched = super()._launch_step(step)
         self.mixed_replays += int(replay and step.num_prefill > 0)
@@ -263,7 +263,7 @@ def test_graphs_equal_eager_on_the_trained_checkpoint_with_real_acceptance():
 
         def _apply(self, launched, collect):
             outputs = super()._apply(launched, collect)  # waits for the read-back: read it after
-            self.accepted.append(launched.readback[: launched.step.num_decode, 0].tolist())
+            self.accepted += launched.readback[:, : launched.step.num_decode, 0].tolist()  # one list per step
             return outputs
 
     runs = []
@@ -333,7 +333,7 @@ def test_every_accepted_count_inside_replayed_graphs(model):
 
     def recording(launched, collect):
         outputs = apply(launched, collect)
-        seen.update(launched.readback[: launched.step.num_decode, 0].tolist())
+        seen.update(launched.readback[:, : launched.step.num_decode, 0].flatten().tolist())
         return outputs
 
     controller._apply = recording

@@ -57,7 +57,7 @@ def test_check_batch_sizes():
 
 def test_the_controller_keys_its_cuda_graphs_by_batch_dimensions():
     """The role BatchDimensions plays: a decode-only step of 3 requests padded to the bucket of 4
-    replays the graph keyed (BatchDimensions.decode_only(4, S), all greedy); the first step, three
+    replays the graph keyed (BatchDimensions.decode_only(4, S), all greedy, 1 step); the first step, three
     prompts, pads to 4 requests and the next token bucket."""
     from mtp_ctrl.controllers import SamplingParams
     from tests.unit.controller_fixtures import PROMPTS, build_models, make_controller
@@ -76,8 +76,8 @@ def test_the_controller_keys_its_cuda_graphs_by_batch_dimensions():
 
     controller._launch_step = recording
     controller.generate([list(prompt) for prompt in PROMPTS[:3]], SamplingParams(max_new_tokens=3))
-    prefill_dims, _ = keys[0]
+    prefill_dims, _, _ = keys[0]
     total_prompt = sum(len(prompt) for prompt in PROMPTS[:3])
     assert prefill_dims.has_prefill and prefill_dims.request_count == 4
     assert prefill_dims.token_count == round_up_batch_size(total_prompt, token_buckets(controller.config.max_tokens_per_step))
-    assert (BatchDimensions.decode_only(4, 2), True) in keys
+    assert (BatchDimensions.decode_only(4, 2), True, 1) in keys  # (shape, all greedy, steps per launch)

@@ -488,7 +488,7 @@ def test_step_errors():
     step = ctx.build_step()
     ctx.prepare_inputs(step)
     ctx.add_request(1, [4])  # admitting is fine after a build: the new row lies past the step's rows
-    with pytest.raises(ValueError, match="has 1 entries, the step has 0"):
+    with pytest.raises(ValueError, match=r"shape \(1, 1\), the step has 1 step\(s\) of 0 decode requests"):
         ctx.commit_readback(step, np.array([1]))
     ctx.commit_readback(step, np.zeros(0, np.int64))
     with pytest.raises(ValueError, match="not the oldest step in flight"):

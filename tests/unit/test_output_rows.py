@@ -1,5 +1,6 @@
-"""OutputRows: the vectorised stop rules of a whole step, its no-stop fast path, and the
-realignment of a read-back after rows moved (a request finished with the step in flight)."""
+"""OutputRows: the vectorised stop rules of a whole launch (one step or a decode run), its no-stop
+fast path, and the realignment of a read-back after rows moved (a request finished with the step
+in flight)."""
 
 import numpy as np
 import pytest
@@ -28,68 +29,82 @@ def _state(outputs, n):
         outputs.decode_steps[:n].tolist(), outputs.accepted_drafts[:n].tolist()
 
 
-@settings(max_examples=60, deadline=None)
-@given(S=st.integers(0, 3), data=st.data())
-def test_fast_path_equals_the_full_stop_check(S, data):
-    """Whatever the step accepted, the no-stop fast path (taken when no row can stop) and the
-    full check (forced by passing ``present``) give the same tokens, counts and finishes, also
-    with max_new_tokens and max_model_len exactly at or one past the step's reach."""
+@settings(max_examples=80, deadline=None)
+@given(S=st.integers(0, 3), num_steps=st.integers(1, 3), data=st.data())
+def test_fast_path_equals_the_full_stop_check_and_step_by_step(S, num_steps, data):
+    """Whatever a launch of 1-3 steps accepted, the no-stop fast path (taken when no row can
+    stop), the full check (forced by passing ``present``) and applying the steps one at a time
+    give the same tokens, counts and finishes, also with max_new_tokens and max_model_len exactly
+    at or one past the launch's reach, and eos ids that stop a row mid-run."""
     n = data.draw(st.integers(1, 4))
     requests = []
     for _ in range(n):
         prompt_length = data.draw(st.integers(1, 20))
         output = data.draw(st.lists(st.integers(0, 99), max_size=8))
-        reach = len(output) + 1 + S  # the output length after a full accept
+        reach = len(output) + num_steps * (1 + S)  # the output length after full accepts
         max_new_tokens = data.draw(st.sampled_from([reach - 1, reach, reach + 1, 50])) if reach > 1 else 50
         eos = data.draw(st.sampled_from([(), (7,)]))
         requests.append((SamplingParams(max_new_tokens=max(1, max_new_tokens), eos_token_ids=eos), prompt_length,
                          output))
-    readback = np.zeros((n, S + 2), dtype=np.int64)
-    for row in range(n):
-        readback[row, 0] = data.draw(st.integers(0, S))
-        readback[row, 1:] = data.draw(st.lists(st.integers(0, 9), min_size=S + 1, max_size=S + 1))
+    readbacks = np.zeros((num_steps, n, S + 2), dtype=np.int64)
+    for step in range(num_steps):
+        for row in range(n):
+            readbacks[step, row, 0] = data.draw(st.integers(0, S))
+            readbacks[step, row, 1:] = data.draw(st.lists(st.integers(0, 9), min_size=S + 1, max_size=S + 1))
     decode = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
-    fast, full = _rows(S, requests), _rows(S, requests)
-    took_fast = fast._no_stop_possible(n)
-    got = fast.apply(readback, decode, lambda row: requests[row][0])
-    want = full.apply(readback, decode, lambda row: requests[row][0], np.ones(n, dtype=bool))
-    assert np.array_equal(got[1], want[1]) and got[2] == want[2]
-    for row in range(n):
-        assert np.array_equal(got[0][row, : got[1][row]], want[0][row, : want[1][row]])
-    assert _state(fast, n) == _state(full, n)
+    fast, full, stepwise = _rows(S, requests), _rows(S, requests), _rows(S, requests)
+    took_fast = fast._no_stop_possible(n, num_steps)
+    params_of_row = lambda row: requests[row][0]  # noqa: E731
+    got = fast.apply(readbacks, decode, params_of_row)
+    want = full.apply(readbacks, decode, params_of_row, np.ones(n, dtype=bool))
+    assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+    by_step = [stepwise.apply(readbacks[step : step + 1], decode, params_of_row) for step in range(num_steps)]
+    assert np.array_equal(np.concatenate([emitted for emitted, _ in by_step]), want[0])
+    assert [finish for _, finished in by_step for finish in finished] == want[1]
+    assert _state(fast, n) == _state(full, n) == _state(stepwise, n)
     if took_fast:
-        assert got[2] == []
+        assert got[1] == []
 
 
 def test_the_fast_path_is_taken_only_when_no_row_can_stop():
     S, output = 2, [1, 2]
     reach = len(output) + 1 + S  # 5
-    assert _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=reach), 3, output)])._no_stop_possible(1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach, output)])._no_stop_possible(1)
-    assert _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach - 1, output)])._no_stop_possible(1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=50, eos_token_ids=(3,)), 3, output)])._no_stop_possible(1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=50, stop_sequences=((4, 5),)), 3, output)])._no_stop_possible(1)
+    assert _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(1, 1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=reach), 3, output)])._no_stop_possible(1, 1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(1, 2)  # a run of 2
+    assert not _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach, output)])._no_stop_possible(1, 1)
+    assert _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach - 1, output)])._no_stop_possible(1, 1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=50, eos_token_ids=(3,)), 3, output)])._no_stop_possible(1, 1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=50, stop_sequences=((4, 5),)), 3, output)])._no_stop_possible(1, 1)
+
+
+def test_tokens_to_length_stop_is_the_closest_length_limit_of_an_unfinished_row():
+    outputs = _rows(1, [(SamplingParams(max_new_tokens=9), 3, [4, 5]),  # 7 to max_new_tokens
+                        (SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - 10, [6]),  # 9 to max_model_len
+                        (SamplingParams(max_new_tokens=2), 3, [1])])  # 1, but finished below
+    outputs.finished[2] = 1
+    assert outputs.tokens_to_length_stop(3) == 7
+    assert outputs.tokens_to_length_stop(0) == 0
 
 
 def test_realign_readback_follows_requests_to_their_current_rows():
     """The step ran (a, b, c, d), a and d finished since, c moved into a's row 0 and a new request
     took row 2: rows [-1, 1, 0, -1]. Row 0 gets c's read-back, row 1 b's; row 2 is not present."""
-    readback = np.arange(4 * 3).reshape(4, 3)  # [a, b, c, d] rows of [accepted, bonus, draft]
+    readback = np.arange(2 * 4 * 3).reshape(2, 4, 3)  # two steps of [a, b, c, d] rows of [accepted, bonus, draft]
     aligned, decode, present = realign_readback(readback, np.array([-1, 1, 0, -1]), num_decode=2)
-    assert aligned.tolist() == [readback[2].tolist(), readback[1].tolist()]
+    assert aligned.tolist() == [[readback[step, 2].tolist(), readback[step, 1].tolist()] for step in range(2)]
     assert present.tolist() == [True, True] and decode.tolist() == [False, True]  # c was a final prefill chunk
     aligned, decode, present = realign_readback(readback, np.array([-1, -1, -1, -1]), num_decode=4)
-    assert aligned.shape == (0, 3) and present.shape == (0,)
-    aligned, decode, present = realign_readback(readback[:2], np.array([2, 0]), num_decode=2)
-    assert present.tolist() == [True, False, True] and aligned[2].tolist() == readback[0].tolist()
+    assert aligned.shape == (2, 0, 3) and present.shape == (0,)
+    aligned, decode, present = realign_readback(readback[:1, :2], np.array([2, 0]), num_decode=2)
+    assert present.tolist() == [True, False, True] and aligned[0, 2].tolist() == readback[0, 0].tolist()
 
 
 def test_rows_not_present_are_left_alone():
     outputs = _rows(1, [(SamplingParams(max_new_tokens=1), 3, []), (SamplingParams(max_new_tokens=9), 3, [4])])
-    readback = np.array([[1, 5, 6], [1, 7, 8]], dtype=np.int64)
-    new_tokens, emitted, finished = outputs.apply(readback, np.ones(2, dtype=bool), None, np.array([False, True]))
-    assert emitted.tolist() == [0, 2] and finished == []
+    readback = np.array([[[1, 5, 6], [1, 7, 8]]], dtype=np.int64)
+    emitted, finished = outputs.apply(readback, np.ones(2, dtype=bool), None, np.array([False, True]))
+    assert emitted.tolist() == [[0, 2]] and finished == []
     assert outputs.output_of(0) == [] and outputs.output_of(1) == [4, 8, 7]
     assert outputs.decode_steps[:2].tolist() == [0, 1]
 
@@ -97,8 +112,8 @@ def test_rows_not_present_are_left_alone():
 @pytest.mark.parametrize("S", [0, 2])
 def test_decode_mask_counts_verify_steps_only_for_decode_rows(S):
     outputs = _rows(S, [(SamplingParams(max_new_tokens=30), 3, [])] * 2)
-    readback = np.zeros((2, S + 2), dtype=np.int64)
-    readback[:, 0] = S
+    readback = np.zeros((1, 2, S + 2), dtype=np.int64)
+    readback[:, :, 0] = S
     outputs.apply(readback, np.array([True, False]), None)
     assert outputs.decode_steps[:2].tolist() == [1, 0]
     assert outputs.accepted_drafts[:2].tolist() == [S, 0]
@@ -119,14 +134,14 @@ def test_a_record_reads_its_row_while_attached_and_keeps_it_after():
         row = table.insert(request_id, RowGroup.DECODE)
         outputs.start(row, params, 2, record.output_tokens, record.decode_steps, record.accepted_drafts)
         record.attach(outputs, table)
-    outputs.apply(np.array([[1, 5, 4], [0, 6, 9]]), np.ones(2, dtype=bool), None)
+    outputs.apply(np.array([[[1, 5, 4], [0, 6, 9]]]), np.ones(2, dtype=bool), None)
     assert (records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts) == ([4, 5], 1, 1)
     assert records[8].output_tokens == [6]
     records[7].detach()
     table.remove(7)  # request 8 moves into row 0
     assert table.row_of(8) == 0 and records[8].output_tokens == [6]
     assert (records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts) == ([4, 5], 1, 1)
-    outputs.apply(np.array([[0, 3, 0]]), np.ones(1, dtype=bool), None)  # only request 8 runs now
+    outputs.apply(np.array([[[0, 3, 0]]]), np.ones(1, dtype=bool), None)  # only request 8 runs now
     assert records[7].output_tokens == [4, 5] and records[8].output_tokens == [6, 3]
     row = table.insert(7, RowGroup.DECODE)  # back after a preemption
     outputs.start(row, params, 2, records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts)
