@@ -80,9 +80,9 @@ class InferenceConfig:
         their read-back at once: its work per step shrinks by about this factor, which matters
         when a step's GPU work is shorter than the host's (a small model). A ``step()`` call then
         returns the tokens of every step it applied. Runs end before any request can reach
-        max_new_tokens or max_model_len; a request that emits an eos id or a stop sequence mid-run
-        is cut there (the rest of its run is discarded). 1 (default): one step per launch.
-        Outputs are identical for every value.
+        max_model_len; a request that stops mid-run (eos, stop sequence, max_new_tokens) is cut
+        there and the rest of its run is discarded. 1 (default): one step per launch. Outputs are
+        identical for every value.
     """
 
     num_speculative_tokens: int = 0

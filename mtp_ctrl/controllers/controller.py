@@ -407,12 +407,12 @@ class TextGenerationController:
                                          self.context.num_free_rows, self.context.allocator.num_free_blocks)
 
     def _build_step(self, sync_checked: bool = False) -> Optional[StepMetadata]:
-        # a decode run must end before any running request can reach a length stop (scheduler.decode_run_steps)
-        tokens_to_length_stop = 0 if len(self._scheduler.run_lengths) == 1 else \
-            self._outputs.tokens_to_length_stop(self.context.table.num_live)
+        # how long a decode run may be: scheduler.decode_run_steps
+        length_budgets = (0, 0) if len(self._scheduler.run_lengths) == 1 else \
+            self._outputs.length_budgets(self.context.table.num_live)
         while True:
             try:
-                return self.context.build_step(sync_checked=sync_checked, tokens_to_length_stop=tokens_to_length_stop)
+                return self.context.build_step(sync_checked=sync_checked, length_budgets=length_budgets)
             except KVCacheFullError:
                 if self._in_flight is not None:  # learn the step in flight's outcome, then decide
                     self._sync()

@@ -62,16 +62,17 @@ class OutputRows:
     def output_of(self, row: int) -> List[int]:
         return self.tokens[row, : self.counts[row]].tolist()  # host-ok: numpy
 
-    def tokens_to_length_stop(self, num_rows: int) -> int:
-        """The fewest tokens any unfinished row of ``[0, num_rows)`` may still emit before
-        max_new_tokens or max_model_len stops it (what ``scheduler.decode_run_steps`` reads)."""
+    def length_budgets(self, num_rows: int) -> Tuple[int, int]:
+        """``(fewest tokens any unfinished row of [0, num_rows) may still emit before max_model_len,
+        most tokens any may emit before max_new_tokens or max_model_len)``: what
+        ``scheduler.decode_run_steps`` reads; ``(0, 0)`` when no row is unfinished."""
         live = self.finished[:num_rows] == 0
         if not live.any():
-            return 0
+            return 0, 0
         counts = self.counts[:num_rows][live]
-        left = np.minimum(self.max_new_tokens[:num_rows][live] - counts,
-                          self.max_model_len - self.prompt_lengths[:num_rows][live] - counts)
-        return int(left.min())
+        to_model_len = self.max_model_len - self.prompt_lengths[:num_rows][live] - counts  # [n] int64
+        left = np.minimum(self.max_new_tokens[:num_rows][live] - counts, to_model_len)
+        return int(to_model_len.min()), int(left.max())
 
     def apply(self, readbacks: np.ndarray, decode: np.ndarray, params_of_row,
               present: Optional[np.ndarray] = None) -> Tuple[np.ndarray, list]:

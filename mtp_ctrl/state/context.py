@@ -38,7 +38,7 @@ not been committed. Three moves need no wait:
   first prefill row).
 """
 
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -247,7 +247,7 @@ class DynamicInferenceContext:
         each of its steps)."""
         return sum(step.num_steps for step in self._steps_in_flight)
 
-    def build_step(self, *, sync_checked: bool = False, tokens_to_length_stop: int = 0) -> Optional[StepMetadata]:
+    def build_step(self, *, sync_checked: bool = False, length_budgets: Tuple[int, int] = (0, 0)) -> Optional[StepMetadata]:
         """Schedule the next forward pass, take its blocks and stage it; None if no request runs.
 
         With a step in flight (built, not committed) :meth:`needs_sync` must be False: the step
@@ -263,9 +263,10 @@ class DynamicInferenceContext:
         Decode runs: when every running request decodes (no prefill row, none paused for KV) and
         the blocks are free, the step is staged as a run of ``step.num_steps`` decode steps
         (``scheduler.decode_run_steps``; at most ``decode_steps_per_launch``), reserving blocks
-        for all of them. ``tokens_to_length_stop``: the fewest tokens any running request may
-        still emit before max_new_tokens or max_model_len (the caller's output rows know it); 0
-        (the default) builds single steps.
+        for all of them. ``length_budgets``: the fewest tokens any running request may still emit
+        before max_model_len, and the most any may emit before max_new_tokens or max_model_len
+        (the caller's output rows know them; ``scheduler.decode_run_steps``); ``(0, 0)`` (the
+        default) builds single steps.
         """
         steps_in_flight = self.steps_in_flight
         if steps_in_flight and not sync_checked and self.needs_sync():
@@ -277,7 +278,7 @@ class DynamicInferenceContext:
             self._resume_requests_paused_for_kv()
         host, stride = self.table.host, self.num_speculative_tokens + 1
         num_decode = self.table.group_size(RowGroup.DECODE)
-        num_steps = self._decode_run_steps(num_decode, tokens_to_length_stop)
+        num_steps = self._decode_run_steps(num_decode, length_budgets)
         self._reserve(0, self.scheduler.worst_case_blocks(host.known_lengths[:num_decode], steps_in_flight, num_steps))
         chunks = [] if self.scheduler.paused_for_kv else self._schedule_prefill_chunks(num_decode)
         num_requests = num_decode + len(chunks)
@@ -311,14 +312,14 @@ class DynamicInferenceContext:
         self._steps_in_flight.append(step)
         return step
 
-    def _decode_run_steps(self, num_decode: int, tokens_to_length_stop: int) -> int:
+    def _decode_run_steps(self, num_decode: int, length_budgets: Tuple[int, int]) -> int:
         """Decode steps the build stages (see :meth:`build_step`): 1 unless every running request
         decodes and the free blocks hold the run's worst case."""
         scheduler = self.scheduler
         if len(scheduler.run_lengths) == 1 or num_decode == 0 or self.table.group_size(RowGroup.PREFILL) or \
                 scheduler.paused_for_kv:
             return 1
-        num_steps = scheduler.decode_run_steps(tokens_to_length_stop, self.steps_in_flight)
+        num_steps = scheduler.decode_run_steps(*length_budgets, self.steps_in_flight)
         if num_steps > 1 and int(self._decode_needs(self.steps_in_flight, new_steps=num_steps).sum()) > \
                 self.allocator.num_free_blocks:
             return 1  # short of blocks: single steps (which pause or preempt as usual)

@@ -11,10 +11,10 @@ the controller keeps each request's record. What it decides, and nothing else do
   count derives from it.
 - **Decode runs.** When every running request decodes, one launch may run several decode steps
   back to back (``decode_steps_per_launch``; the host builds and applies once for all of them):
-  :meth:`Scheduler.decode_run_steps` picks how many, never so many that a request could reach a
-  length stop (max_new_tokens, max_model_len) before the run's last step. So a request runs past
-  a length stop as far as with single steps, and only an eos or a stop sequence (which no host
-  can foresee) lets it run on to the end of its run.
+  :meth:`Scheduler.decode_run_steps` picks how many: never so many that a request could reach
+  max_model_len before the run's last step (so its KV stays inside the blocks ``worst_case_blocks``
+  caps), nor more than some request may still use. A request that stops mid-run (eos, stop
+  sequence, max_new_tokens) has the rest of the run discarded.
 - **Admission.** Waiting requests join in arrival order (FIFO); an evicted request goes back to
   the front of the queue, and joins only once it can be recomputed without evicting again
   (:meth:`Scheduler.can_admit`).
@@ -117,15 +117,24 @@ class Scheduler:
         more steps are launched."""
         return np.maximum(self.worst_case_blocks(known_lengths, steps_in_flight, new_steps) - block_counts, 0)
 
-    def decode_run_steps(self, tokens_to_length_stop: int, steps_in_flight: int) -> int:
+    def decode_run_steps(self, tokens_to_model_len: int, most_tokens_left: int, steps_in_flight: int) -> int:
         """How many decode steps the next launch runs, when every running request decodes: the
-        longest run length no request can reach a length stop before the end of. Each step adds at
-        most ``1 + S`` tokens, so ``(1 + S) * (steps_in_flight + steps - 1) < tokens_to_length_stop``
-        (the fewest tokens any running request may still emit before max_new_tokens or
-        max_model_len, as the host knows now). Example, ``S = 0``, run lengths (1, 2, 4), one run of
-        4 in flight: 8 tokens left -> 4 (4 + 4 - 1 < 8); 6 left -> 2; 4 left -> 1."""
+        longest run length such that
+
+        - no request can reach max_model_len before the run's last step: each step adds at most
+          ``1 + S`` tokens, so ``(1 + S) * (steps_in_flight + steps - 1) < tokens_to_model_len``
+          (the fewest tokens any running request may still emit before max_model_len, as the
+          host knows now). Then a request runs past max_model_len as far as with single steps,
+          and ``max_blocks_per_request`` holds it;
+        - the run's last step may still be of use: each step adds at least one token, so
+          ``steps_in_flight + steps - 1 < most_tokens_left`` (the most tokens any running request
+          may still emit before max_new_tokens or max_model_len).
+
+        Example, ``S = 0``, run lengths (1, 2, 4), one run of 4 in flight, no max_model_len near:
+        8 tokens left -> 4 (4 + 4 - 1 < 8); 6 left -> 2; 4 left -> 1."""
         for steps in reversed(self.run_lengths):
-            if steps == 1 or self.stride * (steps_in_flight + steps - 1) < tokens_to_length_stop:
+            last = steps_in_flight + steps - 1  # steps before the run's last one
+            if steps == 1 or (self.stride * last < tokens_to_model_len and last < most_tokens_left):
                 return steps
         return 1
 

@@ -169,7 +169,7 @@ def test_hybrid_model_decode_runs_equal_plain(models, torch_twins):
     params = SamplingParams(max_new_tokens=12)
     plain = make_controller(model, 0, overlap_scheduling=False).generate(prompts, params)
     for S in (0, 2):
-        controller = make_controller(model, S, num_kv_blocks=20, decode_steps_per_launch=4,
+        controller = make_controller(model, S, num_kv_blocks=40, decode_steps_per_launch=4,
                                      cuda_graph_batch_sizes=(2, 4))
         launches = _watch_runs(controller)
         assert [r.output_tokens for r in controller.generate(prompts, params)] == [r.output_tokens for r in plain]

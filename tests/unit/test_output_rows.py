@@ -78,13 +78,14 @@ def test_the_fast_path_is_taken_only_when_no_row_can_stop():
     assert not _rows(S, [(SamplingParams(max_new_tokens=50, stop_sequences=((4, 5),)), 3, output)])._no_stop_possible(1, 1)
 
 
-def test_tokens_to_length_stop_is_the_closest_length_limit_of_an_unfinished_row():
-    outputs = _rows(1, [(SamplingParams(max_new_tokens=9), 3, [4, 5]),  # 7 to max_new_tokens
+def test_length_budgets_of_the_unfinished_rows():
+    outputs = _rows(1, [(SamplingParams(max_new_tokens=9), 3, [4, 5]),  # 7 to max_new_tokens, 35 to max_model_len
                         (SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - 10, [6]),  # 9 to max_model_len
                         (SamplingParams(max_new_tokens=2), 3, [1])])  # 1, but finished below
     outputs.finished[2] = 1
-    assert outputs.tokens_to_length_stop(3) == 7
-    assert outputs.tokens_to_length_stop(0) == 0
+    assert outputs.length_budgets(3) == (9, 9)  # fewest to max_model_len, most to any length stop
+    assert outputs.length_budgets(1) == (35, 7)
+    assert outputs.length_budgets(0) == (0, 0)
 
 
 def test_realign_readback_follows_requests_to_their_current_rows():
