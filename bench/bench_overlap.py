@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
-    parser.add_argument("--quick", action="store_true", help="demo model only, batch 1 and 8")
+    parser.add_argument("--quick", action="store_true", help="demo model only (batch 1 and 8 unless --batches)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--decode-steps-per-launch", type=int, default=4, help="the decode-run loop's k")
     parser.add_argument("--hybrid", action="store_true",
@@ -144,7 +145,10 @@ def main():
     for name, model, vocab in models:
         if next(model.parameters()).dtype != torch.bfloat16:
             model.to(torch.bfloat16)
-        for batch in ((1, 8) if args.quick else (1, 8, 32)):
+        batches = (1, 8) if args.quick else (1, 8, 32)
+        if args.batches:
+            batches = tuple(int(size) for size in args.batches.split(","))
+        for batch in batches:
             prompts = [[t % vocab for t in w.tolist()] for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
             results = {}
             K = args.decode_steps_per_launch

@@ -62,7 +62,9 @@ def parse_args(argv=None):
                              "head (train_eagle.py --mode ptd), or draft layers (examples/train_multi_layer_eagle.py); "
                              "with the shipped target, ptd and multi_layer_eagle default to the shipped "
                              "examples/checkpoints/ptd_demo.pt and multi_layer_eagle_demo.pt")
-    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts per timed run (default: 8 on CPU; 64 on CUDA, where a run of 8 is too short "
+                             "to time)")
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -79,7 +81,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     for name in ("num_speculative_tokens", "num_prompts", "prompt_len", "max_new_tokens", "tp",
                  "decode_steps_per_launch"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -143,6 +145,8 @@ def main(argv=None):
                  f"--num-speculative-tokens {checkpoint[0].get('mtp_num_layers', 0)} or less)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     repeats = args.repeats or (5 if device.type == "cuda" else 3)  # the CPU path is slow: fewer
+    if args.num_prompts is None:
+        args.num_prompts = 64 if device.type == "cuda" else 8
 
     from demo_model import build_demo_model, config_overrides, init_distributed, load_full_state_dict
 

@@ -407,9 +407,10 @@ class TextGenerationController:
                                          self.context.num_free_rows, self.context.allocator.num_free_blocks)
 
     def _build_step(self, sync_checked: bool = False) -> Optional[StepMetadata]:
-        # how long a decode run may be: scheduler.decode_run_steps
-        length_budgets = (0, 0) if len(self._scheduler.run_lengths) == 1 else \
-            self._outputs.length_budgets(self.context.table.num_live)
+        # how long a decode run may be (scheduler.decode_run_steps): the requests' length budgets and
+        # the tokens a step adds on average so far
+        length_budgets = (0, 0, 1.0) if len(self._scheduler.run_lengths) == 1 else \
+            (*self._outputs.length_budgets(self.context.table.num_live), self.metrics.mean_accepted_length)
         while True:
             try:
                 return self.context.build_step(sync_checked=sync_checked, length_budgets=length_budgets)

@@ -247,7 +247,8 @@ class DynamicInferenceContext:
         each of its steps)."""
         return sum(step.num_steps for step in self._steps_in_flight)
 
-    def build_step(self, *, sync_checked: bool = False, length_budgets: Tuple[int, int] = (0, 0)) -> Optional[StepMetadata]:
+    def build_step(self, *, sync_checked: bool = False, length_budgets: Tuple[int, int, float] = (0, 0, 1.0)
+                   ) -> Optional[StepMetadata]:
         """Schedule the next forward pass, take its blocks and stage it; None if no request runs.
 
         With a step in flight (built, not committed) :meth:`needs_sync` must be False: the step
@@ -264,9 +265,9 @@ class DynamicInferenceContext:
         the blocks are free, the step is staged as a run of ``step.num_steps`` decode steps
         (``scheduler.decode_run_steps``; at most ``decode_steps_per_launch``), reserving blocks
         for all of them. ``length_budgets``: the fewest tokens any running request may still emit
-        before max_model_len, and the most any may emit before max_new_tokens or max_model_len
-        (the caller's output rows know them; ``scheduler.decode_run_steps``); ``(0, 0)`` (the
-        default) builds single steps.
+        before max_model_len, the most any may emit before max_new_tokens or max_model_len (the
+        caller's output rows know them), and the tokens a step is expected to add
+        (``scheduler.decode_run_steps``); ``(0, 0, 1.0)`` (the default) builds single steps.
         """
         steps_in_flight = self.steps_in_flight
         if steps_in_flight and not sync_checked and self.needs_sync():
@@ -312,14 +313,15 @@ class DynamicInferenceContext:
         self._steps_in_flight.append(step)
         return step
 
-    def _decode_run_steps(self, num_decode: int, length_budgets: Tuple[int, int]) -> int:
+    def _decode_run_steps(self, num_decode: int, length_budgets: Tuple[int, int, float]) -> int:
         """Decode steps the build stages (see :meth:`build_step`): 1 unless every running request
         decodes and the free blocks hold the run's worst case."""
         scheduler = self.scheduler
         if len(scheduler.run_lengths) == 1 or num_decode == 0 or self.table.group_size(RowGroup.PREFILL) or \
                 scheduler.paused_for_kv:
             return 1
-        num_steps = scheduler.decode_run_steps(*length_budgets, self.steps_in_flight)
+        to_model_len, most_left, tokens_per_step = length_budgets
+        num_steps = scheduler.decode_run_steps(to_model_len, most_left, self.steps_in_flight, tokens_per_step)
         if num_steps > 1 and int(self._decode_needs(self.steps_in_flight, new_steps=num_steps).sum()) > \
                 self.allocator.num_free_blocks:
             return 1  # short of blocks: single steps (which pause or preempt as usual)

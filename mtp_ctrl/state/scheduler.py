@@ -117,7 +117,8 @@ class Scheduler:
         more steps are launched."""
         return np.maximum(self.worst_case_blocks(known_lengths, steps_in_flight, new_steps) - block_counts, 0)
 
-    def decode_run_steps(self, tokens_to_model_len: int, most_tokens_left: int, steps_in_flight: int) -> int:
+    def decode_run_steps(self, tokens_to_model_len: int, most_tokens_left: int, steps_in_flight: int,
+                         tokens_per_step: float = 1.0) -> int:
         """How many decode steps the next launch runs, when every running request decodes: the
         longest run length such that
 
@@ -126,15 +127,17 @@ class Scheduler:
           (the fewest tokens any running request may still emit before max_model_len, as the
           host knows now). Then a request runs past max_model_len as far as with single steps,
           and ``max_blocks_per_request`` holds it;
-        - the run's last step may still be of use: each step adds at least one token, so
-          ``steps_in_flight + steps - 1 < most_tokens_left`` (the most tokens any running request
-          may still emit before max_new_tokens or max_model_len).
+        - the run's last step is expected to be of use: ``(steps_in_flight + steps - 1) *
+          tokens_per_step < most_tokens_left`` (the most tokens any running request may still emit
+          before max_new_tokens or max_model_len; ``tokens_per_step``: the mean accepted length
+          so far, 1 without drafts). Only throughput rests on it: a run that outlasts every
+          request is discarded, a short one costs host time.
 
         Example, ``S = 0``, run lengths (1, 2, 4), one run of 4 in flight, no max_model_len near:
         8 tokens left -> 4 (4 + 4 - 1 < 8); 6 left -> 2; 4 left -> 1."""
         for steps in reversed(self.run_lengths):
             last = steps_in_flight + steps - 1  # steps before the run's last one
-            if steps == 1 or (self.stride * last < tokens_to_model_len and last < most_tokens_left):
+            if steps == 1 or (self.stride * last < tokens_to_model_len and last * tokens_per_step < most_tokens_left):
                 return steps
         return 1
 

@@ -579,3 +579,37 @@ def test_a_removal_that_reorders_prefill_rows_makes_the_next_build_wait():
     ctx.commit_readback(step, np.zeros(1, np.int64), rows=np.array([-1]))
     second = ctx.build_step()  # no step in flight: request 1 moves to the decode rows
     assert second.num_decode == 1 and ctx.table.row_of(1) == 0
+
+
+def test_a_decode_run_is_staged_only_for_decode_steps_and_reserves_every_step():
+    """bs = 4, S = 2, runs of up to 4 steps: while a prompt is prefilling the build is one step;
+    once both requests decode it is a run of 4, holding blocks for 4 steps of 3 rows; the device
+    runs the run's steps from one staging, and committing [4, 2] accepted counts leaves host ==
+    device. A pool too small for the run falls back to single steps."""
+    ctx = make_context(max_requests=2, max_model_len=64, num_blocks=40, decode_steps_per_launch=4)
+    ctx.add_request(0, [1, 2, 3, 4, 5])
+    ctx.add_request(1, [6, 7])
+    budgets = (40, 40, 1.0)
+    step = ctx.build_step(length_budgets=budgets)
+    assert step.num_steps == 1 and step.num_prefill == 2
+    run_device_step(ctx, step, [])
+    ctx.commit_readback(step, np.zeros(0, np.int64))
+    run = ctx.build_step(length_budgets=budgets)
+    assert run.num_steps == 4 and run.num_decode == 2 and ctx.steps_in_flight == 4
+    host = ctx.table.host
+    assert (host.block_counts[:2] * 4 >= host.known_lengths[:2] + 3 * 4).all()
+    accepted = np.array([[2, 0], [1, 2], [0, 0], [2, 1]])
+    for step_accepted in accepted:
+        run_device_step(ctx, run, step_accepted)
+    ctx.commit_readback(run, accepted)
+    assert host.known_lengths[:2].tolist() == [5 + 4 + 5, 2 + 4 + 3] and ctx.table.mismatched_rows() == []
+    with pytest.raises(ValueError, match=r"the step has 1 step\(s\)"):
+        ctx.commit_readback(ctx.build_step(length_budgets=(0, 0, 1.0)), accepted)  # a one-step build
+    tight = make_context(max_requests=2, max_model_len=16, num_blocks=6, decode_steps_per_launch=4,
+                         cuda_graph_batch_sizes=(1, 2))
+    tight.add_request(0, [1, 2, 3, 4, 5])
+    tight.add_request(1, [6, 7])
+    step_and_commit(tight)
+    assert tight.build_step(length_budgets=budgets).num_steps == 1  # a run would need 3 + 3 blocks, 3 free
+    with pytest.raises(ValueError, match="decode runs have"):
+        tight.build_padding_step(tight.graph_shapes()[0], num_steps=3)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpec
-from mtp_ctrl.state.scheduler import Scheduler, worst_case_blocks
+from mtp_ctrl.state.scheduler import Scheduler, decode_run_lengths, worst_case_blocks
 
 
 def make_scheduler(**overrides) -> Scheduler:
@@ -200,3 +200,35 @@ def test_random_runs_never_over_allocate_and_leak_nothing(block_size, S, seed, o
 def ctx_blocks(block_size: int, S: int) -> int:
     """A pool of one and a half requests' worst case: tight enough that decodes pause."""
     return worst_case_blocks(16, 1, S, block_size) * 3 // 2
+
+
+def test_decode_run_lengths_are_the_powers_of_two_below_the_most_and_it():
+    assert decode_run_lengths(1) == (1,)
+    assert decode_run_lengths(4) == (1, 2, 4)
+    assert decode_run_lengths(6) == (1, 2, 4, 6)
+
+
+def test_worst_case_blocks_covers_every_step_of_a_run():
+    assert worst_case_blocks(5, 1, 2, 4, new_steps=4) == 5  # 5 + 3 * (4 + 1) = 20 tokens
+    assert worst_case_blocks(5, 1, 2, 4, new_steps=1) == worst_case_blocks(5, 1, 2, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(S=st.integers(0, 3), most=st.integers(1, 9), in_flight=st.integers(0, 9), to_model_len=st.integers(0, 80),
+       most_left=st.integers(0, 80), tokens_per_step=st.floats(1.0, 4.0))
+def test_a_decode_run_never_reaches_max_model_len_before_its_last_step(S, most, in_flight, to_model_len, most_left,
+                                                                       tokens_per_step):
+    """Whatever the budgets: the run length is one of the run lengths; a run longer than one step
+    ends before any request can reach max_model_len (each step adds at most 1 + S tokens), and
+    its last step is expected to be of use; the longest such run is taken."""
+    scheduler = Scheduler(max_requests=4, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
+                          max_tokens_per_step=64, decode_steps_per_launch=most)
+    steps = scheduler.decode_run_steps(to_model_len, most_left, in_flight, tokens_per_step)
+
+    def allowed(length):
+        last = in_flight + length - 1
+        return (S + 1) * last < to_model_len and last * tokens_per_step < most_left
+
+    assert steps in scheduler.run_lengths
+    assert steps == 1 or allowed(steps)
+    assert not any(allowed(length) for length in scheduler.run_lengths if length > steps)
