@@ -34,7 +34,6 @@ Research hooks, each overridable in a subclass: :meth:`sample_rows` (how a token
 """
 
 import collections
-import dataclasses
 import time
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -49,7 +48,8 @@ from mtp_ctrl.controllers.mamba_step import commit_mamba_states, mamba_forward
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
-from mtp_ctrl.controllers.proposers import DraftBatch, Proposer, check_drafts
+from mtp_ctrl.controllers.proposers import DraftBatch, Proposer, check_drafts, notify_committed
+from mtp_ctrl.controllers.readback import LaunchedStep, Readbacks
 from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
 from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
 from mtp_ctrl.controllers.sampling import sample_tokens
@@ -61,17 +61,6 @@ from mtp_ctrl.triton_ops import (StepCommit, draft_batch_rows, logits_row_reques
                                 verify_and_commit)
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
-
-
-@dataclasses.dataclass
-class _LaunchedStep:
-    """A step on the GPU whose read-back the host has not applied yet."""
-
-    step: StepMetadata
-    readback: torch.Tensor  # [step.num_steps, n_s, S + 2] int64, pinned host copy (filled when `done` fires)
-    done: Optional[torch.cuda.Event]  # None on CPU (the copy was synchronous)
-    gpu_start: Optional[torch.cuda.Event]
-    table_moves: int  # the table's row moves at launch (none happen between build and launch): another count -> realign
 
 
 class TextGenerationController:
@@ -114,11 +103,7 @@ class TextGenerationController:
         self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
         self._waiting: Deque[int] = self._scheduler.waiting  # queued here, not yet in the context
         self._retiring: List[int] = []  # finished; their rows are freed once no step is in flight
-        self._in_flight: Optional[_LaunchedStep] = None
-        self._readback_parity = 0
-        # CUDA events of the two steps that can be in flight: (start of the step's GPU work, read-back landed)
-        self._step_events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                             for _ in range(2)] if self.device.type == "cuda" else None
+        self._in_flight: Optional[LaunchedStep] = None
         self._next_request_id = 0
         self._steps_launched = 0  # by the current step() call (its wall time is shared among them)
 
@@ -166,11 +151,7 @@ class TextGenerationController:
         self._row_requests = torch.zeros(2, R * (S + 1), dtype=torch.int64, device=device)  # [2, K] logits_row_requests
         self._draft_positions = torch.zeros(3, R, dtype=torch.int64, device=device)  # [3, R]: draft_batch_rows
         self._draft_samples = torch.zeros(R, dtype=torch.bool, device=device)  # [R] bool
-        # the launch's read-back: [accepted count, bonus token, accepted drafts...] per step and request;
-        # two pinned host copies, so launch N + 1's lands while the host still reads launch N's
-        pin, K = device.type == "cuda", self._scheduler.run_lengths[-1]  # K: steps of the longest decode run
-        self._readback_host = [torch.zeros(K, R, S + 2, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._readback_device = torch.zeros(K, R, S + 2, dtype=torch.int64, device=device)  # [K, R, S + 2]
+        self._readbacks = Readbacks(self._scheduler.run_lengths[-1], R, S, device)  # K: the longest decode run
         self._draft_rows = table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64
         # verify_and_commit's outputs; with keep_released_blocks nothing is released (see state/context.py)
         release_width = max_released_blocks(S, self.config.block_size_tokens)
@@ -423,34 +404,22 @@ class TextGenerationController:
                     raise
                 self._preempt_newest()
 
-    def _launch_step(self, step: StepMetadata) -> _LaunchedStep:
+    def _launch_step(self, step: StepMetadata) -> LaunchedStep:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;
         returns without waiting."""
         self._all_greedy = bool(self._outputs.greedy[: step.num_requests].all())
-        parity = self._readback_parity
-        gpu_start = done = stream = None
-        if self._step_events is not None:
-            gpu_start, done = self._step_events[parity]
-            stream = torch.cuda.current_stream(self.device)  # once per step: the lookup costs host time
-            gpu_start.record(stream)
+        self._readbacks.begin()
         key = self._graph_key(step)
         if self._graphs is not None and key is not None:
             self._graphs.run(key, lambda: self._launch_run(step))
         else:
             self._launch_run(step)
-        num_steps, num_sampling = step.num_steps, step.num_sampling_requests
-        # one contiguous copy: the sampling rows of a step, or every row of a run's steps
-        rows = slice(None) if num_steps > 1 else slice(0, num_sampling)
-        self._readback_host[parity][:num_steps, rows].copy_(self._readback_device[:num_steps, rows], non_blocking=True)
-        host = self._readback_host[parity][:num_steps, :num_sampling]  # [k, n_s, S + 2]
-        self._readback_parity ^= 1
-        if done is not None:
-            done.record(stream)
+        launched = self._readbacks.end(step, self.context.table.num_moves)
         if self.config.num_speculative_tokens > 0:
-            for _ in range(num_steps):
+            for _ in range(step.num_steps):
                 self.proposer.on_step_scheduled(step)
-        self._steps_launched += num_steps
-        return _LaunchedStep(step, host, done, gpu_start, self.context.table.num_moves)
+        self._steps_launched += step.num_steps
+        return launched
 
     def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int]]:
         """The CUDA graph a step replays: its padded dimensions, whether every request is greedy
@@ -462,20 +431,19 @@ class TextGenerationController:
         """Every step of the launch (one, or a decode run): each derives its inputs on the device
         from the one before and stages its read-back in its own slot."""
         for index in range(step.num_steps):
-            self._launch(step, self._readback_device[index])
+            self._launch(step, self._readbacks.slot(index))
 
     def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
         launched, self._in_flight = self._in_flight, None
         return self._apply(launched, collect)
 
-    def _apply(self, launched: _LaunchedStep, collect: bool) -> List[StepOutput]:
+    def _apply(self, launched: LaunchedStep, collect: bool) -> List[StepOutput]:
         """Wait for a launch's read-back and apply it on the host (every step of a decode run:
         a request that stopped in one of them emits nothing after it)."""
-        step, num_steps = launched.step, launched.step.num_steps
-        if launched.done is not None:
-            launched.done.synchronize()  # host-ok: the launch's one read-back, usually long finished
-            self.metrics.record_gpu(launched.gpu_start.elapsed_time(launched.done) / 1e3, num_steps)
-        readbacks = launched.readback.numpy()  # [k, n_s, S + 2], the step's row order
+        step = launched.step
+        readbacks, gpu_seconds = self._readbacks.wait(launched)  # [k, n_s, S + 2], the step's row order
+        if gpu_seconds is not None:
+            self.metrics.record_gpu(gpu_seconds, step.num_steps)
         num_decode, table, num_launched = step.num_decode, self.context.table, readbacks.shape[1]
         rows = None  # rows moved since launch (a request left, or a paused row made room): where its requests are now
         if table.num_moves != launched.table_moves:
@@ -498,7 +466,8 @@ class TextGenerationController:
         else:
             emitted, finished = self._outputs.apply(
                 readbacks, decode, lambda row: self._records[int(request_ids[row])].params, present)  # [k, m]
-        self._tell_proposer_committed(step, readbacks, emitted, rows)
+        if self.config.num_speculative_tokens > 0:
+            notify_committed(self.proposer, step, readbacks, emitted, rows)
         self.metrics.record_acceptance(readbacks[:, :, 0][decode[None, :] & (emitted > 0)])
         self.metrics.emitted_tokens += int(emitted.sum())
         for row, reason in finished:
@@ -509,19 +478,6 @@ class TextGenerationController:
         counts_after = self._outputs.counts[:num_rows]
         return [(int(request_ids[row]), self._outputs.tokens[row, counts_before[row] : counts_after[row]].tolist(),  # host-ok: numpy
                  row in finished_rows) for row in range(num_rows) if counts_after[row] > counts_before[row]]
-
-    def _tell_proposer_committed(self, step: StepMetadata, readbacks: np.ndarray, emitted: np.ndarray,
-                                 rows: Optional[np.ndarray]) -> None:
-        """``proposer.on_step_committed`` once per step of the launch, in the step's row order, -1
-        for a request that emitted nothing in it (it had stopped: the step ran past its stop)."""
-        if self.config.num_speculative_tokens == 0 or \
-                type(self.proposer).on_step_committed is Proposer.on_step_committed:
-            return
-        for index in range(step.num_steps):
-            accepted = np.where(emitted[index] > 0, readbacks[index, :, 0], -1)  # [m] current rows
-            if rows is not None:  # back to the step's row order
-                accepted = np.where(rows >= 0, accepted[rows.clip(min=0)] if accepted.shape[0] else -1, -1)
-            self.proposer.on_step_committed(step, accepted.tolist())  # host-ok: numpy
 
     def _hook_overridden(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(TextGenerationController, name)

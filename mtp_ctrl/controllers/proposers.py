@@ -16,6 +16,7 @@ import abc
 import dataclasses
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from mtp_ctrl.state.step_metadata import StepMetadata
@@ -103,3 +104,20 @@ def check_drafts(proposer: Proposer, drafts, shape: Tuple[int, int], device: tor
                         f"{getattr(drafts, 'dtype', type(drafts).__name__)} {tuple(getattr(drafts, 'shape', ()))}")
     if drafts.device != device:
         raise ValueError(f"{name}.propose returned drafts on {drafts.device}, expected {device}")
+
+
+def notify_committed(proposer: Proposer, step: StepMetadata, readbacks: np.ndarray, emitted: np.ndarray,
+                     rows: Optional[np.ndarray]) -> None:
+    """``proposer.on_step_committed`` once per step of a launch (``readbacks`` ``[k, m, S + 2]`` and
+    ``emitted`` ``[k, m]`` in the table's current row order; ``rows``: where each of the step's
+    requests sits now, -1 if it left, or None if no row moved), in the step's row order, -1 for
+    a request that emitted nothing in that step (it had stopped: the step ran past its stop)."""
+    if type(proposer).on_step_committed is Proposer.on_step_committed:
+        return
+    for index in range(step.num_steps):
+        accepted = np.where(emitted[index] > 0, readbacks[index, :, 0], -1)  # [m] current rows
+        if rows is not None:  # back to the step's row order
+            in_step_order = np.full(rows.shape[0], -1, dtype=np.int64)
+            in_step_order[rows >= 0] = accepted[rows[rows >= 0]]
+            accepted = in_step_order
+        proposer.on_step_committed(step, accepted.tolist())  # host-ok: numpy

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import FinishReason, InferenceConfig, Proposer, SamplingParams
-from mtp_ctrl.state.request_table import RowGroup
 from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, build_models, make_controller, run_with_arrivals
 from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups
 
