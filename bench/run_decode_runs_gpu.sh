@@ -4,16 +4,8 @@
 # with decode runs), then the README's demo command. Logs go to $OUT (or ./gpu_logs).
 # Usage (device machine, repo root): bash bench/run_decode_runs_gpu.sh [tests|bench|all]
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${OUT:-gpu_logs}"; mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET
+source "$(dirname "$0")/gpu_env.sh"
 what="${1:-all}"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 330 python3 -m pytest tests/functional/test_decode_runs_gpu.py tests/functional/test_controller_gpu.py \
     tests/functional/test_overlap_gpu.py tests/functional/test_state_gpu.py \

@@ -4,15 +4,7 @@
 # RESULTS' "Overlapped step loop", "Mixed-step graphs", "Fused layer glue" and "Rejection" sections).
 # Usage (device machine, repo root): bash bench/run_overlap_gpu.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${OUT:-gpu_logs}"; mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+source "$(dirname "$0")/gpu_env.sh"
 timeout 200 python3 -m pytest tests/functional/test_controller_gpu.py tests/functional/test_overlap_gpu.py \
   tests/functional/test_mtp_draft_oracles_gpu.py \
   tests/functional/test_state_gpu.py tests/functional/test_forward_gpu.py tests/functional/test_sampling_gpu.py \

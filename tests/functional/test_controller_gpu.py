@@ -315,31 +315,20 @@ class DeviceOracleProposer(Proposer):
         return torch.where(wrong, (true_drafts + 1) % self.vocab_size, true_drafts)
 
 
-def test_every_accepted_count_inside_replayed_graphs(model):
-    """A device-side oracle at a controlled acceptance rate drives accepted counts 0..S while the
-    decode steps replay CUDA graphs; output equals plain decoding and nothing leaks."""
-    S = 3
-    params = SamplingParams(max_new_tokens=24)
-    plain = TextGenerationController(model, make_config(0)).generate(PROMPTS, params)
-    width = max(len(p) + len(r.output_tokens) for p, r in zip(PROMPTS, plain)) + 2 * (S + 1)
-    sequences = torch.zeros(len(PROMPTS), width, dtype=torch.int64)
-    for index, (prompt, result) in enumerate(zip(PROMPTS, plain)):
+def plain_sequences(prompts, plain_results, padding: int) -> torch.Tensor:
+    """``[n, L]`` int64 (CPU): each prompt followed by its plain output, ``padding`` zeros past the longest."""
+    width = max(len(p) + len(r.output_tokens) for p, r in zip(prompts, plain_results)) + padding
+    sequences = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for index, (prompt, result) in enumerate(zip(prompts, plain_results)):
         row = list(prompt) + list(result.output_tokens)
         sequences[index, : len(row)] = torch.tensor(row)
-    proposer = DeviceOracleProposer(sequences.cuda())
-    controller = SyncCheckedController(model, make_config(S, graphs=True), proposer=proposer)
-    seen = collections.Counter()
-    apply = controller._apply
+    return sequences
 
-    def recording(launched, collect):
-        outputs = apply(launched, collect)
-        seen.update(launched.readback[:, : launched.step.num_decode, 0].flatten().tolist())
-        return outputs
 
-    controller._apply = recording
-    ids = []
-    for index, prompt in enumerate(PROMPTS):  # admission order = request order: sequence row = request id
-        ids.append(controller.add_request(prompt, params))
+def generate_with_device_oracle(controller, proposer: DeviceOracleProposer, prompts, params):
+    """Run ``prompts`` through the step API, giving each admitted request its oracle row (request
+    id = index of its prompt = its row of ``proposer.sequences``); returns the request ids."""
+    ids = [controller.add_request(prompt, params) for prompt in prompts]  # admission order = request order
     admit = controller._admit_waiting
 
     def admit_with_rows():
@@ -352,6 +341,27 @@ def test_every_accepted_count_inside_replayed_graphs(model):
     controller._admit_waiting = admit_with_rows
     while controller.has_unfinished_requests():
         controller.step()
+    return ids
+
+
+def test_every_accepted_count_inside_replayed_graphs(model):
+    """A device-side oracle at a controlled acceptance rate drives accepted counts 0..S while the
+    decode steps replay CUDA graphs; output equals plain decoding and nothing leaks."""
+    S = 3
+    params = SamplingParams(max_new_tokens=24)
+    plain = TextGenerationController(model, make_config(0)).generate(PROMPTS, params)
+    proposer = DeviceOracleProposer(plain_sequences(PROMPTS, plain, 2 * (S + 1)).cuda())
+    controller = SyncCheckedController(model, make_config(S, graphs=True), proposer=proposer)
+    seen = collections.Counter()
+    apply = controller._apply
+
+    def recording(launched, collect):
+        outputs = apply(launched, collect)
+        seen.update(launched.readback[:, : launched.step.num_decode, 0].flatten().tolist())
+        return outputs
+
+    controller._apply = recording
+    ids = generate_with_device_oracle(controller, proposer, PROMPTS, params)
     assert [controller.result(rid).output_tokens for rid in ids] == [r.output_tokens for r in plain]
     assert len(controller._graphs._graphs) > 0 and controller.decode_launches > 10
     assert all(seen[count] > 0 for count in range(S + 1)), seen

@@ -15,7 +15,7 @@ import torch
 
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 from tests.functional.sync_checks import no_host_sync
-from tests.functional.test_controller_gpu import PROMPTS, DeviceOracleProposer
+from tests.functional.test_controller_gpu import PROMPTS, DeviceOracleProposer, generate_with_device_oracle, plain_sequences
 from tests.unit.controller_fixtures import run_with_arrivals
 from tests.unit.megatron_fixtures import VOCAB_SIZE, build_tiny_model, ensure_single_process_groups, tiny_config
 
@@ -117,27 +117,10 @@ def test_every_accepted_count_inside_replayed_decode_runs(model):
     S = 3
     params = SamplingParams(max_new_tokens=40)
     plain = TextGenerationController(model, _config(0, False, 1)).generate(PROMPTS, params)
-    width = max(len(p) + len(r.output_tokens) for p, r in zip(PROMPTS, plain)) + 8 * (S + 1)
-    sequences = torch.zeros(len(PROMPTS), width, dtype=torch.int64)
-    for index, (prompt, result) in enumerate(zip(PROMPTS, plain)):
-        row = list(prompt) + list(result.output_tokens)
-        sequences[index, : len(row)] = torch.tensor(row)
-    proposer = DeviceOracleProposer(sequences.cuda())
+    proposer = DeviceOracleProposer(plain_sequences(PROMPTS, plain, 8 * (S + 1)).cuda())
     controller = RunsSyncChecked(model, _config(S, True, 4), proposer=proposer)
     controller.warmup()
-    ids = [controller.add_request(prompt, params) for prompt in PROMPTS]  # request id = sequence row
-    admit = controller._admit_waiting
-
-    def admit_with_rows():
-        before = set(controller.context.table.request_ids_in(0)) | set(controller.context.table.request_ids_in(1))
-        admit()
-        for request_id in ids:
-            if request_id in controller.context and request_id not in before:
-                proposer.sequence_rows[controller.context.table.row_of(request_id)] = request_id
-
-    controller._admit_waiting = admit_with_rows
-    while controller.has_unfinished_requests():
-        controller.step()
+    ids = generate_with_device_oracle(controller, proposer, PROMPTS, params)
     assert [controller.result(rid).output_tokens for rid in ids] == [r.output_tokens for r in plain]
     assert max(controller.launches) > 1
     seen = collections.Counter(count for step in controller.accepted for count in step)
