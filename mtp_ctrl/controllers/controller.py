@@ -60,7 +60,7 @@ from mtp_ctrl.state.scheduler import worst_case_blocks
 from mtp_ctrl.triton_ops import (StepCommit, draft_batch_rows, logits_row_requests, max_released_blocks,
                                 verify_and_commit)
 
-StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted this step, finished)
+StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted by the launch applied, finished)
 
 
 class TextGenerationController:

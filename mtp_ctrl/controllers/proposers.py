@@ -85,13 +85,15 @@ class Proposer(abc.ABC):
 
     def on_step_scheduled(self, step: StepMetadata) -> None:
         """Host-side bookkeeping right after ``step`` was launched, before the next one is built
-        (only host values: the step's requests and its prefill chunks). Default: nothing."""
+        (only host values: the step's requests and its prefill chunks); once per step of a
+        decode run (``step.num_steps``). Default: nothing."""
 
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
         """Host-side bookkeeping once the step's read-back arrived (``accepted_counts``: one per
         sampling request, host ints, -1 for a request that had already stopped: with overlap
         scheduling a request runs one step past its stop, and that step is discarded; this runs
-        one step late).
+        one step late). Once per step of a decode run, in order, after the host applied the
+        run's tokens.
         Default: nothing."""
 
 
