@@ -79,6 +79,21 @@ def test_worked_example_of_move():
     assert table.group_rows(RowGroup.DECODE) == (0, 1)
 
 
+def test_worked_example_of_remove():
+    """DECODE [a, b, c] | PREFILL [d, e]; remove(a) -> DECODE [c, b] | PREFILL [e, d]: one row copy
+    per group boundary, the removed row is not kept."""
+    table = make_table()
+    for request_id in (1, 2, 3):
+        table.insert(request_id, RowGroup.DECODE)
+    for request_id in (4, 5):
+        table.insert(request_id, RowGroup.PREFILL)
+    moves = table.num_moves
+    table.remove(1)
+    assert table.host.request_ids[:5].tolist() == [3, 2, 5, 4, -1]
+    assert table.group_rows(RowGroup.DECODE) == (0, 2) and table.group_rows(RowGroup.PREFILL) == (2, 4)
+    assert table.num_moves == moves + 3  # two row copies and the removal
+
+
 def test_moves_carry_every_row_on_both_sides():
     rng = random.Random(0)
     table = make_table()
