@@ -263,7 +263,8 @@ class TextGenerationController:
         while self._can_admit():
             request_id = self._waiting[0]
             record = self._records[request_id]
-            self.context.add_request(request_id, record.prompt_tokens + record.output_tokens)
+            # checked by check_prompt already: as an int64 array the context checks only its dtype
+            self.context.add_request(request_id, np.array(record.prompt_tokens + record.output_tokens, dtype=np.int64))
             self._waiting.popleft()  # only once the context holds it
             row = self.context.table.row_of(request_id)
             params = record.params

@@ -460,13 +460,14 @@ class DynamicInferenceContext:
         lengths = self.scheduler.prefill_chunk_lengths(
             self._prefill_lengths[start:end] - host.known_lengths[start:end], host.known_lengths[start:end],
             host.block_counts[start:end], self.allocator.num_free_blocks, num_decode)
-        chunks = []
-        for row, chunk_length in zip(range(start, start + len(lengths)), lengths):
-            length = int(host.known_lengths[row])
-            self._reserve(row, np.array([self.blocks_for(length + chunk_length)]))
-            host.known_lengths[row] = length + chunk_length  # exact: a prefill keeps every row
-            chunks.append(self._prefill_tokens[int(host.request_ids[row])][length : length + chunk_length])
-        return chunks
+        chunk_lengths = np.array(lengths, dtype=np.int64)  # [p'] int64, rows [start, start + p')
+        rows = slice(start, start + chunk_lengths.shape[0])
+        known = host.known_lengths[rows].copy()
+        self._reserve(start, self.blocks_for(known + chunk_lengths))  # one allocation for every chunk
+        host.known_lengths[rows] = known + chunk_lengths  # exact: a prefill keeps every row
+        return [self._prefill_tokens[request_id][length : length + chunk_length]
+                for request_id, length, chunk_length in zip(host.request_ids[rows].tolist(), known.tolist(),  # host-ok: numpy
+                                                            lengths)]
 
     def _require_no_step_in_flight(self, what: str) -> None:
         if self._steps_in_flight:
