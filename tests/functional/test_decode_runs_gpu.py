@@ -8,12 +8,12 @@ a device-side oracle drives every accepted count 0..S inside replayed runs."""
 import collections
 import os
 import random
-import sys
 
 import pytest
 import torch
 
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+from tests.functional.drafter_fixtures import CHECKPOINTS  # also puts examples/ on sys.path
 from tests.functional.sync_checks import no_host_sync
 from tests.functional.test_controller_gpu import PROMPTS, DeviceOracleProposer, generate_with_device_oracle, plain_sequences
 from tests.unit.controller_fixtures import run_with_arrivals
@@ -83,15 +83,11 @@ def test_decode_runs_replay_warmed_up_graphs_without_host_sync_and_equal_single_
 def test_runs_accept_what_single_steps_accept_on_the_trained_checkpoint():
     """Same graph shapes, so a run of k steps computes what k single steps compute, bit for bit:
     the same accepted count at every step, the same tokens, with drafts really accepted."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
-    from demo_model import build_demo_model, load_checkpoint, load_full_state_dict
+    from demo_model import load_demo_model
 
     ensure_single_process_groups()
-    model_args, state_dict = load_checkpoint(os.path.join(os.path.dirname(__file__), "..", "..", "examples",
-                                                          "checkpoints", "mtp_demo.pt"))
-    demo = build_demo_model(model_args)
-    load_full_state_dict(demo, state_dict)
+    _, demo = load_demo_model(os.path.join(CHECKPOINTS, "mtp_demo.pt"))
     demo = demo.cuda().to(torch.bfloat16).eval()
     prompts = [w.tolist() for w in evenly_spaced_windows(load_stdlib_corpus().held_out, 4, 48)]
     runs = []
