@@ -32,7 +32,9 @@ kv_block_ids[r, count - 1]`` (-1 when count == 0), ``last_kv_block_offset = (kv_
 
 Moving a request between groups swaps whole rows on both sides (host numpy rows, device rows by
 stream-ordered copies, so no host sync), together with every row buffer callers registered
-(:meth:`add_device_rows`, :meth:`add_host_rows`).
+(:meth:`add_device_rows`, :meth:`add_host_rows`). Removing one copies the last row of each group
+from its own on into the hole before it (one row copy per group boundary: the removed row is
+not kept).
 """
 
 import dataclasses
