@@ -15,6 +15,11 @@ os.environ.setdefault("MTP_CTRL_FUSED_GLUE", "0")
 # (mtp_ctrl.models.mamba_mixer.MAMBA_KERNELS_ENV); tests/unit/test_mamba_varlen_kernels.py and
 # test_mamba_decode_kernel.py run the kernels, the latter also through a mixer.
 os.environ.setdefault("MTP_CTRL_MAMBA_KERNELS", "0")
+# Under pytest-xdist every worker is a process with torch's default intra-op threads (one per
+# core): 2 workers x 2 threads on CI's 2 cores oversubscribe them, and CPU-heavy tests ran 2-10x
+# slower (a controller churn test: 15.8 s -> 1.7 s with one thread a worker).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (its OpenMP pool reads it)
 
 
 import pytest  # noqa: E402
