@@ -6,6 +6,7 @@ and :class:`OracleProposer` drives every acceptance count on purpose.
 """
 
 import math
+import random
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -173,3 +174,22 @@ def filtered_softmax(logits: torch.Tensor, temperature: float, top_k: int, top_p
         mass += float(top[token])
     result = torch.where(nucleus, top, torch.zeros_like(top))
     return result / result.sum()
+
+
+def random_arrivals(seed: int, count: int, max_new_tokens: int = 10, eos_rate: float = 0.5, stop_rate: float = 0.3,
+                    arrival_steps: Sequence[int] = range(7)) -> List[Arrival]:
+    """``count`` random requests (prompt prefixes of PROMPTS, greedy or sampled, optional eos id
+    and stop sequence, 1..max_new_tokens new tokens), each arriving at a step drawn from
+    ``arrival_steps``; fixed per seed."""
+    rng = random.Random(seed)
+    arrivals = []
+    for _ in range(count):
+        prompt = list(PROMPTS[rng.randrange(len(PROMPTS))])[: rng.randint(2, 12)]
+        sampled = rng.random() < 0.5
+        eos = (rng.randrange(VOCAB_SIZE),) if rng.random() < eos_rate else ()
+        stops = ((rng.randrange(VOCAB_SIZE), rng.randrange(VOCAB_SIZE)),) if rng.random() < stop_rate else ()
+        params = SamplingParams(max_new_tokens=rng.randint(1, max_new_tokens), temperature=0.9 if sampled else 0.0,
+                                top_k=rng.choice([0, 8]), seed=rng.randrange(1000), eos_token_ids=eos,
+                                stop_sequences=stops)
+        arrivals.append((rng.choice(arrival_steps), prompt, params))
+    return arrivals

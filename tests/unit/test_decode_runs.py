@@ -12,14 +12,13 @@ blocks (the invariant check below fires); with the reserve sized for one step in
 (the read-back of step 0 only), outputs lose tokens.
 """
 
-import random
-
 import pytest
 import torch
 
 from mtp_ctrl.controllers import FinishReason, InferenceConfig, Proposer, SamplingParams
-from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, build_models, make_controller, run_with_arrivals
-from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups
+from tests.unit.controller_fixtures import (MTP_DEPTH, PROMPTS, build_models, make_controller, random_arrivals,
+                                           run_with_arrivals)
+from tests.unit.megatron_fixtures import ensure_single_process_groups
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +48,6 @@ def _watch_runs(controller):
     return launches
 
 
-def _arrivals(seed: int, count: int):
-    rng = random.Random(seed)
-    arrivals = []
-    for _ in range(count):
-        prompt = list(PROMPTS[rng.randrange(len(PROMPTS))])[: rng.randint(2, 12)]
-        sampled = rng.random() < 0.5
-        eos = (rng.randrange(VOCAB_SIZE),) if rng.random() < 0.4 else ()
-        stops = ((rng.randrange(VOCAB_SIZE), rng.randrange(VOCAB_SIZE)),) if rng.random() < 0.2 else ()
-        params = SamplingParams(max_new_tokens=rng.randint(1, 24), temperature=0.9 if sampled else 0.0,
-                                top_k=rng.choice([0, 8]), seed=rng.randrange(1000), eos_token_ids=eos,
-                                stop_sequences=stops)
-        arrivals.append((rng.choice([0, 0, 2, 9, 15]), prompt, params))
-    return arrivals
-
-
 def _check_equal_plain(model, arrivals, cases):
     plain = run_with_arrivals(make_controller(model, 0, max_model_len=40, overlap_scheduling=False), arrivals)
     for S, steps, overlap, more in cases:
@@ -83,7 +67,8 @@ def test_decode_runs_equal_plain_under_churn_preemption_and_sampling(models, see
     model, _ = models
     cases = [(0, 4, True, {}), (2, 4, True, dict(cuda_graph_batch_sizes=(2, 4))), (3, 3, False, {}),
              (1, 2, True, dict(num_kv_blocks=18))]  # (S, steps per launch, overlap, more config)
-    _check_equal_plain(model, _arrivals(seed, 6), cases)
+    arrivals = random_arrivals(seed, 6, max_new_tokens=24, eos_rate=0.4, stop_rate=0.2, arrival_steps=(0, 0, 2, 9, 15))
+    _check_equal_plain(model, arrivals, cases)
 
 
 def test_decode_runs_through_the_kernels_equal_plain(models):

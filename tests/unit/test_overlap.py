@@ -19,7 +19,8 @@ import torch
 
 from mtp_ctrl.controllers import FinishReason, Proposer, SamplingParams, TextGenerationController
 from mtp_ctrl.state.request_table import RowGroup
-from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, build_models, make_controller, run_with_arrivals
+from tests.unit.controller_fixtures import (MTP_DEPTH, PROMPTS, build_models, make_controller, random_arrivals,
+                                           run_with_arrivals)
 from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups
 
 
@@ -29,28 +30,12 @@ def models():
     return build_models()
 
 
-def _arrivals(seed: int, count: int):
-    """Random arrival steps, prompts, stop rules and sampling; fixed per seed."""
-    rng = random.Random(seed)
-    arrivals = []
-    for index in range(count):
-        prompt = list(PROMPTS[rng.randrange(len(PROMPTS))])[: rng.randint(2, 12)]
-        sampled = rng.random() < 0.5
-        eos = (rng.randrange(VOCAB_SIZE),) if rng.random() < 0.5 else ()
-        stops = ((rng.randrange(VOCAB_SIZE), rng.randrange(VOCAB_SIZE)),) if rng.random() < 0.3 else ()
-        params = SamplingParams(max_new_tokens=rng.randint(1, 10), temperature=0.9 if sampled else 0.0,
-                                top_k=rng.choice([0, 8]), seed=rng.randrange(1000), eos_token_ids=eos,
-                                stop_sequences=stops)
-        arrivals.append((rng.randint(0, 6), prompt, params))
-    return arrivals
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_overlap_on_equals_off_equals_plain_under_churn_and_preemption(models, seed, request):
     if seed > 0:  # seed 0 runs the kernels through the interpreter, the others their torch twins
         request.getfixturevalue("torch_twins")
     model, _ = models
-    arrivals = _arrivals(seed, 7)
+    arrivals = random_arrivals(seed, 7)
     plain = run_with_arrivals(make_controller(model, 0, max_model_len=24, overlap_scheduling=False), arrivals)
     for S in (1, 3):
         for overlap in (False, True):
