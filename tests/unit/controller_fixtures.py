@@ -193,3 +193,16 @@ def random_arrivals(seed: int, count: int, max_new_tokens: int = 10, eos_rate: f
                                 stop_sequences=stops)
         arrivals.append((rng.choice(arrival_steps), prompt, params))
     return arrivals
+
+
+class CountingAcceptTokens(TextGenerationController):
+    """A controller whose ``accept_tokens`` override only counts its calls (``calls``, per
+    instance): the per-request hook path, with the default's result."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def accept_tokens(self, record, new_tokens):
+        self.calls += 1
+        return super().accept_tokens(record, new_tokens)

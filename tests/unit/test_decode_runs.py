@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import FinishReason, InferenceConfig, Proposer, SamplingParams
-from tests.unit.controller_fixtures import (MTP_DEPTH, PROMPTS, build_models, make_controller, random_arrivals,
-                                           run_with_arrivals)
+from tests.unit.controller_fixtures import (MTP_DEPTH, PROMPTS, CountingAcceptTokens, build_models, make_controller,
+                                           random_arrivals, run_with_arrivals)
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 
 
@@ -201,23 +201,14 @@ def test_capture_buffer_must_hold_a_whole_run(tmp_path, models):
 def test_accept_tokens_override_and_rejection_acceptance_equal_single_steps(models, torch_twins):
     """The per-request ``accept_tokens`` path applies a run step by step, and rejection
     acceptance draws its noise by position: both give exactly what one step per launch gives."""
-    from mtp_ctrl.controllers import TextGenerationController
-
     model, _ = models
-
-    class Recording(TextGenerationController):
-        calls = 0
-
-        def accept_tokens(self, record, new_tokens):
-            Recording.calls += 1
-            return super().accept_tokens(record, new_tokens)
-
     prompts = [list(prompt) for prompt in PROMPTS]
     params = [SamplingParams(max_new_tokens=14, temperature=0.9, seed=index, eos_token_ids=(7,)) for index in range(4)]
     for acceptance in ("exact_match", "rejection"):
         single = make_controller(model, 2, acceptance=acceptance).generate(prompts, params)
-        controller = Recording(model, make_controller(model, 2, acceptance=acceptance, decode_steps_per_launch=4).config)
+        config = make_controller(model, 2, acceptance=acceptance, decode_steps_per_launch=4).config
+        controller = CountingAcceptTokens(model, config)
         launches = _watch_runs(controller)
         runs = controller.generate(prompts, params)
         assert [r.output_tokens for r in runs] == [r.output_tokens for r in single], acceptance
-        assert max(launches) > 1 and Recording.calls > 0
+        assert max(launches) > 1 and controller.calls > 0

@@ -19,8 +19,8 @@ import torch
 
 from mtp_ctrl.controllers import FinishReason, Proposer, SamplingParams, TextGenerationController
 from mtp_ctrl.state.request_table import RowGroup
-from tests.unit.controller_fixtures import (MTP_DEPTH, PROMPTS, build_models, make_controller, random_arrivals,
-                                           run_with_arrivals)
+from tests.unit.controller_fixtures import (MTP_DEPTH, PROMPTS, CountingAcceptTokens, build_models, make_controller,
+                                           random_arrivals, run_with_arrivals)
 from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups
 
 
@@ -156,17 +156,11 @@ def test_a_raising_hook_aborts_and_accept_tokens_cannot_drop_tokens_silently(mod
 def test_accept_tokens_override_runs_per_request_and_equals_the_default(models):
     model, _ = models
 
-    class Recording(TextGenerationController):
-        calls = 0
-
-        def accept_tokens(self, record, new_tokens):
-            Recording.calls += 1
-            return super().accept_tokens(record, new_tokens)
-
     params = SamplingParams(max_new_tokens=7, eos_token_ids=(3,))
     want = make_controller(model, 2).generate([list(p) for p in PROMPTS], params)
-    got = Recording(model, make_controller(model, 2).config).generate([list(p) for p in PROMPTS], params)
-    assert [r.output_tokens for r in got] == [r.output_tokens for r in want] and Recording.calls > 0
+    controller = CountingAcceptTokens(model, make_controller(model, 2).config)
+    got = controller.generate([list(p) for p in PROMPTS], params)
+    assert [r.output_tokens for r in got] == [r.output_tokens for r in want] and controller.calls > 0
 
 
 def test_finished_results_are_bounded_and_popped(models, torch_twins):
