@@ -7,11 +7,10 @@ import torch
 
 from mtp_ctrl.controllers import EagleProposer, SamplingParams
 from mtp_ctrl.models import build_eagle_head
-from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
+from tests.unit.controller_fixtures import PROMPTS, make_controller, random_arrivals, run_with_arrivals
 from tests.unit.eagle_fixtures import (AUX_LAYERS, RecordingEagleProposer, assert_drafts_equal_dense, build_eagle_models,
                                       dense_eagle_drafts, outputs_with_a_pause, plain_greedy_outputs)
 from tests.unit.megatron_fixtures import ensure_single_process_groups
-from tests.unit.test_overlap import _arrivals
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,7 @@ def test_churn_preemption_sampling_padded_steps_equal_plain(models, torch_twins)
     """S = 4, overlap on, every step padded to a graph shape (mixed steps included): the real
     counts and the mid-prompt chunk's next token come from the device, as in a replayed graph."""
     model, _, head, _ = models
-    arrivals = _arrivals(seed=1, count=7)
+    arrivals = random_arrivals(seed=1, count=7)
     plain = run_with_arrivals(make_controller(model, 0, max_model_len=24, overlap_scheduling=False), arrivals)
     controller = make_controller(model, 4, proposer=EagleProposer(head), max_model_len=24, num_kv_blocks=14,
                                  max_tokens_per_step=20, cuda_graph_batch_sizes=(2, 4))

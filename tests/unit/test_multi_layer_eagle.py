@@ -13,7 +13,7 @@ from mtp_ctrl.models import (
     build_multi_layer_eagle_heads,
     dense_multi_layer_eagle_forward,
 )
-from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
+from tests.unit.controller_fixtures import PROMPTS, make_controller, random_arrivals, run_with_arrivals
 from tests.unit.eagle_fixtures import (AUX_LAYERS, assert_drafts_equal_dense, build_eagle_models, outputs_with_a_pause,
                                       plain_greedy_outputs)
 from tests.unit.megatron_fixtures import ensure_single_process_groups
@@ -22,7 +22,6 @@ from tests.unit.multi_layer_eagle_fixtures import (
     build_heads,
     dense_multi_layer_drafts,
 )
-from tests.unit.test_overlap import _arrivals
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +72,7 @@ def test_churn_preemption_sampling_padded_steps_equal_plain(models, torch_twins)
     (requests are preempted and recomputed: their windows restart at position 0)."""
     model, _, _, _ = models
     heads, _ = build_heads(model, None, 3)
-    arrivals = _arrivals(seed=1, count=7)
+    arrivals = random_arrivals(seed=1, count=7)
     plain = run_with_arrivals(make_controller(model, 0, max_model_len=24, overlap_scheduling=False), arrivals)
     controller = make_controller(model, 3, proposer=MultiLayerEagleProposer(heads), max_model_len=24, num_kv_blocks=8,
                                  max_tokens_per_step=20, cuda_graph_batch_sizes=(2, 4))

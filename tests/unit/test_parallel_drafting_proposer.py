@@ -13,11 +13,10 @@ from mtp_ctrl.controllers import EagleProposer, ParallelDraftingProposer, Sampli
 from mtp_ctrl.models import build_eagle_head
 from mtp_ctrl.models.eagle_head import default_mask_token_id, eagle_logits
 from mtp_ctrl.models.ptd_layout import dense_ptd_forward, ptd_draft_rows, ptd_training_layout
-from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
+from tests.unit.controller_fixtures import PROMPTS, make_controller, random_arrivals, run_with_arrivals
 from tests.unit.eagle_fixtures import (AUX_LAYERS, assert_drafts_equal_dense, build_eagle_models, dense_aux,
                                       outputs_with_a_pause, plain_greedy_outputs, recording)
 from tests.unit.megatron_fixtures import ensure_single_process_groups
-from tests.unit.test_overlap import _arrivals
 
 
 RecordingPTDProposer = recording(ParallelDraftingProposer)
@@ -85,7 +84,7 @@ def test_churn_sampling_padded_steps_equal_plain(models, torch_twins):
     """S = 3, overlap on, every step padded to a graph shape (mixed steps included): the real
     counts and the mid-prompt chunk's next token come from the device, as in a replayed graph."""
     model, _, head, _ = models
-    arrivals = _arrivals(seed=1, count=7)
+    arrivals = random_arrivals(seed=1, count=7)
     plain = run_with_arrivals(make_controller(model, 0, max_model_len=24, overlap_scheduling=False), arrivals)
     controller = make_controller(model, 3, proposer=ParallelDraftingProposer(head), max_model_len=24,
                                  num_kv_blocks=14, max_tokens_per_step=20, cuda_graph_batch_sizes=(2, 4))
