@@ -138,10 +138,10 @@ class TextGenerationController:
 
     def _allocate_step_buffers(self) -> None:
         table, R, S = self.context.table, self.config.max_requests, self.config.num_speculative_tokens
-        self._temperature = table.add_device_rows("temperature", (), torch.float32)  # [R] float32
-        self._top_k = table.add_device_rows("top_k", (), torch.int64)  # [R] int64
-        self._top_p = table.add_device_rows("top_p", (), torch.float32, fill=1.0)  # [R] float32
-        self._seeds = table.add_device_rows("seed", (), torch.int64)  # [R] int64
+        self._temperature = table.add_device_rows("temperature", (), torch.float32, set_on_insert=True)  # [R] float32
+        self._top_k = table.add_device_rows("top_k", (), torch.int64, set_on_insert=True)  # [R] int64
+        self._top_p = table.add_device_rows("top_p", (), torch.float32, fill=1.0, set_on_insert=True)  # [R] float32
+        self._seeds = table.add_device_rows("seed", (), torch.int64, set_on_insert=True)  # [R] int64
         device, T = self.device, self.config.max_tokens_per_step
         self._greedy_params = (torch.zeros(T, device=device), torch.zeros(T, dtype=torch.int64, device=device),
                                torch.ones(T, device=device), torch.zeros(T, dtype=torch.int64, device=device))
@@ -263,14 +263,14 @@ class TextGenerationController:
         while self._can_admit():
             request_id = self._waiting[0]
             record = self._records[request_id]
+            params = record.params
+            sampling_rows = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                             "seed": record.seed}  # written with every admitted row, before the next step
             # checked by check_prompt already: as an int64 array the context checks only its dtype
-            self.context.add_request(request_id, np.array(record.prompt_tokens + record.output_tokens, dtype=np.int64))
+            self.context.add_request(request_id, np.array(record.prompt_tokens + record.output_tokens, dtype=np.int64),
+                                     sampling_rows)
             self._waiting.popleft()  # only once the context holds it
             row = self.context.table.row_of(request_id)
-            params = record.params
-            for rows, value in ((self._temperature, params.temperature), (self._top_k, params.top_k),
-                                (self._top_p, params.top_p), (self._seeds, record.seed)):
-                rows[row].fill_(value)  # stream-ordered (`rows[row] = value` would copy from pageable memory: a sync)
             self._outputs.start(row, params, len(record.prompt_tokens), record.output_tokens,
                                 record.decode_steps, record.accepted_drafts)
             record.attach(self._outputs, self.context.table)  # the row owns output and counters now
@@ -279,22 +279,27 @@ class TextGenerationController:
         """Evict the newest live request to free its KV blocks; it is recomputed from its prompt
         and output so far when it comes back, with unchanged output (sampling is positional)."""
         request_id = self._scheduler.preemption_victim()
-        self._release(request_id)
+        self._release([request_id])
         self._records[request_id].preemptions += 1
         self._waiting.appendleft(request_id)
 
-    def _release(self, request_id: int) -> None:
-        """The request leaves its row (finished, preempted or aborted): its record keeps what the row held."""
-        record = self._records.get(request_id)
-        if record is not None:
-            record.detach()
-        self.context.finish_request(request_id)
-        self.proposer.forget(request_id)
+    def _release(self, request_ids: List[int]) -> None:
+        """The requests leave their rows (finished, preempted or aborted): their records keep what
+        the rows held. The context frees the rows in one batch."""
+        for request_id in request_ids:
+            record = self._records.get(request_id)
+            if record is not None:
+                record.detach()
+        self.context.finish_requests(request_ids)
+        for request_id in request_ids:
+            self.proposer.forget(request_id)
 
     def _retire_finished(self) -> None:
         """Free the rows of requests that finished (a step may be in flight, see :meth:`_apply`)."""
+        if not self._retiring:
+            return
+        self._release(self._retiring)
         for request_id in self._retiring:
-            self._release(request_id)
             if request_id not in self._held_by_generate and request_id in self._records:  # not taken yet
                 self._finished_order.append(request_id)
         self._retiring.clear()

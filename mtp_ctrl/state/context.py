@@ -12,7 +12,7 @@ Life cycle of a request::
                       DECODE (it then runs 1 + S rows per step); too few free blocks -> PAUSED
                       (state intact), resumed by a later build_step once blocks are free
     pause_request / resume_request  -> PAUSED and back, on the caller's word
-    finish_request -> blocks and slot released, row freed
+    finish_request(s) -> blocks and slot released, row freed (many at once: one batch of row moves)
 
 The overlapped loop (see ``controllers/controller.py``): the caller may build step N + 1 before
 it has read step N's outcome back. The device knows each decode request's KV length; the host
@@ -26,13 +26,15 @@ exact, so they wait until no step is in flight:
 :meth:`needs_sync` tells the caller, and those calls raise ``RuntimeError`` while a built step has
 not been committed. Three moves need no wait:
 
-- finishing a request (:meth:`finish_request`): its row is freed at once, rows move by copies
-  stream-ordered after the steps in flight, and those steps' read-backs are committed with the
-  rows their requests hold now (``table.num_moves`` tells the caller that rows moved);
+- finishing requests (:meth:`finish_requests`): their rows are freed at once, the rows that move
+  are gathered in one batch stream-ordered after the steps in flight, and those steps'
+  read-backs are committed with the rows their requests hold now (``table.num_moves`` tells the
+  caller that rows moved);
 - admitting: the new request takes the end of the prefill rows (with requests paused, the first
   paused row moves to the end to make room; paused rows run in no step); its device rows are
-  reset after the steps in flight on the stream, and no read-back of a step it was not in is
-  applied to its row (the caller realigns by request id whenever rows moved);
+  reset by the next :meth:`build_step`, in one batch for every request admitted since, after the
+  steps in flight on the stream, and no read-back of a step it was not in is applied to its row
+  (the caller realigns by request id whenever rows moved);
 - a prompt whose final chunk ran becomes a decode by moving the decode | prefill boundary past it
   when it is the first prefill row (always the case: chunks are scheduled in row order from the
   first prefill row).
@@ -161,12 +163,14 @@ class DynamicInferenceContext:
     def __contains__(self, request_id: int) -> bool:
         return request_id in self.table
 
-    def add_request(self, request_id: int, prompt_tokens: Tokens) -> None:
+    def add_request(self, request_id: int, prompt_tokens: Tokens, row_values: Optional[Dict[str, float]] = None) -> None:
         """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence).
+        ``row_values``: the first values of the table's ``set_on_insert`` rows (``table.insert``).
 
         Allowed while a step is in flight (see the module docstring): the new row is the end of
         the prefill rows (with requests paused, the first paused row moves to the end to make
-        room), and its device rows are reset by writes stream-ordered after the step."""
+        room), and its device rows are reset with the next step's set-up, stream-ordered after
+        the step in flight, in one batch with every other request admitted until then."""
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self.table:
@@ -175,26 +179,33 @@ class DynamicInferenceContext:
         if self.num_free_rows == 0:
             raise RuntimeError(f"max_requests ({self.table.max_requests}) requests are live; finish one first")
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
-        row = self.table.insert(request_id, RowGroup.PREFILL, slot)
+        row = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values)
         self._prefill_lengths[row] = prompt.shape[0]
         self._prefill_tokens[request_id] = prompt
         self.scheduler.admitted(request_id)
 
     def finish_request(self, request_id: int) -> None:
-        """Release the request's KV blocks and Mamba slot and free its row. Allowed with steps in
-        flight: its blocks and slot may still be written by them, and the next owner's writes
-        come after them on the stream; rows that move are copied after them too. The caller then
-        commits those steps' read-backs with the rows their requests hold now
-        (:meth:`commit_readback`'s ``rows``)."""
-        row = self._live_row(request_id)
+        """:meth:`finish_requests` of one request."""
+        self.finish_requests([request_id])
+
+    def finish_requests(self, request_ids: Sequence[int]) -> None:
+        """Release the requests' KV blocks and Mamba slots and free their rows (the device rows
+        that move, in one batch). Allowed with steps in flight: their blocks and slots may still
+        be written by them, and the next owner's writes come after them on the stream; rows that
+        move are copied after them too. The caller then commits those steps' read-backs with the
+        rows their requests hold now (:meth:`commit_readback`'s ``rows``)."""
+        rows = [self._live_row(request_id) for request_id in request_ids]  # every one is checked first
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"request_ids has repeats: {list(request_ids)}")
         host = self.table.host
-        self.allocator.release(host.block_ids[row, : host.block_counts[row]].tolist())  # host-ok: numpy
-        if self.mamba is not None:
-            self.mamba.release_slot(int(host.mamba_slot_ids[row]))
-        self.table.remove(request_id)
-        del self._prefill_tokens[request_id]
-        self.scheduler.released(request_id)
-        self._prompts_done.pop(request_id, None)
+        for request_id, row in zip(request_ids, rows):
+            self.allocator.release(host.block_ids[row, : host.block_counts[row]].tolist())  # host-ok: numpy
+            if self.mamba is not None:
+                self.mamba.release_slot(int(host.mamba_slot_ids[row]))
+            del self._prefill_tokens[request_id]
+            self.scheduler.released(request_id)
+            self._prompts_done.pop(request_id, None)
+        self.table.remove(request_ids)
 
     def pause_request(self, request_id: int) -> None:
         """Stop running the request (its blocks and state stay) until ``resume_request``."""
@@ -272,6 +283,7 @@ class DynamicInferenceContext:
         steps_in_flight = self.steps_in_flight
         if steps_in_flight and not sync_checked and self.needs_sync():
             raise RuntimeError("build_step: rows must move; commit the step in flight first")
+        self.table.write_inserted_rows()  # the rows admitted since the last step, in one batch
         for request_id in sorted(self._prompts_done, key=self.table.row_of):  # first prefill row first: in place
             self._become_decode_if_prompt_done(request_id)
         if not steps_in_flight:

@@ -35,14 +35,22 @@ stream-ordered copies, so no host sync), together with every row buffer callers 
 (:meth:`add_device_rows`, :meth:`add_host_rows`). Removing one copies the last row of each group
 from its own on into the hole before it (one row copy per group boundary: the removed row is
 not kept).
+
+Joining and leaving cost a fixed number of device launches per call, not per request:
+:meth:`insert` writes only the host rows, and :meth:`write_inserted_rows` (the context calls it
+before it stages a step) resets the device rows of every request inserted since, from one
+staged host-to-device copy; :meth:`remove` takes many requests and moves the surviving rows
+with one gather per row buffer.
 """
 
 import dataclasses
 import enum
-from typing import Dict, List, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
+
+from mtp_ctrl.state.staging import StagingBuffers
 
 # Int fields of a request on the device, the rows of one [len(DEVICE_FIELDS), R + 1] int64 tensor.
 DEVICE_FIELDS = (
@@ -53,6 +61,10 @@ DEVICE_FIELDS = (
     "prefill_status",  # 1 = prefill (no rewind), 0 = decode
     "mamba_slot_ids",  # Mamba state slot of the request; -1 without Mamba layers
 )
+
+
+_PREFILL_FIELD = DEVICE_FIELDS.index("prefill_status")
+_MAMBA_SLOT_FIELD = DEVICE_FIELDS.index("mamba_slot_ids")
 
 
 class RowGroup(enum.IntEnum):
@@ -108,10 +120,13 @@ class RequestTable:
         self._device_fields = torch.zeros(len(DEVICE_FIELDS), rows, dtype=torch.int64, device=device)  # [F, R + 1]
         self._device_block_ids = torch.full((rows, max_blocks_per_request), -1, dtype=torch.int64, device=device)
         # the values a row gets at admission: no KV, no blocks (prefill status and slot set after)
-        self._fresh_row = torch.tensor([self._fresh_value(name) for name in DEVICE_FIELDS],
-                                       dtype=torch.int64).to(device)  # [F] int64
+        self._fresh_fields = np.array([self._fresh_value(name) for name in DEVICE_FIELDS], dtype=np.int64)  # [F]
         self._device_rows: Dict[str, torch.Tensor] = {}  # name -> [R + 1, ...] device rows
+        self._set_on_insert: List[str] = []  # device rows every insert gives a value (add_device_rows)
         self._host_rows: Dict[str, np.ndarray] = {}  # name -> [R + 1, ...] host rows
+        # request id -> (prefill status, Mamba slot, values of _set_on_insert) not on the device yet
+        self._pending_inserts: Dict[int, Tuple[int, int, Mapping[str, float]]] = {}
+        self._row_staging: Optional[StagingBuffers] = None  # built at the first batched device write
         self.host = HostRows(
             request_ids=self.add_host_rows("request_ids", (), fill=-1),
             known_lengths=self.add_host_rows("known_lengths", ()),
@@ -132,14 +147,25 @@ class RequestTable:
         # requests' (the controller then realigns its read-back by request id)
         self.num_moves = 0
 
-    def add_device_rows(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+    def add_device_rows(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, fill: float = 0,
+                        set_on_insert: bool = False) -> torch.Tensor:
         """Allocate a device-only ``[R, *shape]`` buffer whose row ``r`` belongs to the request at
         table row ``r`` and moves with it (callers' per-request state: sampling parameters, a
-        proposer's token history, ...). Returns the ``[R, *shape]`` view."""
+        proposer's token history, ...). Returns the ``[R, *shape]`` view. ``set_on_insert``
+        (scalar rows only): every :meth:`insert` names the row's first value, written with the
+        batch of :meth:`write_inserted_rows`; other rows keep what the row held until the caller
+        writes them."""
         if name in self._device_rows:
             raise ValueError(f"device rows {name!r} already exist")
+        if set_on_insert and shape != ():
+            raise ValueError(f"set_on_insert needs scalar rows; {name!r} has shape {shape}")
+        if set_on_insert and self._pending_inserts:
+            raise RuntimeError(f"add_device_rows({name!r}, set_on_insert=True) with inserts not written yet")
         rows = torch.full((self.max_requests + 1, *shape), fill, dtype=dtype, device=self._device_fields.device)
         self._device_rows[name] = rows  # [R + 1, *shape]: the last row is the scratch row
+        if set_on_insert:
+            self._set_on_insert.append(name)
+            self._row_staging = None  # its layout gains a section
         return rows[: self.max_requests]
 
     def device_rows_with_scratch(self, name: str) -> torch.Tensor:
@@ -194,46 +220,87 @@ class RequestTable:
 
     # ----- moving requests ----------------------------------------------------------------
 
-    def insert(self, request_id: int, group: RowGroup, mamba_slot_id: int = -1) -> int:
+    def insert(self, request_id: int, group: RowGroup, mamba_slot_id: int = -1,
+               row_values: Optional[Mapping[str, float]] = None) -> int:
         """Put a new request with an empty KV cache at the end of ``group``; return its row.
 
-        The device row is reset by three stream-ordered writes (no host sync)."""
+        Writes the host rows only. ``row_values`` gives the first value of every device row
+        registered with ``set_on_insert``; the device rows are reset (no KV, no blocks) and set by
+        the next :meth:`write_inserted_rows`, which must run before anything reads or writes them
+        on the device (the context's ``build_step`` runs it first)."""
         if self.num_live == self.max_requests:
             raise RuntimeError(f"the request table is full ({self.max_requests} rows)")
+        row_values = {} if row_values is None else row_values
+        if sorted(row_values) != sorted(self._set_on_insert):
+            raise ValueError(f"row_values must name the rows {sorted(self._set_on_insert)}, got {sorted(row_values)}")
         row = self.num_live  # first free row
         prefill = 1 if group == RowGroup.PREFILL else 0
         for name, rows in self._host_rows.items():
             rows[row] = -1 if name in ("request_ids", "block_ids", "mamba_slot_ids") else 0
         host = self.host
         host.request_ids[row], host.prefill_status[row], host.mamba_slot_ids[row] = request_id, prefill, mamba_slot_id
-        self._device_fields[:, row].copy_(self._fresh_row, non_blocking=True)
-        self._device_fields[DEVICE_FIELDS.index("prefill_status"), row].fill_(prefill)
-        self._device_fields[DEVICE_FIELDS.index("mamba_slot_ids"), row].fill_(mamba_slot_id)
-        self._device_block_ids[row].fill_(-1)
+        self._pending_inserts[request_id] = (prefill, mamba_slot_id, row_values)
         self._row_of[request_id] = row
         self.move(request_id, group)
         return self._row_of[request_id]
 
-    def remove(self, request_id: int) -> None:
-        """Drop a request's row (its blocks and slot must already be released).
+    def write_inserted_rows(self) -> None:
+        """Reset the device rows of every request inserted since the last call, wherever its row
+        is now (moves in between carried the stale row; this overwrites it): one host-to-device
+        copy, then one indexed write per row buffer, however many requests joined."""
+        if not self._pending_inserts:
+            return
+        staging = self._staging()
+        staging.wait_until_host_writable()
+        host = staging.host_arrays
+        count = len(self._pending_inserts)
+        for index, (request_id, (prefill, mamba_slot_id, values)) in enumerate(self._pending_inserts.items()):
+            host["insert_rows"][index] = self._row_of[request_id]
+            host["insert_fields"][:, index] = self._fresh_fields
+            host["insert_fields"][_PREFILL_FIELD, index] = prefill
+            host["insert_fields"][_MAMBA_SLOT_FIELD, index] = mamba_slot_id
+            for name in self._set_on_insert:
+                host[name][index] = values[name]
+        self._pending_inserts.clear()
+        staging.copy_to_device()
+        device = staging.device
+        rows = device["insert_rows"][:count]  # [n] int64
+        self._device_fields.index_copy_(1, rows, device["insert_fields"][:, :count])
+        self._device_block_ids.index_fill_(0, rows, -1)
+        for name in self._set_on_insert:
+            self._device_rows[name].index_copy_(0, rows, device[name][:count])
 
-        The rows keep their grouping as :meth:`move` to FREE would, but the removed request's
-        row need not survive, so its hole is filled by one row copy per group boundary instead
-        of row swaps (a third of the device copies). Example, ``DECODE [a, b, c] | PREFILL
-        [d, e]``, ``remove(a)``: ``c`` moves into ``a``'s row, then ``e`` into ``c``'s ->
-        ``DECODE [c, b] | PREFILL [e, d]``, and the last live row is free."""
-        hole = self._row_of.pop(request_id)
-        group = RowGroup(next(g for g in RowGroup if hole < self._group_ends[g]))
-        for current in range(group, RowGroup.FREE):
-            last = self._group_ends[current] - 1  # the group's last row fills the hole, and is the next hole
-            if last != hole:
-                self._copy_row(last, hole)
-            self._group_ends[current] -= 1
-            hole = last
-        self.num_moves += 1  # its row may be taken by the next request: a step built before reads it as this one's
-        self.host.request_ids[hole] = -1
-        self.host.block_counts[hole] = 0
-        self.host.block_ids[hole] = -1
+    def remove(self, request_ids: Iterable[int]) -> None:
+        """Drop requests' rows (their blocks and slots must already be released).
+
+        The rows keep their grouping as :meth:`move` to FREE would, but a removed request's row
+        need not survive, so its hole is filled by one row copy per group boundary instead of
+        row swaps. Example, ``DECODE [a, b, c] | PREFILL [d, e]``, ``remove([a])``: ``c`` moves
+        into ``a``'s row, then ``e`` into ``c``'s -> ``DECODE [c, b] | PREFILL [e, d]``, and the
+        last live row is free. The host rows move one removal at a time; the device rows move
+        once at the end, each surviving row straight from where it was (:meth:`_move_device_rows`)."""
+        origin = np.arange(self.max_requests + 1)  # [R + 1]: the row whose device content row r should hold
+        for request_id in request_ids:
+            self._pending_inserts.pop(request_id, None)
+            hole = self._row_of.pop(request_id)
+            group = RowGroup(next(g for g in RowGroup if hole < self._group_ends[g]))
+            for current in range(group, RowGroup.FREE):
+                last = self._group_ends[current] - 1  # the group's last row fills the hole, and is the next hole
+                if last != hole:
+                    for rows in self._host_rows.values():
+                        rows[hole] = rows[last]
+                    self._row_of[int(self.host.request_ids[hole])] = hole
+                    origin[hole] = origin[last]
+                    self.num_moves += 1
+                self._group_ends[current] -= 1
+                hole = last
+            self.num_moves += 1  # its row may be taken by the next request: a step built before reads it as this one's
+            self.host.request_ids[hole] = -1
+            self.host.block_counts[hole] = 0
+            self.host.block_ids[hole] = -1
+        live_rows = np.arange(self.num_live)
+        targets = live_rows[origin[: self.num_live] != live_rows]  # [m] rows whose request moved
+        self._move_device_rows(origin[targets], targets)
 
     def move(self, request_id: int, group: RowGroup) -> None:
         """Move a request to ``group``: it becomes the first row of a later group, or the last
@@ -253,14 +320,40 @@ class RequestTable:
             self._group_ends[current - 1] += 1
             current = RowGroup(current - 1)
 
-    def _copy_row(self, source: int, target: int) -> None:
-        """Move the request at row ``source`` to row ``target`` (whatever ``target`` held is lost)."""
-        self.num_moves += 1
-        for rows in self._host_rows.values():
-            rows[target] = rows[source]
-        for rows in (self._device_fields.T, self._device_block_ids, *self._device_rows.values()):
-            rows[target].copy_(rows[source])  # stream-ordered, no host sync
-        self._row_of[int(self.host.request_ids[target])] = target
+    def _move_device_rows(self, sources: np.ndarray, targets: np.ndarray) -> None:
+        """Device row ``targets[i]`` of every row buffer takes what row ``sources[i]`` holds
+        (``[m]`` int64 each; a source may be another move's target: every source is read first).
+        One row: plain row copies. More: one staged index copy, then a gather and a scatter per
+        buffer, whatever ``m`` is."""
+        buffers = (self._device_fields.T, self._device_block_ids, *self._device_rows.values())
+        if targets.shape[0] == 1:
+            for rows in buffers:
+                rows[int(targets[0])].copy_(rows[int(sources[0])])  # stream-ordered, no host sync
+            return
+        if targets.shape[0] == 0:
+            return
+        staging = self._staging()
+        staging.wait_until_host_writable()
+        count = targets.shape[0]
+        staging.host_arrays["move_sources"][:count] = sources
+        staging.host_arrays["move_targets"][:count] = targets
+        staging.copy_to_device()
+        source_rows, target_rows = staging.device["move_sources"][:count], staging.device["move_targets"][:count]
+        self._device_fields.index_copy_(1, target_rows, self._device_fields.index_select(1, source_rows))
+        for rows in buffers[1:]:
+            rows.index_copy_(0, target_rows, rows.index_select(0, source_rows))
+
+    def _staging(self) -> StagingBuffers:
+        """The host-to-device staging of batched row writes (inserted rows, move indices)."""
+        if self._row_staging is None:
+            rows = self.max_requests + 1
+            sections = {"insert_rows": ((rows,), torch.int64), "insert_fields": ((len(DEVICE_FIELDS), rows), torch.int64),
+                        "move_sources": ((rows,), torch.int64), "move_targets": ((rows,), torch.int64)}
+            sections.update({name: ((rows,), self._device_rows[name].dtype) for name in self._set_on_insert})
+            # a few host buffers: a call's copy may wait behind the step in flight; the buffer it
+            # read is written again only calls later (joins, leaves, and moves of many rows)
+            self._row_staging = StagingBuffers(sections, self._device_fields.device, num_host_buffers=4)
+        return self._row_staging
 
     def _swap_rows(self, row_a: int, row_b: int) -> None:
         if row_a == row_b:
@@ -291,8 +384,9 @@ class RequestTable:
 
     def set_prefill_status(self, row: int, value: int) -> None:
         """Write one row's prefill status on both sides (a request that finished its prompt)."""
+        self.write_inserted_rows()  # a pending insert's reset must not overwrite this write
         self.host.prefill_status[row] = value
-        self._device_fields[DEVICE_FIELDS.index("prefill_status"), row].fill_(value)
+        self._device_fields[_PREFILL_FIELD, row].fill_(value)
 
     def mismatched_rows(self) -> List[str]:
         """Names of the facts on which the device disagrees with what the host knows, over the

@@ -299,9 +299,9 @@ def test_arrivals_while_decoding_join_without_applying_the_step_in_flight(models
     steps_in_flight_at_admission, early_applications = [], []
     add_request, apply_in_flight = controller.context.add_request, controller._apply_in_flight
 
-    def add_and_record(request_id, tokens):
+    def add_and_record(request_id, tokens, row_values):
         steps_in_flight_at_admission.append(controller.context.steps_in_flight)
-        add_request(request_id, tokens)
+        add_request(request_id, tokens, row_values)
 
     def apply_and_record(collect=False):
         if not controller._retiring and controller.has_unfinished_requests():

@@ -62,7 +62,7 @@ def test_groups_are_contiguous_and_ordered():
     table.move(11, RowGroup.DECODE)  # joins the end of the decode group
     assert table.request_ids_in(RowGroup.DECODE) == [12, 11]
     assert table.request_ids_in(RowGroup.PREFILL) == [10]
-    table.remove(12)
+    table.remove([12])
     assert table.num_live == 2 and 12 not in table
     assert table.host.request_ids[2].item() == -1  # the freed row is reset
 
@@ -88,7 +88,7 @@ def test_worked_example_of_remove():
     for request_id in (4, 5):
         table.insert(request_id, RowGroup.PREFILL)
     moves = table.num_moves
-    table.remove(1)
+    table.remove([1])
     assert table.host.request_ids[:5].tolist() == [3, 2, 5, 4, -1]
     assert table.group_rows(RowGroup.DECODE) == (0, 2) and table.group_rows(RowGroup.PREFILL) == (2, 4)
     assert table.num_moves == moves + 3  # two row copies and the removal
@@ -107,6 +107,7 @@ def test_moves_carry_every_row_on_both_sides():
         if action < 0.3 and table.num_live < table.max_requests:
             group = rng.choice(GROUPS)
             table.insert(next_id, group)
+            table.write_inserted_rows()
             fill_row(table, next_id)
             groups[next_id] = group
             next_id += 1
@@ -114,10 +115,11 @@ def test_moves_carry_every_row_on_both_sides():
             request_id, group = rng.choice(live), rng.choice(GROUPS)
             table.move(request_id, group)
             groups[request_id] = group
-        elif live:
-            request_id = rng.choice(live)
-            table.remove(request_id)
-            del groups[request_id]
+        elif live:  # one or several leave at once
+            leaving = rng.sample(live, rng.randint(1, len(live)))
+            table.remove(leaving)
+            for request_id in leaving:
+                del groups[request_id]
         for group in GROUPS:
             assert sorted(table.request_ids_in(group)) == sorted(r for r, g in groups.items() if g == group)
         assert table.mismatched_rows() == []
@@ -140,6 +142,7 @@ def test_moves_carry_every_row_on_both_sides():
 def test_mismatch_check_names_fields():
     table = make_table()
     table.insert(5, RowGroup.DECODE)
+    table.write_inserted_rows()
     assert table.mismatched_rows() == []
     table.device.kv_block_ids[0, 1] = 9
     assert table.mismatched_rows() == ["kv_block_ids"]
@@ -158,14 +161,16 @@ def test_free_rows_and_full_table():
     assert device.last_kv_block_id.tolist() == [-1, -1] and device.mamba_slot_ids.tolist() == [-1, -1]
     assert device.last_kv_block_offset.tolist() == [3, 3]  # (0 - 1) mod 4: the next row opens a block
     table.insert(1, RowGroup.PREFILL, mamba_slot_id=4)
+    table.write_inserted_rows()
     assert table.host.mamba_slot_ids[0] == 4 and device.mamba_slot_ids[0] == 4
     device.kv_length_offsets[0] = 9  # a step ran
     device.kv_block_ids[0, 0] = 7
     table.host.block_counts[0], table.host.block_ids[0, 0], table.host.known_lengths[0] = 1, 7, 9
-    table.remove(1)
+    table.remove([1])
     assert table.host.request_ids[0] == -1 and table.host.block_counts[0] == 0
     assert table.host.block_ids[0].tolist() == [-1, -1, -1]
     table.insert(2, RowGroup.DECODE)  # the reused row starts fresh on both sides
+    table.write_inserted_rows()
     assert table.host.known_lengths[0] == 0 and table.host.prefill_status[0] == 0
     assert device.kv_length_offsets[0] == 0 and device.kv_block_ids[0].tolist() == [-1, -1, -1]
     assert device.last_kv_block_offset[0] == 3 and device.last_kv_block_id[0] == -1
@@ -173,3 +178,126 @@ def test_free_rows_and_full_table():
     table.insert(3, RowGroup.PREFILL)
     with pytest.raises(RuntimeError, match="full"):
         table.insert(4, RowGroup.PREFILL)
+
+
+def _device_op_count(fn) -> int:
+    """How many torch ops ``fn`` runs (each is one device launch on a GPU)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for event in prof.events() if event.name.startswith("aten::") and event.cpu_parent is None
+               and event.name not in ("aten::slice", "aten::select", "aten::view", "aten::t", "aten::transpose",
+                                      "aten::as_strided", "aten::numpy_T", "aten::permute"))
+
+
+def _table_with_sampling_rows(max_requests=8):
+    table = make_table(max_requests=max_requests)
+    table.add_device_rows("temperature", (), torch.float32, set_on_insert=True)
+    table.add_device_rows("seed", (), torch.int64, set_on_insert=True)
+    return table
+
+
+def _assert_fresh(table, request_id, group, mamba_slot_id=-1):
+    row = table.row_of(request_id)
+    device = table.device
+    assert device.kv_length_offsets[row] == 0 and device.kv_block_counts[row] == 0
+    assert device.last_kv_block_offset[row] == 3 and device.last_kv_block_id[row] == -1
+    assert device.prefill_status[row] == int(group == RowGroup.PREFILL)
+    assert device.mamba_slot_ids[row] == mamba_slot_id
+    assert device.kv_block_ids[row].tolist() == [-1, -1, -1]
+    assert table.device_rows_with_scratch("temperature")[row] == request_id / 10
+    assert table.device_rows_with_scratch("seed")[row] == 7000 + request_id
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_inserted_rows_are_written_in_one_batch_wherever_they_moved(seed):
+    """Inserts only write the host; write_inserted_rows resets every pending request's device row
+    where it is now, after moves and removals in between (their stale rows were carried), and
+    costs the same number of device ops for one request as for many."""
+    rng = random.Random(seed)
+    table = _table_with_sampling_rows()
+    table.host_rows_extra = table.add_host_rows("extra", ())
+    table.device_rows_extra = table.add_device_rows("extra", (), torch.int64)
+    for request_id in (90, 91):  # older requests with a step's worth of state
+        table.insert(request_id, rng.choice(GROUPS), row_values={"temperature": request_id / 10, "seed": 7000 + request_id})
+    table.write_inserted_rows()
+    for request_id in (90, 91):
+        fill_row(table, request_id)
+    # stale device content in the free rows, as finished requests leave it
+    table.device.kv_length_offsets[2:] = 55
+    table.device.kv_block_ids[2:] = 9
+    groups, pending, inserted_as = {90: table.group_of(90), 91: table.group_of(91)}, [], {}
+    for request_id in range(rng.randint(1, 5)):
+        group = rng.choice(GROUPS)
+        table.insert(request_id, group, mamba_slot_id=request_id + 20,
+                     row_values={"temperature": request_id / 10, "seed": 7000 + request_id})
+        groups[request_id] = inserted_as[request_id] = group  # prefill status: the insert's (a move keeps it)
+        pending.append(request_id)
+        if rng.random() < 0.5:  # a move of a pending or an older request
+            moved = rng.choice(list(groups))
+            groups[moved] = rng.choice(GROUPS)
+            table.move(moved, groups[moved])
+        if rng.random() < 0.3:  # a pending request leaves before its row was ever written
+            gone = rng.choice(pending)
+            table.remove([gone])
+            pending.remove(gone)
+            del groups[gone]
+    ops = _device_op_count(table.write_inserted_rows)
+    for request_id in pending:
+        _assert_fresh(table, request_id, inserted_as[request_id], request_id + 20)
+    for request_id in (90, 91):
+        row = table.row_of(request_id)
+        assert table.device.kv_length_offsets[row] == 100 + request_id
+        assert table.device_rows_extra[row] == 5000 + request_id
+    if pending:
+        assert ops == 1 + 2 + 2  # the staged copy, fields and block ids, one per set_on_insert row
+    assert _device_op_count(table.write_inserted_rows) == 0  # nothing pending
+
+
+def test_remove_moves_the_survivors_in_one_gather_per_buffer():
+    """Many requests leaving at once cost one staged copy and a gather and a scatter per row
+    buffer; the result equals removing them one at a time."""
+    batch, one_by_one = _table_with_sampling_rows(), _table_with_sampling_rows()
+    for table in (batch, one_by_one):
+        for request_id in range(8):
+            table.insert(request_id, GROUPS[request_id % 3], row_values={"temperature": request_id / 10,
+                                                                          "seed": 7000 + request_id})
+        table.write_inserted_rows()
+        for request_id in range(8):
+            row = table.row_of(request_id)
+            table.next_tokens[row] = 1000 + request_id
+            table.device.kv_length_offsets[row] = 100 + request_id
+    leaving = [0, 3, 4, 6]
+    ops = _device_op_count(lambda: batch.remove(leaving))
+    for request_id in leaving:
+        one_by_one.remove([request_id])
+    buffers = 2 + 4  # fields, block ids; next_tokens, draft_tokens, temperature, seed
+    assert ops == 1 + 2 * buffers
+    assert batch.host.request_ids.tolist() == one_by_one.host.request_ids.tolist()
+    assert [batch.group_rows(group) for group in GROUPS] == [one_by_one.group_rows(group) for group in GROUPS]
+    for request_id in (1, 2, 5, 7):
+        row = batch.row_of(request_id)
+        assert batch.next_tokens[row] == 1000 + request_id and batch.device.kv_length_offsets[row] == 100 + request_id
+        assert batch.device_rows_with_scratch("seed")[row] == 7000 + request_id
+    single = _table_with_sampling_rows()
+    for request_id in (1, 2):
+        single.insert(request_id, RowGroup.DECODE, row_values={"temperature": 0.0, "seed": 0})
+    assert _device_op_count(lambda: single.remove([1])) == buffers  # one row copy per buffer
+
+
+def test_insert_values_are_checked():
+    table = _table_with_sampling_rows()
+    with pytest.raises(ValueError, match="row_values must name"):
+        table.insert(1, RowGroup.PREFILL, row_values={"temperature": 1.0})
+    with pytest.raises(ValueError, match="row_values must name"):
+        table.insert(1, RowGroup.PREFILL)
+    assert 1 not in table and table.num_live == 0  # nothing changed
+    with pytest.raises(ValueError, match="scalar rows"):
+        table.add_device_rows("history", (3,), torch.int64, set_on_insert=True)
+    table.insert(1, RowGroup.PREFILL, row_values={"temperature": 1.0, "seed": 3})
+    with pytest.raises(RuntimeError, match="not written yet"):
+        table.add_device_rows("top_k", (), torch.int64, set_on_insert=True)
+    table.write_inserted_rows()
+    table.add_device_rows("top_k", (), torch.int64, set_on_insert=True)  # the staging layout grows
+    table.insert(2, RowGroup.PREFILL, row_values={"temperature": 0.5, "seed": 4, "top_k": 8})
+    table.write_inserted_rows()
+    assert table.device_rows_with_scratch("top_k")[table.row_of(2)] == 8
