@@ -279,6 +279,10 @@ class RequestTable:
         into ``a``'s row, then ``e`` into ``c``'s -> ``DECODE [c, b] | PREFILL [e, d]``, and the
         last live row is free. The host rows move one removal at a time; the device rows move
         once at the end, each surviving row straight from where it was (:meth:`_move_device_rows`)."""
+        request_ids = list(request_ids)
+        unknown = [request_id for request_id in request_ids if request_id not in self._row_of]
+        if unknown or len(set(request_ids)) != len(request_ids):  # checked before anything changes
+            raise ValueError(f"request_ids must be distinct live requests; unknown: {unknown}, given: {request_ids}")
         origin = np.arange(self.max_requests + 1)  # [R + 1]: the row whose device content row r should hold
         for request_id in request_ids:
             self._pending_inserts.pop(request_id, None)

@@ -284,6 +284,16 @@ def test_remove_moves_the_survivors_in_one_gather_per_buffer():
     assert _device_op_count(lambda: single.remove([1])) == buffers  # one row copy per buffer
 
 
+def test_remove_checks_every_id_before_changing_anything():
+    table = make_table()
+    for request_id in (1, 2, 3):
+        table.insert(request_id, RowGroup.DECODE)
+    for bad in ([2, 9], [1, 1]):
+        with pytest.raises(ValueError, match="distinct live requests"):
+            table.remove(bad)
+        assert table.num_live == 3 and table.host.request_ids[:3].tolist() == [1, 2, 3]
+
+
 def test_insert_values_are_checked():
     table = _table_with_sampling_rows()
     with pytest.raises(ValueError, match="row_values must name"):
