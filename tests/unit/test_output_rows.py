@@ -139,7 +139,7 @@ def test_a_record_reads_its_row_while_attached_and_keeps_it_after():
     assert (records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts) == ([4, 5], 1, 1)
     assert records[8].output_tokens == [6]
     records[7].detach()
-    table.remove(7)  # request 8 moves into row 0
+    table.remove([7])  # request 8 moves into row 0
     assert table.row_of(8) == 0 and records[8].output_tokens == [6]
     assert (records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts) == ([4, 5], 1, 1)
     outputs.apply(np.array([[[0, 3, 0]]]), np.ones(1, dtype=bool), None)  # only request 8 runs now
