@@ -57,10 +57,10 @@ class NoDraftProposer(Proposer):
     """Drafts token 0 everywhere from a preallocated tensor: a step that launches no drafting work,
     the baseline of the draft phase's GPU time."""
 
-    def bind(self, controller) -> None:
-        super().bind(controller)
-        S = controller.config.num_speculative_tokens
-        self._drafts = torch.zeros(controller.config.max_requests, S, dtype=torch.int64, device=controller.device)
+    def bind(self, draft_context) -> None:
+        super().bind(draft_context)
+        S = draft_context.shape.num_speculative_tokens
+        self._drafts = torch.zeros(draft_context.shape.max_requests, S, dtype=torch.int64, device=draft_context.shape.device)
 
     def propose(self, batch):
         return self._drafts[: batch.num_requests]

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mtp_ctrl import triton_ops  # noqa: E402
-from mtp_ctrl.models.mamba_ops import causal_conv_chunk, ssm_chunk_scan  # noqa: E402
+from tests.unit.mamba_oracle import causal_conv_chunk, ssm_chunk_scan  # noqa: E402 (the per-request oracle)
 from mtp_ctrl.triton_ops import reference  # noqa: E402
 
 # (name, T, [(first row, rows)] of the prefill requests; other rows are decode rows or padding)

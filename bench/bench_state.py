@@ -32,7 +32,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from mtp_ctrl.state import DynamicInferenceContext, KVCacheSpec  # noqa: E402
+from mtp_ctrl.state import DynamicInferenceContext, EngineShape, KVCacheSpec  # noqa: E402
 from mtp_ctrl.triton_ops import rewind_kv_cache  # noqa: E402
 
 NUM_SPECULATIVE_TOKENS, BLOCK_SIZE_TOKENS, MAX_MODEL_LEN, PROMPT_LEN = 3, 16, 4096, 100
@@ -53,16 +53,12 @@ def _device_us(fn, repeats=50):
 def bench_batch(batch, steps):
     stride = NUM_SPECULATIVE_TOKENS + 1
     blocks_per_request = -(-(MAX_MODEL_LEN + NUM_SPECULATIVE_TOKENS) // BLOCK_SIZE_TOKENS)
-    ctx = DynamicInferenceContext(
-        max_requests=batch,
-        max_model_len=MAX_MODEL_LEN,
-        block_size_tokens=BLOCK_SIZE_TOKENS,
-        num_speculative_tokens=NUM_SPECULATIVE_TOKENS,
-        max_tokens_per_step=max(batch * stride, 2048),
-        kv_cache=KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16),
-        device="cuda",
-        num_blocks=batch * blocks_per_request,
-    )
+    shape = EngineShape(max_requests=batch, max_model_len=MAX_MODEL_LEN, block_size_tokens=BLOCK_SIZE_TOKENS,
+                        num_speculative_tokens=NUM_SPECULATIVE_TOKENS, max_tokens_per_step=max(batch * stride, 2048),
+                        device="cuda")
+    ctx = DynamicInferenceContext(shape, kv_cache=KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8,
+                                                              dtype=torch.bfloat16),
+                                  num_blocks=batch * max(blocks_per_request, shape.max_blocks_per_request))
     for request_id in range(batch):
         ctx.add_request(request_id, torch.randint(0, 1000, (PROMPT_LEN,)))
     generator = torch.Generator().manual_seed(batch)

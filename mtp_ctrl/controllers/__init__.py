@@ -10,12 +10,14 @@ from mtp_ctrl.controllers.hidden_state_capture import HiddenStateCapture
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.multi_layer_eagle_proposer import MultiLayerEagleProposer
 from mtp_ctrl.controllers.parallel_drafting_proposer import ParallelDraftingProposer
+from mtp_ctrl.controllers.draft_context import DraftContext
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.controllers.requests import GenerationResult
 from mtp_ctrl.controllers.stop_rules import FinishReason
 
 __all__ = [
     "DraftBatch",
+    "DraftContext",
     "EagleProposer",
     "FinishReason",
     "GenerationResult",

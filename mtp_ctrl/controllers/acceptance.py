@@ -59,7 +59,7 @@ class RequestSampling:
     they follow their requests), and the distribution a row's request samples from."""
 
     def __init__(self, table):
-        rows = {name: table.device_rows_with_scratch(name)[: table.max_requests] for name in _PARAM_ROWS}
+        rows = {name: table.device_rows_with_scratch(name)[: table.shape.max_requests] for name in _PARAM_ROWS}
         self.temperature = rows["temperature"]  # [R] float32
         self.top_k = rows["top_k"]  # [R] int64
         self.top_p = rows["top_p"]  # [R] float32
@@ -72,15 +72,14 @@ class RequestSampling:
 
 
 class DraftProbabilities:
-    """``q`` of every draft a proposer samples, for rejection acceptance: ``[R + 1, S, V]`` float32
-    request-table rows (they follow their request; the last row is the scratch row), written with
-    the same filtered softmax the draft was drawn from. Build it with :func:`draft_probabilities`
-    in ``Proposer.bind`` and return :attr:`rows` from ``Proposer.draft_probs``."""
+    """``q`` of every draft a proposer samples, for rejection acceptance: ``rows``, ``[R + 1, S, V]``
+    float32 request-table rows (they follow their request; the last row is the scratch row), written
+    with the same filtered softmax the draft was drawn from. Get one from
+    ``DraftContext.draft_probabilities`` in ``Proposer.bind`` and return :attr:`rows` from
+    ``Proposer.draft_probs``."""
 
-    def __init__(self, controller, name: str):
-        table, S = controller.context.table, controller.config.num_speculative_tokens
-        table.add_device_rows(name, (S, controller.vocab_size), torch.float32)
-        self.rows = table.device_rows_with_scratch(name)  # [R + 1, S, V] float32
+    def __init__(self, rows: torch.Tensor, table):
+        self.rows = rows  # [R + 1, S, V] float32
         self._sampling = RequestSampling(table)
 
     def record(self, logits: torch.Tensor, sampling_rows: torch.Tensor, write_rows: torch.Tensor,
@@ -96,17 +95,12 @@ class DraftProbabilities:
             self.rows[write_rows, depth] = probs
 
 
-def draft_probabilities(controller, name: str) -> Optional[DraftProbabilities]:
-    """A proposer's ``q`` rows when the controller accepts by rejection sampling, else None."""
-    return DraftProbabilities(controller, name) if controller.config.acceptance == "rejection" else None
-
-
 class RejectionAcceptance:
     """Rewrites a step's sampled tokens at the draft rows (module docstring). Built by the
     controller when ``acceptance == "rejection"`` and ``S > 0``, after the proposer is bound."""
 
-    def __init__(self, table, num_speculative_tokens: int, proposer):
-        self.num_speculative_tokens = num_speculative_tokens
+    def __init__(self, table, proposer):
+        self.shape = table.shape  # S
         self.params = RequestSampling(table)
         self.proposer = proposer
 
@@ -120,8 +114,7 @@ class RejectionAcceptance:
         the position each row's token will occupy; num_decode: ``[1]`` int64 on the device, the decode
         requests, whose ``S + 1`` rows come first (read on the device: the step may be a graph replay).
         """
-        S = self.num_speculative_tokens
-        stride, num_rows = S + 1, logits.shape[0]
+        S, stride, num_rows = self.shape.num_speculative_tokens, self.shape.stride, logits.shape[0]
         if num_rows == 0:
             return target_tokens
         row_index = torch.arange(num_rows, device=logits.device)  # [K] int64

@@ -8,6 +8,8 @@ import dataclasses
 import math
 from typing import Optional, Tuple
 
+from mtp_ctrl.state.engine_shape import EngineShape
+
 MTP_ATTENTION_MODES = ("paged", "single_position")
 ACCEPTANCE_MODES = ("exact_match", "rejection")
 MAX_DECODE_STEPS_PER_LAUNCH = 64  # a decode run's graph holds every one of its steps
@@ -138,6 +140,15 @@ class InferenceConfig:
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}")
         _require_int("decode_steps_per_launch", self.decode_steps_per_launch, 1, high=MAX_DECODE_STEPS_PER_LAUNCH)
+
+    def engine_shape(self, vocab_size: int, device, kv_dtype) -> EngineShape:
+        """The sizes the engine is built for (the one object every part reads them from), for a
+        model with ``vocab_size`` tokens whose K/V are computed in ``kv_dtype`` on ``device``."""
+        return EngineShape(max_requests=self.max_requests, max_model_len=self.max_model_len,
+                           block_size_tokens=self.block_size_tokens, num_speculative_tokens=self.num_speculative_tokens,
+                           max_tokens_per_step=self.max_tokens_per_step,
+                           decode_steps_per_launch=self.decode_steps_per_launch, device=device, kv_dtype=kv_dtype,
+                           vocab_size=vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,21 +44,19 @@ from megatron.core import parallel_state
 from mtp_ctrl.controllers.acceptance import RejectionAcceptance
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.cuda_graphs import StepGraphs
-from mtp_ctrl.controllers.mamba_step import commit_mamba_states, mamba_forward
+from mtp_ctrl.controllers.draft_context import DraftContext
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
-from mtp_ctrl.controllers.proposers import DraftBatch, Proposer, check_drafts, notify_committed
+from mtp_ctrl.controllers.proposers import Proposer, notify_committed
 from mtp_ctrl.controllers.readback import LaunchedStep, Readbacks
 from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
-from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
-from mtp_ctrl.controllers.sampling import sample_tokens
+from mtp_ctrl.controllers.requests import ControllerDebugView, GenerationResult, RequestRecord
+from mtp_ctrl.controllers.step_launch import StepLauncher
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
 from mtp_ctrl.models.runner import PagedGPTRunner
 from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
-from mtp_ctrl.state.scheduler import worst_case_blocks
-from mtp_ctrl.triton_ops import (StepCommit, draft_batch_rows, logits_row_requests, max_released_blocks,
-                                verify_and_commit)
+from mtp_ctrl.triton_ops import sample_tokens
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted by the launch applied, finished)
 
@@ -69,9 +67,10 @@ class TextGenerationController:
             raise TypeError(f"config must be an InferenceConfig, got {type(config).__name__}")
         self.config = config
         self.runner = PagedGPTRunner(model)  # TypeError for a model without the paged spec
-        self.vocab_size = model.vocab_size
-        self.device = next(model.parameters()).device
-        S = config.num_speculative_tokens
+        # what K/V will be computed in: the embedding's dtype
+        self.shape = config.engine_shape(model.vocab_size, next(model.parameters()).device,
+                                         self.runner.model.embedding.word_embeddings.weight.dtype)
+        S = self.shape.num_speculative_tokens
         if proposer is None and S > self.runner.mtp_num_layers:
             raise ValueError(f"num_speculative_tokens ({S}) exceeds the model's MTP depth ({self.runner.mtp_num_layers})")
         max_sequence_length = getattr(model, "max_sequence_length", None)
@@ -83,17 +82,20 @@ class TextGenerationController:
         self.context = self._build_context(model.config)
         self._scheduler = self.context.scheduler  # admission, pausing, preemption, chunking
         self._allocate_step_buffers()
-        self._outputs = OutputRows(self.context.table, config.max_model_len, S)
+        self._outputs = OutputRows(self.context.table)
         self.proposer = proposer if proposer is not None else MTPProposer(config.mtp_attention)
+        rejection = config.acceptance == "rejection" and S > 0
         if S > 0:
-            self.proposer.bind(self)
-        self._rejection = RejectionAcceptance(self.context.table, S, self.proposer) \
-            if config.acceptance == "rejection" and S > 0 else None
+            self.proposer.bind(DraftContext(self.shape, self.runner, self.sample_rows, self.context.table,
+                                            self.context.kv_caches, self.context.allocator.num_blocks, rejection,
+                                            finish_steps=self._sync))
+        self._launcher = StepLauncher(self.context, self.runner, self.proposer, self.sample_rows,
+                                      RejectionAcceptance(self.context.table, self.proposer) if rejection else None)
         # an MoE model's steps run eagerly: megatron's expert dispatch syncs with the host (models/moe.py)
-        use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes) and \
+        use_graphs = self.shape.device.type == "cuda" and bool(config.cuda_graph_batch_sizes) and \
             self.runner.cuda_graph_capturable
         self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
-        self.metrics = GenerationMetrics(S)
+        self.metrics = GenerationMetrics(self.shape)
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
@@ -110,58 +112,30 @@ class TextGenerationController:
     # ----- set-up ------------------------------------------------------------------------
 
     def _build_context(self, model_config) -> DynamicInferenceContext:
-        config, S = self.config, self.config.num_speculative_tokens
+        config, shape = self.config, self.shape
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         num_kv_heads = model_config.num_query_groups or model_config.num_attention_heads
-        kv_cache = KVCacheSpec(
-            num_layers=self.runner.num_kv_layers,
-            num_kv_heads=num_kv_heads // tp_size,
-            head_dim=model_config.kv_channels,
-            dtype=self.runner.model.embedding.word_embeddings.weight.dtype,  # what K/V will be computed in
-        )
+        kv_cache = KVCacheSpec(num_layers=self.runner.num_kv_layers, num_kv_heads=num_kv_heads // tp_size,
+                               head_dim=model_config.kv_channels, dtype=shape.kv_dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.kv_cache_bytes is None:
-            blocks_per_request = worst_case_blocks(config.max_model_len, 1, S, config.block_size_tokens)
-            num_blocks = config.max_requests * blocks_per_request
-        return DynamicInferenceContext(
-            max_requests=config.max_requests, max_model_len=config.max_model_len,
-            block_size_tokens=config.block_size_tokens, num_speculative_tokens=S,
-            max_tokens_per_step=config.max_tokens_per_step,
-            kv_cache=kv_cache,
-            device=self.device,
-            num_blocks=num_blocks,
-            kv_cache_bytes=config.kv_cache_bytes,
-            cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
-            mamba=self.runner.mamba_spec,  # None without Mamba layers
-            decode_steps_per_launch=config.decode_steps_per_launch,
-        )
+            num_blocks = shape.max_requests * shape.max_blocks_per_request
+        return DynamicInferenceContext(shape, kv_cache=kv_cache, num_blocks=num_blocks,
+                                       kv_cache_bytes=config.kv_cache_bytes,
+                                       cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
+                                       mamba=self.runner.mamba_spec)  # mamba: None without Mamba layers
 
     def _allocate_step_buffers(self) -> None:
-        table, R, S = self.context.table, self.config.max_requests, self.config.num_speculative_tokens
+        table, R, S = self.context.table, self.shape.max_requests, self.shape.num_speculative_tokens
+        # the requests' sampling parameters, by table row (RequestTable.insert writes them)
         self._temperature = table.add_device_rows("temperature", (), torch.float32, set_on_insert=True)  # [R] float32
         self._top_k = table.add_device_rows("top_k", (), torch.int64, set_on_insert=True)  # [R] int64
         self._top_p = table.add_device_rows("top_p", (), torch.float32, fill=1.0, set_on_insert=True)  # [R] float32
         self._seeds = table.add_device_rows("seed", (), torch.int64, set_on_insert=True)  # [R] int64
-        device, T = self.device, self.config.max_tokens_per_step
+        device, T = self.shape.device, self.shape.max_tokens_per_step
         self._greedy_params = (torch.zeros(T, device=device), torch.zeros(T, dtype=torch.int64, device=device),
                                torch.ones(T, device=device), torch.zeros(T, dtype=torch.int64, device=device))
-        self._last_accepted_rows = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
-        self._accepted_tokens = torch.full((R, S), -1, dtype=torch.int64, device=device)  # [R, S] int64
-        self._accepted_counts = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
-        self._row_requests = torch.zeros(2, R * (S + 1), dtype=torch.int64, device=device)  # [2, K] logits_row_requests
-        self._draft_positions = torch.zeros(3, R, dtype=torch.int64, device=device)  # [3, R]: draft_batch_rows
-        self._draft_samples = torch.zeros(R, dtype=torch.bool, device=device)  # [R] bool
         self._readbacks = Readbacks(self._scheduler.run_lengths[-1], R, S, device)  # K: the longest decode run
-        self._draft_rows = table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64
-        # verify_and_commit's outputs; with keep_released_blocks nothing is released (see state/context.py)
-        release_width = max_released_blocks(S, self.config.block_size_tokens)
-        release_shape = (R,) if release_width == 1 else (R, release_width)  # scratch: nothing is released
-        self._commit_out = StepCommit(
-            last_one_indices=torch.empty(R, dtype=torch.int64, device=device),  # [R] int64
-            accepted_tokens_mask=torch.empty(self.config.max_tokens_per_step, dtype=torch.bool, device=device),  # [T]
-            blocks_to_release=torch.empty(release_shape, dtype=torch.int64, device=device),  # [R] or [R, W]
-            remove_mask=torch.empty(release_shape, dtype=torch.bool, device=device),
-        )
 
     def warmup(self) -> int:
         """Capture the CUDA graph of every padded step shape now (and of every decode run length
@@ -182,7 +156,7 @@ class TextGenerationController:
                     if key not in self._graphs:
                         self._graphs.run(key, lambda: self._launch_run(step))
                         self._graphs.replay(key)  # uploads the graph now, not mid-serving
-        torch.cuda.current_stream(self.device).synchronize()  # host-ok: start-up
+        torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: start-up
         return len(self._graphs)
 
     def close(self) -> None:
@@ -224,8 +198,8 @@ class TextGenerationController:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        prompt = check_prompt(prompt_tokens, self.vocab_size, self.config.max_model_len)
-        params.check_vocab(self.vocab_size)
+        prompt = check_prompt(prompt_tokens, self.shape.vocab_size, self.shape.max_model_len)
+        params.check_vocab(self.shape.vocab_size)
         return prompt, params
 
     def _queue_request(self, prompt: List[int], params: SamplingParams) -> int:
@@ -247,7 +221,7 @@ class TextGenerationController:
             raise ValueError(f"unknown request_id {request_id} (never added, or its result was taken)")
         if record.finish_reason is None:
             raise ValueError(f"request {request_id} has not finished")
-        return GenerationResult.from_record(record, self.config.num_speculative_tokens)
+        return GenerationResult.from_record(record, self.shape.num_speculative_tokens)
 
     def pop_result(self, request_id: int) -> GenerationResult:
         """Take a finished request's result: the controller forgets the request."""
@@ -328,10 +302,35 @@ class TextGenerationController:
         the stop rules (eos ids, stop sequences, max_new_tokens, max_model_len), applied to the
         whole batch at once unless a subclass overrides this hook."""
         output = list(record.output_tokens)
-        return accept_new_tokens(output, new_tokens, record.params, len(record.prompt_tokens), self.config.max_model_len)
+        return accept_new_tokens(output, new_tokens, record.params, len(record.prompt_tokens), self.shape.max_model_len)
 
     def on_step_end(self, outputs: List[StepOutput]) -> None:
         """Called after every step with what it emitted. Default: nothing."""
+
+    # ----- debug hooks and view (for tests and tools; they change nothing) ---------------------
+
+    def on_launch(self, step: StepMetadata, graph_key: Optional[Tuple[BatchDimensions, bool, int]]) -> None:
+        """Debug hook: ``step`` (every step of a decode run) was just launched, replayed from the
+        CUDA graph ``graph_key`` ``(padded dimensions, all greedy, steps)``, or eagerly (None).
+        On the CPU the device work is done by now. Default: nothing."""
+
+    def on_apply(self, step: StepMetadata, readbacks: np.ndarray, overlapped: bool, rows_moved: bool) -> None:
+        """Debug hook: the read-back of ``step`` arrived and is about to be applied. ``readbacks``:
+        ``[k, n, S + 2]`` int64 ``[accepted count, bonus token, accepted drafts]`` per step of the
+        launch and request, in the step's row order (do not modify it). ``overlapped``: the next
+        step was launched first (False: the host waited, e.g. to pause or for the last step).
+        ``rows_moved``: rows moved since the launch (a request left or joined), so the read-back
+        is realigned by request id. Default: nothing."""
+
+    def debug_view(self) -> ControllerDebugView:
+        """A snapshot of the controller's bookkeeping (see :class:`ControllerDebugView`)."""
+        return ControllerDebugView(
+            num_cuda_graphs=0 if self._graphs is None else len(self._graphs),
+            cuda_graphs_enabled=self._graphs is not None, num_waiting=len(self._waiting),
+            num_records=len(self._records), num_unclaimed_results=len(self._finished_order),
+            num_retiring=len(self._retiring), step_in_flight=self._in_flight is not None,
+            num_prefills_held=self.context.num_prefills_held, next_request_id=self._next_request_id,
+            last_accepted_counts=self._launcher.accepted_counts)
 
     # ----- the step ------------------------------------------------------------------------
 
@@ -375,7 +374,7 @@ class TextGenerationController:
             return outputs
         previous, self._in_flight = self._in_flight, self._launch_step(step)
         if previous is not None:
-            outputs += self._apply(previous, collect)
+            outputs += self._apply(previous, collect, overlapped=True)
         if not self.config.overlap_scheduling or not self.has_unfinished_requests():
             outputs += self._apply_in_flight(collect)  # nothing to overlap with: finish now
             self._retire_finished()
@@ -421,10 +420,11 @@ class TextGenerationController:
         else:
             self._launch_run(step)
         launched = self._readbacks.end(step, self.context.table.num_moves)
-        if self.config.num_speculative_tokens > 0:
+        if self.shape.num_speculative_tokens > 0:
             for _ in range(step.num_steps):
                 self.proposer.on_step_scheduled(step)
         self._steps_launched += step.num_steps
+        self.on_launch(step, key)
         return launched
 
     def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int]]:
@@ -437,17 +437,19 @@ class TextGenerationController:
         """Every step of the launch (one, or a decode run): each derives its inputs on the device
         from the one before and stages its read-back in its own slot."""
         for index in range(step.num_steps):
-            self._launch(step, self._readbacks.slot(index))
+            self._launcher.launch(step, self._readbacks.slot(index), self._all_greedy)
 
     def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
+        """Apply the step in flight with nothing launched after it (the host waits for the GPU)."""
         launched, self._in_flight = self._in_flight, None
-        return self._apply(launched, collect)
+        return self._apply(launched, collect, overlapped=False)
 
-    def _apply(self, launched: LaunchedStep, collect: bool) -> List[StepOutput]:
+    def _apply(self, launched: LaunchedStep, collect: bool, overlapped: bool) -> List[StepOutput]:
         """Wait for a launch's read-back and apply it on the host (every step of a decode run:
         a request that stopped in one of them emits nothing after it)."""
         step = launched.step
         readbacks, gpu_seconds = self._readbacks.wait(launched)  # [k, n_s, S + 2], the step's row order
+        self.on_apply(step, readbacks, overlapped, self.context.table.num_moves != launched.table_moves)
         if gpu_seconds is not None:
             self.metrics.record_gpu(gpu_seconds, step.num_steps)
         num_decode, table, num_launched = step.num_decode, self.context.table, readbacks.shape[1]
@@ -472,7 +474,7 @@ class TextGenerationController:
         else:
             emitted, finished = self._outputs.apply(
                 readbacks, decode, lambda row: self._records[int(request_ids[row])].params, present)  # [k, m]
-        if self.config.num_speculative_tokens > 0:
+        if self.shape.num_speculative_tokens > 0:
             notify_committed(self.proposer, step, readbacks, emitted, rows)
         self.metrics.record_acceptance(readbacks[:, :, 0][decode[None, :] & (emitted > 0)])
         self.metrics.emitted_tokens += int(emitted.sum())
@@ -493,8 +495,8 @@ class TextGenerationController:
         and release its state, so the controller stays usable. Waiting requests stay queued."""
         self._in_flight = None
         self.context.abandon_steps_in_flight()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # host-ok: error path
+        if self.shape.device.type == "cuda":
+            torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: error path
         for request_id in list(self._scheduler.admission_order):
             record = self._records.get(request_id)
             if record is not None and record.finish_reason is None:
@@ -502,72 +504,6 @@ class TextGenerationController:
             if request_id not in self._retiring:
                 self._retiring.append(request_id)
         self._retire_finished()
-
-    def _launch(self, step: StepMetadata, readback: torch.Tensor) -> None:
-        """The GPU part of a step: inputs, forward, sample, verify + commit, draft, stage the
-        read-back into ``readback`` (``[R, S + 2]`` int64 on the device).
-
-        No host sync, and no value-dependent Python: the grid is the step's (padded) request
-        count, every request has ``1 + S`` logits rows, and the real counts (requests, decode
-        requests, sampling requests) are read on the device, so a padded step can be captured.
-        """
-        S, context, attention = self.config.num_speculative_tokens, self.context, step.attention
-        context.prepare_inputs(step)
-        grid = attention.batch_size  # G
-        rows = step.logits_indices  # [G * (1 + S)] int64: decode rows, final chunk ends, then ignored
-        num_decode = step.device_num_decode  # [1] int64
-        mamba = None
-        if context.mamba is not None:  # a padded grid: every request may decode, those past the real ones as scratch
-            padded = step.graph_padded or step.decode_only
-            mamba = mamba_forward(context, step, grid if padded else step.num_decode,
-                                  step.device_num_decode if padded else None)
-        logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
-                                             logits_rows=rows, mamba=mamba)  # [G * (1 + S), V], [T, H]
-
-        # [K] int64 each: the table row of each logits row, where its token goes
-        row_requests, positions = self._row_requests[:, : rows.shape[0]]
-        logits_row_requests(rows, attention.positions, num_decode, S, grid, row_requests, positions)
-        output_tokens = self.sample_rows(logits, row_requests, positions)
-        if self._rejection is not None and not self._all_greedy:  # draft rows: accept min(1, p/q) or resample
-            output_tokens = self._rejection.resample(logits, output_tokens, step.input_ids[rows], row_requests,
-                                                     positions, num_decode)
-        self._accepted_tokens.fill_(-1)
-        self._accepted_counts.zero_()
-        table = context.table.device
-        verify_and_commit(
-            step.input_ids[rows], output_tokens, rows,
-            context.table.next_tokens, self._last_accepted_rows, self._accepted_tokens, self._accepted_counts,
-            table.last_kv_block_offset[:grid], table.kv_length_offsets[:grid],
-            table.kv_block_counts[:grid], table.last_kv_block_id[:grid], table.kv_block_ids[:grid],
-            grid, 0, S, self.config.block_size_tokens, num_active_requests=step.device_num_sampling,
-            out=self._commit_buffers(grid, rows.shape[0]), keep_released_blocks=True, decode_count=num_decode,
-        )
-        if mamba is not None and mamba.decode_slot_ids.shape[0] > 0:
-            commit_mamba_states(context, mamba.decode_slot_ids, self._accepted_counts, mamba.decode_slot_ids.shape[0])
-        if S > 0:
-            scratch_row = context.table.scratch_row
-            write_rows, first_positions, bonus_positions = self._draft_positions[:, :grid]  # [G] int64 each
-            samples = self._draft_samples[:grid]  # [G] bool
-            draft_batch_rows(attention.query_start_loc[: grid + 1], attention.seq_lens[:grid], self._accepted_counts,
-                             step.counts, S, scratch_row, write_rows, samples, first_positions, bonus_positions)
-            drafts = self.proposer.propose(DraftBatch(
-                step=step, hidden=hidden, num_requests=grid, num_sampling_requests=grid, samples=samples,
-                next_tokens=context.table.next_tokens[:grid], last_accepted_rows=self._last_accepted_rows[:grid],
-                accepted_counts=self._accepted_counts[:grid], write_rows=write_rows, first_positions=first_positions,
-                bonus_positions=bonus_positions, aux_hidden=self.runner.aux_hidden))
-            check_drafts(self.proposer, drafts, (grid, S), self.device)
-            # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
-            self._draft_rows[torch.where(samples, write_rows, scratch_row)] = drafts.clamp(0, self.vocab_size - 1)
-        staged = readback[:grid]  # [G, S + 2]
-        staged[:, 0] = self._accepted_counts[:grid]
-        staged[:, 1] = context.table.next_tokens[:grid]
-        staged[:, 2:] = self._accepted_tokens[:grid]
-
-    def _commit_buffers(self, num_requests: int, num_rows: int) -> StepCommit:
-        """Views of the preallocated outputs of ``verify_and_commit`` for this step's grid."""
-        buffers = self._commit_out
-        return StepCommit(buffers.last_one_indices[:num_requests], buffers.accepted_tokens_mask[:num_rows],
-                          buffers.blocks_to_release[:num_requests], buffers.remove_mask[:num_requests])
 
     # ----- batch API -----------------------------------------------------------------------
 

@@ -36,14 +36,12 @@ without prefill chunks, runs inside its CUDA graph (padding requests write nothi
 target's noise at the draft's position).
 """
 
-from typing import Optional
-
 import torch
 
-from mtp_ctrl.controllers.acceptance import draft_probabilities
-from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
+from mtp_ctrl.controllers.aux_draft_proposer import AuxDraftProposer
+from mtp_ctrl.controllers.draft_context import DraftContext
+from mtp_ctrl.controllers.proposers import DraftBatch
 from mtp_ctrl.models.eagle_head import EagleHead
-from mtp_ctrl.models.runner import check_aux_layer_ids
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.triton_ops import (
     copy_and_expand_eagle_inputs,
@@ -52,64 +50,33 @@ from mtp_ctrl.triton_ops import (
 )
 
 
-def attach_draft_module(module, name: str, controller) -> None:
-    """Check that an EAGLE-family draft ``module`` (``name`` in errors) fits the controller's target
-    (hidden size, device, aux layers), then make the target's forward expose those aux layers."""
-    runner = controller.runner
-    if module.config.hidden_size != runner.model.config.hidden_size:
-        raise ValueError(f"{name} hidden size {module.config.hidden_size} != the target's "
-                         f"{runner.model.config.hidden_size}")
-    parameter = next(module.parameters())
-    if parameter.device != controller.device:
-        raise ValueError(f"{name} lives on {parameter.device}, the target on {controller.device}")
-    check_aux_layer_ids(module.aux_layer_ids, runner.num_decoder_layers)
-    runner.set_aux_layers(module.aux_layer_ids)
-
-
-class EagleProposer(Proposer):
+class EagleProposer(AuxDraftProposer):
     """Serial EAGLE drafting with ``head``; pass it as ``TextGenerationController(model, config, proposer=...)``."""
+
+    probs_name = "eagle_draft_probs"
 
     def __init__(self, head: EagleHead):
         if not isinstance(head, EagleHead):
             raise TypeError(f"head must be an EagleHead (mtp_ctrl.models.build_eagle_head), got {type(head).__name__}")
-        self.head = head.eval()
+        super().__init__(head)
+        self.head = self.module
 
-    def bind(self, controller) -> None:
-        runner, context = controller.runner, controller.context
-        head = self.head
-        attach_draft_module(head, "head", controller)
-        super().bind(controller)
-        S = self.num_speculative_tokens = controller.config.num_speculative_tokens
-        block_size = self._block_size = context.block_size_tokens
+    def bind(self, draft_context: DraftContext) -> None:
+        super().bind(draft_context)  # checks the head against the target, exposes its aux layers
+        shape = draft_context.shape
+        S, block_size = shape.num_speculative_tokens, shape.block_size_tokens
         self._tail_blocks = 0 if S == 1 else -(-(S - 1) // block_size) + 1
-        self._num_blocks = context.allocator.num_blocks
-        self._scratch_row = context.table.scratch_row
-        self._max_positions = (context.max_blocks_per_request + self._tail_blocks) * block_size
-        attention = head.transformer_layer.self_attention.core_attention
-        rows = context.table.max_requests + 1  # every table row and the scratch row own a tail
-        shape = (self._num_blocks + rows * self._tail_blocks, block_size, attention.num_kv_heads_local,
-                 attention.head_dim)  # [num_blocks + (R + 1) * tail, block_size, Hkv_local, D]
-        dtype = runner.model.embedding.word_embeddings.weight.dtype
-        self._kv_caches = [(torch.zeros(shape, dtype=dtype, device=controller.device),
-                            torch.zeros(shape, dtype=dtype, device=controller.device))]
-        self._draft_probs = draft_probabilities(controller, "eagle_draft_probs")  # q (rejection acceptance only)
-
-    def draft_probs(self) -> Optional[torch.Tensor]:
-        return None if self._draft_probs is None else self._draft_probs.rows
-
-    def _record_draft_probs(self, batch: DraftBatch, logits: torch.Tensor, sampling_rows: torch.Tensor,
-                            depth: Optional[int] = None) -> None:
-        """q of the drafts just sampled from ``logits`` (rejection acceptance only)."""
-        if self._draft_probs is not None:
-            write_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)  # [G] int64
-            self._draft_probs.record(logits, sampling_rows, write_rows, depth)
+        self._max_positions = (shape.max_blocks_per_request + self._tail_blocks) * block_size
+        attention = self.head.transformer_layer.self_attention.core_attention
+        # every table row and the scratch row own a tail: [num_blocks + (R + 1) * tail, bs, Hkv_local, D]
+        self._kv_caches = draft_context.allocate_kv_cache(attention.num_kv_heads_local, attention.head_dim,
+                                                          extra_blocks=(shape.max_requests + 1) * self._tail_blocks)
 
     # ----- drafting ------------------------------------------------------------------------
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
-        if batch.aux_hidden is None:
-            raise RuntimeError("EagleProposer: the step carries no aux hidden states (runner.set_aux_layers was undone)")
-        S, step, runner = self.num_speculative_tokens, batch.step, self.controller.runner
+        self._check_aux_hidden(batch)
+        S, step, runner = self.draft_context.shape.num_speculative_tokens, batch.step, self.draft_context.runner
         attention, device = step.attention, batch.hidden.device
         G = batch.num_requests  # every request of the grid drafts; rows of those not sampling are ignored
         block_table = self._head_block_table(attention.block_table, batch.write_rows)  # [G, MB + tail]
@@ -139,7 +106,7 @@ class EagleProposer(Proposer):
                                               logits_rows=draft_rows)  # [G, V], [T, H]
         sampling_rows = torch.arange(G, device=device)
         drafts = torch.empty(G, S, dtype=torch.int64, device=device)  # [G, S]
-        drafts[:, 0] = self.controller.sample_rows(logits, sampling_rows, ends + 1)
+        drafts[:, 0] = self.draft_context.sample_rows(logits, sampling_rows, ends + 1)
         self._record_draft_probs(batch, logits, sampling_rows, 0)
         if S == 1:
             return drafts
@@ -153,7 +120,7 @@ class EagleProposer(Proposer):
         for depth in range(1, S):
             next_positions = torch.empty_like(step_positions)  # [G] int64
             slots = torch.empty_like(step_positions)  # [G] int64
-            eagle_step_update_slot_mapping_and_metadata(step_positions, block_table, seq_lens, self._block_size,
+            eagle_step_update_slot_mapping_and_metadata(step_positions, block_table, seq_lens, self.draft_context.shape.block_size_tokens,
                                                         self._max_positions, next_positions, slots)
             metadata = AttentionMetadata(
                 query_start_loc=one_row_each, seq_lens=seq_lens, slot_mapping=torch.where(real, slots, -1),
@@ -161,19 +128,10 @@ class EagleProposer(Proposer):
                 max_seq_len=self._max_positions)
             logits, features = runner.eagle_forward(self.head, features, drafts[:, depth - 1], next_positions,
                                                     metadata, self._kv_caches)  # [G, V], [G, H]
-            drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, ends + depth + 1)
+            drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, ends + depth + 1)
             self._record_draft_probs(batch, logits, sampling_rows, depth)
             step_positions = next_positions
         return drafts
-
-    def _next_tokens(self, batch: DraftBatch) -> torch.Tensor:
-        """``[G]`` int64: the token after each request's last verified row: the bonus token, or for
-        a chunk that does not end its prompt (the only real request that does not sample) the
-        next prompt token, which the step staged on the device."""
-        step = batch.step
-        request_index = torch.arange(batch.num_requests, device=batch.next_tokens.device)
-        mid_prompt = (request_index < step.num_active) & ~batch.samples
-        return torch.where(mid_prompt, step.next_prompt_token, batch.next_tokens)
 
     def _head_block_table(self, block_table: torch.Tensor, write_rows: torch.Tensor) -> torch.Tensor:
         """``[G, MB + tail]``: the requests' block table with every unused entry (-1) and the extra
@@ -184,7 +142,7 @@ class EagleProposer(Proposer):
             return block_table
         num_requests, width = block_table.shape[0], block_table.shape[1] + tail
         columns = torch.arange(width, device=block_table.device)
-        tail_ids = self._num_blocks + write_rows[:, None] * tail + columns[None, :] % tail  # [G, MB + tail]
+        tail_ids = self.draft_context.num_kv_blocks + write_rows[:, None] * tail + columns[None, :] % tail  # [G, MB + tail]
         extended = torch.cat([block_table, block_table.new_full((num_requests, tail), -1)], dim=1)
         return torch.where(extended >= 0, extended, tail_ids.to(extended.dtype))
 

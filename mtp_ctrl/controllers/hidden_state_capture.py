@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from mtp_ctrl.controllers.draft_context import DraftContext
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.models.runner import check_aux_layer_ids
 from mtp_ctrl.state.step_metadata import StepMetadata
@@ -58,26 +59,25 @@ class HiddenStateCapture(Proposer):
         self.shard_paths = []  # written so far, in order
         self.records_written = 0
 
-    def bind(self, controller) -> None:
-        runner, config = controller.runner, controller.config
-        if config.num_speculative_tokens != 1:
-            raise ValueError(f"HiddenStateCapture needs num_speculative_tokens == 1, got {config.num_speculative_tokens}")
+    def bind(self, draft_context: DraftContext) -> None:
+        runner, shape = draft_context.runner, draft_context.shape
+        if shape.num_speculative_tokens != 1:
+            raise ValueError(f"HiddenStateCapture needs num_speculative_tokens == 1, got {shape.num_speculative_tokens}")
         check_aux_layer_ids(self.aux_layer_ids, runner.num_decoder_layers)
         # one launch: a step with prefill, or a decode run of up to decode_steps_per_launch steps
-        self._most_rows_per_launch = max(config.max_tokens_per_step,
-                                         config.decode_steps_per_launch * config.max_requests * 2)
+        self._most_rows_per_launch = max(shape.max_tokens_per_step,
+                                         shape.decode_steps_per_launch * shape.max_requests * 2)
         if self.capacity_tokens < self._most_rows_per_launch:
             raise ValueError(f"capacity_tokens ({self.capacity_tokens}) must hold one launch's rows: "
                              f">= max(max_tokens_per_step, decode_steps_per_launch x max_requests x 2) "
                              f"= {self._most_rows_per_launch}")
-        super().bind(controller)
+        super().bind(draft_context)
         runner.set_aux_layers(self.aux_layer_ids)
-        device, capacity = controller.device, self.capacity_tokens
-        self._hidden_size = runner.model.config.hidden_size
+        device, capacity = shape.device, self.capacity_tokens
+        self._hidden_size = runner.hidden_size
         width = len(self.aux_layer_ids) * self._hidden_size
-        dtype = runner.model.embedding.word_embeddings.weight.dtype
         # row `capacity` is a scratch row: rows that record nothing are written there
-        self._hidden = torch.zeros(capacity + 1, width, dtype=dtype, device=device)  # [C + 1, k * H]
+        self._hidden = torch.zeros(capacity + 1, width, dtype=shape.kv_dtype, device=device)  # [C + 1, k * H]
         self._records = torch.zeros(3, capacity + 1, dtype=torch.int64, device=device)  # token, position, request id
         self._count = torch.zeros(1, dtype=torch.int64, device=device)  # [1] records in the buffer
         self._host_bound = 0  # >= the device count: every row the host scheduled since the last flush
@@ -112,8 +112,9 @@ class HiddenStateCapture(Proposer):
 
     def flush(self) -> None:
         """Wait for the launched steps, write the buffer as one shard (if it holds records), empty it."""
-        if self.controller.device.type == "cuda":
-            torch.cuda.current_stream(self.controller.device).synchronize()  # host-ok: a flush, not a step
+        device = self.draft_context.shape.device
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # host-ok: a flush, not a step
         count = int(self._count[0])  # host-ok: a flush
         self._host_bound = 0
         if count == 0:
@@ -134,8 +135,8 @@ class HiddenStateCapture(Proposer):
         self._count.zero_()
 
     def close(self) -> None:
-        """Finish the controller's step in flight and write what the buffer holds."""
-        self.controller.close()
+        """Finish the steps in flight and write what the buffer holds."""
+        self.draft_context.finish_steps_in_flight()
         self.flush()
 
 

@@ -6,6 +6,8 @@ from typing import Any, Deque, Dict, List, Sequence
 
 import numpy as np
 
+from mtp_ctrl.state.engine_shape import EngineShape
+
 
 class GenerationMetrics:
     """Acceptance per draft depth, mean accepted length, tokens/s and the host/GPU split of a step.
@@ -18,14 +20,14 @@ class GenerationMetrics:
     on both clocks.
     """
 
-    def __init__(self, num_speculative_tokens: int):
-        self.num_speculative_tokens = num_speculative_tokens
+    def __init__(self, shape: EngineShape):
+        self.shape = shape  # S: the draft depths counted
         self.reset()
 
     def reset(self) -> None:
         """Start counting afresh (e.g. after a warm-up run)."""
-        self.drafted_per_depth = [0] * self.num_speculative_tokens  # drafts proposed at depth k + 1
-        self.accepted_per_depth = [0] * self.num_speculative_tokens  # of those, accepted
+        self.drafted_per_depth = [0] * self.shape.num_speculative_tokens  # drafts proposed at depth k + 1
+        self.accepted_per_depth = [0] * self.shape.num_speculative_tokens  # of those, accepted
         self.verify_steps = 0  # request-steps that verified drafts (decode rows)
         self.emitted_tokens = 0
         self.steps = 0
@@ -33,18 +35,17 @@ class GenerationMetrics:
         self.gpu_steps = 0
         self.gpu_seconds = 0.0
         self.gpu_step_seconds: Deque[float] = collections.deque(maxlen=4096)  # the latest steps' GPU times
-        self.phase_seconds: Dict[str, float] = collections.defaultdict(float)
         self._started = time.perf_counter()
 
     def record_acceptance(self, accepted_counts: Sequence[int]) -> None:
         """One entry per decode request of a step: its accepted drafts (ints or an int array)."""
         counts = np.asarray(accepted_counts, dtype=np.int64)
         self.verify_steps += int(counts.shape[0])
-        if self.num_speculative_tokens:
+        if self.shape.num_speculative_tokens:
             # a request that accepted a drafts accepted depths 1..a: count requests with a > depth
-            histogram = np.bincount(counts, minlength=self.num_speculative_tokens + 1)
+            histogram = np.bincount(counts, minlength=self.shape.num_speculative_tokens + 1)
             reaching = histogram[::-1].cumsum()[::-1]  # [S + 1]: requests accepting at least k
-            for depth in range(self.num_speculative_tokens):
+            for depth in range(self.shape.num_speculative_tokens):
                 self.drafted_per_depth[depth] += int(counts.shape[0])
                 self.accepted_per_depth[depth] += int(reaching[depth + 1])
 
@@ -58,9 +59,6 @@ class GenerationMetrics:
         self.gpu_steps += steps
         self.gpu_seconds += seconds
         self.gpu_step_seconds.extend([seconds / steps] * steps)
-
-    def record_phase(self, name: str, seconds: float) -> None:
-        self.phase_seconds[name] += seconds
 
     @property
     def acceptance_per_depth(self) -> List[float]:
@@ -96,7 +94,7 @@ class GenerationMetrics:
             "tokens_per_second": self.emitted_tokens / max(elapsed, 1e-9),
             "emitted_tokens": int(self.emitted_tokens),
             "elapsed_seconds": elapsed,
-            "num_speculative_tokens": int(self.num_speculative_tokens),
+            "num_speculative_tokens": int(self.shape.num_speculative_tokens),
             "verify_steps": int(self.verify_steps),
             "mean_accepted_length": float(self.mean_accepted_length),
             "acceptance_per_depth": [float(rate) for rate in self.acceptance_per_depth],

@@ -40,7 +40,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from mtp_ctrl.controllers.acceptance import draft_probabilities
+from mtp_ctrl.controllers.draft_context import DraftContext
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.triton_ops import mtp_advance_window, mtp_draft_window
@@ -52,26 +52,19 @@ class MTPProposer(Proposer):
             raise ValueError(f"mode must be 'paged' or 'single_position', got {mode!r}")
         self.mode = mode
 
-    def bind(self, controller) -> None:
-        super().bind(controller)
-        runner, context = controller.runner, controller.context
-        S = self.num_speculative_tokens = controller.config.num_speculative_tokens
+    def bind(self, draft_context: DraftContext) -> None:
+        super().bind(draft_context)
+        runner, shape = draft_context.runner, draft_context.shape
+        S = shape.num_speculative_tokens
         if S > runner.mtp_num_layers:
             raise ValueError(f"num_speculative_tokens ({S}) exceeds the model's MTP depth ({runner.mtp_num_layers})")
-        table = context.table
-        self._ring_size = S
-        self._history_len = context.max_model_len + 2 * S + 2
-        self._scratch_row = table.scratch_row
-        hidden_size = runner.model.config.hidden_size
-        table.add_device_rows("mtp_token_history", (self._history_len,), torch.int64)
-        table.add_device_rows("mtp_hidden_ring", (S, hidden_size), context.kv_caches[0][0].dtype)
-        table.add_device_rows("mtp_window_start", (), torch.int64)
+        self._history_len = shape.max_model_len + 2 * S + 2
         # [R + 1, ...] each (last row: scratch): verified tokens by position, then the drafts;
         # decoder hidden of the last S accepted positions (position p at p % S); window start w
-        self._token_history = table.device_rows_with_scratch("mtp_token_history")
-        self._hidden_ring = table.device_rows_with_scratch("mtp_hidden_ring")
-        self._window_start = table.device_rows_with_scratch("mtp_window_start")
-        self._draft_probs = draft_probabilities(controller, "mtp_draft_probs")  # q (rejection acceptance only)
+        self._token_history = draft_context.add_device_rows("mtp_token_history", (self._history_len,), torch.int64)
+        self._hidden_ring = draft_context.add_device_rows("mtp_hidden_ring", (S, runner.hidden_size), shape.kv_dtype)
+        self._window_start = draft_context.add_device_rows("mtp_window_start", (), torch.int64)
+        self._draft_probs = draft_context.draft_probabilities("mtp_draft_probs")  # q (rejection acceptance only)
 
     def draft_probs(self) -> Optional[torch.Tensor]:
         return None if self._draft_probs is None else self._draft_probs.rows
@@ -79,7 +72,7 @@ class MTPProposer(Proposer):
     # ----- drafting ------------------------------------------------------------------------
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
-        S, device, num_requests = self.num_speculative_tokens, batch.hidden.device, batch.num_requests
+        S, device, num_requests = self.draft_context.shape.num_speculative_tokens, batch.hidden.device, batch.num_requests
         ends = batch.bonus_positions  # [G] int64, e: the bonus token's position
         if self.mode == "paged":
             hidden, positions, history_rows, metadata = self._paged_window(batch)
@@ -88,9 +81,9 @@ class MTPProposer(Proposer):
             hidden, positions, history_rows, metadata = self._single_position_rows(batch, ends)
         last_rows = metadata.query_start_loc[1:].long() - 1  # [G] each request's row at e - 1
         sampling_rows = torch.arange(num_requests, device=device)
-        draft_write_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)  # [G] int64
+        draft_write_rows = torch.where(batch.samples, batch.write_rows, self.draft_context.scratch_row)  # [G] int64
         drafts = torch.empty(num_requests, S, dtype=torch.int64, device=device)  # [G, S]
-        runner, kv_caches = self.controller.runner, self.controller.context.kv_caches
+        runner, kv_caches = self.draft_context.runner, self.draft_context.target_kv_caches
         row_positions = positions.clamp(min=0)
         rotary = runner.rotary_tables(row_positions)  # the same rows at every depth
         depth_offsets = torch.arange(1, S + 1, device=device)[:, None]  # [S, 1]
@@ -101,7 +94,7 @@ class MTPProposer(Proposer):
             tokens = self._token_history[history_rows, token_index[depth]]  # [Tm] int64
             logits, hidden = runner.mtp_forward(depth, hidden, tokens, row_positions, metadata, kv_caches,
                                                 logits_rows=last_rows, rotary=rotary)  # [G, V] logits
-            drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, draft_positions[depth])
+            drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, draft_positions[depth])
             if self._draft_probs is not None:  # q: the same filtered softmax the draft was drawn from
                 self._draft_probs.record(logits, sampling_rows, draft_write_rows, depth)
             self._token_history[draft_write_rows, draft_positions[depth]] = drafts[:, depth]
@@ -115,7 +108,7 @@ class MTPProposer(Proposer):
         """(Tm, the longest window): bounds fixed by the step's shape, so a padded step can be
         captured. A decode request's window has ``2S`` rows (the most it spans); a prefill chunk's
         covers ``[w, e)``, at most ``q + S`` rows."""
-        step, S, num_requests = batch.step, self.num_speculative_tokens, batch.num_requests
+        step, S, num_requests = batch.step, self.draft_context.shape.num_speculative_tokens, batch.num_requests
         num_rows = step.input_ids.shape[0]
         if step.decode_only:
             return num_requests * 2 * S, 2 * S
@@ -130,7 +123,7 @@ class MTPProposer(Proposer):
         returns its outputs: window query_start_loc [G + 1] int32, positions, slot mapping and
         table rows [Tm] int64, depth 0's hidden [Tm, H]."""
         step, device, num_requests = batch.step, batch.hidden.device, batch.num_requests
-        attention = step.attention
+        attention, shape = step.attention, self.draft_context.shape
         window_query_start_loc = torch.empty(num_requests + 1, dtype=torch.int32, device=device)
         positions, slot_mapping, history_rows = torch.empty(3, num_window_rows, dtype=torch.int64, device=device)
         hidden = torch.empty(num_window_rows, batch.hidden.shape[1], dtype=batch.hidden.dtype, device=device)
@@ -140,7 +133,7 @@ class MTPProposer(Proposer):
             batch.write_rows, batch.samples, step.device_num_decode, step.num_active,
             attention.positions[:num_rows], step.input_ids[:num_rows], batch.next_tokens, batch.hidden,
             attention.block_table[:num_requests], self._window_start, self._token_history, self._hidden_ring,
-            self.num_speculative_tokens, self.controller.config.block_size_tokens, self._scratch_row,
+            shape.num_speculative_tokens, shape.block_size_tokens, self.draft_context.scratch_row,
             window_query_start_loc, positions, slot_mapping, history_rows, hidden)
         return window_query_start_loc, positions, slot_mapping, history_rows, hidden
 
@@ -171,7 +164,7 @@ class MTPProposer(Proposer):
         0 of its first block in the depth's cache, which nothing else reads); rows of requests
         that did not sample are masked."""
         step, device, num_requests = batch.step, batch.hidden.device, batch.num_requests
-        block_size = self.controller.config.block_size_tokens
+        block_size = self.draft_context.shape.block_size_tokens
         block_table = step.attention.block_table[:num_requests]
         metadata = AttentionMetadata(
             query_start_loc=torch.arange(num_requests + 1, dtype=torch.int32, device=device),
@@ -184,5 +177,5 @@ class MTPProposer(Proposer):
             max_seq_len=1,
         )
         hidden = batch.hidden[batch.last_accepted_rows.clamp(min=0)]  # [G, H]
-        history_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)
+        history_rows = torch.where(batch.samples, batch.write_rows, self.draft_context.scratch_row)
         return hidden, ends - 1, history_rows, metadata

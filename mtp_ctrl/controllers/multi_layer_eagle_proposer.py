@@ -33,70 +33,55 @@ Drafts are sampled like the other proposers' (the request's own parameters and t
 noise at the draft's position).
 """
 
-from typing import Optional
 
 import torch
 
-from mtp_ctrl.controllers.acceptance import draft_probabilities
-from mtp_ctrl.controllers.eagle_proposer import attach_draft_module
-from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
+from mtp_ctrl.controllers.aux_draft_proposer import AuxDraftProposer
+from mtp_ctrl.controllers.draft_context import DraftContext
+from mtp_ctrl.controllers.proposers import DraftBatch
 from mtp_ctrl.models.multi_layer_eagle import MultiLayerEagleHeads
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.triton_ops import shift_and_gather_cache, shift_and_gather_cache_hidden
 
 
-class MultiLayerEagleProposer(Proposer):
+class MultiLayerEagleProposer(AuxDraftProposer):
     """Drafts with ``heads`` (one layer per draft); pass it as
     ``TextGenerationController(model, config, proposer=...)`` with ``num_speculative_tokens ==
     heads.num_layers``."""
+
+    module_name = "heads"
+    probs_name = "multi_layer_eagle_draft_probs"
 
     def __init__(self, heads: MultiLayerEagleHeads):
         if not isinstance(heads, MultiLayerEagleHeads):
             raise TypeError("heads must be MultiLayerEagleHeads (mtp_ctrl.models.build_multi_layer_eagle_heads), "
                             f"got {type(heads).__name__}")
-        self.heads = heads.eval()
+        super().__init__(heads)
+        self.heads = self.module
 
-    def bind(self, controller) -> None:
-        runner, context, heads = controller.runner, controller.context, self.heads
-        S = controller.config.num_speculative_tokens
+    def bind(self, draft_context: DraftContext) -> None:
+        shape, heads = draft_context.shape, self.heads
+        S = shape.num_speculative_tokens
         if S != heads.num_layers:
             raise ValueError(f"num_speculative_tokens ({S}) must equal the number of draft layers of the heads "
                              f"({heads.num_layers}): layer k drafts token k")
-        hidden_size = runner.model.config.hidden_size
-        attach_draft_module(heads, "heads", controller)
-        super().bind(controller)
-        self.num_speculative_tokens = S
+        super().bind(draft_context)  # checks the heads against the target, exposes their aux layers
         self._cache_rows = 2 * S - 1  # MAX_SHIFT: the most window rows a step takes from the cache
-        dtype = runner.model.embedding.word_embeddings.weight.dtype
-        table = context.table
         # [R + 1, 2S - 1] int64 / [R + 1, 2S - 1, H]: the last window rows of each request (oldest first)
-        for name, shape, row_dtype in (("tokens", (), torch.int64), ("positions", (), torch.int64),
-                                       ("features", (hidden_size,), dtype)):
-            table.add_device_rows(f"multi_layer_eagle_{name}", (self._cache_rows, *shape), row_dtype)
         self._cached_tokens, self._cached_positions, self._cached_features = (
-            table.device_rows_with_scratch(f"multi_layer_eagle_{name}") for name in ("tokens", "positions", "features"))
-        self._block_size = context.block_size_tokens
-        shape = (context.allocator.num_blocks, self._block_size, *self._kv_head_shape())  # [blocks, bs, Hkv_local, D]
-        device = controller.device
-        self._kv_caches = [[(torch.zeros(shape, dtype=dtype, device=device),
-                             torch.zeros(shape, dtype=dtype, device=device))] for _ in range(S)]  # a pair per layer
-        self._scratch_row = table.scratch_row
-        self._draft_probs = draft_probabilities(controller, "multi_layer_eagle_draft_probs")  # q (rejection only)
-
-    def draft_probs(self) -> Optional[torch.Tensor]:
-        return None if self._draft_probs is None else self._draft_probs.rows
-
-    def _kv_head_shape(self):
-        attention = self.heads.layers[0].transformer_layer.self_attention.core_attention
-        return attention.num_kv_heads_local, attention.head_dim
+            draft_context.add_device_rows(f"multi_layer_eagle_{name}", (self._cache_rows, *row_shape), dtype)
+            for name, row_shape, dtype in (("tokens", (), torch.int64), ("positions", (), torch.int64),
+                                           ("features", (draft_context.runner.hidden_size,), shape.kv_dtype)))
+        attention = heads.layers[0].transformer_layer.self_attention.core_attention
+        # a [blocks, bs, Hkv_local, D] pair per layer
+        self._kv_caches = [draft_context.allocate_kv_cache(attention.num_kv_heads_local, attention.head_dim)
+                           for _ in range(S)]
 
     # ----- drafting ------------------------------------------------------------------------
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
-        if batch.aux_hidden is None:
-            raise RuntimeError("MultiLayerEagleProposer: the step carries no aux hidden states "
-                               "(runner.set_aux_layers was undone)")
-        S, step, runner = self.num_speculative_tokens, batch.step, self.controller.runner
+        self._check_aux_hidden(batch)
+        S, step, runner = self.draft_context.shape.num_speculative_tokens, batch.step, self.draft_context.runner
         G, device = batch.num_requests, batch.hidden.device
         window = self._window(batch)
         tokens, positions, features = self._shift_in_cache(batch, window)  # [Tw], [Tw], [Tw, H]
@@ -113,10 +98,8 @@ class MultiLayerEagleProposer(Proposer):
         for depth, layer in enumerate(self.heads.layers):
             logits, features = runner.eagle_forward(layer, features, tokens, positions, metadata,
                                                     self._kv_caches[depth], logits_rows=draft_rows)  # [G, V], [Tw, H]
-            drafts[:, depth] = self.controller.sample_rows(logits, sampling_rows, ends + depth + 1)
-            if self._draft_probs is not None:  # q: the same filtered softmax the draft was drawn from
-                write_rows = torch.where(batch.samples, batch.write_rows, self._scratch_row)  # [G] int64
-                self._draft_probs.record(logits, sampling_rows, write_rows, depth)
+            drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, ends + depth + 1)
+            self._record_draft_probs(batch, logits, sampling_rows, depth)
             if depth + 1 < S:  # the next layer reads one token further: shift left, d_{depth+1} at e - 1
                 shifted = torch.cat([tokens[1:], tokens[-1:]])  # [Tw] int64
                 tokens = torch.where(is_draft_row, drafts[owners, depth], shifted)
@@ -124,7 +107,7 @@ class MultiLayerEagleProposer(Proposer):
 
     def _window(self, batch: DraftBatch) -> dict:
         """Each request's window (device tensors; ``Tw`` rows, a bound fixed by the step's shape)."""
-        S, step = self.num_speculative_tokens, batch.step
+        S, step = self.draft_context.shape.num_speculative_tokens, batch.step
         attention, device = step.attention, batch.hidden.device
         G, T = batch.num_requests, step.input_ids.shape[0]
         query_start_loc = attention.query_start_loc[: G + 1].long()  # [G + 1]
@@ -180,14 +163,6 @@ class MultiLayerEagleProposer(Proposer):
 
     def _slots(self, block_table: torch.Tensor, window: dict, positions: torch.Tensor) -> torch.Tensor:
         """``[Tw]`` int64 KV slots of the window rows (their positions are in the request's blocks), -1 past them."""
-        blocks = block_table[window["owners"], (positions // self._block_size).clamp(0, block_table.shape[1] - 1)]
-        slots = blocks.long() * self._block_size + positions % self._block_size
+        blocks = block_table[window["owners"], (positions // self.draft_context.shape.block_size_tokens).clamp(0, block_table.shape[1] - 1)]
+        slots = blocks.long() * self.draft_context.shape.block_size_tokens + positions % self.draft_context.shape.block_size_tokens
         return torch.where(window["in_window"] & (blocks >= 0), slots, -1)
-
-    def _next_tokens(self, batch: DraftBatch) -> torch.Tensor:
-        """``[G]`` int64: the token after each request's last known row (the bonus token, or the
-        staged next prompt token after a chunk that does not end its prompt)."""
-        step = batch.step
-        request_index = torch.arange(batch.num_requests, device=batch.next_tokens.device)
-        mid_prompt = (request_index < step.num_active) & ~batch.samples
-        return torch.where(mid_prompt, step.next_prompt_token, batch.next_tokens)

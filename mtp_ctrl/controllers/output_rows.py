@@ -4,9 +4,9 @@ Per table row (numpy rows that move with their request, see ``RequestTable.add_h
 the output tokens so far, the stop parameters (max_new_tokens, eos ids, prompt length), the
 verify counters, and whether the request has finished. A launch's read-back
 ``[accepted, bonus, accepted drafts]`` per step and sampling request becomes new tokens with a
-few vectorised numpy operations, whatever the batch size and however many steps the launch ran
-(a decode run); Python runs per request only for requests that finish, or that carry stop
-sequences (rare: a suffix match per new token).
+few vectorised numpy operations (the stop rules of ``stop_rules.py``), whatever the batch size
+and however many steps the launch ran (a decode run); Python runs per request only for requests
+that finish, or that carry stop sequences (rare: a suffix match per new token).
 
 Example, S = 2, eos 7, a request with 3 output tokens and max_new_tokens 5 whose step accepted
 2 drafts ``[4, 7]`` and the bonus ``9``: the new tokens are ``[4, 7, 9]``; ``7`` is an eos, so
@@ -18,21 +18,14 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from mtp_ctrl.controllers.config import SamplingParams
-from mtp_ctrl.controllers.stop_rules import FinishReason
+from mtp_ctrl.controllers.stop_rules import EOS_COLUMNS, REASONS, eos_columns, first_stops, needs_slow_stop, slow_stop
 from mtp_ctrl.state.request_table import RequestTable
-
-EOS_COLUMNS = 4  # eos ids kept in the vectorised check; requests with more take the per-request path
-# reason codes of the vectorised stop check, in priority order within one token (0 = no stop)
-_EOS, _LENGTH, _MODEL_LEN, _STOP_SEQUENCE = 1, 2, 3, 4
-_REASONS = {_EOS: FinishReason.EOS, _LENGTH: FinishReason.LENGTH, _MODEL_LEN: FinishReason.MAX_MODEL_LEN,
-            _STOP_SEQUENCE: FinishReason.STOP_SEQUENCE}
 
 
 class OutputRows:
-    def __init__(self, table: RequestTable, max_model_len: int, num_speculative_tokens: int):
-        self.max_model_len = max_model_len
-        self.stride = num_speculative_tokens + 1
-        width = max_model_len + 2 * self.stride  # room for a step run past the stop
+    def __init__(self, table: RequestTable):
+        self.shape = table.shape  # S and max_model_len
+        width = self.shape.max_model_len + 2 * self.shape.stride  # room for a step run past the stop
         self.tokens = table.add_host_rows("output_tokens", (width,))  # [R + 1, width] int64
         self.counts = table.add_host_rows("output_counts", ())  # [R + 1] int64, output tokens so far
         self.max_new_tokens = table.add_host_rows("max_new_tokens", ())
@@ -51,10 +44,8 @@ class OutputRows:
         self.counts[row] = len(output)
         self.max_new_tokens[row] = params.max_new_tokens
         self.prompt_lengths[row] = prompt_length
-        self.eos[row] = -1
-        eos = params.eos_token_ids[:EOS_COLUMNS]
-        self.eos[row, : len(eos)] = eos
-        self.slow_stops[row] = int(bool(params.stop_sequences) or len(params.eos_token_ids) > EOS_COLUMNS)
+        self.eos[row] = eos_columns(params)
+        self.slow_stops[row] = int(needs_slow_stop(params))
         self.finished[row] = 0
         self.greedy[row] = params.greedy
         self.decode_steps[row], self.accepted_drafts[row] = decode_steps, accepted_drafts
@@ -70,7 +61,7 @@ class OutputRows:
         if not live.any():
             return 0, 0
         counts = self.counts[:num_rows][live]
-        to_model_len = self.max_model_len - self.prompt_lengths[:num_rows][live] - counts  # [n] int64
+        to_model_len = self.shape.max_model_len - self.prompt_lengths[:num_rows][live] - counts  # [n] int64
         left = np.minimum(self.max_new_tokens[:num_rows][live] - counts, to_model_len)
         return int(to_model_len.min()), int(left.max())
 
@@ -99,33 +90,24 @@ class OutputRows:
     def _apply_step(self, readback: np.ndarray, decode: np.ndarray, params_of_row,
                     present: Optional[np.ndarray]) -> Tuple[np.ndarray, list]:
         """:meth:`apply` for one step (``readback`` ``[n, S + 2]``): ``(emitted [n], finished)``."""
-        num_rows, S = readback.shape[0], self.stride - 1
+        num_rows, stride = readback.shape[0], self.shape.stride
         rows = np.arange(num_rows)
         accepted = readback[:, 0]
         live = self.finished[:num_rows] == 0  # [n] bool
         if present is not None:
             live &= present
-        new_tokens = np.empty((num_rows, self.stride), dtype=np.int64)  # drafts then the bonus at `accepted`
-        new_tokens[:, :S] = readback[:, 2:]
+        new_tokens = np.empty((num_rows, stride), dtype=np.int64)  # drafts then the bonus at `accepted`
+        new_tokens[:, : stride - 1] = readback[:, 2:]
         new_tokens[rows, accepted] = readback[:, 1]
         new_counts = accepted + 1  # [n] int64
-        column = np.arange(self.stride)[None, :]
-        valid = column < new_counts[:, None]  # [n, 1 + S] bool
-        lengths_after = self.counts[:num_rows, None] + column + 1  # output length once each token is in
-        is_eos = (new_tokens[:, :, None] == self.eos[:num_rows, None, :]).any(-1)
-        is_length = lengths_after >= self.max_new_tokens[:num_rows, None]
-        is_model_len = self.prompt_lengths[:num_rows, None] + lengths_after >= self.max_model_len
-        reason_codes = np.where(is_eos, _EOS, np.where(is_length, _LENGTH, np.where(is_model_len, _MODEL_LEN, 0))) * valid
-        stops = reason_codes > 0
-        first_stop = np.where(stops.any(1), stops.argmax(1), self.stride)  # [n] int64
-        emitted = np.minimum(new_counts, first_stop + 1) * live  # [n] int64
-        reasons = reason_codes[rows, np.minimum(first_stop, S)] * (first_stop < self.stride) * live
-
-        finished = []
+        emitted, reasons = first_stops(new_tokens, new_counts, self.counts[:num_rows], self.max_new_tokens[:num_rows],
+                                       self.prompt_lengths[:num_rows], self.eos[:num_rows], self.shape.max_model_len)
+        emitted *= live
+        reasons *= live
         for row in np.flatnonzero(self.slow_stops[:num_rows] * live):  # stop sequences: per request
-            emitted[row], code = self._slow_stop(row, new_tokens[row, : new_counts[row]], params_of_row(row),
-                                                 int(emitted[row]), int(reasons[row]))
-            reasons[row] = code
+            emitted[row], reasons[row] = slow_stop(self.output_of(row), new_tokens[row, : new_counts[row]],
+                                                   params_of_row(row), int(emitted[row]), int(reasons[row]))
+        column = np.arange(stride)[None, :]
         write = column < emitted[:, None]  # [n, 1 + S] bool
         write_rows = np.repeat(rows, emitted)
         self.tokens[write_rows, (self.counts[:num_rows, None] + column)[write]] = new_tokens[write]
@@ -133,9 +115,10 @@ class OutputRows:
         verified = live & decode
         self.decode_steps[:num_rows] += verified
         self.accepted_drafts[:num_rows] += accepted * verified
+        finished = []
         for row in np.flatnonzero(reasons):
             self.finished[row] = 1
-            finished.append((int(row), _REASONS[int(reasons[row])]))
+            finished.append((int(row), REASONS[int(reasons[row])]))
         return emitted, finished
 
     def _no_stop_possible(self, num_rows: int, num_steps: int) -> bool:
@@ -143,10 +126,10 @@ class OutputRows:
         finished, none has eos ids or stop sequences, and ``num_steps * (1 + S)`` more tokens
         reach neither max_new_tokens nor max_model_len (the common decode launch: 5 numpy
         reductions instead of the full check)."""
-        counts = self.counts[:num_rows] + num_steps * self.stride  # [n] int64, the output length after full accepts
+        counts = self.counts[:num_rows] + num_steps * self.shape.stride  # [n] int64, the output length after full accepts
         return not (self.finished[:num_rows].any() or self.slow_stops[:num_rows].any() or (self.eos[:num_rows] >= 0).any()
                     or (counts >= self.max_new_tokens[:num_rows]).any()
-                    or (self.prompt_lengths[:num_rows] + counts >= self.max_model_len).any())
+                    or (self.prompt_lengths[:num_rows] + counts >= self.shape.max_model_len).any())
 
     def _append_all(self, readbacks: np.ndarray, decode: np.ndarray) -> np.ndarray:
         """:meth:`apply` when no row can stop: every verified token of every step is emitted.
@@ -156,18 +139,18 @@ class OutputRows:
         (bonus ``b``), step 1 none (bonus ``c``): emitted ``[[2], [1]]``, the tokens go to output
         positions 5, 6 (step 0 starts at 5) and 7 (step 1 starts at 5 + 2)."""
         num_steps, num_rows = readbacks.shape[:2]
-        S = self.stride - 1
+        S = self.shape.stride - 1
         accepted = readbacks[:, :, 0]  # [k, n] int64
         emitted = accepted + 1  # [k, n] int64
         rows = np.arange(num_rows)
         if S == 0:  # one token a step: step j's goes to output position counts + j
             self.tokens[rows[None, :], self.counts[None, :num_rows] + np.arange(num_steps)[:, None]] = readbacks[:, :, 1]
         else:
-            new_tokens = np.empty((num_steps, num_rows, self.stride), dtype=np.int64)  # drafts, bonus at `accepted`
+            new_tokens = np.empty((num_steps, num_rows, self.shape.stride), dtype=np.int64)  # drafts, bonus at `accepted`
             new_tokens[:, :, :S] = readbacks[:, :, 2:]
             np.put_along_axis(new_tokens, accepted[:, :, None], readbacks[:, :, 1:2], axis=2)
             starts = self.counts[None, :num_rows] + np.cumsum(emitted, axis=0) - emitted  # [k, n] each step's first position
-            column = np.arange(self.stride)
+            column = np.arange(self.shape.stride)
             write = column < emitted[:, :, None]  # [k, n, 1 + S] bool
             write_rows = np.broadcast_to(rows[None, :, None], write.shape)[write]
             self.tokens[write_rows, (starts[:, :, None] + column)[write]] = new_tokens[write]
@@ -215,18 +198,6 @@ class OutputRows:
                 self.finished[row] = 1
                 finished.append((row, reason))
         return finished
-
-    def _slow_stop(self, row: int, new_tokens: np.ndarray, params: SamplingParams, emitted: int,
-                   code: int) -> Tuple[int, int]:
-        """Stop sequences (and eos lists longer than EOS_COLUMNS), token by token."""
-        output = self.output_of(row)
-        for index, token in enumerate(new_tokens.tolist()[:emitted]):  # host-ok: numpy
-            output.append(token)
-            if token in params.eos_token_ids:
-                return index + 1, _EOS
-            if any(len(output) >= len(seq) and tuple(output[-len(seq):]) == seq for seq in params.stop_sequences):
-                return index + 1, _STOP_SEQUENCE
-        return emitted, code
 
 
 def realign_readback(readbacks: np.ndarray, rows: np.ndarray, num_decode: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -42,6 +42,7 @@ inside its CUDA graph. Tensor parallelism: ``mask_hidden`` is replicated, the he
 
 import torch
 
+from mtp_ctrl.controllers.draft_context import DraftContext
 from mtp_ctrl.controllers.eagle_proposer import EagleProposer
 from mtp_ctrl.controllers.proposers import DraftBatch
 from mtp_ctrl.models.eagle_head import EagleHead
@@ -60,18 +61,19 @@ class ParallelDraftingProposer(EagleProposer):
                              "build_eagle_head(..., parallel_drafting=True) (a checkpoint of examples/train_eagle.py "
                              "--mode ptd)")
 
-    def bind(self, controller) -> None:
-        vocab_size = controller.runner.model.vocab_size
+    probs_name = "ptd_draft_probs"
+
+    def bind(self, draft_context: DraftContext) -> None:
+        vocab_size = draft_context.shape.vocab_size
         if not 0 <= self.head.mask_token_id < vocab_size:
             raise ValueError(f"head.mask_token_id {self.head.mask_token_id} is outside the target's vocabulary "
                              f"[0, {vocab_size})")
-        super().bind(controller)  # the head's KV cache (with tail blocks for the mask rows), aux layers
+        super().bind(draft_context)  # the head's KV cache (with tail blocks for the mask rows), aux layers
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
-        if batch.aux_hidden is None:
-            raise RuntimeError("ParallelDraftingProposer: the step carries no aux hidden states "
-                               "(runner.set_aux_layers was undone)")
-        S, step, runner, head = self.num_speculative_tokens, batch.step, self.controller.runner, self.head
+        self._check_aux_hidden(batch)
+        S, runner, head = self.draft_context.shape.num_speculative_tokens, self.draft_context.runner, self.head
+        step = batch.step
         attention, device = step.attention, batch.hidden.device
         G = batch.num_requests  # every request of the grid drafts; rows of those not sampling are ignored
         num_input_rows = step.input_ids.shape[0]  # T_in (padded)
@@ -91,7 +93,7 @@ class ParallelDraftingProposer(EagleProposer):
         features = head.project_aux(batch.aux_hidden)  # [T_in, H]
         input_ids, positions, hidden, slots = ptd_prepare_inputs(
             step.input_ids, attention.positions, features, attention.slot_mapping, self._next_tokens(batch),
-            last_rows, query_start_loc, out_query_start_loc, block_table, self._block_size, self._max_positions,
+            last_rows, query_start_loc, out_query_start_loc, block_table, self.draft_context.shape.block_size_tokens, self._max_positions,
             head.mask_token_id, head.mask_hidden.detach(), num_rows)  # [T_out] x3 (+ hidden [T_out, H])
         # a request's rows sit at consecutive positions from its first row's: e + S - 1 for a sampling
         # request, and right for a chunk that stops mid-prompt too (whose bonus position is not e)
@@ -108,6 +110,6 @@ class ParallelDraftingProposer(EagleProposer):
                                          logits_rows=draft_rows)  # [G * S, V]
         sampling_rows = request_index[:, None].expand(G, S).flatten()  # [G * S] table row of each draft
         draft_positions = (ends[:, None] + torch.arange(1, S + 1, device=device)).flatten()  # [G * S] int64
-        drafts = self.controller.sample_rows(logits, sampling_rows, draft_positions).view(G, S)
+        drafts = self.draft_context.sample_rows(logits, sampling_rows, draft_positions).view(G, S)
         self._record_draft_probs(batch, logits, sampling_rows)  # every depth at once
         return drafts

@@ -1,7 +1,8 @@
 """Proposers: what drafts the next S tokens of every request from verified state.
 
-A proposer is bound to the controller once (:meth:`Proposer.bind`), may register per-request
-device rows in the request table there (they move with their request), and is called once per
+A proposer is bound once (:meth:`Proposer.bind`) to a :class:`~mtp_ctrl.controllers.draft_context.DraftContext`
+(the target's forward entry points, the sampler, the engine's sizes, device rows of its own that
+move with their request, private KV caches), never to the controller, and is called once per
 step after verification with a :class:`DraftBatch`. It returns ``[G, S]`` int64 drafts for the
 step's grid (rows of requests that did not sample are ignored), without a host sync.
 :meth:`Proposer.on_step_scheduled` runs right after each step is launched (host values the
@@ -14,15 +15,13 @@ Subclass :class:`Proposer` to plug in another drafter (see ``examples/custom_pro
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from mtp_ctrl.controllers.draft_context import DraftContext
 from mtp_ctrl.state.step_metadata import StepMetadata
-
-if TYPE_CHECKING:  # the controller imports this module; no cycle at run time
-    from mtp_ctrl.controllers.controller import TextGenerationController
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +38,7 @@ class DraftBatch:
 
     step: StepMetadata
     hidden: torch.Tensor  # [T, H] decoder output of the step's rows (after the final norm)
-    num_requests: int  # G: requests of the step's grid
-    num_sampling_requests: int  # G as well: rows of the drafts returned (those not in `samples` are ignored)
+    num_requests: int  # G: requests of the step's grid, padding included; propose returns [G, S]
     samples: torch.Tensor  # [G] bool, the request sampled a token (a decode or a final prefill chunk)
     next_tokens: torch.Tensor  # [G] int64, the token each request sampled last (verified)
     last_accepted_rows: torch.Tensor  # [G] int64, packed row of each request's last accepted row
@@ -59,21 +57,23 @@ class DraftBatch:
 class Proposer(abc.ABC):
     """Drafts ``num_speculative_tokens`` tokens per request."""
 
-    def bind(self, controller: "TextGenerationController") -> None:
-        """Called once by the controller's constructor: allocate buffers here."""
-        self.controller = controller
+    def bind(self, draft_context: DraftContext) -> None:
+        """Called once by the controller's constructor (only when S > 0): allocate buffers and
+        device rows here. Keeps ``draft_context`` as :attr:`draft_context`."""
+        self.draft_context = draft_context
 
     @abc.abstractmethod
     def propose(self, batch: DraftBatch) -> torch.Tensor:
-        """Return ``[batch.num_sampling_requests, S]`` int64 drafts (device tensor, no host sync, no
+        """Return ``[batch.num_requests, S]`` int64 drafts (device tensor, no host sync, no
         value-dependent Python: a padded step runs this inside a CUDA graph). Rows of requests
         that did not sample (``batch.samples`` False) are ignored."""
 
     def draft_probs(self) -> Optional[torch.Tensor]:
         """For ``InferenceConfig(acceptance="rejection")``: ``[R + 1, S, V]`` float32 rows, per
-        table row (register them with ``table.add_device_rows`` so they follow their request), the
+        table row (``DraftContext.add_device_rows``: they follow their request), the
         distribution ``q`` each current draft ``k`` of the request was sampled from, written in
-        the same ``propose`` call as the drafts (padding requests write the scratch row).
+        the same ``propose`` call as the drafts (padding requests write the scratch row);
+        ``DraftContext.draft_probabilities`` makes them.
         Default: None, the drafts are treated as deterministic (``q`` one-hot at the draft), which
         stays lossless: a draft is kept with probability ``p(d)``. Drafts must be drawn
         independently of the acceptance noise (e.g. with ``gumbel_noise(seed, position)``, as the

@@ -3,6 +3,8 @@
 import dataclasses
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
+import torch
+
 from mtp_ctrl.controllers.config import SamplingParams
 from mtp_ctrl.controllers.stop_rules import FinishReason
 
@@ -99,3 +101,20 @@ class GenerationResult:
             num_speculative_tokens=num_speculative_tokens,
             preemptions=record.preemptions,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerDebugView:
+    """``TextGenerationController.debug_view()``: what the controller holds now, for tests and
+    tools (the loop never reads it). Counts are host ints."""
+
+    num_cuda_graphs: int  # CUDA graphs captured (0 when eager)
+    cuda_graphs_enabled: bool  # steps padded to a graph shape replay CUDA graphs
+    num_waiting: int  # requests queued for a row
+    num_records: int  # requests the controller keeps: live, waiting, and finished results not taken
+    num_unclaimed_results: int  # finished step-API results kept until pop_result (finished_results_kept)
+    num_retiring: int  # finished requests whose rows are not freed yet
+    step_in_flight: bool  # a launch whose read-back has not been applied
+    num_prefills_held: int  # requests whose prefill tokens the context keeps (live requests only)
+    next_request_id: int  # the id the next add_request returns
+    last_accepted_counts: torch.Tensor  # [R] int64 device tensor: accepted drafts of the last step launched (a live view)

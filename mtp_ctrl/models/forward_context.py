@@ -18,6 +18,8 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
+from mtp_ctrl.state.mamba_slots import MambaStateSlots
+from mtp_ctrl.state.step_metadata import StepMetadata
 
 KVCachePair = Tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size_tokens, Hkv_local, D],) * 2
 
@@ -67,6 +69,35 @@ class MambaForward:
     @property
     def rows_per_decode_request(self) -> int:
         return self.intermediate_conv_states.shape[2]
+
+    @classmethod
+    def for_step(cls, slots: MambaStateSlots, slot_ids: torch.Tensor, step: StepMetadata, num_decode: int,
+                 decode_limit: Optional[torch.Tensor]) -> "MambaForward":
+        """A step's Mamba layout, device tensors only (a CUDA graph captures it with the step);
+        ``slot_ids``: ``[R]`` int64, the slot of each request-table row.
+
+        Decode: the first ``num_decode`` requests of the grid; those at or past ``decode_limit``
+        (``[1]`` int64 on the device, or None: all decode) use the scratch slot. Prefill (a step
+        with prefill chunks): one segment per request of the grid, of its rows when it is a
+        prefill request and of 0 rows in the scratch slot otherwise (decode and padding requests)."""
+        decode_slot_ids = slot_ids[:num_decode]  # [nd] int64
+        if decode_limit is not None:
+            request_index = torch.arange(num_decode, device=decode_slot_ids.device)
+            decode_slot_ids = torch.where(request_index < decode_limit, decode_slot_ids, slots.scratch_slot)
+        prefill = {}
+        if not step.decode_only:
+            grid = step.attention.batch_size  # G
+            query_start_loc = step.attention.query_start_loc[: grid + 1].long()  # [G + 1] int64
+            request_index = torch.arange(grid, device=query_start_loc.device)
+            prefilling = (request_index >= step.device_num_decode) & (request_index < step.num_active)  # [G] bool
+            prefill = dict(
+                prefill_row_start=query_start_loc[:-1],
+                prefill_row_count=torch.where(prefilling, query_start_loc[1:] - query_start_loc[:-1], 0),
+                prefill_slot_ids=torch.where(prefilling, slot_ids[:grid], slots.scratch_slot),
+            )
+        return cls(conv_states=slots.conv_states, ssm_states=slots.ssm_states,
+                   intermediate_conv_states=slots.intermediate_conv_states,
+                   intermediate_ssm_states=slots.intermediate_ssm_states, decode_slot_ids=decode_slot_ids, **prefill)
 
 
 @dataclasses.dataclass(frozen=True)

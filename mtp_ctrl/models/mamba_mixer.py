@@ -5,7 +5,7 @@ attention and Mamba layers and keep its MTP block), with the parameters of megat
 ``MambaMixer`` (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``;
 same shapes, same meaning). megatron's own mixer needs the ``mamba_ssm`` CUDA kernels and its
 own inference context; this one runs the math in our Triton kernels on CUDA and their torch
-twins on CPU (:mod:`mtp_ctrl.models.mamba_ops`, :mod:`mtp_ctrl.triton_ops.mamba_varlen`,
+twins on CPU (:mod:`mtp_ctrl.triton_ops.mamba_varlen`,
 :mod:`mtp_ctrl.triton_ops.mamba_decode`) and reads and writes the slots of
 :class:`mtp_ctrl.models.forward_context.MambaForward`:
 

@@ -153,6 +153,11 @@ class PagedGPTRunner:
         return hook
 
     @property
+    def hidden_size(self) -> int:
+        """H: the width of the target's hidden states (what drafters read and write)."""
+        return self.model.config.hidden_size
+
+    @property
     def mamba_spec(self) -> Optional[MambaSpec]:
         """The state shapes of the model's Mamba layers (kept in fp32); None without Mamba layers."""
         mixers = mamba_mixers(self.model)

@@ -3,6 +3,7 @@
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.batch_dimensions import BatchDimensions, round_up_batch_size
 from mtp_ctrl.state.context import DynamicInferenceContext
+from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
 from mtp_ctrl.state.kv_cache import KVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec, MambaStateSlots
@@ -13,6 +14,7 @@ __all__ = [
     "AttentionMetadata",
     "BatchDimensions",
     "DynamicInferenceContext",
+    "EngineShape",
     "KVBlockAllocator",
     "KVCacheFullError",
     "KVCacheSpec",

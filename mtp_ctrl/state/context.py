@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from mtp_ctrl.state.batch_dimensions import BatchDimensions, check_batch_sizes, round_up_batch_size, token_buckets
+from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
 from mtp_ctrl.state.kv_cache import KVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec, MambaStateSlots
@@ -57,90 +58,57 @@ Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
 
 class DynamicInferenceContext:
-    """Letters: R = max_requests, S = num_speculative_tokens, MB = max_blocks_per_request.
+    """The engine's state for a :class:`EngineShape` (sizes, S, device: read from ``shape``).
 
-    max_requests: live requests (running or paused); rows of the request table and Mamba slots.
-    max_model_len: prompt + generated tokens of one request.
-    block_size_tokens: tokens per KV block. num_speculative_tokens: S drafts per decode step.
-    max_tokens_per_step: query rows of one forward pass (decode rows first, prefill chunks after).
     kv_cache: layers (decoder + MTP depths), local KV heads, head dim and dtype of the caches.
     num_blocks / kv_cache_bytes: the KV pool, as a block count or a byte budget.
     cuda_graph_batch_sizes: batch sizes with a CUDA graph (steps are padded to them; a step with
         prefill chunks also pads its tokens to ``cuda_graph_token_counts``, powers of two from 64).
     mamba: Mamba layer count and state shapes, or None for a model without Mamba layers.
-    decode_steps_per_launch: the most decode steps one build stages for one launch (a decode run;
-        1 = every step is built on its own).
 
-    Sizing rules (checked here): ``max_tokens_per_step >= R * (1 + S)`` so every decode request
-    runs every step; a request holds at most ``MB = ceil((max_model_len + 2 (1 + S)) /
-    block_size_tokens)`` blocks (room for a step run past its stop before the host saw it), and
-    the pool holds at least that many; give ``num_blocks`` or ``kv_cache_bytes``, not both.
+    Sizing rules (checked here and in :class:`EngineShape`): ``max_tokens_per_step >= R * (1 + S)``
+    so every decode request runs every step; a request holds at most ``MB = ceil((max_model_len +
+    2 (1 + S)) / block_size_tokens)`` blocks (room for a step run past its stop before the host saw
+    it), and the pool holds at least that many; give ``num_blocks`` or ``kv_cache_bytes``, not both.
     """
 
     def __init__(
         self,
+        shape: EngineShape,
         *,
-        max_requests: int,
-        max_model_len: int,
-        block_size_tokens: int,
-        num_speculative_tokens: int,
-        max_tokens_per_step: int,
         kv_cache: KVCacheSpec,
-        device: Union[str, torch.device],
         num_blocks: Optional[int] = None,
         kv_cache_bytes: Optional[int] = None,
         cuda_graph_batch_sizes: Sequence[int] = (),
         mamba: Optional[MambaSpec] = None,
-        decode_steps_per_launch: int = 1,
     ):
-        for name, value, low in (
-            ("max_requests", max_requests, 1),
-            ("max_model_len", max_model_len, 1),
-            ("block_size_tokens", block_size_tokens, 1),
-            ("num_speculative_tokens", num_speculative_tokens, 0),
-            ("max_tokens_per_step", max_tokens_per_step, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(shape, EngineShape):
+            raise TypeError(f"shape must be an EngineShape, got {type(shape).__name__}")
         if not isinstance(kv_cache, KVCacheSpec):
             raise TypeError(f"kv_cache must be a KVCacheSpec, got {type(kv_cache).__name__}")
-        stride = num_speculative_tokens + 1
-        if max_tokens_per_step < max_requests * stride:
-            raise ValueError(
-                f"max_tokens_per_step ({max_tokens_per_step}) must hold every decode request's 1 + S rows: "
-                f"max_requests * (1 + num_speculative_tokens) = {max_requests * stride}"
-            )
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
-        self.device = torch.device(device)
-        self.max_model_len = max_model_len
-        self.num_speculative_tokens = num_speculative_tokens
-        self.max_tokens_per_step = max_tokens_per_step
-        self.block_size_tokens = block_size_tokens
+        self.shape = shape
+        max_requests, block_size_tokens, device = shape.max_requests, shape.block_size_tokens, shape.device
         self.cuda_graph_batch_sizes = check_batch_sizes(cuda_graph_batch_sizes, max_requests)
         # token counts of the graphs of steps with prefill chunks (none without batch buckets)
-        self.cuda_graph_token_counts = token_buckets(max_tokens_per_step) if self.cuda_graph_batch_sizes else ()
-        self.scheduler = Scheduler(max_requests=max_requests, max_model_len=max_model_len,
-                                   block_size_tokens=block_size_tokens, num_speculative_tokens=num_speculative_tokens,
-                                   max_tokens_per_step=max_tokens_per_step,
-                                   decode_steps_per_launch=decode_steps_per_launch)
-        self.max_blocks_per_request = self.scheduler.max_blocks_per_request
+        self.cuda_graph_token_counts = token_buckets(shape.max_tokens_per_step) if self.cuda_graph_batch_sizes else ()
+        self.scheduler = Scheduler(shape)
         if num_blocks is not None:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
         else:
             bytes_per_block = kv_cache.bytes_per_block(block_size_tokens)
             self.allocator = KVBlockAllocator.from_memory_budget(kv_cache_bytes, bytes_per_block, block_size_tokens)
-        if self.allocator.num_blocks < self.max_blocks_per_request:
+        if self.allocator.num_blocks < shape.max_blocks_per_request:
             raise ValueError(
                 f"the KV pool ({self.allocator.num_blocks} blocks) cannot hold one request of max_model_len "
-                f"{max_model_len} + 2 x {stride} rows in flight ({self.max_blocks_per_request} blocks)"
+                f"{shape.max_model_len} + 2 x {shape.stride} rows in flight ({shape.max_blocks_per_request} blocks)"
             )
-        self.kv_caches = kv_cache.allocate(self.allocator.num_blocks, block_size_tokens, self.device)
-        self.mamba = None if mamba is None else MambaStateSlots(mamba, max_requests, num_speculative_tokens, self.device)
-        self.table = RequestTable(max_requests, self.max_blocks_per_request, num_speculative_tokens,
-                                  block_size_tokens, self.device)
+        self.kv_caches = kv_cache.allocate(self.allocator.num_blocks, block_size_tokens, device)
+        self.mamba = None if mamba is None else MambaStateSlots(mamba, max_requests, shape.num_speculative_tokens, device)
+        self.table = RequestTable(shape)
         self._prefill_lengths = self.table.add_host_rows("prefill_lengths", ())  # [R + 1] int64, prompt tokens
-        self._step_buffers = StepBuffers(self.table, max_tokens_per_step, self.scheduler.max_block_writes_per_step)
+        self._step_buffers = StepBuffers(self.table, shape.max_tokens_per_step, self.scheduler.max_block_writes_per_step)
         self._block_writes = []  # [3, k] int64 arrays (row, column, block id) not yet sent to the device
         # request id -> [P] int64: the tokens its prefill computes (the prompt, plus the output so far
         # for a preempted request); the controller's RequestRecord keeps the prompt and the output
@@ -156,9 +124,14 @@ class DynamicInferenceContext:
     # ----- requests ----------------------------------------------------------------------
 
     @property
+    def num_prefills_held(self) -> int:
+        """Requests whose prefill tokens the context keeps (one per live request; a debug count)."""
+        return len(self._prefill_tokens)
+
+    @property
     def num_free_rows(self) -> int:
         """How many more requests ``add_request`` accepts now."""
-        return self.table.max_requests - self.table.num_live
+        return self.table.shape.max_requests - self.table.num_live
 
     def __contains__(self, request_id: int) -> bool:
         return request_id in self.table
@@ -175,9 +148,9 @@ class DynamicInferenceContext:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self.table:
             raise ValueError(f"request_id {request_id} is already live")
-        prompt = _as_prompt(prompt_tokens, self.max_model_len)
+        prompt = _as_prompt(prompt_tokens, self.shape.max_model_len)
         if self.num_free_rows == 0:
-            raise RuntimeError(f"max_requests ({self.table.max_requests}) requests are live; finish one first")
+            raise RuntimeError(f"max_requests ({self.table.shape.max_requests}) requests are live; finish one first")
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
         row = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values)
         self._prefill_lengths[row] = prompt.shape[0]
@@ -289,7 +262,7 @@ class DynamicInferenceContext:
         if not steps_in_flight:
             self._pause_decodes_short_of_blocks()
             self._resume_requests_paused_for_kv()
-        host, stride = self.table.host, self.num_speculative_tokens + 1
+        host, stride = self.table.host, self.shape.stride
         num_decode = self.table.group_size(RowGroup.DECODE)
         num_steps = self._decode_run_steps(num_decode, length_budgets)
         self._reserve(0, self.scheduler.worst_case_blocks(host.known_lengths[:num_decode], steps_in_flight, num_steps))
@@ -315,9 +288,9 @@ class DynamicInferenceContext:
                 next_prompt_token = int(prompt[known_length])
         padded = self._graph_shape(num_requests, int(query_lengths.sum()), has_prefill=bool(chunks))
         if padded is not None or not chunks:  # one fixed bound, so a graph and the eager step split attention alike
-            max_seq_len = self.max_blocks_per_request * self.block_size_tokens
+            max_seq_len = self.shape.max_blocks_per_request * self.shape.block_size_tokens
         else:
-            max_seq_len = int(host.block_counts[:num_requests].max()) * self.block_size_tokens
+            max_seq_len = int(host.block_counts[:num_requests].max()) * self.shape.block_size_tokens
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
         step = self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded,
@@ -382,13 +355,14 @@ class DynamicInferenceContext:
         if batch_size is None:
             return None
         if not has_prefill:
-            return BatchDimensions.decode_only(batch_size, self.num_speculative_tokens)
+            return BatchDimensions.decode_only(batch_size, self.shape.num_speculative_tokens)
         tokens = round_up_batch_size(token_count, self.cuda_graph_token_counts)
         return None if tokens is None else BatchDimensions(tokens, batch_size, True)
 
     def graph_shapes(self) -> List[BatchDimensions]:
         """Every CUDA-graph shape a step can be padded to (see :meth:`_graph_shape`)."""
-        shapes = [BatchDimensions.decode_only(size, self.num_speculative_tokens) for size in self.cuda_graph_batch_sizes]
+        S = self.shape.num_speculative_tokens
+        shapes = [BatchDimensions.decode_only(size, S) for size in self.cuda_graph_batch_sizes]
         shapes += [BatchDimensions(tokens, size, True)
                    for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
         return shapes
@@ -403,7 +377,7 @@ class DynamicInferenceContext:
             raise ValueError(f"num_steps {num_steps}: decode runs have {self.scheduler.run_lengths} steps, and only "
                              "decode-only shapes run several")
         return self._step_buffers.build(np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
-                                        self.max_blocks_per_request * self.block_size_tokens, num_steps=num_steps)
+                                        self.shape.max_blocks_per_request * self.shape.block_size_tokens, num_steps=num_steps)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:
         """A request whose final chunk ran joins the decode rows; at the first prefill row only the

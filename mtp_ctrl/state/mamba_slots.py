@@ -16,6 +16,8 @@ from typing import Tuple
 
 import torch
 
+from mtp_ctrl.triton_ops import mamba_state_selective_copy
+
 
 @dataclasses.dataclass(frozen=True)
 class MambaSpec:
@@ -81,3 +83,13 @@ class MambaStateSlots:
             raise ValueError(f"slot {slot} is not allocated (double release)")
         self._is_allocated[slot] = 0
         self._free_slots.append(slot)
+
+    def commit_accepted(self, prefill_status: torch.Tensor, decode_slot_ids: torch.Tensor,
+                        accepted_counts: torch.Tensor) -> None:
+        """Each of ``nd`` decode requests keeps the conv and SSM state after its last accepted row
+        (``prefill_status``, ``decode_slot_ids``, ``accepted_counts``: ``[nd]`` on the device; a
+        request still prefilling keeps its state): ``mamba_state_selective_copy`` per state kind."""
+        for intermediate, current in ((self.intermediate_conv_states, self.conv_states),
+                                      (self.intermediate_ssm_states, self.ssm_states)):
+            mamba_state_selective_copy(intermediate, current, prefill_status, decode_slot_ids, accepted_counts,
+                                       self.num_layers)

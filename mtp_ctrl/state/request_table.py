@@ -50,6 +50,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
+from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.staging import StagingBuffers
 
 # Int fields of a request on the device, the rows of one [len(DEVICE_FIELDS), R + 1] int64 tensor.
@@ -108,13 +109,9 @@ class RequestTable:
     register more with :meth:`add_device_rows` and host rows with :meth:`add_host_rows`.
     """
 
-    def __init__(self, max_requests: int, max_blocks_per_request: int, num_speculative_tokens: int,
-                 block_size_tokens: int, device: torch.device):
-        self.max_requests = max_requests
-        self.max_blocks_per_request = max_blocks_per_request
-        self.num_speculative_tokens = num_speculative_tokens
-        self.block_size_tokens = block_size_tokens
-        self.device_type = torch.device(device)
+    def __init__(self, shape: EngineShape):
+        self.shape = shape
+        max_requests, max_blocks_per_request, device = shape.max_requests, shape.max_blocks_per_request, shape.device
         self._scratch_row = max_requests  # one spare row for swaps and padding writes
         rows = max_requests + 1
         self._device_fields = torch.zeros(len(DEVICE_FIELDS), rows, dtype=torch.int64, device=device)  # [F, R + 1]
@@ -140,7 +137,7 @@ class RequestTable:
         for index, name in enumerate(DEVICE_FIELDS):
             self._device_fields[index].fill_(self._fresh_value(name))
         self.next_tokens = self.add_device_rows("next_tokens", (), torch.int64)  # [R] int64
-        self.draft_tokens = self.add_device_rows("draft_tokens", (num_speculative_tokens,), torch.int64)  # [R, S]
+        self.draft_tokens = self.add_device_rows("draft_tokens", (shape.num_speculative_tokens,), torch.int64)  # [R, S]
         self._group_ends = [0, 0, 0, max_requests]  # exclusive end row of each RowGroup
         self._row_of: Dict[int, int] = {}
         # row swaps and removals so far: a step built at another count reads some rows as other
@@ -161,12 +158,12 @@ class RequestTable:
             raise ValueError(f"set_on_insert needs scalar rows; {name!r} has shape {shape}")
         if set_on_insert and self._pending_inserts:
             raise RuntimeError(f"add_device_rows({name!r}, set_on_insert=True) with inserts not written yet")
-        rows = torch.full((self.max_requests + 1, *shape), fill, dtype=dtype, device=self._device_fields.device)
+        rows = torch.full((self.shape.max_requests + 1, *shape), fill, dtype=dtype, device=self._device_fields.device)
         self._device_rows[name] = rows  # [R + 1, *shape]: the last row is the scratch row
         if set_on_insert:
             self._set_on_insert.append(name)
             self._row_staging = None  # its layout gains a section
-        return rows[: self.max_requests]
+        return rows[: self.shape.max_requests]
 
     def device_rows_with_scratch(self, name: str) -> torch.Tensor:
         """The whole ``[R + 1, *shape]`` buffer of :meth:`add_device_rows`: row ``scratch_row`` is a
@@ -177,7 +174,7 @@ class RequestTable:
         """Allocate a host ``[R + 1, *shape]`` numpy buffer whose rows move with their requests."""
         if name in self._host_rows:
             raise ValueError(f"host rows {name!r} already exist")
-        rows = np.full((self.max_requests + 1, *shape), fill, dtype=dtype)
+        rows = np.full((self.shape.max_requests + 1, *shape), fill, dtype=dtype)
         self._host_rows[name] = rows
         return rows
 
@@ -228,8 +225,8 @@ class RequestTable:
         registered with ``set_on_insert``; the device rows are reset (no KV, no blocks) and set by
         the next :meth:`write_inserted_rows`, which must run before anything reads or writes them
         on the device (the context's ``build_step`` runs it first)."""
-        if self.num_live == self.max_requests:
-            raise RuntimeError(f"the request table is full ({self.max_requests} rows)")
+        if self.num_live == self.shape.max_requests:
+            raise RuntimeError(f"the request table is full ({self.shape.max_requests} rows)")
         row_values = {} if row_values is None else row_values
         if sorted(row_values) != sorted(self._set_on_insert):
             raise ValueError(f"row_values must name the rows {sorted(self._set_on_insert)}, got {sorted(row_values)}")
@@ -283,7 +280,7 @@ class RequestTable:
         unknown = [request_id for request_id in request_ids if request_id not in self._row_of]
         if unknown or len(set(request_ids)) != len(request_ids):  # checked before anything changes
             raise ValueError(f"request_ids must be distinct live requests; unknown: {unknown}, given: {request_ids}")
-        origin = np.arange(self.max_requests + 1)  # [R + 1]: the row whose device content row r should hold
+        origin = np.arange(self.shape.max_requests + 1)  # [R + 1]: the row whose device content row r should hold
         for request_id in request_ids:
             self._pending_inserts.pop(request_id, None)
             hole = self._row_of.pop(request_id)
@@ -350,7 +347,7 @@ class RequestTable:
     def _staging(self) -> StagingBuffers:
         """The host-to-device staging of batched row writes (inserted rows, move indices)."""
         if self._row_staging is None:
-            rows = self.max_requests + 1
+            rows = self.shape.max_requests + 1
             sections = {"insert_rows": ((rows,), torch.int64), "insert_fields": ((len(DEVICE_FIELDS), rows), torch.int64),
                         "move_sources": ((rows,), torch.int64), "move_targets": ((rows,), torch.int64)}
             sections.update({name: ((rows,), self._device_rows[name].dtype) for name in self._set_on_insert})
@@ -383,7 +380,7 @@ class RequestTable:
         if name in ("last_kv_block_id", "mamba_slot_ids"):
             return -1
         if name == "last_kv_block_offset":
-            return self.block_size_tokens - 1  # (0 - 1) mod block size: "the next row opens a block"
+            return self.shape.block_size_tokens - 1  # (0 - 1) mod block size: "the next row opens a block"
         return 0
 
     def set_prefill_status(self, row: int, value: int) -> None:

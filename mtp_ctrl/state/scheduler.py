@@ -36,9 +36,12 @@ next step takes one more block for it (``blocks_needed`` gives 1). A run of 4 st
 """
 
 import collections
-from typing import Deque, Dict, Iterable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
+
+if TYPE_CHECKING:  # engine_shape imports this module's formula
+    from mtp_ctrl.state.engine_shape import EngineShape
 
 Lengths = Union[int, np.ndarray]
 
@@ -72,28 +75,16 @@ class Scheduler:
     (:attr:`paused_for_kv`, oldest first): the state its decisions read.
     """
 
-    def __init__(self, *, max_requests: int, max_model_len: int, block_size_tokens: int,
-                 num_speculative_tokens: int, max_tokens_per_step: int, decode_steps_per_launch: int = 1):
-        for name, value, low in (("max_requests", max_requests, 1), ("max_model_len", max_model_len, 1),
-                                 ("block_size_tokens", block_size_tokens, 1),
-                                 ("num_speculative_tokens", num_speculative_tokens, 0),
-                                 ("max_tokens_per_step", max_tokens_per_step, 1),
-                                 ("decode_steps_per_launch", decode_steps_per_launch, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        self.block_size_tokens = block_size_tokens
-        self.num_speculative_tokens = num_speculative_tokens
-        self.stride = num_speculative_tokens + 1
-        self.max_tokens_per_step = max_tokens_per_step
-        self.run_lengths = decode_run_lengths(decode_steps_per_launch)  # step counts of a launch, 1 first
-        # a request never holds more than its longest KV with a step run past its stop in flight
-        # (decode runs keep to that: decode_run_steps)
-        self.max_blocks_per_request = worst_case_blocks(max_model_len, 1, num_speculative_tokens, block_size_tokens)
+    def __init__(self, shape: "EngineShape"):
+        self.shape = shape
+        self.run_lengths = decode_run_lengths(shape.decode_steps_per_launch)  # step counts of a launch, 1 first
         # block writes one launch can stage: each decode's worst case from zero (+1 when its KV does
         # not start on a block boundary), then the prefill chunks' tokens (+1 for a partial block)
         longest = self.run_lengths[-1]
-        from_zero = worst_case_blocks(0, longest, num_speculative_tokens, block_size_tokens, new_steps=longest)
-        self.max_block_writes_per_step = max_requests * (from_zero + 1) + self.blocks_for(max_tokens_per_step) + 1
+        from_zero = worst_case_blocks(0, longest, shape.num_speculative_tokens, shape.block_size_tokens,
+                                      new_steps=longest)
+        self.max_block_writes_per_step = \
+            shape.max_requests * (from_zero + 1) + self.blocks_for(shape.max_tokens_per_step) + 1
         self.waiting: Deque[int] = collections.deque()  # request ids waiting for a row, next first
         self.admission_order: Dict[int, None] = {}  # live requests (ordered set), oldest first
         self.paused_for_kv: Dict[int, None] = {}  # ordered set: paused by the scheduler, oldest first
@@ -102,14 +93,15 @@ class Scheduler:
 
     def blocks_for(self, token_count: Lengths) -> Lengths:
         """Blocks that hold ``token_count`` tokens (int or array): ``ceil(tokens / block size)``."""
-        return -(-token_count // self.block_size_tokens)
+        return -(-token_count // self.shape.block_size_tokens)
 
     def worst_case_blocks(self, known_lengths: Lengths, steps_in_flight: int, new_steps: int = 1) -> Lengths:
         """:func:`worst_case_blocks` for this context, capped at ``max_blocks_per_request`` (a request
         at max_model_len stops; the cap already holds the step it runs past its stop)."""
-        blocks = worst_case_blocks(known_lengths, steps_in_flight, self.num_speculative_tokens, self.block_size_tokens,
+        shape = self.shape
+        blocks = worst_case_blocks(known_lengths, steps_in_flight, shape.num_speculative_tokens, shape.block_size_tokens,
                                    new_steps)
-        return np.minimum(blocks, self.max_blocks_per_request)
+        return np.minimum(blocks, shape.max_blocks_per_request)
 
     def blocks_needed(self, known_lengths: np.ndarray, block_counts: np.ndarray, steps_in_flight: int,
                       new_steps: int = 1) -> np.ndarray:
@@ -137,7 +129,7 @@ class Scheduler:
         8 tokens left -> 4 (4 + 4 - 1 < 8); 6 left -> 2; 4 left -> 1."""
         for steps in reversed(self.run_lengths):
             last = steps_in_flight + steps - 1  # steps before the run's last one
-            if steps == 1 or (self.stride * last < tokens_to_model_len and last * tokens_per_step < most_tokens_left):
+            if steps == 1 or (self.shape.stride * last < tokens_to_model_len and last * tokens_per_step < most_tokens_left):
                 return steps
         return 1
 
@@ -199,7 +191,7 @@ class Scheduler:
 
     def prefill_budget(self, num_decode: int) -> int:
         """Query rows left for prefill chunks once ``num_decode`` decode requests took theirs."""
-        return self.max_tokens_per_step - num_decode * self.stride
+        return self.shape.max_tokens_per_step - num_decode * self.shape.stride
 
     def decode_reserve(self, num_decode: int) -> int:
         """Free blocks a prefill chunk must leave: those the running decodes may take next step."""
@@ -216,7 +208,7 @@ class Scheduler:
         lengths: List[int] = []
         rows = zip(remaining.tolist(), known_lengths.tolist(), block_counts.tolist())  # host-ok: numpy
         for left, known, held in rows:
-            capacity = (held + spare_blocks) * self.block_size_tokens - known
+            capacity = (held + spare_blocks) * self.shape.block_size_tokens - known
             length = min(left, budget, capacity)
             if length <= 0:
                 break

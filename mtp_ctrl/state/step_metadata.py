@@ -115,7 +115,7 @@ class StepBuffers:
     def __init__(self, table: RequestTable, max_tokens_per_step: int, max_block_writes: int):
         self.table = table
         device = table.next_tokens.device
-        R = table.max_requests
+        R = table.shape.max_requests
         self.max_block_writes = max_block_writes
         self.staging = StagingBuffers({
             "input_ids": ((max_tokens_per_step,), torch.int64),
@@ -163,7 +163,7 @@ class StepBuffers:
             step = self._steady_step(steady_key, block_writes)
             if step is not None:
                 return step
-        stride = self.table.num_speculative_tokens + 1
+        stride = self.table.shape.stride
         num_sampling = num_decode + num_final_prefill_chunks
         decode_rows = num_decode * stride
         query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)  # [n + 1] int64
@@ -263,5 +263,5 @@ class StepBuffers:
             self.staging.device["block_writes"],  # [3, k]: the unused tail writes -1 into the scratch row
             table.device_block_ids_with_scratch(), attention.query_start_loc[: batch_size + 1],
             rows.kv_length_offsets, rows.kv_block_counts, rows.last_kv_block_offset, rows.last_kv_block_id,
-            table.next_tokens, table.draft_tokens, step.device_num_decode, table.block_size_tokens,
+            table.next_tokens, table.draft_tokens, step.device_num_decode, table.shape.block_size_tokens,
             attention.seq_lens, attention.positions, attention.slot_mapping, step.input_ids)

@@ -6,6 +6,26 @@ comes from the packed layout: requests ``r < num_decode_requests`` decode). Each
 its request's accepted count in registers and feeds it straight into the rewind, so nothing
 round-trips through memory between the three stages.
 
+Worked example, S = 2, ``block_size_tokens = 4``, one decode request then one prefill request
+(``N = 2``). Decode request 0 has logits rows 0..2 with input tokens ``[5, 7, 9]`` (its base
+token, then drafts 7 and 9) and the target sampled ``[7, 8, 3]`` there: draft 7 equals the sample
+at row 0 (accepted), draft 9 differs from the 8 at row 1 (rejected). The prefill request's final
+chunk ended at packed token row 12: its one logits row is row 3 (``required_logit_indices =
+[0, 1, 2, 12]``) and the target sampled 4 there. The op writes::
+
+    accepted_tokens_mask         [T, T, F, T]   rows kept
+    last_one_indices             [1, 3]         each request's last kept row
+    sampled_tokens_buf           [8, 4]         the next input token of each request (the bonus 8)
+    last_accepted_seq_buf        [1, 12]        the packed token row of that last kept row
+    accepted_tokens_per_request  [[7, -1]]      decode requests only
+    accepted_token_counts        [1]
+
+and rewinds request 0 by ``S - 1 = 1`` row: the step grew its KV from 7 to 10 tokens (3 blocks,
+last offset 1), so it ends at 9 tokens, last offset 0, still 3 blocks, nothing released. Had
+it accepted no draft (rewind 2), it would end at 8 tokens in 2 blocks and report its third block
+in ``blocks_to_release`` (with ``keep_released_blocks=True``: kept, nothing reported). The
+prefill request is not rewound.
+
 Called every step, eagerly for steps with prefill chunks and under tensor parallelism, so the
 host side is kept short: arguments are validated once per signature (:class:`ValidatedSignatures`),
 the launch constants are computed once per ``(S, block_size_tokens)``, and the per-step counts are

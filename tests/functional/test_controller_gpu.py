@@ -72,7 +72,7 @@ def test_cuda_graph_tokens_equal_eager(model, mode):
     eager = TextGenerationController(model, make_config(2, mtp_attention=mode)).generate(PROMPTS, params)
     graphed_controller = SyncCheckedController(model, make_config(2, graphs=True, mtp_attention=mode))
     graphed = graphed_controller.generate(PROMPTS, params)
-    assert len(graphed_controller._graphs._graphs) > 0  # decode steps really replayed graphs
+    assert graphed_controller.debug_view().num_cuda_graphs > 0  # decode steps really replayed graphs
     tokens = [[r.output_tokens for r in results] for results in (plain, eager, graphed)]
     assert tokens[0] == tokens[1] == tokens[2]
 
@@ -94,7 +94,7 @@ def test_hybrid_graphs_equal_eager_without_host_sync(hybrid_model):
     eager = eager_controller.generate(PROMPTS, params)
     graphed_controller = SyncCheckedController(hybrid_model, make_config(2, graphs=True))
     graphed = graphed_controller.generate(PROMPTS, params)
-    assert eager_controller.decode_launches > 10 and len(graphed_controller._graphs._graphs) > 0
+    assert eager_controller.decode_launches > 10 and graphed_controller.debug_view().num_cuda_graphs > 0
     tokens = [[r.output_tokens for r in results] for results in (plain, eager, graphed)]
     assert tokens[0] == tokens[1] == tokens[2]
     assert graphed_controller.context.mamba.num_free_slots == graphed_controller.context.mamba.num_slots
@@ -149,7 +149,7 @@ def _mixed_steps_replay_warmed_up_graphs(model, **config):
     graphs = controller.warmup()
     assert graphs == 2 * len(controller.context.graph_shapes())
     graphed = run_with_arrivals(controller, arrivals)
-    assert len(controller._graphs) == graphs  # nothing captured while serving
+    assert controller.debug_view().num_cuda_graphs == graphs  # nothing captured while serving
     assert controller.mixed_replays > 3
     assert graphed == eager == plain
     assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
@@ -189,7 +189,7 @@ def test_request_churn_leaks_nothing(model):
     context = controller.context
     steps, memory_after_warmup = 0, None
     while steps < 10_000:
-        while len(controller._waiting) < 4:
+        while controller.debug_view().num_waiting < 4:
             prompt = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randrange(1, 24))]
             controller.add_request(prompt, SamplingParams(max_new_tokens=rng.randrange(1, 40),
                                                           temperature=rng.choice([0.0, 0.9]), seed=rng.randrange(99)))
@@ -198,8 +198,7 @@ def test_request_churn_leaks_nothing(model):
         if steps == 2_000:  # every bucket's graphs are captured by now
             torch.cuda.synchronize()
             memory_after_warmup = torch.cuda.memory_allocated()
-    controller._waiting.clear()
-    while controller.has_unfinished_requests():
+    while controller.has_unfinished_requests():  # the queued requests run out too
         controller.step()
     torch.cuda.synchronize()
     assert context.allocator.num_free_blocks == context.allocator.num_blocks
@@ -224,7 +223,7 @@ def _tp_case_tokens(model):
         for sampling in (dict(), dict(temperature=0.9, top_k=20, seed=7)):
             controller = TextGenerationController(model, make_config(num_speculative_tokens, graphs=True))
             results = controller.generate(PROMPTS, SamplingParams(max_new_tokens=10, **sampling))
-            assert len(controller._graphs._graphs) > 0  # decode steps replayed graphs (with TP collectives)
+            assert controller.debug_view().num_cuda_graphs > 0  # decode steps replayed graphs (with TP collectives)
             controller.close()  # a process group with captured collectives cannot be destroyed
             outputs.append([list(r.output_tokens) for r in results])
     return outputs
@@ -274,7 +273,7 @@ def test_graphs_equal_eager_on_the_trained_checkpoint_with_real_acceptance():
         results = controller.generate(prompts, SamplingParams(max_new_tokens=64))
         runs.append(([r.output_tokens for r in results], controller.accepted, controller.metrics.mean_accepted_length))
         if graphs:
-            assert len(controller._graphs._graphs) > 0
+            assert controller.debug_view().num_cuda_graphs > 0
         controller.close()
     (eager_tokens, eager_accepted, eager_length), (graph_tokens, graph_accepted, graph_length) = runs
     # while all four requests run, the eager and the replayed step have the same shapes, so the
@@ -294,19 +293,19 @@ class DeviceOracleProposer(Proposer):
     device work, so it runs inside the replayed decode graphs (unlike OracleProposer)."""
 
     def __init__(self, sequences: torch.Tensor):
-        self.sequences = sequences  # [R, L] int64 on the device: prompt + plain output, by table row at admission
+        self.sequences = sequences  # [n, L] int64 on the device: prompt + plain output, by request id
 
-    def bind(self, controller):
-        super().bind(controller)
-        self.num_speculative_tokens = controller.config.num_speculative_tokens
-        self.vocab_size = controller.vocab_size
-        # the request's row of `sequences`, moved with the request (rows are regrouped)
-        self.sequence_rows = controller.context.table.add_device_rows("oracle_sequence_row", (), torch.int64)
+    def bind(self, draft_context):
+        super().bind(draft_context)
+        self.num_speculative_tokens = draft_context.shape.num_speculative_tokens
+        self.vocab_size = draft_context.shape.vocab_size
 
     def propose(self, batch):
-        S, count = self.num_speculative_tokens, batch.num_sampling_requests
-        table_rows = batch.write_rows[:count].clamp(max=self.sequence_rows.shape[0] - 1)
-        sequence = self.sequences[self.sequence_rows[table_rows]]  # [n, L]
+        S, count = self.num_speculative_tokens, batch.num_requests
+        table_rows = batch.write_rows[:count]
+        # request id = row of `sequences` (padding requests: id -1, any row; their drafts are ignored)
+        request_ids = batch.step.device_request_ids[:count].clamp(0, self.sequences.shape[0] - 1)
+        sequence = self.sequences[request_ids]  # [n, L]
         positions = batch.bonus_positions[:count, None] + 1 + torch.arange(S, device=sequence.device)  # [n, S]
         true_drafts = sequence.gather(1, positions.clamp(0, sequence.shape[1] - 1))
         bonus = batch.bonus_positions[:count]
@@ -328,17 +327,8 @@ def plain_sequences(prompts, plain_results, padding: int) -> torch.Tensor:
 def generate_with_device_oracle(controller, proposer: DeviceOracleProposer, prompts, params):
     """Run ``prompts`` through the step API, giving each admitted request its oracle row (request
     id = index of its prompt = its row of ``proposer.sequences``); returns the request ids."""
-    ids = [controller.add_request(prompt, params) for prompt in prompts]  # admission order = request order
-    admit = controller._admit_waiting
-
-    def admit_with_rows():
-        before = set(controller.context.table.request_ids_in(0)) | set(controller.context.table.request_ids_in(1))
-        admit()
-        for request_id in ids:
-            if request_id in controller.context and request_id not in before:
-                proposer.sequence_rows[controller.context.table.row_of(request_id)] = request_id
-
-    controller._admit_waiting = admit_with_rows
+    ids = [controller.add_request(prompt, params) for prompt in prompts]  # request id = index of its prompt
+    assert ids == list(range(len(prompts)))
     while controller.has_unfinished_requests():
         controller.step()
     return ids
@@ -353,16 +343,13 @@ def test_every_accepted_count_inside_replayed_graphs(model):
     proposer = DeviceOracleProposer(plain_sequences(PROMPTS, plain, 2 * (S + 1)).cuda())
     controller = SyncCheckedController(model, make_config(S, graphs=True), proposer=proposer)
     seen = collections.Counter()
-    apply = controller._apply
 
-    def recording(launched, collect):
-        outputs = apply(launched, collect)
-        seen.update(launched.readback[:, : launched.step.num_decode, 0].flatten().tolist())
-        return outputs
+    def recording(step, readbacks, overlapped, rows_moved):  # the documented debug hook
+        seen.update(readbacks[:, : step.num_decode, 0].flatten().tolist())
 
-    controller._apply = recording
+    controller.on_apply = recording
     ids = generate_with_device_oracle(controller, proposer, PROMPTS, params)
     assert [controller.result(rid).output_tokens for rid in ids] == [r.output_tokens for r in plain]
-    assert len(controller._graphs._graphs) > 0 and controller.decode_launches > 10
+    assert controller.debug_view().num_cuda_graphs > 0 and controller.decode_launches > 10
     assert all(seen[count] > 0 for count in range(S + 1)), seen
     assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks

@@ -74,7 +74,7 @@ def test_decode_runs_replay_warmed_up_graphs_without_host_sync_and_equal_single_
     decode_shapes = sum(1 for shape in controller.context.graph_shapes() if not shape.has_prefill)
     assert graphs == 2 * (len(controller.context.graph_shapes()) + decode_shapes * (len(run_lengths) - 1))
     graphed = run_with_arrivals(controller, arrivals)
-    assert len(controller._graphs) == graphs  # nothing captured while serving
+    assert controller.debug_view().num_cuda_graphs == graphs  # nothing captured while serving
     assert max(controller.launches) == 4 and controller.launches.count(4) > 3, controller.launches
     assert graphed == single_steps == eager_runs == plain
     assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks

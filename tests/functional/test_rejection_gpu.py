@@ -67,7 +67,7 @@ def test_controller_in_rejection_mode_replays_graphs_without_host_sync():
         graphs = controller.warmup()
         runs.append([r.output_tokens for r in controller.generate(prompts, sampled)])
         greedy_tokens = [r.output_tokens for r in controller.generate(prompts, greedy)]
-        assert len(controller._graphs) == graphs and controller.mixed_replays > 0
+        assert controller.debug_view().num_cuda_graphs == graphs and controller.mixed_replays > 0
         assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
     assert runs[0] == runs[1]  # reproducible for a seed
     plain = TextGenerationController(model, config(0)).generate(prompts, greedy)

@@ -30,7 +30,7 @@ def test_hundred_thousand_requests_keep_memory_flat():
     added = taken = 0
     samples = []
     while taken < TOTAL_REQUESTS:
-        while added < TOTAL_REQUESTS and len(controller._waiting) < 64:
+        while added < TOTAL_REQUESTS and controller.debug_view().num_waiting < 64:
             prompt = torch.randint(0, VOCAB_SIZE, (int(torch.randint(1, 9, (1,), generator=generator)),),
                                    generator=generator).tolist()
             controller.add_request(prompt, SamplingParams(max_new_tokens=int(added % 3) + 1, seed=added))
@@ -43,7 +43,7 @@ def test_hundred_thousand_requests_keep_memory_flat():
     assert not controller.has_unfinished_requests()
     context = controller.context
     assert context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
-    assert len(controller._records) == 0  # finished_results_kept=0: nothing kept once streamed out
+    assert controller.debug_view().num_records == 0  # finished_results_kept=0: nothing kept once streamed out
     first_rss, first_device = samples[1]
     last_rss, last_device = samples[-1]
     assert last_device - first_device < 2**20, samples  # bytes: no growth (it may shrink as caches settle)

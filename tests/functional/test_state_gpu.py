@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtp_ctrl.state import DynamicInferenceContext, KVCacheSpec
+from mtp_ctrl.state import DynamicInferenceContext, EngineShape, KVCacheSpec
 from mtp_ctrl.triton_ops import rewind_kv_cache
 from tests.functional.sync_checks import no_host_sync
 
@@ -17,17 +17,10 @@ KV_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bflo
 
 
 def make_context(device, block_size_tokens=4, num_speculative_tokens=2):
-    return DynamicInferenceContext(
-        max_requests=4,
-        max_model_len=40,
-        block_size_tokens=block_size_tokens,
-        num_speculative_tokens=num_speculative_tokens,
-        max_tokens_per_step=4 * (num_speculative_tokens + 1) + 3,
-        kv_cache=KV_SPEC,
-        device=device,
-        num_blocks=64,
-        cuda_graph_batch_sizes=(1, 2, 4),
-    )
+    shape = EngineShape(max_requests=4, max_model_len=40, block_size_tokens=block_size_tokens,
+                        num_speculative_tokens=num_speculative_tokens,
+                        max_tokens_per_step=4 * (num_speculative_tokens + 1) + 3, device=device)
+    return DynamicInferenceContext(shape, kv_cache=KV_SPEC, num_blocks=64, cuda_graph_batch_sizes=(1, 2, 4))
 
 
 def device_step(ctx, step, accepted_counts):
@@ -45,7 +38,7 @@ def device_step(ctx, step, accepted_counts):
         rows.kv_block_counts[:batch],
         rows.last_kv_block_id[:batch],
         rows.kv_block_ids[:batch].clone(),
-        ctx.num_speculative_tokens,
+        ctx.shape.num_speculative_tokens,
         ctx.allocator.block_size_tokens,
         num_active_requests=step.num_requests,
     )

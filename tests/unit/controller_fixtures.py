@@ -90,8 +90,8 @@ class RecordingMTPProposer(MTPProposer):
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         drafts = super().propose(batch)
-        ends = verified_ends(batch, self.num_speculative_tokens).tolist()
-        for index, request_id in enumerate(batch.step.request_ids[: batch.num_sampling_requests]):
+        ends = verified_ends(batch, self.draft_context.shape.num_speculative_tokens).tolist()
+        for index, request_id in enumerate(batch.step.request_ids[: batch.num_requests]):
             self.proposals.append((request_id, ends[index], drafts[index].tolist()))
         return drafts
 
@@ -115,10 +115,10 @@ class OracleProposer(Proposer):
         self.injected: Dict[int, List[int]] = {}
         self.observed: Dict[int, List[int]] = {}
 
-    def bind(self, controller) -> None:
-        super().bind(controller)
-        self.num_speculative_tokens = controller.config.num_speculative_tokens
-        self.vocab_size = controller.vocab_size
+    def bind(self, draft_context) -> None:
+        super().bind(draft_context)
+        self.num_speculative_tokens = draft_context.shape.num_speculative_tokens
+        self.vocab_size = draft_context.shape.vocab_size
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         step, S = batch.step, self.num_speculative_tokens
@@ -138,7 +138,7 @@ class OracleProposer(Proposer):
         # a step run past a request's stop (overlap scheduling) drafts past its sequence: clamp, unused
         true_drafts = known.to(device).gather(1, positions.clamp(max=length - 1))  # [n, S] int64
         drafts = torch.where(correct.to(device), true_drafts, (true_drafts + 1) % self.vocab_size)  # [n, S]
-        padding = batch.num_sampling_requests - num_sampling  # requests padding a CUDA-graph batch
+        padding = batch.num_requests - num_sampling  # requests padding a CUDA-graph batch
         return torch.cat([drafts, drafts.new_zeros(padding, S)])
 
     def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:

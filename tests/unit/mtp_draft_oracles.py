@@ -67,10 +67,10 @@ class RecordingProposer(Proposer):
         self.proposals: List[Tuple[int, int, List[int]]] = []
         self.events: List[Tuple[str, int]] = []  # ("propose" | "forget", request_id), in call order
 
-    def bind(self, controller) -> None:
-        super().bind(controller)
-        self.inner.bind(controller)
-        self.num_speculative_tokens = controller.config.num_speculative_tokens
+    def bind(self, draft_context) -> None:
+        super().bind(draft_context)
+        self.inner.bind(draft_context)
+        self.num_speculative_tokens = draft_context.shape.num_speculative_tokens
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         drafts = self.inner.propose(batch)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import InferenceConfig, Proposer, SamplingParams
-from mtp_ctrl.triton_ops import _dispatch, reference
+from mtp_ctrl.triton_ops import _dispatch
 from tests.unit.controller_fixtures import PROMPTS, build_models, chi_square_p_value, filtered_softmax, make_controller
 from tests.unit.megatron_fixtures import VOCAB_SIZE, dense_full_sequence, ensure_single_process_groups
 
@@ -40,39 +40,37 @@ def reference_ops(monkeypatch):
 
 
 class UniformProposer(Proposer):
-    """A deliberately bad drafter: every draft uniform over the vocabulary (the argmax of the
-    request's own noise at the draft's position), with q = 1 / V recorded per table row."""
+    """A deliberately bad drafter: every draft uniform over the vocabulary (the controller's sampler
+    on flat logits: the argmax of the request's own noise at the draft's position), with q = 1 / V
+    recorded per table row."""
 
-    def bind(self, controller):
-        super().bind(controller)
-        self.num_speculative_tokens = controller.config.num_speculative_tokens
-        self.vocab_size = controller.vocab_size
-        table = controller.context.table
-        table.add_device_rows("uniform_q", (self.num_speculative_tokens, self.vocab_size), torch.float32,
-                              fill=1.0 / self.vocab_size)
-        self._q = table.device_rows_with_scratch("uniform_q")  # [R + 1, S, V] float32
-        self._seeds = table.device_rows_with_scratch("seed")  # [R + 1] int64, the controller's rows
+    def bind(self, draft_context):
+        super().bind(draft_context)
+        self.num_speculative_tokens = draft_context.shape.num_speculative_tokens
+        self.vocab_size = draft_context.shape.vocab_size
+        self._q = draft_context.add_device_rows("uniform_q", (self.num_speculative_tokens, self.vocab_size),
+                                                torch.float32, fill=1.0 / self.vocab_size)  # [R + 1, S, V] float32
 
     def draft_probs(self):
         return self._q
 
     def propose(self, batch):
-        n, S = batch.num_sampling_requests, self.num_speculative_tokens
+        n, S = batch.num_requests, self.num_speculative_tokens
         positions = batch.bonus_positions[:n, None] + 1 + torch.arange(S)[None, :]  # [n, S] int64
-        seeds = self._seeds[:n, None].expand(n, S)  # [n, S] int64 (request i sits at table row i)
-        noise = reference.gumbel_noise(seeds.reshape(-1), positions.reshape(-1), self.vocab_size)  # [n * S, V]
-        return noise.argmax(-1).reshape(n, S)
+        table_rows = torch.arange(n)[:, None].expand(n, S)  # [n, S] int64 (request i sits at table row i)
+        flat = torch.zeros(n * S, self.vocab_size)  # [n * S, V]: sampled rows draw the argmax of their noise
+        return self.draft_context.sample_rows(flat, table_rows.reshape(-1), positions.reshape(-1)).reshape(n, S)
 
 
 class RepeatLastTokenProposer(Proposer):
     """Drafts S copies of the last verified token and records no q (treated as one-hot)."""
 
-    def bind(self, controller):
-        super().bind(controller)
-        self.num_speculative_tokens = controller.config.num_speculative_tokens
+    def bind(self, draft_context):
+        super().bind(draft_context)
+        self.num_speculative_tokens = draft_context.shape.num_speculative_tokens
 
     def propose(self, batch):
-        next_tokens = batch.next_tokens[: batch.num_sampling_requests]  # [n] int64
+        next_tokens = batch.next_tokens[: batch.num_requests]  # [n] int64
         return next_tokens[:, None].expand(-1, self.num_speculative_tokens).clone()
 
 

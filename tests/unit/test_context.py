@@ -17,7 +17,11 @@ from mtp_ctrl.state import (
     MambaSpec,
     RowGroup,
 )
+from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.triton_ops.reference import rewind_kv_cache
+
+SHAPE_FIELDS = ("max_requests", "max_model_len", "block_size_tokens", "num_speculative_tokens", "max_tokens_per_step",
+                "decode_steps_per_launch", "device")
 
 KV_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 
@@ -34,7 +38,8 @@ def make_context(**overrides):
         num_blocks=24,
     )
     args.update(overrides)
-    return DynamicInferenceContext(**args)
+    shape = EngineShape(**{name: args.pop(name) for name in SHAPE_FIELDS if name in args})
+    return DynamicInferenceContext(shape, **args)
 
 
 def device_rewind(ctx, step, accepted):
@@ -52,7 +57,7 @@ def device_rewind(ctx, step, accepted):
         rows.kv_block_counts[:n],
         rows.last_kv_block_id[:n],
         rows.kv_block_ids[:n].clone(),
-        ctx.num_speculative_tokens,
+        ctx.shape.num_speculative_tokens,
         ctx.allocator.block_size_tokens,
     )
 
@@ -183,8 +188,8 @@ def test_decode_step_padded_to_a_cuda_graph_bucket():
     assert att.positions[:9].tolist() == [3, 4, 5] * 3
     assert att.query_start_loc.tolist() == [0, 3, 6, 9, 9]
     assert att.seq_lens.tolist() == [6, 6, 6, 0]
-    assert att.block_table[3].tolist() == [-1] * ctx.max_blocks_per_request
-    assert att.num_actual_tokens == 9 and att.max_seq_len == ctx.max_blocks_per_request * 4
+    assert att.block_table[3].tolist() == [-1] * ctx.shape.max_blocks_per_request
+    assert att.num_actual_tokens == 9 and att.max_seq_len == ctx.shape.max_blocks_per_request * 4
     assert int(step.num_active[0]) == 3
     assert step.logits_indices.tolist() == list(range(9)) + [0, 0, 0]  # padding rows point at row 0
     assert ctx.table.device.kv_length_offsets[3] == 0  # the paused row's KV length is untouched
@@ -528,7 +533,7 @@ def test_request_at_max_model_len_runs_a_step_past_its_stop():
     """A request holds up to ceil((max_model_len + 2 (1 + S)) / bs) blocks: a request of
     max_model_len tokens can still run the step in flight and one more before the host stops it."""
     ctx = make_context(max_model_len=6)
-    assert ctx.max_blocks_per_request == 3  # ceil((6 + 6) / 4)
+    assert ctx.shape.max_blocks_per_request == 3  # ceil((6 + 6) / 4)
     ctx.add_request(0, [1] * 6)
     step_and_commit(ctx)
     first = ctx.build_step()
@@ -537,7 +542,7 @@ def test_request_at_max_model_len_runs_a_step_past_its_stop():
     ctx.commit_readback(first, np.array([2]))
     run_device_step(ctx, second, [2])
     ctx.commit_readback(second, np.array([2]))
-    assert ctx.table.host.known_lengths[0] == 12 == ctx.max_blocks_per_request * 4
+    assert ctx.table.host.known_lengths[0] == 12 == ctx.shape.max_blocks_per_request * 4
     assert ctx.table.mismatched_rows() == []
     ctx.finish_request(0)
     assert ctx.allocator.num_free_blocks == ctx.allocator.num_blocks

@@ -108,7 +108,7 @@ def controller(models):
 def _assert_untouched(controller):
     assert not controller.has_unfinished_requests()
     assert controller.context.table.num_live == 0
-    assert controller._next_request_id == 0  # no request id was taken
+    assert controller.debug_view().next_request_id == 0  # no request id was taken
 
 
 @pytest.mark.parametrize("prompt", [[], list(range(16)), [3, -1, 4], [3, VOCAB_SIZE, 4], torch.tensor([1, VOCAB_SIZE]),

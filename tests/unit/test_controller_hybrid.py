@@ -100,13 +100,8 @@ def _run_paused(controller, params):
     """ARRIVALS with ``params[i]``; the third request is paused after its first step (mid-prompt:
     it arrives at step 1 and its prompt is longer than that step's chunk) and resumed at step 5.
     Returns the steps launched and each request's output tokens."""
-    launched, launch = [], controller._launch_step
-
-    def recording(step):
-        launched.append(step)
-        return launch(step)
-
-    controller._launch_step = recording
+    launched = []
+    controller.on_launch = lambda step, graph_key: launched.append(step)  # the documented debug hook
     request_ids, step_index = [None] * len(ARRIVALS), 0
     while step_index == 0 or controller.has_unfinished_requests() or None in request_ids:
         for index, (arrival_step, prompt, _) in enumerate(ARRIVALS):

@@ -33,18 +33,16 @@ def _watch_runs(controller):
     last step's peak KV length (its length after the rewind, plus the rows it rejected) fits
     ``block_counts * block_size_tokens``."""
     context, launches = controller.context, []
-    launch_step = controller._launch_step
 
-    def checked_launch_step(step):
-        launched = launch_step(step)
+    def check_launch(step, graph_key):
         launches.append(step.num_steps)
-        table, num_decode, S = context.table, step.num_decode, context.num_speculative_tokens
-        peak = table.device.kv_length_offsets[:num_decode] + S - controller._accepted_counts[:num_decode]
-        reserved = torch.from_numpy(table.host.block_counts[:num_decode] * context.block_size_tokens)
+        table, num_decode, S = context.table, step.num_decode, context.shape.num_speculative_tokens
+        accepted = controller.debug_view().last_accepted_counts[:num_decode]
+        peak = table.device.kv_length_offsets[:num_decode] + S - accepted
+        reserved = torch.from_numpy(table.host.block_counts[:num_decode] * context.shape.block_size_tokens)
         assert (peak <= reserved).all(), (peak, reserved)
-        return launched
 
-    controller._launch_step = checked_launch_step
+    controller.on_launch = check_launch  # the documented debug hook
     return launches
 
 

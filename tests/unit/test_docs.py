@@ -56,8 +56,10 @@ def test_init_single_process_is_idempotent_and_lazy():
 
 def test_metrics_as_dict_is_plain_json_data():
     from mtp_ctrl.controllers.metrics import GenerationMetrics
+    from mtp_ctrl.state.engine_shape import EngineShape
 
-    metrics = GenerationMetrics(num_speculative_tokens=2)
+    metrics = GenerationMetrics(EngineShape(max_requests=1, max_model_len=8, block_size_tokens=4,
+                                            num_speculative_tokens=2, max_tokens_per_step=3))
     metrics.record_acceptance([0, 2, 1, 2])  # accepted drafts of four decode request-steps
     metrics.emitted_tokens = 9
     metrics.record_step(0.5)
@@ -71,3 +73,20 @@ def test_metrics_as_dict_is_plain_json_data():
     assert data["step_time"]["steps"] == 2 and abs(data["step_time"]["mean_step_ms"] - 375.0) < 1e-9
     assert data["step_time"]["mean_gpu_ms"] is None and data["tokens_per_second"] > 0
     assert "mean accepted length 2.25" in metrics.summary()  # the existing summary still works
+
+
+def test_reference_table_names_each_kernel_files_twin():
+    """The table at the top of triton_ops/reference/__init__.py: every kernel file -> its twin file."""
+    import re
+
+    from mtp_ctrl import triton_ops
+    from mtp_ctrl.triton_ops import reference
+
+    rows = re.findall(r"^    (\w+) +(\w+) +\w", reference.__doc__, flags=re.MULTILINE)
+    table = {kernel: twin for kernel, twin in rows if kernel != "kernel"}
+    def file_of(op):
+        return op.__module__.rsplit(".", 1)[1]
+
+    want = {file_of(getattr(triton_ops, name)): file_of(getattr(reference, name))
+            for name in triton_ops.__all__ if name in reference.__all__}
+    assert table == want

@@ -1,7 +1,7 @@
 """mamba_decode_rows: the kernel through Triton's interpreter == its torch twin (y, every
 intermediate buffer, current states untouched) on random slots, 1 or 3 rows per request, rows past
 T, 1 or 2 groups, conv widths 2 and 4, bf16 states; the twin == the per-row step functions of
-mtp_ctrl.models.mamba_ops; a shared scratch slot leaves the real slots right; errors name the
+tests/unit/mamba_oracle.py; a shared scratch slot leaves the real slots right; errors name the
 argument. And PagedMambaMixer with its kernels (decode rows + varlen prefill, interpreted) == with
 its twins over a padded mixed step (the other model tests run the twins: tests/unit/conftest.py)."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from mtp_ctrl.models import MambaForward
 from mtp_ctrl.models.forward_context import paged_forward_context
 from mtp_ctrl.models.mamba_mixer import MAMBA_KERNELS_ENV, mamba_kernels_from_env
-from mtp_ctrl.models.mamba_ops import causal_conv_step, ssm_step
+from tests.unit.mamba_oracle import causal_conv_step, ssm_step
 from mtp_ctrl.triton_ops import mamba_decode_rows, reference
 from tests.unit.megatron_fixtures import make_metadata
 from tests.unit.test_mamba_reference import S, make_slots, random_mixer

@@ -8,15 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_ctrl.models.mamba_ops import (
-    causal_conv_chunk,
-    causal_conv_step,
-    causal_conv_varlen,
-    segment_of_rows,
-    ssm_chunk_scan,
-    ssm_step,
-    ssm_varlen_scan,
-)
+from mtp_ctrl.triton_ops import causal_conv_varlen, segment_of_rows, ssm_varlen_scan
+from tests.unit.mamba_oracle import causal_conv_chunk, causal_conv_step, ssm_chunk_scan, ssm_step
 from mtp_ctrl.triton_ops.reference import gated_rms_norm
 
 

@@ -1,6 +1,6 @@
 """PagedMambaMixer against a naive Mamba-2 (SSD) reference written from the equations.
 
-The reference shares no code with mtp_ctrl.models.mamba_ops: a sequential loop over rows, in
+The reference shares no code with tests/unit/mamba_oracle.py: a sequential loop over rows, in
 float64, over the mixer's raw parameters, in megatron-core MambaMixer's layout (checked against
 megatron/core/ssm/mamba_mixer.py 0.16):
 

@@ -77,7 +77,7 @@ def test_churn_preemption_sampling_padded_steps_equal_plain(models, torch_twins)
     controller = make_controller(model, 3, proposer=MultiLayerEagleProposer(heads), max_model_len=24, num_kv_blocks=8,
                                  max_tokens_per_step=20, cuda_graph_batch_sizes=(2, 4))
     assert run_with_arrivals(controller, arrivals) == plain
-    assert sum(controller.result(rid).preemptions for rid in controller._records) > 0
+    assert sum(controller.result(rid).preemptions for rid in range(controller.debug_view().next_request_id)) > 0
     assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
 
 

@@ -4,21 +4,25 @@ in flight)."""
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtp_ctrl.controllers.config import SamplingParams
 from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
+from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.request_table import RequestTable
 
 MAX_MODEL_LEN = 40
 
 
+def _table(S):
+    return RequestTable(EngineShape(max_requests=4, max_model_len=MAX_MODEL_LEN, block_size_tokens=4,
+                                    num_speculative_tokens=S, max_tokens_per_step=4 * (S + 1)))
+
+
 def _rows(S, requests):
     """OutputRows over a table of 4 rows; ``requests``: (params, prompt length, output so far) per row."""
-    table = RequestTable(4, 16, S, 4, torch.device("cpu"))
-    outputs = OutputRows(table, MAX_MODEL_LEN, S)
+    outputs = OutputRows(_table(S))
     for row, (params, prompt_length, output) in enumerate(requests):
         outputs.start(row, params, prompt_length, output, 0, 0)
     return outputs
@@ -127,8 +131,8 @@ def test_a_record_reads_its_row_while_attached_and_keeps_it_after():
     from mtp_ctrl.controllers.requests import RequestRecord
     from mtp_ctrl.state.request_table import RowGroup
 
-    table = RequestTable(4, 16, 1, 4, torch.device("cpu"))
-    outputs = OutputRows(table, MAX_MODEL_LEN, 1)
+    table = _table(1)
+    outputs = OutputRows(table)
     params = SamplingParams(max_new_tokens=30)
     records = {request_id: RequestRecord(request_id, [1, 2], params, seed=0) for request_id in (7, 8)}
     for request_id, record in records.items():

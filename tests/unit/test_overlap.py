@@ -60,11 +60,11 @@ def test_stop_inside_an_accepted_draft_run_and_max_model_len_mid_draft(models):
     sequences = {0: prompt + continuation + [0] * 8}
 
     class Oracle(Proposer):
-        def bind(self, controller):
-            super().bind(controller)
+        def bind(self, draft_context):
+            super().bind(draft_context)
 
         def propose(self, batch):
-            positions = batch.bonus_positions[: batch.num_sampling_requests, None] + 1 + torch.arange(MTP_DEPTH)
+            positions = batch.bonus_positions[: batch.num_requests, None] + 1 + torch.arange(MTP_DEPTH)
             known = torch.tensor(sequences[0])
             return known[positions.clamp(max=known.shape[0] - 1)]
 
@@ -104,13 +104,13 @@ class _FailingProposer(Proposer):
     def __init__(self, fail_at: int):
         self.fail_at, self.calls = fail_at, 0
 
-    def bind(self, controller):
-        super().bind(controller)
-        self.num_speculative_tokens = controller.config.num_speculative_tokens
+    def bind(self, draft_context):
+        super().bind(draft_context)
+        self.num_speculative_tokens = draft_context.shape.num_speculative_tokens
 
     def propose(self, batch):
         self.calls += 1
-        rows = batch.num_sampling_requests + (1 if self.calls == self.fail_at else 0)
+        rows = batch.num_requests + (1 if self.calls == self.fail_at else 0)
         return torch.zeros(rows, self.num_speculative_tokens, dtype=torch.int64)
 
 
@@ -177,8 +177,9 @@ def test_finished_results_are_bounded_and_popped(models, torch_twins):
         ids = [controller.add_request([5 + index, 7], SamplingParams(max_new_tokens=1)) for index in range(8)]
         while controller.has_unfinished_requests():
             controller.step()
-        assert len(controller._records) <= 3 and len(controller._finished_order) <= 3
-        assert not controller._retiring and not controller.context._prefill_tokens
+        view = controller.debug_view()
+        assert view.num_records <= 3 and view.num_unclaimed_results <= 3
+        assert view.num_retiring == 0 and view.num_prefills_held == 0
         assert controller.pop_result(ids[-1]).output_tokens
         with pytest.raises(ValueError, match="unknown request_id"):
             controller.result(ids[0])  # pushed out by newer results
@@ -251,7 +252,7 @@ def test_generate_keeps_its_results_whatever_finished_results_kept_says(models, 
     controller = make_controller(model, 2, finished_results_kept=1)
     got = controller.generate(prompts, SamplingParams(max_new_tokens=5))
     assert [r.output_tokens for r in got] == [r.output_tokens for r in want]
-    assert controller._records == {}
+    assert controller.debug_view().num_records == 0
 
 
 def test_learned_position_table_is_not_indexed_past_its_end_by_the_extra_step(monkeypatch):
@@ -297,18 +298,17 @@ def test_arrivals_while_decoding_join_without_applying_the_step_in_flight(models
     plain = run_with_arrivals(make_controller(model, 0, overlap_scheduling=False), arrivals)
     controller = make_controller(model, 2)
     steps_in_flight_at_admission, early_applications = [], []
-    add_request, apply_in_flight = controller.context.add_request, controller._apply_in_flight
+    add_request = controller.context.add_request
 
     def add_and_record(request_id, tokens, row_values):
         steps_in_flight_at_admission.append(controller.context.steps_in_flight)
         add_request(request_id, tokens, row_values)
 
-    def apply_and_record(collect=False):
-        if not controller._retiring and controller.has_unfinished_requests():
+    def record_apply(step, readbacks, overlapped, rows_moved):  # the documented debug hook
+        if not overlapped and controller.has_unfinished_requests():
             early_applications.append(controller.context.steps_in_flight)
-        return apply_in_flight(collect)
 
-    controller.context.add_request, controller._apply_in_flight = add_and_record, apply_and_record
+    controller.context.add_request, controller.on_apply = add_and_record, record_apply
     assert run_with_arrivals(controller, arrivals) == plain
     assert steps_in_flight_at_admission == [0, 1, 1, 1]  # the first request found nothing in flight
     assert early_applications == []
@@ -340,18 +340,13 @@ def test_finishing_requests_retire_without_applying_the_step_in_flight(models, t
     if hook:
         controller.__class__ = Overridden
     early_applications, realigned = [], []
-    apply_in_flight, apply = controller._apply_in_flight, controller._apply
 
-    def apply_and_record(collect=False):
-        if controller.has_unfinished_requests():
+    def record_apply(step, readbacks, overlapped, rows_moved):  # the documented debug hook
+        if not overlapped and controller.has_unfinished_requests():
             early_applications.append(controller.context.steps_in_flight)
-        return apply_in_flight(collect)
+        realigned.append(rows_moved)
 
-    def apply_counting_moves(launched, collect):
-        realigned.append(launched.table_moves != controller.context.table.num_moves)
-        return apply(launched, collect)
-
-    controller._apply_in_flight, controller._apply = apply_and_record, apply_counting_moves
+    controller.on_apply = record_apply
     assert run_with_arrivals(controller, arrivals) == plain
     assert early_applications == []
     assert sum(realigned) >= 3  # several steps were applied after rows moved under them
@@ -369,18 +364,16 @@ def test_admission_while_a_request_is_paused_does_not_apply_the_step_in_flight(m
     plain = [r.output_tokens for r in make_controller(model, 0, overlap_scheduling=False).generate(prompts, params)]
     controller = make_controller(model, 2)
     early_applications = []
-    apply_in_flight = controller._apply_in_flight
 
-    def apply_and_record(collect=False):
-        if controller.has_unfinished_requests():
+    def record_apply(step, readbacks, overlapped, rows_moved):  # the documented debug hook
+        if not overlapped and controller.has_unfinished_requests():
             early_applications.append(controller.context.table.group_size(RowGroup.PAUSED))
-        return apply_in_flight(collect)
 
     ids = [controller.add_request(prompts[0], params), controller.add_request(prompts[1], params)]
     for _ in range(2):
         controller.step()
     controller.pause_request(ids[0])  # applies the step in flight (nothing paused yet)
-    controller._apply_in_flight = apply_and_record
+    controller.on_apply = record_apply
     controller.step()
     ids += [controller.add_request(prompt, params) for prompt in prompts[2:]]
     moves = controller.context.table.num_moves
@@ -388,7 +381,7 @@ def test_admission_while_a_request_is_paused_does_not_apply_the_step_in_flight(m
         controller.step()
     assert controller.context.table.num_moves > moves  # the paused row moved under a step in flight
     assert early_applications == []
-    controller._apply_in_flight = apply_in_flight
+    del controller.on_apply  # back to the class's hook
     controller.resume_request(ids[0])
     while controller.has_unfinished_requests():
         controller.step()

@@ -6,13 +6,19 @@ import pytest
 import torch
 
 from mtp_ctrl.state import RequestTable, RowGroup
+from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.staging import StagingBuffers
 
 GROUPS = (RowGroup.DECODE, RowGroup.PREFILL, RowGroup.PAUSED)
 
 
 def make_table(max_requests=6, max_blocks=3, num_speculative_tokens=2):
-    return RequestTable(max_requests, max_blocks, num_speculative_tokens, 4, torch.device("cpu"))
+    # a max_model_len whose worst case is max_blocks blocks of 4: ceil((L + 2 (1 + S)) / 4)
+    shape = EngineShape(max_requests=max_requests, max_model_len=4 * max_blocks - 2 * (num_speculative_tokens + 1),
+                        block_size_tokens=4, num_speculative_tokens=num_speculative_tokens,
+                        max_tokens_per_step=max_requests * (num_speculative_tokens + 1))
+    assert shape.max_blocks_per_request == max_blocks
+    return RequestTable(shape)
 
 
 def fill_row(table, request_id):
@@ -104,7 +110,7 @@ def test_moves_carry_every_row_on_both_sides():
     for _ in range(300):
         live = list(groups)
         action = rng.random()
-        if action < 0.3 and table.num_live < table.max_requests:
+        if action < 0.3 and table.num_live < table.shape.max_requests:
             group = rng.choice(GROUPS)
             table.insert(next_id, group)
             table.write_inserted_rows()

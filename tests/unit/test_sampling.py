@@ -1,10 +1,11 @@
-"""Sampling through controllers.sampling: greedy, seeded determinism, top-k/top-p support.
+"""Sampling through triton_ops.sample_tokens: greedy, seeded determinism, top-k/top-p support.
 
 The sampled distribution is tested in test_sampling_law.py, kernel == twin in test_sampling_kernel.py."""
 
 import torch
 
-from mtp_ctrl.controllers.sampling import filter_top_k_top_p, gumbel_noise, sample_tokens
+from mtp_ctrl.triton_ops import sample_tokens
+from mtp_ctrl.triton_ops.reference.sampling import filter_top_k_top_p, gumbel_noise
 
 
 def _rows(num_rows, temperature=1.0, top_k=0, top_p=1.0, seed=7):

@@ -4,7 +4,6 @@ on rows without ties, the always-kept top token, known answers and validation er
 import pytest
 import torch
 
-from mtp_ctrl.controllers import sampling as controller_sampling
 from mtp_ctrl.triton_ops import gumbel_sampling, reference, sample_tokens
 from tests.unit.sampling_cases import make_case, old_sample_tokens
 
@@ -70,7 +69,7 @@ def test_tiny_top_p_samples_greedily():
                   top_p=torch.full((12,), 1e-46), seeds=torch.arange(12) * 7, positions=torch.arange(12) + 3)
     want = logits.argmax(-1)
     assert (want != 0).any()
-    assert torch.equal(controller_sampling.sample_tokens(logits, **params), want)
+    assert torch.equal(sample_tokens(logits, **params), want)
     assert torch.equal(reference.sample_tokens(logits, **params), want)
 
 

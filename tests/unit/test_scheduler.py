@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtp_ctrl.state import DynamicInferenceContext, KVCacheFullError, KVCacheSpec
+from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.scheduler import Scheduler, decode_run_lengths, worst_case_blocks
 
 
@@ -16,7 +17,7 @@ def make_scheduler(**overrides) -> Scheduler:
     args = dict(max_requests=4, max_model_len=32, block_size_tokens=4, num_speculative_tokens=2,
                 max_tokens_per_step=16)
     args.update(overrides)
-    return Scheduler(**args)
+    return Scheduler(EngineShape(**args))
 
 
 def test_worst_case_formula_known_answers():
@@ -25,7 +26,7 @@ def test_worst_case_formula_known_answers():
     assert worst_case_blocks(5, 0, 2, 4) == 2  # 8 tokens
     assert worst_case_blocks(np.array([0, 1, 4]), 0, 0, 4).tolist() == [1, 1, 2]
     scheduler = make_scheduler()
-    assert scheduler.max_blocks_per_request == 10 == worst_case_blocks(32, 1, 2, 4)  # 38 tokens
+    assert scheduler.shape.max_blocks_per_request == 10 == worst_case_blocks(32, 1, 2, 4)  # 38 tokens
     assert scheduler.worst_case_blocks(100, 1) == 10  # capped
     assert scheduler.max_block_writes_per_step == 4 * (2 + 1) + 4 + 1
     needs = scheduler.blocks_needed(np.array([5, 5, 30]), np.array([2, 3, 10]), steps_in_flight=1)
@@ -141,9 +142,9 @@ def test_random_runs_never_over_allocate_and_leak_nothing(block_size, S, seed, o
     first; after everything finishes, every block is free."""
     rng = np.random.default_rng(seed)
     stride = S + 1
-    ctx = DynamicInferenceContext(max_requests=3, max_model_len=16, block_size_tokens=block_size,
-                                  num_speculative_tokens=S, max_tokens_per_step=3 * stride + 4, kv_cache=KV_SPEC,
-                                  device="cpu", num_blocks=int(ctx_blocks(block_size, S)))
+    shape = EngineShape(max_requests=3, max_model_len=16, block_size_tokens=block_size, num_speculative_tokens=S,
+                        max_tokens_per_step=3 * stride + 4)
+    ctx = DynamicInferenceContext(shape, kv_cache=KV_SPEC, num_blocks=int(ctx_blocks(block_size, S)))
     scheduler, host, allocator = ctx.scheduler, ctx.table.host, ctx.allocator
     next_id, pending = 0, None
 
@@ -151,7 +152,7 @@ def test_random_runs_never_over_allocate_and_leak_nothing(block_size, S, seed, o
         live = ctx.table.num_live
         held = host.block_ids[:live][host.block_ids[:live] >= 0].tolist()
         assert len(held) == len(set(held)) == allocator.num_allocated_blocks <= allocator.num_blocks
-        assert (host.block_counts[:live] <= scheduler.max_blocks_per_request).all()
+        assert (host.block_counts[:live] <= scheduler.shape.max_blocks_per_request).all()
 
     for _ in range(40):
         if pending is not None and (not overlap or ctx.needs_sync() or rng.random() < 0.3):
@@ -221,8 +222,8 @@ def test_a_decode_run_never_reaches_max_model_len_before_its_last_step(S, most, 
     """Whatever the budgets: the run length is one of the run lengths; a run longer than one step
     ends before any request can reach max_model_len (each step adds at most 1 + S tokens), and
     its last step is expected to be of use; the longest such run is taken."""
-    scheduler = Scheduler(max_requests=4, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
-                          max_tokens_per_step=64, decode_steps_per_launch=most)
+    scheduler = Scheduler(EngineShape(max_requests=4, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
+                                      max_tokens_per_step=64, decode_steps_per_launch=most))
     steps = scheduler.decode_run_steps(to_model_len, most_left, in_flight, tokens_per_step)
 
     def allowed(length):

@@ -2,6 +2,34 @@
 
 Same names, argument order and return values as the public ops; vectorised torch with no
 Python loop over requests. They are the CPU path and the ground truth of the kernel tests.
+
+Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<twin>.py``;
+``tests/unit/test_docs.py`` checks this table against the two export maps)::
+
+    kernel file              twin file        ops
+    verify_tokens            mtp_step         verify_speculative_tokens
+    prepare_next_forward     mtp_step         prepare_next_forward_pass
+    kv_rewind                mtp_step         rewind_kv_cache
+    mamba_state_copy         mtp_step         mamba_state_selective_copy
+    fused_step               mtp_step         verify_and_commit
+    step_inputs              step_inputs      prepare_step_inputs
+    step_rows                step_rows        logits_row_requests, draft_batch_rows
+    eagle_inputs             drafting         copy_and_expand_eagle_inputs
+    eagle_padded             drafting         eagle_prepare_inputs_padded, eagle_prepare_next_token_padded
+    eagle_slot_mapping       drafting         eagle_step_update_slot_mapping_and_metadata
+    extend_queries           drafting         extend_all_queries_by_n
+    parallel_drafting        drafting         ptd_prepare_inputs
+    shift_gather_cache       drafting         shift_and_gather_cache, shift_and_gather_cache_hidden
+    mtp_window               mtp_window       mtp_draft_window, mtp_advance_window
+    gumbel_sampling          sampling         sample_tokens (and gumbel_noise, filter_top_k_top_p)
+    rejection_sampling       rejection        rejection_sample (and stream_seeds, stream_uniform)
+    kv_cache_write           attention        write_kv_cache
+    paged_attn               attention        paged_attention
+    rope_kv_write            attention        rope_and_write_kv_cache, rope_and_write_kv_cache_mixed
+    mamba_varlen             mamba_varlen     causal_conv_varlen, ssm_varlen_scan, segment_of_rows
+    mamba_decode             mamba_decode     mamba_decode_rows
+    layer_glue               glue             add_bias_residual_norm, bias_activation, split_qkv_heads,
+                                              gated_rms_norm
 """
 
 from mtp_ctrl.triton_ops._lazy import lazy_exports

@@ -3,7 +3,7 @@ the packed rows of a whole step (segments: one per prefill request, rows
 ``[row_start, row_start + row_count)``), fixed shapes, no host sync.
 
 Letters: T packed rows, n segments, C conv channels, W conv width, H heads, P head dim, N state
-size; everything fp32. The per-request functions of :mod:`mtp_ctrl.models.mamba_ops`
+size; everything fp32. The per-request functions of ``tests/unit/mamba_oracle.py``
 (``causal_conv_chunk``, ``ssm_chunk_scan``) are these functions' own reference in the tests.
 The conv state of a request is the last ``W - 1`` inputs of its causal conv, ``[C, W - 1]``, oldest first.
 """

@@ -1,4 +1,6 @@
-"""The Mamba-2 mixer's math in torch: causal depthwise conv and the selective state-space scan.
+"""A test oracle: the Mamba-2 mixer's math in plain per-request torch (causal depthwise conv and
+the selective state-space scan), against which the step-wide varlen ops and the decode kernel are
+checked. Not on any product path (it lived in ``mtp_ctrl/models`` before).
 
 Letters: q rows of one request (a prefill chunk), n requests, C conv channels, W conv width,
 H heads, P head dim, N state size. Everything runs in fp32.
@@ -17,8 +19,8 @@ rounding; the tests check that.
 a whole step at once (segments: one per request, rows ``[row_start, row_start + row_count)``),
 with fixed shapes and no host sync, so a CUDA graph can capture a step that carries prefill
 chunks. They live in :mod:`mtp_ctrl.triton_ops.mamba_varlen` (one Triton launch each on CUDA;
-their torch twins, :mod:`mtp_ctrl.triton_ops.reference.mamba_varlen`, on CPU) and are re-exported
-here with :func:`segment_of_rows`; the per-request functions below are their reference.
+their torch twins, :mod:`mtp_ctrl.triton_ops.reference.mamba_varlen`, on CPU); the per-request
+functions below are their reference.
 
 The conv state of a request is the last ``W - 1`` inputs of its causal conv (zeros for a new
 request), ``[C, W - 1]``, oldest first.
@@ -28,9 +30,6 @@ from typing import Tuple
 
 import torch
 import torch.nn.functional as F
-
-# the step-wide varlen conv and scan: Triton kernels on CUDA (torch twins on CPU), re-exported here
-from mtp_ctrl.triton_ops import causal_conv_varlen, segment_of_rows, ssm_varlen_scan  # noqa: F401
 
 
 def causal_conv_step(

@@ -1,0 +1,120 @@
+"""The GPU part of one step: inputs, forward, sample, verify + commit, draft, stage the read-back.
+
+:class:`StepLauncher` owns the step's preallocated device buffers (nothing is allocated per
+step) and runs the device work of one step of a launch; the controller decides what runs and
+applies the read-back. No host sync and no value-dependent Python: the grid is the step's
+(padded) request count, every request has ``1 + S`` logits rows, and the real counts (requests,
+decode requests, sampling requests) are read on the device, so a padded step can be captured in
+a CUDA graph.
+"""
+
+from typing import Callable, Optional
+
+import torch
+
+from mtp_ctrl.controllers.acceptance import RejectionAcceptance
+from mtp_ctrl.controllers.proposers import DraftBatch, Proposer, check_drafts
+from mtp_ctrl.models.forward_context import MambaForward
+from mtp_ctrl.models.runner import PagedGPTRunner
+from mtp_ctrl.state import DynamicInferenceContext, StepMetadata
+from mtp_ctrl.triton_ops import StepCommit, draft_batch_rows, logits_row_requests, max_released_blocks, verify_and_commit
+
+
+class StepLauncher:
+    """``sample_rows(logits, table_rows, positions)``: the controller's sampler hook;
+    ``rejection``: rejection acceptance, or None for exact match."""
+
+    def __init__(self, context: DynamicInferenceContext, runner: PagedGPTRunner, proposer: Proposer,
+                 sample_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                 rejection: Optional[RejectionAcceptance]):
+        self.context, self.runner, self.proposer = context, runner, proposer
+        self._sample_rows, self._rejection = sample_rows, rejection
+        shape = context.shape
+        R, S, T, device = shape.max_requests, shape.num_speculative_tokens, shape.max_tokens_per_step, shape.device
+        self.last_accepted_rows = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
+        self.accepted_tokens = torch.full((R, S), -1, dtype=torch.int64, device=device)  # [R, S] int64
+        self.accepted_counts = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64, the last step's
+        self._row_requests = torch.zeros(2, R * (S + 1), dtype=torch.int64, device=device)  # [2, K] logits_row_requests
+        self._draft_positions = torch.zeros(3, R, dtype=torch.int64, device=device)  # [3, R]: draft_batch_rows
+        self._draft_samples = torch.zeros(R, dtype=torch.bool, device=device)  # [R] bool
+        self._draft_rows = context.table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64
+        # verify_and_commit's outputs; with keep_released_blocks nothing is released (see state/context.py)
+        release_width = max_released_blocks(S, shape.block_size_tokens)
+        release_shape = (R,) if release_width == 1 else (R, release_width)
+        self._commit_out = StepCommit(
+            last_one_indices=torch.empty(R, dtype=torch.int64, device=device),  # [R] int64
+            accepted_tokens_mask=torch.empty(T, dtype=torch.bool, device=device),  # [T] bool
+            blocks_to_release=torch.empty(release_shape, dtype=torch.int64, device=device),  # [R] or [R, W]
+            remove_mask=torch.empty(release_shape, dtype=torch.bool, device=device),
+        )
+
+    def launch(self, step: StepMetadata, readback: torch.Tensor, all_greedy: bool) -> None:
+        """One step's device work; stages ``[accepted count, bonus token, accepted drafts]`` of each
+        request of the grid into ``readback`` (``[R, S + 2]`` int64 on the device). ``all_greedy``:
+        every request samples greedily (a host flag from the requests' parameters)."""
+        context, attention, shape = self.context, step.attention, self.context.shape
+        S = shape.num_speculative_tokens
+        context.prepare_inputs(step)
+        grid = attention.batch_size  # G
+        rows = step.logits_indices  # [G * (1 + S)] int64: decode rows, final chunk ends, then ignored
+        num_decode = step.device_num_decode  # [1] int64
+        mamba = None
+        if context.mamba is not None:  # a padded grid: every request may decode, those past the real ones as scratch
+            padded = step.graph_padded or step.decode_only
+            mamba = MambaForward.for_step(context.mamba, context.table.device.mamba_slot_ids, step,
+                                          grid if padded else step.num_decode, step.device_num_decode if padded else None)
+        logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
+                                             logits_rows=rows, mamba=mamba)  # [G * (1 + S), V], [T, H]
+
+        # [K] int64 each: the table row of each logits row, where its token goes
+        row_requests, positions = self._row_requests[:, : rows.shape[0]]
+        logits_row_requests(rows, attention.positions, num_decode, S, grid, row_requests, positions)
+        output_tokens = self._sample_rows(logits, row_requests, positions)
+        if self._rejection is not None and not all_greedy:  # draft rows: accept min(1, p/q) or resample
+            output_tokens = self._rejection.resample(logits, output_tokens, step.input_ids[rows], row_requests,
+                                                     positions, num_decode)
+        self.accepted_tokens.fill_(-1)
+        self.accepted_counts.zero_()
+        table = context.table.device
+        verify_and_commit(
+            step.input_ids[rows], output_tokens, rows,
+            context.table.next_tokens, self.last_accepted_rows, self.accepted_tokens, self.accepted_counts,
+            table.last_kv_block_offset[:grid], table.kv_length_offsets[:grid],
+            table.kv_block_counts[:grid], table.last_kv_block_id[:grid], table.kv_block_ids[:grid],
+            grid, 0, S, shape.block_size_tokens, num_active_requests=step.device_num_sampling,
+            out=self._commit_buffers(grid, rows.shape[0]), keep_released_blocks=True, decode_count=num_decode,
+        )
+        num_mamba_decode = 0 if mamba is None else mamba.decode_slot_ids.shape[0]
+        if num_mamba_decode > 0:  # keep each decode's state after its last accepted row
+            context.mamba.commit_accepted(table.prefill_status[:num_mamba_decode], mamba.decode_slot_ids,
+                                          self.accepted_counts[:num_mamba_decode])
+        if S > 0:
+            self._draft(step, hidden, grid)
+        staged = readback[:grid]  # [G, S + 2]
+        staged[:, 0] = self.accepted_counts[:grid]
+        staged[:, 1] = context.table.next_tokens[:grid]
+        staged[:, 2:] = self.accepted_tokens[:grid]
+
+    def _draft(self, step: StepMetadata, hidden: torch.Tensor, grid: int) -> None:
+        """The proposer's next S drafts of every request of the grid, into the table's draft rows."""
+        context, attention, shape = self.context, step.attention, self.context.shape
+        scratch_row = context.table.scratch_row
+        write_rows, first_positions, bonus_positions = self._draft_positions[:, :grid]  # [G] int64 each
+        samples = self._draft_samples[:grid]  # [G] bool
+        draft_batch_rows(attention.query_start_loc[: grid + 1], attention.seq_lens[:grid], self.accepted_counts,
+                         step.counts, shape.num_speculative_tokens, scratch_row, write_rows, samples, first_positions,
+                         bonus_positions)
+        drafts = self.proposer.propose(DraftBatch(
+            step=step, hidden=hidden, num_requests=grid, samples=samples,
+            next_tokens=context.table.next_tokens[:grid], last_accepted_rows=self.last_accepted_rows[:grid],
+            accepted_counts=self.accepted_counts[:grid], write_rows=write_rows, first_positions=first_positions,
+            bonus_positions=bonus_positions, aux_hidden=self.runner.aux_hidden))
+        check_drafts(self.proposer, drafts, (grid, shape.num_speculative_tokens), shape.device)
+        # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
+        self._draft_rows[torch.where(samples, write_rows, scratch_row)] = drafts.clamp(0, shape.vocab_size - 1)
+
+    def _commit_buffers(self, num_requests: int, num_rows: int) -> StepCommit:
+        """Views of the preallocated outputs of ``verify_and_commit`` for this step's grid."""
+        buffers = self._commit_out
+        return StepCommit(buffers.last_one_indices[:num_requests], buffers.accepted_tokens_mask[:num_rows],
+                          buffers.blocks_to_release[:num_requests], buffers.remove_mask[:num_requests])
