@@ -65,6 +65,8 @@ def first_stops(new_tokens: np.ndarray, new_counts: np.ndarray, output_counts: n
     emitted 2 and EOS; ``[4, 6, 9]`` gives 2 and LENGTH (the output reaches 5 at ``6``).
     """
     num_rows, width = new_tokens.shape
+    if width == 0:  # nothing verified: nothing emitted, no stop
+        return np.zeros(num_rows, dtype=np.int64), np.zeros(num_rows, dtype=np.int64)
     column = np.arange(width)[None, :]
     valid = column < new_counts[:, None]  # [n, W] bool
     lengths_after = output_counts[:, None] + column + 1  # [n, W]: output length once each token is in
