@@ -103,7 +103,7 @@ def test_stops_inside_a_run_cut_the_output_exactly(models, torch_twins, S):
 
     class Oracle(Proposer):
         def propose(self, batch):
-            positions = batch.bonus_positions[: batch.num_sampling_requests, None] + 1 + torch.arange(S)
+            positions = batch.bonus_positions[: batch.num_requests, None] + 1 + torch.arange(S)
             return known[positions.clamp(max=known.shape[0] - 1)]
 
     eos, stop = continuation[13], tuple(continuation[10:12])
