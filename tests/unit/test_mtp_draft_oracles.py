@@ -65,7 +65,7 @@ def test_single_position_survives_a_step_with_no_sampling_request(models, sequen
     """Regression: this crashed before MTPProposer skipped drafting when nothing samples.
 
     One request with the 12-token prompt and 3 query rows per step: its first chunks do not
-    sample, so propose() gets ``num_sampling_requests == 0``. MTPProposer("single_position")
+    sample, so propose() gets ``step.num_sampling_requests == 0``. MTPProposer("single_position")
     builds 0 rows and calls runner.mtp_forward, which fails in megatron's attention with
     "cannot reshape tensor of 0 elements". The paged mode passes the same schedule (its window
     has the chunk's rows). Expected: no drafting work (or an empty forward) for such a step."""
