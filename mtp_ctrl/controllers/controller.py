@@ -30,7 +30,10 @@ draft rows' tokens first (speculative sampling, ``acceptance.py``): same distrib
 
 Research hooks, each overridable in a subclass: :meth:`sample_rows` (how a token is drawn),
 :meth:`accept_tokens` (what a request keeps of its verified tokens), and :meth:`on_step_end`
-(after each step's host bookkeeping); drafting is the ``proposer``.
+(after each step's host bookkeeping); drafting is the ``proposer``, which sees a
+``DraftContext``, never the controller. For tests and tools: the debug hooks :meth:`on_launch`
+and :meth:`on_apply`, and :meth:`debug_view`. The GPU part of a step is ``step_launch.py``; the
+engine's sizes are ``self.shape`` (an ``EngineShape``).
 """
 
 import collections
