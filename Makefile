@@ -30,7 +30,7 @@ test-gpu: venv
 	$(PY) -m pytest tests/functional $(PYTEST_FLAGS)
 
 demo: venv
-	$(PY) examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt
+	$(PY) examples/generate.py --checkpoint mtp_ctrl/checkpoints/mtp_demo.pt
 
 clean:
 	rm -rf $(VENV) *.egg-info

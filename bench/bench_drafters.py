@@ -2,7 +2,7 @@
 
     python bench/bench_drafters.py [--quick] [--eagle PATH] [--ptd PATH] [--multi-layer-eagle PATH]
 
-Target: the shipped demo GPT (examples/checkpoints/mtp_demo.pt), 64-byte held-out prompts, 128
+Target: the shipped demo GPT (mtp_ctrl/checkpoints/mtp_demo.pt), 64-byte held-out prompts, 128
 new tokens, CUDA graphs. Drafters: MTP paged and MTP single-position (the model's own heads),
 EAGLE, parallel drafting (PTD) and multi-layer EAGLE (heads from examples/train_eagle.py and
 examples/train_multi_layer_eagle.py; a drafter whose head file is missing is skipped). Each
@@ -25,7 +25,7 @@ import time
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "checkpoints")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mtp_ctrl", "checkpoints")
     parser.add_argument("--checkpoint", default=os.path.join(here, "mtp_demo.pt"))
     parser.add_argument("--eagle", default=os.path.join(here, "eagle_demo.pt"))
     parser.add_argument("--ptd", default=os.path.join(here, "ptd_demo.pt"))
@@ -114,8 +114,7 @@ def drafters(model, args):
 def main(args):
     device = torch.device("cuda")
     init_distributed(1, device)
-    _, model = load_demo_model(args.checkpoint)
-    model = model.to(device).eval()
+    model = load_demo_model(args.checkpoint, device)
     held_out = load_stdlib_corpus().held_out
     batches = (1, 8) if args.quick else (1, 8, 32)
     temperatures = (0.0,) if args.quick else (0.0, 0.7)

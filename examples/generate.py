@@ -1,11 +1,11 @@
 """Generate with and without MTP speculation on a small megatron-core GPT, time both, compare.
 
-    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt   # what `make demo` runs
+    python examples/generate.py --checkpoint mtp_ctrl/checkpoints/mtp_demo.pt   # what `make demo` runs
     python examples/generate.py                                               # random weights
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --checkpoint ...  # tensor parallel on 2 GPUs
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --load DIR        # a megatron dist checkpoint
     python examples/generate.py --metrics-json metrics.json                   # keep the figures
-    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \\
+    python examples/generate.py --checkpoint mtp_ctrl/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \\
         --num-speculative-tokens 3    # draft layers of examples/train_multi_layer_eagle.py (--draft-checkpoint PATH)
 
 Plain decoding (S = 0) and speculative decoding (S = --num-speculative-tokens) are each warmed up
@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 
-CHECKPOINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
+CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mtp_ctrl", "checkpoints")
 DEFAULT_DRAFT_CHECKPOINTS = {"ptd": os.path.join(CHECKPOINTS, "ptd_demo.pt"),
                              "multi_layer_eagle": os.path.join(CHECKPOINTS, "multi_layer_eagle_demo.pt")}
 TRAINED_BY = {"eagle": "examples/train_eagle.py", "ptd": "examples/train_eagle.py --mode ptd",
@@ -61,7 +61,7 @@ def parse_args(argv=None):
                         help="the drafter's weights: an EAGLE head (examples/train_eagle.py), a parallel-drafting "
                              "head (train_eagle.py --mode ptd), or draft layers (examples/train_multi_layer_eagle.py); "
                              "with the shipped target, ptd and multi_layer_eagle default to the shipped "
-                             "examples/checkpoints/ptd_demo.pt and multi_layer_eagle_demo.pt")
+                             "mtp_ctrl/checkpoints/ptd_demo.pt and multi_layer_eagle_demo.pt")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts per timed run (default: 8 on CPU; 128 on CUDA, where a run of 8 is too short "
                              "to time)")

@@ -17,7 +17,7 @@
 
     python examples/train_multi_layer_eagle.py --out multi_layer_eagle_demo.pt     # H100: about 2 minutes
     python examples/train_multi_layer_eagle.py --quick --out /tmp/mle_quick.pt      # CPU smoke run, seconds
-    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \\
+    python examples/generate.py --checkpoint mtp_ctrl/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \\
         --draft-checkpoint multi_layer_eagle_demo.pt --num-speculative-tokens 3
 """
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_TARGET = str(Path(__file__).resolve().parent / "checkpoints" / "mtp_demo.pt")
+DEFAULT_TARGET = str(Path(__file__).resolve().parents[1] / "mtp_ctrl" / "checkpoints" / "mtp_demo.pt")
 
 
 def parse_args(argv=None):

@@ -1,6 +1,6 @@
 """Multi-layer EAGLE on CUDA on the demo target: every step, prefill chunks included, replays a
 warmed-up CUDA graph without a host sync, and the tokens equal eager drafting and plain decoding.
-S = 2 runs random draft layers; S = 3 the shipped ones (examples/checkpoints/multi_layer_eagle_demo.pt,
+S = 2 runs random draft layers; S = 3 the shipped ones (mtp_ctrl/checkpoints/multi_layer_eagle_demo.pt,
 whose drafts must then be accepted) when they exist, else random ones too."""
 
 import os

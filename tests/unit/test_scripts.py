@@ -58,7 +58,7 @@ def test_generate_writes_metrics_json_quietly(tmp_path):
 
 
 def test_generate_rejects_more_drafts_than_mtp_layers_before_running():
-    result = run_script("examples/generate.py", "--checkpoint", "examples/checkpoints/mtp_demo.pt",
+    result = run_script("examples/generate.py", "--checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt",
                         "--num-speculative-tokens", "3")
     assert result.returncode != 0
     assert "--num-speculative-tokens 3" in result.stderr and "has 2" in result.stderr
@@ -82,10 +82,10 @@ def test_verbose_shows_megatron_notices_again():
 
 @pytest.mark.parametrize("proposer, num_speculative_tokens", [("eagle", 2), ("ptd", 3), ("multi_layer_eagle", 3)])
 def test_generate_serves_each_shipped_drafter(proposer, num_speculative_tokens):
-    """--proposer picks the shipped head (examples/checkpoints) for the shipped target, and its output
+    """--proposer picks the shipped head (mtp_ctrl/checkpoints) for the shipped target, and its output
     equals plain decoding."""
-    extra = ["--draft-checkpoint", "examples/checkpoints/eagle_demo.pt"] if proposer == "eagle" else []
-    result = run_script("examples/generate.py", "--checkpoint", "examples/checkpoints/mtp_demo.pt", "--device", "cpu",
+    extra = ["--draft-checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"] if proposer == "eagle" else []
+    result = run_script("examples/generate.py", "--checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt", "--device", "cpu",
                         "--proposer", proposer, *extra,
                         "--num-speculative-tokens", str(num_speculative_tokens), "--max-new-tokens", "6",
                         "--num-prompts", "1", "--repeats", "1", timeout=300)
