@@ -1,19 +1,26 @@
 """Generate with and without MTP speculation on a small megatron-core GPT, time both, compare.
 
-    python examples/generate.py --checkpoint mtp_ctrl/checkpoints/mtp_demo.pt   # what `make demo` runs
-    python examples/generate.py                                               # random weights
+    python examples/generate.py                                               # what `make demo` runs
+    python examples/generate.py --random-weights                              # an untrained model
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --checkpoint ...  # tensor parallel on 2 GPUs
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --load DIR        # a megatron dist checkpoint
     python examples/generate.py --metrics-json metrics.json                   # keep the figures
-    python examples/generate.py --checkpoint mtp_ctrl/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \\
-        --num-speculative-tokens 3    # draft layers of examples/train_multi_layer_eagle.py (--draft-checkpoint PATH)
+    python examples/generate.py --proposer eagle --num-speculative-tokens 3   # a shipped draft head
+    mtp-ctrl-generate ...                                                     # the same, once pip-installed
 
 Plain decoding (S = 0) and speculative decoding (S = --num-speculative-tokens) are each warmed up
 once, then timed --repeats times, alternating, so that a slow phase of the machine hits both
 alike; the table shows the median tokens/s and the spread (min..max). The outputs of the two
-are compared token for token. With random weights (no checkpoint) drafts are almost never
-accepted: that run shows the outputs are equal, not a speed-up. A checkpoint written by
-examples/train_mtp.py brings its own model shape and prompts from held-out text.
+are compared token for token. The default model is the trained demo checkpoint that ships with
+the package (``mtp_ctrl.load_demo_model()``); a checkpoint written by examples/train_mtp.py brings
+its own model shape, and prompts come from held-out text. With --random-weights drafts are almost
+never accepted: that run shows the outputs are equal, not a speed-up. With the shipped target,
+every --proposer has a shipped draft head by default (mtp_ctrl/checkpoints).
+
+On a CPU the run is a correctness demo (identical outputs, tokens accepted per step): the demo
+model's step is dominated by per-step overheads there, so its speed-up is not the GPU's. While it
+runs it reports progress: a bar over tokens on a terminal, else a plain line per run (and every
+few seconds on a CPU) with the phase, run k/N, tokens so far and tokens/s.
 
 --load DIR serves a megatron ``dist_checkpointing`` directory (torch_dist, saved at any TP size,
 e.g. by ``examples/train_mtp.py --save-format dist``). Its shape comes from the checkpoint's
@@ -35,20 +42,24 @@ import statistics
 import sys
 import time
 
-CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mtp_ctrl", "checkpoints")
-DEFAULT_DRAFT_CHECKPOINTS = {"ptd": os.path.join(CHECKPOINTS, "ptd_demo.pt"),
-                             "multi_layer_eagle": os.path.join(CHECKPOINTS, "multi_layer_eagle_demo.pt")}
+DEFAULT_DRAFT_CHECKPOINTS = {"eagle": "eagle_demo", "ptd": "ptd_demo", "multi_layer_eagle": "multi_layer_eagle_demo"}
+PROPOSER_NAMES = {"mtp": "the model's MTP layers", "eagle": "EAGLE head (serial drafting)",
+                  "ptd": "parallel-drafting head (PTD)", "multi_layer_eagle": "multi-layer EAGLE draft layers"}
 TRAINED_BY = {"eagle": "examples/train_eagle.py", "ptd": "examples/train_eagle.py --mode ptd",
               "multi_layer_eagle": "examples/train_multi_layer_eagle.py"}
 NOISY_SPREAD = 0.15  # (max - min) / median of a mode's timed runs above this: too noisy to judge
 SHORT_RUN_SECONDS = 0.5  # a timed run shorter than this: too short to judge
+PROGRESS_SECONDS = 10.0  # without a terminal: a progress line at most this often within a run
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", default=None, help="a file written by examples/train_mtp.py")
+    source.add_argument("--checkpoint", default=None,
+                        help="a file written by examples/train_mtp.py (default: the shipped demo model)")
     source.add_argument("--load", default=None, metavar="DIR", help="a megatron dist_checkpointing directory")
+    source.add_argument("--random-weights", action="store_true",
+                        help="an untrained model of the demo's shape (drafts are almost never accepted)")
     parser.add_argument("--model-args", default=None, metavar="JSON",
                         help="the model's shape for --load (default: the checkpoint's content metadata)")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, help="S, drafts per step (>= 1)")
@@ -60,8 +71,8 @@ def parse_args(argv=None):
     parser.add_argument("--draft-checkpoint", default=None, metavar="PATH",
                         help="the drafter's weights: an EAGLE head (examples/train_eagle.py), a parallel-drafting "
                              "head (train_eagle.py --mode ptd), or draft layers (examples/train_multi_layer_eagle.py); "
-                             "with the shipped target, ptd and multi_layer_eagle default to the shipped "
-                             "mtp_ctrl/checkpoints/ptd_demo.pt and multi_layer_eagle_demo.pt")
+                             "with the shipped target, each proposer defaults to its shipped head "
+                             "(mtp_ctrl/checkpoints: eagle_demo.pt, ptd_demo.pt, multi_layer_eagle_demo.pt)")
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="prompts per timed run (default: 8 on CPU; 128 on CUDA, where a run of 8 is too short "
                              "to time)")
@@ -94,7 +105,38 @@ def parse_args(argv=None):
             parser.error(f"--model-args is not JSON: {error}")
         if not isinstance(args.model_args, dict):
             parser.error("--model-args must be a JSON object")
+    check_sources(parser, args)
     return args
+
+
+def check_sources(parser, args) -> None:
+    """What can be checked without torch: the device's name, the process count, that the files
+    exist, and which draft checkpoint goes with --proposer (the shipped head for the shipped target)."""
+    from mtp_ctrl.checkpoints import shipped_checkpoint_path
+
+    if args.device is not None and args.device.split(":")[0] not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != args.tp:
+        parser.error(f"--tp {args.tp} needs {args.tp} processes, got {world_size} (use torchrun --nproc-per-node "
+                     f"{args.tp})")
+    shipped_target = shipped_checkpoint_path()
+    if args.checkpoint is None and args.load is None and not args.random_weights:
+        args.checkpoint = shipped_target
+    for flag, path, exists in (("--checkpoint", args.checkpoint, os.path.isfile),
+                               ("--draft-checkpoint", args.draft_checkpoint, os.path.isfile),
+                               ("--load", args.load, os.path.isdir)):
+        if path is not None and not exists(path):
+            parser.error(f"{flag} {path} does not exist{' (a directory is expected)' if flag == '--load' else ''}")
+    # the shipped heads were trained for the shipped target: a default only when serving that one
+    serves_shipped_target = args.checkpoint is not None and os.path.samefile(args.checkpoint, shipped_target)
+    if args.draft_checkpoint is None and serves_shipped_target and args.proposer in DEFAULT_DRAFT_CHECKPOINTS:
+        args.draft_checkpoint = shipped_checkpoint_path(DEFAULT_DRAFT_CHECKPOINTS[args.proposer])
+    if args.proposer == "mtp" and args.draft_checkpoint is not None:
+        parser.error("--draft-checkpoint PATH goes with --proposer eagle, ptd or multi_layer_eagle")
+    if args.proposer != "mtp" and args.draft_checkpoint is None:
+        parser.error(f"--proposer {args.proposer} needs --draft-checkpoint PATH ({TRAINED_BY[args.proposer]} "
+                     "writes one; the shipped heads go with the shipped target only)")
 
 
 def dist_checkpoint_model_args(args):
@@ -113,7 +155,7 @@ def dist_checkpoint_model_args(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = parse_args(argv)  # argument errors come here, before torch is imported
     import mtp_ctrl
 
     mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
@@ -122,19 +164,11 @@ def main(argv=None):
 
     from demo_model import DEMO_MODEL_ARGS, load_checkpoint
 
-    checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None
-    # the shipped heads were trained for the shipped target: a default only when serving that one
-    shipped_target = os.path.join(CHECKPOINTS, "mtp_demo.pt")
-    serves_shipped_target = args.checkpoint is not None and os.path.exists(args.checkpoint) and \
-        os.path.samefile(args.checkpoint, shipped_target)
-    default_draft = DEFAULT_DRAFT_CHECKPOINTS.get(args.proposer)
-    if args.draft_checkpoint is None and serves_shipped_target and default_draft and os.path.exists(default_draft):
-        args.draft_checkpoint = default_draft
-    if (args.proposer != "mtp") != (args.draft_checkpoint is not None):
-        if args.proposer == "mtp":
-            sys.exit("error: --draft-checkpoint PATH goes with --proposer eagle, ptd or multi_layer_eagle")
-        sys.exit(f"error: --proposer {args.proposer} needs --draft-checkpoint PATH ({TRAINED_BY[args.proposer]} "
-                 "writes one)")
+    checkpoint = None
+    if args.checkpoint:
+        checkpoint = checkpoint_or_exit("--checkpoint", args.checkpoint, load_checkpoint)
+    if args.draft_checkpoint:
+        checkpoint_or_exit("--draft-checkpoint", args.draft_checkpoint, read_draft_checkpoint)
     if args.load:
         checkpoint = (dist_checkpoint_model_args(args), None)  # (model_args, weights read after the build)
     source = args.checkpoint or args.load
@@ -144,9 +178,16 @@ def main(argv=None):
                  f"layers; {source} has {checkpoint[0].get('mtp_num_layers', 0)} (use "
                  f"--num-speculative-tokens {checkpoint[0].get('mtp_num_layers', 0)} or less)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda, but torch sees no CUDA device (use --device cpu)")
     repeats = args.repeats or (5 if device.type == "cuda" else 3)  # the CPU path is slow: fewer
     if args.num_prompts is None:
         args.num_prompts = 128 if device.type == "cuda" else 8
+    rank_zero = int(os.environ.get("RANK", "0")) == 0
+    if rank_zero:
+        print(header(args, device, repeats), flush=True)
+        if device.type == "cpu":
+            print(choose_cpu_threads(torch), flush=True)
 
     from demo_model import build_demo_model, config_overrides, init_distributed, load_full_state_dict
 
@@ -158,11 +199,11 @@ def main(argv=None):
 
             model = model.to(device)  # each rank reads its shard straight into the device's memory
             started = time.perf_counter()
-            load_distributed_checkpoint(model, args.load)
+            checkpoint_or_exit("--load", args.load, lambda path: load_distributed_checkpoint(model, path))
             if dist.get_rank() == 0:
                 print(f"loaded {args.load} at TP {args.tp} in {time.perf_counter() - started:.2f} s")
         else:
-            load_full_state_dict(model, checkpoint[1])
+            checkpoint_or_exit("--checkpoint", args.checkpoint, lambda path: load_full_state_dict(model, checkpoint[1]))
     else:
         model_args = dict(DEMO_MODEL_ARGS, mtp_num_layers=args.num_speculative_tokens)
         torch.manual_seed(1234)  # every rank draws the same master weights and keeps its shard
@@ -179,6 +220,72 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
+def checkpoint_or_exit(flag: str, path: str, read):
+    """``read(path)``; a file that is not what ``flag`` expects (another format, truncated, another
+    shape) ends the script with one ``error:`` line instead of a traceback."""
+    try:
+        return read(path)
+    except (ValueError, RuntimeError, KeyError, OSError, EOFError) as error:
+        sys.exit(f"error: {flag} {path}: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}")
+
+
+def read_draft_checkpoint(path: str) -> dict:
+    """The draft checkpoint's dict, read once before the model is built, so that a file that is
+    not a draft checkpoint fails at once (its kind is checked when the proposer is built)."""
+    import torch
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises RuntimeError, pickle's errors, EOFError, ... for bad files
+        raise ValueError(f"not a readable torch checkpoint ({type(error).__name__})") from error
+    if not isinstance(saved, dict) or not {"aux_layer_ids", "state_dict"} <= set(saved):
+        raise ValueError("not a draft-head checkpoint (a dict with aux_layer_ids and state_dict, as "
+                         "examples/train_eagle.py and train_multi_layer_eagle.py write)")
+    return saved
+
+
+def drafter_name(args) -> str:
+    """The drafter in words, with its checkpoint, for the header and the report."""
+    if args.proposer == "mtp":
+        return f"{PROPOSER_NAMES['mtp']} ({args.mtp_attention} attention)"
+    return f"{PROPOSER_NAMES[args.proposer]} from {os.path.basename(args.draft_checkpoint)}"
+
+
+def header(args, device, repeats: int) -> str:
+    """What this run is, before anything slow happens."""
+    model = ("random weights" if args.random_weights else
+             os.path.basename(args.checkpoint) if args.checkpoint else args.load)
+    lines = [f"generate: {model} on {device}, TP {args.tp}; drafter: {drafter_name(args)}, "
+             f"S = {args.num_speculative_tokens}",
+             f"  {args.num_prompts} prompts x {args.max_new_tokens} new tokens; plain and speculative decoding, "
+             f"each warmed up once, then timed {repeats} times, alternating"]
+    if device.type == "cpu":
+        lines.append("  on a CPU this is a correctness demo (outputs identical, tokens accepted per step); "
+                     "the speed-up of speculation is a GPU figure")
+    return "\n".join(lines)
+
+
+def choose_cpu_threads(torch) -> str:
+    """Torch's intra-op threads for the CPU run: one per core that other processes leave free.
+
+    torch starts one OpenMP thread per core; on a machine busy with other work they wait for each
+    other (a 2-core CPU under load: 5-13 minutes for what took 47 s with one thread). An explicit
+    OMP_NUM_THREADS is kept."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if os.environ.get("OMP_NUM_THREADS"):
+        threads = torch.get_num_threads()
+        message = f"CPU: {cores} cores, load {load:.1f}; {threads} torch threads (OMP_NUM_THREADS)"
+    else:
+        threads = max(1, min(cores, int(cores - load + 0.5)))
+        torch.set_num_threads(threads)
+        message = (f"CPU: {cores} cores, load {load:.1f}; using {threads} torch thread{'s' if threads > 1 else ''} "
+                   "(set OMP_NUM_THREADS to choose)")
+    if load + threads > cores + 0.5:
+        message += "; the machine is busy with other work: expect a slow run and noisy timings"
+    return message
+
+
 def make_prompts(args, vocab_size: int):
     """Prompt i has prompt_len + 3 i tokens: held-out text with a checkpoint, random ids without."""
     import torch
@@ -193,7 +300,9 @@ def make_prompts(args, vocab_size: int):
     return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in lengths]
 
 
-def make_controller(model, args, num_speculative_tokens: int, prompts, device):
+def make_controller(model, args, num_speculative_tokens: int, prompts, device, on_tokens=None):
+    """The controller of one mode; ``on_tokens(n)`` is called after every step with the tokens it
+    emitted (through the controller's ``on_step_end`` hook), for progress on a CPU."""
     from mtp_ctrl.controllers import InferenceConfig, TextGenerationController
 
     stride = num_speculative_tokens + 1
@@ -207,8 +316,16 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device):
         decode_steps_per_launch=args.decode_steps_per_launch)
     proposer = None
     if args.proposer != "mtp" and num_speculative_tokens > 0:
-        proposer = load_draft_proposer(args.proposer, model, args.draft_checkpoint, num_speculative_tokens)
-    controller = TextGenerationController(model, config, proposer=proposer, seed=0)
+        proposer = checkpoint_or_exit("--draft-checkpoint", args.draft_checkpoint, lambda path: load_draft_proposer(
+            args.proposer, model, path, num_speculative_tokens))
+    controller_class = TextGenerationController
+    if on_tokens is not None:
+        class ReportingController(TextGenerationController):
+            def on_step_end(self, outputs):
+                on_tokens(sum(len(tokens) for _, tokens, _ in outputs))
+
+        controller_class = ReportingController
+    controller = controller_class(model, config, proposer=proposer, seed=0)
     controller.warmup()  # capture every graph shape now, not while serving (nothing on CPU)
     return controller
 
@@ -276,25 +393,74 @@ def load_multi_layer_eagle_proposer(model, path: str, num_speculative_tokens: in
     return MultiLayerEagleProposer(heads)
 
 
+class Progress:
+    """The demo's progress over its runs: a tqdm bar over tokens on a terminal; otherwise plain
+    lines (phase, run k/N, tokens so far, tokens/s): one when a run ends, and within a run at
+    most every PROGRESS_SECONDS when steps report their tokens (``add``)."""
+
+    def __init__(self, num_runs: int, tokens_per_run: int, enabled: bool):
+        self.num_runs, self.tokens_per_run, self.enabled = num_runs, tokens_per_run, enabled
+        self.run_index, self.run_tokens, self.total_tokens = 0, 0, 0
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=num_runs * tokens_per_run, unit="tok", desc="generate", dynamic_ncols=True)
+
+    def start_run(self, phase: str, mode: str) -> None:
+        self.run_index += 1
+        self.label = f"{phase} run {self.run_index}/{self.num_runs} ({mode})"
+        self.run_tokens, self.run_started = 0, time.perf_counter()
+        self.last_line = self.run_started
+        if self.bar is not None:
+            self.bar.set_description(self.label)
+
+    def add(self, tokens: int) -> None:
+        self.run_tokens += tokens
+        if self.bar is not None:
+            self.bar.update(tokens)
+        elif self.enabled and time.perf_counter() - self.last_line >= PROGRESS_SECONDS:
+            self.last_line = time.perf_counter()
+            self._line(self.run_tokens, self.last_line - self.run_started, "so far")
+
+    def end_run(self, tokens: int, seconds: float) -> None:
+        if self.bar is not None:
+            self.bar.update(max(0, tokens - self.run_tokens))  # what the steps did not report
+            self.bar.set_postfix_str(f"{tokens / seconds:.0f} tok/s")
+        self.total_tokens += tokens
+        if self.bar is None and self.enabled:
+            self._line(tokens, seconds, "done")
+
+    def _line(self, tokens: int, seconds: float, state: str) -> None:
+        print(f"{self.label}: {tokens}/{self.tokens_per_run} tokens {state}, {tokens / max(seconds, 1e-9):.1f} tok/s "
+              f"({self.total_tokens + (tokens if state == 'so far' else 0)} tokens in all)", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def compare(model, args, prompts, device, repeats: int, show_progress: bool):
     """Warm both modes up, then time them alternately; returns what print_report and the JSON need."""
     import torch
-    from tqdm import tqdm
 
     from mtp_ctrl.controllers import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=None)
     modes = {"plain": 0, "speculative": args.num_speculative_tokens}
-    controllers = {name: make_controller(model, args, S, prompts, device) for name, S in modes.items()}
+    runs = [(name, True) for name in modes] + [(name, False) for _ in range(repeats) for name in modes]
+    progress = Progress(len(runs), len(prompts) * args.max_new_tokens, enabled=show_progress)
+    # per-step progress on a CPU only: there a run takes seconds to minutes; on a GPU the hook's
+    # host work would weigh on the timing of a small model's sub-millisecond steps
+    on_tokens = progress.add if device.type == "cpu" else None
+    controllers = {name: make_controller(model, args, S, prompts, device, on_tokens) for name, S in modes.items()}
     seconds = {name: [] for name in modes}
     tokens = {name: 0 for name in modes}
     outputs, metrics = {}, {}
-    runs = [(name, warm_up) for name in modes for warm_up in (True,)] + \
-        [(name, False) for _ in range(repeats) for name in modes]
-    progress = tqdm(runs, desc="generate", unit="run", disable=not (show_progress and sys.stdout.isatty()))
-    for name, warm_up in progress:
+    for name, warm_up in runs:
         controller = controllers[name]
         controller.metrics.reset()
+        progress.start_run("warm-up" if warm_up else "timed", name)
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -304,10 +470,11 @@ def compare(model, args, prompts, device, repeats: int, show_progress: bool):
         elapsed = time.perf_counter() - started
         tokens[name] = sum(len(result.output_tokens) for result in results)
         outputs[name] = [list(result.output_tokens) for result in results]
+        progress.end_run(tokens[name], elapsed)
         if not warm_up:
             seconds[name].append(elapsed)
             metrics[name] = controller.metrics.as_dict()
-        progress.set_postfix_str(f"{name} {tokens[name] / elapsed:.0f} tok/s{' (warm-up)' if warm_up else ''}")
+    progress.close()
     for controller in controllers.values():
         controller.close()  # frees the graphs (needed before destroy_process_group under TP)
     rates = {name: [tokens[name] / value for value in seconds[name]] for name in modes}
@@ -349,8 +516,8 @@ def print_report(args, device, prompts, report) -> None:
 
     spec = report["metrics"]["speculative"]
     print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens each, {device}, TP {args.tp}, "
-          f"S = {args.num_speculative_tokens} ({args.mtp_attention} MTP attention)"
-          f"{'' if args.checkpoint or args.load else ', random weights'}")
+          f"drafter: {drafter_name(args)}, S = {args.num_speculative_tokens}"
+          f"{', random weights' if args.random_weights else ''}")
     for index in range(min(args.show, len(prompts))):
         print(f"  prompt {index}: {decode_bytes(prompts[index])!r}")
         print(f"  output {index}: {decode_bytes(report['outputs']['speculative'][index])!r}")
@@ -369,6 +536,9 @@ def print_report(args, device, prompts, report) -> None:
     print(f"step time (speculative): {step_time['mean_step_ms']:.3f} ms per step over "
           f"{step_time['steps']} steps{gpu} (up to {args.decode_steps_per_launch} decode steps per launch)")
     print(f"verdict: {verdict(report, len(report['rates']['plain']))}")
+    if device.type == "cpu":
+        print("on a CPU this is a correctness demo: the outputs and the accepted length are the figures; "
+              "the speed-up is a GPU figure (README, 'The two commands')")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The shipped demo GPT: its shape, how it is built (paged for serving, dense for training), its
 one-file checkpoint format, and :func:`load_demo_model`, which serves the trained checkpoint that
-ships with the package (``mtp_ctrl/checkpoints/``).
+ships with the package (:mod:`mtp_ctrl.checkpoints`).
 
 A checkpoint is one ``torch.save``'d dict ``{"model_args": DEMO_MODEL_ARGS-like dict,
 "state_dict": the TP = 1 model's state_dict in bf16}`` (written by ``examples/train_mtp.py``);
@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mtp_ctrl.checkpoints import shipped_checkpoint_path
 from mtp_ctrl.models.dense_attention import build_dense_gpt_model
 from mtp_ctrl.models.gpt_builder import build_gpt_model
 from mtp_ctrl.models.mamba_mixer import shard_full_tensor
@@ -29,22 +30,6 @@ DEMO_MODEL_ARGS: Dict[str, int] = dict(
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "mtp_num_layers")
 CHECKPOINT_DTYPE = torch.bfloat16
-# the package data folder with the trained demo target and its draft heads
-SHIPPED_CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints")
-SHIPPED_CHECKPOINTS = ("mtp_demo", "eagle_demo", "ptd_demo", "multi_layer_eagle_demo")
-
-
-def shipped_checkpoint_path(name: str = "mtp_demo") -> str:
-    """The path of a checkpoint that ships with the package: ``"mtp_demo"`` (the target, trained by
-    ``examples/train_mtp.py``) or one of its draft heads, ``"eagle_demo"``, ``"ptd_demo"``,
-    ``"multi_layer_eagle_demo"``."""
-    if name not in SHIPPED_CHECKPOINTS:
-        raise ValueError(f"name must be one of {SHIPPED_CHECKPOINTS}, got {name!r}")
-    path = os.path.join(SHIPPED_CHECKPOINTS_DIR, f"{name}.pt")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: this install of mtp_ctrl lacks its package data "
-                                "(reinstall it, or pass the checkpoint's path)")
-    return path
 
 
 def build_demo_model(model_args: Dict[str, int], tensor_parallel_size: int = 1, dense: bool = False,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mtp_ctrl.models import shipped_checkpoint_path
-from mtp_ctrl.models.demo_model import SHIPPED_CHECKPOINTS
+from mtp_ctrl.checkpoints import SHIPPED_CHECKPOINTS
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 
 ROOT = Path(__file__).resolve().parents[2]
