@@ -91,7 +91,7 @@ def run(model, prompts, S, temperature, mtp_attention="paged", proposer=None):
 
 def drafters(model, args):
     """name -> (S values, mtp_attention, proposer factory or None, training cost)."""
-    from generate import load_draft_proposer  # noqa: E402  (examples/generate.py)
+    from mtp_ctrl.cli.draft_heads import load_draft_proposer  # noqa: E402
 
     table = {"MTP paged": ((1, 2), "paged", None, "the model's own heads (train_mtp.py)"),
              "MTP single-position": ((1, 2), "single_position", None, "the model's own heads")}

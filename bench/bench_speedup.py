@@ -91,7 +91,7 @@ def main(args=None):
     rows = []
     batches = (1, 8) if args.quick else (1, 8, 32)
     progress = tqdm(total=len(batches) * 5, desc="points", unit="point", disable=not sys.stdout.isatty())
-    from generate import load_eagle_proposer, load_ptd_proposer
+    from mtp_ctrl.cli.draft_heads import load_eagle_proposer, load_ptd_proposer
 
     if args.draft_checkpoint or args.ptd_checkpoint:
         points = [(S, "paged", None, None) for S in (1, 2)]

@@ -62,36 +62,6 @@ def parse_args(argv=None):
     return args
 
 
-def load_multi_layer_eagle_heads(model, path: str):
-    """The draft layers saved by this script, built for ``model`` (this TP rank's shard), on its device."""
-    import torch
-
-    from demo_model import load_full_state_dict
-    from mtp_ctrl.models import build_multi_layer_eagle_heads
-
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or not {"aux_layer_ids", "state_dict"} <= set(saved):
-        raise ValueError(f"{path} is not a multi-layer EAGLE checkpoint (examples/train_multi_layer_eagle.py "
-                         "writes one: num_layers, aux_layer_ids, state_dict)")
-    num_layers = saved.get("num_layers")
-    if num_layers is None:
-        raise ValueError(f"{path} has no num_layers: a single EAGLE head (examples/train_eagle.py) is served "
-                         "with --proposer eagle, not multi_layer_eagle")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"{path}: num_layers must be an int >= 1, got {num_layers!r}")
-    state_dict = saved["state_dict"]
-    layers_saved = {name.split(".")[1] for name in state_dict if name.startswith("layers.")}
-    if len(layers_saved) != num_layers:
-        raise ValueError(f"{path}: num_layers is {num_layers} but the state_dict holds "
-                         f"{len(layers_saved)} draft layers")
-    heads = build_multi_layer_eagle_heads(model, num_layers, saved["aux_layer_ids"], use_transformer_engine=False)
-    try:
-        load_full_state_dict(heads, state_dict)
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(f"{path} does not fit this target: {error}") from None
-    return heads.to(next(model.parameters()).device)
-
-
 def train_heads(dense, heads, aux, tokens, *, steps: int, batch_size: int, seq_len: int, lr: float, seed: int,
                 log_every=None):
     """AdamW on the draft layers only; returns the last step's loss per layer."""
@@ -141,6 +111,7 @@ def train_heads(dense, heads, aux, tokens, *, steps: int, batch_size: int, seq_l
 
 def evaluate(model, path: str, prompts, new_tokens: int, device):
     """Greedy generation with the saved layers at S = num_layers: (acceptance per depth, mean accepted length)."""
+    from mtp_ctrl.cli.draft_heads import load_multi_layer_eagle_heads
     from mtp_ctrl.controllers import MultiLayerEagleProposer, SamplingParams
     from train_eagle import make_controller
 

@@ -35,7 +35,7 @@ def _config(S, graphs):
 @pytest.mark.parametrize("S", [2, 4])
 def test_eagle_graphs_equal_eager_and_plain_without_host_sync(target_and_head_path, S):
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
-    from generate import load_eagle_proposer
+    from mtp_ctrl.cli.draft_heads import load_eagle_proposer
 
     model, head_path = target_and_head_path
     windows = evenly_spaced_windows(load_stdlib_corpus().held_out, 6, 40)

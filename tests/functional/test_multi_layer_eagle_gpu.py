@@ -27,7 +27,7 @@ _config = drafter_config
 def _heads(model, S):
     """(heads, trained): the shipped layers for S = 3 when present, else random ones (fixed seed)."""
     if S == 3 and os.path.exists(SHIPPED):
-        from train_multi_layer_eagle import load_multi_layer_eagle_heads
+        from mtp_ctrl.cli.draft_heads import load_multi_layer_eagle_heads
 
         return load_multi_layer_eagle_heads(model, SHIPPED).float(), True
     from mtp_ctrl.models import build_multi_layer_eagle_heads

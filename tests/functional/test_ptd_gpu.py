@@ -26,7 +26,7 @@ _config = drafter_config
 
 
 def _proposer(model, source):
-    from generate import load_ptd_proposer
+    from mtp_ctrl.cli.draft_heads import load_ptd_proposer
 
     from mtp_ctrl.controllers import ParallelDraftingProposer
     from mtp_ctrl.models import build_eagle_head, default_aux_layer_ids

@@ -105,7 +105,7 @@ def test_generate_checks_its_arguments_before_importing_torch():
     cases = [["--device", "tpu"], ["--tp", "2"], ["--checkpoint", "missing.pt"], ["--load", "missing_dir"],
              ["--draft-checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], ["--random-weights", "--proposer", "eagle"],
              ["--max-new-tokens", "0"]]
-    code = ("import sys\nsys.path.insert(0, 'examples')\nimport generate\n"
+    code = ("import sys\nfrom mtp_ctrl.cli import generate\n"
             f"for argv in {cases!r}:\n"
             "    try:\n        generate.parse_args(argv)\n    except SystemExit as stop:\n        assert stop.code == 2, argv\n"
             "    else:\n        raise AssertionError(argv)\n"
