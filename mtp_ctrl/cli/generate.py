@@ -227,7 +227,8 @@ def checkpoint_or_exit(flag: str, path: str, read):
     try:
         return read(path)
     except (ValueError, RuntimeError, KeyError, OSError, EOFError) as error:
-        sys.exit(f"error: {flag} {path}: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}")
+        detail = str(error).strip()
+        sys.exit(f"error: {flag} {path}: {detail.splitlines()[0] if detail else type(error).__name__}")
 
 
 def read_draft_checkpoint(path: str) -> dict:
