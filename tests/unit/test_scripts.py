@@ -137,3 +137,28 @@ def test_generate_reports_a_bad_checkpoint_in_one_error_line(tmp_path, flags, ex
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: ") and expected.format(corrupt=corrupt) in errors[0], \
         result.stderr
+
+
+def test_generate_progress_is_a_bar_over_tokens_on_a_terminal_and_lines_otherwise(monkeypatch, capsys):
+    from mtp_ctrl.cli import generate
+
+    monkeypatch.setattr(generate, "PROGRESS_SECONDS", 0.0)  # a line at every step report
+    for terminal in (True, False):
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal, raising=False)
+        progress = generate.Progress(num_runs=2, tokens_per_run=8, enabled=True)
+        progress.start_run("warm-up", "plain")
+        progress.add(3)
+        progress.end_run(8, 0.5)
+        progress.start_run("timed", "speculative")
+        progress.end_run(8, 0.25)
+        progress.close()
+        captured = capsys.readouterr()
+        if terminal:  # tqdm draws on stderr: the run in its description, tokens as its unit
+            assert "timed run 2/2 (speculative)" in captured.err and "16/16" in captured.err
+            assert "tok" in captured.err and captured.out == ""
+        else:
+            assert captured.out.splitlines() == [
+                "warm-up run 1/2 (plain): 3/8 tokens so far, " + captured.out.splitlines()[0].split("so far, ")[1],
+                "warm-up run 1/2 (plain): 8/8 tokens done, 16.0 tok/s (8 tokens in all)",
+                "timed run 2/2 (speculative): 8/8 tokens done, 32.0 tok/s (16 tokens in all)"]
+            assert captured.err == ""
