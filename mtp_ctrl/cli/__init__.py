@@ -2,5 +2,6 @@
 ``mtp-ctrl-generate`` (:mod:`mtp_ctrl.cli.generate`, what ``make demo`` runs), with what they
 share: the byte-level text corpus of the demo (:mod:`~mtp_ctrl.cli.byte_corpus`), the draft
 heads' checkpoint readers (:mod:`~mtp_ctrl.cli.draft_heads`) and the process-group set-up
-(:mod:`~mtp_ctrl.cli.distributed`). Scripts sit above every other layer: nothing imports them.
+(:mod:`~mtp_ctrl.cli.distributed`). This is the scripts' layer, above `controllers`: no other part of
+the package imports it (examples, benchmarks and tests do).
 """
