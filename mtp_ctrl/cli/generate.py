@@ -120,7 +120,12 @@ def check_sources(parser, args) -> None:
     if world_size != args.tp:
         parser.error(f"--tp {args.tp} needs {args.tp} processes, got {world_size} (use torchrun --nproc-per-node "
                      f"{args.tp})")
-    shipped_target = shipped_checkpoint_path()
+    try:
+        shipped_target = shipped_checkpoint_path()
+    except FileNotFoundError as error:  # an install without its package data: --checkpoint still works
+        if args.checkpoint is None and args.load is None and not args.random_weights:
+            parser.error(str(error))
+        shipped_target = None
     if args.checkpoint is None and args.load is None and not args.random_weights:
         args.checkpoint = shipped_target
     for flag, path, exists in (("--checkpoint", args.checkpoint, os.path.isfile),
@@ -129,7 +134,8 @@ def check_sources(parser, args) -> None:
         if path is not None and not exists(path):
             parser.error(f"{flag} {path} does not exist{' (a directory is expected)' if flag == '--load' else ''}")
     # the shipped heads were trained for the shipped target: a default only when serving that one
-    serves_shipped_target = args.checkpoint is not None and os.path.samefile(args.checkpoint, shipped_target)
+    serves_shipped_target = args.checkpoint is not None and shipped_target is not None and \
+        os.path.samefile(args.checkpoint, shipped_target)
     if args.draft_checkpoint is None and serves_shipped_target and args.proposer in DEFAULT_DRAFT_CHECKPOINTS:
         args.draft_checkpoint = shipped_checkpoint_path(DEFAULT_DRAFT_CHECKPOINTS[args.proposer])
     if args.proposer == "mtp" and args.draft_checkpoint is not None:
