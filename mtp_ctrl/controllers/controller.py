@@ -53,7 +53,7 @@ from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
 from mtp_ctrl.controllers.proposers import Proposer, notify_committed
 from mtp_ctrl.controllers.readback import LaunchedStep, Readbacks
-from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
+from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts, check_sampling_params_list
 from mtp_ctrl.controllers.requests import ControllerDebugView, GenerationResult, RequestRecord
 from mtp_ctrl.controllers.step_launch import StepLauncher
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
@@ -98,7 +98,7 @@ class TextGenerationController:
         use_graphs = self.shape.device.type == "cuda" and bool(config.cuda_graph_batch_sizes) and \
             self.runner.cuda_graph_capturable
         self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
-        self.metrics = GenerationMetrics(self.shape)
+        self.metrics = GenerationMetrics(S)
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
@@ -517,6 +517,7 @@ class TextGenerationController:
         prompts = check_prompts(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             sampling_params = [sampling_params] * len(prompts)
+        check_sampling_params_list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         checked = [self._check_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]

@@ -6,8 +6,6 @@ from typing import Any, Deque, Dict, List, Sequence
 
 import numpy as np
 
-from mtp_ctrl.state.engine_shape import EngineShape
-
 
 class GenerationMetrics:
     """Acceptance per draft depth, mean accepted length, tokens/s and the host/GPU split of a step.
@@ -20,14 +18,19 @@ class GenerationMetrics:
     on both clocks.
     """
 
-    def __init__(self, shape: EngineShape):
-        self.shape = shape  # S: the draft depths counted
+    def __init__(self, num_speculative_tokens: int):
+        self.drafted_per_depth = [0] * num_speculative_tokens  # its length is S (the shape's; no copy kept)
         self.reset()
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """S: the draft depths counted."""
+        return len(self.drafted_per_depth)
 
     def reset(self) -> None:
         """Start counting afresh (e.g. after a warm-up run)."""
-        self.drafted_per_depth = [0] * self.shape.num_speculative_tokens  # drafts proposed at depth k + 1
-        self.accepted_per_depth = [0] * self.shape.num_speculative_tokens  # of those, accepted
+        self.drafted_per_depth = [0] * self.num_speculative_tokens  # drafts proposed at depth k + 1
+        self.accepted_per_depth = [0] * self.num_speculative_tokens  # of those, accepted
         self.verify_steps = 0  # request-steps that verified drafts (decode rows)
         self.emitted_tokens = 0
         self.steps = 0
@@ -41,11 +44,11 @@ class GenerationMetrics:
         """One entry per decode request of a step: its accepted drafts (ints or an int array)."""
         counts = np.asarray(accepted_counts, dtype=np.int64)
         self.verify_steps += int(counts.shape[0])
-        if self.shape.num_speculative_tokens:
+        if self.num_speculative_tokens:
             # a request that accepted a drafts accepted depths 1..a: count requests with a > depth
-            histogram = np.bincount(counts, minlength=self.shape.num_speculative_tokens + 1)
+            histogram = np.bincount(counts, minlength=self.num_speculative_tokens + 1)
             reaching = histogram[::-1].cumsum()[::-1]  # [S + 1]: requests accepting at least k
-            for depth in range(self.shape.num_speculative_tokens):
+            for depth in range(self.num_speculative_tokens):
                 self.drafted_per_depth[depth] += int(counts.shape[0])
                 self.accepted_per_depth[depth] += int(reaching[depth + 1])
 
@@ -70,7 +73,10 @@ class GenerationMetrics:
         return 1.0 + sum(self.accepted_per_depth) / self.verify_steps if self.verify_steps else 1.0
 
     def tokens_per_second(self) -> float:
-        return self.emitted_tokens / max(time.perf_counter() - self._started, 1e-9)
+        """Emitted tokens over the wall time of the controller's ``step`` calls (``step_seconds``):
+        time between ``generate`` or ``step`` calls, when the controller has nothing to do, does
+        not count. 0.0 before the first step."""
+        return self.emitted_tokens / self.step_seconds if self.step_seconds > 0 else 0.0
 
     def summary(self) -> str:
         depths = ", ".join(f"{rate:.2f}" for rate in self.acceptance_per_depth) or "-"
@@ -83,18 +89,19 @@ class GenerationMetrics:
     def as_dict(self) -> Dict[str, Any]:
         """Plain data (ints, floats, lists, dicts: ``json.dump`` takes it as is).
 
-        Keys: ``tokens_per_second``, ``emitted_tokens``, ``elapsed_seconds`` (since the last
-        reset), ``num_speculative_tokens``, ``verify_steps``, ``mean_accepted_length``,
+        Keys: ``tokens_per_second`` (:meth:`tokens_per_second`: idle time between calls not
+        counted), ``emitted_tokens``, ``elapsed_seconds`` (wall time since the last reset, idle
+        time included), ``num_speculative_tokens``, ``verify_steps``, ``mean_accepted_length``,
         ``acceptance_per_depth``, ``drafted_per_depth``, ``accepted_per_depth``, and
         ``step_time``: ``{"steps", "step_seconds", "mean_step_ms", "gpu_steps", "gpu_seconds",
         "mean_gpu_ms"}`` (the GPU fields are 0 off CUDA; ``mean_gpu_ms`` is None then).
         """
         elapsed = time.perf_counter() - self._started
         return {
-            "tokens_per_second": self.emitted_tokens / max(elapsed, 1e-9),
+            "tokens_per_second": self.tokens_per_second(),
             "emitted_tokens": int(self.emitted_tokens),
             "elapsed_seconds": elapsed,
-            "num_speculative_tokens": int(self.shape.num_speculative_tokens),
+            "num_speculative_tokens": int(self.num_speculative_tokens),
             "verify_steps": int(self.verify_steps),
             "mean_accepted_length": float(self.mean_accepted_length),
             "acceptance_per_depth": [float(rate) for rate in self.acceptance_per_depth],
