@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 MTP_ATTENTION_MODES = ("paged", "single_position")
 ACCEPTANCE_MODES = ("exact_match", "rejection")
 MAX_DECODE_STEPS_PER_LAUNCH = 64  # a decode run's graph holds every one of its steps
-_INT64_MAX = 2**63 - 1  # seeds, top_k and token ids live in int64 device rows
+_INT64_MAX = 2**63 - 1  # seeds, top_k, max_new_tokens and token ids live in int64 rows
 _FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p live in float32 device rows
 
 
@@ -164,7 +164,7 @@ class SamplingParams:
     stop_sequences: Tuple[Tuple[int, ...], ...] = ()
 
     def __post_init__(self):
-        _require_int("max_new_tokens", self.max_new_tokens, 1)
+        _require_int("max_new_tokens", self.max_new_tokens, 1, high=_INT64_MAX)
         temperature = _require_number("temperature", self.temperature)
         if not 0.0 <= temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")

@@ -98,7 +98,7 @@ class TextGenerationController:
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
         self._records: Dict[int, RequestRecord] = {}  # live and unclaimed finished requests
-        self._finished_order: Deque[int] = collections.deque()  # finished step-API requests, result not taken
+        self._finished_order: Dict[int, None] = {}  # finished step-API requests whose result is not taken, oldest first
         self._held_by_generate: set = set()  # requests a running generate() waits for: never dropped
         self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
         self._waiting: Deque[int] = self._scheduler.waiting  # queued here, not yet in the context
@@ -253,7 +253,12 @@ class TextGenerationController:
         """Take a finished request's result: the controller forgets the request."""
         result = self.result(request_id)
         del self._records[request_id]
+        self._finished_order.pop(request_id, None)
         return result
+
+    def finished_request_ids(self) -> List[int]:
+        """Finished step-API requests whose result :meth:`pop_result` has not taken, oldest first."""
+        return list(self._finished_order)
 
     def _admit_waiting(self) -> None:
         """Rows for waiting requests, also with a step in flight: the new row lies past the step's
@@ -301,10 +306,11 @@ class TextGenerationController:
         self._release(self._retiring)
         for request_id in self._retiring:
             if request_id not in self._held_by_generate and request_id in self._records:  # not taken yet
-                self._finished_order.append(request_id)
+                self._finished_order[request_id] = None
         self._retiring.clear()
         while len(self._finished_order) > self.config.finished_results_kept:
-            self._records.pop(self._finished_order.popleft(), None)  # the oldest unclaimed result
+            oldest = next(iter(self._finished_order))  # the oldest unclaimed result
+            del self._finished_order[oldest], self._records[oldest]
 
     def _finish_record(self, request_id: int, reason: FinishReason) -> None:
         self._records[request_id].finish_reason = reason
@@ -488,6 +494,21 @@ class TextGenerationController:
     def _hook_overridden(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(TextGenerationController, name)
 
+    def _drop_requests(self, request_ids: List[int]) -> None:
+        """End the unfinished ones of ``request_ids`` (waiting, running or paused) as ABORTED and free their rows."""
+        self._sync()
+        ours = set(request_ids)
+        dropped = {rid for rid in ours if self._records[rid].finish_reason is None}
+        kept = [rid for rid in self._waiting if rid not in dropped]
+        self._waiting.clear()
+        self._waiting.extend(kept)
+        self._pending_outputs = [output for output in self._pending_outputs if output[0] not in ours]
+        for request_id in dropped:
+            self._records[request_id].finish_reason = FinishReason.ABORTED
+            if request_id in self.context:
+                self._retiring.append(request_id)
+        self._retire_finished()
+
     def _abort_running(self) -> None:
         """A step raised: end every request in the batch with reason ABORTED (output so far kept)
         and release its state, so the controller stays usable. Waiting requests stay queued."""
@@ -591,6 +612,9 @@ class TextGenerationController:
                     raise RuntimeError("generate: no request can run (all running requests are paused); "
                                        "resume them or use the step API")
             return [self.result(rid) for rid in request_ids]
+        except BaseException:
+            self._drop_requests(request_ids)  # the caller never gets their ids: none may run later
+            raise
         finally:  # the caller has the results (or the exception): forget the finished requests
             self._held_by_generate.difference_update(request_ids)
             for request_id in request_ids:
