@@ -85,3 +85,31 @@ def test_popped_results_are_not_listed(model, torch_twins):
     assert controller.finished_request_ids() == [request_ids[1]]
     controller.pop_result(request_ids[1])
     assert controller.finished_request_ids() == []
+
+
+def test_free_rows_point_at_the_scratch_block(model, torch_twins):
+    """Rows that hold no request (never used, or released when a request finished) point only at
+    the scratch KV block past the pool, with no KV: a captured graph replayed over them (padding,
+    or a stale replay) reads and writes inside the caches, never at -1 or another request's block."""
+    controller = make_controller(model, 2)
+    context = controller.context
+    table, scratch = context.table, context.scratch_block
+    assert scratch == context.allocator.num_blocks and context.kv_caches[0][0].shape[0] == scratch + 1
+
+    def assert_free_rows_point_at_scratch():
+        free, rows = slice(table.num_live, table.max_requests), table.device
+        assert (rows.kv_block_ids[free] == scratch).all()
+        assert (rows.last_kv_block_id[free] == scratch).all()
+        assert (rows.kv_length_offsets[free] == 0).all() and (rows.kv_block_counts[free] == 0).all()
+        assert (rows.mamba_slot_ids[free] == -1).all()  # no Mamba layers: nothing reads it
+
+    assert_free_rows_point_at_scratch()
+    for prompt, max_new_tokens in zip(([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]), (2, 9, 5)):
+        controller.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens))
+    saw_released = False
+    while controller.has_unfinished_requests():
+        live_before = table.num_live
+        controller.step()
+        saw_released |= 0 < table.num_live < live_before
+        assert_free_rows_point_at_scratch()
+    assert saw_released and table.num_live == 0
