@@ -54,6 +54,7 @@ from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
 from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
 from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
+from mtp_ctrl.controllers.tp_lockstep import TPLockstep
 from mtp_ctrl.models.runner import PagedGPTRunner
 from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
 from mtp_ctrl.state.scheduler import worst_case_blocks
@@ -106,6 +107,8 @@ class TextGenerationController:
         self._in_flight: Optional[LaunchedStep] = None
         self._next_request_id = 0
         self._steps_launched = 0  # by the current step() call (its wall time is shared among them)
+        self._lockstep = TPLockstep(parallel_state.get_tensor_model_parallel_group(check_initialized=False),
+                                    config.tp_check_timeout_s)  # ranks agree on every step
 
     # ----- set-up ------------------------------------------------------------------------
 
@@ -184,6 +187,18 @@ class TextGenerationController:
                         self._graphs.replay(key)  # uploads the graph now, not mid-serving
         torch.cuda.current_stream(self.device).synchronize()  # host-ok: start-up
         return len(self._graphs)
+
+    def replay_graphs(self) -> int:
+        """A check for tests and debugging: replay every captured graph as it stands, over whatever
+        its static inputs hold (e.g. a finished batch's step). Free rows point only at the scratch KV
+        block and Mamba slot, so no replay reaches outside the pools; they are reset afterwards. Only
+        with no request queued or live. Returns the number of graphs replayed."""
+        self._sync()
+        if self.context.table.num_live or self._waiting:
+            raise RuntimeError("replay_graphs: call it with no request queued or live")
+        count = 0 if self._graphs is None else self._graphs.replay_all()
+        self.context.table.reset_free_rows()
+        return count
 
     def close(self) -> None:
         """Finish the step in flight and free the captured CUDA graphs. Call it before
@@ -355,7 +370,8 @@ class TextGenerationController:
                 outputs, self._pending_outputs = self._pending_outputs + outputs, []
             if self._hook_overridden("on_step_end"):
                 self.on_step_end(outputs)
-        except BaseException:
+        except BaseException as error:
+            self._lockstep.announce_failure(error)  # the other ranks' next check raises with this cause
             self._abort_running()
             raise
         self.metrics.record_step(time.perf_counter() - started, max(self._steps_launched, 1))
@@ -372,6 +388,7 @@ class TextGenerationController:
             self._retire_finished()
         self._admit_waiting()  # admission adds prefill rows, which needs_sync() does not read
         step = self._build_step(sync_checked)
+        self._lockstep.check(step)  # every TP rank builds this step, before its first collective
         if step is None:
             if self._in_flight is not None:
                 outputs += self._apply_in_flight(collect)
@@ -380,6 +397,7 @@ class TextGenerationController:
                 self._idle_steps += 1
             return outputs
         previous, self._in_flight = self._in_flight, self._launch_step(step)
+        self._lockstep.in_collectives = False
         if previous is not None:
             outputs += self._apply(previous, collect)
         if not self.config.overlap_scheduling or not self.has_unfinished_requests():

@@ -50,6 +50,13 @@ class StepGraphs:
         out of serving."""
         self._graphs[key].replay()
 
+    def replay_all(self) -> int:
+        """Replay every graph over whatever its static inputs hold; returns how many (a safety check:
+        see ``TextGenerationController.replay_graphs``)."""
+        for graph in self._graphs.values():
+            graph.replay()
+        return len(self._graphs)
+
     def reset(self) -> None:
         """Free every captured graph and the memory pool; later steps capture again."""
         for graph in self._graphs.values():

@@ -129,7 +129,11 @@ class DynamicInferenceContext:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
         else:
             bytes_per_block = kv_cache.bytes_per_block(block_size_tokens)
-            self.allocator = KVBlockAllocator.from_memory_budget(kv_cache_bytes, bytes_per_block, block_size_tokens)
+            if kv_cache_bytes < 2 * bytes_per_block:  # the budget holds the scratch block too (see below)
+                raise ValueError(f"kv_cache_bytes ({kv_cache_bytes}) must hold two KV blocks ({bytes_per_block} "
+                                 "bytes each): one for requests, one scratch block")
+            self.allocator = KVBlockAllocator.from_memory_budget(kv_cache_bytes - bytes_per_block, bytes_per_block,
+                                                                 block_size_tokens)
         if self.allocator.num_blocks < self.max_blocks_per_request:
             raise ValueError(
                 f"the KV pool ({self.allocator.num_blocks} blocks) cannot hold one request of max_model_len "

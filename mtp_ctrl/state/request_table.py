@@ -146,7 +146,9 @@ class RequestTable:
             self._device_fields[index].fill_(self._fresh_value(name))
         self.next_tokens = self.add_device_rows("next_tokens", (), torch.int64)  # [R] int64
         self.draft_tokens = self.add_device_rows("draft_tokens", (num_speculative_tokens,), torch.int64)  # [R, S]
-        self._free_targets = (-1, -1)  # (scratch KV block, scratch Mamba slot) free rows point at
+        # what free rows hold on the device (set_free_row_targets): fresh fields, the scratch block and slot
+        self._free_fields = torch.as_tensor(self._fresh_fields[:, None], device=self._device_fields.device)  # [F, 1]
+        self._free_block = -1
         self._group_ends = [0, 0, 0, max_requests]  # exclusive end row of each RowGroup
         self._row_of: Dict[int, int] = {}
         # row swaps and removals so far: a step built at another count reads some rows as other
@@ -155,22 +157,22 @@ class RequestTable:
 
     def set_free_row_targets(self, scratch_block: int, scratch_slot: int) -> None:
         """The scratch KV block and Mamba slot (-1: no Mamba layers) free rows point at; resets every free row."""
-        self._free_targets = (scratch_block, scratch_slot)
+        values = dict(zip(DEVICE_FIELDS, self._fresh_fields.tolist()), last_kv_block_id=scratch_block,  # host-ok: numpy
+                      mamba_slot_ids=scratch_slot)
+        self._free_fields = torch.tensor([[values[name]] for name in DEVICE_FIELDS], dtype=torch.int64,
+                                         device=self._device_fields.device)  # [F, 1] int64: a free row's fields
+        self._free_block = scratch_block
         self.reset_free_rows()
 
     def reset_free_rows(self, start: Optional[int] = None, end: Optional[int] = None) -> None:
         """Point the device rows ``[start, end)`` (default: every free row) at the scratch block and
-        slot, with no KV: a few fills, no host sync. A stale replay of a captured graph may have
-        written free rows; this restores them."""
+        slot, with no KV: two device writes, no host sync. A stale replay of a captured graph may
+        have written free rows; this restores them."""
         start, end = self.num_live if start is None else start, self.max_requests if end is None else end
         if start >= end:
             return
-        scratch_block, scratch_slot = self._free_targets
-        values = dict(zip(DEVICE_FIELDS, self._fresh_fields.tolist()), last_kv_block_id=scratch_block,  # host-ok: numpy
-                      mamba_slot_ids=scratch_slot)
-        for index, name in enumerate(DEVICE_FIELDS):
-            self._device_fields[index, start:end].fill_(values[name])
-        self._device_block_ids[start:end].fill_(scratch_block)
+        self._device_fields[:, start:end].copy_(self._free_fields)  # broadcast over the rows
+        self._device_block_ids[start:end].fill_(self._free_block)
 
     def add_device_rows(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, fill: float = 0,
                         set_on_insert: bool = False) -> torch.Tensor:
