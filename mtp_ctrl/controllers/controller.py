@@ -176,6 +176,12 @@ class TextGenerationController:
             return 0
         if self.context.table.num_live or self._waiting or self._in_flight is not None:
             raise RuntimeError("warmup: call it before adding requests")
+        self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
+        torch.cuda.current_stream(self.device).synchronize()  # host-ok: start-up
+        return len(self._graphs)
+
+    def _replay_every_shape(self) -> None:
+        """Replay the graph of every padded shape from a step that holds no request (capture it first if new)."""
         for shape in self.context.graph_shapes():
             for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
                 step = self.context.build_padding_step(shape, num_steps)
@@ -184,21 +190,23 @@ class TextGenerationController:
                     key = self._graph_key(step)
                     if key not in self._graphs:
                         self._graphs.run(key, lambda: self._launch_run(step))
-                        self._graphs.replay(key)  # uploads the graph now, not mid-serving
-        torch.cuda.current_stream(self.device).synchronize()  # host-ok: start-up
-        return len(self._graphs)
+                    self._graphs.replay(key)
 
     def replay_graphs(self) -> int:
-        """A check for tests and debugging: replay every captured graph as it stands, over whatever
-        its static inputs hold (e.g. a finished batch's step). Free rows point only at the scratch KV
-        block and Mamba slot, so no replay reaches outside the pools; they are reset afterwards. Only
-        with no request queued or live. Returns the number of graphs replayed."""
+        """A check for tests and debugging, with no request queued or live: replay the last step's
+        graph over the inputs it was given (its requests' rows are free now), then every graph
+        from a step that holds no request. Free rows point only at the scratch KV block and Mamba
+        slot, so no replay reaches outside the pools; they are reset afterwards. Returns the number
+        of graphs replayed."""
         self._sync()
         if self.context.table.num_live or self._waiting:
             raise RuntimeError("replay_graphs: call it with no request queued or live")
-        count = 0 if self._graphs is None else self._graphs.replay_all()
+        if self._graphs is None:
+            return 0
+        self._graphs.replay_last()
+        self._replay_every_shape()
         self.context.table.reset_free_rows()
-        return count
+        return len(self._graphs)
 
     def close(self) -> None:
         """Finish the step in flight and free the captured CUDA graphs. Call it before

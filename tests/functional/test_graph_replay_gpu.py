@@ -1,6 +1,6 @@
-"""Replaying captured step graphs over rows that hold no request is safe (issue 28): every graph
-``warmup()`` captured is replayed on an empty controller, and again over the static inputs a
-finished batch left behind, under ``set_sync_debug_mode("error")``. Free and released rows point
+"""Replaying captured step graphs over rows that hold no request is safe (issue 28): the last
+step's graph over the inputs a finished batch left behind, and every graph ``warmup()`` captured
+on the empty controller, under ``set_sync_debug_mode("error")``. Free and released rows point
 only at the scratch KV block and Mamba slot, so no replay reads or writes outside the pools (a
 stale block id or a -1 sentinel once gave "an illegal memory access" at batch 32); the
 controller then serves the same batch with the same output."""

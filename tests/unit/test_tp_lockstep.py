@@ -55,61 +55,67 @@ def _run(controller, scenario: str) -> None:
         steps += 1
 
 
-def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
+SCENARIOS = ("divergent", "hook", "stops")  # in this order: "stops" leaves a collective unanswered
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    """Every scenario in turn on one pair of ranks (each ends with both ranks past the same collectives)."""
     init_process_groups(rank, 2, port, 2)
-    outcome = "finished"
     try:
         model = build_tiny_model(tiny_config(mtp_num_layers=None, tensor_parallel_size=2))
-        timeout = 5.0 if scenario == "stops" else 300.0
-        controller = _controller(model, scenario=scenario, timeout=timeout)
-        watchdog = threading.Timer(WATCHDOG_S, lambda: os._exit(3))
-        watchdog.start()
-        try:
-            with torch_twins():
-                _run(controller, scenario)
-        except Exception as error:  # noqa: BLE001  (what each rank ended with is the result)
-            outcome = f"{type(error).__name__}: {error}"
-        finally:
-            watchdog.cancel()
-        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as file:
-            file.write(outcome)
-        if scenario == "stops":
-            dist.barrier()  # rank 1 leaves only once rank 0 has given up waiting for it
+        for scenario in SCENARIOS:
+            controller = _controller(model, scenario=scenario, timeout=5.0 if scenario == "stops" else 300.0)
+            outcome = "finished"
+            watchdog = threading.Timer(WATCHDOG_S, lambda: os._exit(3))
+            watchdog.start()
+            try:
+                with torch_twins():
+                    _run(controller, scenario)
+            except Exception as error:  # noqa: BLE001  (what each rank ended with is the result)
+                outcome = f"{type(error).__name__}: {error}"
+            finally:
+                watchdog.cancel()
+            with open(os.path.join(out_dir, f"{scenario}_rank{rank}.txt"), "w") as file:
+                file.write(outcome)
+        dist.barrier()  # rank 1 leaves only once rank 0 has given up waiting for it
     finally:
         parallel_state.destroy_model_parallel()
         os._exit(0)  # a group with a timed-out collective cannot be destroyed cleanly
 
 
-def _outcomes(scenario: str, tmp_path):
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """``{scenario: [rank 0's outcome, rank 1's]}``: the error text each rank ended with, or "finished"."""
+    out_dir = tmp_path_factory.mktemp("tp_lockstep")
     context = mp.get_context("spawn")
     port = free_port()
-    processes = [context.Process(target=_worker, args=(rank, port, scenario, str(tmp_path))) for rank in range(2)]
+    processes = [context.Process(target=_worker, args=(rank, port, str(out_dir))) for rank in range(2)]
     for process in processes:
         process.start()
     for process in processes:
-        process.join(timeout=300)
+        process.join(timeout=600)
     for process in processes:
         if process.is_alive():
             process.kill()
     codes = [process.exitcode for process in processes]
     assert 3 not in codes, f"a rank was still stepping after {WATCHDOG_S} s: exit codes {codes}"
-    return [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    return {scenario: [(out_dir / f"{scenario}_rank{rank}.txt").read_text() for rank in range(2)]
+            for scenario in SCENARIOS}
 
 
-def test_a_request_only_one_rank_accepted_ends_both_ranks(tmp_path):
-    outcomes = _outcomes("divergent", tmp_path)
-    for rank, outcome in enumerate(outcomes):
+def test_a_request_only_one_rank_accepted_ends_both_ranks(outcomes):
+    for rank, outcome in enumerate(outcomes["divergent"]):
         assert outcome.startswith("TPLockstepError"), (rank, outcome)
         assert f"tensor-parallel rank {rank}" in outcome and "request 1 on rank(s) [0] only" in outcome, outcome
 
 
-def test_a_hook_failing_on_one_rank_ends_every_rank_with_its_cause(tmp_path):
-    outcomes = _outcomes("hook", tmp_path)
-    assert outcomes[0] == f"ValueError: {HOOK_FAILURE}"
-    assert outcomes[1].startswith("TPLockstepError") and f"rank 0 failed: ValueError: {HOOK_FAILURE}" in outcomes[1]
+def test_a_hook_failing_on_one_rank_ends_every_rank_with_its_cause(outcomes):
+    rank0, rank1 = outcomes["hook"]
+    assert rank0 == f"ValueError: {HOOK_FAILURE}"
+    assert rank1.startswith("TPLockstepError") and f"rank 0 failed: ValueError: {HOOK_FAILURE}" in rank1, rank1
 
 
-def test_a_rank_that_stops_stepping_ends_the_other(tmp_path):
-    outcomes = _outcomes("stops", tmp_path)
-    assert outcomes[1] == "finished"
-    assert outcomes[0].startswith("TPLockstepError") and "no answer from the other ranks" in outcomes[0], outcomes[0]
+def test_a_rank_that_stops_stepping_ends_the_other(outcomes):
+    rank0, rank1 = outcomes["stops"]
+    assert rank1 == "finished"
+    assert rank0.startswith("TPLockstepError") and "no answer from the other ranks" in rank0, rank0
