@@ -29,6 +29,7 @@ megatron's sharded tensors and megatron's own save planner, through
 with ``dist_checkpointing.load``.
 """
 
+import argparse
 import contextlib
 import json
 import os
@@ -80,6 +81,14 @@ def _quiet_torch_dcp_notices():
     with warnings.catch_warnings():
         for message in _TORCH_DCP_NOTICES:
             warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        yield
+
+
+@contextlib.contextmanager
+def _reading():
+    """Reads of a checkpoint: torch's notices quiet, and ``argparse.Namespace`` (Megatron-LM's saved
+    training ``args`` in ``common.pt``: plain attributes) allowed by torch's weights-only unpickler."""
+    with _quiet_torch_dcp_notices(), torch.serialization.safe_globals([argparse.Namespace]):
         yield
 
 
@@ -163,14 +172,14 @@ def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
     record = read_record(path)
     request = model.sharded_state_dict()
     drop_extra_state(request)
-    with _naming_file(path, "its metadata (metadata.json, .metadata, common.pt)"):
+    with _naming_file(path, "its metadata (metadata.json, .metadata, common.pt)"), _reading():
         tensors_metadata = dist_checkpointing.load_tensors_metadata(str(path))  # checkpoint key -> ShardedTensor
     objects_metadata = None
     problems, requested_keys = [], set()
     for name, item in _flat_items(request):
         if isinstance(item, ShardedObject):
             if objects_metadata is None:
-                with _naming_file(path, "its metadata (metadata.json, .metadata, common.pt)"):
+                with _naming_file(path, "its metadata (metadata.json, .metadata, common.pt)"), _reading():
                     objects_metadata = load_sharded_metadata(str(path))
             if item.unique_key not in objects_metadata:
                 problems.append(f"missing key {name!r} (checkpoint object {item.unique_key!r})")
@@ -192,7 +201,7 @@ def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
         if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
             item.data = torch.empty_like(item.data.detach())
     try:
-        with _quiet_torch_dcp_notices():
+        with _reading():
             loaded = dist_checkpointing.load(request, str(path))
     except CheckpointException as error:  # a BaseException in torch.distributed.checkpoint: make it an Exception
         raise RuntimeError(f"reading checkpoint {str(path)!r} failed (the model was not changed): {error}") from error
@@ -267,7 +276,8 @@ def _read_checkpoint_files(path: Path) -> dict:
     with _naming_file(path, _COMMON_FILE):
         if not (path / _COMMON_FILE).is_file():
             raise FileNotFoundError("the file is missing")
-        common_state = torch.load(path / _COMMON_FILE, map_location="cpu", weights_only=True)
+        with _reading():
+            common_state = torch.load(path / _COMMON_FILE, map_location="cpu", weights_only=True)
         if not isinstance(common_state, dict):
             raise ValueError(f"a dict is expected, it holds a {type(common_state).__name__}")
     return common_state

@@ -97,3 +97,27 @@ def test_flipped_bit_in_a_shard_fails_its_checksum(saved, fresh_model, tmp_path)
     with pytest.raises(ValueError, match=rf"{shard.name}.*checksum"):
         load_distributed_checkpoint(fresh_model, broken)
     assert unchanged(fresh_model, before)
+
+
+def test_megatron_lm_args_are_compared_when_there_is_no_record(saved, fresh_model, tmp_path):
+    """A checkpoint without our record (megatron wrote it) carries only what Megatron-LM saved as its
+    training ``args`` in common.pt: the fields they share with the model are compared."""
+    import argparse
+
+    import torch
+
+    for heads, name in ((4, "same"), (8, "other")):
+        copy = tmp_path / name
+        shutil.copytree(saved[0], copy)
+        (copy / RECORD_FILE).unlink()
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            common = torch.load(copy / "common.pt", weights_only=True)
+        common["args"] = argparse.Namespace(num_attention_heads=heads, group_query_attention=True, num_query_groups=2,
+                                            normalization="LayerNorm", swiglu=False, num_experts=None)
+        torch.save(common, copy / "common.pt")
+    load_distributed_checkpoint(fresh_model, tmp_path / "same")
+    assert parameter_mismatches(fresh_model, saved[1]) == []
+    before = snapshot(fresh_model)
+    with pytest.raises(ValueError, match=r"(?s)Megatron-LM.s saved args.*num_attention_heads: the checkpoint has 8"):
+        load_distributed_checkpoint(fresh_model, tmp_path / "other")
+    assert unchanged(fresh_model, before)
