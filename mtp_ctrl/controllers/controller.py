@@ -33,7 +33,6 @@ Research hooks, each overridable in a subclass: :meth:`sample_rows` (how a token
 (after each step's host bookkeeping); drafting is the ``proposer``.
 """
 
-import collections
 import time
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 

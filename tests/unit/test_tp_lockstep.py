@@ -30,7 +30,9 @@ def _controller(model, **fields):
                 raise ValueError(HOOK_FAILURE)
 
     config = dict(num_speculative_tokens=0, max_requests=4, block_size_tokens=4, max_model_len=48,
-                  max_tokens_per_step=32, tp_check_timeout_s=fields.get("timeout", 300.0))
+                  max_tokens_per_step=32)
+    if fields.get("scenario") == "stops":
+        config["tp_check_timeout_s"] = 5.0
     return HookedController(model, InferenceConfig(**config))
 
 
@@ -64,7 +66,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         model = build_tiny_model(tiny_config(mtp_num_layers=None, tensor_parallel_size=2))
         for scenario in SCENARIOS:
-            controller = _controller(model, scenario=scenario, timeout=5.0 if scenario == "stops" else 300.0)
+            controller = _controller(model, scenario=scenario)
             outcome = "finished"
             watchdog = threading.Timer(WATCHDOG_S, lambda: os._exit(3))
             watchdog.start()
