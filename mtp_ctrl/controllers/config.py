@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 MTP_ATTENTION_MODES = ("paged", "single_position")
 ACCEPTANCE_MODES = ("exact_match", "rejection")
 MAX_DECODE_STEPS_PER_LAUNCH = 64  # a decode run's graph holds every one of its steps
-_INT64_MAX = 2**63 - 1  # seeds, top_k and token ids live in int64 device rows
+_INT64_MAX = 2**63 - 1  # seeds, top_k, max_new_tokens and token ids live in int64 rows
 _FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p live in float32 device rows
 
 
@@ -83,6 +83,10 @@ class InferenceConfig:
         max_model_len; a request that stops mid-run (eos, stop sequence, max_new_tokens) is cut
         there and the rest of its run is discarded. 1 (default): one step per launch. Outputs are
         identical for every value.
+    tp_check_timeout_s: under tensor parallelism every ``step()`` first checks that all ranks
+        build the same step (``tp_lockstep.py``); a rank that gets no answer within this many
+        seconds raises instead of waiting for the process group's timeout. Allow for the slowest
+        first step (kernel compilation) of any rank.
     """
 
     num_speculative_tokens: int = 0
@@ -98,6 +102,7 @@ class InferenceConfig:
     finished_results_kept: int = 4096
     acceptance: str = "exact_match"
     decode_steps_per_launch: int = 1
+    tp_check_timeout_s: float = 300.0
 
     def __post_init__(self):
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -138,6 +143,9 @@ class InferenceConfig:
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}")
         _require_int("decode_steps_per_launch", self.decode_steps_per_launch, 1, high=MAX_DECODE_STEPS_PER_LAUNCH)
+        timeout = _require_number("tp_check_timeout_s", self.tp_check_timeout_s)
+        if not 0.0 < timeout < math.inf:
+            raise ValueError(f"tp_check_timeout_s must be finite and > 0, got {self.tp_check_timeout_s}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +172,7 @@ class SamplingParams:
     stop_sequences: Tuple[Tuple[int, ...], ...] = ()
 
     def __post_init__(self):
-        _require_int("max_new_tokens", self.max_new_tokens, 1)
+        _require_int("max_new_tokens", self.max_new_tokens, 1, high=_INT64_MAX)
         temperature = _require_number("temperature", self.temperature)
         if not 0.0 <= temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
