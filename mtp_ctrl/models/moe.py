@@ -27,6 +27,7 @@ layer therefore cannot be captured in a CUDA graph (and syncs once per MoE layer
 runs the steps of an MoE model eagerly (see :func:`has_moe_layers`).
 """
 
+import dataclasses
 from typing import List, Sequence, Union
 
 import torch
@@ -57,6 +58,20 @@ class InferenceTopKRouter(TopKRouter):
     Engine is not installed (NameError). The product is the one megatron computes without TE;
     the parameters keep their names, so checkpoints load unchanged.
     """
+
+    def __init__(self, config: TransformerConfig, pg_collection=None):
+        # megatron allocates the expert-bias buffers on torch.cuda.current_device(), which a CPU-only
+        # build of torch cannot do: build without them, then register them (same names, persistence
+        # and dtype) on the current CUDA device when there is one, else on the CPU
+        with_bias = config.moe_router_enable_expert_bias and not torch.cuda.is_available()
+        super().__init__(config=dataclasses.replace(config, moe_router_enable_expert_bias=False) if with_bias
+                         else config, pg_collection=pg_collection)
+        if with_bias:
+            self.config = config
+            self.enable_expert_bias = True
+            del self.local_tokens_per_expert, self.expert_bias  # megatron set both to None
+            self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_moe_experts), persistent=False)
+            self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts))  # [E] fp32
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:  # [T, 1, H] -> [T, 1, E]
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)

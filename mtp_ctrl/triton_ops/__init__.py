@@ -52,6 +52,9 @@ _OP_MODULES = {
     "bias_activation": "layer_glue",
     "split_qkv_heads": "layer_glue",
     "gated_rms_norm": "layer_glue",
+    # mixture-of-experts: grouped expert products over device-sorted (row, expert) pairs
+    "grouped_expert_matmul": "moe_gemm",
+    "expert_blocks": "moe_gemm",
 }
 
 __all__ = sorted(_OP_MODULES)

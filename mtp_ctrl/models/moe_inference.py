@@ -1,0 +1,200 @@
+"""A sync-free MoE forward for inference: megatron's routing, expert dispatch sized on the device.
+
+megatron's ``MoELayer`` sizes its expert batches on the host (``tokens_per_expert.cpu()`` in the
+all-gather dispatcher, ``.tolist()`` in ``SequentialMLP``), so a step with an MoE layer syncs and
+cannot be captured in a CUDA graph. :func:`graph_moe_forward` computes the same layer with every
+size fixed by the step's row count T alone:
+
+1. the shared experts (megatron's ``SharedExpertMLP``, gate included) on the rows;
+2. with expert-TP or EP > 1, the rows are all-gathered over the expert TP x EP group, as
+   megatron's all-gather dispatcher does (graph-capturable on NCCL);
+3. megatron's own router (gating, softmax / sigmoid scores, group-limited top-k, expert bias,
+   top-k scaling factor): each row's top-k experts, ascending by id, and their probabilities;
+4. the T x top-k (row, expert) pairs are sorted by local expert on the device (stable sort;
+   pairs of another rank's experts go last) and each expert's segment found by a binary search:
+   no count is read on the host;
+5. fc1 as one grouped product over all segments, megatron's activation (GLU ``act(a) * (b +
+   offset)`` with its clamp), the routing probability applied after it (megatron's
+   ``per_token_scale``), fc2 as a second grouped product in the same sorted order;
+6. the pairs go back to their rows and are summed (fp32), reduce-scattered over the expert
+   TP x EP group when it is larger than one, and added to the shared experts' output.
+
+The grouped products are :func:`mtp_ctrl.triton_ops.grouped_expert_matmul` (backend
+``"triton"``: a fused-MoE kernel on block-aligned expert segments; ``"grouped_mm"``: torch's
+grouped GEMM). Every row routes and computes exactly as it would alone (dropless, no capacity),
+so speculative output equals plain output.
+
+Parameters stay megatron's: the experts are ``SequentialMLP``'s ``local_experts.<i>.linear_fc1 /
+linear_fc2`` (GLU fc1 ``[2F, H]`` as ``[gate; up]``). The grouped products read them as one
+``[E, N, K]`` tensor per layer: on first use each expert's weight is moved into a stacked tensor
+and the parameter becomes a view of its slice (no second copy; ``load_state_dict`` writes through
+the views; moving the model re-stacks on the next forward).
+
+The layer keeps megatron's forward outside a paged forward and when the runner asks for it
+(``moe_backend="megatron"``), for comparison and for settings this path refuses
+(:func:`check_graph_moe_layer`).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.activations import fast_gelu, quick_gelu, squared_relu
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from mtp_ctrl.models.forward_context import current_moe_backend
+from mtp_ctrl.models.moe import _gather_rows, _reduce_scatter_rows, moe_layers
+from mtp_ctrl.triton_ops import grouped_expert_matmul
+
+GRAPH_BACKENDS = ("triton", "grouped_mm")  # the sync-free path, by grouped-GEMM implementation
+MEGATRON_BACKEND = "megatron"  # megatron's eager MoELayer (syncs: steps run without CUDA graphs)
+MOE_BACKENDS = GRAPH_BACKENDS + (MEGATRON_BACKEND,)
+DEFAULT_MOE_BACKEND = "triton"  # the faster grouped product on an H100 (bench/RESULTS.md, bench_moe.py)
+_ACTIVATIONS = (F.silu, F.gelu, F.relu, squared_relu, quick_gelu, fast_gelu)  # element-wise, megatron's MLP's
+# settings the sync-free path refuses when they are set (truthy), and why
+_REFUSED_SETTINGS = (
+    ("moe_grouped_gemm", "its GroupedMLP / TEGroupedMLP experts are not read by the sync-free path; build with "
+                         "moe_grouped_gemm=False (SequentialMLP; torch_dist checkpoints of either layout load into it)"),
+    ("add_bias_linear", "expert biases are not applied by the sync-free path"),
+    ("moe_apply_probs_on_input", "the path applies probabilities after the activation, as megatron's default"),
+    ("moe_latent_size", "latent expert projections are not implemented by the sync-free path"),
+    ("fp8", "fp8 expert GEMMs are not implemented by the sync-free path"),
+    ("fp4", "fp4 expert GEMMs are not implemented by the sync-free path"),
+)
+
+
+class InferenceMoELayer(MoELayer):
+    """megatron's ``MoELayer`` (same submodules, parameters and process groups) whose forward takes
+    the sync-free path inside a paged forward that asks for it (module docstring). The builder
+    turns each MoE layer into this class after megatron built it (:func:`use_inference_moe_layers`):
+    megatron's ``TransformerLayer`` hands process groups only to the exact ``MoELayer`` class."""
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
+        backend = current_moe_backend()
+        if backend is None or backend == MEGATRON_BACKEND or intermediate_tensors is not None:
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        return graph_moe_forward(self, hidden_states, backend), None
+
+
+def use_inference_moe_layers(model) -> int:
+    """Make every megatron ``MoELayer`` of ``model`` an :class:`InferenceMoELayer`; returns how many."""
+    layers = moe_layers(model)
+    for layer in layers:
+        if type(layer) is MoELayer:
+            layer.__class__ = InferenceMoELayer
+    return len(layers)
+
+
+def check_graph_moe_layer(layer: MoELayer) -> None:
+    """Raise ValueError naming the setting when the sync-free path cannot compute ``layer``."""
+    config = layer.config
+    for name, reason in _REFUSED_SETTINGS:
+        value = getattr(config, name, None)
+        if value:
+            raise ValueError(f"config.{name}={value!r} is not supported by the graph MoE path: {reason}; "
+                             f"use moe_backend={MEGATRON_BACKEND!r} for megatron's eager MoELayer")
+    if not isinstance(layer.experts, SequentialMLP):
+        raise ValueError(f"config.moe_grouped_gemm: the graph MoE path reads SequentialMLP experts, this layer has "
+                         f"{type(layer.experts).__name__}; build with moe_grouped_gemm=False or use "
+                         f"moe_backend={MEGATRON_BACKEND!r}")
+    if config.activation_func not in _ACTIVATIONS:
+        raise ValueError(f"config.activation_func={getattr(config.activation_func, '__name__', config.activation_func)}"
+                         f" is not supported by the graph MoE path (supported: "
+                         f"{', '.join(f.__name__ for f in _ACTIVATIONS)}); use moe_backend={MEGATRON_BACKEND!r}")
+    if getattr(layer.router, "routing_type", None) == "sinkhorn":
+        raise ValueError("config.moe_router_load_balancing_type='sinkhorn' is not supported by the graph MoE path; "
+                         f"use moe_backend={MEGATRON_BACKEND!r}")
+
+
+def packed_expert_weights(layer: MoELayer) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(fc1 [E, F1, H], fc2 [E, H, F])``: the local experts' weights as two stacked tensors whose
+    slices are the experts' parameters (module docstring). Re-stacks when a parameter was replaced
+    (a ``.to()`` or ``.cuda()`` of the model); otherwise reads only pointers."""
+    experts = layer.experts.local_experts
+    fc1 = [expert.linear_fc1.weight for expert in experts]
+    fc2 = [expert.linear_fc2.weight for expert in experts]
+    packed = getattr(layer, "_packed_expert_weights", None)
+    if packed is None or not all(p.data_ptr() == s.data_ptr() and p.shape == s.shape
+                                 for params, stacked in zip((fc1, fc2), packed) for p, s in zip(params, stacked)):
+        packed = tuple(torch.stack([p.data for p in params]) for params in (fc1, fc2))
+        for params, stacked in zip((fc1, fc2), packed):
+            for index, param in enumerate(params):
+                param.data = stacked[index]
+        layer._packed_expert_weights = packed
+    return packed
+
+
+def _activation(fc1: torch.Tensor, config) -> torch.Tensor:  # [P, F1] -> [P, F]
+    """megatron's MLP activation without bias fusion (``MLP.forward``), GLU clamp and offset included."""
+    if not config.gated_linear_unit:
+        return config.activation_func(fc1)
+    gate, linear = torch.chunk(fc1, 2, dim=-1)
+    clamp = config.activation_func_clamp_value
+    if clamp is not None:
+        gate, linear = gate.clamp(min=None, max=clamp), linear.clamp(min=-clamp, max=clamp)
+    return config.activation_func(gate) * (linear + config.glu_linear_offset)
+
+
+def _expert_group(layer: MoELayer):
+    """The expert TP x EP group and its size (cached on the layer: the size is a host call)."""
+    cached = getattr(layer, "_expert_group_size", None)
+    group = layer.token_dispatcher.tp_ep_group
+    if cached is None:
+        cached = dist.get_world_size(group=group) if dist.is_initialized() else 1
+        layer._expert_group_size = cached
+    return group, cached
+
+
+def route_rows(layer: MoELayer, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """megatron's router on ``rows`` ``[T, H]``: ``(expert ids [T, k] int64 ascending, probs [T, k])``."""
+    probs, routing_map = layer.router(rows[:, None])  # [T, E] each (probs 0 off the map)
+    top_k = layer.config.moe_router_topk
+    # the k selected experts of each row, ascending by id (a stable sort of the row's map)
+    expert_ids = torch.sort(routing_map.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :top_k]
+    return expert_ids, probs.gather(1, expert_ids)
+
+
+def graph_moe_forward(layer: MoELayer, hidden_states: torch.Tensor, backend: str = "triton") -> torch.Tensor:
+    """The MoE layer's output ``[T, 1, H]`` for ``hidden_states`` ``[T, 1, H]``, without a host sync
+    (module docstring). ``backend``: the grouped product, ``"triton"`` or ``"grouped_mm"``."""
+    num_rows, hidden_size = hidden_states.shape[0], hidden_states.shape[-1]
+    shared = layer.shared_experts(hidden_states) if layer.use_shared_expert else None  # [T, 1, H]
+    group, group_size = _expert_group(layer)
+    rows = hidden_states.reshape(num_rows, hidden_size)  # [T, H]
+    if group_size > 1:
+        rows = _gather_rows(rows, group)  # [T * G, H]: every rank of the group computes its experts' share
+    expert_ids, expert_probs = route_rows(layer, rows)  # [T', k] each
+    top_k = expert_ids.shape[1]
+    num_local = layer.num_local_experts
+    local_ids = expert_ids - layer.local_expert_indices[0]  # [T', k]
+    keys = torch.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local).flatten()  # [P]
+    sorted_keys, order = torch.sort(keys, stable=True)  # [P] each: pairs grouped by local expert
+    offsets = torch.searchsorted(sorted_keys, torch.arange(num_local + 1, device=keys.device))  # [E + 1] int64
+    fc1_weight, fc2_weight = packed_expert_weights(layer)  # [E, F1, H], [E, H, F]
+    fc1 = grouped_expert_matmul(rows, fc1_weight, offsets, order // top_k, backend=backend)  # [P, F1]
+    activated = _activation(fc1, layer.config)  # [P, F]
+    scale = expert_probs.flatten()[order]  # [P] router dtype
+    activated = (activated * scale[:, None]).to(activated.dtype)
+    fc2 = grouped_expert_matmul(activated, fc2_weight, offsets, None, backend=backend)  # [P, H]
+    pairs = torch.empty_like(fc2).index_copy_(0, order, fc2)  # [P, H] in (row, k) order
+    output = pairs.view(-1, top_k, hidden_size).float().sum(1)  # [T', H] fp32
+    if group_size > 1:
+        output = _reduce_scatter_rows(output, group)  # [T, H]: this rank's rows, summed over the group
+    output = output.to(hidden_states.dtype).view(num_rows, 1, hidden_size)
+    return output if shared is None else output + shared
+
+
+def check_moe_backend(model, backend: Optional[str]) -> None:
+    """Raise unless ``backend`` is one of :data:`MOE_BACKENDS` and, for a graph backend, every MoE
+    layer of ``model`` is one the sync-free path computes (errors name the setting)."""
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {backend!r}")
+    if backend == MEGATRON_BACKEND:
+        return
+    for layer in moe_layers(model):
+        if not isinstance(layer, InferenceMoELayer):
+            raise ValueError(f"moe_backend={backend!r} needs the model's MoE layers built by "
+                             "mtp_ctrl.models.build_gpt_model (InferenceMoELayer); use moe_backend='megatron'")
+        check_graph_moe_layer(layer)

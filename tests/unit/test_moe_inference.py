@@ -1,0 +1,115 @@
+"""The sync-free MoE forward (models/moe_inference.py) == megatron's MoELayer forward, same weights,
+fp32 on CPU: softmax and sigmoid scores, group-limited routing, expert bias, top-k scaling,
+shared experts with and without their gate, GLU and not, padded rows, a step where every row
+picks the same experts, empty experts; both grouped-GEMM backends (the Triton kernel through the
+interpreter). Settings the path does not cover are refused with errors naming them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtp_ctrl.controllers import InferenceConfig
+from mtp_ctrl.models import PagedGPTRunner, moe_layers
+from mtp_ctrl.models.moe_inference import InferenceMoELayer, graph_moe_forward, packed_expert_weights
+from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups
+from tests.unit.moe_fixtures import moe_config
+
+VARIANTS = {
+    "softmax-glu-shared": dict(gated_linear_unit=True, activation_func=F.silu),
+    "softmax-pre-scaled": dict(moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.5),
+    "sigmoid-groups-bias": dict(moe_router_score_function="sigmoid", moe_router_num_groups=2, moe_router_group_topk=1,
+                                moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=1.5),
+    "shared-gate-gelu": dict(moe_shared_expert_gate=True, activation_func=F.gelu),
+    "no-shared": dict(moe_shared_expert_intermediate_size=None),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_groups():
+    ensure_single_process_groups()
+
+
+def _moe_layer(**overrides):
+    model = build_tiny_model(moe_config(mtp_num_layers=1, **overrides))
+    layer = moe_layers(model)[0]
+    if layer.router.expert_bias is not None:  # a trained bias: large enough to change the top-k
+        layer.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.25]))
+    return layer
+
+
+def _rows(num_rows=9, seed=0):
+    rows = torch.randn(num_rows, 1, 64, generator=torch.Generator().manual_seed(seed))  # [T, 1, H]
+    rows[-2:] = 0.0  # CUDA-graph padding rows
+    return rows
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_graph_forward_equals_megatron_moe_layer(variant):
+    layer = _moe_layer(**VARIANTS[variant])
+    assert isinstance(layer, InferenceMoELayer)
+    rows = _rows()
+    expected, _ = layer(rows)  # outside a paged forward: megatron's own MoELayer
+    torch.testing.assert_close(graph_moe_forward(layer, rows, backend="grouped_mm"), expected, atol=1e-5, rtol=1e-5)
+    if variant == "sigmoid-groups-bias":  # one case through the interpreted kernel (slow on CPU)
+        torch.testing.assert_close(graph_moe_forward(layer, rows, backend="triton"), expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_every_row_on_the_same_experts_and_empty_experts():
+    layer = _moe_layer()
+    same = _rows(1).expand(6, 1, 64).clone()  # six equal rows: the same two experts, two experts empty
+    expected, _ = layer(same)
+    torch.testing.assert_close(graph_moe_forward(layer, same, backend="grouped_mm"), expected, atol=1e-5, rtol=1e-5)
+    one = _rows(1, seed=4)  # a single row: top-2 of 4 experts, the other two empty
+    torch.testing.assert_close(graph_moe_forward(layer, one, backend="triton"), layer(one)[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_expert_weights_are_views_and_checkpoints_load_through_them():
+    layer = _moe_layer()
+    fc1, fc2 = packed_expert_weights(layer)  # [E, F1, H], [E, H, F]
+    experts = layer.experts.local_experts
+    assert fc1.shape == (4, 48, 64) and fc2.shape == (4, 64, 48)
+    state = {key: value + 1.0 if isinstance(value, torch.Tensor) else value
+             for key, value in layer.state_dict().items()}
+    assert "experts.local_experts.3.linear_fc1.weight" in state  # megatron's SequentialMLP names
+    layer.load_state_dict(state)
+    torch.testing.assert_close(fc1[3], experts[3].linear_fc1.weight)  # written through the view
+    assert packed_expert_weights(layer)[0] is fc1
+    layer.double().float()  # moving the model replaces the parameters: stacked again on next use
+    assert packed_expert_weights(layer)[0] is not fc1
+    rows = _rows()
+    torch.testing.assert_close(graph_moe_forward(layer, rows, backend="grouped_mm"), layer(rows)[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("add_bias_linear", True),
+    ("moe_apply_probs_on_input", True),
+    ("moe_router_load_balancing_type", "sinkhorn"),
+])
+def test_settings_the_graph_path_does_not_cover_are_refused(field, value):
+    overrides = {field: value}
+    if field == "moe_apply_probs_on_input":
+        overrides.update(moe_router_topk=1, moe_router_pre_softmax=True)
+    if field == "add_bias_linear":
+        overrides["moe_shared_expert_intermediate_size"] = None  # megatron's shared experts reject biases
+    if field == "moe_router_load_balancing_type":
+        overrides["moe_router_topk"] = 1
+    model = build_tiny_model(moe_config(mtp_num_layers=1, **overrides))
+    with pytest.raises(ValueError, match=field.replace("_type", "")):
+        PagedGPTRunner(model)
+    assert not PagedGPTRunner(model, moe_backend="megatron").cuda_graph_capturable  # the eager comparison
+
+
+def test_moe_backend_is_validated():
+    with pytest.raises(ValueError, match="moe_backend"):
+        InferenceConfig(moe_backend="cutlass")
+    with pytest.raises(TypeError, match="moe_backend"):
+        InferenceConfig(moe_backend=None)
+    model = build_tiny_model(moe_config(mtp_num_layers=1))
+    with pytest.raises(ValueError, match="moe_backend"):
+        PagedGPTRunner(model, moe_backend="reference")
+    assert PagedGPTRunner(model).cuda_graph_capturable
+    assert PagedGPTRunner(model, moe_backend="grouped_mm").cuda_graph_capturable
