@@ -9,15 +9,16 @@ size fixed by the step's row count T alone:
 2. with expert-TP or EP > 1, the rows are all-gathered over the expert TP x EP group, as
    megatron's all-gather dispatcher does (graph-capturable on NCCL);
 3. megatron's own router (gating, softmax / sigmoid scores, group-limited top-k, expert bias,
-   top-k scaling factor): each row's top-k experts, ascending by id, and their probabilities;
-4. the T x top-k (row, expert) pairs are sorted by local expert on the device (stable sort;
-   pairs of another rank's experts go last) and each expert's segment found by a binary search:
-   no count is read on the host;
-5. fc1 as one grouped product over all segments, megatron's activation (GLU ``act(a) * (b +
-   offset)`` with its clamp), the routing probability applied after it (megatron's
-   ``per_token_scale``), fc2 as a second grouped product in the same sorted order;
-6. the pairs go back to their rows and are summed (fp32), reduce-scattered over the expert
-   TP x EP group when it is larger than one, and added to the shared experts' output.
+   top-k scaling factor): each row's top-k experts and their probabilities;
+4. the T x top-k (row, expert) pairs are sorted by local expert on the device and cut into tiles
+   that never straddle two experts (:func:`~mtp_ctrl.triton_ops.align_expert_pairs`, one launch;
+   pairs of another rank's experts go last): no count is read on the host;
+5. fc1 as one grouped product over all segments (gathering each pair's row), megatron's
+   activation (GLU ``act(a) * (b + offset)`` with its clamp), the routing probability applied
+   after it (megatron's ``per_token_scale``), fc2 as a second grouped product that writes each
+   pair back to its row's slot;
+6. each row's k products are summed (fp32), reduce-scattered over the expert TP x EP group when
+   it is larger than one, and added to the shared experts' output.
 
 The grouped products are :func:`mtp_ctrl.triton_ops.grouped_expert_matmul` (backend
 ``"triton"``: a fused-MoE kernel on block-aligned expert segments; ``"grouped_mm"``: torch's
@@ -46,7 +47,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from mtp_ctrl.models.forward_context import current_moe_backend
 from mtp_ctrl.models.moe import _gather_rows, _reduce_scatter_rows, moe_layers
-from mtp_ctrl.triton_ops import grouped_expert_matmul
+from mtp_ctrl.triton_ops import align_expert_pairs, block_rows_for, grouped_expert_matmul
 
 GRAPH_BACKENDS = ("triton", "grouped_mm")  # the sync-free path, by grouped-GEMM implementation
 MEGATRON_BACKEND = "megatron"  # megatron's eager MoELayer (syncs: steps run without CUDA graphs)
@@ -148,12 +149,14 @@ def _expert_group(layer: MoELayer):
 
 
 def route_rows(layer: MoELayer, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """megatron's router on ``rows`` ``[T, H]``: ``(expert ids [T, k] int64 ascending, probs [T, k])``."""
-    probs, routing_map = layer.router(rows[:, None])  # [T, E] each (probs 0 off the map)
-    top_k = layer.config.moe_router_topk
-    # the k selected experts of each row, ascending by id (a stable sort of the row's map)
-    expert_ids = torch.sort(routing_map.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :top_k]
-    return expert_ids, probs.gather(1, expert_ids)
+    """megatron's router on ``rows`` ``[T, H]``: ``(expert ids [T, k] int64, their probs [T, k])``.
+
+    megatron returns dense ``[T, E]`` probs that are zero off each row's top-k; the k largest of a
+    row are its top-k (an expert whose probability underflowed to 0 may swap with an unselected
+    one: both add nothing)."""
+    probs, _ = layer.router(rows[:, None])  # [T, E] (probs 0 off the map)
+    expert_probs, expert_ids = torch.topk(probs, layer.config.moe_router_topk, dim=1)  # [T, k] each
+    return expert_ids, expert_probs
 
 
 def graph_moe_forward(layer: MoELayer, hidden_states: torch.Tensor, backend: str = "triton") -> torch.Tensor:
@@ -166,20 +169,17 @@ def graph_moe_forward(layer: MoELayer, hidden_states: torch.Tensor, backend: str
     if group_size > 1:
         rows = _gather_rows(rows, group)  # [T * G, H]: every rank of the group computes its experts' share
     expert_ids, expert_probs = route_rows(layer, rows)  # [T', k] each
-    top_k = expert_ids.shape[1]
-    num_local = layer.num_local_experts
-    local_ids = expert_ids - layer.local_expert_indices[0]  # [T', k]
-    keys = torch.where((local_ids >= 0) & (local_ids < num_local), local_ids, num_local).flatten()  # [P]
-    sorted_keys, order = torch.sort(keys, stable=True)  # [P] each: pairs grouped by local expert
-    offsets = torch.searchsorted(sorted_keys, torch.arange(num_local + 1, device=keys.device))  # [E + 1] int64
+    top_k, num_local = expert_ids.shape[1], layer.num_local_experts
+    segments = align_expert_pairs(expert_ids, layer.local_expert_indices[0], num_local,
+                                  block_rows_for(expert_ids.numel(), num_local))  # pairs sorted by local expert
     fc1_weight, fc2_weight = packed_expert_weights(layer)  # [E, F1, H], [E, H, F]
-    fc1 = grouped_expert_matmul(rows, fc1_weight, offsets, order // top_k, backend=backend)  # [P, F1]
+    fc1 = grouped_expert_matmul(rows, fc1_weight, segments, gather_rows=True, backend=backend)  # [P, F1] sorted
     activated = _activation(fc1, layer.config)  # [P, F]
-    scale = expert_probs.flatten()[order]  # [P] router dtype
+    scale = expert_probs.flatten()[segments.sorted_pairs]  # [P] router dtype, megatron's per_token_scale
     activated = (activated * scale[:, None]).to(activated.dtype)
-    fc2 = grouped_expert_matmul(activated, fc2_weight, offsets, None, backend=backend)  # [P, H]
-    pairs = torch.empty_like(fc2).index_copy_(0, order, fc2)  # [P, H] in (row, k) order
-    output = pairs.view(-1, top_k, hidden_size).float().sum(1)  # [T', H] fp32
+    pairs = grouped_expert_matmul(activated, fc2_weight, segments, gather_rows=False, scatter_pairs=True,
+                                  backend=backend)  # [P, H] in (row, j) order; zeros for other ranks' experts
+    output = pairs.view(-1, top_k, hidden_size).sum(1, dtype=torch.float32)  # [T', H]
     if group_size > 1:
         output = _reduce_scatter_rows(output, group)  # [T, H]: this rank's rows, summed over the group
     output = output.to(hidden_states.dtype).view(num_rows, 1, hidden_size)
