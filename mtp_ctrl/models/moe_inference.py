@@ -8,8 +8,8 @@ size fixed by the step's row count T alone:
 1. the shared experts (megatron's ``SharedExpertMLP``, gate included) on the rows;
 2. with expert-TP or EP > 1, the rows are all-gathered over the expert TP x EP group, as
    megatron's all-gather dispatcher does (graph-capturable on NCCL);
-3. megatron's own router (gating, softmax / sigmoid scores, group-limited top-k, expert bias,
-   top-k scaling factor): each row's top-k experts and their probabilities;
+3. megatron's routing math (its router's gating, softmax / sigmoid scores, its group-limited
+   top-k, expert bias, top-k scaling factor): each row's top-k experts and their probabilities;
 4. the T x top-k (row, expert) pairs are sorted by local expert on the device and cut into tiles
    that never straddle two experts (:func:`~mtp_ctrl.triton_ops.align_expert_pairs`, one launch;
    pairs of another rank's experts go last): no count is read on the host;
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from megatron.core.activations import fast_gelu, quick_gelu, squared_relu
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import group_limited_topk
 
 from mtp_ctrl.models.forward_context import current_moe_backend
 from mtp_ctrl.models.moe import _gather_rows, _reduce_scatter_rows, moe_layers
@@ -104,6 +105,12 @@ def check_graph_moe_layer(layer: MoELayer) -> None:
         raise ValueError(f"config.activation_func={getattr(config.activation_func, '__name__', config.activation_func)}"
                          f" is not supported by the graph MoE path (supported: "
                          f"{', '.join(f.__name__ for f in _ACTIVATIONS)}); use moe_backend={MEGATRON_BACKEND!r}")
+    if getattr(config, "moe_router_fusion", False):
+        raise ValueError("config.moe_router_fusion=True (Transformer Engine's fused router) is not supported by the "
+                         f"graph MoE path (it runs megatron's unfused routing math); use moe_backend={MEGATRON_BACKEND!r}")
+    if getattr(layer.router, "router_replay", None) is not None:
+        raise ValueError("config.moe_enable_routing_replay: replayed routing is not supported by the graph MoE path; "
+                         f"use moe_backend={MEGATRON_BACKEND!r}")
     if getattr(layer.router, "routing_type", None) == "sinkhorn":
         raise ValueError("config.moe_router_load_balancing_type='sinkhorn' is not supported by the graph MoE path; "
                          f"use moe_backend={MEGATRON_BACKEND!r}")
@@ -149,14 +156,39 @@ def _expert_group(layer: MoELayer):
 
 
 def route_rows(layer: MoELayer, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """megatron's router on ``rows`` ``[T, H]``: ``(expert ids [T, k] int64, their probs [T, k])``.
+    """megatron's routing of ``rows`` ``[T, H]``: ``(expert ids [T, k] int64, their probs [T, k])``.
 
-    megatron returns dense ``[T, E]`` probs that are zero off each row's top-k; the k largest of a
-    row are its top-k (an expert whose probability underflowed to 0 may swap with an unselected
-    one: both add nothing)."""
-    probs, _ = layer.router(rows[:, None])  # [T, E] (probs 0 off the map)
-    expert_probs, expert_ids = torch.topk(probs, layer.config.moe_router_topk, dim=1)  # [T, k] each
-    return expert_ids, expert_probs
+    The math of megatron's ``TopKRouter`` (its gating, then ``topk_routing_with_score_function``:
+    softmax before or after the top-k, or sigmoid with the expert bias steering the choice only,
+    megatron's ``group_limited_topk``, the sum normalisation, the scaling factor), stopped before
+    megatron scatters the top-k into dense ``[T, E]`` maps that this path would only read back."""
+    router, config = layer.router, layer.config
+    router._maintain_float32_expert_bias()
+    logits = router.gating(rows[:, None]).view(rows.shape[0], -1)  # [T, E] router dtype
+    top_k, groups, group_topk = config.moe_router_topk, config.moe_router_num_groups, config.moe_router_group_topk
+
+    def top(scores):  # -> (values, ids) [T, k]
+        if group_topk:
+            return group_limited_topk(scores, top_k, scores.shape[0], scores.shape[1], groups, group_topk)
+        return torch.topk(scores, k=top_k, dim=1)
+
+    if router.score_function == "softmax":
+        if config.moe_router_pre_softmax:
+            probs, ids = top(torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits))
+        else:
+            scores, ids = top(logits)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+    else:  # sigmoid
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+        if router.expert_bias is not None:
+            _, ids = top(scores + router.expert_bias)
+            scores = torch.gather(scores, 1, ids).type_as(logits)
+        else:
+            scores, ids = top(scores)
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if top_k > 1 else scores
+    if config.moe_router_topk_scaling_factor:
+        probs = probs * config.moe_router_topk_scaling_factor
+    return ids, probs
 
 
 def graph_moe_forward(layer: MoELayer, hidden_states: torch.Tensor, backend: str = "triton") -> torch.Tensor:

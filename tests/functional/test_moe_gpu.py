@@ -22,7 +22,7 @@ from tests.unit.megatron_fixtures import (
     make_metadata,
     tiny_config,
 )
-from mtp_ctrl.triton_ops import grouped_expert_matmul, reference
+from mtp_ctrl.triton_ops import align_expert_pairs, grouped_expert_matmul, reference
 from tests.unit.moe_fixtures import MOE_PROMPTS, expert_parallel_state_dict, moe_config
 
 BUCKETS = (1, 2, 4)
@@ -57,20 +57,28 @@ def _tokens(model, graphs, cases=CASES, moe_backend="megatron"):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
-def test_grouped_expert_matmul_equals_reference_on_the_gpu(backend, dtype):
+def test_moe_ops_equal_their_twins_on_the_gpu(backend, dtype):
+    """align_expert_pairs == its twin exactly; grouped_expert_matmul == the per-expert twin, for
+    a routing with empty experts, a crowded expert and pairs of another rank's experts."""
     generator = torch.Generator().manual_seed(5)
-    counts = torch.tensor([0, 37, 1, 0, 90, 3, 16, 0])  # empty experts, long and short segments
-    offsets = torch.zeros(9, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(counts, 0)
-    num_positions = int(offsets[-1]) + 5  # 5 positions of another rank's experts
-    rows = torch.randn(40, 256, generator=generator).to("cuda", dtype)  # [R, K]
+    num_rows, top_k = 70, 6
+    ids = torch.stack([torch.randperm(16, generator=generator)[:top_k] for _ in range(num_rows)])  # [T, k] of 16
+    ids[:30, 0] = 9  # a crowded expert
+    ids = ids.cuda()
+    for block_rows in (16, 64):
+        got, want = align_expert_pairs(ids, 8, 8, block_rows), reference.align_expert_pairs(ids, 8, 8, block_rows)
+        for name in ("sorted_pairs", "sorted_rows", "expert_offsets", "block_experts", "block_starts"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    segments = align_expert_pairs(ids, 8, 8, 16)  # local experts 8..15 (EP rank 1 of 2)
+    rows = torch.randn(num_rows, 256, generator=generator).to("cuda", dtype)  # [T, K]
     weight = (torch.randn(8, 384, 256, generator=generator) / 16).to("cuda", dtype)  # [E, N, K]
-    row_ids = torch.randint(0, 40, (num_positions,), generator=generator).cuda()
-    offsets = offsets.cuda()
-    want = reference.grouped_expert_matmul(rows, weight, offsets, row_ids)
-    got = grouped_expert_matmul(rows, weight, offsets, row_ids, backend=backend)
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got, want, **tolerance)
+    torch.testing.assert_close(grouped_expert_matmul(rows, weight, segments, backend=backend),
+                               reference.grouped_expert_matmul(rows, weight, segments), **tolerance)
+    sorted_rows = torch.randn(num_rows * top_k, 256, generator=generator).to("cuda", dtype)
+    torch.testing.assert_close(
+        grouped_expert_matmul(sorted_rows, weight, segments, gather_rows=False, scatter_pairs=True, backend=backend),
+        reference.grouped_expert_matmul(sorted_rows, weight, segments, False, True), **tolerance)
 
 
 @torch.no_grad()
