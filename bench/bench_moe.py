@@ -54,7 +54,7 @@ from mtp_ctrl.models import build_gpt_model, moe_layers  # noqa: E402
 from mtp_ctrl.models.moe_inference import graph_moe_forward, route_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
-from bench_forward import copy_bandwidth, count_gpu_events, graph_time_us  # noqa: E402
+from bench_forward import copy_bandwidth, count_gpu_events, graph_time_us, kernel_table  # noqa: E402
 
 PROMPT_LEN = 128
 
@@ -154,6 +154,11 @@ def layer_table(model, rows_list, bandwidth):
         results[num_rows] = dict(distinct=distinct, floor=floor_us, **times)
         print(f"{num_rows:4d} {distinct:8.1f} {floor_us:8.1f} {times['triton']:9.1f} {times['grouped_mm']:13.1f} "
               f"{statistics.median(samples):16.1f} {kernels['triton']:>14}/{kernels['grouped_mm']}/{kernels['megatron']}")
+    if device.type == "cuda":
+        for num_rows in (rows_list[0], rows_list[-1]):
+            hidden = torch.randn(num_rows, 1, layer.config.hidden_size, device=device, dtype=layer.router.weight.dtype)
+            print(f"\nkernels of one MoE layer (triton backend, T = {num_rows}), replayed from a graph:")
+            kernel_table(lambda: graph_moe_forward(layer, hidden, "triton"), replays=10, top=12)
     return results
 
 
