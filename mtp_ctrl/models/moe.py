@@ -22,9 +22,9 @@ expert-TP group) on the rows routed to them, and a reduce-scatter sums the parti
 
 CUDA graphs. Every megatron expert path sizes its expert batches on the host: the allgather
 dispatcher reads ``tokens_per_expert`` with ``.cpu()``, ``SequentialMLP`` splits rows with
-``.tolist()``, the alltoall dispatcher synchronises on its D2H stream. A step that contains an MoE
-layer therefore cannot be captured in a CUDA graph (and syncs once per MoE layer): the controller
-runs the steps of an MoE model eagerly (see :func:`has_moe_layers`).
+``.tolist()``, the alltoall dispatcher synchronises on its D2H stream. megatron's forward of an MoE
+layer therefore syncs and cannot be captured; the runner's forwards take the sync-free path of
+``models/moe_inference.py`` instead (megatron's stays behind ``moe_backend="megatron"``).
 """
 
 import dataclasses
@@ -206,6 +206,6 @@ def moe_layers(model) -> List[MoELayer]:
 
 
 def has_moe_layers(model) -> bool:
-    """True when a step of the model contains an MoE layer, whose expert dispatch reads token
-    counts on the host: such steps run eagerly, never in a CUDA graph (module docstring)."""
+    """True when a step of the model contains an MoE layer (on megatron's path its expert
+    dispatch reads token counts on the host: such steps run eagerly; module docstring)."""
     return any(True for _ in moe_layers(model))
