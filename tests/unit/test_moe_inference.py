@@ -113,3 +113,21 @@ def test_moe_backend_is_validated():
         PagedGPTRunner(model, moe_backend="reference")
     assert PagedGPTRunner(model).cuda_graph_capturable
     assert PagedGPTRunner(model, moe_backend="grouped_mm").cuda_graph_capturable
+
+
+@torch.no_grad()
+def test_distributed_checkpoint_round_trip_through_stacked_experts(tmp_path):
+    """save_distributed_checkpoint of a model whose experts are views of the stacked weights, loaded
+    into another such model: same state, same graph-path output (loading writes through the views)."""
+    from mtp_ctrl.models import load_distributed_checkpoint, save_distributed_checkpoint
+
+    saved, loaded = (build_tiny_model(moe_config(mtp_num_layers=1), seed=seed) for seed in (1, 2))
+    for layer in moe_layers(saved) + moe_layers(loaded):
+        packed_expert_weights(layer)
+    save_distributed_checkpoint(saved, tmp_path / "checkpoint")
+    load_distributed_checkpoint(loaded, tmp_path / "checkpoint")
+    rows = _rows()
+    for saved_layer, loaded_layer in zip(moe_layers(saved), moe_layers(loaded)):
+        assert torch.equal(packed_expert_weights(loaded_layer)[0], packed_expert_weights(saved_layer)[0])
+        assert torch.equal(graph_moe_forward(loaded_layer, rows, "grouped_mm"),
+                           graph_moe_forward(saved_layer, rows, "grouped_mm"))
