@@ -85,6 +85,7 @@ def test_expert_weights_are_views_and_checkpoints_load_through_them():
 
 
 @pytest.mark.parametrize("field, value", [
+    ("activation_func", torch.tanh),
     ("add_bias_linear", True),
     ("moe_apply_probs_on_input", True),
     ("moe_router_load_balancing_type", "sinkhorn"),
