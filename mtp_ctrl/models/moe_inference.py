@@ -11,7 +11,7 @@ size fixed by the step's row count T alone:
 3. megatron's routing math (its router's gating, softmax / sigmoid scores, its group-limited
    top-k, expert bias, top-k scaling factor): each row's top-k experts and their probabilities;
 4. the T x top-k (row, expert) pairs are sorted by local expert on the device and cut into tiles
-   that never straddle two experts (:func:`~mtp_ctrl.triton_ops.align_expert_pairs`, one launch;
+   that never straddle two experts (:func:`~mtp_ctrl.triton_ops.align_expert_pairs`, three launches;
    pairs of another rank's experts go last): no count is read on the host;
 5. fc1 as one grouped product over all segments (gathering each pair's row), megatron's
    activation (GLU ``act(a) * (b + offset)`` with its clamp), the routing probability applied

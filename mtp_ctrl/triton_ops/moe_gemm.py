@@ -2,8 +2,9 @@
 
 :func:`align_expert_pairs` sorts a step's ``T x k`` (row, expert) pairs by local expert (stable;
 pairs of another rank's experts go last) and cuts every expert's segment into tiles of
-``block_rows`` positions that never straddle two experts (vLLM's block-aligned segments), in one
-single-program launch: nothing is read on the host, every size depends on T alone.
+``block_rows`` positions that never straddle two experts (vLLM's block-aligned segments), in three
+launches (per-chunk bucket counts; one program for the chunks' bases, the offsets and the tiles;
+per-chunk placement): nothing is read on the host, every size depends on T alone.
 
 :func:`grouped_expert_matmul` multiplies every sorted position's input row by its expert's
 weight, all experts in one launch:
@@ -36,50 +37,81 @@ BACKENDS = ("triton", "grouped_mm", "reference")
 
 
 @triton.jit
-def _align_expert_pairs_kernel(
-    EXPERT_IDS_PTR, SORTED_PAIRS_PTR, SORTED_ROWS_PTR, OFFSETS_PTR, BLOCK_EXPERTS_PTR, BLOCK_STARTS_PTR,
-    num_pairs, top_k, first_expert, num_experts, num_blocks,
-    BLOCK_ROWS: tl.constexpr, BLOCK_P: tl.constexpr, E_PAD: tl.constexpr,
+def _bucket_of(EXPERT_IDS_PTR, pairs, num_pairs, first_expert, num_experts):
+    """Bucket of each pair: its local expert, ``num_experts`` for another rank's, -1 past the end."""
+    ids = tl.load(EXPERT_IDS_PTR + pairs, mask=pairs < num_pairs, other=0) - first_expert
+    bucket = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    return tl.where(pairs < num_pairs, bucket, -1)
+
+
+@triton.jit
+def _chunk_bucket_counts_kernel(
+    EXPERT_IDS_PTR, CHUNK_COUNTS_PTR, num_pairs, first_expert, num_experts,
+    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    """One program. Bucket of a pair: its local expert, or ``num_experts`` for another rank's.
-    Pass 1 counts the buckets; pass 2 places each pair at its bucket's start + the pairs of the
-    same bucket before it (a running count and an in-chunk cumsum: stable); then the tiles."""
+    """Program c: how many of pairs ``[c * BLOCK_P, + BLOCK_P)`` fall in each bucket."""
+    chunk = tl.program_id(0)
+    buckets = tl.arange(0, E_PAD)
+    bucket = _bucket_of(EXPERT_IDS_PTR, chunk * BLOCK_P + tl.arange(0, BLOCK_P), num_pairs, first_expert, num_experts)
+    counts = tl.sum((bucket[:, None] == buckets[None, :]).to(tl.int32), axis=0)  # [E_PAD]
+    tl.store(CHUNK_COUNTS_PTR + chunk * E_PAD + buckets, counts)
+
+
+@triton.jit
+def _segment_layout_kernel(
+    CHUNK_COUNTS_PTR, CHUNK_BASES_PTR, OFFSETS_PTR, BLOCK_EXPERTS_PTR, BLOCK_STARTS_PTR,
+    num_chunks, num_experts, num_blocks,
+    BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, E_PAD: tl.constexpr,
+):
+    """One program: each chunk's first position per bucket (its bucket's start + the pairs of that
+    bucket in earlier chunks), the bucket offsets, and every tile's expert and first position."""
     buckets = tl.arange(0, E_PAD)  # [E_PAD]
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for p0 in range(0, num_pairs, BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        ids = tl.load(EXPERT_IDS_PTR + pairs, mask=pairs < num_pairs, other=0) - first_expert
-        bucket = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-        bucket = tl.where(pairs < num_pairs, bucket, -1)  # -1 matches no bucket
-        counts += tl.sum((bucket[:, None] == buckets[None, :]).to(tl.int32), axis=0)
-    starts = tl.cumsum(counts, axis=0) - counts  # [E_PAD] exclusive
+    running = tl.zeros((E_PAD,), dtype=tl.int32)  # pairs per bucket in the chunks so far
+    for c0 in range(0, num_chunks, BLOCK_C):
+        chunks = c0 + tl.arange(0, BLOCK_C)
+        tile = tl.load(CHUNK_COUNTS_PTR + chunks[:, None] * E_PAD + buckets[None, :],
+                       mask=(chunks < num_chunks)[:, None], other=0)  # [BLOCK_C, E_PAD]
+        before = running[None, :] + tl.cumsum(tile, axis=0) - tile  # same-bucket pairs in earlier chunks
+        tl.store(CHUNK_BASES_PTR + chunks[:, None] * E_PAD + buckets[None, :], before,
+                 mask=(chunks < num_chunks)[:, None])
+        running += tl.sum(tile, axis=0)
+    counts = running
+    starts = tl.cumsum(counts, axis=0) - counts  # [E_PAD] exclusive: each bucket's first position
     tl.store(OFFSETS_PTR + buckets, starts.to(tl.int64), mask=buckets <= num_experts)
-    running = starts
-    for p0 in range(0, num_pairs, BLOCK_P):
-        pairs = p0 + tl.arange(0, BLOCK_P)
-        valid = pairs < num_pairs
-        ids = tl.load(EXPERT_IDS_PTR + pairs, mask=valid, other=0) - first_expert
-        bucket = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-        bucket = tl.where(valid, bucket, -1)
-        onehot = (bucket[:, None] == buckets[None, :]).to(tl.int32)  # [BLOCK_P, E_PAD]
-        before = tl.cumsum(onehot, axis=0) - onehot  # same-bucket pairs earlier in this chunk
-        position = tl.sum(onehot * (running[None, :] + before), axis=1)  # [BLOCK_P]
-        tl.store(SORTED_PAIRS_PTR + position, pairs.to(tl.int64), mask=valid)
-        tl.store(SORTED_ROWS_PTR + position, (pairs // top_k).to(tl.int64), mask=valid)
-        running += tl.sum(onehot, axis=0)
     local = buckets < num_experts
     tiles = tl.where(local, (counts + BLOCK_ROWS - 1) // BLOCK_ROWS, 0)  # [E_PAD]
     tile_ends = tl.cumsum(tiles, axis=0)
     tile_starts = tile_ends - tiles
-    for b0 in range(0, num_blocks, BLOCK_P):
-        blocks = b0 + tl.arange(0, BLOCK_P)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
         hit = ((blocks[:, None] >= tile_starts[None, :]) & (blocks[:, None] < tile_ends[None, :])
-               & local[None, :]).to(tl.int32)  # [BLOCK_P, E_PAD]: at most one hit per tile
+               & local[None, :]).to(tl.int32)  # [BLOCK_B, E_PAD]: at most one hit per tile
         found = tl.sum(hit, axis=1) > 0
         expert = tl.sum(hit * buckets[None, :], axis=1)
         start = tl.sum(hit * (starts[None, :] + (blocks[:, None] - tile_starts[None, :]) * BLOCK_ROWS), axis=1)
         tl.store(BLOCK_EXPERTS_PTR + blocks, tl.where(found, expert, -1).to(tl.int64), mask=blocks < num_blocks)
         tl.store(BLOCK_STARTS_PTR + blocks, tl.where(found, start, 0).to(tl.int64), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _place_pairs_kernel(
+    EXPERT_IDS_PTR, CHUNK_BASES_PTR, OFFSETS_PTR, SORTED_PAIRS_PTR, SORTED_ROWS_PTR,
+    num_pairs, top_k, first_expert, num_experts,
+    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr,
+):
+    """Program c: each pair of the chunk goes to its bucket's start + the same-bucket pairs of
+    earlier chunks + those before it in this chunk (a stable sort)."""
+    chunk = tl.program_id(0)
+    buckets = tl.arange(0, E_PAD)
+    pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+    bucket = _bucket_of(EXPERT_IDS_PTR, pairs, num_pairs, first_expert, num_experts)
+    onehot = (bucket[:, None] == buckets[None, :]).to(tl.int32)  # [BLOCK_P, E_PAD]
+    starts = tl.load(OFFSETS_PTR + buckets, mask=buckets <= num_experts, other=0).to(tl.int32)
+    bases = tl.load(CHUNK_BASES_PTR + chunk * E_PAD + buckets) + starts  # [E_PAD]
+    position = tl.sum(onehot * (bases[None, :] + tl.cumsum(onehot, axis=0) - onehot), axis=1)  # [BLOCK_P]
+    valid = pairs < num_pairs
+    tl.store(SORTED_PAIRS_PTR + position, pairs.to(tl.int64), mask=valid)
+    tl.store(SORTED_ROWS_PTR + position, (pairs // top_k).to(tl.int64), mask=valid)
 
 
 @triton.jit
@@ -152,16 +184,25 @@ def align_expert_pairs(
     num_pairs = expert_ids.numel()
     num_blocks = triton.cdiv(num_pairs, block_rows) + num_experts
     device = expert_ids.device
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    block_p = max(16, min(64, 8192 // e_pad))
+    num_chunks = max(1, triton.cdiv(num_pairs, block_p))
+    ids = expert_ids.contiguous()
     sorted_pairs = torch.empty(num_pairs, dtype=torch.int64, device=device)
     sorted_rows = torch.empty(num_pairs, dtype=torch.int64, device=device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
     block_experts = torch.empty(num_blocks, dtype=torch.int64, device=device)
     block_starts = torch.empty(num_blocks, dtype=torch.int64, device=device)
-    e_pad = triton.next_power_of_2(num_experts + 1)
-    _align_expert_pairs_kernel[(1,)](
-        expert_ids.contiguous(), sorted_pairs, sorted_rows, offsets, block_experts, block_starts,
-        num_pairs, max(expert_ids.shape[1], 1), first_expert, num_experts, num_blocks,
-        BLOCK_ROWS=block_rows, BLOCK_P=max(16, min(64, 8192 // e_pad)), E_PAD=e_pad, num_warps=4)
+    chunk_counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)  # [C, E_PAD]
+    chunk_bases = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)  # [C, E_PAD]
+    _chunk_bucket_counts_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, first_expert, num_experts,
+                                               BLOCK_P=block_p, E_PAD=e_pad, num_warps=4)
+    _segment_layout_kernel[(1,)](chunk_counts, chunk_bases, offsets, block_experts, block_starts, num_chunks,
+                                 num_experts, num_blocks, BLOCK_ROWS=block_rows, BLOCK_C=16, BLOCK_B=block_p,
+                                 E_PAD=e_pad, num_warps=4)
+    _place_pairs_kernel[(num_chunks,)](ids, chunk_bases, offsets, sorted_pairs, sorted_rows, num_pairs,
+                                       max(expert_ids.shape[1], 1), first_expert, num_experts,
+                                       BLOCK_P=block_p, E_PAD=e_pad, num_warps=4)
     return ExpertSegments(sorted_pairs, sorted_rows, offsets, block_experts, block_starts, block_rows)
 
 

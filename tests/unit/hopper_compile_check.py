@@ -81,8 +81,13 @@ def cases():
                dict(WIDTH=4, SEARCH_STEPS=4, BLOCK_ROWS=16, BLOCK_CHANNELS=128, BLOCK_HISTORY=4, HAS_SLOTS=has_slots))
 
 
-    align = moe_gemm._align_expert_pairs_kernel
-    yield ("MoE pair alignment", align, pointers(align, "i64"), set(), dict(BLOCK_ROWS=16, BLOCK_P=64, E_PAD=128))
+    counts = moe_gemm._chunk_bucket_counts_kernel
+    yield ("MoE pair counts", counts, pointers(counts, "i64", CHUNK_COUNTS_PTR="i32"), set(), dict(BLOCK_P=64, E_PAD=128))
+    layout = moe_gemm._segment_layout_kernel
+    yield ("MoE segment layout", layout, pointers(layout, "i64", CHUNK_COUNTS_PTR="i32", CHUNK_BASES_PTR="i32"), set(),
+           dict(BLOCK_ROWS=16, BLOCK_C=16, BLOCK_B=64, E_PAD=128))
+    place = moe_gemm._place_pairs_kernel
+    yield ("MoE pair placement", place, pointers(place, "i64", CHUNK_BASES_PTR="i32"), set(), dict(BLOCK_P=64, E_PAD=128))
     matmul = moe_gemm._grouped_expert_matmul_kernel
     for gather, scatter in ((True, False), (False, True)):
         yield (f"MoE grouped expert matmul, gather {gather}, scatter {scatter}", matmul,

@@ -35,9 +35,10 @@ CASES = [  # (rows, k, global experts, first local expert, local experts, block 
     (0, 2, 4, 0, 4, 16, None),  # no rows
     (40, 2, 4, 0, 4, 4, None),  # segments of many tiles
 ]
+MANY_CHUNKS = (400, 3, 16, 8, 8, 16, None)  # 1200 pairs: 19 chunks of 64, more than one tile of chunks
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + [MANY_CHUNKS])
 def test_align_equals_reference(case):
     num_rows, top_k, num_global, first, num_local, block_rows, only = case
     ids = _routing(num_rows, top_k, num_global, torch.Generator().manual_seed(num_rows), only)
