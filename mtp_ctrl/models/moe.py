@@ -73,10 +73,23 @@ class InferenceTopKRouter(TopKRouter):
             self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_moe_experts), persistent=False)
             self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts))  # [E] fp32
 
+    def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:  # [E, H]
+        """The gate weight in ``dtype`` (the router dtype): a cast copy kept while the weight is
+        unchanged (same storage and version), so a step does not cast it again in every layer."""
+        weight = self.weight
+        if weight.dtype == dtype:
+            return weight
+        key = (weight.data_ptr(), weight._version, dtype)
+        cached = getattr(self, "_cast_weight", None)
+        if cached is None or cached[0] != key:
+            cached = (key, weight.detach().to(dtype))
+            self._cast_weight = cached
+        return cached[1]
+
     def gating(self, input: torch.Tensor) -> torch.Tensor:  # [T, 1, H] -> [T, 1, E]
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         rows = input.reshape(-1, input.shape[-1]).to(router_dtype)  # [T, H]
-        weight = self.weight.to(router_dtype).t()  # [H, E]
+        weight = self._weight_in(router_dtype).t()  # [H, E]
         if self.bias is None:
             logits = torch.mm(rows, weight)
         else:

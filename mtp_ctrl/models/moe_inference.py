@@ -142,7 +142,9 @@ def _activation(fc1: torch.Tensor, config) -> torch.Tensor:  # [P, F1] -> [P, F]
     clamp = config.activation_func_clamp_value
     if clamp is not None:
         gate, linear = gate.clamp(min=None, max=clamp), linear.clamp(min=-clamp, max=clamp)
-    return config.activation_func(gate) * (linear + config.glu_linear_offset)
+    if config.glu_linear_offset:  # adding 0.0 would be one more launch for the same values
+        linear = linear + config.glu_linear_offset
+    return config.activation_func(gate) * linear
 
 
 def _expert_group(layer: MoELayer):

@@ -132,3 +132,17 @@ def test_distributed_checkpoint_round_trip_through_stacked_experts(tmp_path):
         assert torch.equal(packed_expert_weights(loaded_layer)[0], packed_expert_weights(saved_layer)[0])
         assert torch.equal(graph_moe_forward(loaded_layer, rows, "grouped_mm"),
                            graph_moe_forward(saved_layer, rows, "grouped_mm"))
+
+
+@torch.no_grad()
+def test_fp32_router_of_a_bf16_model_casts_its_gate_once_per_weight_change():
+    """moe_router_dtype="fp32" on a bf16 model: the gate's kept fp32 copy gives x @ W^T in fp32 and
+    follows a load_state_dict that changes the weight."""
+    layer = _moe_layer(params_dtype=torch.bfloat16, bf16=True, moe_router_dtype="fp32")
+    router = layer.router
+    rows = _rows().to(torch.bfloat16)
+    logits = router.gating(rows)  # [T, 1, E] fp32
+    torch.testing.assert_close(logits[:, 0], rows[:, 0].float() @ router.weight.float().t())
+    torch.testing.assert_close(router.gating(rows), logits, atol=0, rtol=0)  # the kept fp32 gate
+    router.load_state_dict({**router.state_dict(), "weight": router.weight * 2})
+    torch.testing.assert_close(router.gating(rows), 2 * logits, rtol=1e-2, atol=1e-3)
