@@ -64,6 +64,7 @@ _REFUSED_SETTINGS = (
     ("moe_latent_size", "latent expert projections are not implemented by the sync-free path"),
     ("fp8", "fp8 expert GEMMs are not implemented by the sync-free path"),
     ("fp4", "fp4 expert GEMMs are not implemented by the sync-free path"),
+    ("moe_shared_expert_overlap", "the path computes the shared experts itself, not overlapped with a dispatcher"),
 )
 
 
@@ -111,6 +112,9 @@ def check_graph_moe_layer(layer: MoELayer) -> None:
     if getattr(layer.router, "router_replay", None) is not None:
         raise ValueError("config.moe_enable_routing_replay: replayed routing is not supported by the graph MoE path; "
                          f"use moe_backend={MEGATRON_BACKEND!r}")
+    if getattr(layer.router, "score_function", None) not in ("softmax", "sigmoid"):
+        raise ValueError(f"config.moe_router_score_function={layer.router.score_function!r} is not supported by the "
+                         f"graph MoE path (softmax, sigmoid); use moe_backend={MEGATRON_BACKEND!r}")
     if getattr(layer.router, "routing_type", None) == "sinkhorn":
         raise ValueError("config.moe_router_load_balancing_type='sinkhorn' is not supported by the graph MoE path; "
                          f"use moe_backend={MEGATRON_BACKEND!r}")
