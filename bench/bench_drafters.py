@@ -2,7 +2,7 @@
 
     python bench/bench_drafters.py [--quick] [--eagle PATH] [--ptd PATH] [--multi-layer-eagle PATH]
 
-Target: the shipped demo GPT (examples/checkpoints/mtp_demo.pt), 64-byte held-out prompts, 128
+Target: the shipped demo GPT (mtp_ctrl/checkpoints/mtp_demo.pt), 64-byte held-out prompts, 128
 new tokens, CUDA graphs. Drafters: MTP paged and MTP single-position (the model's own heads),
 EAGLE, parallel drafting (PTD) and multi-layer EAGLE (heads from examples/train_eagle.py and
 examples/train_multi_layer_eagle.py; a drafter whose head file is missing is skipped). Each
@@ -25,7 +25,7 @@ import time
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "checkpoints")
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mtp_ctrl", "checkpoints")
     parser.add_argument("--checkpoint", default=os.path.join(here, "mtp_demo.pt"))
     parser.add_argument("--eagle", default=os.path.join(here, "eagle_demo.pt"))
     parser.add_argument("--ptd", default=os.path.join(here, "ptd_demo.pt"))
@@ -91,7 +91,7 @@ def run(model, prompts, S, temperature, mtp_attention="paged", proposer=None):
 
 def drafters(model, args):
     """name -> (S values, mtp_attention, proposer factory or None, training cost)."""
-    from generate import load_draft_proposer  # noqa: E402  (examples/generate.py)
+    from mtp_ctrl.cli.draft_heads import load_draft_proposer  # noqa: E402
 
     table = {"MTP paged": ((1, 2), "paged", None, "the model's own heads (train_mtp.py)"),
              "MTP single-position": ((1, 2), "single_position", None, "the model's own heads")}
@@ -114,8 +114,7 @@ def drafters(model, args):
 def main(args):
     device = torch.device("cuda")
     init_distributed(1, device)
-    _, model = load_demo_model(args.checkpoint)
-    model = model.to(device).eval()
+    model = load_demo_model(args.checkpoint, device)
     held_out = load_stdlib_corpus().held_out
     batches = (1, 8) if args.quick else (1, 8, 32)
     temperatures = (0.0,) if args.quick else (0.0, 0.7)

@@ -2,7 +2,7 @@
 step per launch vs decode runs, speculative (S = 2) vs plain (S = 0), and a mixed prefill +
 decode step vs a decode step.
 
-    python bench/bench_overlap.py [--quick] [--decode-steps-per-launch 4] [--checkpoint examples/checkpoints/mtp_demo.pt]
+    python bench/bench_overlap.py [--quick] [--decode-steps-per-launch 4] [--checkpoint mtp_ctrl/checkpoints/mtp_demo.pt]
 
 For each model (the shipped demo checkpoint; a random-weight GPT of about 1B parameters: 16
 layers, hidden 2048, 16 heads over 4 KV groups, 2 MTP layers, bf16) and batch 1, 8, 32:
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
+    parser.add_argument("--checkpoint", default="mtp_ctrl/checkpoints/mtp_demo.pt")
     parser.add_argument("--quick", action="store_true", help="demo model only (batch 1 and 8 unless --batches)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--new-tokens", type=int, default=96)

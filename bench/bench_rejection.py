@@ -1,6 +1,6 @@
 """Exact-match vs rejection-sampling acceptance on the trained demo model, same run.
 
-    python bench/bench_rejection.py [--checkpoint examples/checkpoints/mtp_demo.pt] [--quick] [--device cpu]
+    python bench/bench_rejection.py [--checkpoint mtp_ctrl/checkpoints/mtp_demo.pt] [--quick] [--device cpu]
 
 The demo GPT (examples/train_mtp.py, 2 MTP layers) samples 128 new bytes from 64-byte held-out
 prompts, batch 8, S = 2 with paged MTP attention, at temperature 0.7 and 1.0 (seeds 0..7). Per
@@ -20,7 +20,7 @@ import time
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
+    parser.add_argument("--checkpoint", default="mtp_ctrl/checkpoints/mtp_demo.pt")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     parser.add_argument("--quick", action="store_true", help="16 new tokens, one timed call (a smoke run)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")

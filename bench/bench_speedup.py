@@ -1,6 +1,6 @@
 """End-to-end speed-up of MTP speculation on the trained demo model (examples/train_mtp.py).
 
-    python bench/bench_speedup.py [--checkpoint examples/checkpoints/mtp_demo.pt] [--quick]
+    python bench/bench_speedup.py [--checkpoint mtp_ctrl/checkpoints/mtp_demo.pt] [--quick]
 
 The demo GPT (4 layers, hidden 256, 2 MTP layers, byte tokens) trained on the Python standard
 library's source serves prompts from the held-out text (64 bytes each) greedily. For each batch
@@ -12,13 +12,13 @@ With ``--draft-checkpoint PATH`` (an EAGLE head from examples/train_eagle.py) it
 at S = 1..4 with paged MTP at S = 1, 2 instead, greedy and at ``--temperature`` (seeded, so
 outputs still equal plain decoding's):
 
-    python bench/bench_speedup.py --draft-checkpoint examples/checkpoints/eagle_demo.pt --temperature 0.7
+    python bench/bench_speedup.py --draft-checkpoint mtp_ctrl/checkpoints/eagle_demo.pt --temperature 0.7
 
 With ``--ptd-checkpoint PATH`` (a parallel-drafting head, ``examples/train_eagle.py --mode ptd``)
 it adds parallel drafting at S = 1..4 (with ``--draft-checkpoint`` too: EAGLE and PTD side by side):
 
-    python bench/bench_speedup.py --draft-checkpoint examples/checkpoints/eagle_demo.pt \
-        --ptd-checkpoint examples/checkpoints/ptd_demo.pt --temperature 0.7
+    python bench/bench_speedup.py --draft-checkpoint mtp_ctrl/checkpoints/eagle_demo.pt \
+        --ptd-checkpoint mtp_ctrl/checkpoints/ptd_demo.pt --temperature 0.7
 """
 
 import argparse
@@ -30,7 +30,7 @@ import time
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
+    parser.add_argument("--checkpoint", default="mtp_ctrl/checkpoints/mtp_demo.pt")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--draft-checkpoint", default=None, help="EAGLE head: compare EAGLE S=1..4 with MTP S=1,2")
     parser.add_argument("--ptd-checkpoint", default=None, help="parallel-drafting head: add PTD S=1..4")
@@ -91,7 +91,7 @@ def main(args=None):
     rows = []
     batches = (1, 8) if args.quick else (1, 8, 32)
     progress = tqdm(total=len(batches) * 5, desc="points", unit="point", disable=not sys.stdout.isatty())
-    from generate import load_eagle_proposer, load_ptd_proposer
+    from mtp_ctrl.cli.draft_heads import load_eagle_proposer, load_ptd_proposer
 
     if args.draft_checkpoint or args.ptd_checkpoint:
         points = [(S, "paged", None, None) for S in (1, 2)]

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def parse_args(description: str, default_batch: int, default_speculative: int, default_steps: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--checkpoint", default="examples/checkpoints/mtp_demo.pt")
+    parser.add_argument("--checkpoint", default="mtp_ctrl/checkpoints/mtp_demo.pt")
     parser.add_argument("--batch", type=int, default=default_batch)
     parser.add_argument("--num-speculative-tokens", type=int, default=default_speculative)
     parser.add_argument("--no-overlap", action="store_true")
@@ -37,8 +37,7 @@ def decoding_demo_controller(args, graphs: bool):
 
     device = torch.device("cuda")
     init_distributed(1, device)
-    _, model = load_demo_model(args.checkpoint)
-    model = model.to(device=device, dtype=torch.bfloat16).eval()
+    model = load_demo_model(args.checkpoint, device).to(torch.bfloat16)
     prompts = [w.tolist() for w in evenly_spaced_windows(load_stdlib_corpus().held_out, args.batch, 64)]
     config = InferenceConfig(num_speculative_tokens=args.num_speculative_tokens, max_requests=args.batch,
                              block_size_tokens=16, max_model_len=400, max_tokens_per_step=max(64, args.batch * 64),

@@ -40,20 +40,26 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaL
                 "cudaMemsetAsync", "cudaGraphLaunch")
 
 
+REST = "rest of the step (verify, staging, read-back)"
+
+
 def launches_by_region(profiler):
-    """{label: launches}: each CUDA launch call counts for the innermost labelled part whose time
-    range holds it (the profiler does not link device kernels to record_function ranges)."""
-    events = profiler.events()
-    regions = sorted((e for e in events if e.name.startswith("region:")), key=lambda e: e.time_range.start)
+    """{label: launches}: each CUDA launch call counts for the innermost labelled part that encloses
+    it on the host (the profiler does not link device kernels to record_function ranges).
+
+    The enclosing part is found through the profiler's CPU event tree (``cpu_parent``, built per
+    thread), so it needs ``ProfilerActivity.CPU``: with CUDA alone no ``region:`` range is recorded
+    and every launch fell to the rest of the step."""
     totals = collections.Counter()
-    for event in events:
+    for event in profiler.events():
         if not event.name.startswith(LAUNCH_CALLS):
             continue
-        label, width = "rest of the step (verify, staging, read-back)", float("inf")
-        for region in regions:
-            if region.time_range.start <= event.time_range.start <= region.time_range.end \
-                    and region.time_range.elapsed_us() < width:
-                label, width = region.name[len("region:"):], region.time_range.elapsed_us()
+        label, parent = REST, event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("region:"):
+                label = parent.name[len("region:"):]
+                break
+            parent = parent.cpu_parent
         totals[label] += 1
     return totals
 
@@ -66,14 +72,16 @@ def main():
     label_regions(controller, torch)
 
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]  # CPU: the regions
+    with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(args.steps):
             controller.step()
         torch.cuda.synchronize()
     kernels = collections.Counter()
     times = collections.Counter()
     for event in profiler.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # with the CPU activity on, each labelled part also shows as a GPU annotation span: not a kernel
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.name.startswith("region:"):
             name = event.name[:90]
             kernels[name] += 1
             times[name] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
@@ -82,8 +90,11 @@ def main():
           f"{args.steps} steps: {total_count / args.steps:.0f} GPU ops per step, {total_us / args.steps:.0f} us "
           f"of GPU time per step")
     print(f"{'launches/step':>14}  part of the step")
-    for label, count in launches_by_region(profiler).most_common():
+    by_region = launches_by_region(profiler)
+    for label, count in by_region.most_common():
         print(f"{count / args.steps:14.1f}  {label}")
+    if set(by_region) <= {REST}:
+        print("warning: no launch fell in a labelled part: a method of REGIONS is no longer on the step's path")
     print(f"{'us/step':>8} {'n/step':>7}  kernel")
     for name, total in times.most_common(args.top):
         print(f"{total / args.steps:8.1f} {kernels[name] / args.steps:7.1f}  {name}")

@@ -14,5 +14,5 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 420 python3 bench/bench_overlap.py 2>&1 | grep -v Warning | tee "$out/bench_overlap.log" | tail -16
-  timeout 120 python3 examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt 2>&1 | tee "$out/demo.log" | tail -14
+  timeout 120 python3 examples/generate.py --checkpoint mtp_ctrl/checkpoints/mtp_demo.pt 2>&1 | tee "$out/demo.log" | tail -14
 fi

@@ -35,9 +35,9 @@ or with ``--mode ptd`` a parallel-drafting head that drafts all S tokens in one 
 
     python examples/train_eagle.py --out eagle_demo.pt                       # H100: a few minutes
     python examples/train_eagle.py --quick --out /tmp/eagle_quick.pt         # CPU smoke run, seconds
-    python examples/train_eagle.py --mode ptd --out examples/checkpoints/ptd_demo.pt   # parallel drafting
+    python examples/train_eagle.py --mode ptd --out mtp_ctrl/checkpoints/ptd_demo.pt   # parallel drafting
     python examples/train_eagle.py --mode ptd --quick --out /tmp/ptd_quick.pt
-    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt --proposer eagle \\
+    python examples/generate.py --checkpoint mtp_ctrl/checkpoints/mtp_demo.pt --proposer eagle \\
         --draft-checkpoint eagle_demo.pt --num-speculative-tokens 3
 """
 
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-DEFAULT_TARGET = str(Path(__file__).resolve().parent / "checkpoints" / "mtp_demo.pt")
+DEFAULT_TARGET = str(Path(__file__).resolve().parents[1] / "mtp_ctrl" / "checkpoints" / "mtp_demo.pt")
 
 
 def parse_args(argv=None):

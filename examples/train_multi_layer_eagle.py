@@ -17,7 +17,7 @@
 
     python examples/train_multi_layer_eagle.py --out multi_layer_eagle_demo.pt     # H100: about 2 minutes
     python examples/train_multi_layer_eagle.py --quick --out /tmp/mle_quick.pt      # CPU smoke run, seconds
-    python examples/generate.py --checkpoint examples/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \\
+    python examples/generate.py --checkpoint mtp_ctrl/checkpoints/mtp_demo.pt --proposer multi_layer_eagle \\
         --draft-checkpoint multi_layer_eagle_demo.pt --num-speculative-tokens 3
 """
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_TARGET = str(Path(__file__).resolve().parent / "checkpoints" / "mtp_demo.pt")
+DEFAULT_TARGET = str(Path(__file__).resolve().parents[1] / "mtp_ctrl" / "checkpoints" / "mtp_demo.pt")
 
 
 def parse_args(argv=None):
@@ -60,36 +60,6 @@ def parse_args(argv=None):
     if args.seq_len < args.num_layers + 2:
         parser.error(f"--seq-len must be >= num_layers + 2 = {args.num_layers + 2}, got {args.seq_len}")
     return args
-
-
-def load_multi_layer_eagle_heads(model, path: str):
-    """The draft layers saved by this script, built for ``model`` (this TP rank's shard), on its device."""
-    import torch
-
-    from demo_model import load_full_state_dict
-    from mtp_ctrl.models import build_multi_layer_eagle_heads
-
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or not {"aux_layer_ids", "state_dict"} <= set(saved):
-        raise ValueError(f"{path} is not a multi-layer EAGLE checkpoint (examples/train_multi_layer_eagle.py "
-                         "writes one: num_layers, aux_layer_ids, state_dict)")
-    num_layers = saved.get("num_layers")
-    if num_layers is None:
-        raise ValueError(f"{path} has no num_layers: a single EAGLE head (examples/train_eagle.py) is served "
-                         "with --proposer eagle, not multi_layer_eagle")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"{path}: num_layers must be an int >= 1, got {num_layers!r}")
-    state_dict = saved["state_dict"]
-    layers_saved = {name.split(".")[1] for name in state_dict if name.startswith("layers.")}
-    if len(layers_saved) != num_layers:
-        raise ValueError(f"{path}: num_layers is {num_layers} but the state_dict holds "
-                         f"{len(layers_saved)} draft layers")
-    heads = build_multi_layer_eagle_heads(model, num_layers, saved["aux_layer_ids"], use_transformer_engine=False)
-    try:
-        load_full_state_dict(heads, state_dict)
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(f"{path} does not fit this target: {error}") from None
-    return heads.to(next(model.parameters()).device)
 
 
 def train_heads(dense, heads, aux, tokens, *, steps: int, batch_size: int, seq_len: int, lr: float, seed: int,
@@ -141,6 +111,7 @@ def train_heads(dense, heads, aux, tokens, *, steps: int, batch_size: int, seq_l
 
 def evaluate(model, path: str, prompts, new_tokens: int, device):
     """Greedy generation with the saved layers at S = num_layers: (acceptance per depth, mean accepted length)."""
+    from mtp_ctrl.cli.draft_heads import load_multi_layer_eagle_heads
     from mtp_ctrl.controllers import MultiLayerEagleProposer, SamplingParams
     from train_eagle import make_controller
 

@@ -4,7 +4,8 @@ Layers (imports point down only): ``controllers`` -> ``models`` -> ``state`` -> 
 Nothing heavy happens at import time; submodules load when first used. Two helpers for scripts
 live here: :func:`init_single_process` (the process group and megatron's ``parallel_state`` a
 plain ``python`` run needs) and :func:`quiet_known_warnings` (megatron-core's import-time
-notices about optional packages). See docs/design.md.
+notices about optional packages). :func:`load_demo_model` (the trained demo model that ships
+with the package) loads :mod:`mtp_ctrl.models` on first use. See docs/design.md.
 """
 
 import logging
@@ -82,3 +83,16 @@ def init_single_process(device=None) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def __getattr__(name):
+    # module-level attributes loaded on first use, so that ``import mtp_ctrl`` stays light
+    if name == "load_demo_model":
+        from mtp_ctrl.models.demo_model import load_demo_model
+
+        return load_demo_model
+    raise AttributeError(f"module 'mtp_ctrl' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), "load_demo_model"])

@@ -50,7 +50,7 @@ from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer, check_drafts, notify_committed
 from mtp_ctrl.controllers.readback import LaunchedStep, Readbacks
-from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
+from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts, check_sampling_params_list
 from mtp_ctrl.controllers.requests import GenerationResult, RequestRecord
 from mtp_ctrl.controllers.sampling import sample_tokens
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
@@ -578,6 +578,7 @@ class TextGenerationController:
         prompts = check_prompts(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             sampling_params = [sampling_params] * len(prompts)
+        check_sampling_params_list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         checked = [self._check_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]

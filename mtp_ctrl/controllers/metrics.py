@@ -72,7 +72,10 @@ class GenerationMetrics:
         return 1.0 + sum(self.accepted_per_depth) / self.verify_steps if self.verify_steps else 1.0
 
     def tokens_per_second(self) -> float:
-        return self.emitted_tokens / max(time.perf_counter() - self._started, 1e-9)
+        """Emitted tokens over the wall time of the controller's ``step`` calls (``step_seconds``):
+        time between ``generate`` or ``step`` calls, when the controller has nothing to do, does
+        not count. 0.0 before the first step."""
+        return self.emitted_tokens / self.step_seconds if self.step_seconds > 0 else 0.0
 
     def summary(self) -> str:
         depths = ", ".join(f"{rate:.2f}" for rate in self.acceptance_per_depth) or "-"
@@ -85,15 +88,16 @@ class GenerationMetrics:
     def as_dict(self) -> Dict[str, Any]:
         """Plain data (ints, floats, lists, dicts: ``json.dump`` takes it as is).
 
-        Keys: ``tokens_per_second``, ``emitted_tokens``, ``elapsed_seconds`` (since the last
-        reset), ``num_speculative_tokens``, ``verify_steps``, ``mean_accepted_length``,
+        Keys: ``tokens_per_second`` (:meth:`tokens_per_second`: idle time between calls not
+        counted), ``emitted_tokens``, ``elapsed_seconds`` (wall time since the last reset, idle
+        time included), ``num_speculative_tokens``, ``verify_steps``, ``mean_accepted_length``,
         ``acceptance_per_depth``, ``drafted_per_depth``, ``accepted_per_depth``, and
         ``step_time``: ``{"steps", "step_seconds", "mean_step_ms", "gpu_steps", "gpu_seconds",
         "mean_gpu_ms"}`` (the GPU fields are 0 off CUDA; ``mean_gpu_ms`` is None then).
         """
         elapsed = time.perf_counter() - self._started
         return {
-            "tokens_per_second": self.emitted_tokens / max(elapsed, 1e-9),
+            "tokens_per_second": self.tokens_per_second(),
             "emitted_tokens": int(self.emitted_tokens),
             "elapsed_seconds": elapsed,
             "num_speculative_tokens": int(self.num_speculative_tokens),

@@ -141,3 +141,13 @@ def check_prompts(prompts, name: str = "prompts") -> list:
     if is_array and prompts.ndim != 2:
         raise ValueError(f"{name} as an array must be 2-D (one prompt per row), got shape {tuple(prompts.shape)}")
     return list(prompts)
+
+
+def check_sampling_params_list(sampling_params, name: str = "sampling_params") -> None:
+    """``generate``'s per-prompt form of ``sampling_params``: a list or tuple (one entry per prompt;
+    each entry is checked with its request). A dict, a str, a set or another container raises
+    ``TypeError`` naming ``name`` (a dict of options is a common slip: build a SamplingParams)."""
+    if not isinstance(sampling_params, (list, tuple)):
+        hint = ": build SamplingParams(**options) from it" if isinstance(sampling_params, Mapping) else ""
+        raise TypeError(f"{name} must be a SamplingParams, None, or a list or tuple of them (one per prompt), "
+                        f"got {type(sampling_params).__name__}{hint}")

@@ -4,6 +4,7 @@ Importing this package imports megatron-core.
 """
 
 from mtp_ctrl.models.dense_attention import DenseCausalAttention, build_dense_gpt_model, dense_full_sequence
+from mtp_ctrl.models.demo_model import load_demo_model, shipped_checkpoint_path
 from mtp_ctrl.models.dist_checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from mtp_ctrl.models.eagle_head import EagleHead, build_eagle_head, default_aux_layer_ids
 from mtp_ctrl.models.forward_context import MambaForward, paged_forward_context
@@ -49,9 +50,11 @@ __all__ = [
     "get_paged_mamba_layer_spec",
     "get_paged_mtp_block_spec",
     "has_moe_layers",
+    "load_demo_model",
     "load_distributed_checkpoint",
     "moe_layer_pattern",
     "moe_layers",
     "paged_forward_context",
     "save_distributed_checkpoint",
+    "shipped_checkpoint_path",
 ]

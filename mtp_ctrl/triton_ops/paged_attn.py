@@ -15,7 +15,7 @@ at once. Softmax runs online over ``BLOCK_N``-token tiles in fp32, in base 2.
 At small batch a program is latency-bound (a block-table read, then the K and V reads of one
 tile), so the splits go down to one tile each until every SM has two programs, and K and V are
 read together. On an H100 that took a 944M GPT's attention at batch 1, 1024 tokens, from 15.6 to
-about 6 us per layer, combine included (bench/RESULTS.md, 2026-11-23 night).
+about 6 us per layer, combine included (bench/RESULTS.md, paged attention).
 """
 
 import math

@@ -8,7 +8,7 @@ from mtp_ctrl.controllers import InferenceConfig
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-CHECKPOINTS = os.path.join(ROOT, "examples", "checkpoints")
+CHECKPOINTS = os.path.join(ROOT, "mtp_ctrl", "checkpoints")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
@@ -18,8 +18,7 @@ def load_demo_target():
     from demo_model import load_demo_model
 
     ensure_single_process_groups()
-    _, model = load_demo_model(os.path.join(CHECKPOINTS, "mtp_demo.pt"))
-    return model.cuda().float().eval()
+    return load_demo_model(os.path.join(CHECKPOINTS, "mtp_demo.pt"), device="cuda").float()
 
 
 def drafter_config(S, graphs):

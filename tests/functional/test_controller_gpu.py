@@ -246,11 +246,10 @@ def test_graphs_equal_eager_on_the_trained_checkpoint_with_real_acceptance():
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
-    from demo_model import build_demo_model, load_checkpoint, load_full_state_dict
+    from demo_model import build_demo_model, load_checkpoint, load_full_state_dict, shipped_checkpoint_path
 
     ensure_single_process_groups()
-    model_args, state_dict = load_checkpoint(os.path.join(os.path.dirname(__file__), "..", "..", "examples",
-                                                          "checkpoints", "mtp_demo.pt"))
+    model_args, state_dict = load_checkpoint(shipped_checkpoint_path())
     model = build_demo_model(model_args)
     load_full_state_dict(model, state_dict)
     model = model.cuda().to(torch.bfloat16).eval()

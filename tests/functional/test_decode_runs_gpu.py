@@ -87,8 +87,7 @@ def test_runs_accept_what_single_steps_accept_on_the_trained_checkpoint():
     from demo_model import load_demo_model
 
     ensure_single_process_groups()
-    _, demo = load_demo_model(os.path.join(CHECKPOINTS, "mtp_demo.pt"))
-    demo = demo.cuda().to(torch.bfloat16).eval()
+    demo = load_demo_model(os.path.join(CHECKPOINTS, "mtp_demo.pt"), device="cuda").to(torch.bfloat16)
     prompts = [w.tolist() for w in evenly_spaced_windows(load_stdlib_corpus().held_out, 4, 48)]
     runs = []
     for steps in (1, 4):

@@ -1,4 +1,4 @@
-"""EAGLE on CUDA with the shipped head (examples/checkpoints/eagle_demo.pt on the demo target):
+"""EAGLE on CUDA with the shipped head (mtp_ctrl/checkpoints/eagle_demo.pt on the demo target):
 every step, prefill chunks included, replays a warmed-up CUDA graph without a host sync, and the
 tokens equal eager EAGLE and plain decoding, with drafts really accepted."""
 
@@ -19,12 +19,12 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 @pytest.fixture(scope="module")
 def target_and_head_path():
-    from demo_model import load_demo_model
+    from demo_model import load_demo_model, shipped_checkpoint_path
 
     ensure_single_process_groups()
-    _, model = load_demo_model(os.path.join(ROOT, "examples", "checkpoints", "mtp_demo.pt"))
+    model = load_demo_model(device="cuda")
     # fp32: padded (graph) and exact (eager) shapes then round alike, so tokens compare exactly
-    return model.cuda().float().eval(), os.path.join(ROOT, "examples", "checkpoints", "eagle_demo.pt")
+    return model.float(), shipped_checkpoint_path("eagle_demo")
 
 
 def _config(S, graphs):
@@ -35,7 +35,7 @@ def _config(S, graphs):
 @pytest.mark.parametrize("S", [2, 4])
 def test_eagle_graphs_equal_eager_and_plain_without_host_sync(target_and_head_path, S):
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
-    from generate import load_eagle_proposer
+    from mtp_ctrl.cli.draft_heads import load_eagle_proposer
 
     model, head_path = target_and_head_path
     windows = evenly_spaced_windows(load_stdlib_corpus().held_out, 6, 40)

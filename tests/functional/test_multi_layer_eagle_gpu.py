@@ -1,6 +1,6 @@
 """Multi-layer EAGLE on CUDA on the demo target: every step, prefill chunks included, replays a
 warmed-up CUDA graph without a host sync, and the tokens equal eager drafting and plain decoding.
-S = 2 runs random draft layers; S = 3 the shipped ones (examples/checkpoints/multi_layer_eagle_demo.pt,
+S = 2 runs random draft layers; S = 3 the shipped ones (mtp_ctrl/checkpoints/multi_layer_eagle_demo.pt,
 whose drafts must then be accepted) when they exist, else random ones too."""
 
 import os
@@ -27,7 +27,7 @@ _config = drafter_config
 def _heads(model, S):
     """(heads, trained): the shipped layers for S = 3 when present, else random ones (fixed seed)."""
     if S == 3 and os.path.exists(SHIPPED):
-        from train_multi_layer_eagle import load_multi_layer_eagle_heads
+        from mtp_ctrl.cli.draft_heads import load_multi_layer_eagle_heads
 
         return load_multi_layer_eagle_heads(model, SHIPPED).float(), True
     from mtp_ctrl.models import build_multi_layer_eagle_heads

@@ -1,6 +1,6 @@
 """Parallel drafting on CUDA on the demo target: every step, prefill chunks included, replays a
 warmed-up CUDA graph without a host sync, and the tokens equal eager PTD and plain decoding.
-With the shipped head (examples/checkpoints/ptd_demo.pt, ``train_eagle.py --mode ptd``) its
+With the shipped head (mtp_ctrl/checkpoints/ptd_demo.pt, ``train_eagle.py --mode ptd``) its
 drafts are really accepted; a random-weight PTD head checks the same equalities without it."""
 
 import dataclasses
@@ -26,7 +26,7 @@ _config = drafter_config
 
 
 def _proposer(model, source):
-    from generate import load_ptd_proposer
+    from mtp_ctrl.cli.draft_heads import load_ptd_proposer
 
     from mtp_ctrl.controllers import ParallelDraftingProposer
     from mtp_ctrl.models import build_eagle_head, default_aux_layer_ids
@@ -42,7 +42,7 @@ def _proposer(model, source):
 @pytest.mark.parametrize("source, S", [("trained", 2), ("trained", 4), ("random", 3)])
 def test_ptd_graphs_equal_eager_and_plain_without_host_sync(target, source, S):
     if source == "trained" and not os.path.exists(PTD_CHECKPOINT):
-        pytest.skip("examples/checkpoints/ptd_demo.pt not trained yet (examples/train_eagle.py --mode ptd)")
+        pytest.skip("mtp_ctrl/checkpoints/ptd_demo.pt not trained yet (examples/train_eagle.py --mode ptd)")
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
 
     windows = evenly_spaced_windows(load_stdlib_corpus().held_out, 6, 40)

@@ -165,6 +165,16 @@ def test_generate_validates_every_request_before_queueing_any(controller):
     _assert_untouched(controller)
 
 
+@pytest.mark.parametrize("sampling_params", [{"temperature": 0.5, "max_new_tokens": 4}, "greedy", {SamplingParams()}],
+                         ids=["dict", "str", "set"])
+def test_generate_names_sampling_params_that_are_not_a_list(controller, sampling_params):
+    """A dict of options (or another container) passed as sampling_params is a TypeError naming it,
+    not a count mismatch against the prompts."""
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, None, or a list"):
+        controller.generate([[1, 2], [3, 4], [5, 6]], sampling_params)
+    _assert_untouched(controller)
+
+
 def test_result_of_unknown_or_unfinished_request(models):
     """result() names the request id it cannot answer for: unknown, or not finished yet; after
     the rejected calls the controller still generates normally."""

@@ -205,7 +205,7 @@ def test_bad_heads_raise_and_the_target_stays_usable(models, plain_greedy, torch
 
 def test_generate_loader_rejects_checkpoints_without_mask(models, tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-    from generate import load_eagle_proposer, load_ptd_proposer
+    from mtp_ctrl.cli.draft_heads import load_eagle_proposer, load_ptd_proposer
 
     model, _, head, _ = models
     good = tmp_path / "ptd.pt"

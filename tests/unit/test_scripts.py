@@ -35,8 +35,8 @@ def test_help_prints_usage_without_running(script):
 
 def test_generate_writes_metrics_json_quietly(tmp_path):
     path = tmp_path / "metrics.json"
-    result = run_script("examples/generate.py", "--device", "cpu", "--max-new-tokens", "4", "--num-prompts", "1",
-                        "--repeats", "1", "--metrics-json", str(path))
+    result = run_script("examples/generate.py", "--random-weights", "--device", "cpu", "--max-new-tokens", "4",
+                        "--num-prompts", "1", "--repeats", "1", "--metrics-json", str(path))
     assert result.returncode == 0, result.stderr
     metrics = json.loads(path.read_text())
     assert set(metrics) == {"plain", "speculative", "comparison"}
@@ -51,14 +51,16 @@ def test_generate_writes_metrics_json_quietly(tmp_path):
     assert len(comparison["plain_tokens_per_second"]) == len(comparison["speculative_tokens_per_second"]) == 1
     assert "speed-up:" in result.stdout and "outputs identical: yes" in result.stdout
     assert "verdict:" in result.stdout and "only 1 timed run" in result.stdout  # it says the figure is rough
-    # stdout is a pipe here: no progress bar (tqdm draws with carriage returns on stderr)
-    assert "\r" not in result.stderr and "run/s" not in result.stderr and "it/s" not in result.stderr
+    # stdout is a pipe here: no progress bar (tqdm draws with carriage returns on stderr), plain lines instead
+    assert "\r" not in result.stderr and "tok/s]" not in result.stderr and "it/s" not in result.stderr
+    assert "warm-up run 1/4 (plain): 4/4 tokens done" in result.stdout
+    assert "timed run 4/4 (speculative): 4/4 tokens done" in result.stdout and "(16 tokens in all)" in result.stdout
     # megatron-core's notices about Apex / Transformer Engine are filtered by message
     assert "Apex" not in result.stderr and "Transformer Engine" not in result.stderr
 
 
 def test_generate_rejects_more_drafts_than_mtp_layers_before_running():
-    result = run_script("examples/generate.py", "--checkpoint", "examples/checkpoints/mtp_demo.pt",
+    result = run_script("examples/generate.py", "--checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt",
                         "--num-speculative-tokens", "3")
     assert result.returncode != 0
     assert "--num-speculative-tokens 3" in result.stderr and "has 2" in result.stderr
@@ -82,18 +84,81 @@ def test_verbose_shows_megatron_notices_again():
 
 @pytest.mark.parametrize("proposer, num_speculative_tokens", [("eagle", 2), ("ptd", 3), ("multi_layer_eagle", 3)])
 def test_generate_serves_each_shipped_drafter(proposer, num_speculative_tokens):
-    """--proposer picks the shipped head (examples/checkpoints) for the shipped target, and its output
+    """--proposer picks the shipped head (mtp_ctrl/checkpoints) for the shipped target, and its output
     equals plain decoding."""
-    extra = ["--draft-checkpoint", "examples/checkpoints/eagle_demo.pt"] if proposer == "eagle" else []
-    result = run_script("examples/generate.py", "--checkpoint", "examples/checkpoints/mtp_demo.pt", "--device", "cpu",
-                        "--proposer", proposer, *extra,
+    result = run_script("examples/generate.py", "--device", "cpu", "--proposer", proposer,
                         "--num-speculative-tokens", str(num_speculative_tokens), "--max-new-tokens", "6",
                         "--num-prompts", "1", "--repeats", "1", timeout=300)
     assert result.returncode == 0, result.stderr
     assert "outputs identical: yes" in result.stdout
+    header = result.stdout.splitlines()[0]  # the drafter is named before anything slow happens
+    assert header.startswith("generate: mtp_demo.pt on cpu") and f"from {proposer}_demo.pt" in header
 
 
 def test_generate_names_the_missing_draft_checkpoint():
     """No shipped head is assumed for a target it was not trained for (here a random model)."""
-    result = run_script("examples/generate.py", "--device", "cpu", "--proposer", "ptd", timeout=60)
+    result = run_script("examples/generate.py", "--random-weights", "--device", "cpu", "--proposer", "ptd", timeout=60)
     assert result.returncode != 0 and "--proposer ptd needs --draft-checkpoint" in result.stderr
+
+
+def test_generate_checks_its_arguments_before_importing_torch():
+    cases = [["--device", "tpu"], ["--tp", "2"], ["--checkpoint", "missing.pt"], ["--load", "missing_dir"],
+             ["--draft-checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], ["--random-weights", "--proposer", "eagle"],
+             ["--max-new-tokens", "0"]]
+    code = ("import sys\nfrom mtp_ctrl.cli import generate\n"
+            f"for argv in {cases!r}:\n"
+            "    try:\n        generate.parse_args(argv)\n    except SystemExit as stop:\n        assert stop.code == 2, argv\n"
+            "    else:\n        raise AssertionError(argv)\n"
+            "print('torch' in sys.modules)")
+    result = run_script("-c", code, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == len(cases)
+    for expected in ("--device must be cpu or cuda", "--tp 2 needs 2 processes", "--checkpoint missing.pt does not exist",
+                     "--load missing_dir does not exist", "--draft-checkpoint PATH goes with --proposer",
+                     "--proposer eagle needs --draft-checkpoint", "--max-new-tokens must be >= 1"):
+        assert any(expected in line for line in errors), expected
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--checkpoint", "{corrupt}"], "error: --checkpoint {corrupt}: "),
+    (["--checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], "is not a demo checkpoint"),
+    (["--proposer", "eagle", "--draft-checkpoint", "{corrupt}"], "error: --draft-checkpoint {corrupt}: not a readable"),
+    (["--proposer", "eagle", "--draft-checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt"], "not a draft-head checkpoint"),
+    (["--proposer", "ptd", "--draft-checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], "it is a serial EAGLE head"),
+])
+def test_generate_reports_a_bad_checkpoint_in_one_error_line(tmp_path, flags, expected):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"\x80\x02 truncated")
+    flags = [flag.format(corrupt=corrupt) for flag in flags]
+    result = run_script("examples/generate.py", "--device", "cpu", *flags, "--num-speculative-tokens", "2",
+                        "--max-new-tokens", "2", "--num-prompts", "1", "--repeats", "1", timeout=180)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and expected.format(corrupt=corrupt) in errors[0], \
+        result.stderr
+
+
+def test_generate_progress_is_a_bar_over_tokens_on_a_terminal_and_lines_otherwise(monkeypatch, capsys):
+    from mtp_ctrl.cli import generate
+
+    monkeypatch.setattr(generate, "PROGRESS_SECONDS", 0.0)  # a line at every step report
+    for terminal in (True, False):
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal, raising=False)
+        progress = generate.Progress(num_runs=2, tokens_per_run=8, enabled=True)
+        progress.start_run("warm-up", "plain")
+        progress.add(3)
+        progress.end_run(8, 0.5)
+        progress.start_run("timed", "speculative")
+        progress.end_run(8, 0.25)
+        progress.close()
+        captured = capsys.readouterr()
+        if terminal:  # tqdm draws on stderr: the run in its description, tokens as its unit
+            assert "timed run 2/2 (speculative)" in captured.err and "16/16" in captured.err
+            assert "tok" in captured.err and captured.out == ""
+        else:
+            assert captured.out.splitlines() == [
+                "warm-up run 1/2 (plain): 3/8 tokens so far, " + captured.out.splitlines()[0].split("so far, ")[1],
+                "warm-up run 1/2 (plain): 8/8 tokens done, 16.0 tok/s (8 tokens in all)",
+                "timed run 2/2 (speculative): 8/8 tokens done, 32.0 tok/s (16 tokens in all)"]
+            assert captured.err == ""

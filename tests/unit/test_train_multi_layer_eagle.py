@@ -34,7 +34,7 @@ def test_train_multi_layer_eagle_quick_smoke(tmp_path):
 @pytest.fixture(scope="module")
 def loader():
     sys.path.insert(0, str(ROOT / "examples"))
-    from train_multi_layer_eagle import load_multi_layer_eagle_heads
+    from mtp_ctrl.cli.draft_heads import load_multi_layer_eagle_heads
 
     ensure_single_process_groups()
     return load_multi_layer_eagle_heads
