@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_ctrl.controllers import InferenceConfig
+from mtp_ctrl.controllers import InferenceConfig, TextGenerationController
 from mtp_ctrl.models import PagedGPTRunner, moe_layers
 from mtp_ctrl.models.moe_inference import InferenceMoELayer, graph_moe_forward, packed_expert_weights
 from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups
@@ -101,6 +101,8 @@ def test_settings_the_graph_path_does_not_cover_are_refused(field, value):
     model = build_tiny_model(moe_config(mtp_num_layers=1, **overrides))
     with pytest.raises(ValueError, match=field.replace("_type", "")):
         PagedGPTRunner(model)
+    with pytest.raises(ValueError, match=field.replace("_type", "")):  # the controller asks for the graph path too
+        TextGenerationController(model, InferenceConfig(max_requests=2, max_model_len=16, max_tokens_per_step=16))
     assert not PagedGPTRunner(model, moe_backend="megatron").cuda_graph_capturable  # the eager comparison
 
 
