@@ -22,8 +22,6 @@ weight, all experts in one launch:
 Positions past ``expert_offsets[E]`` (pairs routed to another rank's experts) come out as zeros.
 """
 
-from typing import Optional, Tuple
-
 import torch
 import triton
 import triton.language as tl
