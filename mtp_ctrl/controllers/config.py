@@ -12,7 +12,7 @@ MTP_ATTENTION_MODES = ("paged", "single_position")
 ACCEPTANCE_MODES = ("exact_match", "rejection")
 MOE_BACKENDS = ("triton", "grouped_mm", "megatron")  # mtp_ctrl.models.moe_inference.MOE_BACKENDS
 MAX_DECODE_STEPS_PER_LAUNCH = 64  # a decode run's graph holds every one of its steps
-_INT64_MAX = 2**63 - 1  # seeds, top_k and token ids live in int64 device rows
+_INT64_MAX = 2**63 - 1  # seeds, top_k, max_new_tokens and token ids live in int64 rows
 _FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p live in float32 device rows
 
 
@@ -90,6 +90,10 @@ class InferenceConfig:
         graphs like dense ones; a model setting that path does not cover raises ValueError naming
         it. "megatron" runs megatron's own MoELayer, which syncs with the host: steps run eagerly
         (the comparison). Dense models ignore it.
+    tp_check_timeout_s: under tensor parallelism every ``step()`` first checks that all ranks
+        build the same step (``tp_lockstep.py``); a rank that gets no answer within this many
+        seconds raises instead of waiting for the process group's timeout. Allow for the slowest
+        first step (kernel compilation) of any rank.
     """
 
     num_speculative_tokens: int = 0
@@ -106,6 +110,7 @@ class InferenceConfig:
     acceptance: str = "exact_match"
     decode_steps_per_launch: int = 1
     moe_backend: str = "triton"
+    tp_check_timeout_s: float = 300.0
 
     def __post_init__(self):
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -150,6 +155,9 @@ class InferenceConfig:
             raise TypeError(f"moe_backend must be a str, one of {MOE_BACKENDS}, got {type(self.moe_backend).__name__}")
         if self.moe_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
+        timeout = _require_number("tp_check_timeout_s", self.tp_check_timeout_s)
+        if not 0.0 < timeout < math.inf:
+            raise ValueError(f"tp_check_timeout_s must be finite and > 0, got {self.tp_check_timeout_s}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +184,7 @@ class SamplingParams:
     stop_sequences: Tuple[Tuple[int, ...], ...] = ()
 
     def __post_init__(self):
-        _require_int("max_new_tokens", self.max_new_tokens, 1)
+        _require_int("max_new_tokens", self.max_new_tokens, 1, high=_INT64_MAX)
         temperature = _require_number("temperature", self.temperature)
         if not 0.0 <= temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")

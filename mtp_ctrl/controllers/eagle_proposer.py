@@ -82,7 +82,7 @@ class EagleProposer(Proposer):
         S = self.num_speculative_tokens = controller.config.num_speculative_tokens
         block_size = self._block_size = context.block_size_tokens
         self._tail_blocks = 0 if S == 1 else -(-(S - 1) // block_size) + 1
-        self._num_blocks = context.allocator.num_blocks
+        self._num_blocks = context.num_cache_blocks  # the pool and its scratch block; tails follow
         self._scratch_row = context.table.scratch_row
         self._max_positions = (context.max_blocks_per_request + self._tail_blocks) * block_size
         attention = head.transformer_layer.self_attention.core_attention

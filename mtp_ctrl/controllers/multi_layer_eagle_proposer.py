@@ -76,7 +76,7 @@ class MultiLayerEagleProposer(Proposer):
         self._cached_tokens, self._cached_positions, self._cached_features = (
             table.device_rows_with_scratch(f"multi_layer_eagle_{name}") for name in ("tokens", "positions", "features"))
         self._block_size = context.block_size_tokens
-        shape = (context.allocator.num_blocks, self._block_size, *self._kv_head_shape())  # [blocks, bs, Hkv_local, D]
+        shape = (context.num_cache_blocks, self._block_size, *self._kv_head_shape())  # [blocks, bs, Hkv_local, D]
         device = controller.device
         self._kv_caches = [[(torch.zeros(shape, dtype=dtype, device=device),
                              torch.zeros(shape, dtype=dtype, device=device))] for _ in range(S)]  # a pair per layer
