@@ -68,7 +68,7 @@ class TextGenerationController:
         if not isinstance(config, InferenceConfig):
             raise TypeError(f"config must be an InferenceConfig, got {type(config).__name__}")
         self.config = config
-        self.runner = PagedGPTRunner(model)  # TypeError for a model without the paged spec
+        self.runner = PagedGPTRunner(model, moe_backend=config.moe_backend)  # TypeError for a model without the paged spec
         self.vocab_size = model.vocab_size
         self.device = next(model.parameters()).device
         S = config.num_speculative_tokens
@@ -89,7 +89,7 @@ class TextGenerationController:
             self.proposer.bind(self)
         self._rejection = RejectionAcceptance(self.context.table, S, self.proposer) \
             if config.acceptance == "rejection" and S > 0 else None
-        # an MoE model's steps run eagerly: megatron's expert dispatch syncs with the host (models/moe.py)
+        # with moe_backend='megatron' an MoE model's steps run eagerly: megatron's expert dispatch syncs
         use_graphs = self.device.type == "cuda" and bool(config.cuda_graph_batch_sizes) and \
             self.runner.cuda_graph_capturable
         self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
