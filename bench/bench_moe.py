@@ -1,35 +1,38 @@
-"""Decode-step time of an MoE model (megatron's MoELayer) at S = 0 and S = 2, against a dense twin.
+"""MoE decode steps at graph speed: the sync-free MoE path vs megatron's eager MoELayer, one GPU.
 
-    python bench/bench_moe.py                                  # one GPU
-    torchrun --nproc-per-node 2 bench/bench_moe.py             # TP = 2 (experts sharded over TP)
-    torchrun --nproc-per-node 2 bench/bench_moe.py --ep 2      # EP = 2 (attention replicated, experts split)
-    python bench/bench_moe.py --quick                          # small model, CPU without CUDA (smoke run)
+    python bench/bench_moe.py            # the DeepSeek-V3-shaped model below, batch 1/8/32/128, S = 0 and 2
+    python bench/bench_moe.py --quick    # a small model and two batches (a smoke run; CPU works too)
 
-The MoE GPT: 8 layers, hidden 1024, 16 heads over 4 KV groups, 2 MTP layers, bf16, vocab 32768;
-every decoder and MTP layer is MoE with 8 experts of 1024, top-2, and one shared expert of 1024.
-Its dense twin has the same attention and one MLP of 3072 per layer: the same active parameters
-per token (2 routed + 1 shared expert). Random weights, so no draft is accepted: S = 2 measures the
-full cost of verifying and drafting. Each point: ``batch`` requests with 128-token prompts,
-prefilled, 10 warm-up decode steps, then the median wall time of 30 ``controller.step()`` calls.
+The model (bf16, random weights, built on the GPU): 16 layers, hidden 2048, 16 query heads over 4
+KV groups; layer 0 a dense MLP of 5632, layers 1-15 MoE with 64 routed experts of FFN 1408 (GLU),
+top-6, 2 shared experts (one MLP of 2816), sigmoid scores with 8 groups (top-4 groups), expert bias
+and scaling factor 2.5 (DeepSeek-V3's routing); 2 MoE MTP layers; vocab 32768. Random weights, so
+no draft is accepted: S = 2 measures the whole cost of verifying and drafting.
 
-MoE steps run eagerly (megatron's expert dispatch reads per-expert token counts on the host, so a
-step cannot be captured in a CUDA graph; mtp_ctrl/models/moe.py); the dense twin is timed eagerly
-and with CUDA graphs, so the table shows both the MoE layer's own cost and what graphs would save.
-``S2/S0`` is the verify step's cost ratio: speculation gains when the mean accepted length exceeds it.
+Printed, in one run:
+1. Per MoE layer and row count T: GPU time of one layer replayed from a CUDA graph for each
+   grouped-GEMM backend (the Triton fused-MoE kernel, torch's grouped GEMM), megatron's eager
+   MoELayer wall time, kernels per layer (torch.profiler), the distinct routed experts T rows select
+   and the layer's HBM floor (attention excluded: shared + distinct experts over the copy bandwidth).
+2. Per batch B and S: median wall ms of ``controller.step()`` and its GPU ms (torch.profiler kernel
+   time per step) on the sync-free path (graphs) and on megatron's path (eager); the step's HBM
+   floor; tokens/s. The floor counts the weights the step reads once (attention, dense and shared
+   MLPs, the distinct experts its rows select, the output layer) for the decoder over B (1 + S)
+   rows and each of the S MTP depths over B rows, and the K/V it attends over.
 """
 
 import argparse
 import os
 import socket
+import statistics
 import sys
+import time
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small model and few points (runs on CPU without CUDA)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size under torchrun (TP = world size / EP)")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a small model and two batches (smoke run)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per point (graph path)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -42,91 +45,223 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
+from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController  # noqa: E402
 from mtp_ctrl.models import build_gpt_model, moe_layers  # noqa: E402
+from mtp_ctrl.models.moe_inference import graph_moe_forward, route_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
-from bench_controller import median_step_ms  # noqa: E402  the same timing loop
+from bench_forward import copy_bandwidth, count_gpu_events, graph_time_us, kernel_table  # noqa: E402
+
+PROMPT_LEN = 128
 
 
-def init_process_groups(expert_parallel_size: int):
-    """One process (plain ``python``) or every torchrun rank; returns (device, TP, EP)."""
-    if "RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl")
-    else:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    world_size = dist.get_world_size()
-    if expert_parallel_size < 1 or world_size % expert_parallel_size != 0:
-        raise SystemExit(f"--ep {expert_parallel_size} must divide the world size {world_size}")
-    tp = world_size // expert_parallel_size
-    # experts shard over TP (expert TP = TP) without EP, over EP only with it
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=expert_parallel_size,
-                                             expert_tensor_parallel_size=tp if expert_parallel_size == 1 else 1)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return device, tp, expert_parallel_size
+def init_single_process():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
 
 
-def build_models(args, device, tp, ep):
-    """(MoE model, dense twin with the same active parameters per token), random weights."""
-    quick_cpu = args.quick and device.type == "cpu"
-    hidden, layers, expert_ffn = (128, 2, 128) if quick_cpu else (1024, 8, 1024)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    common = dict(num_layers=layers, hidden_size=hidden, num_attention_heads=16 if not quick_cpu else 4,
-                  num_query_groups=4 if not quick_cpu else 2, mtp_num_layers=2, hidden_dropout=0.0,
-                  attention_dropout=0.0, add_bias_linear=False, use_cpu_initialization=True, params_dtype=dtype,
-                  bf16=dtype == torch.bfloat16, tensor_model_parallel_size=tp)
-    active_ffn = expert_ffn * (args.topk + 1)  # routed experts + the shared one
-    moe = TransformerConfig(ffn_hidden_size=active_ffn, num_moe_experts=args.experts, moe_router_topk=args.topk,
-                            moe_ffn_hidden_size=expert_ffn, moe_shared_expert_intermediate_size=expert_ffn,
-                            expert_model_parallel_size=ep, expert_tensor_parallel_size=tp if ep == 1 else 1,
-                            **common)
-    dense = TransformerConfig(ffn_hidden_size=active_ffn, **common)
-    vocab = 1024 if quick_cpu else 32768
-    models = []
-    for config in (moe, dense):
-        torch.manual_seed(0)
-        models.append(build_gpt_model(config, vocab_size=vocab, max_sequence_length=2048).to(device).eval())
-    return models, vocab
+def build_model(quick: bool, device: torch.device):
+    """The DeepSeek-V3-shaped MoE GPT (module docstring), random bf16 weights drawn on ``device``."""
+    on_gpu = device.type == "cuda"
+    layers, hidden, experts, expert_ffn = (4, 256, 16, 128) if quick else (16, 2048, 64, 1408)
+    config = TransformerConfig(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * expert_ffn, num_attention_heads=16,
+        num_query_groups=4, mtp_num_layers=2, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+        num_moe_experts=experts, moe_ffn_hidden_size=expert_ffn, moe_router_topk=6,
+        moe_shared_expert_intermediate_size=2 * expert_ffn, moe_layer_freq=[0] + [1] * (layers - 1),
+        moe_router_score_function="sigmoid", moe_router_num_groups=8, moe_router_group_topk=4,
+        moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_router_dtype="fp32",
+        use_cpu_initialization=not on_gpu, perform_initialization=not on_gpu,
+        params_dtype=torch.bfloat16 if on_gpu else torch.float32, bf16=on_gpu)
+    torch.manual_seed(0)
+    model = build_gpt_model(config, vocab_size=2048 if quick else 32768, max_sequence_length=4096)
+    model = model.to(device).eval()
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                tensor.fill_(1.0)
+            else:
+                tensor.normal_(0.0, 0.02, generator=generator)
+        for layer in moe_layers(model):
+            layer.router.expert_bias.normal_(0.0, 0.05, generator=generator)
+    return model
+
+
+def expert_bytes(layer) -> int:
+    expert = layer.experts.local_experts[0]
+    return sum(p.numel() * p.element_size() for p in expert.parameters())
+
+
+def param_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def distinct_experts(layer, num_rows: int, trials: int = 8) -> float:
+    """Mean number of distinct routed experts ``num_rows`` random rows select in ``layer``."""
+    counts = []
+    with torch.no_grad():
+        for trial in range(trials):
+            generator = torch.Generator(device=layer.router.weight.device).manual_seed(trial)
+            rows = torch.randn(num_rows, layer.config.hidden_size, device=layer.router.weight.device,
+                               dtype=layer.router.weight.dtype, generator=generator)
+            ids, _ = route_rows(layer, rows)
+            counts.append(ids.unique().numel())
+    return sum(counts) / len(counts)
+
+
+def layer_table(model, rows_list, bandwidth):
+    layer = moe_layers(model)[1]
+    device = layer.router.weight.device
+    one_expert = expert_bytes(layer)
+    shared = param_bytes(layer.shared_experts)
+    print(f"\n1. one MoE layer ({layer.num_local_experts} experts, top-{layer.config.moe_router_topk}, "
+          f"{one_expert / 2**20:.1f} MiB per expert, shared {shared / 2**20:.1f} MiB); GPU us from a replayed graph")
+    print(f"{'T':>4} {'distinct':>8} {'floor us':>8} {'triton us':>9} {'grouped_mm us':>13} {'megatron wall us':>16} "
+          f"{'kernels triton/grouped_mm/megatron':>34}")
+    results = {}
+    for num_rows in rows_list:
+        generator = torch.Generator(device=device).manual_seed(num_rows)
+        hidden = torch.randn(num_rows, 1, layer.config.hidden_size, device=device, dtype=layer.router.weight.dtype,
+                             generator=generator)
+        distinct = distinct_experts(layer, num_rows)
+        floor_us = (shared + distinct * one_expert) / bandwidth * 1e6
+        times, kernels = {}, {}
+        for backend in ("triton", "grouped_mm"):
+            call = lambda: graph_moe_forward(layer, hidden, backend)  # noqa: E731
+            times[backend] = graph_time_us(call, replays=20) if device.type == "cuda" else float("nan")
+            kernels[backend] = count_gpu_events(call)[0] if device.type == "cuda" else 0
+        megatron_call = lambda: layer(hidden)  # noqa: E731  outside a paged forward: megatron's MoELayer
+        megatron_call()
+        samples = []
+        for _ in range(5):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            begin = time.perf_counter()
+            megatron_call()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(1e6 * (time.perf_counter() - begin))
+        kernels["megatron"] = count_gpu_events(megatron_call)[0] if device.type == "cuda" else 0
+        results[num_rows] = dict(distinct=distinct, floor=floor_us, **times)
+        print(f"{num_rows:4d} {distinct:8.1f} {floor_us:8.1f} {times['triton']:9.1f} {times['grouped_mm']:13.1f} "
+              f"{statistics.median(samples):16.1f} {kernels['triton']:>14}/{kernels['grouped_mm']}/{kernels['megatron']}")
+    if device.type == "cuda":
+        for num_rows in (rows_list[0], rows_list[-1]):
+            hidden = torch.randn(num_rows, 1, layer.config.hidden_size, device=device, dtype=layer.router.weight.dtype)
+            print(f"\nkernels of one MoE layer (triton backend, T = {num_rows}), replayed from a graph:")
+            kernel_table(lambda: graph_moe_forward(layer, hidden, "triton"), replays=10, top=12)
+    return results
+
+
+def step_times(model, batch, num_speculative_tokens, moe_backend, graphs, steps, vocab_size):
+    """(median wall ms of controller.step(), GPU ms per step from torch.profiler kernel time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    buckets = tuple(b for b in (1, 8, 32, 128) if b >= batch)[:1] if graphs else ()
+    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=max(batch, 1),
+                             block_size_tokens=16, max_model_len=PROMPT_LEN + 512,
+                             max_tokens_per_step=max(2048, batch * (1 + num_speculative_tokens)),
+                             cuda_graph_batch_sizes=buckets, moe_backend=moe_backend)
+    controller = TextGenerationController(model, config)
+    generator = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        controller.add_request(torch.randint(0, vocab_size, (PROMPT_LEN,), generator=generator).tolist(),
+                               SamplingParams(max_new_tokens=400))
+    while controller.context.table.group_size(0) < batch:  # until every request decodes
+        controller.step()
+    for _ in range(3):
+        controller.step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        controller.step()
+        times.append((time.perf_counter() - started) * 1e3)
+    gpu_ms = float("nan")
+    if torch.cuda.is_available():
+        profiled = 5
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(profiled):
+                controller.step()
+            torch.cuda.synchronize()
+        busy = sum(event.device_time for event in prof.events() if event.device_type == DeviceType.CUDA)
+        gpu_ms = busy / profiled / 1e3
+    used_graphs = controller.debug_view().num_cuda_graphs > 0
+    controller.close()
+    return statistics.median(times), gpu_ms, used_graphs
+
+
+def step_floor_bytes(model, batch, num_speculative_tokens, distinct_of, kv_bytes_per_token_layer):
+    """HBM bytes a decode step must read (module docstring); ``distinct_of(rows)`` -> distinct experts."""
+    layers = list(moe_layers(model))
+    decoder_moe = [layer for layer in layers if any(layer is m for m in model.decoder.modules())]
+    one_expert = expert_bytes(layers[0])
+    output = param_bytes(model.output_layer)
+    rows = batch * (1 + num_speculative_tokens)
+    decoder = param_bytes(model.decoder) - sum(param_bytes(layer.experts) for layer in decoder_moe) \
+        + len(decoder_moe) * distinct_of(rows) * one_expert + output \
+        + len(model.decoder.layers) * batch * (PROMPT_LEN + 32) * kv_bytes_per_token_layer
+    mtp = 0
+    for depth in range(num_speculative_tokens):
+        mtp_layer = model.mtp.layers[depth]
+        mtp += param_bytes(mtp_layer) - param_bytes(mtp_layer.transformer_layer.mlp.experts) \
+            + distinct_of(batch) * one_expert + output + batch * (PROMPT_LEN + 32) * kv_bytes_per_token_layer
+    return decoder + mtp
 
 
 def main(args=None):
     args = args or parse_args()
-    device, tp, ep = init_process_groups(args.ep)
-    (moe_model, dense_model), vocab = build_models(args, device, tp, ep)
-    on_gpu = device.type == "cuda"
-    batches = (1, 4) if args.quick else (1, 8, 32)
-    steps = 5 if args.quick and not on_gpu else 30
-    kinds = [("moe", moe_model, False), ("dense", dense_model, False)] + ([("dense", dense_model, True)] if on_gpu else [])
-    points = [(batch, kind) for batch in batches for kind in kinds]
-    times = {}
-    progress = tqdm(points, desc="points", unit="point", disable=not (sys.stdout.isatty() and dist.get_rank() == 0))
-    for batch, (name, model, graphs) in progress:
-        for num_speculative_tokens in (0, 2):
-            times[batch, name, graphs, num_speculative_tokens] = median_step_ms(
-                model, batch, num_speculative_tokens, graphs, steps, vocab_size=vocab, batch_buckets=(1, 4, 8, 32))
-    if dist.get_rank() != 0:
-        dist.destroy_process_group()
-        return
-    where = f"{torch.cuda.get_device_name()} x {dist.get_world_size()}" if on_gpu else "CPU"
-    layer = moe_layers(moe_model)[0]
-    print(f"\n{where} (TP = {tp}, EP = {ep}); {len(moe_model.decoder.layers)}-layer GPT + 2 MTP layers, "
-          f"hidden {moe_model.config.hidden_size}, {moe_model.config.params_dtype}, random weights (0 drafts accepted); "
-          f"MoE: {moe_model.config.num_moe_experts} experts ({layer.num_local_experts} per rank), top-{args.topk}, "
-          f"1 shared expert, {type(layer.token_dispatcher).__name__}; dense twin: same active parameters per token")
-    print("median ms per decode step (whole step incl. scheduling and read-back)")
-    print(f"{'batch':>5} {'model':>12} {'S=0 ms':>8} {'S=2 ms':>8} {'S2/S0':>6}")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    init_single_process()
+    begin = time.perf_counter()
+    model = build_model(args.quick, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    total = sum(p.numel() for p in model.parameters())
+    layer = moe_layers(model)[0]
+    active_per_layer = (layer.config.moe_router_topk * expert_bytes(layer) + param_bytes(layer.shared_experts)) // 2
+    print(f"built in {time.perf_counter() - begin:.1f} s: {total / 1e9:.2f} B parameters "
+          f"({len(model.decoder.layers)} layers + {len(model.mtp.layers)} MTP, {len(moe_layers(model))} MoE layers; "
+          f"{active_per_layer / 1e6:.0f} M active expert parameters per MoE layer per token)")
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else 1e11
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
+    batches = (1, 8) if args.quick else (1, 8, 32, 128)
+    rows_list = sorted({b * (1 + s) for b in batches for s in (0, 2)})
+    layer_results = layer_table(model, rows_list, bandwidth)
+    distinct_of = lambda rows: layer_results[rows]["distinct"] if rows in layer_results \
+        else distinct_experts(moe_layers(model)[1], rows)  # noqa: E731
+    config = model.config
+    kv_bytes = 2 * (config.num_query_groups * config.kv_channels) * 2  # K and V, bf16, per token and layer
+    vocab = model.vocab_size
+    print("\n2. decode steps (whole controller.step(); GPU = profiler kernel time per step)")
+    print(f"{'B':>4} {'S':>2} {'path':>16} {'wall ms':>8} {'GPU ms':>7} {'floor ms':>8} {'GPU/floor':>9} "
+          f"{'wall/GPU':>8} {'tok/s':>8} {'graphs':>6}")
+    summary = {}
     for batch in batches:
-        for name, _, graphs in kinds:
-            plain, spec = times[batch, name, graphs, 0], times[batch, name, graphs, 2]
-            label = f"{name} {'graph' if graphs else 'eager'}"
-            print(f"{batch:5d} {label:>12} {plain:8.2f} {spec:8.2f} {spec / plain:6.2f}")
+        for S in (0, 2):
+            floor_ms = step_floor_bytes(model, batch, S, distinct_of, kv_bytes) / bandwidth * 1e3
+            for label, backend, graphs, steps in (("sync-free graph", "triton", True, args.steps),
+                                                  ("megatron eager", "megatron", False, max(3, args.steps // 4))):
+                wall, gpu, used = step_times(model, batch, S, backend, graphs and device.type == "cuda", steps, vocab)
+                summary[batch, S, backend] = wall
+                tokens_per_s = batch / wall * 1e3  # random weights: one token per request and step
+                print(f"{batch:4d} {S:2d} {label:>16} {wall:8.2f} {gpu:7.2f} {floor_ms:8.2f} {gpu / floor_ms:9.2f} "
+                      f"{wall / gpu:8.2f} {tokens_per_s:8.0f} {str(used):>6}")
+    print("\nspeed-up of the sync-free graph path over megatron's eager MoELayer (step wall):")
+    for batch in batches:
+        print(f"  B={batch:3d}: " + ", ".join(f"S={S} {summary[batch, S, 'megatron'] / summary[batch, S, 'triton']:.1f}x"
+                                             for S in (0, 2)))
     dist.destroy_process_group()
 
 

@@ -149,11 +149,14 @@ def dist_checkpoint_model_args(args):
     """The model shape of --load: --model-args, else the checkpoint's content metadata."""
     if args.model_args is not None:
         return args.model_args
-    from megatron.core import dist_checkpointing
+    from mtp_ctrl.models import read_content_metadata
 
-    if not dist_checkpointing.check_is_distributed_checkpoint(args.load):
+    if not os.path.isfile(os.path.join(args.load, "metadata.json")):
         sys.exit(f"error: --load {args.load} is not a megatron dist_checkpointing directory (no metadata.json)")
-    metadata = dist_checkpointing.load_content_metadata(args.load) or {}
+    try:
+        metadata = read_content_metadata(args.load) or {}
+    except ValueError as error:  # a damaged file, named
+        sys.exit(f"error: --load: {error}")
     if not isinstance(metadata.get("model_args"), dict):
         sys.exit(f"error: {args.load} does not record its model shape (no content metadata 'model_args'): "
                  "pass --model-args '{\"num_layers\": ..., ...}' (see --help)")

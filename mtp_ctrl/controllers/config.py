@@ -12,8 +12,9 @@ from mtp_ctrl.state.engine_shape import EngineShape
 
 MTP_ATTENTION_MODES = ("paged", "single_position")
 ACCEPTANCE_MODES = ("exact_match", "rejection")
+MOE_BACKENDS = ("triton", "grouped_mm", "megatron")  # mtp_ctrl.models.moe_inference.MOE_BACKENDS
 MAX_DECODE_STEPS_PER_LAUNCH = 64  # a decode run's graph holds every one of its steps
-_INT64_MAX = 2**63 - 1  # seeds, top_k and token ids live in int64 device rows
+_INT64_MAX = 2**63 - 1  # seeds, top_k, max_new_tokens and token ids live in int64 rows
 _FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p live in float32 device rows
 
 
@@ -85,6 +86,16 @@ class InferenceConfig:
         max_model_len; a request that stops mid-run (eos, stop sequence, max_new_tokens) is cut
         there and the rest of its run is discarded. 1 (default): one step per launch. Outputs are
         identical for every value.
+    moe_backend: how the MoE layers of a mixture-of-experts model compute. "triton" (default) and
+        "grouped_mm" take the sync-free path (expert dispatch sized on the device, grouped expert
+        products by a Triton fused-MoE kernel or torch's grouped GEMM), so MoE steps replay CUDA
+        graphs like dense ones; a model setting that path does not cover raises ValueError naming
+        it. "megatron" runs megatron's own MoELayer, which syncs with the host: steps run eagerly
+        (the comparison). Dense models ignore it.
+    tp_check_timeout_s: under tensor parallelism every ``step()`` first checks that all ranks
+        build the same step (``tp_lockstep.py``); a rank that gets no answer within this many
+        seconds raises instead of waiting for the process group's timeout. Allow for the slowest
+        first step (kernel compilation) of any rank.
     """
 
     num_speculative_tokens: int = 0
@@ -100,6 +111,8 @@ class InferenceConfig:
     finished_results_kept: int = 4096
     acceptance: str = "exact_match"
     decode_steps_per_launch: int = 1
+    moe_backend: str = "triton"
+    tp_check_timeout_s: float = 300.0
 
     def __post_init__(self):
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -140,6 +153,13 @@ class InferenceConfig:
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}")
         _require_int("decode_steps_per_launch", self.decode_steps_per_launch, 1, high=MAX_DECODE_STEPS_PER_LAUNCH)
+        if not isinstance(self.moe_backend, str):
+            raise TypeError(f"moe_backend must be a str, one of {MOE_BACKENDS}, got {type(self.moe_backend).__name__}")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {self.moe_backend!r}")
+        timeout = _require_number("tp_check_timeout_s", self.tp_check_timeout_s)
+        if not 0.0 < timeout < math.inf:
+            raise ValueError(f"tp_check_timeout_s must be finite and > 0, got {self.tp_check_timeout_s}")
 
     def engine_shape(self, vocab_size: int, device, kv_dtype) -> EngineShape:
         """The sizes the engine is built for (the one object every part reads them from), for a
@@ -175,7 +195,7 @@ class SamplingParams:
     stop_sequences: Tuple[Tuple[int, ...], ...] = ()
 
     def __post_init__(self):
-        _require_int("max_new_tokens", self.max_new_tokens, 1)
+        _require_int("max_new_tokens", self.max_new_tokens, 1, high=_INT64_MAX)
         temperature = _require_number("temperature", self.temperature)
         if not 0.0 <= temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")

@@ -36,7 +36,6 @@ and :meth:`on_apply`, and :meth:`debug_view`. The GPU part of a step is ``step_l
 engine's sizes are ``self.shape`` (an ``EngineShape``).
 """
 
-import collections
 import time
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -57,6 +56,7 @@ from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts, che
 from mtp_ctrl.controllers.requests import ControllerDebugView, GenerationResult, RequestRecord
 from mtp_ctrl.controllers.step_launch import StepLauncher
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
+from mtp_ctrl.controllers.tp_lockstep import TPLockstep
 from mtp_ctrl.models.runner import PagedGPTRunner
 from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
 from mtp_ctrl.triton_ops import sample_tokens
@@ -69,7 +69,7 @@ class TextGenerationController:
         if not isinstance(config, InferenceConfig):
             raise TypeError(f"config must be an InferenceConfig, got {type(config).__name__}")
         self.config = config
-        self.runner = PagedGPTRunner(model)  # TypeError for a model without the paged spec
+        self.runner = PagedGPTRunner(model, moe_backend=config.moe_backend)  # TypeError for a model without the paged spec
         # what K/V will be computed in: the embedding's dtype
         self.shape = config.engine_shape(model.vocab_size, next(model.parameters()).device,
                                          self.runner.model.embedding.word_embeddings.weight.dtype)
@@ -90,11 +90,11 @@ class TextGenerationController:
         rejection = config.acceptance == "rejection" and S > 0
         if S > 0:
             self.proposer.bind(DraftContext(self.shape, self.runner, self.sample_rows, self.context.table,
-                                            self.context.kv_caches, self.context.allocator.num_blocks, rejection,
-                                            finish_steps=self._sync))
+                                            self.context.kv_caches, self.context.num_cache_blocks, rejection,
+                                            finish_steps=self._sync, request_result=self.result))
         self._launcher = StepLauncher(self.context, self.runner, self.proposer, self.sample_rows,
                                       RejectionAcceptance(self.context.table, self.proposer) if rejection else None)
-        # an MoE model's steps run eagerly: megatron's expert dispatch syncs with the host (models/moe.py)
+        # with moe_backend='megatron' an MoE model's steps run eagerly: megatron's expert dispatch syncs
         use_graphs = self.shape.device.type == "cuda" and bool(config.cuda_graph_batch_sizes) and \
             self.runner.cuda_graph_capturable
         self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
@@ -103,7 +103,7 @@ class TextGenerationController:
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
         self._records: Dict[int, RequestRecord] = {}  # live and unclaimed finished requests
-        self._finished_order: Deque[int] = collections.deque()  # finished step-API requests, result not taken
+        self._finished_order: Dict[int, None] = {}  # finished step-API requests whose result is not taken, oldest first
         self._held_by_generate: set = set()  # requests a running generate() waits for: never dropped
         self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
         self._waiting: Deque[int] = self._scheduler.waiting  # queued here, not yet in the context
@@ -111,6 +111,8 @@ class TextGenerationController:
         self._in_flight: Optional[LaunchedStep] = None
         self._next_request_id = 0
         self._steps_launched = 0  # by the current step() call (its wall time is shared among them)
+        self._lockstep = TPLockstep(parallel_state.get_tensor_model_parallel_group(check_initialized=False),
+                                    config.tp_check_timeout_s)  # ranks agree on every step
 
     # ----- set-up ------------------------------------------------------------------------
 
@@ -150,6 +152,12 @@ class TextGenerationController:
             return 0
         if self.context.table.num_live or self._waiting or self._in_flight is not None:
             raise RuntimeError("warmup: call it before adding requests")
+        self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
+        torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: start-up
+        return len(self._graphs)
+
+    def _replay_every_shape(self) -> None:
+        """Replay the graph of every padded shape from a step that holds no request (capture it first if new)."""
         for shape in self.context.graph_shapes():
             for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
                 step = self.context.build_padding_step(shape, num_steps)
@@ -158,8 +166,22 @@ class TextGenerationController:
                     key = self._graph_key(step)
                     if key not in self._graphs:
                         self._graphs.run(key, lambda: self._launch_run(step))
-                        self._graphs.replay(key)  # uploads the graph now, not mid-serving
-        torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: start-up
+                    self._graphs.replay(key)
+
+    def replay_graphs(self) -> int:
+        """A check for tests and debugging, with no request queued or live: replay the last step's
+        graph over the inputs it was given (its requests' rows are free now), then every graph
+        from a step that holds no request. Free rows point only at the scratch KV block and Mamba
+        slot, so no replay reaches outside the pools; they are reset afterwards. Returns the number
+        of graphs replayed."""
+        self._sync()
+        if self.context.table.num_live or self._waiting:
+            raise RuntimeError("replay_graphs: call it with no request queued or live")
+        if self._graphs is None:
+            return 0
+        self._graphs.replay_last()
+        self._replay_every_shape()
+        self.context.table.reset_free_rows()
         return len(self._graphs)
 
     def close(self) -> None:
@@ -230,7 +252,12 @@ class TextGenerationController:
         """Take a finished request's result: the controller forgets the request."""
         result = self.result(request_id)
         del self._records[request_id]
+        self._finished_order.pop(request_id, None)
         return result
+
+    def finished_request_ids(self) -> List[int]:
+        """Finished step-API requests whose result :meth:`pop_result` has not taken, oldest first."""
+        return list(self._finished_order)
 
     def _admit_waiting(self) -> None:
         """Rows for waiting requests, also with a step in flight: the new row lies past the step's
@@ -278,10 +305,11 @@ class TextGenerationController:
         self._release(self._retiring)
         for request_id in self._retiring:
             if request_id not in self._held_by_generate and request_id in self._records:  # not taken yet
-                self._finished_order.append(request_id)
+                self._finished_order[request_id] = None
         self._retiring.clear()
         while len(self._finished_order) > self.config.finished_results_kept:
-            self._records.pop(self._finished_order.popleft(), None)  # the oldest unclaimed result
+            oldest = next(iter(self._finished_order))  # the oldest unclaimed result
+            del self._finished_order[oldest], self._records[oldest]
 
     def _finish_record(self, request_id: int, reason: FinishReason) -> None:
         self._records[request_id].finish_reason = reason
@@ -351,7 +379,8 @@ class TextGenerationController:
                 outputs, self._pending_outputs = self._pending_outputs + outputs, []
             if self._hook_overridden("on_step_end"):
                 self.on_step_end(outputs)
-        except BaseException:
+        except BaseException as error:
+            self._lockstep.announce_failure(error)  # the other ranks' next check raises with this cause
             self._abort_running()
             raise
         self.metrics.record_step(time.perf_counter() - started, max(self._steps_launched, 1))
@@ -368,6 +397,7 @@ class TextGenerationController:
             self._retire_finished()
         self._admit_waiting()  # admission adds prefill rows, which needs_sync() does not read
         step = self._build_step(sync_checked)
+        self._lockstep.check(step)  # every TP rank builds this step, before its first collective
         if step is None:
             if self._in_flight is not None:
                 outputs += self._apply_in_flight(collect)
@@ -376,6 +406,7 @@ class TextGenerationController:
                 self._idle_steps += 1
             return outputs
         previous, self._in_flight = self._in_flight, self._launch_step(step)
+        self._lockstep.in_collectives = False
         if previous is not None:
             outputs += self._apply(previous, collect, overlapped=True)
         if not self.config.overlap_scheduling or not self.has_unfinished_requests():
@@ -493,6 +524,21 @@ class TextGenerationController:
     def _hook_overridden(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(TextGenerationController, name)
 
+    def _drop_requests(self, request_ids: List[int]) -> None:
+        """End the unfinished ones of ``request_ids`` (waiting, running or paused) as ABORTED and free their rows."""
+        self._sync()
+        ours = set(request_ids)
+        dropped = {rid for rid in ours if self._records[rid].finish_reason is None}
+        kept = [rid for rid in self._waiting if rid not in dropped]
+        self._waiting.clear()
+        self._waiting.extend(kept)
+        self._pending_outputs = [output for output in self._pending_outputs if output[0] not in ours]
+        for request_id in dropped:
+            self._records[request_id].finish_reason = FinishReason.ABORTED
+            if request_id in self.context:
+                self._retiring.append(request_id)
+        self._retire_finished()
+
     def _abort_running(self) -> None:
         """A step raised: end every request in the batch with reason ABORTED (output so far kept)
         and release its state, so the controller stays usable. Waiting requests stay queued."""
@@ -531,6 +577,9 @@ class TextGenerationController:
                     raise RuntimeError("generate: no request can run (all running requests are paused); "
                                        "resume them or use the step API")
             return [self.result(rid) for rid in request_ids]
+        except BaseException:
+            self._drop_requests(request_ids)  # the caller never gets their ids: none may run later
+            raise
         finally:  # the caller has the results (or the exception): forget the finished requests
             self._held_by_generate.difference_update(request_ids)
             for request_id in request_ids:

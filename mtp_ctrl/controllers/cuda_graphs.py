@@ -23,6 +23,7 @@ class StepGraphs:
     def __init__(self):
         self._graphs: Dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._pool = None  # one memory pool shared by every captured graph
+        self._last_key = None  # the key run() was given last
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._graphs
@@ -32,6 +33,7 @@ class StepGraphs:
 
     def run(self, key: Hashable, launch: Callable[[], None]) -> None:
         """Replay the graph of ``key``; on its first use, run ``launch`` eagerly, then capture it."""
+        self._last_key = key
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -49,6 +51,12 @@ class StepGraphs:
         padding step (which holds no request, so the replay changes nothing), to keep that cost
         out of serving."""
         self._graphs[key].replay()
+
+    def replay_last(self) -> None:
+        """Replay the graph :meth:`run` used last, over whatever the static inputs hold now (a safety
+        check: ``TextGenerationController.replay_graphs``); nothing if none ran."""
+        if self._last_key in self._graphs:
+            self._graphs[self._last_key].replay()
 
     def reset(self) -> None:
         """Free every captured graph and the memory pool; later steps capture again."""

@@ -32,13 +32,14 @@ class DraftContext:
     """shape: the engine's sizes (S, block size, R, max_model_len, device, KV dtype, vocabulary).
     runner: the target model's forward entry points. target_kv_caches: the target's paged caches
     (one ``(key, value)`` pair per layer, decoder layers then MTP depths), which the MTP proposer
-    writes at its depths' layers. num_kv_blocks: block ids of the pool are ``[0, num_kv_blocks)``.
+    writes at its depths' layers. num_kv_blocks: block ids of the target's caches are
+    ``[0, num_kv_blocks)`` (the pool and its scratch block).
     rejection: whether the controller accepts by rejection sampling (then record ``q``).
     """
 
     def __init__(self, shape: EngineShape, runner: PagedGPTRunner, sampler: Sampler, table: RequestTable,
                  target_kv_caches: List[Tuple[torch.Tensor, torch.Tensor]], num_kv_blocks: int, rejection: bool,
-                 finish_steps: Callable[[], None]):
+                 finish_steps: Callable[[], None], request_result: Callable[[int], object]):
         self.shape = shape
         self.runner = runner
         self.target_kv_caches = target_kv_caches
@@ -47,6 +48,7 @@ class DraftContext:
         self._sampler = sampler
         self._table = table
         self._finish_steps = finish_steps
+        self._request_result = request_result
 
     @property
     def scratch_row(self) -> int:
@@ -89,6 +91,11 @@ class DraftContext:
         shape = self.shape
         rows = self.add_device_rows(name, (shape.num_speculative_tokens, shape.vocab_size), torch.float32)
         return DraftProbabilities(rows, self._table)
+
+    def request_result(self, request_id: int):
+        """The ``GenerationResult`` of a finished request the controller still holds (ValueError
+        otherwise, e.g. a preempted request), for a proposer that records per-request data."""
+        return self._request_result(request_id)
 
     def finish_steps_in_flight(self) -> None:
         """Wait for the launched steps and apply them on the host (for a proposer that flushes

@@ -11,17 +11,30 @@ the step's rows are the same rows the EAGLE proposer's first draft step reads, f
 :func:`~mtp_ctrl.triton_ops.eagle_prepare_inputs_padded`), so it runs in captured decode steps.
 
 The host bounds the buffer's fill from the rows it scheduled; before a step could overflow it,
-and at :meth:`close`, the buffer is written to ``output_dir/capture_NNNNN.safetensors`` (tensors
+and at :meth:`close`, the buffer is copied to the host and written to
+``output_dir/capture_NNNNN.safetensors`` once every step it holds has been applied (tensors
 ``hidden_states [n, k * H]`` in the model dtype, ``token_ids``, ``positions``, ``request_ids``
 ``[n]`` int64; metadata ``aux_layer_ids``, ``hidden_size``). A preempted request is recomputed
 from its prompt, so its positions appear again with the same token ids: readers keep one
 record per ``(request_id, position)``. Under tensor parallelism every rank holds the same
 states; tensor-parallel rank 0 writes.
+
+Only positions before each request's last emitted token are written, whatever
+``decode_steps_per_launch`` and overlap scheduling do: the device runs a request past its stop
+(the rest of a decode run, the overlapped step), and the host learns the stop only when it applies
+that launch. So a flushed buffer waits on the host until its steps are applied, and the records of
+a finished request at or past position ``len(prompt) + len(output) - 1`` are dropped.
+
+A failed write (a full disk, a vanished directory; safetensors raises its own error type) costs
+no generation: it is reported once (a ``RuntimeWarning`` and :attr:`write_error`), capturing
+stops (later flushes empty the buffer and write nothing) and :meth:`close` raises it.
 """
 
+import collections
 import json
 import os
-from typing import Sequence
+import warnings
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,6 +71,7 @@ class HiddenStateCapture(Proposer):
         self.capacity_tokens = capacity_tokens
         self.shard_paths = []  # written so far, in order
         self.records_written = 0
+        self.write_error: Optional[str] = None  # the failed write that stopped capturing, if any
 
     def bind(self, draft_context: DraftContext) -> None:
         runner, shape = draft_context.runner, draft_context.shape
@@ -81,6 +95,13 @@ class HiddenStateCapture(Proposer):
         self._records = torch.zeros(3, capacity + 1, dtype=torch.int64, device=device)  # token, position, request id
         self._count = torch.zeros(1, dtype=torch.int64, device=device)  # [1] records in the buffer
         self._host_bound = 0  # >= the device count: every row the host scheduled since the last flush
+        self._scheduled: Deque[Tuple[int, StepMetadata]] = collections.deque()  # launched, not yet applied
+        self._num_scheduled = 0  # steps launched so far (an index for each)
+        self._applied_through = 0  # every step up to this index was applied (or abandoned)
+        self._written_through = 0  # every record of the steps up to this index was written (or dropped)
+        # flushed, waiting for their steps to be applied: (last step index, hidden [n, k * H], records [3, n])
+        self._pending: List[Tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._ends: Dict[int, Tuple[int, int]] = {}  # finished request -> (first position not written, steps then)
 
     # ----- device: one step ----------------------------------------------------------------
 
@@ -106,38 +127,94 @@ class HiddenStateCapture(Proposer):
     # ----- host ----------------------------------------------------------------------------
 
     def on_step_scheduled(self, step: StepMetadata) -> None:
+        self._num_scheduled += 1
+        self._scheduled.append((self._num_scheduled, step))
         self._host_bound += int(step.host_query_start_loc[-1])  # host-ok: host tensor
         if self._host_bound + self._most_rows_per_launch > self.capacity_tokens:
             self.flush()  # the next launch could overflow the buffer
 
+    def on_step_committed(self, step: StepMetadata, accepted_counts: Sequence[int]) -> None:
+        # steps are applied in launch order; one launched before this one and never applied was abandoned
+        while self._scheduled:
+            index, scheduled = self._scheduled.popleft()
+            self._applied_through = index
+            if scheduled is step:
+                break
+
+    def forget(self, request_id: int) -> None:
+        self._note_end(request_id)
+
+    def _note_end(self, request_id: int) -> bool:
+        """Remember where a finished request's records end (its result is read while the controller has it)."""
+        try:
+            result = self.draft_context.request_result(request_id)
+        except ValueError:  # preempted (it comes back), or its result was taken already
+            return False
+        self._ends[request_id] = (len(result.prompt_tokens) + len(result.output_tokens) - 1, self._num_scheduled)
+        return True
+
     def flush(self) -> None:
-        """Wait for the launched steps, write the buffer as one shard (if it holds records), empty it."""
+        """Wait for the launched steps and empty the buffer; what it held is written as one shard once
+        every step that recorded it has been applied (at once when they all have, e.g. after ``close``)."""
         device = self.draft_context.shape.device
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # host-ok: a flush, not a step
         count = int(self._count[0])  # host-ok: a flush
         self._host_bound = 0
-        if count == 0:
+        if count > 0 and self.write_error is None:  # after a failed write the records are dropped
+            self._pending.append((self._num_scheduled,  # copies: the buffer is reused (.cpu() of a CPU tensor is a view)
+                                  self._hidden[:count].to("cpu", copy=True),  # host-ok: a flush
+                                  self._records[:, :count].to("cpu", copy=True)))  # host-ok: a flush
+        self._count.zero_()
+        self._write_applied(self._applied_through)
+
+    def _write_applied(self, applied_through: int) -> None:
+        """Write the pending records of steps up to ``applied_through`` as one shard, cut at each request's end."""
+        ready = [chunk for chunk in self._pending if chunk[0] <= applied_through]
+        if not ready:
             return
+        self._pending = self._pending[len(ready):]
+        hidden = torch.cat([chunk[1] for chunk in ready])  # [n, k * H]
+        records = torch.cat([chunk[2] for chunk in ready], dim=1)  # [3, n] int64: token, position, request id
+        ends = torch.full_like(records[2], torch.iinfo(torch.int64).max)  # [n] int64
+        for request_id in records[2].unique().tolist():  # host-ok: host tensor
+            if request_id in self._ends or self._note_end(request_id):
+                ends[records[2] == request_id] = self._ends[request_id][0]
+        keep = records[1] < ends  # [n] bool: nothing at or past a finished request's last token
+        self._written_through = ready[-1][0]
+        self._ends = {rid: end for rid, end in self._ends.items() if end[1] > self._written_through}
+        if self.write_error is None and bool(keep.any()):
+            self._write_shard(hidden[keep], records[:, keep])
+
+    def _write_shard(self, hidden_states: torch.Tensor, records: torch.Tensor) -> None:
         from megatron.core import parallel_state
         from safetensors.torch import save_file
 
         if parallel_state.get_tensor_model_parallel_rank() == 0:
-            records = self._records[:, :count].cpu()  # host-ok: a flush, not a step
-            hidden_states = self._hidden[:count].cpu()  # host-ok: a flush
             tensors = {"hidden_states": hidden_states.contiguous(), "token_ids": records[0].contiguous(),
                        "positions": records[1].contiguous(), "request_ids": records[2].contiguous()}
             path = os.path.join(self.output_dir, f"capture_{len(self.shard_paths):05d}.safetensors")
-            save_file(tensors, path, metadata={"aux_layer_ids": json.dumps(list(self.aux_layer_ids)),
-                                               "hidden_size": str(self._hidden_size)})
+            try:
+                save_file(tensors, path, metadata={"aux_layer_ids": json.dumps(list(self.aux_layer_ids)),
+                                                   "hidden_size": str(self._hidden_size)})
+            except Exception as error:  # noqa: BLE001  (safetensors' own error type, OSError, ...)
+                self.write_error = f"writing {path} failed: {type(error).__name__}: {error}"
+                self._pending.clear()
+                warnings.warn(f"HiddenStateCapture into {self.output_dir!r} stopped: {self.write_error}. "
+                              "Generation goes on; close() raises this error.", RuntimeWarning, stacklevel=2)
+                return
             self.shard_paths.append(path)
-        self.records_written += count
-        self._count.zero_()
+        self.records_written += records.shape[1]
 
     def close(self) -> None:
-        """Finish the steps in flight and write what the buffer holds."""
+        """Finish the steps in flight and write what the buffer holds; raise RuntimeError if a write
+        failed (the shards written before it are complete)."""
         self.draft_context.finish_steps_in_flight()
         self.flush()
+        self._write_applied(self._num_scheduled)  # nothing is in flight: a step never applied was abandoned
+        if self.write_error is not None:
+            raise RuntimeError(f"HiddenStateCapture into {self.output_dir!r} stopped early "
+                               f"({len(self.shard_paths)} shard(s) written): {self.write_error}")
 
 
 def load_capture(output_dir: str):

@@ -9,12 +9,15 @@ sharded state dict (which names this rank's shard of each tensor under those key
 dist_checkpointing reads exactly this rank's slices whatever TP size wrote the file.
 
 Steps of a load (nothing in ``model`` changes unless every step succeeds):
-1. The directory must be a dist checkpoint (``metadata.json``).
+1. The directory must be a dist checkpoint: ``metadata.json``, torch's ``.metadata`` and ``common.pt``
+   are each read here first, so a damaged one is a ValueError naming it and the checkpoint.
 2. Our sharded state dict is built; each key is mapped to the checkpoint's spelling
    (:data:`CHECKPOINT_KEY_ALIASES`, the one place where names are mapped); extra state is dropped.
 3. Every requested key must be in the checkpoint with the same global shape, and every tensor of
    the checkpoint must be requested (optimizer state aside): else ValueError naming the keys.
 4. dist_checkpointing loads into fresh tensors (not the model's parameters).
+4a. Before that, a checkpoint we saved is checked against its record (``checkpoint_record.py``):
+   the architecture fields that shapes do not show, and the sha256 of every file.
 5. The loaded state dict is checked against ``model.state_dict()`` and copied in strictly.
 
 Saving: :func:`save_distributed_checkpoint` writes the same format. megatron-core 0.16.1's
@@ -26,7 +29,9 @@ megatron's sharded tensors and megatron's own save planner, through
 with ``dist_checkpointing.load``.
 """
 
+import argparse
 import contextlib
+import json
 import os
 import warnings
 from pathlib import Path
@@ -36,6 +41,7 @@ import torch
 import torch.distributed.checkpoint as torch_dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingConfig
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
@@ -45,6 +51,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
+
+from mtp_ctrl.models.checkpoint_record import check_megatron_args, check_record, read_record, write_record
 
 # The one place where parameter names differ between layer specs. Each pair is two spellings of
 # one checkpoint-key fragment: Transformer Engine fuses the layer norms into the next linear
@@ -63,6 +71,7 @@ CHECKPOINT_KEY_ALIASES: Tuple[Tuple[str, str], ...] = (
 IGNORED_CHECKPOINT_PREFIXES: Tuple[str, ...] = ("optimizer.",)
 _EXTRA_STATE = "_extra_state"  # Transformer Engine's FP8 metadata objects; local layers hold none
 _MAX_LISTED = 8  # problems listed by name in one error message
+_CONFIG_FILE, _COMMON_FILE = "metadata.json", "common.pt"  # megatron's; torch's own is ".metadata"
 # torch.distributed.checkpoint's deprecation notices on megatron-core 0.16's torch_dist path (not actionable here)
 _TORCH_DCP_NOTICES = (r"`load_state_dict` is deprecated", r"Please use DTensor instead and we are deprecating ShardedTensor")
 
@@ -72,6 +81,14 @@ def _quiet_torch_dcp_notices():
     with warnings.catch_warnings():
         for message in _TORCH_DCP_NOTICES:
             warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+        yield
+
+
+@contextlib.contextmanager
+def _reading():
+    """Reads of a checkpoint: torch's notices quiet, and ``argparse.Namespace`` (Megatron-LM's saved
+    training ``args`` in ``common.pt``: plain attributes) allowed by torch's weights-only unpickler."""
+    with _quiet_torch_dcp_notices(), torch.serialization.safe_globals([argparse.Namespace]):
         yield
 
 
@@ -103,7 +120,8 @@ def save_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
     """``dist_checkpointing.save(model.sharded_state_dict(), checkpoint_dir)`` on every rank.
 
     ``content_metadata`` (e.g. the model's shape) is stored with the checkpoint; read it back with
-    ``dist_checkpointing.load_content_metadata(checkpoint_dir)``.
+    :func:`read_content_metadata`. Global rank 0 then writes ``checkpoint_record.RECORD_FILE``: the
+    architecture and a sha256 per file, checked by :func:`load_distributed_checkpoint`.
 
     ``checkpoint_dir`` is created if missing and must be empty. Parameters on CUDA use megatron's
     default (asynchronous-capable) torch_dist writer, on the CPU :class:`SynchronousTorchDistSaveStrategy`.
@@ -119,9 +137,22 @@ def save_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
         dist_checkpointing.save(model.sharded_state_dict(), str(path),
                                 sharded_strategy=None if on_cuda else SynchronousTorchDistSaveStrategy(),
                                 content_metadata=content_metadata)
+    distributed = torch.distributed.is_initialized()
+    if distributed:
+        torch.distributed.barrier()  # every rank's files are complete before they are hashed
+    if not distributed or torch.distributed.get_rank() == 0:
+        write_record(model, path)
+    if distributed:
+        torch.distributed.barrier()  # no rank returns before the record exists
 
 
-def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[str, os.PathLike]) -> None:
+def read_content_metadata(checkpoint_dir: Union[str, os.PathLike]) -> Optional[dict]:
+    """The ``content_metadata`` a checkpoint was saved with (None if none); errors as :func:`load_distributed_checkpoint`'s."""
+    return _read_checkpoint_files(_check_checkpoint_dir(checkpoint_dir)).get("content_metadata")
+
+
+def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[str, os.PathLike],
+                                verify_checksums: bool = True) -> None:
     """Load a megatron dist checkpoint into ``model`` (e.g. :func:`mtp_ctrl.models.build_gpt_model`'s), in place.
 
     The checkpoint comes from ``dist_checkpointing.save(gpt_model.sharded_state_dict(), dir)`` of a
@@ -130,18 +161,26 @@ def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
     every rank (each reads its own shard). Values are cast to the model's dtypes.
 
     Raises FileNotFoundError / NotADirectoryError / ValueError naming ``checkpoint_dir`` when it is
-    not a dist checkpoint, and ValueError naming every missing key, unexpected key and shape
-    mismatch (found before anything is read). On any error ``model`` is left as it was.
+    not a dist checkpoint; ValueError naming the file and the checkpoint when a metadata file is
+    damaged; ValueError naming every missing key, unexpected key and shape mismatch; ValueError
+    naming the field when a checkpoint we saved records another architecture, and the file when a
+    file fails its recorded sha256 (``verify_checksums=False`` skips reading every file twice).
+    All of these are found before any tensor is read. On any error ``model`` is left as it was.
     """
     path = _check_checkpoint_dir(checkpoint_dir)
+    common_state = _read_checkpoint_files(path)
+    record = read_record(path)
     request = model.sharded_state_dict()
     drop_extra_state(request)
-    tensors_metadata = dist_checkpointing.load_tensors_metadata(str(path))  # checkpoint key -> ShardedTensor
+    with _naming_file(path, "its metadata (metadata.json, .metadata, common.pt)"), _reading():
+        tensors_metadata = dist_checkpointing.load_tensors_metadata(str(path))  # checkpoint key -> ShardedTensor
     objects_metadata = None
     problems, requested_keys = [], set()
     for name, item in _flat_items(request):
         if isinstance(item, ShardedObject):
-            objects_metadata = objects_metadata or load_sharded_metadata(str(path))
+            if objects_metadata is None:
+                with _naming_file(path, "its metadata (metadata.json, .metadata, common.pt)"), _reading():
+                    objects_metadata = load_sharded_metadata(str(path))
             if item.unique_key not in objects_metadata:
                 problems.append(f"missing key {name!r} (checkpoint object {item.unique_key!r})")
             continue
@@ -153,12 +192,16 @@ def load_distributed_checkpoint(model: torch.nn.Module, checkpoint_dir: Union[st
     problems += [f"unexpected key {key!r} (shape {tuple(tensors_metadata[key].global_shape)}) in the checkpoint, "
                  "not in the model" for key in unexpected]
     _raise_if(problems, path, "does not match the model")
+    if record is not None:
+        check_record(model, path, record, verify_checksums)
+    else:  # written by megatron: no record, no checksums; Megatron-LM's args say a little
+        check_megatron_args(model, common_state, path)
     requested_names = set(request)
     for item in nested_values(request):  # read into fresh tensors: the model is untouched until the end
         if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
             item.data = torch.empty_like(item.data.detach())
     try:
-        with _quiet_torch_dcp_notices():
+        with _reading():
             loaded = dist_checkpointing.load(request, str(path))
     except CheckpointException as error:  # a BaseException in torch.distributed.checkpoint: make it an Exception
         raise RuntimeError(f"reading checkpoint {str(path)!r} failed (the model was not changed): {error}") from error
@@ -198,10 +241,46 @@ def _check_checkpoint_dir(checkpoint_dir) -> Path:
         raise FileNotFoundError(f"checkpoint_dir {str(path)!r} does not exist")
     if not path.is_dir():
         raise NotADirectoryError(f"checkpoint_dir {str(path)!r} is not a directory")
-    if not dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+    if not (path / _CONFIG_FILE).exists():
         raise ValueError(f"checkpoint_dir {str(path)!r} is not a megatron.core.dist_checkpointing checkpoint "
-                         "(no metadata.json)")
+                         f"(no {_CONFIG_FILE})")
     return path
+
+
+@contextlib.contextmanager
+def _naming_file(path: Path, file_name: str):
+    """Turn any error of reading ``file_name`` into a ValueError naming it and the checkpoint. torch's
+    unpickling errors advise ``weights_only=False`` (running whatever the file holds): that text is dropped."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001  (megatron and torch raise many kinds here)
+        detail = str(error).splitlines()[0] if str(error) else ""
+        detail = "" if "weights_only" in str(error) else f": {detail}"
+        raise ValueError(f"checkpoint {str(path)!r}: {file_name} is damaged or unreadable "
+                         f"({type(error).__name__}{detail}); the model was not changed") from None
+
+
+def _read_checkpoint_files(path: Path) -> dict:
+    """Read and check ``metadata.json``, torch's ``.metadata`` and ``common.pt``, each naming itself when
+    damaged (megatron reads them again, unguarded); returns the common state (a dict)."""
+    with _naming_file(path, _CONFIG_FILE):
+        config = json.loads((path / _CONFIG_FILE).read_text())
+        if not isinstance(config, dict) or not isinstance(config.get("sharded_backend"), str):
+            raise ValueError("a JSON object with a 'sharded_backend' string is expected")
+        CheckpointingConfig(**config)
+    if config["sharded_backend"] != "torch_dist":
+        raise ValueError(f"checkpoint {str(path)!r}: {_CONFIG_FILE} names the {config['sharded_backend']!r} "
+                         "format; only torch_dist is read")
+    with _naming_file(path, ".metadata"):
+        torch_dcp.FileSystemReader(str(path)).read_metadata()
+    with _naming_file(path, _COMMON_FILE):
+        if not (path / _COMMON_FILE).is_file():
+            raise FileNotFoundError("the file is missing")
+        with _reading():
+            common_state = torch.load(path / _COMMON_FILE, map_location="cpu", weights_only=True)
+        if not isinstance(common_state, dict):
+            raise ValueError(f"a dict is expected, it holds a {type(common_state).__name__}")
+    return common_state
 
 
 def _flat_items(sharded_state_dict, prefix: str = ""):

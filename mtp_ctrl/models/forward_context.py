@@ -118,6 +118,7 @@ class PagedForward:
     mamba: Optional[MambaForward] = None  # None for a model without Mamba layers
     rotary: Optional[RotaryTables] = None  # None: no rotary in attention (not rope, or megatron applied it)
     fused_glue: bool = False  # layers fuse their bias / residual / norm / activation glue (models.fused_layers)
+    moe_backend: Optional[str] = None  # MoE layers: a sync-free backend (models.moe_inference), or None: megatron's
     # a layer's output -> the next layer's input norm of it, computed by the layer's last fused
     # kernel (models.fused_layers): id(hidden states) -> (hidden states, normed), taken once
     normed_inputs: dict = dataclasses.field(default_factory=dict)
@@ -146,9 +147,10 @@ _CURRENT: contextvars.ContextVar[Optional[PagedForward]] = contextvars.ContextVa
 @contextlib.contextmanager
 def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[KVCachePair],
                           mamba: Optional[MambaForward] = None,
-                          rotary: Optional[RotaryTables] = None, fused_glue: bool = False) -> Iterator[PagedForward]:
-    """Make ``metadata``, ``kv_caches``, ``mamba``, ``rotary`` and ``fused_glue`` visible to the
-    paged modules inside the block."""
+                          rotary: Optional[RotaryTables] = None, fused_glue: bool = False,
+                          moe_backend: Optional[str] = None) -> Iterator[PagedForward]:
+    """Make ``metadata``, ``kv_caches``, ``mamba``, ``rotary``, ``fused_glue`` and ``moe_backend``
+    visible to the paged modules inside the block."""
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
     if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
@@ -159,9 +161,11 @@ def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[KVCac
         raise TypeError(f"rotary must be a RotaryTables or None, got {type(rotary).__name__}")
     if not isinstance(fused_glue, bool):
         raise TypeError(f"fused_glue must be a bool, got {type(fused_glue).__name__}")
+    if moe_backend is not None and not isinstance(moe_backend, str):
+        raise TypeError(f"moe_backend must be a str or None, got {type(moe_backend).__name__}")
     if _CURRENT.get() is not None:
         raise RuntimeError("paged_forward_context is already active; forwards do not nest")
-    token = _CURRENT.set(PagedForward(metadata, kv_caches, mamba, rotary, fused_glue))
+    token = _CURRENT.set(PagedForward(metadata, kv_caches, mamba, rotary, fused_glue, moe_backend))
     try:
         yield _CURRENT.get()
     finally:
@@ -184,3 +188,10 @@ def fused_glue_enabled() -> bool:
     (e.g. training the dense twin), so the fused layers fall back to megatron's forward."""
     forward = _CURRENT.get()
     return forward is not None and forward.fused_glue
+
+
+def current_moe_backend() -> Optional[str]:
+    """The active paged forward's MoE backend (``models.moe_inference``); None outside a paged
+    forward or when it runs megatron's own MoE layer."""
+    forward = _CURRENT.get()
+    return None if forward is None else forward.moe_backend

@@ -21,6 +21,7 @@ from mtp_ctrl.models.layer_specs import (
     mamba_mixers,
 )
 from mtp_ctrl.models.moe import check_moe_config, moe_layer_pattern, use_inference_dispatchers
+from mtp_ctrl.models.moe_inference import use_inference_moe_layers
 
 
 def check_tensor_parallel_heads(config: TransformerConfig) -> None:
@@ -57,7 +58,9 @@ def build_gpt_model(
     ``moe_shared_expert_intermediate_size``; experts shard over parallel_state's expert-parallel
     ranks (``expert_model_parallel_size``). MTP layers take the last decoder layer's MLP kind, as
     megatron's ``get_gpt_mtp_block_spec`` does. Settings under which a row's routing would depend
-    on the other rows are refused (``mtp_ctrl/models/moe.py``); MoE steps run without CUDA graphs.
+    on the other rows are refused (``mtp_ctrl/models/moe.py``). The MoE layers compute through the
+    sync-free path inside the runner's forwards (``mtp_ctrl/models/moe_inference.py``), so MoE steps
+    are captured in CUDA graphs; megatron's own forward stays available (``moe_backend="megatron"``).
 
     megatron-core's ``parallel_state`` must be initialised (TP and EP only: no pipeline or context
     parallelism; Mamba layers shard over tensor-parallel ranks like megatron's MambaMixer). KV and Mamba layer indices are assigned, so the
@@ -101,6 +104,7 @@ def gpt_model_from_specs(config: TransformerConfig, layer_spec, vocab_size: int,
         mtp_block_spec=get_paged_mtp_block_spec(config, layer_spec, use_transformer_engine),
     )
     use_inference_dispatchers(model)  # MoE all-gather collectives on the rows' device (models/moe.py)
+    use_inference_moe_layers(model)  # MoE layers take the sync-free path when the runner asks (models/moe_inference.py)
     if config.params_dtype != torch.float32:
         # megatron builds layer norms in fp32 and leaves the cast to its Float16Module wrapper;
         # do the same cast here, so inference runs in one dtype (CUDA's layer_norm rejects a mix)

@@ -22,11 +22,12 @@ expert-TP group) on the rows routed to them, and a reduce-scatter sums the parti
 
 CUDA graphs. Every megatron expert path sizes its expert batches on the host: the allgather
 dispatcher reads ``tokens_per_expert`` with ``.cpu()``, ``SequentialMLP`` splits rows with
-``.tolist()``, the alltoall dispatcher synchronises on its D2H stream. A step that contains an MoE
-layer therefore cannot be captured in a CUDA graph (and syncs once per MoE layer): the controller
-runs the steps of an MoE model eagerly (see :func:`has_moe_layers`).
+``.tolist()``, the alltoall dispatcher synchronises on its D2H stream. megatron's forward of an MoE
+layer therefore syncs and cannot be captured; the runner's forwards take the sync-free path of
+``models/moe_inference.py`` instead (megatron's stays behind ``moe_backend="megatron"``).
 """
 
+import dataclasses
 from typing import List, Sequence, Union
 
 import torch
@@ -58,10 +59,37 @@ class InferenceTopKRouter(TopKRouter):
     the parameters keep their names, so checkpoints load unchanged.
     """
 
+    def __init__(self, config: TransformerConfig, pg_collection=None):
+        # megatron allocates the expert-bias buffers on torch.cuda.current_device(), which a CPU-only
+        # build of torch cannot do: build without them, then register them (same names, persistence
+        # and dtype) on the current CUDA device when there is one, else on the CPU
+        with_bias = config.moe_router_enable_expert_bias and not torch.cuda.is_available()
+        super().__init__(config=dataclasses.replace(config, moe_router_enable_expert_bias=False) if with_bias
+                         else config, pg_collection=pg_collection)
+        if with_bias:
+            self.config = config
+            self.enable_expert_bias = True
+            del self.local_tokens_per_expert, self.expert_bias  # megatron set both to None
+            self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_moe_experts), persistent=False)
+            self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts))  # [E] fp32
+
+    def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:  # [E, H]
+        """The gate weight in ``dtype`` (the router dtype): a cast copy kept while the weight is
+        unchanged (same storage and version), so a step does not cast it again in every layer."""
+        weight = self.weight
+        if weight.dtype == dtype:
+            return weight
+        key = (weight.data_ptr(), weight._version, dtype)
+        cached = getattr(self, "_cast_weight", None)
+        if cached is None or cached[0] != key:
+            cached = (key, weight.detach().to(dtype))
+            self._cast_weight = cached
+        return cached[1]
+
     def gating(self, input: torch.Tensor) -> torch.Tensor:  # [T, 1, H] -> [T, 1, E]
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         rows = input.reshape(-1, input.shape[-1]).to(router_dtype)  # [T, H]
-        weight = self.weight.to(router_dtype).t()  # [H, E]
+        weight = self._weight_in(router_dtype).t()  # [H, E]
         if self.bias is None:
             logits = torch.mm(rows, weight)
         else:
@@ -191,6 +219,6 @@ def moe_layers(model) -> List[MoELayer]:
 
 
 def has_moe_layers(model) -> bool:
-    """True when a step of the model contains an MoE layer, whose expert dispatch reads token
-    counts on the host: such steps run eagerly, never in a CUDA graph (module docstring)."""
+    """True when a step of the model contains an MoE layer (on megatron's path its expert
+    dispatch reads token counts on the host: such steps run eagerly; module docstring)."""
     return any(True for _ in moe_layers(model))

@@ -39,6 +39,7 @@ from mtp_ctrl.models.fused_layers import link_input_norms
 from mtp_ctrl.models.gpt_builder import check_tensor_parallel_heads
 from mtp_ctrl.models.layer_specs import assign_kv_layer_indices, assign_mamba_layer_indices, mamba_mixers
 from mtp_ctrl.models.moe import has_moe_layers
+from mtp_ctrl.models.moe_inference import DEFAULT_MOE_BACKEND, MEGATRON_BACKEND, check_moe_backend
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.mamba_slots import MambaSpec
 
@@ -97,9 +98,15 @@ class PagedGPTRunner:
     bias / residual / norm / activation / QKV-split glue as Triton kernels
     (:mod:`mtp_ctrl.models.fused_layers`) (True), or megatron's element-wise ops (False); None reads
     ``MTP_CTRL_FUSED_GLUE`` (default 1). Same math and rounding points; fp32 tokens are identical.
+
+    ``moe_backend``: how MoE layers compute (:mod:`mtp_ctrl.models.moe_inference`): ``"triton"``
+    or ``"grouped_mm"`` (the sync-free path, captured in CUDA graphs; a setting it does not cover
+    raises ValueError naming it) or ``"megatron"`` (megatron's eager MoELayer: its steps sync with
+    the host, so :attr:`cuda_graph_capturable` is False for an MoE model).
     """
 
-    def __init__(self, model: GPTModel, fused_rope: Optional[bool] = None, fused_glue: Optional[bool] = None):
+    def __init__(self, model: GPTModel, fused_rope: Optional[bool] = None, fused_glue: Optional[bool] = None,
+                 moe_backend: str = DEFAULT_MOE_BACKEND):
         if fused_rope is None:
             fused_rope = _fused_rope_from_env()
         if fused_glue is None:
@@ -123,9 +130,12 @@ class PagedGPTRunner:
         self.num_decoder_layers = len(model.decoder.layers)
         link_input_norms(model.decoder.layers)  # fused layers norm their successor's input (fused_layers.py)
         self.mtp_num_layers = len(model.mtp.layers) if model.mtp_process else 0
-        # megatron's MoE dispatch reads per-expert token counts on the host (models/moe.py):
-        # a forward with MoE layers syncs and cannot be captured in a CUDA graph
-        self.cuda_graph_capturable = not has_moe_layers(model)
+        check_moe_backend(model, moe_backend)  # ValueError naming a setting the graph MoE path refuses
+        self.moe_backend = moe_backend
+        # MoE layers: the sync-free path (models/moe_inference.py) is captured like a dense layer;
+        # megatron's MoELayer reads per-expert token counts on the host, so its steps run eagerly
+        self._moe_forward_backend = None if moe_backend == MEGATRON_BACKEND else moe_backend
+        self.cuda_graph_capturable = moe_backend != MEGATRON_BACKEND or not has_moe_layers(model)
         self.fused_rope = fused_rope
         self.fused_glue = fused_glue
         self._inv_freq: Optional[torch.Tensor] = None  # [rotary_dim / 2] fp32 on the rows' device
@@ -236,7 +246,8 @@ class PagedGPTRunner:
         rotary_pos_emb, rotary = self.rotary_tables(positions)
         self._aux_parts = [None] * len(self.aux_layer_ids)
         try:
-            with paged_forward_context(metadata, kv_caches, mamba, rotary, fused_glue=self.fused_glue):
+            with paged_forward_context(metadata, kv_caches, mamba, rotary, fused_glue=self.fused_glue,
+                                   moe_backend=self._moe_forward_backend):
                 embedded = self.model.embedding(input_ids=input_ids[None], position_ids=self._position_ids(positions))  # [T, 1, H]
                 hidden = self.model.decoder(hidden_states=embedded, attention_mask=None,
                                             rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
@@ -303,7 +314,8 @@ class PagedGPTRunner:
                              f"{self.model.config.hidden_size}], got {getattr(hidden, 'shape', None)}")
         layer = self.model.mtp.layers[depth]
         rotary_pos_emb, rotary = rotary if rotary is not None else self.rotary_tables(positions)
-        with paged_forward_context(metadata, kv_caches, rotary=rotary, fused_glue=self.fused_glue):
+        with paged_forward_context(metadata, kv_caches, rotary=rotary, fused_glue=self.fused_glue,
+                                   moe_backend=self._moe_forward_backend):
             # megatron rolls position ids with the tokens; only a learned position embedding reads them
             embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions, offset=1))  # [T, 1, H]
             combined = torch.cat((layer.enorm(embedded), layer.hnorm(hidden[:, None])), dim=-1)  # [T, 1, 2H]
@@ -335,7 +347,8 @@ class PagedGPTRunner:
             raise ValueError(f"features must be [T, hidden_size] = [{token_ids.shape[0]}, "
                              f"{self.model.config.hidden_size}], got {getattr(features, 'shape', None)}")
         rotary_pos_emb, rotary = self.rotary_tables(positions)
-        with paged_forward_context(metadata, kv_caches, rotary=rotary, fused_glue=self.fused_glue):
+        with paged_forward_context(metadata, kv_caches, rotary=rotary, fused_glue=self.fused_glue,
+                                   moe_backend=self._moe_forward_backend):
             embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions, offset=1))  # [T, 1, H]
             out = head(embedded, features[:, None], rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
         normed = self.model.decoder.final_layernorm(out)  # the target's final norm

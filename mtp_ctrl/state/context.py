@@ -98,15 +98,24 @@ class DynamicInferenceContext:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
         else:
             bytes_per_block = kv_cache.bytes_per_block(block_size_tokens)
-            self.allocator = KVBlockAllocator.from_memory_budget(kv_cache_bytes, bytes_per_block, block_size_tokens)
+            if kv_cache_bytes < 2 * bytes_per_block:  # the budget holds the scratch block too (see below)
+                raise ValueError(f"kv_cache_bytes ({kv_cache_bytes}) must hold two KV blocks ({bytes_per_block} "
+                                 "bytes each): one for requests, one scratch block")
+            self.allocator = KVBlockAllocator.from_memory_budget(kv_cache_bytes - bytes_per_block, bytes_per_block,
+                                                                 block_size_tokens)
         if self.allocator.num_blocks < shape.max_blocks_per_request:
             raise ValueError(
                 f"the KV pool ({self.allocator.num_blocks} blocks) cannot hold one request of max_model_len "
                 f"{shape.max_model_len} + 2 x {shape.stride} rows in flight ({shape.max_blocks_per_request} blocks)"
             )
-        self.kv_caches = kv_cache.allocate(self.allocator.num_blocks, block_size_tokens, device)
+        # one block past the pool is never handed out: released and padding rows point at it, so a
+        # replay of any captured graph reads and writes inside the caches (RequestTable.reset_free_rows)
+        self.scratch_block = self.allocator.num_blocks
+        self.num_cache_blocks = self.allocator.num_blocks + 1  # [num_cache_blocks, bs, Hkv, D] caches
+        self.kv_caches = kv_cache.allocate(self.num_cache_blocks, block_size_tokens, device)
         self.mamba = None if mamba is None else MambaStateSlots(mamba, max_requests, shape.num_speculative_tokens, device)
         self.table = RequestTable(shape)
+        self.table.set_free_row_targets(self.scratch_block, -1 if self.mamba is None else self.mamba.scratch_slot)
         self._prefill_lengths = self.table.add_host_rows("prefill_lengths", ())  # [R + 1] int64, prompt tokens
         self._step_buffers = StepBuffers(self.table, shape.max_tokens_per_step, self.scheduler.max_block_writes_per_step)
         self._block_writes = []  # [3, k] int64 arrays (row, column, block id) not yet sent to the device

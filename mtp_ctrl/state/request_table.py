@@ -26,6 +26,11 @@ Who owns what (each fact has one owner):
 - The host's ``known_lengths`` is a lagging copy of the device length: exact for prefill and
   paused requests, and for decode requests as of the last step whose read-back it processed.
 
+Free rows (past the live ones, and rows just released) hold no request: on the device they point
+only at the context's scratch KV block and scratch Mamba slot (:meth:`set_free_row_targets`,
+:meth:`reset_free_rows`), never at a block or slot another request may hold, and never at -1, so
+a captured graph replayed over them (padding, or a stale replay) stays inside the pools.
+
 KV fields of request ``r`` with ``kv_len = kv_length_offsets[r]`` rows written to its cache
 (block size ``bs``): ``kv_block_counts = ceil(kv_len / bs)``, ``last_kv_block_id =
 kv_block_ids[r, count - 1]`` (-1 when count == 0), ``last_kv_block_offset = (kv_len - 1) mod bs``.
@@ -138,11 +143,33 @@ class RequestTable:
             self._device_fields[index].fill_(self._fresh_value(name))
         self.next_tokens = self.add_device_rows("next_tokens", (), torch.int64)  # [R] int64
         self.draft_tokens = self.add_device_rows("draft_tokens", (shape.num_speculative_tokens,), torch.int64)  # [R, S]
+        # what free rows hold on the device (set_free_row_targets): fresh fields, the scratch block and slot
+        self._free_fields = torch.as_tensor(self._fresh_fields[:, None], device=self._device_fields.device)  # [F, 1]
+        self._free_block = -1
         self._group_ends = [0, 0, 0, max_requests]  # exclusive end row of each RowGroup
         self._row_of: Dict[int, int] = {}
         # row swaps and removals so far: a step built at another count reads some rows as other
         # requests' (the controller then realigns its read-back by request id)
         self.num_moves = 0
+
+    def set_free_row_targets(self, scratch_block: int, scratch_slot: int) -> None:
+        """The scratch KV block and Mamba slot (-1: no Mamba layers) free rows point at; resets every free row."""
+        values = dict(zip(DEVICE_FIELDS, self._fresh_fields.tolist()), last_kv_block_id=scratch_block,  # host-ok: numpy
+                      mamba_slot_ids=scratch_slot)
+        self._free_fields = torch.tensor([[values[name]] for name in DEVICE_FIELDS], dtype=torch.int64,
+                                         device=self._device_fields.device)  # [F, 1] int64: a free row's fields
+        self._free_block = scratch_block
+        self.reset_free_rows()
+
+    def reset_free_rows(self, start: Optional[int] = None, end: Optional[int] = None) -> None:
+        """Point the device rows ``[start, end)`` (default: every free row) at the scratch block and
+        slot, with no KV: two device writes, no host sync. A stale replay of a captured graph may
+        have written free rows; this restores them."""
+        start, end = self.num_live if start is None else start, self.max_requests if end is None else end
+        if start >= end:
+            return
+        self._device_fields[:, start:end].copy_(self._free_fields)  # broadcast over the rows
+        self._device_block_ids[start:end].fill_(self._free_block)
 
     def add_device_rows(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, fill: float = 0,
                         set_on_insert: bool = False) -> torch.Tensor:
@@ -302,7 +329,7 @@ class RequestTable:
         live_rows = np.arange(self.num_live)
         targets = live_rows[origin[: self.num_live] != live_rows]  # [m] rows whose request moved
         self._move_device_rows(origin[targets], targets)
-
+        self.reset_free_rows(self.num_live, self.num_live + len(request_ids))  # the rows just freed
     def move(self, request_id: int, group: RowGroup) -> None:
         """Move a request to ``group``: it becomes the first row of a later group, or the last
         row of an earlier one. Each boundary crossed costs one row swap.

@@ -52,6 +52,11 @@ _OP_MODULES = {
     "bias_activation": "layer_glue",
     "split_qkv_heads": "layer_glue",
     "gated_rms_norm": "layer_glue",
+    # mixture-of-experts: grouped expert products over device-sorted (row, expert) pairs
+    "align_expert_pairs": "moe_gemm",
+    "grouped_expert_matmul": "moe_gemm",
+    "block_rows_for": "moe_gemm",
+    "ExpertSegments": "_moe_common",
 }
 
 __all__ = sorted(_OP_MODULES)

@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
-from tests.unit.megatron_fixtures import MAX_SEQUENCE_LENGTH, VOCAB_SIZE
+from tests.unit.megatron_fixtures import MAX_SEQUENCE_LENGTH, VOCAB_SIZE, torch_twins
 
 PROMPTS = ([5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45])
 MAX_NEW_TOKENS = 6
@@ -109,16 +109,21 @@ def megatron_greedy(model: GPTModel, prompts=PROMPTS, max_new_tokens: int = MAX_
 
 def generate_greedy(model, num_speculative_tokens: int, prompts=PROMPTS,
                     max_new_tokens: int = MAX_NEW_TOKENS) -> List[List[int]]:
-    """Our controller's greedy outputs on ``model`` (a paged model) with S drafts per step."""
+    """Our controller's greedy outputs on ``model`` (a paged model) with S drafts per step.
+
+    The subject is the loaded weights, not the kernels: every op runs its torch twin (each
+    kernel == its twin in its own tests; the controller tests run the loop on the kernels)."""
     from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 
     config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=len(prompts),
                              block_size_tokens=4, max_model_len=48, max_tokens_per_step=64)
-    controller = TextGenerationController(model, config)
-    try:
-        results = controller.generate(list(prompts), SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
-    finally:
-        controller.close()
+    with torch_twins():
+        controller = TextGenerationController(model, config)
+        try:
+            results = controller.generate(list(prompts),
+                                          SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+        finally:
+            controller.close()
     return [list(result.output_tokens) for result in results]
 
 

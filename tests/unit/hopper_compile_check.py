@@ -44,7 +44,7 @@ def pointers(kernel, default, **special):
 def cases():
     """(label, kernel, pointer types, float args, constexprs): the kernels of a decode step's
     attention and glue, and the Mamba prefill kernels, in the variants the models launch."""
-    from mtp_ctrl.triton_ops import layer_glue, mamba_varlen, paged_attn, rope_kv_write
+    from mtp_ctrl.triton_ops import layer_glue, mamba_varlen, moe_gemm, paged_attn, rope_kv_write
 
     attention = paged_attn._paged_attention_kernel
     attention_pointers = pointers(attention, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32",
@@ -79,6 +79,20 @@ def cases():
         yield (f"causal conv varlen, slots {has_slots}", conv,
                pointers(conv, "fp32", SLOT_IDS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
                dict(WIDTH=4, SEARCH_STEPS=4, BLOCK_ROWS=16, BLOCK_CHANNELS=128, BLOCK_HISTORY=4, HAS_SLOTS=has_slots))
+
+
+    counts = moe_gemm._chunk_bucket_counts_kernel
+    yield ("MoE pair counts", counts, pointers(counts, "i64", CHUNK_COUNTS_PTR="i32"), set(), dict(BLOCK_P=64, E_PAD=128))
+    layout = moe_gemm._segment_layout_kernel
+    yield ("MoE segment layout", layout, pointers(layout, "i64", CHUNK_COUNTS_PTR="i32", CHUNK_BASES_PTR="i32"), set(),
+           dict(BLOCK_ROWS=16, BLOCK_C=16, BLOCK_B=64, E_PAD=128))
+    place = moe_gemm._place_pairs_kernel
+    yield ("MoE pair placement", place, pointers(place, "i64", CHUNK_BASES_PTR="i32"), set(), dict(BLOCK_P=64, E_PAD=128))
+    matmul = moe_gemm._grouped_expert_matmul_kernel
+    for gather, scatter in ((True, False), (False, True)):
+        yield (f"MoE grouped expert matmul, gather {gather}, scatter {scatter}", matmul,
+               pointers(matmul, "i64", ROWS_PTR="bf16", WEIGHT_PTR="bf16", OUT_PTR="bf16"), set(),
+               dict(GATHER_ROWS=gather, SCATTER_PAIRS=scatter, FP32_DOT=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64))
 
 
 def _summary(error: Exception) -> str:

@@ -51,14 +51,16 @@ def _local_expert_count(state_dict) -> int:
     return len(indices)
 
 
-def generate_cases(model, cases, prompts=MOE_PROMPTS, max_new_tokens: int = 6) -> List[List[List[int]]]:
+def generate_cases(model, cases, prompts=MOE_PROMPTS, max_new_tokens: int = 6,
+                   moe_backend: str = "triton") -> List[List[List[int]]]:
     """Output tokens of every ``(num_speculative_tokens, sampling kwargs)`` case, per prompt."""
     from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 
     outputs = []
     for num_speculative_tokens, sampling in cases:
         config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=len(prompts),
-                                 block_size_tokens=4, max_model_len=32, max_tokens_per_step=64)
+                                 block_size_tokens=4, max_model_len=32, max_tokens_per_step=64,
+                                 moe_backend=moe_backend)
         controller = TextGenerationController(model, config)
         results = controller.generate([list(p) for p in prompts],
                                       SamplingParams(max_new_tokens=max_new_tokens, **sampling))

@@ -50,10 +50,11 @@ def test_check_batch_sizes():
         check_batch_sizes((0,), max_requests=4)
 
 
-def test_the_controller_keys_its_cuda_graphs_by_batch_dimensions():
+def test_the_controller_keys_its_cuda_graphs_by_batch_dimensions(torch_twins):
     """The role BatchDimensions plays: a decode-only step of 3 requests padded to the bucket of 4
     replays the graph keyed (BatchDimensions.decode_only(4, S), all greedy, 1 step); the first step, three
-    prompts, pads to 4 requests and the next token bucket."""
+    prompts, pads to 4 requests and the next token bucket. (The keys are the subject, not the
+    kernels: torch twins.)"""
     from mtp_ctrl.controllers import SamplingParams
     from tests.unit.controller_fixtures import PROMPTS, build_models, make_controller
     from tests.unit.megatron_fixtures import ensure_single_process_groups

@@ -444,10 +444,10 @@ def test_kv_caches_and_byte_budget():
     bytes_per_block = KV_SPEC.bytes_per_block(4)
     assert bytes_per_block == 2 * 2 * 4 * 1 * 4 * 4
     ctx = make_context(num_blocks=None, kv_cache_bytes=20 * bytes_per_block + 7)
-    assert ctx.allocator.num_blocks == 20
+    assert ctx.allocator.num_blocks == 19  # the budget also holds the scratch block free rows point at
     assert len(ctx.kv_caches) == 2
     key_cache, value_cache = ctx.kv_caches[1]
-    assert key_cache.shape == value_cache.shape == (20, 4, 1, 4)
+    assert key_cache.shape == value_cache.shape == (20, 4, 1, 4) and ctx.scratch_block == 19
     assert key_cache.is_contiguous() and key_cache.data_ptr() != value_cache.data_ptr()
 
 

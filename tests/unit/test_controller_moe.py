@@ -1,7 +1,10 @@
 """MoE decoder and MTP layers (megatron's MoELayer in the paged spec), CPU:
 
 - the model holds megatron's MoE layers where ``moe_layer_freq`` puts them, MTP layers included;
-- a row routes and computes in a batch as it does alone (what makes speculation lossless);
+- a row routes and computes in a batch as it does alone (what makes speculation lossless), on
+  megatron's path and on the sync-free one (models/moe_inference.py, the default);
+- the sync-free path gives megatron's eager MoELayer's tokens (moe_backend="megatron"), and
+  S = 2 == S = 0 under churn and preemption, with steps padded to CUDA-graph shapes;
 - the paged model's plain greedy output equals megatron's full-sequence forward (dense twin);
 - speculative (S = 2) output equals plain (S = 0), greedy and seeded sampling, with the real
   MTP heads and with an oracle proposer that gets drafts accepted;
@@ -19,7 +22,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 from mtp_ctrl.models import InferenceTopKRouter, PagedGPTRunner, moe_layer_pattern, moe_layers
 from mtp_ctrl.models.moe import InferenceAllGatherTokenDispatcher
-from tests.unit.controller_fixtures import OracleProposer, dense_greedy
+from mtp_ctrl.models.moe_inference import InferenceMoELayer, graph_moe_forward
+from tests.unit.controller_fixtures import OracleProposer, dense_greedy, random_arrivals, run_with_arrivals
 from tests.unit.megatron_fixtures import (
     build_dense_twin,
     build_tiny_model,
@@ -27,6 +31,7 @@ from tests.unit.megatron_fixtures import (
     free_port,
     init_process_groups,
     tiny_config,
+    torch_twins,
 )
 from tests.unit.moe_fixtures import (
     MOE_PROMPTS,
@@ -53,7 +58,8 @@ def moe_model(megatron_groups):
 
 @pytest.fixture(scope="module")
 def tp1_outputs(moe_model):
-    return generate_cases(moe_model, CASES)
+    with torch_twins():  # the MoE kernel runs interpreted in test_moe_gemm / test_moe_inference
+        return generate_cases(moe_model, CASES)
 
 
 def test_moe_layers_follow_the_pattern_and_mtp_follows_the_last_layer(moe_model):
@@ -66,7 +72,9 @@ def test_moe_layers_follow_the_pattern_and_mtp_follows_the_last_layer(moe_model)
     assert all(isinstance(layer.token_dispatcher, InferenceAllGatherTokenDispatcher) for layer in layers)
     assert all(layer.shared_experts is not None and layer.num_local_experts == 4 for layer in layers)
     assert layers[0].experts.local_experts[0].linear_fc1.weight.shape[0] == 48  # moe_ffn_hidden_size (no gating)
-    assert not PagedGPTRunner(moe_model).cuda_graph_capturable  # megatron's dispatch syncs: eager steps
+    assert all(isinstance(layer, InferenceMoELayer) for layer in layers)
+    assert PagedGPTRunner(moe_model).cuda_graph_capturable  # the sync-free path: steps replay graphs
+    assert not PagedGPTRunner(moe_model, moe_backend="megatron").cuda_graph_capturable  # megatron's syncs
     assert moe_layer_pattern(moe_config(num_layers=4, moe_layer_freq=2)) == [True, False, True, False]
     dense_last = build_tiny_model(moe_config(moe_layer_freq=[1, 0]))
     assert isinstance(dense_last.decoder.layers[0].mlp, MoELayer)
@@ -82,8 +90,11 @@ def test_rows_route_and_compute_as_they_would_one_at_a_time(moe_model):
         rows = torch.randn(9, 1, 64, generator=generator)  # [T, 1, H]
         probs, routing_map = layer.router(rows)  # [T, E] each
         output, _ = layer(rows)  # [T, 1, H]
+        graph_output = graph_moe_forward(layer, rows, backend="grouped_mm")  # [T, 1, H]
         assert routing_map.sum(-1).tolist() == [2] * 9  # every row gets its top-2: nothing dropped
         for row in range(rows.shape[0]):
+            torch.testing.assert_close(graph_moe_forward(layer, rows[row:row + 1], backend="grouped_mm"),
+                                       graph_output[row:row + 1], atol=1e-6, rtol=1e-6)
             alone_probs, alone_map = layer.router(rows[row:row + 1])
             assert torch.equal(alone_map, routing_map[row:row + 1])
             torch.testing.assert_close(alone_probs, probs[row:row + 1], atol=1e-6, rtol=1e-6)
@@ -104,6 +115,30 @@ def test_speculative_equals_plain_greedy_and_sampled(tp1_outputs):
     assert spec_greedy == plain_greedy
     assert spec_sampled == plain_sampled
     assert plain_sampled != plain_greedy  # the sampling case samples
+
+
+def test_sync_free_path_equals_megatron_moe_layer(moe_model, tp1_outputs):
+    """megatron's eager MoELayer (the comparison) gives the sync-free path's tokens, S = 0 and 2."""
+    with torch_twins():
+        assert generate_cases(moe_model, CASES[:2], moe_backend="megatron") == tp1_outputs[:2]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_speculative_equals_plain_under_churn_and_preemption(moe_model, seed):
+    """Random arrivals (greedy and seeded sampled, stop rules), a KV pool small enough to pause and
+    preempt, steps padded to graph shapes (rows past the real ones route and compute too):
+    S = 2 == S = 0 token for token, MoE decoder and MoE MTP layers; nothing leaks."""
+    arrivals = random_arrivals(seed, 6)
+    with torch_twins():
+        outputs = []
+        for S, padded in ((0, ()), (2, ()), (2, (2, 4))):
+            config = InferenceConfig(num_speculative_tokens=S, max_requests=4, block_size_tokens=4, max_model_len=24,
+                                     max_tokens_per_step=64, num_kv_blocks=14, cuda_graph_batch_sizes=padded)
+            controller = TextGenerationController(moe_model, config)
+            outputs.append(run_with_arrivals(controller, arrivals))
+            assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+    assert sum(len(tokens) for tokens in outputs[0]) >= len(arrivals)  # every request ran
 
 
 def test_accepted_drafts_through_moe_verify_rows(moe_model, tp1_outputs):
@@ -158,7 +193,8 @@ def _parallel_worker(rank: int, world_size: int, port: int, tensor_parallel_size
             ep_rank = parallel_state.get_expert_model_parallel_rank()
             model.load_state_dict(expert_parallel_state_dict(expected["state_dict"], model, ep_rank))
             assert len(moe_layers(model)[0].experts.local_experts) == 4 // expert_parallel_size
-        got = generate_cases(model, [CASES[case] for case in PARALLEL_CASES])
+        with torch_twins():
+            got = generate_cases(model, [CASES[case] for case in PARALLEL_CASES])
         for case, got_case in zip(PARALLEL_CASES, got):
             assert got_case == expected["outputs"][case], f"TP {tensor_parallel_size} EP {expert_parallel_size} " \
                                                           f"rank {rank}, case {CASES[case]}: {got_case}"

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing, parallel_state
 
 from mtp_ctrl.models import load_distributed_checkpoint, save_distributed_checkpoint
+from mtp_ctrl.models.checkpoint_record import RECORD_FILE
 from mtp_ctrl.models.dist_checkpoint import CHECKPOINT_KEY_ALIASES, checkpoint_key_spellings
 from tests.unit.dist_checkpoint_fixtures import (
     SPECULATIVE_SIZES,
@@ -155,9 +156,12 @@ def test_other_architecture(tp2_run, change, key):
 
 
 def test_failure_while_reading_leaves_the_model_unchanged(tp2_run, tmp_path, tp1_paged):
-    """Keys and shapes match, then a data file is truncated: the read fails, the model keeps its weights."""
+    """Keys and shapes match, then a data file is truncated: the read fails, the model keeps its weights.
+    The record is removed, as in a checkpoint megatron wrote (with it, the checksum fails first:
+    test_checkpoint_integrity.py)."""
     broken = tmp_path / "broken"
     shutil.copytree(tp2_run[0], broken)
+    (broken / RECORD_FILE).unlink()
     data_files = sorted(broken.glob("*.distcp"))
     assert data_files
     for path in data_files:

@@ -55,3 +55,56 @@ def test_bad_inputs_raise(models, tmp_path):
         make_controller(model, 1, proposer=HiddenStateCapture((0,), tmp_path, capacity_tokens=8))
     controller = make_controller(model, 1, proposer=HiddenStateCapture((0,), tmp_path / "ok"))
     assert len(controller.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3))[0].output_tokens) == 3
+
+
+def _shard_records(capture):
+    """(request_ids, positions) of every record of every shard written, as lists."""
+    from safetensors.torch import load_file
+
+    shards = [load_file(path) for path in capture.shard_paths]
+    return (sum((s["request_ids"].tolist() for s in shards), []), sum((s["positions"].tolist() for s in shards), []))
+
+
+def test_records_do_not_depend_on_decode_steps_per_launch(models, tmp_path, torch_twins):
+    """Decode runs (k = 4) run requests past their stop on the device; those rows, and the
+    extra overlapped step of k = 1, must never be recorded: every shard holds only positions
+    before each request's last emitted token, and the records of k = 1 and k = 4 are equal."""
+    model, _ = models
+    prompts = [list(p) for p in PROMPTS]
+    plain = make_controller(model, 0).generate(prompts, SamplingParams(max_new_tokens=10))
+    eos = plain[1].output_tokens[2]  # request 1 stops on its third token (an eos), the rest by length
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=(eos,)) for n in (9, 10, 5, 7)]
+    loaded = {}
+    for k in (1, 4):
+        capture = HiddenStateCapture(LAYERS, tmp_path / f"k{k}", capacity_tokens=64)
+        results = make_controller(model, 1, proposer=capture, decode_steps_per_launch=k).generate(prompts, params)
+        capture.close()
+        lengths = [len(prompt) + len(result.output_tokens) for prompt, result in zip(prompts, results)]
+        assert results[1].output_tokens[-1] == eos
+        request_ids, positions = _shard_records(capture)
+        past = [(r, p) for r, p in zip(request_ids, positions) if p >= lengths[r] - 1]
+        assert past == [], f"k = {k}: records at or past the last emitted token: {past}"
+        loaded[k] = load_capture(tmp_path / f"k{k}")
+    for name, one, four in zip(("hidden", "tokens", "positions", "request_ids"), loaded[1], loaded[4]):
+        torch.testing.assert_close(four, one, msg=name)
+
+
+def test_write_failure_costs_no_generation(models, tmp_path, torch_twins):
+    """The capture directory disappears mid-run (safetensors raises its own error, not an OSError):
+    every request still finishes with plain decoding's output, the failure is reported (a warning,
+    ``write_error``), later flushes write nothing, and close() raises naming the directory."""
+    model, _ = models
+    prompts = [list(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=8)
+    plain = make_controller(model, 0).generate(prompts, params)
+    capture = HiddenStateCapture(LAYERS, tmp_path / "gone", capacity_tokens=20)
+    controller = make_controller(model, 1, proposer=capture, max_tokens_per_step=16)
+    (tmp_path / "gone").rmdir()
+    (tmp_path / "gone").write_text("a file where the directory was")
+    with pytest.warns(RuntimeWarning, match="gone"):
+        results = controller.generate(prompts, params)
+    assert [r.output_tokens for r in results] == [r.output_tokens for r in plain]
+    assert capture.write_error is not None and capture.shard_paths == []
+    assert [r.output_tokens for r in controller.generate(prompts, params)] == [r.output_tokens for r in plain]
+    with pytest.raises(RuntimeError, match="gone"):
+        capture.close()

@@ -27,6 +27,7 @@ from tests.unit.megatron_fixtures import (
     init_process_groups,
     make_metadata,
     tiny_config,
+    torch_twins,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the scripts import siblings by name
@@ -79,14 +80,18 @@ def _schedule_logits(runner, tensor_parallel_size: int, device=torch.device("cpu
 
 
 def _greedy_tokens(model):
+    """S = 0 and S = 2 greedy tokens. TP is the subject, not the kernels: on the CPU every op runs
+    its torch twin (each kernel == its twin in its own tests); CUDA tensors still run the kernels."""
     from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 
     outputs = []
-    for num_speculative_tokens in (0, 2):
-        config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=3, block_size_tokens=4,
-                                 max_model_len=32, max_tokens_per_step=16)
-        results = TextGenerationController(model, config).generate(list(PROMPTS), SamplingParams(max_new_tokens=6))
-        outputs.append([list(result.output_tokens) for result in results])
+    with torch_twins():
+        for num_speculative_tokens in (0, 2):
+            config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=3,
+                                     block_size_tokens=4, max_model_len=32, max_tokens_per_step=16)
+            results = TextGenerationController(model, config).generate(list(PROMPTS),
+                                                                       SamplingParams(max_new_tokens=6))
+            outputs.append([list(result.output_tokens) for result in results])
     return outputs
 
 

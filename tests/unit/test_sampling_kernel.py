@@ -23,8 +23,8 @@ def small_tiles(monkeypatch):
 @pytest.mark.parametrize(
     "num_rows,vocab_size,seed,ties,neg_inf",
     [(0, 64, 0, False, False), (1, 1, 1, False, False), (4, 1, 2, False, True), (1, 64, 3, False, False),
-     (6, 3, 4, True, False), (24, 100, 5, False, False), (16, 257, 6, True, False), (12, 64, 7, False, True),
-     (8, 512, 8, False, False), (20, 33, 9, True, True)],
+     (6, 3, 4, True, False), (12, 100, 5, False, False), (8, 257, 6, True, False), (12, 64, 7, False, True),
+     (4, 512, 8, False, False), (20, 33, 9, True, True)],
 )
 def test_kernel_matches_twin(small_tiles, num_rows, vocab_size, seed, ties, neg_inf):
     case = make_case(num_rows, vocab_size, seed, ties=ties, neg_inf=neg_inf)
@@ -35,7 +35,7 @@ def test_kernel_matches_twin(small_tiles, num_rows, vocab_size, seed, ties, neg_
 
 def test_kernel_matches_twin_one_tile_and_half_precision():
     for seed, dtype in [(10, torch.float32), (11, torch.bfloat16), (12, torch.float16)]:
-        case = make_case(10, 300, seed, dtype=dtype)
+        case = make_case(4, 300, seed, dtype=dtype)
         assert torch.equal(sample_tokens(*_args(case)), reference.sample_tokens(*_args(case)))
 
 

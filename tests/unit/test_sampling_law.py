@@ -55,8 +55,8 @@ def test_sampled_frequencies_follow_the_filtered_softmax(temperature, top_k, top
     kept = law > 0
     assert _chi_square_p_value(counts[kept], law[kept] * draws) > 1e-3  # significance 0.1%, fixed seeds
     # the kernel draws the very same tokens (its law is the twin's)
-    first = slice(0, 60)
-    kernel_tokens = sample_tokens(LOGITS.expand(60, -1), **{name: value[first] for name, value in params.items()})
+    first = slice(0, 24)
+    kernel_tokens = sample_tokens(LOGITS.expand(24, -1), **{name: value[first] for name, value in params.items()})
     assert torch.equal(kernel_tokens, tokens[first])
 
 
@@ -76,14 +76,14 @@ def test_noise_is_uncorrelated_across_seeds_and_positions():
 
 def test_kernel_noise_bits_equal_the_twin():
     # with flat logits the token is the argmax of the noise alone: the kernel's hash == the twin's
-    num_rows = 48
+    num_rows = 24
     params = dict(temperature=torch.ones(num_rows), top_k=torch.zeros(num_rows, dtype=torch.int64),
                   top_p=torch.ones(num_rows), seeds=torch.arange(num_rows) * (2**31 + 3),
                   positions=torch.arange(num_rows) * 977)
     logits = torch.zeros(num_rows, 200)
     want = reference.gumbel_noise(params["seeds"], params["positions"], 200).argmax(-1)
     assert torch.equal(sample_tokens(logits, **params), want)
-    assert len(set(want.tolist())) > 35  # distinct keys draw (nearly) distinct tokens
+    assert len(set(want.tolist())) > 20  # distinct keys draw (nearly) distinct tokens
 
 
 def test_kernel_tokens_are_batch_invariant():

@@ -77,7 +77,8 @@ def test_checkpoint_file_of_another_format_is_rejected(tmp_path):
         demo_model.load_checkpoint(str(path))
 
 
-def test_speculative_generation_on_the_trained_model_equals_plain(trained, corpus, tmp_path):
+def test_speculative_generation_on_the_trained_model_equals_plain(trained, corpus, tmp_path, torch_twins):
+    # the subject is the trained checkpoint in the loop, not the kernels: torch twins (conftest)
     path = tmp_path / "tiny.pt"
     demo_model.save_checkpoint(str(path), TINY_MODEL_ARGS, trained[0])
     model_args, state_dict = demo_model.load_checkpoint(str(path))

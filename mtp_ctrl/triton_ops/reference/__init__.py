@@ -71,6 +71,8 @@ _REFERENCE_MODULES = {
     "bias_activation": "glue",
     "split_qkv_heads": "glue",
     "gated_rms_norm": "glue",
+    "align_expert_pairs": "moe",
+    "grouped_expert_matmul": "moe",
 }
 
 __all__ = sorted(_REFERENCE_MODULES)
