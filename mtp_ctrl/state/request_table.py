@@ -165,7 +165,7 @@ class RequestTable:
         """Point the device rows ``[start, end)`` (default: every free row) at the scratch block and
         slot, with no KV: two device writes, no host sync. A stale replay of a captured graph may
         have written free rows; this restores them."""
-        start, end = self.num_live if start is None else start, self.max_requests if end is None else end
+        start, end = self.num_live if start is None else start, self.shape.max_requests if end is None else end
         if start >= end:
             return
         self._device_fields[:, start:end].copy_(self._free_fields)  # broadcast over the rows
