@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: venv
-	TRITON_INTERPRET=1 $(PY) -m pytest tests/unit -n 2 $(PYTEST_FLAGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest tests/unit -n 2 --dist worksteal $(PYTEST_FLAGS)
 
 test-gpu: venv
 	$(PY) -m pytest tests/functional $(PYTEST_FLAGS)
