@@ -259,10 +259,8 @@ def test_graphs_equal_eager_on_the_trained_checkpoint_with_real_acceptance():
             super().__init__(*args, **kwargs)
             self.accepted = []
 
-        def _apply(self, launched, collect):
-            outputs = super()._apply(launched, collect)  # waits for the read-back: read it after
-            self.accepted += launched.readback[:, : launched.step.num_decode, 0].tolist()  # one list per step
-            return outputs
+        def on_apply(self, step, readbacks, overlapped, rows_moved):
+            self.accepted += readbacks[:, : step.num_decode, 0].tolist()  # one list per step
 
     runs = []
     for graphs in (False, True):

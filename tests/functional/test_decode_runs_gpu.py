@@ -43,10 +43,8 @@ class RunsSyncChecked(TextGenerationController):
         self.launches.append(step.num_steps)
         return launched
 
-    def _apply(self, launched, collect):
-        outputs = super()._apply(launched, collect)  # waits for the read-back: read it after
-        self.accepted += launched.readback[:, : launched.step.num_decode, 0].tolist()  # one list per step
-        return outputs
+    def on_apply(self, step, readbacks, overlapped, rows_moved):
+        self.accepted += readbacks[:, : step.num_decode, 0].tolist()  # one list per step
 
 
 def _config(S, graphs, steps, **more):
