@@ -30,6 +30,7 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     mamba_decode             mamba_decode     mamba_decode_rows
     layer_glue               glue             add_bias_residual_norm, bias_activation, split_qkv_heads,
                                               gated_rms_norm
+    moe_gemm                 moe              align_expert_pairs, grouped_expert_matmul
 """
 
 from mtp_ctrl.triton_ops._lazy import lazy_exports
