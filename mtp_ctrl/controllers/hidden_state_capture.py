@@ -162,7 +162,7 @@ class HiddenStateCapture(Proposer):
         count = int(self._count[0])  # host-ok: a flush
         self._host_bound = 0
         if count > 0 and self.write_error is None:  # after a failed write the records are dropped
-            # copies, not .cpu(): the buffer is reused, and .cpu() of a CPU tensor is a view
+            # copies: the buffer is reused, and moving a CPU tensor "to the CPU" returns the same storage
             self._pending.append((self._num_scheduled,
                                   self._hidden[:count].to("cpu", copy=True),  # host-ok: a flush
                                   self._records[:, :count].to("cpu", copy=True)))  # host-ok: a flush
