@@ -17,7 +17,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 
 
 def parse_args(argv=None):
@@ -40,8 +39,9 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController  # noqa: E402
+from mtp_ctrl.controllers import InferenceConfig, TextGenerationController  # noqa: E402
 from mtp_ctrl.models import build_gpt_model  # noqa: E402
+from steady_decode import timed_decode_steps  # noqa: E402
 
 VOCAB_SIZE, PROMPT_LEN = 32768, 128
 
@@ -73,25 +73,13 @@ def build_model(layer_pattern=None, tensor_parallel_size=1):
 
 def median_step_ms(model, batch, num_speculative_tokens, graphs, steps, vocab_size=VOCAB_SIZE,
                    batch_buckets=(1, 8, 32)):
-    """Median wall ms of ``controller.step()`` once ``batch`` random 128-token prompts all decode
-    (also used by bench_moe.py)."""
+    """Median wall ms of ``controller.step()`` once ``batch`` random 128-token prompts all decode."""
     config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=32, block_size_tokens=16,
                              max_model_len=1024, max_tokens_per_step=2048,
                              cuda_graph_batch_sizes=batch_buckets if graphs else (), mtp_attention="paged")
     controller = TextGenerationController(model, config)
-    generator = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        controller.add_request(torch.randint(0, vocab_size, (PROMPT_LEN,), generator=generator).tolist(),
-                               SamplingParams(max_new_tokens=500))
-    while controller.context.table.group_size(0) < batch:  # until every request decodes
-        controller.step()
-    for _ in range(10):
-        controller.step()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        controller.step()
-        times.append((time.perf_counter() - started) * 1e3)
+    times = timed_decode_steps(controller, batch, vocab_size, PROMPT_LEN, max_new_tokens=500, warmup_steps=10,
+                               steps=steps)
     controller.close()  # frees its graphs (a process group with captured collectives cannot be destroyed)
     return statistics.median(times)
 

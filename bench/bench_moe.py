@@ -49,12 +49,13 @@ import torch.nn.functional as F  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController  # noqa: E402
+from mtp_ctrl.controllers import InferenceConfig, TextGenerationController  # noqa: E402
 from mtp_ctrl.models import build_gpt_model, moe_layers  # noqa: E402
 from mtp_ctrl.models.moe_inference import graph_moe_forward, route_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
 from bench_forward import copy_bandwidth, count_gpu_events, graph_time_us, kernel_table  # noqa: E402
+from steady_decode import timed_decode_steps  # noqa: E402
 
 PROMPT_LEN = 128
 
@@ -173,19 +174,8 @@ def step_times(model, batch, num_speculative_tokens, moe_backend, graphs, steps,
                              max_tokens_per_step=max(2048, batch * (1 + num_speculative_tokens)),
                              cuda_graph_batch_sizes=buckets, moe_backend=moe_backend)
     controller = TextGenerationController(model, config)
-    generator = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        controller.add_request(torch.randint(0, vocab_size, (PROMPT_LEN,), generator=generator).tolist(),
-                               SamplingParams(max_new_tokens=400))
-    while controller.context.table.group_size(0) < batch:  # until every request decodes
-        controller.step()
-    for _ in range(3):
-        controller.step()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        controller.step()
-        times.append((time.perf_counter() - started) * 1e3)
+    times = timed_decode_steps(controller, batch, vocab_size, PROMPT_LEN, max_new_tokens=400, warmup_steps=3,
+                               steps=steps)
     gpu_ms = float("nan")
     if torch.cuda.is_available():
         profiled = 5
