@@ -12,7 +12,7 @@ from mtp_ctrl.controllers.multi_layer_eagle_proposer import MultiLayerEaglePropo
 from mtp_ctrl.controllers.parallel_drafting_proposer import ParallelDraftingProposer
 from mtp_ctrl.controllers.draft_context import DraftContext
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
-from mtp_ctrl.controllers.requests import GenerationResult
+from mtp_ctrl.controllers.requests import GenerationResult, Request, RequestStatus
 from mtp_ctrl.controllers.stop_rules import FinishReason
 
 __all__ = [
@@ -27,6 +27,8 @@ __all__ = [
     "MultiLayerEagleProposer",
     "ParallelDraftingProposer",
     "Proposer",
+    "Request",
+    "RequestStatus",
     "SamplingParams",
     "TextGenerationController",
 ]

@@ -37,7 +37,7 @@ engine's sizes are ``self.shape`` (an ``EngineShape``).
 """
 
 import time
-from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
 from mtp_ctrl.controllers.proposers import Proposer, notify_committed
 from mtp_ctrl.controllers.readback import LaunchedStep, Readbacks
 from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts, check_sampling_params_list
-from mtp_ctrl.controllers.requests import ControllerDebugView, GenerationResult, RequestRecord
+from mtp_ctrl.controllers.requests import ControllerDebugView, GenerationResult, Request, RequestStatus
 from mtp_ctrl.controllers.step_launch import StepLauncher
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
 from mtp_ctrl.controllers.tp_lockstep import TPLockstep
@@ -102,12 +102,10 @@ class TextGenerationController:
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
-        self._records: Dict[int, RequestRecord] = {}  # live and unclaimed finished requests
+        self._records: Dict[int, Request] = {}  # every request not forgotten: waiting, live, unclaimed results
         self._finished_order: Dict[int, None] = {}  # finished step-API requests whose result is not taken, oldest first
         self._held_by_generate: set = set()  # requests a running generate() waits for: never dropped
         self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
-        self._waiting: Deque[int] = self._scheduler.waiting  # queued here, not yet in the context
-        self._retiring: List[int] = []  # finished; their rows are freed once no step is in flight
         self._in_flight: Optional[LaunchedStep] = None
         self._next_request_id = 0
         self._steps_launched = 0  # by the current step() call (its wall time is shared among them)
@@ -150,7 +148,7 @@ class TextGenerationController:
         parallelism); returns the number of graphs held."""
         if self._graphs is None:
             return 0
-        if self.context.table.num_live or self._waiting or self._in_flight is not None:
+        if self.context.table.num_live or self._scheduler.num_waiting or self._in_flight is not None:
             raise RuntimeError("warmup: call it before adding requests")
         self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
         torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: start-up
@@ -175,7 +173,7 @@ class TextGenerationController:
         slot, so no replay reaches outside the pools; they are reset afterwards. Returns the number
         of graphs replayed."""
         self._sync()
-        if self.context.table.num_live or self._waiting:
+        if self.context.table.num_live or self._scheduler.num_waiting:
             raise RuntimeError("replay_graphs: call it with no request queued or live")
         if self._graphs is None:
             return 0
@@ -231,12 +229,12 @@ class TextGenerationController:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
         request_id = self._next_request_id
         self._next_request_id += 1
-        self._records[request_id] = RequestRecord(request_id, prompt, params, seed)
-        self._waiting.append(request_id)
+        self._records[request_id] = Request(request_id, prompt, params, seed)
+        self._scheduler.enqueue(request_id)
         return request_id
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting) or self.context.table.num_live > len(self._retiring)
+        return self._scheduler.num_waiting > 0 or self.context.table.num_live > self._scheduler.num_retiring
 
     def result(self, request_id: int) -> GenerationResult:
         """The result of a finished request (it stays until :meth:`pop_result` takes it, or until
@@ -255,6 +253,12 @@ class TextGenerationController:
         self._finished_order.pop(request_id, None)
         return result
 
+    def request_status(self, request_id: int) -> RequestStatus:
+        """Where a request is in its life: waiting, prefilling, decoding, paused or finished."""
+        if request_id not in self._records:
+            raise ValueError(f"unknown request_id {request_id} (never added, or its result was taken)")
+        return self._records[request_id].status
+
     def finished_request_ids(self) -> List[int]:
         """Finished step-API requests whose result :meth:`pop_result` has not taken, oldest first."""
         return list(self._finished_order)
@@ -265,7 +269,7 @@ class TextGenerationController:
         rows are reset by writes stream-ordered after the step, and the step's read-back is
         realigned when rows moved (see :meth:`_apply`)."""
         while self._can_admit():
-            request_id = self._waiting[0]
+            request_id = self._scheduler.next_waiting()
             record = self._records[request_id]
             params = record.params
             sampling_rows = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
@@ -273,7 +277,7 @@ class TextGenerationController:
             # checked by check_prompt already: as an int64 array the context checks only its dtype
             self.context.add_request(request_id, np.array(record.prompt_tokens + record.output_tokens, dtype=np.int64),
                                      sampling_rows)
-            self._waiting.popleft()  # only once the context holds it
+            self._scheduler.take_next_waiting()  # only once the context holds it
             row = self.context.table.row_of(request_id)
             self._outputs.start(row, params, len(record.prompt_tokens), record.output_tokens,
                                 record.decode_steps, record.accepted_drafts)
@@ -285,7 +289,7 @@ class TextGenerationController:
         request_id = self._scheduler.preemption_victim()
         self._release([request_id])
         self._records[request_id].preemptions += 1
-        self._waiting.appendleft(request_id)
+        self._scheduler.requeue_first(request_id)
 
     def _release(self, request_ids: List[int]) -> None:
         """The requests leave their rows (finished, preempted or aborted): their records keep what
@@ -300,20 +304,20 @@ class TextGenerationController:
 
     def _retire_finished(self) -> None:
         """Free the rows of requests that finished (a step may be in flight, see :meth:`_apply`)."""
-        if not self._retiring:
+        retiring = self._scheduler.take_retiring()
+        if not retiring:
             return
-        self._release(self._retiring)
-        for request_id in self._retiring:
+        self._release(retiring)
+        for request_id in retiring:
             if request_id not in self._held_by_generate and request_id in self._records:  # not taken yet
                 self._finished_order[request_id] = None
-        self._retiring.clear()
         while len(self._finished_order) > self.config.finished_results_kept:
             oldest = next(iter(self._finished_order))  # the oldest unclaimed result
             del self._finished_order[oldest], self._records[oldest]
 
     def _finish_record(self, request_id: int, reason: FinishReason) -> None:
         self._records[request_id].finish_reason = reason
-        self._retiring.append(request_id)
+        self._scheduler.finished(request_id)
 
     # ----- hooks -------------------------------------------------------------------------
 
@@ -326,7 +330,7 @@ class TextGenerationController:
             params = [tensor[table_rows] for tensor in (self._temperature, self._top_k, self._top_p, self._seeds)]
         return sample_tokens(logits, *params, positions, all_greedy=self._all_greedy)
 
-    def accept_tokens(self, record: RequestRecord, new_tokens: List[int]) -> Tuple[List[int], Optional[FinishReason]]:
+    def accept_tokens(self, record: Request, new_tokens: List[int]) -> Tuple[List[int], Optional[FinishReason]]:
         """What a request keeps of a step's verified tokens: a prefix of ``new_tokens``, and a
         finish reason when it keeps fewer than all of them (the device has already moved on
         with every verified token, so a request can only drop tokens by finishing). Default:
@@ -357,9 +361,9 @@ class TextGenerationController:
         """A snapshot of the controller's bookkeeping (see :class:`ControllerDebugView`)."""
         return ControllerDebugView(
             num_cuda_graphs=0 if self._graphs is None else len(self._graphs),
-            cuda_graphs_enabled=self._graphs is not None, num_waiting=len(self._waiting),
+            cuda_graphs_enabled=self._graphs is not None, num_waiting=self._scheduler.num_waiting,
             num_records=len(self._records), num_unclaimed_results=len(self._finished_order),
-            num_retiring=len(self._retiring), step_in_flight=self._in_flight is not None,
+            num_retiring=self._scheduler.num_retiring, step_in_flight=self._in_flight is not None,
             num_prefills_held=self.context.num_prefills_held, next_request_id=self._next_request_id,
             last_accepted_counts=self._launcher.accepted_counts)
 
@@ -420,9 +424,10 @@ class TextGenerationController:
         return self.context.needs_sync()
 
     def _can_admit(self) -> bool:
-        if not self._waiting:
+        request_id = self._scheduler.next_waiting()
+        if request_id is None:
             return False
-        record = self._records[self._waiting[0]]
+        record = self._records[request_id]
         return self._scheduler.can_admit(len(record.prompt_tokens) + len(record.output_tokens), record.preemptions > 0,
                                          self.context.num_free_rows, self.context.allocator.num_free_blocks)
 
@@ -529,14 +534,12 @@ class TextGenerationController:
         self._sync()
         ours = set(request_ids)
         dropped = {rid for rid in ours if self._records[rid].finish_reason is None}
-        kept = [rid for rid in self._waiting if rid not in dropped]
-        self._waiting.clear()
-        self._waiting.extend(kept)
+        self._scheduler.drop_waiting(dropped)
         self._pending_outputs = [output for output in self._pending_outputs if output[0] not in ours]
         for request_id in dropped:
             self._records[request_id].finish_reason = FinishReason.ABORTED
             if request_id in self.context:
-                self._retiring.append(request_id)
+                self._scheduler.finished(request_id)
         self._retire_finished()
 
     def _abort_running(self) -> None:
@@ -550,8 +553,7 @@ class TextGenerationController:
             record = self._records.get(request_id)
             if record is not None and record.finish_reason is None:
                 record.finish_reason = FinishReason.ABORTED
-            if request_id not in self._retiring:
-                self._retiring.append(request_id)
+            self._scheduler.finished(request_id)
         self._retire_finished()
 
     # ----- batch API -----------------------------------------------------------------------

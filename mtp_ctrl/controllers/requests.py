@@ -1,6 +1,7 @@
-"""What the controller keeps per request on the host, and what it hands back."""
+"""What the controller keeps per request on the host (:class:`Request`), and what it hands back."""
 
 import dataclasses
+import enum
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
@@ -8,21 +9,36 @@ import torch
 from mtp_ctrl.controllers.config import SamplingParams
 from mtp_ctrl.controllers.stop_rules import FinishReason
 
+from mtp_ctrl.state.request_table import RowGroup
+
 if TYPE_CHECKING:  # annotations only: output_rows imports nothing from here, but keep the graph flat
     from mtp_ctrl.controllers.output_rows import OutputRows
     from mtp_ctrl.state.request_table import RequestTable
 
 
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for a row (new, or evicted and waiting to be recomputed)
+    PREFILLING = "prefilling"  # holds a row, its prompt (or recompute) is not all in the KV cache yet
+    DECODING = "decoding"  # runs 1 + S rows a step
+    PAUSED = "paused"  # holds a row and its state, runs nothing (KV pressure, or pause_request)
+    FINISHED = "finished"  # has a finish reason; its result waits to be taken
+
+
+_STATUS_OF_GROUP = {RowGroup.DECODE: RequestStatus.DECODING, RowGroup.PREFILL: RequestStatus.PREFILLING,
+                    RowGroup.PAUSED: RequestStatus.PAUSED}
+
+
 @dataclasses.dataclass
-class RequestRecord:
-    """Everything the controller knows about one request, read through one object.
+class Request:
+    """One request on the host: everything the controller knows about it, read through one object.
 
     Fixed at ``add_request``: the prompt, the sampling parameters and the seed. Changed by the
     loop: the output so far and the verify counters, which live in the request's table row
-    (``OutputRows``, numpy rows the step's stop rules update for the whole batch at once) while
-    it holds one, and in this record once it leaves (finished or preempted): :meth:`attach` and
-    :meth:`detach` move them, so each of these facts has exactly one owner at any time and the
-    properties below always read the current one. Lifecycle: ``finish_reason``, ``preemptions``.
+    (``OutputRows``, numpy rows the step's stop rules update for the whole batch at once: a cache
+    of the running requests, filled when one joins) while it holds one, and in this object once it
+    leaves (finished or preempted): :meth:`attach` and :meth:`detach` move them, so each of these
+    facts has exactly one owner at any time and the properties below always read the current one.
+    Lifecycle: :attr:`status`, ``finish_reason``, ``preemptions``.
     """
 
     request_id: int
@@ -42,6 +58,15 @@ class RequestRecord:
         """The request leaves its row: keep what the row held."""
         self._saved = (self.output_tokens, self.decode_steps, self.accepted_drafts)
         self._source = None
+
+    @property
+    def status(self) -> RequestStatus:
+        """Where the request is in its life (read from the request table's group while it holds a row)."""
+        if self.finish_reason is not None:
+            return RequestStatus.FINISHED
+        if self._source is None:
+            return RequestStatus.WAITING
+        return _STATUS_OF_GROUP[self._source[1].group_of(self.request_id)]
 
     def _live_row(self) -> Optional[Tuple["OutputRows", int]]:
         if self._source is None:
@@ -68,6 +93,9 @@ class RequestRecord:
         return int(live[0].accepted_drafts[live[1]]) if live is not None else self._saved[2]
 
 
+RequestRecord = Request  # the name the accept_tokens hook documented before (kept for subclasses)
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
     request_id: int
@@ -90,7 +118,7 @@ class GenerationResult:
         return self.accepted_drafts / drafted if drafted else 0.0
 
     @classmethod
-    def from_record(cls, record: RequestRecord, num_speculative_tokens: int) -> "GenerationResult":
+    def from_record(cls, record: Request, num_speculative_tokens: int) -> "GenerationResult":
         return cls(
             request_id=record.request_id,
             prompt_tokens=tuple(record.prompt_tokens),

@@ -116,7 +116,9 @@ class DynamicInferenceContext:
         self.mamba = None if mamba is None else MambaStateSlots(mamba, max_requests, shape.num_speculative_tokens, device)
         self.table = RequestTable(shape)
         self.table.set_free_row_targets(self.scratch_block, -1 if self.mamba is None else self.mamba.scratch_slot)
-        self._prefill_lengths = self.table.add_host_rows("prefill_lengths", ())  # [R + 1] int64, prompt tokens
+        # [R + 1] int64: tokens the request's prefill computes (its prompt, plus the output so far
+        # after a preemption; the controller's OutputRows.prompt_lengths is the original prompt's)
+        self._prefill_token_counts = self.table.add_host_rows("prefill_token_counts", ())
         self._step_buffers = StepBuffers(self.table, shape.max_tokens_per_step, self.scheduler.max_block_writes_per_step)
         self._block_writes = []  # [3, k] int64 arrays (row, column, block id) not yet sent to the device
         # request id -> [P] int64: the tokens its prefill computes (the prompt, plus the output so far
@@ -162,7 +164,7 @@ class DynamicInferenceContext:
             raise RuntimeError(f"max_requests ({self.table.shape.max_requests}) requests are live; finish one first")
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
         row = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values)
-        self._prefill_lengths[row] = prompt.shape[0]
+        self._prefill_token_counts[row] = prompt.shape[0]
         self._prefill_tokens[request_id] = prompt
         self.scheduler.admitted(request_id)
 
@@ -206,7 +208,7 @@ class DynamicInferenceContext:
             raise ValueError(f"request {request_id} is not paused")
         prompt_done = int(self.table.host.known_lengths[row]) >= self._prefill_tokens[request_id].shape[0]
         self.table.move(request_id, RowGroup.DECODE if prompt_done else RowGroup.PREFILL)
-        self.scheduler.paused_for_kv.pop(request_id, None)
+        self.scheduler.resumed(request_id)
 
     # ----- steps -------------------------------------------------------------------------
 
@@ -429,7 +431,7 @@ class DynamicInferenceContext:
         pause = self.scheduler.decodes_to_pause(needs, self.allocator.num_free_blocks)
         for request_id in self.table.host.request_ids[: needs.shape[0]][pause].tolist():  # host-ok: numpy
             self.table.move(request_id, RowGroup.PAUSED)
-            self.scheduler.paused_for_kv[request_id] = None
+            self.scheduler.paused_for_kv_space(request_id)
 
     def _resume_requests_paused_for_kv(self) -> None:
         paused = self.scheduler.paused_for_kv
@@ -440,7 +442,7 @@ class DynamicInferenceContext:
         needs = (self._blocks_to_resume(self.table.row_of(request_id)) for request_id in request_ids)
         for request_id in request_ids[: self.scheduler.num_to_resume(needs, spare_blocks)]:
             self.table.move(request_id, RowGroup.DECODE)
-            del paused[request_id]
+            self.scheduler.resumed(request_id)
 
     def _blocks_to_resume(self, row: int) -> int:
         """Blocks a paused request at ``row`` needs for its next decode step."""
@@ -453,7 +455,7 @@ class DynamicInferenceContext:
         host = self.table.host
         start, end = self.table.group_rows(RowGroup.PREFILL)
         lengths = self.scheduler.prefill_chunk_lengths(
-            self._prefill_lengths[start:end] - host.known_lengths[start:end], host.known_lengths[start:end],
+            self._prefill_token_counts[start:end] - host.known_lengths[start:end], host.known_lengths[start:end],
             host.block_counts[start:end], self.allocator.num_free_blocks, num_decode)
         chunk_lengths = np.array(lengths, dtype=np.int64)  # [p'] int64, rows [start, start + p')
         rows = slice(start, start + chunk_lengths.shape[0])

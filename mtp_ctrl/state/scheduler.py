@@ -70,9 +70,16 @@ def decode_run_lengths(decode_steps_per_launch: int) -> Tuple[int, ...]:
 class Scheduler:
     """The step loop's policy for a context of these sizes (see the module docstring).
 
-    It also keeps the order requests joined (:attr:`admission_order`, oldest first), the queue of
-    requests waiting for a row (:attr:`waiting`) and the requests paused for KV
-    (:attr:`paused_for_kv`, oldest first): the state its decisions read.
+    It owns the request queues its decisions read, and only it changes them (callers read them
+    and tell it what happened through the methods below):
+
+    - waiting: request ids waiting for a row, next first (:meth:`enqueue`, :meth:`requeue_first`,
+      :meth:`next_waiting`, :meth:`take_next_waiting`, :meth:`drop_waiting`);
+    - :attr:`admission_order`: live requests, oldest first (:meth:`admitted`, :meth:`released`);
+    - :attr:`paused_for_kv`: requests it paused for KV, oldest first (:meth:`paused_for_kv_space`,
+      :meth:`resumed`);
+    - retiring: finished requests whose rows are not freed yet (:meth:`finished`,
+      :meth:`take_retiring`).
     """
 
     def __init__(self, shape: "EngineShape"):
@@ -85,9 +92,56 @@ class Scheduler:
                                       new_steps=longest)
         self.max_block_writes_per_step = \
             shape.max_requests * (from_zero + 1) + self.blocks_for(shape.max_tokens_per_step) + 1
-        self.waiting: Deque[int] = collections.deque()  # request ids waiting for a row, next first
+        self._waiting: Deque[int] = collections.deque()  # request ids waiting for a row, next first
         self.admission_order: Dict[int, None] = {}  # live requests (ordered set), oldest first
         self.paused_for_kv: Dict[int, None] = {}  # ordered set: paused by the scheduler, oldest first
+        self._retiring: Dict[int, None] = {}  # ordered set: finished, rows not freed yet
+
+    # ----- the queues ------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_retiring(self) -> int:
+        return len(self._retiring)
+
+    def enqueue(self, request_id: int) -> None:
+        """A new request waits for a row, behind every waiting one."""
+        self._waiting.append(request_id)
+
+    def requeue_first(self, request_id: int) -> None:
+        """An evicted request waits at the front of the queue (it joins next, see :meth:`can_admit`)."""
+        self._waiting.appendleft(request_id)
+
+    def next_waiting(self) -> Optional[int]:
+        """The request that joins next, or None."""
+        return self._waiting[0] if self._waiting else None
+
+    def take_next_waiting(self) -> int:
+        """Remove the request that joins next from the queue (it took a row) and return it."""
+        return self._waiting.popleft()
+
+    def drop_waiting(self, request_ids: Iterable[int]) -> None:
+        """Remove ``request_ids`` from the queue (those not in it are ignored); the rest keep their order."""
+        dropped = set(request_ids)
+        kept = [request_id for request_id in self._waiting if request_id not in dropped]
+        self._waiting.clear()
+        self._waiting.extend(kept)
+
+    def finished(self, request_id: int) -> None:
+        """A live request finished: its row is freed at the next :meth:`take_retiring`."""
+        self._retiring[request_id] = None
+
+    def is_retiring(self, request_id: int) -> bool:
+        return request_id in self._retiring
+
+    def take_retiring(self) -> List[int]:
+        """The finished requests whose rows are to be freed now, oldest first; the queue empties."""
+        request_ids = list(self._retiring)
+        self._retiring.clear()
+        return request_ids
 
     # ----- block counts ----------------------------------------------------------------------
 
@@ -150,6 +204,14 @@ class Scheduler:
     def released(self, request_id: int) -> None:
         """The request left its row (finished or evicted)."""
         self.admission_order.pop(request_id, None)
+        self.paused_for_kv.pop(request_id, None)
+
+    def paused_for_kv_space(self, request_id: int) -> None:
+        """The context paused a decode the free blocks could not hold (it resumes oldest first)."""
+        self.paused_for_kv[request_id] = None
+
+    def resumed(self, request_id: int) -> None:
+        """A paused request runs again."""
         self.paused_for_kv.pop(request_id, None)
 
     def should_preempt(self, num_live: int, steps_in_flight: int) -> bool:

@@ -40,7 +40,8 @@ class AdmissionSyncChecked(TextGenerationController):
         self.context.add_request = add_and_record
 
     def _checked(self, function):
-        if self._in_flight is None or not self._waiting:
+        view = self.debug_view()
+        if not view.step_in_flight or not view.num_waiting:
             return function()
         with no_host_sync():
             return function()
@@ -50,14 +51,15 @@ class AdmissionSyncChecked(TextGenerationController):
 
     def _retire_finished(self):
         """Freeing the rows of finished requests with a step in flight must not sync either."""
-        if self._in_flight is None or not self._retiring:
+        view = self.debug_view()
+        if not view.step_in_flight or not view.num_retiring:
             return super()._retire_finished()
-        self.retired_with_step_in_flight += len(self._retiring)
+        self.retired_with_step_in_flight += view.num_retiring
         with no_host_sync():
             return super()._retire_finished()
 
     def _apply_in_flight(self, collect=False):
-        if not self._retiring and self.has_unfinished_requests():
+        if not self.debug_view().num_retiring and self.has_unfinished_requests():
             self.early_applications += 1
         return super()._apply_in_flight(collect)
 
