@@ -92,6 +92,15 @@ class InferenceConfig:
         graphs like dense ones; a model setting that path does not cover raises ValueError naming
         it. "megatron" runs megatron's own MoELayer, which syncs with the host: steps run eagerly
         (the comparison). Dense models ignore it.
+    fused_rope: rope q and k inside the paged KV write (True, default), or megatron's own rotary
+        per layer (False, the comparison). Same tokens either way.
+    fused_glue: layers built by ``build_gpt_model`` run their bias / residual / norm / activation
+        glue as Triton kernels (True) or megatron's element-wise ops (False); None (default): on
+        for a model on CUDA, off elsewhere (on the CPU the kernels would run through Triton's
+        interpreter). Same math; fp32 tokens are identical.
+    mamba_kernels: the Mamba mixers' conv / scan / decode-row ops are the Triton kernels (True)
+        or their torch twins (False); None (default): each mixer's own choice, kernels on CUDA,
+        twins elsewhere.
     tp_check_timeout_s: under tensor parallelism every ``step()`` first checks that all ranks
         build the same step (``tp_lockstep.py``); a rank that gets no answer within this many
         seconds raises instead of waiting for the process group's timeout. Allow for the slowest
@@ -113,6 +122,9 @@ class InferenceConfig:
     decode_steps_per_launch: int = 1
     moe_backend: str = "triton"
     tp_check_timeout_s: float = 300.0
+    fused_rope: bool = True
+    fused_glue: Optional[bool] = None
+    mamba_kernels: Optional[bool] = None
 
     def __post_init__(self):
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -143,6 +155,11 @@ class InferenceConfig:
                 f"max_tokens_per_step ({self.max_tokens_per_step})"
             )
         object.__setattr__(self, "cuda_graph_batch_sizes", buckets)
+        if not isinstance(self.fused_rope, bool):
+            raise TypeError(f"fused_rope must be a bool, got {type(self.fused_rope).__name__}")
+        for name in ("fused_glue", "mamba_kernels"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool or None, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.overlap_scheduling, bool):
             raise TypeError(f"overlap_scheduling must be a bool, got {type(self.overlap_scheduling).__name__}")
         _require_int("finished_results_kept", self.finished_results_kept, 0)

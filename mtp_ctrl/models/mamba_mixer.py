@@ -30,7 +30,6 @@ contiguous slices of the full tensors).
 """
 
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -44,23 +43,11 @@ from mtp_ctrl import triton_ops
 from mtp_ctrl.models.forward_context import MambaForward, current_paged_forward
 from mtp_ctrl.triton_ops import reference as torch_twins
 
-# "0": mixers built from now on call the torch twins of the Mamba kernels directly, on any device
-# (tests/unit/conftest.py sets it: the interpreted kernels would multiply the model tests' time;
-# the kernels' own tests and one mixer-level test run them). Default "1": the dispatching ops.
-MAMBA_KERNELS_ENV = "MTP_CTRL_MAMBA_KERNELS"
-
 # Attribute of a tensor-parallel parameter whose full tensor is several sections along its
 # partition_dim, each split over the ranks on its own: rank r holds its chunk of every section, in
 # order. E.g. in_proj.weight, sections (z, x, B, C, dt) = (128, 128, 16, 16, 8) rows at TP = 2:
 # rank 1 holds z[64:128], x[64:128], B[8:16], C[8:16], dt[4:8]. See :func:`shard_full_tensor`.
 TP_SECTIONS_ATTR = "tp_shard_sections"
-
-
-def mamba_kernels_from_env() -> bool:
-    value = os.environ.get(MAMBA_KERNELS_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{MAMBA_KERNELS_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 def shard_full_tensor(parameter: torch.Tensor, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -176,8 +163,10 @@ class PagedMambaMixer(MegatronModule):
                                           init_method=config.output_layer_init_method, bias=False,
                                           input_is_parallel=True, skip_bias_add=True, tp_group=tp_group)
         self.mamba_layer_index: Optional[int] = None
-        # the conv/scan ops: Triton kernels on CUDA (twins on CPU), or always the twins (MAMBA_KERNELS_ENV)
-        self.mamba_kernels = mamba_kernels_from_env()
+        # the conv/scan ops: the Triton kernels (True) or their torch twins (False); None: kernels
+        # for CUDA rows, twins elsewhere (on the CPU the kernels would run through Triton's
+        # interpreter). PagedGPTRunner(mamba_kernels=...) sets it (InferenceConfig.mamba_kernels)
+        self.mamba_kernels: Optional[bool] = None
 
     @property
     def conv_state_shape(self) -> Tuple[int, int]:
@@ -214,13 +203,16 @@ class PagedMambaMixer(MegatronModule):
                 y = decoded if rows == num_rows else F.pad(decoded, (0, 0, 0, num_rows - rows))
         if y is None:
             y = torch.zeros_like(z)  # [T, d_inner_local] fp32: no request has a row
-        normed = self.norm(y, z, hidden_states.dtype, self.mamba_kernels)  # [T, d_inner_local], one launch
+        normed = self.norm(y, z, hidden_states.dtype, self._use_kernels(y))  # [T, d_inner_local], one launch
         out, _ = self.out_proj(normed[:, None])  # [T, 1, hidden], summed over the TP ranks
         return out, None
 
+    def _use_kernels(self, rows: torch.Tensor) -> bool:
+        return self.mamba_kernels if self.mamba_kernels is not None else rows.is_cuda
+
     def _ops(self):
         """Where the conv, scan and decode-row ops come from (``self.mamba_kernels``)."""
-        return triton_ops if self.mamba_kernels else torch_twins
+        return triton_ops if self._use_kernels(self.D) else torch_twins
 
     def _parameters_fp32(self):
         """(conv weight [C, W], conv bias [C], A [H_local], D [H_local]), fp32 (a bf16 model's are cast)."""

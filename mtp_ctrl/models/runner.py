@@ -8,8 +8,7 @@ Rotary, fused (the default): cos and sin of the rows' angles are computed once p
 :meth:`~PagedGPTRunner.forward` / :meth:`~PagedGPTRunner.mtp_forward` call and handed to every
 attention layer through the forward context; megatron's attention gets ``rotary_pos_emb=None``
 and each :class:`PagedCoreAttention` ropes q and k inside its KV-cache write (one launch). Unfused
-(``fused_rope=False``, or ``MTP_CTRL_FUSED_ROPE=0`` in the environment when the runner is built):
-megatron's own rotary, as in training; kept for comparison and benchmarks.
+(``fused_rope=False``; ``InferenceConfig.fused_rope`` for a controller): megatron's own rotary, as in training; kept for comparison and benchmarks.
 
 Which hidden state is returned. megatron's ``TransformerBlock`` applies the final layer norm
 itself, and ``GPTModel`` feeds that normed decoder output to MTP depth 0; each MTP layer ends in
@@ -23,7 +22,6 @@ outputs (before the final norm) in :attr:`PagedGPTRunner.aux_hidden`, ``[T, k * 
 same forward pass (no second forward, no host sync; works inside a captured CUDA graph).
 """
 
-import os
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -44,19 +42,6 @@ from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.mamba_slots import MambaSpec
 
 _SUPPORTED_POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
-FUSED_ROPE_ENV = "MTP_CTRL_FUSED_ROPE"  # "0": runners built with fused_rope=None use megatron's rotary
-FUSED_GLUE_ENV = "MTP_CTRL_FUSED_GLUE"  # "0": runners built with fused_glue=None run megatron's layer glue
-
-
-def _flag_from_env(name: str) -> bool:
-    value = os.environ.get(name, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-def _fused_rope_from_env() -> bool:
-    return _flag_from_env(FUSED_ROPE_ENV)
 
 
 def check_aux_layer_ids(aux_layer_ids, num_decoder_layers: int) -> Tuple[int, ...]:
@@ -91,13 +76,18 @@ class PagedGPTRunner:
     >>> draft_logits, hidden = runner.mtp_forward(0, hidden, next_token_ids, positions, mtp_metadata, kv_caches)
 
     ``fused_rope``: rope q and k inside the paged KV write, with cos/sin computed once per call
-    (True), or let megatron's attention apply rotary per layer (False); None reads
-    ``MTP_CTRL_FUSED_ROPE`` (default 1). Both give the same tokens; see the module docstring.
+    (True, default), or let megatron's attention apply rotary per layer (False). Both give the same
+    tokens; see the module docstring.
 
     ``fused_glue``: layers built by :func:`mtp_ctrl.models.build_gpt_model` (local spec) run their
     bias / residual / norm / activation / QKV-split glue as Triton kernels
-    (:mod:`mtp_ctrl.models.fused_layers`) (True), or megatron's element-wise ops (False); None reads
-    ``MTP_CTRL_FUSED_GLUE`` (default 1). Same math and rounding points; fp32 tokens are identical.
+    (:mod:`mtp_ctrl.models.fused_layers`) (True), or megatron's element-wise ops (False); None
+    (default): True for a model on CUDA, False elsewhere (on the CPU the kernels would run through
+    Triton's interpreter). Same math and rounding points; fp32 tokens are identical.
+
+    ``mamba_kernels``: every Mamba mixer's conv / scan / decode-row ops are the Triton kernels
+    (True) or their torch twins (False); None (default) leaves each mixer's own choice (kernels
+    on CUDA, twins elsewhere).
 
     ``moe_backend``: how MoE layers compute (:mod:`mtp_ctrl.models.moe_inference`): ``"triton"``
     or ``"grouped_mm"`` (the sync-free path, captured in CUDA graphs; a setting it does not cover
@@ -105,17 +95,17 @@ class PagedGPTRunner:
     the host, so :attr:`cuda_graph_capturable` is False for an MoE model).
     """
 
-    def __init__(self, model: GPTModel, fused_rope: Optional[bool] = None, fused_glue: Optional[bool] = None,
-                 moe_backend: str = DEFAULT_MOE_BACKEND):
-        if fused_rope is None:
-            fused_rope = _fused_rope_from_env()
-        if fused_glue is None:
-            fused_glue = _flag_from_env(FUSED_GLUE_ENV)
-        for name, flag in (("fused_rope", fused_rope), ("fused_glue", fused_glue)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
+    def __init__(self, model: GPTModel, fused_rope: bool = True, fused_glue: Optional[bool] = None,
+                 mamba_kernels: Optional[bool] = None, moe_backend: str = DEFAULT_MOE_BACKEND):
         if not isinstance(model, GPTModel):
             raise TypeError(f"model must be a megatron.core GPTModel, got {type(model).__name__}")
+        if fused_glue is None:
+            fused_glue = next(model.parameters()).device.type == "cuda"
+        if not isinstance(fused_rope, bool):
+            raise TypeError(f"fused_rope must be a bool, got {type(fused_rope).__name__}")
+        for name, flag in (("fused_glue", fused_glue), ("mamba_kernels", mamba_kernels)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool or None, got {type(flag).__name__}")
         if not (model.pre_process and model.post_process):
             raise ValueError("model must hold the whole network (pre_process and post_process): no pipeline stages")
         if model.config.sequence_parallel:
@@ -127,6 +117,9 @@ class PagedGPTRunner:
         self.model = model.eval()
         self.num_kv_layers = assign_kv_layer_indices(model)  # TypeError when attention is not paged
         self.num_mamba_layers = assign_mamba_layer_indices(model)
+        if mamba_kernels is not None:
+            for mixer in mamba_mixers(model):
+                mixer.mamba_kernels = mamba_kernels
         self.num_decoder_layers = len(model.decoder.layers)
         link_input_norms(model.decoder.layers)  # fused layers norm their successor's input (fused_layers.py)
         self.mtp_num_layers = len(model.mtp.layers) if model.mtp_process else 0

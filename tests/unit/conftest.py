@@ -7,14 +7,10 @@ defined), so it is set here, before any test module imports a kernel.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# The layer-glue kernels through the interpreter would double the time of every model test. The
-# rest of the suite runs megatron's own glue; tests/unit/test_fused_layers.py runs the fused glue
-# through the model and the controller (fused == unfused), and the GPU tests run it by default.
-os.environ.setdefault("MTP_CTRL_FUSED_GLUE", "0")
-# Likewise the Mamba conv/scan/decode-row kernels: model tests' mixers run their torch twins
-# (mtp_ctrl.models.mamba_mixer.MAMBA_KERNELS_ENV); tests/unit/test_mamba_varlen_kernels.py and
-# test_mamba_decode_kernel.py run the kernels, the latter also through a mixer.
-os.environ.setdefault("MTP_CTRL_MAMBA_KERNELS", "0")
+# The layer-glue and Mamba conv/scan/decode-row kernels are off by default for a CPU model
+# (InferenceConfig.fused_glue / mamba_kernels None), so the model tests run megatron's own glue and
+# the Mamba twins; tests/unit/test_fused_layers.py and test_mamba_decode_kernel.py turn them on to
+# run them through the interpreter, and the GPU tests run them by default.
 # Under pytest-xdist every worker is a process with torch's default intra-op threads (one per
 # core): 2 workers x 2 threads on CI's 2 cores oversubscribe them, and CPU-heavy tests ran 2-10x
 # slower (a controller churn test: 15.8 s -> 1.7 s with one thread a worker).

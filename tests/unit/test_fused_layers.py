@@ -10,11 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_ctrl.controllers import SamplingParams
+from mtp_ctrl.controllers import InferenceConfig, SamplingParams
 from mtp_ctrl.models import PagedGPTRunner, count_kv_layers
 from mtp_ctrl.models import fused_layers, paged_core_attention
 from mtp_ctrl.models.fused_layers import FusedGlueTransformerLayer, FusedQKVSelfAttention
-from mtp_ctrl.models.runner import FUSED_GLUE_ENV
 from tests.unit.controller_fixtures import PROMPTS, make_controller, run_with_arrivals
 from tests.unit.megatron_fixtures import (
     MAX_SEQUENCE_LENGTH,
@@ -152,31 +151,27 @@ def test_training_and_unsupported_configs_run_megatrons_forward(monkeypatch):
     model.eval()
 
 
-def test_fused_glue_switch(monkeypatch):
+def test_fused_glue_switch():
     model = _build({})
-    monkeypatch.delenv(FUSED_GLUE_ENV, raising=False)  # conftest turns it off for the other tests
-    assert PagedGPTRunner(model).fused_glue is True
-    monkeypatch.setenv(FUSED_GLUE_ENV, "0")
-    assert PagedGPTRunner(model).fused_glue is False
+    assert PagedGPTRunner(model).fused_glue is False  # None: on for a CUDA model only (CPU: interpreter)
     assert PagedGPTRunner(model, fused_glue=True).fused_glue is True
-    monkeypatch.setenv(FUSED_GLUE_ENV, "on")
-    with pytest.raises(ValueError, match=FUSED_GLUE_ENV):
-        PagedGPTRunner(model)
+    assert PagedGPTRunner(model, fused_glue=False).fused_glue is False
     with pytest.raises(TypeError, match="fused_glue"):
         PagedGPTRunner(model, fused_glue=1)
+    with pytest.raises(TypeError, match="fused_glue"):
+        InferenceConfig(fused_glue="on")
 
 
-def test_controller_greedy_tokens_equal_with_and_without_fused_glue(monkeypatch):
+def test_controller_greedy_tokens_equal_with_and_without_fused_glue():
     """Through the controller (S = 2, real MTP drafting): the same greedy tokens either way."""
     torch.manual_seed(1234)
     model = build_gpt_model(tiny_config(mtp_num_layers=2), VOCAB_SIZE, MAX_SEQUENCE_LENGTH).eval()
     arrivals = [(0, PROMPTS[1], SamplingParams(max_new_tokens=5))]
     outputs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv(FUSED_GLUE_ENV, flag)
-        controller = make_controller(model, num_speculative_tokens=2)
-        assert controller.runner.fused_glue is (flag == "1")
+    for flag in (True, False):
+        controller = make_controller(model, num_speculative_tokens=2, fused_glue=flag)  # InferenceConfig field
+        assert controller.runner.fused_glue is flag
         outputs[flag] = run_with_arrivals(controller, arrivals)
         controller.close()
-    assert outputs["1"] == outputs["0"]
-    assert all(len(tokens) > 0 for tokens in outputs["1"])
+    assert outputs[True] == outputs[False]
+    assert all(len(tokens) > 0 for tokens in outputs[True])

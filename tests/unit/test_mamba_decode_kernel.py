@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mtp_ctrl.models import MambaForward
 from mtp_ctrl.models.forward_context import paged_forward_context
-from mtp_ctrl.models.mamba_mixer import MAMBA_KERNELS_ENV, mamba_kernels_from_env
+from mtp_ctrl.controllers import InferenceConfig
 from tests.unit.mamba_oracle import causal_conv_step, ssm_step
 from mtp_ctrl.triton_ops import mamba_decode_rows, reference
 from tests.unit.megatron_fixtures import make_metadata
@@ -166,11 +166,8 @@ def test_mixer_with_kernels_equals_mixer_with_twins(padding_rows):
                                    equal_nan=True)
 
 
-def test_kernels_flag_reads_the_environment(monkeypatch):
-    monkeypatch.setenv(MAMBA_KERNELS_ENV, "1")
-    assert mamba_kernels_from_env() and random_mixer().mamba_kernels
-    monkeypatch.setenv(MAMBA_KERNELS_ENV, "0")
-    assert not mamba_kernels_from_env()
-    monkeypatch.setenv(MAMBA_KERNELS_ENV, "on")
-    with pytest.raises(ValueError, match=MAMBA_KERNELS_ENV):
-        mamba_kernels_from_env()
+def test_kernels_flag_is_a_config_field():
+    assert random_mixer().mamba_kernels is None  # the default: kernels for CUDA rows, twins elsewhere
+    assert InferenceConfig(mamba_kernels=True).mamba_kernels is True
+    with pytest.raises(TypeError, match="mamba_kernels"):
+        InferenceConfig(mamba_kernels="on")

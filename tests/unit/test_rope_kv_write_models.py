@@ -10,7 +10,7 @@ from megatron.core.models.gpt import GPTModel
 
 from mtp_ctrl.models import PagedGPTRunner, count_kv_layers, get_paged_gpt_layer_spec, get_paged_mtp_block_spec
 from mtp_ctrl.models.forward_context import RotaryTables
-from mtp_ctrl.models.runner import FUSED_ROPE_ENV
+from mtp_ctrl.controllers import InferenceConfig
 from tests.unit.megatron_fixtures import (
     MAX_SEQUENCE_LENGTH,
     NUM_BLOCKS,
@@ -100,15 +100,12 @@ def test_rotary_tables_are_computed_once_per_call():
     assert tables is None and emb.shape == (3, 1, 1, 16)
 
 
-def test_fused_rope_switch(monkeypatch):
+def test_fused_rope_switch():
     torch.manual_seed(16)
     model = build_gpt_model(tiny_config(mtp_num_layers=None), VOCAB_SIZE, MAX_SEQUENCE_LENGTH).eval()
     assert PagedGPTRunner(model).fused_rope is True
-    monkeypatch.setenv(FUSED_ROPE_ENV, "0")
-    assert PagedGPTRunner(model).fused_rope is False
-    assert PagedGPTRunner(model, fused_rope=True).fused_rope is True
-    monkeypatch.setenv(FUSED_ROPE_ENV, "yes")
-    with pytest.raises(ValueError, match=FUSED_ROPE_ENV):
-        PagedGPTRunner(model)
+    assert PagedGPTRunner(model, fused_rope=False).fused_rope is False
     with pytest.raises(TypeError, match="fused_rope"):
         PagedGPTRunner(model, fused_rope=1)
+    with pytest.raises(TypeError, match="fused_rope"):
+        InferenceConfig(fused_rope=None)
