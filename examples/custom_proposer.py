@@ -102,7 +102,7 @@ class AttentionDrafterProposer(Proposer):
                                    max_query_len=1, max_seq_len=attention.max_seq_len)  # [G, 1, D]
         features = batch.hidden[last_rows] + drafter.out(attended.flatten(1))  # [G, H]
         logits = drafter.heads(features).view(G * S, -1)  # [G * S, V]: request-major, then depth
-        table_rows = torch.arange(G, device=device).repeat_interleave(S)  # [G * S]: request i sits at table row i
+        table_rows = batch.write_rows.repeat_interleave(S)  # [G * S]: each request's table row (padding: scratch)
         positions = (batch.bonus_positions[:, None] + torch.arange(1, S + 1, device=device)).flatten()  # [G * S]
         return context.sample_rows(logits.float(), table_rows, positions).view(G, S)
 

@@ -59,11 +59,12 @@ class RequestSampling:
     they follow their requests), and the distribution a row's request samples from."""
 
     def __init__(self, table):
-        rows = {name: table.device_rows_with_scratch(name)[: table.shape.max_requests] for name in _PARAM_ROWS}
-        self.temperature = rows["temperature"]  # [R] float32
-        self.top_k = rows["top_k"]  # [R] int64
-        self.top_p = rows["top_p"]  # [R] float32
-        self.seeds = rows["seed"]  # [R] int64
+        # with the scratch row R: padding requests (DraftBatch.write_rows) sample with its values
+        rows = {name: table.device_rows_with_scratch(name) for name in _PARAM_ROWS}
+        self.temperature = rows["temperature"]  # [R + 1] float32
+        self.top_k = rows["top_k"]  # [R + 1] int64
+        self.top_p = rows["top_p"]  # [R + 1] float32
+        self.seeds = rows["seed"]  # [R + 1] int64
 
     def probs(self, logits: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
         """[K, V] float32: :func:`sampling_probs` of logits ``[K, V]`` under the parameters of the

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 
-from mtp_ctrl.controllers.acceptance import RejectionAcceptance
+from mtp_ctrl.controllers.acceptance import RejectionAcceptance, RequestSampling
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.draft_context import DraftContext
@@ -69,7 +69,8 @@ class TextGenerationController:
         if not isinstance(config, InferenceConfig):
             raise TypeError(f"config must be an InferenceConfig, got {type(config).__name__}")
         self.config = config
-        self.runner = PagedGPTRunner(model, moe_backend=config.moe_backend)  # TypeError for a model without the paged spec
+        self.runner = PagedGPTRunner(model, fused_rope=config.fused_rope, fused_glue=config.fused_glue,
+                                     mamba_kernels=config.mamba_kernels, moe_backend=config.moe_backend)
         # what K/V will be computed in: the embedding's dtype
         self.shape = config.engine_shape(model.vocab_size, next(model.parameters()).device,
                                          self.runner.model.embedding.word_embeddings.weight.dtype)
@@ -130,11 +131,13 @@ class TextGenerationController:
 
     def _allocate_step_buffers(self) -> None:
         table, R, S = self.context.table, self.shape.max_requests, self.shape.num_speculative_tokens
-        # the requests' sampling parameters, by table row (RequestTable.insert writes them)
-        self._temperature = table.add_device_rows("temperature", (), torch.float32, set_on_insert=True)  # [R] float32
-        self._top_k = table.add_device_rows("top_k", (), torch.int64, set_on_insert=True)  # [R] int64
-        self._top_p = table.add_device_rows("top_p", (), torch.float32, fill=1.0, set_on_insert=True)  # [R] float32
-        self._seeds = table.add_device_rows("seed", (), torch.int64, set_on_insert=True)  # [R] int64
+        # the requests' sampling parameters, by table row (RequestTable.insert writes them), read
+        # through one RequestSampling (rows [R + 1]: the scratch row too) here and by acceptance
+        table.add_device_rows("temperature", (), torch.float32, set_on_insert=True)
+        table.add_device_rows("top_k", (), torch.int64, set_on_insert=True)
+        table.add_device_rows("top_p", (), torch.float32, fill=1.0, set_on_insert=True)
+        table.add_device_rows("seed", (), torch.int64, set_on_insert=True)
+        self._sampling = RequestSampling(table)
         device, T = self.shape.device, self.shape.max_tokens_per_step
         self._greedy_params = (torch.zeros(T, device=device), torch.zeros(T, dtype=torch.int64, device=device),
                                torch.ones(T, device=device), torch.zeros(T, dtype=torch.int64, device=device))
@@ -327,7 +330,9 @@ class TextGenerationController:
         if self._all_greedy:  # every row is greedy: constant parameters, no per-row gathers
             params = [tensor[: logits.shape[0]] for tensor in self._greedy_params]
         else:
-            params = [tensor[table_rows] for tensor in (self._temperature, self._top_k, self._top_p, self._seeds)]
+            sampling = self._sampling
+            params = [tensor[table_rows] for tensor in (sampling.temperature, sampling.top_k, sampling.top_p,
+                                                        sampling.seeds)]
         return sample_tokens(logits, *params, positions, all_greedy=self._all_greedy)
 
     def accept_tokens(self, record: Request, new_tokens: List[int]) -> Tuple[List[int], Optional[FinishReason]]:

@@ -51,7 +51,7 @@ from mtp_ctrl.triton_ops import (
 
 
 class EagleProposer(AuxDraftProposer):
-    """Serial EAGLE drafting with ``head``; pass it as ``TextGenerationController(model, config, proposer=...)``."""
+    """Serial EAGLE drafting with ``head``; pass it as the ``proposer`` argument of the controller."""
 
     probs_name = "eagle_draft_probs"
 
@@ -104,7 +104,7 @@ class EagleProposer(AuxDraftProposer):
         features = self.head.project_aux(batch.aux_hidden)  # [T, H]
         logits, hidden = runner.eagle_forward(self.head, features, input_ids, positions, metadata, self._kv_caches,
                                               logits_rows=draft_rows)  # [G, V], [T, H]
-        sampling_rows = torch.arange(G, device=device)
+        sampling_rows = batch.write_rows  # [G] int64: each request's table row (padding: the scratch row)
         drafts = torch.empty(G, S, dtype=torch.int64, device=device)  # [G, S]
         drafts[:, 0] = self.draft_context.sample_rows(logits, sampling_rows, ends + 1)
         self._record_draft_probs(batch, logits, sampling_rows, 0)

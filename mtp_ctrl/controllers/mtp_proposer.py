@@ -80,7 +80,7 @@ class MTPProposer(Proposer):
             self._record_verified_tokens(batch)
             hidden, positions, history_rows, metadata = self._single_position_rows(batch, ends)
         last_rows = metadata.query_start_loc[1:].long() - 1  # [G] each request's row at e - 1
-        sampling_rows = torch.arange(num_requests, device=device)
+        sampling_rows = batch.write_rows  # [G] int64: each request's table row (padding: the scratch row)
         draft_write_rows = torch.where(batch.samples, batch.write_rows, self.draft_context.scratch_row)  # [G] int64
         drafts = torch.empty(num_requests, S, dtype=torch.int64, device=device)  # [G, S]
         runner, kv_caches = self.draft_context.runner, self.draft_context.target_kv_caches

@@ -45,9 +45,8 @@ from mtp_ctrl.triton_ops import shift_and_gather_cache, shift_and_gather_cache_h
 
 
 class MultiLayerEagleProposer(AuxDraftProposer):
-    """Drafts with ``heads`` (one layer per draft); pass it as
-    ``TextGenerationController(model, config, proposer=...)`` with ``num_speculative_tokens ==
-    heads.num_layers``."""
+    """Drafts with ``heads`` (one layer per draft); pass it as the ``proposer`` argument of the
+    controller, with ``num_speculative_tokens == heads.num_layers``."""
 
     module_name = "heads"
     probs_name = "multi_layer_eagle_draft_probs"
@@ -92,7 +91,7 @@ class MultiLayerEagleProposer(AuxDraftProposer):
             positions=positions, num_actual_tokens=tokens.shape[0], max_query_len=window["max_rows"],
             max_seq_len=attention.max_seq_len)
         draft_rows, is_draft_row, owners = window["draft_rows"], window["is_draft_row"], window["owners"]
-        sampling_rows = torch.arange(G, device=device)
+        sampling_rows = batch.write_rows  # [G] int64: each request's table row (padding: the scratch row)
         ends = batch.bonus_positions  # [G] int64, e
         drafts = torch.empty(G, S, dtype=torch.int64, device=device)  # [G, S]
         for depth, layer in enumerate(self.heads.layers):

@@ -52,7 +52,7 @@ from mtp_ctrl.triton_ops import eagle_prepare_inputs_padded, ptd_prepare_inputs
 
 class ParallelDraftingProposer(EagleProposer):
     """Parallel drafting with ``head`` (``build_eagle_head(target, ..., parallel_drafting=True)``);
-    pass it as ``TextGenerationController(model, config, proposer=...)``."""
+    pass it as the ``proposer`` argument of the controller."""
 
     def __init__(self, head: EagleHead):
         super().__init__(head)  # TypeError unless an EagleHead
@@ -108,7 +108,7 @@ class ParallelDraftingProposer(EagleProposer):
         draft_rows = draft_rows.clamp(0, num_rows - 1).flatten()  # [G * S] (padding requests: any valid row)
         logits, _ = runner.eagle_forward(head, hidden, input_ids, positions, metadata, self._kv_caches,
                                          logits_rows=draft_rows)  # [G * S, V]
-        sampling_rows = request_index[:, None].expand(G, S).flatten()  # [G * S] table row of each draft
+        sampling_rows = batch.write_rows[:, None].expand(G, S).flatten()  # [G * S] table row of each draft
         draft_positions = (ends[:, None] + torch.arange(1, S + 1, device=device)).flatten()  # [G * S] int64
         drafts = self.draft_context.sample_rows(logits, sampling_rows, draft_positions).view(G, S)
         self._record_draft_probs(batch, logits, sampling_rows)  # every depth at once

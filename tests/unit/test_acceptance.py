@@ -57,7 +57,7 @@ class UniformProposer(Proposer):
     def propose(self, batch):
         n, S = batch.num_requests, self.num_speculative_tokens
         positions = batch.bonus_positions[:n, None] + 1 + torch.arange(S)[None, :]  # [n, S] int64
-        table_rows = torch.arange(n)[:, None].expand(n, S)  # [n, S] int64 (request i sits at table row i)
+        table_rows = batch.write_rows[:n, None].expand(n, S)  # [n, S] int64, each request's table row
         flat = torch.zeros(n * S, self.vocab_size)  # [n * S, V]: sampled rows draw the argmax of their noise
         return self.draft_context.sample_rows(flat, table_rows.reshape(-1), positions.reshape(-1)).reshape(n, S)
 
