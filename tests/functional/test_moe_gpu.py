@@ -222,6 +222,7 @@ def test_parallel_moe_equals_tp1(moe_model, tmp_path, tensor_parallel_size, expe
     path = tmp_path / "tp1.pt"
     torch.save({"outputs": _tokens(moe_model, graphs=False),
                 "sync_free_outputs": _tokens(moe_model, graphs=True, moe_backend="triton"),
-                "state_dict": {key: value.cpu() for key, value in moe_model.state_dict().items()}}, path)
+                "state_dict": {key: value.cpu() if torch.is_tensor(value) else value  # megatron's _extra_state: None
+                               for key, value in moe_model.state_dict().items()}}, path)
     mp.spawn(_parallel_worker, args=(2, free_port(), tensor_parallel_size, expert_parallel_size, dispatcher, str(path)),
              nprocs=2, join=True)
