@@ -34,8 +34,19 @@ for part in "${parts[@]}"; do
       run_part two_gpu_tests python3 -m pytest -q -p no:cacheprovider -rs \
         tests/functional/test_moe_gpu.py tests/functional/test_controller_gpu.py tests/functional/test_models_gpu.py \
         tests/functional/test_mamba_tp_gpu.py -k "parallel_moe or tp2" ;;
-    functional)
-      run_part functional python3 -m pytest tests/functional -q -p no:cacheprovider -rs ;;
+    functional)  # all of tests/functional: the 2-GPU cases, then the rest in two halves, one per GPU, side by side
+      run_part two_gpu_tests python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/functional/test_moe_gpu.py tests/functional/test_controller_gpu.py tests/functional/test_models_gpu.py \
+        tests/functional/test_mamba_tp_gpu.py -k "parallel_moe or tp2"
+      files=(tests/functional/test_*.py)
+      half_a=("${files[@]:0:$(( ${#files[@]} / 2 ))}"); half_b=("${files[@]:$(( ${#files[@]} / 2 ))}")
+      started=$SECONDS
+      CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -rs "${half_a[@]}" > "$out/functional_a.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=1 python3 -m pytest -q -p no:cacheprovider -rs "${half_b[@]}" > "$out/functional_b.log" 2>&1
+      wait
+      for half in a b; do echo "== functional_$half"; grep -E "passed|failed|error" "$out/functional_$half.log" | tail -3
+        grep -E "^(FAILED|ERROR)" "$out/functional_$half.log" | head -20; done
+      summary+=("functional halves: $((SECONDS - started)) s") ;;
     generate)  # TP 2 vs TP 1 on the shipped demo model: plain vs S = 2 with decode runs, same outputs
       run_part generate_tp1 python3 examples/generate.py --num-prompts 8 --repeats 5 --metrics-json "$out/generate_tp1.json"
       run_part generate_tp2 torchrun --nproc-per-node 2 examples/generate.py --tp 2 --num-prompts 8 --repeats 5 \
