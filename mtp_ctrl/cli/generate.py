@@ -36,6 +36,7 @@ holds the 256 byte tokens, random ids otherwise.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -439,6 +440,8 @@ def compare(model, args, prompts, device, repeats: int, show_progress: bool):
         "plain_median_tokens_per_second": medians["plain"],
         "speculative_median_tokens_per_second": medians["speculative"],
         "speed_up": medians["speculative"] / medians["plain"], "outputs_identical": identical,
+        # one digest of the plain outputs: runs at other TP sizes or on other machines compare by it
+        "plain_outputs_sha256": hashlib.sha256(json.dumps(outputs["plain"]).encode()).hexdigest(),
     }
     return {"rates": rates, "medians": medians, "spreads": spreads, "seconds": seconds, "outputs": outputs,
             "identical": identical, "metrics": metrics,
