@@ -37,7 +37,7 @@ import torch
 from mtp_ctrl import triton_ops
 from mtp_ctrl.triton_ops.reference.sampling import GREEDY_TEMPERATURE, filter_top_k_top_p
 
-_PARAM_ROWS = ("temperature", "top_k", "top_p", "seed")  # the controller's per-request device rows
+_PARAM_ROWS = ("temperature", "top_k", "top_p", "seed")  # per-request device rows (RequestSampling.add_rows)
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -57,6 +57,19 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 class RequestSampling:
     """The sampling parameters of every table row (the controller's device rows, read by name, so
     they follow their requests), and the distribution a row's request samples from."""
+
+    @staticmethod
+    def add_rows(table) -> None:
+        """Register the rows in ``table`` (once, before any request joins; ``insert`` writes them)."""
+        table.add_device_rows("temperature", (), torch.float32, set_on_insert=True)
+        table.add_device_rows("top_k", (), torch.int64, set_on_insert=True)
+        table.add_device_rows("top_p", (), torch.float32, fill=1.0, set_on_insert=True)
+        table.add_device_rows("seed", (), torch.int64, set_on_insert=True)
+
+    @staticmethod
+    def row_values(params, seed: int) -> dict:
+        """A joining request's values of the rows (``table.insert``'s ``row_values``)."""
+        return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p, "seed": seed}
 
     def __init__(self, table):
         # with the scratch row R: padding requests (DraftBatch.write_rows) sample with its values

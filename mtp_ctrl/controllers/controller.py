@@ -131,13 +131,8 @@ class TextGenerationController:
 
     def _allocate_step_buffers(self) -> None:
         table, R, S = self.context.table, self.shape.max_requests, self.shape.num_speculative_tokens
-        # the requests' sampling parameters, by table row (RequestTable.insert writes them), read
-        # through one RequestSampling (rows [R + 1]: the scratch row too) here and by acceptance
-        table.add_device_rows("temperature", (), torch.float32, set_on_insert=True)
-        table.add_device_rows("top_k", (), torch.int64, set_on_insert=True)
-        table.add_device_rows("top_p", (), torch.float32, fill=1.0, set_on_insert=True)
-        table.add_device_rows("seed", (), torch.int64, set_on_insert=True)
-        self._sampling = RequestSampling(table)
+        RequestSampling.add_rows(table)  # the requests' sampling parameters, by table row
+        self._sampling = RequestSampling(table)  # read here and by rejection acceptance
         device, T = self.shape.device, self.shape.max_tokens_per_step
         self._greedy_params = (torch.zeros(T, device=device), torch.zeros(T, dtype=torch.int64, device=device),
                                torch.ones(T, device=device), torch.zeros(T, dtype=torch.int64, device=device))
@@ -240,14 +235,12 @@ class TextGenerationController:
         """End a queued, running or paused request now with reason ABORTED (its output so far is
         kept; :meth:`pop_result` takes it): its row, KV blocks and state are free for the next step.
         A finished request is left as it is. Applies the step in flight first (a host sync)."""
-        record = self._records.get(request_id)
-        if record is None:
-            raise ValueError(f"unknown request_id {request_id} (never added, or its result was taken)")
+        record = self._request(request_id)
         self._sync()  # the step in flight may finish it; afterwards its row may be freed
         if record.finish_reason is not None:
             return
-        if request_id in self._waiting:  # queued (or preempted): it holds no row
-            self._waiting.remove(request_id)
+        if record.status == RequestStatus.WAITING:  # queued (or preempted): it holds no row
+            self._scheduler.drop_waiting([request_id])
             record.finish_reason = FinishReason.ABORTED
             if request_id not in self._held_by_generate:
                 self._finished_order[request_id] = None
@@ -261,9 +254,7 @@ class TextGenerationController:
     def result(self, request_id: int) -> GenerationResult:
         """The result of a finished request (it stays until :meth:`pop_result` takes it, or until
         ``InferenceConfig.finished_results_kept`` newer results push it out)."""
-        record = self._records.get(request_id)
-        if record is None:
-            raise ValueError(f"unknown request_id {request_id} (never added, or its result was taken)")
+        record = self._request(request_id)
         if record.finish_reason is None:
             raise ValueError(f"request {request_id} has not finished")
         return GenerationResult.from_record(record, self.shape.num_speculative_tokens)
@@ -277,9 +268,12 @@ class TextGenerationController:
 
     def request_status(self, request_id: int) -> RequestStatus:
         """Where a request is in its life: waiting, prefilling, decoding, paused or finished."""
+        return self._request(request_id).status
+
+    def _request(self, request_id: int) -> Request:
         if request_id not in self._records:
             raise ValueError(f"unknown request_id {request_id} (never added, or its result was taken)")
-        return self._records[request_id].status
+        return self._records[request_id]
 
     def finished_request_ids(self) -> List[int]:
         """Finished step-API requests whose result :meth:`pop_result` has not taken, oldest first."""
@@ -287,22 +281,14 @@ class TextGenerationController:
 
     def _admit_waiting(self) -> None:
         """Rows for waiting requests, also with a step in flight: the new row lies past the step's
-        rows (at most a paused row, which no step runs, moves to the end to make room), its device
-        rows are reset by writes stream-ordered after the step, and the step's read-back is
-        realigned when rows moved (see :meth:`_apply`)."""
+        rows (a paused row may move to the end), its device rows are reset stream-ordered after the
+        step, and the step's read-back is realigned when rows moved (see :meth:`_apply`)."""
         while self._can_admit():
-            request_id = self._scheduler.next_waiting()
-            record = self._records[request_id]
-            params = record.params
-            sampling_rows = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                             "seed": record.seed}  # written with every admitted row, before the next step
-            # checked by check_prompt already: as an int64 array the context checks only its dtype
-            self.context.add_request(request_id, np.array(record.prompt_tokens + record.output_tokens, dtype=np.int64),
-                                     sampling_rows)
+            record = self._records[self._scheduler.next_waiting()]
+            # the prompt was checked by check_prompt: as an int64 array the context checks only its dtype
+            self.context.add_request(record.request_id, record.prefill_tokens(),
+                                     RequestSampling.row_values(record.params, record.seed))
             self._scheduler.take_next_waiting()  # only once the context holds it
-            row = self.context.table.row_of(request_id)
-            self._outputs.start(row, params, len(record.prompt_tokens), record.output_tokens,
-                                record.decode_steps, record.accepted_drafts)
             record.attach(self._outputs, self.context.table)  # the row owns output and counters now
 
     def _preempt_newest(self) -> None:
@@ -419,7 +405,9 @@ class TextGenerationController:
         applied = self._in_flight is not None  # this call applies a step, whatever it builds
         self._retire_finished()  # also with a step in flight: its read-back is realigned by request id
         # sync_checked: needs_sync() said False for the context the step is built from
-        sync_checked = self._in_flight is not None and self.config.overlap_scheduling and not self._must_sync()
+        # the step in flight is applied first when a decode must pause or a paused one can resume
+        # (context.needs_sync); finishing and admitting need not: the read-back is realigned (_apply)
+        sync_checked = self._in_flight is not None and self.config.overlap_scheduling and not self.context.needs_sync()
         if self._in_flight is not None and not sync_checked:
             outputs += self._apply_in_flight(collect)
             self._retire_finished()
@@ -441,11 +429,6 @@ class TextGenerationController:
             outputs += self._apply_in_flight(collect)  # nothing to overlap with: finish now
             self._retire_finished()
         return outputs
-
-    def _must_sync(self) -> bool:
-        """Whether the step in flight is applied first: a decode must pause or a paused one can resume
-        (``context.needs_sync``). Finishing and admitting need not: the read-back is realigned (:meth:`_apply`)."""
-        return self.context.needs_sync()
 
     def _can_admit(self) -> bool:
         request_id = self._scheduler.next_waiting()

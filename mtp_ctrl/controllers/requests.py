@@ -4,6 +4,7 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from mtp_ctrl.controllers.config import SamplingParams
@@ -51,8 +52,15 @@ class Request:
     _source: Optional[Tuple["OutputRows", "RequestTable"]] = dataclasses.field(default=None, repr=False)
 
     def attach(self, outputs: "OutputRows", table: "RequestTable") -> None:
-        """The request took a table row (``outputs.start`` has filled it): read from the row now."""
+        """The request took a table row: fill the row's stop-check cache (``outputs.start``) from
+        what this object holds, then read output and counters from the row."""
+        outputs.start(table.row_of(self.request_id), self.params, len(self.prompt_tokens), self.output_tokens,
+                      self.decode_steps, self.accepted_drafts)
         self._source = (outputs, table)
+
+    def prefill_tokens(self) -> np.ndarray:
+        """``[P]`` int64: what its prefill computes, the prompt and (after a preemption) the output so far."""
+        return np.array(self.prompt_tokens + self.output_tokens, dtype=np.int64)
 
     def detach(self) -> None:
         """The request leaves its row: keep what the row held."""
