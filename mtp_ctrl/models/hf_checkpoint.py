@@ -27,6 +27,12 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_ctrl.models.gpt_builder import build_gpt_model
@@ -163,6 +169,20 @@ def parameter_source(family: HFFamily, name: str) -> ParameterSource:
         raise ValueError(f"parameter {name} of the model has no Hugging Face tensor in the {family.name} table "
                          "(mtp_ctrl/models/hf_families.py)")
     return ParameterSource(name, rule, prefix)
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Give every tensor-parallel weight megatron's ``partition_dim`` attributes, which megatron sets
+    only while drawing random weights (``perform_initialization``, skipped here): vocabulary and
+    column-parallel weights split rows (dim 0), row-parallel weights split columns (dim 1)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or getattr(weight, "tensor_model_parallel", False):
+            continue
+        if isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear)):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
 
 
 def _is_tensor_parallel(parameter: torch.Tensor) -> bool:
@@ -308,6 +328,7 @@ def load_hf_checkpoint(path: Union[str, os.PathLike], tp: Optional[int] = None, 
             model = build_gpt_model(config, settings.vocab_size, settings.max_sequence_length,
                                     use_transformer_engine=False, rotary_base=settings.rope.theta,
                                     share_embeddings_and_output_weights=settings.tied_embeddings)
+        mark_tensor_parallel_weights(model)
         parameters = dict(model.named_parameters())
         sources = plan_load(model, family, settings, shards, tp_size)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
