@@ -144,3 +144,33 @@ def mimo_mtp_reference(mtp: Dict[str, torch.Tensor], depth: int, hidden: torch.T
                           _rms(embedding[next_tokens], mtp[p + "token_layernorm.weight"])), dim=-1)  # [T, 2H]
     out = _rms(qwen2_layer(mtp, p, combined @ mtp[p + "input_proj.weight"].T), mtp[p + "final_layernorm.weight"])
     return out @ lm_head.T, out
+
+
+# ----- a tiny tokenizer (trained here with the tokenizers library) --------------------------------
+
+CHAT_TEMPLATE = ("{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+CORPUS = ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts tokens and verifies them",
+          "megatron models predict several tokens at once", "a small model of words and letters for tests",
+          "pack my box with five dozen liquor jugs", "how vexingly quick daft zebras jump"] * 4
+
+
+def write_tokenizer(directory: Path) -> Dict[str, int]:
+    """A BPE tokenizer of VOCAB_SIZE ids (Metaspace, like SentencePiece) with <s>, </s> and a chat
+    template; generation_config.json names </s> as EOS. Returns the special ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    assert tokenizer.get_vocab_size() <= VOCAB_SIZE
+    special = {name: tokenizer.token_to_id(name) for name in ("<s>", "</s>")}
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", special["<s>"])])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": CHAT_TEMPLATE}))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [special["</s>"]]}))
+    return special

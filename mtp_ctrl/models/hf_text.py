@@ -1,0 +1,146 @@
+"""Text in, text out for a Hugging Face checkpoint: its tokenizer, EOS ids, chat template and stop strings.
+
+:class:`HFText` reads the checkpoint directory's ``tokenizer.json`` with the ``tokenizers``
+library (encode, decode), the EOS ids of ``generation_config.json`` (else ``config.json``), and
+renders ``apply_chat_template`` through ``transformers``' tokenizer (the chat template is Jinja
+with transformers' own helpers; only this method needs ``transformers``).
+
+Stop strings: the controller stops on token sequences (``SamplingParams.stop_sequences``), but a
+string can be spelled by several token sequences. :class:`StopStrings` finds the first stop string
+in decoded text and says how many of a step's new tokens to keep, so a controller's
+``accept_tokens`` hook can finish a request exactly there (``mtp_ctrl.cli.hf_generate.StopStringController``).
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple, Union
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+    return value if isinstance(value, dict) else None
+
+
+def _as_ids(value) -> Tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+class HFText:
+    """The tokenizer and text settings of a Hugging Face checkpoint directory.
+
+    >>> text = HFText("Qwen3-0.6B/")
+    >>> ids = text.encode("Hello")                   # [int, ...]
+    >>> text.decode(ids)                               # "Hello"
+    >>> text.eos_token_ids                             # (151645, 151643) from generation_config.json
+    >>> text.apply_chat_template([{"role": "user", "content": "Hi"}])   # prompt ids, generation prompt added
+    """
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        self.path = Path(path)
+        tokenizer_file = self.path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{tokenizer_file} does not exist (a 'fast' tokenizer file is needed)")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError("reading tokenizer.json needs the tokenizers package: pip install tokenizers") from None
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as error:  # tokenizers raises its own Exception subclass for a bad file
+            raise ValueError(f"{tokenizer_file} is not a readable tokenizers file ({error})") from None
+        self.tokenizer_config = _read_json(self.path / "tokenizer_config.json") or {}
+        generation = _read_json(self.path / "generation_config.json") or {}
+        model_config = _read_json(self.path / "config.json") or {}
+        self.eos_token_ids: Tuple[int, ...] = _as_ids(generation.get("eos_token_id")) or \
+            _as_ids(model_config.get("eos_token_id")) or self._eos_from_tokenizer_config()
+        self._chat_tokenizer = None
+
+    def _eos_from_tokenizer_config(self) -> Tuple[int, ...]:
+        eos = self.tokenizer_config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        token_id = self.tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+        return () if token_id is None else (token_id,)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows (added tokens included); the model's vocabulary may be larger (padded)."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of ``text`` (``add_special_tokens``: the tokenizer's BOS etc., as its post-processor says)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> List[int]:
+        """Prompt ids of a chat (``[{"role": ..., "content": ...}, ...]``) through the checkpoint's
+        chat template, rendered by ``transformers`` (ImportError naming it when missing; ValueError
+        when the checkpoint has no template). The rendered text holds its own special tokens."""
+        if not self.tokenizer_config.get("chat_template") and not (self.path / "chat_template.jinja").is_file():
+            raise ValueError(f"{self.path} has no chat template (tokenizer_config.json 'chat_template' or "
+                             "chat_template.jinja)")
+        if self._chat_tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise ImportError("apply_chat_template needs the transformers package: pip install transformers") from None
+            self._chat_tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        rendered = self._chat_tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                            add_generation_prompt=add_generation_prompt)
+        return self.encode(rendered, add_special_tokens=False)
+
+    def stop_strings(self, strings: Sequence[str]) -> "StopStrings":
+        return StopStrings(self, strings)
+
+
+class StopStrings:
+    """Where generated text first contains one of ``strings``, in tokens.
+
+    ``keep_count(output, new_tokens)``: of a step's ``new_tokens`` (after ``output``, the tokens
+    kept so far), the number to keep so that the output ends at the first token whose text
+    completes a stop string; None when no stop string appears. The output keeps that token (as
+    the controller keeps a stop sequence); :meth:`cut` removes the stop string and what follows
+    from the text. Only the last few tokens are re-decoded per call (the window covers the
+    longest stop string), so a call costs O(new tokens), not O(output).
+    """
+
+    def __init__(self, text: HFText, strings: Sequence[str]):
+        if isinstance(strings, str) or any(not isinstance(s, str) or not s for s in strings):
+            raise ValueError(f"stop strings must be a sequence of non-empty str, got {strings!r}")
+        self.text = text
+        self.strings = tuple(strings)
+        self._window = max((len(s) for s in self.strings), default=0) + 8  # tokens: each holds >= 1 char, or merges
+
+    def keep_count(self, output: Sequence[int], new_tokens: Sequence[int]) -> Optional[int]:
+        if not self.strings:
+            return None
+        start = max(0, len(output) - self._window)
+        tokens = list(output[start:])
+        before = self.text.decode(tokens)
+        already = any(s in before for s in self.strings)  # an earlier call saw it (never kept past it)
+        for index, token in enumerate(new_tokens):
+            tokens.append(int(token))
+            decoded = self.text.decode(tokens)
+            if not already and any(s in decoded for s in self.strings):
+                return index + 1
+        return None
+
+    def cut(self, text: str) -> str:
+        """``text`` up to (without) the first stop string."""
+        positions = [text.find(s) for s in self.strings if s in text]
+        return text[:min(positions)] if positions else text

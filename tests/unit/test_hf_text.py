@@ -1,0 +1,87 @@
+"""HFText (tokenizer.json through ``tokenizers``, EOS ids, chat template) against ``transformers``'
+tokenizer of the same files, and stop strings through the controller on a loaded checkpoint."""
+
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from mtp_ctrl.models import load_hf_checkpoint  # noqa: E402
+from mtp_ctrl.models.hf_text import HFText  # noqa: E402
+from tests.unit import hf_fixtures  # noqa: E402
+from tests.unit.megatron_fixtures import ensure_single_process_groups  # noqa: E402
+
+TEXTS = ["the quick brown fox", "speculative decoding of megatron models", "zebras jump quickly!"]
+
+
+@pytest.fixture(scope="module")
+def mimo_with_tokenizer(tmp_path_factory):
+    ensure_single_process_groups()
+    directory = tmp_path_factory.mktemp("mimo_text")
+    hf_fixtures.write_mimo(directory)
+    special = hf_fixtures.write_tokenizer(directory)
+    return directory, special
+
+
+def test_encode_decode_eos_and_chat_template_match_transformers(mimo_with_tokenizer):
+    from transformers import AutoTokenizer
+
+    directory, special = mimo_with_tokenizer
+    text, oracle = HFText(directory), AutoTokenizer.from_pretrained(str(directory))
+    for sample in TEXTS:
+        assert text.encode(sample) == oracle(sample)["input_ids"]
+        assert text.encode(sample, add_special_tokens=False) == oracle(sample, add_special_tokens=False)["input_ids"]
+        ids = text.encode(sample)
+        assert text.decode(ids) == oracle.decode(ids, skip_special_tokens=True)
+    assert text.eos_token_ids == (special["</s>"],)
+    messages = [{"role": "user", "content": "the lazy dog"}]
+    rendered = oracle.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<s>user: the lazy dog</s><s>assistant:"
+    assert text.apply_chat_template(messages) == oracle(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_missing_files_and_bad_arguments(tmp_path, mimo_with_tokenizer):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        HFText(tmp_path)
+    with pytest.raises(TypeError, match="path"):
+        HFText(None)
+    shutil.copy(mimo_with_tokenizer[0] / "tokenizer.json", tmp_path / "tokenizer.json")
+    text = HFText(tmp_path)
+    assert text.eos_token_ids == ()  # no generation_config.json, config.json or tokenizer_config.json
+    with pytest.raises(ValueError, match="no chat template"):
+        text.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="stop strings"):
+        text.stop_strings("abc")
+    with pytest.raises(TypeError, match="text"):
+        text.encode(5)
+
+
+def test_stop_strings_end_the_output_at_the_first_match(mimo_with_tokenizer, torch_twins):
+    """Plain and MTP-speculative (S = 2): the output is the plain output's shortest prefix whose
+    text holds the stop string."""
+    from mtp_ctrl.cli.hf_generate import stop_string_controller_class
+    from mtp_ctrl.controllers import InferenceConfig, SamplingParams
+
+    directory, _ = mimo_with_tokenizer
+    text = HFText(directory)
+    model = load_hf_checkpoint(directory, device="cpu")
+    prompt = text.encode("the quick brown fox")
+    params = SamplingParams(max_new_tokens=12)
+
+    def run(speculative, stop_strings):
+        config = InferenceConfig(num_speculative_tokens=speculative, max_requests=2, block_size_tokens=4,
+                                 max_model_len=40, max_tokens_per_step=32)
+        controller_class = stop_string_controller_class(text.stop_strings(stop_strings) if stop_strings else None)
+        return list(controller_class(model, config, seed=0).generate([prompt], params)[0].output_tokens)
+
+    plain = run(0, None)
+    full_text = text.decode(plain)
+    stop = next(full_text[i:i + 3] for i in range(2, len(full_text) - 3) if full_text[i:i + 3].strip() == full_text[i:i + 3])
+    expected = next(plain[:n] for n in range(1, len(plain) + 1) if stop in text.decode(plain[:n]))
+    assert len(expected) < len(plain)
+    for speculative in (0, 2):
+        output = run(speculative, [stop])
+        assert output == expected, speculative
+        assert text.stop_strings([stop]).cut(text.decode(output)) == full_text[:full_text.find(stop)]
