@@ -106,7 +106,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tens
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:  # [T, heads, D], half-split
     dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # [D / 2]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)  # [D / 2]
     angles = positions.float()[:, None] * inv_freq  # [T, D / 2]
     cos, sin = torch.cat((angles, angles), -1).cos()[:, None], torch.cat((angles, angles), -1).sin()[:, None]
     rotated = torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), dim=-1)
@@ -116,7 +116,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 def qwen2_layer(w: Dict[str, torch.Tensor], p: str, x: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     """One Qwen2 decoder layer over one causal sequence ``x`` [T, H] at positions 0..T-1."""
     seq_len, heads, kv_heads, head_dim = x.shape[0], 4, 2, 16
-    positions = torch.arange(seq_len)
+    positions = torch.arange(seq_len, device=x.device)
     y = _rms(x, w[p + "input_layernorm.weight"])
     q = (y @ w[p + "self_attn.q_proj.weight"].T + w[p + "self_attn.q_proj.bias"]).view(seq_len, heads, head_dim)
     k = (y @ w[p + "self_attn.k_proj.weight"].T + w[p + "self_attn.k_proj.bias"]).view(seq_len, kv_heads, head_dim)
@@ -124,7 +124,7 @@ def qwen2_layer(w: Dict[str, torch.Tensor], p: str, x: torch.Tensor, theta: floa
     q, k = _rope(q, positions, theta), _rope(k, positions, theta)
     k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(head_dim)  # [heads, T, T]
-    scores = scores.masked_fill(torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), float("-inf"))
+    scores = scores.masked_fill(torch.ones(seq_len, seq_len, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
     attention = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(seq_len, heads * head_dim)
     x = x + attention @ w[p + "self_attn.o_proj.weight"].T
     y = _rms(x, w[p + "post_attention_layernorm.weight"])
