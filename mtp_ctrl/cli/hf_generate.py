@@ -55,8 +55,25 @@ def text_prompts(args, text):
     return [encoded[i % len(encoded)] for i in range(args.num_prompts)]
 
 
-def run_hf(args) -> None:
+def load_hf_model(args, device, rank_zero: bool):
+    """--hf's model (each TP rank reads its shard; bf16 or the checkpoint's dtype on CUDA, fp32 on a
+    CPU unless --dtype), checked to have S MTP layers; a bad checkpoint ends the script in one line."""
     from mtp_ctrl.models import load_hf_checkpoint
+
+    dtype = getattr(torch, args.dtype) if args.dtype else (None if device.type == "cuda" else torch.float32)
+    started = time.perf_counter()
+    model = checkpoint_or_exit("--hf", args.hf, lambda path: load_hf_checkpoint(path, tp=args.tp, device=device,
+                                                                                dtype=dtype))
+    if rank_zero:
+        print(f"loaded {args.hf} at TP {args.tp} in {time.perf_counter() - started:.2f} s", flush=True)
+    depth = model.config.mtp_num_layers or 0
+    if args.num_speculative_tokens > depth:
+        sys.exit(f"error: --num-speculative-tokens {args.num_speculative_tokens} needs at least that many MTP "
+                 f"layers; {args.hf} ships {depth}")
+    return model
+
+
+def run_hf(args) -> None:
     from mtp_ctrl.models.hf_text import HFText
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -72,16 +89,7 @@ def run_hf(args) -> None:
             print(choose_cpu_threads(torch), flush=True)
     text = checkpoint_or_exit("--hf", args.hf, HFText)
     init_distributed(args.tp, device)
-    dtype = getattr(torch, args.dtype) if args.dtype else (None if device.type == "cuda" else torch.float32)
-    started = time.perf_counter()
-    model = checkpoint_or_exit("--hf", args.hf, lambda path: load_hf_checkpoint(path, tp=args.tp, device=device,
-                                                                                dtype=dtype))
-    if rank_zero:
-        print(f"loaded {args.hf} at TP {args.tp} in {time.perf_counter() - started:.2f} s", flush=True)
-    depth = model.config.mtp_num_layers or 0
-    if args.num_speculative_tokens > depth:
-        sys.exit(f"error: --num-speculative-tokens {args.num_speculative_tokens} needs at least that many MTP "
-                 f"layers; {args.hf} ships {depth}")
+    model = load_hf_model(args, device, rank_zero)
     prompts = text_prompts(args, text)
     eos = tuple(token for token in text.eos_token_ids if token < model.vocab_size)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=None,

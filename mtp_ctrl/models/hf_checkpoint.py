@@ -239,16 +239,23 @@ def plan_load(model: GPTModel, family: HFFamily, settings: ModelSettings, shards
 
 def read_local_tensor(source: ParameterSource, parameter: torch.Tensor, shards: SafetensorsShards,
                       config: TransformerConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's value of ``parameter`` in megatron's layout, read from the mapped shards."""
+    """This TP rank's value of ``parameter`` in megatron's layout, read from the mapped shards.
+    Each slice moves to the parameter's device as read; the layout is rearranged there (on a GPU
+    the host holds one slice at a time, never a rearranged copy)."""
     sharded = _is_tensor_parallel(parameter) and tp_size > 1
+    device = parameter.device
+
+    def read(name: str, dim: int = 0, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
+        return shards.read(name, dim, start, stop).to(device)
+
     if source.layout is Layout.QKV:
         # rank r holds query groups [r * G_local, (r + 1) * G_local): contiguous rows of q, k and v
         head_dim, groups_local = config.kv_channels, config.num_query_groups // tp_size
         q_rows = config.num_attention_heads // config.num_query_groups * head_dim  # query rows per group
         first = tp_rank * groups_local
-        q = shards.read(source.hf_names[0], 0, first * q_rows, (first + groups_local) * q_rows)  # [G_l * q_rows, ...]
-        k = shards.read(source.hf_names[1], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
-        v = shards.read(source.hf_names[2], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
+        q = read(source.hf_names[0], 0, first * q_rows, (first + groups_local) * q_rows)  # [G_l * q_rows, ...]
+        k = read(source.hf_names[1], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
+        v = read(source.hf_names[2], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
         rest = tuple(q.shape[1:])
         grouped = torch.cat((q.reshape(groups_local, q_rows, *rest), k.reshape(groups_local, head_dim, *rest),
                              v.reshape(groups_local, head_dim, *rest)), dim=1)  # [G_l, q_rows + 2 D, ...]
@@ -256,13 +263,13 @@ def read_local_tensor(source: ParameterSource, parameter: torch.Tensor, shards: 
     if source.layout is Layout.GLU:
         rows = parameter.shape[0] // 2  # this rank's gate rows = its up rows
         start = tp_rank * rows if sharded else 0
-        return torch.cat([shards.read(name, 0, start, start + rows) for name in source.hf_names], dim=0)
+        return torch.cat([read(name, 0, start, start + rows) for name in source.hf_names], dim=0)
     if sharded:
         dim = parameter.partition_dim
         width = parameter.shape[dim]
-        value = shards.read(source.hf_names[0], dim, tp_rank * width, (tp_rank + 1) * width)
+        value = read(source.hf_names[0], dim, tp_rank * width, (tp_rank + 1) * width)
     else:
-        value = shards.read(source.hf_names[0])
+        value = read(source.hf_names[0])
     if source.layout is Layout.SWAP_HALVES:  # [rows, 2H]: the checkpoint's second input half comes first here
         half = value.shape[1] // 2
         value = torch.cat((value[:, half:], value[:, :half]), dim=1)

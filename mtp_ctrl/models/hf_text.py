@@ -66,12 +66,25 @@ class HFText:
             _as_ids(model_config.get("eos_token_id")) or self._eos_from_tokenizer_config()
         self._chat_tokenizer = None
 
+    def _special_token(self, name: str) -> Optional[str]:
+        token = self.tokenizer_config.get(name)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return token if isinstance(token, str) and token else None
+
     def _eos_from_tokenizer_config(self) -> Tuple[int, ...]:
-        eos = self.tokenizer_config.get("eos_token")
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        token_id = self.tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+        eos = self._special_token("eos_token")
+        token_id = self.tokenizer.token_to_id(eos) if eos is not None else None
         return () if token_id is None else (token_id,)
+
+    @property
+    def bos_token(self) -> Optional[str]:
+        """The tokenizer config's BOS string (e.g. ``"<|begin_of_text|>"``), None without one."""
+        return self._special_token("bos_token")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.tokenizer_config.get("chat_template")) or (self.path / "chat_template.jinja").is_file()
 
     @property
     def vocab_size(self) -> int:
@@ -91,7 +104,11 @@ class HFText:
         """Prompt ids of a chat (``[{"role": ..., "content": ...}, ...]``) through the checkpoint's
         chat template, rendered by ``transformers`` (ImportError naming it when missing; ValueError
         when the checkpoint has no template). The rendered text holds its own special tokens."""
-        if not self.tokenizer_config.get("chat_template") and not (self.path / "chat_template.jinja").is_file():
+        return self.encode(self.render_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def render_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages`` (what :meth:`apply_chat_template` encodes)."""
+        if not self.has_chat_template:
             raise ValueError(f"{self.path} has no chat template (tokenizer_config.json 'chat_template' or "
                              "chat_template.jinja)")
         if self._chat_tokenizer is None:
@@ -100,12 +117,48 @@ class HFText:
             except ImportError:
                 raise ImportError("apply_chat_template needs the transformers package: pip install transformers") from None
             self._chat_tokenizer = AutoTokenizer.from_pretrained(str(self.path))
-        rendered = self._chat_tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                            add_generation_prompt=add_generation_prompt)
-        return self.encode(rendered, add_special_tokens=False)
+        return self._chat_tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                        add_generation_prompt=add_generation_prompt)
 
     def stop_strings(self, strings: Sequence[str]) -> "StopStrings":
         return StopStrings(self, strings)
+
+    def new_stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Text of one output as its tokens arrive: ``decode(new_ids)`` returns the text they add.
+
+    A token may end inside a character (a byte-level piece), and some decoders change a token's
+    text by what precedes it (a leading space), so the new text is the difference between two
+    decodes of a short window: the ids since the last emitted text (``_read``) after a few ids of
+    context (``_prefix``). Text ending in U+FFFD (an incomplete character) waits for more ids.
+    Example: ids ``[a, b]`` emitted "ab"; then ``c`` -> decode([a, b, c]) minus decode([a, b])
+    over the window starting at ``_prefix``.
+    """
+
+    def __init__(self, text: HFText):
+        self._text = text
+        self._ids: List[int] = []
+        self._prefix = 0  # window start: context decoded but not emitted again
+        self._read = 0  # ids before this have been emitted
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(int(token) for token in token_ids)
+        before = self._text.decode(self._ids[self._prefix:self._read])
+        after = self._text.decode(self._ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """What is left (an incomplete character decodes as U+FFFD)."""
+        before = self._text.decode(self._ids[self._prefix:self._read])
+        after = self._text.decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return after[len(before):] if len(after) > len(before) else ""
 
 
 class StopStrings:

@@ -222,3 +222,27 @@ def test_bad_arguments(checkpoints, tmp_path):
         load_hf_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="dtype"):
         load_hf_checkpoint(directory, dtype=torch.int8, device="cpu")
+
+
+def test_older_config_spelling_and_linear_rope(checkpoints, tmp_path):
+    """Hub files written before transformers 5 spell rotary as ``rope_theta`` + ``rope_scaling``;
+    ``linear`` scaling divides the frequencies (transformers' own model is the oracle)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = _copy(checkpoints, "llama", tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (directory / "config.json").write_text(json.dumps(config))
+    hf_model = checkpoints["llama"][1]
+    tokens = random_sequences(seed=0)[0]
+    torch.testing.assert_close(paged_logits(load_hf_checkpoint(directory, device="cpu"))[0][0],
+                               transformers_logits(hf_model, [tokens])[0], **TOLERANCE)
+
+    torch.manual_seed(5)
+    linear = LlamaForCausalLM(LlamaConfig(**hf_fixtures.TINY_SHAPE, rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})).eval()
+    linear.save_pretrained(str(tmp_path / "linear"))
+    torch.testing.assert_close(paged_logits(load_hf_checkpoint(tmp_path / "linear", device="cpu"))[0][0],
+                               transformers_logits(linear, [tokens])[0], **TOLERANCE)

@@ -85,3 +85,25 @@ def test_stop_strings_end_the_output_at_the_first_match(mimo_with_tokenizer, tor
         output = run(speculative, [stop])
         assert output == expected, speculative
         assert text.stop_strings([stop]).cut(text.decode(output)) == full_text[:full_text.find(stop)]
+
+
+def test_stream_decoder_and_the_server_adapter(mimo_with_tokenizer):
+    """Streamed text == the whole decode, however the ids arrive; the server's adapter adds BOS to a
+    plain prompt but not to a rendered chat prompt (which carries its own)."""
+    from mtp_ctrl.serve.hf_tokenizer import HFTokenizer
+
+    directory, special = mimo_with_tokenizer
+    text = HFText(directory)
+    generator = torch.Generator().manual_seed(0)
+    ids = text.encode("speculative decoding drafts tokens", add_special_tokens=False) + \
+        torch.randint(3, text.vocab_size, (20,), generator=generator).tolist()
+    for chunk in (1, 2, 5):
+        stream = text.new_stream_decoder()
+        streamed = "".join(stream.decode(ids[i:i + chunk]) for i in range(0, len(ids), chunk)) + stream.flush()
+        assert streamed == text.decode(ids), chunk
+    adapter = HFTokenizer(text)
+    messages = [{"role": "user", "content": "the lazy dog"}]
+    assert adapter.encode(adapter.apply_chat_template(messages)) == text.apply_chat_template(messages)
+    assert adapter.encode("the fox") == text.encode("the fox") and adapter.encode("the fox")[0] == special["<s>"]
+    assert adapter.eos_token_ids == (special["</s>"],) and adapter.has_chat_template
+    assert adapter.stop_token_sequences(["x"]) == ()
