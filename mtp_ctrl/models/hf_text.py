@@ -116,7 +116,14 @@ class HFText:
                 from transformers import AutoTokenizer
             except ImportError:
                 raise ImportError("apply_chat_template needs the transformers package: pip install transformers") from None
-            self._chat_tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+            from transformers.utils import logging as transformers_logging
+
+            verbosity = transformers_logging.get_verbosity()
+            transformers_logging.set_verbosity_error()  # its notice that config.json's model_type (e.g. mimo) is unknown
+            try:
+                self._chat_tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+            finally:
+                transformers_logging.set_verbosity(verbosity)
         return self._chat_tokenizer.apply_chat_template(list(messages), tokenize=False,
                                                         add_generation_prompt=add_generation_prompt)
 
