@@ -59,32 +59,36 @@ def test_missing_files_and_bad_arguments(tmp_path, mimo_with_tokenizer):
 
 
 def test_stop_strings_end_the_output_at_the_first_match(mimo_with_tokenizer, torch_twins):
-    """Plain and MTP-speculative (S = 2): the output is the plain output's shortest prefix whose
-    text holds the stop string."""
+    """Speculative (S = 2) with every draft accepted (an oracle proposer drafting the plain greedy
+    continuation), so a stop string can complete in the middle of a step's tokens: the output is
+    the plain output's shortest prefix whose text holds the stop string."""
     from mtp_ctrl.cli.hf_generate import stop_string_controller_class
     from mtp_ctrl.controllers import InferenceConfig, SamplingParams
+    from tests.unit.controller_fixtures import OracleProposer
 
     directory, _ = mimo_with_tokenizer
     text = HFText(directory)
     model = load_hf_checkpoint(directory, device="cpu")
     prompt = text.encode("the quick brown fox")
-    params = SamplingParams(max_new_tokens=12)
 
-    def run(speculative, stop_strings):
+    def run(speculative, stop_strings, max_new_tokens, proposer=None):
         config = InferenceConfig(num_speculative_tokens=speculative, max_requests=2, block_size_tokens=4,
-                                 max_model_len=40, max_tokens_per_step=32)
+                                 max_model_len=48, max_tokens_per_step=32)
         controller_class = stop_string_controller_class(text.stop_strings(stop_strings) if stop_strings else None)
-        return list(controller_class(model, config, seed=0).generate([prompt], params)[0].output_tokens)
+        controller = controller_class(model, config, proposer=proposer, seed=0)
+        return list(controller.generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0].output_tokens)
 
-    plain = run(0, None)
-    full_text = text.decode(plain)
-    stop = next(full_text[i:i + 3] for i in range(2, len(full_text) - 3) if full_text[i:i + 3].strip() == full_text[i:i + 3])
-    expected = next(plain[:n] for n in range(1, len(plain) + 1) if stop in text.decode(plain[:n]))
-    assert len(expected) < len(plain)
-    for speculative in (0, 2):
-        output = run(speculative, [stop])
-        assert output == expected, speculative
-        assert text.stop_strings([stop]).cut(text.decode(output)) == full_text[:full_text.find(stop)]
+    plain = run(0, None, 16)  # 12 tokens to search, and the oracle's drafts past them
+    full_text = text.decode(plain[:12])
+    stop = next(full_text[i:i + 3] for i in range(4, len(full_text) - 3)
+                if full_text[i:i + 3].strip() == full_text[i:i + 3])
+    expected = next(plain[:n] for n in range(1, 13) if stop in text.decode(plain[:n]))
+    assert len(expected) < 12
+    oracle = OracleProposer({rid: prompt + plain for rid in range(4)}, lambda rid, index: 2)  # all drafts right
+    output = run(2, [stop], 12, proposer=oracle)
+    assert output == expected
+    assert max(max(counts, default=0) for counts in oracle.observed.values()) == 2  # steps of 3 tokens ran
+    assert text.stop_strings([stop]).cut(text.decode(output)) == full_text[:full_text.find(stop)]
 
 
 def test_stream_decoder_and_the_server_adapter(mimo_with_tokenizer):
