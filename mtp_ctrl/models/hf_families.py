@@ -288,11 +288,11 @@ def resolve_family(config: Mapping[str, Any]) -> HFFamily:
     if model_type in REFUSED_FAMILIES:
         raise UnsupportedCheckpointError(f"model_type {model_type!r}: {REFUSED_FAMILIES[model_type]}")
     architectures = tuple(config.get("architectures") or ())
-    for family in FAMILIES:
+    if any("eagle" in name.lower() for name in architectures):
+        raise UnsupportedCheckpointError(f"architecture {list(architectures)} is an EAGLE draft head, not a target "
+                                         "model; EAGLE-3 heads in the EAGLE/SpecForge layout do not load yet")
+    for family in FAMILIES:  # by architecture; by model_type only when config.json names none
         if set(architectures) & set(family.architectures) or (not architectures and model_type in family.model_types):
-            return family
-    for family in FAMILIES:
-        if model_type in family.model_types:
             return family
     supported = ", ".join(f"{family.name} ({'/'.join(family.architectures)})" for family in FAMILIES)
     raise UnsupportedCheckpointError(f"architecture {list(architectures)} (model_type {model_type!r}) is not "

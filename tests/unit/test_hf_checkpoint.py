@@ -170,6 +170,8 @@ def _edit_config(directory, **fields):
     (dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"]), "multi-latent attention"),
     (dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"]), "Gated DeltaNet"),
     (dict(model_type="falcon", architectures=["FalconForCausalLM"]), "FalconForCausalLM"),
+    (dict(architectures=["Qwen3ForSequenceClassification"]), "Qwen3ForSequenceClassification"),
+    (dict(model_type="llama", architectures=["LlamaForCausalLMEagle3"]), "EAGLE draft head"),
 ])
 def test_unsupported_config_is_refused_naming_the_field(checkpoints, tmp_path, fields, named):
     directory = _copy(checkpoints, "qwen3", tmp_path)
