@@ -2,6 +2,7 @@
 
     python bench/bench_moe.py            # the DeepSeek-V3-shaped model below, batch 1/8/32/128, S = 0 and 2
     python bench/bench_moe.py --quick    # a small model and two batches (a smoke run; CPU works too)
+    python bench/bench_moe.py --batches 1 --no-megatron   # batch 1 only, the sync-free path only
 
 The model (bf16, random weights, built on the GPU): 16 layers, hidden 2048, 16 query heads over 4
 KV groups; layer 0 a dense MLP of 5632, layers 1-15 MoE with 64 routed experts of FFN 1408 (GLU),
@@ -33,6 +34,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model and two batches (smoke run)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per point (graph path)")
+    parser.add_argument("--batches", default=None,
+                        help="comma-separated batch sizes (default 1,8,32,128; --quick: 1,8)")
+    parser.add_argument("--no-megatron", action="store_true",
+                        help="skip megatron's eager MoELayer (its columns print nan): a shorter run")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -119,7 +124,7 @@ def distinct_experts(layer, num_rows: int, trials: int = 8) -> float:
     return sum(counts) / len(counts)
 
 
-def layer_table(model, rows_list, bandwidth):
+def layer_table(model, rows_list, bandwidth, with_megatron=True):
     layer = moe_layers(model)[1]
     device = layer.router.weight.device
     one_expert = expert_bytes(layer)
@@ -141,9 +146,10 @@ def layer_table(model, rows_list, bandwidth):
             times[backend] = graph_time_us(call, replays=20) if device.type == "cuda" else float("nan")
             kernels[backend] = count_gpu_events(call)[0] if device.type == "cuda" else 0
         megatron_call = lambda: layer(hidden)  # noqa: E731  outside a paged forward: megatron's MoELayer
-        megatron_call()
-        samples = []
-        for _ in range(5):
+        if with_megatron:
+            megatron_call()
+        samples = [float("nan")]
+        for _ in range(5 if with_megatron else 0):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             begin = time.perf_counter()
@@ -151,7 +157,7 @@ def layer_table(model, rows_list, bandwidth):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             samples.append(1e6 * (time.perf_counter() - begin))
-        kernels["megatron"] = count_gpu_events(megatron_call)[0] if device.type == "cuda" else 0
+        kernels["megatron"] = count_gpu_events(megatron_call)[0] if device.type == "cuda" and with_megatron else 0
         results[num_rows] = dict(distinct=distinct, floor=floor_us, **times)
         print(f"{num_rows:4d} {distinct:8.1f} {floor_us:8.1f} {times['triton']:9.1f} {times['grouped_mm']:13.1f} "
               f"{statistics.median(samples):16.1f} {kernels['triton']:>14}/{kernels['grouped_mm']}/{kernels['megatron']}")
@@ -226,9 +232,10 @@ def main(args=None):
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else 1e11
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
-    batches = (1, 8) if args.quick else (1, 8, 32, 128)
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (1, 8) if args.quick \
+        else (1, 8, 32, 128)
     rows_list = sorted({b * (1 + s) for b in batches for s in (0, 2)})
-    layer_results = layer_table(model, rows_list, bandwidth)
+    layer_results = layer_table(model, rows_list, bandwidth, not args.no_megatron)
     distinct_of = lambda rows: layer_results[rows]["distinct"] if rows in layer_results \
         else distinct_experts(moe_layers(model)[1], rows)  # noqa: E731
     config = model.config
@@ -241,15 +248,16 @@ def main(args=None):
     for batch in batches:
         for S in (0, 2):
             floor_ms = step_floor_bytes(model, batch, S, distinct_of, kv_bytes) / bandwidth * 1e3
-            for label, backend, graphs, steps in (("sync-free graph", "triton", True, args.steps),
-                                                  ("megatron eager", "megatron", False, max(3, args.steps // 4))):
+            paths = (("sync-free graph", "triton", True, args.steps),
+                     ("megatron eager", "megatron", False, max(3, args.steps // 4)))
+            for label, backend, graphs, steps in paths[:1] if args.no_megatron else paths:
                 wall, gpu, used = step_times(model, batch, S, backend, graphs and device.type == "cuda", steps, vocab)
                 summary[batch, S, backend] = wall
                 tokens_per_s = batch / wall * 1e3  # random weights: one token per request and step
                 print(f"{batch:4d} {S:2d} {label:>16} {wall:8.2f} {gpu:7.2f} {floor_ms:8.2f} {gpu / floor_ms:9.2f} "
                       f"{wall / gpu:8.2f} {tokens_per_s:8.0f} {str(used):>6}")
     print("\nspeed-up of the sync-free graph path over megatron's eager MoELayer (step wall):")
-    for batch in batches:
+    for batch in () if args.no_megatron else batches:
         print(f"  B={batch:3d}: " + ", ".join(f"S={S} {summary[batch, S, 'megatron'] / summary[batch, S, 'triton']:.1f}x"
                                              for S in (0, 2)))
     dist.destroy_process_group()
