@@ -42,8 +42,8 @@ _NO_INDEX = tl.constexpr(1 << 30)  # larger than any expert id: the "not found" 
 def _first_max(values, indices):
     """``(max, lowest index holding it)`` of a 2-D block (``indices`` of the same shape)."""
     best = tl.max(tl.max(values, axis=1), axis=0)
-    where = tl.min(tl.min(tl.where(values == best, indices, _NO_INDEX), axis=1), axis=0)
-    return best, where
+    at = tl.min(tl.min(tl.where(values == best, indices, _NO_INDEX), axis=1), axis=0)
+    return best, at
 
 
 @triton.jit
@@ -77,28 +77,29 @@ def _route_rows_kernel(
     if GROUPED:  # megatron's group_limited_topk
         group_score = tl.zeros((G_PAD,), dtype=tl.float32)
         left = select
-        for _ in range(per_group):  # the sum of each group's per_group best
-            best = tl.max(left, axis=1)  # [G_PAD]
-            where = tl.min(tl.where(left == best[:, None], members[None, :], _NO_INDEX), axis=1)
-            group_score += best
-            left = tl.where(members[None, :] == where[:, None], float("-inf"), left)
+        # (each loop names its own values: Triton carries a name reassigned in a loop through it)
+        for _member_pick in range(per_group):  # the sum of each group's per_group best
+            member_best = tl.max(left, axis=1)  # [G_PAD]
+            member_at = tl.min(tl.where(left == member_best[:, None], members[None, :], _NO_INDEX), axis=1)
+            group_score += member_best
+            left = tl.where(members[None, :] == member_at[:, None], float("-inf"), left)
         group_score = tl.where(groups < NUM_GROUPS, group_score, float("-inf"))
         chosen = groups < 0  # [G_PAD] all False
-        for _ in range(group_topk):
-            best = tl.max(group_score, axis=0)
-            where = tl.min(tl.where(group_score == best, groups, _NO_INDEX), axis=0)
-            chosen = chosen | (groups == where)
-            group_score = tl.where(groups == where, float("-inf"), group_score)
+        for _group_pick in range(group_topk):
+            group_best = tl.max(group_score, axis=0)
+            group_at = tl.min(tl.where(group_score == group_best, groups, _NO_INDEX), axis=0)
+            chosen = chosen | (groups == group_at)
+            group_score = tl.where(groups == group_at, float("-inf"), group_score)
         select = tl.where(chosen[:, None], select, float("-inf"))
     slots = tl.arange(0, K_PAD)
     picked = tl.zeros((K_PAD,), dtype=tl.int64)
     values = tl.zeros((K_PAD,), dtype=tl.float32)
     for slot in range(top_k):
-        _, where = _first_max(select, experts)
-        value = tl.sum(tl.sum(tl.where(experts == where, scores, 0.0), axis=1), axis=0)  # unbiased score
-        picked = tl.where(slots == slot, where.to(tl.int64), picked)
+        expert_at = _first_max(select, experts)[1]
+        value = tl.sum(tl.sum(tl.where(experts == expert_at, scores, 0.0), axis=1), axis=0)  # unbiased score
+        picked = tl.where(slots == slot, expert_at.to(tl.int64), picked)
         values = tl.where(slots == slot, value, values)
-        select = tl.where(experts == where, float("-inf"), select)
+        select = tl.where(experts == expert_at, float("-inf"), select)
     in_k = slots < top_k
     if SCORE == 1:
         if top_k > 1:
