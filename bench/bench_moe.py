@@ -23,6 +23,7 @@ Printed, in one run:
 """
 
 import argparse
+import inspect
 import os
 import socket
 import statistics
@@ -63,6 +64,9 @@ from bench_forward import copy_bandwidth, count_gpu_events, graph_time_us, kerne
 from steady_decode import timed_decode_steps  # noqa: E402
 
 PROMPT_LEN = 128
+# the layer as a step runs it (fused shared-expert activation), where graph_moe_forward takes the
+# switch (the same script also times older trees, whose graph_moe_forward has no such argument)
+STEP_GLUE = {"fused_glue": True} if "fused_glue" in inspect.signature(graph_moe_forward).parameters else {}
 
 
 def init_single_process():
@@ -142,7 +146,7 @@ def layer_table(model, rows_list, bandwidth, with_megatron=True):
         floor_us = (shared + distinct * one_expert) / bandwidth * 1e6
         times, kernels = {}, {}
         for backend in ("triton", "grouped_mm"):
-            call = lambda: graph_moe_forward(layer, hidden, backend)  # noqa: E731
+            call = lambda: graph_moe_forward(layer, hidden, backend, **STEP_GLUE)  # noqa: E731
             times[backend] = graph_time_us(call, replays=20) if device.type == "cuda" else float("nan")
             kernels[backend] = count_gpu_events(call)[0] if device.type == "cuda" else 0
         megatron_call = lambda: layer(hidden)  # noqa: E731  outside a paged forward: megatron's MoELayer
@@ -165,7 +169,7 @@ def layer_table(model, rows_list, bandwidth, with_megatron=True):
         for num_rows in (rows_list[0], rows_list[-1]):
             hidden = torch.randn(num_rows, 1, layer.config.hidden_size, device=device, dtype=layer.router.weight.dtype)
             print(f"\nkernels of one MoE layer (triton backend, T = {num_rows}), replayed from a graph:")
-            kernel_table(lambda: graph_moe_forward(layer, hidden, "triton"), replays=10, top=12)
+            kernel_table(lambda: graph_moe_forward(layer, hidden, "triton", **STEP_GLUE), replays=10, top=12)
     return results
 
 
