@@ -225,7 +225,8 @@ def layer_table(model, rows_list, bandwidth, with_megatron=True):
                 torch.cuda.synchronize()
             samples.append(1e6 * (time.perf_counter() - begin))
         kernels["megatron"] = count_gpu_events(megatron_call)[0] if device.type == "cuda" and with_megatron else 0
-        exchange = exchange_us(lambda: graph_moe_forward(layer, hidden, "triton", **STEP_GLUE)) if device.type == "cuda" else 0.0
+        exchange = exchange_us(lambda: graph_moe_forward(layer, hidden, "triton", **STEP_GLUE)) \
+            if device.type == "cuda" else 0.0
         results[num_rows] = dict(distinct=distinct, floor=floor_us, exchange=exchange, **times)
         print(f"{num_rows:4d} {distinct:8.1f} {floor_us:8.1f} {times['triton']:9.1f} {exchange:11.1f} "
               f"{times['grouped_mm']:13.1f} "

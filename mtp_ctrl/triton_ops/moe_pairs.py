@@ -40,7 +40,8 @@ def _scaled_pair_activation_kernel(
     row = FC1_PTR + position * fc1_stride
     result = _activate(tl.load(row + cols, mask=mask, other=0.0).to(tl.float32), ACTIVATION)
     if GATED:  # megatron's glu rounds the activation, then the product
-        result = _round(result, ROUND_BF16, out_dtype) * tl.load(row + width + cols, mask=mask, other=0.0).to(tl.float32)
+        linear = tl.load(row + width + cols, mask=mask, other=0.0).to(tl.float32)
+        result = _round(result, ROUND_BF16, out_dtype) * linear
     result = _round(result, ROUND_BF16, out_dtype)
     scale = tl.load(PROBS_PTR + tl.load(SORTED_PAIRS_PTR + position)).to(tl.float32)
     tl.store(OUT_PTR + position * out_stride + cols, _round(result * scale, ROUND_BF16, out_dtype).to(out_dtype),
