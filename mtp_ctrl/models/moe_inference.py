@@ -25,8 +25,9 @@ size fixed by the step's row count T alone:
    it is larger than one, and added to the shared experts' output (one launch without the
    reduce-scatter: :func:`~mtp_ctrl.triton_ops.combine_expert_pairs`).
 
-At decode (T = 1, bench/RESULTS.md) a layer is 11 launches besides the shared experts' and the
-gate's GEMMs: gate, routing, pair sort, fc1, activation, fc2, combine (was 40).
+At decode (T = 1, bench/RESULTS.md) a layer is 13 kernels (42 before): the shared experts' two
+GEMMs (cuBLAS adds a split-K reduction) and GLU, the router's fp32 cast and GEMV (two kernels),
+routing, pair sort, fc1, activation, fc2, combine.
 
 The grouped products are :func:`mtp_ctrl.triton_ops.grouped_expert_matmul` (backend
 ``"triton"``: a fused-MoE kernel on block-aligned expert segments; ``"grouped_mm"``: torch's
