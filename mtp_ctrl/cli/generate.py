@@ -82,9 +82,11 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
 
 
-def check_model_arguments(parser, args) -> None:
+def check_model_arguments(parser, args, min_speculative_tokens: int = 1) -> None:
     """Checks of add_model_arguments' options that need no torch (errors through ``parser``)."""
-    for name in ("num_speculative_tokens", "tp", "decode_steps_per_launch"):
+    if args.num_speculative_tokens < min_speculative_tokens:
+        parser.error(f"--num-speculative-tokens must be >= {min_speculative_tokens}, got {args.num_speculative_tokens}")
+    for name in ("tp", "decode_steps_per_launch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.model_args is not None:

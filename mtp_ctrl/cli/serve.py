@@ -41,7 +41,7 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 2, got {getattr(args, name)}")
     if not 0 <= args.port < 65536:
         parser.error(f"--port must be in [0, 65536), got {args.port}")
-    check_model_arguments(parser, args)
+    check_model_arguments(parser, args, min_speculative_tokens=0)  # S = 0: plain decoding
     return args
 
 
@@ -59,7 +59,7 @@ def make_server_controller(model, args, device, max_sequence_length: int):
         mtp_attention=args.mtp_attention, cuda_graph_batch_sizes=buckets if device.type == "cuda" else (),
         decode_steps_per_launch=args.decode_steps_per_launch)
     proposer = None
-    if args.proposer != "mtp":
+    if args.proposer != "mtp" and args.num_speculative_tokens > 0:
         from mtp_ctrl.cli.draft_heads import load_draft_proposer
         from mtp_ctrl.cli.generate import checkpoint_or_exit
 
