@@ -79,7 +79,7 @@ from mtp_ctrl.models import build_gpt_model, moe_layers  # noqa: E402
 from mtp_ctrl.models.moe_inference import graph_moe_forward, route_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
-from bench_forward import copy_bandwidth, count_gpu_events, graph_time_us, kernel_table  # noqa: E402
+from bench_forward import copy_bandwidth, count_gpu_events, graph_replay_kernels, graph_time_us, kernel_table  # noqa: E402,E501
 from steady_decode import timed_decode_steps  # noqa: E402
 
 PROMPT_LEN = 128
@@ -166,27 +166,10 @@ def distinct_experts(layer, num_rows: int, trials: int = 8) -> float:
 def exchange_us(fn, replays: int = 10) -> float:
     """NCCL kernel time per call of ``fn`` replayed from a CUDA graph (0 on one GPU). It includes
     any wait for the slower rank, so it bounds the exchange's own cost from above."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     if dist.get_world_size() == 1:
         return 0.0
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    return sum(event.device_time for event in prof.events()
-               if event.device_type == DeviceType.CUDA and "nccl" in event.name.lower()) / replays
+    events = graph_replay_kernels(fn, replays)
+    return sum(event.device_time for event in events if "nccl" in event.name.lower()) / replays
 
 
 @torch.no_grad()
