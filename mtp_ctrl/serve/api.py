@@ -161,7 +161,8 @@ def create_app(engine: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         if any(not 0 <= token < vocab_size for token in body.stop_token_ids):
             raise BadRequest("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size})")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = max_model_len - len(prompt_ids) if max_tokens is None else max_tokens
+        if max_tokens is None:  # OpenAI's defaults: 16 for completions, the rest of the context for chat
+            max_tokens = 16 if isinstance(body, CompletionRequest) else max_model_len - len(prompt_ids)
         fields = dict(max_new_tokens=("max_tokens", max_tokens), temperature=("temperature", body.temperature),
                       top_p=("top_p", body.top_p), top_k=("top_k", body.top_k), seed=("seed", body.seed))
         try:
