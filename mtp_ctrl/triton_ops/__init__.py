@@ -37,6 +37,7 @@ _OP_MODULES = {
     # sampling
     "sample_tokens": "gumbel_sampling",
     "rejection_sample": "rejection_sampling",
+    "sampling_probs": "sampling_filter",
     # paged attention
     "write_kv_cache": "kv_cache_write",
     "paged_attention": "paged_attn",

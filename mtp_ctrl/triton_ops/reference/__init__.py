@@ -22,6 +22,7 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     shift_gather_cache       drafting         shift_and_gather_cache, shift_and_gather_cache_hidden
     mtp_window               mtp_window       mtp_draft_window, mtp_advance_window
     gumbel_sampling          sampling         sample_tokens (and gumbel_noise, filter_top_k_top_p)
+    sampling_filter          sampling         sampling_probs
     rejection_sampling       rejection        rejection_sample (and stream_seeds, stream_uniform)
     kv_cache_write           attention        write_kv_cache
     paged_attn               attention        paged_attention
@@ -57,6 +58,7 @@ _REFERENCE_MODULES = {
     "sample_tokens": "sampling",
     "gumbel_noise": "sampling",
     "filter_top_k_top_p": "sampling",
+    "sampling_probs": "sampling",
     "rejection_sample": "rejection",
     "stream_seeds": "rejection",
     "stream_uniform": "rejection",
