@@ -44,7 +44,7 @@ def pointers(kernel, default, **special):
 def cases():
     """(label, kernel, pointer types, float args, constexprs): the kernels of a decode step's
     attention and glue, and the Mamba prefill kernels, in the variants the models launch."""
-    from mtp_ctrl.triton_ops import layer_glue, mamba_varlen, moe_gemm, paged_attn, rope_kv_write
+    from mtp_ctrl.triton_ops import layer_glue, mamba_varlen, moe_gemm, paged_attn, rope_kv_write, sampling_filter
 
     attention = paged_attn._paged_attention_kernel
     attention_pointers = pointers(attention, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32",
@@ -80,7 +80,10 @@ def cases():
                pointers(conv, "fp32", SLOT_IDS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
                dict(WIDTH=4, SEARCH_STEPS=4, BLOCK_ROWS=16, BLOCK_CHANNELS=128, BLOCK_HISTORY=4, HAS_SLOTS=has_slots))
 
-
+    probs = sampling_filter._sampling_probs_kernel
+    yield ("sampling probs (rejection acceptance)", probs,
+           pointers(probs, "fp32", LOGITS_PTR="bf16", TOP_K_PTR="i64"), set(),
+           dict(GREEDY_TEMPERATURE=1e-5, NUM_PIVOTS=16, BLOCK_VOCAB=256))
     counts = moe_gemm._chunk_bucket_counts_kernel
     yield ("MoE pair counts", counts, pointers(counts, "i64", CHUNK_COUNTS_PTR="i32"), set(), dict(BLOCK_P=64, E_PAD=128))
     layout = moe_gemm._segment_layout_kernel
