@@ -78,8 +78,9 @@ def test_plain_decoding_equals_dense_reference_loop(plain_staggered_outputs, gre
 def speculative_runs(models):
     """Runs the staggered schedule once per (S, mtp_attention) asked for, with the model's own
     MTP drafts (recorded); returns ``run(S, mode) -> (controller, proposer, outputs)``. S = MTP
-    depth interprets the kernels, smaller S use their twins (a module fixture cannot take the
-    function-scoped torch_twins)."""
+    depth with paged MTP attention interprets the kernels, the other runs use their twins (a module
+    fixture cannot take the function-scoped torch_twins; test_mtp_draft_oracles interprets a
+    single_position run)."""
     model, _ = models
     cache = {}
 
@@ -88,7 +89,8 @@ def speculative_runs(models):
         if key not in cache:
             proposer = RecordingMTPProposer(mtp_attention)
             controller = make_controller(model, num_speculative_tokens, proposer=proposer, mtp_attention=mtp_attention)
-            with contextlib.nullcontext() if num_speculative_tokens == MTP_DEPTH else twin_ops():
+            interpreted = key == (MTP_DEPTH, "paged")
+            with contextlib.nullcontext() if interpreted else twin_ops():
                 cache[key] = controller, proposer, run_with_arrivals(controller, _staggered_arrivals())
         return cache[key]
 
