@@ -4,6 +4,7 @@
     python examples/generate.py --random-weights                              # an untrained model
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --checkpoint ...  # tensor parallel on 2 GPUs
     torchrun --nproc-per-node 2 examples/generate.py --tp 2 --load DIR        # a megatron dist checkpoint
+    python examples/generate.py --hf DIR --prompt "Hello" --chat               # a Hugging Face checkpoint, text in/out
     python examples/generate.py --metrics-json metrics.json                   # keep the figures
     python examples/generate.py --proposer eagle --num-speculative-tokens 3   # a shipped draft head
     mtp-ctrl-generate ...                                                     # the same, once pip-installed
@@ -33,6 +34,11 @@ holds the 256 byte tokens, random ids otherwise.
 --metrics-json writes {"plain": ..., "speculative": ..., "comparison": ...}: the first two are
 ``controller.metrics.as_dict()`` of each mode's last timed run (docs/design.md lists the keys);
 "comparison" holds every timed tokens/s figure, the medians, the speed-up and the equality check.
+
+--hf DIR serves a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json;
+families: docs/hf_checkpoints.md) with its own MTP layers drafting: prompts are text (--prompt,
+repeatable; --chat renders them through the checkpoint's chat template), generation stops at the
+checkpoint's EOS ids (generation_config.json) and at --stop strings, and outputs print as text.
 """
 
 import argparse
@@ -61,6 +67,10 @@ def add_model_arguments(parser) -> None:
     source.add_argument("--load", default=None, metavar="DIR", help="a megatron dist_checkpointing directory")
     source.add_argument("--random-weights", action="store_true",
                         help="an untrained model of the demo's shape (drafts are almost never accepted)")
+    source.add_argument("--hf", default=None, metavar="DIR",
+                        help="a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                        help="--hf: the weights' dtype (default: the checkpoint's on CUDA, float32 on a CPU)")
     parser.add_argument("--model-args", default=None, metavar="JSON",
                         help="the model's shape for --load (default: the checkpoint's content metadata)")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, help="S, drafts per step (>= 1)")
@@ -98,6 +108,8 @@ def check_model_arguments(parser, args, min_speculative_tokens: int = 1) -> None
             parser.error(f"--model-args is not JSON: {error}")
         if not isinstance(args.model_args, dict):
             parser.error("--model-args must be a JSON object")
+    if args.hf is None and args.dtype:
+        parser.error("--dtype goes with --hf")
     check_sources(parser, args)
 
 
@@ -114,7 +126,17 @@ def parse_args(argv=None):
                         help="timed runs per mode, alternating plain and speculative (default: 5 on CUDA, 3 on CPU)")
     parser.add_argument("--show", type=int, default=3, help="outputs printed as text")
     parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write the metrics to PATH as JSON")
+    parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                        help="a text prompt for --hf (repeatable; cycled to --num-prompts)")
+    parser.add_argument("--chat", action="store_true", help="--hf: each prompt is a user message through the "
+                        "checkpoint's chat template")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="--hf: stop a request once its text contains TEXT (repeatable)")
     args = parser.parse_args(argv)
+    if args.hf is None:
+        for flag in ("prompt", "chat", "stop"):
+            if getattr(args, flag):
+                parser.error(f"--{flag} goes with --hf")
     for name in ("num_prompts", "prompt_len", "max_new_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -138,9 +160,16 @@ def check_sources(parser, args) -> None:
     try:
         shipped_target = shipped_checkpoint_path()
     except FileNotFoundError as error:  # an install without its package data: --checkpoint still works
-        if args.checkpoint is None and args.load is None and not args.random_weights:
+        if args.checkpoint is None and args.load is None and args.hf is None and not args.random_weights:
             parser.error(str(error))
         shipped_target = None
+    if args.hf is not None:
+        if not os.path.isfile(os.path.join(args.hf, "config.json")):
+            parser.error(f"--hf {args.hf} is not a Hugging Face checkpoint directory (no config.json)")
+        if args.proposer != "mtp":
+            parser.error("--hf drafts with the checkpoint's own MTP layers (--proposer mtp); EAGLE-3 heads for "
+                         "Hugging Face checkpoints are not supported yet")
+        return
     if args.checkpoint is None and args.load is None and not args.random_weights:
         args.checkpoint = shipped_target
     for flag, path, exists in (("--checkpoint", args.checkpoint, os.path.isfile),
@@ -183,6 +212,10 @@ def main(argv=None):
     import mtp_ctrl
 
     mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
+    if args.hf is not None:
+        from mtp_ctrl.cli.hf_generate import run_hf
+
+        return run_hf(args)
     import torch
     import torch.distributed as dist
 
@@ -306,7 +339,7 @@ def drafter_name(args) -> str:
 def header(args, device, repeats: int) -> str:
     """What this run is, before anything slow happens."""
     model = ("random weights" if args.random_weights else
-             os.path.basename(args.checkpoint) if args.checkpoint else args.load)
+             os.path.basename(args.checkpoint) if args.checkpoint else args.load or args.hf)
     lines = [f"generate: {model} on {device}, TP {args.tp}; drafter: {drafter_name(args)}, "
              f"S = {args.num_speculative_tokens}",
              f"  {args.num_prompts} prompts x {args.max_new_tokens} new tokens; plain and speculative decoding, "
@@ -352,7 +385,7 @@ def make_prompts(args, vocab_size: int):
     return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in lengths]
 
 
-def make_controller(model, args, num_speculative_tokens: int, prompts, device, on_tokens=None):
+def make_controller(model, args, num_speculative_tokens: int, prompts, device, on_tokens=None, controller_class=None):
     """The controller of one mode; ``on_tokens(n)`` is called after every step with the tokens it
     emitted (through the controller's ``on_step_end`` hook), for progress on a CPU."""
     from mtp_ctrl.controllers import InferenceConfig, TextGenerationController
@@ -372,9 +405,9 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device, o
 
         proposer = checkpoint_or_exit("--draft-checkpoint", args.draft_checkpoint, lambda path: load_draft_proposer(
             args.proposer, model, path, num_speculative_tokens))
-    controller_class = TextGenerationController
+    controller_class = controller_class or TextGenerationController
     if on_tokens is not None:
-        class ReportingController(TextGenerationController):
+        class ReportingController(controller_class):
             def on_step_end(self, outputs):
                 on_tokens(sum(len(tokens) for _, tokens, _ in outputs))
 
@@ -431,20 +464,24 @@ class Progress:
             self.bar.close()
 
 
-def compare(model, args, prompts, device, repeats: int, show_progress: bool):
-    """Warm both modes up, then time them alternately; returns what print_report and the JSON need."""
+def compare(model, args, prompts, device, repeats: int, show_progress: bool, params=None, controller_class=None):
+    """Warm both modes up, then time them alternately; returns what print_report and the JSON need.
+    ``params``: the requests' SamplingParams (default: greedy or --temperature, no stop tokens);
+    ``controller_class``: a TextGenerationController subclass (default: the class itself)."""
     import torch
 
     from mtp_ctrl.controllers import SamplingParams
 
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=None)
+    if params is None:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=None)
     modes = {"plain": 0, "speculative": args.num_speculative_tokens}
     runs = [(name, True) for name in modes] + [(name, False) for _ in range(repeats) for name in modes]
     progress = Progress(len(runs), len(prompts) * args.max_new_tokens, enabled=show_progress)
     # per-step progress on a CPU only: there a run takes seconds to minutes; on a GPU the hook's
     # host work would weigh on the timing of a small model's sub-millisecond steps
     on_tokens = progress.add if device.type == "cpu" else None
-    controllers = {name: make_controller(model, args, S, prompts, device, on_tokens) for name, S in modes.items()}
+    controllers = {name: make_controller(model, args, S, prompts, device, on_tokens, controller_class)
+                   for name, S in modes.items()}
     seconds = {name: [] for name in modes}
     tokens = {name: 0 for name in modes}
     outputs, metrics = {}, {}
@@ -504,16 +541,18 @@ def verdict(report, repeats: int) -> str:
     return "; ".join(problems) if problems else f"{repeats} runs per mode, spread within {NOISY_SPREAD:.0%}: usable"
 
 
-def print_report(args, device, prompts, report) -> None:
+def print_report(args, device, prompts, report, decode=None) -> None:
+    """The run's table and verdict; ``decode`` turns token ids into text (default: bytes)."""
     from mtp_ctrl.cli.byte_corpus import decode_bytes
 
+    decode = decode or decode_bytes
     spec = report["metrics"]["speculative"]
     print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens each, {device}, TP {args.tp}, "
           f"drafter: {drafter_name(args)}, S = {args.num_speculative_tokens}"
           f"{', random weights' if args.random_weights else ''}")
     for index in range(min(args.show, len(prompts))):
-        print(f"  prompt {index}: {decode_bytes(prompts[index])!r}")
-        print(f"  output {index}: {decode_bytes(report['outputs']['speculative'][index])!r}")
+        print(f"  prompt {index}: {decode(prompts[index])!r}")
+        print(f"  output {index}: {decode(report['outputs']['speculative'][index])!r}")
     print()
     print(f"{'':14}{'tokens/s (median)':>18}{'spread':>18}")
     for name in ("plain", "speculative"):

@@ -14,8 +14,9 @@ Then point any OpenAI client at it:
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming with ``"stream": true``),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). The model options are
 ``examples/generate.py``'s (``--checkpoint``, ``--load DIR``, ``--random-weights``, ``--proposer``,
-``--num-speculative-tokens``, ``--tp``...). The demo model reads and writes UTF-8 bytes. Needs the
-``serve`` extra (FastAPI, uvicorn).
+``--num-speculative-tokens``, ``--tp``...). The demo model reads and writes UTF-8 bytes; a Hugging
+Face checkpoint (``--hf DIR``) its own tokenizer and chat template. Needs the ``serve`` extra
+(FastAPI, uvicorn).
 """
 
 import argparse
@@ -89,19 +90,32 @@ def main(argv=None):
     from mtp_ctrl.serve.engine import EngineLoop, follow
     from mtp_ctrl.serve.text import ByteTokenizer
 
-    checkpoint = read_model_source(args)
-    device = pick_device(args)
-    init_distributed(args.tp, device)
-    model = build_model(args, checkpoint, device)
-    model_args = checkpoint[0] if checkpoint else DEMO_MODEL_ARGS
-    controller = make_server_controller(model, args, device, model_args["max_sequence_length"])
+    if args.hf is not None:  # a Hugging Face checkpoint: its own tokenizer (mtp_ctrl/serve/hf_tokenizer.py)
+        from mtp_ctrl.cli.generate import checkpoint_or_exit
+        from mtp_ctrl.cli.hf_generate import load_hf_model
+        from mtp_ctrl.models.hf_text import HFText
+        from mtp_ctrl.serve.hf_tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer(checkpoint_or_exit("--hf", args.hf, HFText))
+        device = pick_device(args)
+        init_distributed(args.tp, device)
+        model = load_hf_model(args, device, rank_zero=dist.get_rank() == 0)
+        max_sequence_length = model.max_sequence_length
+    else:
+        tokenizer = ByteTokenizer()
+        checkpoint = read_model_source(args)
+        device = pick_device(args)
+        init_distributed(args.tp, device)
+        model = build_model(args, checkpoint, device)
+        max_sequence_length = (checkpoint[0] if checkpoint else DEMO_MODEL_ARGS)["max_sequence_length"]
+    controller = make_server_controller(model, args, device, max_sequence_length)
     command_group = dist.new_group(backend="gloo") if args.tp > 1 else None  # rank 0's commands to the others
     try:
         if dist.get_rank() != 0:
             follow(controller, command_group)
             return
         engine = EngineLoop(controller, command_group).start()
-        app = create_app(engine, ByteTokenizer(), args.served_model_name)
+        app = create_app(engine, tokenizer, args.served_model_name)
         print(f"serving {args.served_model_name} (S = {args.num_speculative_tokens}, TP {args.tp}, {device}) on "
               f"http://{args.host}:{args.port}/v1", flush=True)
         try:

@@ -9,6 +9,7 @@ from mtp_ctrl.models.dist_checkpoint import load_distributed_checkpoint, read_co
 from mtp_ctrl.models.eagle_head import EagleHead, build_eagle_head, default_aux_layer_ids
 from mtp_ctrl.models.forward_context import MambaForward, paged_forward_context
 from mtp_ctrl.models.gpt_builder import build_gpt_model
+from mtp_ctrl.models.hf_checkpoint import load_hf_checkpoint
 from mtp_ctrl.models.layer_specs import (
     assign_kv_layer_indices,
     assign_mamba_layer_indices,
@@ -52,6 +53,7 @@ __all__ = [
     "has_moe_layers",
     "load_demo_model",
     "load_distributed_checkpoint",
+    "load_hf_checkpoint",
     "moe_layer_pattern",
     "moe_layers",
     "paged_forward_context",

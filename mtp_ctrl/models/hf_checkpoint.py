@@ -1,0 +1,351 @@
+"""Load a Hugging Face checkpoint (``config.json`` + safetensors shards) into our paged GPT, MTP layers included.
+
+:func:`load_hf_checkpoint` runs in three steps; the model is returned only when all succeed, so
+nothing half-loaded is ever usable:
+
+1. ``config.json`` names the family (:mod:`mtp_ctrl.models.hf_families`: refused families and
+   unsupported fields raise :class:`~mtp_ctrl.models.hf_families.UnsupportedCheckpointError`,
+   a ValueError naming the field or what is missing). Its settings become megatron's
+   ``TransformerConfig`` and :func:`~mtp_ctrl.models.build_gpt_model` builds the paged model
+   (weights allocated, not initialised) on the target device, at parallel_state's TP size.
+2. Plan: every parameter of the model is mapped to its Hugging Face tensors through the family's
+   table, from the safetensors headers alone. A parameter without a source, a tensor the table
+   expects but the checkpoint lacks, a tensor of the checkpoint nothing reads, or a tensor of the
+   wrong shape raises ValueError naming the tensor (and the parameter).
+3. Stream: one parameter at a time, this rank's rows or columns are sliced straight out of the
+   memory-mapped file (safetensors' ``get_slice``), rearranged (fused QKV, GLU, ...) and copied
+   into the parameter (cast to its dtype, on its device). The full model is never held twice:
+   at most one parameter's worth of extra memory.
+"""
+
+import json
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mtp_ctrl.models.gpt_builder import build_gpt_model
+from mtp_ctrl.models.hf_families import (
+    IGNORED_SUFFIXES,
+    HFFamily,
+    Layout,
+    ModelSettings,
+    TensorRule,
+    resolve_family,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def read_hf_config(path: Union[str, os.PathLike]) -> dict:
+    """``config.json`` of the checkpoint directory ``path`` as a dict (ValueError naming a bad file)."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist: not a Hugging Face checkpoint directory")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{config_path} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} is not a JSON object")
+    return config
+
+
+class SafetensorsShards:
+    """The checkpoint's tensors by name over its shards, memory-mapped; use as a context manager.
+
+    Shards come from ``model.safetensors.index.json`` (its ``weight_map``), else the single
+    ``model.safetensors``, else every ``*.safetensors`` of the directory. Only headers are read
+    until a tensor is asked for.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self.path = Path(path)
+        index_path = self.path / INDEX_FILE
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise ValueError(f"{index_path} is not a safetensors index (a JSON object with a weight_map): "
+                                 f"{error}") from None
+            files = sorted(set(weight_map.values()))
+        elif (self.path / SINGLE_FILE).is_file():
+            files = [SINGLE_FILE]
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.path} holds no safetensors files ({INDEX_FILE} or *.safetensors)")
+        self._stack = ExitStack()
+        self._handles = {}
+        self.file_of: Dict[str, str] = {}
+        for name in files:
+            if not (self.path / name).is_file():
+                raise FileNotFoundError(f"{index_path} names {name}, which does not exist")
+            try:
+                handle = self._stack.enter_context(safe_open(str(self.path / name), framework="pt", device="cpu"))
+            except Exception as error:  # safetensors raises its own SafetensorError for damaged headers
+                self._stack.close()
+                raise ValueError(f"{self.path / name} is not a readable safetensors file ({error})") from None
+            self._handles[name] = handle
+            for tensor_name in handle.keys():
+                if tensor_name in self.file_of:
+                    self._stack.close()
+                    raise ValueError(f"tensor {tensor_name!r} is stored twice ({self.file_of[tensor_name]} and {name})")
+                self.file_of[tensor_name] = name
+
+    def __enter__(self) -> "SafetensorsShards":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def names(self) -> List[str]:
+        return list(self.file_of)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int = 0, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
+        """Tensor ``name``, or only indices ``start:stop`` of dimension ``dim`` (read from the mapped file)."""
+        tensor_slice = self._handles[self.file_of[name]].get_slice(name)
+        if start is None:
+            return tensor_slice[:]
+        return tensor_slice[(slice(None),) * dim + (slice(start, stop),)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 2: the plan (names and shapes only)
+# ----------------------------------------------------------------------------------------------
+
+class ParameterSource:
+    """Where one model parameter comes from: Hugging Face tensor names (full names) and a layout."""
+
+    def __init__(self, parameter_name: str, rule: TensorRule, prefix: str):
+        self.parameter_name = parameter_name
+        self.layout = rule.layout
+        self.hf_names = tuple(prefix + name for name in rule.hf_names)
+
+
+def _split_layer_name(name: str, scope: str) -> Optional[Tuple[int, str]]:
+    """``("decoder.layers.3.mlp.x", "decoder.layers.")`` -> ``(3, "mlp.x")``; None when not under scope."""
+    if not name.startswith(scope):
+        return None
+    index, _, suffix = name[len(scope):].partition(".")
+    return (int(index), suffix) if index.isdigit() else None
+
+
+def parameter_source(family: HFFamily, name: str) -> ParameterSource:
+    """The table entry of parameter ``name`` of our model (ValueError when the family maps none)."""
+    rule, prefix = None, ""
+    decoder = _split_layer_name(name, "decoder.layers.")
+    mtp = _split_layer_name(name, "mtp.layers.")
+    if decoder is not None:
+        rule, prefix = family.layer_table.get(decoder[1]), family.layer_prefix.format(i=decoder[0])
+    elif mtp is not None and family.mtp_prefix is not None:
+        depth, suffix = mtp
+        prefix = family.mtp_prefix.format(i=depth)
+        if suffix.startswith("transformer_layer."):
+            rule = family.layer_table.get(suffix[len("transformer_layer."):])
+        else:
+            rule = family.mtp_table.get(suffix)
+    else:
+        rule = family.top_table.get(name)
+    if rule is None:
+        raise ValueError(f"parameter {name} of the model has no Hugging Face tensor in the {family.name} table "
+                         "(mtp_ctrl/models/hf_families.py)")
+    return ParameterSource(name, rule, prefix)
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Give every tensor-parallel weight megatron's ``partition_dim`` attributes, which megatron sets
+    only while drawing random weights (``perform_initialization``, skipped here): vocabulary and
+    column-parallel weights split rows (dim 0), row-parallel weights split columns (dim 1)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or getattr(weight, "tensor_model_parallel", False):
+            continue
+        if isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear)):
+            set_tensor_model_parallel_attributes(weight, True, 0, 1)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+
+
+def _is_tensor_parallel(parameter: torch.Tensor) -> bool:
+    return bool(getattr(parameter, "tensor_model_parallel", False))
+
+
+def expected_full_shapes(source: ParameterSource, parameter: torch.Tensor, config: TransformerConfig,
+                         tp_size: int) -> List[Tuple[int, ...]]:
+    """The shape each Hugging Face tensor of ``source`` must have, from the parameter's local shape."""
+    local = tuple(parameter.shape)
+    full = list(local)
+    if _is_tensor_parallel(parameter):
+        full[parameter.partition_dim] *= tp_size
+    if source.layout is Layout.QKV:
+        head_dim, rest = config.kv_channels, tuple(full[1:])
+        return [(config.num_attention_heads * head_dim, *rest), (config.num_query_groups * head_dim, *rest),
+                (config.num_query_groups * head_dim, *rest)]
+    if source.layout is Layout.GLU:
+        return [(full[0] // 2, *full[1:])] * 2
+    return [tuple(full)]
+
+
+def plan_load(model: GPTModel, family: HFFamily, settings: ModelSettings, shards: SafetensorsShards,
+              tp_size: int) -> List[ParameterSource]:
+    """Every parameter's source, checked against the checkpoint's names and shapes (ValueError naming
+    the first problem: missing, unexpected or misshapen tensors)."""
+    sources, used = [], set()
+    available = set(shards.names())
+    for name, parameter in model.named_parameters():
+        source = parameter_source(family, name)
+        for hf_name, shape in zip(source.hf_names, expected_full_shapes(source, parameter, model.config, tp_size)):
+            if hf_name not in available:
+                raise ValueError(f"the checkpoint lacks tensor {hf_name!r} (for parameter {name}; "
+                                 f"{family.name} layout)")
+            found = shards.shape(hf_name)
+            if found != shape:
+                raise ValueError(f"tensor {hf_name!r} has shape {list(found)}, expected {list(shape)} from "
+                                 f"config.json (parameter {name})")
+            used.add(hf_name)
+        sources.append(source)
+    ignored = {"lm_head.weight"} if settings.tied_embeddings else set()
+    unexpected = sorted(name for name in available - used - ignored if not name.endswith(IGNORED_SUFFIXES))
+    if unexpected:
+        shown = ", ".join(repr(name) for name in unexpected[:5])
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise ValueError(f"the checkpoint has tensors the {family.name} model does not use: {shown}{more} "
+                         "(config.json does not describe these weights)")
+    return sources
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 3: reading this rank's part
+# ----------------------------------------------------------------------------------------------
+
+def read_local_tensor(source: ParameterSource, parameter: torch.Tensor, shards: SafetensorsShards,
+                      config: TransformerConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's value of ``parameter`` in megatron's layout, read from the mapped shards.
+    Each slice moves to the parameter's device as read; the layout is rearranged there (on a GPU
+    the host holds one slice at a time, never a rearranged copy)."""
+    sharded = _is_tensor_parallel(parameter) and tp_size > 1
+    device = parameter.device
+
+    def read(name: str, dim: int = 0, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
+        return shards.read(name, dim, start, stop).to(device)
+
+    if source.layout is Layout.QKV:
+        # rank r holds query groups [r * G_local, (r + 1) * G_local): contiguous rows of q, k and v
+        head_dim, groups_local = config.kv_channels, config.num_query_groups // tp_size
+        q_rows = config.num_attention_heads // config.num_query_groups * head_dim  # query rows per group
+        first = tp_rank * groups_local
+        q = read(source.hf_names[0], 0, first * q_rows, (first + groups_local) * q_rows)  # [G_l * q_rows, ...]
+        k = read(source.hf_names[1], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
+        v = read(source.hf_names[2], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
+        rest = tuple(q.shape[1:])
+        grouped = torch.cat((q.reshape(groups_local, q_rows, *rest), k.reshape(groups_local, head_dim, *rest),
+                             v.reshape(groups_local, head_dim, *rest)), dim=1)  # [G_l, q_rows + 2 D, ...]
+        return grouped.reshape(-1, *rest)
+    if source.layout is Layout.GLU:
+        rows = parameter.shape[0] // 2  # this rank's gate rows = its up rows
+        start = tp_rank * rows if sharded else 0
+        return torch.cat([read(name, 0, start, start + rows) for name in source.hf_names], dim=0)
+    if sharded:
+        dim = parameter.partition_dim
+        width = parameter.shape[dim]
+        value = read(source.hf_names[0], dim, tp_rank * width, (tp_rank + 1) * width)
+    else:
+        value = read(source.hf_names[0])
+    if source.layout is Layout.SWAP_HALVES:  # [rows, 2H]: the checkpoint's second input half comes first here
+        half = value.shape[1] // 2
+        value = torch.cat((value[:, half:], value[:, :half]), dim=1)
+    return value
+
+
+def _apply_rope_scaling(model: GPTModel, settings: ModelSettings) -> None:
+    """The checkpoint's rotary scaling on the model's ``inv_freq`` (which the runner reads)."""
+    rope, rotary = settings.rope, model.rotary_pos_emb
+    if rope.rope_type == "llama3":  # megatron's own Llama-3.1 frequency scaling, with the checkpoint's numbers
+        rotary.inv_freq = rotary._apply_scaling(
+            rotary.inv_freq, factor=rope.factor, low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings)
+    elif rope.rope_type == "linear":  # positions / factor
+        rotary.inv_freq = rotary.inv_freq / rope.factor
+
+
+def _check_dtype(dtype) -> None:
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}")
+
+
+def load_hf_checkpoint(path: Union[str, os.PathLike], tp: Optional[int] = None, *,
+                       device: Union[str, torch.device, None] = None,
+                       dtype: Optional[torch.dtype] = None) -> GPTModel:
+    """Our paged GPT (decoder and every MTP layer the checkpoint ships) from a Hugging Face directory.
+
+    ``path``: a directory with ``config.json`` and safetensors weights (``model.safetensors`` or
+    shards with ``model.safetensors.index.json``), as ``save_pretrained`` writes them. Families:
+    :data:`mtp_ctrl.models.hf_families.FAMILIES` (Llama-3, Qwen2, Qwen3, MiMo with its MTP layers).
+    ``tp``: the tensor-parallel size, which must be parallel_state's (default: parallel_state's);
+    each rank reads only its shard. ``device``: where the weights live (default: CUDA when
+    available). ``dtype``: the parameters' dtype (default: the checkpoint's ``dtype``).
+
+    The model is in eval mode, ready for :class:`~mtp_ctrl.models.PagedGPTRunner` and the
+    controller; ``model.config.mtp_num_layers`` is the checkpoint's MTP depth (None without).
+    Errors (ValueError naming the tensor, parameter or config field; FileNotFoundError for missing
+    files) leave nothing behind.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"{path} is not a directory (a Hugging Face checkpoint directory is expected)")
+    _check_dtype(dtype)
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("megatron's parallel_state is not initialised: call mtp_ctrl.init_single_process() "
+                           "first (under torchrun: torch.distributed and parallel_state.initialize_model_parallel)")
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp != tp_size):
+        raise ValueError(f"tp={tp!r} differs from parallel_state's tensor-parallel size {tp_size}")
+    hf_config = read_hf_config(path)
+    family = resolve_family(hf_config)
+    settings = family.read_config(hf_config)
+    config = TransformerConfig(**settings.config_fields, tensor_model_parallel_size=tp_size,
+                               params_dtype=dtype or settings.dtype, use_cpu_initialization=True,
+                               perform_initialization=False)  # weights come from the file: no random draw
+    with SafetensorsShards(path) as shards:
+        with torch.device(device):  # parameters are allocated where they will live
+            model = build_gpt_model(config, settings.vocab_size, settings.max_sequence_length,
+                                    use_transformer_engine=False, rotary_base=settings.rope.theta,
+                                    share_embeddings_and_output_weights=settings.tied_embeddings)
+        mark_tensor_parallel_weights(model)
+        parameters = dict(model.named_parameters())
+        sources = plan_load(model, family, settings, shards, tp_size)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        with torch.no_grad():
+            for source in sources:
+                parameter = parameters[source.parameter_name]
+                value = read_local_tensor(source, parameter, shards, config, tp_rank, tp_size)
+                if value.shape != parameter.shape:  # the plan checked full shapes; this guards the layouts
+                    raise ValueError(f"{source.parameter_name}: assembled {list(value.shape)} from "
+                                     f"{list(source.hf_names)}, expected {list(parameter.shape)}")
+                parameter.copy_(value)
+    _apply_rope_scaling(model, settings)
+    return model.to(device).eval()
