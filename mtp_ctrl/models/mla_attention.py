@@ -38,12 +38,12 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor,
     _yarn_linear_ramp_mask,
 )
-from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from mtp_ctrl.models.forward_context import RotaryTables, current_paged_forward, in_paged_forward
+from mtp_ctrl.models.tp_gather import gather_last_dim_over_tp
 from mtp_ctrl.triton_ops import paged_attention, paged_mla_attention, rope_and_write_latent_cache
 
 # decode and verify rows (1 + S a request) attend in latent space; longer prefill chunks decompress
@@ -253,7 +253,7 @@ class PagedMLASelfAttention(MLASelfAttention):
         if config.q_lora_rank is not None:
             q_compressed, _ = self.linear_q_down_proj(hidden_states)
             if q_compressed.size(-1) != config.q_lora_rank:  # column-parallel: gathered, as megatron does
-                q_compressed = gather_from_tensor_model_parallel_region(q_compressed)
+                q_compressed = gather_last_dim_over_tp(q_compressed)
             query, _ = self.linear_q_up_proj(self.q_layernorm(q_compressed))
         else:
             query, _ = self.linear_q_proj(hidden_states)
@@ -261,7 +261,7 @@ class PagedMLASelfAttention(MLASelfAttention):
         query_nope, query_rope = torch.split(query, [config.qk_head_dim, config.qk_pos_emb_head_dim], dim=-1)
         kv_combined, _ = self.linear_kv_down_proj(hidden_states)
         if kv_combined.size(-1) != config.kv_lora_rank + config.qk_pos_emb_head_dim:
-            kv_combined = gather_from_tensor_model_parallel_region(kv_combined)
+            kv_combined = gather_last_dim_over_tp(kv_combined)
         kv_latent, key_rope = torch.split(kv_combined.view(num_rows, -1),
                                           [config.kv_lora_rank, config.qk_pos_emb_head_dim], dim=-1)
         kv_latent = self.kv_layernorm(kv_latent)

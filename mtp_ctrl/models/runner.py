@@ -27,7 +27,6 @@ import os
 from typing import Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
@@ -41,6 +40,7 @@ from mtp_ctrl.models.layer_specs import assign_kv_layer_indices, assign_mamba_la
 from mtp_ctrl.models.mla_attention import mla_rotary
 from mtp_ctrl.models.moe import has_moe_layers
 from mtp_ctrl.models.moe_inference import DEFAULT_MOE_BACKEND, MEGATRON_BACKEND, check_moe_backend
+from mtp_ctrl.models.tp_gather import gather_last_dim_over_tp
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.kv_cache import AnyKVCacheSpec, KVCacheSpec, LatentKVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec
@@ -72,17 +72,6 @@ def check_aux_layer_ids(aux_layer_ids, num_decoder_layers: int) -> Tuple[int, ..
         raise ValueError(f"aux_layer_ids must be distinct decoder layer indices in [0, {num_decoder_layers}), "
                          f"got {aux_layer_ids!r}")
     return ids
-
-
-def _gather_last_dim_over_tp(tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate the tensor-parallel ranks' shards along the last dim (device-agnostic)."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    world_size = dist.get_world_size(group=group)
-    if world_size == 1:
-        return tensor
-    shards = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(shards, tensor.contiguous(), group=group)
-    return torch.cat(shards, dim=-1)
 
 
 class PagedGPTRunner:
@@ -226,7 +215,7 @@ class PagedGPTRunner:
         model = self.model
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         local_logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=False)  # [T, 1, V/tp]
-        return _gather_last_dim_over_tp(local_logits)[:, 0].float()
+        return gather_last_dim_over_tp(local_logits)[:, 0].float()
 
     def _check_rows(self, input_ids, positions, metadata, kv_caches):
         for name, tensor in (("input_ids", input_ids), ("positions", positions)):
@@ -338,7 +327,7 @@ class PagedGPTRunner:
             embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions, offset=1))  # [T, 1, H]
             combined = torch.cat((layer.enorm(embedded), layer.hnorm(hidden[:, None])), dim=-1)  # [T, 1, 2H]
             projected, _ = layer.eh_proj(combined)  # [T, 1, H / tp]
-            projected = _gather_last_dim_over_tp(projected)  # [T, 1, H]
+            projected = gather_last_dim_over_tp(projected)  # [T, 1, H]
             out, _ = layer.transformer_layer(hidden_states=projected, attention_mask=None,
                                              rotary_pos_emb=rotary_pos_emb)
             out = layer.final_layernorm(out)  # [T, 1, H]
