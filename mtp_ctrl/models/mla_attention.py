@@ -169,47 +169,70 @@ class PagedMLACoreAttention(MegatronModule):
         metadata = forward.metadata
         roped_query = rope_and_write_latent_cache(query_rope, kv_latent, key_rope, cache, metadata.slot_mapping,
                                                   forward.rotary.cos, forward.rotary.sin)  # [T, H, R]
-        qk_head_dim = query_nope.shape[-1]
         if metadata.max_query_len <= self.absorb_max_query_len:
-            up_k, up_v = kv_up_weight[:, :qk_head_dim], kv_up_weight[:, qk_head_dim:]  # [H, Dqk, C], [H, Dv, C]
-            query_latent = torch.bmm(query_nope.transpose(0, 1), up_k).transpose(0, 1).contiguous()  # [T, H, C]
-            attended = paged_mla_attention(
-                query_latent, roped_query, cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-                self.softmax_scale, max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
-            )  # [T, H, C]
-            out = torch.bmm(attended.transpose(0, 1), up_v.transpose(1, 2))  # [H, T, Dv]
-            return out.transpose(0, 1).reshape(out.shape[1], -1)
-        return self._attend_decompressed(query_nope, roped_query, cache, metadata, kv_up_proj,
-                                         kv_up_weight.shape[1] - qk_head_dim)
+            return absorbed_mla_attention(query_nope, roped_query, cache, metadata, kv_up_weight, self.softmax_scale)
+        return decompressed_mla_attention(query_nope, roped_query, cache, metadata, kv_up_proj,
+                                          kv_up_weight.shape[1] - query_nope.shape[-1], self.softmax_scale)
 
-    def _attend_decompressed(self, query_nope, roped_query, cache, metadata, kv_up_proj, v_head_dim):
-        """The batch's cached latents up-projected to per-head K/V (one temporary block per block
-        of the batch's block table), then the standard paged kernel."""
-        num_tokens, num_heads, qk_head_dim = query_nope.shape
-        rope_dim, block_size_tokens = roped_query.shape[-1], cache.shape[1]
-        batch_size, max_blocks = metadata.block_table.shape
-        kv_blocks = max(1, min(max_blocks, math.ceil(metadata.max_seq_len / block_size_tokens)))
-        block_ids = metadata.block_table[:, :kv_blocks].long().clamp(min=0)  # [B, nb]; -1 columns lie past seq_lens
-        rows = cache[block_ids].view(-1, cache.shape[2])  # [B * nb * bs, C + R]
-        kv_lora_rank = cache.shape[2] - rope_dim
-        kv, _ = kv_up_proj(rows[:, :kv_lora_rank])  # [N, H * (Dqk + Dv)]
-        kv = kv.view(rows.shape[0], num_heads, qk_head_dim + v_head_dim)
-        width = max(qk_head_dim + rope_dim, v_head_dim)  # K and V share the kernel's head dim
-        keys = kv.new_zeros(rows.shape[0], num_heads, width)  # [N, H, width]
-        keys[..., :qk_head_dim] = kv[..., :qk_head_dim]
-        keys[..., qk_head_dim:qk_head_dim + rope_dim] = rows[:, None, kv_lora_rank:]
-        values = kv.new_zeros(rows.shape[0], num_heads, width)
-        values[..., :v_head_dim] = kv[..., qk_head_dim:]
-        query = query_nope.new_zeros(num_tokens, num_heads, width)
-        query[..., :qk_head_dim] = query_nope
-        query[..., qk_head_dim:qk_head_dim + rope_dim] = roped_query
-        block_table = torch.arange(batch_size * kv_blocks, dtype=torch.int32,
-                                   device=cache.device).view(batch_size, kv_blocks)
-        paged = (batch_size * kv_blocks, block_size_tokens, num_heads, width)
-        attended = paged_attention(query, keys.view(paged), values.view(paged), block_table, metadata.seq_lens,
-                                   metadata.query_start_loc, self.softmax_scale,
-                                   max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len)
-        return attended[..., :v_head_dim].reshape(num_tokens, -1)  # [T, H * Dv]
+
+def absorbed_mla_attention(
+    query_nope: torch.Tensor,  # [T, H, Dqk]
+    roped_query: torch.Tensor,  # [T, H, R]
+    cache: torch.Tensor,  # [num_blocks, block_size_tokens, C + R]
+    metadata,  # AttentionMetadata of the rows
+    kv_up_weight: torch.Tensor,  # [H, Dqk + Dv, C]
+    softmax_scale: float,
+) -> torch.Tensor:  # [T, H * Dv]
+    """Attention in latent space: ``q_nope W_UK`` once per row and head, the paged MLA kernel over
+    the cached latents, then ``W_UV`` on the weighted latent sum."""
+    qk_head_dim = query_nope.shape[-1]
+    up_k, up_v = kv_up_weight[:, :qk_head_dim], kv_up_weight[:, qk_head_dim:]  # [H, Dqk, C], [H, Dv, C]
+    query_latent = torch.bmm(query_nope.transpose(0, 1), up_k).transpose(0, 1).contiguous()  # [T, H, C]
+    attended = paged_mla_attention(
+        query_latent, roped_query, cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+        softmax_scale, max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len,
+    )  # [T, H, C]
+    out = torch.bmm(attended.transpose(0, 1), up_v.transpose(1, 2))  # [H, T, Dv]
+    return out.transpose(0, 1).reshape(out.shape[1], -1)
+
+
+def decompressed_mla_attention(
+    query_nope: torch.Tensor,  # [T, H, Dqk]
+    roped_query: torch.Tensor,  # [T, H, R]
+    cache: torch.Tensor,  # [num_blocks, block_size_tokens, C + R]
+    metadata,  # AttentionMetadata of the rows
+    kv_up_proj,  # [N, C] -> ([N, H * (Dqk + Dv)], bias): megatron's linear_kv_up_proj
+    v_head_dim: int,
+    softmax_scale: float,
+) -> torch.Tensor:  # [T, H * Dv]
+    """The batch's cached latents (``ceil(max_seq_len / block_size)`` blocks a request) go through
+    the key/value up-projection into a temporary paged K/V, one block per block of the batch's block
+    table, then the standard paged kernel attends (K and V padded to one head dim)."""
+    num_tokens, num_heads, qk_head_dim = query_nope.shape
+    rope_dim, block_size_tokens = roped_query.shape[-1], cache.shape[1]
+    batch_size, max_blocks = metadata.block_table.shape
+    kv_blocks = max(1, min(max_blocks, math.ceil(metadata.max_seq_len / block_size_tokens)))
+    block_ids = metadata.block_table[:, :kv_blocks].long().clamp(min=0)  # [B, nb]; -1 columns lie past seq_lens
+    rows = cache[block_ids].view(-1, cache.shape[2])  # [N = B * nb * bs, C + R]
+    kv_lora_rank = cache.shape[2] - rope_dim
+    kv, _ = kv_up_proj(rows[:, :kv_lora_rank])  # [N, H * (Dqk + Dv)]
+    kv = kv.view(rows.shape[0], num_heads, qk_head_dim + v_head_dim)
+    width = max(qk_head_dim + rope_dim, v_head_dim)  # K and V share the kernel's head dim
+    keys = kv.new_zeros(rows.shape[0], num_heads, width)  # [N, H, width]
+    keys[..., :qk_head_dim] = kv[..., :qk_head_dim]
+    keys[..., qk_head_dim:qk_head_dim + rope_dim] = rows[:, None, kv_lora_rank:]
+    values = kv.new_zeros(rows.shape[0], num_heads, width)
+    values[..., :v_head_dim] = kv[..., qk_head_dim:]
+    query = query_nope.new_zeros(num_tokens, num_heads, width)
+    query[..., :qk_head_dim] = query_nope
+    query[..., qk_head_dim:qk_head_dim + rope_dim] = roped_query
+    block_table = torch.arange(batch_size * kv_blocks, dtype=torch.int32,
+                               device=cache.device).view(batch_size, kv_blocks)
+    paged = (batch_size * kv_blocks, block_size_tokens, num_heads, width)
+    attended = paged_attention(query, keys.view(paged), values.view(paged), block_table, metadata.seq_lens,
+                               metadata.query_start_loc, softmax_scale,
+                               max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len)
+    return attended[..., :v_head_dim].reshape(num_tokens, -1)  # [T, H * Dv]
 
 
 class PagedMLASelfAttention(MLASelfAttention):
