@@ -325,16 +325,19 @@ def paged_mla_attention(
         num_warps=TUNING["num_warps"] if query_latent.is_cuda else 4,
     )
     if num_kv_splits > 1:
-        # one kv head whose group is every query head: paged_attn's combine reads our partial layout
-        combine_q = max(1, min(triton.next_power_of_2(query_rows_bound), 64 // triton.next_power_of_2(num_heads)))
-        combine_m = triton.next_power_of_2(combine_q * num_heads)
+        # paged_attn's combine reads our partial layout ([splits, T, H] by query head); its "kv head"
+        # groups are slices of our heads, small enough that a [splits, rows, dims] tile fits registers
         block_s = triton.next_power_of_2(num_kv_splits)
+        combine_group = math.gcd(num_heads, max(1, 256 // block_s))  # a power of two dividing H
+        combine_q = max(1, min(triton.next_power_of_2(query_rows_bound), 64 // combine_group))
+        combine_m = triton.next_power_of_2(combine_q * combine_group)
         block_c = triton.next_power_of_2(latent_dim)
         block_dc = max(min(16, block_c), min(block_c, 1024 // (block_s * combine_m)))
         num_d_chunks = triton.cdiv(block_c, block_dc)
-        _combine_kv_splits_kernel[(triton.cdiv(query_rows_bound, combine_q), batch_size, num_d_chunks)](
+        grid = (triton.cdiv(query_rows_bound, combine_q), batch_size, num_heads // combine_group * num_d_chunks)
+        _combine_kv_splits_kernel[grid](
             partial_acc, partial_max, partial_sum, query_start_loc, output, output.stride(0), output.stride(1),
-            num_tokens, num_heads, latent_dim, num_heads, num_kv_splits,
+            num_tokens, num_heads, latent_dim, combine_group, num_kv_splits,
             BLOCK_Q=combine_q, BLOCK_M=combine_m, BLOCK_S=block_s, BLOCK_DC=block_dc, NUM_D_CHUNKS=num_d_chunks,
         )
     return output

@@ -32,9 +32,12 @@ def test_split_kv(num_kv_splits):
     torch.testing.assert_close(out, case.expected(), **TOL)
 
 
-def test_many_heads_span_head_tiles():
+def test_many_heads_span_head_tiles_and_combine_groups():
     case = make_mla_case([3, 2], [9, 17], num_heads=40, latent_dim=16, rope_dim=16, block_size_tokens=8, seed=4)
     _check(case)
+    # 8 splits: the combine merges heads in groups of gcd(40, 256 / 8) = 8
+    out = paged_mla_attention(*case.op_args(), max_query_len=3, max_seq_len=17, num_kv_splits=8)
+    torch.testing.assert_close(out, case.expected(), **TOL)
 
 
 @pytest.mark.parametrize("seed", range(2))
