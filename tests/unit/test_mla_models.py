@@ -97,3 +97,23 @@ def test_wrong_cache_layout_is_a_clear_error(megatron_groups):
     pairs = [(torch.zeros(NUM_BLOCKS, BLOCK_SIZE_TOKENS, 4, 24),) * 2 for _ in range(2)]
     with pytest.raises(ValueError, match="latent cache"):
         run_paged_schedule(runner, random_sequences(seed=0), pairs)
+
+
+def test_megatron_written_dist_checkpoint_loads_and_reproduces_megatrons_tokens(megatron_groups, tmp_path):
+    """megatron's own MLA GPT (other weights than the paged model's) saved through
+    dist_checkpointing loads into the paged MLA model; its greedy tokens, plain and speculative,
+    are megatron's full-sequence greedy tokens."""
+    from mtp_ctrl.models import load_distributed_checkpoint, save_distributed_checkpoint
+    from tests.unit.controller_fixtures import dense_greedy
+    from tests.unit.dist_checkpoint_fixtures import PROMPTS, generate_greedy, parameter_mismatches
+
+    config = tiny_mla_config(**YARN)
+    saved = build_megatron_mla_gpt(config, build_tiny_model(config, seed=1234))
+    save_distributed_checkpoint(saved, str(tmp_path / "checkpoint"))
+    paged = build_tiny_model(config, seed=99)
+    load_distributed_checkpoint(paged, str(tmp_path / "checkpoint"))
+    assert parameter_mismatches(paged, saved) == []
+    with megatron_on_cpu():
+        golden = [dense_greedy(saved, prompt, 5) for prompt in PROMPTS[:2]]
+    for num_speculative_tokens in (0, 2):
+        assert generate_greedy(paged, num_speculative_tokens, prompts=PROMPTS[:2], max_new_tokens=5) == golden
