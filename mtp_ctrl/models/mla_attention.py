@@ -14,9 +14,10 @@ megatron's projections and norms itself, then hands the rows to :class:`PagedMLA
      query is multiplied by the key up-projection once (``[T, H, C]``), scores are taken against
      the cached latents plus the rope key, and the value up-projection is applied after the
      weighted sum (:func:`mtp_ctrl.triton_ops.paged_mla_attention`); or
-   - decompressed (steps with longer prefill chunks): the batch's cached latents go through
-     ``linear_kv_up_proj`` to per-head K/V in a temporary paged layout, and the standard paged
-     kernel attends (:func:`mtp_ctrl.triton_ops.paged_attention`).
+   - decompressed (steps with longer prefill chunks, while the temporary K/V stays under
+     ``DECOMPRESS_MAX_BYTES``): the batch's cached latents go through ``linear_kv_up_proj`` to
+     per-head K/V in a temporary paged layout, and the standard paged kernel attends
+     (:func:`mtp_ctrl.triton_ops.paged_attention`).
 
 Rotary: megatron's MLA builds its own ``RotaryEmbedding`` / ``YarnRotaryEmbedding``, whose
 tables need CUDA and positions ``0..s-1``. While this layer is built those names resolve to
@@ -46,8 +47,10 @@ from mtp_ctrl.models.forward_context import RotaryTables, current_paged_forward,
 from mtp_ctrl.models.tp_gather import gather_last_dim_over_tp
 from mtp_ctrl.triton_ops import paged_attention, paged_mla_attention, rope_and_write_latent_cache
 
-# decode and verify rows (1 + S a request) attend in latent space; longer prefill chunks decompress
+# decode and verify rows (1 + S a request) attend in latent space; longer prefill chunks decompress,
+# unless the temporary K/V of the batch's context would pass this many bytes (then absorbed too)
 DEFAULT_ABSORB_MAX_QUERY_LEN = 16
+DECOMPRESS_MAX_BYTES = 1 << 30
 
 
 class LatentRotary(torch.nn.Module):
@@ -169,7 +172,8 @@ class PagedMLACoreAttention(MegatronModule):
         metadata = forward.metadata
         roped_query = rope_and_write_latent_cache(query_rope, kv_latent, key_rope, cache, metadata.slot_mapping,
                                                   forward.rotary.cos, forward.rotary.sin)  # [T, H, R]
-        if metadata.max_query_len <= self.absorb_max_query_len:
+        if metadata.max_query_len <= self.absorb_max_query_len or \
+                decompressed_bytes(query_nope, roped_query, cache, metadata, kv_up_weight) > DECOMPRESS_MAX_BYTES:
             return absorbed_mla_attention(query_nope, roped_query, cache, metadata, kv_up_weight, self.softmax_scale)
         return decompressed_mla_attention(query_nope, roped_query, cache, metadata, kv_up_proj,
                                           kv_up_weight.shape[1] - query_nope.shape[-1], self.softmax_scale)
@@ -194,6 +198,16 @@ def absorbed_mla_attention(
     )  # [T, H, C]
     out = torch.bmm(attended.transpose(0, 1), up_v.transpose(1, 2))  # [H, T, Dv]
     return out.transpose(0, 1).reshape(out.shape[1], -1)
+
+
+def decompressed_bytes(query_nope, roped_query, cache, metadata, kv_up_weight) -> int:
+    """Bytes of the temporary K/V :func:`decompressed_mla_attention` would build (from shapes and
+    the metadata's Python bounds only: no host sync, the same answer at capture and replay)."""
+    block_size_tokens = cache.shape[1]
+    batch_size, max_blocks = metadata.block_table.shape
+    kv_blocks = max(1, min(max_blocks, math.ceil(metadata.max_seq_len / block_size_tokens)))
+    width = max(query_nope.shape[-1] + roped_query.shape[-1], kv_up_weight.shape[1] - query_nope.shape[-1])
+    return 2 * batch_size * kv_blocks * block_size_tokens * query_nope.shape[1] * width * cache.element_size()
 
 
 def decompressed_mla_attention(
