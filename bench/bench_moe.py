@@ -2,6 +2,8 @@
 
     python bench/bench_moe.py            # the DeepSeek-V3-shaped model below, batch 1/8/32/128, S = 0 and 2
     python bench/bench_moe.py --quick    # a small model and two batches (a smoke run; CPU works too)
+    torchrun --nproc-per-node 2 bench/bench_moe.py --ep 2   # experts split over 2 GPUs (each GPU its own batch)
+    torchrun --nproc-per-node 2 bench/bench_moe.py --tp 2   # attention and every expert split over 2 GPUs
 
 The model (bf16, random weights, built on the GPU): 16 layers, hidden 2048, 16 query heads over 4
 KV groups; layer 0 a dense MLP of 5632, layers 1-15 MoE with 64 routed experts of FFN 1408 (GLU),
@@ -16,9 +18,16 @@ Printed, in one run:
    and the layer's HBM floor (attention excluded: shared + distinct experts over the copy bandwidth).
 2. Per batch B and S: median wall ms of ``controller.step()`` and its GPU ms (torch.profiler kernel
    time per step) on the sync-free path (graphs) and on megatron's path (eager); the step's HBM
-   floor; tokens/s. The floor counts the weights the step reads once (attention, dense and shared
+   floor; tokens/s. With --tp or --ep, the expert exchange (the all-gather before and the
+   reduce-scatter after the experts, NCCL kernels captured in the graphs) is its own column: its
+   kernel time per layer and per step, which includes any wait for the slower rank. The floor counts the weights the step reads once (attention, dense and shared
    MLPs, the distinct experts its rows select, the output layer) for the decoder over B (1 + S)
    rows and each of the S MTP depths over B rows, and the K/V it attends over.
+
+Under torchrun, rank 0 prints; figures are per GPU. ``--ep 2`` (world 2, TP 1): each GPU runs
+its own B requests (megatron's data-parallel ranks) and holds half of the experts, so a layer
+routes 2 x T rows and each GPU reads the distinct experts of its half; the floor counts those.
+``--tp 2``: both GPUs run the same B requests on half of every weight.
 """
 
 import argparse
@@ -33,8 +42,18 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model and two batches (smoke run)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per point (graph path)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (under torchrun)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("tp", "ep"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != args.tp * args.ep:
+        parser.error(f"--tp {args.tp} --ep {args.ep} needs tp x ep = {args.tp * args.ep} processes, got {world_size} "
+                     f"(use torchrun --nproc-per-node {args.tp * args.ep})")
+    return args
 
 
 if __name__ == "__main__":
@@ -60,16 +79,28 @@ from steady_decode import timed_decode_steps  # noqa: E402
 PROMPT_LEN = 128
 
 
-def init_single_process():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+def init_parallel(tensor_parallel_size: int, expert_parallel_size: int, device: torch.device) -> int:
+    """Process groups and parallel_state (a plain ``python`` run is one process of its own); returns
+    the rank. Ranks other than 0 print nothing."""
+    if "RANK" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(sock.getsockname()[1]))
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device.type == "cuda" and int(os.environ["WORLD_SIZE"]) > 1 else "gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                             expert_model_parallel_size=expert_parallel_size)
+    rank = dist.get_rank()
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    return rank
 
 
-def build_model(quick: bool, device: torch.device):
-    """The DeepSeek-V3-shaped MoE GPT (module docstring), random bf16 weights drawn on ``device``."""
+def build_model(quick: bool, device: torch.device, tensor_parallel_size: int = 1, expert_parallel_size: int = 1):
+    """The DeepSeek-V3-shaped MoE GPT (module docstring), random bf16 weights drawn on ``device``
+    (every rank draws its shards from the same seed, so replicated weights agree across ranks)."""
     on_gpu = device.type == "cuda"
     layers, hidden, experts, expert_ffn = (4, 256, 16, 128) if quick else (16, 2048, 64, 1408)
     config = TransformerConfig(
@@ -80,6 +111,7 @@ def build_model(quick: bool, device: torch.device):
         moe_shared_expert_intermediate_size=2 * expert_ffn, moe_layer_freq=[0] + [1] * (layers - 1),
         moe_router_score_function="sigmoid", moe_router_num_groups=8, moe_router_group_topk=4,
         moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, moe_router_dtype="fp32",
+        tensor_model_parallel_size=tensor_parallel_size, expert_model_parallel_size=expert_parallel_size,
         use_cpu_initialization=not on_gpu, perform_initialization=not on_gpu,
         params_dtype=torch.bfloat16 if on_gpu else torch.float32, bf16=on_gpu)
     torch.manual_seed(0)
@@ -107,18 +139,48 @@ def param_bytes(module) -> int:
 
 
 def distinct_experts(layer, num_rows: int, trials: int = 8) -> float:
-    """Mean number of distinct routed experts ``num_rows`` random rows select in ``layer``."""
+    """Mean number of distinct routed experts of this GPU that ``layer`` reads when each EP rank
+    routes ``num_rows`` random rows (with EP = 1: the distinct experts ``num_rows`` rows select)."""
+    expert_parallel_size = parallel_state.get_expert_model_parallel_world_size()
+    local = torch.tensor(layer.local_expert_indices, device=layer.router.weight.device)
     counts = []
     with torch.no_grad():
         for trial in range(trials):
             generator = torch.Generator(device=layer.router.weight.device).manual_seed(trial)
-            rows = torch.randn(num_rows, layer.config.hidden_size, device=layer.router.weight.device,
-                               dtype=layer.router.weight.dtype, generator=generator)
+            rows = torch.randn(num_rows * expert_parallel_size, layer.config.hidden_size,
+                               device=layer.router.weight.device, dtype=layer.router.weight.dtype, generator=generator)
             ids, _ = route_rows(layer, rows)
-            counts.append(ids.unique().numel())
+            counts.append(torch.isin(ids.unique(), local).sum().item())
     return sum(counts) / len(counts)
 
 
+def exchange_us(fn, replays: int = 10) -> float:
+    """NCCL kernel time per call of ``fn`` replayed from a CUDA graph (0 on one GPU). It includes
+    any wait for the slower rank, so it bounds the exchange's own cost from above."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if dist.get_world_size() == 1:
+        return 0.0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return sum(event.device_time for event in prof.events()
+               if event.device_type == DeviceType.CUDA and "nccl" in event.name.lower()) / replays
+
+
+@torch.no_grad()
 def layer_table(model, rows_list, bandwidth):
     layer = moe_layers(model)[1]
     device = layer.router.weight.device
@@ -126,11 +188,12 @@ def layer_table(model, rows_list, bandwidth):
     shared = param_bytes(layer.shared_experts)
     print(f"\n1. one MoE layer ({layer.num_local_experts} experts, top-{layer.config.moe_router_topk}, "
           f"{one_expert / 2**20:.1f} MiB per expert, shared {shared / 2**20:.1f} MiB); GPU us from a replayed graph")
-    print(f"{'T':>4} {'distinct':>8} {'floor us':>8} {'triton us':>9} {'grouped_mm us':>13} {'megatron wall us':>16} "
-          f"{'kernels triton/grouped_mm/megatron':>34}")
+    print(f"{'T':>4} {'distinct':>8} {'floor us':>8} {'triton us':>9} {'exchange us':>11} {'grouped_mm us':>13} "
+          f"{'megatron wall us':>16} {'kernels triton/grouped_mm/megatron':>34}")
+    data_parallel_rank = parallel_state.get_expert_model_parallel_rank()  # EP ranks route rows of their own
     results = {}
     for num_rows in rows_list:
-        generator = torch.Generator(device=device).manual_seed(num_rows)
+        generator = torch.Generator(device=device).manual_seed(num_rows + 1000 * data_parallel_rank)
         hidden = torch.randn(num_rows, 1, layer.config.hidden_size, device=device, dtype=layer.router.weight.dtype,
                              generator=generator)
         distinct = distinct_experts(layer, num_rows)
@@ -152,8 +215,10 @@ def layer_table(model, rows_list, bandwidth):
                 torch.cuda.synchronize()
             samples.append(1e6 * (time.perf_counter() - begin))
         kernels["megatron"] = count_gpu_events(megatron_call)[0] if device.type == "cuda" else 0
-        results[num_rows] = dict(distinct=distinct, floor=floor_us, **times)
-        print(f"{num_rows:4d} {distinct:8.1f} {floor_us:8.1f} {times['triton']:9.1f} {times['grouped_mm']:13.1f} "
+        exchange = exchange_us(lambda: graph_moe_forward(layer, hidden, "triton")) if device.type == "cuda" else 0.0
+        results[num_rows] = dict(distinct=distinct, floor=floor_us, exchange=exchange, **times)
+        print(f"{num_rows:4d} {distinct:8.1f} {floor_us:8.1f} {times['triton']:9.1f} {exchange:11.1f} "
+              f"{times['grouped_mm']:13.1f} "
               f"{statistics.median(samples):16.1f} {kernels['triton']:>14}/{kernels['grouped_mm']}/{kernels['megatron']}")
     if device.type == "cuda":
         for num_rows in (rows_list[0], rows_list[-1]):
@@ -164,7 +229,8 @@ def layer_table(model, rows_list, bandwidth):
 
 
 def step_times(model, batch, num_speculative_tokens, moe_backend, graphs, steps, vocab_size):
-    """(median wall ms of controller.step(), GPU ms per step from torch.profiler kernel time)."""
+    """(median wall ms of controller.step(), GPU ms per step from torch.profiler kernel time, of which
+    NCCL kernels (the expert exchange), whether the steps replayed graphs)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -174,9 +240,10 @@ def step_times(model, batch, num_speculative_tokens, moe_backend, graphs, steps,
                              max_tokens_per_step=max(2048, batch * (1 + num_speculative_tokens)),
                              cuda_graph_batch_sizes=buckets, moe_backend=moe_backend)
     controller = TextGenerationController(model, config)
+    seed = batch + 1000 * parallel_state.get_expert_model_parallel_rank()  # EP ranks serve requests of their own
     times = timed_decode_steps(controller, batch, vocab_size, PROMPT_LEN, max_new_tokens=400, warmup_steps=3,
-                               steps=steps)
-    gpu_ms = float("nan")
+                               steps=steps, seed=seed)
+    gpu_ms = exchange_ms = float("nan")
     if torch.cuda.is_available():
         profiled = 5
         torch.cuda.synchronize()
@@ -184,11 +251,12 @@ def step_times(model, batch, num_speculative_tokens, moe_backend, graphs, steps,
             for _ in range(profiled):
                 controller.step()
             torch.cuda.synchronize()
-        busy = sum(event.device_time for event in prof.events() if event.device_type == DeviceType.CUDA)
-        gpu_ms = busy / profiled / 1e3
+        kernels = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
+        gpu_ms = sum(event.device_time for event in kernels) / profiled / 1e3
+        exchange_ms = sum(event.device_time for event in kernels if "nccl" in event.name.lower()) / profiled / 1e3
     used_graphs = controller.debug_view().num_cuda_graphs > 0
     controller.close()
-    return statistics.median(times), gpu_ms, used_graphs
+    return statistics.median(times), gpu_ms, exchange_ms, used_graphs
 
 
 def step_floor_bytes(model, batch, num_speculative_tokens, distinct_of, kv_bytes_per_token_layer):
@@ -212,9 +280,9 @@ def step_floor_bytes(model, batch, num_speculative_tokens, distinct_of, kv_bytes
 def main(args=None):
     args = args or parse_args()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    init_single_process()
+    init_parallel(args.tp, args.ep, device)
     begin = time.perf_counter()
-    model = build_model(args.quick, device)
+    model = build_model(args.quick, device, args.tp, args.ep)
     if device.type == "cuda":
         torch.cuda.synchronize()
     total = sum(p.numel() for p in model.parameters())
@@ -225,28 +293,31 @@ def main(args=None):
           f"{active_per_layer / 1e6:.0f} M active expert parameters per MoE layer per token)")
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else 1e11
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
+    print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}; "
+          f"TP {args.tp}, EP {args.ep} ({dist.get_world_size()} GPU(s); figures per GPU)")
     batches = (1, 8) if args.quick else (1, 8, 32, 128)
     rows_list = sorted({b * (1 + s) for b in batches for s in (0, 2)})
     layer_results = layer_table(model, rows_list, bandwidth)
     distinct_of = lambda rows: layer_results[rows]["distinct"] if rows in layer_results \
         else distinct_experts(moe_layers(model)[1], rows)  # noqa: E731
     config = model.config
-    kv_bytes = 2 * (config.num_query_groups * config.kv_channels) * 2  # K and V, bf16, per token and layer
+    kv_bytes = 2 * (config.num_query_groups // args.tp * config.kv_channels) * 2  # K and V, bf16, per token, layer, GPU
     vocab = model.vocab_size
     print("\n2. decode steps (whole controller.step(); GPU = profiler kernel time per step)")
-    print(f"{'B':>4} {'S':>2} {'path':>16} {'wall ms':>8} {'GPU ms':>7} {'floor ms':>8} {'GPU/floor':>9} "
-          f"{'wall/GPU':>8} {'tok/s':>8} {'graphs':>6}")
+    print(f"{'B':>4} {'S':>2} {'path':>16} {'wall ms':>8} {'GPU ms':>7} {'exch ms':>7} {'floor ms':>8} "
+          f"{'GPU/floor':>9} {'wall/GPU':>8} {'tok/s':>8} {'graphs':>6}")
     summary = {}
     for batch in batches:
         for S in (0, 2):
             floor_ms = step_floor_bytes(model, batch, S, distinct_of, kv_bytes) / bandwidth * 1e3
             for label, backend, graphs, steps in (("sync-free graph", "triton", True, args.steps),
                                                   ("megatron eager", "megatron", False, max(3, args.steps // 4))):
-                wall, gpu, used = step_times(model, batch, S, backend, graphs and device.type == "cuda", steps, vocab)
+                wall, gpu, exchange, used = step_times(model, batch, S, backend, graphs and device.type == "cuda",
+                                                       steps, vocab)
                 summary[batch, S, backend] = wall
-                tokens_per_s = batch / wall * 1e3  # random weights: one token per request and step
-                print(f"{batch:4d} {S:2d} {label:>16} {wall:8.2f} {gpu:7.2f} {floor_ms:8.2f} {gpu / floor_ms:9.2f} "
+                tokens_per_s = batch / wall * 1e3  # random weights: one token per request and step (per GPU)
+                print(f"{batch:4d} {S:2d} {label:>16} {wall:8.2f} {gpu:7.2f} {exchange:7.2f} {floor_ms:8.2f} "
+                      f"{gpu / floor_ms:9.2f} "
                       f"{wall / gpu:8.2f} {tokens_per_s:8.0f} {str(used):>6}")
     print("\nspeed-up of the sync-free graph path over megatron's eager MoELayer (step wall):")
     for batch in batches:

@@ -3,6 +3,7 @@ step per launch vs decode runs, speculative (S = 2) vs plain (S = 0), and a mixe
 decode step vs a decode step.
 
     python bench/bench_overlap.py [--quick] [--decode-steps-per-launch 4] [--checkpoint mtp_ctrl/checkpoints/mtp_demo.pt]
+    torchrun --nproc-per-node 2 bench/bench_overlap.py --tp 2   # tensor parallel on 2 GPUs (rank 0 prints)
 
 For each model (the shipped demo checkpoint; a random-weight GPT of about 1B parameters: 16
 layers, hidden 2048, 16 heads over 4 KV groups, 2 MTP layers, bf16) and batch 1, 8, 32:
@@ -41,8 +42,15 @@ def parse_args():
     parser.add_argument("--decode-steps-per-launch", type=int, default=4, help="the decode-run loop's k")
     parser.add_argument("--hybrid", action="store_true",
                         help="also a random hybrid GPT (bench_controller's: 8 layers M*M*M*M*, hidden 1024, Mamba-2)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= processes under torchrun)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
-    return parser.parse_args()
+    args = parser.parse_args()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp < 1 or world_size != args.tp:
+        parser.error(f"--tp {args.tp} needs {args.tp} processes, got {world_size} (torchrun --nproc-per-node {args.tp})")
+    if args.hybrid and args.tp > 1:
+        parser.error("--hybrid runs at --tp 1 only (bench_controller's hybrid model is built unsharded)")
+    return args
 
 
 PROMPT_LEN = 64
@@ -123,17 +131,19 @@ def main():
     from demo_model import DEMO_MODEL_ARGS, build_demo_model, init_distributed, load_checkpoint, load_full_state_dict
 
     device = torch.device("cuda")
-    init_distributed(1, device)
+    init_distributed(args.tp, device)
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 prints
     models = []
     model_args, state_dict = load_checkpoint(args.checkpoint)
-    demo = build_demo_model(model_args)
+    demo = build_demo_model(model_args, tensor_parallel_size=args.tp)
     load_full_state_dict(demo, state_dict)
     models.append(("demo (4.9M, bf16)", demo.to(device).eval(), model_args["vocab_size"]))
     if not args.quick:
         big_args = dict(DEMO_MODEL_ARGS, num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16,
                         num_query_groups=4, mtp_num_layers=2, vocab_size=32000, max_sequence_length=4096)
         torch.manual_seed(0)
-        big = build_demo_model(big_args).to(device=device, dtype=torch.bfloat16).eval()
+        big = build_demo_model(big_args, tensor_parallel_size=args.tp).to(device=device, dtype=torch.bfloat16).eval()
         models.append(("GPT 16x2048 (~1B, bf16, random)", big, big_args["vocab_size"]))
     if args.hybrid:  # Mamba layers: steps with prefill chunks replay graphs too (state passed on the device)
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -165,7 +175,7 @@ def main():
                              on["mixed_step"] / on["decode_step"], on["mixed_gpu"] / on["gpu"], same_shapes,
                              all(result["outputs"] == plain for result in (off, on, runs))))
                 print(rows[-1], flush=True)
-    print(f"\n{torch.cuda.get_device_name()}; greedy, {PROMPT_LEN}-token prompts, {args.new_tokens} new tokens, "
+    print(f"\n{torch.cuda.get_device_name()} x {args.tp} (TP {args.tp}); greedy, {PROMPT_LEN}-token prompts, {args.new_tokens} new tokens, "
           "CUDA graphs; times per step (median), GPU = CUDA events around each launch; "
           f"'k=1': one step per launch, 'k={args.decode_steps_per_launch}': decode runs of up to that many steps")
     print(f"{'model':>32} {'B':>3} {'S':>2} {'wall off':>8} {'wall k=1':>8} {'GPU k=1':>7} {'w/GPU':>5} "

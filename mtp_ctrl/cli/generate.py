@@ -36,6 +36,7 @@ holds the 256 byte tokens, random ids otherwise.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -52,8 +53,8 @@ SHORT_RUN_SECONDS = 0.5  # a timed run shorter than this: too short to judge
 PROGRESS_SECONDS = 10.0  # without a terminal: a progress line at most this often within a run
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(parser) -> None:
+    """The options that say which model and drafter to run and how (generate.py and the server)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", default=None,
                         help="a file written by examples/train_mtp.py (default: the shipped demo model)")
@@ -73,29 +74,21 @@ def parse_args(argv=None):
                              "head (train_eagle.py --mode ptd), or draft layers (examples/train_multi_layer_eagle.py); "
                              "with the shipped target, each proposer defaults to its shipped head "
                              "(mtp_ctrl/checkpoints: eagle_demo.pt, ptd_demo.pt, multi_layer_eagle_demo.pt)")
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="prompts per timed run (default: 8 on CPU; 128 on CUDA, where a run of 8 is too short "
-                             "to time)")
-    parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt, over 8 lengths)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed runs per mode, alternating plain and speculative (default: 5 on CUDA, 3 on CPU)")
     parser.add_argument("--decode-steps-per-launch", type=int, default=4,
                         help="decode steps one launch may run back to back (one host build and apply for all): "
                              "a small model's step is shorter than the host's work for it (1 = one step per launch)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= processes under torchrun)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--show", type=int, default=3, help="outputs printed as text")
-    parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write the metrics to PATH as JSON")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
-    args = parser.parse_args(argv)
-    for name in ("num_speculative_tokens", "num_prompts", "prompt_len", "max_new_tokens", "tp",
-                 "decode_steps_per_launch"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
+
+
+def check_model_arguments(parser, args, min_speculative_tokens: int = 1) -> None:
+    """Checks of add_model_arguments' options that need no torch (errors through ``parser``)."""
+    if args.num_speculative_tokens < min_speculative_tokens:
+        parser.error(f"--num-speculative-tokens must be >= {min_speculative_tokens}, got {args.num_speculative_tokens}")
+    for name in ("tp", "decode_steps_per_launch"):
+        if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.model_args is not None:
         if args.load is None:
             parser.error("--model-args goes with --load")
@@ -106,6 +99,28 @@ def parse_args(argv=None):
         if not isinstance(args.model_args, dict):
             parser.error("--model-args must be a JSON object")
     check_sources(parser, args)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts per timed run (default: 8 on CPU; 128 on CUDA, where a run of 8 is too short "
+                             "to time)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens of the first prompt (+3 per prompt, over 8 lengths)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per mode, alternating plain and speculative (default: 5 on CUDA, 3 on CPU)")
+    parser.add_argument("--show", type=int, default=3, help="outputs printed as text")
+    parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write the metrics to PATH as JSON")
+    args = parser.parse_args(argv)
+    for name in ("num_prompts", "prompt_len", "max_new_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    check_model_arguments(parser, args)
     return args
 
 
@@ -171,7 +186,39 @@ def main(argv=None):
     import torch
     import torch.distributed as dist
 
-    from mtp_ctrl.models.demo_model import DEMO_MODEL_ARGS, load_checkpoint
+    from mtp_ctrl.models.demo_model import DEMO_MODEL_ARGS
+
+    checkpoint = read_model_source(args)
+    device = pick_device(args)
+    repeats = args.repeats or (5 if device.type == "cuda" else 3)  # the CPU path is slow: fewer
+    if args.num_prompts is None:
+        args.num_prompts = 128 if device.type == "cuda" else 8
+    rank_zero = int(os.environ.get("RANK", "0")) == 0
+    if rank_zero:
+        print(header(args, device, repeats), flush=True)
+        if device.type == "cpu":
+            print(choose_cpu_threads(torch), flush=True)
+
+    from mtp_ctrl.cli.distributed import init_distributed
+
+    init_distributed(args.tp, device)
+    model = build_model(args, checkpoint, device)
+    prompts = make_prompts(args, vocab_size=(checkpoint[0] if checkpoint else DEMO_MODEL_ARGS)["vocab_size"])
+    report = compare(model, args, prompts, device, repeats, show_progress=dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        print_report(args, device, prompts, report)
+        if args.metrics_json:
+            with open(args.metrics_json, "w") as handle:
+                json.dump(report["json"], handle, indent=2)
+            print(f"metrics written to {args.metrics_json}")
+    dist.destroy_process_group()
+
+
+def read_model_source(args):
+    """``(model_args, state_dict or None)`` of --checkpoint / --load (None for --random-weights),
+    after checking the drafter's checkpoint and that the model has S MTP layers; a bad file ends
+    the script with one ``error:`` line."""
+    from mtp_ctrl.models.demo_model import load_checkpoint
 
     checkpoint = None
     if args.checkpoint:
@@ -186,22 +233,25 @@ def main(argv=None):
         sys.exit(f"error: --num-speculative-tokens {args.num_speculative_tokens} needs at least that many MTP "
                  f"layers; {source} has {checkpoint[0].get('mtp_num_layers', 0)} (use "
                  f"--num-speculative-tokens {checkpoint[0].get('mtp_num_layers', 0)} or less)")
+    return checkpoint
+
+
+def pick_device(args):
+    import torch
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda, but torch sees no CUDA device (use --device cpu)")
-    repeats = args.repeats or (5 if device.type == "cuda" else 3)  # the CPU path is slow: fewer
-    if args.num_prompts is None:
-        args.num_prompts = 128 if device.type == "cuda" else 8
-    rank_zero = int(os.environ.get("RANK", "0")) == 0
-    if rank_zero:
-        print(header(args, device, repeats), flush=True)
-        if device.type == "cpu":
-            print(choose_cpu_threads(torch), flush=True)
+    return device
 
-    from mtp_ctrl.cli.distributed import init_distributed
-    from mtp_ctrl.models.demo_model import build_demo_model, config_overrides, load_full_state_dict
 
-    init_distributed(args.tp, device)
+def build_model(args, checkpoint, device):
+    """The target model on ``device``, this rank's shard (process groups initialised)."""
+    import torch
+    import torch.distributed as dist
+
+    from mtp_ctrl.models.demo_model import DEMO_MODEL_ARGS, build_demo_model, config_overrides, load_full_state_dict
+
     if checkpoint is not None:
         model = build_demo_model(checkpoint[0], tensor_parallel_size=args.tp, **config_overrides(checkpoint[0]))
         if args.load:
@@ -218,16 +268,7 @@ def main(argv=None):
         model_args = dict(DEMO_MODEL_ARGS, mtp_num_layers=args.num_speculative_tokens)
         torch.manual_seed(1234)  # every rank draws the same master weights and keeps its shard
         model = build_demo_model(model_args, tensor_parallel_size=args.tp)
-    model = model.to(device).eval()
-    prompts = make_prompts(args, vocab_size=(checkpoint[0] if checkpoint else DEMO_MODEL_ARGS)["vocab_size"])
-    report = compare(model, args, prompts, device, repeats, show_progress=dist.get_rank() == 0)
-    if dist.get_rank() == 0:
-        print_report(args, device, prompts, report)
-        if args.metrics_json:
-            with open(args.metrics_json, "w") as handle:
-                json.dump(report["json"], handle, indent=2)
-            print(f"metrics written to {args.metrics_json}")
-    dist.destroy_process_group()
+    return model.to(device).eval()
 
 
 def checkpoint_or_exit(flag: str, path: str, read):
@@ -439,6 +480,8 @@ def compare(model, args, prompts, device, repeats: int, show_progress: bool):
         "plain_median_tokens_per_second": medians["plain"],
         "speculative_median_tokens_per_second": medians["speculative"],
         "speed_up": medians["speculative"] / medians["plain"], "outputs_identical": identical,
+        # one digest of the plain outputs: runs at other TP sizes or on other machines compare by it
+        "plain_outputs_sha256": hashlib.sha256(json.dumps(outputs["plain"]).encode()).hexdigest(),
     }
     return {"rates": rates, "medians": medians, "spreads": spreads, "seconds": seconds, "outputs": outputs,
             "identical": identical, "metrics": metrics,

@@ -232,6 +232,25 @@ class TextGenerationController:
         self._waiting.append(request_id)
         return request_id
 
+    def abort_request(self, request_id: int) -> None:
+        """End a queued, running or paused request now with reason ABORTED (its output so far is
+        kept; :meth:`pop_result` takes it): its row, KV blocks and state are free for the next step.
+        A finished request is left as it is. Applies the step in flight first (a host sync)."""
+        record = self._records.get(request_id)
+        if record is None:
+            raise ValueError(f"unknown request_id {request_id} (never added, or its result was taken)")
+        self._sync()  # the step in flight may finish it; afterwards its row may be freed
+        if record.finish_reason is not None:
+            return
+        if request_id in self._waiting:  # queued (or preempted): it holds no row
+            self._waiting.remove(request_id)
+            record.finish_reason = FinishReason.ABORTED
+            if request_id not in self._held_by_generate:
+                self._finished_order[request_id] = None
+        else:
+            self._finish_record(request_id, FinishReason.ABORTED)
+            self._retire_finished()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting) or self.context.table.num_live > len(self._retiring)
 

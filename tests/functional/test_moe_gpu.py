@@ -1,7 +1,8 @@
 """MoE models on CUDA: the sync-free MoE path (models/moe_inference.py) replays CUDA graphs with
 no host sync, == eager == megatron's MoELayer == plain; megatron's own MoE forward still syncs (why
 it stays the eager comparison); the grouped expert products == their torch twin on the GPU; and
-TP = 2 / EP = 2 == TP = 1 on two GPUs (NCCL; both of megatron's dispatchers, megatron's path).
+TP = 2 / EP = 2 == TP = 1 on two GPUs (NCCL): megatron's path with both of its dispatchers, and the
+sync-free path with its exchange captured in the graphs.
 """
 
 import pytest
@@ -82,14 +83,16 @@ def test_moe_ops_equal_their_twins_on_the_gpu(backend, dtype):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
-def test_sync_free_moe_step_replays_a_graph_without_host_sync(moe_model, backend):
+def check_step_graph_replays_without_host_sync(model, backend):
     """A decode step of the MoE model (decoder + MTP depth, every layer MoE but the first) is
-    captured under set_sync_debug_mode("error") and its replays equal eager forwards."""
-    runner = PagedGPTRunner(moe_model, moe_backend=backend)
+    captured under set_sync_debug_mode("error") and its replays equal eager forwards (with TP or
+    EP > 1 the step's all-gather and reduce-scatter are inside the graph)."""
+    runner = PagedGPTRunner(model, moe_backend=backend)
     assert runner.cuda_graph_capturable
-    caches = allocate_kv_caches(count_kv_layers(moe_model), NUM_BLOCKS, num_kv_heads_local=2, head_dim=16,
-                                device="cuda")
+    config = model.config
+    num_kv_heads_local = config.num_query_groups // config.tensor_model_parallel_size
+    caches = allocate_kv_caches(count_kv_layers(model), NUM_BLOCKS, num_kv_heads_local=num_kv_heads_local,
+                                head_dim=config.kv_channels, device="cuda")
     prefill = make_metadata([[0, 1]], [(0, 5)], device="cuda")
     runner.forward(torch.arange(5, device="cuda"), prefill.positions, prefill, caches)
     metadata = make_metadata([[0, 1]], [(5, 3)], device="cuda")  # 1 + S = 3 rows at positions 5..7
@@ -116,6 +119,11 @@ def test_sync_free_moe_step_replays_a_graph_without_host_sync(moe_model, backend
             want_logits, want_draft_logits = step()  # eager, same inputs: the sync-free path syncs eagerly neither
         torch.testing.assert_close(graph_logits, want_logits, atol=0, rtol=0)
         torch.testing.assert_close(graph_draft_logits, want_draft_logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+def test_sync_free_moe_step_replays_a_graph_without_host_sync(moe_model, backend):
+    check_step_graph_replays_without_host_sync(moe_model, backend)
 
 
 @torch.no_grad()
@@ -189,8 +197,15 @@ def _parallel_worker(rank, world_size, port, tensor_parallel_size, expert_parall
             model.load_state_dict(expert_parallel_state_dict(expected["state_dict"], model, ep_rank))
         model = model.cuda()
         assert len(moe_layers(model)[0].experts.local_experts) == 4 // expert_parallel_size
-        got = _tokens(model, graphs=True)  # megatron's path (its all-gather / all-to-all dispatchers)
-        assert got == expected["outputs"], (tensor_parallel_size, expert_parallel_size, dispatcher, rank)
+        where = (tensor_parallel_size, expert_parallel_size, dispatcher, rank)
+        # megatron's path (its all-gather / all-to-all dispatchers, eager)
+        assert _tokens(model, graphs=True) == expected["outputs"], where
+        # the sync-free path: the exchange (all-gather, reduce-scatter over NCCL) inside the graphs
+        check_step_graph_replays_without_host_sync(model, "triton")
+        graphs = _tokens(model, graphs=True, moe_backend="triton")
+        assert graphs == _tokens(model, graphs=False, moe_backend="triton"), where
+        assert graphs[1] == graphs[0] and graphs[3] == graphs[2], where  # S = 2 == S = 0
+        assert graphs == expected["sync_free_outputs"], where  # == the one-GPU run, token for token
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -201,8 +216,13 @@ def _parallel_worker(rank, world_size, port, tensor_parallel_size, expert_parall
                          [(2, 1, "allgather"), (1, 2, "allgather"), (1, 2, "alltoall")],
                          ids=["tp2-allgather", "ep2-allgather", "ep2-alltoall"])
 def test_parallel_moe_equals_tp1(moe_model, tmp_path, tensor_parallel_size, expert_parallel_size, dispatcher):
+    """TP = 2 / EP = 2 on two GPUs (NCCL) == TP = 1 on one: megatron's path (both dispatchers,
+    eager), and the sync-free path in CUDA graphs (captured with no host sync, == its eager steps,
+    S = 2 == S = 0)."""
     path = tmp_path / "tp1.pt"
     torch.save({"outputs": _tokens(moe_model, graphs=False),
-                "state_dict": {key: value.cpu() for key, value in moe_model.state_dict().items()}}, path)
+                "sync_free_outputs": _tokens(moe_model, graphs=True, moe_backend="triton"),
+                "state_dict": {key: value.cpu() if torch.is_tensor(value) else value  # megatron's _extra_state: None
+                               for key, value in moe_model.state_dict().items()}}, path)
     mp.spawn(_parallel_worker, args=(2, free_port(), tensor_parallel_size, expert_parallel_size, dispatcher, str(path)),
              nprocs=2, join=True)

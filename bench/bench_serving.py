@@ -1,0 +1,199 @@
+"""Serving under load: streaming clients with Poisson arrivals against `python -m mtp_ctrl.serve`,
+speculation on vs off at the same request rates, and the offline loop as the yardstick.
+
+    python bench/bench_serving.py                       # the demo model, S = 0 and 2, rates 4, 16, 64 req/s and all at once
+    python bench/bench_serving.py --quick               # fewer requests and tokens (CPU works too)
+
+For each S, the script starts a server (a subprocess on a free port; `--max-requests` rows), then
+for each rate sends ``--num-requests`` streaming completions (greedy, ``--max-tokens`` each, prompts
+from the byte corpus) whose arrival times are a Poisson process of that rate ("inf": all at
+once), and reports: request throughput, output tokens/s, time to first token (submission to the
+first text chunk) and inter-token latency (per request: (last chunk - first chunk) / (tokens - 1))
+at p50/p90/p99. The same prompts then run through the offline loop (`controller.generate` in this
+process, the server's controller settings): its tokens/s is the ceiling the server's saturated
+tokens/s is compared with, and its first-step time for one request alone the floor of the
+server's time to first token at light load.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="40 requests of 32 tokens, rates 4 and inf")
+    parser.add_argument("--rates", default="4,16,64,inf", help="requests per second, comma-separated ('inf': all at once)")
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-requests", type=int, default=32, help="the server's rows (--max-requests)")
+    parser.add_argument("--speculative-tokens", default="0,2", help="S values to serve, comma-separated")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.max_tokens, args.rates = 40, 32, "4,inf"
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def percentiles(values):
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return pick(0.5), pick(0.9), pick(0.99)
+
+
+async def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int):
+    import httpx
+
+    rng = random.Random(seed)
+    arrivals, clock = [], 0.0
+    for _ in prompts:
+        arrivals.append(clock)
+        clock += 0.0 if rate == float("inf") else rng.expovariate(rate)
+    records = []
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts))) as client:
+        async def one(prompt, arrival):
+            await asyncio.sleep(max(0.0, arrival - (time.perf_counter() - started)))
+            body = dict(model="mtp_ctrl-demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+            submitted = time.perf_counter()
+            chunks = []
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        payload = json.loads(line[6:])
+                        if payload["choices"] and payload["choices"][0]["text"]:
+                            chunks.append(time.perf_counter())
+                        if payload.get("usage"):
+                            tokens = payload["usage"]["completion_tokens"]
+            records.append((submitted, chunks, tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(prompt, arrival) for prompt, arrival in zip(prompts, arrivals)))
+        wall = time.perf_counter() - started
+    ttft = [chunks[0] - submitted for submitted, chunks, _ in records if chunks]
+    itl = [(chunks[-1] - chunks[0]) / (tokens - 1) for _, chunks, tokens in records if len(chunks) > 1 and tokens > 1]
+    tokens = sum(record[2] for record in records)
+    return dict(wall=wall, requests_per_s=len(records) / wall, tokens_per_s=tokens / wall, ttft=percentiles(ttft),
+                itl=percentiles(itl) if itl else (float("nan"),) * 3)
+
+
+def start_server(port: int, args, speculative: int):
+    import httpx
+
+    command = [sys.executable, "-m", "mtp_ctrl.serve", "--port", str(port), "--num-speculative-tokens", str(speculative),
+               "--max-requests", str(args.max_requests)] + (["--device", args.device] if args.device else [])
+    environment = {key: value for key, value in os.environ.items()  # a process group of its own
+                   if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if process.poll() is not None:
+            sys.exit(f"the server exited: {process.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    process.kill()
+    sys.exit("the server did not come up")
+
+
+def offline_figures(args, speculative: int, prompts):
+    """(tokens/s of controller.generate over the prompts, seconds to the first token of one request alone)."""
+    import torch
+
+    from mtp_ctrl.cli.serve import make_server_controller, parse_args as serve_args
+    from mtp_ctrl.controllers import SamplingParams
+    from mtp_ctrl.models import load_demo_model
+    from mtp_ctrl.serve.text import ByteTokenizer
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    options = ["--num-speculative-tokens", str(speculative), "--max-requests", str(args.max_requests)]
+    controller = make_server_controller(load_demo_model(device=device), serve_args(options), device, 1024)
+    tokenizer = ByteTokenizer()
+    ids = [tokenizer.encode(prompt) for prompt in prompts]
+    params = SamplingParams(max_new_tokens=args.max_tokens)
+    controller.generate(ids[:args.max_requests], params)  # warm-up
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    results = controller.generate(ids, params)
+    sync()
+    tokens_per_s = sum(len(result.output_tokens) for result in results) / (time.perf_counter() - started)
+    firsts = []
+    for prompt in ids[:5]:
+        started = time.perf_counter()
+        request_id = controller.add_request(prompt, params)
+        while not any(rid == request_id and tokens for rid, tokens, _ in controller.step()):
+            pass
+        firsts.append(time.perf_counter() - started)
+        controller.abort_request(request_id)
+        controller.pop_result(request_id)
+    controller.close()
+    return tokens_per_s, statistics.median(firsts)
+
+
+def main():
+    args = parse_args()
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(args.verbose)
+    from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus
+    from mtp_ctrl.cli.distributed import init_distributed
+    from mtp_ctrl.serve.text import ByteDecoder
+
+    windows = evenly_spaced_windows(load_stdlib_corpus().held_out, args.num_requests, args.prompt_len)
+    prompts = []
+    for window in windows.tolist():
+        decoder = ByteDecoder()
+        prompts.append((decoder.decode(window) + decoder.flush()) or "x")
+    rates = [float(rate) for rate in args.rates.split(",")]
+    import torch
+
+    init_distributed(1, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    rows = []
+    for speculative in (int(value) for value in args.speculative_tokens.split(",")):
+        port = free_port()
+        server = start_server(port, args, speculative)
+        try:
+            for rate in rates:
+                result = asyncio.run(run_load(f"http://127.0.0.1:{port}", prompts, rate, args.max_tokens, seed=0))
+                rows.append((speculative, rate, result))
+                print(speculative, rate, result, flush=True)
+        finally:
+            server.terminate()
+            server.wait(60)
+        offline_tps, offline_first = offline_figures(args, speculative, prompts)
+        rows.append((speculative, "offline", dict(tokens_per_s=offline_tps, first=offline_first)))
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
+    print(f"\n{where}; demo model; {args.num_requests} streaming requests of {args.max_tokens} tokens (greedy), "
+          f"{args.prompt_len}-byte prompts, server --max-requests {args.max_requests}")
+    print(f"{'S':>2} {'rate':>6} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>21}")
+    for speculative, rate, result in rows:
+        if rate == "offline":
+            print(f"{speculative:2d} {'offline':>6} {'':>7} {result['tokens_per_s']:8.0f}   first token alone "
+                  f"{result['first'] * 1e3:.2f} ms (controller.generate / step in process)")
+            continue
+        ttft = "/".join(f"{value * 1e3:.1f}" for value in result["ttft"])
+        itl = "/".join(f"{value * 1e3:.2f}" for value in result["itl"])
+        print(f"{speculative:2d} {rate:6.0f} {result['requests_per_s']:7.1f} {result['tokens_per_s']:8.0f} "
+              f"{ttft:>22} {itl:>21}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""An OpenAI-compatible HTTP server for the controller: ``python -m mtp_ctrl.serve`` (or
+``mtp-ctrl-serve``; the program is :mod:`mtp_ctrl.cli.serve`).
+
+- :mod:`~mtp_ctrl.serve.api`: the FastAPI app (``/v1/completions``, ``/v1/chat/completions``,
+  ``/v1/models``, ``/health``, ``/metrics``) and the request checks;
+- :mod:`~mtp_ctrl.serve.engine`: the thread that owns the controller, and the follower loop of
+  the other tensor-parallel ranks;
+- :mod:`~mtp_ctrl.serve.text`: tokenizer adapters and the streaming detokenizer;
+- :mod:`~mtp_ctrl.serve.metrics`: the Prometheus counters.
+
+Needs the ``serve`` extra (``pip install "mtp_ctrl[serve]"``: FastAPI and uvicorn).
+"""
