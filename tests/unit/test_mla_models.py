@@ -117,3 +117,16 @@ def test_megatron_written_dist_checkpoint_loads_and_reproduces_megatrons_tokens(
         golden = [dense_greedy(saved, prompt, 5) for prompt in PROMPTS[:2]]
     for num_speculative_tokens in (0, 2):
         assert generate_greedy(paged, num_speculative_tokens, prompts=PROMPTS[:2], max_new_tokens=5) == golden
+
+
+def test_latent_cache_spec_checks_and_sizes():
+    spec = LatentKVCacheSpec(num_layers=3, latent_dim=576, dtype=torch.bfloat16)
+    assert spec.bytes_per_block(64) == 3 * 64 * 576 * 2
+    caches = LatentKVCacheSpec(num_layers=2, latent_dim=6, dtype=torch.float32).allocate(5, 4, "cpu")
+    assert len(caches) == 2 and caches[0].shape == (5, 4, 6) and not caches[0].any()
+    with pytest.raises(ValueError, match="num_layers"):
+        LatentKVCacheSpec(num_layers=0, latent_dim=576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="latent_dim"):
+        LatentKVCacheSpec(num_layers=1, latent_dim=True, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="dtype"):
+        LatentKVCacheSpec(num_layers=1, latent_dim=576, dtype=torch.int32)
