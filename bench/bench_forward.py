@@ -156,10 +156,9 @@ def graph_time_us(fn, replays):
     return statistics.median(times)
 
 
-def kernel_table(fn, replays=20, top=25):
-    """Kernel names, launches and GPU us per call, summed over ``replays`` graph replays under
-    torch.profiler; also the replay's span, so the idle time between kernels shows (their sum vs
-    the span)."""
+def graph_replay_kernels(fn, replays):
+    """The GPU events of ``replays`` replays of ``fn`` captured in a CUDA graph (warmed up on a side
+    stream first), under torch.profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -178,7 +177,15 @@ def kernel_table(fn, replays=20, top=25):
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    events = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
+    del graph
+    return [event for event in prof.events() if event.device_type == DeviceType.CUDA]
+
+
+def kernel_table(fn, replays=20, top=25):
+    """Kernel names, launches and GPU us per call, summed over ``replays`` graph replays under
+    torch.profiler; also the replay's span, so the idle time between kernels shows (their sum vs
+    the span)."""
+    events = graph_replay_kernels(fn, replays)
     if not events:
         print("  the profiler saw no kernels inside graph replays")
         return
@@ -192,7 +199,6 @@ def kernel_table(fn, replays=20, top=25):
           f"(idle between kernels ~{span - busy:.1f} us)")
     for name, (count, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:top]:
         print(f"  {total / replays:8.1f} us {count / replays:5.0f}x  {name[:110]}")
-    del graph
 
 
 def eager_time_us(fn, repeats):

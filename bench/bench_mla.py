@@ -182,10 +182,11 @@ def e2e(device, quick):
     import torch.distributed as dist
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from bench_moe import init_single_process, step_times
+    from bench_forward import init_single_process
+    from bench_moe import step_times
     from mtp_ctrl.models import build_gpt_model
 
-    init_single_process()
+    init_single_process(device)
     on_gpu = device.type == "cuda"
     shape = dict(E2E_SHAPE)
     if quick:
@@ -211,7 +212,7 @@ def e2e(device, quick):
     print(f"   {'B':>4} {'S':>2} {'wall ms':>8} {'GPU ms':>7} {'wall/GPU':>8} {'tok/s':>8} {'graphs':>6}")
     for batch in ((1, 4) if quick else (1, 32)):
         for S in (0, 2):
-            wall, gpu, used = step_times(model, batch, S, "triton", on_gpu, 3 if quick else 15, vocab)
+            wall, gpu, _, used = step_times(model, batch, S, "triton", on_gpu, 3 if quick else 15, vocab)
             print(f"   {batch:4d} {S:2d} {wall:8.2f} {gpu:7.2f} {wall / gpu:8.2f} {batch / wall * 1e3:8.0f} {str(used):>6}")
     dist.destroy_process_group()
 

@@ -2,6 +2,7 @@
 
     python bench/bench_moe.py            # the DeepSeek-V3-shaped model below, batch 1/8/32/128, S = 0 and 2
     python bench/bench_moe.py --quick    # a small model and two batches (a smoke run; CPU works too)
+    python bench/bench_moe.py --batches 1 --no-megatron   # batch 1 only, the sync-free path only
     torchrun --nproc-per-node 2 bench/bench_moe.py --ep 2   # experts split over 2 GPUs (each GPU its own batch)
     torchrun --nproc-per-node 2 bench/bench_moe.py --tp 2   # attention and every expert split over 2 GPUs
 
@@ -31,6 +32,7 @@ routes 2 x T rows and each GPU reads the distinct experts of its half; the floor
 """
 
 import argparse
+import inspect
 import os
 import socket
 import statistics
@@ -44,6 +46,10 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="timed steps per point (graph path)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (under torchrun)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (under torchrun)")
+    parser.add_argument("--batches", default=None,
+                        help="comma-separated batch sizes (default 1,8,32,128; --quick: 1,8)")
+    parser.add_argument("--no-megatron", action="store_true",
+                        help="skip megatron's eager MoELayer (its columns print nan): a shorter run")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args(argv)
     for name in ("tp", "ep"):
@@ -73,10 +79,13 @@ from mtp_ctrl.models import build_gpt_model, moe_layers  # noqa: E402
 from mtp_ctrl.models.moe_inference import graph_moe_forward, route_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
-from bench_forward import copy_bandwidth, count_gpu_events, graph_time_us, kernel_table  # noqa: E402
+from bench_forward import copy_bandwidth, count_gpu_events, graph_replay_kernels, graph_time_us, kernel_table  # noqa: E402,E501
 from steady_decode import timed_decode_steps  # noqa: E402
 
 PROMPT_LEN = 128
+# the layer as a step runs it (fused shared-expert activation), where graph_moe_forward takes the
+# switch (the same script also times older trees, whose graph_moe_forward has no such argument)
+STEP_GLUE = {"fused_glue": True} if "fused_glue" in inspect.signature(graph_moe_forward).parameters else {}
 
 
 def init_parallel(tensor_parallel_size: int, expert_parallel_size: int, device: torch.device) -> int:
@@ -157,31 +166,14 @@ def distinct_experts(layer, num_rows: int, trials: int = 8) -> float:
 def exchange_us(fn, replays: int = 10) -> float:
     """NCCL kernel time per call of ``fn`` replayed from a CUDA graph (0 on one GPU). It includes
     any wait for the slower rank, so it bounds the exchange's own cost from above."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     if dist.get_world_size() == 1:
         return 0.0
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    return sum(event.device_time for event in prof.events()
-               if event.device_type == DeviceType.CUDA and "nccl" in event.name.lower()) / replays
+    events = graph_replay_kernels(fn, replays)
+    return sum(event.device_time for event in events if "nccl" in event.name.lower()) / replays
 
 
 @torch.no_grad()
-def layer_table(model, rows_list, bandwidth):
+def layer_table(model, rows_list, bandwidth, with_megatron=True):
     layer = moe_layers(model)[1]
     device = layer.router.weight.device
     one_expert = expert_bytes(layer)
@@ -200,13 +192,14 @@ def layer_table(model, rows_list, bandwidth):
         floor_us = (shared + distinct * one_expert) / bandwidth * 1e6
         times, kernels = {}, {}
         for backend in ("triton", "grouped_mm"):
-            call = lambda: graph_moe_forward(layer, hidden, backend)  # noqa: E731
+            call = lambda: graph_moe_forward(layer, hidden, backend, **STEP_GLUE)  # noqa: E731
             times[backend] = graph_time_us(call, replays=20) if device.type == "cuda" else float("nan")
             kernels[backend] = count_gpu_events(call)[0] if device.type == "cuda" else 0
         megatron_call = lambda: layer(hidden)  # noqa: E731  outside a paged forward: megatron's MoELayer
-        megatron_call()
-        samples = []
-        for _ in range(5):
+        if with_megatron:
+            megatron_call()
+        samples = [float("nan")]
+        for _ in range(5 if with_megatron else 0):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             begin = time.perf_counter()
@@ -214,8 +207,9 @@ def layer_table(model, rows_list, bandwidth):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             samples.append(1e6 * (time.perf_counter() - begin))
-        kernels["megatron"] = count_gpu_events(megatron_call)[0] if device.type == "cuda" else 0
-        exchange = exchange_us(lambda: graph_moe_forward(layer, hidden, "triton")) if device.type == "cuda" else 0.0
+        kernels["megatron"] = count_gpu_events(megatron_call)[0] if device.type == "cuda" and with_megatron else 0
+        exchange = exchange_us(lambda: graph_moe_forward(layer, hidden, "triton", **STEP_GLUE)) \
+            if device.type == "cuda" else 0.0
         results[num_rows] = dict(distinct=distinct, floor=floor_us, exchange=exchange, **times)
         print(f"{num_rows:4d} {distinct:8.1f} {floor_us:8.1f} {times['triton']:9.1f} {exchange:11.1f} "
               f"{times['grouped_mm']:13.1f} "
@@ -224,7 +218,7 @@ def layer_table(model, rows_list, bandwidth):
         for num_rows in (rows_list[0], rows_list[-1]):
             hidden = torch.randn(num_rows, 1, layer.config.hidden_size, device=device, dtype=layer.router.weight.dtype)
             print(f"\nkernels of one MoE layer (triton backend, T = {num_rows}), replayed from a graph:")
-            kernel_table(lambda: graph_moe_forward(layer, hidden, "triton"), replays=10, top=12)
+            kernel_table(lambda: graph_moe_forward(layer, hidden, "triton", **STEP_GLUE), replays=10, top=12)
     return results
 
 
@@ -295,9 +289,10 @@ def main(args=None):
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}; "
           f"TP {args.tp}, EP {args.ep} ({dist.get_world_size()} GPU(s); figures per GPU)")
-    batches = (1, 8) if args.quick else (1, 8, 32, 128)
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (1, 8) if args.quick \
+        else (1, 8, 32, 128)
     rows_list = sorted({b * (1 + s) for b in batches for s in (0, 2)})
-    layer_results = layer_table(model, rows_list, bandwidth)
+    layer_results = layer_table(model, rows_list, bandwidth, not args.no_megatron)
     distinct_of = lambda rows: layer_results[rows]["distinct"] if rows in layer_results \
         else distinct_experts(moe_layers(model)[1], rows)  # noqa: E731
     config = model.config
@@ -310,8 +305,9 @@ def main(args=None):
     for batch in batches:
         for S in (0, 2):
             floor_ms = step_floor_bytes(model, batch, S, distinct_of, kv_bytes) / bandwidth * 1e3
-            for label, backend, graphs, steps in (("sync-free graph", "triton", True, args.steps),
-                                                  ("megatron eager", "megatron", False, max(3, args.steps // 4))):
+            paths = (("sync-free graph", "triton", True, args.steps),
+                     ("megatron eager", "megatron", False, max(3, args.steps // 4)))
+            for label, backend, graphs, steps in paths[:1] if args.no_megatron else paths:
                 wall, gpu, exchange, used = step_times(model, batch, S, backend, graphs and device.type == "cuda",
                                                        steps, vocab)
                 summary[batch, S, backend] = wall
@@ -320,7 +316,7 @@ def main(args=None):
                       f"{gpu / floor_ms:9.2f} "
                       f"{wall / gpu:8.2f} {tokens_per_s:8.0f} {str(used):>6}")
     print("\nspeed-up of the sync-free graph path over megatron's eager MoELayer (step wall):")
-    for batch in batches:
+    for batch in () if args.no_megatron else batches:
         print(f"  B={batch:3d}: " + ", ".join(f"S={S} {summary[batch, S, 'megatron'] / summary[batch, S, 'triton']:.1f}x"
                                              for S in (0, 2)))
     dist.destroy_process_group()

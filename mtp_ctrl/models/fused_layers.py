@@ -78,9 +78,11 @@ def _norm_parameters(norm) -> Optional[Tuple]:
     return None
 
 
-def _mlp_activation(mlp, config) -> Optional[Tuple[str, bool]]:
-    """``(activation, gated)`` for a dense megatron MLP the kernel reproduces; None otherwise."""
-    if type(mlp) is not MLP or config.use_te_activation_func or not isinstance(mlp.linear_fc1, ColumnParallelLinear) \
+def mlp_activation(mlp, config, mlp_class=MLP) -> Optional[Tuple[str, bool]]:
+    """``(activation, gated)`` for a megatron MLP of exactly ``mlp_class`` (a dense ``MLP``, or
+    the MoE layer's ``SharedExpertMLP``) whose activation :func:`bias_activation` reproduces; None
+    otherwise."""
+    if type(mlp) is not mlp_class or config.use_te_activation_func or not isinstance(mlp.linear_fc1, ColumnParallelLinear) \
             or not mlp.linear_fc1.skip_bias_add:
         return None
     activation = _ACTIVATIONS.get(mlp.activation_func)
@@ -178,7 +180,7 @@ class FusedGlueTransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         config = self.config
         self.pre_mlp_norm = _norm_parameters(self.pre_mlp_layernorm)
-        self.mlp_activation = _mlp_activation(self.mlp, config)
+        self.mlp_activation = mlp_activation(self.mlp, config)
         self.next_input_norm: Optional[Tuple] = None  # the successor's input norm (link_input_norms)
         self.fused_glue_supported = (
             self.pre_mlp_norm is not None

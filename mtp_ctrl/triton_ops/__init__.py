@@ -59,6 +59,9 @@ _OP_MODULES = {
     "align_expert_pairs": "moe_gemm",
     "grouped_expert_matmul": "moe_gemm",
     "block_rows_for": "moe_gemm",
+    "route_top_k": "moe_routing",
+    "scaled_pair_activation": "moe_pairs",
+    "combine_expert_pairs": "moe_pairs",
     "ExpertSegments": "_moe_common",
 }
 

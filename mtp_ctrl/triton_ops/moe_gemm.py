@@ -4,7 +4,8 @@
 pairs of another rank's experts go last) and cuts every expert's segment into tiles of
 ``block_rows`` positions that never straddle two experts (vLLM's block-aligned segments), in three
 launches (per-chunk bucket counts; one program for the chunks' bases, the offsets and the tiles;
-per-chunk placement): nothing is read on the host, every size depends on T alone.
+per-chunk placement), or one when the pairs fit one chunk (decode): nothing is read on the host,
+every size depends on T alone.
 
 :func:`grouped_expert_matmul` multiplies every sorted position's input row by its expert's
 weight, all experts in one launch:
@@ -19,7 +20,9 @@ weight, all experts in one launch:
 - ``"reference"``: the torch twin (:mod:`mtp_ctrl.triton_ops.reference.moe`), a loop over experts
   of dense products, each kept on its segment (E times the work; no host sync either).
 
-Positions past ``expert_offsets[E]`` (pairs routed to another rank's experts) come out as zeros.
+Positions past ``expert_offsets[E]`` (pairs routed to another rank's experts) come out as zeros;
+with ``all_experts_local`` (no such pairs: every position is written) the output is not zero-filled
+first.
 """
 
 import torch
@@ -29,6 +32,7 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, check_int, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
+from mtp_ctrl.triton_ops._layout_checks import check_bool
 from mtp_ctrl.triton_ops._moe_common import ExpertSegments
 
 BACKENDS = ("triton", "grouped_mm", "reference")
@@ -58,7 +62,7 @@ def _chunk_bucket_counts_kernel(
 @triton.jit
 def _segment_layout_kernel(
     CHUNK_COUNTS_PTR, CHUNK_BASES_PTR, OFFSETS_PTR, BLOCK_EXPERTS_PTR, BLOCK_STARTS_PTR,
-    num_chunks, num_experts, num_blocks,
+    num_chunks, num_experts, num_blocks, max_tiles,
     BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, E_PAD: tl.constexpr,
 ):
     """One program: each chunk's first position per bucket (its bucket's start + the pairs of that
@@ -73,22 +77,52 @@ def _segment_layout_kernel(
         tl.store(CHUNK_BASES_PTR + chunks[:, None] * E_PAD + buckets[None, :], before,
                  mask=(chunks < num_chunks)[:, None])
         running += tl.sum(tile, axis=0)
-    counts = running
+    _store_layout(running, OFFSETS_PTR, BLOCK_EXPERTS_PTR, BLOCK_STARTS_PTR, num_experts, num_blocks, max_tiles,
+                  BLOCK_ROWS, BLOCK_B, E_PAD)
+
+
+@triton.jit
+def _store_layout(counts, OFFSETS_PTR, BLOCK_EXPERTS_PTR, BLOCK_STARTS_PTR, num_experts, num_blocks, max_tiles,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_B: tl.constexpr, E_PAD: tl.constexpr):
+    """From the pairs per bucket ``counts`` [E_PAD]: the bucket offsets, and every tile's expert and
+    first position; returns each bucket's first position [E_PAD]. Expert-major: pass j writes each
+    expert's j-th tile (``max_tiles`` >= any expert's tile count passes; 1 at decode), then the
+    tiles past the last segment get expert -1."""
+    buckets = tl.arange(0, E_PAD)
     starts = tl.cumsum(counts, axis=0) - counts  # [E_PAD] exclusive: each bucket's first position
     tl.store(OFFSETS_PTR + buckets, starts.to(tl.int64), mask=buckets <= num_experts)
-    local = buckets < num_experts
-    tiles = tl.where(local, (counts + BLOCK_ROWS - 1) // BLOCK_ROWS, 0)  # [E_PAD]
-    tile_ends = tl.cumsum(tiles, axis=0)
-    tile_starts = tile_ends - tiles
+    tiles = tl.where(buckets < num_experts, (counts + BLOCK_ROWS - 1) // BLOCK_ROWS, 0)  # [E_PAD]
+    tile_starts = tl.cumsum(tiles, axis=0) - tiles
+    for j in range(max_tiles):
+        has = j < tiles
+        tl.store(BLOCK_EXPERTS_PTR + tile_starts + j, buckets.to(tl.int64), mask=has)
+        tl.store(BLOCK_STARTS_PTR + tile_starts + j, (starts + j * BLOCK_ROWS).to(tl.int64), mask=has)
+    used = tl.sum(tiles, axis=0)
     for b0 in range(0, num_blocks, BLOCK_B):
         blocks = b0 + tl.arange(0, BLOCK_B)
-        hit = ((blocks[:, None] >= tile_starts[None, :]) & (blocks[:, None] < tile_ends[None, :])
-               & local[None, :]).to(tl.int32)  # [BLOCK_B, E_PAD]: at most one hit per tile
-        found = tl.sum(hit, axis=1) > 0
-        expert = tl.sum(hit * buckets[None, :], axis=1)
-        start = tl.sum(hit * (starts[None, :] + (blocks[:, None] - tile_starts[None, :]) * BLOCK_ROWS), axis=1)
-        tl.store(BLOCK_EXPERTS_PTR + blocks, tl.where(found, expert, -1).to(tl.int64), mask=blocks < num_blocks)
-        tl.store(BLOCK_STARTS_PTR + blocks, tl.where(found, start, 0).to(tl.int64), mask=blocks < num_blocks)
+        past = (blocks >= used) & (blocks < num_blocks)
+        tl.store(BLOCK_EXPERTS_PTR + blocks, tl.full((BLOCK_B,), -1, tl.int64), mask=past)
+        tl.store(BLOCK_STARTS_PTR + blocks, tl.zeros((BLOCK_B,), tl.int64), mask=past)
+    return starts
+
+
+@triton.jit
+def _align_one_chunk_kernel(
+    EXPERT_IDS_PTR, OFFSETS_PTR, BLOCK_EXPERTS_PTR, BLOCK_STARTS_PTR, SORTED_PAIRS_PTR, SORTED_ROWS_PTR,
+    num_pairs, top_k, first_expert, num_experts, num_blocks, max_tiles,
+    BLOCK_ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr, E_PAD: tl.constexpr,
+):
+    """One program, all pairs in one chunk (decode): the three kernels' work in one launch."""
+    buckets = tl.arange(0, E_PAD)
+    pairs = tl.arange(0, BLOCK_P)
+    bucket = _bucket_of(EXPERT_IDS_PTR, pairs, num_pairs, first_expert, num_experts)
+    onehot = (bucket[:, None] == buckets[None, :]).to(tl.int32)  # [BLOCK_P, E_PAD]
+    starts = _store_layout(tl.sum(onehot, axis=0), OFFSETS_PTR, BLOCK_EXPERTS_PTR, BLOCK_STARTS_PTR, num_experts,
+                           num_blocks, max_tiles, BLOCK_ROWS, BLOCK_B, E_PAD)
+    position = tl.sum(onehot * (starts[None, :] + tl.cumsum(onehot, axis=0) - onehot), axis=1)  # [BLOCK_P]
+    valid = pairs < num_pairs
+    tl.store(SORTED_PAIRS_PTR + position, pairs.to(tl.int64), mask=valid)
+    tl.store(SORTED_ROWS_PTR + position, (pairs // top_k).to(tl.int64), mask=valid)
 
 
 @triton.jit
@@ -191,15 +225,24 @@ def align_expert_pairs(
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
     block_experts = torch.empty(num_blocks, dtype=torch.int64, device=device)
     block_starts = torch.empty(num_blocks, dtype=torch.int64, device=device)
+    top_k = max(expert_ids.shape[1], 1)
+    max_tiles = triton.cdiv(num_pairs, block_rows)  # no expert has more tiles
+    if num_chunks == 1:  # decode: one launch
+        _align_one_chunk_kernel[(1,)](ids, offsets, block_experts, block_starts, sorted_pairs, sorted_rows,
+                                      num_pairs, top_k, first_expert, num_experts, num_blocks, max_tiles,
+                                      BLOCK_ROWS=block_rows,
+                                      BLOCK_P=max(16, triton.next_power_of_2(num_pairs)), BLOCK_B=block_p,
+                                      E_PAD=e_pad, num_warps=4)
+        return ExpertSegments(sorted_pairs, sorted_rows, offsets, block_experts, block_starts, block_rows)
     chunk_counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)  # [C, E_PAD]
     chunk_bases = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)  # [C, E_PAD]
     _chunk_bucket_counts_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, first_expert, num_experts,
                                                BLOCK_P=block_p, E_PAD=e_pad, num_warps=4)
     _segment_layout_kernel[(1,)](chunk_counts, chunk_bases, offsets, block_experts, block_starts, num_chunks,
-                                 num_experts, num_blocks, BLOCK_ROWS=block_rows, BLOCK_C=16, BLOCK_B=block_p,
+                                 num_experts, num_blocks, max_tiles, BLOCK_ROWS=block_rows, BLOCK_C=16, BLOCK_B=block_p,
                                  E_PAD=e_pad, num_warps=4)
     _place_pairs_kernel[(num_chunks,)](ids, chunk_bases, offsets, sorted_pairs, sorted_rows, num_pairs,
-                                       max(expert_ids.shape[1], 1), first_expert, num_experts,
+                                       top_k, first_expert, num_experts,
                                        BLOCK_P=block_p, E_PAD=e_pad, num_warps=4)
     return ExpertSegments(sorted_pairs, sorted_rows, offsets, block_experts, block_starts, block_rows)
 
@@ -228,6 +271,7 @@ def grouped_expert_matmul(
     gather_rows: bool = True,  # position p reads rows[segments.sorted_rows[p]] (else rows[p]: R == P)
     scatter_pairs: bool = False,  # position p writes out[segments.sorted_pairs[p]] (pair order; else out[p])
     backend: str = "triton",
+    all_experts_local: bool = False,  # every pair's expert is in weight: every row of out is written, no zero fill
 ) -> torch.Tensor:  # [P, N] rows.dtype; zeros where the pair's expert is another rank's
     """``rows[in(p)] @ weight[e].T`` for every sorted position ``p`` of local expert ``e``, fp32
     accumulation rounded once to the rows' dtype (module docstring).
@@ -237,13 +281,15 @@ def grouped_expert_matmul(
     ... # [x[0] @ w[2].T, x[0] @ w[0].T, x[1] @ w[2].T, x[1] @ w[1].T]: row t's j-th expert at t * 2 + j
     """
     _check_matmul_args(rows, weight, segments, gather_rows, scatter_pairs, backend)
+    check_bool("all_experts_local", all_experts_local)
     if backend == "reference" or (backend == "triton" and not use_triton(rows)):
         return reference.grouped_expert_matmul(rows, weight, segments, gather_rows, scatter_pairs)
     if backend == "grouped_mm" and (not rows.is_cuda or rows.dtype == torch.bfloat16):
         return _grouped_mm(rows, weight, segments, gather_rows, scatter_pairs)
     num_positions = segments.sorted_pairs.shape[0]
     num_experts, num_cols, depth = weight.shape
-    out = torch.zeros((num_positions, num_cols), dtype=rows.dtype, device=rows.device)  # [P, N]
+    allocate = torch.empty if all_experts_local else torch.zeros  # a zero fill is one more launch
+    out = allocate((num_positions, num_cols), dtype=rows.dtype, device=rows.device)  # [P, N]
     if num_positions == 0 or num_cols == 0:
         return out
     block_n = 64 if num_cols >= 64 else 32

@@ -32,6 +32,8 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     layer_glue               glue             add_bias_residual_norm, bias_activation, split_qkv_heads,
                                               gated_rms_norm
     moe_gemm                 moe              align_expert_pairs, grouped_expert_matmul
+    moe_routing              moe              route_top_k
+    moe_pairs                moe              scaled_pair_activation, combine_expert_pairs
 """
 
 from mtp_ctrl.triton_ops._lazy import lazy_exports
@@ -77,6 +79,9 @@ _REFERENCE_MODULES = {
     "gated_rms_norm": "glue",
     "align_expert_pairs": "moe",
     "grouped_expert_matmul": "moe",
+    "route_top_k": "moe",
+    "scaled_pair_activation": "moe",
+    "combine_expert_pairs": "moe",
 }
 
 __all__ = sorted(_REFERENCE_MODULES)
