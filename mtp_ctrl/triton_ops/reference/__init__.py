@@ -27,6 +27,7 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     kv_cache_write           attention        write_kv_cache
     paged_attn               attention        paged_attention
     rope_kv_write            attention        rope_and_write_kv_cache, rope_and_write_kv_cache_mixed
+    mla_attention            mla              rope_and_write_latent_cache, paged_mla_attention
     mamba_varlen             mamba_varlen     causal_conv_varlen, ssm_varlen_scan, segment_of_rows
     mamba_decode             mamba_decode     mamba_decode_rows
     layer_glue               glue             add_bias_residual_norm, bias_activation, split_qkv_heads,
@@ -68,6 +69,8 @@ _REFERENCE_MODULES = {
     "paged_attention": "attention",
     "rope_and_write_kv_cache": "attention",
     "rope_and_write_kv_cache_mixed": "attention",
+    "rope_and_write_latent_cache": "mla",
+    "paged_mla_attention": "mla",
     "causal_conv_varlen": "mamba_varlen",
     "ssm_varlen_scan": "mamba_varlen",
     "segment_of_rows": "mamba_varlen",
