@@ -18,11 +18,12 @@ row ``b`` accepts 7 (``out[b] = 7``), row ``b + 1`` rejects 9 (``out[b + 1] = 4`
 residual): the request gains ``7, 4``, one accepted draft.
 
 ``p`` and ``q`` are the filtered softmax of the request's sampling rule (temperature, top-k, top-p:
-:func:`mtp_ctrl.triton_ops.reference.sampling.filter_top_k_top_p`) over the target's and the
-drafter's logits, so the filters apply to both alike. A proposer that records no ``q``
-(:meth:`Proposer.draft_probs` returns None) has its drafts treated as deterministic, ``q`` one-hot
-at the draft: still lossless (a draft is kept with probability ``p(d)``, else the token is drawn
-from ``p`` without ``d``), with fewer acceptances than a real ``q`` gives. Greedy requests keep
+:func:`mtp_ctrl.triton_ops.sampling_probs`, the sampler's kept set found by a threshold search, no
+vocabulary sort) over the target's and the drafter's logits, so the filters apply to both alike. A
+proposer that records no ``q`` (:meth:`Proposer.draft_probs` returns None) has its drafts treated
+as deterministic, ``q`` one-hot at the draft: still lossless (a draft is kept with probability
+``p(d)``, else the token is drawn from ``p`` without ``d``), with fewer acceptances than a real
+``q`` gives. Greedy requests keep
 exact match (``p`` and ``q`` are one-hot at their argmax). Randomness is counter-based, keyed by
 (seed, position, draft index): a run is reproducible for a seed, but unlike exact match its tokens
 depend on the drafts, so they differ from plain decoding's (and between S values).
@@ -35,23 +36,8 @@ from typing import Optional
 import torch
 
 from mtp_ctrl import triton_ops
-from mtp_ctrl.triton_ops.reference.sampling import GREEDY_TEMPERATURE, filter_top_k_top_p
 
 _PARAM_ROWS = ("temperature", "top_k", "top_p", "seed")  # per-request device rows (RequestSampling.add_rows)
-
-
-def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
-    """The distribution each row samples from: softmax of ``logits / T`` over the top-k / top-p kept
-    set (the rule of :mod:`mtp_ctrl.triton_ops.reference.sampling`; greedy rows use ``T = 1``).
-
-    logits: [K, V] float; temperature, top_p: [K] float32; top_k: [K] int64. Returns [K, V]
-    float32, zero outside the kept set (a row of -inf logits gives zeros).
-    """
-    temperature = temperature.float()
-    scale = torch.where(temperature < GREEDY_TEMPERATURE, torch.ones_like(temperature), temperature)  # [K]
-    kept = filter_top_k_top_p(logits.float() / scale[:, None], top_k, top_p)  # [K, V] float32
-    return kept.softmax(dim=-1).nan_to_num_(0.0)
 
 
 class RequestSampling:
@@ -80,9 +66,10 @@ class RequestSampling:
         self.seeds = rows["seed"]  # [R + 1] int64
 
     def probs(self, logits: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
-        """[K, V] float32: :func:`sampling_probs` of logits ``[K, V]`` under the parameters of the
-        requests at ``table_rows`` ``[K]`` int64."""
-        return sampling_probs(logits, self.temperature[table_rows], self.top_k[table_rows], self.top_p[table_rows])
+        """[K, V] float32: :func:`mtp_ctrl.triton_ops.sampling_probs` of logits ``[K, V]`` under the
+        parameters of the requests at ``table_rows`` ``[K]`` int64."""
+        return triton_ops.sampling_probs(logits, self.temperature[table_rows], self.top_k[table_rows],
+                                         self.top_p[table_rows])
 
 
 class DraftProbabilities:

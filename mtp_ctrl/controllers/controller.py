@@ -58,7 +58,7 @@ from mtp_ctrl.controllers.step_launch import StepLauncher
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
 from mtp_ctrl.controllers.tp_lockstep import TPLockstep
 from mtp_ctrl.models.runner import PagedGPTRunner
-from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFullError, KVCacheSpec, StepMetadata
+from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFullError, StepMetadata
 from mtp_ctrl.triton_ops import sample_tokens
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted by the launch applied, finished)
@@ -117,10 +117,7 @@ class TextGenerationController:
 
     def _build_context(self, model_config) -> DynamicInferenceContext:
         config, shape = self.config, self.shape
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        num_kv_heads = model_config.num_query_groups or model_config.num_attention_heads
-        kv_cache = KVCacheSpec(num_layers=self.runner.num_kv_layers, num_kv_heads=num_kv_heads // tp_size,
-                               head_dim=model_config.kv_channels, dtype=shape.kv_dtype)
+        kv_cache = self.runner.kv_cache_spec(shape.kv_dtype)  # the model's layout (standard K/V or MLA latent)
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.kv_cache_bytes is None:
             num_blocks = shape.max_requests * shape.max_blocks_per_request

@@ -16,9 +16,11 @@ from mtp_ctrl.models.layer_specs import (
     count_kv_layers,
     get_paged_gpt_layer_spec,
     get_paged_mamba_layer_spec,
+    get_paged_mla_layer_spec,
     get_paged_mtp_block_spec,
 )
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
+from mtp_ctrl.models.mla_attention import PagedMLACoreAttention, PagedMLASelfAttention
 from mtp_ctrl.models.moe import InferenceTopKRouter, has_moe_layers, moe_layer_pattern, moe_layers
 from mtp_ctrl.models.multi_layer_eagle import (
     MultiLayerEagleHeads,
@@ -36,6 +38,8 @@ __all__ = [
     "MultiLayerEagleHeads",
     "PagedCoreAttention",
     "PagedGPTRunner",
+    "PagedMLACoreAttention",
+    "PagedMLASelfAttention",
     "PagedMambaMixer",
     "assign_kv_layer_indices",
     "assign_mamba_layer_indices",
@@ -49,6 +53,7 @@ __all__ = [
     "dense_multi_layer_eagle_forward",
     "get_paged_gpt_layer_spec",
     "get_paged_mamba_layer_spec",
+    "get_paged_mla_layer_spec",
     "get_paged_mtp_block_spec",
     "has_moe_layers",
     "load_demo_model",

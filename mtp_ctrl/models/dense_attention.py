@@ -28,7 +28,7 @@ class DenseCausalAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self", cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None):
+                 softmax_scale=None, pg_collection=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout
@@ -98,6 +98,8 @@ def build_dense_gpt_model(
                                  use_transformer_engine=use_transformer_engine,
                                  share_embeddings_and_output_weights=share_embeddings_and_output_weights,
                                  rotary_base=rotary_base, rotary_percent=rotary_percent)
+    if config.multi_latent_attention:  # MLA layers hold their own rotary (models/mla_attention.py)
+        return model
     model.rotary_pos_emb = DeviceRotaryEmbedding(
         kv_channels=config.kv_channels, rotary_percent=rotary_percent, rotary_interleaved=config.rotary_interleaved,
         rotary_base=rotary_base, use_cpu_initialization=True,
@@ -114,7 +116,8 @@ def dense_full_sequence(model: GPTModel, tokens: torch.Tensor) -> Tuple[torch.Te
     ids rolled left by ``k + 1``, zeros past the end), as megatron trains it.
     """
     positions = torch.arange(tokens.shape[0], device=tokens.device)  # [n] int64
-    rotary = model.rotary_pos_emb(tokens.shape[0])  # [n, 1, 1, rotary_dim]
+    # [n, 1, 1, rotary_dim]; MLA layers rope from their own rotary
+    rotary = None if model.config.multi_latent_attention else model.rotary_pos_emb(tokens.shape[0])
     embedded = model.embedding(input_ids=tokens[None], position_ids=positions[None])  # [n, 1, H]
     hidden = model.decoder(hidden_states=embedded, attention_mask=None, rotary_pos_emb=rotary)  # [n, 1, H]
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None

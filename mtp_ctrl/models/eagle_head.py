@@ -32,7 +32,8 @@ from megatron.core.transformer.spec_utils import build_module
 
 from mtp_ctrl.models.layer_specs import get_paged_gpt_layer_spec, transformer_engine_available
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
-from mtp_ctrl.models.runner import _gather_last_dim_over_tp, check_aux_layer_ids
+from mtp_ctrl.models.runner import check_aux_layer_ids
+from mtp_ctrl.models.tp_gather import gather_last_dim_over_tp
 
 
 class EagleHead(MegatronModule):
@@ -77,7 +78,7 @@ class EagleHead(MegatronModule):
     def project_aux(self, aux_hidden: torch.Tensor) -> torch.Tensor:  # [..., k * H] -> [..., H]
         """Draft step 1's feature: ``fc`` of the concatenated aux hidden states."""
         projected, _ = self.fc(aux_hidden)  # [..., H / tp]
-        return _gather_last_dim_over_tp(projected)
+        return gather_last_dim_over_tp(projected)
 
     def forward(self, embedded: torch.Tensor, features: torch.Tensor,
                 rotary_pos_emb: Optional[torch.Tensor] = None,
@@ -87,7 +88,7 @@ class EagleHead(MegatronModule):
         convention); None is causal."""
         combined = torch.cat((self.enorm(embedded), self.hnorm(features)), dim=-1)  # [s, b, 2H]
         projected, _ = self.eh_proj(combined)  # [s, b, H / tp]
-        projected = _gather_last_dim_over_tp(projected)  # [s, b, H]
+        projected = gather_last_dim_over_tp(projected)  # [s, b, H]
         out, _ = self.transformer_layer(hidden_states=projected, attention_mask=attention_mask,
                                         rotary_pos_emb=rotary_pos_emb)
         return out

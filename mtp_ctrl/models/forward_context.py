@@ -13,7 +13,7 @@ and always resets::
 import contextlib
 import contextvars
 import dataclasses
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -22,6 +22,7 @@ from mtp_ctrl.state.mamba_slots import MambaStateSlots
 from mtp_ctrl.state.step_metadata import StepMetadata
 
 KVCachePair = Tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size_tokens, Hkv_local, D],) * 2
+LayerKVCache = Union[KVCachePair, torch.Tensor]  # a pair, or an MLA layer's [num_blocks, block_size_tokens, C + R]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ class RotaryTables:
 @dataclasses.dataclass(frozen=True)
 class PagedForward:
     metadata: AttentionMetadata
-    kv_caches: Sequence[KVCachePair]  # index: decoder layer 0..L-1, then MTP depth k at L + k
+    kv_caches: Sequence[LayerKVCache]  # index: decoder layer 0..L-1, then MTP depth k at L + k
     mamba: Optional[MambaForward] = None  # None for a model without Mamba layers
     rotary: Optional[RotaryTables] = None  # None: no rotary in attention (not rope, or megatron applied it)
     fused_glue: bool = False  # layers fuse their bias / residual / norm / activation glue (models.fused_layers)
@@ -145,7 +146,7 @@ _CURRENT: contextvars.ContextVar[Optional[PagedForward]] = contextvars.ContextVa
 
 
 @contextlib.contextmanager
-def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[KVCachePair],
+def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[LayerKVCache],
                           mamba: Optional[MambaForward] = None,
                           rotary: Optional[RotaryTables] = None, fused_glue: bool = False,
                           moe_backend: Optional[str] = None) -> Iterator[PagedForward]:
@@ -154,7 +155,8 @@ def paged_forward_context(metadata: AttentionMetadata, kv_caches: Sequence[KVCac
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
     if isinstance(kv_caches, torch.Tensor) or not isinstance(kv_caches, Sequence):
-        raise TypeError("kv_caches must be a sequence of (key_cache, value_cache) pairs, one per attention layer")
+        raise TypeError("kv_caches must be a sequence with one entry per attention layer: a (key_cache, "
+                        "value_cache) pair, or an MLA layer's latent cache")
     if mamba is not None and not isinstance(mamba, MambaForward):
         raise TypeError(f"mamba must be a MambaForward or None, got {type(mamba).__name__}")
     if rotary is not None and not isinstance(rotary, RotaryTables):
@@ -181,6 +183,11 @@ def current_paged_forward() -> PagedForward:
             "run the model through mtp_ctrl.models.PagedGPTRunner"
         )
     return forward
+
+
+def in_paged_forward() -> bool:
+    """True inside :func:`paged_forward_context`."""
+    return _CURRENT.get() is not None
 
 
 def fused_glue_enabled() -> bool:

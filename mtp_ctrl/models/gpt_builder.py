@@ -17,6 +17,7 @@ from mtp_ctrl.models.layer_specs import (
     assign_mamba_layer_indices,
     get_paged_gpt_layer_spec,
     get_paged_mamba_layer_spec,
+    get_paged_mla_layer_spec,
     get_paged_mtp_block_spec,
     mamba_mixers,
 )
@@ -122,6 +123,12 @@ def paged_model_specs(config: TransformerConfig, use_transformer_engine: Optiona
     moe_pattern = moe_layer_pattern(config)  # [L] bool, all False without experts
 
     def attention_spec(moe: bool):
+        if config.multi_latent_attention:
+            if use_transformer_engine:
+                raise ValueError("MLA layers are built from megatron's local spec: pass use_transformer_engine=False")
+            return get_paged_mla_layer_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization,
+                                            num_experts=config.num_moe_experts if moe else None,
+                                            moe_grouped_gemm=config.moe_grouped_gemm)
         return get_paged_gpt_layer_spec(use_transformer_engine, qk_layernorm=config.qk_layernorm,
                                         normalization=config.normalization,
                                         num_experts=config.num_moe_experts if moe else None,

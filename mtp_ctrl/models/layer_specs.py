@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mtp_ctrl.models.fused_layers import use_fused_glue_layers
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
+from mtp_ctrl.models.mla_attention import PagedMLACoreAttention, PagedMLASelfAttention
 from mtp_ctrl.models.moe import InferenceTopKRouter
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
 
@@ -63,6 +64,20 @@ def get_paged_gpt_layer_spec(use_transformer_engine: Optional[bool] = None, qk_l
                                      qk_layernorm=qk_layernorm, normalization=normalization)))
     spec = _with_inference_router(copy.deepcopy(spec))
     spec.submodules.self_attention.submodules.core_attention = PagedCoreAttention
+    return spec
+
+
+def get_paged_mla_layer_spec(qk_layernorm: bool = True, normalization: Optional[str] = None,
+                             num_experts: Optional[int] = None, moe_grouped_gemm: bool = False) -> ModuleSpec:
+    """megatron's local MLA layer spec (``get_gpt_layer_local_spec(multi_latent_attention=True)``)
+    with :class:`PagedMLASelfAttention` over :class:`PagedMLACoreAttention` (models/mla_attention.py).
+    ``qk_layernorm`` gives the compressed query and latent their norms (DeepSeek-V3 has them)."""
+    spec = use_fused_glue_layers(copy.deepcopy(get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
+        multi_latent_attention=True, normalization=normalization)))
+    spec = _with_inference_router(spec)
+    spec.submodules.self_attention.module = PagedMLASelfAttention
+    spec.submodules.self_attention.submodules.core_attention = PagedMLACoreAttention
     return spec
 
 
@@ -123,12 +138,13 @@ def _attention_owners(model) -> List:
     return layers
 
 
-def paged_attention_modules(model) -> List[PagedCoreAttention]:
-    """The model's core-attention modules in kv-cache order; TypeError if any is not paged."""
+def paged_attention_modules(model) -> List:
+    """The model's core-attention modules (:class:`PagedCoreAttention`, or
+    :class:`PagedMLACoreAttention` for MLA layers) in kv-cache order; TypeError if any is not paged."""
     modules = []
     for position, layer in enumerate(_attention_owners(model)):
         core_attention = getattr(getattr(layer, "self_attention", None), "core_attention", None)
-        if not isinstance(core_attention, PagedCoreAttention):
+        if not isinstance(core_attention, (PagedCoreAttention, PagedMLACoreAttention)):
             raise TypeError(
                 f"attention layer {position} uses {type(core_attention).__name__}, not PagedCoreAttention: "
                 "build the model with mtp_ctrl.models.get_paged_gpt_layer_spec (or build_gpt_model)"
@@ -146,5 +162,6 @@ def assign_kv_layer_indices(model) -> int:
 
 
 def count_kv_layers(model) -> int:
-    """How many ``(key_cache, value_cache)`` pairs the model needs: decoder layers + MTP layers."""
+    """How many layer caches the model needs (a ``(key_cache, value_cache)`` pair or an MLA latent
+    cache each): decoder attention layers + MTP layers."""
     return len(paged_attention_modules(model))

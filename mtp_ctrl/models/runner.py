@@ -25,7 +25,6 @@ same forward pass (no second forward, no host sync; works inside a captured CUDA
 from typing import Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
@@ -36,9 +35,12 @@ from mtp_ctrl.models.forward_context import KVCachePair, MambaForward, RotaryTab
 from mtp_ctrl.models.fused_layers import link_input_norms
 from mtp_ctrl.models.gpt_builder import check_tensor_parallel_heads
 from mtp_ctrl.models.layer_specs import assign_kv_layer_indices, assign_mamba_layer_indices, mamba_mixers
+from mtp_ctrl.models.mla_attention import mla_rotary
 from mtp_ctrl.models.moe import has_moe_layers
 from mtp_ctrl.models.moe_inference import DEFAULT_MOE_BACKEND, MEGATRON_BACKEND, check_moe_backend
+from mtp_ctrl.models.tp_gather import gather_last_dim_over_tp
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
+from mtp_ctrl.state.kv_cache import AnyKVCacheSpec, KVCacheSpec, LatentKVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec
 
 _SUPPORTED_POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
@@ -55,17 +57,6 @@ def check_aux_layer_ids(aux_layer_ids, num_decoder_layers: int) -> Tuple[int, ..
         raise ValueError(f"aux_layer_ids must be distinct decoder layer indices in [0, {num_decoder_layers}), "
                          f"got {aux_layer_ids!r}")
     return ids
-
-
-def _gather_last_dim_over_tp(tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate the tensor-parallel ranks' shards along the last dim (device-agnostic)."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    world_size = dist.get_world_size(group=group)
-    if world_size == 1:
-        return tensor
-    shards = [torch.empty_like(tensor) for _ in range(world_size)]
-    dist.all_gather(shards, tensor.contiguous(), group=group)
-    return torch.cat(shards, dim=-1)
 
 
 class PagedGPTRunner:
@@ -132,6 +123,7 @@ class PagedGPTRunner:
         self.fused_rope = fused_rope
         self.fused_glue = fused_glue
         self._inv_freq: Optional[torch.Tensor] = None  # [rotary_dim / 2] fp32 on the rows' device
+        self._mla_rotary = mla_rotary(model)  # MLA layers rope from their own (shared) frequencies; else None
         self.aux_layer_ids: Tuple[int, ...] = ()
         self.aux_hidden: Optional[torch.Tensor] = None  # [T, k * H] after each forward with aux layers
         self._aux_parts: list = []  # [T, H] output of each aux layer, filled by the hooks
@@ -169,6 +161,18 @@ class PagedGPTRunner:
         return MambaSpec(num_layers=len(mixers), conv_state_shape=mixers[0].conv_state_shape,
                          ssm_state_shape=mixers[0].ssm_state_shape, dtype=torch.float32)
 
+    def kv_cache_spec(self, dtype: torch.dtype) -> AnyKVCacheSpec:
+        """The layout of the model's paged caches on this rank: a latent cache per layer for MLA
+        (replicated over TP ranks), else K and V per local kv head."""
+        config = self.model.config
+        if self._mla_rotary is not None:
+            return LatentKVCacheSpec(num_layers=self.num_kv_layers, dtype=dtype,
+                                     latent_dim=config.kv_lora_rank + config.qk_pos_emb_head_dim)
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        num_kv_heads = config.num_query_groups or config.num_attention_heads
+        return KVCacheSpec(num_layers=self.num_kv_layers, num_kv_heads=num_kv_heads // tp_size,
+                           head_dim=config.kv_channels, dtype=dtype)
+
     def _rotary_angles(self, positions: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, rotary_dim / 2] fp32
         """megatron's RotaryEmbedding frequencies (``get_freqs_non_repeated``) at each row's position."""
         rotary = self.model.rotary_pos_emb
@@ -181,7 +185,10 @@ class PagedGPTRunner:
 
     def rotary_tables(self, positions: torch.Tensor) -> Tuple[Optional[torch.Tensor], Optional[RotaryTables]]:
         """``(rotary_pos_emb for megatron, tables for the fused path)`` at ``positions`` ``[T]``
-        int64: at most one is not None. Drafting passes them to every depth over the same rows."""
+        int64: at most one is not None. Drafting passes them to every depth over the same rows.
+        MLA layers always rope from the tables (megatron's MLA rotary covers positions 0..s-1 only)."""
+        if self._mla_rotary is not None:
+            return None, self._mla_rotary.tables(positions)
         if self.model.position_embedding_type != "rope":
             return None, None
         freqs = self._rotary_angles(positions)  # [T, rotary_dim / 2] fp32
@@ -201,7 +208,7 @@ class PagedGPTRunner:
         model = self.model
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         local_logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=False)  # [T, 1, V/tp]
-        return _gather_last_dim_over_tp(local_logits)[:, 0].float()
+        return gather_last_dim_over_tp(local_logits)[:, 0].float()
 
     def _check_rows(self, input_ids, positions, metadata, kv_caches):
         for name, tensor in (("input_ids", input_ids), ("positions", positions)):
@@ -313,7 +320,7 @@ class PagedGPTRunner:
             embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions, offset=1))  # [T, 1, H]
             combined = torch.cat((layer.enorm(embedded), layer.hnorm(hidden[:, None])), dim=-1)  # [T, 1, 2H]
             projected, _ = layer.eh_proj(combined)  # [T, 1, H / tp]
-            projected = _gather_last_dim_over_tp(projected)  # [T, 1, H]
+            projected = gather_last_dim_over_tp(projected)  # [T, 1, H]
             out, _ = layer.transformer_layer(hidden_states=projected, attention_mask=None,
                                              rotary_pos_emb=rotary_pos_emb)
             out = layer.final_layernorm(out)  # [T, 1, H]

@@ -48,7 +48,7 @@ import torch
 from mtp_ctrl.state.batch_dimensions import BatchDimensions, check_batch_sizes, round_up_batch_size, token_buckets
 from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
-from mtp_ctrl.state.kv_cache import KVCacheSpec
+from mtp_ctrl.state.kv_cache import AnyKVCacheSpec, KVCacheSpec, LatentKVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec, MambaStateSlots
 from mtp_ctrl.state.request_table import RequestTable, RowGroup
 from mtp_ctrl.state.scheduler import Scheduler
@@ -60,7 +60,8 @@ Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
 class DynamicInferenceContext:
     """The engine's state for a :class:`EngineShape` (sizes, S, device: read from ``shape``).
 
-    kv_cache: layers (decoder + MTP depths), local KV heads, head dim and dtype of the caches.
+    kv_cache: the cache layout (standard K/V per local kv head, or the MLA latent) of every layer
+        (decoder + MTP depths) and its dtype.
     num_blocks / kv_cache_bytes: the KV pool, as a block count or a byte budget.
     cuda_graph_batch_sizes: batch sizes with a CUDA graph (steps are padded to them; a step with
         prefill chunks also pads its tokens to ``cuda_graph_token_counts``, powers of two from 64).
@@ -76,7 +77,7 @@ class DynamicInferenceContext:
         self,
         shape: EngineShape,
         *,
-        kv_cache: KVCacheSpec,
+        kv_cache: AnyKVCacheSpec,
         num_blocks: Optional[int] = None,
         kv_cache_bytes: Optional[int] = None,
         cuda_graph_batch_sizes: Sequence[int] = (),
@@ -84,8 +85,8 @@ class DynamicInferenceContext:
     ):
         if not isinstance(shape, EngineShape):
             raise TypeError(f"shape must be an EngineShape, got {type(shape).__name__}")
-        if not isinstance(kv_cache, KVCacheSpec):
-            raise TypeError(f"kv_cache must be a KVCacheSpec, got {type(kv_cache).__name__}")
+        if not isinstance(kv_cache, (KVCacheSpec, LatentKVCacheSpec)):
+            raise TypeError(f"kv_cache must be a KVCacheSpec or LatentKVCacheSpec, got {type(kv_cache).__name__}")
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
         self.shape = shape

@@ -37,11 +37,15 @@ _OP_MODULES = {
     # sampling
     "sample_tokens": "gumbel_sampling",
     "rejection_sample": "rejection_sampling",
+    "sampling_probs": "sampling_filter",
     # paged attention
     "write_kv_cache": "kv_cache_write",
     "paged_attention": "paged_attn",
     "rope_and_write_kv_cache": "rope_kv_write",
     "rope_and_write_kv_cache_mixed": "rope_kv_write",
+    # multi-latent attention: the latent cache write and the absorbed paged attention
+    "rope_and_write_latent_cache": "mla_attention",
+    "paged_mla_attention": "mla_attention",
     # Mamba-2 prefill over the packed rows of a step
     "causal_conv_varlen": "mamba_varlen",
     "ssm_varlen_scan": "mamba_varlen",

@@ -44,7 +44,8 @@ def pointers(kernel, default, **special):
 def cases():
     """(label, kernel, pointer types, float args, constexprs): the kernels of a decode step's
     attention and glue, and the Mamba prefill kernels, in the variants the models launch."""
-    from mtp_ctrl.triton_ops import layer_glue, mamba_varlen, moe_gemm, paged_attn, rope_kv_write
+    from mtp_ctrl.triton_ops import (layer_glue, mamba_varlen, mla_attention, moe_gemm, paged_attn, rope_kv_write,
+                                     sampling_filter)
 
     attention = paged_attn._paged_attention_kernel
     attention_pointers = pointers(attention, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32",
@@ -57,6 +58,17 @@ def cases():
     combine = paged_attn._combine_kv_splits_kernel
     yield ("attention merge", combine, pointers(combine, "fp32", QUERY_START_LOC_PTR="i32", OUTPUT_PTR="bf16"), set(),
            dict(BLOCK_Q=1, BLOCK_M=4, BLOCK_S=16, BLOCK_DC=16, NUM_D_CHUNKS=8))
+    mla = mla_attention._paged_mla_kernel
+    mla_pointers = pointers(mla, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32", QUERY_START_LOC_PTR="i32",
+                            PARTIAL_ACC_PTR="fp32", PARTIAL_MAX_PTR="fp32", PARTIAL_SUM_PTR="fp32")
+    for splits in (1, 4):  # DeepSeek-V3's latent (512 + 64), 16 heads, one decode row a request
+        yield (f"paged MLA attention, {splits} splits", mla, mla_pointers, {"qk_scale"},
+               dict(BLOCK_Q=1, BLOCK_H=16, BLOCK_M=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, NUM_HEAD_TILES=1,
+                    NUM_KV_SPLITS=splits, DOT_PRECISION="tf32"))
+    latent_write = mla_attention._rope_write_latent_kernel
+    yield ("rope + latent write", latent_write,
+           pointers(latent_write, "bf16", SLOT_MAPPING_PTR="i64", COS_PTR="fp32", SIN_PTR="fp32"), set(),
+           dict(BLOCK_H=16, BLOCK_C=512, BLOCK_R=64))
     rope = rope_kv_write._rope_write_kv_cache_kernel
     for has_bias, has_rotary in ((True, True), (False, True), (True, False)):
         yield (f"rope + KV write, bias {has_bias}, rotary {has_rotary}", rope,
@@ -80,7 +92,10 @@ def cases():
                pointers(conv, "fp32", SLOT_IDS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
                dict(WIDTH=4, SEARCH_STEPS=4, BLOCK_ROWS=16, BLOCK_CHANNELS=128, BLOCK_HISTORY=4, HAS_SLOTS=has_slots))
 
-
+    probs = sampling_filter._sampling_probs_kernel
+    yield ("sampling probs (rejection acceptance)", probs,
+           pointers(probs, "fp32", LOGITS_PTR="bf16", TOP_K_PTR="i64"), set(),
+           dict(GREEDY_TEMPERATURE=1e-5, NUM_PIVOTS=16, BLOCK_VOCAB=256))
     counts = moe_gemm._chunk_bucket_counts_kernel
     yield ("MoE pair counts", counts, pointers(counts, "i64", CHUNK_COUNTS_PTR="i32"), set(), dict(BLOCK_P=64, E_PAD=128))
     layout = moe_gemm._segment_layout_kernel

@@ -6,6 +6,7 @@ GPTModel with causal SDPA attention, same weights): a full forward over prompt +
 token, argmax of the last logits.
 """
 
+import contextlib
 import random
 
 import pytest
@@ -26,6 +27,7 @@ from tests.unit.controller_fixtures import (
     run_with_arrivals,
 )
 from tests.unit.megatron_fixtures import VOCAB_SIZE, dense_full_sequence, ensure_single_process_groups
+from tests.unit.megatron_fixtures import torch_twins as twin_ops
 
 # (step index at which the request arrives, prompt, max_new_tokens): requests join a running
 # batch and finish at different steps.
@@ -75,7 +77,10 @@ def test_plain_decoding_equals_dense_reference_loop(plain_staggered_outputs, gre
 @pytest.fixture(scope="module")
 def speculative_runs(models):
     """Runs the staggered schedule once per (S, mtp_attention) asked for, with the model's own
-    MTP drafts (recorded); returns ``run(S, mode) -> (controller, proposer, outputs)``."""
+    MTP drafts (recorded); returns ``run(S, mode) -> (controller, proposer, outputs)``. S = MTP
+    depth with paged MTP attention interprets the kernels, the other runs use their twins (a module
+    fixture cannot take the function-scoped torch_twins; test_mtp_draft_oracles interprets a
+    single_position run)."""
     model, _ = models
     cache = {}
 
@@ -84,7 +89,9 @@ def speculative_runs(models):
         if key not in cache:
             proposer = RecordingMTPProposer(mtp_attention)
             controller = make_controller(model, num_speculative_tokens, proposer=proposer, mtp_attention=mtp_attention)
-            cache[key] = controller, proposer, run_with_arrivals(controller, _staggered_arrivals())
+            interpreted = key == (MTP_DEPTH, "paged")
+            with contextlib.nullcontext() if interpreted else twin_ops():
+                cache[key] = controller, proposer, run_with_arrivals(controller, _staggered_arrivals())
         return cache[key]
 
     return run
@@ -150,7 +157,7 @@ def _check_observed_equals_injected(proposer, results):
         assert result.accepted_drafts == sum(observed)
 
 
-def test_all_correct_drafts_are_all_accepted(models, greedy_continuations):
+def test_all_correct_drafts_are_all_accepted(models, greedy_continuations, torch_twins):
     """Drafts equal to the greedy continuation: every verify step accepts all S, so a request
     needs ceil((max_new_tokens - 1) / (S + 1)) verify steps; output unchanged."""
     S, max_new_tokens = MTP_DEPTH, 10
@@ -163,7 +170,7 @@ def test_all_correct_drafts_are_all_accepted(models, greedy_continuations):
     assert controller.metrics.acceptance_per_depth == [1.0] * S
 
 
-def test_all_wrong_drafts_are_all_rejected(models, greedy_continuations):
+def test_all_wrong_drafts_are_all_rejected(models, greedy_continuations, torch_twins):
     """Drafts that are all wrong: every verify step accepts 0 and emits the target's own token."""
     max_new_tokens = 6
     controller, proposer, results = _run_oracle(models, greedy_continuations, lambda rid, index: 0,
@@ -176,11 +183,14 @@ def test_all_wrong_drafts_are_all_rejected(models, greedy_continuations):
 
 @pytest.mark.parametrize("layout", [dict(block_size_tokens=4), dict(block_size_tokens=1, cuda_graph_batch_sizes=(2, 4))],
                          ids=["block4", "block1_padded_batches"])
-def test_mixed_drafts_accept_exactly_the_injected_prefix(models, greedy_continuations, layout):
+def test_mixed_drafts_accept_exactly_the_injected_prefix(models, greedy_continuations, layout, request):
     """A seeded random pattern of correct-prefix lengths (0..S) per request and proposal: each
     verify step accepts exactly the injected count; the metrics' acceptance per depth is the
     fraction of verify steps whose count exceeds that depth. Also with 1-token blocks (a
-    rejection rewinds across up to S blocks) and decode batches padded to CUDA-graph sizes."""
+    rejection rewinds across up to S blocks) and decode batches padded to CUDA-graph sizes. The
+    padded layout interprets the kernels, block 4 uses their twins."""
+    if "cuda_graph_batch_sizes" not in layout:
+        request.getfixturevalue("torch_twins")
     S = MTP_DEPTH
     pattern_rng = random.Random(5)
     pattern = {(rid, index): pattern_rng.randint(0, S) for rid in range(len(PROMPTS)) for index in range(12)}

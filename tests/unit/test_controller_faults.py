@@ -11,6 +11,7 @@ from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGeneration
 from mtp_ctrl.state.request_table import RowGroup
 from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, build_models, dense_greedy, make_controller
 from tests.unit.megatron_fixtures import MAX_SEQUENCE_LENGTH, VOCAB_SIZE, ensure_single_process_groups, tiny_config
+from tests.unit.megatron_fixtures import torch_twins as twin_ops
 
 MAX_NEW_TOKENS = 9
 S = 2
@@ -34,9 +35,11 @@ def models():
 @pytest.fixture(scope="module")
 def unconstrained_outputs(models):
     """Outputs of the four requests with room for all of them (S = 2); the greedy ones are
-    checked against the dense reference loop here."""
+    checked against the dense reference loop here. Torch twins: a module fixture starts before the
+    function-scoped torch_twins of the tests that use it."""
     model, dense = models
-    results = make_controller(model, S, max_model_len=22).generate(list(PROMPTS), REQUEST_PARAMS)
+    with twin_ops():
+        results = make_controller(model, S, max_model_len=22).generate(list(PROMPTS), REQUEST_PARAMS)
     outputs = [result.output_tokens for result in results]
     for index in GREEDY_REQUESTS:
         assert list(outputs[index]) == dense_greedy(dense, PROMPTS[index], MAX_NEW_TOKENS)
@@ -175,7 +178,7 @@ def test_generate_names_sampling_params_that_are_not_a_list(controller, sampling
     _assert_untouched(controller)
 
 
-def test_result_of_unknown_or_unfinished_request(models):
+def test_result_of_unknown_or_unfinished_request(models, torch_twins):
     """result() names the request id it cannot answer for: unknown, or not finished yet; after
     the rejected calls the controller still generates normally."""
     model, dense = models

@@ -11,6 +11,7 @@ from mtp_ctrl.controllers import SamplingParams
 from tests.unit.controller_fixtures import PROMPTS, OracleProposer, make_controller, run_with_arrivals
 from tests.unit.hybrid_fixtures import build_hybrid_model
 from tests.unit.megatron_fixtures import ensure_single_process_groups
+from tests.unit.megatron_fixtures import torch_twins as twin_ops
 
 MTP_DEPTH = 2
 MAX_NEW_TOKENS = (6, 4, 5, 5)
@@ -31,7 +32,8 @@ def _arrivals():
 
 @pytest.fixture(scope="module")
 def plain_outputs(model):
-    return run_with_arrivals(make_controller(model, 0, **CONFIG), _arrivals())
+    with twin_ops():  # a module fixture starts before the function-scoped torch_twins
+        return run_with_arrivals(make_controller(model, 0, **CONFIG), _arrivals())
 
 
 def _assert_released(controller):
@@ -41,7 +43,7 @@ def _assert_released(controller):
     assert context.mamba.num_free_slots == context.mamba.num_slots
 
 
-def test_plain_equals_recompute_from_scratch(model, plain_outputs):
+def test_plain_equals_recompute_from_scratch(model, plain_outputs, torch_twins):
     """Each token of the reference is the greedy token of a new request holding prompt + output
     so far: one prefill from zero Mamba state and an empty KV cache (no decode rows, no commit)."""
     controller = make_controller(model, 0, **CONFIG)
@@ -54,21 +56,26 @@ def test_plain_equals_recompute_from_scratch(model, plain_outputs):
 
 
 @pytest.mark.parametrize("num_speculative_tokens", [1, 2])
-def test_speculative_greedy_equals_plain(model, plain_outputs, num_speculative_tokens):
+def test_speculative_greedy_equals_plain(model, plain_outputs, num_speculative_tokens, request):
+    if num_speculative_tokens == 1:  # S = MTP depth interprets the kernels, S = 1 uses their twins
+        request.getfixturevalue("torch_twins")
     controller = make_controller(model, num_speculative_tokens, **CONFIG)
     assert run_with_arrivals(controller, _arrivals()) == plain_outputs
     _assert_released(controller)
 
 
 @pytest.mark.parametrize("layout", [dict(), dict(cuda_graph_batch_sizes=(2, 4))], ids=["exact", "padded_batches"])
-def test_every_accepted_count_commits_the_right_state(model, layout):
+def test_every_accepted_count_commits_the_right_state(model, layout, request):
     """Drafts from the true greedy continuation with a random number of correct leading drafts
     (0..S): every verify step accepts the injected count and commits the Mamba state after that
     row, so the output is still the plain one. Padded batches send padding requests to the
-    scratch slot."""
+    scratch slot. The padded layout interprets the kernels, the exact one uses their twins."""
+    if not layout:
+        request.getfixturevalue("torch_twins")
     max_new_tokens = 8
-    plain = make_controller(model, 0, **CONFIG).generate(
-        list(PROMPTS), SamplingParams(max_new_tokens=max_new_tokens + MTP_DEPTH + 1))
+    with twin_ops():
+        plain = make_controller(model, 0, **CONFIG).generate(
+            list(PROMPTS), SamplingParams(max_new_tokens=max_new_tokens + MTP_DEPTH + 1))
     sequences = {rid: list(PROMPTS[rid]) + list(result.output_tokens) for rid, result in enumerate(plain)}
     pattern_rng = random.Random(7)
     pattern = {(rid, index): pattern_rng.randint(0, MTP_DEPTH) for rid in range(len(PROMPTS)) for index in range(12)}
@@ -84,7 +91,7 @@ def test_every_accepted_count_commits_the_right_state(model, layout):
     _assert_released(controller)
 
 
-def test_preempted_requests_recompute_their_state(model):
+def test_preempted_requests_recompute_their_state(model, torch_twins):
     """A KV pool too small for all four requests forces the newest out; it comes back with a
     fresh Mamba slot, is recomputed from prompt + output, and ends with the unconstrained output."""
     params = [SamplingParams(max_new_tokens=9)] * len(PROMPTS)

@@ -24,7 +24,7 @@ def plain_greedy(models):
     return plain_greedy_outputs(models[0])
 
 
-def test_greedy_equals_plain(models, plain_greedy):
+def test_greedy_equals_plain(models, plain_greedy, torch_twins):
     controller = make_controller(models[0], 3, proposer=EagleProposer(models[2]))
     results = controller.generate([list(p) for p in PROMPTS], SamplingParams(max_new_tokens=10))
     assert [list(r.output_tokens) for r in results] == plain_greedy
@@ -43,7 +43,8 @@ def test_one_draft_equals_plain_greedy_and_sampled(models, torch_twins, temperat
 
 def test_drafts_equal_the_dense_head_across_chunks_and_tail_blocks(models, plain_greedy):
     """S = 4 with 4-token blocks: draft positions cross into the head's tail blocks; the 12-token
-    prompt is prefilled in two chunks (max_tokens_per_step 10)."""
+    prompt is prefilled in two chunks (max_tokens_per_step 10). The one EAGLE controller run that
+    interprets the kernels (the others use their twins)."""
     model, dense, head, dense_head = models
     assert_drafts_equal_dense(model, RecordingEagleProposer(head), 4, plain_greedy,
                               lambda tokens: dense_eagle_drafts(dense, dense_head, tokens, 4), limit=12)
@@ -61,13 +62,13 @@ def test_churn_preemption_sampling_padded_steps_equal_plain(models, torch_twins)
     assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
 
 
-def test_pause_and_resume_equal_plain(models, plain_greedy):
+def test_pause_and_resume_equal_plain(models, plain_greedy, torch_twins):
     model, _, head, _ = models
     controller = make_controller(model, 3, proposer=EagleProposer(head))
     assert outputs_with_a_pause(controller) == plain_greedy
 
 
-def test_hybrid_mamba_target_equals_plain():
+def test_hybrid_mamba_target_equals_plain(torch_twins):
     from tests.unit.hybrid_fixtures import build_hybrid_model
 
     ensure_single_process_groups()
@@ -81,7 +82,7 @@ def test_hybrid_mamba_target_equals_plain():
     assert [r.output_tokens for r in spec] == [r.output_tokens for r in plain]
 
 
-def test_bad_heads_raise_and_the_target_stays_usable(models, plain_greedy):
+def test_bad_heads_raise_and_the_target_stays_usable(models, plain_greedy, torch_twins):
     model, _, head, _ = models
     with pytest.raises(TypeError, match="head"):
         EagleProposer(model)

@@ -20,7 +20,7 @@ def models():
     return model, dense
 
 
-def test_capture_equals_dense_states_across_flushes(models, tmp_path):
+def test_capture_equals_dense_states_across_flushes(models, tmp_path, torch_twins):
     model, dense = models
     prompts = [list(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=8)

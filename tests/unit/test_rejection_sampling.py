@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from mtp_ctrl.controllers.acceptance import sampling_probs
 from mtp_ctrl.triton_ops import reference, rejection_sample, rejection_sampling
 from tests.unit.controller_fixtures import chi_square_p_value
 from tests.unit.rejection_cases import make_case
@@ -112,7 +111,8 @@ def test_output_follows_the_target_distribution(temperature, top_k, top_p, q_kin
     the token follows p (filtered like sampling) whatever q is; acceptance rate 1 - TV(p, q)."""
     draws = 20000
     def filtered(logits):
-        return sampling_probs(logits[None], torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]))[0]
+        return reference.sampling_probs(logits[None], torch.tensor([temperature]), torch.tensor([top_k]),
+                                        torch.tensor([top_p]))[0]
     p = filtered(LOGITS_P)
     q = {"mtp": filtered(LOGITS_Q), "uniform": torch.full((8,), 1 / 8), "one_hot": None}[q_kind]
     seeds, positions = torch.arange(draws) % 7 + 2**33, torch.arange(draws) // 7 + 100

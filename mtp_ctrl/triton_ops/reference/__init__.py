@@ -22,10 +22,12 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     shift_gather_cache       drafting         shift_and_gather_cache, shift_and_gather_cache_hidden
     mtp_window               mtp_window       mtp_draft_window, mtp_advance_window
     gumbel_sampling          sampling         sample_tokens (and gumbel_noise, filter_top_k_top_p)
+    sampling_filter          sampling         sampling_probs
     rejection_sampling       rejection        rejection_sample (and stream_seeds, stream_uniform)
     kv_cache_write           attention        write_kv_cache
     paged_attn               attention        paged_attention
     rope_kv_write            attention        rope_and_write_kv_cache, rope_and_write_kv_cache_mixed
+    mla_attention            mla              rope_and_write_latent_cache, paged_mla_attention
     mamba_varlen             mamba_varlen     causal_conv_varlen, ssm_varlen_scan, segment_of_rows
     mamba_decode             mamba_decode     mamba_decode_rows
     layer_glue               glue             add_bias_residual_norm, bias_activation, split_qkv_heads,
@@ -59,6 +61,7 @@ _REFERENCE_MODULES = {
     "sample_tokens": "sampling",
     "gumbel_noise": "sampling",
     "filter_top_k_top_p": "sampling",
+    "sampling_probs": "sampling",
     "rejection_sample": "rejection",
     "stream_seeds": "rejection",
     "stream_uniform": "rejection",
@@ -66,6 +69,8 @@ _REFERENCE_MODULES = {
     "paged_attention": "attention",
     "rope_and_write_kv_cache": "attention",
     "rope_and_write_kv_cache_mixed": "attention",
+    "rope_and_write_latent_cache": "mla",
+    "paged_mla_attention": "mla",
     "causal_conv_varlen": "mamba_varlen",
     "ssm_varlen_scan": "mamba_varlen",
     "segment_of_rows": "mamba_varlen",

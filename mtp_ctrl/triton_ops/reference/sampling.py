@@ -99,6 +99,26 @@ def filter_top_k_top_p(scaled_logits: torch.Tensor, top_k: torch.Tensor, top_p: 
     return torch.where(in_top_k & in_top_p, z, torch.full_like(z, _NEG_INF))
 
 
+def sampling_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The distribution each row samples from: softmax of ``logits / T`` over the kept set of
+    :func:`filter_top_k_top_p` (greedy rows use ``T = 1``). Shapes as in the public op; returns
+    ``out`` (or a new tensor), [R, V] float32, zero outside the kept set (an all -inf row: zeros)."""
+    temperature = temperature.float()  # [R] float32
+    scale = torch.where(temperature < GREEDY_TEMPERATURE, torch.ones_like(temperature), temperature)  # [R]
+    kept = filter_top_k_top_p(logits.float() / scale[:, None], top_k, top_p)  # [R, V] float32
+    probs = kept.softmax(dim=-1).nan_to_num_(0.0)  # [R, V] float32
+    if out is None:
+        return probs
+    out.copy_(probs)
+    return out
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,

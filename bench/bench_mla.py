@@ -1,0 +1,234 @@
+"""Multi-latent attention: the paged MLA decode kernel, absorbed vs decompressed attention, KV bytes
+per token, and decode steps of a DeepSeek-V3-shaped MLA GPT scaled to one GPU.
+
+    python bench/bench_mla.py                # kernel tables + KV bytes (+ --e2e for the model steps)
+    python bench/bench_mla.py --e2e-only     # only the end-to-end steps
+    python bench/bench_mla.py --quick        # small shapes (a smoke run; CPU works too)
+
+Printed, in one run:
+1. The kernel (``paged_mla_attention``, one decode row a request, C = 512 latent + R = 64 rope
+   dims, bf16, block 64) at batch 1, 32, 128 and context 2k, 8k, 32k, 128k, for 16 heads (a TP-8
+   shard of DeepSeek-V3's 128) and 128 heads: GPU us of a graph replay, the latent bytes it must
+   read (B x context x 576 x 2) over that time, and that bandwidth as a share of a same-run device
+   copy; the tile configurations tried (``TUNING``) and the best.
+2. The same attention end to end from the no-rope query: absorbed (W_UK, the kernel, W_UV) vs
+   decompressed (the latents up-projected to per-head K/V, then the standard paged kernel), where
+   the decompressed K/V fits in memory; and per prefill chunk length, which of the two is faster.
+3. KV bytes per token and layer: the latent cache vs standard attention's K and V per head.
+4. (--e2e) Decode steps of the DeepSeek-V3-shaped MLA GPT (module constant E2E_SHAPE; random bf16
+   weights, dense FFN, 2 MLA MTP layers): median wall ms of controller.step(), GPU ms per step
+   (torch.profiler kernel time), tokens/s at S = 0 and S = 2 (random weights: no draft accepted).
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    parser.add_argument("--e2e", action="store_true", help="also time the MLA GPT's decode steps")
+    parser.add_argument("--e2e-only", action="store_true", help="only the MLA GPT's decode steps")
+    parser.add_argument("--tune", action="store_true", help="try every tile configuration at every shape")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from mtp_ctrl.state import KVCacheSpec, LatentKVCacheSpec  # noqa: E402
+from mtp_ctrl.state.attention_metadata import AttentionMetadata  # noqa: E402
+from mtp_ctrl.triton_ops import mla_attention as mla_ops  # noqa: E402
+from mtp_ctrl.triton_ops import paged_mla_attention  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
+from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
+
+LATENT, ROPE, QK, V = 512, 64, 128, 128  # DeepSeek-V3's kv_lora_rank, qk_pos_emb_head_dim, qk_head_dim, v_head_dim
+BLOCK = 64
+CONFIGS = (  # (target_block_m, block_n, num_warps): TUNING candidates
+    (32, 32, 8), (64, 32, 8), (16, 64, 4), (32, 64, 8),
+)
+# DeepSeek-V3's attention (MLA dims, YaRN) at 16 heads, hidden 2048, 16 layers, dense GLU FFN
+E2E_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, q_lora_rank=768,
+                 kv_lora_rank=LATENT, qk_head_dim=QK, qk_pos_emb_head_dim=ROPE, v_head_dim=V, mtp_num_layers=2)
+
+
+def metadata_for(batch, rows, context, device, shuffled=True):
+    """Every request: ``rows`` query rows ending at position ``context - 1``, its blocks scattered."""
+    blocks = math.ceil(context / BLOCK)
+    ids = torch.randperm(batch * blocks, device=device) if shuffled else torch.arange(batch * blocks, device=device)
+    block_table = ids.view(batch, blocks).int()
+    q_start = torch.arange(batch + 1, device=device, dtype=torch.int32) * rows
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    positions = (context - rows + torch.arange(rows, device=device)).repeat(batch)
+    return AttentionMetadata(query_start_loc=q_start, seq_lens=seq_lens,
+                             slot_mapping=torch.full((batch * rows,), -1, dtype=torch.int64, device=device),
+                             block_table=block_table, positions=positions, num_actual_tokens=batch * rows,
+                             max_query_len=rows, max_seq_len=context)
+
+
+def kernel_tables(device, bandwidth, quick, tune):
+    batches, contexts = ((1, 8), (256, 1024)) if quick else ((1, 32, 128), (2048, 8192, 32768, 131072))
+    heads_list = (16,) if quick else (16, 128)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    max_tokens = max(batches) * max(contexts)
+    cache = torch.empty(max_tokens // BLOCK, BLOCK, LATENT + ROPE, dtype=dtype, device=device).normal_()
+    default = dict(mla_ops.TUNING)
+    print(f"\n1. paged MLA kernel, one decode row a request (latent {LATENT} + rope {ROPE}, {dtype}, block {BLOCK}); "
+          f"GB/s = latent bytes read / GPU time; % of the device copy ({bandwidth / 1e9:.0f} GB/s)")
+    best_configs = {}
+    for heads in heads_list:
+        print(f"   {heads} heads; default tiles {tuple(default.values())}" + ("; best of " + str(CONFIGS) if tune else ""))
+        print(f"   {'B':>4} {'context':>7} {'us':>9} {'GB/s':>6} {'%copy':>6}" + (f" {'best us':>9} {'best %':>6} best" if tune else ""))
+        for batch in batches:
+            query_latent = torch.randn(batch, heads, LATENT, dtype=dtype, device=device)
+            query_rope = torch.randn(batch, heads, ROPE, dtype=dtype, device=device)
+            for context in contexts:
+                metadata = metadata_for(batch, 1, context, device)
+                args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens,
+                        metadata.query_start_loc, (QK + ROPE) ** -0.5)
+
+                def call():
+                    return paged_mla_attention(*args, max_query_len=1, max_seq_len=context)
+
+                latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
+                times = {}
+                for config in (CONFIGS if tune else (tuple(default.values()),)):
+                    mla_ops.TUNING.update(zip(("target_block_m", "block_n", "num_warps"), config))
+                    times[config] = time_us(call, device)
+                mla_ops.TUNING.update(default)
+                us = times[tuple(default.values())] if tuple(default.values()) in times else min(times.values())
+                line = f"   {batch:4d} {context:7d} {us:9.1f} {latent_bytes / us / 1e3:6.0f} " \
+                       f"{100 * latent_bytes / us / 1e3 / (bandwidth / 1e9):6.1f}"
+                if tune:
+                    config, best = min(times.items(), key=lambda item: item[1])
+                    best_configs.setdefault(config, 0)
+                    best_configs[config] += 1
+                    line += f" {best:9.1f} {100 * latent_bytes / best / 1e3 / (bandwidth / 1e9):6.1f} {config}"
+                print(line)
+    if tune:
+        print(f"   best configuration counts: {best_configs}")
+    del cache
+
+
+def time_us(fn, device):
+    if device.type == "cuda":
+        return graph_time_us(fn, replays=10)
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1e6
+
+
+def absorbed_vs_decompressed(device, quick):
+    from mtp_ctrl.models.mla_attention import absorbed_mla_attention, decompressed_mla_attention
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads = 16
+    up = torch.nn.Linear(LATENT, heads * (QK + V), bias=False, device=device, dtype=dtype)
+    weight = up.weight.detach().view(heads, QK + V, LATENT)
+
+    def kv_up_proj(rows):
+        return up(rows), None
+
+    print(f"\n2. attention from the no-rope query, {heads} heads: absorbed (W_UK + kernel + W_UV) vs decompressed "
+          "(up-projection to K/V + the standard paged kernel); GPU us")
+    print(f"   {'B':>4} {'rows':>4} {'context':>7} {'absorbed':>9} {'decompr.':>9} {'faster':>10}")
+    shapes = [(1, 1, 1024), (8, 3, 1024)] if quick else \
+        [(1, 1, 2048), (1, 1, 8192), (32, 1, 2048), (32, 1, 8192), (32, 3, 8192), (128, 1, 8192),
+         (1, 16, 4096), (1, 64, 4096), (1, 256, 4096), (1, 1024, 4096), (4, 512, 2048)]
+    for batch, rows, context in shapes:
+        metadata = metadata_for(batch, rows, context, device)
+        cache = torch.empty(batch * math.ceil(context / BLOCK), BLOCK, LATENT + ROPE, dtype=dtype, device=device).normal_()
+        query_nope = torch.randn(batch * rows, heads, QK, dtype=dtype, device=device)
+        roped = torch.randn(batch * rows, heads, ROPE, dtype=dtype, device=device)
+        scale = (QK + ROPE) ** -0.5
+        with torch.no_grad():
+            absorbed = time_us(lambda: absorbed_mla_attention(query_nope, roped, cache, metadata, weight, scale), device)
+            decompressed_bytes = batch * context * heads * 2 * (QK + ROPE) * cache.element_size() * 2
+            if decompressed_bytes > 24e9:
+                decompressed = float("nan")
+            else:
+                decompressed = time_us(lambda: decompressed_mla_attention(query_nope, roped, cache, metadata,
+                                                                          kv_up_proj, V, scale), device)
+        faster = "absorbed" if not decompressed < absorbed else "decompr."
+        print(f"   {batch:4d} {rows:4d} {context:7d} {absorbed:9.1f} {decompressed:9.1f} {faster:>10}")
+        del cache
+
+
+def kv_bytes_table():
+    print("\n3. KV cache bytes per token and layer (bf16)")
+    latent = LatentKVCacheSpec(num_layers=1, latent_dim=LATENT + ROPE, dtype=torch.bfloat16).bytes_per_block(1)
+    for label, heads, head_dim in (("DeepSeek-V3 MHA, K and V 128 dims a head, 128 heads", 128, 128),
+                                   ("the same, 16 heads (a TP-8 shard)", 16, 128)):
+        standard = KVCacheSpec(num_layers=1, num_kv_heads=heads, head_dim=head_dim, dtype=torch.bfloat16).bytes_per_block(1)
+        print(f"   {label}: {standard} B vs MLA latent {latent} B ({standard / latent:.1f}x less)")
+    print(f"   61 layers (DeepSeek-V3) at 128k context: latent {61 * latent * 131072 / 2**30:.1f} GiB a request, "
+          f"standard {61 * 128 * 2 * 128 * 2 * 131072 / 2**30:.0f} GiB")
+
+
+def e2e(device, quick):
+    import torch.distributed as dist
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from bench_forward import init_single_process
+    from bench_moe import step_times
+    from mtp_ctrl.models import build_gpt_model
+
+    init_single_process(device)
+    on_gpu = device.type == "cuda"
+    shape = dict(E2E_SHAPE)
+    if quick:
+        shape.update(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, q_lora_rank=64,
+                     kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32)
+    config = MLATransformerConfig(
+        **shape, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
+        activation_func=F.silu, normalization="RMSNorm", qk_layernorm=True, rope_type="yarn",
+        rotary_scaling_factor=40.0, mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=4096,
+        use_cpu_initialization=not on_gpu, perform_initialization=not on_gpu,
+        params_dtype=torch.bfloat16 if on_gpu else torch.float32, bf16=on_gpu)
+    torch.manual_seed(0)
+    vocab = 2048 if quick else 32768
+    model = build_gpt_model(config, vocab_size=vocab, max_sequence_length=8192, use_transformer_engine=False)
+    model = model.to(device).eval()
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            tensor.fill_(1.0) if "norm" in name and name.endswith("weight") else tensor.normal_(0.0, 0.02, generator=generator)
+    total = sum(p.numel() for p in model.parameters())
+    print(f"\n4. decode steps, MLA GPT {total / 1e9:.2f} B parameters ({shape}); controller.step() wall, GPU kernel "
+          "time per step (profiler), tokens/s (random weights: one token a request and step)")
+    print(f"   {'B':>4} {'S':>2} {'wall ms':>8} {'GPU ms':>7} {'wall/GPU':>8} {'tok/s':>8} {'graphs':>6}")
+    for batch in ((1, 4) if quick else (1, 32)):
+        for S in (0, 2):
+            wall, gpu, _, used = step_times(model, batch, S, "triton", on_gpu, 3 if quick else 15, vocab)
+            print(f"   {batch:4d} {S:2d} {wall:8.2f} {gpu:7.2f} {wall / gpu:8.2f} {batch / wall * 1e3:8.0f} {str(used):>6}")
+    dist.destroy_process_group()
+
+
+def main(args):
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else 1e11
+    print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
+    if not args.e2e_only:
+        kernel_tables(device, bandwidth, args.quick, args.tune)
+        absorbed_vs_decompressed(device, args.quick)
+        kv_bytes_table()
+    if args.e2e or args.e2e_only:
+        e2e(device, args.quick)
+
+
+if __name__ == "__main__":
+    main(ARGS)

@@ -1,0 +1,343 @@
+"""Multi-latent attention (MLA, DeepSeek-V3 family) over a paged latent cache.
+
+The cache holds, per token, the normed compressed key-value latent (``C = kv_lora_rank``) and
+the shared roped rotary key (``R = qk_pos_emb_head_dim``): ``[num_blocks, block_size_tokens,
+C + R]``, one tensor per layer, instead of K and V per head.
+
+- :func:`rope_and_write_latent_cache`: ropes the rotary key and stores ``[latent | rope key]`` at
+  each row's slot (``-1``: no write), and ropes the queries' rotary part, in one launch.
+- :func:`paged_mla_attention`: the absorbed attention. Query head ``h`` arrives as
+  ``q_latent = q_nope W_UK[h]`` (``[C]``, the key up-projection folded into the query) and its
+  roped rotary part (``[R]``); its score against cached token ``n`` is
+  ``q_latent . latent_n + q_rope . rope_key_n``, and its output is the softmax-weighted sum of
+  the latents (``[C]``; the caller applies the value up-projection after). Every head of a
+  request reads the same cache rows, so one program takes many heads (and the ``1 + S`` rows of
+  a verify) at once and reads each cached byte once per program. Split-K over the context as in
+  :mod:`mtp_ctrl.triton_ops.paged_attn`, whose combine kernel merges the splits.
+
+Rows: request ``b`` owns rows ``query_start_loc[b] : query_start_loc[b + 1]``; row ``i`` of it
+sits at position ``seq_lens[b] - q_b + i`` and attends causally to the positions up to its own.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from mtp_ctrl.triton_ops import reference
+from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
+from mtp_ctrl.triton_ops.paged_attn import _combine_kv_splits_kernel
+
+MAX_LATENT_DIM = 1024
+MAX_ROPE_DIM = 256
+_MAX_KV_SPLITS = 32
+_MIN_TOKENS_PER_SPLIT = 64
+_INT32_MAX = 2**31 - 1
+# tile shape of the attention kernel: matrix rows (query rows x heads) per program, cached tokens
+# per tile, warps; the accumulator is [block_m, C] fp32 in registers, so C = 512 wants few rows
+TUNING = dict(target_block_m=32, block_n=32, num_warps=8)
+
+
+@triton.jit
+def _mla_rope_pairs(PTR, dims, half, mask):
+    """``(x[2j + f], x[2j + 1 - f], sign)`` for output dims ``dims`` of megatron's MLA rope,
+    where ``j = dims mod half`` and ``f = dims >= half``: ``out = a cos_j + sign b sin_j``."""
+    first = dims < half
+    pair = tl.where(first, dims, dims - half)
+    a = tl.load(PTR + 2 * pair + tl.where(first, 0, 1), mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(PTR + 2 * pair + tl.where(first, 1, 0), mask=mask, other=0.0).to(tl.float32)
+    return a, b, tl.where(first, -1.0, 1.0), pair
+
+
+@triton.jit
+def _rope_write_latent_kernel(
+    QUERY_ROPE_PTR, KV_LATENT_PTR, KEY_ROPE_PTR, LATENT_CACHE_PTR, SLOT_MAPPING_PTR, COS_PTR, SIN_PTR,
+    QUERY_OUT_PTR,
+    query_stride_t, query_stride_h, latent_stride_t, key_rope_stride_t,
+    cache_stride_block, cache_stride_token, cos_stride_t, sin_stride_t, out_stride_t, out_stride_h,
+    num_heads, latent_dim, rope_dim, block_size_tokens,
+    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """One program per row: rope + store its cache row, rope its query heads."""
+    row = tl.program_id(0).to(tl.int64)
+    half = rope_dim // 2
+    rdims = tl.arange(0, BLOCK_R)
+    rmask = rdims < rope_dim
+    slot = tl.load(SLOT_MAPPING_PTR + row).to(tl.int64)
+    a, b, sign, pair = _mla_rope_pairs(KEY_ROPE_PTR + row * key_rope_stride_t, rdims, half, rmask)
+    cos = tl.load(COS_PTR + row * cos_stride_t + pair, mask=rmask, other=0.0)
+    sin = tl.load(SIN_PTR + row * sin_stride_t + pair, mask=rmask, other=0.0)
+    cdims = tl.arange(0, BLOCK_C)
+    cmask = cdims < latent_dim
+    latent = tl.load(KV_LATENT_PTR + row * latent_stride_t + cdims, mask=cmask, other=0.0)
+    if slot >= 0:  # -1: a padding row, nothing is stored
+        dst = LATENT_CACHE_PTR + slot // block_size_tokens * cache_stride_block \
+            + slot % block_size_tokens * cache_stride_token
+        cache_dtype = LATENT_CACHE_PTR.dtype.element_ty
+        tl.store(dst + cdims, latent.to(cache_dtype), mask=cmask)
+        tl.store(dst + latent_dim + rdims, (a * cos + sign * b * sin).to(cache_dtype), mask=rmask)
+    heads = tl.arange(0, BLOCK_H)
+    qmask = (heads < num_heads)[:, None] & rmask[None, :]  # [BLOCK_H, BLOCK_R]
+    query_rows = QUERY_ROPE_PTR + row * query_stride_t + heads[:, None].to(tl.int64) * query_stride_h
+    first = (rdims < half)[None, :]
+    qa = tl.load(query_rows + (2 * pair + tl.where(rdims < half, 0, 1))[None, :], mask=qmask, other=0.0).to(tl.float32)
+    qb = tl.load(query_rows + (2 * pair + tl.where(rdims < half, 1, 0))[None, :], mask=qmask, other=0.0).to(tl.float32)
+    roped = qa * cos[None, :] + tl.where(first, -1.0, 1.0) * qb * sin[None, :]
+    out_rows = QUERY_OUT_PTR + row * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h
+    tl.store(out_rows + rdims[None, :], roped.to(QUERY_OUT_PTR.dtype.element_ty), mask=qmask)
+
+
+def rope_and_write_latent_cache(
+    query_rope: torch.Tensor,  # [T, H, R] float: each query head's rotary part, not yet roped
+    kv_latent: torch.Tensor,  # [T, C]: the normed compressed latent
+    key_rope: torch.Tensor,  # [T, R]: the shared rotary key, not yet roped
+    latent_cache: torch.Tensor,  # [num_blocks, block_size_tokens, C + R]
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * block_size_tokens + offset; -1 = no write
+    cos: torch.Tensor,  # [T, R / 2] fp32, cos of each row's angles (times megatron's mscale)
+    sin: torch.Tensor,  # [T, R / 2] fp32
+) -> torch.Tensor:  # [T, H, R] roped query, query_rope's dtype
+    """Store ``[kv_latent[t] | rope(key_rope[t])]`` at ``slot_mapping[t]`` of ``latent_cache``
+    and return the roped queries; megatron's MLA rope convention (``reference.mla_rope``).
+
+    Example, ``block_size_tokens = 4``, ``slot_mapping = [6, -1]``: row 0 goes to block 1,
+    offset 2; row 1 (padding) writes nothing, but its query is still roped.
+    """
+    check_tensor("query_rope", query_rope, dtypes=FLOAT_DTYPES, ndim=3)
+    num_tokens, num_heads, rope_dim = query_rope.shape
+    check_tensor("kv_latent", kv_latent, dtypes=FLOAT_DTYPES, ndim=2)
+    latent_dim = kv_latent.shape[1]
+    check_tensor("key_rope", key_rope, dtypes=FLOAT_DTYPES, shape=(num_tokens, rope_dim))
+    check_tensor("latent_cache", latent_cache, dtypes=FLOAT_DTYPES, shape=(None, None, latent_dim + rope_dim))
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,))
+    check_tensor("cos", cos, dtypes=(torch.float32,), shape=(num_tokens, rope_dim // 2))
+    check_tensor("sin", sin, dtypes=(torch.float32,), shape=(num_tokens, rope_dim // 2))
+    if kv_latent.shape[0] != num_tokens:
+        raise ValueError(f"kv_latent has {kv_latent.shape[0]} rows, query_rope {num_tokens}")
+    if rope_dim % 2 or not 2 <= rope_dim <= MAX_ROPE_DIM or latent_dim > MAX_LATENT_DIM:
+        raise ValueError(f"rope dim must be even in [2, {MAX_ROPE_DIM}] and the latent at most {MAX_LATENT_DIM}, "
+                         f"got {rope_dim} and {latent_dim}")
+    check_same_device(query_rope=query_rope, kv_latent=kv_latent, key_rope=key_rope, latent_cache=latent_cache,
+                      slot_mapping=slot_mapping, cos=cos, sin=sin)
+    for name, tensor in (("query_rope", query_rope), ("kv_latent", kv_latent), ("key_rope", key_rope),
+                         ("latent_cache", latent_cache), ("cos", cos), ("sin", sin)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if not use_triton(query_rope):
+        return reference.rope_and_write_latent_cache(query_rope, kv_latent, key_rope, latent_cache, slot_mapping,
+                                                     cos, sin)
+    roped = torch.empty_like(query_rope)  # [T, H, R]
+    if num_tokens == 0:
+        return roped
+    _rope_write_latent_kernel[(num_tokens,)](
+        query_rope, kv_latent, key_rope, latent_cache, slot_mapping, cos, sin, roped,
+        query_rope.stride(0), query_rope.stride(1), kv_latent.stride(0), key_rope.stride(0),
+        latent_cache.stride(0), latent_cache.stride(1), cos.stride(0), sin.stride(0), roped.stride(0), roped.stride(1),
+        num_heads, latent_dim, rope_dim, latent_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=triton.next_power_of_2(latent_dim),
+        BLOCK_R=triton.next_power_of_2(rope_dim),
+    )
+    return roped
+
+
+@triton.jit
+def _paged_mla_kernel(
+    QUERY_LATENT_PTR, QUERY_ROPE_PTR, CACHE_PTR, BLOCK_TABLE_PTR, SEQ_LENS_PTR, QUERY_START_LOC_PTR,
+    OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR,
+    qk_scale,  # softmax_scale * log2(e)
+    ql_stride_t, ql_stride_h, qr_stride_t, qr_stride_h, out_stride_t, out_stride_h,
+    cache_stride_block, cache_stride_token, block_table_stride_b,
+    num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
+    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, NUM_KV_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (query tile, request, head tile x split): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
+    flattened into ``BLOCK_M`` matrix rows, over one split of the request's context.
+
+    Example: H = 4, BLOCK_H = 4, BLOCK_Q = 2 (a 1 + S = 2 verify): matrix rows 0..7 are
+    (row 0, head 0..3), (row 1, head 0..3).
+    """
+    q_tile = tl.program_id(0)
+    request = tl.program_id(1)
+    head_tile = tl.program_id(2) // NUM_KV_SPLITS
+    split = tl.program_id(2) % NUM_KV_SPLITS
+    q_start = tl.load(QUERY_START_LOC_PTR + request)
+    q_len = tl.load(QUERY_START_LOC_PTR + request + 1) - q_start
+    if q_tile * BLOCK_Q < q_len:
+        m = tl.arange(0, BLOCK_M)
+        row_in_request = q_tile * BLOCK_Q + m // BLOCK_H  # [BLOCK_M]
+        heads = (head_tile * BLOCK_H + m % BLOCK_H).to(tl.int64)  # [BLOCK_M]
+        row_valid = (m < BLOCK_Q * BLOCK_H) & (row_in_request < q_len) & (heads < num_heads)
+        rows = (q_start + row_in_request).to(tl.int64)  # [BLOCK_M] packed query row
+        seq_len = tl.load(SEQ_LENS_PTR + request)
+        positions = seq_len - q_len + row_in_request  # [BLOCK_M]
+        cdims = tl.arange(0, BLOCK_C)
+        rdims = tl.arange(0, BLOCK_R)
+        cmask = cdims < latent_dim
+        rmask = rdims < rope_dim
+        q_latent = tl.load(QUERY_LATENT_PTR + rows[:, None] * ql_stride_t + heads[:, None] * ql_stride_h
+                           + cdims[None, :], mask=row_valid[:, None] & cmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_C]
+        q_rope = tl.load(QUERY_ROPE_PTR + rows[:, None] * qr_stride_t + heads[:, None] * qr_stride_h
+                         + rdims[None, :], mask=row_valid[:, None] & rmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+        tile_kv_end = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+        kv_lo = split * tokens_per_split
+        kv_hi = tl.minimum(kv_lo + tokens_per_split, tile_kv_end)
+        block_table_row = BLOCK_TABLE_PTR + request.to(tl.int64) * block_table_stride_b
+        running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+        for tile_start in range(kv_lo, kv_hi, BLOCK_N):
+            kv_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            kv_valid = kv_pos < kv_hi
+            block_ids = tl.load(block_table_row + kv_pos // block_size_tokens, mask=kv_valid, other=0).to(tl.int64)
+            token_rows = CACHE_PTR + block_ids * cache_stride_block + (kv_pos % block_size_tokens).to(tl.int64) \
+                * cache_stride_token  # [BLOCK_N]
+            latent = tl.load(token_rows[:, None] + cdims[None, :], mask=kv_valid[:, None] & cmask[None, :],
+                             other=0.0)  # [BLOCK_N, BLOCK_C]: the key's latent part and the value
+            rope_key = tl.load(token_rows[:, None] + latent_dim + rdims[None, :],
+                               mask=kv_valid[:, None] & rmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+            scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
+            scores = (scores + tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)) * qk_scale
+            visible = (kv_pos[None, :] <= positions[:, None]) & kv_valid[None, :]  # [BLOCK_M, BLOCK_N]
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp2(running_max - safe_max)
+            probs = tl.exp2(scores - safe_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision=DOT_PRECISION)
+            running_max = new_max
+        store_mask = row_valid[:, None] & cmask[None, :]
+        if NUM_KV_SPLITS == 1:
+            out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+            out_ptrs = OUTPUT_PTR + rows[:, None] * out_stride_t + heads[:, None] * out_stride_h + cdims[None, :]
+            tl.store(out_ptrs, out.to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
+        else:
+            # partials [NUM_KV_SPLITS, T, H] (+ [C]), paged_attn's combine layout with one kv head
+            stat_index = (split * num_tokens + rows) * num_heads + heads  # [BLOCK_M] int64
+            tl.store(PARTIAL_MAX_PTR + stat_index, running_max, mask=row_valid)
+            tl.store(PARTIAL_SUM_PTR + stat_index, running_sum, mask=row_valid)
+            tl.store(PARTIAL_ACC_PTR + stat_index[:, None] * latent_dim + cdims[None, :], acc, mask=store_mask)
+
+
+def _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
+                          softmax_scale, max_query_len, max_seq_len, num_kv_splits):
+    check_tensor("query_latent", query_latent, dtypes=FLOAT_DTYPES, ndim=3)
+    num_tokens, num_heads, latent_dim = query_latent.shape
+    check_tensor("query_rope", query_rope, dtypes=(query_latent.dtype,), shape=(num_tokens, num_heads, None))
+    rope_dim = query_rope.shape[2]
+    check_tensor("latent_cache", latent_cache, dtypes=(query_latent.dtype,), shape=(None, None, latent_dim + rope_dim))
+    if latent_cache.shape[1] < 1:
+        raise ValueError(f"latent_cache needs block_size_tokens >= 1 (dim 1), got shape {tuple(latent_cache.shape)}")
+    if not 1 <= latent_dim <= MAX_LATENT_DIM or not 1 <= rope_dim <= MAX_ROPE_DIM:
+        raise ValueError(f"latent dim must be in [1, {MAX_LATENT_DIM}] and rope dim in [1, {MAX_ROPE_DIM}], "
+                         f"got {latent_dim} and {rope_dim}")
+    check_tensor("block_table", block_table, dtypes=INDEX_DTYPES, ndim=2)
+    batch_size = block_table.shape[0]
+    if batch_size > 0 and block_table.shape[1] < 1:
+        raise ValueError(f"block_table needs at least one block column, got shape {tuple(block_table.shape)}")
+    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, shape=(batch_size,))
+    check_tensor("query_start_loc", query_start_loc, dtypes=INDEX_DTYPES, shape=(batch_size + 1,))
+    check_same_device(query_latent=query_latent, query_rope=query_rope, latent_cache=latent_cache,
+                      block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc)
+    for name, tensor in (("query_latent", query_latent), ("query_rope", query_rope), ("latent_cache", latent_cache)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+    if max_query_len is not None:
+        check_int("max_query_len", max_query_len, low=0)
+    if max_seq_len is not None:
+        check_int("max_seq_len", max_seq_len, low=0)
+    if num_kv_splits is not None:
+        check_int("num_kv_splits", num_kv_splits, low=1, high=_MAX_KV_SPLITS)
+
+
+def paged_mla_attention(
+    query_latent: torch.Tensor,  # [T, H, C] float: no-rope query times the key up-projection
+    query_rope: torch.Tensor,  # [T, H, R], same dtype: the roped rotary query
+    latent_cache: torch.Tensor,  # [num_blocks, block_size_tokens, C + R], same dtype
+    block_table: torch.Tensor,  # [B, max_blocks_per_request] int32
+    seq_lens: torch.Tensor,  # [B] int32, context length incl. this step's rows
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    softmax_scale: float,
+    *,
+    max_query_len: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    num_kv_splits: Optional[int] = None,
+) -> torch.Tensor:  # [T, H, C], query_latent's dtype: softmax-weighted latents
+    """Causal absorbed MLA attention of packed rows over the paged latent cache (module docstring).
+
+    Rows past ``query_start_loc[B]`` and rows of requests with no query rows are zeros.
+    ``max_query_len`` / ``max_seq_len`` bound the rows per request and the context (Python ints,
+    no host sync); ``num_kv_splits`` overrides the split-K count (default: from the SM count).
+    """
+    _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
+                          softmax_scale, max_query_len, max_seq_len, num_kv_splits)
+    if not use_triton(query_latent):
+        return reference.paged_mla_attention(query_latent, query_rope, latent_cache, block_table, seq_lens,
+                                             query_start_loc, softmax_scale, max_query_len=max_query_len,
+                                             max_seq_len=max_seq_len, num_kv_splits=num_kv_splits)
+    num_tokens, num_heads, latent_dim = query_latent.shape
+    rope_dim = query_rope.shape[2]
+    block_size_tokens, batch_size = latent_cache.shape[1], block_table.shape[0]
+    output = torch.zeros((num_tokens, num_heads, latent_dim), dtype=query_latent.dtype, device=query_latent.device)
+    query_rows_bound = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
+    if num_tokens == 0 or batch_size == 0 or query_rows_bound == 0:
+        return output
+    kv_token_bound = block_table.shape[1] * block_size_tokens if max_seq_len is None else max_seq_len
+    target_m = TUNING["target_block_m"]
+    block_h = min(triton.next_power_of_2(num_heads), max(16, target_m))
+    block_q = min(triton.next_power_of_2(query_rows_bound), max(1, target_m // block_h))
+    block_m = max(16, block_q * block_h)
+    block_n = TUNING["block_n"]
+    num_head_tiles = triton.cdiv(num_heads, block_h)
+    num_q_tiles = triton.cdiv(query_rows_bound, block_q)
+    if num_kv_splits is None:
+        num_kv_splits = 1
+        if query_latent.is_cuda:
+            wanted = triton.cdiv(2 * sm_count(query_latent.device), num_q_tiles * batch_size * num_head_tiles)
+            longest = max(1, triton.cdiv(kv_token_bound, max(_MIN_TOKENS_PER_SPLIT, block_n)))
+            num_kv_splits = max(1, min(wanted, longest, _MAX_KV_SPLITS))
+    if num_kv_splits == 1:
+        tokens_per_split = _INT32_MAX
+        partial_acc = partial_max = partial_sum = output  # unused by the kernel
+    else:
+        tokens_per_split = triton.cdiv(triton.cdiv(max(kv_token_bound, 1), num_kv_splits), block_n) * block_n
+        partial_acc = torch.empty((num_kv_splits, num_tokens, num_heads, latent_dim), dtype=torch.float32,
+                                  device=query_latent.device)
+        partial_max = torch.empty((num_kv_splits, num_tokens, num_heads), dtype=torch.float32, device=query_latent.device)
+        partial_sum = torch.empty_like(partial_max)
+    _paged_mla_kernel[(num_q_tiles, batch_size, num_head_tiles * num_kv_splits)](
+        query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
+        output, partial_acc, partial_max, partial_sum,
+        softmax_scale * math.log2(math.e),
+        query_latent.stride(0), query_latent.stride(1), query_rope.stride(0), query_rope.stride(1),
+        output.stride(0), output.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_table.stride(0),
+        num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
+        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_C=max(16, triton.next_power_of_2(latent_dim)), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+        NUM_HEAD_TILES=num_head_tiles, NUM_KV_SPLITS=num_kv_splits,
+        DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32",
+        num_warps=TUNING["num_warps"] if query_latent.is_cuda else 4,
+    )
+    if num_kv_splits > 1:
+        # paged_attn's combine reads our partial layout ([splits, T, H] by query head); its "kv head"
+        # groups are slices of our heads, small enough that a [splits, rows, dims] tile fits registers
+        block_s = triton.next_power_of_2(num_kv_splits)
+        combine_group = math.gcd(num_heads, max(1, 256 // block_s))  # a power of two dividing H
+        combine_q = max(1, min(triton.next_power_of_2(query_rows_bound), 64 // combine_group))
+        combine_m = triton.next_power_of_2(combine_q * combine_group)
+        block_c = triton.next_power_of_2(latent_dim)
+        block_dc = max(min(16, block_c), min(block_c, 1024 // (block_s * combine_m)))
+        num_d_chunks = triton.cdiv(block_c, block_dc)
+        grid = (triton.cdiv(query_rows_bound, combine_q), batch_size, num_heads // combine_group * num_d_chunks)
+        _combine_kv_splits_kernel[grid](
+            partial_acc, partial_max, partial_sum, query_start_loc, output, output.stride(0), output.stride(1),
+            num_tokens, num_heads, latent_dim, combine_group, num_kv_splits,
+            BLOCK_Q=combine_q, BLOCK_M=combine_m, BLOCK_S=block_s, BLOCK_DC=block_dc, NUM_D_CHUNKS=num_d_chunks,
+        )
+    return output

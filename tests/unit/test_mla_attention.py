@@ -1,0 +1,95 @@
+"""MLA ops: Triton kernels (interpreter) == torch twins == dense SDPA / megatron's MLA rope."""
+
+import pytest
+import torch
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
+from tests.unit.mla_cases import make_mla_case
+from tests.unit.paged_attention_cases import random_mixed_lengths
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _check(case, **hints):
+    expected = case.expected()
+    torch.testing.assert_close(reference.paged_mla_attention(*case.op_args(), **hints), expected, **TOL)
+    torch.testing.assert_close(paged_mla_attention(*case.op_args(), **hints), expected, **TOL)
+
+
+def test_verify_rows_mid_block_ends_and_padding():
+    # 1 + S = 3 verify rows, a plain decode, a padding request, a prefill chunk; contexts end mid-block
+    case = make_mla_case([3, 1, 0, 5], [13, 6, 0, 9], num_heads=4, latent_dim=32, rope_dim=16, block_size_tokens=4,
+                         padding_rows=3, seed=1)
+    _check(case, max_query_len=5, max_seq_len=13)
+
+
+@pytest.mark.parametrize("num_kv_splits", [2, 5])
+def test_split_kv(num_kv_splits):
+    case = make_mla_case([3, 1, 2], [70, 3, 40], num_heads=8, latent_dim=24, rope_dim=8, block_size_tokens=16,
+                         seed=num_kv_splits)
+    out = paged_mla_attention(*case.op_args(), max_query_len=3, max_seq_len=256, num_kv_splits=num_kv_splits)
+    torch.testing.assert_close(out, case.expected(), **TOL)
+
+
+def test_many_heads_span_head_tiles_and_combine_groups():
+    case = make_mla_case([3, 2], [9, 17], num_heads=40, latent_dim=16, rope_dim=16, block_size_tokens=8, seed=4)
+    _check(case)
+    # 8 splits: the combine merges heads in groups of gcd(40, 256 / 8) = 8
+    out = paged_mla_attention(*case.op_args(), max_query_len=3, max_seq_len=17, num_kv_splits=8)
+    torch.testing.assert_close(out, case.expected(), **TOL)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_batches(seed):
+    generator = torch.Generator().manual_seed(seed)
+    q_lens, seq_lens = random_mixed_lengths(generator, num_requests=4, max_context=30)
+    case = make_mla_case(q_lens, seq_lens, num_heads=3, latent_dim=16, rope_dim=8, block_size_tokens=4,
+                         padding_rows=seed, seed=seed)
+    _check(case)
+
+
+def test_empty_batch_and_no_rows():
+    case = make_mla_case([], [], num_heads=2, latent_dim=16, rope_dim=8, block_size_tokens=4)
+    assert paged_mla_attention(*case.op_args()).shape == (0, 2, 16)
+    case = make_mla_case([0, 0], [0, 0], num_heads=2, latent_dim=16, rope_dim=8, block_size_tokens=4, padding_rows=2)
+    assert torch.count_nonzero(paged_mla_attention(*case.op_args())) == 0
+
+
+def test_bad_arguments_name_themselves():
+    case = make_mla_case([1], [3], num_heads=2, latent_dim=16, rope_dim=8, block_size_tokens=4)
+    args = list(case.op_args())
+    with pytest.raises(ValueError, match="latent_cache"):
+        paged_mla_attention(args[0], args[1], args[2][..., :-1], *args[3:])
+    with pytest.raises(ValueError, match="softmax_scale"):
+        paged_mla_attention(*args[:6], -1.0)
+
+
+def _megatron_mla_rope(rows, cos, sin):  # rows [T, H, R]; megatron's own rotary on [s, b=1, H, R]
+    freqs = torch.atan2(sin, cos)  # [T, R / 2]: the angles (mscale 1)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [T, 1, 1, R]
+    return _apply_rotary_pos_emb_bshd(rows[:, None], emb, multi_latent_attention=True)[:, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_write_latent_cache(dtype):
+    generator = torch.Generator().manual_seed(0)
+    num_tokens, heads, latent_dim, rope_dim, block_size = 5, 3, 20, 8, 4
+    query_rope = torch.randn(num_tokens, heads, rope_dim, generator=generator).to(dtype)
+    kv_latent = torch.randn(num_tokens, latent_dim, generator=generator).to(dtype)
+    key_rope = torch.randn(num_tokens, rope_dim, generator=generator).to(dtype)
+    angles = torch.rand(num_tokens, rope_dim // 2, generator=generator) * 3
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    slot_mapping = torch.tensor([6, -1, 0, 11, 3])
+    caches = [torch.zeros(3, block_size, latent_dim + rope_dim, dtype=dtype) for _ in range(2)]
+    roped_ref = reference.rope_and_write_latent_cache(query_rope, kv_latent, key_rope, caches[0], slot_mapping, cos, sin)
+    roped = rope_and_write_latent_cache(query_rope, kv_latent, key_rope, caches[1], slot_mapping, cos, sin)
+    tol = TOL if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(roped, roped_ref, **tol)
+    torch.testing.assert_close(caches[1], caches[0], **tol)
+    torch.testing.assert_close(roped_ref.float(), _megatron_mla_rope(query_rope.float(), cos, sin), **tol)
+    flat = caches[0].view(-1, latent_dim + rope_dim)
+    torch.testing.assert_close(flat[6, :latent_dim], kv_latent[0])
+    torch.testing.assert_close(flat[6, latent_dim:].float(),
+                               _megatron_mla_rope(key_rope[:, None].float(), cos, sin)[0, 0], **tol)
+    assert torch.count_nonzero(flat[[1, 2, 4, 5, 7, 8, 9, 10]]) == 0  # only the four real slots were written
