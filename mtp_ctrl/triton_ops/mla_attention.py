@@ -27,13 +27,12 @@ import triton
 import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
-from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
-from mtp_ctrl.triton_ops.paged_attn import _combine_kv_splits_kernel
+from mtp_ctrl.triton_ops.paged_attn import _MAX_KV_SPLITS, _combine_kv_splits_kernel, check_attention_scalars
 
 MAX_LATENT_DIM = 1024
 MAX_ROPE_DIM = 256
-_MAX_KV_SPLITS = 32
 _MIN_TOKENS_PER_SPLIT = 64
 _INT32_MAX = 2**31 - 1
 # tile shape of the attention kernel: matrix rows (query rows x heads) per program, cached tokens
@@ -246,14 +245,7 @@ def _check_attention_args(query_latent, query_rope, latent_cache, block_table, s
     for name, tensor in (("query_latent", query_latent), ("query_rope", query_rope), ("latent_cache", latent_cache)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
-    if max_query_len is not None:
-        check_int("max_query_len", max_query_len, low=0)
-    if max_seq_len is not None:
-        check_int("max_seq_len", max_seq_len, low=0)
-    if num_kv_splits is not None:
-        check_int("num_kv_splits", num_kv_splits, low=1, high=_MAX_KV_SPLITS)
+    check_attention_scalars(softmax_scale, max_query_len, max_seq_len, num_kv_splits)
 
 
 def paged_mla_attention(

@@ -226,6 +226,18 @@ def _combine_kv_splits_kernel(
                  mask=row_valid[:, None] & dim_valid[None, :])
 
 
+def check_attention_scalars(softmax_scale, max_query_len, max_seq_len, num_kv_splits) -> None:
+    """The scalar arguments of the paged attention ops (standard and MLA): metadata only."""
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+    if max_query_len is not None:
+        check_int("max_query_len", max_query_len, low=0)
+    if max_seq_len is not None:
+        check_int("max_seq_len", max_seq_len, low=0)
+    if num_kv_splits is not None:
+        check_int("num_kv_splits", num_kv_splits, low=1, high=_MAX_KV_SPLITS)
+
+
 def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, softmax_scale,
                 max_query_len, max_seq_len, num_kv_splits):
     check_tensor("query", query, dtypes=FLOAT_DTYPES, ndim=3)
@@ -252,14 +264,7 @@ def _check_args(query, key_cache, value_cache, block_table, seq_lens, query_star
     for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
-    if max_query_len is not None:
-        check_int("max_query_len", max_query_len, low=0)
-    if max_seq_len is not None:
-        check_int("max_seq_len", max_seq_len, low=0)
-    if num_kv_splits is not None:
-        check_int("num_kv_splits", num_kv_splits, low=1, high=_MAX_KV_SPLITS)
+    check_attention_scalars(softmax_scale, max_query_len, max_seq_len, num_kv_splits)
 
 
 def _num_warps(device, num_programs):
