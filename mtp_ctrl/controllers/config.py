@@ -101,6 +101,13 @@ class InferenceConfig:
     mamba_kernels: the Mamba mixers' conv / scan / decode-row ops are the Triton kernels (True)
         or their torch twins (False); None (default): each mixer's own choice, kernels on CUDA,
         twins elsewhere.
+    prefix_caching: reuse the KV of full blocks a new request's prompt shares with earlier
+        prompts (a chained hash of the tokens; reference-counted blocks, least recently used
+        evicted first when the pool needs room). Output is identical either way. Requests then
+        prefill only the rest of their prompt. Hybrid (Mamba) models and proposers whose state
+        cannot be reused (``Proposer.prefix_cache_lookahead`` None: EAGLE, parallel drafting,
+        ``mtp_attention="single_position"``) take no hit. Per request: ``add_request(...,
+        prefix_caching=False)``.
     tp_check_timeout_s: under tensor parallelism every ``step()`` first checks that all ranks
         build the same step (``tp_lockstep.py``); a rank that gets no answer within this many
         seconds raises instead of waiting for the process group's timeout. Allow for the slowest
@@ -125,6 +132,7 @@ class InferenceConfig:
     fused_rope: bool = True
     fused_glue: Optional[bool] = None
     mamba_kernels: Optional[bool] = None
+    prefix_caching: bool = False
 
     def __post_init__(self):
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -160,6 +168,8 @@ class InferenceConfig:
         for name in ("fused_glue", "mamba_kernels"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool or None, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(self.prefix_caching).__name__}")
         if not isinstance(self.overlap_scheduling, bool):
             raise TypeError(f"overlap_scheduling must be a bool, got {type(self.overlap_scheduling).__name__}")
         _require_int("finished_results_kept", self.finished_results_kept, 0)

@@ -92,7 +92,13 @@ class TextGenerationController:
         if S > 0:
             self.proposer.bind(DraftContext(self.shape, self.runner, self.sample_rows, self.context.table,
                                             self.context.kv_caches, self.context.num_cache_blocks, rejection,
-                                            finish_steps=self._sync, request_result=self.result))
+                                            finish_steps=self._sync, request_result=self.result,
+                                            prefix_caching=config.prefix_caching))
+        if config.prefix_caching:  # the proposer says how its state depends on a prefix (None: no reuse)
+            lookahead = self.proposer.prefix_cache_lookahead() if S > 0 else 0
+            if lookahead is not None:
+                salt = f"{type(self.proposer).__qualname__ if S else ''}:S={S}:{config.mtp_attention}".encode()
+                self.context.enable_prefix_caching(lookahead, salt)
         self._launcher = StepLauncher(self.context, self.runner, self.proposer, self.sample_rows,
                                       RejectionAcceptance(self.context.table, self.proposer) if rejection else None)
         # with moe_backend='megatron' an MoE model's steps run eagerly: megatron's expert dispatch syncs
@@ -100,6 +106,10 @@ class TextGenerationController:
             self.runner.cuda_graph_capturable
         self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
         self.metrics = GenerationMetrics(S)
+        pool = self.context.allocator
+        self.metrics.watch_prefix_cache(lambda: (self.context.prefix_cache.queried_tokens,
+                                                 self.context.prefix_cache.hit_tokens, pool.num_evictions,
+                                                 pool.num_cached_blocks))
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
@@ -206,10 +216,16 @@ class TextGenerationController:
     # ----- requests ------------------------------------------------------------------------
 
     def add_request(self, prompt_tokens: Union[Sequence[int], torch.Tensor],
-                    sampling_params: Optional[SamplingParams] = None) -> int:
-        """Queue a request; it joins the running batch as soon as a row is free. Returns its id."""
+                    sampling_params: Optional[SamplingParams] = None, *, prefix_caching: bool = True) -> int:
+        """Queue a request; it joins the running batch as soon as a row is free. Returns its id.
+        ``prefix_caching=False``: it neither reuses nor shares cached prompt blocks (it has no
+        effect unless ``InferenceConfig(prefix_caching=True)``)."""
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
         prompt, params = self._check_request(prompt_tokens, sampling_params)
-        return self._queue_request(prompt, params)
+        request_id = self._queue_request(prompt, params)
+        self._records[request_id].use_prefix_cache = prefix_caching
+        return request_id
 
     def _check_request(self, prompt_tokens, sampling_params) -> Tuple[List[int], SamplingParams]:
         """Validate one request without touching any state; returns (prompt, params)."""
@@ -284,7 +300,7 @@ class TextGenerationController:
             record = self._records[self._scheduler.next_waiting()]
             # the prompt was checked by check_prompt: as an int64 array the context checks only its dtype
             self.context.add_request(record.request_id, record.prefill_tokens(),
-                                     RequestSampling.row_values(record.params, record.seed))
+                                     RequestSampling.row_values(record.params, record.seed), record.use_prefix_cache)
             self._scheduler.take_next_waiting()  # only once the context holds it
             record.attach(self._outputs, self.context.table)  # the row owns output and counters now
 

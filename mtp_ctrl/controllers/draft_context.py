@@ -39,12 +39,14 @@ class DraftContext:
 
     def __init__(self, shape: EngineShape, runner: PagedGPTRunner, sampler: Sampler, table: RequestTable,
                  target_kv_caches: List[Tuple[torch.Tensor, torch.Tensor]], num_kv_blocks: int, rejection: bool,
-                 finish_steps: Callable[[], None], request_result: Callable[[int], object]):
+                 finish_steps: Callable[[], None], request_result: Callable[[int], object],
+                 prefix_caching: bool = False):
         self.shape = shape
         self.runner = runner
         self.target_kv_caches = target_kv_caches
         self.num_kv_blocks = num_kv_blocks
         self.rejection = rejection
+        self.prefix_caching = prefix_caching  # requests may start from cached prompt blocks (KV length > 0)
         self._sampler = sampler
         self._table = table
         self._finish_steps = finish_steps
@@ -62,11 +64,13 @@ class DraftContext:
         return self._sampler(logits, table_rows, positions)
 
     def add_device_rows(self, name: str, row_shape: Tuple[int, ...], dtype: torch.dtype,
-                        fill: float = 0) -> torch.Tensor:
+                        fill: float = 0, kv_start: bool = False) -> torch.Tensor:
         """A ``[R + 1, *row_shape]`` device buffer of the proposer's own: row ``r`` belongs to the
         request at table row ``r`` (``DraftBatch.write_rows``) and moves with it; the last row is
-        the scratch row padding requests write. ``name`` must be unique."""
-        self._table.add_device_rows(name, row_shape, dtype, fill=fill)
+        the scratch row padding requests write. ``name`` must be unique. ``kv_start`` (scalar
+        rows): a joining request's row is set to its first KV length (0, or the cached prompt
+        prefix it starts with under prefix caching)."""
+        self._table.add_device_rows(name, row_shape, dtype, fill=fill, kv_start=kv_start)
         return self._table.device_rows_with_scratch(name)
 
     def allocate_kv_cache(self, num_kv_heads: int, head_dim: int, extra_blocks: int = 0,

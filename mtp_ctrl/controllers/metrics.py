@@ -2,7 +2,7 @@
 
 import collections
 import time
-from typing import Any, Deque, Dict, List, Sequence
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -20,6 +20,7 @@ class GenerationMetrics:
 
     def __init__(self, num_speculative_tokens: int):
         self.drafted_per_depth = [0] * num_speculative_tokens  # its length is S (the shape's; no copy kept)
+        self._prefix_source: Optional[Callable[[], Tuple[int, ...]]] = None  # watch_prefix_cache
         self.reset()
 
     @property
@@ -38,7 +39,18 @@ class GenerationMetrics:
         self.gpu_steps = 0
         self.gpu_seconds = 0.0
         self.gpu_step_seconds: Deque[float] = collections.deque(maxlen=4096)  # the latest steps' GPU times
+        self._prefix_base = self._prefix_totals()  # the prefix cache's counters at the reset
         self._started = time.perf_counter()
+
+    def watch_prefix_cache(self, totals: Callable[[], Tuple[int, int, int, int]]) -> None:
+        """The prefix cache's counters, read when asked (:meth:`as_dict`): prefill tokens looked
+        up, found cached, blocks evicted (totals), and blocks cached now."""
+        self._prefix_source = totals
+        self._prefix_base = self._prefix_totals()
+
+    def _prefix_totals(self) -> Tuple[int, int, int, int]:
+        source = self._prefix_source
+        return (0, 0, 0, 0) if source is None else tuple(int(value) for value in source())
 
     def record_acceptance(self, accepted_counts: Sequence[int]) -> None:
         """One entry per decode request of a step: its accepted drafts (ints or an int array)."""
@@ -94,9 +106,15 @@ class GenerationMetrics:
         time included), ``num_speculative_tokens``, ``verify_steps``, ``mean_accepted_length``,
         ``acceptance_per_depth``, ``drafted_per_depth``, ``accepted_per_depth``, and
         ``step_time``: ``{"steps", "step_seconds", "mean_step_ms", "gpu_steps", "gpu_seconds",
-        "mean_gpu_ms"}`` (the GPU fields are 0 off CUDA; ``mean_gpu_ms`` is None then).
+        "mean_gpu_ms"}`` (the GPU fields are 0 off CUDA; ``mean_gpu_ms`` is None then), and
+        ``prefix_cache``: ``{"hit_rate"`` (prefill tokens found cached / looked up), ``"hit_tokens"``,
+        ``"queried_tokens"``, ``"cached_blocks"`` (in the pool now),
+        ``"evictions"}`` (all 0 with ``prefix_caching`` off).
         """
         elapsed = time.perf_counter() - self._started
+        totals = self._prefix_totals()
+        queried, hit, evictions = (total - base for total, base in zip(totals[:3], self._prefix_base[:3]))
+        cached_blocks = totals[3]
         return {
             "tokens_per_second": self.tokens_per_second(),
             "emitted_tokens": int(self.emitted_tokens),
@@ -114,5 +132,12 @@ class GenerationMetrics:
                 "gpu_steps": int(self.gpu_steps),
                 "gpu_seconds": float(self.gpu_seconds),
                 "mean_gpu_ms": self.gpu_seconds / self.gpu_steps * 1e3 if self.gpu_steps else None,
+            },
+            "prefix_cache": {
+                "hit_rate": hit / queried if queried else 0.0,
+                "hit_tokens": hit,
+                "queried_tokens": queried,
+                "cached_blocks": cached_blocks,
+                "evictions": evictions,
             },
         }

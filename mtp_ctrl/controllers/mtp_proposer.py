@@ -21,6 +21,11 @@ comes from a small per-request ring, 10 and 11 from this step's rows; depth 0 re
 mtp_attention="single_position": each depth attends to its current row only (Megatron-LM's
 inference today); no window, one row per request and depth.
 
+Prefix caching (``prefix_cache_lookahead``, paged mode only): the depths' caches live in the
+target's blocks, and a depth's entry at position ``i`` embeds ``t_{i+k+1}``, so a cached block's
+key covers ``S`` tokens past it. A request that starts from ``H`` cached positions starts its
+window at ``w = H`` and never moves it below ``H`` (the entries there are final and shared).
+
 Every index comes from device tensors with shapes fixed by the step's grid and token count (a
 decode request gets ``2S`` window rows, the most a decode window spans; a prefill chunk of ``q``
 rows at most ``q + S``), so any padded step, with or without prefill chunks, can be captured in
@@ -63,8 +68,16 @@ class MTPProposer(Proposer):
         # decoder hidden of the last S accepted positions (position p at p % S); window start w
         self._token_history = draft_context.add_device_rows("mtp_token_history", (self._history_len,), torch.int64)
         self._hidden_ring = draft_context.add_device_rows("mtp_hidden_ring", (S, runner.hidden_size), shape.kv_dtype)
-        self._window_start = draft_context.add_device_rows("mtp_window_start", (), torch.int64)
+        self._window_start = draft_context.add_device_rows("mtp_window_start", (), torch.int64, kv_start=True)
+        # [R + 1] int64: the first position the window may rewrite (a cached prefix's end, else 0)
+        self._window_floor = draft_context.add_device_rows("mtp_window_floor", (), torch.int64, kv_start=True) \
+            if draft_context.prefix_caching and self.mode == "paged" else None
         self._draft_probs = draft_context.draft_probabilities("mtp_draft_probs")  # q (rejection acceptance only)
+
+    def prefix_cache_lookahead(self) -> Optional[int]:
+        """Paged depths: S tokens past a block (see the module docstring); single-position mode
+        writes slot 0 of a request's first block, which may be shared: no reuse."""
+        return self.draft_context.shape.num_speculative_tokens if self.mode == "paged" else None
 
     def draft_probs(self) -> Optional[torch.Tensor]:
         return None if self._draft_probs is None else self._draft_probs.rows
@@ -102,6 +115,8 @@ class MTPProposer(Proposer):
         mtp_advance_window(batch.first_positions, ends, batch.write_rows, batch.samples,
                            batch.step.attention.query_start_loc[: num_requests + 1], batch.hidden,
                            self._window_start, self._hidden_ring, S)
+        if self._window_floor is not None:  # never below a cached prefix (stays in place: no allocation)
+            torch.maximum(self._window_start, self._window_floor, out=self._window_start)
         return drafts
 
     def _window_bounds(self, batch: DraftBatch) -> Tuple[int, int]:

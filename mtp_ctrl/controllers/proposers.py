@@ -80,6 +80,15 @@ class Proposer(abc.ABC):
         controller's ``sample_rows`` does)."""
         return None
 
+    def prefix_cache_lookahead(self) -> Optional[int]:
+        """Whether a request may start from cached KV blocks of a shared prompt prefix
+        (``InferenceConfig(prefix_caching=True)``), and how: the number of tokens past a block
+        that this proposer's state at the block's positions depends on (its own caches must live
+        in the target's blocks, and device rows that depend on the request's first KV length are
+        made with ``DraftContext.add_device_rows(kv_start=True)``). None (default): its state
+        cannot be reused, so no request takes a hit (every prompt is computed in full)."""
+        return None
+
     def forget(self, request_id: int) -> None:
         """The request left the running batch (finished or evicted): drop host state kept for it."""
 

@@ -48,6 +48,7 @@ class Request:
     seed: int  # the request's sampling seed (its params' seed, or one drawn at admission)
     finish_reason: Optional[FinishReason] = None
     preemptions: int = 0  # times it was evicted for KV space and recomputed
+    use_prefix_cache: bool = True  # may reuse and share cached prompt blocks (InferenceConfig.prefix_caching)
     _saved: Tuple[List[int], int, int] = dataclasses.field(default_factory=lambda: ([], 0, 0), repr=False)
     _source: Optional[Tuple["OutputRows", "RequestTable"]] = dataclasses.field(default=None, repr=False)
 

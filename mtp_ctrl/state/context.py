@@ -7,7 +7,8 @@ budget, the worst-case block reserve): table moves, block reservation and stagin
 
 Life cycle of a request::
 
-    add_request    -> PREFILL: a table row, a Mamba slot, no blocks
+    add_request    -> PREFILL: a table row, a Mamba slot, no blocks (with prefix caching: the
+                      cached full blocks its prompt starts with, see ``state/prefix_cache.py``)
     build_step     -> runs prefill chunks; after its final chunk the next build_step makes it
                       DECODE (it then runs 1 + S rows per step); too few free blocks -> PAUSED
                       (state intact), resumed by a later build_step once blocks are free
@@ -50,6 +51,7 @@ from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
 from mtp_ctrl.state.kv_cache import AnyKVCacheSpec, KVCacheSpec, LatentKVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec, MambaStateSlots
+from mtp_ctrl.state.prefix_cache import PrefixCache
 from mtp_ctrl.state.request_table import RequestTable, RowGroup
 from mtp_ctrl.state.scheduler import Scheduler
 from mtp_ctrl.state.step_metadata import StepBuffers, StepMetadata
@@ -127,6 +129,18 @@ class DynamicInferenceContext:
         self._prefill_tokens: Dict[int, np.ndarray] = {}
         self._prompts_done: Dict[int, None] = {}  # ran their final chunk; become DECODE at the next build
         self._steps_in_flight: List[StepMetadata] = []  # built, not yet committed (oldest first); runs count num_steps
+        self.prefix_cache = PrefixCache(self.allocator, lookahead=None)  # off until enable_prefix_caching
+
+    def enable_prefix_caching(self, lookahead: int, salt: bytes = b"") -> bool:
+        """Reuse full KV blocks of prompts (see ``state/prefix_cache.py``): ``lookahead`` tokens past
+        a block its content depends on (0 for the decoder alone; the proposer's, e.g. S for paged
+        MTP depths). Hybrid models (Mamba state slots) opt out: their recurrent state at a block
+        boundary is not kept, so they take no hit. Returns whether caching is on. Only before the
+        first request."""
+        if self.table.num_live or self.prefix_cache.queried_tokens:
+            raise RuntimeError("enable_prefix_caching: requests have joined already")
+        self.prefix_cache = PrefixCache(self.allocator, None if self.mamba is not None else lookahead, salt)
+        return self.prefix_cache.enabled
 
     def blocks_for(self, token_count) -> int:
         """Blocks that hold ``token_count`` tokens (int or array); the worst-case reserve of a
@@ -148,9 +162,12 @@ class DynamicInferenceContext:
     def __contains__(self, request_id: int) -> bool:
         return request_id in self.table
 
-    def add_request(self, request_id: int, prompt_tokens: Tokens, row_values: Optional[Dict[str, float]] = None) -> None:
+    def add_request(self, request_id: int, prompt_tokens: Tokens, row_values: Optional[Dict[str, float]] = None,
+                    use_prefix_cache: bool = True) -> None:
         """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence).
         ``row_values``: the first values of the table's ``set_on_insert`` rows (``table.insert``).
+        With prefix caching on (and ``use_prefix_cache``), it starts with the cached blocks its
+        prompt begins with and prefills only the rest.
 
         Allowed while a step is in flight (see the module docstring): the new row is the end of
         the prefill rows (with requests paused, the first paused row moves to the end to make
@@ -163,8 +180,11 @@ class DynamicInferenceContext:
         prompt = _as_prompt(prompt_tokens, self.shape.max_model_len)
         if self.num_free_rows == 0:
             raise RuntimeError(f"max_requests ({self.table.shape.max_requests}) requests are live; finish one first")
+        if not isinstance(use_prefix_cache, bool):
+            raise TypeError(f"use_prefix_cache must be a bool, got {type(use_prefix_cache).__name__}")
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
-        row = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values)
+        cached_block_ids = self.prefix_cache.attach(request_id, prompt, use_prefix_cache)
+        row = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values, cached_block_ids)
         self._prefill_token_counts[row] = prompt.shape[0]
         self._prefill_tokens[request_id] = prompt
         self.scheduler.admitted(request_id)
@@ -188,6 +208,7 @@ class DynamicInferenceContext:
             if self.mamba is not None:
                 self.mamba.release_slot(int(host.mamba_slot_ids[row]))
             del self._prefill_tokens[request_id]
+            self.prefix_cache.forget(request_id)
             self.scheduler.released(request_id)
             self._prompts_done.pop(request_id, None)
         self.table.remove(request_ids)
@@ -357,6 +378,7 @@ class DynamicInferenceContext:
         finishes every request they held. Block writes not yet sent are dropped too."""
         self._steps_in_flight.clear()
         self._block_writes = []
+        self.allocator.drop_cached()  # blocks they were writing may be registered: trust none
 
     # ----- scheduling helpers ------------------------------------------------------------
 
@@ -463,6 +485,10 @@ class DynamicInferenceContext:
         known = host.known_lengths[rows].copy()
         self._reserve(start, self.blocks_for(known + chunk_lengths))  # one allocation for every chunk
         host.known_lengths[rows] = known + chunk_lengths  # exact: a prefill keeps every row
+        if self.prefix_cache.enabled:  # blocks this step completes: cached for requests joining after it
+            for row in range(rows.start, rows.stop):
+                self.prefix_cache.register_written(int(host.request_ids[row]), host.block_ids[row],
+                                                   int(host.known_lengths[row]))
         return [self._prefill_tokens[request_id][length : length + chunk_length]
                 for request_id, length, chunk_length in zip(host.request_ids[rows].tolist(), known.tolist(),  # host-ok: numpy
                                                             lengths)]

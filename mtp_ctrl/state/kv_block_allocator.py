@@ -4,8 +4,17 @@ The allocator only counts blocks. It knows nothing of requests, tensors of the K
 context; a block id ``b`` names rows ``b * block_size_tokens ... (b + 1) * block_size_tokens - 1``
 of every layer's cache, and whoever holds the id decides what is written there.
 
-The free list lives on the host (a Python list used as a stack) with one "allocated" flag per
+The free list lives on the host (a Python list used as a stack) with one reference count per
 block, so ``allocate`` and ``release`` cost O(count) and never touch the GPU.
+
+Prefix caching (content-addressed blocks): the holder of a block whose content is final may
+:meth:`register` it under a key (a chained hash of the tokens it holds, see
+:mod:`mtp_ctrl.state.prefix_cache`). Another holder then finds it (:meth:`lookup`) and takes a
+reference (:meth:`retain`); ``release`` drops one reference. A registered block nobody holds stays
+cached (its content intact) in least-recently-released order and counts as free: ``allocate``
+takes never-cached blocks first, then evicts the least recently released cached ones. A block is
+never handed out, evicted or re-registered while referenced, so a cached block's content never
+changes while it is cached.
 
 Example::
 
@@ -14,9 +23,14 @@ Example::
     pool.allocate(2)            # KVCacheFullError: 1 free, pool unchanged
     pool.release(a[:2])         # 3 free
     pool.release([0])           # ValueError: block 0 is not allocated (double free)
+    pool.register(2, b"k")      # block 2's content is final: cached under b"k"
+    pool.release([2])           # 4 free, 1 of them cached
+    pool.lookup([b"k", b"x"])   # [2]: the longest cached run of keys
+    pool.retain([2])            # referenced again: 3 free
 """
 
-from typing import Sequence, Union
+import collections
+from typing import Dict, Hashable, List, Sequence, Union
 
 import torch
 
@@ -38,7 +52,12 @@ class KVBlockAllocator:
         self.device = torch.device(device)  # where allocate() puts the ids it returns
         # Popped from the end, so block 0 is handed out first.
         self._free_ids = list(range(num_blocks - 1, -1, -1))
-        self._is_allocated = bytearray(num_blocks)  # [num_blocks], 1 = held by someone
+        self._reference_counts = [0] * num_blocks  # [num_blocks] holders of each block
+        self._block_of_key: Dict[Hashable, int] = {}  # registered key -> block id
+        self._key_of_block: Dict[int, Hashable] = {}  # registered block id -> key
+        # registered blocks nobody holds, least recently released first (an ordered set)
+        self._evictable: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+        self.num_evictions = 0  # cached blocks dropped to hand their id out again
 
     @classmethod
     def from_memory_budget(cls, memory_bytes: int, bytes_per_block: int, block_size_tokens: int,
@@ -57,11 +76,17 @@ class KVBlockAllocator:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_ids)
+        """Blocks ``allocate`` can hand out: never-cached ones and cached ones nobody holds."""
+        return len(self._free_ids) + len(self._evictable)
 
     @property
     def num_allocated_blocks(self) -> int:
-        return self.num_blocks - len(self._free_ids)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks (held or not)."""
+        return len(self._key_of_block)
 
     def blocks_for_tokens(self, token_count: int) -> int:
         """Blocks that hold ``token_count`` tokens: ``ceil(token_count / block_size_tokens)``."""
@@ -74,36 +99,99 @@ class KVBlockAllocator:
         """
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"count must be a non-negative int, got {count!r}")
-        if count > len(self._free_ids):
-            raise KVCacheFullError(f"asked for {count} KV blocks, {len(self._free_ids)} of {self.num_blocks} are free")
-        taken = self._free_ids[len(self._free_ids) - count :][::-1]  # the stack's top first
-        del self._free_ids[len(self._free_ids) - count :]
+        if count > self.num_free_blocks:
+            raise KVCacheFullError(f"asked for {count} KV blocks, {self.num_free_blocks} of {self.num_blocks} are free")
+        plain = min(count, len(self._free_ids))
+        taken = self._free_ids[len(self._free_ids) - plain :][::-1]  # the stack's top first
+        del self._free_ids[len(self._free_ids) - plain :]
+        for _ in range(count - plain):  # then evict cached blocks, least recently released first
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._block_of_key[self._key_of_block.pop(block_id)]
+            self.num_evictions += 1
+            taken.append(block_id)
         for block_id in taken:
-            self._is_allocated[block_id] = 1
+            self._reference_counts[block_id] = 1
         return torch.tensor(taken, dtype=torch.int64, device=self.device)
 
     def release(self, block_ids: BlockIds) -> None:
-        """Give allocated blocks back.
+        """Drop one reference to each block; a block nobody holds any more is free again
+        (registered ones stay cached until evicted).
 
         ``block_ids``: an integer tensor (any shape) or a sequence of ints. Every id must be
         allocated and appear once; otherwise ``ValueError`` and the pool is unchanged. A tensor
         on a GPU is read back to the host (a synchronisation: the context's step never does
         this, it releases from its host mirror).
         """
+        ids = self._checked_held_ids(block_ids, "not allocated (double free)")
+        for block_id in ids:
+            self._reference_counts[block_id] -= 1
+            if self._reference_counts[block_id] == 0:
+                if block_id in self._key_of_block:
+                    self._evictable[block_id] = None  # the most recently released: evicted last
+                else:
+                    self._free_ids.append(block_id)
+
+    def is_allocated(self, block_id: int) -> bool:
+        return 0 <= block_id < self.num_blocks and self._reference_counts[block_id] > 0
+
+    def reference_count(self, block_id: int) -> int:
+        """Holders of ``block_id`` (0: free or cached, unreferenced)."""
+        return self._reference_counts[block_id]
+
+    # ----- content-addressed blocks (prefix caching) ----------------------------------------
+
+    def register(self, block_id: int, key: Hashable) -> bool:
+        """Cache a held block whose content is final under ``key``. Returns False (nothing
+        changes) when the key already names a cached block or the block has a key already."""
+        if not self.is_allocated(block_id):
+            raise ValueError(f"block_id: block {block_id} is not allocated; only a held block can be registered")
+        if key in self._block_of_key or block_id in self._key_of_block:
+            return False
+        self._block_of_key[key] = block_id
+        self._key_of_block[block_id] = key
+        return True
+
+    def lookup(self, keys: Sequence[Hashable]) -> List[int]:
+        """Block ids of the longest run ``keys[:n]`` that are all cached (no reference taken)."""
+        found = []
+        for key in keys:
+            block_id = self._block_of_key.get(key)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def retain(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference to each cached block (from :meth:`lookup`); an unreferenced
+        one stops being evictable."""
+        ids = list(block_ids)
+        for block_id in ids:
+            if block_id not in self._key_of_block or ids.count(block_id) > 1:
+                raise ValueError(f"block_ids: block {block_id} is not a cached block (or repeats)")
+        for block_id in ids:
+            if self._reference_counts[block_id] == 0:
+                del self._evictable[block_id]
+            self._reference_counts[block_id] += 1
+
+    def drop_cached(self) -> None:
+        """Forget every key (cached blocks nobody holds become plain free blocks), e.g. when
+        steps that were writing registered blocks failed."""
+        for block_id in self._evictable:
+            self._free_ids.append(block_id)
+        self._evictable.clear()
+        self._block_of_key.clear()
+        self._key_of_block.clear()
+
+    def _checked_held_ids(self, block_ids: BlockIds, what: str) -> list:
         ids = _as_id_list(block_ids)
         seen = set()
         for block_id in ids:
             if not 0 <= block_id < self.num_blocks:
                 raise ValueError(f"block_ids: {block_id} is outside the pool [0, {self.num_blocks})")
-            if not self._is_allocated[block_id] or block_id in seen:
-                raise ValueError(f"block_ids: block {block_id} is not allocated (double free)")
+            if self._reference_counts[block_id] == 0 or block_id in seen:
+                raise ValueError(f"block_ids: block {block_id} is {what}")
             seen.add(block_id)
-        for block_id in ids:
-            self._is_allocated[block_id] = 0
-        self._free_ids.extend(ids)
-
-    def is_allocated(self, block_id: int) -> bool:
-        return 0 <= block_id < self.num_blocks and bool(self._is_allocated[block_id])
+        return ids
 
 
 def _check_positive_int(name: str, value) -> None:

@@ -50,7 +50,7 @@ with one gather per row buffer.
 
 import dataclasses
 import enum
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ DEVICE_FIELDS = (
 )
 
 
+_KV_LENGTH_FIELD = DEVICE_FIELDS.index("kv_length_offsets")
 _PREFILL_FIELD = DEVICE_FIELDS.index("prefill_status")
 _MAMBA_SLOT_FIELD = DEVICE_FIELDS.index("mamba_slot_ids")
 
@@ -125,9 +126,10 @@ class RequestTable:
         self._fresh_fields = np.array([self._fresh_value(name) for name in DEVICE_FIELDS], dtype=np.int64)  # [F]
         self._device_rows: Dict[str, torch.Tensor] = {}  # name -> [R + 1, ...] device rows
         self._set_on_insert: List[str] = []  # device rows every insert gives a value (add_device_rows)
+        self._kv_start_rows: List[str] = []  # of those, rows whose value is the request's first KV length
         self._host_rows: Dict[str, np.ndarray] = {}  # name -> [R + 1, ...] host rows
-        # request id -> (prefill status, Mamba slot, values of _set_on_insert) not on the device yet
-        self._pending_inserts: Dict[int, Tuple[int, int, Mapping[str, float]]] = {}
+        # request id -> (prefill status, Mamba slot, values of _set_on_insert, first KV length) not on the device yet
+        self._pending_inserts: Dict[int, Tuple[int, int, Mapping[str, float], int]] = {}
         self._row_staging: Optional[StagingBuffers] = None  # built at the first batched device write
         self.host = HostRows(
             request_ids=self.add_host_rows("request_ids", (), fill=-1),
@@ -172,13 +174,16 @@ class RequestTable:
         self._device_block_ids[start:end].fill_(self._free_block)
 
     def add_device_rows(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, fill: float = 0,
-                        set_on_insert: bool = False) -> torch.Tensor:
+                        set_on_insert: bool = False, kv_start: bool = False) -> torch.Tensor:
         """Allocate a device-only ``[R, *shape]`` buffer whose row ``r`` belongs to the request at
         table row ``r`` and moves with it (callers' per-request state: sampling parameters, a
         proposer's token history, ...). Returns the ``[R, *shape]`` view. ``set_on_insert``
         (scalar rows only): every :meth:`insert` names the row's first value, written with the
         batch of :meth:`write_inserted_rows`; other rows keep what the row held until the caller
-        writes them."""
+        writes them. ``kv_start`` (implies ``set_on_insert``): the first value is the request's
+        first KV length (:meth:`insert`'s ``kv_length``: a cached prefix it attached), not a
+        ``row_values`` entry."""
+        set_on_insert = set_on_insert or kv_start
         if name in self._device_rows:
             raise ValueError(f"device rows {name!r} already exist")
         if set_on_insert and shape != ():
@@ -189,6 +194,8 @@ class RequestTable:
         self._device_rows[name] = rows  # [R + 1, *shape]: the last row is the scratch row
         if set_on_insert:
             self._set_on_insert.append(name)
+            if kv_start:
+                self._kv_start_rows.append(name)
             self._row_staging = None  # its layout gains a section
         return rows[: self.shape.max_requests]
 
@@ -245,8 +252,10 @@ class RequestTable:
     # ----- moving requests ----------------------------------------------------------------
 
     def insert(self, request_id: int, group: RowGroup, mamba_slot_id: int = -1,
-               row_values: Optional[Mapping[str, float]] = None) -> int:
+               row_values: Optional[Mapping[str, float]] = None, cached_block_ids: Sequence[int] = ()) -> int:
         """Put a new request with an empty KV cache at the end of ``group``; return its row.
+        ``cached_block_ids``: full KV blocks it starts with (a cached prompt prefix, already
+        written by others): its KV length starts at ``len(cached_block_ids) * block_size_tokens``.
 
         Writes the host rows only. ``row_values`` gives the first value of every device row
         registered with ``set_on_insert``; the device rows are reset (no KV, no blocks) and set by
@@ -255,15 +264,24 @@ class RequestTable:
         if self.num_live == self.shape.max_requests:
             raise RuntimeError(f"the request table is full ({self.shape.max_requests} rows)")
         row_values = {} if row_values is None else row_values
-        if sorted(row_values) != sorted(self._set_on_insert):
-            raise ValueError(f"row_values must name the rows {sorted(self._set_on_insert)}, got {sorted(row_values)}")
+        given_rows = [name for name in self._set_on_insert if name not in self._kv_start_rows]
+        if sorted(row_values) != sorted(given_rows):
+            raise ValueError(f"row_values must name the rows {sorted(given_rows)}, got {sorted(row_values)}")
+        cached_block_ids = [int(block_id) for block_id in cached_block_ids]
+        if len(cached_block_ids) > self.shape.max_blocks_per_request:
+            raise ValueError(f"cached_block_ids has {len(cached_block_ids)} blocks, a request holds at most "
+                             f"{self.shape.max_blocks_per_request}")
+        kv_length = len(cached_block_ids) * self.shape.block_size_tokens
+        row_values = {**row_values, **{name: kv_length for name in self._kv_start_rows}}
         row = self.num_live  # first free row
         prefill = 1 if group == RowGroup.PREFILL else 0
         for name, rows in self._host_rows.items():
             rows[row] = -1 if name in ("request_ids", "block_ids", "mamba_slot_ids") else 0
         host = self.host
         host.request_ids[row], host.prefill_status[row], host.mamba_slot_ids[row] = request_id, prefill, mamba_slot_id
-        self._pending_inserts[request_id] = (prefill, mamba_slot_id, row_values)
+        host.known_lengths[row], host.block_counts[row] = kv_length, len(cached_block_ids)
+        host.block_ids[row, : len(cached_block_ids)] = cached_block_ids
+        self._pending_inserts[request_id] = (prefill, mamba_slot_id, row_values, kv_length)
         self._row_of[request_id] = row
         self.move(request_id, group)
         return self._row_of[request_id]
@@ -278,9 +296,11 @@ class RequestTable:
         staging.wait_until_host_writable()
         host = staging.host_arrays
         count = len(self._pending_inserts)
-        for index, (request_id, (prefill, mamba_slot_id, values)) in enumerate(self._pending_inserts.items()):
+        for index, (request_id, (prefill, mamba_slot_id, values, kv_length)) in enumerate(self._pending_inserts.items()):
             host["insert_rows"][index] = self._row_of[request_id]
+            host["insert_block_ids"][index] = self.host.block_ids[self._row_of[request_id]]  # -1 but a cached prefix
             host["insert_fields"][:, index] = self._fresh_fields
+            host["insert_fields"][_KV_LENGTH_FIELD, index] = kv_length
             host["insert_fields"][_PREFILL_FIELD, index] = prefill
             host["insert_fields"][_MAMBA_SLOT_FIELD, index] = mamba_slot_id
             for name in self._set_on_insert:
@@ -290,7 +310,7 @@ class RequestTable:
         device = staging.device
         rows = device["insert_rows"][:count]  # [n] int64
         self._device_fields.index_copy_(1, rows, device["insert_fields"][:, :count])
-        self._device_block_ids.index_fill_(0, rows, -1)
+        self._device_block_ids.index_copy_(0, rows, device["insert_block_ids"][:count])
         for name in self._set_on_insert:
             self._device_rows[name].index_copy_(0, rows, device[name][:count])
 
@@ -376,6 +396,7 @@ class RequestTable:
         if self._row_staging is None:
             rows = self.shape.max_requests + 1
             sections = {"insert_rows": ((rows,), torch.int64), "insert_fields": ((len(DEVICE_FIELDS), rows), torch.int64),
+                        "insert_block_ids": ((rows, self.shape.max_blocks_per_request), torch.int64),
                         "move_sources": ((rows,), torch.int64), "move_targets": ((rows,), torch.int64)}
             sections.update({name: ((rows,), self._device_rows[name].dtype) for name in self._set_on_insert})
             # a few host buffers: a call's copy may wait behind the step in flight; the buffer it

@@ -1,0 +1,113 @@
+"""Prefix caching: which full KV blocks of a prompt can be reused, and under which key.
+
+A full block's key is a chained hash: ``key_b = sha256(key_{b-1} | salt | tokens[b*bs : (b+1)*bs + L])``
+(``key_{-1}`` is empty). ``L``, the *lookahead*, is how many tokens past the block the content of
+the block depends on: 0 for the decoder's own KV (position ``p`` depends on tokens ``<= p``), ``S``
+for MTP depths' paged caches (depth ``k`` at position ``p`` embeds ``t_{p+k+1}``), which live in
+the same blocks. The salt names everything else that changes a block's content (the proposer and
+its depth). Equal keys, equal prefix, equal content: a request that attaches a cached block sees
+exactly what it would have computed itself.
+
+Rules (the allocator keeps the reference counts, see :class:`KVBlockAllocator`):
+
+- Only blocks of a request's *prefill tokens* are cached (its prompt; after a preemption, the
+  prompt plus the output so far), and only those followed by at least ``max(L, 1)`` more prefill
+  tokens: the prompt's last token (whose logits the request needs) and the lookahead are always
+  computed by the request itself, so a shared block is never written.
+- A block is registered when the step whose prefill chunk completes it (and its lookahead) is
+  built: every later step, on the same stream, reads it after it is written. A step built before
+  that, in flight, never reads it (it was not attached when that step was built).
+- A request attaches the longest run of cached blocks at the start of its prefill tokens when it
+  joins (one reference each) and prefills the rest.
+
+Example, ``bs = 4``, ``L = 2``, prefill tokens ``[0..10]`` (11 tokens): blocks 0 and 1 are
+cacheable (``(b + 1) * 4 + 2 <= 11``), block 1's key hashes tokens 4..9. A second request with the
+same first 10 tokens attaches both and starts its KV at length 8.
+"""
+
+import hashlib
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator
+
+
+class PrefixCache:
+    """Keys, attachment and registration of prompt blocks for one context.
+
+    lookahead: ``L`` above, or None when the proposer's state cannot be reused (then nothing is
+    ever cached: requests take no hit). salt: bytes that name the model/proposer variant.
+    """
+
+    def __init__(self, allocator: KVBlockAllocator, lookahead: Optional[int], salt: bytes = b""):
+        if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0):
+            raise ValueError(f"lookahead must be None or an int >= 0, got {lookahead!r}")
+        if not isinstance(salt, bytes):
+            raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
+        self.allocator = allocator
+        self.lookahead = lookahead
+        self.salt = salt
+        self._keys: Dict[int, List[bytes]] = {}  # request id -> keys of its cacheable blocks
+        self._registered: Dict[int, int] = {}  # request id -> blocks of it registered (or attached) so far
+        self.queried_tokens = 0  # prefill tokens of requests that looked up the cache
+        self.hit_tokens = 0  # of those, tokens found cached
+
+    @property
+    def enabled(self) -> bool:
+        return self.lookahead is not None
+
+    def cacheable_blocks(self, token_count: int) -> int:
+        """Full blocks of ``token_count`` prefill tokens that may be cached (see the module docstring)."""
+        if not self.enabled:
+            return 0
+        block_size = self.allocator.block_size_tokens
+        return max(token_count - max(self.lookahead, 1), 0) // block_size
+
+    def block_keys(self, tokens: np.ndarray) -> List[bytes]:
+        """Keys of the cacheable blocks of ``tokens`` (``[P]`` int64)."""
+        block_size, tokens = self.allocator.block_size_tokens, np.ascontiguousarray(tokens, dtype=np.int64)
+        keys, previous = [], b""
+        for block in range(self.cacheable_blocks(tokens.shape[0])):
+            digest = hashlib.sha256(previous)
+            digest.update(self.salt)
+            digest.update(tokens[block * block_size : (block + 1) * block_size + self.lookahead].tobytes())
+            previous = digest.digest()
+            keys.append(previous)
+        return keys
+
+    def attach(self, request_id: int, tokens: np.ndarray, use_cache: bool = True) -> List[int]:
+        """A joining request: the cached blocks its prefill tokens start with, one reference
+        taken on each (the caller puts them in its block table). ``use_cache=False``: the
+        request neither attaches nor registers blocks."""
+        keys = self.block_keys(tokens) if self.enabled and use_cache else []
+        hit = self.allocator.lookup(keys)
+        self.allocator.retain(hit)
+        self._keys[request_id] = keys
+        self._registered[request_id] = len(hit)
+        if keys:
+            self.queried_tokens += int(tokens.shape[0])
+            self.hit_tokens += len(hit) * self.allocator.block_size_tokens
+        return hit
+
+    def register_written(self, request_id: int, block_ids: np.ndarray, known_length: int) -> None:
+        """The request's prefill reached ``known_length`` KV rows (in a step just built):
+        register its blocks that are now final (each full, with its lookahead computed).
+        ``block_ids``: ``[>= blocks]`` int64, the request's block table row."""
+        keys = self._keys.get(request_id)
+        if not keys:
+            return
+        block_size, start = self.allocator.block_size_tokens, self._registered[request_id]
+        end = min(len(keys), max(known_length - self.lookahead, 0) // block_size)
+        for block in range(start, end):
+            self.allocator.register(int(block_ids[block]), keys[block])
+        self._registered[request_id] = max(start, end)
+
+    def forget(self, request_id: int) -> None:
+        """The request left (its blocks are released by the caller)."""
+        self._keys.pop(request_id, None)
+        self._registered.pop(request_id, None)
+
+    def hit_rate(self) -> float:
+        """Prefill tokens found cached / prefill tokens looked up (0.0 before any lookup)."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
