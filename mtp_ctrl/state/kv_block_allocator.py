@@ -173,6 +173,10 @@ class KVBlockAllocator:
                 del self._evictable[block_id]
             self._reference_counts[block_id] += 1
 
+    def cached_blocks(self) -> Dict[int, Hashable]:
+        """Registered blocks: block id -> key (a copy; for tests and metrics)."""
+        return dict(self._key_of_block)
+
     def drop_cached(self) -> None:
         """Forget every key (cached blocks nobody holds become plain free blocks), e.g. when
         steps that were writing registered blocks failed."""
