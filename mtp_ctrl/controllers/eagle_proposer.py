@@ -74,6 +74,12 @@ class EagleProposer(AuxDraftProposer):
 
     # ----- drafting ------------------------------------------------------------------------
 
+    def prefix_cache_lookahead(self) -> int:
+        """The head's entry at ``p`` (its cache lives in the target's blocks) reads ``t_{p+1}``:
+        one token past a block; a request's draft rows never rewrite positions before its first
+        row, so a cached prefix's entries stay as written."""
+        return 1
+
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         self._check_aux_hidden(batch)
         S, step, runner = self.draft_context.shape.num_speculative_tokens, batch.step, self.draft_context.runner

@@ -1,0 +1,59 @@
+"""Prefix caching under pressure: a pool too small for the batch, so requests sharing partial
+prefixes are paused, preempted (and recomputed, hitting their own cached blocks) and cached
+blocks are evicted; seeded sampled outputs stay equal to caching off, nothing leaks. And the
+opt-outs."""
+
+import pytest
+
+from mtp_ctrl.controllers import SamplingParams
+from tests.unit.controller_fixtures import build_models, make_controller
+from tests.unit.megatron_fixtures import ensure_single_process_groups
+from tests.unit.test_prefix_cache import SYSTEM, run_staggered, shared_prompts
+
+
+@pytest.fixture(scope="module")
+def models():
+    ensure_single_process_groups()
+    return build_models()
+
+
+def test_sampled_on_equals_off_under_preemption_and_eviction(models, torch_twins):
+    model, _ = models
+    prompts = shared_prompts(9, seed=1)
+    params = [SamplingParams(max_new_tokens=6, temperature=0.9, top_k=30, seed=100 + i) for i in range(len(prompts))]
+    small = dict(num_kv_blocks=12, max_requests=4)
+    off = run_staggered(make_controller(model, 2, **small), prompts, params, stagger=1)
+    controller = make_controller(model, 2, prefix_caching=True, **small)
+    on = run_staggered(controller, prompts, params, stagger=1)
+    assert [tokens for tokens, _, _ in on] == [tokens for tokens, _, _ in off]  # steps differ: preemptions do
+    assert sum(controller.result(request_id).preemptions for request_id in range(len(prompts))) > 0
+    stats = controller.metrics.as_dict()["prefix_cache"]
+    assert stats["hit_tokens"] > 0 and stats["evictions"] > 0
+    pool = controller.context.allocator
+    assert pool.num_free_blocks == pool.num_blocks and pool.num_cached_blocks <= pool.num_blocks
+
+
+def test_opt_outs_take_no_hit(models, torch_twins):
+    """Per-request opt-out, single-position MTP (it writes a request's first block) and a hybrid
+    Mamba model (no state snapshots): no hit, same output."""
+    from tests.unit.hybrid_fixtures import build_hybrid_model
+
+    model, _ = models
+    prompts = [SYSTEM + [1, 2], SYSTEM + [3]]
+    params = SamplingParams(max_new_tokens=2)
+    controller = make_controller(model, 2, prefix_caching=True)
+    for prompt in prompts:
+        controller.add_request(prompt, params, prefix_caching=False)
+        while controller.has_unfinished_requests():
+            controller.step()
+    assert controller.metrics.as_dict()["prefix_cache"]["hit_tokens"] == 0
+    no_hits = dict(hit_rate=0.0, hit_tokens=0, queried_tokens=0, cached_blocks=0, evictions=0)
+    single = make_controller(model, 2, prefix_caching=True, mtp_attention="single_position")
+    single.generate(prompts[:1], params)
+    single.generate(prompts[1:], params)
+    assert single.metrics.as_dict()["prefix_cache"] == no_hits
+    hybrid = build_hybrid_model(mtp_num_layers=0)
+    plain = [r.output_tokens for r in make_controller(hybrid, 0).generate(prompts, params)]
+    cached = make_controller(hybrid, 0, prefix_caching=True)
+    assert [r.output_tokens for r in cached.generate(prompts, params)] == plain
+    assert cached.metrics.as_dict()["prefix_cache"] == no_hits
