@@ -33,9 +33,9 @@ class AdmissionSyncChecked(TextGenerationController):
         self.retired_with_step_in_flight = 0
         add_request = self.context.add_request
 
-        def add_and_record(request_id, tokens, row_values):
+        def add_and_record(request_id, tokens, row_values, *args):
             self.steps_in_flight_at_admission.append(self.context.steps_in_flight)
-            add_request(request_id, tokens, row_values)
+            add_request(request_id, tokens, row_values, *args)
 
         self.context.add_request = add_and_record
 

@@ -304,9 +304,9 @@ def test_arrivals_while_decoding_join_without_applying_the_step_in_flight(models
     steps_in_flight_at_admission, early_applications = [], []
     add_request = controller.context.add_request
 
-    def add_and_record(request_id, tokens, row_values):
+    def add_and_record(request_id, tokens, row_values, *args):
         steps_in_flight_at_admission.append(controller.context.steps_in_flight)
-        add_request(request_id, tokens, row_values)
+        add_request(request_id, tokens, row_values, *args)
 
     def record_apply(step, readbacks, overlapped, rows_moved):  # the documented debug hook
         if not overlapped and controller.has_unfinished_requests():

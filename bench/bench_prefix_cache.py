@@ -1,0 +1,187 @@
+"""Prefix caching on vs off: time to first token (TTFT) and throughput, same run, same weights.
+
+    python bench/bench_prefix_cache.py            # GPU: a random-weight ~1B GPT (16 x 2048, bf16, S = 2)
+    python bench/bench_prefix_cache.py --quick    # CPU (torch twins): a tiny GPT, small sizes, minutes
+
+Three workloads, each run with ``InferenceConfig(prefix_caching=False)`` then ``True`` on the
+same model (greedy, MTP drafting with S = 2 paged depths, CUDA graphs on the GPU):
+
+- **system prompt**: one request warms the cache, then ``--requests`` (64) requests that share a
+  ``--system-tokens`` (2048) system prompt, each with its own 32-token question, arrive at once.
+  TTFT per request (from ``add_request`` to the step that returns its first token), and the
+  throughput of the whole batch (tokens out / wall seconds); plus a single hit request alone vs
+  a single cold one (the TTFT of a hit, the issue's target: at least 10x lower).
+- **multi-turn chat**: 8 conversations x 4 turns; each turn resends the whole history (system
+  prompt, previous questions and answers) plus a new 64-token question.
+- **random prompts**: nothing is shared (512 random tokens each): the overhead of caching on
+  (hashing at admission, the bookkeeping), as throughput on / off (target: within 2%).
+
+Outputs are checked equal with caching on and off. Prints one table; the JSON of every figure
+goes to ``--json`` when given.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU, tiny model and sizes (a smoke run)")
+    parser.add_argument("--requests", type=int, default=None, help="system-prompt batch size (default 64; quick 6)")
+    parser.add_argument("--system-tokens", type=int, default=None, help="shared prefix length (default 2048; quick 96)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 32; quick 4)")
+    parser.add_argument("--json", default=None, help="write every figure to this file")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from demo_model import DEMO_MODEL_ARGS, build_demo_model
+
+    quick = args.quick
+    device = torch.device("cpu" if quick or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu":
+        os.environ.pop("TRITON_INTERPRET", None)  # CPU tensors then run the torch twins
+    mtp_ctrl.init_single_process(device)
+    requests = args.requests or (6 if quick else 64)
+    system_tokens = args.system_tokens or (96 if quick else 2048)
+    new_tokens = args.new_tokens or (4 if quick else 32)
+    if quick:
+        model_args = dict(DEMO_MODEL_ARGS, num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                          num_query_groups=2, mtp_num_layers=2, vocab_size=256, max_sequence_length=1024)
+        name = "tiny GPT 2x64 (fp32, random, CPU twins)"
+    else:
+        model_args = dict(DEMO_MODEL_ARGS, num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16,
+                          num_query_groups=4, mtp_num_layers=2, vocab_size=32000, max_sequence_length=4096)
+        name = "GPT 16x2048 (~1B, bf16, random)"
+    torch.manual_seed(0)
+    model = build_demo_model(model_args).to(device).eval()
+    if not quick:
+        model.to(torch.bfloat16)
+    vocab = model_args["vocab_size"]
+    generator = torch.Generator().manual_seed(1)
+
+    def random_tokens(count):
+        return torch.randint(0, vocab, (count,), generator=generator).tolist()
+
+    block_size = 16
+    max_model_len = system_tokens + 4 * (64 + new_tokens) + 64
+    max_requests = min(requests, 64)
+    graphs = () if device.type == "cpu" else tuple(size for size in (1, 8, 16, 32, 64) if size <= max_requests)
+
+    def controller_for(prefix_caching):
+        from mtp_ctrl.controllers import InferenceConfig, TextGenerationController
+
+        config = InferenceConfig(num_speculative_tokens=2, max_requests=max_requests, block_size_tokens=block_size,
+                                 max_model_len=max_model_len, max_tokens_per_step=max(2048 if not quick else 256,
+                                                                                      max_requests * 3),
+                                 num_kv_blocks=max_requests * (-(-(max_model_len + 6) // block_size) + 1) + 64,
+                                 cuda_graph_batch_sizes=graphs, prefix_caching=prefix_caching)
+        controller = TextGenerationController(model, config)
+        if graphs:
+            controller.warmup()
+        return controller
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run_batch(controller, prompts):
+        """Add every prompt now, step until done: (outputs, TTFT seconds per request, wall seconds)."""
+        from mtp_ctrl.controllers import SamplingParams
+
+        sync()
+        start = time.perf_counter()
+        ids = [controller.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)) for prompt in prompts]
+        first = {}
+        while controller.has_unfinished_requests():
+            for request_id, tokens, _ in controller.step():
+                if tokens and request_id not in first:
+                    first[request_id] = time.perf_counter() - start
+        sync()
+        wall = time.perf_counter() - start
+        outputs = [controller.pop_result(request_id).output_tokens for request_id in ids]
+        return outputs, [first[request_id] for request_id in ids], wall
+
+    system = random_tokens(system_tokens)
+    questions = [random_tokens(32) for _ in range(requests)]
+    chats = [[random_tokens(64) for _ in range(4)] for _ in range(8 if not quick else 2)]
+    random_prompts = [random_tokens(512 if not quick else 64) for _ in range(requests)]
+    results = {"model": name, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "requests": requests, "system_tokens": system_tokens, "new_tokens": new_tokens}
+    outputs = {}
+    for prefix_caching in (False, True):
+        key = "on" if prefix_caching else "off"
+        controller = controller_for(prefix_caching)
+        run_batch(controller, [system + random_tokens(32)])  # warm-up: compile, graphs; warms the cache when on
+        cold_or_hit = run_batch(controller, [system + questions[0]])  # one request alone: a hit when on
+        controller.metrics.reset()
+        batch_outputs, ttft, wall = run_batch(controller, [system + question for question in questions])
+        sys_stats = controller.metrics.as_dict()["prefix_cache"]
+        tokens_out = sum(len(output) for output in batch_outputs)
+        # multi-turn chat: turn k of every conversation at once, each resending its history
+        histories = [list(system) for _ in chats]
+        chat_wall, chat_ttft, chat_out, chat_tokens = 0.0, [], [], 0
+        for turn in range(4):
+            prompts = [history + chat[turn] for history, chat in zip(histories, chats)]
+            turn_outputs, turn_ttft, turn_wall = run_batch(controller, prompts)
+            chat_wall += turn_wall
+            chat_ttft += turn_ttft
+            chat_out.append(turn_outputs)
+            chat_tokens += sum(len(output) for output in turn_outputs)
+            histories = [prompt + list(output) for prompt, output in zip(prompts, turn_outputs)]
+        random_outputs, random_ttft, random_wall = run_batch(controller, random_prompts)
+        outputs[key] = (cold_or_hit[0], batch_outputs, chat_out, random_outputs)
+        results[key] = {
+            "single_ttft_ms": cold_or_hit[1][0] * 1e3,
+            "system_ttft_mean_ms": sum(ttft) / len(ttft) * 1e3,
+            "system_ttft_p50_ms": sorted(ttft)[len(ttft) // 2] * 1e3,
+            "system_tokens_per_s": tokens_out / wall,
+            "system_hit_rate": sys_stats["hit_rate"],
+            "chat_ttft_mean_ms": sum(chat_ttft) / len(chat_ttft) * 1e3,
+            "chat_tokens_per_s": chat_tokens / chat_wall,
+            "random_tokens_per_s": sum(len(output) for output in random_outputs) / random_wall,
+            "random_ttft_mean_ms": sum(random_ttft) / len(random_ttft) * 1e3,
+            "cached_blocks": controller.metrics.as_dict()["prefix_cache"]["cached_blocks"],
+            "evictions": controller.metrics.as_dict()["prefix_cache"]["evictions"],
+        }
+        controller.close()
+    results["outputs_equal"] = outputs["on"] == outputs["off"]
+    off, on = results["off"], results["on"]
+    print(f"{name} on {results['device']}: {requests} requests, {system_tokens}-token system prompt, "
+          f"{new_tokens} new tokens, S = 2 (MTP, paged), outputs on == off: {results['outputs_equal']}")
+    rows = [("single request TTFT (ms): cold vs hit", "single_ttft_ms", True),
+            (f"system prompt x{requests}: mean TTFT (ms)", "system_ttft_mean_ms", True),
+            (f"system prompt x{requests}: p50 TTFT (ms)", "system_ttft_p50_ms", True),
+            (f"system prompt x{requests}: tokens/s", "system_tokens_per_s", False),
+            ("multi-turn chat: mean TTFT (ms)", "chat_ttft_mean_ms", True),
+            ("multi-turn chat: tokens/s", "chat_tokens_per_s", False),
+            ("random prompts (nothing shared): tokens/s", "random_tokens_per_s", False),
+            ("random prompts: mean TTFT (ms)", "random_ttft_mean_ms", True)]
+    print(f"| {'workload':<46} | {'off':>10} | {'on':>10} | {'on vs off':>10} |")
+    print(f"|{'-' * 48}|{'-' * 12}|{'-' * 12}|{'-' * 12}|")
+    for label, field, lower_better in rows:
+        ratio = off[field] / on[field] if lower_better else on[field] / off[field]
+        suffix = "x faster" if lower_better else "x"
+        print(f"| {label:<46} | {off[field]:>10.1f} | {on[field]:>10.1f} | {ratio:>8.2f}{suffix[:2]:<2} |")
+    print(f"system prompt batch hit rate {on['system_hit_rate']:.3f}; cached blocks at the end {on['cached_blocks']}, "
+          f"evictions {on['evictions']}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+    if not results["outputs_equal"]:
+        sys.exit("outputs differ with prefix caching on and off")
+
+
+if __name__ == "__main__":
+    main()
