@@ -77,7 +77,7 @@ def main():
     block_size = 16
     max_model_len = system_tokens + 4 * (64 + new_tokens) + 64
     max_requests = min(requests, 64)
-    graphs = () if device.type == "cpu" else tuple(size for size in (1, 8, 16, 32, 64) if size <= max_requests)
+    graphs = () if device.type == "cpu" else tuple(sorted({1, 8, max_requests}))
 
     def controller_for(prefix_caching):
         from mtp_ctrl.controllers import InferenceConfig, TextGenerationController
