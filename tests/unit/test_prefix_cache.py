@@ -89,3 +89,4 @@ def test_bad_input(models):
         controller.add_request([1, 2, 3], prefix_caching="no")
     with pytest.raises(TypeError, match="use_prefix_cache"):
         controller.context.add_request(99, [1, 2, 3], None, use_prefix_cache=1)
+

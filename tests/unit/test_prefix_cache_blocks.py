@@ -107,7 +107,7 @@ class PrefixBlocks(RuleBasedStateMachine):
             assert self.pool.lookup([key]) == [block_id]
 
 
-PrefixBlocks.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+PrefixBlocks.TestCase.settings = settings(max_examples=80, stateful_step_count=25, deadline=None)
 test_prefix_blocks = PrefixBlocks.TestCase
 
 

@@ -317,3 +317,23 @@ def test_insert_values_are_checked():
     table.insert(2, RowGroup.PREFILL, row_values={"temperature": 0.5, "seed": 4, "top_k": 8})
     table.write_inserted_rows()
     assert table.device_rows_with_scratch("top_k")[table.row_of(2)] == 8
+
+
+def test_insert_with_cached_blocks_starts_past_them():
+    """A request that attaches cached blocks (prefix caching): host and device rows hold them,
+    its KV length starts past them, ``kv_start`` rows take that length; others start at 0."""
+    table = make_table()
+    start = table.add_device_rows("start", (), torch.int64, kv_start=True)
+    table.insert(7, RowGroup.PREFILL, cached_block_ids=[5, 2])
+    table.insert(8, RowGroup.PREFILL)
+    table.write_inserted_rows()
+    row, fresh = table.row_of(7), table.row_of(8)
+    assert table.host.known_lengths[row] == 8 and table.host.block_counts[row] == 2
+    assert table.host.block_ids[row].tolist() == [5, 2, -1]
+    assert table.device.kv_block_ids[row].tolist() == [5, 2, -1] and int(table.device.kv_length_offsets[row]) == 8
+    assert int(start[row]) == 8 and int(start[fresh]) == 0 and int(table.device.kv_length_offsets[fresh]) == 0
+    assert table.mismatched_rows() == []
+    with pytest.raises(ValueError, match="cached_block_ids"):
+        table.insert(9, RowGroup.PREFILL, cached_block_ids=[1, 2, 3, 4])
+    with pytest.raises(ValueError, match="row_values"):
+        table.insert(9, RowGroup.PREFILL, row_values={"start": 3})
