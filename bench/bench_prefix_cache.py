@@ -16,7 +16,9 @@ same model (greedy, MTP drafting with S = 2 paged depths, CUDA graphs on the GPU
 - **random prompts**: nothing is shared (512 random tokens each): the overhead of caching on
   (hashing at admission, the bookkeeping), as throughput on / off (target: within 2%).
 
-Outputs are checked equal with caching on and off. Prints one table; the JSON of every figure
+Outputs are compared with caching on and off (equal in fp32; in bf16 a hit's prefill runs other
+GEMM shapes than a cold one, so a near-tie argmax of the random model may differ, as S > 0 vs
+S = 0 may: the table says which workloads matched). Prints one table; the JSON of every figure
 goes to ``--json`` when given.
 """
 
@@ -156,7 +158,11 @@ def main():
             "evictions": controller.metrics.as_dict()["prefix_cache"]["evictions"],
         }
         controller.close()
-    results["outputs_equal"] = outputs["on"] == outputs["off"]
+        del controller
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    workloads = ("single", "system prompt", "chat", "random")
+    results["outputs_equal"] = {name: on_out == off_out for name, on_out, off_out in zip(workloads, outputs["on"], outputs["off"])}
     off, on = results["off"], results["on"]
     print(f"{name} on {results['device']}: {requests} requests, {system_tokens}-token system prompt, "
           f"{new_tokens} new tokens, S = 2 (MTP, paged), outputs on == off: {results['outputs_equal']}")
@@ -172,15 +178,14 @@ def main():
     print(f"|{'-' * 48}|{'-' * 12}|{'-' * 12}|{'-' * 12}|")
     for label, field, lower_better in rows:
         ratio = off[field] / on[field] if lower_better else on[field] / off[field]
-        suffix = "x faster" if lower_better else "x"
-        print(f"| {label:<46} | {off[field]:>10.1f} | {on[field]:>10.1f} | {ratio:>8.2f}{suffix[:2]:<2} |")
+        print(f"| {label:<46} | {off[field]:>10.1f} | {on[field]:>10.1f} | {ratio:>9.2f}x |")
     print(f"system prompt batch hit rate {on['system_hit_rate']:.3f}; cached blocks at the end {on['cached_blocks']}, "
           f"evictions {on['evictions']}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
-    if not results["outputs_equal"]:
-        sys.exit("outputs differ with prefix caching on and off")
+    if not all(results["outputs_equal"].values()) and next(model.parameters()).dtype == torch.float32:
+        sys.exit("outputs differ with prefix caching on and off (fp32)")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def _arrivals():
             for index, (step, prompt) in enumerate(zip([0, 2, 3, 4, 6, 6, 7], prompts))]
 
 
-@pytest.mark.parametrize("num_kv_blocks", [None, 24])
+@pytest.mark.parametrize("num_kv_blocks", [None, 18])
 def test_on_equals_off_in_graphs_without_host_sync(model, num_kv_blocks):
     fields = dict(num_speculative_tokens=2, max_requests=4, block_size_tokens=4, max_model_len=64,
                   max_tokens_per_step=128, cuda_graph_batch_sizes=(1, 2, 4), num_kv_blocks=num_kv_blocks)
