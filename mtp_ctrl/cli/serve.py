@@ -36,6 +36,8 @@ def parse_args(argv=None):
                         help="requests decoding at once; more wait in the queue (default: 32 on CUDA, 4 on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + output tokens per request (default: the model's max_sequence_length - S)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="reuse the KV of prompt prefixes shared with earlier requests (docs/prefix_caching.md)")
     args = parser.parse_args(argv)
     for name in ("max_requests", "max_model_len"):
         if getattr(args, name) is not None and getattr(args, name) < 2:
@@ -58,7 +60,7 @@ def make_server_controller(model, args, device, max_sequence_length: int):
         num_speculative_tokens=args.num_speculative_tokens, max_requests=max_requests, block_size_tokens=16,
         max_model_len=max_model_len, max_tokens_per_step=max(256, max_requests * stride),
         mtp_attention=args.mtp_attention, cuda_graph_batch_sizes=buckets if device.type == "cuda" else (),
-        decode_steps_per_launch=args.decode_steps_per_launch)
+        decode_steps_per_launch=args.decode_steps_per_launch, prefix_caching=args.prefix_caching)
     proposer = None
     if args.proposer != "mtp" and args.num_speculative_tokens > 0:
         from mtp_ctrl.cli.draft_heads import load_draft_proposer

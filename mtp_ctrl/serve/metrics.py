@@ -106,6 +106,15 @@ class ServerMetrics:
             metric("kv_blocks_used", "gauge", "KV cache blocks in use.", [f"kv_blocks_used {used_blocks}"])
             metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.",
                    [f"kv_blocks_total {context.allocator.num_blocks}"])
+            prefix = stats["prefix_cache"]
+            metric("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache / looked up.",
+                   [f"prefix_cache_hit_rate {prefix['hit_rate']}"])
+            metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens not recomputed (prefix cache hits).",
+                   [f"prefix_cache_hit_tokens_total {prefix['hit_tokens']}"])
+            metric("kv_blocks_cached", "gauge", "KV blocks in the prefix cache (held or not).",
+                   [f"kv_blocks_cached {prefix['cached_blocks']}"])
+            metric("kv_block_evictions_total", "counter", "Cached KV blocks evicted to make room.",
+                   [f"kv_block_evictions_total {prefix['evictions']}"])
             metric("time_to_first_token_seconds", "histogram", "From submission to the first token on the host.",
                    self.time_to_first_token.lines("time_to_first_token_seconds"))
             metric("inter_token_latency_seconds", "histogram", "Gap between arrivals over the tokens they bring.",
