@@ -1,55 +1,21 @@
 """Prefix caching through the controller: output with caching on == off (greedy and seeded
-sampled, S = 0 and S = 2, MTP and EAGLE), the same drafts on a hit as on a cold start (equal
-acceptance counters), and bad input. Churn, preemption, eviction and the opt-outs (per request, single-position MTP,
-hybrids): test_prefix_cache_churn.py."""
-
-import random
+sampled, S = 0 and S = 2, MTP, EAGLE and parallel drafting), the same drafts on a hit as on a cold
+start (equal acceptance counters), and bad input. Churn, preemption, eviction, the opt-outs (per
+request, single-position MTP, hybrids) and the server's metrics: test_prefix_cache_churn.py."""
 
 import pytest
 import torch
 
 from mtp_ctrl.controllers import EagleProposer, InferenceConfig, ParallelDraftingProposer, SamplingParams
 from tests.unit.controller_fixtures import build_models, make_controller
-from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups
-
-SYSTEM = [7, 21, 3, 88, 45, 12, 9, 60, 33, 2, 71, 14, 5, 90, 27, 41, 18, 66]  # 18 tokens: 4 full blocks of 4
+from tests.unit.megatron_fixtures import ensure_single_process_groups
+from tests.unit.prefix_cache_fixtures import assert_hits_and_no_leak, run_staggered, shared_prompts
 
 
 @pytest.fixture(scope="module")
 def models():
     ensure_single_process_groups()
     return build_models()
-
-
-def shared_prompts(count: int, seed: int = 0, vocab_size: int = VOCAB_SIZE):
-    """Prompts sharing partial prefixes of SYSTEM (some the whole of it), with distinct tails."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        shared = [token % vocab_size for token in SYSTEM[: rng.choice([0, 5, 9, 13, 18, 18])]]
-        prompts.append(shared + [rng.randrange(vocab_size) for _ in range(rng.randint(1, 5))])
-    return prompts
-
-
-def run_staggered(controller, prompts, params, stagger: int = 2):
-    """Add a request every ``stagger`` steps (so later ones find earlier ones' blocks cached);
-    returns [(output tokens, decode steps, accepted drafts)] in prompt order."""
-    ids, pending, step = [], list(zip(prompts, params)), 0
-    while pending or controller.has_unfinished_requests():
-        if pending and step % stagger == 0:
-            prompt, param = pending.pop(0)
-            ids.append(controller.add_request(prompt, param))
-        controller.step()
-        step += 1
-    results = [controller.result(request_id) for request_id in ids]
-    return [(r.output_tokens, r.decode_steps, r.accepted_drafts) for r in results]
-
-
-def assert_hits_and_no_leak(controller):
-    stats = controller.metrics.as_dict()["prefix_cache"]
-    assert stats["hit_tokens"] > 0 and 0 < stats["hit_rate"] < 1 and stats["cached_blocks"] > 0
-    pool = controller.context.allocator
-    assert pool.num_free_blocks == pool.num_blocks
 
 
 @pytest.mark.parametrize("num_speculative_tokens", [0, 2])
@@ -97,14 +63,3 @@ def test_bad_input(models):
         controller.context.add_request(99, [1, 2, 3], None, use_prefix_cache=1)
 
 
-
-def test_server_metrics_show_the_prefix_cache(models, torch_twins):
-    from mtp_ctrl.serve.metrics import ServerMetrics
-
-    model, _ = models
-    controller = make_controller(model, 0, prefix_caching=True)
-    controller.generate([SYSTEM + [1]], SamplingParams(max_new_tokens=1))
-    controller.generate([SYSTEM + [2]], SamplingParams(max_new_tokens=1))
-    text = ServerMetrics(controller).render()
-    assert "mtp_ctrl_prefix_cache_hit_tokens_total 16\n" in text and "mtp_ctrl_kv_block_evictions_total 0\n" in text
-    assert "mtp_ctrl_kv_blocks_cached 4\n" in text and "mtp_ctrl_prefix_cache_hit_rate 0.4210" in text

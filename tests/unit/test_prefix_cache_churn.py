@@ -1,14 +1,14 @@
 """Prefix caching under pressure: a pool too small for the batch, so requests sharing partial
 prefixes are paused, preempted (and recomputed, hitting their own cached blocks) and cached
 blocks are evicted; seeded sampled outputs stay equal to caching off, nothing leaks. And the
-opt-outs."""
+opt-outs, and the server's /metrics lines."""
 
 import pytest
 
 from mtp_ctrl.controllers import SamplingParams
 from tests.unit.controller_fixtures import build_models, make_controller
 from tests.unit.megatron_fixtures import ensure_single_process_groups
-from tests.unit.test_prefix_cache import SYSTEM, run_staggered, shared_prompts
+from tests.unit.prefix_cache_fixtures import SYSTEM, run_staggered, shared_prompts
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +57,15 @@ def test_opt_outs_take_no_hit(models, torch_twins):
     cached = make_controller(hybrid, 0, prefix_caching=True)
     assert [r.output_tokens for r in cached.generate(prompts, params)] == plain
     assert cached.metrics.as_dict()["prefix_cache"] == no_hits
+
+
+def test_server_metrics_show_the_prefix_cache(models, torch_twins):
+    from mtp_ctrl.serve.metrics import ServerMetrics
+
+    model, _ = models
+    controller = make_controller(model, 0, prefix_caching=True)
+    controller.generate([SYSTEM + [1]], SamplingParams(max_new_tokens=1))
+    controller.generate([SYSTEM + [2]], SamplingParams(max_new_tokens=1))
+    text = ServerMetrics(controller).render()
+    assert "mtp_ctrl_prefix_cache_hit_tokens_total 16\n" in text and "mtp_ctrl_kv_block_evictions_total 0\n" in text
+    assert "mtp_ctrl_kv_blocks_cached 4\n" in text and "mtp_ctrl_prefix_cache_hit_rate 0.4210" in text

@@ -1,8 +1,6 @@
 """Acceptance on a prefix-cache hit == acceptance on a cold start, for the trained demo model
 (its MTP depths draft from their paged caches, which a hit reuses): same drafts, same tokens."""
 
-import pytest
-
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 

@@ -7,7 +7,7 @@ from mtp_ctrl.controllers import SamplingParams
 from tests.unit.controller_fixtures import build_models, make_controller
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 from tests.unit.megatron_fixtures import torch_twins as twin_ops
-from tests.unit.test_prefix_cache import SYSTEM, run_staggered
+from tests.unit.prefix_cache_fixtures import SYSTEM, run_staggered
 
 
 @pytest.fixture(scope="module")
