@@ -140,6 +140,8 @@ class DynamicInferenceContext:
         if self.table.num_live or self.prefix_cache.queried_tokens:
             raise RuntimeError("enable_prefix_caching: requests have joined already")
         self.prefix_cache = PrefixCache(self.allocator, None if self.mamba is not None else lookahead, salt)
+        if self.prefix_cache.enabled:
+            self.table.enable_cached_prefixes()
         return self.prefix_cache.enabled
 
     def blocks_for(self, token_count) -> int:

@@ -127,6 +127,7 @@ class RequestTable:
         self._device_rows: Dict[str, torch.Tensor] = {}  # name -> [R + 1, ...] device rows
         self._set_on_insert: List[str] = []  # device rows every insert gives a value (add_device_rows)
         self._kv_start_rows: List[str] = []  # of those, rows whose value is the request's first KV length
+        self._cached_prefixes = False  # inserts may start with cached blocks (enable_cached_prefixes)
         self._host_rows: Dict[str, np.ndarray] = {}  # name -> [R + 1, ...] host rows
         # request id -> (prefill status, Mamba slot, values of _set_on_insert, first KV length) not on the device yet
         self._pending_inserts: Dict[int, Tuple[int, int, Mapping[str, float], int]] = {}
@@ -172,6 +173,12 @@ class RequestTable:
             return
         self._device_fields[:, start:end].copy_(self._free_fields)  # broadcast over the rows
         self._device_block_ids[start:end].fill_(self._free_block)
+
+    def enable_cached_prefixes(self) -> None:
+        """Let :meth:`insert` take ``cached_block_ids`` (prefix caching): the batched row reset
+        then stages each inserted row's block ids (one ``[R + 1, MB]`` section more in its copy)."""
+        self._cached_prefixes = True
+        self._row_staging = None  # its layout gains a section
 
     def add_device_rows(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype, fill: float = 0,
                         set_on_insert: bool = False, kv_start: bool = False) -> torch.Tensor:
@@ -268,6 +275,8 @@ class RequestTable:
         if sorted(row_values) != sorted(given_rows):
             raise ValueError(f"row_values must name the rows {sorted(given_rows)}, got {sorted(row_values)}")
         cached_block_ids = [int(block_id) for block_id in cached_block_ids]
+        if cached_block_ids and not self._cached_prefixes:
+            raise ValueError("cached_block_ids needs enable_cached_prefixes() first")
         if len(cached_block_ids) > self.shape.max_blocks_per_request:
             raise ValueError(f"cached_block_ids has {len(cached_block_ids)} blocks, a request holds at most "
                              f"{self.shape.max_blocks_per_request}")
@@ -298,7 +307,8 @@ class RequestTable:
         count = len(self._pending_inserts)
         for index, (request_id, (prefill, mamba_slot_id, values, kv_length)) in enumerate(self._pending_inserts.items()):
             host["insert_rows"][index] = self._row_of[request_id]
-            host["insert_block_ids"][index] = self.host.block_ids[self._row_of[request_id]]  # -1 but a cached prefix
+            if self._cached_prefixes:
+                host["insert_block_ids"][index] = self.host.block_ids[self._row_of[request_id]]  # -1 but a cached prefix
             host["insert_fields"][:, index] = self._fresh_fields
             host["insert_fields"][_KV_LENGTH_FIELD, index] = kv_length
             host["insert_fields"][_PREFILL_FIELD, index] = prefill
@@ -310,7 +320,10 @@ class RequestTable:
         device = staging.device
         rows = device["insert_rows"][:count]  # [n] int64
         self._device_fields.index_copy_(1, rows, device["insert_fields"][:, :count])
-        self._device_block_ids.index_copy_(0, rows, device["insert_block_ids"][:count])
+        if self._cached_prefixes:
+            self._device_block_ids.index_copy_(0, rows, device["insert_block_ids"][:count])
+        else:
+            self._device_block_ids.index_fill_(0, rows, -1)
         for name in self._set_on_insert:
             self._device_rows[name].index_copy_(0, rows, device[name][:count])
 
@@ -396,9 +409,10 @@ class RequestTable:
         if self._row_staging is None:
             rows = self.shape.max_requests + 1
             sections = {"insert_rows": ((rows,), torch.int64), "insert_fields": ((len(DEVICE_FIELDS), rows), torch.int64),
-                        "insert_block_ids": ((rows, self.shape.max_blocks_per_request), torch.int64),
                         "move_sources": ((rows,), torch.int64), "move_targets": ((rows,), torch.int64)}
             sections.update({name: ((rows,), self._device_rows[name].dtype) for name in self._set_on_insert})
+            if self._cached_prefixes:
+                sections["insert_block_ids"] = ((rows, self.shape.max_blocks_per_request), torch.int64)
             # a few host buffers: a call's copy may wait behind the step in flight; the buffer it
             # read is written again only calls later (joins, leaves, and moves of many rows)
             self._row_staging = StagingBuffers(sections, self._device_fields.device, num_host_buffers=4)

@@ -324,6 +324,9 @@ def test_insert_with_cached_blocks_starts_past_them():
     its KV length starts past them, ``kv_start`` rows take that length; others start at 0."""
     table = make_table()
     start = table.add_device_rows("start", (), torch.int64, kv_start=True)
+    with pytest.raises(ValueError, match="enable_cached_prefixes"):
+        table.insert(7, RowGroup.PREFILL, cached_block_ids=[5, 2])
+    table.enable_cached_prefixes()
     table.insert(7, RowGroup.PREFILL, cached_block_ids=[5, 2])
     table.insert(8, RowGroup.PREFILL)
     table.write_inserted_rows()
