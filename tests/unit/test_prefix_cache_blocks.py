@@ -1,5 +1,5 @@
 """Reference-counted, content-addressed KV blocks (KVBlockAllocator + PrefixCache), as a
-hypothesis state machine over attach / write / free / evict / preempt: no block is handed out
+hypothesis state machine over attach / write / free / evict / preempt / abandon: no block is handed out
 while referenced, none leaks, and a cached block's content never changes while it is cached."""
 
 import numpy as np
@@ -88,6 +88,13 @@ class PrefixBlocks(RuleBasedStateMachine):
         for block_id in taken:
             self.memory[block_id] = ()
         self.pool.release(taken)
+
+    @rule()
+    def abandon(self):
+        """Steps in flight failed (``context.abandon_steps_in_flight``): every key is forgotten;
+        held blocks stay held, cached free ones become plain free blocks."""
+        self.pool.drop_cached()
+        assert self.pool.num_cached_blocks == 0 and self.pool.cached_blocks() == {}
 
     @invariant()
     def counts_match_holders(self):
