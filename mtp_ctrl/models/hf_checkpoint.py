@@ -141,8 +141,17 @@ class ParameterSource:
     def __init__(self, parameter_name: str, rule: TensorRule, prefix: str, expert: int = -1):
         self.parameter_name = parameter_name
         self.layout = rule.layout
-        self.hf_names = tuple(prefix + name.format(e=expert) for name in rule.hf_names)
+        self.hf_names = self.names_for_expert(rule, prefix, expert)
         self.is_expert = expert >= 0
+        self._rule, self._prefix = rule, prefix
+
+    @staticmethod
+    def names_for_expert(rule: TensorRule, prefix: str, expert: int) -> Tuple[str, ...]:
+        return tuple(prefix + name.format(e=expert) for name in rule.hf_names)
+
+    def other_experts_names(self, num_experts: int) -> List[str]:
+        """The same tensors of every expert (other expert-parallel ranks read theirs)."""
+        return [name for expert in range(num_experts) for name in self.names_for_expert(self._rule, self._prefix, expert)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +286,8 @@ def plan_load(model: GPTModel, family: HFFamily, settings: ModelSettings, shards
                 raise ValueError(f"tensor {hf_name!r} has shape {list(found)}, expected {list(shape)} from "
                                  f"config.json (parameter {name})")
             used.add(hf_name)
+        if source.is_expert:
+            used.update(source.other_experts_names(model.config.num_moe_experts))
         sources.append(source)
     copies = []
     for depth in range(model.config.mtp_num_layers or 0):

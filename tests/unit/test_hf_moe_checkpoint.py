@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
@@ -24,10 +25,12 @@ from tests.unit.megatron_fixtures import (  # noqa: E402
     BLOCK_SIZE_TOKENS,
     NUM_BLOCKS,
     ensure_single_process_groups,
+    free_port,
     random_sequences,
     run_paged_schedule,
     shifted_tokens,
 )
+from tests.unit.megatron_fixtures import torch_twins as use_torch_twins  # noqa: E402
 
 TOLERANCE = dict(atol=3e-5, rtol=1e-4)
 FAMILIES = tuple(hf_moe_fixtures.FAMILIES)
@@ -66,6 +69,52 @@ def test_logits_match_transformers(checkpoints, family):
         for depth in range(hf_moe_fixtures.NEXTN_DEPTH):
             for ours, theirs in zip(mtp_logits[depth], reference[depth]):
                 torch.testing.assert_close(ours, theirs, **TOLERANCE)
+
+
+def _parallel_worker(rank, world_size, port, tensor_parallel_size, expert_parallel_size, directories, expected_path):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                             expert_model_parallel_size=expert_parallel_size)
+    try:
+        expected = torch.load(expected_path)
+        for family, directory in directories.items():
+            model = load_hf_checkpoint(directory, tp=tensor_parallel_size, device="cpu")
+            with use_torch_twins():  # the subject is which weights each rank reads, not the kernels
+                decoder_logits, mtp_logits = paged_logits(model)
+            for ours, theirs in zip(decoder_logits, expected[family]["decoder"]):
+                torch.testing.assert_close(ours, theirs, **TOLERANCE)
+            for depth, per_request in enumerate(expected[family]["mtp"]):
+                for ours, theirs in zip(mtp_logits[depth], per_request):
+                    torch.testing.assert_close(ours, theirs, **TOLERANCE)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tensor_parallel_size, expert_parallel_size, families", [
+    (2, 1, ("glm4_moe", "deepseek_v3")), (1, 2, ("deepseek_v3",))], ids=["tp2", "ep2"])
+def test_parallel_load_matches_transformers(checkpoints, tmp_path, tensor_parallel_size, expert_parallel_size,
+                                            families):
+    """Two gloo ranks each read their part: TP 2 splits heads (fused QKV with biases), the MLA
+    projections, the shared and routed experts (expert TP) and the vocabulary; EP 2 gives each rank
+    its 2 of the 4 experts (decoder and MTP layers). Qwen3-MoE shares GLM-4.5's TP rules."""
+    sequences = random_sequences(seed=0)
+    expected, directories = {}, {}
+    with torch.no_grad():
+        for family in families:
+            directory, hf_model, mtp_models = checkpoints[family]
+            directories[family] = str(directory)
+            expected[family] = {
+                "decoder": [hf_model(tokens[None]).logits[0] for tokens in sequences],
+                "mtp": [] if mtp_models is None else
+                hf_moe_fixtures.reference_mtp_logits(hf_model, mtp_models, sequences, shifted_tokens)}
+    path = tmp_path / "expected.pt"
+    torch.save(expected, path)
+    mp.spawn(_parallel_worker, args=(2, free_port(), tensor_parallel_size, expert_parallel_size, directories,
+                                     str(path)), nprocs=2, join=True)
 
 
 def _generate(model, prompts, num_speculative_tokens, new_tokens, **sampling):
