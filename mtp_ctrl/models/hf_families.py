@@ -525,7 +525,7 @@ def resolve_family(config: Mapping[str, Any]) -> HFFamily:
     architectures = tuple(config.get("architectures") or ())
     if any("eagle" in name.lower() for name in architectures):
         raise UnsupportedCheckpointError(f"architecture {list(architectures)} is an EAGLE draft head, not a target "
-                                         "model; EAGLE-3 heads in the EAGLE/SpecForge layout do not load yet")
+                                         "model: load it with mtp_ctrl.models.load_eagle3_head(path, target)")
     for family in FAMILIES:  # by architecture; by model_type only when config.json names none
         if set(architectures) & set(family.architectures) or (not architectures and model_type in family.model_types):
             return family
