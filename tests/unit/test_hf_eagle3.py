@@ -207,3 +207,23 @@ def test_bad_heads_are_refused_by_name(setup, tmp_path, edit, config_fields, nam
     model = load_hf_checkpoint(target_dir, device="cpu")
     with pytest.raises((ValueError, UnsupportedCheckpointError), match=named):
         load_eagle3_head(directory, model)
+
+
+def test_generate_script_drafts_with_the_head(setup, tmp_path):
+    """``examples/generate.py --hf DIR --proposer eagle --draft-hf DIR2``: text in, both modes agree."""
+    import shutil
+
+    from tests.unit.test_scripts import run_script
+
+    target_dir, _, head_dir, _, _ = setup
+    target = shutil.copytree(target_dir, tmp_path / "target")
+    hf_fixtures.write_tokenizer(target)
+    path = tmp_path / "metrics.json"
+    result = run_script("examples/generate.py", "--hf", str(target), "--proposer", "eagle", "--draft-hf", str(head_dir),
+                        "--device", "cpu", "--prompt", "the quick brown fox", "--num-prompts", "1",
+                        "--max-new-tokens", "4", "--repeats", "1", "--metrics-json", str(path), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "EAGLE-3 head from head" in result.stdout
+    assert json.loads(path.read_text())["comparison"]["outputs_identical"] is True
+    result = run_script("examples/generate.py", "--hf", str(target), "--proposer", "eagle", timeout=60)
+    assert result.returncode == 2 and "--draft-hf" in result.stderr
