@@ -151,7 +151,8 @@ class ParameterSource:
 
     def other_experts_names(self, num_experts: int) -> List[str]:
         """The same tensors of every expert (other expert-parallel ranks read theirs)."""
-        return [name for expert in range(num_experts) for name in self.names_for_expert(self._rule, self._prefix, expert)]
+        return [name for expert in range(num_experts)
+                for name in self.names_for_expert(self._rule, self._prefix, expert)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -146,7 +146,8 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tens
 
 
 @torch.no_grad()
-def nextn_mtp_reference(layer_model, hidden: torch.Tensor, next_tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def nextn_mtp_reference(layer_model, hidden: torch.Tensor,
+                        next_tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """One MTP depth over one sequence, DeepSeek-V3's published layout:
     ``eh_proj(cat(enorm(embed(next)), hnorm(hidden)))`` -> the decoder layer (``transformers``' own,
     run as a one-layer model on ``inputs_embeds``, its final norm = ``shared_head.norm``) -> the
