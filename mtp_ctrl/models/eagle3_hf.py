@@ -215,6 +215,9 @@ def load_eagle3_head(path: Union[str, os.PathLike], target: GPTModel) -> Eagle3H
     tensor or an unsupported field; nothing half-loaded is returned."""
     if not isinstance(target, GPTModel):
         raise TypeError(f"target must be a megatron.core GPTModel, got {type(target).__name__}")
+    if target.config.multi_latent_attention:
+        raise UnsupportedCheckpointError("EAGLE-3 heads attend with the target's rotary tables; an MLA target "
+                                         "(DeepSeek-V3) has none: draft with its MTP layers")
     if not Path(path).is_dir():
         raise FileNotFoundError(f"{path} is not a directory (an EAGLE-3 head directory is expected)")
     config = read_hf_config(path)

@@ -395,9 +395,11 @@ def load_hf_checkpoint(path: Union[str, os.PathLike], tp: Optional[int] = None, 
 
     ``path``: a directory with ``config.json`` and safetensors weights (``model.safetensors`` or
     shards with ``model.safetensors.index.json``), as ``save_pretrained`` writes them. Families:
-    :data:`mtp_ctrl.models.hf_families.FAMILIES` (Llama-3, Qwen2, Qwen3, MiMo with its MTP layers).
+    :data:`mtp_ctrl.models.hf_families.FAMILIES` (Llama-3, Qwen2, Qwen3, MiMo, Qwen3-MoE, GLM-4.5,
+    DeepSeek-V3; every MTP layer the checkpoint ships).
     ``tp``: the tensor-parallel size, which must be parallel_state's (default: parallel_state's);
-    each rank reads only its shard. ``device``: where the weights live (default: CUDA when
+    each rank reads only its shard (MoE experts: parallel_state's expert-parallel rank reads its own
+    experts, megatron's placement). ``device``: where the weights live (default: CUDA when
     available). ``dtype``: the parameters' dtype (default: the checkpoint's ``dtype``).
 
     The model is in eval mode, ready for :class:`~mtp_ctrl.models.PagedGPTRunner` and the

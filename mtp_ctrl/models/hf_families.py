@@ -6,6 +6,10 @@ model (:func:`mtp_ctrl.models.build_gpt_model`, megatron's local layer spec) com
 Hugging Face tensors, and in which layout (:class:`Layout`). The loader
 (:mod:`mtp_ctrl.models.hf_checkpoint`) applies the table; nothing else maps names.
 
+The MoE and MLA families (Qwen3-MoE, GLM-4.5, DeepSeek-V3) add the tables ``MOE_MLP_TABLE``,
+``MLA_LAYER_TABLE`` and ``NEXTN_MTP_TABLE`` below (experts, routing, multi-latent attention, the
+MTP layers after the last decoder layer); docs/hf_checkpoints.md explains each.
+
 Layouts every dense family here shares (Llama-3, Qwen2, Qwen3, MiMo's Qwen2 trunk):
 
 - **Fused QKV**: megatron's ``linear_qkv`` holds, per query group g, that group's query heads,

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
@@ -27,6 +28,8 @@ from tests.unit.megatron_fixtures import (  # noqa: E402
     VOCAB_SIZE,
     allocate_kv_caches,
     ensure_single_process_groups,
+    free_port,
+    init_process_groups,
     make_metadata,
     random_sequences,
     shifted_tokens,
@@ -136,21 +139,49 @@ def eagle3_step_reference(hf_target, w, target_ids, tokens):
     return logits
 
 
-def test_first_draft_step_matches_reference(setup):
-    target_dir, hf_target, head_dir, tensors, target_ids = setup
-    model = load_hf_checkpoint(target_dir, device="cpu")
+def first_step_logits(target_dir, head_dir, tokens, tp: int = 1):
+    """The loaded head's step-1 logits ``[T, V]`` over one prefilled sequence (this TP rank's run)."""
+    model = load_hf_checkpoint(target_dir, tp=tp, device="cpu")
     head = load_eagle3_head(head_dir, model)
     assert head.aux_layer_ids == (0, 1, 2)
     runner = PagedGPTRunner(model)
     runner.set_aux_layers(head.aux_layer_ids)
-    tokens = random_sequences(seed=0)[0]
     metadata = make_metadata([BLOCK_TABLES[0]], [(0, tokens.shape[0])])
     with torch.no_grad():
         runner.forward(tokens, metadata.positions, metadata,
                        runner.kv_cache_spec(torch.float32).allocate(NUM_BLOCKS, BLOCK_SIZE_TOKENS, "cpu"))
-        head_cache = allocate_kv_caches(1, NUM_BLOCKS, KV_HEADS, HEAD_DIM)
+        head_cache = allocate_kv_caches(1, NUM_BLOCKS, KV_HEADS // tp, HEAD_DIM)
         logits, _ = runner.eagle_forward(head, head.project_aux(runner.aux_hidden), shifted_tokens(tokens, 1),
                                          metadata.positions, metadata, head_cache)
+    return logits
+
+
+def _tp_worker(rank, world_size, port, target_dir, head_dir, expected_path):
+    from megatron.core import parallel_state
+
+    init_process_groups(rank, world_size, port, world_size)
+    try:
+        tokens, expected = torch.load(expected_path)
+        torch.testing.assert_close(first_step_logits(target_dir, head_dir, tokens, tp=world_size), expected,
+                                   **TOLERANCE)
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def test_tp2_matches_reference(setup, tmp_path):
+    """Two gloo ranks: the head's fused 2H-input QKV, MLP and draft-vocabulary head split over TP."""
+    target_dir, hf_target, head_dir, tensors, target_ids = setup
+    tokens = random_sequences(seed=0)[0]
+    path = tmp_path / "expected.pt"
+    torch.save((tokens, eagle3_step_reference(hf_target, tensors, target_ids, tokens)), path)
+    mp.spawn(_tp_worker, args=(2, free_port(), str(target_dir), str(head_dir), str(path)), nprocs=2, join=True)
+
+
+def test_first_draft_step_matches_reference(setup):
+    target_dir, hf_target, head_dir, tensors, target_ids = setup
+    tokens = random_sequences(seed=0)[0]
+    logits = first_step_logits(target_dir, head_dir, tokens)
     reference = eagle3_step_reference(hf_target, tensors, target_ids, tokens)
     off_vocabulary = torch.ones(VOCAB_SIZE, dtype=torch.bool)
     off_vocabulary[target_ids] = False
