@@ -258,3 +258,23 @@ def test_generate_script_drafts_with_the_head(setup, tmp_path):
     assert json.loads(path.read_text())["comparison"]["outputs_identical"] is True
     result = run_script("examples/generate.py", "--hf", str(target), "--proposer", "eagle", timeout=60)
     assert result.returncode == 2 and "--draft-hf" in result.stderr
+
+
+@pytest.mark.parametrize("module", ["generate", "serve"])
+def test_draft_hf_flag_combinations_are_checked(setup, module, capsys):
+    """--draft-hf goes with --hf and --proposer eagle; --hf --proposer eagle needs it."""
+    import importlib
+
+    parse_args = importlib.import_module(f"mtp_ctrl.cli.{module}").parse_args
+    target_dir, _, head_dir, _, _ = setup
+    for argv, named in ((["--random-weights", "--draft-hf", str(head_dir)], "--draft-hf goes with --hf"),
+                        (["--hf", str(target_dir), "--proposer", "eagle"], "needs --draft-hf"),
+                        (["--hf", str(target_dir), "--draft-hf", str(head_dir)], "goes with --proposer eagle"),
+                        (["--hf", str(target_dir), "--proposer", "ptd"], "--draft-hf"),
+                        (["--hf", str(target_dir), "--proposer", "eagle", "--draft-hf", str(target_dir / "none")],
+                         "not an EAGLE-3 head directory")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert named in capsys.readouterr().err
+    args = parse_args(["--hf", str(target_dir), "--proposer", "eagle", "--draft-hf", str(head_dir)])
+    assert args.draft_hf == str(head_dir)
