@@ -21,7 +21,7 @@ def test_sampled_on_equals_off_under_preemption_and_eviction(models, torch_twins
     model, _ = models
     prompts = shared_prompts(9, seed=1)
     params = [SamplingParams(max_new_tokens=6, temperature=0.9, top_k=30, seed=100 + i) for i in range(len(prompts))]
-    small = dict(num_kv_blocks=12, max_requests=4)
+    small = dict(num_kv_blocks=10, max_requests=4)  # one full-length request's worth: preemptions
     off = run_staggered(make_controller(model, 2, **small), prompts, params, stagger=1)
     controller = make_controller(model, 2, prefix_caching=True, **small)
     on = run_staggered(controller, prompts, params, stagger=1)
