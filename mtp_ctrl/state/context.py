@@ -121,6 +121,7 @@ class DynamicInferenceContext:
         # after a preemption; the controller's OutputRows.prompt_lengths is the original prompt's)
         self._prefill_token_counts = self.table.add_host_rows("prefill_token_counts", ())
         self._step_buffers = StepBuffers(self.table, shape.max_tokens_per_step, self.scheduler.max_block_writes_per_step)
+        self._step_buffers.gathers_mamba_rows = self.mamba is not None
         self._block_writes = []  # [3, k] int64 arrays (row, column, block id) not yet sent to the device
         # request id -> [P] int64: the tokens its prefill computes (the prompt, plus the output so far
         # for a preempted request); the controller's RequestRecord keeps the prompt and the output
@@ -305,7 +306,7 @@ class DynamicInferenceContext:
             max_seq_len = int(host.block_counts[:num_requests].max()) * self.shape.block_size_tokens
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
-        step = self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded,
+        step = self._step_buffers.build(np.arange(num_requests), query_lengths, num_decode, chunks, final_chunk_count, padded,
                                         block_writes, max_seq_len, next_prompt_token, num_steps)
         self._steps_in_flight.append(step)
         return step
@@ -388,7 +389,7 @@ class DynamicInferenceContext:
         if num_steps not in self.scheduler.run_lengths or (num_steps > 1 and shape.has_prefill):
             raise ValueError(f"num_steps {num_steps}: decode runs have {self.scheduler.run_lengths} steps, and only "
                              "decode-only shapes run several")
-        return self._step_buffers.build(np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
+        return self._step_buffers.build(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
                                         self.shape.max_blocks_per_request * self.shape.block_size_tokens, num_steps=num_steps)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:

@@ -82,15 +82,15 @@ class RowGroup(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class RequestRows:
-    """Views of every device row of the table; index with ``[:n]``."""
+    """Views of every device row of the table, the scratch slot ``R`` last."""
 
-    kv_length_offsets: torch.Tensor  # [R] int64
-    last_kv_block_offset: torch.Tensor  # [R] int64
-    kv_block_counts: torch.Tensor  # [R] int64
-    last_kv_block_id: torch.Tensor  # [R] int64
-    prefill_status: torch.Tensor  # [R] int64
-    mamba_slot_ids: torch.Tensor  # [R] int64
-    kv_block_ids: torch.Tensor  # [R, MB] int64, -1 = none
+    kv_length_offsets: torch.Tensor  # [R + 1] int64
+    last_kv_block_offset: torch.Tensor  # [R + 1] int64
+    kv_block_counts: torch.Tensor  # [R + 1] int64
+    last_kv_block_id: torch.Tensor  # [R + 1] int64
+    prefill_status: torch.Tensor  # [R + 1] int64
+    mamba_slot_ids: torch.Tensor  # [R + 1] int64
+    kv_block_ids: torch.Tensor  # [R + 1, MB] int64, -1 = none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +137,8 @@ class RequestTable:
             prefill_status=self.add_host_rows("prefill_status", ()),
             mamba_slot_ids=self.add_host_rows("mamba_slot_ids", (), fill=-1),
         )
-        self.device = RequestRows(kv_block_ids=self._device_block_ids[:max_requests],
-                                  **{name: self._device_fields[i, :max_requests] for i, name in enumerate(DEVICE_FIELDS)})
+        self.device = RequestRows(kv_block_ids=self._device_block_ids,
+                                  **{name: self._device_fields[i] for i, name in enumerate(DEVICE_FIELDS)})
         for index, name in enumerate(DEVICE_FIELDS):
             self._device_fields[index].fill_(self._fresh_value(name))
         self.next_tokens = self.add_device_rows("next_tokens", (), torch.int64)  # [R] int64
@@ -160,6 +160,12 @@ class RequestTable:
                                          device=self._device_fields.device)  # [F, 1] int64: a free row's fields
         self._free_block = scratch_block
         self.reset_free_rows()
+        self.reset_free_rows(self._scratch_row, self._scratch_row + 1)  # padding requests use the scratch slot
+
+    @property
+    def scratch_block(self) -> int:
+        """The KV block free and scratch slots point at (-1 until :meth:`set_free_row_targets`)."""
+        return self._free_block
 
     def reset_free_rows(self, start: Optional[int] = None, end: Optional[int] = None) -> None:
         """Point the device rows ``[start, end)`` (default: every free row) at the scratch block and
