@@ -2,18 +2,20 @@
 
 Letters: R = max_requests, T = query rows, G = requests of the step's grid, MB = max blocks.
 
-Rows are packed request by request in table order: every decode request has ``1 + S`` rows
+Rows are packed request by request in step order: every decode request has ``1 + S`` rows
 (its base token, then its drafts), then every prefill request its chunk. The host knows how
 many rows each request has; the device knows where they are (a decode request's KV length is
 the device's, see ``request_table``). So the work is split:
 
 - the host stages ``query_start_loc``, the prefill chunks' tokens, ``logits_indices``, the real
-  counts (requests, decode requests, sampling requests) and the new blocks (``(row, column, id)``
+  counts (requests, decode requests, sampling requests), each request's table slot
+  (``slot_ids``; padding -> the scratch slot) and the new blocks (``(slot, column, id)``
   writes), in one host-to-device copy;
 - :meth:`StepBuffers.prepare_inputs`, run on the device at the start of the step (inside its
-  CUDA graph), writes the new blocks, grows each request's KV length by
-  its rows, and derives ``positions``, ``slot_mapping``, ``seq_lens`` and the decode rows'
-  tokens (``next_tokens``, ``draft_tokens``).
+  CUDA graph), writes the new blocks, grows each request's KV length (at its slot) by its
+  rows, and derives ``positions``, ``slot_mapping``, ``seq_lens``, the step's block table (row r
+  = the block row of request r's slot) and the decode rows' tokens (``next_tokens``,
+  ``draft_tokens`` of their slots).
 
 Example, ``S = 1``, ``block_size_tokens = 4``; request 0 decodes with 6 tokens cached in blocks
 ``[3, 5]``, request 1 prefills the final chunk ``t4 t5 t6`` of a 7-token prompt (block ``0``
@@ -57,8 +59,8 @@ class StepMetadata:
     attention: AttentionMetadata  # B = dimensions.request_count, T = dimensions.token_count
     input_ids: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [K] int64, packed rows whose logits are computed, in order
-    request_ids: Tuple[int, ...]  # the real requests, in row order (table rows [0, num_requests))
-    num_decode: int  # real decode requests (rows [0, num_decode) of the table)
+    request_ids: Tuple[int, ...]  # the real requests, in step order (decode requests first)
+    num_decode: int  # real decode requests (the step's first requests)
     num_prefill: int  # prefill requests after them
     num_final_prefill_chunks: int  # the first this many prefill requests finish their prompt
     dimensions: BatchDimensions  # the grid, padded to a CUDA-graph shape when one covers the step
@@ -69,6 +71,7 @@ class StepMetadata:
     device_request_ids: torch.Tensor  # [G] int64 on the device: each request's id, -1 for padding
     slot_ids: torch.Tensor  # [G] int64 on the device: each request's table slot, the scratch slot for padding
     host_slot_ids: np.ndarray  # [num_requests] int64: the real requests' table slots, in step order
+    host_request_ids: np.ndarray  # [num_requests] int64: ``request_ids`` as an array
     mamba_slot_ids: torch.Tensor  # [G] int64 on the device: each request's Mamba slot (set by prepare_inputs;
     # -1 without Mamba layers)
     prefill_status: torch.Tensor  # [G] int64 on the device: 1 for a prefill request (set by prepare_inputs
@@ -172,8 +175,8 @@ class StepBuffers:
             raise ValueError(f"a decode run ({num_steps} steps) holds decode requests only")
         steady_key = None
         if padded is not None and not prefill_chunks and num_final_prefill_chunks == 0:
-            # row moves and removals bump num_moves; a join or a pause changes the counts
-            steady_key = (num_requests, num_decode, padded, max_seq_len, self.table.num_moves, num_steps)
+            # the slots and their requests are compared in _steady_step
+            steady_key = (num_requests, num_decode, padded, max_seq_len, num_steps)
             step = self._steady_step(steady_key, slot_ids, block_writes)
             if step is not None:
                 return step
@@ -246,6 +249,7 @@ class StepBuffers:
             device_request_ids=device["request_ids"][:batch_size],
             slot_ids=device["slot_ids"][:batch_size],
             host_slot_ids=slot_ids.copy(),
+            host_request_ids=request_ids,
             mamba_slot_ids=self.mamba_slot_ids[:batch_size],
             prefill_status=self.prefill_status[:batch_size],
             host_query_start_loc=torch.from_numpy(query_start_loc),
