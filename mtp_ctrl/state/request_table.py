@@ -318,6 +318,7 @@ class RequestTable:
             self.host.request_ids[slot] = -1
             self.host.block_counts[slot] = 0
             self.host.block_ids[slot] = -1
+            self.host.mamba_slot_ids[slot] = -1
             freed.append(slot)
         self._free_slots = sorted(self._free_slots + freed, reverse=True)  # the lowest slot is taken first
         self.reset_free_rows(freed)
