@@ -134,13 +134,13 @@ class StepBuffers:
             "next_prompt_token": ((1,), torch.int64),
             "request_ids": ((R,), torch.int64),
             "slot_ids": ((R,), torch.int64),  # each request's table slot, the scratch slot for padding
-            "block_writes": ((3, max_block_writes), torch.int64),  # rows: table row, column, block id
+            "block_writes": ((3, max_block_writes), torch.int64),  # rows: table slot, column, block id
         }, device)
-        # A steady decode step (the same graph shape, requests and rows as the step before) stages
+        # A steady decode step (the same graph shape, requests and slots as the step before) stages
         # the same sections as that step but its block writes: it reuses that step's metadata and
         # rewrites only the block writes. Per host buffer: the steady key its sections were written for.
         self._buffer_keys: List[Optional[tuple]] = [None] * self.staging.num_host_buffers
-        self._steady: Optional[Tuple[tuple, np.ndarray, StepMetadata]] = None  # key, request ids, step
+        self._steady: Optional[Tuple[tuple, StepMetadata]] = None  # the last steady step: key, metadata
         self.positions = torch.zeros(max_tokens_per_step, dtype=torch.int64, device=device)  # [T] int64
         self.slot_mapping = torch.full((max_tokens_per_step,), -1, dtype=torch.int64, device=device)  # [T] int64
         self.seq_lens = torch.zeros(R, dtype=torch.int32, device=device)  # [R] int32
@@ -173,11 +173,13 @@ class StepBuffers:
         num_requests = query_lengths.shape[0]
         if num_steps > 1 and num_decode != num_requests:
             raise ValueError(f"a decode run ({num_steps} steps) holds decode requests only")
+        request_ids = self.table.host.request_ids[slot_ids]  # [n] int64
         steady_key = None
         if padded is not None and not prefill_chunks and num_final_prefill_chunks == 0:
-            # the slots and their requests are compared in _steady_step
-            steady_key = (num_requests, num_decode, padded, max_seq_len, num_steps)
-            step = self._steady_step(steady_key, slot_ids, block_writes)
+            # the same requests in the same slots, so every section but the block writes is the same
+            steady_key = (num_requests, num_decode, padded, max_seq_len, num_steps, slot_ids.tobytes(),
+                          request_ids.tobytes())
+            step = self._steady_step(steady_key, block_writes)
             if step is not None:
                 return step
         stride = self.table.shape.stride
@@ -207,7 +209,6 @@ class StepBuffers:
         logits_indices[decode_rows + num_final_prefill_chunks :] = 0
         host["counts"][:] = (num_requests, num_decode, num_sampling)
         host["next_prompt_token"][0] = next_prompt_token
-        request_ids = self.table.host.request_ids[slot_ids]  # [n] int64
         host["request_ids"][:num_requests] = request_ids
         host["request_ids"][num_requests:batch_size] = -1
         host["slot_ids"][:num_requests] = slot_ids
@@ -256,19 +257,16 @@ class StepBuffers:
             host_first_positions=torch.from_numpy(host_first_positions),
             num_steps=num_steps,
         )
-        self._steady = None if steady_key is None else (steady_key, request_ids, step)
+        self._steady = None if steady_key is None else (steady_key, step)
         return step
 
-    def _steady_step(self, key: tuple, slot_ids: np.ndarray, block_writes: np.ndarray) -> Optional[StepMetadata]:
-        """The last step's metadata when this step is the same decode step (``key``, slots and
-        request ids equal, and the current host buffer staged for it): only the block writes are
-        staged and sent. None otherwise."""
+    def _steady_step(self, key: tuple, block_writes: np.ndarray) -> Optional[StepMetadata]:
+        """The last step's metadata when this step is the same decode step (``key`` equal: shape,
+        slots and their requests) and the current host buffer was staged for that key too: only
+        the block writes are staged and sent. None otherwise."""
         if self._steady is None or self._steady[0] != key or self._buffer_keys[self.staging.current_buffer] != key:
             return None
-        _, request_ids, step = self._steady
-        if not (np.array_equal(step.host_slot_ids, slot_ids) and
-                np.array_equal(request_ids, self.table.host.request_ids[slot_ids])):
-            return None
+        step = self._steady[1]
         self._stage_block_writes(block_writes)
         self.staging.copy_to_device()
         return step

@@ -414,7 +414,7 @@ def test_a_result_taken_before_its_row_is_freed_does_not_push_out_another(models
 
 
 def test_steady_decode_steps_reuse_their_metadata_and_stay_equal_to_plain(models, torch_twins, monkeypatch):
-    """A graph-padded decode step with the same requests in the same rows as the step before
+    """A graph-padded decode step with the same requests in the same slots as the step before
     restages only its block writes (StepBuffers._steady_step). Under churn (arrivals, requests
     ending at different steps, a pool small enough to pause and preempt) the path is taken and
     the tokens still equal plain decoding; no block leaks."""
