@@ -4,7 +4,7 @@
 # Usage (device machine, repo root): bash bench/run_slots_gpu.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-timeout 165 python3 -m pytest tests/functional/test_step_glue_gpu.py tests/functional/test_overlap_gpu.py \
+timeout 150 python3 -m pytest tests/functional/test_step_glue_gpu.py tests/functional/test_overlap_gpu.py \
   tests/functional/test_state_gpu.py tests/functional/test_decode_runs_gpu.py tests/functional/test_graph_replay_gpu.py \
   tests/functional/test_controller_gpu.py -q -x -p no:cacheprovider -W ignore -k "not tp2" 2>&1 \
   | tee "$out/functional.log" | tail -15
