@@ -1,8 +1,8 @@
 """Proposers: what drafts the next S tokens of every request from verified state.
 
 A proposer is bound once (:meth:`Proposer.bind`) to a :class:`~mtp_ctrl.controllers.draft_context.DraftContext`
-(the target's forward entry points, the sampler, the engine's sizes, device rows of its own that
-move with their request, private KV caches), never to the controller, and is called once per
+(the target's forward entry points, the sampler, the engine's sizes, device rows of its own by
+table slot (a request keeps its slot while it lives), private KV caches), never to the controller, and is called once per
 step after verification with a :class:`DraftBatch`. It returns ``[G, S]`` int64 drafts for the
 step's grid (rows of requests that did not sample are ignored), without a host sync.
 :meth:`Proposer.on_step_scheduled` runs right after each step is launched (host values the
