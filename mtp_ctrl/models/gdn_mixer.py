@@ -169,7 +169,8 @@ class PagedGatedDeltaNet(MegatronModule):
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())  # [T, H] fp32 log decay
         beta = torch.sigmoid(b.float())  # [T, H] fp32
         weight = self.conv1d.weight[:, 0].float()  # [C, W]
-        conv_bias = self.conv1d.bias.float() if self.conv1d.bias is not None else self._zero_conv_bias
+        # fp32 (a bf16 model's conv bias, or the zero buffer model.to(bf16) cast, is cast back)
+        conv_bias = (self.conv1d.bias if self.conv1d.bias is not None else self._zero_conv_bias).float()
         ops = self._ops()
         o = None
         if mamba.has_prefill:

@@ -76,12 +76,12 @@ def make_slots(mixer, num_slots):
 def run(mixer, slots, hidden, decode_slots=(), prefill=()):
     """``prefill``: ((row_start, row_end, slot), ...) after the ``len(decode_slots) * (1 + S)`` decode rows."""
     def column(values):
-        return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor(values, dtype=torch.int64, device=hidden.device)
     segments = {} if not prefill else dict(
         prefill_row_start=column([a for a, _, _ in prefill]), prefill_row_count=column([b - a for a, b, _ in prefill]),
         prefill_slot_ids=column([slot for _, _, slot in prefill]))
     mamba = MambaForward(**slots, decode_slot_ids=column(list(decode_slots)), **segments)
-    metadata = make_metadata([list(range(8))], [(0, hidden.shape[0])])
+    metadata = make_metadata([list(range(8))], [(0, hidden.shape[0])], device=hidden.device)
     with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
         out, bias = mixer(hidden[:, None])
     assert bias is None
@@ -96,8 +96,10 @@ def full_sequence(theirs, hidden):
 
 def commit(slots, slot_ids, accepted):
     for intermediate, current in (("intermediate_conv_states", "conv_states"), ("intermediate_ssm_states", "ssm_states")):
-        mamba_state_selective_copy(slots[intermediate], slots[current], torch.zeros(len(slot_ids), dtype=torch.int64),
-                                   torch.tensor(slot_ids), torch.tensor(accepted), 1)
+        device = slots[current].device
+        mamba_state_selective_copy(slots[intermediate], slots[current],
+                                   torch.zeros(len(slot_ids), dtype=torch.int64, device=device),
+                                   torch.tensor(slot_ids, device=device), torch.tensor(accepted, device=device), 1)
 
 
 @pytest.mark.parametrize("splits", [(7, 2), (1, 9)], ids=["7_2", "1_9"])
@@ -165,3 +167,36 @@ def test_refuses_other_activations():
     ensure_single_process_groups()
     with pytest.raises(ValueError, match="activation_func"):
         PagedGatedDeltaNet(dataclasses.replace(gdn_config(), activation_func=F.gelu))
+
+
+def test_kernels_equal_twins_in_a_padded_mixed_bf16_step(layers):
+    """A bf16 copy of the mixer (as build_gpt_model casts a bf16 model) over one padded mixed
+    step: a decode request (slot 0), prefill chunks continuing slot 1 and starting slot 2, the
+    grid's other decode requests on scratch slot 4 with their rows past T; the interpreted Triton
+    ops (``mamba_kernels=True``) == the torch twins, outputs and every real slot's states."""
+    ours = PagedGatedDeltaNet(gdn_config(), layer_number=1).eval()
+    ours.load_state_dict(layers[0].state_dict())
+    ours = ours.to(torch.bfloat16)  # the zero conv-bias buffer too, as build_gpt_model's cast does
+    ours.mamba_layer_index = 0
+    generator = torch.Generator().manual_seed(21)
+    results = []
+    for kernels in (True, False):
+        ours.mamba_kernels = kernels
+        slots = make_slots(ours, 5)
+        for name in ("conv_states", "ssm_states"):
+            slots[name].copy_(torch.randn(slots[name].shape, generator=torch.Generator().manual_seed(4)) * 0.3)
+        hidden = torch.randn(1 + S + 8 + 2, HIDDEN, generator=generator.manual_seed(8)).to(torch.bfloat16)
+        starts = [0, 1 + S, 9 + S, 11 + S]
+        mamba = MambaForward(**slots, decode_slot_ids=torch.tensor([0, 4, 4, 4]),
+                             prefill_row_start=torch.tensor(starts), prefill_row_count=torch.tensor([0, 8, 2, 0]),
+                             prefill_slot_ids=torch.tensor([4, 1, 2, 4]))
+        metadata = make_metadata([list(range(8))], [(0, hidden.shape[0])])
+        with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
+            out = ours(hidden[:, None])[0][:, 0]
+        results.append((out.float(), slots))
+    (out_k, slots_k), (out_t, slots_t) = results
+    torch.testing.assert_close(out_k, out_t, rtol=2e-2, atol=2e-2)
+    for name in ("conv_states", "ssm_states"):
+        torch.testing.assert_close(slots_k[name][:, :3], slots_t[name][:, :3], rtol=1e-4, atol=1e-4)
+    for name in ("intermediate_conv_states", "intermediate_ssm_states"):
+        torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
