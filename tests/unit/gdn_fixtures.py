@@ -21,7 +21,7 @@ def gdn_config(mtp_num_layers: int = 2, tensor_parallel_size: int = 1, **overrid
     return tiny_config(mtp_num_layers=mtp_num_layers, tensor_parallel_size=tensor_parallel_size, **fields)
 
 
-def build_gdn_model(mtp_num_layers: int = 2, seed: int = 2468, tensor_parallel_size: int = 1):
+def build_gdn_model(mtp_num_layers: int = 2, seed: int = 2468, tensor_parallel_size: int = 1, **overrides):
     torch.manual_seed(seed)
-    return build_gpt_model(gdn_config(mtp_num_layers, tensor_parallel_size), VOCAB_SIZE, MAX_SEQUENCE_LENGTH,
+    return build_gpt_model(gdn_config(mtp_num_layers, tensor_parallel_size, **overrides), VOCAB_SIZE, MAX_SEQUENCE_LENGTH,
                            rotary_percent=0.5).eval()
