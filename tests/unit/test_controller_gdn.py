@@ -120,3 +120,17 @@ def test_padded_mixed_steps_with_pausing_equal_plain(model, plain_outputs, torch
     assert all(step.graph_padded for step in launched)
     assert any(step.num_decode and step.num_prefill for step in launched)  # 0-draft prompt ends beside verify rows
     _assert_released(controller)
+
+
+def test_builder_refuses_what_it_cannot_build():
+    from mtp_ctrl.models import build_gpt_model
+    from tests.unit.gdn_fixtures import gdn_config
+    from tests.unit.megatron_fixtures import MAX_SEQUENCE_LENGTH, VOCAB_SIZE
+
+    ensure_single_process_groups()
+    with pytest.raises(ValueError, match="disagrees with config.linear_attention_freq"):
+        build_gpt_model(gdn_config(), VOCAB_SIZE, MAX_SEQUENCE_LENGTH, layer_pattern="GGG*")
+    plain = gdn_config(experimental_attention_variant=None, linear_attention_freq=None, mamba_state_dim=8,
+                       mamba_head_dim=16, mamba_num_groups=2)
+    with pytest.raises(ValueError, match="mixes Mamba and Gated DeltaNet"):
+        build_gpt_model(plain, VOCAB_SIZE, MAX_SEQUENCE_LENGTH, layer_pattern="MG**")
