@@ -142,6 +142,19 @@ class PagedGatedDeltaNet(MegatronModule):
         # (PagedGPTRunner(mamba_kernels=...), as for Mamba mixers)
         self.mamba_kernels: Optional[bool] = None
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
+        """megatron ``GatedDeltaNet``'s own checkpoint layout (``A_log``, ``dt_bias`` and the conv split
+        over TP; ``in_proj.weight`` saved as its query, key, value, z, beta, alpha parts and the conv
+        as query, key, value), by megatron's method on this module's matching attributes, so
+        torch_dist checkpoints move between the two."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+        tp = self.in_proj.tp_group if getattr(self.in_proj, "tp_group", None) is not None \
+            else parallel_state.get_tensor_model_parallel_group()
+        view = _MegatronGDNView(self, ProcessGroupCollection(tp=tp))
+        return GatedDeltaNet.sharded_state_dict(view, prefix, sharded_offsets, metadata, tp_group)
+
     @property
     def conv_state_shape(self) -> Tuple[int, int]:
         return (self.conv_channels, self.conv_width - 1)
@@ -242,3 +255,24 @@ def _first_rows(values: torch.Tensor, count: int) -> torch.Tensor:
     if values.shape[0] >= count:
         return values[:count]
     return F.pad(values, (0, 0) * (values.dim() - 1) + (0, count - values.shape[0]))
+
+
+class _MegatronGDNView:
+    """The attributes megatron's ``GatedDeltaNet.sharded_state_dict`` reads, over a
+    :class:`PagedGatedDeltaNet` (its parameters and children are the mixer's own)."""
+
+    def __init__(self, mixer: PagedGatedDeltaNet, pg_collection):
+        self._mixer, self.pg_collection = mixer, pg_collection
+        self.tp_size = pg_collection.tp.size()
+        self.qk_dim = mixer.key_head_dim * mixer.num_key_heads
+        self.v_dim = mixer.value_head_dim * mixer.num_value_heads
+        self.num_value_heads = mixer.num_value_heads
+        self.in_proj_dim = 2 * self.qk_dim + 2 * self.v_dim + 2 * mixer.num_value_heads
+        self.conv_dim_local_tp = mixer.conv_channels
+        self.conv_bias = mixer.conv1d.bias is not None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._mixer._save_to_state_dict(destination, prefix, keep_vars)
+
+    def named_children(self):
+        return self._mixer.named_children()

@@ -134,3 +134,18 @@ def test_builder_refuses_what_it_cannot_build():
                        mamba_head_dim=16, mamba_num_groups=2)
     with pytest.raises(ValueError, match="mixes Mamba and Gated DeltaNet"):
         build_gpt_model(plain, VOCAB_SIZE, MAX_SEQUENCE_LENGTH, layer_pattern="MG**")
+
+
+def test_distributed_checkpoint_round_trip(model, tmp_path):
+    """save_distributed_checkpoint -> load_distributed_checkpoint into a model with other weights
+    gives back every parameter (the GDN layers through megatron GatedDeltaNet's layout)."""
+    import torch
+
+    from mtp_ctrl.models import load_distributed_checkpoint, save_distributed_checkpoint
+
+    save_distributed_checkpoint(model, tmp_path / "ckpt")
+    other = build_gdn_model(mtp_num_layers=MTP_DEPTH, seed=7)
+    load_distributed_checkpoint(other, tmp_path / "ckpt")
+    theirs = dict(other.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, theirs[name]), name

@@ -200,3 +200,25 @@ def test_kernels_equal_twins_in_a_padded_mixed_bf16_step(layers):
         torch.testing.assert_close(slots_k[name][:, :3], slots_t[name][:, :3], rtol=1e-4, atol=1e-4)
     for name in ("intermediate_conv_states", "intermediate_ssm_states"):
         torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoint_layout_is_megatrons(layers):
+    """The mixer's sharded state dict has megatron GatedDeltaNet's keys, shapes and splits (in_proj's
+    query .. alpha parts, the conv's query, key, value), so torch_dist checkpoints move between them."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    ours, theirs = layers
+
+    def layout(module):
+        described = {}
+        for key, value in module.sharded_state_dict(prefix="layer.").items():
+            if isinstance(value, ShardedTensorFactory):
+                parts = value.build()
+                described[key] = sorted((part.key, tuple(part.local_shape), tuple(part.global_offset)) for part in parts)
+            else:  # a ShardedTensor, or a ShardedObject (extra state)
+                described[key] = (type(value).__name__, value.key, tuple(getattr(value, "local_shape", ())),
+                                  tuple(value.global_shape))
+        return described
+
+    assert layout(ours) == layout(theirs)
+    assert any("in_proj.weight.alpha" in str(parts) for parts in layout(ours).values())
