@@ -65,6 +65,7 @@ from mtp_ctrl.models.checkpoint_record import check_megatron_args, check_record,
 CHECKPOINT_KEY_ALIASES: Tuple[Tuple[str, str], ...] = (
     ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
     ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+    ("self_attention.in_proj.layer_norm_", "input_layernorm."),  # Gated DeltaNet layers (megatron's GDN spec)
 )
 # Checkpoint tensors that are not the model's and are ignored (not "unexpected"): optimizer state
 # written next to the model by Megatron-LM's training loop.

@@ -113,6 +113,10 @@ def get_paged_gdn_layer_spec(normalization: Optional[str] = None, num_experts: O
     spec = _with_inference_router(use_fused_glue_layers(copy.deepcopy(
         get_gpt_layer_local_spec(num_experts=num_experts, normalization=normalization))))
     spec.submodules.self_attention = ModuleSpec(module=PagedGatedDeltaNet, params=dict(mixer_params))
+    # checkpoints spell the input norm as megatron's GDN spec does (fused into in_proj)
+    keys_map = dict(spec.submodules.sharded_state_dict_keys_map or {})
+    keys_map["input_layernorm."] = "self_attention.in_proj.layer_norm_"
+    spec.submodules.sharded_state_dict_keys_map = keys_map
     return spec
 
 

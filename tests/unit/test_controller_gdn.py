@@ -143,6 +143,8 @@ def test_distributed_checkpoint_round_trip(model, tmp_path):
 
     from mtp_ctrl.models import load_distributed_checkpoint, save_distributed_checkpoint
 
+    saved = model.sharded_state_dict()["decoder.layers.0.input_layernorm.weight"].key
+    assert saved.endswith("self_attention.in_proj.layer_norm_weight"), saved  # megatron's GDN spelling
     save_distributed_checkpoint(model, tmp_path / "ckpt")
     other = build_gdn_model(mtp_num_layers=MTP_DEPTH, seed=7)
     load_distributed_checkpoint(other, tmp_path / "ckpt")
