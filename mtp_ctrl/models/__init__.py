@@ -20,6 +20,7 @@ from mtp_ctrl.models.layer_specs import (
     get_paged_mla_layer_spec,
     get_paged_mtp_block_spec,
 )
+from mtp_ctrl.models.gdn_mixer import PagedGatedDeltaNet
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
 from mtp_ctrl.models.mla_attention import PagedMLACoreAttention, PagedMLASelfAttention
 from mtp_ctrl.models.moe import InferenceTopKRouter, has_moe_layers, moe_layer_pattern, moe_layers
@@ -42,6 +43,7 @@ __all__ = [
     "PagedGPTRunner",
     "PagedMLACoreAttention",
     "PagedMLASelfAttention",
+    "PagedGatedDeltaNet",
     "PagedMambaMixer",
     "assign_kv_layer_indices",
     "assign_mamba_layer_indices",

@@ -511,9 +511,11 @@ FAMILIES: Tuple[HFFamily, ...] = (
 # Families people hold whose layers this package does not build yet: model_type -> what is missing.
 REFUSED_FAMILIES: Mapping[str, str] = {
     "deepseek_v2": "DeepSeek-V2 (softmax routing over MLA): its name table is not written yet (DeepSeek-V3 loads)",
-    "qwen3_next": "Qwen3-Next needs Gated DeltaNet layers, which mtp_ctrl does not build yet",
-    "qwen3_5": "Qwen3.5 needs Gated DeltaNet layers, which mtp_ctrl does not build yet",
-    "qwen3_5_moe": "Qwen3.5 needs Gated DeltaNet layers, which mtp_ctrl does not build yet",
+    "qwen3_next": ("Qwen3-Next: the Gated DeltaNet layers are built (docs/gdn.md) but their Hugging Face names "
+                   "are not mapped yet"),
+    "qwen3_5": "Qwen3.5: the Gated DeltaNet layers are built (docs/gdn.md) but their Hugging Face names are not mapped",
+    "qwen3_5_moe": ("Qwen3.5: the Gated DeltaNet layers are built (docs/gdn.md) but their Hugging Face names "
+                    "are not mapped"),
     "mimo_v2_flash": "MiMo-V2-Flash needs sliding-window attention with attention sinks and MoE layers, "
                      "which mtp_ctrl does not build yet",
     "mistral": "Mistral checkpoints use sliding-window attention; their table is not written yet",

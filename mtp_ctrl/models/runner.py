@@ -154,10 +154,15 @@ class PagedGPTRunner:
 
     @property
     def mamba_spec(self) -> Optional[MambaSpec]:
-        """The state shapes of the model's Mamba layers (kept in fp32); None without Mamba layers."""
+        """The state shapes of the model's recurrent layers (Mamba-2 or Gated DeltaNet; kept in fp32);
+        None without such layers."""
         mixers = mamba_mixers(self.model)
         if not mixers:
             return None
+        shapes = {(mixer.conv_state_shape, mixer.ssm_state_shape) for mixer in mixers}
+        if len(shapes) != 1:
+            raise ValueError(f"the model's recurrent layers differ in state shape ({sorted(shapes)}): one set of "
+                             "state slots holds one shape")
         return MambaSpec(num_layers=len(mixers), conv_state_shape=mixers[0].conv_state_shape,
                          ssm_state_shape=mixers[0].ssm_state_shape, dtype=torch.float32)
 
