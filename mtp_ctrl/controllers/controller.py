@@ -47,6 +47,8 @@ from mtp_ctrl.controllers.acceptance import RejectionAcceptance, RequestSampling
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.draft_context import DraftContext
+from mtp_ctrl.controllers.draft_lengths import DraftLengths
+from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
@@ -65,7 +67,8 @@ StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted by the l
 
 
 class TextGenerationController:
-    def __init__(self, model, config: InferenceConfig, proposer: Optional[Proposer] = None, seed: int = 0):
+    def __init__(self, model, config: InferenceConfig, proposer: Optional[Proposer] = None, seed: int = 0,
+                 draft_policy: Optional[DraftLengthPolicy] = None):
         if not isinstance(config, InferenceConfig):
             raise TypeError(f"config must be an InferenceConfig, got {type(config).__name__}")
         self.config = config
@@ -100,6 +103,8 @@ class TextGenerationController:
             self.runner.cuda_graph_capturable
         self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
         self.metrics = GenerationMetrics(S)
+        # how many drafts each request makes per step (controllers/draft_policy.py; default: S each)
+        self._draft_lengths = DraftLengths(draft_policy, S, self._records_params)
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
@@ -145,21 +150,29 @@ class TextGenerationController:
             return 0
         if self.context.table.num_live or self._scheduler.num_waiting or self._in_flight is not None:
             raise RuntimeError("warmup: call it before adding requests")
-        self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
+        costs = self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
         torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: start-up
+        self._draft_lengths.set_step_costs(costs, self._lockstep.group)  # rank 0's, on every rank
         return len(self._graphs)
 
-    def _replay_every_shape(self) -> None:
-        """Replay the graph of every padded shape from a step that holds no request (capture it first if new)."""
+    def _replay_every_shape(self) -> Dict[Tuple[int, int], float]:
+        """Replay the graph of every padded shape (every draft depth the policy warms up) from a
+        step that holds no request (capture it first if new). Returns the decode-only single steps'
+        replay seconds by (batch size, draft depths), the draft-length policy's step costs."""
+        costs = {}
         for shape in self.context.graph_shapes():
             for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
-                step = self.context.build_padding_step(shape, num_steps)
-                for all_greedy in (True, False):
-                    self._all_greedy = all_greedy
-                    key = self._graph_key(step)
-                    if key not in self._graphs:
-                        self._graphs.run(key, lambda: self._launch_run(step))
-                    self._graphs.replay(key)
+                for num_drafts in self._draft_lengths.warmup_depths():
+                    step = self.context.build_padding_step(shape, num_steps, num_drafts)
+                    for all_greedy in (True, False):
+                        self._all_greedy = all_greedy
+                        key = self._graph_key(step)
+                        if key not in self._graphs:
+                            self._graphs.run(key, lambda: self._launch_run(step))
+                        seconds = self._graphs.timed_replay(key)
+                        if num_steps == 1 and not shape.has_prefill:
+                            costs[(shape.request_count, num_drafts)] = max(costs.get((shape.request_count, num_drafts), 0.0), seconds)
+        return costs
 
     def replay_graphs(self) -> int:
         """A check for tests and debugging, with no request queued or live: replay the last step's
@@ -306,6 +319,7 @@ class TextGenerationController:
         self.context.finish_requests(request_ids)
         for request_id in request_ids:
             self.proposer.forget(request_id)
+            self._draft_lengths.forget(request_id)
 
     def _retire_finished(self) -> None:
         """Free the rows of requests that finished (a step may be in flight, see :meth:`_apply`)."""
@@ -442,7 +456,8 @@ class TextGenerationController:
             (*self._outputs.length_budgets(self.context.table.num_live), self.metrics.mean_accepted_length)
         while True:
             try:
-                return self.context.build_step(sync_checked=sync_checked, length_budgets=length_budgets)
+                return self.context.build_step(sync_checked=sync_checked, length_budgets=length_budgets,
+                                               draft_lengths=self._draft_lengths.choose)
             except KVCacheFullError:
                 if self._in_flight is not None:  # learn the step in flight's outcome, then decide
                     self._sync()
@@ -463,6 +478,7 @@ class TextGenerationController:
         else:
             self._launch_run(step)
         launched = self._readbacks.end(step, self.context.table.num_moves)
+        self._draft_lengths.launched(step)
         if self.shape.num_speculative_tokens > 0:
             for _ in range(step.num_steps):
                 self.proposer.on_step_scheduled(step)
@@ -470,11 +486,11 @@ class TextGenerationController:
         self.on_launch(step, key)
         return launched
 
-    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int]]:
+    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int, int]]:
         """The CUDA graph a step replays: its padded dimensions, whether every request is greedy
-        (the sampling path differs) and its decode steps; None for a step no graph covers (it
-        runs eagerly)."""
-        return (step.dimensions, self._all_greedy, step.num_steps) if step.graph_padded else None
+        (the sampling path differs), its decode steps and its draft depths (``step.num_drafts``);
+        None for a step no graph covers (it runs eagerly)."""
+        return (step.dimensions, self._all_greedy, step.num_steps, step.num_drafts) if step.graph_padded else None
 
     def _launch_run(self, step: StepMetadata) -> None:
         """Every step of the launch (one, or a decode run): each derives its inputs on the device
@@ -492,6 +508,7 @@ class TextGenerationController:
         a request that stopped in one of them emits nothing after it)."""
         step = launched.step
         readbacks, gpu_seconds = self._readbacks.wait(launched)  # [k, n_s, S + 2], the step's row order
+        verified = self._draft_lengths.applied(step, readbacks[:, : step.num_decode, 0])  # [k, n_d] drafts verified
         self.on_apply(step, readbacks, overlapped, self.context.table.num_moves != launched.table_moves)
         if gpu_seconds is not None:
             self.metrics.record_gpu(gpu_seconds, step.num_steps)
@@ -519,7 +536,8 @@ class TextGenerationController:
                 readbacks, decode, lambda row: self._records[int(request_ids[row])].params, present)  # [k, m]
         if self.shape.num_speculative_tokens > 0:
             notify_committed(self.proposer, step, readbacks, emitted, rows)
-        self.metrics.record_acceptance(readbacks[:, :, 0][decode[None, :] & (emitted > 0)])
+        self.metrics.record_acceptance(readbacks[:, :, 0][decode[None, :] & (emitted > 0)],
+                                       _realigned(verified, rows, num_rows)[decode[None, :] & (emitted > 0)])
         self.metrics.emitted_tokens += int(emitted.sum())
         for row, reason in finished:
             self._finish_record(int(request_ids[row]), reason)
@@ -529,6 +547,9 @@ class TextGenerationController:
         counts_after = self._outputs.counts[:num_rows]
         return [(int(request_ids[row]), self._outputs.tokens[row, counts_before[row] : counts_after[row]].tolist(),  # host-ok: numpy
                  row in finished_rows) for row in range(num_rows) if counts_after[row] > counts_before[row]]
+
+    def _records_params(self, request_id: int) -> SamplingParams:
+        return self._records[request_id].params
 
     def _hook_overridden(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(TextGenerationController, name)
@@ -550,6 +571,7 @@ class TextGenerationController:
         """A step raised: end every request in the batch with reason ABORTED (output so far kept)
         and release its state, so the controller stays usable. Waiting requests stay queued."""
         self._in_flight = None
+        self._draft_lengths.abandon()
         self.context.abandon_steps_in_flight()
         if self.shape.device.type == "cuda":
             torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: error path
@@ -592,3 +614,17 @@ class TextGenerationController:
                 record = self._records.get(request_id)
                 if record is not None and record.finish_reason is not None:
                     del self._records[request_id]
+
+
+def _realigned(verified: np.ndarray, rows: Optional[np.ndarray], num_rows: int) -> np.ndarray:
+    """``verified`` ``[k, n_d]`` (the step's decode rows) as ``[k, num_rows]`` in the table's current
+    row order (``rows``: where each of the step's requests sits now, -1 if gone; None: unmoved)."""
+    out = np.zeros((verified.shape[0], num_rows), dtype=np.int64)
+    if rows is None:
+        width = min(verified.shape[1], num_rows)
+        out[:, :width] = verified[:, :width]
+    else:
+        decode_rows = rows[: verified.shape[1]]
+        present = (decode_rows >= 0) & (decode_rows < num_rows)
+        out[:, decode_rows[present]] = verified[:, present]
+    return out
