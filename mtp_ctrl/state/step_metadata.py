@@ -167,7 +167,9 @@ class StepBuffers:
         S = self.table.shape.num_speculative_tokens
         if draft_lengths is None:
             draft_lengths = np.full(num_requests, S, dtype=np.int64)  # [n] int64
-        num_drafts = int(draft_lengths.max()) if num_requests else S  # host-ok: numpy
+        num_sampling = num_decode + num_final_prefill_chunks
+        # D: the depths the step drafts; a step where nobody samples keeps S (the fixed-S graph)
+        num_drafts = int(draft_lengths[:num_sampling].max()) if num_sampling else S  # host-ok: numpy
         steady_key = None
         if padded is not None and not prefill_chunks and num_final_prefill_chunks == 0:
             # row moves and removals bump num_moves; a join or a pause changes the counts
@@ -177,7 +179,6 @@ class StepBuffers:
             if step is not None:
                 return step
         stride = self.table.shape.stride
-        num_sampling = num_decode + num_final_prefill_chunks
         decode_rows = num_decode * stride
         query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)  # [n + 1] int64
         np.cumsum(query_lengths, out=query_start_loc[1:])
