@@ -104,7 +104,7 @@ class TextGenerationController:
         self._graphs = StepGraphs() if use_graphs else None  # TP collectives are captured too
         self.metrics = GenerationMetrics(S)
         # how many drafts each request makes per step (controllers/draft_policy.py; default: S each)
-        self._draft_lengths = DraftLengths(draft_policy, S, self._records_params)
+        self._draft_lengths = DraftLengths(draft_policy, S)
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
@@ -238,6 +238,7 @@ class TextGenerationController:
         request_id = self._next_request_id
         self._next_request_id += 1
         self._records[request_id] = Request(request_id, prompt, params, seed)
+        self._draft_lengths.add(request_id, params)
         self._scheduler.enqueue(request_id)
         return request_id
 
@@ -320,6 +321,9 @@ class TextGenerationController:
         for request_id in request_ids:
             self.proposer.forget(request_id)
             self._draft_lengths.forget(request_id)
+            record = self._records.get(request_id)
+            if record is None or record.finish_reason is not None:  # gone for good (an evicted one returns)
+                self._draft_lengths.drop(request_id)
 
     def _retire_finished(self) -> None:
         """Free the rows of requests that finished (a step may be in flight, see :meth:`_apply`)."""
@@ -547,9 +551,6 @@ class TextGenerationController:
         counts_after = self._outputs.counts[:num_rows]
         return [(int(request_ids[row]), self._outputs.tokens[row, counts_before[row] : counts_after[row]].tolist(),  # host-ok: numpy
                  row in finished_rows) for row in range(num_rows) if counts_after[row] > counts_before[row]]
-
-    def _records_params(self, request_id: int) -> SamplingParams:
-        return self._records[request_id].params
 
     def _hook_overridden(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(TextGenerationController, name)

@@ -11,7 +11,7 @@ the metrics. Host values only, no sync.
 """
 
 import collections
-from typing import Callable, Deque, Dict, Optional, Tuple
+from typing import Deque, Dict, Optional, Tuple
 
 import numpy as np
 import torch.distributed as dist
@@ -22,15 +22,15 @@ from mtp_ctrl.state import StepMetadata
 
 
 class DraftLengths:
-    """``policy``: the draft-length policy (None: :class:`FixedDraftLength`); ``params_of(request_id)``:
-    a live request's SamplingParams (its ``num_speculative_tokens`` caps its lengths)."""
+    """``policy``: the draft-length policy (None: :class:`FixedDraftLength`). :meth:`add` each
+    request's SamplingParams (its ``num_speculative_tokens`` caps its lengths)."""
 
-    def __init__(self, policy: Optional[DraftLengthPolicy], num_speculative_tokens: int,
-                 params_of: Callable[[int], SamplingParams]):
+    def __init__(self, policy: Optional[DraftLengthPolicy], num_speculative_tokens: int):
         policy = FixedDraftLength() if policy is None else policy
         if not isinstance(policy, DraftLengthPolicy):
             raise TypeError(f"draft_policy must be a DraftLengthPolicy, got {type(policy).__name__}")
-        self.policy, self.S, self._params_of = policy, num_speculative_tokens, params_of
+        self.policy, self.S = policy, num_speculative_tokens
+        self._caps: Dict[int, int] = {}  # request id -> its cap, for requests capped below S
         if self.S > 0:
             policy.bind(self.S)
         self._fixed = type(policy) is FixedDraftLength  # S each unless capped: no bookkeeping needed
@@ -46,10 +46,9 @@ class DraftLengths:
         """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order)."""
         S = self.S
         caps = np.full(num_sampling, S, dtype=np.int64)  # [n] int64
-        for i, request_id in enumerate(request_ids[:num_sampling].tolist()):  # host-ok: numpy
-            cap = self._params_of(request_id).num_speculative_tokens
-            if cap is not None and cap < S:
-                caps[i] = cap
+        if self._caps:
+            for i, request_id in enumerate(request_ids[:num_sampling].tolist()):  # host-ok: numpy
+                caps[i] = self._caps.get(request_id, S)
         if S == 0 or (self._fixed and bool((caps == S).all())):
             return caps
         lengths = self.policy.choose(DraftLengthQuery(request_ids[:num_sampling].copy(), caps, S, batch_size))
@@ -89,9 +88,19 @@ class DraftLengths:
             self.policy.observe(request_ids, verified.ravel(), accepted_counts.ravel())
         return verified
 
+    def add(self, request_id: int, params: SamplingParams) -> None:
+        """A request was queued: note its cap (kept until :meth:`drop`)."""
+        if params.num_speculative_tokens is not None and params.num_speculative_tokens < self.S:
+            self._caps[request_id] = params.num_speculative_tokens
+
     def forget(self, request_id: int) -> None:
+        """The request left the batch (finished or evicted; an evicted one comes back)."""
         self._drafted.pop(request_id, None)
         self.policy.forget(request_id)
+
+    def drop(self, request_id: int) -> None:
+        """The controller forgot the request."""
+        self._caps.pop(request_id, None)
 
     def abandon(self) -> None:
         """The steps in flight were abandoned (a step raised): their outcomes never come."""
