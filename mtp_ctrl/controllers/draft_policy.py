@@ -135,6 +135,8 @@ class GoodputPolicy(DraftLengthPolicy):
     Cost: :class:`StepCostModel` of the step's grid and depth D. The policy picks
     ``D = argmax_D sum_r tokens_r(min(D, cap_r)) / cost(G, D)`` and gives each request
     ``min(D, cap_r)`` (within one graph shape a request drafting less than D saves nothing).
+    Vectorised over the batch (numpy); a request's counts are decayed lazily (stamped with the
+    step they were last brought up to date).
     """
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
@@ -148,36 +150,61 @@ class GoodputPolicy(DraftLengthPolicy):
             raise ValueError(f"optimistic_prior must be in [0, 1], got {optimistic_prior}")
         self.decay, self.prior_weight, self.optimistic_prior = decay, prior_weight, optimistic_prior
         self.min_gain = min_gain  # a deeper D must beat the shallower one by this factor (1.0: any gain)
-        self._requests: Dict[int, np.ndarray] = {}  # id -> [2, S] float64 (reached, accepted)
-        self._model = None  # [2, S] float64, over every request
         self.last_depth = None  # the D of the last choice (for benchmarks)
+        self._now = 0  # steps chosen so far
+        self._slots: Dict[int, int] = {}  # request id -> its row of _counts / _stamps
+        self._free: list = []
 
     def bind(self, num_speculative_tokens: int) -> None:
         super().bind(num_speculative_tokens)
-        self._model = np.zeros((2, num_speculative_tokens))
+        self._model = np.zeros((2, num_speculative_tokens))  # [2, S] (reached, accepted) over every request
+        self._counts = np.zeros((64, 2, num_speculative_tokens))  # [rows, 2, S] per request
+        self._stamps = np.zeros(64, dtype=np.int64)  # [rows] the step each row's counts are decayed to
+
+    def _rows(self, request_ids: np.ndarray, create: bool) -> np.ndarray:
+        """``[n]`` rows of the requests' counts (-1: none yet, unless ``create``)."""
+        rows = np.empty(len(request_ids), dtype=np.int64)
+        for i, request_id in enumerate(request_ids.tolist()):  # host-ok: numpy
+            row = self._slots.get(request_id, -1)
+            if row < 0 and create:
+                if not self._free:
+                    old = self._counts.shape[0]
+                    self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+                    self._stamps = np.concatenate([self._stamps, np.zeros_like(self._stamps)])
+                    self._free = list(range(2 * old - 1, old - 1, -1))
+                row = self._free.pop()
+                self._counts[row] = 0
+                self._stamps[row] = self._now
+                self._slots[request_id] = row
+            rows[i] = row
+        return rows
+
+    def _request_counts(self, rows: np.ndarray) -> np.ndarray:
+        """``[n, 2, S]`` counts decayed to now (zeros for rows -1)."""
+        counts = self._counts[rows.clip(min=0)] * (self.decay ** (self._now - self._stamps[rows.clip(min=0)]))[:, None, None]
+        counts[rows < 0] = 0
+        return counts
+
+    def _estimates(self, rows: np.ndarray) -> np.ndarray:
+        """``[n, S]`` estimated acceptance of each depth given the ones before it."""
+        reached, accepted = self._model
+        model = (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
+        counts = self._request_counts(rows)
+        return (counts[:, 1] + self.prior_weight * model) / (counts[:, 0] + self.prior_weight)
 
     def acceptance(self, request_id: int) -> np.ndarray:
         """``[S]`` float64: the estimated acceptance of each depth given the ones before it."""
-        reached, accepted = self._model
-        model = (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
-        counts = self._requests.get(request_id)
-        if counts is None:
-            return model
-        return (counts[1] + self.prior_weight * model) / (counts[0] + self.prior_weight)
+        return self._estimates(self._rows(np.array([request_id]), create=False))[0]
 
     def choose(self, query: DraftLengthQuery) -> np.ndarray:
         S, caps, n = query.num_speculative_tokens, query.caps, query.caps.shape[0]
+        self._now += 1
         self._model *= self.decay
-        for counts in self._requests.values():
-            counts *= self.decay
-        # gain[i, s]: expected accepted drafts of request i with s drafts, s in [0, S]
-        gain = np.zeros((n, S + 1))
-        for i, request_id in enumerate(query.request_ids.tolist()):  # host-ok: numpy
-            gain[i, 1:] = np.cumprod(self.acceptance(request_id)).cumsum()
+        gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
+        gain[:, 1:] = np.cumprod(self._estimates(self._rows(query.request_ids, create=False)), axis=1).cumsum(axis=1)
         best_depth, best_rate = 0, None
         for depth in range(S + 1):
-            lengths = np.minimum(depth, caps)
-            tokens = n + gain[np.arange(n), lengths].sum()
+            tokens = n + gain[np.arange(n), np.minimum(depth, caps)].sum()
             rate = tokens / self.cost_model.seconds(query.batch_size, depth)
             if best_rate is None or rate > best_rate * self.min_gain:
                 best_depth, best_rate = depth, rate
@@ -185,19 +212,23 @@ class GoodputPolicy(DraftLengthPolicy):
         return np.minimum(best_depth, caps).astype(np.int64)
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
-        S = self._model.shape[1]
-        depths = np.arange(S)
-        for request_id, length, accepted in zip(request_ids.tolist(), draft_lengths.tolist(),  # host-ok: numpy
-                                                accepted_counts.tolist()):  # host-ok: numpy
-            if length <= 0:
-                continue
-            reached = (depths < length) & (depths <= accepted)  # [S]: draft k + 1 was verified
-            hit = depths < accepted  # [S]: and accepted
-            counts = self._requests.setdefault(request_id, np.zeros((2, S)))
-            counts[0] += reached
-            counts[1] += hit
-            self._model[0] += reached
-            self._model[1] += hit
+        used = draft_lengths > 0
+        if not used.any():
+            return
+        request_ids, lengths, accepted = request_ids[used], draft_lengths[used], accepted_counts[used]
+        depths = np.arange(self._model.shape[1])[None, :]  # [1, S]
+        reached = ((depths < lengths[:, None]) & (depths <= accepted[:, None])).astype(np.float64)  # [m, S]
+        hit = (depths < accepted[:, None]).astype(np.float64)  # [m, S]: and accepted
+        rows = self._rows(request_ids, create=True)
+        unique = np.unique(rows)
+        self._counts[unique] = self._request_counts(unique)
+        self._stamps[unique] = self._now
+        np.add.at(self._counts, (rows, 0), reached)
+        np.add.at(self._counts, (rows, 1), hit)
+        self._model[0] += reached.sum(axis=0)
+        self._model[1] += hit.sum(axis=0)
 
     def forget(self, request_id: int) -> None:
-        self._requests.pop(request_id, None)
+        row = self._slots.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)
