@@ -369,9 +369,10 @@ class TextGenerationController:
 
     # ----- debug hooks and view (for tests and tools; they change nothing) ---------------------
 
-    def on_launch(self, step: StepMetadata, graph_key: Optional[Tuple[BatchDimensions, bool, int]]) -> None:
+    def on_launch(self, step: StepMetadata, graph_key: Optional[Tuple[BatchDimensions, bool, int, int, bool]]) -> None:
         """Debug hook: ``step`` (every step of a decode run) was just launched, replayed from the
-        CUDA graph ``graph_key`` ``(padded dimensions, all greedy, steps)``, or eagerly (None).
+        CUDA graph ``graph_key`` ``(padded dimensions, all greedy, steps, draft depths, masked)``, or
+        eagerly (None).
         On the CPU the device work is done by now. Default: nothing."""
 
     def on_apply(self, step: StepMetadata, readbacks: np.ndarray, overlapped: bool, rows_moved: bool) -> None:
@@ -490,17 +491,19 @@ class TextGenerationController:
         self.on_launch(step, key)
         return launched
 
-    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int, int]]:
+    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int, int, bool]]:
         """The CUDA graph a step replays: its padded dimensions, whether every request is greedy
-        (the sampling path differs), its decode steps and its draft depths (``step.num_drafts``);
-        None for a step no graph covers (it runs eagerly)."""
-        return (step.dimensions, self._all_greedy, step.num_steps, step.num_drafts) if step.graph_padded else None
+        (the sampling path differs), its decode steps, its draft depths (``step.num_drafts``) and
+        whether draft rows are masked by length (``DraftLengths.masked``); None for a step no graph
+        covers (it runs eagerly)."""
+        return (step.dimensions, self._all_greedy, step.num_steps, step.num_drafts, self._draft_lengths.masked) \
+            if step.graph_padded else None
 
     def _launch_run(self, step: StepMetadata) -> None:
         """Every step of the launch (one, or a decode run): each derives its inputs on the device
         from the one before and stages its read-back in its own slot."""
         for index in range(step.num_steps):
-            self._launcher.launch(step, self._readbacks.slot(index), self._all_greedy)
+            self._launcher.launch(step, self._readbacks.slot(index), self._all_greedy, self._draft_lengths.masked)
 
     def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
         """Apply the step in flight with nothing launched after it (the host waits for the GPU)."""

@@ -34,6 +34,8 @@ class DraftLengths:
         if self.S > 0:
             policy.bind(self.S)
         self._fixed = type(policy) is FixedDraftLength  # S each unless capped: no bookkeeping needed
+        # some request may verify fewer than S drafts (the step masks draft rows by length); stays on
+        self.masked = self.S > 0 and not self._fixed
         self._drafted: Dict[int, int] = {}  # request id -> drafts it holds (its last sampling step's length)
         self._in_flight: Deque[Optional[np.ndarray]] = collections.deque()  # per launched step: [k, n_d] or None (S)
 
@@ -92,6 +94,7 @@ class DraftLengths:
         """A request was queued: note its cap (kept until :meth:`drop`)."""
         if params.num_speculative_tokens is not None and params.num_speculative_tokens < self.S:
             self._caps[request_id] = params.num_speculative_tokens
+            self.masked = True
 
     def forget(self, request_id: int) -> None:
         """The request left the batch (finished or evicted; an evicted one comes back)."""

@@ -53,10 +53,12 @@ class StepLauncher:
             remove_mask=torch.empty(release_shape, dtype=torch.bool, device=device),
         )
 
-    def launch(self, step: StepMetadata, readback: torch.Tensor, all_greedy: bool) -> None:
+    def launch(self, step: StepMetadata, readback: torch.Tensor, all_greedy: bool, mask_drafts: bool = True) -> None:
         """One step's device work; stages ``[accepted count, bonus token, accepted drafts]`` of each
         request of the grid into ``readback`` (``[R, S + 2]`` int64 on the device). ``all_greedy``:
-        every request samples greedily (a host flag from the requests' parameters)."""
+        every request samples greedily (a host flag from the requests' parameters). ``mask_drafts``:
+        some request may hold fewer than S drafts (False skips the masking kernels: every request
+        drafted S)."""
         context, attention, shape = self.context, step.attention, self.context.shape
         S = shape.num_speculative_tokens
         context.prepare_inputs(step)
@@ -76,7 +78,7 @@ class StepLauncher:
         logits_row_requests(rows, attention.positions, num_decode, S, grid, row_requests, positions)
         output_tokens = self._sample_rows(logits, row_requests, positions)
         input_tokens = step.input_ids[rows]  # [K] int64
-        if S > 0:  # drafts past a request's draft length were not made for it: no row may accept them
+        if S > 0 and mask_drafts:  # drafts past a request's draft length were not made for it: no row may accept them
             input_tokens = self._mask_undrafted(input_tokens, row_requests, num_decode)
         if self._rejection is not None and not all_greedy:  # draft rows: accept min(1, p/q) or resample
             output_tokens = self._rejection.resample(logits, output_tokens, input_tokens, row_requests,

@@ -27,16 +27,18 @@ def plain(mtp_model):
     return plain_outputs(mtp_model)  # (request ids, outputs)
 
 
-def test_oracle_drafts_accept_exactly_the_chosen_lengths(mtp_model, plain, torch_twins):
+@pytest.mark.parametrize("steps_per_launch", [1, 4])
+def test_oracle_drafts_accept_exactly_the_chosen_lengths(mtp_model, plain, torch_twins, steps_per_launch):
     """Drafts that are always right (the plain output, greedy and sampled): each request accepts
-    its chosen length s_r (never more), and the output is plain decoding's, with preemption,
-    padded steps and overlap on."""
+    its chosen length s_r (never more: the host pairs each read-back with the lengths it verified,
+    decode runs too), and the output is plain decoding's, with preemption, padded steps and
+    overlap on."""
     ids, outputs = plain
     sequences = {rid: list(prompt) + list(out) + [0] * (MTP_DEPTH + 2)
                  for rid, (_, prompt, _), out in zip(ids, ARRIVALS, outputs)}
     policy = CheckedRandomLengths(seed=1)
     controller = controller_for(mtp_model, MTP_DEPTH, OracleProposer(sequences, lambda rid, index: MTP_DEPTH),
-                                policy, **SQUEEZE)
+                                policy, decode_steps_per_launch=steps_per_launch, **SQUEEZE)
     new_ids, got = run(controller, ARRIVALS)
     assert got == outputs and new_ids == ids
     assert any(controller.result(rid).preemptions for rid in new_ids)  # KV pressure evicted a request

@@ -1,6 +1,7 @@
 """Per-request, per-step draft lengths (issue 34) with the EAGLE family (EAGLE, parallel drafting,
-multi-layer EAGLE) on a target whose drafts often land, and with rejection acceptance: output ==
-plain decoding under random lengths, churn, preemption and padded steps."""
+multi-layer EAGLE) on a target whose drafts often land, on a hybrid Mamba model, and with
+rejection acceptance: output == plain decoding under random lengths, churn, preemption and
+padded steps."""
 
 import pytest
 import torch
@@ -49,3 +50,15 @@ def test_rejection_acceptance_with_random_lengths(torch_twins):
                                  **SQUEEZE), arrivals)[1]
     assert [outputs[i] for i in greedy] == [plain[i] for i in greedy]
     assert run(controller_for(model, MTP_DEPTH, policy=ZeroLengths(), acceptance="rejection"), arrivals)[1] == plain
+
+
+def test_hybrid_mamba_model_random_lengths_equal_plain(torch_twins):
+    """The Mamba state kept after the last accepted row follows the masked acceptance."""
+    from tests.unit.hybrid_fixtures import build_hybrid_model
+
+    ensure_single_process_groups()
+    model = build_hybrid_model()
+    arrivals = ARRIVALS[:4]
+    plain = run(controller_for(model, 0), arrivals)[1]
+    assert run(controller_for(model, 2, policy=CheckedRandomLengths(seed=8), cuda_graph_batch_sizes=(2, 4)),
+               arrivals)[1] == plain
