@@ -62,6 +62,6 @@ def test_draft_lengths_replay_graphs_with_no_sync_and_equal_plain(model, policy,
     assert controller.decode_launches > 10
     assert controller.metrics.mean_accepted_length > 1.2  # the oracle's drafts land
     if policy == "random":
-        assert {0, 1, 2, 3} <= set(keys), keys  # steps of every depth replayed (0: no draft phase)
+        assert {0, S} <= set(keys) and len(set(keys) - {None}) >= 3, keys  # several depths replayed (0: no draft phase)
     assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
     controller.close()
