@@ -59,7 +59,7 @@ def test_draft_lengths_replay_graphs_with_no_sync_and_equal_plain(model, policy,
         controller.step()
     assert [controller.result(rid).output_tokens for rid in ids] == [r.output_tokens for r in plain]
     assert controller.debug_view().num_cuda_graphs == graphs  # every depth was warmed up: nothing captured
-    assert controller.decode_launches > 10
+    assert controller.decode_launches > 4  # launches of 2-step decode runs
     assert controller.metrics.mean_accepted_length > 1.2  # the oracle's drafts land
     if policy == "random":
         assert {0, S} <= set(keys) and len(set(keys) - {None}) >= 3, keys  # several depths replayed (0: no draft phase)
