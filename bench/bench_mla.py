@@ -57,8 +57,10 @@ from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
 
 LATENT, ROPE, QK, V = 512, 64, 128, 128  # DeepSeek-V3's kv_lora_rank, qk_pos_emb_head_dim, qk_head_dim, v_head_dim
 BLOCK = 64
-CONFIGS = (  # (target_block_m, block_n, num_warps): TUNING candidates
-    (32, 32, 8), (64, 32, 8), (16, 64, 4), (32, 64, 8),
+TUNED = ("target_block_m", "block_n", "num_warps", "num_stages", "programs_per_sm")
+CONFIGS = (  # TUNED: TUNING candidates
+    (32, 32, 8, 3, 2), (32, 32, 4, 3, 2), (32, 32, 8, 2, 4), (32, 64, 8, 2, 2), (16, 64, 4, 3, 4),
+    (32, 32, 4, 4, 4), (16, 32, 4, 3, 4), (32, 64, 4, 2, 4), (32, 16, 4, 4, 4),
 )
 # DeepSeek-V3's attention (MLA dims, YaRN) at 16 heads, hidden 2048, 16 layers, dense GLU FFN
 E2E_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, q_lora_rank=768,
@@ -82,6 +84,8 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 def kernel_tables(device, bandwidth, quick, tune):
     batches, contexts = ((1, 8), (256, 1024)) if quick else ((1, 32, 128), (2048, 8192, 32768, 131072))
     heads_list = (16,) if quick else (16, 128)
+    if tune and not quick:  # the target's shapes (batch >= 32, context >= 8k) and batch 1
+        batches, contexts = (1, 32, 128), (8192, 32768)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     max_tokens = max(batches) * max(contexts)
     cache = torch.empty(max_tokens // BLOCK, BLOCK, LATENT + ROPE, dtype=dtype, device=device).normal_()
@@ -106,7 +110,7 @@ def kernel_tables(device, bandwidth, quick, tune):
                 latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
                 times = {}
                 for config in (CONFIGS if tune else (tuple(default.values()),)):
-                    mla_ops.TUNING.update(zip(("target_block_m", "block_n", "num_warps"), config))
+                    mla_ops.TUNING.update(zip(TUNED, config))
                     times[config] = time_us(call, device)
                 mla_ops.TUNING.update(default)
                 us = times[tuple(default.values())] if tuple(default.values()) in times else min(times.values())

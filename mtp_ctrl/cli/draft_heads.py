@@ -93,3 +93,22 @@ def load_multi_layer_eagle_heads(model, path: str):
     except (RuntimeError, ValueError) as error:
         raise ValueError(f"{path} does not fit this target: {error}") from None
     return heads.to(next(model.parameters()).device)
+
+
+def load_eagle3_proposer(model, path: str):
+    """An EagleProposer with the public EAGLE-3 head in directory ``path`` (``--draft-hf``)."""
+    from mtp_ctrl.controllers import EagleProposer
+    from mtp_ctrl.models import load_eagle3_head
+
+    return EagleProposer(load_eagle3_head(path, model))
+
+
+def load_cli_proposer(args, model, num_speculative_tokens: int):
+    """``--proposer``'s drafter for generate.py and the server: the EAGLE-3 head of ``--draft-hf``,
+    else the head of ``--draft-checkpoint``; a bad file ends the script in one line."""
+    from mtp_ctrl.cli.generate import checkpoint_or_exit
+
+    if getattr(args, "draft_hf", None) is not None:
+        return checkpoint_or_exit("--draft-hf", args.draft_hf, lambda path: load_eagle3_proposer(model, path))
+    return checkpoint_or_exit("--draft-checkpoint", args.draft_checkpoint, lambda path: load_draft_proposer(
+        args.proposer, model, path, num_speculative_tokens))

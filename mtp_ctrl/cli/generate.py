@@ -36,7 +36,8 @@ holds the 256 byte tokens, random ids otherwise.
 "comparison" holds every timed tokens/s figure, the medians, the speed-up and the equality check.
 
 --hf DIR serves a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json;
-families: docs/hf_checkpoints.md) with its own MTP layers drafting: prompts are text (--prompt,
+families: docs/hf_checkpoints.md) with its own MTP layers drafting, or a public EAGLE-3 head
+(--proposer eagle --draft-hf DIR2, its reduced draft vocabulary mapped back): prompts are text (--prompt,
 repeatable; --chat renders them through the checkpoint's chat template), generation stops at the
 checkpoint's EOS ids (generation_config.json) and at --stop strings, and outputs print as text.
 """
@@ -84,6 +85,9 @@ def add_model_arguments(parser) -> None:
                              "head (train_eagle.py --mode ptd), or draft layers (examples/train_multi_layer_eagle.py); "
                              "with the shipped target, each proposer defaults to its shipped head "
                              "(mtp_ctrl/checkpoints: eagle_demo.pt, ptd_demo.pt, multi_layer_eagle_demo.pt)")
+    parser.add_argument("--draft-hf", default=None, metavar="DIR",
+                        help="--hf --proposer eagle: a public EAGLE-3 head directory (the EAGLE / SpecForge "
+                             "layout: config.json + safetensors with its d2t draft vocabulary)")
     parser.add_argument("--decode-steps-per-launch", type=int, default=4,
                         help="decode steps one launch may run back to back (one host build and apply for all): "
                              "a small model's step is shorter than the host's work for it (1 = one step per launch)")
@@ -166,10 +170,18 @@ def check_sources(parser, args) -> None:
     if args.hf is not None:
         if not os.path.isfile(os.path.join(args.hf, "config.json")):
             parser.error(f"--hf {args.hf} is not a Hugging Face checkpoint directory (no config.json)")
-        if args.proposer != "mtp":
-            parser.error("--hf drafts with the checkpoint's own MTP layers (--proposer mtp); EAGLE-3 heads for "
-                         "Hugging Face checkpoints are not supported yet")
+        if args.proposer not in ("mtp", "eagle"):
+            parser.error("--hf drafts with the checkpoint's own MTP layers (--proposer mtp) or a public EAGLE-3 "
+                         "head (--proposer eagle --draft-hf DIR)")
+        if args.draft_checkpoint is not None:
+            parser.error("--hf takes its draft head as --draft-hf DIR (a public EAGLE-3 head), not --draft-checkpoint")
+        if (args.proposer == "eagle") != (args.draft_hf is not None):
+            parser.error("--proposer eagle with --hf needs --draft-hf DIR, and --draft-hf goes with --proposer eagle")
+        if args.draft_hf is not None and not os.path.isfile(os.path.join(args.draft_hf, "config.json")):
+            parser.error(f"--draft-hf {args.draft_hf} is not an EAGLE-3 head directory (no config.json)")
         return
+    if args.draft_hf is not None:
+        parser.error("--draft-hf goes with --hf")
     if args.checkpoint is None and args.load is None and not args.random_weights:
         args.checkpoint = shipped_target
     for flag, path, exists in (("--checkpoint", args.checkpoint, os.path.isfile),
@@ -240,11 +252,16 @@ def main(argv=None):
     report = compare(model, args, prompts, device, repeats, show_progress=dist.get_rank() == 0)
     if dist.get_rank() == 0:
         print_report(args, device, prompts, report)
-        if args.metrics_json:
-            with open(args.metrics_json, "w") as handle:
-                json.dump(report["json"], handle, indent=2)
-            print(f"metrics written to {args.metrics_json}")
+        write_metrics(args, report)
     dist.destroy_process_group()
+
+
+def write_metrics(args, report) -> None:
+    """--metrics-json: the report's metrics as JSON (rank 0 calls it)."""
+    if args.metrics_json:
+        with open(args.metrics_json, "w") as handle:
+            json.dump(report["json"], handle, indent=2)
+        print(f"metrics written to {args.metrics_json}")
 
 
 def read_model_source(args):
@@ -333,6 +350,8 @@ def drafter_name(args) -> str:
     """The drafter in words, with its checkpoint, for the header and the report."""
     if args.proposer == "mtp":
         return f"{PROPOSER_NAMES['mtp']} ({args.mtp_attention} attention)"
+    if getattr(args, "draft_hf", None) is not None:
+        return f"EAGLE-3 head from {os.path.basename(os.path.normpath(args.draft_hf))}"
     return f"{PROPOSER_NAMES[args.proposer]} from {os.path.basename(args.draft_checkpoint)}"
 
 
@@ -401,10 +420,9 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device, o
         decode_steps_per_launch=args.decode_steps_per_launch)
     proposer = None
     if args.proposer != "mtp" and num_speculative_tokens > 0:
-        from mtp_ctrl.cli.draft_heads import load_draft_proposer
+        from mtp_ctrl.cli.draft_heads import load_cli_proposer
 
-        proposer = checkpoint_or_exit("--draft-checkpoint", args.draft_checkpoint, lambda path: load_draft_proposer(
-            args.proposer, model, path, num_speculative_tokens))
+        proposer = load_cli_proposer(args, model, num_speculative_tokens)
     controller_class = controller_class or TextGenerationController
     if on_tokens is not None:
         class ReportingController(controller_class):

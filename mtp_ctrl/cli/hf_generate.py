@@ -1,4 +1,5 @@
-"""``generate.py --hf DIR``: plain vs MTP-speculative generation on a Hugging Face checkpoint, text in and out.
+"""``generate.py --hf DIR``: plain vs speculative generation on a Hugging Face checkpoint, text in and out
+(drafting with its own MTP layers, or with a public EAGLE-3 head: ``--proposer eagle --draft-hf DIR2``).
 
 The checkpoint is loaded by :func:`mtp_ctrl.models.load_hf_checkpoint` (each TP rank reads its
 shard), its tokenizer by :class:`mtp_ctrl.models.hf_text.HFText`; requests stop at the
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mtp_ctrl.cli.distributed import init_distributed
-from mtp_ctrl.cli.generate import checkpoint_or_exit, choose_cpu_threads, compare, header, print_report
+from mtp_ctrl.cli.generate import checkpoint_or_exit, choose_cpu_threads, compare, header, print_report, write_metrics
 from mtp_ctrl.controllers import SamplingParams, TextGenerationController
 from mtp_ctrl.controllers.stop_rules import FinishReason
 
@@ -57,7 +58,8 @@ def text_prompts(args, text):
 
 def load_hf_model(args, device, rank_zero: bool):
     """--hf's model (each TP rank reads its shard; bf16 or the checkpoint's dtype on CUDA, fp32 on a
-    CPU unless --dtype), checked to have S MTP layers; a bad checkpoint ends the script in one line."""
+    CPU unless --dtype), checked to have S MTP layers when they draft; a bad checkpoint ends the
+    script in one line."""
     from mtp_ctrl.models import load_hf_checkpoint
 
     dtype = getattr(torch, args.dtype) if args.dtype else (None if device.type == "cuda" else torch.float32)
@@ -67,7 +69,7 @@ def load_hf_model(args, device, rank_zero: bool):
     if rank_zero:
         print(f"loaded {args.hf} at TP {args.tp} in {time.perf_counter() - started:.2f} s", flush=True)
     depth = model.config.mtp_num_layers or 0
-    if args.num_speculative_tokens > depth:
+    if args.proposer == "mtp" and args.num_speculative_tokens > depth:
         sys.exit(f"error: --num-speculative-tokens {args.num_speculative_tokens} needs at least that many MTP "
                  f"layers; {args.hf} ships {depth}")
     return model
@@ -99,4 +101,5 @@ def run_hf(args) -> None:
                      controller_class=controller_class)
     if rank_zero:
         print_report(args, device, prompts, report, decode=text.decode)  # an output ends with its stop string
+        write_metrics(args, report)
     dist.destroy_process_group()

@@ -61,11 +61,9 @@ def make_server_controller(model, args, device, max_sequence_length: int):
         decode_steps_per_launch=args.decode_steps_per_launch)
     proposer = None
     if args.proposer != "mtp" and args.num_speculative_tokens > 0:
-        from mtp_ctrl.cli.draft_heads import load_draft_proposer
-        from mtp_ctrl.cli.generate import checkpoint_or_exit
+        from mtp_ctrl.cli.draft_heads import load_cli_proposer
 
-        proposer = checkpoint_or_exit("--draft-checkpoint", args.draft_checkpoint, lambda path: load_draft_proposer(
-            args.proposer, model, path, args.num_speculative_tokens))
+        proposer = load_cli_proposer(args, model, args.num_speculative_tokens)
     controller = TextGenerationController(model, config, proposer=proposer)
     controller.warmup()  # every graph shape now, not while serving
     return controller

@@ -6,6 +6,7 @@ Importing this package imports megatron-core.
 from mtp_ctrl.models.dense_attention import DenseCausalAttention, build_dense_gpt_model, dense_full_sequence
 from mtp_ctrl.models.demo_model import load_demo_model, shipped_checkpoint_path
 from mtp_ctrl.models.dist_checkpoint import load_distributed_checkpoint, read_content_metadata, save_distributed_checkpoint
+from mtp_ctrl.models.eagle3_hf import Eagle3Head, load_eagle3_head
 from mtp_ctrl.models.eagle_head import EagleHead, build_eagle_head, default_aux_layer_ids
 from mtp_ctrl.models.forward_context import MambaForward, paged_forward_context
 from mtp_ctrl.models.gpt_builder import build_gpt_model
@@ -19,6 +20,7 @@ from mtp_ctrl.models.layer_specs import (
     get_paged_mla_layer_spec,
     get_paged_mtp_block_spec,
 )
+from mtp_ctrl.models.gdn_mixer import PagedGatedDeltaNet
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
 from mtp_ctrl.models.mla_attention import PagedMLACoreAttention, PagedMLASelfAttention
 from mtp_ctrl.models.moe import InferenceTopKRouter, has_moe_layers, moe_layer_pattern, moe_layers
@@ -32,6 +34,7 @@ from mtp_ctrl.models.runner import PagedGPTRunner
 
 __all__ = [
     "DenseCausalAttention",
+    "Eagle3Head",
     "EagleHead",
     "InferenceTopKRouter",
     "MambaForward",
@@ -40,6 +43,7 @@ __all__ = [
     "PagedGPTRunner",
     "PagedMLACoreAttention",
     "PagedMLASelfAttention",
+    "PagedGatedDeltaNet",
     "PagedMambaMixer",
     "assign_kv_layer_indices",
     "assign_mamba_layer_indices",
@@ -58,6 +62,7 @@ __all__ = [
     "has_moe_layers",
     "load_demo_model",
     "load_distributed_checkpoint",
+    "load_eagle3_head",
     "load_hf_checkpoint",
     "moe_layer_pattern",
     "moe_layers",

@@ -65,6 +65,7 @@ from mtp_ctrl.models.checkpoint_record import check_megatron_args, check_record,
 CHECKPOINT_KEY_ALIASES: Tuple[Tuple[str, str], ...] = (
     ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
     ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+    ("self_attention.in_proj.layer_norm_", "input_layernorm."),  # Gated DeltaNet layers (megatron's GDN spec)
 )
 # Checkpoint tensors that are not the model's and are ignored (not "unexpected"): optimizer state
 # written next to the model by Megatron-LM's training loop.
@@ -294,8 +295,19 @@ def _flat_items(sharded_state_dict, prefix: str = ""):
 
 def _resolve_key(name: str, item, tensors_metadata) -> Tuple[List[str], List[str]]:
     """Point ``item`` at the checkpoint's spelling of its key; ``(problems found, checkpoint keys read)``."""
-    found = next((key for key in checkpoint_key_spellings(item.key) if key in tensors_metadata), None)
+    original = item.key
+
+    def stored(key: str) -> bool:  # a factory (e.g. GDN's in_proj parts) is stored as the tensors it builds
+        if not isinstance(item, ShardedTensorFactory):
+            return key in tensors_metadata
+        item.key = key
+        built = item.build()
+        return all(part.key in tensors_metadata
+                   for part in (nested_values(built) if isinstance(built, (dict, list)) else [built]))
+
+    found = next((key for key in checkpoint_key_spellings(original) if stored(key)), None)
     if found is None:
+        item.key = original
         return [f"missing key {name!r} (checkpoint key {item.key!r}) in the checkpoint"], []
     item.key = found
     built = item.build() if isinstance(item, ShardedTensorFactory) else item  # a factory: the tensors it reads

@@ -12,15 +12,18 @@ from megatron.core.transformer.transformer_block import LayerNormImpl, Transform
 
 from mtp_ctrl.models.layer_specs import (
     ATTENTION_LAYER,
+    GDN_LAYER,
     MAMBA_LAYER,
     assign_kv_layer_indices,
     assign_mamba_layer_indices,
+    get_paged_gdn_layer_spec,
     get_paged_gpt_layer_spec,
     get_paged_mamba_layer_spec,
     get_paged_mla_layer_spec,
     get_paged_mtp_block_spec,
     mamba_mixers,
 )
+from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
 from mtp_ctrl.models.moe import check_moe_config, moe_layer_pattern, use_inference_dispatchers
 from mtp_ctrl.models.moe_inference import use_inference_moe_layers
 
@@ -50,8 +53,13 @@ def build_gpt_model(
 
     ``layer_pattern`` makes a hybrid model: one character per decoder layer, ``"*"`` attention,
     ``"M"`` Mamba-2 (sizes from ``config.mamba_state_dim``, ``mamba_head_dim``,
-    ``mamba_num_groups``, ``mamba_num_heads``; conv width ``mamba_d_conv``), e.g. ``"M*M*"``.
-    None means every layer is attention. MTP layers are attention layers.
+    ``mamba_num_groups``, ``mamba_num_heads``; conv width ``mamba_d_conv``), ``"G"`` Gated DeltaNet
+    (sizes from ``config.linear_*``), e.g. ``"M*M*"`` or ``"GGG*"``. None means every layer is
+    attention, unless ``config.experimental_attention_variant == "gated_delta_net"``: then
+    megatron's ``config.linear_attention_freq`` picks the GDN layers (Qwen3-Next: 4, three GDN
+    layers per attention layer). Attention layers are built as the config says (gated output
+    ``attention_output_gate``, ``qk_layernorm``; partial rotary: ``rotary_percent``). MTP layers
+    are attention layers. One model holds Mamba or GDN layers, not both.
 
     MoE: ``config.num_moe_experts`` makes the MLP of the layers ``config.moe_layer_freq`` picks
     (an int N: layers 0, N, 2N, ...; or one 0/1 per layer) megatron's own ``MoELayer`` (router,
@@ -111,7 +119,8 @@ def gpt_model_from_specs(config: TransformerConfig, layer_spec, vocab_size: int,
         # do the same cast here, so inference runs in one dtype (CUDA's layer_norm rejects a mix)
         model = model.to(config.params_dtype)
         for mixer in mamba_mixers(model):  # as megatron's MambaMixer: the SSM decay A_log and skip D stay fp32
-            mixer.A_log.data, mixer.D.data = mixer.A_log.data.float(), mixer.D.data.float()
+            if isinstance(mixer, PagedMambaMixer):  # (megatron's GatedDeltaNet keeps its A_log in params_dtype)
+                mixer.A_log.data, mixer.D.data = mixer.A_log.data.float(), mixer.D.data.float()
     return model
 
 
@@ -121,6 +130,7 @@ def paged_model_specs(config: TransformerConfig, use_transformer_engine: Optiona
     every layer (dense attention model) or one per layer, under megatron's final layer norm, when
     layers differ (``layer_pattern`` for Mamba layers, ``config.moe_layer_freq`` for MoE MLPs)."""
     moe_pattern = moe_layer_pattern(config)  # [L] bool, all False without experts
+    layer_pattern = _hybrid_layer_pattern(config, layer_pattern)
 
     def attention_spec(moe: bool):
         if config.multi_latent_attention:
@@ -142,14 +152,39 @@ def paged_model_specs(config: TransformerConfig, use_transformer_engine: Optiona
     if layer_pattern is None:
         layer_pattern = ATTENTION_LAYER * config.num_layers
     if not isinstance(layer_pattern, str) or len(layer_pattern) != config.num_layers or \
-            set(layer_pattern) - {ATTENTION_LAYER, MAMBA_LAYER}:
+            set(layer_pattern) - {ATTENTION_LAYER, MAMBA_LAYER, GDN_LAYER}:
         raise ValueError(f"layer_pattern must be a string of {config.num_layers} (config.num_layers) characters, "
-                         f"each {ATTENTION_LAYER!r} (attention) or {MAMBA_LAYER!r} (Mamba); got {layer_pattern!r}")
+                         f"each {ATTENTION_LAYER!r} (attention), {MAMBA_LAYER!r} (Mamba) or {GDN_LAYER!r} "
+                         f"(Gated DeltaNet); got {layer_pattern!r}")
+    if MAMBA_LAYER in layer_pattern and GDN_LAYER in layer_pattern:
+        raise ValueError(f"layer_pattern {layer_pattern!r} mixes Mamba and Gated DeltaNet layers: their states "
+                         "differ in shape and share one set of state slots; use one kind")
     layer_specs = []
     for kind, moe in zip(layer_pattern, moe_pattern):
         if kind == MAMBA_LAYER:
             layer_specs.append(get_paged_mamba_layer_spec(config.normalization, d_conv=mamba_d_conv,
                                                           num_experts=config.num_moe_experts if moe else None))
+        elif kind == GDN_LAYER:
+            layer_specs.append(get_paged_gdn_layer_spec(config.normalization,
+                                                        num_experts=config.num_moe_experts if moe else None))
         else:
             layer_specs.append(moe_spec if moe else dense_spec)
     return mtp_spec, TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=LayerNormImpl)
+
+
+def _hybrid_layer_pattern(config: TransformerConfig, layer_pattern: Optional[str]) -> Optional[str]:
+    """``layer_pattern``, or the one megatron's GDN settings give (``linear_attention_freq``: an int
+    N, every N-th layer attention; or one 1 (GDN) / 0 (attention) per layer)."""
+    variant = config.experimental_attention_variant
+    if variant is None:
+        return layer_pattern
+    if variant != "gated_delta_net":
+        raise ValueError(f"config.experimental_attention_variant={variant!r} is not supported "
+                         "(only 'gated_delta_net')")
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
+
+    derived = "".join(GDN_LAYER if linear else ATTENTION_LAYER for linear in get_linear_attention_pattern(config))
+    if layer_pattern is not None and layer_pattern != derived:
+        raise ValueError(f"layer_pattern {layer_pattern!r} disagrees with config.linear_attention_freq "
+                         f"({config.linear_attention_freq!r} gives {derived!r}); pass one of them")
+    return derived

@@ -18,8 +18,10 @@ nothing half-loaded is ever usable:
    at most one parameter's worth of extra memory.
 """
 
+import dataclasses
 import json
 import os
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -133,12 +135,36 @@ class SafetensorsShards:
 # ----------------------------------------------------------------------------------------------
 
 class ParameterSource:
-    """Where one model parameter comes from: Hugging Face tensor names (full names) and a layout."""
+    """Where one model parameter (or loaded buffer) comes from: Hugging Face tensor names (full
+    names), a layout, and the parallel group that shards it (experts: the expert-TP group)."""
 
-    def __init__(self, parameter_name: str, rule: TensorRule, prefix: str):
+    def __init__(self, parameter_name: str, rule: TensorRule, prefix: str, expert: int = -1):
         self.parameter_name = parameter_name
         self.layout = rule.layout
-        self.hf_names = tuple(prefix + name for name in rule.hf_names)
+        self.hf_names = self.names_for_expert(rule, prefix, expert)
+        self.is_expert = expert >= 0
+        self._rule, self._prefix = rule, prefix
+
+    @staticmethod
+    def names_for_expert(rule: TensorRule, prefix: str, expert: int) -> Tuple[str, ...]:
+        return tuple(prefix + name.format(e=expert) for name in rule.hf_names)
+
+    def other_experts_names(self, num_experts: int) -> List[str]:
+        """The same tensors of every expert (other expert-parallel ranks read theirs)."""
+        return [name for expert in range(num_experts)
+                for name in self.names_for_expert(self._rule, self._prefix, expert)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlacement:
+    """What maps our names to the checkpoint's beyond the table: the decoder depth (MTP numbering)
+    and this rank's first global expert (``ep_rank * local experts``)."""
+
+    num_layers: int
+    first_local_expert: int = 0
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
 
 
 def _split_layer_name(name: str, scope: str) -> Optional[Tuple[int, str]]:
@@ -149,18 +175,28 @@ def _split_layer_name(name: str, scope: str) -> Optional[Tuple[int, str]]:
     return (int(index), suffix) if index.isdigit() else None
 
 
-def parameter_source(family: HFFamily, name: str) -> ParameterSource:
+def _layer_rule(table, suffix: str, placement: ModelPlacement) -> Tuple[Optional[TensorRule], int]:
+    """A layer table's rule for ``suffix``; a local expert's suffix names its global index ``{e}``."""
+    expert = _LOCAL_EXPERT.match(suffix)
+    if expert is None:
+        return table.get(suffix), -1
+    head, local, tail = expert.groups()
+    return table.get(head + "{e}" + tail), placement.first_local_expert + int(local)
+
+
+def parameter_source(family: HFFamily, name: str, placement: ModelPlacement) -> ParameterSource:
     """The table entry of parameter ``name`` of our model (ValueError when the family maps none)."""
-    rule, prefix = None, ""
+    rule, prefix, expert = None, "", -1
     decoder = _split_layer_name(name, "decoder.layers.")
     mtp = _split_layer_name(name, "mtp.layers.")
     if decoder is not None:
-        rule, prefix = family.layer_table.get(decoder[1]), family.layer_prefix.format(i=decoder[0])
+        rule, expert = _layer_rule(family.layer_table, decoder[1], placement)
+        prefix = family.layer_prefix.format(i=decoder[0])
     elif mtp is not None and family.mtp_prefix is not None:
         depth, suffix = mtp
-        prefix = family.mtp_prefix.format(i=depth)
+        prefix = family.mtp_prefix.format(i=depth + (placement.num_layers if family.mtp_after_decoder else 0))
         if suffix.startswith("transformer_layer."):
-            rule = family.layer_table.get(suffix[len("transformer_layer."):])
+            rule, expert = _layer_rule(family.layer_table, suffix[len("transformer_layer."):], placement)
         else:
             rule = family.mtp_table.get(suffix)
     else:
@@ -168,7 +204,17 @@ def parameter_source(family: HFFamily, name: str) -> ParameterSource:
     if rule is None:
         raise ValueError(f"parameter {name} of the model has no Hugging Face tensor in the {family.name} table "
                          "(mtp_ctrl/models/hf_families.py)")
-    return ParameterSource(name, rule, prefix)
+    return ParameterSource(name, rule, prefix, expert)
+
+
+def loaded_tensors(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter, and every persistent buffer that holds weights (the MoE router's expert
+    bias; megatron's ``_extra_state`` entries hold none): what a checkpoint must fill."""
+    tensors = dict(model.named_parameters())
+    for name, buffer in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            tensors[name] = buffer
+    return tensors
 
 
 def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
@@ -189,6 +235,15 @@ def _is_tensor_parallel(parameter: torch.Tensor) -> bool:
     return bool(getattr(parameter, "tensor_model_parallel", False))
 
 
+def parallel_rank_and_size(source: ParameterSource) -> Tuple[int, int]:
+    """The (rank, size) of the group that shards ``source``'s parameter: the expert-TP group for
+    experts, else the TP group."""
+    if source.is_expert:
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
 def expected_full_shapes(source: ParameterSource, parameter: torch.Tensor, config: TransformerConfig,
                          tp_size: int) -> List[Tuple[int, ...]]:
     """The shape each Hugging Face tensor of ``source`` must have, from the parameter's local shape."""
@@ -205,15 +260,25 @@ def expected_full_shapes(source: ParameterSource, parameter: torch.Tensor, confi
     return [tuple(full)]
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedCopy:
+    """An MTP layer's own copy of a trunk tensor (``HFFamily.mtp_shared_copies``), to be checked equal."""
+
+    copy_name: str
+    trunk_name: str
+
+
 def plan_load(model: GPTModel, family: HFFamily, settings: ModelSettings, shards: SafetensorsShards,
-              tp_size: int) -> List[ParameterSource]:
-    """Every parameter's source, checked against the checkpoint's names and shapes (ValueError naming
-    the first problem: missing, unexpected or misshapen tensors)."""
+              placement: ModelPlacement) -> Tuple[List[ParameterSource], List[SharedCopy]]:
+    """Every parameter's source, and the MTP layers' copies of trunk tensors, checked against the
+    checkpoint's names and shapes (ValueError naming the first problem: missing, unexpected or
+    misshapen tensors)."""
     sources, used = [], set()
     available = set(shards.names())
-    for name, parameter in model.named_parameters():
-        source = parameter_source(family, name)
-        for hf_name, shape in zip(source.hf_names, expected_full_shapes(source, parameter, model.config, tp_size)):
+    for name, parameter in loaded_tensors(model).items():
+        source = parameter_source(family, name, placement)
+        _, group_size = parallel_rank_and_size(source)
+        for hf_name, shape in zip(source.hf_names, expected_full_shapes(source, parameter, model.config, group_size)):
             if hf_name not in available:
                 raise ValueError(f"the checkpoint lacks tensor {hf_name!r} (for parameter {name}; "
                                  f"{family.name} layout)")
@@ -222,7 +287,22 @@ def plan_load(model: GPTModel, family: HFFamily, settings: ModelSettings, shards
                 raise ValueError(f"tensor {hf_name!r} has shape {list(found)}, expected {list(shape)} from "
                                  f"config.json (parameter {name})")
             used.add(hf_name)
+        if source.is_expert:
+            used.update(source.other_experts_names(model.config.num_moe_experts))
         sources.append(source)
+    copies = []
+    for depth in range(model.config.mtp_num_layers or 0):
+        prefix = family.mtp_prefix.format(i=depth + (placement.num_layers if family.mtp_after_decoder else 0))
+        for relative, trunk_name in family.mtp_shared_copies.items():
+            if prefix + relative not in available:
+                continue  # the copy is optional: megatron reads the trunk's
+            if trunk_name not in available and settings.tied_embeddings:
+                trunk_name = family.top_table["embedding.word_embeddings.weight"].hf_names[0]
+            if trunk_name not in available or shards.shape(trunk_name) != shards.shape(prefix + relative):
+                raise ValueError(f"tensor {prefix + relative!r} (the MTP layer's copy of {trunk_name!r}, which "
+                                 "megatron's MTP layer shares) has no trunk tensor of its shape")
+            copies.append(SharedCopy(prefix + relative, trunk_name))
+            used.add(prefix + relative)
     ignored = {"lm_head.weight"} if settings.tied_embeddings else set()
     unexpected = sorted(name for name in available - used - ignored if not name.endswith(IGNORED_SUFFIXES))
     if unexpected:
@@ -230,7 +310,21 @@ def plan_load(model: GPTModel, family: HFFamily, settings: ModelSettings, shards
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
         raise ValueError(f"the checkpoint has tensors the {family.name} model does not use: {shown}{more} "
                          "(config.json does not describe these weights)")
-    return sources
+    return sources, copies
+
+
+def check_shared_copy(copy: SharedCopy, shards: SafetensorsShards, tp_rank: int, tp_size: int,
+                      rows_per_read: int = 8192) -> None:
+    """ValueError unless this rank's vocabulary rows of the MTP layer's copy equal the trunk's
+    (read a block of rows at a time: one block of each in memory)."""
+    vocab = shards.shape(copy.trunk_name)[0]
+    first, stop = vocab // tp_size * tp_rank, vocab // tp_size * (tp_rank + 1)
+    for start in range(first, stop, rows_per_read):
+        end = min(start + rows_per_read, stop)
+        if not torch.equal(shards.read(copy.copy_name, 0, start, end), shards.read(copy.trunk_name, 0, start, end)):
+            raise ValueError(f"tensor {copy.copy_name!r} differs from {copy.trunk_name!r} (rows {start}:{end}): "
+                             "megatron's MTP layer shares the trunk's embedding and output layer, so a checkpoint "
+                             "whose MTP layer has its own cannot be loaded")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,10 +332,11 @@ def plan_load(model: GPTModel, family: HFFamily, settings: ModelSettings, shards
 # ----------------------------------------------------------------------------------------------
 
 def read_local_tensor(source: ParameterSource, parameter: torch.Tensor, shards: SafetensorsShards,
-                      config: TransformerConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's value of ``parameter`` in megatron's layout, read from the mapped shards.
+                      config: TransformerConfig) -> torch.Tensor:
+    """This rank's value of ``parameter`` in megatron's layout, read from the mapped shards.
     Each slice moves to the parameter's device as read; the layout is rearranged there (on a GPU
     the host holds one slice at a time, never a rearranged copy)."""
+    tp_rank, tp_size = parallel_rank_and_size(source)
     sharded = _is_tensor_parallel(parameter) and tp_size > 1
     device = parameter.device
 
@@ -300,9 +395,11 @@ def load_hf_checkpoint(path: Union[str, os.PathLike], tp: Optional[int] = None, 
 
     ``path``: a directory with ``config.json`` and safetensors weights (``model.safetensors`` or
     shards with ``model.safetensors.index.json``), as ``save_pretrained`` writes them. Families:
-    :data:`mtp_ctrl.models.hf_families.FAMILIES` (Llama-3, Qwen2, Qwen3, MiMo with its MTP layers).
+    :data:`mtp_ctrl.models.hf_families.FAMILIES` (Llama-3, Qwen2, Qwen3, MiMo, Qwen3-MoE, GLM-4.5,
+    DeepSeek-V3; every MTP layer the checkpoint ships).
     ``tp``: the tensor-parallel size, which must be parallel_state's (default: parallel_state's);
-    each rank reads only its shard. ``device``: where the weights live (default: CUDA when
+    each rank reads only its shard (MoE experts: parallel_state's expert-parallel rank reads its own
+    experts, megatron's placement). ``device``: where the weights live (default: CUDA when
     available). ``dtype``: the parameters' dtype (default: the checkpoint's ``dtype``).
 
     The model is in eval mode, ready for :class:`~mtp_ctrl.models.PagedGPTRunner` and the
@@ -327,25 +424,35 @@ def load_hf_checkpoint(path: Union[str, os.PathLike], tp: Optional[int] = None, 
     hf_config = read_hf_config(path)
     family = resolve_family(hf_config)
     settings = family.read_config(hf_config)
-    config = TransformerConfig(**settings.config_fields, tensor_model_parallel_size=tp_size,
-                               params_dtype=dtype or settings.dtype, use_cpu_initialization=True,
-                               perform_initialization=False)  # weights come from the file: no random draw
+    config = settings.config_class(**settings.config_fields, tensor_model_parallel_size=tp_size,
+                                   expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+                                   params_dtype=dtype or settings.dtype, use_cpu_initialization=True,
+                                   perform_initialization=False)  # weights come from the file: no random draw
     with SafetensorsShards(path) as shards:
         with torch.device(device):  # parameters are allocated where they will live
             model = build_gpt_model(config, settings.vocab_size, settings.max_sequence_length,
                                     use_transformer_engine=False, rotary_base=settings.rope.theta,
+                                    rotary_percent=settings.rope.partial_rotary_factor,
                                     share_embeddings_and_output_weights=settings.tied_embeddings)
         mark_tensor_parallel_weights(model)
-        parameters = dict(model.named_parameters())
-        sources = plan_load(model, family, settings, shards, tp_size)
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tensors = loaded_tensors(model)
+        num_local_experts = (config.num_moe_experts or 0) // parallel_state.get_expert_model_parallel_world_size()
+        placement = ModelPlacement(config.num_layers,
+                                   parallel_state.get_expert_model_parallel_rank() * num_local_experts)
+        sources, copies = plan_load(model, family, settings, shards, placement)
+        for copy in copies:
+            check_shared_copy(copy, shards, parallel_state.get_tensor_model_parallel_rank(), tp_size)
         with torch.no_grad():
             for source in sources:
-                parameter = parameters[source.parameter_name]
-                value = read_local_tensor(source, parameter, shards, config, tp_rank, tp_size)
-                if value.shape != parameter.shape:  # the plan checked full shapes; this guards the layouts
+                target = tensors[source.parameter_name]
+                value = read_local_tensor(source, target, shards, config)
+                if value.shape != target.shape:  # the plan checked full shapes; this guards the layouts
                     raise ValueError(f"{source.parameter_name}: assembled {list(value.shape)} from "
-                                     f"{list(source.hf_names)}, expected {list(parameter.shape)}")
-                parameter.copy_(value)
-    _apply_rope_scaling(model, settings)
+                                     f"{list(source.hf_names)}, expected {list(target.shape)}")
+                if isinstance(target, torch.nn.Parameter):
+                    target.copy_(value)
+                else:  # the router's expert bias: megatron keeps it in fp32 whatever the model's dtype
+                    target.data = value.to(device=target.device, dtype=torch.float32)
+    if not config.multi_latent_attention:  # MLA layers build their own (YaRN) rotary from the config
+        _apply_rope_scaling(model, settings)
     return model.to(device).eval()

@@ -6,6 +6,10 @@ model (:func:`mtp_ctrl.models.build_gpt_model`, megatron's local layer spec) com
 Hugging Face tensors, and in which layout (:class:`Layout`). The loader
 (:mod:`mtp_ctrl.models.hf_checkpoint`) applies the table; nothing else maps names.
 
+The MoE and MLA families (Qwen3-MoE, GLM-4.5, DeepSeek-V3) add the tables ``MOE_MLP_TABLE``,
+``MLA_LAYER_TABLE`` and ``NEXTN_MTP_TABLE`` below (experts, routing, multi-latent attention, the
+MTP layers after the last decoder layer); docs/hf_checkpoints.md explains each.
+
 Layouts every dense family here shares (Llama-3, Qwen2, Qwen3, MiMo's Qwen2 trunk):
 
 - **Fused QKV**: megatron's ``linear_qkv`` holds, per query group g, that group's query heads,
@@ -27,10 +31,12 @@ Layouts every dense family here shares (Llama-3, Qwen2, Qwen3, MiMo's Qwen2 trun
 
 import dataclasses
 import enum
+import math
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 class Layout(enum.Enum):
@@ -87,6 +93,56 @@ MIMO_MTP_TABLE: Mapping[str, TensorRule] = {
     "final_layernorm.weight": _rule("final_layernorm.weight"),
 }
 
+# The MLP of an MoE layer, relative to the layer prefixes (``{e}``: the expert's global index; under
+# expert parallelism rank r's local expert i is global expert ``r * local_count + i``, megatron's
+# placement). Qwen3-MoE has no shared experts and no expert bias: those rules go unused there.
+MOE_MLP_TABLE: Mapping[str, TensorRule] = {
+    "mlp.router.weight": _rule("mlp.gate.weight"),
+    "mlp.router.expert_bias": _rule("mlp.gate.e_score_correction_bias"),  # a buffer, kept in fp32
+    "mlp.experts.local_experts.{e}.linear_fc1.weight": _rule("mlp.experts.{e}.gate_proj.weight",
+                                                             "mlp.experts.{e}.up_proj.weight", layout=Layout.GLU),
+    "mlp.experts.local_experts.{e}.linear_fc2.weight": _rule("mlp.experts.{e}.down_proj.weight"),
+    "mlp.shared_experts.linear_fc1.weight": _rule("mlp.shared_experts.gate_proj.weight",
+                                                  "mlp.shared_experts.up_proj.weight", layout=Layout.GLU),
+    "mlp.shared_experts.linear_fc2.weight": _rule("mlp.shared_experts.down_proj.weight"),
+}
+MOE_LAYER_TABLE: Mapping[str, TensorRule] = {**DENSE_LAYER_TABLE, **MOE_MLP_TABLE}
+
+# DeepSeek-V3's multi-latent attention: megatron's MLA parameters hold Hugging Face's tensors in the
+# same layout (q up-projection rows per head ``[nope | rope]``, KV down-projection rows
+# ``[latent | rope key]``, KV up-projection rows per head ``[k nope | v]``); ``q_proj`` without q LoRA.
+MLA_LAYER_TABLE: Mapping[str, TensorRule] = {
+    "input_layernorm.weight": _rule("input_layernorm.weight"),
+    "self_attention.linear_q_proj.weight": _rule("self_attn.q_proj.weight"),
+    "self_attention.linear_q_down_proj.weight": _rule("self_attn.q_a_proj.weight"),
+    "self_attention.q_layernorm.weight": _rule("self_attn.q_a_layernorm.weight"),
+    "self_attention.linear_q_up_proj.weight": _rule("self_attn.q_b_proj.weight"),
+    "self_attention.linear_kv_down_proj.weight": _rule("self_attn.kv_a_proj_with_mqa.weight"),
+    "self_attention.kv_layernorm.weight": _rule("self_attn.kv_a_layernorm.weight"),
+    "self_attention.linear_kv_up_proj.weight": _rule("self_attn.kv_b_proj.weight"),
+    "self_attention.linear_proj.weight": _rule("self_attn.o_proj.weight"),
+    "pre_mlp_layernorm.weight": _rule("post_attention_layernorm.weight"),
+    "mlp.linear_fc1.weight": _rule("mlp.gate_proj.weight", "mlp.up_proj.weight", layout=Layout.GLU),
+    "mlp.linear_fc2.weight": _rule("mlp.down_proj.weight"),
+    **MOE_MLP_TABLE,
+}
+
+# DeepSeek-V3 / GLM-4.5 MTP depth k: ``model.layers.{num_hidden_layers + k}.``, whose decoder-layer
+# tensors follow the family's layer table under the same prefix. The concatenation is megatron's
+# ``[enorm(embedding), hnorm(hidden)]``: no swap.
+NEXTN_MTP_TABLE: Mapping[str, TensorRule] = {
+    "enorm.weight": _rule("enorm.weight"),
+    "hnorm.weight": _rule("hnorm.weight"),
+    "eh_proj.weight": _rule("eh_proj.weight"),
+    "final_layernorm.weight": _rule("shared_head.norm.weight"),
+}
+# The MTP layer's own copies of the embedding and the output head (megatron's MTP shares the
+# trunk's): loaded only after checking they equal the trunk tensor (this rank's vocabulary rows).
+NEXTN_MTP_SHARED_COPIES: Mapping[str, str] = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
+}
+
 # Tensors some checkpoints carry that hold nothing we load (old transformers saved rotary tables).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -103,6 +159,8 @@ class RopeSettings:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0  # the rotated fraction of each head (megatron's rotary_percent)
+    yarn: Dict[str, float] = dataclasses.field(default_factory=dict)  # MLATransformerConfig's YaRN fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +173,7 @@ class ModelSettings:
     tied_embeddings: bool
     rope: RopeSettings
     dtype: torch.dtype  # the checkpoint's dtype (config "dtype" / "torch_dtype"; default bf16)
+    config_class: type = TransformerConfig  # MLATransformerConfig for multi-latent attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +189,8 @@ class HFFamily:
     top_table: Mapping[str, TensorRule] = dataclasses.field(default_factory=lambda: DENSE_TOP_TABLE)
     mtp_prefix: Optional[str] = None  # e.g. "model.mtp_layers.{i}."; None: the family ships no MTP layers
     mtp_table: Mapping[str, TensorRule] = dataclasses.field(default_factory=dict)
+    mtp_after_decoder: bool = False  # MTP depth k is numbered num_hidden_layers + k (DeepSeek-V3, GLM-4.5)
+    mtp_shared_copies: Mapping[str, str] = dataclasses.field(default_factory=dict)  # see NEXTN_MTP_SHARED_COPIES
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -153,29 +214,69 @@ def _positive_int(config: Mapping[str, Any], name: str, default: Any = None) -> 
     return value
 
 
-def read_rope(config: Mapping[str, Any]) -> RopeSettings:
+def read_rope(config: Mapping[str, Any], supported: Tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> RopeSettings:
     """Rotary settings from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``
-    (older files); a scaling type we do not implement is refused, naming it."""
+    (older files); a scaling type outside ``supported`` is refused, naming it. ``partial_rotary_factor``
+    (top level, or inside ``rope_parameters``) rotates the first fraction of each head, as megatron's
+    ``rotary_percent`` does (Hugging Face's ``rotate_half`` on ``q[..., :rotary_dim]``)."""
     parameters = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling")
     if scaling:
         parameters = {**parameters, **scaling}
     theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = parameters.get("rope_type", parameters.get("type", "default")) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in supported:
         raise UnsupportedCheckpointError(
-            f"config.json rope scaling type {rope_type!r} (rope_scaling / rope_parameters) is not implemented; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if float(config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedCheckpointError(f"config.json field 'partial_rotary_factor' = "
-                                         f"{config['partial_rotary_factor']} is not supported (only 1.0)")
+            f"config.json rope scaling type {rope_type!r} (rope_scaling / rope_parameters) is not implemented "
+            f"for this family; supported: {', '.join(supported)}")
+    partial = float(parameters.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < partial <= 1.0:
+        raise UnsupportedCheckpointError(f"config.json field 'partial_rotary_factor' = {partial} must be in (0, 1]")
+    if rope_type == "yarn":
+        return RopeSettings(theta=float(theta), rope_type=rope_type, partial_rotary_factor=partial,
+                            yarn=_read_yarn(config, parameters))
     fields = {name: parameters[name] for name in ("factor", "low_freq_factor", "high_freq_factor",
                                                   "original_max_position_embeddings") if name in parameters}
     if rope_type == "default":
         fields = {}
     elif "factor" not in fields:
         raise UnsupportedCheckpointError(f"config.json rope scaling {rope_type!r} lacks its 'factor'")
-    return RopeSettings(theta=float(theta), rope_type=rope_type, **fields)
+    return RopeSettings(theta=float(theta), rope_type=rope_type, partial_rotary_factor=partial, **fields)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _read_yarn(config: Mapping[str, Any], parameters: Mapping[str, Any]) -> Dict[str, float]:
+    """YaRN as megatron's ``MLATransformerConfig`` holds it. Hugging Face's rule for the cos/sin factor
+    (``attention_factor``: the mscale ratio when both mscales are set and non-zero, else
+    ``0.1 ln(factor) + 1``) and megatron's (the ratio whenever both are set) are compared, and a
+    checkpoint on which they differ is refused, as are an explicit ``attention_factor`` megatron
+    cannot hold and ``truncate: false`` (megatron always rounds the correction range)."""
+    original = parameters.get("original_max_position_embeddings")
+    if original is None:
+        raise UnsupportedCheckpointError("config.json yarn rope scaling lacks 'original_max_position_embeddings'")
+    factor = parameters.get("factor")
+    factor = float(factor if factor is not None else _positive_int(config, "max_position_embeddings") / original)
+    mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    theirs = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+              else _yarn_mscale(factor))
+    if parameters.get("attention_factor") is not None:
+        theirs = float(parameters["attention_factor"])
+    ours_mscale, ours_all_dim = float(mscale if mscale is not None else 1.0), float(mscale_all_dim or 0.0)
+    ours = _yarn_mscale(factor, ours_mscale) / _yarn_mscale(factor, ours_all_dim)
+    if not math.isclose(theirs, ours, rel_tol=1e-12):
+        raise UnsupportedCheckpointError(
+            f"config.json yarn rope scaling (mscale={mscale}, mscale_all_dim={mscale_all_dim}, attention_factor="
+            f"{parameters.get('attention_factor')}) gives a cos/sin factor {theirs}, which megatron's YaRN cannot "
+            f"express (it would use {ours})")
+    if parameters.get("truncate") is False:
+        raise UnsupportedCheckpointError("config.json yarn rope scaling 'truncate': false is not supported "
+                                         "(megatron rounds the YaRN correction range)")
+    return dict(rotary_scaling_factor=factor, original_max_position_embeddings=int(original),
+                beta_fast=float(parameters.get("beta_fast") or 32), beta_slow=float(parameters.get("beta_slow") or 1),
+                mscale=ours_mscale, mscale_all_dim=ours_all_dim)
 
 
 def _refuse_unsupported_attention(config: Mapping[str, Any]) -> None:
@@ -211,9 +312,6 @@ def _dense_settings(config: Mapping[str, Any], qkv_bias: bool, qk_layernorm: boo
         raise UnsupportedCheckpointError(f"config.json: num_attention_heads={num_heads} is not a multiple of "
                                          f"num_key_value_heads={num_kv_heads}")
     head_dim = _positive_int(config, "head_dim", hidden_size // num_heads)
-    dtype_name = _get(config, "dtype", _get(config, "torch_dtype", "bfloat16"))
-    if dtype_name not in _DTYPES:
-        raise UnsupportedCheckpointError(f"config.json dtype {dtype_name!r} is not one of {sorted(_DTYPES)}")
     fields = dict(
         num_layers=_positive_int(config, "num_hidden_layers"), hidden_size=hidden_size,
         ffn_hidden_size=_positive_int(config, "intermediate_size"), num_attention_heads=num_heads,
@@ -226,7 +324,14 @@ def _dense_settings(config: Mapping[str, Any], qkv_bias: bool, qk_layernorm: boo
     return ModelSettings(config_fields=fields, vocab_size=_positive_int(config, "vocab_size"),
                          max_sequence_length=_positive_int(config, "max_position_embeddings"),
                          tied_embeddings=bool(config.get("tie_word_embeddings", False)), rope=read_rope(config),
-                         dtype=_DTYPES[dtype_name])
+                         dtype=_checkpoint_dtype(config))
+
+
+def _checkpoint_dtype(config: Mapping[str, Any]) -> torch.dtype:
+    dtype_name = _get(config, "dtype", _get(config, "torch_dtype", "bfloat16"))
+    if dtype_name not in _DTYPES:
+        raise UnsupportedCheckpointError(f"config.json dtype {dtype_name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype_name]
 
 
 def _refuse_attention_bias(config: Mapping[str, Any]) -> None:
@@ -249,12 +354,143 @@ def _qwen3_settings(config):
     return _dense_settings(config, qkv_bias=False, qk_layernorm=True)
 
 
-def _mimo_settings(config):
-    depth = config.get("num_nextn_predict_layers", 0) or 0
+def _mtp_depth(config: Mapping[str, Any]) -> int:
+    depth = config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0)) or 0
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise UnsupportedCheckpointError(f"config.json field 'num_nextn_predict_layers' must be an int >= 0, "
                                          f"got {depth!r}")
-    return _dense_settings(config, qkv_bias=True, qk_layernorm=False, mtp_num_layers=depth)
+    return depth
+
+
+def _mimo_settings(config):
+    return _dense_settings(config, qkv_bias=True, qk_layernorm=False, mtp_num_layers=_mtp_depth(config))
+
+
+# ----- mixture-of-experts families ----------------------------------------------------------------
+
+def _moe_fields(config: Mapping[str, Any], moe_layers: Tuple[bool, ...], *, sigmoid: bool,
+                shared_experts: int = 0) -> Dict[str, Any]:
+    """megatron's MoE fields: routed experts (``n_routed_experts`` / ``num_experts``), top-k, expert
+    width, which layers are MoE (one 0/1 per layer), routing; none when no layer is MoE. The router
+    runs in fp32 as Hugging Face's does (and the one-launch routing kernel needs fp32 logits).
+
+    - softmax (Qwen3-MoE): ``norm_topk_prob`` renormalises the top-k of the softmax, which is
+      megatron's softmax over the top-k logits (``moe_router_pre_softmax=False``); without it,
+      megatron's softmax before the top-k (``moe_router_pre_softmax=True``).
+    - sigmoid (GLM-4.5, DeepSeek-V3): ``e_score_correction_bias`` steers the choice only (megatron's
+      expert bias), ``n_group`` / ``topk_group`` limit it to the best groups by their top-2 sum
+      (megatron's group-limited top-k), the chosen scores are renormalised (``norm_topk_prob``, which
+      megatron always does for sigmoid) and scaled by ``routed_scaling_factor``.
+    """
+    if not any(moe_layers):
+        return {}
+    num_experts = _positive_int(config, "n_routed_experts" if "n_routed_experts" in config else
+                                "num_experts" if "num_experts" in config else "num_local_experts")
+    top_k = _positive_int(config, "num_experts_per_tok")
+    fields = dict(num_moe_experts=num_experts, moe_router_topk=top_k,
+                  moe_ffn_hidden_size=_positive_int(config, "moe_intermediate_size"),
+                  moe_layer_freq=[int(flag) for flag in moe_layers], moe_router_dtype="fp32",
+                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    if shared_experts:
+        fields["moe_shared_expert_intermediate_size"] = shared_experts * fields["moe_ffn_hidden_size"]
+    if not sigmoid:
+        fields.update(moe_router_score_function="softmax",
+                      moe_router_pre_softmax=not config.get("norm_topk_prob", False))
+        return fields
+    if top_k > 1 and config.get("norm_topk_prob", True) is False:
+        raise UnsupportedCheckpointError("config.json field 'norm_topk_prob' is false: megatron's sigmoid routing "
+                                         "always renormalises the chosen scores")
+    groups, group_topk = _positive_int(config, "n_group", 1), _positive_int(config, "topk_group", 1)
+    if num_experts % groups:
+        raise UnsupportedCheckpointError(f"config.json: n_routed_experts={num_experts} is not a multiple of "
+                                         f"n_group={groups}")
+    fields.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                  moe_router_bias_update_rate=0.0,
+                  moe_router_topk_scaling_factor=float(_get(config, "routed_scaling_factor", 1.0)))
+    if groups > 1:
+        fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    return fields
+
+
+def _dense_prefix_layers(config: Mapping[str, Any]) -> Tuple[bool, ...]:
+    """MoE layers of GLM-4.5 / DeepSeek-V3: every layer from ``first_k_dense_replace`` on."""
+    num_layers = _positive_int(config, "num_hidden_layers")
+    first_moe = config.get("first_k_dense_replace", 0) or 0
+    if _get(config, "moe_layer_freq", 1) != 1:
+        raise UnsupportedCheckpointError(f"config.json field 'moe_layer_freq' = {config['moe_layer_freq']!r}: only 1 "
+                                         "(every layer after first_k_dense_replace) is supported")
+    return tuple(layer >= first_moe for layer in range(num_layers))
+
+
+def _qwen3_moe_settings(config):
+    """Qwen3-MoE: Qwen3 attention; MoE on the layers ``decoder_sparse_step`` picks, except
+    ``mlp_only_layers``; softmax routing, no shared expert."""
+    _refuse_attention_bias(config)
+    settings = _dense_settings(config, qkv_bias=False, qk_layernorm=True)
+    step = _positive_int(config, "decoder_sparse_step", 1)
+    dense = set(config.get("mlp_only_layers") or ())
+    moe_layers = tuple(layer not in dense and (layer + 1) % step == 0
+                       for layer in range(settings.config_fields["num_layers"]))
+    settings.config_fields.update(_moe_fields(config, moe_layers, sigmoid=False))
+    return settings
+
+
+def _refuse_other_routing(config: Mapping[str, Any]) -> None:
+    """DeepSeek-V3's own config names its routing; Hugging Face's class implements only this one."""
+    for name, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if config.get(name, wanted) != wanted:
+            raise UnsupportedCheckpointError(f"config.json field {name!r} = {config[name]!r}: only {wanted!r} routing "
+                                             "is supported")
+
+
+def _glm4_moe_settings(config):
+    """GLM-4.5 / 4.6: GQA with q/k/v biases (``attention_bias``; o_proj has none), optional q/k norms
+    (``use_qk_norm``), partial rotary (``partial_rotary_factor``, half-split), dense layers before
+    ``first_k_dense_replace`` then sigmoid-routed MoE with shared experts; MTP layers after the last."""
+    _refuse_other_routing(config)
+    settings = _dense_settings(config, qkv_bias=bool(config.get("attention_bias")),
+                               qk_layernorm=bool(config.get("use_qk_norm")), mtp_num_layers=_mtp_depth(config))
+    settings.config_fields.update(_moe_fields(config, _dense_prefix_layers(config), sigmoid=True,
+                                              shared_experts=_get(config, "n_shared_experts", 0)))
+    return settings
+
+
+def _deepseek_v3_settings(config):
+    """DeepSeek-V3 / R1: multi-latent attention (megatron's ``MLATransformerConfig``: q LoRA optional,
+    the latent and the compressed query normed, plain or YaRN rotary on ``qk_rope_head_dim`` dims
+    laid out in interleaved pairs, which megatron's MLA de-interleaves as Hugging Face's does), dense
+    layers before ``first_k_dense_replace`` then sigmoid-routed MoE with shared experts; MTP layers
+    after the last."""
+    _refuse_unsupported_attention(config)
+    _refuse_other_routing(config)
+    if config.get("attention_bias"):
+        raise UnsupportedCheckpointError("config.json field 'attention_bias' is true: MLA projection biases are "
+                                         "not supported")
+    if config.get("rope_interleave", True) is not True:
+        raise UnsupportedCheckpointError("config.json field 'rope_interleave' is false: megatron's MLA ropes "
+                                         "interleaved pairs only")
+    rope = read_rope(config, supported=("default", "yarn"))
+    if rope.partial_rotary_factor != 1.0:
+        raise UnsupportedCheckpointError("config.json field 'partial_rotary_factor' is not supported with MLA")
+    q_lora_rank = config.get("q_lora_rank")
+    fields = dict(
+        num_layers=_positive_int(config, "num_hidden_layers"), hidden_size=_positive_int(config, "hidden_size"),
+        ffn_hidden_size=_positive_int(config, "intermediate_size"),
+        num_attention_heads=_positive_int(config, "num_attention_heads"), multi_latent_attention=True,
+        q_lora_rank=None if q_lora_rank is None else _positive_int(config, "q_lora_rank"),
+        kv_lora_rank=_positive_int(config, "kv_lora_rank"), qk_head_dim=_positive_int(config, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=_positive_int(config, "qk_rope_head_dim"), v_head_dim=_positive_int(config, "v_head_dim"),
+        rotary_base=rope.theta, rope_type="yarn" if rope.rope_type == "yarn" else "rope", **rope.yarn,
+        normalization="RMSNorm", layernorm_epsilon=float(_get(config, "rms_norm_eps", 1e-6)), qk_layernorm=True,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, mtp_num_layers=_mtp_depth(config) or None,
+    )
+    fields.update(_moe_fields(config, _dense_prefix_layers(config), sigmoid=True,
+                              shared_experts=_get(config, "n_shared_experts", 0)))
+    return ModelSettings(config_fields=fields, vocab_size=_positive_int(config, "vocab_size"),
+                         max_sequence_length=_positive_int(config, "max_position_embeddings"),
+                         tied_embeddings=bool(config.get("tie_word_embeddings", False)), rope=rope,
+                         dtype=_checkpoint_dtype(config), config_class=MLATransformerConfig)
 
 
 FAMILIES: Tuple[HFFamily, ...] = (
@@ -263,18 +499,23 @@ FAMILIES: Tuple[HFFamily, ...] = (
     HFFamily("Qwen3", ("Qwen3ForCausalLM",), ("qwen3",), _qwen3_settings),
     HFFamily("MiMo", ("MiMoForCausalLM",), ("mimo",), _mimo_settings, mtp_prefix="model.mtp_layers.{i}.",
              mtp_table=MIMO_MTP_TABLE),
+    HFFamily("Qwen3-MoE", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), _qwen3_moe_settings, layer_table=MOE_LAYER_TABLE),
+    HFFamily("GLM-4.5", ("Glm4MoeForCausalLM",), ("glm4_moe",), _glm4_moe_settings, layer_table=MOE_LAYER_TABLE,
+             mtp_prefix="model.layers.{i}.", mtp_table=NEXTN_MTP_TABLE, mtp_after_decoder=True,
+             mtp_shared_copies=NEXTN_MTP_SHARED_COPIES),
+    HFFamily("DeepSeek-V3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), _deepseek_v3_settings,
+             layer_table=MLA_LAYER_TABLE, mtp_prefix="model.layers.{i}.", mtp_table=NEXTN_MTP_TABLE,
+             mtp_after_decoder=True, mtp_shared_copies=NEXTN_MTP_SHARED_COPIES),
 )
 
 # Families people hold whose layers this package does not build yet: model_type -> what is missing.
 REFUSED_FAMILIES: Mapping[str, str] = {
-    "deepseek_v3": "DeepSeek-V3 needs multi-latent attention (MLA) layers, which mtp_ctrl does not build yet",
-    "deepseek_v2": "DeepSeek-V2 needs multi-latent attention (MLA) layers, which mtp_ctrl does not build yet",
-    "glm4_moe": "GLM-4.5/4.6 (MoE + MTP): its name table (routed and shared experts, the MTP layer after the "
-                "last) is not written yet",
-    "qwen3_moe": "Qwen3-MoE: its name table (routed experts) is not written yet",
-    "qwen3_next": "Qwen3-Next needs Gated DeltaNet layers, which mtp_ctrl does not build yet",
-    "qwen3_5": "Qwen3.5 needs Gated DeltaNet layers, which mtp_ctrl does not build yet",
-    "qwen3_5_moe": "Qwen3.5 needs Gated DeltaNet layers, which mtp_ctrl does not build yet",
+    "deepseek_v2": "DeepSeek-V2 (softmax routing over MLA): its name table is not written yet (DeepSeek-V3 loads)",
+    "qwen3_next": ("Qwen3-Next: the Gated DeltaNet layers are built (docs/gdn.md) but their Hugging Face names "
+                   "are not mapped yet"),
+    "qwen3_5": "Qwen3.5: the Gated DeltaNet layers are built (docs/gdn.md) but their Hugging Face names are not mapped",
+    "qwen3_5_moe": ("Qwen3.5: the Gated DeltaNet layers are built (docs/gdn.md) but their Hugging Face names "
+                    "are not mapped"),
     "mimo_v2_flash": "MiMo-V2-Flash needs sliding-window attention with attention sinks and MoE layers, "
                      "which mtp_ctrl does not build yet",
     "mistral": "Mistral checkpoints use sliding-window attention; their table is not written yet",
@@ -290,7 +531,7 @@ def resolve_family(config: Mapping[str, Any]) -> HFFamily:
     architectures = tuple(config.get("architectures") or ())
     if any("eagle" in name.lower() for name in architectures):
         raise UnsupportedCheckpointError(f"architecture {list(architectures)} is an EAGLE draft head, not a target "
-                                         "model; EAGLE-3 heads in the EAGLE/SpecForge layout do not load yet")
+                                         "model: load it with mtp_ctrl.models.load_eagle3_head(path, target)")
     for family in FAMILIES:  # by architecture; by model_type only when config.json names none
         if set(architectures) & set(family.architectures) or (not architectures and model_type in family.model_types):
             return family

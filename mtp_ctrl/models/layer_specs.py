@@ -1,8 +1,10 @@
 """megatron-core GPT layer specs whose token mixers run through mtp_ctrl's paged state.
 
-Two kinds of decoder layer: attention layers (megatron's GPT layer, core attention replaced by
-:class:`PagedCoreAttention`) and Mamba layers (the same layer with :class:`PagedMambaMixer` in
-the self-attention slot). MTP layers are attention layers.
+Three kinds of decoder layer: attention layers (megatron's GPT layer, core attention replaced by
+:class:`PagedCoreAttention`), Mamba layers (the same layer with :class:`PagedMambaMixer` in
+the self-attention slot) and Gated DeltaNet layers (:class:`PagedGatedDeltaNet` there). MTP layers
+are attention layers. Mamba and GDN mixers keep their state in the same recurrent state slots
+("Mamba layer index" below counts both kinds).
 
 KV cache index of every attention layer (``kv_caches[i]``): decoder attention layers in order,
 then MTP depth ``k``. Mamba layer index (the first dim of the Mamba state slots): decoder Mamba
@@ -27,12 +29,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mtp_ctrl.models.fused_layers import use_fused_glue_layers
+from mtp_ctrl.models.gdn_mixer import PagedGatedDeltaNet
 from mtp_ctrl.models.mamba_mixer import PagedMambaMixer
 from mtp_ctrl.models.mla_attention import PagedMLACoreAttention, PagedMLASelfAttention
 from mtp_ctrl.models.moe import InferenceTopKRouter
 from mtp_ctrl.models.paged_core_attention import PagedCoreAttention
 
-ATTENTION_LAYER, MAMBA_LAYER = "*", "M"  # the characters of a hybrid layer pattern
+ATTENTION_LAYER, MAMBA_LAYER, GDN_LAYER = "*", "M", "G"  # the characters of a hybrid layer pattern
+RECURRENT_MIXERS = (PagedMambaMixer, PagedGatedDeltaNet)  # token mixers whose state lives in the state slots
 
 
 def transformer_engine_available() -> bool:
@@ -101,6 +105,21 @@ def get_paged_mamba_layer_spec(normalization: Optional[str] = None, num_experts:
     return spec
 
 
+def get_paged_gdn_layer_spec(normalization: Optional[str] = None, num_experts: Optional[int] = None,
+                             **mixer_params) -> ModuleSpec:
+    """A Gated DeltaNet layer: megatron's local GPT layer (input norm, mixer, residual, MLP or MoE)
+    with :class:`PagedGatedDeltaNet` as its token mixer (megatron's GDN spec fuses the input norm
+    into ``in_proj``; here it stays the layer's ``input_layernorm``); ``mixer_params`` go to the mixer."""
+    spec = _with_inference_router(use_fused_glue_layers(copy.deepcopy(
+        get_gpt_layer_local_spec(num_experts=num_experts, normalization=normalization))))
+    spec.submodules.self_attention = ModuleSpec(module=PagedGatedDeltaNet, params=dict(mixer_params))
+    # checkpoints spell the input norm as megatron's GDN spec does (fused into in_proj)
+    keys_map = dict(spec.submodules.sharded_state_dict_keys_map or {})
+    keys_map["input_layernorm."] = "self_attention.in_proj.layer_norm_"
+    spec.submodules.sharded_state_dict_keys_map = keys_map
+    return spec
+
+
 def get_paged_mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec,
                              use_transformer_engine: Optional[bool] = None):
     """megatron's MTP block spec built on ``layer_spec``; None when ``config.mtp_num_layers`` is unset."""
@@ -115,14 +134,15 @@ def get_paged_mtp_block_spec(config: TransformerConfig, layer_spec: ModuleSpec,
     return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine)
 
 
-def mamba_mixers(model) -> List[PagedMambaMixer]:
-    """The decoder's Mamba mixers in layer order (empty for a pure-attention model)."""
+def mamba_mixers(model) -> List:
+    """The decoder's recurrent-state mixers (:class:`PagedMambaMixer` and :class:`PagedGatedDeltaNet`)
+    in layer order (empty for a pure-attention model): the layers of the state slots."""
     return [layer.self_attention for layer in model.decoder.layers
-            if isinstance(getattr(layer, "self_attention", None), PagedMambaMixer)]
+            if isinstance(getattr(layer, "self_attention", None), RECURRENT_MIXERS)]
 
 
 def assign_mamba_layer_indices(model) -> int:
-    """Give every Mamba mixer its index in the state slots; returns the number of Mamba layers."""
+    """Give every recurrent mixer its index in the state slots; returns the number of such layers."""
     mixers = mamba_mixers(model)
     for index, mixer in enumerate(mixers):
         mixer.mamba_layer_index = index
@@ -132,7 +152,7 @@ def assign_mamba_layer_indices(model) -> int:
 def _attention_owners(model) -> List:
     """Every attention-holding transformer layer, in kv-cache order (decoder, then MTP depths)."""
     layers = [layer for layer in model.decoder.layers
-              if not isinstance(getattr(layer, "self_attention", None), PagedMambaMixer)]
+              if not isinstance(getattr(layer, "self_attention", None), RECURRENT_MIXERS)]
     if getattr(model, "mtp_process", False):
         layers += [mtp_layer.transformer_layer for mtp_layer in model.mtp.layers]
     return layers

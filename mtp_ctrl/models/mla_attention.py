@@ -49,7 +49,7 @@ from mtp_ctrl.triton_ops import paged_attention, paged_mla_attention, rope_and_w
 
 # decode and verify rows (1 + S a request) attend in latent space; longer prefill chunks decompress,
 # unless the temporary K/V of the batch's context would pass this many bytes (then absorbed too)
-DEFAULT_ABSORB_MAX_QUERY_LEN = 16
+DEFAULT_ABSORB_MAX_QUERY_LEN = 64  # H100, bench_mla.py section 2: absorbed wins to 64 rows, decompressed from 256
 DECOMPRESS_MAX_BYTES = 1 << 30
 
 

@@ -154,10 +154,15 @@ class PagedGPTRunner:
 
     @property
     def mamba_spec(self) -> Optional[MambaSpec]:
-        """The state shapes of the model's Mamba layers (kept in fp32); None without Mamba layers."""
+        """The state shapes of the model's recurrent layers (Mamba-2 or Gated DeltaNet; kept in fp32);
+        None without such layers."""
         mixers = mamba_mixers(self.model)
         if not mixers:
             return None
+        shapes = {(mixer.conv_state_shape, mixer.ssm_state_shape) for mixer in mixers}
+        if len(shapes) != 1:
+            raise ValueError(f"the model's recurrent layers differ in state shape ({sorted(shapes)}): one set of "
+                             "state slots holds one shape")
         return MambaSpec(num_layers=len(mixers), conv_state_shape=mixers[0].conv_state_shape,
                          ssm_state_shape=mixers[0].ssm_state_shape, dtype=torch.float32)
 
@@ -340,7 +345,8 @@ class PagedGPTRunner:
     ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [K, V] fp32, hidden [T, H] (the head's output, pre-norm)
         """One application of an EAGLE head: row i combines ``features[i]`` with the embedding of
         ``token_ids[i]`` (:meth:`EagleHead.forward`), attends through the head's paged cache at
-        ``positions[i]``, and the target's final norm and output layer give the logits."""
+        ``positions[i]``, and the target's final norm and output layer give the logits (a head
+        with its own, :class:`~mtp_ctrl.models.eagle3_hf.Eagle3Head`: its ``target_logits``)."""
         self._check_rows(token_ids, positions, metadata, None)
         self._check_logits_rows(logits_rows)
         if not isinstance(features, torch.Tensor) or features.shape != (token_ids.shape[0], self.model.config.hidden_size):
@@ -351,6 +357,9 @@ class PagedGPTRunner:
                                    moe_backend=self._moe_forward_backend):
             embedded = self.model.embedding(input_ids=token_ids[None], position_ids=self._position_ids(positions, offset=1))  # [T, 1, H]
             out = head(embedded, features[:, None], rotary_pos_emb=rotary_pos_emb)  # [T, 1, H]
+        own_logits = getattr(head, "target_logits", None)  # a head with its own norm and head (Eagle3Head)
+        if own_logits is not None:
+            return own_logits(out if logits_rows is None else out[logits_rows]), out[:, 0]
         normed = self.model.decoder.final_layernorm(out)  # the target's final norm
         projected_rows = normed if logits_rows is None else normed[logits_rows]  # [K, 1, H]
         return self._logits(projected_rows), out[:, 0]

@@ -213,19 +213,24 @@ class _Reply:
 
 
 async def _events(handle: RequestHandle, reply: _Reply):
-    """(text to send, finish reason or None) as the engine's events arrive."""
+    """(text to send, finish reason or None) as the engine's events arrive. Events that queued up
+    while this handler waited (the engine steps faster than a client reads) go out as one chunk."""
     while True:
-        kind, value = await handle.events.get()
-        if kind == "tokens":
-            reply.completion_tokens += len(value)
-            text = reply.text.push(value)
+        events = [await handle.events.get()]
+        while not handle.events.empty():
+            events.append(handle.events.get_nowait())
+        tokens = [token for kind, value in events if kind == "tokens" for token in value]
+        if tokens:
+            reply.completion_tokens += len(tokens)
+            text = reply.text.push(tokens)
             if text:
                 yield text, None
-        elif kind == "finished":
-            yield reply.text.finish(), reply.finish_reason(value)
-            return
-        else:
-            raise RuntimeError(f"generation failed: {value}")
+        for kind, value in events:
+            if kind == "finished":
+                yield reply.text.finish(), reply.finish_reason(value)
+                return
+            if kind != "tokens":
+                raise RuntimeError(f"generation failed: {value}")
 
 
 async def _stream(engine: EngineLoop, handle: RequestHandle, reply: _Reply):

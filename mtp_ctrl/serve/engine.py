@@ -47,7 +47,23 @@ class RequestHandle:
 
     def post(self, kind: str, value) -> None:
         """From the engine thread: hand an event to the handler's event loop."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        post_events([(self, kind, value)])
+
+
+def post_events(events: List[Tuple[RequestHandle, str, object]]) -> None:
+    """From the engine thread: hand a step's events to their handlers' event loops, one wake-up
+    of each loop per call (a wake-up per request and step would take the GIL from the engine
+    thread ``batch`` times a step)."""
+    by_loop: Dict[asyncio.AbstractEventLoop, List[Tuple[RequestHandle, str, object]]] = {}
+    for event in events:
+        by_loop.setdefault(event[0].loop, []).append(event)
+    for loop, loop_events in by_loop.items():
+        loop.call_soon_threadsafe(_deliver, loop_events)
+
+
+def _deliver(events: List[Tuple[RequestHandle, str, object]]) -> None:
+    for handle, kind, value in events:
+        handle.events.put_nowait((kind, value))
 
 
 @dataclasses.dataclass
@@ -167,17 +183,21 @@ class EngineLoop:
                 raise  # under TP every rank stops (the lockstep check raises on the others)
             return
         now = time.perf_counter()
+        events: List[Tuple[RequestHandle, str, object]] = []
         for request_id, tokens, finished in outputs:
             handle = self._live.get(request_id)
             if handle is None:  # aborted: its last tokens are dropped
                 continue
             if tokens:
                 self.metrics.tokens_arrived(handle, len(tokens), now)
-                handle.post("tokens", list(tokens))
+                events.append((handle, "tokens", list(tokens)))
             if finished:
                 del self._live[request_id]
                 result = self.controller.pop_result(request_id)
-                self._end(handle, "finished", result, reason=result.finish_reason.value)
+                handle.done = True
+                self.metrics.request_ended(handle, result.finish_reason.value)
+                events.append((handle, "finished", result))
+        post_events(events)
 
     def _finished(self, request_id: int) -> bool:
         """Whether the controller ended the request (a failed step leaves queued ones queued)."""

@@ -51,6 +51,9 @@ _OP_MODULES = {
     "ssm_varlen_scan": "mamba_varlen",
     "segment_of_rows": "mamba_varlen",
     "mamba_decode_rows": "mamba_decode",
+    # Gated DeltaNet: the delta rule's decode/verify rows and prefill segments
+    "gdn_decode_rows": "gdn_recurrent",
+    "gdn_varlen_scan": "gdn_recurrent",
     # transformer-layer glue (bias, residual, norm, activation, QKV split)
     "add_bias_residual_norm": "layer_glue",
     "bias_activation": "layer_glue",

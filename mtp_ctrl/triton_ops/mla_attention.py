@@ -36,8 +36,9 @@ MAX_ROPE_DIM = 256
 _MIN_TOKENS_PER_SPLIT = 64
 _INT32_MAX = 2**31 - 1
 # tile shape of the attention kernel: matrix rows (query rows x heads) per program, cached tokens
-# per tile, warps; the accumulator is [block_m, C] fp32 in registers, so C = 512 wants few rows
-TUNING = dict(target_block_m=32, block_n=32, num_warps=8)
+# per tile, warps, software-pipeline stages of the cache loads, and split-K programs per SM; the
+# accumulator is [block_m, C] fp32 in registers, so C = 512 wants few rows
+TUNING = dict(target_block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2)  # bench_mla --tune, H100
 
 
 @triton.jit
@@ -291,7 +292,8 @@ def paged_mla_attention(
     if num_kv_splits is None:
         num_kv_splits = 1
         if query_latent.is_cuda:
-            wanted = triton.cdiv(2 * sm_count(query_latent.device), num_q_tiles * batch_size * num_head_tiles)
+            wanted = triton.cdiv(TUNING["programs_per_sm"] * sm_count(query_latent.device),
+                                  num_q_tiles * batch_size * num_head_tiles)
             longest = max(1, triton.cdiv(kv_token_bound, max(_MIN_TOKENS_PER_SPLIT, block_n)))
             num_kv_splits = max(1, min(wanted, longest, _MAX_KV_SPLITS))
     if num_kv_splits == 1:
@@ -315,6 +317,7 @@ def paged_mla_attention(
         NUM_HEAD_TILES=num_head_tiles, NUM_KV_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32",
         num_warps=TUNING["num_warps"] if query_latent.is_cuda else 4,
+        num_stages=TUNING["num_stages"] if query_latent.is_cuda else 1,
     )
     if num_kv_splits > 1:
         # paged_attn's combine reads our partial layout ([splits, T, H] by query head); its "kv head"

@@ -43,3 +43,42 @@ def test_mimo_on_cuda_matches_transformers(tmp_path):
                 torch.testing.assert_close(mtp_logits[depth][b], expected, **GPU_FP32_TOL)
     bf16 = load_hf_checkpoint(tmp_path, device="cuda", dtype=torch.bfloat16)
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_moe_and_mla_on_cuda_match_transformers_and_speculate_losslessly(tmp_path, family):
+    """GLM-4.5 (MoE + MTP) and DeepSeek-V3 (MLA + MoE + MTP) on the GPU: logits == transformers
+    (fp32), the MTP depths == the reference step, and the controller with CUDA graphs gives
+    S = 2 == S = 0 (bf16 loads too; its expert bias stays fp32)."""
+    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+    from tests.unit import hf_moe_fixtures
+
+    ensure_single_process_groups()
+    hf_model, mtp_models = hf_moe_fixtures.write_checkpoint(family, tmp_path)
+    model = load_hf_checkpoint(tmp_path, device="cuda")
+    runner = PagedGPTRunner(model)
+    caches = runner.kv_cache_spec(torch.float32).allocate(NUM_BLOCKS, 4, "cuda")
+    sequences = [s.cuda() for s in random_sequences(seed=0)]
+    decoder_logits, mtp_logits = run_paged_schedule(runner, sequences, caches, device="cuda")
+    hf_model = hf_model.cuda()
+    mtp_models = {depth: layer.cuda() for depth, layer in mtp_models.items()}
+    for depth, layer in mtp_models.items():  # plain tensors the reference reads
+        layer.enorm, layer.hnorm, layer.eh_proj = layer.enorm.cuda(), layer.hnorm.cuda(), layer.eh_proj.cuda()
+    with torch.no_grad():
+        for b, tokens in enumerate(sequences):
+            torch.testing.assert_close(decoder_logits[b], hf_model(tokens[None]).logits[0], **GPU_FP32_TOL)
+        reference = hf_moe_fixtures.reference_mtp_logits(hf_model, mtp_models, sequences, shifted_tokens)
+        for depth in range(hf_moe_fixtures.NEXTN_DEPTH):
+            for b in range(len(sequences)):
+                torch.testing.assert_close(mtp_logits[depth][b], reference[depth][b], **GPU_FP32_TOL)
+    prompts = [[5, 17, 33, 2, 90, 41], [7, 7, 60, 12]]
+    outputs = []
+    for num_speculative_tokens in (0, 2):
+        config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=2, block_size_tokens=16,
+                                 max_model_len=64, max_tokens_per_step=64, cuda_graph_batch_sizes=(1, 2))
+        controller = TextGenerationController(model, config, seed=0)
+        outputs.append([list(r.output_tokens) for r in controller.generate(prompts, SamplingParams(max_new_tokens=12))])
+    assert outputs[0] == outputs[1]
+    bf16 = load_hf_checkpoint(tmp_path, device="cuda", dtype=torch.bfloat16)
+    biases = [b for name, b in bf16.named_buffers() if name.endswith("router.expert_bias")]
+    assert biases and all(b.dtype == torch.float32 for b in biases)

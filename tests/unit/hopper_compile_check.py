@@ -44,8 +44,8 @@ def pointers(kernel, default, **special):
 def cases():
     """(label, kernel, pointer types, float args, constexprs): the kernels of a decode step's
     attention and glue, and the Mamba prefill kernels, in the variants the models launch."""
-    from mtp_ctrl.triton_ops import (layer_glue, mamba_varlen, mla_attention, moe_gemm, paged_attn, rope_kv_write,
-                                     sampling_filter)
+    from mtp_ctrl.triton_ops import (gdn_recurrent, layer_glue, mamba_varlen, mla_attention, moe_gemm, paged_attn,
+                                     rope_kv_write, sampling_filter)
 
     attention = paged_attn._paged_attention_kernel
     attention_pointers = pointers(attention, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32",
@@ -91,6 +91,11 @@ def cases():
         yield (f"causal conv varlen, slots {has_slots}", conv,
                pointers(conv, "fp32", SLOT_IDS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
                dict(WIDTH=4, SEARCH_STEPS=4, BLOCK_ROWS=16, BLOCK_CHANNELS=128, BLOCK_HISTORY=4, HAS_SLOTS=has_slots))
+    gdn = gdn_recurrent._gdn_rows_kernel
+    for decode in (True, False):  # Qwen3-Next's GDN heads: K = 128, V tiles of 32; verify rows of S = 2
+        yield (f"GDN rows, decode {decode}", gdn,
+               pointers(gdn, "fp32", SLOTS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
+               dict(DECODE=decode, ROWS=3, BLOCK_K=128, BLOCK_V=32))
 
     probs = sampling_filter._sampling_probs_kernel
     yield ("sampling probs (rejection acceptance)", probs,

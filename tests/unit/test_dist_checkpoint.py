@@ -105,7 +105,9 @@ def test_key_spellings():
         "mtp.layers.0.transformer_layer.pre_mlp_layernorm.bias",
         "mtp.layers.0.transformer_layer.mlp.linear_fc1.layer_norm_bias"]
     assert checkpoint_key_spellings("output_layer.weight") == ["output_layer.weight"]
-    assert len(CHECKPOINT_KEY_ALIASES) == 2
+    assert checkpoint_key_spellings("decoder.layers.0.self_attention.in_proj.layer_norm_weight") == [  # GDN layers
+        "decoder.layers.0.self_attention.in_proj.layer_norm_weight", "decoder.layers.0.input_layernorm.weight"]
+    assert len(CHECKPOINT_KEY_ALIASES) == 3
 
 
 def test_not_a_checkpoint(tmp_path, tp1_paged):

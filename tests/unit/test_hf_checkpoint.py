@@ -167,7 +167,6 @@ def _edit_config(directory, **fields):
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}), "yarn"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
-    (dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"]), "multi-latent attention"),
     (dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"]), "Gated DeltaNet"),
     (dict(model_type="falcon", architectures=["FalconForCausalLM"]), "FalconForCausalLM"),
     (dict(architectures=["Qwen3ForSequenceClassification"]), "Qwen3ForSequenceClassification"),

@@ -30,6 +30,7 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     mla_attention            mla              rope_and_write_latent_cache, paged_mla_attention
     mamba_varlen             mamba_varlen     causal_conv_varlen, ssm_varlen_scan, segment_of_rows
     mamba_decode             mamba_decode     mamba_decode_rows
+    gdn_recurrent            gdn              gdn_decode_rows, gdn_varlen_scan
     layer_glue               glue             add_bias_residual_norm, bias_activation, split_qkv_heads,
                                               gated_rms_norm
     moe_gemm                 moe              align_expert_pairs, grouped_expert_matmul
@@ -75,6 +76,8 @@ _REFERENCE_MODULES = {
     "ssm_varlen_scan": "mamba_varlen",
     "segment_of_rows": "mamba_varlen",
     "mamba_decode_rows": "mamba_decode",
+    "gdn_decode_rows": "gdn",
+    "gdn_varlen_scan": "gdn",
     "add_bias_residual_norm": "glue",
     "bias_activation": "glue",
     "split_qkv_heads": "glue",

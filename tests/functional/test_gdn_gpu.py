@@ -1,0 +1,98 @@
+"""Gated DeltaNet hybrids on CUDA: the GDN kernels == their torch twins on the GPU; the mixer ==
+megatron-core's own GatedDeltaNet with flash-linear-attention's kernels (skipped without fla);
+the hybrid's decode steps run without host sync and their CUDA-graph replays (decode, verify and
+mixed steps) give the eager tokens, which are the plain (S = 0) ones."""
+
+import pytest
+import torch
+
+from mtp_ctrl.controllers import SamplingParams, TextGenerationController
+from mtp_ctrl.triton_ops import gdn_decode_rows, gdn_varlen_scan, reference
+from tests.functional.test_controller_gpu import (
+    PROMPTS,
+    SyncCheckedController,
+    _mixed_steps_replay_warmed_up_graphs,
+    make_config,
+)
+from tests.unit.gdn_fixtures import build_gdn_model
+from tests.unit.megatron_fixtures import ensure_single_process_groups
+from tests.unit.test_gdn_kernels import rows
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is required", allow_module_level=True)
+
+
+def test_kernels_equal_twins_on_the_gpu():
+    inputs = {name: value.cuda() for name, value in rows(1, 40, key_heads=16, heads=32, key_dim=128,
+                                                          value_dim=128).items()}
+    generator = torch.Generator().manual_seed(2)
+    states = torch.randn(1, 9, 32, 128, 128, generator=generator).cuda() * 0.1
+    inter, want_inter = torch.zeros(1, 9, 4, 32, 128, 128).cuda(), torch.zeros(1, 9, 4, 32, 128, 128).cuda()
+    slots = torch.tensor([3, 0, 7, 8, 8, 8, 8, 8, 8, 8, 8], device="cuda")  # 8: a shared scratch slot (44 rows > T)
+    o = gdn_decode_rows(states, inter, 0, slots, **inputs)
+    want = reference.gdn_decode_rows(states, want_inter, 0, slots, **inputs)
+    torch.testing.assert_close(o[:12], want[:12], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(inter[:, :8], want_inter[:, :8], rtol=1e-4, atol=1e-4)
+    starts, counts = torch.tensor([0, 5, 5, 30], device="cuda"), torch.tensor([5, 0, 25, 10], device="cuda")
+    pool, want_pool = states[0].clone(), states[0].clone()
+    seg_slots = torch.tensor([1, 8, 2, 5], device="cuda")
+    o, _ = gdn_varlen_scan(pool, **inputs, row_start=starts, row_count=counts, slot_ids=seg_slots)
+    want, _ = reference.gdn_varlen_scan(want_pool, **inputs, row_start=starts, row_count=counts, slot_ids=seg_slots)
+    torch.testing.assert_close(o, want, rtol=1e-3, atol=1e-3)  # recurrent vs chunked form
+    torch.testing.assert_close(pool, want_pool, rtol=1e-3, atol=1e-3)
+
+
+def test_mixer_equals_megatron_gated_delta_net_with_fla():
+    pytest.importorskip("fla")
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, model_parallel_cuda_manual_seed
+
+    from mtp_ctrl.models import PagedGatedDeltaNet
+    from tests.unit.gdn_fixtures import gdn_config
+    from tests.unit.test_gdn_mixer import HIDDEN, S, commit, make_slots, run
+
+    ensure_single_process_groups()
+    model_parallel_cuda_manual_seed(5)
+    config = gdn_config()
+    ours = PagedGatedDeltaNet(config, layer_number=1).cuda().eval()
+    ours.mamba_layer_index = 0
+    theirs = GatedDeltaNet(config, GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=LNImpl,
+                                                           out_proj=RowParallelLinear),
+                           layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups()).cuda().eval()
+    theirs.load_state_dict(ours.state_dict())
+    hidden = torch.randn(9 + 1 + S + 3, HIDDEN, generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        want = theirs(hidden[:, None], attention_mask=None)[0][:, 0]
+    slots = {name: value.cuda() for name, value in make_slots(ours, 2).items()}
+    got = [run(ours, slots, hidden[:9], prefill=((0, 9, 1),)),
+           run(ours, slots, hidden[9:10 + S], decode_slots=(1,))]
+    commit(slots, [1], [S])
+    got.append(run(ours, slots, hidden[10 + S:], prefill=((0, 3, 1),)))
+    torch.testing.assert_close(torch.cat(got), want, rtol=5e-3, atol=5e-3)  # fla's chunk kernel: TF32 dots
+
+
+@pytest.fixture(scope="module")
+def gdn_model():
+    ensure_single_process_groups()
+    return build_gdn_model(mtp_num_layers=2).cuda()
+
+
+def test_gdn_hybrid_graphs_equal_eager_without_host_sync(gdn_model):
+    params = [SamplingParams(max_new_tokens=10 + i, temperature=0.7 * (i % 2), seed=i) for i in range(len(PROMPTS))]
+    plain = TextGenerationController(gdn_model, make_config(0)).generate(PROMPTS, params)
+    eager_controller = SyncCheckedController(gdn_model, make_config(2))
+    eager = eager_controller.generate(PROMPTS, params)
+    graphed_controller = SyncCheckedController(gdn_model, make_config(2, graphs=True))
+    graphed = graphed_controller.generate(PROMPTS, params)
+    assert eager_controller.decode_launches > 10 and graphed_controller.debug_view().num_cuda_graphs > 0
+    tokens = [[r.output_tokens for r in results] for results in (plain, eager, graphed)]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert graphed_controller.context.mamba.num_free_slots == graphed_controller.context.mamba.num_slots
+
+
+def test_gdn_hybrid_mixed_steps_replay_warmed_up_graphs_and_equal_eager(gdn_model):
+    controller = _mixed_steps_replay_warmed_up_graphs(gdn_model)
+    assert any(shape.has_prefill for shape in controller.context.graph_shapes())
+    assert controller.context.mamba.num_free_slots == controller.context.mamba.num_slots
