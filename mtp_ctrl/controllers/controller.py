@@ -47,7 +47,7 @@ from mtp_ctrl.controllers.acceptance import RejectionAcceptance, RequestSampling
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.draft_context import DraftContext
-from mtp_ctrl.controllers.draft_lengths import DraftLengths
+from mtp_ctrl.controllers.draft_lengths import DraftLengths, realign_lengths
 from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
@@ -544,7 +544,7 @@ class TextGenerationController:
         if self.shape.num_speculative_tokens > 0:
             notify_committed(self.proposer, step, readbacks, emitted, rows)
         self.metrics.record_acceptance(readbacks[:, :, 0][decode[None, :] & (emitted > 0)],
-                                       _realigned(verified, rows, num_rows)[decode[None, :] & (emitted > 0)])
+                                       realign_lengths(verified, rows, num_rows)[decode[None, :] & (emitted > 0)])
         self.metrics.emitted_tokens += int(emitted.sum())
         for row, reason in finished:
             self._finish_record(int(request_ids[row]), reason)
@@ -619,16 +619,3 @@ class TextGenerationController:
                 if record is not None and record.finish_reason is not None:
                     del self._records[request_id]
 
-
-def _realigned(verified: np.ndarray, rows: Optional[np.ndarray], num_rows: int) -> np.ndarray:
-    """``verified`` ``[k, n_d]`` (the step's decode rows) as ``[k, num_rows]`` in the table's current
-    row order (``rows``: where each of the step's requests sits now, -1 if gone; None: unmoved)."""
-    out = np.zeros((verified.shape[0], num_rows), dtype=np.int64)
-    if rows is None:
-        width = min(verified.shape[1], num_rows)
-        out[:, :width] = verified[:, :width]
-    else:
-        decode_rows = rows[: verified.shape[1]]
-        present = (decode_rows >= 0) & (decode_rows < num_rows)
-        out[:, decode_rows[present]] = verified[:, present]
-    return out

@@ -119,3 +119,17 @@ class DraftLengths:
             costs = shared[0]
         if self.policy.cost_model is not None:
             self.policy.cost_model.set_measured(costs)
+
+
+def realign_lengths(verified: np.ndarray, rows: Optional[np.ndarray], num_rows: int) -> np.ndarray:
+    """``verified`` ``[k, n_d]`` (the step's decode rows) as ``[k, num_rows]`` in the table's current
+    row order (``rows``: where each of the step's requests sits now, -1 if gone; None: unmoved)."""
+    out = np.zeros((verified.shape[0], num_rows), dtype=np.int64)
+    if rows is None:
+        width = min(verified.shape[1], num_rows)
+        out[:, :width] = verified[:, :width]
+    else:
+        decode_rows = rows[: verified.shape[1]]
+        present = (decode_rows >= 0) & (decode_rows < num_rows)
+        out[:, decode_rows[present]] = verified[:, present]
+    return out
