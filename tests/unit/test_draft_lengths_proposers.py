@@ -1,5 +1,5 @@
 """Per-request, per-step draft lengths (issue 34) with the EAGLE family (EAGLE, parallel drafting,
-multi-layer EAGLE) on a target whose drafts often land, on a hybrid Mamba model, and with
+multi-layer EAGLE) on a target whose drafts often land, on hybrid Mamba and Gated DeltaNet models, and with
 rejection acceptance: output == plain decoding under random lengths, churn, preemption and
 padded steps."""
 
@@ -61,4 +61,16 @@ def test_hybrid_mamba_model_random_lengths_equal_plain(torch_twins):
     arrivals = ARRIVALS[:4]
     plain = run(controller_for(model, 0), arrivals)[1]
     assert run(controller_for(model, 2, policy=CheckedRandomLengths(seed=8), cuda_graph_batch_sizes=(2, 4)),
+               arrivals)[1] == plain
+
+
+def test_gated_deltanet_hybrid_random_lengths_equal_plain(torch_twins):
+    """The recurrent state kept after the last accepted row follows the masked acceptance."""
+    from tests.unit.gdn_fixtures import build_gdn_model
+
+    ensure_single_process_groups()
+    model = build_gdn_model()
+    arrivals = ARRIVALS[:4]
+    plain = run(controller_for(model, 0), arrivals)[1]
+    assert run(controller_for(model, 2, policy=CheckedRandomLengths(seed=9), cuda_graph_batch_sizes=(2, 4)),
                arrivals)[1] == plain
