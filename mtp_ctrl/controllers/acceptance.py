@@ -74,7 +74,7 @@ class RequestSampling:
 
 class DraftProbabilities:
     """``q`` of every draft a proposer samples, for rejection acceptance: ``rows``, ``[R + 1, S, V]``
-    float32 request-table rows (they follow their request; the last row is the scratch row), written
+    float32 rows by table slot (the last row is the scratch slot), written
     with the same filtered softmax the draft was drawn from. Get one from
     ``DraftContext.draft_probabilities`` in ``Proposer.bind`` and return :attr:`rows` from
     ``Proposer.draft_probs``."""

@@ -17,8 +17,9 @@ work hides behind the GPU's. The device is the source of truth for what the host
 (accepted counts, KV lengths, next tokens, drafts); step N + 1 reads them on the device. A
 request that stopped in step N has run in step N + 1 too: that step's tokens for it are dropped,
 so its output ends exactly at the stop. Only pausing, resuming and preemption wait for the step in
-flight; finishing and joining move rows by stream-ordered copies, and the step's read-back is
-realigned by request id. Policy is ``context.scheduler``'s (``state/scheduler.py``).
+flight: a request keeps its table slot from admission to exit, so finishing and joining move
+nothing, and a read-back is applied to the slots its step ran on (a request that left since is
+skipped). Policy is ``context.scheduler``'s (``state/scheduler.py``).
 ``InferenceConfig(overlap_scheduling=False)`` applies every step before the next one is built.
 With ``InferenceConfig(decode_steps_per_launch=k)`` a build of decode steps only may stage a
 decode run: one launch (one CUDA graph) of up to k steps back to back, built and applied once.
@@ -47,11 +48,11 @@ from mtp_ctrl.controllers.acceptance import RejectionAcceptance, RequestSampling
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.draft_context import DraftContext
-from mtp_ctrl.controllers.draft_lengths import DraftLengths, realign_lengths
+from mtp_ctrl.controllers.draft_lengths import DraftLengths, step_order_lengths
 from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
-from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
+from mtp_ctrl.controllers.output_rows import OutputRows
 from mtp_ctrl.controllers.proposers import Proposer, notify_committed
 from mtp_ctrl.controllers.readback import LaunchedStep, Readbacks
 from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts, check_sampling_params_list
@@ -291,16 +292,15 @@ class TextGenerationController:
         return list(self._finished_order)
 
     def _admit_waiting(self) -> None:
-        """Rows for waiting requests, also with a step in flight: the new row lies past the step's
-        rows (a paused row may move to the end), its device rows are reset stream-ordered after the
-        step, and the step's read-back is realigned when rows moved (see :meth:`_apply`)."""
+        """Slots for waiting requests, also with a step in flight: a new request takes a free slot,
+        whose device rows are reset stream-ordered after the step (see :meth:`_apply`)."""
         while self._can_admit():
             record = self._records[self._scheduler.next_waiting()]
             # the prompt was checked by check_prompt: as an int64 array the context checks only its dtype
             self.context.add_request(record.request_id, record.prefill_tokens(),
                                      RequestSampling.row_values(record.params, record.seed))
             self._scheduler.take_next_waiting()  # only once the context holds it
-            record.attach(self._outputs, self.context.table)  # the row owns output and counters now
+            record.attach(self._outputs, self.context.table)  # the slot's rows own output and counters now
 
     def _preempt_newest(self) -> None:
         """Evict the newest live request to free its KV blocks; it is recomputed from its prompt
@@ -311,8 +311,8 @@ class TextGenerationController:
         self._scheduler.requeue_first(request_id)
 
     def _release(self, request_ids: List[int]) -> None:
-        """The requests leave their rows (finished, preempted or aborted): their records keep what
-        the rows held. The context frees the rows in one batch."""
+        """The requests leave their slots (finished, preempted or aborted): their records keep what
+        the slots held. The context frees the slots in one batch."""
         for request_id in request_ids:
             record = self._records.get(request_id)
             if record is not None:
@@ -326,7 +326,7 @@ class TextGenerationController:
                 self._draft_lengths.drop(request_id)
 
     def _retire_finished(self) -> None:
-        """Free the rows of requests that finished (a step may be in flight, see :meth:`_apply`)."""
+        """Free the slots of requests that finished (a step may be in flight, see :meth:`_apply`)."""
         retiring = self._scheduler.take_retiring()
         if not retiring:
             return
@@ -375,13 +375,12 @@ class TextGenerationController:
         eagerly (None).
         On the CPU the device work is done by now. Default: nothing."""
 
-    def on_apply(self, step: StepMetadata, readbacks: np.ndarray, overlapped: bool, rows_moved: bool) -> None:
+    def on_apply(self, step: StepMetadata, readbacks: np.ndarray, overlapped: bool) -> None:
         """Debug hook: the read-back of ``step`` arrived and is about to be applied. ``readbacks``:
         ``[k, n, S + 2]`` int64 ``[accepted count, bonus token, accepted drafts]`` per step of the
-        launch and request, in the step's row order (do not modify it). ``overlapped``: the next
+        launch and request, in the step's order (do not modify it). ``overlapped``: the next
         step was launched first (False: the host waited, e.g. to pause or for the last step).
-        ``rows_moved``: rows moved since the launch (a request left or joined), so the read-back
-        is realigned by request id. Default: nothing."""
+        Default: nothing."""
 
     def debug_view(self) -> ControllerDebugView:
         """A snapshot of the controller's bookkeeping (see :class:`ControllerDebugView`)."""
@@ -419,16 +418,14 @@ class TextGenerationController:
     def _step_once(self, collect: bool) -> List[StepOutput]:
         outputs: List[StepOutput] = []
         applied = self._in_flight is not None  # this call applies a step, whatever it builds
-        self._retire_finished()  # also with a step in flight: its read-back is realigned by request id
-        # sync_checked: needs_sync() said False for the context the step is built from
+        self._retire_finished()  # also with a step in flight: slots do not move (see _apply)
         # the step in flight is applied first when a decode must pause or a paused one can resume
-        # (context.needs_sync); finishing and admitting need not: the read-back is realigned (_apply)
-        sync_checked = self._in_flight is not None and self.config.overlap_scheduling and not self.context.needs_sync()
-        if self._in_flight is not None and not sync_checked:
+        # (context.needs_sync); finishing and admitting need not
+        if self._in_flight is not None and (not self.config.overlap_scheduling or self.context.needs_sync()):
             outputs += self._apply_in_flight(collect)
             self._retire_finished()
-        self._admit_waiting()  # admission adds prefill rows, which needs_sync() does not read
-        step = self._build_step(sync_checked)
+        self._admit_waiting()
+        step = self._build_step()
         self._lockstep.check(step)  # every TP rank builds this step, before its first collective
         if step is None:
             if self._in_flight is not None:
@@ -454,19 +451,18 @@ class TextGenerationController:
         return self._scheduler.can_admit(len(record.prompt_tokens) + len(record.output_tokens), record.preemptions > 0,
                                          self.context.num_free_rows, self.context.allocator.num_free_blocks)
 
-    def _build_step(self, sync_checked: bool = False) -> Optional[StepMetadata]:
+    def _build_step(self) -> Optional[StepMetadata]:
         # how long a decode run may be (scheduler.decode_run_steps): the requests' length budgets and
         # the tokens a step adds on average so far
         length_budgets = (0, 0, 1.0) if len(self._scheduler.run_lengths) == 1 else \
-            (*self._outputs.length_budgets(self.context.table.num_live), self.metrics.mean_accepted_length)
+            (*self._outputs.length_budgets(self.context.table.live_slots()), self.metrics.mean_accepted_length)
         while True:
             try:
-                return self.context.build_step(sync_checked=sync_checked, length_budgets=length_budgets,
+                return self.context.build_step(length_budgets=length_budgets,
                                                draft_lengths=self._draft_lengths.choose)
             except KVCacheFullError:
                 if self._in_flight is not None:  # learn the step in flight's outcome, then decide
                     self._sync()
-                    sync_checked = False
                     continue
                 if not self._scheduler.should_preempt(self.context.table.num_live, self.context.steps_in_flight):
                     raise
@@ -475,14 +471,14 @@ class TextGenerationController:
     def _launch_step(self, step: StepMetadata) -> LaunchedStep:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;
         returns without waiting."""
-        self._all_greedy = bool(self._outputs.greedy[: step.num_requests].all())
+        self._all_greedy = bool(self._outputs.greedy[step.host_slot_ids].all())
         self._readbacks.begin()
         key = self._graph_key(step)
         if self._graphs is not None and key is not None:
             self._graphs.run(key, lambda: self._launch_run(step))
         else:
             self._launch_run(step)
-        launched = self._readbacks.end(step, self.context.table.num_moves)
+        launched = self._readbacks.end(step)
         self._draft_lengths.launched(step)
         if self.shape.num_speculative_tokens > 0:
             for _ in range(step.num_steps):
@@ -514,46 +510,42 @@ class TextGenerationController:
         """Wait for a launch's read-back and apply it on the host (every step of a decode run:
         a request that stopped in one of them emits nothing after it)."""
         step = launched.step
-        readbacks, gpu_seconds = self._readbacks.wait(launched)  # [k, n_s, S + 2], the step's row order
+        readbacks, gpu_seconds = self._readbacks.wait(launched)  # [k, n_s, S + 2], the step's order
         verified = self._draft_lengths.applied(step, readbacks[:, : step.num_decode, 0])  # [k, n_d] drafts verified
-        self.on_apply(step, readbacks, overlapped, self.context.table.num_moves != launched.table_moves)
+        self.on_apply(step, readbacks, overlapped)
         if gpu_seconds is not None:
             self.metrics.record_gpu(gpu_seconds, step.num_steps)
-        num_decode, table, num_launched = step.num_decode, self.context.table, readbacks.shape[1]
-        rows = None  # rows moved since launch (a request left, or a paused row made room): where its requests are now
-        if table.num_moves != launched.table_moves:
-            rows = np.array([table.row_of(request_id) if request_id in table else -1
-                             for request_id in step.request_ids[:num_launched]], dtype=np.int64)
-        self.context.commit_readback(step, readbacks[:, :num_decode, 0], None if rows is None else rows[:num_decode])
-        present = None
-        if rows is None:
-            decode = np.arange(num_launched) < num_decode
-        else:  # in the table's current row order from here on
-            readbacks, decode, present = realign_readback(readbacks, rows, num_decode)
-        num_rows = readbacks.shape[1]
-        request_ids = table.host.request_ids[:num_rows]
-        counts_before = self._outputs.counts[:num_rows].copy()
+        num_decode, num_launched = step.num_decode, readbacks.shape[1]
+        self.context.commit_readback(step, readbacks[:, :num_decode, 0])
+        slots = step.host_slot_ids[:num_launched]  # [n] int64: where the step's requests were
+        request_ids = step.host_request_ids[:num_launched]  # [n] int64
+        present = self.context.table.host.request_ids[slots] == request_ids  # [n] bool: not left since
+        present = None if present.all() else present
+        decode = np.arange(num_launched) < num_decode
+        counts_before = self._outputs.counts[slots]  # [n] int64 (a copy)
         if self._hook_overridden("accept_tokens"):
-            records = [self._records.get(int(request_id)) if present is None or present[row] else None
-                       for row, request_id in enumerate(request_ids)]
-            emitted, finished = self._outputs.apply_with_hook(readbacks, decode, records, self.accept_tokens,
+            records = [self._records.get(int(request_id)) if present is None or present[index] else None
+                       for index, request_id in enumerate(request_ids)]
+            emitted, finished = self._outputs.apply_with_hook(readbacks, decode, slots, records, self.accept_tokens,
                                                               type(self).__name__)
         else:
             emitted, finished = self._outputs.apply(
-                readbacks, decode, lambda row: self._records[int(request_ids[row])].params, present)  # [k, m]
+                readbacks, decode, slots, lambda index: self._records[int(request_ids[index])].params, present)  # [k, n]
         if self.shape.num_speculative_tokens > 0:
-            notify_committed(self.proposer, step, readbacks, emitted, rows)
-        self.metrics.record_acceptance(readbacks[:, :, 0][decode[None, :] & (emitted > 0)],
-                                       realign_lengths(verified, rows, num_rows)[decode[None, :] & (emitted > 0)])
+            notify_committed(self.proposer, step, readbacks, emitted)
+        counted = decode[None, :] & (emitted > 0)  # [k, n]
+        self.metrics.record_acceptance(readbacks[:, :, 0][counted], step_order_lengths(verified, num_launched)[counted])
         self.metrics.emitted_tokens += int(emitted.sum())
-        for row, reason in finished:
-            self._finish_record(int(request_ids[row]), reason)
+        for index, reason in finished:
+            self._finish_record(int(request_ids[index]), reason)
         if not collect:
             return []
-        finished_rows = {row for row, _ in finished}
-        counts_after = self._outputs.counts[:num_rows]
-        return [(int(request_ids[row]), self._outputs.tokens[row, counts_before[row] : counts_after[row]].tolist(),  # host-ok: numpy
-                 row in finished_rows) for row in range(num_rows) if counts_after[row] > counts_before[row]]
+        finished_indices = {index for index, _ in finished}
+        counts_after = self._outputs.counts[slots]
+        tokens = self._outputs.tokens
+        return [(int(request_ids[index]), tokens[slots[index], counts_before[index] : counts_after[index]].tolist(),  # host-ok: numpy
+                 index in finished_indices)
+                for index in np.flatnonzero(counts_after > counts_before).tolist()]  # host-ok: numpy
 
     def _hook_overridden(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(TextGenerationController, name)

@@ -4,7 +4,7 @@ The controller hands one to :meth:`Proposer.bind` once, at construction. A propo
 the target's forward entry points (``runner``: ``mtp_forward``, ``eagle_forward``,
 ``rotary_tables``, ``set_aux_layers``), the controller's sampler (:meth:`sample_rows`), the sizes
 of the engine (``shape``), per-request device rows of its own (:meth:`add_device_rows`, indexed by
-request-table row, so they follow their request), and KV caches of its own addressed by the
+the request's table slot, which it keeps while it lives), and KV caches of its own addressed by the
 target's block ids (:meth:`allocate_kv_cache`). It never sees the controller, the scheduler or
 the request table, so the step loop can change without touching a drafter.
 
@@ -52,20 +52,21 @@ class DraftContext:
 
     @property
     def scratch_row(self) -> int:
-        """The row index padding requests write (row ``R`` of every ``add_device_rows`` buffer)."""
+        """The scratch slot padding requests write (row ``R`` of every ``add_device_rows`` buffer)."""
         return self._table.scratch_row
 
     def sample_rows(self, logits: torch.Tensor, table_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The controller's sampler (its ``sample_rows`` hook): one token per logits row ``[K, V]``
-        under the parameters of the request at ``table_rows`` ``[K]`` int64, with the noise of
+        under the parameters of the request in table slot ``table_rows`` ``[K]`` int64, with the noise of
         ``positions`` ``[K]`` int64 (the position the token will occupy). Returns ``[K]`` int64."""
         return self._sampler(logits, table_rows, positions)
 
     def add_device_rows(self, name: str, row_shape: Tuple[int, ...], dtype: torch.dtype,
                         fill: float = 0) -> torch.Tensor:
-        """A ``[R + 1, *row_shape]`` device buffer of the proposer's own: row ``r`` belongs to the
-        request at table row ``r`` (``DraftBatch.write_rows``) and moves with it; the last row is
-        the scratch row padding requests write. ``name`` must be unique."""
+        """A ``[R + 1, *row_shape]`` device buffer of the proposer's own: row ``s`` belongs to the
+        request in table slot ``s`` (``DraftBatch.write_rows``) while it lives (a new request in
+        the slot finds what the last one left); the last row is the scratch slot padding requests
+        write. ``name`` must be unique."""
         self._table.add_device_rows(name, row_shape, dtype, fill=fill)
         return self._table.device_rows_with_scratch(name)
 

@@ -121,15 +121,10 @@ class DraftLengths:
             self.policy.cost_model.set_measured(costs)
 
 
-def realign_lengths(verified: np.ndarray, rows: Optional[np.ndarray], num_rows: int) -> np.ndarray:
-    """``verified`` ``[k, n_d]`` (the step's decode rows) as ``[k, num_rows]`` in the table's current
-    row order (``rows``: where each of the step's requests sits now, -1 if gone; None: unmoved)."""
-    out = np.zeros((verified.shape[0], num_rows), dtype=np.int64)
-    if rows is None:
-        width = min(verified.shape[1], num_rows)
-        out[:, :width] = verified[:, :width]
-    else:
-        decode_rows = rows[: verified.shape[1]]
-        present = (decode_rows >= 0) & (decode_rows < num_rows)
-        out[:, decode_rows[present]] = verified[:, present]
+def step_order_lengths(verified: np.ndarray, num_requests: int) -> np.ndarray:
+    """``verified`` ``[k, n_d]`` (the step's decode requests) widened to ``[k, num_requests]`` (the
+    step's requests in step order; 0 for its prefill requests)."""
+    out = np.zeros((verified.shape[0], num_requests), dtype=np.int64)
+    width = min(verified.shape[1], num_requests)
+    out[:, :width] = verified[:, :width]
     return out

@@ -7,8 +7,8 @@ each request's window is the ``W = min(e, max(q, S) + S - 1)`` positions ending 
 that reaches far enough back). Window row ``p`` carries ``t_{p+1}`` (the next token), ``p`` and
 ``h^0_p`` (``fc`` of the target's aux states). The step's own rows supply the window's positions
 from the step's first one to ``e - 1``; the ``shift = W - (e - first)`` rows before come from a
-per-request cache of the last ``2S - 1`` window rows (table device rows, so the cache moves with
-its request), with :func:`~mtp_ctrl.triton_ops.shift_and_gather_cache` and
+per-request cache of the last ``2S - 1`` window rows (device rows by table slot, which the
+request keeps while it lives), with :func:`~mtp_ctrl.triton_ops.shift_and_gather_cache` and
 :func:`~mtp_ctrl.triton_ops.shift_and_gather_cache_hidden`, which also refresh the cache with the
 window's last ``min(W, 2S - 1)`` rows. A request's cache holds positions
 ``[first - min(first, 2S - 1), first)`` whenever it runs (the previous window ended at

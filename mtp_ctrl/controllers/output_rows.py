@@ -1,6 +1,6 @@
 """Each running request's output on the host, and the stop rules applied to a whole step at once.
 
-Per table row (numpy rows that move with their request, see ``RequestTable.add_host_rows``):
+Per table slot (numpy rows, see ``RequestTable.add_host_rows``):
 the output tokens so far, the stop parameters (max_new_tokens, eos ids, prompt length), the
 verify counters, and whether the request has finished. A launch's read-back
 ``[accepted, bonus, accepted drafts]`` per step and sampling request becomes new tokens with a
@@ -39,7 +39,7 @@ class OutputRows:
 
     def start(self, row: int, params: SamplingParams, prompt_length: int, output: List[int],
               decode_steps: int, accepted_drafts: int) -> None:
-        """Set a newly admitted row (``output``: tokens generated before a preemption)."""
+        """Set the slot ``row`` of a newly admitted request (``output``: tokens generated before a preemption)."""
         self.tokens[row, : len(output)] = output
         self.counts[row] = len(output)
         self.max_new_tokens[row] = params.max_new_tokens
@@ -53,85 +53,87 @@ class OutputRows:
     def output_of(self, row: int) -> List[int]:
         return self.tokens[row, : self.counts[row]].tolist()  # host-ok: numpy
 
-    def length_budgets(self, num_rows: int) -> Tuple[int, int]:
-        """``(fewest tokens any unfinished row of [0, num_rows) may still emit before max_model_len,
+    def length_budgets(self, slots: np.ndarray) -> Tuple[int, int]:
+        """``(fewest tokens any unfinished request in ``slots`` may still emit before max_model_len,
         most tokens any may emit before max_new_tokens or max_model_len)``: what
-        ``scheduler.decode_run_steps`` reads; ``(0, 0)`` when no row is unfinished."""
-        live = self.finished[:num_rows] == 0
-        if not live.any():
+        ``scheduler.decode_run_steps`` reads; ``(0, 0)`` when none is unfinished."""
+        slots = slots[self.finished[slots] == 0]
+        if slots.shape[0] == 0:
             return 0, 0
-        counts = self.counts[:num_rows][live]
-        to_model_len = self.shape.max_model_len - self.prompt_lengths[:num_rows][live] - counts  # [n] int64
-        left = np.minimum(self.max_new_tokens[:num_rows][live] - counts, to_model_len)
+        counts = self.counts[slots]
+        to_model_len = self.shape.max_model_len - self.prompt_lengths[slots] - counts  # [n] int64
+        left = np.minimum(self.max_new_tokens[slots] - counts, to_model_len)
         return int(to_model_len.min()), int(left.max())
 
-    def apply(self, readbacks: np.ndarray, decode: np.ndarray, params_of_row,
+    def apply(self, readbacks: np.ndarray, decode: np.ndarray, slots: np.ndarray, params_of_row,
               present: Optional[np.ndarray] = None) -> Tuple[np.ndarray, list]:
-        """Append a launch's verified tokens to rows ``[0, n)`` up to each stop (``readbacks``:
-        ``[k, n, S + 2]`` int64 host values of the sampling requests of each of the launch's
-        ``k`` steps, in the table's current row order). ``decode`` ``[n]`` bool: the rows that ran
-        as decodes (they count a verify per step); ``present`` ``[n]`` bool or None (all): the
-        rows the launch ran (others are left alone).
+        """Append a launch's verified tokens to the requests in ``slots`` (``[n]`` int64, the
+        step's order) up to each stop (``readbacks``: ``[k, n, S + 2]`` int64 host values of the
+        sampling requests of each of the launch's ``k`` steps, in the step's order). ``decode``
+        ``[n]`` bool: the requests that ran as decodes (they count a verify per step); ``present``
+        ``[n]`` bool or None (all): the requests still in their slot (others are left alone).
 
-        ``params_of_row(row)`` gives a row's SamplingParams (only rows with slow stop rules ask).
-        Rows that have finished (steps run past their stop) are left alone. Returns
-        ``(emitted counts [k, n], finished: [(row, reason)])``; the tokens are in :attr:`tokens`.
+        ``params_of_row(i)`` gives the SamplingParams of the step's request ``i`` (only requests
+        with slow stop rules ask). Requests that have finished (steps run past their stop) are
+        left alone. Returns ``(emitted counts [k, n], finished: [(i, reason)])``, in the step's
+        order; the tokens are in :attr:`tokens`.
         """
-        num_steps, num_rows = readbacks.shape[:2]
-        if present is None and self._no_stop_possible(num_rows, num_steps):
-            return self._append_all(readbacks, decode), []
-        emitted = np.zeros((num_steps, num_rows), dtype=np.int64)
+        num_steps = readbacks.shape[0]
+        if present is None and self._no_stop_possible(slots, num_steps):
+            return self._append_all(readbacks, decode, slots), []
+        emitted = np.zeros((num_steps, slots.shape[0]), dtype=np.int64)
         finished = []
         for step in range(num_steps):
-            emitted[step], step_finished = self._apply_step(readbacks[step], decode, params_of_row, present)
+            emitted[step], step_finished = self._apply_step(readbacks[step], decode, slots, params_of_row, present)
             finished += step_finished
         return emitted, finished
 
-    def _apply_step(self, readback: np.ndarray, decode: np.ndarray, params_of_row,
+    def _apply_step(self, readback: np.ndarray, decode: np.ndarray, slots: np.ndarray, params_of_row,
                     present: Optional[np.ndarray]) -> Tuple[np.ndarray, list]:
         """:meth:`apply` for one step (``readback`` ``[n, S + 2]``): ``(emitted [n], finished)``."""
         num_rows, stride = readback.shape[0], self.shape.stride
         rows = np.arange(num_rows)
         accepted = readback[:, 0]
-        live = self.finished[:num_rows] == 0  # [n] bool
+        live = self.finished[slots] == 0  # [n] bool
         if present is not None:
             live &= present
         new_tokens = np.empty((num_rows, stride), dtype=np.int64)  # drafts then the bonus at `accepted`
         new_tokens[:, : stride - 1] = readback[:, 2:]
         new_tokens[rows, accepted] = readback[:, 1]
         new_counts = accepted + 1  # [n] int64
-        emitted, reasons = first_stops(new_tokens, new_counts, self.counts[:num_rows], self.max_new_tokens[:num_rows],
-                                       self.prompt_lengths[:num_rows], self.eos[:num_rows], self.shape.max_model_len)
+        counts = self.counts[slots]  # [n] int64
+        emitted, reasons = first_stops(new_tokens, new_counts, counts, self.max_new_tokens[slots],
+                                       self.prompt_lengths[slots], self.eos[slots], self.shape.max_model_len)
         emitted *= live
         reasons *= live
-        for row in np.flatnonzero(self.slow_stops[:num_rows] * live):  # stop sequences: per request
-            emitted[row], reasons[row] = slow_stop(self.output_of(row), new_tokens[row, : new_counts[row]],
+        for row in np.flatnonzero(self.slow_stops[slots] * live):  # stop sequences: per request
+            emitted[row], reasons[row] = slow_stop(self.output_of(slots[row]), new_tokens[row, : new_counts[row]],
                                                    params_of_row(row), int(emitted[row]), int(reasons[row]))
         column = np.arange(stride)[None, :]
         write = column < emitted[:, None]  # [n, 1 + S] bool
-        write_rows = np.repeat(rows, emitted)
-        self.tokens[write_rows, (self.counts[:num_rows, None] + column)[write]] = new_tokens[write]
-        self.counts[:num_rows] += emitted
+        write_slots = np.repeat(slots, emitted)
+        self.tokens[write_slots, (counts[:, None] + column)[write]] = new_tokens[write]
+        self.counts[slots] = counts + emitted
         verified = live & decode
-        self.decode_steps[:num_rows] += verified
-        self.accepted_drafts[:num_rows] += accepted * verified
+        self.decode_steps[slots] += verified
+        self.accepted_drafts[slots] += accepted * verified
         finished = []
         for row in np.flatnonzero(reasons):
-            self.finished[row] = 1
+            self.finished[slots[row]] = 1
             finished.append((int(row), REASONS[int(reasons[row])]))
         return emitted, finished
 
-    def _no_stop_possible(self, num_rows: int, num_steps: int) -> bool:
-        """No row of ``[0, n)`` can stop in these ``num_steps`` steps whatever they accept: none has
-        finished, none has eos ids or stop sequences, and ``num_steps * (1 + S)`` more tokens
+    def _no_stop_possible(self, slots: np.ndarray, num_steps: int) -> bool:
+        """No request in ``slots`` can stop in these ``num_steps`` steps whatever they accept: none
+        has finished, none has eos ids or stop sequences, and ``num_steps * (1 + S)`` more tokens
         reach neither max_new_tokens nor max_model_len (the common decode launch: 5 numpy
         reductions instead of the full check)."""
-        counts = self.counts[:num_rows] + num_steps * self.shape.stride  # [n] int64, the output length after full accepts
-        return not (self.finished[:num_rows].any() or self.slow_stops[:num_rows].any() or (self.eos[:num_rows] >= 0).any()
-                    or (counts >= self.max_new_tokens[:num_rows]).any()
-                    or (self.prompt_lengths[:num_rows] + counts >= self.shape.max_model_len).any())
+        counts = self.counts[slots] + num_steps * self.shape.stride  # [n] int64, the output length after full accepts
+        return not (self.finished[slots].any() or self.slow_stops[slots].any() or (self.eos[slots] >= 0).any()
+                    or (counts >= self.max_new_tokens[slots]).any()
+                    or (self.prompt_lengths[slots] + counts >= self.shape.max_model_len).any())
 
-    def _append_all(self, readbacks: np.ndarray, decode: np.ndarray) -> np.ndarray:
+    def _append_all(self, readbacks: np.ndarray, decode: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """:meth:`apply` when no row can stop: every verified token of every step is emitted.
         Returns the emitted counts ``[k, n]``.
 
@@ -142,47 +144,48 @@ class OutputRows:
         S = self.shape.stride - 1
         accepted = readbacks[:, :, 0]  # [k, n] int64
         emitted = accepted + 1  # [k, n] int64
-        rows = np.arange(num_rows)
+        counts = self.counts[slots]  # [n] int64
         if S == 0:  # one token a step: step j's goes to output position counts + j
-            self.tokens[rows[None, :], self.counts[None, :num_rows] + np.arange(num_steps)[:, None]] = readbacks[:, :, 1]
+            self.tokens[slots[None, :], counts[None, :] + np.arange(num_steps)[:, None]] = readbacks[:, :, 1]
         else:
             new_tokens = np.empty((num_steps, num_rows, self.shape.stride), dtype=np.int64)  # drafts, bonus at `accepted`
             new_tokens[:, :, :S] = readbacks[:, :, 2:]
             np.put_along_axis(new_tokens, accepted[:, :, None], readbacks[:, :, 1:2], axis=2)
-            starts = self.counts[None, :num_rows] + np.cumsum(emitted, axis=0) - emitted  # [k, n] each step's first position
+            starts = counts[None, :] + np.cumsum(emitted, axis=0) - emitted  # [k, n] each step's first position
             column = np.arange(self.shape.stride)
             write = column < emitted[:, :, None]  # [k, n, 1 + S] bool
-            write_rows = np.broadcast_to(rows[None, :, None], write.shape)[write]
-            self.tokens[write_rows, (starts[:, :, None] + column)[write]] = new_tokens[write]
-        self.counts[:num_rows] += emitted.sum(0)
-        self.decode_steps[:num_rows] += decode * num_steps
-        self.accepted_drafts[:num_rows] += accepted.sum(0) * decode
+            write_slots = np.broadcast_to(slots[None, :, None], write.shape)[write]
+            self.tokens[write_slots, (starts[:, :, None] + column)[write]] = new_tokens[write]
+        self.counts[slots] = counts + emitted.sum(0)
+        self.decode_steps[slots] += decode * num_steps
+        self.accepted_drafts[slots] += accepted.sum(0) * decode
         return emitted
 
-    def apply_with_hook(self, readbacks: np.ndarray, decode: np.ndarray, records: list, accept_tokens,
-                        owner: str) -> Tuple[np.ndarray, list]:
+    def apply_with_hook(self, readbacks: np.ndarray, decode: np.ndarray, slots: np.ndarray, records: list,
+                        accept_tokens, owner: str) -> Tuple[np.ndarray, list]:
         """:meth:`apply` through a subclass's ``accept_tokens(record, new_tokens)`` hook, step by
-        step and request by request (``records``: each row's RequestRecord), enforcing its
-        contract: it keeps a non-empty prefix of the new tokens and gives a finish reason when it
-        drops any (the device has moved on with every verified token). A row whose record is
-        None did not run in the launch (see :meth:`apply`'s ``present``)."""
+        step and request by request (``records``: each request's Request, in the step's order),
+        enforcing its contract: it keeps a non-empty prefix of the new tokens and gives a finish
+        reason when it drops any (the device has moved on with every verified token). A request
+        whose record is None has left its slot (see :meth:`apply`'s ``present``)."""
         num_steps, num_rows = readbacks.shape[:2]
         emitted = np.zeros((num_steps, num_rows), dtype=np.int64)
         finished = []
         for step in range(num_steps):
-            finished += self._apply_step_with_hook(readbacks[step], decode, records, accept_tokens, owner, emitted[step])
+            finished += self._apply_step_with_hook(readbacks[step], decode, slots, records, accept_tokens, owner,
+                                                   emitted[step])
         return emitted, finished
 
-    def _apply_step_with_hook(self, readback: np.ndarray, decode: np.ndarray, records: list, accept_tokens,
-                              owner: str, emitted: np.ndarray) -> list:
-        """One step of :meth:`apply_with_hook`: fills ``emitted`` ``[n]``, returns the finished rows."""
+    def _apply_step_with_hook(self, readback: np.ndarray, decode: np.ndarray, slots: np.ndarray, records: list,
+                              accept_tokens, owner: str, emitted: np.ndarray) -> list:
+        """One step of :meth:`apply_with_hook`: fills ``emitted`` ``[n]``, returns the finished requests."""
         finished = []
-        for row in range(readback.shape[0]):
-            accepted = int(readback[row, 0])
-            tokens = readback[row, 2 : 2 + accepted].tolist() + [int(readback[row, 1])]  # host-ok: numpy
-            record = records[row]
-            if self.finished[row] or record is None:
-                continue  # a step run past this request's stop, or a row the step did not run
+        for index in range(readback.shape[0]):
+            accepted = int(readback[index, 0])
+            tokens = readback[index, 2 : 2 + accepted].tolist() + [int(readback[index, 1])]  # host-ok: numpy
+            record, row = records[index], int(slots[index])
+            if record is None or self.finished[row]:
+                continue  # a request that left its slot, or a step run past its stop
             kept, reason = accept_tokens(record, tokens)
             kept = list(kept)
             if kept != tokens[: len(kept)] or not kept or (len(kept) < len(tokens) and reason is None):
@@ -190,31 +193,12 @@ class OutputRows:
                                  f"and give a finish reason when it drops any (got {kept} of {tokens}, {reason})")
             self.tokens[row, self.counts[row] : self.counts[row] + len(kept)] = kept
             self.counts[row] += len(kept)
-            emitted[row] = len(kept)
-            if decode[row]:
+            emitted[index] = len(kept)
+            if decode[index]:
                 self.decode_steps[row] += 1
                 self.accepted_drafts[row] += accepted
             if reason is not None:
                 self.finished[row] = 1
-                finished.append((row, reason))
+                finished.append((index, reason))
         return finished
 
-
-def realign_readback(readbacks: np.ndarray, rows: np.ndarray, num_decode: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A launch's read-back ``[k, n, S + 2]`` (in the step's row order) moved to the table's
-    current rows: ``rows`` ``[n]`` int64 is where each of the step's requests sits now, -1 for one
-    that finished since. Returns ``(readbacks [k, m, S + 2], decode [m] bool, present [m] bool)``
-    over the current rows ``[0, m)``; rows the launch did not run (a request admitted since) are
-    not present.
-
-    Example: the step ran requests (a, b, c), a finished, c moved into a's row 0 -> rows
-    ``[-1, 1, 0]``: the result's row 0 is c's read-back, row 1 b's."""
-    kept = rows >= 0
-    num_rows = int(rows.max()) + 1 if kept.any() else 0
-    aligned = np.zeros((readbacks.shape[0], num_rows, readbacks.shape[2]), dtype=readbacks.dtype)
-    aligned[:, rows[kept]] = readbacks[:, kept]
-    present = np.zeros(num_rows, dtype=bool)
-    present[rows[kept]] = True
-    decode = np.zeros(num_rows, dtype=bool)
-    decode[rows[kept]] = (np.arange(rows.shape[0]) < num_decode)[kept]
-    return aligned, decode, present

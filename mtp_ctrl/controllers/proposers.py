@@ -1,8 +1,8 @@
 """Proposers: what drafts the next S tokens of every request from verified state.
 
 A proposer is bound once (:meth:`Proposer.bind`) to a :class:`~mtp_ctrl.controllers.draft_context.DraftContext`
-(the target's forward entry points, the sampler, the engine's sizes, device rows of its own that
-move with their request, private KV caches), never to the controller, and is called once per
+(the target's forward entry points, the sampler, the engine's sizes, device rows of its own by
+table slot (a request keeps its slot while it lives), private KV caches), never to the controller, and is called once per
 step after verification with a :class:`DraftBatch`. It returns ``[G, S]`` int64 drafts for the
 step's grid (rows of requests that did not sample are ignored), without a host sync.
 :meth:`Proposer.on_step_scheduled` runs right after each step is launched (host values the
@@ -28,12 +28,14 @@ from mtp_ctrl.state.step_metadata import StepMetadata
 class DraftBatch:
     """A step's verified state, as the proposer sees it.
 
-    Requests are table rows ``[0, G)``: ``G`` is the step's grid, padded to a CUDA-graph batch when
-    a graph covers the step (requests past the real count are padding). Which requests are real,
-    decode or sampling is known on the device only (``samples``, ``write_rows``; the step may be
-    replayed from a graph). Write per-request state through ``write_rows``, which sends padding
-    requests to the table's scratch row, so that a captured step never touches a request that is
-    not running; state derived from a sampled token only where ``samples`` is True.
+    Requests are the step's ``[0, G)``, in the step's order (decode requests first): ``G`` is the
+    step's grid, padded to a CUDA-graph batch when a graph covers the step (requests past the real
+    count are padding). Request ``r`` holds the table slot ``write_rows[r]`` for its whole life.
+    Which requests are real, decode or sampling is known on the device only (``samples``,
+    ``write_rows``; the step may be replayed from a graph). Write per-request state through
+    ``write_rows``, which sends padding requests to the table's scratch slot, so that a captured
+    step never touches a request that is not running; state derived from a sampled token only
+    where ``samples`` is True.
     """
 
     step: StepMetadata
@@ -43,7 +45,7 @@ class DraftBatch:
     next_tokens: torch.Tensor  # [G] int64, the token each request sampled last (verified)
     last_accepted_rows: torch.Tensor  # [G] int64, packed row of each request's last accepted row
     accepted_counts: torch.Tensor  # [G] int64, accepted drafts (0 for prefill and padding requests)
-    write_rows: torch.Tensor  # [G] int64, table row of each request; the scratch row for padding
+    write_rows: torch.Tensor  # [G] int64, table slot of each request; the scratch slot for padding
     first_positions: torch.Tensor  # [G] int64, position of each request's first row this step
     bonus_positions: torch.Tensor  # [G] int64, position e of the token each request sampled last
     # (its bonus token): a decode's base position + 1 + accepted drafts, a final chunk's prompt length
@@ -83,7 +85,7 @@ class Proposer(abc.ABC):
 
     def draft_probs(self) -> Optional[torch.Tensor]:
         """For ``InferenceConfig(acceptance="rejection")``: ``[R + 1, S, V]`` float32 rows, per
-        table row (``DraftContext.add_device_rows``: they follow their request), the
+        table slot (``DraftContext.add_device_rows``), the
         distribution ``q`` each current draft ``k`` of the request was sampled from, written in
         the same ``propose`` call as the drafts (padding requests write the scratch row);
         ``DraftContext.draft_probabilities`` makes them.
@@ -121,18 +123,12 @@ def check_drafts(proposer: Proposer, drafts, shape: Tuple[int, int], device: tor
         raise ValueError(f"{name}.propose returned drafts on {drafts.device}, expected {device}")
 
 
-def notify_committed(proposer: Proposer, step: StepMetadata, readbacks: np.ndarray, emitted: np.ndarray,
-                     rows: Optional[np.ndarray]) -> None:
+def notify_committed(proposer: Proposer, step: StepMetadata, readbacks: np.ndarray, emitted: np.ndarray) -> None:
     """``proposer.on_step_committed`` once per step of a launch (``readbacks`` ``[k, m, S + 2]`` and
-    ``emitted`` ``[k, m]`` in the table's current row order; ``rows``: where each of the step's
-    requests sits now, -1 if it left, or None if no row moved), in the step's row order, -1 for
-    a request that emitted nothing in that step (it had stopped: the step ran past its stop)."""
+    ``emitted`` ``[k, m]``, in the step's order): the accepted counts, -1 for a request that
+    emitted nothing in that step (it had stopped: the step ran past its stop; or it left)."""
     if type(proposer).on_step_committed is Proposer.on_step_committed:
         return
     for index in range(step.num_steps):
-        accepted = np.where(emitted[index] > 0, readbacks[index, :, 0], -1)  # [m] current rows
-        if rows is not None:  # back to the step's row order
-            in_step_order = np.full(rows.shape[0], -1, dtype=np.int64)
-            in_step_order[rows >= 0] = accepted[rows[rows >= 0]]
-            accepted = in_step_order
+        accepted = np.where(emitted[index] > 0, readbacks[index, :, 0], -1)  # [m]
         proposer.on_step_committed(step, accepted.tolist())  # host-ok: numpy

@@ -24,7 +24,6 @@ class LaunchedStep:
     readback: torch.Tensor  # [step.num_steps, n_s, S + 2] int64, pinned host copy (filled when `done` fires)
     done: Optional[torch.cuda.Event]  # None on CPU (the copy was synchronous)
     gpu_start: Optional[torch.cuda.Event]
-    table_moves: int  # the table's row moves at launch (none happen between build and launch): another count -> realign
 
 
 class Readbacks:
@@ -52,7 +51,7 @@ class Readbacks:
             self._stream = torch.cuda.current_stream(self._device)  # once per launch: the lookup costs host time
             self._events[self._parity][0].record(self._stream)
 
-    def end(self, step: StepMetadata, table_moves: int) -> LaunchedStep:
+    def end(self, step: StepMetadata) -> LaunchedStep:
         """Enqueue the copy of the launch's read-back to the host; returns without waiting."""
         num_steps, num_sampling = step.num_steps, step.num_sampling_requests
         host = self._host[self._parity]
@@ -64,7 +63,7 @@ class Readbacks:
             gpu_start, done = self._events[self._parity]
             done.record(self._stream)
         self._parity ^= 1
-        return LaunchedStep(step, host[:num_steps, :num_sampling], done, gpu_start, table_moves)
+        return LaunchedStep(step, host[:num_steps, :num_sampling], done, gpu_start)
 
     @staticmethod
     def wait(launched: LaunchedStep) -> Tuple[np.ndarray, Optional[float]]:

@@ -54,7 +54,7 @@ class Request:
     def attach(self, outputs: "OutputRows", table: "RequestTable") -> None:
         """The request took a table row: fill the row's stop-check cache (``outputs.start``) from
         what this object holds, then read output and counters from the row."""
-        outputs.start(table.row_of(self.request_id), self.params, len(self.prompt_tokens), self.output_tokens,
+        outputs.start(table.slot_of(self.request_id), self.params, len(self.prompt_tokens), self.output_tokens,
                       self.decode_steps, self.accepted_drafts)
         self._source = (outputs, table)
 
@@ -76,28 +76,28 @@ class Request:
             return RequestStatus.WAITING
         return _STATUS_OF_GROUP[self._source[1].group_of(self.request_id)]
 
-    def _live_row(self) -> Optional[Tuple["OutputRows", int]]:
+    def _live_slot(self) -> Optional[Tuple["OutputRows", int]]:
         if self._source is None:
             return None
         outputs, table = self._source
-        return outputs, table.row_of(self.request_id)
+        return outputs, table.slot_of(self.request_id)
 
     @property
     def output_tokens(self) -> List[int]:
         """The tokens generated so far (a copy)."""
-        live = self._live_row()
+        live = self._live_slot()
         return live[0].output_of(live[1]) if live is not None else list(self._saved[0])
 
     @property
     def decode_steps(self) -> int:
         """Verify steps this request took part in."""
-        live = self._live_row()
+        live = self._live_slot()
         return int(live[0].decode_steps[live[1]]) if live is not None else self._saved[1]
 
     @property
     def accepted_drafts(self) -> int:
         """Drafts accepted over those steps."""
-        live = self._live_row()
+        live = self._live_slot()
         return int(live[0].accepted_drafts[live[1]]) if live is not None else self._saved[2]
 
 

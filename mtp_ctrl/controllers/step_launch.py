@@ -32,12 +32,14 @@ class StepLauncher:
         shape = context.shape
         R, S, T, device = shape.max_requests, shape.num_speculative_tokens, shape.max_tokens_per_step, shape.device
         self.last_accepted_rows = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
+        self.next_tokens = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64, by request: the last step's
         self.accepted_tokens = torch.full((R, S), -1, dtype=torch.int64, device=device)  # [R, S] int64
         self.accepted_counts = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64, the last step's
         self._row_requests = torch.zeros(2, R * (S + 1), dtype=torch.int64, device=device)  # [2, K] logits_row_requests
         self._draft_positions = torch.zeros(3, R, dtype=torch.int64, device=device)  # [3, R]: draft_batch_rows
         self._draft_samples = torch.zeros(R, dtype=torch.bool, device=device)  # [R] bool
-        self._draft_rows = context.table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64
+        self._draft_rows = context.table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64, by slot
+        self._next_token_rows = context.table.device_rows_with_scratch("next_tokens")  # [R + 1] int64, by slot
         # drafts each request holds (made by its last sampling step, verified by its next): rows past it are masked
         context.table.add_device_rows("draft_lengths", (), torch.int64, fill=S)
         self._draft_length_rows = context.table.device_rows_with_scratch("draft_lengths")  # [R + 1] int64
@@ -68,14 +70,14 @@ class StepLauncher:
         mamba = None
         if context.mamba is not None:  # a padded grid: every request may decode, those past the real ones as scratch
             padded = step.graph_padded or step.decode_only
-            mamba = MambaForward.for_step(context.mamba, context.table.device.mamba_slot_ids, step,
+            mamba = MambaForward.for_step(context.mamba, step.mamba_slot_ids, step,
                                           grid if padded else step.num_decode, step.device_num_decode if padded else None)
         logits, hidden = self.runner.forward(step.input_ids, attention.positions, attention, context.kv_caches,
                                              logits_rows=rows, mamba=mamba)  # [G * (1 + S), V], [T, H]
 
-        # [K] int64 each: the table row of each logits row, where its token goes
+        # [K] int64 each: the table slot of each logits row's request, where its token goes
         row_requests, positions = self._row_requests[:, : rows.shape[0]]
-        logits_row_requests(rows, attention.positions, num_decode, S, grid, row_requests, positions)
+        logits_row_requests(rows, attention.positions, num_decode, S, grid, step.slot_ids, row_requests, positions)
         output_tokens = self._sample_rows(logits, row_requests, positions)
         input_tokens = step.input_ids[rows]  # [K] int64
         if S > 0 and mask_drafts:  # drafts past a request's draft length were not made for it: no row may accept them
@@ -86,23 +88,26 @@ class StepLauncher:
         self.accepted_tokens.fill_(-1)
         self.accepted_counts.zero_()
         table = context.table.device
-        verify_and_commit(
+        verify_and_commit(  # the KV state by slot; next tokens, accepted rows and counts by request
             input_tokens, output_tokens, rows,
-            context.table.next_tokens, self.last_accepted_rows, self.accepted_tokens, self.accepted_counts,
-            table.last_kv_block_offset[:grid], table.kv_length_offsets[:grid],
-            table.kv_block_counts[:grid], table.last_kv_block_id[:grid], table.kv_block_ids[:grid],
-            grid, 0, S, shape.block_size_tokens, num_active_requests=step.device_num_sampling,
+            self.next_tokens, self.last_accepted_rows, self.accepted_tokens, self.accepted_counts,
+            table.last_kv_block_offset, table.kv_length_offsets, table.kv_block_counts, table.last_kv_block_id,
+            table.kv_block_ids, grid, 0, S, shape.block_size_tokens, num_active_requests=step.device_num_sampling,
             out=self._commit_buffers(grid, rows.shape[0]), keep_released_blocks=True, decode_count=num_decode,
+            request_slots=step.slot_ids,
         )
+        # each request's next input token to its slot (a request that sampled nothing this step, or
+        # padding, writes a stale value that nothing reads: its next decode follows a step that samples)
+        self._next_token_rows.index_copy_(0, step.slot_ids, self.next_tokens[:grid])
         num_mamba_decode = 0 if mamba is None else mamba.decode_slot_ids.shape[0]
         if num_mamba_decode > 0:  # keep each decode's state after its last accepted row
-            context.mamba.commit_accepted(table.prefill_status[:num_mamba_decode], mamba.decode_slot_ids,
+            context.mamba.commit_accepted(step.prefill_status[:num_mamba_decode], mamba.decode_slot_ids,
                                           self.accepted_counts[:num_mamba_decode])
         if S > 0:
             self._draft(step, hidden, grid)
         staged = readback[:grid]  # [G, S + 2]
         staged[:, 0] = self.accepted_counts[:grid]
-        staged[:, 1] = context.table.next_tokens[:grid]
+        staged[:, 1] = self.next_tokens[:grid]
         staged[:, 2:] = self.accepted_tokens[:grid]
 
     def _mask_undrafted(self, input_tokens: torch.Tensor, row_requests: torch.Tensor,
@@ -124,15 +129,15 @@ class StepLauncher:
         write_rows, first_positions, bonus_positions = self._draft_positions[:, :grid]  # [G] int64 each
         samples = self._draft_samples[:grid]  # [G] bool
         draft_batch_rows(attention.query_start_loc[: grid + 1], attention.seq_lens[:grid], self.accepted_counts,
-                         step.counts, shape.num_speculative_tokens, scratch_row, write_rows, samples, first_positions,
-                         bonus_positions)
+                         step.counts, step.slot_ids, shape.num_speculative_tokens, scratch_row, write_rows, samples,
+                         first_positions, bonus_positions)
         S = shape.num_speculative_tokens
         num_drafts = S if step.num_drafts < 0 else step.num_drafts
         if step.draft_lengths is not None:
             self._draft_length_rows[torch.where(samples, write_rows, scratch_row)] = step.draft_lengths[:grid]
         batch = DraftBatch(
             step=step, hidden=hidden, num_requests=grid, samples=samples,
-            next_tokens=context.table.next_tokens[:grid], last_accepted_rows=self.last_accepted_rows[:grid],
+            next_tokens=self.next_tokens[:grid], last_accepted_rows=self.last_accepted_rows[:grid],
             accepted_counts=self.accepted_counts[:grid], write_rows=write_rows, first_positions=first_positions,
             bonus_positions=bonus_positions, aux_hidden=self.runner.aux_hidden, num_drafts=num_drafts)
         if num_drafts == 0:  # nobody drafts: no draft phase (the proposer only keeps its own state)

@@ -7,12 +7,12 @@ budget, the worst-case block reserve): table moves, block reservation and stagin
 
 Life cycle of a request::
 
-    add_request    -> PREFILL: a table row, a Mamba slot, no blocks
+    add_request    -> PREFILL: a table slot (kept until it leaves), a Mamba slot, no blocks
     build_step     -> runs prefill chunks; after its final chunk the next build_step makes it
                       DECODE (it then runs 1 + S rows per step); too few free blocks -> PAUSED
                       (state intact), resumed by a later build_step once blocks are free
     pause_request / resume_request  -> PAUSED and back, on the caller's word
-    finish_request(s) -> blocks and slot released, row freed (many at once: one batch of row moves)
+    finish_request(s) -> blocks and Mamba slot released, table slot freed
 
 The overlapped loop (see ``controllers/controller.py``): the caller may build step N + 1 before
 it has read step N's outcome back. The device knows each decode request's KV length; the host
@@ -24,20 +24,12 @@ decode steps that one launch runs back to back (``StepMetadata.num_steps``; the 
 it, :meth:`build_step`). Pausing and resuming need the host's lengths
 exact, so they wait until no step is in flight:
 :meth:`needs_sync` tells the caller, and those calls raise ``RuntimeError`` while a built step has
-not been committed. Three moves need no wait:
-
-- finishing requests (:meth:`finish_requests`): their rows are freed at once, the rows that move
-  are gathered in one batch stream-ordered after the steps in flight, and those steps'
-  read-backs are committed with the rows their requests hold now (``table.num_moves`` tells the
-  caller that rows moved);
-- admitting: the new request takes the end of the prefill rows (with requests paused, the first
-  paused row moves to the end to make room; paused rows run in no step); its device rows are
-  reset by the next :meth:`build_step`, in one batch for every request admitted since, after the
-  steps in flight on the stream, and no read-back of a step it was not in is applied to its row
-  (the caller realigns by request id whenever rows moved);
-- a prompt whose final chunk ran becomes a decode by moving the decode | prefill boundary past it
-  when it is the first prefill row (always the case: chunks are scheduled in row order from the
-  first prefill row).
+not been committed (a build with a step in flight neither pauses nor resumes; short of blocks it
+raises ``KVCacheFullError``). Nothing else needs a wait, because slots never move: finishing
+frees the slots (their device rows are reset after the steps in flight on the stream), admitting
+takes a free slot (reset with the next build, in one batch), a prompt whose final chunk ran joins
+the decode list. A step's read-back is committed to the slots it ran on, skipping a slot whose
+request has left since (:meth:`commit_readback`).
 """
 
 import dataclasses
@@ -123,7 +115,8 @@ class DynamicInferenceContext:
         # after a preemption; the controller's OutputRows.prompt_lengths is the original prompt's)
         self._prefill_token_counts = self.table.add_host_rows("prefill_token_counts", ())
         self._step_buffers = StepBuffers(self.table, shape.max_tokens_per_step, self.scheduler.max_block_writes_per_step)
-        self._block_writes = []  # [3, k] int64 arrays (row, column, block id) not yet sent to the device
+        self._step_buffers.gathers_mamba_rows = self.mamba is not None
+        self._block_writes = []  # [3, k] int64 arrays (slot, column, block id) not yet sent to the device
         # request id -> [P] int64: the tokens its prefill computes (the prompt, plus the output so far
         # for a preempted request); the controller's RequestRecord keeps the prompt and the output
         self._prefill_tokens: Dict[int, np.ndarray] = {}
@@ -154,10 +147,10 @@ class DynamicInferenceContext:
         """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence).
         ``row_values``: the first values of the table's ``set_on_insert`` rows (``table.insert``).
 
-        Allowed while a step is in flight (see the module docstring): the new row is the end of
-        the prefill rows (with requests paused, the first paused row moves to the end to make
-        room), and its device rows are reset with the next step's set-up, stream-ordered after
-        the step in flight, in one batch with every other request admitted until then."""
+        Allowed while a step is in flight (see the module docstring): the request takes a free
+        slot, at the end of the prefill list, and its device rows are reset with the next step's
+        set-up, stream-ordered after the step in flight, in one batch with every other request
+        admitted until then."""
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self.table:
@@ -166,8 +159,8 @@ class DynamicInferenceContext:
         if self.num_free_rows == 0:
             raise RuntimeError(f"max_requests ({self.table.shape.max_requests}) requests are live; finish one first")
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
-        row = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values)
-        self._prefill_token_counts[row] = prompt.shape[0]
+        table_slot = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values)
+        self._prefill_token_counts[table_slot] = prompt.shape[0]
         self._prefill_tokens[request_id] = prompt
         self.scheduler.admitted(request_id)
 
@@ -176,12 +169,10 @@ class DynamicInferenceContext:
         self.finish_requests([request_id])
 
     def finish_requests(self, request_ids: Sequence[int]) -> None:
-        """Release the requests' KV blocks and Mamba slots and free their rows (the device rows
-        that move, in one batch). Allowed with steps in flight: their blocks and slots may still
-        be written by them, and the next owner's writes come after them on the stream; rows that
-        move are copied after them too. The caller then commits those steps' read-backs with the
-        rows their requests hold now (:meth:`commit_readback`'s ``rows``)."""
-        rows = [self._live_row(request_id) for request_id in request_ids]  # every one is checked first
+        """Release the requests' KV blocks and Mamba slots and free their table slots. Allowed with
+        steps in flight: their blocks and slots may still be written by them, and the next
+        owner's writes come after them on the stream (so does the reset of the freed slots)."""
+        rows = [self._live_slot(request_id) for request_id in request_ids]  # every one is checked first
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"request_ids has repeats: {list(request_ids)}")
         host = self.table.host
@@ -196,7 +187,7 @@ class DynamicInferenceContext:
 
     def pause_request(self, request_id: int) -> None:
         """Stop running the request (its blocks and state stay) until ``resume_request``."""
-        self._live_row(request_id)
+        self._live_slot(request_id)
         self._require_no_step_in_flight("pause_request")
         if self.table.group_of(request_id) == RowGroup.PAUSED:
             raise ValueError(f"request {request_id} is already paused")
@@ -205,7 +196,7 @@ class DynamicInferenceContext:
 
     def resume_request(self, request_id: int) -> None:
         """Run a paused request again from the next step (decode, or the rest of its prompt)."""
-        row = self._live_row(request_id)
+        row = self._live_slot(request_id)
         self._require_no_step_in_flight("resume_request")
         if self.table.group_of(request_id) != RowGroup.PAUSED:
             raise ValueError(f"request {request_id} is not paused")
@@ -216,28 +207,20 @@ class DynamicInferenceContext:
     # ----- steps -------------------------------------------------------------------------
 
     def needs_sync(self) -> bool:
-        """Whether the next :meth:`build_step` would swap rows or pause requests, which it may only
-        do once the host knows every decode request's length (no step in flight). Prompts that
-        finished at the first prefill rows become decodes in place and need no sync."""
-        if self._prompts_done and not self._prompts_done_in_place():
-            return True
-        num_decode = self.table.group_size(RowGroup.DECODE) + len(self._prompts_done)  # the next step's
+        """Whether the next :meth:`build_step` would pause or resume requests, which it may only
+        do once the host knows every decode request's length (no step in flight)."""
+        decode_slots = self.table.slots_in(RowGroup.DECODE)  # the next step's decodes: these and the prompts done
+        if self._prompts_done:
+            decode_slots = np.concatenate([decode_slots, [self.table.slot_of(rid) for rid in self._prompts_done]])
         # the next step is built with the launch in flight (one step, or a decode run's steps)
-        needs = self._decode_needs(steps_in_flight=max(self.steps_in_flight, 1), num_decode=num_decode)
+        needs = self._decode_needs(steps_in_flight=max(self.steps_in_flight, 1), slots=decode_slots)
         spare_blocks = self.allocator.num_free_blocks - int(needs.sum())
         if spare_blocks < 0:
             return True  # a decode must pause
         oldest = self.scheduler.oldest_paused()
         if oldest is not None:  # only worth a sync when the oldest paused request could resume
-            return self._blocks_to_resume(self.table.row_of(oldest)) <= spare_blocks
+            return self._blocks_to_resume(self.table.slot_of(oldest)) <= spare_blocks
         return False
-
-    def _prompts_done_in_place(self) -> bool:
-        """The prompts whose final chunk ran are exactly the first prefill rows: each becomes a
-        decode by moving the group boundary, no row swaps."""
-        start = self.table.group_size(RowGroup.DECODE)
-        rows = sorted(self.table.row_of(request_id) for request_id in self._prompts_done)
-        return rows == list(range(start, start + len(rows)))
 
     @property
     def steps_in_flight(self) -> int:
@@ -245,19 +228,18 @@ class DynamicInferenceContext:
         each of its steps)."""
         return sum(step.num_steps for step in self._steps_in_flight)
 
-    def build_step(self, *, sync_checked: bool = False, length_budgets: Tuple[int, int, float] = (0, 0, 1.0),
+    def build_step(self, *, length_budgets: Tuple[int, int, float] = (0, 0, 1.0),
                    draft_lengths: Optional[DraftLengthsFn] = None) -> Optional[StepMetadata]:
         """Schedule the next forward pass, take its blocks and stage it; None if no request runs.
 
-        With a step in flight (built, not committed) :meth:`needs_sync` must be False: the step
-        is then built for the worst case of the one in flight. Every decode request runs
-        ``1 + S`` rows; prefill requests then take the rest of ``max_tokens_per_step`` in row
-        order (only the last one may stop mid-prompt). Decode requests that cannot get their
-        blocks are paused; paused ones are resumed (oldest first) when blocks are free again,
-        and no prefill starts while one still waits. Raises ``KVCacheFullError`` when requests
-        are live but none can get a block (nothing changed). ``sync_checked``: the caller asked
-        :meth:`needs_sync` after the context last changed (adding requests aside) and got False,
-        so it is not evaluated again.
+        With a step in flight (built, not committed) the step is built for the worst case of the
+        one in flight, and nothing pauses or resumes (:meth:`needs_sync` says when the caller
+        should commit first); decodes short of blocks then raise ``KVCacheFullError``. Every
+        decode request runs ``1 + S`` rows; prefill requests then take the rest of
+        ``max_tokens_per_step`` in list order (only the last one may stop mid-prompt). Decode
+        requests that cannot get their blocks are paused; paused ones are resumed (oldest first)
+        when blocks are free again, and no prefill starts while one still waits. Raises
+        ``KVCacheFullError`` when requests are live but none can get a block (nothing changed).
 
         Decode runs: when every running request decodes (no prefill row, none paused for KV) and
         the blocks are free, the step is staged as a run of ``step.num_steps`` decode steps
@@ -272,20 +254,22 @@ class DynamicInferenceContext:
         S each.
         """
         steps_in_flight = self.steps_in_flight
-        if steps_in_flight and not sync_checked and self.needs_sync():
-            raise RuntimeError("build_step: rows must move; commit the step in flight first")
-        self.table.write_inserted_rows()  # the rows admitted since the last step, in one batch
-        for request_id in sorted(self._prompts_done, key=self.table.row_of):  # first prefill row first: in place
+        self.table.write_inserted_rows()  # the slots admitted since the last step, in one batch
+        for request_id in list(self._prompts_done):  # in the order their prompts ended
             self._become_decode_if_prompt_done(request_id)
         if not steps_in_flight:
             self._pause_decodes_short_of_blocks()
             self._resume_requests_paused_for_kv()
         host, stride = self.table.host, self.shape.stride
-        num_decode = self.table.group_size(RowGroup.DECODE)
+        decode_slots = self.table.slots_in(RowGroup.DECODE)  # [nd] int64
+        num_decode = decode_slots.shape[0]
         num_steps = self._decode_run_steps(num_decode, length_budgets)
-        self._reserve(0, self.scheduler.worst_case_blocks(host.known_lengths[:num_decode], steps_in_flight, num_steps))
-        chunks = [] if self.scheduler.paused_for_kv else self._schedule_prefill_chunks(num_decode)
-        num_requests = num_decode + len(chunks)
+        self._reserve(decode_slots,
+                      self.scheduler.worst_case_blocks(host.known_lengths[decode_slots], steps_in_flight, num_steps))
+        chunks, prefill_slots = ([], decode_slots[:0]) if self.scheduler.paused_for_kv else \
+            self._schedule_prefill_chunks(num_decode)
+        slot_ids = np.concatenate([decode_slots, prefill_slots])  # [n] int64, the step's requests in order
+        num_requests = slot_ids.shape[0]
         if num_requests == 0:
             if self.table.group_size(RowGroup.PREFILL) or self.scheduler.paused_for_kv:
                 raise KVCacheFullError(
@@ -296,9 +280,9 @@ class DynamicInferenceContext:
         query_lengths = np.full(num_requests, stride, dtype=np.int64)  # [n] int64
         query_lengths[num_decode:] = [chunk.shape[0] for chunk in chunks]
         final_chunk_count, next_prompt_token = 0, 0
-        for row in range(num_decode, num_requests):  # prefill requests: a handful, host values
-            request_id = int(host.request_ids[row])
-            prompt, known_length = self._prefill_tokens[request_id], int(host.known_lengths[row])
+        for slot in prefill_slots.tolist():  # prefill requests: a handful, host values  # host-ok: numpy
+            request_id = int(host.request_ids[slot])
+            prompt, known_length = self._prefill_tokens[request_id], int(host.known_lengths[slot])
             if known_length == prompt.shape[0]:
                 final_chunk_count += 1
                 self._prompts_done[request_id] = None
@@ -308,7 +292,7 @@ class DynamicInferenceContext:
         if padded is not None or not chunks:  # one fixed bound, so a graph and the eager step split attention alike
             max_seq_len = self.shape.max_blocks_per_request * self.shape.block_size_tokens
         else:
-            max_seq_len = int(host.block_counts[:num_requests].max()) * self.shape.block_size_tokens
+            max_seq_len = int(host.block_counts[slot_ids].max()) * self.shape.block_size_tokens
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
         lengths = None
@@ -316,8 +300,8 @@ class DynamicInferenceContext:
             lengths = np.zeros(num_requests, dtype=np.int64)  # [n] int64
             num_sampling = num_decode + final_chunk_count
             batch_size = num_requests if padded is None else padded.request_count
-            lengths[:num_sampling] = draft_lengths(host.request_ids[:num_sampling], num_sampling, batch_size)
-        step = self._step_buffers.build(query_lengths, num_decode, chunks, final_chunk_count, padded,
+            lengths[:num_sampling] = draft_lengths(host.request_ids[slot_ids[:num_sampling]], num_sampling, batch_size)
+        step = self._step_buffers.build(slot_ids, query_lengths, num_decode, chunks, final_chunk_count, padded,
                                         block_writes, max_seq_len, next_prompt_token, num_steps, lengths)
         self._steps_in_flight.append(step)
         return step
@@ -340,14 +324,12 @@ class DynamicInferenceContext:
         """The device half of the step's set-up; run it first in the step (see StepBuffers)."""
         self._step_buffers.prepare_inputs(step)
 
-    def commit_readback(self, step: StepMetadata, accepted_counts: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
+    def commit_readback(self, step: StepMetadata, accepted_counts: np.ndarray) -> None:
         """Learn a decode step's outcome: ``accepted_counts`` ``[num_decode]`` int64 host values
-        (or ``[num_steps, num_decode]``, one row per step of a decode run).
+        (or ``[num_steps, num_decode]``, one row per step of a decode run), in the step's order.
 
-        Each decode request's known length grows by ``1 + accepted`` per step. ``rows``
-        ``[num_decode]`` int64: where each of the step's decode requests sits now (-1: finished
-        since), when rows moved after the step was built (``table.num_moves`` changed); None: they
-        did not."""
+        Each decode request's known length grows by ``1 + accepted`` per step, in its slot; a
+        request that has left since (its slot free, or another request's) is skipped."""
         if not self._steps_in_flight or step is not self._steps_in_flight[0]:
             raise ValueError("commit_readback: step is not the oldest step in flight")
         num_decode = step.num_decode
@@ -357,11 +339,10 @@ class DynamicInferenceContext:
             raise ValueError(f"accepted_counts has shape {accepted_counts.shape}, the step has {step.num_steps} "
                              f"step(s) of {num_decode} decode requests")
         grown = (1 + accepted_counts).sum(0)  # [num_decode] int64
-        if rows is None:
-            self.table.host.known_lengths[:num_decode] += grown
-        else:
-            kept = rows >= 0
-            self.table.host.known_lengths[rows[kept]] += grown[kept]
+        slots = step.host_slot_ids[:num_decode]  # [num_decode] int64
+        host = self.table.host
+        kept = host.request_ids[slots] == step.host_request_ids[:num_decode]  # [num_decode] bool: still there
+        host.known_lengths[slots[kept]] += grown[kept]
         self._steps_in_flight.pop(0)
 
     def abandon_steps_in_flight(self) -> None:
@@ -401,33 +382,32 @@ class DynamicInferenceContext:
         if num_steps not in self.scheduler.run_lengths or (num_steps > 1 and shape.has_prefill):
             raise ValueError(f"num_steps {num_steps}: decode runs have {self.scheduler.run_lengths} steps, and only "
                              "decode-only shapes run several")
-        step = self._step_buffers.build(np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
+        step = self._step_buffers.build(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
                                         self.shape.max_blocks_per_request * self.shape.block_size_tokens, num_steps=num_steps)
         return step if num_drafts is None else dataclasses.replace(step, num_drafts=num_drafts)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:
-        """A request whose final chunk ran joins the decode rows; at the first prefill row only the
-        boundary moves (its row, so its read-back's, stays; the status write is stream-ordered)."""
+        """A request whose final chunk ran joins the end of the decode list (its slot stays; the
+        prefill-status write is stream-ordered after the step in flight)."""
         if request_id not in self._prompts_done:
             return
         del self._prompts_done[request_id]
-        self.table.set_prefill_status(self.table.row_of(request_id), 0)
+        self.table.set_prefill_status(self.table.slot_of(request_id), 0)
         self.table.move(request_id, RowGroup.DECODE)
 
-    def _decode_needs(self, steps_in_flight: int, num_decode: Optional[int] = None, new_steps: int = 1) -> np.ndarray:
-        """``[nd]`` int64: blocks each of the first ``num_decode`` rows (default: the decode
-        rows) still needs before the next ``new_steps`` steps."""
-        num_decode = self.table.group_size(RowGroup.DECODE) if num_decode is None else num_decode
+    def _decode_needs(self, steps_in_flight: int, slots: Optional[np.ndarray] = None, new_steps: int = 1) -> np.ndarray:
+        """``[nd]`` int64: blocks each request in ``slots`` (default: the decode requests) still
+        needs before the next ``new_steps`` steps."""
+        slots = self.table.slots_in(RowGroup.DECODE) if slots is None else slots
         host = self.table.host
-        return self.scheduler.blocks_needed(host.known_lengths[:num_decode], host.block_counts[:num_decode],
-                                            steps_in_flight, new_steps)
+        return self.scheduler.blocks_needed(host.known_lengths[slots], host.block_counts[slots], steps_in_flight,
+                                            new_steps)
 
-    def _reserve(self, start: int, wanted: np.ndarray) -> None:
-        """Give rows ``[start, start + n)`` ``wanted`` blocks (``[n]`` int64; rows holding more
-        keep theirs): host block table and allocator now, the device with the next step's block
-        writes."""
+    def _reserve(self, rows: np.ndarray, wanted: np.ndarray) -> None:
+        """Give the requests in slots ``rows`` (``[n]`` int64) ``wanted`` blocks (``[n]`` int64;
+        those holding more keep theirs): host block table and allocator now, the device with the
+        next step's block writes."""
         host = self.table.host
-        rows = np.arange(start, start + wanted.shape[0])
         adding = np.maximum(wanted - host.block_counts[rows], 0)  # [n] int64
         total = int(adding.sum())
         if total == 0:
@@ -442,9 +422,10 @@ class DynamicInferenceContext:
 
     def _pause_decodes_short_of_blocks(self) -> None:
         """Pause the decode requests the scheduler cannot give their next blocks."""
-        needs = self._decode_needs(steps_in_flight=0)
+        slots = self.table.slots_in(RowGroup.DECODE)
+        needs = self._decode_needs(steps_in_flight=0, slots=slots)
         pause = self.scheduler.decodes_to_pause(needs, self.allocator.num_free_blocks)
-        for request_id in self.table.host.request_ids[: needs.shape[0]][pause].tolist():  # host-ok: numpy
+        for request_id in self.table.host.request_ids[slots[pause]].tolist():  # host-ok: numpy
             self.table.move(request_id, RowGroup.PAUSED)
             self.scheduler.paused_for_kv_space(request_id)
 
@@ -454,42 +435,44 @@ class DynamicInferenceContext:
             return
         spare_blocks = self.allocator.num_free_blocks - int(self._decode_needs(steps_in_flight=0).sum())
         request_ids = list(paused)
-        needs = (self._blocks_to_resume(self.table.row_of(request_id)) for request_id in request_ids)
+        needs = (self._blocks_to_resume(self.table.slot_of(request_id)) for request_id in request_ids)
         for request_id in request_ids[: self.scheduler.num_to_resume(needs, spare_blocks)]:
             self.table.move(request_id, RowGroup.DECODE)
             self.scheduler.resumed(request_id)
 
     def _blocks_to_resume(self, row: int) -> int:
-        """Blocks a paused request at ``row`` needs for its next decode step."""
+        """Blocks a paused request in slot ``row`` needs for its next decode step."""
         host = self.table.host
         return int(self.scheduler.blocks_needed(host.known_lengths[row], host.block_counts[row], steps_in_flight=0))
 
-    def _schedule_prefill_chunks(self, num_decode: int) -> list:
-        """Run the scheduler's chunks for the prefill rows and take their blocks. Returns each
-        chunk's prompt tokens (``[q]`` int64)."""
+    def _schedule_prefill_chunks(self, num_decode: int) -> Tuple[list, np.ndarray]:
+        """Run the scheduler's chunks for the prefill requests and take their blocks. Returns each
+        chunk's prompt tokens (``[q]`` int64) and the slots of the requests that run one (``[p']``
+        int64: the first ``p'`` prefill requests)."""
         host = self.table.host
-        start, end = self.table.group_rows(RowGroup.PREFILL)
+        prefill_slots = self.table.slots_in(RowGroup.PREFILL)  # [p] int64
+        known_lengths = host.known_lengths[prefill_slots]
         lengths = self.scheduler.prefill_chunk_lengths(
-            self._prefill_token_counts[start:end] - host.known_lengths[start:end], host.known_lengths[start:end],
-            host.block_counts[start:end], self.allocator.num_free_blocks, num_decode)
-        chunk_lengths = np.array(lengths, dtype=np.int64)  # [p'] int64, rows [start, start + p')
-        rows = slice(start, start + chunk_lengths.shape[0])
-        known = host.known_lengths[rows].copy()
-        self._reserve(start, self.blocks_for(known + chunk_lengths))  # one allocation for every chunk
-        host.known_lengths[rows] = known + chunk_lengths  # exact: a prefill keeps every row
+            self._prefill_token_counts[prefill_slots] - known_lengths, known_lengths,
+            host.block_counts[prefill_slots], self.allocator.num_free_blocks, num_decode)
+        chunk_lengths = np.array(lengths, dtype=np.int64)  # [p'] int64
+        slots = prefill_slots[: chunk_lengths.shape[0]]
+        known = known_lengths[: chunk_lengths.shape[0]]
+        self._reserve(slots, self.blocks_for(known + chunk_lengths))  # one allocation for every chunk
+        host.known_lengths[slots] = known + chunk_lengths  # exact: a prefill keeps every row
         return [self._prefill_tokens[request_id][length : length + chunk_length]
-                for request_id, length, chunk_length in zip(host.request_ids[rows].tolist(), known.tolist(),  # host-ok: numpy
-                                                            lengths)]
+                for request_id, length, chunk_length in zip(host.request_ids[slots].tolist(), known.tolist(),  # host-ok: numpy
+                                                            lengths)], slots
 
     def _require_no_step_in_flight(self, what: str) -> None:
         if self._steps_in_flight:
-            raise RuntimeError(f"{what}: a step is in flight (rows may not move); commit it with "
+            raise RuntimeError(f"{what}: a step is in flight (the host's lengths are not exact); commit it with "
                                "commit_readback first (the controller's pause_request/resume_request do)")
 
-    def _live_row(self, request_id: int) -> int:
+    def _live_slot(self, request_id: int) -> int:
         if request_id not in self.table:
             raise ValueError(f"request_id {request_id!r} is not a live request (unknown or finished)")
-        return self.table.row_of(request_id)
+        return self.table.slot_of(request_id)
 
 
 def _as_prompt(prompt_tokens: Tokens, max_model_len: int) -> np.ndarray:

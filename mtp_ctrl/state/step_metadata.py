@@ -2,18 +2,20 @@
 
 Letters: R = max_requests, T = query rows, G = requests of the step's grid, MB = max blocks.
 
-Rows are packed request by request in table order: every decode request has ``1 + S`` rows
+Rows are packed request by request in step order: every decode request has ``1 + S`` rows
 (its base token, then its drafts), then every prefill request its chunk. The host knows how
 many rows each request has; the device knows where they are (a decode request's KV length is
 the device's, see ``request_table``). So the work is split:
 
 - the host stages ``query_start_loc``, the prefill chunks' tokens, ``logits_indices``, the real
-  counts (requests, decode requests, sampling requests) and the new blocks (``(row, column, id)``
+  counts (requests, decode requests, sampling requests), each request's table slot
+  (``slot_ids``; padding -> the scratch slot) and the new blocks (``(slot, column, id)``
   writes), in one host-to-device copy;
 - :meth:`StepBuffers.prepare_inputs`, run on the device at the start of the step (inside its
-  CUDA graph), writes the new blocks, grows each request's KV length by
-  its rows, and derives ``positions``, ``slot_mapping``, ``seq_lens`` and the decode rows'
-  tokens (``next_tokens``, ``draft_tokens``).
+  CUDA graph), writes the new blocks, grows each request's KV length (at its slot) by its
+  rows, and derives ``positions``, ``slot_mapping``, ``seq_lens``, the step's block table (row r
+  = the block row of request r's slot) and the decode rows' tokens (``next_tokens``,
+  ``draft_tokens`` of their slots).
 
 Example, ``S = 1``, ``block_size_tokens = 4``; request 0 decodes with 6 tokens cached in blocks
 ``[3, 5]``, request 1 prefills the final chunk ``t4 t5 t6`` of a 7-token prompt (block ``0``
@@ -57,8 +59,8 @@ class StepMetadata:
     attention: AttentionMetadata  # B = dimensions.request_count, T = dimensions.token_count
     input_ids: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [K] int64, packed rows whose logits are computed, in order
-    request_ids: Tuple[int, ...]  # the real requests, in row order (table rows [0, num_requests))
-    num_decode: int  # real decode requests (rows [0, num_decode) of the table)
+    request_ids: Tuple[int, ...]  # the real requests, in step order (decode requests first)
+    num_decode: int  # real decode requests (the step's first requests)
     num_prefill: int  # prefill requests after them
     num_final_prefill_chunks: int  # the first this many prefill requests finish their prompt
     dimensions: BatchDimensions  # the grid, padded to a CUDA-graph shape when one covers the step
@@ -67,6 +69,13 @@ class StepMetadata:
     next_prompt_token: torch.Tensor  # [1] int64 on the device: the prompt token after a chunk that
     # stops mid-prompt (only ever the last request's), 0 when there is none
     device_request_ids: torch.Tensor  # [G] int64 on the device: each request's id, -1 for padding
+    slot_ids: torch.Tensor  # [G] int64 on the device: each request's table slot, the scratch slot for padding
+    host_slot_ids: np.ndarray  # [num_requests] int64: the real requests' table slots, in step order
+    host_request_ids: np.ndarray  # [num_requests] int64: ``request_ids`` as an array
+    mamba_slot_ids: torch.Tensor  # [G] int64 on the device: each request's Mamba slot (set by prepare_inputs;
+    # -1 without Mamba layers)
+    prefill_status: torch.Tensor  # [G] int64 on the device: 1 for a prefill request (set by prepare_inputs
+    # with Mamba layers)
     host_query_start_loc: torch.Tensor  # [num_requests + 1] int64 (CPU): real requests' rows
     host_first_positions: torch.Tensor  # [num_requests] int64 (CPU): first row's position; -1 for
     # decode requests, whose position only the device knows
@@ -128,31 +137,39 @@ class StepBuffers:
             "counts": ((3,), torch.int64),  # real requests, decode requests, sampling requests
             "next_prompt_token": ((1,), torch.int64),
             "request_ids": ((R,), torch.int64),
+            "slot_ids": ((R,), torch.int64),  # each request's table slot, the scratch slot for padding
             "draft_lengths": ((R,), torch.int64),  # drafts per sampling request (draft-length policy)
-            "block_writes": ((3, max_block_writes), torch.int64),  # rows: table row, column, block id
+            "block_writes": ((3, max_block_writes), torch.int64),  # rows: table slot, column, block id
         }, device)
-        # A steady decode step (the same graph shape, requests and rows as the step before) stages
+        # A steady decode step (the same graph shape, requests and slots as the step before) stages
         # the same sections as that step but its block writes: it reuses that step's metadata and
         # rewrites only the block writes. Per host buffer: the steady key its sections were written for.
-        self._no_op_write = np.array([[table.scratch_row], [0], [-1]], dtype=np.int64)  # [3, 1]
         self._buffer_keys: List[Optional[tuple]] = [None] * self.staging.num_host_buffers
-        self._steady: Optional[Tuple[tuple, np.ndarray, StepMetadata]] = None  # key, request ids, step
+        self._steady: Optional[Tuple[tuple, StepMetadata]] = None  # the last steady step: key, metadata
         self.positions = torch.zeros(max_tokens_per_step, dtype=torch.int64, device=device)  # [T] int64
         self.slot_mapping = torch.full((max_tokens_per_step,), -1, dtype=torch.int64, device=device)  # [T] int64
         self.seq_lens = torch.zeros(R, dtype=torch.int32, device=device)  # [R] int32
+        # the step's block table, row r = the block row of request r's slot (prepare_step_inputs)
+        self.block_table = torch.full((R, table.shape.max_blocks_per_request), -1, dtype=torch.int64,
+                                      device=device)  # [R, MB] int64
+        # with Mamba layers: each request's Mamba slot and prefill status, gathered by slot
+        self.mamba_slot_ids = torch.full((R,), -1, dtype=torch.int64, device=device)  # [R] int64
+        self.prefill_status = torch.zeros(R, dtype=torch.int64, device=device)  # [R] int64
+        self.gathers_mamba_rows = False  # the context sets it when the model has Mamba layers
 
-    def build(self, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
+    def build(self, slot_ids: np.ndarray, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
               num_final_prefill_chunks: int, padded: Optional[BatchDimensions], block_writes: np.ndarray,
               max_seq_len: int, next_prompt_token: int = 0, num_steps: int = 1,
               draft_lengths: Optional[np.ndarray] = None) -> StepMetadata:
-        """Stage the step of the requests at table rows ``[0, n)`` and send it to the device.
+        """Stage the step of the requests at table slots ``slot_ids`` (``[n]`` int64, decode requests
+        first) and send it to the device.
 
         ``query_lengths``: ``[n]`` int64 rows per request. ``prefill_chunks``: each prefill
         request's chunk tokens (``[q]`` int64), in row order. ``padded``: the CUDA-graph shape the
         step is padded to, or None (exact shape, eager). With no request at all, the step is
         all padding: it changes no request (a graph captured from it serves every real step of
         its shape).
-        ``block_writes``: ``[3, k]`` int64 (table row, column, block id) of the blocks given since
+        ``block_writes``: ``[3, k]`` int64 (table slot, column, block id) of the blocks given since
         the last step. ``max_seq_len``: a bound on every request's KV length after this step.
         ``next_prompt_token``: the prompt token after the last request's chunk when that chunk
         does not end its prompt (drafters that feed each row the token after it need it).
@@ -164,6 +181,7 @@ class StepBuffers:
         num_requests = query_lengths.shape[0]
         if num_steps > 1 and num_decode != num_requests:
             raise ValueError(f"a decode run ({num_steps} steps) holds decode requests only")
+        request_ids = self.table.host.request_ids[slot_ids]  # [n] int64
         S = self.table.shape.num_speculative_tokens
         if draft_lengths is None:
             draft_lengths = np.full(num_requests, S, dtype=np.int64)  # [n] int64
@@ -172,9 +190,9 @@ class StepBuffers:
         num_drafts = int(draft_lengths[:num_sampling].max()) if num_sampling else S  # host-ok: numpy
         steady_key = None
         if padded is not None and not prefill_chunks and num_final_prefill_chunks == 0:
-            # row moves and removals bump num_moves; a join or a pause changes the counts
-            steady_key = (num_requests, num_decode, padded, max_seq_len, self.table.num_moves, num_steps,
-                          draft_lengths.tobytes())
+            # the same requests in the same slots, so every section but the block writes is the same
+            steady_key = (num_requests, num_decode, padded, max_seq_len, num_steps, slot_ids.tobytes(),
+                          request_ids.tobytes(), draft_lengths.tobytes())
             step = self._steady_step(steady_key, block_writes)
             if step is not None:
                 return step
@@ -204,8 +222,10 @@ class StepBuffers:
         logits_indices[decode_rows + num_final_prefill_chunks :] = 0
         host["counts"][:] = (num_requests, num_decode, num_sampling)
         host["next_prompt_token"][0] = next_prompt_token
-        host["request_ids"][:num_requests] = self.table.host.request_ids[:num_requests]
+        host["request_ids"][:num_requests] = request_ids
         host["request_ids"][num_requests:batch_size] = -1
+        host["slot_ids"][:num_requests] = slot_ids
+        host["slot_ids"][num_requests:batch_size] = self.table.scratch_row
         host["draft_lengths"][:num_requests] = draft_lengths
         host["draft_lengths"][num_requests:batch_size] = 0
         self._stage_block_writes(block_writes)
@@ -214,7 +234,7 @@ class StepBuffers:
 
         device = self.staging.device
         host_first_positions = np.full(num_requests, -1, dtype=np.int64)  # [n] int64
-        host_first_positions[num_decode:] = self.table.host.known_lengths[num_decode:num_requests] - \
+        host_first_positions[num_decode:] = self.table.host.known_lengths[slot_ids[num_decode:]] - \
             query_lengths[num_decode:]
         if not dimensions.has_prefill:
             max_query_len = stride
@@ -224,7 +244,7 @@ class StepBuffers:
             query_start_loc=device["query_start_loc"][: batch_size + 1],
             seq_lens=self.seq_lens[:batch_size],
             slot_mapping=self.slot_mapping[:padded_tokens],
-            block_table=self.table.device.kv_block_ids[:batch_size],
+            block_table=self.block_table[:batch_size],
             positions=self.positions[:padded_tokens],
             num_actual_tokens=token_count,
             max_query_len=max_query_len,
@@ -234,7 +254,7 @@ class StepBuffers:
             attention=attention,
             input_ids=device["input_ids"][:padded_tokens],
             logits_indices=device["logits_indices"][: batch_size * stride],
-            request_ids=tuple(self.table.host.request_ids[:num_requests].tolist()),  # host-ok: numpy
+            request_ids=tuple(request_ids.tolist()),  # host-ok: numpy
             num_decode=num_decode,
             num_prefill=num_prefill,
             num_final_prefill_chunks=num_final_prefill_chunks,
@@ -243,6 +263,11 @@ class StepBuffers:
             counts=device["counts"],
             next_prompt_token=device["next_prompt_token"],
             device_request_ids=device["request_ids"][:batch_size],
+            slot_ids=device["slot_ids"][:batch_size],
+            host_slot_ids=slot_ids.copy(),
+            host_request_ids=request_ids,
+            mamba_slot_ids=self.mamba_slot_ids[:batch_size],
+            prefill_status=self.prefill_status[:batch_size],
             host_query_start_loc=torch.from_numpy(query_start_loc),
             host_first_positions=torch.from_numpy(host_first_positions),
             num_steps=num_steps,
@@ -250,19 +275,16 @@ class StepBuffers:
             num_drafts=num_drafts,
             host_draft_lengths=tuple(draft_lengths.tolist()),  # host-ok: numpy
         )
-        self._steady = None if steady_key is None else (
-            steady_key, self.table.host.request_ids[:num_requests].copy(), step)
+        self._steady = None if steady_key is None else (steady_key, step)
         return step
 
     def _steady_step(self, key: tuple, block_writes: np.ndarray) -> Optional[StepMetadata]:
-        """The last step's metadata when this step is the same decode step (``key`` and request ids
-        equal, and the current host buffer staged for it): only the block writes are staged and
-        sent. None otherwise."""
+        """The last step's metadata when this step is the same decode step (``key`` equal: shape,
+        slots and their requests) and the current host buffer was staged for that key too: only
+        the block writes are staged and sent. None otherwise."""
         if self._steady is None or self._steady[0] != key or self._buffer_keys[self.staging.current_buffer] != key:
             return None
-        _, request_ids, step = self._steady
-        if not np.array_equal(request_ids, self.table.host.request_ids[: request_ids.shape[0]]):
-            return None
+        step = self._steady[1]
         self._stage_block_writes(block_writes)
         self.staging.copy_to_device()
         return step
@@ -270,7 +292,8 @@ class StepBuffers:
     def _stage_block_writes(self, block_writes: np.ndarray) -> None:
         writes = self.staging.host_arrays["block_writes"]  # [3, max_block_writes] int64
         writes[:, : block_writes.shape[1]] = block_writes
-        writes[:, block_writes.shape[1] :] = self._no_op_write  # scratch row, column 0, block -1
+        # the unused entries write the scratch block into column 0 of the scratch slot (what it holds)
+        writes[:, block_writes.shape[1] :] = ((self.table.scratch_row,), (0,), (self.table.scratch_block,))
 
     def prepare_inputs(self, step: StepMetadata) -> None:
         """The device half of the step's set-up (no host sync, fixed shapes per bucket, so it is
@@ -279,8 +302,12 @@ class StepBuffers:
         table, attention, rows = self.table, step.attention, self.table.device
         batch_size = attention.batch_size
         prepare_step_inputs(
-            self.staging.device["block_writes"],  # [3, k]: the unused tail writes -1 into the scratch row
-            table.device_block_ids_with_scratch(), attention.query_start_loc[: batch_size + 1],
+            self.staging.device["block_writes"],  # [3, k]: the unused tail writes -1 into the scratch slot
+            rows.kv_block_ids, attention.query_start_loc[: batch_size + 1], step.slot_ids,
             rows.kv_length_offsets, rows.kv_block_counts, rows.last_kv_block_offset, rows.last_kv_block_id,
-            table.next_tokens, table.draft_tokens, step.device_num_decode, table.shape.block_size_tokens,
-            attention.seq_lens, attention.positions, attention.slot_mapping, step.input_ids)
+            table.device_rows_with_scratch("next_tokens"), table.device_rows_with_scratch("draft_tokens"),
+            step.device_num_decode, table.shape.block_size_tokens, attention.seq_lens, attention.positions,
+            attention.slot_mapping, step.input_ids, attention.block_table)
+        if self.gathers_mamba_rows:  # the step's Mamba slots and prefill flags (hybrid models)
+            torch.index_select(rows.mamba_slot_ids, 0, step.slot_ids, out=step.mamba_slot_ids)
+            torch.index_select(rows.prefill_status, 0, step.slot_ids, out=step.prefill_status)

@@ -111,6 +111,7 @@ def _verify_and_commit_kernel(
     num_active_requests,
     NUM_ACTIVE_PTR,
     NUM_DECODE_PTR,
+    REQUEST_SLOTS_PTR,
     NUM_SPEC_TOKENS: tl.constexpr,
     BLOCK_SIZE_TOKENS: tl.constexpr,
     RELEASE_WIDTH: tl.constexpr,
@@ -120,10 +121,12 @@ def _verify_and_commit_kernel(
     COUNT_IN_MEMORY: tl.constexpr,
     DECODE_COUNT_IN_MEMORY: tl.constexpr,
     KEEP_RELEASED_BLOCKS: tl.constexpr,
+    HAS_REQUEST_SLOTS: tl.constexpr,
 ):
-    """One program per request slot (decode, then prefill). A padding slot (``r >=``
+    """One program per request of the grid (decode, then prefill). A padding request (``r >=``
     the real count) writes False over its mask rows, -1 as its last index and "release nothing",
-    and leaves the caller's buffers and the KV state alone."""
+    and leaves the caller's buffers and the KV state alone. With ``HAS_REQUEST_SLOTS`` request r's
+    KV state is row ``request_slots[r]`` of the state tensors."""
     request = tl.program_id(0)
     num_requests = tl.num_programs(0)
     if DECODE_COUNT_IN_MEMORY:  # a graph replays with a changing decode/prefill split
@@ -167,8 +170,13 @@ def _verify_and_commit_kernel(
     )
 
     # rewind KV bookkeeping past the rejected drafts
+    if HAS_REQUEST_SLOTS:
+        state_row = tl.load(REQUEST_SLOTS_PTR + request64)
+    else:
+        state_row = request64
     _rewind_request(
         request,
+        state_row,
         tl.where(is_decode, NUM_SPEC_TOKENS - accepted_draft_count, 0),
         is_real,
         LAST_KV_BLOCK_OFFSET_PTR,
@@ -236,6 +244,7 @@ def _check_args(
     block_size_tokens,
     num_active_requests,
     out,
+    request_slots,
 ) -> None:
     """Validate every argument of :func:`verify_and_commit` (metadata only, so cacheable per signature)."""
     tokens = check_token_rows("input_tokens", input_tokens)
@@ -255,8 +264,15 @@ def _check_args(
         check_min_rows(name, tensor, packed_row_count, "packed rows")
     check_prepare_outputs(sampled_tokens_buf, last_accepted_seq_buf, accepted_tokens_per_request,
                           accepted_token_counts, num_requests, num_decode_requests, num_speculative_tokens, device)
-    check_kv_state(last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids,
-                   num_requests, device)
+    if request_slots is None:
+        check_kv_state(last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids,
+                       num_requests, device)
+    else:  # the state has a row per table slot; request r's is row request_slots[r]
+        check_tensor("request_slots", request_slots, dtypes=(torch.int64,), ndim=1, device=device)
+        check_min_rows("request_slots", request_slots, num_requests, "requests")
+        check_tensor("kv_length_offsets", kv_length_offsets, dtypes=INDEX_DTYPES, ndim=1, device=device)
+        check_kv_state(last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids,
+                       kv_length_offsets.shape[0], device)
     check_num_active_requests(num_active_requests, num_requests, device)
     if out is not None:
         release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
@@ -303,6 +319,7 @@ def verify_and_commit(
     out: Optional[StepCommit] = None,
     keep_released_blocks: bool = False,
     decode_count: Optional[torch.Tensor] = None,
+    request_slots: Optional[torch.Tensor] = None,
 ) -> StepCommit:
     """Verify the drafts, write the next step's inputs and rewind the KV bookkeeping, in one launch.
 
@@ -339,6 +356,12 @@ def verify_and_commit(
     ``N = num_decode_requests + num_prefill_requests`` programs, and requests
     ``decode_count <= r < N`` are prefill requests of one row each (packed after the decode rows).
 
+    ``request_slots`` (``[>= N]`` int64 on the device): the KV state tensors (``last_kv_block_offset``
+    .. ``kv_block_ids``) hold one row per table slot rather than per request, and request r's is
+    row ``request_slots[r]`` (values are not checked: that would need a sync). The other buffers
+    stay indexed by request. The controller passes its step's slot ids; padding requests may
+    share a slot, whose state they leave alone.
+
     Arguments are validated on the first call of each signature (every tensor's dtype, shape and
     device, every int): a call that repeats a validated signature skips the checks, one that
     differs in any checked property is checked again.
@@ -363,6 +386,7 @@ def verify_and_commit(
         block_size_tokens,
         num_active_requests,
         out,
+        request_slots,
     )
     if decode_count is not None:
         _check_decode_count(decode_count, num_decode_requests, input_tokens.device)
@@ -395,6 +419,7 @@ def verify_and_commit(
             out,
             keep_released_blocks,
             decode_count,
+            request_slots,
         )
     constants = _launch_constants(num_speculative_tokens, block_size_tokens)
     if out is None:
@@ -448,9 +473,11 @@ def verify_and_commit(
         active_count,
         active_count_ptr,
         active_count_ptr if decode_count is None else decode_count,
+        active_count_ptr if request_slots is None else request_slots,
         COUNT_IN_MEMORY=count_in_memory,
         DECODE_COUNT_IN_MEMORY=decode_count is not None,
         KEEP_RELEASED_BLOCKS=keep_released_blocks,
+        HAS_REQUEST_SLOTS=request_slots is not None,
         **constants,
     )
     return out

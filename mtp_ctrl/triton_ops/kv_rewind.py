@@ -65,6 +65,7 @@ def release_strides(blocks_to_release: torch.Tensor) -> tuple:
 @triton.jit
 def _rewind_request(
     request,
+    state_row,
     rewind,
     is_real,
     LAST_KV_BLOCK_OFFSET_PTR,
@@ -89,6 +90,8 @@ def _rewind_request(
     KEEP_RELEASED_BLOCKS: tl.constexpr,
 ):
     """Rewind ``request`` by ``rewind`` tokens; a request that is not real only writes "release nothing".
+    Its KV state is row ``state_row`` of the state tensors (its table slot; ``request`` itself
+    when the state is indexed by request); the release outputs are row ``request``.
 
     With ``KEEP_RELEASED_BLOCKS`` the block ids past the new length stay in the table (the caller
     keeps them as the request's reserve for its next step) and nothing is reported released.
@@ -99,10 +102,11 @@ def _rewind_request(
     another thread of the program has already cleared.
     """
     request64 = request.to(tl.int64)
-    offset_ptr = LAST_KV_BLOCK_OFFSET_PTR + request64 * offset_stride
-    length_ptr = KV_LENGTH_OFFSETS_PTR + request64 * length_stride
-    count_ptr = KV_BLOCK_COUNTS_PTR + request64 * count_stride
-    last_id_ptr = LAST_KV_BLOCK_ID_PTR + request64 * last_id_stride
+    state64 = state_row.to(tl.int64)
+    offset_ptr = LAST_KV_BLOCK_OFFSET_PTR + state64 * offset_stride
+    length_ptr = KV_LENGTH_OFFSETS_PTR + state64 * length_stride
+    count_ptr = KV_BLOCK_COUNTS_PTR + state64 * count_stride
+    last_id_ptr = LAST_KV_BLOCK_ID_PTR + state64 * last_id_stride
     old_offset = tl.load(offset_ptr, mask=is_real, other=0)
     kv_length = tl.load(length_ptr, mask=is_real, other=0)
     old_count = tl.load(count_ptr, mask=is_real, other=0)
@@ -120,7 +124,7 @@ def _rewind_request(
     columns = old_count - 1 - back
     # padding loaded old_count = 0, so none of its columns is in the table
     in_table = (back <= RELEASE_WIDTH) & (columns >= 0) & (columns < max_blocks)
-    back_ptrs = KV_BLOCK_IDS_PTR + request64 * block_ids_stride_request + columns.to(tl.int64) * block_ids_stride_block
+    back_ptrs = KV_BLOCK_IDS_PTR + state64 * block_ids_stride_request + columns.to(tl.int64) * block_ids_stride_block
     back_ids = tl.load(back_ptrs, mask=in_table, other=0)  # [BLOCK_BACK]
     is_released = back < released
     # the stored values depend on the loaded ones, so each entry is read before it is cleared
@@ -178,6 +182,7 @@ def _rewind_kv_cache_kernel(
     prefill = tl.load(PREFILL_STATUS_PTR + request64 * prefill_stride, mask=is_real, other=1)
     rewind = tl.where(prefill == 1, 0, NUM_SPEC_TOKENS - accepted)
     _rewind_request(
+        request,
         request,
         rewind,
         is_real,

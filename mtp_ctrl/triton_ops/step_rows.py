@@ -4,8 +4,12 @@ Letters: G requests in the step's (padded) grid, K logits rows (``G * (1 + S)``:
 ``1 + S`` rows first, then one row per other request), T packed rows, S drafts. Counts that only
 the device knows in a replayed graph come as ``[1]`` or ``[3]`` int64 tensors.
 
-Example, S = 1, G = 3, two decode requests, one final prefill chunk: logits rows 0-3 belong to
-requests 0, 0, 1, 1, row 4 to request 2, row 5 (unused) is clamped to request 2.
+Request r of the step holds table slot ``slot_ids[r]`` (padding requests: the scratch slot);
+per-request state (sampling parameters, a proposer's rows) is indexed by slot.
+
+Example, S = 1, G = 3, two decode requests, one final prefill chunk, slot_ids = [4, 0, 2]:
+logits rows 0-3 belong to requests 0, 0, 1, 1, row 4 to request 2, row 5 (unused) is clamped to
+request 2, so their slots are [4, 4, 0, 0, 2, 2].
 """
 
 import torch
@@ -21,20 +25,21 @@ BLOCK = 128
 
 
 @triton.jit
-def _logits_row_requests_kernel(LOGITS_INDICES_PTR, POSITIONS_PTR, NUM_DECODE_PTR, OUT_REQUESTS_PTR,
+def _logits_row_requests_kernel(LOGITS_INDICES_PTR, POSITIONS_PTR, NUM_DECODE_PTR, SLOT_IDS_PTR, OUT_SLOTS_PTR,
                                 OUT_POSITIONS_PTR, num_rows, num_requests, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     is_row = rows < num_rows
     num_decode = tl.load(NUM_DECODE_PTR + 0 * rows)
     decode_rows = num_decode * STRIDE
     requests = tl.where(rows < decode_rows, rows // STRIDE, rows - decode_rows + num_decode)
-    tl.store(OUT_REQUESTS_PTR + rows, tl.minimum(requests, num_requests - 1), mask=is_row)
+    requests = tl.minimum(requests, num_requests - 1)
+    tl.store(OUT_SLOTS_PTR + rows, tl.load(SLOT_IDS_PTR + requests, mask=is_row, other=0), mask=is_row)
     packed_rows = tl.load(LOGITS_INDICES_PTR + rows, mask=is_row, other=0)
     tl.store(OUT_POSITIONS_PTR + rows, tl.load(POSITIONS_PTR + packed_rows, mask=is_row, other=0) + 1, mask=is_row)
 
 
 @triton.jit
-def _draft_batch_rows_kernel(QUERY_START_LOC_PTR, SEQ_LENS_PTR, ACCEPTED_PTR, COUNTS_PTR, OUT_WRITE_ROWS_PTR,
+def _draft_batch_rows_kernel(QUERY_START_LOC_PTR, SEQ_LENS_PTR, ACCEPTED_PTR, COUNTS_PTR, SLOT_IDS_PTR, OUT_WRITE_ROWS_PTR,
                              OUT_SAMPLES_PTR, OUT_FIRST_PTR, OUT_BONUS_PTR, num_requests, padding_row,
                              S: tl.constexpr, BLOCK: tl.constexpr):
     requests = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -47,7 +52,8 @@ def _draft_batch_rows_kernel(QUERY_START_LOC_PTR, SEQ_LENS_PTR, ACCEPTED_PTR, CO
     seq_lens = tl.load(SEQ_LENS_PTR + requests, mask=is_request, other=0).to(tl.int64)
     accepted = tl.load(ACCEPTED_PTR + requests, mask=is_request, other=0)
     rewinds = tl.where(requests < num_decode, S - accepted, 0)
-    tl.store(OUT_WRITE_ROWS_PTR + requests, tl.where(requests < num_active, requests, padding_row).to(tl.int64),
+    slots = tl.load(SLOT_IDS_PTR + requests, mask=is_request, other=0)
+    tl.store(OUT_WRITE_ROWS_PTR + requests, tl.where(requests < num_active, slots, padding_row).to(tl.int64),
              mask=is_request)
     tl.store(OUT_SAMPLES_PTR + requests, requests < num_sampling, mask=is_request)
     tl.store(OUT_FIRST_PTR + requests, seq_lens - query_lengths, mask=is_request)
@@ -60,32 +66,35 @@ def logits_row_requests(
     num_decode: torch.Tensor,  # [1] int64, decode requests (the grid's first ones)
     num_speculative_tokens: int,
     num_requests: int,  # G
-    out_row_requests: torch.Tensor,  # [K] int64, written: the request (table row) of each logits row
+    slot_ids: torch.Tensor,  # [G] int64, each request's table slot
+    out_row_slots: torch.Tensor,  # [K] int64, written: the table slot of each logits row's request
     out_token_positions: torch.Tensor,  # [K] int64, written: where each row's sampled token goes
 ) -> None:
     """Logits row r belongs to request ``r // (S + 1)`` among the decode rows, else to request
-    ``r - num_decode * (S + 1) + num_decode``, clamped to ``G - 1``; its token goes at
-    ``positions[logits_indices[r]] + 1`` (module docstring: an example)."""
+    ``r - num_decode * (S + 1) + num_decode``, clamped to ``G - 1``; ``out_row_slots[r]`` is that
+    request's slot, and its token goes at ``positions[logits_indices[r]] + 1`` (module docstring:
+    an example)."""
     check_tensor("logits_indices", logits_indices, dtypes=(torch.int64,), ndim=1)
     num_rows = logits_indices.shape[0]
     check_tensor("positions", positions, dtypes=(torch.int64,), ndim=1)
     check_tensor("num_decode", num_decode, dtypes=(torch.int64,), shape=(1,))
     check_int("num_speculative_tokens", num_speculative_tokens, low=0)
     check_int("num_requests", num_requests, low=1)
-    check_tensor("out_row_requests", out_row_requests, dtypes=(torch.int64,), shape=(num_rows,))
+    check_tensor("slot_ids", slot_ids, dtypes=(torch.int64,), shape=(num_requests,))
+    check_tensor("out_row_slots", out_row_slots, dtypes=(torch.int64,), shape=(num_rows,))
     check_tensor("out_token_positions", out_token_positions, dtypes=(torch.int64,), shape=(num_rows,))
-    check_same_device(logits_indices=logits_indices, positions=positions, num_decode=num_decode,
-                      out_row_requests=out_row_requests, out_token_positions=out_token_positions)
-    check_contiguous(logits_indices=logits_indices, positions=positions, out_row_requests=out_row_requests,
-                     out_token_positions=out_token_positions)
+    check_same_device(logits_indices=logits_indices, positions=positions, num_decode=num_decode, slot_ids=slot_ids,
+                      out_row_slots=out_row_slots, out_token_positions=out_token_positions)
+    check_contiguous(logits_indices=logits_indices, positions=positions, slot_ids=slot_ids,
+                     out_row_slots=out_row_slots, out_token_positions=out_token_positions)
     if not use_triton(logits_indices):
         reference.logits_row_requests(logits_indices, positions, num_decode, num_speculative_tokens, num_requests,
-                                      out_row_requests, out_token_positions)
+                                      slot_ids, out_row_slots, out_token_positions)
         return
     if num_rows == 0:
         return
     _logits_row_requests_kernel[(triton.cdiv(num_rows, BLOCK),)](
-        logits_indices, positions, num_decode, out_row_requests, out_token_positions, num_rows, num_requests,
+        logits_indices, positions, num_decode, slot_ids, out_row_slots, out_token_positions, num_rows, num_requests,
         STRIDE=num_speculative_tokens + 1, BLOCK=BLOCK)
 
 
@@ -94,9 +103,10 @@ def draft_batch_rows(
     seq_lens: torch.Tensor,  # [G] int32, KV length of each request after the step's rows
     accepted_counts: torch.Tensor,  # [>= G] int64, accepted drafts (verify's output)
     counts: torch.Tensor,  # [3] int64: real requests, decode requests, sampling requests
+    slot_ids: torch.Tensor,  # [G] int64, each request's table slot
     num_speculative_tokens: int,
-    padding_row: int,  # the table row that takes padding requests' writes
-    out_write_rows: torch.Tensor,  # [G] int64, written: r for a real request, else padding_row
+    padding_row: int,  # the table slot that takes padding requests' writes
+    out_write_rows: torch.Tensor,  # [G] int64, written: slot_ids[r] for a real request, else padding_row
     out_samples: torch.Tensor,  # [G] bool, written: the request sampled a token
     out_first_positions: torch.Tensor,  # [G] int64, written: position of its first row this step
     out_bonus_positions: torch.Tensor,  # [G] int64, written: e, the position of its last sampled token
@@ -110,6 +120,7 @@ def draft_batch_rows(
     if accepted_counts.shape[0] < num_requests:
         raise ValueError(f"accepted_counts has {accepted_counts.shape[0]} rows, the grid has {num_requests} requests")
     check_tensor("counts", counts, dtypes=(torch.int64,), shape=(3,))
+    check_tensor("slot_ids", slot_ids, dtypes=(torch.int64,), shape=(num_requests,))
     check_int("num_speculative_tokens", num_speculative_tokens, low=0)
     check_int("padding_row", padding_row, low=0)
     for name, tensor, dtype in (("out_write_rows", out_write_rows, torch.int64),
@@ -118,18 +129,18 @@ def draft_batch_rows(
                                 ("out_bonus_positions", out_bonus_positions, torch.int64)):
         check_tensor(name, tensor, dtypes=(dtype,), shape=(num_requests,))
     check_same_device(query_start_loc=query_start_loc, seq_lens=seq_lens, accepted_counts=accepted_counts,
-                      counts=counts, out_write_rows=out_write_rows, out_samples=out_samples,
+                      counts=counts, slot_ids=slot_ids, out_write_rows=out_write_rows, out_samples=out_samples,
                       out_first_positions=out_first_positions, out_bonus_positions=out_bonus_positions)
     check_contiguous(query_start_loc=query_start_loc, seq_lens=seq_lens, accepted_counts=accepted_counts,
-                     counts=counts, out_write_rows=out_write_rows, out_samples=out_samples,
+                     counts=counts, slot_ids=slot_ids, out_write_rows=out_write_rows, out_samples=out_samples,
                      out_first_positions=out_first_positions, out_bonus_positions=out_bonus_positions)
-    args = (query_start_loc, seq_lens, accepted_counts, counts, num_speculative_tokens, padding_row, out_write_rows,
-            out_samples, out_first_positions, out_bonus_positions)
+    args = (query_start_loc, seq_lens, accepted_counts, counts, slot_ids, num_speculative_tokens, padding_row,
+            out_write_rows, out_samples, out_first_positions, out_bonus_positions)
     if not use_triton(query_start_loc):
         reference.draft_batch_rows(*args)
         return
     if num_requests == 0:
         return
     _draft_batch_rows_kernel[(triton.cdiv(num_requests, BLOCK),)](
-        query_start_loc, seq_lens, accepted_counts, counts, out_write_rows, out_samples, out_first_positions,
+        query_start_loc, seq_lens, accepted_counts, counts, slot_ids, out_write_rows, out_samples, out_first_positions,
         out_bonus_positions, num_requests, padding_row, S=num_speculative_tokens, BLOCK=BLOCK)

@@ -259,7 +259,7 @@ def test_graphs_equal_eager_on_the_trained_checkpoint_with_real_acceptance():
             super().__init__(*args, **kwargs)
             self.accepted = []
 
-        def on_apply(self, step, readbacks, overlapped, rows_moved):
+        def on_apply(self, step, readbacks, overlapped):
             self.accepted += readbacks[:, : step.num_decode, 0].tolist()  # one list per step
 
     runs = []
@@ -341,7 +341,7 @@ def test_every_accepted_count_inside_replayed_graphs(model):
     controller = SyncCheckedController(model, make_config(S, graphs=True), proposer=proposer)
     seen = collections.Counter()
 
-    def recording(step, readbacks, overlapped, rows_moved):  # the documented debug hook
+    def recording(step, readbacks, overlapped):  # the documented debug hook
         seen.update(readbacks[:, : step.num_decode, 0].flatten().tolist())
 
     controller.on_apply = recording

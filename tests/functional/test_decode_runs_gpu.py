@@ -43,7 +43,7 @@ class RunsSyncChecked(TextGenerationController):
         self.launches.append(step.num_steps)
         return launched
 
-    def on_apply(self, step, readbacks, overlapped, rows_moved):
+    def on_apply(self, step, readbacks, overlapped):
         self.accepted += readbacks[:, : step.num_decode, 0].tolist()  # one list per step
 
 

@@ -91,8 +91,8 @@ def test_an_arrival_during_decode_does_not_wait_for_the_step_in_flight(model, gr
 @pytest.mark.parametrize("graphs", [False, True])
 def test_finishing_requests_free_their_rows_without_waiting_for_the_step_in_flight(model, graphs):
     """Requests finish at different steps (max_new_tokens, greedy and sampled) while others keep
-    decoding and one more arrives: each finished row is freed with the next step in flight, under
-    sync-debug "error", and that step's read-back is realigned by request id. == plain decoding."""
+    decoding and one more arrives: each finished slot is freed with the next step in flight, under
+    sync-debug "error", and that step's read-back skips the requests that left. == plain decoding."""
     lengths = [3, 9, 5, 14, 7]
     arrivals = [(step, PROMPTS[index % len(PROMPTS)],
                  SamplingParams(max_new_tokens=lengths[index], temperature=0.8 if index % 2 else 0.0, seed=index))

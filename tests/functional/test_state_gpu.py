@@ -24,24 +24,26 @@ def make_context(device, block_size_tokens=4, num_speculative_tokens=2):
 
 
 def device_step(ctx, step, accepted_counts):
-    """The controller's device work: prepare_inputs, then the rewind over rows [0, B) with
-    num_active_requests = n; the rewind sees a copy of the block ids, so every block stays held
-    (verify_and_commit(keep_released_blocks=True))."""
+    """The controller's device work: prepare_inputs, then the rewind over the step's grid (its
+    requests' state gathered from their slots, padding from the scratch slot) with
+    num_active_requests = n, written back to the real requests' slots; the rewind sees a copy of
+    the block ids, so every block stays held (verify_and_commit(keep_released_blocks=True))."""
     ctx.prepare_inputs(step)
-    batch = step.dimensions.request_count
+    batch, slots, n = step.dimensions.request_count, step.slot_ids, step.num_requests
     rows = ctx.table.device
+    state = [rows.last_kv_block_offset, rows.kv_length_offsets, rows.kv_block_counts, rows.last_kv_block_id]
+    gathered = [tensor[slots] for tensor in state]  # [B] each
     rewind_kv_cache(
         accepted_counts[:batch],
-        rows.prefill_status[:batch],
-        rows.last_kv_block_offset[:batch],
-        rows.kv_length_offsets[:batch],
-        rows.kv_block_counts[:batch],
-        rows.last_kv_block_id[:batch],
-        rows.kv_block_ids[:batch].clone(),
+        rows.prefill_status[slots],
+        *gathered,
+        rows.kv_block_ids[slots].clone(),
         ctx.shape.num_speculative_tokens,
         ctx.allocator.block_size_tokens,
-        num_active_requests=step.num_requests,
+        num_active_requests=n,
     )
+    for tensor, values in zip(state, gathered):
+        tensor[slots[:n]] = values[:n]
 
 
 def run_scenario(device, seed, block_size_tokens, num_speculative_tokens, steps=12):
@@ -70,7 +72,7 @@ def run_scenario(device, seed, block_size_tokens, num_speculative_tokens, steps=
         return step, accepted
 
     for _ in range(steps):
-        short = host.known_lengths[: ctx.table.num_live].max(initial=0) <= 16
+        short = host.known_lengths[ctx.table.live_slots()].max(initial=0) <= 16
         if pending is not None and short and not ctx.needs_sync() and rng.random() < 0.7:
             launched = launch(steps_in_flight=1)
             ctx.commit_readback(*pending)
@@ -80,8 +82,8 @@ def run_scenario(device, seed, block_size_tokens, num_speculative_tokens, steps=
             ctx.commit_readback(*pending)
             pending = None
             assert ctx.table.mismatched_rows() == []
-            for request_id in host.request_ids[: ctx.table.num_live].tolist():
-                if host.known_lengths[ctx.table.row_of(request_id)] > 16:
+            for request_id in host.request_ids[ctx.table.live_slots()].tolist():
+                if host.known_lengths[ctx.table.slot_of(request_id)] > 16:
                     ctx.finish_request(request_id)
         while ctx.num_free_rows:
             ctx.add_request(next_id, [rng.randrange(100) for _ in range(rng.randrange(1, 12))])
@@ -89,7 +91,7 @@ def run_scenario(device, seed, block_size_tokens, num_speculative_tokens, steps=
         pending = launch(steps_in_flight=0)
     ctx.commit_readback(*pending)
     assert ctx.table.mismatched_rows() == []
-    for request_id in host.request_ids[: ctx.table.num_live].tolist():
+    for request_id in host.request_ids[ctx.table.live_slots()].tolist():
         ctx.finish_request(request_id)
     assert ctx.allocator.num_free_blocks == ctx.allocator.num_blocks
     return record

@@ -43,23 +43,19 @@ def make_context(**overrides):
 
 
 def device_rewind(ctx, step, accepted):
-    """What verify_and_commit(keep_released_blocks=True) does to the KV rows: rewind each decode
-    request past its rejected drafts, keeping every block id (the rewind sees a copy of them)."""
+    """What verify_and_commit(keep_released_blocks=True, request_slots=...) does to the KV state:
+    rewind each decode request (in its slot) past its rejected drafts, keeping every block id
+    (the rewind sees a copy of them)."""
     n = step.num_requests
     accepted_counts = torch.zeros(n, dtype=torch.int64)  # [n] int64, prefill rows ignored
     accepted_counts[: step.num_decode] = torch.as_tensor(np.asarray(accepted, dtype=np.int64))
-    rows = ctx.table.device
-    rewind_kv_cache(
-        accepted_counts,
-        rows.prefill_status[:n],
-        rows.last_kv_block_offset[:n],
-        rows.kv_length_offsets[:n],
-        rows.kv_block_counts[:n],
-        rows.last_kv_block_id[:n],
-        rows.kv_block_ids[:n].clone(),
-        ctx.shape.num_speculative_tokens,
-        ctx.allocator.block_size_tokens,
-    )
+    rows, slots = ctx.table.device, torch.from_numpy(step.host_slot_ids)
+    state = [rows.last_kv_block_offset, rows.kv_length_offsets, rows.kv_block_counts, rows.last_kv_block_id]
+    gathered = [tensor[slots] for tensor in state]  # [n] each
+    rewind_kv_cache(accepted_counts, rows.prefill_status[slots], *gathered, rows.kv_block_ids[slots].clone(),
+                    ctx.shape.num_speculative_tokens, ctx.allocator.block_size_tokens)
+    for tensor, values in zip(state, gathered):
+        tensor[slots] = values
 
 
 def run_device_step(ctx, step, accepted):
@@ -68,8 +64,8 @@ def run_device_step(ctx, step, accepted):
     ctx.prepare_inputs(step)
     rows = step.attention.num_actual_tokens
     assert (step.attention.slot_mapping[:rows] >= 0).all()
-    assert (ctx.table.device.kv_block_counts[: step.num_requests].numpy()
-            <= ctx.table.host.block_counts[: step.num_requests]).all()
+    slots = step.host_slot_ids
+    assert (ctx.table.device.kv_block_counts[slots].numpy() <= ctx.table.host.block_counts[slots]).all()
     device_rewind(ctx, step, accepted)
 
 
@@ -174,21 +170,23 @@ def test_decode_step_padded_to_a_cuda_graph_bucket():
         ctx.add_request(request_id, [1, 2, 3])
     step_and_commit(ctx)
     ctx.add_request(9, [4, 5])
-    ctx.pause_request(9)  # a paused row sits in the padding rows and must stay untouched
+    ctx.pause_request(9)  # a paused request runs in no step and its slot must stay untouched
     before = ctx.table.host.block_ids[3].copy()
     step = ctx.build_step()
     ctx.prepare_inputs(step)
     att = step.attention
     assert step.dimensions == BatchDimensions.decode_only(4, 2)
     assert (step.num_decode, step.num_prefill) == (3, 0)
-    assert step.request_ids == (0, 1, 2) and ctx.table.row_of(9) == 3
+    assert step.request_ids == (0, 1, 2) and ctx.table.slot_of(9) == 3
     assert step.input_ids.shape == (12,)
     assert att.slot_mapping[9:].tolist() == [-1, -1, -1]  # padding rows write no KV
     assert att.positions[9:].tolist() == [0, 0, 0]
     assert att.positions[:9].tolist() == [3, 4, 5] * 3
     assert att.query_start_loc.tolist() == [0, 3, 6, 9, 9]
     assert att.seq_lens.tolist() == [6, 6, 6, 0]
-    assert att.block_table[3].tolist() == [-1] * ctx.shape.max_blocks_per_request
+    # the padding request reads the scratch slot: every column points at the scratch block
+    assert att.block_table[3].tolist() == [ctx.scratch_block] * ctx.shape.max_blocks_per_request
+    assert step.slot_ids.tolist() == [0, 1, 2, ctx.table.scratch_row]
     assert att.num_actual_tokens == 9 and att.max_seq_len == ctx.shape.max_blocks_per_request * 4
     assert int(step.num_active[0]) == 3
     assert step.logits_indices.tolist() == list(range(9)) + [0, 0, 0]  # padding rows point at row 0
@@ -224,7 +222,7 @@ def test_pause_on_kv_exhaustion_and_resume_when_blocks_free_up():
     step = ctx.build_step()  # both need a 4th block for positions 5, 6: only request 0 gets it
     assert step.request_ids == (0,)
     assert ctx.table.group_of(1) == RowGroup.PAUSED
-    paused_row = ctx.table.row_of(1)
+    paused_row = ctx.table.slot_of(1)
     assert ctx.table.host.known_lengths[paused_row] == 5
     assert ctx.table.host.block_ids[paused_row, :4].tolist() == [3, 4, 5, -1]
     run_device_step(ctx, step, [1])
@@ -305,7 +303,7 @@ def test_prefill_chunk_leaves_the_decodes_next_blocks_and_waits_behind_a_paused_
         ctx.build_step()  # decode 0 needs 2 blocks: paused; the prefill may not take the free one
     assert ctx.table.group_of(0) == RowGroup.PAUSED
     assert ctx.allocator.num_free_blocks == 1
-    assert ctx.table.host.known_lengths[ctx.table.row_of(1)] == 5
+    assert ctx.table.host.known_lengths[ctx.table.slot_of(1)] == 5
 
     ctx.finish_request(1)
     step = ctx.build_step()
@@ -338,7 +336,8 @@ def test_reserve_covers_the_steps_in_flight():
 
 def test_needs_sync_when_the_reserve_would_not_fit():
     """bs = 4, S = 2, pool of 5: two 4-token decodes hold 2 blocks each (4 + 3 tokens); a step in
-    flight would need 3 each (4 + 6 tokens), 2 more than the 1 free block."""
+    flight would need 3 each (4 + 6 tokens), 2 more than the 1 free block: needs_sync says so, and
+    a build with the step in flight (which pauses nothing) raises KVCacheFullError, changing nothing."""
     ctx = make_context(max_requests=2, max_model_len=8, max_tokens_per_step=8, num_blocks=5)
     ctx.add_request(0, [1, 2, 3, 4])
     ctx.add_request(1, [5, 6, 7, 8])
@@ -348,8 +347,9 @@ def test_needs_sync_when_the_reserve_would_not_fit():
     step = ctx.build_step()
     assert ctx.allocator.num_free_blocks == 1
     assert ctx.needs_sync()
-    with pytest.raises(RuntimeError, match="commit the step in flight first"):
+    with pytest.raises(KVCacheFullError):
         ctx.build_step()
+    assert ctx.allocator.num_free_blocks == 1 and ctx.steps_in_flight == 1
     run_device_step(ctx, step, [0, 0])
     ctx.commit_readback(step, np.zeros(2, np.int64))
     assert ctx.table.mismatched_rows() == []
@@ -376,11 +376,11 @@ def test_random_overlapped_steps_keep_host_and_device_in_step(block_size_tokens,
     host = ctx.table.host
     next_id, pending, overlapped = 0, None, 0
     for _ in range(30):
-        short = host.known_lengths[: ctx.table.num_live].max(initial=0) <= 10  # far from max_model_len
+        short = host.known_lengths[ctx.table.live_slots()].max(initial=0) <= 10  # far from max_model_len
         if pending is not None and short and not ctx.needs_sync() and rng.random() < 0.7:
             step = ctx.build_step()  # built before the previous read-back
             overlapped += 1
-            decode = slice(0, step.num_decode)
+            decode = step.host_slot_ids[: step.num_decode]
             assert (host.block_counts[decode] >= ctx.blocks_for(host.known_lengths[decode] + 2 * stride)).all()
             accepted = np.array([rng.randrange(stride) for _ in range(step.num_decode)], dtype=np.int64)
             run_device_step(ctx, step, accepted)
@@ -393,8 +393,8 @@ def test_random_overlapped_steps_keep_host_and_device_in_step(block_size_tokens,
             assert ctx.table.mismatched_rows() == []
             held = held_blocks(ctx)
             assert len(held) == len(set(held)) == ctx.allocator.num_allocated_blocks
-            for request_id in host.request_ids[: ctx.table.num_live].tolist():
-                if host.known_lengths[ctx.table.row_of(request_id)] > 10:
+            for request_id in host.request_ids[ctx.table.live_slots()].tolist():
+                if host.known_lengths[ctx.table.slot_of(request_id)] > 10:
                     ctx.finish_request(request_id)
         while ctx.num_free_rows:
             ctx.add_request(next_id, [rng.randrange(50) for _ in range(rng.randrange(1, 9))])
@@ -406,7 +406,7 @@ def test_random_overlapped_steps_keep_host_and_device_in_step(block_size_tokens,
     ctx.commit_readback(*pending)
     assert ctx.table.mismatched_rows() == []
     assert overlapped > 3 and next_id > 3
-    for request_id in host.request_ids[: ctx.table.num_live].tolist():
+    for request_id in host.request_ids[ctx.table.live_slots()].tolist():
         ctx.finish_request(request_id)
     assert ctx.allocator.num_free_blocks == ctx.allocator.num_blocks  # no block leaked
 
@@ -420,7 +420,7 @@ def test_mamba_slots_follow_requests():
     assert ctx.mamba.intermediate_ssm_states.shape == (1, 5, 3, 2, 2)  # 4 slots + scratch
     ctx.finish_request(5)
     assert ctx.mamba.num_free_slots == 3
-    assert ctx.table.host.mamba_slot_ids[0] == 1
+    assert ctx.table.host.mamba_slot_ids[:2].tolist() == [-1, 1]  # request 6 keeps its table slot
 
 
 def test_mamba_steps_with_prefill_pad_to_token_buckets():
@@ -506,10 +506,10 @@ def test_step_errors():
     ctx.pause_request(0)
 
 
-def test_finish_with_a_step_in_flight_then_commit_by_current_rows():
-    """finish_request needs no sync: the freed row takes the last decode row's request (the rows
-    move, table.num_moves counts it), and the step in flight is committed with the rows its
-    requests hold now (-1 for the finished one); the blocks come back, the lengths stay exact."""
+def test_finish_with_a_step_in_flight_then_commit_skips_the_request_that_left():
+    """finish_request needs no sync and moves nothing: the step in flight is committed to the
+    slots it ran on, skipping the finished request's (even once a new request holds it); the
+    blocks come back, the lengths stay exact."""
     ctx = make_context()
     for request_id in range(3):
         ctx.add_request(request_id, [1, 2, 3])
@@ -518,13 +518,14 @@ def test_finish_with_a_step_in_flight_then_commit_by_current_rows():
     step = ctx.build_step()
     accepted = np.array([2, 1, 0], np.int64)
     run_device_step(ctx, step, accepted)
-    moves = ctx.table.num_moves
-    ctx.finish_request(0)  # request 2 takes row 0
-    assert ctx.table.num_moves > moves and ctx.table.row_of(2) == 0 and ctx.table.row_of(1) == 1
-    ctx.commit_readback(step, accepted, rows=np.array([-1, 1, 0]))
-    assert ctx.table.host.known_lengths[:2].tolist() == [4 + 1 + 0, 4 + 1 + 1]  # requests 2 and 1
+    ctx.finish_request(0)
+    ctx.add_request(7, [4, 5])  # takes request 0's slot with the step in flight
+    assert [ctx.table.slot_of(request_id) for request_id in (7, 1, 2)] == [0, 1, 2]
+    ctx.commit_readback(step, accepted)
+    assert ctx.table.host.known_lengths[:3].tolist() == [0, 4 + 1 + 1, 4 + 1 + 0]  # requests 7, 1 and 2
+    ctx.table.write_inserted_rows()  # request 7's device rows (the next build_step would do it)
     assert ctx.table.mismatched_rows() == []
-    for request_id in (1, 2):
+    for request_id in (1, 2, 7):
         ctx.finish_request(request_id)
     assert ctx.allocator.num_free_blocks == ctx.allocator.num_blocks
 
@@ -564,10 +565,10 @@ def test_constructor_errors():
         KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.int8)
 
 
-def test_a_removal_that_reorders_prefill_rows_makes_the_next_build_wait():
-    """Finishing the only decode request (step in flight) moves the LAST prefill row into its
-    row, ahead of a prompt whose final chunk just ran: that prompt is then not the first prefill
-    row, so it cannot become a decode in place; needs_sync says so and build_step refuses."""
+def test_a_prompt_done_becomes_a_decode_whatever_left_before_it():
+    """Finishing the only decode request with a step in flight, ahead of a prompt whose final
+    chunk just ran: the prompt still becomes a decode at the next build without a sync (slots
+    do not move; before stable slots this removal forced one)."""
     ctx = make_context()
     ctx.add_request(0, [1, 2, 3])
     step_and_commit(ctx)  # request 0's prompt
@@ -575,15 +576,12 @@ def test_a_removal_that_reorders_prefill_rows_makes_the_next_build_wait():
     ctx.add_request(2, list(range(30)))  # still mid-prompt after it
     step = ctx.build_step()
     assert step.request_ids == (0, 1, 2) and step.num_decode == 1
-    assert not ctx.needs_sync()
     ctx.finish_request(0)
-    assert [ctx.table.row_of(request_id) for request_id in (2, 1)] == [0, 1]
-    assert ctx.needs_sync()
-    with pytest.raises(RuntimeError, match="commit the step in flight first"):
-        ctx.build_step()
-    ctx.commit_readback(step, np.zeros(1, np.int64), rows=np.array([-1]))
-    second = ctx.build_step()  # no step in flight: request 1 moves to the decode rows
-    assert second.num_decode == 1 and ctx.table.row_of(1) == 0
+    assert not ctx.needs_sync()
+    second = ctx.build_step()  # with the first still in flight
+    assert second.request_ids[:1] == (1,) and second.num_decode == 1 and ctx.table.slot_of(1) == 1
+    ctx.commit_readback(step, np.zeros(1, np.int64))
+    ctx.commit_readback(second, np.zeros(1, np.int64))
 
 
 def test_a_decode_run_is_staged_only_for_decode_steps_and_reserves_every_step():

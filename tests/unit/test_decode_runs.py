@@ -37,9 +37,10 @@ def _watch_runs(controller):
     def check_launch(step, graph_key):
         launches.append(step.num_steps)
         table, num_decode, S = context.table, step.num_decode, context.shape.num_speculative_tokens
-        accepted = controller.debug_view().last_accepted_counts[:num_decode]
-        peak = table.device.kv_length_offsets[:num_decode] + S - accepted
-        reserved = torch.from_numpy(table.host.block_counts[:num_decode] * context.shape.block_size_tokens)
+        accepted = controller.debug_view().last_accepted_counts[:num_decode]  # in the step's order
+        slots = step.host_slot_ids[:num_decode]  # where the step's decode requests live
+        peak = table.device.kv_length_offsets[slots] + S - accepted
+        reserved = torch.from_numpy(table.host.block_counts[slots] * context.shape.block_size_tokens)
         assert (peak <= reserved).all(), (peak, reserved)
 
     controller.on_launch = check_launch  # the documented debug hook

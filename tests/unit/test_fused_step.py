@@ -272,3 +272,35 @@ def test_decode_count_must_be_one_element():
     with pytest.raises(ValueError, match="decode_count"):
         verify_and_commit(case.input_tokens, case.output_tokens, case.required_logit_indices, *_buffers(6, 2),
                           *kv_state, 3, 2, 2, 2, decode_count=torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("num_decode,num_prefill,num_spec,block_size", [(3, 2, 2, 2), (5, 1, 3, 4), (0, 2, 1, 4), (6, 0, 6, 3)])
+@pytest.mark.parametrize("num_padding", [0, 2])
+def test_request_slots_equal_the_state_by_request(num_decode, num_prefill, num_spec, block_size, num_padding):
+    """The KV state in scattered table slots (``request_slots``; padding requests share the scratch
+    slot) gives what the state indexed by request gives, and no other slot changes."""
+    case = make_token_case(num_decode, num_prefill, num_spec, seed=4, extra_rows=2)
+    num_real = case.num_requests
+    num_requests, num_slots = num_real + num_padding, num_real + 4  # the last slot is the scratch slot
+    grid = dict(num_decode_requests=case.num_decode_requests, num_prefill_requests=case.num_prefill_requests + num_padding)
+    compact = make_kv_state(num_requests, num_spec, block_size, seed=4)
+    generator = torch.Generator().manual_seed(5)
+    slots = torch.cat([torch.randperm(num_slots - 1, generator=generator)[:num_real],
+                       torch.full((num_padding,), num_slots - 1)])
+    scattered = [torch.randint(0, 9, (num_slots, *tensor.shape[1:]), generator=generator) for tensor in compact]
+    for tensor, rows in zip(scattered, compact):
+        tensor[slots[:num_real]] = rows[:num_real]
+    active = torch.tensor([num_real])
+    for op in OPS:
+        want_buffers, want_state = _buffers(num_requests, num_spec), clone_all(compact)
+        want = op(case.input_tokens, case.output_tokens, case.required_logit_indices, *want_buffers, *want_state,
+                  *grid.values(), num_spec, block_size, active, keep_released_blocks=True)
+        got_buffers, got_state = _buffers(num_requests, num_spec), clone_all(scattered)
+        got = op(case.input_tokens, case.output_tokens, case.required_logit_indices, *got_buffers, *got_state,
+                 *grid.values(), num_spec, block_size, active, keep_released_blocks=True, request_slots=slots)
+        assert_all_equal(list(got) + got_buffers, list(want) + want_buffers)
+        others = torch.ones(num_slots, dtype=torch.bool)
+        others[slots[:num_real]] = False
+        for got_rows, want_rows, before in zip(got_state, want_state, scattered):
+            assert torch.equal(got_rows[slots[:num_real]], want_rows[:num_real])
+            assert torch.equal(got_rows[others], before[others])

@@ -1,6 +1,6 @@
-"""OutputRows: the vectorised stop rules of a whole launch (one step or a decode run), its no-stop
-fast path, and the realignment of a read-back after rows moved (a request finished with the step
-in flight)."""
+"""OutputRows: the vectorised stop rules of a whole launch (one step or a decode run) over the
+step's slots (scattered, in step order), its no-stop fast path, and requests that left their
+slot since the launch (not present: left alone)."""
 
 import numpy as np
 import pytest
@@ -8,11 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtp_ctrl.controllers.config import SamplingParams
-from mtp_ctrl.controllers.output_rows import OutputRows, realign_readback
+from mtp_ctrl.controllers.output_rows import OutputRows
 from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.request_table import RequestTable
 
 MAX_MODEL_LEN = 40
+SLOTS = np.array([2, 0, 3, 1])  # the table slot of the step's request i: not in step order
 
 
 def _table(S):
@@ -21,16 +22,18 @@ def _table(S):
 
 
 def _rows(S, requests):
-    """OutputRows over a table of 4 rows; ``requests``: (params, prompt length, output so far) per row."""
+    """OutputRows over a table of 4 slots; ``requests``: (params, prompt length, output so far) of
+    the step's requests, in slots ``SLOTS``."""
     outputs = OutputRows(_table(S))
-    for row, (params, prompt_length, output) in enumerate(requests):
-        outputs.start(row, params, prompt_length, output, 0, 0)
+    for slot, (params, prompt_length, output) in zip(SLOTS, requests):
+        outputs.start(slot, params, prompt_length, output, 0, 0)
     return outputs
 
 
 def _state(outputs, n):
-    return [outputs.output_of(row) for row in range(n)], outputs.finished[:n].tolist(), \
-        outputs.decode_steps[:n].tolist(), outputs.accepted_drafts[:n].tolist()
+    slots = SLOTS[:n]
+    return [outputs.output_of(slot) for slot in slots], outputs.finished[slots].tolist(), \
+        outputs.decode_steps[slots].tolist(), outputs.accepted_drafts[slots].tolist()
 
 
 @settings(max_examples=80, deadline=None)
@@ -57,12 +60,13 @@ def test_fast_path_equals_the_full_stop_check_and_step_by_step(S, num_steps, dat
             readbacks[step, row, 1:] = data.draw(st.lists(st.integers(0, 9), min_size=S + 1, max_size=S + 1))
     decode = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     fast, full, stepwise = _rows(S, requests), _rows(S, requests), _rows(S, requests)
-    took_fast = fast._no_stop_possible(n, num_steps)
+    slots = SLOTS[:n]
+    took_fast = fast._no_stop_possible(slots, num_steps)
     params_of_row = lambda row: requests[row][0]  # noqa: E731
-    got = fast.apply(readbacks, decode, params_of_row)
-    want = full.apply(readbacks, decode, params_of_row, np.ones(n, dtype=bool))
+    got = fast.apply(readbacks, decode, slots, params_of_row)
+    want = full.apply(readbacks, decode, slots, params_of_row, np.ones(n, dtype=bool))
     assert np.array_equal(got[0], want[0]) and got[1] == want[1]
-    by_step = [stepwise.apply(readbacks[step : step + 1], decode, params_of_row) for step in range(num_steps)]
+    by_step = [stepwise.apply(readbacks[step : step + 1], decode, slots, params_of_row) for step in range(num_steps)]
     assert np.array_equal(np.concatenate([emitted for emitted, _ in by_step]), want[0])
     assert [finish for _, finished in by_step for finish in finished] == want[1]
     assert _state(fast, n) == _state(full, n) == _state(stepwise, n)
@@ -73,45 +77,34 @@ def test_fast_path_equals_the_full_stop_check_and_step_by_step(S, num_steps, dat
 def test_the_fast_path_is_taken_only_when_no_row_can_stop():
     S, output = 2, [1, 2]
     reach = len(output) + 1 + S  # 5
-    assert _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(1, 1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=reach), 3, output)])._no_stop_possible(1, 1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(1, 2)  # a run of 2
-    assert not _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach, output)])._no_stop_possible(1, 1)
-    assert _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach - 1, output)])._no_stop_possible(1, 1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=50, eos_token_ids=(3,)), 3, output)])._no_stop_possible(1, 1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=50, stop_sequences=((4, 5),)), 3, output)])._no_stop_possible(1, 1)
+    assert _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(SLOTS[:1], 1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=reach), 3, output)])._no_stop_possible(SLOTS[:1], 1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(SLOTS[:1], 2)  # a run of 2
+    assert not _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach, output)])._no_stop_possible(SLOTS[:1], 1)
+    assert _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach - 1, output)])._no_stop_possible(SLOTS[:1], 1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=50, eos_token_ids=(3,)), 3, output)])._no_stop_possible(SLOTS[:1], 1)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=50, stop_sequences=((4, 5),)), 3, output)])._no_stop_possible(SLOTS[:1], 1)
 
 
 def test_length_budgets_of_the_unfinished_rows():
     outputs = _rows(1, [(SamplingParams(max_new_tokens=9), 3, [4, 5]),  # 7 to max_new_tokens, 35 to max_model_len
                         (SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - 10, [6]),  # 9 to max_model_len
                         (SamplingParams(max_new_tokens=2), 3, [1])])  # 1, but finished below
-    outputs.finished[2] = 1
-    assert outputs.length_budgets(3) == (9, 9)  # fewest to max_model_len, most to any length stop
-    assert outputs.length_budgets(1) == (35, 7)
-    assert outputs.length_budgets(0) == (0, 0)
+    outputs.finished[SLOTS[2]] = 1
+    assert outputs.length_budgets(SLOTS[:3]) == (9, 9)  # fewest to max_model_len, most to any length stop
+    assert outputs.length_budgets(SLOTS[:1]) == (35, 7)
+    assert outputs.length_budgets(SLOTS[:0]) == (0, 0)
 
 
-def test_realign_readback_follows_requests_to_their_current_rows():
-    """The step ran (a, b, c, d), a and d finished since, c moved into a's row 0 and a new request
-    took row 2: rows [-1, 1, 0, -1]. Row 0 gets c's read-back, row 1 b's; row 2 is not present."""
-    readback = np.arange(2 * 4 * 3).reshape(2, 4, 3)  # two steps of [a, b, c, d] rows of [accepted, bonus, draft]
-    aligned, decode, present = realign_readback(readback, np.array([-1, 1, 0, -1]), num_decode=2)
-    assert aligned.tolist() == [[readback[step, 2].tolist(), readback[step, 1].tolist()] for step in range(2)]
-    assert present.tolist() == [True, True] and decode.tolist() == [False, True]  # c was a final prefill chunk
-    aligned, decode, present = realign_readback(readback, np.array([-1, -1, -1, -1]), num_decode=4)
-    assert aligned.shape == (2, 0, 3) and present.shape == (0,)
-    aligned, decode, present = realign_readback(readback[:1, :2], np.array([2, 0]), num_decode=2)
-    assert present.tolist() == [True, False, True] and aligned[0, 2].tolist() == readback[0, 0].tolist()
-
-
-def test_rows_not_present_are_left_alone():
+def test_requests_not_present_are_left_alone():
+    """A request that left its slot since the launch (``present`` False) gets nothing, even when
+    another request holds the slot now."""
     outputs = _rows(1, [(SamplingParams(max_new_tokens=1), 3, []), (SamplingParams(max_new_tokens=9), 3, [4])])
     readback = np.array([[[1, 5, 6], [1, 7, 8]]], dtype=np.int64)
-    emitted, finished = outputs.apply(readback, np.ones(2, dtype=bool), None, np.array([False, True]))
+    emitted, finished = outputs.apply(readback, np.ones(2, dtype=bool), SLOTS[:2], None, np.array([False, True]))
     assert emitted.tolist() == [[0, 2]] and finished == []
-    assert outputs.output_of(0) == [] and outputs.output_of(1) == [4, 8, 7]
-    assert outputs.decode_steps[:2].tolist() == [0, 1]
+    assert outputs.output_of(SLOTS[0]) == [] and outputs.output_of(SLOTS[1]) == [4, 8, 7]
+    assert outputs.decode_steps[SLOTS[:2]].tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("S", [0, 2])
@@ -119,15 +112,15 @@ def test_decode_mask_counts_verify_steps_only_for_decode_rows(S):
     outputs = _rows(S, [(SamplingParams(max_new_tokens=30), 3, [])] * 2)
     readback = np.zeros((1, 2, S + 2), dtype=np.int64)
     readback[:, :, 0] = S
-    outputs.apply(readback, np.array([True, False]), None)
-    assert outputs.decode_steps[:2].tolist() == [1, 0]
-    assert outputs.accepted_drafts[:2].tolist() == [S, 0]
+    outputs.apply(readback, np.array([True, False]), SLOTS[:2], None)
+    assert outputs.decode_steps[SLOTS[:2]].tolist() == [1, 0]
+    assert outputs.accepted_drafts[SLOTS[:2]].tolist() == [S, 0]
 
 
 def test_a_record_reads_its_row_while_attached_and_keeps_it_after():
     """RequestRecord: one owner at a time for the output and counters. Attached, it reads the
-    request's current row (also after the row moved); detached, what the row held; re-admitted
-    (a preemption), the new row starts from it."""
+    request's slot; detached, what the slot held; re-admitted (a preemption), the new slot
+    starts from it."""
     from mtp_ctrl.controllers.requests import RequestRecord
     from mtp_ctrl.state.request_table import RowGroup
 
@@ -139,14 +132,14 @@ def test_a_record_reads_its_row_while_attached_and_keeps_it_after():
         row = table.insert(request_id, RowGroup.DECODE)
         outputs.start(row, params, 2, record.output_tokens, record.decode_steps, record.accepted_drafts)
         record.attach(outputs, table)
-    outputs.apply(np.array([[[1, 5, 4], [0, 6, 9]]]), np.ones(2, dtype=bool), None)
+    outputs.apply(np.array([[[1, 5, 4], [0, 6, 9]]]), np.ones(2, dtype=bool), np.array([0, 1]), None)
     assert (records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts) == ([4, 5], 1, 1)
     assert records[8].output_tokens == [6]
     records[7].detach()
-    table.remove([7])  # request 8 moves into row 0
-    assert table.row_of(8) == 0 and records[8].output_tokens == [6]
+    table.remove([7])  # request 8 keeps its slot
+    assert table.slot_of(8) == 1 and records[8].output_tokens == [6]
     assert (records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts) == ([4, 5], 1, 1)
-    outputs.apply(np.array([[[0, 3, 0]]]), np.ones(1, dtype=bool), None)  # only request 8 runs now
+    outputs.apply(np.array([[[0, 3, 0]]]), np.ones(1, dtype=bool), np.array([1]), None)  # only request 8 runs now
     assert records[7].output_tokens == [4, 5] and records[8].output_tokens == [6, 3]
     row = table.insert(7, RowGroup.DECODE)  # back after a preemption
     outputs.start(row, params, 2, records[7].output_tokens, records[7].decode_steps, records[7].accepted_drafts)

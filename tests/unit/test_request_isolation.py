@@ -4,6 +4,7 @@ it is; a generate() that raises leaves none of its requests behind; results take
 pop_result are not listed any more."""
 
 import pytest
+import torch
 
 from mtp_ctrl.controllers import SamplingParams
 from mtp_ctrl.controllers.stop_rules import FinishReason
@@ -88,16 +89,19 @@ def test_popped_results_are_not_listed(model, torch_twins):
 
 
 def test_free_rows_point_at_the_scratch_block(model, torch_twins):
-    """Rows that hold no request (never used, or released when a request finished) point only at
-    the scratch KV block past the pool, with no KV: a captured graph replayed over them (padding,
-    or a stale replay) reads and writes inside the caches, never at -1 or another request's block."""
+    """Slots that hold no request (never used, or released when a request finished) and the
+    scratch slot padding requests use point only at the scratch KV block past the pool, with no KV:
+    a captured graph replayed over them (padding, or a stale replay) reads and writes inside the
+    caches, never at -1 or another request's block."""
     controller = make_controller(model, 2)
     context = controller.context
     table, scratch = context.table, context.scratch_block
     assert scratch == context.allocator.num_blocks and context.kv_caches[0][0].shape[0] == scratch + 1
 
     def assert_free_rows_point_at_scratch():
-        free, rows = slice(table.num_live, table.shape.max_requests), table.device
+        free = torch.ones(table.shape.max_requests + 1, dtype=torch.bool)  # [R + 1]: the scratch slot last
+        free[torch.from_numpy(table.live_slots())] = False
+        rows = table.device
         assert (rows.kv_block_ids[free] == scratch).all()
         assert (rows.last_kv_block_id[free] == scratch).all()
         assert (rows.kv_length_offsets[free] == 0).all() and (rows.kv_block_counts[free] == 0).all()

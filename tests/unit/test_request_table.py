@@ -1,4 +1,5 @@
-"""RequestTable: row groups, moves mirrored on host (numpy) and device rows, the one staging copy."""
+"""RequestTable: stable slots (taken at insert, kept until remove), ordered groups, host (numpy)
+and device rows by slot, batched device writes, the one staging copy."""
 
 import random
 
@@ -22,8 +23,8 @@ def make_table(max_requests=6, max_blocks=3, num_speculative_tokens=2):
 
 
 def fill_row(table, request_id):
-    """Give a request's row distinct values on host and device (as admission and a step would)."""
-    row = table.row_of(request_id)
+    """Give a request's slot distinct values on host and device (as admission and a step would)."""
+    row = table.slot_of(request_id)
     table.host.known_lengths[row] = 100 + request_id
     table.host.block_ids[row, 0] = request_id
     table.host_rows_extra[row] = 4000 + request_id
@@ -54,58 +55,54 @@ def test_staging_buffers_one_copy_of_mixed_dtypes():
     assert torch.equal(buffers.host["a"], torch.tensor([1, 2, 3]))  # back to the first buffer
 
 
-def test_groups_are_contiguous_and_ordered():
+def test_groups_are_ordered_lists_of_stable_slots():
     table = make_table()
     for request_id, group in ((10, RowGroup.PREFILL), (11, RowGroup.PREFILL), (12, RowGroup.DECODE)):
         table.insert(request_id, group)
-    assert table.group_rows(RowGroup.DECODE) == (0, 1)
-    assert table.group_rows(RowGroup.PREFILL) == (1, 3)
+    assert [table.slot_of(request_id) for request_id in (10, 11, 12)] == [0, 1, 2]  # the lowest free slot
+    assert table.slots_in(RowGroup.DECODE).tolist() == [2] and table.slots_in(RowGroup.PREFILL).tolist() == [0, 1]
     assert table.request_ids_in(RowGroup.DECODE) == [12]
-    assert sorted(table.request_ids_in(RowGroup.PREFILL)) == [10, 11]
-    assert table.host.prefill_status[: 3].tolist() == [0, 1, 1]
+    assert table.request_ids_in(RowGroup.PREFILL) == [10, 11]
+    assert table.host.prefill_status[:3].tolist() == [1, 1, 0]
     table.move(11, RowGroup.PAUSED)
-    assert table.group_of(11) == RowGroup.PAUSED and table.row_of(11) == 2
+    assert table.group_of(11) == RowGroup.PAUSED and table.slot_of(11) == 1  # the slot stays
     table.move(11, RowGroup.DECODE)  # joins the end of the decode group
     assert table.request_ids_in(RowGroup.DECODE) == [12, 11]
     assert table.request_ids_in(RowGroup.PREFILL) == [10]
-    table.remove([12])
-    assert table.num_live == 2 and 12 not in table
-    assert table.host.request_ids[2].item() == -1  # the freed row is reset
+    table.remove([10])
+    assert table.num_live == 2 and 10 not in table
+    assert table.host.request_ids[0].item() == -1  # the freed slot is reset
+    assert [table.slot_of(request_id) for request_id in (11, 12)] == [1, 2]  # nothing else moved
+    assert table.live_slots().tolist() == [2, 1]  # decode order
+    table.insert(13, RowGroup.PREFILL)
+    assert table.slot_of(13) == 0  # the freed slot is reused
 
 
-def test_worked_example_of_move():
-    """DECODE [a, b] | PREFILL [c, d]; move(a, PREFILL) -> DECODE [b] | PREFILL [a, c, d]."""
+def test_remove_frees_slots_and_resets_them_on_the_device():
+    """DECODE [a, b, c] | PREFILL [d, e]; remove(a, d) -> DECODE [b, c] | PREFILL [e], every other
+    slot unchanged; the freed slots point at the scratch block and Mamba slot."""
     table = make_table()
-    for request_id in (1, 2):
-        table.insert(request_id, RowGroup.DECODE)
-    for request_id in (3, 4):
-        table.insert(request_id, RowGroup.PREFILL)
-    table.move(1, RowGroup.PREFILL)
-    assert table.host.request_ids[:4].tolist() == [2, 1, 3, 4]
-    assert table.group_rows(RowGroup.DECODE) == (0, 1)
-
-
-def test_worked_example_of_remove():
-    """DECODE [a, b, c] | PREFILL [d, e]; remove(a) -> DECODE [c, b] | PREFILL [e, d]: one row copy
-    per group boundary, the removed row is not kept."""
-    table = make_table()
+    table.set_free_row_targets(scratch_block=50, scratch_slot=7)
     for request_id in (1, 2, 3):
-        table.insert(request_id, RowGroup.DECODE)
+        table.insert(request_id, RowGroup.DECODE, mamba_slot_id=request_id)
     for request_id in (4, 5):
-        table.insert(request_id, RowGroup.PREFILL)
-    moves = table.num_moves
-    table.remove([1])
-    assert table.host.request_ids[:5].tolist() == [3, 2, 5, 4, -1]
-    assert table.group_rows(RowGroup.DECODE) == (0, 2) and table.group_rows(RowGroup.PREFILL) == (2, 4)
-    assert table.num_moves == moves + 3  # two row copies and the removal
+        table.insert(request_id, RowGroup.PREFILL, mamba_slot_id=request_id)
+    table.write_inserted_rows()
+    table.remove([1, 4])
+    assert table.host.request_ids[:5].tolist() == [-1, 2, 3, -1, 5]
+    assert table.request_ids_in(RowGroup.DECODE) == [2, 3] and table.request_ids_in(RowGroup.PREFILL) == [5]
+    device = table.device
+    assert device.kv_block_ids[[0, 3]].unique().tolist() == [50] and device.mamba_slot_ids[[0, 3]].tolist() == [7, 7]
+    assert device.mamba_slot_ids[[1, 2, 4]].tolist() == [2, 3, 5]
+    assert device.kv_block_ids[table.scratch_row].unique().tolist() == [50]  # padding's slot too
 
 
-def test_moves_carry_every_row_on_both_sides():
+def test_slots_keep_every_row_on_both_sides_through_moves_and_removals():
     rng = random.Random(0)
     table = make_table()
-    table.host_rows_extra = table.add_host_rows("extra", ())  # caller rows move with their requests
+    table.host_rows_extra = table.add_host_rows("extra", ())  # caller rows stay with their requests
     table.device_rows_extra = table.add_device_rows("extra", (), torch.int64)
-    groups = {}
+    groups, first_slot = {}, {}
     next_id = 0
     for _ in range(300):
         live = list(groups)
@@ -126,11 +123,13 @@ def test_moves_carry_every_row_on_both_sides():
             table.remove(leaving)
             for request_id in leaving:
                 del groups[request_id]
+        slots = {request_id: table.slot_of(request_id) for request_id in groups}
         for group in GROUPS:
             assert sorted(table.request_ids_in(group)) == sorted(r for r, g in groups.items() if g == group)
         assert table.mismatched_rows() == []
         for request_id in groups:
-            row = table.row_of(request_id)
+            row = first_slot.setdefault(request_id, slots[request_id])
+            assert row == slots[request_id]  # a request never changes slot
             assert table.host.request_ids[row] == request_id
             assert table.host.known_lengths[row] == 100 + request_id
             assert table.host_rows_extra[row] == 4000 + request_id
@@ -164,8 +163,8 @@ def test_mismatch_check_names_fields():
 def test_free_rows_and_full_table():
     table = make_table(max_requests=2)
     device = table.device
-    assert device.last_kv_block_id.tolist() == [-1, -1] and device.mamba_slot_ids.tolist() == [-1, -1]
-    assert device.last_kv_block_offset.tolist() == [3, 3]  # (0 - 1) mod 4: the next row opens a block
+    assert device.last_kv_block_id.tolist() == [-1, -1, -1] and device.mamba_slot_ids.tolist() == [-1, -1, -1]
+    assert device.last_kv_block_offset.tolist() == [3, 3, 3]  # (0 - 1) mod 4: the next row opens a block
     table.insert(1, RowGroup.PREFILL, mamba_slot_id=4)
     table.write_inserted_rows()
     assert table.host.mamba_slot_ids[0] == 4 and device.mamba_slot_ids[0] == 4
@@ -192,7 +191,7 @@ def _device_op_count(fn) -> int:
         fn()
     return sum(1 for event in prof.events() if event.name.startswith("aten::") and event.cpu_parent is None
                and event.name not in ("aten::slice", "aten::select", "aten::view", "aten::t", "aten::transpose",
-                                      "aten::as_strided", "aten::numpy_T", "aten::permute"))
+                                      "aten::as_strided", "aten::numpy_T", "aten::permute", "aten::expand"))
 
 
 def _table_with_sampling_rows(max_requests=8):
@@ -203,7 +202,7 @@ def _table_with_sampling_rows(max_requests=8):
 
 
 def _assert_fresh(table, request_id, group, mamba_slot_id=-1):
-    row = table.row_of(request_id)
+    row = table.slot_of(request_id)
     device = table.device
     assert device.kv_length_offsets[row] == 0 and device.kv_block_counts[row] == 0
     assert device.last_kv_block_offset[row] == 3 and device.last_kv_block_id[row] == -1
@@ -215,10 +214,10 @@ def _assert_fresh(table, request_id, group, mamba_slot_id=-1):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_inserted_rows_are_written_in_one_batch_wherever_they_moved(seed):
-    """Inserts only write the host; write_inserted_rows resets every pending request's device row
-    where it is now, after moves and removals in between (their stale rows were carried), and
-    costs the same number of device ops for one request as for many."""
+def test_inserted_rows_are_written_in_one_batch(seed):
+    """Inserts only write the host; write_inserted_rows resets every pending request's device rows
+    in its slot, after moves and removals in between (a freed slot's stale rows are overwritten),
+    and costs the same number of device ops for one request as for many."""
     rng = random.Random(seed)
     table = _table_with_sampling_rows()
     table.host_rows_extra = table.add_host_rows("extra", ())
@@ -251,7 +250,7 @@ def test_inserted_rows_are_written_in_one_batch_wherever_they_moved(seed):
     for request_id in pending:
         _assert_fresh(table, request_id, inserted_as[request_id], request_id + 20)
     for request_id in (90, 91):
-        row = table.row_of(request_id)
+        row = table.slot_of(request_id)
         assert table.device.kv_length_offsets[row] == 100 + request_id
         assert table.device_rows_extra[row] == 5000 + request_id
     if pending:
@@ -259,35 +258,25 @@ def test_inserted_rows_are_written_in_one_batch_wherever_they_moved(seed):
     assert _device_op_count(table.write_inserted_rows) == 0  # nothing pending
 
 
-def test_remove_moves_the_survivors_in_one_gather_per_buffer():
-    """Many requests leaving at once cost one staged copy and a gather and a scatter per row
-    buffer; the result equals removing them one at a time."""
-    batch, one_by_one = _table_with_sampling_rows(), _table_with_sampling_rows()
-    for table in (batch, one_by_one):
-        for request_id in range(8):
-            table.insert(request_id, GROUPS[request_id % 3], row_values={"temperature": request_id / 10,
-                                                                          "seed": 7000 + request_id})
-        table.write_inserted_rows()
-        for request_id in range(8):
-            row = table.row_of(request_id)
-            table.next_tokens[row] = 1000 + request_id
-            table.device.kv_length_offsets[row] = 100 + request_id
-    leaving = [0, 3, 4, 6]
-    ops = _device_op_count(lambda: batch.remove(leaving))
-    for request_id in leaving:
-        one_by_one.remove([request_id])
-    buffers = 2 + 4  # fields, block ids; next_tokens, draft_tokens, temperature, seed
-    assert ops == 1 + 2 * buffers + 2  # and two writes point the freed rows at the scratch block
-    assert batch.host.request_ids.tolist() == one_by_one.host.request_ids.tolist()
-    assert [batch.group_rows(group) for group in GROUPS] == [one_by_one.group_rows(group) for group in GROUPS]
-    for request_id in (1, 2, 5, 7):
-        row = batch.row_of(request_id)
-        assert batch.next_tokens[row] == 1000 + request_id and batch.device.kv_length_offsets[row] == 100 + request_id
-        assert batch.device_rows_with_scratch("seed")[row] == 7000 + request_id
-    single = _table_with_sampling_rows()
-    for request_id in (1, 2):
-        single.insert(request_id, RowGroup.DECODE, row_values={"temperature": 0.0, "seed": 0})
-    assert _device_op_count(lambda: single.remove([1])) == buffers + 2  # one row copy per buffer, the reset
+def test_remove_costs_one_batch_of_device_writes_and_moves_nothing():
+    """Many requests leaving at once cost one staged copy and two indexed writes (the freed slots'
+    reset), as one does; the survivors' rows are untouched."""
+    table = _table_with_sampling_rows()
+    for request_id in range(8):
+        table.insert(request_id, GROUPS[request_id % 3], row_values={"temperature": request_id / 10,
+                                                                      "seed": 7000 + request_id})
+    table.write_inserted_rows()
+    for request_id in range(8):
+        row = table.slot_of(request_id)
+        table.next_tokens[row] = 1000 + request_id
+        table.device.kv_length_offsets[row] = 100 + request_id
+    assert _device_op_count(lambda: table.remove([0, 3, 4, 6])) == 1 + 2
+    assert _device_op_count(lambda: table.remove([1])) == 1 + 2
+    for request_id in (2, 5, 7):
+        row = table.slot_of(request_id)
+        assert row == request_id
+        assert table.next_tokens[row] == 1000 + request_id and table.device.kv_length_offsets[row] == 100 + request_id
+        assert table.device_rows_with_scratch("seed")[row] == 7000 + request_id
 
 
 def test_remove_checks_every_id_before_changing_anything():
@@ -316,4 +305,4 @@ def test_insert_values_are_checked():
     table.add_device_rows("top_k", (), torch.int64, set_on_insert=True)  # the staging layout grows
     table.insert(2, RowGroup.PREFILL, row_values={"temperature": 0.5, "seed": 4, "top_k": 8})
     table.write_inserted_rows()
-    assert table.device_rows_with_scratch("top_k")[table.row_of(2)] == 8
+    assert table.device_rows_with_scratch("top_k")[table.slot_of(2)] == 8

@@ -138,7 +138,7 @@ def test_random_runs_never_over_allocate_and_leak_nothing(block_size, S, seed, o
     """Random admissions, accepted counts and finishes through the context with a tight pool (so
     decodes pause and resume, and chunks wait for blocks); one step in flight whenever the
     context allows. Checked at every step: no block held twice, the allocator's count equals
-    what rows hold, every decode holds its worst-case reserve, paused requests resume oldest
+    what the slots hold, every decode holds its worst-case reserve, paused requests resume oldest
     first; after everything finishes, every block is free."""
     rng = np.random.default_rng(seed)
     stride = S + 1
@@ -149,22 +149,22 @@ def test_random_runs_never_over_allocate_and_leak_nothing(block_size, S, seed, o
     next_id, pending = 0, None
 
     def check_books():
-        live = ctx.table.num_live
-        held = host.block_ids[:live][host.block_ids[:live] >= 0].tolist()
+        live = ctx.table.live_slots()
+        held = host.block_ids[live][host.block_ids[live] >= 0].tolist()
         assert len(held) == len(set(held)) == allocator.num_allocated_blocks <= allocator.num_blocks
-        assert (host.block_counts[:live] <= scheduler.shape.max_blocks_per_request).all()
+        assert (host.block_counts[live] <= scheduler.shape.max_blocks_per_request).all()
 
     for _ in range(40):
         if pending is not None and (not overlap or ctx.needs_sync() or rng.random() < 0.3):
             ctx.commit_readback(*pending)
             pending = None
         if pending is None:
-            for row in range(ctx.table.num_live - 1, -1, -1):  # finish long or random requests
+            for row in ctx.table.live_slots()[::-1].tolist():  # finish long or random requests
                 request_id = int(host.request_ids[row])
                 if host.known_lengths[row] >= 12 or rng.random() < 0.05:
                     ctx.finish_request(request_id)
-        # admitting with a step pending is fine even with paused rows: only paused and free rows move,
-        # and the pending step's commit touches its decode rows, which stay put
+        # admitting with a step pending is fine even with paused requests: nothing moves, and the
+        # pending step's commit touches its decode requests' slots
         if ctx.num_free_rows and rng.random() < 0.6:
             ctx.add_request(next_id, rng.integers(0, 50, int(rng.integers(1, 10))).tolist())
             next_id += 1
@@ -183,7 +183,7 @@ def test_random_runs_never_over_allocate_and_leak_nothing(block_size, S, seed, o
         still_paused = [request_id for request_id in paused_before if request_id in scheduler.paused_for_kv]
         assert still_paused == paused_before[len(paused_before) - len(still_paused):]  # oldest resumed first
         check_books()
-        decode = slice(0, step.num_decode)
+        decode = step.host_slot_ids[: step.num_decode]
         in_flight = ctx.steps_in_flight - 1  # those before this one
         assert (host.block_counts[decode] >= scheduler.worst_case_blocks(host.known_lengths[decode], in_flight)).all()
         accepted = rng.integers(0, stride, step.num_decode)
@@ -192,7 +192,7 @@ def test_random_runs_never_over_allocate_and_leak_nothing(block_size, S, seed, o
         pending = (step, accepted)
     if pending is not None:
         ctx.commit_readback(*pending)
-    for request_id in host.request_ids[: ctx.table.num_live].tolist():
+    for request_id in host.request_ids[ctx.table.live_slots()].tolist():
         ctx.finish_request(request_id)
     assert allocator.num_free_blocks == allocator.num_blocks  # no block leaked
     assert not scheduler.admission_order and not scheduler.paused_for_kv

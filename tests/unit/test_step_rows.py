@@ -11,7 +11,8 @@ def logits_rows_case(generator, num_requests, num_decode, S):
     K, T = num_requests * (S + 1), num_requests * (S + 1) + 5
     return dict(logits_indices=torch.randint(0, T, (K,), generator=generator),
                 positions=torch.randint(0, 500, (T,), generator=generator), num_decode=torch.tensor([num_decode]),
-                num_speculative_tokens=S, num_requests=num_requests, out_row_requests=torch.full((K,), -7),
+                num_speculative_tokens=S, num_requests=num_requests,
+                slot_ids=torch.randperm(num_requests + 3, generator=generator)[:num_requests], out_row_slots=torch.full((K,), -7),
                 out_token_positions=torch.full((K,), -7))
 
 
@@ -22,7 +23,8 @@ def draft_rows_case(generator, num_requests, counts, S):
     return dict(query_start_loc=starts, seq_lens=lengths + torch.randint(0, 300, (num_requests,), generator=generator,
                                                                           dtype=torch.int32),
                 accepted_counts=torch.randint(0, S + 1, (num_requests + 2,), generator=generator),
-                counts=torch.tensor(counts), num_speculative_tokens=S, padding_row=99,
+                counts=torch.tensor(counts), slot_ids=torch.randperm(num_requests + 3, generator=generator)[:num_requests],
+                num_speculative_tokens=S, padding_row=999,
                 out_write_rows=torch.full((num_requests,), -7), out_samples=torch.zeros(num_requests, dtype=torch.bool),
                 out_first_positions=torch.full((num_requests,), -7), out_bonus_positions=torch.full((num_requests,), -7))
 
@@ -54,8 +56,9 @@ def test_draft_batch_rows_matches_reference(S, num_requests, counts):
 @pytest.mark.parametrize("op", [logits_row_requests, reference.logits_row_requests])
 def test_logits_rows_worked_example(op):
     case = logits_rows_case(torch.Generator().manual_seed(0), 3, 2, 1)
+    case["slot_ids"] = torch.tensor([4, 0, 2])
     op(**case)
-    assert case["out_row_requests"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert case["out_row_slots"].tolist() == [4, 4, 0, 0, 2, 2]
     assert torch.equal(case["out_token_positions"], case["positions"][case["logits_indices"]] + 1)
 
 
@@ -64,9 +67,10 @@ def test_draft_rows_example(op):
     """S = 2: a decode request that accepted 1 draft, a final chunk of 4 rows, a padding request."""
     case = draft_rows_case(torch.Generator().manual_seed(0), 3, (2, 1, 2), 2)
     case.update(query_start_loc=torch.tensor([0, 3, 7, 7], dtype=torch.int32),
-                seq_lens=torch.tensor([13, 4, 0], dtype=torch.int32), accepted_counts=torch.tensor([1, 0, 0]))
+                seq_lens=torch.tensor([13, 4, 0], dtype=torch.int32), accepted_counts=torch.tensor([1, 0, 0]),
+                slot_ids=torch.tensor([5, 2, 9]))
     op(**case)
-    assert case["out_write_rows"].tolist() == [0, 1, 99] and case["out_samples"].tolist() == [True, True, False]
+    assert case["out_write_rows"].tolist() == [5, 2, 999] and case["out_samples"].tolist() == [True, True, False]
     assert case["out_first_positions"].tolist() == [10, 0, 0] and case["out_bonus_positions"].tolist() == [12, 4, 0]
 
 

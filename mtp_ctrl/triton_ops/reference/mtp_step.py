@@ -164,11 +164,24 @@ def verify_and_commit(
     out: Optional[StepCommit] = None,
     keep_released_blocks: bool = False,
     decode_count=None,
+    request_slots=None,
 ):
     """The three reference ops in a row, on the real requests only (padding slots keep their state).
     ``keep_released_blocks``: the block ids stay in ``kv_block_ids`` and nothing is reported released.
-    ``decode_count`` (a 1-element tensor): the decode-request count, ``num_decode_requests`` its bound."""
+    ``decode_count`` (a 1-element tensor): the decode-request count, ``num_decode_requests`` its bound.
+    ``request_slots``: request r's KV state is row ``request_slots[r]`` of the state tensors."""
     num_requests = num_decode_requests + num_prefill_requests
+    if request_slots is not None:  # run on the requests' gathered state, then write it back
+        slots = request_slots[:num_requests]
+        state = (last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids)
+        gathered = [tensor[slots].clone() for tensor in state]  # [N] / [N, MB] each
+        result = verify_and_commit(input_tokens, output_tokens, required_logit_indices, sampled_tokens_buf,
+                                   last_accepted_seq_buf, accepted_tokens_per_request, accepted_token_counts,
+                                   *gathered, num_decode_requests, num_prefill_requests, num_speculative_tokens,
+                                   block_size_tokens, num_active_requests, out, keep_released_blocks, decode_count)
+        for tensor, rows in zip(state, gathered):  # padding requests left their (shared) slot's rows as they were
+            tensor[slots] = rows
+        return result
     if decode_count is not None:  # the twin may read it on the host
         num_decode_requests = int(decode_count.reshape(-1)[0])
         num_prefill_requests = num_requests - num_decode_requests

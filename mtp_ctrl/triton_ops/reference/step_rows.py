@@ -3,18 +3,18 @@
 import torch
 
 
-def logits_row_requests(logits_indices, positions, num_decode, num_speculative_tokens, num_requests,
-                        out_row_requests, out_token_positions):
+def logits_row_requests(logits_indices, positions, num_decode, num_speculative_tokens, num_requests, slot_ids,
+                        out_row_slots, out_token_positions):
     """Twin of :func:`mtp_ctrl.triton_ops.logits_row_requests`."""
     stride = num_speculative_tokens + 1
     row_index = torch.arange(logits_indices.shape[0], device=logits_indices.device)  # [K] int64
     decode_rows = num_decode * stride
     requests = torch.where(row_index < decode_rows, row_index // stride, row_index - decode_rows + num_decode)
-    out_row_requests.copy_(requests.clamp(max=num_requests - 1))
+    out_row_slots.copy_(slot_ids[requests.clamp(max=num_requests - 1)])
     out_token_positions.copy_(positions[logits_indices] + 1)
 
 
-def draft_batch_rows(query_start_loc, seq_lens, accepted_counts, counts, num_speculative_tokens, padding_row,
+def draft_batch_rows(query_start_loc, seq_lens, accepted_counts, counts, slot_ids, num_speculative_tokens, padding_row,
                      out_write_rows, out_samples, out_first_positions, out_bonus_positions):
     """Twin of :func:`mtp_ctrl.triton_ops.draft_batch_rows`."""
     num_requests = seq_lens.shape[0]
@@ -23,7 +23,7 @@ def draft_batch_rows(query_start_loc, seq_lens, accepted_counts, counts, num_spe
     starts = query_start_loc.long()
     lengths = seq_lens.long()
     rewinds = torch.where(request_index < num_decode, num_speculative_tokens - accepted_counts[:num_requests], 0)
-    out_write_rows.copy_(torch.where(request_index < num_active, request_index, padding_row))
+    out_write_rows.copy_(torch.where(request_index < num_active, slot_ids, padding_row))
     out_samples.copy_(request_index < num_sampling)
     out_first_positions.copy_(lengths - (starts[1:] - starts[:-1]))
     out_bonus_positions.copy_(lengths - rewinds)
