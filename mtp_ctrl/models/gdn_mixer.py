@@ -232,7 +232,8 @@ class PagedGatedDeltaNet(MegatronModule):
         # the window after row j: columns j + 1 .. j + W - 1
         mamba.intermediate_conv_states[layer, slots] = full[:, :, 1:].unfold(2, self.conv_width - 1, 1) \
             .permute(0, 2, 1, 3).to(mamba.intermediate_conv_states.dtype)  # [nd, R, C, W - 1]
-        q, k, v = self._heads(conv_out.transpose(1, 2).reshape(count, self.conv_channels))
+        # contiguous first: with one request, reshape would keep the transpose's strides (q's last dim stride R)
+        q, k, v = self._heads(conv_out.transpose(1, 2).contiguous().view(count, self.conv_channels))
         return ops.gdn_decode_rows(mamba.ssm_states, mamba.intermediate_ssm_states, layer, slots, q, k, v,
                                    _first_rows(g, count), _first_rows(beta, count))
 

@@ -222,3 +222,29 @@ def test_checkpoint_layout_is_megatrons(layers):
 
     assert layout(ours) == layout(theirs)
     assert any("in_proj.weight.alpha" in str(parts) for parts in layout(ours).values())
+
+
+def test_kernels_equal_twins_for_one_decode_request(layers):
+    """One request's 1 + S verify rows alone (the shape of a batch-1 decode step): the rows' q/k/v
+    reach the kernel contiguous (a reshape of one request's rows would keep the conv's transposed
+    strides), and kernels == twins."""
+    ours = PagedGatedDeltaNet(gdn_config(), layer_number=1).eval()
+    ours.load_state_dict(layers[0].state_dict())
+    ours.mamba_layer_index = 0
+    results = []
+    for kernels in (True, False):
+        ours.mamba_kernels = kernels
+        slots = make_slots(ours, 2)
+        for name in ("conv_states", "ssm_states"):
+            slots[name].copy_(torch.randn(slots[name].shape, generator=torch.Generator().manual_seed(5)) * 0.3)
+        hidden = torch.randn(1 + S, HIDDEN, generator=torch.Generator().manual_seed(9))
+        mamba = MambaForward(**slots, decode_slot_ids=torch.tensor([0]), prefill_row_start=torch.tensor([1 + S]),
+                             prefill_row_count=torch.tensor([0]), prefill_slot_ids=torch.tensor([1]))
+        metadata = make_metadata([list(range(4))], [(0, hidden.shape[0])])
+        with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
+            out = ours(hidden[:, None])[0][:, 0]
+        results.append((out, slots))
+    (out_k, slots_k), (out_t, slots_t) = results
+    torch.testing.assert_close(out_k, out_t, rtol=1e-4, atol=1e-4)
+    for name in ("intermediate_conv_states", "intermediate_ssm_states"):
+        torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
