@@ -11,6 +11,8 @@ from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.multi_layer_eagle_proposer import MultiLayerEagleProposer
 from mtp_ctrl.controllers.parallel_drafting_proposer import ParallelDraftingProposer
 from mtp_ctrl.controllers.draft_context import DraftContext
+from mtp_ctrl.controllers.draft_policy import (DraftLengthPolicy, DraftLengthQuery, FixedDraftLength, GoodputPolicy,
+                                               RandomDraftLengths, StepCostModel)
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.controllers.requests import GenerationResult, Request, RequestStatus
 from mtp_ctrl.controllers.stop_rules import FinishReason
@@ -18,17 +20,23 @@ from mtp_ctrl.controllers.stop_rules import FinishReason
 __all__ = [
     "DraftBatch",
     "DraftContext",
+    "DraftLengthPolicy",
+    "DraftLengthQuery",
     "EagleProposer",
     "FinishReason",
+    "FixedDraftLength",
     "GenerationResult",
+    "GoodputPolicy",
     "HiddenStateCapture",
     "InferenceConfig",
     "MTPProposer",
     "MultiLayerEagleProposer",
     "ParallelDraftingProposer",
     "Proposer",
+    "RandomDraftLengths",
     "Request",
     "RequestStatus",
     "SamplingParams",
+    "StepCostModel",
     "TextGenerationController",
 ]

@@ -211,6 +211,9 @@ class SamplingParams:
     stop_sequences: generation stops once the output ends with one of these token sequences
         (the sequence is emitted).
     max_new_tokens: at most this many generated tokens.
+    num_speculative_tokens: the most drafts this request verifies per step (0 = no speculation for
+        it; None = the engine's S). Output does not depend on it; the draft-length policy
+        (``controllers/draft_policy.py``) chooses at most this many each step.
     """
 
     max_new_tokens: int = 16
@@ -220,9 +223,12 @@ class SamplingParams:
     seed: Optional[int] = None
     eos_token_ids: Tuple[int, ...] = ()
     stop_sequences: Tuple[Tuple[int, ...], ...] = ()
+    num_speculative_tokens: Optional[int] = None
 
     def __post_init__(self):
         _require_int("max_new_tokens", self.max_new_tokens, 1, high=_INT64_MAX)
+        if self.num_speculative_tokens is not None:
+            _require_int("num_speculative_tokens", self.num_speculative_tokens, 0, high=_INT64_MAX)
         temperature = _require_number("temperature", self.temperature)
         if not 0.0 <= temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")

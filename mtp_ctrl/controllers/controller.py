@@ -48,6 +48,8 @@ from mtp_ctrl.controllers.acceptance import RejectionAcceptance, RequestSampling
 from mtp_ctrl.controllers.config import InferenceConfig, SamplingParams
 from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.draft_context import DraftContext
+from mtp_ctrl.controllers.draft_lengths import DraftLengths, step_order_lengths
+from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows
@@ -66,7 +68,8 @@ StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted by the l
 
 
 class TextGenerationController:
-    def __init__(self, model, config: InferenceConfig, proposer: Optional[Proposer] = None, seed: int = 0):
+    def __init__(self, model, config: InferenceConfig, proposer: Optional[Proposer] = None, seed: int = 0,
+                 draft_policy: Optional[DraftLengthPolicy] = None):
         if not isinstance(config, InferenceConfig):
             raise TypeError(f"config must be an InferenceConfig, got {type(config).__name__}")
         self.config = config
@@ -111,6 +114,8 @@ class TextGenerationController:
         self.metrics.watch_prefix_cache(lambda: (self.context.prefix_cache.queried_tokens,
                                                  self.context.prefix_cache.hit_tokens, pool.num_evictions,
                                                  pool.num_cached_blocks))
+        # how many drafts each request makes per step (controllers/draft_policy.py; default: S each)
+        self._draft_lengths = DraftLengths(draft_policy, S)
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._seed_generator = torch.Generator().manual_seed(seed)
@@ -156,21 +161,29 @@ class TextGenerationController:
             return 0
         if self.context.table.num_live or self._scheduler.num_waiting or self._in_flight is not None:
             raise RuntimeError("warmup: call it before adding requests")
-        self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
+        costs = self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
         torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: start-up
+        self._draft_lengths.set_step_costs(costs, self._lockstep.group)  # rank 0's, on every rank
         return len(self._graphs)
 
-    def _replay_every_shape(self) -> None:
-        """Replay the graph of every padded shape from a step that holds no request (capture it first if new)."""
+    def _replay_every_shape(self) -> Dict[Tuple[int, int], float]:
+        """Replay the graph of every padded shape (every draft depth the policy warms up) from a
+        step that holds no request (capture it first if new). Returns the decode-only single steps'
+        replay seconds by (batch size, draft depths), the draft-length policy's step costs."""
+        costs = {}
         for shape in self.context.graph_shapes():
             for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
-                step = self.context.build_padding_step(shape, num_steps)
-                for all_greedy in (True, False):
-                    self._all_greedy = all_greedy
-                    key = self._graph_key(step)
-                    if key not in self._graphs:
-                        self._graphs.run(key, lambda: self._launch_run(step))
-                    self._graphs.replay(key)
+                for num_drafts in self._draft_lengths.warmup_depths():
+                    step = self.context.build_padding_step(shape, num_steps, num_drafts)
+                    for all_greedy in (True, False):
+                        self._all_greedy = all_greedy
+                        key = self._graph_key(step)
+                        if key not in self._graphs:
+                            self._graphs.run(key, lambda: self._launch_run(step))
+                        seconds = self._graphs.timed_replay(key)
+                        if num_steps == 1 and not shape.has_prefill:
+                            costs[(shape.request_count, num_drafts)] = max(costs.get((shape.request_count, num_drafts), 0.0), seconds)
+        return costs
 
     def replay_graphs(self) -> int:
         """A check for tests and debugging, with no request queued or live: replay the last step's
@@ -242,6 +255,7 @@ class TextGenerationController:
         request_id = self._next_request_id
         self._next_request_id += 1
         self._records[request_id] = Request(request_id, prompt, params, seed)
+        self._draft_lengths.add(request_id, params)
         self._scheduler.enqueue(request_id)
         return request_id
 
@@ -322,6 +336,10 @@ class TextGenerationController:
         self.context.finish_requests(request_ids)
         for request_id in request_ids:
             self.proposer.forget(request_id)
+            self._draft_lengths.forget(request_id)
+            record = self._records.get(request_id)
+            if record is None or record.finish_reason is not None:  # gone for good (an evicted one returns)
+                self._draft_lengths.drop(request_id)
 
     def _retire_finished(self) -> None:
         """Free the slots of requests that finished (a step may be in flight, see :meth:`_apply`)."""
@@ -367,9 +385,10 @@ class TextGenerationController:
 
     # ----- debug hooks and view (for tests and tools; they change nothing) ---------------------
 
-    def on_launch(self, step: StepMetadata, graph_key: Optional[Tuple[BatchDimensions, bool, int]]) -> None:
+    def on_launch(self, step: StepMetadata, graph_key: Optional[Tuple[BatchDimensions, bool, int, int, bool]]) -> None:
         """Debug hook: ``step`` (every step of a decode run) was just launched, replayed from the
-        CUDA graph ``graph_key`` ``(padded dimensions, all greedy, steps)``, or eagerly (None).
+        CUDA graph ``graph_key`` ``(padded dimensions, all greedy, steps, draft depths, masked)``, or
+        eagerly (None).
         On the CPU the device work is done by now. Default: nothing."""
 
     def on_apply(self, step: StepMetadata, readbacks: np.ndarray, overlapped: bool) -> None:
@@ -455,7 +474,8 @@ class TextGenerationController:
             (*self._outputs.length_budgets(self.context.table.live_slots()), self.metrics.mean_accepted_length)
         while True:
             try:
-                return self.context.build_step(length_budgets=length_budgets)
+                return self.context.build_step(length_budgets=length_budgets,
+                                               draft_lengths=self._draft_lengths.choose)
             except KVCacheFullError:
                 if self._in_flight is not None:  # learn the step in flight's outcome, then decide
                     self._sync()
@@ -475,6 +495,7 @@ class TextGenerationController:
         else:
             self._launch_run(step)
         launched = self._readbacks.end(step)
+        self._draft_lengths.launched(step)
         if self.shape.num_speculative_tokens > 0:
             for _ in range(step.num_steps):
                 self.proposer.on_step_scheduled(step)
@@ -482,17 +503,19 @@ class TextGenerationController:
         self.on_launch(step, key)
         return launched
 
-    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int]]:
+    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int, int, bool]]:
         """The CUDA graph a step replays: its padded dimensions, whether every request is greedy
-        (the sampling path differs) and its decode steps; None for a step no graph covers (it
-        runs eagerly)."""
-        return (step.dimensions, self._all_greedy, step.num_steps) if step.graph_padded else None
+        (the sampling path differs), its decode steps, its draft depths (``step.num_drafts``) and
+        whether draft rows are masked by length (``DraftLengths.masked``); None for a step no graph
+        covers (it runs eagerly)."""
+        return (step.dimensions, self._all_greedy, step.num_steps, step.num_drafts, self._draft_lengths.masked) \
+            if step.graph_padded else None
 
     def _launch_run(self, step: StepMetadata) -> None:
         """Every step of the launch (one, or a decode run): each derives its inputs on the device
         from the one before and stages its read-back in its own slot."""
         for index in range(step.num_steps):
-            self._launcher.launch(step, self._readbacks.slot(index), self._all_greedy)
+            self._launcher.launch(step, self._readbacks.slot(index), self._all_greedy, self._draft_lengths.masked)
 
     def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
         """Apply the step in flight with nothing launched after it (the host waits for the GPU)."""
@@ -504,6 +527,7 @@ class TextGenerationController:
         a request that stopped in one of them emits nothing after it)."""
         step = launched.step
         readbacks, gpu_seconds = self._readbacks.wait(launched)  # [k, n_s, S + 2], the step's order
+        verified = self._draft_lengths.applied(step, readbacks[:, : step.num_decode, 0])  # [k, n_d] drafts verified
         self.on_apply(step, readbacks, overlapped)
         if gpu_seconds is not None:
             self.metrics.record_gpu(gpu_seconds, step.num_steps)
@@ -525,7 +549,8 @@ class TextGenerationController:
                 readbacks, decode, slots, lambda index: self._records[int(request_ids[index])].params, present)  # [k, n]
         if self.shape.num_speculative_tokens > 0:
             notify_committed(self.proposer, step, readbacks, emitted)
-        self.metrics.record_acceptance(readbacks[:, :, 0][decode[None, :] & (emitted > 0)])
+        counted = decode[None, :] & (emitted > 0)  # [k, n]
+        self.metrics.record_acceptance(readbacks[:, :, 0][counted], step_order_lengths(verified, num_launched)[counted])
         self.metrics.emitted_tokens += int(emitted.sum())
         for index, reason in finished:
             self._finish_record(int(request_ids[index]), reason)
@@ -558,6 +583,7 @@ class TextGenerationController:
         """A step raised: end every request in the batch with reason ABORTED (output so far kept)
         and release its state, so the controller stays usable. Waiting requests stay queued."""
         self._in_flight = None
+        self._draft_lengths.abandon()
         self.context.abandon_steps_in_flight()
         if self.shape.device.type == "cuda":
             torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: error path
@@ -600,3 +626,4 @@ class TextGenerationController:
                 record = self._records.get(request_id)
                 if record is not None and record.finish_reason is not None:
                     del self._records[request_id]
+

@@ -52,6 +52,19 @@ class StepGraphs:
         out of serving."""
         self._graphs[key].replay()
 
+    def timed_replay(self, key: Hashable, repeats: int = 3) -> float:
+        """:meth:`replay` once, then ``repeats`` times between CUDA events: the mean seconds of a
+        replay (start-up only: it waits for the device)."""
+        graph = self._graphs[key]
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()  # host-ok: warm-up profile
+        return start.elapsed_time(end) / 1e3 / repeats
+
     def replay_last(self) -> None:
         """Replay the graph :meth:`run` used last, over whatever the static inputs hold now (a safety
         check: ``TextGenerationController.replay_graphs``); nothing if none ran."""

@@ -36,6 +36,8 @@ without prefill chunks, runs inside its CUDA graph (padding requests write nothi
 target's noise at the draft's position).
 """
 
+import dataclasses
+
 import torch
 
 from mtp_ctrl.controllers.aux_draft_proposer import AuxDraftProposer
@@ -114,7 +116,8 @@ class EagleProposer(AuxDraftProposer):
         drafts = torch.empty(G, S, dtype=torch.int64, device=device)  # [G, S]
         drafts[:, 0] = self.draft_context.sample_rows(logits, sampling_rows, ends + 1)
         self._record_draft_probs(batch, logits, sampling_rows, 0)
-        if S == 1:
+        num_drafts = batch.depths(S)  # depths past D draft nothing this step (their rows are recomputed later)
+        if num_drafts <= 1:
             return drafts
 
         # draft steps 2..S: one row per request, the head's own hidden state, one position further
@@ -123,7 +126,7 @@ class EagleProposer(AuxDraftProposer):
         step_positions = ends - 1  # [G] int64, the previous row's position
         seq_lens = ends.clamp(min=0).to(torch.int32)  # [G] int32, grown in place each step
         one_row_each = torch.arange(G + 1, dtype=torch.int32, device=device)  # [G + 1]
-        for depth in range(1, S):
+        for depth in range(1, num_drafts):
             next_positions = torch.empty_like(step_positions)  # [G] int64
             slots = torch.empty_like(step_positions)  # [G] int64
             eagle_step_update_slot_mapping_and_metadata(step_positions, block_table, seq_lens, self.draft_context.shape.block_size_tokens,
@@ -138,6 +141,11 @@ class EagleProposer(AuxDraftProposer):
             self._record_draft_probs(batch, logits, sampling_rows, depth)
             step_positions = next_positions
         return drafts
+
+    def on_no_drafts(self, batch: DraftBatch) -> None:
+        """No request drafts: the first draft step still runs over this step's rows (the head's
+        cache of verified positions must stay whole); the later ones do not."""
+        self.propose(dataclasses.replace(batch, num_drafts=1))
 
     def _head_block_table(self, block_table: torch.Tensor, write_rows: torch.Tensor) -> torch.Tensor:
         """``[G, MB + tail]``: the requests' block table with every unused entry (-1) and the extra

@@ -33,6 +33,8 @@ class GenerationMetrics:
         self.drafted_per_depth = [0] * self.num_speculative_tokens  # drafts proposed at depth k + 1
         self.accepted_per_depth = [0] * self.num_speculative_tokens  # of those, accepted
         self.verify_steps = 0  # request-steps that verified drafts (decode rows)
+        self.draft_length_counts = np.zeros(self.num_speculative_tokens + 1, dtype=np.int64)  # [S + 1]: verify
+        # steps by how many drafts they verified (the draft-length policy's choices)
         self.emitted_tokens = 0
         self.steps = 0
         self.step_seconds = 0.0
@@ -52,16 +54,23 @@ class GenerationMetrics:
         source = self._prefix_source
         return (0, 0, 0, 0) if source is None else tuple(int(value) for value in source())
 
-    def record_acceptance(self, accepted_counts: Sequence[int]) -> None:
-        """One entry per decode request of a step: its accepted drafts (ints or an int array)."""
+    def record_acceptance(self, accepted_counts: Sequence[int], draft_lengths: Optional[Sequence[int]] = None) -> None:
+        """One entry per decode request of a step: its accepted drafts (ints or an int array), and
+        the drafts it verified (``draft_lengths``; None: S each). Depth k counts as drafted for the
+        requests that verified at least k drafts."""
         counts = np.asarray(accepted_counts, dtype=np.int64)
+        S = self.num_speculative_tokens
+        lengths = np.full(counts.shape, S, dtype=np.int64) if draft_lengths is None else \
+            np.asarray(draft_lengths, dtype=np.int64)
         self.verify_steps += int(counts.shape[0])
-        if self.num_speculative_tokens:
+        if S:
+            self.draft_length_counts += np.bincount(lengths.clip(0, S), minlength=S + 1)
             # a request that accepted a drafts accepted depths 1..a: count requests with a > depth
-            histogram = np.bincount(counts, minlength=self.num_speculative_tokens + 1)
+            histogram = np.bincount(counts, minlength=S + 1)
             reaching = histogram[::-1].cumsum()[::-1]  # [S + 1]: requests accepting at least k
-            for depth in range(self.num_speculative_tokens):
-                self.drafted_per_depth[depth] += int(counts.shape[0])
+            drafting = np.bincount(lengths.clip(0, S), minlength=S + 1)[::-1].cumsum()[::-1]  # [S + 1]: lengths >= k
+            for depth in range(S):
+                self.drafted_per_depth[depth] += int(drafting[depth + 1])
                 self.accepted_per_depth[depth] += int(reaching[depth + 1])
 
     def record_step(self, seconds: float, steps: int = 1) -> None:
@@ -104,7 +113,8 @@ class GenerationMetrics:
         Keys: ``tokens_per_second`` (:meth:`tokens_per_second`: idle time between calls not
         counted), ``emitted_tokens``, ``elapsed_seconds`` (wall time since the last reset, idle
         time included), ``num_speculative_tokens``, ``verify_steps``, ``mean_accepted_length``,
-        ``acceptance_per_depth``, ``drafted_per_depth``, ``accepted_per_depth``, and
+        ``acceptance_per_depth``, ``drafted_per_depth``, ``accepted_per_depth``,
+        ``draft_length_counts`` (verify steps by drafts verified, ``[S + 1]``), and
         ``step_time``: ``{"steps", "step_seconds", "mean_step_ms", "gpu_steps", "gpu_seconds",
         "mean_gpu_ms"}`` (the GPU fields are 0 off CUDA; ``mean_gpu_ms`` is None then), and
         ``prefix_cache``: ``{"hit_rate"`` (prefill tokens found cached / looked up), ``"hit_tokens"``,
@@ -125,6 +135,7 @@ class GenerationMetrics:
             "acceptance_per_depth": [float(rate) for rate in self.acceptance_per_depth],
             "drafted_per_depth": [int(count) for count in self.drafted_per_depth],
             "accepted_per_depth": [int(count) for count in self.accepted_per_depth],
+            "draft_length_counts": [int(count) for count in self.draft_length_counts],
             "step_time": {
                 "steps": int(self.steps),
                 "step_seconds": float(self.step_seconds),

@@ -41,6 +41,7 @@ filtered softmax, ``[R + 1, S, V]`` float32 rows that follow their request), whi
 step's rejection sampling reads (``controllers/acceptance.py``).
 """
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
@@ -103,10 +104,17 @@ class MTPProposer(Proposer):
         # [S, Tm] position of t_{i+k+1} for depth k; [S, G] where draft k goes
         token_index = (positions[None, :] + depth_offsets).clamp(0, self._history_len - 1)
         draft_positions = (ends[None, :] + depth_offsets).clamp(0, self._history_len - 1)
-        for depth in range(S):
+        # depths from D on draft nothing this step; in paged mode their windows still run (no output
+        # layer) so that every depth's cache stays final for the positions the window leaves behind
+        num_drafts = batch.depths(S)
+        for depth in range(S if self.mode == "paged" else num_drafts):
             tokens = self._token_history[history_rows, token_index[depth]]  # [Tm] int64
+            drafting = depth < num_drafts
             logits, hidden = runner.mtp_forward(depth, hidden, tokens, row_positions, metadata, kv_caches,
-                                                logits_rows=last_rows, rotary=rotary)  # [G, V] logits
+                                                logits_rows=last_rows if drafting else last_rows[:0],
+                                                rotary=rotary)  # [G, V] logits ([0, V] past D)
+            if not drafting:
+                continue
             drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, draft_positions[depth])
             if self._draft_probs is not None:  # q: the same filtered softmax the draft was drawn from
                 self._draft_probs.record(logits, sampling_rows, draft_write_rows, depth)
@@ -118,6 +126,11 @@ class MTPProposer(Proposer):
         if self._window_floor is not None:  # never below a cached prefix (stays in place: no allocation)
             torch.maximum(self._window_start, self._window_floor, out=self._window_start)
         return drafts
+
+    def on_no_drafts(self, batch: DraftBatch) -> None:
+        """No request drafts this step: single_position records the step's tokens and moves the
+        window on; paged also runs every depth over its window (no output layer), keeping the caches."""
+        self.propose(dataclasses.replace(batch, num_drafts=0))
 
     def _window_bounds(self, batch: DraftBatch) -> Tuple[int, int]:
         """(Tm, the longest window): bounds fixed by the step's shape, so a padded step can be

@@ -50,6 +50,12 @@ class DraftBatch:
     bonus_positions: torch.Tensor  # [G] int64, position e of the token each request sampled last
     # (its bonus token): a decode's base position + 1 + accepted drafts, a final chunk's prompt length
     aux_hidden: Optional[torch.Tensor] = None  # [T, k * H] the target's aux layers' outputs (EAGLE), else None
+    num_drafts: int = -1  # D in [1, S]: draft depths some request verifies (host; -1: S). Columns of
+    # the returned drafts from D on are never verified: a proposer may skip computing them
+
+    def depths(self, num_speculative_tokens: int) -> int:
+        """D, the depths to draft: ``num_drafts``, or S (``num_speculative_tokens``) when it is -1."""
+        return num_speculative_tokens if self.num_drafts < 0 else min(self.num_drafts, num_speculative_tokens)
 
     @property
     def decode_only(self) -> bool:
@@ -69,6 +75,13 @@ class Proposer(abc.ABC):
         """Return ``[batch.num_requests, S]`` int64 drafts (device tensor, no host sync, no
         value-dependent Python: a padded step runs this inside a CUDA graph). Rows of requests
         that did not sample (``batch.samples`` False) are ignored."""
+
+    def on_no_drafts(self, batch: DraftBatch) -> None:
+        """Called instead of :meth:`propose` in a step where no request drafts (the draft-length
+        policy chose 0 for all, ``batch.num_drafts == 0``): keep the proposer's own state current
+        for later steps, draft nothing. Default: run :meth:`propose` and drop its drafts (always
+        correct); a stateless proposer overrides it with nothing."""
+        self.propose(dataclasses.replace(batch, num_drafts=self.draft_context.shape.num_speculative_tokens))
 
     def draft_probs(self) -> Optional[torch.Tensor]:
         """For ``InferenceConfig(acceptance="rejection")``: ``[R + 1, S, V]`` float32 rows, per

@@ -40,6 +40,11 @@ class StepLauncher:
         self._draft_samples = torch.zeros(R, dtype=torch.bool, device=device)  # [R] bool
         self._draft_rows = context.table.device_rows_with_scratch("draft_tokens")  # [R + 1, S] int64, by slot
         self._next_token_rows = context.table.device_rows_with_scratch("next_tokens")  # [R + 1] int64, by slot
+        # drafts each request holds (made by its last sampling step, verified by its next): rows past it are masked
+        context.table.add_device_rows("draft_lengths", (), torch.int64, fill=S)
+        self._draft_length_rows = context.table.device_rows_with_scratch("draft_lengths")  # [R + 1] int64
+        row_index = torch.arange(R * (S + 1), device=device)  # [R * (1 + S)] int64
+        self._row_index, self._row_depth = row_index, row_index % (S + 1)  # a logits row's index, its depth k
         # verify_and_commit's outputs; with keep_released_blocks nothing is released (see state/context.py)
         release_width = max_released_blocks(S, shape.block_size_tokens)
         release_shape = (R,) if release_width == 1 else (R, release_width)
@@ -50,10 +55,12 @@ class StepLauncher:
             remove_mask=torch.empty(release_shape, dtype=torch.bool, device=device),
         )
 
-    def launch(self, step: StepMetadata, readback: torch.Tensor, all_greedy: bool) -> None:
+    def launch(self, step: StepMetadata, readback: torch.Tensor, all_greedy: bool, mask_drafts: bool = True) -> None:
         """One step's device work; stages ``[accepted count, bonus token, accepted drafts]`` of each
         request of the grid into ``readback`` (``[R, S + 2]`` int64 on the device). ``all_greedy``:
-        every request samples greedily (a host flag from the requests' parameters)."""
+        every request samples greedily (a host flag from the requests' parameters). ``mask_drafts``:
+        some request may hold fewer than S drafts (False skips the masking kernels: every request
+        drafted S)."""
         context, attention, shape = self.context, step.attention, self.context.shape
         S = shape.num_speculative_tokens
         context.prepare_inputs(step)
@@ -72,14 +79,17 @@ class StepLauncher:
         row_requests, positions = self._row_requests[:, : rows.shape[0]]
         logits_row_requests(rows, attention.positions, num_decode, S, grid, step.slot_ids, row_requests, positions)
         output_tokens = self._sample_rows(logits, row_requests, positions)
+        input_tokens = step.input_ids[rows]  # [K] int64
+        if S > 0 and mask_drafts:  # drafts past a request's draft length were not made for it: no row may accept them
+            input_tokens = self._mask_undrafted(input_tokens, row_requests, num_decode)
         if self._rejection is not None and not all_greedy:  # draft rows: accept min(1, p/q) or resample
-            output_tokens = self._rejection.resample(logits, output_tokens, step.input_ids[rows], row_requests,
+            output_tokens = self._rejection.resample(logits, output_tokens, input_tokens, row_requests,
                                                      positions, num_decode)
         self.accepted_tokens.fill_(-1)
         self.accepted_counts.zero_()
         table = context.table.device
         verify_and_commit(  # the KV state by slot; next tokens, accepted rows and counts by request
-            step.input_ids[rows], output_tokens, rows,
+            input_tokens, output_tokens, rows,
             self.next_tokens, self.last_accepted_rows, self.accepted_tokens, self.accepted_counts,
             table.last_kv_block_offset, table.kv_length_offsets, table.kv_block_counts, table.last_kv_block_id,
             table.kv_block_ids, grid, 0, S, shape.block_size_tokens, num_active_requests=step.device_num_sampling,
@@ -100,8 +110,20 @@ class StepLauncher:
         staged[:, 1] = self.next_tokens[:grid]
         staged[:, 2:] = self.accepted_tokens[:grid]
 
+    def _mask_undrafted(self, input_tokens: torch.Tensor, row_requests: torch.Tensor,
+                        num_decode: torch.Tensor) -> torch.Tensor:
+        """``input_tokens`` ``[K]`` with -1 at decode draft rows ``b + k``, ``k > s_r`` (the request's
+        draft length): -1 equals no sampled token, so exact match stops at ``s_r`` and rejection
+        acceptance treats the row as having no draft (row ``b + s_r`` keeps its sample from ``p``)."""
+        num_rows, stride = input_tokens.shape[0], self.context.shape.stride
+        depth = self._row_depth[:num_rows]  # [K] int64
+        lengths = self._draft_length_rows[row_requests]  # [K] int64, the row's request's s_r
+        undrafted = (self._row_index[:num_rows] < num_decode * stride) & (depth > lengths)  # [K] bool
+        return torch.where(undrafted, -1, input_tokens)
+
     def _draft(self, step: StepMetadata, hidden: torch.Tensor, grid: int) -> None:
-        """The proposer's next S drafts of every request of the grid, into the table's draft rows."""
+        """The proposer's drafts (``step.num_drafts`` depths; none when that is 0) of every request
+        of the grid, into the table's draft rows, and each request's draft length beside them."""
         context, attention, shape = self.context, step.attention, self.context.shape
         scratch_row = context.table.scratch_row
         write_rows, first_positions, bonus_positions = self._draft_positions[:, :grid]  # [G] int64 each
@@ -109,11 +131,19 @@ class StepLauncher:
         draft_batch_rows(attention.query_start_loc[: grid + 1], attention.seq_lens[:grid], self.accepted_counts,
                          step.counts, step.slot_ids, shape.num_speculative_tokens, scratch_row, write_rows, samples,
                          first_positions, bonus_positions)
-        drafts = self.proposer.propose(DraftBatch(
+        S = shape.num_speculative_tokens
+        num_drafts = S if step.num_drafts < 0 else step.num_drafts
+        if step.draft_lengths is not None:
+            self._draft_length_rows[torch.where(samples, write_rows, scratch_row)] = step.draft_lengths[:grid]
+        batch = DraftBatch(
             step=step, hidden=hidden, num_requests=grid, samples=samples,
             next_tokens=self.next_tokens[:grid], last_accepted_rows=self.last_accepted_rows[:grid],
             accepted_counts=self.accepted_counts[:grid], write_rows=write_rows, first_positions=first_positions,
-            bonus_positions=bonus_positions, aux_hidden=self.runner.aux_hidden))
+            bonus_positions=bonus_positions, aux_hidden=self.runner.aux_hidden, num_drafts=num_drafts)
+        if num_drafts == 0:  # nobody drafts: no draft phase (the proposer only keeps its own state)
+            self.proposer.on_no_drafts(batch)
+            return
+        drafts = self.proposer.propose(batch)
         check_drafts(self.proposer, drafts, (grid, shape.num_speculative_tokens), shape.device)
         # a draft outside the vocabulary would reach the next step's embedding: clamp on the device
         self._draft_rows[torch.where(samples, write_rows, scratch_row)] = drafts.clamp(0, shape.vocab_size - 1)

@@ -43,7 +43,7 @@ def step_layout(step: Optional[StepMetadata]) -> str:
         return "no step"
     query_rows = step.host_query_lengths.tolist()  # host-ok: host tensor
     return (f"requests {list(step.request_ids)} (decode {step.num_decode}, prefill {step.num_prefill}), "
-            f"query rows {query_rows}, {step.num_steps} step(s)")
+            f"query rows {query_rows}, {step.num_steps} step(s), drafts {list(step.host_draft_lengths)}")
 
 
 class TPLockstep:

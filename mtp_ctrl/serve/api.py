@@ -5,8 +5,8 @@ OpenAI-style body ``{"error": {"message", "type": "invalid_request_error", "para
 naming the field, and nothing else is affected. Sampling: ``max_tokens``, ``temperature``,
 ``top_p``, ``top_k`` and ``seed`` map to :class:`SamplingParams`; ``stop`` (strings) and
 ``stop_token_ids`` (an extension) end the text; ``n`` must be 1; ``logprobs`` is refused (the
-sampler does not return log-probabilities); ``num_speculative_tokens`` (an extension) must equal
-the server's S, which is fixed per server. Unknown fields are ignored, as OpenAI's server does;
+sampler does not return log-probabilities); ``num_speculative_tokens`` (an extension) caps the
+request's drafts per step at a value in ``[0, S]`` (0: no drafts; the text is the same either way). Unknown fields are ignored, as OpenAI's server does;
 fields of the API this server does not implement are refused when set to a non-default value.
 """
 
@@ -143,9 +143,10 @@ def create_app(engine: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         if body.logprobs not in (None, False, 0):
             raise BadRequest("logprobs", "logprobs are not available: the sampler does not return log-probabilities")
         speculative = controller.shape.num_speculative_tokens
-        if body.num_speculative_tokens is not None and body.num_speculative_tokens != speculative:
-            raise BadRequest("num_speculative_tokens", f"this server drafts num_speculative_tokens={speculative} per "
-                             f"step for every request; got {body.num_speculative_tokens}")
+        draft_cap = body.num_speculative_tokens
+        if draft_cap is not None and not (isinstance(draft_cap, int) and 0 <= draft_cap <= speculative):
+            raise BadRequest("num_speculative_tokens", f"num_speculative_tokens must be an integer in [0, {speculative}] "
+                             f"(this server drafts at most {speculative} per step); got {draft_cap!r}")
         if not prompt_ids:
             raise BadRequest("prompt" if isinstance(body, CompletionRequest) else "messages", "the prompt is empty")
         vocab_size = controller.shape.vocab_size
@@ -168,7 +169,8 @@ def create_app(engine: EngineLoop, tokenizer, model_name: str) -> FastAPI:
         try:
             params = SamplingParams(**{name: value for name, (_, value) in fields.items()},
                                     eos_token_ids=tuple(tokenizer.eos_token_ids) + tuple(body.stop_token_ids),
-                                    stop_sequences=tokenizer.stop_token_sequences(stop))
+                                    stop_sequences=tokenizer.stop_token_sequences(stop),
+                                    num_speculative_tokens=draft_cap)
             params.check_vocab(vocab_size)
         except (ValueError, TypeError) as error:
             named = [api for name, (api, _) in fields.items() if name in str(error)]

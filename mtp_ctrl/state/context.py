@@ -34,7 +34,8 @@ the decode list. A step's read-back is committed to the slots it ran on, skippin
 request has left since (:meth:`commit_readback`).
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from mtp_ctrl.state.scheduler import Scheduler
 from mtp_ctrl.state.step_metadata import StepBuffers, StepMetadata
 
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
+DraftLengthsFn = Callable[[np.ndarray, int, int], np.ndarray]  # (request ids, num_sampling, batch size) -> lengths
 
 
 class DynamicInferenceContext:
@@ -250,7 +252,8 @@ class DynamicInferenceContext:
         each of its steps)."""
         return sum(step.num_steps for step in self._steps_in_flight)
 
-    def build_step(self, *, length_budgets: Tuple[int, int, float] = (0, 0, 1.0)) -> Optional[StepMetadata]:
+    def build_step(self, *, length_budgets: Tuple[int, int, float] = (0, 0, 1.0),
+                   draft_lengths: Optional[DraftLengthsFn] = None) -> Optional[StepMetadata]:
         """Schedule the next forward pass, take its blocks and stage it; None if no request runs.
 
         With a step in flight (built, not committed) the step is built for the worst case of the
@@ -269,6 +272,10 @@ class DynamicInferenceContext:
         before max_model_len, the most any may emit before max_new_tokens or max_model_len (the
         caller's output rows know them), and the tokens a step is expected to add
         (``scheduler.decode_run_steps``); ``(0, 0, 1.0)`` (the default) builds single steps.
+        ``draft_lengths(request_ids, num_sampling, batch_size)``: the caller's draft-length policy,
+        asked once the step's requests are known: ``[num_sampling]`` int64 drafts for the step's
+        first ``num_sampling`` requests (row order; the rest sample nothing and draft 0). None:
+        S each.
         """
         steps_in_flight = self.steps_in_flight
         self.table.write_inserted_rows()  # the slots admitted since the last step, in one batch
@@ -312,8 +319,14 @@ class DynamicInferenceContext:
             max_seq_len = int(host.block_counts[slot_ids].max()) * self.shape.block_size_tokens
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
+        lengths = None
+        if draft_lengths is not None:
+            lengths = np.zeros(num_requests, dtype=np.int64)  # [n] int64
+            num_sampling = num_decode + final_chunk_count
+            batch_size = num_requests if padded is None else padded.request_count
+            lengths[:num_sampling] = draft_lengths(host.request_ids[slot_ids[:num_sampling]], num_sampling, batch_size)
         step = self._step_buffers.build(slot_ids, query_lengths, num_decode, chunks, final_chunk_count, padded,
-                                        block_writes, max_seq_len, next_prompt_token, num_steps)
+                                        block_writes, max_seq_len, next_prompt_token, num_steps, lengths)
         self._steps_in_flight.append(step)
         return step
 
@@ -384,17 +397,19 @@ class DynamicInferenceContext:
                    for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
         return shapes
 
-    def build_padding_step(self, shape: BatchDimensions, num_steps: int = 1) -> StepMetadata:
+    def build_padding_step(self, shape: BatchDimensions, num_steps: int = 1,
+                           num_drafts: Optional[int] = None) -> StepMetadata:
         """A step of ``shape`` (a decode run of ``num_steps``) that holds no request (every row is
         padding): running it changes no request, and capturing it records the graph every real
-        step of that shape replays."""
+        step of that shape replays (with ``num_drafts`` draft depths; default S)."""
         if shape not in self.graph_shapes():
             raise ValueError(f"{shape} is not a CUDA-graph shape of this context")
         if num_steps not in self.scheduler.run_lengths or (num_steps > 1 and shape.has_prefill):
             raise ValueError(f"num_steps {num_steps}: decode runs have {self.scheduler.run_lengths} steps, and only "
                              "decode-only shapes run several")
-        return self._step_buffers.build(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
+        step = self._step_buffers.build(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
                                         self.shape.max_blocks_per_request * self.shape.block_size_tokens, num_steps=num_steps)
+        return step if num_drafts is None else dataclasses.replace(step, num_drafts=num_drafts)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:
         """A request whose final chunk ran joins the end of the decode list (its slot stays; the

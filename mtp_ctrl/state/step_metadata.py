@@ -81,6 +81,10 @@ class StepMetadata:
     # decode requests, whose position only the device knows
     num_steps: int = 1  # a decode run: the launch runs this many decode steps of this layout back to
     # back, each deriving its inputs from the one before on the device (1 for any step with prefill)
+    draft_lengths: Optional[torch.Tensor] = None  # [G] int64 on the device: drafts each sampling request
+    # makes this step (verified by its next step); 0 for the others. None: S for every request
+    num_drafts: int = -1  # D = max of draft_lengths (host): draft depths the step runs; -1: S
+    host_draft_lengths: Tuple[int, ...] = ()  # the real requests' draft_lengths (host), in row order
 
     @property
     def host_query_lengths(self) -> torch.Tensor:
@@ -134,6 +138,7 @@ class StepBuffers:
             "next_prompt_token": ((1,), torch.int64),
             "request_ids": ((R,), torch.int64),
             "slot_ids": ((R,), torch.int64),  # each request's table slot, the scratch slot for padding
+            "draft_lengths": ((R,), torch.int64),  # drafts per sampling request (draft-length policy)
             "block_writes": ((3, max_block_writes), torch.int64),  # rows: table slot, column, block id
         }, device)
         # A steady decode step (the same graph shape, requests and slots as the step before) stages
@@ -154,7 +159,8 @@ class StepBuffers:
 
     def build(self, slot_ids: np.ndarray, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
               num_final_prefill_chunks: int, padded: Optional[BatchDimensions], block_writes: np.ndarray,
-              max_seq_len: int, next_prompt_token: int = 0, num_steps: int = 1) -> StepMetadata:
+              max_seq_len: int, next_prompt_token: int = 0, num_steps: int = 1,
+              draft_lengths: Optional[np.ndarray] = None) -> StepMetadata:
         """Stage the step of the requests at table slots ``slot_ids`` (``[n]`` int64, decode requests
         first) and send it to the device.
 
@@ -168,22 +174,29 @@ class StepBuffers:
         ``next_prompt_token``: the prompt token after the last request's chunk when that chunk
         does not end its prompt (drafters that feed each row the token after it need it).
         ``num_steps``: decode steps the launch runs (a decode run; decode-only steps only).
+        ``draft_lengths``: ``[n]`` int64 drafts each request makes this step (0 for a chunk that
+        does not end its prompt), or None: S each (``StepMetadata.draft_lengths``).
         """
         self.staging.wait_until_host_writable()
         num_requests = query_lengths.shape[0]
         if num_steps > 1 and num_decode != num_requests:
             raise ValueError(f"a decode run ({num_steps} steps) holds decode requests only")
         request_ids = self.table.host.request_ids[slot_ids]  # [n] int64
+        S = self.table.shape.num_speculative_tokens
+        if draft_lengths is None:
+            draft_lengths = np.full(num_requests, S, dtype=np.int64)  # [n] int64
+        num_sampling = num_decode + num_final_prefill_chunks
+        # D: the depths the step drafts; a step where nobody samples keeps S (the fixed-S graph)
+        num_drafts = int(draft_lengths[:num_sampling].max()) if num_sampling else S  # host-ok: numpy
         steady_key = None
         if padded is not None and not prefill_chunks and num_final_prefill_chunks == 0:
             # the same requests in the same slots, so every section but the block writes is the same
             steady_key = (num_requests, num_decode, padded, max_seq_len, num_steps, slot_ids.tobytes(),
-                          request_ids.tobytes())
+                          request_ids.tobytes(), draft_lengths.tobytes())
             step = self._steady_step(steady_key, block_writes)
             if step is not None:
                 return step
         stride = self.table.shape.stride
-        num_sampling = num_decode + num_final_prefill_chunks
         decode_rows = num_decode * stride
         query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)  # [n + 1] int64
         np.cumsum(query_lengths, out=query_start_loc[1:])
@@ -213,6 +226,8 @@ class StepBuffers:
         host["request_ids"][num_requests:batch_size] = -1
         host["slot_ids"][:num_requests] = slot_ids
         host["slot_ids"][num_requests:batch_size] = self.table.scratch_row
+        host["draft_lengths"][:num_requests] = draft_lengths
+        host["draft_lengths"][num_requests:batch_size] = 0
         self._stage_block_writes(block_writes)
         self._buffer_keys[self.staging.current_buffer] = steady_key
         self.staging.copy_to_device()
@@ -256,6 +271,9 @@ class StepBuffers:
             host_query_start_loc=torch.from_numpy(query_start_loc),
             host_first_positions=torch.from_numpy(host_first_positions),
             num_steps=num_steps,
+            draft_lengths=device["draft_lengths"][:batch_size],
+            num_drafts=num_drafts,
+            host_draft_lengths=tuple(draft_lengths.tolist()),  # host-ok: numpy
         )
         self._steady = None if steady_key is None else (steady_key, step)
         return step

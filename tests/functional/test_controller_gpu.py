@@ -127,7 +127,7 @@ class AllStepsSyncChecked(TextGenerationController):
 
     def _launch_step(self, step):
         greedy = bool(self._outputs.greedy[: step.num_requests].all())
-        replay = step.graph_padded and (step.dimensions, greedy, step.num_steps) in self._graphs
+        replay = step.graph_padded and (step.dimensions, greedy, step.num_steps, step.num_drafts, False) in self._graphs
         with no_host_sync():
             launched = super()._launch_step(step)
         self.mixed_replays += int(replay and step.num_prefill > 0)

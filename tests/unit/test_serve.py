@@ -111,6 +111,10 @@ def test_completions_and_chat_equal_the_offline_loop(server, offline):
         streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True, **sampling)
         pieces = [chunk.choices[0].text for chunk in streamed if chunk.choices]
         assert "".join(pieces) == want and len([p for p in pieces if p]) > 1  # token by token, not at the end
+        for draft_cap in (0, 1):  # a per-request draft cap (an extension) changes nothing in the text
+            capped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                               extra_body={"num_speculative_tokens": draft_cap}, **sampling)
+            assert capped.choices[0].text == want
     chat_prompt = ByteTokenizer().apply_chat_template([{"role": "user", "content": "hello"}])
     want = offline(chat_prompt, 10, temperature=0)
     reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],

@@ -1,0 +1,222 @@
+"""Fixed draft length vs the goodput draft-length policy (issue 34), tokens/s on one GPU.
+
+    python bench/bench_adaptive.py            # GPU: the demo model and a ~1B GPU-bound model
+    python bench/bench_adaptive.py --quick    # CPU smoke run: tiny shapes, few points
+
+Two parts (the 1B model first), each point one timed ``generate`` after an untimed one (compile, capture, warm the
+policy), CUDA graphs warmed up first, outputs checked equal to plain decoding:
+
+1. (second) The trained demo model (MTP drafting, 2 MTP layers), 64-byte held-out prompts, batch 1, 8,
+   32, 128, greedy and T = 1 (seeded): fixed S = 0, 1, 2 and ``GoodputPolicy`` at S_max = 2.
+2. (first) A ~1B model (16 layers, hidden 2048, random bf16 weights: the step is GPU-bound) with a device
+   oracle drafter: request r's draft at each depth is the true next token with probability
+   ``p_r`` (a hash of request and position, no host work), so acceptance is set per request.
+   Workloads: all 0.9, all 0.6, all 0.2, and a mix of the three; fixed S = 0..3 and goodput at
+   S_max = 3.
+
+Per workload it prints tokens/s of each fixed S, of the policy, the policy's share of verify
+steps at each draft length, and the best fixed S ("oracle best": the S one would pick knowing
+the workload). Within one engine the verify graph has ``1 + S_max`` rows per decode request
+whatever the chosen lengths, so the policy saves draft depths, not verify rows (docs/design.md).
+``--budget-seconds`` stops starting new points after that much wall time (partial tables print).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU, tiny shapes, few points")
+    parser.add_argument("--budget-seconds", type=float, default=1e9, help="start no new point after this long")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64; quick 8)")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument("--skip-large", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
+from bench_forward import FULL_MODEL, QUICK_MODEL, build_model  # noqa: E402
+
+import mtp_ctrl  # noqa: E402
+from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
+from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, Proposer, SamplingParams,  # noqa: E402
+                                  TextGenerationController)
+
+PROMPT_LEN = 64
+MIXES = {"0.9": (0.9,), "0.6": (0.6,), "0.2": (0.2,), "mixed": (0.9, 0.6, 0.2)}
+
+
+class AcceptanceOracle(Proposer):
+    """Drafts the plain output's token with probability ``rates[r]`` per depth (else a wrong token):
+    ``sequences`` ``[n, L]`` int64 on the device (prompt + plain output of request ``id % n``)."""
+
+    def __init__(self, sequences: torch.Tensor, rates: torch.Tensor):
+        self.sequences, self.rates = sequences, rates  # [n, L] int64, [n] float32
+
+    def propose(self, batch):
+        S = self.draft_context.shape.num_speculative_tokens
+        count, n = batch.num_requests, self.sequences.shape[0]
+        rows = batch.step.device_request_ids[:count].clamp(min=0) % n  # [G]
+        positions = batch.bonus_positions[:count, None] + 1 + torch.arange(S, device=rows.device)  # [G, S]
+        true = self.sequences[rows].gather(1, positions.clamp(0, self.sequences.shape[1] - 1))  # [G, S]
+        mixed = (rows[:, None] * 1000003 + positions * 7919 + 12345) & 0xFFFFFFFF
+        mixed = ((mixed ^ (mixed >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+        mixed = ((mixed ^ (mixed >> 12)) * 0x297A2D39) & 0xFFFFFFFF
+        uniform = (mixed ^ (mixed >> 15)).float() / 4294967296.0  # [G, S] in [0, 1)
+        right = uniform < self.rates[rows][:, None]
+        return torch.where(right, true, (true + 1) % self.draft_context.shape.vocab_size)
+
+    def on_no_drafts(self, batch):
+        pass
+
+
+def run_point(controller, prompts, params):
+    """(tokens/s, outputs, draft-length shares) of one timed generate after an untimed one."""
+    controller.generate(prompts, params)
+    controller.metrics.reset()
+    if controller.shape.device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    results = controller.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    counts = controller.metrics.as_dict()["draft_length_counts"]
+    shares = [round(c / max(sum(counts), 1), 2) for c in counts]
+    return sum(len(r.output_tokens) for r in results) / seconds, [r.output_tokens for r in results], shares
+
+
+def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="cuda"):
+    config = InferenceConfig(num_speculative_tokens=S, max_requests=batch, block_size_tokens=16,
+                             max_model_len=max_model_len, max_tokens_per_step=max(batch * PROMPT_LEN, 256),
+                             cuda_graph_batch_sizes=(batch,) if device == "cuda" else ())
+    controller = TextGenerationController(model, config, proposer=proposer, draft_policy=policy)
+    controller.warmup()
+    return controller
+
+
+class Table:
+    def __init__(self, args):
+        self.args, self.rows, self.started = args, [], time.perf_counter()
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.started > self.args.budget_seconds
+
+    def add(self, **row):
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def print_workloads(self):
+        workloads = {}
+        for row in self.rows:
+            workloads.setdefault((row["part"], row["batch"], row["workload"]), []).append(row)
+        print(f"\n{'part':>5} {'batch':>5} {'workload':>8} | fixed S tokens/s | {'adaptive':>8} {'/best':>6} "
+              f"{'/plain':>6} | best S | adaptive lengths (share of verify steps s = 0..S_max) | == plain")
+        for (part, batch, workload), rows in workloads.items():
+            fixed = {row["S"]: row["tokens_per_s"] for row in rows if row["policy"] == "fixed"}
+            adaptive = next((row for row in rows if row["policy"] == "goodput"), None)
+            best_s = max(fixed, key=fixed.get) if fixed else None
+            text = " ".join(f"S{s}={rate:.0f}" for s, rate in sorted(fixed.items()))
+            same = all(row["equal_plain"] for row in rows)
+            if adaptive is None or best_s is None:
+                print(f"{part:>5} {batch:5d} {workload:>8} | {text} | (no adaptive point)")
+                continue
+            rate = adaptive["tokens_per_s"]
+            print(f"{part:>5} {batch:5d} {workload:>8} | {text} | {rate:8.0f} {rate / fixed[best_s]:6.2f} "
+                  f"{rate / fixed.get(0, rate):6.2f} | S={best_s} | {adaptive['lengths']} | {same}")
+
+
+def demo_part(args, table, device):
+    model = mtp_ctrl.load_demo_model(device=device)
+    held_out = load_stdlib_corpus().held_out
+    new_tokens = args.new_tokens or (8 if args.quick else 64)
+    batches = (1, 4) if args.quick else (1, 8, 32, 128)
+    for batch in batches:
+        prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
+        engines = [(S, "fixed", None) for S in (0, 1, 2)] + [(2, "goodput", GoodputPolicy())]
+        plain = {}
+        for S, name, policy in engines:
+            if table.out_of_time():
+                return
+            controller = engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy, device=device.type)
+            for temperature in (0.0, 1.0):
+                params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=5)
+                rate, outputs, shares = run_point(controller, prompts, params)
+                plain.setdefault(temperature, outputs)
+                table.add(part="demo", batch=batch, workload=f"T={temperature:g}", S=S, policy=name,
+                          tokens_per_s=rate, lengths=shares, equal_plain=outputs == plain[temperature])
+            controller.close()
+
+
+def large_part(args, table, device):
+    shape = QUICK_MODEL if args.quick else FULL_MODEL
+    new_tokens = args.new_tokens or (8 if args.quick else 48)
+    max_model_len = PROMPT_LEN + new_tokens + 8
+    model = build_model(shape, device, max_model_len + 8)
+    if device.type == "cpu":
+        model = model.float()
+    batches = (4,) if args.quick else (8, 64)
+    generator = torch.Generator().manual_seed(0)
+    for batch in batches:
+        prompts = torch.randint(0, shape["vocab_size"], (batch, PROMPT_LEN), generator=generator).tolist()
+        params = SamplingParams(max_new_tokens=new_tokens)
+        controller = engine(model, 0, batch, max_model_len, device=device.type)
+        plain_rate, plain, _ = run_point(controller, prompts, params)
+        controller.close()
+        width = PROMPT_LEN + new_tokens + 16
+        sequences = torch.zeros(batch, width, dtype=torch.int64)
+        for index, (prompt, output) in enumerate(zip(prompts, plain)):
+            sequences[index, : len(prompt) + len(output)] = torch.tensor(list(prompt) + list(output))
+        sequences = sequences.to(device)
+        rates = torch.zeros(batch, device=device)
+        proposer_engines = []
+        for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", GoodputPolicy())]:
+            if table.out_of_time():
+                break
+            proposer = AcceptanceOracle(sequences, rates)
+            proposer_engines.append((S, name, engine(model, S, batch, max_model_len, policy, proposer, device.type)))
+        for workload, mix in MIXES.items():
+            rates.copy_(torch.tensor([mix[i % len(mix)] for i in range(batch)], device=device))
+            table.add(part="1B", batch=batch, workload=workload, S=0, policy="fixed", tokens_per_s=plain_rate,
+                      lengths=[1.0], equal_plain=True)
+            for S, name, controller in proposer_engines:
+                if table.out_of_time():
+                    return
+                rate, outputs, shares = run_point(controller, prompts, params)
+                table.add(part="1B", batch=batch, workload=workload, S=S, policy=name, tokens_per_s=rate,
+                          lengths=shares, equal_plain=outputs == plain)
+        for _, _, controller in proposer_engines:
+            controller.close()
+
+
+def main(args):
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    mtp_ctrl.init_single_process(device)
+    table = Table(args)
+    if not args.skip_large:
+        large_part(args, table, device)
+    if not args.skip_demo:
+        demo_part(args, table, device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"\n{name}; greedy unless T says otherwise; one timed generate per point after an untimed one; "
+          f"'/best': adaptive over the best fixed S of the workload, '/plain': over S = 0")
+    table.print_workloads()
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(table.rows, file, indent=1)
+
+
+if __name__ == "__main__":
+    main(ARGS)

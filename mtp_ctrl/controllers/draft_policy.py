@@ -1,0 +1,234 @@
+"""Draft-length policies: how many drafts each request verifies, chosen per step on the host.
+
+Each step the controller asks its policy for ``s_r`` in ``[0, cap_r]`` for every request that
+samples (decodes and final prompt chunks): ``cap_r = min(S, SamplingParams.num_speculative_tokens)``.
+The step then drafts ``D = max_r s_r`` depths (a depth no request uses is not computed; ``D = 0``
+runs no draft phase), and the next step verifies at most ``s_r`` of request r's drafts (its draft
+rows past ``s_r`` are padding in the same graph shape, masked before acceptance). Exact-match
+acceptance with position-keyed noise makes the output independent of every ``s_r``; rejection
+acceptance stays lossless (a shorter chain of the same rule).
+
+The policy is a hook: subclass :class:`DraftLengthPolicy` and pass it as
+``TextGenerationController(..., draft_policy=...)``. Its inputs are host numbers every
+tensor-parallel rank has alike (the step's requests, the read-back's accepted counts, a step-cost
+profile made rank-identical at warm-up), so a deterministic policy makes the same choice on every
+rank (the TP lockstep check includes the lengths).
+
+- :class:`FixedDraftLength` (the default): ``s_r = cap_r``, the old fixed-S behaviour.
+- :class:`GoodputPolicy`: per-request decayed per-depth acceptance and a step-cost model; picks
+  the depth D that maximises expected tokens per second of the batch (``D = 0`` where drafting
+  does not pay). Off by default: with today's step graphs (``1 + S`` verify rows per decode
+  request whatever ``s_r``) it can only save draft depths, and an estimate can be wrong.
+- :class:`RandomDraftLengths`: seeded random lengths, for tests (the output must not change).
+"""
+
+import dataclasses
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftLengthQuery:
+    """One step's question to the policy (host values only)."""
+
+    request_ids: np.ndarray  # [n] int64, the requests that sample this step, in row order
+    caps: np.ndarray  # [n] int64, each request's most drafts: min(S, its SamplingParams cap)
+    num_speculative_tokens: int  # S, the engine's most drafts
+    batch_size: int  # G, the step's grid (padded to its CUDA-graph batch when one covers it)
+
+
+class StepCostModel:
+    """Seconds of one step as a function of its grid ``G`` and the draft depths ``D`` it runs.
+
+    ``measured[(G, D)]``: graph replay times taken at warm-up (``controller.warmup()`` on CUDA);
+    a query for a grid between measured ones uses the next larger measured grid. Without a
+    measurement (CPU, eager steps) the analytic default ``base + G * (rows * (1 + S) + depth * D)``
+    (arbitrary units: only ratios matter) is used.
+    """
+
+    def __init__(self, num_speculative_tokens: int, base: float = 1.0, per_row: float = 0.02,
+                 per_draft_depth: float = 0.02):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.base, self.per_row, self.per_draft_depth = base, per_row, per_draft_depth
+        self.measured: Dict[Tuple[int, int], float] = {}
+
+    def set_measured(self, measured: Dict[Tuple[int, int], float]) -> None:
+        self.measured = {(int(g), int(d)): float(t) for (g, d), t in measured.items() if t > 0}
+
+    def seconds(self, batch_size: int, num_drafts: int) -> float:
+        grids = sorted({g for g, d in self.measured if d == num_drafts and g >= batch_size})
+        if grids:
+            return self.measured[(grids[0], num_drafts)]
+        return self.base + batch_size * (self.per_row * (1 + self.num_speculative_tokens)
+                                         + self.per_draft_depth * num_drafts)
+
+
+class DraftLengthPolicy:
+    """Base class of draft-length policies (module docstring). Override :meth:`choose`; the rest
+    have working defaults."""
+
+    def __init__(self):
+        self.cost_model: Optional[StepCostModel] = None
+
+    def bind(self, num_speculative_tokens: int) -> None:
+        """Called once by the controller (S > 0 only)."""
+        self.cost_model = StepCostModel(num_speculative_tokens)
+
+    def warmup_depths(self, num_speculative_tokens: int) -> Sequence[int]:
+        """The draft depths D whose step graphs ``warmup()`` captures (others are captured on first use)."""
+        return range(num_speculative_tokens + 1)
+
+    def choose(self, query: DraftLengthQuery) -> np.ndarray:
+        """``[n]`` int64 draft lengths in ``[0, query.caps]`` (clipped by the caller)."""
+        raise NotImplementedError
+
+    def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
+        """A step's outcome (``[m]`` each, host ints): request ``request_ids[i]`` verified
+        ``draft_lengths[i]`` drafts and accepted ``accepted_counts[i]``. Default: nothing."""
+
+    def forget(self, request_id: int) -> None:
+        """The request left the batch (finished or evicted). Default: nothing."""
+
+
+class FixedDraftLength(DraftLengthPolicy):
+    """Every request verifies its cap (S unless its SamplingParams says fewer): the old behaviour."""
+
+    def warmup_depths(self, num_speculative_tokens: int) -> Sequence[int]:
+        return (num_speculative_tokens,)
+
+    def choose(self, query: DraftLengthQuery) -> np.ndarray:
+        return query.caps.copy()
+
+
+class RandomDraftLengths(DraftLengthPolicy):
+    """Uniform random lengths in ``[0, cap]`` from a seeded generator (deterministic for equal
+    call sequences, so every TP rank agrees), with probability ``all_zero`` of a step with no
+    drafts at all. For tests: output must not depend on the lengths."""
+
+    def __init__(self, seed: int = 0, all_zero: float = 0.2):
+        super().__init__()
+        self._rng = np.random.default_rng(seed)
+        self.all_zero = all_zero
+        self.chosen = []  # every choice made, for tests
+
+    def choose(self, query: DraftLengthQuery) -> np.ndarray:
+        if self._rng.random() < self.all_zero:
+            lengths = np.zeros_like(query.caps)
+        else:
+            lengths = np.floor(self._rng.random(query.caps.shape[0]) * (query.caps + 1)).astype(np.int64)
+        self.chosen.append(lengths.copy())
+        return lengths
+
+
+class GoodputPolicy(DraftLengthPolicy):
+    """Maximise expected tokens per second of the batch.
+
+    Acceptance: for each request and depth k (1-based), the decayed counts of steps that reached
+    draft k (drafts 1..k-1 accepted, k verified) and that accepted it; the estimate shrinks
+    toward the model's recent average (the same counts over all requests) with weight
+    ``prior_weight``, and that average toward ``optimistic_prior`` with weight 1. Counts decay by
+    ``decay`` per step, so estimates that no step refreshes (nobody drafts) drift back to the
+    prior and the policy tries again. Expected tokens of request r with ``s`` drafts:
+    ``1 + sum_{k <= s} prod_{j <= k} a_{r,j}``.
+
+    Cost: :class:`StepCostModel` of the step's grid and depth D. The policy picks
+    ``D = argmax_D sum_r tokens_r(min(D, cap_r)) / cost(G, D)`` and gives each request
+    ``min(D, cap_r)`` (within one graph shape a request drafting less than D saves nothing).
+    Vectorised over the batch (numpy); a request's counts are decayed lazily (stamped with the
+    step they were last brought up to date).
+    """
+
+    def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
+                 min_gain: float = 1.0):
+        super().__init__()
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
+        if not 0.0 <= optimistic_prior <= 1.0:
+            raise ValueError(f"optimistic_prior must be in [0, 1], got {optimistic_prior}")
+        self.decay, self.prior_weight, self.optimistic_prior = decay, prior_weight, optimistic_prior
+        self.min_gain = min_gain  # a deeper D must beat the shallower one by this factor (1.0: any gain)
+        self.last_depth = None  # the D of the last choice (for benchmarks)
+        self._now = 0  # steps chosen so far
+        self._slots: Dict[int, int] = {}  # request id -> its row of _counts / _stamps
+        self._free: list = []
+
+    def bind(self, num_speculative_tokens: int) -> None:
+        super().bind(num_speculative_tokens)
+        self._model = np.zeros((2, num_speculative_tokens))  # [2, S] (reached, accepted) over every request
+        self._counts = np.zeros((64, 2, num_speculative_tokens))  # [rows, 2, S] per request
+        self._stamps = np.zeros(64, dtype=np.int64)  # [rows] the step each row's counts are decayed to
+
+    def _rows(self, request_ids: np.ndarray, create: bool) -> np.ndarray:
+        """``[n]`` rows of the requests' counts (-1: none yet, unless ``create``)."""
+        rows = np.empty(len(request_ids), dtype=np.int64)
+        for i, request_id in enumerate(request_ids.tolist()):  # host-ok: numpy
+            row = self._slots.get(request_id, -1)
+            if row < 0 and create:
+                if not self._free:
+                    old = self._counts.shape[0]
+                    self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+                    self._stamps = np.concatenate([self._stamps, np.zeros_like(self._stamps)])
+                    self._free = list(range(2 * old - 1, old - 1, -1))
+                row = self._free.pop()
+                self._counts[row] = 0
+                self._stamps[row] = self._now
+                self._slots[request_id] = row
+            rows[i] = row
+        return rows
+
+    def _request_counts(self, rows: np.ndarray) -> np.ndarray:
+        """``[n, 2, S]`` counts decayed to now (zeros for rows -1)."""
+        counts = self._counts[rows.clip(min=0)] * (self.decay ** (self._now - self._stamps[rows.clip(min=0)]))[:, None, None]
+        counts[rows < 0] = 0
+        return counts
+
+    def _estimates(self, rows: np.ndarray) -> np.ndarray:
+        """``[n, S]`` estimated acceptance of each depth given the ones before it."""
+        reached, accepted = self._model
+        model = (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
+        counts = self._request_counts(rows)
+        return (counts[:, 1] + self.prior_weight * model) / (counts[:, 0] + self.prior_weight)
+
+    def acceptance(self, request_id: int) -> np.ndarray:
+        """``[S]`` float64: the estimated acceptance of each depth given the ones before it."""
+        return self._estimates(self._rows(np.array([request_id]), create=False))[0]
+
+    def choose(self, query: DraftLengthQuery) -> np.ndarray:
+        S, caps, n = query.num_speculative_tokens, query.caps, query.caps.shape[0]
+        self._now += 1
+        self._model *= self.decay
+        gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
+        gain[:, 1:] = np.cumprod(self._estimates(self._rows(query.request_ids, create=False)), axis=1).cumsum(axis=1)
+        best_depth, best_rate = 0, None
+        for depth in range(S + 1):
+            tokens = n + gain[np.arange(n), np.minimum(depth, caps)].sum()
+            rate = tokens / self.cost_model.seconds(query.batch_size, depth)
+            if best_rate is None or rate > best_rate * self.min_gain:
+                best_depth, best_rate = depth, rate
+        self.last_depth = best_depth
+        return np.minimum(best_depth, caps).astype(np.int64)
+
+    def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
+        used = draft_lengths > 0
+        if not used.any():
+            return
+        request_ids, lengths, accepted = request_ids[used], draft_lengths[used], accepted_counts[used]
+        depths = np.arange(self._model.shape[1])[None, :]  # [1, S]
+        reached = ((depths < lengths[:, None]) & (depths <= accepted[:, None])).astype(np.float64)  # [m, S]
+        hit = (depths < accepted[:, None]).astype(np.float64)  # [m, S]: and accepted
+        rows = self._rows(request_ids, create=True)
+        unique = np.unique(rows)
+        self._counts[unique] = self._request_counts(unique)
+        self._stamps[unique] = self._now
+        np.add.at(self._counts, (rows, 0), reached)
+        np.add.at(self._counts, (rows, 1), hit)
+        self._model[0] += reached.sum(axis=0)
+        self._model[1] += hit.sum(axis=0)
+
+    def forget(self, request_id: int) -> None:
+        row = self._slots.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)

@@ -1,0 +1,67 @@
+"""GPU: per-request draft lengths (issue 34) replay the warmed-up CUDA graphs (one per draft
+depth) with no host sync, and the output equals plain decoding."""
+
+import collections
+
+import pytest
+import torch
+
+from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, RandomDraftLengths, SamplingParams,
+                                  TextGenerationController)
+from tests.functional.sync_checks import no_host_sync
+from tests.functional.test_controller_gpu import DeviceOracleProposer, plain_sequences
+from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups, tiny_config
+
+PROMPTS = [[5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45], [4] * 11, [30, 31], [7, 7, 7, 1]]
+S = 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    ensure_single_process_groups()
+    return build_tiny_model(tiny_config(mtp_num_layers=S)).cuda()
+
+
+def make_config(num_speculative_tokens, **overrides):
+    fields = dict(num_speculative_tokens=num_speculative_tokens, max_requests=8, block_size_tokens=4,
+                  max_model_len=96, max_tokens_per_step=128, cuda_graph_batch_sizes=(1, 2, 4, 8))
+    fields.update(overrides)
+    return InferenceConfig(**fields)
+
+
+class SyncChecked(TextGenerationController):
+    """Launches every decode-only step under ``set_sync_debug_mode("error")``."""
+
+    decode_launches = 0
+
+    def _launch_step(self, step):
+        if step.num_prefill:
+            return super()._launch_step(step)
+        with no_host_sync():
+            launched = super()._launch_step(step)
+        self.decode_launches += 1
+        return launched
+
+
+@pytest.mark.parametrize("policy", ["random", "goodput"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_lengths_replay_graphs_with_no_sync_and_equal_plain(model, policy, temperature):
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=11)
+    plain = TextGenerationController(model, make_config(0)).generate(PROMPTS, params)
+    proposer = DeviceOracleProposer(plain_sequences(PROMPTS, plain, 2 * (S + 1)).cuda())
+    chosen = RandomDraftLengths(seed=2) if policy == "random" else GoodputPolicy()
+    controller = SyncChecked(model, make_config(S, decode_steps_per_launch=2), proposer=proposer, draft_policy=chosen)
+    graphs = controller.warmup()
+    keys = collections.Counter()
+    controller.on_launch = lambda step, key: keys.update([None if key is None else key[3]])  # draft depths replayed
+    ids = [controller.add_request(prompt, params) for prompt in PROMPTS]  # request id = row of the oracle's table
+    while controller.has_unfinished_requests():
+        controller.step()
+    assert [controller.result(rid).output_tokens for rid in ids] == [r.output_tokens for r in plain]
+    assert controller.debug_view().num_cuda_graphs == graphs  # every depth was warmed up: nothing captured
+    assert controller.decode_launches > 4  # launches of 2-step decode runs
+    assert controller.metrics.mean_accepted_length > 1.2  # the oracle's drafts land
+    if policy == "random":
+        assert {0, S} <= set(keys) and len(set(keys) - {None}) >= 3, keys  # several depths replayed (0: no draft phase)
+    assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
+    controller.close()

@@ -1,0 +1,64 @@
+"""Helpers of the draft-length tests (``test_draft_lengths*.py``): policies that check or pin
+the lengths, a controller factory and a driver that returns request ids and outputs."""
+
+import numpy as np
+
+from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, RandomDraftLengths
+from tests.unit.controller_fixtures import PROMPTS
+from tests.unit.megatron_fixtures import torch_twins as twin_ops
+
+# (step, prompt, params): four at once (KV pressure), two joining later; greedy and seeded sampling
+ARRIVALS = (
+    (0, PROMPTS[0], SamplingParams(max_new_tokens=9)),
+    (0, PROMPTS[1], SamplingParams(max_new_tokens=9, temperature=0.8, top_k=10, seed=3)),
+    (0, PROMPTS[2], SamplingParams(max_new_tokens=9, eos_token_ids=(7,))),
+    (0, PROMPTS[3], SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=4)),
+    (3, PROMPTS[1][:3], SamplingParams(max_new_tokens=6, stop_sequences=((1, 2),))),
+    (5, PROMPTS[2][:4], SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)),
+)
+SQUEEZE = dict(num_kv_blocks=10, cuda_graph_batch_sizes=(2, 4))  # preemption and padded steps
+
+
+class CheckedRandomLengths(RandomDraftLengths):
+    """Random lengths; checks every outcome: a request accepts at most the drafts it verified."""
+
+    def __init__(self, seed: int = 0, all_zero: float = 0.2):
+        super().__init__(seed, all_zero)
+        self.outcomes = []  # (verified, accepted) of every decode request-step
+
+    def observe(self, request_ids, draft_lengths, accepted_counts):
+        assert (accepted_counts <= draft_lengths).all(), (draft_lengths, accepted_counts)
+        self.outcomes += list(zip(draft_lengths.tolist(), accepted_counts.tolist()))
+
+
+class ZeroLengths(DraftLengthPolicy):
+    def choose(self, query):
+        return np.zeros_like(query.caps)
+
+
+def controller_for(model, S, proposer=None, policy=None, **fields):
+    config = dict(num_speculative_tokens=S, max_requests=4, block_size_tokens=4, max_model_len=24,
+                  max_tokens_per_step=20)
+    config.update(fields)
+    return TextGenerationController(model, InferenceConfig(**config), proposer=proposer, draft_policy=policy)
+
+
+def run(controller, arrivals):
+    """Drive the controller through ``arrivals`` ((step, prompt, params)); returns (request ids,
+    outputs) in arrival order."""
+    ids = [None] * len(arrivals)
+    step = 0
+    while step == 0 or controller.has_unfinished_requests() or None in ids:
+        for index, (arrival_step, prompt, params) in enumerate(arrivals):
+            if arrival_step == step:
+                ids[index] = controller.add_request(prompt, params)
+        controller.step()
+        step += 1
+    return ids, [controller.result(request_id).output_tokens for request_id in ids]
+
+
+def plain_outputs(model):
+    """Plain decoding's outputs of ARRIVALS (torch twins: a module fixture starts before the tests' own)."""
+    with twin_ops():
+        return run(controller_for(model, 0), ARRIVALS)

@@ -1,0 +1,95 @@
+"""Per-request, per-step draft lengths (issue 34) with the model's own MTP drafting and an oracle
+drafter: output == plain decoding whatever lengths the draft-length policy picks (churn,
+preemption, padded steps, greedy and seeded sampling, overlap on and off); at most ``s_r`` drafts
+accepted; no draft phase in a step where nobody drafts; the
+``SamplingParams(num_speculative_tokens=...)`` cap. The EAGLE family and rejection acceptance:
+``test_draft_lengths_proposers.py``."""
+
+import pytest
+import torch
+
+from mtp_ctrl.controllers import MTPProposer, Proposer, SamplingParams
+from mtp_ctrl.controllers.draft_policy import FixedDraftLength, RandomDraftLengths
+from tests.unit.controller_fixtures import MTP_DEPTH, OracleProposer, build_models
+from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, CheckedRandomLengths, ZeroLengths, controller_for,
+                                              plain_outputs, run)
+from tests.unit.megatron_fixtures import ensure_single_process_groups
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    ensure_single_process_groups()
+    return build_models()[0]
+
+
+@pytest.fixture(scope="module")
+def plain(mtp_model):
+    return plain_outputs(mtp_model)  # (request ids, outputs)
+
+
+@pytest.mark.parametrize("steps_per_launch", [1, 4])
+def test_oracle_drafts_accept_exactly_the_chosen_lengths(mtp_model, plain, torch_twins, steps_per_launch):
+    """Drafts that are always right (the plain output, greedy and sampled): each request accepts
+    its chosen length s_r (never more: the host pairs each read-back with the lengths it verified,
+    decode runs too), and the output is plain decoding's, with preemption, padded steps and
+    overlap on."""
+    ids, outputs = plain
+    sequences = {rid: list(prompt) + list(out) + [0] * (MTP_DEPTH + 2)
+                 for rid, (_, prompt, _), out in zip(ids, ARRIVALS, outputs)}
+    policy = CheckedRandomLengths(seed=1)
+    controller = controller_for(mtp_model, MTP_DEPTH, OracleProposer(sequences, lambda rid, index: MTP_DEPTH),
+                                policy, decode_steps_per_launch=steps_per_launch, **SQUEEZE)
+    new_ids, got = run(controller, ARRIVALS)
+    assert got == outputs and new_ids == ids
+    assert any(controller.result(rid).preemptions for rid in new_ids)  # KV pressure evicted a request
+    exact = sum(verified == accepted for verified, accepted in policy.outcomes)
+    assert exact >= 0.7 * len(policy.outcomes)  # all but steps run past a stop (drafts past the sequence)
+    assert {verified for verified, _ in policy.outcomes} == set(range(MTP_DEPTH + 1))  # every length occurred
+    counts = controller.metrics.as_dict()["draft_length_counts"]
+    assert sum(counts) == controller.metrics.verify_steps and min(counts) > 0
+
+
+@pytest.mark.parametrize("mode,overlap", [("paged", True), ("single_position", False)])
+def test_mtp_proposer_random_lengths_equal_plain(mtp_model, plain, torch_twins, mode, overlap):
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer(mode), CheckedRandomLengths(seed=2),
+                                overlap_scheduling=overlap, **SQUEEZE)
+    assert run(controller, ARRIVALS)[1] == plain[1]
+
+
+class CountingDrafter(Proposer):
+    """Drafts token 0 at every depth; records the depths each ``propose`` call was asked for."""
+
+    def __init__(self):
+        self.depths = []
+
+    def propose(self, batch):
+        self.depths.append(batch.num_drafts)
+        return torch.zeros(batch.num_requests, self.draft_context.shape.num_speculative_tokens, dtype=torch.int64)
+
+    def on_no_drafts(self, batch):  # stateless: nothing to keep
+        pass
+
+
+def test_all_zero_steps_run_no_draft_phase_and_depths_follow_the_longest(mtp_model, plain, torch_twins):
+    proposer = CountingDrafter()
+    assert run(controller_for(mtp_model, 3, proposer, ZeroLengths()), ARRIVALS)[1] == plain[1]
+    assert proposer.depths == []
+    proposer, policy = CountingDrafter(), RandomDraftLengths(seed=6)
+    assert run(controller_for(mtp_model, 3, proposer, policy, decode_steps_per_launch=4), ARRIVALS)[1] == plain[1]
+    assert proposer.depths and 0 not in proposer.depths
+    assert sorted(set(proposer.depths)) == sorted({int(lengths.max()) for lengths in policy.chosen
+                                                   if lengths.size and lengths.max() > 0})
+
+
+def test_sampling_params_cap(mtp_model, torch_twins):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=-1)
+    with pytest.raises(TypeError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=1.5)
+    arrivals = [(0, prompt, SamplingParams(max_new_tokens=6, num_speculative_tokens=cap))
+                for (_, prompt, _), cap in zip(ARRIVALS[:3], (0, 1, 7))]
+    expected = run(controller_for(mtp_model, 0), arrivals)[1]
+    controller = controller_for(mtp_model, MTP_DEPTH, policy=FixedDraftLength())
+    assert run(controller, arrivals)[1] == expected
+    counts = controller.metrics.as_dict()["draft_length_counts"]
+    assert counts[0] > 0 and counts[1] > 0 and counts[MTP_DEPTH] > 0 and counts[2] == 0

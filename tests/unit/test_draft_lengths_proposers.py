@@ -1,0 +1,76 @@
+"""Per-request, per-step draft lengths (issue 34) with the EAGLE family (EAGLE, parallel drafting,
+multi-layer EAGLE) on a target whose drafts often land, on hybrid Mamba and Gated DeltaNet models, and with
+rejection acceptance: output == plain decoding under random lengths, churn, preemption and
+padded steps."""
+
+import pytest
+import torch
+
+from mtp_ctrl.controllers import EagleProposer, MultiLayerEagleProposer, ParallelDraftingProposer
+from mtp_ctrl.models import build_eagle_head, build_multi_layer_eagle_heads
+from tests.unit.controller_fixtures import MTP_DEPTH, build_models
+from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, CheckedRandomLengths, ZeroLengths, controller_for,
+                                              plain_outputs, run)
+from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models
+from tests.unit.megatron_fixtures import ensure_single_process_groups
+
+
+@pytest.fixture(scope="module")
+def eagle_model():
+    ensure_single_process_groups()
+    model = build_eagle_models()[0]
+    return model, plain_outputs(model)[1]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "parallel", "multi_layer"])
+def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind):
+    model, plain = eagle_model
+    torch.manual_seed(77)
+    if kind == "multi_layer":
+        proposer, S = MultiLayerEagleProposer(build_multi_layer_eagle_heads(model, 2, AUX_LAYERS).eval()), 2
+    else:
+        head = build_eagle_head(model, AUX_LAYERS, parallel_drafting=kind == "parallel").eval()
+        proposer, S = (ParallelDraftingProposer(head), 3) if kind == "parallel" else (EagleProposer(head), 3)
+    policy = CheckedRandomLengths(seed=4)
+    assert run(controller_for(model, S, proposer, policy, **SQUEEZE), ARRIVALS)[1] == plain
+    assert any(accepted > 0 for _, accepted in policy.outcomes)  # drafts land: the masks matter
+
+
+def test_rejection_acceptance_with_random_lengths(torch_twins):
+    """Rejection acceptance (MTP drafting): greedy requests keep plain decoding's tokens under
+    random lengths; with no drafts at all every request, sampled too, samples as plain decoding."""
+    ensure_single_process_groups()
+    model = build_models()[0]
+    arrivals = ARRIVALS[:4]
+    plain = run(controller_for(model, 0), arrivals)[1]
+    greedy = [index for index, (_, _, params) in enumerate(arrivals) if params.greedy]
+    sampled = [index for index, (_, _, params) in enumerate(arrivals) if not params.greedy]
+    assert greedy and sampled
+    outputs = run(controller_for(model, MTP_DEPTH, policy=CheckedRandomLengths(seed=5), acceptance="rejection",
+                                 **SQUEEZE), arrivals)[1]
+    assert [outputs[i] for i in greedy] == [plain[i] for i in greedy]
+    assert run(controller_for(model, MTP_DEPTH, policy=ZeroLengths(), acceptance="rejection"), arrivals)[1] == plain
+
+
+def test_hybrid_mamba_model_random_lengths_equal_plain(torch_twins):
+    """The Mamba state kept after the last accepted row follows the masked acceptance."""
+    from tests.unit.hybrid_fixtures import build_hybrid_model
+
+    ensure_single_process_groups()
+    model = build_hybrid_model()
+    arrivals = ARRIVALS[:4]
+    plain = run(controller_for(model, 0), arrivals)[1]
+    assert run(controller_for(model, 2, policy=CheckedRandomLengths(seed=8), cuda_graph_batch_sizes=(2, 4)),
+               arrivals)[1] == plain
+
+
+def test_gated_deltanet_hybrid_random_lengths_equal_plain(torch_twins):
+    """The recurrent state kept after the last accepted row follows the masked acceptance."""
+    from tests.unit.gdn_fixtures import build_gdn_model
+
+    ensure_single_process_groups()
+    model = build_gdn_model()
+    arrivals = ARRIVALS[:4]
+    plain = run(controller_for(model, 0), arrivals)[1]
+    assert run(controller_for(model, 2, policy=CheckedRandomLengths(seed=9), cuda_graph_batch_sizes=(2, 4)),
+               arrivals)[1] == plain
