@@ -76,7 +76,7 @@ class LatentRotary(torch.nn.Module):
         if yarn:  # megatron's YarnRotaryEmbedding.get_emb
             low, high = _yarn_find_correction_range(beta_fast, beta_slow, dim, rotary_base,
                                                     original_max_position_embeddings, True)
-            extrapolated = 1.0 - _yarn_linear_ramp_mask(low, high, dim // 2, device="cpu").float()
+            extrapolated = 1.0 - _yarn_linear_ramp_mask(low, high, dim // 2, device=inv_freq.device).float()  # the default device (a `with torch.device` block builds on it)
             inv_freq = inv_freq / scaling_factor * (1 - extrapolated) + inv_freq * extrapolated
             self.mscale = float(_yarn_get_concentration_factor(scaling_factor, mscale, mscale_all_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)

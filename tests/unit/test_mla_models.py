@@ -130,3 +130,14 @@ def test_latent_cache_spec_checks_and_sizes():
         LatentKVCacheSpec(num_layers=1, latent_dim=True, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="dtype"):
         LatentKVCacheSpec(num_layers=1, latent_dim=576, dtype=torch.int32)
+
+
+def test_yarn_rotary_builds_on_the_default_device():
+    """A model built inside ``with torch.device(...)`` (as the HF loader builds on CUDA) gets its
+    YaRN frequencies on that device, not a CPU/device mix (found on the GPU)."""
+    from mtp_ctrl.models.mla_attention import LatentRotary
+
+    with torch.device("meta"):
+        rotary = LatentRotary(64, yarn=True, scaling_factor=40.0, original_max_position_embeddings=4096,
+                              mscale=1.0, mscale_all_dim=1.0)
+    assert rotary.inv_freq.device.type == "meta"
