@@ -65,8 +65,9 @@ def test_the_controller_keys_its_cuda_graphs_by_batch_dimensions(torch_twins):
     keys = []
     controller.on_launch = lambda step, graph_key: keys.append(graph_key)  # the documented debug hook
     controller.generate([list(prompt) for prompt in PROMPTS[:3]], SamplingParams(max_new_tokens=3))
-    prefill_dims, _, _ = keys[0]
+    prefill_dims = keys[0][0]
     total_prompt = sum(len(prompt) for prompt in PROMPTS[:3])
     assert prefill_dims.has_prefill and prefill_dims.request_count == 4
     assert prefill_dims.token_count == round_up_batch_size(total_prompt, token_buckets(controller.config.max_tokens_per_step))
-    assert (BatchDimensions.decode_only(4, 2), True, 1) in keys  # (shape, all greedy, steps per launch)
+    # (shape, all greedy, steps per launch, draft depths, draft lengths masked): fixed S = 2, none masked
+    assert (BatchDimensions.decode_only(4, 2), True, 1, 2, False) in keys

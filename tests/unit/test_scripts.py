@@ -14,6 +14,7 @@ SCRIPTS = sorted(str(path.relative_to(ROOT)) for folder in ("examples", "bench")
                  if path.name not in ("byte_corpus.py", "demo_model.py", "steady_decode.py"))  # modules, not scripts
 METRICS_KEYS = {"tokens_per_second", "emitted_tokens", "elapsed_seconds", "num_speculative_tokens", "verify_steps",
                 "mean_accepted_length", "acceptance_per_depth", "drafted_per_depth", "accepted_per_depth", "draft_length_counts",
+                "prefix_cache",
                 "step_time"}
 STEP_TIME_KEYS = {"steps", "step_seconds", "mean_step_ms", "gpu_steps", "gpu_seconds", "mean_gpu_ms"}
 
