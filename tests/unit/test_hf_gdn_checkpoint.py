@@ -57,7 +57,9 @@ def _check_logits(model, expected, tensor_parallel_size=1):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_and_mtp_depths_match_transformers(checkpoints, family):
+def test_logits_and_mtp_depths_match_transformers(checkpoints, family, torch_twins):
+    """The subject is the loaded weights: the ops run their torch twins (each kernel == its twin in
+    tests/unit/test_gdn_kernels.py; the mixer with kernels in test_gdn_mixer.py)."""
     directory, _, expected = checkpoints[family]
     model = load_hf_checkpoint(directory, tp=1, device="cpu")
     config = model.config
