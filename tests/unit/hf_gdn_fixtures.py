@@ -158,33 +158,33 @@ def reference_mtp_logits(model, mtp: Dict[str, torch.Tensor], layer_models, toke
 
 
 @torch.no_grad()
-def paged_logits(runner, tokens: torch.Tensor, tensor_parallel_size: int = 1):
+def paged_logits(runner, tokens: torch.Tensor, tensor_parallel_size: int = 1, device="cpu"):
     """Our model over one request: prefill 5 rows, verify 3 rows as a decode request (1 + S = 3),
     commit after 1 accepted draft, prefill the rest from position 7 -> decoder logits of positions
     ``0..4, 5..7, 7..n-1`` [n + 1, V]; then the whole sequence as one prefill in a fresh slot with
-    every MTP depth over it -> [depth] [n, V]."""
+    every MTP depth over it -> [depth] [n, V]. ``tokens`` and the caches on ``device``."""
     from mtp_ctrl.models import MambaForward
     from mtp_ctrl.state import MambaStateSlots
     from mtp_ctrl.triton_ops import mamba_state_selective_copy
     from tests.unit.megatron_fixtures import shifted_tokens
 
     n, blocks = tokens.shape[0], [[3, 0, 2, 1, 4, 5]]
-    kv_caches = allocate_kv_caches(runner.num_kv_layers, 8, 2 // tensor_parallel_size, 16)
-    slots = MambaStateSlots(runner.mamba_spec, 2, 2, torch.device("cpu"))
+    kv_caches = allocate_kv_caches(runner.num_kv_layers, 8, 2 // tensor_parallel_size, 16, device=device)
+    slots = MambaStateSlots(runner.mamba_spec, 2, 2, torch.device(device))
 
     def forward(start, end, decode, slot=1):
-        metadata = make_metadata(blocks, [(start, end - start)])
-        slot_ids = torch.tensor([slot])
+        metadata = make_metadata(blocks, [(start, end - start)], device=device)
+        slot_ids = torch.tensor([slot], device=device)
         mamba = MambaForward(slots.conv_states, slots.ssm_states, slots.intermediate_conv_states,
                              slots.intermediate_ssm_states, decode_slot_ids=slot_ids if decode else slot_ids[:0],
-                             **({} if decode else dict(prefill_row_start=torch.tensor([0]),
-                                                       prefill_row_count=torch.tensor([end - start]),
+                             **({} if decode else dict(prefill_row_start=torch.tensor([0], device=device),
+                                                       prefill_row_count=torch.tensor([end - start], device=device),
                                                        prefill_slot_ids=slot_ids)))
         logits, hidden = runner.forward(tokens[start:end], metadata.positions, metadata, kv_caches, mamba=mamba)
         return logits, hidden, metadata
 
     rows = [forward(0, 5, False)[0], forward(5, 8, True)[0]]
-    one = torch.ones(1, dtype=torch.int64)  # slot 1, 1 accepted draft
+    one = torch.ones(1, dtype=torch.int64, device=device)  # slot 1, 1 accepted draft
     for intermediate, current in ((slots.intermediate_conv_states, slots.conv_states),
                                   (slots.intermediate_ssm_states, slots.ssm_states)):
         mamba_state_selective_copy(intermediate, current, torch.zeros_like(one), one, one, slots.num_layers)
