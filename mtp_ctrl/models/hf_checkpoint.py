@@ -3,7 +3,7 @@
 :func:`load_hf_checkpoint` runs in three steps; the model is returned only when all succeed, so
 nothing half-loaded is ever usable:
 
-1. ``config.json`` names the family (:mod:`mtp_ctrl.models.hf_families`: refused families and
+1. ``config.json`` names the family (:mod:`mtp_ctrl.models.hf_registry`: refused families and
    unsupported fields raise :class:`~mtp_ctrl.models.hf_families.UnsupportedCheckpointError`,
    a ValueError naming the field or what is missing). Its settings become megatron's
    ``TransformerConfig`` and :func:`~mtp_ctrl.models.build_gpt_model` builds the paged model
@@ -452,8 +452,8 @@ def load_hf_checkpoint(path: Union[str, os.PathLike], tp: Optional[int] = None, 
 
     ``path``: a directory with ``config.json`` and safetensors weights (``model.safetensors`` or
     shards with ``model.safetensors.index.json``), as ``save_pretrained`` writes them. Families:
-    :data:`mtp_ctrl.models.hf_families.FAMILIES` (Llama-3, Qwen2, Qwen3, MiMo, Qwen3-MoE, GLM-4.5,
-    DeepSeek-V3; every MTP layer the checkpoint ships).
+    :data:`mtp_ctrl.models.hf_registry.FAMILIES` (Llama-3, Qwen2, Qwen3, MiMo, Qwen3-MoE, GLM-4.5,
+    DeepSeek-V3, Qwen3-Next, Qwen3.5; every MTP layer the checkpoint ships).
     ``tp``: the tensor-parallel size, which must be parallel_state's (default: parallel_state's);
     each rank reads only its shard (MoE experts: parallel_state's expert-parallel rank reads its own
     experts, megatron's placement). ``device``: where the weights live (default: CUDA when
