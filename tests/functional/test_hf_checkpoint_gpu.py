@@ -24,6 +24,17 @@ from tests.unit.megatron_fixtures import (  # noqa: E402
 GPU_FP32_TOL = dict(atol=1e-3, rtol=1e-3)
 
 
+def _graph_outputs(model, num_speculative_tokens):
+    """Greedy tokens of two prompts through the controller with CUDA graphs."""
+    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+
+    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=2, block_size_tokens=16,
+                             max_model_len=64, max_tokens_per_step=64, cuda_graph_batch_sizes=(1, 2))
+    results = TextGenerationController(model, config, seed=0).generate([[5, 17, 33, 2, 90, 41], [7, 7, 60, 12]],
+                                                                       SamplingParams(max_new_tokens=12))
+    return [list(result.output_tokens) for result in results]
+
+
 def test_mimo_on_cuda_matches_transformers(tmp_path):
     ensure_single_process_groups()
     trunk, mtp = hf_fixtures.write_mimo(tmp_path)
@@ -51,7 +62,6 @@ def test_moe_and_mla_on_cuda_match_transformers_and_speculate_losslessly(tmp_pat
     """GLM-4.5 (MoE + MTP) and DeepSeek-V3 (MLA + MoE + MTP) on the GPU: logits == transformers
     (fp32), the MTP depths == the reference step, and the controller with CUDA graphs gives
     S = 2 == S = 0 (bf16 loads too; its expert bias stays fp32)."""
-    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
     from tests.unit import hf_moe_fixtures
 
     ensure_single_process_groups()
@@ -72,14 +82,7 @@ def test_moe_and_mla_on_cuda_match_transformers_and_speculate_losslessly(tmp_pat
         for depth in range(hf_moe_fixtures.NEXTN_DEPTH):
             for b in range(len(sequences)):
                 torch.testing.assert_close(mtp_logits[depth][b], reference[depth][b], **GPU_FP32_TOL)
-    prompts = [[5, 17, 33, 2, 90, 41], [7, 7, 60, 12]]
-    outputs = []
-    for num_speculative_tokens in (0, 2):
-        config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=2, block_size_tokens=16,
-                                 max_model_len=64, max_tokens_per_step=64, cuda_graph_batch_sizes=(1, 2))
-        controller = TextGenerationController(model, config, seed=0)
-        outputs.append([list(r.output_tokens) for r in controller.generate(prompts, SamplingParams(max_new_tokens=12))])
-    assert outputs[0] == outputs[1]
+    assert _graph_outputs(model, 2) == _graph_outputs(model, 0)
     bf16 = load_hf_checkpoint(tmp_path, device="cuda", dtype=torch.bfloat16)
     biases = [b for name, b in bf16.named_buffers() if name.endswith("router.expert_bias")]
     assert biases and all(b.dtype == torch.float32 for b in biases)
@@ -93,7 +96,6 @@ def test_gdn_hybrids_on_cuda_match_transformers_and_speculate_losslessly(tmp_pat
     with CUDA graphs gives S = 2 == S = 0; bf16 loads."""
     import transformers
 
-    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
     from tests.unit import hf_gdn_fixtures
 
     needed = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}[family]
@@ -113,13 +115,6 @@ def test_gdn_hybrids_on_cuda_match_transformers_and_speculate_losslessly(tmp_pat
     torch.testing.assert_close(decoder, expected, **GPU_FP32_TOL)
     for ours, theirs in zip(mtp_logits, reference):
         torch.testing.assert_close(ours, theirs, **GPU_FP32_TOL)
-    prompts = [[5, 17, 33, 2, 90, 41], [7, 7, 60, 12]]
-    outputs = []
-    for num_speculative_tokens in (0, 2):
-        config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=2, block_size_tokens=16,
-                                 max_model_len=64, max_tokens_per_step=64, cuda_graph_batch_sizes=(1, 2))
-        controller = TextGenerationController(model, config, seed=0)
-        outputs.append([list(r.output_tokens) for r in controller.generate(prompts, SamplingParams(max_new_tokens=12))])
-    assert outputs[0] == outputs[1]
+    assert _graph_outputs(model, 2) == _graph_outputs(model, 0)
     bf16 = load_hf_checkpoint(tmp_path, device="cuda", dtype=torch.bfloat16)
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}

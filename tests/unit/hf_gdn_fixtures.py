@@ -16,6 +16,7 @@ from typing import Dict, List
 
 import torch
 
+from tests.unit.hf_moe_fixtures import hub_layout
 from tests.unit.megatron_fixtures import MAX_SEQUENCE_LENGTH, VOCAB_SIZE, allocate_kv_caches, make_metadata
 
 MTP_DEPTH = 2  # released checkpoints ship 1; 2 lets the controller run S = 2 (the fc and norms are shared)
@@ -78,22 +79,6 @@ def _text_model(model):
     return getattr(model.model, "language_model", model.model)
 
 
-def _layer_tensors(layer) -> Dict[str, torch.Tensor]:
-    """A decoder layer's tensors as the hub stores them (experts one by one, as save_pretrained writes)."""
-    tensors = {}
-    for name, tensor in layer.state_dict().items():
-        if name == "mlp.experts.gate_up_proj":
-            for expert, (gate, up) in enumerate(zip(*tensor.chunk(2, dim=1))):
-                tensors[f"mlp.experts.{expert}.gate_proj.weight"] = gate.clone()
-                tensors[f"mlp.experts.{expert}.up_proj.weight"] = up.clone()
-        elif name == "mlp.experts.down_proj":
-            for expert, down in enumerate(tensor):
-                tensors[f"mlp.experts.{expert}.down_proj.weight"] = down.clone()
-        else:
-            tensors[name] = tensor.clone()
-    return tensors
-
-
 @torch.no_grad()
 def write_checkpoint(family: str, directory: Path, seed: int = 0):
     """``save_pretrained`` of a random ``family`` model plus MTP_DEPTH MTP layers (a second shard:
@@ -119,7 +104,7 @@ def write_checkpoint(family: str, directory: Path, seed: int = 0):
         _randomise(layer_model, generator)
         _text_model(layer_model).norm.weight.copy_(mtp["mtp.norm.weight"])
         mtp.update({f"mtp.layers.{depth}.{name}": tensor
-                    for name, tensor in _layer_tensors(_text_model(layer_model).layers[0]).items()})
+                    for name, tensor in hub_layout(_text_model(layer_model).layers[0]).items()})
         layer_models.append(layer_model)
     save_file(mtp, str(directory / "model-mtp.safetensors"), metadata={"format": "pt"})
     weight_map = {name: "model.safetensors" for name in model.state_dict()}
