@@ -360,32 +360,22 @@ def read_local_tensor(source: ParameterSource, parameter: torch.Tensor, shards: 
     def read(name: str, dim: int = 0, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
         return shards.read(name, dim, start, stop).to(device)
 
-    if source.layout is Layout.QKV:
-        # rank r holds query groups [r * G_local, (r + 1) * G_local): contiguous rows of q, k and v
-        head_dim, groups_local = config.kv_channels, config.num_query_groups // tp_size
-        q_rows = config.num_attention_heads // config.num_query_groups * head_dim  # query rows per group
-        first = tp_rank * groups_local
-        q = read(source.hf_names[0], 0, first * q_rows, (first + groups_local) * q_rows)  # [G_l * q_rows, ...]
-        k = read(source.hf_names[1], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
-        v = read(source.hf_names[2], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
-        rest = tuple(q.shape[1:])
-        grouped = torch.cat((q.reshape(groups_local, q_rows, *rest), k.reshape(groups_local, head_dim, *rest),
-                             v.reshape(groups_local, head_dim, *rest)), dim=1)  # [G_l, q_rows + 2 D, ...]
-        return grouped.reshape(-1, *rest)
-    if source.layout is Layout.QKV_GATED:
-        # q_proj rows per head: [q_h; gate_h]; megatron per group: [q heads; their gates; k; v]
+    if source.layout in (Layout.QKV, Layout.QKV_GATED):
+        # rank r holds query groups [r * G_local, (r + 1) * G_local): contiguous rows of q, k and v.
+        # Gated: q_proj holds per head [q_h; gate_h], megatron per group [its q heads; their gates; k; v]
         head_dim, groups_local = config.kv_channels, config.num_query_groups // tp_size
         heads_per_group = config.num_attention_heads // config.num_query_groups
+        gated = source.layout is Layout.QKV_GATED
+        q_rows = heads_per_group * head_dim * (2 if gated else 1)  # q_proj rows per group
         first = tp_rank * groups_local
-        q_rows = heads_per_group * 2 * head_dim  # query + gate rows of one group
         q = read(source.hf_names[0], 0, first * q_rows, (first + groups_local) * q_rows)  # [G_l * q_rows, ...]
         k = read(source.hf_names[1], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
         v = read(source.hf_names[2], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
         rest = tuple(q.shape[1:])
-        q = q.reshape(groups_local, heads_per_group, 2, head_dim, *rest)
-        grouped = torch.cat((q[:, :, 0].reshape(groups_local, -1, *rest), q[:, :, 1].reshape(groups_local, -1, *rest),
-                             k.reshape(groups_local, head_dim, *rest), v.reshape(groups_local, head_dim, *rest)),
-                            dim=1)  # [G_l, q_rows + 2 D, ...]
+        if gated:  # [G_l, heads, 2, D, ...] -> the group's queries, then their gates
+            q = q.reshape(groups_local, heads_per_group, 2, head_dim, *rest).transpose(1, 2)
+        grouped = torch.cat((q.reshape(groups_local, q_rows, *rest), k.reshape(groups_local, head_dim, *rest),
+                             v.reshape(groups_local, head_dim, *rest)), dim=1)  # [G_l, q_rows + 2 D, ...]
         return grouped.reshape(-1, *rest)
     if source.layout is Layout.SECTIONS:  # each TP section: this rank's contiguous share
         sections, pieces = getattr(parameter, TP_SECTIONS_ATTR), []
