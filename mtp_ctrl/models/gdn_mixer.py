@@ -11,10 +11,13 @@ buffers and commit as Mamba-2 layers: ``conv_states`` hold the conv windows, ``s
 ``[H, K, V]`` delta-rule states):
 
 - decode requests (``1 + S`` rows each): the conv over their rows from the slot's window (the
-  window after every row goes to the intermediate buffer), then ``gdn_decode_rows``, which writes
-  the state after every row to the intermediate buffer; the controller commits the one after the
-  last accepted row (``mamba_state_selective_copy``), so a rejected draft never touches the
-  current state and a step with no drafts or none accepted leaves plain decoding's state;
+  window after every row goes to the intermediate buffer), then ``gdn_verify_rows``, which reads
+  the slot's state once and stores each row's ``(k, v, g, beta)`` (``MambaForward.verify_row_inputs``);
+  the controller's commit replays the accepted rows from the current state
+  (``gdn_replay_accepted``; the conv window by ``mamba_state_selective_copy``), so a rejected
+  draft never touches the current state and a step with no drafts or none accepted leaves plain
+  decoding's state. Given ``intermediate_ssm_states`` instead, ``gdn_decode_rows`` writes the
+  state after every row there and the commit copies one (the older, costlier path);
 - prefill segments: ``causal_conv_varlen`` (Mamba's varlen conv: same depthwise conv + silu) and
   ``gdn_varlen_scan`` from the slot's state, written back; fixed shapes, so a mixed step is
   captured in a CUDA graph like a decode step.
@@ -218,8 +221,8 @@ class PagedGatedDeltaNet(MegatronModule):
 
     def _decode(self, ops, mamba: MambaForward, qkv, g, beta, weight, conv_bias) -> torch.Tensor:
         """The ``1 + S`` rows of each of nd decode requests (the first ``nd (1 + S)`` rows, zero past T)
-        -> o ``[nd (1 + S), H, V]``; the conv window and the rule's state after every row go to the
-        slot's intermediate buffers (the current ones are only read)."""
+        -> o ``[nd (1 + S), H, V]``; the conv window after every row goes to the slot's intermediate
+        buffer, and each row's inputs (or state) for the commit (module docstring)."""
         layer, slots = self.mamba_layer_index, mamba.decode_slot_ids  # slots: [nd] int64
         num_requests, stride = slots.shape[0], mamba.rows_per_decode_request
         count = num_requests * stride
@@ -234,8 +237,10 @@ class PagedGatedDeltaNet(MegatronModule):
             .permute(0, 2, 1, 3).to(mamba.intermediate_conv_states.dtype)  # [nd, R, C, W - 1]
         # contiguous first: with one request, reshape would keep the transpose's strides (q's last dim stride R)
         q, k, v = self._heads(conv_out.transpose(1, 2).contiguous().view(count, self.conv_channels))
-        return ops.gdn_decode_rows(mamba.ssm_states, mamba.intermediate_ssm_states, layer, slots, q, k, v,
-                                   _first_rows(g, count), _first_rows(beta, count))
+        g, beta = _first_rows(g, count), _first_rows(beta, count)
+        if mamba.verify_row_inputs is not None:  # the rows' inputs stored; the commit replays the accepted ones
+            return ops.gdn_verify_rows(mamba.ssm_states, mamba.verify_row_inputs, layer, slots, q, k, v, g, beta)
+        return ops.gdn_decode_rows(mamba.ssm_states, mamba.intermediate_ssm_states, layer, slots, q, k, v, g, beta)
 
     def _prefill(self, ops, mamba: MambaForward, qkv, g, beta, weight, conv_bias):
         """Every prefill segment of the packed rows at once -> (o ``[T, H, V]``, 0 outside the segments;
