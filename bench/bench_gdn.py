@@ -3,10 +3,12 @@ kernel against flash-linear-attention, and end-to-end decode at S = 0 vs S = 2.
 
     python bench/bench_gdn.py [--quick] [--skip-e2e]
 
-1. ``gdn_decode_rows`` (one layer: 32 value heads, 16 key heads, K = V = 128, fp32 state): state
-   bytes moved per step (read the committed state once, write 1 + S intermediate states) / kernel
-   time, against a same-run device copy's bandwidth, at batch 1, 32, 128 and S = 0, 2, 4; and the
-   S = 2 kernel time over the S = 0 one (the issue's target: <= 1.5x).
+1. The decode/verify rows and their commit (one layer: 32 value heads, 16 key heads, K = V = 128,
+   fp32 state), at batch 1, 32, 128 and S = 0, 2, 4: the old path (``gdn_decode_rows`` writes
+   1 + S states, the commit copies one) against the replay path (``gdn_verify_rows`` reads the
+   state once and stores the rows' inputs; ``gdn_replay_accepted`` steps the accepted rows from the
+   committed state); state bytes / time against a same-run device copy's bandwidth, and each
+   path's S = 2 step over its S = 0 step (the issue's target: <= 1.5x).
 2. ``gdn_varlen_scan`` (ours, recurrent, one segment) vs fla-core's ``chunk_gated_delta_rule``
    (chunked, from the same initial state, final state out): tokens/s at chunk 64 .. 8192 (fla
    only when installed).
@@ -43,7 +45,14 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mtp_ctrl.triton_ops import gdn_decode_rows, gdn_varlen_scan  # noqa: E402
+from mtp_ctrl.triton_ops import (  # noqa: E402
+    gdn_decode_rows,
+    gdn_replay_accepted,
+    gdn_row_input_width,
+    gdn_varlen_scan,
+    gdn_verify_rows,
+    mamba_state_selective_copy,
+)
 
 
 def _time_ms(fn, device, repeats):
@@ -84,26 +93,53 @@ def copy_bandwidth_gbs(device, num_bytes):
 
 
 def decode_kernel_table(device, shape, batches, drafts):
+    """Per step of one layer: the old path (``gdn_decode_rows`` writes 1 + S states, the commit copies
+    one) against the replay path (``gdn_verify_rows`` reads the state and stores the rows' inputs,
+    ``gdn_replay_accepted`` steps the accepted rows: every draft accepted, the most work). Returns
+    {(path, batch, S): us}."""
     key_heads, heads, key_dim, value_dim = shape
     state_bytes = heads * key_dim * value_dim * 4
     copy_gbs = copy_bandwidth_gbs(device, max(batches) * state_bytes * (2 + max(drafts)))
-    print(f"\n1. gdn_decode_rows, one layer ({heads} value heads, {key_heads} key heads, K = {key_dim}, V = {value_dim}, "
-          f"fp32 state {state_bytes / 2**20:.1f} MiB per request); same-run device copy {copy_gbs:.0f} GB/s")
-    print(f"{'batch':>5} {'S':>2} {'us':>9} {'state MB':>9} {'GB/s':>7} {'of copy':>8} {'vs S=0':>7}")
+    width = gdn_row_input_width(key_heads, key_dim, heads, value_dim)
+    print(f"\n1. GDN decode/verify state traffic per step, one layer ({heads} value heads, {key_heads} key heads, "
+          f"K = {key_dim}, V = {value_dim}, fp32 state {state_bytes / 2**20:.1f} MiB per request, row inputs "
+          f"{width * 4 / 2**10:.1f} KiB); same-run device copy {copy_gbs:.0f} GB/s. old: gdn_decode_rows + copy "
+          "commit (moves 1 + (1 + S) + 2 states); verify: gdn_verify_rows (reads 1 state; S = 0 also writes it); "
+          "replay: gdn_replay_accepted, all drafts accepted (reads + writes 1 state); 'of copy' = state bytes / time "
+          "/ copy GB/s")
+    print(f"{'batch':>5} {'S':>2} | {'old us':>8} {'of copy':>7} {'vs S=0':>6} | {'verify us':>9} {'of copy':>7} "
+          f"{'replay us':>9} {'of copy':>7} {'total us':>8} {'vs S=0':>6}")
+    times = {}
     for batch in batches:
-        base = None
         for S in drafts:
             R = S + 1
             states = torch.zeros(1, batch + 1, heads, key_dim, value_dim, device=device)
             inter = torch.zeros(1, batch + 1, R, heads, key_dim, value_dim, device=device)
+            row_inputs = torch.zeros(1, batch + 1, R, width, device=device)
             slots = torch.arange(batch, device=device)
+            status = torch.zeros(batch, dtype=torch.int64, device=device)
+            accepted = torch.full((batch,), S, dtype=torch.int64, device=device)
             rows = _rows(batch * R, key_heads, heads, key_dim, value_dim, device)
-            ms = _time_ms(lambda: gdn_decode_rows(states, inter, 0, slots, **rows), device, 20)
-            moved = batch * state_bytes * (1 + R)  # read once, write 1 + S
-            base = ms if S == 0 else base
-            gbs = moved / ms / 1e6
-            print(f"{batch:5d} {S:2d} {ms * 1e3:9.1f} {moved / 1e6:9.1f} {gbs:7.0f} {gbs / copy_gbs:7.0%} "
-                  f"{ms / base:6.2f}x")
+
+            def old_step():
+                gdn_decode_rows(states, inter, 0, slots, **rows)
+                mamba_state_selective_copy(inter, states, status, slots, accepted, 1)
+            old_us = _time_ms(old_step, device, 20) * 1e3
+            verify_us = _time_ms(lambda: gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, 20) * 1e3
+            replay_us = 0.0
+            if S > 0:
+                replay_us = _time_ms(lambda: gdn_replay_accepted(states, row_inputs, status, slots, accepted,
+                                                                 key_heads), device, 20) * 1e3
+            times.update({("old", batch, S): old_us, ("replay", batch, S): verify_us + replay_us})
+
+            def share(states_moved, us):
+                return f"{batch * state_bytes * states_moved / us / 1e3 / copy_gbs:7.0%}"
+            replay_cells = f"{replay_us:9.1f} {share(2, replay_us)}" if S else f"{'-':>9} {'-':>7}"
+            print(f"{batch:5d} {S:2d} | {old_us:8.1f} {share(1 + R + 2, old_us)} "
+                  f"{old_us / times[('old', batch, 0)]:5.2f}x | {verify_us:9.1f} {share(1 if S else 2, verify_us)} "
+                  f"{replay_cells} {verify_us + replay_us:8.1f} "
+                  f"{(verify_us + replay_us) / times[('replay', batch, 0)]:5.2f}x")
+    return times
 
 
 def prefill_table(device, shape, chunks):

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import SamplingParams, TextGenerationController
-from mtp_ctrl.triton_ops import gdn_decode_rows, gdn_varlen_scan, reference
+from mtp_ctrl.triton_ops import (
+    gdn_decode_rows,
+    gdn_replay_accepted,
+    gdn_row_input_width,
+    gdn_varlen_scan,
+    gdn_verify_rows,
+    reference,
+)
 from tests.functional.test_controller_gpu import (
     PROMPTS,
     SyncCheckedController,
@@ -40,6 +47,33 @@ def test_kernels_equal_twins_on_the_gpu():
     want, _ = reference.gdn_varlen_scan(want_pool, **inputs, row_start=starts, row_count=counts, slot_ids=seg_slots)
     torch.testing.assert_close(o, want, rtol=1e-3, atol=1e-3)  # recurrent vs chunked form
     torch.testing.assert_close(pool, want_pool, rtol=1e-3, atol=1e-3)
+
+
+def test_verify_and_replay_kernels_equal_twins_on_the_gpu():
+    """Qwen3-Next's head shape: verify rows (R = 3, padding past T on a shared scratch slot, and
+    R = 1 in place) and the replay commit (prefill, none, some and all accepted) == the twins."""
+    inputs = {name: value.cuda() for name, value in rows(3, 40, key_heads=16, heads=32, key_dim=128,
+                                                          value_dim=128).items()}
+    generator = torch.Generator().manual_seed(4)
+    states = torch.randn(2, 9, 32, 128, 128, generator=generator).cuda() * 0.1
+    row_inputs = torch.zeros(2, 9, 3, gdn_row_input_width(16, 128, 32, 128), device="cuda")
+    want_states, want_inputs = states.clone(), row_inputs.clone()
+    slots = torch.tensor([3, 0, 7, 1, 8, 8, 8, 8, 8, 8, 8], device="cuda")  # 8: a shared scratch slot (33 rows > T)
+    for layer in (0, 1):
+        o = gdn_verify_rows(states, row_inputs, layer, slots, **inputs)
+        want = reference.gdn_verify_rows(want_states, want_inputs, layer, slots, **inputs)
+        torch.testing.assert_close(o[:12], want[:12], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(row_inputs[:, :8], want_inputs[:, :8])
+    assert torch.equal(states, want_states)  # verify rows only read the state
+    status, accepted = torch.tensor([0, 0, 0, 1, 0], device="cuda"), torch.tensor([2, 0, 1, 2, 1], device="cuda")
+    gdn_replay_accepted(states, row_inputs, status, slots[:5], accepted, 16)
+    reference.gdn_replay_accepted(want_states, row_inputs, status, slots[:5], accepted, 16)
+    torch.testing.assert_close(states[:, :8], want_states[:, :8], rtol=1e-4, atol=1e-4)
+    one_row = row_inputs[:, :, :1]
+    o = gdn_verify_rows(states, one_row, 0, slots[:4], **inputs)
+    want = reference.gdn_verify_rows(want_states, one_row.clone(), 0, slots[:4], **inputs)
+    torch.testing.assert_close(o, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(states[:, :8], want_states[:, :8], rtol=1e-4, atol=1e-4)
 
 
 def test_mixer_equals_megatron_gated_delta_net_with_fla():
