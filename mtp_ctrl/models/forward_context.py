@@ -56,6 +56,9 @@ class MambaForward:
     prefill_slot_ids: Optional[torch.Tensor] = None  # [n] int64 on the device
     # Gated DeltaNet slots: each verify row's (k, v, g, beta) instead of its state (gdn_verify_rows)
     verify_row_inputs: Optional[torch.Tensor] = None  # [Lm, M, 1 + S, F] fp32
+    # the real prefill segments as the host planned them: (segment index, first row, rows) each. Host
+    # values: a layer may only use them outside CUDA-graph capture (Gated DeltaNet's long chunks)
+    host_prefill_segments: Tuple[Tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
         given = [name for name in ("prefill_row_start", "prefill_row_count", "prefill_slot_ids")
@@ -92,11 +95,15 @@ class MambaForward:
             decode_slot_ids = torch.where(request_index < decode_limit, decode_slot_ids, slots.scratch_slot)
         prefill = {}
         if not step.decode_only:
+            starts = step.host_query_start_loc.tolist()  # host-ok: a CPU tensor
+            prefill["host_prefill_segments"] = tuple(
+                (index, starts[index], starts[index + 1] - starts[index])
+                for index in range(step.num_decode, step.num_decode + step.num_prefill))
             grid = step.attention.batch_size  # G
             query_start_loc = step.attention.query_start_loc[: grid + 1].long()  # [G + 1] int64
             request_index = torch.arange(grid, device=query_start_loc.device)
             prefilling = (request_index >= step.device_num_decode) & (request_index < step.num_active)  # [G] bool
-            prefill = dict(
+            prefill.update(
                 prefill_row_start=query_start_loc[:-1],
                 prefill_row_count=torch.where(prefilling, query_start_loc[1:] - query_start_loc[:-1], 0),
                 prefill_slot_ids=torch.where(prefilling, slot_ids[:grid], slots.scratch_slot),

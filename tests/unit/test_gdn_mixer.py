@@ -261,3 +261,44 @@ def test_kernels_equal_twins_for_one_decode_request(layers, path):
     for name in ("intermediate_conv_states", "intermediate_ssm_states", "verify_row_inputs"):
         if slots_k.get(name) is not None:
             torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_long_prefill_segments_go_to_fla_in_eager_steps(layers, monkeypatch):
+    """Segments of >= fla_prefill_min_rows rows (host layout) run through fla-core's chunked rule
+    (here a stand-in computing the twin's rule, as fla is CUDA-only), the rest through our scan;
+    outputs and states equal the all-ours step. Without the host layout or with the threshold
+    None, fla is never called."""
+    from mtp_ctrl.models import gdn_mixer
+    from mtp_ctrl.triton_ops import reference
+
+    calls = []
+
+    def stand_in(q, k, v, g, beta, scale, initial_state, output_final_state):
+        assert scale == 1.0 and output_final_state and q.shape[0] == 1
+        rows = torch.tensor([q.shape[1]])
+        calls.append(q.shape[1])
+        o, final = reference.gdn_varlen_scan(initial_state, q[0], k[0], v[0], g[0], beta[0], torch.tensor([0]), rows)
+        return o[None], final
+
+    monkeypatch.setattr(gdn_mixer, "fla_chunk_rule", lambda: stand_in)
+    ours = PagedGatedDeltaNet(gdn_config(), layer_number=1).eval()
+    ours.load_state_dict(layers[0].state_dict())
+    ours.mamba_layer_index, ours.mamba_kernels = 0, True
+    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(12))
+    results = []
+    for threshold, host in ((None, True), (5, False), (5, True)):
+        ours.fla_prefill_min_rows = threshold
+        slots = make_slots(ours, 4, "replay")
+        slots["ssm_states"].copy_(torch.randn(slots["ssm_states"].shape, generator=torch.Generator().manual_seed(2)))
+        mamba = MambaForward(**slots, decode_slot_ids=torch.tensor([], dtype=torch.int64),
+                             prefill_row_start=torch.tensor([0, 6, 9]), prefill_row_count=torch.tensor([6, 3, 0]),
+                             prefill_slot_ids=torch.tensor([2, 0, 3]),
+                             host_prefill_segments=((0, 0, 6), (1, 6, 3)) if host else ())
+        metadata = make_metadata([list(range(12))], [(0, hidden.shape[0])])
+        with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
+            results.append((ours(hidden[:, None])[0][:, 0], slots))
+    assert calls == [6]  # the 6-row segment only, and only with the host layout
+    (want, want_slots), _, (got, got_slots) = results
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for name in ("conv_states", "ssm_states"):
+        torch.testing.assert_close(got_slots[name], want_slots[name], rtol=1e-4, atol=1e-4)
