@@ -14,9 +14,8 @@ kernel against flash-linear-attention, and end-to-end decode at S = 0 vs S = 2.
    only when installed).
 3. End to end: a Qwen3-Next-shaped hybrid scaled to one GPU (24 layers GDN : attention 3 : 1,
    hidden 2048, gated attention 16 heads over 2 KV groups of 256 with q/k norm and rotary on a
-   quarter, 2 MTP layers (S = 2 needs MTP depth 2: drafting several tokens with Qwen3-Next's one
-   MTP layer is not implemented), bf16, random weights: no draft is accepted, the worst case of
-   speculation) with CUDA graphs: median wall ms of a decode step and tokens/s at S = 0 and 2,
+   quarter, 1 MTP layer as Qwen3-Next ships, rerun for depth 2 (``mtp_reuse_last_layer``), bf16,
+   random weights: no draft is accepted, the worst case of speculation) with CUDA graphs: median wall ms of a decode step and tokens/s at S = 0 and 2,
    batch 1, 8, 32.
 
 ``--quick`` runs tiny shapes on the CPU (the torch twins; no fla, no end to end): a smoke test of
@@ -191,7 +190,7 @@ def end_to_end_table(batches, steps):
     vocab = 32768
     config = TransformerConfig(
         num_layers=24, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, num_query_groups=2,
-        kv_channels=256, mtp_num_layers=2, hidden_dropout=0.0, attention_dropout=0.0,
+        kv_channels=256, mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm", activation_func=F.silu,
         gated_linear_unit=True, qk_layernorm=True, attention_output_gate=True,
         experimental_attention_variant="gated_delta_net", linear_attention_freq=4, linear_key_head_dim=128,
@@ -200,15 +199,16 @@ def end_to_end_table(batches, steps):
 
     model_parallel_cuda_manual_seed(0)  # weights initialised on the GPU (a CPU init of 1B parameters is slow)
     model = build_gpt_model(config, vocab_size=vocab, max_sequence_length=4096, rotary_percent=0.25).cuda().eval()
-    print("\n3. end to end: 24-layer Qwen3-Next-shaped hybrid (18 GDN + 6 gated attention), hidden 2048, 2 MTP layers, "
-          "bf16, random weights (0 drafts accepted), CUDA graphs; median ms per decode step (whole step)")
+    print("\n3. end to end: 24-layer Qwen3-Next-shaped hybrid (18 GDN + 6 gated attention), hidden 2048, 1 MTP layer "
+          "(S = 2 reruns it: mtp_reuse_last_layer), bf16, random weights (0 drafts accepted), CUDA graphs; median ms "
+          "per decode step (whole step)")
     print(f"{'batch':>5} {'S':>2} {'step ms':>8} {'tok/s':>8}")
     for batch in batches:
         for S in (0, 2):
             inference = InferenceConfig(num_speculative_tokens=S, max_requests=max(batches), block_size_tokens=16,
                                         max_model_len=1024, max_tokens_per_step=2048,
                                         cuda_graph_batch_sizes=tuple(sorted({1, 8, max(batches)})),
-                                        mtp_attention="paged")
+                                        mtp_attention="paged", mtp_reuse_last_layer=True)
             controller = TextGenerationController(model, inference)
             times = timed_decode_steps(controller, batch, vocab, 128, max_new_tokens=400, warmup_steps=5, steps=steps)
             controller.close()
@@ -226,7 +226,7 @@ def main(args):
     device, shape = torch.device("cuda"), (16, 32, 128, 128)
     print(torch.cuda.get_device_name())
     decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4))
-    prefill_table(device, shape, (64, 256, 1024, 4096, 8192))
+    prefill_table(device, shape, (64, 256, 512, 1024, 4096, 8192))
     if not args.skip_e2e:
         end_to_end_table((1, 8, 32), steps=20)
 
