@@ -107,6 +107,39 @@ def test_mixer_equals_megatron_gated_delta_net_with_fla():
     torch.testing.assert_close(torch.cat(got), want, rtol=5e-3, atol=5e-3)  # fla's chunk kernel: TF32 dots
 
 
+def test_long_prefill_through_fla_equals_our_scan():
+    """An eager prefill step with a 1100-row segment (>= FLA_PREFILL_MIN_ROWS: fla-core's chunked
+    kernel) beside a 7-row one (ours) == the same step all through our scan, outputs and states."""
+    pytest.importorskip("fla")
+    from mtp_ctrl.models import MambaForward, PagedGatedDeltaNet
+    from mtp_ctrl.models.forward_context import paged_forward_context
+    from tests.unit.gdn_fixtures import gdn_config
+    from tests.unit.megatron_fixtures import make_metadata
+    from tests.unit.test_gdn_mixer import HIDDEN, make_slots
+
+    ensure_single_process_groups()
+    torch.manual_seed(6)
+    mixer = PagedGatedDeltaNet(gdn_config(), layer_number=1).cuda().eval()
+    mixer.mamba_layer_index = 0
+    hidden = torch.randn(1107, HIDDEN, generator=torch.Generator().manual_seed(3)).cuda() * 0.5
+    results = []
+    for threshold in (1024, None):
+        mixer.fla_prefill_min_rows = threshold
+        slots = {name: (value.cuda() if value is not None else None) for name, value in make_slots(mixer, 3, "replay").items()}
+        slots["ssm_states"].normal_(generator=torch.Generator("cuda").manual_seed(1)).mul_(0.1)
+        mamba = MambaForward(**slots, decode_slot_ids=torch.zeros(0, dtype=torch.int64, device="cuda"),
+                             prefill_row_start=torch.tensor([0, 1100], device="cuda"),
+                             prefill_row_count=torch.tensor([1100, 7], device="cuda"),
+                             prefill_slot_ids=torch.tensor([2, 0], device="cuda"),
+                             host_prefill_segments=((0, 0, 1100), (1, 1100, 7)))
+        metadata = make_metadata([list(range(300))], [(0, hidden.shape[0])], device="cuda")
+        with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
+            results.append((mixer(hidden[:, None])[0][:, 0], slots))
+    (fla_out, fla_slots), (ours_out, ours_slots) = results
+    torch.testing.assert_close(fla_out, ours_out, rtol=5e-3, atol=5e-3)  # fla's chunk kernel: TF32 dots
+    torch.testing.assert_close(fla_slots["ssm_states"], ours_slots["ssm_states"], rtol=5e-3, atol=5e-3)
+
+
 @pytest.fixture(scope="module")
 def gdn_model():
     ensure_single_process_groups()
