@@ -119,7 +119,9 @@ def test_long_prefill_through_fla_equals_our_scan():
 
     ensure_single_process_groups()
     torch.manual_seed(6)
-    mixer = PagedGatedDeltaNet(gdn_config(), layer_number=1).cuda().eval()
+    # fla's tiles want head dims of 16 and more; 64 as its own tests use
+    mixer = PagedGatedDeltaNet(gdn_config(linear_key_head_dim=64, linear_value_head_dim=64), layer_number=1)
+    mixer = mixer.cuda().eval()
     mixer.mamba_layer_index = 0
     hidden = torch.randn(1107, HIDDEN, generator=torch.Generator().manual_seed(3)).cuda() * 0.5
     results = []
@@ -136,8 +138,10 @@ def test_long_prefill_through_fla_equals_our_scan():
         with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
             results.append((mixer(hidden[:, None])[0][:, 0], slots))
     (fla_out, fla_slots), (ours_out, ours_slots) = results
-    torch.testing.assert_close(fla_out, ours_out, rtol=5e-3, atol=5e-3)  # fla's chunk kernel: TF32 dots
-    torch.testing.assert_close(fla_slots["ssm_states"], ours_slots["ssm_states"], rtol=5e-3, atol=5e-3)
+    # fla's chunk kernel computes with TF32 dots; a wrong slot or row would be off by O(1)
+    torch.testing.assert_close(fla_out, ours_out, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fla_slots["ssm_states"], ours_slots["ssm_states"], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fla_slots["conv_states"], ours_slots["conv_states"])
 
 
 @pytest.fixture(scope="module")
