@@ -1,7 +1,7 @@
 """Gated DeltaNet hybrids (Qwen3-Next shape): the decode/verify kernel's state traffic, the prefill
 kernel against flash-linear-attention, and end-to-end decode at S = 0 vs S = 2.
 
-    python bench/bench_gdn.py [--quick] [--skip-e2e]
+    python bench/bench_gdn.py [--quick] [--skip-e2e] [--tune]
 
 1. The decode/verify rows and their commit (one layer: 32 value heads, 16 key heads, K = V = 128,
    fp32 state), at batch 1, 32, 128 and S = 0, 2, 4: the old path (``gdn_decode_rows`` writes
@@ -31,6 +31,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a smoke test)")
     parser.add_argument("--skip-e2e", action="store_true", help="kernels only")
+    parser.add_argument("--tune", action="store_true",
+                        help="only sweep the verify and replay kernels' tiles and warps (batch 32, 128; S = 2)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -141,6 +143,40 @@ def decode_kernel_table(device, shape, batches, drafts):
     return times
 
 
+def tune_table(device, shape, batches, S=2):
+    """The verify and replay kernels at each (max BLOCK_V, num_warps) of their launch
+    (``gdn_replay.VERIFY_TILE`` / ``REPLAY_TILE``): us and state bytes / time against a device copy."""
+    from mtp_ctrl.triton_ops import gdn_replay
+
+    key_heads, heads, key_dim, value_dim = shape
+    state_bytes = heads * key_dim * value_dim * 4
+    copy_gbs = copy_bandwidth_gbs(device, max(batches) * state_bytes * 2)
+    width = gdn_row_input_width(key_heads, key_dim, heads, value_dim)
+    print(f"\n--tune: S = {S}, copy {copy_gbs:.0f} GB/s; verify reads 1 state, replay reads + writes 1")
+    print(f"{'batch':>5} {'BLOCK_V':>7} {'warps':>5} {'verify us':>9} {'of copy':>7} {'replay us':>9} {'of copy':>7}")
+    defaults = dict(gdn_replay.VERIFY_TILE), dict(gdn_replay.REPLAY_TILE)
+    for batch in batches:
+        states = torch.zeros(1, batch + 1, heads, key_dim, value_dim, device=device)
+        row_inputs = torch.zeros(1, batch + 1, S + 1, width, device=device)
+        slots = torch.arange(batch, device=device)
+        status = torch.zeros(batch, dtype=torch.int64, device=device)
+        accepted = torch.full((batch,), S, dtype=torch.int64, device=device)
+        rows = _rows(batch * (S + 1), key_heads, heads, key_dim, value_dim, device)
+        for block_v in (16, 32, 64):
+            for warps in (1, 2, 4, 8):
+                tile = dict(max_block_v=block_v, num_warps=warps)
+                gdn_replay.VERIFY_TILE.update(tile)
+                gdn_replay.REPLAY_TILE.update(tile)
+                verify = _time_ms(lambda: gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, 20) * 1e3
+                replay = _time_ms(lambda: gdn_replay_accepted(states, row_inputs, status, slots, accepted, key_heads),
+                                  device, 20) * 1e3
+                print(f"{batch:5d} {block_v:7d} {warps:5d} {verify:9.1f} "
+                      f"{batch * state_bytes / verify / 1e3 / copy_gbs:7.0%} {replay:9.1f} "
+                      f"{2 * batch * state_bytes / replay / 1e3 / copy_gbs:7.0%}")
+    gdn_replay.VERIFY_TILE.update(defaults[0])
+    gdn_replay.REPLAY_TILE.update(defaults[1])
+
+
 def prefill_table(device, shape, chunks):
     key_heads, heads, key_dim, value_dim = shape
     try:
@@ -220,11 +256,15 @@ def end_to_end_table(batches, steps):
 def main(args):
     if args.quick:
         device, shape = torch.device("cpu"), (2, 4, 16, 16)
+        if args.tune:
+            return tune_table(device, shape, (2,))
         decode_kernel_table(device, shape, (1, 4), (0, 2))
         prefill_table(device, shape, (64, 256))
         return
     device, shape = torch.device("cuda"), (16, 32, 128, 128)
     print(torch.cuda.get_device_name())
+    if args.tune:
+        return tune_table(device, shape, (32, 128))
     decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4))
     prefill_table(device, shape, (64, 256, 512, 1024, 4096, 8192))
     if not args.skip_e2e:

@@ -34,11 +34,15 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, ValidatedSignatures, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
-from mtp_ctrl.triton_ops.gdn_recurrent import MAX_BLOCK_V, _check_rows, _delta_rule_update, _load_row
+from mtp_ctrl.triton_ops.gdn_recurrent import _check_rows, _delta_rule_update, _load_row
 
 _VERIFY_VALIDATED = ValidatedSignatures()
 _REPLAY_VALIDATED = ValidatedSignatures()
 _MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (layers x heads)
+# launch shape of both kernels: value dims per program (its state tile is [K, BLOCK_V] fp32 in
+# registers) and warps. 32 and 4 as gdn_decode_rows; bench_gdn.py --tune sweeps them on a GPU
+VERIFY_TILE = dict(max_block_v=32, num_warps=4)
+REPLAY_TILE = dict(max_block_v=32, num_warps=4)
 
 
 def gdn_row_input_width(key_heads: int, key_dim: int, heads: int, value_dim: int) -> int:
@@ -174,9 +178,9 @@ def _check_replay_args(recurrent_states, row_inputs, prefill_status, slot_ids, a
                       slot_ids=slot_ids, accepted_counts=accepted_counts)
 
 
-def _tiles(key_dim: int, value_dim: int):
+def _tiles(key_dim: int, value_dim: int, max_block_v: int):
     """(BLOCK_K, BLOCK_V, value tiles): the state tile a program keeps in registers."""
-    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(value_dim))
+    block_v = min(max_block_v, triton.next_power_of_2(value_dim))
     return triton.next_power_of_2(key_dim), block_v, triton.cdiv(value_dim, block_v)
 
 
@@ -209,7 +213,7 @@ def gdn_verify_rows(
             raise ValueError(f"{name} must be contiguous in its last dim, got stride {tensor.stride(-1)}")
     if slot_ids.shape[0] == 0:
         return out
-    block_k, block_v, num_tiles = _tiles(key_dim, value_dim)
+    block_k, block_v, num_tiles = _tiles(key_dim, value_dim, VERIFY_TILE["max_block_v"])
     states, inputs = recurrent_states[layer], row_inputs[layer]  # int64 layer offsets, computed here
     _gdn_verify_rows_kernel[(slot_ids.shape[0], heads, num_tiles)](
         states, inputs, slot_ids, q, k, v, g, beta, out,
@@ -217,7 +221,7 @@ def gdn_verify_rows(
         *states.stride(), inputs.stride(0), inputs.stride(1),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *g.stride(), *beta.stride(),
         out.stride(0), out.stride(1),
-        ROWS=rows_per_request, BLOCK_K=block_k, BLOCK_V=block_v)
+        ROWS=rows_per_request, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=VERIFY_TILE["num_warps"])
     return out
 
 
@@ -239,10 +243,10 @@ def gdn_replay_accepted(
     num_layers, _, heads, key_dim, value_dim = recurrent_states.shape
     if prefill_status.shape[0] == 0:
         return None
-    block_k, block_v, num_tiles = _tiles(key_dim, value_dim)
+    block_k, block_v, num_tiles = _tiles(key_dim, value_dim, REPLAY_TILE["max_block_v"])
     _gdn_replay_accepted_kernel[(prefill_status.shape[0], num_layers * heads, num_tiles)](
         recurrent_states, row_inputs, prefill_status, prefill_status.stride(0), slot_ids, slot_ids.stride(0),
         accepted_counts, accepted_counts.stride(0), key_dim, value_dim, heads, key_heads,
         *recurrent_states.stride(), *row_inputs.stride()[:3],
-        ROWS=row_inputs.shape[2], BLOCK_K=block_k, BLOCK_V=block_v)
+        ROWS=row_inputs.shape[2], BLOCK_K=block_k, BLOCK_V=block_v, num_warps=REPLAY_TILE["num_warps"])
     return None
