@@ -27,18 +27,17 @@ import triton
 import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
-from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
-from mtp_ctrl.triton_ops.paged_attn import _MAX_KV_SPLITS, _combine_kv_splits_kernel, check_attention_scalars
+from mtp_ctrl.triton_ops.mla_tiles import MLATiles, mla_tiles
+from mtp_ctrl.triton_ops.paged_attn import _combine_kv_splits_kernel, check_attention_scalars
 
 MAX_LATENT_DIM = 1024
 MAX_ROPE_DIM = 256
-_MIN_TOKENS_PER_SPLIT = 64
+# split-K programs a request at most: batch 1 needs ~4 an SM to fill a GPU (the combine reads
+# every split of a row at once, [splits, rows, dims] <= 4096 fp32 a program)
+MAX_KV_SPLITS = 128
 _INT32_MAX = 2**31 - 1
-# tile shape of the attention kernel: matrix rows (query rows x heads) per program, cached tokens
-# per tile, warps, software-pipeline stages of the cache loads, and split-K programs per SM; the
-# accumulator is [block_m, C] fp32 in registers, so C = 512 wants few rows
-TUNING = dict(target_block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2)  # bench_mla --tune, H100
 
 
 @triton.jit
@@ -154,16 +153,18 @@ def _paged_mla_kernel(
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, NUM_KV_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (query tile, request, head tile x split): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
-    flattened into ``BLOCK_M`` matrix rows, over one split of the request's context.
+    """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
+    flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
+    that read the same cache rows have neighbouring program ids (axis 0), so they run together
+    and all but the first find the rows in L2.
 
     Example: H = 4, BLOCK_H = 4, BLOCK_Q = 2 (a 1 + S = 2 verify): matrix rows 0..7 are
     (row 0, head 0..3), (row 1, head 0..3).
     """
-    q_tile = tl.program_id(0)
-    request = tl.program_id(1)
-    head_tile = tl.program_id(2) // NUM_KV_SPLITS
-    split = tl.program_id(2) % NUM_KV_SPLITS
+    q_tile = tl.program_id(0) // NUM_HEAD_TILES
+    head_tile = tl.program_id(0) % NUM_HEAD_TILES
+    split = tl.program_id(1)
+    request = tl.program_id(2)
     q_start = tl.load(QUERY_START_LOC_PTR + request)
     q_len = tl.load(QUERY_START_LOC_PTR + request + 1) - q_start
     if q_tile * BLOCK_Q < q_len:
@@ -224,7 +225,7 @@ def _paged_mla_kernel(
 
 
 def _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
-                          softmax_scale, max_query_len, max_seq_len, num_kv_splits):
+                          softmax_scale, max_query_len, max_seq_len, num_kv_splits, tiles):
     check_tensor("query_latent", query_latent, dtypes=FLOAT_DTYPES, ndim=3)
     num_tokens, num_heads, latent_dim = query_latent.shape
     check_tensor("query_rope", query_rope, dtypes=(query_latent.dtype,), shape=(num_tokens, num_heads, None))
@@ -246,7 +247,11 @@ def _check_attention_args(query_latent, query_rope, latent_cache, block_table, s
     for name, tensor in (("query_latent", query_latent), ("query_rope", query_rope), ("latent_cache", latent_cache)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    check_attention_scalars(softmax_scale, max_query_len, max_seq_len, num_kv_splits)
+    check_attention_scalars(softmax_scale, max_query_len, max_seq_len, None)
+    if num_kv_splits is not None:
+        check_int("num_kv_splits", num_kv_splits, low=1, high=MAX_KV_SPLITS)
+    if tiles is not None and not isinstance(tiles, MLATiles):
+        raise TypeError(f"tiles must be an MLATiles or None, got {type(tiles).__name__}")
 
 
 def paged_mla_attention(
@@ -261,19 +266,22 @@ def paged_mla_attention(
     max_query_len: Optional[int] = None,
     max_seq_len: Optional[int] = None,
     num_kv_splits: Optional[int] = None,
+    tiles: Optional[MLATiles] = None,
 ) -> torch.Tensor:  # [T, H, C], query_latent's dtype: softmax-weighted latents
     """Causal absorbed MLA attention of packed rows over the paged latent cache (module docstring).
 
     Rows past ``query_start_loc[B]`` and rows of requests with no query rows are zeros.
     ``max_query_len`` / ``max_seq_len`` bound the rows per request and the context (Python ints,
-    no host sync); ``num_kv_splits`` overrides the split-K count (default: from the SM count).
+    no host sync); ``num_kv_splits`` (at most ``MAX_KV_SPLITS``) overrides the split-K count
+    (default: from the SM count and the tiles); ``tiles`` overrides the table's tiles
+    (:func:`mtp_ctrl.triton_ops.mla_tiles.mla_tiles` of H, B and the context bound).
     """
     _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
-                          softmax_scale, max_query_len, max_seq_len, num_kv_splits)
+                          softmax_scale, max_query_len, max_seq_len, num_kv_splits, tiles)
     if not use_triton(query_latent):
         return reference.paged_mla_attention(query_latent, query_rope, latent_cache, block_table, seq_lens,
                                              query_start_loc, softmax_scale, max_query_len=max_query_len,
-                                             max_seq_len=max_seq_len, num_kv_splits=num_kv_splits)
+                                             max_seq_len=max_seq_len, num_kv_splits=num_kv_splits, tiles=tiles)
     num_tokens, num_heads, latent_dim = query_latent.shape
     rope_dim = query_rope.shape[2]
     block_size_tokens, batch_size = latent_cache.shape[1], block_table.shape[0]
@@ -282,20 +290,21 @@ def paged_mla_attention(
     if num_tokens == 0 or batch_size == 0 or query_rows_bound == 0:
         return output
     kv_token_bound = block_table.shape[1] * block_size_tokens if max_seq_len is None else max_seq_len
-    target_m = TUNING["target_block_m"]
-    block_h = min(triton.next_power_of_2(num_heads), max(16, target_m))
-    block_q = min(triton.next_power_of_2(query_rows_bound), max(1, target_m // block_h))
+    if tiles is None:
+        tiles = mla_tiles(num_heads, batch_size, kv_token_bound)
+    block_h = min(triton.next_power_of_2(num_heads), tiles.block_m)
+    block_q = min(triton.next_power_of_2(query_rows_bound), max(1, tiles.block_m // block_h))
     block_m = max(16, block_q * block_h)
-    block_n = TUNING["block_n"]
+    block_n = tiles.block_n
     num_head_tiles = triton.cdiv(num_heads, block_h)
     num_q_tiles = triton.cdiv(query_rows_bound, block_q)
     if num_kv_splits is None:
         num_kv_splits = 1
         if query_latent.is_cuda:
-            wanted = triton.cdiv(TUNING["programs_per_sm"] * sm_count(query_latent.device),
-                                  num_q_tiles * batch_size * num_head_tiles)
-            longest = max(1, triton.cdiv(kv_token_bound, max(_MIN_TOKENS_PER_SPLIT, block_n)))
-            num_kv_splits = max(1, min(wanted, longest, _MAX_KV_SPLITS))
+            wanted = triton.cdiv(tiles.programs_per_sm * sm_count(query_latent.device),
+                                 num_q_tiles * batch_size * num_head_tiles)
+            longest = max(1, kv_token_bound // max(tiles.min_split_tokens, block_n))
+            num_kv_splits = max(1, min(wanted, longest, MAX_KV_SPLITS))
     if num_kv_splits == 1:
         tokens_per_split = _INT32_MAX
         partial_acc = partial_max = partial_sum = output  # unused by the kernel
@@ -305,7 +314,7 @@ def paged_mla_attention(
                                   device=query_latent.device)
         partial_max = torch.empty((num_kv_splits, num_tokens, num_heads), dtype=torch.float32, device=query_latent.device)
         partial_sum = torch.empty_like(partial_max)
-    _paged_mla_kernel[(num_q_tiles, batch_size, num_head_tiles * num_kv_splits)](
+    _paged_mla_kernel[(num_q_tiles * num_head_tiles, num_kv_splits, batch_size)](
         query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
         output, partial_acc, partial_max, partial_sum,
         softmax_scale * math.log2(math.e),
@@ -316,18 +325,20 @@ def paged_mla_attention(
         BLOCK_C=max(16, triton.next_power_of_2(latent_dim)), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         NUM_HEAD_TILES=num_head_tiles, NUM_KV_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32",
-        num_warps=TUNING["num_warps"] if query_latent.is_cuda else 4,
-        num_stages=TUNING["num_stages"] if query_latent.is_cuda else 1,
+        num_warps=tiles.num_warps if query_latent.is_cuda else 4,
+        num_stages=tiles.num_stages if query_latent.is_cuda else 1,
     )
     if num_kv_splits > 1:
         # paged_attn's combine reads our partial layout ([splits, T, H] by query head); its "kv head"
-        # groups are slices of our heads, small enough that a [splits, rows, dims] tile fits registers
+        # groups are slices of our heads, small enough that its [splits, rows, dims] tile stays
+        # within 4096 fp32 (32 registers a thread) at up to MAX_KV_SPLITS splits
         block_s = triton.next_power_of_2(num_kv_splits)
-        combine_group = math.gcd(num_heads, max(1, 256 // block_s))  # a power of two dividing H
-        combine_q = max(1, min(triton.next_power_of_2(query_rows_bound), 64 // combine_group))
+        rows_budget = max(1, 256 // block_s)  # combine matrix rows a program, at 16 dims
+        combine_group = math.gcd(num_heads, rows_budget)  # a power of two dividing H
+        combine_q = max(1, min(triton.next_power_of_2(query_rows_bound), rows_budget // combine_group))
         combine_m = triton.next_power_of_2(combine_q * combine_group)
         block_c = triton.next_power_of_2(latent_dim)
-        block_dc = max(min(16, block_c), min(block_c, 1024 // (block_s * combine_m)))
+        block_dc = max(min(16, block_c), min(block_c, 4096 // (block_s * combine_m)))
         num_d_chunks = triton.cdiv(block_c, block_dc)
         grid = (triton.cdiv(query_rows_bound, combine_q), batch_size, num_heads // combine_group * num_d_chunks)
         _combine_kv_splits_kernel[grid](
