@@ -141,7 +141,8 @@ def rope_and_write_latent_cache(
     return roped
 
 
-@triton.jit
+# request/row counts and split sizes vary step to step: one compiled kernel for all of them
+@triton.jit(do_not_specialize=["num_tokens", "tokens_per_split", "num_head_tiles", "num_kv_splits"])
 def _paged_mla_kernel(
     QUERY_LATENT_PTR, QUERY_ROPE_PTR, CACHE_PTR, BLOCK_TABLE_PTR, SEQ_LENS_PTR, QUERY_START_LOC_PTR,
     OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR,
@@ -149,9 +150,9 @@ def _paged_mla_kernel(
     ql_stride_t, ql_stride_h, qr_stride_t, qr_stride_h, out_stride_t, out_stride_h,
     cache_stride_block, cache_stride_token, block_table_stride_b,
     num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
+    num_head_tiles, num_kv_splits,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, NUM_KV_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
     flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
@@ -161,8 +162,8 @@ def _paged_mla_kernel(
     Example: H = 4, BLOCK_H = 4, BLOCK_Q = 2 (a 1 + S = 2 verify): matrix rows 0..7 are
     (row 0, head 0..3), (row 1, head 0..3).
     """
-    q_tile = tl.program_id(0) // NUM_HEAD_TILES
-    head_tile = tl.program_id(0) % NUM_HEAD_TILES
+    q_tile = tl.program_id(0) // num_head_tiles
+    head_tile = tl.program_id(0) % num_head_tiles
     split = tl.program_id(1)
     request = tl.program_id(2)
     q_start = tl.load(QUERY_START_LOC_PTR + request)
@@ -212,12 +213,12 @@ def _paged_mla_kernel(
             acc = acc * rescale[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision=DOT_PRECISION)
             running_max = new_max
         store_mask = row_valid[:, None] & cmask[None, :]
-        if NUM_KV_SPLITS == 1:
+        if num_kv_splits == 1:
             out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
             out_ptrs = OUTPUT_PTR + rows[:, None] * out_stride_t + heads[:, None] * out_stride_h + cdims[None, :]
             tl.store(out_ptrs, out.to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
         else:
-            # partials [NUM_KV_SPLITS, T, H] (+ [C]), paged_attn's combine layout with one kv head
+            # partials [num_kv_splits, T, H] (+ [C]), paged_attn's combine layout with one kv head
             stat_index = (split * num_tokens + rows) * num_heads + heads  # [BLOCK_M] int64
             tl.store(PARTIAL_MAX_PTR + stat_index, running_max, mask=row_valid)
             tl.store(PARTIAL_SUM_PTR + stat_index, running_sum, mask=row_valid)
@@ -321,9 +322,9 @@ def paged_mla_attention(
         query_latent.stride(0), query_latent.stride(1), query_rope.stride(0), query_rope.stride(1),
         output.stride(0), output.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_table.stride(0),
         num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
+        num_head_tiles, num_kv_splits,
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_C=max(16, triton.next_power_of_2(latent_dim)), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-        NUM_HEAD_TILES=num_head_tiles, NUM_KV_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps if query_latent.is_cuda else 4,
         num_stages=tiles.num_stages if query_latent.is_cuda else 1,
