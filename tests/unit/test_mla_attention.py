@@ -65,10 +65,12 @@ def test_every_table_entry_equals_twin(tiles):
 
 def test_tile_table_lookup():
     by_bounds = dict(TILE_TABLE)
-    assert mla_tiles(16, 1, 8192) is by_bounds[(16, 4, None)]  # TP 8, batch 1: many splits
+    assert mla_tiles(16, 1, 8192) is DEFAULT_TILES
+    assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384)]  # TP 8, batch 32: by context
     assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None)]
-    assert mla_tiles(16, 128, 8192) is by_bounds[(32, None, None)] is DEFAULT_TILES
+    assert mla_tiles(16, 128, 8192) is DEFAULT_TILES
     assert mla_tiles(128, 1, 8192).block_m == mla_tiles(128, 128, 131072).block_m == 64  # 64-head tiles
+    assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
     for (max_heads, max_batch, max_context), tiles in TILE_TABLE:  # every entry is reachable
         assert mla_tiles(max_heads or 4096, max_batch or 4096, max_context or 2**20) is tiles
     with pytest.raises(ValueError, match="block_m"):
