@@ -13,7 +13,10 @@ C + R]``, one tensor per layer, instead of K and V per head.
   the latents (``[C]``; the caller applies the value up-projection after). Every head of a
   request reads the same cache rows, so one program takes many heads (and the ``1 + S`` rows of
   a verify) at once and reads each cached byte once per program. Split-K over the context as in
-  :mod:`mtp_ctrl.triton_ops.paged_attn`, whose combine kernel merges the splits.
+  :mod:`mtp_ctrl.triton_ops.paged_attn`, whose combine kernel merges the splits. The tiles come
+  from a table keyed by the launch's dims (:mod:`mtp_ctrl.triton_ops.mla_tiles`); the programs
+  of one (request, split) that hold different head tiles are launched next to each other, so they
+  can share the cache rows through L2.
 
 Rows: request ``b`` owns rows ``query_start_loc[b] : query_start_loc[b + 1]``; row ``i`` of it
 sits at position ``seq_lens[b] - q_b + i`` and attends causally to the positions up to its own.
@@ -34,7 +37,7 @@ from mtp_ctrl.triton_ops.paged_attn import _combine_kv_splits_kernel, check_atte
 
 MAX_LATENT_DIM = 1024
 MAX_ROPE_DIM = 256
-# split-K programs a request at most: batch 1 needs ~4 an SM to fill a GPU (the combine reads
+# split-K programs a request at most: enough for one request to cover every SM (the combine reads
 # every split of a row at once, [splits, rows, dims] <= 4096 fp32 a program)
 MAX_KV_SPLITS = 128
 _INT32_MAX = 2**31 - 1
@@ -157,7 +160,7 @@ def _paged_mla_kernel(
     """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
     flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
     that read the same cache rows have neighbouring program ids (axis 0), so they run together
-    and all but the first find the rows in L2.
+    and can share those rows through L2.
 
     Example: H = 4, BLOCK_H = 4, BLOCK_Q = 2 (a 1 + S = 2 verify): matrix rows 0..7 are
     (row 0, head 0..3), (row 1, head 0..3).
