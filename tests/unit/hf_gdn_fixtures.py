@@ -150,7 +150,6 @@ def paged_logits(runner, tokens: torch.Tensor, tensor_parallel_size: int = 1, de
     every MTP depth over it -> [depth] [n, V]. ``tokens`` and the caches on ``device``."""
     from mtp_ctrl.models import MambaForward
     from mtp_ctrl.state import MambaStateSlots
-    from mtp_ctrl.triton_ops import mamba_state_selective_copy
     from tests.unit.megatron_fixtures import shifted_tokens
 
     n, blocks = tokens.shape[0], [[3, 0, 2, 1, 4, 5]]
@@ -161,7 +160,8 @@ def paged_logits(runner, tokens: torch.Tensor, tensor_parallel_size: int = 1, de
         metadata = make_metadata(blocks, [(start, end - start)], device=device)
         slot_ids = torch.tensor([slot], device=device)
         mamba = MambaForward(slots.conv_states, slots.ssm_states, slots.intermediate_conv_states,
-                             slots.intermediate_ssm_states, decode_slot_ids=slot_ids if decode else slot_ids[:0],
+                             slots.intermediate_ssm_states, verify_row_inputs=slots.verify_row_inputs,
+                             decode_slot_ids=slot_ids if decode else slot_ids[:0],
                              **({} if decode else dict(prefill_row_start=torch.tensor([0], device=device),
                                                        prefill_row_count=torch.tensor([end - start], device=device),
                                                        prefill_slot_ids=slot_ids)))
@@ -170,9 +170,7 @@ def paged_logits(runner, tokens: torch.Tensor, tensor_parallel_size: int = 1, de
 
     rows = [forward(0, 5, False)[0], forward(5, 8, True)[0]]
     one = torch.ones(1, dtype=torch.int64, device=device)  # slot 1, 1 accepted draft
-    for intermediate, current in ((slots.intermediate_conv_states, slots.conv_states),
-                                  (slots.intermediate_ssm_states, slots.ssm_states)):
-        mamba_state_selective_copy(intermediate, current, torch.zeros_like(one), one, one, slots.num_layers)
+    slots.commit_accepted(torch.zeros_like(one), one, one)  # GDN: replays the accepted rows into the state
     rows.append(forward(7, n, False)[0])
     _, hidden, metadata = forward(0, n, False, slot=0)
     mtp_logits = []

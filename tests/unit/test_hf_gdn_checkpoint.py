@@ -7,7 +7,8 @@ Checked: logits over prefill, verify rows with a state commit after one accepted
 chunked prefill == transformers'; every MTP depth == the reference; the controller's greedy tokens
 == transformers' ``generate``; S = 2 (the loaded MTP layers drafting) == S = 0, greedy and sampled;
 TP = 2 over gloo (heads of the gated QKV, every in_proj section, the conv channels) == transformers;
-refusals name their field.
+the released one-MTP-layer layout drafting S = 2 by rerunning it == transformers' tokens; refusals
+name their field.
 """
 
 import json
@@ -161,3 +162,29 @@ def test_mtp_depth_disagreeing_with_the_files_is_named(checkpoints, tmp_path):
     directory = _copy_with_config(checkpoints, "qwen3_5", tmp_path / "b", mtp_num_hidden_layers=1)
     with pytest.raises(ValueError, match="does not use: 'mtp.layers.1."):
         load_hf_checkpoint(directory, device="cpu")
+
+
+def test_one_mtp_layer_drafts_two_tokens_losslessly(checkpoints, tmp_path, torch_twins):
+    """The released layout: one MTP layer (``mtp.layers.0``); S = 2 reruns it
+    (``mtp_reuse_last_layer``) and the greedy tokens stay transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+
+    directory = _copy_with_config(checkpoints, "qwen3_next", tmp_path, num_nextn_predict_layers=1)
+    mtp = {name: tensor for name, tensor in load_file(str(directory / "model-mtp.safetensors")).items()
+           if not name.startswith("mtp.layers.1.")}
+    save_file(mtp, str(directory / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {name: file for name, file in index["weight_map"].items() if not name.startswith("mtp.layers.1.")}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_hf_checkpoint(directory, device="cpu")
+    assert model.config.mtp_num_layers == 1
+    prompt, new_tokens = [5, 17, 33, 2, 90, 41], 6
+    with torch.no_grad():
+        expected = checkpoints["qwen3_next"][1].generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                                                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    config = InferenceConfig(num_speculative_tokens=2, mtp_reuse_last_layer=True, max_requests=1, block_size_tokens=4,
+                             max_model_len=32, max_tokens_per_step=32)
+    result = TextGenerationController(model, config, seed=0).generate([prompt], SamplingParams(max_new_tokens=new_tokens))
+    assert list(result[0].output_tokens) == expected[0, len(prompt):].tolist()
