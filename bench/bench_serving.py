@@ -36,6 +36,9 @@ def parse_args():
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-requests", type=int, default=32, help="the server's rows (--max-requests)")
     parser.add_argument("--speculative-tokens", default="0,2", help="S values to serve, comma-separated")
+    parser.add_argument("--client-processes", default="1",
+                        help="client processes sharing the load, comma-separated: the all-at-once rate runs with "
+                             "each count, the others with one (one Python client reads some 10^4 SSE chunks/s)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
@@ -56,7 +59,9 @@ def percentiles(values):
     return pick(0.5), pick(0.9), pick(0.99)
 
 
-async def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int):
+async def client_records(url: str, prompts, rate: float, max_tokens: int, seed: int, start_at: float):
+    """Stream ``prompts`` with Poisson arrivals of ``rate`` from ``start_at`` (perf_counter time);
+    [(submitted, [chunk arrival times], completion tokens)], and the time the last one ended."""
     import httpx
 
     rng = random.Random(seed)
@@ -68,7 +73,7 @@ async def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int):
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts))) as client:
         async def one(prompt, arrival):
-            await asyncio.sleep(max(0.0, arrival - (time.perf_counter() - started)))
+            await asyncio.sleep(max(0.0, start_at + arrival - time.perf_counter()))
             body = dict(model="mtp_ctrl-demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
             submitted = time.perf_counter()
             chunks = []
@@ -82,14 +87,38 @@ async def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int):
                             tokens = payload["usage"]["completion_tokens"]
             records.append((submitted, chunks, tokens))
 
-        started = time.perf_counter()
         await asyncio.gather(*(one(prompt, arrival) for prompt, arrival in zip(prompts, arrivals)))
-        wall = time.perf_counter() - started
+    return records, time.perf_counter()
+
+
+def client_process(url, prompts, rate, max_tokens, seed, start_at):
+    return asyncio.run(client_records(url, prompts, rate, max_tokens, seed, start_at))
+
+
+def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int, processes: int = 1):
+    """The load of one rate, from ``processes`` client processes (each a Poisson stream of
+    ``rate / processes``: together a Poisson stream of ``rate``)."""
+    if processes == 1:
+        started = time.perf_counter()
+        records, ended = client_process(url, prompts, rate, max_tokens, seed, started)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        started = time.perf_counter() + 5.0  # every client process is up by then
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(client_process, [url] * processes, [prompts[i::processes] for i in range(processes)],
+                                  [rate / processes] * processes, [max_tokens] * processes,
+                                  [seed + i for i in range(processes)], [started] * processes))
+        records = [record for part, _ in parts for record in part]
+        ended = max(end for _, end in parts)
+    wall = ended - started
     ttft = [chunks[0] - submitted for submitted, chunks, _ in records if chunks]
     itl = [(chunks[-1] - chunks[0]) / (tokens - 1) for _, chunks, tokens in records if len(chunks) > 1 and tokens > 1]
     tokens = sum(record[2] for record in records)
+    chunks = sum(len(record[1]) for record in records)
     return dict(wall=wall, requests_per_s=len(records) / wall, tokens_per_s=tokens / wall, ttft=percentiles(ttft),
-                itl=percentiles(itl) if itl else (float("nan"),) * 3)
+                itl=percentiles(itl) if itl else (float("nan"),) * 3, tokens_per_chunk=tokens / max(1, chunks))
 
 
 def start_server(port: int, args, speculative: int):
@@ -172,9 +201,13 @@ def main():
         server = start_server(port, args, speculative)
         try:
             for rate in rates:
-                result = asyncio.run(run_load(f"http://127.0.0.1:{port}", prompts, rate, args.max_tokens, seed=0))
-                rows.append((speculative, rate, result))
-                print(speculative, rate, result, flush=True)
+                for processes in (int(count) for count in args.client_processes.split(",")):
+                    if processes > 1 and rate != float("inf"):
+                        continue  # light load: one client process is enough
+                    result = run_load(f"http://127.0.0.1:{port}", prompts, rate, args.max_tokens, 0, processes)
+                    result["processes"] = processes
+                    rows.append((speculative, rate, result))
+                    print(speculative, rate, result, flush=True)
         finally:
             server.terminate()
             server.wait(60)
@@ -182,17 +215,21 @@ def main():
         rows.append((speculative, "offline", dict(tokens_per_s=offline_tps, first=offline_first)))
     where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
     print(f"\n{where}; demo model; {args.num_requests} streaming requests of {args.max_tokens} tokens (greedy), "
-          f"{args.prompt_len}-byte prompts, server --max-requests {args.max_requests}")
-    print(f"{'S':>2} {'rate':>6} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>21}")
+          f"{args.prompt_len}-byte prompts, server --max-requests {args.max_requests}, "
+          f"'clients': client processes")
+    print(f"{'S':>2} {'rate':>6} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
+          f"{'ITL p50/p90/p99 ms':>21} {'tok/chunk':>9} {'/offline':>8}")
+    offline = {speculative: result["tokens_per_s"] for speculative, rate, result in rows if rate == "offline"}
     for speculative, rate, result in rows:
         if rate == "offline":
-            print(f"{speculative:2d} {'offline':>6} {'':>7} {result['tokens_per_s']:8.0f}   first token alone "
+            print(f"{speculative:2d} {'offline':>6} {'':>7} {'':>7} {result['tokens_per_s']:8.0f}   first token alone "
                   f"{result['first'] * 1e3:.2f} ms (controller.generate / step in process)")
             continue
         ttft = "/".join(f"{value * 1e3:.1f}" for value in result["ttft"])
         itl = "/".join(f"{value * 1e3:.2f}" for value in result["itl"])
-        print(f"{speculative:2d} {rate:6.0f} {result['requests_per_s']:7.1f} {result['tokens_per_s']:8.0f} "
-              f"{ttft:>22} {itl:>21}")
+        print(f"{speculative:2d} {rate:6.0f} {result['processes']:7d} {result['requests_per_s']:7.1f} "
+              f"{result['tokens_per_s']:8.0f} "
+              f"{ttft:>22} {itl:>21} {result['tokens_per_chunk']:9.1f} {result['tokens_per_s'] / offline[speculative]:8.2f}")
 
 
 if __name__ == "__main__":

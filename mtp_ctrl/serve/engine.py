@@ -88,20 +88,28 @@ class EngineLoop:
         shape = self.controller.shape
         previous = {number: signal.signal(number, self._on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self.connection.send(("ready", EngineInfo(shape.max_model_len, shape.vocab_size,
-                                                      shape.num_speculative_tokens, description)))
-            self._loop()
-            self._tell(("shutdown",))
-            return "signal"
-        except FrontendGone:
-            return "frontend"
-        except BaseException as error:
+            try:
+                self._send(("ready", EngineInfo(shape.max_model_len, shape.vocab_size, shape.num_speculative_tokens,
+                                                description)))
+                self._loop()
+                self._tell(("shutdown",))
+                ended_by = "signal"
+            except FrontendGone:
+                ended_by = "frontend"
+        except BaseException as error:  # under TP the other ranks fail too: no stop command for them
             self._tell(("fatal", f"{type(error).__name__}: {error}"))
             raise
         finally:
             for number, handler in previous.items():
                 signal.signal(number, handler)
-            self._broadcast(Command([], [], stop=True))  # the other ranks return from follow()
+        self._broadcast(Command([], [], stop=True))  # the other ranks return from follow()
+        return ended_by
+
+    def _send(self, message) -> None:
+        try:
+            self.connection.send(message)
+        except OSError:  # a broken pipe: the frontend exited
+            raise FrontendGone() from None
 
     def _tell(self, message) -> None:
         try:
@@ -144,7 +152,7 @@ class EngineLoop:
                         aborts.append(self._request_of[key])
                         self._forget(aborts[-1:])
                 elif message[0] == "figures":
-                    self.connection.send(("figures", message[1], controller_figures(self.controller)))
+                    self._send(("figures", message[1], controller_figures(self.controller)))
         except (EOFError, OSError):
             raise FrontendGone() from None
         return Command(aborts, list(adds.values())), list(adds)
@@ -164,7 +172,7 @@ class EngineLoop:
                 request_id = self.controller.add_request(prompt_ids, params)  # checked by the frontend: no raise
                 self._request_of[key], self._key_of[request_id] = request_id, key
                 added.append((key, request_id))
-            self.connection.send(("added", added))
+            self._send(("added", added))
 
     def _step(self) -> None:
         try:
@@ -174,7 +182,7 @@ class EngineLoop:
             for request_id in failed:
                 self.controller.pop_result(request_id)
             self._forget(failed)
-            self.connection.send(("failed", failed, f"{type(error).__name__}: {error}"))
+            self._send(("failed", failed, f"{type(error).__name__}: {error}"))
             if self.command_group is not None:
                 raise  # under TP every rank stops (the lockstep check raises on the others)
             return
@@ -186,7 +194,7 @@ class EngineLoop:
         if finished:
             self._forget(finished.keys())
         if outputs:
-            self.connection.send(("step", outputs, finished))
+            self._send(("step", outputs, finished))
 
     def _forget(self, request_ids) -> None:
         for request_id in request_ids:

@@ -39,14 +39,14 @@ class RequestStream:
 
     async def take(self) -> Tuple[List[int], object]:
         """(the tokens since the last call, the finish reason or None); waits for tokens or the
-        end; RuntimeError if the engine failed the request."""
+        end; RuntimeError once the tokens that came before a failure are taken."""
         while not self.tokens and self.finish_reason is None and self.error is None:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        if self.error is not None:
+        if not self.tokens and self.error is not None:
             raise RuntimeError(f"generation failed: {self.error}")
         tokens, self.tokens = self.tokens, []
         return tokens, self.finish_reason
