@@ -213,6 +213,7 @@ def main():
             server.wait(60)
         offline_tps, offline_first = offline_figures(args, speculative, prompts)
         rows.append((speculative, "offline", dict(tokens_per_s=offline_tps, first=offline_first)))
+        print(speculative, "offline", rows[-1][2], flush=True)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
     print(f"\n{where}; demo model; {args.num_requests} streaming requests of {args.max_tokens} tokens (greedy), "
           f"{args.prompt_len}-byte prompts, server --max-requests {args.max_requests}, "
