@@ -12,7 +12,12 @@ first text chunk) and inter-token latency (per request: (last chunk - first chun
 at p50/p90/p99. The same prompts then run through the offline loop (`controller.generate` in this
 process, the server's controller settings): its tokens/s is the ceiling the server's saturated
 tokens/s is compared with, and its first-step time for one request alone the floor of the
-server's time to first token at light load.
+server's time to first token at light load. Also: tokens/s from the first to the last text chunk
+(without the ramp-up of connections and requests, which dominates a short load), the server's
+own time to first token (``/metrics``: submission in the frontend to the first tokens from the
+engine), and the round trip of a request the frontend refuses (client and HTTP path, no engine).
+``--client-processes 1,4`` also runs the all-at-once load from 4 client processes: one Python
+client reads only some 10^4 SSE chunks/s.
 """
 
 import argparse
@@ -113,12 +118,44 @@ def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int, process
         records = [record for part, _ in parts for record in part]
         ended = max(end for _, end in parts)
     wall = ended - started
+    first_chunk = min(chunks[0] for _, chunks, _ in records if chunks)
+    last_chunk = max(chunks[-1] for _, chunks, _ in records if chunks)
     ttft = [chunks[0] - submitted for submitted, chunks, _ in records if chunks]
     itl = [(chunks[-1] - chunks[0]) / (tokens - 1) for _, chunks, tokens in records if len(chunks) > 1 and tokens > 1]
     tokens = sum(record[2] for record in records)
     chunks = sum(len(record[1]) for record in records)
     return dict(wall=wall, requests_per_s=len(records) / wall, tokens_per_s=tokens / wall, ttft=percentiles(ttft),
-                itl=percentiles(itl) if itl else (float("nan"),) * 3, tokens_per_chunk=tokens / max(1, chunks))
+                itl=percentiles(itl) if itl else (float("nan"),) * 3, tokens_per_chunk=tokens / max(1, chunks),
+                streaming_tokens_per_s=tokens / (last_chunk - first_chunk), ramp=first_chunk - started)
+
+
+def server_ttft(url: str):
+    """(sum, count) of the server's time-to-first-token histogram (the frontend's submission to
+    the first tokens' arrival from the engine)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    found = [re.search(rf"^mtp_ctrl_time_to_first_token_seconds_{name} (\S+)$", text, re.MULTILINE)
+             for name in ("sum", "count")]
+    return float(found[0].group(1)), float(found[1].group(1))
+
+
+async def http_floor(url: str, repeats: int = 30) -> float:
+    """Median seconds of a request the frontend refuses (max_tokens = 0: parsed, checked, a 400),
+    sent as the load's requests are: the HTTP path of client and server without the engine."""
+    import httpx
+
+    times = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        for _ in range(repeats):
+            body = dict(model="mtp_ctrl-demo", prompt="x", max_tokens=0, temperature=0, stream=True)
+            submitted = time.perf_counter()
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                await response.aread()
+            times.append(time.perf_counter() - submitted)
+    return statistics.median(times)
 
 
 def start_server(port: int, args, speculative: int):
@@ -204,8 +241,12 @@ def main():
                 for processes in (int(count) for count in args.client_processes.split(",")):
                     if processes > 1 and rate != float("inf"):
                         continue  # light load: one client process is enough
-                    result = run_load(f"http://127.0.0.1:{port}", prompts, rate, args.max_tokens, 0, processes)
-                    result["processes"] = processes
+                    url = f"http://127.0.0.1:{port}"
+                    before = server_ttft(url)
+                    result = run_load(url, prompts, rate, args.max_tokens, 0, processes)
+                    after = server_ttft(url)
+                    result.update(processes=processes, floor=asyncio.run(http_floor(url)),
+                                  server_ttft=(after[0] - before[0]) / max(1.0, after[1] - before[1]))
                     rows.append((speculative, rate, result))
                     print(speculative, rate, result, flush=True)
         finally:
@@ -218,8 +259,9 @@ def main():
     print(f"\n{where}; demo model; {args.num_requests} streaming requests of {args.max_tokens} tokens (greedy), "
           f"{args.prompt_len}-byte prompts, server --max-requests {args.max_requests}, "
           f"'clients': client processes")
-    print(f"{'S':>2} {'rate':>6} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
-          f"{'ITL p50/p90/p99 ms':>21} {'tok/chunk':>9} {'/offline':>8}")
+    print(f"{'S':>2} {'rate':>6} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'/offline':>8} {'stream tok/s':>12} "
+          f"{'/offline':>8} {'TTFT p50/p90/p99 ms':>22} {'server TTFT':>11} {'HTTP floor':>10} "
+          f"{'ITL p50/p90/p99 ms':>21} {'tok/chunk':>9}")
     offline = {speculative: result["tokens_per_s"] for speculative, rate, result in rows if rate == "offline"}
     for speculative, rate, result in rows:
         if rate == "offline":
@@ -229,8 +271,14 @@ def main():
         ttft = "/".join(f"{value * 1e3:.1f}" for value in result["ttft"])
         itl = "/".join(f"{value * 1e3:.2f}" for value in result["itl"])
         print(f"{speculative:2d} {rate:6.0f} {result['processes']:7d} {result['requests_per_s']:7.1f} "
-              f"{result['tokens_per_s']:8.0f} "
-              f"{ttft:>22} {itl:>21} {result['tokens_per_chunk']:9.1f} {result['tokens_per_s'] / offline[speculative]:8.2f}")
+              f"{result['tokens_per_s']:8.0f} {result['tokens_per_s'] / offline[speculative]:8.2f} "
+              f"{result['streaming_tokens_per_s']:12.0f} "
+              f"{result['streaming_tokens_per_s'] / offline[speculative]:8.2f} "
+              f"{ttft:>22} {result['server_ttft'] * 1e3:11.2f} {result['floor'] * 1e3:10.2f} {itl:>21} "
+              f"{result['tokens_per_chunk']:9.1f}")
+    print("tok/s: all tokens over the wall time of the load; stream tok/s: over the first to the last text chunk "
+          "(no ramp-up of connections and requests); server TTFT (mean): the frontend's submission to the first "
+          "tokens from the engine; HTTP floor (median): a refused request's round trip (client + HTTP path, no engine)")
 
 
 if __name__ == "__main__":
