@@ -44,6 +44,9 @@ def parse_args():
     parser.add_argument("--client-processes", default="1",
                         help="client processes sharing the load, comma-separated: the all-at-once rate runs with "
                              "each count, the others with one (one Python client reads some 10^4 SSE chunks/s)")
+    parser.add_argument("--http-client", choices=("raw", "httpx"), default="raw",
+                        help="raw: a minimal asyncio HTTP/1.1 client (the default: light, so the figures are the "
+                             "server's); httpx: as before 2026-11-26")
     parser.add_argument("--device", default=None)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
@@ -64,7 +67,55 @@ def percentiles(values):
     return pick(0.5), pick(0.9), pick(0.99)
 
 
-async def client_records(url: str, prompts, rate: float, max_tokens: int, seed: int, start_at: float):
+class RawHTTP:
+    """A minimal HTTP/1.1 client on asyncio streams: one connection, a pre-encoded request, the
+    body read as it comes (chunked or not). Far lighter per request and per chunk than httpx, so
+    the figures are the server's rather than the client's (``--http-client httpx`` for httpx)."""
+
+    def __init__(self, url: str):
+        self.host, port = url.split("//")[1].split(":")
+        self.port = int(port)
+        self.reader = self.writer = None
+        self._chunked, self._length = False, 0
+
+    async def connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def post(self, path: str, body: dict) -> int:
+        """Send the request, read the status and headers; the status code."""
+        payload = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json"
+                          f"\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        status = int((await self.reader.readline()).split()[1])
+        self._chunked, self._length = False, 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                return status
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                self._length = int(value)
+            elif name.strip().lower() == "transfer-encoding" and "chunked" in value.lower():
+                self._chunked = True
+
+    async def pieces(self):
+        """The body, piece by piece as it arrives."""
+        if not self._chunked:
+            yield await self.reader.readexactly(self._length)
+            return
+        while True:
+            size = int((await self.reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                await self.reader.readline()
+                return
+            yield (await self.reader.readexactly(size + 2))[:-2]
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def client_records(url: str, prompts, rate: float, max_tokens: int, seed: int, start_at: float,
+                         http_client: str = "raw"):
     """Stream ``prompts`` with Poisson arrivals of ``rate`` from ``start_at`` (perf_counter time);
     [(submitted, [chunk arrival times], completion tokens)], and the time the last one ended."""
     import httpx
@@ -76,36 +127,56 @@ async def client_records(url: str, prompts, rate: float, max_tokens: int, seed: 
         clock += 0.0 if rate == float("inf") else rng.expovariate(rate)
     records = []
 
+    def on_event(event: bytes, chunks: list, now: float):
+        """An SSE event's completion tokens (its usage), else None; notes the time of text."""
+        if event.startswith(b"data: {"):
+            payload = json.loads(event[6:])
+            if payload["choices"] and payload["choices"][0]["text"]:
+                chunks.append(now)
+            if payload.get("usage"):
+                return payload["usage"]["completion_tokens"]
+        return None
+
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts))) as client:
         async def one(prompt, arrival):
-            await asyncio.sleep(max(0.0, start_at + arrival - time.perf_counter()))
             body = dict(model="mtp_ctrl-demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
-            submitted = time.perf_counter()
-            chunks = []
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        payload = json.loads(line[6:])
-                        if payload["choices"] and payload["choices"][0]["text"]:
-                            chunks.append(time.perf_counter())
-                        if payload.get("usage"):
-                            tokens = payload["usage"]["completion_tokens"]
+            chunks, tokens = [], None
+            if http_client == "raw":
+                connection = RawHTTP(url)
+                await connection.connect()  # a pooled connection, as a real client's
+                await asyncio.sleep(max(0.0, start_at + arrival - time.perf_counter()))
+                submitted = time.perf_counter()
+                await connection.post("/v1/completions", body)
+                buffer = b""
+                async for piece in connection.pieces():
+                    now = time.perf_counter()
+                    *events, buffer = (buffer + piece).split(b"\n\n")
+                    for event in events:
+                        tokens = on_event(event, chunks, now) or tokens
+                connection.close()
+            else:
+                await asyncio.sleep(max(0.0, start_at + arrival - time.perf_counter()))
+                submitted = time.perf_counter()
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        tokens = on_event(line.encode(), chunks, time.perf_counter()) or tokens
             records.append((submitted, chunks, tokens))
 
         await asyncio.gather(*(one(prompt, arrival) for prompt, arrival in zip(prompts, arrivals)))
     return records, time.perf_counter()
 
 
-def client_process(url, prompts, rate, max_tokens, seed, start_at):
-    return asyncio.run(client_records(url, prompts, rate, max_tokens, seed, start_at))
+def client_process(url, prompts, rate, max_tokens, seed, start_at, http_client):
+    return asyncio.run(client_records(url, prompts, rate, max_tokens, seed, start_at, http_client))
 
 
-def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int, processes: int = 1):
+def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int, processes: int = 1,
+             http_client: str = "raw"):
     """The load of one rate, from ``processes`` client processes (each a Poisson stream of
     ``rate / processes``: together a Poisson stream of ``rate``)."""
     if processes == 1:
         started = time.perf_counter()
-        records, ended = client_process(url, prompts, rate, max_tokens, seed, started)
+        records, ended = client_process(url, prompts, rate, max_tokens, seed, started, http_client)
     else:
         import concurrent.futures
         import multiprocessing
@@ -114,7 +185,8 @@ def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int, process
         with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
             parts = list(pool.map(client_process, [url] * processes, [prompts[i::processes] for i in range(processes)],
                                   [rate / processes] * processes, [max_tokens] * processes,
-                                  [seed + i for i in range(processes)], [started] * processes))
+                                  [seed + i for i in range(processes)], [started] * processes,
+                                  [http_client] * processes))
         records = [record for part, _ in parts for record in part]
         ended = max(end for _, end in parts)
     wall = ended - started
@@ -142,19 +214,27 @@ def server_ttft(url: str):
     return float(found[0].group(1)), float(found[1].group(1))
 
 
-async def http_floor(url: str, repeats: int = 30) -> float:
+async def http_floor(url: str, http_client: str, repeats: int = 30) -> float:
     """Median seconds of a request the frontend refuses (max_tokens = 0: parsed, checked, a 400),
     sent as the load's requests are: the HTTP path of client and server without the engine."""
     import httpx
 
     times = []
+    body = dict(model="mtp_ctrl-demo", prompt="x", max_tokens=0, temperature=0, stream=True)
     async with httpx.AsyncClient(timeout=60) as client:
+        connection = RawHTTP(url)
+        await connection.connect()
         for _ in range(repeats):
-            body = dict(model="mtp_ctrl-demo", prompt="x", max_tokens=0, temperature=0, stream=True)
             submitted = time.perf_counter()
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                await response.aread()
+            if http_client == "raw":
+                assert await connection.post("/v1/completions", body) == 400
+                async for _ in connection.pieces():
+                    pass
+            else:
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    await response.aread()
             times.append(time.perf_counter() - submitted)
+        connection.close()
     return statistics.median(times)
 
 
@@ -243,9 +323,9 @@ def main():
                         continue  # light load: one client process is enough
                     url = f"http://127.0.0.1:{port}"
                     before = server_ttft(url)
-                    result = run_load(url, prompts, rate, args.max_tokens, 0, processes)
+                    result = run_load(url, prompts, rate, args.max_tokens, 0, processes, args.http_client)
                     after = server_ttft(url)
-                    result.update(processes=processes, floor=asyncio.run(http_floor(url)),
+                    result.update(processes=processes, floor=asyncio.run(http_floor(url, args.http_client)),
                                   server_ttft=(after[0] - before[0]) / max(1.0, after[1] - before[1]))
                     rows.append((speculative, rate, result))
                     print(speculative, rate, result, flush=True)
@@ -258,7 +338,7 @@ def main():
     where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
     print(f"\n{where}; demo model; {args.num_requests} streaming requests of {args.max_tokens} tokens (greedy), "
           f"{args.prompt_len}-byte prompts, server --max-requests {args.max_requests}, "
-          f"'clients': client processes")
+          f"'clients': client processes ({args.http_client} HTTP client)")
     print(f"{'S':>2} {'rate':>6} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'/offline':>8} {'stream tok/s':>12} "
           f"{'/offline':>8} {'TTFT p50/p90/p99 ms':>22} {'server TTFT':>11} {'HTTP floor':>10} "
           f"{'ITL p50/p90/p99 ms':>21} {'tok/chunk':>9}")
