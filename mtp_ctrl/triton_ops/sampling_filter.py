@@ -1,5 +1,6 @@
 """The distribution a sampled row draws from, as probabilities: softmax of ``logits / T`` over the
-top-k / top-p kept set, with no vocabulary sort (rejection acceptance's ``p`` and ``q``).
+top-k / top-p kept set, with no vocabulary sort. Its passes (:func:`_kept_softmax_terms`) also
+give rejection acceptance's ``p`` and ``q`` inside the rejection kernel.
 
 The kept set is the sampler's (:mod:`mtp_ctrl.triton_ops.reference.sampling`, the rule with its
 ties and boundaries): ``{z >= threshold}``, where ``threshold`` is the smallest token value ``w``
