@@ -34,7 +34,7 @@ class DraftContext:
     (one ``(key, value)`` pair per layer, decoder layers then MTP depths), which the MTP proposer
     writes at its depths' layers. num_kv_blocks: block ids of the target's caches are
     ``[0, num_kv_blocks)`` (the pool and its scratch block).
-    rejection: whether the controller accepts by rejection sampling (then record ``q``).
+    rejection: whether the controller accepts by rejection sampling (then record the drafts' logits).
     """
 
     def __init__(self, shape: EngineShape, runner: PagedGPTRunner, sampler: Sampler, table: RequestTable,

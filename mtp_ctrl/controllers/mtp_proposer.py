@@ -36,9 +36,9 @@ moves each request's ``w`` and hidden ring on after them.
 Draft tokens are sampled with the request's own parameters and the target's noise for that
 position (see ``sampling.py``), which couples draft and target samples: greedy requests draft
 the MTP argmax, sampled requests draft what the target would most likely draw. With
-``acceptance="rejection"`` each depth also records the distribution ``q`` it drew from (the same
-filtered softmax, ``[R + 1, S, V]`` float32 rows that follow their request), which the next
-step's rejection sampling reads (``controllers/acceptance.py``).
+``acceptance="rejection"`` each depth also records the logits it drew from (``[R + 1, S, V]``
+float32 rows by slot, one copy a depth), which the next step's rejection sampling filters into
+``q`` with the request's rule (``controllers/acceptance.py``).
 """
 
 import dataclasses
