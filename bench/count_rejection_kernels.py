@@ -29,7 +29,7 @@ BATCH, PROMPT_LEN = 8, 64
 
 
 def count_mode(model, prompts, S, acceptance, args, torch):
-    """(GPU ops per step, Counter of op names over the profiled steps)."""
+    """(GPU ops per step, GPU us per step, Counter of op names, Counter of their us, over the profiled steps)."""
     from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 
     config = InferenceConfig(num_speculative_tokens=S, max_requests=BATCH, block_size_tokens=16, max_model_len=400,
@@ -48,10 +48,13 @@ def count_mode(model, prompts, S, acceptance, args, torch):
         for _ in range(args.steps):
             controller.step()
         torch.cuda.synchronize()
-    names = collections.Counter(event.name[:80] for event in profiler.events()
-                                if event.device_type == torch.autograd.DeviceType.CUDA)
+    names, times = collections.Counter(), collections.Counter()
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            names[event.name[:80]] += 1
+            times[event.name[:80]] += getattr(event, "device_time_total", None) or event.cuda_time_total
     controller.close()
-    return sum(names.values()) / args.steps, names
+    return sum(names.values()) / args.steps, sum(times.values()) / args.steps, names, times
 
 
 def main(args=None):
@@ -76,23 +79,26 @@ def main(args=None):
     rows = []
     with torch.no_grad():
         for S, acceptance in MODES:
-            per_step, names = count_mode(model, prompts, S, acceptance, args, torch)
-            rows.append((S, acceptance, per_step, names))
+            rows.append((S, acceptance, *count_mode(model, prompts, S, acceptance, args, torch)))
     print(f"\n{torch.cuda.get_device_name()}; demo GPT, batch {BATCH}, T = {args.temperature}, eager decode steps, "
           f"{args.steps} profiled; package at {os.path.dirname(os.path.abspath(mtp_ctrl.__file__))}")
-    print(f"{'S':>2} {'acceptance':>12} {'GPU ops / step':>15}")
-    for S, acceptance, per_step, _names in rows:
-        print(f"{S:2d} {acceptance:>12} {per_step:15.1f}")
+    print(f"{'S':>2} {'acceptance':>12} {'GPU ops / step':>15} {'GPU us / step':>14}")
+    for S, acceptance, per_step, us_per_step, _names, _times in rows:
+        print(f"{S:2d} {acceptance:>12} {per_step:15.1f} {us_per_step:14.1f}")
     if len(rows) == 3:
-        exact, rejection = rows[1][3], rows[2][3]
+        exact, rejection = rows[1][4], rows[2][4]
         extra = rejection - exact
         print(f"rejection - exact match: {(sum(rejection.values()) - sum(exact.values())) / args.steps:+.1f} ops "
               f"per step; by name (per step): " + ", ".join(f"{name} {count / args.steps:+.1f}"
                                                            for name, count in extra.most_common(12)))
-    for S, acceptance, _per_step, names in rows if args.top else ():
-        print(f"-- S = {S}, {acceptance}: top {args.top} ops by count per step")
+        extra_us = rows[2][5].copy()
+        extra_us.subtract(rows[1][5])
+        print("their GPU us per step: " + ", ".join(f"{name} {extra_us[name] / args.steps:+.1f}"
+                                                    for name, _count in extra.most_common(12)))
+    for S, acceptance, _per_step, _us, names, times in rows if args.top else ():
+        print(f"-- S = {S}, {acceptance}: top {args.top} ops by count per step (count, us)")
         for name, count in names.most_common(args.top):
-            print(f"{count / args.steps:7.1f}  {name}")
+            print(f"{count / args.steps:7.1f} {times[name] / args.steps:7.1f}  {name}")
     dist.destroy_process_group()
 
 
