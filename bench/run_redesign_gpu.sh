@@ -5,7 +5,7 @@
 #   BASE_DIR: the older tree (e.g. `git archive <commit> | tar -x -C .wt/base`, carried along).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-base="$1"
+base="$(cd "$1" && pwd)"
 here="$PWD"
 cp -r mtp_ctrl/checkpoints "$base/mtp_ctrl/" 2>/dev/null || true
 for round in $(seq 1 "${ROUNDS:-1}"); do
