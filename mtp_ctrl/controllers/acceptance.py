@@ -94,6 +94,9 @@ class RejectionAcceptance:
     controller when ``acceptance == "rejection"`` and ``S > 0``, after the proposer is bound."""
 
     def __init__(self, table, proposer):
+        if hasattr(proposer, "draft_probs"):  # the hook before 2026-11-26: its q would be ignored silently
+            raise TypeError(f"{type(proposer).__name__} defines draft_probs(), which rejection acceptance no longer "
+                            "reads: return the logits the drafts were sampled from in draft_logits() instead")
         self.shape = table.shape  # S
         self.params = RequestSampling(table)
         self.proposer = proposer

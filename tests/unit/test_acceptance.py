@@ -179,6 +179,15 @@ def test_exact_match_mode_is_token_for_token_plain_decoding(models):
         assert [r.output_tokens for r in results] == plain
 
 
+def test_a_proposer_with_the_old_q_hook_is_refused(models):
+    class OldHook(RepeatLastTokenProposer):
+        def draft_probs(self):
+            return None
+
+    with pytest.raises(TypeError, match="draft_logits"):
+        make_controller(models[0], 2, proposer=OldHook(), acceptance="rejection")
+
+
 def test_acceptance_is_validated():
     assert InferenceConfig().acceptance == "exact_match"
     with pytest.raises(ValueError, match="acceptance"):
