@@ -22,8 +22,8 @@ def small_tiles(monkeypatch):
 
 @pytest.mark.parametrize("num_decode,num_other,S,vocab_size,seed,with_q,zeros", [
     (0, 0, 2, 32, 0, True, 0.0), (1, 0, 1, 1, 1, True, 0.0), (0, 3, 2, 20, 2, True, 0.0),
-    (6, 2, 1, 50, 3, True, 0.3), (4, 3, 2, 33, 4, False, 0.5), (5, 0, 3, 16, 5, True, 0.0),
-    (3, 4, 3, 100, 6, True, 0.8), (4, 1, 2, 64, 7, False, 0.3)])
+    (4, 2, 1, 50, 3, True, 0.3), (3, 2, 2, 33, 4, False, 0.5), (3, 0, 3, 16, 5, True, 0.0),
+    (2, 3, 3, 100, 6, True, 0.8), (3, 1, 2, 64, 7, False, 0.3)])
 def test_kernel_matches_twin(small_tiles, num_decode, num_other, S, vocab_size, seed, with_q, zeros):
     case = make_case(num_decode, num_other, S, vocab_size, seed, with_q, zeros)
     got = rejection_sample(*args_of(case))
@@ -33,7 +33,7 @@ def test_kernel_matches_twin(small_tiles, num_decode, num_other, S, vocab_size, 
 
 def test_kernel_matches_twin_one_tile_half_precision_and_in_place():
     for seed, dtype in [(10, torch.float32), (11, torch.bfloat16), (12, torch.float16)]:
-        case = make_case(3, 2, 2, 70, seed, dtype=dtype)
+        case = make_case(2, 1, 2, 70, seed, dtype=dtype)
         assert torch.equal(rejection_sample(*args_of(case)), reference.rejection_sample(*args_of(case)))
     case = make_case(2, 1, 2, 20, 13)
     want = reference.rejection_sample(*args_of(case))
@@ -46,11 +46,11 @@ def test_kernel_matches_twin_one_tile_half_precision_and_in_place():
 
 
 def test_rows_without_a_draft_and_greedy_requests_keep_the_target_token():
-    S, case = 2, make_case(20, 6, 2, 30, 14, num_slots=12)
+    S, case = 2, make_case(6, 3, 2, 30, 14, num_slots=8)
     got = rejection_sample(*args_of(case))
     rows = torch.arange(got.shape[0])
     following = torch.cat([case["input_tokens"][1:], torch.tensor([-1])])
-    has_draft = (rows < 20 * (S + 1)) & (rows % (S + 1) < S) & (following >= 0) & (following < 30)
+    has_draft = (rows < 6 * (S + 1)) & (rows % (S + 1) < S) & (following >= 0) & (following < 30)
     keep = ~has_draft | (case["temperature"][case["row_slots"]] == 0.0)
     assert keep.any() and (~keep).any()
     assert torch.equal(got[keep], case["target_tokens"][keep])
@@ -124,8 +124,10 @@ def test_output_follows_the_target_distribution(temperature, top_k, top_p, q_kin
     else:
         q = reference.sampling_probs(logits_q[None], *filters)[0]
         drafts = (q.log() + reference.gumbel_noise(seeds, positions, 8)).argmax(-1)
-    tokens = reference.rejection_sample(*_one_draft_each(LOGITS_P, logits_q, drafts, seeds, positions, temperature,
-                                                         top_k, top_p))[0::2]
+    # the rule on the filtered p and q (what the op computes, cheaper for 20000 draws), draft index 0
+    tokens = reference.rejection_rule(p.expand(draws, -1), None if logits_q is None else q.expand(draws, -1), drafts,
+                                      torch.full((draws,), -1), torch.full((draws,), temperature), seeds, positions,
+                                      torch.zeros(draws, dtype=torch.int64))
     counts = torch.bincount(tokens, minlength=8).double()
     assert counts[p == 0].sum() == 0  # nothing outside the top-k / top-p support
     kept = p > 0
@@ -133,7 +135,9 @@ def test_output_follows_the_target_distribution(temperature, top_k, top_p, q_kin
     accepted = float((tokens == drafts).double().mean())
     want = float(torch.minimum(p, q).sum())
     assert abs(accepted - want) < 5 * math.sqrt(want * (1 - want) / draws) + 1e-9  # 5 standard deviations
-    first = slice(0, 12)  # the kernel draws the very same tokens
+    first = slice(0, 4)  # the op (kernel and twin) draws the very same tokens from the logits
+    args = _one_draft_each(LOGITS_P, logits_q, drafts[first], seeds[first], positions[first], temperature, top_k, top_p)
+    assert torch.equal(reference.rejection_sample(*args)[0::2], tokens[first])
     kernel = rejection_sample(*_one_draft_each(LOGITS_P, logits_q, drafts[first], seeds[first], positions[first],
                                                temperature, top_k, top_p))[0::2]
     assert torch.equal(kernel, tokens[first])
@@ -147,7 +151,8 @@ def test_residual_noise_is_independent_of_the_draft_noise():
     draws = 20000
     seeds, positions = torch.arange(draws) + 11, torch.full((draws,), 3)
     drafts = (q.log() + reference.gumbel_noise(seeds, positions, 4)).argmax(-1)
-    tokens = reference.rejection_sample(*_one_draft_each(p.log(), q.log(), drafts, seeds, positions))[0::2]
+    tokens = reference.rejection_rule(p.expand(draws, -1), q.expand(draws, -1), drafts, torch.full((draws,), -1),
+                                      torch.ones(draws), seeds, positions, torch.zeros(draws, dtype=torch.int64))
     rejected = tokens != drafts
     residual = (p - q).clamp(min=0)
     counts = torch.bincount(tokens[rejected], minlength=4).double()
