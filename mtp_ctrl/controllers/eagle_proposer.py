@@ -55,7 +55,7 @@ from mtp_ctrl.triton_ops import (
 class EagleProposer(AuxDraftProposer):
     """Serial EAGLE drafting with ``head``; pass it as the ``proposer`` argument of the controller."""
 
-    probs_name = "eagle_draft_probs"
+    logits_name = "eagle_draft_logits"
 
     def __init__(self, head: EagleHead):
         if not isinstance(head, EagleHead):
@@ -118,7 +118,7 @@ class EagleProposer(AuxDraftProposer):
         sampling_rows = batch.write_rows  # [G] int64: each request's table row (padding: the scratch row)
         drafts = torch.empty(G, S, dtype=torch.int64, device=device)  # [G, S]
         drafts[:, 0] = self.draft_context.sample_rows(logits, sampling_rows, ends + 1)
-        self._record_draft_probs(batch, logits, sampling_rows, 0)
+        self._record_draft_logits(batch, logits, 0)
         num_drafts = batch.depths(S)  # depths past D draft nothing this step (their rows are recomputed later)
         if num_drafts <= 1:
             return drafts
@@ -141,7 +141,7 @@ class EagleProposer(AuxDraftProposer):
             logits, features = runner.eagle_forward(self.head, features, drafts[:, depth - 1], next_positions,
                                                     metadata, self._kv_caches)  # [G, V], [G, H]
             drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, ends + depth + 1)
-            self._record_draft_probs(batch, logits, sampling_rows, depth)
+            self._record_draft_logits(batch, logits, depth)
             step_positions = next_positions
         return drafts
 
