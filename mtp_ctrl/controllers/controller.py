@@ -56,7 +56,8 @@ from mtp_ctrl.controllers.output_rows import OutputRows
 from mtp_ctrl.controllers.proposers import Proposer, notify_committed
 from mtp_ctrl.controllers.readback import LaunchedStep, Readbacks
 from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts, check_sampling_params_list
-from mtp_ctrl.controllers.requests import ControllerDebugView, GenerationResult, Request, RequestStatus
+from mtp_ctrl.controllers.requests import ControllerDebugView, GenerationResult, Request, RequestBook, RequestStatus
+from mtp_ctrl.controllers.slot_lifecycle import SlotLifecycle
 from mtp_ctrl.controllers.step_launch import StepLauncher
 from mtp_ctrl.controllers.stop_rules import FinishReason, accept_new_tokens
 from mtp_ctrl.controllers.tp_lockstep import TPLockstep
@@ -116,15 +117,12 @@ class TextGenerationController:
                                                  pool.num_cached_blocks))
         # how many drafts each request makes per step (controllers/draft_policy.py; default: S each)
         self._draft_lengths = DraftLengths(draft_policy, S)
+        self._requests = RequestBook(seed, config.finished_results_kept)  # every request not forgotten
+        self._lifecycle = SlotLifecycle(self.context, self._requests, self._outputs, self.proposer, self._draft_lengths)
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
-        self._seed_generator = torch.Generator().manual_seed(seed)
-        self._records: Dict[int, Request] = {}  # every request not forgotten: waiting, live, unclaimed results
-        self._finished_order: Dict[int, None] = {}  # finished step-API requests whose result is not taken, oldest first
-        self._held_by_generate: set = set()  # requests a running generate() waits for: never dropped
         self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
         self._in_flight: Optional[LaunchedStep] = None
-        self._next_request_id = 0
         self._steps_launched = 0  # by the current step() call (its wall time is shared among them)
         self._lockstep = TPLockstep(parallel_state.get_tensor_model_parallel_group(check_initialized=False),
                                     config.tp_check_timeout_s)  # ranks agree on every step
@@ -215,7 +213,7 @@ class TextGenerationController:
         of finished requests: afterwards the host knows everything and rows may move."""
         if self._in_flight is not None:
             self._pending_outputs += self._apply_in_flight(collect=True)
-        self._retire_finished()
+        self._lifecycle.retire_finished()
 
     def pause_request(self, request_id: int) -> None:
         """Stop running a live request (its KV blocks and state stay) until :meth:`resume_request`."""
@@ -238,7 +236,7 @@ class TextGenerationController:
             raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
         prompt, params = self._check_request(prompt_tokens, sampling_params)
         request_id = self._queue_request(prompt, params)
-        self._records[request_id].use_prefix_cache = prefix_caching
+        self._requests[request_id].use_prefix_cache = prefix_caching
         return request_id
 
     def _check_request(self, prompt_tokens, sampling_params) -> Tuple[List[int], SamplingParams]:
@@ -251,10 +249,7 @@ class TextGenerationController:
         return prompt, params
 
     def _queue_request(self, prompt: List[int], params: SamplingParams) -> int:
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
-        request_id = self._next_request_id
-        self._next_request_id += 1
-        self._records[request_id] = Request(request_id, prompt, params, seed)
+        request_id = self._requests.new(prompt, params).request_id
         self._draft_lengths.add(request_id, params)
         self._scheduler.enqueue(request_id)
         return request_id
@@ -263,18 +258,11 @@ class TextGenerationController:
         """End a queued, running or paused request now with reason ABORTED (its output so far is
         kept; :meth:`pop_result` takes it): its row, KV blocks and state are free for the next step.
         A finished request is left as it is. Applies the step in flight first (a host sync)."""
-        record = self._request(request_id)
+        record = self._requests[request_id]
         self._sync()  # the step in flight may finish it; afterwards its row may be freed
-        if record.finish_reason is not None:
-            return
-        if record.status == RequestStatus.WAITING:  # queued (or preempted): it holds no row
-            self._scheduler.drop_waiting([request_id])
-            record.finish_reason = FinishReason.ABORTED
-            if request_id not in self._held_by_generate:
-                self._finished_order[request_id] = None
-        else:
-            self._finish_record(request_id, FinishReason.ABORTED)
-            self._retire_finished()
+        if record.finish_reason is None:
+            self._lifecycle.abort([request_id])
+            self._lifecycle.retire_finished()
 
     def has_unfinished_requests(self) -> bool:
         return self._scheduler.num_waiting > 0 or self.context.table.num_live > self._scheduler.num_retiring
@@ -282,7 +270,7 @@ class TextGenerationController:
     def result(self, request_id: int) -> GenerationResult:
         """The result of a finished request (it stays until :meth:`pop_result` takes it, or until
         ``InferenceConfig.finished_results_kept`` newer results push it out)."""
-        record = self._request(request_id)
+        record = self._requests[request_id]
         if record.finish_reason is None:
             raise ValueError(f"request {request_id} has not finished")
         return GenerationResult.from_record(record, self.shape.num_speculative_tokens)
@@ -290,73 +278,16 @@ class TextGenerationController:
     def pop_result(self, request_id: int) -> GenerationResult:
         """Take a finished request's result: the controller forgets the request."""
         result = self.result(request_id)
-        del self._records[request_id]
-        self._finished_order.pop(request_id, None)
+        self._requests.forget(request_id)
         return result
 
     def request_status(self, request_id: int) -> RequestStatus:
         """Where a request is in its life: waiting, prefilling, decoding, paused or finished."""
-        return self._request(request_id).status
-
-    def _request(self, request_id: int) -> Request:
-        if request_id not in self._records:
-            raise ValueError(f"unknown request_id {request_id} (never added, or its result was taken)")
-        return self._records[request_id]
+        return self._requests[request_id].status
 
     def finished_request_ids(self) -> List[int]:
         """Finished step-API requests whose result :meth:`pop_result` has not taken, oldest first."""
-        return list(self._finished_order)
-
-    def _admit_waiting(self) -> None:
-        """Slots for waiting requests, also with a step in flight: a new request takes a free slot,
-        whose device rows are reset stream-ordered after the step (see :meth:`_apply`)."""
-        while self._can_admit():
-            record = self._records[self._scheduler.next_waiting()]
-            # the prompt was checked by check_prompt: as an int64 array the context checks only its dtype
-            self.context.add_request(record.request_id, record.prefill_tokens(),
-                                     RequestSampling.row_values(record.params, record.seed), record.use_prefix_cache)
-            self._scheduler.take_next_waiting()  # only once the context holds it
-            record.attach(self._outputs, self.context.table)  # the slot's rows own output and counters now
-
-    def _preempt_newest(self) -> None:
-        """Evict the newest live request to free its KV blocks; it is recomputed from its prompt
-        and output so far when it comes back, with unchanged output (sampling is positional)."""
-        request_id = self._scheduler.preemption_victim()
-        self._release([request_id])
-        self._records[request_id].preemptions += 1
-        self._scheduler.requeue_first(request_id)
-
-    def _release(self, request_ids: List[int]) -> None:
-        """The requests leave their slots (finished, preempted or aborted): their records keep what
-        the slots held. The context frees the slots in one batch."""
-        for request_id in request_ids:
-            record = self._records.get(request_id)
-            if record is not None:
-                record.detach()
-        self.context.finish_requests(request_ids)
-        for request_id in request_ids:
-            self.proposer.forget(request_id)
-            self._draft_lengths.forget(request_id)
-            record = self._records.get(request_id)
-            if record is None or record.finish_reason is not None:  # gone for good (an evicted one returns)
-                self._draft_lengths.drop(request_id)
-
-    def _retire_finished(self) -> None:
-        """Free the slots of requests that finished (a step may be in flight, see :meth:`_apply`)."""
-        retiring = self._scheduler.take_retiring()
-        if not retiring:
-            return
-        self._release(retiring)
-        for request_id in retiring:
-            if request_id not in self._held_by_generate and request_id in self._records:  # not taken yet
-                self._finished_order[request_id] = None
-        while len(self._finished_order) > self.config.finished_results_kept:
-            oldest = next(iter(self._finished_order))  # the oldest unclaimed result
-            del self._finished_order[oldest], self._records[oldest]
-
-    def _finish_record(self, request_id: int, reason: FinishReason) -> None:
-        self._records[request_id].finish_reason = reason
-        self._scheduler.finished(request_id)
+        return self._requests.unclaimed_ids
 
     # ----- hooks -------------------------------------------------------------------------
 
@@ -403,9 +334,9 @@ class TextGenerationController:
         return ControllerDebugView(
             num_cuda_graphs=0 if self._graphs is None else len(self._graphs),
             cuda_graphs_enabled=self._graphs is not None, num_waiting=self._scheduler.num_waiting,
-            num_records=len(self._records), num_unclaimed_results=len(self._finished_order),
+            num_records=len(self._requests), num_unclaimed_results=len(self._requests.unclaimed_ids),
             num_retiring=self._scheduler.num_retiring, step_in_flight=self._in_flight is not None,
-            num_prefills_held=self.context.num_prefills_held, next_request_id=self._next_request_id,
+            num_prefills_held=self.context.num_prefills_held, next_request_id=self._requests.next_request_id,
             last_accepted_counts=self._launcher.accepted_counts)
 
     # ----- the step ------------------------------------------------------------------------
@@ -434,19 +365,19 @@ class TextGenerationController:
     def _step_once(self, collect: bool) -> List[StepOutput]:
         outputs: List[StepOutput] = []
         applied = self._in_flight is not None  # this call applies a step, whatever it builds
-        self._retire_finished()  # also with a step in flight: slots do not move (see _apply)
+        self._lifecycle.retire_finished()  # also with a step in flight: slots do not move (see _apply)
         # the step in flight is applied first when a decode must pause or a paused one can resume
         # (context.needs_sync); finishing and admitting need not
         if self._in_flight is not None and (not self.config.overlap_scheduling or self.context.needs_sync()):
             outputs += self._apply_in_flight(collect)
-            self._retire_finished()
-        self._admit_waiting()
+            self._lifecycle.retire_finished()
+        self._lifecycle.admit_waiting()
         step = self._build_step()
         self._lockstep.check(step)  # every TP rank builds this step, before its first collective
         if step is None:
             if self._in_flight is not None:
                 outputs += self._apply_in_flight(collect)
-                self._retire_finished()
+                self._lifecycle.retire_finished()
             elif not applied:
                 self._idle_steps += 1
             return outputs
@@ -456,16 +387,8 @@ class TextGenerationController:
             outputs += self._apply(previous, collect, overlapped=True)
         if not self.config.overlap_scheduling or not self.has_unfinished_requests():
             outputs += self._apply_in_flight(collect)  # nothing to overlap with: finish now
-            self._retire_finished()
+            self._lifecycle.retire_finished()
         return outputs
-
-    def _can_admit(self) -> bool:
-        request_id = self._scheduler.next_waiting()
-        if request_id is None:
-            return False
-        record = self._records[request_id]
-        return self._scheduler.can_admit(len(record.prompt_tokens) + len(record.output_tokens), record.preemptions > 0,
-                                         self.context.num_free_rows, self.context.allocator.num_free_blocks)
 
     def _build_step(self) -> Optional[StepMetadata]:
         # how long a decode run may be (scheduler.decode_run_steps): the requests' length budgets and
@@ -482,7 +405,7 @@ class TextGenerationController:
                     continue
                 if not self._scheduler.should_preempt(self.context.table.num_live, self.context.steps_in_flight):
                     raise
-                self._preempt_newest()
+                self._lifecycle.preempt_newest()
 
     def _launch_step(self, step: StepMetadata) -> LaunchedStep:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;
@@ -540,59 +463,41 @@ class TextGenerationController:
         decode = np.arange(num_launched) < num_decode
         counts_before = self._outputs.counts[slots]  # [n] int64 (a copy)
         if self._hook_overridden("accept_tokens"):
-            records = [self._records.get(int(request_id)) if present is None or present[index] else None
+            records = [self._requests.get(int(request_id)) if present is None or present[index] else None
                        for index, request_id in enumerate(request_ids)]
             emitted, finished = self._outputs.apply_with_hook(readbacks, decode, slots, records, self.accept_tokens,
                                                               type(self).__name__)
         else:
             emitted, finished = self._outputs.apply(
-                readbacks, decode, slots, lambda index: self._records[int(request_ids[index])].params, present)  # [k, n]
+                readbacks, decode, slots, lambda index: self._requests[int(request_ids[index])].params, present)  # [k, n]
         if self.shape.num_speculative_tokens > 0:
             notify_committed(self.proposer, step, readbacks, emitted)
         counted = decode[None, :] & (emitted > 0)  # [k, n]
         self.metrics.record_acceptance(readbacks[:, :, 0][counted], step_order_lengths(verified, num_launched)[counted])
         self.metrics.emitted_tokens += int(emitted.sum())
         for index, reason in finished:
-            self._finish_record(int(request_ids[index]), reason)
-        if not collect:
-            return []
-        finished_indices = {index for index, _ in finished}
-        counts_after = self._outputs.counts[slots]
-        tokens = self._outputs.tokens
-        return [(int(request_ids[index]), tokens[slots[index], counts_before[index] : counts_after[index]].tolist(),  # host-ok: numpy
-                 index in finished_indices)
-                for index in np.flatnonzero(counts_after > counts_before).tolist()]  # host-ok: numpy
+            self._lifecycle.finish(int(request_ids[index]), reason)
+        return self._outputs.emitted_since(slots, request_ids, counts_before, finished) if collect else []
 
     def _hook_overridden(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(TextGenerationController, name)
 
     def _drop_requests(self, request_ids: List[int]) -> None:
-        """End the unfinished ones of ``request_ids`` (waiting, running or paused) as ABORTED and free their rows."""
+        """End the unfinished ones of ``request_ids`` (waiting, running or paused) as ABORTED and free their slots."""
         self._sync()
         ours = set(request_ids)
-        dropped = {rid for rid in ours if self._records[rid].finish_reason is None}
-        self._scheduler.drop_waiting(dropped)
         self._pending_outputs = [output for output in self._pending_outputs if output[0] not in ours]
-        for request_id in dropped:
-            self._records[request_id].finish_reason = FinishReason.ABORTED
-            if request_id in self.context:
-                self._scheduler.finished(request_id)
-        self._retire_finished()
+        self._lifecycle.abort(request_ids)
+        self._lifecycle.retire_finished()
 
     def _abort_running(self) -> None:
         """A step raised: end every request in the batch with reason ABORTED (output so far kept)
         and release its state, so the controller stays usable. Waiting requests stay queued."""
         self._in_flight = None
         self._draft_lengths.abandon()
-        self.context.abandon_steps_in_flight()
         if self.shape.device.type == "cuda":
             torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: error path
-        for request_id in list(self._scheduler.admission_order):
-            record = self._records.get(request_id)
-            if record is not None and record.finish_reason is None:
-                record.finish_reason = FinishReason.ABORTED
-            self._scheduler.finished(request_id)
-        self._retire_finished()
+        self._lifecycle.abort_running()
 
     # ----- batch API -----------------------------------------------------------------------
 
@@ -608,9 +513,9 @@ class TextGenerationController:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         checked = [self._check_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
         request_ids = [self._queue_request(prompt, params) for prompt, params in checked]  # all valid: queue
-        self._held_by_generate.update(request_ids)
+        self._requests.hold(request_ids)
         try:
-            while any(self._records[rid].finish_reason is None for rid in request_ids):
+            while any(self._requests[rid].finish_reason is None for rid in request_ids):
                 idle_steps = self._idle_steps
                 self._step(collect=self._hook_overridden("on_step_end"))
                 if self._idle_steps != idle_steps:
@@ -621,9 +526,5 @@ class TextGenerationController:
             self._drop_requests(request_ids)  # the caller never gets their ids: none may run later
             raise
         finally:  # the caller has the results (or the exception): forget the finished requests
-            self._held_by_generate.difference_update(request_ids)
-            for request_id in request_ids:
-                record = self._records.get(request_id)
-                if record is not None and record.finish_reason is not None:
-                    del self._records[request_id]
+            self._requests.release(request_ids)
 

@@ -65,6 +65,17 @@ class OutputRows:
         left = np.minimum(self.max_new_tokens[slots] - counts, to_model_len)
         return int(to_model_len.min()), int(left.max())
 
+    def emitted_since(self, slots: np.ndarray, request_ids: np.ndarray, counts_before: np.ndarray,
+                      finished: list) -> List[Tuple[int, List[int], bool]]:
+        """What a launch emitted, as the controller's step outputs ``(request_id, tokens,
+        finished)``: the tokens each request in ``slots`` ``[n]`` gained since its count was
+        ``counts_before`` ``[n]``; ``finished``: ``(index, reason)`` pairs from :meth:`apply`."""
+        finished_indices = {index for index, _ in finished}
+        counts_after = self.counts[slots]  # [n] int64
+        return [(int(request_ids[index]), self.tokens[slots[index], counts_before[index] : counts_after[index]].tolist(),  # host-ok: numpy
+                 index in finished_indices)
+                for index in np.flatnonzero(counts_after > counts_before).tolist()]  # host-ok: numpy
+
     def apply(self, readbacks: np.ndarray, decode: np.ndarray, slots: np.ndarray, params_of_row,
               present: Optional[np.ndarray] = None) -> Tuple[np.ndarray, list]:
         """Append a launch's verified tokens to the requests in ``slots`` (``[n]`` int64, the

@@ -1,8 +1,9 @@
-"""What the controller keeps per request on the host (:class:`Request`), and what it hands back."""
+"""What the controller keeps per request on the host (:class:`Request`, all of them in a
+:class:`RequestBook`), and what it hands back (:class:`GenerationResult`)."""
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -103,6 +104,73 @@ class Request:
 
 
 RequestRecord = Request  # the name the accept_tokens hook documented before (kept for subclasses)
+
+
+class RequestBook:
+    """Every request the controller remembers, by id: waiting, live, paused, and finished ones
+    whose result is not taken yet. It owns request ids, seeds, and the window of unclaimed
+    step-API results (the newest ``finished_results_kept``; older ones are forgotten).
+
+    Requests a running ``generate()`` waits for are *held*: they never enter that window, and
+    ``generate()`` forgets them itself once it has their results.
+    """
+
+    def __init__(self, seed: int, finished_results_kept: int):
+        self._requests: Dict[int, Request] = {}
+        self._unclaimed: Dict[int, None] = {}  # finished step-API requests, oldest first
+        self._held: set = set()
+        self._seed_generator = torch.Generator().manual_seed(seed)  # seeds of requests that give none
+        self._results_kept = finished_results_kept
+        self.next_request_id = 0  # the id the next new() returns
+
+    def new(self, prompt: List[int], params: SamplingParams) -> Request:
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_generator))
+        request = Request(self.next_request_id, prompt, params, seed)
+        self._requests[request.request_id] = request
+        self.next_request_id += 1
+        return request
+
+    def __getitem__(self, request_id: int) -> Request:
+        if request_id not in self._requests:
+            raise ValueError(f"unknown request_id {request_id} (never added, or its result was taken)")
+        return self._requests[request_id]
+
+    def get(self, request_id: int) -> Optional[Request]:
+        return self._requests.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def finished(self, request_ids: Iterable[int]) -> None:
+        """These requests finished and left their slots: step-API results become claimable."""
+        for request_id in request_ids:
+            if request_id not in self._held and request_id in self._requests:
+                self._unclaimed[request_id] = None
+        while len(self._unclaimed) > self._results_kept:
+            oldest = next(iter(self._unclaimed))
+            del self._unclaimed[oldest], self._requests[oldest]
+
+    def forget(self, request_id: int) -> None:
+        """The result was taken (``pop_result``)."""
+        del self._requests[request_id]
+        self._unclaimed.pop(request_id, None)
+
+    @property
+    def unclaimed_ids(self) -> List[int]:
+        """Finished step-API requests whose result is not taken, oldest first."""
+        return list(self._unclaimed)
+
+    def hold(self, request_ids: Iterable[int]) -> None:
+        self._held.update(request_ids)
+
+    def release(self, request_ids: Iterable[int]) -> None:
+        """``generate()`` is done with these: forget the finished ones (an aborted call's
+        unfinished ones were dropped before)."""
+        self._held.difference_update(request_ids)
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None and request.finish_reason is not None:
+                del self._requests[request_id]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,39 +24,34 @@ def model():
 
 class AdmissionSyncChecked(TextGenerationController):
     """Admits under ``set_sync_debug_mode("error")`` whenever a step is in flight, and records how many steps were in flight at each admission and every early application of a
-    step in flight, and how many finished requests gave up their rows with a step in flight."""
+    step in flight, and how many finished requests gave up their rows with a step in flight.
+    Admission and retirement are checked where they reach the state: ``context.add_request`` and
+    ``context.finish_requests``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.steps_in_flight_at_admission = []
         self.early_applications = 0
         self.retired_with_step_in_flight = 0
-        add_request = self.context.add_request
+        add_request, finish_requests = self.context.add_request, self.context.finish_requests
 
         def add_and_record(request_id, tokens, row_values, *args):
             self.steps_in_flight_at_admission.append(self.context.steps_in_flight)
-            add_request(request_id, tokens, row_values, *args)
+            self._checked(lambda: add_request(request_id, tokens, row_values, *args))
 
-        self.context.add_request = add_and_record
+        def finish_and_record(request_ids):
+            """Freeing the rows of finished requests with a step in flight must not sync either."""
+            if self.debug_view().step_in_flight:
+                self.retired_with_step_in_flight += len(request_ids)
+            return self._checked(lambda: finish_requests(request_ids))
+
+        self.context.add_request, self.context.finish_requests = add_and_record, finish_and_record
 
     def _checked(self, function):
-        view = self.debug_view()
-        if not view.step_in_flight or not view.num_waiting:
+        if not self.debug_view().step_in_flight:
             return function()
         with no_host_sync():
             return function()
-
-    def _admit_waiting(self):
-        return self._checked(super()._admit_waiting)
-
-    def _retire_finished(self):
-        """Freeing the rows of finished requests with a step in flight must not sync either."""
-        view = self.debug_view()
-        if not view.step_in_flight or not view.num_retiring:
-            return super()._retire_finished()
-        self.retired_with_step_in_flight += view.num_retiring
-        with no_host_sync():
-            return super()._retire_finished()
 
     def _apply_in_flight(self, collect=False):
         if not self.debug_view().num_retiring and self.has_unfinished_requests():

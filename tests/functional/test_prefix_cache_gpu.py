@@ -21,17 +21,23 @@ def model():
 
 
 class AdmissionSyncChecked(TextGenerationController):
-    """Admits under sync-debug "error" whenever a step is in flight; counts those admissions."""
+    """Admits under sync-debug "error" whenever a step is in flight (where admission reaches the
+    state: ``context.add_request``, which attaches cached blocks); counts those admissions."""
 
     admitted_in_flight = 0
 
-    def _admit_waiting(self):
-        view = self.debug_view()
-        if not view.step_in_flight or not view.num_waiting:
-            return super()._admit_waiting()
-        self.admitted_in_flight += 1
-        with no_host_sync():
-            return super()._admit_waiting()
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        add_request = self.context.add_request
+
+        def checked_add_request(*args, **kwargs):
+            if not self.debug_view().step_in_flight:
+                return add_request(*args, **kwargs)
+            self.admitted_in_flight += 1
+            with no_host_sync():
+                return add_request(*args, **kwargs)
+
+        self.context.add_request = checked_add_request
 
 
 def _arrivals():
