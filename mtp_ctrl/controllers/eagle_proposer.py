@@ -70,9 +70,12 @@ class EagleProposer(AuxDraftProposer):
         self._tail_blocks = 0 if S == 1 else -(-(S - 1) // block_size) + 1
         self._max_positions = (shape.max_blocks_per_request + self._tail_blocks) * block_size
         attention = self.head.transformer_layer.self_attention.core_attention
-        # every table row and the scratch row own a tail: [num_blocks + (R + 1) * tail, bs, Hkv_local, D]
-        self._kv_caches = draft_context.allocate_kv_cache(attention.num_kv_heads_local, attention.head_dim,
-                                                          extra_blocks=(shape.max_requests + 1) * self._tail_blocks)
+        # every table row and the scratch row own a tail: [num_blocks + (R + 1) * tail, bs, Hkv_local, D];
+        # one pair per attention layer of the head (a deeper EAGLE-3 head has several, alike)
+        self._kv_caches = [pair for _ in range(self.head.num_kv_layers)
+                           for pair in draft_context.allocate_kv_cache(
+                               attention.num_kv_heads_local, attention.head_dim,
+                               extra_blocks=(shape.max_requests + 1) * self._tail_blocks)]
 
     # ----- drafting ------------------------------------------------------------------------
 

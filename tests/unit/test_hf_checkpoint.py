@@ -167,7 +167,7 @@ def _edit_config(directory, **fields):
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}), "yarn"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
-    (dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"]), "Gated DeltaNet"),
+    (dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"]), "DeepSeek-V2"),
     (dict(model_type="falcon", architectures=["FalconForCausalLM"]), "FalconForCausalLM"),
     (dict(architectures=["Qwen3ForSequenceClassification"]), "Qwen3ForSequenceClassification"),
     (dict(model_type="llama", architectures=["LlamaForCausalLMEagle3"]), "EAGLE draft head"),
