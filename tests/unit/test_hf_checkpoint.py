@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
@@ -28,6 +27,7 @@ from tests.unit.megatron_fixtures import (  # noqa: E402
     random_sequences,
     run_paged_schedule,
     shifted_tokens,
+    spawn_ranks,
 )
 
 TOLERANCE = dict(atol=2e-5, rtol=1e-4)
@@ -143,7 +143,7 @@ def test_tp2_matches_transformers(checkpoints, tmp_path):
                             "mtp": reference_mtp_logits(hf_model, mtp, sequences) if mtp else []}
     path = tmp_path / "expected.pt"
     torch.save(expected, path)
-    mp.spawn(_tp_worker, args=(2, free_port(), directories, str(path)), nprocs=2, join=True)
+    spawn_ranks(_tp_worker, (2, free_port(), directories, str(path)))
 
 
 # ----- refusals ----------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
@@ -34,6 +33,7 @@ from tests.unit.megatron_fixtures import (  # noqa: E402
     make_metadata,
     random_sequences,
     shifted_tokens,
+    spawn_ranks,
 )
 
 TOLERANCE = dict(atol=3e-5, rtol=1e-4)
@@ -202,7 +202,7 @@ def test_tp2_matches_reference(setup, tmp_path):
     tokens = random_sequences(seed=0)[0]
     path = tmp_path / "expected.pt"
     torch.save((tokens, eagle3_step_reference(hf_target, tensors, target_ids, tokens, num_layers=2)), path)
-    mp.spawn(_tp_worker, args=(2, free_port(), str(target_dir), str(head_dir), str(path)), nprocs=2, join=True)
+    spawn_ranks(_tp_worker, (2, free_port(), str(target_dir), str(head_dir), str(path)))
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])

@@ -16,7 +16,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
@@ -24,7 +23,7 @@ from mtp_ctrl.models import PagedGPTRunner, load_hf_checkpoint  # noqa: E402
 from mtp_ctrl.models.hf_families import UnsupportedCheckpointError  # noqa: E402
 from tests.unit import hf_gdn_fixtures  # noqa: E402
 from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups, free_port  # noqa: E402
-from tests.unit.megatron_fixtures import shifted_tokens  # noqa: E402
+from tests.unit.megatron_fixtures import shifted_tokens, spawn_ranks  # noqa: E402
 from tests.unit.megatron_fixtures import torch_twins as use_torch_twins  # noqa: E402
 
 TOLERANCE = dict(atol=3e-5, rtol=1e-4)
@@ -94,7 +93,7 @@ def test_tp2_load_matches_transformers(checkpoints, tmp_path):
     path = tmp_path / "expected.pt"
     torch.save({family: checkpoints[family][2] for family in FAMILIES}, path)
     directories = {family: str(checkpoints[family][0]) for family in FAMILIES}
-    mp.spawn(_parallel_worker, args=(2, free_port(), directories, str(path)), nprocs=2, join=True)
+    spawn_ranks(_parallel_worker, (2, free_port(), directories, str(path)))
 
 
 def _generate(model, prompts, num_speculative_tokens, new_tokens, **sampling):
