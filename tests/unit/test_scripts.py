@@ -61,9 +61,8 @@ def test_generate_writes_metrics_json_quietly(tmp_path):
     assert "Apex" not in result.stderr and "Transformer Engine" not in result.stderr
 
 
-def test_generate_rejects_more_drafts_than_mtp_layers_before_running():
-    result = run_script("examples/generate.py", "--checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt",
-                        "--num-speculative-tokens", "3")
+def test_generate_rejects_more_drafts_than_mtp_layers_before_running(failed_runs):
+    result = failed_runs[1][REJECTED_DRAFTS]
     assert result.returncode != 0
     assert "--num-speculative-tokens 3" in result.stderr and "has 2" in result.stderr
     assert "tokens/s" not in result.stdout  # nothing was generated
@@ -122,19 +121,61 @@ def test_generate_checks_its_arguments_before_importing_torch():
         assert any(expected in line for line in errors), expected
 
 
-@pytest.mark.parametrize("flags, expected", [
+BAD_CHECKPOINTS = [
     (["--checkpoint", "{corrupt}"], "error: --checkpoint {corrupt}: "),
     (["--checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], "is not a demo checkpoint"),
     (["--proposer", "eagle", "--draft-checkpoint", "{corrupt}"], "error: --draft-checkpoint {corrupt}: not a readable"),
     (["--proposer", "eagle", "--draft-checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt"], "not a draft-head checkpoint"),
     (["--proposer", "ptd", "--draft-checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], "it is a serial EAGLE head"),
-])
-def test_generate_reports_a_bad_checkpoint_in_one_error_line(tmp_path, flags, expected):
-    corrupt = tmp_path / "corrupt.pt"
+]
+REJECTED_DRAFTS = len(BAD_CHECKPOINTS)  # the index of the too-many-drafts run in failed_runs
+# One interpreter imports torch and megatron-core once, then forks a fresh child per argv: the child
+# runs examples/generate.py as __main__ with its own stdout / stderr files, and an error leaves it
+# the way it leaves a process (SystemExit's one line, or a traceback, and the exit status).
+FORKED_RUNS = """
+import json, os, runpy, sys, tempfile, warnings
+import mtp_ctrl
+mtp_ctrl.quiet_known_warnings(False)
+import torch, mtp_ctrl.cli.generate, mtp_ctrl.models.demo_model
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(0)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    results.append([status] + [(f.seek(0), f.read().decode())[1] for f in (out, err)])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def failed_runs(tmp_path_factory):
+    """[subprocess.CompletedProcess] of examples/generate.py for each BAD_CHECKPOINTS case, then
+    the too-many-drafts case (REJECTED_DRAFTS): each fails before building the model."""
+    corrupt = tmp_path_factory.mktemp("scripts") / "corrupt.pt"
     corrupt.write_bytes(b"\x80\x02 truncated")
-    flags = [flag.format(corrupt=corrupt) for flag in flags]
-    result = run_script("examples/generate.py", "--device", "cpu", *flags, "--num-speculative-tokens", "2",
-                        "--max-new-tokens", "2", "--num-prompts", "1", "--repeats", "1", timeout=180)
+    argvs = [["examples/generate.py", "--device", "cpu", *[flag.format(corrupt=corrupt) for flag in flags],
+              "--num-speculative-tokens", "2", "--max-new-tokens", "2", "--num-prompts", "1", "--repeats", "1"]
+             for flags, _ in BAD_CHECKPOINTS]
+    argvs.append(["examples/generate.py", "--checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt",
+                  "--num-speculative-tokens", "3"])
+    result = run_script("-c", FORKED_RUNS, json.dumps(argvs), timeout=300)
+    assert result.returncode == 0, result.stderr
+    runs = [subprocess.CompletedProcess(argv, code, stdout, stderr)
+            for argv, (code, stdout, stderr) in zip(argvs, json.loads(result.stdout.splitlines()[-1]))]
+    return corrupt, runs
+
+
+@pytest.mark.parametrize("case", range(len(BAD_CHECKPOINTS)))
+def test_generate_reports_a_bad_checkpoint_in_one_error_line(failed_runs, case):
+    corrupt, runs = failed_runs
+    expected, result = BAD_CHECKPOINTS[case][1], runs[case]
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: ") and expected.format(corrupt=corrupt) in errors[0], \
