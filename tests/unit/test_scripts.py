@@ -26,6 +26,47 @@ def run_script(*args, timeout=120):
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
+BAD_CHECKPOINTS = [
+    (["--checkpoint", "{corrupt}"], "error: --checkpoint {corrupt}: "),
+    (["--checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], "is not a demo checkpoint"),
+    (["--proposer", "eagle", "--draft-checkpoint", "{corrupt}"], "error: --draft-checkpoint {corrupt}: not a readable"),
+    (["--proposer", "eagle", "--draft-checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt"], "not a draft-head checkpoint"),
+    (["--proposer", "ptd", "--draft-checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], "it is a serial EAGLE head"),
+]
+REJECTED_DRAFTS = len(BAD_CHECKPOINTS)  # the index of the too-many-drafts run in failed_runs
+# One interpreter imports torch and megatron-core once (not once a run), then forks a child per argv: it
+# runs examples/generate.py as __main__ with its own stdout / stderr files, and an error leaves it
+# the way it leaves a process (SystemExit's one line, or a traceback, and the exit status).
+FORKED_RUNS = """
+import json, os, runpy, sys, tempfile
+import mtp_ctrl
+mtp_ctrl.quiet_known_warnings(False)
+import torch, mtp_ctrl.cli.generate, mtp_ctrl.models.demo_model
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(0)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    results.append([status] + [(f.seek(0), f.read().decode())[1] for f in (out, err)])
+print(json.dumps(results))
+"""
+
+
+def forked_runs(argvs, timeout):
+    """[subprocess.CompletedProcess] of each argv (a script and its arguments) run by FORKED_RUNS."""
+    result = run_script("-c", FORKED_RUNS, json.dumps(argvs), timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return [subprocess.CompletedProcess(argv, code, stdout, stderr)
+            for argv, (code, stdout, stderr) in zip(argvs, json.loads(result.stdout.splitlines()[-1]))]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_prints_usage_without_running(script):
     result = run_script(script, "--help", timeout=60)
@@ -83,13 +124,22 @@ def test_verbose_shows_megatron_notices_again():
     assert loud.stdout.strip() == "['Apex is not in', 'something else']", loud.stderr
 
 
-@pytest.mark.parametrize("proposer, num_speculative_tokens", [("eagle", 2), ("ptd", 3), ("multi_layer_eagle", 3)])
-def test_generate_serves_each_shipped_drafter(proposer, num_speculative_tokens):
+DRAFTERS = [("eagle", 2), ("ptd", 3), ("multi_layer_eagle", 3)]
+
+
+@pytest.fixture(scope="module")
+def drafter_runs():
+    """{proposer: subprocess.CompletedProcess} of examples/generate.py serving each shipped drafter."""
+    argvs = [["examples/generate.py", "--device", "cpu", "--proposer", proposer, "--num-speculative-tokens", str(S),
+              "--max-new-tokens", "6", "--num-prompts", "1", "--repeats", "1"] for proposer, S in DRAFTERS]
+    return dict(zip((proposer for proposer, _ in DRAFTERS), forked_runs(argvs, timeout=600)))
+
+
+@pytest.mark.parametrize("proposer", [proposer for proposer, _ in DRAFTERS])
+def test_generate_serves_each_shipped_drafter(drafter_runs, proposer):
     """--proposer picks the shipped head (mtp_ctrl/checkpoints) for the shipped target, and its output
     equals plain decoding."""
-    result = run_script("examples/generate.py", "--device", "cpu", "--proposer", proposer,
-                        "--num-speculative-tokens", str(num_speculative_tokens), "--max-new-tokens", "6",
-                        "--num-prompts", "1", "--repeats", "1", timeout=300)
+    result = drafter_runs[proposer]
     assert result.returncode == 0, result.stderr
     assert "outputs identical: yes" in result.stdout
     header = result.stdout.splitlines()[0]  # the drafter is named before anything slow happens
@@ -121,39 +171,6 @@ def test_generate_checks_its_arguments_before_importing_torch():
         assert any(expected in line for line in errors), expected
 
 
-BAD_CHECKPOINTS = [
-    (["--checkpoint", "{corrupt}"], "error: --checkpoint {corrupt}: "),
-    (["--checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], "is not a demo checkpoint"),
-    (["--proposer", "eagle", "--draft-checkpoint", "{corrupt}"], "error: --draft-checkpoint {corrupt}: not a readable"),
-    (["--proposer", "eagle", "--draft-checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt"], "not a draft-head checkpoint"),
-    (["--proposer", "ptd", "--draft-checkpoint", "mtp_ctrl/checkpoints/eagle_demo.pt"], "it is a serial EAGLE head"),
-]
-REJECTED_DRAFTS = len(BAD_CHECKPOINTS)  # the index of the too-many-drafts run in failed_runs
-# One interpreter imports torch and megatron-core once, then forks a fresh child per argv: the child
-# runs examples/generate.py as __main__ with its own stdout / stderr files, and an error leaves it
-# the way it leaves a process (SystemExit's one line, or a traceback, and the exit status).
-FORKED_RUNS = """
-import json, os, runpy, sys, tempfile, warnings
-import mtp_ctrl
-mtp_ctrl.quiet_known_warnings(False)
-import torch, mtp_ctrl.cli.generate, mtp_ctrl.models.demo_model
-results = []
-for argv in json.loads(sys.argv[1]):
-    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
-        sys.argv = argv
-        runpy.run_path(argv[0], run_name="__main__")
-        sys.stdout.flush(); sys.stderr.flush()
-        os._exit(0)
-    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    results.append([status] + [(f.seek(0), f.read().decode())[1] for f in (out, err)])
-print(json.dumps(results))
-"""
-
-
 @pytest.fixture(scope="module")
 def failed_runs(tmp_path_factory):
     """[subprocess.CompletedProcess] of examples/generate.py for each BAD_CHECKPOINTS case, then
@@ -165,11 +182,7 @@ def failed_runs(tmp_path_factory):
              for flags, _ in BAD_CHECKPOINTS]
     argvs.append(["examples/generate.py", "--checkpoint", "mtp_ctrl/checkpoints/mtp_demo.pt",
                   "--num-speculative-tokens", "3"])
-    result = run_script("-c", FORKED_RUNS, json.dumps(argvs), timeout=300)
-    assert result.returncode == 0, result.stderr
-    runs = [subprocess.CompletedProcess(argv, code, stdout, stderr)
-            for argv, (code, stdout, stderr) in zip(argvs, json.loads(result.stdout.splitlines()[-1]))]
-    return corrupt, runs
+    return corrupt, forked_runs(argvs, timeout=300)
 
 
 @pytest.mark.parametrize("case", range(len(BAD_CHECKPOINTS)))
