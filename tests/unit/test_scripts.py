@@ -35,13 +35,15 @@ BAD_CHECKPOINTS = [
 ]
 REJECTED_DRAFTS = len(BAD_CHECKPOINTS)  # the index of the too-many-drafts run in failed_runs
 # One interpreter imports torch and megatron-core once (not once a run), then forks a child per argv: it
-# runs examples/generate.py as __main__ with its own stdout / stderr files, and an error leaves it
-# the way it leaves a process (SystemExit's one line, or a traceback, and the exit status).
+# runs the script as __main__ with its own stdout / stderr files and ends as Python's top level would
+# (SystemExit's message or a traceback on stderr, the exit status), then leaves by os._exit: tearing
+# down the copied modules would cost each child seconds.
 FORKED_RUNS = """
-import json, os, runpy, sys, tempfile
+import atexit, gc, json, os, runpy, sys, tempfile, traceback
 import mtp_ctrl
 mtp_ctrl.quiet_known_warnings(False)
 import torch, mtp_ctrl.cli.generate, mtp_ctrl.models.demo_model
+gc.freeze()  # the children's collections skip (and do not copy) the imported objects
 results = []
 for argv in json.loads(sys.argv[1]):
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
@@ -49,10 +51,15 @@ for argv in json.loads(sys.argv[1]):
     pid = os.fork()
     if pid == 0:
         os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
-        sys.argv = argv
-        runpy.run_path(argv[0], run_name="__main__")
-        sys.stdout.flush(); sys.stderr.flush()
-        os._exit(0)
+        sys.argv, code = argv, 0
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code if stop.code is None or isinstance(stop.code, int) else print(stop.code, file=sys.stderr) or 1
+        except BaseException:
+            traceback.print_exc(); code = 1
+        atexit._run_exitfuncs(); sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code or 0)
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     results.append([status] + [(f.seek(0), f.read().decode())[1] for f in (out, err)])
 print(json.dumps(results))
