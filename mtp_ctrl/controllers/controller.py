@@ -138,7 +138,15 @@ class TextGenerationController:
         return DynamicInferenceContext(shape, kv_cache=kv_cache, num_blocks=num_blocks,
                                        kv_cache_bytes=config.kv_cache_bytes,
                                        cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
-                                       mamba=self.runner.mamba_spec)  # mamba: None without Mamba layers
+                                       mamba=self.runner.mamba_spec,  # None without Mamba layers
+                                       state_snapshots=self._state_snapshot_count())
+
+    def _state_snapshot_count(self) -> int:
+        """Recurrent-state snapshot slots of a hybrid model with prefix caching (config's doc)."""
+        if not self.config.prefix_caching:
+            return 0
+        count = self.config.prefix_state_snapshots
+        return 2 * self.shape.max_requests if count is None else count
 
     def _allocate_step_buffers(self) -> None:
         table, R, S = self.context.table, self.shape.max_requests, self.shape.num_speculative_tokens
@@ -417,6 +425,7 @@ class TextGenerationController:
             self._graphs.run(key, lambda: self._launch_run(step))
         else:
             self._launch_run(step)
+        self.context.take_state_snapshots(step)  # hybrids: recurrent state at prompt-block boundaries
         launched = self._readbacks.end(step)
         self._draft_lengths.launched(step)
         if self.shape.num_speculative_tokens > 0:

@@ -45,9 +45,10 @@ from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
 from mtp_ctrl.state.kv_cache import AnyKVCacheSpec, KVCacheSpec, LatentKVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec, MambaStateSlots
-from mtp_ctrl.state.prefix_cache import PrefixCache
+from mtp_ctrl.state.prefix_cache import PrefixCache, SnapshotDue
 from mtp_ctrl.state.request_table import RequestTable, RowGroup
 from mtp_ctrl.state.scheduler import Scheduler
+from mtp_ctrl.state.state_snapshots import RecurrentStateSnapshots
 from mtp_ctrl.state.step_metadata import StepBuffers, StepMetadata
 
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
@@ -63,6 +64,9 @@ class DynamicInferenceContext:
     cuda_graph_batch_sizes: batch sizes with a CUDA graph (steps are padded to them; a step with
         prefill chunks also pads its tokens to ``cuda_graph_token_counts``, powers of two from 64).
     mamba: Mamba layer count and state shapes, or None for a model without Mamba layers.
+    state_snapshots: recurrent-state snapshot slots for prefix caching on a hybrid model (``mamba``
+        given; 0: none, a hybrid then takes no prefix-cache hit); with ``kv_cache_bytes`` they are
+        paid from that budget.
 
     Sizing rules (checked here and in :class:`EngineShape`): ``max_tokens_per_step >= R * (1 + S)``
     so every decode request runs every step; a request holds at most ``MB = ceil((max_model_len +
@@ -79,6 +83,7 @@ class DynamicInferenceContext:
         kv_cache_bytes: Optional[int] = None,
         cuda_graph_batch_sizes: Sequence[int] = (),
         mamba: Optional[MambaSpec] = None,
+        state_snapshots: int = 0,
     ):
         if not isinstance(shape, EngineShape):
             raise TypeError(f"shape must be an EngineShape, got {type(shape).__name__}")
@@ -86,6 +91,9 @@ class DynamicInferenceContext:
             raise TypeError(f"kv_cache must be a KVCacheSpec or LatentKVCacheSpec, got {type(kv_cache).__name__}")
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
+        if isinstance(state_snapshots, bool) or not isinstance(state_snapshots, int) or state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be an int >= 0, got {state_snapshots!r}")
+        state_snapshots = state_snapshots if mamba is not None else 0
         self.shape = shape
         max_requests, block_size_tokens, device = shape.max_requests, shape.block_size_tokens, shape.device
         self.cuda_graph_batch_sizes = check_batch_sizes(cuda_graph_batch_sizes, max_requests)
@@ -96,6 +104,8 @@ class DynamicInferenceContext:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
         else:
             bytes_per_block = kv_cache.bytes_per_block(block_size_tokens)
+            if state_snapshots:  # the snapshots are paid from the KV budget
+                kv_cache_bytes -= state_snapshots * RecurrentStateSnapshots.bytes_per_snapshot(mamba)
             if kv_cache_bytes < 2 * bytes_per_block:  # the budget holds the scratch block too (see below)
                 raise ValueError(f"kv_cache_bytes ({kv_cache_bytes}) must hold two KV blocks ({bytes_per_block} "
                                  "bytes each): one for requests, one scratch block")
@@ -112,6 +122,9 @@ class DynamicInferenceContext:
         self.num_cache_blocks = self.allocator.num_blocks + 1  # [num_cache_blocks, bs, Hkv, D] caches
         self.kv_caches = kv_cache.allocate(self.num_cache_blocks, block_size_tokens, device)
         self.mamba = None if mamba is None else MambaStateSlots(mamba, max_requests, shape.num_speculative_tokens, device)
+        self._state_snapshots = RecurrentStateSnapshots(mamba, state_snapshots, device) if state_snapshots else None
+        # the last built step and the requests whose chunk in it ends at a snapshot boundary
+        self._snapshots_due: Tuple[Optional[StepMetadata], List[SnapshotDue]] = (None, [])
         self.table = RequestTable(shape)
         self.table.set_free_row_targets(self.scratch_block, -1 if self.mamba is None else self.mamba.scratch_slot)
         # [R + 1] int64: tokens the request's prefill computes (its prompt, plus the output so far
@@ -130,12 +143,13 @@ class DynamicInferenceContext:
     def enable_prefix_caching(self, lookahead: int, salt: bytes = b"") -> bool:
         """Reuse full KV blocks of prompts (see ``state/prefix_cache.py``): ``lookahead`` tokens past
         a block its content depends on (0 for the decoder alone; the proposer's, e.g. S for paged
-        MTP depths). Hybrid models (Mamba-2 or Gated DeltaNet: state slots) opt out: their recurrent state at a block
-        boundary is not kept, so they take no hit. Returns whether caching is on. Only before the
-        first request."""
+        MTP depths). Hybrid models (Mamba-2 or Gated DeltaNet: state slots) reuse a prefix with a
+        snapshot of the recurrent state after it (``state_snapshots`` slots; without them they
+        take no hit). Returns whether caching is on. Only before the first request."""
         if self.table.num_live or self.prefix_cache.queried_tokens:
             raise RuntimeError("enable_prefix_caching: requests have joined already")
-        self.prefix_cache = PrefixCache(self.allocator, None if self.mamba is not None else lookahead, salt)
+        reusable = self.mamba is None or self._state_snapshots is not None
+        self.prefix_cache = PrefixCache(self.allocator, lookahead if reusable else None, salt, self._state_snapshots)
         if self.prefix_cache.enabled:
             self.table.enable_cached_prefixes()
         return self.prefix_cache.enabled
@@ -181,7 +195,7 @@ class DynamicInferenceContext:
         if not isinstance(use_prefix_cache, bool):
             raise TypeError(f"use_prefix_cache must be a bool, got {type(use_prefix_cache).__name__}")
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
-        cached_block_ids = self.prefix_cache.attach(request_id, prompt, use_prefix_cache)
+        cached_block_ids = self.prefix_cache.attach(request_id, prompt, use_prefix_cache, self.mamba, slot)
         table_slot = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values, cached_block_ids)
         self._prefill_token_counts[table_slot] = prompt.shape[0]
         self._prefill_tokens[request_id] = prompt
@@ -278,6 +292,7 @@ class DynamicInferenceContext:
         S each.
         """
         steps_in_flight = self.steps_in_flight
+        self._snapshots_due = (None, [])
         self.table.write_inserted_rows()  # the slots admitted since the last step, in one batch
         for request_id in list(self._prompts_done):  # in the order their prompts ended
             self._become_decode_if_prompt_done(request_id)
@@ -328,6 +343,7 @@ class DynamicInferenceContext:
         step = self._step_buffers.build(slot_ids, query_lengths, num_decode, chunks, final_chunk_count, padded,
                                         block_writes, max_seq_len, next_prompt_token, num_steps, lengths)
         self._steps_in_flight.append(step)
+        self._snapshots_due = (step, self._snapshots_due[1])
         return step
 
     def _decode_run_steps(self, num_decode: int, length_budgets: Tuple[int, int, float]) -> int:
@@ -343,6 +359,15 @@ class DynamicInferenceContext:
                 self.allocator.num_free_blocks:
             return 1  # short of blocks: single steps (which pause or preempt as usual)
         return num_steps
+
+    def take_state_snapshots(self, step: StepMetadata) -> None:
+        """Hybrid models with prefix caching: call right after launching ``step`` (the last one
+        built), before anything else reaches the stream. Copies the recurrent state of each
+        request whose chunk in it ended at a snapshot boundary (device copies, no sync)."""
+        built, due = self._snapshots_due
+        if step is built and due:
+            self.prefix_cache.take_snapshots(due, self.mamba)
+        self._snapshots_due = (None, [])
 
     def prepare_inputs(self, step: StepMetadata) -> None:
         """The device half of the step's set-up; run it first in the step (see StepBuffers)."""
@@ -374,6 +399,7 @@ class DynamicInferenceContext:
         finishes every request they held. Block writes not yet sent are dropped too."""
         self._steps_in_flight.clear()
         self._block_writes = []
+        self._snapshots_due = (None, [])
         self.allocator.drop_cached()  # blocks they were writing may be registered: trust none
 
     # ----- scheduling helpers ------------------------------------------------------------
@@ -477,14 +503,25 @@ class DynamicInferenceContext:
         host = self.table.host
         prefill_slots = self.table.slots_in(RowGroup.PREFILL)  # [p] int64
         known_lengths = host.known_lengths[prefill_slots]
+        boundaries = None  # [p] int64: where each chunk must end for a state snapshot (hybrids)
+        if self._state_snapshots is not None and self.prefix_cache.enabled:
+            boundaries = np.array([self.prefix_cache.snapshot_boundary(int(request_id), int(known)) or -1
+                                   for request_id, known in zip(host.request_ids[prefill_slots].tolist(),  # host-ok: numpy
+                                                                known_lengths.tolist())], dtype=np.int64)
+        remaining = self._prefill_token_counts[prefill_slots] - known_lengths
         lengths = self.scheduler.prefill_chunk_lengths(
-            self._prefill_token_counts[prefill_slots] - known_lengths, known_lengths,
-            host.block_counts[prefill_slots], self.allocator.num_free_blocks, num_decode)
+            remaining, known_lengths, host.block_counts[prefill_slots], self.allocator.num_free_blocks, num_decode,
+            None if boundaries is None else np.where(boundaries >= 0, boundaries - known_lengths, remaining))
         chunk_lengths = np.array(lengths, dtype=np.int64)  # [p'] int64
         slots = prefill_slots[: chunk_lengths.shape[0]]
         known = known_lengths[: chunk_lengths.shape[0]]
         self._reserve(slots, self.blocks_for(known + chunk_lengths))  # one allocation for every chunk
         host.known_lengths[slots] = known + chunk_lengths  # exact: a prefill keeps every row
+        if boundaries is not None:  # chunks ending at a boundary: snapshot the state after the step's launch
+            ends = boundaries[: chunk_lengths.shape[0]] == known + chunk_lengths  # [p'] bool
+            self._snapshots_due = (None, [(int(host.request_ids[slot]), int(end) // self.shape.block_size_tokens,
+                                           int(host.mamba_slot_ids[slot]))
+                                          for slot, end in zip(slots[ends].tolist(), (known + chunk_lengths)[ends].tolist())])  # host-ok: numpy
         if self.prefix_cache.enabled:  # blocks this step completes: cached for requests joining after it
             for table_slot in slots.tolist():  # host-ok: numpy
                 self.prefix_cache.register_written(int(host.request_ids[table_slot]), host.block_ids[table_slot],
