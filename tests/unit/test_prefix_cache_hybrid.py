@@ -29,7 +29,7 @@ def test_greedy_on_equals_off_with_hits(hybrids, torch_twins, family, num_specul
     model = hybrids[family]
     prompts = shared_prompts(6)
     params = [SamplingParams(max_new_tokens=4)] * len(prompts)
-    off = run_staggered(make_controller(model, num_speculative_tokens), prompts, params)
+    off = run_staggered(make_controller(model, num_speculative_tokens, prefix_caching=False), prompts, params)
     controller = make_controller(model, num_speculative_tokens, prefix_caching=True)
     assert run_staggered(controller, prompts, params) == off  # tokens, steps and accepted drafts
     assert_hits_and_no_leak(controller)
@@ -45,7 +45,7 @@ def test_sampled_on_equals_off_under_preemption_and_eviction(hybrids, torch_twin
     prompts = shared_prompts(9, seed=1)
     params = [SamplingParams(max_new_tokens=6, temperature=0.9, top_k=30, seed=100 + i) for i in range(len(prompts))]
     small = dict(num_kv_blocks=10, max_requests=4)
-    off = run_staggered(make_controller(model, 2, **small), prompts, params, stagger=1)
+    off = run_staggered(make_controller(model, 2, prefix_caching=False, **small), prompts, params, stagger=1)
     controller = make_controller(model, 2, prefix_caching=True, prefix_state_snapshots=2, **small)
     on = run_staggered(controller, prompts, params, stagger=1)
     assert [tokens for tokens, _, _ in on] == [tokens for tokens, _, _ in off]
@@ -65,7 +65,7 @@ def test_shared_system_prompt_and_chat_turns(hybrids, torch_twins):
     params = SamplingParams(max_new_tokens=3)
     system = SYSTEM[:16]  # 4 full blocks
     prompts = [system + [1, 2, 3, 4, 5], system + [6, 7], system + [8, 9, 10]]
-    plain = [r.output_tokens for r in make_controller(model, 0).generate(prompts, params)]
+    plain = [r.output_tokens for r in make_controller(model, 0, prefix_caching=False).generate(prompts, params)]
     controller = make_controller(model, 0, prefix_caching=True)
     hits = []
     for prompt, expected in zip(prompts, plain):
@@ -74,7 +74,7 @@ def test_shared_system_prompt_and_chat_turns(hybrids, torch_twins):
         hits.append(controller.metrics.as_dict()["prefix_cache"]["hit_tokens"] - before)
     assert hits == [0, 0, 16]
     turn = prompts[2] + plain[2] + [11, 12, 13]  # the history resent, then the new message
-    expected = make_controller(model, 0).generate([turn], params)[0].output_tokens
+    expected = make_controller(model, 0, prefix_caching=False).generate([turn], params)[0].output_tokens
     before = controller.metrics.as_dict()["prefix_cache"]["hit_tokens"]
     assert controller.generate([turn], params)[0].output_tokens == expected
     assert controller.metrics.as_dict()["prefix_cache"]["hit_tokens"] - before == 16  # [0, 16) of 22 cached
@@ -84,7 +84,7 @@ def test_no_snapshot_slots_takes_no_hit(hybrids, torch_twins):
     model = hybrids["gdn"]
     prompts = [SYSTEM + [1, 2], SYSTEM + [3]]
     params = SamplingParams(max_new_tokens=2)
-    plain = [r.output_tokens for r in make_controller(model, 0).generate(prompts, params)]
+    plain = [r.output_tokens for r in make_controller(model, 0, prefix_caching=False).generate(prompts, params)]
     controller = make_controller(model, 0, prefix_caching=True, prefix_state_snapshots=0)
     assert [r.output_tokens for r in controller.generate(prompts, params)] == plain
     assert controller.metrics.as_dict()["prefix_cache"]["hit_tokens"] == 0
