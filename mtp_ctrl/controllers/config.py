@@ -114,7 +114,7 @@ class InferenceConfig:
     prefix_state_snapshots: hybrid models with prefix caching: how many recurrent-state snapshots
         (every recurrent layer's conv and SSM state at a prompt-block boundary) are kept on the
         device, least recently used evicted first; paid from ``kv_cache_bytes`` when that is
-        given. None (default): max_requests. 0: hybrids take no hit. Models without
+        given. None (default): max(2 x max_requests, 8). 0: hybrids take no hit. Models without
         recurrent layers ignore it.
     tp_check_timeout_s: under tensor parallelism every ``step()`` first checks that all ranks
         build the same step (``tp_lockstep.py``); a rank that gets no answer within this many

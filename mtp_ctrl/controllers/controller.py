@@ -146,7 +146,7 @@ class TextGenerationController:
         if not self.config.prefix_caching:
             return 0
         count = self.config.prefix_state_snapshots
-        return self.shape.max_requests if count is None else count
+        return max(2 * self.shape.max_requests, 8) if count is None else count
 
     def _allocate_step_buffers(self) -> None:
         table, R, S = self.context.table, self.shape.max_requests, self.shape.num_speculative_tokens

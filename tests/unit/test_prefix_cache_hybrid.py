@@ -43,7 +43,7 @@ def test_sampled_on_equals_off_under_preemption_and_eviction(hybrids, torch_twin
     recomputed, hitting their own blocks), blocks and snapshots are evicted."""
     model = hybrids[family]
     prompts = shared_prompts(9, seed=1)
-    params = [SamplingParams(max_new_tokens=6, temperature=0.9, top_k=30, seed=100 + i) for i in range(len(prompts))]
+    params = [SamplingParams(max_new_tokens=8, temperature=0.9, top_k=30, seed=100 + i) for i in range(len(prompts))]
     small = dict(num_kv_blocks=10, max_requests=4)
     off = run_staggered(make_controller(model, 2, prefix_caching=False, **small), prompts, params, stagger=1)
     controller = make_controller(model, 2, prefix_caching=True, prefix_state_snapshots=2, **small)
