@@ -119,7 +119,7 @@ class PrefixSnapshots(RuleBasedStateMachine):
         assert len(pending) + len(owned) + self.snapshots.num_free == NUM_SNAPSHOTS
 
 
-PrefixSnapshots.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+PrefixSnapshots.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 test_prefix_snapshots = PrefixSnapshots.TestCase
 
 
@@ -127,3 +127,38 @@ def test_snapshot_pool_bad_input_and_bytes():
     with pytest.raises(ValueError, match="num_snapshots"):
         RecurrentStateSnapshots(SPEC, 0, "cpu")
     assert RecurrentStateSnapshots.bytes_per_snapshot(SPEC) == 2 * (1 + 1) * 8
+
+
+def test_a_shared_prefix_hits_from_the_third_request():
+    """The module docstring's example: A = sys + a snapshots after its last block, B = sys + b
+    finds sys cached without a snapshot (no hit) and snapshots where it leaves A, C = sys + c hits
+    sys and starts from the state after it. Evicting sys's last block drops its snapshot."""
+    pool = KVBlockAllocator(NUM_BLOCKS, BLOCK)
+    states = MambaStateSlots(SPEC, num_slots=3, num_speculative_tokens=0, device="cpu")
+    cache = PrefixCache(pool, LOOKAHEAD, snapshots=RecurrentStateSnapshots(SPEC, NUM_SNAPSHOTS, "cpu"))
+    system = [5, 6, 7, 8, 9]  # 2 blocks, and the token their keys look ahead to
+    hits, held = [], []
+    for request_id, tail in enumerate([[1, 1, 1], [2, 2, 2], [3, 3, 3]]):
+        tokens = np.array(system + tail, dtype=np.int64)
+        slot = states.allocate_slot()
+        hit = cache.attach(request_id, tokens, True, states, slot)
+        hits.append(len(hit))
+        assert float(states.conv_states[0, slot, 0]) == state_after(tokens[: len(hit) * BLOCK])  # restored
+        blocks, known = list(hit), len(hit) * BLOCK
+        while known < tokens.shape[0]:  # one-token chunks, ending at each snapshot boundary
+            end = known + 1
+            blocks.extend(pool.allocate(-(-end // BLOCK) - len(blocks)).tolist())
+            states.conv_states[:, slot] = states.ssm_states[:, slot] = state_after(tokens[:end])
+            cache.register_written(request_id, np.array(blocks), end)
+            if end == cache.snapshot_boundary(request_id, known):
+                cache.take_snapshots([(request_id, end // BLOCK, slot)], states)
+            known = end
+        held.append(blocks)
+    assert hits == [0, 0, 2]
+    for request_id, blocks in enumerate(held):
+        pool.release(blocks)
+        cache.forget(request_id)
+    sys_key = cache.block_keys(np.array(system + [3, 3, 3], dtype=np.int64))[1]
+    assert cache.snapshots.has(sys_key)
+    pool.release(pool.allocate(pool.num_free_blocks))  # evicts every cached block
+    assert cache.snapshots.num_owned == 0 and cache.snapshots.num_free == NUM_SNAPSHOTS
