@@ -209,10 +209,11 @@ def ttft_sweep(model, lengths, random_tokens, controller_for, run_batch, device)
         cold_out, cold_ttft, _ = run_batch(off, [prefix + question])
         for _ in range(2):  # computes and caches the prefix (a hybrid: the second snapshots where they part)
             run_batch(on, [prefix + random_tokens(32)])
+        hits_before = on.metrics.as_dict()["prefix_cache"]["hit_tokens"]
         hit_out, hit_ttft, _ = run_batch(on, [prefix + question])
         rows.append(dict(prefix_tokens=length, cold_ttft_ms=cold_ttft[0] * 1e3, hit_ttft_ms=hit_ttft[0] * 1e3,
                          speedup=cold_ttft[0] / hit_ttft[0], outputs_equal=cold_out == hit_out,
-                         hit_rate=on.metrics.as_dict()["prefix_cache"]["hit_rate"]))
+                         hit_tokens=on.metrics.as_dict()["prefix_cache"]["hit_tokens"] - hits_before))
     for controller in (off, on):
         controller.close()
     if device.type == "cuda":
@@ -242,11 +243,12 @@ def build_hybrid(quick, max_sequence_length, device):
 
 def print_sweep(title, rows):
     print(title)
-    print(f"| {'prefix tokens':>13} | {'cold TTFT ms':>12} | {'hit TTFT ms':>11} | {'cold / hit':>10} | outputs equal |")
-    print(f"|{'-' * 15}|{'-' * 14}|{'-' * 13}|{'-' * 12}|{'-' * 15}|")
+    print(f"| {'prefix tokens':>13} | {'tokens hit':>10} | {'cold TTFT ms':>12} | {'hit TTFT ms':>11} | {'cold / hit':>10} "
+          "| outputs equal |")
+    print(f"|{'-' * 15}|{'-' * 12}|{'-' * 14}|{'-' * 13}|{'-' * 12}|{'-' * 15}|")
     for row in rows:
-        print(f"| {row['prefix_tokens']:>13} | {row['cold_ttft_ms']:>12.1f} | {row['hit_ttft_ms']:>11.1f} | "
-              f"{row['speedup']:>9.2f}x | {str(row['outputs_equal']):>13} |")
+        print(f"| {row['prefix_tokens']:>13} | {row['hit_tokens']:>10} | {row['cold_ttft_ms']:>12.1f} | "
+              f"{row['hit_ttft_ms']:>11.1f} | {row['speedup']:>9.2f}x | {str(row['outputs_equal']):>13} |")
 
 
 def print_batch_table(results, outputs, name, requests, system_tokens, new_tokens):
