@@ -7,9 +7,9 @@
 # Logs go to $OUT (or ./gpu_logs). Usage (device machine, repo root): bash bench/run_prefix_gpu.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-timeout 80 python3 -m pytest tests/functional/test_prefix_cache_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
+timeout 100 python3 -m pytest tests/functional/test_prefix_cache_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
   | tee "$out/functional.log" | tail -6
-timeout 100 python3 bench/bench_prefix_cache.py --parts sweep,hybrid --json "$out/bench_prefix_sweep.json" 2>&1 \
+timeout 95 python3 bench/bench_prefix_cache.py --parts sweep,hybrid --json "$out/bench_prefix_sweep.json" 2>&1 \
   | grep -v Warning | tee "$out/bench_prefix_sweep.log" | tail -14
 timeout 85 python3 bench/bench_prefix_cache.py --parts batch --json "$out/bench_prefix_cache.json" 2>&1 \
   | grep -v Warning | tee "$out/bench_prefix_cache.log" | tail -14
