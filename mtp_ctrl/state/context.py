@@ -503,25 +503,23 @@ class DynamicInferenceContext:
         host = self.table.host
         prefill_slots = self.table.slots_in(RowGroup.PREFILL)  # [p] int64
         known_lengths = host.known_lengths[prefill_slots]
-        boundaries = None  # [p] int64: where each chunk must end for a state snapshot (hybrids)
-        if self._state_snapshots is not None and self.prefix_cache.enabled:
-            boundaries = np.array([self.prefix_cache.snapshot_boundary(int(request_id), int(known)) or -1
-                                   for request_id, known in zip(host.request_ids[prefill_slots].tolist(),  # host-ok: numpy
-                                                                known_lengths.tolist())], dtype=np.int64)
-        remaining = self._prefill_token_counts[prefill_slots] - known_lengths
+        # [p] int64: where each chunk must end for a recurrent-state snapshot (hybrids; -1: anywhere)
+        boundaries = self.prefix_cache.snapshot_boundaries(host.request_ids[prefill_slots], known_lengths)
+        remaining = self._prefill_token_counts[prefill_slots] - known_lengths  # [p] int64
         lengths = self.scheduler.prefill_chunk_lengths(
             remaining, known_lengths, host.block_counts[prefill_slots], self.allocator.num_free_blocks, num_decode,
-            None if boundaries is None else np.where(boundaries >= 0, boundaries - known_lengths, remaining))
+            np.where(boundaries >= 0, boundaries - known_lengths, remaining))
         chunk_lengths = np.array(lengths, dtype=np.int64)  # [p'] int64
         slots = prefill_slots[: chunk_lengths.shape[0]]
         known = known_lengths[: chunk_lengths.shape[0]]
         self._reserve(slots, self.blocks_for(known + chunk_lengths))  # one allocation for every chunk
         host.known_lengths[slots] = known + chunk_lengths  # exact: a prefill keeps every row
-        if boundaries is not None:  # chunks ending at a boundary: snapshot the state after the step's launch
-            ends = boundaries[: chunk_lengths.shape[0]] == known + chunk_lengths  # [p'] bool
-            self._snapshots_due = (None, [(int(host.request_ids[slot]), int(end) // self.shape.block_size_tokens,
-                                           int(host.mamba_slot_ids[slot]))
-                                          for slot, end in zip(slots[ends].tolist(), (known + chunk_lengths)[ends].tolist())])  # host-ok: numpy
+        at_boundary = slots[boundaries[: slots.shape[0]] == known + chunk_lengths]  # [k] int64: snapshot these
+        if at_boundary.shape[0]:  # after the step's launch (take_state_snapshots)
+            self._snapshots_due = (None, list(zip(
+                host.request_ids[at_boundary].tolist(),  # host-ok: numpy
+                (host.known_lengths[at_boundary] // self.shape.block_size_tokens).tolist(),  # host-ok: numpy
+                host.mamba_slot_ids[at_boundary].tolist())))  # host-ok: numpy
         if self.prefix_cache.enabled:  # blocks this step completes: cached for requests joining after it
             for table_slot in slots.tolist():  # host-ok: numpy
                 self.prefix_cache.register_written(int(host.request_ids[table_slot]), host.block_ids[table_slot],

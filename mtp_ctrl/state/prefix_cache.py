@@ -143,6 +143,16 @@ class PrefixCache:
                 return blocks * block_size
         return None
 
+    def snapshot_boundaries(self, request_ids: np.ndarray, known_lengths: np.ndarray) -> np.ndarray:
+        """:meth:`snapshot_boundary` of each request (``[p]`` int64 ids and lengths), -1 for none:
+        ``[p]`` int64 (all -1 without snapshots)."""
+        boundaries = np.full(request_ids.shape[0], -1, dtype=np.int64)
+        if self.snapshots is not None and self.enabled:
+            for index, (request_id, known) in enumerate(zip(request_ids.tolist(), known_lengths.tolist())):  # host-ok: numpy
+                boundary = self.snapshot_boundary(request_id, known)
+                boundaries[index] = -1 if boundary is None else boundary
+        return boundaries
+
     def take_snapshots(self, due: Sequence[SnapshotDue], states: MambaStateSlots) -> None:
         """Copy the state slots of requests whose chunk (in a step just launched) ended at a
         snapshot boundary; owned by the boundary's block key once that block is cached."""
