@@ -37,11 +37,11 @@ def test_greedy_on_equals_off_with_hits(hybrids, torch_twins, family, num_specul
     assert snapshots.num_owned > 0 and snapshots.num_owned + snapshots.num_free == snapshots.num_snapshots
 
 
-@pytest.mark.parametrize("family", ["mamba", "gdn"])
-def test_sampled_on_equals_off_under_preemption_and_eviction(hybrids, torch_twins, family):
+def test_sampled_on_equals_off_under_preemption_and_eviction(hybrids, torch_twins):
     """A pool too small for the batch and two snapshot slots: requests are preempted (and
-    recomputed, hitting their own blocks), blocks and snapshots are evicted."""
-    model = hybrids[family]
+    recomputed, hitting their own blocks), blocks and snapshots are evicted. (Mamba-2 only: GDN
+    layers keep their state in the same slots and snapshots; their hits are tested above.)"""
+    model = hybrids["mamba"]
     prompts = shared_prompts(9, seed=1)
     params = [SamplingParams(max_new_tokens=8, temperature=0.9, top_k=30, seed=100 + i) for i in range(len(prompts))]
     small = dict(num_kv_blocks=10, max_requests=4)
@@ -73,7 +73,7 @@ def test_shared_system_prompt_and_chat_turns(hybrids, torch_twins):
         assert controller.generate([prompt], params)[0].output_tokens == expected
         hits.append(controller.metrics.as_dict()["prefix_cache"]["hit_tokens"] - before)
     assert hits == [0, 0, 16]
-    turn = prompts[2] + plain[2] + [11, 12, 13]  # the history resent, then the new message
+    turn = prompts[2] + list(plain[2]) + [11, 12, 13]  # the history resent, then the new message
     expected = make_controller(model, 0, prefix_caching=False).generate([turn], params)[0].output_tokens
     before = controller.metrics.as_dict()["prefix_cache"]["hit_tokens"]
     assert controller.generate([turn], params)[0].output_tokens == expected
