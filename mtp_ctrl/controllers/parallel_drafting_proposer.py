@@ -61,7 +61,7 @@ class ParallelDraftingProposer(EagleProposer):
                              "build_eagle_head(..., parallel_drafting=True) (a checkpoint of examples/train_eagle.py "
                              "--mode ptd)")
 
-    probs_name = "ptd_draft_probs"
+    logits_name = "ptd_draft_logits"
 
     def bind(self, draft_context: DraftContext) -> None:
         vocab_size = draft_context.shape.vocab_size
@@ -111,5 +111,5 @@ class ParallelDraftingProposer(EagleProposer):
         sampling_rows = batch.write_rows[:, None].expand(G, S).flatten()  # [G * S] table row of each draft
         draft_positions = (ends[:, None] + torch.arange(1, S + 1, device=device)).flatten()  # [G * S] int64
         drafts = self.draft_context.sample_rows(logits, sampling_rows, draft_positions).view(G, S)
-        self._record_draft_probs(batch, logits, sampling_rows)  # every depth at once
+        self._record_draft_logits(batch, logits)  # every depth at once
         return drafts
