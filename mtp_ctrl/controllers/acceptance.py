@@ -85,13 +85,14 @@ class DraftProbabilities:
 
     def record(self, logits: torch.Tensor, sampling_rows: torch.Tensor, write_rows: torch.Tensor,
                depth: Optional[int] = None) -> None:
-        """``logits`` ``[G, V]`` of draft ``depth`` (or ``[G * S, V]``, every depth of each request
-        in order, when ``depth`` is None) under the parameters of the table rows ``sampling_rows``
-        (``[G]`` or ``[G * S]``), stored at table rows ``write_rows`` ``[G]`` (the scratch row for
-        requests that did not sample)."""
+        """``logits`` ``[G, V]`` of draft ``depth`` (or ``[G * D, V]``, the first D depths of each
+        request in order, when ``depth`` is None) under the parameters of the table rows
+        ``sampling_rows`` (``[G]`` or ``[G * D]``), stored at table rows ``write_rows`` ``[G]`` (the
+        scratch row for requests that did not sample)."""
         probs = self._sampling.probs(logits, sampling_rows)
         if depth is None:
-            self.rows[write_rows] = probs.view(write_rows.shape[0], -1, probs.shape[-1])
+            by_request = probs.view(write_rows.shape[0], -1, probs.shape[-1])  # [G, D, V]
+            self.rows[write_rows, : by_request.shape[1]] = by_request
         else:
             self.rows[write_rows, depth] = probs
 
@@ -101,22 +102,24 @@ class RejectionAcceptance:
     controller when ``acceptance == "rejection"`` and ``S > 0``, after the proposer is bound."""
 
     def __init__(self, table, proposer):
-        self.shape = table.shape  # S
         self.params = RequestSampling(table)
         self.proposer = proposer
 
     def resample(self, logits: torch.Tensor, target_tokens: torch.Tensor, input_tokens: torch.Tensor,
-                 table_rows: torch.Tensor, positions: torch.Tensor, num_decode: torch.Tensor) -> torch.Tensor:
+                 table_rows: torch.Tensor, positions: torch.Tensor, num_decode: torch.Tensor,
+                 verify_width: int) -> torch.Tensor:
         """The tokens exact-match verification should see, [K] int64.
 
         logits: [K, V] the target's logits of the step's sampling rows; target_tokens: [K] int64 its
         ordinary samples; input_tokens: [K] int64 the rows' input tokens (a decode's row ``b + k + 1``
         holds its draft ``d_{k+1}``); table_rows: [K] int64 each row's request; positions: [K] int64
         the position each row's token will occupy; num_decode: ``[1]`` int64 on the device, the decode
-        requests, whose ``S + 1`` rows come first (read on the device: the step may be a graph replay).
+        requests, whose ``1 + V`` rows come first (read on the device: the step may be a graph replay);
+        verify_width: V, the step's drafts per decode request (``StepMetadata.verify_width``, ``V <= S``).
         """
-        S, stride, num_rows = self.shape.num_speculative_tokens, self.shape.stride, logits.shape[0]
-        if num_rows == 0:
+        S, num_rows = verify_width, logits.shape[0]
+        stride = S + 1
+        if num_rows == 0 or S == 0:
             return target_tokens
         row_index = torch.arange(num_rows, device=logits.device)  # [K] int64
         depth = row_index % stride  # [K] int64, k: this row's draft is d_{k+1} (decode rows)

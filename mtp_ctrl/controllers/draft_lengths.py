@@ -18,31 +18,43 @@ import torch.distributed as dist
 
 from mtp_ctrl.controllers.config import SamplingParams
 from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, DraftLengthQuery, FixedDraftLength
-from mtp_ctrl.state import StepMetadata
+from mtp_ctrl.state import EngineShape, StepMetadata
 
 
 class DraftLengths:
     """``policy``: the draft-length policy (None: :class:`FixedDraftLength`). :meth:`add` each
     request's SamplingParams (its ``num_speculative_tokens`` caps its lengths)."""
 
-    def __init__(self, policy: Optional[DraftLengthPolicy], num_speculative_tokens: int):
+    def __init__(self, policy: Optional[DraftLengthPolicy], shape: EngineShape):
         policy = FixedDraftLength() if policy is None else policy
         if not isinstance(policy, DraftLengthPolicy):
             raise TypeError(f"draft_policy must be a DraftLengthPolicy, got {type(policy).__name__}")
-        self.policy, self.S = policy, num_speculative_tokens
+        self.policy, self.shape = policy, shape
         self._caps: Dict[int, int] = {}  # request id -> its cap, for requests capped below S
         if self.S > 0:
-            policy.bind(self.S)
+            policy.bind(shape)
         self._fixed = type(policy) is FixedDraftLength  # S each unless capped: no bookkeeping needed
         # some request may verify fewer than S drafts (the step masks draft rows by length); stays on
         self.masked = self.S > 0 and not self._fixed
         self._drafted: Dict[int, int] = {}  # request id -> drafts it holds (its last sampling step's length)
         self._in_flight: Deque[Optional[np.ndarray]] = collections.deque()  # per launched step: [k, n_d] or None (S)
 
+    @property
+    def S(self) -> int:
+        """The engine's most drafts (``EngineShape.num_speculative_tokens``)."""
+        return self.shape.num_speculative_tokens
+
     def warmup_depths(self) -> Tuple[int, ...]:
         if self.S == 0:
             return (0,)
         return tuple(sorted({int(d) for d in self.policy.warmup_depths(self.S) if 0 <= int(d) <= self.S}))
+
+    def warmup_tiers(self) -> Tuple[Tuple[int, int], ...]:
+        """The (verify width V, draft depths D) pairs whose step graphs ``warmup()`` captures: every
+        pair of the policy's warm-up depths (a step verifies what the step before drafted, so V
+        follows the last D), and (S, D) for steps with no decode request (their V is S)."""
+        depths = self.warmup_depths()
+        return tuple(sorted({(v, d) for v in depths for d in depths} | {(self.S, d) for d in depths}))
 
     def choose(self, request_ids: np.ndarray, num_sampling: int, batch_size: int) -> np.ndarray:
         """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order)."""

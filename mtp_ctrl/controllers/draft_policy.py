@@ -39,17 +39,17 @@ class DraftLengthQuery:
 
 
 class StepCostModel:
-    """Seconds of one step as a function of its grid ``G`` and the draft depths ``D`` it runs.
+    """Seconds of one steady step as a function of its grid ``G`` and the draft depths ``D`` it
+    runs (and so verifies next: a steady step's verify tier is ``V = D``, ``1 + D`` rows per decode
+    request).
 
     ``measured[(G, D)]``: graph replay times taken at warm-up (``controller.warmup()`` on CUDA);
     a query for a grid between measured ones uses the next larger measured grid. Without a
-    measurement (CPU, eager steps) the analytic default ``base + G * (rows * (1 + S) + depth * D)``
+    measurement (CPU, eager steps) the analytic default ``base + G * (rows * (1 + D) + depth * D)``
     (arbitrary units: only ratios matter) is used.
     """
 
-    def __init__(self, num_speculative_tokens: int, base: float = 1.0, per_row: float = 0.02,
-                 per_draft_depth: float = 0.02):
-        self.num_speculative_tokens = num_speculative_tokens
+    def __init__(self, base: float = 1.0, per_row: float = 0.02, per_draft_depth: float = 0.02):
         self.base, self.per_row, self.per_draft_depth = base, per_row, per_draft_depth
         self.measured: Dict[Tuple[int, int], float] = {}
 
@@ -60,8 +60,7 @@ class StepCostModel:
         grids = sorted({g for g, d in self.measured if d == num_drafts and g >= batch_size})
         if grids:
             return self.measured[(grids[0], num_drafts)]
-        return self.base + batch_size * (self.per_row * (1 + self.num_speculative_tokens)
-                                         + self.per_draft_depth * num_drafts)
+        return self.base + batch_size * (self.per_row * (1 + num_drafts) + self.per_draft_depth * num_drafts)
 
 
 class DraftLengthPolicy:
@@ -71,9 +70,11 @@ class DraftLengthPolicy:
     def __init__(self):
         self.cost_model: Optional[StepCostModel] = None
 
-    def bind(self, num_speculative_tokens: int) -> None:
-        """Called once by the controller (S > 0 only)."""
-        self.cost_model = StepCostModel(num_speculative_tokens)
+    def bind(self, shape) -> None:
+        """Called once by the controller (S > 0 only) with its ``EngineShape`` (S is
+        ``shape.num_speculative_tokens``; each query carries it too)."""
+        self.shape = shape
+        self.cost_model = StepCostModel()
 
     def warmup_depths(self, num_speculative_tokens: int) -> Sequence[int]:
         """The draft depths D whose step graphs ``warmup()`` captures (others are captured on first use)."""
@@ -155,10 +156,11 @@ class GoodputPolicy(DraftLengthPolicy):
         self._slots: Dict[int, int] = {}  # request id -> its row of _counts / _stamps
         self._free: list = []
 
-    def bind(self, num_speculative_tokens: int) -> None:
-        super().bind(num_speculative_tokens)
-        self._model = np.zeros((2, num_speculative_tokens))  # [2, S] (reached, accepted) over every request
-        self._counts = np.zeros((64, 2, num_speculative_tokens))  # [rows, 2, S] per request
+    def bind(self, shape) -> None:
+        super().bind(shape)
+        S = shape.num_speculative_tokens
+        self._model = np.zeros((2, S))  # [2, S] (reached, accepted) over every request
+        self._counts = np.zeros((64, 2, S))  # [rows, 2, S] per request
         self._stamps = np.zeros(64, dtype=np.int64)  # [rows] the step each row's counts are decayed to
 
     def _rows(self, request_ids: np.ndarray, create: bool) -> np.ndarray:

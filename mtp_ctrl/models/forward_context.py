@@ -35,7 +35,7 @@ class MambaForward:
     request of the grid; 0 rows for a request that does not prefill), C/W/H/P/N the conv and
     SSM sizes.
 
-    Decode requests own the first ``nd * (1 + S)`` packed rows (rows inside a prefill segment
+    Decode requests own the first ``nd * (1 + V)`` packed rows (V <= S: the step's verify width) (rows inside a prefill segment
     excepted: a padded grid's decode requests past the real ones may overlap prefill rows, and
     use the scratch slot); each starts from its current state and writes the state after its
     row ``j`` to ``intermediate_*[:, slot, j]`` (the controller later commits the one after the
@@ -47,8 +47,8 @@ class MambaForward:
 
     conv_states: torch.Tensor  # [Lm, M, C, W - 1] fp32, current state per slot
     ssm_states: torch.Tensor  # [Lm, M, H, P, N] fp32
-    intermediate_conv_states: torch.Tensor  # [Lm, M, 1 + S, C, W - 1] fp32
-    intermediate_ssm_states: torch.Tensor  # [Lm, M, 1 + S, H, P, N] fp32
+    intermediate_conv_states: torch.Tensor  # [Lm, M, 1 + V, C, W - 1] fp32 (a view of the slots' 1 + S)
+    intermediate_ssm_states: torch.Tensor  # [Lm, M, 1 + V, H, P, N] fp32
     decode_slot_ids: torch.Tensor  # [nd] int64 on the device: slot of each decode request
     prefill_row_start: Optional[torch.Tensor] = None  # [n] int64 on the device; None: no prefill rows
     prefill_row_count: Optional[torch.Tensor] = None  # [n] int64 on the device
@@ -96,9 +96,11 @@ class MambaForward:
                 prefill_row_count=torch.where(prefilling, query_start_loc[1:] - query_start_loc[:-1], 0),
                 prefill_slot_ids=torch.where(prefilling, slot_ids[:grid], slots.scratch_slot),
             )
+        rows = step.verify_stride  # 1 + V rows per decode request: the first 1 + V intermediate states
         return cls(conv_states=slots.conv_states, ssm_states=slots.ssm_states,
-                   intermediate_conv_states=slots.intermediate_conv_states,
-                   intermediate_ssm_states=slots.intermediate_ssm_states, decode_slot_ids=decode_slot_ids, **prefill)
+                   intermediate_conv_states=slots.intermediate_conv_states[:, :, :rows],
+                   intermediate_ssm_states=slots.intermediate_ssm_states[:, :, :rows], decode_slot_ids=decode_slot_ids,
+                   **prefill)
 
 
 @dataclasses.dataclass(frozen=True)
