@@ -51,8 +51,8 @@ class DraftLengths:
 
     def warmup_tiers(self) -> Tuple[Tuple[int, int], ...]:
         """The (verify width V, draft depths D) pairs whose step graphs ``warmup()`` captures: every
-        pair of the policy's warm-up depths (a step verifies what the step before drafted, so V
-        follows the last D), and (S, D) for steps with no decode request (their V is S)."""
+        pair of the policy's warm-up depths (a decode-only step verifies what the step before
+        drafted, so V follows the last D), and (S, D) (steps with prefill chunks verify S)."""
         depths = self.warmup_depths()
         return tuple(sorted({(v, d) for v in depths for d in depths} | {(self.S, d) for d in depths}))
 
