@@ -16,8 +16,9 @@ policy), CUDA graphs warmed up first, outputs checked equal to plain decoding:
 
 Per workload it prints tokens/s of each fixed S, of the policy, the policy's share of verify
 steps at each draft length, and the best fixed S ("oracle best": the S one would pick knowing
-the workload). Within one engine the verify graph has ``1 + S_max`` rows per decode request
-whatever the chosen lengths, so the policy saves draft depths, not verify rows (docs/design.md).
+the workload). A decode-only step verifies ``1 + V`` rows per decode request, V its verify tier
+(the most drafts any of its requests holds; docs/draft_lengths.md), so the policy saves verify
+rows as well as draft depths, and a step where it drafts nothing is a plain decode step.
 ``--budget-seconds`` stops starting new points after that much wall time (partial tables print).
 """
 

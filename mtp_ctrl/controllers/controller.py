@@ -173,6 +173,8 @@ class TextGenerationController:
         for verify_width, num_drafts in self._draft_lengths.warmup_tiers():
             for shape in self.context.graph_shapes(verify_width):
                 for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
+                    if num_steps > 1 and verify_width < num_drafts:
+                        continue  # a decode run's later steps verify its own lengths: its V >= its D
                     step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
                     for all_greedy in (True, False):
                         self._all_greedy = all_greedy

@@ -5,7 +5,8 @@ Timing: the lengths chosen when step N is built are the drafts step N makes (its
 runs ``D = max s_r`` depths), staged with step N's one host-to-device copy and kept beside the
 drafts in a device row of the request table; step N + 1 verifies them (its draft rows past
 ``s_r`` are masked). So the lengths a step's decode requests *verify* are those chosen one
-sampling step earlier: :meth:`DraftLengths.launched` records them per launched step, and
+sampling step earlier (the context keeps them per slot: ``StepMetadata.host_verify_lengths``):
+:meth:`DraftLengths.launched` records them per launched step, and
 :meth:`DraftLengths.applied` hands them with the read-back's accepted counts to the policy and
 the metrics. Host values only, no sync.
 """
@@ -36,7 +37,6 @@ class DraftLengths:
         self._fixed = type(policy) is FixedDraftLength  # S each unless capped: no bookkeeping needed
         # some request may verify fewer than S drafts (the step masks draft rows by length); stays on
         self.masked = self.S > 0 and not self._fixed
-        self._drafted: Dict[int, int] = {}  # request id -> drafts it holds (its last sampling step's length)
         self._in_flight: Deque[Optional[np.ndarray]] = collections.deque()  # per launched step: [k, n_d] or None (S)
 
     @property
@@ -77,19 +77,15 @@ class DraftLengths:
         verifies the run's own lengths) and what its sampling requests drafted."""
         if self.S == 0:
             return
-        num_decode, request_ids, chosen = step.num_decode, step.request_ids, step.host_draft_lengths
-        if not self._drafted and all(length == self.S for length in chosen[: step.num_sampling_requests]):
+        num_decode, chosen, held = step.num_decode, step.host_draft_lengths, step.host_verify_lengths
+        if all(length == self.S for length in held) and \
+                all(length == self.S for length in chosen[: step.num_sampling_requests]):
             self._in_flight.append(None)  # every request verifies and drafts S (the fixed-S path)
             return
         verified = np.empty((step.num_steps, num_decode), dtype=np.int64)  # [k, n_d] int64
-        verified[0] = [self._drafted.get(request_id, self.S) for request_id in request_ids[:num_decode]]
+        verified[0] = held  # the drafts each holds (the context's record, chosen when it last sampled)
         verified[1:] = chosen[:num_decode]
         self._in_flight.append(verified)
-        for request_id, length in zip(request_ids[: step.num_sampling_requests], chosen):
-            if length == self.S:
-                self._drafted.pop(request_id, None)
-            else:
-                self._drafted[request_id] = length
 
     def applied(self, step: StepMetadata, accepted_counts: np.ndarray) -> np.ndarray:
         """``accepted_counts``: ``[k, n_d]`` the read-back's counts of the oldest launched step (its
@@ -110,7 +106,6 @@ class DraftLengths:
 
     def forget(self, request_id: int) -> None:
         """The request left the batch (finished or evicted; an evicted one comes back)."""
-        self._drafted.pop(request_id, None)
         self.policy.forget(request_id)
 
     def drop(self, request_id: int) -> None:

@@ -334,7 +334,8 @@ class DynamicInferenceContext:
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
         step = self._step_buffers.build(slot_ids, query_lengths, num_decode, chunks, final_chunk_count, padded,
-                                        block_writes, max_seq_len, next_prompt_token, num_steps, lengths, verify_width)
+                                        block_writes, max_seq_len, next_prompt_token, num_steps, lengths, verify_width,
+                                        self._drafts_held[decode_slots])
         self._drafts_held[slot_ids[:num_sampling]] = \
             self.shape.num_speculative_tokens if lengths is None else lengths[:num_sampling]
         self._steps_in_flight.append(step)

@@ -87,6 +87,8 @@ class StepMetadata:
     # makes this step (verified by its next step); 0 for the others. None: S for every request
     num_drafts: int = -1  # D = max of draft_lengths (host): draft depths the step runs; -1: S
     host_draft_lengths: Tuple[int, ...] = ()  # the real requests' draft_lengths (host), in row order
+    host_verify_lengths: Tuple[int, ...] = ()  # drafts each decode request holds, what the step's
+    # first step verifies (host; at most verify_width), in row order
 
     @property
     def verify_stride(self) -> int:
@@ -167,7 +169,8 @@ class StepBuffers:
     def build(self, slot_ids: np.ndarray, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
               num_final_prefill_chunks: int, padded: Optional[BatchDimensions], block_writes: np.ndarray,
               max_seq_len: int, next_prompt_token: int = 0, num_steps: int = 1,
-              draft_lengths: Optional[np.ndarray] = None, verify_width: Optional[int] = None) -> StepMetadata:
+              draft_lengths: Optional[np.ndarray] = None, verify_width: Optional[int] = None,
+              verify_lengths: Optional[np.ndarray] = None) -> StepMetadata:
         """Stage the step of the requests at table slots ``slot_ids`` (``[n]`` int64, decode requests
         first) and send it to the device.
 
@@ -184,6 +187,7 @@ class StepBuffers:
         ``draft_lengths``: ``[n]`` int64 drafts each request makes this step (0 for a chunk that
         does not end its prompt), or None: S each (``StepMetadata.draft_lengths``).
         ``verify_width``: V, the drafts each decode request verifies (``1 + V`` rows); None: S.
+        ``verify_lengths``: ``[num_decode]`` int64 drafts each decode request holds (None: S each).
         """
         self.staging.wait_until_host_writable()
         num_requests = query_lengths.shape[0]
@@ -199,11 +203,13 @@ class StepBuffers:
         V = S if verify_width is None else verify_width
         if not 0 <= V <= S:
             raise ValueError(f"verify_width must be in [0, {S}], got {V}")
+        if verify_lengths is None:
+            verify_lengths = np.full(num_decode, S, dtype=np.int64)  # [nd] int64
         steady_key = None
         if padded is not None and not prefill_chunks and num_final_prefill_chunks == 0:
             # the same requests in the same slots, so every section but the block writes is the same
             steady_key = (num_requests, num_decode, padded, max_seq_len, num_steps, slot_ids.tobytes(),
-                          request_ids.tobytes(), draft_lengths.tobytes(), V)
+                          request_ids.tobytes(), draft_lengths.tobytes(), V, verify_lengths.tobytes())
             step = self._steady_step(steady_key, block_writes)
             if step is not None:
                 return step
@@ -286,6 +292,7 @@ class StepBuffers:
             num_drafts=num_drafts,
             verify_width=V,
             host_draft_lengths=tuple(draft_lengths.tolist()),  # host-ok: numpy
+            host_verify_lengths=tuple(verify_lengths.tolist()),  # host-ok: numpy
         )
         self._steady = None if steady_key is None else (steady_key, step)
         return step
