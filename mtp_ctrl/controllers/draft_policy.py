@@ -222,11 +222,13 @@ class GoodputPolicy(DraftLengthPolicy):
         reached = ((depths < lengths[:, None]) & (depths <= accepted[:, None])).astype(np.float64)  # [m, S]
         hit = (depths < accepted[:, None]).astype(np.float64)  # [m, S]: and accepted
         rows = self._rows(request_ids, create=True)
-        unique = np.unique(rows)
-        self._counts[unique] = self._request_counts(unique)
+        unique, inverse = np.unique(rows, return_inverse=True)
+        counts = self._request_counts(unique)  # [u, 2, S], decayed to now
+        for k in range(reached.shape[1]):  # sums per request (a decode run repeats requests); bincount, not add.at
+            counts[:, 0, k] += np.bincount(inverse, weights=reached[:, k], minlength=unique.shape[0])
+            counts[:, 1, k] += np.bincount(inverse, weights=hit[:, k], minlength=unique.shape[0])
+        self._counts[unique] = counts
         self._stamps[unique] = self._now
-        np.add.at(self._counts, (rows, 0), reached)
-        np.add.at(self._counts, (rows, 1), hit)
         self._model[0] += reached.sum(axis=0)
         self._model[1] += hit.sum(axis=0)
 
