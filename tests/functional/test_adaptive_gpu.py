@@ -65,6 +65,6 @@ def test_draft_lengths_replay_graphs_with_no_sync_and_equal_plain(model, policy,
     assert controller.metrics.mean_accepted_length > 1.2  # the oracle's drafts land
     if policy == "random":
         assert {0, S} <= set(keys) and len(set(keys) - {None}) >= 3, keys  # several depths replayed (0: no draft phase)
-        assert {0, S} <= set(tiers) and len(set(tiers) - {None}) >= 3, tiers  # several verify tiers (0: plain rows)
+        assert S in tiers and len(set(tiers) - {None}) >= 2, tiers  # several verify tiers (V: the most held of 6)
     assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
     controller.close()
