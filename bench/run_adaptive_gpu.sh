@@ -5,7 +5,7 @@
 # Usage (device machine, repo root): bash bench/run_adaptive_gpu.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-timeout 100 python3 -m pytest tests/functional/test_adaptive_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
+timeout 110 python3 -m pytest tests/functional/test_adaptive_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
   | tee "$out/functional.log" | tail -5
-timeout 150 python3 bench/bench_adaptive.py --budget-seconds 115 --json "$out/bench_adaptive.json" 2>&1 \
+timeout 130 python3 bench/bench_adaptive.py --budget-seconds 100 --json "$out/bench_adaptive.json" 2>&1 \
   | tee "$out/bench_adaptive.log" | tail -40
