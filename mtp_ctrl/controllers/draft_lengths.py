@@ -77,9 +77,8 @@ class DraftLengths:
         verifies the run's own lengths) and what its sampling requests drafted."""
         if self.S == 0:
             return
-        num_decode, chosen, held = step.num_decode, step.host_draft_lengths, step.host_verify_lengths
-        if all(length == self.S for length in held) and \
-                all(length == self.S for length in chosen[: step.num_sampling_requests]):
+        num_decode, chosen, held, S = step.num_decode, step.host_draft_lengths, step.host_verify_lengths, self.S
+        if held.count(S) == len(held) and chosen.count(S) == step.num_sampling_requests:
             self._in_flight.append(None)  # every request verifies and drafts S (the fixed-S path)
             return
         verified = np.empty((step.num_steps, num_decode), dtype=np.int64)  # [k, n_d] int64

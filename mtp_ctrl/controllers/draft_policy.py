@@ -52,14 +52,18 @@ class StepCostModel:
     def __init__(self, base: float = 1.0, per_row: float = 0.02, per_draft_depth: float = 0.02):
         self.base, self.per_row, self.per_draft_depth = base, per_row, per_draft_depth
         self.measured: Dict[Tuple[int, int], float] = {}
+        self._grids: Dict[int, list] = {}  # D -> its measured grids, ascending (set_measured)
 
     def set_measured(self, measured: Dict[Tuple[int, int], float]) -> None:
         self.measured = {(int(g), int(d)): float(t) for (g, d), t in measured.items() if t > 0}
+        self._grids = {}
+        for g, d in sorted(self.measured):
+            self._grids.setdefault(d, []).append(g)
 
     def seconds(self, batch_size: int, num_drafts: int) -> float:
-        grids = sorted({g for g, d in self.measured if d == num_drafts and g >= batch_size})
-        if grids:
-            return self.measured[(grids[0], num_drafts)]
+        for grid in self._grids.get(num_drafts, ()):
+            if grid >= batch_size:  # the smallest measured grid that holds the batch
+                return self.measured[(grid, num_drafts)]
         return self.base + batch_size * (self.per_row * (1 + num_drafts) + self.per_draft_depth * num_drafts)
 
 
