@@ -38,7 +38,9 @@ def _admission_ops(controller, prompts, params) -> int:
 
     ids = [controller.add_request(prompt, params) for prompt in prompts]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        controller._admit_waiting()
+        # internals, on purpose: only admission is profiled (SlotLifecycle since 2026-11-26)
+        lifecycle = getattr(controller, "_lifecycle", None)
+        lifecycle.admit_waiting() if lifecycle is not None else controller._admit_waiting()
         # what the next build_step does first (versions before 2026-11-25 wrote each row at admission)
         getattr(controller.context.table, "write_inserted_rows", lambda: None)()
     while controller.has_unfinished_requests():

@@ -10,7 +10,8 @@ Printed, in one run:
    dims, bf16, block 64) at batch 1, 32, 128 and context 2k, 8k, 32k, 128k, for 16 heads (a TP-8
    shard of DeepSeek-V3's 128) and 128 heads: GPU us of a graph replay, the latent bytes it must
    read (B x context x 576 x 2) over that time, and that bandwidth as a share of a same-run device
-   copy; the tile configurations tried (``TUNING``) and the best.
+   copy; the default tiles, the shape table's (``mla_tiles.py``) and, with --tune, the fastest of
+   ``CANDIDATES``.
 2. The same attention end to end from the no-rope query: absorbed (W_UK, the kernel, W_UV) vs
    decompressed (the latents up-projected to per-head K/V, then the standard paged kernel), where
    the decompressed K/V fits in memory; and per prefill chunk length, which of the two is faster.
@@ -21,6 +22,7 @@ Printed, in one run:
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -33,7 +35,8 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     parser.add_argument("--e2e", action="store_true", help="also time the MLA GPT's decode steps")
     parser.add_argument("--e2e-only", action="store_true", help="only the MLA GPT's decode steps")
-    parser.add_argument("--tune", action="store_true", help="try every tile configuration at every shape")
+    parser.add_argument("--tune", action="store_true", help="try every tile candidate at every shape")
+    parser.add_argument("--kernels-only", action="store_true", help="only section 1 (the kernel table)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -49,19 +52,21 @@ import torch.nn.functional as F  # noqa: E402
 
 from mtp_ctrl.state import KVCacheSpec, LatentKVCacheSpec  # noqa: E402
 from mtp_ctrl.state.attention_metadata import AttentionMetadata  # noqa: E402
-from mtp_ctrl.triton_ops import mla_attention as mla_ops  # noqa: E402
 from mtp_ctrl.triton_ops import paged_mla_attention  # noqa: E402
+from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, MLATiles, mla_tiles  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
 from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
 
 LATENT, ROPE, QK, V = 512, 64, 128, 128  # DeepSeek-V3's kv_lora_rank, qk_pos_emb_head_dim, qk_head_dim, v_head_dim
 BLOCK = 64
-TUNED = ("target_block_m", "block_n", "num_warps", "num_stages", "programs_per_sm")
-CONFIGS = (  # TUNED: TUNING candidates
-    (32, 32, 8, 3, 2), (32, 32, 4, 3, 2), (32, 32, 8, 2, 4), (32, 64, 8, 2, 2), (16, 64, 4, 3, 4),
-    (32, 32, 4, 4, 4), (16, 32, 4, 3, 4), (32, 64, 4, 2, 4), (32, 16, 4, 4, 4),
-)
+# --tune candidates per head count: MLATiles(block_m, block_n, num_warps, num_stages, programs_per_sm,
+# min_split_tokens); the defaults and the table's entries are always timed too
+CANDIDATES = {
+    16: ((16, 32, 4, 3, 4, 64), (32, 64, 8, 2, 8, 32), (32, 32, 4, 3, 8, 32), (32, 64, 4, 2, 4, 64),
+         (32, 64, 8, 2, 16, 32)),
+    128: ((32, 32, 4, 3, 2, 64), (64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
+}
 # DeepSeek-V3's attention (MLA dims, YaRN) at 16 heads, hidden 2048, 16 layers, dense GLU FFN
 E2E_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, q_lora_rank=768,
                  kv_lora_rank=LATENT, qk_head_dim=QK, qk_pos_emb_head_dim=ROPE, v_head_dim=V, mtp_num_layers=2)
@@ -81,21 +86,29 @@ def metadata_for(batch, rows, context, device, shuffled=True):
                              max_query_len=rows, max_seq_len=context)
 
 
+def tiles_label(tiles):
+    return "(" + ",".join(str(value) for value in dataclasses.astuple(tiles)) + ")"
+
+
 def kernel_tables(device, bandwidth, quick, tune):
+    """Section 1: per (heads, batch, context), the default tiles, the table's tiles and (--tune)
+    the fastest candidate, each as GPU us and % of the device copy; every candidate's output is
+    compared with the default's (max |difference|, bf16)."""
     batches, contexts = ((1, 8), (256, 1024)) if quick else ((1, 32, 128), (2048, 8192, 32768, 131072))
     heads_list = (16,) if quick else (16, 128)
-    if tune and not quick:  # the target's shapes (batch >= 32, context >= 8k) and batch 1
-        batches, contexts = (1, 32, 128), (8192, 32768)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    max_tokens = max(batches) * max(contexts)
-    cache = torch.empty(max_tokens // BLOCK, BLOCK, LATENT + ROPE, dtype=dtype, device=device).normal_()
-    default = dict(mla_ops.TUNING)
+    cache = torch.empty(max(batches) * max(contexts) // BLOCK, BLOCK, LATENT + ROPE, dtype=dtype,
+                        device=device).normal_()
     print(f"\n1. paged MLA kernel, one decode row a request (latent {LATENT} + rope {ROPE}, {dtype}, block {BLOCK}); "
-          f"GB/s = latent bytes read / GPU time; % of the device copy ({bandwidth / 1e9:.0f} GB/s)")
-    best_configs = {}
+          f"% = latent bytes read once / GPU time, of the device copy ({bandwidth / 1e9:.0f} GB/s); tiles = "
+          "(block_m, block_n, warps, stages, programs/SM, min split tokens)")
+    print(f"   default tiles {tiles_label(DEFAULT_TILES)}")
+    best_counts, largest_diff = {}, 0.0
     for heads in heads_list:
-        print(f"   {heads} heads; default tiles {tuple(default.values())}" + ("; best of " + str(CONFIGS) if tune else ""))
-        print(f"   {'B':>4} {'context':>7} {'us':>9} {'GB/s':>6} {'%copy':>6}" + (f" {'best us':>9} {'best %':>6} best" if tune else ""))
+        candidates = [MLATiles(*values) for values in CANDIDATES.get(heads, ())] if tune else []
+        print(f"   {heads} heads" + (f"; candidates {[tiles_label(t) for t in candidates]}" if tune else ""))
+        print(f"   {'B':>4} {'context':>7} {'default us':>10} {'%':>5} {'table us':>9} {'%':>5} {'table tiles':>22}"
+              + (f" {'best us':>9} {'%':>5} {'best tiles':>22} {'max|diff|':>9}" if tune else ""))
         for batch in batches:
             query_latent = torch.randn(batch, heads, LATENT, dtype=dtype, device=device)
             query_rope = torch.randn(batch, heads, ROPE, dtype=dtype, device=device)
@@ -103,27 +116,31 @@ def kernel_tables(device, bandwidth, quick, tune):
                 metadata = metadata_for(batch, 1, context, device)
                 args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens,
                         metadata.query_start_loc, (QK + ROPE) ** -0.5)
-
-                def call():
-                    return paged_mla_attention(*args, max_query_len=1, max_seq_len=context)
-
+                table = mla_tiles(heads, batch, context)
                 latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
-                times = {}
-                for config in (CONFIGS if tune else (tuple(default.values()),)):
-                    mla_ops.TUNING.update(zip(TUNED, config))
-                    times[config] = time_us(call, device)
-                mla_ops.TUNING.update(default)
-                us = times[tuple(default.values())] if tuple(default.values()) in times else min(times.values())
-                line = f"   {batch:4d} {context:7d} {us:9.1f} {latent_bytes / us / 1e3:6.0f} " \
-                       f"{100 * latent_bytes / us / 1e3 / (bandwidth / 1e9):6.1f}"
+                share = lambda us: 100 * latent_bytes / us / 1e3 / (bandwidth / 1e9)  # noqa: E731
+                times, baseline, shape_diff = {}, None, 0.0
+                for tiles in dict.fromkeys([DEFAULT_TILES, table, *candidates]):
+                    def call(tiles=tiles):
+                        return paged_mla_attention(*args, max_query_len=1, max_seq_len=context, tiles=tiles)
+                    try:
+                        out = call()
+                        baseline = out if baseline is None else baseline
+                        shape_diff = max(shape_diff, (out.float() - baseline.float()).abs().max().item())
+                        times[tiles] = time_us(call, device)
+                    except Exception as error:  # a candidate that does not fit (shared memory, registers)
+                        print(f"   {tiles_label(tiles)} failed: {type(error).__name__}: {str(error)[:120]}")
+                line = f"   {batch:4d} {context:7d} {times[DEFAULT_TILES]:10.1f} {share(times[DEFAULT_TILES]):5.1f} " \
+                       f"{times[table]:9.1f} {share(times[table]):5.1f} {tiles_label(table):>22}"
                 if tune:
-                    config, best = min(times.items(), key=lambda item: item[1])
-                    best_configs.setdefault(config, 0)
-                    best_configs[config] += 1
-                    line += f" {best:9.1f} {100 * latent_bytes / best / 1e3 / (bandwidth / 1e9):6.1f} {config}"
-                print(line)
+                    best, best_us = min(times.items(), key=lambda item: item[1])
+                    best_counts[best] = best_counts.get(best, 0) + 1
+                    line += f" {best_us:9.1f} {share(best_us):5.1f} {tiles_label(best):>22} {shape_diff:9.4f}"
+                print(line, flush=True)
+                largest_diff = max(largest_diff, shape_diff)
     if tune:
-        print(f"   best configuration counts: {best_configs}")
+        print(f"   fastest-tile counts: { {tiles_label(t): n for t, n in best_counts.items()} }")
+    print(f"   largest |output - default's output| over every tile configuration: {largest_diff:.4f}")
     del cache
 
 
@@ -228,8 +245,9 @@ def main(args):
     print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
     if not args.e2e_only:
         kernel_tables(device, bandwidth, args.quick, args.tune)
-        absorbed_vs_decompressed(device, args.quick)
-        kv_bytes_table()
+        if not args.kernels_only:
+            absorbed_vs_decompressed(device, args.quick)
+            kv_bytes_table()
     if args.e2e or args.e2e_only:
         e2e(device, args.quick)
 

@@ -55,7 +55,7 @@ class InferenceConfig:
     """How the controller sizes its state.
 
     num_speculative_tokens: S, drafts per decode step (0 = plain decoding). Must not exceed the
-        model's MTP depth; the controller checks that against the model.
+        model's MTP depth (unless ``mtp_reuse_last_layer``); the controller checks that against the model.
     max_requests: requests running at once; more are queued.
     block_size_tokens: tokens per KV block.
     num_kv_blocks / kv_cache_bytes: the KV pool, as a block count or a byte budget (one of them;
@@ -66,6 +66,9 @@ class InferenceConfig:
     cuda_graph_batch_sizes: decode batch buckets captured as CUDA graphs (CUDA only; empty = eager).
     mtp_attention: "paged" drafts with each MTP layer attending over its own paged KV cache (as
         trained); "single_position" attends to the current row only (Megatron-LM's inference).
+    mtp_reuse_last_layer: S may exceed the model's MTP layers: the deeper depths run its last MTP
+        layer again, each with a KV cache of its own (Qwen3-Next ships one MTP layer). Lossless
+        either way; how many of those drafts are accepted depends on how the layer was trained.
     overlap_scheduling: the host prepares step N + 1 while the GPU runs step N and learns step
         N's outcome one step late (default). False runs one step at a time (debugging, and the
         comparison); outputs are identical either way.
@@ -123,6 +126,7 @@ class InferenceConfig:
     max_tokens_per_step: int = 256
     cuda_graph_batch_sizes: Tuple[int, ...] = ()
     mtp_attention: str = "paged"
+    mtp_reuse_last_layer: bool = False
     overlap_scheduling: bool = True
     finished_results_kept: int = 4096
     acceptance: str = "exact_match"
@@ -168,6 +172,8 @@ class InferenceConfig:
         for name in ("fused_glue", "mamba_kernels"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool or None, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.mtp_reuse_last_layer, bool):
+            raise TypeError(f"mtp_reuse_last_layer must be a bool, got {type(self.mtp_reuse_last_layer).__name__}")
         if not isinstance(self.prefix_caching, bool):
             raise TypeError(f"prefix_caching must be a bool, got {type(self.prefix_caching).__name__}")
         if not isinstance(self.overlap_scheduling, bool):

@@ -80,7 +80,8 @@ class TextGenerationController:
         self.shape = config.engine_shape(model.vocab_size, next(model.parameters()).device,
                                          self.runner.model.embedding.word_embeddings.weight.dtype)
         S = self.shape.num_speculative_tokens
-        if proposer is None and S > self.runner.mtp_num_layers:
+        reuse = config.mtp_reuse_last_layer and self.runner.mtp_num_layers > 0  # deeper depths rerun the last layer
+        if proposer is None and S > self.runner.mtp_num_layers and not reuse:
             raise ValueError(f"num_speculative_tokens ({S}) exceeds the model's MTP depth ({self.runner.mtp_num_layers})")
         max_sequence_length = getattr(model, "max_sequence_length", None)
         if max_sequence_length is not None and config.max_model_len + S > max_sequence_length:
@@ -92,7 +93,8 @@ class TextGenerationController:
         self._scheduler = self.context.scheduler  # admission, pausing, preemption, chunking
         self._allocate_step_buffers()
         self._outputs = OutputRows(self.context.table)
-        self.proposer = proposer if proposer is not None else MTPProposer(config.mtp_attention)
+        self.proposer = proposer if proposer is not None else MTPProposer(config.mtp_attention,
+                                                                          config.mtp_reuse_last_layer)
         rejection = config.acceptance == "rejection" and S > 0
         if S > 0:
             self.proposer.bind(DraftContext(self.shape, self.runner, self.sample_rows, self.context.table,

@@ -54,17 +54,35 @@ from mtp_ctrl.triton_ops import mtp_advance_window, mtp_draft_window
 
 
 class MTPProposer(Proposer):
-    def __init__(self, mode: str = "paged"):
+    """``reuse_last_layer``: depths past the model's MTP layers run its last MTP layer again (a model
+    that ships one MTP layer, like Qwen3-Next, then drafts S > 1 tokens), each such depth with a
+    paged KV cache of its own (:meth:`bind`); how often those drafts are accepted depends on how the
+    layer was trained (a layer trained only at depth 1 sees its own outputs as input)."""
+
+    def __init__(self, mode: str = "paged", reuse_last_layer: bool = False):
         if mode not in ("paged", "single_position"):
             raise ValueError(f"mode must be 'paged' or 'single_position', got {mode!r}")
+        if not isinstance(reuse_last_layer, bool):
+            raise TypeError(f"reuse_last_layer must be a bool, got {type(reuse_last_layer).__name__}")
         self.mode = mode
+        self.reuse_last_layer = reuse_last_layer
 
     def bind(self, draft_context: DraftContext) -> None:
         super().bind(draft_context)
         runner, shape = draft_context.runner, draft_context.shape
         S = shape.num_speculative_tokens
-        if S > runner.mtp_num_layers:
-            raise ValueError(f"num_speculative_tokens ({S}) exceeds the model's MTP depth ({runner.mtp_num_layers})")
+        num_layers = runner.mtp_num_layers
+        if S > num_layers and not (self.reuse_last_layer and num_layers > 0):
+            raise ValueError(f"num_speculative_tokens ({S}) exceeds the model's MTP depth ({num_layers}); "
+                             "reuse_last_layer=True (InferenceConfig.mtp_reuse_last_layer) runs its last MTP "
+                             "layer for the deeper depths")
+        # depth k runs MTP layer min(k, n - 1) through cache list k: the target's caches, where a reused
+        # depth's own cache (zeroed, shaped like the last layer's, addressed by the same block ids)
+        # replaces the last MTP layer's entry L + n - 1
+        targets = draft_context.target_kv_caches
+        self._depth_layers = [min(depth, num_layers - 1) for depth in range(S)]
+        self._depth_kv_caches = [targets if depth < num_layers else
+                                 list(targets[:-1]) + [_zeroed_like(targets[-1])] for depth in range(S)]
         self._history_len = shape.max_model_len + 2 * S + 2
         # [R + 1, ...] each (last row: scratch): verified tokens by position, then the drafts;
         # decoder hidden of the last S accepted positions (position p at p % S); window start w
@@ -98,7 +116,7 @@ class MTPProposer(Proposer):
         sampling_rows = batch.write_rows  # [G] int64: each request's table row (padding: the scratch row)
         draft_write_rows = torch.where(batch.samples, batch.write_rows, self.draft_context.scratch_row)  # [G] int64
         drafts = torch.empty(num_requests, S, dtype=torch.int64, device=device)  # [G, S]
-        runner, kv_caches = self.draft_context.runner, self.draft_context.target_kv_caches
+        runner = self.draft_context.runner
         row_positions = positions.clamp(min=0)
         rotary = runner.rotary_tables(row_positions)  # the same rows at every depth
         depth_offsets = torch.arange(1, S + 1, device=device)[:, None]  # [S, 1]
@@ -111,7 +129,8 @@ class MTPProposer(Proposer):
         for depth in range(S if self.mode == "paged" else num_drafts):
             tokens = self._token_history[history_rows, token_index[depth]]  # [Tm] int64
             drafting = depth < num_drafts
-            logits, hidden = runner.mtp_forward(depth, hidden, tokens, row_positions, metadata, kv_caches,
+            logits, hidden = runner.mtp_forward(self._depth_layers[depth], hidden, tokens, row_positions, metadata,
+                                                self._depth_kv_caches[depth],
                                                 logits_rows=last_rows if drafting else last_rows[:0],
                                                 rotary=rotary)  # [G, V] logits ([0, V] past D)
             if not drafting:
@@ -210,3 +229,10 @@ class MTPProposer(Proposer):
         hidden = batch.hidden[batch.last_accepted_rows.clamp(min=0)]  # [G, H]
         history_rows = torch.where(batch.samples, batch.write_rows, self.draft_context.scratch_row)
         return hidden, ends - 1, history_rows, metadata
+
+
+def _zeroed_like(layer_cache):
+    """A zeroed cache of one attention layer's layout: a ``(key, value)`` pair or an MLA latent tensor."""
+    if isinstance(layer_cache, torch.Tensor):
+        return torch.zeros_like(layer_cache)
+    return tuple(torch.zeros_like(part) for part in layer_cache)

@@ -106,7 +106,7 @@ class StepLauncher:
         num_mamba_decode = 0 if mamba is None else mamba.decode_slot_ids.shape[0]
         if num_mamba_decode > 0:  # keep each decode's state after its last accepted row
             context.mamba.commit_accepted(step.prefill_status[:num_mamba_decode], mamba.decode_slot_ids,
-                                          self.accepted_counts[:num_mamba_decode])
+                                          self.accepted_counts[:num_mamba_decode], step.verify_stride)
         if S > 0:
             self._draft(step, hidden, grid)
         staged = readback[:grid]  # [G, S + 2]; columns past 2 + V stay -1 (accepted_tokens' fill)

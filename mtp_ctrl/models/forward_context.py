@@ -39,7 +39,8 @@ class MambaForward:
     excepted: a padded grid's decode requests past the real ones may overlap prefill rows, and
     use the scratch slot); each starts from its current state and writes the state after its
     row ``j`` to ``intermediate_*[:, slot, j]`` (the controller later commits the one after the
-    last accepted row). Prefill segment ``g`` is rows ``[prefill_row_start[g], +
+    last accepted row; Gated DeltaNet layers store the row's inputs in ``verify_row_inputs``
+    instead, and the commit replays the accepted rows: :mod:`mtp_ctrl.state.mamba_slots`). Prefill segment ``g`` is rows ``[prefill_row_start[g], +
     prefill_row_count[g])`` (segments in row order); it continues from the current state of
     ``prefill_slot_ids[g]`` and leaves the state after its rows in it. A segment of 0 rows
     leaves its slot as it was; give it the scratch slot.
@@ -48,11 +49,16 @@ class MambaForward:
     conv_states: torch.Tensor  # [Lm, M, C, W - 1] fp32, current state per slot
     ssm_states: torch.Tensor  # [Lm, M, H, P, N] fp32
     intermediate_conv_states: torch.Tensor  # [Lm, M, 1 + V, C, W - 1] fp32 (a view of the slots' 1 + S)
-    intermediate_ssm_states: torch.Tensor  # [Lm, M, 1 + V, H, P, N] fp32
+    intermediate_ssm_states: Optional[torch.Tensor]  # [Lm, M, 1 + V, H, P, N] fp32; None: verify_row_inputs
     decode_slot_ids: torch.Tensor  # [nd] int64 on the device: slot of each decode request
     prefill_row_start: Optional[torch.Tensor] = None  # [n] int64 on the device; None: no prefill rows
     prefill_row_count: Optional[torch.Tensor] = None  # [n] int64 on the device
     prefill_slot_ids: Optional[torch.Tensor] = None  # [n] int64 on the device
+    # Gated DeltaNet slots: each verify row's (k, v, g, beta) instead of its state (gdn_verify_rows)
+    verify_row_inputs: Optional[torch.Tensor] = None  # [Lm, M, 1 + V, F] fp32 (a view of the slots' 1 + S)
+    # the real prefill segments as the host planned them: (segment index, first row, rows) each. Host
+    # values: a layer may only use them outside CUDA-graph capture (Gated DeltaNet's long chunks)
+    host_prefill_segments: Tuple[Tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
         given = [name for name in ("prefill_row_start", "prefill_row_count", "prefill_slot_ids")
@@ -60,6 +66,8 @@ class MambaForward:
         if given and len(given) != 3:
             raise ValueError(f"give all of prefill_row_start, prefill_row_count and prefill_slot_ids, or none "
                              f"(got {given})")
+        if (self.intermediate_ssm_states is None) == (self.verify_row_inputs is None):
+            raise ValueError("give exactly one of intermediate_ssm_states and verify_row_inputs")
         if given and not (self.prefill_row_start.shape == self.prefill_row_count.shape == self.prefill_slot_ids.shape):
             raise ValueError("prefill_row_start, prefill_row_count and prefill_slot_ids must have one shape [n]")
 
@@ -87,11 +95,15 @@ class MambaForward:
             decode_slot_ids = torch.where(request_index < decode_limit, decode_slot_ids, slots.scratch_slot)
         prefill = {}
         if not step.decode_only:
+            starts = step.host_query_start_loc.tolist()  # host-ok: a CPU tensor
+            prefill["host_prefill_segments"] = tuple(
+                (index, starts[index], starts[index + 1] - starts[index])
+                for index in range(step.num_decode, step.num_decode + step.num_prefill))
             grid = step.attention.batch_size  # G
             query_start_loc = step.attention.query_start_loc[: grid + 1].long()  # [G + 1] int64
             request_index = torch.arange(grid, device=query_start_loc.device)
             prefilling = (request_index >= step.device_num_decode) & (request_index < step.num_active)  # [G] bool
-            prefill = dict(
+            prefill.update(
                 prefill_row_start=query_start_loc[:-1],
                 prefill_row_count=torch.where(prefilling, query_start_loc[1:] - query_start_loc[:-1], 0),
                 prefill_slot_ids=torch.where(prefilling, slot_ids[:grid], slots.scratch_slot),
@@ -99,8 +111,14 @@ class MambaForward:
         rows = step.verify_stride  # 1 + V rows per decode request: the first 1 + V intermediate states
         return cls(conv_states=slots.conv_states, ssm_states=slots.ssm_states,
                    intermediate_conv_states=slots.intermediate_conv_states[:, :, :rows],
-                   intermediate_ssm_states=slots.intermediate_ssm_states[:, :, :rows], decode_slot_ids=decode_slot_ids,
+                   intermediate_ssm_states=_first_rows(slots.intermediate_ssm_states, rows),
+                   verify_row_inputs=_first_rows(slots.verify_row_inputs, rows), decode_slot_ids=decode_slot_ids,
                    **prefill)
+
+
+def _first_rows(per_row: Optional[torch.Tensor], rows: int) -> Optional[torch.Tensor]:
+    """``per_row[:, :, :rows]`` (a view: the step's ``1 + V`` verify rows), or None."""
+    return None if per_row is None else per_row[:, :, :rows]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,13 +11,18 @@ buffers and commit as Mamba-2 layers: ``conv_states`` hold the conv windows, ``s
 ``[H, K, V]`` delta-rule states):
 
 - decode requests (``1 + S`` rows each): the conv over their rows from the slot's window (the
-  window after every row goes to the intermediate buffer), then ``gdn_decode_rows``, which writes
-  the state after every row to the intermediate buffer; the controller commits the one after the
-  last accepted row (``mamba_state_selective_copy``), so a rejected draft never touches the
-  current state and a step with no drafts or none accepted leaves plain decoding's state;
+  window after every row goes to the intermediate buffer), then ``gdn_verify_rows``, which reads
+  the slot's state once and stores each row's ``(k, v, g, beta)`` (``MambaForward.verify_row_inputs``);
+  the controller's commit replays the accepted rows from the current state
+  (``gdn_replay_accepted``; the conv window by ``mamba_state_selective_copy``), so a rejected
+  draft never touches the current state and a step with no drafts or none accepted leaves plain
+  decoding's state. Given ``intermediate_ssm_states`` instead, ``gdn_decode_rows`` writes the
+  state after every row there and the commit copies one (the older, costlier path);
 - prefill segments: ``causal_conv_varlen`` (Mamba's varlen conv: same depthwise conv + silu) and
   ``gdn_varlen_scan`` from the slot's state, written back; fixed shapes, so a mixed step is
-  captured in a CUDA graph like a decode step.
+  captured in a CUDA graph like a decode step. In eager steps on CUDA, segments of at least
+  ``FLA_PREFILL_MIN_ROWS`` rows go through fla-core's ``chunk_gated_delta_rule`` instead (when it
+  is installed: faster on long chunks), one call per segment from its slot's state.
 
 Per row: ``[q, k, v, z, b, a] = in_proj(x)``; ``q, k, v = silu(conv(q, k, v))``; q and k
 l2-normalised (q also scaled by ``K ** -0.5``); ``g = -exp(A_log) softplus(a + dt_bias)``,
@@ -43,6 +48,9 @@ from mtp_ctrl.models.forward_context import MambaForward, current_paged_forward
 from mtp_ctrl.models.mamba_mixer import TP_SECTIONS_ATTR
 from mtp_ctrl.triton_ops import reference as torch_twins
 
+# fla-core's chunked kernel beats our recurrent one from here (bench_gdn.py on an H100: ours faster up to
+# 256-row chunks, fla 2-5x faster from 1024); shorter segments, and every CUDA-graph step, use ours
+FLA_PREFILL_MIN_ROWS = 1024
 L2_NORM_EPS = 1e-6  # flash-linear-attention's l2norm: x / sqrt(sum(x^2) + eps), as megatron calls it
 
 
@@ -141,6 +149,8 @@ class PagedGatedDeltaNet(MegatronModule):
         # Triton kernels (True) or torch twins (False); None: kernels for CUDA rows. The runner sets it
         # (PagedGPTRunner(mamba_kernels=...), as for Mamba mixers)
         self.mamba_kernels: Optional[bool] = None
+        # prefill segments this long run through fla-core's chunked kernel where it is installed (None: never)
+        self.fla_prefill_min_rows: Optional[int] = FLA_PREFILL_MIN_ROWS
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
         """megatron ``GatedDeltaNet``'s own checkpoint layout (``A_log``, ``dt_bias`` and the conv split
@@ -218,8 +228,8 @@ class PagedGatedDeltaNet(MegatronModule):
 
     def _decode(self, ops, mamba: MambaForward, qkv, g, beta, weight, conv_bias) -> torch.Tensor:
         """The ``1 + S`` rows of each of nd decode requests (the first ``nd (1 + S)`` rows, zero past T)
-        -> o ``[nd (1 + S), H, V]``; the conv window and the rule's state after every row go to the
-        slot's intermediate buffers (the current ones are only read)."""
+        -> o ``[nd (1 + S), H, V]``; the conv window after every row goes to the slot's intermediate
+        buffer, and each row's inputs (or state) for the commit (module docstring)."""
         layer, slots = self.mamba_layer_index, mamba.decode_slot_ids  # slots: [nd] int64
         num_requests, stride = slots.shape[0], mamba.rows_per_decode_request
         count = num_requests * stride
@@ -234,21 +244,64 @@ class PagedGatedDeltaNet(MegatronModule):
             .permute(0, 2, 1, 3).to(mamba.intermediate_conv_states.dtype)  # [nd, R, C, W - 1]
         # contiguous first: with one request, reshape would keep the transpose's strides (q's last dim stride R)
         q, k, v = self._heads(conv_out.transpose(1, 2).contiguous().view(count, self.conv_channels))
-        return ops.gdn_decode_rows(mamba.ssm_states, mamba.intermediate_ssm_states, layer, slots, q, k, v,
-                                   _first_rows(g, count), _first_rows(beta, count))
+        g, beta = _first_rows(g, count), _first_rows(beta, count)
+        if mamba.verify_row_inputs is not None:  # the rows' inputs stored; the commit replays the accepted ones
+            return ops.gdn_verify_rows(mamba.ssm_states, mamba.verify_row_inputs, layer, slots, q, k, v, g, beta)
+        return ops.gdn_decode_rows(mamba.ssm_states, mamba.intermediate_ssm_states, layer, slots, q, k, v, g, beta)
 
     def _prefill(self, ops, mamba: MambaForward, qkv, g, beta, weight, conv_bias):
         """Every prefill segment of the packed rows at once -> (o ``[T, H, V]``, 0 outside the segments;
-        inside ``[T]`` bool); each segment's slot gets its new window and state."""
+        inside ``[T]`` bool); each segment's slot gets its new window and state. Segments of at least
+        ``fla_prefill_min_rows`` rows go through flash-linear-attention's chunked kernel instead of
+        ours when it is installed, on CUDA, outside graph capture (:meth:`_long_segments`)."""
         layer, slots = self.mamba_layer_index, mamba.prefill_slot_ids  # slots: [n] int64
         start, count = mamba.prefill_row_start, mamba.prefill_row_count
         conv_pool = mamba.conv_states[layer]  # [M, C, W - 1] view
         conv_out, windows = ops.causal_conv_varlen(conv_pool, qkv, start, count, weight, conv_bias, slot_ids=slots)
         q, k, v = self._heads(conv_out)
-        o, _ = ops.gdn_varlen_scan(mamba.ssm_states[layer], q, k, v, g, beta, start, count, slot_ids=slots)
+        long_segments, chunk_rule = self._long_segments(ops, mamba, qkv)
+        scan_count = count
+        if long_segments:  # our scan skips them (0 rows: their slots untouched)
+            scan_count = count.clone()
+            for segment, _, _ in long_segments:
+                scan_count[segment] = 0  # host index, no sync
+        ssm_pool = mamba.ssm_states[layer]  # [M, H, K, V] view
+        o, _ = ops.gdn_varlen_scan(ssm_pool, q, k, v, g, beta, start, scan_count, slot_ids=slots)
+        for segment, first_row, num_rows in long_segments:
+            rows, slot = slice(first_row, first_row + num_rows), slots[segment:segment + 1]  # slot: [1] int64
+            # q is normalised and scaled already; k heads shared by value heads (fla's GVA)
+            o_rows, final = chunk_rule(q[None, rows], k[None, rows], v[None, rows], g[None, rows], beta[None, rows],
+                                       scale=1.0, initial_state=ssm_pool.index_select(0, slot),
+                                       output_final_state=True)
+            o[rows] = o_rows[0].float()
+            ssm_pool.index_copy_(0, slot, final.to(ssm_pool.dtype))
         conv_pool[slots] = windows.to(conv_pool.dtype)  # after the conv read the old windows
         _, _, inside = ops.segment_of_rows(start, count, qkv.shape[0])
         return o, inside
+
+    def _long_segments(self, ops, mamba: MambaForward, rows: torch.Tensor):
+        """(the real prefill segments of >= ``fla_prefill_min_rows`` rows as ``(segment, first row,
+        rows)``, fla's ``chunk_gated_delta_rule``), or ``((), None)``: outside our kernels' path (the
+        CPU twins), without fla, while a CUDA graph is being captured (host row offsets would be baked
+        in), or with the threshold None."""
+        if self.fla_prefill_min_rows is None or ops is torch_twins or not mamba.host_prefill_segments:
+            return (), None
+        if rows.is_cuda and torch.cuda.is_current_stream_capturing():
+            return (), None
+        long_segments = tuple(segment for segment in mamba.host_prefill_segments
+                              if segment[2] >= self.fla_prefill_min_rows)
+        chunk_rule = fla_chunk_rule() if long_segments else None
+        return (long_segments, chunk_rule) if chunk_rule is not None else ((), None)
+
+
+def fla_chunk_rule():
+    """flash-linear-attention's ``chunk_gated_delta_rule`` (``fla-core``, the ``gdn`` extra), or None
+    when it is not installed; imported on first use."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
 
 
 def _first_rows(values: torch.Tensor, count: int) -> torch.Tensor:

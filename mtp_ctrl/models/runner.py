@@ -163,8 +163,12 @@ class PagedGPTRunner:
         if len(shapes) != 1:
             raise ValueError(f"the model's recurrent layers differ in state shape ({sorted(shapes)}): one set of "
                              "state slots holds one shape")
+        key_heads = {getattr(mixer, "num_key_heads_local", None) for mixer in mixers}  # Gated DeltaNet: Hk
+        if len(key_heads) != 1:
+            raise ValueError("the model mixes Mamba-2 and Gated DeltaNet layers: one set of state slots holds one kind")
         return MambaSpec(num_layers=len(mixers), conv_state_shape=mixers[0].conv_state_shape,
-                         ssm_state_shape=mixers[0].ssm_state_shape, dtype=torch.float32)
+                         ssm_state_shape=mixers[0].ssm_state_shape, dtype=torch.float32,
+                         gdn_key_heads=key_heads.pop())
 
     def kv_cache_spec(self, dtype: torch.dtype) -> AnyKVCacheSpec:
         """The layout of the model's paged caches on this rank: a latent cache per layer for MLA

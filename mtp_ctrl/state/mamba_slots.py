@@ -7,16 +7,23 @@ A request holds one slot ``m`` for its whole life. Its current states are
 after each row to ``intermediate_*[:, m, i]`` (i = 0..S), and the commit copies (or swaps in)
 the one after the last accepted row (``mamba_state_selective_copy``).
 
+Gated DeltaNet layers (``MambaSpec.gdn_key_heads`` set) keep no intermediate recurrent states: a
+verify row stores its ``(k, v, g, beta)`` in ``verify_row_inputs[:, m, i]`` (a few KB, against the
+``[H, K, V]`` state), and the commit replays rows ``0 .. accepted`` from the current state
+(``gdn_replay_accepted``: one read and one write of the state). With S = 0 the decode row writes
+its state in place and the commit leaves the recurrent state alone. Conv windows are copied as
+for Mamba.
+
 One more slot, ``scratch_slot = M``, is never handed out: requests that only pad a CUDA-graph
 batch read and write it, so a captured step needs no branch on the real batch size.
 """
 
 import dataclasses
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from mtp_ctrl.triton_ops import mamba_state_selective_copy
+from mtp_ctrl.triton_ops import gdn_replay_accepted, gdn_row_input_width, mamba_state_selective_copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +32,9 @@ class MambaSpec:
     conv_state_shape: Tuple[int, ...]  # per layer and slot, e.g. (conv_channels, kernel_size - 1)
     ssm_state_shape: Tuple[int, ...]  # per layer and slot, e.g. (heads, head_dim, state_size)
     dtype: torch.dtype
+    # Gated DeltaNet layers (ssm_state_shape (H, K, V)) with this many key heads per rank: their verify
+    # rows store inputs and the commit replays them (module docstring); None: one state per row, copied
+    gdn_key_heads: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
@@ -36,6 +46,14 @@ class MambaSpec:
             object.__setattr__(self, name, shape)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if self.gdn_key_heads is not None:
+            heads = self.ssm_state_shape[0]
+            if isinstance(self.gdn_key_heads, bool) or not isinstance(self.gdn_key_heads, int) \
+                    or self.gdn_key_heads < 1 or heads % self.gdn_key_heads or len(self.ssm_state_shape) != 3:
+                raise ValueError(f"gdn_key_heads must be an int >= 1 dividing the {heads} heads of an (H, K, V) "
+                                 f"ssm_state_shape, got {self.gdn_key_heads!r} for {self.ssm_state_shape}")
+            if self.dtype != torch.float32:
+                raise TypeError(f"Gated DeltaNet state slots are fp32, got dtype {self.dtype}")
 
 
 class MambaStateSlots:
@@ -54,9 +72,15 @@ class MambaStateSlots:
         self.intermediate_conv_states = torch.zeros(  # [L, M + 1, S + 1, *conv]
             num_layers, total, stride, *conv_state_shape, **options
         )
-        self.intermediate_ssm_states = torch.zeros(  # [L, M + 1, S + 1, *ssm]
-            num_layers, total, stride, *ssm_state_shape, **options
-        )
+        self.gdn_key_heads = spec.gdn_key_heads
+        self.intermediate_ssm_states: Optional[torch.Tensor] = None  # [L, M + 1, S + 1, *ssm]; None for GDN
+        self.verify_row_inputs: Optional[torch.Tensor] = None  # [L, M + 1, S + 1, F] fp32 for GDN; else None
+        if spec.gdn_key_heads is None:
+            self.intermediate_ssm_states = torch.zeros(num_layers, total, stride, *ssm_state_shape, **options)
+        else:
+            heads, key_dim, value_dim = ssm_state_shape
+            width = gdn_row_input_width(spec.gdn_key_heads, key_dim, heads, value_dim)
+            self.verify_row_inputs = torch.zeros(num_layers, total, stride, width, **options)
         self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._is_allocated = bytearray(num_slots)
 
@@ -85,11 +109,18 @@ class MambaStateSlots:
         self._free_slots.append(slot)
 
     def commit_accepted(self, prefill_status: torch.Tensor, decode_slot_ids: torch.Tensor,
-                        accepted_counts: torch.Tensor) -> None:
-        """Each of ``nd`` decode requests keeps the conv and SSM state after its last accepted row
+                        accepted_counts: torch.Tensor, rows_per_request: Optional[int] = None) -> None:
+        """Each of ``nd`` decode requests keeps the conv and recurrent state after its last accepted row
         (``prefill_status``, ``decode_slot_ids``, ``accepted_counts``: ``[nd]`` on the device; a
-        request still prefilling keeps its state): ``mamba_state_selective_copy`` per state kind."""
-        for intermediate, current in ((self.intermediate_conv_states, self.conv_states),
-                                      (self.intermediate_ssm_states, self.ssm_states)):
-            mamba_state_selective_copy(intermediate, current, prefill_status, decode_slot_ids, accepted_counts,
-                                       self.num_layers)
+        request still prefilling keeps its state): ``mamba_state_selective_copy`` of the conv windows,
+        and of the SSM states or, for Gated DeltaNet, ``gdn_replay_accepted`` (module docstring).
+        ``rows_per_request``: the step's verify rows per decode request, ``1 + V`` (default ``1 + S``)."""
+        rows = self.intermediate_conv_states.shape[2] if rows_per_request is None else rows_per_request
+        mamba_state_selective_copy(self.intermediate_conv_states, self.conv_states, prefill_status, decode_slot_ids,
+                                   accepted_counts, self.num_layers)
+        if self.intermediate_ssm_states is not None:
+            mamba_state_selective_copy(self.intermediate_ssm_states, self.ssm_states, prefill_status, decode_slot_ids,
+                                       accepted_counts, self.num_layers)
+        elif rows > 1:  # V = 0 (or S = 0): the decode row wrote its state in place
+            gdn_replay_accepted(self.ssm_states, self.verify_row_inputs, prefill_status, decode_slot_ids,
+                                accepted_counts, self.gdn_key_heads)

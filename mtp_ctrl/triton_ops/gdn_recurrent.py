@@ -44,22 +44,40 @@ _SCAN_VALIDATED = ValidatedSignatures()
 
 
 @triton.jit
-def _delta_rule_row(state, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys, is_key,
-                    values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-                    g_stride_t, g_stride_h, beta_stride_t, beta_stride_h):
-    """One row through the rule: (new state [BLOCK_K, BLOCK_V], o [BLOCK_V]); a row at or past
-    ``num_rows`` reads zeros (g = beta = 0: the state passes unchanged)."""
+def _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys, is_key, values, is_value,
+              q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h,
+              beta_stride_t, beta_stride_h):
+    """One row's q, k ``[BLOCK_K]``, v ``[BLOCK_V]``, g, beta (``[BLOCK_V]``, one value each); a row at or
+    past ``num_rows`` reads zeros (g = beta = 0: the state passes unchanged)."""
     key_row = keys * 0 + row < num_rows  # [BLOCK_K] bool, one value (a scalar mask is not portable)
     value_row = values * 0 + row < num_rows  # [BLOCK_V] bool
     q = tl.load(Q_PTR + row * q_stride_t + key_head * q_stride_h + keys, mask=is_key & key_row, other=0.0)
     k = tl.load(K_PTR + row * k_stride_t + key_head * k_stride_h + keys, mask=is_key & key_row, other=0.0)
     v = tl.load(V_PTR + row * v_stride_t + head * v_stride_h + values, mask=is_value & value_row, other=0.0)
-    # g and beta broadcast over the tile's value dims: [BLOCK_V], one value each
     g = tl.load(G_PTR + row * g_stride_t + head * g_stride_h + values * 0, mask=value_row, other=0.0)
     beta = tl.load(BETA_PTR + row * beta_stride_t + head * beta_stride_h + values * 0, mask=value_row, other=0.0)
+    return q, k, v, g, beta
+
+
+@triton.jit
+def _delta_rule_update(state, k, v, g, beta):
+    """The state tile ``[BLOCK_K, BLOCK_V]`` after one row (k ``[BLOCK_K]``; v, g, beta ``[BLOCK_V]``).
+    Every kernel that steps the rule calls this one function, so a replayed row gives the state
+    the verify row computed. g = beta = 0 (with k = v = 0) leaves the state exactly as it was."""
     state = state * tl.exp(g)[None, :]
     delta = beta * (v - tl.sum(state * k[:, None], axis=0))  # [BLOCK_V]
-    state = state + k[:, None] * delta[None, :]
+    return state + k[:, None] * delta[None, :]
+
+
+@triton.jit
+def _delta_rule_row(state, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys, is_key,
+                    values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                    g_stride_t, g_stride_h, beta_stride_t, beta_stride_h):
+    """One row through the rule: (new state [BLOCK_K, BLOCK_V], o [BLOCK_V])."""
+    q, k, v, g, beta = _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys, is_key,
+                                 values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t,
+                                 v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h)
+    state = _delta_rule_update(state, k, v, g, beta)
     return state, tl.sum(state * q[:, None], axis=0)
 
 

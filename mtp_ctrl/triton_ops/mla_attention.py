@@ -13,7 +13,10 @@ C + R]``, one tensor per layer, instead of K and V per head.
   the latents (``[C]``; the caller applies the value up-projection after). Every head of a
   request reads the same cache rows, so one program takes many heads (and the ``1 + S`` rows of
   a verify) at once and reads each cached byte once per program. Split-K over the context as in
-  :mod:`mtp_ctrl.triton_ops.paged_attn`, whose combine kernel merges the splits.
+  :mod:`mtp_ctrl.triton_ops.paged_attn`, whose combine kernel merges the splits. The tiles come
+  from a table keyed by the launch's dims (:mod:`mtp_ctrl.triton_ops.mla_tiles`); the programs
+  of one (request, split) that hold different head tiles are launched next to each other, so they
+  can share the cache rows through L2.
 
 Rows: request ``b`` owns rows ``query_start_loc[b] : query_start_loc[b + 1]``; row ``i`` of it
 sits at position ``seq_lens[b] - q_b + i`` and attends causally to the positions up to its own.
@@ -27,18 +30,17 @@ import triton
 import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
-from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
+from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
-from mtp_ctrl.triton_ops.paged_attn import _MAX_KV_SPLITS, _combine_kv_splits_kernel, check_attention_scalars
+from mtp_ctrl.triton_ops.mla_tiles import MLATiles, mla_tiles
+from mtp_ctrl.triton_ops.paged_attn import _combine_kv_splits_kernel, check_attention_scalars
 
 MAX_LATENT_DIM = 1024
 MAX_ROPE_DIM = 256
-_MIN_TOKENS_PER_SPLIT = 64
+# split-K programs a request at most: enough for one request to cover every SM (the combine reads
+# every split of a row at once, [splits, rows, dims] <= 4096 fp32 a program)
+MAX_KV_SPLITS = 128
 _INT32_MAX = 2**31 - 1
-# tile shape of the attention kernel: matrix rows (query rows x heads) per program, cached tokens
-# per tile, warps, software-pipeline stages of the cache loads, and split-K programs per SM; the
-# accumulator is [block_m, C] fp32 in registers, so C = 512 wants few rows
-TUNING = dict(target_block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2)  # bench_mla --tune, H100
 
 
 @triton.jit
@@ -142,7 +144,8 @@ def rope_and_write_latent_cache(
     return roped
 
 
-@triton.jit
+# request/row counts and split sizes vary step to step: one compiled kernel for all of them
+@triton.jit(do_not_specialize=["num_tokens", "tokens_per_split", "num_head_tiles", "num_kv_splits"])
 def _paged_mla_kernel(
     QUERY_LATENT_PTR, QUERY_ROPE_PTR, CACHE_PTR, BLOCK_TABLE_PTR, SEQ_LENS_PTR, QUERY_START_LOC_PTR,
     OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR,
@@ -150,20 +153,22 @@ def _paged_mla_kernel(
     ql_stride_t, ql_stride_h, qr_stride_t, qr_stride_h, out_stride_t, out_stride_h,
     cache_stride_block, cache_stride_token, block_table_stride_b,
     num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
+    num_head_tiles, num_kv_splits,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, NUM_HEAD_TILES: tl.constexpr, NUM_KV_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (query tile, request, head tile x split): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
-    flattened into ``BLOCK_M`` matrix rows, over one split of the request's context.
+    """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
+    flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
+    that read the same cache rows have neighbouring program ids (axis 0), so they run together
+    and can share those rows through L2.
 
     Example: H = 4, BLOCK_H = 4, BLOCK_Q = 2 (a 1 + S = 2 verify): matrix rows 0..7 are
     (row 0, head 0..3), (row 1, head 0..3).
     """
-    q_tile = tl.program_id(0)
-    request = tl.program_id(1)
-    head_tile = tl.program_id(2) // NUM_KV_SPLITS
-    split = tl.program_id(2) % NUM_KV_SPLITS
+    q_tile = tl.program_id(0) // num_head_tiles
+    head_tile = tl.program_id(0) % num_head_tiles
+    split = tl.program_id(1)
+    request = tl.program_id(2)
     q_start = tl.load(QUERY_START_LOC_PTR + request)
     q_len = tl.load(QUERY_START_LOC_PTR + request + 1) - q_start
     if q_tile * BLOCK_Q < q_len:
@@ -211,12 +216,12 @@ def _paged_mla_kernel(
             acc = acc * rescale[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision=DOT_PRECISION)
             running_max = new_max
         store_mask = row_valid[:, None] & cmask[None, :]
-        if NUM_KV_SPLITS == 1:
+        if num_kv_splits == 1:
             out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
             out_ptrs = OUTPUT_PTR + rows[:, None] * out_stride_t + heads[:, None] * out_stride_h + cdims[None, :]
             tl.store(out_ptrs, out.to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
         else:
-            # partials [NUM_KV_SPLITS, T, H] (+ [C]), paged_attn's combine layout with one kv head
+            # partials [num_kv_splits, T, H] (+ [C]), paged_attn's combine layout with one kv head
             stat_index = (split * num_tokens + rows) * num_heads + heads  # [BLOCK_M] int64
             tl.store(PARTIAL_MAX_PTR + stat_index, running_max, mask=row_valid)
             tl.store(PARTIAL_SUM_PTR + stat_index, running_sum, mask=row_valid)
@@ -224,7 +229,7 @@ def _paged_mla_kernel(
 
 
 def _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
-                          softmax_scale, max_query_len, max_seq_len, num_kv_splits):
+                          softmax_scale, max_query_len, max_seq_len, num_kv_splits, tiles):
     check_tensor("query_latent", query_latent, dtypes=FLOAT_DTYPES, ndim=3)
     num_tokens, num_heads, latent_dim = query_latent.shape
     check_tensor("query_rope", query_rope, dtypes=(query_latent.dtype,), shape=(num_tokens, num_heads, None))
@@ -246,7 +251,11 @@ def _check_attention_args(query_latent, query_rope, latent_cache, block_table, s
     for name, tensor in (("query_latent", query_latent), ("query_rope", query_rope), ("latent_cache", latent_cache)):
         if tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    check_attention_scalars(softmax_scale, max_query_len, max_seq_len, num_kv_splits)
+    check_attention_scalars(softmax_scale, max_query_len, max_seq_len, None)
+    if num_kv_splits is not None:
+        check_int("num_kv_splits", num_kv_splits, low=1, high=MAX_KV_SPLITS)
+    if tiles is not None and not isinstance(tiles, MLATiles):
+        raise TypeError(f"tiles must be an MLATiles or None, got {type(tiles).__name__}")
 
 
 def paged_mla_attention(
@@ -261,19 +270,22 @@ def paged_mla_attention(
     max_query_len: Optional[int] = None,
     max_seq_len: Optional[int] = None,
     num_kv_splits: Optional[int] = None,
+    tiles: Optional[MLATiles] = None,
 ) -> torch.Tensor:  # [T, H, C], query_latent's dtype: softmax-weighted latents
     """Causal absorbed MLA attention of packed rows over the paged latent cache (module docstring).
 
     Rows past ``query_start_loc[B]`` and rows of requests with no query rows are zeros.
     ``max_query_len`` / ``max_seq_len`` bound the rows per request and the context (Python ints,
-    no host sync); ``num_kv_splits`` overrides the split-K count (default: from the SM count).
+    no host sync); ``num_kv_splits`` (at most ``MAX_KV_SPLITS``) overrides the split-K count
+    (default: from the SM count and the tiles); ``tiles`` overrides the table's tiles
+    (:func:`mtp_ctrl.triton_ops.mla_tiles.mla_tiles` of H, B and the context bound).
     """
     _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
-                          softmax_scale, max_query_len, max_seq_len, num_kv_splits)
+                          softmax_scale, max_query_len, max_seq_len, num_kv_splits, tiles)
     if not use_triton(query_latent):
         return reference.paged_mla_attention(query_latent, query_rope, latent_cache, block_table, seq_lens,
                                              query_start_loc, softmax_scale, max_query_len=max_query_len,
-                                             max_seq_len=max_seq_len, num_kv_splits=num_kv_splits)
+                                             max_seq_len=max_seq_len, num_kv_splits=num_kv_splits, tiles=tiles)
     num_tokens, num_heads, latent_dim = query_latent.shape
     rope_dim = query_rope.shape[2]
     block_size_tokens, batch_size = latent_cache.shape[1], block_table.shape[0]
@@ -282,20 +294,21 @@ def paged_mla_attention(
     if num_tokens == 0 or batch_size == 0 or query_rows_bound == 0:
         return output
     kv_token_bound = block_table.shape[1] * block_size_tokens if max_seq_len is None else max_seq_len
-    target_m = TUNING["target_block_m"]
-    block_h = min(triton.next_power_of_2(num_heads), max(16, target_m))
-    block_q = min(triton.next_power_of_2(query_rows_bound), max(1, target_m // block_h))
+    if tiles is None:
+        tiles = mla_tiles(num_heads, batch_size, kv_token_bound)
+    block_h = min(triton.next_power_of_2(num_heads), tiles.block_m)
+    block_q = min(triton.next_power_of_2(query_rows_bound), max(1, tiles.block_m // block_h))
     block_m = max(16, block_q * block_h)
-    block_n = TUNING["block_n"]
+    block_n = tiles.block_n
     num_head_tiles = triton.cdiv(num_heads, block_h)
     num_q_tiles = triton.cdiv(query_rows_bound, block_q)
     if num_kv_splits is None:
         num_kv_splits = 1
         if query_latent.is_cuda:
-            wanted = triton.cdiv(TUNING["programs_per_sm"] * sm_count(query_latent.device),
-                                  num_q_tiles * batch_size * num_head_tiles)
-            longest = max(1, triton.cdiv(kv_token_bound, max(_MIN_TOKENS_PER_SPLIT, block_n)))
-            num_kv_splits = max(1, min(wanted, longest, _MAX_KV_SPLITS))
+            wanted = triton.cdiv(tiles.programs_per_sm * sm_count(query_latent.device),
+                                 num_q_tiles * batch_size * num_head_tiles)
+            longest = max(1, kv_token_bound // max(tiles.min_split_tokens, block_n))
+            num_kv_splits = max(1, min(wanted, longest, MAX_KV_SPLITS))
     if num_kv_splits == 1:
         tokens_per_split = _INT32_MAX
         partial_acc = partial_max = partial_sum = output  # unused by the kernel
@@ -305,29 +318,31 @@ def paged_mla_attention(
                                   device=query_latent.device)
         partial_max = torch.empty((num_kv_splits, num_tokens, num_heads), dtype=torch.float32, device=query_latent.device)
         partial_sum = torch.empty_like(partial_max)
-    _paged_mla_kernel[(num_q_tiles, batch_size, num_head_tiles * num_kv_splits)](
+    _paged_mla_kernel[(num_q_tiles * num_head_tiles, num_kv_splits, batch_size)](
         query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
         output, partial_acc, partial_max, partial_sum,
         softmax_scale * math.log2(math.e),
         query_latent.stride(0), query_latent.stride(1), query_rope.stride(0), query_rope.stride(1),
         output.stride(0), output.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_table.stride(0),
         num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
+        num_head_tiles, num_kv_splits,
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_C=max(16, triton.next_power_of_2(latent_dim)), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-        NUM_HEAD_TILES=num_head_tiles, NUM_KV_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32",
-        num_warps=TUNING["num_warps"] if query_latent.is_cuda else 4,
-        num_stages=TUNING["num_stages"] if query_latent.is_cuda else 1,
+        num_warps=tiles.num_warps if query_latent.is_cuda else 4,
+        num_stages=tiles.num_stages if query_latent.is_cuda else 1,
     )
     if num_kv_splits > 1:
         # paged_attn's combine reads our partial layout ([splits, T, H] by query head); its "kv head"
-        # groups are slices of our heads, small enough that a [splits, rows, dims] tile fits registers
+        # groups are slices of our heads, small enough that its [splits, rows, dims] tile stays
+        # within 4096 fp32 (32 registers a thread) at up to MAX_KV_SPLITS splits
         block_s = triton.next_power_of_2(num_kv_splits)
-        combine_group = math.gcd(num_heads, max(1, 256 // block_s))  # a power of two dividing H
-        combine_q = max(1, min(triton.next_power_of_2(query_rows_bound), 64 // combine_group))
+        rows_budget = max(1, 256 // block_s)  # combine matrix rows a program, at 16 dims
+        combine_group = math.gcd(num_heads, rows_budget)  # a power of two dividing H
+        combine_q = max(1, min(triton.next_power_of_2(query_rows_bound), rows_budget // combine_group))
         combine_m = triton.next_power_of_2(combine_q * combine_group)
         block_c = triton.next_power_of_2(latent_dim)
-        block_dc = max(min(16, block_c), min(block_c, 1024 // (block_s * combine_m)))
+        block_dc = max(min(16, block_c), min(block_c, 4096 // (block_s * combine_m)))
         num_d_chunks = triton.cdiv(block_c, block_dc)
         grid = (triton.cdiv(query_rows_bound, combine_q), batch_size, num_heads // combine_group * num_d_chunks)
         _combine_kv_splits_kernel[grid](

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import SamplingParams, TextGenerationController
-from mtp_ctrl.triton_ops import gdn_decode_rows, gdn_varlen_scan, reference
+from mtp_ctrl.triton_ops import (
+    gdn_decode_rows,
+    gdn_replay_accepted,
+    gdn_row_input_width,
+    gdn_varlen_scan,
+    gdn_verify_rows,
+    reference,
+)
 from tests.functional.test_controller_gpu import (
     PROMPTS,
     SyncCheckedController,
@@ -42,6 +49,33 @@ def test_kernels_equal_twins_on_the_gpu():
     torch.testing.assert_close(pool, want_pool, rtol=1e-3, atol=1e-3)
 
 
+def test_verify_and_replay_kernels_equal_twins_on_the_gpu():
+    """Qwen3-Next's head shape: verify rows (R = 3, padding past T on a shared scratch slot, and
+    R = 1 in place) and the replay commit (prefill, none, some and all accepted) == the twins."""
+    inputs = {name: value.cuda() for name, value in rows(3, 40, key_heads=16, heads=32, key_dim=128,
+                                                          value_dim=128).items()}
+    generator = torch.Generator().manual_seed(4)
+    states = torch.randn(2, 9, 32, 128, 128, generator=generator).cuda() * 0.1
+    row_inputs = torch.zeros(2, 9, 3, gdn_row_input_width(16, 128, 32, 128), device="cuda")
+    want_states, want_inputs = states.clone(), row_inputs.clone()
+    slots = torch.tensor([3, 0, 7, 1, 8, 8, 8, 8, 8, 8, 8], device="cuda")  # 8: a shared scratch slot (33 rows > T)
+    for layer in (0, 1):
+        o = gdn_verify_rows(states, row_inputs, layer, slots, **inputs)
+        want = reference.gdn_verify_rows(want_states, want_inputs, layer, slots, **inputs)
+        torch.testing.assert_close(o[:12], want[:12], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(row_inputs[:, :8], want_inputs[:, :8])
+    assert torch.equal(states, want_states)  # verify rows only read the state
+    status, accepted = torch.tensor([0, 0, 0, 1, 0], device="cuda"), torch.tensor([2, 0, 1, 2, 1], device="cuda")
+    gdn_replay_accepted(states, row_inputs, status, slots[:5], accepted, 16)
+    reference.gdn_replay_accepted(want_states, row_inputs, status, slots[:5], accepted, 16)
+    torch.testing.assert_close(states[:, :8], want_states[:, :8], rtol=1e-4, atol=1e-4)
+    one_row = row_inputs[:, :, :1]
+    o = gdn_verify_rows(states, one_row, 0, slots[:4], **inputs)
+    want = reference.gdn_verify_rows(want_states, one_row.clone(), 0, slots[:4], **inputs)
+    torch.testing.assert_close(o, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(states[:, :8], want_states[:, :8], rtol=1e-4, atol=1e-4)
+
+
 def test_mixer_equals_megatron_gated_delta_net_with_fla():
     pytest.importorskip("fla")
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl
@@ -71,6 +105,43 @@ def test_mixer_equals_megatron_gated_delta_net_with_fla():
     commit(slots, [1], [S])
     got.append(run(ours, slots, hidden[10 + S:], prefill=((0, 3, 1),)))
     torch.testing.assert_close(torch.cat(got), want, rtol=5e-3, atol=5e-3)  # fla's chunk kernel: TF32 dots
+
+
+def test_long_prefill_through_fla_equals_our_scan():
+    """An eager prefill step with a 1100-row segment (>= FLA_PREFILL_MIN_ROWS: fla-core's chunked
+    kernel) beside a 7-row one (ours) == the same step all through our scan, outputs and states."""
+    pytest.importorskip("fla")
+    from mtp_ctrl.models import MambaForward, PagedGatedDeltaNet
+    from mtp_ctrl.models.forward_context import paged_forward_context
+    from tests.unit.gdn_fixtures import gdn_config
+    from tests.unit.megatron_fixtures import make_metadata
+    from tests.unit.test_gdn_mixer import HIDDEN, make_slots
+
+    ensure_single_process_groups()
+    torch.manual_seed(6)
+    # fla's tiles want head dims of 16 and more; 64 as its own tests use
+    mixer = PagedGatedDeltaNet(gdn_config(linear_key_head_dim=64, linear_value_head_dim=64), layer_number=1)
+    mixer = mixer.cuda().eval()
+    mixer.mamba_layer_index = 0
+    hidden = torch.randn(1107, HIDDEN, generator=torch.Generator().manual_seed(3)).cuda() * 0.5
+    results = []
+    for threshold in (1024, None):
+        mixer.fla_prefill_min_rows = threshold
+        slots = {name: (value.cuda() if value is not None else None) for name, value in make_slots(mixer, 3, "replay").items()}
+        slots["ssm_states"].normal_(generator=torch.Generator("cuda").manual_seed(1)).mul_(0.1)
+        mamba = MambaForward(**slots, decode_slot_ids=torch.zeros(0, dtype=torch.int64, device="cuda"),
+                             prefill_row_start=torch.tensor([0, 1100], device="cuda"),
+                             prefill_row_count=torch.tensor([1100, 7], device="cuda"),
+                             prefill_slot_ids=torch.tensor([2, 0], device="cuda"),
+                             host_prefill_segments=((0, 0, 1100), (1, 1100, 7)))
+        metadata = make_metadata([list(range(300))], [(0, hidden.shape[0])], device="cuda")
+        with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
+            results.append((mixer(hidden[:, None])[0][:, 0], slots))
+    (fla_out, fla_slots), (ours_out, ours_slots) = results
+    # fla's chunk kernel computes with TF32 dots; a wrong slot or row would be off by O(1)
+    torch.testing.assert_close(fla_out, ours_out, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fla_slots["ssm_states"], ours_slots["ssm_states"], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fla_slots["conv_states"], ours_slots["conv_states"])
 
 
 @pytest.fixture(scope="module")

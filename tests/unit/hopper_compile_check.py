@@ -44,7 +44,7 @@ def pointers(kernel, default, **special):
 def cases():
     """(label, kernel, pointer types, float args, constexprs): the kernels of a decode step's
     attention and glue, and the Mamba prefill kernels, in the variants the models launch."""
-    from mtp_ctrl.triton_ops import (gdn_recurrent, layer_glue, mamba_varlen, mla_attention, moe_gemm, paged_attn,
+    from mtp_ctrl.triton_ops import (gdn_recurrent, gdn_replay, layer_glue, mamba_varlen, mla_attention, moe_gemm, paged_attn,
                                      rope_kv_write, sampling_filter)
 
     attention = paged_attn._paged_attention_kernel
@@ -61,10 +61,10 @@ def cases():
     mla = mla_attention._paged_mla_kernel
     mla_pointers = pointers(mla, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32", QUERY_START_LOC_PTR="i32",
                             PARTIAL_ACC_PTR="fp32", PARTIAL_MAX_PTR="fp32", PARTIAL_SUM_PTR="fp32")
-    for splits in (1, 4):  # DeepSeek-V3's latent (512 + 64), 16 heads, one decode row a request
-        yield (f"paged MLA attention, {splits} splits", mla, mla_pointers, {"qk_scale"},
-               dict(BLOCK_Q=1, BLOCK_H=16, BLOCK_M=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, NUM_HEAD_TILES=1,
-                    NUM_KV_SPLITS=splits, DOT_PRECISION="tf32"))
+    # DeepSeek-V3's latent (512 + 64), 16 heads, one decode row a request; the split count is a
+    # runtime int (= 1 here when ints are constants: the one-split path)
+    yield ("paged MLA attention", mla, mla_pointers, {"qk_scale"},
+           dict(BLOCK_Q=1, BLOCK_H=16, BLOCK_M=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32"))
     latent_write = mla_attention._rope_write_latent_kernel
     yield ("rope + latent write", latent_write,
            pointers(latent_write, "bf16", SLOT_MAPPING_PTR="i64", COS_PTR="fp32", SIN_PTR="fp32"), set(),
@@ -96,6 +96,13 @@ def cases():
         yield (f"GDN rows, decode {decode}", gdn,
                pointers(gdn, "fp32", SLOTS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
                dict(DECODE=decode, ROWS=3, BLOCK_K=128, BLOCK_V=32))
+    verify = gdn_replay._gdn_verify_rows_kernel
+    for rows in (1, 3):  # plain decoding (state in place) and verify rows of S = 2 (inputs stored)
+        yield (f"GDN verify rows, R = {rows}", verify, pointers(verify, "fp32", SLOTS_PTR="i64"), set(),
+               dict(ROWS=rows, BLOCK_K=128, BLOCK_V=32))
+    replay = gdn_replay._gdn_replay_accepted_kernel
+    yield ("GDN replay commit", replay, pointers(replay, "i64", STATES_PTR="fp32", INPUTS_PTR="fp32"), set(),
+           dict(ROWS=3, BLOCK_K=128, BLOCK_V=32))
 
     probs = sampling_filter._sampling_probs_kernel
     yield ("sampling probs (rejection acceptance)", probs,

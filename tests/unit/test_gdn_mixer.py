@@ -19,7 +19,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from mtp_ctrl.models import MambaForward, PagedGatedDeltaNet
 from mtp_ctrl.models.forward_context import paged_forward_context
-from mtp_ctrl.triton_ops import mamba_state_selective_copy
+from mtp_ctrl.triton_ops import gdn_replay_accepted, gdn_row_input_width, mamba_state_selective_copy
 from tests.unit.gdn_fixtures import gdn_config
 from tests.unit.megatron_fixtures import ensure_single_process_groups, make_metadata
 
@@ -66,11 +66,16 @@ def layers():
         patch.undo()
 
 
-def make_slots(mixer, num_slots):
+def make_slots(mixer, num_slots, path="copy", stride=1 + S):
+    """``path`` "copy": one intermediate state per verify row; "replay": each row's inputs."""
     conv, ssm = mixer.conv_state_shape, mixer.ssm_state_shape
-    return dict(conv_states=torch.zeros(1, num_slots, *conv), ssm_states=torch.zeros(1, num_slots, *ssm),
-                intermediate_conv_states=torch.full((1, num_slots, 1 + S, *conv), float("nan")),
-                intermediate_ssm_states=torch.full((1, num_slots, 1 + S, *ssm), float("nan")))
+    slots = dict(conv_states=torch.zeros(1, num_slots, *conv), ssm_states=torch.zeros(1, num_slots, *ssm),
+                 intermediate_conv_states=torch.full((1, num_slots, stride, *conv), float("nan")))
+    if path == "copy":
+        return dict(slots, intermediate_ssm_states=torch.full((1, num_slots, stride, *ssm), float("nan")))
+    width = gdn_row_input_width(mixer.num_key_heads_local, mixer.key_head_dim, *ssm[:1], mixer.value_head_dim)
+    return dict(slots, intermediate_ssm_states=None,
+                verify_row_inputs=torch.full((1, num_slots, stride, width), float("nan")))
 
 
 def run(mixer, slots, hidden, decode_slots=(), prefill=()):
@@ -94,16 +99,22 @@ def full_sequence(theirs, hidden):
     return out[:, 0]
 
 
-def commit(slots, slot_ids, accepted):
-    for intermediate, current in (("intermediate_conv_states", "conv_states"), ("intermediate_ssm_states", "ssm_states")):
-        device = slots[current].device
-        mamba_state_selective_copy(slots[intermediate], slots[current],
-                                   torch.zeros(len(slot_ids), dtype=torch.int64, device=device),
-                                   torch.tensor(slot_ids, device=device), torch.tensor(accepted, device=device), 1)
+def commit(slots, slot_ids, accepted, key_heads=None):
+    """As ``MambaStateSlots.commit_accepted``: copy the kept conv window and state, or (replay slots,
+    ``key_heads`` given) replay the kept rows' inputs."""
+    device = slots["conv_states"].device
+    args = (torch.zeros(len(slot_ids), dtype=torch.int64, device=device), torch.tensor(slot_ids, device=device),
+            torch.tensor(accepted, device=device))
+    mamba_state_selective_copy(slots["intermediate_conv_states"], slots["conv_states"], *args, 1)
+    if slots.get("intermediate_ssm_states") is not None:
+        mamba_state_selective_copy(slots["intermediate_ssm_states"], slots["ssm_states"], *args, 1)
+    elif slots["verify_row_inputs"].shape[2] > 1:  # one row: written in place
+        gdn_replay_accepted(slots["ssm_states"], slots["verify_row_inputs"], *args, key_heads)
 
 
+@pytest.mark.parametrize("path", ["copy", "replay"])
 @pytest.mark.parametrize("splits", [(7, 2), (1, 9)], ids=["7_2", "1_9"])
-def test_mixer_equals_megatron_over_chunks_and_verify_rows(layers, splits):
+def test_mixer_equals_megatron_over_chunks_and_verify_rows(layers, splits, path):
     """Requests a (slot 2) and b (slot 0): prompts cut into two chunks at ``splits`` (a chunk may be
     shorter than the conv width), one packed prefill per chunk, then verify steps of 1 + S rows
     with a accepting 2, 0, 1 drafts and b 0, 2, 2; every output row == megatron over the tokens
@@ -114,7 +125,7 @@ def test_mixer_equals_megatron_over_chunks_and_verify_rows(layers, splits):
     prompt_a = torch.randn(first_a + 5, HIDDEN, generator=generator)
     prompt_b = torch.randn(first_b + 3, HIDDEN, generator=generator)
     slot_a, slot_b = 2, 0
-    slots = make_slots(ours, 3)
+    slots = make_slots(ours, 3, path)
     out = run(ours, slots, torch.cat([prompt_a[:first_a], prompt_b[:first_b]]),
               prefill=((0, first_a, slot_a), (first_a, first_a + first_b, slot_b)))
     torch.testing.assert_close(out[:first_a], full_sequence(theirs, prompt_a[:first_a]), **TOLERANCE)
@@ -132,7 +143,7 @@ def test_mixer_equals_megatron_over_chunks_and_verify_rows(layers, splits):
         for index, slot in enumerate((slot_b, slot_a)):
             want = full_sequence(theirs, torch.cat([kept[slot], rows[slot]]))[-(1 + S):]
             torch.testing.assert_close(out[index * (1 + S):(index + 1) * (1 + S)], want, **TOLERANCE)
-        commit(slots, [slot_b, slot_a], [accepted_b, accepted_a])
+        commit(slots, [slot_b, slot_a], [accepted_b, accepted_a], ours.num_key_heads_local)
         kept[slot_a] = torch.cat([kept[slot_a], rows[slot_a][:1 + accepted_a]])
         kept[slot_b] = torch.cat([kept[slot_b], rows[slot_b][:1 + accepted_b]])
     # a final plain row each (a zero-draft step through the prefill path: 1 row per request)
@@ -143,22 +154,20 @@ def test_mixer_equals_megatron_over_chunks_and_verify_rows(layers, splits):
         torch.testing.assert_close(out[index:index + 1], want, **TOLERANCE)
 
 
-def test_verify_with_nothing_accepted_leaves_plain_decoding_state(layers):
+@pytest.mark.parametrize("path", ["copy", "replay"])
+def test_verify_with_nothing_accepted_leaves_plain_decoding_state(layers, path):
     """A verify step whose drafts are all rejected commits the state one plain decode row leaves, in
     both the conv window and the rule's state (to matmul rounding: in_proj sees 3 rows, not 1)."""
     ours, _ = layers
     generator = torch.Generator().manual_seed(9)
     prompt, rows = torch.randn(6, HIDDEN, generator=generator), torch.randn(1 + S, HIDDEN, generator=generator)
-    spec, plain = make_slots(ours, 2), make_slots(ours, 2)
+    spec, plain = make_slots(ours, 2, path), make_slots(ours, 2, path, stride=1)
     for slots in (spec, plain):
         run(ours, slots, prompt, prefill=((0, 6, 1),))
     run(ours, spec, rows, decode_slots=(1,))
-    commit(spec, [1], [0])
-    plain_slots = dict(plain, intermediate_conv_states=plain["intermediate_conv_states"][:, :, :1],
-                       intermediate_ssm_states=plain["intermediate_ssm_states"][:, :, :1])
-    run(ours, plain_slots, rows[:1], decode_slots=(1,))
-    plain["conv_states"][:, 1] = plain_slots["intermediate_conv_states"][:, 1, 0]
-    plain["ssm_states"][:, 1] = plain_slots["intermediate_ssm_states"][:, 1, 0]
+    commit(spec, [1], [0], ours.num_key_heads_local)
+    run(ours, plain, rows[:1], decode_slots=(1,))
+    commit(plain, [1], [0], ours.num_key_heads_local)
     for name in ("conv_states", "ssm_states"):
         torch.testing.assert_close(spec[name][:, 1], plain[name][:, 1], rtol=1e-6, atol=1e-6)
 
@@ -169,7 +178,8 @@ def test_refuses_other_activations():
         PagedGatedDeltaNet(dataclasses.replace(gdn_config(), activation_func=F.gelu))
 
 
-def test_kernels_equal_twins_in_a_padded_mixed_bf16_step(layers):
+@pytest.mark.parametrize("path", ["copy", "replay"])
+def test_kernels_equal_twins_in_a_padded_mixed_bf16_step(layers, path):
     """A bf16 copy of the mixer (as build_gpt_model casts a bf16 model) over one padded mixed
     step: a decode request (slot 0), prefill chunks continuing slot 1 and starting slot 2, the
     grid's other decode requests on scratch slot 4 with their rows past T; the interpreted Triton
@@ -182,7 +192,7 @@ def test_kernels_equal_twins_in_a_padded_mixed_bf16_step(layers):
     results = []
     for kernels in (True, False):
         ours.mamba_kernels = kernels
-        slots = make_slots(ours, 5)
+        slots = make_slots(ours, 5, path)
         for name in ("conv_states", "ssm_states"):
             slots[name].copy_(torch.randn(slots[name].shape, generator=torch.Generator().manual_seed(4)) * 0.3)
         hidden = torch.randn(1 + S + 8 + 2, HIDDEN, generator=generator.manual_seed(8)).to(torch.bfloat16)
@@ -198,8 +208,9 @@ def test_kernels_equal_twins_in_a_padded_mixed_bf16_step(layers):
     torch.testing.assert_close(out_k, out_t, rtol=2e-2, atol=2e-2)
     for name in ("conv_states", "ssm_states"):
         torch.testing.assert_close(slots_k[name][:, :3], slots_t[name][:, :3], rtol=1e-4, atol=1e-4)
-    for name in ("intermediate_conv_states", "intermediate_ssm_states"):
-        torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
+    for name in ("intermediate_conv_states", "intermediate_ssm_states", "verify_row_inputs"):
+        if slots_k.get(name) is not None:
+            torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
 
 
 def test_checkpoint_layout_is_megatrons(layers):
@@ -224,7 +235,8 @@ def test_checkpoint_layout_is_megatrons(layers):
     assert any("in_proj.weight.alpha" in str(parts) for parts in layout(ours).values())
 
 
-def test_kernels_equal_twins_for_one_decode_request(layers):
+@pytest.mark.parametrize("path", ["copy", "replay"])
+def test_kernels_equal_twins_for_one_decode_request(layers, path):
     """One request's 1 + S verify rows alone (the shape of a batch-1 decode step): the rows' q/k/v
     reach the kernel contiguous (a reshape of one request's rows would keep the conv's transposed
     strides), and kernels == twins."""
@@ -234,7 +246,7 @@ def test_kernels_equal_twins_for_one_decode_request(layers):
     results = []
     for kernels in (True, False):
         ours.mamba_kernels = kernels
-        slots = make_slots(ours, 2)
+        slots = make_slots(ours, 2, path)
         for name in ("conv_states", "ssm_states"):
             slots[name].copy_(torch.randn(slots[name].shape, generator=torch.Generator().manual_seed(5)) * 0.3)
         hidden = torch.randn(1 + S, HIDDEN, generator=torch.Generator().manual_seed(9))
@@ -246,5 +258,47 @@ def test_kernels_equal_twins_for_one_decode_request(layers):
         results.append((out, slots))
     (out_k, slots_k), (out_t, slots_t) = results
     torch.testing.assert_close(out_k, out_t, rtol=1e-4, atol=1e-4)
-    for name in ("intermediate_conv_states", "intermediate_ssm_states"):
-        torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
+    for name in ("intermediate_conv_states", "intermediate_ssm_states", "verify_row_inputs"):
+        if slots_k.get(name) is not None:
+            torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_long_prefill_segments_go_to_fla_in_eager_steps(layers, monkeypatch):
+    """Segments of >= fla_prefill_min_rows rows (host layout) run through fla-core's chunked rule
+    (here a stand-in computing the twin's rule, as fla is CUDA-only), the rest through our scan;
+    outputs and states equal the all-ours step. Without the host layout or with the threshold
+    None, fla is never called."""
+    from mtp_ctrl.models import gdn_mixer
+    from mtp_ctrl.triton_ops import reference
+
+    calls = []
+
+    def stand_in(q, k, v, g, beta, scale, initial_state, output_final_state):
+        assert scale == 1.0 and output_final_state and q.shape[0] == 1
+        rows = torch.tensor([q.shape[1]])
+        calls.append(q.shape[1])
+        o, final = reference.gdn_varlen_scan(initial_state, q[0], k[0], v[0], g[0], beta[0], torch.tensor([0]), rows)
+        return o[None], final
+
+    monkeypatch.setattr(gdn_mixer, "fla_chunk_rule", lambda: stand_in)
+    ours = PagedGatedDeltaNet(gdn_config(), layer_number=1).eval()
+    ours.load_state_dict(layers[0].state_dict())
+    ours.mamba_layer_index, ours.mamba_kernels = 0, True
+    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(12))
+    results = []
+    for threshold, host in ((None, True), (5, False), (5, True)):
+        ours.fla_prefill_min_rows = threshold
+        slots = make_slots(ours, 4, "replay")
+        slots["ssm_states"].copy_(torch.randn(slots["ssm_states"].shape, generator=torch.Generator().manual_seed(2)))
+        mamba = MambaForward(**slots, decode_slot_ids=torch.tensor([], dtype=torch.int64),
+                             prefill_row_start=torch.tensor([0, 6, 9]), prefill_row_count=torch.tensor([6, 3, 0]),
+                             prefill_slot_ids=torch.tensor([2, 0, 3]),
+                             host_prefill_segments=((0, 0, 6), (1, 6, 3)) if host else ())
+        metadata = make_metadata([list(range(12))], [(0, hidden.shape[0])])
+        with torch.no_grad(), paged_forward_context(metadata, [], mamba=mamba):
+            results.append((ours(hidden[:, None])[0][:, 0], slots))
+    assert calls == [6]  # the 6-row segment only, and only with the host layout
+    (want, want_slots), _, (got, got_slots) = results
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for name in ("conv_states", "ssm_states"):
+        torch.testing.assert_close(got_slots[name], want_slots[name], rtol=1e-4, atol=1e-4)

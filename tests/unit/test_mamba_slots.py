@@ -62,3 +62,46 @@ def test_spec_validation():
     spec = MambaSpec(num_layers=1, conv_state_shape=[2], ssm_state_shape=[3], dtype=torch.float32)
     with pytest.raises(ValueError, match="num_slots"):
         MambaStateSlots(spec, 0, 1, torch.device("cpu"))
+
+
+def make_gdn_slots(num_speculative_tokens):
+    """Gated DeltaNet slots: 2 layers, H = 4 value heads, Hk = 2, K = 8, V = 6 (F = 16 + 24 + 8)."""
+    spec = MambaSpec(num_layers=2, conv_state_shape=(4, 3), ssm_state_shape=(4, 8, 6), dtype=torch.float32,
+                     gdn_key_heads=2)
+    return MambaStateSlots(spec, 3, num_speculative_tokens, torch.device("cpu"))
+
+
+def test_gdn_slots_store_row_inputs_and_commit_by_replay():
+    """No intermediate recurrent states: row inputs [L, M + 1, 1 + S, F]; the commit copies the conv
+    window and replays the kept rows (the Triton kernel, interpreted == its twin)."""
+    from mtp_ctrl.triton_ops import reference
+
+    slots = make_gdn_slots(2)
+    assert slots.intermediate_ssm_states is None
+    assert slots.verify_row_inputs.shape == (2, 4, 3, 48)
+    generator = torch.Generator().manual_seed(3)
+    for tensor in (slots.ssm_states, slots.verify_row_inputs, slots.intermediate_conv_states):
+        tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.5)
+    slots.verify_row_inputs[..., -8:-4] *= -1  # g <= 0
+    want = slots.ssm_states.clone()
+    status, slot_ids, counts = torch.tensor([0, 1, 0]), torch.tensor([2, 0, 1]), torch.tensor([1, 2, 0])
+    reference.gdn_replay_accepted(want, slots.verify_row_inputs, status, slot_ids, counts, 2)
+    slots.commit_accepted(status, slot_ids, counts)
+    torch.testing.assert_close(slots.ssm_states, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(slots.conv_states[:, 2], slots.intermediate_conv_states[:, 2, 1])
+
+
+def test_gdn_slots_without_drafts_leave_the_recurrent_state_to_the_decode_row():
+    slots = make_gdn_slots(0)
+    slots.ssm_states.fill_(1.0)
+    slots.commit_accepted(torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
+    assert bool((slots.ssm_states == 1.0).all())  # the S = 0 decode row wrote it in place
+
+
+def test_gdn_spec_validation():
+    with pytest.raises(ValueError, match="gdn_key_heads"):
+        MambaSpec(num_layers=1, conv_state_shape=(2,), ssm_state_shape=(4, 8, 6), dtype=torch.float32,
+                  gdn_key_heads=3)
+    with pytest.raises(TypeError, match="fp32"):
+        MambaSpec(num_layers=1, conv_state_shape=(2,), ssm_state_shape=(4, 8, 6), dtype=torch.bfloat16,
+                  gdn_key_heads=2)

@@ -16,7 +16,6 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from mtp_ctrl.models import MambaForward, PagedGPTRunner, build_gpt_model
 from mtp_ctrl.models.mamba_mixer import TP_SECTIONS_ATTR, shard_full_tensor
 from mtp_ctrl.state import MambaStateSlots
-from mtp_ctrl.triton_ops import mamba_state_selective_copy
 from tests.unit.hybrid_fixtures import LAYER_PATTERN
 from tests.unit.megatron_fixtures import (
     MAX_SEQUENCE_LENGTH,
@@ -62,6 +61,7 @@ def _schedule_logits(runner, tensor_parallel_size: int, device=torch.device("cpu
         metadata = make_metadata([BLOCKS], [(start, end - start)], device=device)
         mamba = MambaForward(
             slots.conv_states, slots.ssm_states, slots.intermediate_conv_states, slots.intermediate_ssm_states,
+            verify_row_inputs=slots.verify_row_inputs,  # Gated DeltaNet slots (test_gdn_tp): rows' inputs
             decode_slot_ids=torch.tensor([1] if decode else [], dtype=torch.int64, device=device),
             **({} if decode else dict(prefill_row_start=torch.tensor([0], device=device),
                                       prefill_row_count=torch.tensor([end - start], device=device),
@@ -71,10 +71,8 @@ def _schedule_logits(runner, tensor_parallel_size: int, device=torch.device("cpu
         return logits
 
     rows = [forward(0, 5, decode=False), forward(5, 8, decode=True)]
-    for intermediate, current in ((slots.intermediate_conv_states, slots.conv_states),
-                                  (slots.intermediate_ssm_states, slots.ssm_states)):
-        one = torch.ones(1, dtype=torch.int64, device=device)  # slot 1, 1 accepted draft
-        mamba_state_selective_copy(intermediate, current, torch.zeros_like(one), one, one, slots.num_layers)
+    one = torch.ones(1, dtype=torch.int64, device=device)  # slot 1, 1 accepted draft
+    slots.commit_accepted(torch.zeros_like(one), one, one)
     rows.append(forward(7, 12, decode=False))  # resumes after the accepted draft (row 6)
     return torch.cat(rows).cpu()
 

@@ -5,6 +5,8 @@ import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
+from mtp_ctrl.triton_ops.mla_attention import MAX_KV_SPLITS
+from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, TILE_TABLE, MLATiles, mla_tiles
 from tests.unit.mla_cases import make_mla_case
 from tests.unit.paged_attention_cases import random_mixed_lengths
 
@@ -49,6 +51,41 @@ def test_random_batches(seed):
     _check(case)
 
 
+@pytest.mark.parametrize("tiles", list(dict.fromkeys([DEFAULT_TILES] + [tiles for _, tiles in TILE_TABLE])), ids=str)
+def test_every_table_entry_equals_twin(tiles):
+    # block_m + 8 heads: two head tiles, the second partly padding; verify rows, a decode, a
+    # padding request, a prefill chunk; contexts over several splits
+    case = make_mla_case([3, 1, 0, 4], [45, 6, 0, 21], num_heads=tiles.block_m + 8, latent_dim=16, rope_dim=8,
+                         block_size_tokens=16, padding_rows=2, seed=tiles.block_m)
+    _check(case, max_query_len=4, max_seq_len=45, num_kv_splits=2, tiles=tiles)
+    # few heads: several query rows share a program (block_q > 1)
+    case = make_mla_case([3, 2], [33, 9], num_heads=4, latent_dim=16, rope_dim=8, block_size_tokens=8, seed=1)
+    _check(case, max_query_len=3, max_seq_len=33, tiles=tiles)
+
+
+def test_tile_table_lookup():
+    by_bounds = dict(TILE_TABLE)
+    assert mla_tiles(16, 1, 8192) is DEFAULT_TILES
+    assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384)]  # TP 8, batch 32: by context
+    assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None)]
+    assert mla_tiles(16, 128, 8192) is DEFAULT_TILES
+    assert mla_tiles(128, 1, 8192).block_m == mla_tiles(128, 128, 131072).block_m == 64  # 64-head tiles
+    assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
+    for (max_heads, max_batch, max_context), tiles in TILE_TABLE:  # every entry is reachable
+        assert mla_tiles(max_heads or 4096, max_batch or 4096, max_context or 2**20) is tiles
+    with pytest.raises(ValueError, match="block_m"):
+        MLATiles(block_m=24, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2, min_split_tokens=64)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        MLATiles(block_m=32, block_n=32, num_warps=4, num_stages=2, programs_per_sm=0, min_split_tokens=64)
+
+
+def test_most_splits_reduce_exactly():
+    # batch 1's split-K at its cap: 16 tokens a split, the later splits past the context (empty partials)
+    case = make_mla_case([3], [300], num_heads=3, latent_dim=32, rope_dim=8, block_size_tokens=16, seed=5)
+    tiles = MLATiles(block_m=16, block_n=16, num_warps=4, num_stages=1, programs_per_sm=4, min_split_tokens=16)
+    _check(case, max_query_len=3, max_seq_len=2048, num_kv_splits=MAX_KV_SPLITS, tiles=tiles)
+
+
 def test_empty_batch_and_no_rows():
     case = make_mla_case([], [], num_heads=2, latent_dim=16, rope_dim=8, block_size_tokens=4)
     assert paged_mla_attention(*case.op_args()).shape == (0, 2, 16)
@@ -63,6 +100,10 @@ def test_bad_arguments_name_themselves():
         paged_mla_attention(args[0], args[1], args[2][..., :-1], *args[3:])
     with pytest.raises(ValueError, match="softmax_scale"):
         paged_mla_attention(*args[:6], -1.0)
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        paged_mla_attention(*args, num_kv_splits=MAX_KV_SPLITS + 1)
+    with pytest.raises(TypeError, match="tiles"):
+        paged_mla_attention(*args, tiles=(32, 64, 8, 2, 2, 64))
 
 
 def _megatron_mla_rope(rows, cos, sin):  # rows [T, H, R]; megatron's own rotary on [s, b=1, H, R]

@@ -31,6 +31,7 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     mamba_varlen             mamba_varlen     causal_conv_varlen, ssm_varlen_scan, segment_of_rows
     mamba_decode             mamba_decode     mamba_decode_rows
     gdn_recurrent            gdn              gdn_decode_rows, gdn_varlen_scan
+    gdn_replay               gdn              gdn_verify_rows, gdn_replay_accepted
     layer_glue               glue             add_bias_residual_norm, bias_activation, split_qkv_heads,
                                               gated_rms_norm
     moe_gemm                 moe              align_expert_pairs, grouped_expert_matmul
@@ -78,6 +79,8 @@ _REFERENCE_MODULES = {
     "mamba_decode_rows": "mamba_decode",
     "gdn_decode_rows": "gdn",
     "gdn_varlen_scan": "gdn",
+    "gdn_verify_rows": "gdn",
+    "gdn_replay_accepted": "gdn",
     "add_bias_residual_norm": "glue",
     "bias_activation": "glue",
     "split_qkv_heads": "glue",

@@ -12,6 +12,9 @@ One row ``t`` of one head, from state ``S`` (``q`` l2-normalised and scaled by `
 
 - :func:`gdn_decode_rows` steps the R rows of each decode request one after another and writes
   the state after every row to the slot's intermediate buffer (the controller commits one);
+- :func:`gdn_verify_rows` steps them the same way but stores each row's ``(k, v, g, beta)`` instead
+  of its state (R = 1: writes the state back), and :func:`gdn_replay_accepted` commits by
+  stepping the accepted rows from the slot's state (:mod:`mtp_ctrl.triton_ops.gdn_replay`);
 - :func:`gdn_varlen_scan` runs each prefill segment in chunks of Q rows (the chunked form: one
   unit-triangular solve per chunk, states passed from chunk to chunk) from the slot's state and
   writes the state after the segment's last row back. Fixed shapes, no host sync: every segment
@@ -30,6 +33,16 @@ def _per_value_head(keys: torch.Tensor, heads: int) -> torch.Tensor:
     """``[..., Hk, K]`` -> ``[..., H, K]``: value head h reads key head h // (H / Hk)."""
     ratio = heads // keys.shape[-2]
     return keys if ratio == 1 else keys.repeat_interleave(ratio, dim=-2)
+
+
+def _delta_rule_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor) -> torch.Tensor:
+    """``[n, H, K, V]`` state after one row (k ``[n, H, K]``, v ``[n, H, V]``, g and beta ``[n, H]``); every
+    recurrent twin steps through this one function, so a replayed row gives the verify row's state."""
+    state = state * torch.exp(g)[:, :, None, None]
+    remembered = torch.einsum("nhk,nhkv->nhv", k, state)  # S^T k
+    delta = beta[:, :, None] * (v - remembered)  # [n, H, V]
+    return state + k[:, :, :, None] * delta[:, :, None, :]
 
 
 def gdn_decode_rows(
@@ -57,10 +70,7 @@ def gdn_decode_rows(
     state = recurrent_states[layer, slot_ids].float()  # [nd, H, K, V]
     outputs = []
     for row in range(stride):
-        state = state * torch.exp(g[:, row])[:, :, None, None]
-        remembered = torch.einsum("nhk,nhkv->nhv", k[:, row], state)  # S^T k
-        delta = beta[:, row, :, None] * (v[:, row] - remembered)  # [nd, H, V]
-        state = state + k[:, row, :, :, None] * delta[:, :, None, :]
+        state = _delta_rule_step(state, k[:, row], v[:, row], g[:, row], beta[:, row])
         outputs.append(torch.einsum("nhk,nhkv->nhv", q[:, row], state))
         intermediate_states[layer, slot_ids, row] = state.to(intermediate_states.dtype)
     return torch.stack(outputs, dim=1).view(count, heads, v.shape[-1])
@@ -137,3 +147,72 @@ def gdn_varlen_scan(
     o[target.reshape(-1)] = o_c[flat.reshape(-1)]
     final = torch.where((row_count > 0)[:, None, None, None], state, states.float())
     return o[:num_rows], final
+
+
+def _row_input_sections(key_heads: int, key_dim: int, heads: int, value_dim: int):
+    """The sizes of ``[k | v | g | beta]`` in one stored row (``gdn_row_input_width`` sums them)."""
+    return [key_heads * key_dim, heads * value_dim, heads, heads]
+
+
+def gdn_verify_rows(
+    recurrent_states: torch.Tensor,  # [L, M, H, K, V] fp32: read (R > 1) or updated in place (R = 1)
+    row_inputs: torch.Tensor,  # [L, M, R, F] fp32, written at [layer, slot_ids, :] when R > 1
+    layer: int,
+    slot_ids: torch.Tensor,  # [nd] int64
+    q: torch.Tensor,  # [T, Hk, K] fp32
+    k: torch.Tensor,  # [T, Hk, K] fp32
+    v: torch.Tensor,  # [T, H, V] fp32
+    g: torch.Tensor,  # [T, H] fp32
+    beta: torch.Tensor,  # [T, H] fp32
+) -> torch.Tensor:  # o [nd * R, H, V] fp32
+    """Twin of :func:`mtp_ctrl.triton_ops.gdn_verify_rows`."""
+    num_requests, stride = slot_ids.shape[0], row_inputs.shape[2]
+    heads, key_heads = recurrent_states.shape[2], q.shape[1]
+    count = num_requests * stride
+
+    def rows(values):  # [T, ...] -> [nd, R, ...], zero rows past T
+        return _first_rows(values, count).view(num_requests, stride, *values.shape[1:])
+
+    q_rows, k_rows = rows(q), rows(k)  # [nd, R, Hk, K]
+    v_rows, g_rows, beta_rows = rows(v), rows(g), rows(beta)
+    q_heads, k_heads = _per_value_head(q_rows, heads), _per_value_head(k_rows, heads)  # [nd, R, H, K]
+    state = recurrent_states[layer, slot_ids].float()  # [nd, H, K, V]
+    outputs = []
+    for row in range(stride):
+        state = _delta_rule_step(state, k_heads[:, row], v_rows[:, row], g_rows[:, row], beta_rows[:, row])
+        outputs.append(torch.einsum("nhk,nhkv->nhv", q_heads[:, row], state))
+    if stride == 1:
+        recurrent_states[layer, slot_ids] = state.to(recurrent_states.dtype)
+    else:  # [nd, R, F]: [k | v | g | beta]
+        row_inputs[layer, slot_ids] = torch.cat((k_rows.flatten(2), v_rows.flatten(2), g_rows, beta_rows), dim=2)
+    return torch.stack(outputs, dim=1).view(count, heads, v.shape[-1])
+
+
+def gdn_replay_accepted(
+    recurrent_states: torch.Tensor,  # [L, M, H, K, V] fp32, updated in place
+    row_inputs: torch.Tensor,  # [L, M, R, F] fp32
+    prefill_status: torch.Tensor,  # [N] int
+    slot_ids: torch.Tensor,  # [N] int
+    accepted_counts: torch.Tensor,  # [N] int
+    key_heads: int,
+) -> None:
+    """Twin of :func:`mtp_ctrl.triton_ops.gdn_replay_accepted` (a loop over layers and rows, not requests)."""
+    num_layers, _, heads, key_dim, value_dim = recurrent_states.shape
+    num_requests, stride = slot_ids.shape[0], row_inputs.shape[2]
+    if num_requests == 0:
+        return None
+    slots = slot_ids.long()
+    decoding = prefill_status == 0  # [N] bool
+    sections = _row_input_sections(key_heads, key_dim, heads, value_dim)
+    for layer in range(num_layers):
+        state = recurrent_states[layer, slots].float()  # [N, H, K, V]
+        k, v, g, beta = torch.split(row_inputs[layer, slots], sections, dim=2)  # [N, R, ...]
+        k = _per_value_head(k.reshape(num_requests, stride, key_heads, key_dim), heads)  # [N, R, H, K]
+        v = v.reshape(num_requests, stride, heads, value_dim)
+        for row in range(stride):
+            stepped = _delta_rule_step(state, k[:, row], v[:, row], g[:, row], beta[:, row])
+            kept = decoding & (accepted_counts >= row)  # [N] bool: rows 0 .. accepted of decode requests
+            state = torch.where(kept[:, None, None, None], stepped, state)
+        # a prefill request writes back what it read (its slot is its own; padding shares the scratch slot)
+        recurrent_states[layer, slots] = state.to(recurrent_states.dtype)
+    return None

@@ -58,9 +58,10 @@ def paged_mla_attention(
     max_query_len: Optional[int] = None,
     max_seq_len: Optional[int] = None,
     num_kv_splits: Optional[int] = None,
+    tiles=None,
 ) -> torch.Tensor:  # [T, H, C]
-    """Same contract as :func:`mtp_ctrl.triton_ops.paged_mla_attention`; ``num_kv_splits`` is
-    ignored. It is standard paged attention with one kv head whose key is the cached row
+    """Same contract as :func:`mtp_ctrl.triton_ops.paged_mla_attention`; ``num_kv_splits`` and
+    ``tiles`` (launch shapes) are ignored. It is standard paged attention with one kv head whose key is the cached row
     ``[latent | rope key]`` and whose value is the same row (the output's last R dims dropped)."""
     latent_width = query_latent.shape[-1]
     query = torch.cat((query_latent, query_rope), dim=-1)  # [T, H, C + R]

@@ -1,0 +1,77 @@
+"""Tile shapes of the paged MLA attention kernel (:mod:`mtp_ctrl.triton_ops.mla_attention`),
+chosen on the host from the step's dimensions.
+
+The choice reads only Python ints the launcher already has (the local head count, the launch's
+request count ``block_table.shape[0]`` and the context bound ``max_seq_len``), so it costs no
+host sync and a captured CUDA graph keeps the tiles of the shape it was captured at.
+
+The table's entries are the fastest tiles of ``bench/bench_mla.py --tune`` on an H200 (figures:
+``bench/RESULTS.md``, "MLA"). Where the bucket of a step falls between the measured shapes the
+neighbouring entry applies; a step outside every bound takes :data:`DEFAULT_TILES`.
+"""
+
+import dataclasses
+from typing import Optional, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class MLATiles:
+    """One launch configuration of the paged MLA kernel.
+
+    ``block_m`` is the matrix rows a program holds (query rows x heads, heads first: 64 at
+    128 heads means two head tiles, so each cached byte is read twice, not once per 32 heads); its
+    fp32 accumulator is ``[block_m, C]`` in registers, so ``C = 512`` wants 8 warps from 64 rows.
+    Split-K cuts each request's context so that about ``programs_per_sm`` programs run per SM,
+    each over at least ``min_split_tokens`` tokens (a split's partial costs ``H x C x 4`` bytes of
+    writes and reads in the combine, against ``tokens x (C + R) x 2`` bytes of cache).
+    """
+
+    block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
+    block_n: int  # cached tokens a loop iteration; a power of two >= 16
+    num_warps: int
+    num_stages: int  # software-pipeline stages of the cache loads
+    programs_per_sm: int  # split-K target
+    min_split_tokens: int  # split-K floor, tokens a split
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"MLATiles.{name} must be a power of two >= 16, got {value!r}")
+        for name in ("num_warps", "num_stages", "programs_per_sm", "min_split_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
+
+
+DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
+
+# (heads at most, requests at most, context tokens at most) -> tiles; None: no bound. The first
+# entry whose bounds hold the step's dims wins. From one H200 run (RESULTS "MLA", 2026-11-26): the
+# fastest tiles at batch 1 / 32 / 128 x context 2k / 8k / 32k / 128k, 16 and 128 heads.
+TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
+    # <= 16 heads (DeepSeek-V3 at TP 8); batch 1 (up to 128 splits) and batch 128 take the default
+    ((16, 4, None), DEFAULT_TILES),
+    # batch 5-64: the default at 2k, 4 warps at 8k, 8 programs an SM from 32k
+    ((16, 64, 4096), DEFAULT_TILES),
+    ((16, 64, 16384), MLATiles(32, 64, 4, 2, programs_per_sm=4, min_split_tokens=64)),
+    ((16, 64, None), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
+    ((32, None, None), DEFAULT_TILES),
+    # > 32 heads (TP 1 / 2): 64-head tiles read the cache once per 64 heads (twice at 128 heads)
+    ((None, 4, 4096), DEFAULT_TILES),
+    ((None, None, None), MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)),
+)
+
+
+def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int) -> MLATiles:
+    """The table's tiles for a launch of ``num_heads`` local heads, ``batch_size`` requests and
+    contexts of at most ``kv_token_bound`` tokens.
+
+    Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, batch 5-64, context
+    above 16k): 8 programs an SM.
+    """
+    for (max_heads, max_batch, max_context), tiles in TILE_TABLE:
+        if ((max_heads is None or num_heads <= max_heads) and (max_batch is None or batch_size <= max_batch)
+                and (max_context is None or kv_token_bound <= max_context)):
+            return tiles
+    return DEFAULT_TILES
