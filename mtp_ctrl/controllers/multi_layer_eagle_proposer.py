@@ -102,8 +102,9 @@ class MultiLayerEagleProposer(AuxDraftProposer):
         num_drafts = batch.depths(S)
         for depth, layer in enumerate(self.heads.layers):
             drafting = depth < num_drafts
-            logits, features = runner.eagle_forward(layer, features, tokens, positions, metadata, self._kv_caches[depth],
-                                                    logits_rows=draft_rows if drafting else draft_rows[:0])  # [G, V], [Tw, H]
+            logits, features = runner.eagle_forward(  # [G, V] ([0, V] past D), [Tw, H]
+                layer, features, tokens, positions, metadata, self._kv_caches[depth],
+                logits_rows=draft_rows if drafting else draft_rows[:0])
             if drafting:
                 drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, ends + depth + 1)
                 self._record_draft_probs(batch, logits, sampling_rows, depth)

@@ -88,7 +88,8 @@ class ParallelDraftingProposer(EagleProposer):
         ends = batch.bonus_positions  # [G] int64, e
 
         request_index = torch.arange(G, device=device)  # [G]
-        cu_num_drafts = step.verify_width * torch.minimum(request_index + 1, step.device_num_decode)  # [G] int64, inclusive cumsum (V drafts each)
+        # [G] int64, inclusive cumsum: V drafts per decode request (the step's verify width)
+        cu_num_drafts = step.verify_width * torch.minimum(request_index + 1, step.device_num_decode)
         last_rows, _ = eagle_prepare_inputs_padded(cu_num_drafts, batch.accepted_counts + 1, query_start_loc)  # [G]
         real = request_index < step.num_active  # [G] bool; padding requests own no rows
         verified_counts = (last_rows - query_start_loc[:-1] + 1).clamp(min=0)  # [G] int64

@@ -35,8 +35,8 @@ class MambaForward:
     request of the grid; 0 rows for a request that does not prefill), C/W/H/P/N the conv and
     SSM sizes.
 
-    Decode requests own the first ``nd * (1 + V)`` packed rows (V <= S: the step's verify width) (rows inside a prefill segment
-    excepted: a padded grid's decode requests past the real ones may overlap prefill rows, and
+    Decode requests own the first ``nd * (1 + V)`` packed rows (V <= S, the step's verify width;
+    rows inside a prefill segment excepted: a padded grid's decode requests past the real ones may overlap prefill rows, and
     use the scratch slot); each starts from its current state and writes the state after its
     row ``j`` to ``intermediate_*[:, slot, j]`` (the controller later commits the one after the
     last accepted row; Gated DeltaNet layers store the row's inputs in ``verify_row_inputs``

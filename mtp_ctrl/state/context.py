@@ -350,7 +350,8 @@ class DynamicInferenceContext:
             return self.shape.num_speculative_tokens
         width = int(self._drafts_held[decode_slots].max())  # host-ok: numpy
         if num_steps > 1:
-            width = max(width, self.shape.num_speculative_tokens if chosen is None else int(chosen.max()))  # host-ok: numpy
+            run_width = self.shape.num_speculative_tokens if chosen is None else int(chosen.max())  # host-ok: numpy
+            width = max(width, run_width)
         return width
 
     def _decode_run_steps(self, num_decode: int, length_budgets: Tuple[int, int, float]) -> int:
