@@ -36,8 +36,8 @@ class MambaForward:
     SSM sizes.
 
     Decode requests own the first ``nd * (1 + V)`` packed rows (V <= S, the step's verify width;
-    rows inside a prefill segment excepted: a padded grid's decode requests past the real ones may overlap prefill rows, and
-    use the scratch slot); each starts from its current state and writes the state after its
+    rows inside a prefill segment excepted: a padded grid's decode requests past the real ones may
+    overlap prefill rows, and use the scratch slot); each starts from its current state and writes the state after its
     row ``j`` to ``intermediate_*[:, slot, j]`` (the controller later commits the one after the
     last accepted row; Gated DeltaNet layers store the row's inputs in ``verify_row_inputs``
     instead, and the commit replays the accepted rows: :mod:`mtp_ctrl.state.mamba_slots`). Prefill segment ``g`` is rows ``[prefill_row_start[g], +
