@@ -1,14 +1,16 @@
 """Exact-match vs rejection-sampling acceptance on the trained demo model, same run.
 
-    python bench/bench_rejection.py [--checkpoint mtp_ctrl/checkpoints/mtp_demo.pt] [--quick] [--device cpu]
+    python bench/bench_rejection.py [--checkpoint mtp_ctrl/checkpoints/mtp_demo.pt] [--repeats 3] [--quick] [--device cpu]
 
 The demo GPT (examples/train_mtp.py, 2 MTP layers) samples 128 new bytes from 64-byte held-out
 prompts, batch 8, S = 2 with paged MTP attention, at temperature 0.7 and 1.0 (seeds 0..7). Per
 temperature: plain sampling (S = 0), S = 2 with ``acceptance="exact_match"`` (output identical to
 plain sampling, checked) and with ``acceptance="rejection"`` (same distribution, other tokens).
-Each point is the median tokens/s of 3 timed ``generate`` calls after a warm-up call (decode steps
-replayed from CUDA graphs on a GPU); the accepted length is tokens gained per verify step over
-the timed calls. ``--quick`` (any device, e.g. a CPU smoke run): 16 new tokens, one timed call.
+Each point is the median tokens/s of ``--repeats`` timed ``generate`` calls after a warm-up call
+(decode steps replayed from CUDA graphs on a GPU); the three modes of a temperature take turns,
+one call each per round, so drift hits them alike. The accepted length is tokens gained per
+verify step over the timed calls. ``--quick`` (any device, e.g. a CPU smoke run): 16 new tokens,
+one timed call.
 """
 
 import argparse
@@ -22,6 +24,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="mtp_ctrl/checkpoints/mtp_demo.pt")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per point (median)")
     parser.add_argument("--quick", action="store_true", help="16 new tokens, one timed call (a smoke run)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
@@ -47,28 +50,34 @@ PROMPT_LEN, BATCH, S = 64, 8, 2
 TEMPERATURES = (0.7, 1.0)
 
 
-def run_point(model, prompts, temperature, num_speculative_tokens, acceptance, new_tokens, repeats, device):
-    """(median tokens/s, mean accepted length, outputs of the last call)."""
-    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=len(prompts),
-                             block_size_tokens=16, max_model_len=PROMPT_LEN + new_tokens + 8,
-                             max_tokens_per_step=len(prompts) * PROMPT_LEN, acceptance=acceptance,
-                             cuda_graph_batch_sizes=(len(prompts),) if device.type == "cuda" else ())
-    controller = TextGenerationController(model, config)
-    params = [SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=seed)
-              for seed in range(len(prompts))]
-    controller.generate(prompts, params)  # warm-up: compile, capture
-    controller.metrics.reset()
-    rates, outputs = [], None
-    for _ in range(repeats):
-        if device.type == "cuda":
+class Point:
+    """One mode at one temperature: its controller (warmed up: compiled, graphs captured) and timings."""
+
+    def __init__(self, model, prompts, temperature, num_speculative_tokens, acceptance, new_tokens, device):
+        config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=len(prompts),
+                                 block_size_tokens=16, max_model_len=PROMPT_LEN + new_tokens + 8,
+                                 max_tokens_per_step=len(prompts) * PROMPT_LEN, acceptance=acceptance,
+                                 cuda_graph_batch_sizes=(len(prompts),) if device.type == "cuda" else ())
+        self.controller = TextGenerationController(model, config)
+        self.prompts, self.device, self.rates, self.outputs = prompts, device, [], None
+        self.params = [SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=seed)
+                       for seed in range(len(prompts))]
+        self.controller.generate(prompts, self.params)  # warm-up: compile, capture
+        self.controller.metrics.reset()
+
+    def time_one_call(self) -> None:
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
-        results = controller.generate(prompts, params)
+        results = self.controller.generate(self.prompts, self.params)
         seconds = time.perf_counter() - started
-        rates.append(sum(len(r.output_tokens) for r in results) / seconds)
-        outputs = [r.output_tokens for r in results]
-    controller.close()
-    return statistics.median(rates), controller.metrics.mean_accepted_length, outputs
+        self.rates.append(sum(len(r.output_tokens) for r in results) / seconds)
+        self.outputs = [r.output_tokens for r in results]
+
+    def finish(self):
+        """(median tokens/s, mean accepted length, outputs of the last call)."""
+        self.controller.close()
+        return statistics.median(self.rates), self.controller.metrics.mean_accepted_length, self.outputs
 
 
 def main(args=None):
@@ -80,20 +89,26 @@ def main(args=None):
     load_full_state_dict(model, state_dict)
     model = model.to(device).eval()
     prompts = [w.tolist() for w in evenly_spaced_windows(load_stdlib_corpus().held_out, BATCH, PROMPT_LEN)]
-    new_tokens, repeats = (16, 1) if args.quick else (128, 3)
-    rows = []
+    new_tokens, repeats = (16, 1) if args.quick else (128, args.repeats)
+    rows, paired = [], {}  # paired: per temperature, the median over rounds of rejection / exact match
     progress = tqdm(total=len(TEMPERATURES) * 3, desc="points", unit="point", disable=not sys.stdout.isatty())
     with torch.no_grad():
         for temperature in TEMPERATURES:
-            plain_rate, _, plain_outputs = run_point(model, prompts, temperature, 0, "exact_match", new_tokens,
-                                                     repeats, device)
+            modes = [(0, "exact_match")] + [(S, acceptance) for acceptance in ("exact_match", "rejection")]
+            points = [Point(model, prompts, temperature, num_speculative_tokens, acceptance, new_tokens, device)
+                      for num_speculative_tokens, acceptance in modes]
+            for _ in range(repeats):  # the modes take turns
+                for point in points:
+                    point.time_one_call()
+            paired[temperature] = statistics.median(
+                rejection / exact for exact, rejection in zip(points[1].rates, points[2].rates))
+            plain_rate, _, plain_outputs = points[0].finish()
             rows.append((temperature, 0, "-", plain_rate, 1.0, 1.0, "yes"))
             progress.update()
-            for acceptance in ("exact_match", "rejection"):
-                rate, accepted_length, outputs = run_point(model, prompts, temperature, S, acceptance, new_tokens,
-                                                           repeats, device)
+            for (num_speculative_tokens, acceptance), point in zip(modes[1:], points[1:]):
+                rate, accepted_length, outputs = point.finish()
                 same = outputs == plain_outputs
-                rows.append((temperature, S, acceptance, rate, rate / plain_rate, accepted_length,
+                rows.append((temperature, num_speculative_tokens, acceptance, rate, rate / plain_rate, accepted_length,
                              "yes" if same else ("NO" if acceptance == "exact_match" else "no (expected)")))
                 progress.set_postfix_str(f"T {temperature} {acceptance}: {rate:.0f} tokens/s")
                 progress.update()
@@ -106,6 +121,8 @@ def main(args=None):
     for temperature, num_speculative_tokens, acceptance, rate, speedup, accepted_length, same in rows:
         print(f"{temperature:4.1f} {num_speculative_tokens:2d} {acceptance:>12} {rate:9.0f} {speedup:8.2f}x "
               f"{accepted_length:13.2f} {same:>14}")
+    print("rejection / exact match, median of the rounds' ratios: "
+          + ", ".join(f"T {temperature}: {ratio:.3f}" for temperature, ratio in paired.items()))
     dist.destroy_process_group()
     if any(row[2] == "exact_match" and row[6] != "yes" for row in rows):
         sys.exit("exact-match output differs from plain sampling")

@@ -12,7 +12,12 @@ first text chunk) and inter-token latency (per request: (last chunk - first chun
 at p50/p90/p99. The same prompts then run through the offline loop (`controller.generate` in this
 process, the server's controller settings): its tokens/s is the ceiling the server's saturated
 tokens/s is compared with, and its first-step time for one request alone the floor of the
-server's time to first token at light load.
+server's time to first token at light load. Also: tokens/s from the first to the last text chunk
+(without the ramp-up of connections and requests, which dominates a short load), the server's
+own time to first token (``/metrics``: submission in the frontend to the first tokens from the
+engine), and the round trip of a request the frontend refuses (client and HTTP path, no engine).
+``--client-processes 1,4`` also runs the all-at-once load from 4 client processes: one Python
+client reads only some 10^4 SSE chunks/s.
 """
 
 import argparse
@@ -36,6 +41,12 @@ def parse_args():
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-requests", type=int, default=32, help="the server's rows (--max-requests)")
     parser.add_argument("--speculative-tokens", default="0,2", help="S values to serve, comma-separated")
+    parser.add_argument("--client-processes", default="1",
+                        help="client processes sharing the load, comma-separated: the all-at-once rate runs with "
+                             "each count, the others with one (one Python client reads some 10^4 SSE chunks/s)")
+    parser.add_argument("--http-client", choices=("raw", "httpx"), default="raw",
+                        help="raw: a minimal asyncio HTTP/1.1 client (the default: light, so the figures are the "
+                             "server's); httpx: as before 2026-11-26")
     parser.add_argument("--device", default=None)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
@@ -56,7 +67,57 @@ def percentiles(values):
     return pick(0.5), pick(0.9), pick(0.99)
 
 
-async def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int):
+class RawHTTP:
+    """A minimal HTTP/1.1 client on asyncio streams: one connection, a pre-encoded request, the
+    body read as it comes (chunked or not). Far lighter per request and per chunk than httpx, so
+    the figures are the server's rather than the client's (``--http-client httpx`` for httpx)."""
+
+    def __init__(self, url: str):
+        self.host, port = url.split("//")[1].split(":")
+        self.port = int(port)
+        self.reader = self.writer = None
+        self._chunked, self._length = False, 0
+
+    async def connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def post(self, path: str, body: dict) -> int:
+        """Send the request, read the status and headers; the status code."""
+        payload = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json"
+                          f"\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        status = int((await self.reader.readline()).split()[1])
+        self._chunked, self._length = False, 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                return status
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                self._length = int(value)
+            elif name.strip().lower() == "transfer-encoding" and "chunked" in value.lower():
+                self._chunked = True
+
+    async def pieces(self):
+        """The body, piece by piece as it arrives."""
+        if not self._chunked:
+            yield await self.reader.readexactly(self._length)
+            return
+        while True:
+            size = int((await self.reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                await self.reader.readline()
+                return
+            yield (await self.reader.readexactly(size + 2))[:-2]
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def client_records(url: str, prompts, rate: float, max_tokens: int, seed: int, start_at: float,
+                         http_client: str = "raw"):
+    """Stream ``prompts`` with Poisson arrivals of ``rate`` from ``start_at`` (perf_counter time);
+    [(submitted, [chunk arrival times], completion tokens)], and the time the last one ended."""
     import httpx
 
     rng = random.Random(seed)
@@ -66,30 +127,115 @@ async def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int):
         clock += 0.0 if rate == float("inf") else rng.expovariate(rate)
     records = []
 
+    def on_event(event: bytes, chunks: list, now: float):
+        """An SSE event's completion tokens (its usage), else None; notes the time of text."""
+        if event.startswith(b"data: {"):
+            payload = json.loads(event[6:])
+            if payload["choices"] and payload["choices"][0]["text"]:
+                chunks.append(now)
+            if payload.get("usage"):
+                return payload["usage"]["completion_tokens"]
+        return None
+
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts))) as client:
         async def one(prompt, arrival):
-            await asyncio.sleep(max(0.0, arrival - (time.perf_counter() - started)))
             body = dict(model="mtp_ctrl-demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
-            submitted = time.perf_counter()
-            chunks = []
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        payload = json.loads(line[6:])
-                        if payload["choices"] and payload["choices"][0]["text"]:
-                            chunks.append(time.perf_counter())
-                        if payload.get("usage"):
-                            tokens = payload["usage"]["completion_tokens"]
+            chunks, tokens = [], None
+            if http_client == "raw":
+                connection = RawHTTP(url)
+                await connection.connect()  # a pooled connection, as a real client's
+                await asyncio.sleep(max(0.0, start_at + arrival - time.perf_counter()))
+                submitted = time.perf_counter()
+                await connection.post("/v1/completions", body)
+                buffer = b""
+                async for piece in connection.pieces():
+                    now = time.perf_counter()
+                    *events, buffer = (buffer + piece).split(b"\n\n")
+                    for event in events:
+                        tokens = on_event(event, chunks, now) or tokens
+                connection.close()
+            else:
+                await asyncio.sleep(max(0.0, start_at + arrival - time.perf_counter()))
+                submitted = time.perf_counter()
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        tokens = on_event(line.encode(), chunks, time.perf_counter()) or tokens
             records.append((submitted, chunks, tokens))
 
-        started = time.perf_counter()
         await asyncio.gather(*(one(prompt, arrival) for prompt, arrival in zip(prompts, arrivals)))
-        wall = time.perf_counter() - started
+    return records, time.perf_counter()
+
+
+def client_process(url, prompts, rate, max_tokens, seed, start_at, http_client):
+    return asyncio.run(client_records(url, prompts, rate, max_tokens, seed, start_at, http_client))
+
+
+def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int, processes: int = 1,
+             http_client: str = "raw"):
+    """The load of one rate, from ``processes`` client processes (each a Poisson stream of
+    ``rate / processes``: together a Poisson stream of ``rate``)."""
+    if processes == 1:
+        started = time.perf_counter()
+        records, ended = client_process(url, prompts, rate, max_tokens, seed, started, http_client)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        started = time.perf_counter() + 5.0  # every client process is up by then
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(client_process, [url] * processes, [prompts[i::processes] for i in range(processes)],
+                                  [rate / processes] * processes, [max_tokens] * processes,
+                                  [seed + i for i in range(processes)], [started] * processes,
+                                  [http_client] * processes))
+        records = [record for part, _ in parts for record in part]
+        ended = max(end for _, end in parts)
+    wall = ended - started
+    first_chunk = min(chunks[0] for _, chunks, _ in records if chunks)
+    last_chunk = max(chunks[-1] for _, chunks, _ in records if chunks)
     ttft = [chunks[0] - submitted for submitted, chunks, _ in records if chunks]
     itl = [(chunks[-1] - chunks[0]) / (tokens - 1) for _, chunks, tokens in records if len(chunks) > 1 and tokens > 1]
     tokens = sum(record[2] for record in records)
+    chunks = sum(len(record[1]) for record in records)
     return dict(wall=wall, requests_per_s=len(records) / wall, tokens_per_s=tokens / wall, ttft=percentiles(ttft),
-                itl=percentiles(itl) if itl else (float("nan"),) * 3)
+                itl=percentiles(itl) if itl else (float("nan"),) * 3, tokens_per_chunk=tokens / max(1, chunks),
+                streaming_tokens_per_s=tokens / (last_chunk - first_chunk), ramp=first_chunk - started)
+
+
+def server_ttft(url: str):
+    """(sum, count) of the server's time-to-first-token histogram (the frontend's submission to
+    the first tokens' arrival from the engine)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    found = [re.search(rf"^mtp_ctrl_time_to_first_token_seconds_{name} (\S+)$", text, re.MULTILINE)
+             for name in ("sum", "count")]
+    return float(found[0].group(1)), float(found[1].group(1))
+
+
+async def http_floor(url: str, http_client: str, repeats: int = 30) -> float:
+    """Median seconds of a request the frontend refuses (max_tokens = 0: parsed, checked, a 400),
+    sent as the load's requests are: the HTTP path of client and server without the engine."""
+    import httpx
+
+    times = []
+    body = dict(model="mtp_ctrl-demo", prompt="x", max_tokens=0, temperature=0, stream=True)
+    async with httpx.AsyncClient(timeout=60) as client:
+        connection = RawHTTP(url)
+        await connection.connect()
+        for _ in range(repeats):
+            submitted = time.perf_counter()
+            if http_client == "raw":
+                assert await connection.post("/v1/completions", body) == 400
+                async for _ in connection.pieces():
+                    pass
+            else:
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    await response.aread()
+            times.append(time.perf_counter() - submitted)
+        connection.close()
+    return statistics.median(times)
 
 
 def start_server(port: int, args, speculative: int):
@@ -172,27 +318,47 @@ def main():
         server = start_server(port, args, speculative)
         try:
             for rate in rates:
-                result = asyncio.run(run_load(f"http://127.0.0.1:{port}", prompts, rate, args.max_tokens, seed=0))
-                rows.append((speculative, rate, result))
-                print(speculative, rate, result, flush=True)
+                for processes in (int(count) for count in args.client_processes.split(",")):
+                    if processes > 1 and rate != float("inf"):
+                        continue  # light load: one client process is enough
+                    url = f"http://127.0.0.1:{port}"
+                    before = server_ttft(url)
+                    result = run_load(url, prompts, rate, args.max_tokens, 0, processes, args.http_client)
+                    after = server_ttft(url)
+                    result.update(processes=processes, floor=asyncio.run(http_floor(url, args.http_client)),
+                                  server_ttft=(after[0] - before[0]) / max(1.0, after[1] - before[1]))
+                    rows.append((speculative, rate, result))
+                    print(speculative, rate, result, flush=True)
         finally:
             server.terminate()
             server.wait(60)
         offline_tps, offline_first = offline_figures(args, speculative, prompts)
         rows.append((speculative, "offline", dict(tokens_per_s=offline_tps, first=offline_first)))
+        print(speculative, "offline", rows[-1][2], flush=True)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
     print(f"\n{where}; demo model; {args.num_requests} streaming requests of {args.max_tokens} tokens (greedy), "
-          f"{args.prompt_len}-byte prompts, server --max-requests {args.max_requests}")
-    print(f"{'S':>2} {'rate':>6} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>21}")
+          f"{args.prompt_len}-byte prompts, server --max-requests {args.max_requests}, "
+          f"'clients': client processes ({args.http_client} HTTP client)")
+    print(f"{'S':>2} {'rate':>6} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'/offline':>8} {'stream tok/s':>12} "
+          f"{'/offline':>8} {'TTFT p50/p90/p99 ms':>22} {'server TTFT':>11} {'HTTP floor':>10} "
+          f"{'ITL p50/p90/p99 ms':>21} {'tok/chunk':>9}")
+    offline = {speculative: result["tokens_per_s"] for speculative, rate, result in rows if rate == "offline"}
     for speculative, rate, result in rows:
         if rate == "offline":
-            print(f"{speculative:2d} {'offline':>6} {'':>7} {result['tokens_per_s']:8.0f}   first token alone "
+            print(f"{speculative:2d} {'offline':>6} {'':>7} {'':>7} {result['tokens_per_s']:8.0f}   first token alone "
                   f"{result['first'] * 1e3:.2f} ms (controller.generate / step in process)")
             continue
         ttft = "/".join(f"{value * 1e3:.1f}" for value in result["ttft"])
         itl = "/".join(f"{value * 1e3:.2f}" for value in result["itl"])
-        print(f"{speculative:2d} {rate:6.0f} {result['requests_per_s']:7.1f} {result['tokens_per_s']:8.0f} "
-              f"{ttft:>22} {itl:>21}")
+        print(f"{speculative:2d} {rate:6.0f} {result['processes']:7d} {result['requests_per_s']:7.1f} "
+              f"{result['tokens_per_s']:8.0f} {result['tokens_per_s'] / offline[speculative]:8.2f} "
+              f"{result['streaming_tokens_per_s']:12.0f} "
+              f"{result['streaming_tokens_per_s'] / offline[speculative]:8.2f} "
+              f"{ttft:>22} {result['server_ttft'] * 1e3:11.2f} {result['floor'] * 1e3:10.2f} {itl:>21} "
+              f"{result['tokens_per_chunk']:9.1f}")
+    print("tok/s: all tokens over the wall time of the load; stream tok/s: over the first to the last text chunk "
+          "(no ramp-up of connections and requests); server TTFT (mean): the frontend's submission to the first "
+          "tokens from the engine; HTTP floor (median): a refused request's round trip (client + HTTP path, no engine)")
 
 
 if __name__ == "__main__":

@@ -72,62 +72,96 @@ def make_server_controller(model, args, device, max_sequence_length: int):
 
 
 def main(argv=None):
+    """Rank 0: the engine loop in this process, the HTTP frontend in a spawned one
+    (:mod:`mtp_ctrl.serve.frontend`); other TP ranks follow rank 0's steps."""
     args = parse_args(argv)  # argument errors come here, before torch is imported
     try:
-        import uvicorn
-
-        from mtp_ctrl.serve.api import create_app
+        import fastapi  # noqa: F401  (the frontend process uses them; say so before loading a model)
+        import uvicorn  # noqa: F401
     except ImportError as error:
         sys.exit(f"error: the server needs FastAPI and uvicorn ({error}): pip install \"mtp_ctrl[serve]\"")
     import mtp_ctrl
 
     mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
+    if args.hf is not None:  # a clear error for a bad directory, before anything starts
+        from mtp_ctrl.cli.generate import checkpoint_or_exit
+        from mtp_ctrl.models.hf_text import HFText
+
+        checkpoint_or_exit("--hf", args.hf, HFText)
+    frontend = None
+    if int(os.environ.get("RANK", "0")) == 0:  # spawned first: its imports overlap the model's loading
+        from mtp_ctrl.serve.frontend import start_frontend
+
+        frontend = start_frontend(None if args.hf is None else str(args.hf), args.served_model_name, args.host,
+                                  args.port, args.verbose)
+    controller = None
+    try:
+        controller, command_group = _build_controller(args)
+        import torch.distributed as dist
+
+        from mtp_ctrl.serve.engine import EngineLoop, follow
+
+        if dist.get_rank() != 0:
+            follow(controller, command_group)
+            return
+        process, connection = frontend
+        try:
+            ended_by = EngineLoop(controller, connection, command_group).run(
+                f"S = {args.num_speculative_tokens}, TP {args.tp}, {controller.shape.device}")
+        except Exception as error:
+            sys.exit(f"error: the engine stopped: {type(error).__name__}: {error}")
+        if ended_by == "frontend":
+            process.join(10)
+            if process.exitcode not in (None, 0):
+                sys.exit(f"error: the HTTP frontend exited with code {process.exitcode} (its output above says why)")
+    finally:
+        if frontend is not None:
+            _close_frontend(*frontend)
+        if controller is not None:
+            controller.close()
+        if os.environ.get("RANK") is not None and _distributed_ready():
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _build_controller(args):
+    """This rank's model and serving controller; (the controller, the gloo group of rank 0's
+    commands under TP, else None)."""
     import torch.distributed as dist
 
     from mtp_ctrl.cli.distributed import init_distributed
     from mtp_ctrl.cli.generate import build_model, pick_device, read_model_source
     from mtp_ctrl.models.demo_model import DEMO_MODEL_ARGS
-    from mtp_ctrl.serve.engine import EngineLoop, follow
-    from mtp_ctrl.serve.text import ByteTokenizer
 
-    if args.hf is not None:  # a Hugging Face checkpoint: its own tokenizer (mtp_ctrl/serve/hf_tokenizer.py)
-        from mtp_ctrl.cli.generate import checkpoint_or_exit
+    device = pick_device(args)
+    if args.hf is not None:
         from mtp_ctrl.cli.hf_generate import load_hf_model
-        from mtp_ctrl.models.hf_text import HFText
-        from mtp_ctrl.serve.hf_tokenizer import HFTokenizer
 
-        tokenizer = HFTokenizer(checkpoint_or_exit("--hf", args.hf, HFText))
-        device = pick_device(args)
         init_distributed(args.tp, device)
         model = load_hf_model(args, device, rank_zero=dist.get_rank() == 0)
         max_sequence_length = model.max_sequence_length
     else:
-        tokenizer = ByteTokenizer()
         checkpoint = read_model_source(args)
-        device = pick_device(args)
         init_distributed(args.tp, device)
         model = build_model(args, checkpoint, device)
         max_sequence_length = (checkpoint[0] if checkpoint else DEMO_MODEL_ARGS)["max_sequence_length"]
     controller = make_server_controller(model, args, device, max_sequence_length)
-    command_group = dist.new_group(backend="gloo") if args.tp > 1 else None  # rank 0's commands to the others
-    try:
-        if dist.get_rank() != 0:
-            follow(controller, command_group)
-            return
-        engine = EngineLoop(controller, command_group).start()
-        app = create_app(engine, tokenizer, args.served_model_name)
-        print(f"serving {args.served_model_name} (S = {args.num_speculative_tokens}, TP {args.tp}, {device}) on "
-              f"http://{args.host}:{args.port}/v1", flush=True)
-        try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-        finally:
-            engine.stop()  # tells the other ranks to stop
-            if engine.error is not None:
-                sys.exit(f"error: the engine stopped: {engine.error!r}")
-    finally:
-        controller.close()
-        if os.environ.get("RANK") is not None:
-            dist.destroy_process_group()
+    return controller, dist.new_group(backend="gloo") if args.tp > 1 else None
+
+
+def _close_frontend(process, connection) -> None:
+    connection.close()  # the frontend sees EOF and shuts down
+    process.join(15)
+    if process.is_alive():
+        process.terminate()
+        process.join(5)
+
+
+def _distributed_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ row ``b`` accepts 7 (``out[b] = 7``), row ``b + 1`` rejects 9 (``out[b + 1] = 4`
 residual): the request gains ``7, 4``, one accepted draft.
 
 ``p`` and ``q`` are the filtered softmax of the request's sampling rule (temperature, top-k, top-p:
-:func:`mtp_ctrl.triton_ops.sampling_probs`, the sampler's kept set found by a threshold search, no
-vocabulary sort) over the target's and the drafter's logits, so the filters apply to both alike. A
-proposer that records no ``q`` (:meth:`Proposer.draft_probs` returns None) has its drafts treated
-as deterministic, ``q`` one-hot at the draft: still lossless (a draft is kept with probability
+the sampler's kept set found by a threshold search, no vocabulary sort) over the target's logits
+and the drafter's recorded logits (:meth:`Proposer.draft_logits`), so the filters apply to both
+alike and ``q`` is by construction what the drafter's sampler drew from. The one kernel
+:func:`mtp_ctrl.triton_ops.rejection_sample` does it all, reading the step's rows, the per-slot
+parameters and the recorded logits where they lie, and computing ``p`` and ``q`` only at draft
+rows. A proposer that records no logits (``draft_logits`` returns None) has its drafts treated as
+deterministic, ``q`` one-hot at the draft: still lossless (a draft is kept with probability
 ``p(d)``, else the token is drawn from ``p`` without ``d``), with fewer acceptances than a real
-``q`` gives. Greedy requests keep
-exact match (``p`` and ``q`` are one-hot at their argmax). Randomness is counter-based, keyed by
+``q`` gives. Greedy requests keep exact match (``p`` and ``q`` are one-hot at their argmax). Randomness is counter-based, keyed by
 (seed, position, draft index): a run is reproducible for a seed, but unlike exact match its tokens
 depend on the drafts, so they differ from plain decoding's (and between S values).
 
@@ -42,7 +44,7 @@ _PARAM_ROWS = ("temperature", "top_k", "top_p", "seed")  # per-request device ro
 
 class RequestSampling:
     """The sampling parameters of every table row (the controller's device rows, read by name, so
-    they follow their requests), and the distribution a row's request samples from."""
+    they follow their requests)."""
 
     @staticmethod
     def add_rows(table) -> None:
@@ -65,36 +67,27 @@ class RequestSampling:
         self.top_p = rows["top_p"]  # [R + 1] float32
         self.seeds = rows["seed"]  # [R + 1] int64
 
-    def probs(self, logits: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
-        """[K, V] float32: :func:`mtp_ctrl.triton_ops.sampling_probs` of logits ``[K, V]`` under the
-        parameters of the requests at ``table_rows`` ``[K]`` int64."""
-        return triton_ops.sampling_probs(logits, self.temperature[table_rows], self.top_k[table_rows],
-                                         self.top_p[table_rows])
 
+class DraftLogits:
+    """The drafter's logits of every draft it samples, for rejection acceptance (which filters them
+    into ``q`` with the request's own rule): ``rows``, ``[R + 1, S, V]`` float32 by table slot (the
+    last row is the scratch slot). Get one from ``DraftContext.draft_logits_rows`` in
+    ``Proposer.bind``, :meth:`record` each depth's logits where its drafts are sampled, and return
+    :attr:`rows` from ``Proposer.draft_logits``."""
 
-class DraftProbabilities:
-    """``q`` of every draft a proposer samples, for rejection acceptance: ``rows``, ``[R + 1, S, V]``
-    float32 rows by table slot (the last row is the scratch slot), written
-    with the same filtered softmax the draft was drawn from. Get one from
-    ``DraftContext.draft_probabilities`` in ``Proposer.bind`` and return :attr:`rows` from
-    ``Proposer.draft_probs``."""
-
-    def __init__(self, rows: torch.Tensor, table):
+    def __init__(self, rows: torch.Tensor):
         self.rows = rows  # [R + 1, S, V] float32
-        self._sampling = RequestSampling(table)
 
-    def record(self, logits: torch.Tensor, sampling_rows: torch.Tensor, write_rows: torch.Tensor,
-               depth: Optional[int] = None) -> None:
+    def record(self, logits: torch.Tensor, write_rows: torch.Tensor, depth: Optional[int] = None) -> None:
         """``logits`` ``[G, V]`` of draft ``depth`` (or ``[G * D, V]``, the first D depths of each
-        request in order, when ``depth`` is None) under the parameters of the table rows
-        ``sampling_rows`` (``[G]`` or ``[G * D]``), stored at table rows ``write_rows`` ``[G]`` (the
-        scratch row for requests that did not sample)."""
-        probs = self._sampling.probs(logits, sampling_rows)
+        request in order, when ``depth`` is None), stored at table rows ``write_rows`` ``[G]`` int64 (the
+        scratch row for requests that did not sample). One copy kernel (and a cast for half logits)."""
+        logits = logits.to(self.rows.dtype)
         if depth is None:
-            by_request = probs.view(write_rows.shape[0], -1, probs.shape[-1])  # [G, D, V]
-            self.rows[write_rows, : by_request.shape[1]] = by_request
+            by_request = logits.view(write_rows.shape[0], -1, logits.shape[-1])  # [G, D, V]
+            self.rows[:, : by_request.shape[1]].index_copy_(0, write_rows, by_request)
         else:
-            self.rows[write_rows, depth] = probs
+            self.rows[:, depth].index_copy_(0, write_rows, logits)
 
 
 class RejectionAcceptance:
@@ -102,34 +95,29 @@ class RejectionAcceptance:
     controller when ``acceptance == "rejection"`` and ``S > 0``, after the proposer is bound."""
 
     def __init__(self, table, proposer):
+        if hasattr(proposer, "draft_probs"):  # the hook before 2026-11-26: its q would be ignored silently
+            raise TypeError(f"{type(proposer).__name__} defines draft_probs(), which rejection acceptance no longer "
+                            "reads: return the logits the drafts were sampled from in draft_logits() instead")
         self.params = RequestSampling(table)
         self.proposer = proposer
 
     def resample(self, logits: torch.Tensor, target_tokens: torch.Tensor, input_tokens: torch.Tensor,
                  table_rows: torch.Tensor, positions: torch.Tensor, num_decode: torch.Tensor,
                  verify_width: int) -> torch.Tensor:
-        """The tokens exact-match verification should see, [K] int64.
+        """The tokens exact-match verification should see, [K] int64: ``target_tokens`` rewritten in
+        place at the draft rows (one kernel launch).
 
         logits: [K, V] the target's logits of the step's sampling rows; target_tokens: [K] int64 its
         ordinary samples; input_tokens: [K] int64 the rows' input tokens (a decode's row ``b + k + 1``
-        holds its draft ``d_{k+1}``); table_rows: [K] int64 each row's request; positions: [K] int64
-        the position each row's token will occupy; num_decode: ``[1]`` int64 on the device, the decode
-        requests, whose ``1 + V`` rows come first (read on the device: the step may be a graph replay);
-        verify_width: V, the step's drafts per decode request (``StepMetadata.verify_width``, ``V <= S``).
+        holds its draft ``d_{k+1}``, -1 where masked); table_rows: [K] int64 each row's request;
+        positions: [K] int64 the position each row's token will occupy; num_decode: ``[1]`` int64 on
+        the device, the decode requests, whose ``1 + verify_width`` rows come first (read on the
+        device: the step may be a graph replay); verify_width: the step's drafts per decode request
+        (``StepMetadata.verify_width``, ``1 <= V <= S``).
         """
-        S, num_rows = verify_width, logits.shape[0]
-        stride = S + 1
-        if num_rows == 0 or S == 0:
-            return target_tokens
-        row_index = torch.arange(num_rows, device=logits.device)  # [K] int64
-        depth = row_index % stride  # [K] int64, k: this row's draft is d_{k+1} (decode rows)
-        has_draft = (row_index < num_decode * stride) & (depth < S)  # [K] bool
-        following = input_tokens[(row_index + 1).clamp(max=num_rows - 1)]  # [K] int64
-        draft_tokens = torch.where(has_draft, following, torch.full_like(following, -1))  # [K] int64
-        draft_depth = depth.clamp(max=S - 1)  # [K] int64
-        recorded: Optional[torch.Tensor] = self.proposer.draft_probs()  # [R + 1, S, V] float32 or None
-        draft_probs = None if recorded is None else recorded[table_rows, draft_depth]  # [K, V] float32
         params = self.params
+        draft_logits = self.proposer.draft_logits()  # [R + 1, S, V] or None; the step's V depths are read
         return triton_ops.rejection_sample(
-            params.probs(logits, table_rows), draft_probs, draft_tokens, target_tokens,
-            params.temperature[table_rows], params.seeds[table_rows], positions, draft_depth)
+            logits, None if draft_logits is None else draft_logits[:, :verify_width], input_tokens, target_tokens,
+            table_rows, positions, num_decode, verify_width, params.temperature, params.top_k, params.top_p,
+            params.seeds, out=target_tokens)

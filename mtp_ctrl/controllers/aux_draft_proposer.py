@@ -15,10 +15,10 @@ from mtp_ctrl.models.runner import check_aux_layer_ids
 class AuxDraftProposer(Proposer):
     """Base class: ``module`` (an EAGLE head or multi-layer heads: ``config.hidden_size``,
     ``aux_layer_ids``, parameters on the target's device) is called ``module_name`` in errors and
-    keeps ``q`` in device rows named ``probs_name``."""
+    keeps the drafts' logits (``q``) in device rows named ``logits_name``."""
 
     module_name = "head"
-    probs_name = "draft_probs"
+    logits_name = "draft_logits"
 
     def __init__(self, module):
         self.module = module.eval()
@@ -35,23 +35,22 @@ class AuxDraftProposer(Proposer):
         check_aux_layer_ids(self.module.aux_layer_ids, runner.num_decoder_layers)
         runner.set_aux_layers(self.module.aux_layer_ids)
         super().bind(draft_context)
-        self._draft_probs = draft_context.draft_probabilities(self.probs_name)  # q (rejection acceptance only)
+        self._draft_logits = draft_context.draft_logits_rows(self.logits_name)  # q (rejection acceptance only)
 
-    def draft_probs(self) -> Optional[torch.Tensor]:
-        return None if self._draft_probs is None else self._draft_probs.rows
+    def draft_logits(self) -> Optional[torch.Tensor]:
+        return None if self._draft_logits is None else self._draft_logits.rows
 
     def _check_aux_hidden(self, batch: DraftBatch) -> None:
         if batch.aux_hidden is None:
             raise RuntimeError(f"{type(self).__name__}: the step carries no aux hidden states "
                                "(runner.set_aux_layers was undone)")
 
-    def _record_draft_probs(self, batch: DraftBatch, logits: torch.Tensor, sampling_rows: torch.Tensor,
-                            depth: Optional[int] = None) -> None:
-        """q of the drafts just sampled from ``logits`` (rejection acceptance only; ``depth`` None:
+    def _record_draft_logits(self, batch: DraftBatch, logits: torch.Tensor, depth: Optional[int] = None) -> None:
+        """The ``logits`` the drafts were just sampled from (rejection acceptance only; ``depth`` None:
         every depth of each request at once, ``[G * S, V]``)."""
-        if self._draft_probs is not None:
+        if self._draft_logits is not None:
             write_rows = torch.where(batch.samples, batch.write_rows, self.draft_context.scratch_row)  # [G] int64
-            self._draft_probs.record(logits, sampling_rows, write_rows, depth)
+            self._draft_logits.record(logits, write_rows, depth)
 
     def _next_tokens(self, batch: DraftBatch) -> torch.Tensor:
         """``[G]`` int64: the token after each request's last verified row: the bonus token, or for

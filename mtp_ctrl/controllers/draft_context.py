@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from mtp_ctrl.controllers.acceptance import DraftProbabilities
+from mtp_ctrl.controllers.acceptance import DraftLogits
 from mtp_ctrl.models.runner import PagedGPTRunner
 from mtp_ctrl.state import EngineShape, RequestTable
 
@@ -34,7 +34,7 @@ class DraftContext:
     (one ``(key, value)`` pair per layer, decoder layers then MTP depths), which the MTP proposer
     writes at its depths' layers. num_kv_blocks: block ids of the target's caches are
     ``[0, num_kv_blocks)`` (the pool and its scratch block).
-    rejection: whether the controller accepts by rejection sampling (then record ``q``).
+    rejection: whether the controller accepts by rejection sampling (then record the drafts' logits).
     """
 
     def __init__(self, shape: EngineShape, runner: PagedGPTRunner, sampler: Sampler, table: RequestTable,
@@ -88,14 +88,14 @@ class DraftContext:
         dtype = shape.kv_dtype if dtype is None else dtype
         return [(torch.zeros(size, dtype=dtype, device=shape.device), torch.zeros(size, dtype=dtype, device=shape.device))]
 
-    def draft_probabilities(self, name: str) -> Optional[DraftProbabilities]:
-        """Rows to record ``q`` in (see ``Proposer.draft_probs``) when the controller accepts by
-        rejection sampling, else None: ``[R + 1, S, V]`` float32 device rows named ``name``."""
+    def draft_logits_rows(self, name: str) -> Optional[DraftLogits]:
+        """Rows to record the drafts' logits in (see ``Proposer.draft_logits``) when the controller
+        accepts by rejection sampling, else None: ``[R + 1, S, V]`` float32 device rows named ``name``."""
         if not self.rejection:
             return None
         shape = self.shape
         rows = self.add_device_rows(name, (shape.num_speculative_tokens, shape.vocab_size), torch.float32)
-        return DraftProbabilities(rows, self._table)
+        return DraftLogits(rows)
 
     def request_result(self, request_id: int):
         """The ``GenerationResult`` of a finished request the controller still holds (ValueError

@@ -55,7 +55,7 @@ from mtp_ctrl.triton_ops import (
 class EagleProposer(AuxDraftProposer):
     """Serial EAGLE drafting with ``head``; pass it as the ``proposer`` argument of the controller."""
 
-    probs_name = "eagle_draft_probs"
+    logits_name = "eagle_draft_logits"
 
     def __init__(self, head: EagleHead):
         if not isinstance(head, EagleHead):
@@ -70,9 +70,12 @@ class EagleProposer(AuxDraftProposer):
         self._tail_blocks = 0 if S == 1 else -(-(S - 1) // block_size) + 1
         self._max_positions = (shape.max_blocks_per_request + self._tail_blocks) * block_size
         attention = self.head.transformer_layer.self_attention.core_attention
-        # every table row and the scratch row own a tail: [num_blocks + (R + 1) * tail, bs, Hkv_local, D]
-        self._kv_caches = draft_context.allocate_kv_cache(attention.num_kv_heads_local, attention.head_dim,
-                                                          extra_blocks=(shape.max_requests + 1) * self._tail_blocks)
+        # every table row and the scratch row own a tail: [num_blocks + (R + 1) * tail, bs, Hkv_local, D];
+        # one pair per attention layer of the head (a deeper EAGLE-3 head has several, alike)
+        self._kv_caches = [pair for _ in range(self.head.num_kv_layers)
+                           for pair in draft_context.allocate_kv_cache(
+                               attention.num_kv_heads_local, attention.head_dim,
+                               extra_blocks=(shape.max_requests + 1) * self._tail_blocks)]
 
     # ----- drafting ------------------------------------------------------------------------
 
@@ -116,7 +119,7 @@ class EagleProposer(AuxDraftProposer):
         sampling_rows = batch.write_rows  # [G] int64: each request's table row (padding: the scratch row)
         drafts = torch.empty(G, S, dtype=torch.int64, device=device)  # [G, S]
         drafts[:, 0] = self.draft_context.sample_rows(logits, sampling_rows, ends + 1)
-        self._record_draft_probs(batch, logits, sampling_rows, 0)
+        self._record_draft_logits(batch, logits, 0)
         num_drafts = batch.depths(S)  # depths past D draft nothing this step (their rows are recomputed later)
         if num_drafts <= 1:
             return drafts
@@ -139,7 +142,7 @@ class EagleProposer(AuxDraftProposer):
             logits, features = runner.eagle_forward(self.head, features, drafts[:, depth - 1], next_positions,
                                                     metadata, self._kv_caches)  # [G, V], [G, H]
             drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, ends + depth + 1)
-            self._record_draft_probs(batch, logits, sampling_rows, depth)
+            self._record_draft_logits(batch, logits, depth)
             step_positions = next_positions
         return drafts
 

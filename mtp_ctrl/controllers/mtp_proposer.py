@@ -37,9 +37,9 @@ moves each request's ``w`` and hidden ring on after them.
 Draft tokens are sampled with the request's own parameters and the target's noise for that
 position (see ``sampling.py``), which couples draft and target samples: greedy requests draft
 the MTP argmax, sampled requests draft what the target would most likely draw. With
-``acceptance="rejection"`` each depth also records the distribution ``q`` it drew from (the same
-filtered softmax, ``[R + 1, S, V]`` float32 rows that follow their request), which the next
-step's rejection sampling reads (``controllers/acceptance.py``).
+``acceptance="rejection"`` each depth also records the logits it drew from (``[R + 1, S, V]``
+float32 rows by slot, one copy a depth), which the next step's rejection sampling filters into
+``q`` with the request's rule (``controllers/acceptance.py``).
 """
 
 import dataclasses
@@ -92,15 +92,15 @@ class MTPProposer(Proposer):
         # [R + 1] int64: the first position the window may rewrite (a cached prefix's end, else 0)
         self._window_floor = draft_context.add_device_rows("mtp_window_floor", (), torch.int64, kv_start=True) \
             if draft_context.prefix_caching and self.mode == "paged" else None
-        self._draft_probs = draft_context.draft_probabilities("mtp_draft_probs")  # q (rejection acceptance only)
+        self._draft_logits = draft_context.draft_logits_rows("mtp_draft_logits")  # q (rejection acceptance only)
 
     def prefix_cache_lookahead(self) -> Optional[int]:
         """Paged depths: S tokens past a block (see the module docstring); single-position mode
         writes slot 0 of a request's first block, which may be shared: no reuse."""
         return self.draft_context.shape.num_speculative_tokens if self.mode == "paged" else None
 
-    def draft_probs(self) -> Optional[torch.Tensor]:
-        return None if self._draft_probs is None else self._draft_probs.rows
+    def draft_logits(self) -> Optional[torch.Tensor]:
+        return None if self._draft_logits is None else self._draft_logits.rows
 
     # ----- drafting ------------------------------------------------------------------------
 
@@ -136,8 +136,8 @@ class MTPProposer(Proposer):
             if not drafting:
                 continue
             drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, draft_positions[depth])
-            if self._draft_probs is not None:  # q: the same filtered softmax the draft was drawn from
-                self._draft_probs.record(logits, sampling_rows, draft_write_rows, depth)
+            if self._draft_logits is not None:  # q: what the draft was drawn from
+                self._draft_logits.record(logits, draft_write_rows, depth)
             self._token_history[draft_write_rows, draft_positions[depth]] = drafts[:, depth]
         # the next window start, and the decoder hidden of each request's last S positions
         mtp_advance_window(batch.first_positions, ends, batch.write_rows, batch.samples,

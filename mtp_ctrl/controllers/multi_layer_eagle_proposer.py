@@ -51,7 +51,7 @@ class MultiLayerEagleProposer(AuxDraftProposer):
     controller, with ``num_speculative_tokens == heads.num_layers``."""
 
     module_name = "heads"
-    probs_name = "multi_layer_eagle_draft_probs"
+    logits_name = "multi_layer_eagle_draft_logits"
 
     def __init__(self, heads: MultiLayerEagleHeads):
         if not isinstance(heads, MultiLayerEagleHeads):
@@ -107,7 +107,7 @@ class MultiLayerEagleProposer(AuxDraftProposer):
                 logits_rows=draft_rows if drafting else draft_rows[:0])
             if drafting:
                 drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, ends + depth + 1)
-                self._record_draft_probs(batch, logits, sampling_rows, depth)
+                self._record_draft_logits(batch, logits, depth)
             if depth + 1 < S:  # the next layer reads one token further: shift left, d_{depth+1} at e - 1
                 shifted = torch.cat([tokens[1:], tokens[-1:]])  # [Tw] int64
                 tokens = torch.where(is_draft_row, drafts[owners, depth], shifted) if drafting else shifted

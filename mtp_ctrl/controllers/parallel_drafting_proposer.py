@@ -63,7 +63,7 @@ class ParallelDraftingProposer(EagleProposer):
                              "build_eagle_head(..., parallel_drafting=True) (a checkpoint of examples/train_eagle.py "
                              "--mode ptd)")
 
-    probs_name = "ptd_draft_probs"
+    logits_name = "ptd_draft_logits"
 
     def bind(self, draft_context: DraftContext) -> None:
         vocab_size = draft_context.shape.vocab_size
@@ -117,7 +117,7 @@ class ParallelDraftingProposer(EagleProposer):
         sampling_rows = batch.write_rows[:, None].expand(G, D).flatten()  # [G * D] table row of each draft
         draft_positions = (ends[:, None] + torch.arange(1, D + 1, device=device)).flatten()  # [G * D] int64
         drafts = self.draft_context.sample_rows(logits, sampling_rows, draft_positions).view(G, D)
-        self._record_draft_probs(batch, logits, sampling_rows)  # every depth at once
+        self._record_draft_logits(batch, logits)  # the first D depths at once
         if D < S:  # [G, S]: the columns past D are never verified
             drafts = torch.cat([drafts, drafts.new_zeros(G, S - D)], dim=1)
         return drafts

@@ -83,12 +83,13 @@ class Proposer(abc.ABC):
         correct); a stateless proposer overrides it with nothing."""
         self.propose(dataclasses.replace(batch, num_drafts=self.draft_context.shape.num_speculative_tokens))
 
-    def draft_probs(self) -> Optional[torch.Tensor]:
+    def draft_logits(self) -> Optional[torch.Tensor]:
         """For ``InferenceConfig(acceptance="rejection")``: ``[R + 1, S, V]`` float32 rows, per
-        table slot (``DraftContext.add_device_rows``), the
-        distribution ``q`` each current draft ``k`` of the request was sampled from, written in
-        the same ``propose`` call as the drafts (padding requests write the scratch row);
-        ``DraftContext.draft_probabilities`` makes them.
+        table slot (``DraftContext.add_device_rows``), the logits each current draft ``k`` of the
+        request was sampled from with ``sample_rows``, written in the same ``propose`` call as the
+        drafts (padding requests write the scratch row); ``DraftContext.draft_logits_rows`` makes
+        them. Rejection acceptance filters them with the request's own rule into ``q``, the
+        distribution the sampler drew the draft from.
         Default: None, the drafts are treated as deterministic (``q`` one-hot at the draft), which
         stays lossless: a draft is kept with probability ``p(d)``. Drafts must be drawn
         independently of the acceptance noise (e.g. with ``gumbel_noise(seed, position)``, as the

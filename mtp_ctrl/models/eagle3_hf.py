@@ -29,6 +29,11 @@ draft-vocabulary logits scattered into the target vocabulary, ``-inf`` elsewhere
 :class:`~mtp_ctrl.controllers.EagleProposer` samples and the acceptance verifies them unchanged:
 lossless as ever (the draft can only propose ids of its vocabulary).
 
+Deeper heads (``num_hidden_layers`` N > 1, vLLM's layout): layer 0 is the layer above (also
+named ``layers.0.*``), layers ``1 .. N - 1`` (``layers.{i}.*``) are plain Llama decoder layers
+(input norm, attention over H inputs, MLP, residuals) applied in turn to layer 0's output; each
+has its own paged KV cache (``Eagle3Head.num_kv_layers``), and ``out`` is the last one's.
+
 Aux layers: EAGLE-3 captures the *input* of target layers ``eagle_aux_hidden_state_layer_ids``
 (default ``(2, L // 2, L - 3)``), which is the output of layers ``id - 1`` here.
 """
@@ -68,12 +73,18 @@ from mtp_ctrl.models.tp_gather import gather_last_dim_over_tp
 class Eagle3Head(EagleHead):
     """An EAGLE-3 head in the public layout (module docstring): ``fc``, ``hnorm`` (hidden_norm),
     ``transformer_layer`` (its ``input_layernorm`` norms the embedding; its QKV reads ``2H``),
-    ``final_norm``, ``lm_head`` over ``draft_vocab_size`` ids and ``draft_to_target`` ``[Vd]`` int64."""
+    ``final_norm``, ``lm_head`` over ``draft_vocab_size`` ids and ``draft_to_target`` ``[Vd]`` int64;
+    ``extra_layers``: the ``num_layers - 1`` plain decoder layers after the first (KV caches 1, 2, ...)."""
 
     def __init__(self, config: TransformerConfig, aux_layer_ids, draft_vocab_size: int, target_vocab_size: int,
-                 norm_before_residual: bool = False):
+                 norm_before_residual: bool = False, num_layers: int = 1):
         layer_spec = get_paged_gpt_layer_spec(False, qk_layernorm=False, normalization=config.normalization)
         super().__init__(config, aux_layer_ids, layer_spec, use_transformer_engine=False)
+        self.extra_layers = torch.nn.ModuleList(
+            build_module(layer_spec, config=config, layer_number=config.num_layers + 1 + index)
+            for index in range(1, num_layers))
+        for index, layer in enumerate(self.extra_layers, start=1):
+            layer.self_attention.core_attention.kv_layer_index = index  # the head's cache pair ``index``
         del self.enorm, self.eh_proj  # EAGLE-3 concatenates without a projection: attention reads 2H
         backend = LocalSpecProvider()
         linear = dict(config=config, init_method=config.init_method, gather_output=False, bias=False,
@@ -99,7 +110,14 @@ class Eagle3Head(EagleHead):
         if bias is not None:
             hidden = hidden + bias
         mlp_out, bias = layer.mlp(layer.pre_mlp_layernorm(hidden))
-        return hidden + mlp_out + (bias if bias is not None else 0)
+        out = hidden + mlp_out + (bias if bias is not None else 0)
+        for extra in self.extra_layers:  # plain pre-norm decoder layers
+            out, _ = extra(hidden_states=out, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        return out
+
+    @property
+    def num_kv_layers(self) -> int:
+        return 1 + len(self.extra_layers)
 
     def target_logits(self, out: torch.Tensor) -> torch.Tensor:  # [K, 1, H] -> [K, V] fp32
         """Draft-vocabulary logits at their target ids, ``-inf`` at ids the draft vocabulary lacks."""
@@ -111,12 +129,18 @@ class Eagle3Head(EagleHead):
 
 # ----- loading --------------------------------------------------------------------------------------
 
-def _layer_table(prefix: str) -> Dict[str, TensorRule]:
-    """Our parameter -> the public layout's tensors (``prefix``: ``midlayer.`` or ``layers.0.``)."""
+def _layer_table(prefix: str, num_layers: int = 1) -> Dict[str, TensorRule]:
+    """Our parameter -> the public layout's tensors (``prefix``: the first layer's, ``midlayer.`` or
+    ``layers.0.``; layers ``1 .. num_layers - 1`` at ``layers.{i}.``)."""
     def rule(*names, layout=Layout.COPY):
         return TensorRule(tuple(prefix + name if not name.startswith("/") else name[1:] for name in names), layout)
 
-    return {
+    extra = {}
+    for index in range(1, num_layers):
+        for ours, theirs in _DECODER_LAYER.items():
+            extra[f"extra_layers.{index - 1}.{ours}"] = TensorRule(
+                tuple(f"layers.{index}.{name}" for name in theirs.hf_names), theirs.layout)
+    return {**extra,
         "fc.weight": rule("/fc.weight"),
         "hnorm.weight": rule("hidden_norm.weight"),
         "transformer_layer.input_layernorm.weight": rule("input_layernorm.weight"),
@@ -130,6 +154,18 @@ def _layer_table(prefix: str) -> Dict[str, TensorRule]:
         "final_norm.weight": rule("/norm.weight"),
         "lm_head.weight": rule("/lm_head.weight"),
     }
+
+
+# A plain decoder layer of a deeper head (our parameter under ``extra_layers.{i}.`` -> ``layers.{i + 1}.``).
+_DECODER_LAYER: Dict[str, TensorRule] = {
+    "input_layernorm.weight": TensorRule(("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": TensorRule(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                    "self_attn.v_proj.weight"), Layout.QKV),
+    "self_attention.linear_proj.weight": TensorRule(("self_attn.o_proj.weight",)),
+    "pre_mlp_layernorm.weight": TensorRule(("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": TensorRule(("mlp.gate_proj.weight", "mlp.up_proj.weight"), Layout.GLU),
+    "mlp.linear_fc2.weight": TensorRule(("mlp.down_proj.weight",)),
+}
 
 
 def _aux_layer_ids(config: dict, num_target_layers: int) -> Tuple[int, ...]:
@@ -225,9 +261,10 @@ def load_eagle3_head(path: Union[str, os.PathLike], target: GPTModel) -> Eagle3H
     if not any("eagle3" in name.lower() for name in architectures):
         raise UnsupportedCheckpointError(f"architecture {architectures} is not an EAGLE-3 head "
                                          "(e.g. LlamaForCausalLMEagle3)")
-    if (config.get("num_hidden_layers") or 1) != 1:
-        raise UnsupportedCheckpointError(f"EAGLE-3 head with num_hidden_layers={config['num_hidden_layers']}: "
-                                         "one layer is supported")
+    num_layers = config.get("num_hidden_layers") or 1
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise UnsupportedCheckpointError(f"EAGLE-3 config.json field 'num_hidden_layers' must be a positive int, "
+                                         f"got {num_layers!r}")
     target_vocab_size = target.vocab_size
     if config.get("vocab_size", target_vocab_size) != target_vocab_size:
         raise ValueError(f"the EAGLE-3 head's vocab_size {config['vocab_size']} != the target's {target_vocab_size}")
@@ -243,10 +280,11 @@ def load_eagle3_head(path: Union[str, os.PathLike], target: GPTModel) -> Eagle3H
         prefix = "midlayer." if any(name.startswith("midlayer.") for name in names) else "layers.0."
         with torch.device(reference.device):
             head = Eagle3Head(head_config, _aux_layer_ids(config, target.config.num_layers), draft_vocab_size,
-                              target_vocab_size, norm_before_residual=bool(config.get("norm_before_residual")))
+                              target_vocab_size, norm_before_residual=bool(config.get("norm_before_residual")),
+                              num_layers=num_layers)
         head = head.to(reference.dtype)
         mark_tensor_parallel_weights(head)
-        table, used = _layer_table(prefix), {"d2t", "t2d"}
+        table, used = _layer_table(prefix, num_layers), {"d2t", "t2d"}
         parameters = dict(head.named_parameters())
         if set(parameters) != set(table):
             raise ValueError(f"Eagle3Head parameters {sorted(set(parameters) ^ set(table))} have no table entry")

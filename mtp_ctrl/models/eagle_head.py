@@ -71,6 +71,11 @@ class EagleHead(MegatronModule):
             self.mask_hidden = None
 
     @property
+    def num_kv_layers(self) -> int:
+        """How many paged KV cache pairs the head attends through (one per attention layer)."""
+        return 1
+
+    @property
     def parallel_drafting(self) -> bool:
         """The head has ``mask_token_id`` and ``mask_hidden`` (built with ``parallel_drafting=True``)."""
         return self.mask_token_id is not None and self.mask_hidden is not None

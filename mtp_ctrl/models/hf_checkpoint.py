@@ -3,7 +3,7 @@
 :func:`load_hf_checkpoint` runs in three steps; the model is returned only when all succeed, so
 nothing half-loaded is ever usable:
 
-1. ``config.json`` names the family (:mod:`mtp_ctrl.models.hf_families`: refused families and
+1. ``config.json`` names the family (:mod:`mtp_ctrl.models.hf_registry`: refused families and
    unsupported fields raise :class:`~mtp_ctrl.models.hf_families.UnsupportedCheckpointError`,
    a ValueError naming the field or what is missing). Its settings become megatron's
    ``TransformerConfig`` and :func:`~mtp_ctrl.models.build_gpt_model` builds the paged model
@@ -44,8 +44,9 @@ from mtp_ctrl.models.hf_families import (
     Layout,
     ModelSettings,
     TensorRule,
-    resolve_family,
 )
+from mtp_ctrl.models.hf_registry import resolve_family
+from mtp_ctrl.models.mamba_mixer import TP_SECTIONS_ATTR
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -141,6 +142,7 @@ class ParameterSource:
     def __init__(self, parameter_name: str, rule: TensorRule, prefix: str, expert: int = -1):
         self.parameter_name = parameter_name
         self.layout = rule.layout
+        self.sections_per_tensor = rule.sections_per_tensor
         self.hf_names = self.names_for_expert(rule, prefix, expert)
         self.is_expert = expert >= 0
         self._rule, self._prefix = rule, prefix
@@ -197,6 +199,8 @@ def parameter_source(family: HFFamily, name: str, placement: ModelPlacement) -> 
         prefix = family.mtp_prefix.format(i=depth + (placement.num_layers if family.mtp_after_decoder else 0))
         if suffix.startswith("transformer_layer."):
             rule, expert = _layer_rule(family.layer_table, suffix[len("transformer_layer."):], placement)
+            if family.mtp_layer_prefix is not None:
+                prefix = family.mtp_layer_prefix.format(i=depth)
         else:
             rule = family.mtp_table.get(suffix)
     else:
@@ -251,12 +255,24 @@ def expected_full_shapes(source: ParameterSource, parameter: torch.Tensor, confi
     full = list(local)
     if _is_tensor_parallel(parameter):
         full[parameter.partition_dim] *= tp_size
-    if source.layout is Layout.QKV:
-        head_dim, rest = config.kv_channels, tuple(full[1:])
-        return [(config.num_attention_heads * head_dim, *rest), (config.num_query_groups * head_dim, *rest),
+    rest = tuple(full[1:])
+    if source.layout in (Layout.QKV, Layout.QKV_GATED):
+        head_dim = config.kv_channels
+        query_rows = config.num_attention_heads * head_dim * (2 if source.layout is Layout.QKV_GATED else 1)
+        return [(query_rows, *rest), (config.num_query_groups * head_dim, *rest),
                 (config.num_query_groups * head_dim, *rest)]
     if source.layout is Layout.GLU:
-        return [(full[0] // 2, *full[1:])] * 2
+        return [(full[0] // 2, *rest)] * 2
+    if source.layout is Layout.SECTIONS:
+        sections, shapes = getattr(parameter, TP_SECTIONS_ATTR), []
+        for count in source.sections_per_tensor:
+            shapes.append((sum(sections[:count]), *rest))
+            sections = sections[count:]
+        return shapes
+    if source.layout is Layout.GDN_GROUPED:
+        qk_dim = config.linear_num_key_heads * config.linear_key_head_dim
+        v_dim = config.linear_num_value_heads * config.linear_value_head_dim
+        return [(2 * qk_dim + 2 * v_dim, *rest), (2 * config.linear_num_value_heads, *rest)]
     return [tuple(full)]
 
 
@@ -304,7 +320,8 @@ def plan_load(model: GPTModel, family: HFFamily, settings: ModelSettings, shards
             copies.append(SharedCopy(prefix + relative, trunk_name))
             used.add(prefix + relative)
     ignored = {"lm_head.weight"} if settings.tied_embeddings else set()
-    unexpected = sorted(name for name in available - used - ignored if not name.endswith(IGNORED_SUFFIXES))
+    unexpected = sorted(name for name in available - used - ignored
+                        if not name.endswith(IGNORED_SUFFIXES) and not name.startswith(family.ignored_prefixes))
     if unexpected:
         shown = ", ".join(repr(name) for name in unexpected[:5])
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
@@ -343,18 +360,46 @@ def read_local_tensor(source: ParameterSource, parameter: torch.Tensor, shards: 
     def read(name: str, dim: int = 0, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
         return shards.read(name, dim, start, stop).to(device)
 
-    if source.layout is Layout.QKV:
-        # rank r holds query groups [r * G_local, (r + 1) * G_local): contiguous rows of q, k and v
+    if source.layout in (Layout.QKV, Layout.QKV_GATED):
+        # rank r holds query groups [r * G_local, (r + 1) * G_local): contiguous rows of q, k and v.
+        # Gated: q_proj holds per head [q_h; gate_h], megatron per group [its q heads; their gates; k; v]
         head_dim, groups_local = config.kv_channels, config.num_query_groups // tp_size
-        q_rows = config.num_attention_heads // config.num_query_groups * head_dim  # query rows per group
+        heads_per_group = config.num_attention_heads // config.num_query_groups
+        gated = source.layout is Layout.QKV_GATED
+        q_rows = heads_per_group * head_dim * (2 if gated else 1)  # q_proj rows per group
         first = tp_rank * groups_local
         q = read(source.hf_names[0], 0, first * q_rows, (first + groups_local) * q_rows)  # [G_l * q_rows, ...]
         k = read(source.hf_names[1], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
         v = read(source.hf_names[2], 0, first * head_dim, (first + groups_local) * head_dim)  # [G_l * D, ...]
         rest = tuple(q.shape[1:])
+        if gated:  # [G_l, heads, 2, D, ...] -> the group's queries, then their gates
+            q = q.reshape(groups_local, heads_per_group, 2, head_dim, *rest).transpose(1, 2)
         grouped = torch.cat((q.reshape(groups_local, q_rows, *rest), k.reshape(groups_local, head_dim, *rest),
                              v.reshape(groups_local, head_dim, *rest)), dim=1)  # [G_l, q_rows + 2 D, ...]
         return grouped.reshape(-1, *rest)
+    if source.layout is Layout.SECTIONS:  # each TP section: this rank's contiguous share
+        sections, pieces = getattr(parameter, TP_SECTIONS_ATTR), []
+        for name, count in zip(source.hf_names, source.sections_per_tensor):
+            offset = 0
+            for size in sections[:count]:
+                share = size // tp_size
+                pieces.append(read(name, 0, offset + tp_rank * share, offset + (tp_rank + 1) * share))
+                offset += size
+            sections = sections[count:]
+        return torch.cat(pieces, dim=0)
+    if source.layout is Layout.GDN_GROUPED:  # per key head [q, k, v, z] and [b, a] -> [q; k; v; z; b; a]
+        key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        ratio = config.linear_num_value_heads // config.linear_num_key_heads  # value heads per key head
+        key_heads = config.linear_num_key_heads // tp_size
+        first = tp_rank * key_heads
+        block = 2 * key_dim + 2 * ratio * value_dim
+        qkvz = read(source.hf_names[0], 0, first * block, (first + key_heads) * block)  # [Hk_l * block, hidden]
+        ba = read(source.hf_names[1], 0, first * 2 * ratio, (first + key_heads) * 2 * ratio)  # [Hk_l * 2r, hidden]
+        rest = tuple(qkvz.shape[1:])
+        q, k, v, z = torch.split(qkvz.reshape(key_heads, block, *rest),
+                                 [key_dim, key_dim, ratio * value_dim, ratio * value_dim], dim=1)
+        b, a = torch.split(ba.reshape(key_heads, 2 * ratio, *rest), [ratio, ratio], dim=1)
+        return torch.cat([part.reshape(-1, *rest) for part in (q, k, v, z, b, a)], dim=0)
     if source.layout is Layout.GLU:
         rows = parameter.shape[0] // 2  # this rank's gate rows = its up rows
         start = tp_rank * rows if sharded else 0
@@ -368,6 +413,8 @@ def read_local_tensor(source: ParameterSource, parameter: torch.Tensor, shards: 
     if source.layout is Layout.SWAP_HALVES:  # [rows, 2H]: the checkpoint's second input half comes first here
         half = value.shape[1] // 2
         value = torch.cat((value[:, half:], value[:, :half]), dim=1)
+    elif source.layout is Layout.PLUS_ONE:  # the norm scales by 1 + w: added in fp32, cast once on copy
+        value = value.float() + 1.0
     return value
 
 
@@ -395,8 +442,8 @@ def load_hf_checkpoint(path: Union[str, os.PathLike], tp: Optional[int] = None, 
 
     ``path``: a directory with ``config.json`` and safetensors weights (``model.safetensors`` or
     shards with ``model.safetensors.index.json``), as ``save_pretrained`` writes them. Families:
-    :data:`mtp_ctrl.models.hf_families.FAMILIES` (Llama-3, Qwen2, Qwen3, MiMo, Qwen3-MoE, GLM-4.5,
-    DeepSeek-V3; every MTP layer the checkpoint ships).
+    :data:`mtp_ctrl.models.hf_registry.FAMILIES` (Llama-3, Qwen2, Qwen3, MiMo, Qwen3-MoE, GLM-4.5,
+    DeepSeek-V3, Qwen3-Next, Qwen3.5; every MTP layer the checkpoint ships).
     ``tp``: the tensor-parallel size, which must be parallel_state's (default: parallel_state's);
     each rank reads only its shard (MoE experts: parallel_state's expert-parallel rank reads its own
     experts, megatron's placement). ``device``: where the weights live (default: CUDA when

@@ -46,6 +46,10 @@ class Layout(enum.Enum):
     QKV = "qkv"  # q_proj, k_proj, v_proj -> megatron's grouped fused QKV
     GLU = "glu"  # gate_proj, up_proj -> [gate; up]
     SWAP_HALVES = "swap_halves"  # one [H, 2H] tensor whose two input halves megatron orders the other way
+    PLUS_ONE = "plus_one"  # a zero-centred norm weight (the norm scales by 1 + w): megatron holds 1 + w
+    QKV_GATED = "qkv_gated"  # q_proj holding [q_h; gate_h] per head, k_proj, v_proj -> megatron's gated fused QKV
+    SECTIONS = "sections"  # tensors holding the parameter's TP sections in order (``TensorRule.sections_per_tensor``)
+    GDN_GROUPED = "gdn_grouped"  # Qwen3-Next's in_proj_qkvz, in_proj_ba grouped per key head -> megatron's in_proj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +58,12 @@ class TensorRule:
 
     hf_names: Tuple[str, ...]
     layout: Layout = Layout.COPY
+    # SECTIONS: how many of the parameter's TP sections (``mamba_mixer.TP_SECTIONS_ATTR``) each tensor holds
+    sections_per_tensor: Tuple[int, ...] = ()
 
 
-def _rule(*names: str, layout: Layout = Layout.COPY) -> TensorRule:
-    return TensorRule(tuple(names), layout)
+def _rule(*names: str, layout: Layout = Layout.COPY, sections_per_tensor: Tuple[int, ...] = ()) -> TensorRule:
+    return TensorRule(tuple(names), layout, sections_per_tensor)
 
 
 # Parameters of one transformer layer (decoder layer or an MTP depth's layer), relative to
@@ -191,6 +197,10 @@ class HFFamily:
     mtp_table: Mapping[str, TensorRule] = dataclasses.field(default_factory=dict)
     mtp_after_decoder: bool = False  # MTP depth k is numbered num_hidden_layers + k (DeepSeek-V3, GLM-4.5)
     mtp_shared_copies: Mapping[str, str] = dataclasses.field(default_factory=dict)  # see NEXTN_MTP_SHARED_COPIES
+    # where MTP depth k's transformer layer lives when not under ``mtp_prefix`` (Qwen3-Next: "mtp.layers.{i}.",
+    # its fc and norms "mtp.", shared by every depth)
+    mtp_layer_prefix: Optional[str] = None
+    ignored_prefixes: Tuple[str, ...] = ()  # tensors nothing here reads (a vision tower: "model.visual.")
 
 
 class UnsupportedCheckpointError(ValueError):
@@ -507,34 +517,3 @@ FAMILIES: Tuple[HFFamily, ...] = (
              layer_table=MLA_LAYER_TABLE, mtp_prefix="model.layers.{i}.", mtp_table=NEXTN_MTP_TABLE,
              mtp_after_decoder=True, mtp_shared_copies=NEXTN_MTP_SHARED_COPIES),
 )
-
-# Families people hold whose layers this package does not build yet: model_type -> what is missing.
-REFUSED_FAMILIES: Mapping[str, str] = {
-    "deepseek_v2": "DeepSeek-V2 (softmax routing over MLA): its name table is not written yet (DeepSeek-V3 loads)",
-    "qwen3_next": ("Qwen3-Next: the Gated DeltaNet layers are built (docs/gdn.md) but their Hugging Face names "
-                   "are not mapped yet"),
-    "qwen3_5": "Qwen3.5: the Gated DeltaNet layers are built (docs/gdn.md) but their Hugging Face names are not mapped",
-    "qwen3_5_moe": ("Qwen3.5: the Gated DeltaNet layers are built (docs/gdn.md) but their Hugging Face names "
-                    "are not mapped"),
-    "mimo_v2_flash": "MiMo-V2-Flash needs sliding-window attention with attention sinks and MoE layers, "
-                     "which mtp_ctrl does not build yet",
-    "mistral": "Mistral checkpoints use sliding-window attention; their table is not written yet",
-}
-
-
-def resolve_family(config: Mapping[str, Any]) -> HFFamily:
-    """The family of a ``config.json`` (by ``architectures``, else ``model_type``); refused families
-    and unknown ones raise :class:`UnsupportedCheckpointError` naming what is missing."""
-    model_type = config.get("model_type")
-    if model_type in REFUSED_FAMILIES:
-        raise UnsupportedCheckpointError(f"model_type {model_type!r}: {REFUSED_FAMILIES[model_type]}")
-    architectures = tuple(config.get("architectures") or ())
-    if any("eagle" in name.lower() for name in architectures):
-        raise UnsupportedCheckpointError(f"architecture {list(architectures)} is an EAGLE draft head, not a target "
-                                         "model: load it with mtp_ctrl.models.load_eagle3_head(path, target)")
-    for family in FAMILIES:  # by architecture; by model_type only when config.json names none
-        if set(architectures) & set(family.architectures) or (not architectures and model_type in family.model_types):
-            return family
-    supported = ", ".join(f"{family.name} ({'/'.join(family.architectures)})" for family in FAMILIES)
-    raise UnsupportedCheckpointError(f"architecture {list(architectures)} (model_type {model_type!r}) is not "
-                                     f"supported; supported families: {supported}")

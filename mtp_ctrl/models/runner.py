@@ -344,7 +344,7 @@ class PagedGPTRunner:
         token_ids: torch.Tensor,  # [T] int64, the token following each row
         positions: torch.Tensor,  # [T] int64, each row's own position
         metadata: AttentionMetadata,
-        kv_caches: Sequence[KVCachePair],  # the head's own cache: one pair
+        kv_caches: Sequence[KVCachePair],  # the head's own caches: one pair per attention layer (head.num_kv_layers)
         logits_rows: Optional[torch.Tensor] = None,  # [K] int64: rows that draft (default all)
     ) -> Tuple[torch.Tensor, torch.Tensor]:  # logits [K, V] fp32, hidden [T, H] (the head's output, pre-norm)
         """One application of an EAGLE head: row i combines ``features[i]`` with the embedding of

@@ -10,6 +10,7 @@ request's drafts per step at a value in ``[0, S]`` (0: no drafts; the text is th
 fields of the API this server does not implement are refused when set to a non-default value.
 """
 
+import asyncio
 import json
 import time
 import uuid
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from mtp_ctrl.controllers import FinishReason, SamplingParams
-from mtp_ctrl.serve.engine import EngineLoop, RequestHandle
+from mtp_ctrl.serve.frontend import EngineClient, RequestStream
 from mtp_ctrl.serve.text import TextStream
 
 FINISH_REASONS = {FinishReason.EOS: "stop", FinishReason.STOP_SEQUENCE: "stop", FinishReason.LENGTH: "length",
@@ -69,12 +70,12 @@ class ChatCompletionRequest(SamplingFields):
     messages: List[ChatMessage]
 
 
-def create_app(engine: EngineLoop, tokenizer, model_name: str) -> FastAPI:
-    """The app serving ``engine``'s controller under ``model_name``; ``tokenizer`` as in
+def create_app(engine: EngineClient, tokenizer, model_name: str) -> FastAPI:
+    """The app serving ``engine``'s model under ``model_name``; ``tokenizer`` as in
     :mod:`mtp_ctrl.serve.text`."""
     app = FastAPI(title="mtp_ctrl", version="1")
-    controller = engine.controller
-    max_model_len = controller.shape.max_model_len
+    info = engine.info
+    max_model_len = info.max_model_len
     created = int(time.time())
 
     @app.exception_handler(BadRequest)
@@ -90,7 +91,7 @@ def create_app(engine: EngineLoop, tokenizer, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health():
         if not engine.alive:
-            return JSONResponse({"status": "stopped", "error": repr(engine.error)}, status_code=503)
+            return JSONResponse({"status": "stopped", "error": engine.error}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -100,7 +101,11 @@ def create_app(engine: EngineLoop, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        try:
+            figures = await engine.figures()
+        except RuntimeError as error:
+            return _error(503, str(error), None, kind="server_error")
+        return PlainTextResponse(engine.metrics.render(figures), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -122,13 +127,13 @@ def create_app(engine: EngineLoop, tokenizer, model_name: str) -> FastAPI:
     async def _generate(request: Request, body: SamplingFields, prompt_ids: List[int], chat: bool):
         params, stop = _check(body, prompt_ids)
         try:
-            handle = engine.submit(prompt_ids, params)
+            stream = engine.submit(prompt_ids, params)
         except RuntimeError as error:
             raise BadRequest(None, str(error), status=503)
         reply = _Reply(body, model_name, chat, len(prompt_ids), TextStream(tokenizer.new_decoder(), stop))
         if body.stream:
-            return StreamingResponse(_stream(engine, handle, reply), media_type="text/event-stream")
-        return await _whole(request, engine, handle, reply)
+            return StreamingResponse(_stream(engine, stream, reply), media_type="text/event-stream")
+        return await _whole(request, engine, stream, reply)
 
     def _check(body: SamplingFields, prompt_ids: List[int]):
         """400 for anything the engine would refuse or this server does not do; (params, stop strings)."""
@@ -142,14 +147,14 @@ def create_app(engine: EngineLoop, tokenizer, model_name: str) -> FastAPI:
             raise BadRequest("n", f"n must be 1, got {body.n}")
         if body.logprobs not in (None, False, 0):
             raise BadRequest("logprobs", "logprobs are not available: the sampler does not return log-probabilities")
-        speculative = controller.shape.num_speculative_tokens
+        speculative = info.num_speculative_tokens
         draft_cap = body.num_speculative_tokens
         if draft_cap is not None and not (isinstance(draft_cap, int) and 0 <= draft_cap <= speculative):
             raise BadRequest("num_speculative_tokens", f"num_speculative_tokens must be an integer in [0, {speculative}] "
                              f"(this server drafts at most {speculative} per step); got {draft_cap!r}")
         if not prompt_ids:
             raise BadRequest("prompt" if isinstance(body, CompletionRequest) else "messages", "the prompt is empty")
-        vocab_size = controller.shape.vocab_size
+        vocab_size = info.vocab_size
         if any(not 0 <= token < vocab_size for token in prompt_ids):
             raise BadRequest("prompt", f"prompt token ids must be in [0, {vocab_size})")
         if len(prompt_ids) >= max_model_len:
@@ -181,13 +186,26 @@ def create_app(engine: EngineLoop, tokenizer, model_name: str) -> FastAPI:
 
 
 class _Reply:
-    """The OpenAI response objects of one request (a whole reply or stream chunks)."""
+    """The OpenAI response objects of one request (a whole reply or stream chunks). A text chunk
+    is a pre-encoded JSON head and tail around the JSON string of its text."""
 
     def __init__(self, body: SamplingFields, model_name: str, chat: bool, prompt_tokens: int, text: TextStream):
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model, self.chat, self.prompt_tokens, self.text = model_name, chat, prompt_tokens, text
         self.created = int(time.time())
         self.completion_tokens = 0
+        head = json.dumps({"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                           "created": self.created, "model": model_name})[:-1]
+        if chat:
+            self._text_head = f'data: {head}, "choices": [{{"index": 0, "delta": {{"content": '
+            self._text_tail = '}, "finish_reason": null}]}\n\n'
+        else:
+            self._text_head = f'data: {head}, "choices": [{{"index": 0, "text": '
+            self._text_tail = ', "logprobs": null, "finish_reason": null}]}\n\n'
+
+    def text_chunk(self, text: str) -> str:
+        """The SSE event of a chunk of text with no finish reason (== ``_sse(self.chunk(text, None))``)."""
+        return self._text_head + json.dumps(text) + self._text_tail
 
     def chunk(self, text: Optional[str], finish_reason: Optional[str], first: bool = False) -> Dict[str, Any]:
         if self.chat:
@@ -210,61 +228,58 @@ class _Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
-    def finish_reason(self, result) -> str:
-        return "stop" if self.text.stopped else FINISH_REASONS[result.finish_reason]
+    def finish_reason(self, reason: FinishReason) -> str:
+        return "stop" if self.text.stopped else FINISH_REASONS[reason]
 
 
-async def _events(handle: RequestHandle, reply: _Reply):
-    """(text to send, finish reason or None) as the engine's events arrive. Events that queued up
-    while this handler waited (the engine steps faster than a client reads) go out as one chunk."""
+async def _texts(stream: RequestStream, reply: _Reply):
+    """(text to send, finish reason or None) as the engine's tokens arrive: all tokens that came
+    while the handler was busy (writing the last chunk) at once."""
     while True:
-        events = [await handle.events.get()]
-        while not handle.events.empty():
-            events.append(handle.events.get_nowait())
-        tokens = [token for kind, value in events if kind == "tokens" for token in value]
+        tokens, finished = await stream.take()
         if tokens:
             reply.completion_tokens += len(tokens)
             text = reply.text.push(tokens)
-            if text:
+            if text and finished is None:
                 yield text, None
-        for kind, value in events:
-            if kind == "finished":
-                yield reply.text.finish(), reply.finish_reason(value)
-                return
-            if kind != "tokens":
-                raise RuntimeError(f"generation failed: {value}")
+                continue
+        else:
+            text = ""
+        if finished is not None:
+            yield text + reply.text.finish(), reply.finish_reason(finished)
+            return
 
 
-async def _stream(engine: EngineLoop, handle: RequestHandle, reply: _Reply):
+async def _stream(engine: EngineClient, stream: RequestStream, reply: _Reply):
     """Server-sent events; a client that disconnects cancels this generator, which aborts the request."""
     try:
         if reply.chat:
             yield _sse(reply.chunk(None, None, first=True))  # the role, as OpenAI's first chat chunk
-        async for text, finish_reason in _events(handle, reply):
-            if text or finish_reason:
+        async for text, finish_reason in _texts(stream, reply):
+            if finish_reason is None:
+                yield reply.text_chunk(text)
+            else:
                 yield _sse(reply.chunk(text, finish_reason))
         yield _sse({**reply.chunk(None, None), "choices": [], "usage": reply.usage()})
         yield "data: [DONE]\n\n"
     except RuntimeError as error:
         yield _sse({"error": {"message": str(error), "type": "server_error", "param": None, "code": None}})
     finally:
-        engine.abort(handle)  # nothing if it finished
+        engine.abort(stream)  # nothing if it finished
 
 
-async def _whole(request: Request, engine: EngineLoop, handle: RequestHandle, reply: _Reply):
-    import asyncio
-
+async def _whole(request: Request, engine: EngineClient, stream: RequestStream, reply: _Reply):
     pieces: List[str] = []
-    events = _events(handle, reply).__aiter__()
+    texts = _texts(stream, reply).__aiter__()
     try:
         while True:
-            next_event = asyncio.ensure_future(events.__anext__())
-            while not next_event.done():
-                await asyncio.wait({next_event}, timeout=0.5)
-                if not next_event.done() and await request.is_disconnected():
-                    next_event.cancel()
+            next_text = asyncio.ensure_future(texts.__anext__())
+            while not next_text.done():
+                await asyncio.wait({next_text}, timeout=0.5)
+                if not next_text.done() and await request.is_disconnected():
+                    next_text.cancel()
                     return JSONResponse({}, status_code=499)
-            text, finish_reason = next_event.result()
+            text, finish_reason = next_text.result()
             pieces.append(text)
             if finish_reason is not None:
                 return reply.whole("".join(pieces), finish_reason)
@@ -273,7 +288,7 @@ async def _whole(request: Request, engine: EngineLoop, handle: RequestHandle, re
     except RuntimeError as error:
         return _error(500, str(error), None, kind="server_error")
     finally:
-        engine.abort(handle)  # the client went away (nothing if it finished)
+        engine.abort(stream)  # the client went away (nothing if it finished)
 
 
 def _sse(payload: Dict[str, Any]) -> str:

@@ -1,69 +1,60 @@
-"""The engine loop: one thread owns the controller; HTTP handlers only submit and read.
+"""The engine loop: the process that owns the controller. The HTTP frontend, another process
+(:mod:`mtp_ctrl.serve.frontend`), only checks, submits and streams.
 
-:class:`EngineLoop` runs ``controller.step()`` while there is work and sleeps on an event while
-there is none. Handlers call :meth:`EngineLoop.submit` (returns a :class:`RequestHandle`) and
-:meth:`EngineLoop.abort` from the server's event loop; the engine thread takes the submissions and
-aborts at the top of each iteration, so only that thread touches the controller. A handle's
-events arrive on an ``asyncio.Queue`` of the event loop that submitted it: ``("tokens", ids)``
-as steps land (with overlap scheduling, one step late, as ``controller.step()`` documents), then
-``("finished", GenerationResult)`` or ``("error", exception)``.
+Why two processes: a demo-sized model steps in ~0.3 ms, so an engine thread that shared the GIL
+with the server's event loop lost a third to two thirds of its steps to HTTP parsing and SSE
+writes, and a new request's first token waited for the GIL. Here the engine's only per-step work
+besides ``controller.step()`` is one message to the frontend; a frontend that falls behind gets
+more tokens per message and per SSE chunk, and the engine never waits for it (vLLM splits its
+API server from its EngineCore the same way).
 
-Under tensor parallelism (``command_group``: a gloo group of the TP ranks, rank 0 serving HTTP),
-each iteration's new and aborted requests go to the other ranks in one
-``broadcast_object_list``; :func:`follow` there applies the same commands and steps alike, so
-every rank builds the same steps (the controller's lockstep check verifies that each step) and
-assigns the same request ids. While idle, rank 0 broadcasts an empty command every
+Messages (a ``multiprocessing`` connection, pickled tuples). Frontend to engine:
+
+- ``("add", key, prompt_ids, params)``: a checked request (``key``: the frontend's id of it);
+- ``("abort", key)``: its client went away;
+- ``("figures", key)``: the controller's figures for ``/metrics``.
+
+Engine to frontend:
+
+- ``("ready", EngineInfo)`` once, first;
+- ``("added", [(key, request_id), ...])`` before any step output of those requests;
+- ``("step", outputs, finished)``: ``controller.step()``'s outputs as they are
+  (``[(request_id, tokens, finished)]``) and ``{request_id: FinishReason}`` of the requests that
+  ended (popped here);
+- ``("failed", [request_id, ...], message)``: a step raised; these requests are over;
+- ``("figures", key, dict)``;
+- ``("fatal", message)`` when the loop stops on an error, ``("shutdown",)`` on SIGTERM / SIGINT.
+
+The frontend closing its end stops the loop. Under tensor parallelism (``command_group``: a gloo
+group of the TP ranks, rank 0 running this loop) each iteration's new and aborted requests go to
+the other ranks in one ``broadcast_object_list``; :func:`follow` there applies the same commands
+and steps alike, so every rank builds the same steps (the controller's lockstep check verifies
+each) and assigns the same request ids. While idle, rank 0 broadcasts an empty command every
 ``heartbeat_s`` so the others never wait into a process-group timeout.
 
 A step that raises ends its running requests (the controller's rule: reason ABORTED) and their
 clients get an error; with one rank the loop goes on serving, under TP it stops on every rank
-(the lockstep check raises on all of them), and ``/health`` reports it.
+(the lockstep check raises on all of them), and the frontend shuts the server down.
 """
 
-import asyncio
 import dataclasses
-import threading
-import time
+import signal
 from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
 from mtp_ctrl.controllers import SamplingParams, TextGenerationController
-from mtp_ctrl.serve.metrics import ServerMetrics
+from mtp_ctrl.serve.metrics import controller_figures
 
 
-@dataclasses.dataclass(eq=False)
-class RequestHandle:
-    """One HTTP request's view of its generation."""
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What the frontend needs to know of the engine to check requests and greet."""
 
-    prompt_ids: List[int]
-    params: SamplingParams
-    events: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
-    request_id: Optional[int] = None  # the controller's id, once the engine thread has added it
-    aborted: bool = False  # the client went away (set under the engine's lock)
-    done: bool = False  # the engine will post nothing more
-
-    def post(self, kind: str, value) -> None:
-        """From the engine thread: hand an event to the handler's event loop."""
-        post_events([(self, kind, value)])
-
-
-def post_events(events: List[Tuple[RequestHandle, str, object]]) -> None:
-    """From the engine thread: hand a step's events to their handlers' event loops, one wake-up
-    of each loop per call (a wake-up per request and step would take the GIL from the engine
-    thread ``batch`` times a step)."""
-    by_loop: Dict[asyncio.AbstractEventLoop, List[Tuple[RequestHandle, str, object]]] = {}
-    for event in events:
-        by_loop.setdefault(event[0].loop, []).append(event)
-    for loop, loop_events in by_loop.items():
-        loop.call_soon_threadsafe(_deliver, loop_events)
-
-
-def _deliver(events: List[Tuple[RequestHandle, str, object]]) -> None:
-    for handle, kind, value in events:
-        handle.events.put_nowait((kind, value))
+    max_model_len: int
+    vocab_size: int
+    num_speculative_tokens: int
+    description: str  # e.g. "S = 2, TP 1, cuda"
 
 
 @dataclasses.dataclass
@@ -75,129 +66,139 @@ class Command:
     stop: bool = False
 
 
+class FrontendGone(Exception):
+    """The frontend closed its end of the connection (it exited or crashed)."""
+
+
 class EngineLoop:
-    def __init__(self, controller: TextGenerationController, command_group=None, heartbeat_s: float = 1.0):
+    def __init__(self, controller: TextGenerationController, connection, command_group=None,
+                 heartbeat_s: float = 1.0):
         self.controller = controller
-        self.metrics = ServerMetrics(controller)
+        self.connection = connection  # multiprocessing.connection.Connection to the frontend
         self.command_group = command_group
         self.heartbeat_s = heartbeat_s
-        self.error: Optional[BaseException] = None  # what stopped the loop, if anything did
-        self._lock = threading.Lock()
-        self._submitted: List[RequestHandle] = []
-        self._aborted: List[RequestHandle] = []
-        self._live: Dict[int, RequestHandle] = {}  # request id -> handle, engine thread only
-        self._wake = threading.Event()
+        self._request_of: Dict[int, int] = {}  # frontend key -> request id, while running
+        self._key_of: Dict[int, int] = {}  # request id -> frontend key, while running
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="mtp_ctrl-engine", daemon=True)
 
-    def start(self) -> "EngineLoop":
-        self._thread.start()
-        return self
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
-
-    def submit(self, prompt_ids: List[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request whose prompt and parameters the caller has checked; call it from the
-        server's event loop."""
-        handle = RequestHandle(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop())
-        with self._lock:
-            if self.error is not None or self._stopping:
-                raise RuntimeError(f"the engine has stopped: {self.error!r}")
-            self._submitted.append(handle)
-        self._wake.set()
-        return handle
-
-    def abort(self, handle: RequestHandle) -> None:
-        """The client went away: end its request (its row and blocks are free from the next step)."""
-        with self._lock:
-            if handle.done or handle.aborted:
-                return
-            handle.aborted = True
-            self._aborted.append(handle)
-        self._wake.set()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout)
-
-    # ----- the engine thread -------------------------------------------------------------
-
-    def _run(self) -> None:
+    def run(self, description: str) -> str:
+        """Serve until the frontend goes away (returns ``"frontend"``) or SIGTERM / SIGINT (tells
+        the frontend to shut down; returns ``"signal"``). A step error under TP or a broken loop is
+        sent to the frontend as ``fatal`` and raised."""
+        shape = self.controller.shape
+        previous = {number: signal.signal(number, self._on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
         try:
-            while True:
-                with self._lock:
-                    submitted = [handle for handle in self._submitted if not handle.aborted]
-                    aborted = [handle for handle in self._aborted if handle.request_id in self._live]
-                    self._submitted, self._aborted = [], []
-                    stopping = self._stopping
-                if not (submitted or aborted or stopping or self.controller.has_unfinished_requests()):
-                    if not self._wake.wait(self.heartbeat_s):
-                        self._broadcast(Command([], []))  # heartbeat: no follower waits into a timeout
-                    self._wake.clear()
+            try:
+                self._send(("ready", EngineInfo(shape.max_model_len, shape.vocab_size, shape.num_speculative_tokens,
+                                                description)))
+                self._loop()
+                self._tell(("shutdown",))
+                ended_by = "signal"
+            except FrontendGone:
+                ended_by = "frontend"
+        except BaseException as error:  # under TP the other ranks fail too: no stop command for them
+            self._tell(("fatal", f"{type(error).__name__}: {error}"))
+            raise
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+        self._broadcast(Command([], [], stop=True))  # the other ranks return from follow()
+        return ended_by
+
+    def _send(self, message) -> None:
+        try:
+            self.connection.send(message)
+        except OSError:  # a broken pipe: the frontend exited
+            raise FrontendGone() from None
+
+    def _tell(self, message) -> None:
+        try:
+            self.connection.send(message)
+        except OSError:  # the frontend is gone already
+            pass
+
+    def _on_signal(self, *_) -> None:
+        self._stopping = True
+
+    def _loop(self) -> None:
+        controller, connection = self.controller, self.connection
+        while not self._stopping:
+            busy = controller.has_unfinished_requests()
+            if not connection.poll(0 if busy else self.heartbeat_s):
+                if not busy:  # idle: a heartbeat, so no follower waits into a timeout
+                    self._broadcast(Command([], []))
                     continue
-                command = Command([handle.request_id for handle in aborted],
-                                  [(handle.prompt_ids, handle.params) for handle in submitted], stop=stopping)
-                self._broadcast(command)
-                if stopping:
-                    return
-                self._apply(aborted, submitted)
-                if self.controller.has_unfinished_requests():
-                    self._step()
-        except BaseException as error:  # noqa: BLE001  the loop is over: every waiting client is told
-            self.error = error
-            with self._lock:
-                waiting = list(self._live.values()) + self._submitted
-                self._live.clear()
-            for handle in waiting:
-                self._end(handle, "error", error)
+                command, keys = Command([], []), []
+            else:
+                command, keys = self._receive()
+            self._broadcast(command)
+            self._apply(command, keys)
+            if controller.has_unfinished_requests():
+                self._step()
+
+    def _receive(self) -> Tuple[Command, List[int]]:
+        """Every message waiting; answers ``figures`` at once; (the adds and aborts as one
+        command, the frontend keys of its adds)."""
+        adds: Dict[int, Tuple[List[int], SamplingParams]] = {}
+        aborts: List[int] = []
+        try:
+            while self.connection.poll(0):
+                message = self.connection.recv()
+                if message[0] == "add":
+                    adds[message[1]] = (message[2], message[3])
+                elif message[0] == "abort":
+                    key = message[1]
+                    if adds.pop(key, None) is None and key in self._request_of:  # else: never added, or over
+                        aborts.append(self._request_of[key])
+                        self._forget(aborts[-1:])
+                elif message[0] == "figures":
+                    self._send(("figures", message[1], controller_figures(self.controller)))
+        except (EOFError, OSError):
+            raise FrontendGone() from None
+        return Command(aborts, list(adds.values())), list(adds)
 
     def _broadcast(self, command: Command) -> None:
         if self.command_group is not None:
             dist.broadcast_object_list([command], src=dist.get_global_rank(self.command_group, 0),
                                        group=self.command_group)
 
-    def _apply(self, aborted: List[RequestHandle], submitted: List[RequestHandle]) -> None:
-        for handle in aborted:
-            del self._live[handle.request_id]
-            self.controller.abort_request(handle.request_id)
-            self.controller.pop_result(handle.request_id)
-            self._end(handle, None, None, reason="abort")
-        for handle in submitted:
-            handle.request_id = self.controller.add_request(handle.prompt_ids, handle.params)  # checked: no raise
-            self._live[handle.request_id] = handle
-            self.metrics.request_started(len(handle.prompt_ids))
+    def _apply(self, command: Command, keys: List[int]) -> None:
+        for request_id in command.abort:
+            self.controller.abort_request(request_id)
+            self.controller.pop_result(request_id)
+        if command.add:
+            added = []
+            for key, (prompt_ids, params) in zip(keys, command.add):
+                request_id = self.controller.add_request(prompt_ids, params)  # checked by the frontend: no raise
+                self._request_of[key], self._key_of[request_id] = request_id, key
+                added.append((key, request_id))
+            self._send(("added", added))
 
     def _step(self) -> None:
         try:
             outputs = self.controller.step()
         except Exception as error:  # the controller ended the running requests (ABORTED) and stays usable
-            failed = [handle for handle in self._live.values() if self._finished(handle.request_id)]
-            for handle in failed:
-                del self._live[handle.request_id]
-                self.controller.pop_result(handle.request_id)
-                self._end(handle, "error", error)
+            failed = [request_id for request_id in self._request_of.values() if self._finished(request_id)]
+            for request_id in failed:
+                self.controller.pop_result(request_id)
+            self._forget(failed)
+            self._send(("failed", failed, f"{type(error).__name__}: {error}"))
             if self.command_group is not None:
                 raise  # under TP every rank stops (the lockstep check raises on the others)
             return
-        now = time.perf_counter()
-        events: List[Tuple[RequestHandle, str, object]] = []
-        for request_id, tokens, finished in outputs:
-            handle = self._live.get(request_id)
-            if handle is None:  # aborted: its last tokens are dropped
-                continue
-            if tokens:
-                self.metrics.tokens_arrived(handle, len(tokens), now)
-                events.append((handle, "tokens", list(tokens)))
-            if finished:
-                del self._live[request_id]
-                result = self.controller.pop_result(request_id)
-                handle.done = True
-                self.metrics.request_ended(handle, result.finish_reason.value)
-                events.append((handle, "finished", result))
-        post_events(events)
+        finished: Optional[Dict[int, object]] = None
+        for request_id, _, done in outputs:
+            if done and request_id in self._key_of:  # else aborted: popped already
+                finished = finished or {}
+                finished[request_id] = self.controller.pop_result(request_id).finish_reason
+        if finished:
+            self._forget(finished.keys())
+        if outputs:
+            self._send(("step", outputs, finished))
+
+    def _forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            del self._request_of[self._key_of.pop(request_id)]
 
     def _finished(self, request_id: int) -> bool:
         """Whether the controller ended the request (a failed step leaves queued ones queued)."""
@@ -206,12 +207,6 @@ class EngineLoop:
         except ValueError:  # "has not finished"
             return False
         return True
-
-    def _end(self, handle: RequestHandle, kind: Optional[str], value, reason: str = "error") -> None:
-        handle.done = True
-        self.metrics.request_ended(handle, reason)
-        if kind is not None:
-            handle.post(kind, value)
 
 
 def follow(controller: TextGenerationController, command_group) -> None:

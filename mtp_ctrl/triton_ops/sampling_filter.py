@@ -1,5 +1,6 @@
 """The distribution a sampled row draws from, as probabilities: softmax of ``logits / T`` over the
-top-k / top-p kept set, with no vocabulary sort (rejection acceptance's ``p`` and ``q``).
+top-k / top-p kept set, with no vocabulary sort. Its passes (:func:`_kept_softmax_terms`) also
+give rejection acceptance's ``p`` and ``q`` inside the rejection kernel.
 
 The kept set is the sampler's (:mod:`mtp_ctrl.triton_ops.reference.sampling`, the rule with its
 ties and boundaries): ``{z >= threshold}``, where ``threshold`` is the smallest token value ``w``
@@ -54,23 +55,12 @@ def _top_k_mass(row_ptr, ids, vocab_size, scale, safe_max, threshold_k):
 
 
 @triton.jit
-def _sampling_probs_kernel(
-    LOGITS_PTR,  # [R, V] float, unit stride along V
-    TEMPERATURE_PTR, TOP_K_PTR, TOP_P_PTR,  # [R] each
-    OUT_PTR,  # [R, V] float32, contiguous
-    logits_row_stride, vocab_size,
-    GREEDY_TEMPERATURE: tl.constexpr, NUM_PIVOTS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
-):
-    """One program per row (module docstring)."""
-    row = tl.program_id(0)
-    row_ptr = LOGITS_PTR + row.to(tl.int64) * logits_row_stride
-    out_ptr = OUT_PTR + row.to(tl.int64) * vocab_size
-    temperature = tl.load(TEMPERATURE_PTR + row).to(tl.float32)
-    scale = tl.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)  # greedy rows: logits / 1
-    top_k = tl.load(TOP_K_PTR + row).to(tl.int64)
-    top_p = tl.load(TOP_P_PTR + row).to(tl.float32)
+def _kept_softmax_terms(row_ptr, vocab_size, scale, top_k, top_p, NUM_PIVOTS: tl.constexpr,
+                        BLOCK_VOCAB: tl.constexpr):
+    """``(safe_max, threshold, inverse)`` of one row of logits (passes 1-3 of the module docstring):
+    token ``i`` has probability ``exp(z_i - safe_max) * inverse`` if ``z_i >= threshold``, else 0
+    (:func:`_kept_probs`). Shared with the rejection kernel, which reads ``p`` and ``q`` this way."""
     lanes = tl.arange(0, BLOCK_VOCAB)
-
     row_max = tl.full([], _NEG_INF, tl.float32)
     for start in range(0, vocab_size, BLOCK_VOCAB):
         z, _valid = _scaled_tile(row_ptr, start + lanes, vocab_size, scale)
@@ -111,10 +101,39 @@ def _sampling_probs_kernel(
         _z3, _v3, _k3, e = _top_k_mass(row_ptr, start + lanes, vocab_size, scale, safe_max, threshold)
         kept_sum += tl.sum(e, 0)
     inverse = 1.0 / tl.where(kept_sum > 0.0, kept_sum, 1.0)  # an all -inf row has e = 0 throughout
+    return safe_max, threshold, inverse
+
+
+@triton.jit
+def _kept_probs(z, valid, safe_max, threshold, inverse):
+    """Probabilities of the tokens ``z`` (a tile, or one token with ``valid`` True) under the
+    terms of :func:`_kept_softmax_terms`."""
+    return tl.where(valid & (z >= threshold), tl.exp(z - safe_max), 0.0) * inverse
+
+
+@triton.jit
+def _sampling_probs_kernel(
+    LOGITS_PTR,  # [R, V] float, unit stride along V
+    TEMPERATURE_PTR, TOP_K_PTR, TOP_P_PTR,  # [R] each
+    OUT_PTR,  # [R, V] float32, contiguous
+    logits_row_stride, vocab_size,
+    GREEDY_TEMPERATURE: tl.constexpr, NUM_PIVOTS: tl.constexpr, BLOCK_VOCAB: tl.constexpr,
+):
+    """One program per row (module docstring)."""
+    row = tl.program_id(0)
+    row_ptr = LOGITS_PTR + row.to(tl.int64) * logits_row_stride
+    out_ptr = OUT_PTR + row.to(tl.int64) * vocab_size
+    temperature = tl.load(TEMPERATURE_PTR + row).to(tl.float32)
+    scale = tl.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)  # greedy rows: logits / 1
+    top_k = tl.load(TOP_K_PTR + row).to(tl.int64)
+    top_p = tl.load(TOP_P_PTR + row).to(tl.float32)
+    safe_max, threshold, inverse = _kept_softmax_terms(row_ptr, vocab_size, scale, top_k, top_p, NUM_PIVOTS,
+                                                       BLOCK_VOCAB)
+    lanes = tl.arange(0, BLOCK_VOCAB)
     for start in range(0, vocab_size, BLOCK_VOCAB):
         ids = start + lanes
-        _z4, valid, _k4, e = _top_k_mass(row_ptr, ids, vocab_size, scale, safe_max, threshold)
-        tl.store(out_ptr + ids, e * inverse, mask=valid)
+        z, valid = _scaled_tile(row_ptr, ids, vocab_size, scale)
+        tl.store(out_ptr + ids, _kept_probs(z, valid, safe_max, threshold, inverse), mask=valid)
 
 
 def _check_args(logits, temperature, top_k, top_p, out):

@@ -1,6 +1,7 @@
 """load_hf_checkpoint on CUDA: parameters allocated on the GPU and filled from the mapped files; the
-paged model's logits (decoder and MiMo MTP depths) == transformers' / the plain-torch MTP step on
-the same device (fp32), and bf16 loads."""
+paged model's logits (decoder and MTP depths of MiMo, GLM-4.5, DeepSeek-V3, Qwen3-Next, Qwen3.5) ==
+transformers' / the plain-torch MTP step on the same device (fp32); speculation with CUDA graphs ==
+plain; bf16 loads."""
 
 import pytest
 import torch
@@ -21,6 +22,17 @@ from tests.unit.megatron_fixtures import (  # noqa: E402
 )
 
 GPU_FP32_TOL = dict(atol=1e-3, rtol=1e-3)
+
+
+def _graph_outputs(model, num_speculative_tokens):
+    """Greedy tokens of two prompts through the controller with CUDA graphs."""
+    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+
+    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=2, block_size_tokens=16,
+                             max_model_len=64, max_tokens_per_step=64, cuda_graph_batch_sizes=(1, 2))
+    results = TextGenerationController(model, config, seed=0).generate([[5, 17, 33, 2, 90, 41], [7, 7, 60, 12]],
+                                                                       SamplingParams(max_new_tokens=12))
+    return [list(result.output_tokens) for result in results]
 
 
 def test_mimo_on_cuda_matches_transformers(tmp_path):
@@ -50,7 +62,6 @@ def test_moe_and_mla_on_cuda_match_transformers_and_speculate_losslessly(tmp_pat
     """GLM-4.5 (MoE + MTP) and DeepSeek-V3 (MLA + MoE + MTP) on the GPU: logits == transformers
     (fp32), the MTP depths == the reference step, and the controller with CUDA graphs gives
     S = 2 == S = 0 (bf16 loads too; its expert bias stays fp32)."""
-    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
     from tests.unit import hf_moe_fixtures
 
     ensure_single_process_groups()
@@ -71,14 +82,39 @@ def test_moe_and_mla_on_cuda_match_transformers_and_speculate_losslessly(tmp_pat
         for depth in range(hf_moe_fixtures.NEXTN_DEPTH):
             for b in range(len(sequences)):
                 torch.testing.assert_close(mtp_logits[depth][b], reference[depth][b], **GPU_FP32_TOL)
-    prompts = [[5, 17, 33, 2, 90, 41], [7, 7, 60, 12]]
-    outputs = []
-    for num_speculative_tokens in (0, 2):
-        config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=2, block_size_tokens=16,
-                                 max_model_len=64, max_tokens_per_step=64, cuda_graph_batch_sizes=(1, 2))
-        controller = TextGenerationController(model, config, seed=0)
-        outputs.append([list(r.output_tokens) for r in controller.generate(prompts, SamplingParams(max_new_tokens=12))])
-    assert outputs[0] == outputs[1]
+    assert _graph_outputs(model, 2) == _graph_outputs(model, 0)
     bf16 = load_hf_checkpoint(tmp_path, device="cuda", dtype=torch.bfloat16)
     biases = [b for name, b in bf16.named_buffers() if name.endswith("router.expert_bias")]
     assert biases and all(b.dtype == torch.float32 for b in biases)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_gdn_hybrids_on_cuda_match_transformers_and_speculate_losslessly(tmp_path, family):
+    """Qwen3-Next (GDN + MoE + MTP) and Qwen3.5 (GDN + MTP, vision-language checkpoint) on the GPU,
+    through the Triton kernels: logits over prefill / verify + commit / chunked prefill ==
+    transformers (fp32, its torch fallbacks), the MTP depths == the reference step; the controller
+    with CUDA graphs gives S = 2 == S = 0; bf16 loads."""
+    import transformers
+
+    from tests.unit import hf_gdn_fixtures
+
+    needed = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}[family]
+    if not hasattr(transformers, needed):
+        pytest.skip(f"transformers {transformers.__version__} has no {needed}")
+    ensure_single_process_groups()
+    hf_model, mtp, layer_models = hf_gdn_fixtures.write_checkpoint(family, tmp_path)
+    model = load_hf_checkpoint(tmp_path, device="cuda")
+    tokens = torch.randint(0, 96, (13,), generator=torch.Generator().manual_seed(5)).cuda()
+    decoder, mtp_logits = hf_gdn_fixtures.paged_logits(PagedGPTRunner(model), tokens, device="cuda")
+    hf_model = hf_model.cuda()
+    layer_models = [layer.cuda() for layer in layer_models]
+    with torch.no_grad():
+        expected = hf_gdn_fixtures.expected_decoder_rows(hf_model(tokens[None]).logits[0])
+        reference = hf_gdn_fixtures.reference_mtp_logits(hf_model, {k: v.cuda() for k, v in mtp.items()},
+                                                         layer_models, tokens, shifted_tokens)
+    torch.testing.assert_close(decoder, expected, **GPU_FP32_TOL)
+    for ours, theirs in zip(mtp_logits, reference):
+        torch.testing.assert_close(ours, theirs, **GPU_FP32_TOL)
+    assert _graph_outputs(model, 2) == _graph_outputs(model, 0)
+    bf16 = load_hf_checkpoint(tmp_path, device="cuda", dtype=torch.bfloat16)
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}

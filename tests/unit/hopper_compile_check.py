@@ -44,8 +44,8 @@ def pointers(kernel, default, **special):
 def cases():
     """(label, kernel, pointer types, float args, constexprs): the kernels of a decode step's
     attention and glue, and the Mamba prefill kernels, in the variants the models launch."""
-    from mtp_ctrl.triton_ops import (gdn_recurrent, gdn_replay, layer_glue, mamba_varlen, mla_attention, moe_gemm, paged_attn,
-                                     rope_kv_write, sampling_filter)
+    from mtp_ctrl.triton_ops import (gdn_recurrent, gdn_replay, layer_glue, mamba_varlen, mla_attention, moe_gemm,
+                                     paged_attn, rejection_sampling, rope_kv_write, sampling_filter)
 
     attention = paged_attn._paged_attention_kernel
     attention_pointers = pointers(attention, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32",
@@ -108,6 +108,12 @@ def cases():
     yield ("sampling probs (rejection acceptance)", probs,
            pointers(probs, "fp32", LOGITS_PTR="bf16", TOP_K_PTR="i64"), set(),
            dict(GREEDY_TEMPERATURE=1e-5, NUM_PIVOTS=16, BLOCK_VOCAB=256))
+    rejection = rejection_sampling._rejection_sample_kernel
+    for has_q in (True, False):
+        yield (f"rejection sample, q {has_q}", rejection,
+               pointers(rejection, "i64", LOGITS_PTR="bf16", DRAFT_LOGITS_PTR="fp32", TEMPERATURE_PTR="fp32",
+                        TOP_P_PTR="fp32"), set(),
+               dict(GREEDY_TEMPERATURE=1e-5, HAS_Q=has_q, NUM_PIVOTS=16, BLOCK_VOCAB=256))
     counts = moe_gemm._chunk_bucket_counts_kernel
     yield ("MoE pair counts", counts, pointers(counts, "i64", CHUNK_COUNTS_PTR="i32"), set(), dict(BLOCK_P=64, E_PAD=128))
     layout = moe_gemm._segment_layout_kernel

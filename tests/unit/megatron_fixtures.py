@@ -6,11 +6,13 @@ build of torch), so CPU tests seed with ``torch.manual_seed`` and build with
 """
 
 import contextlib
+import multiprocessing
 import socket
 from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -28,6 +30,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# What every spawned rank imports: a forkserver imports it once per test process and forks each
+# rank from there (a freshly spawned interpreter spent ~9 CPU s importing torch and megatron-core).
+RANK_PRELOAD = ("torch", "torch.distributed", "megatron.core", "mtp_ctrl.controllers", "mtp_ctrl.models",
+                "tests.unit.megatron_fixtures")
+
+
+def rank_process_context():
+    """The multiprocessing context TP ranks start from: a forkserver that imports ``RANK_PRELOAD``."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(RANK_PRELOAD))  # no effect once the server runs
+    return context
+
+
+def spawn_ranks(worker, args=(), nprocs: int = 2) -> None:
+    """``torch.multiprocessing.spawn(worker, args, nprocs)``, the ranks forked from
+    ``rank_process_context()``; a rank's exception re-raises here, as with spawn."""
+    rank_process_context()
+    torch.multiprocessing.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def init_process_groups(rank: int, world_size: int, port: int, tensor_parallel_size: int,

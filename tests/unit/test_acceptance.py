@@ -41,18 +41,18 @@ def reference_ops(monkeypatch):
 
 class UniformProposer(Proposer):
     """A deliberately bad drafter: every draft uniform over the vocabulary (the controller's sampler
-    on flat logits: the argmax of the request's own noise at the draft's position), with q = 1 / V
-    recorded per table row."""
+    on flat logits: the argmax of the request's own noise at the draft's position), with those flat
+    logits recorded per table row (q = 1 / V: ties are all kept by top-k and top-p)."""
 
     def bind(self, draft_context):
         super().bind(draft_context)
         self.num_speculative_tokens = draft_context.shape.num_speculative_tokens
         self.vocab_size = draft_context.shape.vocab_size
-        self._q = draft_context.add_device_rows("uniform_q", (self.num_speculative_tokens, self.vocab_size),
-                                                torch.float32, fill=1.0 / self.vocab_size)  # [R + 1, S, V] float32
+        self._flat = draft_context.add_device_rows("uniform_logits", (self.num_speculative_tokens, self.vocab_size),
+                                                   torch.float32)  # [R + 1, S, V] float32, zeros
 
-    def draft_probs(self):
-        return self._q
+    def draft_logits(self):
+        return self._flat
 
     def propose(self, batch):
         n, S = batch.num_requests, self.num_speculative_tokens
@@ -120,7 +120,7 @@ def _generate(model, S, temperature, top_k, top_p, proposer=None, acceptance="re
 
 def _eagle_family_proposer(model, kind: str, S: int):
     """A random-weight EAGLE (serial), PTD or multi-layer EAGLE drafter for ``model``: their q rows
-    come from the shared DraftProbabilities recorder."""
+    come from the shared DraftLogits recorder."""
     from mtp_ctrl.controllers import EagleProposer, MultiLayerEagleProposer, ParallelDraftingProposer
     from mtp_ctrl.models import build_eagle_head, build_multi_layer_eagle_heads, default_aux_layer_ids
 
@@ -179,6 +179,15 @@ def test_exact_match_mode_is_token_for_token_plain_decoding(models):
         assert [r.output_tokens for r in results] == plain
 
 
+def test_a_proposer_with_the_old_q_hook_is_refused(models):
+    class OldHook(RepeatLastTokenProposer):
+        def draft_probs(self):
+            return None
+
+    with pytest.raises(TypeError, match="draft_logits"):
+        make_controller(models[0], 2, proposer=OldHook(), acceptance="rejection")
+
+
 def test_acceptance_is_validated():
     assert InferenceConfig().acceptance == "exact_match"
     with pytest.raises(ValueError, match="acceptance"):
@@ -188,12 +197,12 @@ def test_acceptance_is_validated():
 
 
 @pytest.mark.parametrize("proposer", ["mtp", "eagle", "ptd", "multi_layer_eagle"])
-def test_draft_probs_are_allocated_only_for_rejection(models, proposer):
+def test_draft_logits_are_allocated_only_for_rejection(models, proposer):
     model, _ = models
 
     def drafter():
         return None if proposer == "mtp" else _eagle_family_proposer(model, proposer, 2)
 
-    assert make_controller(model, 2, proposer=drafter()).proposer.draft_probs() is None
-    probs = make_controller(model, 2, proposer=drafter(), acceptance="rejection").proposer.draft_probs()
-    assert probs.shape == (4 + 1, 2, VOCAB_SIZE) and probs.dtype == torch.float32  # [R + 1, S, V]
+    assert make_controller(model, 2, proposer=drafter()).proposer.draft_logits() is None
+    rows = make_controller(model, 2, proposer=drafter(), acceptance="rejection").proposer.draft_logits()
+    assert rows.shape == (4 + 1, 2, VOCAB_SIZE) and rows.dtype == torch.float32  # [R + 1, S, V]

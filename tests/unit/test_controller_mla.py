@@ -11,7 +11,6 @@ Ops run their torch twins here; each kernel == its twin in tests/unit/test_mla_a
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
@@ -22,6 +21,7 @@ from tests.unit.megatron_fixtures import (
     ensure_single_process_groups,
     free_port,
     init_process_groups,
+    spawn_ranks,
     torch_twins,
 )
 from tests.unit.mla_fixtures import YARN, build_megatron_mla_gpt, megatron_on_cpu, tiny_mla_config
@@ -117,4 +117,4 @@ def _tp_worker(rank: int, world_size: int, port: int, expected_path: str) -> Non
 def test_tp2_equals_tp1(tp1_outputs, tmp_path):
     path = tmp_path / "tp1.pt"
     torch.save(tp1_outputs, path)
-    mp.spawn(_tp_worker, args=(2, free_port(), str(path)), nprocs=2, join=True)
+    spawn_ranks(_tp_worker, (2, free_port(), str(path)))

@@ -15,7 +15,6 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -30,6 +29,7 @@ from tests.unit.megatron_fixtures import (
     ensure_single_process_groups,
     free_port,
     init_process_groups,
+    spawn_ranks,
     tiny_config,
     torch_twins,
 )
@@ -212,8 +212,7 @@ def tp1_expected_path(moe_model, tp1_outputs, tmp_path_factory):
 
 @pytest.mark.parametrize("tensor_parallel_size, expert_parallel_size", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
 def test_parallel_moe_matches_tp1(tp1_expected_path, tensor_parallel_size, expert_parallel_size):
-    mp.spawn(_parallel_worker, args=(2, free_port(), tensor_parallel_size, expert_parallel_size, tp1_expected_path),
-             nprocs=2, join=True)
+    spawn_ranks(_parallel_worker, (2, free_port(), tensor_parallel_size, expert_parallel_size, tp1_expected_path))
 
 
 def test_dense_config_is_unchanged(megatron_groups):

@@ -11,7 +11,6 @@ Multi-layer EAGLE (two draft layers, S = 2) has a test of its own (``-k multi_la
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
 from tests.unit.megatron_fixtures import (
@@ -19,6 +18,7 @@ from tests.unit.megatron_fixtures import (
     ensure_single_process_groups,
     free_port,
     init_process_groups,
+    spawn_ranks,
     tiny_config,
     torch_twins,
 )
@@ -93,7 +93,7 @@ def tp1_outputs_path(tmp_path_factory):
 
 
 def test_controller_tp2_matches_tp1(tp1_outputs_path):
-    mp.spawn(_tp_worker, args=(2, free_port(), tp1_outputs_path), nprocs=2, join=True)
+    spawn_ranks(_tp_worker, (2, free_port(), tp1_outputs_path))
 
 
 def generate_multi_layer_eagle(tensor_parallel_size: int, with_plain: bool = False):
@@ -135,4 +135,4 @@ def test_multi_layer_eagle_tp2_matches_tp1(tmp_path):
     assert outputs[0] == outputs[1] and outputs[2] == outputs[3]  # drafted == plain, greedy and sampled
     path = tmp_path / "multi_layer_eagle_tp1.pt"
     torch.save(outputs[1::2], path)
-    mp.spawn(_multi_layer_eagle_worker, args=(2, free_port(), str(path)), nprocs=2, join=True)
+    spawn_ranks(_multi_layer_eagle_worker, (2, free_port(), str(path)))

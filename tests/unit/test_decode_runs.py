@@ -19,6 +19,7 @@ from mtp_ctrl.controllers import FinishReason, InferenceConfig, Proposer, Sampli
 from tests.unit.controller_fixtures import (MTP_DEPTH, PROMPTS, CountingAcceptTokens, build_models, make_controller,
                                            random_arrivals, run_with_arrivals)
 from tests.unit.megatron_fixtures import ensure_single_process_groups
+from tests.unit.megatron_fixtures import torch_twins as twin_ops
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,8 @@ def _watch_runs(controller):
 
 
 def _check_equal_plain(model, arrivals, cases):
-    plain = run_with_arrivals(make_controller(model, 0, max_model_len=40, overlap_scheduling=False), arrivals)
+    with twin_ops():  # the reference; the cases run the kernels where a test asks for them
+        plain = run_with_arrivals(make_controller(model, 0, max_model_len=40, overlap_scheduling=False), arrivals)
     for S, steps, overlap, more in cases:
         controller = make_controller(model, S, max_model_len=40, overlap_scheduling=overlap,
                                      decode_steps_per_launch=steps, **more)
@@ -71,11 +73,12 @@ def test_decode_runs_equal_plain_under_churn_preemption_and_sampling(models, see
 
 
 def test_decode_runs_through_the_kernels_equal_plain(models):
-    """The same through the Triton kernels (interpreter), graph-padded: one short case."""
+    """The same through the Triton kernels (interpreter), graph-padded: one short case (16-row
+    steps: the padded prefill step runs 16 rows, not 64)."""
     model, _ = models
     arrivals = [(0, list(PROMPTS[1]), SamplingParams(max_new_tokens=9)),
                 (0, list(PROMPTS[2]), SamplingParams(max_new_tokens=7, temperature=0.9, seed=4))]
-    _check_equal_plain(model, arrivals, [(2, 4, True, dict(cuda_graph_batch_sizes=(2,)))])
+    _check_equal_plain(model, arrivals, [(2, 4, True, dict(cuda_graph_batch_sizes=(2,), max_tokens_per_step=16))])
 
 
 def test_a_tight_kv_pool_pauses_preempts_and_falls_back_to_single_steps(models, torch_twins):

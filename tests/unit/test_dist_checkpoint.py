@@ -13,7 +13,6 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing, parallel_state
 
 from mtp_ctrl.models import load_distributed_checkpoint, save_distributed_checkpoint
@@ -29,7 +28,7 @@ from tests.unit.dist_checkpoint_fixtures import (
     unchanged,
 )
 from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups, free_port, \
-    init_process_groups, tiny_config
+    init_process_groups, spawn_ranks, tiny_config
 
 SAVED_SEED, OTHER_SEED = 1234, 99  # the paged models start from other weights than the saved ones
 
@@ -55,7 +54,7 @@ def _save_at_tp2_worker(rank: int, world_size: int, port: int, out_dir: str) -> 
 def tp2_run(tmp_path_factory):
     """``(checkpoint dir, [per-rank results])`` of the TP = 2 save and load."""
     out_dir = tmp_path_factory.mktemp("dist_checkpoint")
-    mp.spawn(_save_at_tp2_worker, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
+    spawn_ranks(_save_at_tp2_worker, (2, free_port(), str(out_dir)))
     return out_dir / "checkpoint", [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]
 
 

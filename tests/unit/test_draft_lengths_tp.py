@@ -4,11 +4,10 @@ lockstep check compares each step's draft lengths, so a divergence would raise).
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
 from tests.unit.megatron_fixtures import (build_tiny_model, ensure_single_process_groups, free_port,
-                                          init_process_groups, tiny_config, torch_twins)
+                                          init_process_groups, spawn_ranks, tiny_config, torch_twins)
 
 PROMPTS = ([5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45])
 SAMPLING = (dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=7))
@@ -54,4 +53,4 @@ def test_draft_lengths_tp2_match_tp1(tmp_path):
     assert any(1 in step for step in choices[0]) and any(0 in step for step in choices[0])  # lengths varied
     path = tmp_path / "draft_lengths_tp1.pt"
     torch.save((outputs, choices), path)
-    mp.spawn(_worker, args=(2, free_port(), str(path)), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), str(path)))

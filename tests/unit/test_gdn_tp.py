@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
 from mtp_ctrl.models import PagedGatedDeltaNet, PagedGPTRunner
 from tests.unit.gdn_fixtures import build_gdn_model, gdn_config
-from tests.unit.megatron_fixtures import ensure_single_process_groups, free_port, init_process_groups
+from tests.unit.megatron_fixtures import ensure_single_process_groups, free_port, init_process_groups, spawn_ranks
 from tests.unit.test_mamba_tp import _greedy_tokens, _schedule_logits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the scripts import siblings by name
@@ -59,7 +58,7 @@ def tp1_expected_path(tmp_path_factory):
 
 
 def test_tp2_gdn_hybrid_matches_tp1(tp1_expected_path):
-    mp.spawn(tp_worker, args=(2, free_port(), tp1_expected_path), nprocs=2, join=True)
+    spawn_ranks(tp_worker, (2, free_port(), tp1_expected_path))
 
 
 def test_heads_must_split_over_the_ranks():

@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
@@ -28,6 +27,7 @@ from tests.unit.megatron_fixtures import (  # noqa: E402
     random_sequences,
     run_paged_schedule,
     shifted_tokens,
+    spawn_ranks,
 )
 
 TOLERANCE = dict(atol=2e-5, rtol=1e-4)
@@ -143,7 +143,7 @@ def test_tp2_matches_transformers(checkpoints, tmp_path):
                             "mtp": reference_mtp_logits(hf_model, mtp, sequences) if mtp else []}
     path = tmp_path / "expected.pt"
     torch.save(expected, path)
-    mp.spawn(_tp_worker, args=(2, free_port(), directories, str(path)), nprocs=2, join=True)
+    spawn_ranks(_tp_worker, (2, free_port(), directories, str(path)))
 
 
 # ----- refusals ----------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def _edit_config(directory, **fields):
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}), "yarn"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
-    (dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"]), "Gated DeltaNet"),
+    (dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"]), "DeepSeek-V2"),
     (dict(model_type="falcon", architectures=["FalconForCausalLM"]), "FalconForCausalLM"),
     (dict(architectures=["Qwen3ForSequenceClassification"]), "Qwen3ForSequenceClassification"),
     (dict(model_type="llama", architectures=["LlamaForCausalLMEagle3"]), "EAGLE draft head"),

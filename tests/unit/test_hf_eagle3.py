@@ -4,7 +4,8 @@ reduced draft vocabulary (``d2t`` / ``t2d``), over a ``transformers``-written Ll
 Checked: the head's step-1 logits (through the paged runner) == a plain-torch EAGLE-3 step written
 here from the published layout (target aux states and rotary from ``transformers``), with every id
 outside the draft vocabulary at -inf; the controller with :class:`EagleProposer` over the loaded
-head: S = 2 == S = 0, greedy and sampled; bad heads are refused by name.
+head: S = 2 == S = 0, greedy and sampled; the same for a deeper head (``num_hidden_layers`` 2:
+``layers.0.*`` as above, ``layers.1.*`` a plain decoder layer after it); bad heads are refused by name.
 """
 
 import json
@@ -12,7 +13,6 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
@@ -33,6 +33,7 @@ from tests.unit.megatron_fixtures import (  # noqa: E402
     make_metadata,
     random_sequences,
     shifted_tokens,
+    spawn_ranks,
 )
 
 TOLERANCE = dict(atol=3e-5, rtol=1e-4)
@@ -42,8 +43,9 @@ DRAFT_VOCAB_SIZE = 64
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 64, 96, 4, 2, 16
 
 
-def head_tensors(seed: int = 7):
-    """Random EAGLE-3 head tensors (``midlayer.*``), fp32, and the draft vocabulary's target ids."""
+def head_tensors(seed: int = 7, num_layers: int = 1):
+    """Random EAGLE-3 head tensors (``midlayer.*``; with several layers ``layers.{i}.*``, as vLLM
+    names them), fp32, and the draft vocabulary's target ids."""
     generator = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=0.08):
@@ -55,7 +57,7 @@ def head_tensors(seed: int = 7):
     target_ids = torch.randperm(VOCAB_SIZE, generator=generator)[:DRAFT_VOCAB_SIZE].sort().values  # [Vd]
     t2d = torch.zeros(VOCAB_SIZE, dtype=torch.bool)
     t2d[target_ids] = True
-    p = "midlayer."
+    p = "midlayer." if num_layers == 1 else "layers.0."
     tensors = {
         "fc.weight": rand(HIDDEN, 3 * HIDDEN), p + "hidden_norm.weight": norm(), p + "input_layernorm.weight": norm(),
         p + "self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, 2 * HIDDEN),
@@ -67,6 +69,15 @@ def head_tensors(seed: int = 7):
         "lm_head.weight": rand(DRAFT_VOCAB_SIZE, HIDDEN, scale=0.3),
         "d2t": target_ids - torch.arange(DRAFT_VOCAB_SIZE), "t2d": t2d,
     }
+    for index in range(1, num_layers):
+        p = f"layers.{index}."
+        tensors.update({
+            p + "input_layernorm.weight": norm(), p + "self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM), p + "post_attention_layernorm.weight": norm(),
+            p + "mlp.gate_proj.weight": rand(FFN, HIDDEN), p + "mlp.up_proj.weight": rand(FFN, HIDDEN),
+            p + "mlp.down_proj.weight": rand(HIDDEN, FFN)})
     return tensors, target_ids
 
 
@@ -79,7 +90,8 @@ def write_head(directory, tensors, **config_fields):
                   intermediate_size=FFN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                   num_hidden_layers=1, rms_norm_eps=1e-6, vocab_size=VOCAB_SIZE, draft_vocab_size=DRAFT_VOCAB_SIZE,
                   max_position_embeddings=128, rope_parameters=dict(hf_fixtures.LLAMA3_ROPE),
-                  eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE_AUX_IDS}, **config_fields)
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": EAGLE_AUX_IDS})
+    config.update(config_fields)
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 
@@ -99,7 +111,9 @@ def setup(tmp_path_factory):
     tensors, target_ids = head_tensors()
     tensors["embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()  # SpecForge keeps a copy
     write_head(root / "head", tensors)
-    return root / "target", target, root / "head", tensors, target_ids
+    deep_tensors, deep_ids = head_tensors(seed=8, num_layers=2)
+    write_head(root / "deep_head", deep_tensors, num_hidden_layers=2)
+    return root / "target", target, root / "head", tensors, target_ids, root / "deep_head", deep_tensors, deep_ids
 
 
 def _rms(x, weight, eps=1e-6):
@@ -111,17 +125,9 @@ def _rotate(x, cos, sin):  # x [T, heads, D]; cos, sin [T, D]
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-@torch.no_grad()
-def eagle3_step_reference(hf_target, w, target_ids, tokens):
-    """EAGLE-3's first draft step over one whole sequence: logits ``[T, V]`` (-inf off the draft
-    vocabulary) of the token after next at every position."""
-    seq_len = tokens.shape[0]
-    states = hf_target(tokens[None], output_hidden_states=True).hidden_states  # [L + 1] x [1, T, H]
-    feature = torch.cat([states[i][0] for i in EAGLE_AUX_IDS], dim=-1) @ w["fc.weight"].T  # [T, H]
-    p = "midlayer."
-    embedded = hf_target.model.embed_tokens.weight[shifted_tokens(tokens, 1)]  # [T, H]
-    x = torch.cat((_rms(embedded, w[p + "input_layernorm.weight"]), _rms(feature, w[p + "hidden_norm.weight"])), -1)
-    cos, sin = hf_target.model.rotary_emb(x[None], torch.arange(seq_len)[None])  # [1, T, D]
+def _decoder_layer(x, residual, w, p, cos, sin):
+    """A Llama decoder layer whose attention reads ``x`` [T, in] and adds to ``residual`` [T, H]."""
+    seq_len = x.shape[0]
     q = _rotate((x @ w[p + "self_attn.q_proj.weight"].T).view(seq_len, HEADS, HEAD_DIM), cos[0], sin[0])
     k = _rotate((x @ w[p + "self_attn.k_proj.weight"].T).view(seq_len, KV_HEADS, HEAD_DIM), cos[0], sin[0])
     v = (x @ w[p + "self_attn.v_proj.weight"].T).view(seq_len, KV_HEADS, HEAD_DIM)
@@ -129,10 +135,29 @@ def eagle3_step_reference(hf_target, w, target_ids, tokens):
     scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(HEAD_DIM)
     scores = scores.masked_fill(torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), float("-inf"))
     attended = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(seq_len, HEADS * HEAD_DIM)
-    h = feature + attended @ w[p + "self_attn.o_proj.weight"].T
+    h = residual + attended @ w[p + "self_attn.o_proj.weight"].T
     y = _rms(h, w[p + "post_attention_layernorm.weight"])
-    out = h + (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ \
+    return h + (F.silu(y @ w[p + "mlp.gate_proj.weight"].T) * (y @ w[p + "mlp.up_proj.weight"].T)) @ \
         w[p + "mlp.down_proj.weight"].T
+
+
+@torch.no_grad()
+def eagle3_step_reference(hf_target, w, target_ids, tokens, num_layers: int = 1):
+    """EAGLE-3's first draft step over one whole sequence: logits ``[T, V]`` (-inf off the draft
+    vocabulary) of the token after next at every position. Layer 0 attends over
+    ``cat(input_layernorm(embedding), hidden_norm(feature))`` with the feature as its residual;
+    layers 1.. are plain decoder layers on its output."""
+    seq_len = tokens.shape[0]
+    states = hf_target(tokens[None], output_hidden_states=True).hidden_states  # [L + 1] x [1, T, H]
+    feature = torch.cat([states[i][0] for i in EAGLE_AUX_IDS], dim=-1) @ w["fc.weight"].T  # [T, H]
+    p = "midlayer." if num_layers == 1 else "layers.0."
+    embedded = hf_target.model.embed_tokens.weight[shifted_tokens(tokens, 1)]  # [T, H]
+    x = torch.cat((_rms(embedded, w[p + "input_layernorm.weight"]), _rms(feature, w[p + "hidden_norm.weight"])), -1)
+    cos, sin = hf_target.model.rotary_emb(x[None], torch.arange(seq_len)[None])  # [1, T, D]
+    out = _decoder_layer(x, feature, w, p, cos, sin)
+    for index in range(1, num_layers):
+        p = f"layers.{index}."
+        out = _decoder_layer(_rms(out, w[p + "input_layernorm.weight"]), out, w, p, cos, sin)
     draft = _rms(out, w["norm.weight"]) @ w["lm_head.weight"].T  # [T, Vd]
     logits = torch.full((seq_len, VOCAB_SIZE), float("-inf"))
     logits[:, target_ids] = draft
@@ -150,7 +175,7 @@ def first_step_logits(target_dir, head_dir, tokens, tp: int = 1):
     with torch.no_grad():
         runner.forward(tokens, metadata.positions, metadata,
                        runner.kv_cache_spec(torch.float32).allocate(NUM_BLOCKS, BLOCK_SIZE_TOKENS, "cpu"))
-        head_cache = allocate_kv_caches(1, NUM_BLOCKS, KV_HEADS // tp, HEAD_DIM)
+        head_cache = allocate_kv_caches(head.num_kv_layers, NUM_BLOCKS, KV_HEADS // tp, HEAD_DIM)
         logits, _ = runner.eagle_forward(head, head.project_aux(runner.aux_hidden), shifted_tokens(tokens, 1),
                                          metadata.positions, metadata, head_cache)
     return logits
@@ -170,29 +195,36 @@ def _tp_worker(rank, world_size, port, target_dir, head_dir, expected_path):
 
 
 def test_tp2_matches_reference(setup, tmp_path):
-    """Two gloo ranks: the head's fused 2H-input QKV, MLP and draft-vocabulary head split over TP."""
-    target_dir, hf_target, head_dir, tensors, target_ids = setup
+    """Two gloo ranks: the deeper head's fused 2H-input QKV, its plain second layer, MLPs and
+    draft-vocabulary head split over TP."""
+    target_dir, hf_target = setup[:2]
+    head_dir, tensors, target_ids = setup[5:]
     tokens = random_sequences(seed=0)[0]
     path = tmp_path / "expected.pt"
-    torch.save((tokens, eagle3_step_reference(hf_target, tensors, target_ids, tokens)), path)
-    mp.spawn(_tp_worker, args=(2, free_port(), str(target_dir), str(head_dir), str(path)), nprocs=2, join=True)
+    torch.save((tokens, eagle3_step_reference(hf_target, tensors, target_ids, tokens, num_layers=2)), path)
+    spawn_ranks(_tp_worker, (2, free_port(), str(target_dir), str(head_dir), str(path)))
 
 
-def test_first_draft_step_matches_reference(setup):
-    target_dir, hf_target, head_dir, tensors, target_ids = setup
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_first_draft_step_matches_reference(setup, num_layers):
+    target_dir, hf_target, head_dir, tensors, target_ids = setup[:5]
+    if num_layers == 2:
+        head_dir, tensors, target_ids = setup[5:]
     tokens = random_sequences(seed=0)[0]
     logits = first_step_logits(target_dir, head_dir, tokens)
-    reference = eagle3_step_reference(hf_target, tensors, target_ids, tokens)
+    reference = eagle3_step_reference(hf_target, tensors, target_ids, tokens, num_layers)
     off_vocabulary = torch.ones(VOCAB_SIZE, dtype=torch.bool)
     off_vocabulary[target_ids] = False
     assert torch.isneginf(logits[:, off_vocabulary]).all()
     torch.testing.assert_close(logits[:, target_ids], reference[:, target_ids], **TOLERANCE)
 
 
-def test_speculation_with_the_loaded_head_is_lossless(setup, torch_twins):
-    target_dir, _, head_dir, _, _ = setup
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_speculation_with_the_loaded_head_is_lossless(setup, num_layers, torch_twins):
+    target_dir, head_dir = setup[0], setup[2 if num_layers == 1 else 5]
     model = load_hf_checkpoint(target_dir, device="cpu")
     head = load_eagle3_head(head_dir, model)
+    assert head.num_kv_layers == num_layers
     prompts = [[5, 17, 33, 2, 90, 41], [7, 7, 60, 12]]
 
     def generate(num_speculative_tokens, **sampling):
@@ -204,7 +236,8 @@ def test_speculation_with_the_loaded_head_is_lossless(setup, torch_twins):
         return [list(result.output_tokens) for result in results]
 
     assert generate(2) == generate(0)
-    assert generate(2, temperature=1.0, seed=3) == generate(0, temperature=1.0, seed=3)
+    if num_layers == 1:  # sampling draws the same way whatever the head's depth
+        assert generate(2, temperature=1.0, seed=3) == generate(0, temperature=1.0, seed=3)
 
 
 def _bad_d2t(tensors):
@@ -226,7 +259,7 @@ def _bad_t2d(tensors):
     (None, {"architectures": ["LlamaForCausalLM"]}, "not an EAGLE-3 head"),
 ])
 def test_bad_heads_are_refused_by_name(setup, tmp_path, edit, config_fields, named):
-    target_dir, _, _, tensors, _ = setup
+    target_dir, _, _, tensors = setup[:4]
     tensors = {name: tensor.clone() for name, tensor in tensors.items()}
     if edit is not None:
         edit(tensors)
@@ -246,7 +279,7 @@ def test_generate_script_drafts_with_the_head(setup, tmp_path):
 
     from tests.unit.test_scripts import run_script
 
-    target_dir, _, head_dir, _, _ = setup
+    target_dir, _, head_dir = setup[:3]
     target = shutil.copytree(target_dir, tmp_path / "target")
     hf_fixtures.write_tokenizer(target)
     path = tmp_path / "metrics.json"
@@ -266,7 +299,7 @@ def test_draft_hf_flag_combinations_are_checked(setup, module, capsys):
     import importlib
 
     parse_args = importlib.import_module(f"mtp_ctrl.cli.{module}").parse_args
-    target_dir, _, head_dir, _, _ = setup
+    target_dir, _, head_dir = setup[:3]
     for argv, named in ((["--random-weights", "--draft-hf", str(head_dir)], "--draft-hf goes with --hf"),
                         (["--hf", str(target_dir), "--proposer", "eagle"], "needs --draft-hf"),
                         (["--hf", str(target_dir), "--draft-hf", str(head_dir)], "goes with --proposer eagle"),

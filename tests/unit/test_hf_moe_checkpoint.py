@@ -14,7 +14,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
@@ -29,6 +28,7 @@ from tests.unit.megatron_fixtures import (  # noqa: E402
     random_sequences,
     run_paged_schedule,
     shifted_tokens,
+    spawn_ranks,
 )
 from tests.unit.megatron_fixtures import torch_twins as use_torch_twins  # noqa: E402
 
@@ -113,8 +113,8 @@ def test_parallel_load_matches_transformers(checkpoints, tmp_path, tensor_parall
                 hf_moe_fixtures.reference_mtp_logits(hf_model, mtp_models, sequences, shifted_tokens)}
     path = tmp_path / "expected.pt"
     torch.save(expected, path)
-    mp.spawn(_parallel_worker, args=(2, free_port(), tensor_parallel_size, expert_parallel_size, directories,
-                                     str(path)), nprocs=2, join=True)
+    spawn_ranks(_parallel_worker, (2, free_port(), tensor_parallel_size, expert_parallel_size, directories,
+                                     str(path)))
 
 
 def _generate(model, prompts, num_speculative_tokens, new_tokens, **sampling):

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
@@ -25,6 +24,7 @@ from tests.unit.megatron_fixtures import (
     free_port,
     init_process_groups,
     make_metadata,
+    spawn_ranks,
     tiny_config,
     torch_twins,
 )
@@ -137,7 +137,7 @@ def tp1_expected_path(tmp_path_factory):
 
 
 def test_tp2_hybrid_matches_tp1(tp1_expected_path):
-    mp.spawn(tp_worker, args=(2, free_port(), tp1_expected_path), nprocs=2, join=True)
+    spawn_ranks(tp_worker, (2, free_port(), tp1_expected_path))
 
 
 def test_shard_full_tensor_keeps_each_ranks_chunk_of_every_section():

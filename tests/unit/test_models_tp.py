@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from mtp_ctrl.models import PagedGPTRunner, count_kv_layers
 from tests.unit.megatron_fixtures import (
@@ -13,6 +12,7 @@ from tests.unit.megatron_fixtures import (
     free_port,
     random_sequences,
     run_paged_schedule,
+    spawn_ranks,
     tensor_parallel_worker,
     tiny_config,
 )
@@ -30,4 +30,4 @@ def tp1_logits_path(tmp_path_factory):
 
 
 def test_tp2_matches_tp1(tp1_logits_path):
-    mp.spawn(tensor_parallel_worker, args=(2, free_port(), tp1_logits_path, "cpu"), nprocs=2, join=True)
+    spawn_ranks(tensor_parallel_worker, (2, free_port(), tp1_logits_path, "cpu"))

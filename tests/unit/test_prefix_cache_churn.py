@@ -60,12 +60,12 @@ def test_opt_outs_take_no_hit(models, torch_twins):
 
 
 def test_server_metrics_show_the_prefix_cache(models, torch_twins):
-    from mtp_ctrl.serve.metrics import ServerMetrics
+    from mtp_ctrl.serve.metrics import ServerMetrics, controller_figures
 
     model, _ = models
     controller = make_controller(model, 0, prefix_caching=True)
     controller.generate([SYSTEM + [1]], SamplingParams(max_new_tokens=1))
     controller.generate([SYSTEM + [2]], SamplingParams(max_new_tokens=1))
-    text = ServerMetrics(controller).render()
+    text = ServerMetrics().render(controller_figures(controller))
     assert "mtp_ctrl_prefix_cache_hit_tokens_total 16\n" in text and "mtp_ctrl_kv_block_evictions_total 0\n" in text
     assert "mtp_ctrl_kv_blocks_cached 4\n" in text and "mtp_ctrl_prefix_cache_hit_rate 0.4210" in text

@@ -8,11 +8,10 @@ import threading
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 
-from tests.unit.megatron_fixtures import VOCAB_SIZE, build_tiny_model, free_port, init_process_groups, tiny_config, \
-    torch_twins
+from tests.unit.megatron_fixtures import VOCAB_SIZE, build_tiny_model, free_port, init_process_groups, \
+    rank_process_context, tiny_config, torch_twins
 
 WATCHDOG_S = 30
 HOOK_FAILURE = "on_step_end failed on purpose"
@@ -89,7 +88,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def outcomes(tmp_path_factory):
     """``{scenario: [rank 0's outcome, rank 1's]}``: the error text each rank ended with, or "finished"."""
     out_dir = tmp_path_factory.mktemp("tp_lockstep")
-    context = mp.get_context("spawn")
+    context = rank_process_context()
     port = free_port()
     processes = [context.Process(target=_worker, args=(rank, port, str(out_dir))) for rank in range(2)]
     for process in processes:

@@ -23,7 +23,7 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     mtp_window               mtp_window       mtp_draft_window, mtp_advance_window
     gumbel_sampling          sampling         sample_tokens (and gumbel_noise, filter_top_k_top_p)
     sampling_filter          sampling         sampling_probs
-    rejection_sampling       rejection        rejection_sample (and stream_seeds, stream_uniform)
+    rejection_sampling       rejection        rejection_sample (and rejection_rule, stream_seeds, stream_uniform)
     kv_cache_write           attention        write_kv_cache
     paged_attn               attention        paged_attention
     rope_kv_write            attention        rope_and_write_kv_cache, rope_and_write_kv_cache_mixed
@@ -65,6 +65,7 @@ _REFERENCE_MODULES = {
     "filter_top_k_top_p": "sampling",
     "sampling_probs": "sampling",
     "rejection_sample": "rejection",
+    "rejection_rule": "rejection",
     "stream_seeds": "rejection",
     "stream_uniform": "rejection",
     "write_kv_cache": "attention",

@@ -1,8 +1,17 @@
 """Torch twin of the rejection-sampling kernel (speculative sampling: Leviathan et al., Chen et al.).
 
-The rule both implementations follow, row k of ``K`` (vocabulary ``V``), with the target's
-distribution ``p = target_probs[k]``, the draft's ``q = draft_probs[k]`` (or one-hot at the draft
-when ``draft_probs`` is None) and the draft ``d = draft_tokens[k]``:
+:func:`rejection_sample` works on a step's logits rows: ``K`` rows, the first
+``num_decode * (S + 1)`` of them decode requests' (row ``b + k``, ``k <= S``, of a request whose
+rows start at ``b``), the rest without a draft. Row ``r`` of depth ``k = r % (S + 1)`` inside the
+decode rows with ``k < S`` is compared with the draft ``d = input_tokens[r + 1]`` (``d_{k+1}``);
+its request sits in table slot ``s = row_slots[r]``, whose temperature, top-k, top-p and seed are
+``temperature[s]`` etc. Then ``p`` is :func:`sampling_probs` of ``logits[r]`` and ``q`` the same
+of ``draft_logits[s, k]`` (the drafter's logits of that draft, filtered by the same rule), and the
+token is :func:`rejection_rule` of them with draft index ``k``.
+
+:func:`rejection_rule`, row k of ``K`` (vocabulary ``V``), with the target's distribution
+``p = target_probs[k]``, the draft's ``q = draft_probs[k]`` (or one-hot at the draft when
+``draft_probs`` is None) and the draft ``d = draft_tokens[k]``:
 
 - No draft (``d`` outside ``[0, V)``, e.g. -1) or a greedy row (``temperature < GREEDY_TEMPERATURE``):
   the token is ``target_tokens[k]`` (the target's ordinary sample, argmax for greedy rows).
@@ -39,6 +48,7 @@ from mtp_ctrl.triton_ops.reference.sampling import (
     GREEDY_TEMPERATURE,
     _mix32,
     gumbel_noise,
+    sampling_probs,
 )
 
 _NEG_INF = float("-inf")
@@ -76,6 +86,39 @@ def stream_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
 
 
 def rejection_sample(
+    logits: torch.Tensor,
+    draft_logits: Optional[torch.Tensor],
+    input_tokens: torch.Tensor,
+    target_tokens: torch.Tensor,
+    row_slots: torch.Tensor,
+    positions: torch.Tensor,
+    num_decode: torch.Tensor,
+    num_speculative_tokens: int,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One token per logits row (module docstring). Shapes as in the public op; returns ``out``
+    (or a new tensor), [K] int64. With ``out`` given it may be ``target_tokens`` itself."""
+    num_rows, S = logits.shape[0], num_speculative_tokens
+    stride = S + 1
+    row_index = torch.arange(num_rows, device=logits.device)  # [K] int64
+    depth = row_index % stride  # [K] int64: a decode row's draft is d_{depth + 1}
+    has_draft = (row_index < num_decode.to(torch.int64) * stride) & (depth < S)  # [K] bool
+    following = input_tokens.to(torch.int64)[(row_index + 1).clamp(max=max(num_rows - 1, 0))]  # [K] int64
+    drafts = torch.where(has_draft, following, torch.full_like(following, -1))  # [K] int64
+    slots = row_slots.to(torch.int64)  # [K] int64
+    params = temperature[slots], top_k[slots], top_p[slots]  # [K] each
+    p = sampling_probs(logits, *params)  # [K, V] float32
+    q = None
+    if draft_logits is not None:
+        q = sampling_probs(draft_logits[slots, depth.clamp(max=max(S - 1, 0))], *params)  # [K, V] float32
+    return rejection_rule(p, q, drafts, target_tokens, params[0], seeds[slots], positions, depth, out)
+
+
+def rejection_rule(
     target_probs: torch.Tensor,
     draft_probs: Optional[torch.Tensor],
     draft_tokens: torch.Tensor,
@@ -86,8 +129,11 @@ def rejection_sample(
     draft_indices: torch.Tensor,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One token per row (rule in the module docstring). Shapes as in the public op; returns
-    ``out`` (or a new tensor), [K] int64."""
+    """One token per row (the rule in the module docstring): ``target_probs`` ``[K, V]`` float,
+    ``draft_probs`` ``[K, V]`` float or None (one-hot at the draft), ``draft_tokens`` ``[K]`` int
+    (outside ``[0, V)``: no draft), ``target_tokens`` ``[K]`` int64, ``temperature`` ``[K]`` float,
+    ``seeds``, ``positions``, ``draft_indices`` ``[K]`` int. Returns ``out`` (or a new tensor),
+    [K] int64."""
     p = target_probs.float()  # [K, V] float32
     num_rows, vocab_size = p.shape
     drafts = draft_tokens.to(torch.int64)  # [K] int64
