@@ -11,7 +11,7 @@ Life cycle of a request::
                       prefix caching: the cached full blocks its prompt starts with, see
                       ``state/prefix_cache.py``)
     build_step     -> runs prefill chunks; after its final chunk the next build_step makes it
-                      DECODE (it then runs 1 + S rows per step); too few free blocks -> PAUSED
+                      DECODE (it then runs 1 + V rows per step, V <= S: see build_step); too few free blocks -> PAUSED
                       (state intact), resumed by a later build_step once blocks are free
     pause_request / resume_request  -> PAUSED and back, on the caller's word
     finish_request(s) -> blocks and Mamba slot released, table slot freed
@@ -130,6 +130,9 @@ class DynamicInferenceContext:
         # [R + 1] int64: tokens the request's prefill computes (its prompt, plus the output so far
         # after a preemption; the controller's OutputRows.prompt_lengths is the original prompt's)
         self._prefill_token_counts = self.table.add_host_rows("prefill_token_counts", ())
+        # [R + 1] int64: drafts the request holds (chosen by its last sampling step): its next decode
+        # verifies that many, and a step's verify width V is the most any of its decodes holds
+        self._drafts_held = self.table.add_host_rows("drafts_held", (), fill=shape.num_speculative_tokens)
         self._step_buffers = StepBuffers(self.table, shape.max_tokens_per_step, self.scheduler.max_block_writes_per_step)
         self._step_buffers.gathers_mamba_rows = self.mamba is not None
         self._block_writes = []  # [3, k] int64 arrays (slot, column, block id) not yet sent to the device
@@ -273,7 +276,10 @@ class DynamicInferenceContext:
         With a step in flight (built, not committed) the step is built for the worst case of the
         one in flight, and nothing pauses or resumes (:meth:`needs_sync` says when the caller
         should commit first); decodes short of blocks then raise ``KVCacheFullError``. Every
-        decode request runs ``1 + S`` rows; prefill requests then take the rest of
+        decode request runs ``1 + V`` rows (V, the step's verify width: in a decode-only step the
+        most drafts any of its decode requests holds, chosen by ``draft_lengths`` when it last
+        sampled; S without a policy and in a step with prefill chunks; blocks are still reserved for
+        ``1 + S``); prefill requests then take the rest of
         ``max_tokens_per_step`` in list order (only the last one may stop mid-prompt). Decode
         requests that cannot get their blocks are paused; paused ones are resumed (oldest first)
         when blocks are free again, and no prefill starts while one still waits. Raises
@@ -299,7 +305,7 @@ class DynamicInferenceContext:
         if not steps_in_flight:
             self._pause_decodes_short_of_blocks()
             self._resume_requests_paused_for_kv()
-        host, stride = self.table.host, self.shape.stride
+        host = self.table.host
         decode_slots = self.table.slots_in(RowGroup.DECODE)  # [nd] int64
         num_decode = decode_slots.shape[0]
         num_steps = self._decode_run_steps(num_decode, length_budgets)
@@ -316,8 +322,6 @@ class DynamicInferenceContext:
                     "finish or pause requests to make room"
                 )
             return None
-        query_lengths = np.full(num_requests, stride, dtype=np.int64)  # [n] int64
-        query_lengths[num_decode:] = [chunk.shape[0] for chunk in chunks]
         final_chunk_count, next_prompt_token = 0, 0
         for slot in prefill_slots.tolist():  # prefill requests: a handful, host values  # host-ok: numpy
             request_id = int(host.request_ids[slot])
@@ -327,24 +331,44 @@ class DynamicInferenceContext:
                 self._prompts_done[request_id] = None
             else:  # only the step's last request can stop mid-prompt
                 next_prompt_token = int(prompt[known_length])
-        padded = self._graph_shape(num_requests, int(query_lengths.sum()), has_prefill=bool(chunks))
+        lengths = None
+        num_sampling = num_decode + final_chunk_count
+        if draft_lengths is not None:
+            lengths = np.zeros(num_requests, dtype=np.int64)  # [n] int64
+            batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes) or num_requests
+            lengths[:num_sampling] = draft_lengths(host.request_ids[slot_ids[:num_sampling]], num_sampling, batch_size)
+        verify_width = self.shape.num_speculative_tokens if chunks else \
+            self._verify_width(decode_slots, None if lengths is None else lengths[:num_decode], num_steps)
+        query_lengths = np.full(num_requests, 1 + verify_width, dtype=np.int64)  # [n] int64
+        query_lengths[num_decode:] = [chunk.shape[0] for chunk in chunks]
+        padded = self._graph_shape(num_requests, int(query_lengths.sum()), bool(chunks), verify_width)
         if padded is not None or not chunks:  # one fixed bound, so a graph and the eager step split attention alike
             max_seq_len = self.shape.max_blocks_per_request * self.shape.block_size_tokens
         else:
             max_seq_len = int(host.block_counts[slot_ids].max()) * self.shape.block_size_tokens
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
-        lengths = None
-        if draft_lengths is not None:
-            lengths = np.zeros(num_requests, dtype=np.int64)  # [n] int64
-            num_sampling = num_decode + final_chunk_count
-            batch_size = num_requests if padded is None else padded.request_count
-            lengths[:num_sampling] = draft_lengths(host.request_ids[slot_ids[:num_sampling]], num_sampling, batch_size)
         step = self._step_buffers.build(slot_ids, query_lengths, num_decode, chunks, final_chunk_count, padded,
-                                        block_writes, max_seq_len, next_prompt_token, num_steps, lengths)
+                                        block_writes, max_seq_len, next_prompt_token, num_steps, lengths, verify_width,
+                                        self._drafts_held[decode_slots])
+        self._drafts_held[slot_ids[:num_sampling]] = \
+            self.shape.num_speculative_tokens if lengths is None else lengths[:num_sampling]
         self._steps_in_flight.append(step)
         self._snapshots_due = (step, self._snapshots_due[1])
         return step
+
+    def _verify_width(self, decode_slots: np.ndarray, chosen: Optional[np.ndarray], num_steps: int) -> int:
+        """V of a decode-only step: the most drafts any of its decode requests (slots
+        ``decode_slots``) verifies. Its first step verifies the drafts each holds; a decode run's
+        later steps verify the lengths ``chosen`` for this build (``[nd]``, None: S). (A step with
+        prefill chunks keeps V = S: one graph per mixed shape, draft rows masked by length.)"""
+        if decode_slots.shape[0] == 0:
+            return self.shape.num_speculative_tokens
+        width = int(self._drafts_held[decode_slots].max())  # host-ok: numpy
+        if num_steps > 1:
+            run_width = self.shape.num_speculative_tokens if chosen is None else int(chosen.max())  # host-ok: numpy
+            width = max(width, run_width)
+        return width
 
     def _decode_run_steps(self, num_decode: int, length_budgets: Tuple[int, int, float]) -> int:
         """Decode steps the build stages (see :meth:`build_step`): 1 unless every running request
@@ -404,37 +428,46 @@ class DynamicInferenceContext:
 
     # ----- scheduling helpers ------------------------------------------------------------
 
-    def _graph_shape(self, num_requests: int, token_count: int, has_prefill: bool) -> Optional[BatchDimensions]:
+    def _graph_shape(self, num_requests: int, token_count: int, has_prefill: bool,
+                     verify_width: int) -> Optional[BatchDimensions]:
         """The CUDA-graph shape a step pads to, or None (exact, eager): the request count rounds
-        up to a batch bucket; a step with prefill rounds its tokens up to a token bucket."""
+        up to a batch bucket (decode-only: ``1 + verify_width`` rows each); a step with prefill
+        rounds its tokens up to a token bucket."""
         batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes)
         if batch_size is None:
             return None
         if not has_prefill:
-            return BatchDimensions.decode_only(batch_size, self.shape.num_speculative_tokens)
+            return BatchDimensions.decode_only(batch_size, verify_width)
         tokens = round_up_batch_size(token_count, self.cuda_graph_token_counts)
         return None if tokens is None else BatchDimensions(tokens, batch_size, True)
 
-    def graph_shapes(self) -> List[BatchDimensions]:
-        """Every CUDA-graph shape a step can be padded to (see :meth:`_graph_shape`)."""
+    def graph_shapes(self, verify_width: Optional[int] = None) -> List[BatchDimensions]:
+        """Every CUDA-graph shape a step of verify width V (``verify_width``; default S) can be
+        padded to (see :meth:`_graph_shape`): the decode-only ones, and the mixed ones for V = S
+        (a step with prefill chunks verifies S)."""
         S = self.shape.num_speculative_tokens
-        shapes = [BatchDimensions.decode_only(size, S) for size in self.cuda_graph_batch_sizes]
+        V = S if verify_width is None else verify_width
+        shapes = [BatchDimensions.decode_only(size, V) for size in self.cuda_graph_batch_sizes]
+        if V != S:
+            return shapes
         shapes += [BatchDimensions(tokens, size, True)
                    for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
         return shapes
 
-    def build_padding_step(self, shape: BatchDimensions, num_steps: int = 1,
-                           num_drafts: Optional[int] = None) -> StepMetadata:
+    def build_padding_step(self, shape: BatchDimensions, num_steps: int = 1, num_drafts: Optional[int] = None,
+                           verify_width: Optional[int] = None) -> StepMetadata:
         """A step of ``shape`` (a decode run of ``num_steps``) that holds no request (every row is
         padding): running it changes no request, and capturing it records the graph every real
-        step of that shape replays (with ``num_drafts`` draft depths; default S)."""
-        if shape not in self.graph_shapes():
+        step of that shape replays (with ``num_drafts`` draft depths and ``verify_width`` drafts
+        verified per decode request; default S each; ``shape`` is one of ``graph_shapes(verify_width)``)."""
+        if shape not in self.graph_shapes(verify_width):
             raise ValueError(f"{shape} is not a CUDA-graph shape of this context")
         if num_steps not in self.scheduler.run_lengths or (num_steps > 1 and shape.has_prefill):
             raise ValueError(f"num_steps {num_steps}: decode runs have {self.scheduler.run_lengths} steps, and only "
                              "decode-only shapes run several")
         step = self._step_buffers.build(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
-                                        self.shape.max_blocks_per_request * self.shape.block_size_tokens, num_steps=num_steps)
+                                        self.shape.max_blocks_per_request * self.shape.block_size_tokens, num_steps=num_steps,
+                                        verify_width=verify_width)
         return step if num_drafts is None else dataclasses.replace(step, num_drafts=num_drafts)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:
