@@ -15,6 +15,11 @@ same model (greedy, MTP drafting with S = 2 paged depths, CUDA graphs on the GPU
   prompt, previous questions and answers) plus a new 64-token question.
 - **random prompts**: nothing is shared (512 random tokens each): the overhead of caching on
   (hashing at admission, the bookkeeping), as throughput on / off (target: within 2%).
+- **TTFT per prefix length** (``--prefix-lengths``, default 2048, 8192, 16384): one request alone
+  whose prompt is a long prefix + 32 tokens, cold (caching off, kernels warm) vs a hit (caching on,
+  an earlier request computed the prefix): where prefill dominates TTFT.
+- **hybrid** (``--hybrid``): the same cold vs hit TTFT on a hybrid model (Mamba-2 layers
+  ``M*M*M*M*``, 8 x 1024, bf16): the hit restores a recurrent-state snapshot.
 
 Outputs are compared with caching on and off (equal in fp32; in bf16 a hit's prefill runs other
 GEMM shapes than a cold one, so a near-tie argmax of the random model may differ, as S > 0 vs
@@ -35,6 +40,10 @@ def parse_args():
     parser.add_argument("--requests", type=int, default=None, help="system-prompt batch size (default 64; quick 6)")
     parser.add_argument("--system-tokens", type=int, default=None, help="shared prefix length (default 2048; quick 96)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 32; quick 4)")
+    parser.add_argument("--prefix-lengths", default=None,
+                        help="comma-separated prefix lengths of the TTFT sweep (default 2048,8192,16384; quick 96,192)")
+    parser.add_argument("--parts", default="batch,sweep,hybrid",
+                        help="which parts run: batch (the three workloads), sweep (TTFT per prefix length), hybrid")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
@@ -66,6 +75,9 @@ def main():
         model_args = dict(DEMO_MODEL_ARGS, num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16,
                           num_query_groups=4, mtp_num_layers=2, vocab_size=32000, max_sequence_length=4096)
         name = "GPT 16x2048 (~1B, bf16, random)"
+    parts = set(args.parts.split(","))
+    lengths = [int(length) for length in (args.prefix_lengths or ("96,192" if quick else "2048,8192,16384")).split(",")]
+    model_args["max_sequence_length"] = max(model_args["max_sequence_length"], max(lengths) + 256)
     torch.manual_seed(0)
     model = build_demo_model(model_args).to(device).eval()
     if not quick:
@@ -81,15 +93,16 @@ def main():
     max_requests = min(requests, 64)
     graphs = () if device.type == "cpu" else tuple(sorted({1, 8, max_requests}))
 
-    def controller_for(prefix_caching):
+    def controller_for(prefix_caching, on_model=None, model_len=None, rows=None):
         from mtp_ctrl.controllers import InferenceConfig, TextGenerationController
 
-        config = InferenceConfig(num_speculative_tokens=2, max_requests=max_requests, block_size_tokens=block_size,
-                                 max_model_len=max_model_len, max_tokens_per_step=max(2048 if not quick else 256,
-                                                                                      max_requests * 3),
-                                 num_kv_blocks=max_requests * (-(-(max_model_len + 6) // block_size) + 1) + 64,
-                                 cuda_graph_batch_sizes=graphs, prefix_caching=prefix_caching)
-        controller = TextGenerationController(model, config)
+        model_len, rows = model_len or max_model_len, rows or max_requests
+        config = InferenceConfig(num_speculative_tokens=2, max_requests=rows, block_size_tokens=block_size,
+                                 max_model_len=model_len, max_tokens_per_step=max(2048 if not quick else 256, rows * 3),
+                                 num_kv_blocks=max(rows, 3) * (-(-(model_len + 6) // block_size) + 1) + 64,
+                                 cuda_graph_batch_sizes=graphs if rows == max_requests else tuple(b for b in graphs if b <= rows),
+                                 prefix_caching=prefix_caching)
+        controller = TextGenerationController(on_model if on_model is not None else model, config)
         if graphs:
             controller.warmup()
         return controller
@@ -122,7 +135,7 @@ def main():
     results = {"model": name, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "requests": requests, "system_tokens": system_tokens, "new_tokens": new_tokens}
     outputs = {}
-    for prefix_caching in (False, True):
+    for prefix_caching in (False, True) if "batch" in parts else ():
         key = "on" if prefix_caching else "off"
         controller = controller_for(prefix_caching)
         run_batch(controller, [system + random_tokens(32)])  # warm-up: compile, graphs; warms the cache when on
@@ -161,6 +174,84 @@ def main():
         del controller
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if "batch" in parts:
+        print_batch_table(results, outputs, name, requests, system_tokens, new_tokens)
+    if "sweep" in parts:
+        results["sweep"] = ttft_sweep(model, lengths, random_tokens, controller_for, run_batch, device)
+        print_sweep(f"{name}: single-request TTFT, cold (caching off) vs hit", results["sweep"])
+    if "hybrid" in parts:
+        hybrid, hybrid_name = build_hybrid(quick, max(lengths) + 256, device)
+        results["hybrid"] = ttft_sweep(hybrid, lengths, random_tokens, controller_for, run_batch, device)
+        print_sweep(f"{hybrid_name}: single-request TTFT, cold (caching off) vs hit (state snapshot restored)",
+                    results["hybrid"])
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+    equal = list(results.get("outputs_equal", {}).values()) + \
+        [row["outputs_equal"] for part in ("sweep", "hybrid") for row in results.get(part, [])]
+    if not all(equal) and next(model.parameters()).dtype == torch.float32:
+        sys.exit("outputs differ with prefix caching on and off (fp32)")
+
+
+def ttft_sweep(model, lengths, random_tokens, controller_for, run_batch, device):
+    """Per prefix length: TTFT of one request (prefix + 32 tokens) cold on a caching-off controller
+    (after a warm-up request of the same length) vs a hit on a caching-on one (after two requests
+    with the same prefix). One controller each, sized for the longest prefix."""
+    import torch
+
+    model_len = max(lengths) + 32 + 64
+    off, on = controller_for(False, model, model_len, 1), controller_for(True, model, model_len, 1)
+    rows = []
+    for length in lengths:
+        prefix = random_tokens(length)
+        run_batch(off, [random_tokens(length + 32)])  # warm-up: this length's kernels
+        question = random_tokens(32)
+        cold_out, cold_ttft, _ = run_batch(off, [prefix + question])
+        for _ in range(2):  # computes and caches the prefix (a hybrid: the second snapshots where they part)
+            run_batch(on, [prefix + random_tokens(32)])
+        hits_before = on.metrics.as_dict()["prefix_cache"]["hit_tokens"]
+        hit_out, hit_ttft, _ = run_batch(on, [prefix + question])
+        rows.append(dict(prefix_tokens=length, cold_ttft_ms=cold_ttft[0] * 1e3, hit_ttft_ms=hit_ttft[0] * 1e3,
+                         speedup=cold_ttft[0] / hit_ttft[0], outputs_equal=cold_out == hit_out,
+                         hit_tokens=on.metrics.as_dict()["prefix_cache"]["hit_tokens"] - hits_before))
+    for controller in (off, on):
+        controller.close()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def build_hybrid(quick, max_sequence_length, device):
+    """A hybrid GPT (Mamba-2 and attention layers "M*M*..."), random weights; bf16 on the GPU."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from mtp_ctrl.models import build_gpt_model
+
+    layers, hidden = (4, 64) if quick else (8, 1024)
+    dtype = torch.float32 if quick else torch.bfloat16
+    config = TransformerConfig(num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * hidden,
+                               num_attention_heads=4 if quick else 16, num_query_groups=2 if quick else 4,
+                               mtp_num_layers=2, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                               params_dtype=dtype, bf16=not quick, mamba_state_dim=16 if quick else 128,
+                               mamba_head_dim=16 if quick else 64, mamba_num_groups=2 if quick else 8)
+    torch.manual_seed(0)
+    model = build_gpt_model(config, vocab_size=256 if quick else 32000, max_sequence_length=max_sequence_length,
+                            layer_pattern="M*" * (layers // 2)).to(device).eval()
+    return model, f"hybrid {'M*' * (layers // 2)} {layers}x{hidden} ({'fp32' if quick else 'bf16'}, random)"
+
+
+def print_sweep(title, rows):
+    print(title)
+    print(f"| {'prefix tokens':>13} | {'tokens hit':>10} | {'cold TTFT ms':>12} | {'hit TTFT ms':>11} | {'cold / hit':>10} "
+          "| outputs equal |")
+    print(f"|{'-' * 15}|{'-' * 12}|{'-' * 14}|{'-' * 13}|{'-' * 12}|{'-' * 15}|")
+    for row in rows:
+        print(f"| {row['prefix_tokens']:>13} | {row['hit_tokens']:>10} | {row['cold_ttft_ms']:>12.1f} | "
+              f"{row['hit_ttft_ms']:>11.1f} | {row['speedup']:>9.2f}x | {str(row['outputs_equal']):>13} |")
+
+
+def print_batch_table(results, outputs, name, requests, system_tokens, new_tokens):
     workloads = ("single", "system prompt", "chat", "random")
     results["outputs_equal"] = {name: on_out == off_out for name, on_out, off_out in zip(workloads, outputs["on"], outputs["off"])}
     off, on = results["off"], results["on"]
@@ -181,11 +272,6 @@ def main():
         print(f"| {label:<46} | {off[field]:>10.1f} | {on[field]:>10.1f} | {ratio:>9.2f}x |")
     print(f"system prompt batch hit rate {on['system_hit_rate']:.3f}; cached blocks at the end {on['cached_blocks']}, "
           f"evictions {on['evictions']}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=1)
-    if not all(results["outputs_equal"].values()) and next(model.parameters()).dtype == torch.float32:
-        sys.exit("outputs differ with prefix caching on and off (fp32)")
 
 
 if __name__ == "__main__":

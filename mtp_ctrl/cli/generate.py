@@ -91,6 +91,9 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--decode-steps-per-launch", type=int, default=4,
                         help="decode steps one launch may run back to back (one host build and apply for all): "
                              "a small model's step is shorter than the host's work for it (1 = one step per launch)")
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV (on hybrids also the recurrent state) of prompt prefixes shared with "
+                             "earlier requests (docs/prefix_caching.md); on by default")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= processes under torchrun)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
@@ -417,7 +420,7 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device, o
         max_model_len=max(len(p) for p in prompts) + args.max_new_tokens + stride,
         max_tokens_per_step=max(256, max_requests * stride), mtp_attention=args.mtp_attention,
         cuda_graph_batch_sizes=graph_batches,  # on a GPU every step replays a CUDA graph
-        decode_steps_per_launch=args.decode_steps_per_launch)
+        decode_steps_per_launch=args.decode_steps_per_launch, prefix_caching=args.prefix_caching)
     proposer = None
     if args.proposer != "mtp" and num_speculative_tokens > 0:
         from mtp_ctrl.cli.draft_heads import load_cli_proposer

@@ -36,8 +36,6 @@ def parse_args(argv=None):
                         help="requests decoding at once; more wait in the queue (default: 32 on CUDA, 4 on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + output tokens per request (default: the model's max_sequence_length - S)")
-    parser.add_argument("--prefix-caching", action="store_true",
-                        help="reuse the KV of prompt prefixes shared with earlier requests (docs/prefix_caching.md)")
     args = parser.parse_args(argv)
     for name in ("max_requests", "max_model_len"):
         if getattr(args, name) is not None and getattr(args, name) < 2:

@@ -79,12 +79,13 @@ class DraftLogits:
         self.rows = rows  # [R + 1, S, V] float32
 
     def record(self, logits: torch.Tensor, write_rows: torch.Tensor, depth: Optional[int] = None) -> None:
-        """``logits`` ``[G, V]`` of draft ``depth`` (or ``[G * S, V]``, every depth of each request
-        in order, when ``depth`` is None), stored at table rows ``write_rows`` ``[G]`` int64 (the
+        """``logits`` ``[G, V]`` of draft ``depth`` (or ``[G * D, V]``, the first D depths of each
+        request in order, when ``depth`` is None), stored at table rows ``write_rows`` ``[G]`` int64 (the
         scratch row for requests that did not sample). One copy kernel (and a cast for half logits)."""
         logits = logits.to(self.rows.dtype)
         if depth is None:
-            self.rows.index_copy_(0, write_rows, logits.view(write_rows.shape[0], -1, logits.shape[-1]))
+            by_request = logits.view(write_rows.shape[0], -1, logits.shape[-1])  # [G, D, V]
+            self.rows[:, : by_request.shape[1]].index_copy_(0, write_rows, by_request)
         else:
             self.rows[:, depth].index_copy_(0, write_rows, logits)
 
@@ -97,12 +98,12 @@ class RejectionAcceptance:
         if hasattr(proposer, "draft_probs"):  # the hook before 2026-11-26: its q would be ignored silently
             raise TypeError(f"{type(proposer).__name__} defines draft_probs(), which rejection acceptance no longer "
                             "reads: return the logits the drafts were sampled from in draft_logits() instead")
-        self.shape = table.shape  # S
         self.params = RequestSampling(table)
         self.proposer = proposer
 
     def resample(self, logits: torch.Tensor, target_tokens: torch.Tensor, input_tokens: torch.Tensor,
-                 table_rows: torch.Tensor, positions: torch.Tensor, num_decode: torch.Tensor) -> torch.Tensor:
+                 table_rows: torch.Tensor, positions: torch.Tensor, num_decode: torch.Tensor,
+                 verify_width: int) -> torch.Tensor:
         """The tokens exact-match verification should see, [K] int64: ``target_tokens`` rewritten in
         place at the draft rows (one kernel launch).
 
@@ -110,11 +111,13 @@ class RejectionAcceptance:
         ordinary samples; input_tokens: [K] int64 the rows' input tokens (a decode's row ``b + k + 1``
         holds its draft ``d_{k+1}``, -1 where masked); table_rows: [K] int64 each row's request;
         positions: [K] int64 the position each row's token will occupy; num_decode: ``[1]`` int64 on
-        the device, the decode requests, whose ``S + 1`` rows come first (read on the device: the
-        step may be a graph replay).
+        the device, the decode requests, whose ``1 + verify_width`` rows come first (read on the
+        device: the step may be a graph replay); verify_width: the step's drafts per decode request
+        (``StepMetadata.verify_width``, ``1 <= V <= S``).
         """
         params = self.params
+        draft_logits = self.proposer.draft_logits()  # [R + 1, S, V] or None; the step's V depths are read
         return triton_ops.rejection_sample(
-            logits, self.proposer.draft_logits(), input_tokens, target_tokens, table_rows, positions, num_decode,
-            self.shape.num_speculative_tokens, params.temperature, params.top_k, params.top_p, params.seeds,
-            out=target_tokens)
+            logits, None if draft_logits is None else draft_logits[:, :verify_width], input_tokens, target_tokens,
+            table_rows, positions, num_decode, verify_width, params.temperature, params.top_k, params.top_p,
+            params.seeds, out=target_tokens)

@@ -106,11 +106,19 @@ class InferenceConfig:
         twins elsewhere.
     prefix_caching: reuse the KV of full blocks a new request's prompt shares with earlier
         prompts (a chained hash of the tokens; reference-counted blocks, least recently used
-        evicted first when the pool needs room). Output is identical either way. Requests then
-        prefill only the rest of their prompt. Hybrid (Mamba) models and proposers whose state
-        cannot be reused (``Proposer.prefix_cache_lookahead`` None: EAGLE, parallel drafting,
+        evicted first when the pool needs room). On by default: with nothing shared it costs
+        nothing measurable (bench/RESULTS.md). Output is identical either way. Requests then
+        prefill only the rest of their prompt. Hybrid models (Mamba-2, Gated DeltaNet) also
+        restore a snapshot of their recurrent state after the reused blocks (see
+        ``prefix_state_snapshots``). Proposers whose state cannot be reused
+        (``Proposer.prefix_cache_lookahead`` None: EAGLE, parallel drafting,
         ``mtp_attention="single_position"``) take no hit. Per request: ``add_request(...,
         prefix_caching=False)``.
+    prefix_state_snapshots: hybrid models with prefix caching: how many recurrent-state snapshots
+        (every recurrent layer's conv and SSM state at a prompt-block boundary) are kept on the
+        device, least recently used evicted first; paid from ``kv_cache_bytes`` when that is
+        given. None (default): max(2 x max_requests, 8). 0: hybrids take no hit. Models without
+        recurrent layers ignore it.
     tp_check_timeout_s: under tensor parallelism every ``step()`` first checks that all ranks
         build the same step (``tp_lockstep.py``); a rank that gets no answer within this many
         seconds raises instead of waiting for the process group's timeout. Allow for the slowest
@@ -136,7 +144,8 @@ class InferenceConfig:
     fused_rope: bool = True
     fused_glue: Optional[bool] = None
     mamba_kernels: Optional[bool] = None
-    prefix_caching: bool = False
+    prefix_caching: bool = True
+    prefix_state_snapshots: Optional[int] = None
 
     def __post_init__(self):
         _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
@@ -176,6 +185,8 @@ class InferenceConfig:
             raise TypeError(f"mtp_reuse_last_layer must be a bool, got {type(self.mtp_reuse_last_layer).__name__}")
         if not isinstance(self.prefix_caching, bool):
             raise TypeError(f"prefix_caching must be a bool, got {type(self.prefix_caching).__name__}")
+        if self.prefix_state_snapshots is not None:
+            _require_int("prefix_state_snapshots", self.prefix_state_snapshots, 0)
         if not isinstance(self.overlap_scheduling, bool):
             raise TypeError(f"overlap_scheduling must be a bool, got {type(self.overlap_scheduling).__name__}")
         _require_int("finished_results_kept", self.finished_results_kept, 0)

@@ -118,7 +118,7 @@ class TextGenerationController:
                                                  self.context.prefix_cache.hit_tokens, pool.num_evictions,
                                                  pool.num_cached_blocks))
         # how many drafts each request makes per step (controllers/draft_policy.py; default: S each)
-        self._draft_lengths = DraftLengths(draft_policy, S)
+        self._draft_lengths = DraftLengths(draft_policy, self.shape)
         self._requests = RequestBook(seed, config.finished_results_kept)  # every request not forgotten
         self._lifecycle = SlotLifecycle(self.context, self._requests, self._outputs, self.proposer, self._draft_lengths)
         self._all_greedy = False  # set per step from the running requests' SamplingParams
@@ -140,7 +140,15 @@ class TextGenerationController:
         return DynamicInferenceContext(shape, kv_cache=kv_cache, num_blocks=num_blocks,
                                        kv_cache_bytes=config.kv_cache_bytes,
                                        cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
-                                       mamba=self.runner.mamba_spec)  # mamba: None without Mamba layers
+                                       mamba=self.runner.mamba_spec,  # None without Mamba layers
+                                       state_snapshots=self._state_snapshot_count())
+
+    def _state_snapshot_count(self) -> int:
+        """Recurrent-state snapshot slots of a hybrid model with prefix caching (config's doc)."""
+        if not self.config.prefix_caching:
+            return 0
+        count = self.config.prefix_state_snapshots
+        return max(2 * self.shape.max_requests, 8) if count is None else count
 
     def _allocate_step_buffers(self) -> None:
         table, R, S = self.context.table, self.shape.max_requests, self.shape.num_speculative_tokens
@@ -167,22 +175,26 @@ class TextGenerationController:
         return len(self._graphs)
 
     def _replay_every_shape(self) -> Dict[Tuple[int, int], float]:
-        """Replay the graph of every padded shape (every draft depth the policy warms up) from a
-        step that holds no request (capture it first if new). Returns the decode-only single steps'
-        replay seconds by (batch size, draft depths), the draft-length policy's step costs."""
+        """Replay the graph of every padded shape (every verify tier V and draft depth D the policy
+        warms up, ``DraftLengths.warmup_tiers``) from a step that holds no request (capture it
+        first if new). Returns the decode-only single steps' replay seconds by (batch size, D) where
+        V = D (a steady step verifies what the step before drafted): the policy's step costs."""
         costs = {}
-        for shape in self.context.graph_shapes():
-            for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
-                for num_drafts in self._draft_lengths.warmup_depths():
-                    step = self.context.build_padding_step(shape, num_steps, num_drafts)
+        for verify_width, num_drafts in self._draft_lengths.warmup_tiers():
+            for shape in self.context.graph_shapes(verify_width):
+                for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
+                    if num_steps > 1 and verify_width < num_drafts:
+                        continue  # a decode run's later steps verify its own lengths: its V >= its D
+                    step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
                     for all_greedy in (True, False):
                         self._all_greedy = all_greedy
                         key = self._graph_key(step)
                         if key not in self._graphs:
                             self._graphs.run(key, lambda: self._launch_run(step))
                         seconds = self._graphs.timed_replay(key)
-                        if num_steps == 1 and not shape.has_prefill:
-                            costs[(shape.request_count, num_drafts)] = max(costs.get((shape.request_count, num_drafts), 0.0), seconds)
+                        if num_steps == 1 and not shape.has_prefill and verify_width == num_drafts:
+                            cost_key = (shape.request_count, num_drafts)
+                            costs[cost_key] = max(costs.get(cost_key, 0.0), seconds)
         return costs
 
     def replay_graphs(self) -> int:
@@ -318,10 +330,10 @@ class TextGenerationController:
 
     # ----- debug hooks and view (for tests and tools; they change nothing) ---------------------
 
-    def on_launch(self, step: StepMetadata, graph_key: Optional[Tuple[BatchDimensions, bool, int, int, bool]]) -> None:
+    def on_launch(self, step: StepMetadata, graph_key: Optional[Tuple[BatchDimensions, bool, int, int, int, bool]]) -> None:
         """Debug hook: ``step`` (every step of a decode run) was just launched, replayed from the
-        CUDA graph ``graph_key`` ``(padded dimensions, all greedy, steps, draft depths, masked)``, or
-        eagerly (None).
+        CUDA graph ``graph_key`` ``(padded dimensions, all greedy, steps, verify width, draft depths,
+        masked)``, or eagerly (None).
         On the CPU the device work is done by now. Default: nothing."""
 
     def on_apply(self, step: StepMetadata, readbacks: np.ndarray, overlapped: bool) -> None:
@@ -419,6 +431,7 @@ class TextGenerationController:
             self._graphs.run(key, lambda: self._launch_run(step))
         else:
             self._launch_run(step)
+        self.context.take_state_snapshots(step)  # hybrids: recurrent state at prompt-block boundaries
         launched = self._readbacks.end(step)
         self._draft_lengths.launched(step)
         if self.shape.num_speculative_tokens > 0:
@@ -428,13 +441,13 @@ class TextGenerationController:
         self.on_launch(step, key)
         return launched
 
-    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int, int, bool]]:
+    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int, int, int, bool]]:
         """The CUDA graph a step replays: its padded dimensions, whether every request is greedy
-        (the sampling path differs), its decode steps, its draft depths (``step.num_drafts``) and
-        whether draft rows are masked by length (``DraftLengths.masked``); None for a step no graph
-        covers (it runs eagerly)."""
-        return (step.dimensions, self._all_greedy, step.num_steps, step.num_drafts, self._draft_lengths.masked) \
-            if step.graph_padded else None
+        (the sampling path differs), its decode steps, its verify tier (``step.verify_width``: 1 + V
+        rows per decode request), its draft depths (``step.num_drafts``) and whether draft rows are
+        masked by length (``DraftLengths.masked``); None for a step no graph covers (it runs eagerly)."""
+        return (step.dimensions, self._all_greedy, step.num_steps, step.verify_width, step.num_drafts,
+                self._draft_lengths.masked) if step.graph_padded else None
 
     def _launch_run(self, step: StepMetadata) -> None:
         """Every step of the launch (one, or a decode run): each derives its inputs on the device

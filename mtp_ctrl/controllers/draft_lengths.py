@@ -5,7 +5,8 @@ Timing: the lengths chosen when step N is built are the drafts step N makes (its
 runs ``D = max s_r`` depths), staged with step N's one host-to-device copy and kept beside the
 drafts in a device row of the request table; step N + 1 verifies them (its draft rows past
 ``s_r`` are masked). So the lengths a step's decode requests *verify* are those chosen one
-sampling step earlier: :meth:`DraftLengths.launched` records them per launched step, and
+sampling step earlier (the context keeps them per slot: ``StepMetadata.host_verify_lengths``):
+:meth:`DraftLengths.launched` records them per launched step, and
 :meth:`DraftLengths.applied` hands them with the read-back's accepted counts to the policy and
 the metrics. Host values only, no sync.
 """
@@ -18,31 +19,42 @@ import torch.distributed as dist
 
 from mtp_ctrl.controllers.config import SamplingParams
 from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, DraftLengthQuery, FixedDraftLength
-from mtp_ctrl.state import StepMetadata
+from mtp_ctrl.state import EngineShape, StepMetadata
 
 
 class DraftLengths:
     """``policy``: the draft-length policy (None: :class:`FixedDraftLength`). :meth:`add` each
     request's SamplingParams (its ``num_speculative_tokens`` caps its lengths)."""
 
-    def __init__(self, policy: Optional[DraftLengthPolicy], num_speculative_tokens: int):
+    def __init__(self, policy: Optional[DraftLengthPolicy], shape: EngineShape):
         policy = FixedDraftLength() if policy is None else policy
         if not isinstance(policy, DraftLengthPolicy):
             raise TypeError(f"draft_policy must be a DraftLengthPolicy, got {type(policy).__name__}")
-        self.policy, self.S = policy, num_speculative_tokens
+        self.policy, self.shape = policy, shape
         self._caps: Dict[int, int] = {}  # request id -> its cap, for requests capped below S
         if self.S > 0:
-            policy.bind(self.S)
+            policy.bind(shape)
         self._fixed = type(policy) is FixedDraftLength  # S each unless capped: no bookkeeping needed
         # some request may verify fewer than S drafts (the step masks draft rows by length); stays on
         self.masked = self.S > 0 and not self._fixed
-        self._drafted: Dict[int, int] = {}  # request id -> drafts it holds (its last sampling step's length)
         self._in_flight: Deque[Optional[np.ndarray]] = collections.deque()  # per launched step: [k, n_d] or None (S)
+
+    @property
+    def S(self) -> int:
+        """The engine's most drafts (``EngineShape.num_speculative_tokens``)."""
+        return self.shape.num_speculative_tokens
 
     def warmup_depths(self) -> Tuple[int, ...]:
         if self.S == 0:
             return (0,)
         return tuple(sorted({int(d) for d in self.policy.warmup_depths(self.S) if 0 <= int(d) <= self.S}))
+
+    def warmup_tiers(self) -> Tuple[Tuple[int, int], ...]:
+        """The (verify width V, draft depths D) pairs whose step graphs ``warmup()`` captures: every
+        pair of the policy's warm-up depths (a decode-only step verifies what the step before
+        drafted, so V follows the last D), and (S, D) (steps with prefill chunks verify S)."""
+        depths = self.warmup_depths()
+        return tuple(sorted({(v, d) for v in depths for d in depths} | {(self.S, d) for d in depths}))
 
     def choose(self, request_ids: np.ndarray, num_sampling: int, batch_size: int) -> np.ndarray:
         """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order)."""
@@ -65,19 +77,14 @@ class DraftLengths:
         verifies the run's own lengths) and what its sampling requests drafted."""
         if self.S == 0:
             return
-        num_decode, request_ids, chosen = step.num_decode, step.request_ids, step.host_draft_lengths
-        if not self._drafted and all(length == self.S for length in chosen[: step.num_sampling_requests]):
+        num_decode, chosen, held, S = step.num_decode, step.host_draft_lengths, step.host_verify_lengths, self.S
+        if held.count(S) == len(held) and chosen.count(S) == step.num_sampling_requests:
             self._in_flight.append(None)  # every request verifies and drafts S (the fixed-S path)
             return
         verified = np.empty((step.num_steps, num_decode), dtype=np.int64)  # [k, n_d] int64
-        verified[0] = [self._drafted.get(request_id, self.S) for request_id in request_ids[:num_decode]]
+        verified[0] = held  # the drafts each holds (the context's record, chosen when it last sampled)
         verified[1:] = chosen[:num_decode]
         self._in_flight.append(verified)
-        for request_id, length in zip(request_ids[: step.num_sampling_requests], chosen):
-            if length == self.S:
-                self._drafted.pop(request_id, None)
-            else:
-                self._drafted[request_id] = length
 
     def applied(self, step: StepMetadata, accepted_counts: np.ndarray) -> np.ndarray:
         """``accepted_counts``: ``[k, n_d]`` the read-back's counts of the oldest launched step (its
@@ -98,7 +105,6 @@ class DraftLengths:
 
     def forget(self, request_id: int) -> None:
         """The request left the batch (finished or evicted; an evicted one comes back)."""
-        self._drafted.pop(request_id, None)
         self.policy.forget(request_id)
 
     def drop(self, request_id: int) -> None:

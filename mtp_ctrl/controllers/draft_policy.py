@@ -39,29 +39,32 @@ class DraftLengthQuery:
 
 
 class StepCostModel:
-    """Seconds of one step as a function of its grid ``G`` and the draft depths ``D`` it runs.
+    """Seconds of one steady step as a function of its grid ``G`` and the draft depths ``D`` it
+    runs (and so verifies next: a steady step's verify tier is ``V = D``, ``1 + D`` rows per decode
+    request).
 
     ``measured[(G, D)]``: graph replay times taken at warm-up (``controller.warmup()`` on CUDA);
     a query for a grid between measured ones uses the next larger measured grid. Without a
-    measurement (CPU, eager steps) the analytic default ``base + G * (rows * (1 + S) + depth * D)``
+    measurement (CPU, eager steps) the analytic default ``base + G * (rows * (1 + D) + depth * D)``
     (arbitrary units: only ratios matter) is used.
     """
 
-    def __init__(self, num_speculative_tokens: int, base: float = 1.0, per_row: float = 0.02,
-                 per_draft_depth: float = 0.02):
-        self.num_speculative_tokens = num_speculative_tokens
+    def __init__(self, base: float = 1.0, per_row: float = 0.02, per_draft_depth: float = 0.02):
         self.base, self.per_row, self.per_draft_depth = base, per_row, per_draft_depth
         self.measured: Dict[Tuple[int, int], float] = {}
+        self._grids: Dict[int, list] = {}  # D -> its measured grids, ascending (set_measured)
 
     def set_measured(self, measured: Dict[Tuple[int, int], float]) -> None:
         self.measured = {(int(g), int(d)): float(t) for (g, d), t in measured.items() if t > 0}
+        self._grids = {}
+        for g, d in sorted(self.measured):
+            self._grids.setdefault(d, []).append(g)
 
     def seconds(self, batch_size: int, num_drafts: int) -> float:
-        grids = sorted({g for g, d in self.measured if d == num_drafts and g >= batch_size})
-        if grids:
-            return self.measured[(grids[0], num_drafts)]
-        return self.base + batch_size * (self.per_row * (1 + self.num_speculative_tokens)
-                                         + self.per_draft_depth * num_drafts)
+        for grid in self._grids.get(num_drafts, ()):
+            if grid >= batch_size:  # the smallest measured grid that holds the batch
+                return self.measured[(grid, num_drafts)]
+        return self.base + batch_size * (self.per_row * (1 + num_drafts) + self.per_draft_depth * num_drafts)
 
 
 class DraftLengthPolicy:
@@ -71,9 +74,11 @@ class DraftLengthPolicy:
     def __init__(self):
         self.cost_model: Optional[StepCostModel] = None
 
-    def bind(self, num_speculative_tokens: int) -> None:
-        """Called once by the controller (S > 0 only)."""
-        self.cost_model = StepCostModel(num_speculative_tokens)
+    def bind(self, shape) -> None:
+        """Called once by the controller (S > 0 only) with its ``EngineShape`` (S is
+        ``shape.num_speculative_tokens``; each query carries it too)."""
+        self.shape = shape
+        self.cost_model = StepCostModel()
 
     def warmup_depths(self, num_speculative_tokens: int) -> Sequence[int]:
         """The draft depths D whose step graphs ``warmup()`` captures (others are captured on first use)."""
@@ -155,10 +160,11 @@ class GoodputPolicy(DraftLengthPolicy):
         self._slots: Dict[int, int] = {}  # request id -> its row of _counts / _stamps
         self._free: list = []
 
-    def bind(self, num_speculative_tokens: int) -> None:
-        super().bind(num_speculative_tokens)
-        self._model = np.zeros((2, num_speculative_tokens))  # [2, S] (reached, accepted) over every request
-        self._counts = np.zeros((64, 2, num_speculative_tokens))  # [rows, 2, S] per request
+    def bind(self, shape) -> None:
+        super().bind(shape)
+        S = shape.num_speculative_tokens
+        self._model = np.zeros((2, S))  # [2, S] (reached, accepted) over every request
+        self._counts = np.zeros((64, 2, S))  # [rows, 2, S] per request
         self._stamps = np.zeros(64, dtype=np.int64)  # [rows] the step each row's counts are decayed to
 
     def _rows(self, request_ids: np.ndarray, create: bool) -> np.ndarray:
@@ -220,11 +226,13 @@ class GoodputPolicy(DraftLengthPolicy):
         reached = ((depths < lengths[:, None]) & (depths <= accepted[:, None])).astype(np.float64)  # [m, S]
         hit = (depths < accepted[:, None]).astype(np.float64)  # [m, S]: and accepted
         rows = self._rows(request_ids, create=True)
-        unique = np.unique(rows)
-        self._counts[unique] = self._request_counts(unique)
+        unique, inverse = np.unique(rows, return_inverse=True)
+        counts = self._request_counts(unique)  # [u, 2, S], decayed to now
+        for k in range(reached.shape[1]):  # sums per request (a decode run repeats requests); bincount, not add.at
+            counts[:, 0, k] += np.bincount(inverse, weights=reached[:, k], minlength=unique.shape[0])
+            counts[:, 1, k] += np.bincount(inverse, weights=hit[:, k], minlength=unique.shape[0])
+        self._counts[unique] = counts
         self._stamps[unique] = self._now
-        np.add.at(self._counts, (rows, 0), reached)
-        np.add.at(self._counts, (rows, 1), hit)
         self._model[0] += reached.sum(axis=0)
         self._model[1] += hit.sum(axis=0)
 

@@ -96,7 +96,8 @@ class EagleProposer(AuxDraftProposer):
 
         # draft step 1: this step's rows, tokens shifted by one, rejected rows masked
         request_index = torch.arange(G, device=device)
-        cu_num_drafts = S * torch.minimum(request_index + 1, step.device_num_decode)  # [G] int64, inclusive cumsum
+        # [G] int64, inclusive cumsum: V drafts per decode request (the step's verify width)
+        cu_num_drafts = step.verify_width * torch.minimum(request_index + 1, step.device_num_decode)
         last_rows, _ = eagle_prepare_inputs_padded(cu_num_drafts, batch.accepted_counts + 1, query_start_loc)  # [G]
         input_ids, positions, is_rejected, _, new_token_rows, _ = copy_and_expand_eagle_inputs(
             step.input_ids, attention.positions, self._next_tokens(batch), query_start_loc, last_rows,

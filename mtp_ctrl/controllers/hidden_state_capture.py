@@ -110,7 +110,8 @@ class HiddenStateCapture(Proposer):
         G = batch.num_requests
         query_start_loc = attention.query_start_loc[: G + 1]  # [G + 1]
         request_index = torch.arange(G, device=device)
-        cu_num_drafts = torch.minimum(request_index + 1, step.device_num_decode)  # [G] int64 (S = 1)
+        # [G] int64, inclusive cumsum: V <= S = 1 draft per decode request
+        cu_num_drafts = step.verify_width * torch.minimum(request_index + 1, step.device_num_decode)
         last_rows, _ = eagle_prepare_inputs_padded(cu_num_drafts, batch.accepted_counts + 1, query_start_loc)  # [G]
         num_rows = step.input_ids.shape[0]
         rows = torch.arange(num_rows, device=device)  # [T] int64

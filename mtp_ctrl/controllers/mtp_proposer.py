@@ -27,7 +27,8 @@ key covers ``S`` tokens past it. A request that starts from ``H`` cached positio
 window at ``w = H`` and never moves it below ``H`` (the entries there are final and shared).
 
 Every index comes from device tensors with shapes fixed by the step's grid and token count (a
-decode request gets ``2S`` window rows, the most a decode window spans; a prefill chunk of ``q``
+decode request gets ``S + V`` window rows, the most a decode window spans in a step that verifies
+V drafts per request; a prefill chunk of ``q``
 rows at most ``q + S``), so any padded step, with or without prefill chunks, can be captured in
 a CUDA graph. Two kernels do the index work (``triton_ops/mtp_window.py``): ``mtp_draft_window``
 records the step's tokens and lays the windows out before the depths run, ``mtp_advance_window``
@@ -153,12 +154,13 @@ class MTPProposer(Proposer):
 
     def _window_bounds(self, batch: DraftBatch) -> Tuple[int, int]:
         """(Tm, the longest window): bounds fixed by the step's shape, so a padded step can be
-        captured. A decode request's window has ``2S`` rows (the most it spans); a prefill chunk's
-        covers ``[w, e)``, at most ``q + S`` rows."""
+        captured. A decode request's window has ``S + V`` rows (the most it spans: w is at most
+        ``S - 1`` positions before its base row, e at most ``1 + V`` after it; ``2S`` at V = S); a
+        prefill chunk's covers ``[w, e)``, at most ``q + S`` rows."""
         step, S, num_requests = batch.step, self.draft_context.shape.num_speculative_tokens, batch.num_requests
         num_rows = step.input_ids.shape[0]
         if step.decode_only:
-            return num_requests * 2 * S, 2 * S
+            return num_requests * (S + step.verify_width), S + step.verify_width
         if step.graph_padded:  # a bound that holds for every step the graph replays
             return num_rows + num_requests * S, num_rows + S
         # eager: the host's longest chunk bounds the windows (the attention grid follows it)
@@ -181,7 +183,8 @@ class MTPProposer(Proposer):
             attention.positions[:num_rows], step.input_ids[:num_rows], batch.next_tokens, batch.hidden,
             attention.block_table[:num_requests], self._window_start, self._token_history, self._hidden_ring,
             shape.num_speculative_tokens, shape.block_size_tokens, self.draft_context.scratch_row,
-            window_query_start_loc, positions, slot_mapping, history_rows, hidden)
+            window_query_start_loc, positions, slot_mapping, history_rows, hidden,
+            decode_window_rows=shape.num_speculative_tokens + step.verify_width)
         return window_query_start_loc, positions, slot_mapping, history_rows, hidden
 
     def _record_verified_tokens(self, batch: DraftBatch) -> None:

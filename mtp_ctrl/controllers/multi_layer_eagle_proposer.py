@@ -34,6 +34,8 @@ noise at the draft's position).
 """
 
 
+import dataclasses
+
 import torch
 
 from mtp_ctrl.controllers.aux_draft_proposer import AuxDraftProposer
@@ -94,15 +96,26 @@ class MultiLayerEagleProposer(AuxDraftProposer):
         sampling_rows = batch.write_rows  # [G] int64: each request's table row (padding: the scratch row)
         ends = batch.bonus_positions  # [G] int64, e
         drafts = torch.empty(G, S, dtype=torch.int64, device=device)  # [G, S]
+        # layers from D on draft nothing this step: they still run over their window (each keeps its own
+        # cache final for the positions the window leaves behind) but skip the output layer and sampling;
+        # their rows at e - 1 read a stand-in token (that entry is rewritten next step)
+        num_drafts = batch.depths(S)
         for depth, layer in enumerate(self.heads.layers):
-            logits, features = runner.eagle_forward(layer, features, tokens, positions, metadata,
-                                                    self._kv_caches[depth], logits_rows=draft_rows)  # [G, V], [Tw, H]
-            drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, ends + depth + 1)
-            self._record_draft_logits(batch, logits, depth)
+            drafting = depth < num_drafts
+            logits, features = runner.eagle_forward(  # [G, V] ([0, V] past D), [Tw, H]
+                layer, features, tokens, positions, metadata, self._kv_caches[depth],
+                logits_rows=draft_rows if drafting else draft_rows[:0])
+            if drafting:
+                drafts[:, depth] = self.draft_context.sample_rows(logits, sampling_rows, ends + depth + 1)
+                self._record_draft_logits(batch, logits, depth)
             if depth + 1 < S:  # the next layer reads one token further: shift left, d_{depth+1} at e - 1
                 shifted = torch.cat([tokens[1:], tokens[-1:]])  # [Tw] int64
-                tokens = torch.where(is_draft_row, drafts[owners, depth], shifted)
+                tokens = torch.where(is_draft_row, drafts[owners, depth], shifted) if drafting else shifted
         return drafts
+
+    def on_no_drafts(self, batch: DraftBatch) -> None:
+        """No request drafts: every layer still runs over its window (its cache), none samples."""
+        self.propose(dataclasses.replace(batch, num_drafts=0))
 
     def _window(self, batch: DraftBatch) -> dict:
         """Each request's window (device tensors; ``Tw`` rows, a bound fixed by the step's shape)."""
@@ -117,9 +130,13 @@ class MultiLayerEagleProposer(AuxDraftProposer):
         rows = torch.where(real, torch.minimum(ends, lengths.clamp(min=S) + S - 1), 0)  # [G] int64, W
         window_start_loc = torch.zeros(G + 1, dtype=torch.int64, device=device)  # [G + 1]
         window_start_loc[1:] = torch.cumsum(rows, 0)
-        # a bound on the window rows: max(q, S) + S - 1 per request, q = S + 1 for a decode
-        num_rows = T + G * (S - 1) + (0 if step.decode_only else G * (S - 1))  # Tw
-        max_rows = 2 * S if step.decode_only else max(attention.max_query_len, S) + S - 1
+        # a bound on the window rows: max(q, S) + S - 1 per request, q = 1 + V for a decode
+        if step.decode_only:
+            max_rows = max(step.verify_stride, S) + S - 1
+            num_rows = G * max_rows  # Tw
+        else:
+            num_rows = T + 2 * G * (S - 1)  # Tw (max(q, S) <= q + S - 1 for q >= 1)
+            max_rows = max(attention.max_query_len, S) + S - 1
         row_index = torch.arange(num_rows, device=device)  # [Tw]
         owners = torch.searchsorted(window_start_loc[1:], row_index, right=True).clamp(max=max(G - 1, 0))  # [Tw]
         in_window = row_index < window_start_loc[-1]  # [Tw] bool

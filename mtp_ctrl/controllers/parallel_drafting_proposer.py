@@ -40,6 +40,8 @@ inside its CUDA graph. Tensor parallelism: ``mask_hidden`` is replicated, the he
 :class:`EagleProposer`'s, and every rank samples the same drafts from the gathered logits.
 """
 
+import dataclasses
+
 import torch
 
 from mtp_ctrl.controllers.draft_context import DraftContext
@@ -73,21 +75,25 @@ class ParallelDraftingProposer(EagleProposer):
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         self._check_aux_hidden(batch)
         S, runner, head = self.draft_context.shape.num_speculative_tokens, self.draft_context.runner, self.head
+        # D depths (at least 1: the verified rows always run, the head's cache must stay whole); the
+        # mask rows of depths nobody uses this step are left out
+        D = max(batch.depths(S), 1)
         step = batch.step
         attention, device = step.attention, batch.hidden.device
         G = batch.num_requests  # every request of the grid drafts; rows of those not sampling are ignored
         num_input_rows = step.input_ids.shape[0]  # T_in (padded)
-        num_rows = num_input_rows + G * (S - 1)  # T_out: every request's verified rows + S - 1 mask rows
+        num_rows = num_input_rows + G * (D - 1)  # T_out: every request's verified rows + D - 1 mask rows
         block_table = self._head_block_table(attention.block_table, batch.write_rows)  # [G, MB + tail]
         query_start_loc = attention.query_start_loc[: G + 1]  # [G + 1]
         ends = batch.bonus_positions  # [G] int64, e
 
         request_index = torch.arange(G, device=device)  # [G]
-        cu_num_drafts = S * torch.minimum(request_index + 1, step.device_num_decode)  # [G] int64, inclusive cumsum
+        # [G] int64, inclusive cumsum: V drafts per decode request (the step's verify width)
+        cu_num_drafts = step.verify_width * torch.minimum(request_index + 1, step.device_num_decode)
         last_rows, _ = eagle_prepare_inputs_padded(cu_num_drafts, batch.accepted_counts + 1, query_start_loc)  # [G]
         real = request_index < step.num_active  # [G] bool; padding requests own no rows
         verified_counts = (last_rows - query_start_loc[:-1] + 1).clamp(min=0)  # [G] int64
-        row_counts = torch.where(real, verified_counts + (S - 1), 0)  # [G] int64
+        row_counts = torch.where(real, verified_counts + (D - 1), 0)  # [G] int64
         out_query_start_loc = torch.zeros(G + 1, dtype=torch.int32, device=device)  # [G + 1] int32
         out_query_start_loc[1:] = torch.cumsum(row_counts, 0).to(torch.int32)
         features = head.project_aux(batch.aux_hidden)  # [T_in, H]
@@ -95,21 +101,28 @@ class ParallelDraftingProposer(EagleProposer):
             step.input_ids, attention.positions, features, attention.slot_mapping, self._next_tokens(batch),
             last_rows, query_start_loc, out_query_start_loc, block_table, self.draft_context.shape.block_size_tokens, self._max_positions,
             head.mask_token_id, head.mask_hidden.detach(), num_rows)  # [T_out] x3 (+ hidden [T_out, H])
-        # a request's rows sit at consecutive positions from its first row's: e + S - 1 for a sampling
+        # a request's rows sit at consecutive positions from its first row's: e + D - 1 for a sampling
         # request, and right for a chunk that stops mid-prompt too (whose bonus position is not e)
         last_ends = (batch.first_positions + row_counts).clamp(0, self._max_positions)  # [G] int64
         seq_lens = torch.where(real, last_ends, 0).to(torch.int32)  # [G] int32
         metadata = AttentionMetadata(
             query_start_loc=out_query_start_loc, seq_lens=seq_lens, slot_mapping=slots, block_table=block_table,
-            positions=positions, num_actual_tokens=num_rows, max_query_len=attention.max_query_len + S - 1,
-            max_seq_len=min(attention.max_seq_len + S - 1, self._max_positions))
+            positions=positions, num_actual_tokens=num_rows, max_query_len=attention.max_query_len + D - 1,
+            max_seq_len=min(attention.max_seq_len + D - 1, self._max_positions))
         # draft k of request r: row out_start + verified_count - 1 + (k - 1)
-        draft_rows = (out_query_start_loc[1:].to(torch.int64) - S)[:, None] + torch.arange(S, device=device)  # [G, S]
-        draft_rows = draft_rows.clamp(0, num_rows - 1).flatten()  # [G * S] (padding requests: any valid row)
+        draft_rows = (out_query_start_loc[1:].to(torch.int64) - D)[:, None] + torch.arange(D, device=device)  # [G, D]
+        draft_rows = draft_rows.clamp(0, num_rows - 1).flatten()  # [G * D] (padding requests: any valid row)
         logits, _ = runner.eagle_forward(head, hidden, input_ids, positions, metadata, self._kv_caches,
-                                         logits_rows=draft_rows)  # [G * S, V]
-        sampling_rows = batch.write_rows[:, None].expand(G, S).flatten()  # [G * S] table row of each draft
-        draft_positions = (ends[:, None] + torch.arange(1, S + 1, device=device)).flatten()  # [G * S] int64
-        drafts = self.draft_context.sample_rows(logits, sampling_rows, draft_positions).view(G, S)
-        self._record_draft_logits(batch, logits)  # every depth at once
+                                         logits_rows=draft_rows)  # [G * D, V]
+        sampling_rows = batch.write_rows[:, None].expand(G, D).flatten()  # [G * D] table row of each draft
+        draft_positions = (ends[:, None] + torch.arange(1, D + 1, device=device)).flatten()  # [G * D] int64
+        drafts = self.draft_context.sample_rows(logits, sampling_rows, draft_positions).view(G, D)
+        self._record_draft_logits(batch, logits)  # the first D depths at once
+        if D < S:  # [G, S]: the columns past D are never verified
+            drafts = torch.cat([drafts, drafts.new_zeros(G, S - D)], dim=1)
         return drafts
+
+    def on_no_drafts(self, batch: DraftBatch) -> None:
+        """No request drafts: the verified rows still run through the head (its cache of verified
+        positions must stay whole), with no mask rows."""
+        self.propose(dataclasses.replace(batch, num_drafts=1))

@@ -35,9 +35,9 @@ class MambaForward:
     request of the grid; 0 rows for a request that does not prefill), C/W/H/P/N the conv and
     SSM sizes.
 
-    Decode requests own the first ``nd * (1 + S)`` packed rows (rows inside a prefill segment
-    excepted: a padded grid's decode requests past the real ones may overlap prefill rows, and
-    use the scratch slot); each starts from its current state and writes the state after its
+    Decode requests own the first ``nd * (1 + V)`` packed rows (V <= S, the step's verify width;
+    rows inside a prefill segment excepted: a padded grid's decode requests past the real ones may
+    overlap prefill rows, and use the scratch slot); each starts from its current state and writes the state after its
     row ``j`` to ``intermediate_*[:, slot, j]`` (the controller later commits the one after the
     last accepted row; Gated DeltaNet layers store the row's inputs in ``verify_row_inputs``
     instead, and the commit replays the accepted rows: :mod:`mtp_ctrl.state.mamba_slots`). Prefill segment ``g`` is rows ``[prefill_row_start[g], +
@@ -48,14 +48,14 @@ class MambaForward:
 
     conv_states: torch.Tensor  # [Lm, M, C, W - 1] fp32, current state per slot
     ssm_states: torch.Tensor  # [Lm, M, H, P, N] fp32
-    intermediate_conv_states: torch.Tensor  # [Lm, M, 1 + S, C, W - 1] fp32
-    intermediate_ssm_states: Optional[torch.Tensor]  # [Lm, M, 1 + S, H, P, N] fp32; None: verify_row_inputs
+    intermediate_conv_states: torch.Tensor  # [Lm, M, 1 + V, C, W - 1] fp32 (a view of the slots' 1 + S)
+    intermediate_ssm_states: Optional[torch.Tensor]  # [Lm, M, 1 + V, H, P, N] fp32; None: verify_row_inputs
     decode_slot_ids: torch.Tensor  # [nd] int64 on the device: slot of each decode request
     prefill_row_start: Optional[torch.Tensor] = None  # [n] int64 on the device; None: no prefill rows
     prefill_row_count: Optional[torch.Tensor] = None  # [n] int64 on the device
     prefill_slot_ids: Optional[torch.Tensor] = None  # [n] int64 on the device
     # Gated DeltaNet slots: each verify row's (k, v, g, beta) instead of its state (gdn_verify_rows)
-    verify_row_inputs: Optional[torch.Tensor] = None  # [Lm, M, 1 + S, F] fp32
+    verify_row_inputs: Optional[torch.Tensor] = None  # [Lm, M, 1 + V, F] fp32 (a view of the slots' 1 + S)
     # the real prefill segments as the host planned them: (segment index, first row, rows) each. Host
     # values: a layer may only use them outside CUDA-graph capture (Gated DeltaNet's long chunks)
     host_prefill_segments: Tuple[Tuple[int, int, int], ...] = ()
@@ -108,10 +108,17 @@ class MambaForward:
                 prefill_row_count=torch.where(prefilling, query_start_loc[1:] - query_start_loc[:-1], 0),
                 prefill_slot_ids=torch.where(prefilling, slot_ids[:grid], slots.scratch_slot),
             )
+        rows = step.verify_stride  # 1 + V rows per decode request: the first 1 + V intermediate states
         return cls(conv_states=slots.conv_states, ssm_states=slots.ssm_states,
-                   intermediate_conv_states=slots.intermediate_conv_states,
-                   intermediate_ssm_states=slots.intermediate_ssm_states, verify_row_inputs=slots.verify_row_inputs,
-                   decode_slot_ids=decode_slot_ids, **prefill)
+                   intermediate_conv_states=slots.intermediate_conv_states[:, :, :rows],
+                   intermediate_ssm_states=_first_rows(slots.intermediate_ssm_states, rows),
+                   verify_row_inputs=_first_rows(slots.verify_row_inputs, rows), decode_slot_ids=decode_slot_ids,
+                   **prefill)
+
+
+def _first_rows(per_row: Optional[torch.Tensor], rows: int) -> Optional[torch.Tensor]:
+    """``per_row[:, :, :rows]`` (a view: the step's ``1 + V`` verify rows), or None."""
+    return None if per_row is None else per_row[:, :, :rows]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ Life cycle of a request::
                       prefix caching: the cached full blocks its prompt starts with, see
                       ``state/prefix_cache.py``)
     build_step     -> runs prefill chunks; after its final chunk the next build_step makes it
-                      DECODE (it then runs 1 + S rows per step); too few free blocks -> PAUSED
+                      DECODE (it then runs 1 + V rows per step, V <= S: see build_step); too few free blocks -> PAUSED
                       (state intact), resumed by a later build_step once blocks are free
     pause_request / resume_request  -> PAUSED and back, on the caller's word
     finish_request(s) -> blocks and Mamba slot released, table slot freed
@@ -45,9 +45,10 @@ from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
 from mtp_ctrl.state.kv_cache import AnyKVCacheSpec, KVCacheSpec, LatentKVCacheSpec
 from mtp_ctrl.state.mamba_slots import MambaSpec, MambaStateSlots
-from mtp_ctrl.state.prefix_cache import PrefixCache
+from mtp_ctrl.state.prefix_cache import PrefixCache, SnapshotDue
 from mtp_ctrl.state.request_table import RequestTable, RowGroup
 from mtp_ctrl.state.scheduler import Scheduler
+from mtp_ctrl.state.state_snapshots import RecurrentStateSnapshots
 from mtp_ctrl.state.step_metadata import StepBuffers, StepMetadata
 
 Tokens = Union[torch.Tensor, np.ndarray, Sequence[int]]
@@ -63,6 +64,9 @@ class DynamicInferenceContext:
     cuda_graph_batch_sizes: batch sizes with a CUDA graph (steps are padded to them; a step with
         prefill chunks also pads its tokens to ``cuda_graph_token_counts``, powers of two from 64).
     mamba: Mamba layer count and state shapes, or None for a model without Mamba layers.
+    state_snapshots: recurrent-state snapshot slots for prefix caching on a hybrid model (``mamba``
+        given; 0: none, a hybrid then takes no prefix-cache hit); with ``kv_cache_bytes`` they are
+        paid from that budget.
 
     Sizing rules (checked here and in :class:`EngineShape`): ``max_tokens_per_step >= R * (1 + S)``
     so every decode request runs every step; a request holds at most ``MB = ceil((max_model_len +
@@ -79,6 +83,7 @@ class DynamicInferenceContext:
         kv_cache_bytes: Optional[int] = None,
         cuda_graph_batch_sizes: Sequence[int] = (),
         mamba: Optional[MambaSpec] = None,
+        state_snapshots: int = 0,
     ):
         if not isinstance(shape, EngineShape):
             raise TypeError(f"shape must be an EngineShape, got {type(shape).__name__}")
@@ -86,6 +91,9 @@ class DynamicInferenceContext:
             raise TypeError(f"kv_cache must be a KVCacheSpec or LatentKVCacheSpec, got {type(kv_cache).__name__}")
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_cache_bytes")
+        if isinstance(state_snapshots, bool) or not isinstance(state_snapshots, int) or state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be an int >= 0, got {state_snapshots!r}")
+        state_snapshots = state_snapshots if mamba is not None else 0
         self.shape = shape
         max_requests, block_size_tokens, device = shape.max_requests, shape.block_size_tokens, shape.device
         self.cuda_graph_batch_sizes = check_batch_sizes(cuda_graph_batch_sizes, max_requests)
@@ -96,6 +104,8 @@ class DynamicInferenceContext:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
         else:
             bytes_per_block = kv_cache.bytes_per_block(block_size_tokens)
+            if state_snapshots:  # the snapshots are paid from the KV budget
+                kv_cache_bytes -= state_snapshots * RecurrentStateSnapshots.bytes_per_snapshot(mamba)
             if kv_cache_bytes < 2 * bytes_per_block:  # the budget holds the scratch block too (see below)
                 raise ValueError(f"kv_cache_bytes ({kv_cache_bytes}) must hold two KV blocks ({bytes_per_block} "
                                  "bytes each): one for requests, one scratch block")
@@ -112,11 +122,17 @@ class DynamicInferenceContext:
         self.num_cache_blocks = self.allocator.num_blocks + 1  # [num_cache_blocks, bs, Hkv, D] caches
         self.kv_caches = kv_cache.allocate(self.num_cache_blocks, block_size_tokens, device)
         self.mamba = None if mamba is None else MambaStateSlots(mamba, max_requests, shape.num_speculative_tokens, device)
+        self._state_snapshots = RecurrentStateSnapshots(mamba, state_snapshots, device) if state_snapshots else None
+        # the last built step and the requests whose chunk in it ends at a snapshot boundary
+        self._snapshots_due: Tuple[Optional[StepMetadata], List[SnapshotDue]] = (None, [])
         self.table = RequestTable(shape)
         self.table.set_free_row_targets(self.scratch_block, -1 if self.mamba is None else self.mamba.scratch_slot)
         # [R + 1] int64: tokens the request's prefill computes (its prompt, plus the output so far
         # after a preemption; the controller's OutputRows.prompt_lengths is the original prompt's)
         self._prefill_token_counts = self.table.add_host_rows("prefill_token_counts", ())
+        # [R + 1] int64: drafts the request holds (chosen by its last sampling step): its next decode
+        # verifies that many, and a step's verify width V is the most any of its decodes holds
+        self._drafts_held = self.table.add_host_rows("drafts_held", (), fill=shape.num_speculative_tokens)
         self._step_buffers = StepBuffers(self.table, shape.max_tokens_per_step, self.scheduler.max_block_writes_per_step)
         self._step_buffers.gathers_mamba_rows = self.mamba is not None
         self._block_writes = []  # [3, k] int64 arrays (slot, column, block id) not yet sent to the device
@@ -130,12 +146,13 @@ class DynamicInferenceContext:
     def enable_prefix_caching(self, lookahead: int, salt: bytes = b"") -> bool:
         """Reuse full KV blocks of prompts (see ``state/prefix_cache.py``): ``lookahead`` tokens past
         a block its content depends on (0 for the decoder alone; the proposer's, e.g. S for paged
-        MTP depths). Hybrid models (Mamba-2 or Gated DeltaNet: state slots) opt out: their recurrent state at a block
-        boundary is not kept, so they take no hit. Returns whether caching is on. Only before the
-        first request."""
+        MTP depths). Hybrid models (Mamba-2 or Gated DeltaNet: state slots) reuse a prefix with a
+        snapshot of the recurrent state after it (``state_snapshots`` slots; without them they
+        take no hit). Returns whether caching is on. Only before the first request."""
         if self.table.num_live or self.prefix_cache.queried_tokens:
             raise RuntimeError("enable_prefix_caching: requests have joined already")
-        self.prefix_cache = PrefixCache(self.allocator, None if self.mamba is not None else lookahead, salt)
+        reusable = self.mamba is None or self._state_snapshots is not None
+        self.prefix_cache = PrefixCache(self.allocator, lookahead if reusable else None, salt, self._state_snapshots)
         if self.prefix_cache.enabled:
             self.table.enable_cached_prefixes()
         return self.prefix_cache.enabled
@@ -181,7 +198,7 @@ class DynamicInferenceContext:
         if not isinstance(use_prefix_cache, bool):
             raise TypeError(f"use_prefix_cache must be a bool, got {type(use_prefix_cache).__name__}")
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
-        cached_block_ids = self.prefix_cache.attach(request_id, prompt, use_prefix_cache)
+        cached_block_ids = self.prefix_cache.attach(request_id, prompt, use_prefix_cache, self.mamba, slot)
         table_slot = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values, cached_block_ids)
         self._prefill_token_counts[table_slot] = prompt.shape[0]
         self._prefill_tokens[request_id] = prompt
@@ -259,7 +276,10 @@ class DynamicInferenceContext:
         With a step in flight (built, not committed) the step is built for the worst case of the
         one in flight, and nothing pauses or resumes (:meth:`needs_sync` says when the caller
         should commit first); decodes short of blocks then raise ``KVCacheFullError``. Every
-        decode request runs ``1 + S`` rows; prefill requests then take the rest of
+        decode request runs ``1 + V`` rows (V, the step's verify width: in a decode-only step the
+        most drafts any of its decode requests holds, chosen by ``draft_lengths`` when it last
+        sampled; S without a policy and in a step with prefill chunks; blocks are still reserved for
+        ``1 + S``); prefill requests then take the rest of
         ``max_tokens_per_step`` in list order (only the last one may stop mid-prompt). Decode
         requests that cannot get their blocks are paused; paused ones are resumed (oldest first)
         when blocks are free again, and no prefill starts while one still waits. Raises
@@ -278,13 +298,14 @@ class DynamicInferenceContext:
         S each.
         """
         steps_in_flight = self.steps_in_flight
+        self._snapshots_due = (None, [])
         self.table.write_inserted_rows()  # the slots admitted since the last step, in one batch
         for request_id in list(self._prompts_done):  # in the order their prompts ended
             self._become_decode_if_prompt_done(request_id)
         if not steps_in_flight:
             self._pause_decodes_short_of_blocks()
             self._resume_requests_paused_for_kv()
-        host, stride = self.table.host, self.shape.stride
+        host = self.table.host
         decode_slots = self.table.slots_in(RowGroup.DECODE)  # [nd] int64
         num_decode = decode_slots.shape[0]
         num_steps = self._decode_run_steps(num_decode, length_budgets)
@@ -301,8 +322,6 @@ class DynamicInferenceContext:
                     "finish or pause requests to make room"
                 )
             return None
-        query_lengths = np.full(num_requests, stride, dtype=np.int64)  # [n] int64
-        query_lengths[num_decode:] = [chunk.shape[0] for chunk in chunks]
         final_chunk_count, next_prompt_token = 0, 0
         for slot in prefill_slots.tolist():  # prefill requests: a handful, host values  # host-ok: numpy
             request_id = int(host.request_ids[slot])
@@ -312,23 +331,44 @@ class DynamicInferenceContext:
                 self._prompts_done[request_id] = None
             else:  # only the step's last request can stop mid-prompt
                 next_prompt_token = int(prompt[known_length])
-        padded = self._graph_shape(num_requests, int(query_lengths.sum()), has_prefill=bool(chunks))
+        lengths = None
+        num_sampling = num_decode + final_chunk_count
+        if draft_lengths is not None:
+            lengths = np.zeros(num_requests, dtype=np.int64)  # [n] int64
+            batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes) or num_requests
+            lengths[:num_sampling] = draft_lengths(host.request_ids[slot_ids[:num_sampling]], num_sampling, batch_size)
+        verify_width = self.shape.num_speculative_tokens if chunks else \
+            self._verify_width(decode_slots, None if lengths is None else lengths[:num_decode], num_steps)
+        query_lengths = np.full(num_requests, 1 + verify_width, dtype=np.int64)  # [n] int64
+        query_lengths[num_decode:] = [chunk.shape[0] for chunk in chunks]
+        padded = self._graph_shape(num_requests, int(query_lengths.sum()), bool(chunks), verify_width)
         if padded is not None or not chunks:  # one fixed bound, so a graph and the eager step split attention alike
             max_seq_len = self.shape.max_blocks_per_request * self.shape.block_size_tokens
         else:
             max_seq_len = int(host.block_counts[slot_ids].max()) * self.shape.block_size_tokens
         block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
         self._block_writes = []
-        lengths = None
-        if draft_lengths is not None:
-            lengths = np.zeros(num_requests, dtype=np.int64)  # [n] int64
-            num_sampling = num_decode + final_chunk_count
-            batch_size = num_requests if padded is None else padded.request_count
-            lengths[:num_sampling] = draft_lengths(host.request_ids[slot_ids[:num_sampling]], num_sampling, batch_size)
         step = self._step_buffers.build(slot_ids, query_lengths, num_decode, chunks, final_chunk_count, padded,
-                                        block_writes, max_seq_len, next_prompt_token, num_steps, lengths)
+                                        block_writes, max_seq_len, next_prompt_token, num_steps, lengths, verify_width,
+                                        self._drafts_held[decode_slots])
+        self._drafts_held[slot_ids[:num_sampling]] = \
+            self.shape.num_speculative_tokens if lengths is None else lengths[:num_sampling]
         self._steps_in_flight.append(step)
+        self._snapshots_due = (step, self._snapshots_due[1])
         return step
+
+    def _verify_width(self, decode_slots: np.ndarray, chosen: Optional[np.ndarray], num_steps: int) -> int:
+        """V of a decode-only step: the most drafts any of its decode requests (slots
+        ``decode_slots``) verifies. Its first step verifies the drafts each holds; a decode run's
+        later steps verify the lengths ``chosen`` for this build (``[nd]``, None: S). (A step with
+        prefill chunks keeps V = S: one graph per mixed shape, draft rows masked by length.)"""
+        if decode_slots.shape[0] == 0:
+            return self.shape.num_speculative_tokens
+        width = int(self._drafts_held[decode_slots].max())  # host-ok: numpy
+        if num_steps > 1:
+            run_width = self.shape.num_speculative_tokens if chosen is None else int(chosen.max())  # host-ok: numpy
+            width = max(width, run_width)
+        return width
 
     def _decode_run_steps(self, num_decode: int, length_budgets: Tuple[int, int, float]) -> int:
         """Decode steps the build stages (see :meth:`build_step`): 1 unless every running request
@@ -343,6 +383,15 @@ class DynamicInferenceContext:
                 self.allocator.num_free_blocks:
             return 1  # short of blocks: single steps (which pause or preempt as usual)
         return num_steps
+
+    def take_state_snapshots(self, step: StepMetadata) -> None:
+        """Hybrid models with prefix caching: call right after launching ``step`` (the last one
+        built), before anything else reaches the stream. Copies the recurrent state of each
+        request whose chunk in it ended at a snapshot boundary (device copies, no sync)."""
+        built, due = self._snapshots_due
+        if step is built and due:
+            self.prefix_cache.take_snapshots(due, self.mamba)
+        self._snapshots_due = (None, [])
 
     def prepare_inputs(self, step: StepMetadata) -> None:
         """The device half of the step's set-up; run it first in the step (see StepBuffers)."""
@@ -374,41 +423,51 @@ class DynamicInferenceContext:
         finishes every request they held. Block writes not yet sent are dropped too."""
         self._steps_in_flight.clear()
         self._block_writes = []
+        self._snapshots_due = (None, [])
         self.allocator.drop_cached()  # blocks they were writing may be registered: trust none
 
     # ----- scheduling helpers ------------------------------------------------------------
 
-    def _graph_shape(self, num_requests: int, token_count: int, has_prefill: bool) -> Optional[BatchDimensions]:
+    def _graph_shape(self, num_requests: int, token_count: int, has_prefill: bool,
+                     verify_width: int) -> Optional[BatchDimensions]:
         """The CUDA-graph shape a step pads to, or None (exact, eager): the request count rounds
-        up to a batch bucket; a step with prefill rounds its tokens up to a token bucket."""
+        up to a batch bucket (decode-only: ``1 + verify_width`` rows each); a step with prefill
+        rounds its tokens up to a token bucket."""
         batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes)
         if batch_size is None:
             return None
         if not has_prefill:
-            return BatchDimensions.decode_only(batch_size, self.shape.num_speculative_tokens)
+            return BatchDimensions.decode_only(batch_size, verify_width)
         tokens = round_up_batch_size(token_count, self.cuda_graph_token_counts)
         return None if tokens is None else BatchDimensions(tokens, batch_size, True)
 
-    def graph_shapes(self) -> List[BatchDimensions]:
-        """Every CUDA-graph shape a step can be padded to (see :meth:`_graph_shape`)."""
+    def graph_shapes(self, verify_width: Optional[int] = None) -> List[BatchDimensions]:
+        """Every CUDA-graph shape a step of verify width V (``verify_width``; default S) can be
+        padded to (see :meth:`_graph_shape`): the decode-only ones, and the mixed ones for V = S
+        (a step with prefill chunks verifies S)."""
         S = self.shape.num_speculative_tokens
-        shapes = [BatchDimensions.decode_only(size, S) for size in self.cuda_graph_batch_sizes]
+        V = S if verify_width is None else verify_width
+        shapes = [BatchDimensions.decode_only(size, V) for size in self.cuda_graph_batch_sizes]
+        if V != S:
+            return shapes
         shapes += [BatchDimensions(tokens, size, True)
                    for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
         return shapes
 
-    def build_padding_step(self, shape: BatchDimensions, num_steps: int = 1,
-                           num_drafts: Optional[int] = None) -> StepMetadata:
+    def build_padding_step(self, shape: BatchDimensions, num_steps: int = 1, num_drafts: Optional[int] = None,
+                           verify_width: Optional[int] = None) -> StepMetadata:
         """A step of ``shape`` (a decode run of ``num_steps``) that holds no request (every row is
         padding): running it changes no request, and capturing it records the graph every real
-        step of that shape replays (with ``num_drafts`` draft depths; default S)."""
-        if shape not in self.graph_shapes():
+        step of that shape replays (with ``num_drafts`` draft depths and ``verify_width`` drafts
+        verified per decode request; default S each; ``shape`` is one of ``graph_shapes(verify_width)``)."""
+        if shape not in self.graph_shapes(verify_width):
             raise ValueError(f"{shape} is not a CUDA-graph shape of this context")
         if num_steps not in self.scheduler.run_lengths or (num_steps > 1 and shape.has_prefill):
             raise ValueError(f"num_steps {num_steps}: decode runs have {self.scheduler.run_lengths} steps, and only "
                              "decode-only shapes run several")
         step = self._step_buffers.build(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, [], 0, shape, np.zeros((3, 0), np.int64),
-                                        self.shape.max_blocks_per_request * self.shape.block_size_tokens, num_steps=num_steps)
+                                        self.shape.max_blocks_per_request * self.shape.block_size_tokens, num_steps=num_steps,
+                                        verify_width=verify_width)
         return step if num_drafts is None else dataclasses.replace(step, num_drafts=num_drafts)
 
     def _become_decode_if_prompt_done(self, request_id: int) -> None:
@@ -477,14 +536,23 @@ class DynamicInferenceContext:
         host = self.table.host
         prefill_slots = self.table.slots_in(RowGroup.PREFILL)  # [p] int64
         known_lengths = host.known_lengths[prefill_slots]
+        # [p] int64: where each chunk must end for a recurrent-state snapshot (hybrids; -1: anywhere)
+        boundaries = self.prefix_cache.snapshot_boundaries(host.request_ids[prefill_slots], known_lengths)
+        remaining = self._prefill_token_counts[prefill_slots] - known_lengths  # [p] int64
         lengths = self.scheduler.prefill_chunk_lengths(
-            self._prefill_token_counts[prefill_slots] - known_lengths, known_lengths,
-            host.block_counts[prefill_slots], self.allocator.num_free_blocks, num_decode)
+            remaining, known_lengths, host.block_counts[prefill_slots], self.allocator.num_free_blocks, num_decode,
+            np.where(boundaries >= 0, boundaries - known_lengths, remaining))
         chunk_lengths = np.array(lengths, dtype=np.int64)  # [p'] int64
         slots = prefill_slots[: chunk_lengths.shape[0]]
         known = known_lengths[: chunk_lengths.shape[0]]
         self._reserve(slots, self.blocks_for(known + chunk_lengths))  # one allocation for every chunk
         host.known_lengths[slots] = known + chunk_lengths  # exact: a prefill keeps every row
+        at_boundary = slots[boundaries[: slots.shape[0]] == known + chunk_lengths]  # [k] int64: snapshot these
+        if at_boundary.shape[0]:  # after the step's launch (take_state_snapshots)
+            self._snapshots_due = (None, list(zip(
+                host.request_ids[at_boundary].tolist(),  # host-ok: numpy
+                (host.known_lengths[at_boundary] // self.shape.block_size_tokens).tolist(),  # host-ok: numpy
+                host.mamba_slot_ids[at_boundary].tolist())))  # host-ok: numpy
         if self.prefix_cache.enabled:  # blocks this step completes: cached for requests joining after it
             for table_slot in slots.tolist():  # host-ok: numpy
                 self.prefix_cache.register_written(int(host.request_ids[table_slot]), host.block_ids[table_slot],

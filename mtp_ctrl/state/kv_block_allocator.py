@@ -30,7 +30,7 @@ Example::
 """
 
 import collections
-from typing import Dict, Hashable, List, Sequence, Union
+from typing import Callable, Dict, Hashable, List, Sequence, Union
 
 import torch
 
@@ -58,6 +58,7 @@ class KVBlockAllocator:
         # registered blocks nobody holds, least recently released first (an ordered set)
         self._evictable: "collections.OrderedDict[int, None]" = collections.OrderedDict()
         self.num_evictions = 0  # cached blocks dropped to hand their id out again
+        self._on_forget: List[Callable[[Hashable], None]] = []  # told each key that stops naming a block
 
     @classmethod
     def from_memory_budget(cls, memory_bytes: int, bytes_per_block: int, block_size_tokens: int,
@@ -106,8 +107,11 @@ class KVBlockAllocator:
         del self._free_ids[len(self._free_ids) - plain :]
         for _ in range(count - plain):  # then evict cached blocks, least recently released first
             block_id, _ = self._evictable.popitem(last=False)
-            del self._block_of_key[self._key_of_block.pop(block_id)]
+            key = self._key_of_block.pop(block_id)
+            del self._block_of_key[key]
             self.num_evictions += 1
+            for listener in self._on_forget:
+                listener(key)
             taken.append(block_id)
         for block_id in taken:
             self._reference_counts[block_id] = 1
@@ -177,12 +181,20 @@ class KVBlockAllocator:
         """Registered blocks: block id -> key (a copy; for tests and metrics)."""
         return dict(self._key_of_block)
 
+    def on_forget(self, listener: Callable[[Hashable], None]) -> None:
+        """Call ``listener(key)`` whenever a key stops naming a cached block (eviction,
+        :meth:`drop_cached`): whatever else the key owns (a recurrent-state snapshot) goes too."""
+        self._on_forget.append(listener)
+
     def drop_cached(self) -> None:
         """Forget every key (cached blocks nobody holds become plain free blocks), e.g. when
         steps that were writing registered blocks failed."""
         for block_id in self._evictable:
             self._free_ids.append(block_id)
         self._evictable.clear()
+        for listener in self._on_forget:
+            for key in self._block_of_key:
+                listener(key)
         self._block_of_key.clear()
         self._key_of_block.clear()
 

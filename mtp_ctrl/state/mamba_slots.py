@@ -109,16 +109,18 @@ class MambaStateSlots:
         self._free_slots.append(slot)
 
     def commit_accepted(self, prefill_status: torch.Tensor, decode_slot_ids: torch.Tensor,
-                        accepted_counts: torch.Tensor) -> None:
+                        accepted_counts: torch.Tensor, rows_per_request: Optional[int] = None) -> None:
         """Each of ``nd`` decode requests keeps the conv and recurrent state after its last accepted row
         (``prefill_status``, ``decode_slot_ids``, ``accepted_counts``: ``[nd]`` on the device; a
         request still prefilling keeps its state): ``mamba_state_selective_copy`` of the conv windows,
-        and of the SSM states or, for Gated DeltaNet, ``gdn_replay_accepted`` (module docstring)."""
+        and of the SSM states or, for Gated DeltaNet, ``gdn_replay_accepted`` (module docstring).
+        ``rows_per_request``: the step's verify rows per decode request, ``1 + V`` (default ``1 + S``)."""
+        rows = self.intermediate_conv_states.shape[2] if rows_per_request is None else rows_per_request
         mamba_state_selective_copy(self.intermediate_conv_states, self.conv_states, prefill_status, decode_slot_ids,
                                    accepted_counts, self.num_layers)
         if self.intermediate_ssm_states is not None:
             mamba_state_selective_copy(self.intermediate_ssm_states, self.ssm_states, prefill_status, decode_slot_ids,
                                        accepted_counts, self.num_layers)
-        elif self.verify_row_inputs.shape[2] > 1:  # S = 0: the decode row wrote its state in place
+        elif rows > 1:  # V = 0 (or S = 0): the decode row wrote its state in place
             gdn_replay_accepted(self.ssm_states, self.verify_row_inputs, prefill_status, decode_slot_ids,
                                 accepted_counts, self.gdn_key_heads)

@@ -23,14 +23,29 @@ Rules (the allocator keeps the reference counts, see :class:`KVBlockAllocator`):
 Example, ``bs = 4``, ``L = 2``, prefill tokens ``[0..10]`` (11 tokens): blocks 0 and 1 are
 cacheable (``(b + 1) * 4 + 2 <= 11``), block 1's key hashes tokens 4..9. A second request with the
 same first 10 tokens attaches both and starts its KV at length 8.
+
+Hybrid models (recurrent layers, with ``snapshots``): a block is only worth reusing with the
+recurrent state after it (``state/state_snapshots.py``), so a hit is the longest run of cached
+blocks whose last block has a snapshot, restored into the request's state slot. Snapshots are
+taken where a chunk ends exactly at a *snapshot boundary* of the request (the context makes its
+chunks end there, :meth:`PrefixCache.snapshot_boundary`): after its last cacheable block (a later
+turn of a chat resends the whole prompt), and after the cached blocks it found without a snapshot
+(the point where its prompt leaves an earlier one, e.g. the end of a shared system prompt: the
+next request with that prefix hits). Example: A = sys + a, B = sys + b, C = sys + c, joining one
+after the other: A snapshots after its last block; B finds sys's blocks cached without a
+snapshot, takes no hit and snapshots at the end of sys; C hits sys.
 """
 
 import hashlib
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator
+from mtp_ctrl.state.mamba_slots import MambaStateSlots
+from mtp_ctrl.state.state_snapshots import RecurrentStateSnapshots
+
+SnapshotDue = Tuple[int, int, int]  # (request id, blocks before the boundary, its Mamba slot)
 
 
 class PrefixCache:
@@ -38,9 +53,11 @@ class PrefixCache:
 
     lookahead: ``L`` above, or None when the proposer's state cannot be reused (then nothing is
     ever cached: requests take no hit). salt: bytes that name the model/proposer variant.
+    snapshots: the recurrent-state snapshot pool of a hybrid model (None: no recurrent layers).
     """
 
-    def __init__(self, allocator: KVBlockAllocator, lookahead: Optional[int], salt: bytes = b""):
+    def __init__(self, allocator: KVBlockAllocator, lookahead: Optional[int], salt: bytes = b"",
+                 snapshots: Optional[RecurrentStateSnapshots] = None):
         if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0):
             raise ValueError(f"lookahead must be None or an int >= 0, got {lookahead!r}")
         if not isinstance(salt, bytes):
@@ -48,7 +65,11 @@ class PrefixCache:
         self.allocator = allocator
         self.lookahead = lookahead
         self.salt = salt
+        self.snapshots = snapshots
+        if snapshots is not None:
+            allocator.on_forget(snapshots.drop)  # no snapshot outlives its block
         self._keys: Dict[int, List[bytes]] = {}  # request id -> keys of its cacheable blocks
+        self._boundaries: Dict[int, List[int]] = {}  # request id -> block counts to snapshot after (ascending)
         self._registered: Dict[int, int] = {}  # request id -> blocks of it registered (or attached) so far
         self.queried_tokens = 0  # prefill tokens of requests that looked up the cache
         self.hit_tokens = 0  # of those, tokens found cached
@@ -76,12 +97,21 @@ class PrefixCache:
             keys.append(previous)
         return keys
 
-    def attach(self, request_id: int, tokens: np.ndarray, use_cache: bool = True) -> List[int]:
+    def attach(self, request_id: int, tokens: np.ndarray, use_cache: bool = True,
+               states: Optional[MambaStateSlots] = None, mamba_slot: int = -1) -> List[int]:
         """A joining request: the cached blocks its prefill tokens start with, one reference
         taken on each (the caller puts them in its block table). ``use_cache=False``: the
-        request neither attaches nor registers blocks."""
+        request neither attaches nor registers blocks. With snapshots, ``states`` / ``mamba_slot``
+        are the request's state slot: the hit's last snapshot is copied into it."""
         keys = self.block_keys(tokens) if self.enabled and use_cache else []
         hit = self.allocator.lookup(keys)
+        if self.snapshots is not None and keys:
+            found = len(hit)
+            while hit and not self.snapshots.has(keys[len(hit) - 1]):
+                hit.pop()
+            if hit:
+                self.snapshots.restore(keys[len(hit) - 1], states, mamba_slot)
+            self._boundaries[request_id] = sorted({found, len(keys)} - set(range(len(hit) + 1)))
         self.allocator.retain(hit)
         self._keys[request_id] = keys
         self._registered[request_id] = len(hit)
@@ -101,12 +131,50 @@ class PrefixCache:
         end = min(len(keys), max(known_length - self.lookahead, 0) // block_size)
         for block in range(start, end):
             self.allocator.register(int(block_ids[block]), keys[block])
+            self._own_snapshot(request_id, block)
         self._registered[request_id] = max(start, end)
+
+    def snapshot_boundary(self, request_id: int, known_length: int) -> Optional[int]:
+        """The next token count past ``known_length`` at which the request's state is snapshotted
+        (its prefill chunk must end there), or None."""
+        block_size = self.allocator.block_size_tokens
+        for blocks in self._boundaries.get(request_id, ()):
+            if blocks * block_size > known_length:
+                return blocks * block_size
+        return None
+
+    def snapshot_boundaries(self, request_ids: np.ndarray, known_lengths: np.ndarray) -> np.ndarray:
+        """:meth:`snapshot_boundary` of each request (``[p]`` int64 ids and lengths), -1 for none:
+        ``[p]`` int64 (all -1 without snapshots)."""
+        boundaries = np.full(request_ids.shape[0], -1, dtype=np.int64)
+        if self.snapshots is not None and self.enabled:
+            for index, (request_id, known) in enumerate(zip(request_ids.tolist(), known_lengths.tolist())):  # host-ok: numpy
+                boundary = self.snapshot_boundary(request_id, known)
+                boundaries[index] = -1 if boundary is None else boundary
+        return boundaries
+
+    def take_snapshots(self, due: Sequence[SnapshotDue], states: MambaStateSlots) -> None:
+        """Copy the state slots of requests whose chunk (in a step just launched) ended at a
+        snapshot boundary; owned by the boundary's block key once that block is cached."""
+        for request_id, blocks, mamba_slot in due:
+            if request_id in self._keys and self.snapshots.take(request_id, blocks - 1, states, mamba_slot) is not None \
+                    and self._registered[request_id] >= blocks:
+                self._own_snapshot(request_id, blocks - 1)
+
+    def _own_snapshot(self, request_id: int, block: int) -> None:
+        if self.snapshots is None or block not in self.snapshots.pending(request_id):
+            return
+        key = self._keys[request_id][block]
+        if self.allocator.lookup([key]):  # cached (by this request, or one with the same prefix)
+            self.snapshots.own(request_id, block, key)
 
     def forget(self, request_id: int) -> None:
         """The request left (its blocks are released by the caller)."""
         self._keys.pop(request_id, None)
         self._registered.pop(request_id, None)
+        self._boundaries.pop(request_id, None)
+        if self.snapshots is not None:
+            self.snapshots.release_pending(request_id)
 
     def hit_rate(self) -> float:
         """Prefill tokens found cached / prefill tokens looked up (0.0 before any lookup)."""

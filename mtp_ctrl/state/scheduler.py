@@ -260,18 +260,21 @@ class Scheduler:
         return num_decode * int(self.worst_case_blocks(0, steps_in_flight=0))
 
     def prefill_chunk_lengths(self, remaining: np.ndarray, known_lengths: np.ndarray, block_counts: np.ndarray,
-                              free_blocks: int, num_decode: int) -> List[int]:
+                              free_blocks: int, num_decode: int, chunk_caps: Optional[np.ndarray] = None) -> List[int]:
         """Chunk lengths of the prefill requests, in row order (``remaining``, ``known_lengths``,
         ``block_counts``: ``[p]`` int64 each): each takes what is left of its prompt, the token
-        budget and the blocks (free less the decodes' reserve); the list stops at the first
-        request that gets nothing or stops mid-prompt."""
+        budget and the blocks (free less the decodes' reserve), and at most its ``chunk_caps``
+        entry (``[p]`` int64: a chunk ends at a recurrent-state snapshot boundary, see
+        ``state/prefix_cache.py``; None: no caps); the list stops at the first request that gets
+        nothing or stops mid-prompt."""
         budget = self.prefill_budget(num_decode)
         spare_blocks = max(free_blocks - self.decode_reserve(num_decode), 0)
         lengths: List[int] = []
-        rows = zip(remaining.tolist(), known_lengths.tolist(), block_counts.tolist())  # host-ok: numpy
-        for left, known, held in rows:
+        caps = remaining if chunk_caps is None else np.minimum(remaining, chunk_caps)  # [p] int64
+        rows = zip(remaining.tolist(), known_lengths.tolist(), block_counts.tolist(), caps.tolist())  # host-ok: numpy
+        for left, known, held, cap in rows:
             capacity = (held + spare_blocks) * self.shape.block_size_tokens - known
-            length = min(left, budget, capacity)
+            length = min(cap, budget, capacity)
             if length <= 0:
                 break
             spare_blocks -= max(int(self.blocks_for(known + length)) - held, 0)

@@ -2,8 +2,9 @@
 
 Letters: R = max_requests, T = query rows, G = requests of the step's grid, MB = max blocks.
 
-Rows are packed request by request in step order: every decode request has ``1 + S`` rows
-(its base token, then its drafts), then every prefill request its chunk. The host knows how
+Rows are packed request by request in step order: every decode request has ``1 + V`` rows
+(its base token, then its drafts; V = ``verify_width``, the most drafts any of the step's decode
+requests holds, at most S), then every prefill request its chunk. The host knows how
 many rows each request has; the device knows where they are (a decode request's KV length is
 the device's, see ``request_table``). So the work is split:
 
@@ -27,10 +28,10 @@ holds ``t0..t3``, block ``1`` is new)::
     slot_mapping    = [5*4+2, 5*4+3, 1*4+0, 1*4+1, 1*4+2]
     seq_lens        = [8, 7]                     logits_indices = [0, 1, 4, 0]
 
-``logits_indices`` has ``1 + S`` entries per request of the grid: the decode rows, then each
+``logits_indices`` has ``1 + V`` entries per request of the grid: the decode rows, then each
 final chunk's last row, then zeros (rows computed and ignored), so the shapes of a step depend
 only on its grid. A step padded to a CUDA-graph shape (``B`` requests, ``T`` rows; a decode-only
-step has ``T = B * (1 + S)``): padding requests have no query rows (``query_start_loc`` repeats,
+step has ``T = B * (1 + V)``): padding requests have no query rows (``query_start_loc`` repeats,
 ``seq_lens == 0``), padding rows carry position 0 and slot ``-1`` (no KV write).
 
 A decode run (``num_steps > 1``, decode-only steps) is one build launched several times in a row:
@@ -79,12 +80,20 @@ class StepMetadata:
     host_query_start_loc: torch.Tensor  # [num_requests + 1] int64 (CPU): real requests' rows
     host_first_positions: torch.Tensor  # [num_requests] int64 (CPU): first row's position; -1 for
     # decode requests, whose position only the device knows
+    verify_width: int  # V (host), at most S: drafts each decode request verifies this step (its rows: 1 + V)
     num_steps: int = 1  # a decode run: the launch runs this many decode steps of this layout back to
     # back, each deriving its inputs from the one before on the device (1 for any step with prefill)
     draft_lengths: Optional[torch.Tensor] = None  # [G] int64 on the device: drafts each sampling request
     # makes this step (verified by its next step); 0 for the others. None: S for every request
     num_drafts: int = -1  # D = max of draft_lengths (host): draft depths the step runs; -1: S
     host_draft_lengths: Tuple[int, ...] = ()  # the real requests' draft_lengths (host), in row order
+    host_verify_lengths: Tuple[int, ...] = ()  # drafts each decode request holds, what the step's
+    # first step verifies (host; at most verify_width), in row order
+
+    @property
+    def verify_stride(self) -> int:
+        """Rows of each decode request this step: ``1 + V``."""
+        return self.verify_width + 1
 
     @property
     def host_query_lengths(self) -> torch.Tensor:
@@ -103,7 +112,7 @@ class StepMetadata:
 
     @property
     def decode_only(self) -> bool:
-        """Every request of the grid has ``1 + S`` rows (the layout a graph of this shape uses)."""
+        """Every request of the grid has ``1 + V`` rows (the layout a graph of this shape uses)."""
         return not self.dimensions.has_prefill
 
     @property
@@ -160,7 +169,8 @@ class StepBuffers:
     def build(self, slot_ids: np.ndarray, query_lengths: np.ndarray, num_decode: int, prefill_chunks: List[np.ndarray],
               num_final_prefill_chunks: int, padded: Optional[BatchDimensions], block_writes: np.ndarray,
               max_seq_len: int, next_prompt_token: int = 0, num_steps: int = 1,
-              draft_lengths: Optional[np.ndarray] = None) -> StepMetadata:
+              draft_lengths: Optional[np.ndarray] = None, verify_width: Optional[int] = None,
+              verify_lengths: Optional[np.ndarray] = None) -> StepMetadata:
         """Stage the step of the requests at table slots ``slot_ids`` (``[n]`` int64, decode requests
         first) and send it to the device.
 
@@ -176,6 +186,8 @@ class StepBuffers:
         ``num_steps``: decode steps the launch runs (a decode run; decode-only steps only).
         ``draft_lengths``: ``[n]`` int64 drafts each request makes this step (0 for a chunk that
         does not end its prompt), or None: S each (``StepMetadata.draft_lengths``).
+        ``verify_width``: V, the drafts each decode request verifies (``1 + V`` rows); None: S.
+        ``verify_lengths``: ``[num_decode]`` int64 drafts each decode request holds (None: S each).
         """
         self.staging.wait_until_host_writable()
         num_requests = query_lengths.shape[0]
@@ -188,15 +200,20 @@ class StepBuffers:
         num_sampling = num_decode + num_final_prefill_chunks
         # D: the depths the step drafts; a step where nobody samples keeps S (the fixed-S graph)
         num_drafts = int(draft_lengths[:num_sampling].max()) if num_sampling else S  # host-ok: numpy
+        V = S if verify_width is None else verify_width
+        if not 0 <= V <= S:
+            raise ValueError(f"verify_width must be in [0, {S}], got {V}")
+        if verify_lengths is None:
+            verify_lengths = np.full(num_decode, S, dtype=np.int64)  # [nd] int64
         steady_key = None
         if padded is not None and not prefill_chunks and num_final_prefill_chunks == 0:
             # the same requests in the same slots, so every section but the block writes is the same
             steady_key = (num_requests, num_decode, padded, max_seq_len, num_steps, slot_ids.tobytes(),
-                          request_ids.tobytes(), draft_lengths.tobytes())
+                          request_ids.tobytes(), draft_lengths.tobytes(), V, verify_lengths.tobytes())
             step = self._steady_step(steady_key, block_writes)
             if step is not None:
                 return step
-        stride = self.table.shape.stride
+        stride = V + 1  # rows of each decode request
         decode_rows = num_decode * stride
         query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)  # [n + 1] int64
         np.cumsum(query_lengths, out=query_start_loc[1:])
@@ -213,9 +230,9 @@ class StepBuffers:
             np.concatenate(prefill_chunks, out=host["input_ids"][decode_rows:token_count])
         host["query_start_loc"][: num_requests + 1] = query_start_loc
         host["query_start_loc"][num_requests + 1 : batch_size + 1] = token_count
-        # logits rows: every decode row, then each final chunk's last row; 1 + S per grid request in
+        # logits rows: every decode row, then each final chunk's last row; 1 + V per grid request in
         # all (the rest point at row 0 and are ignored), so a graph's shapes do not depend on the split
-        logits_indices = host["logits_indices"][: batch_size * stride]  # [G * (1 + S)] int64
+        logits_indices = host["logits_indices"][: batch_size * stride]  # [G * (1 + V)] int64
         final_chunk_ends = query_start_loc[num_decode + 1 :][:num_final_prefill_chunks] - 1
         logits_indices[:decode_rows] = np.arange(decode_rows)
         logits_indices[decode_rows : decode_rows + num_final_prefill_chunks] = final_chunk_ends
@@ -273,7 +290,9 @@ class StepBuffers:
             num_steps=num_steps,
             draft_lengths=device["draft_lengths"][:batch_size],
             num_drafts=num_drafts,
+            verify_width=V,
             host_draft_lengths=tuple(draft_lengths.tolist()),  # host-ok: numpy
+            host_verify_lengths=tuple(verify_lengths.tolist()),  # host-ok: numpy
         )
         self._steady = None if steady_key is None else (steady_key, step)
         return step
@@ -305,7 +324,8 @@ class StepBuffers:
             self.staging.device["block_writes"],  # [3, k]: the unused tail writes -1 into the scratch slot
             rows.kv_block_ids, attention.query_start_loc[: batch_size + 1], step.slot_ids,
             rows.kv_length_offsets, rows.kv_block_counts, rows.last_kv_block_offset, rows.last_kv_block_id,
-            table.device_rows_with_scratch("next_tokens"), table.device_rows_with_scratch("draft_tokens"),
+            table.device_rows_with_scratch("next_tokens"),
+            table.device_rows_with_scratch("draft_tokens")[:, : step.verify_width],  # V drafts: 1 + V rows each
             step.device_num_decode, table.shape.block_size_tokens, attention.seq_lens, attention.positions,
             attention.slot_mapping, step.input_ids, attention.block_table)
         if self.gathers_mamba_rows:  # the step's Mamba slots and prefill flags (hybrid models)

@@ -11,7 +11,8 @@ those windows out and gathers their inputs; :func:`mtp_advance_window` then move
 ``w`` and keeps the decoder hidden states of its last ``S`` positions for the next step. They run
 as two launches because the second overwrites ring entries the first reads.
 
-Window sizes: a decode request (``r < num_decode``) gets ``2S`` rows, the most its window spans,
+Window sizes: a decode request (``r < num_decode``) gets ``2S`` rows, the most its window spans
+(``S + V`` when the step verifies V drafts per decode request: ``decode_window_rows``),
 right-aligned so that its last row sits at ``e - 1`` (rows before ``w`` are masked: slot -1); a
 request with a prompt chunk (``r < num_active``) gets ``first + q - w`` rows, where ``first`` is
 the position of its first row this step and ``q`` its chunk length; ``w = 0`` for a prompt's
@@ -19,6 +20,8 @@ first chunk. Padding requests get none. Example, S = 2: a decode request with ``
 ``w = 9``, ``first = 10`` has window positions ``8, 9, 10, 11``; position 8 is masked, 9 takes its
 hidden from the ring, 10 and 11 from this step's rows 0 and 1 of the request.
 """
+
+from typing import Optional
 
 import torch
 import triton
@@ -41,7 +44,7 @@ def _mtp_draft_window_kernel(
     OUT_WQSL_PTR, OUT_POSITIONS_PTR, OUT_SLOTS_PTR, OUT_HISTORY_ROWS_PTR, OUT_HIDDEN_PTR,
     num_requests, num_step_rows, num_window_rows, hidden_size, history_len, blocks_per_request, block_size,
     padding_row, step_hidden_stride, block_table_stride, history_stride, ring_stride_row, ring_stride_slot,
-    out_hidden_stride,
+    out_hidden_stride, decode_window_rows,
     S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
 ):
     """Program ``r < G``: request r's token record and window rows; program G: the padding rows
@@ -58,7 +61,7 @@ def _mtp_draft_window_kernel(
     w_all = tl.where(first_all == 0, 0, stored_w)
     num_decode = tl.load(NUM_DECODE_PTR)
     num_active = tl.load(NUM_ACTIVE_PTR)
-    sizes = tl.where(requests < num_decode, 2 * S,
+    sizes = tl.where(requests < num_decode, decode_window_rows,
                      tl.where(requests < num_active, first_all + ends_all - starts_all - w_all, 0))
     sizes = tl.where(is_request, sizes, 0)
     total = tl.sum(sizes, axis=0)
@@ -206,8 +209,13 @@ def mtp_draft_window(
     out_slot_mapping: torch.Tensor,  # [Tm] int64, written: KV slots (-1: masked, no write)
     out_history_rows: torch.Tensor,  # [Tm] int64, written: table row of each window row
     out_hidden: torch.Tensor,  # [Tm, H], written: depth 0's input hidden (0 on padding rows)
+    decode_window_rows: Optional[int] = None,  # rows of each decode request's window (default 2S)
 ) -> None:
     """Record the step's verified tokens and lay out every request's draft window (module docstring).
+
+    ``decode_window_rows``: a decode request's window size, ``2S`` by default (the most a window
+    spans); a step whose decode requests verify V drafts each needs only ``S + V`` (w is at most
+    ``S - 1`` positions before the step's first row, e at most ``1 + V`` after it).
 
     Token history: each of the step's rows writes its token at its position in its request's row,
     then each request writes its bonus token at ``e`` (clamped to ``[0, Lh)``) in its row if it
@@ -249,10 +257,13 @@ def mtp_draft_window(
                      out_positions=out_positions, out_slot_mapping=out_slot_mapping,
                      out_history_rows=out_history_rows, out_hidden=out_hidden)
     check_unit_last_stride(block_table=block_table)
+    if decode_window_rows is None:
+        decode_window_rows = 2 * num_speculative_tokens
+    check_int("decode_window_rows", decode_window_rows, low=num_speculative_tokens, high=2 * num_speculative_tokens)
     args = (query_start_loc, first_positions, bonus_positions, write_rows, samples, num_decode, num_active,
             step_positions, step_input_ids, next_tokens, step_hidden, block_table, window_starts, token_history,
             hidden_ring, num_speculative_tokens, block_size, padding_row, out_window_query_start_loc,
-            out_positions, out_slot_mapping, out_history_rows, out_hidden)
+            out_positions, out_slot_mapping, out_history_rows, out_hidden, decode_window_rows)
     if not use_triton(first_positions):
         reference.mtp_draft_window(*args)
         return
@@ -262,7 +273,7 @@ def mtp_draft_window(
         hidden_ring, out_window_query_start_loc, out_positions, out_slot_mapping, out_history_rows, out_hidden,
         num_requests, num_rows, num_window_rows, step_hidden.shape[1], token_history.shape[1], block_table.shape[1],
         block_size, padding_row, step_hidden.stride(0), block_table.stride(0), token_history.stride(0),
-        hidden_ring.stride(0), hidden_ring.stride(1), out_hidden.stride(0),
+        hidden_ring.stride(0), hidden_ring.stride(1), out_hidden.stride(0), decode_window_rows,
         S=num_speculative_tokens, BLOCK_G=triton.next_power_of_2(max(num_requests, 1)), BLOCK_ROWS=BLOCK_ROWS,
         BLOCK_HIDDEN=min(BLOCK_HIDDEN, triton.next_power_of_2(step_hidden.shape[1])),
     )

@@ -1,5 +1,5 @@
-"""GPU: per-request draft lengths (issue 34) replay the warmed-up CUDA graphs (one per draft
-depth) with no host sync, and the output equals plain decoding."""
+"""GPU: per-request draft lengths (issue 34) replay the warmed-up CUDA graphs (one per verify
+tier and draft depth) with no host sync, and the output equals plain decoding."""
 
 import collections
 
@@ -53,7 +53,9 @@ def test_draft_lengths_replay_graphs_with_no_sync_and_equal_plain(model, policy,
     controller = SyncChecked(model, make_config(S, decode_steps_per_launch=2), proposer=proposer, draft_policy=chosen)
     graphs = controller.warmup()
     keys = collections.Counter()
-    controller.on_launch = lambda step, key: keys.update([None if key is None else key[3]])  # draft depths replayed
+    tiers = collections.Counter()  # verify widths V replayed
+    controller.on_launch = lambda step, key: (keys.update([None if key is None else key[4]]),  # draft depths D replayed
+                                              tiers.update([None if key is None else key[3]]))
     ids = [controller.add_request(prompt, params) for prompt in PROMPTS]  # request id = row of the oracle's table
     while controller.has_unfinished_requests():
         controller.step()
@@ -63,5 +65,6 @@ def test_draft_lengths_replay_graphs_with_no_sync_and_equal_plain(model, policy,
     assert controller.metrics.mean_accepted_length > 1.2  # the oracle's drafts land
     if policy == "random":
         assert {0, S} <= set(keys) and len(set(keys) - {None}) >= 3, keys  # several depths replayed (0: no draft phase)
+        assert S in tiers and len(set(tiers) - {None}) >= 2, tiers  # several verify tiers (V: the most held of 6)
     assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
     controller.close()

@@ -1,7 +1,8 @@
 """Prefix caching on CUDA: outputs with caching on == off with CUDA graphs (MTP S = 2, greedy and
 seeded sampled, requests sharing partial prefixes arriving while others decode, a pool small
 enough to evict), and a request that attaches cached blocks joins with a step in flight without
-a host sync (its admission runs under ``torch.cuda.set_sync_debug_mode("error")``)."""
+a host sync (its admission runs under ``torch.cuda.set_sync_debug_mode("error")``). The same for
+hybrid models (Mamba-2, Gated DeltaNet), whose hits restore recurrent-state snapshots."""
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def _arrivals():
 def test_on_equals_off_in_graphs_without_host_sync(model, num_kv_blocks):
     fields = dict(num_speculative_tokens=2, max_requests=4, block_size_tokens=4, max_model_len=64,
                   max_tokens_per_step=128, cuda_graph_batch_sizes=(1, 2, 4), num_kv_blocks=num_kv_blocks)
-    off = TextGenerationController(model, InferenceConfig(**fields))
+    off = TextGenerationController(model, InferenceConfig(prefix_caching=False, **fields))
     off.warmup()
     expected = run_with_arrivals(off, _arrivals())
     on = AdmissionSyncChecked(model, InferenceConfig(prefix_caching=True, **fields))
@@ -63,4 +64,26 @@ def test_on_equals_off_in_graphs_without_host_sync(model, num_kv_blocks):
         assert stats["evictions"] > 0
     pool = on.context.allocator
     assert on.context.table.num_live == 0 and pool.num_free_blocks == pool.num_blocks
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("family", ["mamba", "gdn"])
+def test_hybrid_on_equals_off_in_graphs_without_host_sync(family):
+    from tests.unit.gdn_fixtures import build_gdn_model
+    from tests.unit.hybrid_fixtures import build_hybrid_model
+
+    ensure_single_process_groups()
+    hybrid = (build_hybrid_model(mtp_num_layers=2) if family == "mamba" else build_gdn_model(mtp_num_layers=2)).cuda()
+    fields = dict(num_speculative_tokens=2, max_requests=4, block_size_tokens=4, max_model_len=64,
+                  max_tokens_per_step=128, cuda_graph_batch_sizes=(1, 2, 4), num_kv_blocks=24)
+    off = TextGenerationController(hybrid, InferenceConfig(prefix_caching=False, **fields))
+    off.warmup()
+    expected = run_with_arrivals(off, _arrivals())
+    on = AdmissionSyncChecked(hybrid, InferenceConfig(prefix_caching=True, prefix_state_snapshots=3, **fields))
+    on.warmup()
+    assert run_with_arrivals(on, _arrivals()) == expected
+    stats = on.metrics.as_dict()["prefix_cache"]
+    assert stats["hit_tokens"] > 0 and on.admitted_in_flight > 0
+    snapshots = on.context.prefix_cache.snapshots
+    assert snapshots.num_owned > 0 and snapshots.num_owned + snapshots.num_free == snapshots.num_snapshots
     torch.cuda.synchronize()

@@ -93,10 +93,11 @@ def test_every_accepted_count_commits_the_right_state(model, layout, request):
 
 def test_preempted_requests_recompute_their_state(model, torch_twins):
     """A KV pool too small for all four requests forces the newest out; it comes back with a
-    fresh Mamba slot, is recomputed from prompt + output, and ends with the unconstrained output."""
+    fresh Mamba slot, is recomputed from prompt + output, and ends with the unconstrained output.
+    (Without prefix caching: a cached recompute restores a snapshot, test_prefix_cache_hybrid.py.)"""
     params = [SamplingParams(max_new_tokens=9)] * len(PROMPTS)
-    unconstrained = make_controller(model, 1, max_model_len=22).generate(list(PROMPTS), params)
-    controller = make_controller(model, 1, max_model_len=22, num_kv_blocks=12)
+    unconstrained = make_controller(model, 1, max_model_len=22, prefix_caching=False).generate(list(PROMPTS), params)
+    controller = make_controller(model, 1, max_model_len=22, num_kv_blocks=12, prefix_caching=False)
     results = controller.generate(list(PROMPTS), params)
     assert [r.output_tokens for r in results] == [r.output_tokens for r in unconstrained]
     assert max(result.preemptions for result in results) >= 1

@@ -37,10 +37,10 @@ def _watch_runs(controller):
 
     def check_launch(step, graph_key):
         launches.append(step.num_steps)
-        table, num_decode, S = context.table, step.num_decode, context.shape.num_speculative_tokens
+        table, num_decode, V = context.table, step.num_decode, step.verify_width
         accepted = controller.debug_view().last_accepted_counts[:num_decode]  # in the step's order
         slots = step.host_slot_ids[:num_decode]  # where the step's decode requests live
-        peak = table.device.kv_length_offsets[slots] + S - accepted
+        peak = table.device.kv_length_offsets[slots] + V - accepted
         reserved = torch.from_numpy(table.host.block_counts[slots] * context.shape.block_size_tokens)
         assert (peak <= reserved).all(), (peak, reserved)
 

@@ -1,7 +1,8 @@
 """Per-request, per-step draft lengths (issue 34) with the model's own MTP drafting and an oracle
 drafter: output == plain decoding whatever lengths the draft-length policy picks (churn,
 preemption, padded steps, greedy and seeded sampling, overlap on and off); at most ``s_r`` drafts
-accepted; no draft phase in a step where nobody drafts; the
+accepted; a step's verify width follows the drafts its requests hold; no draft phase in a step
+where nobody drafts; the
 ``SamplingParams(num_speculative_tokens=...)`` cap. The EAGLE family and rejection acceptance:
 ``test_draft_lengths_proposers.py``."""
 
@@ -54,6 +55,34 @@ def test_mtp_proposer_random_lengths_equal_plain(mtp_model, plain, torch_twins, 
     controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer(mode), CheckedRandomLengths(seed=2),
                                 overlap_scheduling=overlap, **SQUEEZE)
     assert run(controller, ARRIVALS)[1] == plain[1]
+
+
+def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, plain, torch_twins):
+    """A decode-only step verifies V = the most drafts any of its decode requests holds (chosen when
+    it last sampled): 1 + V rows per request, graph shape and key included, so steps of plain
+    decoding's width (V = 0) occur too. Random lengths change V from step to step; the output
+    stays plain decoding's (churn, preemption, padded steps, sampling)."""
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), RandomDraftLengths(seed=7), **SQUEEZE)
+    held, widths = {}, []  # request id -> drafts it holds; V of each decode-only step
+
+    def check(step, graph_key):
+        if step.num_prefill == 0:
+            expected = max(held[request_id] for request_id in step.request_ids[: step.num_decode])
+            assert step.verify_width == expected, (step.verify_width, expected)
+            assert step.attention.max_query_len == 1 + expected
+            assert step.dimensions.token_count == step.dimensions.request_count * (1 + expected)
+            assert graph_key is None or graph_key[3] == expected
+            widths.append(expected)
+        else:
+            assert step.verify_width == MTP_DEPTH  # a step with prefill chunks verifies S (draft rows masked)
+        sampling = step.request_ids[: step.num_sampling_requests]
+        held.update(zip(sampling, step.host_draft_lengths[: len(sampling)]))
+
+    controller.on_launch = check  # the documented debug hook
+    assert run(controller, ARRIVALS)[1] == plain[1]
+    assert set(widths) == set(range(MTP_DEPTH + 1))  # every tier ran, plain width included
+    changes = sum(a != b for a, b in zip(widths, widths[1:]))
+    assert changes >= len(widths) // 3, widths
 
 
 class CountingDrafter(Proposer):

@@ -6,8 +6,11 @@ import pytest
 
 from mtp_ctrl.controllers.draft_policy import (DraftLengthQuery, FixedDraftLength, GoodputPolicy, RandomDraftLengths,
                                                StepCostModel)
+from mtp_ctrl.state import EngineShape
 
 S = 3
+SHAPE = EngineShape(max_requests=8, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
+                    max_tokens_per_step=64)
 
 
 def query(request_ids, caps=None, batch_size=8):
@@ -20,7 +23,7 @@ def trained(acceptance_by_request, steps=40):
     """A goodput policy that saw ``steps`` full-length verifies per request, each depth accepted
     with the given conditional probability (deterministic: the expected counts)."""
     policy = GoodputPolicy()
-    policy.bind(S)
+    policy.bind(SHAPE)
     for _ in range(steps):
         ids = np.array(list(acceptance_by_request), dtype=np.int64)
         policy.choose(query(ids))
@@ -35,7 +38,7 @@ def trained(acceptance_by_request, steps=40):
 
 def test_fixed_gives_each_request_its_cap():
     policy = FixedDraftLength()
-    policy.bind(S)
+    policy.bind(SHAPE)
     assert policy.choose(query([1, 2, 3], caps=[0, 2, 3])).tolist() == [0, 2, 3]
     assert list(policy.warmup_depths(S)) == [S]
 
@@ -80,7 +83,7 @@ def test_random_lengths_stay_within_caps():
 
 
 def test_analytic_cost_grows_with_depth_and_batch():
-    model = StepCostModel(S)
+    model = StepCostModel()
     assert model.seconds(4, 0) < model.seconds(4, 2) < model.seconds(8, 2)
 
 

@@ -11,9 +11,11 @@ BLOCK_SIZE = 4
 
 
 def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidden_size=8, max_requests=12,
-               padding_step_rows=3, mid_prompt=True, dtype=torch.float32, extra_window_rows=None):
+               padding_step_rows=3, mid_prompt=True, dtype=torch.float32, extra_window_rows=None, verify_width=None):
     """A step's tensors: ``num_decode`` decode requests, prefill chunks of ``prefill_lengths`` (the
-    last one mid-prompt when ``mid_prompt``), ``num_padding`` padding requests."""
+    last one mid-prompt when ``mid_prompt``), ``num_padding`` padding requests. ``verify_width`` V
+    (decode-only steps): decode requests of ``1 + V`` rows, w at most ``S - 1`` before the first
+    row (as the controller leaves it), windows of ``S + V`` rows (``decode_window_rows``)."""
     def randint(low, high, size=()):
         return torch.randint(low, high, size, generator=generator)
 
@@ -21,13 +23,14 @@ def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidd
     G = num_decode + num_prefill + num_padding
     R, history_len = max_requests, 96
     padding_row = R
-    query_lengths = [1 + S] * num_decode + list(prefill_lengths) + [0] * num_padding
+    V = S if verify_width is None else verify_width
+    query_lengths = [1 + V] * num_decode + list(prefill_lengths) + [0] * num_padding
     first, ends, samples = [], [], []
     for r in range(G):
         if r < num_decode:
             start = int(randint(0, 40))
             first.append(start)
-            ends.append(start + 1 + int(randint(0, S + 1)))
+            ends.append(start + 1 + int(randint(0, V + 1)))
             samples.append(True)
         elif r < num_decode + num_prefill:
             start = 0 if bool(randint(0, 2)) else int(randint(1, 30))
@@ -47,9 +50,9 @@ def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidd
     write_rows = torch.randperm(R, generator=generator)[:G].clone()  # [G] int64
     write_rows[num_decode + num_prefill:] = padding_row
     window_starts = randint(0, 40, (R + 1,))
-    for r in range(num_decode + num_prefill):  # w <= first, at most S before it
-        window_starts[write_rows[r]] = max(0, first[r] - int(randint(0, S + 1)))
-    Tm = G * 2 * S if not num_prefill else T + G * S
+    for r in range(num_decode + num_prefill):  # w <= first, at most S before it (S - 1 with a verify width)
+        window_starts[write_rows[r]] = max(0, first[r] - int(randint(0, S + (verify_width is None))))
+    Tm = G * (S + V) if not num_prefill else T + G * S
     Tm += int(randint(0, 4)) if extra_window_rows is None else extra_window_rows  # padding rows past the windows
     blocks_per_request = (history_len + BLOCK_SIZE - 1) // BLOCK_SIZE
     return dict(
@@ -66,6 +69,7 @@ def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidd
         out_window_query_start_loc=torch.full((G + 1,), -7, dtype=torch.int32),
         out_positions=torch.full((Tm,), -7), out_slot_mapping=torch.full((Tm,), -7),
         out_history_rows=torch.full((Tm,), -7), out_hidden=torch.full((Tm, hidden_size), 7.0, dtype=dtype),
+        **({} if verify_width is None else dict(decode_window_rows=S + verify_width)),
     )
 
 
@@ -103,6 +107,29 @@ def test_kernels_match_reference(S, shape, seed):
     mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS})
     reference.mtp_advance_window(**{name: want[name] for name in ADVANCE_ARGS})
     _assert_same(case, want, case["padding_row"])
+
+
+@pytest.mark.parametrize("S,verify_width", [(1, 0), (2, 0), (2, 1), (3, 1), (3, 2)])
+@pytest.mark.parametrize("shape", [(1, 0), (3, 2), (4, 0)])
+def test_kernels_match_reference_with_a_verify_width(S, verify_width, shape):
+    """Decode-only steps of a verify tier V < S: windows of S + V rows (decode_window_rows)."""
+    num_decode, num_padding = shape
+    generator = torch.Generator().manual_seed(S * 10 + verify_width + num_decode)
+    case = mtp_window_case(generator, num_decode, (), num_padding, S, verify_width=verify_width)
+    want = _clone(case)
+    mtp_draft_window(**case)
+    reference.mtp_draft_window(**want)
+    _assert_same(case, want, case["padding_row"])
+    positions, slots = case["out_positions"], case["out_slot_mapping"]
+    ends = case["bonus_positions"][:num_decode]
+    assert torch.equal(case["out_window_query_start_loc"][: num_decode + 1].long(),
+                       torch.arange(num_decode + 1) * (S + verify_width))
+    for r in range(num_decode):  # each window ends at e - 1 and covers [w, e): every position from w is written
+        rows = slice(r * (S + verify_width), (r + 1) * (S + verify_width))
+        assert positions[rows][-1] == ends[r] - 1
+        w = int(case["window_starts"][case["write_rows"][r]])
+        assert bool(((positions[rows] >= w) == (slots[rows] >= 0)).all())
+        assert int(positions[rows][0]) <= max(w, 0)
 
 
 @pytest.mark.parametrize("op", [mtp_draft_window, reference.mtp_draft_window])

@@ -25,7 +25,7 @@ def test_greedy_on_equals_off_with_hits(models, torch_twins, num_speculative_tok
     model, _ = models
     prompts = shared_prompts(6)
     params = [SamplingParams(max_new_tokens=4)] * len(prompts)
-    off = run_staggered(make_controller(model, num_speculative_tokens), prompts, params)
+    off = run_staggered(make_controller(model, num_speculative_tokens, prefix_caching=False), prompts, params)
     controller = make_controller(model, num_speculative_tokens, prefix_caching=True)
     assert run_staggered(controller, prompts, params) == off
     assert_hits_and_no_leak(controller)
@@ -46,7 +46,7 @@ def test_eagle_sampled_on_equals_off_with_hits(torch_twins, parallel_drafting):
         head, proposer_class = build_eagle_head(model, AUX_LAYERS, parallel_drafting=True).eval(), ParallelDraftingProposer
     prompts = shared_prompts(5, seed=3)
     params = [SamplingParams(max_new_tokens=4, temperature=0.7, seed=5 + i) for i in range(len(prompts))]
-    off = run_staggered(make_controller(model, 2, proposer=proposer_class(head)), prompts, params)
+    off = run_staggered(make_controller(model, 2, proposer=proposer_class(head), prefix_caching=False), prompts, params)
     controller = make_controller(model, 2, proposer=proposer_class(head), prefix_caching=True)
     assert run_staggered(controller, prompts, params) == off
     assert_hits_and_no_leak(controller)

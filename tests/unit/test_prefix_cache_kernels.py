@@ -23,7 +23,7 @@ def test_interpreted_kernels_on_equals_off(models):
     prompts = [SYSTEM[:10] + [1], SYSTEM[:10] + [2, 3]]
     params = [SamplingParams(max_new_tokens=1)] * 2
     with twin_ops():  # the reference run through the twins
-        off = run_staggered(make_controller(model, 2), prompts, params, stagger=2)
+        off = run_staggered(make_controller(model, 2, prefix_caching=False), prompts, params, stagger=2)
     controller = make_controller(model, 2, prefix_caching=True, max_requests=1)
     assert run_staggered(controller, prompts, params, stagger=2) == off
     assert controller.metrics.as_dict()["prefix_cache"]["hit_tokens"] == 8

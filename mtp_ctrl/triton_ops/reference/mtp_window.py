@@ -4,15 +4,15 @@ import torch
 
 
 def _window_layout(query_start_loc, first_positions, write_rows, num_decode, num_active, window_starts,
-                   num_speculative_tokens):
+                   decode_window_rows):
     """Per request: w (its first window position) and its window row count."""
     num_requests = first_positions.shape[0]
-    S, device = num_speculative_tokens, first_positions.device
+    device = first_positions.device
     request_index = torch.arange(num_requests, device=device)
     starts = query_start_loc.long()
     query_lengths = starts[1:] - starts[:-1]  # [G] int64
     window_start = torch.where(first_positions == 0, 0, window_starts[write_rows])  # [G] int64
-    sizes = torch.where(request_index < num_decode, 2 * S,
+    sizes = torch.where(request_index < num_decode, decode_window_rows,
                         torch.where(request_index < num_active, first_positions + query_lengths - window_start, 0))
     return window_start, sizes
 
@@ -22,6 +22,7 @@ def mtp_draft_window(
     step_positions, step_input_ids, next_tokens, step_hidden, block_table, window_starts, token_history,
     hidden_ring, num_speculative_tokens, block_size, padding_row,
     out_window_query_start_loc, out_positions, out_slot_mapping, out_history_rows, out_hidden,
+    decode_window_rows=None,
 ):
     """Twin of :func:`mtp_ctrl.triton_ops.mtp_draft_window`."""
     G, T = first_positions.shape[0], step_positions.shape[0]
@@ -46,7 +47,9 @@ def mtp_draft_window(
     bonus_rows = torch.where(samples, write_rows, padding_row)
     token_history[bonus_rows, ends.clamp(0, history_len - 1)] = next_tokens[:G]
     # 2. the windows
-    window_start, sizes = _window_layout(query_start_loc, first, write_rows, num_decode, num_active, window_starts, S)
+    decode_window_rows = 2 * S if decode_window_rows is None else decode_window_rows
+    window_start, sizes = _window_layout(query_start_loc, first, write_rows, num_decode, num_active, window_starts,
+                                         decode_window_rows)
     window_query_start_loc = torch.zeros(G + 1, dtype=torch.int64, device=device)
     torch.cumsum(sizes, 0, out=window_query_start_loc[1:])
     out_window_query_start_loc.copy_(window_query_start_loc)
