@@ -126,12 +126,13 @@ class AllStepsSyncChecked(TextGenerationController):
     mixed_replays = 0
 
     def _launch_step(self, step):
-        greedy = bool(self._outputs.greedy[: step.num_requests].all())
-        replay = step.graph_padded and (step.dimensions, greedy, step.num_steps, step.num_drafts, False) in self._graphs
         with no_host_sync():
-            launched = super()._launch_step(step)
-        self.mixed_replays += int(replay and step.num_prefill > 0)
-        return launched
+            return super()._launch_step(step)
+
+    def on_launch(self, step, graph_key):
+        """A step launched through a graph (``graph_key`` not None) replayed one captured by
+        ``warmup()``: the callers check that nothing was captured while serving."""
+        self.mixed_replays += int(graph_key is not None and step.num_prefill > 0)
 
 
 def _mixed_steps_replay_warmed_up_graphs(model, **config):
