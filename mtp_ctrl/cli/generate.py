@@ -76,6 +76,9 @@ def add_model_arguments(parser) -> None:
                         help="the model's shape for --load (default: the checkpoint's content metadata)")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, help="S, drafts per step (>= 1)")
     parser.add_argument("--mtp-attention", choices=("paged", "single_position"), default="paged")
+    parser.add_argument("--mtp-reuse-last-layer", action="store_true",
+                        help="--proposer mtp: S may exceed the checkpoint's MTP layers; the deeper drafts rerun its "
+                             "last MTP layer (e.g. Qwen3-Next ships one; acceptance past it depends on training)")
     parser.add_argument("--proposer", choices=("mtp", "eagle", "ptd", "multi_layer_eagle"), default="mtp",
                         help="drafter: the model's MTP layers, an EAGLE head drafting serially, a parallel-drafting "
                              "head drafting all S tokens in one pass, or multi-layer EAGLE draft layers "
@@ -281,11 +284,13 @@ def read_model_source(args):
     if args.load:
         checkpoint = (dist_checkpoint_model_args(args), None)  # (model_args, weights read after the build)
     source = args.checkpoint or args.load
-    if checkpoint is not None and args.proposer == "mtp" and \
-            args.num_speculative_tokens > checkpoint[0].get("mtp_num_layers", 0):
+    depth = 0 if checkpoint is None else checkpoint[0].get("mtp_num_layers", 0)
+    if checkpoint is not None and args.proposer == "mtp" and args.num_speculative_tokens > depth and \
+            not (args.mtp_reuse_last_layer and depth > 0):
         sys.exit(f"error: --num-speculative-tokens {args.num_speculative_tokens} needs at least that many MTP "
                  f"layers; {source} has {checkpoint[0].get('mtp_num_layers', 0)} (use "
-                 f"--num-speculative-tokens {checkpoint[0].get('mtp_num_layers', 0)} or less)")
+                 f"--num-speculative-tokens {checkpoint[0].get('mtp_num_layers', 0)} or less, or "
+                 f"--mtp-reuse-last-layer)")
     return checkpoint
 
 
@@ -420,7 +425,8 @@ def make_controller(model, args, num_speculative_tokens: int, prompts, device, o
         max_model_len=max(len(p) for p in prompts) + args.max_new_tokens + stride,
         max_tokens_per_step=max(256, max_requests * stride), mtp_attention=args.mtp_attention,
         cuda_graph_batch_sizes=graph_batches,  # on a GPU every step replays a CUDA graph
-        decode_steps_per_launch=args.decode_steps_per_launch, prefix_caching=args.prefix_caching)
+        decode_steps_per_launch=args.decode_steps_per_launch, prefix_caching=args.prefix_caching,
+        mtp_reuse_last_layer=args.mtp_reuse_last_layer)
     proposer = None
     if args.proposer != "mtp" and num_speculative_tokens > 0:
         from mtp_ctrl.cli.draft_heads import load_cli_proposer

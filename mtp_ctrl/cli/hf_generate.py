@@ -69,9 +69,9 @@ def load_hf_model(args, device, rank_zero: bool):
     if rank_zero:
         print(f"loaded {args.hf} at TP {args.tp} in {time.perf_counter() - started:.2f} s", flush=True)
     depth = model.config.mtp_num_layers or 0
-    if args.proposer == "mtp" and args.num_speculative_tokens > depth:
+    if args.proposer == "mtp" and args.num_speculative_tokens > depth and not (args.mtp_reuse_last_layer and depth):
         sys.exit(f"error: --num-speculative-tokens {args.num_speculative_tokens} needs at least that many MTP "
-                 f"layers; {args.hf} ships {depth}")
+                 f"layers; {args.hf} ships {depth} (or pass --mtp-reuse-last-layer)")
     return model
 
 

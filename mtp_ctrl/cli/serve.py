@@ -58,7 +58,8 @@ def make_server_controller(model, args, device, max_sequence_length: int):
         num_speculative_tokens=args.num_speculative_tokens, max_requests=max_requests, block_size_tokens=16,
         max_model_len=max_model_len, max_tokens_per_step=max(256, max_requests * stride),
         mtp_attention=args.mtp_attention, cuda_graph_batch_sizes=buckets if device.type == "cuda" else (),
-        decode_steps_per_launch=args.decode_steps_per_launch, prefix_caching=args.prefix_caching)
+        decode_steps_per_launch=args.decode_steps_per_launch, prefix_caching=args.prefix_caching,
+        mtp_reuse_last_layer=args.mtp_reuse_last_layer)
     proposer = None
     if args.proposer != "mtp" and args.num_speculative_tokens > 0:
         from mtp_ctrl.cli.draft_heads import load_cli_proposer

@@ -113,6 +113,7 @@ def test_generate_rejects_more_drafts_than_mtp_layers_before_running(failed_runs
     result = failed_runs[1][REJECTED_DRAFTS]
     assert result.returncode != 0
     assert "--num-speculative-tokens 3" in result.stderr and "has 2" in result.stderr
+    assert "--mtp-reuse-last-layer" in result.stderr  # the way out is named
     assert "tokens/s" not in result.stdout  # nothing was generated
 
 
@@ -139,7 +140,10 @@ def drafter_runs():
     """{proposer: subprocess.CompletedProcess} of examples/generate.py serving each shipped drafter."""
     argvs = [["examples/generate.py", "--device", "cpu", "--proposer", proposer, "--num-speculative-tokens", str(S),
               "--max-new-tokens", "6", "--num-prompts", "1", "--repeats", "1"] for proposer, S in DRAFTERS]
-    return dict(zip((proposer for proposer, _ in DRAFTERS), forked_runs(argvs, timeout=600)))
+    # the demo has 2 MTP layers: S = 3 reruns the last one for the third draft
+    argvs.append(["examples/generate.py", "--device", "cpu", "--num-speculative-tokens", "3", "--mtp-reuse-last-layer",
+                  "--max-new-tokens", "6", "--num-prompts", "1", "--repeats", "1"])
+    return dict(zip([proposer for proposer, _ in DRAFTERS] + ["mtp_reuse"], forked_runs(argvs, timeout=600)))
 
 
 @pytest.mark.parametrize("proposer", [proposer for proposer, _ in DRAFTERS])
@@ -151,6 +155,13 @@ def test_generate_serves_each_shipped_drafter(drafter_runs, proposer):
     assert "outputs identical: yes" in result.stdout
     header = result.stdout.splitlines()[0]  # the drafter is named before anything slow happens
     assert header.startswith("generate: mtp_demo.pt on cpu") and f"from {proposer}_demo.pt" in header
+
+
+def test_generate_reruns_the_last_mtp_layer_past_the_checkpoints_depth(drafter_runs):
+    """--mtp-reuse-last-layer lifts the S <= MTP layers check (test above); output equals plain."""
+    result = drafter_runs["mtp_reuse"]
+    assert result.returncode == 0, result.stderr
+    assert "outputs identical: yes" in result.stdout
 
 
 def test_generate_names_the_missing_draft_checkpoint():
