@@ -106,7 +106,7 @@ def load_eagle3_proposer(model, path: str):
 def load_cli_proposer(args, model, num_speculative_tokens: int):
     """``--proposer``'s drafter for generate.py and the server: the EAGLE-3 head of ``--draft-hf``,
     else the head of ``--draft-checkpoint``; a bad file ends the script in one line."""
-    from mtp_ctrl.cli.generate import checkpoint_or_exit
+    from mtp_ctrl.cli.model_source import checkpoint_or_exit
 
     if getattr(args, "draft_hf", None) is not None:
         return checkpoint_or_exit("--draft-hf", args.draft_hf, lambda path: load_eagle3_proposer(model, path))

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from mtp_ctrl.cli.distributed import init_distributed
-from mtp_ctrl.cli.generate import checkpoint_or_exit, choose_cpu_threads, compare, header, print_report, write_metrics
+from mtp_ctrl.cli.generate import choose_cpu_threads, compare, header, print_report, write_metrics
+from mtp_ctrl.cli.model_source import checkpoint_or_exit
 from mtp_ctrl.controllers import SamplingParams, TextGenerationController
 from mtp_ctrl.controllers.stop_rules import FinishReason
 

@@ -25,7 +25,7 @@ import sys
 
 
 def parse_args(argv=None):
-    from mtp_ctrl.cli.generate import add_model_arguments, check_model_arguments
+    from mtp_ctrl.cli.model_source import add_model_arguments, check_model_arguments
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
@@ -83,7 +83,7 @@ def main(argv=None):
 
     mtp_ctrl.quiet_known_warnings(args.verbose)  # before megatron-core is imported
     if args.hf is not None:  # a clear error for a bad directory, before anything starts
-        from mtp_ctrl.cli.generate import checkpoint_or_exit
+        from mtp_ctrl.cli.model_source import checkpoint_or_exit
         from mtp_ctrl.models.hf_text import HFText
 
         checkpoint_or_exit("--hf", args.hf, HFText)
@@ -130,7 +130,7 @@ def _build_controller(args):
     import torch.distributed as dist
 
     from mtp_ctrl.cli.distributed import init_distributed
-    from mtp_ctrl.cli.generate import build_model, pick_device, read_model_source
+    from mtp_ctrl.cli.model_source import build_model, pick_device, read_model_source
     from mtp_ctrl.models.demo_model import DEMO_MODEL_ARGS
 
     device = pick_device(args)
