@@ -41,7 +41,8 @@ def test_one_layer_drafts_several_tokens_losslessly(model, plain_outputs, num_sp
 def test_preempted_requests_with_a_reused_layer(model, torch_twins):
     params = [SamplingParams(max_new_tokens=9)] * len(PROMPTS)
     plain = make_controller(model, 0, max_model_len=22).generate(list(PROMPTS), params)
-    controller = make_controller(model, 3, max_model_len=22, num_kv_blocks=12, mtp_reuse_last_layer=True)
+    controller = make_controller(model, 3, max_model_len=22, num_kv_blocks=12, mtp_reuse_last_layer=True,
+                                 prefix_caching=False)  # the subject is preemption: shared blocks would avoid it
     results = controller.generate(list(PROMPTS), params)
     assert [r.output_tokens for r in results] == [r.output_tokens for r in plain]
     assert max(result.preemptions for result in results) >= 1
