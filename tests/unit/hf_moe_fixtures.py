@@ -180,3 +180,13 @@ def tensors_of(directory: Path) -> Dict[str, torch.Tensor]:
         tensors.update(load_file(str(path)))
     return tensors
 
+
+def generate_tokens(model, prompts, num_speculative_tokens, new_tokens, **sampling):
+    """The output tokens of ``controller.generate`` for the loaded HF test models (small engine)."""
+    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+
+    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=len(prompts),
+                             block_size_tokens=4, max_model_len=32, max_tokens_per_step=32)
+    results = TextGenerationController(model, config, seed=0).generate(
+        [list(p) for p in prompts], SamplingParams(max_new_tokens=new_tokens, **sampling))
+    return [list(result.output_tokens) for result in results]

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from mtp_ctrl.models import PagedGPTRunner, load_hf_checkpoint  # noqa: E402
 from mtp_ctrl.models.hf_families import UnsupportedCheckpointError  # noqa: E402
-from tests.unit import hf_gdn_fixtures  # noqa: E402
+from tests.unit import hf_gdn_fixtures, hf_moe_fixtures  # noqa: E402
 from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups, free_port  # noqa: E402
 from tests.unit.megatron_fixtures import shifted_tokens, spawn_ranks  # noqa: E402
 from tests.unit.megatron_fixtures import torch_twins as use_torch_twins  # noqa: E402
@@ -96,16 +96,6 @@ def test_tp2_load_matches_transformers(checkpoints, tmp_path):
     spawn_ranks(_parallel_worker, (2, free_port(), directories, str(path)))
 
 
-def _generate(model, prompts, num_speculative_tokens, new_tokens, **sampling):
-    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
-
-    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=len(prompts),
-                             block_size_tokens=4, max_model_len=32, max_tokens_per_step=32)
-    results = TextGenerationController(model, config, seed=0).generate(
-        [list(p) for p in prompts], SamplingParams(max_new_tokens=new_tokens, **sampling))
-    return [list(result.output_tokens) for result in results]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_matches_transformers_and_speculation_is_lossless(checkpoints, family, torch_twins):
     """Greedy S = 0 == transformers' ``generate``; S = 2 (the loaded MTP layers drafting) == S = 0,
@@ -117,10 +107,11 @@ def test_generation_matches_transformers_and_speculation_is_lossless(checkpoints
     with torch.no_grad():
         expected = [hf_model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    assert _generate(model, prompts, 0, new_tokens) == expected
-    assert _generate(model, prompts, 2, new_tokens) == expected
+    assert hf_moe_fixtures.generate_tokens(model, prompts, 0, new_tokens) == expected
+    assert hf_moe_fixtures.generate_tokens(model, prompts, 2, new_tokens) == expected
     sampled = dict(temperature=1.0, seed=3)
-    assert _generate(model, prompts, 2, new_tokens, **sampled) == _generate(model, prompts, 0, new_tokens, **sampled)
+    generate = hf_moe_fixtures.generate_tokens
+    assert generate(model, prompts, 2, new_tokens, **sampled) == generate(model, prompts, 0, new_tokens, **sampled)
 
 
 # ----- refusals and missing tensors ------------------------------------------------------------------

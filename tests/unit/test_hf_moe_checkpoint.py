@@ -117,16 +117,6 @@ def test_parallel_load_matches_transformers(checkpoints, tmp_path, tensor_parall
                                      str(path)))
 
 
-def _generate(model, prompts, num_speculative_tokens, new_tokens, **sampling):
-    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
-
-    config = InferenceConfig(num_speculative_tokens=num_speculative_tokens, max_requests=len(prompts),
-                             block_size_tokens=4, max_model_len=32, max_tokens_per_step=32)
-    results = TextGenerationController(model, config, seed=0).generate(
-        [list(p) for p in prompts], SamplingParams(max_new_tokens=new_tokens, **sampling))
-    return [list(result.output_tokens) for result in results]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_matches_transformers_and_speculation_is_lossless(checkpoints, family, torch_twins):
     """Greedy S = 0 == transformers' ``generate``; with MTP layers, S = 2 == S = 0 (greedy, and
@@ -138,12 +128,12 @@ def test_generation_matches_transformers_and_speculation_is_lossless(checkpoints
     with torch.no_grad():
         expected = [hf_model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
                                       eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    assert _generate(model, prompts, 0, new_tokens) == expected
+    assert hf_moe_fixtures.generate_tokens(model, prompts, 0, new_tokens) == expected
     if mtp_models is None:
         return
-    assert _generate(model, prompts, 2, new_tokens) == expected
+    assert hf_moe_fixtures.generate_tokens(model, prompts, 2, new_tokens) == expected
     sampled = dict(temperature=1.0, seed=3)
-    assert _generate(model, prompts, 2, new_tokens, **sampled) == _generate(model, prompts, 0, new_tokens, **sampled)
+    assert hf_moe_fixtures.generate_tokens(model, prompts, 2, new_tokens, **sampled) == hf_moe_fixtures.generate_tokens(model, prompts, 0, new_tokens, **sampled)
 
 
 # ----- the MTP layer's copies of trunk tensors, and refusals ---------------------------------------
