@@ -133,7 +133,8 @@ def test_generation_matches_transformers_and_speculation_is_lossless(checkpoints
         return
     assert hf_moe_fixtures.generate_tokens(model, prompts, 2, new_tokens) == expected
     sampled = dict(temperature=1.0, seed=3)
-    assert hf_moe_fixtures.generate_tokens(model, prompts, 2, new_tokens, **sampled) == hf_moe_fixtures.generate_tokens(model, prompts, 0, new_tokens, **sampled)
+    generate = hf_moe_fixtures.generate_tokens
+    assert generate(model, prompts, 2, new_tokens, **sampled) == generate(model, prompts, 0, new_tokens, **sampled)
 
 
 # ----- the MTP layer's copies of trunk tensors, and refusals ---------------------------------------
