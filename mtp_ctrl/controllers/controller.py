@@ -126,6 +126,9 @@ class TextGenerationController:
         self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
         self._in_flight: Optional[LaunchedStep] = None
         self._steps_launched = 0  # by the current step() call (its wall time is shared among them)
+        self._waited = 0.0  # seconds the current step() call waited for read-backs
+        self._applied: List[Tuple[StepMetadata, Optional[float]]] = []  # launches it applied, their GPU seconds
+        self._timing = None  # the last call's StepTiming for the draft-length cost model (sent at the next check)
         self._lockstep = TPLockstep(parallel_state.get_tensor_model_parallel_group(check_initialized=False),
                                     config.tp_check_timeout_s)  # ranks agree on every step
 
@@ -362,7 +365,7 @@ class TextGenerationController:
 
     def _step(self, collect: bool) -> List[StepOutput]:
         started = time.perf_counter()
-        self._steps_launched = 0
+        self._steps_launched, self._waited, self._applied = 0, 0.0, []
         try:
             outputs = self._step_once(collect)
             if self._pending_outputs:
@@ -373,7 +376,9 @@ class TextGenerationController:
             self._lockstep.announce_failure(error)  # the other ranks' next check raises with this cause
             self._abort_running()
             raise
-        self.metrics.record_step(time.perf_counter() - started, max(self._steps_launched, 1))
+        elapsed = time.perf_counter() - started
+        self.metrics.record_step(elapsed, max(self._steps_launched, 1))
+        self._timing = self._draft_lengths.step_timing(self._applied, elapsed - self._waited, self._steps_launched)
         return outputs
 
     def _step_once(self, collect: bool) -> List[StepOutput]:
@@ -387,7 +392,9 @@ class TextGenerationController:
             self._lifecycle.retire_finished()
         self._lifecycle.admit_waiting()
         step = self._build_step()
-        self._lockstep.check(step)  # every TP rank builds this step, before its first collective
+        # every TP rank builds this step, before its first collective; the cost model takes rank 0's timing
+        self._draft_lengths.record_timing(self._lockstep.check(step, self._timing))
+        self._timing = None
         if step is None:
             if self._in_flight is not None:
                 outputs += self._apply_in_flight(collect)
@@ -464,7 +471,10 @@ class TextGenerationController:
         """Wait for a launch's read-back and apply it on the host (every step of a decode run:
         a request that stopped in one of them emits nothing after it)."""
         step = launched.step
+        waiting = time.perf_counter()
         readbacks, gpu_seconds = self._readbacks.wait(launched)  # [k, n_s, S + 2], the step's order
+        self._waited += time.perf_counter() - waiting
+        self._applied.append((step, gpu_seconds))
         verified = self._draft_lengths.applied(step, readbacks[:, : step.num_decode, 0])  # [k, n_d] drafts verified
         self.on_apply(step, readbacks, overlapped)
         if gpu_seconds is not None:

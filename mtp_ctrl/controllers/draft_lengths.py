@@ -12,14 +12,23 @@ the metrics. Host values only, no sync.
 """
 
 import collections
-from typing import Deque, Dict, Optional, Tuple
+from typing import Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch.distributed as dist
 
 from mtp_ctrl.controllers.config import SamplingParams
-from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, DraftLengthQuery, FixedDraftLength
+from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, DraftLengthQuery, FixedDraftLength, RequestRows
 from mtp_ctrl.state import EngineShape, StepMetadata
+
+
+class StepTiming(NamedTuple):
+    """One steady step's measured cost (``DraftLengths.step_timing``)."""
+
+    batch_size: int  # G, the step's grid
+    num_drafts: int  # D (= its verify width V)
+    host_seconds: float  # the host's work per step (the call's wall time less its waits)
+    gpu_seconds: float  # the launch's GPU time per step (CUDA events), -1 off CUDA
 
 
 class DraftLengths:
@@ -32,6 +41,8 @@ class DraftLengths:
             raise TypeError(f"draft_policy must be a DraftLengthPolicy, got {type(policy).__name__}")
         self.policy, self.shape = policy, shape
         self._caps: Dict[int, int] = {}  # request id -> its cap, for requests capped below S
+        self._cap_index = RequestRows()  # the capped requests' rows of _cap_values (looked up per batch)
+        self._cap_values = np.zeros(0, dtype=np.int64)  # [rows] int64
         if self.S > 0:
             policy.bind(shape)
         self._fixed = type(policy) is FixedDraftLength  # S each unless capped: no bookkeeping needed
@@ -61,8 +72,8 @@ class DraftLengths:
         S = self.S
         caps = np.full(num_sampling, S, dtype=np.int64)  # [n] int64
         if self._caps:
-            for i, request_id in enumerate(request_ids[:num_sampling].tolist()):  # host-ok: numpy
-                caps[i] = self._caps.get(request_id, S)
+            rows = self._cap_index.rows(request_ids[:num_sampling])[0]  # [n] int64, -1: not capped
+            caps[rows >= 0] = self._cap_values[rows[rows >= 0]]
         if S == 0 or (self._fixed and bool((caps == S).all())):
             return caps
         lengths = self.policy.choose(DraftLengthQuery(request_ids[:num_sampling].copy(), caps, S, batch_size))
@@ -93,7 +104,7 @@ class DraftLengths:
         if verified is None:
             verified = np.full(accepted_counts.shape, self.S, dtype=np.int64)
         if self.S > 0 and not self._fixed and accepted_counts.size:
-            request_ids = np.tile(np.asarray(step.request_ids[: step.num_decode], dtype=np.int64), verified.shape[0])
+            request_ids = np.tile(step.host_request_ids[: step.num_decode], verified.shape[0])
             self.policy.observe(request_ids, verified.ravel(), accepted_counts.ravel())
         return verified
 
@@ -101,6 +112,10 @@ class DraftLengths:
         """A request was queued: note its cap (kept until :meth:`drop`)."""
         if params.num_speculative_tokens is not None and params.num_speculative_tokens < self.S:
             self._caps[request_id] = params.num_speculative_tokens
+            rows, _ = self._cap_index.rows(np.array([request_id]), create=True)
+            if self._cap_index.capacity > self._cap_values.shape[0]:
+                self._cap_values = np.resize(self._cap_values, self._cap_index.capacity)
+            self._cap_values[rows[0]] = params.num_speculative_tokens
             self.masked = True
 
     def forget(self, request_id: int) -> None:
@@ -109,11 +124,33 @@ class DraftLengths:
 
     def drop(self, request_id: int) -> None:
         """The controller forgot the request."""
-        self._caps.pop(request_id, None)
+        if self._caps.pop(request_id, None) is not None:
+            self._cap_index.remove(request_id)
 
     def abandon(self) -> None:
         """The steps in flight were abandoned (a step raised): their outcomes never come."""
         self._in_flight.clear()
+
+    def step_timing(self, applied: List[Tuple[StepMetadata, Optional[float]]], host_seconds: float,
+                    steps_launched: int) -> Optional[StepTiming]:
+        """What one ``step()`` call measured for the policy's cost model (``step_costs.py``), or None:
+        ``applied``, the launches the call applied with their GPU seconds (None off CUDA);
+        ``host_seconds``, the call's wall time less its waits for read-backs. Kept only for a call
+        that applied one steady launch (decode only, verify width = draft depths) and launched as
+        many steps: ``(G, D, host seconds per step, GPU seconds per step or -1)``."""
+        if self._fixed or self.S == 0 or len(applied) != 1:
+            return None
+        step, gpu_seconds = applied[0]
+        if step.num_prefill or step.verify_width != step.num_drafts or steps_launched != step.num_steps:
+            return None
+        gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
+        return StepTiming(step.dimensions.request_count, step.num_drafts, host_seconds / step.num_steps, gpu)
+
+    def record_timing(self, timing: Optional[StepTiming]) -> None:
+        """Feed a measurement (every TP rank gets the first rank's: ``TPLockstep.check``) to the cost model."""
+        if timing is not None and self.policy.cost_model is not None:
+            self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.host_seconds,
+                                          None if timing.gpu_seconds < 0 else timing.gpu_seconds)
 
     def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None) -> None:
         """The warm-up's replay times by (batch size, draft depths) for the policy's cost model;

@@ -23,9 +23,11 @@ rank (the TP lockstep check includes the lengths).
 """
 
 import dataclasses
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
+
+from mtp_ctrl.controllers.step_costs import StepCostModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,33 +40,47 @@ class DraftLengthQuery:
     batch_size: int  # G, the step's grid (padded to its CUDA-graph batch when one covers it)
 
 
-class StepCostModel:
-    """Seconds of one steady step as a function of its grid ``G`` and the draft depths ``D`` it
-    runs (and so verifies next: a steady step's verify tier is ``V = D``, ``1 + D`` rows per decode
-    request).
+class RequestRows:
+    """Rows of per-request host arrays by request id, looked up for a whole batch at once (numpy,
+    no per-request Python): the ids held, sorted, beside their rows; freed rows are reused."""
 
-    ``measured[(G, D)]``: graph replay times taken at warm-up (``controller.warmup()`` on CUDA);
-    a query for a grid between measured ones uses the next larger measured grid. Without a
-    measurement (CPU, eager steps) the analytic default ``base + G * (rows * (1 + D) + depth * D)``
-    (arbitrary units: only ratios matter) is used.
-    """
+    def __init__(self):
+        self._ids = np.zeros(0, dtype=np.int64)  # [m] int64, sorted
+        self._rows = np.zeros(0, dtype=np.int64)  # [m] int64, the row of _ids[i]
+        self._free = np.zeros(0, dtype=np.int64)  # rows no id holds (a stack)
+        self.capacity = 0  # rows handed out so far (the arrays they index must be this long)
 
-    def __init__(self, base: float = 1.0, per_row: float = 0.02, per_draft_depth: float = 0.02):
-        self.base, self.per_row, self.per_draft_depth = base, per_row, per_draft_depth
-        self.measured: Dict[Tuple[int, int], float] = {}
-        self._grids: Dict[int, list] = {}  # D -> its measured grids, ascending (set_measured)
+    def rows(self, request_ids: np.ndarray, create: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+        """``([n] rows of request_ids (-1: not held), [k] rows given to new ids)``; with ``create``
+        every id gets a row (new ones take freed rows, then new rows past ``capacity``)."""
+        request_ids = np.asarray(request_ids, dtype=np.int64)
+        positions = np.searchsorted(self._ids, request_ids)  # [n]
+        held = positions < self._ids.shape[0]
+        held[held] = self._ids[positions[held]] == request_ids[held]
+        rows = np.full(request_ids.shape, -1, dtype=np.int64)
+        rows[held] = self._rows[positions[held]]
+        if not create or held.all():
+            return rows, rows[:0]
+        new_ids = np.unique(request_ids[~held])  # [k]
+        reused = min(new_ids.shape[0], self._free.shape[0])
+        new_rows = np.concatenate([self._free[self._free.shape[0] - reused:],
+                                   np.arange(self.capacity, self.capacity + new_ids.shape[0] - reused)])
+        self._free = self._free[: self._free.shape[0] - reused]
+        self.capacity += new_ids.shape[0] - reused
+        ids, all_rows = np.concatenate([self._ids, new_ids]), np.concatenate([self._rows, new_rows])
+        order = np.argsort(ids, kind="stable")
+        self._ids, self._rows = ids[order], all_rows[order]
+        return self.rows(request_ids)[0], new_rows
 
-    def set_measured(self, measured: Dict[Tuple[int, int], float]) -> None:
-        self.measured = {(int(g), int(d)): float(t) for (g, d), t in measured.items() if t > 0}
-        self._grids = {}
-        for g, d in sorted(self.measured):
-            self._grids.setdefault(d, []).append(g)
+    def remove(self, request_id: int) -> None:
+        """Free the row of ``request_id`` (nothing if it holds none)."""
+        position = int(np.searchsorted(self._ids, request_id))
+        if position < self._ids.shape[0] and self._ids[position] == request_id:
+            self._free = np.append(self._free, self._rows[position])
+            self._ids, self._rows = np.delete(self._ids, position), np.delete(self._rows, position)
 
-    def seconds(self, batch_size: int, num_drafts: int) -> float:
-        for grid in self._grids.get(num_drafts, ()):
-            if grid >= batch_size:  # the smallest measured grid that holds the batch
-                return self.measured[(grid, num_drafts)]
-        return self.base + batch_size * (self.per_row * (1 + num_drafts) + self.per_draft_depth * num_drafts)
+    def __len__(self) -> int:
+        return self._ids.shape[0]
 
 
 class DraftLengthPolicy:
@@ -140,8 +156,8 @@ class GoodputPolicy(DraftLengthPolicy):
     Cost: :class:`StepCostModel` of the step's grid and depth D. The policy picks
     ``D = argmax_D sum_r tokens_r(min(D, cap_r)) / cost(G, D)`` and gives each request
     ``min(D, cap_r)`` (within one graph shape a request drafting less than D saves nothing).
-    Vectorised over the batch (numpy); a request's counts are decayed lazily (stamped with the
-    step they were last brought up to date).
+    Vectorised over the batch (numpy: no per-request Python in ``choose`` or ``observe``); a
+    request's counts are decayed lazily (stamped with the step they were last brought up to date).
     """
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
@@ -157,38 +173,34 @@ class GoodputPolicy(DraftLengthPolicy):
         self.min_gain = min_gain  # a deeper D must beat the shallower one by this factor (1.0: any gain)
         self.last_depth = None  # the D of the last choice (for benchmarks)
         self._now = 0  # steps chosen so far
-        self._slots: Dict[int, int] = {}  # request id -> its row of _counts / _stamps
-        self._free: list = []
+        self._index = RequestRows()  # request id -> its row of _counts / _stamps
 
     def bind(self, shape) -> None:
         super().bind(shape)
         S = shape.num_speculative_tokens
         self._model = np.zeros((2, S))  # [2, S] (reached, accepted) over every request
-        self._counts = np.zeros((64, 2, S))  # [rows, 2, S] per request
-        self._stamps = np.zeros(64, dtype=np.int64)  # [rows] the step each row's counts are decayed to
+        self._counts = np.zeros((0, 2, S))  # [rows, 2, S] per request (grown with the index)
+        self._stamps = np.zeros(0, dtype=np.int64)  # [rows] the step each row's counts are decayed to
 
     def _rows(self, request_ids: np.ndarray, create: bool) -> np.ndarray:
-        """``[n]`` rows of the requests' counts (-1: none yet, unless ``create``)."""
-        rows = np.empty(len(request_ids), dtype=np.int64)
-        for i, request_id in enumerate(request_ids.tolist()):  # host-ok: numpy
-            row = self._slots.get(request_id, -1)
-            if row < 0 and create:
-                if not self._free:
-                    old = self._counts.shape[0]
-                    self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
-                    self._stamps = np.concatenate([self._stamps, np.zeros_like(self._stamps)])
-                    self._free = list(range(2 * old - 1, old - 1, -1))
-                row = self._free.pop()
-                self._counts[row] = 0
-                self._stamps[row] = self._now
-                self._slots[request_id] = row
-            rows[i] = row
+        """``[n]`` rows of the requests' counts (-1: none yet, unless ``create``: new rows start at zero)."""
+        rows, new_rows = self._index.rows(request_ids, create)
+        if new_rows.shape[0]:
+            grow = self._index.capacity - self._counts.shape[0]
+            if grow > 0:
+                self._counts = np.concatenate([self._counts, np.zeros((grow,) + self._counts.shape[1:])])
+                self._stamps = np.concatenate([self._stamps, np.zeros(grow, dtype=np.int64)])
+            self._counts[new_rows] = 0
+            self._stamps[new_rows] = self._now
         return rows
 
     def _request_counts(self, rows: np.ndarray) -> np.ndarray:
         """``[n, 2, S]`` counts decayed to now (zeros for rows -1)."""
-        counts = self._counts[rows.clip(min=0)] * (self.decay ** (self._now - self._stamps[rows.clip(min=0)]))[:, None, None]
-        counts[rows < 0] = 0
+        counts = np.zeros((rows.shape[0],) + self._counts.shape[1:])
+        held = rows >= 0
+        if held.any():
+            decayed = self.decay ** (self._now - self._stamps[rows[held]])  # [h]
+            counts[held] = self._counts[rows[held]] * decayed[:, None, None]
         return counts
 
     def _estimates(self, rows: np.ndarray) -> np.ndarray:
@@ -237,6 +249,4 @@ class GoodputPolicy(DraftLengthPolicy):
         self._model[1] += hit.sum(axis=0)
 
     def forget(self, request_id: int) -> None:
-        row = self._slots.pop(request_id, None)
-        if row is not None:
-            self._free.append(row)
+        self._index.remove(request_id)

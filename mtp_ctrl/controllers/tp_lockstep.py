@@ -8,9 +8,11 @@ process-group timeout; a hook raising on one rank ended the others with "Connect
 peer" and no word of what failed.
 
 :meth:`TPLockstep.check` runs once per ``step()`` call, before the step's first model
-collective: one all-reduce (MAX) of ``[failed, h, -h]`` int64 on the host over a gloo group of the
+collective: one all-reduce (MAX) of ``[failed, h, -h, timing]`` int64 on the host over a gloo group of the
 TP ranks, ``h`` a 56-bit hash of the step's layout (request ids, decode/prefill counts, query
-rows, decode-run length; "no step" hashes too). All ranks agree iff ``max h == -max(-h)``. On
+rows, decode-run length; "no step" hashes too). The same all-reduce carries the first rank's last
+step timing (``StepTiming``) to every rank, so the draft-length policy's cost model, and so its
+choices, are the same on every rank. All ranks agree iff ``max h == -max(-h)``. On
 disagreement every rank gathers each rank's layout and raises :class:`TPLockstepError` naming the
 ranks and the requests that differ. The check is host-only (CPU tensors, no GPU sync); with NCCL
 for the model it costs one gloo round trip per launch (tens of microseconds on one host).
@@ -28,6 +30,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from mtp_ctrl.controllers.draft_lengths import StepTiming
 from mtp_ctrl.state.step_metadata import StepMetadata
 
 _MESSAGE_BYTES = 4096  # each rank's text in a gather (longer text is cut)
@@ -56,15 +59,18 @@ class TPLockstep:
         self.steps_checked = 0
         self.in_collectives = False  # between a check and the end of the step's launch: no announcing
 
-    def check(self, step: Optional[StepMetadata]) -> None:
-        """Raise TPLockstepError on every rank unless every rank is about to run the same step."""
+    def check(self, step: Optional[StepMetadata], timing: Optional[StepTiming] = None) -> Optional[StepTiming]:
+        """Raise TPLockstepError on every rank unless every rank is about to run the same step.
+        ``timing``: this rank's last step measurement for the draft-length cost model; returns the
+        first rank's (the same on every rank; ``timing`` itself without TP)."""
         if self.group is None:
-            return
+            return timing
         layout = step_layout(step)
         digest = int.from_bytes(hashlib.blake2b(layout.encode(), digest_size=7).digest(), "little")
-        self._exchange(failed=0, digest=digest, message=layout)
+        shared = self._exchange(failed=0, digest=digest, message=layout, timing=timing if self.rank == 0 else None)
         self.steps_checked += 1
         self.in_collectives = step is not None
+        return shared
 
     def announce_failure(self, error: BaseException) -> None:
         """This rank's step failed: make the other ranks' next check raise with this cause (bounded wait;
@@ -77,12 +83,15 @@ class TPLockstep:
         except TPLockstepError:
             pass  # the exchange raises by design on the failed rank too; its own error is raised by the caller
 
-    def _exchange(self, failed: int, digest: int, message: str) -> None:
-        flags = torch.tensor([failed, digest, -digest], dtype=torch.int64)  # [3] int64, host
+    def _exchange(self, failed: int, digest: int, message: str,
+                  timing: Optional[StepTiming] = None) -> Optional[StepTiming]:
+        # [failed, h, -h, timing (rank 0's; -1 elsewhere: the MAX takes rank 0's)] int64, host
+        flags = torch.tensor([failed, digest, -digest] + _encode(timing), dtype=torch.int64)  # [8] int64
         self._wait(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), message)
-        any_failed, digest_max, digest_min = flags[0].item(), flags[1].item(), -flags[2].item()  # host-ok: CPU
+        values = flags.tolist()  # host-ok: CPU
+        any_failed, digest_max, digest_min = values[0], values[1], -values[2]
         if not any_failed and digest_max == digest_min:
-            return
+            return _decode(values[3:])
         texts = self._gather(f"{failed}|{message}")
         failures = [(rank, text[2:]) for rank, text in enumerate(texts) if text.startswith("1|")]
         if failures:
@@ -110,6 +119,20 @@ class TPLockstep:
                 f"tensor-parallel rank {self.rank}: no answer from the other ranks within "
                 f"{self.timeout.total_seconds():g} s at step check {self.steps_checked} (here: {what}); "
                 f"a rank stopped stepping, failed inside a collective, or runs other steps ({error})") from None
+
+
+def _encode(timing: Optional[StepTiming]) -> List[int]:
+    """``[present, G, D, host ns, GPU ns]`` (all -1: none)."""
+    if timing is None:
+        return [-1] * 5
+    return [1, timing.batch_size, timing.num_drafts, round(timing.host_seconds * 1e9),
+            round(timing.gpu_seconds * 1e9) if timing.gpu_seconds >= 0 else -1]
+
+
+def _decode(values: List[int]) -> Optional[StepTiming]:
+    if values[0] < 1:
+        return None
+    return StepTiming(values[1], values[2], values[3] / 1e9, values[4] / 1e9 if values[4] >= 0 else -1.0)
 
 
 def _difference(layouts: List[str]) -> str:
