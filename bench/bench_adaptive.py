@@ -57,6 +57,7 @@ import mtp_ctrl  # noqa: E402
 from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
 from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, Proposer, SamplingParams,  # noqa: E402
                                   TextGenerationController)
+from mtp_ctrl.controllers.step_costs import StepCostModel  # noqa: E402
 
 PROMPT_LEN = 64
 MIXES = {"0.9": (0.9,), "0.6": (0.6,), "0.2": (0.2,), "mixed": (0.9, 0.6, 0.2)}
@@ -86,9 +87,24 @@ class AcceptanceOracle(Proposer):
         pass
 
 
+class EqualCosts(StepCostModel):
+    def seconds(self, batch_size, num_drafts):
+        return 1.0
+
+
+class PinnedGoodput(GoodputPolicy):
+    """``GoodputPolicy`` whose step costs are all equal, so it drafts S on every step (acceptance is
+    never 0): against fixed S with the same lengths, the cost of the policy path itself."""
+
+    def bind(self, shape):
+        super().bind(shape)
+        self.cost_model = EqualCosts()
+
+
 def run_point(controller, prompts, params, repeats=1):
-    """(tokens/s, outputs, draft-length shares) of the best of ``repeats`` timed generates after an
-    untimed one (the host-bound demo points take 3: single runs there vary by tens of percent)."""
+    """(tokens/s, outputs, draft-length shares, step time) of the best of ``repeats`` timed generates
+    after an untimed one (the host-bound demo points take 3: single runs there vary by tens of
+    percent). Step time: the metrics' mean wall and GPU ms per step over the timed generates."""
     controller.generate(prompts, params)
     controller.metrics.reset()
     seconds = float("inf")
@@ -98,9 +114,11 @@ def run_point(controller, prompts, params, repeats=1):
         started = time.perf_counter()
         results = controller.generate(prompts, params)
         seconds = min(seconds, time.perf_counter() - started)
-    counts = controller.metrics.as_dict()["draft_length_counts"]
+    metrics = controller.metrics.as_dict()
+    counts = metrics["draft_length_counts"]
     shares = [round(c / max(sum(counts), 1), 2) for c in counts]
-    return sum(len(r.output_tokens) for r in results) / seconds, [r.output_tokens for r in results], shares
+    times = {"step_ms": metrics["step_time"]["mean_step_ms"], "gpu_ms": metrics["step_time"]["mean_gpu_ms"]}
+    return sum(len(r.output_tokens) for r in results) / seconds, [r.output_tokens for r in results], shares, times
 
 
 def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="cuda"):
@@ -110,6 +128,14 @@ def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="c
     controller = TextGenerationController(model, config, proposer=proposer, draft_policy=policy)
     controller.warmup()
     return controller
+
+
+def cost_table(policy):
+    """The goodput policy's learned step costs (ms by grid and depths), or None."""
+    if not isinstance(policy, GoodputPolicy) or isinstance(policy, PinnedGoodput):
+        return None
+    return {key: {name: None if value is None else round(value, 3) for name, value in row.items()}
+            for key, row in policy.cost_model.table().items()}
 
 
 class Table:
@@ -141,6 +167,23 @@ class Table:
             rate = adaptive["tokens_per_s"]
             print(f"{part:>5} {batch:5d} {workload:>8} | {text} | {rate:8.0f} {rate / fixed[best_s]:6.2f} "
                   f"{rate / fixed.get(0, rate):6.2f} | S={best_s} | {adaptive['lengths']} | {same}")
+            pinned = next((row for row in rows if row["policy"] == "pinned"), None)
+            if pinned is not None and row_s(rows, pinned["S"]):
+                print(f"{'':>5} {'':>5} {'':>8} | pinned goodput (S = {pinned['S']} each step): "
+                      f"{pinned['tokens_per_s']:.0f}, {pinned['tokens_per_s'] / row_s(rows, pinned['S']):.2f}x "
+                      f"fixed S = {pinned['S']}")
+        print("\nstep time, ms (wall / GPU) per point:")
+        for row in self.rows:
+            gpu = "-" if row.get("gpu_ms") is None else f"{row['gpu_ms']:.3f}"
+            step = "-" if row.get("step_ms") is None else f"{row['step_ms']:.3f}"
+            print(f"  {row['part']} batch {row['batch']} {row['workload']} {row['policy']} S={row['S']}: {step} / {gpu}")
+        for row in self.rows:
+            if row.get("costs"):
+                print(f"  cost model after {row['part']} batch {row['batch']} {row['workload']}: {row['costs']}")
+
+
+def row_s(rows, S):
+    return next((row["tokens_per_s"] for row in rows if row["policy"] == "fixed" and row["S"] == S), None)
 
 
 def demo_part(args, table, device):
@@ -151,6 +194,8 @@ def demo_part(args, table, device):
     for batch in batches:
         prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
         engines = [(S, "fixed", None) for S in (0, 1, 2)] + [(2, "goodput", GoodputPolicy())]
+        if batch >= 32 or args.quick:  # the policy path's own cost (same lengths as fixed S = 2) where it was largest
+            engines.append((2, "pinned", PinnedGoodput()))
         plain = {}
         for S, name, policy in engines:
             if table.out_of_time():
@@ -158,10 +203,11 @@ def demo_part(args, table, device):
             controller = engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy, device=device.type)
             for temperature in (0.0, 1.0):
                 params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=5)
-                rate, outputs, shares = run_point(controller, prompts, params, repeats=3)
+                rate, outputs, shares, times = run_point(controller, prompts, params, repeats=3)
                 plain.setdefault(temperature, outputs)
                 table.add(part="demo", batch=batch, workload=f"T={temperature:g}", S=S, policy=name,
-                          tokens_per_s=rate, lengths=shares, equal_plain=outputs == plain[temperature])
+                          tokens_per_s=rate, lengths=shares, equal_plain=outputs == plain[temperature],
+                          costs=cost_table(policy), **times)
             controller.close()
 
 
@@ -178,7 +224,7 @@ def large_part(args, table, device):
         prompts = torch.randint(0, shape["vocab_size"], (batch, PROMPT_LEN), generator=generator).tolist()
         params = SamplingParams(max_new_tokens=new_tokens)
         controller = engine(model, 0, batch, max_model_len, device=device.type)
-        plain_rate, plain, _ = run_point(controller, prompts, params)
+        plain_rate, plain, _, plain_times = run_point(controller, prompts, params)
         controller.close()
         width = PROMPT_LEN + new_tokens + 16
         sequences = torch.zeros(batch, width, dtype=torch.int64)
@@ -191,18 +237,20 @@ def large_part(args, table, device):
             if table.out_of_time():
                 break
             proposer = AcceptanceOracle(sequences, rates)
-            proposer_engines.append((S, name, engine(model, S, batch, max_model_len, policy, proposer, device.type)))
+            proposer_engines.append((S, name, policy, engine(model, S, batch, max_model_len, policy, proposer,
+                                                             device.type)))
         for workload, mix in MIXES.items():
             rates.copy_(torch.tensor([mix[i % len(mix)] for i in range(batch)], device=device))
             table.add(part="1B", batch=batch, workload=workload, S=0, policy="fixed", tokens_per_s=plain_rate,
-                      lengths=[1.0], equal_plain=True)
-            for S, name, controller in proposer_engines:
+                      lengths=[1.0], equal_plain=True, **plain_times)
+            for S, name, policy, controller in proposer_engines:
                 if table.out_of_time():
                     return
-                rate, outputs, shares = run_point(controller, prompts, params)
+                rate, outputs, shares, times = run_point(controller, prompts, params)
                 table.add(part="1B", batch=batch, workload=workload, S=S, policy=name, tokens_per_s=rate,
-                          lengths=shares, equal_plain=outputs == plain)
-        for _, _, controller in proposer_engines:
+                          lengths=shares, equal_plain=outputs == plain,
+                          costs=cost_table(policy), **times)
+        for *_, controller in proposer_engines:
             controller.close()
 
 

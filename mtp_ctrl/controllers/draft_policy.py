@@ -156,8 +156,8 @@ class GoodputPolicy(DraftLengthPolicy):
     Cost: :class:`StepCostModel` of the step's grid and depth D. The policy picks
     ``D = argmax_D sum_r tokens_r(min(D, cap_r)) / cost(G, D)`` and gives each request
     ``min(D, cap_r)`` (within one graph shape a request drafting less than D saves nothing).
-    Vectorised over the batch (numpy: no per-request Python in ``choose`` or ``observe``); a
-    request's counts are decayed lazily (stamped with the step they were last brought up to date).
+    Vectorised over the batch (numpy: no per-request Python in ``choose`` or ``observe``, a fixed
+    number of numpy calls per step whatever the batch).
     """
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
@@ -172,43 +172,32 @@ class GoodputPolicy(DraftLengthPolicy):
         self.decay, self.prior_weight, self.optimistic_prior = decay, prior_weight, optimistic_prior
         self.min_gain = min_gain  # a deeper D must beat the shallower one by this factor (1.0: any gain)
         self.last_depth = None  # the D of the last choice (for benchmarks)
-        self._now = 0  # steps chosen so far
-        self._index = RequestRows()  # request id -> its row of _counts / _stamps
+        self._index = RequestRows()  # request id -> its row of _counts
 
     def bind(self, shape) -> None:
         super().bind(shape)
         S = shape.num_speculative_tokens
         self._model = np.zeros((2, S))  # [2, S] (reached, accepted) over every request
-        self._counts = np.zeros((0, 2, S))  # [rows, 2, S] per request (grown with the index)
-        self._stamps = np.zeros(0, dtype=np.int64)  # [rows] the step each row's counts are decayed to
+        # [rows + 1, 2, S] (reached, accepted) per request, decayed every step; the last row stays zero,
+        # so row -1 (a request with no counts yet) reads zeros
+        self._counts = np.zeros((1, 2, S))
 
     def _rows(self, request_ids: np.ndarray, create: bool) -> np.ndarray:
         """``[n]`` rows of the requests' counts (-1: none yet, unless ``create``: new rows start at zero)."""
         rows, new_rows = self._index.rows(request_ids, create)
         if new_rows.shape[0]:
-            grow = self._index.capacity - self._counts.shape[0]
+            grow = self._index.capacity + 1 - self._counts.shape[0]
             if grow > 0:
                 self._counts = np.concatenate([self._counts, np.zeros((grow,) + self._counts.shape[1:])])
-                self._stamps = np.concatenate([self._stamps, np.zeros(grow, dtype=np.int64)])
             self._counts[new_rows] = 0
-            self._stamps[new_rows] = self._now
         return rows
-
-    def _request_counts(self, rows: np.ndarray) -> np.ndarray:
-        """``[n, 2, S]`` counts decayed to now (zeros for rows -1)."""
-        counts = np.zeros((rows.shape[0],) + self._counts.shape[1:])
-        held = rows >= 0
-        if held.any():
-            decayed = self.decay ** (self._now - self._stamps[rows[held]])  # [h]
-            counts[held] = self._counts[rows[held]] * decayed[:, None, None]
-        return counts
 
     def _estimates(self, rows: np.ndarray) -> np.ndarray:
         """``[n, S]`` estimated acceptance of each depth given the ones before it."""
         reached, accepted = self._model
-        model = (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
-        counts = self._request_counts(rows)
-        return (counts[:, 1] + self.prior_weight * model) / (counts[:, 0] + self.prior_weight)
+        model = self.prior_weight * (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
+        counts = self._counts[rows]  # [n, 2, S]
+        return (counts[:, 1] + model) / (counts[:, 0] + self.prior_weight)
 
     def acceptance(self, request_id: int) -> np.ndarray:
         """``[S]`` float64: the estimated acceptance of each depth given the ones before it."""
@@ -216,14 +205,18 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def choose(self, query: DraftLengthQuery) -> np.ndarray:
         S, caps, n = query.num_speculative_tokens, query.caps, query.caps.shape[0]
-        self._now += 1
         self._model *= self.decay
+        self._counts *= self.decay
         gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
-        gain[:, 1:] = np.cumprod(self._estimates(self._rows(query.request_ids, create=False)), axis=1).cumsum(axis=1)
+        np.cumsum(np.cumprod(self._estimates(self._rows(query.request_ids, create=False)), axis=1), axis=1,
+                  out=gain[:, 1:])
+        depths = np.arange(S + 1)  # [S + 1]
+        if (caps < S).any():  # a request drafts min(D, cap_r)
+            gain = np.take_along_axis(gain, np.minimum(depths[None, :], caps[:, None]), axis=1)
+        tokens = n + gain.sum(axis=0)  # [S + 1]: expected tokens of the batch at each D
         best_depth, best_rate = 0, None
         for depth in range(S + 1):
-            tokens = n + gain[np.arange(n), np.minimum(depth, caps)].sum()
-            rate = tokens / self.cost_model.seconds(query.batch_size, depth)
+            rate = tokens[depth] / self.cost_model.seconds(query.batch_size, depth)
             if best_rate is None or rate > best_rate * self.min_gain:
                 best_depth, best_rate = depth, rate
         self.last_depth = best_depth
@@ -235,18 +228,11 @@ class GoodputPolicy(DraftLengthPolicy):
             return
         request_ids, lengths, accepted = request_ids[used], draft_lengths[used], accepted_counts[used]
         depths = np.arange(self._model.shape[1])[None, :]  # [1, S]
-        reached = ((depths < lengths[:, None]) & (depths <= accepted[:, None])).astype(np.float64)  # [m, S]
-        hit = (depths < accepted[:, None]).astype(np.float64)  # [m, S]: and accepted
-        rows = self._rows(request_ids, create=True)
-        unique, inverse = np.unique(rows, return_inverse=True)
-        counts = self._request_counts(unique)  # [u, 2, S], decayed to now
-        for k in range(reached.shape[1]):  # sums per request (a decode run repeats requests); bincount, not add.at
-            counts[:, 0, k] += np.bincount(inverse, weights=reached[:, k], minlength=unique.shape[0])
-            counts[:, 1, k] += np.bincount(inverse, weights=hit[:, k], minlength=unique.shape[0])
-        self._counts[unique] = counts
-        self._stamps[unique] = self._now
-        self._model[0] += reached.sum(axis=0)
-        self._model[1] += hit.sum(axis=0)
+        outcomes = np.stack([(depths < lengths[:, None]) & (depths <= accepted[:, None]),  # reached draft k
+                             depths < accepted[:, None]], axis=1).astype(np.float64)  # [m, 2, S]: and accepted it
+        rows = self._rows(request_ids, create=True)  # first: it may grow _counts
+        np.add.at(self._counts, rows, outcomes)  # add.at: a decode run repeats requests
+        self._model += outcomes.sum(axis=0)
 
     def forget(self, request_id: int) -> None:
         self._index.remove(request_id)

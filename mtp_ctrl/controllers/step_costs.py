@@ -11,9 +11,11 @@ only, verify width V = D: the step verifies what the step before drafted):
 - GPU seconds: seeded by the warm-up's graph replay times (``controller.warmup()``), then an
   exponential moving average of the loop's own launches (CUDA events around each launch; the
   warm-up replays steps that hold no request, which can cost less than real ones);
-- host seconds: an exponential moving average of the loop's host time per step. A depth not seen
-  yet at a grid takes the cheapest host time seen at that grid (the host's work hardly depends on
-  D; an optimistic guess is tried, then measured).
+- host seconds: an exponential moving average of the loop's host time per step.
+
+A depth not run yet at a grid costs its warm-up GPU seed alone: an optimistic guess, so the
+policy tries it (a steady step or two), and from then on it is measured. Off CUDA (no seed) it
+takes the cheapest host time seen at that grid.
 
 Without any measurement (CPU before the first step, eager steps) the analytic default
 ``base + G * (per_row * (1 + D) + per_draft_depth * D)`` (arbitrary units: only ratios matter) is used.
@@ -67,11 +69,11 @@ class StepCostModel:
     def seconds(self, batch_size: int, num_drafts: int) -> float:
         gpu = self._lookup(self.gpu, batch_size, num_drafts)
         host = self._lookup(self.host, batch_size, num_drafts)
-        if host is None:  # a depth not run yet at this grid: the cheapest host time seen there
+        if gpu is None and host is None:  # nothing of this depth: the cheapest host time seen at the grid
             grid = _grid_for(self.host, batch_size)
             host = min((t for (g, _), t in self.host.items() if g == grid), default=None)
-        if gpu is None and host is None:
-            return self.base + batch_size * (self.per_row * (1 + num_drafts) + self.per_draft_depth * num_drafts)
+            if host is None:
+                return self.base + batch_size * (self.per_row * (1 + num_drafts) + self.per_draft_depth * num_drafts)
         return max(gpu or 0.0, host or 0.0)
 
     @staticmethod

@@ -1,11 +1,13 @@
 """The draft-length policies on their own (host numbers, no model): the goodput rule's choices,
-its acceptance estimates, determinism, and bad arguments."""
+its acceptance estimates, determinism, the batch lookup of per-request rows, the step cost model
+(warm-up seed, then the loop's host and GPU time), and bad arguments."""
 
 import numpy as np
 import pytest
 
 from mtp_ctrl.controllers.draft_policy import (DraftLengthQuery, FixedDraftLength, GoodputPolicy, RandomDraftLengths,
-                                               StepCostModel)
+                                               RequestRows)
+from mtp_ctrl.controllers.step_costs import StepCostModel
 from mtp_ctrl.state import EngineShape
 
 S = 3
@@ -91,3 +93,53 @@ def test_analytic_cost_grows_with_depth_and_batch():
 def test_bad_goodput_arguments(field, value):
     with pytest.raises(ValueError, match=field):
         GoodputPolicy(**{field: value})
+
+
+def test_request_rows_look_up_a_batch_and_reuse_freed_rows():
+    index = RequestRows()
+    rows, new = index.rows(np.array([7, 3, 7, 11]), create=True)  # a decode run repeats ids
+    assert sorted(new.tolist()) == [0, 1, 2] and rows[0] == rows[2] and len(set(rows.tolist())) == 3
+    assert index.rows(np.array([11, 5, 3]))[0].tolist() == [rows[3], -1, rows[1]]  # 5: not held
+    index.remove(3)
+    index.remove(99)  # not held: nothing
+    again, new = index.rows(np.array([40, 7]), create=True)
+    assert new.tolist() == [rows[1]] and again.tolist() == [rows[1], rows[0]]  # 40 takes 3's row
+    assert index.capacity == 3 and len(index) == 3
+
+
+def test_step_costs_follow_the_loop_not_the_warmup_seed():
+    model = StepCostModel(smoothing=0.5)
+    assert model.seconds(8, 0) < model.seconds(8, 2)  # nothing measured: the analytic default
+    model.set_measured({(8, 0): 1e-4, (8, 2): 2e-4})  # warm-up replays (GPU only)
+    assert model.seconds(8, 2) == 2e-4 and model.seconds(5, 2) == 2e-4  # grid 5 reads grid 8
+    model.record(8, 0, host_seconds=5e-4, gpu_seconds=1.5e-4)  # host-bound at D = 0
+    assert model.seconds(8, 0) == 5e-4  # max(GPU, host)
+    assert model.seconds(8, 2) == 2e-4  # D = 2 not run yet: its seed alone (optimistic: tried, then measured)
+    assert model.seconds(8, 1) == 5e-4  # no seed either: the cheapest host time seen at grid 8
+    model.record(8, 2, host_seconds=6e-4, gpu_seconds=1e-3)  # the first in-loop GPU time replaces the seed
+    assert model.seconds(8, 2) == 1e-3
+    model.record(8, 2, host_seconds=6e-4, gpu_seconds=2e-3)  # then a moving average
+    assert np.isclose(model.seconds(8, 2), 1.5e-3)
+    assert model.table()["G=8, D=2"]["step_ms"] == model.seconds(8, 2) * 1e3
+    with pytest.raises(ValueError, match="smoothing"):
+        StepCostModel(smoothing=0.0)
+
+
+def test_goodput_follows_the_measured_wall_time():
+    """Warm-up replays say drafting is nearly free; the loop measures D = 2 at 4x D = 0: draft nothing."""
+    policy = trained({1: 0.8, 2: 0.8})
+    policy.cost_model.set_measured({(8, d): 1e-4 for d in range(S + 1)})
+    assert policy.choose(query([1, 2])).tolist() == [S, S]
+    for depth, seconds in ((0, 5e-4), (1, 1.2e-3), (2, 2e-3), (3, 2.6e-3)):
+        policy.cost_model.record(8, depth, host_seconds=seconds, gpu_seconds=1e-4)
+    assert policy.choose(query([1, 2])).tolist() == [0, 0]
+
+
+def test_goodput_counts_every_observation_of_a_batch():
+    policy = GoodputPolicy()
+    policy.bind(SHAPE)
+    ids = np.arange(10, 16, dtype=np.int64)  # new requests: their rows are made by this observe
+    policy.observe(np.tile(ids, 2), np.full(12, S), np.tile([0, 0, 0, S, S, S], 2))  # a 2-step decode run
+    prior = policy.acceptance(99)[0]
+    assert all(policy.acceptance(i)[0] < prior for i in ids[:3]) and all(policy.acceptance(i)[0] > prior for i in ids[3:])
+    assert np.allclose(policy.acceptance(10), policy.acceptance(11))
