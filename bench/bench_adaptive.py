@@ -37,6 +37,8 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64; quick 8)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument("--demo-batches", type=int, nargs="+", default=None, help="default 1 8 32 128 (quick: 1 4)")
+    parser.add_argument("--large-batches", type=int, nargs="+", default=None, help="default 8 64 (quick: 4)")
     parser.add_argument("--skip-large", action="store_true")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
@@ -190,7 +192,7 @@ def demo_part(args, table, device):
     model = mtp_ctrl.load_demo_model(device=device)
     held_out = load_stdlib_corpus().held_out
     new_tokens = args.new_tokens or (8 if args.quick else 64)
-    batches = (1, 4) if args.quick else (1, 8, 32, 128)
+    batches = args.demo_batches or ((1, 4) if args.quick else (1, 8, 32, 128))
     for batch in batches:
         prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
         engines = [(S, "fixed", None) for S in (0, 1, 2)] + [(2, "goodput", GoodputPolicy())]
@@ -218,7 +220,7 @@ def large_part(args, table, device):
     model = build_model(shape, device, max_model_len + 8)
     if device.type == "cpu":
         model = model.float()
-    batches = (4,) if args.quick else (8, 64)
+    batches = args.large_batches or ((4,) if args.quick else (8, 64))
     generator = torch.Generator().manual_seed(0)
     for batch in batches:
         prompts = torch.randint(0, shape["vocab_size"], (batch, PROMPT_LEN), generator=generator).tolist()
