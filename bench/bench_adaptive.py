@@ -37,6 +37,7 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64; quick 8)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument("--demo-first", action="store_true", help="run the demo part before the 1B one")
     parser.add_argument("--demo-batches", type=int, nargs="+", default=None, help="default 1 8 32 128 (quick: 1 4)")
     parser.add_argument("--large-batches", type=int, nargs="+", default=None, help="default 8 64 (quick: 4)")
     parser.add_argument("--skip-large", action="store_true")
@@ -260,10 +261,10 @@ def main(args):
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     mtp_ctrl.init_single_process(device)
     table = Table(args)
-    if not args.skip_large:
-        large_part(args, table, device)
-    if not args.skip_demo:
-        demo_part(args, table, device)
+    parts = [(args.skip_large, large_part), (args.skip_demo, demo_part)]
+    for skip, part in reversed(parts) if args.demo_first else parts:
+        if not skip:
+            part(args, table, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\n{name}; greedy unless T says otherwise; one timed generate per point after an untimed one; "
           f"'/best': adaptive over the best fixed S of the workload, '/plain': over S = 0")
