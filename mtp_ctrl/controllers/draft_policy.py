@@ -49,16 +49,22 @@ class RequestRows:
         self._rows = np.zeros(0, dtype=np.int64)  # [m] int64, the row of _ids[i]
         self._free = np.zeros(0, dtype=np.int64)  # rows no id holds (a stack)
         self.capacity = 0  # rows handed out so far (the arrays they index must be this long)
+        self._last = (self._ids, self._rows)  # (ids, rows) of the last lookup whose ids were all held
 
     def rows(self, request_ids: np.ndarray, create: bool = False) -> Tuple[np.ndarray, np.ndarray]:
         """``([n] rows of request_ids (-1: not held), [k] rows given to new ids)``; with ``create``
         every id gets a row (new ones take freed rows, then new rows past ``capacity``)."""
         request_ids = np.asarray(request_ids, dtype=np.int64)
+        last_ids, last_rows = self._last
+        if request_ids.shape == last_ids.shape and np.array_equal(request_ids, last_ids):
+            return last_rows, last_rows[:0]  # the batch of the last lookup (steady decoding): every id held
         positions = np.searchsorted(self._ids, request_ids)  # [n]
         held = positions < self._ids.shape[0]
         held[held] = self._ids[positions[held]] == request_ids[held]
         rows = np.full(request_ids.shape, -1, dtype=np.int64)
         rows[held] = self._rows[positions[held]]
+        if held.all():
+            self._last = (request_ids.copy(), rows)
         if not create or held.all():
             return rows, rows[:0]
         new_ids = np.unique(request_ids[~held])  # [k]
@@ -78,6 +84,7 @@ class RequestRows:
         if position < self._ids.shape[0] and self._ids[position] == request_id:
             self._free = np.append(self._free, self._rows[position])
             self._ids, self._rows = np.delete(self._ids, position), np.delete(self._rows, position)
+            self._last = (self._ids, self._rows)
 
     def __len__(self) -> int:
         return self._ids.shape[0]
@@ -224,9 +231,11 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
         used = draft_lengths > 0
-        if not used.any():
-            return
-        request_ids, lengths, accepted = request_ids[used], draft_lengths[used], accepted_counts[used]
+        if not used.all():
+            if not used.any():
+                return
+            request_ids, draft_lengths, accepted_counts = request_ids[used], draft_lengths[used], accepted_counts[used]
+        lengths, accepted = draft_lengths, accepted_counts
         depths = np.arange(self._model.shape[1])[None, :]  # [1, S]
         outcomes = np.stack([(depths < lengths[:, None]) & (depths <= accepted[:, None]),  # reached draft k
                              depths < accepted[:, None]], axis=1).astype(np.float64)  # [m, 2, S]: and accepted it
