@@ -13,6 +13,10 @@ only, verify width V = D: the step verifies what the step before drafted):
   warm-up replays steps that hold no request, which can cost less than real ones);
 - host seconds: an exponential moving average of the loop's host time per step.
 
+A sample over 3x the key's estimate (for a key not measured yet, the cheapest host time at its
+grid) is dropped unless it is the third in a row: a garbage collection or a paused host would
+otherwise make a depth look expensive for good (the policy stops running it, so nothing corrects
+the estimate).
 A depth not run yet at a grid costs its warm-up GPU seed alone: an optimistic guess, so the
 policy tries it (a steady step or two), and from then on it is measured. Off CUDA (no seed) it
 takes the cheapest host time seen at that grid.
@@ -41,6 +45,8 @@ class StepCostModel:
         self.gpu: Dict[Key, float] = {}  # (G, D) -> GPU seconds of a step (warm-up seed, then the loop's average)
         self.host: Dict[Key, float] = {}  # (G, D) -> host seconds per step (the loop's average)
         self._gpu_seeded: Dict[Key, bool] = {}  # True while gpu[key] is only the warm-up's replay time
+        self.outlier_factor = 3.0
+        self._outliers: Dict[Tuple[str, Key], int] = {}  # outliers dropped in a row, by (table, key)
 
     @property
     def measured(self) -> Dict[Key, float]:
@@ -51,20 +57,32 @@ class StepCostModel:
         """Seed the GPU seconds with the warm-up's replay times (drops the loop's measurements)."""
         self.gpu = {(int(g), int(d)): float(t) for (g, d), t in measured.items() if t > 0}
         self._gpu_seeded = {key: True for key in self.gpu}
-        self.host = {}
+        self.host, self._outliers = {}, {}
 
     def record(self, batch_size: int, num_drafts: int, host_seconds: float, gpu_seconds: Optional[float]) -> None:
         """One steady step of grid ``batch_size`` that ran ``num_drafts`` depths: the host's
         seconds per step and the GPU's (None off CUDA)."""
         key = (int(batch_size), int(num_drafts))
-        self.host[key] = self._average(self.host.get(key), host_seconds)
+        grid_floor = min((t for (g, _), t in self.host.items() if g == key[0]), default=None)
+        self._update(self.host, "host", key, host_seconds, self.host.get(key, grid_floor))
         if gpu_seconds is not None:
-            seeded = self._gpu_seeded.get(key, True)  # the first in-loop measurement replaces the seed
-            self.gpu[key] = self._average(None if seeded else self.gpu.get(key), gpu_seconds)
+            if self._gpu_seeded.get(key, True):  # the first in-loop measurement replaces the seed
+                self.gpu.pop(key, None)
+            self._update(self.gpu, "gpu", key, gpu_seconds, self.gpu.get(key))
             self._gpu_seeded[key] = False
 
-    def _average(self, old: Optional[float], new: float) -> float:
-        return float(new) if old is None else old + self.smoothing * (float(new) - old)
+    def _update(self, table: Dict[Key, float], name: str, key: Key, sample: float, reference: Optional[float]) -> None:
+        """Move ``table[key]`` toward ``sample``; a sample over ``outlier_factor`` x ``reference``
+        (the key's estimate, or the cheapest host time at its grid) is dropped unless it is the third
+        such in a row (a pause of the host, a collection, is not what a step costs; a lasting change is)."""
+        if reference is not None and sample > self.outlier_factor * reference:
+            count = self._outliers.get((name, key), 0) + 1
+            self._outliers[(name, key)] = count
+            if count < 3:
+                return
+        self._outliers[(name, key)] = 0
+        old = table.get(key)
+        table[key] = float(sample) if old is None else old + self.smoothing * (float(sample) - old)
 
     def seconds(self, batch_size: int, num_drafts: int) -> float:
         gpu = self._lookup(self.gpu, batch_size, num_drafts)

@@ -131,7 +131,8 @@ def test_goodput_follows_the_measured_wall_time():
     policy.cost_model.set_measured({(8, d): 1e-4 for d in range(S + 1)})
     assert policy.choose(query([1, 2])).tolist() == [S, S]
     for depth, seconds in ((0, 5e-4), (1, 1.2e-3), (2, 2e-3), (3, 2.6e-3)):
-        policy.cost_model.record(8, depth, host_seconds=seconds, gpu_seconds=1e-4)
+        for _ in range(3):  # steady steps (a lone sample over 3x the cheapest would be dropped)
+            policy.cost_model.record(8, depth, host_seconds=seconds, gpu_seconds=1e-4)
     assert policy.choose(query([1, 2])).tolist() == [0, 0]
 
 
@@ -143,3 +144,15 @@ def test_goodput_counts_every_observation_of_a_batch():
     prior = policy.acceptance(99)[0]
     assert all(policy.acceptance(i)[0] < prior for i in ids[:3]) and all(policy.acceptance(i)[0] > prior for i in ids[3:])
     assert np.allclose(policy.acceptance(10), policy.acceptance(11))
+
+
+def test_step_costs_drop_a_lone_outlier_but_follow_a_lasting_change():
+    model = StepCostModel(smoothing=1.0)  # each accepted sample replaces the estimate
+    model.record(8, 0, host_seconds=1e-3, gpu_seconds=None)
+    model.record(8, 2, host_seconds=50e-3, gpu_seconds=None)  # a pause on the first D = 2 step
+    assert model.seconds(8, 2) == 1e-3  # dropped: still the cheapest host time at grid 8
+    model.record(8, 2, host_seconds=1.5e-3, gpu_seconds=None)
+    assert model.seconds(8, 2) == 1.5e-3
+    for _ in range(3):  # a lasting change is taken on its third sample
+        model.record(8, 2, host_seconds=9e-3, gpu_seconds=None)
+    assert model.seconds(8, 2) == 9e-3
