@@ -31,6 +31,14 @@ class StepTiming(NamedTuple):
     gpu_seconds: float  # the launch's GPU time per step (CUDA events), -1 off CUDA
 
 
+class HeldChoice(NamedTuple):
+    """The policy's last choice, reused while its requests stay the same (``DraftLengths.choose``)."""
+
+    request_ids: np.ndarray  # [n] int64, the sampling requests it was made for, in row order
+    lengths: np.ndarray  # [n] int64
+    steps: int  # steps it has served
+
+
 class DraftLengths:
     """``policy``: the draft-length policy (None: :class:`FixedDraftLength`). :meth:`add` each
     request's SamplingParams (its ``num_speculative_tokens`` caps its lengths)."""
@@ -49,6 +57,8 @@ class DraftLengths:
         # some request may verify fewer than S drafts (the step masks draft rows by length); stays on
         self.masked = self.S > 0 and not self._fixed
         self._in_flight: Deque[Optional[np.ndarray]] = collections.deque()  # per launched step: [k, n_d] or None (S)
+        self._held: Optional[HeldChoice] = None  # the policy's last choice
+        self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
 
     @property
     def S(self) -> int:
@@ -68,20 +78,32 @@ class DraftLengths:
         return tuple(sorted({(v, d) for v in depths for d in depths} | {(self.S, d) for d in depths}))
 
     def choose(self, request_ids: np.ndarray, num_sampling: int, batch_size: int) -> np.ndarray:
-        """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order)."""
+        """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order). The
+        policy's last choice holds for up to ``policy.decide_every`` steps while the sampling
+        requests stay the same (no per-step policy work on steady decoding)."""
         S = self.S
+        ids = request_ids[:num_sampling]  # [n] int64
+        held = self._held
+        if held is not None and held.steps < self.policy.decide_every and held.request_ids.shape == ids.shape \
+                and np.array_equal(held.request_ids, ids):
+            self._held = held._replace(steps=held.steps + 1)
+            return held.lengths
         caps = np.full(num_sampling, S, dtype=np.int64)  # [n] int64
         if self._caps:
-            rows = self._cap_index.rows(request_ids[:num_sampling])[0]  # [n] int64, -1: not capped
+            rows = self._cap_index.rows(ids)[0]  # [n] int64, -1: not capped
             caps[rows >= 0] = self._cap_values[rows[rows >= 0]]
         if S == 0 or (self._fixed and bool((caps == S).all())):
             return caps
-        lengths = self.policy.choose(DraftLengthQuery(request_ids[:num_sampling].copy(), caps, S, batch_size))
+        self._flush_outcomes()  # the policy decides on every outcome so far
+        steps = 1 if held is None else held.steps
+        lengths = self.policy.choose(DraftLengthQuery(ids.copy(), caps, S, batch_size, steps))
         lengths = np.asarray(lengths)
         if lengths.shape != (num_sampling,) or not np.issubdtype(lengths.dtype, np.integer):
             raise TypeError(f"{type(self.policy).__name__}.choose must return [{num_sampling}] ints, "
                             f"got {lengths.dtype} {lengths.shape}")
-        return np.clip(lengths.astype(np.int64), 0, caps)
+        lengths = np.clip(lengths.astype(np.int64), 0, caps)
+        self._held = HeldChoice(ids.copy(), lengths, 1)
+        return lengths
 
     def launched(self, step: StepMetadata) -> None:
         """Record what ``step``'s decode requests verify (each step of a decode run after the first
@@ -105,8 +127,16 @@ class DraftLengths:
             verified = np.full(accepted_counts.shape, self.S, dtype=np.int64)
         if self.S > 0 and not self._fixed and accepted_counts.size:
             request_ids = np.tile(step.host_request_ids[: step.num_decode], verified.shape[0])
-            self.policy.observe(request_ids, verified.ravel(), accepted_counts.ravel())
+            self._outcomes.append((request_ids, verified.ravel(), accepted_counts.ravel()))
+            if len(self._outcomes) >= self.policy.decide_every:
+                self._flush_outcomes()
         return verified
+
+    def _flush_outcomes(self) -> None:
+        """Hand the outcomes gathered since the last call to the policy, in one ``observe``."""
+        if self._outcomes:
+            parts, self._outcomes = self._outcomes, []
+            self.policy.observe(*(np.concatenate(column) for column in zip(*parts)))
 
     def add(self, request_id: int, params: SamplingParams) -> None:
         """A request was queued: note its cap (kept until :meth:`drop`)."""
@@ -120,6 +150,7 @@ class DraftLengths:
 
     def forget(self, request_id: int) -> None:
         """The request left the batch (finished or evicted; an evicted one comes back)."""
+        self._flush_outcomes()  # its outcomes first: a forgotten request must not get a row back
         self.policy.forget(request_id)
 
     def drop(self, request_id: int) -> None:

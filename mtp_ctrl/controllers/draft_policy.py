@@ -38,6 +38,7 @@ class DraftLengthQuery:
     caps: np.ndarray  # [n] int64, each request's most drafts: min(S, its SamplingParams cap)
     num_speculative_tokens: int  # S, the engine's most drafts
     batch_size: int  # G, the step's grid (padded to its CUDA-graph batch when one covers it)
+    steps: int = 1  # steps since the policy's last choice (it held for them: ``decide_every``)
 
 
 class RequestRows:
@@ -93,6 +94,10 @@ class RequestRows:
 class DraftLengthPolicy:
     """Base class of draft-length policies (module docstring). Override :meth:`choose`; the rest
     have working defaults."""
+
+    # a choice holds for up to this many steps while the step's sampling requests stay the same;
+    # the outcomes of those steps come to `observe` in one call. 1: choose and observe every step.
+    decide_every = 1
 
     def __init__(self):
         self.cost_model: Optional[StepCostModel] = None
@@ -156,7 +161,7 @@ class GoodputPolicy(DraftLengthPolicy):
     draft k (drafts 1..k-1 accepted, k verified) and that accepted it; the estimate shrinks
     toward the model's recent average (the same counts over all requests) with weight
     ``prior_weight``, and that average toward ``optimistic_prior`` with weight 1. Counts decay by
-    ``decay`` per step, so estimates that no step refreshes (nobody drafts) drift back to the
+    ``decay`` per step (``query.steps``), so estimates that no step refreshes (nobody drafts) drift back to the
     prior and the policy tries again. Expected tokens of request r with ``s`` drafts:
     ``1 + sum_{k <= s} prod_{j <= k} a_{r,j}``.
 
@@ -164,12 +169,17 @@ class GoodputPolicy(DraftLengthPolicy):
     ``D = argmax_D sum_r tokens_r(min(D, cap_r)) / cost(G, D)`` and gives each request
     ``min(D, cap_r)`` (within one graph shape a request drafting less than D saves nothing).
     Vectorised over the batch (numpy: no per-request Python in ``choose`` or ``observe``, a fixed
-    number of numpy calls per step whatever the batch).
+    number of numpy calls whatever the batch), and run once per ``decide_every`` steps while the
+    batch stays the same (the controller reuses the choice meanwhile and hands the outcomes over in
+    one ``observe``): its host work per step is then a small fraction of a host-bound step's.
     """
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
-                 min_gain: float = 1.0):
+                 min_gain: float = 1.0, decide_every: int = 8):
         super().__init__()
+        if not isinstance(decide_every, int) or decide_every < 1:
+            raise ValueError(f"decide_every must be an int >= 1, got {decide_every!r}")
+        self.decide_every = decide_every
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if prior_weight < 0:
@@ -212,8 +222,9 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def choose(self, query: DraftLengthQuery) -> np.ndarray:
         S, caps, n = query.num_speculative_tokens, query.caps, query.caps.shape[0]
-        self._model *= self.decay
-        self._counts *= self.decay
+        decay = self.decay ** query.steps  # per step since the last choice
+        self._model *= decay
+        self._counts *= decay
         gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
         np.cumsum(np.cumprod(self._estimates(self._rows(query.request_ids, create=False)), axis=1), axis=1,
                   out=gain[:, 1:])

@@ -122,3 +122,28 @@ def test_sampling_params_cap(mtp_model, torch_twins):
     assert run(controller, arrivals)[1] == expected
     counts = controller.metrics.as_dict()["draft_length_counts"]
     assert counts[0] > 0 and counts[1] > 0 and counts[MTP_DEPTH] > 0 and counts[2] == 0
+
+
+class EveryFourSteps(CheckedRandomLengths):
+    """Random lengths, a choice held for up to 4 steps of the same batch (``decide_every``)."""
+
+    decide_every = 4
+
+    def __init__(self):
+        super().__init__(seed=8, all_zero=0.2)
+        self.steps = []  # query.steps of each choice
+
+    def choose(self, query):
+        self.steps.append(query.steps)
+        return super().choose(query)
+
+
+def test_a_choice_holds_while_the_batch_is_unchanged(mtp_model, plain, torch_twins):
+    """The policy is asked only when the batch changed or its choice served ``decide_every`` steps;
+    its outcomes come in batches, each paired with the lengths verified (CheckedRandomLengths),
+    and the output stays plain decoding's."""
+    policy = EveryFourSteps()
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), policy, **SQUEEZE)
+    assert run(controller, ARRIVALS)[1] == plain[1]
+    assert 4 in policy.steps and max(policy.steps) == 4  # held for 4 steps, never longer
+    assert len(policy.steps) < controller.metrics.steps and policy.outcomes

@@ -89,7 +89,8 @@ def test_analytic_cost_grows_with_depth_and_batch():
     assert model.seconds(4, 0) < model.seconds(4, 2) < model.seconds(8, 2)
 
 
-@pytest.mark.parametrize("field,value", [("decay", 0.0), ("prior_weight", -1.0), ("optimistic_prior", 1.5)])
+@pytest.mark.parametrize("field,value", [("decay", 0.0), ("prior_weight", -1.0), ("optimistic_prior", 1.5),
+                                         ("decide_every", 0)])
 def test_bad_goodput_arguments(field, value):
     with pytest.raises(ValueError, match=field):
         GoodputPolicy(**{field: value})
