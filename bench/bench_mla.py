@@ -67,7 +67,7 @@ BLOCK = 64
 # --tune candidates per head count: MLATiles(block_m, block_n, num_warps, num_stages, programs_per_sm,
 # min_split_tokens[, split_scores]); the defaults and the table's entries are always timed too
 _SPLIT_64 = ((64, 32, 8, 2, 2, 128, True), (64, 32, 8, 3, 2, 128, True), (64, 16, 8, 3, 2, 128, True),
-             (64, 32, 8, 2, 1, 256, True), (64, 64, 8, 1, 2, 128, True))
+             (64, 32, 8, 2, 1, 256, True))
 CANDIDATES = {
     16: ((16, 32, 4, 3, 4, 64), (32, 64, 8, 2, 8, 32), (32, 32, 4, 3, 8, 32), (32, 64, 4, 2, 4, 64),
          (16, 32, 4, 3, 8, 32)),
