@@ -5,7 +5,7 @@
 #     shape table vs the fastest --tune candidate, 16 and 128 heads, batch 1/32/128, 2k-128k)
 #   probe: the --tune candidates at 128 / 64 heads (batch 32 / 128, 8k / 32k) and 16 heads
 #     (batch 32, 8k), each beside the default and the table, with the same-run copy; then the
-#     bf16 kernel tests of test_mla_gpu.py
+#     split-score kernel test of test_mla_gpu.py
 #   final: tests/functional/test_mla_gpu.py, the default vs the table at 16/32/64/128 heads x batch
 #     1/32/128 x 2k-128k, and verify rows (1 + S = 3 a request)
 #   tune: the kernel table only
@@ -22,9 +22,9 @@ if [ "$mode" = kernels ]; then
   timeout 175 $bench --tune --heads 16,128 2>&1 | tee "$out/bench_mla_tune.log"
 elif [ "$mode" = probe ]; then
   # most wanted first: a call cut short still returns what ran
-  timeout 110 $bench --tune --heads 128,64 --batches 32,128 --contexts 8192,32768 2>&1 | tee "$out/probe_128.log"
-  timeout 45 $bench --tune --heads 16 --batches 32 --contexts 8192 2>&1 | tee "$out/probe_16.log"
-  timeout 60 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore -k "split or bf16" \
+  timeout 80 $bench --tune --heads 128,64 --batches 32,128 --contexts 8192,32768 2>&1 | tee "$out/probe_128.log"
+  timeout 35 $bench --tune --heads 16 --batches 32 --contexts 8192 2>&1 | tee "$out/probe_16.log"
+  timeout 30 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore -k split \
     2>&1 | tee "$out/functional_mla.log" | tail -8
 elif [ "$mode" = final ]; then
   timeout 80 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
