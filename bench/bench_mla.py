@@ -4,14 +4,16 @@ per token, and decode steps of a DeepSeek-V3-shaped MLA GPT scaled to one GPU.
     python bench/bench_mla.py                # kernel tables + KV bytes (+ --e2e for the model steps)
     python bench/bench_mla.py --e2e-only     # only the end-to-end steps
     python bench/bench_mla.py --quick        # small shapes (a smoke run; CPU works too)
+    python bench/bench_mla.py --kernels-only --tune --heads 128 --batches 32 --contexts 8192
 
 Printed, in one run:
-1. The kernel (``paged_mla_attention``, one decode row a request, C = 512 latent + R = 64 rope
-   dims, bf16, block 64) at batch 1, 32, 128 and context 2k, 8k, 32k, 128k, for 16 heads (a TP-8
-   shard of DeepSeek-V3's 128) and 128 heads: GPU us of a graph replay, the latent bytes it must
-   read (B x context x 576 x 2) over that time, and that bandwidth as a share of a same-run device
-   copy; the default tiles, the shape table's (``mla_tiles.py``) and, with --tune, the fastest of
-   ``CANDIDATES``.
+1. The kernel (``paged_mla_attention``, ``--rows`` query rows a request (1: decode, 1 + S:
+   verify), C = 512 latent + R = 64 rope dims, bf16, block 64) at ``--batches`` (1, 32, 128) x
+   ``--contexts`` (2k, 8k, 32k, 128k) x ``--heads`` (16, 32, 64, 128: DeepSeek-V3's 128 heads at
+   TP 8, 4, 2, 1): GPU us of a graph replay, the latent bytes it must read (B x context x 576 x 2)
+   over that time, and that bandwidth as a share of a same-run device copy; the default tiles, the
+   shape table's (``mla_tiles.py``) and, with --tune, the fastest of ``CANDIDATES`` with its
+   TFLOP/s of dot work.
 2. The same attention end to end from the no-rope query: absorbed (W_UK, the kernel, W_UV) vs
    decompressed (the latents up-projected to per-head K/V, then the standard paged kernel), where
    the decompressed K/V fits in memory; and per prefill chunk length, which of the two is faster.
