@@ -98,7 +98,8 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 def tiles_label(tiles):
     """``(block_m,block_n,warps,stages,programs/SM,min split tokens)``, ``+s`` with split scores."""
-    return "(" + ",".join(str(value) for value in dataclasses.astuple(tiles)[:6]) + ")" + ("+s" if tiles.split_scores else "")
+    label = "(" + ",".join(str(value) for value in dataclasses.astuple(tiles)[:6]) + ")"
+    return label + ("+s" if tiles.split_scores else "")
 
 
 def kernel_tables(device, bandwidth, args):
