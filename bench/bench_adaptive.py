@@ -179,7 +179,8 @@ class Table:
         for row in self.rows:
             gpu = "-" if row.get("gpu_ms") is None else f"{row['gpu_ms']:.3f}"
             step = "-" if row.get("step_ms") is None else f"{row['step_ms']:.3f}"
-            print(f"  {row['part']} batch {row['batch']} {row['workload']} {row['policy']} S={row['S']}: {step} / {gpu}")
+            name = f"{row['part']} batch {row['batch']} {row['workload']} {row['policy']} S={row['S']}"
+            print(f"  {name}: {step} / {gpu}")
         for row in self.rows:
             if row.get("costs"):
                 print(f"  cost model after {row['part']} batch {row['batch']} {row['workload']}: {row['costs']}")

@@ -143,7 +143,8 @@ def test_goodput_counts_every_observation_of_a_batch():
     ids = np.arange(10, 16, dtype=np.int64)  # new requests: their rows are made by this observe
     policy.observe(np.tile(ids, 2), np.full(12, S), np.tile([0, 0, 0, S, S, S], 2))  # a 2-step decode run
     prior = policy.acceptance(99)[0]
-    assert all(policy.acceptance(i)[0] < prior for i in ids[:3]) and all(policy.acceptance(i)[0] > prior for i in ids[3:])
+    assert all(policy.acceptance(i)[0] < prior for i in ids[:3])  # rejected every draft
+    assert all(policy.acceptance(i)[0] > prior for i in ids[3:])  # accepted every draft
     assert np.allclose(policy.acceptance(10), policy.acceptance(11))
 
 
