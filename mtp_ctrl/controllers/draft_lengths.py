@@ -1,5 +1,7 @@
-"""The controller's side of the draft-length policy (``draft_policy.py``): ask it once per step,
-remember what each request drafted, and feed each step's outcome back.
+"""The controller's side of the draft-length policy (``draft_policy.py``): ask it for each step's
+lengths (a choice holds for ``policy.decide_every`` steps while the batch stays the same), remember
+what each request drafted, feed the outcomes back (gathered, one ``observe`` per choice), and
+time steady steps for the policy's cost model (``step_costs.py``).
 
 Timing: the lengths chosen when step N is built are the drafts step N makes (its draft phase
 runs ``D = max s_r`` depths), staged with step N's one host-to-device copy and kept beside the
@@ -9,6 +11,11 @@ sampling step earlier (the context keeps them per slot: ``StepMetadata.host_veri
 :meth:`DraftLengths.launched` records them per launched step, and
 :meth:`DraftLengths.applied` hands them with the read-back's accepted counts to the policy and
 the metrics. Host values only, no sync.
+
+Step timing: the controller measures each ``step()`` call (wall time, time spent waiting for
+read-backs, the applied launch's GPU time); :meth:`DraftLengths.step_timing` keeps it when the
+call applied one steady launch, and :meth:`DraftLengths.record_timing` hands it (the first TP
+rank's, on every rank) to the cost model at the next call's lockstep check.
 """
 
 import collections
