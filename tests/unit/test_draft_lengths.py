@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import MTPProposer, Proposer, SamplingParams
-from mtp_ctrl.controllers.draft_policy import FixedDraftLength, RandomDraftLengths
+from mtp_ctrl.controllers.draft_policy import FixedDraftLength, GoodputPolicy, RandomDraftLengths
 from tests.unit.controller_fixtures import MTP_DEPTH, OracleProposer, build_models
 from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, CheckedRandomLengths, ZeroLengths, controller_for,
                                               plain_outputs, run)
@@ -147,3 +147,14 @@ def test_a_choice_holds_while_the_batch_is_unchanged(mtp_model, plain, torch_twi
     assert run(controller, ARRIVALS)[1] == plain[1]
     assert 4 in policy.steps and max(policy.steps) == 4  # held for 4 steps, never longer
     assert len(policy.steps) < controller.metrics.steps and policy.outcomes
+
+
+def test_goodput_learns_step_costs_from_the_loop(mtp_model, plain, torch_twins):
+    """The loop's steady steps reach the policy's cost model (host seconds per step by grid and
+    depths; no GPU time on the CPU), and the output stays plain decoding's."""
+    policy = GoodputPolicy(decide_every=2)
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), policy, **SQUEEZE)
+    assert run(controller, ARRIVALS)[1] == plain[1]
+    assert policy.cost_model.host and all(seconds > 0 for seconds in policy.cost_model.host.values())
+    assert not policy.cost_model.gpu  # off CUDA: no warm-up seed, no CUDA events
+    assert {grid for grid, _ in policy.cost_model.host} <= {2, 4}  # the padded grids (SQUEEZE's graph sizes)
