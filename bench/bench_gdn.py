@@ -266,6 +266,18 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES):
                     if (kernel, batch, S) not in best or us < best[(kernel, batch, S)][0]:
                         best[(kernel, batch, S)] = (us, tiles)
             del step, states, row_inputs, start
+    print("\n--tune: per step with the fastest shapes: verify + replay (all drafts accepted) us, of copy, vs S = 0")
+    print(f"{'batch':>5} {'S':>2} {'verify us':>9} {'of copy':>7} {'replay us':>9} {'of copy':>7} {'total us':>8} "
+          f"{'vs S=0':>6}")
+    for batch in batches:
+        for S in drafts:
+            verify_us = best[("verify", batch, S)][0]
+            replay_us = best[("replay", batch, S)][0] if S else 0.0
+            base = best[("verify", batch, drafts[0])][0]
+            shares = [f"{batch * state_bytes * moved / us / 1e3 / copy_gbs:7.0%}" if us else f"{'-':>7}"
+                      for moved, us in ((1 if S else 2, verify_us), (2, replay_us))]
+            print(f"{batch:5d} {S:2d} {verify_us:9.1f} {shares[0]} {replay_us:9.1f} {shares[1]} "
+                  f"{verify_us + replay_us:8.1f} {(verify_us + replay_us) / base:5.2f}x")
     print("\n--tune: the fastest launch shapes (paste into mtp_ctrl/triton_ops/gdn_tiles.py)")
     for kernel in ("verify", "replay"):
         print(f"{kernel.upper()}_TILE_TABLE: TileTable = (")

@@ -33,9 +33,9 @@ case "${1:-}" in
     timeout 280 python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
       | tee "$out/functional.log" | tail -15 ;;
   tune)
-    baseline_table 70
-    timeout 150 python3 bench/bench_gdn.py --tune 2>&1 | grep -v Warning | tee "$out/tune.txt"
-    timeout 50 python3 bench/bench_gdn.py --kernels --skip-old 2>&1 | grep -v Warning | tee "$out/kernels.txt" ;;
+    baseline_table 50
+    timeout 120 python3 bench/bench_gdn.py --tune 2>&1 | grep -v Warning | tee "$out/tune.txt"
+    timeout 35 python3 bench/bench_gdn.py --kernels --skip-old 2>&1 | grep -v Warning | tee "$out/kernels.txt" ;;
   final)
     baseline_table 45
     timeout 40 python3 bench/bench_gdn.py --kernels --skip-old 2>&1 | grep -v Warning | tee "$out/kernels.txt"
