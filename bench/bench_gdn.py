@@ -43,6 +43,9 @@ def parse_args(argv=None):
     parser.add_argument("--skip-old", action="store_true", help="table 1 without the old path (gdn_decode_rows)")
     parser.add_argument("--tune", action="store_true",
                         help="only sweep the verify and replay kernels' launch shapes (batch 1, 32, 128; S = 0, 2, 4)")
+    parser.add_argument("--baseline", metavar="GDN_REPLAY_PY",
+                        help="with --tune: also time this file's gdn_verify_rows / gdn_replay_accepted (another "
+                             "checkout's mtp_ctrl/triton_ops/gdn_replay.py) in the same process")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -190,6 +193,9 @@ def _compile_candidates(jobs):
     device, shape = torch.device("cuda"), (16, 32, 128, 128)
     for kernel, S, block_v, warps in jobs:
         step = _verify_setup(device, shape, 1, S)
+        if kernel == "baseline":  # block_v: the baseline's path
+            _time_baseline(_load_baseline(block_v), device, step, shape[0], S, repeats=0)
+            continue
         tiles = GDNTiles(block_v, warps)
         if kernel == "verify":
             gdn_verify_rows(step["states"], step["row_inputs"], 0, step["slots"], **step["rows"], tiles=tiles)
@@ -198,6 +204,31 @@ def _compile_candidates(jobs):
                                 shape[0], tiles=tiles)
     torch.cuda.synchronize()
     return len(jobs)
+
+
+def _load_baseline(path):
+    """Another checkout's gdn_replay.py as a module (it imports its helpers from this package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_gdn_replay", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _time_baseline(module, device, step, key_heads, S, repeats=20):
+    """(verify us, replay us) of the baseline module's kernels at one step (repeats = 0: compile only)."""
+    states, row_inputs, slots, rows = step["states"], step["row_inputs"], step["slots"], step["rows"]
+
+    def replay():
+        module.gdn_replay_accepted(states, row_inputs, step["status"], slots, step["accepted"], key_heads)
+    module.gdn_verify_rows(states, row_inputs, 0, slots, **rows)
+    if S:
+        replay()
+    if not repeats:
+        return 0.0, 0.0
+    verify_us = _time_ms(lambda: module.gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, repeats) * 1e3
+    return verify_us, (_time_ms(replay, device, repeats) * 1e3 if S else 0.0)
 
 
 def _precompile(jobs):
@@ -214,7 +245,7 @@ def _precompile(jobs):
     print(f"   compiled {compiled} kernels in {workers} processes, {time.perf_counter() - started:.1f} s")
 
 
-def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES):
+def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, baseline=None):
     """Every candidate launch shape of the verify kernel (and of the replay kernel, S > 0) at each
     (batch, S): us and state bytes / time against a same-run device copy; prints the fastest as
     ``gdn_tiles``' tables (the measured batch and R as bounds). Returns {(kernel, batch, S): (us, tiles)}."""
@@ -228,7 +259,7 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES):
     if device.type == "cuda":
         try:
             _precompile([(kernel, S, *tile) for S in drafts for kernel in ("verify", "replay") if kernel == "verify" or S
-                         for tile in candidates])
+                         for tile in candidates] + [("baseline", S, baseline, 1) for S in drafts if baseline])
         except Exception as error:  # the timing loop compiles what is missing, one after another
             print(f"   parallel compile failed ({type(error).__name__}: {error}); compiling while timing")
     print(f"{'kernel':>6} {'batch':>5} {'S':>2} {'BLOCK_V':>7} {'warps':>5} {'us':>8} {'of copy':>7} {'max|diff|':>9}")
@@ -239,6 +270,10 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES):
             states, row_inputs, slots, rows = step["states"], step["row_inputs"], step["slots"], step["rows"]
             states.normal_().mul_(0.1)
             start = states.clone()
+            if baseline:
+                base = _time_baseline(_load_baseline(baseline), device, step, key_heads, S)
+                best[("baseline", batch, S)] = (sum(base), base)
+                states.copy_(start)
             for kernel in ("verify", "replay") if S else ("verify",):
                 first = None
                 for block_v, warps in candidates:
@@ -268,7 +303,8 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES):
             del step, states, row_inputs, start
     print("\n--tune: per step with the fastest shapes: verify + replay (all drafts accepted) us, of copy, vs S = 0")
     print(f"{'batch':>5} {'S':>2} {'verify us':>9} {'of copy':>7} {'replay us':>9} {'of copy':>7} {'total us':>8} "
-          f"{'vs S=0':>6}")
+          f"{'vs S=0':>6}" + (f" | {'baseline verify':>15} {'of copy':>7} {'replay':>7} {'of copy':>7} {'total':>7} "
+                              f"{'vs S=0':>6} {'new/base':>8}" if baseline else ""))
     for batch in batches:
         for S in drafts:
             verify_us = best[("verify", batch, S)][0]
@@ -276,8 +312,16 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES):
             base = best[("verify", batch, drafts[0])][0]
             shares = [f"{batch * state_bytes * moved / us / 1e3 / copy_gbs:7.0%}" if us else f"{'-':>7}"
                       for moved, us in ((1 if S else 2, verify_us), (2, replay_us))]
-            print(f"{batch:5d} {S:2d} {verify_us:9.1f} {shares[0]} {replay_us:9.1f} {shares[1]} "
-                  f"{verify_us + replay_us:8.1f} {(verify_us + replay_us) / base:5.2f}x")
+            line = (f"{batch:5d} {S:2d} {verify_us:9.1f} {shares[0]} {replay_us:9.1f} {shares[1]} "
+                    f"{verify_us + replay_us:8.1f} {(verify_us + replay_us) / base:5.2f}x")
+            if baseline:
+                total, (old_verify, old_replay) = best[("baseline", batch, S)]
+                old_shares = [f"{batch * state_bytes * moved / us / 1e3 / copy_gbs:7.0%}" if us else f"{'-':>7}"
+                              for moved, us in ((1 if S else 2, old_verify), (2, old_replay))]
+                line += (f" | {old_verify:15.1f} {old_shares[0]} {old_replay:7.1f} {old_shares[1]} {total:7.1f} "
+                         f"{total / best[('baseline', batch, drafts[0])][0]:5.2f}x "
+                         f"{(verify_us + replay_us) / total:7.2f}x")
+            print(line)
     print("\n--tune: the fastest launch shapes (paste into mtp_ctrl/triton_ops/gdn_tiles.py)")
     for kernel in ("verify", "replay"):
         print(f"{kernel.upper()}_TILE_TABLE: TileTable = (")
@@ -372,7 +416,7 @@ def main(args):
     if args.quick:
         device, shape = torch.device("cpu"), (2, 4, 16, 16)
         if args.tune:
-            return tune_table(device, shape, (2,), (0, 2), candidates=((8, 1), (16, 2)))
+            return tune_table(device, shape, (2,), (0, 2), candidates=((8, 1), (16, 2)), baseline=args.baseline)
         decode_kernel_table(device, shape, (1, 4), (0, 2), old_path=not args.skip_old)
         if not args.kernels:
             prefill_table(device, shape, (64, 256))
@@ -380,7 +424,7 @@ def main(args):
     device, shape = torch.device("cuda"), (16, 32, 128, 128)
     print(torch.cuda.get_device_name())
     if args.tune:
-        return tune_table(device, shape, (1, 32, 128), (0, 2, 4))
+        return tune_table(device, shape, (1, 32, 128), (0, 2, 4), baseline=args.baseline)
     if args.e2e:
         return end_to_end_table((1, 8, 32), steps=20)
     decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4), old_path=not args.skip_old)

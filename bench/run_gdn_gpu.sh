@@ -2,8 +2,7 @@
 # One device call for the Gated DeltaNet hybrids (issue 32). Logs go to $OUT (or ./gpu_logs).
 # Usage (device machine, repo root): bash bench/run_gdn_gpu.sh [tune|final|functional]
 #   (none)      the GDN GPU tests, then bench_gdn.py (kernel table, prefill vs fla, end to end)
-#   tune        the baseline kernel table, bench_gdn.py --tune (every verify / replay launch shape),
-#               this checkout's kernel table
+#   tune        bench_gdn.py --tune (every verify / replay launch shape) with the baseline's kernels
 #   final       the baseline and this checkout's kernel tables, end to end S = 0 vs 2, then the two
 #               controller graph tests of test_gdn_gpu.py
 #   functional  test_gdn_gpu.py alone, with the whole call's time
@@ -32,10 +31,11 @@ case "${1:-}" in
   functional)
     timeout 280 python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
       | tee "$out/functional.log" | tail -15 ;;
-  tune)
-    baseline_table 50
-    timeout 120 python3 bench/bench_gdn.py --tune 2>&1 | grep -v Warning | tee "$out/tune.txt"
-    timeout 35 python3 bench/bench_gdn.py --kernels --skip-old 2>&1 | grep -v Warning | tee "$out/kernels.txt" ;;
+  tune)  # the baseline's kernels are timed inside the sweep's process (--baseline)
+    base="${GDN_BASELINE_ROOT:-$PWD/../..}/mtp_ctrl/triton_ops/gdn_replay.py"
+    [ -f "$base" ] && [ "$(cd "$(dirname "$base")" && pwd)" != "$PWD/mtp_ctrl/triton_ops" ] || base=""
+    timeout "${GDN_TUNE_TIMEOUT:-120}" python3 bench/bench_gdn.py --tune ${base:+--baseline "$base"} 2>&1 \
+      | grep -v Warning | tee "$out/tune.txt" ;;
   final)
     baseline_table 45
     timeout 40 python3 bench/bench_gdn.py --kernels --skip-old 2>&1 | grep -v Warning | tee "$out/kernels.txt"
