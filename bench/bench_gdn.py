@@ -46,6 +46,8 @@ def parse_args(argv=None):
     parser.add_argument("--baseline", metavar="GDN_REPLAY_PY",
                         help="with --tune: also time this file's gdn_verify_rows / gdn_replay_accepted (another "
                              "checkout's mtp_ctrl/triton_ops/gdn_replay.py) in the same process")
+    parser.add_argument("--tune-scope", metavar="BATCHES/DRAFTS/CANDIDATES",
+                        help="with --tune: e.g. '32,128/0,2/8x1,16x1,32x4' (default: 1,32,128/0,2,4/all)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -424,7 +426,13 @@ def main(args):
     device, shape = torch.device("cuda"), (16, 32, 128, 128)
     print(torch.cuda.get_device_name())
     if args.tune:
-        return tune_table(device, shape, (1, 32, 128), (0, 2, 4), baseline=args.baseline)
+        batches, drafts, candidates = (1, 32, 128), (0, 2, 4), TUNE_CANDIDATES
+        if args.tune_scope:
+            parts = args.tune_scope.split("/")
+            batches, drafts = (tuple(int(x) for x in part.split(",")) for part in parts[:2])
+            if len(parts) > 2:
+                candidates = tuple(tuple(int(x) for x in pair.split("x")) for pair in parts[2].split(","))
+        return tune_table(device, shape, batches, drafts, candidates=candidates, baseline=args.baseline)
     if args.e2e:
         return end_to_end_table((1, 8, 32), steps=20)
     decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4), old_path=not args.skip_old)

@@ -34,7 +34,8 @@ case "${1:-}" in
   tune)  # the baseline's kernels are timed inside the sweep's process (--baseline)
     base="${GDN_BASELINE_ROOT:-$PWD/../..}/mtp_ctrl/triton_ops/gdn_replay.py"
     [ -f "$base" ] && [ "$(cd "$(dirname "$base")" && pwd)" != "$PWD/mtp_ctrl/triton_ops" ] || base=""
-    timeout "${GDN_TUNE_TIMEOUT:-120}" python3 bench/bench_gdn.py --tune ${base:+--baseline "$base"} 2>&1 \
+    timeout "${GDN_TUNE_TIMEOUT:-120}" python3 bench/bench_gdn.py --tune ${base:+--baseline "$base"} \
+      ${GDN_TUNE_SCOPE:+--tune-scope "$GDN_TUNE_SCOPE"} 2>&1 \
       | grep -v Warning | tee "$out/tune.txt" ;;
   final)
     baseline_table 45
