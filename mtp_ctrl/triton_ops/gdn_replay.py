@@ -24,8 +24,8 @@ agree to fp32 rounding).
 
 Launch: one program per (value tile, head, request) holds a ``[K, BLOCK_V]`` state tile in
 registers. It loads every row's inputs first and the state after them, so all its loads are in
-flight together and none waits behind a store or behind the serial rows (that wait, once per row,
-was most of the verify kernel's time). ``BLOCK_V`` and the warps come from
+flight together and none waits behind a store or behind the serial rows (loaded in the row loop,
+after the previous row's stores, each row cost a global-load wait). ``BLOCK_V`` and the warps come from
 :mod:`mtp_ctrl.triton_ops.gdn_tiles` by the launch's request count and R, or the ``tiles`` argument.
 
 Worked example (R = 3, F for Hk = 1, K = 2, H = 2, V = 2 is 2 + 4 + 2 + 2 = 10): request 0 in slot 5
