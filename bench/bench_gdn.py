@@ -187,12 +187,12 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True):
 TUNE_CANDIDATES = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
 
 
-def _compile_candidates(jobs):
+def _compile_candidates(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
     """Worker of --tune's parallel compile: run each (kernel, S, BLOCK_V, warps) once at batch 1 at
     Qwen3-Next's shape, so its binary lands in Triton's cache for the timing process."""
     from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
 
-    device, shape = torch.device("cuda"), (16, 32, 128, 128)
+    device = torch.device(device_type)
     for kernel, S, block_v, warps in jobs:
         step = _verify_setup(device, shape, 1, S)
         if kernel == "baseline":  # block_v: the baseline's path
@@ -204,7 +204,8 @@ def _compile_candidates(jobs):
         else:
             gdn_replay_accepted(step["states"], step["row_inputs"], step["status"], step["slots"], step["accepted"],
                                 shape[0], tiles=tiles)
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return len(jobs)
 
 
@@ -233,8 +234,9 @@ def _time_baseline(module, device, step, key_heads, S, repeats=20):
     return verify_us, (_time_ms(replay, device, repeats) * 1e3 if S else 0.0)
 
 
-def _precompile(jobs):
+def _precompile(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
     import concurrent.futures
+    import functools
     import multiprocessing
     import os
     import time
@@ -243,7 +245,7 @@ def _precompile(jobs):
     workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 2, 14))
     chunks = [jobs[index::workers] for index in range(workers)]
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        compiled = sum(pool.map(_compile_candidates, chunks))
+        compiled = sum(pool.map(functools.partial(_compile_candidates, device_type=device_type, shape=shape), chunks))
     print(f"   compiled {compiled} kernels in {workers} processes, {time.perf_counter() - started:.1f} s")
 
 
