@@ -95,8 +95,10 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def first_token(ctrl, prompt, trace=None):
-        """Add ``prompt`` alone, step until its first token: (TTFT s, [per-call rows]), then finish it."""
+    def first_token(ctrl, prompt, synced=False, on_first=None):
+        """Add ``prompt`` alone, step until its first token: (TTFT s, add_request ms, [per-call rows]),
+        then finish it. ``synced``: wait for the device after every call (its time then includes the
+        GPU work it launched). ``on_first``: called once the first token is out (before finishing)."""
         ctrl.launches.clear()
         sync()
         start = time.perf_counter()
@@ -106,16 +108,28 @@ def main():
         while ttft is None:
             before, launched = time.perf_counter(), len(ctrl.launches)
             outputs = ctrl.step()
+            if synced:
+                sync()
             now = time.perf_counter()
             emitted = any(rid == request_id and tokens for rid, tokens, _ in outputs)
             calls.append(dict(ms=(now - before) * 1e3, launches=ctrl.launches[launched:], emitted=emitted))
             if emitted:
                 ttft = now - start
+        if on_first is not None:
+            on_first()
         while ctrl.has_unfinished_requests():
             ctrl.step()
         ctrl.pop_result(request_id)
         sync()
         return ttft, (added - start) * 1e3, calls
+
+    def print_calls(calls):
+        for index, call in enumerate(calls):
+            print(f"  call {index}: {call['ms']:.2f} ms, emitted first token: {call['emitted']}")
+            for launch in call["launches"]:
+                print(f"    launch {'graph' if launch['graph'] else 'eager'} dims {launch['dims']} rows "
+                      f"{launch['real_rows']} decode {launch['decode']} prefill {launch['prefill']} steps "
+                      f"{launch['steps']} max_query_len {launch['max_q']} max_seq_len {launch['max_kv']}")
 
     off, on = controller(False), controller(True)
     for length in lengths:
@@ -130,12 +144,11 @@ def main():
             print(f"prefix {length}, {label}: TTFT {ttft * 1e3:.2f} ms (median of {args.repeats}; all "
                   f"{', '.join(f'{run[0] * 1e3:.2f}' for run in runs)}), add_request {add_ms:.2f} ms, "
                   f"{len(calls)} step() calls")
-            for index, call in enumerate(calls):
-                print(f"  call {index}: {call['ms']:.2f} ms, emitted first token: {call['emitted']}")
-                for launch in call["launches"]:
-                    print(f"    launch {'graph' if launch['graph'] else 'eager'} dims {launch['dims']} rows "
-                          f"{launch['real_rows']} decode {launch['decode']} prefill {launch['prefill']} steps "
-                          f"{launch['steps']} max_query_len {launch['max_q']} max_seq_len {launch['max_kv']}")
+            print_calls(calls)
+            ttft, add_ms, calls = first_token(ctrl, make(), synced=True)
+            print(f"prefix {length}, {label}, the device synced after each call: TTFT {ttft * 1e3:.2f} ms, "
+                  f"add_request {add_ms:.2f} ms")
+            print_calls(calls)
         if args.host_profile:
             import cProfile
             import pstats
@@ -151,10 +164,19 @@ def main():
 
             for label, ctrl, prompt in (("hit", on, prefix + random_tokens(32)),
                                         ("cold", off, random_tokens(length + 32))):
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    first_token(ctrl, prompt)
-                print(f"prefix {length}, {label}: kernels of the whole request (8 tokens), by CUDA time")
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+                prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                prof.start()
+                first_token(ctrl, prompt, on_first=lambda: (sync(), prof.stop()))
+                try:
+                    kernels = [event for event in prof.key_averages() if str(event.device_type).endswith("CUDA")]
+                    total_us = sum(event.self_device_time_total for event in kernels)
+                    print(f"prefix {length}, {label}: GPU kernels from add_request to the first token: "
+                          f"{sum(event.count for event in kernels)} launches, {total_us / 1e3:.3f} ms")
+                    for event in sorted(kernels, key=lambda event: -event.self_device_time_total)[:12]:
+                        print(f"    {event.self_device_time_total / 1e3:8.3f} ms {event.count:5d}x  {event.key[:90]}")
+                except (AttributeError, RuntimeError) as error:  # another torch's profiler API
+                    print(f"kernel summary failed ({error}); the profiler's table:")
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     off.close()
     on.close()
 
