@@ -8,6 +8,8 @@
 #       bench_prefix_cache: TTFT cold vs hit per prefix length (2k, 8k, 16k) on the ~1B GPT and a Mamba
 #       hybrid, then the batch workloads (64 requests sharing a 2k system prompt, multi-turn chat,
 #       random prompts; caching on vs off, same run)
+#   bash bench/run_prefix_gpu.sh check    # the GPU test; on a failure, its evicting case alone, here and
+#       on BASELINE (is a failure this tree's?)
 #   bash bench/run_prefix_gpu.sh          # both, shorter: profile, the GPU tests, the batch workloads
 # QUICK=1 runs the python parts with --quick on the CPU (a smoke test of this script).
 set -uo pipefail
@@ -42,7 +44,21 @@ batch() {  # $1: seconds
   timeout "$1" python3 bench/bench_prefix_cache.py $quick --parts batch --json "$out/bench_prefix_cache.json" 2>&1 \
     | grep -v Warning | tee "$out/bench_prefix_cache.log" | tail -14
 }
+check() {  # the prefix-cache GPU test on this tree; on a failure, its evicting case alone here and on BASELINE
+  local test=tests/functional/test_prefix_cache_gpu.py
+  timeout 50 python3 -m pytest "$test" -q -p no:cacheprovider -W ignore 2>&1 | tee "$out/check_branch.log" | tail -4
+  if ! grep -q " passed" "$out/check_branch.log" || grep -q "failed" "$out/check_branch.log"; then
+    echo "== this tree, the evicting case alone"
+    timeout 25 python3 -m pytest "$test" -q -p no:cacheprovider -W ignore -k 18 2>&1 | tail -2
+    if [ -n "${BASELINE:-}" ] && [ -d "$BASELINE/mtp_ctrl" ]; then
+      echo "== baseline $BASELINE, the evicting case alone"
+      (cd "$BASELINE" && PYTHONPATH="$PWD:/tmp/site" timeout 25 python3 -m pytest "$test" -q -p no:cacheprovider \
+        -W ignore -k 18 2>&1 | tail -2)
+    fi
+  fi
+}
 case "$mode" in
+  check) check ;;
   profile) profile 95; gpu_tests 45; short_controller 40 ;;
   bench)
     gpu_tests 100
