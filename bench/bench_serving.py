@@ -189,17 +189,21 @@ def process_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def child_pids(pid: int):
-    children = []
+def frontend_pid(engine_pid: int) -> int:
+    """The HTTP frontend's pid: the engine process's child that multiprocessing spawned (not its
+    resource tracker); the engine's own pid if none is found (not Linux)."""
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as stat:
-                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        children.append(int(entry))
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    spawned = b"spawn_main" in cmdline.read()
             except (OSError, IndexError, ValueError):
-                pass
-    return children
+                continue
+            if parent == engine_pid and spawned:
+                return int(entry)
+    return engine_pid
 
 
 def run_load(url: str, prompts, load: str, value: float, max_tokens: int, processes: int, server_pids):
@@ -284,7 +288,8 @@ def start_server(port: int, args, speculative: int):
     if args.server_pythonpath:
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [args.server_pythonpath,
                                                                   environment.get("PYTHONPATH")]))
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
+                               cwd=args.server_pythonpath)  # python -m puts its working directory first
     deadline = time.time() + 600
     while time.time() < deadline:
         if process.poll() is not None:
@@ -361,7 +366,7 @@ def serve_loads(args, speculative: int, prompts, saturation_prompts):
     port = free_port()
     server = start_server(port, args, speculative)
     url = f"http://127.0.0.1:{port}"
-    server_pids = [server.pid] + child_pids(server.pid)  # the engine, the HTTP frontend
+    server_pids = [server.pid, frontend_pid(server.pid)]
     results = []
 
     def measured(load, value, load_prompts, processes=1):
@@ -409,6 +414,10 @@ def main():
             offline[speculative] = offline_figures(args, speculative, saturation_prompts)
             print(speculative, "offline", offline[speculative], flush=True)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
+    print_table(args, where, rows, offline)
+
+
+def print_table(args, where: str, rows, offline) -> None:
     print(f"\n{where}; demo model; streaming completions of {args.max_tokens} tokens (greedy), {args.prompt_len}-byte "
           f"prompts, server --max-requests {args.max_requests}{', server ' + args.server_pythonpath if args.server_pythonpath else ''}; "
           f"lone: {args.lone} one after the other; open: {args.num_requests} Poisson arrivals at the rate; closed: "
