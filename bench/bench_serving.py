@@ -248,17 +248,19 @@ def run_load(url: str, prompts, load: str, value: float, max_tokens: int, proces
                 server_cpu=server_cpu, ramp=first_chunk - started)
 
 
-def server_ttft(url: str):
-    """(sum, count) of the server's time-to-first-token histogram (the frontend's submission to
-    the first tokens' arrival from the engine)."""
+def server_counters(url: str):
+    """The server's ``/metrics`` counters the figures use: the time-to-first-token histogram's
+    sum and count (the frontend's submission to the first tokens' arrival from the engine),
+    steps launched and seconds inside ``controller.step()``."""
     import re
 
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=60).text
-    found = [re.search(rf"^mtp_ctrl_time_to_first_token_seconds_{name} (\S+)$", text, re.MULTILINE)
-             for name in ("sum", "count")]
-    return float(found[0].group(1)), float(found[1].group(1))
+    names = ("time_to_first_token_seconds_sum", "time_to_first_token_seconds_count", "steps_total",
+             "step_seconds_total")
+    found = {name: re.search(rf"^mtp_ctrl_{name} (\S+)$", text, re.MULTILINE) for name in names}
+    return {name: float(match.group(1)) if match else float("nan") for name, match in found.items()}
 
 
 async def http_floor(url: str, repeats: int = 30) -> float:
@@ -303,11 +305,12 @@ def start_server(port: int, args, speculative: int):
     sys.exit("the server did not come up")
 
 
-def offline_figures(args, speculative: int, prompts):
+def offline_figures(args, speculative: int, prompts, lone_prompts):
     """The offline loop (all prompts added, then ``controller.step()`` until done, in this
-    process, the server's controller settings): (tokens/s end to end, tokens/s over the middle
-    80 % of the run as the clients' steady figure is taken, seconds to the first token of one
-    request alone)."""
+    process, the server's controller settings): tokens/s end to end and over the middle 80 % of
+    the run (as the clients' steady figure is taken), the share of the run inside ``step()``,
+    tokens per step launched, and the median seconds to the first token of one request alone
+    (``lone_prompts``: not seen before, as the server's lone requests)."""
     import torch
 
     from mtp_ctrl.cli.serve import make_server_controller, parse_args as serve_args
@@ -324,6 +327,7 @@ def offline_figures(args, speculative: int, prompts):
     controller.generate(ids[:args.max_requests], params)  # warm-up
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
+    before = controller.metrics.as_dict()["step_time"]
     started = time.perf_counter()
     request_ids = [controller.add_request(prompt, params) for prompt in ids]
     arrivals = []  # (time, tokens) of each step's outputs
@@ -332,13 +336,14 @@ def offline_figures(args, speculative: int, prompts):
         arrivals.append((time.perf_counter(), sum(len(tokens) for _, tokens, _ in outputs)))
     sync()
     wall = time.perf_counter() - started
+    after = controller.metrics.as_dict()["step_time"]
     for request_id in request_ids:
         controller.pop_result(request_id)
     total = sum(tokens for _, tokens in arrivals)
     low, high = started + 0.1 * wall, started + 0.9 * wall
     steady = sum(tokens for now, tokens in arrivals if low <= now < high) / (high - low)
     firsts = []
-    for prompt in ids[:5]:
+    for prompt in [tokenizer.encode(prompt) for prompt in lone_prompts]:
         started = time.perf_counter()
         request_id = controller.add_request(prompt, params)
         while not any(rid == request_id and tokens for rid, tokens, _ in controller.step()):
@@ -347,7 +352,9 @@ def offline_figures(args, speculative: int, prompts):
         controller.abort_request(request_id)
         controller.pop_result(request_id)
     controller.close()
-    return dict(tokens_per_s=total / wall, steady_tokens_per_s=steady, first=statistics.median(firsts))
+    return dict(tokens_per_s=total / wall, steady_tokens_per_s=steady, first=statistics.median(firsts),
+                step_share=(after["step_seconds"] - before["step_seconds"]) / wall,
+                tokens_per_step=total / max(1, after["steps"] - before["steps"]))
 
 
 def corpus_prompts(count: int, length: int, offset: int = 0):
@@ -361,7 +368,7 @@ def corpus_prompts(count: int, length: int, offset: int = 0):
     return prompts
 
 
-def serve_loads(args, speculative: int, prompts, saturation_prompts):
+def serve_loads(args, speculative: int, prompts, saturation_prompts, lone_prompts):
     """Every load against one server of S = ``speculative``: [result dicts]."""
     port = free_port()
     server = start_server(port, args, speculative)
@@ -370,18 +377,23 @@ def serve_loads(args, speculative: int, prompts, saturation_prompts):
     results = []
 
     def measured(load, value, load_prompts, processes=1):
-        before = server_ttft(url)
+        before = server_counters(url)
         result = run_load(url, load_prompts, load, value, args.max_tokens, processes, server_pids)
-        after = server_ttft(url)
-        result.update(server_ttft=(after[0] - before[0]) / max(1.0, after[1] - before[1]), speculative=speculative)
+        after = server_counters(url)
+        change = {name: after[name] - before[name] for name in after}
+        result.update(server_ttft=change["time_to_first_token_seconds_sum"]
+                      / max(1.0, change["time_to_first_token_seconds_count"]),
+                      step_share=change["step_seconds_total"] / result["wall"],
+                      tokens_per_step=result["tokens_per_s"] * result["wall"] / max(1.0, change["steps_total"]),
+                      speculative=speculative)
         results.append(result)
         print(speculative, {key: value for key, value in result.items()}, flush=True)
 
     try:
         floor = asyncio.run(http_floor(url))
         if args.lone:
-            run_load(url, prompts[:2], "lone", 1, args.max_tokens, 1, server_pids)  # warm the path
-            measured("lone", 1, prompts[:args.lone])
+            run_load(url, lone_prompts[:2], "lone", 1, args.max_tokens, 1, server_pids)  # warm the path
+            measured("lone", 1, lone_prompts[2:])
         for rate in (float(value) for value in args.rates.split(",") if value):
             measured("open", rate, prompts)
         if args.in_flight:
@@ -404,14 +416,17 @@ def main():
 
     prompts = corpus_prompts(args.num_requests, args.prompt_len)
     saturation_prompts = corpus_prompts(args.saturation_requests, args.prompt_len)
+    # lone requests' prompts share no prefix-cache block with the others (997 windows start where
+    # none of 128 or 1024 evenly spaced ones do, but the first), so none is a cache hit
+    lone_prompts = corpus_prompts(997, args.prompt_len)[1:args.lone + 3]
     import torch
 
     init_distributed(1, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     rows, offline = [], {}
     for speculative in (int(value) for value in args.speculative_tokens.split(",")):
-        rows += serve_loads(args, speculative, prompts, saturation_prompts)
+        rows += serve_loads(args, speculative, prompts, saturation_prompts, lone_prompts)
         if not args.no_offline:
-            offline[speculative] = offline_figures(args, speculative, saturation_prompts)
+            offline[speculative] = offline_figures(args, speculative, saturation_prompts, lone_prompts[2:])
             print(speculative, "offline", offline[speculative], flush=True)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
     print_table(args, where, rows, offline)
@@ -424,7 +439,7 @@ def print_table(args, where: str, rows, offline) -> None:
           f"{args.saturation_requests} requests, {args.in_flight} in flight from 'clients' processes")
     print(f"{'S':>2} {'load':>10} {'clients':>7} {'req/s':>6} {'tok/s':>8} {'/off':>5} {'steady':>8} {'/off':>5} "
           f"{'TTFT p50/p90/p99 ms':>20} {'srv TTFT':>8} {'floor':>5} {'ITL p50/p90/p99 ms':>18} {'tok/ch':>6} "
-          f"{'CPU client/engine/frontend':>26}")
+          f"{'CPU client/engine/frontend':>26} {'in step':>7} {'tok/step':>8}")
     for result in rows:
         speculative = result["speculative"]
         base = offline.get(speculative, dict(tokens_per_s=float("nan"), steady_tokens_per_s=float("nan")))
@@ -436,14 +451,16 @@ def print_table(args, where: str, rows, offline) -> None:
               f"{result['tokens_per_s']:8.0f} {result['tokens_per_s'] / base['tokens_per_s']:5.2f} "
               f"{result['steady_tokens_per_s']:8.0f} {result['steady_tokens_per_s'] / base['steady_tokens_per_s']:5.2f} "
               f"{ttft:>20} {result['server_ttft'] * 1e3:8.2f} {result['floor'] * 1e3:5.2f} {itl:>18} "
-              f"{result['tokens_per_chunk']:6.1f} {cpu:>26}")
+              f"{result['tokens_per_chunk']:6.1f} {cpu:>26} {result['step_share']:7.2f} {result['tokens_per_step']:8.1f}")
     for speculative, base in offline.items():
         print(f"{speculative:2d} {'offline':>10} {'':>7} {'':>6} {base['tokens_per_s']:8.0f} {1:5.2f} "
-              f"{base['steady_tokens_per_s']:8.0f} {1:5.2f}   first token alone {base['first'] * 1e3:.2f} ms")
+              f"{base['steady_tokens_per_s']:8.0f} {1:5.2f}   first token alone {base['first'] * 1e3:.2f} ms; in step "
+              f"{base['step_share']:.2f}, tok/step {base['tokens_per_step']:.1f}")
     print("tok/s: all tokens over the load's wall; steady: over the middle 80 % from the first to the last text chunk "
           "(offline: of the step loop's run); srv TTFT (mean): the frontend's submission to the first tokens from the "
           "engine; floor (median): a refused request's round trip (client + HTTP path, no engine); CPU: CPU seconds per "
-          "second of the load (client: the busiest client process; engine, frontend: the server's processes)")
+          "second of the load (client: the busiest client process; engine, frontend: the server's processes); in step: "
+          "the share of the load's wall the engine spent inside controller.step(); tok/step: tokens per step launched")
 
 
 if __name__ == "__main__":

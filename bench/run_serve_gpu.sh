@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the server (issue 35): bench_serving.py on the demo model, S = 0 and 2:
 # lone requests (TTFT vs the offline first step), 16 req/s, and saturation (1024 requests of 256
-# tokens, 64 in flight, closed-loop clients from 4 and 8 processes), the offline loop in the same
-# run. With BASELINE (another checkout, e.g. the lead's main: ../..), its server runs the lone and
+# tokens, 64 in flight, closed-loop clients from 4 processes), the offline loop in the same
+# run (~200 s on an H200). With BASELINE (another checkout, e.g. the lead's main: ../..; ~50 s more:
+# the first part's timeout leaves no room for it in one 300 s call), its server runs the lone and
 # saturation loads at S = 0 too, driven by this checkout's client.
 # Needs FastAPI, uvicorn and httpx (the carried .whl_serve wheels).
 # Usage (device machine, repo root): bash bench/run_serve_gpu.sh [BASELINE]   (--quick: short loads, CPU)
@@ -11,7 +12,7 @@ quick=""; [[ "${1:-}" == "--quick" ]] && { quick="--quick --device cpu"; shift; 
 baseline="${1:-}"
 source "$(dirname "$0")/gpu_env.sh"
 python3 -c "import fastapi, uvicorn, httpx" || exit 1
-timeout 210 python3 bench/bench_serving.py --client-processes 4,8 $quick 2>&1 | grep -v Warning \
+timeout 275 python3 bench/bench_serving.py $quick 2>&1 | grep -v Warning \
   | tee "$out/bench_serving.log" | tail -14
 if [[ -n "$baseline" && -d "$baseline/mtp_ctrl/serve" ]]; then
   echo "== baseline server: $(git -C "$baseline" log -1 --format=%h 2>/dev/null || echo "$baseline")"
