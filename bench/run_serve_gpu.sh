@@ -7,12 +7,14 @@
 # saturation loads at S = 0 too, driven by this checkout's client.
 # Needs FastAPI, uvicorn and httpx (the carried .whl_serve wheels).
 # Usage (device machine, repo root): bash bench/run_serve_gpu.sh [BASELINE]   (--quick: short loads, CPU)
+# SERVE_BENCH_TIMEOUT (seconds, default 275) and SERVE_BENCH_ARGS (more bench_serving.py options,
+# e.g. --rates "" to skip the 16 req/s load, ~25 s less) for a shorter call.
 set -uo pipefail
 quick=""; [[ "${1:-}" == "--quick" ]] && { quick="--quick --device cpu"; shift; }
 baseline="${1:-}"
 source "$(dirname "$0")/gpu_env.sh"
 python3 -c "import fastapi, uvicorn, httpx" || exit 1
-timeout 275 python3 bench/bench_serving.py $quick 2>&1 | grep -v Warning \
+timeout "${SERVE_BENCH_TIMEOUT:-275}" python3 bench/bench_serving.py $quick ${SERVE_BENCH_ARGS:-} 2>&1 | grep -v Warning \
   | tee "$out/bench_serving.log" | tail -14
 if [[ -n "$baseline" && -d "$baseline/mtp_ctrl/serve" ]]; then
   echo "== baseline server: $(git -C "$baseline" log -1 --format=%h 2>/dev/null || echo "$baseline")"
