@@ -55,6 +55,7 @@ def parse_args():
     parser.add_argument("--server-pythonpath", default=None,
                         help="PYTHONPATH of the server process (another checkout's server, same loads)")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline loop")
+    parser.add_argument("--offline-only", action="store_true", help="only the offline loop (no server)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
@@ -424,7 +425,8 @@ def main():
     init_distributed(1, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     rows, offline = [], {}
     for speculative in (int(value) for value in args.speculative_tokens.split(",")):
-        rows += serve_loads(args, speculative, prompts, saturation_prompts, lone_prompts)
+        if not args.offline_only:
+            rows += serve_loads(args, speculative, prompts, saturation_prompts, lone_prompts)
         if not args.no_offline:
             offline[speculative] = offline_figures(args, speculative, saturation_prompts, lone_prompts[2:])
             print(speculative, "offline", offline[speculative], flush=True)
