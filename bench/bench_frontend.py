@@ -109,7 +109,7 @@ def main():
           f"{args.requests} requests of {args.max_tokens} tokens, {args.in_flight} in flight from "
           f"{args.client_processes} client processes, {args.max_requests} rows, {args.tokens_per_step} tokens a step")
     print(f"{'step ms':>7} {'offered tok/s':>13} {'got tok/s':>10} {'req/s':>7} {'tok/chunk':>9} {'frontend CPU':>12} "
-          f"{'client CPU':>10}")
+          f"{'client CPU':>10} {'ramp s':>6}")
     for step_ms in (float(value) for value in args.step_ms.split(",")):
         engine = StandInEngine(connection, step_ms / 1e3, args.tokens_per_step, args.max_requests, args.max_tokens)
         engine.start()
@@ -119,7 +119,8 @@ def main():
         engine.join()
         offered = engine.offered / result["wall"]  # what the stand-in sent (it waits when the pipe is full)
         print(f"{step_ms:7.2f} {offered:13.0f} {result['tokens_per_s']:10.0f} {result['requests_per_s']:7.1f} "
-              f"{result['tokens_per_chunk']:9.1f} {result['server_cpu'][0]:12.2f} {result['client_cpu']:10.2f}",
+              f"{result['tokens_per_chunk']:9.1f} {result['server_cpu'][0]:12.2f} {result['client_cpu']:10.2f} "
+              f"{result['ramp']:6.2f}",
               flush=True)
     process.kill()
 
