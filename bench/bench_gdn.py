@@ -1,7 +1,7 @@
 """Gated DeltaNet hybrids (Qwen3-Next shape): the decode/verify kernel's state traffic, the prefill
 kernel against flash-linear-attention, and end-to-end decode at S = 0 vs S = 2.
 
-    python bench/bench_gdn.py [--quick] [--skip-e2e] [--tune]
+    python bench/bench_gdn.py [--quick] [--skip-e2e] [--kernels] [--skip-old] [--e2e] [--tune]
 
 1. The decode/verify rows and their commit (one layer: 32 value heads, 16 key heads, K = V = 128,
    fp32 state), at batch 1, 32, 128 and S = 0, 2, 4: the old path (``gdn_decode_rows`` writes
@@ -18,8 +18,15 @@ kernel against flash-linear-attention, and end-to-end decode at S = 0 vs S = 2.
    random weights: no draft is accepted, the worst case of speculation) with CUDA graphs: median wall ms of a decode step and tokens/s at S = 0 and 2,
    batch 1, 8, 32.
 
-``--quick`` runs tiny shapes on the CPU (the torch twins; no fla, no end to end): a smoke test of
-the script, not a measurement.
+``--kernels`` runs table 1 only, ``--e2e`` table 3 only, ``--skip-old`` drops its old-path columns: with this script run
+against another checkout's package (``PYTHONPATH``) table 1 is that checkout's baseline in the same
+run. ``--tune`` times every candidate launch shape (``GDNTiles``: value dims a program, warps) of
+the verify and replay kernels at batch 1, 32, 128 and S = 0, 2, 4 against the same-run device copy
+and prints the fastest as the tables of ``mtp_ctrl/triton_ops/gdn_tiles.py``; the candidates are
+compiled first in parallel processes.
+
+``--quick`` runs tiny shapes on the CPU (the torch twins, or the kernels through Triton's interpreter
+with ``TRITON_INTERPRET=1``; no fla, no end to end): a smoke test of the script, not a measurement.
 """
 
 import argparse
@@ -31,8 +38,16 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a smoke test)")
     parser.add_argument("--skip-e2e", action="store_true", help="kernels only")
+    parser.add_argument("--kernels", action="store_true", help="table 1 only (the decode/verify kernels)")
+    parser.add_argument("--e2e", action="store_true", help="table 3 only (end to end)")
+    parser.add_argument("--skip-old", action="store_true", help="table 1 without the old path (gdn_decode_rows)")
     parser.add_argument("--tune", action="store_true",
-                        help="only sweep the verify and replay kernels' tiles and warps (batch 32, 128; S = 2)")
+                        help="only sweep the verify and replay kernels' launch shapes (batch 1, 32, 128; S = 0, 2, 4)")
+    parser.add_argument("--baseline", metavar="GDN_REPLAY_PY",
+                        help="with --tune: also time this file's gdn_verify_rows / gdn_replay_accepted (another "
+                             "checkout's mtp_ctrl/triton_ops/gdn_replay.py) in the same process")
+    parser.add_argument("--tune-scope", metavar="BATCHES/DRAFTS/CANDIDATES",
+                        help="with --tune: e.g. '32,128/0,2/8x1,16x1,32x4' (default: 1,32,128/0,2,4/all)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -93,88 +108,236 @@ def copy_bandwidth_gbs(device, num_bytes):
     return 2 * num_bytes / ms / 1e6  # read + write
 
 
-def decode_kernel_table(device, shape, batches, drafts):
-    """Per step of one layer: the old path (``gdn_decode_rows`` writes 1 + S states, the commit copies
-    one) against the replay path (``gdn_verify_rows`` reads the state and stores the rows' inputs,
-    ``gdn_replay_accepted`` steps the accepted rows: every draft accepted, the most work). Returns
-    {(path, batch, S): us}."""
+def _table_tiles(batch, R):
+    """The verify / replay tiles of the package's tables, or '-' for a package without them (a baseline)."""
+    try:
+        from mtp_ctrl.triton_ops.gdn_tiles import gdn_replay_tiles, gdn_verify_tiles
+    except ImportError:
+        return "-"
+    verify = gdn_verify_tiles(batch, R)
+    replay = gdn_replay_tiles(batch, R) if R > 1 else None
+    return f"{verify.block_v}/{verify.num_warps}" + (f" {replay.block_v}/{replay.num_warps}" if replay else "")
+
+
+def _verify_setup(device, shape, batch, S):
+    """Pools and rows of one verify step at ``batch`` requests of 1 + S rows (slot ``batch``: spare)."""
+    key_heads, heads, key_dim, value_dim = shape
+    R = S + 1
+    width = gdn_row_input_width(key_heads, key_dim, heads, value_dim)
+    return dict(states=torch.zeros(1, batch + 1, heads, key_dim, value_dim, device=device),
+                row_inputs=torch.zeros(1, batch + 1, R, width, device=device),
+                slots=torch.arange(batch, device=device), status=torch.zeros(batch, dtype=torch.int64, device=device),
+                accepted=torch.full((batch,), S, dtype=torch.int64, device=device),
+                rows=_rows(batch * R, key_heads, heads, key_dim, value_dim, device))
+
+
+def decode_kernel_table(device, shape, batches, drafts, old_path=True):
+    """Per step of one layer: the replay path (``gdn_verify_rows`` reads the state and stores the rows'
+    inputs, ``gdn_replay_accepted`` steps the accepted rows: every draft accepted, the most work) with
+    the package's tile tables, and (``old_path``) the old one (``gdn_decode_rows`` writes 1 + S states,
+    the commit copies one). Returns {(path, batch, S): us}."""
     key_heads, heads, key_dim, value_dim = shape
     state_bytes = heads * key_dim * value_dim * 4
     copy_gbs = copy_bandwidth_gbs(device, max(batches) * state_bytes * (2 + max(drafts)))
     width = gdn_row_input_width(key_heads, key_dim, heads, value_dim)
+    import mtp_ctrl
+
     print(f"\n1. GDN decode/verify state traffic per step, one layer ({heads} value heads, {key_heads} key heads, "
           f"K = {key_dim}, V = {value_dim}, fp32 state {state_bytes / 2**20:.1f} MiB per request, row inputs "
-          f"{width * 4 / 2**10:.1f} KiB); same-run device copy {copy_gbs:.0f} GB/s. old: gdn_decode_rows + copy "
-          "commit (moves 1 + (1 + S) + 2 states); verify: gdn_verify_rows (reads 1 state; S = 0 also writes it); "
-          "replay: gdn_replay_accepted, all drafts accepted (reads + writes 1 state); 'of copy' = state bytes / time "
-          "/ copy GB/s")
-    print(f"{'batch':>5} {'S':>2} | {'old us':>8} {'of copy':>7} {'vs S=0':>6} | {'verify us':>9} {'of copy':>7} "
-          f"{'replay us':>9} {'of copy':>7} {'total us':>8} {'vs S=0':>6}")
+          f"{width * 4 / 2**10:.1f} KiB); package {mtp_ctrl.__file__}; same-run device copy {copy_gbs:.0f} GB/s. "
+          "verify: gdn_verify_rows (reads 1 state; S = 0 also writes it); replay: gdn_replay_accepted, all drafts "
+          "accepted (reads + writes 1 state); 'of copy' = state bytes / time / copy GB/s; tiles = BLOCK_V/warps "
+          "of verify, replay" + ("; old: gdn_decode_rows + copy commit (moves 1 + (1 + S) + 2 states)" if old_path
+                                 else ""))
+    print(f"{'batch':>5} {'S':>2} | {'verify us':>9} {'of copy':>7} {'replay us':>9} {'of copy':>7} {'total us':>8} "
+          f"{'vs S=0':>6} {'tiles':>10}" + (f" | {'old us':>8} {'of copy':>7} {'vs S=0':>6}" if old_path else ""))
     times = {}
     for batch in batches:
         for S in drafts:
             R = S + 1
-            states = torch.zeros(1, batch + 1, heads, key_dim, value_dim, device=device)
-            inter = torch.zeros(1, batch + 1, R, heads, key_dim, value_dim, device=device)
-            row_inputs = torch.zeros(1, batch + 1, R, width, device=device)
-            slots = torch.arange(batch, device=device)
-            status = torch.zeros(batch, dtype=torch.int64, device=device)
-            accepted = torch.full((batch,), S, dtype=torch.int64, device=device)
-            rows = _rows(batch * R, key_heads, heads, key_dim, value_dim, device)
-
-            def old_step():
-                gdn_decode_rows(states, inter, 0, slots, **rows)
-                mamba_state_selective_copy(inter, states, status, slots, accepted, 1)
-            old_us = _time_ms(old_step, device, 20) * 1e3
+            step = _verify_setup(device, shape, batch, S)
+            states, row_inputs, slots, rows = step["states"], step["row_inputs"], step["slots"], step["rows"]
             verify_us = _time_ms(lambda: gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, 20) * 1e3
             replay_us = 0.0
             if S > 0:
-                replay_us = _time_ms(lambda: gdn_replay_accepted(states, row_inputs, status, slots, accepted,
-                                                                 key_heads), device, 20) * 1e3
-            times.update({("old", batch, S): old_us, ("replay", batch, S): verify_us + replay_us})
+                replay_us = _time_ms(lambda: gdn_replay_accepted(states, row_inputs, step["status"], slots,
+                                                                 step["accepted"], key_heads), device, 20) * 1e3
+            times[("replay", batch, S)] = verify_us + replay_us
 
             def share(states_moved, us):
                 return f"{batch * state_bytes * states_moved / us / 1e3 / copy_gbs:7.0%}"
             replay_cells = f"{replay_us:9.1f} {share(2, replay_us)}" if S else f"{'-':>9} {'-':>7}"
-            print(f"{batch:5d} {S:2d} | {old_us:8.1f} {share(1 + R + 2, old_us)} "
-                  f"{old_us / times[('old', batch, 0)]:5.2f}x | {verify_us:9.1f} {share(1 if S else 2, verify_us)} "
-                  f"{replay_cells} {verify_us + replay_us:8.1f} "
-                  f"{(verify_us + replay_us) / times[('replay', batch, 0)]:5.2f}x")
+            line = (f"{batch:5d} {S:2d} | {verify_us:9.1f} {share(1 if S else 2, verify_us)} {replay_cells} "
+                    f"{verify_us + replay_us:8.1f} {(verify_us + replay_us) / times[('replay', batch, 0)]:5.2f}x "
+                    f"{_table_tiles(batch, R):>10}")
+            if old_path:
+                inter = torch.zeros(1, batch + 1, R, heads, key_dim, value_dim, device=device)
+
+                def old_step():
+                    gdn_decode_rows(states, inter, 0, slots, **rows)
+                    mamba_state_selective_copy(inter, states, step["status"], slots, step["accepted"], 1)
+                times[("old", batch, S)] = old_us = _time_ms(old_step, device, 20) * 1e3
+                line += f" | {old_us:8.1f} {share(1 + R + 2, old_us)} {old_us / times[('old', batch, 0)]:5.2f}x"
+                del inter
+            print(line)
     return times
 
 
-def tune_table(device, shape, batches, S=2):
-    """The verify and replay kernels at each (max BLOCK_V, num_warps) of their launch
-    (``gdn_replay.VERIFY_TILE`` / ``REPLAY_TILE``): us and state bytes / time against a device copy."""
-    from mtp_ctrl.triton_ops import gdn_replay
+# launch shapes --tune times: (BLOCK_V, warps) with 16-64 state floats a thread at K = 128
+TUNE_CANDIDATES = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
+
+
+def _compile_candidates(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
+    """Worker of --tune's parallel compile: run each (kernel, S, BLOCK_V, warps) once at batch 1 at
+    Qwen3-Next's shape, so its binary lands in Triton's cache for the timing process."""
+    from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
+
+    device = torch.device(device_type)
+    for kernel, S, block_v, warps in jobs:
+        step = _verify_setup(device, shape, 1, S)
+        if kernel == "baseline":  # block_v: the baseline's path
+            _time_baseline(_load_baseline(block_v), device, step, shape[0], S, repeats=0)
+            continue
+        tiles = GDNTiles(block_v, warps)
+        if kernel == "verify":
+            gdn_verify_rows(step["states"], step["row_inputs"], 0, step["slots"], **step["rows"], tiles=tiles)
+        else:
+            gdn_replay_accepted(step["states"], step["row_inputs"], step["status"], step["slots"], step["accepted"],
+                                shape[0], tiles=tiles)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return len(jobs)
+
+
+def _load_baseline(path):
+    """Another checkout's gdn_replay.py as a module (it imports its helpers from this package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_gdn_replay", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _time_baseline(module, device, step, key_heads, S, repeats=20):
+    """(verify us, replay us) of the baseline module's kernels at one step (repeats = 0: compile only)."""
+    states, row_inputs, slots, rows = step["states"], step["row_inputs"], step["slots"], step["rows"]
+
+    def replay():
+        module.gdn_replay_accepted(states, row_inputs, step["status"], slots, step["accepted"], key_heads)
+    module.gdn_verify_rows(states, row_inputs, 0, slots, **rows)
+    if S:
+        replay()
+    if not repeats:
+        return 0.0, 0.0
+    verify_us = _time_ms(lambda: module.gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, repeats) * 1e3
+    return verify_us, (_time_ms(replay, device, repeats) * 1e3 if S else 0.0)
+
+
+def _precompile(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
+    import concurrent.futures
+    import functools
+    import multiprocessing
+    import os
+    import time
+
+    started = time.perf_counter()
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) - 2, 14))
+    chunks = [jobs[index::workers] for index in range(workers)]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        compiled = sum(pool.map(functools.partial(_compile_candidates, device_type=device_type, shape=shape), chunks))
+    print(f"   compiled {compiled} kernels in {workers} processes, {time.perf_counter() - started:.1f} s")
+
+
+def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, baseline=None):
+    """Every candidate launch shape of the verify kernel (and of the replay kernel, S > 0) at each
+    (batch, S): us and state bytes / time against a same-run device copy; prints the fastest as
+    ``gdn_tiles``' tables (the measured batch and R as bounds). Returns {(kernel, batch, S): (us, tiles)}."""
+    from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
 
     key_heads, heads, key_dim, value_dim = shape
     state_bytes = heads * key_dim * value_dim * 4
     copy_gbs = copy_bandwidth_gbs(device, max(batches) * state_bytes * 2)
-    width = gdn_row_input_width(key_heads, key_dim, heads, value_dim)
-    print(f"\n--tune: S = {S}, copy {copy_gbs:.0f} GB/s; verify reads 1 state, replay reads + writes 1")
-    print(f"{'batch':>5} {'BLOCK_V':>7} {'warps':>5} {'verify us':>9} {'of copy':>7} {'replay us':>9} {'of copy':>7}")
-    defaults = dict(gdn_replay.VERIFY_TILE), dict(gdn_replay.REPLAY_TILE)
+    print(f"\n--tune: {heads} value heads, {key_heads} key heads, K = {key_dim}, V = {value_dim}; copy {copy_gbs:.0f} "
+          "GB/s; verify moves 1 state (S = 0: 2), replay 2; max|diff| = output / state against the first candidate")
+    if device.type == "cuda":
+        try:
+            _precompile([(kernel, S, *tile) for S in drafts for kernel in ("verify", "replay") if kernel == "verify" or S
+                         for tile in candidates] + [("baseline", S, baseline, 1) for S in drafts if baseline])
+        except Exception as error:  # the timing loop compiles what is missing, one after another
+            print(f"   parallel compile failed ({type(error).__name__}: {error}); compiling while timing")
+    print(f"{'kernel':>6} {'batch':>5} {'S':>2} {'BLOCK_V':>7} {'warps':>5} {'us':>8} {'of copy':>7} {'max|diff|':>9}")
+    best = {}
     for batch in batches:
-        states = torch.zeros(1, batch + 1, heads, key_dim, value_dim, device=device)
-        row_inputs = torch.zeros(1, batch + 1, S + 1, width, device=device)
-        slots = torch.arange(batch, device=device)
-        status = torch.zeros(batch, dtype=torch.int64, device=device)
-        accepted = torch.full((batch,), S, dtype=torch.int64, device=device)
-        rows = _rows(batch * (S + 1), key_heads, heads, key_dim, value_dim, device)
-        for block_v in (16, 32, 64):
-            for warps in (1, 2, 4, 8):
-                tile = dict(max_block_v=block_v, num_warps=warps)
-                gdn_replay.VERIFY_TILE.update(tile)
-                gdn_replay.REPLAY_TILE.update(tile)
-                verify = _time_ms(lambda: gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, 20) * 1e3
-                replay = _time_ms(lambda: gdn_replay_accepted(states, row_inputs, status, slots, accepted, key_heads),
-                                  device, 20) * 1e3
-                print(f"{batch:5d} {block_v:7d} {warps:5d} {verify:9.1f} "
-                      f"{batch * state_bytes / verify / 1e3 / copy_gbs:7.0%} {replay:9.1f} "
-                      f"{2 * batch * state_bytes / replay / 1e3 / copy_gbs:7.0%}")
-    gdn_replay.VERIFY_TILE.update(defaults[0])
-    gdn_replay.REPLAY_TILE.update(defaults[1])
+        for S in drafts:
+            step = _verify_setup(device, shape, batch, S)
+            states, row_inputs, slots, rows = step["states"], step["row_inputs"], step["slots"], step["rows"]
+            states.normal_().mul_(0.1)
+            start = states.clone()
+            if baseline:
+                base = _time_baseline(_load_baseline(baseline), device, step, key_heads, S)
+                best[("baseline", batch, S)] = (sum(base), base)
+                states.copy_(start)
+            for kernel in ("verify", "replay") if S else ("verify",):
+                first = None
+                for block_v, warps in candidates:
+                    tiles = GDNTiles(block_v, warps)
+                    states.copy_(start)
+                    if kernel == "verify":
+                        def call():
+                            return gdn_verify_rows(states, row_inputs, 0, slots, **rows, tiles=tiles)
+                    else:
+                        gdn_verify_rows(states, row_inputs, 0, slots, **rows)  # the rows' inputs to replay
+
+                        def call():
+                            gdn_replay_accepted(states, row_inputs, step["status"], slots, step["accepted"], key_heads,
+                                                tiles=tiles)
+                            return states
+                    result = call().clone()  # once from the same start: the candidates must agree
+                    if kernel == "replay" or S == 0:
+                        result = states.clone()
+                    first = result if first is None else first
+                    diff = (result - first).abs().max().item()
+                    us = _time_ms(call, device, 20) * 1e3
+                    moved = 2 if (kernel == "replay" or S == 0) else 1
+                    print(f"{kernel:>6} {batch:5d} {S:2d} {block_v:7d} {warps:5d} {us:8.1f} "
+                          f"{batch * state_bytes * moved / us / 1e3 / copy_gbs:7.0%} {diff:9.2e}")
+                    if (kernel, batch, S) not in best or us < best[(kernel, batch, S)][0]:
+                        best[(kernel, batch, S)] = (us, tiles)
+            del step, states, row_inputs, start
+    print("\n--tune: per step with the fastest shapes: verify + replay (all drafts accepted) us, of copy, vs S = 0")
+    print(f"{'batch':>5} {'S':>2} {'verify us':>9} {'of copy':>7} {'replay us':>9} {'of copy':>7} {'total us':>8} "
+          f"{'vs S=0':>6}" + (f" | {'baseline verify':>15} {'of copy':>7} {'replay':>7} {'of copy':>7} {'total':>7} "
+                              f"{'vs S=0':>6} {'new/base':>8}" if baseline else ""))
+    for batch in batches:
+        for S in drafts:
+            verify_us = best[("verify", batch, S)][0]
+            replay_us = best[("replay", batch, S)][0] if S else 0.0
+            base = best[("verify", batch, drafts[0])][0]
+            shares = [f"{batch * state_bytes * moved / us / 1e3 / copy_gbs:7.0%}" if us else f"{'-':>7}"
+                      for moved, us in ((1 if S else 2, verify_us), (2, replay_us))]
+            line = (f"{batch:5d} {S:2d} {verify_us:9.1f} {shares[0]} {replay_us:9.1f} {shares[1]} "
+                    f"{verify_us + replay_us:8.1f} {(verify_us + replay_us) / base:5.2f}x")
+            if baseline:
+                total, (old_verify, old_replay) = best[("baseline", batch, S)]
+                old_shares = [f"{batch * state_bytes * moved / us / 1e3 / copy_gbs:7.0%}" if us else f"{'-':>7}"
+                              for moved, us in ((1 if S else 2, old_verify), (2, old_replay))]
+                line += (f" | {old_verify:15.1f} {old_shares[0]} {old_replay:7.1f} {old_shares[1]} {total:7.1f} "
+                         f"{total / best[('baseline', batch, drafts[0])][0]:5.2f}x "
+                         f"{(verify_us + replay_us) / total:7.2f}x")
+            print(line)
+    print("\n--tune: the fastest launch shapes (paste into mtp_ctrl/triton_ops/gdn_tiles.py)")
+    for kernel in ("verify", "replay"):
+        print(f"{kernel.upper()}_TILE_TABLE: TileTable = (")
+        for index, batch in enumerate(batches):
+            bound = None if index == len(batches) - 1 else batch
+            for S in drafts:
+                if (kernel, batch, S) in best:
+                    us, tiles = best[(kernel, batch, S)]
+                    rows_bound = None if S == drafts[-1] else S + 1
+                    print(f"    (({bound}, {rows_bound}), GDNTiles({tiles.block_v}, {tiles.num_warps})),  # {us:.1f} us")
+        print(")")
+    return best
 
 
 def prefill_table(device, shape, chunks):
@@ -257,15 +420,26 @@ def main(args):
     if args.quick:
         device, shape = torch.device("cpu"), (2, 4, 16, 16)
         if args.tune:
-            return tune_table(device, shape, (2,))
-        decode_kernel_table(device, shape, (1, 4), (0, 2))
-        prefill_table(device, shape, (64, 256))
+            return tune_table(device, shape, (2,), (0, 2), candidates=((8, 1), (16, 2)), baseline=args.baseline)
+        decode_kernel_table(device, shape, (1, 4), (0, 2), old_path=not args.skip_old)
+        if not args.kernels:
+            prefill_table(device, shape, (64, 256))
         return
     device, shape = torch.device("cuda"), (16, 32, 128, 128)
     print(torch.cuda.get_device_name())
     if args.tune:
-        return tune_table(device, shape, (32, 128))
-    decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4))
+        batches, drafts, candidates = (1, 32, 128), (0, 2, 4), TUNE_CANDIDATES
+        if args.tune_scope:
+            parts = args.tune_scope.split("/")
+            batches, drafts = (tuple(int(x) for x in part.split(",")) for part in parts[:2])
+            if len(parts) > 2:
+                candidates = tuple(tuple(int(x) for x in pair.split("x")) for pair in parts[2].split(","))
+        return tune_table(device, shape, batches, drafts, candidates=candidates, baseline=args.baseline)
+    if args.e2e:
+        return end_to_end_table((1, 8, 32), steps=20)
+    decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4), old_path=not args.skip_old)
+    if args.kernels:
+        return
     prefill_table(device, shape, (64, 256, 512, 1024, 4096, 8192))
     if not args.skip_e2e:
         end_to_end_table((1, 8, 32), steps=20)

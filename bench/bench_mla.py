@@ -4,14 +4,16 @@ per token, and decode steps of a DeepSeek-V3-shaped MLA GPT scaled to one GPU.
     python bench/bench_mla.py                # kernel tables + KV bytes (+ --e2e for the model steps)
     python bench/bench_mla.py --e2e-only     # only the end-to-end steps
     python bench/bench_mla.py --quick        # small shapes (a smoke run; CPU works too)
+    python bench/bench_mla.py --kernels-only --tune --heads 128 --batches 32 --contexts 8192
 
 Printed, in one run:
-1. The kernel (``paged_mla_attention``, one decode row a request, C = 512 latent + R = 64 rope
-   dims, bf16, block 64) at batch 1, 32, 128 and context 2k, 8k, 32k, 128k, for 16 heads (a TP-8
-   shard of DeepSeek-V3's 128) and 128 heads: GPU us of a graph replay, the latent bytes it must
-   read (B x context x 576 x 2) over that time, and that bandwidth as a share of a same-run device
-   copy; the default tiles, the shape table's (``mla_tiles.py``) and, with --tune, the fastest of
-   ``CANDIDATES``.
+1. The kernel (``paged_mla_attention``, ``--rows`` query rows a request (1: decode, 1 + S:
+   verify), C = 512 latent + R = 64 rope dims, bf16, block 64) at ``--batches`` (1, 32, 128) x
+   ``--contexts`` (2k, 8k, 32k, 128k) x ``--heads`` (16, 32, 64, 128: DeepSeek-V3's 128 heads at
+   TP 8, 4, 2, 1): GPU us of a graph replay, the latent bytes it must read (B x context x 576 x 2)
+   over that time, and that bandwidth as a share of a same-run device copy; the default tiles, the
+   shape table's (``mla_tiles.py``) and, with --tune, the fastest of ``CANDIDATES`` with its
+   TFLOP/s of dot work.
 2. The same attention end to end from the no-rope query: absorbed (W_UK, the kernel, W_UV) vs
    decompressed (the latents up-projected to per-head K/V, then the standard paged kernel), where
    the decompressed K/V fits in memory; and per prefill chunk length, which of the two is faster.
@@ -37,6 +39,10 @@ def parse_args(argv=None):
     parser.add_argument("--e2e-only", action="store_true", help="only the MLA GPT's decode steps")
     parser.add_argument("--tune", action="store_true", help="try every tile candidate at every shape")
     parser.add_argument("--kernels-only", action="store_true", help="only section 1 (the kernel table)")
+    parser.add_argument("--heads", default="16,32,64,128", help="section 1's local head counts (comma-separated)")
+    parser.add_argument("--batches", default="1,32,128", help="section 1's request counts")
+    parser.add_argument("--contexts", default="2048,8192,32768,131072", help="section 1's context lengths")
+    parser.add_argument("--rows", type=int, default=1, help="section 1's query rows a request (1 + S for verify)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -61,11 +67,15 @@ from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
 LATENT, ROPE, QK, V = 512, 64, 128, 128  # DeepSeek-V3's kv_lora_rank, qk_pos_emb_head_dim, qk_head_dim, v_head_dim
 BLOCK = 64
 # --tune candidates per head count: MLATiles(block_m, block_n, num_warps, num_stages, programs_per_sm,
-# min_split_tokens); the defaults and the table's entries are always timed too
+# min_split_tokens[, split_scores]); the defaults and the table's entries are always timed too
+_SPLIT_64 = ((64, 32, 8, 2, 2, 128, True), (64, 32, 8, 3, 2, 128, True), (64, 16, 8, 3, 2, 128, True),
+             (64, 32, 8, 2, 1, 256, True))
 CANDIDATES = {
     16: ((16, 32, 4, 3, 4, 64), (32, 64, 8, 2, 8, 32), (32, 32, 4, 3, 8, 32), (32, 64, 4, 2, 4, 64),
-         (32, 64, 8, 2, 16, 32)),
-    128: ((32, 32, 4, 3, 2, 64), (64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
+         (16, 32, 4, 3, 8, 32)),
+    32: ((32, 64, 8, 2, 8, 32), (32, 64, 4, 2, 4, 64)),
+    64: ((64, 64, 8, 2, 2, 128),) + _SPLIT_64,
+    128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)) + _SPLIT_64,
 }
 # DeepSeek-V3's attention (MLA dims, YaRN) at 16 heads, hidden 2048, 16 layers, dense GLU FFN
 E2E_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, q_lora_rank=768,
@@ -87,55 +97,66 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 
 def tiles_label(tiles):
-    return "(" + ",".join(str(value) for value in dataclasses.astuple(tiles)) + ")"
+    """``(block_m,block_n,warps,stages,programs/SM,min split tokens)``, ``+s`` with split scores."""
+    label = "(" + ",".join(str(value) for value in dataclasses.astuple(tiles)[:6]) + ")"
+    return label + ("+s" if tiles.split_scores else "")
 
 
-def kernel_tables(device, bandwidth, quick, tune):
+def kernel_tables(device, bandwidth, args):
     """Section 1: per (heads, batch, context), the default tiles, the table's tiles and (--tune)
-    the fastest candidate, each as GPU us and % of the device copy; every candidate's output is
-    compared with the default's (max |difference|, bf16)."""
-    batches, contexts = ((1, 8), (256, 1024)) if quick else ((1, 32, 128), (2048, 8192, 32768, 131072))
-    heads_list = (16,) if quick else (16, 128)
+    the fastest candidate, each as GPU us and % of the device copy, and the best's TFLOP/s of
+    dot work; every candidate's output is compared with the default's (max |difference|, bf16)."""
+    def ints(text):
+        return tuple(int(value) for value in text.split(","))
+
+    batches, contexts, heads_list = ints(args.batches), ints(args.contexts), ints(args.heads)
+    if args.quick:
+        batches, contexts, heads_list = (1, 8), (256, 1024), (16,)
+    rows, tune = args.rows, args.tune
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cache = torch.empty(max(batches) * max(contexts) // BLOCK, BLOCK, LATENT + ROPE, dtype=dtype,
                         device=device).normal_()
-    print(f"\n1. paged MLA kernel, one decode row a request (latent {LATENT} + rope {ROPE}, {dtype}, block {BLOCK}); "
-          f"% = latent bytes read once / GPU time, of the device copy ({bandwidth / 1e9:.0f} GB/s); tiles = "
-          "(block_m, block_n, warps, stages, programs/SM, min split tokens)")
+    print(f"\n1. paged MLA kernel, {rows} query row(s) a request (latent {LATENT} + rope {ROPE}, {dtype}, block "
+          f"{BLOCK}); % = latent bytes read once / GPU time, of the device copy ({bandwidth / 1e9:.0f} GB/s); "
+          "TFLOP/s = dot work (rows x heads x context x 2 x (576 + 512)) / time; tiles = (block_m, block_n, warps, "
+          "stages, programs/SM, min split tokens, split scores)")
     print(f"   default tiles {tiles_label(DEFAULT_TILES)}")
     best_counts, largest_diff = {}, 0.0
     for heads in heads_list:
         candidates = [MLATiles(*values) for values in CANDIDATES.get(heads, ())] if tune else []
         print(f"   {heads} heads" + (f"; candidates {[tiles_label(t) for t in candidates]}" if tune else ""))
-        print(f"   {'B':>4} {'context':>7} {'default us':>10} {'%':>5} {'table us':>9} {'%':>5} {'table tiles':>22}"
-              + (f" {'best us':>9} {'%':>5} {'best tiles':>22} {'max|diff|':>9}" if tune else ""))
+        print(f"   {'B':>4} {'context':>7} {'default us':>10} {'%':>5} {'table us':>9} {'%':>5} {'table tiles':>27}"
+              + (f" {'best us':>9} {'%':>5} {'TFLOP/s':>7} {'best tiles':>27} {'max|diff|':>9}" if tune else ""))
         for batch in batches:
-            query_latent = torch.randn(batch, heads, LATENT, dtype=dtype, device=device)
-            query_rope = torch.randn(batch, heads, ROPE, dtype=dtype, device=device)
+            query_latent = torch.randn(batch * rows, heads, LATENT, dtype=dtype, device=device)
+            query_rope = torch.randn(batch * rows, heads, ROPE, dtype=dtype, device=device)
             for context in contexts:
-                metadata = metadata_for(batch, 1, context, device)
-                args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens,
-                        metadata.query_start_loc, (QK + ROPE) ** -0.5)
+                metadata = metadata_for(batch, rows, context, device)
+                call_args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens,
+                             metadata.query_start_loc, (QK + ROPE) ** -0.5)
                 table = mla_tiles(heads, batch, context)
                 latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
                 share = lambda us: 100 * latent_bytes / us / 1e3 / (bandwidth / 1e9)  # noqa: E731
+                flops = batch * rows * heads * context * 2 * (LATENT + ROPE + LATENT)
                 times, baseline, shape_diff = {}, None, 0.0
                 for tiles in dict.fromkeys([DEFAULT_TILES, table, *candidates]):
                     def call(tiles=tiles):
-                        return paged_mla_attention(*args, max_query_len=1, max_seq_len=context, tiles=tiles)
+                        return paged_mla_attention(*call_args, max_query_len=rows, max_seq_len=context, tiles=tiles)
                     try:
                         out = call()
                         baseline = out if baseline is None else baseline
                         shape_diff = max(shape_diff, (out.float() - baseline.float()).abs().max().item())
                         times[tiles] = time_us(call, device)
                     except Exception as error:  # a candidate that does not fit (shared memory, registers)
+                        times[tiles] = float("inf")
                         print(f"   {tiles_label(tiles)} failed: {type(error).__name__}: {str(error)[:120]}")
                 line = f"   {batch:4d} {context:7d} {times[DEFAULT_TILES]:10.1f} {share(times[DEFAULT_TILES]):5.1f} " \
-                       f"{times[table]:9.1f} {share(times[table]):5.1f} {tiles_label(table):>22}"
+                       f"{times[table]:9.1f} {share(times[table]):5.1f} {tiles_label(table):>27}"
                 if tune:
                     best, best_us = min(times.items(), key=lambda item: item[1])
                     best_counts[best] = best_counts.get(best, 0) + 1
-                    line += f" {best_us:9.1f} {share(best_us):5.1f} {tiles_label(best):>22} {shape_diff:9.4f}"
+                    line += f" {best_us:9.1f} {share(best_us):5.1f} {flops / best_us / 1e6:7.1f} " \
+                            f"{tiles_label(best):>27} {shape_diff:9.4f}"
                 print(line, flush=True)
                 largest_diff = max(largest_diff, shape_diff)
     if tune:
@@ -244,7 +265,7 @@ def main(args):
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else 1e11
     print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
     if not args.e2e_only:
-        kernel_tables(device, bandwidth, args.quick, args.tune)
+        kernel_tables(device, bandwidth, args)
         if not args.kernels_only:
             absorbed_vs_decompressed(device, args.quick)
             kv_bytes_table()

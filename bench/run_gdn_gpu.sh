@@ -1,21 +1,52 @@
 #!/usr/bin/env bash
-# One device call for the Gated DeltaNet hybrids (issue 32): the GDN GPU tests, then bench_gdn.py
-# (verify/commit state traffic, old path vs replay, against a device copy; prefill vs fla-core;
-# end to end S = 0 vs 2 with one MTP layer rerun). Logs go to $OUT (or ./gpu_logs).
-# Usage (device machine, repo root): bash bench/run_gdn_gpu.sh [functional]
+# One device call for the Gated DeltaNet hybrids (issue 32). Logs go to $OUT (or ./gpu_logs).
+# Usage (device machine, repo root): bash bench/run_gdn_gpu.sh [tune|final|functional]
+#   (none)      the GDN GPU tests, then bench_gdn.py (kernel table, prefill vs fla, end to end)
+#   tune        bench_gdn.py --tune (every verify / replay launch shape) with the baseline's kernels
+#   final       the baseline and this checkout's kernel tables, end to end S = 0 vs 2, then the two
+#               controller graph tests of test_gdn_gpu.py
+#   functional  test_gdn_gpu.py alone, with the whole call's time
+# The baseline: the same bench script run against the package of $GDN_BASELINE_ROOT (default: the
+# checkout two levels up, where the device tool puts the lead's main when this one is .wt/<name>).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)
 try:
     import fla; print('fla', fla.__version__)
 except Exception as error: print('fla unavailable:', error)" | tee "$out/versions.txt"
-# "functional": the tests alone, with the whole call's time (at 59f0165 the two controller graph tests
-# did not finish within the 120 s they get beside the benchmark)
-if [ "${1:-}" = "functional" ]; then
-  timeout 280 python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
-    | tee "$out/functional.log" | tail -15
-  exit 0
-fi
-timeout 120 python3 -m pytest tests/functional/test_gdn_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
-  | tee "$out/functional.log" | tail -15
-timeout 160 python3 bench/bench_gdn.py 2>&1 | tee "$out/bench_gdn.txt" | grep -v Warning
+
+out_abs="$(cd "$out" && pwd)"
+site_path="${PYTHONPATH#"$PWD"}"; site_path="${site_path#:}"
+
+baseline_table() {  # $1: timeout s
+  local root="${GDN_BASELINE_ROOT:-$PWD/../..}"
+  if [ ! -d "$root/mtp_ctrl" ] || [ "$(cd "$root" && pwd)" = "$PWD" ]; then
+    echo "no baseline checkout at $root" | tee "$out/baseline_kernels.txt"; return
+  fi
+  (cd bench && PYTHONPATH="$(cd "$root" && pwd)${site_path:+:$site_path}" timeout "$1" python3 bench_gdn.py \
+    --kernels --skip-old 2>&1 | grep -v Warning | tee "$out_abs/baseline_kernels.txt")
+}
+
+case "${1:-}" in
+  functional)
+    timeout 280 python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore 2>&1 \
+      | tee "$out/functional.log" | tail -15 ;;
+  tune)  # the baseline's kernels are timed inside the sweep's process (--baseline)
+    base="${GDN_BASELINE_ROOT:-$PWD/../..}/mtp_ctrl/triton_ops/gdn_replay.py"
+    [ -f "$base" ] && [ "$(cd "$(dirname "$base")" && pwd)" != "$PWD/mtp_ctrl/triton_ops" ] || base=""
+    timeout "${GDN_TUNE_TIMEOUT:-120}" python3 bench/bench_gdn.py --tune ${base:+--baseline "$base"} \
+      ${GDN_TUNE_SCOPE:+--tune-scope "$GDN_TUNE_SCOPE"} 2>&1 \
+      | grep -v Warning | tee "$out/tune.txt" ;;
+  final)
+    baseline_table 45
+    timeout 40 python3 bench/bench_gdn.py --kernels --skip-old 2>&1 | grep -v Warning | tee "$out/kernels.txt"
+    timeout 85 python3 bench/bench_gdn.py --e2e 2>&1 | grep -v Warning | tee "$out/e2e.txt"
+    timeout 110 python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
+      -k "graphs_equal_eager or mixed_steps_replay" 2>&1 | tee "$out/functional.log" | tail -15 ;;
+  *)
+    # "functional" runs the tests alone: at 59f0165 the two controller graph tests did not finish
+    # within the 120 s they get here beside the benchmark
+    timeout 120 python3 -m pytest tests/functional/test_gdn_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
+      | tee "$out/functional.log" | tail -15
+    timeout 160 python3 bench/bench_gdn.py 2>&1 | tee "$out/bench_gdn.txt" | grep -v Warning ;;
+esac

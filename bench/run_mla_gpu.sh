@@ -1,19 +1,38 @@
 #!/usr/bin/env bash
 # One device call for MLA (issue 30): its GPU tests, then bench_mla (RESULTS' "MLA" section).
-# Usage (device machine, repo root): bash bench/run_mla_gpu.sh [kernels|tune|e2e]
+# Usage (device machine, repo root): bash bench/run_mla_gpu.sh [kernels|probe|final|tune|e2e] [--quick]
 #   kernels (default): tests/functional/test_mla_gpu.py + the kernel table (default tiles vs the
 #     shape table vs the fastest --tune candidate, 16 and 128 heads, batch 1/32/128, 2k-128k)
+#   probe: the --tune candidates at 128 / 64 heads (batch 32 / 128, 8k / 32k) and 16 heads
+#     (batch 32, 8k), each beside the default and the table, with the same-run copy; then the
+#     split-score kernel test of test_mla_gpu.py
+#   final: tests/functional/test_mla_gpu.py, the default vs the table at 16/32/64/128 heads x batch
+#     1/32/128 x 2k-128k, and verify rows (1 + S = 3 a request)
 #   tune: the kernel table only
 #   e2e: the kernel table at the default and table tiles + sections 2-4 (the MLA GPT's decode steps)
+# --quick: tiny shapes (a CPU smoke run of the script)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 mode="${1:-kernels}"
+quick="${2:-}"
+bench="python3 bench/bench_mla.py --kernels-only $quick"
 if [ "$mode" = kernels ]; then
   timeout 75 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
     | tee "$out/functional_mla.log" | tail -8
-  timeout 175 python3 bench/bench_mla.py --tune --kernels-only 2>&1 | tee "$out/bench_mla_tune.log"
+  timeout 175 $bench --tune --heads 16,128 2>&1 | tee "$out/bench_mla_tune.log"
+elif [ "$mode" = probe ]; then
+  # most wanted first: a call cut short still returns what ran
+  timeout 80 $bench --tune --heads 128,64 --batches 32,128 --contexts 8192,32768 2>&1 | tee "$out/probe_128.log"
+  timeout 35 $bench --tune --heads 16 --batches 32 --contexts 8192 2>&1 | tee "$out/probe_16.log"
+  timeout 30 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore -k split \
+    2>&1 | tee "$out/functional_mla.log" | tail -8
+elif [ "$mode" = final ]; then
+  timeout 80 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
+    | tee "$out/functional_mla.log" | tail -8
+  timeout 150 $bench 2>&1 | tee "$out/final_table.log"
+  timeout 60 $bench --rows 3 --heads 16,128 --batches 32,128 --contexts 8192,32768 2>&1 | tee "$out/final_verify.log"
 elif [ "$mode" = tune ]; then
-  timeout 240 python3 bench/bench_mla.py --tune --kernels-only 2>&1 | tee "$out/bench_mla_tune.log"
+  timeout 240 $bench --tune 2>&1 | tee "$out/bench_mla_tune.log"
 else
   timeout 240 python3 bench/bench_mla.py --e2e 2>&1 | tee "$out/bench_mla.log"
 fi

@@ -9,11 +9,17 @@ step buffers; the real counts (requests, decode requests, sampling requests) are
 device, so one graph serves every step that rounds up to its shape. Eager and replayed steps run
 the same kernels on the same memory.
 
+Python's garbage collector is off while a graph captures: a collection then may finalize an
+unreachable object that holds CUDA graphs (an older controller in a reference cycle), and
+destroying a graph during a capture invalidates the capture (torch no longer collects before a
+capture unless ``torch.compiler.config.force_cudagraph_gc``).
+
 Under tensor parallelism the graphs hold the NCCL collectives of the step. A process group
 waits for captured collectives at ``destroy_process_group`` as if they were pending work
 (pytorch/pytorch#115388), so :meth:`StepGraphs.reset` must run first (the controller's ``close``).
 """
 
+import gc
 from typing import Callable, Dict, Hashable
 
 import torch
@@ -40,8 +46,14 @@ class StepGraphs:
             return
         launch()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):  # synchronises once, at capture
-            launch()
+        collecting = gc.isenabled()
+        gc.disable()  # no finalizer may destroy another graph mid-capture (module docstring)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):  # synchronises once, at capture
+                launch()
+        finally:
+            if collecting:
+                gc.enable()
         self._pool = graph.pool()
         self._graphs[key] = graph
 

@@ -72,6 +72,8 @@ def _as_token_list(name: str, prompt_tokens) -> List[int]:
                         f"{type(prompt_tokens).__name__}, whose order is arbitrary")
     if not isinstance(prompt_tokens, Sequence):
         raise TypeError(f"{name} must be {_PROMPT_KINDS}, got {type(prompt_tokens).__name__}")
+    if set(map(type, prompt_tokens)) <= {int}:  # plain ints (bool is not int here): no per-token call
+        return list(prompt_tokens)
     return [_token_id(name, position, token) for position, token in enumerate(prompt_tokens)]
 
 

@@ -8,9 +8,11 @@ Kernel layout. One program handles (query tile, request, kv head, kv split). Its
 ``BLOCK_Q`` query rows x all ``G = Hq / Hkv`` query heads that share the kv head, flattened
 into ``BLOCK_M = BLOCK_Q * G`` (padded to a power of two) matrix rows, so a decode request's
 ``1 + S`` rows and its whole head group read each KV byte once. The KV range is cut into
-``num_kv_splits`` pieces (split-K); with more than one, every program writes an unnormalised
-partial (running max, sum, accumulator) and a second kernel combines them, reading every split
-at once. Softmax runs online over ``BLOCK_N``-token tiles in fp32, in base 2.
+``num_kv_splits`` pieces (split-K), each program cutting its own tile's real context (read on the
+device: a CUDA graph sized for a long ``max_seq_len`` still splits a short context evenly, and a
+few prefill rows over a long cached prefix spread over every split). With more than one split,
+every program writes an unnormalised partial (running max, sum, accumulator) and a second kernel
+combines them, reading every split at once. Softmax runs online over ``BLOCK_N``-token tiles in fp32, in base 2.
 
 At small batch a program is latency-bound (a block-table read, then the K and V reads of one
 tile), so the splits go down to one tile each until every SM has two programs, and K and V are
@@ -36,7 +38,6 @@ _MAX_KV_SPLITS = 32
 _COMBINE_MIN_ROWS = 1  # the combine has no tl.dot, so no 16-row floor
 _ZERO_BLOCK = 1024  # output elements per store when the kernel zeroes the padding rows
 _COMBINE_TILE_ELEMENTS = 1024  # fp32 partials one combine program holds: [splits, matrix rows, head-dim chunk]
-_INT32_MAX = 2**31 - 1
 
 
 @triton.jit
@@ -85,7 +86,6 @@ def _paged_attention_kernel(
     block_size_tokens,
     head_dim,
     group_size,
-    tokens_per_split,
     batch_size,
     num_q_tiles,
     BLOCK_Q: tl.constexpr,
@@ -128,10 +128,14 @@ def _paged_attention_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_D]
 
-        # The tile's last row sees positions < tile_kv_end; this split covers [kv_lo, kv_hi).
+        # The tile's last row sees positions < tile_kv_end; this split covers [kv_lo, kv_hi). The
+        # splits cut this tile's own context (read on the device), not a bound such as
+        # max_model_len: a graph sized for 16k tokens replayed at a 2k context gives each split
+        # 1/NUM_KV_SPLITS of the 2k, not 2k in one split and nothing in the rest.
         tile_kv_end = seq_len - q_len + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
-        kv_lo = split * tokens_per_split
-        kv_hi = tl.minimum(kv_lo + tokens_per_split, tile_kv_end)
+        split_tokens = tl.cdiv(tl.cdiv(tile_kv_end, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N  # whole tiles
+        kv_lo = split * split_tokens
+        kv_hi = tl.minimum(kv_lo + split_tokens, tile_kv_end)
         key_base = KEY_CACHE_PTR + kv_head.to(tl.int64) * key_cache_stride_h
         value_base = VALUE_CACHE_PTR + kv_head.to(tl.int64) * value_cache_stride_h
         block_table_row = BLOCK_TABLE_PTR + request.to(tl.int64) * block_table_stride_b
@@ -307,7 +311,8 @@ def paged_attention(
     Rows past ``query_start_loc[B]`` (and every row of a request with no query rows, a padding
     request) are zeros in the output. ``max_query_len`` and ``max_seq_len`` are optional Python
     ints bounding ``q_b`` and ``seq_lens`` (``AttentionMetadata`` has both): they size the grid
-    and the split-K pieces without a host sync, and must not be below the real maxima.
+    and the split-K count without a host sync, and must not be below the real maxima (each
+    program then splits its own context, read on the device).
     ``num_kv_splits`` overrides the split-K count (default: chosen from the SM count on CUDA).
     """
     _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, softmax_scale,
@@ -336,10 +341,6 @@ def paged_attention(
     num_q_tiles = triton.cdiv(query_rows_bound, block_q)
     if num_kv_splits is None:
         num_kv_splits = _choose_num_kv_splits(query.device, num_q_tiles * batch_size * num_kv_heads, kv_token_bound, block_n)
-    if num_kv_splits == 1:
-        tokens_per_split = _INT32_MAX  # one split covers any context
-    else:
-        tokens_per_split = triton.cdiv(triton.cdiv(max(kv_token_bound, 1), num_kv_splits), block_n) * block_n
 
     if num_kv_splits > 1:
         partial_acc = torch.empty((num_kv_splits, num_tokens, num_query_heads, head_dim), dtype=torch.float32, device=query.device)
@@ -355,7 +356,7 @@ def paged_attention(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0),
-        num_tokens, num_query_heads, block_size_tokens, head_dim, group_size, tokens_per_split,
+        num_tokens, num_query_heads, block_size_tokens, head_dim, group_size,
         batch_size, num_q_tiles,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         NUM_KV_SPLITS=num_kv_splits, ZERO_BLOCK=_ZERO_BLOCK,

@@ -76,6 +76,30 @@ def test_verify_and_replay_kernels_equal_twins_on_the_gpu():
     torch.testing.assert_close(states[:, :8], want_states[:, :8], rtol=1e-4, atol=1e-4)
 
 
+def test_every_table_launch_shape_equals_twins_on_the_gpu():
+    """Each launch shape of the tile tables (and the default) at Qwen3-Next's head shape, compiled
+    with its warps: verify rows (R = 3) and the replay (some accepted) == the twins."""
+    from mtp_ctrl.triton_ops.gdn_tiles import DEFAULT_TILES, REPLAY_TILE_TABLE, VERIFY_TILE_TABLE
+
+    inputs = {name: value.cuda() for name, value in rows(5, 15, key_heads=16, heads=32, key_dim=128,
+                                                          value_dim=128).items()}
+    generator = torch.Generator().manual_seed(6)
+    start = torch.randn(1, 6, 32, 128, 128, generator=generator).cuda() * 0.1
+    slots, status, accepted = (torch.tensor(x, device="cuda") for x in ([3, 0, 5, 1, 2], [0, 0, 1, 0, 0],
+                                                                         [2, 0, 1, 1, 2]))
+    want_inputs = torch.zeros(1, 6, 3, gdn_row_input_width(16, 128, 32, 128), device="cuda")
+    want_states = start.clone()
+    want_o = reference.gdn_verify_rows(want_states, want_inputs, 0, slots, **inputs)
+    reference.gdn_replay_accepted(want_states, want_inputs, status, slots, accepted, 16)
+    for tiles in dict.fromkeys([DEFAULT_TILES] + [tiles for _, tiles in VERIFY_TILE_TABLE + REPLAY_TILE_TABLE]):
+        states, row_inputs = start.clone(), torch.zeros_like(want_inputs)
+        o = gdn_verify_rows(states, row_inputs, 0, slots, **inputs, tiles=tiles)
+        torch.testing.assert_close(o, want_o, rtol=1e-4, atol=1e-4, msg=lambda text: f"{tiles}: {text}")
+        torch.testing.assert_close(row_inputs, want_inputs)
+        gdn_replay_accepted(states, row_inputs, status, slots, accepted, 16, tiles=tiles)
+        torch.testing.assert_close(states, want_states, rtol=1e-4, atol=1e-4, msg=lambda text: f"{tiles}: {text}")
+
+
 def test_mixer_equals_megatron_gated_delta_net_with_fla():
     pytest.importorskip("fla")
     from megatron.core.models.gpt.gpt_layer_specs import LNImpl

@@ -21,6 +21,48 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 
 
+def _patch_the_language_once_per_launch():
+    """Triton's interpreter re-patches ``triton.language`` (``inspect.getmembers`` over its
+    modules, ~2 ms) on EVERY call of a ``@triton.jit`` helper from inside a kernel, although the
+    launch already patched it and the helper's patch is never restored (the launch's own restore
+    undoes all). In the controller tests that was a quarter of the interpreted time (a helper such
+    as ``_round`` runs once per program). This keeps the first patch of each helper per launch and
+    skips the repeats: the same patched language, so the kernels run exactly as before. Guarded:
+    a Triton without these internals runs unchanged."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    helper = getattr(interpreter, "InterpretedFunction", None)
+    launch = getattr(interpreter, "GridExecutor", None)
+    if helper is None or launch is None or not hasattr(interpreter, "_patch_lang"):
+        return
+    patched_in_this_launch = set()
+    launch_call, helper_call = launch.__call__, helper.__call__
+
+    def launch_and_forget(self, *args, **kwargs):
+        patched_in_this_launch.clear()
+        try:
+            return launch_call(self, *args, **kwargs)
+        finally:
+            patched_in_this_launch.clear()
+
+    def call_helper(self, *args, **kwargs):
+        if self.fn not in patched_in_this_launch:
+            patched_in_this_launch.add(self.fn)
+            return helper_call(self, *args, **kwargs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as error:  # as the interpreter's own call reports it
+            raise interpreter.InterpreterError(repr(error)) from error
+
+    launch.__call__, helper.__call__ = launch_and_forget, call_helper
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
+
+
 @pytest.fixture
 def torch_twins():
     """Run every op through its torch twin instead of the interpreted kernel (each kernel == its

@@ -6,7 +6,6 @@ GPTModel with causal SDPA attention, same weights): a full forward over prompt +
 token, argmax of the last logits.
 """
 
-import contextlib
 import random
 
 import pytest
@@ -77,10 +76,10 @@ def test_plain_decoding_equals_dense_reference_loop(plain_staggered_outputs, gre
 @pytest.fixture(scope="module")
 def speculative_runs(models):
     """Runs the staggered schedule once per (S, mtp_attention) asked for, with the model's own
-    MTP drafts (recorded); returns ``run(S, mode) -> (controller, proposer, outputs)``. S = MTP
-    depth with paged MTP attention interprets the kernels, the other runs use their twins (a module
-    fixture cannot take the function-scoped torch_twins; test_mtp_draft_oracles interprets a
-    single_position run)."""
+    MTP drafts (recorded); returns ``run(S, mode) -> (controller, proposer, outputs)``. The runs use
+    the kernels' torch twins (a module fixture cannot take the function-scoped torch_twins): the
+    same loop at S = MTP depth with paged MTP attention runs the interpreted kernels in
+    test_overlap's padded churn test, and plain decoding runs them here (the dense-reference test)."""
     model, _ = models
     cache = {}
 
@@ -89,8 +88,7 @@ def speculative_runs(models):
         if key not in cache:
             proposer = RecordingMTPProposer(mtp_attention)
             controller = make_controller(model, num_speculative_tokens, proposer=proposer, mtp_attention=mtp_attention)
-            interpreted = key == (MTP_DEPTH, "paged")
-            with contextlib.nullcontext() if interpreted else twin_ops():
+            with twin_ops():
                 cache[key] = controller, proposer, run_with_arrivals(controller, _staggered_arrivals())
         return cache[key]
 

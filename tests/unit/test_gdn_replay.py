@@ -2,12 +2,21 @@
 accepted rows): the Triton kernels through the interpreter == their torch twins on random slots
 (padding rows past T, a shared scratch slot, GQA key heads, value tiles, empty batches, prefill
 requests, zero drafts); verify then replay == the rule row by row over the kept rows, for none,
-some and all drafts accepted; R = 1 is plain decoding in place; errors name the argument."""
+some and all drafts accepted; R = 1 is plain decoding in place; every launch shape of the tile
+tables == the twins; errors name the argument."""
 
 import pytest
 import torch
 
 from mtp_ctrl.triton_ops import gdn_replay_accepted, gdn_row_input_width, gdn_verify_rows, reference
+from mtp_ctrl.triton_ops.gdn_tiles import (
+    DEFAULT_TILES,
+    REPLAY_TILE_TABLE,
+    VERIFY_TILE_TABLE,
+    GDNTiles,
+    gdn_replay_tiles,
+    gdn_verify_tiles,
+)
 from tests.unit.test_gdn_kernels import LAYERS, SLOTS, oracle, rows
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -119,6 +128,49 @@ def test_verify_then_replay_is_plain_decoding(accepted, kernels):
             ops[0](plain_states, row_inputs[:, :, :1], 1, torch.tensor([slot]), **one)
         torch.testing.assert_close(states[1, slot], plain_states[1, slot], rtol=1e-6, atol=1e-6)
     # layer 0 replays rows that layer 0's verify never wrote: here random inputs; only layer 1 is checked
+
+
+def _value_tile_widths():
+    """The distinct value tiles of the tables' launch shapes at V = 40 (warps: no effect when interpreted)."""
+    shapes = [tiles for _, tiles in VERIFY_TILE_TABLE + REPLAY_TILE_TABLE] + [DEFAULT_TILES]
+    return sorted({min(tiles.block_v, 64) for tiles in shapes})
+
+
+@pytest.mark.parametrize("block_v", _value_tile_widths())
+def test_every_table_launch_shape_equals_twin(block_v):
+    """Verify rows (R = 3 past T, then R = 1 in place) and the replay (some accepted, a prefill
+    request) with each value-tile width of the tables == the twins (GQA, V = 40: 1-5 value tiles)."""
+    tiles = GDNTiles(block_v, 1)
+    inputs = rows(21, 8, value_dim=40)
+    states, row_inputs = pools(21, 3, value_dim=40)
+    want_states, want_inputs = states.clone(), row_inputs.clone()
+    slots = torch.tensor([4, 1, 3])
+    o = gdn_verify_rows(states, row_inputs, 1, slots, **inputs, tiles=tiles)
+    torch.testing.assert_close(o, reference.gdn_verify_rows(want_states, want_inputs, 1, slots, **inputs), **TOLERANCE)
+    torch.testing.assert_close(row_inputs, want_inputs, **TOLERANCE)
+    replay = (torch.tensor([0, 1, 0]), slots, torch.tensor([2, 0, 1]), 2)
+    gdn_replay_accepted(states, row_inputs, *replay, tiles=tiles)
+    reference.gdn_replay_accepted(want_states, want_inputs, *replay)
+    torch.testing.assert_close(states, want_states, **TOLERANCE)
+    one = {name: value[:3] for name, value in inputs.items()}
+    o = gdn_verify_rows(states, row_inputs[:, :, :1], 0, slots, **one, tiles=tiles)
+    want = reference.gdn_verify_rows(want_states, want_inputs[:, :, :1], 0, slots, **one)
+    torch.testing.assert_close(o, want, **TOLERANCE)
+    torch.testing.assert_close(states, want_states, **TOLERANCE)
+
+
+def test_tile_tables_cover_every_launch():
+    """Each table ends with an unbounded entry, and a launch takes the first entry whose bounds hold."""
+    for table, lookup in ((VERIFY_TILE_TABLE, gdn_verify_tiles), (REPLAY_TILE_TABLE, gdn_replay_tiles)):
+        assert table[-1][0] == (None, None)
+        for (max_requests, max_rows), tiles in table:
+            requests, rows_per_request = max_requests or 10_000, max_rows or 9
+            first = next(t for (b, r), t in table if (b is None or requests <= b) and (r is None or rows_per_request <= r))
+            assert lookup(requests, rows_per_request) is first
+    with pytest.raises(ValueError, match="block_v"):
+        GDNTiles(24, 4)
+    with pytest.raises(TypeError, match="tiles"):
+        gdn_verify_rows(*pools(1, 3), 0, torch.tensor([0, 1]), **rows(1, 6), tiles=(32, 4))
 
 
 def test_errors_name_the_argument():

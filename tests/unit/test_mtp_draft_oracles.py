@@ -39,7 +39,7 @@ def _generate(model, mode, **config_fields):
 
 @pytest.mark.parametrize("mode", ["paged", "single_position"])
 @pytest.mark.parametrize("pressure", ["chunked_prefill", "preemption"])
-def test_drafts_equal_the_dense_oracle_of_their_mode(models, sequences, mode, pressure, request):
+def test_drafts_equal_the_dense_oracle_of_their_mode(models, sequences, mode, pressure, torch_twins):
     """Every proposal of every request equals its mode's dense oracle at the position it was
     made; the other mode's oracle disagrees with some of them (so the check tells the modes
     apart). chunked_prefill: two rows and 6 query rows per step, so the 8- and 12-token prompts
@@ -50,8 +50,8 @@ def test_drafts_equal_the_dense_oracle_of_their_mode(models, sequences, mode, pr
     depth k reading ``token_index = positions + depth`` (the token one position early: all four
     cases); the window start ``min(e, V - S + 1)`` (a draft-built entry kept: both paged cases);
     the single_position mode run through the paged window (both single_position cases)."""
-    if (mode, pressure) != ("paged", "chunked_prefill"):  # that case runs the kernels through the
-        request.getfixturevalue("torch_twins")  # interpreter, the others their torch twins (40x faster)
+    # The torch twins: the subject is which positions the proposer drafts from. The interpreted
+    # kernels run paged drafting beside chunked prefills in test_overlap's padded churn test.
     model, dense = models
     if pressure == "chunked_prefill":
         proposer, outputs = _generate(model, mode, max_requests=2, max_tokens_per_step=2 * (1 + S))

@@ -55,7 +55,9 @@ def test_padded_overlap_through_the_interpreted_kernels_equals_plain(models):
     """The churn loop above (S = 3, overlap, every step padded to a graph shape) on the
     interpreted kernels, smaller: four random requests, 16-row steps (prompts split into chunks),
     a pool of 10 blocks for four requests of up to 7 blocks. (It ran seed 0's 7 requests at 64
-    rows: ~140 CPU s, the suite's slowest test.)"""
+    rows: ~140 CPU s, the suite's slowest test.) It is the interpreted run of the paged MTP loop
+    (prefill chunks beside decode and verify rows): test_controller and test_mtp_draft_oracles run
+    that loop on the twins."""
     model, _ = models
     arrivals = random_arrivals(0, 4, max_new_tokens=8, arrival_steps=range(4))
     fields = dict(max_model_len=24, max_tokens_per_step=16)

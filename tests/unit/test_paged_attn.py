@@ -47,19 +47,39 @@ def test_split_kv_matches_dense(num_kv_splits):
     case = make_paged_case([4, 2, 1], [150, 70, 3], num_query_heads=4, num_kv_heads=2, head_dim=32,
                            block_size_tokens=16, seed=num_kv_splits)
     expected = dense_attention(case)
-    # max_seq_len sizes the splits: 150 tokens in 2 or 3 pieces rounded to the kv tile
+    # each tile cuts its own context into the splits: 150 tokens in 2 or 3 pieces rounded to the kv tile
     out = paged_attention(*case.op_args(), max_query_len=4, max_seq_len=150, num_kv_splits=num_kv_splits)
     torch.testing.assert_close(out, expected, **TOL)
 
 
 def test_many_splits_with_a_bound_far_above_the_contexts():
-    """A CUDA graph sizes the splits from max_model_len: each request's context then ends in an
-    early split, the later ones are empty; odd head dim and 5 query heads per kv head."""
+    """A CUDA graph bounds the context by max_model_len: 16 splits of contexts of 9-64 tokens, so
+    most splits of a tile are empty (a split is whole kv tiles); odd head dim and 5 query heads per
+    kv head."""
     case = make_paged_case([1, 3, 0, 2], [40, 9, 0, 64], num_query_heads=10, num_kv_heads=2, head_dim=24,
                            block_size_tokens=8, seed=7)
     expected = dense_attention(case)
     out = paged_attention(*case.op_args(), max_query_len=3, max_seq_len=1024, num_kv_splits=16)
     torch.testing.assert_close(out, expected, **TOL)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_few_rows_over_long_cached_contexts(seed):
+    """A prefix-cache hit: a few prefill rows over a long cached context (ending mid-block), beside
+    decode rows, a padding request and padding rows, in a graph whose bound (2048) is far above every
+    context; each tile splits its own context, 2-16 ways."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(low, high):
+        return int(torch.randint(low, high + 1, (1,), generator=generator))
+
+    hit_rows, hit_context = draw(1, 12), draw(130, 330)
+    decode_context = draw(3, 200)
+    q_lens, seq_lens = [3, hit_rows, 0, draw(1, 3)], [decode_context, hit_context, 0, draw(3, 70)]
+    case = make_paged_case(q_lens, seq_lens, num_query_heads=4, num_kv_heads=2, head_dim=16,
+                           block_size_tokens=16 if seed else 5, padding_rows=draw(0, 4), seed=seed)
+    out = paged_attention(*case.op_args(), max_query_len=16, max_seq_len=2048, num_kv_splits=(2, 7, 16)[seed])
+    torch.testing.assert_close(out, dense_attention(case), **TOL)
 
 
 def test_decode_hint_and_odd_block_size():

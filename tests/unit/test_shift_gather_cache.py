@@ -121,8 +121,9 @@ def test_one_program_per_window_walks_every_row_block(monkeypatch):
         assert torch.equal(got, want)
 
 
+# up to 100 rows a window: long windows (several row blocks a program) are the test above's
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), num_seqs=st.integers(0, 10), max_rows=st.integers(0, 300),
+@given(seed=st.integers(0, 2**31 - 1), num_seqs=st.integers(0, 10), max_rows=st.integers(0, 100),
        max_shift=st.integers(1, 6), padding_rows=st.integers(0, 4), hidden_size=st.sampled_from([None, 1, 9, 130]))
 def test_kernel_matches_reference_property(seed, num_seqs, max_rows, max_shift, padding_rows, hidden_size):
     generator = torch.Generator().manual_seed(seed)

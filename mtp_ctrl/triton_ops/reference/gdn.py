@@ -164,8 +164,9 @@ def gdn_verify_rows(
     v: torch.Tensor,  # [T, H, V] fp32
     g: torch.Tensor,  # [T, H] fp32
     beta: torch.Tensor,  # [T, H] fp32
+    tiles=None,
 ) -> torch.Tensor:  # o [nd * R, H, V] fp32
-    """Twin of :func:`mtp_ctrl.triton_ops.gdn_verify_rows`."""
+    """Twin of :func:`mtp_ctrl.triton_ops.gdn_verify_rows` (``tiles``, a launch shape, is ignored)."""
     num_requests, stride = slot_ids.shape[0], row_inputs.shape[2]
     heads, key_heads = recurrent_states.shape[2], q.shape[1]
     count = num_requests * stride
@@ -195,8 +196,10 @@ def gdn_replay_accepted(
     slot_ids: torch.Tensor,  # [N] int
     accepted_counts: torch.Tensor,  # [N] int
     key_heads: int,
+    tiles=None,
 ) -> None:
-    """Twin of :func:`mtp_ctrl.triton_ops.gdn_replay_accepted` (a loop over layers and rows, not requests)."""
+    """Twin of :func:`mtp_ctrl.triton_ops.gdn_replay_accepted` (a loop over layers and rows, not requests;
+    ``tiles``, a launch shape, is ignored)."""
     num_layers, _, heads, key_dim, value_dim = recurrent_states.shape
     num_requests, stride = slot_ids.shape[0], row_inputs.shape[2]
     if num_requests == 0:

@@ -1,0 +1,108 @@
+"""Registers, spills and barriers of the GDN verify / replay kernels for an H100 (sm_90a), per
+candidate launch shape of ``bench_gdn.py --tune``, compiled on a machine without a GPU: a static
+look at what a shape costs before (or instead of) timing it.
+
+    TRITON_INTERPRET=0 python bench/gdn_kernel_registers.py [--rows 1,3,5] [--root OTHER_CHECKOUT]
+
+Qwen3-Next's shape (K = V = 128, 32 value heads over 16 key heads). Int arguments are typed as the
+GPU's JIT types them (1 -> a constant, multiples of 16 marked divisible; ``num_rows`` as the kernel
+asks); ``ptxas -v`` (Triton's own) gives registers and spills, ``nvdisasm`` the ``BAR.SYNC`` count.
+``--root`` compiles another checkout's kernels (e.g. main's, for a baseline row).
+"""
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HEADS, KEY_HEADS, KEY_DIM, VALUE_DIM, SLOTS = 32, 16, 128, 128, 129
+
+
+def _int_values(kernel_name, rows):
+    width = KEY_HEADS * KEY_DIM + HEADS * VALUE_DIM + 2 * HEADS
+    state = dict(states_s_head=KEY_DIM * VALUE_DIM, states_s_k=VALUE_DIM, states_s_v=1, key_dim=KEY_DIM,
+                 value_dim=VALUE_DIM, heads=HEADS, key_heads=KEY_HEADS, inputs_s_slot=rows * width, inputs_s_row=width)
+    if kernel_name == "verify":
+        return dict(state, num_rows=32 * rows, states_s_slot=HEADS * KEY_DIM * VALUE_DIM,
+                    q_stride_t=KEY_HEADS * KEY_DIM, q_stride_h=KEY_DIM, k_stride_t=KEY_HEADS * KEY_DIM,
+                    k_stride_h=KEY_DIM, v_stride_t=HEADS * VALUE_DIM, v_stride_h=VALUE_DIM, g_stride_t=HEADS,
+                    g_stride_h=1, beta_stride_t=HEADS, beta_stride_h=1, out_stride_t=HEADS * VALUE_DIM,
+                    out_stride_h=VALUE_DIM)
+    return dict(state, prefill_stride=1, slots_stride=1, accepted_stride=1,
+                states_s_layer=SLOTS * HEADS * KEY_DIM * VALUE_DIM, states_s_slot=HEADS * KEY_DIM * VALUE_DIM,
+                inputs_s_layer=SLOTS * rows * width)
+
+
+def compile_and_count(kernel, kernel_name, rows, block_v, num_warps):
+    """(registers a thread, spill bytes, BAR.SYNC count) of one launch shape."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    values = _int_values(kernel_name, rows)
+    unspecialised = set(getattr(kernel, "do_not_specialize", ()) or ())
+    signature, constants, attrs = {}, dict(ROWS=rows, BLOCK_K=KEY_DIM, BLOCK_V=block_v), {}
+    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_PTR"):
+            signature[name] = "*i64" if name in ("SLOTS_PTR", "PREFILL_STATUS_PTR", "ACCEPTED_PTR") else "*fp32"
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif values[name] == 1 and name not in unspecialised and index not in unspecialised:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if values[name] % 16 == 0 and name not in unspecialised and index not in unspecialised:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as folder:
+        ptx, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
+        with open(ptx, "w") as handle:
+            handle.write(compiled.asm["ptx"])
+        with open(cubin, "wb") as handle:
+            handle.write(compiled.asm["cubin"])
+        report = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                                capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return (int(registers.group(1)) if registers else -1, int(spills.group(1)) if spills else -1,
+            sass.count("BAR.SYNC"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,3,5", help="R = 1 + S values (replay: those > 1)")
+    parser.add_argument("--root", help="compile this checkout's kernels instead")
+    args = parser.parse_args()
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path.insert(0, os.path.abspath(args.root or os.path.join(os.path.dirname(__file__), "..")))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_gdn import TUNE_CANDIDATES
+    from mtp_ctrl.triton_ops import gdn_replay
+
+    import mtp_ctrl
+    import triton
+
+    print(f"triton {triton.__version__}, package {mtp_ctrl.__file__}; registers / spill bytes / BAR.SYNC")
+    kernels = (("verify", gdn_replay._gdn_verify_rows_kernel), ("replay", gdn_replay._gdn_replay_accepted_kernel))
+    for kernel_name, kernel in kernels:
+        for rows in (int(value) for value in args.rows.split(",")):
+            if kernel_name == "replay" and rows == 1:
+                continue
+            for block_v, num_warps in TUNE_CANDIDATES:
+                try:
+                    registers, spills, barriers = compile_and_count(kernel, kernel_name, rows, block_v, num_warps)
+                    print(f"{kernel_name} R = {rows} BLOCK_V {block_v:3d} x {num_warps} warps: {registers} / {spills} "
+                          f"/ {barriers}", flush=True)
+                except Exception as error:  # report and go on: one shape's failure says nothing of the others
+                    print(f"{kernel_name} R = {rows} BLOCK_V {block_v} x {num_warps}: {type(error).__name__}: "
+                          f"{str(error)[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Launch shapes of the Gated DeltaNet verify and replay kernels (:mod:`mtp_ctrl.triton_ops.gdn_replay`),
+chosen on the host from the launch's dimensions.
+
+A program of either kernel holds a ``[K, BLOCK_V]`` fp32 tile of one head's state in registers
+through its rows, so ``BLOCK_V`` sets how many programs share a head (``V / BLOCK_V``) and, with
+``num_warps``, how many state floats a thread holds (``K BLOCK_V / (32 num_warps)``) and whether
+the per-row reductions over K stay inside a warp. The choice reads only Python ints the launcher
+has (requests in the launch, rows per request), so it costs no host sync and a captured CUDA graph
+keeps the tiles of the shape it was captured at.
+
+``bench/bench_gdn.py --tune`` times the candidates (figures: ``bench/RESULTS.md``, "GDN hybrids");
+the tables hold one shape for now (see :data:`DEFAULT_TILES`); a launch outside every bound takes
+:data:`DEFAULT_TILES`.
+"""
+
+import dataclasses
+from typing import Optional, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNTiles:
+    """One launch configuration: ``block_v`` value dims a program (a power of two, capped at the
+    next power of two of V) and ``num_warps``."""
+
+    block_v: int
+    num_warps: int
+
+    def __post_init__(self):
+        for name in ("block_v", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"GDNTiles.{name} must be a power of two >= 1, got {value!r}")
+
+
+# One shape for every launch, on purpose. The reductions over K run in an order set by the launch
+# shape, so a verify row and its replay (and an S = 0 row) agree bit for bit only when they share
+# it, and plain and speculative decoding must commit the same state. (32, 2) is the fastest or
+# within 3 % of it at every batch for R = 1 verify and for replay, and the fastest for R = 3
+# verify at batch >= 32; R = 5 verify gives up <= 9 % (H100 tune, RESULTS "GDN hybrids").
+DEFAULT_TILES = GDNTiles(block_v=32, num_warps=2)
+
+# (requests at most, rows per request at most) -> tiles; None: no bound. The first entry whose
+# bounds hold the launch's dims wins.
+TileTable = Tuple[Tuple[Tuple[Optional[int], Optional[int]], GDNTiles], ...]
+
+VERIFY_TILE_TABLE: TileTable = (
+    ((None, None), DEFAULT_TILES),
+)
+
+REPLAY_TILE_TABLE: TileTable = (
+    ((None, None), DEFAULT_TILES),
+)
+
+
+def _lookup(table: TileTable, num_requests: int, rows_per_request: int) -> GDNTiles:
+    for (max_requests, max_rows), tiles in table:
+        if ((max_requests is None or num_requests <= max_requests)
+                and (max_rows is None or rows_per_request <= max_rows)):
+            return tiles
+    return DEFAULT_TILES
+
+
+def gdn_verify_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
+    """The verify kernel's tiles for ``num_requests`` decode requests of ``rows_per_request`` (1 + S) rows."""
+    return _lookup(VERIFY_TILE_TABLE, num_requests, rows_per_request)
+
+
+def gdn_replay_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
+    """The replay kernel's tiles for ``num_requests`` requests whose row inputs hold ``rows_per_request`` rows."""
+    return _lookup(REPLAY_TILE_TABLE, num_requests, rows_per_request)
