@@ -1,23 +1,27 @@
-"""Serving under load: streaming clients with Poisson arrivals against `python -m mtp_ctrl.serve`,
-speculation on vs off at the same request rates, and the offline loop as the yardstick.
+"""Serving under load: streaming clients against `python -m mtp_ctrl.serve`, speculation on vs off,
+and the offline loop as the yardstick.
 
-    python bench/bench_serving.py                       # the demo model, S = 0 and 2, rates 4, 16, 64 req/s and all at once
-    python bench/bench_serving.py --quick               # fewer requests and tokens (CPU works too)
+    python bench/bench_serving.py            # the demo model, S = 0 and 2 (what bench/run_serve_gpu.sh runs)
+    python bench/bench_serving.py --quick    # short loads (CPU works too)
 
-For each S, the script starts a server (a subprocess on a free port; `--max-requests` rows), then
-for each rate sends ``--num-requests`` streaming completions (greedy, ``--max-tokens`` each, prompts
-from the byte corpus) whose arrival times are a Poisson process of that rate ("inf": all at
-once), and reports: request throughput, output tokens/s, time to first token (submission to the
-first text chunk) and inter-token latency (per request: (last chunk - first chunk) / (tokens - 1))
-at p50/p90/p99. The same prompts then run through the offline loop (`controller.generate` in this
-process, the server's controller settings): its tokens/s is the ceiling the server's saturated
-tokens/s is compared with, and its first-step time for one request alone the floor of the
-server's time to first token at light load. Also: tokens/s from the first to the last text chunk
-(without the ramp-up of connections and requests, which dominates a short load), the server's
-own time to first token (``/metrics``: submission in the frontend to the first tokens from the
-engine), and the round trip of a request the frontend refuses (client and HTTP path, no engine).
-``--client-processes 1,4`` also runs the all-at-once load from 4 client processes: one Python
-client reads only some 10^4 SSE chunks/s.
+For each S, the script starts a server (a subprocess on a free port; `--max-requests` rows) and
+runs, with a minimal asyncio HTTP client (one keep-alive connection per stream):
+- lone: `--lone` requests one after the other (the engine idle when each arrives): time to first
+  token against the offline loop's first step of one request alone;
+- open: `--num-requests` with Poisson arrivals at each `--rates` rate;
+- closed (saturation): `--saturation-requests` with `--in-flight` in flight, a client sending its
+  next request as soon as one ends, so the server's queue never runs dry; from each count of
+  `--client-processes`.
+Reported: requests/s, output tokens/s end to end and in the steady state (the middle 80 % of the
+span from the first to the last text chunk, without the ramp and the tail), time to first token
+(submission to the first text chunk) and inter-token latency ((last chunk - first chunk) /
+(tokens - 1)) at p50/p90/p99, and where the time goes: the server's own time to first token
+(`/metrics`: the frontend's submission to the first tokens from the engine), the HTTP floor (a
+request the frontend refuses: client and HTTP path, no engine), and the CPU seconds per second of
+the busiest client process, the engine process and the HTTP frontend process (a process near 1.0
+is a limit). The offline loop (all prompts added, then `controller.step()` until done, in this
+process, the server's controller settings) runs the saturation prompts: its tokens/s end to end
+and over the middle 80 % of its run are the ceiling.
 """
 
 import argparse
@@ -34,24 +38,30 @@ import time
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="40 requests of 32 tokens, rates 4 and inf")
-    parser.add_argument("--rates", default="4,16,64,inf", help="requests per second, comma-separated ('inf': all at once)")
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="a short load of each kind (CPU works too)")
+    parser.add_argument("--rates", default="16", help="open-loop request rates (Poisson arrivals), comma-separated; "
+                        "'inf': all at once; '' for none")
+    parser.add_argument("--num-requests", type=int, default=128, help="requests of each open-loop load")
+    parser.add_argument("--saturation-requests", type=int, default=1024, help="requests of the closed-loop load")
+    parser.add_argument("--in-flight", type=int, default=64,
+                        help="closed loop: requests in flight (a client sends its next one when one ends); 0: none")
+    parser.add_argument("--client-processes", default="4",
+                        help="client processes sharing the closed-loop load, comma-separated: a run each")
+    parser.add_argument("--lone", type=int, default=20, help="lone requests, one after the other (TTFT at no load)")
+    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-requests", type=int, default=32, help="the server's rows (--max-requests)")
     parser.add_argument("--speculative-tokens", default="0,2", help="S values to serve, comma-separated")
-    parser.add_argument("--client-processes", default="1",
-                        help="client processes sharing the load, comma-separated: the all-at-once rate runs with "
-                             "each count, the others with one (one Python client reads some 10^4 SSE chunks/s)")
-    parser.add_argument("--http-client", choices=("raw", "httpx"), default="raw",
-                        help="raw: a minimal asyncio HTTP/1.1 client (the default: light, so the figures are the "
-                             "server's); httpx: as before 2026-11-26")
+    parser.add_argument("--server-pythonpath", default=None,
+                        help="PYTHONPATH of the server process (another checkout's server, same loads)")
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline loop")
+    parser.add_argument("--offline-only", action="store_true", help="only the offline loop (no server)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     if args.quick:
-        args.num_requests, args.max_tokens, args.rates = 40, 32, "4,inf"
+        args.num_requests, args.saturation_requests, args.in_flight, args.max_tokens = 16, 48, 8, 24
+        args.lone, args.rates, args.max_requests = 3, "4", 4
     return args
 
 
@@ -68,9 +78,9 @@ def percentiles(values):
 
 
 class RawHTTP:
-    """A minimal HTTP/1.1 client on asyncio streams: one connection, a pre-encoded request, the
-    body read as it comes (chunked or not). Far lighter per request and per chunk than httpx, so
-    the figures are the server's rather than the client's (``--http-client httpx`` for httpx)."""
+    """A minimal HTTP/1.1 client on asyncio streams: one keep-alive connection, a pre-encoded
+    request, the body read as it comes (chunked or not). Far lighter per request and per chunk
+    than httpx, so the figures are the server's rather than the client's."""
 
     def __init__(self, url: str):
         self.host, port = url.split("//")[1].split(":")
@@ -114,127 +124,160 @@ class RawHTTP:
         self.writer.close()
 
 
-async def client_records(url: str, prompts, rate: float, max_tokens: int, seed: int, start_at: float,
-                         http_client: str = "raw"):
-    """Stream ``prompts`` with Poisson arrivals of ``rate`` from ``start_at`` (perf_counter time);
-    [(submitted, [chunk arrival times], completion tokens)], and the time the last one ended."""
-    import httpx
+async def stream_one(connection: RawHTTP, prompt: str, max_tokens: int):
+    """One streaming completion on ``connection``: (submitted, [(arrival, text bytes)] of its text
+    chunks, completion tokens)."""
+    body = dict(model="mtp_ctrl-demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    chunks, tokens, buffer = [], 0, b""
+    submitted = time.perf_counter()
+    await connection.post("/v1/completions", body)
+    async for piece in connection.pieces():
+        now = time.perf_counter()
+        *events, buffer = (buffer + piece).split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data: {"):
+                payload = json.loads(event[6:])
+                if payload["choices"] and payload["choices"][0]["text"]:
+                    chunks.append((now, len(payload["choices"][0]["text"].encode())))
+                if payload.get("usage"):
+                    tokens = payload["usage"]["completion_tokens"]
+    return submitted, chunks, tokens
 
-    rng = random.Random(seed)
-    arrivals, clock = [], 0.0
-    for _ in prompts:
-        arrivals.append(clock)
-        clock += 0.0 if rate == float("inf") else rng.expovariate(rate)
+
+async def client_records(url: str, prompts, load: str, value: float, max_tokens: int, seed: int, start_at: float):
+    """``load`` "open": ``prompts`` as Poisson arrivals of rate ``value`` from ``start_at``
+    (perf_counter time; inf: all at once); "closed": ``value`` workers, each sending its next
+    prompt when its last one ended; "lone": one after the other. (records (see stream_one), the
+    time the last one ended, this process's CPU seconds over the load)."""
     records = []
+    queue = list(reversed(prompts))
 
-    def on_event(event: bytes, chunks: list, now: float):
-        """An SSE event's completion tokens (its usage), else None; notes the time of text."""
-        if event.startswith(b"data: {"):
-            payload = json.loads(event[6:])
-            if payload["choices"] and payload["choices"][0]["text"]:
-                chunks.append(now)
-            if payload.get("usage"):
-                return payload["usage"]["completion_tokens"]
-        return None
-
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts))) as client:
-        async def one(prompt, arrival):
-            body = dict(model="mtp_ctrl-demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
-            chunks, tokens = [], None
-            if http_client == "raw":
-                connection = RawHTTP(url)
-                await connection.connect()  # a pooled connection, as a real client's
+    async def worker(arrivals):
+        connection = RawHTTP(url)
+        await connection.connect()  # a pooled connection, as a real client's
+        for arrival in arrivals:
+            if arrival is not None:
                 await asyncio.sleep(max(0.0, start_at + arrival - time.perf_counter()))
-                submitted = time.perf_counter()
-                await connection.post("/v1/completions", body)
-                buffer = b""
-                async for piece in connection.pieces():
-                    now = time.perf_counter()
-                    *events, buffer = (buffer + piece).split(b"\n\n")
-                    for event in events:
-                        tokens = on_event(event, chunks, now) or tokens
-                connection.close()
-            else:
-                await asyncio.sleep(max(0.0, start_at + arrival - time.perf_counter()))
-                submitted = time.perf_counter()
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                    async for line in response.aiter_lines():
-                        tokens = on_event(line.encode(), chunks, time.perf_counter()) or tokens
-            records.append((submitted, chunks, tokens))
+            if not queue:
+                break
+            records.append(await stream_one(connection, queue.pop(), max_tokens))
+        connection.close()
 
-        await asyncio.gather(*(one(prompt, arrival) for prompt, arrival in zip(prompts, arrivals)))
-    return records, time.perf_counter()
+    if load == "open":
+        rng, clock, arrivals = random.Random(seed), 0.0, []
+        for _ in prompts:
+            arrivals.append(clock)
+            clock += 0.0 if value == float("inf") else rng.expovariate(value)
+        workers = [[arrival] for arrival in arrivals]
+    else:
+        workers = [[0.0] + [None] * len(prompts) for _ in range(int(value) if load == "closed" else 1)]
+    cpu = time.process_time()
+    await asyncio.gather(*(worker(arrivals) for arrivals in workers))
+    return records, time.perf_counter(), time.process_time() - cpu
 
 
-def client_process(url, prompts, rate, max_tokens, seed, start_at, http_client):
-    return asyncio.run(client_records(url, prompts, rate, max_tokens, seed, start_at, http_client))
+def client_process(url, prompts, load, value, max_tokens, seed, start_at):
+    return asyncio.run(client_records(url, prompts, load, value, max_tokens, seed, start_at))
 
 
-def run_load(url: str, prompts, rate: float, max_tokens: int, seed: int, processes: int = 1,
-             http_client: str = "raw"):
-    """The load of one rate, from ``processes`` client processes (each a Poisson stream of
-    ``rate / processes``: together a Poisson stream of ``rate``)."""
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc; 0.0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def frontend_pid(engine_pid: int) -> int:
+    """The HTTP frontend's pid: the engine process's child that multiprocessing spawned (not its
+    resource tracker); the engine's own pid if none is found (not Linux)."""
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    spawned = b"spawn_main" in cmdline.read()
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == engine_pid and spawned:
+                return int(entry)
+    return engine_pid
+
+
+def run_load(url: str, prompts, load: str, value: float, max_tokens: int, processes: int, server_pids):
+    """One load from ``processes`` client processes (each a share of ``prompts``; open: each a
+    Poisson stream of ``value / processes``, closed: ``value / processes`` workers); its figures."""
+    cpu_before = [process_cpu_seconds(pid) for pid in server_pids]
     if processes == 1:
         started = time.perf_counter()
-        records, ended = client_process(url, prompts, rate, max_tokens, seed, started, http_client)
+        records, ended, client_cpu = client_process(url, prompts, load, value, max_tokens, 0, started)
+        client_cpus = [client_cpu]
     else:
         import concurrent.futures
         import multiprocessing
 
+        share = value / processes
         started = time.perf_counter() + 5.0  # every client process is up by then
         with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
             parts = list(pool.map(client_process, [url] * processes, [prompts[i::processes] for i in range(processes)],
-                                  [rate / processes] * processes, [max_tokens] * processes,
-                                  [seed + i for i in range(processes)], [started] * processes,
-                                  [http_client] * processes))
-        records = [record for part, _ in parts for record in part]
-        ended = max(end for _, end in parts)
+                                  [load] * processes, [share] * processes, [max_tokens] * processes,
+                                  range(processes), [started] * processes))
+        records = [record for part, _, _ in parts for record in part]
+        ended = max(end for _, end, _ in parts)
+        client_cpus = [cpu for _, _, cpu in parts]
     wall = ended - started
-    first_chunk = min(chunks[0] for _, chunks, _ in records if chunks)
-    last_chunk = max(chunks[-1] for _, chunks, _ in records if chunks)
-    ttft = [chunks[0] - submitted for submitted, chunks, _ in records if chunks]
-    itl = [(chunks[-1] - chunks[0]) / (tokens - 1) for _, chunks, tokens in records if len(chunks) > 1 and tokens > 1]
+    server_cpu = [(process_cpu_seconds(pid) - before) / wall for pid, before in zip(server_pids, cpu_before)]
+    arrivals = []  # (arrival, tokens) of every text chunk: a request's tokens shared by its chunks' text bytes
+    for _, chunks, tokens in records:
+        text_bytes = sum(size for _, size in chunks)
+        arrivals += [(now, tokens * size / text_bytes) for now, size in chunks]
+    arrivals.sort()
+    first_chunk, last_chunk = arrivals[0][0], arrivals[-1][0]
+    low, high = first_chunk + 0.1 * (last_chunk - first_chunk), last_chunk - 0.1 * (last_chunk - first_chunk)
+    steady = sum(tokens for now, tokens in arrivals if low <= now < high) / (high - low)
+    ttft = [chunks[0][0] - submitted for submitted, chunks, _ in records if chunks]
+    itl = [(chunks[-1][0] - chunks[0][0]) / (tokens - 1) for _, chunks, tokens in records
+           if len(chunks) > 1 and tokens > 1]
     tokens = sum(record[2] for record in records)
-    chunks = sum(len(record[1]) for record in records)
-    return dict(wall=wall, requests_per_s=len(records) / wall, tokens_per_s=tokens / wall, ttft=percentiles(ttft),
-                itl=percentiles(itl) if itl else (float("nan"),) * 3, tokens_per_chunk=tokens / max(1, chunks),
-                streaming_tokens_per_s=tokens / (last_chunk - first_chunk), ramp=first_chunk - started)
+    return dict(load=load, value=value, processes=processes, wall=wall, requests_per_s=len(records) / wall,
+                tokens_per_s=tokens / wall, steady_tokens_per_s=steady, ttft=percentiles(ttft),
+                itl=percentiles(itl) if itl else (float("nan"),) * 3, tokens_per_chunk=tokens / len(arrivals),
+                client_cpu=max(client_cpus) / wall,
+                server_cpu=server_cpu, ramp=first_chunk - started)
 
 
-def server_ttft(url: str):
-    """(sum, count) of the server's time-to-first-token histogram (the frontend's submission to
-    the first tokens' arrival from the engine)."""
+def server_counters(url: str):
+    """The server's ``/metrics`` counters the figures use: the time-to-first-token histogram's
+    sum and count (the frontend's submission to the first tokens' arrival from the engine),
+    steps launched and seconds inside ``controller.step()``."""
     import re
 
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=60).text
-    found = [re.search(rf"^mtp_ctrl_time_to_first_token_seconds_{name} (\S+)$", text, re.MULTILINE)
-             for name in ("sum", "count")]
-    return float(found[0].group(1)), float(found[1].group(1))
+    names = ("time_to_first_token_seconds_sum", "time_to_first_token_seconds_count", "steps_total",
+             "step_seconds_total")
+    found = {name: re.search(rf"^mtp_ctrl_{name} (\S+)$", text, re.MULTILINE) for name in names}
+    return {name: float(match.group(1)) if match else float("nan") for name, match in found.items()}
 
 
-async def http_floor(url: str, http_client: str, repeats: int = 30) -> float:
+async def http_floor(url: str, repeats: int = 30) -> float:
     """Median seconds of a request the frontend refuses (max_tokens = 0: parsed, checked, a 400),
     sent as the load's requests are: the HTTP path of client and server without the engine."""
-    import httpx
-
     times = []
     body = dict(model="mtp_ctrl-demo", prompt="x", max_tokens=0, temperature=0, stream=True)
-    async with httpx.AsyncClient(timeout=60) as client:
-        connection = RawHTTP(url)
-        await connection.connect()
-        for _ in range(repeats):
-            submitted = time.perf_counter()
-            if http_client == "raw":
-                assert await connection.post("/v1/completions", body) == 400
-                async for _ in connection.pieces():
-                    pass
-            else:
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                    await response.aread()
-            times.append(time.perf_counter() - submitted)
-        connection.close()
+    connection = RawHTTP(url)
+    await connection.connect()
+    for _ in range(repeats):
+        submitted = time.perf_counter()
+        assert await connection.post("/v1/completions", body) == 400
+        async for _ in connection.pieces():
+            pass
+        times.append(time.perf_counter() - submitted)
+    connection.close()
     return statistics.median(times)
 
 
@@ -245,7 +288,11 @@ def start_server(port: int, args, speculative: int):
                "--max-requests", str(args.max_requests)] + (["--device", args.device] if args.device else [])
     environment = {key: value for key, value in os.environ.items()  # a process group of its own
                    if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    if args.server_pythonpath:
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [args.server_pythonpath,
+                                                                  environment.get("PYTHONPATH")]))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
+                               cwd=args.server_pythonpath)  # python -m puts its working directory first
     deadline = time.time() + 600
     while time.time() < deadline:
         if process.poll() is not None:
@@ -259,8 +306,12 @@ def start_server(port: int, args, speculative: int):
     sys.exit("the server did not come up")
 
 
-def offline_figures(args, speculative: int, prompts):
-    """(tokens/s of controller.generate over the prompts, seconds to the first token of one request alone)."""
+def offline_figures(args, speculative: int, prompts, lone_prompts):
+    """The offline loop (all prompts added, then ``controller.step()`` until done, in this
+    process, the server's controller settings): tokens/s end to end and over the middle 80 % of
+    the run (as the clients' steady figure is taken), the share of the run inside ``step()``,
+    tokens per step launched, and the median seconds to the first token of one request alone
+    (``lone_prompts``: not seen before, as the server's lone requests)."""
     import torch
 
     from mtp_ctrl.cli.serve import make_server_controller, parse_args as serve_args
@@ -277,12 +328,23 @@ def offline_figures(args, speculative: int, prompts):
     controller.generate(ids[:args.max_requests], params)  # warm-up
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
+    before = controller.metrics.as_dict()["step_time"]
     started = time.perf_counter()
-    results = controller.generate(ids, params)
+    request_ids = [controller.add_request(prompt, params) for prompt in ids]
+    arrivals = []  # (time, tokens) of each step's outputs
+    while controller.has_unfinished_requests():
+        outputs = controller.step()
+        arrivals.append((time.perf_counter(), sum(len(tokens) for _, tokens, _ in outputs)))
     sync()
-    tokens_per_s = sum(len(result.output_tokens) for result in results) / (time.perf_counter() - started)
+    wall = time.perf_counter() - started
+    after = controller.metrics.as_dict()["step_time"]
+    for request_id in request_ids:
+        controller.pop_result(request_id)
+    total = sum(tokens for _, tokens in arrivals)
+    low, high = started + 0.1 * wall, started + 0.9 * wall
+    steady = sum(tokens for now, tokens in arrivals if low <= now < high) / (high - low)
     firsts = []
-    for prompt in ids[:5]:
+    for prompt in [tokenizer.encode(prompt) for prompt in lone_prompts]:
         started = time.perf_counter()
         request_id = controller.add_request(prompt, params)
         while not any(rid == request_id and tokens for rid, tokens, _ in controller.step()):
@@ -291,7 +353,59 @@ def offline_figures(args, speculative: int, prompts):
         controller.abort_request(request_id)
         controller.pop_result(request_id)
     controller.close()
-    return tokens_per_s, statistics.median(firsts)
+    return dict(tokens_per_s=total / wall, steady_tokens_per_s=steady, first=statistics.median(firsts),
+                step_share=(after["step_seconds"] - before["step_seconds"]) / wall,
+                tokens_per_step=total / max(1, after["steps"] - before["steps"]))
+
+
+def corpus_prompts(count: int, length: int, offset: int = 0):
+    from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus
+    from mtp_ctrl.serve.text import ByteDecoder
+
+    prompts = []
+    for window in evenly_spaced_windows(load_stdlib_corpus().held_out, count + offset, length).tolist()[offset:]:
+        decoder = ByteDecoder()
+        prompts.append((decoder.decode(window) + decoder.flush()) or "x")
+    return prompts
+
+
+def serve_loads(args, speculative: int, prompts, saturation_prompts, lone_prompts):
+    """Every load against one server of S = ``speculative``: [result dicts]."""
+    port = free_port()
+    server = start_server(port, args, speculative)
+    url = f"http://127.0.0.1:{port}"
+    server_pids = [server.pid, frontend_pid(server.pid)]
+    results = []
+
+    def measured(load, value, load_prompts, processes=1):
+        before = server_counters(url)
+        result = run_load(url, load_prompts, load, value, args.max_tokens, processes, server_pids)
+        after = server_counters(url)
+        change = {name: after[name] - before[name] for name in after}
+        result.update(server_ttft=change["time_to_first_token_seconds_sum"]
+                      / max(1.0, change["time_to_first_token_seconds_count"]),
+                      step_share=change["step_seconds_total"] / result["wall"],
+                      tokens_per_step=result["tokens_per_s"] * result["wall"] / max(1.0, change["steps_total"]),
+                      speculative=speculative)
+        results.append(result)
+        print(speculative, {key: value for key, value in result.items()}, flush=True)
+
+    try:
+        floor = asyncio.run(http_floor(url))
+        if args.lone:
+            run_load(url, lone_prompts[:2], "lone", 1, args.max_tokens, 1, server_pids)  # warm the path
+            measured("lone", 1, lone_prompts[2:])
+        for rate in (float(value) for value in args.rates.split(",") if value):
+            measured("open", rate, prompts)
+        if args.in_flight:
+            for processes in (int(count) for count in args.client_processes.split(",")):
+                measured("closed", args.in_flight, saturation_prompts, processes)
+        for result in results:
+            result["floor"] = floor
+    finally:
+        server.terminate()
+        server.wait(60)
+    return results
 
 
 def main():
@@ -299,66 +413,56 @@ def main():
     import mtp_ctrl
 
     mtp_ctrl.quiet_known_warnings(args.verbose)
-    from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus
     from mtp_ctrl.cli.distributed import init_distributed
-    from mtp_ctrl.serve.text import ByteDecoder
 
-    windows = evenly_spaced_windows(load_stdlib_corpus().held_out, args.num_requests, args.prompt_len)
-    prompts = []
-    for window in windows.tolist():
-        decoder = ByteDecoder()
-        prompts.append((decoder.decode(window) + decoder.flush()) or "x")
-    rates = [float(rate) for rate in args.rates.split(",")]
+    prompts = corpus_prompts(args.num_requests, args.prompt_len)
+    saturation_prompts = corpus_prompts(args.saturation_requests, args.prompt_len)
+    # lone requests' prompts share no prefix-cache block with the others (997 windows start where
+    # none of 128 or 1024 evenly spaced ones do, but the first), so none is a cache hit
+    lone_prompts = corpus_prompts(997, args.prompt_len)[1:args.lone + 3]
     import torch
 
     init_distributed(1, torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    rows = []
+    rows, offline = [], {}
     for speculative in (int(value) for value in args.speculative_tokens.split(",")):
-        port = free_port()
-        server = start_server(port, args, speculative)
-        try:
-            for rate in rates:
-                for processes in (int(count) for count in args.client_processes.split(",")):
-                    if processes > 1 and rate != float("inf"):
-                        continue  # light load: one client process is enough
-                    url = f"http://127.0.0.1:{port}"
-                    before = server_ttft(url)
-                    result = run_load(url, prompts, rate, args.max_tokens, 0, processes, args.http_client)
-                    after = server_ttft(url)
-                    result.update(processes=processes, floor=asyncio.run(http_floor(url, args.http_client)),
-                                  server_ttft=(after[0] - before[0]) / max(1.0, after[1] - before[1]))
-                    rows.append((speculative, rate, result))
-                    print(speculative, rate, result, flush=True)
-        finally:
-            server.terminate()
-            server.wait(60)
-        offline_tps, offline_first = offline_figures(args, speculative, prompts)
-        rows.append((speculative, "offline", dict(tokens_per_s=offline_tps, first=offline_first)))
-        print(speculative, "offline", rows[-1][2], flush=True)
+        if not args.offline_only:
+            rows += serve_loads(args, speculative, prompts, saturation_prompts, lone_prompts)
+        if not args.no_offline:
+            offline[speculative] = offline_figures(args, speculative, saturation_prompts, lone_prompts[2:])
+            print(speculative, "offline", offline[speculative], flush=True)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
-    print(f"\n{where}; demo model; {args.num_requests} streaming requests of {args.max_tokens} tokens (greedy), "
-          f"{args.prompt_len}-byte prompts, server --max-requests {args.max_requests}, "
-          f"'clients': client processes ({args.http_client} HTTP client)")
-    print(f"{'S':>2} {'rate':>6} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'/offline':>8} {'stream tok/s':>12} "
-          f"{'/offline':>8} {'TTFT p50/p90/p99 ms':>22} {'server TTFT':>11} {'HTTP floor':>10} "
-          f"{'ITL p50/p90/p99 ms':>21} {'tok/chunk':>9}")
-    offline = {speculative: result["tokens_per_s"] for speculative, rate, result in rows if rate == "offline"}
-    for speculative, rate, result in rows:
-        if rate == "offline":
-            print(f"{speculative:2d} {'offline':>6} {'':>7} {'':>7} {result['tokens_per_s']:8.0f}   first token alone "
-                  f"{result['first'] * 1e3:.2f} ms (controller.generate / step in process)")
-            continue
+    print_table(args, where, rows, offline)
+
+
+def print_table(args, where: str, rows, offline) -> None:
+    print(f"\n{where}; demo model; streaming completions of {args.max_tokens} tokens (greedy), {args.prompt_len}-byte "
+          f"prompts, server --max-requests {args.max_requests}{', server ' + args.server_pythonpath if args.server_pythonpath else ''}; "
+          f"lone: {args.lone} one after the other; open: {args.num_requests} Poisson arrivals at the rate; closed: "
+          f"{args.saturation_requests} requests, {args.in_flight} in flight from 'clients' processes")
+    print(f"{'S':>2} {'load':>10} {'clients':>7} {'req/s':>6} {'tok/s':>8} {'/off':>5} {'steady':>8} {'/off':>5} "
+          f"{'TTFT p50/p90/p99 ms':>20} {'srv TTFT':>8} {'floor':>5} {'ITL p50/p90/p99 ms':>18} {'tok/ch':>6} "
+          f"{'CPU client/engine/frontend':>26} {'in step':>7} {'tok/step':>8}")
+    for result in rows:
+        speculative = result["speculative"]
+        base = offline.get(speculative, dict(tokens_per_s=float("nan"), steady_tokens_per_s=float("nan")))
+        load = {"lone": "lone", "open": f"{result['value']:g}/s", "closed": f"closed {result['value']:g}"}[result["load"]]
         ttft = "/".join(f"{value * 1e3:.1f}" for value in result["ttft"])
         itl = "/".join(f"{value * 1e3:.2f}" for value in result["itl"])
-        print(f"{speculative:2d} {rate:6.0f} {result['processes']:7d} {result['requests_per_s']:7.1f} "
-              f"{result['tokens_per_s']:8.0f} {result['tokens_per_s'] / offline[speculative]:8.2f} "
-              f"{result['streaming_tokens_per_s']:12.0f} "
-              f"{result['streaming_tokens_per_s'] / offline[speculative]:8.2f} "
-              f"{ttft:>22} {result['server_ttft'] * 1e3:11.2f} {result['floor'] * 1e3:10.2f} {itl:>21} "
-              f"{result['tokens_per_chunk']:9.1f}")
-    print("tok/s: all tokens over the wall time of the load; stream tok/s: over the first to the last text chunk "
-          "(no ramp-up of connections and requests); server TTFT (mean): the frontend's submission to the first "
-          "tokens from the engine; HTTP floor (median): a refused request's round trip (client + HTTP path, no engine)")
+        cpu = "/".join(f"{value:.2f}" for value in [result["client_cpu"]] + result["server_cpu"])
+        print(f"{speculative:2d} {load:>10} {result['processes']:7d} {result['requests_per_s']:6.1f} "
+              f"{result['tokens_per_s']:8.0f} {result['tokens_per_s'] / base['tokens_per_s']:5.2f} "
+              f"{result['steady_tokens_per_s']:8.0f} {result['steady_tokens_per_s'] / base['steady_tokens_per_s']:5.2f} "
+              f"{ttft:>20} {result['server_ttft'] * 1e3:8.2f} {result['floor'] * 1e3:5.2f} {itl:>18} "
+              f"{result['tokens_per_chunk']:6.1f} {cpu:>26} {result['step_share']:7.2f} {result['tokens_per_step']:8.1f}")
+    for speculative, base in offline.items():
+        print(f"{speculative:2d} {'offline':>10} {'':>7} {'':>6} {base['tokens_per_s']:8.0f} {1:5.2f} "
+              f"{base['steady_tokens_per_s']:8.0f} {1:5.2f}   first token alone {base['first'] * 1e3:.2f} ms; in step "
+              f"{base['step_share']:.2f}, tok/step {base['tokens_per_step']:.1f}")
+    print("tok/s: all tokens over the load's wall; steady: over the middle 80 % from the first to the last text chunk "
+          "(offline: of the step loop's run); srv TTFT (mean): the frontend's submission to the first tokens from the "
+          "engine; floor (median): a refused request's round trip (client + HTTP path, no engine); CPU: CPU seconds per "
+          "second of the load (client: the busiest client process; engine, frontend: the server's processes); in step: "
+          "the share of the load's wall the engine spent inside controller.step(); tok/step: tokens per step launched")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ class RequestStream:
     """One request's tokens as they arrive from the engine; its handler takes them in batches."""
 
     __slots__ = ("key", "prompt_tokens", "submitted_at", "request_id", "tokens", "finish_reason", "error",
-                 "done", "last_arrival", "_waiter")
+                 "done", "aborted", "last_arrival", "_waiter")
 
     def __init__(self, key: int, prompt_tokens: int):
         self.key = key
@@ -34,13 +34,15 @@ class RequestStream:
         self.finish_reason = None  # a FinishReason once the engine ended it
         self.error: Optional[str] = None
         self.done = False  # nothing more will arrive (finished, failed or aborted)
+        self.aborted = False  # its client went away
         self.last_arrival = 0.0
         self._waiter: Optional[asyncio.Future] = None
 
     async def take(self) -> Tuple[List[int], object]:
         """(the tokens since the last call, the finish reason or None); waits for tokens or the
-        end; RuntimeError once the tokens that came before a failure are taken."""
-        while not self.tokens and self.finish_reason is None and self.error is None:
+        end; RuntimeError once the tokens that came before a failure are taken. Returns at once
+        once aborted (``aborted``)."""
+        while not self.tokens and self.finish_reason is None and self.error is None and not self.aborted:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -93,7 +95,8 @@ class EngineClient:
         """The client went away: end its request (nothing if it is over)."""
         if stream.done:
             return
-        stream.done = True
+        stream.done = stream.aborted = True
+        stream._wake()
         self._by_key.pop(stream.key, None)
         self._by_request.pop(stream.request_id, None)
         self.metrics.request_ended("abort")

@@ -8,7 +8,7 @@ arrive from the engine and requests end:
   latency (the gap between two arrivals of one request, divided by the tokens the later one
   brought: a speculative step brings several) as histograms, in seconds.
 Read from the controller in the engine process when scraped (:func:`controller_figures`):
-generated tokens per second of step time, mean accepted length and acceptance per draft depth,
+generated tokens per second of step time, steps launched and seconds inside ``step()``, mean accepted length and acceptance per draft depth,
 queued requests, KV blocks in use, the prefix cache.
 """
 
@@ -45,6 +45,8 @@ def controller_figures(controller) -> Dict[str, object]:
     stats = controller.metrics.as_dict()
     allocator = controller.context.allocator
     return dict(tokens_per_second=stats["tokens_per_second"], mean_accepted_length=stats["mean_accepted_length"],
+                emitted_tokens=stats["emitted_tokens"], steps=stats["step_time"]["steps"],
+                step_seconds=stats["step_time"]["step_seconds"],
                 acceptance_per_depth=list(stats["acceptance_per_depth"]), prefix_cache=dict(stats["prefix_cache"]),
                 queued_requests=controller.debug_view().num_waiting, kv_blocks_total=allocator.num_blocks,
                 kv_blocks_used=allocator.num_blocks - allocator.num_free_blocks)
@@ -96,6 +98,10 @@ class ServerMetrics:
                [f"generated_tokens_total {self.generated_tokens}"])
         metric("tokens_per_second", "gauge", "Generated tokens per second of step time (controller metrics).",
                [f"tokens_per_second {figures['tokens_per_second']}"])
+        metric("steps_total", "counter", "Steps launched (each step of a decode run counts).",
+               [f"steps_total {figures['steps']}"])
+        metric("step_seconds_total", "counter", "Wall seconds inside controller.step() (the rest of the engine "
+               "loop, messages and idle waits, is not counted).", [f"step_seconds_total {figures['step_seconds']}"])
         metric("mean_accepted_length", "gauge", "Tokens gained per verify step (1 + accepted drafts).",
                [f"mean_accepted_length {figures['mean_accepted_length']}"])
         metric("acceptance_rate", "gauge", "Share of drafts accepted, per draft depth.",

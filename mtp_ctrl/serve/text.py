@@ -45,7 +45,11 @@ class ByteDecoder:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._decoder.decode(bytes(t for t in token_ids if 0 <= t < BYTE_VOCAB))
+        try:
+            data = bytes(token_ids)
+        except ValueError:  # ids past 255
+            data = bytes(t for t in token_ids if 0 <= t < BYTE_VOCAB)
+        return self._decoder.decode(data)
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
@@ -65,10 +69,12 @@ class TextStream:
         self._stop = [text for text in stop if text]
         self._hold = max((len(text) for text in self._stop), default=1) - 1
         self._text = ""  # decoded, not yet sent
-        self.sent = ""  # everything sent so far
+        self.sent = ""  # everything sent so far (kept only with stop strings)
         self.stopped = False
 
     def push(self, token_ids: Sequence[int]) -> str:
+        if not self._stop:  # nothing to hold back or look for
+            return self._decoder.decode(token_ids)
         if self.stopped:
             return ""
         self._text += self._decoder.decode(token_ids)
@@ -79,6 +85,8 @@ class TextStream:
         return self._send(self._text[:len(self._text) - self._hold] if self._hold else self._text)
 
     def finish(self) -> str:
+        if not self._stop:
+            return self._decoder.flush()
         if self.stopped:
             return ""
         self._text += self._decoder.flush()

@@ -185,6 +185,10 @@ def test_disconnected_clients_are_aborted(server, offline):
     (dict(prompt="a", stop_token_ids=[600]), 400, "stop_token_ids"),
     (dict(prompt="a", num_speculative_tokens=5), 400, "num_speculative_tokens"),
     (dict(prompt="a", max_tokens="many"), 400, "max_tokens"),
+    (dict(prompt="a", temperature="hot"), 400, "temperature"),
+    (dict(prompt="a", stream="yes"), 400, "stream"),
+    (dict(prompt="a", stop=[1]), 400, "stop"),
+    (dict(prompt=[1, "a"]), 400, "prompt"),
     (dict(), 400, "prompt"),
 ])
 def test_bad_requests_get_a_400_naming_the_field(server, body, status, param):
@@ -193,8 +197,15 @@ def test_bad_requests_get_a_400_naming_the_field(server, body, status, param):
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
     assert httpx.get(f"{server}/health").status_code == 200
-    bad_chat = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=60)
-    assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "messages"
+    for messages in ([], [{"role": "user"}], "hi"):
+        bad_chat = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
+        assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "messages"
+
+
+def test_a_body_that_is_not_json_gets_a_400(server):
+    response = httpx.post(f"{server}/v1/completions", content=b"{not json", timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{server}/health").status_code == 200
 
 
 def test_tensor_parallel_server_answers_as_tp1(server):
