@@ -34,6 +34,7 @@ def parse_args():
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
 
@@ -84,6 +85,9 @@ class StandInEngine(threading.Thread):
 
 def main():
     args = parse_args()
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(args.verbose)
     from mtp_ctrl.serve.engine import EngineInfo
     from mtp_ctrl.serve.frontend import start_frontend
 

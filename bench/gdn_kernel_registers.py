@@ -78,15 +78,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,3,5", help="R = 1 + S values (replay: those > 1)")
     parser.add_argument("--root", help="compile this checkout's kernels instead")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args()
     os.environ["TRITON_INTERPRET"] = "0"
     sys.path.insert(0, os.path.abspath(args.root or os.path.join(os.path.dirname(__file__), "..")))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(args.verbose)
+    import triton
     from bench_gdn import TUNE_CANDIDATES
     from mtp_ctrl.triton_ops import gdn_replay
-
-    import mtp_ctrl
-    import triton
 
     print(f"triton {triton.__version__}, package {mtp_ctrl.__file__}; registers / spill bytes / BAR.SYNC")
     kernels = (("verify", gdn_replay._gdn_verify_rows_kernel), ("replay", gdn_replay._gdn_replay_accepted_kernel))
