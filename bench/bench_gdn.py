@@ -326,17 +326,13 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, basel
                          f"{total / best[('baseline', batch, drafts[0])][0]:5.2f}x "
                          f"{(verify_us + replay_us) / total:7.2f}x")
             print(line)
-    print("\n--tune: the fastest launch shapes (paste into mtp_ctrl/triton_ops/gdn_tiles.py)")
-    for kernel in ("verify", "replay"):
-        print(f"{kernel.upper()}_TILE_TABLE: TileTable = (")
-        for index, batch in enumerate(batches):
-            bound = None if index == len(batches) - 1 else batch
-            for S in drafts:
-                if (kernel, batch, S) in best:
-                    us, tiles = best[(kernel, batch, S)]
-                    rows_bound = None if S == drafts[-1] else S + 1
-                    print(f"    (({bound}, {rows_bound}), GDNTiles({tiles.block_v}, {tiles.num_warps})),  # {us:.1f} us")
-        print(")")
+    # For reading only: gdn_tiles.py holds ONE shape for every launch (a verify row, its replay and
+    # a plain row agree bit for bit only under one launch shape; see its DEFAULT_TILES), so pick the
+    # shape that is near the best everywhere, never a shape per launch.
+    print("\n--tune: the fastest shape per launch (gdn_tiles.DEFAULT_TILES must be ONE shape for all)")
+    for (kernel, batch, S), (us, tiles) in sorted(best.items(), key=lambda item: str(item[0])):
+        if kernel != "baseline":
+            print(f"  {kernel:>6} batch {batch:4d} S {S}: GDNTiles({tiles.block_v}, {tiles.num_warps})  {us:.1f} us")
     return best
 
 

@@ -226,7 +226,8 @@ class GoodputPolicy(DraftLengthPolicy):
         self._model *= decay
         self._counts *= decay
         gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
-        np.cumsum(np.cumprod(self._estimates(self._rows(query.request_ids, create=False)), axis=1), axis=1,
+        # rows are made here, for the live requests a choice is for (observe() makes none: see there)
+        np.cumsum(np.cumprod(self._estimates(self._rows(query.request_ids, create=True)), axis=1), axis=1,
                   out=gain[:, 1:])
         depths = np.arange(S + 1)  # [S + 1]
         if (caps < S).any():  # a request drafts min(D, cap_r)
@@ -250,8 +251,12 @@ class GoodputPolicy(DraftLengthPolicy):
         depths = np.arange(self._model.shape[1])[None, :]  # [1, S]
         outcomes = np.stack([(depths < lengths[:, None]) & (depths <= accepted[:, None]),  # reached draft k
                              depths < accepted[:, None]], axis=1).astype(np.float64)  # [m, 2, S]: and accepted it
-        rows = self._rows(request_ids, create=True)  # first: it may grow _counts
-        np.add.at(self._counts, rows, outcomes)  # add.at: a decode run repeats requests
+        # No new rows: with overlap, a request's last step is applied after it finished and was
+        # forgotten, and a row made then would be held (and decayed every choice) for good. Its
+        # outcome still counts in the batch model.
+        rows = self._rows(request_ids, create=False)
+        held = rows >= 0
+        np.add.at(self._counts, rows[held], outcomes[held])  # add.at: a decode run repeats requests
         self._model += outcomes.sum(axis=0)
 
     def forget(self, request_id: int) -> None:

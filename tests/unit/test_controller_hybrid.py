@@ -56,9 +56,8 @@ def test_plain_equals_recompute_from_scratch(model, plain_outputs, torch_twins):
 
 
 @pytest.mark.parametrize("num_speculative_tokens", [1, 2])
-def test_speculative_greedy_equals_plain(model, plain_outputs, num_speculative_tokens, request):
-    if num_speculative_tokens == 1:  # S = MTP depth interprets the kernels, S = 1 uses their twins
-        request.getfixturevalue("torch_twins")
+def test_speculative_greedy_equals_plain(model, plain_outputs, num_speculative_tokens, torch_twins):
+    # the twins: the padded accepted-count test below runs this hybrid loop's kernels interpreted
     controller = make_controller(model, num_speculative_tokens, **CONFIG)
     assert run_with_arrivals(controller, _arrivals()) == plain_outputs
     _assert_released(controller)

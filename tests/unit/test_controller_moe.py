@@ -222,7 +222,9 @@ def test_dense_config_is_unchanged(megatron_groups):
 
 
 def test_hybrid_mamba_moe_speculative_equals_plain(megatron_groups):
-    """A Mamba layer's MLP can be MoE too (layer pattern "M*", both layers MoE): S = 2 == S = 0."""
+    """A Mamba layer's MLP can be MoE too (layer pattern "M*", both layers MoE): S = 2 == S = 0.
+    On the twins: the subject is the wiring; the MoE loop's kernels run interpreted in the verify-row
+    test above, the hybrid's in test_controller_hybrid."""
     from mtp_ctrl.models import build_gpt_model
     from tests.unit.megatron_fixtures import MAX_SEQUENCE_LENGTH, VOCAB_SIZE
 
@@ -230,5 +232,7 @@ def test_hybrid_mamba_moe_speculative_equals_plain(megatron_groups):
     torch.manual_seed(5)
     model = build_gpt_model(config, VOCAB_SIZE, MAX_SEQUENCE_LENGTH, layer_pattern="M*").eval()
     assert len(moe_layers(model)) == 2 + 2
-    plain, speculative = generate_cases(model, ((0, GREEDY), (2, GREEDY)), prompts=MOE_PROMPTS[:2], max_new_tokens=5)
+    with torch_twins():
+        plain, speculative = generate_cases(model, ((0, GREEDY), (2, GREEDY)), prompts=MOE_PROMPTS[:2],
+                                            max_new_tokens=5)
     assert speculative == plain

@@ -6,6 +6,7 @@ where nobody drafts; the
 ``SamplingParams(num_speculative_tokens=...)`` cap. The EAGLE family and rejection acceptance:
 ``test_draft_lengths_proposers.py``."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +148,19 @@ def test_a_choice_holds_while_the_batch_is_unchanged(mtp_model, plain, torch_twi
     assert run(controller, ARRIVALS)[1] == plain[1]
     assert 4 in policy.steps and max(policy.steps) == 4  # held for 4 steps, never longer
     assert len(policy.steps) < controller.metrics.steps and policy.outcomes
+
+
+def test_goodput_holds_nothing_for_requests_that_left(mtp_model, plain, torch_twins):
+    """With overlap a finished request's last step is applied after the policy forgot it: that late
+    outcome must not give it a row back (the policy's work per choice would grow with every request
+    ever served). A forgotten request reads as one never seen."""
+    policy = GoodputPolicy(decide_every=1)
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), policy, **SQUEEZE)
+    ids, outputs = run(controller, ARRIVALS)
+    assert outputs == plain[1]
+    never_seen = policy.acceptance(10_000)
+    for request_id in ids:
+        assert np.array_equal(policy.acceptance(request_id), never_seen), request_id
 
 
 def test_goodput_learns_step_costs_from_the_loop(mtp_model, plain, torch_twins):

@@ -140,7 +140,8 @@ def test_goodput_follows_the_measured_wall_time():
 def test_goodput_counts_every_observation_of_a_batch():
     policy = GoodputPolicy()
     policy.bind(SHAPE)
-    ids = np.arange(10, 16, dtype=np.int64)  # new requests: their rows are made by this observe
+    ids = np.arange(10, 16, dtype=np.int64)
+    policy.choose(query(ids))  # new requests: their rows are made by the choice (observe makes none)
     policy.observe(np.tile(ids, 2), np.full(12, S), np.tile([0, 0, 0, S, S, S], 2))  # a 2-step decode run
     prior = policy.acceptance(99)[0]
     assert all(policy.acceptance(i)[0] < prior for i in ids[:3])  # rejected every draft
