@@ -28,6 +28,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from mtp_ctrl.controllers.step_costs import StepCostModel
+from mtp_ctrl.triton_ops._checks import check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +178,7 @@ class GoodputPolicy(DraftLengthPolicy):
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
                  min_gain: float = 1.0, decide_every: int = 8):
         super().__init__()
-        if not isinstance(decide_every, int) or decide_every < 1:
-            raise ValueError(f"decide_every must be an int >= 1, got {decide_every!r}")
-        self.decide_every = decide_every
+        self.decide_every = check_int("decide_every", decide_every, low=1)
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if prior_weight < 0:

@@ -39,6 +39,10 @@ class StepCostModel:
 
     def __init__(self, base: float = 1.0, per_row: float = 0.02, per_draft_depth: float = 0.02,
                  smoothing: float = 0.1):
+        for name, value in (("base", base), ("per_row", per_row), ("per_draft_depth", per_draft_depth),
+                            ("smoothing", smoothing)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.base, self.per_row, self.per_draft_depth, self.smoothing = base, per_row, per_draft_depth, smoothing

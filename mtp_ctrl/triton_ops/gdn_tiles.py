@@ -28,7 +28,7 @@ class GDNTiles:
     def __post_init__(self):
         for name in ("block_v", "num_warps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1 or value & (value - 1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"GDNTiles.{name} must be a power of two >= 1, got {value!r}")
 
 

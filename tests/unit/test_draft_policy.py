@@ -96,6 +96,16 @@ def test_bad_goodput_arguments(field, value):
         GoodputPolicy(**{field: value})
 
 
+@pytest.mark.parametrize("make, field", [
+    (lambda: GoodputPolicy(decide_every=True), "decide_every"),
+    (lambda: StepCostModel(smoothing="x"), "smoothing"),
+    (lambda: StepCostModel(per_row=None), "per_row"),
+])
+def test_arguments_of_the_wrong_type_are_named(make, field):
+    with pytest.raises(TypeError, match=field):
+        make()
+
+
 def test_request_rows_look_up_a_batch_and_reuse_freed_rows():
     index = RequestRows()
     rows, new = index.rows(np.array([7, 3, 7, 11]), create=True)  # a decode run repeats ids

@@ -169,6 +169,8 @@ def test_tile_tables_cover_every_launch():
             assert lookup(requests, rows_per_request) is first
     with pytest.raises(ValueError, match="block_v"):
         GDNTiles(24, 4)
+    with pytest.raises(ValueError, match="block_v"):
+        GDNTiles(True, 2)  # a bool is not a width
     with pytest.raises(TypeError, match="tiles"):
         gdn_verify_rows(*pools(1, 3), 0, torch.tensor([0, 1]), **rows(1, 6), tiles=(32, 4))
 
