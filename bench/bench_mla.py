@@ -67,15 +67,13 @@ from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
 LATENT, ROPE, QK, V = 512, 64, 128, 128  # DeepSeek-V3's kv_lora_rank, qk_pos_emb_head_dim, qk_head_dim, v_head_dim
 BLOCK = 64
 # --tune candidates per head count: MLATiles(block_m, block_n, num_warps, num_stages, programs_per_sm,
-# min_split_tokens[, split_scores]); the defaults and the table's entries are always timed too
-_SPLIT_64 = ((64, 32, 8, 2, 2, 128, True), (64, 32, 8, 3, 2, 128, True), (64, 16, 8, 3, 2, 128, True),
-             (64, 32, 8, 2, 1, 256, True))
+# min_split_tokens); the defaults and the table's entries are always timed too
 CANDIDATES = {
     16: ((16, 32, 4, 3, 4, 64), (32, 64, 8, 2, 8, 32), (32, 32, 4, 3, 8, 32), (32, 64, 4, 2, 4, 64),
          (16, 32, 4, 3, 8, 32)),
     32: ((32, 64, 8, 2, 8, 32), (32, 64, 4, 2, 4, 64)),
-    64: ((64, 64, 8, 2, 2, 128),) + _SPLIT_64,
-    128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)) + _SPLIT_64,
+    64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
+    128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
 }
 # DeepSeek-V3's attention (MLA dims, YaRN) at 16 heads, hidden 2048, 16 layers, dense GLU FFN
 E2E_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, q_lora_rank=768,
@@ -97,9 +95,8 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 
 def tiles_label(tiles):
-    """``(block_m,block_n,warps,stages,programs/SM,min split tokens)``, ``+s`` with split scores."""
-    label = "(" + ",".join(str(value) for value in dataclasses.astuple(tiles)[:6]) + ")"
-    return label + ("+s" if tiles.split_scores else "")
+    """``(block_m,block_n,warps,stages,programs/SM,min split tokens)``."""
+    return "(" + ",".join(str(value) for value in dataclasses.astuple(tiles)) + ")"
 
 
 def kernel_tables(device, bandwidth, args):

@@ -4,8 +4,8 @@
 #   kernels (default): tests/functional/test_mla_gpu.py + the kernel table (default tiles vs the
 #     shape table vs the fastest --tune candidate, 16 and 128 heads, batch 1/32/128, 2k-128k)
 #   probe: the --tune candidates at 128 / 64 heads (batch 32 / 128, 8k / 32k) and 16 heads
-#     (batch 32, 8k), each beside the default and the table, with the same-run copy; then the
-#     split-score kernel test of test_mla_gpu.py
+#     (batch 32, 8k), each beside the default and the table, with the same-run copy; then
+#     tests/functional/test_mla_gpu.py
 #   final: tests/functional/test_mla_gpu.py, the default vs the table at 16/32/64/128 heads x batch
 #     1/32/128 x 2k-128k, and verify rows (1 + S = 3 a request)
 #   tune: the kernel table only
@@ -24,7 +24,7 @@ elif [ "$mode" = probe ]; then
   # most wanted first: a call cut short still returns what ran
   timeout 80 $bench --tune --heads 128,64 --batches 32,128 --contexts 8192,32768 2>&1 | tee "$out/probe_128.log"
   timeout 35 $bench --tune --heads 16 --batches 32 --contexts 8192 2>&1 | tee "$out/probe_16.log"
-  timeout 30 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore -k split \
+  timeout 60 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore \
     2>&1 | tee "$out/functional_mla.log" | tail -8
 elif [ "$mode" = final ]; then
   timeout 80 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \

@@ -155,7 +155,7 @@ def _paged_mla_kernel(
     num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
     num_head_tiles, num_kv_splits,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_SCORES: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
     flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
@@ -204,18 +204,8 @@ def _paged_mla_kernel(
                              other=0.0)  # [BLOCK_N, BLOCK_C]: the key's latent part and the value
             rope_key = tl.load(token_rows[:, None] + latent_dim + rdims[None, :],
                                mask=kv_valid[:, None] & rmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            if SPLIT_SCORES:
-                # a branch the compiler cannot fold (seq_len > 0 wherever the loop runs) hides the
-                # score dots from the softmax dot, so Triton spreads them over both warpgroups (64
-                # rows x BLOCK_N / 2 each) instead of computing them in both (its chained-dot layout)
-                if seq_len > 0:
-                    scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION) * qk_scale \
-                        + tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION) * qk_scale
-                else:
-                    scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            else:
-                scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
-                scores = (scores + tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)) * qk_scale
+            scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
+            scores = (scores + tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)) * qk_scale
             visible = (kv_pos[None, :] <= positions[:, None]) & kv_valid[None, :]  # [BLOCK_M, BLOCK_N]
             scores = tl.where(visible, scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -338,7 +328,7 @@ def paged_mla_attention(
         num_head_tiles, num_kv_splits,
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_C=max(16, triton.next_power_of_2(latent_dim)), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-        DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32", SPLIT_SCORES=tiles.split_scores,
+        DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps if query_latent.is_cuda else 4,
         num_stages=tiles.num_stages if query_latent.is_cuda else 1,
     )

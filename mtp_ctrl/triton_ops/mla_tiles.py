@@ -32,13 +32,8 @@ class MLATiles:
     num_stages: int  # software-pipeline stages of the cache loads
     programs_per_sm: int  # split-K target
     min_split_tokens: int  # split-K floor, tokens a split
-    # the score dots spread over all warps (two warpgroups: 64 rows x block_n / 2 each) instead of
-    # Triton's chained-dot layout, where 8 warps on 64 rows compute every score twice
-    split_scores: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.split_scores, bool):
-            raise TypeError(f"MLATiles.split_scores must be a bool, got {self.split_scores!r}")
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 16 or value & (value - 1):

@@ -51,12 +51,8 @@ def test_random_batches(seed):
     _check(case)
 
 
-# the table's tiles and the split-score form (its compiled layout differs; interpreted it checks the branch)
-SPLIT_SCORES_TILES = MLATiles(64, 32, 8, 2, 2, 128, split_scores=True)
-
-
-@pytest.mark.parametrize("tiles", list(dict.fromkeys([DEFAULT_TILES, SPLIT_SCORES_TILES]
-                                                     + [tiles for _, tiles in TILE_TABLE])), ids=str)
+@pytest.mark.parametrize("tiles", list(dict.fromkeys([DEFAULT_TILES] + [tiles for _, tiles in TILE_TABLE])),
+                         ids=str)
 def test_every_table_entry_equals_twin(tiles):
     # block_m + 8 heads: two head tiles, the second partly padding; verify rows, a decode, a
     # padding request, a prefill chunk; contexts over several splits
@@ -82,8 +78,6 @@ def test_tile_table_lookup():
         MLATiles(block_m=24, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2, min_split_tokens=64)
     with pytest.raises(ValueError, match="programs_per_sm"):
         MLATiles(block_m=32, block_n=32, num_warps=4, num_stages=2, programs_per_sm=0, min_split_tokens=64)
-    with pytest.raises(TypeError, match="split_scores"):
-        MLATiles(64, 32, 8, 2, 2, 128, split_scores=1)
 
 
 def test_most_splits_reduce_exactly():
