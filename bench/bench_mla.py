@@ -43,6 +43,10 @@ def parse_args(argv=None):
     parser.add_argument("--batches", default="1,32,128", help="section 1's request counts")
     parser.add_argument("--contexts", default="2048,8192,32768,131072", help="section 1's context lengths")
     parser.add_argument("--rows", type=int, default=1, help="section 1's query rows a request (1 + S for verify)")
+    parser.add_argument("--pick", help="HEADS,BATCH,CONTEXT: time PICK_CANDIDATES there, write the fastest to "
+                        "--winner-file (and nothing else)")
+    parser.add_argument("--winner-file", help="the --pick result (JSON); without --pick: the table's entry for "
+                        "its shape's bucket becomes the winner for this run")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -75,6 +79,14 @@ CANDIDATES = {
     64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
     128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
 }
+# --pick candidates (16 heads, batch 32 / 8k: one program an SM at 8 warps, 178-204 registers; two
+# at 4 warps, 220-255), whole_waves last: the split count that fills its waves best
+PICK_CANDIDATES = {
+    16: ((32, 64, 8, 2, 1, 64, True), (32, 64, 8, 2, 2, 64, True), (32, 64, 8, 3, 1, 64, True),
+         (32, 64, 8, 3, 2, 64, True), (16, 32, 4, 3, 2, 64, True), (16, 32, 4, 3, 4, 64, True),
+         (16, 32, 4, 2, 2, 64, True), (16, 32, 8, 3, 1, 64, True), (16, 32, 8, 3, 2, 64, True),
+         (16, 32, 4, 3, 4, 64), (32, 64, 8, 2, 1, 64), (32, 64, 8, 2, 4, 64, True)),
+}
 # DeepSeek-V3's attention (MLA dims, YaRN) at 16 heads, hidden 2048, 16 layers, dense GLU FFN
 E2E_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, q_lora_rank=768,
                  kv_lora_rank=LATENT, qk_head_dim=QK, qk_pos_emb_head_dim=ROPE, v_head_dim=V, mtp_num_layers=2)
@@ -95,8 +107,9 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 
 def tiles_label(tiles):
-    """``(block_m,block_n,warps,stages,programs/SM,min split tokens)``."""
-    return "(" + ",".join(str(value) for value in dataclasses.astuple(tiles)) + ")"
+    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W])``; W: whole waves."""
+    values = dataclasses.astuple(tiles)
+    return "(" + ",".join(str(value) for value in values[:6]) + (",W" if tiles.whole_waves else "") + ")"
 
 
 def kernel_tables(device, bandwidth, args):
@@ -162,9 +175,77 @@ def kernel_tables(device, bandwidth, args):
     del cache
 
 
-def time_us(fn, device):
+def pick(device, bandwidth, args):
+    """--pick: every PICK_CANDIDATES entry (and the default and the table's tiles) at one shape,
+    the default timed first and last (the run's spread); the fastest goes to --winner-file."""
+    import json
+
+    heads, batch, context = (int(value) for value in args.pick.split(","))
+    rows = args.rows
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cache = torch.empty(batch * math.ceil(context / BLOCK), BLOCK, LATENT + ROPE, dtype=dtype, device=device).normal_()
+    query_latent = torch.randn(batch * rows, heads, LATENT, dtype=dtype, device=device)
+    query_rope = torch.randn(batch * rows, heads, ROPE, dtype=dtype, device=device)
+    metadata = metadata_for(batch, rows, context, device)
+    call_args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+                 (QK + ROPE) ** -0.5)
+    latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
+    table = mla_tiles(heads, batch, context)
+    candidates = [DEFAULT_TILES, table, *(MLATiles(*values) for values in PICK_CANDIDATES.get(heads, ()))]
+    print(f"\npick: {heads} heads, B {batch}, context {context}, {rows} row(s); us of a graph replay (median of 20), "
+          f"% of the copy ({bandwidth / 1e9:.0f} GB/s); tiles = (block_m, block_n, warps, stages, programs/SM, "
+          "min split tokens, whole waves)")
+    times, baseline, largest_diff = {}, None, 0.0
+    for tiles in dict.fromkeys(candidates):
+        def call(tiles=tiles):
+            return paged_mla_attention(*call_args, max_query_len=rows, max_seq_len=context, tiles=tiles)
+        try:
+            out = call()
+            baseline = out if baseline is None else baseline
+            largest_diff = max(largest_diff, (out.float() - baseline.float()).abs().max().item())
+            times[tiles] = time_us(call, device, replays=20)
+        except Exception as error:  # a candidate that does not fit (shared memory, registers)
+            times[tiles] = float("inf")
+            print(f"   {tiles_label(tiles)} failed: {type(error).__name__}: {str(error)[:120]}")
+        share = 100 * latent_bytes / times[tiles] / 1e3 / (bandwidth / 1e9)
+        print(f"   {tiles_label(tiles):>32} {times[tiles]:8.1f} us {share:5.1f} %", flush=True)
+    again = time_us(lambda: paged_mla_attention(*call_args, max_query_len=rows, max_seq_len=context,
+                                                tiles=DEFAULT_TILES), device, replays=20)
+    print(f"   the default again: {again:.1f} us")
+    best, best_us = min(times.items(), key=lambda item: item[1])
+    print(f"   fastest: {tiles_label(best)} {best_us:.1f} us "
+          f"({100 * latent_bytes / best_us / 1e3 / (bandwidth / 1e9):.1f} %); the table's entry "
+          f"{tiles_label(table)} {times[table]:.1f} us; max |output - default's| {largest_diff:.4f}")
+    if args.winner_file:
+        with open(args.winner_file, "w") as handle:
+            json.dump(dict(shape=[heads, batch, context], tiles=list(dataclasses.astuple(best)), us=best_us), handle)
+    del cache
+
+
+def install_winner(path):
+    """The table entry whose bucket holds --pick's shape becomes --pick's winner (this process only)."""
+    import json
+
+    from mtp_ctrl.triton_ops import mla_tiles as tiles_module
+
+    with open(path) as handle:
+        data = json.load(handle)
+    heads, batch, context = data["shape"]
+    winner = MLATiles(*data["tiles"])
+    table = list(tiles_module.TILE_TABLE)
+    for index, ((max_heads, max_batch, max_context), _) in enumerate(table):
+        if ((max_heads is None or heads <= max_heads) and (max_batch is None or batch <= max_batch)
+                and (max_context is None or context <= max_context)):
+            table[index] = (table[index][0], winner)
+            break
+    tiles_module.TILE_TABLE = tuple(table)
+    print(f"the table's entry {table[index][0]} (heads, batch, context bounds) is --pick's winner "
+          f"{tiles_label(winner)} for this run")
+
+
+def time_us(fn, device, replays=10):
     if device.type == "cuda":
-        return graph_time_us(fn, replays=10)
+        return graph_time_us(fn, replays=replays)
     started = time.perf_counter()
     fn()
     return (time.perf_counter() - started) * 1e6
@@ -261,6 +342,11 @@ def main(args):
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else 1e11
     print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
+    if args.pick:
+        pick(device, bandwidth, args)
+        return
+    if args.winner_file and os.path.exists(args.winner_file):
+        install_winner(args.winner_file)
     if not args.e2e_only:
         kernel_tables(device, bandwidth, args)
         if not args.kernels_only:

@@ -32,7 +32,7 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
-from mtp_ctrl.triton_ops.mla_tiles import MLATiles, mla_tiles
+from mtp_ctrl.triton_ops.mla_tiles import MLATiles, kv_split_count, mla_tiles
 from mtp_ctrl.triton_ops.paged_attn import _combine_kv_splits_kernel, check_attention_scalars
 
 MAX_LATENT_DIM = 1024
@@ -41,6 +41,7 @@ MAX_ROPE_DIM = 256
 # every split of a row at once, [splits, rows, dims] <= 4096 fp32 a program)
 MAX_KV_SPLITS = 128
 _INT32_MAX = 2**31 - 1
+_ZERO_BLOCK = 1024  # output elements per store when the kernel zeroes the padding rows
 
 
 @triton.jit
@@ -155,7 +156,7 @@ def _paged_mla_kernel(
     num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
     num_head_tiles, num_kv_splits,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, ZERO_BLOCK: tl.constexpr,
 ):
     """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
     flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
@@ -169,6 +170,20 @@ def _paged_mla_kernel(
     head_tile = tl.program_id(0) % num_head_tiles
     split = tl.program_id(1)
     request = tl.program_id(2)
+    if request == tl.num_programs(2) - 1:
+        # rows past the last request's (padding) belong to no program below: the last request's
+        # programs zero them, each a share (the output is [T, H, C] contiguous, not pre-zeroed)
+        row_elements = num_heads * latent_dim
+        tail_start = tl.load(QUERY_START_LOC_PTR + request + 1).to(tl.int64) * row_elements
+        tail_end = tl.cast(num_tokens, tl.int64) * row_elements
+        sharers = tl.num_programs(0) * tl.num_programs(1)
+        share = tl.cdiv(tail_end - tail_start, sharers)
+        share_start = tail_start + (split * tl.num_programs(0) + tl.program_id(0)) * share
+        share_end = tl.minimum(share_start + share, tail_end)
+        zeros = tl.zeros([ZERO_BLOCK], dtype=tl.float32)  # the store casts to the output's dtype
+        for first in range(share_start, share_end, ZERO_BLOCK):
+            elements = first + tl.arange(0, ZERO_BLOCK)
+            tl.store(OUTPUT_PTR + elements, zeros, mask=elements < share_end)
     q_start = tl.load(QUERY_START_LOC_PTR + request)
     q_len = tl.load(QUERY_START_LOC_PTR + request + 1) - q_start
     if q_tile * BLOCK_Q < q_len:
@@ -289,10 +304,11 @@ def paged_mla_attention(
     num_tokens, num_heads, latent_dim = query_latent.shape
     rope_dim = query_rope.shape[2]
     block_size_tokens, batch_size = latent_cache.shape[1], block_table.shape[0]
-    output = torch.zeros((num_tokens, num_heads, latent_dim), dtype=query_latent.dtype, device=query_latent.device)
     query_rows_bound = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
     if num_tokens == 0 or batch_size == 0 or query_rows_bound == 0:
-        return output
+        return torch.zeros((num_tokens, num_heads, latent_dim), dtype=query_latent.dtype, device=query_latent.device)
+    # every row is written by the kernels (padding rows as zeros by the last request's programs)
+    output = torch.empty((num_tokens, num_heads, latent_dim), dtype=query_latent.dtype, device=query_latent.device)
     kv_token_bound = block_table.shape[1] * block_size_tokens if max_seq_len is None else max_seq_len
     if tiles is None:
         tiles = mla_tiles(num_heads, batch_size, kv_token_bound)
@@ -305,10 +321,8 @@ def paged_mla_attention(
     if num_kv_splits is None:
         num_kv_splits = 1
         if query_latent.is_cuda:
-            wanted = triton.cdiv(tiles.programs_per_sm * sm_count(query_latent.device),
-                                 num_q_tiles * batch_size * num_head_tiles)
-            longest = max(1, kv_token_bound // max(tiles.min_split_tokens, block_n))
-            num_kv_splits = max(1, min(wanted, longest, MAX_KV_SPLITS))
+            num_kv_splits = kv_split_count(tiles, sm_count(query_latent.device), num_q_tiles * batch_size * num_head_tiles,
+                                           kv_token_bound, MAX_KV_SPLITS)
     if num_kv_splits == 1:
         tokens_per_split = _INT32_MAX
         partial_acc = partial_max = partial_sum = output  # unused by the kernel
@@ -328,7 +342,7 @@ def paged_mla_attention(
         num_head_tiles, num_kv_splits,
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_C=max(16, triton.next_power_of_2(latent_dim)), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-        DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32", ZERO_BLOCK=_ZERO_BLOCK,
         num_warps=tiles.num_warps if query_latent.is_cuda else 4,
         num_stages=tiles.num_stages if query_latent.is_cuda else 1,
     )

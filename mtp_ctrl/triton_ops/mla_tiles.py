@@ -24,6 +24,9 @@ class MLATiles:
     Split-K cuts each request's context so that about ``programs_per_sm`` programs run per SM,
     each over at least ``min_split_tokens`` tokens (a split's partial costs ``H x C x 4`` bytes of
     writes and reads in the combine, against ``tokens x (C + R) x 2`` bytes of cache).
+    ``whole_waves``: round the split count down, not up, so the programs fill whole waves of
+    ``programs_per_sm`` a SM instead of leaving a short last wave (a tail at a fraction of the
+    bandwidth); :func:`kv_split_count` says how.
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -32,6 +35,7 @@ class MLATiles:
     num_stages: int  # software-pipeline stages of the cache loads
     programs_per_sm: int  # split-K target
     min_split_tokens: int  # split-K floor, tokens a split
+    whole_waves: bool = False  # split count rounded down to whole waves (else up)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -42,6 +46,8 @@ class MLATiles:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.whole_waves, bool):
+            raise ValueError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
@@ -75,3 +81,23 @@ def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int) -> MLATiles:
                 and (max_context is None or kv_token_bound <= max_context)):
             return tiles
     return DEFAULT_TILES
+
+
+def kv_split_count(tiles: MLATiles, num_sms: int, programs_per_split: int, kv_token_bound: int,
+                   max_splits: int) -> int:
+    """Split-K programs a request for a launch of ``programs_per_split`` programs a split (query
+    tiles x requests x head tiles): about ``tiles.programs_per_sm`` programs an SM (rounded up),
+    each over at least ``tiles.min_split_tokens`` tokens (and one ``block_n`` tile), at most
+    ``max_splits``. With ``tiles.whole_waves`` (``programs_per_sm`` then being what an SM holds at
+    once), the count up to that one whose programs fill their waves best (the larger on a tie).
+
+    Example: 132 SMs, 32 requests of one head tile, 1 program an SM: 5 splits (160 programs: a
+    second wave of 28), or with ``whole_waves`` 4 (128 programs, one wave on 128 of the 132 SMs).
+    """
+    wave = tiles.programs_per_sm * num_sms
+    longest = kv_token_bound // max(tiles.min_split_tokens, tiles.block_n)
+    most = max(1, min(-(-wave // programs_per_split), longest, max_splits))
+    if not tiles.whole_waves:
+        return most
+    # fill of s splits: programs / (waves x wave); the first best from the top
+    return max(range(most, 0, -1), key=lambda s: s * programs_per_split / (-(-s * programs_per_split // wave) * wave))

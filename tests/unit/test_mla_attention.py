@@ -1,12 +1,14 @@
 """MLA ops: Triton kernels (interpreter) == torch twins == dense SDPA / megatron's MLA rope."""
 
+import dataclasses
+
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
 from mtp_ctrl.triton_ops.mla_attention import MAX_KV_SPLITS
-from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, TILE_TABLE, MLATiles, mla_tiles
+from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, TILE_TABLE, MLATiles, kv_split_count, mla_tiles
 from tests.unit.mla_cases import make_mla_case
 from tests.unit.paged_attention_cases import random_mixed_lengths
 
@@ -78,6 +80,19 @@ def test_tile_table_lookup():
         MLATiles(block_m=24, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2, min_split_tokens=64)
     with pytest.raises(ValueError, match="programs_per_sm"):
         MLATiles(block_m=32, block_n=32, num_warps=4, num_stages=2, programs_per_sm=0, min_split_tokens=64)
+
+
+def test_split_count_fills_whole_waves():
+    tiles = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=1, min_split_tokens=64)
+    whole = dataclasses.replace(tiles, whole_waves=True)
+    # 132 SMs, 32 one-tile requests at 8k: 5 splits (160 programs, a second wave of 28) or 4 (one wave)
+    assert kv_split_count(tiles, 132, 32, 8192, MAX_KV_SPLITS) == 5
+    assert kv_split_count(whole, 132, 32, 8192, MAX_KV_SPLITS) == 4
+    two = dataclasses.replace(whole, programs_per_sm=2)  # 264 slots: 8 splits fill 256, 5 of 48 fill 240
+    assert [kv_split_count(two, 132, batch, 8192, MAX_KV_SPLITS) for batch in (1, 32, 48, 300)] == [128, 8, 5, 1]
+    assert kv_split_count(two, 132, 32, 300, MAX_KV_SPLITS) == 4  # 64 tokens a split at least
+    with pytest.raises(ValueError, match="whole_waves"):
+        dataclasses.replace(tiles, whole_waves=1)
 
 
 def test_most_splits_reduce_exactly():
