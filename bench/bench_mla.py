@@ -79,13 +79,17 @@ CANDIDATES = {
     64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
     128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
 }
-# --pick candidates (16 heads, batch 32 / 8k: one program an SM at 8 warps, 178-204 registers; two
-# at 4 warps, 220-255), whole_waves last: the split count that fills its waves best
+# --pick candidates at 16 heads (batch 32 / 8k): MLATiles(block_m, block_n, warps, stages, programs/SM,
+# min split tokens, whole_waves, prefetch, max_registers). Programs an SM holds (ptxas for sm_90a,
+# triton 3.6): 8 warps one (159-228 registers) unless capped at 128 registers or block_n 16 (124);
+# 4 warps two (194-255). Stages add no buffer here (the pipeliner keeps one), prefetch overlaps a
+# program's next loads with its dots.
+W, P = True, True
 PICK_CANDIDATES = {
-    16: ((32, 64, 8, 2, 1, 64, True), (32, 64, 8, 2, 2, 64, True), (32, 64, 8, 3, 1, 64, True),
-         (32, 64, 8, 3, 2, 64, True), (16, 32, 4, 3, 2, 64, True), (16, 32, 4, 3, 4, 64, True),
-         (16, 32, 4, 2, 2, 64, True), (16, 32, 8, 3, 1, 64, True), (16, 32, 8, 3, 2, 64, True),
-         (16, 32, 4, 3, 4, 64), (32, 64, 8, 2, 1, 64), (32, 64, 8, 2, 4, 64, True)),
+    16: ((32, 64, 8, 2, 1, 64), (32, 64, 8, 2, 1, 64, W), (32, 64, 8, 2, 2, 64, W), (16, 32, 4, 3, 2, 64, W),
+         (16, 32, 4, 3, 4, 64), (16, 32, 4, 3, 4, 64, W), (32, 32, 8, 1, 1, 64, W, P), (32, 32, 8, 1, 2, 64, W, P),
+         (32, 64, 8, 1, 1, 64, W, P), (32, 16, 8, 1, 2, 64, W, P), (32, 32, 8, 1, 2, 64, W, P, 128),
+         (32, 32, 8, 2, 2, 64, W, False, 128), (32, 16, 4, 1, 2, 64, W, P)),
 }
 # DeepSeek-V3's attention (MLA dims, YaRN) at 16 heads, hidden 2048, 16 layers, dense GLU FFN
 E2E_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, q_lora_rank=768,
@@ -107,9 +111,11 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 
 def tiles_label(tiles):
-    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W])``; W: whole waves."""
+    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,P][,Rn])``; W: whole waves,
+    P: prefetch, Rn: at most n registers a thread."""
     values = dataclasses.astuple(tiles)
-    return "(" + ",".join(str(value) for value in values[:6]) + (",W" if tiles.whole_waves else "") + ")"
+    return "(" + ",".join(str(value) for value in values[:6]) + (",W" if tiles.whole_waves else "") \
+        + (",P" if tiles.prefetch else "") + (f",R{tiles.max_registers}" if tiles.max_registers else "") + ")"
 
 
 def kernel_tables(device, bandwidth, args):
@@ -194,7 +200,7 @@ def pick(device, bandwidth, args):
     candidates = [DEFAULT_TILES, table, *(MLATiles(*values) for values in PICK_CANDIDATES.get(heads, ()))]
     print(f"\npick: {heads} heads, B {batch}, context {context}, {rows} row(s); us of a graph replay (median of 20), "
           f"% of the copy ({bandwidth / 1e9:.0f} GB/s); tiles = (block_m, block_n, warps, stages, programs/SM, "
-          "min split tokens, whole waves)")
+          "min split tokens[, W: whole waves][, P: prefetch][, Rn: n registers at most])")
     times, baseline, largest_diff = {}, None, 0.0
     for tiles in dict.fromkeys(candidates):
         def call(tiles=tiles):

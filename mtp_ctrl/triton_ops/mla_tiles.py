@@ -26,7 +26,11 @@ class MLATiles:
     writes and reads in the combine, against ``tokens x (C + R) x 2`` bytes of cache).
     ``whole_waves``: round the split count down, not up, so the programs fill whole waves of
     ``programs_per_sm`` a SM instead of leaving a short last wave (a tail at a fraction of the
-    bandwidth); :func:`kv_split_count` says how.
+    bandwidth); :func:`kv_split_count` says how. ``prefetch``: each program loads its next tile
+    into registers before the current tile's dots, so a load overlaps the math within one program
+    (Triton's pipeliner keeps one shared buffer for this loop and refills it after both dots).
+    ``max_registers``: a cap that lets more programs share an SM (128 at 8 warps: two), at the
+    price of spills where the kernel wants more.
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -36,6 +40,8 @@ class MLATiles:
     programs_per_sm: int  # split-K target
     min_split_tokens: int  # split-K floor, tokens a split
     whole_waves: bool = False  # split count rounded down to whole waves (else up)
+    prefetch: bool = False  # the next tile's loads issued into registers before this tile's dots
+    max_registers: int = 0  # registers a thread at most (ptxas .maxnreg; 0: the compiler's choice)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -46,8 +52,11 @@ class MLATiles:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.whole_waves, bool):
-            raise ValueError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
+        if not isinstance(self.max_registers, int) or self.max_registers and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"MLATiles.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
+        for name in ("whole_waves", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MLATiles.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
