@@ -5,6 +5,7 @@ per token, and decode steps of a DeepSeek-V3-shaped MLA GPT scaled to one GPU.
     python bench/bench_mla.py --e2e-only     # only the end-to-end steps
     python bench/bench_mla.py --quick        # small shapes (a smoke run; CPU works too)
     python bench/bench_mla.py --kernels-only --tune --heads 128 --batches 32 --contexts 8192
+    python bench/bench_mla.py --pick 16,32,8192 --winner-file W.json --final   # the tune, then the final table
 
 Printed, in one run:
 1. The kernel (``paged_mla_attention``, ``--rows`` query rows a request (1: decode, 1 + S:
@@ -47,6 +48,8 @@ def parse_args(argv=None):
                         "--winner-file (and nothing else)")
     parser.add_argument("--winner-file", help="the --pick result (JSON); without --pick: the table's entry for "
                         "its shape's bucket becomes the winner for this run")
+    parser.add_argument("--final", action="store_true", help="the final table in one process (FINAL_PARTS, then "
+                        "sections 2 and 3), after --pick's winner is installed where --pick is given")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -86,11 +89,15 @@ CANDIDATES = {
 # program's next loads with its dots.
 W, P = True, True
 PICK_CANDIDATES = {
-    16: ((32, 64, 8, 2, 1, 64), (32, 64, 8, 2, 1, 64, W), (32, 64, 8, 2, 2, 64, W), (16, 32, 4, 3, 2, 64, W),
-         (16, 32, 4, 3, 4, 64), (16, 32, 4, 3, 4, 64, W), (32, 32, 8, 1, 1, 64, W, P), (32, 32, 8, 1, 2, 64, W, P),
-         (32, 64, 8, 1, 1, 64, W, P), (32, 16, 8, 1, 2, 64, W, P), (32, 32, 8, 1, 2, 64, W, P, 128),
-         (32, 32, 8, 2, 2, 64, W, False, 128), (32, 16, 4, 1, 2, 64, W, P)),
+    16: ((32, 64, 8, 2, 1, 64, W), (32, 64, 8, 2, 2, 64, W), (16, 32, 4, 3, 2, 64, W), (16, 32, 4, 3, 4, 64),
+         (32, 32, 8, 1, 1, 64, W, P), (32, 64, 8, 1, 1, 64, W, P), (32, 16, 8, 1, 2, 64, W, P),
+         (32, 32, 8, 1, 2, 64, W, P, 128), (32, 32, 8, 2, 2, 64, W, False, 128)),
 }
+# --final: (heads, batches, contexts, query rows a request): TP 8 everywhere, TP 4 / 2 / 1 at batch >= 32
+# and context >= 8k, verify rows (1 + S = 3) at 16 and 128 heads
+FINAL_PARTS = (("16", "1,32,128", "2048,8192,32768,131072", 1),
+               ("32,64,128", "32,128", "8192,32768,131072", 1),
+               ("16,128", "32,128", "8192,32768", 3))
 # DeepSeek-V3's attention (MLA dims, YaRN) at 16 heads, hidden 2048, 16 layers, dense GLU FFN
 E2E_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, q_lora_rank=768,
                  kv_lora_rank=LATENT, qk_head_dim=QK, qk_pos_emb_head_dim=ROPE, v_head_dim=V, mtp_num_layers=2)
@@ -135,7 +142,7 @@ def kernel_tables(device, bandwidth, args):
     print(f"\n1. paged MLA kernel, {rows} query row(s) a request (latent {LATENT} + rope {ROPE}, {dtype}, block "
           f"{BLOCK}); % = latent bytes read once / GPU time, of the device copy ({bandwidth / 1e9:.0f} GB/s); "
           "TFLOP/s = dot work (rows x heads x context x 2 x (576 + 512)) / time; tiles = (block_m, block_n, warps, "
-          "stages, programs/SM, min split tokens, split scores)")
+          "stages, programs/SM, min split tokens[, W: whole waves][, P: prefetch][, Rn: n registers at most])")
     print(f"   default tiles {tiles_label(DEFAULT_TILES)}")
     best_counts, largest_diff = {}, 0.0
     for heads in heads_list:
@@ -350,9 +357,18 @@ def main(args):
     print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
     if args.pick:
         pick(device, bandwidth, args)
-        return
+        if not args.final:
+            return
     if args.winner_file and os.path.exists(args.winner_file):
         install_winner(args.winner_file)
+    if args.final:
+        for heads, batches, contexts, rows in FINAL_PARTS:
+            part = argparse.Namespace(**dict(vars(args), heads=heads, batches=batches, contexts=contexts, rows=rows,
+                                             tune=False))
+            kernel_tables(device, bandwidth, part)
+        absorbed_vs_decompressed(device, args.quick)
+        kv_bytes_table()
+        return
     if not args.e2e_only:
         kernel_tables(device, bandwidth, args)
         if not args.kernels_only:
