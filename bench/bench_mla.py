@@ -157,7 +157,7 @@ def kernel_tables(device, bandwidth, args):
                 metadata = metadata_for(batch, rows, context, device)
                 call_args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens,
                              metadata.query_start_loc, (QK + ROPE) ** -0.5)
-                table = mla_tiles(heads, batch, context)
+                table = mla_tiles(heads, batch, context, rows)
                 latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
                 share = lambda us: 100 * latent_bytes / us / 1e3 / (bandwidth / 1e9)  # noqa: E731
                 flops = batch * rows * heads * context * 2 * (LATENT + ROPE + LATENT)
@@ -203,7 +203,7 @@ def pick(device, bandwidth, args):
     call_args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
                  (QK + ROPE) ** -0.5)
     latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
-    table = mla_tiles(heads, batch, context)
+    table = mla_tiles(heads, batch, context, rows)
     candidates = [DEFAULT_TILES, table, *(MLATiles(*values) for values in PICK_CANDIDATES.get(heads, ()))]
     print(f"\npick: {heads} heads, B {batch}, context {context}, {rows} row(s); us of a graph replay (median of 20), "
           f"% of the copy ({bandwidth / 1e9:.0f} GB/s); tiles = (block_m, block_n, warps, stages, programs/SM, "
@@ -231,7 +231,8 @@ def pick(device, bandwidth, args):
           f"{tiles_label(table)} {times[table]:.1f} us; max |output - default's| {largest_diff:.4f}")
     if args.winner_file:
         with open(args.winner_file, "w") as handle:
-            json.dump(dict(shape=[heads, batch, context], tiles=list(dataclasses.astuple(best)), us=best_us), handle)
+            json.dump(dict(shape=[heads, batch, context], rows=rows, tiles=list(dataclasses.astuple(best)), us=best_us),
+                      handle)
     del cache
 
 
@@ -243,16 +244,15 @@ def install_winner(path):
 
     with open(path) as handle:
         data = json.load(handle)
-    heads, batch, context = data["shape"]
+    dims = (*data["shape"], data.get("rows", 1))  # heads, batch, context, rows
     winner = MLATiles(*data["tiles"])
     table = list(tiles_module.TILE_TABLE)
-    for index, ((max_heads, max_batch, max_context), _) in enumerate(table):
-        if ((max_heads is None or heads <= max_heads) and (max_batch is None or batch <= max_batch)
-                and (max_context is None or context <= max_context)):
-            table[index] = (table[index][0], winner)
+    for index, (bounds, _) in enumerate(table):
+        if all(bound is None or dim <= bound for dim, bound in zip(dims, bounds)):
+            table[index] = (bounds, winner)
             break
     tiles_module.TILE_TABLE = tuple(table)
-    print(f"the table's entry {table[index][0]} (heads, batch, context bounds) is --pick's winner "
+    print(f"the table's entry {table[index][0]} (heads, batch, context, rows bounds) is --pick's winner "
           f"{tiles_label(winner)} for this run")
 
 

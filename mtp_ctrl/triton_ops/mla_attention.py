@@ -319,7 +319,7 @@ def paged_mla_attention(
     ``max_query_len`` / ``max_seq_len`` bound the rows per request and the context (Python ints,
     no host sync); ``num_kv_splits`` (at most ``MAX_KV_SPLITS``) overrides the split-K count
     (default: from the SM count and the tiles); ``tiles`` overrides the table's tiles
-    (:func:`mtp_ctrl.triton_ops.mla_tiles.mla_tiles` of H, B and the context bound).
+    (:func:`mtp_ctrl.triton_ops.mla_tiles.mla_tiles` of H, B, the context bound and the rows bound).
     """
     _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
                           softmax_scale, max_query_len, max_seq_len, num_kv_splits, tiles)
@@ -337,7 +337,7 @@ def paged_mla_attention(
     output = torch.empty((num_tokens, num_heads, latent_dim), dtype=query_latent.dtype, device=query_latent.device)
     kv_token_bound = block_table.shape[1] * block_size_tokens if max_seq_len is None else max_seq_len
     if tiles is None:
-        tiles = mla_tiles(num_heads, batch_size, kv_token_bound)
+        tiles = mla_tiles(num_heads, batch_size, kv_token_bound, query_rows_bound)
     block_h = min(triton.next_power_of_2(num_heads), tiles.block_m)
     block_q = min(triton.next_power_of_2(query_rows_bound), max(1, tiles.block_m // block_h))
     block_m = max(16, block_q * block_h)

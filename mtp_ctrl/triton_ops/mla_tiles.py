@@ -61,33 +61,39 @@ class MLATiles:
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
 
-# (heads at most, requests at most, context tokens at most) -> tiles; None: no bound. The first
-# entry whose bounds hold the step's dims wins. From one H200 run (RESULTS "MLA", 2026-11-26): the
-# fastest tiles at batch 1 / 32 / 128 x context 2k / 8k / 32k / 128k, 16 and 128 heads.
-TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
+# (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
+# None: no bound. The first entry whose bounds hold the step's dims wins. From two runs (RESULTS
+# "MLA"): the 16-head batch-32 / 8k decode entry from an H100's --pick (2026-11-26, fourth session),
+# the rest from an H200's --tune at batch 1 / 32 / 128 x context 2k-128k, 16 and 128 heads.
+TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
     # <= 16 heads (DeepSeek-V3 at TP 8); batch 1 (up to 128 splits) and batch 128 take the default
-    ((16, 4, None), DEFAULT_TILES),
-    # batch 5-64: the default at 2k, 4 warps at 8k, 8 programs an SM from 32k
-    ((16, 64, 4096), DEFAULT_TILES),
-    ((16, 64, 16384), MLATiles(32, 64, 4, 2, programs_per_sm=4, min_split_tokens=64)),
-    ((16, 64, None), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
-    ((32, None, None), DEFAULT_TILES),
+    ((16, 4, None, None), DEFAULT_TILES),
+    # batch 5-64: the default at 2k; at 8k decode rows take 32-token tiles, two programs an SM
+    # (128 registers a thread), whole waves (H100: 80 % of the copy, the default 64 %), verify
+    # rows the default (those tiles measured 6 % slower there); 8 programs an SM from 32k
+    ((16, 64, 4096, None), DEFAULT_TILES),
+    ((16, 64, 16384, 1), MLATiles(32, 32, 8, 2, programs_per_sm=2, min_split_tokens=64, whole_waves=True,
+                                  max_registers=128)),
+    ((16, 64, 16384, None), DEFAULT_TILES),
+    ((16, 64, None, None), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
+    ((32, None, None, None), DEFAULT_TILES),
     # > 32 heads (TP 1 / 2): 64-head tiles read the cache once per 64 heads (twice at 128 heads)
-    ((None, 4, 4096), DEFAULT_TILES),
-    ((None, None, None), MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)),
+    ((None, 4, 4096, None), DEFAULT_TILES),
+    ((None, None, None, None), MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)),
 )
 
 
-def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int) -> MLATiles:
-    """The table's tiles for a launch of ``num_heads`` local heads, ``batch_size`` requests and
-    contexts of at most ``kv_token_bound`` tokens.
+def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: int = 1) -> MLATiles:
+    """The table's tiles for a launch of ``num_heads`` local heads, ``batch_size`` requests,
+    contexts of at most ``kv_token_bound`` tokens and at most ``query_rows`` rows a request (1: a
+    decode step, 1 + S: a verify).
 
-    Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, batch 5-64, context
-    above 16k): 8 programs an SM.
+    Example: ``mla_tiles(16, 32, 32768)`` is the fifth entry (16 heads, batch 5-64, context
+    above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` the default (a verify at 8k).
     """
-    for (max_heads, max_batch, max_context), tiles in TILE_TABLE:
-        if ((max_heads is None or num_heads <= max_heads) and (max_batch is None or batch_size <= max_batch)
-                and (max_context is None or kv_token_bound <= max_context)):
+    dims = (num_heads, batch_size, kv_token_bound, query_rows)
+    for bounds, tiles in TILE_TABLE:
+        if all(bound is None or dim <= bound for dim, bound in zip(dims, bounds)):
             return tiles
     return DEFAULT_TILES
 

@@ -81,13 +81,14 @@ def test_prefetch_equals_twin(block_n):
 def test_tile_table_lookup():
     by_bounds = dict(TILE_TABLE)
     assert mla_tiles(16, 1, 8192) is DEFAULT_TILES
-    assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384)]  # TP 8, batch 32: by context
-    assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None)]
+    assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384, 1)]  # TP 8, batch 32: by context and rows
+    assert mla_tiles(16, 32, 8192, 3) is DEFAULT_TILES  # a verify at 8k
+    assert mla_tiles(16, 32, 32768) is mla_tiles(16, 32, 32768, 3) is by_bounds[(16, 64, None, None)]
     assert mla_tiles(16, 128, 8192) is DEFAULT_TILES
     assert mla_tiles(128, 1, 8192).block_m == mla_tiles(128, 128, 131072).block_m == 64  # 64-head tiles
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
-    for (max_heads, max_batch, max_context), tiles in TILE_TABLE:  # every entry is reachable
-        assert mla_tiles(max_heads or 4096, max_batch or 4096, max_context or 2**20) is tiles
+    for bounds, tiles in TILE_TABLE:  # every entry is reachable
+        assert mla_tiles(*(bound or 2**20 for bound in bounds)) is tiles
     with pytest.raises(ValueError, match="block_m"):
         MLATiles(block_m=24, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2, min_split_tokens=64)
     with pytest.raises(ValueError, match="programs_per_sm"):
