@@ -2,12 +2,14 @@
 chosen on the host from the step's dimensions.
 
 The choice reads only Python ints the launcher already has (the local head count, the launch's
-request count ``block_table.shape[0]`` and the context bound ``max_seq_len``), so it costs no
-host sync and a captured CUDA graph keeps the tiles of the shape it was captured at.
+request count ``block_table.shape[0]``, the context bound ``max_seq_len`` and the rows bound
+``max_query_len``), so it costs no host sync and a captured CUDA graph keeps the tiles of the
+shape it was captured at.
 
-The table's entries are the fastest tiles of ``bench/bench_mla.py --tune`` on an H200 (figures:
-``bench/RESULTS.md``, "MLA"). Where the bucket of a step falls between the measured shapes the
-neighbouring entry applies; a step outside every bound takes :data:`DEFAULT_TILES`.
+The table's entries are the fastest tiles of ``bench/bench_mla.py --tune`` (an H200) and
+``--pick`` (an H100) (figures: ``bench/RESULTS.md``, "MLA"). Where the bucket of a step falls
+between the measured shapes the neighbouring entry applies; a step outside every bound takes
+:data:`DEFAULT_TILES`.
 """
 
 import dataclasses
