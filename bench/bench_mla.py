@@ -82,16 +82,20 @@ CANDIDATES = {
     64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
     128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
 }
-# --pick candidates at 16 heads (batch 32 / 8k): MLATiles(block_m, block_n, warps, stages, programs/SM,
+# --pick candidates by (heads, rows a request), timed at batch 32 / 8k: MLATiles(block_m, block_n, warps, stages, programs/SM,
 # min split tokens, whole_waves, prefetch, max_registers). Programs an SM holds (ptxas for sm_90a,
 # triton 3.6): 8 warps one (159-228 registers) unless capped at 128 registers or block_n 16 (124);
 # 4 warps two (194-255). Stages add no buffer here (the pipeliner keeps one), prefetch overlaps a
 # program's next loads with its dots.
 W, P = True, True
 PICK_CANDIDATES = {
-    16: ((32, 64, 8, 2, 1, 64, W), (32, 64, 8, 2, 2, 64, W), (16, 32, 4, 3, 2, 64, W), (16, 32, 4, 3, 4, 64),
-         (32, 32, 8, 1, 1, 64, W, P), (32, 64, 8, 1, 1, 64, W, P), (32, 16, 8, 1, 2, 64, W, P),
-         (32, 32, 8, 1, 2, 64, W, P, 128), (32, 32, 8, 2, 2, 64, W, False, 128)),
+    (16, 1): ((32, 64, 8, 2, 1, 64, W), (32, 64, 8, 2, 2, 64, W), (16, 32, 4, 3, 2, 64, W), (16, 32, 4, 3, 4, 64),
+              (32, 32, 8, 1, 1, 64, W, P), (32, 64, 8, 1, 1, 64, W, P), (32, 16, 8, 1, 2, 64, W, P),
+              (32, 32, 8, 1, 2, 64, W, P, 128), (32, 32, 8, 2, 2, 64, W, False, 128)),
+    # verify rows (1 + S = 3 a request, 48 matrix rows): 64-row tiles hold all three, so the cache
+    # is read once (a 32-row tile holds two rows: two reads); not timed yet
+    (16, 3): ((64, 64, 8, 2, 2, 128), (64, 64, 8, 2, 1, 128, W), (64, 32, 8, 3, 2, 128), (64, 32, 8, 2, 1, 64, W),
+              (32, 64, 8, 2, 8, 32), (32, 32, 8, 2, 2, 64, W, False, 128), (32, 64, 8, 2, 1, 64, W)),
 }
 # --final: (heads, batches, contexts, query rows a request): TP 8 everywhere, TP 4 / 2 / 1 at batch >= 32
 # and context >= 8k, verify rows (1 + S = 3) at 16 and 128 heads
@@ -204,7 +208,7 @@ def pick(device, bandwidth, args):
                  (QK + ROPE) ** -0.5)
     latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
     table = mla_tiles(heads, batch, context, rows)
-    candidates = [DEFAULT_TILES, table, *(MLATiles(*values) for values in PICK_CANDIDATES.get(heads, ()))]
+    candidates = [DEFAULT_TILES, table, *(MLATiles(*values) for values in PICK_CANDIDATES.get((heads, rows), ()))]
     print(f"\npick: {heads} heads, B {batch}, context {context}, {rows} row(s); us of a graph replay (median of 20), "
           f"% of the copy ({bandwidth / 1e9:.0f} GB/s); tiles = (block_m, block_n, warps, stages, programs/SM, "
           "min split tokens[, W: whole waves][, P: prefetch][, Rn: n registers at most])")
