@@ -82,20 +82,18 @@ CANDIDATES = {
     64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
     128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
 }
-# --pick candidates by (heads, rows a request), timed at batch 32 / 8k: MLATiles(block_m, block_n, warps, stages, programs/SM,
-# min split tokens, whole_waves, prefetch, max_registers). Programs an SM holds (ptxas for sm_90a,
-# triton 3.6): 8 warps one (159-228 registers) unless capped at 128 registers or block_n 16 (124);
-# 4 warps two (194-255). Stages add no buffer here (the pipeliner keeps one), prefetch overlaps a
-# program's next loads with its dots.
-W, P = True, True
+# --pick candidates by (heads, rows a request), timed at batch 32 / 8k: MLATiles(block_m, block_n, warps,
+# stages, programs/SM, min split tokens, whole_waves, max_registers). Programs an SM holds (ptxas for
+# sm_90a, triton 3.6): 8 warps one (162-204 registers) unless capped at 128 registers; 4 warps two
+# (220-255). Stages add no buffer here (the pipeliner keeps one latent tile).
+W = True
 PICK_CANDIDATES = {
     (16, 1): ((32, 64, 8, 2, 1, 64, W), (32, 64, 8, 2, 2, 64, W), (16, 32, 4, 3, 2, 64, W), (16, 32, 4, 3, 4, 64),
-              (32, 32, 8, 1, 1, 64, W, P), (32, 64, 8, 1, 1, 64, W, P), (32, 16, 8, 1, 2, 64, W, P),
-              (32, 32, 8, 1, 2, 64, W, P, 128), (32, 32, 8, 2, 2, 64, W, False, 128)),
+              (32, 32, 8, 2, 2, 64, W, 128), (32, 32, 8, 3, 2, 64, W, 128), (32, 64, 8, 2, 2, 64, W, 128)),
     # verify rows (1 + S = 3 a request, 48 matrix rows): 64-row tiles hold all three, so the cache
     # is read once (a 32-row tile holds two rows: two reads); not timed yet
     (16, 3): ((64, 64, 8, 2, 2, 128), (64, 64, 8, 2, 1, 128, W), (64, 32, 8, 3, 2, 128), (64, 32, 8, 2, 1, 64, W),
-              (32, 64, 8, 2, 8, 32), (32, 32, 8, 2, 2, 64, W, False, 128), (32, 64, 8, 2, 1, 64, W)),
+              (32, 64, 8, 2, 8, 32), (32, 32, 8, 2, 2, 64, W, 128), (32, 64, 8, 2, 1, 64, W)),
 }
 # --final: (heads, batches, contexts, query rows a request): TP 8 everywhere, TP 4 / 2 / 1 at batch >= 32
 # and context >= 8k, verify rows (1 + S = 3) at 16 and 128 heads
@@ -122,11 +120,11 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 
 def tiles_label(tiles):
-    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,P][,Rn])``; W: whole waves,
-    P: prefetch, Rn: at most n registers a thread."""
+    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,Rn])``; W: whole waves,
+    Rn: at most n registers a thread."""
     values = dataclasses.astuple(tiles)
     return "(" + ",".join(str(value) for value in values[:6]) + (",W" if tiles.whole_waves else "") \
-        + (",P" if tiles.prefetch else "") + (f",R{tiles.max_registers}" if tiles.max_registers else "") + ")"
+        + (f",R{tiles.max_registers}" if tiles.max_registers else "") + ")"
 
 
 def kernel_tables(device, bandwidth, args):
@@ -146,7 +144,7 @@ def kernel_tables(device, bandwidth, args):
     print(f"\n1. paged MLA kernel, {rows} query row(s) a request (latent {LATENT} + rope {ROPE}, {dtype}, block "
           f"{BLOCK}); % = latent bytes read once / GPU time, of the device copy ({bandwidth / 1e9:.0f} GB/s); "
           "TFLOP/s = dot work (rows x heads x context x 2 x (576 + 512)) / time; tiles = (block_m, block_n, warps, "
-          "stages, programs/SM, min split tokens[, W: whole waves][, P: prefetch][, Rn: n registers at most])")
+          "stages, programs/SM, min split tokens[, W: whole waves][, Rn: n registers at most])")
     print(f"   default tiles {tiles_label(DEFAULT_TILES)}")
     best_counts, largest_diff = {}, 0.0
     for heads in heads_list:
@@ -211,7 +209,7 @@ def pick(device, bandwidth, args):
     candidates = [DEFAULT_TILES, table, *(MLATiles(*values) for values in PICK_CANDIDATES.get((heads, rows), ()))]
     print(f"\npick: {heads} heads, B {batch}, context {context}, {rows} row(s); us of a graph replay (median of 20), "
           f"% of the copy ({bandwidth / 1e9:.0f} GB/s); tiles = (block_m, block_n, warps, stages, programs/SM, "
-          "min split tokens[, W: whole waves][, P: prefetch][, Rn: n registers at most])")
+          "min split tokens[, W: whole waves][, Rn: n registers at most])")
     times, baseline, largest_diff = {}, None, 0.0
     for tiles in dict.fromkeys(candidates):
         def call(tiles=tiles):

@@ -174,7 +174,6 @@ def _paged_mla_kernel(
     num_head_tiles, num_kv_splits,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
     flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
@@ -227,24 +226,12 @@ def _paged_mla_kernel(
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-        if PREFETCH:  # the first tile, loaded before the loop (the loop loads one tile ahead)
-            next_latent, next_rope_key = _latent_tile(CACHE_PTR, block_table_row, kv_lo, kv_hi, cdims, rdims, cmask,
-                                                      rmask, latent_dim, block_size_tokens, cache_stride_block,
-                                                      cache_stride_token, BLOCK_N)
         for tile_start in range(kv_lo, kv_hi, BLOCK_N):
             kv_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             kv_valid = kv_pos < kv_hi
-            if PREFETCH:
-                # registers, not the pipeliner's shared buffer: the next tile's loads are in flight
-                # while this tile's dots run (the pipeliner keeps one buffer, filled after the dots)
-                latent, rope_key = next_latent, next_rope_key
-                next_latent, next_rope_key = _latent_tile(CACHE_PTR, block_table_row, tile_start + BLOCK_N, kv_hi,
-                                                          cdims, rdims, cmask, rmask, latent_dim, block_size_tokens,
-                                                          cache_stride_block, cache_stride_token, BLOCK_N)
-            else:
-                latent, rope_key = _latent_tile(CACHE_PTR, block_table_row, tile_start, kv_hi, cdims, rdims, cmask,
-                                                rmask, latent_dim, block_size_tokens, cache_stride_block,
-                                                cache_stride_token, BLOCK_N)
+            latent, rope_key = _latent_tile(CACHE_PTR, block_table_row, tile_start, kv_hi, cdims, rdims, cmask, rmask,
+                                            latent_dim, block_size_tokens, cache_stride_block, cache_stride_token,
+                                            BLOCK_N)
             scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
             scores = (scores + tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)) * qk_scale
             visible = (kv_pos[None, :] <= positions[:, None]) & kv_valid[None, :]  # [BLOCK_M, BLOCK_N]
@@ -369,7 +356,7 @@ def paged_mla_attention(
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_C=max(16, triton.next_power_of_2(latent_dim)), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32", ZERO_BLOCK=_ZERO_BLOCK,
-        PREFETCH=tiles.prefetch, num_warps=tiles.num_warps if query_latent.is_cuda else 4,
+        num_warps=tiles.num_warps if query_latent.is_cuda else 4,
         num_stages=tiles.num_stages if query_latent.is_cuda else 1,
         **({"maxnreg": tiles.max_registers} if tiles.max_registers and query_latent.is_cuda else {}),
     )

@@ -28,9 +28,7 @@ class MLATiles:
     writes and reads in the combine, against ``tokens x (C + R) x 2`` bytes of cache).
     ``whole_waves``: the split count (at most the rounded-up one) whose programs fill their waves
     of ``programs_per_sm`` an SM best, instead of leaving a short last wave (a tail at a fraction
-    of the bandwidth); :func:`kv_split_count` says how. ``prefetch``: each program loads its next tile
-    into registers before the current tile's dots, so a load overlaps the math within one program
-    (Triton's pipeliner keeps one shared buffer for this loop and refills it after both dots).
+    of the bandwidth); :func:`kv_split_count` says how.
     ``max_registers``: a cap that lets more programs share an SM (128 at 8 warps: two), at the
     price of spills where the kernel wants more.
     """
@@ -42,8 +40,6 @@ class MLATiles:
     programs_per_sm: int  # split-K target
     min_split_tokens: int  # split-K floor, tokens a split
     whole_waves: bool = False  # split count that fills its waves best (else rounded up)
-    prefetch: bool = False  # the next tile's loads issued into registers before this tile's dots
-    # (measured slower at 16 heads, batch 32 / 8k on an H100: no entry uses it)
     max_registers: int = 0  # registers a thread at most (ptxas .maxnreg; 0: the compiler's choice)
 
     def __post_init__(self):
@@ -57,9 +53,8 @@ class MLATiles:
                 raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
         if not isinstance(self.max_registers, int) or self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"MLATiles.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
-        for name in ("whole_waves", "prefetch"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MLATiles.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.whole_waves, bool):
+            raise ValueError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)

@@ -63,10 +63,9 @@ def cases():
                             PARTIAL_ACC_PTR="fp32", PARTIAL_MAX_PTR="fp32", PARTIAL_SUM_PTR="fp32")
     # DeepSeek-V3's latent (512 + 64), 16 heads, one decode row a request; the split count is a
     # runtime int (= 1 here when ints are constants: the one-split path)
-    for prefetch in (False, True):
-        yield (f"paged MLA attention, prefetch {prefetch}", mla, mla_pointers, {"qk_scale"},
-               dict(BLOCK_Q=1, BLOCK_H=16, BLOCK_M=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32",
-                    ZERO_BLOCK=mla_attention._ZERO_BLOCK, PREFETCH=prefetch))
+    yield ("paged MLA attention", mla, mla_pointers, {"qk_scale"},
+           dict(BLOCK_Q=1, BLOCK_H=16, BLOCK_M=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32",
+                ZERO_BLOCK=mla_attention._ZERO_BLOCK))
     latent_write = mla_attention._rope_write_latent_kernel
     yield ("rope + latent write", latent_write,
            pointers(latent_write, "bf16", SLOT_MAPPING_PTR="i64", COS_PTR="fp32", SIN_PTR="fp32"), set(),

@@ -66,18 +66,6 @@ def test_every_table_entry_equals_twin(tiles):
     _check(case, max_query_len=3, max_seq_len=33, tiles=tiles)
 
 
-@pytest.mark.parametrize("block_n", [16, 32])
-def test_prefetch_equals_twin(block_n):
-    # the next tile loaded one iteration ahead: splits that end mid-tile and mid-block, the last
-    # tile's prefetch past the split (masked), verify rows and a padding request
-    tiles = MLATiles(block_m=16, block_n=block_n, num_warps=8, num_stages=1, programs_per_sm=1, min_split_tokens=16,
-                     whole_waves=True, prefetch=True, max_registers=128)
-    case = make_mla_case([3, 1, 0, 2], [70, 5, 0, 33], num_heads=4, latent_dim=16, rope_dim=8, block_size_tokens=8,
-                         padding_rows=2, seed=block_n)
-    _check(case, max_query_len=3, max_seq_len=70, tiles=tiles)
-    _check(case, max_query_len=3, max_seq_len=70, num_kv_splits=3, tiles=tiles)
-
-
 def test_tile_table_lookup():
     by_bounds = dict(TILE_TABLE)
     assert mla_tiles(16, 1, 8192) is DEFAULT_TILES
