@@ -334,8 +334,9 @@ def paged_mla_attention(
     if num_kv_splits is None:
         num_kv_splits = 1
         if query_latent.is_cuda:
-            num_kv_splits = kv_split_count(tiles, sm_count(query_latent.device), num_q_tiles * batch_size * num_head_tiles,
-                                           kv_token_bound, MAX_KV_SPLITS)
+            programs_per_split = num_q_tiles * batch_size * num_head_tiles
+            num_kv_splits = kv_split_count(tiles, sm_count(query_latent.device), programs_per_split, kv_token_bound,
+                                           MAX_KV_SPLITS)
     if num_kv_splits == 1:
         tokens_per_split = _INT32_MAX
         partial_acc = partial_max = partial_sum = output  # unused by the kernel
