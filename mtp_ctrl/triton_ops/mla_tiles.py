@@ -31,6 +31,10 @@ class MLATiles:
     of the bandwidth); :func:`kv_split_count` says how.
     ``max_registers``: a cap that lets more programs share an SM (128 at 8 warps: two), at the
     price of spills where the kernel wants more.
+    ``token_major``: the kernel's products transposed (cached tokens as the score dot's rows, the
+    accumulator ``[C, block_m]``): with two warpgroups (8 warps) and 64 matrix rows, each computes
+    half the scores instead of all of them (the row-major form's value dot wants whole rows of
+    probabilities in registers).
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -41,6 +45,7 @@ class MLATiles:
     min_split_tokens: int  # split-K floor, tokens a split
     whole_waves: bool = False  # split count that fills its waves best (else rounded up)
     max_registers: int = 0  # registers a thread at most (ptxas .maxnreg; 0: the compiler's choice)
+    token_major: bool = False  # tokens x rows scores, [C, rows] accumulator (the transposed products)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -53,8 +58,9 @@ class MLATiles:
                 raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
         if not isinstance(self.max_registers, int) or self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"MLATiles.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
-        if not isinstance(self.whole_waves, bool):
-            raise ValueError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
+        for name in ("whole_waves", "token_major"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MLATiles.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)

@@ -53,8 +53,12 @@ def test_random_batches(seed):
     _check(case)
 
 
-@pytest.mark.parametrize("tiles", list(dict.fromkeys([DEFAULT_TILES] + [tiles for _, tiles in TILE_TABLE])),
-                         ids=str)
+# the token-major form (transposed products) beside the table's entries, at 32- and 64-row tiles
+TOKEN_MAJOR_TILES = [MLATiles(64, 64, 8, 2, 1, 64, True, 0, True), MLATiles(32, 32, 8, 2, 2, 64, token_major=True)]
+
+
+@pytest.mark.parametrize("tiles", list(dict.fromkeys([DEFAULT_TILES] + [tiles for _, tiles in TILE_TABLE]
+                                                     + TOKEN_MAJOR_TILES)), ids=str)
 def test_every_table_entry_equals_twin(tiles):
     # block_m + 8 heads: two head tiles, the second partly padding; verify rows, a decode, a
     # padding request, a prefill chunk; contexts over several splits
@@ -96,6 +100,8 @@ def test_split_count_fills_whole_waves():
         dataclasses.replace(tiles, whole_waves=1)
     with pytest.raises(ValueError, match="max_registers"):
         dataclasses.replace(tiles, max_registers=300)
+    with pytest.raises(ValueError, match="token_major"):
+        dataclasses.replace(tiles, token_major="yes")
 
 
 def test_most_splits_reduce_exactly():
