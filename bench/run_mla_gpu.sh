@@ -57,6 +57,9 @@ elif [ "$mode" = verify ]; then
     | tee "$out/functional_mla.log" | tail -4
   echo "== summary"
   grep -E "fastest:|default again|is --pick's winner" "$out/verify_pick.log" "$out/verify_table.log"
+  # decode rows beside (the column masks' change reaches them too), then 128-head verify rows
+  timeout 15 python3 bench/bench_mla.py $quick --kernels-only --rows 1 --heads 16 --batches 32,128 --contexts 8192 \
+    2>&1 | tee "$out/decode_check.log"
   timeout 20 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 128 --batches 32 --contexts 8192 \
     --tune 2>&1 | tee "$out/verify_128.log"
 elif [ "$mode" = tune ]; then
