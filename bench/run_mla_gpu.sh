@@ -49,18 +49,18 @@ elif [ "$mode" = verify ]; then
   # table at 16 heads (batch 1/32/128 x 2k-32k); the GPU tests; last (cut first) 128-head verify
   # rows with the --tune candidates (the token-major 64-row tile among them)
   pick="16,32,8192"; [ -n "$quick" ] && pick="16,4,256"
-  timeout 60 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --pick "$pick" \
+  timeout 55 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --pick "$pick" \
     --winner-file "$out/winner_verify.json" 2>&1 | tee "$out/verify_pick.log"
-  timeout 40 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 16 --batches 1,32,128 \
+  timeout 35 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 16 --batches 1,32,128 \
     --contexts 2048,8192,32768 --winner-file "$out/winner_verify.json" 2>&1 | tee "$out/verify_table.log"
-  timeout 55 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
+  timeout 65 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
     | tee "$out/functional_mla.log" | tail -4
   echo "== summary"
   grep -E "fastest:|default again|is --pick's winner" "$out/verify_pick.log" "$out/verify_table.log"
   # decode rows beside (the column masks' change reaches them too), then 128-head verify rows
-  timeout 15 python3 bench/bench_mla.py $quick --kernels-only --rows 1 --heads 16 --batches 32,128 --contexts 8192 \
+  timeout 10 python3 bench/bench_mla.py $quick --kernels-only --rows 1 --heads 16 --batches 32,128 --contexts 8192 \
     2>&1 | tee "$out/decode_check.log"
-  timeout 20 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 128 --batches 32 --contexts 8192 \
+  timeout 12 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 128 --batches 32 --contexts 8192 \
     --tune 2>&1 | tee "$out/verify_128.log"
 elif [ "$mode" = tune ]; then
   timeout 240 $bench --tune 2>&1 | tee "$out/bench_mla_tune.log"
