@@ -74,30 +74,27 @@ from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
 LATENT, ROPE, QK, V = 512, 64, 128, 128  # DeepSeek-V3's kv_lora_rank, qk_pos_emb_head_dim, qk_head_dim, v_head_dim
 BLOCK = 64
 # --tune candidates per head count: MLATiles(block_m, block_n, num_warps, num_stages, programs_per_sm,
-# min_split_tokens[, whole_waves, max_registers, token_major]); the defaults and the table's entries are
-# always timed too
-W, T = True, True
+# min_split_tokens[, whole_waves, max_registers]); the defaults and the table's entries are always timed too
+W = True
 CANDIDATES = {
     16: ((16, 32, 4, 3, 4, 64), (32, 64, 8, 2, 8, 32), (32, 32, 4, 3, 8, 32), (32, 64, 4, 2, 4, 64),
          (16, 32, 4, 3, 8, 32)),
     32: ((32, 64, 8, 2, 8, 32), (32, 64, 4, 2, 4, 64)),
-    # token-major 64-row tiles: double-buffered cache tiles (224 KiB), no score computed twice
-    64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128), (64, 64, 8, 2, 1, 128, W, 0, T)),
-    128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128), (64, 64, 8, 2, 1, 128, W, 0, T)),
+    64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128), (64, 64, 8, 2, 1, 128, W)),
+    128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128), (64, 64, 8, 2, 1, 128, W)),
 }
 # --pick candidates by (heads, rows a request), timed at batch 32 / 8k: MLATiles(block_m, block_n, warps,
-# stages, programs/SM, min split tokens, whole_waves, max_registers, token_major). Programs an SM holds
-# (ptxas for sm_90a, triton 3.6): 8 warps one (162-204 registers) unless capped at 128 registers; 4 warps
-# two (220-255). Row-major: stages add no buffer (the pipeliner keeps one latent tile).
+# stages, programs/SM, min split tokens, whole_waves, max_registers). Programs an SM holds (ptxas for
+# sm_90a, triton 3.6): 8 warps one (162-204 registers) unless capped at 128 registers; 4 warps two
+# (220-255). Stages add no buffer here (the pipeliner keeps one latent tile).
 PICK_CANDIDATES = {
     (16, 1): ((32, 64, 8, 2, 1, 64, W), (32, 64, 8, 2, 2, 64, W), (16, 32, 4, 3, 2, 64, W), (16, 32, 4, 3, 4, 64),
               (32, 32, 8, 2, 2, 64, W, 128), (32, 32, 8, 3, 2, 64, W, 128), (32, 64, 8, 2, 2, 64, W, 128)),
     # verify rows (1 + S = 3 a request, 48 matrix rows): 64-row tiles hold all three, so the cache
-    # is read once (a 32-row tile holds two rows: two reads). Token-major (64, 64): 255 registers,
-    # 188 B spilled, two cache-tile buffers (224 KiB shared); (64, 32): 228, none, one buffer (112
-    # KiB); row-major (64, 32): 255, none, one buffer (144 KiB), each score computed twice
-    (16, 3): ((64, 64, 8, 2, 2, 64, W, 0, T), (64, 32, 8, 2, 1, 64, W, 0, T), (64, 64, 8, 2, 1, 128, W),
-              (64, 32, 8, 2, 1, 64, W), (64, 64, 8, 2, 2, 128), (64, 64, 8, 2, 3, 64, False, 0, T)),
+    # is read once (a 32-row tile holds two rows: two reads). (64, 64): 255 registers, 64 B
+    # spilled, 216 KiB shared; (64, 32): 255, none, 144 KiB. The H100 pick (mla4): (64, 64, one
+    # program an SM, whole waves) 203 us, 2.0x the default; the table's verify entry since
+    (16, 3): ((64, 64, 8, 2, 1, 128, W), (64, 32, 8, 2, 1, 64, W), (64, 64, 8, 2, 2, 128)),
 }
 # --final: (heads, batches, contexts, query rows a request): TP 8 everywhere, TP 4 / 2 / 1 at batch >= 32
 # and context >= 8k, verify rows (1 + S = 3) at 16 and 128 heads
@@ -124,11 +121,11 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 
 def tiles_label(tiles):
-    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,Rn][,T])``; W: whole waves,
-    Rn: at most n registers a thread, T: token-major."""
+    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,Rn])``; W: whole waves,
+    Rn: at most n registers a thread."""
     values = dataclasses.astuple(tiles)
     return "(" + ",".join(str(value) for value in values[:6]) + (",W" if tiles.whole_waves else "") \
-        + (f",R{tiles.max_registers}" if tiles.max_registers else "") + (",T" if tiles.token_major else "") + ")"
+        + (f",R{tiles.max_registers}" if tiles.max_registers else "") + ")"
 
 
 def kernel_tables(device, bandwidth, args):
@@ -148,7 +145,7 @@ def kernel_tables(device, bandwidth, args):
     print(f"\n1. paged MLA kernel, {rows} query row(s) a request (latent {LATENT} + rope {ROPE}, {dtype}, block "
           f"{BLOCK}); % = latent bytes read once / GPU time, of the device copy ({bandwidth / 1e9:.0f} GB/s); "
           "TFLOP/s = dot work (rows x heads x context x 2 x (576 + 512)) / time; tiles = (block_m, block_n, warps, "
-          "stages, programs/SM, min split tokens[, W: whole waves][, Rn: n registers at most][, T: token-major])")
+          "stages, programs/SM, min split tokens[, W: whole waves][, Rn: n registers at most])")
     print(f"   default tiles {tiles_label(DEFAULT_TILES)}")
     best_counts, largest_diff = {}, 0.0
     for heads in heads_list:
@@ -213,7 +210,7 @@ def pick(device, bandwidth, args):
     candidates = [DEFAULT_TILES, table, *(MLATiles(*values) for values in PICK_CANDIDATES.get((heads, rows), ()))]
     print(f"\npick: {heads} heads, B {batch}, context {context}, {rows} row(s); us of a graph replay (median of 20), "
           f"% of the copy ({bandwidth / 1e9:.0f} GB/s); tiles = (block_m, block_n, warps, stages, programs/SM, "
-          "min split tokens[, W: whole waves][, Rn: n registers at most][, T: token-major])")
+          "min split tokens[, W: whole waves][, Rn: n registers at most])")
     times, baseline, largest_diff = {}, None, 0.0
     for tiles in dict.fromkeys(candidates):
         def call(tiles=tiles):

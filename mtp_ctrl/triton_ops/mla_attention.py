@@ -181,7 +181,7 @@ def _paged_mla_kernel(
     num_head_tiles, num_kv_splits,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-    TOKEN_MAJOR: tl.constexpr, FULL_DIMS: tl.constexpr,
+    FULL_DIMS: tl.constexpr,
 ):
     """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
     flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
@@ -190,12 +190,6 @@ def _paged_mla_kernel(
 
     Example: H = 4, BLOCK_H = 4, BLOCK_Q = 2 (a 1 + S = 2 verify): matrix rows 0..7 are
     (row 0, head 0..3), (row 1, head 0..3).
-
-    ``TOKEN_MAJOR``: the products transposed, tokens as the score dot's M and the latent dims as
-    the value dot's M (scores ``[BLOCK_N, BLOCK_M]``, accumulator ``[BLOCK_C, BLOCK_M]``), so the
-    probabilities feed the value dot from shared memory: with two warpgroups each takes half of
-    the matrix rows' scores, where the row-major form has both compute every score (the value
-    dot's register operand needs whole rows).
     """
     q_tile = tl.program_id(0) // num_head_tiles
     head_tile = tl.program_id(0) % num_head_tiles
@@ -239,62 +233,35 @@ def _paged_mla_kernel(
         block_table_row = BLOCK_TABLE_PTR + request.to(tl.int64) * block_table_stride_b
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
-        if TOKEN_MAJOR:
-            acc = tl.zeros([BLOCK_C, BLOCK_M], tl.float32)  # transposed: latent dims x matrix rows
-            q_latent_t = tl.trans(q_latent)  # [BLOCK_C, BLOCK_M]
-            q_rope_t = tl.trans(q_rope)  # [BLOCK_R, BLOCK_M]
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
         for tile_start in range(kv_lo, kv_hi, BLOCK_N):
             kv_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             kv_valid = kv_pos < kv_hi
             latent, rope_key = _latent_tile(CACHE_PTR, block_table_row, tile_start, kv_hi, cdims, rdims, cmask, rmask,
                                             latent_dim, block_size_tokens, cache_stride_block, cache_stride_token,
                                             BLOCK_N, FULL_DIMS)
-            if TOKEN_MAJOR:
-                scores = tl.dot(latent, q_latent_t, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-                scores = (scores + tl.dot(rope_key, q_rope_t, input_precision=DOT_PRECISION)) * qk_scale
-                visible = (kv_pos[:, None] <= positions[None, :]) & kv_valid[:, None]
-                scores = tl.where(visible, scores, float("-inf"))
-                new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-                safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-                rescale = tl.exp2(running_max - safe_max)
-                probs = tl.exp2(scores - safe_max[None, :])
-                running_sum = running_sum * rescale + tl.sum(probs, axis=0)
-                acc = acc * rescale[None, :] + tl.dot(tl.trans(latent), probs.to(latent.dtype),
-                                                      input_precision=DOT_PRECISION)
-            else:
-                scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-                scores = (scores + tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)) * qk_scale
-                visible = (kv_pos[None, :] <= positions[:, None]) & kv_valid[None, :]
-                scores = tl.where(visible, scores, float("-inf"))
-                new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-                safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-                rescale = tl.exp2(running_max - safe_max)
-                probs = tl.exp2(scores - safe_max[:, None])
-                running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-                acc = acc * rescale[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision=DOT_PRECISION)
+            scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
+            scores = (scores + tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)) * qk_scale
+            visible = (kv_pos[None, :] <= positions[:, None]) & kv_valid[None, :]  # [BLOCK_M, BLOCK_N]
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp2(running_max - safe_max)
+            probs = tl.exp2(scores - safe_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            acc = acc * rescale[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision=DOT_PRECISION)
             running_max = new_max
-        if TOKEN_MAJOR:  # [BLOCK_C, BLOCK_M] addresses of the transposed accumulator
-            store_mask = row_valid[None, :] & cmask[:, None]
-            out_offsets = rows[None, :] * out_stride_t + heads[None, :] * out_stride_h + cdims[:, None]
-            denominator = tl.where(running_sum > 0, running_sum, 1.0)[None, :]
-        else:
-            store_mask = row_valid[:, None] & cmask[None, :]
-            out_offsets = rows[:, None] * out_stride_t + heads[:, None] * out_stride_h + cdims[None, :]
-            denominator = tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+        store_mask = row_valid[:, None] & cmask[None, :]
         if num_kv_splits == 1:
-            tl.store(OUTPUT_PTR + out_offsets, (acc / denominator).to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
+            out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+            out_ptrs = OUTPUT_PTR + rows[:, None] * out_stride_t + heads[:, None] * out_stride_h + cdims[None, :]
+            tl.store(out_ptrs, out.to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
         else:
             # partials [num_kv_splits, T, H] (+ [C]), paged_attn's combine layout with one kv head
             stat_index = (split * num_tokens + rows) * num_heads + heads  # [BLOCK_M] int64
             tl.store(PARTIAL_MAX_PTR + stat_index, running_max, mask=row_valid)
             tl.store(PARTIAL_SUM_PTR + stat_index, running_sum, mask=row_valid)
-            if TOKEN_MAJOR:
-                partial_offsets = stat_index[None, :] * latent_dim + cdims[:, None]
-            else:
-                partial_offsets = stat_index[:, None] * latent_dim + cdims[None, :]
-            tl.store(PARTIAL_ACC_PTR + partial_offsets, acc, mask=store_mask)
+            tl.store(PARTIAL_ACC_PTR + stat_index[:, None] * latent_dim + cdims[None, :], acc, mask=store_mask)
 
 
 def _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
@@ -399,7 +366,7 @@ def paged_mla_attention(
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_C=latent_block, BLOCK_R=rope_block,
         DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32", ZERO_BLOCK=_ZERO_BLOCK,
-        TOKEN_MAJOR=tiles.token_major, FULL_DIMS=latent_block == latent_dim and rope_block == rope_dim,
+        FULL_DIMS=latent_block == latent_dim and rope_block == rope_dim,
         num_warps=tiles.num_warps if query_latent.is_cuda else 4,
         num_stages=tiles.num_stages if query_latent.is_cuda else 1,
         **({"maxnreg": tiles.max_registers} if tiles.max_registers and query_latent.is_cuda else {}),

@@ -31,10 +31,6 @@ class MLATiles:
     of the bandwidth); :func:`kv_split_count` says how.
     ``max_registers``: a cap that lets more programs share an SM (128 at 8 warps: two), at the
     price of spills where the kernel wants more.
-    ``token_major``: the kernel's products transposed (cached tokens as the score dot's rows, the
-    accumulator ``[C, block_m]``): with two warpgroups (8 warps) and 64 matrix rows, each computes
-    half the scores instead of all of them (the row-major form's value dot wants whole rows of
-    probabilities in registers).
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -45,7 +41,6 @@ class MLATiles:
     min_split_tokens: int  # split-K floor, tokens a split
     whole_waves: bool = False  # split count that fills its waves best (else rounded up)
     max_registers: int = 0  # registers a thread at most (ptxas .maxnreg; 0: the compiler's choice)
-    token_major: bool = False  # tokens x rows scores, [C, rows] accumulator (the transposed products)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -58,19 +53,20 @@ class MLATiles:
                 raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
         if not isinstance(self.max_registers, int) or self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"MLATiles.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
-        for name in ("whole_waves", "token_major"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MLATiles.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.whole_waves, bool):
+            raise ValueError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
-VERIFY_TILES_16_HEADS = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=64, whole_waves=True,
-                                 token_major=True)
+# verify rows at <= 16 heads (1 + S <= 4 rows x 16 heads in one 64-row tile: the cache read once), one
+# program an SM (255 registers a thread), whole waves: an H100 --pick at batch 32 / 8k, 3 rows (RESULTS)
+VERIFY_TILES_16_HEADS = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True)
 
 # (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
-# None: no bound. The first entry whose bounds hold the step's dims wins. From two runs (RESULTS
-# "MLA"): the 16-head batch-32 / 8k decode entry from an H100's --pick (2026-11-26, fourth session),
-# the rest from an H200's --tune at batch 1 / 32 / 128 x context 2k-128k, 16 and 128 heads.
+# None: no bound. The first entry whose bounds hold the step's dims wins. From three runs (RESULTS
+# "MLA"): the 16-head batch-32 / 8k decode entry and the 16-head verify entries from H100 --pick
+# runs (2026-11-26, fourth session: mla3, mla4), the rest from an H200's --tune at batch 1 / 32 /
+# 128 x context 2k-128k, 16 and 128 heads.
 TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
     # <= 16 heads (DeepSeek-V3 at TP 8), decode rows: batch 1 (up to 128 splits) and batch 128 take
     # the default; batch 5-64 the default at 2k, at 8k 32-token tiles, two programs an SM (128
@@ -82,8 +78,10 @@ TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optio
                                   max_registers=128)),
     ((16, 64, None, 1), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
     ((16, None, None, 1), DEFAULT_TILES),
-    # verify rows (1 + S <= 4 a request, at most 64 matrix rows): one token-major 64-row tile
-    # holds them all, so the cache is read once (32-row tiles read it twice)
+    # verify rows (1 + S <= 4 a request): one 64-row tile holds them all, so the cache is read once
+    # (the default's 32-row tiles read it twice): H100 1.8-2.0x the default at batch 32 / 128 and
+    # batch 1 from 8k; batch 1-4 at 2k keeps the default (20 us against 26)
+    ((16, 4, 4096, 4), DEFAULT_TILES),
     ((16, None, None, 4), VERIFY_TILES_16_HEADS),
     # more rows (prefill chunks): the default, 8 programs an SM from 32k at batch 5-64
     ((16, 64, 16384, None), DEFAULT_TILES),
@@ -102,7 +100,7 @@ def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: 
 
     Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, decode rows, batch 5-64,
     context above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` (a verify at 8k) the
-    token-major 64-row tile.
+    64-row tile that holds all three rows (:data:`VERIFY_TILES_16_HEADS`).
     """
     dims = (num_heads, batch_size, kv_token_bound, query_rows)
     for bounds, tiles in TILE_TABLE:

@@ -54,12 +54,8 @@ def test_random_batches(seed):
     _check(case)
 
 
-# the token-major form (transposed products) beside the table's entries, at 32- and 64-row tiles
-TOKEN_MAJOR_TILES = [MLATiles(64, 64, 8, 2, 1, 64, True, 0, True), MLATiles(32, 32, 8, 2, 2, 64, token_major=True)]
-
-
-@pytest.mark.parametrize("tiles", list(dict.fromkeys([DEFAULT_TILES] + [tiles for _, tiles in TILE_TABLE]
-                                                     + TOKEN_MAJOR_TILES)), ids=str)
+@pytest.mark.parametrize("tiles", list(dict.fromkeys([DEFAULT_TILES] + [tiles for _, tiles in TILE_TABLE])),
+                         ids=str)
 def test_every_table_entry_equals_twin(tiles):
     # block_m + 8 heads: two head tiles, the second partly padding; verify rows, a decode, a
     # padding request, a prefill chunk; contexts over several splits
@@ -76,11 +72,12 @@ def test_tile_table_lookup():
     assert mla_tiles(16, 1, 8192) is DEFAULT_TILES
     assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384, 1)]  # TP 8, batch 32: by context and rows
     assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None, 1)]
-    # verify rows (1 + S <= 4) at 16 heads: one 64-row token-major tile, every batch and context
-    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 1, 2048, 2) is mla_tiles(16, 128, 32768, 4) \
+    # verify rows (1 + S <= 4) at 16 heads: one 64-row tile holds them (the default at batch 1-4 / 2k)
+    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 128, 32768, 4) \
         is VERIFY_TILES_16_HEADS
-    assert VERIFY_TILES_16_HEADS.block_m == 64 and VERIFY_TILES_16_HEADS.token_major
-    assert mla_tiles(16, 32, 8192, 5) is DEFAULT_TILES and mla_tiles(16, 32, 32768, 16) is by_bounds[(16, 64, None, None)]
+    assert VERIFY_TILES_16_HEADS.block_m == 64 and mla_tiles(16, 1, 2048, 3) is DEFAULT_TILES
+    assert mla_tiles(16, 32, 8192, 5) is DEFAULT_TILES  # more rows (a prefill chunk): as before
+    assert mla_tiles(16, 32, 32768, 16) is by_bounds[(16, 64, None, None)]
     assert mla_tiles(16, 128, 8192) is DEFAULT_TILES
     assert mla_tiles(128, 1, 8192).block_m == mla_tiles(128, 128, 131072).block_m == 64  # 64-head tiles
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
@@ -105,8 +102,6 @@ def test_split_count_fills_whole_waves():
         dataclasses.replace(tiles, whole_waves=1)
     with pytest.raises(ValueError, match="max_registers"):
         dataclasses.replace(tiles, max_registers=300)
-    with pytest.raises(ValueError, match="token_major"):
-        dataclasses.replace(tiles, token_major="yes")
 
 
 def test_most_splits_reduce_exactly():
