@@ -47,10 +47,6 @@ VERIFY_TILE_TABLE: TileTable = (
     ((None, None), DEFAULT_TILES),
 )
 
-REPLAY_TILE_TABLE: TileTable = (
-    ((None, None), DEFAULT_TILES),
-)
-
 
 def _lookup(table: TileTable, num_requests: int, rows_per_request: int) -> GDNTiles:
     for (max_requests, max_rows), tiles in table:
@@ -63,8 +59,3 @@ def _lookup(table: TileTable, num_requests: int, rows_per_request: int) -> GDNTi
 def gdn_verify_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
     """The verify kernel's tiles for ``num_requests`` decode requests of ``rows_per_request`` (1 + S) rows."""
     return _lookup(VERIFY_TILE_TABLE, num_requests, rows_per_request)
-
-
-def gdn_replay_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
-    """The replay kernel's tiles for ``num_requests`` requests whose row inputs hold ``rows_per_request`` rows."""
-    return _lookup(REPLAY_TILE_TABLE, num_requests, rows_per_request)
