@@ -1,36 +1,42 @@
-"""Verify rows of Gated DeltaNet layers without one state per row: store each row's small inputs,
-then commit by replaying the accepted rows from the committed state.
+"""Verify rows of Gated DeltaNet layers without one state per row, and their commit deferred into
+the slot's next step: store each row's small inputs; the next step applies the kept ones.
 
-Letters as in :mod:`mtp_ctrl.triton_ops.gdn_recurrent` (nd decode requests of R = 1 + S rows, L
+Letters as in :mod:`mtp_ctrl.triton_ops.gdn_recurrent` (nd decode requests of R = 1 + V rows, L
 layers, M slots, H value heads, Hk key heads, K key dim, V value dim; the rule's state ``[H, K, V]``
-fp32 per slot and layer). A request's state is ``H K V`` floats, its row's inputs only
-``F = Hk K + H V + 2 H`` (:func:`gdn_row_input_width`), so writing one state per verify row
-(:func:`gdn_decode_rows`) costs R state writes and a commit copy, and this costs none:
+fp32 per slot and layer; P = 1 + S stored rows a buffer). A request's state is ``H K V`` floats, its
+row's inputs only ``F = Hk K + H V + 2 H`` (:func:`gdn_row_input_width`), so writing one state per
+verify row (:func:`gdn_decode_rows`) costs R state writes and a commit copy, and this costs none:
 
-- :func:`gdn_verify_rows` reads the slot's state once, keeps it in registers through the R rows
-  (their outputs need the state after every row), and stores row ``j``'s ``(k, v, g, beta)`` in
-  ``row_inputs[layer, slot, j]`` as ``[k (Hk K) | v (H V) | g (H) | beta (H)]``. The state is only
-  read. With R = 1 (plain decoding, nothing to roll back) it writes the state after the row to the
-  slot instead and stores nothing.
-- :func:`gdn_replay_accepted` (the commit, after acceptance) steps rows ``0 .. accepted_counts[r]``
-  of each decode request, every layer, from the slot's state and writes the result back: one read
-  and one write of the state. Rows past the accepted count are skipped, so zero accepted drafts
-  leave the state one plain decode row leaves. A prefill request keeps its state.
+- :func:`gdn_verify_rows` reads the slot's state once and first applies the slot's
+  ``pending_rows[slot]`` stored rows (``row_inputs[layer, slot, input_parity[slot]]``: the rows its
+  last verify step kept), then keeps the state in registers through its own R rows (their
+  outputs need the state after every row). With R > 1 it writes the committed state (the state
+  before its rows) back and stores row ``j``'s ``(k, v, g, beta)`` in the OTHER buffer,
+  ``row_inputs[layer, slot, 1 - parity, j]``, as ``[k (Hk K) | v (H V) | g (H) | beta (H)]``: the
+  programs of one launch that share a key head's ``k`` may still be applying the old rows. With
+  R = 1 (plain decoding, nothing to roll back) it writes the state after the row instead and
+  stores nothing. One read and one write of the state per step, whatever R.
+- :func:`gdn_mark_pending_rows` (the commit, after acceptance) touches no state: each decode
+  request's slot records ``accepted_counts[r] + 1`` pending rows and flips its parity to the buffer
+  just written (R = 1 and prefill requests: 0 pending; the scratch slot keeps 0). Zero accepted
+  drafts leave the base row pending: the state one plain decode row leaves, once applied.
 
-Both step the rule with :func:`mtp_ctrl.triton_ops.gdn_recurrent._delta_rule_update`, the one
-function every GDN kernel uses, so a replayed row's state is the one the verify row saw (bit for
-bit under the same launch shape; the order of the sums over K follows the shape, so two shapes
-agree to fp32 rounding).
+Every GDN kernel steps the rule with :func:`mtp_ctrl.triton_ops.gdn_recurrent._delta_rule_update`
+under one launch shape, so a pending row applied in the next step gives the state the verify row
+saw and a plain R = 1 row computes, bit for bit (the order of the sums over K follows the shape:
+two shapes agree to fp32 rounding only). Rows past the pending count are skipped (they would be
+exact no-ops: g = beta = 0, k = v = 0).
 
 Launch: one program per (value tile, head, request) holds a ``[K, BLOCK_V]`` state tile in
-registers. It loads every row's inputs first and the state after them, so all its loads are in
-flight together and none waits behind a store or behind the serial rows (loaded in the row loop,
-after the previous row's stores, each row cost a global-load wait). ``BLOCK_V`` and the warps come from
-:mod:`mtp_ctrl.triton_ops.gdn_tiles` by the launch's request count and R, or the ``tiles`` argument.
+registers. It loads every row's inputs and the pending rows' first and the state after them, so
+all its loads are in flight together and none waits behind a store or behind the serial rows.
+``BLOCK_V`` and the warps come from :mod:`mtp_ctrl.triton_ops.gdn_tiles`, or the ``tiles`` argument.
 
-Worked example (R = 3, F for Hk = 1, K = 2, H = 2, V = 2 is 2 + 4 + 2 + 2 = 10): request 0 in slot 5
-verifies rows 0, 1, 2 and stores ``row_inputs[layer, 5, 0..2]``; ``accepted_counts[0] = 1`` then
-replays rows 0 and 1: ``state[l, 5] <- rule(rule(state[l, 5], row 0), row 1)`` for every layer l.
+Worked example (S = 2, F for Hk = 1, K = 2, H = 2, V = 2 is 2 + 4 + 2 + 2 = 10): slot 5 holds 2
+pending rows in buffer 1. A step verifying rows x, y, z loads ``state[l, 5]``, applies
+``row_inputs[l, 5, 1, 0..1]``, writes the result to ``state[l, 5]``, stores x, y, z in
+``row_inputs[l, 5, 0, 0..2]`` and steps them for their outputs; ``accepted_counts = 0`` then sets
+``pending_rows[5] = 1``, ``input_parity[5] = 0``: the next step applies x only.
 
 Twins: :mod:`mtp_ctrl.triton_ops.reference.gdn`.
 """

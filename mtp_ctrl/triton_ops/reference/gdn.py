@@ -12,9 +12,11 @@ One row ``t`` of one head, from state ``S`` (``q`` l2-normalised and scaled by `
 
 - :func:`gdn_decode_rows` steps the R rows of each decode request one after another and writes
   the state after every row to the slot's intermediate buffer (the controller commits one);
-- :func:`gdn_verify_rows` steps them the same way but stores each row's ``(k, v, g, beta)`` instead
-  of its state (R = 1: writes the state back), and :func:`gdn_replay_accepted` commits by
-  stepping the accepted rows from the slot's state (:mod:`mtp_ctrl.triton_ops.gdn_replay`);
+- :func:`gdn_verify_rows` first applies the slot's pending rows (the rows its last verify step
+  kept), writes that state back, then steps the rows the same way and stores each row's
+  ``(k, v, g, beta)`` in the other buffer instead of its state (R = 1: writes the state after the
+  row back); :func:`gdn_mark_pending_rows` is the commit, recording the kept rows
+  (:mod:`mtp_ctrl.triton_ops.gdn_replay`);
 - :func:`gdn_varlen_scan` runs each prefill segment in chunks of Q rows (the chunked form: one
   unit-triangular solve per chunk, states passed from chunk to chunk) from the slot's state and
   writes the state after the segment's last row back. Fixed shapes, no host sync: every segment
