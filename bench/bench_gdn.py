@@ -44,6 +44,9 @@ def parse_args(argv=None):
     parser.add_argument("--kernels", action="store_true", help="table 1 only (the decode/verify kernels)")
     parser.add_argument("--e2e", action="store_true", help="table 3 only (end to end)")
     parser.add_argument("--skip-old", action="store_true", help="table 1 without the old path (gdn_decode_rows)")
+    parser.add_argument("--graph-calls", type=int, default=10, metavar="N",
+                        help="table 1 on CUDA: time N calls captured in one CUDA graph (GPU time, no launch "
+                             "latency); 0: eager calls, as before the fourth session")
     parser.add_argument("--tune", action="store_true",
                         help="only sweep the verify kernel's launch shapes (batch 1, 32, 128; S = 0, 2, 4)")
     parser.add_argument("--baseline", metavar="GDN_REPLAY_PY",
@@ -74,12 +77,23 @@ from mtp_ctrl.triton_ops import (  # noqa: E402
 )
 
 
-def _time_ms(fn, device, repeats):
-    """Median ms of ``fn()`` (CUDA events on the GPU, wall clock on the CPU), after 2 warm-ups."""
+def _time_ms(fn, device, repeats, graph_calls=0):
+    """Median ms of ``fn()`` (CUDA events on the GPU, wall clock on the CPU), after 2 warm-ups.
+    ``graph_calls`` > 0 (CUDA): ``fn`` is captured that many times in one CUDA graph and each timed
+    replay is divided by it: GPU time without the host's launch latency (a launch from Python
+    costs tens of us, more than the kernel itself below batch ~64)."""
     import time
 
     for _ in range(2):
         fn()
+    if graph_calls and device.type == "cuda":
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(graph_calls):
+                fn()
+        graph.replay()
+        return _time_ms(graph.replay, device, repeats) / graph_calls
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -150,7 +164,7 @@ def _deferred_step(step, S, tiles=None):
     return out
 
 
-def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=None):
+def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=None, graph_calls=0):
     """Per step of one layer: this package's verify rows with the deferred commit (``gdn_verify_rows``
     applies the slot's 1 + S pending rows, writes the committed state, steps its own rows;
     ``gdn_mark_pending_rows``: every draft accepted, the most work), (``baseline``: another checkout's
@@ -167,7 +181,9 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=
           f"K = {key_dim}, V = {value_dim}, fp32 state {state_bytes / 2**20:.1f} MiB per request, row inputs "
           f"{width * 4 / 2**10:.1f} KiB); package {mtp_ctrl.__file__}; same-run device copy {copy_gbs:.0f} GB/s. "
           "step: gdn_verify_rows with the commit folded in (reads + writes 1 state at every S) + "
-          "gdn_mark_pending_rows; 'of copy' = state bytes / time / copy GB/s; tiles = BLOCK_V/warps"
+          "gdn_mark_pending_rows; 'of copy' = state bytes / time / copy GB/s; tiles = BLOCK_V/warps; "
+          + (f"GPU time: {graph_calls} calls captured in one CUDA graph, a replay / {graph_calls}" if graph_calls
+             else "times of eager calls (host launch latency included)")
           + (f"; base: {baseline} verify (reads 1 state; S = 0 writes it too) + replay (reads + writes 1), "
              "timed here" if baseline else "")
           + ("; old: gdn_decode_rows + copy commit (moves 1 + (1 + S) + 2 states)" if old_path else ""))
@@ -183,11 +199,12 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=
         for S in drafts:
             R = S + 1
             step = _verify_setup(device, shape, batch, S)
-            times[("deferred", batch, S)] = us = _time_ms(lambda: _deferred_step(step, S), device, 20) * 1e3
+            times[("deferred", batch, S)] = us = _time_ms(lambda: _deferred_step(step, S), device, 20,
+                                                          graph_calls) * 1e3
             line = (f"{batch:5d} {S:2d} | {us:8.1f} {share(batch, 2, us)} "
                     f"{us / times[('deferred', batch, drafts[0])]:5.2f}x {_table_tiles(batch, R):>5}")
             if base_module is not None:
-                verify_us, replay_us = _time_baseline(base_module, device, step, key_heads, S)
+                verify_us, replay_us = _time_baseline(base_module, device, step, key_heads, S, graph_calls=graph_calls)
                 times[("base", batch, S)] = total = verify_us + replay_us
                 replay_cells = f"{replay_us:7.1f} {share(batch, 2, replay_us)}" if S else f"{'-':>7} {'-':>7}"
                 line += (f" | {verify_us:11.1f} {share(batch, 1 if S else 2, verify_us)} {replay_cells} {total:7.1f} "
@@ -199,7 +216,7 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=
                 def old_step():
                     gdn_decode_rows(states, inter, 0, slots, **rows)
                     mamba_state_selective_copy(inter, states, step["status"], slots, step["accepted"], 1)
-                times[("old", batch, S)] = old_us = _time_ms(old_step, device, 20) * 1e3
+                times[("old", batch, S)] = old_us = _time_ms(old_step, device, 20, graph_calls) * 1e3
                 line += (f" | {old_us:8.1f} {share(batch, 1 + R + 2, old_us)} "
                          f"{old_us / times[('old', batch, drafts[0])]:5.2f}x")
                 del inter
@@ -257,7 +274,7 @@ def _load_baseline(path):
                 sys.modules[name] = module
 
 
-def _time_baseline(module, device, step, key_heads, S, repeats=20):
+def _time_baseline(module, device, step, key_heads, S, repeats=20, graph_calls=0):
     """(verify us, replay us) of the baseline module's verify + replay kernels at one step
     (repeats = 0: compile only); its own states and row inputs (main's [1, M, R, F] layout)."""
     states, row_inputs = step["states"].clone(), step["old_row_inputs"]
@@ -270,8 +287,9 @@ def _time_baseline(module, device, step, key_heads, S, repeats=20):
         replay()
     if not repeats:
         return 0.0, 0.0
-    verify_us = _time_ms(lambda: module.gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, repeats) * 1e3
-    return verify_us, (_time_ms(replay, device, repeats) * 1e3 if S else 0.0)
+    verify_us = _time_ms(lambda: module.gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, repeats,
+                         graph_calls) * 1e3
+    return verify_us, (_time_ms(replay, device, repeats, graph_calls) * 1e3 if S else 0.0)
 
 
 def _precompile(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
@@ -448,7 +466,8 @@ def main(args):
         return tune_table(device, shape, batches, drafts, candidates=candidates, baseline=args.baseline)
     if args.e2e:
         return end_to_end_table((1, 8, 32), steps=20)
-    decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4), old_path=not args.skip_old, baseline=args.baseline)
+    decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4), old_path=not args.skip_old, baseline=args.baseline,
+                        graph_calls=args.graph_calls)
     if args.kernels:
         return
     prefill_table(device, shape, (64, 256, 512, 1024, 4096, 8192))
