@@ -2,7 +2,7 @@
 # One device call for the Gated DeltaNet hybrids (issue 32). Logs go to $OUT (or ./gpu_logs).
 # Usage (device machine, repo root): bash bench/run_gdn_gpu.sh [tune|final|functional]
 #   (none)      the GDN GPU tests, then bench_gdn.py (kernel table, prefill vs fla, end to end)
-#   tune        bench_gdn.py --tune (every verify / replay launch shape) with the baseline's kernels
+#   tune        bench_gdn.py --tune (every launch shape of the verify step) beside the baseline's kernels
 #   final       the kernel table (this checkout's deferred-commit step beside the baseline's verify +
 #               replay, timed in one process), the GPU kernel tests (twins, S = 2 steps == R = 1 steps
 #               bit for bit), the two controller graph tests, then end to end S = 0 vs 2 with the
