@@ -136,6 +136,6 @@ class MambaStateSlots:
         if self.intermediate_ssm_states is not None:
             mamba_state_selective_copy(self.intermediate_ssm_states, self.ssm_states, prefill_status, decode_slot_ids,
                                        accepted_counts, self.num_layers)
-        else:  # R = 1 (V = 0 or S = 0): the decode row wrote its state in place, 0 pending
+        elif self.verify_row_inputs.shape[3] > 1:  # S = 0 stores no rows: nothing is ever pending
             gdn_mark_pending_rows(self.pending_rows, self.input_parity, prefill_status, decode_slot_ids,
                                   accepted_counts, rows, self.scratch_slot)

@@ -97,10 +97,13 @@ def test_gdn_slots_store_row_inputs_and_defer_the_commit():
 def test_gdn_slots_without_drafts_leave_the_recurrent_state_to_the_decode_row():
     slots = make_gdn_slots(0)
     slots.ssm_states.fill_(1.0)
-    slots.pending_rows[1] = 2  # (as if a wider step had kept rows: the one-row step applied them)
     slots.commit_accepted(torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
     assert bool((slots.ssm_states == 1.0).all())  # the S = 0 decode row wrote it in place
-    assert slots.pending_rows[1] == 0
+    assert int(slots.pending_rows.sum()) == 0  # S = 0 stores no rows
+    wide = make_gdn_slots(2)
+    wide.pending_rows[1] = 2  # kept by a wider step; a step of V = 0 (one row) applied them in place
+    wide.commit_accepted(torch.tensor([0]), torch.tensor([1]), torch.tensor([0]), rows_per_request=1)
+    assert wide.pending_rows[1] == 0
 
 
 def test_gdn_spec_validation():
