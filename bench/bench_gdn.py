@@ -155,12 +155,14 @@ def _verify_setup(device, shape, batch, S):
 
 def _deferred_step(step, S, tiles=None):
     """One layer's step of this package: the verify rows (the pending rows applied first), then the
-    commit's bookkeeping (it keeps every slot at 1 + S pending rows: the same work every call)."""
+    commit's bookkeeping (it keeps every slot at 1 + S pending rows: the same work every call; none
+    at S = 0, as ``MambaStateSlots.commit_accepted``: nothing is ever pending there)."""
     R = S + 1
     out = gdn_verify_rows(step["states"], step["row_inputs"], step["pending"], step["parity"], 0, step["slots"],
                           **step["rows"], rows_per_request=R, tiles=tiles)
-    gdn_mark_pending_rows(step["pending"], step["parity"], step["status"], step["slots"], step["accepted"], R,
-                          step["slots"].shape[0])
+    if S > 0:
+        gdn_mark_pending_rows(step["pending"], step["parity"], step["status"], step["slots"], step["accepted"], R,
+                              step["slots"].shape[0])
     return out
 
 

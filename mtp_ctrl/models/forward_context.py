@@ -41,8 +41,9 @@ class MambaForward:
     row ``j`` to ``intermediate_*[:, slot, j]`` (the controller later commits the one after the
     last accepted row; Gated DeltaNet layers first apply the slot's ``pending_rows`` from
     ``verify_row_inputs`` and store each row's inputs there instead, and the commit only records
-    the kept rows, which the slot's next step applies: :mod:`mtp_ctrl.state.mamba_slots`). Prefill segment ``g`` is rows ``[prefill_row_start[g], +
-    prefill_row_count[g])`` (segments in row order); it continues from the current state of
+    the kept rows, which the slot's next step applies: :mod:`mtp_ctrl.state.mamba_slots`).
+    Prefill segment ``g`` is rows ``[prefill_row_start[g], + prefill_row_count[g])`` (segments in
+    row order); it continues from the current state of
     ``prefill_slot_ids[g]`` and leaves the state after its rows in it. A segment of 0 rows
     leaves its slot as it was; give it the scratch slot.
     """

@@ -16,8 +16,9 @@ buffers and commit as Mamba-2 layers: ``conv_states`` hold the conv windows, ``s
   writes that state back and stores each row's ``(k, v, g, beta)`` (``MambaForward.verify_row_inputs``);
   the controller's commit records how many rows were kept (``gdn_mark_pending_rows``; the conv
   window by ``mamba_state_selective_copy``), so a rejected draft never touches the state and a
-  step with no drafts or none accepted leaves plain decoding's state. Given ``intermediate_ssm_states`` instead, ``gdn_decode_rows`` writes the
-  state after every row there and the commit copies one (the older, costlier path);
+  step with no drafts or none accepted leaves plain decoding's state. Given
+  ``intermediate_ssm_states`` instead, ``gdn_decode_rows`` writes the state after every row there
+  and the commit copies one (the older, costlier path);
 - prefill segments: ``causal_conv_varlen`` (Mamba's varlen conv: same depthwise conv + silu) and
   ``gdn_varlen_scan`` from the slot's state, written back; fixed shapes, so a mixed step is
   captured in a CUDA graph like a decode step. In eager steps on CUDA, segments of at least

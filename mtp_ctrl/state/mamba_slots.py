@@ -39,7 +39,8 @@ class MambaSpec:
     ssm_state_shape: Tuple[int, ...]  # per layer and slot, e.g. (heads, head_dim, state_size)
     dtype: torch.dtype
     # Gated DeltaNet layers (ssm_state_shape (H, K, V)) with this many key heads per rank: their verify
-    # rows store inputs and the slot's next step applies the kept ones (module docstring); None: one state per row, copied
+    # rows store inputs and the slot's next step applies the kept ones (module docstring); None: one
+    # state per row, copied
     gdn_key_heads: Optional[int] = None
 
     def __post_init__(self):

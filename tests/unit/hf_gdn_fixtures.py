@@ -146,8 +146,8 @@ def reference_mtp_logits(model, mtp: Dict[str, torch.Tensor], layer_models, toke
 def paged_logits(runner, tokens: torch.Tensor, tensor_parallel_size: int = 1, device="cpu"):
     """Our model over one request: prefill 5 rows, verify 3 rows as a decode request (1 + S = 3),
     commit after 1 accepted draft, decode position 7 as one row (it applies the kept rows), prefill
-    the rest from position 8 -> decoder logits of positions ``0..4, 5..7, 7, 8..n-1`` [n + 1, V]; then the whole sequence as one prefill in a fresh slot with
-    every MTP depth over it -> [depth] [n, V]. ``tokens`` and the caches on ``device``."""
+    the rest from position 8 -> decoder logits of positions ``0..4, 5..7, 7, 8..n-1`` [n + 1, V];
+    then the whole sequence as one prefill in a fresh slot with every MTP depth over it -> [depth] [n, V]. ``tokens`` and the caches on ``device``."""
     from mtp_ctrl.models import MambaForward
     from mtp_ctrl.state import MambaStateSlots
     from tests.unit.megatron_fixtures import shifted_tokens

@@ -169,7 +169,7 @@ def _stored_rows(row_inputs: torch.Tensor, layer: int, slots: torch.Tensor, pari
 
 def gdn_verify_rows(
     recurrent_states: torch.Tensor,  # [L, M, H, K, V] fp32: the pending rows applied, and R = 1's row
-    row_inputs: torch.Tensor,  # [L, M, 2, P, F] fp32: pending rows read at the slot's parity, R > 1 stored at 1 - parity
+    row_inputs: torch.Tensor,  # [L, M, 2, P, F] fp32: pending rows at the slot's parity; R > 1 stores at 1 - parity
     pending_rows: torch.Tensor,  # [M] int32: stored rows each slot has not yet applied (0 .. P)
     input_parity: torch.Tensor,  # [M] int32: the buffer (0 or 1) holding them
     layer: int,
