@@ -159,6 +159,29 @@ def test_goodput_counts_every_observation_of_a_batch():
     assert np.allclose(policy.acceptance(10), policy.acceptance(11))
 
 
+def test_goodput_observe_counts_each_depth_reached_and_accepted():
+    """observe's counts equal the definition, outcome by outcome: draft k reached when the request
+    verified >= k drafts and accepted the k - 1 before it; accepted when it accepted >= k. Repeated
+    requests (a decode run, a held choice), zero lengths and a request not held (model only)."""
+    rng = np.random.default_rng(3)
+    ids = np.array([4, 9, 2, 7], dtype=np.int64)
+    lengths = rng.integers(0, S + 1, 40)
+    accepted = (rng.random(40) * (lengths + 1)).astype(np.int64)  # [40] in [0, length]
+    request_ids = rng.choice(np.append(ids, 50), 40)  # 50: never chosen, so not held
+    policy = GoodputPolicy(prior_weight=0.0, decay=1.0)  # the estimate is then accepted / reached
+    policy.bind(SHAPE)
+    policy.choose(query(ids))
+    policy.observe(request_ids, lengths, accepted)
+    for request_id in ids:
+        mine = request_ids == request_id
+        reached = [int(((lengths[mine] > k) & (accepted[mine] >= k)).sum()) for k in range(S)]
+        taken = [int((accepted[mine] > k).sum()) for k in range(S)]
+        expected = [t / r if r else np.nan for t, r in zip(taken, reached)]
+        with np.errstate(invalid="ignore"):  # 0 / 0 where no outcome reached a depth
+            estimate = policy.acceptance(int(request_id))
+        assert np.allclose(estimate, expected, equal_nan=True), request_id
+
+
 def test_step_costs_drop_a_lone_outlier_but_follow_a_lasting_change():
     model = StepCostModel(smoothing=1.0)  # each accepted sample replaces the estimate
     model.record(8, 0, host_seconds=1e-3, gpu_seconds=None)
