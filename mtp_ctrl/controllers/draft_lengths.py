@@ -44,6 +44,7 @@ class HeldChoice(NamedTuple):
     request_ids: np.ndarray  # [n] int64, the sampling requests it was made for, in row order
     lengths: np.ndarray  # [n] int64
     steps: int  # steps it has served
+    hold: int  # steps it may serve (decide_every, doubled while the policy repeats itself)
 
 
 class DraftLengths:
@@ -87,11 +88,12 @@ class DraftLengths:
     def choose(self, request_ids: np.ndarray, num_sampling: int, batch_size: int) -> np.ndarray:
         """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order). The
         policy's last choice holds for up to ``policy.decide_every`` steps while the sampling
-        requests stay the same (no per-step policy work on steady decoding)."""
+        requests stay the same (no per-step policy work on steady decoding), and twice as long each
+        time the policy repeats it for the same requests, up to ``policy.longest_hold`` steps."""
         S = self.S
         ids = request_ids[:num_sampling]  # [n] int64
         held = self._held
-        if held is not None and held.steps < self.policy.decide_every and held.request_ids.shape == ids.shape \
+        if held is not None and held.steps < held.hold and held.request_ids.shape == ids.shape \
                 and np.array_equal(held.request_ids, ids):
             self._held = held._replace(steps=held.steps + 1)
             return held.lengths
@@ -109,7 +111,13 @@ class DraftLengths:
             raise TypeError(f"{type(self.policy).__name__}.choose must return [{num_sampling}] ints, "
                             f"got {lengths.dtype} {lengths.shape}")
         lengths = np.clip(lengths.astype(np.int64), 0, caps)
-        self._held = HeldChoice(ids.copy(), lengths, 1)
+        # the same choice for the same requests again: hold it twice as long (up to the policy's
+        # longest_hold); anything else starts over at decide_every
+        hold = self.policy.decide_every
+        if held is not None and held.request_ids.shape == ids.shape and np.array_equal(held.request_ids, ids) \
+                and np.array_equal(held.lengths, lengths):
+            hold = max(hold, min(2 * held.hold, self.policy.longest_hold or hold))
+        self._held = HeldChoice(ids.copy(), lengths, 1, hold)
         return lengths
 
     def launched(self, step: StepMetadata) -> None:
@@ -133,8 +141,8 @@ class DraftLengths:
         if verified is None:
             verified = np.full(accepted_counts.shape, self.S, dtype=np.int64)
         if self.S > 0 and not self._fixed and accepted_counts.size:
-            request_ids = np.tile(step.host_request_ids[: step.num_decode], verified.shape[0])
-            self._outcomes.append((request_ids, verified.ravel(), accepted_counts.ravel()))
+            # kept as they come (the read-back's rows are reused: a copy); flattened once per observe
+            self._outcomes.append((step.host_request_ids[: step.num_decode], verified, accepted_counts.copy()))
             if len(self._outcomes) >= self.policy.decide_every:
                 self._flush_outcomes()
         return verified
@@ -143,7 +151,9 @@ class DraftLengths:
         """Hand the outcomes gathered since the last call to the policy, in one ``observe``."""
         if self._outcomes:
             parts, self._outcomes = self._outcomes, []
-            self.policy.observe(*(np.concatenate(column) for column in zip(*parts)))
+            request_ids = np.concatenate([np.tile(ids, verified.shape[0]) for ids, verified, _ in parts])
+            self.policy.observe(request_ids, np.concatenate([verified.ravel() for _, verified, _ in parts]),
+                                np.concatenate([accepted.ravel() for _, _, accepted in parts]))
 
     def add(self, request_id: int, params: SamplingParams) -> None:
         """A request was queued: note its cap (kept until :meth:`drop`)."""

@@ -99,6 +99,9 @@ class DraftLengthPolicy:
     # a choice holds for up to this many steps while the step's sampling requests stay the same;
     # the outcomes of those steps come to `observe` in one call. 1: choose and observe every step.
     decide_every = 1
+    # each time the policy returns the same lengths for the same requests, the hold doubles, up to
+    # this many steps (None: decide_every, no doubling); outcomes still come every decide_every steps
+    longest_hold = None
 
     def __init__(self):
         self.cost_model: Optional[StepCostModel] = None
@@ -172,13 +175,16 @@ class GoodputPolicy(DraftLengthPolicy):
     Vectorised over the batch (numpy: no per-request Python in ``choose`` or ``observe``, a fixed
     number of numpy calls whatever the batch), and run once per ``decide_every`` steps while the
     batch stays the same (the controller reuses the choice meanwhile and hands the outcomes over in
-    one ``observe``): its host work per step is then a small fraction of a host-bound step's.
+    one ``observe``); a choice it repeats for the same batch holds twice as long, up to
+    ``longest_hold`` steps (steady decoding then asks it once in 64 steps): its host work per step
+    is then a small fraction of a host-bound step's.
     """
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
-                 min_gain: float = 1.0, decide_every: int = 8):
+                 min_gain: float = 1.0, decide_every: int = 8, longest_hold: int = 64):
         super().__init__()
         self.decide_every = check_int("decide_every", decide_every, low=1)
+        self.longest_hold = check_int("longest_hold", longest_hold, low=1)
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if prior_weight < 0:

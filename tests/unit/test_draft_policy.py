@@ -5,7 +5,8 @@ its acceptance estimates, determinism, the batch lookup of per-request rows, the
 import numpy as np
 import pytest
 
-from mtp_ctrl.controllers.draft_policy import (DraftLengthQuery, FixedDraftLength, GoodputPolicy, RandomDraftLengths,
+from mtp_ctrl.controllers.draft_lengths import DraftLengths
+from mtp_ctrl.controllers.draft_policy import (DraftLengthPolicy, DraftLengthQuery, FixedDraftLength, GoodputPolicy, RandomDraftLengths,
                                                RequestRows)
 from mtp_ctrl.controllers.step_costs import StepCostModel
 from mtp_ctrl.state import EngineShape
@@ -90,7 +91,7 @@ def test_analytic_cost_grows_with_depth_and_batch():
 
 
 @pytest.mark.parametrize("field,value", [("decay", 0.0), ("prior_weight", -1.0), ("optimistic_prior", 1.5),
-                                         ("decide_every", 0)])
+                                         ("decide_every", 0), ("longest_hold", 0)])
 def test_bad_goodput_arguments(field, value):
     with pytest.raises(ValueError, match=field):
         GoodputPolicy(**{field: value})
@@ -191,3 +192,31 @@ def test_step_costs_drop_a_lone_outlier_but_follow_a_lasting_change():
     for _ in range(3):  # a lasting change is taken on its third sample
         model.record(8, 2, host_seconds=9e-3, gpu_seconds=None)
     assert model.seconds(8, 2) == 9e-3
+
+
+class Repeating(DraftLengthPolicy):
+    """Returns S for everyone, except 1 on the choices listed in ``change_at``."""
+
+    decide_every, longest_hold = 2, 8
+
+    def __init__(self, change_at=()):
+        super().__init__()
+        self.change_at, self.steps = set(change_at), []  # query.steps of each choice
+
+    def choose(self, query):
+        self.steps.append(query.steps)
+        return np.full(query.caps.shape, 1 if len(self.steps) in self.change_at else S, dtype=np.int64)
+
+
+def test_a_repeated_choice_holds_twice_as_long_up_to_longest_hold():
+    policy = Repeating(change_at=(6,))
+    lengths = DraftLengths(policy, SHAPE)
+    ids = np.array([3, 5], dtype=np.int64)
+    for _ in range(60):
+        lengths.choose(ids, 2, 8)
+    # held 2, then doubled while repeated (4, 8, 8); the 6th choice differs: back to 2, then 2 (the
+    # 7th differs from the 6th), doubling again
+    assert policy.steps[:10] == [1, 2, 4, 8, 8, 8, 2, 2, 4, 8], policy.steps
+    asked = len(policy.steps)
+    lengths.choose(np.array([3], dtype=np.int64), 1, 8)  # the batch changed: asked at once
+    assert len(policy.steps) == asked + 1
