@@ -85,6 +85,22 @@ class DraftLengths:
         depths = self.warmup_depths()
         return tuple(sorted({(v, d) for v in depths for d in depths} | {(self.S, d) for d in depths}))
 
+    def needs_mask(self, step: StepMetadata) -> bool:
+        """Whether ``step`` must mask draft rows by length: some decode request verifies fewer than
+        the step's V drafts (the drafts it holds; in a decode run's later steps, the run's own
+        lengths). A step where every decode request verifies V (a policy that gives the batch one
+        length, as GoodputPolicy does uncapped) skips the masking (a graph without it)."""
+        V = step.verify_width
+        if not self.masked or V == 0 or step.num_decode == 0:
+            return False
+        if min(step.host_verify_lengths) < V:
+            return True
+        return step.num_steps > 1 and min(step.host_draft_lengths[: step.num_decode]) < V
+
+    def warmup_masks(self, verify_width: int) -> Tuple[bool, ...]:
+        """The masking variants of a verify tier's graphs that ``warmup()`` captures."""
+        return (False, True) if self.masked and verify_width > 0 else (False,)
+
     def choose(self, request_ids: np.ndarray, num_sampling: int, batch_size: int) -> np.ndarray:
         """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order). The
         policy's last choice holds for up to ``policy.decide_every`` steps while the sampling
