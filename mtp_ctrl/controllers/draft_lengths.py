@@ -46,6 +46,17 @@ class HeldChoice(NamedTuple):
     steps: int  # steps it has served
     hold: int  # steps it may serve (decide_every, doubled while the policy repeats itself)
 
+    def lengths_of(self, request_ids: np.ndarray) -> Optional[np.ndarray]:
+        """``[m]`` the lengths held for ``request_ids`` (``[m]`` int64), or None if one is not held."""
+        if request_ids.shape[0] > self.request_ids.shape[0]:
+            return None
+        order = np.argsort(self.request_ids)
+        positions = np.searchsorted(self.request_ids, request_ids, sorter=order).clip(max=order.shape[0] - 1)
+        found = order[positions]  # [m]
+        if not np.array_equal(self.request_ids[found], request_ids):
+            return None
+        return self.lengths[found]
+
 
 class DraftLengths:
     """``policy``: the draft-length policy (None: :class:`FixedDraftLength`). :meth:`add` each
@@ -104,15 +115,20 @@ class DraftLengths:
     def choose(self, request_ids: np.ndarray, num_sampling: int, batch_size: int) -> np.ndarray:
         """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order). The
         policy's last choice holds for up to ``policy.decide_every`` steps while the sampling
-        requests stay the same (no per-step policy work on steady decoding), and twice as long each
-        time the policy repeats it for the same requests, up to ``policy.longest_hold`` steps."""
+        requests stay the same or some of them left (no per-step policy work on steady decoding,
+        nor while a batch drains), and twice as long each time the policy repeats it for the same
+        requests, up to ``policy.longest_hold`` steps. A new request asks the policy at once."""
         S = self.S
         ids = request_ids[:num_sampling]  # [n] int64
         held = self._held
-        if held is not None and held.steps < held.hold and held.request_ids.shape == ids.shape \
-                and np.array_equal(held.request_ids, ids):
-            self._held = held._replace(steps=held.steps + 1)
-            return held.lengths
+        if held is not None and held.steps < held.hold:
+            if held.request_ids.shape == ids.shape and np.array_equal(held.request_ids, ids):
+                self._held = held._replace(steps=held.steps + 1)
+                return held.lengths
+            kept = held.lengths_of(ids)  # requests finished since: the others keep their lengths
+            if kept is not None:
+                self._held = HeldChoice(ids.copy(), kept, held.steps + 1, held.hold)
+                return kept
         caps = np.full(num_sampling, S, dtype=np.int64)  # [n] int64
         if self._caps:
             rows = self._cap_index.rows(ids)[0]  # [n] int64, -1: not capped

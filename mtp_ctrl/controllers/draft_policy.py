@@ -96,8 +96,9 @@ class DraftLengthPolicy:
     """Base class of draft-length policies (module docstring). Override :meth:`choose`; the rest
     have working defaults."""
 
-    # a choice holds for up to this many steps while the step's sampling requests stay the same;
-    # the outcomes of those steps come to `observe` in one call. 1: choose and observe every step.
+    # a choice holds for up to this many steps while the step's sampling requests stay the same
+    # (or some of them leave); the outcomes of those steps come to `observe` in one call. 1: choose
+    # and observe every step.
     decide_every = 1
     # each time the policy returns the same lengths for the same requests, the hold doubles, up to
     # this many steps (None: decide_every, no doubling); outcomes still come every decide_every steps

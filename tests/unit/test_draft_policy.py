@@ -218,5 +218,23 @@ def test_a_repeated_choice_holds_twice_as_long_up_to_longest_hold():
     # 7th differs from the 6th), doubling again
     assert policy.steps[:10] == [1, 2, 4, 8, 8, 8, 2, 2, 4, 8], policy.steps
     asked = len(policy.steps)
-    lengths.choose(np.array([3], dtype=np.int64), 1, 8)  # the batch changed: asked at once
+    lengths.choose(np.array([3, 5, 7], dtype=np.int64), 3, 8)  # a request joined: asked at once
     assert len(policy.steps) == asked + 1
+
+
+class ByRequest(Repeating):
+    def choose(self, query):
+        self.steps.append(query.steps)
+        return query.request_ids % (S + 1)
+
+
+def test_a_held_choice_serves_a_batch_that_lost_requests():
+    """Requests leaving do not ask the policy (the others keep their lengths, in the new row
+    order); a new request does."""
+    policy = ByRequest()
+    lengths = DraftLengths(policy, SHAPE)
+    assert lengths.choose(np.array([5, 6, 7, 9], dtype=np.int64), 4, 8).tolist() == [1, 2, 3, 1]
+    assert lengths.choose(np.array([9, 6], dtype=np.int64), 2, 8).tolist() == [1, 2]  # two finished, rows moved
+    assert len(policy.steps) == 1
+    assert lengths.choose(np.array([9, 6, 11], dtype=np.int64), 3, 8).tolist() == [1, 2, 3]  # one joined
+    assert len(policy.steps) == 2
