@@ -42,7 +42,7 @@ def timed(totals, label, function):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--S", type=int, default=2)
     args = parser.parse_args()
     mtp_ctrl.quiet_known_warnings(False)

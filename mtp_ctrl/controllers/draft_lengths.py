@@ -198,8 +198,8 @@ class DraftLengths:
             self.masked = True
 
     def forget(self, request_id: int) -> None:
-        """The request left the batch (finished or evicted; an evicted one comes back)."""
-        self._flush_outcomes()  # its outcomes first: a forgotten request must not get a row back
+        """The request left the batch (finished or evicted; an evicted one comes back). Its
+        outcomes not yet observed count in the policy's batch model only (``observe`` makes no row)."""
         self.policy.forget(request_id)
 
     def drop(self, request_id: int) -> None:

@@ -52,10 +52,13 @@ class RequestRows:
         self._free = np.zeros(0, dtype=np.int64)  # rows no id holds (a stack)
         self.capacity = 0  # rows handed out so far (the arrays they index must be this long)
         self._last = (self._ids, self._rows)  # (ids, rows) of the last lookup whose ids were all held
+        self._removed = []  # ids removed since the last lookup (applied together: a batch drains at once)
 
     def rows(self, request_ids: np.ndarray, create: bool = False) -> Tuple[np.ndarray, np.ndarray]:
         """``([n] rows of request_ids (-1: not held), [k] rows given to new ids)``; with ``create``
         every id gets a row (new ones take freed rows, then new rows past ``capacity``)."""
+        if self._removed:
+            self._apply_removals()
         request_ids = np.asarray(request_ids, dtype=np.int64)
         last_ids, last_rows = self._last
         if request_ids.shape == last_ids.shape and np.array_equal(request_ids, last_ids):
@@ -81,14 +84,20 @@ class RequestRows:
         return self.rows(request_ids)[0], new_rows
 
     def remove(self, request_id: int) -> None:
-        """Free the row of ``request_id`` (nothing if it holds none)."""
-        position = int(np.searchsorted(self._ids, request_id))
-        if position < self._ids.shape[0] and self._ids[position] == request_id:
-            self._free = np.append(self._free, self._rows[position])
-            self._ids, self._rows = np.delete(self._ids, position), np.delete(self._rows, position)
+        """Free the row of ``request_id`` (nothing if it holds none); done at the next lookup."""
+        self._removed.append(request_id)
+
+    def _apply_removals(self) -> None:
+        gone = np.isin(self._ids, np.array(self._removed, dtype=np.int64))  # [m] bool
+        self._removed = []
+        if gone.any():
+            self._free = np.concatenate([self._free, self._rows[gone]])
+            self._ids, self._rows = self._ids[~gone], self._rows[~gone]
             self._last = (self._ids, self._rows)
 
     def __len__(self) -> int:
+        if self._removed:
+            self._apply_removals()
         return self._ids.shape[0]
 
 
