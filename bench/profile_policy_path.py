@@ -8,8 +8,8 @@ the policy path's own work). Thread CPU time of the controller's draft-length ca
 import argparse
 import collections
 import functools
-import sys
 import os
+import sys
 import time
 
 import torch

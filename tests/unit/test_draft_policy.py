@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mtp_ctrl.controllers.draft_lengths import DraftLengths
-from mtp_ctrl.controllers.draft_policy import (DraftLengthPolicy, DraftLengthQuery, FixedDraftLength, GoodputPolicy, RandomDraftLengths,
-                                               RequestRows)
+from mtp_ctrl.controllers.draft_policy import (DraftLengthPolicy, DraftLengthQuery, FixedDraftLength, GoodputPolicy,
+                                               RandomDraftLengths, RequestRows)
 from mtp_ctrl.controllers.step_costs import StepCostModel
 from mtp_ctrl.state import EngineShape
 
