@@ -1,6 +1,7 @@
 """The draft-length policies on their own (host numbers, no model): the goodput rule's choices,
 its acceptance estimates, determinism, the batch lookup of per-request rows, the step cost model
-(warm-up seed, then the loop's host and GPU time), and bad arguments."""
+(warm-up seed, then the loop's host and GPU time), how long the controller holds a choice, and
+bad arguments."""
 
 import numpy as np
 import pytest
