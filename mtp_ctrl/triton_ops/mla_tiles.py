@@ -79,8 +79,8 @@ TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optio
     ((16, 64, None, 1), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
     ((16, None, None, 1), DEFAULT_TILES),
     # verify rows (1 + S <= 4 a request): one 64-row tile holds them all, so the cache is read once
-    # (the default's 32-row tiles read it twice): H100 1.8-2.0x the default at batch 32 / 128 and
-    # batch 1 from 8k; batch 1-4 at 2k keeps the default (20 us against 26)
+    # (the default's 32-row tiles read it twice): on an H100 1.7-2.1x as fast as the default at batch
+    # 32 / 128, 1.1-1.3x at batch 1 from 8k; batch 1-4 to 4k keeps the default (2k: 20 us against 26)
     ((16, 4, 4096, 4), DEFAULT_TILES),
     ((16, None, None, 4), VERIFY_TILES_16_HEADS),
     # more rows (prefill chunks): the default, 8 programs an SM from 32k at batch 5-64
