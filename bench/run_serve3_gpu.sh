@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call for issue 35 (helper serve3, <= 220 s): bench_serving.py on the demo model at S = 2,
+# then S = 0 (each: lone requests for TTFT against the offline first token on fresh prompts, the
+# closed-loop saturation load of 1024 requests, 64 in flight from 4 client processes, and the
+# offline loop in the same run), then, with the time left, bench/profile_engine_loop.py at S = 2
+# (the engine loop against the frontend's end of the pipe, no HTTP, and the offline loop: what the
+# loop itself costs). Each part under its own timeout; a short table last.
+# Needs FastAPI, uvicorn and httpx (the carried .whl_serve wheels installed into /tmp/site).
+# Usage (device machine, repo root): bash bench/run_serve3_gpu.sh   (--quick: tiny loads on the CPU,
+# to check the script)
+set -uo pipefail
+quick=""; [[ "${1:-}" == "--quick" ]] && quick="--quick --device cpu"
+budget="${SERVE3_BUDGET:-205}"  # seconds for the whole script (the call's timeout less the wheel installs)
+source "$(dirname "$0")/gpu_env.sh"
+python3 -c "import fastapi, uvicorn, httpx" || exit 1
+started=$SECONDS
+left() { echo $(( budget - (SECONDS - started) )); }
+for S in 2 0; do
+  limit=$(( S == 2 ? 100 : 90 )); (( $(left) - 5 < limit )) && limit=$(( $(left) - 5 ))
+  (( limit < 30 )) && { echo "== S = $S: skipped (${limit} s left)"; continue; }
+  echo "== bench_serving S = $S (timeout ${limit} s)"
+  timeout "$limit" python3 bench/bench_serving.py $quick --speculative-tokens "$S" --rates "" 2>&1 | grep -v Warning \
+    > "$out/bench_serving_s$S.log"
+  grep "^\[" "$out/bench_serving_s$S.log" | cut -c1-200
+done
+limit=$(( $(left) - 3 ))
+if (( limit >= 35 )); then
+  echo "== profile_engine_loop S = 2 (timeout ${limit} s)"
+  profile="--device cuda"; [[ -n "$quick" ]] && profile="--stand-in-step-us 300 --requests 256"
+  timeout "$limit" python3 bench/profile_engine_loop.py $profile 2>&1 | grep -v Warning > "$out/profile_engine_loop.log"
+  tail -3 "$out/profile_engine_loop.log"
+else
+  echo "== profile_engine_loop: skipped (${limit} s left)"
+fi
+echo "== table (the script took $(( SECONDS - started )) s)"
+for S in 2 0; do
+  sed -n '/; demo model; streaming/,$p' "$out/bench_serving_s$S.log" 2>/dev/null | grep -v "^tok/s:"
+done
