@@ -8,12 +8,13 @@ besides ``controller.step()`` is one message to the frontend; a frontend that fa
 more tokens per message and per SSE chunk, and the engine never waits for it (vLLM splits its
 API server from its EngineCore the same way).
 
-The loop is host-bound on a small model (the controller's own step is, on its mixed steps), so
-its work between two ``step()`` calls comes off the tokens/s one for one; it is kept small: one
-``select.poll`` object asks whether the frontend wrote (one syscall, no selector built per check as
-``Connection.poll`` does), the step's outputs, its newly added requests and its finish reasons go
-in ONE message, pickled straight to bytes (no ``ForkingPickler`` built per message).
-``step()`` has launched the next step before it returns, so the GPU runs while the message goes.
+``step()`` has launched the next step before it returns, so the GPU runs while the loop reads
+and sends; but where the step is host-bound (the demo model at S = 2: its mixed steps, where a
+request joins, take longer on the host than on the GPU) the loop's work between two ``step()``
+calls comes off the tokens/s one for one. So it is kept small: one ``select.poll`` object asks
+whether the frontend wrote (one syscall; ``Connection.poll`` builds a selector per check), and a
+step's newly added requests, outputs and finish reasons go in ONE message, pickled straight to
+bytes (``Connection.send`` builds a ``ForkingPickler`` per message).
 
 Messages (a ``multiprocessing`` connection, pickled tuples). Frontend to engine:
 
