@@ -52,14 +52,14 @@ class StandInEngine(threading.Thread):
     def run(self) -> None:
         from mtp_ctrl.controllers import FinishReason
 
-        connection, rows, queue, next_id = self.connection, {}, [], 0
+        connection, rows, queue, next_id, added = self.connection, {}, [], 0, []
         step = [97] * self.tokens  # "a"
         next_step = time.perf_counter()
         while not self.stop:
             while connection.poll(max(0.0, next_step - time.perf_counter())):
                 message = connection.recv()
                 if message[0] == "add":
-                    connection.send(("added", [(message[1], next_id)]))
+                    added.append((message[1], next_id))  # told with the next step, as the engine does
                     queue.append(next_id)
                     next_id += 1
                 elif message[0] == "abort":
@@ -70,6 +70,9 @@ class StandInEngine(threading.Thread):
             while queue and len(rows) < self.max_requests:
                 rows[queue.pop(0)] = 0
             if not rows:
+                if added:
+                    connection.send(("step", added, [], None))
+                    added = []
                 continue
             outputs, finished = [], {}
             for request_id in list(rows):
@@ -80,7 +83,8 @@ class StandInEngine(threading.Thread):
                     finished[request_id] = FinishReason.LENGTH
                     del rows[request_id]
             self.offered += self.tokens * len(outputs)
-            connection.send(("step", outputs, finished or None))
+            connection.send(("step", added, outputs, finished or None))
+            added = []
 
 
 def main():

@@ -35,6 +35,12 @@ import subprocess
 import sys
 import time
 
+STARTED = time.perf_counter()  # the script's start: each phase prints its time since
+
+
+def note(text: str) -> None:
+    print(f"[{time.perf_counter() - STARTED:5.0f} s] {text}", flush=True)
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -373,6 +379,7 @@ def serve_loads(args, speculative: int, prompts, saturation_prompts, lone_prompt
     """Every load against one server of S = ``speculative``: [result dicts]."""
     port = free_port()
     server = start_server(port, args, speculative)
+    note(f"S = {speculative}: the server is up")
     url = f"http://127.0.0.1:{port}"
     server_pids = [server.pid, frontend_pid(server.pid)]
     results = []
@@ -388,7 +395,7 @@ def serve_loads(args, speculative: int, prompts, saturation_prompts, lone_prompt
                       tokens_per_step=result["tokens_per_s"] * result["wall"] / max(1.0, change["steps_total"]),
                       speculative=speculative)
         results.append(result)
-        print(speculative, {key: value for key, value in result.items()}, flush=True)
+        note(f"S = {speculative}: {result}")
 
     try:
         floor = asyncio.run(http_floor(url))
@@ -429,7 +436,7 @@ def main():
             rows += serve_loads(args, speculative, prompts, saturation_prompts, lone_prompts)
         if not args.no_offline:
             offline[speculative] = offline_figures(args, speculative, saturation_prompts, lone_prompts[2:])
-            print(speculative, "offline", offline[speculative], flush=True)
+            note(f"S = {speculative}: offline {offline[speculative]}")
     where = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "CPU"
     print_table(args, where, rows, offline)
 

@@ -8,6 +8,14 @@ besides ``controller.step()`` is one message to the frontend; a frontend that fa
 more tokens per message and per SSE chunk, and the engine never waits for it (vLLM splits its
 API server from its EngineCore the same way).
 
+``step()`` has launched the next step before it returns, so the GPU runs while the loop reads
+and sends; but where the step is host-bound (the demo model at S = 2: its mixed steps, where a
+request joins, take longer on the host than on the GPU) the loop's work between two ``step()``
+calls comes off the tokens/s one for one. So it is kept small: one ``select.poll`` object asks
+whether the frontend wrote (one syscall; ``Connection.poll`` builds a selector per check), and a
+step's newly added requests, outputs and finish reasons go in ONE message, pickled straight to
+bytes (``Connection.send`` builds a ``ForkingPickler`` per message).
+
 Messages (a ``multiprocessing`` connection, pickled tuples). Frontend to engine:
 
 - ``("add", key, prompt_ids, params)``: a checked request (``key``: the frontend's id of it);
@@ -17,10 +25,10 @@ Messages (a ``multiprocessing`` connection, pickled tuples). Frontend to engine:
 Engine to frontend:
 
 - ``("ready", EngineInfo)`` once, first;
-- ``("added", [(key, request_id), ...])`` before any step output of those requests;
-- ``("step", outputs, finished)``: ``controller.step()``'s outputs as they are
-  (``[(request_id, tokens, finished)]``) and ``{request_id: FinishReason}`` of the requests that
-  ended (popped here);
+- ``("step", added, outputs, finished)``: ``added``, ``[(key, request_id), ...]`` of the requests
+  added before this step (the frontend maps them first); ``controller.step()``'s outputs as they
+  are (``[(request_id, tokens, finished)]``); ``{request_id: FinishReason}`` of the requests that
+  ended (popped here), or None;
 - ``("failed", [request_id, ...], message)``: a step raised; these requests are over;
 - ``("figures", key, dict)``;
 - ``("fatal", message)`` when the loop stops on an error, ``("shutdown",)`` on SIGTERM / SIGINT.
@@ -38,6 +46,9 @@ clients get an error; with one rank the loop goes on serving, under TP it stops 
 """
 
 import dataclasses
+import gc
+import pickle
+import select
 import signal
 from typing import Dict, List, Optional, Tuple
 
@@ -66,6 +77,9 @@ class Command:
     stop: bool = False
 
 
+_NOTHING = Command([], [])  # no request came: the usual iteration under load (never modified)
+
+
 class FrontendGone(Exception):
     """The frontend closed its end of the connection (it exited or crashed)."""
 
@@ -80,6 +94,8 @@ class EngineLoop:
         self._request_of: Dict[int, int] = {}  # frontend key -> request id, while running
         self._key_of: Dict[int, int] = {}  # request id -> frontend key, while running
         self._stopping = False
+        self._readable = select.poll()  # whether the frontend wrote: one syscall a check
+        self._readable.register(connection.fileno(), select.POLLIN)
 
     def run(self, description: str) -> str:
         """Serve until the frontend goes away (returns ``"frontend"``) or SIGTERM / SIGINT (tells
@@ -89,6 +105,7 @@ class EngineLoop:
         previous = {number: signal.signal(number, self._on_signal) for number in (signal.SIGTERM, signal.SIGINT)}
         try:
             try:
+                _freeze_startup_objects()
                 self._send(("ready", EngineInfo(shape.max_model_len, shape.vocab_size, shape.num_speculative_tokens,
                                                 description)))
                 self._loop()
@@ -100,14 +117,15 @@ class EngineLoop:
             self._tell(("fatal", f"{type(error).__name__}: {error}"))
             raise
         finally:
+            gc.unfreeze()
             for number, handler in previous.items():
                 signal.signal(number, handler)
         self._broadcast(Command([], [], stop=True))  # the other ranks return from follow()
         return ended_by
 
     def _send(self, message) -> None:
-        try:
-            self.connection.send(message)
+        try:  # plain pickle: Connection.send builds a ForkingPickler (and copies its table) per message
+            self.connection.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
         except OSError:  # a broken pipe: the frontend exited
             raise FrontendGone() from None
 
@@ -121,28 +139,31 @@ class EngineLoop:
         self._stopping = True
 
     def _loop(self) -> None:
-        controller, connection = self.controller, self.connection
+        controller, readable = self.controller, self._readable.poll
+        idle_ms = int(self.heartbeat_s * 1e3)
         while not self._stopping:
             busy = controller.has_unfinished_requests()
-            if not connection.poll(0 if busy else self.heartbeat_s):
-                if not busy:  # idle: a heartbeat, so no follower waits into a timeout
-                    self._broadcast(Command([], []))
-                    continue
-                command, keys = Command([], []), []
-            else:
+            if readable(0 if busy else idle_ms):  # also true once the frontend closed its end (EOF)
                 command, keys = self._receive()
+            elif busy:  # the usual case under load: nothing came, step at once
+                command, keys = _NOTHING, []
+            else:  # idle: a heartbeat, so no follower waits into a timeout
+                self._broadcast(_NOTHING)
+                continue
             self._broadcast(command)
-            self._apply(command, keys)
-            if controller.has_unfinished_requests():
-                self._step()
+            added = self._apply(command, keys)
+            if busy if command is _NOTHING else controller.has_unfinished_requests():
+                self._step(added)
+            elif added:  # (never: an added request is unfinished) the frontend must learn its id
+                self._send(("step", added, [], None))
 
     def _receive(self) -> Tuple[Command, List[int]]:
-        """Every message waiting; answers ``figures`` at once; (the adds and aborts as one
-        command, the frontend keys of its adds)."""
+        """Every message waiting (at least one, or the end of the connection); answers ``figures``
+        at once; (the adds and aborts as one command, the frontend keys of its adds)."""
         adds: Dict[int, Tuple[List[int], SamplingParams]] = {}
         aborts: List[int] = []
         try:
-            while self.connection.poll(0):
+            while True:
                 message = self.connection.recv()
                 if message[0] == "add":
                     adds[message[1]] = (message[2], message[3])
@@ -153,8 +174,12 @@ class EngineLoop:
                         self._forget(aborts[-1:])
                 elif message[0] == "figures":
                     self._send(("figures", message[1], controller_figures(self.controller)))
+                if not self._readable.poll(0):
+                    break
         except (EOFError, OSError):
             raise FrontendGone() from None
+        if not adds and not aborts:
+            return _NOTHING, []
         return Command(aborts, list(adds.values())), list(adds)
 
     def _broadcast(self, command: Command) -> None:
@@ -162,39 +187,44 @@ class EngineLoop:
             dist.broadcast_object_list([command], src=dist.get_global_rank(self.command_group, 0),
                                        group=self.command_group)
 
-    def _apply(self, command: Command, keys: List[int]) -> None:
+    def _apply(self, command: Command, keys: List[int]) -> List[Tuple[int, int]]:
+        """Abort and add; ``[(key, request_id)]`` of the added requests."""
         for request_id in command.abort:
             self.controller.abort_request(request_id)
             self.controller.pop_result(request_id)
-        if command.add:
-            added = []
-            for key, (prompt_ids, params) in zip(keys, command.add):
-                request_id = self.controller.add_request(prompt_ids, params)  # checked by the frontend: no raise
-                self._request_of[key], self._key_of[request_id] = request_id, key
-                added.append((key, request_id))
-            self._send(("added", added))
+        added = []
+        for key, (prompt_ids, params) in zip(keys, command.add):
+            request_id = self.controller.add_request(prompt_ids, params)  # checked by the frontend: no raise
+            self._request_of[key], self._key_of[request_id] = request_id, key
+            added.append((key, request_id))
+        return added
 
-    def _step(self) -> None:
+    def _step(self, added: List[Tuple[int, int]]) -> None:
+        """One ``step()``; its outputs, ``added`` and the ended requests' reasons in one message."""
+        controller = self.controller
         try:
-            outputs = self.controller.step()
+            outputs = controller.step()
         except Exception as error:  # the controller ended the running requests (ABORTED) and stays usable
+            if added:
+                self._send(("step", added, [], None))  # the frontend maps the failed ids
             failed = [request_id for request_id in self._request_of.values() if self._finished(request_id)]
             for request_id in failed:
-                self.controller.pop_result(request_id)
+                controller.pop_result(request_id)
             self._forget(failed)
             self._send(("failed", failed, f"{type(error).__name__}: {error}"))
             if self.command_group is not None:
                 raise  # under TP every rank stops (the lockstep check raises on the others)
             return
         finished: Optional[Dict[int, object]] = None
+        key_of = self._key_of
         for request_id, _, done in outputs:
-            if done and request_id in self._key_of:  # else aborted: popped already
+            if done and request_id in key_of:  # else aborted: popped already
                 finished = finished or {}
-                finished[request_id] = self.controller.pop_result(request_id).finish_reason
+                finished[request_id] = controller.pop_result(request_id).finish_reason
         if finished:
             self._forget(finished.keys())
-        if outputs:
-            self._send(("step", outputs, finished))
+        if outputs or added:
+            self._send(("step", added, outputs, finished))
 
     def _forget(self, request_ids) -> None:
         for request_id in request_ids:
@@ -209,9 +239,24 @@ class EngineLoop:
         return True
 
 
+def _freeze_startup_objects() -> None:
+    """Leave what start-up made (model, graphs, imports: most of the heap) out of every later
+    garbage collection, so the loop's collections stay short (``gc.unfreeze()`` undoes it)."""
+    gc.collect()
+    gc.freeze()
+
+
 def follow(controller: TextGenerationController, command_group) -> None:
     """A TP rank other than 0: apply rank 0's commands and step with it, until it stops."""
     source = dist.get_global_rank(command_group, 0)
+    _freeze_startup_objects()
+    try:
+        _follow(controller, command_group, source)
+    finally:
+        gc.unfreeze()
+
+
+def _follow(controller: TextGenerationController, command_group, source: int) -> None:
     while True:
         received = [None]
         dist.broadcast_object_list(received, src=source, group=command_group)

@@ -14,6 +14,8 @@ stderr; the frontend exiting closes the connection, which stops the engine.
 """
 
 import asyncio
+import pickle
+import select
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
@@ -72,6 +74,8 @@ class EngineClient:
         self._by_request: Dict[int, RequestStream] = {}  # request id -> stream, once added
         self._figures: Dict[int, asyncio.Future] = {}
         self._next_key = 0
+        self._readable = select.poll()  # whether more messages wait (Connection.poll builds a selector a call)
+        self._readable.register(connection.fileno(), select.POLLIN)
 
     @property
     def alive(self) -> bool:
@@ -113,25 +117,24 @@ class EngineClient:
         return await self._figures[key]
 
     def _send(self, message) -> None:
-        try:
-            self.connection.send(message)
+        try:  # plain pickle: Connection.send builds a ForkingPickler per message
+            self.connection.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
         except OSError:
             self._engine_gone("the engine process exited")
 
     def _on_readable(self) -> None:
         now = time.perf_counter()
         try:
-            while self.error is None and self.connection.poll():
-                message = self.connection.recv()
+            while self.error is None and self._readable.poll(0):
+                message = pickle.loads(self.connection.recv_bytes())
                 kind = message[0]
                 if kind == "step":
-                    self._on_step(message[1], message[2], now)
-                elif kind == "added":
-                    for key, request_id in message[1]:
+                    for key, request_id in message[1]:  # added before the step: map them first
                         stream = self._by_key.get(key)
                         if stream is not None:  # else aborted before the engine added it
                             stream.request_id = request_id
                             self._by_request[request_id] = stream
+                    self._on_step(message[2], message[3], now)
                 elif kind == "figures":
                     future = self._figures.pop(message[1], None)
                     if future is not None and not future.done():

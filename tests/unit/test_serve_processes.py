@@ -1,7 +1,8 @@
 """The server's two processes, each against a stand-in for the other (CPU).
 
 - The engine loop (in this process, the demo model) serves the frontend's messages: a request's
-  tokens equal the offline loop's, an abort frees its blocks, ``figures`` is answered, and the
+  tokens equal the offline loop's, a request that arrives while the engine is busy is launched in
+  the next step at the latest, an abort frees its blocks, ``figures`` is answered, and the
   frontend closing its end ends the loop.
 - The HTTP frontend (a spawned process, no model) streams the tokens this test sends as the
   engine, answers bad requests with no message to the engine, and when the engine goes away
@@ -45,6 +46,8 @@ def test_engine_loop_serves_the_frontend_and_stops_when_it_goes(torch_twins):
     [want] = controller.generate([prompt], params)
     engine_end, frontend_end = multiprocessing.Pipe()
     seen, failures = {}, []
+    launches = []  # the request ids of each launch, in order (the on_launch debug hook)
+    controller.on_launch = lambda step, graph_key: launches.append(set(step.host_request_ids.tolist()))
 
     def frontend():  # this thread plays the frontend process
         try:
@@ -55,16 +58,26 @@ def test_engine_loop_serves_the_frontend_and_stops_when_it_goes(torch_twins):
             frontend_end.send(("add", 12, prompt, params))
             frontend_end.send(("abort", 12))  # at once: never added, or aborted in the next step
             tokens, reasons, request_of = {}, {}, {}
-            while 11 not in reasons or 10 not in tokens:
-                message = _receive(frontend_end)
-                if message[0] == "added":
-                    request_of.update(message[1])
-                elif message[0] == "step":
+
+            def read_until(done):
+                while not done():
+                    message = _receive(frontend_end)
+                    assert message[0] == "step", message
+                    request_of.update(message[1])  # added before the step's outputs
                     key_of = {request_id: key for key, request_id in request_of.items()}
-                    for request_id, step_tokens, done in message[1]:
+                    for request_id, step_tokens, finished in message[2]:
                         tokens.setdefault(key_of[request_id], []).extend(step_tokens)
-                        if done:
-                            reasons[key_of[request_id]] = message[2][request_id]
+                        if finished:
+                            reasons[key_of[request_id]] = message[3][request_id]
+
+            read_until(lambda: 11 in reasons and 10 in tokens)
+            # the engine is busy with 10 and a row is free: a request sent now is launched in the
+            # step after the one running now at the latest
+            frontend_end.send(("add", 13, prompt, SamplingParams(max_new_tokens=3)))
+            launched_by_then = len(launches)
+            read_until(lambda: 13 in reasons)
+            seen["first launch of 13"] = min(index for index, ids in enumerate(launches) if request_of[13] in ids)
+            seen["launches by then"] = launched_by_then
             frontend_end.send(("abort", 10))  # its client went away mid-stream
             seen.update(tokens=tokens, reasons=reasons, added=sorted(request_of))
             deadline = time.time() + 120
@@ -88,7 +101,9 @@ def test_engine_loop_serves_the_frontend_and_stops_when_it_goes(torch_twins):
     assert not failures, failures
     assert ended_by == "frontend"
     assert seen["info"].max_model_len == controller.shape.max_model_len and seen["info"].description == "test"
-    assert {10, 11} <= set(seen["added"]) and 12 not in seen["reasons"]
+    assert {10, 11, 13} <= set(seen["added"]) and 12 not in seen["reasons"]
+    assert seen["first launch of 13"] < seen["launches by then"] + 2  # 0-based index < count + 2
+    assert seen["tokens"][13] == list(want.output_tokens[:3])
     assert seen["tokens"][11] == list(want.output_tokens) and seen["reasons"][11] == want.finish_reason
     assert seen["figures"]["kv_blocks_used"] == 0 and seen["figures"]["queued_requests"] == 0
     controller.close()
@@ -126,9 +141,8 @@ def test_frontend_streams_and_exits_when_the_engine_dies(capfd):
         thread.start()
         kind, key, prompt_ids, params = _receive(connection)
         assert kind == "add" and prompt_ids == list(b"hi") and params.max_new_tokens == 8 and params.temperature == 0
-        connection.send(("added", [(key, 3)]))
-        connection.send(("step", [(3, list(b"ab"), False)], None))
-        connection.send(("step", [(3, list(b"c"), False), (4, [1], True)], {4: None}))  # 4: not this frontend's
+        connection.send(("step", [(key, 3)], [(3, list(b"ab"), False)], None))
+        connection.send(("step", [], [(3, list(b"c"), False), (4, [1], True)], {4: None}))  # 4: not this frontend's
         connection.close()  # the engine dies mid-stream
         thread.join(120)
         assert not thread.is_alive()
