@@ -7,9 +7,12 @@ replayed from a CUDA graph (median us), and each kernel's mean us per launch fro
 (``_paged_attention_kernel`` / ``_paged_mla_kernel`` and ``_combine_kv_splits_kernel``: the names
 are the same on older checkouts, so the same script times another tree's package on its
 PYTHONPATH in the same device call). The output is checked against the torch reference.
+``--baseline DIR`` also times DIR's ``paged_attn.py`` and ``mla_attention.py`` (e.g. main's) in the
+same process, loaded beside this tree's, and prints both.
 
-    python bench/bench_split_combine.py            # GPU
-    python bench/bench_split_combine.py --quick    # two shapes (a smoke run; CPU runs the twins)
+    python bench/bench_split_combine.py                      # GPU
+    python bench/bench_split_combine.py --baseline ../main   # GPU, this tree and main's kernels
+    python bench/bench_split_combine.py --quick              # two shapes (a smoke run; CPU runs the twins)
 """
 
 import argparse
@@ -19,7 +22,7 @@ import sys
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small shapes (smoke run)")
-    parser.add_argument("--label", default="this tree", help="printed in the table's title")
+    parser.add_argument("--baseline", default=None, help="a checkout whose attention kernels are timed too")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -64,9 +67,81 @@ def kernel_us(torch, fn, names, repeats=20):
     for event in prof.key_averages():
         for name in names:
             if name in event.key:
-                totals[name][0] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+                totals[name][0] += getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
                 totals[name][1] += event.count
     return {name: (total / count if count else 0.0, count // repeats) for name, (total, count) in totals.items()}
+
+
+def load_baseline(directory):
+    """``paged_attention`` and ``paged_mla_attention`` of another checkout's kernel files, loaded
+    as separate modules (the rest of the package is this tree's); MLA None if it does not load."""
+    import importlib.util
+    import os
+
+    import mtp_ctrl.triton_ops.paged_attn  # noqa: F401  (this tree's, restored below)
+
+    def load(name, file):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(directory, "mtp_ctrl", "triton_ops", file))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    paged = load("baseline_paged_attn", "paged_attn.py")
+    ours = sys.modules["mtp_ctrl.triton_ops.paged_attn"]
+    sys.modules["mtp_ctrl.triton_ops.paged_attn"] = paged  # the baseline MLA imports its own combine
+    try:
+        mla = load("baseline_mla_attention", "mla_attention.py").paged_mla_attention
+    except Exception as error:  # noqa: BLE001  (another tree's imports may not resolve here)
+        print(f"baseline MLA not loaded: {error!r}")
+        mla = None
+    finally:
+        sys.modules["mtp_ctrl.triton_ops.paged_attn"] = ours
+    return paged.paged_attention, mla
+
+
+def measure(torch, ops, shapes, cuda, device, dtype, quick):
+    """Per shape: (name, graph us, attention us, combine us, max |error| against the twin)."""
+    from mtp_ctrl.triton_ops import reference
+
+    dense_op, mla_op = ops
+    rows_out = []
+    for kind, (name, rows, requests, context, max_query_len, max_seq_len) in shapes:
+        torch.manual_seed(0)
+        if kind == "dense":
+            heads, kv_heads, dim = (16, 4, 128) if not quick else (4, 2, 32)
+            (key_cache, value_cache), block_table, seq_lens, query_start_loc, num_tokens = _paged_inputs(
+                torch, rows, requests, context, max_query_len, 16, [(kv_heads, dim), (kv_heads, dim)], device, dtype)
+            query = torch.randn((num_tokens, heads, dim), device=device, dtype=dtype)
+            args_ = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, dim ** -0.5)
+            op, twin, attention_name = dense_op, reference.paged_attention, "_paged_attention_kernel"
+        else:
+            if mla_op is None:
+                rows_out.append((name, float("nan"), float("nan"), float("nan"), 0.0))
+                continue
+            heads, latent, rope = 128, 512, 64
+            (latent_cache,), block_table, seq_lens, query_start_loc, num_tokens = _paged_inputs(
+                torch, rows, requests, context, max_query_len, 64, [(latent + rope,)], device, dtype)
+            query_latent = torch.randn((num_tokens, heads, latent), device=device, dtype=dtype)
+            query_rope = torch.randn((num_tokens, heads, rope), device=device, dtype=dtype)
+            args_ = (query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc, (latent + rope) ** -0.5)
+            op, twin, attention_name = mla_op, reference.paged_mla_attention, "_paged_mla_kernel"
+        hints = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)
+
+        def call():
+            return op(*args_, **hints)
+
+        error = (call().float() - twin(*args_, **hints).float()).abs().max().item()
+        graph_us = attention_us = combine_us = float("nan")
+        if cuda:
+            import triton.testing
+
+            torch.cuda.synchronize()
+            graph_us = 1e3 * triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median")
+            kernels = kernel_us(torch, call, [attention_name, "_combine_kv_splits_kernel"])
+            attention_us = kernels[attention_name][0]
+            combine_us = kernels["_combine_kv_splits_kernel"][0]
+        rows_out.append((name, graph_us, attention_us, combine_us, error))
+    return rows_out
 
 
 def main(args):
@@ -75,57 +150,30 @@ def main(args):
     mtp_ctrl.quiet_known_warnings(args.verbose)
     import torch
 
-    from mtp_ctrl.triton_ops import paged_attention, paged_mla_attention, reference
+    from mtp_ctrl.triton_ops import paged_attention, paged_mla_attention
 
     cuda = torch.cuda.is_available() and not args.quick
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    torch.manual_seed(0)
-    rows_out = []
     shapes = [("dense", shape) for shape in (QUICK_SHAPES if args.quick else DENSE_SHAPES)]
     shapes += [] if args.quick else [("mla", shape) for shape in MLA_SHAPES]
-    for kind, (name, rows, requests, context, max_query_len, max_seq_len) in shapes:
-        if kind == "dense":
-            heads, kv_heads, dim = (16, 4, 128) if not args.quick else (4, 2, 32)
-            (key_cache, value_cache), block_table, seq_lens, query_start_loc, num_tokens = _paged_inputs(
-                torch, rows, requests, context, max_query_len, 16, [(kv_heads, dim), (kv_heads, dim)], device, dtype)
-            query = torch.randn((num_tokens, heads, dim), device=device, dtype=dtype)
-            args_ = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc, dim ** -0.5)
-            op, twin, attention_name = paged_attention, reference.paged_attention, "_paged_attention_kernel"
-        else:
-            heads, latent, rope = 128, 512, 64
-            (latent_cache,), block_table, seq_lens, query_start_loc, num_tokens = _paged_inputs(
-                torch, rows, requests, context, max_query_len, 64, [(latent + rope,)], device, dtype)
-            query_latent = torch.randn((num_tokens, heads, latent), device=device, dtype=dtype)
-            query_rope = torch.randn((num_tokens, heads, rope), device=device, dtype=dtype)
-            args_ = (query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc, (latent + rope) ** -0.5)
-            op, twin, attention_name = paged_mla_attention, reference.paged_mla_attention, "_paged_mla_kernel"
-        hints = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)
-
-        def call():
-            return op(*args_, **hints)
-
-        error = (call().float() - twin(*args_, **hints).float()).abs().max().item()
-        if cuda:
-            import triton.testing
-
-            torch.cuda.synchronize()
-            graph_us = 1e3 * triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median")
-            kernels = kernel_us(torch, call, [attention_name, "_combine_kv_splits_kernel"])
-            attention_us, _ = kernels[attention_name]
-            combine_us, combine_launches = kernels["_combine_kv_splits_kernel"]
-        else:
-            graph_us = attention_us = combine_us = float("nan")
-            combine_launches = 0
-        rows_out.append((name, graph_us, attention_us, combine_us if combine_launches else 0.0, error))
+    trees = [("this tree", (paged_attention, paged_mla_attention))]
+    if args.baseline:
+        trees.insert(0, (f"baseline {args.baseline}", load_baseline(args.baseline)))
+    results = [(label, measure(torch, ops, shapes, cuda, device, dtype, args.quick)) for label, ops in trees]
     device_name = torch.cuda.get_device_name() if cuda else "cpu (torch twins)"
-    print(f"\n{args.label} on {device_name}: split-K paged attention, GPU us (op: graph replay, median; "
-          "kernels: profiler mean per launch; combine 0 = one split, no combine)")
-    print(f"| {'shape':<38} | {'op us':>7} | {'attention us':>12} | {'combine us':>10} | {'max |err|':>9} |")
-    print(f"|{'-' * 40}|{'-' * 9}|{'-' * 14}|{'-' * 12}|{'-' * 11}|")
-    for name, graph_us, attention_us, combine_us, error in rows_out:
-        print(f"| {name:<38} | {graph_us:>7.1f} | {attention_us:>12.1f} | {combine_us:>10.1f} | {error:>9.2g} |")
-    if max(row[-1] for row in rows_out) > (5e-2 if cuda else 1e-4):
-        sys.exit("the op differs from its torch twin")
+    print(f"\nsplit-K paged attention on {device_name}, GPU us: op = the whole op replayed from a CUDA graph "
+          "(median); attention / combine = the kernels, torch.profiler mean per launch (0: one split, no combine)")
+    header = " | ".join(f"{what} ({label})" for what in ("op us", "combine us") for label, _ in results)
+    print(f"| {'shape':<38} | {header} | attention us ({results[-1][0]}) | max |err| |")
+    print("|" + "---|" * (3 + 2 * len(results)))
+    worst = 0.0
+    for index, (kind, shape) in enumerate(shapes):
+        cells = [f"{rows[index][1]:.1f}" for _, rows in results] + [f"{rows[index][3]:.1f}" for _, rows in results]
+        error = max(rows[index][4] for _, rows in results)
+        worst = max(worst, error)
+        print(f"| {shape[0]:<38} | {' | '.join(cells)} | {results[-1][1][index][2]:.1f} | {error:.2g} |")
+    if worst > (5e-2 if cuda else 1e-4):
+        sys.exit("an op differs from its torch twin")
 
 
 if __name__ == "__main__":
