@@ -95,7 +95,8 @@ def main():
         config = InferenceConfig(num_speculative_tokens=speculative, max_requests=rows, block_size_tokens=block_size,
                                  max_model_len=length, max_tokens_per_step=max(256 if quick else 2048, 3 * rows),
                                  num_kv_blocks=max(rows, 4) * (-(-(length + 6) // block_size) + 1) + 64,
-                                 cuda_graph_batch_sizes=graphs if rows == 1 else tuple(sorted({*graphs, 8, rows})),
+                                 cuda_graph_batch_sizes=tuple(sorted({size for size in (*graphs, 8, rows) if size <= rows}))
+                                 if graphs else (),
                                  prefix_caching=prefix_caching)
         ctrl = Recording(model, config)
         if graphs:
