@@ -12,10 +12,9 @@
 #       on BASELINE (is a failure this tree's?)
 #   bash bench/run_prefix_gpu.sh          # both, shorter: profile, the GPU tests, the batch workloads
 #   bash bench/run_prefix_gpu.sh final    # one call of <= 220 s, most important first, each part bounded by
-#       what is left of FINAL_SECONDS (205): the GPU test (all cases), bench_split_combine (this tree and,
-#       with BASELINE, DIR's kernels in the same process), the batch workloads, profile_prefix_hit at 2k
-#       (cold, hit, the decode floor, the 64-request batch call by call), the 8k point and a hybrid with
-#       nothing shared
+#       what is left of FINAL_SECONDS (190): the GPU test (all cases), the batch workloads, bench_split_combine
+#       (this tree and, with BASELINE, DIR's kernels in the same process), profile_prefix_hit at 2k (cold,
+#       hit, the decode floor, the 64-request batch call by call), the 8k point and a hybrid with nothing shared
 # QUICK=1 runs the python parts with --quick on the CPU (a smoke test of this script).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -63,19 +62,19 @@ check() {  # the prefix-cache GPU test on this tree; on a failure, its evicting 
   fi
 }
 final() {
-  local stop=$((SECONDS + ${FINAL_SECONDS:-205}))
+  local stop=$((SECONDS + ${FINAL_SECONDS:-190}))
   left() { local rest=$((stop - SECONDS)); [ "$rest" -lt 5 ] && rest=5; echo $(( rest < $1 ? rest : $1 )); }
   if [ -z "$quick" ]; then
-    timeout "$(left 60)" python3 -m pytest tests/functional/test_prefix_cache_gpu.py -q -p no:cacheprovider -W ignore \
+    timeout "$(left 55)" python3 -m pytest tests/functional/test_prefix_cache_gpu.py -q -p no:cacheprovider -W ignore \
       2>&1 | tee "$out/test_prefix_cache_gpu.log" | tail -3
   fi
-  echo "== split combine (left $((stop - SECONDS)) s)"
-  timeout "$(left 35)" python3 bench/bench_split_combine.py $quick ${BASELINE:+--baseline "$BASELINE"} 2>&1 \
-    | grep -v Warning | tee "$out/bench_split_combine.log" | tail -13
   echo "== batch workloads (left $((stop - SECONDS)) s)"
-  batch "$(left 60)"
+  batch "$(left 55)"
+  echo "== split combine (left $((stop - SECONDS)) s)"
+  timeout "$(left 30)" python3 bench/bench_split_combine.py $quick ${BASELINE:+--baseline "$BASELINE"} 2>&1 \
+    | grep -v Warning | tee "$out/bench_split_combine.log" | tail -13
   echo "== profile at the short prefix, the floor, the batch call by call (left $((stop - SECONDS)) s)"
-  timeout "$(left 50)" python3 bench/profile_prefix_hit.py $quick --prefix-lengths "$short" --model-len $((short + 352)) \
+  timeout "$(left 45)" python3 bench/profile_prefix_hit.py $quick --prefix-lengths "$short" --model-len $((short + 352)) \
     --repeats 3 --batch "${BATCH:-64}" 2>&1 | grep -v Warning | tee "$out/profile_final.log" | grep -v "^    launch"
   echo "== 8k point, hybrid with nothing shared (left $((stop - SECONDS)) s)"
   local long=8192; [ -n "$quick" ] && long=128
