@@ -5,6 +5,7 @@ per token, and decode steps of a DeepSeek-V3-shaped MLA GPT scaled to one GPU.
     python bench/bench_mla.py --e2e-only     # only the end-to-end steps
     python bench/bench_mla.py --quick        # small shapes (a smoke run; CPU works too)
     python bench/bench_mla.py --kernels-only --tune --heads 128 --batches 32 --contexts 8192
+    python bench/bench_mla.py --pick 16,32,8192 --winner-file W.json --final   # the tune, then the final table
 
 Printed, in one run:
 1. The kernel (``paged_mla_attention``, ``--rows`` query rows a request (1: decode, 1 + S:
@@ -43,6 +44,12 @@ def parse_args(argv=None):
     parser.add_argument("--batches", default="1,32,128", help="section 1's request counts")
     parser.add_argument("--contexts", default="2048,8192,32768,131072", help="section 1's context lengths")
     parser.add_argument("--rows", type=int, default=1, help="section 1's query rows a request (1 + S for verify)")
+    parser.add_argument("--pick", help="HEADS,BATCH,CONTEXT: time PICK_CANDIDATES there, write the fastest to "
+                        "--winner-file (and nothing else)")
+    parser.add_argument("--winner-file", help="the --pick result (JSON); without --pick: the table's entry for "
+                        "its shape's bucket becomes the winner for this run")
+    parser.add_argument("--final", action="store_true", help="the final table in one process (FINAL_PARTS, then "
+                        "sections 2 and 3), after --pick's winner is installed where --pick is given")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -75,6 +82,24 @@ CANDIDATES = {
     64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
     128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
 }
+# --pick candidates by (heads, rows a request), timed at batch 32 / 8k: MLATiles(block_m, block_n, warps,
+# stages, programs/SM, min split tokens, whole_waves, max_registers). Programs an SM holds (ptxas for
+# sm_90a, triton 3.6): 8 warps one (162-204 registers) unless capped at 128 registers; 4 warps two
+# (220-255). Stages add no buffer here (the pipeliner keeps one latent tile).
+W = True
+PICK_CANDIDATES = {
+    (16, 1): ((32, 64, 8, 2, 1, 64, W), (32, 64, 8, 2, 2, 64, W), (16, 32, 4, 3, 2, 64, W), (16, 32, 4, 3, 4, 64),
+              (32, 32, 8, 2, 2, 64, W, 128), (32, 32, 8, 3, 2, 64, W, 128), (32, 64, 8, 2, 2, 64, W, 128)),
+    # verify rows (1 + S = 3 a request, 48 matrix rows): 64-row tiles hold all three, so the cache
+    # is read once (a 32-row tile holds two rows: two reads); not timed yet
+    (16, 3): ((64, 64, 8, 2, 2, 128), (64, 64, 8, 2, 1, 128, W), (64, 32, 8, 3, 2, 128), (64, 32, 8, 2, 1, 64, W),
+              (32, 64, 8, 2, 8, 32), (32, 32, 8, 2, 2, 64, W, 128), (32, 64, 8, 2, 1, 64, W)),
+}
+# --final: (heads, batches, contexts, query rows a request): TP 8 everywhere, TP 4 / 2 / 1 at batch >= 32
+# and context >= 8k, verify rows (1 + S = 3) at 16 and 128 heads
+FINAL_PARTS = (("16", "1,32,128", "2048,8192,32768,131072", 1),
+               ("32,64,128", "32,128", "8192,32768,131072", 1),
+               ("16,128", "32,128", "8192,32768", 3))
 # DeepSeek-V3's attention (MLA dims, YaRN) at 16 heads, hidden 2048, 16 layers, dense GLU FFN
 E2E_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16, q_lora_rank=768,
                  kv_lora_rank=LATENT, qk_head_dim=QK, qk_pos_emb_head_dim=ROPE, v_head_dim=V, mtp_num_layers=2)
@@ -95,8 +120,11 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 
 def tiles_label(tiles):
-    """``(block_m,block_n,warps,stages,programs/SM,min split tokens)``."""
-    return "(" + ",".join(str(value) for value in dataclasses.astuple(tiles)) + ")"
+    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,Rn])``; W: whole waves,
+    Rn: at most n registers a thread."""
+    values = dataclasses.astuple(tiles)
+    return "(" + ",".join(str(value) for value in values[:6]) + (",W" if tiles.whole_waves else "") \
+        + (f",R{tiles.max_registers}" if tiles.max_registers else "") + ")"
 
 
 def kernel_tables(device, bandwidth, args):
@@ -116,7 +144,7 @@ def kernel_tables(device, bandwidth, args):
     print(f"\n1. paged MLA kernel, {rows} query row(s) a request (latent {LATENT} + rope {ROPE}, {dtype}, block "
           f"{BLOCK}); % = latent bytes read once / GPU time, of the device copy ({bandwidth / 1e9:.0f} GB/s); "
           "TFLOP/s = dot work (rows x heads x context x 2 x (576 + 512)) / time; tiles = (block_m, block_n, warps, "
-          "stages, programs/SM, min split tokens, split scores)")
+          "stages, programs/SM, min split tokens[, W: whole waves][, Rn: n registers at most])")
     print(f"   default tiles {tiles_label(DEFAULT_TILES)}")
     best_counts, largest_diff = {}, 0.0
     for heads in heads_list:
@@ -131,7 +159,7 @@ def kernel_tables(device, bandwidth, args):
                 metadata = metadata_for(batch, rows, context, device)
                 call_args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens,
                              metadata.query_start_loc, (QK + ROPE) ** -0.5)
-                table = mla_tiles(heads, batch, context)
+                table = mla_tiles(heads, batch, context, rows)
                 latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
                 share = lambda us: 100 * latent_bytes / us / 1e3 / (bandwidth / 1e9)  # noqa: E731
                 flops = batch * rows * heads * context * 2 * (LATENT + ROPE + LATENT)
@@ -162,9 +190,77 @@ def kernel_tables(device, bandwidth, args):
     del cache
 
 
-def time_us(fn, device):
+def pick(device, bandwidth, args):
+    """--pick: every PICK_CANDIDATES entry (and the default and the table's tiles) at one shape,
+    the default timed first and last (the run's spread); the fastest goes to --winner-file."""
+    import json
+
+    heads, batch, context = (int(value) for value in args.pick.split(","))
+    rows = args.rows
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cache = torch.empty(batch * math.ceil(context / BLOCK), BLOCK, LATENT + ROPE, dtype=dtype, device=device).normal_()
+    query_latent = torch.randn(batch * rows, heads, LATENT, dtype=dtype, device=device)
+    query_rope = torch.randn(batch * rows, heads, ROPE, dtype=dtype, device=device)
+    metadata = metadata_for(batch, rows, context, device)
+    call_args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+                 (QK + ROPE) ** -0.5)
+    latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
+    table = mla_tiles(heads, batch, context, rows)
+    candidates = [DEFAULT_TILES, table, *(MLATiles(*values) for values in PICK_CANDIDATES.get((heads, rows), ()))]
+    print(f"\npick: {heads} heads, B {batch}, context {context}, {rows} row(s); us of a graph replay (median of 20), "
+          f"% of the copy ({bandwidth / 1e9:.0f} GB/s); tiles = (block_m, block_n, warps, stages, programs/SM, "
+          "min split tokens[, W: whole waves][, Rn: n registers at most])")
+    times, baseline, largest_diff = {}, None, 0.0
+    for tiles in dict.fromkeys(candidates):
+        def call(tiles=tiles):
+            return paged_mla_attention(*call_args, max_query_len=rows, max_seq_len=context, tiles=tiles)
+        try:
+            out = call()
+            baseline = out if baseline is None else baseline
+            largest_diff = max(largest_diff, (out.float() - baseline.float()).abs().max().item())
+            times[tiles] = time_us(call, device, replays=20)
+        except Exception as error:  # a candidate that does not fit (shared memory, registers)
+            times[tiles] = float("inf")
+            print(f"   {tiles_label(tiles)} failed: {type(error).__name__}: {str(error)[:120]}")
+        share = 100 * latent_bytes / times[tiles] / 1e3 / (bandwidth / 1e9)
+        print(f"   {tiles_label(tiles):>32} {times[tiles]:8.1f} us {share:5.1f} %", flush=True)
+    again = time_us(lambda: paged_mla_attention(*call_args, max_query_len=rows, max_seq_len=context,
+                                                tiles=DEFAULT_TILES), device, replays=20)
+    print(f"   the default again: {again:.1f} us")
+    best, best_us = min(times.items(), key=lambda item: item[1])
+    print(f"   fastest: {tiles_label(best)} {best_us:.1f} us "
+          f"({100 * latent_bytes / best_us / 1e3 / (bandwidth / 1e9):.1f} %); the table's entry "
+          f"{tiles_label(table)} {times[table]:.1f} us; max |output - default's| {largest_diff:.4f}")
+    if args.winner_file:
+        with open(args.winner_file, "w") as handle:
+            json.dump(dict(shape=[heads, batch, context], rows=rows, tiles=list(dataclasses.astuple(best)), us=best_us),
+                      handle)
+    del cache
+
+
+def install_winner(path):
+    """The table entry whose bucket holds --pick's shape becomes --pick's winner (this process only)."""
+    import json
+
+    from mtp_ctrl.triton_ops import mla_tiles as tiles_module
+
+    with open(path) as handle:
+        data = json.load(handle)
+    dims = (*data["shape"], data.get("rows", 1))  # heads, batch, context, rows
+    winner = MLATiles(*data["tiles"])
+    table = list(tiles_module.TILE_TABLE)
+    for index, (bounds, _) in enumerate(table):
+        if all(bound is None or dim <= bound for dim, bound in zip(dims, bounds)):
+            table[index] = (bounds, winner)
+            break
+    tiles_module.TILE_TABLE = tuple(table)
+    print(f"the table's entry {table[index][0]} (heads, batch, context, rows bounds) is --pick's winner "
+          f"{tiles_label(winner)} for this run")
+
+
+def time_us(fn, device, replays=10):
     if device.type == "cuda":
-        return graph_time_us(fn, replays=10)
+        return graph_time_us(fn, replays=replays)
     started = time.perf_counter()
     fn()
     return (time.perf_counter() - started) * 1e6
@@ -261,6 +357,20 @@ def main(args):
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else 1e11
     print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
+    if args.pick:
+        pick(device, bandwidth, args)
+        if not args.final:
+            return
+    if args.winner_file and os.path.exists(args.winner_file):
+        install_winner(args.winner_file)
+    if args.final:
+        for heads, batches, contexts, rows in FINAL_PARTS:
+            part = argparse.Namespace(**dict(vars(args), heads=heads, batches=batches, contexts=contexts, rows=rows,
+                                             tune=False))
+            kernel_tables(device, bandwidth, part)
+        absorbed_vs_decompressed(device, args.quick)
+        kv_bytes_table()
+        return
     if not args.e2e_only:
         kernel_tables(device, bandwidth, args)
         if not args.kernels_only:

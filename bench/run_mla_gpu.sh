@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call for MLA (issue 30): its GPU tests, then bench_mla (RESULTS' "MLA" section).
-# Usage (device machine, repo root): bash bench/run_mla_gpu.sh [kernels|probe|final|tune|e2e] [--quick]
+# Usage (device machine, repo root): bash bench/run_mla_gpu.sh [kernels|probe|final|verify|tune|e2e] [--quick]
 #   kernels (default): tests/functional/test_mla_gpu.py + the kernel table (default tiles vs the
 #     shape table vs the fastest --tune candidate, 16 and 128 heads, batch 1/32/128, 2k-128k)
 #   probe: the --tune candidates at 128 / 64 heads (batch 32 / 128, 8k / 32k) and 16 heads
 #     (batch 32, 8k), each beside the default and the table, with the same-run copy; then
 #     tests/functional/test_mla_gpu.py
-#   final: tests/functional/test_mla_gpu.py, the default vs the table at 16/32/64/128 heads x batch
-#     1/32/128 x 2k-128k, and verify rows (1 + S = 3 a request)
+#   final: the 16-head batch-32 / 8k candidates (bench_mla --pick), whose winner the table takes for
+#     the rest of the run; the default vs the table at 16 heads x batch 1/32/128 x 2k-128k, 32/64/128
+#     heads at batch 32/128 x 8k-128k, verify rows (1 + S = 3) at 16/128 heads, absorbed vs
+#     decompressed, KV bytes; tests/functional/test_mla_gpu.py; a summary (rows under 70 %)
+#   verify: the 16-head verify-row candidates (--pick --rows 3), the winner's table at 3 rows, the tests
 #   tune: the kernel table only
 #   e2e: the kernel table at the default and table tiles + sections 2-4 (the MLA GPT's decode steps)
 # --quick: tiny shapes (a CPU smoke run of the script)
@@ -27,10 +30,29 @@ elif [ "$mode" = probe ]; then
   timeout 60 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore \
     2>&1 | tee "$out/functional_mla.log" | tail -8
 elif [ "$mode" = final ]; then
-  timeout 80 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
-    | tee "$out/functional_mla.log" | tail -8
-  timeout 150 $bench 2>&1 | tee "$out/final_table.log"
-  timeout 60 $bench --rows 3 --heads 16,128 --batches 32,128 --contexts 8192,32768 2>&1 | tee "$out/final_verify.log"
+  # one process: the 16-head batch-32 / 8k candidates (--pick), the winner installed in the table
+  # for this run, then the final table (FINAL_PARTS: 16 heads everywhere, 32/64/128 heads at batch
+  # >= 32 and context >= 8k, verify rows), absorbed vs decompressed, KV bytes; then the GPU tests
+  pick="16,32,8192"; [ -n "$quick" ] && pick="16,4,256"
+  timeout 170 python3 bench/bench_mla.py $quick --pick "$pick" --winner-file "$out/winner.json" --final 2>&1 \
+    | tee "$out/final.log"
+  timeout 55 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
+    | tee "$out/functional_mla.log" | tail -4
+  echo "== summary: the pick, the winner, rows of batch >= 32 / context >= 8k under 70 % of the copy (table column)"
+  grep -E "fastest:|default again|is --pick's winner" "$out/final.log"
+  awk '/query row\(s\) a request/ {rows=$5} / heads$/ {heads=$1} /^ +[0-9]+ +[0-9]+ / && $1 >= 32 && $2 >= 8192 && $6 < 70 \
+    {print "   below 70 %: " heads " heads, " rows " row(s), B " $1 ", context " $2 ": " $6 " %"}' "$out/final.log"
+elif [ "$mode" = verify ]; then
+  # not run yet: the 16-head verify-row candidates (1 + S = 3 rows, batch 32 / 8k), the winner in
+  # the table for this run, then the verify rows' table at 16 heads; then the GPU tests
+  pick="16,32,8192"; [ -n "$quick" ] && pick="16,4,256"
+  timeout 100 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --pick "$pick" \
+    --winner-file "$out/winner_verify.json" 2>&1 | tee "$out/verify_pick.log"
+  timeout 60 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 16 --batches 32,128 \
+    --contexts 8192,32768 --winner-file "$out/winner_verify.json" 2>&1 | tee "$out/verify_table.log"
+  timeout 60 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
+    | tee "$out/functional_mla.log" | tail -4
+  grep -E "fastest:|default again|is --pick's winner" "$out/verify_pick.log" "$out/verify_table.log"
 elif [ "$mode" = tune ]; then
   timeout 240 $bench --tune 2>&1 | tee "$out/bench_mla_tune.log"
 else

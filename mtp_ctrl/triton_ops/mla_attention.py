@@ -32,7 +32,7 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
-from mtp_ctrl.triton_ops.mla_tiles import MLATiles, mla_tiles
+from mtp_ctrl.triton_ops.mla_tiles import MLATiles, kv_split_count, mla_tiles
 from mtp_ctrl.triton_ops.paged_attn import check_attention_scalars, combine_kv_splits
 
 MAX_LATENT_DIM = 1024
@@ -41,6 +41,7 @@ MAX_ROPE_DIM = 256
 # the splits in chunks, so their count does not bound its tile)
 MAX_KV_SPLITS = 128
 _INT32_MAX = 2**31 - 1
+_ZERO_BLOCK = 1024  # output elements per store when the kernel zeroes the padding rows
 
 
 @triton.jit
@@ -144,6 +145,23 @@ def rope_and_write_latent_cache(
     return roped
 
 
+@triton.jit
+def _latent_tile(CACHE_PTR, block_table_row, tile_start, kv_hi, cdims, rdims, cmask, rmask, latent_dim,
+                 block_size_tokens, cache_stride_block, cache_stride_token, BLOCK_N: tl.constexpr):
+    """Cached tokens ``tile_start + [0, BLOCK_N)`` (those before ``kv_hi``; zeros after): their
+    latents ``[BLOCK_N, BLOCK_C]`` (the key's latent part and the value) and rope keys
+    ``[BLOCK_N, BLOCK_R]``."""
+    kv_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    kv_valid = kv_pos < kv_hi
+    block_ids = tl.load(block_table_row + kv_pos // block_size_tokens, mask=kv_valid, other=0).to(tl.int64)
+    token_rows = CACHE_PTR + block_ids * cache_stride_block + (kv_pos % block_size_tokens).to(tl.int64) \
+        * cache_stride_token  # [BLOCK_N]
+    latent = tl.load(token_rows[:, None] + cdims[None, :], mask=kv_valid[:, None] & cmask[None, :], other=0.0)
+    rope_key = tl.load(token_rows[:, None] + latent_dim + rdims[None, :], mask=kv_valid[:, None] & rmask[None, :],
+                       other=0.0)
+    return latent, rope_key
+
+
 # request/row counts and split sizes vary step to step: one compiled kernel for all of them
 @triton.jit(do_not_specialize=["num_tokens", "tokens_per_split", "num_head_tiles", "num_kv_splits"])
 def _paged_mla_kernel(
@@ -155,7 +173,7 @@ def _paged_mla_kernel(
     num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
     num_head_tiles, num_kv_splits,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, ZERO_BLOCK: tl.constexpr,
 ):
     """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
     flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
@@ -169,6 +187,20 @@ def _paged_mla_kernel(
     head_tile = tl.program_id(0) % num_head_tiles
     split = tl.program_id(1)
     request = tl.program_id(2)
+    if request == tl.num_programs(2) - 1:
+        # rows past the last request's (padding) belong to no program below: the last request's
+        # programs zero them, each a share (the output is [T, H, C] contiguous, not pre-zeroed)
+        row_elements = num_heads * latent_dim
+        tail_start = tl.load(QUERY_START_LOC_PTR + request + 1).to(tl.int64) * row_elements
+        tail_end = tl.cast(num_tokens, tl.int64) * row_elements
+        sharers = tl.num_programs(0) * tl.num_programs(1)
+        share = tl.cdiv(tail_end - tail_start, sharers)
+        share_start = tail_start + (split * tl.num_programs(0) + tl.program_id(0)) * share
+        share_end = tl.minimum(share_start + share, tail_end)
+        zeros = tl.zeros([ZERO_BLOCK], dtype=tl.float32)  # the store casts to the output's dtype
+        for first in range(share_start, share_end, ZERO_BLOCK):
+            elements = first + tl.arange(0, ZERO_BLOCK)
+            tl.store(OUTPUT_PTR + elements, zeros, mask=elements < share_end)
     q_start = tl.load(QUERY_START_LOC_PTR + request)
     q_len = tl.load(QUERY_START_LOC_PTR + request + 1) - q_start
     if q_tile * BLOCK_Q < q_len:
@@ -197,13 +229,9 @@ def _paged_mla_kernel(
         for tile_start in range(kv_lo, kv_hi, BLOCK_N):
             kv_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             kv_valid = kv_pos < kv_hi
-            block_ids = tl.load(block_table_row + kv_pos // block_size_tokens, mask=kv_valid, other=0).to(tl.int64)
-            token_rows = CACHE_PTR + block_ids * cache_stride_block + (kv_pos % block_size_tokens).to(tl.int64) \
-                * cache_stride_token  # [BLOCK_N]
-            latent = tl.load(token_rows[:, None] + cdims[None, :], mask=kv_valid[:, None] & cmask[None, :],
-                             other=0.0)  # [BLOCK_N, BLOCK_C]: the key's latent part and the value
-            rope_key = tl.load(token_rows[:, None] + latent_dim + rdims[None, :],
-                               mask=kv_valid[:, None] & rmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+            latent, rope_key = _latent_tile(CACHE_PTR, block_table_row, tile_start, kv_hi, cdims, rdims, cmask, rmask,
+                                            latent_dim, block_size_tokens, cache_stride_block, cache_stride_token,
+                                            BLOCK_N)
             scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
             scores = (scores + tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)) * qk_scale
             visible = (kv_pos[None, :] <= positions[:, None]) & kv_valid[None, :]  # [BLOCK_M, BLOCK_N]
@@ -278,7 +306,7 @@ def paged_mla_attention(
     ``max_query_len`` / ``max_seq_len`` bound the rows per request and the context (Python ints,
     no host sync); ``num_kv_splits`` (at most ``MAX_KV_SPLITS``) overrides the split-K count
     (default: from the SM count and the tiles); ``tiles`` overrides the table's tiles
-    (:func:`mtp_ctrl.triton_ops.mla_tiles.mla_tiles` of H, B and the context bound).
+    (:func:`mtp_ctrl.triton_ops.mla_tiles.mla_tiles` of H, B, the context bound and the rows bound).
     """
     _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
                           softmax_scale, max_query_len, max_seq_len, num_kv_splits, tiles)
@@ -289,13 +317,14 @@ def paged_mla_attention(
     num_tokens, num_heads, latent_dim = query_latent.shape
     rope_dim = query_rope.shape[2]
     block_size_tokens, batch_size = latent_cache.shape[1], block_table.shape[0]
-    output = torch.zeros((num_tokens, num_heads, latent_dim), dtype=query_latent.dtype, device=query_latent.device)
     query_rows_bound = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
     if num_tokens == 0 or batch_size == 0 or query_rows_bound == 0:
-        return output
+        return torch.zeros((num_tokens, num_heads, latent_dim), dtype=query_latent.dtype, device=query_latent.device)
+    # every row is written by the kernels (padding rows as zeros by the last request's programs)
+    output = torch.empty((num_tokens, num_heads, latent_dim), dtype=query_latent.dtype, device=query_latent.device)
     kv_token_bound = block_table.shape[1] * block_size_tokens if max_seq_len is None else max_seq_len
     if tiles is None:
-        tiles = mla_tiles(num_heads, batch_size, kv_token_bound)
+        tiles = mla_tiles(num_heads, batch_size, kv_token_bound, query_rows_bound)
     block_h = min(triton.next_power_of_2(num_heads), tiles.block_m)
     block_q = min(triton.next_power_of_2(query_rows_bound), max(1, tiles.block_m // block_h))
     block_m = max(16, block_q * block_h)
@@ -305,10 +334,9 @@ def paged_mla_attention(
     if num_kv_splits is None:
         num_kv_splits = 1
         if query_latent.is_cuda:
-            wanted = triton.cdiv(tiles.programs_per_sm * sm_count(query_latent.device),
-                                 num_q_tiles * batch_size * num_head_tiles)
-            longest = max(1, kv_token_bound // max(tiles.min_split_tokens, block_n))
-            num_kv_splits = max(1, min(wanted, longest, MAX_KV_SPLITS))
+            programs_per_split = num_q_tiles * batch_size * num_head_tiles
+            num_kv_splits = kv_split_count(tiles, sm_count(query_latent.device), programs_per_split, kv_token_bound,
+                                           MAX_KV_SPLITS)
     if num_kv_splits == 1:
         tokens_per_split = _INT32_MAX
         partial_acc = partial_max = partial_sum = output  # unused by the kernel
@@ -328,9 +356,10 @@ def paged_mla_attention(
         num_head_tiles, num_kv_splits,
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_C=max(16, triton.next_power_of_2(latent_dim)), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
-        DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32", ZERO_BLOCK=_ZERO_BLOCK,
         num_warps=tiles.num_warps if query_latent.is_cuda else 4,
         num_stages=tiles.num_stages if query_latent.is_cuda else 1,
+        **({"maxnreg": tiles.max_registers} if tiles.max_registers and query_latent.is_cuda else {}),
     )
     if num_kv_splits > 1:
         # paged_attn's combine reads our partial layout ([splits, T, H] by query head, [C] dims)

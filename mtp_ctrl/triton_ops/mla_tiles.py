@@ -2,12 +2,14 @@
 chosen on the host from the step's dimensions.
 
 The choice reads only Python ints the launcher already has (the local head count, the launch's
-request count ``block_table.shape[0]`` and the context bound ``max_seq_len``), so it costs no
-host sync and a captured CUDA graph keeps the tiles of the shape it was captured at.
+request count ``block_table.shape[0]``, the context bound ``max_seq_len`` and the rows bound
+``max_query_len``), so it costs no host sync and a captured CUDA graph keeps the tiles of the
+shape it was captured at.
 
-The table's entries are the fastest tiles of ``bench/bench_mla.py --tune`` on an H200 (figures:
-``bench/RESULTS.md``, "MLA"). Where the bucket of a step falls between the measured shapes the
-neighbouring entry applies; a step outside every bound takes :data:`DEFAULT_TILES`.
+The table's entries are the fastest tiles of ``bench/bench_mla.py --tune`` (an H200) and
+``--pick`` (an H100) (figures: ``bench/RESULTS.md``, "MLA"). Where the bucket of a step falls
+between the measured shapes the neighbouring entry applies; a step outside every bound takes
+:data:`DEFAULT_TILES`.
 """
 
 import dataclasses
@@ -24,6 +26,11 @@ class MLATiles:
     Split-K cuts each request's context so that about ``programs_per_sm`` programs run per SM,
     each over at least ``min_split_tokens`` tokens (a split's partial costs ``H x C x 4`` bytes of
     writes and reads in the combine, against ``tokens x (C + R) x 2`` bytes of cache).
+    ``whole_waves``: the split count (at most the rounded-up one) whose programs fill their waves
+    of ``programs_per_sm`` an SM best, instead of leaving a short last wave (a tail at a fraction
+    of the bandwidth); :func:`kv_split_count` says how.
+    ``max_registers``: a cap that lets more programs share an SM (128 at 8 warps: two), at the
+    price of spills where the kernel wants more.
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -32,6 +39,8 @@ class MLATiles:
     num_stages: int  # software-pipeline stages of the cache loads
     programs_per_sm: int  # split-K target
     min_split_tokens: int  # split-K floor, tokens a split
+    whole_waves: bool = False  # split count that fills its waves best (else rounded up)
+    max_registers: int = 0  # registers a thread at most (ptxas .maxnreg; 0: the compiler's choice)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -42,36 +51,66 @@ class MLATiles:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.max_registers, int) or self.max_registers and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"MLATiles.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
+        if not isinstance(self.whole_waves, bool):
+            raise ValueError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
 
-# (heads at most, requests at most, context tokens at most) -> tiles; None: no bound. The first
-# entry whose bounds hold the step's dims wins. From one H200 run (RESULTS "MLA", 2026-11-26): the
-# fastest tiles at batch 1 / 32 / 128 x context 2k / 8k / 32k / 128k, 16 and 128 heads.
-TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
+# (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
+# None: no bound. The first entry whose bounds hold the step's dims wins. From two runs (RESULTS
+# "MLA"): the 16-head batch-32 / 8k decode entry from an H100's --pick (2026-11-26, fourth session),
+# the rest from an H200's --tune at batch 1 / 32 / 128 x context 2k-128k, 16 and 128 heads.
+TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
     # <= 16 heads (DeepSeek-V3 at TP 8); batch 1 (up to 128 splits) and batch 128 take the default
-    ((16, 4, None), DEFAULT_TILES),
-    # batch 5-64: the default at 2k, 4 warps at 8k, 8 programs an SM from 32k
-    ((16, 64, 4096), DEFAULT_TILES),
-    ((16, 64, 16384), MLATiles(32, 64, 4, 2, programs_per_sm=4, min_split_tokens=64)),
-    ((16, 64, None), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
-    ((32, None, None), DEFAULT_TILES),
+    ((16, 4, None, None), DEFAULT_TILES),
+    # batch 5-64: the default at 2k; at 8k decode rows take 32-token tiles, two programs an SM
+    # (128 registers a thread), whole waves (H100: 80 % of the copy, the default 64 %), verify
+    # rows the default (those tiles measured 6 % slower there); 8 programs an SM from 32k
+    ((16, 64, 4096, None), DEFAULT_TILES),
+    ((16, 64, 16384, 1), MLATiles(32, 32, 8, 2, programs_per_sm=2, min_split_tokens=64, whole_waves=True,
+                                  max_registers=128)),
+    ((16, 64, 16384, None), DEFAULT_TILES),
+    ((16, 64, None, None), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
+    ((32, None, None, None), DEFAULT_TILES),
     # > 32 heads (TP 1 / 2): 64-head tiles read the cache once per 64 heads (twice at 128 heads)
-    ((None, 4, 4096), DEFAULT_TILES),
-    ((None, None, None), MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)),
+    ((None, 4, 4096, None), DEFAULT_TILES),
+    ((None, None, None, None), MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)),
 )
 
 
-def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int) -> MLATiles:
-    """The table's tiles for a launch of ``num_heads`` local heads, ``batch_size`` requests and
-    contexts of at most ``kv_token_bound`` tokens.
+def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: int = 1) -> MLATiles:
+    """The table's tiles for a launch of ``num_heads`` local heads, ``batch_size`` requests,
+    contexts of at most ``kv_token_bound`` tokens and at most ``query_rows`` rows a request (1: a
+    decode step, 1 + S: a verify).
 
-    Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, batch 5-64, context
-    above 16k): 8 programs an SM.
+    Example: ``mla_tiles(16, 32, 32768)`` is the fifth entry (16 heads, batch 5-64, context
+    above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` the default (a verify at 8k).
     """
-    for (max_heads, max_batch, max_context), tiles in TILE_TABLE:
-        if ((max_heads is None or num_heads <= max_heads) and (max_batch is None or batch_size <= max_batch)
-                and (max_context is None or kv_token_bound <= max_context)):
+    dims = (num_heads, batch_size, kv_token_bound, query_rows)
+    for bounds, tiles in TILE_TABLE:
+        if all(bound is None or dim <= bound for dim, bound in zip(dims, bounds)):
             return tiles
     return DEFAULT_TILES
+
+
+def kv_split_count(tiles: MLATiles, num_sms: int, programs_per_split: int, kv_token_bound: int,
+                   max_splits: int) -> int:
+    """Split-K programs a request for a launch of ``programs_per_split`` programs a split (query
+    tiles x requests x head tiles): about ``tiles.programs_per_sm`` programs an SM (rounded up),
+    each over at least ``tiles.min_split_tokens`` tokens (and one ``block_n`` tile), at most
+    ``max_splits``. With ``tiles.whole_waves`` (``programs_per_sm`` then being what an SM holds at
+    once), the count up to that one whose programs fill their waves best (the larger on a tie).
+
+    Example: 132 SMs, 32 requests of one head tile, 1 program an SM: 5 splits (160 programs: a
+    second wave of 28), or with ``whole_waves`` 4 (128 programs, one wave on 128 of the 132 SMs).
+    """
+    wave = tiles.programs_per_sm * num_sms
+    longest = kv_token_bound // max(tiles.min_split_tokens, tiles.block_n)
+    most = max(1, min(-(-wave // programs_per_split), longest, max_splits))
+    if not tiles.whole_waves:
+        return most
+    # fill of s splits: programs / (waves x wave); the first best from the top
+    return max(range(most, 0, -1), key=lambda s: s * programs_per_split / (-(-s * programs_per_split // wave) * wave))

@@ -8,6 +8,7 @@ import torch
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 from mtp_ctrl.models import PagedGPTRunner
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
+from mtp_ctrl.triton_ops.mla_tiles import TILE_TABLE, MLATiles
 from tests.functional.sync_checks import no_host_sync
 from tests.unit.megatron_fixtures import (
     BLOCK_SIZE_TOKENS,
@@ -116,3 +117,20 @@ def test_graph_steps_equal_eager_and_speculation_is_lossless(mla_model, sampling
     plain = _tokens(mla_model, 0, graphs=True, sampling=sampling)
     assert _tokens(mla_model, 2, graphs=True, sampling=sampling) == plain
     assert _tokens(mla_model, 2, graphs=False, sampling=sampling) == plain
+
+
+def test_every_tile_option_equals_twin_bf16():
+    """The table's entries and the tile options (whole waves, a register cap) compile
+    and equal the twin; the output's memory held NaNs before, so unwritten padding rows show."""
+    num_heads, q_lens, seq_lens = 16, [3, 1, 0, 2, 1], [700, 513, 0, 77, 1030]
+    case = make_mla_case(q_lens, seq_lens, num_heads=num_heads, latent_dim=512, rope_dim=64, block_size_tokens=64,
+                         dtype=torch.bfloat16, device="cuda", padding_rows=4)
+    expected = case.expected()
+    options = [MLATiles(32, 64, 8, 2, 1, 64, True), MLATiles(32, 64, 8, 2, 2, 64, True, 128),
+               MLATiles(64, 64, 8, 2, 1, 128, True), MLATiles(16, 32, 4, 3, 2, 64, True)]
+    for tiles in dict.fromkeys([tiles for _, tiles in TILE_TABLE] + options):
+        for num_kv_splits in (None, 5):
+            torch.full((sum(q_lens) + 4, num_heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+            out = paged_mla_attention(*case.op_args(), max_query_len=3, max_seq_len=2048, num_kv_splits=num_kv_splits,
+                                      tiles=tiles)
+            torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2, msg=lambda m: f"{tiles}: {m}")

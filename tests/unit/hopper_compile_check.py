@@ -64,7 +64,8 @@ def cases():
     # DeepSeek-V3's latent (512 + 64), 16 heads, one decode row a request; the split count is a
     # runtime int (= 1 here when ints are constants: the one-split path)
     yield ("paged MLA attention", mla, mla_pointers, {"qk_scale"},
-           dict(BLOCK_Q=1, BLOCK_H=16, BLOCK_M=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32"))
+           dict(BLOCK_Q=1, BLOCK_H=16, BLOCK_M=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32",
+                ZERO_BLOCK=mla_attention._ZERO_BLOCK))
     latent_write = mla_attention._rope_write_latent_kernel
     yield ("rope + latent write", latent_write,
            pointers(latent_write, "bf16", SLOT_MAPPING_PTR="i64", COS_PTR="fp32", SIN_PTR="fp32"), set(),

@@ -1,12 +1,14 @@
 """MLA ops: Triton kernels (interpreter) == torch twins == dense SDPA / megatron's MLA rope."""
 
+import dataclasses
+
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
 from mtp_ctrl.triton_ops.mla_attention import MAX_KV_SPLITS
-from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, TILE_TABLE, MLATiles, mla_tiles
+from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, TILE_TABLE, MLATiles, kv_split_count, mla_tiles
 from tests.unit.mla_cases import make_mla_case
 from tests.unit.paged_attention_cases import random_mixed_lengths
 
@@ -67,17 +69,33 @@ def test_every_table_entry_equals_twin(tiles):
 def test_tile_table_lookup():
     by_bounds = dict(TILE_TABLE)
     assert mla_tiles(16, 1, 8192) is DEFAULT_TILES
-    assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384)]  # TP 8, batch 32: by context
-    assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None)]
+    assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384, 1)]  # TP 8, batch 32: by context and rows
+    assert mla_tiles(16, 32, 8192, 3) is DEFAULT_TILES  # a verify at 8k
+    assert mla_tiles(16, 32, 32768) is mla_tiles(16, 32, 32768, 3) is by_bounds[(16, 64, None, None)]
     assert mla_tiles(16, 128, 8192) is DEFAULT_TILES
     assert mla_tiles(128, 1, 8192).block_m == mla_tiles(128, 128, 131072).block_m == 64  # 64-head tiles
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
-    for (max_heads, max_batch, max_context), tiles in TILE_TABLE:  # every entry is reachable
-        assert mla_tiles(max_heads or 4096, max_batch or 4096, max_context or 2**20) is tiles
+    for bounds, tiles in TILE_TABLE:  # every entry is reachable
+        assert mla_tiles(*(bound or 2**20 for bound in bounds)) is tiles
     with pytest.raises(ValueError, match="block_m"):
         MLATiles(block_m=24, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2, min_split_tokens=64)
     with pytest.raises(ValueError, match="programs_per_sm"):
         MLATiles(block_m=32, block_n=32, num_warps=4, num_stages=2, programs_per_sm=0, min_split_tokens=64)
+
+
+def test_split_count_fills_whole_waves():
+    tiles = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=1, min_split_tokens=64)
+    whole = dataclasses.replace(tiles, whole_waves=True)
+    # 132 SMs, 32 one-tile requests at 8k: 5 splits (160 programs, a second wave of 28) or 4 (one wave)
+    assert kv_split_count(tiles, 132, 32, 8192, MAX_KV_SPLITS) == 5
+    assert kv_split_count(whole, 132, 32, 8192, MAX_KV_SPLITS) == 4
+    two = dataclasses.replace(whole, programs_per_sm=2)  # 264 slots: 8 splits fill 256, 5 of 48 fill 240
+    assert [kv_split_count(two, 132, batch, 8192, MAX_KV_SPLITS) for batch in (1, 32, 48, 300)] == [128, 8, 5, 1]
+    assert kv_split_count(two, 132, 32, 300, MAX_KV_SPLITS) == 4  # 64 tokens a split at least
+    with pytest.raises(ValueError, match="whole_waves"):
+        dataclasses.replace(tiles, whole_waves=1)
+    with pytest.raises(ValueError, match="max_registers"):
+        dataclasses.replace(tiles, max_registers=300)
 
 
 def test_most_splits_reduce_exactly():
