@@ -15,6 +15,8 @@
 #       what is left of FINAL_SECONDS (190): the GPU test (all cases), the batch workloads, bench_split_combine
 #       (this tree and, with BASELINE, DIR's kernels in the same process), profile_prefix_hit at 2k (cold,
 #       hit, the decode floor, the 64-request batch call by call), the 8k point and a hybrid with nothing shared
+#   bash bench/run_prefix_gpu.sh target   # what `final` cut short on a cold H100: the batch workloads on vs off
+#       (the 64-request 10x target), the GDN hybrid GPU test case, the 8k point, a hybrid with nothing shared
 # QUICK=1 runs the python parts with --quick on the CPU (a smoke test of this script).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -82,9 +84,17 @@ final() {
     --json "$out/bench_prefix_8k_hybrid.json" 2>&1 | grep -v Warning | tee "$out/bench_prefix_8k_hybrid.log" | tail -6
   echo "== done at $SECONDS s"
 }
+target() {  # what the final call (55 s test and batch caps on a cold H100) cut short, ~230 s in all
+  batch 110
+  timeout 60 python3 -m pytest tests/functional/test_prefix_cache_gpu.py -q -p no:cacheprovider -W ignore -k gdn \
+    2>&1 | tee "$out/test_prefix_cache_gpu_hybrid.log" | tail -3
+  timeout 60 python3 bench/bench_prefix_cache.py --parts sweep,hybrid_random --prefix-lengths 8192 \
+    --json "$out/bench_prefix_8k_hybrid.json" 2>&1 | grep -v Warning | tee "$out/bench_prefix_8k_hybrid.log" | tail -6
+}
 case "$mode" in
   check) check ;;
   final) final ;;
+  target) target ;;
   profile) profile 95; gpu_tests 45; short_controller 40 ;;
   bench)
     gpu_tests 100
