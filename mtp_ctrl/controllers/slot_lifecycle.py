@@ -28,26 +28,24 @@ class SlotLifecycle:
         self.context, self.scheduler = context, context.scheduler
         self.requests, self.outputs, self.proposer, self.draft_lengths = requests, outputs, proposer, draft_lengths
 
-    def can_admit(self, prefill_backlog: int = 0) -> bool:
+    def can_admit(self) -> bool:
         request_id = self.scheduler.next_waiting()
         if request_id is None:
             return False
         request = self.requests[request_id]
         return self.scheduler.can_admit(len(request.prompt_tokens) + len(request.output_tokens), request.preemptions > 0,
                                         self.context.num_free_rows, self.context.allocator.num_free_blocks,
-                                        prefill_backlog)
+                                        self.context.prefill_backlog())
 
     def admit_waiting(self) -> None:
         """Slots for waiting requests, also with a step in flight (the slot's device rows are
         reset stream-ordered after it), until the prefilling requests' backlog fills a step
         (``Scheduler.can_admit``)."""
-        backlog = self.context.prefill_backlog() if self.scheduler.num_waiting else 0
-        while self.can_admit(backlog):
+        while self.can_admit():
             request = self.requests[self.scheduler.next_waiting()]
             # the prompt was checked by check_prompt: as an int64 array the context checks only its dtype
-            backlog += self.context.add_request(request.request_id, request.prefill_tokens(),
-                                                RequestSampling.row_values(request.params, request.seed),
-                                                request.use_prefix_cache)
+            self.context.add_request(request.request_id, request.prefill_tokens(),
+                                     RequestSampling.row_values(request.params, request.seed), request.use_prefix_cache)
             self.scheduler.take_next_waiting()  # only once the context holds it
             request.attach(self.outputs, self.context.table)  # the slot's rows own output and counters now
 

@@ -178,7 +178,7 @@ class DynamicInferenceContext:
         return request_id in self.table
 
     def add_request(self, request_id: int, prompt_tokens: Tokens, row_values: Optional[Dict[str, float]] = None,
-                    use_prefix_cache: bool = True) -> int:
+                    use_prefix_cache: bool = True) -> None:
         """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence).
         ``row_values``: the first values of the table's ``set_on_insert`` rows (``table.insert``).
         With prefix caching on (and ``use_prefix_cache``), it starts with the cached blocks its
@@ -187,8 +187,7 @@ class DynamicInferenceContext:
         Allowed while a step is in flight (see the module docstring): the request takes a free
         slot, at the end of the prefill list, and its device rows are reset with the next step's
         set-up, stream-ordered after the step in flight, in one batch with every other request
-        admitted until then. Returns the tokens it has left to prefill (the prompt less its
-        cached blocks)."""
+        admitted until then."""
         if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
             raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self.table:
@@ -204,7 +203,6 @@ class DynamicInferenceContext:
         self._prefill_token_counts[table_slot] = prompt.shape[0]
         self._prefill_tokens[request_id] = prompt
         self.scheduler.admitted(request_id)
-        return prompt.shape[0] - len(cached_block_ids) * self.shape.block_size_tokens
 
     def prefill_backlog(self) -> int:
         """Prompt tokens the live prefilling requests have left to prefill (the host's lengths:
