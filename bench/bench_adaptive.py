@@ -13,7 +13,10 @@ checked equal to plain decoding:
    oracle drafter: request r's draft at each depth is the true next token with probability
    ``p_r`` (a hash of request and position, no host work), so acceptance is set per request.
    Workloads: all 0.9, all 0.6, all 0.2, and a mix of the three; fixed S = 0..3 and goodput at
-   S_max = 3.
+   S_max = 3. The random model's logits get wide margins (:func:`widen_logit_margins`), so that
+   bf16 verify steps of any row count emit plain decoding's tokens (no near ties) and the oracle's
+   "true token" is the one the target emits: a request labelled p accepts p per depth. The
+   measured acceptance per label (from each fixed-S point's accepted drafts) is printed.
 
 Per workload it prints tokens/s of each fixed S, of the policy, the policy's share of verify
 steps at each draft length, and the best fixed S ("oracle best": the S one would pick knowing
@@ -90,6 +93,36 @@ class AcceptanceOracle(Proposer):
         pass
 
 
+def widen_logit_margins(model, embedding_std: float = 2.0) -> None:
+    """Make the random model's next token ``(token + 1) % vocab`` with a wide logit margin: the
+    embedding rows grow to ``embedding_std`` (the decoder layers' random outputs, ~1 in size, no
+    longer decide the residual stream) and the output layer's row ``t + 1`` is embedding row
+    ``t``, so the winning logit is ~``hidden`` against ~``4 sqrt(hidden)`` for the runner-up. bf16
+    rounding differences between verify steps of different row counts (~1e-2 relative) then never
+    flip the argmax: every S emits plain decoding's tokens. The step's cost is unchanged (same
+    shapes, same layers)."""
+    with torch.no_grad():
+        embedding = model.embedding.word_embeddings.weight  # [V, H]
+        embedding.mul_(embedding_std / embedding.float().std().item())
+        model.output_layer.weight.copy_(embedding.roll(1, dims=0))  # row t + 1 = embedding row t
+
+
+def per_depth_acceptance(results, labels, S):
+    """``{label: p}``: the per-depth acceptance p that explains each label's mean accepted drafts
+    per verify step ``A = p + p^2 + ... + p^S`` (fixed S; solved by bisection)."""
+    out = {}
+    for label in sorted(set(labels)):
+        steps = sum(r.decode_steps for r, l in zip(results, labels) if l == label)
+        accepted = sum(r.accepted_drafts for r, l in zip(results, labels) if l == label)
+        mean = accepted / max(steps, 1)
+        low, high = 0.0, 1.0
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if sum(middle ** k for k in range(1, S + 1)) < mean else (low, middle)
+        out[f"{label:g}"] = round(low, 3)
+    return out
+
+
 class EqualCosts(StepCostModel):
     def seconds(self, batch_size, num_drafts):
         return 1.0
@@ -121,6 +154,7 @@ def run_point(controller, prompts, params, repeats=1):
     counts = metrics["draft_length_counts"]
     shares = [round(c / max(sum(counts), 1), 2) for c in counts]
     times = {"step_ms": metrics["step_time"]["mean_step_ms"], "gpu_ms": metrics["step_time"]["mean_gpu_ms"]}
+    times["results"] = results
     return sum(len(r.output_tokens) for r in results) / seconds, [r.output_tokens for r in results], shares, times
 
 
@@ -181,6 +215,11 @@ class Table:
             step = "-" if row.get("step_ms") is None else f"{row['step_ms']:.3f}"
             name = f"{row['part']} batch {row['batch']} {row['workload']} {row['policy']} S={row['S']}"
             print(f"  {name}: {step} / {gpu}")
+        measured = [row for row in self.rows if row.get("acceptance")]
+        if measured:
+            print("\nmeasured per-depth acceptance by label (fixed S points; the label is the oracle's p):")
+        for row in measured:
+            print(f"  {row['part']} batch {row['batch']} {row['workload']} S={row['S']}: {row['acceptance']}")
         for row in self.rows:
             if row.get("costs"):
                 print(f"  cost model after {row['part']} batch {row['batch']} {row['workload']}: {row['costs']}")
@@ -208,6 +247,7 @@ def demo_part(args, table, device):
             for temperature in (0.0, 1.0):
                 params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=5)
                 rate, outputs, shares, times = run_point(controller, prompts, params, repeats=3)
+                times.pop("results")
                 plain.setdefault(temperature, outputs)
                 table.add(part="demo", batch=batch, workload=f"T={temperature:g}", S=S, policy=name,
                           tokens_per_s=rate, lengths=shares, equal_plain=outputs == plain[temperature],
@@ -222,6 +262,7 @@ def large_part(args, table, device):
     model = build_model(shape, device, max_model_len + 8)
     if device.type == "cpu":
         model = model.float()
+    widen_logit_margins(model)
     batches = args.large_batches or ((4,) if args.quick else (8, 64))
     generator = torch.Generator().manual_seed(0)
     for batch in batches:
@@ -229,6 +270,7 @@ def large_part(args, table, device):
         params = SamplingParams(max_new_tokens=new_tokens)
         controller = engine(model, 0, batch, max_model_len, device=device.type)
         plain_rate, plain, _, plain_times = run_point(controller, prompts, params)
+        plain_times.pop("results")
         controller.close()
         width = PROMPT_LEN + new_tokens + 16
         sequences = torch.zeros(batch, width, dtype=torch.int64)
@@ -244,15 +286,18 @@ def large_part(args, table, device):
             proposer_engines.append((S, name, policy, engine(model, S, batch, max_model_len, policy, proposer,
                                                              device.type)))
         for workload, mix in MIXES.items():
-            rates.copy_(torch.tensor([mix[i % len(mix)] for i in range(batch)], device=device))
+            labels = [mix[i % len(mix)] for i in range(batch)]
+            rates.copy_(torch.tensor(labels, device=device))
             table.add(part="1B", batch=batch, workload=workload, S=0, policy="fixed", tokens_per_s=plain_rate,
                       lengths=[1.0], equal_plain=True, **plain_times)
             for S, name, policy, controller in proposer_engines:
                 if table.out_of_time():
                     return
                 rate, outputs, shares, times = run_point(controller, prompts, params)
+                results = times.pop("results")
+                measured = per_depth_acceptance(results, labels, S) if name == "fixed" else None
                 table.add(part="1B", batch=batch, workload=workload, S=S, policy=name, tokens_per_s=rate,
-                          lengths=shares, equal_plain=outputs == plain,
+                          lengths=shares, equal_plain=outputs == plain, acceptance=measured,
                           costs=cost_table(policy), **times)
         for *_, controller in proposer_engines:
             controller.close()

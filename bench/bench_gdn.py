@@ -4,11 +4,13 @@ kernel against flash-linear-attention, and end-to-end decode at S = 0 vs S = 2.
     python bench/bench_gdn.py [--quick] [--skip-e2e] [--kernels] [--skip-old] [--e2e] [--tune]
 
 1. The decode/verify rows and their commit (one layer: 32 value heads, 16 key heads, K = V = 128,
-   fp32 state), at batch 1, 32, 128 and S = 0, 2, 4: the old path (``gdn_decode_rows`` writes
-   1 + S states, the commit copies one) against the replay path (``gdn_verify_rows`` reads the
-   state once and stores the rows' inputs; ``gdn_replay_accepted`` steps the accepted rows from the
-   committed state); state bytes / time against a same-run device copy's bandwidth, and each
-   path's S = 2 step over its S = 0 step (the issue's target: <= 1.5x).
+   fp32 state), at batch 1, 32, 128 and S = 0, 2, 4: the deferred commit (``gdn_verify_rows``
+   applies the slot's pending rows, writes the committed state back, steps and stores its own
+   rows; ``gdn_mark_pending_rows`` records the kept ones: one read and one write of the state at
+   every S), beside ``--baseline``'s verify + replay (main's two launches, timed in this process)
+   and the old path (``gdn_decode_rows`` writes 1 + S states, the commit copies one); state bytes /
+   time against a same-run device copy's bandwidth, and each path's S = 2 step over its S = 0 step
+   (the issue's target: <= 1.5x).
 2. ``gdn_varlen_scan`` (ours, recurrent, one segment) vs fla-core's ``chunk_gated_delta_rule``
    (chunked, from the same initial state, final state out): tokens/s at chunk 64 .. 8192 (fla
    only when installed).
@@ -20,10 +22,11 @@ kernel against flash-linear-attention, and end-to-end decode at S = 0 vs S = 2.
 
 ``--kernels`` runs table 1 only, ``--e2e`` table 3 only, ``--skip-old`` drops its old-path columns: with this script run
 against another checkout's package (``PYTHONPATH``) table 1 is that checkout's baseline in the same
-run. ``--tune`` times every candidate launch shape (``GDNTiles``: value dims a program, warps) of
-the verify and replay kernels at batch 1, 32, 128 and S = 0, 2, 4 against the same-run device copy
-and prints the fastest as the tables of ``mtp_ctrl/triton_ops/gdn_tiles.py``; the candidates are
-compiled first in parallel processes.
+run (``--baseline PATH`` times that checkout's kernels in this process instead). ``--tune`` times
+every candidate launch shape (``GDNTiles``: value dims a program, warps) of the verify kernel at
+batch 1, 32, 128 and S = 0, 2, 4 against the same-run device copy and prints the fastest (for
+reading: ``mtp_ctrl/triton_ops/gdn_tiles.py`` holds one shape); the candidates are compiled first
+in parallel processes.
 
 ``--quick`` runs tiny shapes on the CPU (the torch twins, or the kernels through Triton's interpreter
 with ``TRITON_INTERPRET=1``; no fla, no end to end): a smoke test of the script, not a measurement.
@@ -41,11 +44,14 @@ def parse_args(argv=None):
     parser.add_argument("--kernels", action="store_true", help="table 1 only (the decode/verify kernels)")
     parser.add_argument("--e2e", action="store_true", help="table 3 only (end to end)")
     parser.add_argument("--skip-old", action="store_true", help="table 1 without the old path (gdn_decode_rows)")
+    parser.add_argument("--graph-calls", type=int, default=10, metavar="N",
+                        help="table 1 on CUDA: time N calls captured in one CUDA graph (GPU time, no launch "
+                             "latency); 0: eager calls, as before the fourth session")
     parser.add_argument("--tune", action="store_true",
-                        help="only sweep the verify and replay kernels' launch shapes (batch 1, 32, 128; S = 0, 2, 4)")
+                        help="only sweep the verify kernel's launch shapes (batch 1, 32, 128; S = 0, 2, 4)")
     parser.add_argument("--baseline", metavar="GDN_REPLAY_PY",
-                        help="with --tune: also time this file's gdn_verify_rows / gdn_replay_accepted (another "
-                             "checkout's mtp_ctrl/triton_ops/gdn_replay.py) in the same process")
+                        help="with --tune or table 1: also time this file's gdn_verify_rows + gdn_replay_accepted "
+                             "(main's mtp_ctrl/triton_ops/gdn_replay.py: verify, then replay) in the same process")
     parser.add_argument("--tune-scope", metavar="BATCHES/DRAFTS/CANDIDATES",
                         help="with --tune: e.g. '32,128/0,2/8x1,16x1,32x4' (default: 1,32,128/0,2,4/all)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
@@ -63,7 +69,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from mtp_ctrl.triton_ops import (  # noqa: E402
     gdn_decode_rows,
-    gdn_replay_accepted,
+    gdn_mark_pending_rows,
     gdn_row_input_width,
     gdn_varlen_scan,
     gdn_verify_rows,
@@ -71,12 +77,23 @@ from mtp_ctrl.triton_ops import (  # noqa: E402
 )
 
 
-def _time_ms(fn, device, repeats):
-    """Median ms of ``fn()`` (CUDA events on the GPU, wall clock on the CPU), after 2 warm-ups."""
+def _time_ms(fn, device, repeats, graph_calls=0):
+    """Median ms of ``fn()`` (CUDA events on the GPU, wall clock on the CPU), after 2 warm-ups.
+    ``graph_calls`` > 0 (CUDA): ``fn`` is captured that many times in one CUDA graph and each timed
+    replay is divided by it: GPU time without the host's launch latency (a launch from Python
+    costs tens of us, more than the kernel itself below batch ~64)."""
     import time
 
     for _ in range(2):
         fn()
+    if graph_calls and device.type == "cuda":
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(graph_calls):
+                fn()
+        graph.replay()
+        return _time_ms(graph.replay, device, repeats) / graph_calls
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -109,77 +126,104 @@ def copy_bandwidth_gbs(device, num_bytes):
 
 
 def _table_tiles(batch, R):
-    """The verify / replay tiles of the package's tables, or '-' for a package without them (a baseline)."""
-    try:
-        from mtp_ctrl.triton_ops.gdn_tiles import gdn_replay_tiles, gdn_verify_tiles
-    except ImportError:
-        return "-"
-    verify = gdn_verify_tiles(batch, R)
-    replay = gdn_replay_tiles(batch, R) if R > 1 else None
-    return f"{verify.block_v}/{verify.num_warps}" + (f" {replay.block_v}/{replay.num_warps}" if replay else "")
+    """The verify kernel's tiles of the package's table."""
+    from mtp_ctrl.triton_ops.gdn_tiles import gdn_verify_tiles
+
+    tiles = gdn_verify_tiles(batch, R)
+    return f"{tiles.block_v}/{tiles.num_warps}"
 
 
 def _verify_setup(device, shape, batch, S):
-    """Pools and rows of one verify step at ``batch`` requests of 1 + S rows (slot ``batch``: spare)."""
+    """Pools and rows of one verify step at ``batch`` requests of 1 + S rows (slot ``batch``: the
+    scratch slot), each slot with all 1 + S rows of its last step pending (every draft accepted:
+    the most work); ``row_inputs`` as this package lays them out, ``old_row_inputs`` as main's
+    verify + replay path did ([1, M, R, F])."""
     key_heads, heads, key_dim, value_dim = shape
     R = S + 1
     width = gdn_row_input_width(key_heads, key_dim, heads, value_dim)
+    pending = torch.full((batch + 1,), R if S else 0, dtype=torch.int32, device=device)
+    pending[batch] = 0
+    row_inputs = torch.zeros(1, batch + 1, 2, R, width, device=device)
+    row_inputs[..., -2 * heads:].fill_(0.5)  # g = beta = 0.5 in the pending rows: real work
     return dict(states=torch.zeros(1, batch + 1, heads, key_dim, value_dim, device=device),
-                row_inputs=torch.zeros(1, batch + 1, R, width, device=device),
+                row_inputs=row_inputs, old_row_inputs=torch.zeros(1, batch + 1, R, width, device=device),
+                pending=pending, parity=torch.zeros(batch + 1, dtype=torch.int32, device=device),
                 slots=torch.arange(batch, device=device), status=torch.zeros(batch, dtype=torch.int64, device=device),
                 accepted=torch.full((batch,), S, dtype=torch.int64, device=device),
                 rows=_rows(batch * R, key_heads, heads, key_dim, value_dim, device))
 
 
-def decode_kernel_table(device, shape, batches, drafts, old_path=True):
-    """Per step of one layer: the replay path (``gdn_verify_rows`` reads the state and stores the rows'
-    inputs, ``gdn_replay_accepted`` steps the accepted rows: every draft accepted, the most work) with
-    the package's tile tables, and (``old_path``) the old one (``gdn_decode_rows`` writes 1 + S states,
-    the commit copies one). Returns {(path, batch, S): us}."""
+def _deferred_step(step, S, tiles=None):
+    """One layer's step of this package: the verify rows (the pending rows applied first), then the
+    commit's bookkeeping (it keeps every slot at 1 + S pending rows: the same work every call; none
+    at S = 0, as ``MambaStateSlots.commit_accepted``: nothing is ever pending there)."""
+    R = S + 1
+    out = gdn_verify_rows(step["states"], step["row_inputs"], step["pending"], step["parity"], 0, step["slots"],
+                          **step["rows"], rows_per_request=R, tiles=tiles)
+    if S > 0:
+        gdn_mark_pending_rows(step["pending"], step["parity"], step["status"], step["slots"], step["accepted"], R,
+                              step["slots"].shape[0])
+    return out
+
+
+def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=None, graph_calls=0):
+    """Per step of one layer: this package's verify rows with the deferred commit (``gdn_verify_rows``
+    applies the slot's 1 + S pending rows, writes the committed state, steps its own rows;
+    ``gdn_mark_pending_rows``: every draft accepted, the most work), (``baseline``: another checkout's
+    gdn_replay.py, timed in this process) that checkout's verify + ``gdn_replay_accepted``, and
+    (``old_path``) ``gdn_decode_rows`` + the copy commit. Returns {(path, batch, S): us}."""
     key_heads, heads, key_dim, value_dim = shape
     state_bytes = heads * key_dim * value_dim * 4
     copy_gbs = copy_bandwidth_gbs(device, max(batches) * state_bytes * (2 + max(drafts)))
     width = gdn_row_input_width(key_heads, key_dim, heads, value_dim)
+    base_module = _load_baseline(baseline) if baseline else None
     import mtp_ctrl
 
     print(f"\n1. GDN decode/verify state traffic per step, one layer ({heads} value heads, {key_heads} key heads, "
           f"K = {key_dim}, V = {value_dim}, fp32 state {state_bytes / 2**20:.1f} MiB per request, row inputs "
           f"{width * 4 / 2**10:.1f} KiB); package {mtp_ctrl.__file__}; same-run device copy {copy_gbs:.0f} GB/s. "
-          "verify: gdn_verify_rows (reads 1 state; S = 0 also writes it); replay: gdn_replay_accepted, all drafts "
-          "accepted (reads + writes 1 state); 'of copy' = state bytes / time / copy GB/s; tiles = BLOCK_V/warps "
-          "of verify, replay" + ("; old: gdn_decode_rows + copy commit (moves 1 + (1 + S) + 2 states)" if old_path
-                                 else ""))
-    print(f"{'batch':>5} {'S':>2} | {'verify us':>9} {'of copy':>7} {'replay us':>9} {'of copy':>7} {'total us':>8} "
-          f"{'vs S=0':>6} {'tiles':>10}" + (f" | {'old us':>8} {'of copy':>7} {'vs S=0':>6}" if old_path else ""))
+          "step: gdn_verify_rows with the commit folded in (reads + writes 1 state at every S) + "
+          "gdn_mark_pending_rows; 'of copy' = state bytes / time / copy GB/s; tiles = BLOCK_V/warps; "
+          + (f"GPU time: {graph_calls} calls captured in one CUDA graph, a replay / {graph_calls}" if graph_calls
+             else "times of eager calls (host launch latency included)")
+          + (f"; base: {baseline} verify (reads 1 state; S = 0 writes it too) + replay (reads + writes 1), "
+             "timed here" if baseline else "")
+          + ("; old: gdn_decode_rows + copy commit (moves 1 + (1 + S) + 2 states)" if old_path else ""))
+    print(f"{'batch':>5} {'S':>2} | {'step us':>8} {'of copy':>7} {'vs S=0':>6} {'tiles':>5}"
+          + (f" | {'base verify':>11} {'of copy':>7} {'replay':>7} {'of copy':>7} {'total':>7} {'vs S=0':>6} "
+             f"{'new/base':>8}" if baseline else "")
+          + (f" | {'old us':>8} {'of copy':>7} {'vs S=0':>6}" if old_path else ""))
     times = {}
+
+    def share(batch, states_moved, us):
+        return f"{batch * state_bytes * states_moved / us / 1e3 / copy_gbs:7.0%}"
     for batch in batches:
         for S in drafts:
             R = S + 1
             step = _verify_setup(device, shape, batch, S)
-            states, row_inputs, slots, rows = step["states"], step["row_inputs"], step["slots"], step["rows"]
-            verify_us = _time_ms(lambda: gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, 20) * 1e3
-            replay_us = 0.0
-            if S > 0:
-                replay_us = _time_ms(lambda: gdn_replay_accepted(states, row_inputs, step["status"], slots,
-                                                                 step["accepted"], key_heads), device, 20) * 1e3
-            times[("replay", batch, S)] = verify_us + replay_us
-
-            def share(states_moved, us):
-                return f"{batch * state_bytes * states_moved / us / 1e3 / copy_gbs:7.0%}"
-            replay_cells = f"{replay_us:9.1f} {share(2, replay_us)}" if S else f"{'-':>9} {'-':>7}"
-            line = (f"{batch:5d} {S:2d} | {verify_us:9.1f} {share(1 if S else 2, verify_us)} {replay_cells} "
-                    f"{verify_us + replay_us:8.1f} {(verify_us + replay_us) / times[('replay', batch, 0)]:5.2f}x "
-                    f"{_table_tiles(batch, R):>10}")
+            times[("deferred", batch, S)] = us = _time_ms(lambda: _deferred_step(step, S), device, 20,
+                                                          graph_calls) * 1e3
+            line = (f"{batch:5d} {S:2d} | {us:8.1f} {share(batch, 2, us)} "
+                    f"{us / times[('deferred', batch, drafts[0])]:5.2f}x {_table_tiles(batch, R):>5}")
+            if base_module is not None:
+                verify_us, replay_us = _time_baseline(base_module, device, step, key_heads, S, graph_calls=graph_calls)
+                times[("base", batch, S)] = total = verify_us + replay_us
+                replay_cells = f"{replay_us:7.1f} {share(batch, 2, replay_us)}" if S else f"{'-':>7} {'-':>7}"
+                line += (f" | {verify_us:11.1f} {share(batch, 1 if S else 2, verify_us)} {replay_cells} {total:7.1f} "
+                         f"{total / times[('base', batch, drafts[0])]:5.2f}x {us / total:7.2f}x")
             if old_path:
+                states, slots, rows = step["states"], step["slots"], step["rows"]
                 inter = torch.zeros(1, batch + 1, R, heads, key_dim, value_dim, device=device)
 
                 def old_step():
                     gdn_decode_rows(states, inter, 0, slots, **rows)
                     mamba_state_selective_copy(inter, states, step["status"], slots, step["accepted"], 1)
-                times[("old", batch, S)] = old_us = _time_ms(old_step, device, 20) * 1e3
-                line += f" | {old_us:8.1f} {share(1 + R + 2, old_us)} {old_us / times[('old', batch, 0)]:5.2f}x"
+                times[("old", batch, S)] = old_us = _time_ms(old_step, device, 20, graph_calls) * 1e3
+                line += (f" | {old_us:8.1f} {share(batch, 1 + R + 2, old_us)} "
+                         f"{old_us / times[('old', batch, drafts[0])]:5.2f}x")
                 del inter
-            print(line)
+            print(line, flush=True)
+            del step
     return times
 
 
@@ -198,30 +242,45 @@ def _compile_candidates(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
         if kernel == "baseline":  # block_v: the baseline's path
             _time_baseline(_load_baseline(block_v), device, step, shape[0], S, repeats=0)
             continue
-        tiles = GDNTiles(block_v, warps)
-        if kernel == "verify":
-            gdn_verify_rows(step["states"], step["row_inputs"], 0, step["slots"], **step["rows"], tiles=tiles)
-        else:
-            gdn_replay_accepted(step["states"], step["row_inputs"], step["status"], step["slots"], step["accepted"],
-                                shape[0], tiles=tiles)
+        _deferred_step(step, S, tiles=GDNTiles(block_v, warps))
     if device.type == "cuda":
         torch.cuda.synchronize()
     return len(jobs)
 
 
 def _load_baseline(path):
-    """Another checkout's gdn_replay.py as a module (it imports its helpers from this package)."""
+    """Another checkout's gdn_replay.py as a module, with that checkout's gdn_tiles.py and
+    gdn_recurrent.py standing in for this package's while it loads (its other imports: this package)."""
     import importlib.util
+    import os
 
-    spec = importlib.util.spec_from_file_location("baseline_gdn_replay", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    folder = os.path.dirname(os.path.abspath(path))
+
+    def load(name, file):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, file))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    saved = {}
+    try:
+        for sibling in ("gdn_tiles", "gdn_recurrent"):
+            name = f"mtp_ctrl.triton_ops.{sibling}"
+            saved[name] = sys.modules.get(name)
+            sys.modules[name] = load(f"baseline_{sibling}", f"{sibling}.py")
+        return load("baseline_gdn_replay", os.path.basename(path))
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
-def _time_baseline(module, device, step, key_heads, S, repeats=20):
-    """(verify us, replay us) of the baseline module's kernels at one step (repeats = 0: compile only)."""
-    states, row_inputs, slots, rows = step["states"], step["row_inputs"], step["slots"], step["rows"]
+def _time_baseline(module, device, step, key_heads, S, repeats=20, graph_calls=0):
+    """(verify us, replay us) of the baseline module's verify + replay kernels at one step
+    (repeats = 0: compile only); its own states and row inputs (main's [1, M, R, F] layout)."""
+    states, row_inputs = step["states"].clone(), step["old_row_inputs"]
+    slots, rows = step["slots"], step["rows"]
 
     def replay():
         module.gdn_replay_accepted(states, row_inputs, step["status"], slots, step["accepted"], key_heads)
@@ -230,8 +289,9 @@ def _time_baseline(module, device, step, key_heads, S, repeats=20):
         replay()
     if not repeats:
         return 0.0, 0.0
-    verify_us = _time_ms(lambda: module.gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, repeats) * 1e3
-    return verify_us, (_time_ms(replay, device, repeats) * 1e3 if S else 0.0)
+    verify_us = _time_ms(lambda: module.gdn_verify_rows(states, row_inputs, 0, slots, **rows), device, repeats,
+                         graph_calls) * 1e3
+    return verify_us, (_time_ms(replay, device, repeats, graph_calls) * 1e3 if S else 0.0)
 
 
 def _precompile(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
@@ -250,89 +310,64 @@ def _precompile(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
 
 
 def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, baseline=None):
-    """Every candidate launch shape of the verify kernel (and of the replay kernel, S > 0) at each
-    (batch, S): us and state bytes / time against a same-run device copy; prints the fastest as
-    ``gdn_tiles``' tables (the measured batch and R as bounds). Returns {(kernel, batch, S): (us, tiles)}."""
+    """Every candidate launch shape of this package's step (verify with the deferred commit, 1 + S
+    pending rows) at each (batch, S): us and state bytes (2 states) / time against a same-run device
+    copy, beside the baseline's verify + replay (``baseline``: another checkout's gdn_replay.py).
+    Returns {(kernel, batch, S): (us, tiles)}."""
     from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
 
     key_heads, heads, key_dim, value_dim = shape
     state_bytes = heads * key_dim * value_dim * 4
     copy_gbs = copy_bandwidth_gbs(device, max(batches) * state_bytes * 2)
     print(f"\n--tune: {heads} value heads, {key_heads} key heads, K = {key_dim}, V = {value_dim}; copy {copy_gbs:.0f} "
-          "GB/s; verify moves 1 state (S = 0: 2), replay 2; max|diff| = output / state against the first candidate")
+          "GB/s; a step moves 2 states; max|diff| = output against the first candidate")
     if device.type == "cuda":
         try:
-            _precompile([(kernel, S, *tile) for S in drafts for kernel in ("verify", "replay") if kernel == "verify" or S
-                         for tile in candidates] + [("baseline", S, baseline, 1) for S in drafts if baseline])
+            _precompile([("step", S, *tile) for S in drafts for tile in candidates]
+                        + [("baseline", S, baseline, 1) for S in drafts if baseline])
         except Exception as error:  # the timing loop compiles what is missing, one after another
             print(f"   parallel compile failed ({type(error).__name__}: {error}); compiling while timing")
-    print(f"{'kernel':>6} {'batch':>5} {'S':>2} {'BLOCK_V':>7} {'warps':>5} {'us':>8} {'of copy':>7} {'max|diff|':>9}")
+    print(f"{'batch':>5} {'S':>2} {'BLOCK_V':>7} {'warps':>5} {'us':>8} {'of copy':>7} {'max|diff|':>9}")
     best = {}
     for batch in batches:
         for S in drafts:
             step = _verify_setup(device, shape, batch, S)
-            states, row_inputs, slots, rows = step["states"], step["row_inputs"], step["slots"], step["rows"]
-            states.normal_().mul_(0.1)
-            start = states.clone()
+            step["states"].normal_().mul_(0.1)
             if baseline:
                 base = _time_baseline(_load_baseline(baseline), device, step, key_heads, S)
                 best[("baseline", batch, S)] = (sum(base), base)
-                states.copy_(start)
-            for kernel in ("verify", "replay") if S else ("verify",):
-                first = None
-                for block_v, warps in candidates:
-                    tiles = GDNTiles(block_v, warps)
-                    states.copy_(start)
-                    if kernel == "verify":
-                        def call():
-                            return gdn_verify_rows(states, row_inputs, 0, slots, **rows, tiles=tiles)
-                    else:
-                        gdn_verify_rows(states, row_inputs, 0, slots, **rows)  # the rows' inputs to replay
-
-                        def call():
-                            gdn_replay_accepted(states, row_inputs, step["status"], slots, step["accepted"], key_heads,
-                                                tiles=tiles)
-                            return states
-                    result = call().clone()  # once from the same start: the candidates must agree
-                    if kernel == "replay" or S == 0:
-                        result = states.clone()
-                    first = result if first is None else first
-                    diff = (result - first).abs().max().item()
-                    us = _time_ms(call, device, 20) * 1e3
-                    moved = 2 if (kernel == "replay" or S == 0) else 1
-                    print(f"{kernel:>6} {batch:5d} {S:2d} {block_v:7d} {warps:5d} {us:8.1f} "
-                          f"{batch * state_bytes * moved / us / 1e3 / copy_gbs:7.0%} {diff:9.2e}")
-                    if (kernel, batch, S) not in best or us < best[(kernel, batch, S)][0]:
-                        best[(kernel, batch, S)] = (us, tiles)
-            del step, states, row_inputs, start
-    print("\n--tune: per step with the fastest shapes: verify + replay (all drafts accepted) us, of copy, vs S = 0")
-    print(f"{'batch':>5} {'S':>2} {'verify us':>9} {'of copy':>7} {'replay us':>9} {'of copy':>7} {'total us':>8} "
-          f"{'vs S=0':>6}" + (f" | {'baseline verify':>15} {'of copy':>7} {'replay':>7} {'of copy':>7} {'total':>7} "
-                              f"{'vs S=0':>6} {'new/base':>8}" if baseline else ""))
+            first, start = None, {name: step[name].clone() for name in ("states", "row_inputs", "parity")}
+            for block_v, warps in candidates:
+                tiles = GDNTiles(block_v, warps)
+                for name, value in start.items():  # each candidate's first call from the same start
+                    step[name].copy_(value)
+                result = _deferred_step(step, S, tiles).clone()
+                first = result if first is None else first
+                diff = (result - first).abs().max().item()
+                us = _time_ms(lambda: _deferred_step(step, S, tiles), device, 20) * 1e3
+                print(f"{batch:5d} {S:2d} {block_v:7d} {warps:5d} {us:8.1f} "
+                      f"{batch * state_bytes * 2 / us / 1e3 / copy_gbs:7.0%} {diff:9.2e}")
+                if ("step", batch, S) not in best or us < best[("step", batch, S)][0]:
+                    best[("step", batch, S)] = (us, tiles)
+            del step
+    print("\n--tune: per step with the fastest shape: us, of copy, vs S = 0"
+          + (" | the baseline's verify + replay" if baseline else ""))
     for batch in batches:
         for S in drafts:
-            verify_us = best[("verify", batch, S)][0]
-            replay_us = best[("replay", batch, S)][0] if S else 0.0
-            base = best[("verify", batch, drafts[0])][0]
-            shares = [f"{batch * state_bytes * moved / us / 1e3 / copy_gbs:7.0%}" if us else f"{'-':>7}"
-                      for moved, us in ((1 if S else 2, verify_us), (2, replay_us))]
-            line = (f"{batch:5d} {S:2d} {verify_us:9.1f} {shares[0]} {replay_us:9.1f} {shares[1]} "
-                    f"{verify_us + replay_us:8.1f} {(verify_us + replay_us) / base:5.2f}x")
+            us = best[("step", batch, S)][0]
+            line = (f"{batch:5d} {S:2d} {us:9.1f} {batch * state_bytes * 2 / us / 1e3 / copy_gbs:7.0%} "
+                    f"{us / best[('step', batch, drafts[0])][0]:5.2f}x")
             if baseline:
-                total, (old_verify, old_replay) = best[("baseline", batch, S)]
-                old_shares = [f"{batch * state_bytes * moved / us / 1e3 / copy_gbs:7.0%}" if us else f"{'-':>7}"
-                              for moved, us in ((1 if S else 2, old_verify), (2, old_replay))]
-                line += (f" | {old_verify:15.1f} {old_shares[0]} {old_replay:7.1f} {old_shares[1]} {total:7.1f} "
-                         f"{total / best[('baseline', batch, drafts[0])][0]:5.2f}x "
-                         f"{(verify_us + replay_us) / total:7.2f}x")
+                total = best[("baseline", batch, S)][0]
+                line += (f" | {total:7.1f} {total / best[('baseline', batch, drafts[0])][0]:5.2f}x "
+                         f"new/base {us / total:5.2f}x")
             print(line)
-    # For reading only: gdn_tiles.py holds ONE shape for every launch (a verify row, its replay and
-    # a plain row agree bit for bit only under one launch shape; see its DEFAULT_TILES), so pick the
-    # shape that is near the best everywhere, never a shape per launch.
+    # For reading only: gdn_tiles.py holds ONE shape for every launch (a verify row and a plain row
+    # agree bit for bit only under one launch shape; see its DEFAULT_TILES), never a shape per launch.
     print("\n--tune: the fastest shape per launch (gdn_tiles.DEFAULT_TILES must be ONE shape for all)")
     for (kernel, batch, S), (us, tiles) in sorted(best.items(), key=lambda item: str(item[0])):
         if kernel != "baseline":
-            print(f"  {kernel:>6} batch {batch:4d} S {S}: GDNTiles({tiles.block_v}, {tiles.num_warps})  {us:.1f} us")
+            print(f"  batch {batch:4d} S {S}: GDNTiles({tiles.block_v}, {tiles.num_warps})  {us:.1f} us")
     return best
 
 
@@ -417,7 +452,7 @@ def main(args):
         device, shape = torch.device("cpu"), (2, 4, 16, 16)
         if args.tune:
             return tune_table(device, shape, (2,), (0, 2), candidates=((8, 1), (16, 2)), baseline=args.baseline)
-        decode_kernel_table(device, shape, (1, 4), (0, 2), old_path=not args.skip_old)
+        decode_kernel_table(device, shape, (1, 4), (0, 2), old_path=not args.skip_old, baseline=args.baseline)
         if not args.kernels:
             prefill_table(device, shape, (64, 256))
         return
@@ -433,7 +468,8 @@ def main(args):
         return tune_table(device, shape, batches, drafts, candidates=candidates, baseline=args.baseline)
     if args.e2e:
         return end_to_end_table((1, 8, 32), steps=20)
-    decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4), old_path=not args.skip_old)
+    decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4), old_path=not args.skip_old, baseline=args.baseline,
+                        graph_calls=args.graph_calls)
     if args.kernels:
         return
     prefill_table(device, shape, (64, 256, 512, 1024, 4096, 8192))

@@ -1,4 +1,4 @@
-"""Registers, spills and barriers of the GDN verify / replay kernels for an H100 (sm_90a), per
+"""Registers, spills and barriers of the GDN verify kernel (the deferred commit folded in) for an H100 (sm_90a), per
 candidate launch shape of ``bench_gdn.py --tune``, compiled on a machine without a GPU: a static
 look at what a shape costs before (or instead of) timing it.
 
@@ -19,21 +19,19 @@ import sys
 import tempfile
 
 HEADS, KEY_HEADS, KEY_DIM, VALUE_DIM, SLOTS = 32, 16, 128, 128, 129
+STORED_ROWS = 5  # 1 + S at S = 4: the pending rows a step may apply
 
 
 def _int_values(kernel_name, rows):
     width = KEY_HEADS * KEY_DIM + HEADS * VALUE_DIM + 2 * HEADS
     state = dict(states_s_head=KEY_DIM * VALUE_DIM, states_s_k=VALUE_DIM, states_s_v=1, key_dim=KEY_DIM,
-                 value_dim=VALUE_DIM, heads=HEADS, key_heads=KEY_HEADS, inputs_s_slot=rows * width, inputs_s_row=width)
-    if kernel_name == "verify":
-        return dict(state, num_rows=32 * rows, states_s_slot=HEADS * KEY_DIM * VALUE_DIM,
-                    q_stride_t=KEY_HEADS * KEY_DIM, q_stride_h=KEY_DIM, k_stride_t=KEY_HEADS * KEY_DIM,
-                    k_stride_h=KEY_DIM, v_stride_t=HEADS * VALUE_DIM, v_stride_h=VALUE_DIM, g_stride_t=HEADS,
-                    g_stride_h=1, beta_stride_t=HEADS, beta_stride_h=1, out_stride_t=HEADS * VALUE_DIM,
-                    out_stride_h=VALUE_DIM)
-    return dict(state, prefill_stride=1, slots_stride=1, accepted_stride=1,
-                states_s_layer=SLOTS * HEADS * KEY_DIM * VALUE_DIM, states_s_slot=HEADS * KEY_DIM * VALUE_DIM,
-                inputs_s_layer=SLOTS * rows * width)
+                 value_dim=VALUE_DIM, heads=HEADS, key_heads=KEY_HEADS, inputs_s_slot=2 * STORED_ROWS * width,
+                 inputs_s_parity=STORED_ROWS * width, inputs_s_row=width)
+    return dict(state, num_rows=32 * rows, states_s_slot=HEADS * KEY_DIM * VALUE_DIM,
+                q_stride_t=KEY_HEADS * KEY_DIM, q_stride_h=KEY_DIM, k_stride_t=KEY_HEADS * KEY_DIM,
+                k_stride_h=KEY_DIM, v_stride_t=HEADS * VALUE_DIM, v_stride_h=VALUE_DIM, g_stride_t=HEADS,
+                g_stride_h=1, beta_stride_t=HEADS, beta_stride_h=1, out_stride_t=HEADS * VALUE_DIM,
+                out_stride_h=VALUE_DIM)
 
 
 def compile_and_count(kernel, kernel_name, rows, block_v, num_warps):
@@ -43,12 +41,12 @@ def compile_and_count(kernel, kernel_name, rows, block_v, num_warps):
 
     values = _int_values(kernel_name, rows)
     unspecialised = set(getattr(kernel, "do_not_specialize", ()) or ())
-    signature, constants, attrs = {}, dict(ROWS=rows, BLOCK_K=KEY_DIM, BLOCK_V=block_v), {}
+    signature, constants, attrs = {}, dict(ROWS=rows, STORED_ROWS=STORED_ROWS, BLOCK_K=KEY_DIM, BLOCK_V=block_v), {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constants:
             signature[name] = "constexpr"
         elif name.endswith("_PTR"):
-            signature[name] = "*i64" if name in ("SLOTS_PTR", "PREFILL_STATUS_PTR", "ACCEPTED_PTR") else "*fp32"
+            signature[name] = {"SLOTS_PTR": "*i64", "PENDING_PTR": "*i32", "PARITY_PTR": "*i32"}.get(name, "*fp32")
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif values[name] == 1 and name not in unspecialised and index not in unspecialised:
             signature[name], constants[name] = "constexpr", 1
@@ -76,7 +74,7 @@ def compile_and_count(kernel, kernel_name, rows, block_v, num_warps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,3,5", help="R = 1 + S values (replay: those > 1)")
+    parser.add_argument("--rows", default="1,3,5", help="R = 1 + V values (after up to 5 pending rows)")
     parser.add_argument("--root", help="compile this checkout's kernels instead")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args()
@@ -91,11 +89,9 @@ def main():
     from mtp_ctrl.triton_ops import gdn_replay
 
     print(f"triton {triton.__version__}, package {mtp_ctrl.__file__}; registers / spill bytes / BAR.SYNC")
-    kernels = (("verify", gdn_replay._gdn_verify_rows_kernel), ("replay", gdn_replay._gdn_replay_accepted_kernel))
+    kernels = (("verify", gdn_replay._gdn_verify_rows_kernel),)
     for kernel_name, kernel in kernels:
         for rows in (int(value) for value in args.rows.split(",")):
-            if kernel_name == "replay" and rows == 1:
-                continue
             for block_v, num_warps in TUNE_CANDIDATES:
                 try:
                     registers, spills, barriers = compile_and_count(kernel, kernel_name, rows, block_v, num_warps)

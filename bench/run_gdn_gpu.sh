@@ -2,9 +2,12 @@
 # One device call for the Gated DeltaNet hybrids (issue 32). Logs go to $OUT (or ./gpu_logs).
 # Usage (device machine, repo root): bash bench/run_gdn_gpu.sh [tune|final|functional]
 #   (none)      the GDN GPU tests, then bench_gdn.py (kernel table, prefill vs fla, end to end)
-#   tune        bench_gdn.py --tune (every verify / replay launch shape) with the baseline's kernels
-#   final       the baseline and this checkout's kernel tables, end to end S = 0 vs 2, then the two
-#               controller graph tests of test_gdn_gpu.py
+#   tune        bench_gdn.py --tune (every launch shape of the verify step) beside the baseline's kernels
+#   final       the kernel table (this checkout's deferred-commit step beside the baseline's verify +
+#               replay, timed in one process), the GPU kernel tests (twins, S = 2 steps == R = 1 steps
+#               bit for bit), the two controller graph tests, then end to end S = 0 vs 2 with the
+#               time left of GDN_CALL_SECONDS (default 235); each part under its own timeout
+#   quick       final's parts on the CPU (tiny shapes, interpreted): a smoke test of this script
 #   functional  test_gdn_gpu.py alone, with the whole call's time
 # The baseline: the same bench script run against the package of $GDN_BASELINE_ROOT (default: the
 # checkout two levels up, where the device tool puts the lead's main when this one is .wt/<name>).
@@ -37,12 +40,28 @@ case "${1:-}" in
     timeout "${GDN_TUNE_TIMEOUT:-120}" python3 bench/bench_gdn.py --tune ${base:+--baseline "$base"} \
       ${GDN_TUNE_SCOPE:+--tune-scope "$GDN_TUNE_SCOPE"} 2>&1 \
       | grep -v Warning | tee "$out/tune.txt" ;;
-  final)
-    baseline_table 45
-    timeout 40 python3 bench/bench_gdn.py --kernels --skip-old 2>&1 | grep -v Warning | tee "$out/kernels.txt"
-    timeout 85 python3 bench/bench_gdn.py --e2e 2>&1 | grep -v Warning | tee "$out/e2e.txt"
-    timeout 110 python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
-      -k "graphs_equal_eager or mixed_steps_replay" 2>&1 | tee "$out/functional.log" | tail -15 ;;
+  final|quick)
+    started=$SECONDS
+    base="${GDN_BASELINE_ROOT:-$PWD/../..}/mtp_ctrl/triton_ops/gdn_replay.py"
+    [ -f "$base" ] && [ "$(cd "$(dirname "$base")" && pwd)" != "$PWD/mtp_ctrl/triton_ops" ] || base=""
+    quick=""; [ "$1" = quick ] && quick="--quick" && export TRITON_INTERPRET=1
+    timeout 75 python3 bench/bench_gdn.py --kernels --skip-old $quick ${base:+--baseline "$base"} 2>&1 \
+      | grep -v Warning | tee "$out/kernels.txt"
+    if [ -z "$quick" ]; then
+      timeout 130 python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
+        -k "pending_rows_equal or bit_for_bit or table_launch or graphs_equal_eager or mixed_steps_replay" 2>&1 \
+        | tee "$out/functional.log" | tail -15
+      left=$(( ${GDN_CALL_SECONDS:-235} - (SECONDS - started) - 5 ))
+      if [ "$left" -gt 30 ]; then
+        timeout "$left" python3 bench/bench_gdn.py --e2e 2>&1 | grep -v Warning | tee "$out/e2e.txt"
+      else
+        echo "end to end skipped: ${left}s left" | tee "$out/e2e.txt"
+      fi
+    fi
+    echo "== summary (device: $(cat "$out/device.txt" 2>/dev/null)) =="
+    grep -E "^ *(1|32|128) +[024] \|" "$out/kernels.txt" || true
+    tail -3 "$out/functional.log" 2>/dev/null || true
+    grep -E "^ *[0-9]+ +[02] +[0-9.]+ +[0-9]+$" "$out/e2e.txt" 2>/dev/null || true ;;
   *)
     # "functional" runs the tests alone: at 59f0165 the two controller graph tests did not finish
     # within the 120 s they get here beside the benchmark

@@ -37,6 +37,7 @@ and :meth:`on_apply`, and :meth:`debug_view`. The GPU part of a step is ``step_l
 engine's sizes are ``self.shape`` (an ``EngineShape``).
 """
 
+import itertools
 import time
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -189,13 +190,14 @@ class TextGenerationController:
                     if num_steps > 1 and verify_width < num_drafts:
                         continue  # a decode run's later steps verify its own lengths: its V >= its D
                     step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
-                    for all_greedy in (True, False):
+                    for all_greedy, masked in itertools.product((True, False),
+                                                                self._draft_lengths.warmup_masks(verify_width)):
                         self._all_greedy = all_greedy
-                        key = self._graph_key(step)
+                        key = self._graph_key(step, masked)
                         if key not in self._graphs:
-                            self._graphs.run(key, lambda: self._launch_run(step))
+                            self._graphs.run(key, lambda: self._launch_run(step, masked))
                         seconds = self._graphs.timed_replay(key)
-                        if num_steps == 1 and not shape.has_prefill and verify_width == num_drafts:
+                        if num_steps == 1 and not shape.has_prefill and verify_width == num_drafts and not masked:
                             cost_key = (shape.request_count, num_drafts)
                             costs[cost_key] = max(costs.get(cost_key, 0.0), seconds)
         return costs
@@ -335,7 +337,7 @@ class TextGenerationController:
     def on_launch(self, step: StepMetadata, graph_key: Optional[Tuple[BatchDimensions, bool, int, int, int, bool]]) -> None:
         """Debug hook: ``step`` (every step of a decode run) was just launched, replayed from the
         CUDA graph ``graph_key`` ``(padded dimensions, all greedy, steps, verify width, draft depths,
-        masked)``, or eagerly (None).
+        draft rows masked by length)``, or eagerly (None).
         On the CPU the device work is done by now. Default: nothing."""
 
     def on_apply(self, step: StepMetadata, readbacks: np.ndarray, overlapped: bool) -> None:
@@ -431,12 +433,13 @@ class TextGenerationController:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;
         returns without waiting."""
         self._all_greedy = bool(self._outputs.greedy[step.host_slot_ids].all())
+        masked = self._draft_lengths.needs_mask(step)
         self._readbacks.begin()
-        key = self._graph_key(step)
+        key = self._graph_key(step, masked)
         if self._graphs is not None and key is not None:
-            self._graphs.run(key, lambda: self._launch_run(step))
+            self._graphs.run(key, lambda: self._launch_run(step, masked))
         else:
-            self._launch_run(step)
+            self._launch_run(step, masked)
         self.context.take_state_snapshots(step)  # hybrids: recurrent state at prompt-block boundaries
         launched = self._readbacks.end(step)
         self._draft_lengths.launched(step)
@@ -447,19 +450,21 @@ class TextGenerationController:
         self.on_launch(step, key)
         return launched
 
-    def _graph_key(self, step: StepMetadata) -> Optional[Tuple[BatchDimensions, bool, int, int, int, bool]]:
+    def _graph_key(self, step: StepMetadata,
+                   masked: bool) -> Optional[Tuple[BatchDimensions, bool, int, int, int, bool]]:
         """The CUDA graph a step replays: its padded dimensions, whether every request is greedy
         (the sampling path differs), its decode steps, its verify tier (``step.verify_width``: 1 + V
-        rows per decode request), its draft depths (``step.num_drafts``) and whether draft rows are
-        masked by length (``DraftLengths.masked``); None for a step no graph covers (it runs eagerly)."""
+        rows per decode request), its draft depths (``step.num_drafts``) and whether its draft rows
+        are masked by length (``masked``: ``DraftLengths.needs_mask``); None for a step no graph
+        covers (it runs eagerly)."""
         return (step.dimensions, self._all_greedy, step.num_steps, step.verify_width, step.num_drafts,
-                self._draft_lengths.masked) if step.graph_padded else None
+                masked) if step.graph_padded else None
 
-    def _launch_run(self, step: StepMetadata) -> None:
+    def _launch_run(self, step: StepMetadata, masked: bool) -> None:
         """Every step of the launch (one, or a decode run): each derives its inputs on the device
         from the one before and stages its read-back in its own slot."""
         for index in range(step.num_steps):
-            self._launcher.launch(step, self._readbacks.slot(index), self._all_greedy, self._draft_lengths.masked)
+            self._launcher.launch(step, self._readbacks.slot(index), self._all_greedy, masked)
 
     def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
         """Apply the step in flight with nothing launched after it (the host waits for the GPU)."""

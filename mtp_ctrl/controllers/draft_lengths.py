@@ -29,6 +29,9 @@ from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, DraftLengthQuer
 from mtp_ctrl.state import EngineShape, StepMetadata
 
 
+TIMING_EVERY = 4  # step_timing keeps one in this many steady calls of the same (G, D)
+
+
 class StepTiming(NamedTuple):
     """One steady step's measured cost (``DraftLengths.step_timing``)."""
 
@@ -38,12 +41,28 @@ class StepTiming(NamedTuple):
     gpu_seconds: float  # the launch's GPU time per step (CUDA events), -1 off CUDA
 
 
-class HeldChoice(NamedTuple):
+class HeldChoice:
     """The policy's last choice, reused while its requests stay the same (``DraftLengths.choose``)."""
 
-    request_ids: np.ndarray  # [n] int64, the sampling requests it was made for, in row order
-    lengths: np.ndarray  # [n] int64
-    steps: int  # steps it has served
+    __slots__ = ("request_ids", "lengths", "steps", "hold", "key")
+
+    def __init__(self, request_ids: np.ndarray, lengths: np.ndarray, steps: int, hold: int, key: bytes):
+        self.request_ids = request_ids  # [n] int64, the sampling requests it was made for, in row order
+        self.lengths = lengths  # [n] int64
+        self.steps = steps  # steps it has served (counted in place: the held path is per step)
+        self.hold = hold  # steps it may serve (decide_every, doubled while the policy repeats itself)
+        self.key = key  # request_ids.tobytes()
+
+    def lengths_of(self, request_ids: np.ndarray) -> Optional[np.ndarray]:
+        """``[m]`` the lengths held for ``request_ids`` (``[m]`` int64), or None if one is not held."""
+        if request_ids.shape[0] > self.request_ids.shape[0]:
+            return None
+        order = np.argsort(self.request_ids)
+        positions = np.searchsorted(self.request_ids, request_ids, sorter=order).clip(max=order.shape[0] - 1)
+        found = order[positions]  # [m]
+        if not np.array_equal(self.request_ids[found], request_ids):
+            return None
+        return self.lengths[found]
 
 
 class DraftLengths:
@@ -66,6 +85,7 @@ class DraftLengths:
         self._in_flight: Deque[Optional[np.ndarray]] = collections.deque()  # per launched step: [k, n_d] or None (S)
         self._held: Optional[HeldChoice] = None  # the policy's last choice
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
+        self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D) and its steady calls in a row
 
     @property
     def S(self) -> int:
@@ -84,17 +104,40 @@ class DraftLengths:
         depths = self.warmup_depths()
         return tuple(sorted({(v, d) for v in depths for d in depths} | {(self.S, d) for d in depths}))
 
+    def needs_mask(self, step: StepMetadata) -> bool:
+        """Whether ``step`` must mask draft rows by length: some decode request verifies fewer than
+        the step's V drafts (the drafts it holds; in a decode run's later steps, the run's own
+        lengths). A step where every decode request verifies V (a policy that gives the batch one
+        length, as GoodputPolicy does uncapped) skips the masking (a graph without it)."""
+        V = step.verify_width
+        if not self.masked or V == 0 or step.num_decode == 0:
+            return False
+        if min(step.host_verify_lengths) < V:
+            return True
+        return step.num_steps > 1 and min(step.host_draft_lengths[: step.num_decode]) < V
+
+    def warmup_masks(self, verify_width: int) -> Tuple[bool, ...]:
+        """The masking variants of a verify tier's graphs that ``warmup()`` captures."""
+        return (False, True) if self.masked and verify_width > 0 else (False,)
+
     def choose(self, request_ids: np.ndarray, num_sampling: int, batch_size: int) -> np.ndarray:
         """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order). The
         policy's last choice holds for up to ``policy.decide_every`` steps while the sampling
-        requests stay the same (no per-step policy work on steady decoding)."""
+        requests stay the same or some of them left (no per-step policy work on steady decoding,
+        nor while a batch drains), and twice as long each time the policy repeats it for the same
+        requests, up to ``policy.longest_hold`` steps. A new request asks the policy at once."""
         S = self.S
         ids = request_ids[:num_sampling]  # [n] int64
         held = self._held
-        if held is not None and held.steps < self.policy.decide_every and held.request_ids.shape == ids.shape \
-                and np.array_equal(held.request_ids, ids):
-            self._held = held._replace(steps=held.steps + 1)
-            return held.lengths
+        if held is not None and held.steps < held.hold:
+            key = ids.tobytes()  # comparing bytes: ~10x cheaper than np.array_equal
+            if key == held.key:
+                held.steps += 1
+                return held.lengths
+            kept = held.lengths_of(ids)  # requests finished since: the others keep their lengths
+            if kept is not None:
+                self._held = HeldChoice(ids.copy(), kept, held.steps + 1, held.hold, key)
+                return kept
         caps = np.full(num_sampling, S, dtype=np.int64)  # [n] int64
         if self._caps:
             rows = self._cap_index.rows(ids)[0]  # [n] int64, -1: not capped
@@ -109,7 +152,13 @@ class DraftLengths:
             raise TypeError(f"{type(self.policy).__name__}.choose must return [{num_sampling}] ints, "
                             f"got {lengths.dtype} {lengths.shape}")
         lengths = np.clip(lengths.astype(np.int64), 0, caps)
-        self._held = HeldChoice(ids.copy(), lengths, 1)
+        # the same choice for the same requests again: hold it twice as long (up to the policy's
+        # longest_hold); anything else starts over at decide_every
+        hold = self.policy.decide_every
+        key = ids.tobytes()
+        if held is not None and held.key == key and np.array_equal(held.lengths, lengths):
+            hold = max(hold, min(2 * held.hold, self.policy.longest_hold or hold))
+        self._held = HeldChoice(ids.copy(), lengths, 1, hold, key)
         return lengths
 
     def launched(self, step: StepMetadata) -> None:
@@ -133,9 +182,10 @@ class DraftLengths:
         if verified is None:
             verified = np.full(accepted_counts.shape, self.S, dtype=np.int64)
         if self.S > 0 and not self._fixed and accepted_counts.size:
-            request_ids = np.tile(step.host_request_ids[: step.num_decode], verified.shape[0])
-            self._outcomes.append((request_ids, verified.ravel(), accepted_counts.ravel()))
-            if len(self._outcomes) >= self.policy.decide_every:
+            # kept as they come (the read-back's rows are reused: a copy); flattened once per observe,
+            # when the policy next decides (or every longest_hold steps)
+            self._outcomes.append((step.host_request_ids[: step.num_decode], verified, accepted_counts.copy()))
+            if len(self._outcomes) >= max(self.policy.longest_hold or 1, self.policy.decide_every):
                 self._flush_outcomes()
         return verified
 
@@ -143,7 +193,10 @@ class DraftLengths:
         """Hand the outcomes gathered since the last call to the policy, in one ``observe``."""
         if self._outcomes:
             parts, self._outcomes = self._outcomes, []
-            self.policy.observe(*(np.concatenate(column) for column in zip(*parts)))
+            request_ids = np.concatenate([ids if verified.shape[0] == 1 else np.tile(ids, verified.shape[0])
+                                          for ids, verified, _ in parts])
+            self.policy.observe(request_ids, np.concatenate([verified.ravel() for _, verified, _ in parts]),
+                                np.concatenate([accepted.ravel() for _, _, accepted in parts]))
 
     def add(self, request_id: int, params: SamplingParams) -> None:
         """A request was queued: note its cap (kept until :meth:`drop`)."""
@@ -156,8 +209,8 @@ class DraftLengths:
             self.masked = True
 
     def forget(self, request_id: int) -> None:
-        """The request left the batch (finished or evicted; an evicted one comes back)."""
-        self._flush_outcomes()  # its outcomes first: a forgotten request must not get a row back
+        """The request left the batch (finished or evicted; an evicted one comes back). Its
+        outcomes not yet observed count in the policy's batch model only (``observe`` makes no row)."""
         self.policy.forget(request_id)
 
     def drop(self, request_id: int) -> None:
@@ -175,14 +228,21 @@ class DraftLengths:
         ``applied``, the launches the call applied with their GPU seconds (None off CUDA);
         ``host_seconds``, the call's wall time less its waits for read-backs. Kept only for a call
         that applied one steady launch (decode only, verify width = draft depths) and launched as
-        many steps: ``(G, D, host seconds per step, GPU seconds per step or -1)``."""
+        many steps: ``(G, D, host seconds per step, GPU seconds per step or -1)``; of a run of
+        steady calls of one (G, D), every ``TIMING_EVERY``-th (the averages move slowly; the
+        first call of a new (G, D) is always kept, so a depth tried is measured at once)."""
         if self._fixed or self.S == 0 or len(applied) != 1:
             return None
         step, gpu_seconds = applied[0]
         if step.num_prefill or step.verify_width != step.num_drafts or steps_launched != step.num_steps:
             return None
+        key = (step.dimensions.request_count, step.num_drafts)
+        self._steady_calls = 0 if key != self._timed_key else self._steady_calls + 1
+        self._timed_key = key
+        if self._steady_calls % TIMING_EVERY:
+            return None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
-        return StepTiming(step.dimensions.request_count, step.num_drafts, host_seconds / step.num_steps, gpu)
+        return StepTiming(key[0], key[1], host_seconds / step.num_steps, gpu)
 
     def record_timing(self, timing: Optional[StepTiming]) -> None:
         """Feed a measurement (every TP rank gets the first rank's: ``TPLockstep.check``) to the cost model."""

@@ -67,8 +67,10 @@ class StepCostModel:
         """One steady step of grid ``batch_size`` that ran ``num_drafts`` depths: the host's
         seconds per step and the GPU's (None off CUDA)."""
         key = (int(batch_size), int(num_drafts))
-        grid_floor = min((t for (g, _), t in self.host.items() if g == key[0]), default=None)
-        self._update(self.host, "host", key, host_seconds, self.host.get(key, grid_floor))
+        reference = self.host.get(key)
+        if reference is None:  # a new key: the grid's cheapest host time
+            reference = min((t for (g, _), t in self.host.items() if g == key[0]), default=None)
+        self._update(self.host, "host", key, host_seconds, reference)
         if gpu_seconds is not None:
             if self._gpu_seeded.get(key, True):  # the first in-loop measurement replaces the seed
                 self.gpu.pop(key, None)

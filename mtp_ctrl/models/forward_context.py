@@ -39,9 +39,11 @@ class MambaForward:
     rows inside a prefill segment excepted: a padded grid's decode requests past the real ones may
     overlap prefill rows, and use the scratch slot); each starts from its current state and writes the state after its
     row ``j`` to ``intermediate_*[:, slot, j]`` (the controller later commits the one after the
-    last accepted row; Gated DeltaNet layers store the row's inputs in ``verify_row_inputs``
-    instead, and the commit replays the accepted rows: :mod:`mtp_ctrl.state.mamba_slots`). Prefill segment ``g`` is rows ``[prefill_row_start[g], +
-    prefill_row_count[g])`` (segments in row order); it continues from the current state of
+    last accepted row; Gated DeltaNet layers first apply the slot's ``pending_rows`` from
+    ``verify_row_inputs`` and store each row's inputs there instead, and the commit only records
+    the kept rows, which the slot's next step applies: :mod:`mtp_ctrl.state.mamba_slots`).
+    Prefill segment ``g`` is rows ``[prefill_row_start[g], + prefill_row_count[g])`` (segments in
+    row order); it continues from the current state of
     ``prefill_slot_ids[g]`` and leaves the state after its rows in it. A segment of 0 rows
     leaves its slot as it was; give it the scratch slot.
     """
@@ -54,8 +56,11 @@ class MambaForward:
     prefill_row_start: Optional[torch.Tensor] = None  # [n] int64 on the device; None: no prefill rows
     prefill_row_count: Optional[torch.Tensor] = None  # [n] int64 on the device
     prefill_slot_ids: Optional[torch.Tensor] = None  # [n] int64 on the device
-    # Gated DeltaNet slots: each verify row's (k, v, g, beta) instead of its state (gdn_verify_rows)
-    verify_row_inputs: Optional[torch.Tensor] = None  # [Lm, M, 1 + V, F] fp32 (a view of the slots' 1 + S)
+    # Gated DeltaNet slots: each verify row's (k, v, g, beta) instead of its state, in two buffers, and
+    # each slot's rows still to apply (gdn_verify_rows; all 1 + S stored rows: a step may apply more than it verifies)
+    verify_row_inputs: Optional[torch.Tensor] = None  # [Lm, M, 2, 1 + S, F] fp32
+    pending_rows: Optional[torch.Tensor] = None  # [M] int32
+    input_parity: Optional[torch.Tensor] = None  # [M] int32
     # the real prefill segments as the host planned them: (segment index, first row, rows) each. Host
     # values: a layer may only use them outside CUDA-graph capture (Gated DeltaNet's long chunks)
     host_prefill_segments: Tuple[Tuple[int, int, int], ...] = ()
@@ -68,6 +73,9 @@ class MambaForward:
                              f"(got {given})")
         if (self.intermediate_ssm_states is None) == (self.verify_row_inputs is None):
             raise ValueError("give exactly one of intermediate_ssm_states and verify_row_inputs")
+        if (self.verify_row_inputs is None) != (self.pending_rows is None) or \
+                (self.pending_rows is None) != (self.input_parity is None):
+            raise ValueError("give verify_row_inputs, pending_rows and input_parity together")
         if given and not (self.prefill_row_start.shape == self.prefill_row_count.shape == self.prefill_slot_ids.shape):
             raise ValueError("prefill_row_start, prefill_row_count and prefill_slot_ids must have one shape [n]")
 
@@ -112,7 +120,8 @@ class MambaForward:
         return cls(conv_states=slots.conv_states, ssm_states=slots.ssm_states,
                    intermediate_conv_states=slots.intermediate_conv_states[:, :, :rows],
                    intermediate_ssm_states=_first_rows(slots.intermediate_ssm_states, rows),
-                   verify_row_inputs=_first_rows(slots.verify_row_inputs, rows), decode_slot_ids=decode_slot_ids,
+                   verify_row_inputs=slots.verify_row_inputs, pending_rows=slots.pending_rows,
+                   input_parity=slots.input_parity, decode_slot_ids=decode_slot_ids,
                    **prefill)
 
 

@@ -12,12 +12,13 @@ buffers and commit as Mamba-2 layers: ``conv_states`` hold the conv windows, ``s
 
 - decode requests (``1 + S`` rows each): the conv over their rows from the slot's window (the
   window after every row goes to the intermediate buffer), then ``gdn_verify_rows``, which reads
-  the slot's state once and stores each row's ``(k, v, g, beta)`` (``MambaForward.verify_row_inputs``);
-  the controller's commit replays the accepted rows from the current state
-  (``gdn_replay_accepted``; the conv window by ``mamba_state_selective_copy``), so a rejected
-  draft never touches the current state and a step with no drafts or none accepted leaves plain
-  decoding's state. Given ``intermediate_ssm_states`` instead, ``gdn_decode_rows`` writes the
-  state after every row there and the commit copies one (the older, costlier path);
+  the slot's state once, first applies the rows its last verify step kept (the deferred commit),
+  writes that state back and stores each row's ``(k, v, g, beta)`` (``MambaForward.verify_row_inputs``);
+  the controller's commit records how many rows were kept (``gdn_mark_pending_rows``; the conv
+  window by ``mamba_state_selective_copy``), so a rejected draft never touches the state and a
+  step with no drafts or none accepted leaves plain decoding's state. Given
+  ``intermediate_ssm_states`` instead, ``gdn_decode_rows`` writes the state after every row there
+  and the commit copies one (the older, costlier path);
 - prefill segments: ``causal_conv_varlen`` (Mamba's varlen conv: same depthwise conv + silu) and
   ``gdn_varlen_scan`` from the slot's state, written back; fixed shapes, so a mixed step is
   captured in a CUDA graph like a decode step. In eager steps on CUDA, segments of at least
@@ -47,6 +48,7 @@ from mtp_ctrl import triton_ops
 from mtp_ctrl.models.forward_context import MambaForward, current_paged_forward
 from mtp_ctrl.models.mamba_mixer import TP_SECTIONS_ATTR
 from mtp_ctrl.triton_ops import reference as torch_twins
+from mtp_ctrl.triton_ops.reference.gdn import check_no_pending_rows
 
 # fla-core's chunked kernel beats our recurrent one from here (bench_gdn.py on an H100: ours faster up to
 # 256-row chunks, fla 2-5x faster from 1024); shorter segments, and every CUDA-graph step, use ours
@@ -245,8 +247,9 @@ class PagedGatedDeltaNet(MegatronModule):
         # contiguous first: with one request, reshape would keep the transpose's strides (q's last dim stride R)
         q, k, v = self._heads(conv_out.transpose(1, 2).contiguous().view(count, self.conv_channels))
         g, beta = _first_rows(g, count), _first_rows(beta, count)
-        if mamba.verify_row_inputs is not None:  # the rows' inputs stored; the commit replays the accepted ones
-            return ops.gdn_verify_rows(mamba.ssm_states, mamba.verify_row_inputs, layer, slots, q, k, v, g, beta)
+        if mamba.verify_row_inputs is not None:  # pending rows applied, the rows' inputs stored (deferred commit)
+            return ops.gdn_verify_rows(mamba.ssm_states, mamba.verify_row_inputs, mamba.pending_rows,
+                                       mamba.input_parity, layer, slots, q, k, v, g, beta, stride)
         return ops.gdn_decode_rows(mamba.ssm_states, mamba.intermediate_ssm_states, layer, slots, q, k, v, g, beta)
 
     def _prefill(self, ops, mamba: MambaForward, qkv, g, beta, weight, conv_bias):
@@ -266,6 +269,8 @@ class PagedGatedDeltaNet(MegatronModule):
             for segment, _, _ in long_segments:
                 scan_count[segment] = 0  # host index, no sync
         ssm_pool = mamba.ssm_states[layer]  # [M, H, K, V] view
+        if ops is torch_twins and mamba.pending_rows is not None and not mamba.pending_rows.is_cuda:  # host check
+            check_no_pending_rows(mamba.pending_rows, slots, count)
         o, _ = ops.gdn_varlen_scan(ssm_pool, q, k, v, g, beta, start, scan_count, slot_ids=slots)
         for segment, first_row, num_rows in long_segments:
             rows, slot = slice(first_row, first_row + num_rows), slots[segment:segment + 1]  # slot: [1] int64

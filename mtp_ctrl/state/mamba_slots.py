@@ -8,11 +8,17 @@ after each row to ``intermediate_*[:, m, i]`` (i = 0..S), and the commit copies 
 the one after the last accepted row (``mamba_state_selective_copy``).
 
 Gated DeltaNet layers (``MambaSpec.gdn_key_heads`` set) keep no intermediate recurrent states: a
-verify row stores its ``(k, v, g, beta)`` in ``verify_row_inputs[:, m, i]`` (a few KB, against the
-``[H, K, V]`` state), and the commit replays rows ``0 .. accepted`` from the current state
-(``gdn_replay_accepted``: one read and one write of the state). With S = 0 the decode row writes
-its state in place and the commit leaves the recurrent state alone. Conv windows are copied as
-for Mamba.
+verify row stores its ``(k, v, g, beta)`` in ``verify_row_inputs[:, m, p, i]`` (a few KB, against the
+``[H, K, V]`` state; ``p`` one of two buffers), and the commit is deferred: it only records
+``pending_rows[m] = accepted + 1`` and flips ``input_parity[m]`` to the buffer just written
+(``gdn_mark_pending_rows``); the slot's next verify or decode step applies those rows to the state
+it loads, writes the committed state back and stores its own rows' inputs in the other buffer
+(``gdn_verify_rows``): one read and one write of the state per step, as with S = 0. Until then
+``ssm_states[:, m]`` lags the request by its pending rows: a slot is read only by its request's
+next step (prefill segments, prefix-cache snapshots and restores see slots with 0 pending: new,
+recomputed, or still prefilling), and ``allocate_slot`` resets the count. With S = 0 (or a step
+of V = 0) the decode row applies the pending rows and its own in place, leaving 0 pending. Conv
+windows are copied as for Mamba.
 
 One more slot, ``scratch_slot = M``, is never handed out: requests that only pad a CUDA-graph
 batch read and write it, so a captured step needs no branch on the real batch size.
@@ -23,7 +29,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from mtp_ctrl.triton_ops import gdn_replay_accepted, gdn_row_input_width, mamba_state_selective_copy
+from mtp_ctrl.triton_ops import gdn_mark_pending_rows, gdn_row_input_width, mamba_state_selective_copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +39,8 @@ class MambaSpec:
     ssm_state_shape: Tuple[int, ...]  # per layer and slot, e.g. (heads, head_dim, state_size)
     dtype: torch.dtype
     # Gated DeltaNet layers (ssm_state_shape (H, K, V)) with this many key heads per rank: their verify
-    # rows store inputs and the commit replays them (module docstring); None: one state per row, copied
+    # rows store inputs and the slot's next step applies the kept ones (module docstring); None: one
+    # state per row, copied
     gdn_key_heads: Optional[int] = None
 
     def __post_init__(self):
@@ -74,13 +81,19 @@ class MambaStateSlots:
         )
         self.gdn_key_heads = spec.gdn_key_heads
         self.intermediate_ssm_states: Optional[torch.Tensor] = None  # [L, M + 1, S + 1, *ssm]; None for GDN
-        self.verify_row_inputs: Optional[torch.Tensor] = None  # [L, M + 1, S + 1, F] fp32 for GDN; else None
+        # Gated DeltaNet (else None): two buffers of each slot's stored verify rows, and per slot how many of
+        # them wait to be applied to its state and in which buffer (module docstring)
+        self.verify_row_inputs: Optional[torch.Tensor] = None  # [L, M + 1, 2, S + 1, F] fp32
+        self.pending_rows: Optional[torch.Tensor] = None  # [M + 1] int32, 0 .. S + 1 (the scratch slot: 0)
+        self.input_parity: Optional[torch.Tensor] = None  # [M + 1] int32, 0 or 1
         if spec.gdn_key_heads is None:
             self.intermediate_ssm_states = torch.zeros(num_layers, total, stride, *ssm_state_shape, **options)
         else:
             heads, key_dim, value_dim = ssm_state_shape
             width = gdn_row_input_width(spec.gdn_key_heads, key_dim, heads, value_dim)
-            self.verify_row_inputs = torch.zeros(num_layers, total, stride, width, **options)
+            self.verify_row_inputs = torch.zeros(num_layers, total, 2, stride, width, **options)
+            self.pending_rows = torch.zeros(total, dtype=torch.int32, device=device)
+            self.input_parity = torch.zeros(total, dtype=torch.int32, device=device)
         self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._is_allocated = bytearray(num_slots)
 
@@ -96,6 +109,8 @@ class MambaStateSlots:
         self._is_allocated[slot] = 1
         self.conv_states[:, slot].zero_()
         self.ssm_states[:, slot].zero_()
+        if self.pending_rows is not None:  # the last request's uncommitted rows are not this one's
+            self.pending_rows[slot] = 0
         return slot
 
     def release_slot(self, slot: int) -> None:
@@ -113,7 +128,8 @@ class MambaStateSlots:
         """Each of ``nd`` decode requests keeps the conv and recurrent state after its last accepted row
         (``prefill_status``, ``decode_slot_ids``, ``accepted_counts``: ``[nd]`` on the device; a
         request still prefilling keeps its state): ``mamba_state_selective_copy`` of the conv windows,
-        and of the SSM states or, for Gated DeltaNet, ``gdn_replay_accepted`` (module docstring).
+        and of the SSM states or, for Gated DeltaNet, ``gdn_mark_pending_rows``: the kept rows wait
+        for the slot's next step (module docstring).
         ``rows_per_request``: the step's verify rows per decode request, ``1 + V`` (default ``1 + S``)."""
         rows = self.intermediate_conv_states.shape[2] if rows_per_request is None else rows_per_request
         mamba_state_selective_copy(self.intermediate_conv_states, self.conv_states, prefill_status, decode_slot_ids,
@@ -121,6 +137,6 @@ class MambaStateSlots:
         if self.intermediate_ssm_states is not None:
             mamba_state_selective_copy(self.intermediate_ssm_states, self.ssm_states, prefill_status, decode_slot_ids,
                                        accepted_counts, self.num_layers)
-        elif rows > 1:  # V = 0 (or S = 0): the decode row wrote its state in place
-            gdn_replay_accepted(self.ssm_states, self.verify_row_inputs, prefill_status, decode_slot_ids,
-                                accepted_counts, self.gdn_key_heads)
+        elif self.verify_row_inputs.shape[3] > 1:  # S = 0 stores no rows: nothing is ever pending
+            gdn_mark_pending_rows(self.pending_rows, self.input_parity, prefill_status, decode_slot_ids,
+                                  accepted_counts, rows, self.scratch_slot)

@@ -55,7 +55,7 @@ _OP_MODULES = {
     "gdn_decode_rows": "gdn_recurrent",
     "gdn_varlen_scan": "gdn_recurrent",
     "gdn_verify_rows": "gdn_replay",
-    "gdn_replay_accepted": "gdn_replay",
+    "gdn_mark_pending_rows": "gdn_replay",
     "gdn_row_input_width": "gdn_replay",
     # transformer-layer glue (bias, residual, norm, activation, QKV split)
     "add_bias_residual_norm": "layer_glue",

@@ -1,7 +1,7 @@
-"""Launch shapes of the Gated DeltaNet verify and replay kernels (:mod:`mtp_ctrl.triton_ops.gdn_replay`),
+"""Launch shapes of the Gated DeltaNet verify kernel (:mod:`mtp_ctrl.triton_ops.gdn_replay`),
 chosen on the host from the launch's dimensions.
 
-A program of either kernel holds a ``[K, BLOCK_V]`` fp32 tile of one head's state in registers
+A program holds a ``[K, BLOCK_V]`` fp32 tile of one head's state in registers
 through its rows, so ``BLOCK_V`` sets how many programs share a head (``V / BLOCK_V``) and, with
 ``num_warps``, how many state floats a thread holds (``K BLOCK_V / (32 num_warps)``) and whether
 the per-row reductions over K stay inside a warp. The choice reads only Python ints the launcher
@@ -9,7 +9,7 @@ has (requests in the launch, rows per request), so it costs no host sync and a c
 keeps the tiles of the shape it was captured at.
 
 ``bench/bench_gdn.py --tune`` times the candidates (figures: ``bench/RESULTS.md``, "GDN hybrids");
-the tables hold one shape for now (see :data:`DEFAULT_TILES`); a launch outside every bound takes
+the table holds one shape (see :data:`DEFAULT_TILES`); a launch outside every bound takes
 :data:`DEFAULT_TILES`.
 """
 
@@ -33,10 +33,11 @@ class GDNTiles:
 
 
 # One shape for every launch, on purpose. The reductions over K run in an order set by the launch
-# shape, so a verify row and its replay (and an S = 0 row) agree bit for bit only when they share
-# it, and plain and speculative decoding must commit the same state. (32, 2) is the fastest or
-# within 3 % of it at every batch for R = 1 verify and for replay, and the fastest for R = 3
-# verify at batch >= 32; R = 5 verify gives up <= 9 % (H100 tune, RESULTS "GDN hybrids").
+# shape, so a verify row, the same row applied as a pending row in the next step, and an S = 0 row
+# agree bit for bit only when they share it, and plain and speculative decoding must commit the
+# same state. (32, 2) was the fastest or within 3 % of it at every batch for R = 1 verify and for
+# the separate replay kernel of the third session, and the fastest for R = 3 verify at batch >= 32;
+# R = 5 verify gave up <= 9 % (H100 tune, RESULTS "GDN hybrids"; before the deferred commit).
 DEFAULT_TILES = GDNTiles(block_v=32, num_warps=2)
 
 # (requests at most, rows per request at most) -> tiles; None: no bound. The first entry whose
@@ -44,10 +45,6 @@ DEFAULT_TILES = GDNTiles(block_v=32, num_warps=2)
 TileTable = Tuple[Tuple[Tuple[Optional[int], Optional[int]], GDNTiles], ...]
 
 VERIFY_TILE_TABLE: TileTable = (
-    ((None, None), DEFAULT_TILES),
-)
-
-REPLAY_TILE_TABLE: TileTable = (
     ((None, None), DEFAULT_TILES),
 )
 
@@ -63,8 +60,3 @@ def _lookup(table: TileTable, num_requests: int, rows_per_request: int) -> GDNTi
 def gdn_verify_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
     """The verify kernel's tiles for ``num_requests`` decode requests of ``rows_per_request`` (1 + S) rows."""
     return _lookup(VERIFY_TILE_TABLE, num_requests, rows_per_request)
-
-
-def gdn_replay_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
-    """The replay kernel's tiles for ``num_requests`` requests whose row inputs hold ``rows_per_request`` rows."""
-    return _lookup(REPLAY_TILE_TABLE, num_requests, rows_per_request)

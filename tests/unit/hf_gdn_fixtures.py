@@ -145,9 +145,9 @@ def reference_mtp_logits(model, mtp: Dict[str, torch.Tensor], layer_models, toke
 @torch.no_grad()
 def paged_logits(runner, tokens: torch.Tensor, tensor_parallel_size: int = 1, device="cpu"):
     """Our model over one request: prefill 5 rows, verify 3 rows as a decode request (1 + S = 3),
-    commit after 1 accepted draft, prefill the rest from position 7 -> decoder logits of positions
-    ``0..4, 5..7, 7..n-1`` [n + 1, V]; then the whole sequence as one prefill in a fresh slot with
-    every MTP depth over it -> [depth] [n, V]. ``tokens`` and the caches on ``device``."""
+    commit after 1 accepted draft, decode position 7 as one row (it applies the kept rows), prefill
+    the rest from position 8 -> decoder logits of positions ``0..4, 5..7, 7, 8..n-1`` [n + 1, V];
+    then the whole sequence as one prefill in a fresh slot with every MTP depth over it -> [depth] [n, V]. ``tokens`` and the caches on ``device``."""
     from mtp_ctrl.models import MambaForward
     from mtp_ctrl.state import MambaStateSlots
     from tests.unit.megatron_fixtures import shifted_tokens
@@ -159,8 +159,9 @@ def paged_logits(runner, tokens: torch.Tensor, tensor_parallel_size: int = 1, de
     def forward(start, end, decode, slot=1):
         metadata = make_metadata(blocks, [(start, end - start)], device=device)
         slot_ids = torch.tensor([slot], device=device)
-        mamba = MambaForward(slots.conv_states, slots.ssm_states, slots.intermediate_conv_states,
+        mamba = MambaForward(slots.conv_states, slots.ssm_states, slots.intermediate_conv_states[:, :, :end - start],
                              slots.intermediate_ssm_states, verify_row_inputs=slots.verify_row_inputs,
+                             pending_rows=slots.pending_rows, input_parity=slots.input_parity,
                              decode_slot_ids=slot_ids if decode else slot_ids[:0],
                              **({} if decode else dict(prefill_row_start=torch.tensor([0], device=device),
                                                        prefill_row_count=torch.tensor([end - start], device=device),
@@ -170,8 +171,10 @@ def paged_logits(runner, tokens: torch.Tensor, tensor_parallel_size: int = 1, de
 
     rows = [forward(0, 5, False)[0], forward(5, 8, True)[0]]
     one = torch.ones(1, dtype=torch.int64, device=device)  # slot 1, 1 accepted draft
-    slots.commit_accepted(torch.zeros_like(one), one, one)  # GDN: replays the accepted rows into the state
-    rows.append(forward(7, n, False)[0])
+    slots.commit_accepted(torch.zeros_like(one), one, one)  # GDN: the kept rows wait for the slot's next step
+    rows.append(forward(7, 8, True)[0])  # one decode row: applies them, then its own
+    slots.commit_accepted(torch.zeros_like(one), one, one - 1, rows_per_request=1)
+    rows.append(forward(8, n, False)[0])
     _, hidden, metadata = forward(0, n, False, slot=0)
     mtp_logits = []
     for depth in range(runner.mtp_num_layers):

@@ -98,12 +98,13 @@ def cases():
                pointers(gdn, "fp32", SLOTS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
                dict(DECODE=decode, ROWS=3, BLOCK_K=128, BLOCK_V=32))
     verify = gdn_replay._gdn_verify_rows_kernel
-    for rows in (1, 3):  # plain decoding (state in place) and verify rows of S = 2 (inputs stored)
-        yield (f"GDN verify rows, R = {rows}", verify, pointers(verify, "fp32", SLOTS_PTR="i64"), set(),
-               dict(ROWS=rows, BLOCK_K=128, BLOCK_V=32))
-    replay = gdn_replay._gdn_replay_accepted_kernel
-    yield ("GDN replay commit", replay, pointers(replay, "i64", STATES_PTR="fp32", INPUTS_PTR="fp32"), set(),
-           dict(ROWS=3, BLOCK_K=128, BLOCK_V=32))
+    for rows in (1, 3):  # plain decoding (state in place) and verify rows of S = 2 (inputs stored); 3 pending
+        yield (f"GDN verify rows, R = {rows}", verify,
+               pointers(verify, "fp32", SLOTS_PTR="i64", PENDING_PTR="i32", PARITY_PTR="i32"), set(),
+               dict(ROWS=rows, STORED_ROWS=3, BLOCK_K=128, BLOCK_V=32))
+    mark = gdn_replay._gdn_mark_pending_rows_kernel
+    yield ("GDN pending rows", mark, pointers(mark, "i64", PENDING_PTR="i32", PARITY_PTR="i32"), set(),
+           dict(ROWS=3, BLOCK=128))
 
     probs = sampling_filter._sampling_probs_kernel
     yield ("sampling probs (rejection acceptance)", probs,

@@ -61,10 +61,11 @@ def test_mtp_proposer_random_lengths_equal_plain(mtp_model, plain, torch_twins, 
 def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, plain, torch_twins):
     """A decode-only step verifies V = the most drafts any of its decode requests holds (chosen when
     it last sampled): 1 + V rows per request, graph shape and key included, so steps of plain
-    decoding's width (V = 0) occur too. Random lengths change V from step to step; the output
-    stays plain decoding's (churn, preemption, padded steps, sampling)."""
+    decoding's width (V = 0) occur too; its key says it masks draft rows exactly when some request
+    holds fewer than V. Random lengths change V from step to step; the output stays plain
+    decoding's (churn, preemption, padded steps, sampling)."""
     controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), RandomDraftLengths(seed=7), **SQUEEZE)
-    held, widths = {}, []  # request id -> drafts it holds; V of each decode-only step
+    held, widths, masks = {}, [], []  # request id -> drafts it holds; V of each decode-only step; keys' masks
 
     def check(step, graph_key):
         if step.num_prefill == 0:
@@ -73,6 +74,10 @@ def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, 
             assert step.attention.max_query_len == 1 + expected
             assert step.dimensions.token_count == step.dimensions.request_count * (1 + expected)
             assert graph_key is None or graph_key[3] == expected
+            if graph_key is not None:
+                fewest = min(held[request_id] for request_id in step.request_ids[: step.num_decode])
+                assert graph_key[5] == (fewest < expected), (graph_key, fewest)
+                masks.append(graph_key[5])
             widths.append(expected)
         else:
             assert step.verify_width == MTP_DEPTH  # a step with prefill chunks verifies S (draft rows masked)
@@ -82,6 +87,7 @@ def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, 
     controller.on_launch = check  # the documented debug hook
     assert run(controller, ARRIVALS)[1] == plain[1]
     assert set(widths) == set(range(MTP_DEPTH + 1))  # every tier ran, plain width included
+    assert True in masks and False in masks, masks
     changes = sum(a != b for a, b in zip(widths, widths[1:]))
     assert changes >= len(widths) // 3, widths
 

@@ -1,12 +1,14 @@
 """The draft-length policies on their own (host numbers, no model): the goodput rule's choices,
 its acceptance estimates, determinism, the batch lookup of per-request rows, the step cost model
-(warm-up seed, then the loop's host and GPU time), and bad arguments."""
+(warm-up seed, then the loop's host and GPU time), how long the controller holds a choice, and
+bad arguments."""
 
 import numpy as np
 import pytest
 
-from mtp_ctrl.controllers.draft_policy import (DraftLengthQuery, FixedDraftLength, GoodputPolicy, RandomDraftLengths,
-                                               RequestRows)
+from mtp_ctrl.controllers.draft_lengths import DraftLengths
+from mtp_ctrl.controllers.draft_policy import (DraftLengthPolicy, DraftLengthQuery, FixedDraftLength, GoodputPolicy,
+                                               RandomDraftLengths, RequestRows)
 from mtp_ctrl.controllers.step_costs import StepCostModel
 from mtp_ctrl.state import EngineShape
 
@@ -90,7 +92,7 @@ def test_analytic_cost_grows_with_depth_and_batch():
 
 
 @pytest.mark.parametrize("field,value", [("decay", 0.0), ("prior_weight", -1.0), ("optimistic_prior", 1.5),
-                                         ("decide_every", 0)])
+                                         ("decide_every", 0), ("longest_hold", 0)])
 def test_bad_goodput_arguments(field, value):
     with pytest.raises(ValueError, match=field):
         GoodputPolicy(**{field: value})
@@ -159,6 +161,28 @@ def test_goodput_counts_every_observation_of_a_batch():
     assert np.allclose(policy.acceptance(10), policy.acceptance(11))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # 0 / 0: no prior, a depth not reached
+def test_goodput_observe_counts_each_depth_reached_and_accepted():
+    """observe's counts equal the definition, outcome by outcome: draft k reached when the request
+    verified >= k drafts and accepted the k - 1 before it; accepted when it accepted >= k. Repeated
+    requests (a decode run, a held choice), zero lengths and a request not held (model only)."""
+    rng = np.random.default_rng(3)
+    ids = np.array([4, 9, 2, 7], dtype=np.int64)
+    lengths = rng.integers(0, S + 1, 40)
+    accepted = (rng.random(40) * (lengths + 1)).astype(np.int64)  # [40] in [0, length]
+    request_ids = rng.choice(np.append(ids, 50), 40)  # 50: never chosen, so not held
+    policy = GoodputPolicy(prior_weight=0.0, decay=1.0)  # the estimate is then accepted / reached
+    policy.bind(SHAPE)
+    policy.choose(query(ids))
+    policy.observe(request_ids, lengths, accepted)
+    for request_id in ids:
+        mine = request_ids == request_id
+        reached = [int(((lengths[mine] > k) & (accepted[mine] >= k)).sum()) for k in range(S)]
+        taken = [int((accepted[mine] > k).sum()) for k in range(S)]
+        expected = [t / r if r else np.nan for t, r in zip(taken, reached)]
+        assert np.allclose(policy.acceptance(int(request_id)), expected, equal_nan=True), request_id
+
+
 def test_step_costs_drop_a_lone_outlier_but_follow_a_lasting_change():
     model = StepCostModel(smoothing=1.0)  # each accepted sample replaces the estimate
     model.record(8, 0, host_seconds=1e-3, gpu_seconds=None)
@@ -169,3 +193,49 @@ def test_step_costs_drop_a_lone_outlier_but_follow_a_lasting_change():
     for _ in range(3):  # a lasting change is taken on its third sample
         model.record(8, 2, host_seconds=9e-3, gpu_seconds=None)
     assert model.seconds(8, 2) == 9e-3
+
+
+class Repeating(DraftLengthPolicy):
+    """Returns S for everyone, except 1 on the choices listed in ``change_at``."""
+
+    decide_every, longest_hold = 2, 8
+
+    def __init__(self, change_at=()):
+        super().__init__()
+        self.change_at, self.steps = set(change_at), []  # query.steps of each choice
+
+    def choose(self, query):
+        self.steps.append(query.steps)
+        return np.full(query.caps.shape, 1 if len(self.steps) in self.change_at else S, dtype=np.int64)
+
+
+def test_a_repeated_choice_holds_twice_as_long_up_to_longest_hold():
+    policy = Repeating(change_at=(6,))
+    lengths = DraftLengths(policy, SHAPE)
+    ids = np.array([3, 5], dtype=np.int64)
+    for _ in range(60):
+        lengths.choose(ids, 2, 8)
+    # held 2, then doubled while repeated (4, 8, 8); the 6th choice differs: back to 2, then 2 (the
+    # 7th differs from the 6th), doubling again
+    assert policy.steps[:10] == [1, 2, 4, 8, 8, 8, 2, 2, 4, 8], policy.steps
+    asked = len(policy.steps)
+    lengths.choose(np.array([3, 5, 7], dtype=np.int64), 3, 8)  # a request joined: asked at once
+    assert len(policy.steps) == asked + 1
+
+
+class ByRequest(Repeating):
+    def choose(self, query):
+        self.steps.append(query.steps)
+        return query.request_ids % (S + 1)
+
+
+def test_a_held_choice_serves_a_batch_that_lost_requests():
+    """Requests leaving do not ask the policy (the others keep their lengths, in the new row
+    order); a new request does."""
+    policy = ByRequest()
+    lengths = DraftLengths(policy, SHAPE)
+    assert lengths.choose(np.array([5, 6, 7, 9], dtype=np.int64), 4, 8).tolist() == [1, 2, 3, 1]
+    assert lengths.choose(np.array([9, 6], dtype=np.int64), 2, 8).tolist() == [1, 2]  # two finished, rows moved
+    assert len(policy.steps) == 1
+    assert lengths.choose(np.array([9, 6, 11], dtype=np.int64), 3, 8).tolist() == [1, 2, 3]  # one joined
+    assert len(policy.steps) == 2

@@ -19,7 +19,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from mtp_ctrl.models import MambaForward, PagedGatedDeltaNet
 from mtp_ctrl.models.forward_context import paged_forward_context
-from mtp_ctrl.triton_ops import gdn_replay_accepted, gdn_row_input_width, mamba_state_selective_copy
+from mtp_ctrl.triton_ops import gdn_mark_pending_rows, gdn_row_input_width, mamba_state_selective_copy
 from tests.unit.gdn_fixtures import gdn_config
 from tests.unit.megatron_fixtures import ensure_single_process_groups, make_metadata
 
@@ -67,7 +67,8 @@ def layers():
 
 
 def make_slots(mixer, num_slots, path="copy", stride=1 + S):
-    """``path`` "copy": one intermediate state per verify row; "replay": each row's inputs."""
+    """``path`` "copy": one intermediate state per verify row; "replay": each row's inputs (two
+    buffers), applied by the slot's next step (the deferred commit)."""
     conv, ssm = mixer.conv_state_shape, mixer.ssm_state_shape
     slots = dict(conv_states=torch.zeros(1, num_slots, *conv), ssm_states=torch.zeros(1, num_slots, *ssm),
                  intermediate_conv_states=torch.full((1, num_slots, stride, *conv), float("nan")))
@@ -75,7 +76,14 @@ def make_slots(mixer, num_slots, path="copy", stride=1 + S):
         return dict(slots, intermediate_ssm_states=torch.full((1, num_slots, stride, *ssm), float("nan")))
     width = gdn_row_input_width(mixer.num_key_heads_local, mixer.key_head_dim, *ssm[:1], mixer.value_head_dim)
     return dict(slots, intermediate_ssm_states=None,
-                verify_row_inputs=torch.full((1, num_slots, stride, width), float("nan")))
+                verify_row_inputs=torch.full((1, num_slots, 2, stride, width), float("nan")),
+                pending_rows=torch.zeros(num_slots, dtype=torch.int32),
+                input_parity=torch.zeros(num_slots, dtype=torch.int32))
+
+
+def one_row_slots(slots):
+    """``slots`` for a step of one decode row per request (V = 0)."""
+    return dict(slots, intermediate_conv_states=slots["intermediate_conv_states"][:, :, :1])
 
 
 def run(mixer, slots, hidden, decode_slots=(), prefill=()):
@@ -100,16 +108,19 @@ def full_sequence(theirs, hidden):
 
 
 def commit(slots, slot_ids, accepted, key_heads=None):
-    """As ``MambaStateSlots.commit_accepted``: copy the kept conv window and state, or (replay slots,
-    ``key_heads`` given) replay the kept rows' inputs."""
+    """As ``MambaStateSlots.commit_accepted``: copy the kept conv window and state, or (replay slots)
+    record the kept rows, which the slot's next step applies (an unused slot stands for the scratch
+    slot)."""
     device = slots["conv_states"].device
     args = (torch.zeros(len(slot_ids), dtype=torch.int64, device=device), torch.tensor(slot_ids, device=device),
             torch.tensor(accepted, device=device))
     mamba_state_selective_copy(slots["intermediate_conv_states"], slots["conv_states"], *args, 1)
     if slots.get("intermediate_ssm_states") is not None:
         mamba_state_selective_copy(slots["intermediate_ssm_states"], slots["ssm_states"], *args, 1)
-    elif slots["verify_row_inputs"].shape[2] > 1:  # one row: written in place
-        gdn_replay_accepted(slots["ssm_states"], slots["verify_row_inputs"], *args, key_heads)
+    else:
+        scratch = next(slot for slot in range(slots["pending_rows"].shape[0]) if slot not in slot_ids)
+        gdn_mark_pending_rows(slots["pending_rows"], slots["input_parity"], *args,
+                              slots["intermediate_conv_states"].shape[2], scratch)
 
 
 @pytest.mark.parametrize("path", ["copy", "replay"])
@@ -146,9 +157,13 @@ def test_mixer_equals_megatron_over_chunks_and_verify_rows(layers, splits, path)
         commit(slots, [slot_b, slot_a], [accepted_b, accepted_a], ours.num_key_heads_local)
         kept[slot_a] = torch.cat([kept[slot_a], rows[slot_a][:1 + accepted_a]])
         kept[slot_b] = torch.cat([kept[slot_b], rows[slot_b][:1 + accepted_b]])
-    # a final plain row each (a zero-draft step through the prefill path: 1 row per request)
+    # a final plain row each: a zero-draft step through the prefill path (1 row per request), or for
+    # deferred commits one decode row per request (it applies the pending rows first)
     last = {slot: torch.randn(1, HIDDEN, generator=generator) for slot in (slot_a, slot_b)}
-    out = run(ours, slots, torch.cat([last[slot_a], last[slot_b]]), prefill=((0, 1, slot_a), (1, 2, slot_b)))
+    if path == "copy":
+        out = run(ours, slots, torch.cat([last[slot_a], last[slot_b]]), prefill=((0, 1, slot_a), (1, 2, slot_b)))
+    else:
+        out = run(ours, one_row_slots(slots), torch.cat([last[slot_a], last[slot_b]]), decode_slots=(slot_a, slot_b))
     for index, slot in enumerate((slot_a, slot_b)):
         want = full_sequence(theirs, torch.cat([kept[slot], last[slot]]))[-1:]
         torch.testing.assert_close(out[index:index + 1], want, **TOLERANCE)
@@ -168,6 +183,11 @@ def test_verify_with_nothing_accepted_leaves_plain_decoding_state(layers, path):
     commit(spec, [1], [0], ours.num_key_heads_local)
     run(ours, plain, rows[:1], decode_slots=(1,))
     commit(plain, [1], [0], ours.num_key_heads_local)
+    if path == "replay":  # the kept row waits in spec's slot: one more plain row each applies it
+        extra = torch.randn(1, HIDDEN, generator=generator)
+        for slots in (one_row_slots(spec), plain):
+            run(ours, slots, extra, decode_slots=(1,))
+            commit(slots, [1], [0], ours.num_key_heads_local)
     for name in ("conv_states", "ssm_states"):
         torch.testing.assert_close(spec[name][:, 1], plain[name][:, 1], rtol=1e-6, atol=1e-6)
 
@@ -210,7 +230,8 @@ def test_kernels_equal_twins_in_a_padded_mixed_bf16_step(layers, path):
         torch.testing.assert_close(slots_k[name][:, :3], slots_t[name][:, :3], rtol=1e-4, atol=1e-4)
     for name in ("intermediate_conv_states", "intermediate_ssm_states", "verify_row_inputs"):
         if slots_k.get(name) is not None:
-            torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4,
+                                       equal_nan=True)  # NaN: a buffer no row stored to
 
 
 def test_checkpoint_layout_is_megatrons(layers):
@@ -260,7 +281,8 @@ def test_kernels_equal_twins_for_one_decode_request(layers, path):
     torch.testing.assert_close(out_k, out_t, rtol=1e-4, atol=1e-4)
     for name in ("intermediate_conv_states", "intermediate_ssm_states", "verify_row_inputs"):
         if slots_k.get(name) is not None:
-            torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(slots_k[name][:, 0], slots_t[name][:, 0], rtol=1e-4, atol=1e-4,
+                                       equal_nan=True)  # NaN: a buffer no row stored to
 
 
 def test_long_prefill_segments_go_to_fla_in_eager_steps(layers, monkeypatch):

@@ -71,24 +71,27 @@ def make_gdn_slots(num_speculative_tokens):
     return MambaStateSlots(spec, 3, num_speculative_tokens, torch.device("cpu"))
 
 
-def test_gdn_slots_store_row_inputs_and_commit_by_replay():
-    """No intermediate recurrent states: row inputs [L, M + 1, 1 + S, F]; the commit copies the conv
-    window and replays the kept rows (the Triton kernel, interpreted == its twin)."""
-    from mtp_ctrl.triton_ops import reference
-
+def test_gdn_slots_store_row_inputs_and_defer_the_commit():
+    """No intermediate recurrent states: row inputs [L, M + 1, 2, 1 + S, F] (two buffers) and a
+    pending count and parity per slot; the commit copies the conv window and only records the kept
+    rows (the state is the next step's to update); a new request's slot starts with 0 pending."""
     slots = make_gdn_slots(2)
     assert slots.intermediate_ssm_states is None
-    assert slots.verify_row_inputs.shape == (2, 4, 3, 48)
+    assert slots.verify_row_inputs.shape == (2, 4, 2, 3, 48)
     generator = torch.Generator().manual_seed(3)
-    for tensor in (slots.ssm_states, slots.verify_row_inputs, slots.intermediate_conv_states):
+    for tensor in (slots.ssm_states, slots.intermediate_conv_states):
         tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.5)
-    slots.verify_row_inputs[..., -8:-4] *= -1  # g <= 0
-    want = slots.ssm_states.clone()
+    before = slots.ssm_states.clone()
     status, slot_ids, counts = torch.tensor([0, 1, 0]), torch.tensor([2, 0, 1]), torch.tensor([1, 2, 0])
-    reference.gdn_replay_accepted(want, slots.verify_row_inputs, status, slot_ids, counts, 2)
     slots.commit_accepted(status, slot_ids, counts)
-    torch.testing.assert_close(slots.ssm_states, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(slots.ssm_states, before)
+    assert slots.pending_rows.tolist() == [0, 1, 2, 0]  # slot 0 prefills; the scratch slot keeps 0
+    assert slots.input_parity.tolist() == [0, 1, 1, 0]
     assert torch.equal(slots.conv_states[:, 2], slots.intermediate_conv_states[:, 2, 1])
+    slot = slots.allocate_slot()
+    slots.release_slot(slot)
+    slots.pending_rows[slot] = 3
+    assert slots.allocate_slot() == slot and slots.pending_rows[slot] == 0
 
 
 def test_gdn_slots_without_drafts_leave_the_recurrent_state_to_the_decode_row():
@@ -96,6 +99,11 @@ def test_gdn_slots_without_drafts_leave_the_recurrent_state_to_the_decode_row():
     slots.ssm_states.fill_(1.0)
     slots.commit_accepted(torch.tensor([0]), torch.tensor([1]), torch.tensor([0]))
     assert bool((slots.ssm_states == 1.0).all())  # the S = 0 decode row wrote it in place
+    assert int(slots.pending_rows.sum()) == 0  # S = 0 stores no rows
+    wide = make_gdn_slots(2)
+    wide.pending_rows[1] = 2  # kept by a wider step; a step of V = 0 (one row) applied them in place
+    wide.commit_accepted(torch.tensor([0]), torch.tensor([1]), torch.tensor([0]), rows_per_request=1)
+    assert wide.pending_rows[1] == 0
 
 
 def test_gdn_spec_validation():

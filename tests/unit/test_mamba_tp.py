@@ -51,17 +51,21 @@ def _hybrid_model(tensor_parallel_size: int):
 
 @torch.no_grad()
 def _schedule_logits(runner, tensor_parallel_size: int, device=torch.device("cpu")) -> torch.Tensor:
-    """Prefill 5 tokens, verify 3 rows as a decode request, commit after 1 accepted draft,
-    prefill the remaining 5 in one chunk -> the 12 logit rows [12, V] (on the CPU)."""
+    """Prefill 5 tokens, verify 3 rows as a decode request, commit after 1 accepted draft, decode
+    token 7 as one row (Gated DeltaNet: it applies the kept rows), prefill the remaining 4 in one
+    chunk -> the 12 logit rows [12, V] (on the CPU)."""
     tokens = torch.randint(0, VOCAB_SIZE, (12,), generator=torch.Generator().manual_seed(3)).to(device)
     kv_caches = allocate_kv_caches(runner.num_kv_layers, 4, 2 // tensor_parallel_size, 16, device=device)
     slots = MambaStateSlots(runner.mamba_spec, 2, 2, device)
 
     def forward(start, end, decode):
         metadata = make_metadata([BLOCKS], [(start, end - start)], device=device)
+        rows = end - start if decode else 3  # a decode request's rows: 1 + V
         mamba = MambaForward(
-            slots.conv_states, slots.ssm_states, slots.intermediate_conv_states, slots.intermediate_ssm_states,
+            slots.conv_states, slots.ssm_states, slots.intermediate_conv_states[:, :, :rows],
+            None if slots.intermediate_ssm_states is None else slots.intermediate_ssm_states[:, :, :rows],
             verify_row_inputs=slots.verify_row_inputs,  # Gated DeltaNet slots (test_gdn_tp): rows' inputs
+            pending_rows=slots.pending_rows, input_parity=slots.input_parity,
             decode_slot_ids=torch.tensor([1] if decode else [], dtype=torch.int64, device=device),
             **({} if decode else dict(prefill_row_start=torch.tensor([0], device=device),
                                       prefill_row_count=torch.tensor([end - start], device=device),
@@ -73,7 +77,9 @@ def _schedule_logits(runner, tensor_parallel_size: int, device=torch.device("cpu
     rows = [forward(0, 5, decode=False), forward(5, 8, decode=True)]
     one = torch.ones(1, dtype=torch.int64, device=device)  # slot 1, 1 accepted draft
     slots.commit_accepted(torch.zeros_like(one), one, one)
-    rows.append(forward(7, 12, decode=False))  # resumes after the accepted draft (row 6)
+    rows.append(forward(7, 8, decode=True))  # resumes after the accepted draft (row 6)
+    slots.commit_accepted(torch.zeros_like(one), one, one - 1, rows_per_request=1)
+    rows.append(forward(8, 12, decode=False))
     return torch.cat(rows).cpu()
 
 

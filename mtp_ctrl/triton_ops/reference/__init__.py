@@ -31,7 +31,7 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     mamba_varlen             mamba_varlen     causal_conv_varlen, ssm_varlen_scan, segment_of_rows
     mamba_decode             mamba_decode     mamba_decode_rows
     gdn_recurrent            gdn              gdn_decode_rows, gdn_varlen_scan
-    gdn_replay               gdn              gdn_verify_rows, gdn_replay_accepted
+    gdn_replay               gdn              gdn_verify_rows, gdn_mark_pending_rows
     layer_glue               glue             add_bias_residual_norm, bias_activation, split_qkv_heads,
                                               gated_rms_norm
     moe_gemm                 moe              align_expert_pairs, grouped_expert_matmul
@@ -81,7 +81,7 @@ _REFERENCE_MODULES = {
     "gdn_decode_rows": "gdn",
     "gdn_varlen_scan": "gdn",
     "gdn_verify_rows": "gdn",
-    "gdn_replay_accepted": "gdn",
+    "gdn_mark_pending_rows": "gdn",
     "add_bias_residual_norm": "glue",
     "bias_activation": "glue",
     "split_qkv_heads": "glue",

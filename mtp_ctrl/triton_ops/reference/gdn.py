@@ -12,9 +12,11 @@ One row ``t`` of one head, from state ``S`` (``q`` l2-normalised and scaled by `
 
 - :func:`gdn_decode_rows` steps the R rows of each decode request one after another and writes
   the state after every row to the slot's intermediate buffer (the controller commits one);
-- :func:`gdn_verify_rows` steps them the same way but stores each row's ``(k, v, g, beta)`` instead
-  of its state (R = 1: writes the state back), and :func:`gdn_replay_accepted` commits by
-  stepping the accepted rows from the slot's state (:mod:`mtp_ctrl.triton_ops.gdn_replay`);
+- :func:`gdn_verify_rows` first applies the slot's pending rows (the rows its last verify step
+  kept), writes that state back, then steps the rows the same way and stores each row's
+  ``(k, v, g, beta)`` in the other buffer instead of its state (R = 1: writes the state after the
+  row back); :func:`gdn_mark_pending_rows` is the commit, recording the kept rows
+  (:mod:`mtp_ctrl.triton_ops.gdn_replay`);
 - :func:`gdn_varlen_scan` runs each prefill segment in chunks of Q rows (the chunked form: one
   unit-triangular solve per chunk, states passed from chunk to chunk) from the slot's state and
   writes the state after the segment's last row back. Fixed shapes, no host sync: every segment
@@ -154,9 +156,22 @@ def _row_input_sections(key_heads: int, key_dim: int, heads: int, value_dim: int
     return [key_heads * key_dim, heads * value_dim, heads, heads]
 
 
+def _stored_rows(row_inputs: torch.Tensor, layer: int, slots: torch.Tensor, parity: torch.Tensor, key_heads: int,
+                 heads: int, key_dim: int, value_dim: int):
+    """The stored ``(k [n, P, H, K], v [n, P, H, V], g [n, P, H], beta [n, P, H])`` of each slot's
+    buffer ``parity`` (``[n]``) at ``layer``."""
+    count, stored = slots.shape[0], row_inputs.shape[3]
+    sections = _row_input_sections(key_heads, key_dim, heads, value_dim)
+    k, v, g, beta = torch.split(row_inputs[layer, slots, parity], sections, dim=2)  # [n, P, ...]
+    k = _per_value_head(k.reshape(count, stored, key_heads, key_dim), heads)
+    return k, v.reshape(count, stored, heads, value_dim), g, beta
+
+
 def gdn_verify_rows(
-    recurrent_states: torch.Tensor,  # [L, M, H, K, V] fp32: read (R > 1) or updated in place (R = 1)
-    row_inputs: torch.Tensor,  # [L, M, R, F] fp32, written at [layer, slot_ids, :] when R > 1
+    recurrent_states: torch.Tensor,  # [L, M, H, K, V] fp32: the pending rows applied, and R = 1's row
+    row_inputs: torch.Tensor,  # [L, M, 2, P, F] fp32: pending rows at the slot's parity; R > 1 stores at 1 - parity
+    pending_rows: torch.Tensor,  # [M] int32: stored rows each slot has not yet applied (0 .. P)
+    input_parity: torch.Tensor,  # [M] int32: the buffer (0 or 1) holding them
     layer: int,
     slot_ids: torch.Tensor,  # [nd] int64
     q: torch.Tensor,  # [T, Hk, K] fp32
@@ -164,11 +179,13 @@ def gdn_verify_rows(
     v: torch.Tensor,  # [T, H, V] fp32
     g: torch.Tensor,  # [T, H] fp32
     beta: torch.Tensor,  # [T, H] fp32
+    rows_per_request: int,  # R = 1 + V <= P
     tiles=None,
 ) -> torch.Tensor:  # o [nd * R, H, V] fp32
     """Twin of :func:`mtp_ctrl.triton_ops.gdn_verify_rows` (``tiles``, a launch shape, is ignored)."""
-    num_requests, stride = slot_ids.shape[0], row_inputs.shape[2]
-    heads, key_heads = recurrent_states.shape[2], q.shape[1]
+    num_requests, stride = slot_ids.shape[0], rows_per_request
+    _, _, heads, key_dim, value_dim = recurrent_states.shape
+    key_heads = q.shape[1]
     count = num_requests * stride
 
     def rows(values):  # [T, ...] -> [nd, R, ...], zero rows past T
@@ -177,45 +194,53 @@ def gdn_verify_rows(
     q_rows, k_rows = rows(q), rows(k)  # [nd, R, Hk, K]
     v_rows, g_rows, beta_rows = rows(v), rows(g), rows(beta)
     q_heads, k_heads = _per_value_head(q_rows, heads), _per_value_head(k_rows, heads)  # [nd, R, H, K]
+    parity, pending = input_parity[slot_ids].long(), pending_rows[slot_ids]  # [nd] each
     state = recurrent_states[layer, slot_ids].float()  # [nd, H, K, V]
+    # the deferred commit: the rows the slot kept at its last verify step (none past its pending count)
+    stored_k, stored_v, stored_g, stored_beta = _stored_rows(row_inputs, layer, slot_ids, parity, key_heads, heads,
+                                                             key_dim, value_dim)
+    for row in range(row_inputs.shape[3]):
+        stepped = _delta_rule_step(state, stored_k[:, row], stored_v[:, row], stored_g[:, row], stored_beta[:, row])
+        state = torch.where((pending > row)[:, None, None, None], stepped, state)
     outputs = []
+    committed = state
     for row in range(stride):
         state = _delta_rule_step(state, k_heads[:, row], v_rows[:, row], g_rows[:, row], beta_rows[:, row])
         outputs.append(torch.einsum("nhk,nhkv->nhv", q_heads[:, row], state))
     if stride == 1:
         recurrent_states[layer, slot_ids] = state.to(recurrent_states.dtype)
-    else:  # [nd, R, F]: [k | v | g | beta]
-        row_inputs[layer, slot_ids] = torch.cat((k_rows.flatten(2), v_rows.flatten(2), g_rows, beta_rows), dim=2)
+    else:  # the committed state back; [nd, R, F]: [k | v | g | beta] into the other buffer
+        recurrent_states[layer, slot_ids] = committed.to(recurrent_states.dtype)
+        row_inputs[layer, slot_ids, 1 - parity, :stride] = torch.cat(
+            (k_rows.flatten(2), v_rows.flatten(2), g_rows, beta_rows), dim=2)
     return torch.stack(outputs, dim=1).view(count, heads, v.shape[-1])
 
 
-def gdn_replay_accepted(
-    recurrent_states: torch.Tensor,  # [L, M, H, K, V] fp32, updated in place
-    row_inputs: torch.Tensor,  # [L, M, R, F] fp32
-    prefill_status: torch.Tensor,  # [N] int
+def gdn_mark_pending_rows(
+    pending_rows: torch.Tensor,  # [M] int32, set at slot_ids (the scratch slot excepted)
+    input_parity: torch.Tensor,  # [M] int32, flipped where rows were stored
+    prefill_status: torch.Tensor,  # [N] int, 0 = decode
     slot_ids: torch.Tensor,  # [N] int
-    accepted_counts: torch.Tensor,  # [N] int
-    key_heads: int,
-    tiles=None,
+    accepted_counts: torch.Tensor,  # [N] int, 0 .. R - 1
+    rows_per_request: int,  # R of the step's verify rows
+    scratch_slot: int,
 ) -> None:
-    """Twin of :func:`mtp_ctrl.triton_ops.gdn_replay_accepted` (a loop over layers and rows, not requests;
-    ``tiles``, a launch shape, is ignored)."""
-    num_layers, _, heads, key_dim, value_dim = recurrent_states.shape
-    num_requests, stride = slot_ids.shape[0], row_inputs.shape[2]
-    if num_requests == 0:
-        return None
+    """Twin of :func:`mtp_ctrl.triton_ops.gdn_mark_pending_rows`."""
     slots = slot_ids.long()
-    decoding = prefill_status == 0  # [N] bool
-    sections = _row_input_sections(key_heads, key_dim, heads, value_dim)
-    for layer in range(num_layers):
-        state = recurrent_states[layer, slots].float()  # [N, H, K, V]
-        k, v, g, beta = torch.split(row_inputs[layer, slots], sections, dim=2)  # [N, R, ...]
-        k = _per_value_head(k.reshape(num_requests, stride, key_heads, key_dim), heads)  # [N, R, H, K]
-        v = v.reshape(num_requests, stride, heads, value_dim)
-        for row in range(stride):
-            stepped = _delta_rule_step(state, k[:, row], v[:, row], g[:, row], beta[:, row])
-            kept = decoding & (accepted_counts >= row)  # [N] bool: rows 0 .. accepted of decode requests
-            state = torch.where(kept[:, None, None, None], stepped, state)
-        # a prefill request writes back what it read (its slot is its own; padding shares the scratch slot)
-        recurrent_states[layer, slots] = state.to(recurrent_states.dtype)
+    real = slots != scratch_slot  # padding requests share the scratch slot: left alone
+    decoding = real & (prefill_status == 0)
+    if rows_per_request > 1:  # the kept rows wait in the buffer the step wrote
+        pending = torch.where(decoding, accepted_counts + 1, 0).to(pending_rows.dtype)
+        input_parity[slots[decoding]] = 1 - input_parity[slots[decoding]]
+    else:  # R = 1 wrote its state in place
+        pending = torch.zeros_like(slots, dtype=pending_rows.dtype)
+    pending_rows[slots[real]] = pending[real]
     return None
+
+
+def check_no_pending_rows(pending_rows: torch.Tensor, slot_ids: torch.Tensor, row_count: torch.Tensor) -> None:
+    """A prefill segment (``row_count > 0``) starts from a committed state: its slot is new (or
+    recomputed after preemption), so no verify rows wait for it (host check, for the twins' path)."""
+    waiting = (row_count > 0) & (pending_rows[slot_ids] > 0)
+    if bool(waiting.any()):
+        raise AssertionError(f"prefill segments {waiting.nonzero().flatten().tolist()} have pending verify rows")
