@@ -74,26 +74,28 @@ from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
 LATENT, ROPE, QK, V = 512, 64, 128, 128  # DeepSeek-V3's kv_lora_rank, qk_pos_emb_head_dim, qk_head_dim, v_head_dim
 BLOCK = 64
 # --tune candidates per head count: MLATiles(block_m, block_n, num_warps, num_stages, programs_per_sm,
-# min_split_tokens); the defaults and the table's entries are always timed too
+# min_split_tokens[, whole_waves, max_registers]); the defaults and the table's entries are always timed too
+W = True
 CANDIDATES = {
     16: ((16, 32, 4, 3, 4, 64), (32, 64, 8, 2, 8, 32), (32, 32, 4, 3, 8, 32), (32, 64, 4, 2, 4, 64),
          (16, 32, 4, 3, 8, 32)),
     32: ((32, 64, 8, 2, 8, 32), (32, 64, 4, 2, 4, 64)),
-    64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
-    128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128)),
+    64: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128), (64, 64, 8, 2, 1, 128, W)),
+    128: ((64, 64, 8, 2, 2, 128), (64, 32, 8, 3, 2, 128), (64, 64, 8, 2, 1, 128, W)),
 }
 # --pick candidates by (heads, rows a request), timed at batch 32 / 8k: MLATiles(block_m, block_n, warps,
 # stages, programs/SM, min split tokens, whole_waves, max_registers). Programs an SM holds (ptxas for
 # sm_90a, triton 3.6): 8 warps one (162-204 registers) unless capped at 128 registers; 4 warps two
-# (220-255). Stages add no buffer here (the pipeliner keeps one latent tile).
-W = True
+# (220-255). Stages add no buffer to 16-row decode tiles (the pipeliner keeps one latent tile there; the
+# 64-row verify tile (64, 64) gets two).
 PICK_CANDIDATES = {
     (16, 1): ((32, 64, 8, 2, 1, 64, W), (32, 64, 8, 2, 2, 64, W), (16, 32, 4, 3, 2, 64, W), (16, 32, 4, 3, 4, 64),
               (32, 32, 8, 2, 2, 64, W, 128), (32, 32, 8, 3, 2, 64, W, 128), (32, 64, 8, 2, 2, 64, W, 128)),
     # verify rows (1 + S = 3 a request, 48 matrix rows): 64-row tiles hold all three, so the cache
-    # is read once (a 32-row tile holds two rows: two reads); not timed yet
-    (16, 3): ((64, 64, 8, 2, 2, 128), (64, 64, 8, 2, 1, 128, W), (64, 32, 8, 3, 2, 128), (64, 32, 8, 2, 1, 64, W),
-              (32, 64, 8, 2, 8, 32), (32, 32, 8, 2, 2, 64, W, 128), (32, 64, 8, 2, 1, 64, W)),
+    # is read once (a 32-row tile holds two rows: two reads). (64, 64): 255 registers, 64 B
+    # spilled, 216 KiB shared; (64, 32): 250, none, 144 KiB. The H100 pick (mla4): (64, 64, one
+    # program an SM, whole waves) 203 us, 2.0x the default; the table's verify entry since
+    (16, 3): ((64, 64, 8, 2, 1, 128, W), (64, 32, 8, 2, 1, 64, W), (64, 64, 8, 2, 2, 128)),
 }
 # --final: (heads, batches, contexts, query rows a request): TP 8 everywhere, TP 4 / 2 / 1 at batch >= 32
 # and context >= 8k, verify rows (1 + S = 3) at 16 and 128 heads

@@ -10,7 +10,8 @@
 #     the rest of the run; the default vs the table at 16 heads x batch 1/32/128 x 2k-128k, 32/64/128
 #     heads at batch 32/128 x 8k-128k, verify rows (1 + S = 3) at 16/128 heads, absorbed vs
 #     decompressed, KV bytes; tests/functional/test_mla_gpu.py; a summary (rows under 70 %)
-#   verify: the 16-head verify-row candidates (--pick --rows 3), the winner's table at 3 rows, the tests
+#   verify: the 16-head verify-row candidates (--pick --rows 3), the winner's table at 3 rows, the tests,
+#     then 128-head verify rows (--tune)
 #   tune: the kernel table only
 #   e2e: the kernel table at the default and table tiles + sections 2-4 (the MLA GPT's decode steps)
 # --quick: tiny shapes (a CPU smoke run of the script)
@@ -43,16 +44,24 @@ elif [ "$mode" = final ]; then
   awk '/query row\(s\) a request/ {rows=$5} / heads$/ {heads=$1} /^ +[0-9]+ +[0-9]+ / && $1 >= 32 && $2 >= 8192 && $6 < 70 \
     {print "   below 70 %: " heads " heads, " rows " row(s), B " $1 ", context " $2 ": " $6 " %"}' "$out/final.log"
 elif [ "$mode" = verify ]; then
-  # not run yet: the 16-head verify-row candidates (1 + S = 3 rows, batch 32 / 8k), the winner in
-  # the table for this run, then the verify rows' table at 16 heads; then the GPU tests
+  # the 16-head verify-row candidates (1 + S = 3 rows, batch 32 / 8k), the winner in the table's
+  # verify entry for this run, the verify rows' table at 16 heads (batch 1/32/128 x 2k-32k); the GPU
+  # tests (13-15 of them: ~70 s with the compiles); decode rows beside (the kernel's column masks
+  # changed with this mode); last, 128-head verify rows with the --tune candidates. ~210 s in all:
+  # mla4's 180 s call cut the tests after 12 passed and the last two parts
   pick="16,32,8192"; [ -n "$quick" ] && pick="16,4,256"
-  timeout 100 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --pick "$pick" \
+  timeout 55 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --pick "$pick" \
     --winner-file "$out/winner_verify.json" 2>&1 | tee "$out/verify_pick.log"
-  timeout 60 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 16 --batches 32,128 \
-    --contexts 8192,32768 --winner-file "$out/winner_verify.json" 2>&1 | tee "$out/verify_table.log"
-  timeout 60 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
+  timeout 35 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 16 --batches 1,32,128 \
+    --contexts 2048,8192,32768 --winner-file "$out/winner_verify.json" 2>&1 | tee "$out/verify_table.log"
+  timeout 80 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore 2>&1 \
     | tee "$out/functional_mla.log" | tail -4
+  echo "== summary"
   grep -E "fastest:|default again|is --pick's winner" "$out/verify_pick.log" "$out/verify_table.log"
+  timeout 20 python3 bench/bench_mla.py $quick --kernels-only --rows 1 --heads 16 --batches 32,128 --contexts 8192 \
+    2>&1 | tee "$out/decode_check.log"
+  timeout 25 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 128 --batches 32 --contexts 8192 \
+    --tune 2>&1 | tee "$out/verify_128.log"
 elif [ "$mode" = tune ]; then
   timeout 240 $bench --tune 2>&1 | tee "$out/bench_mla_tune.log"
 else

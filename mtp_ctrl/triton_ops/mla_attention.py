@@ -147,18 +147,25 @@ def rope_and_write_latent_cache(
 
 @triton.jit
 def _latent_tile(CACHE_PTR, block_table_row, tile_start, kv_hi, cdims, rdims, cmask, rmask, latent_dim,
-                 block_size_tokens, cache_stride_block, cache_stride_token, BLOCK_N: tl.constexpr):
+                 block_size_tokens, cache_stride_block, cache_stride_token, BLOCK_N: tl.constexpr,
+                 FULL_DIMS: tl.constexpr):
     """Cached tokens ``tile_start + [0, BLOCK_N)`` (those before ``kv_hi``; zeros after): their
     latents ``[BLOCK_N, BLOCK_C]`` (the key's latent part and the value) and rope keys
-    ``[BLOCK_N, BLOCK_R]``."""
+    ``[BLOCK_N, BLOCK_R]``. ``FULL_DIMS``: both dims are their blocks' (no column masks: fewer
+    registers for the predicates)."""
     kv_pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     kv_valid = kv_pos < kv_hi
     block_ids = tl.load(block_table_row + kv_pos // block_size_tokens, mask=kv_valid, other=0).to(tl.int64)
     token_rows = CACHE_PTR + block_ids * cache_stride_block + (kv_pos % block_size_tokens).to(tl.int64) \
         * cache_stride_token  # [BLOCK_N]
-    latent = tl.load(token_rows[:, None] + cdims[None, :], mask=kv_valid[:, None] & cmask[None, :], other=0.0)
-    rope_key = tl.load(token_rows[:, None] + latent_dim + rdims[None, :], mask=kv_valid[:, None] & rmask[None, :],
-                       other=0.0)
+    if FULL_DIMS:
+        latent_mask = kv_valid[:, None]
+        rope_mask = kv_valid[:, None]
+    else:
+        latent_mask = kv_valid[:, None] & cmask[None, :]
+        rope_mask = kv_valid[:, None] & rmask[None, :]
+    latent = tl.load(token_rows[:, None] + cdims[None, :], mask=latent_mask, other=0.0)
+    rope_key = tl.load(token_rows[:, None] + latent_dim + rdims[None, :], mask=rope_mask, other=0.0)
     return latent, rope_key
 
 
@@ -174,6 +181,7 @@ def _paged_mla_kernel(
     num_head_tiles, num_kv_splits,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    FULL_DIMS: tl.constexpr,
 ):
     """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
     flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
@@ -231,7 +239,7 @@ def _paged_mla_kernel(
             kv_valid = kv_pos < kv_hi
             latent, rope_key = _latent_tile(CACHE_PTR, block_table_row, tile_start, kv_hi, cdims, rdims, cmask, rmask,
                                             latent_dim, block_size_tokens, cache_stride_block, cache_stride_token,
-                                            BLOCK_N)
+                                            BLOCK_N, FULL_DIMS)
             scores = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
             scores = (scores + tl.dot(q_rope, tl.trans(rope_key), input_precision=DOT_PRECISION)) * qk_scale
             visible = (kv_pos[None, :] <= positions[:, None]) & kv_valid[None, :]  # [BLOCK_M, BLOCK_N]
@@ -329,6 +337,7 @@ def paged_mla_attention(
     block_q = min(triton.next_power_of_2(query_rows_bound), max(1, tiles.block_m // block_h))
     block_m = max(16, block_q * block_h)
     block_n = tiles.block_n
+    latent_block, rope_block = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope_dim))
     num_head_tiles = triton.cdiv(num_heads, block_h)
     num_q_tiles = triton.cdiv(query_rows_bound, block_q)
     if num_kv_splits is None:
@@ -355,8 +364,9 @@ def paged_mla_attention(
         num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
         num_head_tiles, num_kv_splits,
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_C=max(16, triton.next_power_of_2(latent_dim)), BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
+        BLOCK_C=latent_block, BLOCK_R=rope_block,
         DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32", ZERO_BLOCK=_ZERO_BLOCK,
+        FULL_DIMS=latent_block == latent_dim and rope_block == rope_dim,
         num_warps=tiles.num_warps if query_latent.is_cuda else 4,
         num_stages=tiles.num_stages if query_latent.is_cuda else 1,
         **({"maxnreg": tiles.max_registers} if tiles.max_registers and query_latent.is_cuda else {}),

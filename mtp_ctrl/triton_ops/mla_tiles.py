@@ -58,20 +58,32 @@ class MLATiles:
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
+# verify rows at <= 16 heads (1 + S <= 4 rows x 16 heads in one 64-row tile: the cache read once), one
+# program an SM (255 registers a thread), whole waves: an H100 --pick at batch 32 / 8k, 3 rows (RESULTS)
+VERIFY_TILES_16_HEADS = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True)
 
 # (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
-# None: no bound. The first entry whose bounds hold the step's dims wins. From two runs (RESULTS
-# "MLA"): the 16-head batch-32 / 8k decode entry from an H100's --pick (2026-11-26, fourth session),
-# the rest from an H200's --tune at batch 1 / 32 / 128 x context 2k-128k, 16 and 128 heads.
+# None: no bound. The first entry whose bounds hold the step's dims wins. From three runs (RESULTS
+# "MLA"): the 16-head batch-32 / 8k decode entry and the 16-head verify entries from H100 --pick
+# runs (2026-11-26, fourth session: mla3, mla4), the rest from an H200's --tune at batch 1 / 32 /
+# 128 x context 2k-128k, 16 and 128 heads.
 TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
-    # <= 16 heads (DeepSeek-V3 at TP 8); batch 1 (up to 128 splits) and batch 128 take the default
-    ((16, 4, None, None), DEFAULT_TILES),
-    # batch 5-64: the default at 2k; at 8k decode rows take 32-token tiles, two programs an SM
-    # (128 registers a thread), whole waves (H100: 80 % of the copy, the default 64 %), verify
-    # rows the default (those tiles measured 6 % slower there); 8 programs an SM from 32k
-    ((16, 64, 4096, None), DEFAULT_TILES),
+    # <= 16 heads (DeepSeek-V3 at TP 8), decode rows: batch 1 (up to 128 splits) and batch 128 take
+    # the default; batch 5-64 the default at 2k, at 8k 32-token tiles, two programs an SM (128
+    # registers a thread), whole waves (H100: 80 % of the copy, the default 64 %), 8 programs an
+    # SM from 32k
+    ((16, 4, None, 1), DEFAULT_TILES),
+    ((16, 64, 4096, 1), DEFAULT_TILES),
     ((16, 64, 16384, 1), MLATiles(32, 32, 8, 2, programs_per_sm=2, min_split_tokens=64, whole_waves=True,
                                   max_registers=128)),
+    ((16, 64, None, 1), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
+    ((16, None, None, 1), DEFAULT_TILES),
+    # verify rows (1 + S <= 4 a request): one 64-row tile holds them all, so the cache is read once
+    # (the default's 32-row tiles read it twice): on an H100 1.7-2.1x as fast as the default at batch
+    # 32 / 128, 1.1-1.3x at batch 1 from 8k; batch 1-4 to 4k keeps the default (2k: 20 us against 26)
+    ((16, 4, 4096, 4), DEFAULT_TILES),
+    ((16, None, None, 4), VERIFY_TILES_16_HEADS),
+    # more rows (prefill chunks): the default, 8 programs an SM from 32k at batch 5-64
     ((16, 64, 16384, None), DEFAULT_TILES),
     ((16, 64, None, None), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
     ((32, None, None, None), DEFAULT_TILES),
@@ -86,8 +98,9 @@ def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: 
     contexts of at most ``kv_token_bound`` tokens and at most ``query_rows`` rows a request (1: a
     decode step, 1 + S: a verify).
 
-    Example: ``mla_tiles(16, 32, 32768)`` is the fifth entry (16 heads, batch 5-64, context
-    above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` the default (a verify at 8k).
+    Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, decode rows, batch 5-64,
+    context above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` (a verify at 8k) the
+    64-row tile that holds all three rows (:data:`VERIFY_TILES_16_HEADS`).
     """
     dims = (num_heads, batch_size, kv_token_bound, query_rows)
     for bounds, tiles in TILE_TABLE:

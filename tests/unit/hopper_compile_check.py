@@ -65,7 +65,11 @@ def cases():
     # runtime int (= 1 here when ints are constants: the one-split path)
     yield ("paged MLA attention", mla, mla_pointers, {"qk_scale"},
            dict(BLOCK_Q=1, BLOCK_H=16, BLOCK_M=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32",
-                ZERO_BLOCK=mla_attention._ZERO_BLOCK))
+                ZERO_BLOCK=mla_attention._ZERO_BLOCK, FULL_DIMS=False))
+    # a verify (1 + S = 3 rows x 16 heads in one 64-row tile), no column masks
+    yield ("paged MLA attention, 64-row verify tile", mla, mla_pointers, {"qk_scale"},
+           dict(BLOCK_Q=4, BLOCK_H=16, BLOCK_M=64, BLOCK_N=64, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32",
+                ZERO_BLOCK=mla_attention._ZERO_BLOCK, FULL_DIMS=True))
     latent_write = mla_attention._rope_write_latent_kernel
     yield ("rope + latent write", latent_write,
            pointers(latent_write, "bf16", SLOT_MAPPING_PTR="i64", COS_PTR="fp32", SIN_PTR="fp32"), set(),

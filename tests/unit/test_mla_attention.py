@@ -8,7 +8,8 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
 from mtp_ctrl.triton_ops.mla_attention import MAX_KV_SPLITS
-from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, TILE_TABLE, MLATiles, kv_split_count, mla_tiles
+from mtp_ctrl.triton_ops.mla_tiles import (DEFAULT_TILES, TILE_TABLE, VERIFY_TILES_16_HEADS, MLATiles,
+                                          kv_split_count, mla_tiles)
 from tests.unit.mla_cases import make_mla_case
 from tests.unit.paged_attention_cases import random_mixed_lengths
 
@@ -70,8 +71,13 @@ def test_tile_table_lookup():
     by_bounds = dict(TILE_TABLE)
     assert mla_tiles(16, 1, 8192) is DEFAULT_TILES
     assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384, 1)]  # TP 8, batch 32: by context and rows
-    assert mla_tiles(16, 32, 8192, 3) is DEFAULT_TILES  # a verify at 8k
-    assert mla_tiles(16, 32, 32768) is mla_tiles(16, 32, 32768, 3) is by_bounds[(16, 64, None, None)]
+    assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None, 1)]
+    # verify rows (1 + S <= 4) at 16 heads: one 64-row tile holds them (the default at batch 1-4 / 2k)
+    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 128, 32768, 4) \
+        is VERIFY_TILES_16_HEADS
+    assert VERIFY_TILES_16_HEADS.block_m == 64 and mla_tiles(16, 1, 2048, 3) is DEFAULT_TILES
+    assert mla_tiles(16, 32, 8192, 5) is DEFAULT_TILES  # more rows (a prefill chunk): as before
+    assert mla_tiles(16, 32, 32768, 16) is by_bounds[(16, 64, None, None)]
     assert mla_tiles(16, 128, 8192) is DEFAULT_TILES
     assert mla_tiles(128, 1, 8192).block_m == mla_tiles(128, 128, 131072).block_m == 64  # 64-head tiles
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
