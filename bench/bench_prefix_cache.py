@@ -18,8 +18,11 @@ same model (greedy, MTP drafting with S = 2 paged depths, CUDA graphs on the GPU
 - **TTFT per prefix length** (``--prefix-lengths``, default 2048, 8192, 16384): one request alone
   whose prompt is a long prefix + 32 tokens, cold (caching off, kernels warm) vs a hit (caching on,
   an earlier request computed the prefix): where prefill dominates TTFT.
-- **hybrid** (``--hybrid``): the same cold vs hit TTFT on a hybrid model (Mamba-2 layers
+- **hybrid** (``--parts hybrid``): the same cold vs hit TTFT on a hybrid model (Mamba-2 layers
   ``M*M*M*M*``, 8 x 1024, bf16): the hit restores a recurrent-state snapshot.
+- **hybrid, nothing shared** (``--parts hybrid_random``): the random-prompt workload on that
+  hybrid, caching on vs off (a hybrid's prompt with caching on ends a chunk at its last cacheable
+  block to snapshot the state there: one more prefill step per prompt).
 
 Outputs are compared with caching on and off (equal in fp32; in bf16 a hit's prefill runs other
 GEMM shapes than a cold one, so a near-tie argmax of the random model may differ, as S > 0 vs
@@ -43,7 +46,8 @@ def parse_args():
     parser.add_argument("--prefix-lengths", default=None,
                         help="comma-separated prefix lengths of the TTFT sweep (default 2048,8192,16384; quick 96,192)")
     parser.add_argument("--parts", default="batch,sweep,hybrid",
-                        help="which parts run: batch (the three workloads), sweep (TTFT per prefix length), hybrid")
+                        help="which parts run: batch (the three workloads), sweep (TTFT per prefix length), hybrid, "
+                             "hybrid_random (nothing shared on the hybrid, on vs off)")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
@@ -184,11 +188,30 @@ def main():
         results["hybrid"] = ttft_sweep(hybrid, lengths, random_tokens, controller_for, run_batch, device)
         print_sweep(f"{hybrid_name}: single-request TTFT, cold (caching off) vs hit (state snapshot restored)",
                     results["hybrid"])
+    if "hybrid_random" in parts:
+        hybrid, hybrid_name = build_hybrid(quick, max(max(lengths), max_model_len) + 256, device)
+        hybrid_rows = {}
+        for prefix_caching in (False, True):
+            controller = controller_for(prefix_caching, hybrid)
+            run_batch(controller, random_prompts[:2])  # warm-up
+            hybrid_outputs, hybrid_ttft, hybrid_wall = run_batch(controller, random_prompts)
+            hybrid_rows["on" if prefix_caching else "off"] = dict(
+                tokens_per_s=sum(len(output) for output in hybrid_outputs) / hybrid_wall,
+                ttft_mean_ms=sum(hybrid_ttft) / len(hybrid_ttft) * 1e3, outputs=hybrid_outputs)
+            controller.close()
+        off, on = hybrid_rows["off"], hybrid_rows["on"]
+        results["hybrid_random"] = {key: {k: v for k, v in row.items() if k != "outputs"} for key, row in hybrid_rows.items()}
+        results["hybrid_random"]["outputs_equal"] = off["outputs"] == on["outputs"]
+        print(f"{hybrid_name}: {len(random_prompts)} random prompts (nothing shared), caching off vs on: tokens/s "
+              f"{off['tokens_per_s']:.1f} vs {on['tokens_per_s']:.1f} ({(on['tokens_per_s'] / off['tokens_per_s'] - 1) * 100:+.1f}%), "
+              f"mean TTFT {off['ttft_mean_ms']:.1f} vs {on['ttft_mean_ms']:.1f} ms, outputs equal "
+              f"{results['hybrid_random']['outputs_equal']}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
     equal = list(results.get("outputs_equal", {}).values()) + \
-        [row["outputs_equal"] for part in ("sweep", "hybrid") for row in results.get(part, [])]
+        [row["outputs_equal"] for part in ("sweep", "hybrid") for row in results.get(part, [])] + \
+        ([results["hybrid_random"]["outputs_equal"]] if "hybrid_random" in results else [])
     if not all(equal) and next(model.parameters()).dtype == torch.float32:
         sys.exit("outputs differ with prefix caching on and off (fp32)")
 

@@ -4,13 +4,20 @@
     python bench/profile_prefix_hit.py --quick          # CPU (torch twins): a tiny GPT
     python bench/profile_prefix_hit.py --kernels        # also torch.profiler kernel times of the hit's steps
     python bench/profile_prefix_hit.py --host-profile   # also cProfile of the hit's host calls
+    python bench/profile_prefix_hit.py --batch 64       # also the 64 requests sharing a prefix, call by call
 
 For each prefix length: one request (prefix + 32 tokens) alone, cold on a caching-off controller
 and as a hit on a caching-on one (an earlier request computed the prefix). Prints, per
 ``controller.step()`` call until the first token: its wall time, the steps it launched (graph key
 or eager, padded dimensions, attention bounds) and whether it emitted the first token. Controllers
 are sized by ``--model-len`` (default: the longest prefix + 96), as the TTFT sweep of
-``bench_prefix_cache.py`` sizes them.
+``bench_prefix_cache.py`` sizes them. Then the floor of any hit: one steady decode step of the
+same model (batch 1, S = 2, graph) and one plain forward of one token (S = 0), synced, median.
+
+``--batch N`` (the first prefix length): ``bench_prefix_cache.py``'s system-prompt workload on its
+controller sizes (N rows, 2048 tokens a step, graphs at 1, 8, N): N requests sharing the prefix,
+each with its own 32 tokens, added at once; per ``step()`` call its wall time, its launches and
+how many requests got their first token; caching on (and off with ``--batch-off``).
 """
 
 import argparse
@@ -27,6 +34,8 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=3, help="hit / cold measurements per length (median shown)")
     parser.add_argument("--kernels", action="store_true", help="torch.profiler kernel table of one hit and one cold")
     parser.add_argument("--host-profile", action="store_true", help="cProfile of one hit's step() calls")
+    parser.add_argument("--batch", type=int, default=0, help="also N requests sharing the first prefix, call by call")
+    parser.add_argument("--batch-off", action="store_true", help="--batch with caching off too")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
@@ -81,11 +90,14 @@ def main():
     block_size = 16
     graphs = () if device.type == "cpu" else (1,)
 
-    def controller(prefix_caching):
-        config = InferenceConfig(num_speculative_tokens=2, max_requests=1, block_size_tokens=block_size,
-                                 max_model_len=model_len, max_tokens_per_step=256 if quick else 2048,
-                                 num_kv_blocks=4 * (-(-(model_len + 6) // block_size) + 1) + 64,
-                                 cuda_graph_batch_sizes=graphs, prefix_caching=prefix_caching)
+    def controller(prefix_caching, rows=1, length=None, speculative=2):
+        length = length or model_len
+        config = InferenceConfig(num_speculative_tokens=speculative, max_requests=rows, block_size_tokens=block_size,
+                                 max_model_len=length, max_tokens_per_step=max(256 if quick else 2048, 3 * rows),
+                                 num_kv_blocks=max(rows, 4) * (-(-(length + 6) // block_size) + 1) + 64,
+                                 cuda_graph_batch_sizes=tuple(sorted({size for size in (*graphs, 8, rows) if size <= rows}))
+                                 if graphs else (),
+                                 prefix_caching=prefix_caching)
         ctrl = Recording(model, config)
         if graphs:
             ctrl.warmup()
@@ -177,8 +189,97 @@ def main():
                 except (AttributeError, RuntimeError) as error:  # another torch's profiler API
                     print(f"kernel summary failed ({error}); the profiler's table:")
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    decode_floor(on, off, model, controller, random_tokens, sync, quick)
     off.close()
     on.close()
+    if args.batch:
+        batch_profile(args, lengths[0], controller, random_tokens, sync, device)
+
+
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def decode_floor(on, off, model, controller, random_tokens, sync, quick):
+    """The floor of a hit's one step: a steady decode step of one request (S = 2, graph, synced)
+    on the caching-on controller, and a plain S = 0 controller's steady step (one token a forward)."""
+    from mtp_ctrl.controllers import SamplingParams
+
+    def steady_step_ms(ctrl, prompt_tokens):
+        request_id = ctrl.add_request(prompt_tokens, SamplingParams(max_new_tokens=48))
+        times = []
+        while ctrl.has_unfinished_requests():
+            sync()
+            before = time.perf_counter()
+            ctrl.step()
+            sync()
+            times.append((time.perf_counter() - before) * 1e3)
+        ctrl.pop_result(request_id)
+        return _median(times[4:-4] or times)
+
+    prompt = random_tokens(64 if quick else 2048)
+    speculative_ms = steady_step_ms(on, prompt)
+    plain = controller(False, speculative=0)
+    steady_step_ms(plain, prompt)  # warm-up
+    plain_ms = steady_step_ms(plain, prompt)
+    plain.close()
+    print(f"floor of a hit step: a steady decode step (batch 1, {len(prompt)}-token context, synced, median): "
+          f"S = 2 {speculative_ms:.2f} ms, S = 0 (one plain forward of one token) {plain_ms:.2f} ms")
+
+
+def batch_profile(args, system_tokens, controller, random_tokens, sync, device):
+    """N requests sharing a ``system_tokens`` prefix, added at once, call by call (module docstring)."""
+    from mtp_ctrl.controllers import SamplingParams
+
+    requests = args.batch
+    new_tokens = 4 if args.quick else 32
+    model_len = system_tokens + 4 * (64 + new_tokens) + 64  # bench_prefix_cache's sizes
+    system = random_tokens(system_tokens)
+    for prefix_caching in (True, False) if args.batch_off else (True,):
+        ctrl = controller(prefix_caching, rows=requests, length=model_len)
+        for warm in range(2):  # compile, graphs; warms the cache when on
+            ctrl.launches.clear()
+            request_id = ctrl.add_request(system + random_tokens(32), SamplingParams(max_new_tokens=new_tokens))
+            while ctrl.has_unfinished_requests():
+                ctrl.step()
+            ctrl.pop_result(request_id)
+        ctrl.launches.clear()
+        prompts = [system + random_tokens(32) for _ in range(requests)]
+        sync()
+        start = time.perf_counter()
+        ids = [ctrl.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)) for prompt in prompts]
+        added = time.perf_counter()
+        first, calls = {}, []
+        while len(first) < requests:
+            before, launched = time.perf_counter(), len(ctrl.launches)
+            outputs = ctrl.step()
+            now = time.perf_counter()
+            fresh = [rid for rid, tokens, _ in outputs if tokens and rid not in first]
+            for rid in fresh:
+                first[rid] = now - start
+            calls.append(dict(start_ms=(before - start) * 1e3, ms=(now - before) * 1e3,
+                              launches=ctrl.launches[launched:], first=len(fresh)))
+        while ctrl.has_unfinished_requests():
+            ctrl.step()
+        sync()
+        for request_id in ids:
+            ctrl.pop_result(request_id)
+        ttft = [first[request_id] * 1e3 for request_id in ids]
+        print(f"batch of {requests} sharing {system_tokens} tokens, caching {'on' if prefix_caching else 'off'}: "
+              f"add_request x{requests} {(added - start) * 1e3:.2f} ms, mean TTFT {sum(ttft) / len(ttft):.2f} ms, "
+              f"p50 {_median(ttft):.2f}, max {max(ttft):.2f}; {len(calls)} step() calls to the last first token")
+        for index, call in enumerate(calls):
+            launches = "; ".join(
+                f"{'graph' if launch['graph'] else 'eager'} dims {launch['dims']} rows {launch['real_rows']} "
+                f"decode {launch['decode']} prefill {launch['prefill']} max_q {launch['max_q']}" for launch in call["launches"])
+            print(f"  call {index}: at {call['start_ms']:.2f} ms, {call['ms']:.2f} ms, first tokens {call['first']}: "
+                  f"{launches}")
+        ctrl.close()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@
 #   bash bench/run_prefix_gpu.sh check    # the GPU test; on a failure, its evicting case alone, here and
 #       on BASELINE (is a failure this tree's?)
 #   bash bench/run_prefix_gpu.sh          # both, shorter: profile, the GPU tests, the batch workloads
+#   bash bench/run_prefix_gpu.sh final    # one call of <= 220 s, most important first, each part bounded by
+#       what is left of FINAL_SECONDS (190): the GPU test (all cases), the batch workloads, bench_split_combine
+#       (this tree and, with BASELINE, DIR's kernels in the same process), profile_prefix_hit at 2k (cold,
+#       hit, the decode floor, the 64-request batch call by call), the 8k point and a hybrid with nothing shared
+#   bash bench/run_prefix_gpu.sh target   # what `final` cut short on a cold H100: the batch workloads on vs off
+#       (the 64-request 10x target), the GDN hybrid GPU test case, the 8k point, a hybrid with nothing shared
 # QUICK=1 runs the python parts with --quick on the CPU (a smoke test of this script).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -57,8 +63,38 @@ check() {  # the prefix-cache GPU test on this tree; on a failure, its evicting 
     fi
   fi
 }
+final() {
+  local stop=$((SECONDS + ${FINAL_SECONDS:-190}))
+  left() { local rest=$((stop - SECONDS)); [ "$rest" -lt 5 ] && rest=5; echo $(( rest < $1 ? rest : $1 )); }
+  if [ -z "$quick" ]; then
+    timeout "$(left 55)" python3 -m pytest tests/functional/test_prefix_cache_gpu.py -q -p no:cacheprovider -W ignore \
+      2>&1 | tee "$out/test_prefix_cache_gpu.log" | tail -3
+  fi
+  echo "== batch workloads (left $((stop - SECONDS)) s)"
+  batch "$(left 55)"
+  echo "== split combine (left $((stop - SECONDS)) s)"
+  timeout "$(left 30)" python3 bench/bench_split_combine.py $quick ${BASELINE:+--baseline "$BASELINE"} 2>&1 \
+    | grep -v Warning | tee "$out/bench_split_combine.log" | tail -13
+  echo "== profile at the short prefix, the floor, the batch call by call (left $((stop - SECONDS)) s)"
+  timeout "$(left 45)" python3 bench/profile_prefix_hit.py $quick --prefix-lengths "$short" --model-len $((short + 352)) \
+    --repeats 3 --batch "${BATCH:-64}" 2>&1 | grep -v Warning | tee "$out/profile_final.log" | grep -v "^    launch"
+  echo "== 8k point, hybrid with nothing shared (left $((stop - SECONDS)) s)"
+  local long=8192; [ -n "$quick" ] && long=128
+  timeout "$(left 45)" python3 bench/bench_prefix_cache.py $quick --parts sweep,hybrid_random --prefix-lengths "$long" \
+    --json "$out/bench_prefix_8k_hybrid.json" 2>&1 | grep -v Warning | tee "$out/bench_prefix_8k_hybrid.log" | tail -6
+  echo "== done at $SECONDS s"
+}
+target() {  # what the final call (55 s test and batch caps on a cold H100) cut short, ~230 s in all
+  batch 110
+  timeout 60 python3 -m pytest tests/functional/test_prefix_cache_gpu.py -q -p no:cacheprovider -W ignore -k gdn \
+    2>&1 | tee "$out/test_prefix_cache_gpu_hybrid.log" | tail -3
+  timeout 60 python3 bench/bench_prefix_cache.py --parts sweep,hybrid_random --prefix-lengths 8192 \
+    --json "$out/bench_prefix_8k_hybrid.json" 2>&1 | grep -v Warning | tee "$out/bench_prefix_8k_hybrid.log" | tail -6
+}
 case "$mode" in
   check) check ;;
+  final) final ;;
+  target) target ;;
   profile) profile 95; gpu_tests 45; short_controller 40 ;;
   bench)
     gpu_tests 100

@@ -56,7 +56,7 @@ from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows
 from mtp_ctrl.controllers.proposers import Proposer, notify_committed
 from mtp_ctrl.controllers.readback import LaunchedStep, Readbacks
-from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts, check_sampling_params_list
+from mtp_ctrl.controllers.request_checks import check_prompts, check_sampling_params_list, checked_prompt
 from mtp_ctrl.controllers.requests import ControllerDebugView, GenerationResult, Request, RequestBook, RequestStatus
 from mtp_ctrl.controllers.slot_lifecycle import SlotLifecycle
 from mtp_ctrl.controllers.step_launch import StepLauncher
@@ -253,22 +253,21 @@ class TextGenerationController:
         effect unless ``InferenceConfig(prefix_caching=True)``)."""
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
-        prompt, params = self._check_request(prompt_tokens, sampling_params)
-        request_id = self._queue_request(prompt, params)
+        request_id = self._queue_request(*self._check_request(prompt_tokens, sampling_params))
         self._requests[request_id].use_prefix_cache = prefix_caching
         return request_id
 
-    def _check_request(self, prompt_tokens, sampling_params) -> Tuple[List[int], SamplingParams]:
-        """Validate one request without touching any state; returns (prompt, params)."""
+    def _check_request(self, prompt_tokens, sampling_params) -> Tuple[List[int], np.ndarray, SamplingParams]:
+        """Validate one request without touching any state; returns (prompt, its [P] int64 array, params)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        prompt = check_prompt(prompt_tokens, self.shape.vocab_size, self.shape.max_model_len)
+        prompt, prompt_array = checked_prompt(prompt_tokens, self.shape.vocab_size, self.shape.max_model_len)
         params.check_vocab(self.shape.vocab_size)
-        return prompt, params
+        return prompt, prompt_array, params
 
-    def _queue_request(self, prompt: List[int], params: SamplingParams) -> int:
-        request_id = self._requests.new(prompt, params).request_id
+    def _queue_request(self, prompt: List[int], prompt_array: np.ndarray, params: SamplingParams) -> int:
+        request_id = self._requests.new(prompt, params, prompt_array).request_id
         self._draft_lengths.add(request_id, params)
         self._scheduler.enqueue(request_id)
         return request_id
@@ -542,7 +541,7 @@ class TextGenerationController:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         checked = [self._check_request(prompt, params) for prompt, params in zip(prompts, sampling_params)]
-        request_ids = [self._queue_request(prompt, params) for prompt, params in checked]  # all valid: queue
+        request_ids = [self._queue_request(*request) for request in checked]  # all valid: queue
         self._requests.hold(request_ids)
         try:
             while any(self._requests[rid].finish_reason is None for rid in request_ids):

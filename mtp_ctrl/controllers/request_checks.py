@@ -2,14 +2,16 @@
 
 Each check raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, bad value)
 naming the argument, and returns the prompt in the one form the controller stores: a list of
-Python ints. Prompts are user input read outside the decode step, so reading a device tensor's
+Python ints (:func:`checked_prompt` also gives the ``[P]`` int64 array the context takes, built
+once here). Prompts are user input read outside the decode step, so reading a device tensor's
 values here (``tolist``) is allowed.
 """
 
 import operator
 from collections.abc import Mapping, Sequence, Set
-from typing import List
+from typing import List, Tuple
 
+import numpy as np
 import torch
 
 # torch integer dtypes a prompt tensor may have (bool is not an integer here)
@@ -89,6 +91,13 @@ def check_prompt(prompt_tokens, vocab_size: int, max_model_len: int, name: str =
     Example: ``check_prompt(range(3), vocab_size=10, max_model_len=8) -> [0, 1, 2]``;
     ``check_prompt([1, 12], 10, 8)`` raises ``ValueError: prompt_tokens[1] = 12 is outside ...``.
     """
+    return checked_prompt(prompt_tokens, vocab_size, max_model_len, name)[0]
+
+
+def checked_prompt(prompt_tokens, vocab_size: int, max_model_len: int,
+                   name: str = "prompt_tokens") -> Tuple[List[int], np.ndarray]:
+    """:func:`check_prompt`, also returning the prompt as a read-only ``[P]`` int64 array (the
+    range check runs on it: numpy's min and max, not Python's, and admission takes it as is)."""
     for arg, value, low in (("vocab_size", vocab_size, 1), ("max_model_len", max_model_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
@@ -99,11 +108,16 @@ def check_prompt(prompt_tokens, vocab_size: int, max_model_len: int, name: str =
         raise ValueError(f"{name} is empty; a prompt needs at least one token")
     if len(prompt) >= max_model_len:
         raise ValueError(f"{name} has {len(prompt)} tokens; max_model_len ({max_model_len}) leaves no room to generate")
-    low, high = min(prompt), max(prompt)
+    try:
+        array = np.fromiter(prompt, dtype=np.int64, count=len(prompt))  # plain ints by now
+        low, high = int(array.min()), int(array.max())
+    except OverflowError:  # beyond int64: surely outside the vocabulary, found below
+        array, low, high = None, min(prompt), max(prompt)
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"{name}[{prompt.index(bad)}] = {bad} is outside the vocabulary [0, {vocab_size})")
-    return prompt
+    array.flags.writeable = False
+    return prompt, array
 
 
 def _looks_like_one_prompt(prompts) -> bool:

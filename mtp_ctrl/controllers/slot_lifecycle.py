@@ -34,11 +34,13 @@ class SlotLifecycle:
             return False
         request = self.requests[request_id]
         return self.scheduler.can_admit(len(request.prompt_tokens) + len(request.output_tokens), request.preemptions > 0,
-                                        self.context.num_free_rows, self.context.allocator.num_free_blocks)
+                                        self.context.num_free_rows, self.context.allocator.num_free_blocks,
+                                        self.context.prefill_backlog())
 
     def admit_waiting(self) -> None:
         """Slots for waiting requests, also with a step in flight (the slot's device rows are
-        reset stream-ordered after it)."""
+        reset stream-ordered after it), until the prefilling requests' backlog fills a step
+        (``Scheduler.can_admit``)."""
         while self.can_admit():
             request = self.requests[self.scheduler.next_waiting()]
             # the prompt was checked by check_prompt: as an int64 array the context checks only its dtype

@@ -204,6 +204,12 @@ class DynamicInferenceContext:
         self._prefill_tokens[request_id] = prompt
         self.scheduler.admitted(request_id)
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens the live prefilling requests have left to prefill (the host's lengths:
+        chunks of steps in flight count as done)."""
+        slots = self.table.slots_in(RowGroup.PREFILL)  # [p] int64
+        return int((self._prefill_token_counts[slots] - self.table.host.known_lengths[slots]).sum())
+
     def finish_request(self, request_id: int) -> None:
         """:meth:`finish_requests` of one request."""
         self.finish_requests([request_id])

@@ -46,6 +46,7 @@ from mtp_ctrl.state.mamba_slots import MambaStateSlots
 from mtp_ctrl.state.state_snapshots import RecurrentStateSnapshots
 
 SnapshotDue = Tuple[int, int, int]  # (request id, blocks before the boundary, its Mamba slot)
+_KEY_MEMO_ENTRIES = 1 << 15  # block keys remembered (~0.4 KB each at 16-token blocks, ~14 MB): the memo's bound
 
 
 class PrefixCache:
@@ -71,6 +72,10 @@ class PrefixCache:
         self._keys: Dict[int, List[bytes]] = {}  # request id -> keys of its cacheable blocks
         self._boundaries: Dict[int, List[int]] = {}  # request id -> block counts to snapshot after (ascending)
         self._registered: Dict[int, int] = {}  # request id -> blocks of it registered (or attached) so far
+        # (previous key, block + lookahead bytes) -> key: requests sharing a prefix hash it once (a
+        # dict lookup compares the bytes exactly; sha256 of a block costs ~5x more). A pure memo of
+        # the key formula, so clearing it when it outgrows _KEY_MEMO_ENTRIES changes no key.
+        self._key_memo: Dict[Tuple[bytes, bytes], bytes] = {}
         self.queried_tokens = 0  # prefill tokens of requests that looked up the cache
         self.hit_tokens = 0  # of those, tokens found cached
 
@@ -91,11 +96,18 @@ class PrefixCache:
         if not self.enabled:
             return []
         raw, block_bytes, lookahead_bytes = tokens.tobytes(), self.allocator.block_size_tokens * 8, self.lookahead * 8
-        keys, previous, sha256 = [], b"", hashlib.sha256
+        keys, previous, sha256, salt = [], b"", hashlib.sha256, self.salt
+        memo = self._key_memo
+        if len(memo) > _KEY_MEMO_ENTRIES:
+            memo.clear()
         for start in range(0, self.cacheable_blocks(tokens.shape[0]) * block_bytes, block_bytes):
-            # one hash call a block (a 16k-token prompt has ~1000): the digest of the concatenation
-            previous = sha256(previous + self.salt + raw[start : start + block_bytes + lookahead_bytes]).digest()
-            keys.append(previous)
+            # at most one hash call a block (a 16k-token prompt has ~1000): the digest of the concatenation
+            content = raw[start : start + block_bytes + lookahead_bytes]
+            key = memo.get((previous, content))
+            if key is None:
+                key = memo[(previous, content)] = sha256(previous + salt + content).digest()
+            keys.append(key)
+            previous = key
         return keys
 
     def attach(self, request_id: int, tokens: np.ndarray, use_cache: bool = True,

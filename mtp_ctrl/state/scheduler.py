@@ -17,7 +17,10 @@ the controller keeps each request's record. What it decides, and nothing else do
   sequence, max_new_tokens) has the rest of the run discarded.
 - **Admission.** Waiting requests join in arrival order (FIFO); an evicted request goes back to
   the front of the queue, and joins only once it can be recomputed without evicting again
-  (:meth:`Scheduler.can_admit`).
+  (:meth:`Scheduler.can_admit`). None joins while the prompt tokens the prefilling requests have
+  left fill a step's token budget: it would get no chunk in the next step (the chunks go in row
+  order and stop at the first partial one), so its admission (prefix lookup, staging) would only
+  delay that step's launch; it joins a step later, overlapped with the GPU work.
 - **Pausing for KV.** Decode rows get their blocks in row order; the first that does not fit and
   every later one that needs a block pause (:meth:`Scheduler.decodes_to_pause`). Paused requests
   resume oldest first, a younger one never overtakes (:meth:`Scheduler.num_to_resume`), and no
@@ -189,11 +192,14 @@ class Scheduler:
 
     # ----- admission and preemption ----------------------------------------------------------
 
-    def can_admit(self, token_count: int, preempted: bool, free_rows: int, free_blocks: int) -> bool:
+    def can_admit(self, token_count: int, preempted: bool, free_rows: int, free_blocks: int,
+                  prefill_backlog: int = 0) -> bool:
         """Whether the next waiting request (``token_count`` tokens to prefill; ``preempted``: it
         was evicted before) may take a row now. An evicted request waits until its whole KV, with
-        a step in flight, fits the free blocks, so that it is not evicted again at once."""
-        if free_rows <= 0:
+        a step in flight, fits the free blocks, so that it is not evicted again at once.
+        ``prefill_backlog``: prompt tokens the live prefilling requests have left; at a step's
+        token budget or more, the request would get no chunk next step, so it waits."""
+        if free_rows <= 0 or prefill_backlog >= self.shape.max_tokens_per_step:
             return False
         return not preempted or int(self.worst_case_blocks(token_count, steps_in_flight=1)) <= free_blocks
 

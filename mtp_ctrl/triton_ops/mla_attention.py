@@ -33,12 +33,12 @@ from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
 from mtp_ctrl.triton_ops.mla_tiles import MLATiles, kv_split_count, mla_tiles
-from mtp_ctrl.triton_ops.paged_attn import _combine_kv_splits_kernel, check_attention_scalars
+from mtp_ctrl.triton_ops.paged_attn import check_attention_scalars, combine_kv_splits
 
 MAX_LATENT_DIM = 1024
 MAX_ROPE_DIM = 256
 # split-K programs a request at most: enough for one request to cover every SM (the combine reads
-# every split of a row at once, [splits, rows, dims] <= 4096 fp32 a program)
+# the splits in chunks, so their count does not bound its tile)
 MAX_KV_SPLITS = 128
 _INT32_MAX = 2**31 - 1
 _ZERO_BLOCK = 1024  # output elements per store when the kernel zeroes the padding rows
@@ -372,21 +372,6 @@ def paged_mla_attention(
         **({"maxnreg": tiles.max_registers} if tiles.max_registers and query_latent.is_cuda else {}),
     )
     if num_kv_splits > 1:
-        # paged_attn's combine reads our partial layout ([splits, T, H] by query head); its "kv head"
-        # groups are slices of our heads, small enough that its [splits, rows, dims] tile stays
-        # within 4096 fp32 (32 registers a thread) at up to MAX_KV_SPLITS splits
-        block_s = triton.next_power_of_2(num_kv_splits)
-        rows_budget = max(1, 256 // block_s)  # combine matrix rows a program, at 16 dims
-        combine_group = math.gcd(num_heads, rows_budget)  # a power of two dividing H
-        combine_q = max(1, min(triton.next_power_of_2(query_rows_bound), rows_budget // combine_group))
-        combine_m = triton.next_power_of_2(combine_q * combine_group)
-        block_c = triton.next_power_of_2(latent_dim)
-        block_dc = max(min(16, block_c), min(block_c, 4096 // (block_s * combine_m)))
-        num_d_chunks = triton.cdiv(block_c, block_dc)
-        grid = (triton.cdiv(query_rows_bound, combine_q), batch_size, num_heads // combine_group * num_d_chunks)
-        _combine_kv_splits_kernel[grid](
-            partial_acc, partial_max, partial_sum, query_start_loc, output, output.stride(0), output.stride(1),
-            num_tokens, num_heads, latent_dim, combine_group, num_kv_splits,
-            BLOCK_Q=combine_q, BLOCK_M=combine_m, BLOCK_S=block_s, BLOCK_DC=block_dc, NUM_D_CHUNKS=num_d_chunks,
-        )
+        # paged_attn's combine reads our partial layout ([splits, T, H] by query head, [C] dims)
+        combine_kv_splits(partial_acc, partial_max, partial_sum, query_start_loc, output)
     return output

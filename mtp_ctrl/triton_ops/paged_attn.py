@@ -35,9 +35,10 @@ MAX_HEAD_DIM = 256
 _TARGET_BLOCK_M = 64  # matrix rows (query rows x group heads) per program
 _MIN_TOKENS_PER_SPLIT = 64  # one BLOCK_N tile: a short split is cheap now that the combine reads splits at once
 _MAX_KV_SPLITS = 32
-_COMBINE_MIN_ROWS = 1  # the combine has no tl.dot, so no 16-row floor
 _ZERO_BLOCK = 1024  # output elements per store when the kernel zeroes the padding rows
-_COMBINE_TILE_ELEMENTS = 1024  # fp32 partials one combine program holds: [splits, matrix rows, head-dim chunk]
+_COMBINE_TILE_ELEMENTS = 1024  # outputs one combine program holds: [rows, head-dim chunk] fp32
+_COMBINE_LOAD_ELEMENTS = 4096  # fp32 partials one combine read takes: [split chunk, rows, head-dim chunk]
+_COMBINE_MAX_DIMS = 128  # a combine program's head-dim chunk (MLA's 512-dim latents take 4)
 
 
 @triton.jit
@@ -191,43 +192,82 @@ def _combine_kv_splits_kernel(
     num_tokens,
     num_query_heads,
     head_dim,
-    group_size,
+    batch_size,
     num_kv_splits,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_DC: tl.constexpr,
-    NUM_D_CHUNKS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):
-    """Merge the split partials of one (query tile, request, kv head, head-dim chunk) into the
-    output. Every split is read at once (``[BLOCK_S, BLOCK_M, BLOCK_DC]``): a loop over the splits
-    would wait on one read after another."""
-    q_tile = tl.program_id(0)
-    request = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_D_CHUNKS
-    dims = (tl.program_id(2) % NUM_D_CHUNKS) * BLOCK_DC + tl.arange(0, BLOCK_DC)  # [BLOCK_DC]
-    rows, row_in_request, head_in_group, row_valid, q_len = _tile_rows(
-        QUERY_START_LOC_PTR, request, q_tile, group_size, BLOCK_Q, BLOCK_M
-    )
-    if q_tile * BLOCK_Q < q_len:
-        query_heads = (kv_head * group_size + head_in_group).to(tl.int64)  # [BLOCK_M]
-        splits = tl.arange(0, BLOCK_S)
-        stat_mask = (splits < num_kv_splits)[:, None] & row_valid[None, :]  # [BLOCK_S, BLOCK_M]
-        stat_index = (splits[:, None] * num_tokens + rows[None, :]) * num_query_heads + query_heads[None, :]
-        split_max = tl.load(PARTIAL_MAX_PTR + stat_index, mask=stat_mask, other=float("-inf"))  # [BLOCK_S, BLOCK_M]
-        split_sum = tl.load(PARTIAL_SUM_PTR + stat_index, mask=stat_mask, other=0.0)
+    """Merge the split partials of ``BLOCK_R`` (token, query head) rows x ``BLOCK_DC`` dims into
+    the output. The splits are read ``SPLIT_CHUNK`` at a time (``[SPLIT_CHUNK, BLOCK_R, BLOCK_DC]``,
+    one read in flight per chunk rather than per split) and merged online: a running max and sum
+    across chunks, the accumulator rescaled when the max grows. Rows past ``query_start_loc[B]``
+    (padding, zeroed by the attention kernel) are left alone."""
+    dims = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)  # [BLOCK_DC]
+    valid_rows = tl.load(QUERY_START_LOC_PTR + batch_size).to(tl.int64) * num_query_heads
+    first_row = tl.program_id(0).to(tl.int64) * BLOCK_R
+    if first_row < valid_rows:
+        stat_rows = first_row + tl.arange(0, BLOCK_R)  # [BLOCK_R] int64: token * Hq + query head
+        row_valid = stat_rows < valid_rows
         dim_valid = dims < head_dim
-        split_acc = tl.load(PARTIAL_ACC_PTR + stat_index[:, :, None] * head_dim + dims[None, None, :],
-                            mask=stat_mask[:, :, None] & dim_valid[None, None, :], other=0.0)  # [BLOCK_S, BLOCK_M, BLOCK_DC]
-        total_max = tl.max(split_max, axis=0)  # [BLOCK_M]
-        safe_max = tl.where(total_max == float("-inf"), 0.0, total_max)  # rows no split saw anything for
-        weight = tl.exp2(split_max - safe_max[None, :])  # [BLOCK_S, BLOCK_M], 0 for empty splits
-        total_sum = tl.sum(split_sum * weight, axis=0)  # [BLOCK_M]
-        acc = tl.sum(split_acc * weight[:, :, None], axis=0)  # [BLOCK_M, BLOCK_DC]
-        out = acc / tl.where(total_sum > 0, total_sum, 1.0)[:, None]
-        out_ptrs = OUTPUT_PTR + rows[:, None] * output_stride_t + query_heads[:, None] * output_stride_h
-        tl.store(out_ptrs + dims[None, :], out.to(OUTPUT_PTR.dtype.element_ty),
-                 mask=row_valid[:, None] & dim_valid[None, :])
+        split_stride = tl.cast(num_tokens, tl.int64) * num_query_heads  # rows of one split's partials
+        running_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        running_sum = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_DC], tl.float32)
+        for first_split in range(0, num_kv_splits, SPLIT_CHUNK):
+            splits = first_split + tl.arange(0, SPLIT_CHUNK)  # [SPLIT_CHUNK]
+            stat_mask = (splits < num_kv_splits)[:, None] & row_valid[None, :]  # [SPLIT_CHUNK, BLOCK_R]
+            stat_index = splits[:, None].to(tl.int64) * split_stride + stat_rows[None, :]
+            split_max = tl.load(PARTIAL_MAX_PTR + stat_index, mask=stat_mask, other=float("-inf"))
+            split_sum = tl.load(PARTIAL_SUM_PTR + stat_index, mask=stat_mask, other=0.0)
+            split_acc = tl.load(PARTIAL_ACC_PTR + stat_index[:, :, None] * head_dim + dims[None, None, :],
+                                mask=stat_mask[:, :, None] & dim_valid[None, None, :], other=0.0)
+            new_max = tl.maximum(running_max, tl.max(split_max, axis=0))  # [BLOCK_R]
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows no split saw anything for yet
+            rescale = tl.exp2(running_max - safe_max)  # 0 while nothing was seen
+            weight = tl.exp2(split_max - safe_max[None, :])  # [SPLIT_CHUNK, BLOCK_R], 0 for empty splits
+            running_sum = running_sum * rescale + tl.sum(split_sum * weight, axis=0)
+            acc = acc * rescale[:, None] + tl.sum(split_acc * weight[:, :, None], axis=0)
+            running_max = new_max
+        out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+        tokens = stat_rows // num_query_heads
+        heads = stat_rows % num_query_heads
+        out_ptrs = OUTPUT_PTR + tokens[:, None] * output_stride_t + heads[:, None] * output_stride_h + dims[None, :]
+        tl.store(out_ptrs, out.to(OUTPUT_PTR.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+def combine_kv_splits(
+    partial_acc: torch.Tensor,  # [splits, T, H, D] fp32, unnormalised split accumulators
+    partial_max: torch.Tensor,  # [splits, T, H] fp32, each split's running max (base 2)
+    partial_sum: torch.Tensor,  # [splits, T, H] fp32, each split's running sum
+    query_start_loc: torch.Tensor,  # [B + 1] int32: rows past query_start_loc[B] are not written
+    output: torch.Tensor,  # [T, H, D], written in place; its last dim contiguous
+) -> None:
+    """Merge split-K partials into ``output`` (paged attention's and MLA's second kernel).
+
+    Programs take ``(token, head)`` rows and head-dim chunks, independent of how the attention
+    tiled its rows, so the tile is chosen for the combine alone: as many programs as two a SM
+    while the rows allow (the combine is latency-bound), at most ``_COMBINE_TILE_ELEMENTS``
+    outputs a program, the splits read in chunks of at most ``_COMBINE_LOAD_ELEMENTS`` fp32.
+    """
+    num_kv_splits, num_tokens, num_heads, head_dim = partial_acc.shape
+    block_d = triton.next_power_of_2(head_dim)
+    block_dc = min(block_d, _COMBINE_MAX_DIMS)
+    num_d_chunks = triton.cdiv(block_d, block_dc)
+    num_rows = num_tokens * num_heads
+    if output.is_cuda:
+        wanted_programs = 2 * sm_count(output.device)
+        rows_per_program = max(1, num_rows * num_d_chunks // wanted_programs)
+        block_r = min(1 << (rows_per_program.bit_length() - 1), max(1, _COMBINE_TILE_ELEMENTS // block_dc))
+    else:  # the interpreter: few large programs (its cost is per program)
+        block_r = max(1, _COMBINE_TILE_ELEMENTS // block_dc)
+    split_chunk = min(triton.next_power_of_2(num_kv_splits), max(1, _COMBINE_LOAD_ELEMENTS // (block_r * block_dc)))
+    _combine_kv_splits_kernel[(triton.cdiv(num_rows, block_r), num_d_chunks)](
+        partial_acc, partial_max, partial_sum, query_start_loc, output,
+        output.stride(0), output.stride(1),
+        num_tokens, num_heads, head_dim, query_start_loc.shape[0] - 1, num_kv_splits,
+        BLOCK_R=block_r, BLOCK_DC=block_dc, SPLIT_CHUNK=split_chunk,
+    )
 
 
 def check_attention_scalars(softmax_scale, max_query_len, max_seq_len, num_kv_splits) -> None:
@@ -364,15 +404,5 @@ def paged_attention(
         num_warps=_num_warps(query.device, num_q_tiles * batch_size * num_kv_heads * num_kv_splits),
     )
     if num_kv_splits > 1:
-        block_s = triton.next_power_of_2(num_kv_splits)
-        combine_m = max(_COMBINE_MIN_ROWS, triton.next_power_of_2(block_q * group_size))
-        # [S, M, DC] fp32 in registers; at least 16 dims, so a program never gathers single scalars
-        block_dc = max(min(16, block_d), min(block_d, _COMBINE_TILE_ELEMENTS // (block_s * combine_m)))
-        num_d_chunks = triton.cdiv(block_d, block_dc)
-        _combine_kv_splits_kernel[(num_q_tiles, batch_size, num_kv_heads * num_d_chunks)](
-            partial_acc, partial_max, partial_sum, query_start_loc, output,
-            output.stride(0), output.stride(1),
-            num_tokens, num_query_heads, head_dim, group_size, num_kv_splits,
-            BLOCK_Q=block_q, BLOCK_M=combine_m, BLOCK_S=block_s, BLOCK_DC=block_dc, NUM_D_CHUNKS=num_d_chunks,
-        )
+        combine_kv_splits(partial_acc, partial_max, partial_sum, query_start_loc, output)
     return output

@@ -57,7 +57,7 @@ def cases():
                     ZERO_BLOCK=paged_attn._ZERO_BLOCK))
     combine = paged_attn._combine_kv_splits_kernel
     yield ("attention merge", combine, pointers(combine, "fp32", QUERY_START_LOC_PTR="i32", OUTPUT_PTR="bf16"), set(),
-           dict(BLOCK_Q=1, BLOCK_M=4, BLOCK_S=16, BLOCK_DC=16, NUM_D_CHUNKS=8))
+           dict(BLOCK_R=8, BLOCK_DC=128, SPLIT_CHUNK=4))
     mla = mla_attention._paged_mla_kernel
     mla_pointers = pointers(mla, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32", QUERY_START_LOC_PTR="i32",
                             PARTIAL_ACC_PTR="fp32", PARTIAL_MAX_PTR="fp32", PARTIAL_SUM_PTR="fp32")

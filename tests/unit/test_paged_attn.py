@@ -82,6 +82,40 @@ def test_few_rows_over_long_cached_contexts(seed):
     torch.testing.assert_close(out, dense_attention(case), **TOL)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_split_combine_random_splits_rows_and_padding(seed):
+    """The combine reads the splits in chunks and merges them online: random split counts over
+    contexts long enough that later chunks hold data (a split is whole 64-token kv tiles) and,
+    with sharp scores, often a row's max (the accumulator rescaled across chunks); random rows
+    (prefill chunks, decode rows, padding requests, padding rows) so the last row tile is partial;
+    odd head dims and group sizes; on NaN-filled memory, so a row the combine reads but no split
+    wrote would show."""
+    generator = torch.Generator().manual_seed((101, 103, 104)[seed])  # draws with several long contexts
+
+    def draw(low, high):
+        return int(torch.randint(low, high + 1, (1,), generator=generator))
+
+    num_requests = draw(1, 4)
+    q_lens = [draw(0, 9) for _ in range(num_requests)]
+    seq_lens = [q_len + draw(0, 600) if q_len else 0 for q_len in q_lens]
+    num_kv_heads, group = ((1, 4), (2, 3), (2, 1))[seed]
+    case = make_paged_case(q_lens, seq_lens, num_query_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                           head_dim=(16, 24, 40)[seed], block_size_tokens=(16, 5, 8)[seed],
+                           padding_rows=draw(0, 5), seed=seed)
+    case.softmax_scale = 1.0
+    empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "empty", dirty_empty)
+        out = paged_attention(*case.op_args(), max_query_len=max(q_lens + [1]), max_seq_len=1024,
+                              num_kv_splits=(5, 17, 9)[seed])
+    torch.testing.assert_close(out, dense_attention(case), **TOL)
+
+
 def test_decode_hint_and_odd_block_size():
     case = make_paged_case([4, 4, 4], [5, 33, 18], num_query_heads=8, num_kv_heads=2, head_dim=64,
                            block_size_tokens=5, seed=3)

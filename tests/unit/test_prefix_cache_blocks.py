@@ -135,6 +135,10 @@ def test_keys_and_cacheable_blocks():
     assert all(a != b for a, b in zip(cache.block_keys(changed_first), keys))
     assert PrefixCache(pool, 2, salt=b"x").block_keys(tokens)[0] != keys[0]
     assert PrefixCache(pool, None).block_keys(tokens) == []
+    # keys are a function of the tokens alone: a cache that hashed other prompts first (its memo of
+    # shared blocks warm) gives every prompt the keys a fresh one does
+    for prompt in (changed_first, changed_lookahead, tokens, np.arange(30)):
+        assert cache.block_keys(prompt) == PrefixCache(pool, 2).block_keys(prompt)
 
 
 def test_allocator_register_and_bad_input():

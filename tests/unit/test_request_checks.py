@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts
+from mtp_ctrl.controllers.request_checks import check_prompt, check_prompts, checked_prompt
 
 VOCAB, MAX_LEN = 10, 6
 
@@ -65,11 +65,20 @@ def test_accepted_prompts_become_lists_of_ints(prompt, want):
         ([1, VOCAB], ValueError, r"prompt_tokens\[1\] = 10 is outside the vocabulary"),
         ([3, -1], ValueError, r"prompt_tokens\[1\] = -1 is outside"),
         (torch.tensor([2, 2**40]), ValueError, "outside the vocabulary"),
+        ([2, 2**70], ValueError, r"prompt_tokens\[1\] = 1180591620717411303424 is outside"),  # past int64
+        ([-2**70, 2], ValueError, r"prompt_tokens\[0\] = -1180591620717411303424 is outside"),
     ],
 )
 def test_rejected_prompts_name_the_argument(prompt, error, match):
     with pytest.raises(error, match=match):
         check_prompt(prompt, VOCAB, MAX_LEN)
+
+
+def test_checked_prompt_gives_the_list_and_a_read_only_int64_array():
+    prompt, array = checked_prompt((np.int32(4), 0, 9), VOCAB, MAX_LEN)
+    assert prompt == [4, 0, 9] and array.dtype == np.int64 and array.tolist() == prompt
+    with pytest.raises(ValueError, match="read-only"):
+        array[0] = 1
 
 
 def test_the_caller_names_the_argument_and_sizes_are_checked():

@@ -40,3 +40,17 @@ def test_status_follows_a_request_from_queue_to_result(model, torch_twins, overl
     assert (view.num_waiting, view.num_retiring, view.num_records) == (0, 0, 0)
     with pytest.raises(ValueError, match="request_id"):
         controller.request_status(first)
+
+
+def test_requests_behind_a_full_prefill_backlog_wait_a_step(model, torch_twins):
+    """Prompts left to prefill that fill a step's token budget: the next request would get no
+    chunk in that step, so it is not admitted yet (its admission would only delay the launch)."""
+    controller = make_controller(model, max_tokens_per_step=16)
+    prompts = [[(7 * index + position) % 50 + 1 for position in range(12)] for index in range(4)]
+    ids = [controller.add_request(prompt, SamplingParams(max_new_tokens=2)) for prompt in prompts]
+    controller.step()  # the first two (12 + 12 >= 16 tokens) join; the first chunk (12) and 4 of the second run
+    assert [controller.request_status(request_id) for request_id in ids[2:]] == [RequestStatus.WAITING] * 2
+    assert controller.debug_view().num_waiting == 2
+    while controller.has_unfinished_requests():
+        controller.step()
+    assert all(len(controller.pop_result(request_id).output_tokens) == 2 for request_id in ids)

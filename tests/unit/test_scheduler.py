@@ -40,6 +40,10 @@ def test_admission_and_preemption_known_answers():
     # an evicted request of 10 tokens comes back only when 10 + 2 * 3 = 16 tokens (4 blocks) are free
     assert not scheduler.can_admit(10, preempted=True, free_rows=1, free_blocks=3)
     assert scheduler.can_admit(10, preempted=True, free_rows=1, free_blocks=4)
+    # prefilling requests with 16 prompt tokens left fill the 16-token budget: the next one would get
+    # no chunk next step (chunks go in row order, stopping at the first partial one), so it waits
+    assert scheduler.can_admit(3, preempted=False, free_rows=1, free_blocks=99, prefill_backlog=15)
+    assert not scheduler.can_admit(3, preempted=False, free_rows=1, free_blocks=99, prefill_backlog=16)
     for request_id in (7, 3, 9):
         scheduler.admitted(request_id)
     assert scheduler.preemption_victim() == 9
