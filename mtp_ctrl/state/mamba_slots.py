@@ -110,7 +110,7 @@ class MambaStateSlots:
         self.conv_states[:, slot].zero_()
         self.ssm_states[:, slot].zero_()
         if self.pending_rows is not None:  # the last request's uncommitted rows are not this one's
-            self.pending_rows[slot] = 0
+            self.pending_rows[slot:slot + 1].zero_()  # a fill, not a host scalar's copy: admission stays sync-free
         return slot
 
     def release_slot(self, slot: int) -> None:
