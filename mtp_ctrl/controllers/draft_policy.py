@@ -110,7 +110,8 @@ class DraftLengthPolicy:
     # and observe every step.
     decide_every = 1
     # each time the policy returns the same lengths for the same requests, the hold doubles, up to
-    # this many steps (None: decide_every, no doubling); outcomes still come every decide_every steps
+    # this many steps (None: decide_every, no doubling); the held steps' outcomes come to `observe`
+    # when the hold ends (at most this many steps late) and always before the next `choose`
     longest_hold = None
 
     def __init__(self):
@@ -191,10 +192,12 @@ class GoodputPolicy(DraftLengthPolicy):
     """
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
-                 min_gain: float = 1.0, decide_every: int = 8, longest_hold: int = 64):
+                 min_gain: float = 1.0, decide_every: int = 8, longest_hold: Optional[int] = None):
         super().__init__()
         self.decide_every = check_int("decide_every", decide_every, low=1)
-        self.longest_hold = check_int("longest_hold", longest_hold, low=1)
+        # None: 64 steps (or decide_every, if longer); a given hold cannot be shorter than decide_every
+        self.longest_hold = (max(64, self.decide_every) if longest_hold is None
+                             else check_int("longest_hold", longest_hold, low=self.decide_every))
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if prior_weight < 0:

@@ -179,8 +179,6 @@ def _check_layout(recurrent_states, row_inputs, pending_rows, input_parity, key_
     check_tensor("row_inputs", row_inputs, dtypes=(torch.float32,), shape=(num_layers, num_slots, 2, None, width))
     if row_inputs.shape[3] < 1:
         raise ValueError("row_inputs must hold >= 1 row per slot and buffer (1 + S) on dim 3")
-    if row_inputs.stride(4) != 1 or recurrent_states.stride(4) != 1:
-        raise ValueError("recurrent_states and row_inputs must be contiguous in their last dim")
     check_tensor("pending_rows", pending_rows, dtypes=(torch.int32,), shape=(num_slots,))
     check_tensor("input_parity", input_parity, dtypes=(torch.int32,), shape=(num_slots,))
 
@@ -262,6 +260,9 @@ def gdn_verify_rows(
     heads, key_dim, value_dim = recurrent_states.shape[2:]
     out = torch.empty(slot_ids.shape[0] * rows_per_request, heads, value_dim, dtype=torch.float32,
                       device=q.device)  # [nd * R, H, V] fp32
+    # strides are not part of a cached signature (ValidatedSignatures): checked on every call
+    if row_inputs.stride(4) != 1 or recurrent_states.stride(4) != 1:
+        raise ValueError("recurrent_states and row_inputs must be contiguous in their last dim")
     for name, tensor in (("q", q), ("k", k), ("v", v), ("slot_ids", slot_ids)):
         if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got stride {tensor.stride(-1)}")

@@ -54,7 +54,7 @@ class MLATiles:
         if not isinstance(self.max_registers, int) or self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"MLATiles.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
         if not isinstance(self.whole_waves, bool):
-            raise ValueError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
+            raise TypeError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)

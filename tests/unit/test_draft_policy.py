@@ -92,7 +92,7 @@ def test_analytic_cost_grows_with_depth_and_batch():
 
 
 @pytest.mark.parametrize("field,value", [("decay", 0.0), ("prior_weight", -1.0), ("optimistic_prior", 1.5),
-                                         ("decide_every", 0), ("longest_hold", 0)])
+                                         ("decide_every", 0), ("longest_hold", 0), ("longest_hold", 4)])
 def test_bad_goodput_arguments(field, value):
     with pytest.raises(ValueError, match=field):
         GoodputPolicy(**{field: value})

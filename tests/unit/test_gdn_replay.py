@@ -190,6 +190,18 @@ def test_every_table_launch_shape_equals_twin(block_v):
         torch.testing.assert_close(row_inputs, want_inputs, **TOLERANCE)
 
 
+def test_every_launch_takes_the_one_shape():
+    """A pending row is applied under the next step's launch shape, and an S = 0 row under R = 1's:
+    plain and speculative decoding commit the same state bit for bit only if every (nd, R) takes
+    one shape (the order of the sums over K follows it), so a table entry with another shape would
+    break losslessness (gdn_tiles' comment)."""
+    assert {(tiles.block_v, tiles.num_warps) for _, tiles in VERIFY_TILE_TABLE} \
+        == {(DEFAULT_TILES.block_v, DEFAULT_TILES.num_warps)}
+    for requests in (1, 7, 64, 1000):
+        for rows_per_request in (1, 2, 3, 5, 9):
+            assert gdn_verify_tiles(requests, rows_per_request) == DEFAULT_TILES
+
+
 def test_tile_table_covers_every_launch():
     """The table ends with an unbounded entry, and a launch takes the first entry whose bounds hold."""
     assert VERIFY_TILE_TABLE[-1][0] == (None, None)

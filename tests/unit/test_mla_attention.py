@@ -98,7 +98,7 @@ def test_split_count_fills_whole_waves():
     two = dataclasses.replace(whole, programs_per_sm=2)  # 264 slots: 8 splits fill 256, 5 of 48 fill 240
     assert [kv_split_count(two, 132, batch, 8192, MAX_KV_SPLITS) for batch in (1, 32, 48, 300)] == [128, 8, 5, 1]
     assert kv_split_count(two, 132, 32, 300, MAX_KV_SPLITS) == 4  # 64 tokens a split at least
-    with pytest.raises(ValueError, match="whole_waves"):
+    with pytest.raises(TypeError, match="whole_waves"):
         dataclasses.replace(tiles, whole_waves=1)
     with pytest.raises(ValueError, match="max_registers"):
         dataclasses.replace(tiles, max_registers=300)
