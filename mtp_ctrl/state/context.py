@@ -10,9 +10,9 @@ Life cycle of a request::
     add_request    -> PREFILL: a table slot (kept until it leaves), a Mamba slot, no blocks (with
                       prefix caching: the cached full blocks its prompt starts with, see
                       ``state/prefix_cache.py``)
-    build_step     -> runs prefill chunks; after its final chunk the next build_step makes it
-                      DECODE (it then runs 1 + V rows per step, V <= S: see build_step); too few free blocks -> PAUSED
-                      (state intact), resumed by a later build_step once blocks are free
+    build_step     -> runs prefill chunks; after its final chunk the next build_step makes it DECODE
+                      (1 + V rows a step, V <= S); too few free blocks -> PAUSED (state intact), resumed
+                      by a later build_step once blocks are free
     pause_request / resume_request  -> PAUSED and back, on the caller's word
     finish_request(s) -> blocks and Mamba slot released, table slot freed
 
@@ -23,11 +23,10 @@ late. So a step is built for the worst case, every draft of the steps in flight 
 decode request holds blocks for ``known_length + (1 + S) * (new_steps + steps_in_flight)`` tokens
 (``scheduler.worst_case_blocks``, the one formula). A build may stage a decode run: ``new_steps``
 decode steps that one launch runs back to back (``StepMetadata.num_steps``; the scheduler picks
-it, :meth:`build_step`). Pausing and resuming need the host's lengths
-exact, so they wait until no step is in flight:
-:meth:`needs_sync` tells the caller, and those calls raise ``RuntimeError`` while a built step has
-not been committed (a build with a step in flight neither pauses nor resumes; short of blocks it
-raises ``KVCacheFullError``). Nothing else needs a wait, because slots never move: finishing
+it, :meth:`build_step`). Pausing and resuming need the host's lengths exact, so they wait until no
+step is in flight: :meth:`needs_sync` tells the caller, and those calls raise ``RuntimeError``
+while a built step has not been committed (a build with a step in flight neither pauses nor
+resumes; short of blocks it raises ``KVCacheFullError``). Nothing else needs a wait, because slots never move: finishing
 frees the slots (their device rows are reset after the steps in flight on the stream), admitting
 takes a free slot (reset with the next build, in one batch), a prompt whose final chunk ran joins
 the decode list. A step's read-back is committed to the slots it ran on, skipping a slot whose
