@@ -181,14 +181,13 @@ def test_all_wrong_drafts_are_all_rejected(models, greedy_continuations, torch_t
 
 @pytest.mark.parametrize("layout", [dict(block_size_tokens=4), dict(block_size_tokens=1, cuda_graph_batch_sizes=(2, 4))],
                          ids=["block4", "block1_padded_batches"])
-def test_mixed_drafts_accept_exactly_the_injected_prefix(models, greedy_continuations, layout, request):
+def test_mixed_drafts_accept_exactly_the_injected_prefix(models, greedy_continuations, layout, torch_twins):
     """A seeded random pattern of correct-prefix lengths (0..S) per request and proposal: each
     verify step accepts exactly the injected count; the metrics' acceptance per depth is the
     fraction of verify steps whose count exceeds that depth. Also with 1-token blocks (a
-    rejection rewinds across up to S blocks) and decode batches padded to CUDA-graph sizes. The
-    padded layout interprets the kernels, block 4 uses their twins."""
-    if "cuda_graph_batch_sizes" not in layout:
-        request.getfixturevalue("torch_twins")
+    rejection rewinds across up to S blocks) and decode batches padded to CUDA-graph sizes. Both on
+    the kernels' twins: the rewind kernel crosses several blocks in test_kv_rewind, and the padded
+    loop runs through the interpreted kernels in test_overlap's padded churn test."""
     S = MTP_DEPTH
     pattern_rng = random.Random(5)
     pattern = {(rid, index): pattern_rng.randint(0, S) for rid in range(len(PROMPTS)) for index in range(12)}
