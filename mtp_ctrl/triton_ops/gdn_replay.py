@@ -50,7 +50,7 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, ValidatedSignatures, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
-from mtp_ctrl.triton_ops.gdn_recurrent import _check_rows, _delta_rule_update, _load_row
+from mtp_ctrl.triton_ops.gdn_recurrent import _check_rows, _delta_rule_step, _delta_rule_update, _load_row
 from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles, gdn_verify_tiles
 
 _VERIFY_VALIDATED = ValidatedSignatures()
@@ -67,15 +67,17 @@ def gdn_row_input_width(key_heads: int, key_dim: int, heads: int, value_dim: int
 def _load_rows(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row, num_rows, head, key_head, keys, is_key, values,
                is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
                g_stride_h, beta_stride_t, beta_stride_h, ROWS: tl.constexpr):
-    """Rows ``first_row .. first_row + ROWS - 1``'s (q, k, v, g, beta), each a tuple of ROWS tensors
-    (:func:`mtp_ctrl.triton_ops.gdn_recurrent._load_row`: rows at or past ``num_rows`` read zeros)."""
-    qs, ks, vs, gs, betas = (), (), (), (), ()
+    """Rows ``first_row .. first_row + ROWS - 1``'s (q, k, v, g, beta, q . k), each a tuple of ROWS
+    tensors (:func:`mtp_ctrl.triton_ops.gdn_recurrent._load_row`: rows at or past ``num_rows`` read
+    zeros); q . k needs no state, so it is summed here, off the rows' serial path."""
+    qs, ks, vs, gs, betas, qks = (), (), (), (), (), ()
     for j in tl.static_range(ROWS):
         q, k, v, g, beta = _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j, num_rows, head, key_head,
                                      keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
                                      v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h)
         qs, ks, vs, gs, betas = qs + (q,), ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
-    return qs, ks, vs, gs, betas
+        qks = qks + (tl.sum(q * k, axis=0),)
+    return qs, ks, vs, gs, betas, qks
 
 
 # num_rows only bounds masks: not specialised, so one compiled kernel serves every batch size
@@ -105,7 +107,7 @@ def _gdn_verify_rows_kernel(
     first_row = request * ROWS
     # every row's inputs first, then the pending rows' and the state: all loads in flight together,
     # none behind a store or behind the serial rows
-    qs, ks, vs, gs, betas = _load_rows(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row, num_rows, head, key_head,
+    qs, ks, vs, gs, betas, qks = _load_rows(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row, num_rows, head, key_head,
                                        keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t,
                                        k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t,
                                        beta_stride_h, ROWS)
@@ -122,8 +124,8 @@ def _gdn_verify_rows_kernel(
         row_ptr = INPUTS_PTR + slot * inputs_s_slot + parity * inputs_s_parity + j * inputs_s_row
         pks = pks + (tl.load(row_ptr + key_head * key_dim + keys, mask=is_key & kept_k, other=0.0),)
         pvs = pvs + (tl.load(row_ptr + v_offset + values, mask=is_value & kept_v, other=0.0),)
-        pgs = pgs + (tl.load(row_ptr + g_offset + values * 0, mask=kept_v, other=0.0),)
-        pbetas = pbetas + (tl.load(row_ptr + g_offset + heads + values * 0, mask=kept_v, other=0.0),)
+        pgs = pgs + (tl.load(row_ptr + g_offset, mask=j < pending, other=0.0),)  # one value
+        pbetas = pbetas + (tl.load(row_ptr + g_offset + heads, mask=j < pending, other=0.0),)
     state_ptrs = STATES_PTR + slot * states_s_slot + head * states_s_head + keys[:, None] * states_s_k \
         + values[None, :] * states_s_v
     state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
@@ -141,12 +143,14 @@ def _gdn_verify_rows_kernel(
             tl.store(row_ptr + v_offset + values, vs[j], mask=is_value)
             tl.store(row_ptr + g_offset + lanes * 0, gs[j], mask=stores_gate)
             tl.store(row_ptr + g_offset + heads + lanes * 0, betas[j], mask=stores_gate)
-    for j in tl.static_range(ROWS):
-        state = _delta_rule_update(state, ks[j], vs[j], gs[j], betas[j])
-        tl.store(OUT_PTR + (first_row + j) * out_stride_t + head * out_stride_h + values,
-                 tl.sum(state * qs[j][:, None], axis=0), mask=is_value)
+    outs = ()
+    for j in tl.static_range(ROWS):  # each row one reduction over K (S^T k and S^T q together)
+        state, o = _delta_rule_step(state, qs[j], ks[j], vs[j], gs[j], betas[j], qks[j])
+        outs = outs + (o,)
     if ROWS == 1:  # plain decoding: the row is always kept
         tl.store(state_ptrs, state, mask=tile_mask)
+    for j in tl.static_range(ROWS):  # after the rows: no store (and its layout change) between them
+        tl.store(OUT_PTR + (first_row + j) * out_stride_t + head * out_stride_h + values, outs[j], mask=is_value)
 
 
 @triton.jit
