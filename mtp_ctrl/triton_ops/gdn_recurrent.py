@@ -65,34 +65,35 @@ def _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_hea
 
 @triton.jit
 def _decayed_update(state, k, decay, delta):
-    """``exp(g) S + k delta^T`` (decay one value): the one expression of the state's step (both row
-    helpers call it)."""
-    return state * decay + k[:, None] * delta[None, :]
+    """``exp(g) S + k delta^T`` (k ``[BLOCK_K, 1]``, decay one value, delta ``[BLOCK_V]``): the one
+    expression of the state's step (both row helpers call it)."""
+    return state * decay + k * delta[None, :]
 
 
 @triton.jit
 def _delta_rule_update(state, k, v, g, beta):
-    """The state tile ``[BLOCK_K, BLOCK_V]`` after one row whose output is not needed (a pending row:
-    k ``[BLOCK_K]``, v ``[BLOCK_V]``, g and beta one value each). ``S^T k`` comes from the state before the decay
-    (``exp(g) S^T k``) and is summed by the same reduction as :func:`_delta_rule_step`'s (one
-    operand of two there: the same order of the same products), so the state it leaves is the one
-    a row with an output leaves, bit for bit. g = beta = 0 (with k = v = 0) leaves the state
-    exactly as it was."""
+    """The state tile ``[BLOCK_K, BLOCK_V]`` after one row whose output is not needed (a pending row;
+    k ``[BLOCK_K, 1]``, a column in the tile's layout; v ``[BLOCK_V]``; g and beta one value each).
+    ``S^T k`` comes from the state before the decay (``exp(g) S^T k``) and sums the same products
+    in the same order as :func:`_delta_rule_step`'s (there paired with ``S^T q``, each pair in one
+    thread's registers: the reduction over K runs over the same layout), so the state it leaves is
+    the one a row with an output leaves, bit for bit. g = beta = 0 (with k = v = 0) leaves the
+    state exactly as it was."""
     decay = tl.exp(g)
-    delta = beta * (v - tl.sum(state * k[:, None], axis=0) * decay)  # [BLOCK_V]
+    delta = beta * (v - tl.sum(state * k, axis=0) * decay)  # [BLOCK_V]
     return _decayed_update(state, k, decay, delta)
 
 
 @triton.jit
 def _delta_rule_step(state, q, k, v, g, beta, qk):
-    """(state after one row, its output ``[BLOCK_V]``); ``qk`` = q . k (one value). With
-    ``S' = exp(g) S + k u^T``: ``o = S'^T q = exp(g) S^T q + (q . k) u``, so ``S^T k`` and ``S^T q``
-    come from the state before the row in ONE reduction over K of two operands (one cross-warp
-    round a row, not two). Every kernel that steps the rule calls this function or
-    :func:`_delta_rule_update`."""
+    """(state after one row, its output ``[BLOCK_V]``); q and k ``[BLOCK_K, 1]`` (columns in the
+    tile's layout), ``qk`` = q . k (one value). With ``S' = exp(g) S + k u^T``:
+    ``o = S'^T q = exp(g) S^T q + (q . k) u``, so ``S^T k`` and ``S^T q`` come from the state before
+    the row in ONE reduction over K (one cross-warp round a row, not two). Every kernel that steps
+    the rule calls this function or :func:`_delta_rule_update`."""
     decay = tl.exp(g)
-    # [BLOCK_K, BLOCK_V, 2] -> [BLOCK_V, 2]: the pair in one register each, so one reduction sums both
-    remembered, recalled = tl.split(tl.sum(tl.join(state * k[:, None], state * q[:, None]), axis=0))
+    # [BLOCK_K, BLOCK_V, 2] -> [BLOCK_V, 2]: the pair in one thread's registers, so one reduction sums both
+    remembered, recalled = tl.split(tl.sum(tl.join(state * k, state * q), axis=0))
     delta = beta * (v - remembered * decay)  # [BLOCK_V]
     return _decayed_update(state, k, decay, delta), recalled * decay + qk * delta
 
@@ -105,7 +106,7 @@ def _delta_rule_row(state, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, 
     q, k, v, g, beta = _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys, is_key,
                                  values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t,
                                  v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h)
-    return _delta_rule_step(state, q, k, v, g, beta, tl.sum(q * k, axis=0))
+    return _delta_rule_step(state, q[:, None], k[:, None], v, g, beta, tl.sum(q * k, axis=0))
 
 
 @triton.jit

@@ -89,6 +89,7 @@ def _gdn_verify_rows_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h,
     beta_stride_t, beta_stride_h, out_stride_t, out_stride_h,
     ROWS: tl.constexpr, STORED_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    EARLY_COLUMNS: tl.constexpr,
 ):
     """Grid ``(value tiles, H, nd)``: program (t, h, r) applies request r's pending rows and walks its
     R rows for head h, value dims of tile t (module docstring). The tiles of one head are neighbours
@@ -111,6 +112,10 @@ def _gdn_verify_rows_kernel(
                                        keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t,
                                        k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t,
                                        beta_stride_h, ROWS)
+    q_columns, k_columns = (), ()  # [BLOCK_K, 1] each: the state tile's layout of q and k
+    if EARLY_COLUMNS:  # their layout change before the state arrives (registers), not inside the serial rows
+        for j in tl.static_range(ROWS):
+            q_columns, k_columns = q_columns + (qs[j][:, None],), k_columns + (ks[j][:, None],)
     slot = tl.load(SLOTS_PTR + request).to(tl.int64)
     pending = tl.load(PENDING_PTR + slot)
     parity = tl.load(PARITY_PTR + slot).to(tl.int64)
@@ -131,7 +136,7 @@ def _gdn_verify_rows_kernel(
     state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
     for j in tl.static_range(STORED_ROWS):
         if j < pending:  # rows past the pending count would leave the state exactly as it is: skipped
-            state = _delta_rule_update(state, pks[j], pvs[j], pgs[j], pbetas[j])
+            state = _delta_rule_update(state, pks[j][:, None], pvs[j], pgs[j], pbetas[j])
     if ROWS > 1:  # the committed state back, and each row's (k, v, g, beta) into the other buffer
         tl.store(state_ptrs, state, mask=tile_mask & (values[None, :] * 0 + pending > 0))
         # the program that stores a head's shared inputs: k once per key head, g and beta once per head
@@ -145,7 +150,10 @@ def _gdn_verify_rows_kernel(
             tl.store(row_ptr + g_offset + heads + lanes * 0, betas[j], mask=stores_gate)
     outs = ()
     for j in tl.static_range(ROWS):  # each row one reduction over K (S^T k and S^T q together)
-        state, o = _delta_rule_step(state, qs[j], ks[j], vs[j], gs[j], betas[j], qks[j])
+        if EARLY_COLUMNS:
+            state, o = _delta_rule_step(state, q_columns[j], k_columns[j], vs[j], gs[j], betas[j], qks[j])
+        else:
+            state, o = _delta_rule_step(state, qs[j][:, None], ks[j][:, None], vs[j], gs[j], betas[j], qks[j])
         outs = outs + (o,)
     if ROWS == 1:  # plain decoding: the row is always kept
         tl.store(state_ptrs, state, mask=tile_mask)
@@ -283,7 +291,7 @@ def gdn_verify_rows(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *g.stride(), *beta.stride(),
         out.stride(0), out.stride(1),
         ROWS=rows_per_request, STORED_ROWS=row_inputs.shape[3], BLOCK_K=block_k, BLOCK_V=block_v,
-        num_warps=tiles.num_warps)
+        EARLY_COLUMNS=tiles.early_columns, num_warps=tiles.num_warps)
     return out
 
 

@@ -102,10 +102,11 @@ def cases():
                pointers(gdn, "fp32", SLOTS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
                dict(DECODE=decode, ROWS=3, BLOCK_K=128, BLOCK_V=32))
     verify = gdn_replay._gdn_verify_rows_kernel
-    for rows in (1, 3):  # plain decoding (state in place) and verify rows of S = 2 (inputs stored); 3 pending
-        yield (f"GDN verify rows, R = {rows}", verify,
+    for rows, early in ((1, False), (3, False), (3, True)):  # plain decoding (state in place), verify rows of
+        # S = 2 (inputs stored; q and k changing layout inside the rows or before the state); 3 pending
+        yield (f"GDN verify rows, R = {rows}{', early columns' if early else ''}", verify,
                pointers(verify, "fp32", SLOTS_PTR="i64", PENDING_PTR="i32", PARITY_PTR="i32"), set(),
-               dict(ROWS=rows, STORED_ROWS=3, BLOCK_K=128, BLOCK_V=32))
+               dict(ROWS=rows, STORED_ROWS=3, BLOCK_K=128, BLOCK_V=32, EARLY_COLUMNS=early))
     mark = gdn_replay._gdn_mark_pending_rows_kernel
     yield ("GDN pending rows", mark, pointers(mark, "i64", PENDING_PTR="i32", PARITY_PTR="i32"), set(),
            dict(ROWS=3, BLOCK=128))

@@ -10,7 +10,8 @@ import torch
 
 from mtp_ctrl.triton_ops import gdn_mark_pending_rows, gdn_row_input_width, gdn_verify_rows, reference
 from mtp_ctrl.triton_ops.reference.gdn import check_no_pending_rows
-from mtp_ctrl.triton_ops.gdn_tiles import DEFAULT_TILES, VERIFY_TILE_TABLE, GDNTiles, gdn_verify_tiles
+from mtp_ctrl.triton_ops.gdn_tiles import (CANDIDATE_TILES, DEFAULT_TILES, VERIFY_TILE_TABLE, GDNTiles,
+                                           gdn_verify_tiles)
 from tests.unit.test_gdn_kernels import LAYERS, SLOTS, rows
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -190,6 +191,25 @@ def test_every_table_launch_shape_equals_twin(block_v):
         torch.testing.assert_close(row_inputs, want_inputs, **TOLERANCE)
 
 
+def test_early_columns_equal_twin():
+    """early_columns (the own rows' q and k take the state tile's layout before the state arrives)
+    moves data only: R = 3 after pending rows, then R = 1, == the twin; every candidate shape of the
+    tune is a GDNTiles."""
+    tiles = GDNTiles(8, 1, early_columns=True)
+    inputs = rows(22, 9)
+    states, row_inputs, pending, parity = pools(22, 3, pending=(3, 1, 2))
+    want_states, want_inputs = states.clone(), row_inputs.clone()
+    slots = torch.tensor([0, 1, 2])
+    for stride, inputs_now in ((3, inputs), (1, {name: value[:3] for name, value in inputs.items()})):
+        o = gdn_verify_rows(states, row_inputs, pending, parity, 0, slots, **inputs_now, rows_per_request=stride,
+                            tiles=tiles)
+        want = reference.gdn_verify_rows(want_states, want_inputs, pending, parity, 0, slots, **inputs_now,
+                                         rows_per_request=stride)
+        torch.testing.assert_close(o, want, **TOLERANCE)
+        torch.testing.assert_close(states, want_states, **TOLERANCE)
+    assert DEFAULT_TILES in CANDIDATE_TILES and all(isinstance(tiles, GDNTiles) for tiles in CANDIDATE_TILES)
+
+
 def test_every_launch_takes_the_one_shape():
     """A pending row is applied under the next step's launch shape, and an S = 0 row under R = 1's:
     plain and speculative decoding commit the same state bit for bit only if every (nd, R) takes
@@ -214,6 +234,8 @@ def test_tile_table_covers_every_launch():
         GDNTiles(24, 4)
     with pytest.raises(ValueError, match="block_v"):
         GDNTiles(True, 2)  # a bool is not a width
+    with pytest.raises(TypeError, match="early_columns"):
+        GDNTiles(32, 2, early_columns=1)
     with pytest.raises(TypeError, match="tiles"):
         gdn_verify_rows(*pools(1, 3), 0, torch.tensor([0, 1]), **rows(1, 6), rows_per_request=3, tiles=(32, 4))
 
