@@ -67,17 +67,15 @@ def gdn_row_input_width(key_heads: int, key_dim: int, heads: int, value_dim: int
 def _load_rows(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row, num_rows, head, key_head, keys, is_key, values,
                is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
                g_stride_h, beta_stride_t, beta_stride_h, ROWS: tl.constexpr):
-    """Rows ``first_row .. first_row + ROWS - 1``'s (q, k, v, g, beta, q . k), each a tuple of ROWS
-    tensors (:func:`mtp_ctrl.triton_ops.gdn_recurrent._load_row`: rows at or past ``num_rows`` read
-    zeros); q . k needs no state, so it is summed here, off the rows' serial path."""
-    qs, ks, vs, gs, betas, qks = (), (), (), (), (), ()
+    """Rows ``first_row .. first_row + ROWS - 1``'s (q, k, v, g, beta), each a tuple of ROWS tensors
+    (:func:`mtp_ctrl.triton_ops.gdn_recurrent._load_row`: rows at or past ``num_rows`` read zeros)."""
+    qs, ks, vs, gs, betas = (), (), (), (), ()
     for j in tl.static_range(ROWS):
         q, k, v, g, beta = _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j, num_rows, head, key_head,
                                      keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
                                      v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h)
         qs, ks, vs, gs, betas = qs + (q,), ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
-        qks = qks + (tl.sum(q * k, axis=0),)
-    return qs, ks, vs, gs, betas, qks
+    return qs, ks, vs, gs, betas
 
 
 # num_rows only bounds masks: not specialised, so one compiled kernel serves every batch size
@@ -108,14 +106,10 @@ def _gdn_verify_rows_kernel(
     first_row = request * ROWS
     # every row's inputs first, then the pending rows' and the state: all loads in flight together,
     # none behind a store or behind the serial rows
-    qs, ks, vs, gs, betas, qks = _load_rows(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row, num_rows, head, key_head,
+    qs, ks, vs, gs, betas = _load_rows(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row, num_rows, head, key_head,
                                        keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t,
                                        k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t,
                                        beta_stride_h, ROWS)
-    q_columns, k_columns = (), ()  # [BLOCK_K, 1] each: the state tile's layout of q and k
-    if EARLY_COLUMNS:  # their layout change before the state arrives (registers), not inside the serial rows
-        for j in tl.static_range(ROWS):
-            q_columns, k_columns = q_columns + (qs[j][:, None],), k_columns + (ks[j][:, None],)
     slot = tl.load(SLOTS_PTR + request).to(tl.int64)
     pending = tl.load(PENDING_PTR + slot)
     parity = tl.load(PARITY_PTR + slot).to(tl.int64)
@@ -134,9 +128,23 @@ def _gdn_verify_rows_kernel(
     state_ptrs = STATES_PTR + slot * states_s_slot + head * states_s_head + keys[:, None] * states_s_k \
         + values[None, :] * states_s_v
     state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
+    # while the state is in flight (after its load is issued: a barrier before it would delay it):
+    # each row's q . k (needs no state), and with EARLY_COLUMNS q and k as [BLOCK_K, 1] columns in
+    # the state tile's layout (a shared-memory round each, then off the serial rows; registers held)
+    qks, q_columns, k_columns, pending_columns = (), (), (), ()
+    for j in tl.static_range(ROWS):
+        qks = qks + (tl.sum(qs[j] * ks[j], axis=0),)
+    if EARLY_COLUMNS:
+        for j in tl.static_range(ROWS):
+            q_columns, k_columns = q_columns + (qs[j][:, None],), k_columns + (ks[j][:, None],)
+        for j in tl.static_range(STORED_ROWS):
+            pending_columns = pending_columns + (pks[j][:, None],)
     for j in tl.static_range(STORED_ROWS):
         if j < pending:  # rows past the pending count would leave the state exactly as it is: skipped
-            state = _delta_rule_update(state, pks[j][:, None], pvs[j], pgs[j], pbetas[j])
+            if EARLY_COLUMNS:
+                state = _delta_rule_update(state, pending_columns[j], pvs[j], pgs[j], pbetas[j])
+            else:
+                state = _delta_rule_update(state, pks[j][:, None], pvs[j], pgs[j], pbetas[j])
     if ROWS > 1:  # the committed state back, and each row's (k, v, g, beta) into the other buffer
         tl.store(state_ptrs, state, mask=tile_mask & (values[None, :] * 0 + pending > 0))
         # the program that stores a head's shared inputs: k once per key head, g and beta once per head
