@@ -55,8 +55,7 @@ def parse_args(argv=None):
                              "gdn_recurrent.py: its deferred-commit step, or an older main's verify + "
                              "gdn_replay_accepted)")
     parser.add_argument("--tune-scope", metavar="BATCHES/DRAFTS/CANDIDATES",
-                        help="with --tune: e.g. '32,128/0,2/8x1,16x2x1,32x4' (BLOCK_VxWARPS, x1: early_columns; "
-                             "default: 1,32,128/0,2,4/all)")
+                        help="with --tune: e.g. '32,128/0,2/8x1,16x1,32x4' (default: 1,32,128/0,2,4/all)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -136,8 +135,8 @@ def _table_tiles(batch, R):
 
 
 def _tiles_name(tiles):
-    """``BLOCK_V/warps``, ``e`` appended with early_columns."""
-    return f"{tiles.block_v}/{tiles.num_warps}{'e' if tiles.early_columns else ''}"
+    """``BLOCK_V/warps``."""
+    return f"{tiles.block_v}/{tiles.num_warps}"
 
 
 def _verify_setup(device, shape, batch, S):
@@ -245,10 +244,10 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=
 
 
 def _candidates():
-    """(BLOCK_V, warps, early_columns) of gdn_tiles.CANDIDATE_TILES: the launch shapes --tune times."""
+    """(BLOCK_V, warps) of gdn_tiles.CANDIDATE_TILES: the launch shapes --tune times."""
     from mtp_ctrl.triton_ops.gdn_tiles import CANDIDATE_TILES
 
-    return tuple((tiles.block_v, tiles.num_warps, tiles.early_columns) for tiles in CANDIDATE_TILES)
+    return tuple((tiles.block_v, tiles.num_warps) for tiles in CANDIDATE_TILES)
 
 
 TUNE_CANDIDATES = _candidates()
@@ -494,8 +493,7 @@ def main(args):
     if args.quick:
         device, shape = torch.device("cpu"), (2, 4, 16, 16)
         if args.tune:
-            return tune_table(device, shape, (2,), (0, 2), candidates=((8, 1, False), (16, 2, True)),
-                              baseline=args.baseline)
+            return tune_table(device, shape, (2,), (0, 2), candidates=((8, 1), (16, 2)), baseline=args.baseline)
         decode_kernel_table(device, shape, (1, 4), (0, 2), old_path=not args.skip_old, baseline=args.baseline)
         if not args.kernels:
             prefill_table(device, shape, (64, 256))
@@ -507,9 +505,8 @@ def main(args):
         if args.tune_scope:
             parts = args.tune_scope.split("/")
             batches, drafts = (tuple(int(x) for x in part.split(",")) for part in parts[:2])
-            if len(parts) > 2:  # BLOCK_VxWARPS[xE]: E = 1 for early_columns
-                candidates = tuple((*(int(x) for x in spec.split("x")[:2]), spec.split("x")[2:] == ["1"])
-                                   for spec in parts[2].split(","))
+            if len(parts) > 2:
+                candidates = tuple(tuple(int(x) for x in pair.split("x")) for pair in parts[2].split(","))
         return tune_table(device, shape, batches, drafts, candidates=candidates, baseline=args.baseline,
                           graph_calls=args.graph_calls)
     if args.e2e:

@@ -34,15 +34,14 @@ def _int_values(kernel_name, rows):
                 out_stride_h=VALUE_DIM)
 
 
-def compile_and_count(kernel, kernel_name, rows, block_v, num_warps, early_columns=False):
+def compile_and_count(kernel, kernel_name, rows, block_v, num_warps):
     """(registers a thread, spill bytes, BAR.SYNC count) of one launch shape."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     values = _int_values(kernel_name, rows)
     unspecialised = set(getattr(kernel, "do_not_specialize", ()) or ())
-    signature, constants, attrs = {}, dict(ROWS=rows, STORED_ROWS=STORED_ROWS, BLOCK_K=KEY_DIM, BLOCK_V=block_v,
-                                           EARLY_COLUMNS=early_columns), {}
+    signature, constants, attrs = {}, dict(ROWS=rows, STORED_ROWS=STORED_ROWS, BLOCK_K=KEY_DIM, BLOCK_V=block_v), {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constants:
             signature[name] = "constexpr"
@@ -93,14 +92,14 @@ def main():
     kernels = (("verify", gdn_replay._gdn_verify_rows_kernel),)
     for kernel_name, kernel in kernels:
         for rows in (int(value) for value in args.rows.split(",")):
-            for block_v, num_warps, early in TUNE_CANDIDATES:
-                shape = f"BLOCK_V {block_v:3d} x {num_warps} warps{' early' if early else ''}"
+            for block_v, num_warps in TUNE_CANDIDATES:
                 try:
-                    registers, spills, barriers = compile_and_count(kernel, kernel_name, rows, block_v, num_warps,
-                                                                    early)
-                    print(f"{kernel_name} R = {rows} {shape}: {registers} / {spills} / {barriers}", flush=True)
+                    registers, spills, barriers = compile_and_count(kernel, kernel_name, rows, block_v, num_warps)
+                    print(f"{kernel_name} R = {rows} BLOCK_V {block_v:3d} x {num_warps} warps: {registers} / {spills} "
+                          f"/ {barriers}", flush=True)
                 except Exception as error:  # report and go on: one shape's failure says nothing of the others
-                    print(f"{kernel_name} R = {rows} {shape}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                    print(f"{kernel_name} R = {rows} BLOCK_V {block_v} x {num_warps}: {type(error).__name__}: "
+                          f"{str(error)[:200]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,6 @@ V value dim. One row of one head, from state ``S`` ``[K, V]`` (fp32)::
 
     S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
 
-computed as ``u = beta (v - exp(g) S^T k)``, ``o = exp(g) S^T q + (q . k) u`` (both sums over K
-from the state before the row, in one reduction), then ``S = exp(g) S + k u^T``.
-
 One program per (request or segment, head, tile of ``BLOCK_V`` value dims) keeps its state tile
 ``[K, BLOCK_V]`` in registers and walks its rows in order (the recurrent form; the twin of the
 prefill op is the chunked form, and the two agree to fp32 rounding). Each tile's columns of the
@@ -50,52 +47,26 @@ _SCAN_VALIDATED = ValidatedSignatures()
 def _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys, is_key, values, is_value,
               q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h,
               beta_stride_t, beta_stride_h):
-    """One row's q, k ``[BLOCK_K]``, v ``[BLOCK_V]``, g, beta (scalars: one register each, not a
-    vector of copies); a row at or past ``num_rows`` reads zeros (g = beta = 0: the state passes
-    unchanged)."""
+    """One row's q, k ``[BLOCK_K]``, v ``[BLOCK_V]``, g, beta (``[BLOCK_V]``, one value each); a row at or
+    past ``num_rows`` reads zeros (g = beta = 0: the state passes unchanged)."""
     key_row = keys * 0 + row < num_rows  # [BLOCK_K] bool, one value (a scalar mask is not portable)
     value_row = values * 0 + row < num_rows  # [BLOCK_V] bool
     q = tl.load(Q_PTR + row * q_stride_t + key_head * q_stride_h + keys, mask=is_key & key_row, other=0.0)
     k = tl.load(K_PTR + row * k_stride_t + key_head * k_stride_h + keys, mask=is_key & key_row, other=0.0)
     v = tl.load(V_PTR + row * v_stride_t + head * v_stride_h + values, mask=is_value & value_row, other=0.0)
-    g = tl.load(G_PTR + row * g_stride_t + head * g_stride_h, mask=row < num_rows, other=0.0)
-    beta = tl.load(BETA_PTR + row * beta_stride_t + head * beta_stride_h, mask=row < num_rows, other=0.0)
+    g = tl.load(G_PTR + row * g_stride_t + head * g_stride_h + values * 0, mask=value_row, other=0.0)
+    beta = tl.load(BETA_PTR + row * beta_stride_t + head * beta_stride_h + values * 0, mask=value_row, other=0.0)
     return q, k, v, g, beta
 
 
 @triton.jit
-def _decayed_update(state, k, decay, delta):
-    """``exp(g) S + k delta^T`` (k ``[BLOCK_K, 1]``, decay one value, delta ``[BLOCK_V]``): the one
-    expression of the state's step (both row helpers call it)."""
-    return state * decay + k * delta[None, :]
-
-
-@triton.jit
 def _delta_rule_update(state, k, v, g, beta):
-    """The state tile ``[BLOCK_K, BLOCK_V]`` after one row whose output is not needed (a pending row;
-    k ``[BLOCK_K, 1]``, a column in the tile's layout; v ``[BLOCK_V]``; g and beta one value each).
-    ``S^T k`` comes from the state before the decay (``exp(g) S^T k``) and sums the same products
-    in the same order as :func:`_delta_rule_step`'s (there paired with ``S^T q``, each pair in one
-    thread's registers: the reduction over K runs over the same layout), so the state it leaves is
-    the one a row with an output leaves, bit for bit. g = beta = 0 (with k = v = 0) leaves the
-    state exactly as it was."""
-    decay = tl.exp(g)
-    delta = beta * (v - tl.sum(state * k, axis=0) * decay)  # [BLOCK_V]
-    return _decayed_update(state, k, decay, delta)
-
-
-@triton.jit
-def _delta_rule_step(state, q, k, v, g, beta, qk):
-    """(state after one row, its output ``[BLOCK_V]``); q and k ``[BLOCK_K, 1]`` (columns in the
-    tile's layout), ``qk`` = q . k (one value). With ``S' = exp(g) S + k u^T``:
-    ``o = S'^T q = exp(g) S^T q + (q . k) u``, so ``S^T k`` and ``S^T q`` come from the state before
-    the row in ONE reduction over K (one cross-warp round a row, not two). Every kernel that steps
-    the rule calls this function or :func:`_delta_rule_update`."""
-    decay = tl.exp(g)
-    # [BLOCK_K, BLOCK_V, 2] -> [BLOCK_V, 2]: the pair in one thread's registers, so one reduction sums both
-    remembered, recalled = tl.split(tl.sum(tl.join(state * k, state * q), axis=0))
-    delta = beta * (v - remembered * decay)  # [BLOCK_V]
-    return _decayed_update(state, k, decay, delta), recalled * decay + qk * delta
+    """The state tile ``[BLOCK_K, BLOCK_V]`` after one row (k ``[BLOCK_K]``; v, g, beta ``[BLOCK_V]``).
+    Every kernel that steps the rule calls this one function, so a replayed row gives the state
+    the verify row computed. g = beta = 0 (with k = v = 0) leaves the state exactly as it was."""
+    state = state * tl.exp(g)[None, :]
+    delta = beta * (v - tl.sum(state * k[:, None], axis=0))  # [BLOCK_V]
+    return state + k[:, None] * delta[None, :]
 
 
 @triton.jit
@@ -106,7 +77,8 @@ def _delta_rule_row(state, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, 
     q, k, v, g, beta = _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys, is_key,
                                  values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t,
                                  v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h)
-    return _delta_rule_step(state, q[:, None], k[:, None], v, g, beta, tl.sum(q * k, axis=0))
+    state = _delta_rule_update(state, k, v, g, beta)
+    return state, tl.sum(state * q[:, None], axis=0)
 
 
 @triton.jit

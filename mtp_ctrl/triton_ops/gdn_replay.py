@@ -50,7 +50,7 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, ValidatedSignatures, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
-from mtp_ctrl.triton_ops.gdn_recurrent import _check_rows, _delta_rule_step, _delta_rule_update, _load_row
+from mtp_ctrl.triton_ops.gdn_recurrent import _check_rows, _delta_rule_update, _load_row
 from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles, gdn_verify_tiles
 
 _VERIFY_VALIDATED = ValidatedSignatures()
@@ -87,7 +87,6 @@ def _gdn_verify_rows_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h,
     beta_stride_t, beta_stride_h, out_stride_t, out_stride_h,
     ROWS: tl.constexpr, STORED_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    EARLY_COLUMNS: tl.constexpr,
 ):
     """Grid ``(value tiles, H, nd)``: program (t, h, r) applies request r's pending rows and walks its
     R rows for head h, value dims of tile t (module docstring). The tiles of one head are neighbours
@@ -123,28 +122,14 @@ def _gdn_verify_rows_kernel(
         row_ptr = INPUTS_PTR + slot * inputs_s_slot + parity * inputs_s_parity + j * inputs_s_row
         pks = pks + (tl.load(row_ptr + key_head * key_dim + keys, mask=is_key & kept_k, other=0.0),)
         pvs = pvs + (tl.load(row_ptr + v_offset + values, mask=is_value & kept_v, other=0.0),)
-        pgs = pgs + (tl.load(row_ptr + g_offset, mask=j < pending, other=0.0),)  # one value
-        pbetas = pbetas + (tl.load(row_ptr + g_offset + heads, mask=j < pending, other=0.0),)
+        pgs = pgs + (tl.load(row_ptr + g_offset + values * 0, mask=kept_v, other=0.0),)
+        pbetas = pbetas + (tl.load(row_ptr + g_offset + heads + values * 0, mask=kept_v, other=0.0),)
     state_ptrs = STATES_PTR + slot * states_s_slot + head * states_s_head + keys[:, None] * states_s_k \
         + values[None, :] * states_s_v
     state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
-    # while the state is in flight (after its load is issued: a barrier before it would delay it):
-    # each row's q . k (needs no state), and with EARLY_COLUMNS q and k as [BLOCK_K, 1] columns in
-    # the state tile's layout (a shared-memory round each, then off the serial rows; registers held)
-    qks, q_columns, k_columns, pending_columns = (), (), (), ()
-    for j in tl.static_range(ROWS):
-        qks = qks + (tl.sum(qs[j] * ks[j], axis=0),)
-    if EARLY_COLUMNS:
-        for j in tl.static_range(ROWS):
-            q_columns, k_columns = q_columns + (qs[j][:, None],), k_columns + (ks[j][:, None],)
-        for j in tl.static_range(STORED_ROWS):
-            pending_columns = pending_columns + (pks[j][:, None],)
     for j in tl.static_range(STORED_ROWS):
         if j < pending:  # rows past the pending count would leave the state exactly as it is: skipped
-            if EARLY_COLUMNS:
-                state = _delta_rule_update(state, pending_columns[j], pvs[j], pgs[j], pbetas[j])
-            else:
-                state = _delta_rule_update(state, pks[j][:, None], pvs[j], pgs[j], pbetas[j])
+            state = _delta_rule_update(state, pks[j], pvs[j], pgs[j], pbetas[j])
     if ROWS > 1:  # the committed state back, and each row's (k, v, g, beta) into the other buffer
         tl.store(state_ptrs, state, mask=tile_mask & (values[None, :] * 0 + pending > 0))
         # the program that stores a head's shared inputs: k once per key head, g and beta once per head
@@ -156,17 +141,12 @@ def _gdn_verify_rows_kernel(
             tl.store(row_ptr + v_offset + values, vs[j], mask=is_value)
             tl.store(row_ptr + g_offset + lanes * 0, gs[j], mask=stores_gate)
             tl.store(row_ptr + g_offset + heads + lanes * 0, betas[j], mask=stores_gate)
-    outs = ()
-    for j in tl.static_range(ROWS):  # each row one reduction over K (S^T k and S^T q together)
-        if EARLY_COLUMNS:
-            state, o = _delta_rule_step(state, q_columns[j], k_columns[j], vs[j], gs[j], betas[j], qks[j])
-        else:
-            state, o = _delta_rule_step(state, qs[j][:, None], ks[j][:, None], vs[j], gs[j], betas[j], qks[j])
-        outs = outs + (o,)
+    for j in tl.static_range(ROWS):
+        state = _delta_rule_update(state, ks[j], vs[j], gs[j], betas[j])
+        tl.store(OUT_PTR + (first_row + j) * out_stride_t + head * out_stride_h + values,
+                 tl.sum(state * qs[j][:, None], axis=0), mask=is_value)
     if ROWS == 1:  # plain decoding: the row is always kept
         tl.store(state_ptrs, state, mask=tile_mask)
-    for j in tl.static_range(ROWS):  # after the rows: no store (and its layout change) between them
-        tl.store(OUT_PTR + (first_row + j) * out_stride_t + head * out_stride_h + values, outs[j], mask=is_value)
 
 
 @triton.jit
@@ -299,7 +279,7 @@ def gdn_verify_rows(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *g.stride(), *beta.stride(),
         out.stride(0), out.stride(1),
         ROWS=rows_per_request, STORED_ROWS=row_inputs.shape[3], BLOCK_K=block_k, BLOCK_V=block_v,
-        EARLY_COLUMNS=tiles.early_columns, num_warps=tiles.num_warps)
+        num_warps=tiles.num_warps)
     return out
 
 

@@ -20,22 +20,16 @@ from typing import Optional, Tuple
 @dataclasses.dataclass(frozen=True)
 class GDNTiles:
     """One launch configuration: ``block_v`` value dims a program (a power of two, capped at the
-    next power of two of V), ``num_warps``, and ``early_columns``: the rows' q and k (own rows) and
-    k (pending rows) take the state tile's layout (a shared-memory round each) while the state is in
-    flight, instead of inside the serial rows (their registers stay held through the rows).
-    ``early_columns`` moves data only: it leaves every sum's order, so every bit, as it is."""
+    next power of two of V) and ``num_warps``."""
 
     block_v: int
     num_warps: int
-    early_columns: bool = False
 
     def __post_init__(self):
         for name in ("block_v", "num_warps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"GDNTiles.{name} must be a power of two >= 1, got {value!r}")
-        if not isinstance(self.early_columns, bool):
-            raise TypeError(f"GDNTiles.early_columns must be a bool, got {self.early_columns!r}")
 
 
 # One shape for every launch, on purpose. The reductions over K run in an order set by the launch
@@ -44,13 +38,16 @@ class GDNTiles:
 # same state. (32, 2) was the fastest or within 3 % of it at every batch for R = 1 verify and for
 # the separate replay kernel of the third session, and the fastest for R = 3 verify at batch >= 32;
 # R = 5 verify gave up <= 9 % (H100 tune, RESULTS "GDN hybrids"; before the deferred commit).
+# With the deferred commit (H100, graph-timed `bench_gdn.py --tune` of a variant of this kernel with
+# one reduction over K a row, fifth session; RESULTS "GDN hybrids") (32, 2) stayed the one shape:
+# fastest or within 1 % at S = 0 (90 / 97 % of the copy at batch 32 / 128); the one-warp (16, 1)
+# (no cross-warp sums) was faster at S = 2 (73 / 81 % against 69 / 76 %) and S = 4 (53 / 58 %
+# against 52 / 57 %) but lost at S = 0 (74 / 76 %), plain decoding's step.
 DEFAULT_TILES = GDNTiles(block_v=32, num_warps=2)
 
-# The shapes ``bench_gdn.py --tune`` times and ``tests/functional/test_gdn_gpu.py`` checks bit for bit
+# The shapes `bench_gdn.py --tune` times and `tests/functional/test_gdn_gpu.py` checks bit for bit
 # (S = 4 verify steps == R = 1 steps under each), so DEFAULT_TILES can move to any of them on figures.
-# ((32, 2, True) is left out: its held columns spill, 648 bytes a thread at S = 4, ptxas for sm_90a.)
-CANDIDATE_TILES = tuple(GDNTiles(*shape) for shape in (
-    (32, 2), (16, 2), (16, 2, True), (32, 4), (32, 4, True), (16, 4), (16, 1), (8, 1)))
+CANDIDATE_TILES = tuple(GDNTiles(*shape) for shape in ((32, 2), (16, 2), (32, 4), (16, 4), (16, 1), (8, 1)))
 
 # (requests at most, rows per request at most) -> tiles; None: no bound. The first entry whose
 # bounds hold the launch's dims wins.

@@ -102,8 +102,7 @@ def _bit_for_bit_cases():
 
 
 @pytest.mark.parametrize("S, tiles", _bit_for_bit_cases(),
-                         ids=[f"S{S}-{t.block_v}x{t.num_warps}{'e' if t.early_columns else ''}"
-                              for S, t in _bit_for_bit_cases()])
+                         ids=[f"S{S}-{t.block_v}x{t.num_warps}" for S, t in _bit_for_bit_cases()])
 def test_speculative_steps_equal_plain_rows_bit_for_bit_on_the_gpu(S, tiles):
     """Verify steps of 1 + S rows with the deferred commit (all, none and some drafts accepted; a
     zero-draft step; a padding request on the scratch slot) == R = 1 steps over the kept rows,

@@ -10,9 +10,6 @@ One row ``t`` of one head, from state ``S`` (``q`` l2-normalised and scaled by `
 
     S = exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S = S + k_t u^T;  o_t = S^T q_t
 
-(the recurrent twins compute it as the kernels do: ``u = beta (v - exp(g) S^T k)``,
-``o = exp(g) S^T q + (q . k) u``, ``S = exp(g) S + k u^T``)
-
 - :func:`gdn_decode_rows` steps the R rows of each decode request one after another and writes
   the state after every row to the slot's intermediate buffer (the controller commits one);
 - :func:`gdn_verify_rows` first applies the slot's pending rows (the rows its last verify step
@@ -40,21 +37,14 @@ def _per_value_head(keys: torch.Tensor, heads: int) -> torch.Tensor:
     return keys if ratio == 1 else keys.repeat_interleave(ratio, dim=-2)
 
 
-def _delta_rule_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     q: Optional[torch.Tensor] = None):
-    """``[n, H, K, V]`` state after one row (k ``[n, H, K]``, v ``[n, H, V]``, g and beta ``[n, H]``) and,
-    given q ``[n, H, K]``, the row's output ``[n, H, V]``: ``u = beta (v - exp(g) S^T k)``,
-    ``o = exp(g) S^T q + (q . k) u``, ``S = exp(g) S + k u^T`` (the kernels' order: both sums over K
-    from the state before the row). Every recurrent twin steps through this one function, so a
-    replayed row gives the verify row's state."""
-    decay = torch.exp(g)[:, :, None]  # [n, H, 1]
-    remembered = torch.einsum("nhk,nhkv->nhv", k, state) * decay  # exp(g) S^T k
+def _delta_rule_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor) -> torch.Tensor:
+    """``[n, H, K, V]`` state after one row (k ``[n, H, K]``, v ``[n, H, V]``, g and beta ``[n, H]``); every
+    recurrent twin steps through this one function, so a replayed row gives the verify row's state."""
+    state = state * torch.exp(g)[:, :, None, None]
+    remembered = torch.einsum("nhk,nhkv->nhv", k, state)  # S^T k
     delta = beta[:, :, None] * (v - remembered)  # [n, H, V]
-    new_state = state * decay[..., None] + k[:, :, :, None] * delta[:, :, None, :]
-    if q is None:
-        return new_state
-    recalled = torch.einsum("nhk,nhkv->nhv", q, state) * decay  # exp(g) S^T q
-    return new_state, recalled + (q * k).sum(-1, keepdim=True) * delta
+    return state + k[:, :, :, None] * delta[:, :, None, :]
 
 
 def gdn_decode_rows(
@@ -82,8 +72,8 @@ def gdn_decode_rows(
     state = recurrent_states[layer, slot_ids].float()  # [nd, H, K, V]
     outputs = []
     for row in range(stride):
-        state, o = _delta_rule_step(state, k[:, row], v[:, row], g[:, row], beta[:, row], q[:, row])
-        outputs.append(o)
+        state = _delta_rule_step(state, k[:, row], v[:, row], g[:, row], beta[:, row])
+        outputs.append(torch.einsum("nhk,nhkv->nhv", q[:, row], state))
         intermediate_states[layer, slot_ids, row] = state.to(intermediate_states.dtype)
     return torch.stack(outputs, dim=1).view(count, heads, v.shape[-1])
 
@@ -215,9 +205,8 @@ def gdn_verify_rows(
     outputs = []
     committed = state
     for row in range(stride):
-        state, o = _delta_rule_step(state, k_heads[:, row], v_rows[:, row], g_rows[:, row], beta_rows[:, row],
-                                    q_heads[:, row])
-        outputs.append(o)
+        state = _delta_rule_step(state, k_heads[:, row], v_rows[:, row], g_rows[:, row], beta_rows[:, row])
+        outputs.append(torch.einsum("nhk,nhkv->nhv", q_heads[:, row], state))
     if stride == 1:
         recurrent_states[layer, slot_ids] = state.to(recurrent_states.dtype)
     else:  # the committed state back; [nd, R, F]: [k | v | g | beta] into the other buffer
