@@ -133,7 +133,11 @@ class EqualCosts(StepCostModel):
 
 class PinnedGoodput(GoodputPolicy):
     """``GoodputPolicy`` whose step costs are all equal, so it drafts S on every step (acceptance is
-    never 0): against fixed S with the same lengths, the cost of the policy path itself."""
+    never 0; no exploration, the tokens-per-second objective): against fixed S with the same
+    lengths, the cost of the policy path itself."""
+
+    def __init__(self):
+        super().__init__(drain_objective=False, explore_tries=0, explore_every=1 << 62)
 
     def bind(self, shape):
         super().bind(shape)
@@ -241,9 +245,18 @@ class Table:
             print("\nmeasured per-depth acceptance by label (fixed S points; the label is the oracle's p):")
         for row in measured:
             print(f"  {row['part']} batch {row['batch']} {row['workload']} S={row['S']}: {row['acceptance']}")
-        for row in self.rows:
-            if row.get("costs"):
-                print(f"  cost model after {row['part']} batch {row['batch']} {row['workload']}: {row['costs']}")
+        costed = [row for row in self.rows if row.get("costs")]
+        if costed:
+            print("\nthe policy's cost model after each point, ms per step by (grid G, depths D): the loop's wall "
+                  "(what it decides on) / GPU; 'explored': choices made to measure a depth so far")
+        for row in costed:
+            text = ", ".join(f"{key.replace('G=', '').replace(', D=', ' D')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
+                             for key, value in row["costs"].items())
+            print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
+
+
+def _ms(value):
+    return "-" if value is None else f"{value:.3f}"
 
 
 def row_s(rows, S):

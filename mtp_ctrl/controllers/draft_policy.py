@@ -192,15 +192,22 @@ class GoodputPolicy(DraftLengthPolicy):
     finish every live request (:func:`expected_drain_steps`: a request's steps to emit its tokens
     left, normal with the mean and variance of its tokens per step; the expected maximum over the
     batch). Each request gets ``min(D, cap_r)`` (within one graph shape a request drafting less
-    than D saves nothing).
+    than D saves nothing). Population: a new request's estimate is the batch's average, but a
+    batch of new requests is not n copies of the average: their slowest set the end. So the
+    drain objective takes each request's prior (weight ``prior_weight``) from the estimates of
+    recent requests that left with evidence (``population_evidence`` first drafts verified,
+    decayed; a ring of 2 x max_requests), at evenly spread quantiles matched to the batch's own
+    ranking: a closed batch after a mixed one expects a third of its requests at 0.2 from the
+    first step, before they have shown it.
 
     Exploration: the cost of a depth is known only once the loop ran it. A depth the batch may
     take (``D <= max cap_r``) that is not measured at the step's grid is run first (the one that
     scores best on its optimistic seed; at most ``explore_tries`` holds per grid and depth, for
-    a loop that never reaches a steady step). After that, every ``explore_every``-th choice runs
-    the runner-up depth for one hold if it scores within ``explore_within`` of the best: a
-    measurement that was unlucky, or a cost that changed, is corrected (at most
-    ``1 - explore_within`` of one hold in ``explore_every`` lost).
+    a loop that never reaches a steady step). After that, the first choice ``explore_every`` steps
+    after the last exploration runs the runner-up depth for one hold if it scores within
+    ``explore_within`` of the best: a measurement that was unlucky, or a cost that changed, is
+    corrected (at most ``1 - explore_within`` of one hold, ``decide_every`` steps, lost in
+    ``explore_every``).
     Vectorised over the batch (numpy: no per-request Python in ``choose`` or ``observe``, a fixed
     number of numpy calls whatever the batch), and run once per ``decide_every`` steps while the
     batch stays the same (the controller reuses the choice meanwhile and hands the outcomes over in
@@ -211,9 +218,10 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
                  min_gain: float = 1.0, decide_every: int = 8, longest_hold: Optional[int] = None,
-                 drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 32,
-                 explore_within: float = 0.8):
+                 drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
+                 explore_within: float = 0.8, population_evidence: float = 2.0):
         super().__init__()
+        self.population_evidence = population_evidence  # first drafts verified (decayed) to join the population
         self.drain_objective = bool(drain_objective)
         self.explore_tries = check_int("explore_tries", explore_tries, low=0)
         self.explore_every = check_int("explore_every", explore_every, low=1)
@@ -221,7 +229,7 @@ class GoodputPolicy(DraftLengthPolicy):
             raise ValueError(f"explore_within must be in [0, 1], got {explore_within}")
         self.explore_within = explore_within
         self._tries: Dict[Tuple[int, int], int] = {}  # (grid, D) -> holds run to measure it
-        self._choices_since_explore = 0
+        self._steps_since_explore = 0
         self.explored = 0  # choices made to measure a depth (not yet measured, or the runner-up)
         self.decide_every = check_int("decide_every", decide_every, low=1)
         # None: 64 steps (or decide_every, if longer); a given hold cannot be shorter than decide_every
@@ -237,6 +245,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.min_gain = min_gain  # a deeper D must beat the shallower one by this factor (1.0: any gain)
         self.last_depth = None  # the D of the last choice (for benchmarks)
         self._index = RequestRows()  # request id -> its row of _counts
+        self._leaving = []  # ids forgotten since the last lookup: their estimates join the population first
 
     def bind(self, shape) -> None:
         super().bind(shape)
@@ -245,6 +254,10 @@ class GoodputPolicy(DraftLengthPolicy):
         # [rows + 1, 2, S] (reached, accepted) per request, decayed every step; the last row stays zero,
         # so row -1 (a request with no counts yet) reads zeros
         self._counts = np.zeros((1, 2, S))
+        # [P, S] the estimates of recent requests that left with evidence (a ring of 2 x max_requests):
+        # the drain objective's prior of a new request (module docstring: "population")
+        self._population = np.zeros((max(32, 2 * shape.max_requests), S))
+        self._population_size, self._population_next = 0, 0
         # [(S + 1)^2, 2S]: what outcome code s * (S + 1) + a (s drafts verified, a accepted) adds to
         # (reached draft k: drafts 1..k-1 accepted and k verified; accepted draft k), k = 1..S
         lengths, accepted = np.divmod(np.arange((S + 1) ** 2), S + 1)  # [(S + 1)^2] each
@@ -254,6 +267,8 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def _rows(self, request_ids: np.ndarray, create: bool) -> np.ndarray:
         """``[n]`` rows of the requests' counts (-1: none yet, unless ``create``: new rows start at zero)."""
+        if self._leaving:
+            self._retire_leaving()
         rows, new_rows = self._index.rows(request_ids, create)
         if new_rows.shape[0]:
             grow = self._index.capacity + 1 - self._counts.shape[0]
@@ -262,12 +277,45 @@ class GoodputPolicy(DraftLengthPolicy):
             self._counts[new_rows] = 0
         return rows
 
-    def _estimates(self, rows: np.ndarray) -> np.ndarray:
-        """``[n, S]`` estimated acceptance of each depth given the ones before it."""
+    def _retire_leaving(self) -> None:
+        """The requests forgotten since the last lookup: the estimate of each that verified at least
+        ``population_evidence`` first drafts (decayed) joins the population; then their rows are freed."""
+        ids, self._leaving = np.array(self._leaving, dtype=np.int64), []
+        rows, _ = self._index.rows(ids)
+        rows = rows[rows >= 0]
+        rows = rows[self._counts[rows, 0, 0] >= self.population_evidence]
+        if rows.shape[0]:
+            estimates = self._estimates(rows)[-self._population.shape[0]:]  # [m, S]
+            slots = (self._population_next + np.arange(estimates.shape[0])) % self._population.shape[0]
+            self._population[slots] = estimates
+            self._population_next = int(slots[-1] + 1) % self._population.shape[0]
+            self._population_size = min(self._population_size + estimates.shape[0], self._population.shape[0])
+        for request_id in ids.tolist():  # host-ok: numpy
+            self._index.remove(request_id)
+
+    def _estimates(self, rows: np.ndarray, priors: Optional[np.ndarray] = None) -> np.ndarray:
+        """``[n, S]`` estimated acceptance of each depth given the ones before it; ``priors`` ``[n, S]``
+        (None: the model's recent average for every request) weigh ``prior_weight``."""
         reached, accepted = self._model
-        model = self.prior_weight * (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
+        if priors is None:
+            priors = (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
         counts = self._counts[rows]  # [n, 2, S]
-        return (counts[:, 1] + model) / (counts[:, 0] + self.prior_weight)
+        return (counts[:, 1] + self.prior_weight * priors) / (counts[:, 0] + self.prior_weight)
+
+    def _population_priors(self, estimates: np.ndarray, request_ids: np.ndarray) -> Optional[np.ndarray]:
+        """``[n, S]`` priors for the drain objective: the batch's requests, ranked by their estimate
+        (ties by id), take the population's estimates at evenly spread quantiles in the same order,
+        so a batch of new requests is expected to hold the spread of recent ones (its slowest set
+        the end), not n copies of their average; None with fewer than 8 in the population."""
+        if self._population_size < 8:
+            return None
+        population = self._population[: self._population_size]
+        ranked = population[np.argsort(np.cumprod(population, axis=1).sum(axis=1), kind="stable")]  # [P, S]
+        n = estimates.shape[0]
+        order = np.lexsort((request_ids, np.cumprod(estimates, axis=1).sum(axis=1)))  # [n] slowest first
+        priors = np.empty_like(estimates)
+        priors[order] = ranked[((np.arange(n) + 0.5) * ranked.shape[0] / n).astype(np.int64)]
+        return priors
 
     def acceptance(self, request_id: int) -> np.ndarray:
         """``[S]`` float64: the estimated acceptance of each depth given the ones before it."""
@@ -279,28 +327,34 @@ class GoodputPolicy(DraftLengthPolicy):
         self._model *= decay
         self._counts *= decay
         # rows are made here, for the live requests a choice is for (observe() makes none: see there)
-        reach = np.cumprod(self._estimates(self._rows(query.request_ids, create=True)), axis=1)  # [n, S]: P(A >= k)
+        rows = self._rows(query.request_ids, create=True)
+        estimates = self._estimates(rows)  # [n, S]
         max_depth = int(caps.max()) if n else 0  # a deeper D drafts no more for anyone
         seconds = np.array([self.cost_model.seconds(query.batch_size, depth) for depth in range(max_depth + 1)])
         if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
-            score = 1.0 / (expected_drain_steps(query.tokens_left, reach, caps, max_depth) * seconds)
+            priors = self._population_priors(estimates, query.request_ids)
+            if priors is not None:
+                estimates = self._estimates(rows, priors)
+            steps = expected_drain_steps(query.tokens_left, np.cumprod(estimates, axis=1), caps, max_depth)
+            score = 1.0 / (steps * seconds)
         else:
             gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
-            np.cumsum(reach, axis=1, out=gain[:, 1:])
+            np.cumsum(np.cumprod(estimates, axis=1), axis=1, out=gain[:, 1:])
             gain = _at_depths(gain, caps, max_depth)  # [n, max_depth + 1]: a request drafts min(D, cap_r)
             score = (n + gain.sum(axis=0)) / seconds  # expected tokens per second of the batch at each D
         best_depth = 0
         for depth in range(1, max_depth + 1):
             if score[depth] > score[best_depth] * self.min_gain:
                 best_depth = depth
+        self._steps_since_explore += query.steps
         depth = self._explore(query.batch_size, score, best_depth)
         self.last_depth = depth
         return np.minimum(depth, caps).astype(np.int64)
 
     def _explore(self, batch_size: int, score: np.ndarray, best_depth: int) -> int:
         """The depth to run: one the cost model has not measured at this grid (the best-scoring,
-        within ``explore_tries``), every ``explore_every``-th choice the runner-up (if within
-        ``explore_within`` of the best), else ``best_depth``."""
+        within ``explore_tries``), ``explore_every`` steps after the last exploration the runner-up
+        (if within ``explore_within`` of the best), else ``best_depth``."""
         unmeasured = [depth for depth in range(score.shape[0])
                       if not self.cost_model.is_measured(batch_size, depth)
                       and self._tries.get((batch_size, depth), 0) < self.explore_tries]
@@ -308,11 +362,11 @@ class GoodputPolicy(DraftLengthPolicy):
             depth = max(unmeasured, key=lambda d: score[d])
             self._tries[(batch_size, depth)] = self._tries.get((batch_size, depth), 0) + 1
             self.explored += 1
+            self._steps_since_explore = 0
             return depth
-        self._choices_since_explore += 1
-        if self._choices_since_explore < self.explore_every or score.shape[0] < 2:
+        if self._steps_since_explore < self.explore_every or score.shape[0] < 2:
             return best_depth
-        self._choices_since_explore = 0
+        self._steps_since_explore = 0
         runner_up = max((d for d in range(score.shape[0]) if d != best_depth), key=lambda d: score[d])
         if score[runner_up] < self.explore_within * score[best_depth]:
             return best_depth
@@ -337,7 +391,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self._counts += (histogram @ self._code_outcomes).reshape(self._counts.shape)
 
     def forget(self, request_id: int) -> None:
-        self._index.remove(request_id)
+        self._leaving.append(request_id)  # its estimate may join the population at the next lookup
 
 
 def _at_depths(per_length: np.ndarray, caps: np.ndarray, max_depth: int) -> np.ndarray:

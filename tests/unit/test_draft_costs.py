@@ -86,8 +86,8 @@ def test_expected_drain_steps_matches_a_simulation():
 
 def test_every_depth_is_measured_before_it_is_judged():
     """Seeds say drafting is free; every depth the batch may take is run (one hold each, at most
-    explore_tries) until the loop measured it, then the measured best is kept; every
-    explore_every-th choice the runner-up runs for one hold when it is within explore_within."""
+    explore_tries) until the loop measured it, then the measured best is kept; explore_every steps
+    after the last exploration the runner-up runs for one hold when it is within explore_within."""
     policy = GoodputPolicy(explore_every=4, explore_within=0.8)
     policy.bind(SHAPE)
     policy.cost_model.set_measured({(8, d): 1e-4 for d in range(S + 1)})  # warm-up replays: all alike
@@ -105,7 +105,7 @@ def test_every_depth_is_measured_before_it_is_judged():
     assert tried[0] == S  # the most promising on its seed first
     picks = [int(policy.choose(query)[0]) for _ in range(8)]
     best = picks[0]
-    assert best in (0, 1) and picks.count(best) == 6 and set(picks) == {0, 1}, picks  # runner-up every 4th
+    assert best in (0, 1) and picks.count(best) == 6 and set(picks) == {0, 1}, picks  # runner-up every 4 steps
     capped = DraftLengthQuery(ids, np.full(8, 1), S, 16)  # a new grid, caps 1: only D <= 1 is run
     assert {int(policy.choose(capped)[0]) for _ in range(6)} <= {0, 1}
 
@@ -174,3 +174,16 @@ def test_the_loop_wall_time_decides(mtp_model, torch_twins, monkeypatch):
     grid = 2
     assert {d: policy.cost_model.wall.get((grid, d)) for d in costs} == costs  # each depth, at its wall time
     assert policy.last_depth == 0
+
+
+def test_new_requests_are_expected_to_spread_like_the_ones_that_left():
+    """A closed batch of new requests (no evidence yet) after a mixed one: their average acceptance
+    would say D = S, but the drain objective gives them the spread of the requests that left (a
+    third at 0.2 set the end), so it drafts nothing; with a population of 0.9s it drafts S."""
+    for rates, expected in (([0.9, 0.6, 0.2] * 21 + [0.9], 0), ([0.9] * 64, S)):
+        policy, ids = policy_with(rates)
+        for request_id in ids.tolist():
+            policy.forget(request_id)
+        new = np.arange(100, 164, dtype=np.int64)
+        assert policy.choose(drain_query(new)).tolist() == [expected] * 64, rates[:3]
+        assert np.allclose(policy.acceptance(100), policy.acceptance(10_000))  # the estimate itself: the average
