@@ -250,7 +250,7 @@ class Table:
             print("\nthe policy's cost model after each point, ms per step by (grid G, depths D): the loop's wall "
                   "(what it decides on) / GPU; 'explored': choices made to measure a depth so far")
         for row in costed:
-            text = ", ".join(f"{key.replace('G=', '').replace(', D=', ' D')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
+            text = ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
                              for key, value in row["costs"].items())
             print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
 
