@@ -404,7 +404,7 @@ def _at_depths(per_length: np.ndarray, caps: np.ndarray, max_depth: int) -> np.n
 
 
 def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.ndarray, max_depth: int,
-                         grid_points: int = 64) -> np.ndarray:
+                         grid_points: int = 16) -> np.ndarray:
     """``[max_depth + 1]``: the expected steps until every request is done, if the batch drafts D
     depths from now on (request r: ``min(D, cap_r)`` drafts).
 
@@ -425,7 +425,7 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     variance = np.maximum(square_a - mean_a ** 2, 0.0)
     left = np.maximum(np.asarray(tokens_left, dtype=np.float64), 1.0)[:, None]  # [n, 1]
     mean = left / tokens  # [n, D + 1] steps
-    spread = np.maximum(np.sqrt(left * variance / tokens ** 3), 0.05)  # D = 0: exact (a narrow step)
+    spread = np.maximum(np.sqrt(left * variance / tokens ** 3), 0.02)  # D = 0: exact (a narrow step)
     low = (mean - 5 * spread).max(axis=0)  # [D + 1]: below it every request is (almost surely) still running
     high = (mean + 5 * spread).max(axis=0)
     t = low[None, :] + (high - low)[None, :] * np.linspace(0.0, 1.0, grid_points)[:, None]  # [K, D + 1]
