@@ -31,6 +31,10 @@ class MLATiles:
     of the bandwidth); :func:`kv_split_count` says how.
     ``max_registers``: a cap that lets more programs share an SM (128 at 8 warps: two), at the
     price of spills where the kernel wants more.
+    ``wgmma``: the Hopper Gluon kernel (:mod:`mtp_ctrl.triton_ops.mla_wgmma`: 64 rows, 64 tokens,
+    8 warps, the cache a tile ahead, one program an SM) instead of the Triton kernel; where it
+    cannot run (no Gluon, not an sm_90 device, not bf16 / C = 512 / R = 64) the launcher takes
+    :data:`TRITON_TILES_64_ROWS`.
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -41,6 +45,7 @@ class MLATiles:
     min_split_tokens: int  # split-K floor, tokens a split
     whole_waves: bool = False  # split count that fills its waves best (else rounded up)
     max_registers: int = 0  # registers a thread at most (ptxas .maxnreg; 0: the compiler's choice)
+    wgmma: bool = False  # the Gluon kernel (mla_wgmma) instead of the Triton one
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -53,14 +58,23 @@ class MLATiles:
                 raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
         if not isinstance(self.max_registers, int) or self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"MLATiles.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
-        if not isinstance(self.whole_waves, bool):
-            raise TypeError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
+        for name in ("whole_waves", "wgmma"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MLATiles.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.wgmma and (self.block_m, self.block_n, self.num_warps, self.programs_per_sm) != (64, 64, 8, 1):
+            raise ValueError(f"MLATiles with wgmma=True are the Gluon kernel's fixed tiles: block_m = block_n = 64, "
+                             f"num_warps = 8, programs_per_sm = 1; got {self}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
 # verify rows at <= 16 heads (1 + S <= 4 rows x 16 heads in one 64-row tile: the cache read once), one
 # program an SM (255 registers a thread), whole waves: an H100 --pick at batch 32 / 8k, 3 rows (RESULTS)
 VERIFY_TILES_16_HEADS = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True)
+# > 32 heads (TP 1 / 2) in Triton: 64-head tiles, the cache read once per 64 heads (twice at 128)
+TRITON_TILES_64_ROWS = MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)
+# the Gluon kernel (64 rows: 64 heads of one decode row): 224 KiB of shared memory, one program an
+# SM, whole waves; the launcher falls back to TRITON_TILES_64_ROWS where it cannot run
+WGMMA_TILES = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True, wgmma=True)
 
 # (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
 # None: no bound. The first entry whose bounds hold the step's dims wins. From three runs (RESULTS
@@ -87,9 +101,11 @@ TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optio
     ((16, 64, 16384, None), DEFAULT_TILES),
     ((16, 64, None, None), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
     ((32, None, None, None), DEFAULT_TILES),
-    # > 32 heads (TP 1 / 2): 64-head tiles read the cache once per 64 heads (twice at 128 heads)
+    # > 32 heads (TP 1 / 2): 64-head tiles read the cache once per 64 heads (twice at 128 heads);
+    # decode rows in the Gluon kernel (each score computed once), more rows in Triton's
     ((None, 4, 4096, None), DEFAULT_TILES),
-    ((None, None, None, None), MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)),
+    ((None, None, None, 1), WGMMA_TILES),
+    ((None, None, None, None), TRITON_TILES_64_ROWS),
 )
 
 

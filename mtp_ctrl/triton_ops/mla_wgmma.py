@@ -55,7 +55,7 @@ def _zero_tail_rows(OUTPUT_PTR, QUERY_START_LOC_PTR, request, split, num_tokens,
     layout: gl.constexpr = gl.BlockedLayout([4], [32], [_NUM_WARPS], [0])
     row_elements = num_heads * LATENT
     tail_start = gl.load(QUERY_START_LOC_PTR + request + 1).to(gl.int64) * row_elements
-    tail_end = num_tokens.to(gl.int64) * row_elements
+    tail_end = gl.cast(num_tokens, gl.int64) * row_elements
     sharers = gl.num_programs(0) * gl.num_programs(1)
     share = gl.cdiv(tail_end - tail_start, sharers)
     share_start = tail_start + (split * gl.num_programs(0) + gl.program_id(0)) * share
@@ -93,7 +93,11 @@ def _load_cache_tile(latent_buf, rope_buf, CACHE_PTR, block_table_row, tile_star
     async_copy.commit_group()
 
 
-@gluon.jit(do_not_specialize=["num_tokens", "tokens_per_split", "num_head_tiles", "num_kv_splits"])
+# request/row counts and split sizes vary step to step: one compiled kernel for all of them; the
+# cache strides are never 1 (16-byte aligned rows: the launcher checks); a block size of 1 as a
+# constant folds the row offsets so that the copies lose their 16-byte alignment hint
+@gluon.jit(do_not_specialize=["num_tokens", "tokens_per_split", "num_head_tiles", "num_kv_splits",
+                              "cache_stride_block", "cache_stride_token", "block_size_tokens"])
 def _paged_mla_wgmma_kernel(
     QUERY_LATENT_PTR, QUERY_ROPE_PTR, CACHE_PTR, BLOCK_TABLE_PTR, SEQ_LENS_PTR, QUERY_START_LOC_PTR,
     OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR,
