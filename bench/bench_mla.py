@@ -21,8 +21,7 @@ Printed, in one run:
    the decompressed K/V fits in memory; and per prefill chunk length, which of the two is faster.
 3. KV bytes per token and layer: the latent cache vs standard attention's K and V per head.
 1b. (--wgmma) The Gluon kernel (``WGMMA_TILES``, sm_90) beside the Triton kernel's tiles for the
-   same shape (the table's Triton entry; ``TRITON_TILES_64_ROWS`` where the table names the Gluon
-   kernel), same process: us, % of the copy and TFLOP/s of each, the speed-up, max |difference|.
+   shape (the table's Triton entry: ``mla_tiles(..., gluon=False)``), same process: us, % of the copy and TFLOP/s of each, the speed-up, max |difference|.
 4. (--e2e) Decode steps of the DeepSeek-V3-shaped MLA GPT (module constant E2E_SHAPE; random bf16
    weights, dense FFN, 2 MLA MTP layers): median wall ms of controller.step(), GPU ms per step
    (torch.profiler kernel time), tokens/s at S = 0 and S = 2 (random weights: no draft accepted).
@@ -73,8 +72,7 @@ from mtp_ctrl.state import KVCacheSpec, LatentKVCacheSpec  # noqa: E402
 from mtp_ctrl.state.attention_metadata import AttentionMetadata  # noqa: E402
 from mtp_ctrl.triton_ops import paged_mla_attention  # noqa: E402
 from mtp_ctrl.triton_ops.mla_attention import wgmma_kernel_applies  # noqa: E402
-from mtp_ctrl.triton_ops.mla_tiles import (DEFAULT_TILES, TRITON_TILES_64_ROWS, WGMMA_TILES, MLATiles,  # noqa: E402
-                                          mla_tiles)
+from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, WGMMA_TILES, MLATiles, mla_tiles  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
 from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
@@ -229,8 +227,7 @@ def wgmma_table(device, bandwidth, args):
                 metadata = metadata_for(batch, rows, context, device)
                 call_args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens,
                              metadata.query_start_loc, (QK + ROPE) ** -0.5)
-                table = mla_tiles(heads, batch, context, rows)
-                triton_tiles = TRITON_TILES_64_ROWS if table.wgmma else table
+                triton_tiles = mla_tiles(heads, batch, context, rows, gluon=False)
                 latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
                 flops = batch * rows * heads * context * 2 * (LATENT + ROPE + LATENT)
                 times, outs = {}, {}

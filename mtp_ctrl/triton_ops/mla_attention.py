@@ -35,7 +35,7 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import interpreter_enabled, sm_count, use_triton
-from mtp_ctrl.triton_ops.mla_tiles import TRITON_TILES_64_ROWS, MLATiles, kv_split_count, mla_tiles
+from mtp_ctrl.triton_ops.mla_tiles import MLATiles, kv_split_count, mla_tiles
 from mtp_ctrl.triton_ops.paged_attn import check_attention_scalars, combine_kv_splits
 
 MAX_LATENT_DIM = 1024
@@ -358,7 +358,7 @@ def paged_mla_attention(
     (default: from the SM count and the tiles); ``tiles`` overrides the table's tiles
     (:func:`mtp_ctrl.triton_ops.mla_tiles.mla_tiles` of H, B, the context bound and the rows bound).
     Tiles with ``wgmma`` run the Gluon kernel where :func:`wgmma_kernel_applies`, else the Triton
-    kernel with ``TRITON_TILES_64_ROWS``.
+    kernel with the table's Triton tiles for the launch.
     """
     _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
                           softmax_scale, max_query_len, max_seq_len, num_kv_splits, tiles)
@@ -378,7 +378,7 @@ def paged_mla_attention(
     if tiles is None:
         tiles = mla_tiles(num_heads, batch_size, kv_token_bound, query_rows_bound)
     if tiles.wgmma and not wgmma_kernel_applies(query_latent, latent_cache, rope_dim):
-        tiles = TRITON_TILES_64_ROWS
+        tiles = mla_tiles(num_heads, batch_size, kv_token_bound, query_rows_bound, gluon=False)
     block_h = min(triton.next_power_of_2(num_heads), tiles.block_m)
     block_q = min(triton.next_power_of_2(query_rows_bound), max(1, tiles.block_m // block_h))
     block_m = max(16, block_q * block_h)

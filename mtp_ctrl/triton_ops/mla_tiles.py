@@ -34,7 +34,7 @@ class MLATiles:
     ``wgmma``: the Hopper Gluon kernel (:mod:`mtp_ctrl.triton_ops.mla_wgmma`: 64 rows, 64 tokens,
     8 warps, the cache a tile ahead, one program an SM) instead of the Triton kernel; where it
     cannot run (no Gluon, not an sm_90 device, not bf16 / C = 512 / R = 64) the launcher takes
-    :data:`TRITON_TILES_64_ROWS`.
+    the table's Triton entry for the shape (``mla_tiles(..., gluon=False)``).
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -73,11 +73,12 @@ VERIFY_TILES_16_HEADS = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_toke
 # > 32 heads (TP 1 / 2) in Triton: 64-head tiles, the cache read once per 64 heads (twice at 128)
 TRITON_TILES_64_ROWS = MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)
 # the Gluon kernel (64 rows: 64 heads of one decode row): 224 KiB of shared memory, one program an
-# SM, whole waves; the launcher falls back to TRITON_TILES_64_ROWS where it cannot run
+# SM, whole waves; where it cannot run, the launcher takes the bucket's next (Triton) entry
 WGMMA_TILES = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True, wgmma=True)
 
 # (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
-# None: no bound. The first entry whose bounds hold the step's dims wins. From three runs (RESULTS
+# None: no bound. The first entry whose bounds hold the step's dims wins; a Gluon entry (wgmma) is
+# followed by the Triton entry of its bucket (the fallback where the Gluon kernel cannot run). From three runs (RESULTS
 # "MLA"): the 16-head batch-32 / 8k decode entry and the 16-head verify entries from H100 --pick
 # runs (2026-11-26, fourth session: mla3, mla4), the rest from an H200's --tune at batch 1 / 32 /
 # 128 x context 2k-128k, 16 and 128 heads.
@@ -109,10 +110,11 @@ TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optio
 )
 
 
-def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: int = 1) -> MLATiles:
+def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: int = 1,
+              gluon: bool = True) -> MLATiles:
     """The table's tiles for a launch of ``num_heads`` local heads, ``batch_size`` requests,
     contexts of at most ``kv_token_bound`` tokens and at most ``query_rows`` rows a request (1: a
-    decode step, 1 + S: a verify).
+    decode step, 1 + S: a verify); ``gluon=False`` skips the Gluon kernel's entries.
 
     Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, decode rows, batch 5-64,
     context above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` (a verify at 8k) the
@@ -120,7 +122,7 @@ def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: 
     """
     dims = (num_heads, batch_size, kv_token_bound, query_rows)
     for bounds, tiles in TILE_TABLE:
-        if all(bound is None or dim <= bound for dim, bound in zip(dims, bounds)):
+        if (gluon or not tiles.wgmma) and all(bound is None or dim <= bound for dim, bound in zip(dims, bounds)):
             return tiles
     return DEFAULT_TILES
 

@@ -82,8 +82,9 @@ def test_tile_table_lookup():
     assert mla_tiles(16, 128, 8192) is DEFAULT_TILES
     assert mla_tiles(128, 1, 8192).block_m == mla_tiles(128, 128, 131072, 3).block_m == 64  # 64-head tiles
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
-    for bounds, tiles in TILE_TABLE:  # every entry is reachable
-        assert mla_tiles(*(bound or 2**20 for bound in bounds)) is tiles
+    for bounds, tiles in TILE_TABLE:  # every entry is reachable (a Gluon entry's Triton fallback without it)
+        dims = [bound or 2**20 for bound in bounds]
+        assert tiles in (mla_tiles(*dims), mla_tiles(*dims, gluon=False))
     with pytest.raises(ValueError, match="block_m"):
         MLATiles(block_m=24, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2, min_split_tokens=64)
     with pytest.raises(ValueError, match="programs_per_sm"):
@@ -97,6 +98,7 @@ def test_gluon_kernel_serves_decode_rows_above_32_heads():
         assert mla_tiles(heads, batch, context) is WGMMA_TILES
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
     assert mla_tiles(128, 32, 8192, 3) is mla_tiles(64, 128, 32768, 2) is TRITON_TILES_64_ROWS
+    assert mla_tiles(128, 32, 8192, gluon=False) is TRITON_TILES_64_ROWS  # its fallback
     assert not any(mla_tiles(heads, batch, context, rows).wgmma for heads in (1, 16, 32) for batch in (1, 32, 128)
                    for context in (2048, 131072) for rows in (1, 3, 16))
     # where the kernel can run: compute capability 9.x, bf16, C = 512, R = 64, 16-byte aligned rows, Gluon
