@@ -21,7 +21,8 @@ Printed, in one run:
    the decompressed K/V fits in memory; and per prefill chunk length, which of the two is faster.
 3. KV bytes per token and layer: the latent cache vs standard attention's K and V per head.
 1b. (--wgmma) The Gluon kernel (``WGMMA_TILES``, sm_90) beside the Triton kernel's tiles for the
-   shape (the table's Triton entry: ``mla_tiles(..., gluon=False)``), same process: us, % of the copy and TFLOP/s of each, the speed-up, max |difference|.
+   shape (the table's Triton entry: ``mla_tiles(..., gluon=False)``), same process: us, % of the
+   copy and TFLOP/s of each, the speed-up, max |difference|.
 4. (--e2e) Decode steps of the DeepSeek-V3-shaped MLA GPT (module constant E2E_SHAPE; random bf16
    weights, dense FFN, 2 MLA MTP layers): median wall ms of controller.step(), GPU ms per step
    (torch.profiler kernel time), tokens/s at S = 0 and S = 2 (random weights: no draft accepted).
