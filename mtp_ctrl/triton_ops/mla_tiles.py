@@ -72,8 +72,9 @@ DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, prog
 VERIFY_TILES_16_HEADS = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True)
 # > 32 heads (TP 1 / 2) in Triton: 64-head tiles, the cache read once per 64 heads (twice at 128)
 TRITON_TILES_64_ROWS = MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)
-# the Gluon kernel (64 rows: 64 heads of one decode row): 224 KiB of shared memory, one program an
-# SM, whole waves; where it cannot run, the launcher takes the bucket's next (Triton) entry
+# the Gluon kernel (64 rows: 64 heads of one decode row, or 1 + S <= 4 verify rows x 16 heads): 224
+# KiB of shared memory, one program an SM, whole waves; where it cannot run, the launcher takes the
+# bucket's next (Triton) entry
 WGMMA_TILES = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True, wgmma=True)
 
 # (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
@@ -96,8 +97,10 @@ TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optio
     ((16, None, None, 1), DEFAULT_TILES),
     # verify rows (1 + S <= 4 a request): one 64-row tile holds them all, so the cache is read once
     # (the default's 32-row tiles read it twice): on an H100 1.7-2.1x as fast as the default at batch
-    # 32 / 128, 1.1-1.3x at batch 1 from 8k; batch 1-4 to 4k keeps the default (2k: 20 us against 26)
+    # 32 / 128, 1.1-1.3x at batch 1 from 8k; batch 1-4 to 4k keeps the default (2k: 20 us against 26).
+    # The Gluon kernel's 64-row tile: 1.57-1.67x the Triton one at batch 32 / 128 x 8k / 32k (H200)
     ((16, 4, 4096, 4), DEFAULT_TILES),
+    ((16, None, None, 4), WGMMA_TILES),
     ((16, None, None, 4), VERIFY_TILES_16_HEADS),
     # more rows (prefill chunks): the default, 8 programs an SM from 32k at batch 5-64
     ((16, 64, 16384, None), DEFAULT_TILES),
@@ -120,7 +123,8 @@ def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: 
 
     Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, decode rows, batch 5-64,
     context above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` (a verify at 8k) the
-    64-row tile that holds all three rows (:data:`VERIFY_TILES_16_HEADS`).
+    Gluon kernel's 64-row tile that holds all three rows (:data:`WGMMA_TILES`), with ``gluon=False``
+    Triton's (:data:`VERIFY_TILES_16_HEADS`).
     """
     dims = (num_heads, batch_size, kv_token_bound, query_rows)
     for bounds, tiles in TILE_TABLE:

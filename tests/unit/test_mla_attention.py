@@ -74,8 +74,8 @@ def test_tile_table_lookup():
     assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384, 1)]  # TP 8, batch 32: by context and rows
     assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None, 1)]
     # verify rows (1 + S <= 4) at 16 heads: one 64-row tile holds them (the default at batch 1-4 / 2k)
-    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 128, 32768, 4) \
-        is VERIFY_TILES_16_HEADS
+    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 128, 32768, 4) is WGMMA_TILES
+    assert mla_tiles(16, 32, 8192, 3, gluon=False) is VERIFY_TILES_16_HEADS  # the Gluon kernel's fallback
     assert VERIFY_TILES_16_HEADS.block_m == 64 and mla_tiles(16, 1, 2048, 3) is DEFAULT_TILES
     assert mla_tiles(16, 32, 8192, 5) is DEFAULT_TILES  # more rows (a prefill chunk): as before
     assert mla_tiles(16, 32, 32768, 16) is by_bounds[(16, 64, None, None)]
@@ -92,15 +92,18 @@ def test_tile_table_lookup():
 
 
 def test_gluon_kernel_serves_decode_rows_above_32_heads():
-    # the table: decode rows at > 32 heads (TP 1 / 2) from batch 5 or a context over 4k; verify rows
-    # and <= 32 heads stay in Triton
+    # the table: decode rows at > 32 heads (TP 1 / 2) and 16-head verify rows (1 + S <= 4: one
+    # 64-row tile) from batch 5 or a context over 4k; everything else stays in Triton
     for heads, batch, context in ((64, 32, 8192), (128, 128, 32768), (128, 1, 8192), (96, 8, 2048)):
         assert mla_tiles(heads, batch, context) is WGMMA_TILES
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
     assert mla_tiles(128, 32, 8192, 3) is mla_tiles(64, 128, 32768, 2) is TRITON_TILES_64_ROWS
     assert mla_tiles(128, 32, 8192, gluon=False) is TRITON_TILES_64_ROWS  # its fallback
+    assert mla_tiles(16, 32, 8192, 3) is WGMMA_TILES
     assert not any(mla_tiles(heads, batch, context, rows).wgmma for heads in (1, 16, 32) for batch in (1, 32, 128)
-                   for context in (2048, 131072) for rows in (1, 3, 16))
+                   for context in (2048, 131072) for rows in (1, 5, 16))
+    assert not any(mla_tiles(32, batch, context, rows).wgmma for batch in (1, 128) for context in (2048, 131072)
+                   for rows in (2, 3))
     # where the kernel can run: compute capability 9.x, bf16, C = 512, R = 64, 16-byte aligned rows, Gluon
     query = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
     cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
