@@ -4,7 +4,8 @@
 The interpreter runs a kernel's Python with every int argument a plain value, but on the GPU
 Triton specialises an int argument equal to 1 into a constant, which has no tensor methods
 (``n.to(tl.int64)`` then fails to compile). So each kernel is compiled twice: with its int
-arguments as ``i32``, and with all of them the constant 1. Prints one line per failure (a
+arguments as ``i32``, and with all of them the constant 1 (but those the kernel marks
+``do_not_specialize``, which the JIT never specialises). Prints one line per failure (a
 ``CompilationError``: the kernel's code) and exits 1 if any; prints ``skip: ...`` and exits 0
 when this machine's Triton cannot compile for sm_90 (any other error).
 
@@ -14,7 +15,10 @@ when this machine's Triton cannot compile for sm_90 (any other error).
 import sys
 
 
-def compile_for_hopper(kernel, pointer_types, float_args, constexprs, ints_as_one):
+def compile_for_hopper(kernel, pointer_types, float_args, constexprs, ints_as_one, num_warps=4):
+    """Gluon kernels (``kernel.is_gluon()``) compile from their own AST source, with their pointers
+    16-byte aligned (as Triton specialises aligned pointers at run time: their ``cp.async`` copies
+    need it) and the ``num_warps`` their layouts are written for."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -27,11 +31,20 @@ def compile_for_hopper(kernel, pointer_types, float_args, constexprs, ints_as_on
             signature[param.name] = "*" + pointer_types[param.name]
         elif param.name in float_args:
             signature[param.name] = "fp32"
-        elif ints_as_one:
+        elif ints_as_one and not param.do_not_specialize:  # the JIT never makes those constants
             signature[param.name], constants[param.name] = "constexpr", 1
         else:
             signature[param.name] = "i32"
-    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32))
+    target = GPUTarget("cuda", 90, 32)
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        aligned = {(index,): [["tt.divisibility", 16]] for index, param in enumerate(kernel.params)
+                   if param.name in pointer_types}
+        triton.compile(GluonASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+                       target=target, options=dict(num_warps=num_warps))
+    else:
+        triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=target)
 
 
 def pointers(kernel, default, **special):
@@ -42,8 +55,9 @@ def pointers(kernel, default, **special):
 
 
 def cases():
-    """(label, kernel, pointer types, float args, constexprs): the kernels of a decode step's
-    attention and glue, and the Mamba prefill kernels, in the variants the models launch."""
+    """(label, kernel, pointer types, float args, constexprs[, compile options]): the kernels of a
+    decode step's attention and glue, and the Mamba prefill kernels, in the variants the models
+    launch."""
     from mtp_ctrl.triton_ops import (gdn_recurrent, gdn_replay, layer_glue, mamba_varlen, mla_attention, moe_gemm,
                                      paged_attn, rejection_sampling, rope_kv_write, sampling_filter)
 
@@ -70,6 +84,18 @@ def cases():
     yield ("paged MLA attention, 64-row verify tile", mla, mla_pointers, {"qk_scale"},
            dict(BLOCK_Q=4, BLOCK_H=16, BLOCK_M=64, BLOCK_N=64, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32",
                 ZERO_BLOCK=mla_attention._ZERO_BLOCK, FULL_DIMS=True))
+    try:  # the Gluon kernel of 64 / 128 heads (a Triton without Gluon: not built, nothing to check)
+        from mtp_ctrl.triton_ops import mla_wgmma
+    except (ImportError, AttributeError):
+        mla_wgmma = None
+    if mla_wgmma is not None:
+        gluon_mla = mla_wgmma._paged_mla_wgmma_kernel
+        for block_q, block_h in ((1, 64), (4, 16)):  # decode rows at >= 64 heads; a verify tile (3 rows x 16)
+            yield (f"paged MLA attention, Gluon (sm_90), {block_q} x {block_h} rows", gluon_mla,
+                   pointers(gluon_mla, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32", QUERY_START_LOC_PTR="i32",
+                            PARTIAL_ACC_PTR="fp32", PARTIAL_MAX_PTR="fp32", PARTIAL_SUM_PTR="fp32"), {"qk_scale"},
+                   dict(BLOCK_Q=block_q, BLOCK_H=block_h, ZERO_BLOCK=mla_attention._ZERO_BLOCK),
+                   dict(num_warps=mla_wgmma.NUM_WARPS))
     latent_write = mla_attention._rope_write_latent_kernel
     yield ("rope + latent write", latent_write,
            pointers(latent_write, "bf16", SLOT_MAPPING_PTR="i64", COS_PTR="fp32", SIN_PTR="fp32"), set(),
@@ -152,10 +178,10 @@ def main() -> int:
         print(f"skip: this Triton has no ahead-of-time compiler API ({error})")
         return 0
     failures = 0
-    for label, kernel, pointer_types, float_args, constexprs in cases():
+    for label, kernel, pointer_types, float_args, constexprs, *options in cases():
         for ints_as_one in (False, True):
             try:
-                compile_for_hopper(kernel, pointer_types, float_args, constexprs, ints_as_one)
+                compile_for_hopper(kernel, pointer_types, float_args, constexprs, ints_as_one, **dict(*options))
             except Exception as error:  # report every failing variant, not just the first
                 if not isinstance(error, CompilationError):  # not the kernel's code: this machine's toolchain
                     print(f"skip: cannot compile for sm_90 here ({type(error).__name__}: {_summary(error)})")
