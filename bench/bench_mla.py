@@ -6,6 +6,7 @@ per token, and decode steps of a DeepSeek-V3-shaped MLA GPT scaled to one GPU.
     python bench/bench_mla.py --quick        # small shapes (a smoke run; CPU works too)
     python bench/bench_mla.py --kernels-only --tune --heads 128 --batches 32 --contexts 8192
     python bench/bench_mla.py --pick 16,32,8192 --winner-file W.json --final   # the tune, then the final table
+    python bench/bench_mla.py --wgmma --heads 64,128 --batches 1,32,128 --contexts 2048,8192,32768
 
 Printed, in one run:
 1. The kernel (``paged_mla_attention``, ``--rows`` query rows a request (1: decode, 1 + S:
@@ -19,6 +20,9 @@ Printed, in one run:
    decompressed (the latents up-projected to per-head K/V, then the standard paged kernel), where
    the decompressed K/V fits in memory; and per prefill chunk length, which of the two is faster.
 3. KV bytes per token and layer: the latent cache vs standard attention's K and V per head.
+1b. (--wgmma) The Gluon kernel (``WGMMA_TILES``, sm_90) beside the Triton kernel's tiles for the
+   shape (the table's Triton entry: ``mla_tiles(..., gluon=False)``), same process: us, % of the
+   copy and TFLOP/s of each, the speed-up, max |difference|.
 4. (--e2e) Decode steps of the DeepSeek-V3-shaped MLA GPT (module constant E2E_SHAPE; random bf16
    weights, dense FFN, 2 MLA MTP layers): median wall ms of controller.step(), GPU ms per step
    (torch.profiler kernel time), tokens/s at S = 0 and S = 2 (random weights: no draft accepted).
@@ -50,6 +54,8 @@ def parse_args(argv=None):
                         "its shape's bucket becomes the winner for this run")
     parser.add_argument("--final", action="store_true", help="the final table in one process (FINAL_PARTS, then "
                         "sections 2 and 3), after --pick's winner is installed where --pick is given")
+    parser.add_argument("--wgmma", action="store_true", help="section 1b only: the Gluon kernel vs the Triton "
+                        "kernel's tiles at --heads x --batches x --contexts, --rows")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -66,7 +72,8 @@ import torch.nn.functional as F  # noqa: E402
 from mtp_ctrl.state import KVCacheSpec, LatentKVCacheSpec  # noqa: E402
 from mtp_ctrl.state.attention_metadata import AttentionMetadata  # noqa: E402
 from mtp_ctrl.triton_ops import paged_mla_attention  # noqa: E402
-from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, MLATiles, mla_tiles  # noqa: E402
+from mtp_ctrl.triton_ops.mla_attention import wgmma_kernel_applies  # noqa: E402
+from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, WGMMA_TILES, MLATiles, mla_tiles  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
 from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
@@ -122,11 +129,11 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 
 def tiles_label(tiles):
-    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,Rn])``; W: whole waves,
-    Rn: at most n registers a thread."""
+    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,Rn][,G])``; W: whole waves,
+    Rn: at most n registers a thread, G: the Gluon kernel."""
     values = dataclasses.astuple(tiles)
     return "(" + ",".join(str(value) for value in values[:6]) + (",W" if tiles.whole_waves else "") \
-        + (f",R{tiles.max_registers}" if tiles.max_registers else "") + ")"
+        + (f",R{tiles.max_registers}" if tiles.max_registers else "") + (",G" if tiles.wgmma else "") + ")"
 
 
 def kernel_tables(device, bandwidth, args):
@@ -189,6 +196,61 @@ def kernel_tables(device, bandwidth, args):
     if tune:
         print(f"   fastest-tile counts: { {tiles_label(t): n for t, n in best_counts.items()} }")
     print(f"   largest |output - default's output| over every tile configuration: {largest_diff:.4f}")
+    del cache
+
+
+def wgmma_table(device, bandwidth, args):
+    """Section 1b: the Gluon kernel vs the Triton kernel's tiles, same shapes, same process."""
+    def ints(text):
+        return tuple(int(value) for value in text.split(","))
+
+    batches, contexts, heads_list = ints(args.batches), ints(args.contexts), ints(args.heads)
+    if args.quick:
+        batches, contexts, heads_list = (1, 8), (256, 1024), (64,)
+    rows = args.rows
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cache = torch.empty(max(batches) * max(contexts) // BLOCK, BLOCK, LATENT + ROPE, dtype=dtype,
+                        device=device).normal_()
+    probe = torch.empty(1, 64, LATENT, dtype=dtype, device=device)
+    print(f"\n1b. Gluon kernel {tiles_label(WGMMA_TILES)} vs the Triton kernel's tiles, {rows} query row(s) a "
+          f"request (latent {LATENT} + rope {ROPE}, {dtype}, block {BLOCK}); the Gluon kernel runs here: "
+          f"{wgmma_kernel_applies(probe, cache, ROPE)}; % = latent bytes read once / GPU time, of the device copy "
+          f"({bandwidth / 1e9:.0f} GB/s); TFLOP/s = useful dot work (rows x heads x context x 2 x (576 + 512)) / time")
+    largest_diff = 0.0
+    for heads in heads_list:
+        print(f"   {heads} heads")
+        print(f"   {'B':>4} {'context':>7} {'triton us':>9} {'%':>5} {'TFLOP/s':>7} {'triton tiles':>27} "
+              f"{'gluon us':>9} {'%':>5} {'TFLOP/s':>7} {'speed-up':>8} {'max|diff|':>9}")
+        for batch in batches:
+            query_latent = torch.randn(batch * rows, heads, LATENT, dtype=dtype, device=device)
+            query_rope = torch.randn(batch * rows, heads, ROPE, dtype=dtype, device=device)
+            for context in contexts:
+                metadata = metadata_for(batch, rows, context, device)
+                call_args = (query_latent, query_rope, cache, metadata.block_table, metadata.seq_lens,
+                             metadata.query_start_loc, (QK + ROPE) ** -0.5)
+                triton_tiles = mla_tiles(heads, batch, context, rows, gluon=False)
+                latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
+                flops = batch * rows * heads * context * 2 * (LATENT + ROPE + LATENT)
+                times, outs = {}, {}
+                for tiles in (triton_tiles, WGMMA_TILES):
+                    def call(tiles=tiles):
+                        return paged_mla_attention(*call_args, max_query_len=rows, max_seq_len=context, tiles=tiles)
+                    try:
+                        outs[tiles] = call().float()
+                        times[tiles] = time_us(call, device)
+                    except Exception as error:
+                        times[tiles] = float("nan")
+                        print(f"   {tiles_label(tiles)} failed: {type(error).__name__}: {str(error)[:160]}")
+                diff = (outs[WGMMA_TILES] - outs[triton_tiles]).abs().max().item() if len(outs) == 2 else float("nan")
+                largest_diff = max(largest_diff, diff)
+                cells = []
+                for tiles in (triton_tiles, WGMMA_TILES):
+                    us = times[tiles]
+                    cells.append(f"{us:9.1f} {100 * latent_bytes / us / 1e3 / (bandwidth / 1e9):5.1f} "
+                                 f"{flops / us / 1e6:7.1f}")
+                print(f"   {batch:4d} {context:7d} {cells[0]} {tiles_label(triton_tiles):>27} {cells[1]} "
+                      f"{times[triton_tiles] / times[WGMMA_TILES]:7.2f}x {diff:9.4f}", flush=True)
+    print(f"   largest |Gluon output - Triton output|: {largest_diff:.4f}")
     del cache
 
 
@@ -359,6 +421,9 @@ def main(args):
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else 1e11
     print(f"{where}; device copy bandwidth {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}")
+    if args.wgmma:
+        wgmma_table(device, bandwidth, args)
+        return
     if args.pick:
         pick(device, bandwidth, args)
         if not args.final:

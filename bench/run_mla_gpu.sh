@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for MLA (issue 30): its GPU tests, then bench_mla (RESULTS' "MLA" section).
-# Usage (device machine, repo root): bash bench/run_mla_gpu.sh [kernels|probe|final|verify|tune|e2e] [--quick]
+# Usage (device machine, repo root): bash bench/run_mla_gpu.sh [kernels|probe|final|verify|wgmma|tune|e2e] [--quick]
 #   kernels (default): tests/functional/test_mla_gpu.py + the kernel table (default tiles vs the
 #     shape table vs the fastest --tune candidate, 16 and 128 heads, batch 1/32/128, 2k-128k)
 #   probe: the --tune candidates at 128 / 64 heads (batch 32 / 128, 8k / 32k) and 16 heads
@@ -12,6 +12,9 @@
 #     decompressed, KV bytes; tests/functional/test_mla_gpu.py; a summary (rows under 70 %)
 #   verify: the 16-head verify-row candidates (--pick --rows 3), the winner's table at 3 rows, the tests,
 #     then 128-head verify rows (--tune)
+#   wgmma: the Gluon kernel's GPU twin tests, then the Gluon kernel vs the Triton kernel (same process)
+#     at 64 / 128 heads x batch 1/32/128 x 2k/8k/32k, the other kernel tests the Gluon tiles touch
+#     (every table entry, the DeepSeek shape), then 16-head verify rows (3 a request) in both; ~210 s
 #   tune: the kernel table only
 #   e2e: the kernel table at the default and table tiles + sections 2-4 (the MLA GPT's decode steps)
 # --quick: tiny shapes (a CPU smoke run of the script)
@@ -62,6 +65,21 @@ elif [ "$mode" = verify ]; then
     2>&1 | tee "$out/decode_check.log"
   timeout 25 python3 bench/bench_mla.py $quick --kernels-only --rows 3 --heads 128 --batches 32 --contexts 8192 \
     --tune 2>&1 | tee "$out/verify_128.log"
+elif [ "$mode" = wgmma ]; then
+  python3 -c "import triton; print('triton', triton.__version__)" | tee -a "$out/device.txt"
+  timeout 45 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore -k wgmma 2>&1 \
+    | tee "$out/functional_wgmma.log" | tail -6
+  grid="--heads 64,128 --batches 1,32,128 --contexts 2048,8192,32768"; [ -n "$quick" ] && grid=""
+  timeout 95 python3 bench/bench_mla.py $quick --wgmma $grid 2>&1 | tee "$out/wgmma.log"
+  timeout 40 python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore \
+    -k "every_tile or deepseek_shape" 2>&1 | tee "$out/functional_mla.log" | tail -4
+  grid="--heads 16 --batches 32,128 --contexts 8192,32768"; [ -n "$quick" ] && grid=""
+  timeout 25 python3 bench/bench_mla.py $quick --wgmma --rows 3 $grid 2>&1 | tee "$out/wgmma_verify.log"
+  echo "== summary: tests, then batch >= 32 / context >= 8k (Gluon % of the copy)"
+  grep -hE "passed|failed|error" "$out/functional_wgmma.log" "$out/functional_mla.log" | tail -4
+  awk '/ heads$/ {heads=$1} /^ +[0-9]+ +[0-9]+ / && $1 >= 32 && $2 >= 8192 \
+    {print "   " heads " heads, B " $1 ", context " $2 ": triton " $4 " %, gluon " $8 " % (" $10 ")"}' \
+    "$out/wgmma.log" "$out/wgmma_verify.log"
 elif [ "$mode" = tune ]; then
   timeout 240 $bench --tune 2>&1 | tee "$out/bench_mla_tune.log"
 else

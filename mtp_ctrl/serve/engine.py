@@ -68,16 +68,17 @@ class EngineInfo:
     description: str  # e.g. "S = 2, TP 1, cuda"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Command:
-    """What every rank does before one step: abort these request ids, add these requests."""
+    """What every rank does before one step: abort these request ids, add these requests.
+    Immutable, so one empty command serves every idle iteration."""
 
-    abort: List[int]
-    add: List[Tuple[List[int], SamplingParams]]
+    abort: Tuple[int, ...]
+    add: Tuple[Tuple[List[int], SamplingParams], ...]
     stop: bool = False
 
 
-_NOTHING = Command([], [])  # no request came: the usual iteration under load (never modified)
+_NOTHING = Command((), ())  # no request came: the usual iteration under load
 
 
 class FrontendGone(Exception):
@@ -120,7 +121,7 @@ class EngineLoop:
             gc.unfreeze()
             for number, handler in previous.items():
                 signal.signal(number, handler)
-        self._broadcast(Command([], [], stop=True))  # the other ranks return from follow()
+        self._broadcast(Command((), (), stop=True))  # the other ranks return from follow()
         return ended_by
 
     def _send(self, message) -> None:
@@ -180,7 +181,7 @@ class EngineLoop:
             raise FrontendGone() from None
         if not adds and not aborts:
             return _NOTHING, []
-        return Command(aborts, list(adds.values())), list(adds)
+        return Command(tuple(aborts), tuple(adds.values())), list(adds)
 
     def _broadcast(self, command: Command) -> None:
         if self.command_group is not None:

@@ -3,7 +3,8 @@
 It owns the KV block pool, the KV caches, the request table, the Mamba state slots and the
 buffers of each step, and carries out what its :class:`~mtp_ctrl.state.scheduler.Scheduler`
 decides (``self.scheduler``: which decodes pause or resume, the prefill chunks under the token
-budget, the worst-case block reserve): table moves, block reservation and staging.
+budget, the worst-case block reserve): table moves and staging; block reservation and pausing for
+KV space through its :class:`~mtp_ctrl.state.block_reservations.BlockReservations`.
 
 Life cycle of a request::
 
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from mtp_ctrl.state.batch_dimensions import BatchDimensions, check_batch_sizes, round_up_batch_size, token_buckets
+from mtp_ctrl.state.block_reservations import BlockReservations
 from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
 from mtp_ctrl.state.kv_cache import AnyKVCacheSpec, KVCacheSpec, LatentKVCacheSpec
@@ -134,7 +136,8 @@ class DynamicInferenceContext:
         self._drafts_held = self.table.add_host_rows("drafts_held", (), fill=shape.num_speculative_tokens)
         self._step_buffers = StepBuffers(self.table, shape.max_tokens_per_step, self.scheduler.max_block_writes_per_step)
         self._step_buffers.gathers_mamba_rows = self.mamba is not None
-        self._block_writes = []  # [3, k] int64 arrays (slot, column, block id) not yet sent to the device
+        # the blocks each request holds: reserved before each build, pausing decodes short of them
+        self._reservations = BlockReservations(self.table, self.scheduler, self.allocator)
         # request id -> [P] int64: the tokens its prefill computes (the prompt, plus the output so far
         # for a preempted request); the controller's RequestRecord keeps the prompt and the output
         self._prefill_tokens: Dict[int, np.ndarray] = {}
@@ -259,13 +262,13 @@ class DynamicInferenceContext:
         if self._prompts_done:
             decode_slots = np.concatenate([decode_slots, [self.table.slot_of(rid) for rid in self._prompts_done]])
         # the next step is built with the launch in flight (one step, or a decode run's steps)
-        needs = self._decode_needs(steps_in_flight=max(self.steps_in_flight, 1), slots=decode_slots)
+        needs = self._reservations.decode_needs(steps_in_flight=max(self.steps_in_flight, 1), slots=decode_slots)
         spare_blocks = self.allocator.num_free_blocks - int(needs.sum())
         if spare_blocks < 0:
             return True  # a decode must pause
         oldest = self.scheduler.oldest_paused()
         if oldest is not None:  # only worth a sync when the oldest paused request could resume
-            return self._blocks_to_resume(self.table.slot_of(oldest)) <= spare_blocks
+            return self._reservations.blocks_to_resume(self.table.slot_of(oldest)) <= spare_blocks
         return False
 
     @property
@@ -308,13 +311,13 @@ class DynamicInferenceContext:
         for request_id in list(self._prompts_done):  # in the order their prompts ended
             self._become_decode_if_prompt_done(request_id)
         if not steps_in_flight:
-            self._pause_decodes_short_of_blocks()
-            self._resume_requests_paused_for_kv()
+            self._reservations.pause_decodes_short_of_blocks()
+            self._reservations.resume_requests_paused_for_kv()
         host = self.table.host
         decode_slots = self.table.slots_in(RowGroup.DECODE)  # [nd] int64
         num_decode = decode_slots.shape[0]
         num_steps = self._decode_run_steps(num_decode, length_budgets)
-        self._reserve(decode_slots,
+        self._reservations.reserve(decode_slots,
                       self.scheduler.worst_case_blocks(host.known_lengths[decode_slots], steps_in_flight, num_steps))
         chunks, prefill_slots = ([], decode_slots[:0]) if self.scheduler.paused_for_kv else \
             self._schedule_prefill_chunks(num_decode)
@@ -351,8 +354,7 @@ class DynamicInferenceContext:
             max_seq_len = self.shape.max_blocks_per_request * self.shape.block_size_tokens
         else:
             max_seq_len = int(host.block_counts[slot_ids].max()) * self.shape.block_size_tokens
-        block_writes = np.concatenate(self._block_writes, axis=1) if self._block_writes else np.zeros((3, 0), np.int64)
-        self._block_writes = []
+        block_writes = self._reservations.take_writes()
         step = self._step_buffers.build(slot_ids, query_lengths, num_decode, chunks, final_chunk_count, padded,
                                         block_writes, max_seq_len, next_prompt_token, num_steps, lengths, verify_width,
                                         self._drafts_held[decode_slots])
@@ -384,7 +386,7 @@ class DynamicInferenceContext:
             return 1
         to_model_len, most_left, tokens_per_step = length_budgets
         num_steps = scheduler.decode_run_steps(to_model_len, most_left, self.steps_in_flight, tokens_per_step)
-        if num_steps > 1 and int(self._decode_needs(self.steps_in_flight, new_steps=num_steps).sum()) > \
+        if num_steps > 1 and int(self._reservations.decode_needs(self.steps_in_flight, new_steps=num_steps).sum()) > \
                 self.allocator.num_free_blocks:
             return 1  # short of blocks: single steps (which pause or preempt as usual)
         return num_steps
@@ -427,7 +429,7 @@ class DynamicInferenceContext:
         """Forget the steps in flight without their outcome (their work failed): the caller then
         finishes every request they held. Block writes not yet sent are dropped too."""
         self._steps_in_flight.clear()
-        self._block_writes = []
+        self._reservations.drop_writes()
         self._snapshots_due = (None, [])
         self.allocator.drop_cached()  # blocks they were writing may be registered: trust none
 
@@ -484,56 +486,6 @@ class DynamicInferenceContext:
         self.table.set_prefill_status(self.table.slot_of(request_id), 0)
         self.table.move(request_id, RowGroup.DECODE)
 
-    def _decode_needs(self, steps_in_flight: int, slots: Optional[np.ndarray] = None, new_steps: int = 1) -> np.ndarray:
-        """``[nd]`` int64: blocks each request in ``slots`` (default: the decode requests) still
-        needs before the next ``new_steps`` steps."""
-        slots = self.table.slots_in(RowGroup.DECODE) if slots is None else slots
-        host = self.table.host
-        return self.scheduler.blocks_needed(host.known_lengths[slots], host.block_counts[slots], steps_in_flight,
-                                            new_steps)
-
-    def _reserve(self, rows: np.ndarray, wanted: np.ndarray) -> None:
-        """Give the requests in slots ``rows`` (``[n]`` int64) ``wanted`` blocks (``[n]`` int64;
-        those holding more keep theirs): host block table and allocator now, the device with the
-        next step's block writes."""
-        host = self.table.host
-        adding = np.maximum(wanted - host.block_counts[rows], 0)  # [n] int64
-        total = int(adding.sum())
-        if total == 0:
-            return
-        block_ids = self.allocator.allocate(total).numpy()  # KVCacheFullError before any change
-        write_rows = np.repeat(rows, adding)  # [k] int64
-        first_of_row = np.cumsum(adding) - adding  # [n] int64, index of each row's first new block
-        write_cols = host.block_counts[write_rows] + np.arange(total) - np.repeat(first_of_row, adding)
-        host.block_ids[write_rows, write_cols] = block_ids
-        host.block_counts[rows] += adding
-        self._block_writes.append(np.stack([write_rows, write_cols, block_ids]))
-
-    def _pause_decodes_short_of_blocks(self) -> None:
-        """Pause the decode requests the scheduler cannot give their next blocks."""
-        slots = self.table.slots_in(RowGroup.DECODE)
-        needs = self._decode_needs(steps_in_flight=0, slots=slots)
-        pause = self.scheduler.decodes_to_pause(needs, self.allocator.num_free_blocks)
-        for request_id in self.table.host.request_ids[slots[pause]].tolist():  # host-ok: numpy
-            self.table.move(request_id, RowGroup.PAUSED)
-            self.scheduler.paused_for_kv_space(request_id)
-
-    def _resume_requests_paused_for_kv(self) -> None:
-        paused = self.scheduler.paused_for_kv
-        if not paused:
-            return
-        spare_blocks = self.allocator.num_free_blocks - int(self._decode_needs(steps_in_flight=0).sum())
-        request_ids = list(paused)
-        needs = (self._blocks_to_resume(self.table.slot_of(request_id)) for request_id in request_ids)
-        for request_id in request_ids[: self.scheduler.num_to_resume(needs, spare_blocks)]:
-            self.table.move(request_id, RowGroup.DECODE)
-            self.scheduler.resumed(request_id)
-
-    def _blocks_to_resume(self, row: int) -> int:
-        """Blocks a paused request in slot ``row`` needs for its next decode step."""
-        host = self.table.host
-        return int(self.scheduler.blocks_needed(host.known_lengths[row], host.block_counts[row], steps_in_flight=0))
-
     def _schedule_prefill_chunks(self, num_decode: int) -> Tuple[list, np.ndarray]:
         """Run the scheduler's chunks for the prefill requests and take their blocks. Returns each
         chunk's prompt tokens (``[q]`` int64) and the slots of the requests that run one (``[p']``
@@ -550,7 +502,7 @@ class DynamicInferenceContext:
         chunk_lengths = np.array(lengths, dtype=np.int64)  # [p'] int64
         slots = prefill_slots[: chunk_lengths.shape[0]]
         known = known_lengths[: chunk_lengths.shape[0]]
-        self._reserve(slots, self.blocks_for(known + chunk_lengths))  # one allocation for every chunk
+        self._reservations.reserve(slots, self.blocks_for(known + chunk_lengths))  # one allocation for every chunk
         host.known_lengths[slots] = known + chunk_lengths  # exact: a prefill keeps every row
         at_boundary = slots[boundaries[: slots.shape[0]] == known + chunk_lengths]  # [k] int64: snapshot these
         if at_boundary.shape[0]:  # after the step's launch (take_state_snapshots)

@@ -16,14 +16,17 @@ C + R]``, one tensor per layer, instead of K and V per head.
   :mod:`mtp_ctrl.triton_ops.paged_attn`, whose combine kernel merges the splits. The tiles come
   from a table keyed by the launch's dims (:mod:`mtp_ctrl.triton_ops.mla_tiles`); the programs
   of one (request, split) that hold different head tiles are launched next to each other, so they
-  can share the cache rows through L2.
+  can share the cache rows through L2. Tiles marked ``wgmma`` run the Hopper Gluon kernel of
+  :mod:`mtp_ctrl.triton_ops.mla_wgmma` instead (same programs, partials and combine), where
+  :func:`wgmma_kernel_applies` holds.
 
 Rows: request ``b`` owns rows ``query_start_loc[b] : query_start_loc[b + 1]``; row ``i`` of it
 sits at position ``seq_lens[b] - q_b + i`` and attends causally to the positions up to its own.
 """
 
+import functools
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -31,7 +34,7 @@ import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
-from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
+from mtp_ctrl.triton_ops._dispatch import interpreter_enabled, sm_count, use_triton
 from mtp_ctrl.triton_ops.mla_tiles import MLATiles, kv_split_count, mla_tiles
 from mtp_ctrl.triton_ops.paged_attn import check_attention_scalars, combine_kv_splits
 
@@ -264,6 +267,45 @@ def _paged_mla_kernel(
             tl.store(PARTIAL_ACC_PTR + stat_index[:, None] * latent_dim + cdims[None, :], acc, mask=store_mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _wgmma_module():
+    """:mod:`mtp_ctrl.triton_ops.mla_wgmma`, or None where this Triton has no (usable) Gluon."""
+    try:
+        from mtp_ctrl.triton_ops import mla_wgmma
+    except (ImportError, AttributeError):
+        return None
+    return mla_wgmma
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(device_index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def wgmma_operands_fit(query_latent: torch.Tensor, latent_cache: torch.Tensor, query_rope_dim: int,
+                       capability: Tuple[int, int]) -> bool:
+    """True when the Gluon kernel can take these operands on a device of compute capability
+    ``capability`` (``(major, minor)``): 9.x, Gluon importable, bf16, ``C = 512`` and ``R = 64``,
+    cache rows 16-byte aligned (its ``cp.async`` copies 16-byte vectors). Host metadata only."""
+    if capability[0] != 9 or query_latent.dtype != torch.bfloat16:
+        return False
+    if query_latent.shape[-1] != 512 or query_rope_dim != 64:
+        return False
+    if latent_cache.data_ptr() % 16 or latent_cache.stride(0) % 8 or latent_cache.stride(1) % 8:
+        return False
+    return _wgmma_module() is not None
+
+
+def wgmma_kernel_applies(query_latent: torch.Tensor, latent_cache: torch.Tensor, query_rope_dim: int) -> bool:
+    """True when tiles with ``wgmma`` run the Gluon kernel here: CUDA tensors, no interpreter,
+    and :func:`wgmma_operands_fit` on their device (no sync: the capability is cached)."""
+    if not query_latent.is_cuda or interpreter_enabled():
+        return False
+    index = query_latent.device.index
+    capability = _capability_of(index if index is not None else torch.cuda.current_device())
+    return wgmma_operands_fit(query_latent, latent_cache, query_rope_dim, capability)
+
+
 def _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
                           softmax_scale, max_query_len, max_seq_len, num_kv_splits, tiles):
     check_tensor("query_latent", query_latent, dtypes=FLOAT_DTYPES, ndim=3)
@@ -315,6 +357,8 @@ def paged_mla_attention(
     no host sync); ``num_kv_splits`` (at most ``MAX_KV_SPLITS``) overrides the split-K count
     (default: from the SM count and the tiles); ``tiles`` overrides the table's tiles
     (:func:`mtp_ctrl.triton_ops.mla_tiles.mla_tiles` of H, B, the context bound and the rows bound).
+    Tiles with ``wgmma`` run the Gluon kernel where :func:`wgmma_kernel_applies`, else the Triton
+    kernel with the table's Triton tiles for the launch.
     """
     _check_attention_args(query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
                           softmax_scale, max_query_len, max_seq_len, num_kv_splits, tiles)
@@ -333,6 +377,8 @@ def paged_mla_attention(
     kv_token_bound = block_table.shape[1] * block_size_tokens if max_seq_len is None else max_seq_len
     if tiles is None:
         tiles = mla_tiles(num_heads, batch_size, kv_token_bound, query_rows_bound)
+    if tiles.wgmma and not wgmma_kernel_applies(query_latent, latent_cache, rope_dim):
+        tiles = mla_tiles(num_heads, batch_size, kv_token_bound, query_rows_bound, gluon=False)
     block_h = min(triton.next_power_of_2(num_heads), tiles.block_m)
     block_q = min(triton.next_power_of_2(query_rows_bound), max(1, tiles.block_m // block_h))
     block_m = max(16, block_q * block_h)
@@ -355,22 +401,29 @@ def paged_mla_attention(
                                   device=query_latent.device)
         partial_max = torch.empty((num_kv_splits, num_tokens, num_heads), dtype=torch.float32, device=query_latent.device)
         partial_sum = torch.empty_like(partial_max)
-    _paged_mla_kernel[(num_q_tiles * num_head_tiles, num_kv_splits, batch_size)](
-        query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
-        output, partial_acc, partial_max, partial_sum,
-        softmax_scale * math.log2(math.e),
-        query_latent.stride(0), query_latent.stride(1), query_rope.stride(0), query_rope.stride(1),
-        output.stride(0), output.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_table.stride(0),
-        num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
-        num_head_tiles, num_kv_splits,
-        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_C=latent_block, BLOCK_R=rope_block,
-        DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32", ZERO_BLOCK=_ZERO_BLOCK,
-        FULL_DIMS=latent_block == latent_dim and rope_block == rope_dim,
-        num_warps=tiles.num_warps if query_latent.is_cuda else 4,
-        num_stages=tiles.num_stages if query_latent.is_cuda else 1,
-        **({"maxnreg": tiles.max_registers} if tiles.max_registers and query_latent.is_cuda else {}),
-    )
+    grid = (num_q_tiles * num_head_tiles, num_kv_splits, batch_size)
+    qk_scale = softmax_scale * math.log2(math.e)
+    if tiles.wgmma:
+        _wgmma_module().launch_paged_mla_wgmma(
+            grid, query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
+            output, partial_acc, partial_max, partial_sum, qk_scale, num_tokens, num_heads, tokens_per_split,
+            num_head_tiles, num_kv_splits, block_q, block_h, _ZERO_BLOCK)
+    else:
+        _paged_mla_kernel[grid](
+            query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
+            output, partial_acc, partial_max, partial_sum, qk_scale,
+            query_latent.stride(0), query_latent.stride(1), query_rope.stride(0), query_rope.stride(1),
+            output.stride(0), output.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_table.stride(0),
+            num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
+            num_head_tiles, num_kv_splits,
+            BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_C=latent_block, BLOCK_R=rope_block,
+            DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32", ZERO_BLOCK=_ZERO_BLOCK,
+            FULL_DIMS=latent_block == latent_dim and rope_block == rope_dim,
+            num_warps=tiles.num_warps if query_latent.is_cuda else 4,
+            num_stages=tiles.num_stages if query_latent.is_cuda else 1,
+            **({"maxnreg": tiles.max_registers} if tiles.max_registers and query_latent.is_cuda else {}),
+        )
     if num_kv_splits > 1:
         # paged_attn's combine reads our partial layout ([splits, T, H] by query head, [C] dims)
         combine_kv_splits(partial_acc, partial_max, partial_sum, query_start_loc, output)

@@ -31,6 +31,10 @@ class MLATiles:
     of the bandwidth); :func:`kv_split_count` says how.
     ``max_registers``: a cap that lets more programs share an SM (128 at 8 warps: two), at the
     price of spills where the kernel wants more.
+    ``wgmma``: the Hopper Gluon kernel (:mod:`mtp_ctrl.triton_ops.mla_wgmma`: 64 rows, 64 tokens,
+    8 warps, the cache a tile ahead, one program an SM) instead of the Triton kernel; where it
+    cannot run (no Gluon, not an sm_90 device, not bf16 / C = 512 / R = 64) the launcher takes
+    the table's Triton entry for the shape (``mla_tiles(..., gluon=False)``).
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -41,6 +45,7 @@ class MLATiles:
     min_split_tokens: int  # split-K floor, tokens a split
     whole_waves: bool = False  # split count that fills its waves best (else rounded up)
     max_registers: int = 0  # registers a thread at most (ptxas .maxnreg; 0: the compiler's choice)
+    wgmma: bool = False  # the Gluon kernel (mla_wgmma) instead of the Triton one
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -53,20 +58,32 @@ class MLATiles:
                 raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
         if not isinstance(self.max_registers, int) or self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"MLATiles.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
-        if not isinstance(self.whole_waves, bool):
-            raise TypeError(f"MLATiles.whole_waves must be a bool, got {self.whole_waves!r}")
+        for name in ("whole_waves", "wgmma"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MLATiles.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.wgmma and (self.block_m, self.block_n, self.num_warps, self.programs_per_sm) != (64, 64, 8, 1):
+            raise ValueError(f"MLATiles with wgmma=True are the Gluon kernel's fixed tiles: block_m = block_n = 64, "
+                             f"num_warps = 8, programs_per_sm = 1; got {self}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
 # verify rows at <= 16 heads (1 + S <= 4 rows x 16 heads in one 64-row tile: the cache read once), one
 # program an SM (255 registers a thread), whole waves: an H100 --pick at batch 32 / 8k, 3 rows (RESULTS)
 VERIFY_TILES_16_HEADS = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True)
+# > 32 heads (TP 1 / 2) in Triton: 64-head tiles, the cache read once per 64 heads (twice at 128)
+TRITON_TILES_64_ROWS = MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)
+# the Gluon kernel (64 rows: 64 heads of one decode row, or 1 + S <= 4 verify rows x 16 heads): 224
+# KiB of shared memory, one program an SM, whole waves; where it cannot run, the launcher takes the
+# bucket's next (Triton) entry
+WGMMA_TILES = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True, wgmma=True)
 
 # (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
-# None: no bound. The first entry whose bounds hold the step's dims wins. From three runs (RESULTS
-# "MLA"): the 16-head batch-32 / 8k decode entry and the 16-head verify entries from H100 --pick
-# runs (2026-11-26, fourth session: mla3, mla4), the rest from an H200's --tune at batch 1 / 32 /
-# 128 x context 2k-128k, 16 and 128 heads.
+# None: no bound. The first entry whose bounds hold the step's dims wins; a Gluon entry (wgmma) is
+# followed by the Triton entry of its bucket (the fallback where the Gluon kernel cannot run). From
+# four runs (RESULTS "MLA"): the 16-head batch-32 / 8k decode entry and the 16-head verify entries
+# from H100 --pick runs (2026-11-26, fourth session: mla3, mla4), the Gluon entry from an H200's
+# --wgmma run (fifth session: mla5), the rest from an H200's --tune at batch 1 / 32 / 128 x
+# context 2k-128k, 16 and 128 heads.
 TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
     # <= 16 heads (DeepSeek-V3 at TP 8), decode rows: batch 1 (up to 128 splits) and batch 128 take
     # the default; batch 5-64 the default at 2k, at 8k 32-token tiles, two programs an SM (128
@@ -80,31 +97,38 @@ TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optio
     ((16, None, None, 1), DEFAULT_TILES),
     # verify rows (1 + S <= 4 a request): one 64-row tile holds them all, so the cache is read once
     # (the default's 32-row tiles read it twice): on an H100 1.7-2.1x as fast as the default at batch
-    # 32 / 128, 1.1-1.3x at batch 1 from 8k; batch 1-4 to 4k keeps the default (2k: 20 us against 26)
+    # 32 / 128, 1.1-1.3x at batch 1 from 8k; batch 1-4 to 4k keeps the default (2k: 20 us against 26).
+    # The Gluon kernel's 64-row tile: 1.57-1.67x the Triton one at batch 32 / 128 x 8k / 32k (H200)
     ((16, 4, 4096, 4), DEFAULT_TILES),
+    ((16, None, None, 4), WGMMA_TILES),
     ((16, None, None, 4), VERIFY_TILES_16_HEADS),
     # more rows (prefill chunks): the default, 8 programs an SM from 32k at batch 5-64
     ((16, 64, 16384, None), DEFAULT_TILES),
     ((16, 64, None, None), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
     ((32, None, None, None), DEFAULT_TILES),
-    # > 32 heads (TP 1 / 2): 64-head tiles read the cache once per 64 heads (twice at 128 heads)
+    # > 32 heads (TP 1 / 2): 64-head tiles read the cache once per 64 heads (twice at 128 heads);
+    # decode rows in the Gluon kernel (each score computed once: H200, batch 32 / 128 x 2k-32k,
+    # 1.7-2.8x the Triton tiles; batch 1 from 8k 1.2-1.7x), more rows in Triton's
     ((None, 4, 4096, None), DEFAULT_TILES),
-    ((None, None, None, None), MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_tokens=128)),
+    ((None, None, None, 1), WGMMA_TILES),
+    ((None, None, None, None), TRITON_TILES_64_ROWS),
 )
 
 
-def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: int = 1) -> MLATiles:
+def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: int = 1,
+              gluon: bool = True) -> MLATiles:
     """The table's tiles for a launch of ``num_heads`` local heads, ``batch_size`` requests,
     contexts of at most ``kv_token_bound`` tokens and at most ``query_rows`` rows a request (1: a
-    decode step, 1 + S: a verify).
+    decode step, 1 + S: a verify); ``gluon=False`` skips the Gluon kernel's entries.
 
     Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, decode rows, batch 5-64,
     context above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` (a verify at 8k) the
-    64-row tile that holds all three rows (:data:`VERIFY_TILES_16_HEADS`).
+    Gluon kernel's 64-row tile that holds all three rows (:data:`WGMMA_TILES`), with ``gluon=False``
+    Triton's (:data:`VERIFY_TILES_16_HEADS`).
     """
     dims = (num_heads, batch_size, kv_token_bound, query_rows)
     for bounds, tiles in TILE_TABLE:
-        if all(bound is None or dim <= bound for dim, bound in zip(dims, bounds)):
+        if (gluon or not tiles.wgmma) and all(bound is None or dim <= bound for dim, bound in zip(dims, bounds)):
             return tiles
     return DEFAULT_TILES
 

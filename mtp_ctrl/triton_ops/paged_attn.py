@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from mtp_ctrl.triton_ops import reference
-from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
+from mtp_ctrl.triton_ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, ValidatedSignatures, check_int, check_same_device,
+                                         check_tensor)
 from mtp_ctrl.triton_ops._dispatch import sm_count, use_triton
 
 MAX_HEAD_DIM = 256
@@ -38,6 +39,7 @@ _MAX_KV_SPLITS = 32
 _ZERO_BLOCK = 1024  # output elements per store when the kernel zeroes the padding rows
 _COMBINE_TILE_ELEMENTS = 1024  # outputs one combine program holds: [rows, head-dim chunk] fp32
 _COMBINE_LOAD_ELEMENTS = 4096  # fp32 partials one combine read takes: [split chunk, rows, head-dim chunk]
+_COMBINE_VALIDATED = ValidatedSignatures()
 _COMBINE_MAX_DIMS = 128  # a combine program's head-dim chunk (MLA's 512-dim latents take 4)
 
 
@@ -249,7 +251,14 @@ def combine_kv_splits(
     tiled its rows, so the tile is chosen for the combine alone: as many programs as two a SM
     while the rows allow (the combine is latency-bound), at most ``_COMBINE_TILE_ELEMENTS``
     outputs a program, the splits read in chunks of at most ``_COMBINE_LOAD_ELEMENTS`` fp32.
+    The partials are indexed as contiguous tensors; ``output`` by its strides.
     """
+    _COMBINE_VALIDATED.validate(_check_combine_args, partial_acc, partial_max, partial_sum, query_start_loc, output)
+    for name, tensor in (("partial_acc", partial_acc), ("partial_max", partial_max), ("partial_sum", partial_sum)):
+        if not tensor.is_contiguous():  # strides: not part of a cached signature
+            raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()}")
+    if output.stride(2) != 1:
+        raise ValueError(f"output's last dim must be contiguous, got strides {output.stride()}")
     num_kv_splits, num_tokens, num_heads, head_dim = partial_acc.shape
     block_d = triton.next_power_of_2(head_dim)
     block_dc = min(block_d, _COMBINE_MAX_DIMS)
@@ -268,6 +277,21 @@ def combine_kv_splits(
         num_tokens, num_heads, head_dim, query_start_loc.shape[0] - 1, num_kv_splits,
         BLOCK_R=block_r, BLOCK_DC=block_dc, SPLIT_CHUNK=split_chunk,
     )
+
+
+def _check_combine_args(partial_acc, partial_max, partial_sum, query_start_loc, output) -> None:
+    check_tensor("partial_acc", partial_acc, dtypes=(torch.float32,), ndim=4)
+    num_kv_splits, num_tokens, num_heads, head_dim = partial_acc.shape
+    if num_kv_splits < 1:
+        raise ValueError(f"partial_acc must hold >= 1 split on dim 0, got shape {tuple(partial_acc.shape)}")
+    check_tensor("partial_max", partial_max, dtypes=(torch.float32,), shape=(num_kv_splits, num_tokens, num_heads))
+    check_tensor("partial_sum", partial_sum, dtypes=(torch.float32,), shape=(num_kv_splits, num_tokens, num_heads))
+    check_tensor("query_start_loc", query_start_loc, dtypes=INDEX_DTYPES, ndim=1)
+    if query_start_loc.shape[0] < 1:
+        raise ValueError("query_start_loc must hold B + 1 >= 1 offsets")
+    check_tensor("output", output, dtypes=FLOAT_DTYPES, shape=(num_tokens, num_heads, head_dim))
+    check_same_device(output=output, partial_acc=partial_acc, partial_max=partial_max, partial_sum=partial_sum,
+                      query_start_loc=query_start_loc)
 
 
 def check_attention_scalars(softmax_scale, max_query_len, max_seq_len, num_kv_splits) -> None:

@@ -1,6 +1,7 @@
-"""MLA on CUDA: the paged MLA kernel and the latent write == their torch twins (bf16 / fp32,
-DeepSeek-V3's latent shape), and an MLA GPT's decode / verify steps replay CUDA graphs with no host
-sync; the controller's graph steps give its eager tokens, and S = 2 == S = 0."""
+"""MLA on CUDA: the paged MLA kernel (Triton, and the Gluon kernel on sm_90) and the latent write ==
+their torch twins (bf16 / fp32, DeepSeek-V3's latent shape), and an MLA GPT's decode / verify steps
+replay CUDA graphs with no host sync; the controller's graph steps give its eager tokens, and S = 2
+== S = 0."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ import torch
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 from mtp_ctrl.models import PagedGPTRunner
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
-from mtp_ctrl.triton_ops.mla_tiles import TILE_TABLE, MLATiles
+from mtp_ctrl.triton_ops.mla_attention import wgmma_kernel_applies
+from mtp_ctrl.triton_ops.mla_tiles import TILE_TABLE, WGMMA_TILES, MLATiles, mla_tiles
 from tests.functional.sync_checks import no_host_sync
 from tests.unit.megatron_fixtures import (
     BLOCK_SIZE_TOKENS,
@@ -134,3 +136,44 @@ def test_every_tile_option_equals_twin_bf16():
             out = paged_mla_attention(*case.op_args(), max_query_len=3, max_seq_len=2048, num_kv_splits=num_kv_splits,
                                       tiles=tiles)
             torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2, msg=lambda m: f"{tiles}: {m}")
+
+
+def _check_wgmma(q_lens, seq_lens, num_heads, block_size_tokens, num_kv_splits, seed, tiles=None):
+    """The Gluon kernel (it must run here: an sm_90 device) == the twin and the dense oracle in bf16;
+    the output's memory held NaNs before, so unwritten rows show; padding rows are zeros."""
+    padding_rows = 3
+    case = make_mla_case(q_lens, seq_lens, num_heads=num_heads, latent_dim=512, rope_dim=64,
+                         block_size_tokens=block_size_tokens, dtype=torch.bfloat16, device="cuda",
+                         padding_rows=padding_rows, seed=seed)
+    args = case.op_args()
+    assert wgmma_kernel_applies(args[0], args[2], 64)
+    max_query_len, max_seq_len = max(q_lens), max(seq_lens) + 100
+    assert (tiles or mla_tiles(num_heads, len(q_lens), max_seq_len, max_query_len)).wgmma
+    torch.full((sum(q_lens) + padding_rows, num_heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = paged_mla_attention(*args, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                              num_kv_splits=num_kv_splits, tiles=tiles)
+    torch.testing.assert_close(out.float(), case.expected(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), reference.paged_mla_attention(*args).float(), atol=2e-2, rtol=2e-2)
+    assert out[-padding_rows:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("num_heads", [64, 128, 96])
+@pytest.mark.parametrize("num_kv_splits", [None, 1, 5])
+def test_wgmma_kernel_equals_twin_bf16_decode_rows(num_heads, num_kv_splits):
+    # decode rows (the table's Gluon entry: > 32 heads, 1 row a request), requests with no rows,
+    # contexts ending mid-block and on a block's end; 96 heads: a second head tile half padding
+    generator = torch.Generator().manual_seed(num_heads + (num_kv_splits or 0))
+    seq_lens = torch.randint(1, 3000, (9,), generator=generator).tolist()
+    seq_lens[1], seq_lens[2] = 0, 1024
+    q_lens = [0 if length == 0 else 1 for length in seq_lens]
+    _check_wgmma(q_lens, seq_lens, num_heads, 64, num_kv_splits, seed=num_heads)
+
+
+@pytest.mark.parametrize("num_heads,rows,block_size_tokens", [(16, 3, 64), (32, 2, 16), (64, 1, 16)])
+def test_wgmma_kernel_equals_twin_bf16_verify_rows(num_heads, rows, block_size_tokens):
+    # the kernel's 64-row tile holding several query rows (1 + S verify rows: causal within the
+    # tile), other cache block sizes (the block table looked up a token at a time)
+    q_lens = [rows, rows, 0, rows, rows]
+    seq_lens = [700, 65, 0, 1030, rows]
+    for num_kv_splits in (None, 1, 3):
+        _check_wgmma(q_lens, seq_lens, num_heads, block_size_tokens, num_kv_splits, seed=rows, tiles=WGMMA_TILES)

@@ -1,15 +1,16 @@
 """MLA ops: Triton kernels (interpreter) == torch twins == dense SDPA / megatron's MLA rope."""
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
-from mtp_ctrl.triton_ops.mla_attention import MAX_KV_SPLITS
-from mtp_ctrl.triton_ops.mla_tiles import (DEFAULT_TILES, TILE_TABLE, VERIFY_TILES_16_HEADS, MLATiles,
-                                          kv_split_count, mla_tiles)
+from mtp_ctrl.triton_ops.mla_attention import MAX_KV_SPLITS, wgmma_kernel_applies, wgmma_operands_fit
+from mtp_ctrl.triton_ops.mla_tiles import (DEFAULT_TILES, TILE_TABLE, TRITON_TILES_64_ROWS, VERIFY_TILES_16_HEADS,
+                                          WGMMA_TILES, MLATiles, kv_split_count, mla_tiles)
 from tests.unit.mla_cases import make_mla_case
 from tests.unit.paged_attention_cases import random_mixed_lengths
 
@@ -73,20 +74,51 @@ def test_tile_table_lookup():
     assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384, 1)]  # TP 8, batch 32: by context and rows
     assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None, 1)]
     # verify rows (1 + S <= 4) at 16 heads: one 64-row tile holds them (the default at batch 1-4 / 2k)
-    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 128, 32768, 4) \
-        is VERIFY_TILES_16_HEADS
+    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 128, 32768, 4) is WGMMA_TILES
+    assert mla_tiles(16, 32, 8192, 3, gluon=False) is VERIFY_TILES_16_HEADS  # the Gluon kernel's fallback
     assert VERIFY_TILES_16_HEADS.block_m == 64 and mla_tiles(16, 1, 2048, 3) is DEFAULT_TILES
     assert mla_tiles(16, 32, 8192, 5) is DEFAULT_TILES  # more rows (a prefill chunk): as before
     assert mla_tiles(16, 32, 32768, 16) is by_bounds[(16, 64, None, None)]
     assert mla_tiles(16, 128, 8192) is DEFAULT_TILES
-    assert mla_tiles(128, 1, 8192).block_m == mla_tiles(128, 128, 131072).block_m == 64  # 64-head tiles
+    assert mla_tiles(128, 1, 8192).block_m == mla_tiles(128, 128, 131072, 3).block_m == 64  # 64-head tiles
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
-    for bounds, tiles in TILE_TABLE:  # every entry is reachable
-        assert mla_tiles(*(bound or 2**20 for bound in bounds)) is tiles
+    for bounds, tiles in TILE_TABLE:  # every entry is reachable (a Gluon entry's Triton fallback without it)
+        dims = [bound or 2**20 for bound in bounds]
+        assert tiles in (mla_tiles(*dims), mla_tiles(*dims, gluon=False))
     with pytest.raises(ValueError, match="block_m"):
         MLATiles(block_m=24, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2, min_split_tokens=64)
     with pytest.raises(ValueError, match="programs_per_sm"):
         MLATiles(block_m=32, block_n=32, num_warps=4, num_stages=2, programs_per_sm=0, min_split_tokens=64)
+
+
+def test_gluon_kernel_serves_decode_rows_above_32_heads():
+    # the table: decode rows at > 32 heads (TP 1 / 2) and 16-head verify rows (1 + S <= 4: one
+    # 64-row tile) from batch 5 or a context over 4k; everything else stays in Triton
+    for heads, batch, context in ((64, 32, 8192), (128, 128, 32768), (128, 1, 8192), (96, 8, 2048)):
+        assert mla_tiles(heads, batch, context) is WGMMA_TILES
+    assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
+    assert mla_tiles(128, 32, 8192, 3) is mla_tiles(64, 128, 32768, 2) is TRITON_TILES_64_ROWS
+    assert mla_tiles(128, 32, 8192, gluon=False) is TRITON_TILES_64_ROWS  # its fallback
+    assert mla_tiles(16, 32, 8192, 3) is WGMMA_TILES
+    assert not any(mla_tiles(heads, batch, context, rows).wgmma for heads in (1, 16, 32) for batch in (1, 32, 128)
+                   for context in (2048, 131072) for rows in (1, 5, 16))
+    assert not any(mla_tiles(32, batch, context, rows).wgmma for batch in (1, 128) for context in (2048, 131072)
+                   for rows in (2, 3))
+    # where the kernel can run: compute capability 9.x, bf16, C = 512, R = 64, 16-byte aligned rows, Gluon
+    query = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    assert wgmma_operands_fit(query, cache, 64, (9, 0)) is (importlib.util.find_spec("triton.experimental.gluon")
+                                                            is not None)
+    assert not wgmma_operands_fit(query, cache, 64, (8, 0)) and not wgmma_operands_fit(query, cache, 64, (10, 0))
+    assert not wgmma_operands_fit(query.float(), cache.float(), 64, (9, 0))
+    assert not wgmma_operands_fit(query[..., :256], cache[..., :320], 64, (9, 0))  # C = 256
+    assert not wgmma_operands_fit(query, cache[..., :544], 32, (9, 0))  # R = 32
+    assert not wgmma_operands_fit(query, torch.zeros(4, 64, 580, dtype=torch.bfloat16)[..., :576], 64, (9, 0))
+    assert not wgmma_kernel_applies(query, cache, 64)  # CPU tensors: never (nor under the interpreter)
+    with pytest.raises(ValueError, match="wgmma"):
+        MLATiles(32, 64, 8, 2, programs_per_sm=1, min_split_tokens=64, wgmma=True)
+    with pytest.raises(TypeError, match="wgmma"):
+        dataclasses.replace(WGMMA_TILES, wgmma=1)
 
 
 def test_split_count_fills_whole_waves():

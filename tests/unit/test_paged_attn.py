@@ -221,3 +221,25 @@ def test_bad_hints():
         paged_attention(*case.op_args(), num_kv_splits=0)
     with pytest.raises(TypeError, match="max_query_len"):
         paged_attention(*case.op_args(), max_query_len=2.0)
+
+
+def test_split_combine_rejects_bad_partials():
+    """The split combine is shared by paged and MLA attention: mismatched partials get an error
+    naming the argument, never an out-of-bounds read."""
+    from mtp_ctrl.triton_ops.paged_attn import combine_kv_splits
+
+    splits, tokens, heads, dims = 3, 4, 2, 8
+    acc = torch.zeros(splits, tokens, heads, dims)
+    stats = torch.zeros(splits, tokens, heads)
+    starts = torch.tensor([0, 4], dtype=torch.int32)
+    out = torch.zeros(tokens, heads, dims)
+    with pytest.raises(ValueError, match="partial_max"):
+        combine_kv_splits(acc, stats[:, :3], stats, starts, out)
+    with pytest.raises(TypeError, match="partial_sum"):
+        combine_kv_splits(acc, stats, stats.half(), starts, out)
+    with pytest.raises(ValueError, match="output"):
+        combine_kv_splits(acc, stats, stats, starts, out[:, :, :4])
+    with pytest.raises(ValueError, match="partial_acc must be contiguous"):
+        combine_kv_splits(acc.transpose(1, 2).contiguous().transpose(1, 2), stats, stats, starts, out)
+    with pytest.raises(TypeError, match="query_start_loc"):
+        combine_kv_splits(acc, stats, stats, starts.float(), out)
