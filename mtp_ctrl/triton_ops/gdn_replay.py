@@ -9,9 +9,12 @@ verify row (:func:`gdn_decode_rows`) costs R state writes and a commit copy, and
 
 - :func:`gdn_verify_rows` reads the slot's state once and first applies the slot's
   ``pending_rows[slot]`` stored rows (``row_inputs[layer, slot, input_parity[slot]]``: the rows its
-  last verify step kept), then keeps the state in registers through its own R rows (their
-  outputs need the state after every row). With R > 1 it writes the committed state (the state
-  before its rows) back and stores row ``j``'s ``(k, v, g, beta)`` in the OTHER buffer,
+  last verify step kept), then gives its own R rows' outputs: row 0 stepped as plain decoding
+  steps it, rows 1 .. R - 1 in the chunked form from the state after row 0 (``_chunk_outputs``:
+  2 (R - 1) independent products of that state with the rows' k and q, R x R scalars and a
+  triangular recurrence on ``[BLOCK_V]`` vectors; no rank-1 update of the state tile for them:
+  the commit is deferred, so their states are never needed). With R > 1 it writes the committed
+  state (the state before its rows) back and stores row ``j``'s ``(k, v, g, beta)`` in the OTHER buffer,
   ``row_inputs[layer, slot, 1 - parity, j]``, as ``[k (Hk K) | v (H V) | g (H) | beta (H)]``: the
   programs of one launch that share a key head's ``k`` may still be applying the old rows. With
   R = 1 (plain decoding, nothing to roll back) it writes the state after the row instead and
@@ -22,10 +25,13 @@ verify row (:func:`gdn_decode_rows`) costs R state writes and a commit copy, and
   drafts leave the base row pending: the state one plain decode row leaves, once applied.
 
 Every GDN kernel steps the rule with :func:`mtp_ctrl.triton_ops.gdn_recurrent._delta_rule_update`
-under one launch shape, so a pending row applied in the next step gives the state the verify row
-saw and a plain R = 1 row computes, bit for bit (the order of the sums over K follows the shape:
-two shapes agree to fp32 rounding only). Rows past the pending count are skipped (they would be
-exact no-ops: g = beta = 0, k = v = 0).
+under one launch shape, so a pending row applied in the next step gives the state a plain R = 1
+row computes, bit for bit (the order of the sums over K follows the shape: two shapes agree to
+fp32 rounding only): the committed states, the stored inputs and row 0's output equal plain
+decoding's bit for bit. The outputs of rows 1 .. R - 1 (a kept draft's row) come from the chunked
+form and differ from a plain row's in their last bits (fp32 rounding, ~1e-7 relative), as
+attention's verify rows differ from its decode rows. Rows past the pending count are skipped
+(they would be exact no-ops: g = beta = 0, k = v = 0).
 
 Launch: one program per (value tile, head, request) holds a ``[K, BLOCK_V]`` state tile in
 registers. It loads every row's inputs and the pending rows' first and the state after them, so
@@ -35,8 +41,9 @@ all its loads are in flight together and none waits behind a store or behind the
 Worked example (S = 2, F for Hk = 1, K = 2, H = 2, V = 2 is 2 + 4 + 2 + 2 = 10): slot 5 holds 2
 pending rows in buffer 1. A step verifying rows x, y, z loads ``state[l, 5]``, applies
 ``row_inputs[l, 5, 1, 0..1]``, writes the result to ``state[l, 5]``, stores x, y, z in
-``row_inputs[l, 5, 0, 0..2]`` and steps them for their outputs; ``accepted_counts = 0`` then sets
-``pending_rows[5] = 1``, ``input_parity[5] = 0``: the next step applies x only.
+``row_inputs[l, 5, 0, 0..2]``, steps x for its output and gives y's and z's in the chunked form;
+``accepted_counts = 0`` then sets ``pending_rows[5] = 1``, ``input_parity[5] = 0``: the next step
+applies x only.
 
 Twins: :mod:`mtp_ctrl.triton_ops.reference.gdn`.
 """
