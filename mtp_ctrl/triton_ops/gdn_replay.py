@@ -96,28 +96,33 @@ def _chunk_outputs(base, qs, ks, vs, gs, betas, out_ptrs, out_stride_t, is_value
     ``u_j = beta_j (v_j - exp(G_j) base^T k_j - sum_{i<j} exp(G_j - G_i) (k_i . k_j) u_i)`` and
     ``o_j = exp(G_j) base^T q_j + sum_{i<=j} exp(G_j - G_i) (q_j . k_i) u_i`` (gate differences of
     i <= j only: each exp <= 1). The 2 (ROWS - FIRST) products with ``base`` are independent."""
+    # tuples indexed by row (rows before FIRST hold placeholders: a tuple takes constexpr indices only)
     key_products, query_products, gates = (), (), ()
     total = gs[FIRST] * 0.0
-    for j in tl.static_range(FIRST, ROWS):
-        key_products = key_products + (tl.sum(base * ks[j][:, None], axis=0),)  # [BLOCK_V] base^T k_j
-        query_products = query_products + (tl.sum(base * qs[j][:, None], axis=0),)
-        total = total + gs[j]
+    for j in tl.static_range(ROWS):
+        if j >= FIRST:
+            key_products = key_products + (tl.sum(base * ks[j][:, None], axis=0),)  # [BLOCK_V] base^T k_j
+            query_products = query_products + (tl.sum(base * qs[j][:, None], axis=0),)
+            total = total + gs[j]
+        else:
+            key_products, query_products = key_products + (total,), query_products + (total,)
         gates = gates + (total,)  # [BLOCK_V] G_j, one value
     deltas = ()
-    for j in tl.static_range(FIRST, ROWS):
-        n = j - FIRST
-        grown = tl.exp(gates[n])
-        rhs = vs[j] - grown * key_products[n]  # [BLOCK_V]
-        o = grown * query_products[n]
-        for i in tl.static_range(FIRST, j):
-            m = i - FIRST
-            decay = tl.exp(gates[n] - gates[m])
-            rhs = rhs - decay * tl.sum(ks[i] * ks[j], axis=0) * deltas[m]
-            o = o + decay * tl.sum(qs[j] * ks[i], axis=0) * deltas[m]
-        delta = betas[j] * rhs
-        deltas = deltas + (delta,)
-        o = o + tl.sum(qs[j] * ks[j], axis=0) * delta
-        tl.store(out_ptrs + j * out_stride_t, o, mask=is_value)
+    for j in tl.static_range(ROWS):
+        if j < FIRST:
+            deltas = deltas + (total,)
+        else:
+            grown = tl.exp(gates[j])
+            rhs = vs[j] - grown * key_products[j]  # [BLOCK_V]
+            o = grown * query_products[j]
+            for i in tl.static_range(FIRST, j):
+                decay = tl.exp(gates[j] - gates[i])
+                rhs = rhs - decay * tl.sum(ks[i] * ks[j], axis=0) * deltas[i]
+                o = o + decay * tl.sum(qs[j] * ks[i], axis=0) * deltas[i]
+            delta = betas[j] * rhs
+            deltas = deltas + (delta,)
+            o = o + tl.sum(qs[j] * ks[j], axis=0) * delta
+            tl.store(out_ptrs + j * out_stride_t, o, mask=is_value)
 
 
 # num_rows only bounds masks: not specialised, so one compiled kernel serves every batch size
