@@ -104,7 +104,7 @@ case "${1:-}" in
     base="${GDN_BASELINE_FILE:-.scratch/gdn_baseline/gdn_replay.py}"
     [ -f "$base" ] || { echo "no baseline at $base"; base=""; }
     quick=""; [ "$1" = chunked-quick ] && quick="--quick" && export TRITON_INTERPRET=1
-    timeout 75 python3 bench/bench_gdn.py --kernels --skip-old --chunk-variant $quick ${base:+--baseline "$base"} \
+    timeout 65 python3 bench/bench_gdn.py --kernels --skip-old --chunk-variant $quick ${base:+--baseline "$base"} \
       2>&1 | grep -v Warning | tee "$out/kernels.txt"
     if [ -z "$quick" ]; then
       left=$(( ${GDN_CALL_SECONDS:-195} - (SECONDS - started) - 5 ))
