@@ -56,9 +56,6 @@ def parse_args(argv=None):
                              "gdn_replay_accepted)")
     parser.add_argument("--tune-scope", metavar="BATCHES/DRAFTS/CANDIDATES",
                         help="with --tune: e.g. '32,128/0,2/8x1,16x1,32x4' (default: 1,32,128/0,2,4/all)")
-    parser.add_argument("--chunk-variant", action="store_true",
-                        help="table 1 at S > 0: also time the verify kernel with row 0 in the chunked form too "
-                             "(gdn_replay._CHUNK_FROM_ROW = 0; the package steps row 0 as plain decoding does)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -178,19 +175,7 @@ def _deferred_step(step, S, tiles=None, module=None):
     return out
 
 
-def _timed_all_chunked(step, S, device, graph_calls):
-    """us of this package's step with every own row's output in the chunked form (row 0 too)."""
-    from mtp_ctrl.triton_ops import gdn_replay
-
-    saved, gdn_replay._CHUNK_FROM_ROW = gdn_replay._CHUNK_FROM_ROW, 0
-    try:
-        return _time_ms(lambda: _deferred_step(step, S), device, 20, graph_calls) * 1e3
-    finally:
-        gdn_replay._CHUNK_FROM_ROW = saved
-
-
-def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=None, graph_calls=0,
-                        chunk_variant=False):
+def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=None, graph_calls=0):
     """Per step of one layer: this package's verify rows with the deferred commit (``gdn_verify_rows``
     applies the slot's 1 + S pending rows, writes the committed state, steps its own rows;
     ``gdn_mark_pending_rows``: every draft accepted, the most work), (``baseline``: another checkout's
@@ -214,14 +199,12 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=
               if _is_deferred(base_module) else
               f"; base: {baseline} verify (reads 1 state; S = 0 writes it too) + replay (reads + writes 1), "
               "timed here") if baseline else "")
-          + ("; old: gdn_decode_rows + copy commit (moves 1 + (1 + S) + 2 states)" if old_path else "")
-          + ("; chunk0: row 0's output in the chunked form too (S > 0)" if chunk_variant else ""))
+          + ("; old: gdn_decode_rows + copy commit (moves 1 + (1 + S) + 2 states)" if old_path else ""))
     print(f"{'batch':>5} {'S':>2} | {'step us':>8} {'of copy':>7} {'vs S=0':>6} {'tiles':>5}"
           + ((f" | {'base step':>9} {'of copy':>7} {'vs S=0':>6} {'new/base':>8}" if _is_deferred(base_module) else
               f" | {'base verify':>11} {'of copy':>7} {'replay':>7} {'of copy':>7} {'total':>7} {'vs S=0':>6} "
               f"{'new/base':>8}") if baseline else "")
-          + (f" | {'old us':>8} {'of copy':>7} {'vs S=0':>6}" if old_path else "")
-          + (f" | {'chunk0 us':>9} {'of copy':>7}" if chunk_variant else ""))
+          + (f" | {'old us':>8} {'of copy':>7} {'vs S=0':>6}" if old_path else ""))
     times = {}
 
     def share(batch, states_moved, us):
@@ -255,9 +238,6 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=
                 line += (f" | {old_us:8.1f} {share(batch, 1 + R + 2, old_us)} "
                          f"{old_us / times[('old', batch, drafts[0])]:5.2f}x")
                 del inter
-            if chunk_variant and S:
-                times[("chunk0", batch, S)] = chunk_us = _timed_all_chunked(step, S, device, graph_calls)
-                line += f" | {chunk_us:9.1f} {share(batch, 2, chunk_us)}"
             print(line, flush=True)
             del step
     return times
@@ -514,8 +494,7 @@ def main(args):
         device, shape = torch.device("cpu"), (2, 4, 16, 16)
         if args.tune:
             return tune_table(device, shape, (2,), (0, 2), candidates=((8, 1), (16, 2)), baseline=args.baseline)
-        decode_kernel_table(device, shape, (1, 4), (0, 2), old_path=not args.skip_old, baseline=args.baseline,
-                            chunk_variant=args.chunk_variant)
+        decode_kernel_table(device, shape, (1, 4), (0, 2), old_path=not args.skip_old, baseline=args.baseline)
         if not args.kernels:
             prefill_table(device, shape, (64, 256))
         return
@@ -533,7 +512,7 @@ def main(args):
     if args.e2e:
         return end_to_end_table((1, 8, 32), steps=20)
     decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4), old_path=not args.skip_old, baseline=args.baseline,
-                        graph_calls=args.graph_calls, chunk_variant=args.chunk_variant)
+                        graph_calls=args.graph_calls)
     if args.kernels:
         return
     prefill_table(device, shape, (64, 256, 512, 1024, 4096, 8192))

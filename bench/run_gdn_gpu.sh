@@ -16,11 +16,6 @@
 #               Baseline: $GDN_BASELINE_FILE (default .scratch/gdn_baseline/gdn_replay.py, a copy of
 #               main's gdn_replay.py, gdn_recurrent.py and gdn_tiles.py made when the work began)
 #   sweep-quick sweep's benchmark parts on the CPU (tiny shapes, interpreted): a smoke test
-#   chunked     one call for the chunked own rows (gdn5): the kernel table (graph-timed, the baseline's
-#               step from $GDN_BASELINE_FILE in the same process, and the chunk0 variant: row 0 chunked
-#               too), then test_gdn_gpu.py (kernel tests, then the controller graph tests) with the
-#               time left of GDN_CALL_SECONDS (default 195); each part under its own timeout
-#   chunked-quick  its table on the CPU (tiny shapes, interpreted): a smoke test
 # The baseline: the same bench script run against the package of $GDN_BASELINE_ROOT (default: the
 # checkout two levels up, where the device tool puts the lead's main when this one is .wt/<name>).
 set -uo pipefail
@@ -61,7 +56,7 @@ case "${1:-}" in
       | grep -v Warning | tee "$out/kernels.txt"
     if [ -z "$quick" ]; then
       timeout 130 python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
-        -k "pending_rows_equal or plain_rows or table_launch or graphs_equal_eager or mixed_steps_replay" 2>&1 \
+        -k "pending_rows_equal or bit_for_bit or table_launch or graphs_equal_eager or mixed_steps_replay" 2>&1 \
         | tee "$out/functional.log" | tail -15
       left=$(( ${GDN_CALL_SECONDS:-235} - (SECONDS - started) - 5 ))
       if [ "$left" -gt 30 ]; then
@@ -98,28 +93,6 @@ case "${1:-}" in
     echo "== summary (device: $(cat "$out/device.txt" 2>/dev/null)) =="
     sed -n '/per candidate, share/,/^$/p' "$out/tune.txt"
     grep -E "^ *(1|32|128) +[024] \|" "$out/kernels.txt" || true
-    tail -2 "$out/functional_kernels.log" "$out/functional_hybrid.log" 2>/dev/null || true ;;
-  chunked|chunked-quick)
-    started=$SECONDS
-    base="${GDN_BASELINE_FILE:-.scratch/gdn_baseline/gdn_replay.py}"
-    [ -f "$base" ] || { echo "no baseline at $base"; base=""; }
-    quick=""; [ "$1" = chunked-quick ] && quick="--quick" && export TRITON_INTERPRET=1
-    timeout 65 python3 bench/bench_gdn.py --kernels --skip-old --chunk-variant $quick ${base:+--baseline "$base"} \
-      2>&1 | grep -v Warning | tee "$out/kernels.txt"
-    if [ -z "$quick" ]; then
-      left=$(( ${GDN_CALL_SECONDS:-195} - (SECONDS - started) - 5 ))
-      timeout "$left" python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
-        -k "not hybrid" --durations=5 2>&1 | tee "$out/functional_kernels.log" | tail -15
-      left=$(( ${GDN_CALL_SECONDS:-195} - (SECONDS - started) - 3 ))
-      if [ "$left" -gt 20 ]; then
-        timeout "$left" python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
-          -k "hybrid" 2>&1 | tee "$out/functional_hybrid.log" | tail -15
-      else
-        echo "controller graph tests skipped: ${left}s left" | tee "$out/functional_hybrid.log"
-      fi
-    fi
-    echo "== summary (device: $(cat "$out/device.txt" 2>/dev/null)) =="
-    grep -E "^ *(1|4|32|128) +[024] \|" "$out/kernels.txt" || true
     tail -2 "$out/functional_kernels.log" "$out/functional_hybrid.log" 2>/dev/null || true ;;
   *)
     # "functional" runs the tests alone: at 59f0165 the two controller graph tests did not finish

@@ -9,12 +9,9 @@ verify row (:func:`gdn_decode_rows`) costs R state writes and a commit copy, and
 
 - :func:`gdn_verify_rows` reads the slot's state once and first applies the slot's
   ``pending_rows[slot]`` stored rows (``row_inputs[layer, slot, input_parity[slot]]``: the rows its
-  last verify step kept), then gives its own R rows' outputs: row 0 stepped as plain decoding
-  steps it, rows 1 .. R - 1 in the chunked form from the state after row 0 (``_chunk_outputs``:
-  2 (R - 1) independent products of that state with the rows' k and q, R x R scalars and a
-  triangular recurrence on ``[BLOCK_V]`` vectors; no rank-1 update of the state tile for them:
-  the commit is deferred, so their states are never needed). With R > 1 it writes the committed
-  state (the state before its rows) back and stores row ``j``'s ``(k, v, g, beta)`` in the OTHER buffer,
+  last verify step kept), then keeps the state in registers through its own R rows (their
+  outputs need the state after every row). With R > 1 it writes the committed state (the state
+  before its rows) back and stores row ``j``'s ``(k, v, g, beta)`` in the OTHER buffer,
   ``row_inputs[layer, slot, 1 - parity, j]``, as ``[k (Hk K) | v (H V) | g (H) | beta (H)]``: the
   programs of one launch that share a key head's ``k`` may still be applying the old rows. With
   R = 1 (plain decoding, nothing to roll back) it writes the state after the row instead and
@@ -25,13 +22,10 @@ verify row (:func:`gdn_decode_rows`) costs R state writes and a commit copy, and
   drafts leave the base row pending: the state one plain decode row leaves, once applied.
 
 Every GDN kernel steps the rule with :func:`mtp_ctrl.triton_ops.gdn_recurrent._delta_rule_update`
-under one launch shape, so a pending row applied in the next step gives the state a plain R = 1
-row computes, bit for bit (the order of the sums over K follows the shape: two shapes agree to
-fp32 rounding only): the committed states, the stored inputs and row 0's output equal plain
-decoding's bit for bit. The outputs of rows 1 .. R - 1 (a kept draft's row) come from the chunked
-form and differ from a plain row's in their last bits (fp32 rounding, ~1e-7 relative), as
-attention's verify rows differ from its decode rows. Rows past the pending count are skipped
-(they would be exact no-ops: g = beta = 0, k = v = 0).
+under one launch shape, so a pending row applied in the next step gives the state the verify row
+saw and a plain R = 1 row computes, bit for bit (the order of the sums over K follows the shape:
+two shapes agree to fp32 rounding only). Rows past the pending count are skipped (they would be
+exact no-ops: g = beta = 0, k = v = 0).
 
 Launch: one program per (value tile, head, request) holds a ``[K, BLOCK_V]`` state tile in
 registers. It loads every row's inputs and the pending rows' first and the state after them, so
@@ -41,9 +35,8 @@ all its loads are in flight together and none waits behind a store or behind the
 Worked example (S = 2, F for Hk = 1, K = 2, H = 2, V = 2 is 2 + 4 + 2 + 2 = 10): slot 5 holds 2
 pending rows in buffer 1. A step verifying rows x, y, z loads ``state[l, 5]``, applies
 ``row_inputs[l, 5, 1, 0..1]``, writes the result to ``state[l, 5]``, stores x, y, z in
-``row_inputs[l, 5, 0, 0..2]``, steps x for its output and gives y's and z's in the chunked form;
-``accepted_counts = 0`` then sets ``pending_rows[5] = 1``, ``input_parity[5] = 0``: the next step
-applies x only.
+``row_inputs[l, 5, 0, 0..2]`` and steps them for their outputs; ``accepted_counts = 0`` then sets
+``pending_rows[5] = 1``, ``input_parity[5] = 0``: the next step applies x only.
 
 Twins: :mod:`mtp_ctrl.triton_ops.reference.gdn`.
 """
@@ -62,9 +55,6 @@ from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles, gdn_verify_tiles
 
 _VERIFY_VALIDATED = ValidatedSignatures()
 _MARK_VALIDATED = ValidatedSignatures()
-# R > 1: row 0 is stepped as plain decoding steps it, rows 1 .. R - 1 take the chunked form from the
-# state after it. 0 (every row chunked from the committed state) is a variant the benchmark times.
-_CHUNK_FROM_ROW = 1
 _MAX_GRID_YZ = 65535  # CUDA's limit on the second and third grid dimensions (heads or layers x heads; requests)
 
 
@@ -88,43 +78,6 @@ def _load_rows(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row, num_rows, head, 
     return qs, ks, vs, gs, betas
 
 
-@triton.jit
-def _chunk_outputs(base, qs, ks, vs, gs, betas, out_ptrs, out_stride_t, is_value, FIRST: tl.constexpr,
-                   ROWS: tl.constexpr):
-    """Outputs of rows ``FIRST .. ROWS - 1`` from ``base`` ``[BLOCK_K, BLOCK_V]`` (the state before row
-    FIRST) without stepping it: the chunked form. With ``G_j`` the gates summed over rows FIRST .. j,
-    ``u_j = beta_j (v_j - exp(G_j) base^T k_j - sum_{i<j} exp(G_j - G_i) (k_i . k_j) u_i)`` and
-    ``o_j = exp(G_j) base^T q_j + sum_{i<=j} exp(G_j - G_i) (q_j . k_i) u_i`` (gate differences of
-    i <= j only: each exp <= 1). The 2 (ROWS - FIRST) products with ``base`` are independent."""
-    # tuples indexed by row (rows before FIRST hold placeholders: a tuple takes constexpr indices only)
-    key_products, query_products, gates = (), (), ()
-    total = gs[FIRST] * 0.0
-    for j in tl.static_range(ROWS):
-        if j >= FIRST:
-            key_products = key_products + (tl.sum(base * ks[j][:, None], axis=0),)  # [BLOCK_V] base^T k_j
-            query_products = query_products + (tl.sum(base * qs[j][:, None], axis=0),)
-            total = total + gs[j]
-        else:
-            key_products, query_products = key_products + (total,), query_products + (total,)
-        gates = gates + (total,)  # [BLOCK_V] G_j, one value
-    deltas = ()
-    for j in tl.static_range(ROWS):
-        if j < FIRST:
-            deltas = deltas + (total,)
-        else:
-            grown = tl.exp(gates[j])
-            rhs = vs[j] - grown * key_products[j]  # [BLOCK_V]
-            o = grown * query_products[j]
-            for i in tl.static_range(FIRST, j):
-                decay = tl.exp(gates[j] - gates[i])
-                rhs = rhs - decay * tl.sum(ks[i] * ks[j], axis=0) * deltas[i]
-                o = o + decay * tl.sum(qs[j] * ks[i], axis=0) * deltas[i]
-            delta = betas[j] * rhs
-            deltas = deltas + (delta,)
-            o = o + tl.sum(qs[j] * ks[j], axis=0) * delta
-            tl.store(out_ptrs + j * out_stride_t, o, mask=is_value)
-
-
 # num_rows only bounds masks: not specialised, so one compiled kernel serves every batch size
 @triton.jit(do_not_specialize=["num_rows"])
 def _gdn_verify_rows_kernel(
@@ -134,7 +87,6 @@ def _gdn_verify_rows_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h,
     beta_stride_t, beta_stride_h, out_stride_t, out_stride_h,
     ROWS: tl.constexpr, STORED_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    CHUNK_FROM: tl.constexpr,
 ):
     """Grid ``(value tiles, H, nd)``: program (t, h, r) applies request r's pending rows and walks its
     R rows for head h, value dims of tile t (module docstring). The tiles of one head are neighbours
@@ -189,14 +141,12 @@ def _gdn_verify_rows_kernel(
             tl.store(row_ptr + v_offset + values, vs[j], mask=is_value)
             tl.store(row_ptr + g_offset + lanes * 0, gs[j], mask=stores_gate)
             tl.store(row_ptr + g_offset + heads + lanes * 0, betas[j], mask=stores_gate)
-    out_ptrs = OUT_PTR + first_row * out_stride_t + head * out_stride_h + values
-    if CHUNK_FROM == 1 or ROWS == 1:  # row 0 stepped as plain decoding steps it: its output bit for bit
-        state = _delta_rule_update(state, ks[0], vs[0], gs[0], betas[0])
-        tl.store(out_ptrs, tl.sum(state * qs[0][:, None], axis=0), mask=is_value)
+    for j in tl.static_range(ROWS):
+        state = _delta_rule_update(state, ks[j], vs[j], gs[j], betas[j])
+        tl.store(OUT_PTR + (first_row + j) * out_stride_t + head * out_stride_h + values,
+                 tl.sum(state * qs[j][:, None], axis=0), mask=is_value)
     if ROWS == 1:  # plain decoding: the row is always kept
         tl.store(state_ptrs, state, mask=tile_mask)
-    else:
-        _chunk_outputs(state, qs, ks, vs, gs, betas, out_ptrs, out_stride_t, is_value, CHUNK_FROM, ROWS)
 
 
 @triton.jit
@@ -329,7 +279,7 @@ def gdn_verify_rows(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *g.stride(), *beta.stride(),
         out.stride(0), out.stride(1),
         ROWS=rows_per_request, STORED_ROWS=row_inputs.shape[3], BLOCK_K=block_k, BLOCK_V=block_v,
-        CHUNK_FROM=_CHUNK_FROM_ROW, num_warps=tiles.num_warps)
+        num_warps=tiles.num_warps)
     return out
 
 

@@ -46,8 +46,7 @@ class GDNTiles:
 DEFAULT_TILES = GDNTiles(block_v=32, num_warps=2)
 
 # The shapes `bench_gdn.py --tune` times and `tests/functional/test_gdn_gpu.py` checks bit for bit
-# (S = 4 verify steps' states and row 0 outputs == R = 1 steps' under each), so DEFAULT_TILES can move
-# to any of them on figures.
+# (S = 4 verify steps == R = 1 steps under each), so DEFAULT_TILES can move to any of them on figures.
 CANDIDATE_TILES = tuple(GDNTiles(*shape) for shape in ((32, 2), (16, 2), (32, 4), (16, 4), (16, 1), (8, 1)))
 
 # (requests at most, rows per request at most) -> tiles; None: no bound. The first entry whose

@@ -128,12 +128,10 @@ def cases():
                pointers(gdn, "fp32", SLOTS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
                dict(DECODE=decode, ROWS=3, BLOCK_K=128, BLOCK_V=32))
     verify = gdn_replay._gdn_verify_rows_kernel
-    # plain decoding (state in place) and verify rows of S = 2 (inputs stored; row 0 stepped, or chunked
-    # too: the benchmark's variant); 3 pending
-    for rows, chunk_from in ((1, 1), (3, 1), (3, 0)):
-        yield (f"GDN verify rows, R = {rows}, chunked from row {chunk_from}", verify,
+    for rows in (1, 3):  # plain decoding (state in place) and verify rows of S = 2 (inputs stored); 3 pending
+        yield (f"GDN verify rows, R = {rows}", verify,
                pointers(verify, "fp32", SLOTS_PTR="i64", PENDING_PTR="i32", PARITY_PTR="i32"), set(),
-               dict(ROWS=rows, STORED_ROWS=3, BLOCK_K=128, BLOCK_V=32, CHUNK_FROM=chunk_from))
+               dict(ROWS=rows, STORED_ROWS=3, BLOCK_K=128, BLOCK_V=32))
     mark = gdn_replay._gdn_mark_pending_rows_kernel
     yield ("GDN pending rows", mark, pointers(mark, "i64", PENDING_PTR="i32", PARITY_PTR="i32"), set(),
            dict(ROWS=3, BLOCK=128))

@@ -13,8 +13,7 @@ One row ``t`` of one head, from state ``S`` (``q`` l2-normalised and scaled by `
 - :func:`gdn_decode_rows` steps the R rows of each decode request one after another and writes
   the state after every row to the slot's intermediate buffer (the controller commits one);
 - :func:`gdn_verify_rows` first applies the slot's pending rows (the rows its last verify step
-  kept), writes that state back, then steps row 0 the same way and gives rows 1 .. R - 1's outputs
-  in the chunked form from the state after row 0 (no state per row), and stores each row's
+  kept), writes that state back, then steps the rows the same way and stores each row's
   ``(k, v, g, beta)`` in the other buffer instead of its state (R = 1: writes the state after the
   row back); :func:`gdn_mark_pending_rows` is the commit, recording the kept rows
   (:mod:`mtp_ctrl.triton_ops.gdn_replay`);
@@ -168,31 +167,6 @@ def _stored_rows(row_inputs: torch.Tensor, layer: int, slots: torch.Tensor, pari
     return k, v.reshape(count, stored, heads, value_dim), g, beta
 
 
-def _chunk_outputs(base: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor):
-    """Outputs ``[n, H, V]`` of rows ``j = 0 .. C - 1`` (q, k ``[n, C, H, K]``, v ``[n, C, H, V]``, g, beta
-    ``[n, C, H]``) from ``base`` ``[n, H, K, V]`` (the state before row 0) without stepping the state:
-    with ``G_j`` the gates summed over rows 0 .. j,
-    ``u_j = beta_j (v_j - exp(G_j) base^T k_j - sum_{i<j} exp(G_j - G_i) (k_i . k_j) u_i)`` and
-    ``o_j = exp(G_j) base^T q_j + sum_{i<=j} exp(G_j - G_i) (q_j . k_i) u_i`` (the chunked form of
-    :func:`gdn_varlen_scan`, forward substitution; equal to stepping the rows up to fp32 rounding)."""
-    key_products = torch.einsum("nchk,nhkv->nchv", k, base)  # [n, C, H, V] base^T k_j
-    query_products = torch.einsum("nchk,nhkv->nchv", q, base)
-    gates = torch.cumsum(g, dim=1)  # [n, C, H] G_j
-    deltas, outputs = [], []
-    for j in range(k.shape[1]):
-        grown = torch.exp(gates[:, j])[..., None]  # [n, H, 1]
-        rhs = v[:, j] - grown * key_products[:, j]  # [n, H, V]
-        o = grown * query_products[:, j]
-        for i in range(j):
-            decay = torch.exp(gates[:, j] - gates[:, i])  # [n, H], <= 1
-            rhs = rhs - (decay * (k[:, i] * k[:, j]).sum(-1))[..., None] * deltas[i]
-            o = o + (decay * (q[:, j] * k[:, i]).sum(-1))[..., None] * deltas[i]
-        deltas.append(beta[:, j, :, None] * rhs)
-        outputs.append(o + (q[:, j] * k[:, j]).sum(-1)[..., None] * deltas[j])
-    return outputs
-
-
 def gdn_verify_rows(
     recurrent_states: torch.Tensor,  # [L, M, H, K, V] fp32: the pending rows applied, and R = 1's row
     row_inputs: torch.Tensor,  # [L, M, 2, P, F] fp32: pending rows at the slot's parity; R > 1 stores at 1 - parity
@@ -228,13 +202,11 @@ def gdn_verify_rows(
     for row in range(row_inputs.shape[3]):
         stepped = _delta_rule_step(state, stored_k[:, row], stored_v[:, row], stored_g[:, row], stored_beta[:, row])
         state = torch.where((pending > row)[:, None, None, None], stepped, state)
+    outputs = []
     committed = state
-    # row 0 as plain decoding steps it; rows 1 .. R - 1 in the chunked form from the state after it
-    state = _delta_rule_step(state, k_heads[:, 0], v_rows[:, 0], g_rows[:, 0], beta_rows[:, 0])
-    outputs = [torch.einsum("nhk,nhkv->nhv", q_heads[:, 0], state)]
-    if stride > 1:
-        outputs += _chunk_outputs(state, q_heads[:, 1:], k_heads[:, 1:], v_rows[:, 1:], g_rows[:, 1:],
-                                  beta_rows[:, 1:])
+    for row in range(stride):
+        state = _delta_rule_step(state, k_heads[:, row], v_rows[:, row], g_rows[:, row], beta_rows[:, row])
+        outputs.append(torch.einsum("nhk,nhkv->nhv", q_heads[:, row], state))
     if stride == 1:
         recurrent_states[layer, slot_ids] = state.to(recurrent_states.dtype)
     else:  # the committed state back; [nd, R, F]: [k | v | g | beta] into the other buffer
