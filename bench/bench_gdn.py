@@ -56,6 +56,11 @@ def parse_args(argv=None):
                              "gdn_replay_accepted)")
     parser.add_argument("--tune-scope", metavar="BATCHES/DRAFTS/CANDIDATES",
                         help="with --tune: e.g. '32,128/0,2/8x1,16x1,32x4' (default: 1,32,128/0,2,4/all)")
+    parser.add_argument("--schedules", metavar="SCHEDULES",
+                        help="with --tune: row schedules (GDNRowSchedule, 'own/pending/ahead/q/maxreg', 'all' = "
+                             "every row early) timed under each shape, comma-separated, or 'candidates' "
+                             "(gdn_tiles.CANDIDATE_SCHEDULES); each first call is checked torch.equal against "
+                             "the baseline's (outputs, states, stored rows)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -135,8 +140,35 @@ def _table_tiles(batch, R):
 
 
 def _tiles_name(tiles):
-    """``BLOCK_V/warps``."""
-    return f"{tiles.block_v}/{tiles.num_warps}"
+    """``BLOCK_V/warps`` (and ``:`` the row schedule when it has one)."""
+    schedule = getattr(tiles, "schedule", None)
+    return f"{tiles.block_v}/{tiles.num_warps}" + (f":{schedule_name(schedule)}" if schedule is not None else "")
+
+
+def parse_schedule(text):
+    """``own/pending/ahead/q/maxreg`` (``all``: every row early; q: 1 = at its row) -> GDNRowSchedule."""
+    from mtp_ctrl.triton_ops.gdn_tiles import GDNRowSchedule
+
+    own, pending, ahead, q_at_row, max_registers = text.split("/")
+    return GDNRowSchedule(own_early=None if own == "all" else int(own),
+                          pending_early=None if pending == "all" else int(pending), ahead=int(ahead),
+                          q_at_row=bool(int(q_at_row)), max_registers=int(max_registers))
+
+
+def schedule_name(schedule):
+    """The inverse of :func:`parse_schedule`."""
+    def rows(value):
+        return "all" if value is None else str(value)
+    return (f"{rows(schedule.own_early)}/{rows(schedule.pending_early)}/{schedule.ahead}/{int(schedule.q_at_row)}/"
+            f"{schedule.max_registers}")
+
+
+def _make_tiles(candidate):
+    """GDNTiles of a candidate ``(BLOCK_V, warps)`` or ``(BLOCK_V, warps, schedule text)``."""
+    from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
+
+    block_v, num_warps, *schedule = candidate
+    return GDNTiles(block_v, num_warps, parse_schedule(schedule[0]) if schedule else None)
 
 
 def _verify_setup(device, shape, batch, S):
@@ -256,15 +288,13 @@ TUNE_CANDIDATES = _candidates()
 def _compile_candidates(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
     """Worker of --tune's parallel compile: run each (kernel, S, BLOCK_V, warps) once at batch 1 at
     Qwen3-Next's shape, so its binary lands in Triton's cache for the timing process."""
-    from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
-
     device = torch.device(device_type)
     for kernel, S, *tiles in jobs:
         step = _verify_setup(device, shape, 1, S)
         if kernel == "baseline":  # tiles[0]: the baseline's path
             _time_baseline(_load_baseline(tiles[0]), device, step, shape[0], S, repeats=0)
             continue
-        _deferred_step(step, S, tiles=GDNTiles(*tiles))
+        _deferred_step(step, S, tiles=_make_tiles(tiles))
     if device.type == "cuda":
         torch.cuda.synchronize()
     return len(jobs)
@@ -350,8 +380,6 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, basel
     copy, beside the baseline's step (``baseline``: another checkout's gdn_replay.py), then per
     candidate its share of the copy at every (batch, S) and its S = 2 / S = 0 time (the one shape
     for every launch is chosen from that table). Returns {(kernel, batch, S): (us, tiles)}."""
-    from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
-
     key_heads, heads, key_dim, value_dim = shape
     state_bytes = heads * key_dim * value_dim * 4
     copy_gbs = copy_bandwidth_gbs(device, max(batches) * state_bytes * 2)
@@ -364,7 +392,8 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, basel
                         + [("baseline", S, baseline) for S in drafts if baseline])
         except Exception as error:  # the timing loop compiles what is missing, one after another
             print(f"   parallel compile failed ({type(error).__name__}: {error}); compiling while timing")
-    print(f"{'batch':>5} {'S':>2} {'tiles':>6} {'us':>8} {'of copy':>7} {'max|diff|':>9}")
+    print(f"{'batch':>5} {'S':>2} {'tiles':>6} {'us':>8} {'of copy':>7} {'max|diff|':>9}"
+          + (f" {'==base':>6}" if baseline else ""))
     best, times = {}, {}
     base_module = _load_baseline(baseline) if baseline else None
     for batch in batches:
@@ -377,17 +406,24 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, basel
                 print(f"{batch:5d} {S:2d} {'base':>6} {sum(base):8.1f} "
                       f"{batch * state_bytes * 2 / sum(base) / 1e3 / copy_gbs:7.0%}")
             first, start = None, {name: step[name].clone() for name in ("states", "row_inputs", "parity")}
+            want = None
+            if base_module is not None:  # the baseline's first call from the same start: what bit for bit means
+                want = (_deferred_step(step, S, module=base_module).clone(), step["states"].clone(),
+                        step["row_inputs"].clone())
             for candidate in candidates:
-                tiles = GDNTiles(*candidate)
+                tiles = _make_tiles(candidate)
                 for name, value in start.items():  # each candidate's first call from the same start
                     step[name].copy_(value)
                 result = _deferred_step(step, S, tiles).clone()
+                same = want is not None and all(torch.equal(got, expected) for got, expected in zip(
+                    (result, step["states"], step["row_inputs"]), want))
                 first = result if first is None else first
                 diff = (result - first).abs().max().item()
                 us = _time_ms(lambda: _deferred_step(step, S, tiles), device, 20, graph_calls) * 1e3
                 times[(candidate, batch, S)] = us
                 print(f"{batch:5d} {S:2d} {_tiles_name(tiles):>6} {us:8.1f} "
-                      f"{batch * state_bytes * 2 / us / 1e3 / copy_gbs:7.0%} {diff:9.2e}", flush=True)
+                      f"{batch * state_bytes * 2 / us / 1e3 / copy_gbs:7.0%} {diff:9.2e}"
+                      + (f" {'yes' if same else 'NO':>6}" if want is not None else ""), flush=True)
                 if ("step", batch, S) not in best or us < best[("step", batch, S)][0]:
                     best[("step", batch, S)] = (us, tiles)
             del step
@@ -396,14 +432,14 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, basel
     columns = [(batch, S) for batch in batches for S in drafts]
     print(f"{'tiles':>6} | " + " ".join(f"{f'b{batch}/S{S}':>8}" for batch, S in columns)
           + " | " + " ".join(f"{f'b{batch} S2/S0':>10}" for batch in batches if 0 in drafts and 2 in drafts))
-    rows = [(_tiles_name(GDNTiles(*c)), {key: times[(c,) + key] for key in columns}) for c in candidates]
+    rows = [(_tiles_name(_make_tiles(c)), {key: times[(c,) + key] for key in columns}) for c in candidates]
     if baseline:
         rows.insert(0, ("base", {key: best[("baseline",) + key][0] for key in columns}))
     for name, row in rows:
         shares = " ".join(f"{batch * state_bytes * 2 / row[(batch, S)] / 1e3 / copy_gbs:8.0%}" for batch, S in columns)
         ratios = " ".join(f"{row[(batch, 2)] / row[(batch, 0)]:9.2f}x" for batch in batches
                           if 0 in drafts and 2 in drafts)
-        print(f"{name:>6} | {shares} | {ratios}")
+        print(f"{name:>6} | {shares} | {ratios}", flush=True)
     # For reading only: gdn_tiles.py holds ONE shape for every launch (a verify row and a plain row
     # agree bit for bit only under one launch shape; see its DEFAULT_TILES), never a shape per launch.
     print("\n--tune: the fastest shape per launch (gdn_tiles.DEFAULT_TILES must be ONE shape for all)")
@@ -489,11 +525,24 @@ def end_to_end_table(batches, steps):
     dist.destroy_process_group()
 
 
+def _schedule_texts(args):
+    """--schedules as texts (``candidates``: gdn_tiles.CANDIDATE_SCHEDULES)."""
+    from mtp_ctrl.triton_ops.gdn_tiles import CANDIDATE_SCHEDULES
+
+    if args.schedules == "candidates":
+        return tuple(schedule_name(schedule) for schedule in CANDIDATE_SCHEDULES)
+    return tuple(args.schedules.split(","))
+
+
 def main(args):
     if args.quick:
         device, shape = torch.device("cpu"), (2, 4, 16, 16)
         if args.tune:
-            return tune_table(device, shape, (2,), (0, 2), candidates=((8, 1), (16, 2)), baseline=args.baseline)
+            candidates = ((8, 1), (16, 2))
+            if args.schedules:
+                candidates = tuple((16, 2, text) for text in _schedule_texts(args))
+            return tune_table(device, shape, (2,), (0, 2, 4) if args.schedules else (0, 2), candidates=candidates,
+                              baseline=args.baseline)
         decode_kernel_table(device, shape, (1, 4), (0, 2), old_path=not args.skip_old, baseline=args.baseline)
         if not args.kernels:
             prefill_table(device, shape, (64, 256))
@@ -507,6 +556,8 @@ def main(args):
             batches, drafts = (tuple(int(x) for x in part.split(",")) for part in parts[:2])
             if len(parts) > 2:
                 candidates = tuple(tuple(int(x) for x in pair.split("x")) for pair in parts[2].split(","))
+        if args.schedules:
+            candidates = tuple(candidate + (text,) for candidate in candidates for text in _schedule_texts(args))
         return tune_table(device, shape, batches, drafts, candidates=candidates, baseline=args.baseline,
                           graph_calls=args.graph_calls)
     if args.e2e:

@@ -50,8 +50,8 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, ValidatedSignatures, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
-from mtp_ctrl.triton_ops.gdn_recurrent import _check_rows, _delta_rule_update, _load_row
-from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles, gdn_verify_tiles
+from mtp_ctrl.triton_ops.gdn_recurrent import _check_rows, _delta_rule_update
+from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles, gdn_row_schedule, gdn_verify_tiles
 
 _VERIFY_VALIDATED = ValidatedSignatures()
 _MARK_VALIDATED = ValidatedSignatures()
@@ -64,18 +64,52 @@ def gdn_row_input_width(key_heads: int, key_dim: int, heads: int, value_dim: int
 
 
 @triton.jit
-def _load_rows(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row, num_rows, head, key_head, keys, is_key, values,
-               is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
-               g_stride_h, beta_stride_t, beta_stride_h, ROWS: tl.constexpr):
-    """Rows ``first_row .. first_row + ROWS - 1``'s (q, k, v, g, beta), each a tuple of ROWS tensors
-    (:func:`mtp_ctrl.triton_ops.gdn_recurrent._load_row`: rows at or past ``num_rows`` read zeros)."""
-    qs, ks, vs, gs, betas = (), (), (), (), ()
-    for j in tl.static_range(ROWS):
-        q, k, v, g, beta = _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j, num_rows, head, key_head,
-                                     keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
-                                     v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h)
-        qs, ks, vs, gs, betas = qs + (q,), ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
-    return qs, ks, vs, gs, betas
+def _load_q(Q_PTR, row, num_rows, key_head, keys, is_key, q_stride_t, q_stride_h):
+    """Row ``row``'s q ``[BLOCK_K]`` (zeros at or past ``num_rows``), as :func:`_load_row` loads it."""
+    key_row = keys * 0 + row < num_rows  # [BLOCK_K] bool, one value
+    return tl.load(Q_PTR + row * q_stride_t + key_head * q_stride_h + keys, mask=is_key & key_row, other=0.0)
+
+
+@triton.jit
+def _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys, is_key, values, is_value,
+                        k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t,
+                        beta_stride_h):
+    """Row ``row``'s k ``[BLOCK_K]``, v, g, beta ``[BLOCK_V]`` (zeros at or past ``num_rows``), as
+    :func:`mtp_ctrl.triton_ops.gdn_recurrent._load_row` loads them (same masks, same order)."""
+    key_row = keys * 0 + row < num_rows  # [BLOCK_K] bool, one value
+    value_row = values * 0 + row < num_rows  # [BLOCK_V] bool
+    k = tl.load(K_PTR + row * k_stride_t + key_head * k_stride_h + keys, mask=is_key & key_row, other=0.0)
+    v = tl.load(V_PTR + row * v_stride_t + head * v_stride_h + values, mask=is_value & value_row, other=0.0)
+    g = tl.load(G_PTR + row * g_stride_t + head * g_stride_h + values * 0, mask=value_row, other=0.0)
+    beta = tl.load(BETA_PTR + row * beta_stride_t + head * beta_stride_h + values * 0, mask=value_row, other=0.0)
+    return k, v, g, beta
+
+
+@triton.jit
+def _load_pending_row(INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head,
+                      key_dim, keys, is_key, values, is_value, v_offset, g_offset, heads):
+    """Stored row ``j``'s (k ``[BLOCK_K]``, v, g, beta ``[BLOCK_V]``) of the slot's pending buffer; zeros
+    past the pending count."""
+    kept_k = keys * 0 + j < pending  # [BLOCK_K] bool, one value
+    kept_v = values * 0 + j < pending  # [BLOCK_V] bool
+    row_ptr = INPUTS_PTR + slot * inputs_s_slot + parity * inputs_s_parity + j * inputs_s_row
+    k = tl.load(row_ptr + key_head * key_dim + keys, mask=is_key & kept_k, other=0.0)
+    v = tl.load(row_ptr + v_offset + values, mask=is_value & kept_v, other=0.0)
+    g = tl.load(row_ptr + g_offset + values * 0, mask=kept_v, other=0.0)
+    beta = tl.load(row_ptr + g_offset + heads + values * 0, mask=kept_v, other=0.0)
+    return k, v, g, beta
+
+
+@triton.jit
+def _store_row_inputs(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head, key_dim,
+                      keys, values, is_value, lanes, v_offset, g_offset, heads, stores_k, stores_gate, k, v, g, beta):
+    """Own row ``j``'s (k, v, g, beta) into the slot's other buffer (``1 - parity``): k by one program
+    a key head, g and beta by one lane of one program a head."""
+    row_ptr = INPUTS_PTR + slot * inputs_s_slot + (1 - parity) * inputs_s_parity + j * inputs_s_row
+    tl.store(row_ptr + key_head * key_dim + keys, k, mask=stores_k)
+    tl.store(row_ptr + v_offset + values, v, mask=is_value)
+    tl.store(row_ptr + g_offset + lanes * 0, g, mask=stores_gate)
+    tl.store(row_ptr + g_offset + heads + lanes * 0, beta, mask=stores_gate)
 
 
 # num_rows only bounds masks: not specialised, so one compiled kernel serves every batch size
@@ -87,10 +121,14 @@ def _gdn_verify_rows_kernel(
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h,
     beta_stride_t, beta_stride_h, out_stride_t, out_stride_h,
     ROWS: tl.constexpr, STORED_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    OWN_EARLY: tl.constexpr, PENDING_EARLY: tl.constexpr, AHEAD: tl.constexpr, Q_AT_ROW: tl.constexpr,
 ):
     """Grid ``(value tiles, H, nd)``: program (t, h, r) applies request r's pending rows and walks its
     R rows for head h, value dims of tile t (module docstring). The tiles of one head are neighbours
-    in launch order."""
+    in launch order. When inputs load (:class:`mtp_ctrl.triton_ops.gdn_tiles.GDNLoadOrder`): own rows
+    ``< OWN_EARLY`` and pending rows ``< PENDING_EARLY`` before the state; every other row ``AHEAD``
+    rows before its step in the sequence pending rows, then own rows (0: just before it); with
+    ``Q_AT_ROW`` an own row's q just before its step. Only the loads move: the arithmetic is one."""
     tile = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     request = tl.program_id(2).to(tl.int64)
@@ -103,12 +141,18 @@ def _gdn_verify_rows_kernel(
     is_value = values < value_dim
     tile_mask = is_key[:, None] & is_value[None, :]
     first_row = request * ROWS
-    # every row's inputs first, then the pending rows' and the state: all loads in flight together,
-    # none behind a store or behind the serial rows
-    qs, ks, vs, gs, betas = _load_rows(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row, num_rows, head, key_head,
-                                       keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t,
-                                       k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t,
-                                       beta_stride_h, ROWS)
+    # the early rows' inputs first, then the early pending rows' and the state: all these loads in
+    # flight together, none behind a store or behind the serial rows
+    qs, ks, vs, gs, betas = (), (), (), (), ()
+    for j in tl.static_range(ROWS):
+        if j < OWN_EARLY:
+            if not Q_AT_ROW:
+                qs = qs + (_load_q(Q_PTR, first_row + j, num_rows, key_head, keys, is_key, q_stride_t, q_stride_h),)
+            k, v, g, beta = _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j, num_rows, head,
+                                                key_head, keys, is_key, values, is_value, k_stride_t, k_stride_h,
+                                                v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t,
+                                                beta_stride_h)
+            ks, vs, gs, betas = ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
     slot = tl.load(SLOTS_PTR + request).to(tl.int64)
     pending = tl.load(PENDING_PTR + slot)
     parity = tl.load(PARITY_PTR + slot).to(tl.int64)
@@ -117,34 +161,85 @@ def _gdn_verify_rows_kernel(
     # the deferred commit: rows 0 .. pending - 1 of the buffer the last verify step wrote (the rest: zeros)
     pks, pvs, pgs, pbetas = (), (), (), ()
     for j in tl.static_range(STORED_ROWS):
-        kept_k = keys * 0 + j < pending  # [BLOCK_K] bool, one value
-        kept_v = values * 0 + j < pending  # [BLOCK_V] bool
-        row_ptr = INPUTS_PTR + slot * inputs_s_slot + parity * inputs_s_parity + j * inputs_s_row
-        pks = pks + (tl.load(row_ptr + key_head * key_dim + keys, mask=is_key & kept_k, other=0.0),)
-        pvs = pvs + (tl.load(row_ptr + v_offset + values, mask=is_value & kept_v, other=0.0),)
-        pgs = pgs + (tl.load(row_ptr + g_offset + values * 0, mask=kept_v, other=0.0),)
-        pbetas = pbetas + (tl.load(row_ptr + g_offset + heads + values * 0, mask=kept_v, other=0.0),)
+        if j < PENDING_EARLY:
+            k, v, g, beta = _load_pending_row(INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity,
+                                              inputs_s_row, key_head, key_dim, keys, is_key, values, is_value,
+                                              v_offset, g_offset, heads)
+            pks, pvs, pgs, pbetas = pks + (k,), pvs + (v,), pgs + (g,), pbetas + (beta,)
     state_ptrs = STATES_PTR + slot * states_s_slot + head * states_s_head + keys[:, None] * states_s_k \
         + values[None, :] * states_s_v
     state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
-    for j in tl.static_range(STORED_ROWS):
+    # late rows: row c of the sequence (pending rows 0 .. P - 1, then own rows as P ..) loads at step
+    # c - AHEAD (those before step 0 here); a row's loads come before any store that follows them
+    for c in tl.static_range(STORED_ROWS + ROWS):
+        if c < AHEAD:
+            if c < STORED_ROWS:
+                if c >= PENDING_EARLY:
+                    k, v, g, beta = _load_pending_row(INPUTS_PTR, slot, parity, c, pending, inputs_s_slot,
+                                                      inputs_s_parity, inputs_s_row, key_head, key_dim, keys, is_key,
+                                                      values, is_value, v_offset, g_offset, heads)
+                    pks, pvs, pgs, pbetas = pks + (k,), pvs + (v,), pgs + (g,), pbetas + (beta,)
+            elif c - STORED_ROWS >= OWN_EARLY:
+                if not Q_AT_ROW:
+                    qs = qs + (_load_q(Q_PTR, first_row + c - STORED_ROWS, num_rows, key_head, keys, is_key,
+                                       q_stride_t, q_stride_h),)
+                k, v, g, beta = _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + c - STORED_ROWS,
+                                                    num_rows, head, key_head, keys, is_key, values, is_value,
+                                                    k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
+                                                    g_stride_h, beta_stride_t, beta_stride_h)
+                ks, vs, gs, betas = ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
+    for j in tl.static_range(STORED_ROWS):  # row j + AHEAD loads at this step (a constexpr: no local)
+        if j + AHEAD < STORED_ROWS:
+            if j + AHEAD >= PENDING_EARLY:
+                k, v, g, beta = _load_pending_row(INPUTS_PTR, slot, parity, j + AHEAD, pending, inputs_s_slot,
+                                                  inputs_s_parity, inputs_s_row, key_head, key_dim, keys, is_key,
+                                                  values, is_value, v_offset, g_offset, heads)
+                pks, pvs, pgs, pbetas = pks + (k,), pvs + (v,), pgs + (g,), pbetas + (beta,)
+        elif j + AHEAD - STORED_ROWS < ROWS:
+            if j + AHEAD - STORED_ROWS >= OWN_EARLY:
+                if not Q_AT_ROW:
+                    qs = qs + (_load_q(Q_PTR, first_row + j + AHEAD - STORED_ROWS, num_rows, key_head, keys, is_key,
+                                       q_stride_t, q_stride_h),)
+                k, v, g, beta = _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j + AHEAD - STORED_ROWS,
+                                                    num_rows, head, key_head, keys, is_key, values, is_value,
+                                                    k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
+                                                    g_stride_h, beta_stride_t, beta_stride_h)
+                ks, vs, gs, betas = ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
         if j < pending:  # rows past the pending count would leave the state exactly as it is: skipped
             state = _delta_rule_update(state, pks[j], pvs[j], pgs[j], pbetas[j])
-    if ROWS > 1:  # the committed state back, and each row's (k, v, g, beta) into the other buffer
+    # the program that stores a head's shared inputs: k once per key head, g and beta once per head
+    stores_k = is_key & (keys * 0 + tile == 0) & (keys * 0 + head % heads_per_key_head == 0)  # [BLOCK_K]
+    stores_gate = (lanes == 0) & (lanes * 0 + tile == 0)  # [BLOCK_V]
+    if ROWS > 1:  # the committed state back, and the early rows' (k, v, g, beta) into the other buffer
         tl.store(state_ptrs, state, mask=tile_mask & (values[None, :] * 0 + pending > 0))
-        # the program that stores a head's shared inputs: k once per key head, g and beta once per head
-        stores_k = is_key & (keys * 0 + tile == 0) & (keys * 0 + head % heads_per_key_head == 0)  # [BLOCK_K]
-        stores_gate = (lanes == 0) & (lanes * 0 + tile == 0)  # [BLOCK_V]
         for j in tl.static_range(ROWS):
-            row_ptr = INPUTS_PTR + slot * inputs_s_slot + (1 - parity) * inputs_s_parity + j * inputs_s_row
-            tl.store(row_ptr + key_head * key_dim + keys, ks[j], mask=stores_k)
-            tl.store(row_ptr + v_offset + values, vs[j], mask=is_value)
-            tl.store(row_ptr + g_offset + lanes * 0, gs[j], mask=stores_gate)
-            tl.store(row_ptr + g_offset + heads + lanes * 0, betas[j], mask=stores_gate)
-    for j in tl.static_range(ROWS):
+            if j < OWN_EARLY:
+                _store_row_inputs(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row,
+                                  key_head, key_dim, keys, values, is_value, lanes, v_offset, g_offset, heads,
+                                  stores_k, stores_gate, ks[j], vs[j], gs[j], betas[j])
+    for j in tl.static_range(ROWS):  # own row j + AHEAD loads at this step
+        if j + AHEAD < ROWS:
+            if j + AHEAD >= OWN_EARLY:
+                if not Q_AT_ROW:
+                    qs = qs + (_load_q(Q_PTR, first_row + j + AHEAD, num_rows, key_head, keys, is_key, q_stride_t,
+                                       q_stride_h),)
+                k, v, g, beta = _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j + AHEAD,
+                                                    num_rows, head, key_head, keys, is_key, values, is_value,
+                                                    k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
+                                                    g_stride_h, beta_stride_t, beta_stride_h)
+                ks, vs, gs, betas = ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
+        if Q_AT_ROW:
+            q = _load_q(Q_PTR, first_row + j, num_rows, key_head, keys, is_key, q_stride_t, q_stride_h)
+        else:
+            q = qs[j]
         state = _delta_rule_update(state, ks[j], vs[j], gs[j], betas[j])
         tl.store(OUT_PTR + (first_row + j) * out_stride_t + head * out_stride_h + values,
-                 tl.sum(state * qs[j][:, None], axis=0), mask=is_value)
+                 tl.sum(state * q[:, None], axis=0), mask=is_value)
+        if ROWS > 1:
+            if j >= OWN_EARLY:  # a late row's inputs into the other buffer once stepped (they have arrived)
+                _store_row_inputs(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row,
+                                  key_head, key_dim, keys, values, is_value, lanes, v_offset, g_offset, heads,
+                                  stores_k, stores_gate, ks[j], vs[j], gs[j], betas[j])
     if ROWS == 1:  # plain decoding: the row is always kept
         tl.store(state_ptrs, state, mask=tile_mask)
 
@@ -271,6 +366,7 @@ def gdn_verify_rows(
     if tiles is None:
         tiles = gdn_verify_tiles(slot_ids.shape[0], rows_per_request)
     block_k, block_v, num_tiles = _launch_shape(key_dim, value_dim, tiles)
+    schedule = tiles.schedule if tiles.schedule is not None else gdn_row_schedule(rows_per_request)
     states, inputs = recurrent_states[layer], row_inputs[layer]  # int64 layer offsets, computed here
     _gdn_verify_rows_kernel[(num_tiles, heads, slot_ids.shape[0])](
         states, inputs, pending_rows, input_parity, slot_ids, q, k, v, g, beta, out,
@@ -279,7 +375,8 @@ def gdn_verify_rows(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *g.stride(), *beta.stride(),
         out.stride(0), out.stride(1),
         ROWS=rows_per_request, STORED_ROWS=row_inputs.shape[3], BLOCK_K=block_k, BLOCK_V=block_v,
-        num_warps=tiles.num_warps)
+        **schedule.constants(rows_per_request, row_inputs.shape[3]), num_warps=tiles.num_warps,
+        **({"maxnreg": schedule.max_registers} if schedule.max_registers and q.is_cuda else {}))
     return out
 
 

@@ -18,18 +18,64 @@ from typing import Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
+class GDNRowSchedule:
+    """When a verify program loads its rows' inputs, and its register cap. None of it changes the
+    arithmetic (outputs and states stay bit for bit those of every other schedule): it trades the
+    loads' latency hidden against registers, so occupancy, at large R.
+
+    ``own_early`` of the step's own rows (None: all) and ``pending_early`` of the slot's pending rows
+    (None: all) load before the state, as one batch of loads; every other row loads ``ahead`` rows
+    before its step, counting through the pending rows then the own rows (0: just before it).
+    ``q_at_row``: an own row's q (needed only for its output) loads just before its step instead.
+    ``max_registers``: ptxas ``.maxnreg`` (0: the compiler's choice; 255 at R = 5 gives four 2-warp
+    programs an SM)."""
+
+    own_early: Optional[int] = None
+    pending_early: Optional[int] = None
+    ahead: int = 1
+    q_at_row: bool = False
+    max_registers: int = 0
+
+    def __post_init__(self):
+        for name in ("own_early", "pending_early", "ahead", "max_registers"):
+            value = getattr(self, name)
+            if value is None and name.endswith("_early"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"GDNRowSchedule.{name} must be an int >= 0, got {value!r}")
+        if self.max_registers and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"GDNRowSchedule.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
+        if not isinstance(self.q_at_row, bool):
+            raise ValueError(f"GDNRowSchedule.q_at_row must be a bool, got {self.q_at_row!r}")
+
+    def constants(self, rows: int, stored_rows: int) -> dict:
+        """The kernel's constexprs at R = ``rows`` after up to ``stored_rows`` pending rows."""
+        own = rows if self.own_early is None else min(self.own_early, rows)
+        stored = stored_rows if self.pending_early is None else min(self.pending_early, stored_rows)
+        return dict(OWN_EARLY=own, PENDING_EARLY=stored, AHEAD=self.ahead, Q_AT_ROW=self.q_at_row)
+
+
+# Every row's inputs before the state (the third session's choice: at S = 2 it beat loading rows later).
+PRELOAD_ALL = GDNRowSchedule()
+
+
+@dataclasses.dataclass(frozen=True)
 class GDNTiles:
     """One launch configuration: ``block_v`` value dims a program (a power of two, capped at the
-    next power of two of V) and ``num_warps``."""
+    next power of two of V) and ``num_warps``; ``schedule`` (None: :func:`gdn_row_schedule` of R)
+    when the rows' inputs load."""
 
     block_v: int
     num_warps: int
+    schedule: Optional[GDNRowSchedule] = None
 
     def __post_init__(self):
         for name in ("block_v", "num_warps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"GDNTiles.{name} must be a power of two >= 1, got {value!r}")
+        if self.schedule is not None and not isinstance(self.schedule, GDNRowSchedule):
+            raise TypeError(f"GDNTiles.schedule must be GDNRowSchedule or None, got {type(self.schedule).__name__}")
 
 
 # One shape for every launch, on purpose. The reductions over K run in an order set by the launch
@@ -69,3 +115,34 @@ def _lookup(table: TileTable, num_requests: int, rows_per_request: int) -> GDNTi
 def gdn_verify_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
     """The verify kernel's tiles for ``num_requests`` decode requests of ``rows_per_request`` (1 + S) rows."""
     return _lookup(VERIFY_TILE_TABLE, num_requests, rows_per_request)
+
+
+# The row schedules `bench_gdn.py --tune --schedules candidates` times under DEFAULT_TILES and
+# `tests/functional/test_gdn_gpu.py` checks bit for bit (S = 4 steps == R = 1 steps under each).
+# Registers / spill bytes at R = 5 after 5 pending rows (ptxas 13.4 for sm_90a, `gdn_kernel_registers.py`):
+# 255 / 0, 233 / 0, 168 / 0, 144 / 0, 128 / 96, 223 / 0, 168 / 28, 241 / 0, 168 / 56, 168 / 352.
+CANDIDATE_SCHEDULES = (
+    PRELOAD_ALL,
+    GDNRowSchedule(own_early=0, pending_early=0, q_at_row=True),
+    GDNRowSchedule(own_early=0, pending_early=0, q_at_row=True, max_registers=168),
+    GDNRowSchedule(own_early=0, pending_early=0, ahead=0, q_at_row=True, max_registers=144),
+    GDNRowSchedule(own_early=0, pending_early=0, ahead=0, q_at_row=True, max_registers=128),
+    GDNRowSchedule(own_early=0, pending_early=0, ahead=2, q_at_row=True),
+    GDNRowSchedule(own_early=2, pending_early=0, q_at_row=True, max_registers=168),
+    GDNRowSchedule(pending_early=0, q_at_row=True),
+    GDNRowSchedule(own_early=0, q_at_row=True, max_registers=168),
+    GDNRowSchedule(max_registers=168),
+)
+
+# rows per request at most -> the schedule (None: no bound); the first entry that holds R wins.
+ROW_SCHEDULE_TABLE: Tuple[Tuple[Optional[int], GDNRowSchedule], ...] = (
+    (None, PRELOAD_ALL),
+)
+
+
+def gdn_row_schedule(rows_per_request: int) -> GDNRowSchedule:
+    """When the verify kernel loads the inputs of requests of ``rows_per_request`` (1 + S) rows."""
+    for max_rows, schedule in ROW_SCHEDULE_TABLE:
+        if max_rows is None or rows_per_request <= max_rows:
+            return schedule
+    return PRELOAD_ALL
