@@ -157,10 +157,7 @@ def parse_schedule(text):
 
 def schedule_name(schedule):
     """The inverse of :func:`parse_schedule`."""
-    def rows(value):
-        return "all" if value is None else str(value)
-    return (f"{rows(schedule.own_early)}/{rows(schedule.pending_early)}/{schedule.ahead}/{int(schedule.q_at_row)}/"
-            f"{schedule.max_registers}")
+    return schedule.label()
 
 
 def _make_tiles(candidate):

@@ -16,6 +16,12 @@
 #               Baseline: $GDN_BASELINE_FILE (default .scratch/gdn_baseline/gdn_replay.py, a copy of
 #               main's gdn_replay.py, gdn_recurrent.py and gdn_tiles.py made when the work began)
 #   sweep-quick sweep's benchmark parts on the CPU (tiny shapes, interpreted): a smoke test
+#   schedules   one call for the row schedules (issue 32, S = 4): --tune under the table's shape (32, 2)
+#               over gdn_tiles.CANDIDATE_SCHEDULES at batch 32 / 128, S = 0 / 2 / 4 (graph-timed, the
+#               baseline's step in the same process, each schedule's first call torch.equal against the
+#               baseline's), then test_gdn_gpu.py (kernel tests, then the controller graph tests) with the
+#               time left of GDN_CALL_SECONDS (default 145); baseline as in sweep
+#   schedules-quick  its benchmark part on the CPU (tiny shapes, interpreted, two schedules): a smoke test
 # The baseline: the same bench script run against the package of $GDN_BASELINE_ROOT (default: the
 # checkout two levels up, where the device tool puts the lead's main when this one is .wt/<name>).
 set -uo pipefail
@@ -93,6 +99,31 @@ case "${1:-}" in
     echo "== summary (device: $(cat "$out/device.txt" 2>/dev/null)) =="
     sed -n '/per candidate, share/,/^$/p' "$out/tune.txt"
     grep -E "^ *(1|32|128) +[024] \|" "$out/kernels.txt" || true
+    tail -2 "$out/functional_kernels.log" "$out/functional_hybrid.log" 2>/dev/null || true ;;
+  schedules|schedules-quick)
+    started=$SECONDS
+    base="${GDN_BASELINE_FILE:-.scratch/gdn_baseline/gdn_replay.py}"
+    [ -f "$base" ] || { echo "no baseline at $base"; base=""; }
+    if [ "$1" = schedules-quick ]; then
+      TRITON_INTERPRET=1 timeout 300 python3 bench/bench_gdn.py --tune --quick --schedules all/all/1/0/0,0/0/1/1/168 \
+        ${base:+--baseline "$base"} 2>&1 | grep -v Warning | tee "$out/tune.txt"
+    else
+      timeout 75 python3 bench/bench_gdn.py --tune --tune-scope 32,128/0,2,4/32x2 --schedules candidates \
+        ${base:+--baseline "$base"} 2>&1 | grep -v Warning | tee "$out/tune.txt"
+      left=$(( ${GDN_CALL_SECONDS:-145} - (SECONDS - started) - 3 ))
+      timeout "$left" python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
+        -k "not hybrid" 2>&1 | tee "$out/functional_kernels.log" | tail -15
+      left=$(( ${GDN_CALL_SECONDS:-145} - (SECONDS - started) - 2 ))
+      if [ "$left" -gt 15 ]; then
+        timeout "$left" python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
+          -k "hybrid" 2>&1 | tee "$out/functional_hybrid.log" | tail -15
+      else
+        echo "controller graph tests skipped: ${left}s left" | tee "$out/functional_hybrid.log"
+      fi
+    fi
+    echo "== summary (device: $(cat "$out/device.txt" 2>/dev/null)) =="
+    sed -n '/per candidate, share/,/^$/p' "$out/tune.txt"
+    grep -c " NO$" "$out/tune.txt" | sed 's/^/schedules not bit for bit with the baseline: /'
     tail -2 "$out/functional_kernels.log" "$out/functional_hybrid.log" 2>/dev/null || true ;;
   *)
     # "functional" runs the tests alone: at 59f0165 the two controller graph tests did not finish

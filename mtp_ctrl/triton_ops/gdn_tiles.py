@@ -48,6 +48,13 @@ class GDNRowSchedule:
         if not isinstance(self.q_at_row, bool):
             raise ValueError(f"GDNRowSchedule.q_at_row must be a bool, got {self.q_at_row!r}")
 
+    def label(self) -> str:
+        """``own/pending/ahead/q/maxreg`` (``all``: every row early; q: 1 = at its row), as
+        ``bench_gdn.py --schedules`` and ``gdn_kernel_registers.py --schedules`` take it."""
+        def rows(value):
+            return "all" if value is None else str(value)
+        return f"{rows(self.own_early)}/{rows(self.pending_early)}/{self.ahead}/{int(self.q_at_row)}/{self.max_registers}"
+
     def constants(self, rows: int, stored_rows: int) -> dict:
         """The kernel's constexprs at R = ``rows`` after up to ``stored_rows`` pending rows."""
         own = rows if self.own_early is None else min(self.own_early, rows)

@@ -21,6 +21,7 @@ from tests.functional.test_controller_gpu import (
     _mixed_steps_replay_warmed_up_graphs,
     make_config,
 )
+from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
 from tests.unit.gdn_fixtures import build_gdn_model
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 from tests.unit.test_gdn_kernels import rows
@@ -95,19 +96,28 @@ def test_verify_kernel_and_pending_rows_equal_twins_on_the_gpu():
 
 def _bit_for_bit_cases():
     """(S, tiles): S = 2 under the table's shape; S = 4 under every candidate shape (the one
-    shape for all launches may move to any of them on figures)."""
-    from mtp_ctrl.triton_ops.gdn_tiles import CANDIDATE_TILES, DEFAULT_TILES
+    shape for all launches may move to any of them on figures), and under the table's shape with
+    every candidate row schedule (any R may take any of them on figures; S = 4: the most rows)."""
+    from mtp_ctrl.triton_ops.gdn_tiles import CANDIDATE_SCHEDULES, CANDIDATE_TILES, DEFAULT_TILES, GDNTiles
 
-    return [(2, DEFAULT_TILES)] + [(4, tiles) for tiles in dict.fromkeys((DEFAULT_TILES,) + CANDIDATE_TILES)]
+    schedules = [GDNTiles(DEFAULT_TILES.block_v, DEFAULT_TILES.num_warps, schedule) for schedule in CANDIDATE_SCHEDULES]
+    return ([(2, DEFAULT_TILES)] + [(4, tiles) for tiles in dict.fromkeys((DEFAULT_TILES,) + CANDIDATE_TILES)]
+            + [(4, tiles) for tiles in schedules])
 
 
-@pytest.mark.parametrize("S, tiles", _bit_for_bit_cases(),
-                         ids=[f"S{S}-{t.block_v}x{t.num_warps}" for S, t in _bit_for_bit_cases()])
+def _case_id(S, tiles):
+    schedule = "" if tiles.schedule is None else "-" + tiles.schedule.label().replace("/", "_")
+    return f"S{S}-{tiles.block_v}x{tiles.num_warps}{schedule}"
+
+
+@pytest.mark.parametrize("S, tiles", _bit_for_bit_cases(), ids=[_case_id(S, t) for S, t in _bit_for_bit_cases()])
 def test_speculative_steps_equal_plain_rows_bit_for_bit_on_the_gpu(S, tiles):
     """Verify steps of 1 + S rows with the deferred commit (all, none and some drafts accepted; a
     zero-draft step; a padding request on the scratch slot) == R = 1 steps over the kept rows,
     torch.equal: every kept row's output and, after a last R = 1 step, every state (Qwen3-Next's
-    heads; every launch under ``tiles``, as every launch takes the one shape)."""
+    heads; every launch under ``tiles``'s shape, as every launch takes the one shape; the plain
+    steps under the table's row schedule: a schedule only moves loads)."""
+    plain_tiles = GDNTiles(tiles.block_v, tiles.num_warps)
     num_slots, scratch, R = 5, 4, 1 + S
     states, row_inputs, pending, parity = _pending_pools(8, num_slots, R, ())
     plain_states = states.clone()
@@ -132,7 +142,7 @@ def test_speculative_steps_equal_plain_rows_bit_for_bit_on_the_gpu(S, tiles):
                     want = gdn_verify_rows(plain_states, plain_inputs, plain_pending, plain_parity, layer,
                                            slot_ids[index:index + 1],
                                            **{name: value[at:at + 1] for name, value in inputs.items()},
-                                           rows_per_request=1, tiles=tiles)
+                                           rows_per_request=1, tiles=plain_tiles)
                     assert torch.equal(o[at:at + 1], want), (number, layer, slot, row)
         gdn_mark_pending_rows(pending, parity, torch.zeros(len(slots), dtype=torch.int64, device="cuda"), slot_ids,
                               torch.tensor(accepted, device="cuda"), stride, scratch)

@@ -10,8 +10,9 @@ import torch
 
 from mtp_ctrl.triton_ops import gdn_mark_pending_rows, gdn_row_input_width, gdn_verify_rows, reference
 from mtp_ctrl.triton_ops.reference.gdn import check_no_pending_rows
-from mtp_ctrl.triton_ops.gdn_tiles import (CANDIDATE_TILES, DEFAULT_TILES, VERIFY_TILE_TABLE, GDNTiles,
-                                           gdn_verify_tiles)
+from mtp_ctrl.triton_ops.gdn_tiles import (CANDIDATE_SCHEDULES, CANDIDATE_TILES, DEFAULT_TILES, PRELOAD_ALL,
+                                           ROW_SCHEDULE_TABLE, VERIFY_TILE_TABLE, GDNRowSchedule, GDNTiles,
+                                           gdn_row_schedule, gdn_verify_tiles)
 from tests.unit.test_gdn_kernels import LAYERS, SLOTS, rows
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -189,6 +190,53 @@ def test_every_table_launch_shape_equals_twin(block_v):
         torch.testing.assert_close(o, want, **TOLERANCE)
         torch.testing.assert_close(states, want_states, **TOLERANCE)
         torch.testing.assert_close(row_inputs, want_inputs, **TOLERANCE)
+
+
+SCHEDULES = tuple(dict.fromkeys(CANDIDATE_SCHEDULES + tuple(schedule for _, schedule in ROW_SCHEDULE_TABLE)
+                                 + (GDNRowSchedule(own_early=1, pending_early=2, ahead=3),
+                                    GDNRowSchedule(own_early=0, pending_early=0, ahead=0))))
+
+
+def test_every_row_schedule_is_the_preload_bit_for_bit():
+    """A row schedule only moves loads: under each (candidates, the table's, and a few corners:
+    every row late with no lookahead, a lookahead past the pending rows) a step of R = 5 after
+    5, 2 and 0 pending rows (padding past T) and an R = 1 step give main's schedule's outputs,
+    states and stored rows, torch.equal (the interpreter: the arithmetic's order; the GPU test and
+    ``bench_gdn.py --tune --schedules`` check the compiled kernels)."""
+    inputs = rows(31, 14, key_heads=1, heads=2, key_dim=8, value_dim=4)
+    start = pools(31, 5, key_heads=1, heads=2, key_dim=8, value_dim=4, pending=(5, 2, 0))
+    slots = torch.tensor([0, 1, 2])
+    results = {}
+    for schedule in SCHEDULES:
+        states, row_inputs, pending, parity = (tensor.clone() for tensor in start)
+        tiles = GDNTiles(DEFAULT_TILES.block_v, DEFAULT_TILES.num_warps, schedule)
+        o = gdn_verify_rows(states, row_inputs, pending, parity, 1, slots, **inputs, rows_per_request=5, tiles=tiles)
+        plain = gdn_verify_rows(states, row_inputs, pending, parity, 0, slots[:2],
+                                **{name: value[:2] for name, value in inputs.items()}, rows_per_request=1,
+                                tiles=tiles)
+        results[schedule] = (o, plain, states, row_inputs)
+    want = results[PRELOAD_ALL]
+    for schedule, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), schedule.label()
+
+
+def test_row_schedule_table_and_errors():
+    """R <= 3 keeps every row's inputs before the state (the third session's choice at S = 2); the
+    table ends unbounded; labels name what the bench parses; bad fields are refused by name."""
+    assert ROW_SCHEDULE_TABLE[-1][0] is None
+    for rows_per_request in (1, 2, 3):
+        assert gdn_row_schedule(rows_per_request) == PRELOAD_ALL
+    assert PRELOAD_ALL in CANDIDATE_SCHEDULES
+    assert GDNRowSchedule(own_early=0, ahead=2, q_at_row=True, max_registers=168).label() == "0/all/2/1/168"
+    assert GDNRowSchedule().constants(3, 5) == dict(OWN_EARLY=3, PENDING_EARLY=5, AHEAD=1, Q_AT_ROW=False)
+    with pytest.raises(ValueError, match="own_early"):
+        GDNRowSchedule(own_early=-1)
+    with pytest.raises(ValueError, match="max_registers"):
+        GDNRowSchedule(max_registers=300)
+    with pytest.raises(ValueError, match="q_at_row"):
+        GDNRowSchedule(q_at_row=1)
+    with pytest.raises(TypeError, match="schedule"):
+        GDNTiles(32, 2, schedule="0/0/1/1/0")
 
 
 def test_every_launch_takes_the_one_shape():
