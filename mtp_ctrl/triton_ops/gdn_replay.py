@@ -28,9 +28,13 @@ two shapes agree to fp32 rounding only). Rows past the pending count are skipped
 exact no-ops: g = beta = 0, k = v = 0).
 
 Launch: one program per (value tile, head, request) holds a ``[K, BLOCK_V]`` state tile in
-registers. It loads every row's inputs and the pending rows' first and the state after them, so
-all its loads are in flight together and none waits behind a store or behind the serial rows.
-``BLOCK_V`` and the warps come from :mod:`mtp_ctrl.triton_ops.gdn_tiles`, or the ``tiles`` argument.
+registers. Up to R = 3 it loads every row's inputs and the pending rows' first and the state after
+them, so all its loads are in flight together and none waits behind a store or behind the serial
+rows; at R = 5 the own rows' inputs load one row ahead of their step instead (q at its step) under
+a register cap, so more programs share an SM (:class:`mtp_ctrl.triton_ops.gdn_tiles.GDNRowSchedule`:
+only when loads issue changes, never the arithmetic, so every schedule gives the same bits).
+``BLOCK_V``, the warps and the schedule come from :mod:`mtp_ctrl.triton_ops.gdn_tiles`, or the
+``tiles`` argument.
 
 Worked example (S = 2, F for Hk = 1, K = 2, H = 2, V = 2 is 2 + 4 + 2 + 2 = 10): slot 5 holds 2
 pending rows in buffer 1. A step verifying rows x, y, z loads ``state[l, 5]``, applies
@@ -101,6 +105,29 @@ def _load_pending_row(INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, input
 
 
 @triton.jit
+def _append_pending_row(pks, pvs, pgs, pbetas, INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity,
+                        inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset, g_offset, heads):
+    """The tuples of the pending rows' (k, v, g, beta) with stored row ``j``'s appended."""
+    k, v, g, beta = _load_pending_row(INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity,
+                                      inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset,
+                                      g_offset, heads)
+    return pks + (k,), pvs + (v,), pgs + (g,), pbetas + (beta,)
+
+
+@triton.jit
+def _append_own_row(qs, ks, vs, gs, betas, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys,
+                    is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                    g_stride_t, g_stride_h, beta_stride_t, beta_stride_h, WITH_Q: tl.constexpr):
+    """The tuples of the own rows' (q, k, v, g, beta) with row ``row``'s appended (q only ``WITH_Q``)."""
+    if WITH_Q:
+        qs = qs + (_load_q(Q_PTR, row, num_rows, key_head, keys, is_key, q_stride_t, q_stride_h),)
+    k, v, g, beta = _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_head, keys, is_key,
+                                        values, is_value, k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
+                                        g_stride_h, beta_stride_t, beta_stride_h)
+    return qs, ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
+
+
+@triton.jit
 def _store_row_inputs(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head, key_dim,
                       keys, values, is_value, lanes, v_offset, g_offset, heads, stores_k, stores_gate, k, v, g, beta):
     """Own row ``j``'s (k, v, g, beta) into the slot's other buffer (``1 - parity``): k by one program
@@ -146,13 +173,10 @@ def _gdn_verify_rows_kernel(
     qs, ks, vs, gs, betas = (), (), (), (), ()
     for j in tl.static_range(ROWS):
         if j < OWN_EARLY:
-            if not Q_AT_ROW:
-                qs = qs + (_load_q(Q_PTR, first_row + j, num_rows, key_head, keys, is_key, q_stride_t, q_stride_h),)
-            k, v, g, beta = _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j, num_rows, head,
-                                                key_head, keys, is_key, values, is_value, k_stride_t, k_stride_h,
-                                                v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t,
-                                                beta_stride_h)
-            ks, vs, gs, betas = ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
+            qs, ks, vs, gs, betas = _append_own_row(
+                qs, ks, vs, gs, betas, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j, num_rows, head, key_head,
+                keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t,
+                v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h, not Q_AT_ROW)
     slot = tl.load(SLOTS_PTR + request).to(tl.int64)
     pending = tl.load(PENDING_PTR + slot)
     parity = tl.load(PARITY_PTR + slot).to(tl.int64)
@@ -162,49 +186,41 @@ def _gdn_verify_rows_kernel(
     pks, pvs, pgs, pbetas = (), (), (), ()
     for j in tl.static_range(STORED_ROWS):
         if j < PENDING_EARLY:
-            k, v, g, beta = _load_pending_row(INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity,
-                                              inputs_s_row, key_head, key_dim, keys, is_key, values, is_value,
-                                              v_offset, g_offset, heads)
-            pks, pvs, pgs, pbetas = pks + (k,), pvs + (v,), pgs + (g,), pbetas + (beta,)
+            pks, pvs, pgs, pbetas = _append_pending_row(
+                pks, pvs, pgs, pbetas, INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity,
+                inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset, g_offset, heads)
     state_ptrs = STATES_PTR + slot * states_s_slot + head * states_s_head + keys[:, None] * states_s_k \
         + values[None, :] * states_s_v
     state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
-    # late rows: row c of the sequence (pending rows 0 .. P - 1, then own rows as P ..) loads at step
-    # c - AHEAD (those before step 0 here); a row's loads come before any store that follows them
+    # late rows: row c of the sequence (pending rows 0 .. P - 1, then own rows P .. P + R - 1) loads
+    # at step c - AHEAD of it (here: those before step 0), so before any store that follows it
     for c in tl.static_range(STORED_ROWS + ROWS):
         if c < AHEAD:
             if c < STORED_ROWS:
                 if c >= PENDING_EARLY:
-                    k, v, g, beta = _load_pending_row(INPUTS_PTR, slot, parity, c, pending, inputs_s_slot,
-                                                      inputs_s_parity, inputs_s_row, key_head, key_dim, keys, is_key,
-                                                      values, is_value, v_offset, g_offset, heads)
-                    pks, pvs, pgs, pbetas = pks + (k,), pvs + (v,), pgs + (g,), pbetas + (beta,)
+                    pks, pvs, pgs, pbetas = _append_pending_row(
+                        pks, pvs, pgs, pbetas, INPUTS_PTR, slot, parity, c, pending, inputs_s_slot, inputs_s_parity,
+                        inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset, g_offset, heads)
             elif c - STORED_ROWS >= OWN_EARLY:
-                if not Q_AT_ROW:
-                    qs = qs + (_load_q(Q_PTR, first_row + c - STORED_ROWS, num_rows, key_head, keys, is_key,
-                                       q_stride_t, q_stride_h),)
-                k, v, g, beta = _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + c - STORED_ROWS,
-                                                    num_rows, head, key_head, keys, is_key, values, is_value,
-                                                    k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
-                                                    g_stride_h, beta_stride_t, beta_stride_h)
-                ks, vs, gs, betas = ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
-    for j in tl.static_range(STORED_ROWS):  # row j + AHEAD loads at this step (a constexpr: no local)
+                qs, ks, vs, gs, betas = _append_own_row(
+                    qs, ks, vs, gs, betas, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + c - STORED_ROWS,
+                    num_rows, head, key_head, keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t,
+                    k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h,
+                    not Q_AT_ROW)
+    for j in tl.static_range(STORED_ROWS):  # row j + AHEAD of the sequence loads here (no local: a constexpr)
         if j + AHEAD < STORED_ROWS:
             if j + AHEAD >= PENDING_EARLY:
-                k, v, g, beta = _load_pending_row(INPUTS_PTR, slot, parity, j + AHEAD, pending, inputs_s_slot,
-                                                  inputs_s_parity, inputs_s_row, key_head, key_dim, keys, is_key,
-                                                  values, is_value, v_offset, g_offset, heads)
-                pks, pvs, pgs, pbetas = pks + (k,), pvs + (v,), pgs + (g,), pbetas + (beta,)
+                pks, pvs, pgs, pbetas = _append_pending_row(
+                    pks, pvs, pgs, pbetas, INPUTS_PTR, slot, parity, j + AHEAD, pending, inputs_s_slot,
+                    inputs_s_parity, inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset,
+                    g_offset, heads)
         elif j + AHEAD - STORED_ROWS < ROWS:
             if j + AHEAD - STORED_ROWS >= OWN_EARLY:
-                if not Q_AT_ROW:
-                    qs = qs + (_load_q(Q_PTR, first_row + j + AHEAD - STORED_ROWS, num_rows, key_head, keys, is_key,
-                                       q_stride_t, q_stride_h),)
-                k, v, g, beta = _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j + AHEAD - STORED_ROWS,
-                                                    num_rows, head, key_head, keys, is_key, values, is_value,
-                                                    k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
-                                                    g_stride_h, beta_stride_t, beta_stride_h)
-                ks, vs, gs, betas = ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
+                qs, ks, vs, gs, betas = _append_own_row(
+                    qs, ks, vs, gs, betas, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j + AHEAD - STORED_ROWS,
+                    num_rows, head, key_head, keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t,
+                    k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h,
+                    not Q_AT_ROW)
         if j < pending:  # rows past the pending count would leave the state exactly as it is: skipped
             state = _delta_rule_update(state, pks[j], pvs[j], pgs[j], pbetas[j])
     # the program that stores a head's shared inputs: k once per key head, g and beta once per head
@@ -217,17 +233,13 @@ def _gdn_verify_rows_kernel(
                 _store_row_inputs(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row,
                                   key_head, key_dim, keys, values, is_value, lanes, v_offset, g_offset, heads,
                                   stores_k, stores_gate, ks[j], vs[j], gs[j], betas[j])
-    for j in tl.static_range(ROWS):  # own row j + AHEAD loads at this step
+    for j in tl.static_range(ROWS):  # own row j + AHEAD loads here
         if j + AHEAD < ROWS:
             if j + AHEAD >= OWN_EARLY:
-                if not Q_AT_ROW:
-                    qs = qs + (_load_q(Q_PTR, first_row + j + AHEAD, num_rows, key_head, keys, is_key, q_stride_t,
-                                       q_stride_h),)
-                k, v, g, beta = _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j + AHEAD,
-                                                    num_rows, head, key_head, keys, is_key, values, is_value,
-                                                    k_stride_t, k_stride_h, v_stride_t, v_stride_h, g_stride_t,
-                                                    g_stride_h, beta_stride_t, beta_stride_h)
-                ks, vs, gs, betas = ks + (k,), vs + (v,), gs + (g,), betas + (beta,)
+                qs, ks, vs, gs, betas = _append_own_row(
+                    qs, ks, vs, gs, betas, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + j + AHEAD, num_rows,
+                    head, key_head, keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
+                    v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h, not Q_AT_ROW)
         if Q_AT_ROW:
             q = _load_q(Q_PTR, first_row + j, num_rows, key_head, keys, is_key, q_stride_t, q_stride_h)
         else:

@@ -10,7 +10,8 @@ keeps the tiles of the shape it was captured at.
 
 ``bench/bench_gdn.py --tune`` times the candidates (figures: ``bench/RESULTS.md``, "GDN hybrids");
 the table holds one shape (see :data:`DEFAULT_TILES`); a launch outside every bound takes
-:data:`DEFAULT_TILES`.
+:data:`DEFAULT_TILES`. When a program loads its rows' inputs (:class:`GDNRowSchedule`) may differ
+per R (:data:`ROW_SCHEDULE_TABLE`, ``--tune --schedules``): it changes no bits.
 """
 
 import dataclasses
@@ -53,7 +54,8 @@ class GDNRowSchedule:
         ``bench_gdn.py --schedules`` and ``gdn_kernel_registers.py --schedules`` take it."""
         def rows(value):
             return "all" if value is None else str(value)
-        return f"{rows(self.own_early)}/{rows(self.pending_early)}/{self.ahead}/{int(self.q_at_row)}/{self.max_registers}"
+        return (f"{rows(self.own_early)}/{rows(self.pending_early)}/{self.ahead}/{int(self.q_at_row)}/"
+                f"{self.max_registers}")
 
     def constants(self, rows: int, stored_rows: int) -> dict:
         """The kernel's constexprs at R = ``rows`` after up to ``stored_rows`` pending rows."""
@@ -64,6 +66,10 @@ class GDNRowSchedule:
 
 # Every row's inputs before the state (the third session's choice: at S = 2 it beat loading rows later).
 PRELOAD_ALL = GDNRowSchedule()
+
+# The pending rows before the state, each own row's (k, v, g, beta) one row ahead of its step and its
+# q at its step, under a cap of 168 registers (six 2-warp programs an SM instead of four).
+LATE_OWN_ROWS = GDNRowSchedule(own_early=0, q_at_row=True, max_registers=168)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,12 +143,20 @@ CANDIDATE_SCHEDULES = (
     GDNRowSchedule(own_early=0, pending_early=0, ahead=2, q_at_row=True),
     GDNRowSchedule(own_early=2, pending_early=0, q_at_row=True, max_registers=168),
     GDNRowSchedule(pending_early=0, q_at_row=True),
-    GDNRowSchedule(own_early=0, q_at_row=True, max_registers=168),
+    LATE_OWN_ROWS,
     GDNRowSchedule(max_registers=168),
 )
 
 # rows per request at most -> the schedule (None: no bound); the first entry that holds R wins.
+# H100, graph-timed, main's kernel in the same process (`run_gdn_gpu.sh schedules`, P = R stored
+# rows, every candidate torch.equal to main; RESULTS "GDN hybrids", gdn6): at R = 5 LATE_OWN_ROWS
+# is the fastest (86.2 / 309.3 us against main's 87.8 / 317.9 at batch 32 / 128: 53 / 59 % of the
+# copy against 52 / 57 %); at R = 3 it is not faster at batch 32 (65.8 against 65.2 us) and every
+# other schedule is slower, at R = 1 all are within noise: those keep PRELOAD_ALL. R = 4 and R > 5
+# were not timed (at R = 7 both spill under ptxas 13.4): PRELOAD_ALL, main's.
 ROW_SCHEDULE_TABLE: Tuple[Tuple[Optional[int], GDNRowSchedule], ...] = (
+    (4, PRELOAD_ALL),
+    (5, LATE_OWN_ROWS),
     (None, PRELOAD_ALL),
 )
 

@@ -10,8 +10,8 @@ import torch
 
 from mtp_ctrl.triton_ops import gdn_mark_pending_rows, gdn_row_input_width, gdn_verify_rows, reference
 from mtp_ctrl.triton_ops.reference.gdn import check_no_pending_rows
-from mtp_ctrl.triton_ops.gdn_tiles import (CANDIDATE_SCHEDULES, CANDIDATE_TILES, DEFAULT_TILES, PRELOAD_ALL,
-                                           ROW_SCHEDULE_TABLE, VERIFY_TILE_TABLE, GDNRowSchedule, GDNTiles,
+from mtp_ctrl.triton_ops.gdn_tiles import (CANDIDATE_SCHEDULES, CANDIDATE_TILES, DEFAULT_TILES, LATE_OWN_ROWS,
+                                           PRELOAD_ALL, ROW_SCHEDULE_TABLE, VERIFY_TILE_TABLE, GDNRowSchedule, GDNTiles,
                                            gdn_row_schedule, gdn_verify_tiles)
 from tests.unit.test_gdn_kernels import LAYERS, SLOTS, rows
 
@@ -221,12 +221,15 @@ def test_every_row_schedule_is_the_preload_bit_for_bit():
 
 
 def test_row_schedule_table_and_errors():
-    """R <= 3 keeps every row's inputs before the state (the third session's choice at S = 2); the
-    table ends unbounded; labels name what the bench parses; bad fields are refused by name."""
+    """R <= 3 keeps every row's inputs before the state (the third session's choice at S = 2), R = 5
+    loads its own rows late (measured faster); every table entry is a candidate (checked bit for
+    bit on the GPU); the table ends unbounded; labels name what the bench parses; bad fields are
+    refused by name."""
     assert ROW_SCHEDULE_TABLE[-1][0] is None
     for rows_per_request in (1, 2, 3):
         assert gdn_row_schedule(rows_per_request) == PRELOAD_ALL
-    assert PRELOAD_ALL in CANDIDATE_SCHEDULES
+    assert gdn_row_schedule(5) == LATE_OWN_ROWS
+    assert {schedule for _, schedule in ROW_SCHEDULE_TABLE} <= set(CANDIDATE_SCHEDULES)
     assert GDNRowSchedule(own_early=0, ahead=2, q_at_row=True, max_registers=168).label() == "0/all/2/1/168"
     assert GDNRowSchedule().constants(3, 5) == dict(OWN_EARLY=3, PENDING_EARLY=5, AHEAD=1, Q_AT_ROW=False)
     with pytest.raises(ValueError, match="own_early"):
