@@ -98,6 +98,12 @@ class AcceptanceOracle(Proposer):
     def on_no_drafts(self, batch):
         pass
 
+    def prefix_cache_lookahead(self):
+        """0: it keeps no state, so requests start from cached prompt blocks as plain decoding's do
+        (the default None computed every prompt in full: the closed 1B batches' speculative engines
+        prefilled 4096 tokens a generate where the plain engine prefilled 1024, ~6 ms of GPU more)."""
+        return 0
+
 
 def widen_logit_margins(model, embedding_std: float = 2.0) -> None:
     """Make the random model's next token ``(token + 1) % vocab`` with a wide logit margin: the

@@ -9,7 +9,8 @@
    replay call, the wait for the read-back, and everything else (bookkeeping).
 2. The 1B model (``bench_adaptive``'s, oracle drafter at 0.2 acceptance), batch 64, 48 new tokens,
    closed batch: plain decoding against the goodput policy at S_max = 3 (after the untimed
-   generates its exploration takes): GPU time per phase (the prefill launch, decode launches by
+   generates its exploration takes), its oracle with and without prefix-cache reuse (the plain
+   engine reuses the prompts' cached blocks from the generate before): GPU time per phase (the prefill launch, decode launches by
    verify width V and depths D) from the launches' CUDA events, the generate's wall, and
    torch.profiler's top kernels of each engine's generate (kernel time summed).
 """
@@ -154,6 +155,14 @@ def kernel_summary(controller, prompts, params, before, top=8):
     return sum(kernels.values()), [(name[:70], ms, calls[name]) for name, ms in kernels.most_common(top)]
 
 
+class NoReuseOracle(AcceptanceOracle):
+    """The oracle as it was: no prefix-cache reuse (``Proposer``'s default), so every generate's
+    prompts are computed in full, where the plain engine reuses their cached blocks."""
+
+    def prefix_cache_lookahead(self):
+        return None
+
+
 def large_part(args, device):
     shape = QUICK_MODEL if args.quick else FULL_MODEL
     batch, new_tokens = (4, 8) if args.quick else (64, 48)
@@ -174,9 +183,11 @@ def large_part(args, device):
     first_id = torch.zeros((), dtype=torch.int64, device=device)
     print(f"\n1B batch {batch} at 0.2, closed, {new_tokens} new tokens: GPU per phase (CUDA events per launch)")
     engines = [("plain S = 0", controller, None)]
-    policy = GoodputPolicy()
-    engines.append(("goodput S_max = 3", engine(model, 3, batch, max_model_len, policy,
-                                                AcceptanceOracle(sequences, rates, first_id), device.type), policy))
+    for label, oracle in (("goodput S_max = 3, oracle without prefix reuse (before)", NoReuseOracle),
+                          ("goodput S_max = 3, oracle reusing cached prompt blocks", AcceptanceOracle)):
+        policy = GoodputPolicy()
+        engines.append((label, engine(model, 3, batch, max_model_len, policy, oracle(sequences, rates, first_id),
+                                      device.type), policy))
     for label, controller, policy in engines:
         before = (lambda c=controller: first_id.fill_(c.debug_view().next_request_id))
         if policy is not None:
