@@ -129,12 +129,14 @@ def demo_part(args, device):
 
 def phases():
     """GPU ms and launches by phase of the launches recorded."""
-    by_phase = collections.defaultdict(lambda: [0, 0.0])
+    by_phase = collections.defaultdict(lambda: [0, 0.0, 0])
     for step, gpu_seconds in LAUNCHES:
         phase = "prefill" if step.num_prefill else f"decode V={step.verify_width} D={step.num_drafts}"
         by_phase[phase][0] += 1
         by_phase[phase][1] += (gpu_seconds or 0.0) * 1e3
-    return ", ".join(f"{phase}: {count} x, {ms:.2f} ms" for phase, (count, ms) in sorted(by_phase.items()))
+        by_phase[phase][2] += step.dimensions.token_count
+    return ", ".join(f"{phase}: {count} x, {ms:.2f} ms, {rows} rows"
+                     for phase, (count, ms, rows) in sorted(by_phase.items()))
 
 
 def kernel_summary(controller, prompts, params, before, top=8):

@@ -72,12 +72,13 @@ class InferenceConfig:
         either way; how many of those drafts are accepted depends on how the layer was trained.
     mtp_idle_windows: what paged MTP drafting does on a step where no request drafts (a
         draft-length policy chose D = 0). "run" (default) runs every depth over its window (no
-        output layer), so each depth's cache stays final for every position. "skip" records the
-        step's tokens and moves the windows on without running the depths: that step costs what a
-        plain step does (the demo at batch 128 on an H200: a D = 0 step's GPU 0.61 ms against
-        plain's 0.34), and the depths' caches at the skipped positions are not written, so later
-        drafts attend to stale entries there (drafts may differ and be accepted less often; the
-        output is the same: verification decides every token).
+        output layer), so each depth's cache stays final for every position. "skip" records a
+        decode-only step's tokens and moves the windows on without running the depths: that step
+        costs about what a plain step does (the demo at batch 128 on an H200: a D = 0 step's GPU
+        0.61 ms against plain's 0.34), and the depths' caches at the skipped positions are not
+        written, so later drafts attend to stale entries there (drafts may differ and be accepted
+        less often; the output is the same: verification decides every token). Steps with prefill
+        chunks run the windows either way.
     overlap_scheduling: the host prepares step N + 1 while the GPU runs step N and learns step
         N's outcome one step late (default). False runs one step at a time (debugging, and the
         comparison); outputs are identical either way.

@@ -156,9 +156,11 @@ class MTPProposer(Proposer):
     def on_no_drafts(self, batch: DraftBatch) -> None:
         """No request drafts this step: record the step's tokens and move the window on. Paged mode
         also runs every depth over its window (no output layer), keeping every depth's cache final,
-        unless ``skip_idle_windows``: then the depths' entries at this step's positions stay unwritten
-        (later drafts attend to stale entries there: they may differ, the output cannot)."""
-        if self.mode == "paged" and not self.skip_idle_windows:
+        unless ``skip_idle_windows`` and the step is decode-only: then the depths' entries at this
+        step's positions stay unwritten (later drafts attend to stale entries there: they may differ,
+        the output cannot). A step with prefill chunks always runs them: a prompt's entries are
+        written once, and cached prompt blocks are shared."""
+        if self.mode == "paged" and not (self.skip_idle_windows and batch.step.decode_only):
             self.propose(dataclasses.replace(batch, num_drafts=0))
             return
         self._record_verified_tokens(batch)

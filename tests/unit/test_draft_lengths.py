@@ -64,16 +64,17 @@ def test_mtp_proposer_random_lengths_equal_plain(mtp_model, plain, torch_twins, 
 class CountingMTP(MTPProposer):
     def __init__(self, **options):
         super().__init__("paged", **options)
-        self.proposals = 0
+        self.proposals = {True: 0, False: 0}  # by whether the step was decode-only
 
     def propose(self, batch):
-        self.proposals += 1
+        self.proposals[batch.step.decode_only] += 1
         return super().propose(batch)
 
 
 def test_skipped_idle_windows_run_no_depth(mtp_model, plain, torch_twins):
-    """``InferenceConfig(mtp_idle_windows="skip")``: a step where nobody drafts runs no MTP depth
-    (paged mode otherwise runs every depth's window on it)."""
+    """``InferenceConfig(mtp_idle_windows="skip")``: a decode-only step where nobody drafts runs no
+    MTP depth (paged mode otherwise runs every depth's window on it); steps with prefill chunks
+    run them either way (a prompt's entries are written once)."""
     with pytest.raises(ValueError, match="mtp_idle_windows"):
         controller_for(mtp_model, MTP_DEPTH, mtp_idle_windows="never")
     with pytest.raises(TypeError, match="skip_idle_windows"):
@@ -81,7 +82,7 @@ def test_skipped_idle_windows_run_no_depth(mtp_model, plain, torch_twins):
     for skip, expected_runs in ((False, True), (True, False)):
         proposer = CountingMTP(skip_idle_windows=skip)
         assert run(controller_for(mtp_model, MTP_DEPTH, proposer, ZeroLengths()), ARRIVALS)[1] == plain[1]
-        assert (proposer.proposals > 0) == expected_runs
+        assert (proposer.proposals[True] > 0) == expected_runs and proposer.proposals[False] > 0
 
 
 def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, plain, torch_twins):
