@@ -407,7 +407,7 @@ def paged_mla_attention(
         _wgmma_module().launch_paged_mla_wgmma(
             grid, query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
             output, partial_acc, partial_max, partial_sum, qk_scale, num_tokens, num_heads, tokens_per_split,
-            num_head_tiles, num_kv_splits, block_q, block_h, _ZERO_BLOCK)
+            num_head_tiles, num_kv_splits, block_q, block_h, _ZERO_BLOCK, async_dots=tiles.async_dots)
     else:
         _paged_mla_kernel[grid](
             query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
