@@ -60,6 +60,8 @@ def parse_args(argv=None):
                         "kernel's tiles at --heads x --batches x --contexts, --rows")
     parser.add_argument("--baseline", help="with --wgmma: an earlier mla_wgmma.py (e.g. main's, copied aside) timed "
                         "beside the package's schedules in the same process")
+    parser.add_argument("--gluon-columns", default="main,serial,async,ws", help="with --wgmma: the Gluon columns "
+                        "(main: --baseline's kernel; serial / async / ws: the package's kernel in that schedule)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -77,7 +79,8 @@ from mtp_ctrl.state import KVCacheSpec, LatentKVCacheSpec  # noqa: E402
 from mtp_ctrl.state.attention_metadata import AttentionMetadata  # noqa: E402
 from mtp_ctrl.triton_ops import paged_mla_attention  # noqa: E402
 from mtp_ctrl.triton_ops.mla_attention import wgmma_kernel_applies  # noqa: E402
-from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, WGMMA_ASYNC_TILES, WGMMA_TILES, MLATiles, mla_tiles  # noqa: E402
+from mtp_ctrl.triton_ops.mla_tiles import (DEFAULT_TILES, WGMMA_ASYNC_TILES, WGMMA_TILES, WGMMA_WS_TILES,  # noqa: E402
+                                          MLATiles, mla_tiles)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
 from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
@@ -134,11 +137,11 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 def tiles_label(tiles):
     """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,Rn][,G][,A])``; W: whole waves,
-    Rn: at most n registers a thread, G: the Gluon kernel, A: its async_dots schedule."""
+    Rn: at most n registers a thread, G: the Gluon kernel, A / WS: its async / warp-specialized schedule."""
     values = dataclasses.astuple(tiles)
     return "(" + ",".join(str(value) for value in values[:6]) + (",W" if tiles.whole_waves else "") \
         + (f",R{tiles.max_registers}" if tiles.max_registers else "") + (",G" if tiles.wgmma else "") \
-        + (",A" if tiles.async_dots else "") + ")"
+        + {"serial": "", "async": ",A", "warp_specialized": ",WS"}[tiles.schedule] + ")"
 
 
 def kernel_tables(device, bandwidth, args):
@@ -206,7 +209,7 @@ def kernel_tables(device, bandwidth, args):
 
 class _BaselineGluon:
     """A copy of an earlier ``mla_wgmma.py`` (``--baseline``, e.g. main's) in place of the
-    package's Gluon module, for a same-process comparison (its launcher has no ``async_dots``)."""
+    package's Gluon module, for a same-process comparison (its launcher has no schedules)."""
 
     def __init__(self, path):
         import importlib.util
@@ -246,19 +249,22 @@ def wgmma_table(device, bandwidth, args):
                         device=device).normal_()
     probe = torch.empty(1, 64, LATENT, dtype=dtype, device=device)
     # (column, tiles, Gluon module (None: the package's)); "main": --baseline's kernel
+    columns = {"serial": WGMMA_TILES, "async": WGMMA_ASYNC_TILES, "ws": WGMMA_WS_TILES}
     variants = []
-    if args.baseline and os.path.exists(args.baseline):
-        variants.append(("main", WGMMA_TILES, _BaselineGluon(args.baseline)))
-    elif args.baseline:
-        print(f"   (no --baseline file {args.baseline}: its column is left out)")
-    variants += [("serial", WGMMA_TILES, None), ("async", WGMMA_ASYNC_TILES, None)]
+    for name in args.gluon_columns.split(","):
+        if name == "main" and args.baseline and os.path.exists(args.baseline):
+            variants.append(("main", WGMMA_TILES, _BaselineGluon(args.baseline)))
+        elif name == "main":
+            print(f"   (no --baseline file {args.baseline}: the main column is left out)")
+        else:
+            variants.append((name, columns[name], None))
     print(f"\n1b. Gluon kernel {tiles_label(WGMMA_TILES)} vs the Triton kernel's tiles, {rows} query row(s) a "
           f"request (latent {LATENT} + rope {ROPE}, {dtype}, block {BLOCK}); the Gluon kernel runs here: "
           f"{wgmma_kernel_applies(probe, cache, ROPE)}; % = latent bytes read once / GPU time, of the device copy "
           f"({bandwidth / 1e9:.0f} GB/s); TFLOP/s = useful dot work (rows x heads x context x 2 x (576 + 512)) / time; "
-          f"Gluon columns: {', '.join(name for name, _, _ in variants)} (main: --baseline {args.baseline}; serial: "
-          "each dot waited where issued; async: async_dots); x = the fastest Gluon column's speed-up over the "
-          "first Gluon column; max|diff| = the largest |Gluon - Triton| over the Gluon columns")
+          f"Gluon columns: {', '.join(name for name, _, _ in variants)} (main: --baseline {args.baseline}; serial / "
+          "async / ws: MLATiles.schedule serial / async / warp_specialized); x = the fastest Gluon column's speed-up "
+          "over the first Gluon column; max|diff| = the largest |Gluon - Triton| over the Gluon columns")
     largest_diff = 0.0
     for heads in heads_list:
         print(f"   {heads} heads")

@@ -16,6 +16,10 @@ import dataclasses
 from typing import Optional, Tuple
 
 
+# the Gluon kernel's schedules (MLATiles.schedule)
+GLUON_SCHEDULES = ("serial", "async", "warp_specialized")
+
+
 @dataclasses.dataclass(frozen=True)
 class MLATiles:
     """One launch configuration of the paged MLA kernel.
@@ -35,9 +39,12 @@ class MLATiles:
     8 warps, the cache a tile ahead, one program an SM) instead of the Triton kernel; where it
     cannot run (no Gluon, not an sm_90 device, not bf16 / C = 512 / R = 64) the launcher takes
     the table's Triton entry for the shape (``mla_tiles(..., gluon=False)``).
-    ``async_dots``: the Gluon kernel's overlapped schedule (``wgmma`` only): the score dots in
-    flight while the next tile's copies are issued, the value dots while they are waited for (one
-    barrier a tile fewer); else each dot is waited for where it is issued.
+    ``schedule``: the Gluon kernel's schedule (``wgmma`` only; :data:`GLUON_SCHEDULES`):
+    ``"serial"`` waits for each dot where it is issued; ``"async"`` keeps the score dots in flight
+    while the next tile's copies are issued and the value dots while they are waited for;
+    ``"warp_specialized"`` runs :mod:`mtp_ctrl.triton_ops.mla_wgmma_ws` (one warpgroup scores
+    and softmaxes a tile while the other multiplies the last one's probabilities into its value
+    dims and issues the copies; the serial schedule where it cannot be imported).
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -49,7 +56,7 @@ class MLATiles:
     whole_waves: bool = False  # split count that fills its waves best (else rounded up)
     max_registers: int = 0  # registers a thread at most (ptxas .maxnreg; 0: the compiler's choice)
     wgmma: bool = False  # the Gluon kernel (mla_wgmma) instead of the Triton one
-    async_dots: bool = False  # the Gluon kernel's overlapped schedule
+    schedule: str = "serial"  # the Gluon kernel's schedule (GLUON_SCHEDULES)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -62,14 +69,17 @@ class MLATiles:
                 raise ValueError(f"MLATiles.{name} must be a positive int, got {value!r}")
         if not isinstance(self.max_registers, int) or self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"MLATiles.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
-        for name in ("whole_waves", "wgmma", "async_dots"):
+        for name in ("whole_waves", "wgmma"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MLATiles.{name} must be a bool, got {getattr(self, name)!r}")
         if self.wgmma and (self.block_m, self.block_n, self.num_warps, self.programs_per_sm) != (64, 64, 8, 1):
             raise ValueError(f"MLATiles with wgmma=True are the Gluon kernel's fixed tiles: block_m = block_n = 64, "
                              f"num_warps = 8, programs_per_sm = 1; got {self}")
-        if self.async_dots and not self.wgmma:
-            raise ValueError(f"MLATiles.async_dots is a schedule of the Gluon kernel: it needs wgmma=True; got {self}")
+        if self.schedule not in GLUON_SCHEDULES:
+            raise ValueError(f"MLATiles.schedule must be one of {GLUON_SCHEDULES}, got {self.schedule!r}")
+        if self.schedule != "serial" and not self.wgmma:
+            raise ValueError(f"MLATiles.schedule {self.schedule!r} is a schedule of the Gluon kernel: it needs "
+                             f"wgmma=True; got {self}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
@@ -82,8 +92,9 @@ TRITON_TILES_64_ROWS = MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_token
 # KiB of shared memory, one program an SM, whole waves; where it cannot run, the launcher takes the
 # bucket's next (Triton) entry
 WGMMA_TILES = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True, wgmma=True)
-# the same with the overlapped schedule (async_dots)
-WGMMA_ASYNC_TILES = dataclasses.replace(WGMMA_TILES, async_dots=True)
+# the same tiles in the Gluon kernel's other schedules
+WGMMA_ASYNC_TILES = dataclasses.replace(WGMMA_TILES, schedule="async")
+WGMMA_WS_TILES = dataclasses.replace(WGMMA_TILES, schedule="warp_specialized")
 
 # (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
 # None: no bound. The first entry whose bounds hold the step's dims wins; a Gluon entry (wgmma) is

@@ -49,10 +49,10 @@ _LATENT_DIM, _ROPE_DIM, _NUM_WARPS = gl.constexpr(LATENT_DIM), gl.constexpr(ROPE
 
 @gluon.jit
 def _zero_tail_rows(OUTPUT_PTR, QUERY_START_LOC_PTR, request, split, num_tokens, num_heads,
-                    LATENT: gl.constexpr, ZERO_BLOCK: gl.constexpr):
+                    LATENT: gl.constexpr, ZERO_BLOCK: gl.constexpr, WARPS: gl.constexpr):
     """Rows past the last request's are padding: the last request's programs zero them, each a
-    share (the output is ``[T, H, C]`` contiguous, not pre-zeroed)."""
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [_NUM_WARPS], [0])
+    share (the output is ``[T, H, C]`` contiguous, not pre-zeroed); ``WARPS`` warps."""
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
     row_elements = num_heads * LATENT
     tail_start = gl.load(QUERY_START_LOC_PTR + request + 1).to(gl.int64) * row_elements
     tail_end = gl.cast(num_tokens, gl.int64) * row_elements
@@ -162,7 +162,7 @@ def _paged_mla_wgmma_kernel(
     request = gl.program_id(2)
     if request == gl.num_programs(2) - 1:
         _zero_tail_rows(OUTPUT_PTR, QUERY_START_LOC_PTR, request, split, num_tokens, num_heads, _LATENT_DIM,
-                        ZERO_BLOCK)
+                        ZERO_BLOCK, _NUM_WARPS)
     q_start = gl.load(QUERY_START_LOC_PTR + request)
     q_len = gl.load(QUERY_START_LOC_PTR + request + 1) - q_start
     if q_tile * BLOCK_Q < q_len:

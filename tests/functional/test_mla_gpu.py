@@ -10,7 +10,8 @@ from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGeneration
 from mtp_ctrl.models import PagedGPTRunner
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
 from mtp_ctrl.triton_ops.mla_attention import wgmma_kernel_applies
-from mtp_ctrl.triton_ops.mla_tiles import TILE_TABLE, WGMMA_ASYNC_TILES, WGMMA_TILES, MLATiles, mla_tiles
+from mtp_ctrl.triton_ops.mla_tiles import (TILE_TABLE, WGMMA_ASYNC_TILES, WGMMA_TILES, WGMMA_WS_TILES, MLATiles,
+                                          mla_tiles)
 from tests.functional.sync_checks import no_host_sync
 from tests.unit.megatron_fixtures import (
     BLOCK_SIZE_TOKENS,
@@ -157,8 +158,9 @@ def _check_wgmma(q_lens, seq_lens, num_heads, block_size_tokens, num_kv_splits, 
     assert out[-padding_rows:].abs().sum() == 0
 
 
-# both schedules of the Gluon kernel (each dot waited where issued; async_dots: overlapped)
-SCHEDULES = pytest.mark.parametrize("schedule", [WGMMA_TILES, WGMMA_ASYNC_TILES], ids=["serial", "async"])
+# the Gluon kernel's schedules (MLATiles.schedule)
+SCHEDULES = pytest.mark.parametrize("schedule", [WGMMA_TILES, WGMMA_ASYNC_TILES, WGMMA_WS_TILES],
+                                    ids=["serial", "async", "warp_specialized"])
 
 
 @SCHEDULES

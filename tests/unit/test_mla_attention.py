@@ -119,10 +119,10 @@ def test_gluon_kernel_serves_decode_rows_above_32_heads():
         MLATiles(32, 64, 8, 2, programs_per_sm=1, min_split_tokens=64, wgmma=True)
     with pytest.raises(TypeError, match="wgmma"):
         dataclasses.replace(WGMMA_TILES, wgmma=1)
-    with pytest.raises(ValueError, match="async_dots"):  # a schedule of the Gluon kernel only
-        MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, async_dots=True)
-    with pytest.raises(TypeError, match="async_dots"):
-        dataclasses.replace(WGMMA_TILES, async_dots=1)
+    with pytest.raises(ValueError, match="schedule"):  # a schedule of the Gluon kernel only
+        MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, schedule="async")
+    with pytest.raises(ValueError, match="schedule"):
+        dataclasses.replace(WGMMA_TILES, schedule="pingpong")
 
 
 def test_split_count_fills_whole_waves():
