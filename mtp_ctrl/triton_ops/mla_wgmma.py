@@ -19,6 +19,12 @@ one split of a request's context, 8 warps = two warpgroups:
 A cached token thus costs ``C + R`` (scores) + ``C`` (values) multiply-adds a matrix row, the
 useful work; Triton's chained-dot layout issues ``2 (C + R) + C`` there.
 
+Two schedules of this program (``ASYNC_DOTS``, from ``MLATiles.schedule``): each dot waited for
+where it is issued, or the score dots in flight while the next tile's copies are issued and the
+value dots while they are waited for. Both read the block table a tile ahead and keep the row sums
+as a ``[64, 64]`` partial reduced after the loop. The warp-specialized schedule is another kernel:
+:mod:`mtp_ctrl.triton_ops.mla_wgmma_ws`.
+
 Gluon is imported here, at this module's import: callers import this module lazily (it is only
 needed on a CUDA device of compute capability 9.x), so a Triton without Gluon, or a machine
 without a GPU, never needs it. The kernel uses only API present in triton 3.6 and 3.9 (the two
