@@ -300,7 +300,8 @@ def wgmma_table(device, bandwidth, args):
                 cells = ""
                 for name in ["triton"] + [name for name, _, _ in variants]:
                     us = times[name]
-                    cells += f" {us:9.1f} {100 * latent_bytes / us / 1e3 / (bandwidth / 1e9):5.1f} {flops / us / 1e6:7.1f}"
+                    share = 100 * latent_bytes / us / 1e3 / (bandwidth / 1e9)
+                    cells += f" {us:9.1f} {share:5.1f} {flops / us / 1e6:7.1f}"
                 gluon = {name: times[name] for name, _, _ in variants if times[name] == times[name]}
                 best = min(gluon, key=gluon.get) if gluon else "-"
                 speedup = times[variants[0][0]] / gluon[best] if gluon else float("nan")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for MLA (issue 30): its GPU tests, then bench_mla (RESULTS' "MLA" section).
-# Usage (device machine, repo root): bash bench/run_mla_gpu.sh [kernels|probe|final|verify|wgmma|overlap|tune|e2e] [--quick]
+# Usage (device machine, repo root):
+#   bash bench/run_mla_gpu.sh [kernels|probe|final|verify|wgmma|overlap|tune|e2e] [--quick]
 #   kernels (default): tests/functional/test_mla_gpu.py + the kernel table (default tiles vs the
 #     shape table vs the fastest --tune candidate, 16 and 128 heads, batch 1/32/128, 2k-128k)
 #   probe: the --tune candidates at 128 / 64 heads (batch 32 / 128, 8k / 32k) and 16 heads

@@ -102,8 +102,8 @@ def _load_cache_tile(latent_buf, rope_buf, CACHE_PTR, block_ids, rope_ids, tile_
     _async_load(latent_buf, latent_ptrs, mask=valid[:, None] & (cdims < _LATENT_DIM)[None, :])
     rope_tokens = tile_start + gl.arange(0, _BLOCK_N, gl.SliceLayout(1, ROPE_LOAD))
     rope_valid = rope_tokens < kv_hi
-    rope_rows = gl.multiple_of(rope_ids.to(gl.int64) * cache_stride_block + (rope_tokens % block_size_tokens).to(gl.int64)
-                               * cache_stride_token, 8)
+    rope_rows = gl.multiple_of(rope_ids.to(gl.int64) * cache_stride_block
+                               + (rope_tokens % block_size_tokens).to(gl.int64) * cache_stride_token, 8)
     rdims = gl.arange(0, _ROPE_DIM, gl.SliceLayout(0, ROPE_LOAD))
     rope_ptrs = CACHE_PTR + _LATENT_DIM + rope_rows[:, None] + rdims[None, :]
     _async_load(rope_buf, rope_ptrs, mask=rope_valid[:, None] & (rdims < _ROPE_DIM)[None, :])

@@ -79,8 +79,8 @@ def _store_half(acc, dims_start, running_max, running_sum, OUTPUT_PTR, PARTIAL_A
 
 
 @gluon.jit
-def _score_partition(q_latent_smem, q_rope_smem, latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem, sum_smem, bars,
-                     positions_base, kv_lo, kv_hi, num_tiles, qk_scale, BLOCK_H: gl.constexpr):
+def _score_partition(q_latent_smem, q_rope_smem, latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem,
+                     sum_smem, bars, positions_base, kv_lo, kv_hi, num_tiles, qk_scale, BLOCK_H: gl.constexpr):
     """The score warpgroup: scores, softmax, the probabilities handed over, value dims [0, C / 2).
     Returns its accumulator half, the row max and the row sum (its layouts)."""
     LATENT_LOAD: gl.constexpr = _LATENT_LOAD
@@ -124,11 +124,11 @@ def _score_partition(q_latent_smem, q_rope_smem, latent_bufs, rope_bufs, probs_s
 
 
 @gluon.jit
-def _value_partition(latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem, sum_smem, bars, CACHE_PTR, block_table_row, kv_lo, kv_hi,
-                     num_tiles, block_size_tokens, cache_stride_block, cache_stride_token,
-                     OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR, q_start, q_tile, q_len, head_tile,
-                     num_heads, num_tokens, split, num_kv_splits, out_stride_t, out_stride_h,
-                     BLOCK_Q: gl.constexpr, BLOCK_H: gl.constexpr):
+def _value_partition(latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem, sum_smem, bars, CACHE_PTR,
+                     block_table_row, kv_lo, kv_hi, num_tiles, block_size_tokens, cache_stride_block,
+                     cache_stride_token, OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR, q_start,
+                     q_tile, q_len, head_tile, num_heads, num_tokens, split, num_kv_splits, out_stride_t,
+                     out_stride_h, BLOCK_Q: gl.constexpr, BLOCK_H: gl.constexpr):
     """The value warpgroup: the cache copies (both buffers ahead), value dims [C / 2, C), and
     their part of the output."""
     LATENT_LOAD: gl.constexpr = _LATENT_LOAD
@@ -254,13 +254,13 @@ def _paged_mla_ws_kernel(
 
     positions_base = seq_len - q_len + q_tile * BLOCK_Q
     acc, running_max, running_sum = gl.warp_specialize([
-        (_score_partition, (q_latent_smem, q_rope_smem, latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem, sum_smem, bars,
-                            positions_base, kv_lo, kv_hi, num_tiles, qk_scale, BLOCK_H)),
-        (_value_partition, (latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem, sum_smem, bars, CACHE_PTR, block_table_row, kv_lo,
-                            kv_hi, num_tiles, block_size_tokens, cache_stride_block, cache_stride_token,
-                            OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR, q_start, q_tile, q_len,
-                            head_tile, num_heads, num_tokens, split, num_kv_splits, out_stride_t, out_stride_h,
-                            BLOCK_Q, BLOCK_H)),
+        (_score_partition, (q_latent_smem, q_rope_smem, latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem,
+                            sum_smem, bars, positions_base, kv_lo, kv_hi, num_tiles, qk_scale, BLOCK_H)),
+        (_value_partition, (latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem, sum_smem, bars, CACHE_PTR,
+                            block_table_row, kv_lo, kv_hi, num_tiles, block_size_tokens, cache_stride_block,
+                            cache_stride_token, OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR, q_start,
+                            q_tile, q_len, head_tile, num_heads, num_tokens, split, num_kv_splits, out_stride_t,
+                            out_stride_h, BLOCK_Q, BLOCK_H)),
     ], [_WARPS], [_VALUE_REGISTERS])
     _store_half(acc, 0, running_max, running_sum, OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR,
                 q_start, q_tile, q_len, head_tile, num_heads, num_tokens, split, num_kv_splits, out_stride_t,
