@@ -12,8 +12,9 @@ checked equal to plain decoding:
 2. (first) A ~1B model (16 layers, hidden 2048, random bf16 weights: the step is GPU-bound) with a device
    oracle drafter: request r's draft at each depth is the true next token with probability
    ``p_r`` (a hash of request and position, no host work), so acceptance is set per request.
-   Workloads: all 0.9, all 0.6, all 0.2, and a mix of the three; fixed S = 0..3 and goodput at
-   S_max = 3. The random model's logits get wide margins (:func:`widen_logit_margins`), so that
+   Workloads: all 0.9, all 0.6, all 0.2, and a mix of the three (closed batches: as many
+   requests as slots), and the mix queued (4x the slots in requests: a freed slot takes the next,
+   as a server runs); fixed S = 0..3 and goodput at S_max = 3. The random model's logits get wide margins (:func:`widen_logit_margins`), so that
    bf16 verify steps of any row count emit plain decoding's tokens (no near ties) and the oracle's
    "true token" is the one the target emits: a request labelled p accepts p per depth. The
    measured acceptance per label (from each fixed-S point's accepted drafts) is printed.
@@ -71,15 +72,17 @@ MIXES = {"0.9": (0.9,), "0.6": (0.6,), "0.2": (0.2,), "mixed": (0.9, 0.6, 0.2)}
 
 class AcceptanceOracle(Proposer):
     """Drafts the plain output's token with probability ``rates[r]`` per depth (else a wrong token):
-    ``sequences`` ``[n, L]`` int64 on the device (prompt + plain output of request ``id % n``)."""
+    ``sequences`` ``[n, L]`` int64 on the device (prompt + plain output of prompt ``r``), request
+    ``id`` being prompt ``(id - first_id) % n`` (``first_id``: a device scalar the caller sets to
+    the controller's next request id before each ``generate``; the graphs read it)."""
 
-    def __init__(self, sequences: torch.Tensor, rates: torch.Tensor):
-        self.sequences, self.rates = sequences, rates  # [n, L] int64, [n] float32
+    def __init__(self, sequences: torch.Tensor, rates: torch.Tensor, first_id: torch.Tensor):
+        self.sequences, self.rates, self.first_id = sequences, rates, first_id  # [n, L] int64, [n] float32, [] int64
 
     def propose(self, batch):
         S = self.draft_context.shape.num_speculative_tokens
         count, n = batch.num_requests, self.sequences.shape[0]
-        rows = batch.step.device_request_ids[:count].clamp(min=0) % n  # [G]
+        rows = (batch.step.device_request_ids[:count] - self.first_id).clamp(min=0) % n  # [G]
         positions = batch.bonus_positions[:count, None] + 1 + torch.arange(S, device=rows.device)  # [G, S]
         true = self.sequences[rows].gather(1, positions.clamp(0, self.sequences.shape[1] - 1))  # [G, S]
         mixed = (rows[:, None] * 1000003 + positions * 7919 + 12345) & 0xFFFFFFFF
@@ -130,21 +133,43 @@ class EqualCosts(StepCostModel):
 
 class PinnedGoodput(GoodputPolicy):
     """``GoodputPolicy`` whose step costs are all equal, so it drafts S on every step (acceptance is
-    never 0): against fixed S with the same lengths, the cost of the policy path itself."""
+    never 0; no exploration, the tokens-per-second objective): against fixed S with the same
+    lengths, the cost of the policy path itself."""
+
+    def __init__(self):
+        super().__init__(drain_objective=False, explore_tries=0, explore_every=1 << 62)
 
     def bind(self, shape):
         super().bind(shape)
         self.cost_model = EqualCosts()
 
 
-def run_point(controller, prompts, params, repeats=1):
+def explored(policy, batch):
+    """Whether the goodput policy's cost model has measured every depth at ``batch``'s grid (its
+    one-time exploration is over); True for other policies."""
+    if not isinstance(policy, GoodputPolicy) or isinstance(policy, PinnedGoodput):
+        return True
+    return all(policy.cost_model.is_measured(batch, d) for d in range(policy.shape.num_speculative_tokens + 1))
+
+
+def run_point(controller, prompts, params, repeats=1, policy=None, before=None):
     """(tokens/s, outputs, draft-length shares, step time) of the best of ``repeats`` timed generates
     after an untimed one (the host-bound demo points take 3: single runs there vary by tens of
-    percent). Step time: the metrics' mean wall and GPU ms per step over the timed generates."""
+    percent); a goodput policy gets up to 3 more untimed ones until it has measured every depth at
+    this grid (its one-time exploration, a server's first seconds). Step time: the metrics' mean
+    wall and GPU ms per step over the timed generates. ``before()`` runs before each generate."""
+    before = before or (lambda: None)
+    before()
     controller.generate(prompts, params)
+    for _ in range(3):
+        if explored(policy, controller.config.max_requests):
+            break
+        before()
+        controller.generate(prompts, params)
     controller.metrics.reset()
     seconds = float("inf")
     for _ in range(repeats):
+        before()
         if controller.shape.device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -220,9 +245,18 @@ class Table:
             print("\nmeasured per-depth acceptance by label (fixed S points; the label is the oracle's p):")
         for row in measured:
             print(f"  {row['part']} batch {row['batch']} {row['workload']} S={row['S']}: {row['acceptance']}")
-        for row in self.rows:
-            if row.get("costs"):
-                print(f"  cost model after {row['part']} batch {row['batch']} {row['workload']}: {row['costs']}")
+        costed = [row for row in self.rows if row.get("costs")]
+        if costed:
+            print("\nthe policy's cost model after each point, ms per step by (grid G, depths D): the loop's wall "
+                  "(what it decides on) / GPU; 'explored': choices made to measure a depth so far")
+        for row in costed:
+            text = ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
+                             for key, value in row["costs"].items())
+            print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
+
+
+def _ms(value):
+    return "-" if value is None else f"{value:.3f}"
 
 
 def row_s(rows, S):
@@ -246,13 +280,16 @@ def demo_part(args, table, device):
             controller = engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy, device=device.type)
             for temperature in (0.0, 1.0):
                 params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=5)
-                rate, outputs, shares, times = run_point(controller, prompts, params, repeats=3)
+                rate, outputs, shares, times = run_point(controller, prompts, params, repeats=3, policy=policy)
                 times.pop("results")
                 plain.setdefault(temperature, outputs)
                 table.add(part="demo", batch=batch, workload=f"T={temperature:g}", S=S, policy=name,
                           tokens_per_s=rate, lengths=shares, equal_plain=outputs == plain[temperature],
-                          costs=cost_table(policy), **times)
+                          costs=cost_table(policy), explored=getattr(policy, "explored", None), **times)
             controller.close()
+
+
+QUEUED = 4  # the queued workload: this many times the slots in requests (freed slots are refilled)
 
 
 def large_part(args, table, device):
@@ -266,39 +303,48 @@ def large_part(args, table, device):
     batches = args.large_batches or ((4,) if args.quick else (8, 64))
     generator = torch.Generator().manual_seed(0)
     for batch in batches:
-        prompts = torch.randint(0, shape["vocab_size"], (batch, PROMPT_LEN), generator=generator).tolist()
+        total = QUEUED * batch  # the queued workload's requests; the closed ones are its first `batch`
+        all_prompts = torch.randint(0, shape["vocab_size"], (total, PROMPT_LEN), generator=generator).tolist()
+        workloads = [(name, mix, all_prompts[:batch]) for name, mix in MIXES.items()]
+        workloads.append((f"queued {QUEUED}x mixed", MIXES["mixed"], all_prompts))
         params = SamplingParams(max_new_tokens=new_tokens)
         controller = engine(model, 0, batch, max_model_len, device=device.type)
-        plain_rate, plain, _, plain_times = run_point(controller, prompts, params)
-        plain_times.pop("results")
+        plain = {}
+        for name, _, prompts in (workloads[0], workloads[-1]):  # S = 0: the same for every mix
+            plain[len(prompts)] = run_point(controller, prompts, params)
+            plain[len(prompts)][3].pop("results")
         controller.close()
         width = PROMPT_LEN + new_tokens + 16
-        sequences = torch.zeros(batch, width, dtype=torch.int64)
-        for index, (prompt, output) in enumerate(zip(prompts, plain)):
+        sequences = torch.zeros(total, width, dtype=torch.int64)
+        for index, (prompt, output) in enumerate(zip(all_prompts, plain[total][1])):
             sequences[index, : len(prompt) + len(output)] = torch.tensor(list(prompt) + list(output))
         sequences = sequences.to(device)
-        rates = torch.zeros(batch, device=device)
+        rates = torch.zeros(total, device=device)
+        first_id = torch.zeros((), dtype=torch.int64, device=device)
         proposer_engines = []
         for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", GoodputPolicy())]:
             if table.out_of_time():
                 break
-            proposer = AcceptanceOracle(sequences, rates)
+            proposer = AcceptanceOracle(sequences, rates, first_id)
             proposer_engines.append((S, name, policy, engine(model, S, batch, max_model_len, policy, proposer,
                                                              device.type)))
-        for workload, mix in MIXES.items():
-            labels = [mix[i % len(mix)] for i in range(batch)]
+        for workload, mix, prompts in workloads:
+            labels = [mix[i % len(mix)] for i in range(total)]
             rates.copy_(torch.tensor(labels, device=device))
+            plain_rate, plain_outputs, _, plain_times = plain[len(prompts)]
             table.add(part="1B", batch=batch, workload=workload, S=0, policy="fixed", tokens_per_s=plain_rate,
                       lengths=[1.0], equal_plain=True, **plain_times)
             for S, name, policy, controller in proposer_engines:
                 if table.out_of_time():
                     return
-                rate, outputs, shares, times = run_point(controller, prompts, params)
+                rate, outputs, shares, times = run_point(
+                    controller, prompts, params, policy=policy,
+                    before=lambda c=controller: first_id.fill_(c.debug_view().next_request_id))
                 results = times.pop("results")
-                measured = per_depth_acceptance(results, labels, S) if name == "fixed" else None
+                measured = per_depth_acceptance(results, labels[: len(prompts)], S) if name == "fixed" else None
                 table.add(part="1B", batch=batch, workload=workload, S=S, policy=name, tokens_per_s=rate,
-                          lengths=shares, equal_plain=outputs == plain, acceptance=measured,
-                          costs=cost_table(policy), **times)
+                          lengths=shares, equal_plain=outputs == plain_outputs, acceptance=measured,
+                          costs=cost_table(policy), explored=getattr(policy, "explored", None), **times)
         for *_, controller in proposer_engines:
             controller.close()
 

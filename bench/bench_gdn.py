@@ -50,8 +50,10 @@ def parse_args(argv=None):
     parser.add_argument("--tune", action="store_true",
                         help="only sweep the verify kernel's launch shapes (batch 1, 32, 128; S = 0, 2, 4)")
     parser.add_argument("--baseline", metavar="GDN_REPLAY_PY",
-                        help="with --tune or table 1: also time this file's gdn_verify_rows + gdn_replay_accepted "
-                             "(main's mtp_ctrl/triton_ops/gdn_replay.py: verify, then replay) in the same process")
+                        help="with --tune or table 1: also time this file's kernels in the same process "
+                             "(another checkout's mtp_ctrl/triton_ops/gdn_replay.py, with its gdn_tiles.py and "
+                             "gdn_recurrent.py: its deferred-commit step, or an older main's verify + "
+                             "gdn_replay_accepted)")
     parser.add_argument("--tune-scope", metavar="BATCHES/DRAFTS/CANDIDATES",
                         help="with --tune: e.g. '32,128/0,2/8x1,16x1,32x4' (default: 1,32,128/0,2,4/all)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
@@ -129,7 +131,11 @@ def _table_tiles(batch, R):
     """The verify kernel's tiles of the package's table."""
     from mtp_ctrl.triton_ops.gdn_tiles import gdn_verify_tiles
 
-    tiles = gdn_verify_tiles(batch, R)
+    return _tiles_name(gdn_verify_tiles(batch, R))
+
+
+def _tiles_name(tiles):
+    """``BLOCK_V/warps``."""
     return f"{tiles.block_v}/{tiles.num_warps}"
 
 
@@ -153,16 +159,19 @@ def _verify_setup(device, shape, batch, S):
                 rows=_rows(batch * R, key_heads, heads, key_dim, value_dim, device))
 
 
-def _deferred_step(step, S, tiles=None):
-    """One layer's step of this package: the verify rows (the pending rows applied first), then the
-    commit's bookkeeping (it keeps every slot at 1 + S pending rows: the same work every call; none
-    at S = 0, as ``MambaStateSlots.commit_accepted``: nothing is ever pending there)."""
+def _deferred_step(step, S, tiles=None, module=None):
+    """One layer's step of this package (``module``: another checkout's gdn_replay module with the
+    deferred commit): the verify rows (the pending rows applied first), then the commit's
+    bookkeeping (it keeps every slot at 1 + S pending rows: the same work every call; none at
+    S = 0, as ``MambaStateSlots.commit_accepted``: nothing is ever pending there)."""
     R = S + 1
-    out = gdn_verify_rows(step["states"], step["row_inputs"], step["pending"], step["parity"], 0, step["slots"],
-                          **step["rows"], rows_per_request=R, tiles=tiles)
+    verify, mark = ((module.gdn_verify_rows, module.gdn_mark_pending_rows) if module is not None
+                    else (gdn_verify_rows, gdn_mark_pending_rows))
+    out = verify(step["states"], step["row_inputs"], step["pending"], step["parity"], 0, step["slots"],
+                 **step["rows"], rows_per_request=R, **({} if tiles is None else {"tiles": tiles}))
     if S > 0:
-        gdn_mark_pending_rows(step["pending"], step["parity"], step["status"], step["slots"], step["accepted"], R,
-                              step["slots"].shape[0])
+        mark(step["pending"], step["parity"], step["status"], step["slots"], step["accepted"], R,
+             step["slots"].shape[0])
     return out
 
 
@@ -186,12 +195,15 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=
           "gdn_mark_pending_rows; 'of copy' = state bytes / time / copy GB/s; tiles = BLOCK_V/warps; "
           + (f"GPU time: {graph_calls} calls captured in one CUDA graph, a replay / {graph_calls}" if graph_calls
              else "times of eager calls (host launch latency included)")
-          + (f"; base: {baseline} verify (reads 1 state; S = 0 writes it too) + replay (reads + writes 1), "
-             "timed here" if baseline else "")
+          + ((f"; base: {baseline}'s step (the deferred commit: reads + writes 1 state), timed here"
+              if _is_deferred(base_module) else
+              f"; base: {baseline} verify (reads 1 state; S = 0 writes it too) + replay (reads + writes 1), "
+              "timed here") if baseline else "")
           + ("; old: gdn_decode_rows + copy commit (moves 1 + (1 + S) + 2 states)" if old_path else ""))
     print(f"{'batch':>5} {'S':>2} | {'step us':>8} {'of copy':>7} {'vs S=0':>6} {'tiles':>5}"
-          + (f" | {'base verify':>11} {'of copy':>7} {'replay':>7} {'of copy':>7} {'total':>7} {'vs S=0':>6} "
-             f"{'new/base':>8}" if baseline else "")
+          + ((f" | {'base step':>9} {'of copy':>7} {'vs S=0':>6} {'new/base':>8}" if _is_deferred(base_module) else
+              f" | {'base verify':>11} {'of copy':>7} {'replay':>7} {'of copy':>7} {'total':>7} {'vs S=0':>6} "
+              f"{'new/base':>8}") if baseline else "")
           + (f" | {'old us':>8} {'of copy':>7} {'vs S=0':>6}" if old_path else ""))
     times = {}
 
@@ -208,9 +220,13 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=
             if base_module is not None:
                 verify_us, replay_us = _time_baseline(base_module, device, step, key_heads, S, graph_calls=graph_calls)
                 times[("base", batch, S)] = total = verify_us + replay_us
-                replay_cells = f"{replay_us:7.1f} {share(batch, 2, replay_us)}" if S else f"{'-':>7} {'-':>7}"
-                line += (f" | {verify_us:11.1f} {share(batch, 1 if S else 2, verify_us)} {replay_cells} {total:7.1f} "
-                         f"{total / times[('base', batch, drafts[0])]:5.2f}x {us / total:7.2f}x")
+                if _is_deferred(base_module):
+                    base_s0 = times[("base", batch, drafts[0])]
+                    line += f" | {total:9.1f} {share(batch, 2, total)} {total / base_s0:5.2f}x {us / total:7.2f}x"
+                else:
+                    replay_cells = f"{replay_us:7.1f} {share(batch, 2, replay_us)}" if S else f"{'-':>7} {'-':>7}"
+                    line += (f" | {verify_us:11.1f} {share(batch, 1 if S else 2, verify_us)} {replay_cells} "
+                             f"{total:7.1f} {total / times[('base', batch, drafts[0])]:5.2f}x {us / total:7.2f}x")
             if old_path:
                 states, slots, rows = step["states"], step["slots"], step["rows"]
                 inter = torch.zeros(1, batch + 1, R, heads, key_dim, value_dim, device=device)
@@ -227,8 +243,14 @@ def decode_kernel_table(device, shape, batches, drafts, old_path=True, baseline=
     return times
 
 
-# launch shapes --tune times: (BLOCK_V, warps) with 16-64 state floats a thread at K = 128
-TUNE_CANDIDATES = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8))
+def _candidates():
+    """(BLOCK_V, warps) of gdn_tiles.CANDIDATE_TILES: the launch shapes --tune times."""
+    from mtp_ctrl.triton_ops.gdn_tiles import CANDIDATE_TILES
+
+    return tuple((tiles.block_v, tiles.num_warps) for tiles in CANDIDATE_TILES)
+
+
+TUNE_CANDIDATES = _candidates()
 
 
 def _compile_candidates(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
@@ -237,12 +259,12 @@ def _compile_candidates(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
     from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
 
     device = torch.device(device_type)
-    for kernel, S, block_v, warps in jobs:
+    for kernel, S, *tiles in jobs:
         step = _verify_setup(device, shape, 1, S)
-        if kernel == "baseline":  # block_v: the baseline's path
-            _time_baseline(_load_baseline(block_v), device, step, shape[0], S, repeats=0)
+        if kernel == "baseline":  # tiles[0]: the baseline's path
+            _time_baseline(_load_baseline(tiles[0]), device, step, shape[0], S, repeats=0)
             continue
-        _deferred_step(step, S, tiles=GDNTiles(block_v, warps))
+        _deferred_step(step, S, tiles=GDNTiles(*tiles))
     if device.type == "cuda":
         torch.cuda.synchronize()
     return len(jobs)
@@ -276,9 +298,22 @@ def _load_baseline(path):
                 sys.modules[name] = module
 
 
+def _is_deferred(module):
+    """Whether a baseline gdn_replay module has the deferred commit (one launch a step) or main's
+    older verify + replay launches."""
+    return not hasattr(module, "gdn_replay_accepted")
+
+
 def _time_baseline(module, device, step, key_heads, S, repeats=20, graph_calls=0):
     """(verify us, replay us) of the baseline module's verify + replay kernels at one step
-    (repeats = 0: compile only); its own states and row inputs (main's [1, M, R, F] layout)."""
+    (repeats = 0: compile only); its own states and row inputs (main's [1, M, R, F] layout). A
+    baseline with the deferred commit: (its whole step's us, 0.0), on its own copies of the pools."""
+    if _is_deferred(module):
+        own = dict(step, **{name: step[name].clone() for name in ("states", "row_inputs", "pending", "parity")})
+        _deferred_step(own, S, module=module)
+        if not repeats:
+            return 0.0, 0.0
+        return _time_ms(lambda: _deferred_step(own, S, module=module), device, repeats, graph_calls) * 1e3, 0.0
     states, row_inputs = step["states"].clone(), step["old_row_inputs"]
     slots, rows = step["slots"], step["rows"]
 
@@ -309,65 +344,72 @@ def _precompile(jobs, device_type="cuda", shape=(16, 32, 128, 128)):
     print(f"   compiled {compiled} kernels in {workers} processes, {time.perf_counter() - started:.1f} s")
 
 
-def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, baseline=None):
+def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, baseline=None, graph_calls=0):
     """Every candidate launch shape of this package's step (verify with the deferred commit, 1 + S
     pending rows) at each (batch, S): us and state bytes (2 states) / time against a same-run device
-    copy, beside the baseline's verify + replay (``baseline``: another checkout's gdn_replay.py).
-    Returns {(kernel, batch, S): (us, tiles)}."""
+    copy, beside the baseline's step (``baseline``: another checkout's gdn_replay.py), then per
+    candidate its share of the copy at every (batch, S) and its S = 2 / S = 0 time (the one shape
+    for every launch is chosen from that table). Returns {(kernel, batch, S): (us, tiles)}."""
     from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles
 
     key_heads, heads, key_dim, value_dim = shape
     state_bytes = heads * key_dim * value_dim * 4
     copy_gbs = copy_bandwidth_gbs(device, max(batches) * state_bytes * 2)
     print(f"\n--tune: {heads} value heads, {key_heads} key heads, K = {key_dim}, V = {value_dim}; copy {copy_gbs:.0f} "
-          "GB/s; a step moves 2 states; max|diff| = output against the first candidate")
+          "GB/s; a step moves 2 states; max|diff| = output against the first candidate; "
+          + (f"GPU time: {graph_calls} calls in one CUDA graph" if graph_calls else "eager calls"))
     if device.type == "cuda":
         try:
             _precompile([("step", S, *tile) for S in drafts for tile in candidates]
-                        + [("baseline", S, baseline, 1) for S in drafts if baseline])
+                        + [("baseline", S, baseline) for S in drafts if baseline])
         except Exception as error:  # the timing loop compiles what is missing, one after another
             print(f"   parallel compile failed ({type(error).__name__}: {error}); compiling while timing")
-    print(f"{'batch':>5} {'S':>2} {'BLOCK_V':>7} {'warps':>5} {'us':>8} {'of copy':>7} {'max|diff|':>9}")
-    best = {}
+    print(f"{'batch':>5} {'S':>2} {'tiles':>6} {'us':>8} {'of copy':>7} {'max|diff|':>9}")
+    best, times = {}, {}
+    base_module = _load_baseline(baseline) if baseline else None
     for batch in batches:
         for S in drafts:
             step = _verify_setup(device, shape, batch, S)
             step["states"].normal_().mul_(0.1)
-            if baseline:
-                base = _time_baseline(_load_baseline(baseline), device, step, key_heads, S)
+            if base_module is not None:
+                base = _time_baseline(base_module, device, step, key_heads, S, graph_calls=graph_calls)
                 best[("baseline", batch, S)] = (sum(base), base)
+                print(f"{batch:5d} {S:2d} {'base':>6} {sum(base):8.1f} "
+                      f"{batch * state_bytes * 2 / sum(base) / 1e3 / copy_gbs:7.0%}")
             first, start = None, {name: step[name].clone() for name in ("states", "row_inputs", "parity")}
-            for block_v, warps in candidates:
-                tiles = GDNTiles(block_v, warps)
+            for candidate in candidates:
+                tiles = GDNTiles(*candidate)
                 for name, value in start.items():  # each candidate's first call from the same start
                     step[name].copy_(value)
                 result = _deferred_step(step, S, tiles).clone()
                 first = result if first is None else first
                 diff = (result - first).abs().max().item()
-                us = _time_ms(lambda: _deferred_step(step, S, tiles), device, 20) * 1e3
-                print(f"{batch:5d} {S:2d} {block_v:7d} {warps:5d} {us:8.1f} "
-                      f"{batch * state_bytes * 2 / us / 1e3 / copy_gbs:7.0%} {diff:9.2e}")
+                us = _time_ms(lambda: _deferred_step(step, S, tiles), device, 20, graph_calls) * 1e3
+                times[(candidate, batch, S)] = us
+                print(f"{batch:5d} {S:2d} {_tiles_name(tiles):>6} {us:8.1f} "
+                      f"{batch * state_bytes * 2 / us / 1e3 / copy_gbs:7.0%} {diff:9.2e}", flush=True)
                 if ("step", batch, S) not in best or us < best[("step", batch, S)][0]:
                     best[("step", batch, S)] = (us, tiles)
             del step
-    print("\n--tune: per step with the fastest shape: us, of copy, vs S = 0"
-          + (" | the baseline's verify + replay" if baseline else ""))
-    for batch in batches:
-        for S in drafts:
-            us = best[("step", batch, S)][0]
-            line = (f"{batch:5d} {S:2d} {us:9.1f} {batch * state_bytes * 2 / us / 1e3 / copy_gbs:7.0%} "
-                    f"{us / best[('step', batch, drafts[0])][0]:5.2f}x")
-            if baseline:
-                total = best[("baseline", batch, S)][0]
-                line += (f" | {total:7.1f} {total / best[('baseline', batch, drafts[0])][0]:5.2f}x "
-                         f"new/base {us / total:5.2f}x")
-            print(line)
+    print("\n--tune: per candidate, share of the copy at each (batch, S) and S = 2 / S = 0 time"
+          + ("; base = the baseline's step" if baseline else ""))
+    columns = [(batch, S) for batch in batches for S in drafts]
+    print(f"{'tiles':>6} | " + " ".join(f"{f'b{batch}/S{S}':>8}" for batch, S in columns)
+          + " | " + " ".join(f"{f'b{batch} S2/S0':>10}" for batch in batches if 0 in drafts and 2 in drafts))
+    rows = [(_tiles_name(GDNTiles(*c)), {key: times[(c,) + key] for key in columns}) for c in candidates]
+    if baseline:
+        rows.insert(0, ("base", {key: best[("baseline",) + key][0] for key in columns}))
+    for name, row in rows:
+        shares = " ".join(f"{batch * state_bytes * 2 / row[(batch, S)] / 1e3 / copy_gbs:8.0%}" for batch, S in columns)
+        ratios = " ".join(f"{row[(batch, 2)] / row[(batch, 0)]:9.2f}x" for batch in batches
+                          if 0 in drafts and 2 in drafts)
+        print(f"{name:>6} | {shares} | {ratios}")
     # For reading only: gdn_tiles.py holds ONE shape for every launch (a verify row and a plain row
     # agree bit for bit only under one launch shape; see its DEFAULT_TILES), never a shape per launch.
     print("\n--tune: the fastest shape per launch (gdn_tiles.DEFAULT_TILES must be ONE shape for all)")
     for (kernel, batch, S), (us, tiles) in sorted(best.items(), key=lambda item: str(item[0])):
         if kernel != "baseline":
-            print(f"  batch {batch:4d} S {S}: GDNTiles({tiles.block_v}, {tiles.num_warps})  {us:.1f} us")
+            print(f"  batch {batch:4d} S {S}: {_tiles_name(tiles)}  {us:.1f} us")
     return best
 
 
@@ -465,7 +507,8 @@ def main(args):
             batches, drafts = (tuple(int(x) for x in part.split(",")) for part in parts[:2])
             if len(parts) > 2:
                 candidates = tuple(tuple(int(x) for x in pair.split("x")) for pair in parts[2].split(","))
-        return tune_table(device, shape, batches, drafts, candidates=candidates, baseline=args.baseline)
+        return tune_table(device, shape, batches, drafts, candidates=candidates, baseline=args.baseline,
+                          graph_calls=args.graph_calls)
     if args.e2e:
         return end_to_end_table((1, 8, 32), steps=20)
     decode_kernel_table(device, shape, (1, 32, 128), (0, 2, 4), old_path=not args.skip_old, baseline=args.baseline,

@@ -9,6 +9,13 @@
 #               time left of GDN_CALL_SECONDS (default 235); each part under its own timeout
 #   quick       final's parts on the CPU (tiny shapes, interpreted): a smoke test of this script
 #   functional  test_gdn_gpu.py alone, with the whole call's time
+#   sweep       one call for a kernel change: --tune over gdn_tiles.CANDIDATE_TILES (graph-timed, the
+#               baseline's step in the same process), the kernel table (the table's shape, the baseline
+#               beside), then test_gdn_gpu.py (the kernel tests first, then the controller graph tests)
+#               with the time left of GDN_CALL_SECONDS (default 235); each part under its own timeout.
+#               Baseline: $GDN_BASELINE_FILE (default .scratch/gdn_baseline/gdn_replay.py, a copy of
+#               main's gdn_replay.py, gdn_recurrent.py and gdn_tiles.py made when the work began)
+#   sweep-quick sweep's benchmark parts on the CPU (tiny shapes, interpreted): a smoke test
 # The baseline: the same bench script run against the package of $GDN_BASELINE_ROOT (default: the
 # checkout two levels up, where the device tool puts the lead's main when this one is .wt/<name>).
 set -uo pipefail
@@ -62,6 +69,31 @@ case "${1:-}" in
     grep -E "^ *(1|32|128) +[024] \|" "$out/kernels.txt" || true
     tail -3 "$out/functional.log" 2>/dev/null || true
     grep -E "^ *[0-9]+ +[02] +[0-9.]+ +[0-9]+$" "$out/e2e.txt" 2>/dev/null || true ;;
+  sweep|sweep-quick)
+    started=$SECONDS
+    base="${GDN_BASELINE_FILE:-.scratch/gdn_baseline/gdn_replay.py}"
+    [ -f "$base" ] || { echo "no baseline at $base"; base=""; }
+    quick=""; [ "$1" = sweep-quick ] && quick="--quick" && export TRITON_INTERPRET=1
+    timeout 110 python3 bench/bench_gdn.py --tune $quick ${base:+--baseline "$base"} 2>&1 \
+      | grep -v Warning | tee "$out/tune.txt"
+    timeout 50 python3 bench/bench_gdn.py --kernels --skip-old $quick ${base:+--baseline "$base"} 2>&1 \
+      | grep -v Warning | tee "$out/kernels.txt"
+    if [ -z "$quick" ]; then
+      left=$(( ${GDN_CALL_SECONDS:-235} - (SECONDS - started) - 5 ))
+      timeout "$left" python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
+        -k "not hybrid" 2>&1 | tee "$out/functional_kernels.log" | tail -15
+      left=$(( ${GDN_CALL_SECONDS:-235} - (SECONDS - started) - 3 ))
+      if [ "$left" -gt 20 ]; then
+        timeout "$left" python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
+          -k "hybrid" 2>&1 | tee "$out/functional_hybrid.log" | tail -15
+      else
+        echo "controller graph tests skipped: ${left}s left" | tee "$out/functional_hybrid.log"
+      fi
+    fi
+    echo "== summary (device: $(cat "$out/device.txt" 2>/dev/null)) =="
+    sed -n '/per candidate, share/,/^$/p' "$out/tune.txt"
+    grep -E "^ *(1|32|128) +[024] \|" "$out/kernels.txt" || true
+    tail -2 "$out/functional_kernels.log" "$out/functional_hybrid.log" 2>/dev/null || true ;;
   *)
     # "functional" runs the tests alone: at 59f0165 the two controller graph tests did not finish
     # within the 120 s they get here beside the benchmark

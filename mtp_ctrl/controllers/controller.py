@@ -120,6 +120,7 @@ class TextGenerationController:
                                                  pool.num_cached_blocks))
         # how many drafts each request makes per step (controllers/draft_policy.py; default: S each)
         self._draft_lengths = DraftLengths(draft_policy, self.shape)
+        self._draft_lengths.queue_view = self._queue_view
         self._requests = RequestBook(seed, config.finished_results_kept)  # every request not forgotten
         self._lifecycle = SlotLifecycle(self.context, self._requests, self._outputs, self.proposer, self._draft_lengths)
         self._all_greedy = False  # set per step from the running requests' SamplingParams
@@ -127,7 +128,7 @@ class TextGenerationController:
         self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
         self._in_flight: Optional[LaunchedStep] = None
         self._steps_launched = 0  # by the current step() call (its wall time is shared among them)
-        self._waited = 0.0  # seconds the current step() call waited for read-backs
+        self._last_return: Optional[float] = None  # perf_counter() when the last step() call returned
         self._applied: List[Tuple[StepMetadata, Optional[float]]] = []  # launches it applied, their GPU seconds
         self._timing = None  # the last call's StepTiming for the draft-length cost model (sent at the next check)
         self._lockstep = TPLockstep(parallel_state.get_tensor_model_parallel_group(check_initialized=False),
@@ -366,7 +367,7 @@ class TextGenerationController:
 
     def _step(self, collect: bool) -> List[StepOutput]:
         started = time.perf_counter()
-        self._steps_launched, self._waited, self._applied = 0, 0.0, []
+        self._steps_launched, self._applied = 0, []
         try:
             outputs = self._step_once(collect)
             if self._pending_outputs:
@@ -377,9 +378,11 @@ class TextGenerationController:
             self._lockstep.announce_failure(error)  # the other ranks' next check raises with this cause
             self._abort_running()
             raise
-        elapsed = time.perf_counter() - started
-        self.metrics.record_step(elapsed, max(self._steps_launched, 1))
-        self._timing = self._draft_lengths.step_timing(self._applied, elapsed - self._waited, self._steps_launched)
+        now = time.perf_counter()
+        self.metrics.record_step(now - started, max(self._steps_launched, 1))
+        # the cost model's sample: the loop's wall time since the last return (host, GPU and the bubbles between)
+        since, self._last_return = (None if self._last_return is None else now - self._last_return), now
+        self._timing = self._draft_lengths.step_timing(self._applied, since, self._steps_launched)
         return outputs
 
     def _step_once(self, collect: bool) -> List[StepOutput]:
@@ -429,6 +432,12 @@ class TextGenerationController:
                     raise
                 self._lifecycle.preempt_newest()
 
+    def _queue_view(self, request_ids: np.ndarray) -> Tuple[int, np.ndarray]:
+        """For the draft-length policy (when it is asked): how many requests wait to be admitted,
+        and ``[n]`` the tokens each of the live ``request_ids`` may still emit."""
+        slots = np.fromiter(map(self.context.table.slot_of, request_ids.tolist()), np.int64, request_ids.shape[0])
+        return self._scheduler.num_waiting, self._outputs.tokens_left(slots)
+
     def _launch_step(self, step: StepMetadata) -> LaunchedStep:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;
         returns without waiting."""
@@ -475,9 +484,7 @@ class TextGenerationController:
         """Wait for a launch's read-back and apply it on the host (every step of a decode run:
         a request that stopped in one of them emits nothing after it)."""
         step = launched.step
-        waiting = time.perf_counter()
         readbacks, gpu_seconds = self._readbacks.wait(launched)  # [k, n_s, S + 2], the step's order
-        self._waited += time.perf_counter() - waiting
         self._applied.append((step, gpu_seconds))
         verified = self._draft_lengths.applied(step, readbacks[:, : step.num_decode, 0])  # [k, n_d] drafts verified
         self.on_apply(step, readbacks, overlapped)

@@ -12,14 +12,20 @@ sampling step earlier (the context keeps them per slot: ``StepMetadata.host_veri
 :meth:`DraftLengths.applied` hands them with the read-back's accepted counts to the policy and
 the metrics. Host values only, no sync.
 
-Step timing: the controller measures each ``step()`` call (wall time, time spent waiting for
-read-backs, the applied launch's GPU time); :meth:`DraftLengths.step_timing` keeps it when the
-call applied one steady launch, and :meth:`DraftLengths.record_timing` hands it (the first TP
-rank's, on every rank) to the cost model at the next call's lockstep check.
+Step timing: the controller measures each ``step()`` call (the wall time since the previous
+call returned, the applied launch's GPU time); :meth:`DraftLengths.step_timing` keeps it when this
+call and the one before each applied one steady launch of the same (grid, D), and
+:meth:`DraftLengths.record_timing` hands it (the first TP rank's, on every rank) to the cost model
+at the next call's lockstep check.
+
+The queue: when the policy is asked, the controller's ``queue_view`` (if set) tells it how many
+requests wait to be admitted and how many tokens each of the step's sampling requests may still
+emit (``DraftLengthQuery.num_waiting``, ``tokens_left``): a batch nobody waits to join ends with
+its slowest request (``GoodputPolicy``'s drain objective).
 """
 
 import collections
-from typing import Deque, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch.distributed as dist
@@ -31,13 +37,15 @@ from mtp_ctrl.state import EngineShape, StepMetadata
 
 TIMING_EVERY = 4  # step_timing keeps one in this many steady calls of the same (G, D)
 
+QueueView = Callable[[np.ndarray], Tuple[int, np.ndarray]]  # sampling request ids [n] -> (waiting, tokens left [n])
+
 
 class StepTiming(NamedTuple):
     """One steady step's measured cost (``DraftLengths.step_timing``)."""
 
     batch_size: int  # G, the step's grid
     num_drafts: int  # D (= its verify width V)
-    host_seconds: float  # the host's work per step (the call's wall time less its waits)
+    wall_seconds: float  # the loop's wall time per step (between consecutive step() returns)
     gpu_seconds: float  # the launch's GPU time per step (CUDA events), -1 off CUDA
 
 
@@ -86,6 +94,7 @@ class DraftLengths:
         self._held: Optional[HeldChoice] = None  # the policy's last choice
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D) and its steady calls in a row
+        self.queue_view: Optional[QueueView] = None  # set by the controller (None: nobody waits, lengths unknown)
 
     @property
     def S(self) -> int:
@@ -146,7 +155,9 @@ class DraftLengths:
             return caps
         self._flush_outcomes()  # the policy decides on every outcome so far
         steps = 1 if held is None else held.steps
-        lengths = self.policy.choose(DraftLengthQuery(ids.copy(), caps, S, batch_size, steps))
+        num_waiting, tokens_left = (0, None) if self.queue_view is None else self.queue_view(ids)
+        lengths = self.policy.choose(DraftLengthQuery(ids.copy(), caps, S, batch_size, steps, num_waiting,
+                                                      tokens_left))
         lengths = np.asarray(lengths)
         if lengths.shape != (num_sampling,) or not np.issubdtype(lengths.dtype, np.integer):
             raise TypeError(f"{type(self.policy).__name__}.choose must return [{num_sampling}] ints, "
@@ -222,32 +233,40 @@ class DraftLengths:
         """The steps in flight were abandoned (a step raised): their outcomes never come."""
         self._in_flight.clear()
 
-    def step_timing(self, applied: List[Tuple[StepMetadata, Optional[float]]], host_seconds: float,
+    def step_timing(self, applied: List[Tuple[StepMetadata, Optional[float]]], wall_seconds: Optional[float],
                     steps_launched: int) -> Optional[StepTiming]:
         """What one ``step()`` call measured for the policy's cost model (``step_costs.py``), or None:
         ``applied``, the launches the call applied with their GPU seconds (None off CUDA);
-        ``host_seconds``, the call's wall time less its waits for read-backs. Kept only for a call
-        that applied one steady launch (decode only, verify width = draft depths) and launched as
-        many steps: ``(G, D, host seconds per step, GPU seconds per step or -1)``; of a run of
-        steady calls of one (G, D), every ``TIMING_EVERY``-th (the averages move slowly; the
-        first call of a new (G, D) is always kept, so a depth tried is measured at once)."""
-        if self._fixed or self.S == 0 or len(applied) != 1:
+        ``wall_seconds``, the time since the previous call returned (None: the first call).
+        Kept only for a steady call (it applied one launch, decode only, verify width = draft
+        depths D, and launched as many steps) right after a call that applied one decode-only
+        launch of the same grid and D (the loop was running that depth: no prefill, idle pause or
+        first call in the wall time; the step before a switch of depth verifies the old width, so
+        the second step after a switch is measured): ``(G, D, wall seconds per step, GPU seconds
+        per step or -1)``; of a run of such calls, the first and then every ``TIMING_EVERY``-th
+        (the averages move slowly; a depth tried is measured at once)."""
+        if self._fixed or self.S == 0:
             return None
-        step, gpu_seconds = applied[0]
-        if step.num_prefill or step.verify_width != step.num_drafts or steps_launched != step.num_steps:
+        launch_key = steady_key = None
+        if len(applied) == 1 and not applied[0][0].num_prefill:
+            step, gpu_seconds = applied[0]
+            launch_key = (step.dimensions.request_count, step.num_drafts)
+            if step.verify_width == step.num_drafts and steps_launched == step.num_steps:
+                steady_key = launch_key
+        previous, self._timed_key = self._timed_key, launch_key
+        if steady_key is None or steady_key != previous or wall_seconds is None:
+            self._steady_calls = 0
             return None
-        key = (step.dimensions.request_count, step.num_drafts)
-        self._steady_calls = 0 if key != self._timed_key else self._steady_calls + 1
-        self._timed_key = key
-        if self._steady_calls % TIMING_EVERY:
+        self._steady_calls += 1
+        if (self._steady_calls - 1) % TIMING_EVERY:
             return None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
-        return StepTiming(key[0], key[1], host_seconds / step.num_steps, gpu)
+        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu)
 
     def record_timing(self, timing: Optional[StepTiming]) -> None:
         """Feed a measurement (every TP rank gets the first rank's: ``TPLockstep.check``) to the cost model."""
         if timing is not None and self.policy.cost_model is not None:
-            self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.host_seconds,
+            self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.wall_seconds,
                                           None if timing.gpu_seconds < 0 else timing.gpu_seconds)
 
     def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None) -> None:

@@ -23,7 +23,7 @@ rank (the TP lockstep check includes the lengths).
 """
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,6 +40,8 @@ class DraftLengthQuery:
     num_speculative_tokens: int  # S, the engine's most drafts
     batch_size: int  # G, the step's grid (padded to its CUDA-graph batch when one covers it)
     steps: int = 1  # steps since the policy's last choice (it held for them: ``decide_every``)
+    num_waiting: int = 0  # requests queued, not yet admitted (0: the batch drains: nobody takes a freed slot)
+    tokens_left: Optional[np.ndarray] = None  # [n] int64, the most tokens each may still emit (None: unknown)
 
 
 class RequestRows:
@@ -180,9 +182,32 @@ class GoodputPolicy(DraftLengthPolicy):
     prior and the policy tries again. Expected tokens of request r with ``s`` drafts:
     ``1 + sum_{k <= s} prod_{j <= k} a_{r,j}``.
 
-    Cost: :class:`StepCostModel` of the step's grid and depth D. The policy picks
-    ``D = argmax_D sum_r tokens_r(min(D, cap_r)) / cost(G, D)`` and gives each request
-    ``min(D, cap_r)`` (within one graph shape a request drafting less than D saves nothing).
+    Cost: :class:`StepCostModel` of the step's grid and depth D (the loop's wall time per steady
+    step). While requests wait to be admitted (or the queue is unknown) the policy picks
+    ``D = argmax_D sum_r tokens_r(min(D, cap_r)) / cost(G, D)``, the live batch's tokens per
+    second: a freed slot is refilled at once, so that is what the server delivers. When nobody
+    waits (``query.num_waiting == 0`` with ``tokens_left`` known; ``drain_objective``) the batch
+    only drains: it is done when its slowest request is, and every step until then costs a full
+    step. Then it picks ``D = argmin_D E[max_r steps_r(D)] * cost(G, D)``, the expected time to
+    finish every live request (:func:`expected_drain_steps`: a request's steps to emit its tokens
+    left, normal with the mean and variance of its tokens per step; the expected maximum over the
+    batch). Each request gets ``min(D, cap_r)`` (within one graph shape a request drafting less
+    than D saves nothing). Population: a new request's estimate is the batch's average, but a
+    batch of new requests is not n copies of the average: their slowest set the end. So the
+    drain objective takes each request's prior (weight ``prior_weight``) from the estimates of
+    recent requests that left with evidence (``population_evidence`` first drafts verified,
+    decayed; a ring of 2 x max_requests), at evenly spread quantiles matched to the batch's own
+    ranking: a closed batch after a mixed one expects a third of its requests at 0.2 from the
+    first step, before they have shown it.
+
+    Exploration: the cost of a depth is known only once the loop ran it. A depth the batch may
+    take (``D <= max cap_r``) that is not measured at the step's grid is run first (the one that
+    scores best on its optimistic seed; at most ``explore_tries`` holds per grid and depth, for
+    a loop that never reaches a steady step). After that, the first choice ``explore_every`` steps
+    after the last exploration runs the runner-up depth for one hold if it scores within
+    ``explore_within`` of the best: a measurement that was unlucky, or a cost that changed, is
+    corrected (at most ``1 - explore_within`` of one hold, ``decide_every`` steps, lost in
+    ``explore_every``).
     Vectorised over the batch (numpy: no per-request Python in ``choose`` or ``observe``, a fixed
     number of numpy calls whatever the batch), and run once per ``decide_every`` steps while the
     batch stays the same (the controller reuses the choice meanwhile and hands the outcomes over in
@@ -192,8 +217,20 @@ class GoodputPolicy(DraftLengthPolicy):
     """
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
-                 min_gain: float = 1.0, decide_every: int = 8, longest_hold: Optional[int] = None):
+                 min_gain: float = 1.0, decide_every: int = 8, longest_hold: Optional[int] = None,
+                 drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
+                 explore_within: float = 0.8, population_evidence: float = 2.0):
         super().__init__()
+        self.population_evidence = population_evidence  # first drafts verified (decayed) to join the population
+        self.drain_objective = bool(drain_objective)
+        self.explore_tries = check_int("explore_tries", explore_tries, low=0)
+        self.explore_every = check_int("explore_every", explore_every, low=1)
+        if not 0.0 <= explore_within <= 1.0:
+            raise ValueError(f"explore_within must be in [0, 1], got {explore_within}")
+        self.explore_within = explore_within
+        self._tries: Dict[Tuple[int, int], int] = {}  # (grid, D) -> holds run to measure it
+        self._steps_since_explore = 0
+        self.explored = 0  # choices made to measure a depth (not yet measured, or the runner-up)
         self.decide_every = check_int("decide_every", decide_every, low=1)
         # None: 64 steps (or decide_every, if longer); a given hold cannot be shorter than decide_every
         self.longest_hold = (max(64, self.decide_every) if longest_hold is None
@@ -208,6 +245,7 @@ class GoodputPolicy(DraftLengthPolicy):
         self.min_gain = min_gain  # a deeper D must beat the shallower one by this factor (1.0: any gain)
         self.last_depth = None  # the D of the last choice (for benchmarks)
         self._index = RequestRows()  # request id -> its row of _counts
+        self._leaving = []  # ids forgotten since the last lookup: their estimates join the population first
 
     def bind(self, shape) -> None:
         super().bind(shape)
@@ -216,6 +254,10 @@ class GoodputPolicy(DraftLengthPolicy):
         # [rows + 1, 2, S] (reached, accepted) per request, decayed every step; the last row stays zero,
         # so row -1 (a request with no counts yet) reads zeros
         self._counts = np.zeros((1, 2, S))
+        # [P, S] the estimates of recent requests that left with evidence (a ring of 2 x max_requests):
+        # the drain objective's prior of a new request (module docstring: "population")
+        self._population = np.zeros((max(32, 2 * shape.max_requests), S))
+        self._population_size, self._population_next = 0, 0
         # [(S + 1)^2, 2S]: what outcome code s * (S + 1) + a (s drafts verified, a accepted) adds to
         # (reached draft k: drafts 1..k-1 accepted and k verified; accepted draft k), k = 1..S
         lengths, accepted = np.divmod(np.arange((S + 1) ** 2), S + 1)  # [(S + 1)^2] each
@@ -225,6 +267,8 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def _rows(self, request_ids: np.ndarray, create: bool) -> np.ndarray:
         """``[n]`` rows of the requests' counts (-1: none yet, unless ``create``: new rows start at zero)."""
+        if self._leaving:
+            self._retire_leaving()
         rows, new_rows = self._index.rows(request_ids, create)
         if new_rows.shape[0]:
             grow = self._index.capacity + 1 - self._counts.shape[0]
@@ -233,12 +277,45 @@ class GoodputPolicy(DraftLengthPolicy):
             self._counts[new_rows] = 0
         return rows
 
-    def _estimates(self, rows: np.ndarray) -> np.ndarray:
-        """``[n, S]`` estimated acceptance of each depth given the ones before it."""
+    def _retire_leaving(self) -> None:
+        """The requests forgotten since the last lookup: the estimate of each that verified at least
+        ``population_evidence`` first drafts (decayed) joins the population; then their rows are freed."""
+        ids, self._leaving = np.array(self._leaving, dtype=np.int64), []
+        rows, _ = self._index.rows(ids)
+        rows = rows[rows >= 0]
+        rows = rows[self._counts[rows, 0, 0] >= self.population_evidence]
+        if rows.shape[0]:
+            estimates = self._estimates(rows)[-self._population.shape[0]:]  # [m, S]
+            slots = (self._population_next + np.arange(estimates.shape[0])) % self._population.shape[0]
+            self._population[slots] = estimates
+            self._population_next = int(slots[-1] + 1) % self._population.shape[0]
+            self._population_size = min(self._population_size + estimates.shape[0], self._population.shape[0])
+        for request_id in ids.tolist():  # host-ok: numpy
+            self._index.remove(request_id)
+
+    def _estimates(self, rows: np.ndarray, priors: Optional[np.ndarray] = None) -> np.ndarray:
+        """``[n, S]`` estimated acceptance of each depth given the ones before it; ``priors`` ``[n, S]``
+        (None: the model's recent average for every request) weigh ``prior_weight``."""
         reached, accepted = self._model
-        model = self.prior_weight * (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
+        if priors is None:
+            priors = (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
         counts = self._counts[rows]  # [n, 2, S]
-        return (counts[:, 1] + model) / (counts[:, 0] + self.prior_weight)
+        return (counts[:, 1] + self.prior_weight * priors) / (counts[:, 0] + self.prior_weight)
+
+    def _population_priors(self, estimates: np.ndarray, request_ids: np.ndarray) -> Optional[np.ndarray]:
+        """``[n, S]`` priors for the drain objective: the batch's requests, ranked by their estimate
+        (ties by id), take the population's estimates at evenly spread quantiles in the same order,
+        so a batch of new requests is expected to hold the spread of recent ones (its slowest set
+        the end), not n copies of their average; None with fewer than 8 in the population."""
+        if self._population_size < 8:
+            return None
+        population = self._population[: self._population_size]
+        ranked = population[np.argsort(np.cumprod(population, axis=1).sum(axis=1), kind="stable")]  # [P, S]
+        n = estimates.shape[0]
+        order = np.lexsort((request_ids, np.cumprod(estimates, axis=1).sum(axis=1)))  # [n] slowest first
+        priors = np.empty_like(estimates)
+        priors[order] = ranked[((np.arange(n) + 0.5) * ranked.shape[0] / n).astype(np.int64)]
+        return priors
 
     def acceptance(self, request_id: int) -> np.ndarray:
         """``[S]`` float64: the estimated acceptance of each depth given the ones before it."""
@@ -249,21 +326,52 @@ class GoodputPolicy(DraftLengthPolicy):
         decay = self.decay ** query.steps  # per step since the last choice
         self._model *= decay
         self._counts *= decay
-        gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
         # rows are made here, for the live requests a choice is for (observe() makes none: see there)
-        np.cumsum(np.cumprod(self._estimates(self._rows(query.request_ids, create=True)), axis=1), axis=1,
-                  out=gain[:, 1:])
-        depths = np.arange(S + 1)  # [S + 1]
-        if (caps < S).any():  # a request drafts min(D, cap_r)
-            gain = np.take_along_axis(gain, np.minimum(depths[None, :], caps[:, None]), axis=1)
-        tokens = n + gain.sum(axis=0)  # [S + 1]: expected tokens of the batch at each D
-        best_depth, best_rate = 0, None
-        for depth in range(S + 1):
-            rate = tokens[depth] / self.cost_model.seconds(query.batch_size, depth)
-            if best_rate is None or rate > best_rate * self.min_gain:
-                best_depth, best_rate = depth, rate
-        self.last_depth = best_depth
-        return np.minimum(best_depth, caps).astype(np.int64)
+        rows = self._rows(query.request_ids, create=True)
+        estimates = self._estimates(rows)  # [n, S]
+        max_depth = int(caps.max()) if n else 0  # a deeper D drafts no more for anyone
+        seconds = np.array([self.cost_model.seconds(query.batch_size, depth) for depth in range(max_depth + 1)])
+        if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
+            priors = self._population_priors(estimates, query.request_ids)
+            if priors is not None:
+                estimates = self._estimates(rows, priors)
+            steps = expected_drain_steps(query.tokens_left, np.cumprod(estimates, axis=1), caps, max_depth)
+            score = 1.0 / (steps * seconds)
+        else:
+            gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
+            np.cumsum(np.cumprod(estimates, axis=1), axis=1, out=gain[:, 1:])
+            gain = _at_depths(gain, caps, max_depth)  # [n, max_depth + 1]: a request drafts min(D, cap_r)
+            score = (n + gain.sum(axis=0)) / seconds  # expected tokens per second of the batch at each D
+        best_depth = 0
+        for depth in range(1, max_depth + 1):
+            if score[depth] > score[best_depth] * self.min_gain:
+                best_depth = depth
+        self._steps_since_explore += query.steps
+        depth = self._explore(query.batch_size, score, best_depth)
+        self.last_depth = depth
+        return np.minimum(depth, caps).astype(np.int64)
+
+    def _explore(self, batch_size: int, score: np.ndarray, best_depth: int) -> int:
+        """The depth to run: one the cost model has not measured at this grid (the best-scoring,
+        within ``explore_tries``), ``explore_every`` steps after the last exploration the runner-up
+        (if within ``explore_within`` of the best), else ``best_depth``."""
+        unmeasured = [depth for depth in range(score.shape[0])
+                      if not self.cost_model.is_measured(batch_size, depth)
+                      and self._tries.get((batch_size, depth), 0) < self.explore_tries]
+        if unmeasured:
+            depth = max(unmeasured, key=lambda d: score[d])
+            self._tries[(batch_size, depth)] = self._tries.get((batch_size, depth), 0) + 1
+            self.explored += 1
+            self._steps_since_explore = 0
+            return depth
+        if self._steps_since_explore < self.explore_every or score.shape[0] < 2:
+            return best_depth
+        self._steps_since_explore = 0
+        runner_up = max((d for d in range(score.shape[0]) if d != best_depth), key=lambda d: score[d])
+        if score[runner_up] < self.explore_within * score[best_depth]:
+            return best_depth
+        self.explored += 1
+        return runner_up
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
         # Each outcome is a code (s, a) of (S + 1)^2; bincount the codes per request row, then one
@@ -283,4 +391,46 @@ class GoodputPolicy(DraftLengthPolicy):
         self._counts += (histogram @ self._code_outcomes).reshape(self._counts.shape)
 
     def forget(self, request_id: int) -> None:
-        self._index.remove(request_id)
+        self._leaving.append(request_id)  # its estimate may join the population at the next lookup
+
+
+def _at_depths(per_length: np.ndarray, caps: np.ndarray, max_depth: int) -> np.ndarray:
+    """``per_length`` ``[n, S + 1]`` (a value per draft length s) read at ``min(D, cap_r)`` for D =
+    0..max_depth: ``[n, max_depth + 1]``."""
+    depths = np.arange(max_depth + 1)
+    if bool((caps >= max_depth).all()):
+        return per_length[:, : max_depth + 1]
+    return np.take_along_axis(per_length, np.minimum(depths[None, :], caps[:, None]), axis=1)
+
+
+def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.ndarray, max_depth: int,
+                         grid_points: int = 16) -> np.ndarray:
+    """``[max_depth + 1]``: the expected steps until every request is done, if the batch drafts D
+    depths from now on (request r: ``min(D, cap_r)`` drafts).
+
+    ``tokens_left`` ``[n]``: tokens each may still emit; ``reach`` ``[n, S]``: P(a step accepts
+    draft k or more) per request. A step emits ``X = 1 + A`` tokens, ``A`` the accepted drafts
+    (``E[A] = sum_k P(A >= k)``, ``E[A^2] = sum_k (2k - 1) P(A >= k)``); a request with ``R`` tokens
+    left needs about ``R / E[X]`` steps with variance ``R Var[X] / E[X]^3`` (renewal theory),
+    taken as normal; the batch's expected maximum is integrated from the product of their CDFs
+    (``grid_points`` points). At 0.2 acceptance and 48 tokens, the slowest of 64 requests needs
+    ~46 steps at D = 1 though the mean one needs 40: the tail that makes a closed batch slow."""
+    n, S = reach.shape
+    k = np.arange(1, S + 1)  # [S]
+    moments = np.zeros((2, n, S + 1))  # [2, n, S + 1]: E[A], E[A^2] with s drafts
+    np.cumsum(reach, axis=1, out=moments[0, :, 1:])
+    np.cumsum(reach * (2 * k - 1), axis=1, out=moments[1, :, 1:])
+    mean_a, square_a = _at_depths(moments[0], caps, max_depth), _at_depths(moments[1], caps, max_depth)  # [n, D + 1]
+    tokens = 1.0 + mean_a
+    variance = np.maximum(square_a - mean_a ** 2, 0.0)
+    left = np.maximum(np.asarray(tokens_left, dtype=np.float64), 1.0)[:, None]  # [n, 1]
+    mean = left / tokens  # [n, D + 1] steps
+    spread = np.maximum(np.sqrt(left * variance / tokens ** 3), 0.02)  # D = 0: exact (a narrow step)
+    low = (mean - 5 * spread).max(axis=0)  # [D + 1]: below it every request is (almost surely) still running
+    high = (mean + 5 * spread).max(axis=0)
+    t = low[None, :] + (high - low)[None, :] * np.linspace(0.0, 1.0, grid_points)[:, None]  # [K, D + 1]
+    z = np.clip((t[:, None, :] - mean[None]) / spread[None], -8.0, 8.0)  # [K, n, D + 1]
+    cdf = 0.5 * (1.0 + np.tanh(0.7978845608 * (z + 0.044715 * z ** 3)))  # the normal CDF (tanh form)
+    done_by = cdf.prod(axis=1)  # [K, D + 1]: P(every request done by t)
+    running = 1.0 - done_by  # trapezoid rule on the uniform grid (np.trapz is gone from numpy 2.4)
+    return low + (running[1:] + running[:-1]).sum(axis=0) * 0.5 * (high - low) / (grid_points - 1)

@@ -60,10 +60,15 @@ class OutputRows:
         slots = slots[self.finished[slots] == 0]
         if slots.shape[0] == 0:
             return 0, 0
+        to_model_len = self.shape.max_model_len - self.prompt_lengths[slots] - self.counts[slots]  # [n] int64
+        return int(to_model_len.min()), int(self.tokens_left(slots).max())
+
+    def tokens_left(self, slots: np.ndarray) -> np.ndarray:
+        """``[n]`` int64: the most tokens each request in ``slots`` may still emit (before its
+        max_new_tokens or max_model_len; a stop token may end it sooner)."""
         counts = self.counts[slots]
         to_model_len = self.shape.max_model_len - self.prompt_lengths[slots] - counts  # [n] int64
-        left = np.minimum(self.max_new_tokens[slots] - counts, to_model_len)
-        return int(to_model_len.min()), int(left.max())
+        return np.minimum(self.max_new_tokens[slots] - counts, to_model_len)
 
     def emitted_since(self, slots: np.ndarray, request_ids: np.ndarray, counts_before: np.ndarray,
                       finished: list) -> List[Tuple[int, List[int], bool]]:

@@ -122,10 +122,10 @@ class TPLockstep:
 
 
 def _encode(timing: Optional[StepTiming]) -> List[int]:
-    """``[present, G, D, host ns, GPU ns]`` (all -1: none)."""
+    """``[present, G, D, wall ns, GPU ns]`` (all -1: none)."""
     if timing is None:
         return [-1] * 5
-    return [1, timing.batch_size, timing.num_drafts, round(timing.host_seconds * 1e9),
+    return [1, timing.batch_size, timing.num_drafts, round(timing.wall_seconds * 1e9),
             round(timing.gpu_seconds * 1e9) if timing.gpu_seconds >= 0 else -1]
 
 

@@ -38,7 +38,16 @@ class GDNTiles:
 # same state. (32, 2) was the fastest or within 3 % of it at every batch for R = 1 verify and for
 # the separate replay kernel of the third session, and the fastest for R = 3 verify at batch >= 32;
 # R = 5 verify gave up <= 9 % (H100 tune, RESULTS "GDN hybrids"; before the deferred commit).
+# With the deferred commit (H100, graph-timed `bench_gdn.py --tune` of a variant of this kernel with
+# one reduction over K a row, fifth session; RESULTS "GDN hybrids") (32, 2) stayed the one shape:
+# fastest or within 1 % at S = 0 (90 / 97 % of the copy at batch 32 / 128); the one-warp (16, 1)
+# (no cross-warp sums) was faster at S = 2 (73 / 81 % against 69 / 76 %) and S = 4 (53 / 58 %
+# against 52 / 57 %) but lost at S = 0 (74 / 76 %), plain decoding's step.
 DEFAULT_TILES = GDNTiles(block_v=32, num_warps=2)
+
+# The shapes `bench_gdn.py --tune` times and `tests/functional/test_gdn_gpu.py` checks bit for bit
+# (S = 4 verify steps == R = 1 steps under each), so DEFAULT_TILES can move to any of them on figures.
+CANDIDATE_TILES = tuple(GDNTiles(*shape) for shape in ((32, 2), (16, 2), (32, 4), (16, 4), (16, 1), (8, 1)))
 
 # (requests at most, rows per request at most) -> tiles; None: no bound. The first entry whose
 # bounds hold the launch's dims wins.

@@ -93,24 +93,37 @@ def test_verify_kernel_and_pending_rows_equal_twins_on_the_gpu():
     torch.testing.assert_close(states[:, :8], want_states[:, :8], rtol=1e-4, atol=1e-4)
 
 
-def test_speculative_steps_equal_plain_rows_bit_for_bit_on_the_gpu():
-    """S = 2 verify steps with the deferred commit (all, none and some drafts accepted; a zero-draft
-    step; a padding request on the scratch slot) == R = 1 steps over the kept rows, torch.equal:
-    every kept row's output and, after a last R = 1 step, every state (Qwen3-Next's heads, the one
-    launch shape)."""
-    S, num_slots, scratch = 2, 5, 4
-    states, row_inputs, pending, parity = _pending_pools(8, num_slots, 1 + S, ())
+def _bit_for_bit_cases():
+    """(S, tiles): S = 2 under the table's shape; S = 4 under every candidate shape (the one
+    shape for all launches may move to any of them on figures)."""
+    from mtp_ctrl.triton_ops.gdn_tiles import CANDIDATE_TILES, DEFAULT_TILES
+
+    return [(2, DEFAULT_TILES)] + [(4, tiles) for tiles in dict.fromkeys((DEFAULT_TILES,) + CANDIDATE_TILES)]
+
+
+@pytest.mark.parametrize("S, tiles", _bit_for_bit_cases(),
+                         ids=[f"S{S}-{t.block_v}x{t.num_warps}" for S, t in _bit_for_bit_cases()])
+def test_speculative_steps_equal_plain_rows_bit_for_bit_on_the_gpu(S, tiles):
+    """Verify steps of 1 + S rows with the deferred commit (all, none and some drafts accepted; a
+    zero-draft step; a padding request on the scratch slot) == R = 1 steps over the kept rows,
+    torch.equal: every kept row's output and, after a last R = 1 step, every state (Qwen3-Next's
+    heads; every launch under ``tiles``, as every launch takes the one shape)."""
+    num_slots, scratch, R = 5, 4, 1 + S
+    states, row_inputs, pending, parity = _pending_pools(8, num_slots, R, ())
     plain_states = states.clone()
     plain_inputs = torch.zeros(2, num_slots, 2, 1, WIDTH, device="cuda")
     plain_pending, plain_parity = torch.zeros_like(pending), torch.zeros_like(parity)
-    steps = [([0, 1, 2, 3], 3, [2, 0, 1, 2]), ([3, 2, 1, 0], 3, [0, 0, 2, 1]), ([0, 1, 2, 3], 1, [0, 0, 0, 0]),
-             ([1, 0, scratch, 2], 3, [2, 2, 0, 0]), ([0, 1, 2, 3], 3, [1, 2, 2, 0]), ([0, 1, 2, 3], 1, [0, 0, 0, 0])]
+    top = S  # the most drafts a request can accept
+    steps = [([0, 1, 2, 3], R, [top, 0, 1, top]), ([3, 2, 1, 0], R, [0, 0, top, 1]), ([0, 1, 2, 3], 1, [0, 0, 0, 0]),
+             ([1, 0, scratch, 2], R, [top, top, 0, 0]), ([0, 1, 2, 3], R, [1, top, top - 1, 0]),
+             ([0, 1, 2, 3], 1, [0, 0, 0, 0])]
     for number, (slots, stride, accepted) in enumerate(steps):
         inputs = {name: value.cuda() for name, value in rows(20 + number, len(slots) * stride,
                                                               **QWEN3_NEXT_HEADS).items()}
         slot_ids = torch.tensor(slots, device="cuda")
         for layer in (0, 1):
-            o = gdn_verify_rows(states, row_inputs, pending, parity, layer, slot_ids, **inputs, rows_per_request=stride)
+            o = gdn_verify_rows(states, row_inputs, pending, parity, layer, slot_ids, **inputs, rows_per_request=stride,
+                                tiles=tiles)
             for index, slot in enumerate(slots):
                 if slot == scratch:
                     continue
@@ -119,7 +132,7 @@ def test_speculative_steps_equal_plain_rows_bit_for_bit_on_the_gpu():
                     want = gdn_verify_rows(plain_states, plain_inputs, plain_pending, plain_parity, layer,
                                            slot_ids[index:index + 1],
                                            **{name: value[at:at + 1] for name, value in inputs.items()},
-                                           rows_per_request=1)
+                                           rows_per_request=1, tiles=tiles)
                     assert torch.equal(o[at:at + 1], want), (number, layer, slot, row)
         gdn_mark_pending_rows(pending, parity, torch.zeros(len(slots), dtype=torch.int64, device="cuda"), slot_ids,
                               torch.tensor(accepted, device="cuda"), stride, scratch)
@@ -128,9 +141,9 @@ def test_speculative_steps_equal_plain_rows_bit_for_bit_on_the_gpu():
 
 
 def test_every_table_launch_shape_equals_twins_on_the_gpu():
-    """Each launch shape of the tile table (and the default) at Qwen3-Next's head shape, compiled
-    with its warps: verify rows (R = 3) after pending rows == the twin."""
-    from mtp_ctrl.triton_ops.gdn_tiles import DEFAULT_TILES, VERIFY_TILE_TABLE
+    """Each launch shape of the tile table, the default and the candidates at Qwen3-Next's head
+    shape, compiled with its warps: verify rows (R = 3) after pending rows == the twin."""
+    from mtp_ctrl.triton_ops.gdn_tiles import CANDIDATE_TILES, DEFAULT_TILES, VERIFY_TILE_TABLE
 
     inputs = {name: value.cuda() for name, value in rows(5, 15, **QWEN3_NEXT_HEADS).items()}
     start, start_inputs, pending, parity = _pending_pools(6, 6, 3, (3, 1, 0, 2, 0))
@@ -138,7 +151,8 @@ def test_every_table_launch_shape_equals_twins_on_the_gpu():
     want_states, want_inputs = start.clone(), start_inputs.clone()
     want_o = reference.gdn_verify_rows(want_states, want_inputs, pending, parity, 0, slots, **inputs,
                                        rows_per_request=3)
-    for tiles in dict.fromkeys([DEFAULT_TILES] + [tiles for _, tiles in VERIFY_TILE_TABLE]):
+    shapes = [DEFAULT_TILES] + [tiles for _, tiles in VERIFY_TILE_TABLE] + list(CANDIDATE_TILES)
+    for tiles in dict.fromkeys(shapes):
         states, row_inputs = start.clone(), start_inputs.clone()
         o = gdn_verify_rows(states, row_inputs, pending, parity, 0, slots, **inputs, rows_per_request=3, tiles=tiles)
         torch.testing.assert_close(o, want_o, rtol=1e-4, atol=1e-4, msg=lambda text: f"{tiles}: {text}")

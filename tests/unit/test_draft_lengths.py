@@ -170,11 +170,11 @@ def test_goodput_holds_nothing_for_requests_that_left(mtp_model, plain, torch_tw
 
 
 def test_goodput_learns_step_costs_from_the_loop(mtp_model, plain, torch_twins):
-    """The loop's steady steps reach the policy's cost model (host seconds per step by grid and
+    """The loop's steady steps reach the policy's cost model (wall seconds per step by grid and
     depths; no GPU time on the CPU), and the output stays plain decoding's."""
     policy = GoodputPolicy(decide_every=2)
     controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), policy, **SQUEEZE)
     assert run(controller, ARRIVALS)[1] == plain[1]
-    assert policy.cost_model.host and all(seconds > 0 for seconds in policy.cost_model.host.values())
+    assert policy.cost_model.wall and all(seconds > 0 for seconds in policy.cost_model.wall.values())
     assert not policy.cost_model.gpu  # off CUDA: no warm-up seed, no CUDA events
-    assert {grid for grid, _ in policy.cost_model.host} <= {2, 4}  # the padded grids (SQUEEZE's graph sizes)
+    assert {grid for grid, _ in policy.cost_model.wall} <= {2, 4}  # the padded grids (SQUEEZE's graph sizes)

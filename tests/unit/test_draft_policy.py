@@ -1,6 +1,6 @@
 """The draft-length policies on their own (host numbers, no model): the goodput rule's choices,
 its acceptance estimates, determinism, the batch lookup of per-request rows, the step cost model
-(warm-up seed, then the loop's host and GPU time), how long the controller holds a choice, and
+(warm-up seed, then the loop's wall time per step), the drain objective, exploration, how long the controller holds a choice, and
 bad arguments."""
 
 import numpy as np
@@ -125,14 +125,15 @@ def test_step_costs_follow_the_loop_not_the_warmup_seed():
     assert model.seconds(8, 0) < model.seconds(8, 2)  # nothing measured: the analytic default
     model.set_measured({(8, 0): 1e-4, (8, 2): 2e-4})  # warm-up replays (GPU only)
     assert model.seconds(8, 2) == 2e-4 and model.seconds(5, 2) == 2e-4  # grid 5 reads grid 8
-    model.record(8, 0, host_seconds=5e-4, gpu_seconds=1.5e-4)  # host-bound at D = 0
-    assert model.seconds(8, 0) == 5e-4  # max(GPU, host)
-    assert model.seconds(8, 2) == 2e-4  # D = 2 not run yet: its seed alone (optimistic: tried, then measured)
-    assert model.seconds(8, 1) == 5e-4  # no seed either: the cheapest host time seen at grid 8
-    model.record(8, 2, host_seconds=6e-4, gpu_seconds=1e-3)  # the first in-loop GPU time replaces the seed
-    assert model.seconds(8, 2) == 1e-3
-    model.record(8, 2, host_seconds=6e-4, gpu_seconds=2e-3)  # then a moving average
-    assert np.isclose(model.seconds(8, 2), 1.5e-3)
+    assert not model.is_measured(8, 0)
+    model.record(8, 0, wall_seconds=5e-4, gpu_seconds=1.5e-4)  # the loop's wall time per step, bubbles and all
+    assert model.seconds(8, 0) == 5e-4 and model.is_measured(8, 0) and model.is_measured(5, 0)
+    assert model.seconds(8, 2) == 2e-4 and not model.is_measured(8, 2)  # not run yet: its GPU seed (optimistic)
+    assert model.seconds(8, 1) == 5e-4  # no seed either: the cheapest wall time seen at grid 8
+    model.record(8, 2, wall_seconds=6e-4, gpu_seconds=1e-3)  # the wall, not max(GPU, host)
+    assert model.seconds(8, 2) == 6e-4 and model.gpu[(8, 2)] == 1e-3  # the first in-loop GPU time replaces the seed
+    model.record(8, 2, wall_seconds=8e-4, gpu_seconds=2e-3)  # then moving averages
+    assert np.isclose(model.seconds(8, 2), 7e-4) and np.isclose(model.gpu[(8, 2)], 1.5e-3)
     assert model.table()["G=8, D=2"]["step_ms"] == model.seconds(8, 2) * 1e3
     with pytest.raises(ValueError, match="smoothing"):
         StepCostModel(smoothing=0.0)
@@ -145,7 +146,7 @@ def test_goodput_follows_the_measured_wall_time():
     assert policy.choose(query([1, 2])).tolist() == [S, S]
     for depth, seconds in ((0, 5e-4), (1, 1.2e-3), (2, 2e-3), (3, 2.6e-3)):
         for _ in range(3):  # steady steps (a lone sample over 3x the cheapest would be dropped)
-            policy.cost_model.record(8, depth, host_seconds=seconds, gpu_seconds=1e-4)
+            policy.cost_model.record(8, depth, wall_seconds=seconds, gpu_seconds=1e-4)
     assert policy.choose(query([1, 2])).tolist() == [0, 0]
 
 
@@ -185,13 +186,13 @@ def test_goodput_observe_counts_each_depth_reached_and_accepted():
 
 def test_step_costs_drop_a_lone_outlier_but_follow_a_lasting_change():
     model = StepCostModel(smoothing=1.0)  # each accepted sample replaces the estimate
-    model.record(8, 0, host_seconds=1e-3, gpu_seconds=None)
-    model.record(8, 2, host_seconds=50e-3, gpu_seconds=None)  # a pause on the first D = 2 step
-    assert model.seconds(8, 2) == 1e-3  # dropped: still the cheapest host time at grid 8
-    model.record(8, 2, host_seconds=1.5e-3, gpu_seconds=None)
+    model.record(8, 0, wall_seconds=1e-3, gpu_seconds=None)
+    model.record(8, 2, wall_seconds=50e-3, gpu_seconds=None)  # a pause on the first D = 2 step
+    assert model.seconds(8, 2) == 1e-3 and not model.is_measured(8, 2)  # dropped: the cheapest wall at grid 8
+    model.record(8, 2, wall_seconds=1.5e-3, gpu_seconds=None)
     assert model.seconds(8, 2) == 1.5e-3
     for _ in range(3):  # a lasting change is taken on its third sample
-        model.record(8, 2, host_seconds=9e-3, gpu_seconds=None)
+        model.record(8, 2, wall_seconds=9e-3, gpu_seconds=None)
     assert model.seconds(8, 2) == 9e-3
 
 

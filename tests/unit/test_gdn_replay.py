@@ -10,7 +10,8 @@ import torch
 
 from mtp_ctrl.triton_ops import gdn_mark_pending_rows, gdn_row_input_width, gdn_verify_rows, reference
 from mtp_ctrl.triton_ops.reference.gdn import check_no_pending_rows
-from mtp_ctrl.triton_ops.gdn_tiles import DEFAULT_TILES, VERIFY_TILE_TABLE, GDNTiles, gdn_verify_tiles
+from mtp_ctrl.triton_ops.gdn_tiles import (CANDIDATE_TILES, DEFAULT_TILES, VERIFY_TILE_TABLE, GDNTiles,
+                                           gdn_verify_tiles)
 from tests.unit.test_gdn_kernels import LAYERS, SLOTS, rows
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -200,6 +201,7 @@ def test_every_launch_takes_the_one_shape():
     for requests in (1, 7, 64, 1000):
         for rows_per_request in (1, 2, 3, 5, 9):
             assert gdn_verify_tiles(requests, rows_per_request) == DEFAULT_TILES
+    assert DEFAULT_TILES in CANDIDATE_TILES  # the GPU test checks S = 4 steps bit for bit under each candidate
 
 
 def test_tile_table_covers_every_launch():

@@ -1,0 +1,189 @@
+"""What the goodput policy pays for a step and what it optimises (issue 34): the loop's wall time
+per step between ``step()`` returns (an injected clock, no timing thresholds), which calls are
+samples, every depth measured before it is judged (exploration), and the drain objective of a
+batch nobody waits to join (the expected steps of its slowest request)."""
+
+import types
+
+import numpy as np
+import pytest
+
+from mtp_ctrl.controllers import SamplingParams
+from mtp_ctrl.controllers import controller as controller_module
+from mtp_ctrl.controllers.draft_lengths import TIMING_EVERY, DraftLengths
+from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps
+from mtp_ctrl.state import EngineShape
+from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, OracleProposer, build_models
+from tests.unit.draft_length_fixtures import controller_for
+from tests.unit.megatron_fixtures import ensure_single_process_groups
+
+S = 3
+SHAPE = EngineShape(max_requests=64, max_model_len=128, block_size_tokens=4, num_speculative_tokens=S,
+                    max_tokens_per_step=256)
+# the 1B model's measured wall ms per step at batch 64 (bench/RESULTS.md, tiers3): D = 0..3
+COSTS_1B = {0: 1.24e-3, 1: 1.46e-3, 2: 1.55e-3, 3: 1.61e-3}
+
+
+def policy_with(rates, costs=COSTS_1B, grid=64, **kwargs):
+    """A goodput policy whose request i accepts each draft with ``rates[i]`` (expected counts of 40
+    full-length verifies) and whose cost model measured ``costs`` at ``grid``."""
+    policy = GoodputPolicy(**kwargs)
+    policy.bind(SHAPE)
+    ids = np.arange(len(rates), dtype=np.int64)
+    for depth, seconds in costs.items():
+        policy.cost_model.record(grid, depth, wall_seconds=seconds, gpu_seconds=None)
+    policy.choose(DraftLengthQuery(ids, np.full(len(rates), S), S, grid))  # rows for the requests
+    rates = np.asarray(rates)[:, None]  # [n, 1]
+    a = np.arange(S + 1)[None, :]  # accepted drafts
+    counts = np.round(rates ** a * np.where(a < S, 1 - rates, 1.0) * 10).astype(np.int64).ravel()  # [n * (S + 1)]
+    outcomes = (np.repeat(np.repeat(ids, S + 1), counts), np.tile(a[0], len(ids)).repeat(counts))
+    for _ in range(40):
+        policy.observe(outcomes[0], np.full(outcomes[0].shape, S), outcomes[1])
+    return policy, ids
+
+
+def drain_query(ids, grid=64, waiting=0, left=48):
+    return DraftLengthQuery(ids, np.full(ids.shape[0], S), S, grid, 1, waiting, np.full(ids.shape[0], left))
+
+
+def test_a_closed_batch_of_low_acceptance_drafts_nothing_a_queued_one_drafts():
+    """0.2 acceptance at batch 64 (the 1B's costs): per step D = 1 is worth it (1.2 tokens for 1.18x
+    the cost), but the batch ends with its slowest request (~45 steps at D = 1 against 48), so a
+    batch nobody waits to join finishes sooner at D = 0. With requests waiting, tokens per second."""
+    policy, ids = policy_with([0.2] * 64)
+    assert policy.choose(drain_query(ids)).tolist() == [0] * 64
+    assert policy.choose(drain_query(ids, waiting=5)).tolist() == [1] * 64
+    mixed, ids = policy_with([0.9, 0.6, 0.2] * 21 + [0.9])  # the 0.2 requests set the end
+    assert mixed.choose(drain_query(ids)).tolist() == [0] * 64
+    assert mixed.choose(drain_query(ids, waiting=5)).tolist() == [S] * 64
+    high, ids = policy_with([0.9] * 64)
+    assert high.choose(drain_query(ids)).tolist() == [S] * 64
+    off, ids = policy_with([0.2] * 64, drain_objective=False)
+    assert off.choose(drain_query(ids)).tolist() == [1] * 64
+
+
+def test_expected_drain_steps_matches_a_simulation():
+    """The normal approximation against sampled batches (64 requests, 48 tokens each, the step's
+    accepted drafts drawn per request): within 3 %, and D = 0 takes exactly the tokens left."""
+    rng = np.random.default_rng(0)
+    rates = np.array([0.9, 0.6, 0.2] * 21 + [0.2])
+    reach = np.cumprod(np.repeat(rates[:, None], S, axis=1), axis=1)  # [64, S]
+    caps = np.full(64, S)
+    caps[:8] = 1  # capped requests draft min(D, cap)
+    model = expected_drain_steps(np.full(64, 48), reach, caps, S)
+    assert abs(model[0] - 48) < 0.2
+    trials = 300
+    for depth in range(1, S + 1):
+        drafts = np.minimum(depth, caps)  # [64]
+        left, steps = np.full((trials, 64), 48), np.zeros(trials)
+        while (left > 0).any():
+            hits = rng.random((trials, 64, S)) < rates[None, :, None]
+            accepted = np.where(hits.all(axis=2), S, hits.argmin(axis=2))  # leading drafts accepted
+            steps += (left > 0).any(axis=1)
+            left = left - 1 - np.minimum(accepted, drafts)
+        assert abs(model[depth] / steps.mean() - 1) < 0.03, (depth, model[depth], steps.mean())
+
+
+def test_every_depth_is_measured_before_it_is_judged():
+    """Seeds say drafting is free; every depth the batch may take is run (one hold each, at most
+    explore_tries) until the loop measured it, then the measured best is kept; explore_every steps
+    after the last exploration the runner-up runs for one hold when it is within explore_within."""
+    policy = GoodputPolicy(explore_every=4, explore_within=0.8)
+    policy.bind(SHAPE)
+    policy.cost_model.set_measured({(8, d): 1e-4 for d in range(S + 1)})  # warm-up replays: all alike
+    ids = np.arange(8, dtype=np.int64)
+    query = DraftLengthQuery(ids, np.full(8, S), S, 8)
+    costs = {0: 1e-3, 1: 1.5e-3, 2: 5e-3, 3: 9e-3}  # the loop's wall times: drafting costs
+    tried = []
+    for _ in range(2 * (S + 1)):
+        depth = int(policy.choose(query)[0])
+        tried.append(depth)
+        policy.cost_model.record(8, depth, wall_seconds=costs[depth], gpu_seconds=None)
+        if all(policy.cost_model.is_measured(8, d) for d in range(S + 1)):
+            break
+    assert sorted(tried) == list(range(S + 1)), tried  # each depth once, none before it was needed
+    assert tried[0] == S  # the most promising on its seed first
+    picks = [int(policy.choose(query)[0]) for _ in range(8)]
+    best = picks[0]
+    assert best in (0, 1) and picks.count(best) == 6 and set(picks) == {0, 1}, picks  # runner-up every 4 steps
+    capped = DraftLengthQuery(ids, np.full(8, 1), S, 16)  # a new grid, caps 1: only D <= 1 is run
+    assert {int(policy.choose(capped)[0]) for _ in range(6)} <= {0, 1}
+
+
+def test_a_depth_never_measured_is_given_up_after_explore_tries():
+    """A loop that never reaches a steady step measures nothing: each depth is tried explore_tries
+    times, then the policy decides on its estimates alone."""
+    policy = GoodputPolicy(explore_tries=2)
+    policy.bind(SHAPE)
+    query = DraftLengthQuery(np.arange(4, dtype=np.int64), np.full(4, S), S, 4)
+    picks = [int(policy.choose(query)[0]) for _ in range(20)]
+    assert policy.explored == 2 * (S + 1) and sorted(picks[:8]) == sorted(list(range(S + 1)) * 2)
+    assert len(set(picks[8:])) == 1, picks  # the analytic default's best, from then on
+
+
+def _step(G, V, D, prefill=0, steps=1):
+    """What ``DraftLengths.step_timing`` reads of a step."""
+    return types.SimpleNamespace(num_prefill=prefill, verify_width=V, num_drafts=D, num_steps=steps,
+                                 dimensions=types.SimpleNamespace(request_count=G))
+
+
+def test_step_timing_samples_steady_calls_after_a_call_at_the_same_depth():
+    """A call is a sample when it applied a steady launch (V = D) and the call before applied one
+    of the same (G, D): the switch's first call (V = old width) and a call after a prefill are not;
+    the wall time is per step of a decode run; one in TIMING_EVERY of a run is kept."""
+    lengths = DraftLengths(GoodputPolicy(), SHAPE)
+    assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1) is None  # the first call seen
+    assert lengths.step_timing([(_step(8, 2, 0), 1e-3)], 5e-3, 1) is None  # a switch to D = 0: V = 2
+    timing = lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1)  # the loop now runs D = 0
+    assert timing == (8, 0, 6e-4, 4e-4)
+    kept = [lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1) is not None for _ in range(2 * TIMING_EVERY)]
+    assert kept == ([False] * (TIMING_EVERY - 1) + [True]) * 2
+    assert lengths.step_timing([(_step(8, 0, 0, prefill=1), 4e-4)], 6e-4, 1) is None
+    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1) is None  # after a prefill: not yet
+    assert lengths.step_timing([(_step(8, 0, 0, steps=4), 8e-3)], 4e-3, 4) == (8, 0, 1e-3, 2e-3)  # a decode run
+    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], None, 1) is None  # no previous return
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    ensure_single_process_groups()
+    return build_models()[0]
+
+
+def test_the_loop_wall_time_decides(mtp_model, torch_twins, monkeypatch):
+    """The controller times each step() call from the previous return (here a clock that advances
+    by COSTS[D] of each step applied): an oracle whose first draft always lands (2 tokens a step
+    from D = 1) but whose steps cost 3x a plain one per depth. Every depth is measured at the injected cost, the policy ends on
+    D = 0, and the output is plain decoding's."""
+    costs = {0: 1.0, 1: 4.0, 2: 7.0}  # seconds of the fake clock per step (S = 2)
+    prompts = [list(p) for p in PROMPTS[:2]]
+    params = SamplingParams(max_new_tokens=32)
+    plain = [list(r.output_tokens) for r in controller_for(mtp_model, 0, max_model_len=48).generate(prompts, params)]
+    sequences = {rid: prompts[rid] + plain[rid] + [0] * (MTP_DEPTH + 2) for rid in range(2)}
+    policy = GoodputPolicy(decide_every=2)
+    controller = controller_for(mtp_model, 2, OracleProposer(sequences, lambda rid, index: 1), policy,
+                                max_model_len=48)
+    clock = types.SimpleNamespace(now=0.0)
+
+    def advance(step, readbacks, overlapped):  # the documented hook: a step was applied
+        clock.now += costs[step.num_drafts] * step.num_steps
+
+    controller.on_apply = advance
+    monkeypatch.setattr(controller_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    assert [list(r.output_tokens) for r in controller.generate(prompts, params)] == plain
+    grid = 2
+    assert {d: policy.cost_model.wall.get((grid, d)) for d in costs} == costs  # each depth, at its wall time
+    assert policy.last_depth == 0
+
+
+def test_new_requests_are_expected_to_spread_like_the_ones_that_left():
+    """A closed batch of new requests (no evidence yet) after a mixed one: their average acceptance
+    would say D = S, but the drain objective gives them the spread of the requests that left (a
+    third at 0.2 set the end), so it drafts nothing; with a population of 0.9s it drafts S."""
+    for rates, expected in (([0.9, 0.6, 0.2] * 21 + [0.9], 0), ([0.9] * 64, S)):
+        policy, ids = policy_with(rates)
+        for request_id in ids.tolist():
+            policy.forget(request_id)
+        new = np.arange(100, 164, dtype=np.int64)
+        assert policy.choose(drain_query(new)).tolist() == [expected] * 64, rates[:3]
+        assert np.allclose(policy.acceptance(100), policy.acceptance(10_000))  # the estimate itself: the average
