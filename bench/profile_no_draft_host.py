@@ -90,7 +90,6 @@ def main():
         setattr(owner, name, timed(totals, f"{owner.__name__}.{name}", getattr(owner, name)))
     for module, name in FUNCTIONS:
         setattr(module, name, timed(totals, name, getattr(module, name)))
-    draft_lengths_module.DraftLengthPolicy = DraftLengthPolicy
     for label, S, policy in (("plain S=0", 0, None), ("S=2 no drafts", 2, NoDrafts()),
                              ("S=2 goodput at D=0", 2, GoodputAtZero())):
         controller = engine(model, S, args.batch, PROMPT_LEN + args.new_tokens + 8, policy, device="cpu")
