@@ -14,6 +14,8 @@ read by the combine), plus a fixed cost (launches). The model (:func:`predicted_
 constants from mla6's four 128-head points; the sweep times, per point, the table's split count
 (main's rule), each of ``--counts`` (``num_kv_splits``), and the split-K combine alone at each
 count, all in one process: GPU us of a graph replay (median of 20), % of a same-run device copy.
+``--ws-baseline`` (an earlier ``mla_wgmma_ws.py``, e.g. main's, copied aside) adds that kernel at
+the table's split count, timed first and last beside this one.
 """
 
 import argparse
@@ -71,10 +73,20 @@ def model_table(points, counts):
         print(f"   {heads} heads, B {batch}, {context}: " + "; ".join(cells))
 
 
-def sweep(points, counts, quick):
+def _load_ws_module(path):
+    """An earlier ``mla_wgmma_ws.py`` as a module (its launcher in place of the package's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mla_wgmma_ws_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sweep(points, counts, quick, ws_baseline=None):
     import torch
 
-    from mtp_ctrl.triton_ops import paged_mla_attention
+    from mtp_ctrl.triton_ops import mla_attention, paged_mla_attention
     from mtp_ctrl.triton_ops.mla_attention import wgmma_kernel_applies
     from mtp_ctrl.triton_ops.paged_attn import combine_kv_splits
 
@@ -88,6 +100,17 @@ def sweep(points, counts, quick):
     timed = (lambda fn: graph_time_us(fn, replays=20)) if cuda else (lambda fn: (fn(), 0.0)[1])
     print(f"{torch.cuda.get_device_name() if cuda else 'CPU'}; device copy {bandwidth / 1e9:.0f} GB/s; "
           f"torch {torch.__version__}")
+    own_ws = mla_attention._wgmma_ws_module
+    baseline = _load_ws_module(ws_baseline) if ws_baseline and os.path.exists(ws_baseline) else None
+    if ws_baseline and baseline is None:
+        print(f"(no --ws-baseline file {ws_baseline}: its rows are left out)")
+
+    def with_baseline(fn):
+        mla_attention._wgmma_ws_module = lambda: baseline
+        try:
+            return fn()
+        finally:
+            mla_attention._wgmma_ws_module = own_ws
     for heads, batch, context in points:
         blocks = math.ceil(context / BLOCK_SIZE)
         cache = torch.randn(batch * blocks, BLOCK_SIZE, LATENT + ROPE, dtype=dtype, device=device)
@@ -108,6 +131,10 @@ def sweep(points, counts, quick):
                                        (128 + ROPE) ** -0.5, max_query_len=1, max_seq_len=context,
                                        num_kv_splits=splits)
         reference = call(None).float()
+        if baseline is not None:
+            diff = (with_baseline(lambda: call(None)).float() - reference).abs().max().item()
+            main_us = with_baseline(lambda: timed(lambda: call(None)))
+            print(f"   {'main ws':>8} {main_us:8.1f} {share(main_us):5.1f} {'':8} {'':10} {diff:9.4f}", flush=True)
         times = {"table": timed(lambda: call(None))}
         print(f"   {'table':>8} {times['table']:8.1f} {share(times['table']):5.1f} "
               f"{predicted_us(batch, heads, context, chosen):8.1f}", flush=True)
@@ -115,7 +142,7 @@ def sweep(points, counts, quick):
             diff = (call(splits).float() - reference).abs().max().item()
             times[splits] = timed(lambda: call(splits))
             combine_us = 0.0
-            if splits > 1:
+            if splits > 1 and cuda:
                 partial_acc = torch.randn(splits, batch, heads, LATENT, device=device)
                 partial_max = torch.randn(splits, batch, heads, device=device)
                 partial_sum = torch.rand(splits, batch, heads, device=device) + 1
@@ -125,8 +152,9 @@ def sweep(points, counts, quick):
             print(f"   {splits:>8} {times[splits]:8.1f} {share(times[splits]):5.1f} "
                   f"{predicted_us(batch, heads, context, splits):8.1f} {combine_us:10.1f} {diff:9.4f}", flush=True)
         again = timed(lambda: call(None))
+        main_again = f"; main ws again {with_baseline(lambda: timed(lambda: call(None))):.1f} us" if baseline else ""
         best = min(times, key=times.get)
-        print(f"   the table again {again:.1f} us; fastest: {best} splits {times[best]:.1f} us "
+        print(f"   the table again {again:.1f} us{main_again}; fastest: {best} splits {times[best]:.1f} us "
               f"({share(times[best]):.1f} %)")
         del cache
 
@@ -138,6 +166,7 @@ def main(argv=None):
                         help="HEADS,BATCH,CONTEXT decode-row launches")
     parser.add_argument("--counts", default="1,2,3,4,6,8", help="split counts timed at each point")
     parser.add_argument("--model", action="store_true", help="the CPU model only")
+    parser.add_argument("--ws-baseline", help="an earlier mla_wgmma_ws.py timed at the table's split count too")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
     args = parser.parse_args(argv)
     points = [tuple(int(value) for value in point.split(",")) for point in args.points]
@@ -147,7 +176,7 @@ def main(argv=None):
         return
     if args.quick:
         points, counts = [(128, 2, 256)], [1, 2]
-    sweep(points, counts, args.quick)
+    sweep(points, counts, args.quick, args.ws_baseline)
 
 
 if __name__ == "__main__":
