@@ -6,7 +6,8 @@ Same contract, programs, partials and split-K as :mod:`mtp_ctrl.triton_ops.mla_w
 helpers it shares), but the two warpgroups of a program do different work, handing tiles over
 through shared memory and mbarriers instead of meeting at barriers:
 
-- the **score warpgroup** (the default partition, 4 warps) computes each tile's scores for all 64
+- the **score warpgroup** (the default partition, 4 warps) loads the query tile (while the value
+  warpgroup's first copies are already in flight), then computes each tile's scores for all 64
   tokens at once (``[64, 64]``: one wgmma of N = 64, half the shared-memory reads of two N = 32
   halves, and no row max or sum crossing warpgroups), its softmax, writes the probabilities and
   the accumulator's rescale factors to shared memory, then multiplies the probabilities into its
