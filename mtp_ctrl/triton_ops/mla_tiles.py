@@ -94,16 +94,16 @@ TRITON_TILES_64_ROWS = MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_token
 WGMMA_TILES = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True, wgmma=True)
 # the same tiles in the Gluon kernel's other schedules: async (H100: 1.04-1.07x the serial one at 128
 # heads, 1.00-1.02x at 64; not in the table) and warp-specialized (mla_wgmma_ws: 1.27-1.37x at 128
-# heads, 1.04-1.06x at 64 heads, batch 32 / 128 x 8k / 32k; GPU-tested at decode rows only)
+# heads, 1.04-1.06x at 64 heads, batch 32 / 128 x 8k / 32k; 16-head verify rows 1.02-1.04x)
 WGMMA_ASYNC_TILES = dataclasses.replace(WGMMA_TILES, schedule="async")
 WGMMA_WS_TILES = dataclasses.replace(WGMMA_TILES, schedule="warp_specialized")
 
 # (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
 # None: no bound. The first entry whose bounds hold the step's dims wins; a Gluon entry (wgmma) is
 # followed by the Triton entry of its bucket (the fallback where the Gluon kernel cannot run). From
-# five runs (RESULTS "MLA"): the 16-head batch-32 / 8k decode entry and the 16-head verify entries
+# six runs (RESULTS "MLA"): the 16-head batch-32 / 8k decode entry and the 16-head verify entries
 # from H100 --pick runs (2026-11-26, fourth session: mla3, mla4), the Gluon entries from an H200's
-# --wgmma run (fifth session: mla5) and the warp-specialized schedule's from an H100's (mla6), the
+# --wgmma run (fifth session: mla5) and the warp-specialized schedule's from an H100's (mla6, mla7), the
 # rest from an H200's --tune at batch 1 / 32 / 128 x context 2k-128k, 16 and 128 heads.
 TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
     # <= 16 heads (DeepSeek-V3 at TP 8), decode rows: batch 1 (up to 128 splits) and batch 128 take
@@ -119,9 +119,12 @@ TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optio
     # verify rows (1 + S <= 4 a request): one 64-row tile holds them all, so the cache is read once
     # (the default's 32-row tiles read it twice): on an H100 1.7-2.1x as fast as the default at batch
     # 32 / 128, 1.1-1.3x at batch 1 from 8k; batch 1-4 to 4k keeps the default (2k: 20 us against 26).
-    # The Gluon kernel's 64-row tile: 1.57-1.67x the Triton one at batch 32 / 128 x 8k / 32k (H200)
+    # The Gluon kernel's 64-row tile: 1.57-1.67x the Triton one at batch 32 / 128 x 8k / 32k (H200);
+    # from batch 5 in the warp-specialized schedule (H100, mla7: 1.02-1.04x the serial one at batch
+    # 32 / 128 x 8k / 32k), batch 1-4 in the serial one (batch 1: 1.00-1.01x the other way)
     ((16, 4, 4096, 4), DEFAULT_TILES),
-    ((16, None, None, 4), WGMMA_TILES),
+    ((16, 4, None, 4), WGMMA_TILES),
+    ((16, None, None, 4), WGMMA_WS_TILES),
     ((16, None, None, 4), VERIFY_TILES_16_HEADS),
     # more rows (prefill chunks): the default, 8 programs an SM from 32k at batch 5-64
     ((16, 64, 16384, None), DEFAULT_TILES),
@@ -145,8 +148,8 @@ def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: 
 
     Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, decode rows, batch 5-64,
     context above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` (a verify at 8k) the
-    Gluon kernel's 64-row tile that holds all three rows (:data:`WGMMA_TILES`), with ``gluon=False``
-    Triton's (:data:`VERIFY_TILES_16_HEADS`).
+    Gluon kernel's 64-row tile that holds all three rows, in the warp-specialized schedule
+    (:data:`WGMMA_WS_TILES`), with ``gluon=False`` Triton's (:data:`VERIFY_TILES_16_HEADS`).
     """
     dims = (num_heads, batch_size, kv_token_bound, query_rows)
     for bounds, tiles in TILE_TABLE:

@@ -6,7 +6,8 @@ Same contract, programs, partials and split-K as :mod:`mtp_ctrl.triton_ops.mla_w
 helpers it shares), but the two warpgroups of a program do different work, handing tiles over
 through shared memory and mbarriers instead of meeting at barriers:
 
-- the **score warpgroup** (the default partition, 4 warps) computes each tile's scores for all 64
+- the **score warpgroup** (the default partition, 4 warps) loads the query tile (while the value
+  warpgroup's first copies are already in flight), then computes each tile's scores for all 64
   tokens at once (``[64, 64]``: one wgmma of N = 64, half the shared-memory reads of two N = 32
   halves, and no row max or sum crossing warpgroups), its softmax, writes the probabilities and
   the accumulator's rescale factors to shared memory, then multiplies the probabilities into its
@@ -79,10 +80,46 @@ def _store_half(acc, dims_start, running_max, running_sum, OUTPUT_PTR, PARTIAL_A
 
 
 @gluon.jit
+def _load_query_tile(q_latent_smem, q_rope_smem, QUERY_LATENT_PTR, QUERY_ROPE_PTR, ql_stride_t, ql_stride_h,
+                     qr_stride_t, qr_stride_h, q_start, q_tile, q_len, head_tile, num_heads,
+                     BLOCK_Q: gl.constexpr, BLOCK_H: gl.constexpr):
+    """The program's query tile into shared memory (matrix row m: query row m // BLOCK_H, head
+    m % BLOCK_H; rows past the request's or the heads: zeros), half the latent dims at a time."""
+    LATENT_LOAD: gl.constexpr = _LATENT_LOAD
+    ROPE_LOAD: gl.constexpr = _ROPE_LOAD
+    m_load = gl.arange(0, _BLOCK_M, gl.SliceLayout(1, LATENT_LOAD))
+    load_rows = (q_start + q_tile * BLOCK_Q + m_load // BLOCK_H).to(gl.int64)
+    load_heads = (head_tile * BLOCK_H + m_load % BLOCK_H).to(gl.int64)
+    load_valid = (m_load < BLOCK_Q * BLOCK_H) & (q_tile * BLOCK_Q + m_load // BLOCK_H < q_len) \
+        & (load_heads < num_heads)
+    for half in gl.static_range(2):
+        cdims = half * _HALF + gl.arange(0, _HALF, gl.SliceLayout(0, LATENT_LOAD))
+        q_half = gl.load(QUERY_LATENT_PTR + load_rows[:, None] * ql_stride_t + load_heads[:, None] * ql_stride_h
+                         + cdims[None, :], mask=load_valid[:, None] & (cdims < _LATENT_DIM)[None, :], other=0.0)
+        q_latent_smem.slice(half * _HALF, _HALF, dim=1).store(q_half)
+    m_rope = gl.arange(0, _BLOCK_M, gl.SliceLayout(1, ROPE_LOAD))
+    rope_rows = (q_start + q_tile * BLOCK_Q + m_rope // BLOCK_H).to(gl.int64)
+    rope_heads = (head_tile * BLOCK_H + m_rope % BLOCK_H).to(gl.int64)
+    rope_valid = (m_rope < BLOCK_Q * BLOCK_H) & (q_tile * BLOCK_Q + m_rope // BLOCK_H < q_len) \
+        & (rope_heads < num_heads)
+    rdims = gl.arange(0, _ROPE_DIM, gl.SliceLayout(0, ROPE_LOAD))
+    q_rope = gl.load(QUERY_ROPE_PTR + rope_rows[:, None] * qr_stride_t + rope_heads[:, None] * qr_stride_h
+                     + rdims[None, :], mask=rope_valid[:, None] & (rdims < _ROPE_DIM)[None, :], other=0.0)
+    q_rope_smem.store(q_rope)
+    hopper.fence_async_shared()  # the stores before the wgmma's reads
+    _barrier()  # every warp's part of the tile
+
+
+@gluon.jit
 def _score_partition(q_latent_smem, q_rope_smem, latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem,
-                     sum_smem, bars, positions_base, kv_lo, kv_hi, num_tiles, qk_scale, BLOCK_H: gl.constexpr):
-    """The score warpgroup: scores, softmax, the probabilities handed over, value dims [0, C / 2).
-    Returns its accumulator half, the row max and the row sum (its layouts)."""
+                     sum_smem, bars, positions_base, kv_lo, kv_hi, num_tiles, qk_scale, QUERY_LATENT_PTR,
+                     QUERY_ROPE_PTR, ql_stride_t, ql_stride_h, qr_stride_t, qr_stride_h, q_start, q_tile, q_len,
+                     head_tile, num_heads, BLOCK_Q: gl.constexpr, BLOCK_H: gl.constexpr):
+    """The score warpgroup: the query tile, then per tile the scores, softmax, the probabilities
+    handed over, value dims [0, C / 2). Returns its accumulator half, the row max and the row sum
+    (its layouts)."""
+    _load_query_tile(q_latent_smem, q_rope_smem, QUERY_LATENT_PTR, QUERY_ROPE_PTR, ql_stride_t, ql_stride_h,
+                     qr_stride_t, qr_stride_h, q_start, q_tile, q_len, head_tile, num_heads, BLOCK_Q, BLOCK_H)
     LATENT_LOAD: gl.constexpr = _LATENT_LOAD
     ROPE_LOAD: gl.constexpr = _ROPE_LOAD
     SCORE: gl.constexpr = _SCORE
@@ -186,9 +223,6 @@ def _paged_mla_ws_kernel(
 ):
     """Program (query tile x head tile, split, request), as ``mla_wgmma._paged_mla_wgmma_kernel``'s;
     the module docstring says how its two warpgroups share the work."""
-    LATENT_LOAD: gl.constexpr = _LATENT_LOAD
-    ROPE_LOAD: gl.constexpr = _ROPE_LOAD
-    SCORE: gl.constexpr = _SCORE
     ACC: gl.constexpr = _ACC
     LATENT_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _LATENT_DIM], gl.bfloat16)
     ROPE_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _ROPE_DIM], gl.bfloat16)
@@ -213,28 +247,10 @@ def _paged_mla_ws_kernel(
     num_tiles = gl.where(q_tile * BLOCK_Q < q_len, gl.maximum(gl.cdiv(kv_hi - kv_lo, _BLOCK_N), 0), 0)
     block_table_row = BLOCK_TABLE_PTR + request.to(gl.int64) * block_table_stride_b
 
-    # the query tile into shared memory, half the latent dims at a time (matrix row m: query row
-    # m // BLOCK_H, head m % BLOCK_H)
+    # the query tile: loaded by the score warpgroup (_load_query_tile) while the value warpgroup
+    # already issues the first cache copies
     q_latent_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _LATENT_DIM], LATENT_SMEM)
-    m_load = gl.arange(0, _BLOCK_M, gl.SliceLayout(1, LATENT_LOAD))
-    load_rows = (q_start + q_tile * BLOCK_Q + m_load // BLOCK_H).to(gl.int64)
-    load_heads = (head_tile * BLOCK_H + m_load % BLOCK_H).to(gl.int64)
-    load_valid = (m_load < BLOCK_Q * BLOCK_H) & (q_tile * BLOCK_Q + m_load // BLOCK_H < q_len) \
-        & (load_heads < num_heads)
-    for half in gl.static_range(2):
-        cdims = half * _HALF + gl.arange(0, _HALF, gl.SliceLayout(0, LATENT_LOAD))
-        q_half = gl.load(QUERY_LATENT_PTR + load_rows[:, None] * ql_stride_t + load_heads[:, None] * ql_stride_h
-                         + cdims[None, :], mask=load_valid[:, None] & (cdims < _LATENT_DIM)[None, :], other=0.0)
-        q_latent_smem.slice(half * _HALF, _HALF, dim=1).store(q_half)
-    m_rope = gl.arange(0, _BLOCK_M, gl.SliceLayout(1, ROPE_LOAD))
-    rope_rows = (q_start + q_tile * BLOCK_Q + m_rope // BLOCK_H).to(gl.int64)
-    rope_heads = (head_tile * BLOCK_H + m_rope % BLOCK_H).to(gl.int64)
-    rope_valid = (m_rope < BLOCK_Q * BLOCK_H) & (q_tile * BLOCK_Q + m_rope // BLOCK_H < q_len) \
-        & (rope_heads < num_heads)
-    rdims = gl.arange(0, _ROPE_DIM, gl.SliceLayout(0, ROPE_LOAD))
-    q_rope = gl.load(QUERY_ROPE_PTR + rope_rows[:, None] * qr_stride_t + rope_heads[:, None] * qr_stride_h
-                     + rdims[None, :], mask=rope_valid[:, None] & (rdims < _ROPE_DIM)[None, :], other=0.0)
-    q_rope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _ROPE_DIM], ROPE_SMEM, q_rope)
+    q_rope_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _ROPE_DIM], ROPE_SMEM)
     latent_bufs = gl.allocate_shared_memory(dtype, [2, _BLOCK_N, _LATENT_DIM], LATENT_SMEM)
     rope_bufs = gl.allocate_shared_memory(dtype, [2, _BLOCK_N, _ROPE_DIM], ROPE_SMEM)
     probs_smem = gl.allocate_shared_memory(dtype, [_BLOCK_M, _BLOCK_N], PROBS_SMEM)
@@ -249,13 +265,15 @@ def _paged_mla_ws_kernel(
     mbarrier.init(bars.index(_PROBS_READY), count=1)
     mbarrier.init(bars.index(_PROBS_FREE), count=1)
     mbarrier.init(bars.index(_STATS_READY), count=1)
-    hopper.fence_async_shared()  # the query's stores before the wgmma's reads
+    hopper.fence_async_shared()  # the barriers' init before the copies' arrivals
     _barrier()
 
     positions_base = seq_len - q_len + q_tile * BLOCK_Q
     acc, running_max, running_sum = gl.warp_specialize([
         (_score_partition, (q_latent_smem, q_rope_smem, latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem,
-                            sum_smem, bars, positions_base, kv_lo, kv_hi, num_tiles, qk_scale, BLOCK_H)),
+                            sum_smem, bars, positions_base, kv_lo, kv_hi, num_tiles, qk_scale, QUERY_LATENT_PTR,
+                            QUERY_ROPE_PTR, ql_stride_t, ql_stride_h, qr_stride_t, qr_stride_h, q_start, q_tile,
+                            q_len, head_tile, num_heads, BLOCK_Q, BLOCK_H)),
         (_value_partition, (latent_bufs, rope_bufs, probs_smem, rescale_smem, max_smem, sum_smem, bars, CACHE_PTR,
                             block_table_row, kv_lo, kv_hi, num_tiles, block_size_tokens, cache_stride_block,
                             cache_stride_token, OUTPUT_PTR, PARTIAL_ACC_PTR, PARTIAL_MAX_PTR, PARTIAL_SUM_PTR, q_start,

@@ -74,7 +74,9 @@ def test_tile_table_lookup():
     assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384, 1)]  # TP 8, batch 32: by context and rows
     assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None, 1)]
     # verify rows (1 + S <= 4) at 16 heads: one 64-row tile holds them (the default at batch 1-4 / 2k)
-    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 128, 32768, 4) is WGMMA_TILES
+    # (from batch 5 in the warp-specialized schedule, batch 1-4 in the serial one)
+    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 5, 2048, 2) is mla_tiles(16, 128, 32768, 4) is WGMMA_WS_TILES
+    assert mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 4, 32768, 3) is WGMMA_TILES
     assert mla_tiles(16, 32, 8192, 3, gluon=False) is VERIFY_TILES_16_HEADS  # the Gluon kernel's fallback
     assert VERIFY_TILES_16_HEADS.block_m == 64 and mla_tiles(16, 1, 2048, 3) is DEFAULT_TILES
     assert mla_tiles(16, 32, 8192, 5) is DEFAULT_TILES  # more rows (a prefill chunk): as before
@@ -99,7 +101,7 @@ def test_gluon_kernel_serves_decode_rows_above_32_heads():
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
     assert mla_tiles(128, 32, 8192, 3) is mla_tiles(64, 128, 32768, 2) is TRITON_TILES_64_ROWS
     assert mla_tiles(128, 32, 8192, gluon=False) is TRITON_TILES_64_ROWS  # its fallback
-    assert mla_tiles(16, 32, 8192, 3) is WGMMA_TILES
+    assert mla_tiles(16, 32, 8192, 3) is WGMMA_WS_TILES and mla_tiles(16, 1, 8192, 3) is WGMMA_TILES
     assert not any(mla_tiles(heads, batch, context, rows).wgmma for heads in (1, 16, 32) for batch in (1, 32, 128)
                    for context in (2048, 131072) for rows in (1, 5, 16))
     assert not any(mla_tiles(32, batch, context, rows).wgmma for batch in (1, 128) for context in (2048, 131072)
