@@ -7,6 +7,7 @@ per token, and decode steps of a DeepSeek-V3-shaped MLA GPT scaled to one GPU.
     python bench/bench_mla.py --kernels-only --tune --heads 128 --batches 32 --contexts 8192
     python bench/bench_mla.py --pick 16,32,8192 --winner-file W.json --final   # the tune, then the final table
     python bench/bench_mla.py --wgmma --heads 64,128 --batches 1,32,128 --contexts 2048,8192,32768
+    python bench/bench_mla.py --wgmma --baseline .scratch/baseline/mla_wgmma_main.py   # + an earlier kernel
 
 Printed, in one run:
 1. The kernel (``paged_mla_attention``, ``--rows`` query rows a request (1: decode, 1 + S:
@@ -20,9 +21,10 @@ Printed, in one run:
    decompressed (the latents up-projected to per-head K/V, then the standard paged kernel), where
    the decompressed K/V fits in memory; and per prefill chunk length, which of the two is faster.
 3. KV bytes per token and layer: the latent cache vs standard attention's K and V per head.
-1b. (--wgmma) The Gluon kernel (``WGMMA_TILES``, sm_90) beside the Triton kernel's tiles for the
-   shape (the table's Triton entry: ``mla_tiles(..., gluon=False)``), same process: us, % of the
-   copy and TFLOP/s of each, the speed-up, max |difference|.
+1b. (--wgmma) The Gluon kernel (``WGMMA_TILES``, sm_90; its two schedules, and ``--baseline``'s
+   copy of an earlier kernel) beside the Triton kernel's tiles for the shape (the table's Triton
+   entry: ``mla_tiles(..., gluon=False)``), same process: us, % of the copy and TFLOP/s of each,
+   the fastest Gluon column and its speed-up over the first, max |difference|.
 4. (--e2e) Decode steps of the DeepSeek-V3-shaped MLA GPT (module constant E2E_SHAPE; random bf16
    weights, dense FFN, 2 MLA MTP layers): median wall ms of controller.step(), GPU ms per step
    (torch.profiler kernel time), tokens/s at S = 0 and S = 2 (random weights: no draft accepted).
@@ -56,6 +58,10 @@ def parse_args(argv=None):
                         "sections 2 and 3), after --pick's winner is installed where --pick is given")
     parser.add_argument("--wgmma", action="store_true", help="section 1b only: the Gluon kernel vs the Triton "
                         "kernel's tiles at --heads x --batches x --contexts, --rows")
+    parser.add_argument("--baseline", help="with --wgmma: an earlier mla_wgmma.py (e.g. main's, copied aside) timed "
+                        "beside the package's schedules in the same process")
+    parser.add_argument("--gluon-columns", default="main,serial,async,ws", help="with --wgmma: the Gluon columns "
+                        "(main: --baseline's kernel; serial / async / ws: the package's kernel in that schedule)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -73,7 +79,8 @@ from mtp_ctrl.state import KVCacheSpec, LatentKVCacheSpec  # noqa: E402
 from mtp_ctrl.state.attention_metadata import AttentionMetadata  # noqa: E402
 from mtp_ctrl.triton_ops import paged_mla_attention  # noqa: E402
 from mtp_ctrl.triton_ops.mla_attention import wgmma_kernel_applies  # noqa: E402
-from mtp_ctrl.triton_ops.mla_tiles import DEFAULT_TILES, WGMMA_TILES, MLATiles, mla_tiles  # noqa: E402
+from mtp_ctrl.triton_ops.mla_tiles import (DEFAULT_TILES, WGMMA_ASYNC_TILES, WGMMA_TILES, WGMMA_WS_TILES,  # noqa: E402
+                                          MLATiles, mla_tiles)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
 from bench_forward import copy_bandwidth, graph_time_us  # noqa: E402
@@ -129,11 +136,12 @@ def metadata_for(batch, rows, context, device, shuffled=True):
 
 
 def tiles_label(tiles):
-    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,Rn][,G])``; W: whole waves,
-    Rn: at most n registers a thread, G: the Gluon kernel."""
+    """``(block_m,block_n,warps,stages,programs/SM,min split tokens[,W][,Rn][,G][,A])``; W: whole waves,
+    Rn: at most n registers a thread, G: the Gluon kernel, A / WS: its async / warp-specialized schedule."""
     values = dataclasses.astuple(tiles)
     return "(" + ",".join(str(value) for value in values[:6]) + (",W" if tiles.whole_waves else "") \
-        + (f",R{tiles.max_registers}" if tiles.max_registers else "") + (",G" if tiles.wgmma else "") + ")"
+        + (f",R{tiles.max_registers}" if tiles.max_registers else "") + (",G" if tiles.wgmma else "") \
+        + {"serial": "", "async": ",A", "warp_specialized": ",WS"}[tiles.schedule] + ")"
 
 
 def kernel_tables(device, bandwidth, args):
@@ -199,8 +207,36 @@ def kernel_tables(device, bandwidth, args):
     del cache
 
 
+class _BaselineGluon:
+    """A copy of an earlier ``mla_wgmma.py`` (``--baseline``, e.g. main's) in place of the
+    package's Gluon module, for a same-process comparison (its launcher has no schedules)."""
+
+    def __init__(self, path):
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("mla_wgmma_baseline", path)
+        self.module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.module)
+
+    def launch_paged_mla_wgmma(self, *args, async_dots=False):
+        return self.module.launch_paged_mla_wgmma(*args)
+
+
+def _with_gluon_module(module, fn):
+    """``fn()`` with ``module`` as the launcher's Gluon module (None: the package's own)."""
+    from mtp_ctrl.triton_ops import mla_attention
+    if module is None:
+        return fn()
+    own = mla_attention._wgmma_module
+    mla_attention._wgmma_module = lambda: module
+    try:
+        return fn()
+    finally:
+        mla_attention._wgmma_module = own
+
+
 def wgmma_table(device, bandwidth, args):
-    """Section 1b: the Gluon kernel vs the Triton kernel's tiles, same shapes, same process."""
+    """Section 1b: the Gluon kernel (its schedules, and ``--baseline``'s copy of an earlier one)
+    vs the Triton kernel's tiles, same shapes, same process."""
     def ints(text):
         return tuple(int(value) for value in text.split(","))
 
@@ -212,15 +248,30 @@ def wgmma_table(device, bandwidth, args):
     cache = torch.empty(max(batches) * max(contexts) // BLOCK, BLOCK, LATENT + ROPE, dtype=dtype,
                         device=device).normal_()
     probe = torch.empty(1, 64, LATENT, dtype=dtype, device=device)
+    # (column, tiles, Gluon module (None: the package's)); "main": --baseline's kernel
+    columns = {"serial": WGMMA_TILES, "async": WGMMA_ASYNC_TILES, "ws": WGMMA_WS_TILES}
+    variants = []
+    for name in args.gluon_columns.split(","):
+        if name == "main" and args.baseline and os.path.exists(args.baseline):
+            variants.append(("main", WGMMA_TILES, _BaselineGluon(args.baseline)))
+        elif name == "main":
+            print(f"   (no --baseline file {args.baseline}: the main column is left out)")
+        else:
+            variants.append((name, columns[name], None))
     print(f"\n1b. Gluon kernel {tiles_label(WGMMA_TILES)} vs the Triton kernel's tiles, {rows} query row(s) a "
           f"request (latent {LATENT} + rope {ROPE}, {dtype}, block {BLOCK}); the Gluon kernel runs here: "
           f"{wgmma_kernel_applies(probe, cache, ROPE)}; % = latent bytes read once / GPU time, of the device copy "
-          f"({bandwidth / 1e9:.0f} GB/s); TFLOP/s = useful dot work (rows x heads x context x 2 x (576 + 512)) / time")
+          f"({bandwidth / 1e9:.0f} GB/s); TFLOP/s = useful dot work (rows x heads x context x 2 x (576 + 512)) / time; "
+          f"Gluon columns: {', '.join(name for name, _, _ in variants)} (main: --baseline {args.baseline}; serial / "
+          "async / ws: MLATiles.schedule serial / async / warp_specialized); x = the fastest Gluon column's speed-up "
+          "over the first Gluon column; max|diff| = the largest |Gluon - Triton| over the Gluon columns")
     largest_diff = 0.0
     for heads in heads_list:
         print(f"   {heads} heads")
-        print(f"   {'B':>4} {'context':>7} {'triton us':>9} {'%':>5} {'TFLOP/s':>7} {'triton tiles':>27} "
-              f"{'gluon us':>9} {'%':>5} {'TFLOP/s':>7} {'speed-up':>8} {'max|diff|':>9}")
+        header = f"   {'B':>4} {'context':>7} {'triton us':>9} {'%':>5} {'TFLOP/s':>7}"
+        for name, _, _ in variants:
+            header += f" {name + ' us':>9} {'%':>5} {'TFLOP/s':>7}"
+        print(header + f" {'best':>6} {'x':>6} {'max|diff|':>9} {'triton tiles':>27}")
         for batch in batches:
             query_latent = torch.randn(batch * rows, heads, LATENT, dtype=dtype, device=device)
             query_rope = torch.randn(batch * rows, heads, ROPE, dtype=dtype, device=device)
@@ -232,24 +283,30 @@ def wgmma_table(device, bandwidth, args):
                 latent_bytes = batch * context * (LATENT + ROPE) * cache.element_size()
                 flops = batch * rows * heads * context * 2 * (LATENT + ROPE + LATENT)
                 times, outs = {}, {}
-                for tiles in (triton_tiles, WGMMA_TILES):
-                    def call(tiles=tiles):
-                        return paged_mla_attention(*call_args, max_query_len=rows, max_seq_len=context, tiles=tiles)
+                for name, tiles, module in [("triton", triton_tiles, None)] + variants:
+                    def call(tiles=tiles, module=module):
+                        return _with_gluon_module(module, lambda: paged_mla_attention(
+                            *call_args, max_query_len=rows, max_seq_len=context, tiles=tiles))
                     try:
-                        outs[tiles] = call().float()
-                        times[tiles] = time_us(call, device)
+                        outs[name] = call().float()
+                        times[name] = time_us(call, device)
                     except Exception as error:
-                        times[tiles] = float("nan")
-                        print(f"   {tiles_label(tiles)} failed: {type(error).__name__}: {str(error)[:160]}")
-                diff = (outs[WGMMA_TILES] - outs[triton_tiles]).abs().max().item() if len(outs) == 2 else float("nan")
+                        times[name] = float("nan")
+                        print(f"   {name} {tiles_label(tiles)} failed: {type(error).__name__}: {str(error)[:160]}")
+                diffs = [(outs[name] - outs["triton"]).abs().max().item() for name, _, _ in variants
+                         if name in outs and "triton" in outs]
+                diff = max(diffs) if diffs else float("nan")
                 largest_diff = max(largest_diff, diff)
-                cells = []
-                for tiles in (triton_tiles, WGMMA_TILES):
-                    us = times[tiles]
-                    cells.append(f"{us:9.1f} {100 * latent_bytes / us / 1e3 / (bandwidth / 1e9):5.1f} "
-                                 f"{flops / us / 1e6:7.1f}")
-                print(f"   {batch:4d} {context:7d} {cells[0]} {tiles_label(triton_tiles):>27} {cells[1]} "
-                      f"{times[triton_tiles] / times[WGMMA_TILES]:7.2f}x {diff:9.4f}", flush=True)
+                cells = ""
+                for name in ["triton"] + [name for name, _, _ in variants]:
+                    us = times[name]
+                    share = 100 * latent_bytes / us / 1e3 / (bandwidth / 1e9)
+                    cells += f" {us:9.1f} {share:5.1f} {flops / us / 1e6:7.1f}"
+                gluon = {name: times[name] for name, _, _ in variants if times[name] == times[name]}
+                best = min(gluon, key=gluon.get) if gluon else "-"
+                speedup = times[variants[0][0]] / gluon[best] if gluon else float("nan")
+                print(f"   {batch:4d} {context:7d}{cells} {best:>6} {speedup:5.2f}x {diff:9.4f} "
+                      f"{tiles_label(triton_tiles):>27}", flush=True)
     print(f"   largest |Gluon output - Triton output|: {largest_diff:.4f}")
     del cache
 

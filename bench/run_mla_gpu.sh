@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for MLA (issue 30): its GPU tests, then bench_mla (RESULTS' "MLA" section).
-# Usage (device machine, repo root): bash bench/run_mla_gpu.sh [kernels|probe|final|verify|wgmma|tune|e2e] [--quick]
+# Usage (device machine, repo root):
+#   bash bench/run_mla_gpu.sh [kernels|probe|final|verify|wgmma|overlap|splits|tune|e2e] [--quick]
 #   kernels (default): tests/functional/test_mla_gpu.py + the kernel table (default tiles vs the
 #     shape table vs the fastest --tune candidate, 16 and 128 heads, batch 1/32/128, 2k-128k)
 #   probe: the --tune candidates at 128 / 64 heads (batch 32 / 128, 8k / 32k) and 16 heads
@@ -15,6 +16,16 @@
 #   wgmma: the Gluon kernel's GPU twin tests, then the Gluon kernel vs the Triton kernel (same process)
 #     at 64 / 128 heads x batch 1/32/128 x 2k/8k/32k, the other kernel tests the Gluon tiles touch
 #     (every table entry, the DeepSeek shape), then 16-head verify rows (3 a request) in both; ~210 s
+#   overlap: the Gluon kernel's GPU twin tests (every schedule), then at 64 / 128 heads x batch
+#     1/32/128 x 2k/8k/32k the Triton tiles, main's Gluon kernel (.scratch/baseline/mla_wgmma_main.py,
+#     copied aside from main before the change) and this kernel's schedules (serial, async; the
+#     warp-specialized one in a process of its own beside main's again), then 16-head verify rows
+#     (3 a request) in all; a summary; ~220 s
+#   splits: the warp-specialized GPU tests (decode rows, verify rows, long splits), then the split
+#     sweep of the warp-specialized entry (bench_mla_splits.py: the table's count, counts 1-8 and
+#     the combine alone, main's ws kernel (.scratch/baseline/mla_wgmma_ws_main.py) beside) at 128
+#     heads B 32 / 8k, the four 128-head target points and 64 heads B 32 / 8k, then 16-head verify
+#     rows (3 a request) in the serial and the warp-specialized schedule; a summary; ~210 s
 #   tune: the kernel table only
 #   e2e: the kernel table at the default and table tiles + sections 2-4 (the MLA GPT's decode steps)
 # --quick: tiny shapes (a CPU smoke run of the script)
@@ -80,6 +91,47 @@ elif [ "$mode" = wgmma ]; then
   awk '/ heads$/ {heads=$1} /^ +[0-9]+ +[0-9]+ / && $1 >= 32 && $2 >= 8192 \
     {print "   " heads " heads, B " $1 ", context " $2 ": triton " $4 " %, gluon " $8 " % (" $10 ")"}' \
     "$out/wgmma.log" "$out/wgmma_verify.log"
+elif [ "$mode" = overlap ]; then
+  # the warp-specialized schedule (mbarrier hand-overs: a hang would cost its process only) runs in
+  # processes of its own, after the others
+  python3 -c "import triton; print('triton', triton.__version__)" | tee -a "$out/device.txt"
+  base=.scratch/baseline/mla_wgmma_main.py
+  [ -f "$base" ] || echo "no baseline kernel at $base: its column is left out"
+  tests="python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore"
+  timeout 60 $tests -k "wgmma and not warp_specialized" 2>&1 | tee "$out/functional_wgmma.log" | tail -4
+  # 30 s cut this part after its 9 decode-row cases (mla6's call: the verify variants' compiles)
+  timeout 60 $tests -k "wgmma and warp_specialized" 2>&1 | tee "$out/functional_ws.log" | tail -4
+  grid="--heads 128,64 --batches 32,128,1 --contexts 8192,32768,2048"; [ -n "$quick" ] && grid=""
+  timeout 60 python3 bench/bench_mla.py $quick --wgmma --baseline "$base" --gluon-columns main,serial,async $grid \
+    2>&1 | tee "$out/overlap.log"
+  timeout 45 python3 bench/bench_mla.py $quick --wgmma --baseline "$base" --gluon-columns main,ws $grid \
+    2>&1 | tee "$out/overlap_ws.log"
+  grid="--heads 16 --batches 32,128 --contexts 8192,32768"; [ -n "$quick" ] && grid=""
+  timeout 55 python3 bench/bench_mla.py $quick --wgmma --baseline "$base" --rows 3 $grid 2>&1 \
+    | tee "$out/overlap_verify.log"
+  echo "== summary: tests; batch >= 32 / context >= 8k: % of the copy per column (triton, then the Gluon columns)"
+  grep -hE "passed|failed|error" "$out/functional_wgmma.log" "$out/functional_ws.log" | tail -4
+  for log in overlap overlap_ws overlap_verify; do
+    echo "   $log: $(grep -o 'Gluon columns: [a-z, ]*' "$out/$log.log" | head -1)"
+    awk '/ heads$/ {heads=$1} /^ +[0-9]+ +[0-9]+ / && $1 >= 32 && $2 >= 8192 \
+      {line = "   " heads " heads, B " $1 ", context " $2 ":"; for (i = 4; i <= NF - 4; i += 3) line = line " " $i;
+       print line " %, best " $(NF - 3) " " $(NF - 2)}' "$out/$log.log"
+  done
+elif [ "$mode" = splits ]; then
+  python3 -c "import triton; print('triton', triton.__version__)" | tee -a "$out/device.txt"
+  tests="python3 -m pytest tests/functional/test_mla_gpu.py -q -x -p no:cacheprovider -W ignore"
+  # 13 cases (mla6's 30 s and 60 s cut them in the verify-row compiles)
+  timeout 90 $tests -k "wgmma and warp_specialized" 2>&1 | tee "$out/functional_ws.log" | tail -4
+  timeout 60 python3 bench/bench_mla_splits.py $quick --ws-baseline .scratch/baseline/mla_wgmma_ws_main.py 2>&1 \
+    | tee "$out/splits.log"
+  grid="--heads 16 --batches 1,32,128 --contexts 8192,32768"; [ -n "$quick" ] && grid=""
+  timeout 50 python3 bench/bench_mla.py $quick --wgmma --rows 3 --gluon-columns serial,ws $grid 2>&1 \
+    | tee "$out/verify_ws.log"
+  echo "== summary: tests; per point the fastest split count; 16-head verify rows (% of the copy: triton, serial, ws)"
+  grep -hE "passed|failed|error" "$out/functional_ws.log" | tail -2
+  grep -hE "^[0-9]+ heads, B|fastest|main ws" "$out/splits.log"
+  awk '/ heads$/ {heads=$1} /^ +[0-9]+ +[0-9]+ / {print "   " heads " heads, B " $1 ", context " $2 ": " $4 " / " $7 \
+    " / " $10 " %, best " $12}' "$out/verify_ws.log"
 elif [ "$mode" = tune ]; then
   timeout 240 $bench --tune 2>&1 | tee "$out/bench_mla_tune.log"
 else

@@ -94,8 +94,8 @@ class TextGenerationController:
         self._scheduler = self.context.scheduler  # admission, pausing, preemption, chunking
         self._allocate_step_buffers()
         self._outputs = OutputRows(self.context.table)
-        self.proposer = proposer if proposer is not None else MTPProposer(config.mtp_attention,
-                                                                          config.mtp_reuse_last_layer)
+        self.proposer = proposer if proposer is not None else MTPProposer(
+            config.mtp_attention, config.mtp_reuse_last_layer, skip_idle_windows=config.mtp_idle_windows == "skip")
         rejection = config.acceptance == "rejection" and S > 0
         if S > 0:
             self.proposer.bind(DraftContext(self.shape, self.runner, self.sample_rows, self.context.table,

@@ -25,7 +25,7 @@ its slowest request (``GoodputPolicy``'s drain objective).
 """
 
 import collections
-from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch.distributed as dist
@@ -90,7 +90,8 @@ class DraftLengths:
         self._fixed = type(policy) is FixedDraftLength  # S each unless capped: no bookkeeping needed
         # some request may verify fewer than S drafts (the step masks draft rows by length); stays on
         self.masked = self.S > 0 and not self._fixed
-        self._in_flight: Deque[Optional[np.ndarray]] = collections.deque()  # per launched step: [k, n_d] or None (S)
+        # per launched step: [k, n_d], None (S each) or 0 (0 each)
+        self._in_flight: Deque[Union[np.ndarray, None, int]] = collections.deque()
         self._held: Optional[HeldChoice] = None  # the policy's last choice
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D) and its steady calls in a row
@@ -181,6 +182,9 @@ class DraftLengths:
         if held.count(S) == len(held) and chosen.count(S) == step.num_sampling_requests:
             self._in_flight.append(None)  # every request verifies and drafts S (the fixed-S path)
             return
+        if held.count(0) == len(held) and chosen.count(0) == step.num_sampling_requests:
+            self._in_flight.append(0)  # nobody verifies or drafts (a no-draft step after one): nothing to observe
+            return
         verified = np.empty((step.num_steps, num_decode), dtype=np.int64)  # [k, n_d] int64
         verified[0] = held  # the drafts each holds (the context's record, chosen when it last sampled)
         verified[1:] = chosen[:num_decode]
@@ -192,6 +196,8 @@ class DraftLengths:
         verified = self._in_flight.popleft() if self._in_flight else None
         if verified is None:
             verified = np.full(accepted_counts.shape, self.S, dtype=np.int64)
+        elif isinstance(verified, int):  # 0: no request verified a draft (an outcome of s = 0 tells the policy nothing)
+            return np.zeros(accepted_counts.shape, dtype=np.int64)
         if self.S > 0 and not self._fixed and accepted_counts.size:
             # kept as they come (the read-back's rows are reused: a copy); flattened once per observe,
             # when the policy next decides (or every longest_hold steps)

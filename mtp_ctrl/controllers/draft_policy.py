@@ -429,8 +429,18 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     low = (mean - 5 * spread).max(axis=0)  # [D + 1]: below it every request is (almost surely) still running
     high = (mean + 5 * spread).max(axis=0)
     t = low[None, :] + (high - low)[None, :] * np.linspace(0.0, 1.0, grid_points)[:, None]  # [K, D + 1]
-    z = np.clip((t[:, None, :] - mean[None]) / spread[None], -8.0, 8.0)  # [K, n, D + 1]
-    cdf = 0.5 * (1.0 + np.tanh(0.7978845608 * (z + 0.044715 * z ** 3)))  # the normal CDF (tanh form)
-    done_by = cdf.prod(axis=1)  # [K, D + 1]: P(every request done by t)
+    # [K, D + 1, n] (requests last: the product over them reads contiguous memory), in place where it can
+    z = t[:, :, None] - mean.T[None]
+    z *= (1.0 / spread).T[None]
+    np.clip(z, -8.0, 8.0, out=z)
+    cdf = z * z  # the normal CDF (tanh form): 0.5 (1 + tanh(0.79788 (z + 0.044715 z^3)))
+    cdf *= 0.044715
+    cdf += 1.0
+    cdf *= z
+    cdf *= 0.7978845608
+    np.tanh(cdf, out=cdf)
+    cdf += 1.0
+    cdf *= 0.5
+    done_by = cdf.prod(axis=2)  # [K, D + 1]: P(every request done by t)
     running = 1.0 - done_by  # trapezoid rule on the uniform grid (np.trapz is gone from numpy 2.4)
     return low + (running[1:] + running[:-1]).sum(axis=0) * 0.5 * (high - low) / (grid_points - 1)

@@ -59,12 +59,15 @@ class MTPProposer(Proposer):
     paged KV cache of its own (:meth:`bind`); how often those drafts are accepted depends on how the
     layer was trained (a layer trained only at depth 1 sees its own outputs as input)."""
 
-    def __init__(self, mode: str = "paged", reuse_last_layer: bool = False):
+    def __init__(self, mode: str = "paged", reuse_last_layer: bool = False, skip_idle_windows: bool = False):
         if mode not in ("paged", "single_position"):
             raise ValueError(f"mode must be 'paged' or 'single_position', got {mode!r}")
         if not isinstance(reuse_last_layer, bool):
             raise TypeError(f"reuse_last_layer must be a bool, got {type(reuse_last_layer).__name__}")
+        if not isinstance(skip_idle_windows, bool):
+            raise TypeError(f"skip_idle_windows must be a bool, got {type(skip_idle_windows).__name__}")
         self.mode = mode
+        self.skip_idle_windows = skip_idle_windows  # InferenceConfig.mtp_idle_windows == "skip"
         self.reuse_last_layer = reuse_last_layer
 
     def bind(self, draft_context: DraftContext) -> None:
@@ -139,18 +142,29 @@ class MTPProposer(Proposer):
             if self._draft_logits is not None:  # q: what the draft was drawn from
                 self._draft_logits.record(logits, draft_write_rows, depth)
             self._token_history[draft_write_rows, draft_positions[depth]] = drafts[:, depth]
-        # the next window start, and the decoder hidden of each request's last S positions
-        mtp_advance_window(batch.first_positions, ends, batch.write_rows, batch.samples,
-                           batch.step.attention.query_start_loc[: num_requests + 1], batch.hidden,
-                           self._window_start, self._hidden_ring, S)
-        if self._window_floor is not None:  # never below a cached prefix (stays in place: no allocation)
-            torch.maximum(self._window_start, self._window_floor, out=self._window_start)
+        self._advance_window(batch)
         return drafts
 
+    def _advance_window(self, batch: DraftBatch) -> None:
+        """The next window start, and the decoder hidden of each request's last S positions."""
+        mtp_advance_window(batch.first_positions, batch.bonus_positions, batch.write_rows, batch.samples,
+                           batch.step.attention.query_start_loc[: batch.num_requests + 1], batch.hidden,
+                           self._window_start, self._hidden_ring, self.draft_context.shape.num_speculative_tokens)
+        if self._window_floor is not None:  # never below a cached prefix (stays in place: no allocation)
+            torch.maximum(self._window_start, self._window_floor, out=self._window_start)
+
     def on_no_drafts(self, batch: DraftBatch) -> None:
-        """No request drafts this step: single_position records the step's tokens and moves the
-        window on; paged also runs every depth over its window (no output layer), keeping the caches."""
-        self.propose(dataclasses.replace(batch, num_drafts=0))
+        """No request drafts this step: record the step's tokens and move the window on. Paged mode
+        also runs every depth over its window (no output layer), keeping every depth's cache final,
+        unless ``skip_idle_windows`` and the step is decode-only: then the depths' entries at this
+        step's positions stay unwritten (later drafts attend to stale entries there: they may differ,
+        the output cannot). A step with prefill chunks always runs them: a prompt's entries are
+        written once, and cached prompt blocks are shared."""
+        if self.mode == "paged" and not (self.skip_idle_windows and batch.step.decode_only):
+            self.propose(dataclasses.replace(batch, num_drafts=0))
+            return
+        self._record_verified_tokens(batch)
+        self._advance_window(batch)
 
     def _window_bounds(self, batch: DraftBatch) -> Tuple[int, int]:
         """(Tm, the longest window): bounds fixed by the step's shape, so a padded step can be

@@ -161,7 +161,7 @@ class OutputRows:
         accepted = readbacks[:, :, 0]  # [k, n] int64
         emitted = accepted + 1  # [k, n] int64
         counts = self.counts[slots]  # [n] int64
-        if S == 0:  # one token a step: step j's goes to output position counts + j
+        if S == 0 or not accepted.any():  # one token a step: step j's goes to output position counts + j
             self.tokens[slots[None, :], counts[None, :] + np.arange(num_steps)[:, None]] = readbacks[:, :, 1]
         else:
             new_tokens = np.empty((num_steps, num_rows, self.shape.stride), dtype=np.int64)  # drafts, bonus at `accepted`

@@ -278,6 +278,17 @@ def _wgmma_module():
 
 
 @functools.lru_cache(maxsize=None)
+def _wgmma_ws_module():
+    """:mod:`mtp_ctrl.triton_ops.mla_wgmma_ws` (the warp-specialized schedule), or None where this
+    Triton cannot build it (the launcher then runs the serial schedule)."""
+    try:
+        from mtp_ctrl.triton_ops import mla_wgmma_ws
+    except (ImportError, AttributeError):
+        return None
+    return mla_wgmma_ws
+
+
+@functools.lru_cache(maxsize=None)
 def _capability_of(device_index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
@@ -404,10 +415,12 @@ def paged_mla_attention(
     grid = (num_q_tiles * num_head_tiles, num_kv_splits, batch_size)
     qk_scale = softmax_scale * math.log2(math.e)
     if tiles.wgmma:
-        _wgmma_module().launch_paged_mla_wgmma(
-            grid, query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
-            output, partial_acc, partial_max, partial_sum, qk_scale, num_tokens, num_heads, tokens_per_split,
-            num_head_tiles, num_kv_splits, block_q, block_h, _ZERO_BLOCK)
+        launch, options = _wgmma_module().launch_paged_mla_wgmma, dict(async_dots=tiles.schedule == "async")
+        if tiles.schedule == "warp_specialized" and _wgmma_ws_module() is not None:
+            launch, options = _wgmma_ws_module().launch_paged_mla_ws, {}
+        launch(grid, query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
+               output, partial_acc, partial_max, partial_sum, qk_scale, num_tokens, num_heads, tokens_per_split,
+               num_head_tiles, num_kv_splits, block_q, block_h, _ZERO_BLOCK, **options)
     else:
         _paged_mla_kernel[grid](
             query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,

@@ -16,6 +16,10 @@ import dataclasses
 from typing import Optional, Tuple
 
 
+# the Gluon kernel's schedules (MLATiles.schedule)
+GLUON_SCHEDULES = ("serial", "async", "warp_specialized")
+
+
 @dataclasses.dataclass(frozen=True)
 class MLATiles:
     """One launch configuration of the paged MLA kernel.
@@ -35,6 +39,12 @@ class MLATiles:
     8 warps, the cache a tile ahead, one program an SM) instead of the Triton kernel; where it
     cannot run (no Gluon, not an sm_90 device, not bf16 / C = 512 / R = 64) the launcher takes
     the table's Triton entry for the shape (``mla_tiles(..., gluon=False)``).
+    ``schedule``: the Gluon kernel's schedule (``wgmma`` only; :data:`GLUON_SCHEDULES`):
+    ``"serial"`` waits for each dot where it is issued; ``"async"`` keeps the score dots in flight
+    while the next tile's copies are issued and the value dots while they are waited for;
+    ``"warp_specialized"`` runs :mod:`mtp_ctrl.triton_ops.mla_wgmma_ws` (one warpgroup scores
+    and softmaxes a tile while the other multiplies the last one's probabilities into its value
+    dims and issues the copies; the serial schedule where it cannot be imported).
     """
 
     block_m: int  # target matrix rows (query rows x heads) a program; a power of two >= 16
@@ -46,6 +56,7 @@ class MLATiles:
     whole_waves: bool = False  # split count that fills its waves best (else rounded up)
     max_registers: int = 0  # registers a thread at most (ptxas .maxnreg; 0: the compiler's choice)
     wgmma: bool = False  # the Gluon kernel (mla_wgmma) instead of the Triton one
+    schedule: str = "serial"  # the Gluon kernel's schedule (GLUON_SCHEDULES)
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -64,6 +75,11 @@ class MLATiles:
         if self.wgmma and (self.block_m, self.block_n, self.num_warps, self.programs_per_sm) != (64, 64, 8, 1):
             raise ValueError(f"MLATiles with wgmma=True are the Gluon kernel's fixed tiles: block_m = block_n = 64, "
                              f"num_warps = 8, programs_per_sm = 1; got {self}")
+        if self.schedule not in GLUON_SCHEDULES:
+            raise ValueError(f"MLATiles.schedule must be one of {GLUON_SCHEDULES}, got {self.schedule!r}")
+        if self.schedule != "serial" and not self.wgmma:
+            raise ValueError(f"MLATiles.schedule {self.schedule!r} is a schedule of the Gluon kernel: it needs "
+                             f"wgmma=True; got {self}")
 
 
 DEFAULT_TILES = MLATiles(block_m=32, block_n=64, num_warps=8, num_stages=2, programs_per_sm=2, min_split_tokens=64)
@@ -76,14 +92,19 @@ TRITON_TILES_64_ROWS = MLATiles(64, 64, 8, 2, programs_per_sm=2, min_split_token
 # KiB of shared memory, one program an SM, whole waves; where it cannot run, the launcher takes the
 # bucket's next (Triton) entry
 WGMMA_TILES = MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, whole_waves=True, wgmma=True)
+# the same tiles in the Gluon kernel's other schedules: async (H100: 1.04-1.07x the serial one at 128
+# heads, 1.00-1.02x at 64; not in the table) and warp-specialized (mla_wgmma_ws: 1.27-1.37x at 128
+# heads, 1.04-1.06x at 64 heads, batch 32 / 128 x 8k / 32k; 16-head verify rows 1.02-1.04x)
+WGMMA_ASYNC_TILES = dataclasses.replace(WGMMA_TILES, schedule="async")
+WGMMA_WS_TILES = dataclasses.replace(WGMMA_TILES, schedule="warp_specialized")
 
 # (heads at most, requests at most, context tokens at most, query rows a request at most) -> tiles;
 # None: no bound. The first entry whose bounds hold the step's dims wins; a Gluon entry (wgmma) is
 # followed by the Triton entry of its bucket (the fallback where the Gluon kernel cannot run). From
-# four runs (RESULTS "MLA"): the 16-head batch-32 / 8k decode entry and the 16-head verify entries
-# from H100 --pick runs (2026-11-26, fourth session: mla3, mla4), the Gluon entry from an H200's
-# --wgmma run (fifth session: mla5), the rest from an H200's --tune at batch 1 / 32 / 128 x
-# context 2k-128k, 16 and 128 heads.
+# six runs (RESULTS "MLA"): the 16-head batch-32 / 8k decode entry and the 16-head verify entries
+# from H100 --pick runs (2026-11-26, fourth session: mla3, mla4), the Gluon entries from an H200's
+# --wgmma run (fifth session: mla5) and the warp-specialized schedule's from an H100's (mla6, mla7), the
+# rest from an H200's --tune at batch 1 / 32 / 128 x context 2k-128k, 16 and 128 heads.
 TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optional[int]], MLATiles], ...] = (
     # <= 16 heads (DeepSeek-V3 at TP 8), decode rows: batch 1 (up to 128 splits) and batch 128 take
     # the default; batch 5-64 the default at 2k, at 8k 32-token tiles, two programs an SM (128
@@ -98,19 +119,23 @@ TILE_TABLE: Tuple[Tuple[Tuple[Optional[int], Optional[int], Optional[int], Optio
     # verify rows (1 + S <= 4 a request): one 64-row tile holds them all, so the cache is read once
     # (the default's 32-row tiles read it twice): on an H100 1.7-2.1x as fast as the default at batch
     # 32 / 128, 1.1-1.3x at batch 1 from 8k; batch 1-4 to 4k keeps the default (2k: 20 us against 26).
-    # The Gluon kernel's 64-row tile: 1.57-1.67x the Triton one at batch 32 / 128 x 8k / 32k (H200)
+    # The Gluon kernel's 64-row tile: 1.57-1.67x the Triton one at batch 32 / 128 x 8k / 32k (H200);
+    # from batch 5 in the warp-specialized schedule (H100, mla7: 1.02-1.04x the serial one at batch
+    # 32 / 128 x 8k / 32k), batch 1-4 in the serial one (batch 1: 1.00-1.01x the other way)
     ((16, 4, 4096, 4), DEFAULT_TILES),
-    ((16, None, None, 4), WGMMA_TILES),
+    ((16, 4, None, 4), WGMMA_TILES),
+    ((16, None, None, 4), WGMMA_WS_TILES),
     ((16, None, None, 4), VERIFY_TILES_16_HEADS),
     # more rows (prefill chunks): the default, 8 programs an SM from 32k at batch 5-64
     ((16, 64, 16384, None), DEFAULT_TILES),
     ((16, 64, None, None), MLATiles(32, 64, 8, 2, programs_per_sm=8, min_split_tokens=32)),
     ((32, None, None, None), DEFAULT_TILES),
     # > 32 heads (TP 1 / 2): 64-head tiles read the cache once per 64 heads (twice at 128 heads);
-    # decode rows in the Gluon kernel (each score computed once: H200, batch 32 / 128 x 2k-32k,
-    # 1.7-2.8x the Triton tiles; batch 1 from 8k 1.2-1.7x), more rows in Triton's
+    # decode rows in the Gluon kernel's warp-specialized schedule (H100, batch 32 / 128 x 8k / 32k:
+    # 128 heads 67-82 % of the copy, 2.3-2.9x the Triton tiles, 1.27-1.37x mla5's serial kernel; 64
+    # heads 85-120 %, 1.04-1.06x; batch 1 from 8k 0.91-1.22x), more rows in Triton's
     ((None, 4, 4096, None), DEFAULT_TILES),
-    ((None, None, None, 1), WGMMA_TILES),
+    ((None, None, None, 1), WGMMA_WS_TILES),
     ((None, None, None, None), TRITON_TILES_64_ROWS),
 )
 
@@ -123,8 +148,8 @@ def mla_tiles(num_heads: int, batch_size: int, kv_token_bound: int, query_rows: 
 
     Example: ``mla_tiles(16, 32, 32768)`` is the fourth entry (16 heads, decode rows, batch 5-64,
     context above 16k): 8 programs an SM; ``mla_tiles(16, 32, 8192, 3)`` (a verify at 8k) the
-    Gluon kernel's 64-row tile that holds all three rows (:data:`WGMMA_TILES`), with ``gluon=False``
-    Triton's (:data:`VERIFY_TILES_16_HEADS`).
+    Gluon kernel's 64-row tile that holds all three rows, in the warp-specialized schedule
+    (:data:`WGMMA_WS_TILES`), with ``gluon=False`` Triton's (:data:`VERIFY_TILES_16_HEADS`).
     """
     dims = (num_heads, batch_size, kv_token_bound, query_rows)
     for bounds, tiles in TILE_TABLE:

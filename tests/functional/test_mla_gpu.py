@@ -10,7 +10,8 @@ from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGeneration
 from mtp_ctrl.models import PagedGPTRunner
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
 from mtp_ctrl.triton_ops.mla_attention import wgmma_kernel_applies
-from mtp_ctrl.triton_ops.mla_tiles import TILE_TABLE, WGMMA_TILES, MLATiles, mla_tiles
+from mtp_ctrl.triton_ops.mla_tiles import (TILE_TABLE, WGMMA_ASYNC_TILES, WGMMA_TILES, WGMMA_WS_TILES, MLATiles,
+                                          mla_tiles)
 from tests.functional.sync_checks import no_host_sync
 from tests.unit.megatron_fixtures import (
     BLOCK_SIZE_TOKENS,
@@ -157,23 +158,39 @@ def _check_wgmma(q_lens, seq_lens, num_heads, block_size_tokens, num_kv_splits, 
     assert out[-padding_rows:].abs().sum() == 0
 
 
+# the Gluon kernel's schedules (MLATiles.schedule)
+SCHEDULES = pytest.mark.parametrize("schedule", [WGMMA_TILES, WGMMA_ASYNC_TILES, WGMMA_WS_TILES],
+                                    ids=["serial", "async", "warp_specialized"])
+
+
+@SCHEDULES
 @pytest.mark.parametrize("num_heads", [64, 128, 96])
 @pytest.mark.parametrize("num_kv_splits", [None, 1, 5])
-def test_wgmma_kernel_equals_twin_bf16_decode_rows(num_heads, num_kv_splits):
+def test_wgmma_kernel_equals_twin_bf16_decode_rows(num_heads, num_kv_splits, schedule):
     # decode rows (the table's Gluon entry: > 32 heads, 1 row a request), requests with no rows,
     # contexts ending mid-block and on a block's end; 96 heads: a second head tile half padding
     generator = torch.Generator().manual_seed(num_heads + (num_kv_splits or 0))
     seq_lens = torch.randint(1, 3000, (9,), generator=generator).tolist()
     seq_lens[1], seq_lens[2] = 0, 1024
     q_lens = [0 if length == 0 else 1 for length in seq_lens]
-    _check_wgmma(q_lens, seq_lens, num_heads, 64, num_kv_splits, seed=num_heads)
+    _check_wgmma(q_lens, seq_lens, num_heads, 64, num_kv_splits, seed=num_heads, tiles=schedule)
 
 
+@SCHEDULES
 @pytest.mark.parametrize("num_heads,rows,block_size_tokens", [(16, 3, 64), (32, 2, 16), (64, 1, 16)])
-def test_wgmma_kernel_equals_twin_bf16_verify_rows(num_heads, rows, block_size_tokens):
+def test_wgmma_kernel_equals_twin_bf16_verify_rows(num_heads, rows, block_size_tokens, schedule):
     # the kernel's 64-row tile holding several query rows (1 + S verify rows: causal within the
     # tile), other cache block sizes (the block table looked up a token at a time)
     q_lens = [rows, rows, 0, rows, rows]
     seq_lens = [700, 65, 0, 1030, rows]
     for num_kv_splits in (None, 1, 3):
-        _check_wgmma(q_lens, seq_lens, num_heads, block_size_tokens, num_kv_splits, seed=rows, tiles=WGMMA_TILES)
+        _check_wgmma(q_lens, seq_lens, num_heads, block_size_tokens, num_kv_splits, seed=rows, tiles=schedule)
+
+
+@SCHEDULES
+def test_wgmma_kernel_equals_twin_bf16_long_splits(schedule):
+    # many tiles a program (the loop's steady state: both buffers refilled many times, the
+    # block table a tile ahead), a split ending mid-tile, a context ending mid-block
+    q_lens, seq_lens = [1, 1, 1], [9000, 4097, 6001]
+    for num_kv_splits in (1, 3):
+        _check_wgmma(q_lens, seq_lens, 128, 64, num_kv_splits, seed=5, tiles=schedule)

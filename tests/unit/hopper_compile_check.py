@@ -90,12 +90,27 @@ def cases():
         mla_wgmma = None
     if mla_wgmma is not None:
         gluon_mla = mla_wgmma._paged_mla_wgmma_kernel
-        for block_q, block_h in ((1, 64), (4, 16)):  # decode rows at >= 64 heads; a verify tile (3 rows x 16)
-            yield (f"paged MLA attention, Gluon (sm_90), {block_q} x {block_h} rows", gluon_mla,
+        # decode rows at >= 64 heads; a verify tile (3 rows x 16); each in both schedules
+        for block_q, block_h, async_dots in ((1, 64, False), (1, 64, True), (4, 16, False), (4, 16, True)):
+            yield (f"paged MLA attention, Gluon (sm_90), {block_q} x {block_h} rows, async dots {async_dots}",
+                   gluon_mla,
                    pointers(gluon_mla, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32", QUERY_START_LOC_PTR="i32",
                             PARTIAL_ACC_PTR="fp32", PARTIAL_MAX_PTR="fp32", PARTIAL_SUM_PTR="fp32"), {"qk_scale"},
-                   dict(BLOCK_Q=block_q, BLOCK_H=block_h, ZERO_BLOCK=mla_attention._ZERO_BLOCK),
+                   dict(BLOCK_Q=block_q, BLOCK_H=block_h, ZERO_BLOCK=mla_attention._ZERO_BLOCK,
+                        ASYNC_DOTS=async_dots),
                    dict(num_warps=mla_wgmma.NUM_WARPS))
+        try:
+            from mtp_ctrl.triton_ops import mla_wgmma_ws
+        except (ImportError, AttributeError):
+            mla_wgmma_ws = None
+        if mla_wgmma_ws is not None:
+            ws_mla = mla_wgmma_ws._paged_mla_ws_kernel
+            for block_q, block_h in ((1, 64), (4, 16)):
+                yield (f"paged MLA attention, Gluon warp-specialized (sm_90), {block_q} x {block_h} rows", ws_mla,
+                       pointers(ws_mla, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32", QUERY_START_LOC_PTR="i32",
+                                PARTIAL_ACC_PTR="fp32", PARTIAL_MAX_PTR="fp32", PARTIAL_SUM_PTR="fp32"), {"qk_scale"},
+                       dict(BLOCK_Q=block_q, BLOCK_H=block_h, ZERO_BLOCK=mla_attention._ZERO_BLOCK),
+                       dict(num_warps=mla_wgmma_ws.PARTITION_WARPS))
     latent_write = mla_attention._rope_write_latent_kernel
     yield ("rope + latent write", latent_write,
            pointers(latent_write, "bf16", SLOT_MAPPING_PTR="i64", COS_PTR="fp32", SIN_PTR="fp32"), set(),

@@ -51,11 +51,38 @@ def test_oracle_drafts_accept_exactly_the_chosen_lengths(mtp_model, plain, torch
     assert sum(counts) == controller.metrics.verify_steps and min(counts) > 0
 
 
-@pytest.mark.parametrize("mode,overlap", [("paged", True), ("single_position", False)])
-def test_mtp_proposer_random_lengths_equal_plain(mtp_model, plain, torch_twins, mode, overlap):
-    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer(mode), CheckedRandomLengths(seed=2),
-                                overlap_scheduling=overlap, **SQUEEZE)
+@pytest.mark.parametrize("mode,overlap,skip", [("paged", True, False), ("single_position", False, False),
+                                               ("paged", True, True)])
+def test_mtp_proposer_random_lengths_equal_plain(mtp_model, plain, torch_twins, mode, overlap, skip):
+    """skip: no-draft steps leave the depths' caches unwritten (``mtp_idle_windows="skip"``): later
+    drafts attend to stale entries there, the output is still plain decoding's."""
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer(mode, skip_idle_windows=skip),
+                                CheckedRandomLengths(seed=2), overlap_scheduling=overlap, **SQUEEZE)
     assert run(controller, ARRIVALS)[1] == plain[1]
+
+
+class CountingMTP(MTPProposer):
+    def __init__(self, **options):
+        super().__init__("paged", **options)
+        self.proposals = {True: 0, False: 0}  # by whether the step was decode-only
+
+    def propose(self, batch):
+        self.proposals[batch.step.decode_only] += 1
+        return super().propose(batch)
+
+
+def test_skipped_idle_windows_run_no_depth(mtp_model, plain, torch_twins):
+    """``InferenceConfig(mtp_idle_windows="skip")``: a decode-only step where nobody drafts runs no
+    MTP depth (paged mode otherwise runs every depth's window on it); steps with prefill chunks
+    run them either way (a prompt's entries are written once)."""
+    with pytest.raises(ValueError, match="mtp_idle_windows"):
+        controller_for(mtp_model, MTP_DEPTH, mtp_idle_windows="never")
+    with pytest.raises(TypeError, match="skip_idle_windows"):
+        MTPProposer("paged", skip_idle_windows=1)
+    for skip, expected_runs in ((False, True), (True, False)):
+        proposer = CountingMTP(skip_idle_windows=skip)
+        assert run(controller_for(mtp_model, MTP_DEPTH, proposer, ZeroLengths()), ARRIVALS)[1] == plain[1]
+        assert (proposer.proposals[True] > 0) == expected_runs and proposer.proposals[False] > 0
 
 
 def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, plain, torch_twins):

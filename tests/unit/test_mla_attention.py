@@ -10,7 +10,7 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 from mtp_ctrl.triton_ops import paged_mla_attention, reference, rope_and_write_latent_cache
 from mtp_ctrl.triton_ops.mla_attention import MAX_KV_SPLITS, wgmma_kernel_applies, wgmma_operands_fit
 from mtp_ctrl.triton_ops.mla_tiles import (DEFAULT_TILES, TILE_TABLE, TRITON_TILES_64_ROWS, VERIFY_TILES_16_HEADS,
-                                          WGMMA_TILES, MLATiles, kv_split_count, mla_tiles)
+                                          WGMMA_TILES, WGMMA_WS_TILES, MLATiles, kv_split_count, mla_tiles)
 from tests.unit.mla_cases import make_mla_case
 from tests.unit.paged_attention_cases import random_mixed_lengths
 
@@ -74,7 +74,9 @@ def test_tile_table_lookup():
     assert mla_tiles(16, 32, 8192) is by_bounds[(16, 64, 16384, 1)]  # TP 8, batch 32: by context and rows
     assert mla_tiles(16, 32, 32768) is by_bounds[(16, 64, None, 1)]
     # verify rows (1 + S <= 4) at 16 heads: one 64-row tile holds them (the default at batch 1-4 / 2k)
-    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 128, 32768, 4) is WGMMA_TILES
+    # (from batch 5 in the warp-specialized schedule, batch 1-4 in the serial one)
+    assert mla_tiles(16, 32, 8192, 3) is mla_tiles(16, 5, 2048, 2) is mla_tiles(16, 128, 32768, 4) is WGMMA_WS_TILES
+    assert mla_tiles(16, 1, 8192, 2) is mla_tiles(16, 4, 32768, 3) is WGMMA_TILES
     assert mla_tiles(16, 32, 8192, 3, gluon=False) is VERIFY_TILES_16_HEADS  # the Gluon kernel's fallback
     assert VERIFY_TILES_16_HEADS.block_m == 64 and mla_tiles(16, 1, 2048, 3) is DEFAULT_TILES
     assert mla_tiles(16, 32, 8192, 5) is DEFAULT_TILES  # more rows (a prefill chunk): as before
@@ -95,11 +97,11 @@ def test_gluon_kernel_serves_decode_rows_above_32_heads():
     # the table: decode rows at > 32 heads (TP 1 / 2) and 16-head verify rows (1 + S <= 4: one
     # 64-row tile) from batch 5 or a context over 4k; everything else stays in Triton
     for heads, batch, context in ((64, 32, 8192), (128, 128, 32768), (128, 1, 8192), (96, 8, 2048)):
-        assert mla_tiles(heads, batch, context) is WGMMA_TILES
+        assert mla_tiles(heads, batch, context) is WGMMA_WS_TILES  # decode rows: the warp-specialized schedule
     assert mla_tiles(128, 1, 2048) is DEFAULT_TILES
     assert mla_tiles(128, 32, 8192, 3) is mla_tiles(64, 128, 32768, 2) is TRITON_TILES_64_ROWS
     assert mla_tiles(128, 32, 8192, gluon=False) is TRITON_TILES_64_ROWS  # its fallback
-    assert mla_tiles(16, 32, 8192, 3) is WGMMA_TILES
+    assert mla_tiles(16, 32, 8192, 3) is WGMMA_WS_TILES and mla_tiles(16, 1, 8192, 3) is WGMMA_TILES
     assert not any(mla_tiles(heads, batch, context, rows).wgmma for heads in (1, 16, 32) for batch in (1, 32, 128)
                    for context in (2048, 131072) for rows in (1, 5, 16))
     assert not any(mla_tiles(32, batch, context, rows).wgmma for batch in (1, 128) for context in (2048, 131072)
@@ -119,6 +121,10 @@ def test_gluon_kernel_serves_decode_rows_above_32_heads():
         MLATiles(32, 64, 8, 2, programs_per_sm=1, min_split_tokens=64, wgmma=True)
     with pytest.raises(TypeError, match="wgmma"):
         dataclasses.replace(WGMMA_TILES, wgmma=1)
+    with pytest.raises(ValueError, match="schedule"):  # a schedule of the Gluon kernel only
+        MLATiles(64, 64, 8, 2, programs_per_sm=1, min_split_tokens=128, schedule="async")
+    with pytest.raises(ValueError, match="schedule"):
+        dataclasses.replace(WGMMA_TILES, schedule="pingpong")
 
 
 def test_split_count_fills_whole_waves():

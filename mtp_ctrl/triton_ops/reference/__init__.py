@@ -28,7 +28,7 @@ Where each kernel file's twin lives (``triton_ops/<kernel>.py`` -> ``reference/<
     paged_attn               attention        paged_attention
     rope_kv_write            attention        rope_and_write_kv_cache, rope_and_write_kv_cache_mixed
     mla_attention            mla              rope_and_write_latent_cache, paged_mla_attention
-                                              (and mla_wgmma: paged_mla_attention's Gluon kernel)
+                                              (and mla_wgmma, mla_wgmma_ws: paged_mla_attention's Gluon kernels)
     mamba_varlen             mamba_varlen     causal_conv_varlen, ssm_varlen_scan, segment_of_rows
     mamba_decode             mamba_decode     mamba_decode_rows
     gdn_recurrent            gdn              gdn_decode_rows, gdn_varlen_scan
