@@ -143,10 +143,13 @@ def cases():
                pointers(gdn, "fp32", SLOTS_PTR="i64", ROW_START_PTR="i64", ROW_COUNT_PTR="i64"), set(),
                dict(DECODE=decode, ROWS=3, BLOCK_K=128, BLOCK_V=32))
     verify = gdn_replay._gdn_verify_rows_kernel
-    for rows in (1, 3):  # plain decoding (state in place) and verify rows of S = 2 (inputs stored); 3 pending
+    # plain decoding (state in place), verify rows of S = 2 (inputs stored; 3 pending) and of S = 4 (5
+    # pending), each under its table's row schedule
+    for rows, stored in ((1, 3), (3, 3), (5, 5)):
+        schedule = gdn_replay.gdn_row_schedule(rows).constants(rows, stored)
         yield (f"GDN verify rows, R = {rows}", verify,
                pointers(verify, "fp32", SLOTS_PTR="i64", PENDING_PTR="i32", PARITY_PTR="i32"), set(),
-               dict(ROWS=rows, STORED_ROWS=3, BLOCK_K=128, BLOCK_V=32))
+               dict(ROWS=rows, STORED_ROWS=stored, BLOCK_K=128, BLOCK_V=32, **schedule))
     mark = gdn_replay._gdn_mark_pending_rows_kernel
     yield ("GDN pending rows", mark, pointers(mark, "i64", PENDING_PTR="i32", PARITY_PTR="i32"), set(),
            dict(ROWS=3, BLOCK=128))
