@@ -206,18 +206,21 @@ def _combine_kv_splits_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_DC: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    READ_PADDING: tl.constexpr,
 ):
     """Merge the split partials of ``BLOCK_R`` (token, query head) rows x ``BLOCK_DC`` dims into
     the output. The splits are read ``SPLIT_CHUNK`` at a time (``[SPLIT_CHUNK, BLOCK_R, BLOCK_DC]``,
     one read in flight per chunk rather than per split) and merged online: a running max and sum
     across chunks, the accumulator rescaled when the max grows. Rows past ``query_start_loc[B]``
-    (padding, zeroed by the attention kernel) are left alone."""
+    (padding, zeroed by the attention kernel) are left alone: not read, or with ``READ_PADDING``
+    read (the reads then need not wait for ``query_start_loc``) but not stored."""
     dims = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)  # [BLOCK_DC]
     valid_rows = tl.load(QUERY_START_LOC_PTR + batch_size).to(tl.int64) * num_query_heads
+    read_rows = tl.cast(num_tokens, tl.int64) * num_query_heads if READ_PADDING else valid_rows
     first_row = tl.program_id(0).to(tl.int64) * BLOCK_R
-    if first_row < valid_rows:
+    if first_row < read_rows:
         stat_rows = first_row + tl.arange(0, BLOCK_R)  # [BLOCK_R] int64: token * Hq + query head
-        row_valid = stat_rows < valid_rows
+        row_valid = stat_rows < read_rows
         dim_valid = dims < head_dim
         split_stride = tl.cast(num_tokens, tl.int64) * num_query_heads  # rows of one split's partials
         running_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -242,7 +245,8 @@ def _combine_kv_splits_kernel(
         tokens = stat_rows // num_query_heads
         heads = stat_rows % num_query_heads
         out_ptrs = OUTPUT_PTR + tokens[:, None] * output_stride_t + heads[:, None] * output_stride_h + dims[None, :]
-        tl.store(out_ptrs, out.to(OUTPUT_PTR.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+        store_mask = (stat_rows < valid_rows)[:, None] & dim_valid[None, :]
+        tl.store(out_ptrs, out.to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
 
 
 def combine_kv_splits(
@@ -296,7 +300,7 @@ def combine_tile(num_kv_splits: int, num_rows: int, head_dim: int, wanted_progra
 
 
 def launch_combine(partial_acc, partial_max, partial_sum, query_start_loc, output, block_r: int, block_dc: int,
-                   split_chunk: int, num_warps: int = 4) -> None:
+                   split_chunk: int, num_warps: int = 4, read_padding: bool = False) -> None:
     """Launch the combine kernel with a given tile (``combine_tile``'s; the benchmark sweeps others).
     The arguments are ``combine_kv_splits``'s, unchecked."""
     num_kv_splits, num_tokens, num_heads, head_dim = partial_acc.shape
@@ -305,7 +309,7 @@ def launch_combine(partial_acc, partial_max, partial_sum, query_start_loc, outpu
         partial_acc, partial_max, partial_sum, query_start_loc, output,
         output.stride(0), output.stride(1),
         num_tokens, num_heads, head_dim, query_start_loc.shape[0] - 1, num_kv_splits,
-        BLOCK_R=block_r, BLOCK_DC=block_dc, SPLIT_CHUNK=split_chunk, num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_DC=block_dc, SPLIT_CHUNK=split_chunk, READ_PADDING=read_padding, num_warps=num_warps,
     )
 
 
