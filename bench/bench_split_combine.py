@@ -50,10 +50,10 @@ DENSE_SHAPES = [
 MLA_SHAPES = [("MLA 128 heads, decode b1, 8k", 1, 1, 8192, 1, 8192), ("MLA 128 heads, b8 verify 3 rows, 8k", 3, 8, 8192, 3, 8192)]
 # splits, B, heads, dims: MLA decode's partials at 128 heads (2 splits: the table's at batch 32 / 8k)
 COMBINE_SWEEP_SHAPES = [(2, 32, 128, 512), (2, 128, 128, 512), (4, 32, 128, 512), (4, 32, 64, 512), (2, 8, 128, 512)]
-# (BLOCK_R, BLOCK_DC, num_warps, read_padding): main's small tile first, then larger ones
-SWEEP_TILES = [(8, 128, 4, False), (4, 512, 4, False), (8, 512, 4, False), (8, 512, 8, False), (16, 512, 8, False),
-               (16, 512, 16, False), (32, 128, 8, False), (16, 256, 8, False), (2, 512, 4, False), (8, 128, 4, True),
-               (4, 512, 4, True), (8, 512, 8, True), (16, 512, 8, True)]
+# (BLOCK_R, BLOCK_DC, num_warps): main's small tile first, then larger ones (mla8's call also timed
+# these with the padding rows read before query_start_loc came: no gain, dropped)
+SWEEP_TILES = [(8, 128, 4), (4, 512, 4), (8, 512, 4), (8, 512, 8), (16, 512, 8), (16, 512, 16), (32, 128, 8),
+               (16, 256, 8), (2, 512, 4)]
 MLA_OP_POINTS = [(128, 32, 8192), (128, 32, 32768), (128, 128, 8192)]  # heads, B, context (decode rows)
 QUICK_SHAPES = [("hit chunk", 12, 1, 300, 16, 512), ("decode b2", 3, 2, 200, 3, 512)]
 
@@ -189,8 +189,7 @@ def combine_sweep(torch, baseline_dir, quick):
     wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
     print(f"\ncombine alone on {torch.cuda.get_device_name() if cuda else 'CPU (interpreter)'}: device copy "
           f"{bandwidth / 1e9:.0f} GB/s; us of one launch replayed from a graph (median of 20); GB/s = (fp32 "
-          "partials read + bf16 output written) / us; tiles (BLOCK_R, BLOCK_DC, SPLIT_CHUNK, warps); "
-          "read pad: padding rows read")
+          "partials read + bf16 output written) / us; tiles (BLOCK_R, BLOCK_DC, SPLIT_CHUNK, warps)")
     shapes = [(2, 3, 4, 512), (3, 2, 2, 40)] if quick else COMBINE_SWEEP_SHAPES
     tiles = SWEEP_TILES[:3] + SWEEP_TILES[-1:] if quick else SWEEP_TILES
     sweep = dict(torch=torch, device=device, cuda=cuda, timed=timed, bandwidth=bandwidth, baseline=baseline,
@@ -204,7 +203,7 @@ def combine_sweep(torch, baseline_dir, quick):
 
 def _sweep_shape(shape, torch, device, cuda, timed, bandwidth, baseline, wanted, tiles, combine_tile):
     """Time the combine on random partials of ``shape`` with each tile; the fastest sweep tile
-    ``(tile, read_padding)`` (None where main's or this tree's own choice is fastest)."""
+    (None where main's or this tree's own choice is fastest)."""
     from mtp_ctrl.triton_ops.paged_attn import combine_kv_splits, launch_combine
 
     splits, batch, heads, dims = shape
@@ -221,10 +220,9 @@ def _sweep_shape(shape, torch, device, cuda, timed, bandwidth, baseline, wanted,
     args_ = (partial_acc, partial_max, partial_sum, starts, output)
     runs = [("main", None, lambda: baseline.combine_kv_splits(*args_))] if baseline is not None else []
     runs.append(("this tree", None, lambda: combine_kv_splits(*args_)))
-    for block_r, block_dc, warps, read_padding in tiles:
+    for block_r, block_dc, warps in tiles:
         tile = (block_r, block_dc, max(1, min(triton_p2(splits), 2048 * warps // (block_r * block_dc))), warps)
-        runs.append((str(tile) + (" read pad" if read_padding else ""), (tile, read_padding),
-                     lambda tile=tile, pad=read_padding: launch_combine(*args_, *tile, read_padding=pad)))
+        runs.append((str(tile), tile, lambda tile=tile: launch_combine(*args_, *tile)))
     best = None
     for name, choice, fn in runs:
         output.fill_(float("nan"))
@@ -251,9 +249,7 @@ def _mla_op_ab(torch, device, timed, bandwidth, baseline, best_tile):
     if baseline is not None:
         combines["main"] = baseline.combine_kv_splits
     if best_tile is not None:
-        tile, pad = best_tile
-        combines[f"tile {tile}{' read pad' if pad else ''}"] = (
-            lambda *args_: launch_combine(*args_, *tile, read_padding=pad))
+        combines[f"tile {best_tile}"] = lambda *args_: launch_combine(*args_, *best_tile)
     print("\nthe MLA op (decode rows, bf16, C 512 + R 64, 64-token blocks; its table's tiles and splits): "
           "us of a graph replay (median of 20), % = latent bytes read once / us, of the copy; each combine "
           "twice, alternately (main = --baseline's combine_kv_splits)")

@@ -41,13 +41,11 @@ _COMBINE_TILE_ELEMENTS = 1024  # outputs one combine program holds: [rows, head-
 _COMBINE_LOAD_ELEMENTS = 4096  # fp32 partials one combine read takes: [split chunk, rows, head-dim chunk]
 _COMBINE_VALIDATED = ValidatedSignatures()
 _COMBINE_MAX_DIMS = 128  # a combine program's head-dim chunk (MLA's 512-dim latents take 4)
-# Partials past two small tiles a SM (MLA's 128 heads x 512 dims at batch 32: 16.8 MB) are
-# bandwidth-bound: a program then holds 4x the outputs over 8 warps and whole 512-dim rows, so an
-# SM keeps more bytes in flight for the same index work (small tiles moved ~1.2 TB/s there).
-_COMBINE_LARGE_TILE_ELEMENTS = 4096
-_COMBINE_LARGE_LOAD_ELEMENTS = 8192
-_COMBINE_LARGE_MAX_DIMS = 512
-_COMBINE_LARGE_WARPS = 8
+# MLA's 512-dim rows, where the partials outgrow two small tiles a SM (128 heads x batch 32: 16.8
+# MB), are bandwidth-bound: a program then takes whole rows, two of them (an H100: 10.1 us there,
+# 2.1 TB/s; main's 128-dim chunks 17.6 us; 8 rows 16.7 us, 8 warps 21.4 us: bench/RESULTS.md, mla8).
+_COMBINE_ROW_DIMS = 512
+_COMBINE_ROW_TILE_ROWS = 2
 
 
 @triton.jit
@@ -206,21 +204,18 @@ def _combine_kv_splits_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_DC: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
-    READ_PADDING: tl.constexpr,
 ):
     """Merge the split partials of ``BLOCK_R`` (token, query head) rows x ``BLOCK_DC`` dims into
     the output. The splits are read ``SPLIT_CHUNK`` at a time (``[SPLIT_CHUNK, BLOCK_R, BLOCK_DC]``,
     one read in flight per chunk rather than per split) and merged online: a running max and sum
     across chunks, the accumulator rescaled when the max grows. Rows past ``query_start_loc[B]``
-    (padding, zeroed by the attention kernel) are left alone: not read, or with ``READ_PADDING``
-    read (the reads then need not wait for ``query_start_loc``) but not stored."""
+    (padding, zeroed by the attention kernel) are left alone."""
     dims = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)  # [BLOCK_DC]
     valid_rows = tl.load(QUERY_START_LOC_PTR + batch_size).to(tl.int64) * num_query_heads
-    read_rows = tl.cast(num_tokens, tl.int64) * num_query_heads if READ_PADDING else valid_rows
     first_row = tl.program_id(0).to(tl.int64) * BLOCK_R
-    if first_row < read_rows:
+    if first_row < valid_rows:
         stat_rows = first_row + tl.arange(0, BLOCK_R)  # [BLOCK_R] int64: token * Hq + query head
-        row_valid = stat_rows < read_rows
+        row_valid = stat_rows < valid_rows
         dim_valid = dims < head_dim
         split_stride = tl.cast(num_tokens, tl.int64) * num_query_heads  # rows of one split's partials
         running_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -245,8 +240,7 @@ def _combine_kv_splits_kernel(
         tokens = stat_rows // num_query_heads
         heads = stat_rows % num_query_heads
         out_ptrs = OUTPUT_PTR + tokens[:, None] * output_stride_t + heads[:, None] * output_stride_h + dims[None, :]
-        store_mask = (stat_rows < valid_rows)[:, None] & dim_valid[None, :]
-        tl.store(out_ptrs, out.to(OUTPUT_PTR.dtype.element_ty), mask=store_mask)
+        tl.store(out_ptrs, out.to(OUTPUT_PTR.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
 def combine_kv_splits(
@@ -260,8 +254,8 @@ def combine_kv_splits(
 
     Programs take ``(token, head)`` rows and head-dim chunks, independent of how the attention
     tiled its rows, so the tile is chosen for the combine alone (``combine_tile``): small tiles,
-    two programs a SM, where the combine is latency-bound; large ones (whole 512-dim rows, 8
-    warps) where its partials outgrow that wave and it is bandwidth-bound.
+    two programs a SM, where the combine is latency-bound; whole 512-dim rows (MLA's latents)
+    where its partials outgrow that wave and it is bandwidth-bound.
     The partials are indexed as contiguous tensors; ``output`` by its strides.
     """
     _COMBINE_VALIDATED.validate(_check_combine_args, partial_acc, partial_max, partial_sum, query_start_loc, output)
@@ -279,28 +273,24 @@ def combine_kv_splits(
 def combine_tile(num_kv_splits: int, num_rows: int, head_dim: int, wanted_programs: Optional[int]):
     """The combine's tile ``(BLOCK_R, BLOCK_DC, SPLIT_CHUNK, num_warps)`` for ``num_rows`` (token,
     head) rows of ``head_dim`` dims: as many programs as ``wanted_programs`` (two a SM) while the
-    rows allow, at most ``_COMBINE_TILE_ELEMENTS`` outputs a program; past that (partials too large
-    for one such wave) the large tile. ``wanted_programs`` None: the interpreter (few large programs,
-    its cost is per program)."""
+    rows allow, at most ``_COMBINE_TILE_ELEMENTS`` outputs a program; 512-dim rows past one such
+    wave take whole rows, ``_COMBINE_ROW_TILE_ROWS`` a program. ``wanted_programs`` None: the
+    interpreter (few large programs, its cost is per program)."""
     block_d = triton.next_power_of_2(head_dim)
-    block_dc, tile_elements, load_elements, num_warps = (
-        min(block_d, _COMBINE_MAX_DIMS), _COMBINE_TILE_ELEMENTS, _COMBINE_LOAD_ELEMENTS, 4)
+    block_dc = min(block_d, _COMBINE_MAX_DIMS)
     if wanted_programs is None:
-        block_r = max(1, tile_elements // block_dc)
-    elif num_rows * block_d >= 2 * wanted_programs * tile_elements:
-        block_dc, tile_elements, load_elements, num_warps = (
-            min(block_d, _COMBINE_LARGE_MAX_DIMS), _COMBINE_LARGE_TILE_ELEMENTS, _COMBINE_LARGE_LOAD_ELEMENTS,
-            _COMBINE_LARGE_WARPS)
-        block_r = max(1, tile_elements // block_dc)
+        block_r = max(1, _COMBINE_TILE_ELEMENTS // block_dc)
+    elif block_d == _COMBINE_ROW_DIMS and num_rows * block_d >= 2 * wanted_programs * _COMBINE_TILE_ELEMENTS:
+        block_r, block_dc = _COMBINE_ROW_TILE_ROWS, block_d
     else:
         rows_per_program = max(1, num_rows * (block_d // block_dc) // wanted_programs)
-        block_r = min(1 << (rows_per_program.bit_length() - 1), max(1, tile_elements // block_dc))
-    split_chunk = min(triton.next_power_of_2(num_kv_splits), max(1, load_elements // (block_r * block_dc)))
-    return block_r, block_dc, split_chunk, num_warps
+        block_r = min(1 << (rows_per_program.bit_length() - 1), max(1, _COMBINE_TILE_ELEMENTS // block_dc))
+    split_chunk = min(triton.next_power_of_2(num_kv_splits), max(1, _COMBINE_LOAD_ELEMENTS // (block_r * block_dc)))
+    return block_r, block_dc, split_chunk, 4
 
 
 def launch_combine(partial_acc, partial_max, partial_sum, query_start_loc, output, block_r: int, block_dc: int,
-                   split_chunk: int, num_warps: int = 4, read_padding: bool = False) -> None:
+                   split_chunk: int, num_warps: int = 4) -> None:
     """Launch the combine kernel with a given tile (``combine_tile``'s; the benchmark sweeps others).
     The arguments are ``combine_kv_splits``'s, unchecked."""
     num_kv_splits, num_tokens, num_heads, head_dim = partial_acc.shape
@@ -309,7 +299,7 @@ def launch_combine(partial_acc, partial_max, partial_sum, query_start_loc, outpu
         partial_acc, partial_max, partial_sum, query_start_loc, output,
         output.stride(0), output.stride(1),
         num_tokens, num_heads, head_dim, query_start_loc.shape[0] - 1, num_kv_splits,
-        BLOCK_R=block_r, BLOCK_DC=block_dc, SPLIT_CHUNK=split_chunk, READ_PADDING=read_padding, num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_DC=block_dc, SPLIT_CHUNK=split_chunk, num_warps=num_warps,
     )
 
 
