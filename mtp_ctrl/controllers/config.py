@@ -201,6 +201,9 @@ class InferenceConfig:
         if not isinstance(self.overlap_scheduling, bool):
             raise TypeError(f"overlap_scheduling must be a bool, got {type(self.overlap_scheduling).__name__}")
         _require_int("finished_results_kept", self.finished_results_kept, 0)
+        if not isinstance(self.mtp_idle_windows, str):
+            raise TypeError(f"mtp_idle_windows must be a str, one of {MTP_IDLE_WINDOWS}, "
+                            f"got {type(self.mtp_idle_windows).__name__}")
         if self.mtp_idle_windows not in MTP_IDLE_WINDOWS:
             raise ValueError(f"mtp_idle_windows must be one of {MTP_IDLE_WINDOWS}, got {self.mtp_idle_windows!r}")
         if self.mtp_attention not in MTP_ATTENTION_MODES:

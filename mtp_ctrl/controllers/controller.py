@@ -433,10 +433,11 @@ class TextGenerationController:
                 self._lifecycle.preempt_newest()
 
     def _queue_view(self, request_ids: np.ndarray) -> Tuple[int, np.ndarray]:
-        """For the draft-length policy (when it is asked): how many requests wait to be admitted,
+        """For the draft-length policy (when it is asked): how many requests wait for the batch
+        (to be admitted, or paused for KV space: either takes the blocks finishing requests free),
         and ``[n]`` the tokens each of the live ``request_ids`` may still emit."""
         slots = np.fromiter(map(self.context.table.slot_of, request_ids.tolist()), np.int64, request_ids.shape[0])
-        return self._scheduler.num_waiting, self._outputs.tokens_left(slots)
+        return self._scheduler.num_waiting + len(self._scheduler.paused_for_kv), self._outputs.tokens_left(slots)
 
     def _launch_step(self, step: StepMetadata) -> LaunchedStep:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;

@@ -221,13 +221,13 @@ class GoodputPolicy(DraftLengthPolicy):
                  drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
                  explore_within: float = 0.8, population_evidence: float = 2.0):
         super().__init__()
-        self.population_evidence = population_evidence  # first drafts verified (decayed) to join the population
-        self.drain_objective = bool(drain_objective)
+        self.population_evidence = _check_number("population_evidence", population_evidence, low=0.0)
+        if not isinstance(drain_objective, bool):
+            raise TypeError(f"drain_objective must be a bool, got {drain_objective!r}")
+        self.drain_objective = drain_objective
         self.explore_tries = check_int("explore_tries", explore_tries, low=0)
         self.explore_every = check_int("explore_every", explore_every, low=1)
-        if not 0.0 <= explore_within <= 1.0:
-            raise ValueError(f"explore_within must be in [0, 1], got {explore_within}")
-        self.explore_within = explore_within
+        self.explore_within = _check_number("explore_within", explore_within, low=0.0, high=1.0)
         self._tries: Dict[Tuple[int, int], int] = {}  # (grid, D) -> holds run to measure it
         self._steps_since_explore = 0
         self.explored = 0  # choices made to measure a depth (not yet measured, or the runner-up)
@@ -235,12 +235,12 @@ class GoodputPolicy(DraftLengthPolicy):
         # None: 64 steps (or decide_every, if longer); a given hold cannot be shorter than decide_every
         self.longest_hold = (max(64, self.decide_every) if longest_hold is None
                              else check_int("longest_hold", longest_hold, low=self.decide_every))
-        if not 0.0 < decay <= 1.0:
+        _check_number("decay", decay, low=0.0, high=1.0)
+        if decay == 0.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
-        if prior_weight < 0:
-            raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
-        if not 0.0 <= optimistic_prior <= 1.0:
-            raise ValueError(f"optimistic_prior must be in [0, 1], got {optimistic_prior}")
+        _check_number("prior_weight", prior_weight, low=0.0)
+        _check_number("optimistic_prior", optimistic_prior, low=0.0, high=1.0)
+        _check_number("min_gain", min_gain, low=0.0)
         self.decay, self.prior_weight, self.optimistic_prior = decay, prior_weight, optimistic_prior
         self.min_gain = min_gain  # a deeper D must beat the shallower one by this factor (1.0: any gain)
         self.last_depth = None  # the D of the last choice (for benchmarks)
@@ -280,7 +280,7 @@ class GoodputPolicy(DraftLengthPolicy):
     def _retire_leaving(self) -> None:
         """The requests forgotten since the last lookup: the estimate of each that verified at least
         ``population_evidence`` first drafts (decayed) joins the population; then their rows are freed."""
-        ids, self._leaving = np.array(self._leaving, dtype=np.int64), []
+        ids, self._leaving = np.unique(np.array(self._leaving, dtype=np.int64)), []  # once each (preempted, then finished)
         rows, _ = self._index.rows(ids)
         rows = rows[rows >= 0]
         rows = rows[self._counts[rows, 0, 0] >= self.population_evidence]
@@ -444,3 +444,13 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     done_by = cdf.prod(axis=2)  # [K, D + 1]: P(every request done by t)
     running = 1.0 - done_by  # trapezoid rule on the uniform grid (np.trapz is gone from numpy 2.4)
     return low + (running[1:] + running[:-1]).sum(axis=0) * 0.5 * (high - low) / (grid_points - 1)
+
+
+def _check_number(name: str, value, *, low: Optional[float] = None, high: Optional[float] = None) -> float:
+    """A real number (not a bool) in ``[low, high]``, else a TypeError / ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+    return float(value)

@@ -26,6 +26,7 @@ sits at position ``seq_lens[b] - q_b + i`` and attends causally to the positions
 
 import functools
 import math
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -272,7 +273,9 @@ def _wgmma_module():
     """:mod:`mtp_ctrl.triton_ops.mla_wgmma`, or None where this Triton has no (usable) Gluon."""
     try:
         from mtp_ctrl.triton_ops import mla_wgmma
-    except (ImportError, AttributeError):
+    except Exception as error:  # noqa: BLE001 (any failure of an experimental API: the Triton kernel serves)
+        warnings.warn(f"the Gluon MLA kernel (mla_wgmma) is unavailable, the Triton kernel serves its shapes: "
+                      f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
         return None
     return mla_wgmma
 
@@ -283,7 +286,9 @@ def _wgmma_ws_module():
     Triton cannot build it (the launcher then runs the serial schedule)."""
     try:
         from mtp_ctrl.triton_ops import mla_wgmma_ws
-    except (ImportError, AttributeError):
+    except Exception as error:  # noqa: BLE001 (any failure of an experimental API: the Triton kernel serves)
+        warnings.warn(f"the Gluon MLA kernel (mla_wgmma_ws) is unavailable, the Triton kernel serves its shapes: "
+                      f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
         return None
     return mla_wgmma_ws
 

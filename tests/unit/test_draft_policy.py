@@ -92,7 +92,8 @@ def test_analytic_cost_grows_with_depth_and_batch():
 
 
 @pytest.mark.parametrize("field,value", [("decay", 0.0), ("prior_weight", -1.0), ("optimistic_prior", 1.5),
-                                         ("decide_every", 0), ("longest_hold", 0), ("longest_hold", 4)])
+                                         ("decide_every", 0), ("longest_hold", 0), ("longest_hold", 4),
+                                         ("explore_within", 1.5), ("population_evidence", -1.0), ("min_gain", -0.5)])
 def test_bad_goodput_arguments(field, value):
     with pytest.raises(ValueError, match=field):
         GoodputPolicy(**{field: value})
@@ -100,6 +101,10 @@ def test_bad_goodput_arguments(field, value):
 
 @pytest.mark.parametrize("make, field", [
     (lambda: GoodputPolicy(decide_every=True), "decide_every"),
+    (lambda: GoodputPolicy(drain_objective="no"), "drain_objective"),
+    (lambda: GoodputPolicy(explore_within=None), "explore_within"),
+    (lambda: GoodputPolicy(population_evidence="2"), "population_evidence"),
+    (lambda: GoodputPolicy(decay=True), "decay"),
     (lambda: StepCostModel(smoothing="x"), "smoothing"),
     (lambda: StepCostModel(per_row=None), "per_row"),
 ])
