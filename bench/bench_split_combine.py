@@ -13,6 +13,15 @@ same process, loaded beside this tree's, and prints both.
     python bench/bench_split_combine.py                      # GPU
     python bench/bench_split_combine.py --baseline ../main   # GPU, this tree and main's kernels
     python bench/bench_split_combine.py --quick              # two shapes (a smoke run; CPU runs the twins)
+    python bench/bench_split_combine.py --combine-sweep --baseline DIR   # the combine's tiles at MLA's shapes
+
+``--combine-sweep`` (GPU; ``--quick``: the interpreter on tiny shapes) times the combine alone on
+MLA's large partials (``COMBINE_SWEEP_SHAPES``: splits x B rows x H heads x 512 fp32 dims) in its
+own graph: ``--baseline``'s ``combine_kv_splits`` (main's), this tree's (``combine_tile``'s
+choice) and each of ``SWEEP_TILES``, as us, GB/s (partials read + output written) and % of a
+same-run device copy; then the whole MLA op at ``MLA_OP_POINTS`` with this tree's combine and with
+``--baseline``'s in its place (timed alternately, twice each): us and latent bytes / us as % of the
+copy (the issue's measure).
 """
 
 import argparse
@@ -23,6 +32,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small shapes (smoke run)")
     parser.add_argument("--baseline", default=None, help="a checkout whose attention kernels are timed too")
+    parser.add_argument("--combine-sweep", action="store_true", help="the combine's tiles at MLA's large partials")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -38,6 +48,13 @@ DENSE_SHAPES = [
     ("64 hits, 42 chunks of 48 (2k)", 48, 42, 2080, 48, 2432),
 ]
 MLA_SHAPES = [("MLA 128 heads, decode b1, 8k", 1, 1, 8192, 1, 8192), ("MLA 128 heads, b8 verify 3 rows, 8k", 3, 8, 8192, 3, 8192)]
+# splits, B, heads, dims: MLA decode's partials at 128 heads (2 splits: the table's at batch 32 / 8k)
+COMBINE_SWEEP_SHAPES = [(2, 32, 128, 512), (2, 128, 128, 512), (4, 32, 128, 512), (4, 32, 64, 512), (2, 8, 128, 512)]
+# (BLOCK_R, BLOCK_DC, num_warps): main's small tile first, then larger ones (mla8's call also timed
+# these with the padding rows read before query_start_loc came: no gain, dropped)
+SWEEP_TILES = [(8, 128, 4), (4, 512, 4), (8, 512, 4), (8, 512, 8), (16, 512, 8), (16, 512, 16), (32, 128, 8),
+               (16, 256, 8), (2, 512, 4)]
+MLA_OP_POINTS = [(128, 32, 8192), (128, 32, 32768), (128, 128, 8192)]  # heads, B, context (decode rows)
 QUICK_SHAPES = [("hit chunk", 12, 1, 300, 16, 512), ("decode b2", 3, 2, 200, 3, 512)]
 
 
@@ -144,6 +161,132 @@ def measure(torch, ops, shapes, cuda, device, dtype, quick):
     return rows_out
 
 
+def combine_sweep(torch, baseline_dir, quick):
+    """``--combine-sweep``: the combine's tiles on the first of MLA's partials, the MLA op with main's
+    combine, this tree's and (if another) that fastest tile's, then the tiles on the other partials."""
+    import os
+
+    from mtp_ctrl.triton_ops.paged_attn import combine_tile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_forward import copy_bandwidth, graph_time_us
+
+    cuda = torch.cuda.is_available() and not quick
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--combine-sweep off CUDA needs TRITON_INTERPRET=1 (the kernels on the CPU interpreter)")
+        return
+    device = torch.device("cuda" if cuda else "cpu")
+    bandwidth = copy_bandwidth(device) if cuda else 1e11
+    timed = (lambda fn: graph_time_us(fn, replays=20)) if cuda else (lambda fn: (fn(), 0.0)[1])
+    baseline = None
+    if baseline_dir:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "baseline_combine", os.path.join(baseline_dir, "mtp_ctrl", "triton_ops", "paged_attn.py"))
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
+    wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+    print(f"\ncombine alone on {torch.cuda.get_device_name() if cuda else 'CPU (interpreter)'}: device copy "
+          f"{bandwidth / 1e9:.0f} GB/s; us of one launch replayed from a graph (median of 20); GB/s = (fp32 "
+          "partials read + bf16 output written) / us; tiles (BLOCK_R, BLOCK_DC, SPLIT_CHUNK, warps)")
+    shapes = [(2, 3, 4, 512), (3, 2, 2, 40)] if quick else COMBINE_SWEEP_SHAPES
+    tiles = SWEEP_TILES[:3] + SWEEP_TILES[-1:] if quick else SWEEP_TILES
+    sweep = dict(torch=torch, device=device, cuda=cuda, timed=timed, bandwidth=bandwidth, baseline=baseline,
+                 wanted=wanted, tiles=tiles, combine_tile=combine_tile)
+    best_tile = _sweep_shape(shapes[0], **sweep)
+    if cuda:
+        _mla_op_ab(torch, device, timed, bandwidth, baseline, best_tile)
+    for shape in shapes[1:]:
+        _sweep_shape(shape, **sweep)
+
+
+def _sweep_shape(shape, torch, device, cuda, timed, bandwidth, baseline, wanted, tiles, combine_tile):
+    """Time the combine on random partials of ``shape`` with each tile; the fastest sweep tile
+    (None where main's or this tree's own choice is fastest)."""
+    from mtp_ctrl.triton_ops.paged_attn import combine_kv_splits, launch_combine
+
+    splits, batch, heads, dims = shape
+    partial_acc = torch.randn(splits, batch, heads, dims, device=device)
+    partial_max = 4 * torch.randn(splits, batch, heads, device=device)
+    partial_sum = torch.rand(splits, batch, heads, device=device) + 1
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    output = torch.empty(batch, heads, dims, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    weight = torch.exp2(partial_max - partial_max.amax(0))[..., None]
+    expected = (partial_acc * weight).sum(0) / (partial_sum[..., None] * weight).sum(0)
+    moved = partial_acc.numel() * 4 + 2 * partial_max.numel() * 4 + output.numel() * output.element_size()
+    print(f"\n{splits} splits x B {batch} x {heads} heads x {dims} dims ({moved / 1e6:.1f} MB); "
+          f"this tree's tile {combine_tile(splits, batch * heads, dims, wanted)}")
+    args_ = (partial_acc, partial_max, partial_sum, starts, output)
+    runs = [("main", None, lambda: baseline.combine_kv_splits(*args_))] if baseline is not None else []
+    runs.append(("this tree", None, lambda: combine_kv_splits(*args_)))
+    for block_r, block_dc, warps in tiles:
+        tile = (block_r, block_dc, max(1, min(triton_p2(splits), 2048 * warps // (block_r * block_dc))), warps)
+        runs.append((str(tile), tile, lambda tile=tile: launch_combine(*args_, *tile)))
+    best = None
+    for name, choice, fn in runs:
+        output.fill_(float("nan"))
+        fn()
+        error = (output.float() - expected).abs().max().item()
+        us = timed(fn)
+        if us and error < 5e-2 and (best is None or us < best[0]):
+            best = (us, name, choice)
+        rate = moved / us / 1e3 if us else 0.0
+        print(f"   {name:<24} {us:7.1f} us {rate:7.0f} GB/s {100 * rate / (bandwidth / 1e9):5.1f} % "
+              f"max|err| {error:.2g}", flush=True)
+    if best:
+        print(f"   fastest: {best[1]} {best[0]:.1f} us")
+    return best[2] if best else None
+
+
+def _mla_op_ab(torch, device, timed, bandwidth, baseline, best_tile):
+    """The MLA op at ``MLA_OP_POINTS`` with main's combine, this tree's and ``best_tile``'s, alternately."""
+    from mtp_ctrl.triton_ops import mla_attention, paged_mla_attention
+    from mtp_ctrl.triton_ops.paged_attn import launch_combine
+
+    own_combine = mla_attention.combine_kv_splits
+    combines = {"this tree": own_combine}
+    if baseline is not None:
+        combines["main"] = baseline.combine_kv_splits
+    if best_tile is not None:
+        combines[f"tile {best_tile}"] = lambda *args_: launch_combine(*args_, *best_tile)
+    print("\nthe MLA op (decode rows, bf16, C 512 + R 64, 64-token blocks; its table's tiles and splits): "
+          "us of a graph replay (median of 20), % = latent bytes read once / us, of the copy; each combine "
+          "twice, alternately (main = --baseline's combine_kv_splits)")
+    for heads, batch, context in MLA_OP_POINTS:
+        blocks = -(-context // 64)
+        cache = torch.randn(batch * blocks, 64, 576, dtype=torch.bfloat16, device=device)
+        block_table = torch.randperm(batch * blocks, device=device).view(batch, blocks).int()
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        query_latent = torch.randn(batch, heads, 512, dtype=torch.bfloat16, device=device)
+        query_rope = torch.randn(batch, heads, 64, dtype=torch.bfloat16, device=device)
+        latent_bytes = batch * context * 576 * 2
+
+        def call():
+            return paged_mla_attention(query_latent, query_rope, cache, block_table, seq_lens, starts, 576 ** -0.5,
+                                       max_query_len=1, max_seq_len=context)
+        times = {name: [] for name in combines}
+        outputs = {}
+        for name in list(combines) * 2:
+            mla_attention.combine_kv_splits = combines[name]
+            try:
+                outputs[name] = call().float()
+                times[name].append(timed(call))
+            finally:
+                mla_attention.combine_kv_splits = own_combine
+        share = lambda us: 100 * latent_bytes / us / 1e3 / (bandwidth / 1e9) if us else 0.0  # noqa: E731
+        cells = [f"{name} {' / '.join(f'{us:.1f}' for us in values)} us "
+                 f"({' / '.join(f'{share(us):.1f}' for us in values)} %)" for name, values in times.items()]
+        diff = max((value - outputs["this tree"]).abs().max().item() for value in outputs.values())
+        print(f"   {heads} heads, B {batch}, context {context}: {'; '.join(cells)}; max|diff| {diff:.2g}", flush=True)
+        del cache
+
+
+def triton_p2(value):
+    return 1 << max(0, (value - 1).bit_length())
+
+
 def main(args):
     import mtp_ctrl
 
@@ -152,6 +295,9 @@ def main(args):
 
     from mtp_ctrl.triton_ops import paged_attention, paged_mla_attention
 
+    if args.combine_sweep:
+        combine_sweep(torch, args.baseline, args.quick)
+        return
     cuda = torch.cuda.is_available() and not args.quick
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shapes = [("dense", shape) for shape in (QUICK_SHAPES if args.quick else DENSE_SHAPES)]

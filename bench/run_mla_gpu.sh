@@ -26,6 +26,11 @@
 #     the combine alone, main's ws kernel (.scratch/baseline/mla_wgmma_ws_main.py) beside) at 128
 #     heads B 32 / 8k, the four 128-head target points and 64 heads B 32 / 8k, then 16-head verify
 #     rows (3 a request) in the serial and the warp-specialized schedule; a summary; ~210 s
+#   combine: the split-K combine (mla8): bench_split_combine --combine-sweep (its tiles at MLA's
+#     128-head partials, the MLA op at 128 heads B 32 / 8k, 32k and B 128 / 8k with main's combine
+#     (.scratch/baseline/mtp_ctrl/triton_ops/paged_attn.py, copied aside) and this one), the GPU
+#     tests of the combine and the split/ws kernels, bench_split_combine's small cases beside main's,
+#     then bench_mla --wgmma (ws) at 128 heads B 32 / 128 x 8k; a summary; ~145 s
 #   tune: the kernel table only
 #   e2e: the kernel table at the default and table tiles + sections 2-4 (the MLA GPT's decode steps)
 # --quick: tiny shapes (a CPU smoke run of the script)
@@ -132,6 +137,21 @@ elif [ "$mode" = splits ]; then
   grep -hE "^[0-9]+ heads, B|fastest|main ws" "$out/splits.log"
   awk '/ heads$/ {heads=$1} /^ +[0-9]+ +[0-9]+ / {print "   " heads " heads, B " $1 ", context " $2 ": " $4 " / " $7 \
     " / " $10 " %, best " $12}' "$out/verify_ws.log"
+elif [ "$mode" = combine ]; then
+  python3 -c "import triton; print('triton', triton.__version__)" | tee -a "$out/device.txt"
+  base=.scratch/baseline
+  [ -f "$base/mtp_ctrl/triton_ops/paged_attn.py" ] || echo "no baseline at $base: main's columns are left out"
+  timeout 50 python3 bench/bench_split_combine.py $quick --combine-sweep --baseline "$base" 2>&1 \
+    | tee "$out/combine_sweep.log"
+  timeout 45 python3 -m pytest tests/functional/test_attention_gpu.py tests/functional/test_mla_gpu.py -q -x \
+    -p no:cacheprovider -W ignore -k "combine or mixed_batch or (warp_specialized and not verify_rows)" 2>&1 \
+    | tee "$out/functional_combine.log" | tail -4
+  timeout 20 python3 bench/bench_split_combine.py $quick --baseline "$base" 2>&1 | tee "$out/split_combine.log"
+  grid="--heads 128 --batches 32,128 --contexts 8192"; [ -n "$quick" ] && grid=""
+  timeout 15 python3 bench/bench_mla.py $quick --wgmma --gluon-columns ws $grid 2>&1 | tee "$out/bench_mla_ws.log"
+  echo "== summary: tests; the combine's fastest tiles; the MLA op per combine (% of the copy)"
+  grep -hE "passed|failed|error" "$out/functional_combine.log" | tail -2
+  grep -hE "splits x B|fastest|heads, B" "$out/combine_sweep.log"
 elif [ "$mode" = tune ]; then
   timeout 240 $bench --tune 2>&1 | tee "$out/bench_mla_tune.log"
 else

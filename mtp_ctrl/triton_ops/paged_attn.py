@@ -41,6 +41,11 @@ _COMBINE_TILE_ELEMENTS = 1024  # outputs one combine program holds: [rows, head-
 _COMBINE_LOAD_ELEMENTS = 4096  # fp32 partials one combine read takes: [split chunk, rows, head-dim chunk]
 _COMBINE_VALIDATED = ValidatedSignatures()
 _COMBINE_MAX_DIMS = 128  # a combine program's head-dim chunk (MLA's 512-dim latents take 4)
+# MLA's 512-dim rows, where the partials outgrow two small tiles a SM (128 heads x batch 32: 16.8
+# MB), are bandwidth-bound: a program then takes whole rows, two of them (an H100: 10.1 us there,
+# 2.1 TB/s; main's 128-dim chunks 17.6 us; 8 rows 16.7 us, 8 warps 21.4 us: bench/RESULTS.md, mla8).
+_COMBINE_ROW_DIMS = 512
+_COMBINE_ROW_TILE_ROWS = 2
 
 
 @triton.jit
@@ -248,9 +253,9 @@ def combine_kv_splits(
     """Merge split-K partials into ``output`` (paged attention's and MLA's second kernel).
 
     Programs take ``(token, head)`` rows and head-dim chunks, independent of how the attention
-    tiled its rows, so the tile is chosen for the combine alone: as many programs as two a SM
-    while the rows allow (the combine is latency-bound), at most ``_COMBINE_TILE_ELEMENTS``
-    outputs a program, the splits read in chunks of at most ``_COMBINE_LOAD_ELEMENTS`` fp32.
+    tiled its rows, so the tile is chosen for the combine alone (``combine_tile``): small tiles,
+    two programs a SM, where the combine is latency-bound; whole 512-dim rows (MLA's latents)
+    where its partials outgrow that wave and it is bandwidth-bound.
     The partials are indexed as contiguous tensors; ``output`` by its strides.
     """
     _COMBINE_VALIDATED.validate(_check_combine_args, partial_acc, partial_max, partial_sum, query_start_loc, output)
@@ -260,22 +265,41 @@ def combine_kv_splits(
     if output.stride(2) != 1:
         raise ValueError(f"output's last dim must be contiguous, got strides {output.stride()}")
     num_kv_splits, num_tokens, num_heads, head_dim = partial_acc.shape
+    wanted_programs = 2 * sm_count(output.device) if output.is_cuda else None
+    tile = combine_tile(num_kv_splits, num_tokens * num_heads, head_dim, wanted_programs)
+    launch_combine(partial_acc, partial_max, partial_sum, query_start_loc, output, *tile)
+
+
+def combine_tile(num_kv_splits: int, num_rows: int, head_dim: int, wanted_programs: Optional[int]):
+    """The combine's tile ``(BLOCK_R, BLOCK_DC, SPLIT_CHUNK, num_warps)`` for ``num_rows`` (token,
+    head) rows of ``head_dim`` dims: as many programs as ``wanted_programs`` (two a SM) while the
+    rows allow, at most ``_COMBINE_TILE_ELEMENTS`` outputs a program; 512-dim rows past one such
+    wave take whole rows, ``_COMBINE_ROW_TILE_ROWS`` a program. ``wanted_programs`` None: the
+    interpreter (few large programs, its cost is per program)."""
     block_d = triton.next_power_of_2(head_dim)
     block_dc = min(block_d, _COMBINE_MAX_DIMS)
-    num_d_chunks = triton.cdiv(block_d, block_dc)
-    num_rows = num_tokens * num_heads
-    if output.is_cuda:
-        wanted_programs = 2 * sm_count(output.device)
-        rows_per_program = max(1, num_rows * num_d_chunks // wanted_programs)
-        block_r = min(1 << (rows_per_program.bit_length() - 1), max(1, _COMBINE_TILE_ELEMENTS // block_dc))
-    else:  # the interpreter: few large programs (its cost is per program)
+    if wanted_programs is None:
         block_r = max(1, _COMBINE_TILE_ELEMENTS // block_dc)
+    elif block_d == _COMBINE_ROW_DIMS and num_rows * block_d >= 2 * wanted_programs * _COMBINE_TILE_ELEMENTS:
+        block_r, block_dc = _COMBINE_ROW_TILE_ROWS, block_d
+    else:
+        rows_per_program = max(1, num_rows * (block_d // block_dc) // wanted_programs)
+        block_r = min(1 << (rows_per_program.bit_length() - 1), max(1, _COMBINE_TILE_ELEMENTS // block_dc))
     split_chunk = min(triton.next_power_of_2(num_kv_splits), max(1, _COMBINE_LOAD_ELEMENTS // (block_r * block_dc)))
-    _combine_kv_splits_kernel[(triton.cdiv(num_rows, block_r), num_d_chunks)](
+    return block_r, block_dc, split_chunk, 4
+
+
+def launch_combine(partial_acc, partial_max, partial_sum, query_start_loc, output, block_r: int, block_dc: int,
+                   split_chunk: int, num_warps: int = 4) -> None:
+    """Launch the combine kernel with a given tile (``combine_tile``'s; the benchmark sweeps others).
+    The arguments are ``combine_kv_splits``'s, unchecked."""
+    num_kv_splits, num_tokens, num_heads, head_dim = partial_acc.shape
+    grid = (triton.cdiv(num_tokens * num_heads, block_r), triton.cdiv(triton.next_power_of_2(head_dim), block_dc))
+    _combine_kv_splits_kernel[grid](
         partial_acc, partial_max, partial_sum, query_start_loc, output,
         output.stride(0), output.stride(1),
         num_tokens, num_heads, head_dim, query_start_loc.shape[0] - 1, num_kv_splits,
-        BLOCK_R=block_r, BLOCK_DC=block_dc, SPLIT_CHUNK=split_chunk,
+        BLOCK_R=block_r, BLOCK_DC=block_dc, SPLIT_CHUNK=split_chunk, num_warps=num_warps,
     )
 
 

@@ -24,6 +24,31 @@ def test_mixed_batch_bf16(head_dim, num_kv_splits):
     assert out[-5:].abs().sum() == 0
 
 
+@pytest.mark.parametrize("shape", [(2, 32, 128, 512), (4, 40, 64, 512), (3, 9, 16, 128)])
+def test_split_combine_large_and_small_partials(shape):
+    """The combine's large tile (MLA's 128 heads x 512 dims at batch 32: whole rows, 8 warps) and
+    its small one merge random partials as torch does; padding rows' partials are NaN and their
+    output is left alone."""
+    from mtp_ctrl.triton_ops.paged_attn import combine_kv_splits
+
+    num_splits, num_tokens, num_heads, head_dim = shape
+    valid_tokens = num_tokens - 3
+    generator = torch.Generator(device="cuda").manual_seed(num_tokens)
+    acc = torch.randn(shape, device="cuda", generator=generator)
+    split_max = 4 * torch.randn(shape[:3], device="cuda", generator=generator)
+    split_sum = torch.rand(shape[:3], device="cuda", generator=generator) + 0.5
+    split_max[1, 2], split_sum[1, 2], acc[1, 2] = float("-inf"), 0.0, 0.0  # an empty split
+    for tensor in (acc, split_max, split_sum):
+        tensor[:, valid_tokens:] = float("nan")
+    starts = torch.tensor([0, 1, valid_tokens], dtype=torch.int32, device="cuda")
+    weight = torch.exp2(split_max - split_max.amax(0))[..., None]
+    expected = (acc * weight).sum(0) / (split_sum[..., None] * weight).sum(0)
+    out = torch.full(shape[1:], 3.0, dtype=torch.bfloat16, device="cuda")
+    combine_kv_splits(acc, split_max, split_sum, starts, out)
+    torch.testing.assert_close(out[:valid_tokens].float(), expected[:valid_tokens], atol=1e-2, rtol=1e-2)
+    assert (out[valid_tokens:] == 3.0).all()
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_random_batches_fp32(seed):
     generator = torch.Generator().manual_seed(seed)

@@ -116,6 +116,33 @@ def test_split_combine_random_splits_rows_and_padding(seed):
     torch.testing.assert_close(out, dense_attention(case), **TOL)
 
 
+@pytest.mark.parametrize("wanted_programs", [1, 64])
+def test_split_combine_tiles_on_random_partials(wanted_programs):
+    """Both combine tiles (``combine_tile``: whole 512-dim rows when the partials outgrow two small
+    tiles a wanted program, here forced by 1 wanted program) merge random partials exactly: MLA's
+    512-dim rows and an odd head dim, empty splits (max -inf, sum 0), padding rows left alone
+    (their partials NaN, their output untouched)."""
+    from mtp_ctrl.triton_ops.paged_attn import combine_tile, launch_combine
+
+    generator = torch.Generator().manual_seed(7)
+    for num_splits, num_tokens, num_heads, head_dim, valid_tokens in ((2, 5, 4, 512, 4), (3, 6, 2, 40, 5)):
+        acc = torch.randn((num_splits, num_tokens, num_heads, head_dim), generator=generator)
+        split_max = 4 * torch.randn((num_splits, num_tokens, num_heads), generator=generator)
+        split_sum = torch.rand((num_splits, num_tokens, num_heads), generator=generator) + 0.5
+        split_max[0, 1], split_sum[0, 1], acc[0, 1] = float("-inf"), 0.0, 0.0  # an empty split
+        for tensor in (acc, split_max, split_sum):
+            tensor[:, valid_tokens:] = float("nan")
+        starts = torch.tensor([0, 2, valid_tokens], dtype=torch.int32)
+        weight = torch.exp2(split_max - split_max.amax(0))[..., None]  # [splits, T, H, 1]
+        expected = (acc * weight).sum(0) / (split_sum[..., None] * weight).sum(0)
+        out = torch.full((num_tokens, num_heads, head_dim), 3.0)
+        tile = combine_tile(num_splits, num_tokens * num_heads, head_dim, wanted_programs)
+        assert (tile[1] == 512) == (wanted_programs == 1 and head_dim == 512), tile
+        launch_combine(acc, split_max, split_sum, starts, out, *tile)
+        torch.testing.assert_close(out[:valid_tokens], expected[:valid_tokens], atol=1e-5, rtol=1e-5)
+        assert (out[valid_tokens:] == 3.0).all()
+
+
 def test_decode_hint_and_odd_block_size():
     case = make_paged_case([4, 4, 4], [5, 33, 18], num_query_heads=8, num_kv_heads=2, head_dim=64,
                            block_size_tokens=5, seed=3)
