@@ -226,12 +226,12 @@ def _with_gluon_module(module, fn):
     from mtp_ctrl.triton_ops import mla_attention
     if module is None:
         return fn()
-    own = mla_attention._wgmma_module
-    mla_attention._wgmma_module = lambda: module
+    own = mla_attention._gluon_module
+    mla_attention._gluon_module = lambda name: module if name == "mla_wgmma" else own(name)
     try:
         return fn()
     finally:
-        mla_attention._wgmma_module = own
+        mla_attention._gluon_module = own
 
 
 def wgmma_table(device, bandwidth, args):

@@ -100,17 +100,17 @@ def sweep(points, counts, quick, ws_baseline=None):
     timed = (lambda fn: graph_time_us(fn, replays=20)) if cuda else (lambda fn: (fn(), 0.0)[1])
     print(f"{torch.cuda.get_device_name() if cuda else 'CPU'}; device copy {bandwidth / 1e9:.0f} GB/s; "
           f"torch {torch.__version__}")
-    own_ws = mla_attention._wgmma_ws_module
+    own_modules = mla_attention._gluon_module
     baseline = _load_ws_module(ws_baseline) if ws_baseline and os.path.exists(ws_baseline) else None
     if ws_baseline and baseline is None:
         print(f"(no --ws-baseline file {ws_baseline}: its rows are left out)")
 
     def with_baseline(fn):
-        mla_attention._wgmma_ws_module = lambda: baseline
+        mla_attention._gluon_module = lambda name: baseline if name == "mla_wgmma_ws" else own_modules(name)
         try:
             return fn()
         finally:
-            mla_attention._wgmma_ws_module = own_ws
+            mla_attention._gluon_module = own_modules
     for heads, batch, context in points:
         blocks = math.ceil(context / BLOCK_SIZE)
         cache = torch.randn(batch * blocks, BLOCK_SIZE, LATENT + ROPE, dtype=dtype, device=device)
@@ -168,7 +168,10 @@ def main(argv=None):
     parser.add_argument("--model", action="store_true", help="the CPU model only")
     parser.add_argument("--ws-baseline", help="an earlier mla_wgmma_ws.py timed at the table's split count too")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args(argv)
+    import mtp_ctrl
+    mtp_ctrl.quiet_known_warnings(args.verbose)
     points = [tuple(int(value) for value in point.split(",")) for point in args.points]
     counts = [int(value) for value in args.counts.split(",")]
     model_table(points, counts)

@@ -25,6 +25,7 @@ sits at position ``seq_lens[b] - q_b + i`` and attends causally to the positions
 """
 
 import functools
+import importlib
 import math
 import warnings
 from typing import Optional, Tuple
@@ -269,28 +270,17 @@ def _paged_mla_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _wgmma_module():
-    """:mod:`mtp_ctrl.triton_ops.mla_wgmma`, or None where this Triton has no (usable) Gluon."""
+def _gluon_module(name: str):
+    """``mtp_ctrl.triton_ops.<name>`` (``mla_wgmma``: the Gluon kernel; ``mla_wgmma_ws``: its
+    warp-specialized schedule), or None where this Triton cannot build it: Gluon is experimental,
+    so any failure there leaves the shape to the Triton kernel (or the serial schedule), with a
+    warning once."""
     try:
-        from mtp_ctrl.triton_ops import mla_wgmma
-    except Exception as error:  # noqa: BLE001 (any failure of an experimental API: the Triton kernel serves)
-        warnings.warn(f"the Gluon MLA kernel (mla_wgmma) is unavailable, the Triton kernel serves its shapes: "
+        return importlib.import_module(f"mtp_ctrl.triton_ops.{name}")
+    except Exception as error:  # noqa: BLE001
+        warnings.warn(f"the Gluon MLA kernel ({name}) is unavailable, the Triton kernel serves its shapes: "
                       f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
         return None
-    return mla_wgmma
-
-
-@functools.lru_cache(maxsize=None)
-def _wgmma_ws_module():
-    """:mod:`mtp_ctrl.triton_ops.mla_wgmma_ws` (the warp-specialized schedule), or None where this
-    Triton cannot build it (the launcher then runs the serial schedule)."""
-    try:
-        from mtp_ctrl.triton_ops import mla_wgmma_ws
-    except Exception as error:  # noqa: BLE001 (any failure of an experimental API: the Triton kernel serves)
-        warnings.warn(f"the Gluon MLA kernel (mla_wgmma_ws) is unavailable, the Triton kernel serves its shapes: "
-                      f"{type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
-        return None
-    return mla_wgmma_ws
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,7 +299,7 @@ def wgmma_operands_fit(query_latent: torch.Tensor, latent_cache: torch.Tensor, q
         return False
     if latent_cache.data_ptr() % 16 or latent_cache.stride(0) % 8 or latent_cache.stride(1) % 8:
         return False
-    return _wgmma_module() is not None
+    return _gluon_module("mla_wgmma") is not None
 
 
 def wgmma_kernel_applies(query_latent: torch.Tensor, latent_cache: torch.Tensor, query_rope_dim: int) -> bool:
@@ -420,9 +410,10 @@ def paged_mla_attention(
     grid = (num_q_tiles * num_head_tiles, num_kv_splits, batch_size)
     qk_scale = softmax_scale * math.log2(math.e)
     if tiles.wgmma:
-        launch, options = _wgmma_module().launch_paged_mla_wgmma, dict(async_dots=tiles.schedule == "async")
-        if tiles.schedule == "warp_specialized" and _wgmma_ws_module() is not None:
-            launch, options = _wgmma_ws_module().launch_paged_mla_ws, {}
+        launch = _gluon_module("mla_wgmma").launch_paged_mla_wgmma
+        options = dict(async_dots=tiles.schedule == "async")
+        if tiles.schedule == "warp_specialized" and _gluon_module("mla_wgmma_ws") is not None:
+            launch, options = _gluon_module("mla_wgmma_ws").launch_paged_mla_ws, {}
         launch(grid, query_latent, query_rope, latent_cache, block_table, seq_lens, query_start_loc,
                output, partial_acc, partial_max, partial_sum, qk_scale, num_tokens, num_heads, tokens_per_split,
                num_head_tiles, num_kv_splits, block_q, block_h, _ZERO_BLOCK, **options)
