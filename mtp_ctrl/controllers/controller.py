@@ -436,7 +436,8 @@ class TextGenerationController:
         """For the draft-length policy (when it is asked): how many requests wait for the batch
         (to be admitted, or paused for KV space: either takes the blocks finishing requests free),
         and ``[n]`` the tokens each of the live ``request_ids`` may still emit."""
-        slots = np.fromiter(map(self.context.table.slot_of, request_ids.tolist()), np.int64, request_ids.shape[0])
+        slots = np.fromiter(map(self.context.table.slot_of, request_ids.tolist()),  # host-ok: numpy ids
+                            np.int64, request_ids.shape[0])
         return self._scheduler.num_waiting + len(self._scheduler.paused_for_kv), self._outputs.tokens_left(slots)
 
     def _launch_step(self, step: StepMetadata) -> LaunchedStep:
