@@ -12,10 +12,8 @@ Engines: fixed S = 0 (plain); S = 2 with a policy drafting nothing (``NoDrafts``
 
 import argparse
 import collections
-import functools
 import os
 import sys
-import time
 
 import numpy as np
 import torch
@@ -23,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mtp_ctrl  # noqa: E402
 from bench_adaptive import PROMPT_LEN, engine  # noqa: E402
+from profile_policy_path import timed  # noqa: E402  (thread time of a wrapped call, summed by label)
 from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
 from mtp_ctrl.controllers import GoodputPolicy, SamplingParams  # noqa: E402
 from mtp_ctrl.controllers import controller as controller_module  # noqa: E402
@@ -60,17 +59,6 @@ class GoodputAtZero(GoodputPolicy):
     def bind(self, shape):
         super().bind(shape)
         self.cost_model = DepthZeroCheapest()
-
-
-def timed(totals, label, function):
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        started = time.thread_time()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            totals[label] += time.thread_time() - started
-    return wrapper
 
 
 def main():
