@@ -9,8 +9,8 @@ import torch
 from mtp_ctrl.controllers import EagleProposer, MultiLayerEagleProposer, ParallelDraftingProposer
 from mtp_ctrl.models import build_eagle_head, build_multi_layer_eagle_heads
 from tests.unit.controller_fixtures import MTP_DEPTH, build_models
-from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, CheckedRandomLengths, ZeroLengths, controller_for,
-                                              plain_outputs, run)
+from tests.unit.draft_length_fixtures import (ARRIVALS, QUEUED, SQUEEZE, CheckedRandomLengths, MixedTiers, ZeroLengths,
+                                              controller_for, plain_outputs, run)
 from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 
@@ -64,13 +64,19 @@ def test_hybrid_mamba_model_random_lengths_equal_plain(torch_twins):
                arrivals)[1] == plain
 
 
-def test_gated_deltanet_hybrid_random_lengths_equal_plain(torch_twins):
-    """The recurrent state kept after the last accepted row follows the masked acceptance."""
+@pytest.mark.parametrize("arrivals", ["closed", "queued"])
+def test_gated_deltanet_hybrid_random_lengths_equal_plain(torch_twins, arrivals):
+    """The recurrent state kept after the last accepted row follows the masked acceptance; queued:
+    steps with prefill chunks verify their own tier too (the deferred commit stores ``1 + V`` rows
+    a buffer and the next step, mixed or not, applies the kept ones)."""
     from tests.unit.gdn_fixtures import build_gdn_model
 
     ensure_single_process_groups()
     model = build_gdn_model()
-    arrivals = ARRIVALS[:4]
+    queued = arrivals == "queued"
+    arrivals, seed = (QUEUED, 1) if queued else (ARRIVALS[:4], 9)
     plain = run(controller_for(model, 0), arrivals)[1]
-    assert run(controller_for(model, 2, policy=CheckedRandomLengths(seed=9), cuda_graph_batch_sizes=(2, 4)),
-               arrivals)[1] == plain
+    controller = controller_for(model, 2, policy=CheckedRandomLengths(seed=seed), cuda_graph_batch_sizes=(2, 4))
+    controller.on_launch = tiers = MixedTiers(2)
+    assert run(controller, arrivals)[1] == plain
+    assert not queued or tiers.every_tier(), tiers.widths
