@@ -48,6 +48,9 @@ def parse_args(argv=None):
     parser.add_argument("--large-workloads", nargs="+", default=None,
                         help="only these 1B workloads (0.9 0.6 0.2 mixed queued; default all)")
     parser.add_argument("--no-pinned", action="store_true", help="skip the demo's pinned-goodput engine")
+    parser.add_argument("--demo-goodput", choices=("both", "run", "skip"), default="both",
+                        help="the demo's goodput engines: MTP windows run on no-draft steps, skipped "
+                             "(mtp_idle_windows='skip'), or both (default)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -230,6 +233,9 @@ class Table:
         for (part, batch, workload), rows in workloads.items():
             fixed = {row["S"]: row["tokens_per_s"] for row in rows if row["policy"] == "fixed"}
             adaptive = next((row for row in rows if row["policy"] == "goodput"), None)
+            skipping = next((row for row in rows if row["policy"] == "goodput skip"), None)
+            if adaptive is None:  # the skip engine alone (--demo-goodput skip)
+                adaptive, skipping = skipping, None
             best_s = max(fixed, key=fixed.get) if fixed else None
             text = " ".join(f"S{s}={rate:.0f}" for s, rate in sorted(fixed.items()))
             same = all(row["equal_plain"] for row in rows)
@@ -238,8 +244,7 @@ class Table:
                 continue
             rate = adaptive["tokens_per_s"]
             print(f"{part:>5} {batch:5d} {workload:>8} | {text} | {rate:8.0f} {rate / fixed[best_s]:6.2f} "
-                  f"{rate / fixed.get(0, rate):6.2f} | S={best_s} | {adaptive['lengths']} | {same}")
-            skipping = next((row for row in rows if row["policy"] == "goodput skip"), None)
+                  f"{rate / fixed.get(0, rate):6.2f} | S={best_s} | {adaptive['lengths']} ({adaptive['policy']}) | {same}")
             if skipping is not None:
                 rate = skipping["tokens_per_s"]
                 print(f"{'':>5} {'':>5} {'':>8} | goodput, mtp_idle_windows='skip': {rate:8.0f} "
@@ -287,8 +292,9 @@ def demo_part(args, table, device):
     for batch in batches:
         prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
         # "goodput skip": the policy in an engine whose no-draft steps run no MTP depth (mtp_idle_windows)
-        engines = [(S, "fixed", None) for S in (0, 1, 2)] + [(2, "goodput", GoodputPolicy()),
-                                                            (2, "goodput skip", GoodputPolicy())]
+        engines = [(S, "fixed", None) for S in (0, 1, 2)]
+        engines += [(2, name, GoodputPolicy()) for name, kind in (("goodput", "run"), ("goodput skip", "skip"))
+                    if args.demo_goodput in ("both", kind)]
         if (batch >= 32 or args.quick) and not args.no_pinned:  # the policy path's own cost (fixed S = 2's lengths)
             engines.append((2, "pinned", PinnedGoodput()))
         plain = {}
