@@ -17,8 +17,8 @@ rank (the TP lockstep check includes the lengths).
 - :class:`FixedDraftLength` (the default): ``s_r = cap_r``, the old fixed-S behaviour.
 - :class:`GoodputPolicy`: per-request decayed per-depth acceptance and a step-cost model; picks
   the depth D that maximises expected tokens per second of the batch (``D = 0`` where drafting
-  does not pay). Off by default: with today's step graphs (``1 + S`` verify rows per decode
-  request whatever ``s_r``) it can only save draft depths, and an estimate can be wrong.
+  does not pay). Off by default: an estimate can be wrong (a step verifies ``1 + V`` rows per
+  decode request, V the most any of them holds: docs/draft_lengths.md).
 - :class:`RandomDraftLengths`: seeded random lengths, for tests (the output must not change).
 """
 
