@@ -13,17 +13,23 @@ from tests.unit.draft_length_fixtures import (ARRIVALS, QUEUED, SQUEEZE, Checked
                                               controller_for, plain_outputs, run)
 from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models
 from tests.unit.megatron_fixtures import ensure_single_process_groups
+from tests.unit.megatron_fixtures import torch_twins as twin_ops
 
 
 @pytest.fixture(scope="module")
 def eagle_model():
     ensure_single_process_groups()
     model = build_eagle_models()[0]
-    return model, plain_outputs(model)[1]
+    with twin_ops():
+        queued = run(controller_for(model, 0), QUEUED)[1]
+    return model, {"closed": plain_outputs(model)[1], "queued": queued}
 
 
+@pytest.mark.parametrize("arrivals", ["closed", "queued"])
 @pytest.mark.parametrize("kind", ["eagle", "parallel", "multi_layer"])
-def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind):
+def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind, arrivals):
+    """closed: churn and preemption; queued: most steps carry a prefill chunk beside decode
+    requests and verify their own tier (several tiers occur; every one in the MTP and GDN tests)."""
     model, plain = eagle_model
     torch.manual_seed(77)
     if kind == "multi_layer":
@@ -32,8 +38,11 @@ def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind)
         head = build_eagle_head(model, AUX_LAYERS, parallel_drafting=kind == "parallel").eval()
         proposer, S = (ParallelDraftingProposer(head), 3) if kind == "parallel" else (EagleProposer(head), 3)
     policy = CheckedRandomLengths(seed=4)
-    assert run(controller_for(model, S, proposer, policy, **SQUEEZE), ARRIVALS)[1] == plain
+    controller = controller_for(model, S, proposer, policy, **SQUEEZE)
+    controller.on_launch = tiers = MixedTiers(S)
+    assert run(controller, ARRIVALS if arrivals == "closed" else QUEUED)[1] == plain[arrivals]
     assert any(accepted > 0 for _, accepted in policy.outcomes)  # drafts land: the masks matter
+    assert arrivals == "closed" or len(set(tiers.widths)) >= S, tiers.widths  # mixed steps at several tiers
 
 
 def test_rejection_acceptance_with_random_lengths(torch_twins):
