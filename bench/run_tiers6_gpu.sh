@@ -3,7 +3,7 @@
 # depth), <= 240 s in all (each part under its own timeout, the last part gets what is left of 225 s):
 #  1. tests/functional/test_adaptive_gpu.py -k mixed_steps (<= 60 s): steps with prefill chunks replay
 #     every verify tier's warmed-up graph with no host sync, == plain;
-#  2. bench_adaptive.py (<= 135 s, no point started after 100 s): the 1B at batch 64 and 8, the closed mix
+#  2. bench_adaptive.py (<= 125 s, no point started after 90 s): the 1B at batch 64 and 8, the closed mix
 #     and the queued mix (4x the slots in requests), fixed S = 0..3 and goodput at S_max = 3; then the
 #     demo at batch 32 and 128, T = 0 and 1, fixed S = 0..2 and goodput with the MTP windows skipped on
 #     no-draft steps (tiers5's better engine);
@@ -19,7 +19,7 @@ if [ ${#quick[@]} -eq 0 ]; then
     2>&1 | tee "$out/functional_mixed.log" | tail -5
 fi
 echo "== bench at ${SECONDS}s"
-timeout 135 python3 bench/bench_adaptive.py "${quick[@]}" --budget-seconds "${ADAPTIVE_BUDGET:-100}" \
+timeout 125 python3 bench/bench_adaptive.py "${quick[@]}" --budget-seconds "${ADAPTIVE_BUDGET:-90}" \
   --json "$out/bench_adaptive.json" "${points[@]}" --large-workloads mixed queued --demo-goodput skip \
   --no-pinned 2>&1 | tee "$out/bench_adaptive.log" | grep -v -i warn | grep -v '^{' | tail -70
 left=$((225 - SECONDS))
