@@ -136,9 +136,13 @@ class DraftLengths:
         it); a step with prefill chunks masks whenever the policy may vary lengths (one graph per
         mixed shape and tier: the masking ops are small beside its prefill rows)."""
         V = step.verify_width
-        if not self.masked or V == 0 or step.num_decode == 0:
+        if not self.masked or V == 0:
             return False
-        if not step.decode_only or min(step.host_verify_lengths) < V:
+        if not step.decode_only:  # prefill chunks, with decode requests or not: the variant warmup() captured
+            return True
+        if step.num_decode == 0:
+            return False
+        if min(step.host_verify_lengths) < V:
             return True
         return step.num_steps > 1 and min(step.host_draft_lengths[: step.num_decode]) < V
 

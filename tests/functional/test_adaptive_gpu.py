@@ -95,7 +95,8 @@ def test_mixed_steps_replay_every_verify_tier_with_no_sync_and_equal_plain(model
     greedy and sampled."""
     prompts = [[(7 * i + j) % 90 + 1 for j in range(3 + i % 9)] for i in range(16)]
     params = [SamplingParams(max_new_tokens=6 + i % 5, temperature=0.8 * (i % 2), seed=i) for i in range(16)]
-    plain = TextGenerationController(model, make_config(0, max_requests=4)).generate(prompts, params)
+    plain = TextGenerationController(model, make_config(0, max_requests=4, cuda_graph_batch_sizes=())).generate(
+        prompts, params)
     proposer = DeviceOracleProposer(plain_sequences(prompts, plain, 2 * (S + 1)).cuda())
     controller = AllStepsSyncChecked(model, make_config(S, max_requests=4, cuda_graph_batch_sizes=(2, 4)),
                                      proposer=proposer, draft_policy=RandomDraftLengths(seed=3))

@@ -27,12 +27,16 @@ QUEUED = tuple((step, PROMPTS[step % 4][: 3 + step % 5], SamplingParams(
 
 class MixedTiers:
     """An ``on_launch`` hook: the verify width V of every step with prefill chunks and decode
-    requests, checked against the drafts its decode requests hold (``widths``)."""
+    requests, checked against the drafts its decode requests hold (``widths``); every step with
+    prefill chunks masks draft rows at V > 0 (the one variant ``warmup()`` captures of a mixed
+    shape under a policy other than the fixed one), prefill only (V = S) included."""
 
     def __init__(self, S: int):
         self.S, self.held, self.widths = S, {}, []  # held: request id -> drafts it holds
 
     def __call__(self, step, graph_key):
+        if step.num_prefill and graph_key is not None:
+            assert graph_key[5] == (step.verify_width > 0), graph_key
         if step.num_prefill and step.num_decode:
             expected = max(self.held[request_id] for request_id in step.request_ids[: step.num_decode])
             assert step.verify_width == expected, (step.verify_width, expected)
