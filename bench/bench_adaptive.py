@@ -269,9 +269,11 @@ class Table:
         costed = [row for row in self.rows if row.get("costs")]
         if costed:
             print("\nthe policy's cost model after each point, ms per step by (grid G, depths D): the loop's wall "
-                  "(what it decides on) / GPU; 'explored': choices made to measure a depth so far")
+                  "of decode-only steps / GPU, 'mixed': the wall of steps with prefill chunks (the policy blends "
+                  "them by their recent share); 'explored': choices made to measure a depth so far")
         for row in costed:
             text = ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
+                             + ("" if value.get("mixed_ms") is None else f" mixed {_ms(value['mixed_ms'])}")
                              for key, value in row["costs"].items())
             print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
 

@@ -14,7 +14,8 @@ the metrics. Host values only, no sync.
 
 Step timing: the controller measures each ``step()`` call (the wall time since the previous
 call returned, the applied launch's GPU time); :meth:`DraftLengths.step_timing` keeps it when this
-call and the one before each applied one steady launch of the same (grid, D), and
+call and the one before each applied one steady launch of the same (grid, D) (steps with prefill
+chunks apart, and the share of them), and
 :meth:`DraftLengths.record_timing` hands it (the first TP rank's, on every rank) to the cost model
 at the next call's lockstep check.
 
@@ -47,6 +48,7 @@ class StepTiming(NamedTuple):
     num_drafts: int  # D (= its verify width V)
     wall_seconds: float  # the loop's wall time per step (between consecutive step() returns)
     gpu_seconds: float  # the launch's GPU time per step (CUDA events), -1 off CUDA
+    mixed: bool = False  # a step with prefill chunks (the cost model keeps those apart)
 
 
 class HeldChoice:
@@ -107,7 +109,7 @@ class DraftLengths:
         self._in_flight: Deque[Union[np.ndarray, None, int]] = collections.deque()
         self._held: Optional[HeldChoice] = None  # the policy's last choice
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
-        self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D) and its steady calls in a row
+        self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
         self.queue_view: Optional[QueueView] = None  # set by the controller (None: nobody waits, lengths unknown)
 
     @property
@@ -274,36 +276,42 @@ class DraftLengths:
         """What one ``step()`` call measured for the policy's cost model (``step_costs.py``), or None:
         ``applied``, the launches the call applied with their GPU seconds (None off CUDA);
         ``wall_seconds``, the time since the previous call returned (None: the first call).
-        Kept only for a steady call (it applied one launch, decode only, verify width = draft
-        depths D, and launched as many steps) right after a call that applied one decode-only
-        launch of the same grid and D (the loop was running that depth: no prefill, idle pause or
-        first call in the wall time; the step before a switch of depth verifies the old width, so
-        the second step after a switch is measured): ``(G, D, wall seconds per step, GPU seconds
-        per step or -1)``; of a run of such calls, the first and then every ``TIMING_EVERY``-th
-        (the averages move slowly; a depth tried is measured at once)."""
+        Kept only for a steady call (it applied one launch, verify width = draft depths D, and
+        launched as many steps) right after a call that applied one launch of the same grid and D
+        (the loop was running that depth: no idle pause or first call in the wall time; the step
+        before a switch of depth verifies the old width, so the second step after a switch is
+        measured); a decode-only one only after a decode-only call (no prefill in its wall time),
+        a step with prefill chunks (``mixed``) after either: ``(G, D, wall seconds per step, GPU
+        seconds per step or -1, mixed)``; of a run of such calls, the first and then every
+        ``TIMING_EVERY``-th (the averages move slowly; a depth tried is measured at once). Every
+        call also tells the cost model how many of its applied launches carried prefill chunks
+        (``StepCostModel.mixed_share``)."""
         if self._fixed or self.S == 0:
             return None
+        if applied and self.policy.cost_model is not None:
+            self.policy.cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
         launch_key = steady_key = None
-        if len(applied) == 1 and not applied[0][0].num_prefill:
+        if len(applied) == 1:
             step, gpu_seconds = applied[0]
-            launch_key = (step.dimensions.request_count, step.num_drafts)
+            launch_key = (step.dimensions.request_count, step.num_drafts, bool(step.num_prefill))
             if step.verify_width == step.num_drafts and steps_launched == step.num_steps:
                 steady_key = launch_key
         previous, self._timed_key = self._timed_key, launch_key
-        if steady_key is None or steady_key != previous or wall_seconds is None:
+        if steady_key is None or previous is None or wall_seconds is None or \
+                (previous[:2] != steady_key[:2] if steady_key[2] else previous != steady_key):
             self._steady_calls = 0
             return None
         self._steady_calls += 1
         if (self._steady_calls - 1) % TIMING_EVERY:
             return None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
-        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu)
+        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu, steady_key[2])
 
     def record_timing(self, timing: Optional[StepTiming]) -> None:
         """Feed a measurement (every TP rank gets the first rank's: ``TPLockstep.check``) to the cost model."""
         if timing is not None and self.policy.cost_model is not None:
             self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.wall_seconds,
-                                          None if timing.gpu_seconds < 0 else timing.gpu_seconds)
+                                          None if timing.gpu_seconds < 0 else timing.gpu_seconds, timing.mixed)
 
     def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None) -> None:
         """The warm-up's replay times by (batch size, draft depths) for the policy's cost model;

@@ -229,3 +229,4 @@ def test_goodput_learns_step_costs_from_the_loop(mtp_model, plain, torch_twins):
     assert policy.cost_model.wall and all(seconds > 0 for seconds in policy.cost_model.wall.values())
     assert not policy.cost_model.gpu  # off CUDA: no warm-up seed, no CUDA events
     assert {grid for grid, _ in policy.cost_model.wall} <= {2, 4}  # the padded grids (SQUEEZE's graph sizes)
+    assert 0 < policy.cost_model.mixed_share < 1  # the share of launches with prefill chunks (requests joined)
