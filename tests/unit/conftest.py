@@ -98,3 +98,13 @@ def torch_twins():
 
     with twins():
         yield
+
+
+@pytest.fixture
+def model_twins():
+    """The model's attention, rope and sampling ops on their twins (``megatron_fixtures.MODEL_OPS``),
+    every other op interpreted: for the interpreted run of a loop whose subject is its own kernels."""
+    from tests.unit.megatron_fixtures import MODEL_OPS, torch_twins as twins
+
+    with twins(*MODEL_OPS):
+        yield
