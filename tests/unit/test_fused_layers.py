@@ -162,8 +162,9 @@ def test_fused_glue_switch():
         InferenceConfig(fused_glue="on")
 
 
-def test_controller_greedy_tokens_equal_with_and_without_fused_glue():
-    """Through the controller (S = 2, real MTP drafting): the same greedy tokens either way."""
+def test_controller_greedy_tokens_equal_with_and_without_fused_glue(model_twins):
+    """Through the controller (S = 2, real MTP drafting): the same greedy tokens either way (the
+    glue kernels interpreted; the model's attention, rope and sampling on their twins)."""
     torch.manual_seed(1234)
     model = build_gpt_model(tiny_config(mtp_num_layers=2), VOCAB_SIZE, MAX_SEQUENCE_LENGTH).eval()
     arrivals = [(0, PROMPTS[1], SamplingParams(max_new_tokens=5))]
