@@ -61,7 +61,7 @@ def _pending_pools(seed, num_slots, stored_rows, pending):
     generator = torch.Generator().manual_seed(seed)
     states = torch.randn(2, num_slots, HEADS, KEY_DIM, VALUE_DIM, generator=generator) * 0.1
     row_inputs = torch.randn(2, num_slots, 2, stored_rows, WIDTH, generator=generator) * 0.1
-    row_inputs[..., -2 * HEADS:-HEADS] = -row_inputs[..., -2 * HEADS:-HEADS].abs()
+    row_inputs[..., -HEADS:] = -row_inputs[..., -HEADS:].abs()  # g <= 0 ([k | u | g])
     pending_rows = torch.zeros(num_slots, dtype=torch.int32)
     pending_rows[:len(pending)] = torch.tensor(pending, dtype=torch.int32)
     parity = torch.randint(0, 2, (num_slots,), generator=generator, dtype=torch.int32)

@@ -26,7 +26,7 @@ def pools(seed, stored_rows, key_heads=2, heads=4, key_dim=8, value_dim=6, pendi
     states = torch.randn(LAYERS, SLOTS, heads, key_dim, value_dim, generator=generator) * 0.5
     width = gdn_row_input_width(key_heads, key_dim, heads, value_dim)
     row_inputs = torch.randn(LAYERS, SLOTS, 2, stored_rows, width, generator=generator) * 0.5
-    row_inputs[..., -2 * heads:-heads] = -row_inputs[..., -2 * heads:-heads].abs()  # g <= 0
+    row_inputs[..., -heads:] = -row_inputs[..., -heads:].abs()  # g <= 0 ([k | u | g])
     pending_rows = torch.zeros(SLOTS, dtype=torch.int32)
     pending_rows[:len(pending)] = torch.tensor(pending, dtype=torch.int32)
     parity = torch.randint(0, 2, (SLOTS,), generator=generator, dtype=torch.int32)
