@@ -29,13 +29,16 @@ class GDNRowSchedule:
     before its step, counting through the pending rows then the own rows (0: just before it).
     ``q_at_row``: an own row's q (needed only for its output) loads just before its step instead.
     ``max_registers``: ptxas ``.maxnreg`` (0: the compiler's choice; 255 at R = 5 gives four 2-warp
-    programs an SM)."""
+    programs an SM). ``store_together``: an own row's output and its delta u (both in the reduction's
+    layout) leave in one joined store, one layout conversion through shared memory for both (False:
+    two stores, two conversions; 2 barriers more a row)."""
 
     own_early: Optional[int] = None
     pending_early: Optional[int] = None
     ahead: int = 1
     q_at_row: bool = False
     max_registers: int = 0
+    store_together: bool = True
 
     def __post_init__(self):
         for name in ("own_early", "pending_early", "ahead", "max_registers"):
@@ -46,22 +49,25 @@ class GDNRowSchedule:
                 raise ValueError(f"GDNRowSchedule.{name} must be an int >= 0, got {value!r}")
         if self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"GDNRowSchedule.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
-        if not isinstance(self.q_at_row, bool):
-            raise ValueError(f"GDNRowSchedule.q_at_row must be a bool, got {self.q_at_row!r}")
+        for name in ("q_at_row", "store_together"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GDNRowSchedule.{name} must be a bool, got {getattr(self, name)!r}")
 
     def label(self) -> str:
-        """``own/pending/ahead/q/maxreg`` (``all``: every row early; q: 1 = at its row), as
-        ``bench_gdn.py --schedules`` and ``gdn_kernel_registers.py --schedules`` take it."""
+        """``own/pending/ahead/q/maxreg`` (``all``: every row early; q: 1 = at its row; ``/s`` after it:
+        output and u stored apart), as ``bench_gdn.py --schedules`` and ``gdn_kernel_registers.py
+        --schedules`` take it."""
         def rows(value):
             return "all" if value is None else str(value)
         return (f"{rows(self.own_early)}/{rows(self.pending_early)}/{self.ahead}/{int(self.q_at_row)}/"
-                f"{self.max_registers}")
+                f"{self.max_registers}" + ("" if self.store_together else "/s"))
 
     def constants(self, rows: int, stored_rows: int) -> dict:
         """The kernel's constexprs at R = ``rows`` after up to ``stored_rows`` pending rows."""
         own = rows if self.own_early is None else min(self.own_early, rows)
         stored = stored_rows if self.pending_early is None else min(self.pending_early, stored_rows)
-        return dict(OWN_EARLY=own, PENDING_EARLY=stored, AHEAD=self.ahead, Q_AT_ROW=self.q_at_row)
+        return dict(OWN_EARLY=own, PENDING_EARLY=stored, AHEAD=self.ahead, Q_AT_ROW=self.q_at_row,
+                    STORE_TOGETHER=self.store_together)
 
 
 # Every row's inputs before the state (the third session's choice: at S = 2 it beat loading rows later).
@@ -131,20 +137,19 @@ def gdn_verify_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
 
 
 # The row schedules `bench_gdn.py --tune --schedules candidates` times under DEFAULT_TILES and
-# `tests/functional/test_gdn_gpu.py` checks bit for bit (S = 4 steps == R = 1 steps under each).
-# Registers / spill bytes at R = 5 after 5 pending rows (ptxas 13.4 for sm_90a, `gdn_kernel_registers.py`):
-# 255 / 0, 233 / 0, 168 / 0, 144 / 0, 128 / 96, 223 / 0, 168 / 28, 241 / 0, 168 / 56, 168 / 352.
+# `tests/functional/test_gdn_gpu.py` checks bit for bit (S = 4 steps == R = 1 steps under each). With the
+# stored deltas (gdn7) a pending row holds k, u, g only; gdn6's candidates that lost are in RESULTS.
+# Registers / spill bytes / BAR.SYNC at R = 5 after 5 pending rows (ptxas 13.4 for sm_90a,
+# `gdn_kernel_registers.py`): 255 / 0 / 59, 255 / 0 / 69, 168 / 0 / 59, 168 / 0 / 69, 167 / 0 / 59, 144 / 64 / 59,
+# 209 / 0 / 59 (main before gdn7: 255 / 0 / 69 preloading all, 168 / 56 / - for LATE_OWN_ROWS).
 CANDIDATE_SCHEDULES = (
     PRELOAD_ALL,
-    GDNRowSchedule(own_early=0, pending_early=0, q_at_row=True),
-    GDNRowSchedule(own_early=0, pending_early=0, q_at_row=True, max_registers=168),
-    GDNRowSchedule(own_early=0, pending_early=0, ahead=0, q_at_row=True, max_registers=144),
-    GDNRowSchedule(own_early=0, pending_early=0, ahead=0, q_at_row=True, max_registers=128),
-    GDNRowSchedule(own_early=0, pending_early=0, ahead=2, q_at_row=True),
-    GDNRowSchedule(own_early=2, pending_early=0, q_at_row=True, max_registers=168),
-    GDNRowSchedule(pending_early=0, q_at_row=True),
+    GDNRowSchedule(store_together=False),
     LATE_OWN_ROWS,
-    GDNRowSchedule(max_registers=168),
+    GDNRowSchedule(own_early=0, q_at_row=True, max_registers=168, store_together=False),
+    GDNRowSchedule(own_early=0, pending_early=0, q_at_row=True, max_registers=168),
+    GDNRowSchedule(own_early=0, ahead=0, q_at_row=True, max_registers=144),
+    GDNRowSchedule(own_early=0, q_at_row=True),
 )
 
 # rows per request at most -> the schedule (None: no bound); the first entry that holds R wins.

@@ -233,7 +233,9 @@ def test_row_schedule_table_and_errors():
     assert gdn_row_schedule(5) == LATE_OWN_ROWS
     assert {schedule for _, schedule in ROW_SCHEDULE_TABLE} <= set(CANDIDATE_SCHEDULES)
     assert GDNRowSchedule(own_early=0, ahead=2, q_at_row=True, max_registers=168).label() == "0/all/2/1/168"
-    assert GDNRowSchedule().constants(3, 5) == dict(OWN_EARLY=3, PENDING_EARLY=5, AHEAD=1, Q_AT_ROW=False)
+    assert GDNRowSchedule().constants(3, 5) == dict(OWN_EARLY=3, PENDING_EARLY=5, AHEAD=1, Q_AT_ROW=False,
+                                                    STORE_TOGETHER=True)
+    assert GDNRowSchedule(store_together=False).label() == "all/all/1/0/0/s"
     with pytest.raises(ValueError, match="own_early"):
         GDNRowSchedule(own_early=-1)
     with pytest.raises(ValueError, match="max_registers"):
