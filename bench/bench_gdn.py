@@ -59,8 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--schedules", metavar="SCHEDULES",
                         help="with --tune: row schedules (GDNRowSchedule, 'own/pending/ahead/q/maxreg', 'all' = "
                              "every row early) timed under each shape, comma-separated, or 'candidates' "
-                             "(gdn_tiles.CANDIDATE_SCHEDULES); each first call is checked torch.equal against "
-                             "the baseline's (outputs, states, stored rows)")
+                             "(gdn_tiles.CANDIDATE_SCHEDULES); two steps of each (the second applying the "
+                             "first's rows) are checked torch.equal against the baseline's (outputs, states)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -146,15 +146,13 @@ def _tiles_name(tiles):
 
 
 def parse_schedule(text):
-    """``own/pending/ahead/q/maxreg[/s]`` (``all``: every row early; q: 1 = at its row; ``s``: output and
-    u stored apart) -> GDNRowSchedule."""
+    """``own/pending/ahead/q/maxreg`` (``all``: every row early; q: 1 = at its row) -> GDNRowSchedule."""
     from mtp_ctrl.triton_ops.gdn_tiles import GDNRowSchedule
 
-    own, pending, ahead, q_at_row, max_registers, *apart = text.split("/")
+    own, pending, ahead, q_at_row, max_registers = text.split("/")
     return GDNRowSchedule(own_early=None if own == "all" else int(own),
                           pending_early=None if pending == "all" else int(pending), ahead=int(ahead),
-                          q_at_row=bool(int(q_at_row)), max_registers=int(max_registers),
-                          store_together=apart != ["s"])
+                          q_at_row=bool(int(q_at_row)), max_registers=int(max_registers))
 
 
 def schedule_name(schedule):

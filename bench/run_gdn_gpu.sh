@@ -140,7 +140,7 @@ case "${1:-}" in
     base="${GDN_BASELINE_FILE:-.scratch/gdn_baseline/gdn_replay.py}"
     [ -f "$base" ] || { echo "no baseline at $base"; base=""; }
     if [ "$1" = delta-quick ]; then
-      TRITON_INTERPRET=1 timeout 300 python3 bench/bench_gdn.py --tune --quick --schedules all/all/1/0/0,0/all/1/1/168/s \
+      TRITON_INTERPRET=1 timeout 300 python3 bench/bench_gdn.py --tune --quick --schedules all/all/1/0/0,0/all/1/1/168 \
         ${base:+--baseline "$base"} 2>&1 | grep -v Warning | tee "$out/tune.txt"
     else
       timeout 110 python3 bench/bench_gdn.py --tune --tune-scope 32,128/0,2,3,4/32x2 --schedules candidates \

@@ -32,10 +32,9 @@ order of the sums over K follows the shape: two shapes agree to fp32 rounding on
 pending count are skipped (they would be exact no-ops: g = 0, k = u = 0).
 
 Launch: one program per (value tile, head, request) holds a ``[K, BLOCK_V]`` state tile in
-registers. Up to R = 3 it loads every row's inputs and the pending rows' first and the state after
-them, so all its loads are in flight together and none waits behind a store or behind the serial
-rows; at R = 5 the own rows' inputs load one row ahead of their step instead (q at its step) under
-a register cap, so more programs share an SM (:class:`mtp_ctrl.triton_ops.gdn_tiles.GDNRowSchedule`:
+registers. It loads every row's inputs and the pending rows' first and the state after them, so
+all its loads are in flight together and none waits behind a store or behind the serial rows
+(:class:`mtp_ctrl.triton_ops.gdn_tiles.GDNRowSchedule` may load rows later or cap registers per R:
 only when loads issue changes, never the arithmetic, so every schedule gives the same bits).
 ``BLOCK_V``, the warps and the schedule come from :mod:`mtp_ctrl.triton_ops.gdn_tiles`, or the
 ``tiles`` argument.
@@ -130,19 +129,12 @@ def _append_own_row(qs, ks, vs, gs, betas, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR,
 
 
 @triton.jit
-def _store_row(out_ptrs, o, INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head,
-               key_dim, keys, values, is_value, lanes, u_offset, g_offset, stores_k, stores_gate, k, u, g,
-               STORE_TOGETHER: tl.constexpr):
-    """Own row ``j``'s output ``o`` at ``out_ptrs`` and its (k, u, g) into the slot's other buffer
-    (``1 - parity``): k by one program a key head, u by each program for its value columns, g by one
-    lane of one program a head. ``STORE_TOGETHER``: o and u (both in the reduction's layout) as one
-    joined store, so one layout conversion (and its barriers) serves both."""
+def _store_row(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head, key_dim, keys,
+               values, is_value, lanes, u_offset, g_offset, stores_k, stores_gate, k, u, g):
+    """Own row ``j``'s (k, u, g) into the slot's other buffer (``1 - parity``): k by one program a key
+    head, u by each program for its value columns, g by one lane of one program a head."""
     row_ptr = INPUTS_PTR + slot * inputs_s_slot + (1 - parity) * inputs_s_parity + j * inputs_s_row
-    if STORE_TOGETHER:
-        tl.store(tl.join(out_ptrs, row_ptr + u_offset + values), tl.join(o, u), mask=tl.join(is_value, is_value))
-    else:
-        tl.store(out_ptrs, o, mask=is_value)
-        tl.store(row_ptr + u_offset + values, u, mask=is_value)
+    tl.store(row_ptr + u_offset + values, u, mask=is_value)
     tl.store(row_ptr + key_head * key_dim + keys, k, mask=stores_k)
     tl.store(row_ptr + g_offset + lanes * 0, g, mask=stores_gate)
 
@@ -157,15 +149,13 @@ def _gdn_verify_rows_kernel(
     beta_stride_t, beta_stride_h, out_stride_t, out_stride_h,
     ROWS: tl.constexpr, STORED_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     OWN_EARLY: tl.constexpr, PENDING_EARLY: tl.constexpr, AHEAD: tl.constexpr, Q_AT_ROW: tl.constexpr,
-    STORE_TOGETHER: tl.constexpr,
 ):
     """Grid ``(value tiles, H, nd)``: program (t, h, r) applies request r's pending rows and walks its
     R rows for head h, value dims of tile t (module docstring). The tiles of one head are neighbours
     in launch order. When inputs load (:class:`mtp_ctrl.triton_ops.gdn_tiles.GDNLoadOrder`): own rows
     ``< OWN_EARLY`` and pending rows ``< PENDING_EARLY`` before the state; every other row ``AHEAD``
     rows before its step in the sequence pending rows, then own rows (0: just before it); with
-    ``Q_AT_ROW`` an own row's q just before its step; ``STORE_TOGETHER``: an own row's output and u in
-    one store. Only the loads and stores move: the arithmetic is one."""
+    ``Q_AT_ROW`` an own row's q just before its step. Only the loads move: the arithmetic is one."""
     tile = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     request = tl.program_id(2).to(tl.int64)
@@ -249,14 +239,11 @@ def _gdn_verify_rows_kernel(
         else:
             q = qs[j]
         state, delta = _delta_rule_step(state, ks[j], vs[j], gs[j], betas[j])
-        out_ptrs = OUT_PTR + (first_row + j) * out_stride_t + head * out_stride_h + values  # [BLOCK_V]
-        o = tl.sum(state * q[:, None], axis=0)  # [BLOCK_V]
+        tl.store(OUT_PTR + (first_row + j) * out_stride_t + head * out_stride_h + values,
+                 tl.sum(state * q[:, None], axis=0), mask=is_value)
         if ROWS > 1:  # the row as its (k, u, g) into the other buffer: the next step applies u, no reduction
-            _store_row(out_ptrs, o, INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row,
-                       key_head, key_dim, keys, values, is_value, lanes, u_offset, g_offset, stores_k, stores_gate,
-                       ks[j], delta, gs[j], STORE_TOGETHER)
-        else:
-            tl.store(out_ptrs, o, mask=is_value)
+            _store_row(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head, key_dim,
+                       keys, values, is_value, lanes, u_offset, g_offset, stores_k, stores_gate, ks[j], delta, gs[j])
     if ROWS == 1:  # plain decoding: the row is always kept
         tl.store(state_ptrs, state, mask=tile_mask)
 

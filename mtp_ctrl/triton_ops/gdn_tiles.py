@@ -29,16 +29,13 @@ class GDNRowSchedule:
     before its step, counting through the pending rows then the own rows (0: just before it).
     ``q_at_row``: an own row's q (needed only for its output) loads just before its step instead.
     ``max_registers``: ptxas ``.maxnreg`` (0: the compiler's choice; 255 at R = 5 gives four 2-warp
-    programs an SM). ``store_together``: an own row's output and its delta u (both in the reduction's
-    layout) leave in one joined store, one layout conversion through shared memory for both (False:
-    two stores, two conversions; 2 barriers more a row)."""
+    programs an SM)."""
 
     own_early: Optional[int] = None
     pending_early: Optional[int] = None
     ahead: int = 1
     q_at_row: bool = False
     max_registers: int = 0
-    store_together: bool = True
 
     def __post_init__(self):
         for name in ("own_early", "pending_early", "ahead", "max_registers"):
@@ -49,32 +46,30 @@ class GDNRowSchedule:
                 raise ValueError(f"GDNRowSchedule.{name} must be an int >= 0, got {value!r}")
         if self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"GDNRowSchedule.max_registers must be 0 or in [24, 255], got {self.max_registers!r}")
-        for name in ("q_at_row", "store_together"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"GDNRowSchedule.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.q_at_row, bool):
+            raise ValueError(f"GDNRowSchedule.q_at_row must be a bool, got {self.q_at_row!r}")
 
     def label(self) -> str:
-        """``own/pending/ahead/q/maxreg`` (``all``: every row early; q: 1 = at its row; ``/s`` after it:
-        output and u stored apart), as ``bench_gdn.py --schedules`` and ``gdn_kernel_registers.py
-        --schedules`` take it."""
+        """``own/pending/ahead/q/maxreg`` (``all``: every row early; q: 1 = at its row), as
+        ``bench_gdn.py --schedules`` and ``gdn_kernel_registers.py --schedules`` take it."""
         def rows(value):
             return "all" if value is None else str(value)
         return (f"{rows(self.own_early)}/{rows(self.pending_early)}/{self.ahead}/{int(self.q_at_row)}/"
-                f"{self.max_registers}" + ("" if self.store_together else "/s"))
+                f"{self.max_registers}")
 
     def constants(self, rows: int, stored_rows: int) -> dict:
         """The kernel's constexprs at R = ``rows`` after up to ``stored_rows`` pending rows."""
         own = rows if self.own_early is None else min(self.own_early, rows)
         stored = stored_rows if self.pending_early is None else min(self.pending_early, stored_rows)
-        return dict(OWN_EARLY=own, PENDING_EARLY=stored, AHEAD=self.ahead, Q_AT_ROW=self.q_at_row,
-                    STORE_TOGETHER=self.store_together)
+        return dict(OWN_EARLY=own, PENDING_EARLY=stored, AHEAD=self.ahead, Q_AT_ROW=self.q_at_row)
 
 
 # Every row's inputs before the state (the third session's choice: at S = 2 it beat loading rows later).
 PRELOAD_ALL = GDNRowSchedule()
 
 # The pending rows before the state, each own row's (k, v, g, beta) one row ahead of its step and its
-# q at its step, under a cap of 168 registers (six 2-warp programs an SM instead of four).
+# q at its step, under a cap of 168 registers (six 2-warp programs an SM instead of four). gdn6 kept it
+# for R = 5 before the stored deltas; since them it is slower than PRELOAD_ALL at every R (gdn7).
 LATE_OWN_ROWS = GDNRowSchedule(own_early=0, q_at_row=True, max_registers=168)
 
 
@@ -137,31 +132,25 @@ def gdn_verify_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
 
 
 # The row schedules `bench_gdn.py --tune --schedules candidates` times under DEFAULT_TILES and
-# `tests/functional/test_gdn_gpu.py` checks bit for bit (S = 4 steps == R = 1 steps under each). With the
-# stored deltas (gdn7) a pending row holds k, u, g only; gdn6's candidates that lost are in RESULTS.
-# Registers / spill bytes / BAR.SYNC at R = 5 after 5 pending rows (ptxas 13.4 for sm_90a,
-# `gdn_kernel_registers.py`): 255 / 0 / 59, 255 / 0 / 69, 168 / 0 / 59, 168 / 0 / 69, 167 / 0 / 59, 144 / 64 / 59,
-# 209 / 0 / 59 (main before gdn7: 255 / 0 / 69 preloading all, 168 / 56 / - for LATE_OWN_ROWS).
+# `tests/functional/test_gdn_gpu.py` checks bit for bit (S = 3 and 4 steps == R = 1 steps under each).
+# With the stored deltas (gdn7) a pending row holds k, u, g only. Registers / spill bytes at R = 5
+# after 5 pending rows (ptxas 13.4 for sm_90a, `gdn_kernel_registers.py`): 255 / 0, 168 / 0, 167 / 0,
+# 144 / 64, 209 / 0 (main before gdn7: 255 / 0 preloading all, 168 / 56 for LATE_OWN_ROWS).
 CANDIDATE_SCHEDULES = (
     PRELOAD_ALL,
-    GDNRowSchedule(store_together=False),
     LATE_OWN_ROWS,
-    GDNRowSchedule(own_early=0, q_at_row=True, max_registers=168, store_together=False),
     GDNRowSchedule(own_early=0, pending_early=0, q_at_row=True, max_registers=168),
     GDNRowSchedule(own_early=0, ahead=0, q_at_row=True, max_registers=144),
     GDNRowSchedule(own_early=0, q_at_row=True),
 )
 
 # rows per request at most -> the schedule (None: no bound); the first entry that holds R wins.
-# H100, graph-timed, main's kernel in the same process (`run_gdn_gpu.sh schedules`, P = R stored
-# rows, every candidate torch.equal to main; RESULTS "GDN hybrids", gdn6): at R = 5 LATE_OWN_ROWS
-# is the fastest (86.2 / 309.3 us against main's 87.8 / 317.9 at batch 32 / 128: 53 / 59 % of the
-# copy against 52 / 57 %); at R = 3 it is not faster at batch 32 (65.8 against 65.2 us) and every
-# other schedule is slower, at R = 1 all are within noise: those keep PRELOAD_ALL. R = 4 and R > 5
-# were not timed (at R = 7 both spill under ptxas 13.4): PRELOAD_ALL, main's.
+# H100, graph-timed, main's kernel (before the stored deltas) in the same process (`run_gdn_gpu.sh
+# delta`, P = R stored rows, every candidate's two steps torch.equal to main's; RESULTS "GDN hybrids",
+# gdn7): PRELOAD_ALL is the fastest at R = 3, 4, 5 (S = 4: 74.7 / 266.5 us at batch 32 / 128, 61 / 69 %
+# of the copy; LATE_OWN_ROWS 82.8 / 280.8; the other candidates slower still) and within 1 % of the
+# others at R = 1. R > 5 was not timed: PRELOAD_ALL too (255 registers, no spills at R = 7).
 ROW_SCHEDULE_TABLE: Tuple[Tuple[Optional[int], GDNRowSchedule], ...] = (
-    (4, PRELOAD_ALL),
-    (5, LATE_OWN_ROWS),
     (None, PRELOAD_ALL),
 )
 
