@@ -59,8 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--schedules", metavar="SCHEDULES",
                         help="with --tune: row schedules (GDNRowSchedule, 'own/pending/ahead/q/maxreg', 'all' = "
                              "every row early) timed under each shape, comma-separated, or 'candidates' "
-                             "(gdn_tiles.CANDIDATE_SCHEDULES); each first call is checked torch.equal against "
-                             "the baseline's (outputs, states, stored rows)")
+                             "(gdn_tiles.CANDIDATE_SCHEDULES); two steps of each (the second applying the "
+                             "first's rows) are checked torch.equal against the baseline's (outputs, states)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -168,6 +168,17 @@ def _make_tiles(candidate):
     return GDNTiles(block_v, num_warps, parse_schedule(schedule[0]) if schedule else None)
 
 
+def _pending_row_inputs(width_of, device, shape, batch, S):
+    """``[1, batch + 1, 2, 1 + S, F]`` stored rows of the layout whose width ``width_of`` gives (this
+    package's ``[k | u | g]``, or a baseline's ``[k | v | g | beta]``): zeros, every column past
+    ``k`` and ``v`` / ``u`` (g, and beta where stored) 0.5, so the pending rows do real work."""
+    key_heads, heads, key_dim, value_dim = shape
+    width = width_of(key_heads, key_dim, heads, value_dim)
+    row_inputs = torch.zeros(1, batch + 1, 2, S + 1, width, device=device)
+    row_inputs[..., key_heads * key_dim + heads * value_dim:].fill_(0.5)
+    return row_inputs
+
+
 def _verify_setup(device, shape, batch, S):
     """Pools and rows of one verify step at ``batch`` requests of 1 + S rows (slot ``batch``: the
     scratch slot), each slot with all 1 + S rows of its last step pending (every draft accepted:
@@ -175,17 +186,37 @@ def _verify_setup(device, shape, batch, S):
     verify + replay path did ([1, M, R, F])."""
     key_heads, heads, key_dim, value_dim = shape
     R = S + 1
-    width = gdn_row_input_width(key_heads, key_dim, heads, value_dim)
+    width = gdn_row_input_width(key_heads, key_dim, heads, value_dim) + heads  # the old [k | v | g | beta]
     pending = torch.full((batch + 1,), R if S else 0, dtype=torch.int32, device=device)
     pending[batch] = 0
-    row_inputs = torch.zeros(1, batch + 1, 2, R, width, device=device)
-    row_inputs[..., -2 * heads:].fill_(0.5)  # g = beta = 0.5 in the pending rows: real work
     return dict(states=torch.zeros(1, batch + 1, heads, key_dim, value_dim, device=device),
-                row_inputs=row_inputs, old_row_inputs=torch.zeros(1, batch + 1, R, width, device=device),
+                row_inputs=_pending_row_inputs(gdn_row_input_width, device, shape, batch, S),
+                old_row_inputs=torch.zeros(1, batch + 1, R, width, device=device),
                 pending=pending, parity=torch.zeros(batch + 1, dtype=torch.int32, device=device),
                 slots=torch.arange(batch, device=device), status=torch.zeros(batch, dtype=torch.int64, device=device),
                 accepted=torch.full((batch,), S, dtype=torch.int64, device=device),
                 rows=_rows(batch * R, key_heads, heads, key_dim, value_dim, device))
+
+
+def _baseline_pools(module, step):
+    """``step`` with its own copies of the pools for a baseline module with the deferred commit, its
+    stored rows in that module's layout (``module.gdn_row_input_width``)."""
+    key_heads, key_dim = step["rows"]["k"].shape[1:]
+    heads, value_dim = step["rows"]["v"].shape[1:]
+    batch, S = step["slots"].shape[0], step["row_inputs"].shape[3] - 1
+    return dict(step, **{name: step[name].clone() for name in ("states", "pending", "parity")},
+                row_inputs=_pending_row_inputs(module.gdn_row_input_width, step["states"].device,
+                                               (key_heads, heads, key_dim, value_dim), batch, S))
+
+
+def _two_steps(step, S, tiles=None, module=None):
+    """(outputs, states) after each of two steps from ``step``'s states with nothing pending: the
+    second applies the first's 1 + S stored rows (every draft accepted). What ``--tune``'s bit-for-bit
+    check compares with the baseline's: the stored rows' layouts may differ, what they commit may not."""
+    step["pending"].zero_()
+    first = _deferred_step(step, S, tiles, module).clone()
+    first_states = step["states"].clone()
+    return first, first_states, _deferred_step(step, S, tiles, module).clone(), step["states"].clone()
 
 
 def _deferred_step(step, S, tiles=None, module=None):
@@ -336,7 +367,7 @@ def _time_baseline(module, device, step, key_heads, S, repeats=20, graph_calls=0
     (repeats = 0: compile only); its own states and row inputs (main's [1, M, R, F] layout). A
     baseline with the deferred commit: (its whole step's us, 0.0), on its own copies of the pools."""
     if _is_deferred(module):
-        own = dict(step, **{name: step[name].clone() for name in ("states", "row_inputs", "pending", "parity")})
+        own = _baseline_pools(module, step)
         _deferred_step(own, S, module=module)
         if not repeats:
             return 0.0, 0.0
@@ -381,7 +412,9 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, basel
     state_bytes = heads * key_dim * value_dim * 4
     copy_gbs = copy_bandwidth_gbs(device, max(batches) * state_bytes * 2)
     print(f"\n--tune: {heads} value heads, {key_heads} key heads, K = {key_dim}, V = {value_dim}; copy {copy_gbs:.0f} "
-          "GB/s; a step moves 2 states; max|diff| = output against the first candidate; "
+          "GB/s; a step moves 2 states; max|diff| = output against the first candidate; ==base: two steps from "
+          "the same states (the second applies the first's 1 + S rows) give the baseline's outputs and states, "
+          "torch.equal; "
           + (f"GPU time: {graph_calls} calls in one CUDA graph" if graph_calls else "eager calls"))
     if device.type == "cuda":
         try:
@@ -397,23 +430,25 @@ def tune_table(device, shape, batches, drafts, candidates=TUNE_CANDIDATES, basel
         for S in drafts:
             step = _verify_setup(device, shape, batch, S)
             step["states"].normal_().mul_(0.1)
+            first, start = None, {name: step[name].clone() for name in ("states", "row_inputs", "parity", "pending")}
+            want = None
             if base_module is not None:
+                if _is_deferred(base_module):  # two steps from the same start (the second applies the
+                    # first's rows): what bit for bit means when the stored rows' layouts differ
+                    want = _two_steps(_baseline_pools(base_module, step), S, module=base_module)
                 base = _time_baseline(base_module, device, step, key_heads, S, graph_calls=graph_calls)
                 best[("baseline", batch, S)] = (sum(base), base)
                 print(f"{batch:5d} {S:2d} {'base':>6} {sum(base):8.1f} "
                       f"{batch * state_bytes * 2 / sum(base) / 1e3 / copy_gbs:7.0%}")
-            first, start = None, {name: step[name].clone() for name in ("states", "row_inputs", "parity")}
-            want = None
-            if base_module is not None:  # the baseline's first call from the same start: what bit for bit means
-                want = (_deferred_step(step, S, module=base_module).clone(), step["states"].clone(),
-                        step["row_inputs"].clone())
             for candidate in candidates:
                 tiles = _make_tiles(candidate)
-                for name, value in start.items():  # each candidate's first call from the same start
+                for name, value in start.items():  # each candidate's check from the same start
                     step[name].copy_(value)
-                result = _deferred_step(step, S, tiles).clone()
-                same = want is not None and all(torch.equal(got, expected) for got, expected in zip(
-                    (result, step["states"], step["row_inputs"]), want))
+                got = _two_steps(step, S, tiles)
+                result = got[2]
+                same = want is not None and all(torch.equal(a, b) for a, b in zip(got, want))
+                for name, value in start.items():  # timed from the setup's pools (1 + S rows pending)
+                    step[name].copy_(value)
                 first = result if first is None else first
                 diff = (result - first).abs().max().item()
                 us = _time_ms(lambda: _deferred_step(step, S, tiles), device, 20, graph_calls) * 1e3

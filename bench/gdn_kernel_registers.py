@@ -23,7 +23,7 @@ STORED_ROWS = 5  # 1 + S at S = 4: the pending rows a step may apply
 
 
 def _int_values(kernel_name, rows):
-    width = KEY_HEADS * KEY_DIM + HEADS * VALUE_DIM + 2 * HEADS
+    width = KEY_HEADS * KEY_DIM + HEADS * VALUE_DIM + HEADS  # [k | u | g] (main before gdn7: + 2 H; both 16-divisible)
     state = dict(states_s_head=KEY_DIM * VALUE_DIM, states_s_k=VALUE_DIM, states_s_v=1, key_dim=KEY_DIM,
                  value_dim=VALUE_DIM, heads=HEADS, key_heads=KEY_HEADS, inputs_s_slot=2 * STORED_ROWS * width,
                  inputs_s_parity=STORED_ROWS * width, inputs_s_row=width)

@@ -22,6 +22,16 @@
 #               baseline's), then test_gdn_gpu.py (kernel tests, then the controller graph tests) with the
 #               time left of GDN_CALL_SECONDS (default 145); baseline as in sweep
 #   schedules-quick  its benchmark part on the CPU (tiny shapes, interpreted, two schedules): a smoke test
+#   delta       one call for the stored deltas (gdn7, issue 32, S = 4): --tune under (32, 2) over
+#               gdn_tiles.CANDIDATE_SCHEDULES at batch 32 / 128, S = 0 / 2 / 3 / 4 (graph-timed, the baseline's
+#               step in the same process; each schedule's two steps from the same states torch.equal to the
+#               baseline's: outputs and states, the stored rows' layouts differ), then test_gdn_gpu.py (kernel
+#               tests, then the controller graph tests), then --tune of two other shapes (16, 1), (32, 4) under
+#               the table's schedules, with the time left of GDN_CALL_SECONDS (default 230); baseline as in
+#               sweep (main's kernel before the stored deltas)
+#   delta-quick its benchmark part on the CPU (tiny shapes, interpreted, two schedules): a smoke test (its
+#               ==base column says NO: interpreted, main's update rounds its multiply and add apart, the
+#               explicit fma once; compiled, main's is contracted to the same fma)
 # The baseline: the same bench script run against the package of $GDN_BASELINE_ROOT (default: the
 # checkout two levels up, where the device tool puts the lead's main when this one is .wt/<name>).
 set -uo pipefail
@@ -124,6 +134,36 @@ case "${1:-}" in
     echo "== summary (device: $(cat "$out/device.txt" 2>/dev/null)) =="
     sed -n '/per candidate, share/,/^$/p' "$out/tune.txt"
     grep -c " NO$" "$out/tune.txt" | sed 's/^/schedules not bit for bit with the baseline: /'
+    tail -2 "$out/functional_kernels.log" "$out/functional_hybrid.log" 2>/dev/null || true ;;
+  delta|delta-quick)
+    started=$SECONDS
+    base="${GDN_BASELINE_FILE:-.scratch/gdn_baseline/gdn_replay.py}"
+    [ -f "$base" ] || { echo "no baseline at $base"; base=""; }
+    if [ "$1" = delta-quick ]; then
+      TRITON_INTERPRET=1 timeout 300 python3 bench/bench_gdn.py --tune --quick --schedules all/all/1/0/0,0/all/1/1/168 \
+        ${base:+--baseline "$base"} 2>&1 | grep -v Warning | tee "$out/tune.txt"
+    else
+      timeout 110 python3 bench/bench_gdn.py --tune --tune-scope 32,128/0,2,3,4/32x2 --schedules candidates \
+        ${base:+--baseline "$base"} 2>&1 | grep -v Warning | tee "$out/tune.txt"
+      left=$(( ${GDN_CALL_SECONDS:-230} - (SECONDS - started) - 3 ))
+      timeout "$left" python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
+        -k "not hybrid" 2>&1 | tee "$out/functional_kernels.log" | tail -15
+      left=$(( ${GDN_CALL_SECONDS:-230} - (SECONDS - started) - 2 ))
+      if [ "$left" -gt 15 ]; then
+        timeout "$left" python3 -m pytest tests/functional/test_gdn_gpu.py -q -p no:cacheprovider -W ignore \
+          -k "hybrid" 2>&1 | tee "$out/functional_hybrid.log" | tail -15
+      else
+        echo "controller graph tests skipped: ${left}s left" | tee "$out/functional_hybrid.log"
+      fi
+      left=$(( ${GDN_CALL_SECONDS:-230} - (SECONDS - started) - 2 ))
+      if [ "$left" -gt 15 ]; then
+        timeout "$left" python3 bench/bench_gdn.py --tune --tune-scope 32,128/0,2,4/16x1,32x4 \
+          ${base:+--baseline "$base"} 2>&1 | grep -v Warning | tee "$out/tune_shapes.txt"
+      fi
+    fi
+    echo "== summary (device: $(cat "$out/device.txt" 2>/dev/null)) =="
+    sed -n '/per candidate, share/,/^$/p' "$out/tune.txt" "$out/tune_shapes.txt" 2>/dev/null
+    grep -c " NO$" "$out/tune.txt" | sed 's/^/schedule points not bit for bit with the baseline: /'
     tail -2 "$out/functional_kernels.log" "$out/functional_hybrid.log" 2>/dev/null || true ;;
   *)
     # "functional" runs the tests alone: at 59f0165 the two controller graph tests did not finish

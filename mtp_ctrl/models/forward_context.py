@@ -56,7 +56,7 @@ class MambaForward:
     prefill_row_start: Optional[torch.Tensor] = None  # [n] int64 on the device; None: no prefill rows
     prefill_row_count: Optional[torch.Tensor] = None  # [n] int64 on the device
     prefill_slot_ids: Optional[torch.Tensor] = None  # [n] int64 on the device
-    # Gated DeltaNet slots: each verify row's (k, v, g, beta) instead of its state, in two buffers, and
+    # Gated DeltaNet slots: each verify row's (k, u, g) (u its delta) instead of its state, in two buffers, and
     # each slot's rows still to apply (gdn_verify_rows; all 1 + S stored rows: a step may apply more than it verifies)
     verify_row_inputs: Optional[torch.Tensor] = None  # [Lm, M, 2, 1 + S, F] fp32
     pending_rows: Optional[torch.Tensor] = None  # [M] int32

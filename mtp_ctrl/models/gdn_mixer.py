@@ -13,7 +13,8 @@ buffers and commit as Mamba-2 layers: ``conv_states`` hold the conv windows, ``s
 - decode requests (``1 + S`` rows each): the conv over their rows from the slot's window (the
   window after every row goes to the intermediate buffer), then ``gdn_verify_rows``, which reads
   the slot's state once, first applies the rows its last verify step kept (the deferred commit),
-  writes that state back and stores each row's ``(k, v, g, beta)`` (``MambaForward.verify_row_inputs``);
+  writes that state back and stores each row as ``(k, u, g)``, u its delta
+  (``MambaForward.verify_row_inputs``);
   the controller's commit records how many rows were kept (``gdn_mark_pending_rows``; the conv
   window by ``mamba_state_selective_copy``), so a rejected draft never touches the state and a
   step with no drafts or none accepted leaves plain decoding's state. Given

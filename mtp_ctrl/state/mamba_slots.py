@@ -8,8 +8,8 @@ after each row to ``intermediate_*[:, m, i]`` (i = 0..S), and the commit copies 
 the one after the last accepted row (``mamba_state_selective_copy``).
 
 Gated DeltaNet layers (``MambaSpec.gdn_key_heads`` set) keep no intermediate recurrent states: a
-verify row stores its ``(k, v, g, beta)`` in ``verify_row_inputs[:, m, p, i]`` (a few KB, against the
-``[H, K, V]`` state; ``p`` one of two buffers), and the commit is deferred: it only records
+verify row stores its ``(k, u, g)`` (u its delta) in ``verify_row_inputs[:, m, p, i]`` (a few KB,
+against the ``[H, K, V]`` state; ``p`` one of two buffers), and the commit is deferred: it only records
 ``pending_rows[m] = accepted + 1`` and flips ``input_parity[m]`` to the buffer just written
 (``gdn_mark_pending_rows``); the slot's next verify or decode step applies those rows to the state
 it loads, writes the committed state back and stores its own rows' inputs in the other buffer

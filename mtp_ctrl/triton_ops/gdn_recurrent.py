@@ -60,13 +60,36 @@ def _load_row(Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_hea
 
 
 @triton.jit
+def _apply_delta(state, k, delta, g):
+    """The state tile ``[BLOCK_K, BLOCK_V]`` after a row whose delta ``u`` (``delta`` ``[BLOCK_V]``) is
+    known: ``exp(g) S + k u^T`` (k ``[BLOCK_K]``, g ``[BLOCK_V]``, one value). An explicit fused
+    multiply-add, so a stepped row (:func:`_delta_rule_step`) and a stored row applied later compile
+    to the same instructions whatever the compiler would contract: the same bits. g = 0 with k = 0
+    (or u = 0) leaves the state as it was."""
+    decayed = state * tl.exp(g)[None, :]
+    return tl.fma(tl.broadcast_to(k[:, None], decayed.shape), tl.broadcast_to(delta[None, :], decayed.shape),
+                  decayed)
+
+
+@triton.jit
+def _delta_rule_step(state, k, v, g, beta):
+    """(state tile after one row, the row's delta ``u = beta (v - (exp(g) S)^T k)`` ``[BLOCK_V]``);
+    k ``[BLOCK_K]``; v, g, beta ``[BLOCK_V]``. The new state is :func:`_apply_delta` of ``u``: the
+    decay is recomputed there (one multiply an element; the same bits), so ``u`` stored and applied
+    in a later step gives this state exactly."""
+    decayed = state * tl.exp(g)[None, :]
+    delta = beta * (v - tl.sum(decayed * k[:, None], axis=0))  # [BLOCK_V]
+    return _apply_delta(state, k, delta, g), delta
+
+
+@triton.jit
 def _delta_rule_update(state, k, v, g, beta):
     """The state tile ``[BLOCK_K, BLOCK_V]`` after one row (k ``[BLOCK_K]``; v, g, beta ``[BLOCK_V]``).
-    Every kernel that steps the rule calls this one function, so a replayed row gives the state
-    the verify row computed. g = beta = 0 (with k = v = 0) leaves the state exactly as it was."""
-    state = state * tl.exp(g)[None, :]
-    delta = beta * (v - tl.sum(state * k[:, None], axis=0))  # [BLOCK_V]
-    return state + k[:, None] * delta[None, :]
+    Every kernel that steps the rule calls this one function (or :func:`_delta_rule_step`), so a
+    replayed row gives the state the verify row computed. g = beta = 0 (with k = v = 0) leaves the
+    state exactly as it was."""
+    state, _ = _delta_rule_step(state, k, v, g, beta)
+    return state
 
 
 @triton.jit

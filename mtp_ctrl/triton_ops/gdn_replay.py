@@ -4,15 +4,16 @@ the slot's next step: store each row's small inputs; the next step applies the k
 Letters as in :mod:`mtp_ctrl.triton_ops.gdn_recurrent` (nd decode requests of R = 1 + V rows, L
 layers, M slots, H value heads, Hk key heads, K key dim, V value dim; the rule's state ``[H, K, V]``
 fp32 per slot and layer; P = 1 + S stored rows a buffer). A request's state is ``H K V`` floats, its
-row's inputs only ``F = Hk K + H V + 2 H`` (:func:`gdn_row_input_width`), so writing one state per
+row's ``F = Hk K + H V + H`` floats (:func:`gdn_row_input_width`), so writing one state per
 verify row (:func:`gdn_decode_rows`) costs R state writes and a commit copy, and this costs none:
 
 - :func:`gdn_verify_rows` reads the slot's state once and first applies the slot's
   ``pending_rows[slot]`` stored rows (``row_inputs[layer, slot, input_parity[slot]]``: the rows its
   last verify step kept), then keeps the state in registers through its own R rows (their
   outputs need the state after every row). With R > 1 it writes the committed state (the state
-  before its rows) back and stores row ``j``'s ``(k, v, g, beta)`` in the OTHER buffer,
-  ``row_inputs[layer, slot, 1 - parity, j]``, as ``[k (Hk K) | v (H V) | g (H) | beta (H)]``: the
+  before its rows) back and stores row ``j`` in the OTHER buffer, ``row_inputs[layer, slot, 1 -
+  parity, j]``, as ``[k (Hk K) | u (H V) | g (H)]``, ``u = beta (v - (exp(g) S)^T k)`` the row's
+  delta (computed to step the row anyway; each program stores its own value columns of it): the
   programs of one launch that share a key head's ``k`` may still be applying the old rows. With
   R = 1 (plain decoding, nothing to roll back) it writes the state after the row instead and
   stores nothing. One read and one write of the state per step, whatever R.
@@ -21,25 +22,27 @@ verify row (:func:`gdn_decode_rows`) costs R state writes and a commit copy, and
   just written (R = 1 and prefill requests: 0 pending; the scratch slot keeps 0). Zero accepted
   drafts leave the base row pending: the state one plain decode row leaves, once applied.
 
-Every GDN kernel steps the rule with :func:`mtp_ctrl.triton_ops.gdn_recurrent._delta_rule_update`
-under one launch shape, so a pending row applied in the next step gives the state the verify row
-saw and a plain R = 1 row computes, bit for bit (the order of the sums over K follows the shape:
-two shapes agree to fp32 rounding only). Rows past the pending count are skipped (they would be
-exact no-ops: g = beta = 0, k = v = 0).
+A pending row is applied as ``S = exp(g) S + k u^T``: elementwise, no reduction over K (a row
+stepped costs two: ``S^T k`` for u, ``S^T q`` for its output). Every GDN kernel steps the rule with
+:func:`mtp_ctrl.triton_ops.gdn_recurrent._delta_rule_step` under one launch shape and ends each row
+with :func:`mtp_ctrl.triton_ops.gdn_recurrent._apply_delta` (an explicit fused multiply-add), as
+the pending rows do, so the next step reloads the committed state the verify step computed u from
+and applying u gives the state the verify row saw and a plain R = 1 row computes, bit for bit (the
+order of the sums over K follows the shape: two shapes agree to fp32 rounding only). Rows past the
+pending count are skipped (they would be exact no-ops: g = 0, k = u = 0).
 
 Launch: one program per (value tile, head, request) holds a ``[K, BLOCK_V]`` state tile in
-registers. Up to R = 3 it loads every row's inputs and the pending rows' first and the state after
-them, so all its loads are in flight together and none waits behind a store or behind the serial
-rows; at R = 5 the own rows' inputs load one row ahead of their step instead (q at its step) under
-a register cap, so more programs share an SM (:class:`mtp_ctrl.triton_ops.gdn_tiles.GDNRowSchedule`:
+registers. It loads every row's inputs and the pending rows' first and the state after them, so
+all its loads are in flight together and none waits behind a store or behind the serial rows
+(:class:`mtp_ctrl.triton_ops.gdn_tiles.GDNRowSchedule` may load rows later or cap registers per R:
 only when loads issue changes, never the arithmetic, so every schedule gives the same bits).
 ``BLOCK_V``, the warps and the schedule come from :mod:`mtp_ctrl.triton_ops.gdn_tiles`, or the
 ``tiles`` argument.
 
-Worked example (S = 2, F for Hk = 1, K = 2, H = 2, V = 2 is 2 + 4 + 2 + 2 = 10): slot 5 holds 2
+Worked example (S = 2, F for Hk = 1, K = 2, H = 2, V = 2 is 2 + 4 + 2 = 8): slot 5 holds 2
 pending rows in buffer 1. A step verifying rows x, y, z loads ``state[l, 5]``, applies
-``row_inputs[l, 5, 1, 0..1]``, writes the result to ``state[l, 5]``, stores x, y, z in
-``row_inputs[l, 5, 0, 0..2]`` and steps them for their outputs; ``accepted_counts = 0`` then sets
+``row_inputs[l, 5, 1, 0..1]``, writes the result to ``state[l, 5]``, steps x, y, z for their
+outputs and stores each as ``(k, u, g)`` in ``row_inputs[l, 5, 0, 0..2]``; ``accepted_counts = 0`` then sets
 ``pending_rows[5] = 1``, ``input_parity[5] = 0``: the next step applies x only.
 
 Twins: :mod:`mtp_ctrl.triton_ops.reference.gdn`.
@@ -54,7 +57,7 @@ import triton.language as tl
 from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import INDEX_DTYPES, ValidatedSignatures, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import use_triton
-from mtp_ctrl.triton_ops.gdn_recurrent import _check_rows, _delta_rule_update
+from mtp_ctrl.triton_ops.gdn_recurrent import _apply_delta, _check_rows, _delta_rule_step
 from mtp_ctrl.triton_ops.gdn_tiles import GDNTiles, gdn_row_schedule, gdn_verify_tiles
 
 _VERIFY_VALIDATED = ValidatedSignatures()
@@ -63,8 +66,8 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the second and third grid dimensions (he
 
 
 def gdn_row_input_width(key_heads: int, key_dim: int, heads: int, value_dim: int) -> int:
-    """F, the floats one verify row stores: ``[k (Hk K) | v (H V) | g (H) | beta (H)]``."""
-    return key_heads * key_dim + heads * value_dim + 2 * heads
+    """F, the floats one verify row stores: ``[k (Hk K) | u (H V) | g (H)]`` (u: the row's delta)."""
+    return key_heads * key_dim + heads * value_dim + heads
 
 
 @triton.jit
@@ -91,27 +94,25 @@ def _load_update_inputs(K_PTR, V_PTR, G_PTR, BETA_PTR, row, num_rows, head, key_
 
 @triton.jit
 def _load_pending_row(INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head,
-                      key_dim, keys, is_key, values, is_value, v_offset, g_offset, heads):
-    """Stored row ``j``'s (k ``[BLOCK_K]``, v, g, beta ``[BLOCK_V]``) of the slot's pending buffer; zeros
-    past the pending count."""
+                      key_dim, keys, is_key, values, is_value, u_offset, g_offset):
+    """Stored row ``j``'s (k ``[BLOCK_K]``, u, g ``[BLOCK_V]``) of the slot's pending buffer; zeros past
+    the pending count."""
     kept_k = keys * 0 + j < pending  # [BLOCK_K] bool, one value
     kept_v = values * 0 + j < pending  # [BLOCK_V] bool
     row_ptr = INPUTS_PTR + slot * inputs_s_slot + parity * inputs_s_parity + j * inputs_s_row
     k = tl.load(row_ptr + key_head * key_dim + keys, mask=is_key & kept_k, other=0.0)
-    v = tl.load(row_ptr + v_offset + values, mask=is_value & kept_v, other=0.0)
+    u = tl.load(row_ptr + u_offset + values, mask=is_value & kept_v, other=0.0)
     g = tl.load(row_ptr + g_offset + values * 0, mask=kept_v, other=0.0)
-    beta = tl.load(row_ptr + g_offset + heads + values * 0, mask=kept_v, other=0.0)
-    return k, v, g, beta
+    return k, u, g
 
 
 @triton.jit
-def _append_pending_row(pks, pvs, pgs, pbetas, INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity,
-                        inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset, g_offset, heads):
-    """The tuples of the pending rows' (k, v, g, beta) with stored row ``j``'s appended."""
-    k, v, g, beta = _load_pending_row(INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity,
-                                      inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset,
-                                      g_offset, heads)
-    return pks + (k,), pvs + (v,), pgs + (g,), pbetas + (beta,)
+def _append_pending_row(pks, pus, pgs, INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity,
+                        inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, u_offset, g_offset):
+    """The tuples of the pending rows' (k, u, g) with stored row ``j``'s appended."""
+    k, u, g = _load_pending_row(INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity, inputs_s_row,
+                                key_head, key_dim, keys, is_key, values, is_value, u_offset, g_offset)
+    return pks + (k,), pus + (u,), pgs + (g,)
 
 
 @triton.jit
@@ -128,15 +129,14 @@ def _append_own_row(qs, ks, vs, gs, betas, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR,
 
 
 @triton.jit
-def _store_row_inputs(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head, key_dim,
-                      keys, values, is_value, lanes, v_offset, g_offset, heads, stores_k, stores_gate, k, v, g, beta):
-    """Own row ``j``'s (k, v, g, beta) into the slot's other buffer (``1 - parity``): k by one program
-    a key head, g and beta by one lane of one program a head."""
+def _store_row(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head, key_dim, keys,
+               values, is_value, lanes, u_offset, g_offset, stores_k, stores_gate, k, u, g):
+    """Own row ``j``'s (k, u, g) into the slot's other buffer (``1 - parity``): k by one program a key
+    head, u by each program for its value columns, g by one lane of one program a head."""
     row_ptr = INPUTS_PTR + slot * inputs_s_slot + (1 - parity) * inputs_s_parity + j * inputs_s_row
+    tl.store(row_ptr + u_offset + values, u, mask=is_value)
     tl.store(row_ptr + key_head * key_dim + keys, k, mask=stores_k)
-    tl.store(row_ptr + v_offset + values, v, mask=is_value)
     tl.store(row_ptr + g_offset + lanes * 0, g, mask=stores_gate)
-    tl.store(row_ptr + g_offset + heads + lanes * 0, beta, mask=stores_gate)
 
 
 # num_rows only bounds masks: not specialised, so one compiled kernel serves every batch size
@@ -180,15 +180,15 @@ def _gdn_verify_rows_kernel(
     slot = tl.load(SLOTS_PTR + request).to(tl.int64)
     pending = tl.load(PENDING_PTR + slot)
     parity = tl.load(PARITY_PTR + slot).to(tl.int64)
-    v_offset = key_heads * key_dim + head * value_dim
+    u_offset = key_heads * key_dim + head * value_dim
     g_offset = key_heads * key_dim + heads * value_dim + head
     # the deferred commit: rows 0 .. pending - 1 of the buffer the last verify step wrote (the rest: zeros)
-    pks, pvs, pgs, pbetas = (), (), (), ()
+    pks, pus, pgs = (), (), ()
     for j in tl.static_range(STORED_ROWS):
         if j < PENDING_EARLY:
-            pks, pvs, pgs, pbetas = _append_pending_row(
-                pks, pvs, pgs, pbetas, INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity,
-                inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset, g_offset, heads)
+            pks, pus, pgs = _append_pending_row(
+                pks, pus, pgs, INPUTS_PTR, slot, parity, j, pending, inputs_s_slot, inputs_s_parity, inputs_s_row,
+                key_head, key_dim, keys, is_key, values, is_value, u_offset, g_offset)
     state_ptrs = STATES_PTR + slot * states_s_slot + head * states_s_head + keys[:, None] * states_s_k \
         + values[None, :] * states_s_v
     state = tl.load(state_ptrs, mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
@@ -198,9 +198,9 @@ def _gdn_verify_rows_kernel(
         if c < AHEAD:
             if c < STORED_ROWS:
                 if c >= PENDING_EARLY:
-                    pks, pvs, pgs, pbetas = _append_pending_row(
-                        pks, pvs, pgs, pbetas, INPUTS_PTR, slot, parity, c, pending, inputs_s_slot, inputs_s_parity,
-                        inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset, g_offset, heads)
+                    pks, pus, pgs = _append_pending_row(
+                        pks, pus, pgs, INPUTS_PTR, slot, parity, c, pending, inputs_s_slot, inputs_s_parity,
+                        inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, u_offset, g_offset)
             elif c - STORED_ROWS >= OWN_EARLY:
                 qs, ks, vs, gs, betas = _append_own_row(
                     qs, ks, vs, gs, betas, Q_PTR, K_PTR, V_PTR, G_PTR, BETA_PTR, first_row + c - STORED_ROWS,
@@ -210,10 +210,9 @@ def _gdn_verify_rows_kernel(
     for j in tl.static_range(STORED_ROWS):  # row j + AHEAD of the sequence loads here (no local: a constexpr)
         if j + AHEAD < STORED_ROWS:
             if j + AHEAD >= PENDING_EARLY:
-                pks, pvs, pgs, pbetas = _append_pending_row(
-                    pks, pvs, pgs, pbetas, INPUTS_PTR, slot, parity, j + AHEAD, pending, inputs_s_slot,
-                    inputs_s_parity, inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, v_offset,
-                    g_offset, heads)
+                pks, pus, pgs = _append_pending_row(
+                    pks, pus, pgs, INPUTS_PTR, slot, parity, j + AHEAD, pending, inputs_s_slot, inputs_s_parity,
+                    inputs_s_row, key_head, key_dim, keys, is_key, values, is_value, u_offset, g_offset)
         elif j + AHEAD - STORED_ROWS < ROWS:
             if j + AHEAD - STORED_ROWS >= OWN_EARLY:
                 qs, ks, vs, gs, betas = _append_own_row(
@@ -221,18 +220,13 @@ def _gdn_verify_rows_kernel(
                     num_rows, head, key_head, keys, is_key, values, is_value, q_stride_t, q_stride_h, k_stride_t,
                     k_stride_h, v_stride_t, v_stride_h, g_stride_t, g_stride_h, beta_stride_t, beta_stride_h,
                     not Q_AT_ROW)
-        if j < pending:  # rows past the pending count would leave the state exactly as it is: skipped
-            state = _delta_rule_update(state, pks[j], pvs[j], pgs[j], pbetas[j])
-    # the program that stores a head's shared inputs: k once per key head, g and beta once per head
+        if j < pending:  # a stored row is its delta: applied with no reduction; rows past the count skipped
+            state = _apply_delta(state, pks[j], pus[j], pgs[j])
+    # the program that stores a head's shared inputs: k once per key head, g once per head
     stores_k = is_key & (keys * 0 + tile == 0) & (keys * 0 + head % heads_per_key_head == 0)  # [BLOCK_K]
     stores_gate = (lanes == 0) & (lanes * 0 + tile == 0)  # [BLOCK_V]
-    if ROWS > 1:  # the committed state back, and the early rows' (k, v, g, beta) into the other buffer
+    if ROWS > 1:  # the committed state back
         tl.store(state_ptrs, state, mask=tile_mask & (values[None, :] * 0 + pending > 0))
-        for j in tl.static_range(ROWS):
-            if j < OWN_EARLY:
-                _store_row_inputs(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row,
-                                  key_head, key_dim, keys, values, is_value, lanes, v_offset, g_offset, heads,
-                                  stores_k, stores_gate, ks[j], vs[j], gs[j], betas[j])
     for j in tl.static_range(ROWS):  # own row j + AHEAD loads here
         if j + AHEAD < ROWS:
             if j + AHEAD >= OWN_EARLY:
@@ -244,14 +238,12 @@ def _gdn_verify_rows_kernel(
             q = _load_q(Q_PTR, first_row + j, num_rows, key_head, keys, is_key, q_stride_t, q_stride_h)
         else:
             q = qs[j]
-        state = _delta_rule_update(state, ks[j], vs[j], gs[j], betas[j])
+        state, delta = _delta_rule_step(state, ks[j], vs[j], gs[j], betas[j])
         tl.store(OUT_PTR + (first_row + j) * out_stride_t + head * out_stride_h + values,
                  tl.sum(state * q[:, None], axis=0), mask=is_value)
-        if ROWS > 1:
-            if j >= OWN_EARLY:  # a late row's inputs into the other buffer once stepped (they have arrived)
-                _store_row_inputs(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row,
-                                  key_head, key_dim, keys, values, is_value, lanes, v_offset, g_offset, heads,
-                                  stores_k, stores_gate, ks[j], vs[j], gs[j], betas[j])
+        if ROWS > 1:  # the row as its (k, u, g) into the other buffer: the next step applies u, no reduction
+            _store_row(INPUTS_PTR, slot, parity, j, inputs_s_slot, inputs_s_parity, inputs_s_row, key_head, key_dim,
+                       keys, values, is_value, lanes, u_offset, g_offset, stores_k, stores_gate, ks[j], delta, gs[j])
     if ROWS == 1:  # plain decoding: the row is always kept
         tl.store(state_ptrs, state, mask=tile_mask)
 

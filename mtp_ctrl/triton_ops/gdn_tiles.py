@@ -68,7 +68,8 @@ class GDNRowSchedule:
 PRELOAD_ALL = GDNRowSchedule()
 
 # The pending rows before the state, each own row's (k, v, g, beta) one row ahead of its step and its
-# q at its step, under a cap of 168 registers (six 2-warp programs an SM instead of four).
+# q at its step, under a cap of 168 registers (six 2-warp programs an SM instead of four). gdn6 kept it
+# for R = 5 before the stored deltas; since them it is slower than PRELOAD_ALL at every R (gdn7).
 LATE_OWN_ROWS = GDNRowSchedule(own_early=0, q_at_row=True, max_registers=168)
 
 
@@ -131,32 +132,25 @@ def gdn_verify_tiles(num_requests: int, rows_per_request: int) -> GDNTiles:
 
 
 # The row schedules `bench_gdn.py --tune --schedules candidates` times under DEFAULT_TILES and
-# `tests/functional/test_gdn_gpu.py` checks bit for bit (S = 4 steps == R = 1 steps under each).
-# Registers / spill bytes at R = 5 after 5 pending rows (ptxas 13.4 for sm_90a, `gdn_kernel_registers.py`):
-# 255 / 0, 233 / 0, 168 / 0, 144 / 0, 128 / 96, 223 / 0, 168 / 28, 241 / 0, 168 / 56, 168 / 352.
+# `tests/functional/test_gdn_gpu.py` checks bit for bit (S = 3 and 4 steps == R = 1 steps under each).
+# With the stored deltas (gdn7) a pending row holds k, u, g only. Registers / spill bytes at R = 5
+# after 5 pending rows (ptxas 13.4 for sm_90a, `gdn_kernel_registers.py`): 255 / 0, 168 / 0, 167 / 0,
+# 144 / 64, 209 / 0 (main before gdn7: 255 / 0 preloading all, 168 / 56 for LATE_OWN_ROWS).
 CANDIDATE_SCHEDULES = (
     PRELOAD_ALL,
-    GDNRowSchedule(own_early=0, pending_early=0, q_at_row=True),
-    GDNRowSchedule(own_early=0, pending_early=0, q_at_row=True, max_registers=168),
-    GDNRowSchedule(own_early=0, pending_early=0, ahead=0, q_at_row=True, max_registers=144),
-    GDNRowSchedule(own_early=0, pending_early=0, ahead=0, q_at_row=True, max_registers=128),
-    GDNRowSchedule(own_early=0, pending_early=0, ahead=2, q_at_row=True),
-    GDNRowSchedule(own_early=2, pending_early=0, q_at_row=True, max_registers=168),
-    GDNRowSchedule(pending_early=0, q_at_row=True),
     LATE_OWN_ROWS,
-    GDNRowSchedule(max_registers=168),
+    GDNRowSchedule(own_early=0, pending_early=0, q_at_row=True, max_registers=168),
+    GDNRowSchedule(own_early=0, ahead=0, q_at_row=True, max_registers=144),
+    GDNRowSchedule(own_early=0, q_at_row=True),
 )
 
 # rows per request at most -> the schedule (None: no bound); the first entry that holds R wins.
-# H100, graph-timed, main's kernel in the same process (`run_gdn_gpu.sh schedules`, P = R stored
-# rows, every candidate torch.equal to main; RESULTS "GDN hybrids", gdn6): at R = 5 LATE_OWN_ROWS
-# is the fastest (86.2 / 309.3 us against main's 87.8 / 317.9 at batch 32 / 128: 53 / 59 % of the
-# copy against 52 / 57 %); at R = 3 it is not faster at batch 32 (65.8 against 65.2 us) and every
-# other schedule is slower, at R = 1 all are within noise: those keep PRELOAD_ALL. R = 4 and R > 5
-# were not timed (at R = 7 both spill under ptxas 13.4): PRELOAD_ALL, main's.
+# H100, graph-timed, main's kernel (before the stored deltas) in the same process (`run_gdn_gpu.sh
+# delta`, P = R stored rows, every candidate's two steps torch.equal to main's; RESULTS "GDN hybrids",
+# gdn7): PRELOAD_ALL is the fastest at R = 3, 4, 5 (S = 4: 74.7 / 266.5 us at batch 32 / 128, 61 / 69 %
+# of the copy; LATE_OWN_ROWS 82.8 / 280.8; the other candidates slower still) and within 1 % of the
+# others at R = 1. R > 5 was not timed: PRELOAD_ALL too (255 registers, no spills at R = 7).
 ROW_SCHEDULE_TABLE: Tuple[Tuple[Optional[int], GDNRowSchedule], ...] = (
-    (4, PRELOAD_ALL),
-    (5, LATE_OWN_ROWS),
     (None, PRELOAD_ALL),
 )
 

@@ -61,7 +61,7 @@ def _pending_pools(seed, num_slots, stored_rows, pending):
     generator = torch.Generator().manual_seed(seed)
     states = torch.randn(2, num_slots, HEADS, KEY_DIM, VALUE_DIM, generator=generator) * 0.1
     row_inputs = torch.randn(2, num_slots, 2, stored_rows, WIDTH, generator=generator) * 0.1
-    row_inputs[..., -2 * HEADS:-HEADS] = -row_inputs[..., -2 * HEADS:-HEADS].abs()
+    row_inputs[..., -HEADS:] = -row_inputs[..., -HEADS:].abs()  # g <= 0 ([k | u | g])
     pending_rows = torch.zeros(num_slots, dtype=torch.int32)
     pending_rows[:len(pending)] = torch.tensor(pending, dtype=torch.int32)
     parity = torch.randint(0, 2, (num_slots,), generator=generator, dtype=torch.int32)
@@ -97,12 +97,12 @@ def test_verify_kernel_and_pending_rows_equal_twins_on_the_gpu():
 def _bit_for_bit_cases():
     """(S, tiles): S = 2 under the table's shape; S = 4 under every candidate shape (the one
     shape for all launches may move to any of them on figures), and under the table's shape with
-    every candidate row schedule (any R may take any of them on figures; S = 4: the most rows)."""
+    every candidate row schedule at S = 3 and 4 (any R may take any of them on figures)."""
     from mtp_ctrl.triton_ops.gdn_tiles import CANDIDATE_SCHEDULES, CANDIDATE_TILES, DEFAULT_TILES, GDNTiles
 
     schedules = [GDNTiles(DEFAULT_TILES.block_v, DEFAULT_TILES.num_warps, schedule) for schedule in CANDIDATE_SCHEDULES]
     return ([(2, DEFAULT_TILES)] + [(4, tiles) for tiles in dict.fromkeys((DEFAULT_TILES,) + CANDIDATE_TILES)]
-            + [(4, tiles) for tiles in schedules])
+            + [(S, tiles) for S in (4, 3) for tiles in schedules])
 
 
 def _case_id(S, tiles):

@@ -209,14 +209,34 @@ def tensor_parallel_worker(rank: int, world_size: int, port: int, expected_path:
 
 
 @contextlib.contextmanager
-def torch_twins():
+def torch_twins(*module_names: str):
     """Inside: every op runs its torch twin, not the interpreted kernel (each kernel == its twin in
-    its own tests). For slow tests whose subject is the controller, and the processes they spawn."""
+    its own tests). For slow tests whose subject is the controller, and the processes they spawn.
+    With names of ``mtp_ctrl.triton_ops`` modules, only their ops do (see ``MODEL_OPS``)."""
+    import importlib
+
     from mtp_ctrl.triton_ops import _dispatch
 
-    saved = _dispatch.interpreter_enabled
-    _dispatch.interpreter_enabled = lambda: False
+    if not module_names:
+        saved = _dispatch.interpreter_enabled
+        _dispatch.interpreter_enabled = lambda: False
+        try:
+            yield
+        finally:
+            _dispatch.interpreter_enabled = saved
+        return
+    modules = [importlib.import_module(f"mtp_ctrl.triton_ops.{name}") for name in module_names]
+    saved_choices = [module.use_triton for module in modules]
+    for module in modules:
+        module.use_triton = lambda tensor: tensor.is_cuda
     try:
         yield
     finally:
-        _dispatch.interpreter_enabled = saved
+        for module, choice in zip(modules, saved_choices):
+            module.use_triton = choice
+
+
+MODEL_OPS = ("rope_kv_write", "paged_attn", "gumbel_sampling")
+"""The target model's attention and rope and the sampler: ~90 % of an interpreted controller loop's
+time (the rope kernel alone ~2/3). A loop test whose subject is a proposer's or a step's own kernels
+runs these on their twins (``model_twins``); ``test_overlap``'s padded churn interprets them all."""

@@ -259,7 +259,7 @@ def _first_new_index(tokens, candidates):
     return next(i for i in candidates if tokens[i] not in tokens[:i])
 
 
-def test_stop_rules_cut_a_step_that_accepted_past_the_stop(models, greedy_continuations):
+def test_stop_rules_cut_a_step_that_accepted_past_the_stop(models, greedy_continuations, model_twins):
     """With every draft accepted (S = 3: 4 tokens per verify step), each stop keeps the step's
     tokens up to the stop and drops the accepted rest: an eos token that was an accepted draft
     of the first verify step, a stop sequence, max_new_tokens, and max_model_len (8-token

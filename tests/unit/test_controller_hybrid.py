@@ -68,9 +68,9 @@ def test_every_accepted_count_commits_the_right_state(model, layout, request):
     """Drafts from the true greedy continuation with a random number of correct leading drafts
     (0..S): every verify step accepts the injected count and commits the Mamba state after that
     row, so the output is still the plain one. Padded batches send padding requests to the
-    scratch slot. The padded layout interprets the kernels, the exact one uses their twins."""
-    if not layout:
-        request.getfixturevalue("torch_twins")
+    scratch slot. The padded layout interprets the step's and the Mamba state's kernels (the
+    model's attention, rope and sampling on their twins), the exact one uses every twin."""
+    request.getfixturevalue("model_twins" if layout else "torch_twins")
     max_new_tokens = 8
     with twin_ops():
         plain = make_controller(model, 0, **CONFIG).generate(

@@ -141,7 +141,7 @@ def test_speculative_equals_plain_under_churn_and_preemption(moe_model, seed):
     assert sum(len(tokens) for tokens in outputs[0]) >= len(arrivals)  # every request ran
 
 
-def test_accepted_drafts_through_moe_verify_rows(moe_model, tp1_outputs):
+def test_accepted_drafts_through_moe_verify_rows(moe_model, tp1_outputs, model_twins):
     """Random MTP heads rarely draft the greedy token, so an oracle drafts the plain output with
     0, 1 or 2 correct drafts per proposal: accepted rows went through the MoE verify path."""
     sequences = {rid: list(prompt) + output + [0] * 3 for rid, (prompt, output)

@@ -72,9 +72,10 @@ def test_decode_runs_equal_plain_under_churn_preemption_and_sampling(models, see
     _check_equal_plain(model, arrivals, cases)
 
 
-def test_decode_runs_through_the_kernels_equal_plain(models):
-    """The same through the Triton kernels (interpreter), graph-padded: one short case (16-row
-    steps: the padded prefill step runs 16 rows, not 64)."""
+def test_decode_runs_through_the_kernels_equal_plain(models, model_twins):
+    """The same through the step's Triton kernels (interpreter; the model's attention, rope and
+    sampling on their twins), graph-padded: one short case (16-row steps: the padded prefill step
+    runs 16 rows, not 64)."""
     model, _ = models
     arrivals = [(0, list(PROMPTS[1]), SamplingParams(max_new_tokens=9)),
                 (0, list(PROMPTS[2]), SamplingParams(max_new_tokens=7, temperature=0.9, seed=4))]

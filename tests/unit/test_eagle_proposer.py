@@ -41,10 +41,11 @@ def test_one_draft_equals_plain_greedy_and_sampled(models, torch_twins, temperat
     assert [r.output_tokens for r in spec] == [r.output_tokens for r in plain]
 
 
-def test_drafts_equal_the_dense_head_across_chunks_and_tail_blocks(models, plain_greedy):
+def test_drafts_equal_the_dense_head_across_chunks_and_tail_blocks(models, plain_greedy, model_twins):
     """S = 4 with 4-token blocks: draft positions cross into the head's tail blocks; the 12-token
     prompt is prefilled in two chunks (max_tokens_per_step 10). The one EAGLE controller run that
-    interprets the kernels (the others use their twins)."""
+    interprets the kernels (the others use their twins; here the model's attention, rope and
+    sampling run theirs)."""
     model, dense, head, dense_head = models
     assert_drafts_equal_dense(model, RecordingEagleProposer(head), 4, plain_greedy,
                               lambda tokens: dense_eagle_drafts(dense, dense_head, tokens, 4), limit=12)

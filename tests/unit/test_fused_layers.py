@@ -25,6 +25,7 @@ from tests.unit.megatron_fixtures import (
     random_sequences,
     run_paged_schedule,
     tiny_config,
+    torch_twins,
 )
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -42,6 +43,14 @@ CONFIGS = {  # name -> TransformerConfig overrides of the tiny GPT (4 query head
 @pytest.fixture(scope="module", autouse=True)
 def megatron_groups():
     ensure_single_process_groups()
+
+
+@pytest.fixture(autouse=True)
+def attention_on_twins():
+    """The subject is the glue kernels: attention and the rope + cache write (the same in both
+    paths, each == its twin in its own tests) run their twins; the glue stays interpreted."""
+    with torch_twins("paged_attn", "rope_kv_write"):
+        yield
 
 
 def _build(overrides, seed=21, **config_fields):
@@ -162,8 +171,9 @@ def test_fused_glue_switch():
         InferenceConfig(fused_glue="on")
 
 
-def test_controller_greedy_tokens_equal_with_and_without_fused_glue():
-    """Through the controller (S = 2, real MTP drafting): the same greedy tokens either way."""
+def test_controller_greedy_tokens_equal_with_and_without_fused_glue(model_twins):
+    """Through the controller (S = 2, real MTP drafting): the same greedy tokens either way (the
+    glue kernels interpreted; the model's attention, rope and sampling on their twins)."""
     torch.manual_seed(1234)
     model = build_gpt_model(tiny_config(mtp_num_layers=2), VOCAB_SIZE, MAX_SEQUENCE_LENGTH).eval()
     arrivals = [(0, PROMPTS[1], SamplingParams(max_new_tokens=5))]

@@ -65,7 +65,7 @@ def test_spec_validation():
 
 
 def make_gdn_slots(num_speculative_tokens):
-    """Gated DeltaNet slots: 2 layers, H = 4 value heads, Hk = 2, K = 8, V = 6 (F = 16 + 24 + 8)."""
+    """Gated DeltaNet slots: 2 layers, H = 4 value heads, Hk = 2, K = 8, V = 6 (F = 16 + 24 + 4: [k | u | g])."""
     spec = MambaSpec(num_layers=2, conv_state_shape=(4, 3), ssm_state_shape=(4, 8, 6), dtype=torch.float32,
                      gdn_key_heads=2)
     return MambaStateSlots(spec, 3, num_speculative_tokens, torch.device("cpu"))
@@ -77,7 +77,7 @@ def test_gdn_slots_store_row_inputs_and_defer_the_commit():
     rows (the state is the next step's to update); a new request's slot starts with 0 pending."""
     slots = make_gdn_slots(2)
     assert slots.intermediate_ssm_states is None
-    assert slots.verify_row_inputs.shape == (2, 4, 2, 3, 48)
+    assert slots.verify_row_inputs.shape == (2, 4, 2, 3, 44)
     generator = torch.Generator().manual_seed(3)
     for tensor in (slots.ssm_states, slots.intermediate_conv_states):
         tensor.copy_(torch.rand(tensor.shape, generator=generator) * 0.5)

@@ -63,7 +63,7 @@ def test_drafts_equal_the_dense_oracle_of_their_mode(models, sequences, mode, pr
     assert check_drafts_against_oracle(dense, proposer, sequences, mode) > 0
 
 
-def test_single_position_survives_a_step_with_no_sampling_request(models, sequences):
+def test_single_position_survives_a_step_with_no_sampling_request(models, sequences, model_twins):
     """Regression: this crashed before MTPProposer skipped drafting when nothing samples.
 
     One request with the 12-token prompt and 3 query rows per step: its first chunks do not

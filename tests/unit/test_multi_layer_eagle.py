@@ -35,10 +35,11 @@ def plain_greedy(models):
     return plain_greedy_outputs(models[0])
 
 
-def test_drafts_equal_the_dense_layers_across_chunks(models, plain_greedy):
+def test_drafts_equal_the_dense_layers_across_chunks(models, plain_greedy, model_twins):
     """S = 3, 4-token blocks, the 12-token prompt prefilled in two chunks (max_tokens_per_step 10):
     every window (cache rows, a mid-prompt chunk's rows, rejected rows cut off) gives the drafts the
-    dense layers give over the whole verified sequence, layer by layer."""
+    dense layers give over the whole verified sequence, layer by layer. The proposer's and the
+    step's kernels interpreted, the model's attention, rope and sampling on their twins."""
     model, dense, _, _ = models
     heads, dense_heads = build_heads(model, dense, 3)
     assert_drafts_equal_dense(model, RecordingMultiLayerEagleProposer(heads), 3, plain_greedy,

@@ -54,8 +54,9 @@ def dense_ptd_drafts(dense, dense_head, tokens, num_drafts):
     return eagle_logits(dense, out[e - 1:, 0]).argmax(-1).tolist()
 
 
-def test_greedy_equals_plain_interpreted_kernels(models, plain_greedy):
-    """The Triton kernels through the interpreter (the other tests run their torch twins)."""
+def test_greedy_equals_plain_interpreted_kernels(models, plain_greedy, model_twins):
+    """The proposer's and the step's Triton kernels through the interpreter (the model's attention,
+    rope and sampling, and the other tests' every op, on their torch twins)."""
     controller = make_controller(models[0], 3, proposer=ParallelDraftingProposer(models[2]))
     results = controller.generate([list(p) for p in PROMPTS[:2]], SamplingParams(max_new_tokens=6))
     assert [list(r.output_tokens) for r in results] == [tokens[:6] for tokens in plain_greedy[:2]]

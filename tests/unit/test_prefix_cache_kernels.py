@@ -16,9 +16,10 @@ def models():
     return build_models()
 
 
-def test_interpreted_kernels_on_equals_off(models):
-    """The same with the step's kernels through Triton's interpreter (no torch twins): a hit's
-    first chunk starts past the cached blocks in prepare_step_inputs and the MTP window kernels."""
+def test_interpreted_kernels_on_equals_off(models, model_twins):
+    """The same with the step's kernels through Triton's interpreter (the model's attention, rope
+    and sampling on their twins): a hit's first chunk starts past the cached blocks in
+    prepare_step_inputs and the MTP window kernels."""
     model, _ = models
     prompts = [SYSTEM[:10] + [1], SYSTEM[:10] + [2, 3]]
     params = [SamplingParams(max_new_tokens=1)] * 2

@@ -21,6 +21,7 @@ from tests.unit.megatron_fixtures import (
     random_sequences,
     run_paged_schedule,
     tiny_config,
+    torch_twins,
 )
 
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)
@@ -29,6 +30,14 @@ FP32_TOL = dict(atol=1e-4, rtol=1e-4)
 @pytest.fixture(scope="module", autouse=True)
 def megatron_groups():
     ensure_single_process_groups()
+
+
+@pytest.fixture(autouse=True)
+def attention_on_twins():
+    """The subject is the rope + cache write: attention (the same in both paths, == its twin in its
+    own tests) runs its twin; the rope and cache-write kernels stay interpreted."""
+    with torch_twins("paged_attn"):
+        yield
 
 
 def _schedule_logits(model, fused_rope, dtype=torch.float32):

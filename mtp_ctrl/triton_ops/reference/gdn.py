@@ -13,10 +13,10 @@ One row ``t`` of one head, from state ``S`` (``q`` l2-normalised and scaled by `
 - :func:`gdn_decode_rows` steps the R rows of each decode request one after another and writes
   the state after every row to the slot's intermediate buffer (the controller commits one);
 - :func:`gdn_verify_rows` first applies the slot's pending rows (the rows its last verify step
-  kept), writes that state back, then steps the rows the same way and stores each row's
-  ``(k, v, g, beta)`` in the other buffer instead of its state (R = 1: writes the state after the
-  row back); :func:`gdn_mark_pending_rows` is the commit, recording the kept rows
-  (:mod:`mtp_ctrl.triton_ops.gdn_replay`);
+  kept: each ``exp(g) S + k u^T`` with its stored delta ``u``), writes that state back, then steps
+  the rows and stores each row's ``(k, u, g)`` in the other buffer instead of its state (R = 1:
+  writes the state after the row back); :func:`gdn_mark_pending_rows` is the commit, recording the
+  kept rows (:mod:`mtp_ctrl.triton_ops.gdn_replay`);
 - :func:`gdn_varlen_scan` runs each prefill segment in chunks of Q rows (the chunked form: one
   unit-triangular solve per chunk, states passed from chunk to chunk) from the slot's state and
   writes the state after the segment's last row back. Fixed shapes, no host sync: every segment
@@ -37,14 +37,27 @@ def _per_value_head(keys: torch.Tensor, heads: int) -> torch.Tensor:
     return keys if ratio == 1 else keys.repeat_interleave(ratio, dim=-2)
 
 
+def _apply_delta(state: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``[n, H, K, V]`` state after a row of known delta ``u`` (``delta`` ``[n, H, V]``): ``exp(g) S + k u^T``
+    (k ``[n, H, K]``, g ``[n, H]``). A stepped row ends with this one function too, so a stored u
+    applied later gives the verify row's state."""
+    return state * torch.exp(g)[:, :, None, None] + k[:, :, :, None] * delta[:, :, None, :]
+
+
+def _delta_rule_row(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(``[n, H, K, V]`` state after one row, its delta ``u = beta (v - (exp(g) S)^T k)`` ``[n, H, V]``)
+    (k ``[n, H, K]``, v ``[n, H, V]``, g and beta ``[n, H]``)."""
+    remembered = torch.einsum("nhk,nhkv->nhv", k, state * torch.exp(g)[:, :, None, None])  # (exp(g) S)^T k
+    delta = beta[:, :, None] * (v - remembered)  # [n, H, V]
+    return _apply_delta(state, k, delta, g), delta
+
+
 def _delta_rule_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor) -> torch.Tensor:
-    """``[n, H, K, V]`` state after one row (k ``[n, H, K]``, v ``[n, H, V]``, g and beta ``[n, H]``); every
-    recurrent twin steps through this one function, so a replayed row gives the verify row's state."""
-    state = state * torch.exp(g)[:, :, None, None]
-    remembered = torch.einsum("nhk,nhkv->nhv", k, state)  # S^T k
-    delta = beta[:, :, None] * (v - remembered)  # [n, H, V]
-    return state + k[:, :, :, None] * delta[:, :, None, :]
+    """``[n, H, K, V]`` state after one row; every recurrent twin steps through :func:`_delta_rule_row`,
+    so a replayed row gives the verify row's state."""
+    return _delta_rule_row(state, k, v, g, beta)[0]
 
 
 def gdn_decode_rows(
@@ -152,19 +165,19 @@ def gdn_varlen_scan(
 
 
 def _row_input_sections(key_heads: int, key_dim: int, heads: int, value_dim: int):
-    """The sizes of ``[k | v | g | beta]`` in one stored row (``gdn_row_input_width`` sums them)."""
-    return [key_heads * key_dim, heads * value_dim, heads, heads]
+    """The sizes of ``[k | u | g]`` in one stored row (``gdn_row_input_width`` sums them)."""
+    return [key_heads * key_dim, heads * value_dim, heads]
 
 
 def _stored_rows(row_inputs: torch.Tensor, layer: int, slots: torch.Tensor, parity: torch.Tensor, key_heads: int,
                  heads: int, key_dim: int, value_dim: int):
-    """The stored ``(k [n, P, H, K], v [n, P, H, V], g [n, P, H], beta [n, P, H])`` of each slot's
-    buffer ``parity`` (``[n]``) at ``layer``."""
+    """The stored ``(k [n, P, H, K], u [n, P, H, V], g [n, P, H])`` of each slot's buffer ``parity``
+    (``[n]``) at ``layer``."""
     count, stored = slots.shape[0], row_inputs.shape[3]
     sections = _row_input_sections(key_heads, key_dim, heads, value_dim)
-    k, v, g, beta = torch.split(row_inputs[layer, slots, parity], sections, dim=2)  # [n, P, ...]
+    k, u, g = torch.split(row_inputs[layer, slots, parity], sections, dim=2)  # [n, P, ...]
     k = _per_value_head(k.reshape(count, stored, key_heads, key_dim), heads)
-    return k, v.reshape(count, stored, heads, value_dim), g, beta
+    return k, u.reshape(count, stored, heads, value_dim), g
 
 
 def gdn_verify_rows(
@@ -197,22 +210,23 @@ def gdn_verify_rows(
     parity, pending = input_parity[slot_ids].long(), pending_rows[slot_ids]  # [nd] each
     state = recurrent_states[layer, slot_ids].float()  # [nd, H, K, V]
     # the deferred commit: the rows the slot kept at its last verify step (none past its pending count)
-    stored_k, stored_v, stored_g, stored_beta = _stored_rows(row_inputs, layer, slot_ids, parity, key_heads, heads,
-                                                             key_dim, value_dim)
-    for row in range(row_inputs.shape[3]):
-        stepped = _delta_rule_step(state, stored_k[:, row], stored_v[:, row], stored_g[:, row], stored_beta[:, row])
-        state = torch.where((pending > row)[:, None, None, None], stepped, state)
-    outputs = []
+    stored_k, stored_u, stored_g = _stored_rows(row_inputs, layer, slot_ids, parity, key_heads, heads, key_dim,
+                                                value_dim)
+    for row in range(row_inputs.shape[3]):  # each a stored delta: no reduction
+        applied = _apply_delta(state, stored_k[:, row], stored_u[:, row], stored_g[:, row])
+        state = torch.where((pending > row)[:, None, None, None], applied, state)
+    outputs, deltas = [], []
     committed = state
     for row in range(stride):
-        state = _delta_rule_step(state, k_heads[:, row], v_rows[:, row], g_rows[:, row], beta_rows[:, row])
+        state, delta = _delta_rule_row(state, k_heads[:, row], v_rows[:, row], g_rows[:, row], beta_rows[:, row])
         outputs.append(torch.einsum("nhk,nhkv->nhv", q_heads[:, row], state))
+        deltas.append(delta)  # [nd, H, V]
     if stride == 1:
         recurrent_states[layer, slot_ids] = state.to(recurrent_states.dtype)
-    else:  # the committed state back; [nd, R, F]: [k | v | g | beta] into the other buffer
+    else:  # the committed state back; [nd, R, F]: [k | u | g] into the other buffer
         recurrent_states[layer, slot_ids] = committed.to(recurrent_states.dtype)
         row_inputs[layer, slot_ids, 1 - parity, :stride] = torch.cat(
-            (k_rows.flatten(2), v_rows.flatten(2), g_rows, beta_rows), dim=2)
+            (k_rows.flatten(2), torch.stack(deltas, dim=1).flatten(2), g_rows), dim=2)
     return torch.stack(outputs, dim=1).view(count, heads, v.shape[-1])
 
 
