@@ -14,8 +14,9 @@ def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidd
                padding_step_rows=3, mid_prompt=True, dtype=torch.float32, extra_window_rows=None, verify_width=None):
     """A step's tensors: ``num_decode`` decode requests, prefill chunks of ``prefill_lengths`` (the
     last one mid-prompt when ``mid_prompt``), ``num_padding`` padding requests. ``verify_width`` V
-    (decode-only steps): decode requests of ``1 + V`` rows, w at most ``S - 1`` before the first
-    row (as the controller leaves it), windows of ``S + V`` rows (``decode_window_rows``)."""
+    (with or without prefill chunks: a step verifies its own tier): decode requests of ``1 + V``
+    rows, w at most ``S - 1`` before the first row (as the controller leaves it), windows of
+    ``S + V`` rows (``decode_window_rows``)."""
     def randint(low, high, size=()):
         return torch.randint(low, high, size, generator=generator)
 
@@ -100,6 +101,23 @@ def test_kernels_match_reference(S, shape, seed):
     num_decode, prefill_lengths, num_padding = shape
     generator = torch.Generator().manual_seed(seed * 100 + S * 10 + num_decode)
     case = mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, mid_prompt=bool(seed))
+    want = _clone(case)
+    mtp_draft_window(**case)
+    reference.mtp_draft_window(**want)
+    _assert_same(case, want, case["padding_row"])
+    mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS})
+    reference.mtp_advance_window(**{name: want[name] for name in ADVANCE_ARGS})
+    _assert_same(case, want, case["padding_row"])
+
+
+@pytest.mark.parametrize("S,verify_width", [(2, 0), (3, 1), (3, 2)])
+@pytest.mark.parametrize("shape", [(2, (7, 3), 1), (3, (5,), 0), (1, (1, 6), 2)])
+def test_kernels_match_reference_with_a_verify_width_and_prefill_chunks(S, verify_width, shape):
+    """Steps with prefill chunks verify their own tier too: decode windows of S + V rows, then the
+    chunks' windows (a mid-prompt one last), padding requests and rows."""
+    num_decode, prefill_lengths, num_padding = shape
+    generator = torch.Generator().manual_seed(S * 10 + verify_width + num_decode + 7)
+    case = mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, verify_width=verify_width)
     want = _clone(case)
     mtp_draft_window(**case)
     reference.mtp_draft_window(**want)
