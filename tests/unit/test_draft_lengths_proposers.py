@@ -1,7 +1,7 @@
 """Per-request, per-step draft lengths (issue 34) with the EAGLE family (EAGLE, parallel drafting,
 multi-layer EAGLE) on a target whose drafts often land, on hybrid Mamba and Gated DeltaNet models, and with
 rejection acceptance: output == plain decoding under random lengths, churn, preemption and
-padded steps."""
+padded steps, and under a queue (most steps carry a prefill chunk and verify their own tier)."""
 
 import pytest
 import torch
