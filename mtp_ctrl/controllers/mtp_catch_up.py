@@ -14,8 +14,8 @@ The host bounds how far ``w`` fell behind: a skipped step of verify width V move
 step skips its windows when it is decode-only, drafts nothing and every request's ``m`` stays
 within ``M`` after it; otherwise it runs them, ``M`` rows wider when some request has ``m > 0``
 (a *forced catch-up* when it drafts nothing). The plan (one entry a step of the launch) joins the
-CUDA graph key, so a replay needs no host value: three variants per shape (windows, catch-up,
-skip), captured at warm-up. A request that joins, or returns after a preemption, starts with a
+CUDA graph key, so a replay needs no host value: a few variants per shape (windows or catch-up;
+skip or forced catch-up; a decode run's steps in their orders), captured at warm-up. A request that joins, or returns after a preemption, starts with a
 step that has prefill chunks (its windows run, from its first position): nothing stale is read.
 """
 
@@ -67,8 +67,8 @@ class WindowCatchUp:
         return plan
 
     def warmup_plans(self, step: StepMetadata) -> Tuple[Tuple[int, ...], ...]:
-        """The plans of a batch that is caught up and of one M positions behind."""
-        return tuple(dict.fromkeys((self.plan(step, 0), self.plan(step, self.capacity))))
+        """Every plan the step's shape may take (lags 0..M; a few distinct ones), the caught-up one first."""
+        return tuple(dict.fromkeys(self.plan(step, lag) for lag in range(self.capacity + 1)))
 
     def use(self, plan: Tuple[int, ...]) -> None:
         self._plan, self._calls = plan, 0

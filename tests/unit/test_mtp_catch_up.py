@@ -4,13 +4,11 @@ drafts the same tokens with the windows skipped as with them run (greedy and see
 under churn, preemption, padded steps, decode runs and a request paused while behind; the output
 is plain decoding's; no-draft decode-only steps run no depth except a forced catch-up."""
 
-import numpy as np
 import pytest
 
 from mtp_ctrl.controllers import MTPProposer
-from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
 from tests.unit.controller_fixtures import MTP_DEPTH, build_models
-from tests.unit.draft_length_fixtures import ARRIVALS, SQUEEZE, controller_for, plain_outputs
+from tests.unit.draft_length_fixtures import ARRIVALS, SQUEEZE, BurstyLengths, controller_for, plain_outputs
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 
 
@@ -23,23 +21,6 @@ def mtp_model():
 @pytest.fixture(scope="module")
 def plain(mtp_model):
     return plain_outputs(mtp_model)  # (request ids, outputs)
-
-
-class BurstyLengths(DraftLengthPolicy):
-    """Runs of 1-5 decisions where nobody drafts, then runs of random lengths (deterministic)."""
-
-    def __init__(self, seed: int):
-        super().__init__()
-        self._rng = np.random.default_rng(seed)
-        self._left, self._zero = 0, False
-
-    def choose(self, query):
-        if self._left == 0:
-            self._zero, self._left = not self._zero, int(self._rng.integers(1, 6))
-        self._left -= 1
-        if self._zero:
-            return np.zeros_like(query.caps)
-        return np.floor(self._rng.random(query.caps.shape[0]) * (query.caps + 1)).astype(np.int64)
 
 
 class RecordingMTP(MTPProposer):
