@@ -71,18 +71,19 @@ def drive(controller, pause_at=None):
     return [controller.result(request_id).output_tokens for request_id in ids]
 
 
-@pytest.mark.parametrize("catch_up_positions,steps_per_launch,pause_at,overlap", [
-    (8, 1, 4, True),  # the default M; a request paused while behind
-    (2, 1, None, False),  # forced catch-ups
-    (3, 4, None, True),  # decode runs: a launch plans each of its steps
+@pytest.mark.parametrize("catch_up_positions,steps_per_launch,pause_at,overlap,prefix_caching", [
+    (8, 1, 4, True, False),  # the default M; a request paused while behind
+    (2, 1, None, False, True),  # forced catch-ups; prefix caching (window floors, recomputed requests)
+    (3, 4, None, True, False),  # decode runs: a launch plans each of its steps
 ])
 def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_twins, catch_up_positions,
-                                                      steps_per_launch, pause_at, overlap):
+                                                      steps_per_launch, pause_at, overlap, prefix_caching):
     recorded = {}
     for skip in (False, True):
         proposer = RecordingMTP(skip_idle_windows=skip, catch_up_positions=catch_up_positions)
         controller = controller_for(mtp_model, MTP_DEPTH, proposer, BurstyLengths(seed=catch_up_positions),
-                                    decode_steps_per_launch=steps_per_launch, overlap_scheduling=overlap, **SQUEEZE)
+                                    decode_steps_per_launch=steps_per_launch, overlap_scheduling=overlap,
+                                    prefix_caching=prefix_caching, **SQUEEZE)
         assert drive(controller, pause_at) == plain[1]
         recorded[skip] = proposer
         if pause_at is None:
