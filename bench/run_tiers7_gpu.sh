@@ -15,7 +15,7 @@ quick=()
 points=(--demo-batches 128 32)
 [ "${1:-}" = "--quick" ] && quick=(--quick) && points=()
 if [ ${#quick[@]} -eq 0 ]; then
-  timeout 75 python3 -m pytest tests/functional/test_adaptive_gpu.py -k skipped_mtp -q -x -p no:cacheprovider \
+  timeout 75 python3 -m pytest tests/functional/test_adaptive_gpu.py -k skipped_mtp -q -p no:cacheprovider \
     -W ignore 2>&1 | tee "$out/functional.log" | tail -5
 fi
 timeout 40 python3 bench/profile_no_draft_gpu.py --skip-large "${quick[@]}" 2>&1 | tee "$out/profile_no_draft.log" \
