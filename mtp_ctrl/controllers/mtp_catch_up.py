@@ -43,7 +43,7 @@ class WindowCatchUp:
         windows (0, or M while some request has fallen behind), from the batch's largest ``lag``."""
         entries, advance = [], 1 + step.verify_width  # the most positions a step moves e on
         for _ in range(step.num_steps):
-            if step.num_drafts == 0 and step.num_prefill == 0 and lag + advance <= self.capacity:
+            if step.num_drafts == 0 and step.decode_only and lag + advance <= self.capacity:
                 entries.append(SKIP)
                 lag += advance
             else:

@@ -84,8 +84,17 @@ def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_tw
         controller = controller_for(mtp_model, MTP_DEPTH, proposer, BurstyLengths(seed=catch_up_positions),
                                     decode_steps_per_launch=steps_per_launch, overlap_scheduling=overlap,
                                     prefix_caching=prefix_caching, **SQUEEZE)
+        launched = {}  # graph key -> a padded step launched with it
+        controller.on_launch = lambda step, key: launched.setdefault(key, step) if key is not None else None
         assert drive(controller, pause_at) == plain[1]
         recorded[skip] = proposer
+        plans = set()
+        for key, step in launched.items():  # warm-up captures the plan of every padded step (a graph per plan)
+            padding = controller.context.build_padding_step(step.dimensions, step.num_steps, step.num_drafts,
+                                                            step.verify_width)
+            assert key[6] in proposer.warmup_plans(padding), (key, step.num_prefill)
+            plans.add(key[6])
+        assert len(plans) >= (3 if skip else 1) and (None in plans) != skip, plans
         if pause_at is None:
             assert any(controller.result(rid).preemptions for rid in range(len(ARRIVALS)))  # KV pressure
     run, skipped = recorded[False], recorded[True]
