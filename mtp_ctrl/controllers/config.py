@@ -79,6 +79,9 @@ class InferenceConfig:
         a forced catch-up step when a request would fall further behind), so the depths' caches
         and the drafts are the same as with "run", which runs every depth over its window on
         every step. Steps with prefill chunks run the windows either way.
+    mtp_catch_up_positions: with mtp_idle_windows="skip", M: the most positions a request's MTP
+        windows may fall behind (its hidden ring holds S + M positions); a catch-up window has M
+        rows more, and a no-draft step that would pass M runs the windows (a forced catch-up).
     overlap_scheduling: the host prepares step N + 1 while the GPU runs step N and learns step
         N's outcome one step late (default). False runs one step at a time (debugging, and the
         comparison); outputs are identical either way.
@@ -146,6 +149,7 @@ class InferenceConfig:
     mtp_attention: str = "paged"
     mtp_reuse_last_layer: bool = False
     mtp_idle_windows: str = "skip"
+    mtp_catch_up_positions: int = 8
     overlap_scheduling: bool = True
     finished_results_kept: int = 4096
     acceptance: str = "exact_match"
@@ -206,6 +210,7 @@ class InferenceConfig:
                             f"got {type(self.mtp_idle_windows).__name__}")
         if self.mtp_idle_windows not in MTP_IDLE_WINDOWS:
             raise ValueError(f"mtp_idle_windows must be one of {MTP_IDLE_WINDOWS}, got {self.mtp_idle_windows!r}")
+        _require_int("mtp_catch_up_positions", self.mtp_catch_up_positions, 1)
         if self.mtp_attention not in MTP_ATTENTION_MODES:
             raise ValueError(f"mtp_attention must be one of {MTP_ATTENTION_MODES}, got {self.mtp_attention!r}")
         if not isinstance(self.acceptance, str):

@@ -95,7 +95,8 @@ class TextGenerationController:
         self._allocate_step_buffers()
         self._outputs = OutputRows(self.context.table)
         self.proposer = proposer if proposer is not None else MTPProposer(
-            config.mtp_attention, config.mtp_reuse_last_layer, skip_idle_windows=config.mtp_idle_windows == "skip")
+            config.mtp_attention, config.mtp_reuse_last_layer, skip_idle_windows=config.mtp_idle_windows == "skip",
+            catch_up_positions=config.mtp_catch_up_positions)
         rejection = config.acceptance == "rejection" and S > 0
         if S > 0:
             self.proposer.bind(DraftContext(self.shape, self.runner, self.sample_rows, self.context.table,

@@ -102,7 +102,9 @@ def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_tw
     assert run.idle_windows > 0 and skipped.idle_windows < run.idle_windows  # forced catch-ups only
 
 
-def test_catch_up_positions_is_checked():
+def test_catch_up_positions_is_checked(mtp_model):
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="catch_up_positions"):
             MTPProposer("paged", skip_idle_windows=True, catch_up_positions=bad)
+    with pytest.raises((TypeError, ValueError), match="mtp_catch_up_positions"):
+        controller_for(mtp_model, MTP_DEPTH, mtp_catch_up_positions=0)
