@@ -48,8 +48,9 @@ def parse_args(argv=None):
     parser.add_argument("--large-workloads", nargs="+", default=None,
                         help="only these 1B workloads (0.9 0.6 0.2 mixed queued; default all)")
     parser.add_argument("--no-pinned", action="store_true", help="skip the demo's pinned-goodput engine")
-    parser.add_argument("--no-run-windows", action="store_true",
-                        help="skip the demo's goodput engine with mtp_idle_windows=\"run\"")
+    parser.add_argument("--demo-goodput", choices=("both", "run", "skip"), default="both",
+                        help="the demo's goodput engines: MTP windows skipped on no-draft steps and caught "
+                             "up exactly (mtp_idle_windows='skip', the default engine), run, or both (default)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -233,6 +234,9 @@ class Table:
         for (part, batch, workload), rows in workloads.items():
             fixed = {row["S"]: row["tokens_per_s"] for row in rows if row["policy"] == "fixed"}
             adaptive = next((row for row in rows if row["policy"] == "goodput"), None)
+            running = next((row for row in rows if row["policy"] == "goodput run"), None)
+            if adaptive is None:  # the run engine alone (--demo-goodput run)
+                adaptive, running = running, None
             best_s = max(fixed, key=fixed.get) if fixed else None
             text = " ".join(f"S{s}={rate:.0f}" for s, rate in sorted(fixed.items()))
             same = all(row["equal_plain"] for row in rows)
@@ -241,8 +245,7 @@ class Table:
                 continue
             rate = adaptive["tokens_per_s"]
             print(f"{part:>5} {batch:5d} {workload:>8} | {text} | {rate:8.0f} {rate / fixed[best_s]:6.2f} "
-                  f"{rate / fixed.get(0, rate):6.2f} | S={best_s} | {adaptive['lengths']} | {same}")
-            running = next((row for row in rows if row["policy"] == "goodput run"), None)
+                  f"{rate / fixed.get(0, rate):6.2f} | S={best_s} | {adaptive['lengths']} ({adaptive['policy']}) | {same}")
             if running is not None:
                 rate = running["tokens_per_s"]
                 print(f"{'':>5} {'':>5} {'':>8} | goodput, mtp_idle_windows='run': {rate:8.0f} "
@@ -267,9 +270,11 @@ class Table:
         costed = [row for row in self.rows if row.get("costs")]
         if costed:
             print("\nthe policy's cost model after each point, ms per step by (grid G, depths D): the loop's wall "
-                  "(what it decides on) / GPU; 'explored': choices made to measure a depth so far")
+                  "of decode-only steps / GPU, 'mixed': the wall of steps with prefill chunks (the policy blends "
+                  "them by their recent share); 'explored': choices made to measure a depth so far")
         for row in costed:
             text = ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
+                             + ("" if value.get("mixed_ms") is None else f" mixed {_ms(value['mixed_ms'])}")
                              for key, value in row["costs"].items())
             print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
 
@@ -291,9 +296,9 @@ def demo_part(args, table, device):
         prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
         # "goodput": the default engine (no-draft steps skip the MTP windows, caught up exactly later);
         # "goodput run": mtp_idle_windows="run" (every no-draft step runs every depth's window)
-        engines = [(S, "fixed", None) for S in (0, 1, 2)] + [(2, "goodput", GoodputPolicy())]
-        if not args.no_run_windows:
-            engines.append((2, "goodput run", GoodputPolicy()))
+        engines = [(S, "fixed", None) for S in (0, 1, 2)]
+        engines += [(2, name, GoodputPolicy()) for name, kind in (("goodput", "skip"), ("goodput run", "run"))
+                    if args.demo_goodput in ("both", kind)]
         if (batch >= 32 or args.quick) and not args.no_pinned:  # the policy path's own cost (fixed S = 2's lengths)
             engines.append((2, "pinned", PinnedGoodput()))
         plain = {}

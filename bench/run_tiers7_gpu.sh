@@ -21,7 +21,7 @@ fi
 timeout 40 python3 bench/profile_no_draft_gpu.py --skip-large "${quick[@]}" 2>&1 | tee "$out/profile_no_draft.log" \
   | grep -v -i warn
 timeout 100 python3 bench/bench_adaptive.py "${quick[@]}" --budget-seconds "${TIERS7_BUDGET:-65}" \
-  --json "$out/bench_adaptive.json" --skip-large --no-pinned "${points[@]}" 2>&1 \
+  --json "$out/bench_adaptive.json" --skip-large --no-pinned --demo-goodput both "${points[@]}" 2>&1 \
   | tee "$out/bench_adaptive.log" | grep -v -i warn | grep -v '^{' | tail -40
 if [ ${#quick[@]} -eq 0 ] && [ "${TIERS7_REST:-0}" = 1 ]; then
   timeout 60 python3 -m pytest tests/functional/test_adaptive_gpu.py -k "not skipped_mtp" -q -x -p no:cacheprovider \

@@ -6,9 +6,10 @@ written, naming the field, before any state exists.
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
-from mtp_ctrl.state.engine_shape import EngineShape
+if TYPE_CHECKING:  # imported where used: SamplingParams' users (the HTTP frontend) import this module
+    from mtp_ctrl.state.engine_shape import EngineShape  # without torch, which mtp_ctrl.state loads
 
 MTP_ATTENTION_MODES = ("paged", "single_position")
 MTP_IDLE_WINDOWS = ("run", "skip")
@@ -226,9 +227,11 @@ class InferenceConfig:
         if not 0.0 < timeout < math.inf:
             raise ValueError(f"tp_check_timeout_s must be finite and > 0, got {self.tp_check_timeout_s}")
 
-    def engine_shape(self, vocab_size: int, device, kv_dtype) -> EngineShape:
+    def engine_shape(self, vocab_size: int, device, kv_dtype) -> "EngineShape":
         """The sizes the engine is built for (the one object every part reads them from), for a
         model with ``vocab_size`` tokens whose K/V are computed in ``kv_dtype`` on ``device``."""
+        from mtp_ctrl.state.engine_shape import EngineShape
+
         return EngineShape(max_requests=self.max_requests, max_model_len=self.max_model_len,
                            block_size_tokens=self.block_size_tokens, num_speculative_tokens=self.num_speculative_tokens,
                            max_tokens_per_step=self.max_tokens_per_step,

@@ -192,22 +192,24 @@ class TextGenerationController:
                     if num_steps > 1 and verify_width < num_drafts:
                         continue  # a decode run's later steps verify its own lengths: its V >= its D
                     step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
+                    masks = self._draft_lengths.warmup_masks(verify_width, not shape.has_prefill)
                     # the proposer's plans (skipped MTP windows: windows, catch-up, skip); the first one
                     # is the steady step's, whose replay time is the step's cost
                     plans = self.proposer.warmup_plans(step) if self.shape.num_speculative_tokens > 0 else (None,)
                     for plan_index, plan, (all_greedy, masked) in (
-                            (index, plan, variant) for index, plan in enumerate(plans) for variant in
-                            itertools.product((True, False), self._draft_lengths.warmup_masks(verify_width))):
+                            (index, plan, variant) for index, plan in enumerate(plans)
+                            for variant in itertools.product((True, False), masks)):
                         self._all_greedy = all_greedy
                         key = self._graph_key(step, masked, plan)
                         if key not in self._graphs:
                             self.proposer.use_plan(plan)
                             self._graphs.run(key, lambda: self._launch_run(step, masked))
-                        seconds = self._graphs.timed_replay(key)
                         if num_steps == 1 and not shape.has_prefill and verify_width == num_drafts and not masked \
                                 and plan_index == 0:
                             cost_key = (shape.request_count, num_drafts)
-                            costs[cost_key] = max(costs.get(cost_key, 0.0), seconds)
+                            costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
+                        else:  # uploaded now, not mid-serving (StepGraphs.replay); no profile needed
+                            self._graphs.replay(key)
         return costs
 
     def replay_graphs(self) -> int:

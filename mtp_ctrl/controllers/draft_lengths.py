@@ -14,7 +14,8 @@ the metrics. Host values only, no sync.
 
 Step timing: the controller measures each ``step()`` call (the wall time since the previous
 call returned, the applied launch's GPU time); :meth:`DraftLengths.step_timing` keeps it when this
-call and the one before each applied one steady launch of the same (grid, D), and
+call and the one before each applied one steady launch of the same (grid, D) (steps with prefill
+chunks apart, and the share of them), and
 :meth:`DraftLengths.record_timing` hands it (the first TP rank's, on every rank) to the cost model
 at the next call's lockstep check.
 
@@ -47,30 +48,44 @@ class StepTiming(NamedTuple):
     num_drafts: int  # D (= its verify width V)
     wall_seconds: float  # the loop's wall time per step (between consecutive step() returns)
     gpu_seconds: float  # the launch's GPU time per step (CUDA events), -1 off CUDA
+    mixed: bool = False  # a step with prefill chunks (the cost model keeps those apart)
 
 
 class HeldChoice:
-    """The policy's last choice, reused while its requests stay the same (``DraftLengths.choose``)."""
+    """The policy's last choice, reused while its requests stay the same, lose some, or (a policy
+    with ``joins_take_held_depth``) gain some (``DraftLengths.choose``)."""
 
-    __slots__ = ("request_ids", "lengths", "steps", "hold", "key")
+    __slots__ = ("request_ids", "lengths", "steps", "hold", "key", "depth")
 
-    def __init__(self, request_ids: np.ndarray, lengths: np.ndarray, steps: int, hold: int, key: bytes):
+    def __init__(self, request_ids: np.ndarray, lengths: np.ndarray, steps: int, hold: int, key: bytes,
+                 depth: Optional[int] = None):
         self.request_ids = request_ids  # [n] int64, the sampling requests it was made for, in row order
         self.lengths = lengths  # [n] int64
         self.steps = steps  # steps it has served (counted in place: the held path is per step)
         self.hold = hold  # steps it may serve (decide_every, doubled while the policy repeats itself)
         self.key = key  # request_ids.tobytes()
+        # the held depth D (the most drafts of the choice the policy made), what a joining request
+        # takes; None: the choice held no request
+        self.depth = depth if depth is not None or not lengths.shape[0] else int(lengths.max())  # host-ok: numpy
 
-    def lengths_of(self, request_ids: np.ndarray) -> Optional[np.ndarray]:
-        """``[m]`` the lengths held for ``request_ids`` (``[m]`` int64), or None if one is not held."""
-        if request_ids.shape[0] > self.request_ids.shape[0]:
+    def lengths_of(self, request_ids: np.ndarray, join_caps: Optional[Callable[[np.ndarray], np.ndarray]] = None
+                   ) -> Optional[np.ndarray]:
+        """``[m]`` the lengths held for ``request_ids`` (``[m]`` int64). A request not held: None,
+        or with ``join_caps`` (the caps ``[k]`` of ``[k]`` new ids) ``min(depth, its cap)``."""
+        if self.depth is None or (join_caps is None and request_ids.shape[0] > self.request_ids.shape[0]):
             return None
         order = np.argsort(self.request_ids)
         positions = np.searchsorted(self.request_ids, request_ids, sorter=order).clip(max=order.shape[0] - 1)
         found = order[positions]  # [m]
-        if not np.array_equal(self.request_ids[found], request_ids):
+        held = self.request_ids[found] == request_ids  # [m] bool
+        if held.all():
+            return self.lengths[found]
+        if join_caps is None:
             return None
-        return self.lengths[found]
+        lengths = self.lengths[found]  # a copy (fancy indexing)
+        joining = ~held
+        lengths[joining] = np.minimum(self.depth, join_caps(request_ids[joining]))
+        return lengths
 
 
 class DraftLengths:
@@ -94,7 +109,7 @@ class DraftLengths:
         self._in_flight: Deque[Union[np.ndarray, None, int]] = collections.deque()
         self._held: Optional[HeldChoice] = None  # the policy's last choice
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
-        self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D) and its steady calls in a row
+        self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
         self.queue_view: Optional[QueueView] = None  # set by the controller (None: nobody waits, lengths unknown)
 
     @property
@@ -108,34 +123,45 @@ class DraftLengths:
         return tuple(sorted({int(d) for d in self.policy.warmup_depths(self.S) if 0 <= int(d) <= self.S}))
 
     def warmup_tiers(self) -> Tuple[Tuple[int, int], ...]:
-        """The (verify width V, draft depths D) pairs whose step graphs ``warmup()`` captures: every
-        pair of the policy's warm-up depths (a decode-only step verifies what the step before
-        drafted, so V follows the last D), and (S, D) (steps with prefill chunks verify S)."""
+        """The (verify width V, draft depths D) pairs whose step graphs ``warmup()`` captures, for
+        decode-only and mixed shapes alike: every pair of the policy's warm-up depths (a step
+        verifies what its decode requests drafted, so V follows the last D), and (S, D) (a step
+        with no decode request keeps V = S)."""
         depths = self.warmup_depths()
         return tuple(sorted({(v, d) for v in depths for d in depths} | {(self.S, d) for d in depths}))
 
     def needs_mask(self, step: StepMetadata) -> bool:
         """Whether ``step`` must mask draft rows by length: some decode request verifies fewer than
         the step's V drafts (the drafts it holds; in a decode run's later steps, the run's own
-        lengths). A step where every decode request verifies V (a policy that gives the batch one
-        length, as GoodputPolicy does uncapped) skips the masking (a graph without it)."""
+        lengths). A decode-only step where every decode request verifies V (a policy that gives
+        the batch one length, as GoodputPolicy does uncapped) skips the masking (a graph without
+        it); a step with prefill chunks masks whenever the policy may vary lengths (one graph per
+        mixed shape and tier: the masking ops are small beside its prefill rows)."""
         V = step.verify_width
-        if not self.masked or V == 0 or step.num_decode == 0:
+        if not self.masked or V == 0:
+            return False
+        if not step.decode_only:  # prefill chunks, with decode requests or not: the variant warmup() captured
+            return True
+        if step.num_decode == 0:
             return False
         if min(step.host_verify_lengths) < V:
             return True
         return step.num_steps > 1 and min(step.host_draft_lengths[: step.num_decode]) < V
 
-    def warmup_masks(self, verify_width: int) -> Tuple[bool, ...]:
-        """The masking variants of a verify tier's graphs that ``warmup()`` captures."""
-        return (False, True) if self.masked and verify_width > 0 else (False,)
+    def warmup_masks(self, verify_width: int, decode_only: bool = True) -> Tuple[bool, ...]:
+        """The masking variants of a verify tier's graphs that ``warmup()`` captures (a mixed
+        shape's: masked only, see :meth:`needs_mask`)."""
+        if not self.masked or verify_width == 0:
+            return (False,)
+        return (False, True) if decode_only else (True,)
 
     def choose(self, request_ids: np.ndarray, num_sampling: int, batch_size: int) -> np.ndarray:
         """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order). The
         policy's last choice holds for up to ``policy.decide_every`` steps while the sampling
         requests stay the same or some of them left (no per-step policy work on steady decoding,
         nor while a batch drains), and twice as long each time the policy repeats it for the same
-        requests, up to ``policy.longest_hold`` steps. A new request asks the policy at once."""
+        requests, up to ``policy.longest_hold`` steps. A new request takes the held depth (capped)
+        until the hold ends when ``policy.joins_take_held_depth``, else asks the policy at once."""
         S = self.S
         ids = request_ids[:num_sampling]  # [n] int64
         held = self._held
@@ -144,14 +170,12 @@ class DraftLengths:
             if key == held.key:
                 held.steps += 1
                 return held.lengths
-            kept = held.lengths_of(ids)  # requests finished since: the others keep their lengths
+            # requests finished since: the others keep their lengths; requests joined: the held depth
+            kept = held.lengths_of(ids, self._caps_of if self.policy.joins_take_held_depth else None)
             if kept is not None:
-                self._held = HeldChoice(ids.copy(), kept, held.steps + 1, held.hold, key)
+                self._held = HeldChoice(ids.copy(), kept, held.steps + 1, held.hold, key, held.depth)
                 return kept
-        caps = np.full(num_sampling, S, dtype=np.int64)  # [n] int64
-        if self._caps:
-            rows = self._cap_index.rows(ids)[0]  # [n] int64, -1: not capped
-            caps[rows >= 0] = self._cap_values[rows[rows >= 0]]
+        caps = self._caps_of(ids)  # [n] int64
         if S == 0 or (self._fixed and bool((caps == S).all())):
             return caps
         self._flush_outcomes()  # the policy decides on every outcome so far
@@ -172,6 +196,14 @@ class DraftLengths:
             hold = max(hold, min(2 * held.hold, self.policy.longest_hold or hold))
         self._held = HeldChoice(ids.copy(), lengths, 1, hold, key)
         return lengths
+
+    def _caps_of(self, request_ids: np.ndarray) -> np.ndarray:
+        """``[n]`` int64: each request's most drafts, min(S, its SamplingParams cap)."""
+        caps = np.full(request_ids.shape[0], self.S, dtype=np.int64)  # [n] int64
+        if self._caps:
+            rows = self._cap_index.rows(request_ids)[0]  # [n] int64, -1: not capped
+            caps[rows >= 0] = self._cap_values[rows[rows >= 0]]
+        return caps
 
     def launched(self, step: StepMetadata) -> None:
         """Record what ``step``'s decode requests verify (each step of a decode run after the first
@@ -244,36 +276,42 @@ class DraftLengths:
         """What one ``step()`` call measured for the policy's cost model (``step_costs.py``), or None:
         ``applied``, the launches the call applied with their GPU seconds (None off CUDA);
         ``wall_seconds``, the time since the previous call returned (None: the first call).
-        Kept only for a steady call (it applied one launch, decode only, verify width = draft
-        depths D, and launched as many steps) right after a call that applied one decode-only
-        launch of the same grid and D (the loop was running that depth: no prefill, idle pause or
-        first call in the wall time; the step before a switch of depth verifies the old width, so
-        the second step after a switch is measured): ``(G, D, wall seconds per step, GPU seconds
-        per step or -1)``; of a run of such calls, the first and then every ``TIMING_EVERY``-th
-        (the averages move slowly; a depth tried is measured at once)."""
+        Kept only for a steady call (it applied one launch, verify width = draft depths D, and
+        launched as many steps) right after a call that applied one launch of the same grid and D
+        (the loop was running that depth: no idle pause or first call in the wall time; the step
+        before a switch of depth verifies the old width, so the second step after a switch is
+        measured); a decode-only one only after a decode-only call (no prefill in its wall time),
+        a step with prefill chunks (``mixed``) after either: ``(G, D, wall seconds per step, GPU
+        seconds per step or -1, mixed)``; of a run of such calls, the first and then every
+        ``TIMING_EVERY``-th (the averages move slowly; a depth tried is measured at once). Every
+        call also tells the cost model how many of its applied launches carried prefill chunks
+        (``StepCostModel.mixed_share``)."""
         if self._fixed or self.S == 0:
             return None
+        if applied and self.policy.cost_model is not None:
+            self.policy.cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
         launch_key = steady_key = None
-        if len(applied) == 1 and not applied[0][0].num_prefill:
+        if len(applied) == 1:
             step, gpu_seconds = applied[0]
-            launch_key = (step.dimensions.request_count, step.num_drafts)
+            launch_key = (step.dimensions.request_count, step.num_drafts, bool(step.num_prefill))
             if step.verify_width == step.num_drafts and steps_launched == step.num_steps:
                 steady_key = launch_key
         previous, self._timed_key = self._timed_key, launch_key
-        if steady_key is None or steady_key != previous or wall_seconds is None:
+        if steady_key is None or previous is None or wall_seconds is None or \
+                (previous[:2] != steady_key[:2] if steady_key[2] else previous != steady_key):
             self._steady_calls = 0
             return None
         self._steady_calls += 1
         if (self._steady_calls - 1) % TIMING_EVERY:
             return None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
-        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu)
+        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu, steady_key[2])
 
     def record_timing(self, timing: Optional[StepTiming]) -> None:
         """Feed a measurement (every TP rank gets the first rank's: ``TPLockstep.check``) to the cost model."""
         if timing is not None and self.policy.cost_model is not None:
             self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.wall_seconds,
-                                          None if timing.gpu_seconds < 0 else timing.gpu_seconds)
+                                          None if timing.gpu_seconds < 0 else timing.gpu_seconds, timing.mixed)
 
     def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None) -> None:
         """The warm-up's replay times by (batch size, draft depths) for the policy's cost model;

@@ -17,8 +17,8 @@ rank (the TP lockstep check includes the lengths).
 - :class:`FixedDraftLength` (the default): ``s_r = cap_r``, the old fixed-S behaviour.
 - :class:`GoodputPolicy`: per-request decayed per-depth acceptance and a step-cost model; picks
   the depth D that maximises expected tokens per second of the batch (``D = 0`` where drafting
-  does not pay). Off by default: with today's step graphs (``1 + S`` verify rows per decode
-  request whatever ``s_r``) it can only save draft depths, and an estimate can be wrong.
+  does not pay). Off by default: an estimate can be wrong (a step verifies ``1 + V`` rows per
+  decode request, V the most any of them holds: docs/draft_lengths.md).
 - :class:`RandomDraftLengths`: seeded random lengths, for tests (the output must not change).
 """
 
@@ -105,16 +105,30 @@ class RequestRows:
 
 class DraftLengthPolicy:
     """Base class of draft-length policies (module docstring). Override :meth:`choose`; the rest
-    have working defaults."""
+    have working defaults.
+
+    When ``choose`` is called: on a step whose sampling requests (decodes and final prompt
+    chunks) need lengths and no choice holds. A choice holds for ``decide_every`` steps (longer
+    while it repeats: ``longest_hold``) while the step's sampling requests stay the same, lose
+    some (they keep their lengths), or gain some: a request that joins while a choice holds
+    drafts ``min(D, cap_r)`` with D the most drafts of that choice (``joins_take_held_depth``;
+    False: a join ends the hold and asks ``choose`` at once). What it sees: the step's sampling
+    requests in row order with their caps, the step's grid, the steps the last choice served
+    (``query.steps``), the queue (``num_waiting``, ``tokens_left``). Its outcomes (``observe``)
+    include the steps of joined requests, which ``choose`` has not seen yet."""
 
     # a choice holds for up to this many steps while the step's sampling requests stay the same
-    # (or some of them leave); the outcomes of those steps come to `observe` in one call. 1: choose
-    # and observe every step.
+    # (or some of them leave or join); the outcomes of those steps come to `observe` in one call.
+    # 1: choose and observe every step.
     decide_every = 1
     # each time the policy returns the same lengths for the same requests, the hold doubles, up to
     # this many steps (None: decide_every, no doubling); the held steps' outcomes come to `observe`
     # when the hold ends (at most this many steps late) and always before the next `choose`
     longest_hold = None
+    # a request that joins while a choice holds takes its depth (capped) until the hold ends: in a
+    # queued workload a request joins almost every step, and asking `choose` on each join is a
+    # decision every step. False: a join asks `choose` at once (a policy whose lengths are per request)
+    joins_take_held_depth = True
 
     def __init__(self):
         self.cost_model: Optional[StepCostModel] = None

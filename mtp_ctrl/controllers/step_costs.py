@@ -18,6 +18,18 @@ switch of depth, a prefill or an idle pause between calls is never a sample).
 - GPU seconds (reported beside it, and the seed of a depth not measured yet): the warm-up's graph
   replay times (``controller.warmup()``), then a moving average of the launches' CUDA-event times.
 
+Steps with prefill chunks (mixed steps) are timed apart, in their own table per ``(G, D)``
+(steady the same way: V = D, after a call at the same key, decode-only or mixed), and the model
+keeps the share of recent steps that were mixed (``mixed_share``, a moving average over applied
+launches). What a step at depth D costs the policy is the blend ``(1 - share) decode(G, D) +
+share mixed(G, D)``: in a queued workload (a request joins almost every step) most steps are
+mixed, and a mixed step's cost grows with V differently (its rows round up to a token bucket,
+powers of two: at batch 64 with one 64-token chunk, 1 + V = 3 fills 256 rows, 1 + V = 4 pads to
+512), which decode-only samples cannot show; while a batch drains the share falls to 0. Timed
+apart, a depth measured in a queued phase is not compared with one measured while draining. A
+depth whose mixed cost is not measured yet takes its decode cost times the mean mixed / decode
+ratio of the depths measured at its grid (1 if none).
+
 A depth not measured at a grid costs its GPU seed (an optimistic guess: a step's wall time is
 never below its GPU time) or, off CUDA, the cheapest wall time at the grid; the policy does not
 rely on the guess: it runs every depth it may choose until it is measured
@@ -52,6 +64,9 @@ class StepCostModel:
         self._gpu_seeded: Dict[Key, bool] = {}  # True while gpu[key] is only the warm-up's replay time
         self.outlier_factor = 3.0
         self._outliers: Dict[Key, int] = {}  # wall samples dropped in a row, by key
+        self.mixed_wall: Dict[Key, float] = {}  # (G, D) -> wall seconds per steady step with prefill chunks
+        self.mixed_share = 0.0  # moving average of the applied launches that carried prefill chunks
+        self.share_smoothing = 1.0 / 32  # its weight of one launch
 
     @property
     def measured(self) -> Dict[Key, float]:
@@ -62,21 +77,33 @@ class StepCostModel:
         """Seed the GPU seconds with the warm-up's replay times (drops the loop's measurements)."""
         self.gpu = {(int(g), int(d)): float(t) for (g, d), t in measured.items() if t > 0}
         self._gpu_seeded = {key: True for key in self.gpu}
-        self.wall, self._outliers = {}, {}
+        self.wall, self._outliers, self.mixed_wall = {}, {}, {}
 
-    def record(self, batch_size: int, num_drafts: int, wall_seconds: float, gpu_seconds: Optional[float]) -> None:
+    def record_launches(self, mixed: int, total: int) -> None:
+        """``total`` launches were applied, ``mixed`` of them with prefill chunks: moves
+        ``mixed_share`` (every TP rank applies the same launches, so every rank's share agrees)."""
+        for index in range(total):
+            self.mixed_share += self.share_smoothing * (float(index < mixed) - self.mixed_share)
+
+    def record(self, batch_size: int, num_drafts: int, wall_seconds: float, gpu_seconds: Optional[float],
+               mixed: bool = False) -> None:
         """One steady step of grid ``batch_size`` that ran ``num_drafts`` depths: the loop's wall
-        seconds per step and the GPU's (None off CUDA)."""
+        seconds per step and the GPU's (None off CUDA); ``mixed``: a step with prefill chunks (its
+        wall time goes to ``mixed_wall``; its GPU time is not kept)."""
         key = (int(batch_size), int(num_drafts))
-        reference = self.wall.get(key)
+        table = self.mixed_wall if mixed else self.wall
+        outlier_key = key + (1,) if mixed else key
+        reference = table.get(key)
         if reference is None:  # a new key: the grid's cheapest wall time
-            reference = min((t for (g, _), t in self.wall.items() if g == key[0]), default=None)
+            reference = min((t for (g, _), t in table.items() if g == key[0]), default=None)
         if reference is not None and wall_seconds > self.outlier_factor * reference:
-            self._outliers[key] = self._outliers.get(key, 0) + 1
-            if self._outliers[key] < 3:
+            self._outliers[outlier_key] = self._outliers.get(outlier_key, 0) + 1
+            if self._outliers[outlier_key] < 3:
                 return  # a pause of the host, a collection, is not what a step costs; a lasting change is
-        self._outliers[key] = 0
-        self._average(self.wall, key, wall_seconds)
+        self._outliers[outlier_key] = 0
+        self._average(table, key, wall_seconds)
+        if mixed:
+            return
         if gpu_seconds is not None:
             if self._gpu_seeded.get(key, True):  # the first in-loop measurement replaces the seed
                 self.gpu.pop(key, None)
@@ -93,6 +120,26 @@ class StepCostModel:
         return grid is not None and (grid, int(num_drafts)) in self.wall
 
     def seconds(self, batch_size: int, num_drafts: int) -> float:
+        """What a step at depth ``num_drafts`` costs the policy: decode-only and mixed steps'
+        costs blended by ``mixed_share`` (module docstring)."""
+        decode = self.decode_seconds(batch_size, num_drafts)
+        if self.mixed_share < 1e-3 or not self.mixed_wall:
+            return decode
+        return decode + self.mixed_share * (self.mixed_seconds(batch_size, num_drafts, decode) - decode)
+
+    def mixed_seconds(self, batch_size: int, num_drafts: int, decode: Optional[float] = None) -> float:
+        """A step with prefill chunks at depth ``num_drafts``: its measured wall time, else the
+        decode-only cost (``decode``, computed if None) times the mean mixed / decode ratio of the
+        depths measured at the grid (1 if none)."""
+        grid = _grid_for(self.mixed_wall, batch_size)
+        if grid is not None and (grid, num_drafts) in self.mixed_wall:
+            return self.mixed_wall[(grid, num_drafts)]
+        decode = self.decode_seconds(batch_size, num_drafts) if decode is None else decode
+        ratios = [t / self.decode_seconds(g, d) for (g, d), t in self.mixed_wall.items() if g == grid]
+        return decode * (sum(ratios) / len(ratios) if ratios else 1.0)
+
+    def decode_seconds(self, batch_size: int, num_drafts: int) -> float:
+        """A decode-only step at depth ``num_drafts`` (module docstring)."""
         grid = _grid_for(self.wall, batch_size)
         if grid is not None and (grid, num_drafts) in self.wall:
             return self.wall[(grid, num_drafts)]
@@ -110,13 +157,15 @@ class StepCostModel:
         return table[(min(grids), num_drafts)] if grids else None
 
     def table(self) -> Dict[str, Dict[str, Optional[float]]]:
-        """Plain data for reports: ``{"G=.., D=..": {"wall_ms", "gpu_ms", "step_ms"}}`` (step_ms:
-        what the policy uses)."""
+        """Plain data for reports: ``{"G=.., D=..": {"wall_ms", "gpu_ms", "mixed_ms", "step_ms"}}``
+        (wall and GPU: decode-only steps; mixed: steps with prefill chunks; step_ms: what the policy
+        uses, at the current ``mixed_share``)."""
         rows = {}
-        for g, d in sorted(set(self.gpu) | set(self.wall)):
-            gpu, wall = self.gpu.get((g, d)), self.wall.get((g, d))
+        for g, d in sorted(set(self.gpu) | set(self.wall) | set(self.mixed_wall)):
+            gpu, wall, mixed = self.gpu.get((g, d)), self.wall.get((g, d)), self.mixed_wall.get((g, d))
             rows[f"G={g}, D={d}"] = {"wall_ms": None if wall is None else wall * 1e3,
                                      "gpu_ms": None if gpu is None else gpu * 1e3,
+                                     "mixed_ms": None if mixed is None else mixed * 1e3,
                                      "step_ms": self.seconds(g, d) * 1e3}
         return rows
 

@@ -122,17 +122,18 @@ class TPLockstep:
 
 
 def _encode(timing: Optional[StepTiming]) -> List[int]:
-    """``[present, G, D, wall ns, GPU ns]`` (all -1: none)."""
+    """``[present (1: decode-only, 2: mixed), G, D, wall ns, GPU ns]`` (all -1: none)."""
     if timing is None:
         return [-1] * 5
-    return [1, timing.batch_size, timing.num_drafts, round(timing.wall_seconds * 1e9),
+    return [2 if timing.mixed else 1, timing.batch_size, timing.num_drafts, round(timing.wall_seconds * 1e9),
             round(timing.gpu_seconds * 1e9) if timing.gpu_seconds >= 0 else -1]
 
 
 def _decode(values: List[int]) -> Optional[StepTiming]:
     if values[0] < 1:
         return None
-    return StepTiming(values[1], values[2], values[3] / 1e9, values[4] / 1e9 if values[4] >= 0 else -1.0)
+    return StepTiming(values[1], values[2], values[3] / 1e9, values[4] / 1e9 if values[4] >= 0 else -1.0,
+                      values[0] == 2)
 
 
 def _difference(layouts: List[str]) -> str:

@@ -212,7 +212,7 @@ def run_frontend(connection, hf_path: Optional[str], model_name: str, host: str,
     """The frontend process's body: serve until the engine goes (exit 1) or a signal (exit 0)."""
     import mtp_ctrl
 
-    mtp_ctrl.quiet_known_warnings(verbose)  # the API imports the controllers' types (megatron-core)
+    mtp_ctrl.quiet_known_warnings(verbose)  # an HF tokenizer's loader may import megatron-core; the API does not
     import uvicorn
 
     from mtp_ctrl.serve.api import create_app

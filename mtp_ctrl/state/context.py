@@ -284,10 +284,10 @@ class DynamicInferenceContext:
         With a step in flight (built, not committed) the step is built for the worst case of the
         one in flight, and nothing pauses or resumes (:meth:`needs_sync` says when the caller
         should commit first); decodes short of blocks then raise ``KVCacheFullError``. Every
-        decode request runs ``1 + V`` rows (V, the step's verify width: in a decode-only step the
-        most drafts any of its decode requests holds, chosen by ``draft_lengths`` when it last
-        sampled; S without a policy and in a step with prefill chunks; blocks are still reserved for
-        ``1 + S``); prefill requests then take the rest of
+        decode request runs ``1 + V`` rows (V, the step's verify width: the most drafts any of its
+        decode requests holds, chosen by ``draft_lengths`` when it last sampled, with or without
+        prefill chunks; S without a policy; blocks are still reserved for ``1 + S``); prefill
+        requests then take the rest of
         ``max_tokens_per_step`` in list order (only the last one may stop mid-prompt). Decode
         requests that cannot get their blocks are paused; paused ones are resumed (oldest first)
         when blocks are free again, and no prefill starts while one still waits. Raises
@@ -345,8 +345,7 @@ class DynamicInferenceContext:
             lengths = np.zeros(num_requests, dtype=np.int64)  # [n] int64
             batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes) or num_requests
             lengths[:num_sampling] = draft_lengths(host.request_ids[slot_ids[:num_sampling]], num_sampling, batch_size)
-        verify_width = self.shape.num_speculative_tokens if chunks else \
-            self._verify_width(decode_slots, None if lengths is None else lengths[:num_decode], num_steps)
+        verify_width = self._verify_width(decode_slots, None if lengths is None else lengths[:num_decode], num_steps)
         query_lengths = np.full(num_requests, 1 + verify_width, dtype=np.int64)  # [n] int64
         query_lengths[num_decode:] = [chunk.shape[0] for chunk in chunks]
         padded = self._graph_shape(num_requests, int(query_lengths.sum()), bool(chunks), verify_width)
@@ -365,10 +364,10 @@ class DynamicInferenceContext:
         return step
 
     def _verify_width(self, decode_slots: np.ndarray, chosen: Optional[np.ndarray], num_steps: int) -> int:
-        """V of a decode-only step: the most drafts any of its decode requests (slots
-        ``decode_slots``) verifies. Its first step verifies the drafts each holds; a decode run's
-        later steps verify the lengths ``chosen`` for this build (``[nd]``, None: S). (A step with
-        prefill chunks keeps V = S: one graph per mixed shape, draft rows masked by length.)"""
+        """V of a step: the most drafts any of its decode requests (slots ``decode_slots``)
+        verifies, with or without prefill chunks. Its first step verifies the drafts each holds; a
+        decode run's later steps verify the lengths ``chosen`` for this build (``[nd]``, None: S).
+        A step with no decode request keeps S (its logits rows: one per final chunk either way)."""
         if decode_slots.shape[0] == 0:
             return self.shape.num_speculative_tokens
         width = int(self._drafts_held[decode_slots].max())  # host-ok: numpy
@@ -450,13 +449,11 @@ class DynamicInferenceContext:
 
     def graph_shapes(self, verify_width: Optional[int] = None) -> List[BatchDimensions]:
         """Every CUDA-graph shape a step of verify width V (``verify_width``; default S) can be
-        padded to (see :meth:`_graph_shape`): the decode-only ones, and the mixed ones for V = S
-        (a step with prefill chunks verifies S)."""
+        padded to (see :meth:`_graph_shape`): the decode-only ones (``1 + V`` rows a request), and
+        the mixed ones (their token buckets do not depend on V; the graph key carries it)."""
         S = self.shape.num_speculative_tokens
         V = S if verify_width is None else verify_width
         shapes = [BatchDimensions.decode_only(size, V) for size in self.cuda_graph_batch_sizes]
-        if V != S:
-            return shapes
         shapes += [BatchDimensions(tokens, size, True)
                    for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
         return shapes

@@ -72,6 +72,48 @@ def test_draft_lengths_replay_graphs_with_no_sync_and_equal_plain(model, policy,
     controller.close()
 
 
+class AllStepsSyncChecked(TextGenerationController):
+    """Launches every step, prefill chunks included, under ``set_sync_debug_mode("error")``;
+    records the verify width V of each step with prefill chunks and decode requests that replayed
+    a graph."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mixed_tiers = collections.Counter()
+
+    def _launch_step(self, step):
+        with no_host_sync():
+            return super()._launch_step(step)
+
+    def on_launch(self, step, graph_key):
+        if graph_key is not None and step.num_prefill and step.num_decode:
+            self.mixed_tiers[graph_key[3]] += 1
+
+
+def test_mixed_steps_replay_every_verify_tier_with_no_sync_and_equal_plain(model):
+    """A queue (a request joins nearly every step, 4 slots): steps with prefill chunks verify their
+    own tier V (the most drafts their decode requests hold, random lengths), each replaying a graph
+    ``warmup()`` captured for that tier, with no host sync; the output equals plain decoding,
+    greedy and sampled."""
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(3 + i % 9)] for i in range(16)]
+    params = [SamplingParams(max_new_tokens=6 + i % 5, temperature=0.8 * (i % 2), seed=i) for i in range(16)]
+    plain = TextGenerationController(model, make_config(0, max_requests=4, cuda_graph_batch_sizes=())).generate(
+        prompts, params)
+    proposer = DeviceOracleProposer(plain_sequences(prompts, plain, 2 * (S + 1)).cuda())
+    controller = AllStepsSyncChecked(model, make_config(S, max_requests=4, cuda_graph_batch_sizes=(2, 4)),
+                                     proposer=proposer, draft_policy=RandomDraftLengths(seed=3))
+    graphs = controller.warmup()
+    ids = []
+    while len(ids) < len(prompts) or controller.has_unfinished_requests():  # one request joins per step
+        if len(ids) < len(prompts):
+            ids.append(controller.add_request(prompts[len(ids)], params[len(ids)]))  # id = row of the oracle's table
+        controller.step()
+    assert [controller.result(rid).output_tokens for rid in ids] == [r.output_tokens for r in plain]
+    assert controller.debug_view().num_cuda_graphs == graphs  # every mixed tier was warmed up
+    assert len(controller.mixed_tiers) >= 3, controller.mixed_tiers  # mixed steps at several verify tiers
+    controller.close()
+
+
 def run_bursty(model, params, steps_per_launch, graphs, **config):
     """The MTP proposer (paged) under runs of no-draft steps (``BurstyLengths``): (outputs, the
     metrics' accepted drafts per depth, warmed-up graphs, graphs at the end, decode launches)."""

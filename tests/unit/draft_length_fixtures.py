@@ -18,6 +18,36 @@ ARRIVALS = (
     (5, PROMPTS[2][:4], SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)),
 )
 SQUEEZE = dict(num_kv_blocks=10, cuda_graph_batch_sizes=(2, 4))  # preemption and padded steps
+# a queue: a request joins nearly every step (4 slots), so most steps carry a prefill chunk beside
+# decode requests: the mixed steps' own verify tiers (the first chunks are longer than a step's budget)
+QUEUED = tuple((step, PROMPTS[step % 4][: 3 + step % 5], SamplingParams(
+    max_new_tokens=5 + step % 3, **({} if step % 2 else dict(temperature=0.8, top_k=12, seed=step))))
+    for step in range(12))
+
+
+class MixedTiers:
+    """An ``on_launch`` hook: the verify width V of every step with prefill chunks and decode
+    requests, checked against the drafts its decode requests hold (``widths``); every step with
+    prefill chunks masks draft rows at V > 0 (the one variant ``warmup()`` captures of a mixed
+    shape under a policy other than the fixed one), prefill only (V = S) included."""
+
+    def __init__(self, S: int):
+        self.S, self.held, self.widths = S, {}, []  # held: request id -> drafts it holds
+
+    def __call__(self, step, graph_key):
+        if step.num_prefill and graph_key is not None:
+            assert graph_key[5] == (step.verify_width > 0), graph_key
+        if step.num_prefill and step.num_decode:
+            expected = max(self.held[request_id] for request_id in step.request_ids[: step.num_decode])
+            assert step.verify_width == expected, (step.verify_width, expected)
+            assert step.logits_indices.shape[0] == step.dimensions.request_count * (1 + expected)
+            assert graph_key is None or graph_key[3] == expected
+            self.widths.append(expected)
+        sampling = step.request_ids[: step.num_sampling_requests]
+        self.held.update(zip(sampling, step.host_draft_lengths[: len(sampling)]))
+
+    def every_tier(self) -> bool:
+        return set(self.widths) == set(range(self.S + 1))
 
 
 class CheckedRandomLengths(RandomDraftLengths):

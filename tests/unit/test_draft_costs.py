@@ -12,6 +12,7 @@ from mtp_ctrl.controllers import SamplingParams
 from mtp_ctrl.controllers import controller as controller_module
 from mtp_ctrl.controllers.draft_lengths import TIMING_EVERY, DraftLengths
 from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps
+from mtp_ctrl.controllers.step_costs import StepCostModel
 from mtp_ctrl.state import EngineShape
 from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, OracleProposer, build_models
 from tests.unit.draft_length_fixtures import controller_for
@@ -135,13 +136,63 @@ def test_step_timing_samples_steady_calls_after_a_call_at_the_same_depth():
     assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1) is None  # the first call seen
     assert lengths.step_timing([(_step(8, 2, 0), 1e-3)], 5e-3, 1) is None  # a switch to D = 0: V = 2
     timing = lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1)  # the loop now runs D = 0
-    assert timing == (8, 0, 6e-4, 4e-4)
+    assert timing == (8, 0, 6e-4, 4e-4, False)
     kept = [lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1) is not None for _ in range(2 * TIMING_EVERY)]
     assert kept == ([False] * (TIMING_EVERY - 1) + [True]) * 2
     assert lengths.step_timing([(_step(8, 0, 0, prefill=1), 4e-4)], 6e-4, 1) is None
     assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1) is None  # after a prefill: not yet
-    assert lengths.step_timing([(_step(8, 0, 0, steps=4), 8e-3)], 4e-3, 4) == (8, 0, 1e-3, 2e-3)  # a decode run
+    assert lengths.step_timing([(_step(8, 0, 0, steps=4), 8e-3)], 4e-3, 4) == (8, 0, 1e-3, 2e-3, False)  # a decode run
     assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], None, 1) is None  # no previous return
+
+
+def test_step_timing_samples_steps_with_prefill_chunks_apart():
+    """A steady step with prefill chunks (V = D) after a call at the same (G, D), decode-only or
+    mixed, is a mixed sample; a decode-only call right after a mixed one is not a sample (prefill
+    in its wall time); every call's applied launches move the cost model's mixed share."""
+    policy = GoodputPolicy()
+    policy.bind(SHAPE)
+    lengths = DraftLengths(policy, SHAPE)
+    assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1) is None  # the first call seen
+    assert lengths.step_timing([(_step(8, 2, 2, prefill=1), 2e-3)], 3e-3, 1) == (8, 2, 3e-3, 2e-3, True)
+    assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 1e-3, 1) is None  # after a mixed call
+    assert lengths.step_timing([(_step(8, 3, 2, prefill=1), 2e-3)], 3e-3, 1) is None  # V = 3: not steady
+    # the second step after a switch (its call before verified the old width, at the new D)
+    assert lengths.step_timing([(_step(8, 2, 2, prefill=1), 2e-3)], 3e-3, 1) == (8, 2, 3e-3, 2e-3, True)
+    share = policy.cost_model.mixed_share
+    assert 0 < share < 1
+    assert lengths.step_timing([(_step(8, 2, 2), 1e-3), (_step(8, 2, 2, prefill=1), 1e-3)], 3e-3, 1) is None
+    assert policy.cost_model.mixed_share > share  # one decode-only and one mixed launch: toward 1/2
+
+
+def test_a_depth_costs_decode_only_and_mixed_steps_by_their_share():
+    """Mixed steps' wall times are kept apart; a depth's cost blends them by the share of recent
+    launches with prefill chunks; a depth whose mixed cost is not measured takes its decode cost
+    times the grid's mean mixed / decode ratio. In a queue (mostly mixed steps) whose mixed step
+    pads to the next token bucket at D = 3, the policy then drafts 2 where decode-only costs say 3."""
+    model = StepCostModel()
+    decode = {0: 1.0e-3, 1: 1.1e-3, 2: 1.2e-3, 3: 1.3e-3}
+    for depth, seconds in decode.items():
+        model.record(64, depth, wall_seconds=seconds, gpu_seconds=None)
+    model.record(64, 2, wall_seconds=1.5e-3, gpu_seconds=None, mixed=True)
+    model.record(64, 3, wall_seconds=2.6e-3, gpu_seconds=None, mixed=True)  # its rows pad to twice the tokens
+    assert model.wall == {(64, d): t for d, t in decode.items()} and model.mixed_share == 0
+    assert model.seconds(64, 3) == 1.3e-3  # no mixed step lately: decode-only
+    model.record_launches(mixed=200, total=200)
+    share = model.mixed_share
+    assert share > 0.99
+    assert model.seconds(64, 3) == pytest.approx(1.3e-3 + share * (2.6e-3 - 1.3e-3))
+    ratio = (1.5 / 1.2 + 2.6 / 1.3) / 2
+    assert model.mixed_seconds(64, 1) == pytest.approx(1.1e-3 * ratio)
+    assert model.table()["G=64, D=3"]["mixed_ms"] == pytest.approx(2.6)
+
+    def queued_choice(share):
+        policy, ids = policy_with([0.9, 0.6, 0.2] * 21 + [0.9], costs=decode)
+        policy.cost_model.mixed_wall = dict(model.mixed_wall)
+        policy.cost_model.mixed_wall[(64, 1)] = 1.3e-3
+        policy.cost_model.mixed_share = share
+        return policy.choose(drain_query(ids, waiting=5))[0]
+
+    assert queued_choice(0.0) == 3 and queued_choice(0.95) == 2
 
 
 @pytest.fixture(scope="module")

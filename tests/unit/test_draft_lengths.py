@@ -13,8 +13,8 @@ import torch
 from mtp_ctrl.controllers import MTPProposer, Proposer, SamplingParams
 from mtp_ctrl.controllers.draft_policy import FixedDraftLength, GoodputPolicy, RandomDraftLengths
 from tests.unit.controller_fixtures import MTP_DEPTH, OracleProposer, build_models
-from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, CheckedRandomLengths, ZeroLengths, controller_for,
-                                              plain_outputs, run)
+from tests.unit.draft_length_fixtures import (ARRIVALS, QUEUED, SQUEEZE, CheckedRandomLengths, MixedTiers, ZeroLengths,
+                                              controller_for, plain_outputs, run)
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 
 
@@ -91,35 +91,57 @@ def test_skipped_idle_windows_run_no_depth(mtp_model, plain, torch_twins):
 def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, plain, torch_twins):
     """A decode-only step verifies V = the most drafts any of its decode requests holds (chosen when
     it last sampled): 1 + V rows per request, graph shape and key included, so steps of plain
-    decoding's width (V = 0) occur too; its key says it masks draft rows exactly when some request
-    holds fewer than V. Random lengths change V from step to step; the output stays plain
+    decoding's width (V = 0) occur too; a decode-only step's key says it masks draft rows exactly
+    when some request holds fewer than V. Random lengths change V from step to step; the output stays plain
     decoding's (churn, preemption, padded steps, sampling)."""
     controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), RandomDraftLengths(seed=7), **SQUEEZE)
-    held, widths, masks = {}, [], []  # request id -> drafts it holds; V of each decode-only step; keys' masks
+    held, widths, masks, mixed_widths = {}, [], [], []  # request id -> drafts it holds; V of each step; keys' masks
 
     def check(step, graph_key):
-        if step.num_prefill == 0:
+        if step.num_decode:  # with or without prefill chunks
             expected = max(held[request_id] for request_id in step.request_ids[: step.num_decode])
             assert step.verify_width == expected, (step.verify_width, expected)
-            assert step.attention.max_query_len == 1 + expected
-            assert step.dimensions.token_count == step.dimensions.request_count * (1 + expected)
+            assert step.logits_indices.shape[0] == step.dimensions.request_count * (1 + expected)
+            if step.num_prefill == 0:
+                assert step.attention.max_query_len == 1 + expected
+                assert step.dimensions.token_count == step.dimensions.request_count * (1 + expected)
+            else:
+                mixed_widths.append(expected)
             assert graph_key is None or graph_key[3] == expected
             if graph_key is not None:
                 fewest = min(held[request_id] for request_id in step.request_ids[: step.num_decode])
-                assert graph_key[5] == (fewest < expected), (graph_key, fewest)
+                # a step with prefill chunks masks at any V > 0 (one graph per mixed shape and tier)
+                assert graph_key[5] == (fewest < expected or (step.num_prefill > 0 and expected > 0)), \
+                    (graph_key, fewest)
                 masks.append(graph_key[5])
             widths.append(expected)
         else:
-            assert step.verify_width == MTP_DEPTH  # a step with prefill chunks verifies S (draft rows masked)
+            assert step.verify_width == MTP_DEPTH  # no decode request: S (one logits row per final chunk)
+            if step.num_prefill and graph_key is not None:
+                assert graph_key[5], graph_key  # masked: the variant warmup() captures of a mixed shape
         sampling = step.request_ids[: step.num_sampling_requests]
         held.update(zip(sampling, step.host_draft_lengths[: len(sampling)]))
 
     controller.on_launch = check  # the documented debug hook
     assert run(controller, ARRIVALS)[1] == plain[1]
     assert set(widths) == set(range(MTP_DEPTH + 1))  # every tier ran, plain width included
+    assert len(set(mixed_widths)) > 1, mixed_widths  # steps with prefill chunks change tier too
     assert True in masks and False in masks, masks
     changes = sum(a != b for a, b in zip(widths, widths[1:]))
     assert changes >= len(widths) // 3, widths
+
+
+def test_mixed_steps_verify_their_own_tier_under_a_queue(mtp_model, torch_twins):
+    """A request joins nearly every step: most steps carry prefill chunks beside decode requests,
+    and each verifies V = the most drafts its decode requests hold (every tier 0..S occurs, with
+    paged MTP's windows run on them), with KV pressure and padded steps; the output stays plain
+    decoding's, greedy and sampled."""
+    expected = run(controller_for(mtp_model, 0), QUEUED)[1]
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), CheckedRandomLengths(seed=5),
+                                **SQUEEZE)
+    controller.on_launch = tiers = MixedTiers(MTP_DEPTH)
+    assert run(controller, QUEUED)[1] == expected
+    assert tiers.every_tier(), tiers.widths
 
 
 class CountingDrafter(Proposer):
@@ -208,3 +230,4 @@ def test_goodput_learns_step_costs_from_the_loop(mtp_model, plain, torch_twins):
     assert policy.cost_model.wall and all(seconds > 0 for seconds in policy.cost_model.wall.values())
     assert not policy.cost_model.gpu  # off CUDA: no warm-up seed, no CUDA events
     assert {grid for grid, _ in policy.cost_model.wall} <= {2, 4}  # the padded grids (SQUEEZE's graph sizes)
+    assert 0 < policy.cost_model.mixed_share < 1  # the share of launches with prefill chunks (requests joined)

@@ -1,7 +1,7 @@
 """Per-request, per-step draft lengths (issue 34) with the EAGLE family (EAGLE, parallel drafting,
 multi-layer EAGLE) on a target whose drafts often land, on hybrid Mamba and Gated DeltaNet models, and with
 rejection acceptance: output == plain decoding under random lengths, churn, preemption and
-padded steps."""
+padded steps, and under a queue (most steps carry a prefill chunk and verify their own tier)."""
 
 import pytest
 import torch
@@ -9,21 +9,27 @@ import torch
 from mtp_ctrl.controllers import EagleProposer, MultiLayerEagleProposer, ParallelDraftingProposer
 from mtp_ctrl.models import build_eagle_head, build_multi_layer_eagle_heads
 from tests.unit.controller_fixtures import MTP_DEPTH, build_models
-from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, CheckedRandomLengths, ZeroLengths, controller_for,
-                                              plain_outputs, run)
+from tests.unit.draft_length_fixtures import (ARRIVALS, QUEUED, SQUEEZE, CheckedRandomLengths, MixedTiers, ZeroLengths,
+                                              controller_for, plain_outputs, run)
 from tests.unit.eagle_fixtures import AUX_LAYERS, build_eagle_models
 from tests.unit.megatron_fixtures import ensure_single_process_groups
+from tests.unit.megatron_fixtures import torch_twins as twin_ops
 
 
 @pytest.fixture(scope="module")
 def eagle_model():
     ensure_single_process_groups()
     model = build_eagle_models()[0]
-    return model, plain_outputs(model)[1]
+    with twin_ops():
+        queued = run(controller_for(model, 0), QUEUED)[1]
+    return model, {"closed": plain_outputs(model)[1], "queued": queued}
 
 
+@pytest.mark.parametrize("arrivals", ["closed", "queued"])
 @pytest.mark.parametrize("kind", ["eagle", "parallel", "multi_layer"])
-def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind):
+def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind, arrivals):
+    """closed: churn and preemption; queued: most steps carry a prefill chunk beside decode
+    requests and verify their own tier (several tiers occur; every one in the MTP and GDN tests)."""
     model, plain = eagle_model
     torch.manual_seed(77)
     if kind == "multi_layer":
@@ -32,8 +38,11 @@ def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind)
         head = build_eagle_head(model, AUX_LAYERS, parallel_drafting=kind == "parallel").eval()
         proposer, S = (ParallelDraftingProposer(head), 3) if kind == "parallel" else (EagleProposer(head), 3)
     policy = CheckedRandomLengths(seed=4)
-    assert run(controller_for(model, S, proposer, policy, **SQUEEZE), ARRIVALS)[1] == plain
+    controller = controller_for(model, S, proposer, policy, **SQUEEZE)
+    controller.on_launch = tiers = MixedTiers(S)
+    assert run(controller, ARRIVALS if arrivals == "closed" else QUEUED)[1] == plain[arrivals]
     assert any(accepted > 0 for _, accepted in policy.outcomes)  # drafts land: the masks matter
+    assert arrivals == "closed" or len(set(tiers.widths)) >= S, tiers.widths  # mixed steps at several tiers
 
 
 def test_rejection_acceptance_with_random_lengths(torch_twins):
@@ -53,24 +62,33 @@ def test_rejection_acceptance_with_random_lengths(torch_twins):
 
 
 def test_hybrid_mamba_model_random_lengths_equal_plain(torch_twins):
-    """The Mamba state kept after the last accepted row follows the masked acceptance."""
+    """The Mamba state kept after the last accepted row follows the masked acceptance (chunked
+    prompts: steps with prefill chunks beside decode requests, at their own tier)."""
     from tests.unit.hybrid_fixtures import build_hybrid_model
 
     ensure_single_process_groups()
     model = build_hybrid_model()
     arrivals = ARRIVALS[:4]
     plain = run(controller_for(model, 0), arrivals)[1]
-    assert run(controller_for(model, 2, policy=CheckedRandomLengths(seed=8), cuda_graph_batch_sizes=(2, 4)),
-               arrivals)[1] == plain
+    controller = controller_for(model, 2, policy=CheckedRandomLengths(seed=8), cuda_graph_batch_sizes=(2, 4))
+    controller.on_launch = tiers = MixedTiers(2)
+    assert run(controller, arrivals)[1] == plain
+    assert tiers.widths, "no step with prefill chunks beside decode requests"
 
 
-def test_gated_deltanet_hybrid_random_lengths_equal_plain(torch_twins):
-    """The recurrent state kept after the last accepted row follows the masked acceptance."""
+@pytest.mark.parametrize("arrivals", ["closed", "queued"])
+def test_gated_deltanet_hybrid_random_lengths_equal_plain(torch_twins, arrivals):
+    """The recurrent state kept after the last accepted row follows the masked acceptance; queued:
+    steps with prefill chunks verify their own tier too (the deferred commit stores ``1 + V`` rows
+    a buffer and the next step, mixed or not, applies the kept ones)."""
     from tests.unit.gdn_fixtures import build_gdn_model
 
     ensure_single_process_groups()
     model = build_gdn_model()
-    arrivals = ARRIVALS[:4]
+    queued = arrivals == "queued"
+    arrivals, seed = (QUEUED[:8], 2) if queued else (ARRIVALS[:4], 9)
     plain = run(controller_for(model, 0), arrivals)[1]
-    assert run(controller_for(model, 2, policy=CheckedRandomLengths(seed=9), cuda_graph_batch_sizes=(2, 4)),
-               arrivals)[1] == plain
+    controller = controller_for(model, 2, policy=CheckedRandomLengths(seed=seed), cuda_graph_batch_sizes=(2, 4))
+    controller.on_launch = tiers = MixedTiers(2)
+    assert run(controller, arrivals)[1] == plain
+    assert not queued or tiers.every_tier(), tiers.widths

@@ -6,6 +6,7 @@ bad arguments."""
 import numpy as np
 import pytest
 
+from mtp_ctrl.controllers import SamplingParams
 from mtp_ctrl.controllers.draft_lengths import DraftLengths
 from mtp_ctrl.controllers.draft_policy import (DraftLengthPolicy, DraftLengthQuery, FixedDraftLength, GoodputPolicy,
                                                RandomDraftLengths, RequestRows)
@@ -225,11 +226,28 @@ def test_a_repeated_choice_holds_twice_as_long_up_to_longest_hold():
     # 7th differs from the 6th), doubling again
     assert policy.steps[:10] == [1, 2, 4, 8, 8, 8, 2, 2, 4, 8], policy.steps
     asked = len(policy.steps)
+    policy.joins_take_held_depth = False
     lengths.choose(np.array([3, 5, 7], dtype=np.int64), 3, 8)  # a request joined: asked at once
     assert len(policy.steps) == asked + 1
 
 
+def test_a_joining_request_takes_the_held_depth_until_the_hold_ends():
+    """``joins_take_held_depth`` (the default): a request that joins while a choice holds drafts
+    the held depth D (its cap if lower) without asking the policy; the hold does not restart, and
+    when it ends the policy sees every request."""
+    policy = Repeating(change_at=(1,))  # D = 1 on the first choice, S after
+    lengths = DraftLengths(policy, SHAPE)
+    lengths.add(8, SamplingParams(num_speculative_tokens=0))  # capped below D
+    assert lengths.choose(np.array([3, 5], dtype=np.int64), 2, 8).tolist() == [1, 1]
+    assert lengths.choose(np.array([5, 7, 8], dtype=np.int64), 3, 8).tolist() == [1, 1, 0]  # 3 left, 7 and 8 joined
+    assert len(policy.steps) == 1
+    assert lengths.choose(np.array([5, 7, 8], dtype=np.int64), 3, 8).tolist() == [S, S, 0]  # the hold (2) ended
+    assert policy.steps == [1, 2]
+
+
 class ByRequest(Repeating):
+    joins_take_held_depth = False  # lengths per request: a join asks at once
+
     def choose(self, query):
         self.steps.append(query.steps)
         return query.request_ids % (S + 1)

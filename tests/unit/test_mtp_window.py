@@ -15,10 +15,10 @@ def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidd
                catch_up=0):
     """A step's tensors: ``num_decode`` decode requests, prefill chunks of ``prefill_lengths`` (the
     last one mid-prompt when ``mid_prompt``), ``num_padding`` padding requests. ``verify_width`` V
-    (decode-only steps): decode requests of ``1 + V`` rows, w at most ``S - 1`` before the first
-    row (as the controller leaves it), windows of ``S + V`` rows (``decode_window_rows``). ``catch_up``
-    m: skipped windows, a ring of ``S + m`` slots, decode w up to ``S - 1 + m`` before the first row,
-    windows of ``S + V + m`` rows."""
+    (with or without prefill chunks: a step verifies its own tier): decode requests of ``1 + V``
+    rows, w at most ``S - 1`` before the first row (as the controller leaves it), windows of
+    ``S + V`` rows (``decode_window_rows``). ``catch_up`` m: skipped windows, a ring of ``S + m``
+    slots, decode w up to ``S - 1 + m`` before the first row, windows of ``S + V + m`` rows."""
     def randint(low, high, size=()):
         return torch.randint(low, high, size, generator=generator)
 
@@ -113,6 +113,23 @@ def test_kernels_match_reference(S, shape, seed):
     _assert_same(case, want, case["padding_row"])
 
 
+@pytest.mark.parametrize("S,verify_width", [(2, 0), (3, 1), (3, 2)])
+@pytest.mark.parametrize("shape", [(2, (7, 3), 1), (3, (5,), 0), (1, (1, 6), 2)])
+def test_kernels_match_reference_with_a_verify_width_and_prefill_chunks(S, verify_width, shape):
+    """Steps with prefill chunks verify their own tier too: decode windows of S + V rows, then the
+    chunks' windows (a mid-prompt one last), padding requests and rows."""
+    num_decode, prefill_lengths, num_padding = shape
+    generator = torch.Generator().manual_seed(S * 10 + verify_width + num_decode + 7)
+    case = mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, verify_width=verify_width)
+    want = _clone(case)
+    mtp_draft_window(**case)
+    reference.mtp_draft_window(**want)
+    _assert_same(case, want, case["padding_row"])
+    mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS})
+    reference.mtp_advance_window(**{name: want[name] for name in ADVANCE_ARGS})
+    _assert_same(case, want, case["padding_row"])
+
+
 @pytest.mark.parametrize("S,verify_width", [(1, 0), (2, 0), (2, 1), (3, 1), (3, 2)])
 @pytest.mark.parametrize("shape", [(1, 0), (3, 2), (4, 0)])
 def test_kernels_match_reference_with_a_verify_width(S, verify_width, shape):
@@ -147,7 +164,7 @@ def test_kernels_match_reference_catching_up(S, verify_width, catch_up, shape, m
     generator = torch.Generator().manual_seed(S * 100 + verify_width * 10 + catch_up + num_decode)
     case = mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, catch_up=catch_up,
                            verify_width=None if prefill_lengths else verify_width)
-    size = 2 * S + catch_up if prefill_lengths else S + verify_width + catch_up  # mixed steps verify S
+    size = 2 * S + catch_up if prefill_lengths else S + verify_width + catch_up  # (the mixed case at V = S)
     case["decode_window_rows"] = size
     want = _clone(case)
     mtp_draft_window(**case)

@@ -10,6 +10,8 @@
   error and exits with code 1 and the reason: never a hang.
 """
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -157,3 +159,16 @@ def test_frontend_streams_and_exits_when_the_engine_dies(capfd):
     finally:
         if process.is_alive():
             process.kill()
+
+
+def test_the_http_frontend_imports_no_torch():
+    """The frontend process (spawned: it imports what it uses afresh) loads the API, the request
+    checks and the byte tokenizer without torch or megatron-core: it starts in a fraction of a
+    second of CPU, not the ~8 s those imports cost."""
+    code = ("import sys\nimport mtp_ctrl\nmtp_ctrl.quiet_known_warnings(False)\n"
+            "from mtp_ctrl.serve.api import create_app\nfrom mtp_ctrl.serve.metrics import ServerMetrics\n"
+            "from mtp_ctrl.serve.text import ByteTokenizer\nfrom mtp_ctrl.serve.frontend import run_frontend\n"
+            "print(sorted(name for name in ('torch', 'megatron', 'triton') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
