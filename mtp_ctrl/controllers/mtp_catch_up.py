@@ -15,8 +15,10 @@ step skips its windows when it is decode-only, drafts nothing and every request'
 within ``M`` after it; otherwise it runs them, ``M`` rows wider when some request has ``m > 0``
 (a *forced catch-up* when it drafts nothing). The plan (one entry a step of the launch) joins the
 CUDA graph key, so a replay needs no host value: a few variants per shape (windows or catch-up;
-skip or forced catch-up; a decode run's steps in their orders), captured at warm-up. A request that joins, or returns after a preemption, starts with a
-step that has prefill chunks (its windows run, from its first position): nothing stale is read.
+skip or forced catch-up; a decode run's steps in their orders), captured at warm-up. A request
+that joins, or returns after a preemption, starts with a step that has prefill chunks (its windows
+run, from its first position): nothing stale is read. A paused request keeps its slot and its
+``m``: the first step it returns to catches it up.
 """
 
 from typing import Tuple
