@@ -18,6 +18,11 @@ comes from a small per-request ring, 10 and 11 from this step's rows; depth 0 re
 ``t_10, t_11, t_12``, depth 1 ``t_11, t_12, d_1``; the next window starts at
 ``min(e, e + 1 - S) = 11``.
 
+Skipped windows (``skip_idle_windows``, ``InferenceConfig(mtp_idle_windows="skip")``, the
+default): a decode-only step where nobody drafts runs no depth; the ring then holds ``S + M``
+positions (``catch_up_positions``), ``w`` stays, and the next windowed step's decode windows are
+M rows wider so they cover ``[w, e)`` again (``mtp_catch_up.py``): the same entries, the same drafts.
+
 mtp_attention="single_position": each depth attends to its current row only (Megatron-LM's
 inference today); no window, one row per request and depth.
 
