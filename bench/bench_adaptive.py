@@ -49,8 +49,8 @@ def parse_args(argv=None):
                         help="only these 1B workloads (0.9 0.6 0.2 mixed queued; default all)")
     parser.add_argument("--no-pinned", action="store_true", help="skip the demo's pinned-goodput engine")
     parser.add_argument("--demo-goodput", choices=("both", "run", "skip"), default="both",
-                        help="the demo's goodput engines: MTP windows run on no-draft steps, skipped "
-                             "(mtp_idle_windows='skip'), or both (default)")
+                        help="the demo's goodput engines: MTP windows skipped on no-draft steps and caught "
+                             "up exactly (mtp_idle_windows='skip', the default engine), run, or both (default)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -195,11 +195,12 @@ def run_point(controller, prompts, params, repeats=1, policy=None, before=None):
     return sum(len(r.output_tokens) for r in results) / seconds, [r.output_tokens for r in results], shares, times
 
 
-def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="cuda", idle_windows="run"):
+def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="cuda", idle_windows=None):
+    """``idle_windows``: ``InferenceConfig.mtp_idle_windows`` (None: its default, "skip")."""
     config = InferenceConfig(num_speculative_tokens=S, max_requests=batch, block_size_tokens=16,
                              max_model_len=max_model_len, max_tokens_per_step=max(batch * PROMPT_LEN, 256),
                              cuda_graph_batch_sizes=(batch,) if device == "cuda" else (),
-                             mtp_idle_windows=idle_windows)
+                             **({} if idle_windows is None else dict(mtp_idle_windows=idle_windows)))
     controller = TextGenerationController(model, config, proposer=proposer, draft_policy=policy)
     controller.warmup()
     return controller
@@ -233,9 +234,9 @@ class Table:
         for (part, batch, workload), rows in workloads.items():
             fixed = {row["S"]: row["tokens_per_s"] for row in rows if row["policy"] == "fixed"}
             adaptive = next((row for row in rows if row["policy"] == "goodput"), None)
-            skipping = next((row for row in rows if row["policy"] == "goodput skip"), None)
-            if adaptive is None:  # the skip engine alone (--demo-goodput skip)
-                adaptive, skipping = skipping, None
+            running = next((row for row in rows if row["policy"] == "goodput run"), None)
+            if adaptive is None:  # the run engine alone (--demo-goodput run)
+                adaptive, running = running, None
             best_s = max(fixed, key=fixed.get) if fixed else None
             text = " ".join(f"S{s}={rate:.0f}" for s, rate in sorted(fixed.items()))
             same = all(row["equal_plain"] for row in rows)
@@ -245,11 +246,11 @@ class Table:
             rate = adaptive["tokens_per_s"]
             print(f"{part:>5} {batch:5d} {workload:>8} | {text} | {rate:8.0f} {rate / fixed[best_s]:6.2f} "
                   f"{rate / fixed.get(0, rate):6.2f} | S={best_s} | {adaptive['lengths']} ({adaptive['policy']}) | {same}")
-            if skipping is not None:
-                rate = skipping["tokens_per_s"]
-                print(f"{'':>5} {'':>5} {'':>8} | goodput, mtp_idle_windows='skip': {rate:8.0f} "
-                      f"{rate / fixed[best_s]:6.2f} {rate / fixed.get(0, rate):6.2f} | {skipping['lengths']} | "
-                      f"{skipping['equal_plain']}")
+            if running is not None:
+                rate = running["tokens_per_s"]
+                print(f"{'':>5} {'':>5} {'':>8} | goodput, mtp_idle_windows='run': {rate:8.0f} "
+                      f"{rate / fixed[best_s]:6.2f} {rate / fixed.get(0, rate):6.2f} | {running['lengths']} | "
+                      f"{running['equal_plain']}")
             pinned = next((row for row in rows if row["policy"] == "pinned"), None)
             if pinned is not None and row_s(rows, pinned["S"]):
                 print(f"{'':>5} {'':>5} {'':>8} | pinned goodput (S = {pinned['S']} each step): "
@@ -293,9 +294,10 @@ def demo_part(args, table, device):
     batches = args.demo_batches or ((1, 4) if args.quick else (1, 8, 32, 128))
     for batch in batches:
         prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
-        # "goodput skip": the policy in an engine whose no-draft steps run no MTP depth (mtp_idle_windows)
+        # "goodput": the default engine (no-draft steps skip the MTP windows, caught up exactly later);
+        # "goodput run": mtp_idle_windows="run" (every no-draft step runs every depth's window)
         engines = [(S, "fixed", None) for S in (0, 1, 2)]
-        engines += [(2, name, GoodputPolicy()) for name, kind in (("goodput", "run"), ("goodput skip", "skip"))
+        engines += [(2, name, GoodputPolicy()) for name, kind in (("goodput", "skip"), ("goodput run", "run"))
                     if args.demo_goodput in ("both", kind)]
         if (batch >= 32 or args.quick) and not args.no_pinned:  # the policy path's own cost (fixed S = 2's lengths)
             engines.append((2, "pinned", PinnedGoodput()))
@@ -304,7 +306,7 @@ def demo_part(args, table, device):
             if table.out_of_time():
                 return
             controller = engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy, device=device.type,
-                                idle_windows="skip" if name == "goodput skip" else "run")
+                                idle_windows="run" if name == "goodput run" else None)
             for temperature in (0.0, 1.0):
                 params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=5)
                 rate, outputs, shares, times = run_point(controller, prompts, params, repeats=3, policy=policy)

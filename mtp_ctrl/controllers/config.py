@@ -72,14 +72,17 @@ class InferenceConfig:
         layer again, each with a KV cache of its own (Qwen3-Next ships one MTP layer). Lossless
         either way; how many of those drafts are accepted depends on how the layer was trained.
     mtp_idle_windows: what paged MTP drafting does on a step where no request drafts (a
-        draft-length policy chose D = 0). "run" (default) runs every depth over its window (no
-        output layer), so each depth's cache stays final for every position. "skip" records a
-        decode-only step's tokens and moves the windows on without running the depths: that step
-        costs about what a plain step does (the demo at batch 128 on an H200: a D = 0 step's GPU
-        0.61 ms against plain's 0.34), and the depths' caches at the skipped positions are not
-        written, so later drafts attend to stale entries there (drafts may differ and be accepted
-        less often; the output is the same: verification decides every token). Steps with prefill
-        chunks run the windows either way.
+        draft-length policy chose D = 0). "skip" (default) records a decode-only step's tokens and
+        keeps the decoder hidden of its positions without running the depths: that step costs
+        about what a plain step does (the demo at batch 128 on an H100: a D = 0 step's GPU 0.37 ms
+        against 0.61 running the windows, plain 0.36); the next step that runs the windows widens
+        them to cover the skipped positions (``MTPProposer(catch_up_positions=8)`` rows more, and
+        a forced catch-up step when a request would fall further behind), so the depths' caches
+        and the drafts are the same as with "run", which runs every depth over its window on
+        every step. Steps with prefill chunks run the windows either way.
+    mtp_catch_up_positions: with mtp_idle_windows="skip", M: the most positions a request's MTP
+        windows may fall behind (its hidden ring holds S + M positions); a catch-up window has M
+        rows more, and a no-draft step that would pass M runs the windows (a forced catch-up).
     overlap_scheduling: the host prepares step N + 1 while the GPU runs step N and learns step
         N's outcome one step late (default). False runs one step at a time (debugging, and the
         comparison); outputs are identical either way.
@@ -146,7 +149,8 @@ class InferenceConfig:
     cuda_graph_batch_sizes: Tuple[int, ...] = ()
     mtp_attention: str = "paged"
     mtp_reuse_last_layer: bool = False
-    mtp_idle_windows: str = "run"
+    mtp_idle_windows: str = "skip"
+    mtp_catch_up_positions: int = 8
     overlap_scheduling: bool = True
     finished_results_kept: int = 4096
     acceptance: str = "exact_match"
@@ -207,6 +211,7 @@ class InferenceConfig:
                             f"got {type(self.mtp_idle_windows).__name__}")
         if self.mtp_idle_windows not in MTP_IDLE_WINDOWS:
             raise ValueError(f"mtp_idle_windows must be one of {MTP_IDLE_WINDOWS}, got {self.mtp_idle_windows!r}")
+        _require_int("mtp_catch_up_positions", self.mtp_catch_up_positions, 1)
         if self.mtp_attention not in MTP_ATTENTION_MODES:
             raise ValueError(f"mtp_attention must be one of {MTP_ATTENTION_MODES}, got {self.mtp_attention!r}")
         if not isinstance(self.acceptance, str):

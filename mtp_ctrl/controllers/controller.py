@@ -39,7 +39,7 @@ engine's sizes are ``self.shape`` (an ``EngineShape``).
 
 import itertools
 import time
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -95,7 +95,8 @@ class TextGenerationController:
         self._allocate_step_buffers()
         self._outputs = OutputRows(self.context.table)
         self.proposer = proposer if proposer is not None else MTPProposer(
-            config.mtp_attention, config.mtp_reuse_last_layer, skip_idle_windows=config.mtp_idle_windows == "skip")
+            config.mtp_attention, config.mtp_reuse_last_layer, skip_idle_windows=config.mtp_idle_windows == "skip",
+            catch_up_positions=config.mtp_catch_up_positions)
         rejection = config.acceptance == "rejection" and S > 0
         if S > 0:
             self.proposer.bind(DraftContext(self.shape, self.runner, self.sample_rows, self.context.table,
@@ -192,12 +193,19 @@ class TextGenerationController:
                         continue  # a decode run's later steps verify its own lengths: its V >= its D
                     step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
                     masks = self._draft_lengths.warmup_masks(verify_width, not shape.has_prefill)
-                    for all_greedy, masked in itertools.product((True, False), masks):
+                    # the proposer's plans (skipped MTP windows: windows, catch-up, skip); the first one
+                    # is the steady step's, whose replay time is the step's cost
+                    plans = self.proposer.warmup_plans(step) if self.shape.num_speculative_tokens > 0 else (None,)
+                    for plan_index, plan, (all_greedy, masked) in (
+                            (index, plan, variant) for index, plan in enumerate(plans)
+                            for variant in itertools.product((True, False), masks)):
                         self._all_greedy = all_greedy
-                        key = self._graph_key(step, masked)
+                        key = self._graph_key(step, masked, plan)
                         if key not in self._graphs:
+                            self.proposer.use_plan(plan)
                             self._graphs.run(key, lambda: self._launch_run(step, masked))
-                        if num_steps == 1 and not shape.has_prefill and verify_width == num_drafts and not masked:
+                        if num_steps == 1 and not shape.has_prefill and verify_width == num_drafts and not masked \
+                                and plan_index == 0:
                             cost_key = (shape.request_count, num_drafts)
                             costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
                         else:  # uploaded now, not mid-serving (StepGraphs.replay); no profile needed
@@ -336,10 +344,11 @@ class TextGenerationController:
 
     # ----- debug hooks and view (for tests and tools; they change nothing) ---------------------
 
-    def on_launch(self, step: StepMetadata, graph_key: Optional[Tuple[BatchDimensions, bool, int, int, int, bool]]) -> None:
+    def on_launch(self, step: StepMetadata,
+                  graph_key: Optional[Tuple[BatchDimensions, bool, int, int, int, bool, Hashable]]) -> None:
         """Debug hook: ``step`` (every step of a decode run) was just launched, replayed from the
         CUDA graph ``graph_key`` ``(padded dimensions, all greedy, steps, verify width, draft depths,
-        draft rows masked by length)``, or eagerly (None).
+        draft rows masked by length, the proposer's plan)``, or eagerly (None).
         On the CPU the device work is done by now. Default: nothing."""
 
     def on_apply(self, step: StepMetadata, readbacks: np.ndarray, overlapped: bool) -> None:
@@ -447,7 +456,9 @@ class TextGenerationController:
         self._all_greedy = bool(self._outputs.greedy[step.host_slot_ids].all())
         masked = self._draft_lengths.needs_mask(step)
         self._readbacks.begin()
-        key = self._graph_key(step, masked)
+        # the proposer's plan of host-chosen work (skipped MTP windows), which joins the graph key
+        plan = self.proposer.plan_launch(step) if self.shape.num_speculative_tokens > 0 else None
+        key = self._graph_key(step, masked, plan)
         if self._graphs is not None and key is not None:
             self._graphs.run(key, lambda: self._launch_run(step, masked))
         else:
@@ -462,15 +473,16 @@ class TextGenerationController:
         self.on_launch(step, key)
         return launched
 
-    def _graph_key(self, step: StepMetadata,
-                   masked: bool) -> Optional[Tuple[BatchDimensions, bool, int, int, int, bool]]:
+    def _graph_key(self, step: StepMetadata, masked: bool,
+                   plan: Hashable = None) -> Optional[Tuple[BatchDimensions, bool, int, int, int, bool, Hashable]]:
         """The CUDA graph a step replays: its padded dimensions, whether every request is greedy
         (the sampling path differs), its decode steps, its verify tier (``step.verify_width``: 1 + V
-        rows per decode request), its draft depths (``step.num_drafts``) and whether its draft rows
-        are masked by length (``masked``: ``DraftLengths.needs_mask``); None for a step no graph
-        covers (it runs eagerly)."""
+        rows per decode request), its draft depths (``step.num_drafts``), whether its draft rows
+        are masked by length (``masked``: ``DraftLengths.needs_mask``) and the proposer's plan
+        (``Proposer.plan_launch``: the MTP proposer's skipped or caught-up windows); None for a
+        step no graph covers (it runs eagerly)."""
         return (step.dimensions, self._all_greedy, step.num_steps, step.verify_width, step.num_drafts,
-                masked) if step.graph_padded else None
+                masked, plan) if step.graph_padded else None
 
     def _launch_run(self, step: StepMetadata, masked: bool) -> None:
         """Every step of the launch (one, or a decode run): each derives its inputs on the device

@@ -18,6 +18,11 @@ comes from a small per-request ring, 10 and 11 from this step's rows; depth 0 re
 ``t_10, t_11, t_12``, depth 1 ``t_11, t_12, d_1``; the next window starts at
 ``min(e, e + 1 - S) = 11``.
 
+Skipped windows (``skip_idle_windows``, ``InferenceConfig(mtp_idle_windows="skip")``, the
+default): a decode-only step where nobody drafts runs no depth; the ring then holds ``S + M``
+positions (``catch_up_positions``), ``w`` stays, and the next windowed step's decode windows are
+M rows wider so they cover ``[w, e)`` again (``mtp_catch_up.py``): the same entries, the same drafts.
+
 mtp_attention="single_position": each depth attends to its current row only (Megatron-LM's
 inference today); no window, one row per request and depth.
 
@@ -48,8 +53,10 @@ from typing import Optional, Tuple
 import torch
 
 from mtp_ctrl.controllers.draft_context import DraftContext
+from mtp_ctrl.controllers.mtp_catch_up import SKIP, WindowCatchUp
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
+from mtp_ctrl.state.step_metadata import StepMetadata
 from mtp_ctrl.triton_ops import mtp_advance_window, mtp_draft_window
 
 
@@ -59,15 +66,21 @@ class MTPProposer(Proposer):
     paged KV cache of its own (:meth:`bind`); how often those drafts are accepted depends on how the
     layer was trained (a layer trained only at depth 1 sees its own outputs as input)."""
 
-    def __init__(self, mode: str = "paged", reuse_last_layer: bool = False, skip_idle_windows: bool = False):
+    def __init__(self, mode: str = "paged", reuse_last_layer: bool = False, skip_idle_windows: bool = False,
+                 catch_up_positions: int = 8):
         if mode not in ("paged", "single_position"):
             raise ValueError(f"mode must be 'paged' or 'single_position', got {mode!r}")
         if not isinstance(reuse_last_layer, bool):
             raise TypeError(f"reuse_last_layer must be a bool, got {type(reuse_last_layer).__name__}")
         if not isinstance(skip_idle_windows, bool):
             raise TypeError(f"skip_idle_windows must be a bool, got {type(skip_idle_windows).__name__}")
+        if isinstance(catch_up_positions, bool) or not isinstance(catch_up_positions, int) or catch_up_positions < 1:
+            raise ValueError(f"catch_up_positions must be an int >= 1, got {catch_up_positions!r}")
         self.mode = mode
         self.skip_idle_windows = skip_idle_windows  # InferenceConfig.mtp_idle_windows == "skip"
+        self.catch_up_positions = catch_up_positions  # M: the most positions a skipped window falls behind
+        self._catch_up: Optional[WindowCatchUp] = None
+        self._entry: Optional[int] = None  # the plan entry on_no_drafts took for the propose it calls
         self.reuse_last_layer = reuse_last_layer
 
     def bind(self, draft_context: DraftContext) -> None:
@@ -87,10 +100,14 @@ class MTPProposer(Proposer):
         self._depth_kv_caches = [targets if depth < num_layers else
                                  list(targets[:-1]) + [_zeroed_like(targets[-1])] for depth in range(S)]
         self._history_len = shape.max_model_len + 2 * S + 2
+        if self.mode == "paged" and self.skip_idle_windows:  # skipped windows, caught up later (mtp_catch_up.py)
+            self._catch_up = WindowCatchUp(draft_context.scratch_row + 1, self.catch_up_positions)
+        ring_slots = S + (self.catch_up_positions if self._catch_up is not None else 0)  # K
         # [R + 1, ...] each (last row: scratch): verified tokens by position, then the drafts;
-        # decoder hidden of the last S accepted positions (position p at p % S); window start w
+        # decoder hidden of the last K accepted positions (position p at p % K); window start w
         self._token_history = draft_context.add_device_rows("mtp_token_history", (self._history_len,), torch.int64)
-        self._hidden_ring = draft_context.add_device_rows("mtp_hidden_ring", (S, runner.hidden_size), shape.kv_dtype)
+        self._hidden_ring = draft_context.add_device_rows("mtp_hidden_ring", (ring_slots, runner.hidden_size),
+                                                          shape.kv_dtype)
         self._window_start = draft_context.add_device_rows("mtp_window_start", (), torch.int64, kv_start=True)
         # [R + 1] int64: the first position the window may rewrite (a cached prefix's end, else 0)
         self._window_floor = draft_context.add_device_rows("mtp_window_floor", (), torch.int64, kv_start=True) \
@@ -105,13 +122,35 @@ class MTPProposer(Proposer):
     def draft_logits(self) -> Optional[torch.Tensor]:
         return None if self._draft_logits is None else self._draft_logits.rows
 
+    # ----- skipped windows (mtp_catch_up.py) ---------------------------------------------------
+
+    def plan_launch(self, step: StepMetadata) -> Optional[Tuple[int, ...]]:
+        """With ``skip_idle_windows``: per step of the launch, SKIP or the extra rows of its decode
+        windows (a catch-up); None otherwise."""
+        return None if self._catch_up is None else self._catch_up.plan_launch(step)
+
+    def warmup_plans(self, step: StepMetadata) -> Tuple[Optional[Tuple[int, ...]], ...]:
+        return (None,) if self._catch_up is None else self._catch_up.warmup_plans(step)
+
+    def use_plan(self, plan: Optional[Tuple[int, ...]]) -> None:
+        if self._catch_up is not None:
+            self._catch_up.use(plan or ())
+
+    def _next_entry(self) -> int:
+        return 0 if self._catch_up is None else self._catch_up.next_entry()
+
     # ----- drafting ------------------------------------------------------------------------
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
+        entry, self._entry = (self._next_entry() if self._entry is None else self._entry), None
+        return self._propose(batch, entry)
+
+    def _propose(self, batch: DraftBatch, catch_up_rows: int) -> torch.Tensor:
+        """``catch_up_rows``: rows each decode window gets past ``S + V`` (windows skipped before)."""
         S, device, num_requests = self.draft_context.shape.num_speculative_tokens, batch.hidden.device, batch.num_requests
         ends = batch.bonus_positions  # [G] int64, e: the bonus token's position
         if self.mode == "paged":
-            hidden, positions, history_rows, metadata = self._paged_window(batch)
+            hidden, positions, history_rows, metadata = self._paged_window(batch, catch_up_rows)
         else:
             self._record_verified_tokens(batch)
             hidden, positions, history_rows, metadata = self._single_position_rows(batch, ends)
@@ -145,11 +184,13 @@ class MTPProposer(Proposer):
         self._advance_window(batch)
         return drafts
 
-    def _advance_window(self, batch: DraftBatch) -> None:
-        """The next window start, and the decoder hidden of each request's last S positions."""
+    def _advance_window(self, batch: DraftBatch, move_window_start: bool = True) -> None:
+        """The next window start (kept when the windows were skipped), and the decoder hidden of
+        each request's last K positions."""
         mtp_advance_window(batch.first_positions, batch.bonus_positions, batch.write_rows, batch.samples,
                            batch.step.attention.query_start_loc[: batch.num_requests + 1], batch.hidden,
-                           self._window_start, self._hidden_ring, self.draft_context.shape.num_speculative_tokens)
+                           self._window_start, self._hidden_ring, self.draft_context.shape.num_speculative_tokens,
+                           move_window_start=move_window_start)
         if self._window_floor is not None:  # never below a cached prefix (stays in place: no allocation)
             torch.maximum(self._window_start, self._window_floor, out=self._window_start)
 
@@ -157,31 +198,36 @@ class MTPProposer(Proposer):
         """No request drafts this step: record the step's tokens and move the window on. Paged mode
         also runs every depth over its window (no output layer), keeping every depth's cache final,
         unless ``skip_idle_windows`` and the step is decode-only: then the depths' entries at this
-        step's positions stay unwritten (later drafts attend to stale entries there: they may differ,
-        the output cannot). A step with prefill chunks always runs them: a prompt's entries are
-        written once, and cached prompt blocks are shared."""
-        if self.mode == "paged" and not (self.skip_idle_windows and batch.step.decode_only):
+        step's positions are written later: w stays, the ring keeps the decoder hidden, and the next
+        step that runs the windows widens them to cover ``[w, e)`` (``mtp_catch_up.py``; a forced
+        catch-up step when a request would fall more than ``catch_up_positions`` behind). A step
+        with prefill chunks always runs them: a prompt's entries are written once, and cached
+        prompt blocks are shared."""
+        entry = self._next_entry()
+        if self.mode == "paged" and entry != SKIP:
+            self._entry = entry  # propose follows this step's plan entry
             self.propose(dataclasses.replace(batch, num_drafts=0))
             return
         self._record_verified_tokens(batch)
-        self._advance_window(batch)
+        self._advance_window(batch, move_window_start=self.mode != "paged")
 
-    def _window_bounds(self, batch: DraftBatch) -> Tuple[int, int]:
-        """(Tm, the longest window): bounds fixed by the step's shape, so a padded step can be
-        captured. A decode request's window has ``S + V`` rows (the most it spans: w is at most
-        ``S - 1`` positions before its base row, e at most ``1 + V`` after it; ``2S`` at V = S); a
-        prefill chunk's covers ``[w, e)``, at most ``q + S`` rows."""
+    def _window_bounds(self, batch: DraftBatch, catch_up_rows: int) -> Tuple[int, int]:
+        """(Tm, the longest window): bounds fixed by the step's shape and plan, so a padded step can
+        be captured. A decode request's window has ``S + V`` rows (the most it spans: w is at most
+        ``S - 1`` positions before its base row, e at most ``1 + V`` after it; ``2S`` at V = S),
+        ``catch_up_rows`` more after skipped windows; a prefill chunk's covers ``[w, e)``, at most
+        ``q + S`` rows."""
         step, S, num_requests = batch.step, self.draft_context.shape.num_speculative_tokens, batch.num_requests
-        num_rows = step.input_ids.shape[0]
+        num_rows, extra = step.input_ids.shape[0], catch_up_rows
         if step.decode_only:
-            return num_requests * (S + step.verify_width), S + step.verify_width
+            return num_requests * (S + step.verify_width + extra), S + step.verify_width + extra
         if step.graph_padded:  # a bound that holds for every step the graph replays
-            return num_rows + num_requests * S, num_rows + S
+            return num_rows + num_requests * (S + extra), num_rows + S + extra
         # eager: the host's longest chunk bounds the windows (the attention grid follows it)
         longest_chunk = int(step.host_query_lengths.max())  # host-ok: host tensor
-        return num_rows + num_requests * S, max(2 * S, longest_chunk + S)
+        return num_rows + num_requests * (S + extra), max(2 * S + extra, longest_chunk + S)
 
-    def _draft_window(self, batch: DraftBatch, num_window_rows: int):
+    def _draft_window(self, batch: DraftBatch, num_window_rows: int, catch_up_rows: int = 0):
         """Record the step's verified tokens and lay out the windows (``mtp_draft_window``);
         returns its outputs: window query_start_loc [G + 1] int32, positions, slot mapping and
         table rows [Tm] int64, depth 0's hidden [Tm, H]."""
@@ -198,19 +244,20 @@ class MTPProposer(Proposer):
             attention.block_table[:num_requests], self._window_start, self._token_history, self._hidden_ring,
             shape.num_speculative_tokens, shape.block_size_tokens, self.draft_context.scratch_row,
             window_query_start_loc, positions, slot_mapping, history_rows, hidden,
-            decode_window_rows=shape.num_speculative_tokens + step.verify_width)
+            decode_window_rows=shape.num_speculative_tokens + step.verify_width + catch_up_rows)
         return window_query_start_loc, positions, slot_mapping, history_rows, hidden
 
     def _record_verified_tokens(self, batch: DraftBatch) -> None:
         """The step's rows at their positions, then each bonus token at ``e`` (no window)."""
         self._draft_window(batch, num_window_rows=0)
 
-    def _paged_window(self, batch: DraftBatch):
+    def _paged_window(self, batch: DraftBatch, catch_up_rows: int):
         """Rows for positions ``[w, e)`` of every request, right-aligned in its window rows; rows
         before ``w`` and padding rows are masked (no KV write, output unused)."""
         step = batch.step
-        num_window_rows, max_window_rows = self._window_bounds(batch)
-        window_query_start_loc, positions, slot_mapping, history_rows, hidden = self._draft_window(batch, num_window_rows)
+        num_window_rows, max_window_rows = self._window_bounds(batch, catch_up_rows)
+        window_query_start_loc, positions, slot_mapping, history_rows, hidden = self._draft_window(
+            batch, num_window_rows, catch_up_rows)
         metadata = AttentionMetadata(
             query_start_loc=window_query_start_loc,
             seq_lens=batch.bonus_positions.clamp(min=0).to(torch.int32),

@@ -15,7 +15,7 @@ Subclass :class:`Proposer` to plug in another drafter (see ``examples/custom_pro
 
 import abc
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Hashable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -107,6 +107,23 @@ class Proposer(abc.ABC):
 
     def forget(self, request_id: int) -> None:
         """The request left the running batch (finished or evicted): drop host state kept for it."""
+
+    def plan_launch(self, step: StepMetadata) -> Hashable:
+        """Host-side, once per launch, before its graph key is made: a proposer whose per-step work
+        depends on host state (a shape that changes what a graph captures) chooses it here, moves
+        that state on for every step of the launch, and returns a hashable naming the choice; it
+        joins the step's CUDA graph key, and ``propose`` / ``on_no_drafts`` of the launch follow
+        it (a replay runs no Python). Default: None (the step's shape says everything)."""
+        return None
+
+    def warmup_plans(self, step: StepMetadata) -> Tuple[Hashable, ...]:
+        """The plans (values :meth:`plan_launch` may return) whose graphs ``warmup()`` captures for
+        the padding step ``step``; each is set with :meth:`use_plan` before its capture."""
+        return (None,)
+
+    def use_plan(self, plan: Hashable) -> None:
+        """Follow ``plan`` (one of :meth:`warmup_plans`) in the next launch without moving host state
+        (warm-up captures)."""
 
     def on_step_scheduled(self, step: StepMetadata) -> None:
         """Host-side bookkeeping right after ``step`` was launched, before the next one is built

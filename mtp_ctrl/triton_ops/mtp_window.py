@@ -8,8 +8,10 @@ In paged mode each MTP depth re-runs, every step, a per-request window of positi
 ``e`` is the bonus token's position and ``w`` the first position whose entry was not final for
 the deepest depth (see :mod:`mtp_ctrl.controllers.mtp_proposer`). :func:`mtp_draft_window` lays
 those windows out and gathers their inputs; :func:`mtp_advance_window` then moves each request's
-``w`` and keeps the decoder hidden states of its last ``S`` positions for the next step. They run
-as two launches because the second overwrites ring entries the first reads.
+``w`` and keeps the decoder hidden states of its last ``K`` positions (the ring, ``K >= S``) for the
+next step. They run as two launches because the second overwrites ring entries the first reads.
+A step that skips the windows (no request drafts) only records its tokens and moves the ring
+(``move_window_start=False``); the next windowed step's decode windows are wider (catch-up).
 
 Window sizes: a decode request (``r < num_decode``) gets ``2S`` rows, the most its window spans
 (``S + V`` when the step verifies V drafts per decode request: ``decode_window_rows``),
@@ -44,7 +46,7 @@ def _mtp_draft_window_kernel(
     OUT_WQSL_PTR, OUT_POSITIONS_PTR, OUT_SLOTS_PTR, OUT_HISTORY_ROWS_PTR, OUT_HIDDEN_PTR,
     num_requests, num_step_rows, num_window_rows, hidden_size, history_len, blocks_per_request, block_size,
     padding_row, step_hidden_stride, block_table_stride, history_stride, ring_stride_row, ring_stride_slot,
-    out_hidden_stride, decode_window_rows,
+    out_hidden_stride, decode_window_rows, ring_slots,
     S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
 ):
     """Program ``r < G``: request r's token record and window rows; program G: the padding rows
@@ -107,7 +109,7 @@ def _mtp_draft_window_kernel(
             tl.store(OUT_HISTORY_ROWS_PTR + window_rows, table_row + 0 * local, mask=in_window)
             from_step = positions >= first
             step_rows = tl.minimum(tl.maximum(query_start + positions - first, 0), tl.maximum(num_step_rows - 1, 0))
-            ring_slots = safe_positions % S
+            ring_index = safe_positions % ring_slots
             for column_start in range(0, hidden_size, BLOCK_HIDDEN):
                 cols = column_start + columns
                 col_ok = cols < hidden_size
@@ -115,7 +117,7 @@ def _mtp_draft_window_kernel(
                 ring_mask = (in_window & ~from_step)[:, None] & col_ok[None, :]
                 from_rows = tl.load(STEP_HIDDEN_PTR + step_rows[:, None] * step_hidden_stride + cols[None, :],
                                     mask=step_mask, other=0.0)
-                from_ring = tl.load(RING_PTR + table_row * ring_stride_row + ring_slots[:, None] * ring_stride_slot
+                from_ring = tl.load(RING_PTR + table_row * ring_stride_row + ring_index[:, None] * ring_stride_slot
                                     + cols[None, :], mask=ring_mask, other=0.0)
                 values = tl.where(from_step[:, None], from_rows, from_ring)
                 tl.store(OUT_HIDDEN_PTR + window_rows[:, None] * out_hidden_stride + cols[None, :],
@@ -139,22 +141,23 @@ def _mtp_draft_window_kernel(
 @triton.jit
 def _mtp_advance_window_kernel(
     FIRST_PTR, ENDS_PTR, WRITE_ROWS_PTR, SAMPLES_PTR, QUERY_START_LOC_PTR, STEP_HIDDEN_PTR, WINDOW_STARTS_PTR,
-    RING_PTR, num_step_rows, hidden_size, step_hidden_stride, ring_stride_row, ring_stride_slot,
-    S: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
+    RING_PTR, num_step_rows, hidden_size, step_hidden_stride, ring_stride_row, ring_stride_slot, ring_slots,
+    S: tl.constexpr, MOVE_WINDOW_START: tl.constexpr, BLOCK_RING: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
 ):
-    """Program r: request r's next window start and the ring of its last S positions' hidden."""
+    """Program r: request r's next window start and the ring of its last K positions' hidden."""
     r = tl.program_id(0)
     first = tl.load(FIRST_PTR + r)
     end = tl.load(ENDS_PTR + r)
     table_row = tl.load(WRITE_ROWS_PTR + r)
     samples = (tl.load(SAMPLES_PTR + r) != 0).to(tl.int64)
     query_start = tl.load(QUERY_START_LOC_PTR + r).to(tl.int64)
-    tl.store(WINDOW_STARTS_PTR + table_row, tl.maximum(tl.minimum(end, end + samples - S), 0))
-    offsets = tl.arange(0, BLOCK_S)
-    positions = end - S + offsets
-    valid = (offsets < S) & (positions >= first) & (positions >= 0)
+    if MOVE_WINDOW_START:
+        tl.store(WINDOW_STARTS_PTR + table_row, tl.maximum(tl.minimum(end, end + samples - S), 0))
+    offsets = tl.arange(0, BLOCK_RING)
+    positions = end - ring_slots + offsets
+    valid = (offsets < ring_slots) & (positions >= first) & (positions >= 0)
     step_rows = tl.minimum(tl.maximum(query_start + positions - first, 0), tl.maximum(num_step_rows - 1, 0))
-    slots = tl.maximum(positions, 0) % S
+    slots = tl.maximum(positions, 0) % ring_slots
     columns = tl.arange(0, BLOCK_HIDDEN)
     for column_start in range(0, hidden_size, BLOCK_HIDDEN):
         cols = column_start + columns
@@ -175,7 +178,9 @@ def _check_common(first_positions, bonus_positions, write_rows, samples, query_s
     check_tensor("step_hidden", step_hidden, ndim=2)
     check_tensor("window_starts", window_starts, dtypes=(torch.int64,), ndim=1)
     S = check_int("num_speculative_tokens", num_speculative_tokens, low=1)
-    check_tensor("hidden_ring", hidden_ring, shape=(window_starts.shape[0], S, step_hidden.shape[1]))
+    check_tensor("hidden_ring", hidden_ring, shape=(window_starts.shape[0], None, step_hidden.shape[1]))
+    if hidden_ring.shape[1] < S:
+        raise ValueError(f"hidden_ring needs at least num_speculative_tokens ({S}) slots a row, got {hidden_ring.shape[1]}")
     check_same_device(first_positions=first_positions, bonus_positions=bonus_positions, write_rows=write_rows,
                       samples=samples, query_start_loc=query_start_loc, step_hidden=step_hidden,
                       window_starts=window_starts, hidden_ring=hidden_ring)
@@ -200,7 +205,7 @@ def mtp_draft_window(
     block_table: torch.Tensor,  # [>= G, MB] int32/int64, KV blocks of each request
     window_starts: torch.Tensor,  # [R + 1] int64, read: each table row's w
     token_history: torch.Tensor,  # [R + 1, Lh] int64, written: tokens by position
-    hidden_ring: torch.Tensor,  # [R + 1, S, H], read: decoder hidden of the last S positions (p at p % S)
+    hidden_ring: torch.Tensor,  # [R + 1, K, H], K >= S, read: decoder hidden of the last K positions (p at p % K)
     num_speculative_tokens: int,
     block_size: int,  # tokens per KV block
     padding_row: int,  # the table row that takes writes of padding requests
@@ -215,14 +220,16 @@ def mtp_draft_window(
 
     ``decode_window_rows``: a decode request's window size, ``2S`` by default (the most a window
     spans); a step whose decode requests verify V drafts each needs only ``S + V`` (w is at most
-    ``S - 1`` positions before the step's first row, e at most ``1 + V`` after it).
+    ``S - 1`` positions before the step's first row, e at most ``1 + V`` after it); a catch-up step
+    after skipped windows (w left up to ``m`` more positions behind) ``S + V + m``, at most
+    ``S + K`` (the ring must hold every position in ``[w, first)``).
 
     Token history: each of the step's rows writes its token at its position in its request's row,
     then each request writes its bonus token at ``e`` (clamped to ``[0, Lh)``) in its row if it
     ``samples``, else in ``padding_row``. Window rows ``[wqsl[r], wqsl[r + 1])`` of request r hold
     positions ``e - size .. e - 1``; a row is masked (slot -1) when its position is below ``w``. Its
     hidden comes from the step's row at that position when the position is ``>= first``, else from
-    ``hidden_ring[row, position % S]``. Rows past the last window are padding. Tm must hold every
+    ``hidden_ring[row, position % K]``. Rows past the last window are padding. Tm must hold every
     window (the caller's bound).
     """
     num_requests = _check_common(first_positions, bonus_positions, write_rows, samples, query_start_loc,
@@ -259,7 +266,8 @@ def mtp_draft_window(
     check_unit_last_stride(block_table=block_table)
     if decode_window_rows is None:
         decode_window_rows = 2 * num_speculative_tokens
-    check_int("decode_window_rows", decode_window_rows, low=num_speculative_tokens, high=2 * num_speculative_tokens)
+    check_int("decode_window_rows", decode_window_rows, low=num_speculative_tokens,
+              high=num_speculative_tokens + hidden_ring.shape[1])
     args = (query_start_loc, first_positions, bonus_positions, write_rows, samples, num_decode, num_active,
             step_positions, step_input_ids, next_tokens, step_hidden, block_table, window_starts, token_history,
             hidden_ring, num_speculative_tokens, block_size, padding_row, out_window_query_start_loc,
@@ -273,7 +281,7 @@ def mtp_draft_window(
         hidden_ring, out_window_query_start_loc, out_positions, out_slot_mapping, out_history_rows, out_hidden,
         num_requests, num_rows, num_window_rows, step_hidden.shape[1], token_history.shape[1], block_table.shape[1],
         block_size, padding_row, step_hidden.stride(0), block_table.stride(0), token_history.stride(0),
-        hidden_ring.stride(0), hidden_ring.stride(1), out_hidden.stride(0), decode_window_rows,
+        hidden_ring.stride(0), hidden_ring.stride(1), out_hidden.stride(0), decode_window_rows, hidden_ring.shape[1],
         S=num_speculative_tokens, BLOCK_G=triton.next_power_of_2(max(num_requests, 1)), BLOCK_ROWS=BLOCK_ROWS,
         BLOCK_HIDDEN=min(BLOCK_HIDDEN, triton.next_power_of_2(step_hidden.shape[1])),
     )
@@ -286,24 +294,31 @@ def mtp_advance_window(
     samples: torch.Tensor,  # [G] bool
     query_start_loc: torch.Tensor,  # [G + 1] int32/int64, the step's packed rows of each request
     step_hidden: torch.Tensor,  # [T, H], the decoder's output rows
-    window_starts: torch.Tensor,  # [R + 1] int64, written: the next step's w
-    hidden_ring: torch.Tensor,  # [R + 1, S, H], written: hidden of the last S positions (p at p % S)
+    window_starts: torch.Tensor,  # [R + 1] int64, written: the next step's w (unless not move_window_start)
+    hidden_ring: torch.Tensor,  # [R + 1, K, H], K >= S, written: hidden of the last K positions (p at p % K)
     num_speculative_tokens: int,
+    move_window_start: bool = True,
 ) -> None:
     """After drafting: ``w = max(0, min(e, e + samples - S))`` (the tokens known at ``e`` are the
     verified ones plus the bonus of a request that sampled), and for each position ``p`` in
-    ``[e - S, e)`` with ``p >= max(first, 0)``: ``hidden_ring[row, p % S] = step_hidden[row of p]``."""
+    ``[e - K, e)`` with ``p >= max(first, 0)``: ``hidden_ring[row, p % K] = step_hidden[row of p]``.
+    ``move_window_start=False`` (a step that skipped the windows): w stays where the depths' caches
+    stopped being final, only the ring moves on (the next windowed step catches up from w)."""
     num_requests = _check_common(first_positions, bonus_positions, write_rows, samples, query_start_loc,
                                  step_hidden, window_starts, hidden_ring, num_speculative_tokens)
+    if not isinstance(move_window_start, bool):
+        raise TypeError(f"move_window_start must be a bool, got {type(move_window_start).__name__}")
     if not use_triton(first_positions):
         reference.mtp_advance_window(first_positions, bonus_positions, write_rows, samples, query_start_loc,
-                                     step_hidden, window_starts, hidden_ring, num_speculative_tokens)
+                                     step_hidden, window_starts, hidden_ring, num_speculative_tokens,
+                                     move_window_start)
         return
     if num_requests == 0:
         return
     _mtp_advance_window_kernel[(num_requests,)](
         first_positions, bonus_positions, write_rows, samples, query_start_loc, step_hidden, window_starts,
         hidden_ring, step_hidden.shape[0], step_hidden.shape[1], step_hidden.stride(0), hidden_ring.stride(0),
-        hidden_ring.stride(1), S=num_speculative_tokens, BLOCK_S=triton.next_power_of_2(num_speculative_tokens),
+        hidden_ring.stride(1), hidden_ring.shape[1], S=num_speculative_tokens, MOVE_WINDOW_START=move_window_start,
+        BLOCK_RING=triton.next_power_of_2(hidden_ring.shape[1]),
         BLOCK_HIDDEN=min(BLOCK_HIDDEN, triton.next_power_of_2(step_hidden.shape[1])),
     )

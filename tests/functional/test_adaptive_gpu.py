@@ -1,5 +1,6 @@
 """GPU: per-request draft lengths (issue 34) replay the warmed-up CUDA graphs (one per verify
-tier and draft depth) with no host sync, and the output equals plain decoding."""
+tier and draft depth, and per plan of skipped MTP windows) with no host sync, and the output
+equals plain decoding; skipped MTP windows caught up draft what run windows draft."""
 
 import collections
 
@@ -10,6 +11,7 @@ from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, RandomDraftLen
                                   TextGenerationController)
 from tests.functional.sync_checks import no_host_sync
 from tests.functional.test_controller_gpu import DeviceOracleProposer, plain_sequences
+from tests.unit.draft_length_fixtures import BurstyLengths
 from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups, tiny_config
 
 PROMPTS = [[5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45], [4] * 11, [30, 31], [7, 7, 7, 1]]
@@ -110,3 +112,44 @@ def test_mixed_steps_replay_every_verify_tier_with_no_sync_and_equal_plain(model
     assert controller.debug_view().num_cuda_graphs == graphs  # every mixed tier was warmed up
     assert len(controller.mixed_tiers) >= 3, controller.mixed_tiers  # mixed steps at several verify tiers
     controller.close()
+
+
+def run_bursty(model, params, steps_per_launch, graphs, **config):
+    """The MTP proposer (paged) under runs of no-draft steps (``BurstyLengths``): (outputs, the
+    metrics' accepted drafts per depth, warmed-up graphs, graphs at the end, decode launches)."""
+    sizes = (2, 8) if graphs else ()  # (few shapes: each warms up every plan of every tier)
+    controller = (SyncChecked if graphs else TextGenerationController)(
+        model, make_config(S, decode_steps_per_launch=steps_per_launch, cuda_graph_batch_sizes=sizes, **config),
+        draft_policy=BurstyLengths(seed=3))
+    warmed = controller.warmup() if graphs else 0
+    ids = [controller.add_request(prompt, params) for prompt in PROMPTS]
+    while controller.has_unfinished_requests():
+        controller.step()
+    metrics = controller.metrics.as_dict()
+    result = ([controller.result(rid).output_tokens for rid in ids], metrics["accepted_per_depth"],
+              warmed, controller.debug_view().num_cuda_graphs, getattr(controller, "decode_launches", 0))
+    controller.close()
+    return result
+
+
+@pytest.mark.parametrize("temperature,steps_per_launch", [(0.0, 2), (0.8, 1)])
+def test_skipped_mtp_windows_catch_up_in_graphs_with_no_sync(model, temperature, steps_per_launch):
+    """``mtp_idle_windows="skip"`` (skipped windows caught up exactly): graphs of every plan (skip,
+    catch-up, forced catch-up, decode runs) are captured at warm-up and replay with no host sync;
+    outputs == eager == plain decoding."""
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=5)
+    plain = [r.output_tokens for r in TextGenerationController(model, make_config(0)).generate(PROMPTS, params)]
+    outputs, _, warmed, graphs, launches = run_bursty(model, params, steps_per_launch, True,
+                                                      mtp_idle_windows="skip")
+    assert outputs == plain and graphs == warmed and launches > 4
+    assert run_bursty(model, params, steps_per_launch, False, mtp_idle_windows="skip")[0] == plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_skipped_mtp_windows_accept_what_run_windows_accept(model, temperature):
+    """Drafts with the windows skipped == with them run (the accepted drafts per depth; graphs)."""
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=5)
+    skipped = run_bursty(model, params, 1, True, mtp_idle_windows="skip")
+    run = run_bursty(model, params, 1, True, mtp_idle_windows="run")
+    assert skipped[0] == run[0] and sum(run[1]) > 0
+    assert skipped[1] == run[1], (skipped[1], run[1])

@@ -62,6 +62,23 @@ class CheckedRandomLengths(RandomDraftLengths):
         self.outcomes += list(zip(draft_lengths.tolist(), accepted_counts.tolist()))
 
 
+class BurstyLengths(DraftLengthPolicy):
+    """Runs of 1-5 decisions where nobody drafts, then runs of random lengths (deterministic)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self._rng = np.random.default_rng(seed)
+        self._left, self._zero = 0, False
+
+    def choose(self, query):
+        if self._left == 0:
+            self._zero, self._left = not self._zero, int(self._rng.integers(1, 6))
+        self._left -= 1
+        if self._zero:
+            return np.zeros_like(query.caps)
+        return np.floor(self._rng.random(query.caps.shape[0]) * (query.caps + 1)).astype(np.int64)
+
+
 class ZeroLengths(DraftLengthPolicy):
     def choose(self, query):
         return np.zeros_like(query.caps)

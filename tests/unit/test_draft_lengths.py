@@ -54,8 +54,8 @@ def test_oracle_drafts_accept_exactly_the_chosen_lengths(mtp_model, plain, torch
 @pytest.mark.parametrize("mode,overlap,skip", [("paged", True, False), ("single_position", False, False),
                                                ("paged", True, True)])
 def test_mtp_proposer_random_lengths_equal_plain(mtp_model, plain, torch_twins, mode, overlap, skip):
-    """skip: no-draft steps leave the depths' caches unwritten (``mtp_idle_windows="skip"``): later
-    drafts attend to stale entries there, the output is still plain decoding's."""
+    """skip: no-draft decode-only steps run no window (``mtp_idle_windows="skip"``), later steps
+    catch up (``test_mtp_catch_up.py``: the drafts are the same); the output is plain decoding's."""
     controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer(mode, skip_idle_windows=skip),
                                 CheckedRandomLengths(seed=2), overlap_scheduling=overlap, **SQUEEZE)
     assert run(controller, ARRIVALS)[1] == plain[1]
@@ -73,16 +73,17 @@ class CountingMTP(MTPProposer):
 
 def test_skipped_idle_windows_run_no_depth(mtp_model, plain, torch_twins):
     """``InferenceConfig(mtp_idle_windows="skip")``: a decode-only step where nobody drafts runs no
-    MTP depth (paged mode otherwise runs every depth's window on it); steps with prefill chunks
-    run them either way (a prompt's entries are written once)."""
+    MTP depth (paged mode otherwise runs every depth's window on it) unless a request would fall
+    more than ``catch_up_positions`` behind; steps with prefill chunks run them either way (a
+    prompt's entries are written once)."""
     with pytest.raises(ValueError, match="mtp_idle_windows"):
         controller_for(mtp_model, MTP_DEPTH, mtp_idle_windows="never")
     with pytest.raises(TypeError, match="mtp_idle_windows"):
         controller_for(mtp_model, MTP_DEPTH, mtp_idle_windows=True)
     with pytest.raises(TypeError, match="skip_idle_windows"):
         MTPProposer("paged", skip_idle_windows=1)
-    for skip, expected_runs in ((False, True), (True, False)):
-        proposer = CountingMTP(skip_idle_windows=skip)
+    for skip, expected_runs in ((False, True), (True, False)):  # (M = 64: no forced catch-up in 9 tokens)
+        proposer = CountingMTP(skip_idle_windows=skip, catch_up_positions=64)
         assert run(controller_for(mtp_model, MTP_DEPTH, proposer, ZeroLengths()), ARRIVALS)[1] == plain[1]
         assert (proposer.proposals[True] > 0) == expected_runs and proposer.proposals[False] > 0
 

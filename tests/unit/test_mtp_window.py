@@ -11,12 +11,14 @@ BLOCK_SIZE = 4
 
 
 def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidden_size=8, max_requests=12,
-               padding_step_rows=3, mid_prompt=True, dtype=torch.float32, extra_window_rows=None, verify_width=None):
+               padding_step_rows=3, mid_prompt=True, dtype=torch.float32, extra_window_rows=None, verify_width=None,
+               catch_up=0):
     """A step's tensors: ``num_decode`` decode requests, prefill chunks of ``prefill_lengths`` (the
     last one mid-prompt when ``mid_prompt``), ``num_padding`` padding requests. ``verify_width`` V
     (with or without prefill chunks: a step verifies its own tier): decode requests of ``1 + V``
     rows, w at most ``S - 1`` before the first row (as the controller leaves it), windows of
-    ``S + V`` rows (``decode_window_rows``)."""
+    ``S + V`` rows (``decode_window_rows``). ``catch_up`` m: skipped windows, a ring of ``S + m``
+    slots, decode w up to ``S - 1 + m`` before the first row, windows of ``S + V + m`` rows."""
     def randint(low, high, size=()):
         return torch.randint(low, high, size, generator=generator)
 
@@ -52,8 +54,9 @@ def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidd
     write_rows[num_decode + num_prefill:] = padding_row
     window_starts = randint(0, 40, (R + 1,))
     for r in range(num_decode + num_prefill):  # w <= first, at most S before it (S - 1 with a verify width)
-        window_starts[write_rows[r]] = max(0, first[r] - int(randint(0, S + (verify_width is None))))
-    Tm = G * (S + V) if not num_prefill else T + G * S
+        lag = int(randint(0, catch_up + 1)) if r < num_decode else 0
+        window_starts[write_rows[r]] = max(0, first[r] - lag - int(randint(0, S + (verify_width is None))))
+    Tm = G * (S + V + catch_up) if not num_prefill else T + G * (S + catch_up)
     Tm += int(randint(0, 4)) if extra_window_rows is None else extra_window_rows  # padding rows past the windows
     blocks_per_request = (history_len + BLOCK_SIZE - 1) // BLOCK_SIZE
     return dict(
@@ -65,12 +68,12 @@ def mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, hidd
         step_hidden=torch.randn(T, hidden_size, generator=generator).to(dtype),
         block_table=randint(0, 200, (G + 1, blocks_per_request)).to(torch.int32),
         window_starts=window_starts, token_history=randint(0, 50, (R + 1, history_len)),
-        hidden_ring=torch.randn(R + 1, S, hidden_size, generator=generator).to(dtype),
+        hidden_ring=torch.randn(R + 1, S + catch_up, hidden_size, generator=generator).to(dtype),
         num_speculative_tokens=S, block_size=BLOCK_SIZE, padding_row=padding_row,
         out_window_query_start_loc=torch.full((G + 1,), -7, dtype=torch.int32),
         out_positions=torch.full((Tm,), -7), out_slot_mapping=torch.full((Tm,), -7),
         out_history_rows=torch.full((Tm,), -7), out_hidden=torch.full((Tm, hidden_size), 7.0, dtype=dtype),
-        **({} if verify_width is None else dict(decode_window_rows=S + verify_width)),
+        **({} if verify_width is None else dict(decode_window_rows=S + verify_width + catch_up)),
     )
 
 
@@ -150,6 +153,35 @@ def test_kernels_match_reference_with_a_verify_width(S, verify_width, shape):
         assert int(positions[rows][0]) <= max(w, 0)
 
 
+@pytest.mark.parametrize("S,verify_width,catch_up", [(1, 0, 1), (2, 0, 3), (2, 2, 8), (3, 1, 5)])
+@pytest.mark.parametrize("shape", [(1, (), 0), (3, (), 2), (2, (5,), 1)])
+@pytest.mark.parametrize("move_window_start", [True, False])
+def test_kernels_match_reference_catching_up(S, verify_width, catch_up, shape, move_window_start):
+    """Skipped windows (``InferenceConfig(mtp_idle_windows="skip")``): a ring of ``S + m`` slots,
+    decode windows of ``S + V + m`` rows reaching back to a w up to m positions older, padding rows;
+    a skipped step's advance keeps w and moves only the ring. Every position in [w, e) is covered."""
+    num_decode, prefill_lengths, num_padding = shape
+    generator = torch.Generator().manual_seed(S * 100 + verify_width * 10 + catch_up + num_decode)
+    case = mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, catch_up=catch_up,
+                           verify_width=None if prefill_lengths else verify_width)
+    size = 2 * S + catch_up if prefill_lengths else S + verify_width + catch_up  # (the mixed case at V = S)
+    case["decode_window_rows"] = size
+    want = _clone(case)
+    mtp_draft_window(**case)
+    reference.mtp_draft_window(**want)
+    _assert_same(case, want, case["padding_row"])
+    for r in range(0 if prefill_lengths else num_decode):  # (the mixed case draws w up to S before the first row)
+        rows = slice(r * size, (r + 1) * size)
+        w = int(case["window_starts"][case["write_rows"][r]])
+        assert int(case["out_positions"][rows][0]) <= max(w, 0)  # the window reaches back to w
+    starts_before = case["window_starts"].clone()
+    mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS}, move_window_start=move_window_start)
+    reference.mtp_advance_window(**{name: want[name] for name in ADVANCE_ARGS}, move_window_start=move_window_start)
+    _assert_same(case, want, case["padding_row"])
+    if not move_window_start:
+        assert torch.equal(case["window_starts"], starts_before)
+
+
 @pytest.mark.parametrize("op", [mtp_draft_window, reference.mtp_draft_window])
 def test_worked_example(op):
     """S = 2, one decode request: e = 12, w = 9, first = 10 -> window positions 8, 9, 10, 11."""
@@ -186,7 +218,9 @@ def test_empty_grid_writes_padding_rows(op):
     ("first_positions", torch.zeros(2, dtype=torch.int32), TypeError),
     ("samples", torch.zeros(2, dtype=torch.int64), TypeError),
     ("num_decode", torch.zeros(2, dtype=torch.int64), ValueError),
-    ("hidden_ring", torch.zeros(13, 3, 8), ValueError),
+    ("hidden_ring", torch.zeros(12, 2, 8), ValueError),
+    ("hidden_ring", torch.zeros(13, 1, 8), ValueError),
+    ("decode_window_rows", 5, ValueError),
     ("out_hidden", torch.zeros(4, 8, dtype=torch.float64), TypeError),
     ("num_speculative_tokens", 0, ValueError),
     ("padding_row", 99, ValueError),

@@ -68,24 +68,25 @@ def mtp_draft_window(
     # depth 0's hidden: this step's decoder rows for positions >= first, the ring before that
     from_step = positions >= first[rows]
     step_rows = (starts[:-1][rows] + positions - first[rows]).clamp(0, max(T - 1, 0))
-    ring_hidden = hidden_ring[history_rows, safe_positions % S]  # [Tm, H]
+    ring_hidden = hidden_ring[history_rows, safe_positions % hidden_ring.shape[1]]  # [Tm, H]
     hidden = torch.where(from_step[:, None], step_hidden[step_rows], ring_hidden) if T > 0 else ring_hidden
     out_hidden.copy_(torch.where(in_window[:, None], hidden, 0))
 
 
 def mtp_advance_window(first_positions, bonus_positions, write_rows, samples, query_start_loc, step_hidden,
-                       window_starts, hidden_ring, num_speculative_tokens):
+                       window_starts, hidden_ring, num_speculative_tokens, move_window_start=True):
     """Twin of :func:`mtp_ctrl.triton_ops.mtp_advance_window`."""
-    G, T, S = first_positions.shape[0], step_hidden.shape[0], num_speculative_tokens
+    G, T, S, K = first_positions.shape[0], step_hidden.shape[0], num_speculative_tokens, hidden_ring.shape[1]
     if G == 0:
         return
     ends, first, device = bonus_positions, first_positions, first_positions.device
-    window_starts[write_rows] = torch.minimum(ends, ends + samples.long() - S).clamp(min=0)
-    positions = ends[:, None] - S + torch.arange(S, device=device)[None, :]  # [G, S]
+    if move_window_start:
+        window_starts[write_rows] = torch.minimum(ends, ends + samples.long() - S).clamp(min=0)
+    positions = ends[:, None] - K + torch.arange(K, device=device)[None, :]  # [G, K]
     valid = (positions >= first[:, None]) & (positions >= 0)
     step_rows = (query_start_loc[:-1].long()[:, None] + positions - first[:, None]).clamp(0, max(T - 1, 0))
-    slots = positions.clamp(min=0) % S
-    table_rows = write_rows[:, None].expand(-1, S)
-    old = hidden_ring[table_rows, slots]  # [G, S, H]
+    slots = positions.clamp(min=0) % K
+    table_rows = write_rows[:, None].expand(-1, K)
+    old = hidden_ring[table_rows, slots]  # [G, K, H]
     new = step_hidden[step_rows] if T > 0 else old
     hidden_ring[table_rows, slots] = torch.where(valid[..., None], new, old)
