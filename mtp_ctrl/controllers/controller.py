@@ -194,8 +194,11 @@ class TextGenerationController:
                     step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
                     masks = self._draft_lengths.warmup_masks(verify_width, not shape.has_prefill)
                     # the proposer's plans (skipped MTP windows: windows, catch-up, skip); the first one
-                    # is the steady step's, whose replay time is the step's cost
+                    # is the steady step's, whose replay time is the step's cost. The others follow only
+                    # a step that drafted nothing: warmed only for a policy that chooses D = 0
                     plans = self.proposer.warmup_plans(step) if self.shape.num_speculative_tokens > 0 else (None,)
+                    if 0 not in self._draft_lengths.warmup_depths():
+                        plans = plans[:1]
                     for plan_index, plan, (all_greedy, masked) in (
                             (index, plan, variant) for index, plan in enumerate(plans)
                             for variant in itertools.product((True, False), masks)):
