@@ -2,10 +2,12 @@
 the lengths, a controller factory and a driver that returns request ids and outputs."""
 
 import numpy as np
+import pytest
 
 from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, RandomDraftLengths
-from tests.unit.controller_fixtures import PROMPTS
+from tests.unit.controller_fixtures import PROMPTS, build_models
+from tests.unit.megatron_fixtures import ensure_single_process_groups
 from tests.unit.megatron_fixtures import torch_twins as twin_ops
 
 # (step, prompt, params): four at once (KV pressure), two joining later; greedy and seeded sampling
@@ -109,3 +111,15 @@ def plain_outputs(model):
     """Plain decoding's outputs of ARRIVALS (torch twins: a module fixture starts before the tests' own)."""
     with twin_ops():
         return run(controller_for(model, 0), ARRIVALS)
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    """The MTP demo-shaped model (a module fixture: import it into a test module to use it)."""
+    ensure_single_process_groups()
+    return build_models()[0]
+
+
+@pytest.fixture(scope="module")
+def plain(mtp_model):
+    return plain_outputs(mtp_model)  # (request ids, outputs)

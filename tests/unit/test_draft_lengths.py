@@ -12,21 +12,9 @@ import torch
 
 from mtp_ctrl.controllers import MTPProposer, Proposer, SamplingParams
 from mtp_ctrl.controllers.draft_policy import FixedDraftLength, GoodputPolicy, RandomDraftLengths
-from tests.unit.controller_fixtures import MTP_DEPTH, OracleProposer, build_models
-from tests.unit.draft_length_fixtures import (ARRIVALS, QUEUED, SQUEEZE, CheckedRandomLengths, MixedTiers, ZeroLengths,
-                                              controller_for, plain_outputs, run)
-from tests.unit.megatron_fixtures import ensure_single_process_groups
-
-
-@pytest.fixture(scope="module")
-def mtp_model():
-    ensure_single_process_groups()
-    return build_models()[0]
-
-
-@pytest.fixture(scope="module")
-def plain(mtp_model):
-    return plain_outputs(mtp_model)  # (request ids, outputs)
+from tests.unit.controller_fixtures import MTP_DEPTH, OracleProposer
+from tests.unit.draft_length_fixtures import (ARRIVALS, QUEUED, SQUEEZE, CheckedRandomLengths, MixedTiers,  # noqa: F401
+                                              ZeroLengths, controller_for, mtp_model, plain, run)  # fixtures too
 
 
 @pytest.mark.parametrize("steps_per_launch", [1, 4])

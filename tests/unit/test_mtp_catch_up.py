@@ -7,20 +7,9 @@ is plain decoding's; no-draft decode-only steps run no depth except a forced cat
 import pytest
 
 from mtp_ctrl.controllers import MTPProposer
-from tests.unit.controller_fixtures import MTP_DEPTH, build_models
-from tests.unit.draft_length_fixtures import ARRIVALS, SQUEEZE, BurstyLengths, controller_for, plain_outputs
-from tests.unit.megatron_fixtures import ensure_single_process_groups
-
-
-@pytest.fixture(scope="module")
-def mtp_model():
-    ensure_single_process_groups()
-    return build_models()[0]
-
-
-@pytest.fixture(scope="module")
-def plain(mtp_model):
-    return plain_outputs(mtp_model)  # (request ids, outputs)
+from tests.unit.controller_fixtures import MTP_DEPTH
+from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, BurstyLengths, controller_for,  # noqa: F401
+                                              mtp_model, plain)  # the module fixtures
 
 
 class RecordingMTP(MTPProposer):

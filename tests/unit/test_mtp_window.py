@@ -96,6 +96,17 @@ ADVANCE_ARGS = ("first_positions", "bonus_positions", "write_rows", "samples", "
                 "window_starts", "hidden_ring", "num_speculative_tokens")
 
 
+def _assert_window_then_advance_match_twins(case):
+    """The window op, then the advance, each == its twin on a copy of ``case``."""
+    want = _clone(case)
+    mtp_draft_window(**case)
+    reference.mtp_draft_window(**want)
+    _assert_same(case, want, case["padding_row"])
+    mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS})
+    reference.mtp_advance_window(**{name: want[name] for name in ADVANCE_ARGS})
+    _assert_same(case, want, case["padding_row"])
+
+
 @pytest.mark.parametrize("S", [1, 2, 3])
 @pytest.mark.parametrize("shape", [(1, (), 0), (3, (), 2), (0, (5,), 0), (2, (7, 3), 1), (0, (33,), 3),
                                    (4, (1, 6, 2), 0), (0, (), 2)])
@@ -104,13 +115,7 @@ def test_kernels_match_reference(S, shape, seed):
     num_decode, prefill_lengths, num_padding = shape
     generator = torch.Generator().manual_seed(seed * 100 + S * 10 + num_decode)
     case = mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, mid_prompt=bool(seed))
-    want = _clone(case)
-    mtp_draft_window(**case)
-    reference.mtp_draft_window(**want)
-    _assert_same(case, want, case["padding_row"])
-    mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS})
-    reference.mtp_advance_window(**{name: want[name] for name in ADVANCE_ARGS})
-    _assert_same(case, want, case["padding_row"])
+    _assert_window_then_advance_match_twins(case)
 
 
 @pytest.mark.parametrize("S,verify_width", [(2, 0), (3, 1), (3, 2)])
@@ -121,13 +126,7 @@ def test_kernels_match_reference_with_a_verify_width_and_prefill_chunks(S, verif
     num_decode, prefill_lengths, num_padding = shape
     generator = torch.Generator().manual_seed(S * 10 + verify_width + num_decode + 7)
     case = mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, verify_width=verify_width)
-    want = _clone(case)
-    mtp_draft_window(**case)
-    reference.mtp_draft_window(**want)
-    _assert_same(case, want, case["padding_row"])
-    mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS})
-    reference.mtp_advance_window(**{name: want[name] for name in ADVANCE_ARGS})
-    _assert_same(case, want, case["padding_row"])
+    _assert_window_then_advance_match_twins(case)
 
 
 @pytest.mark.parametrize("S,verify_width", [(1, 0), (2, 0), (2, 1), (3, 1), (3, 2)])
