@@ -121,6 +121,9 @@ class TextGenerationController:
                                                  pool.num_cached_blocks))
         # how many drafts each request makes per step (controllers/draft_policy.py; default: S each)
         self._draft_lengths = DraftLengths(draft_policy, self.shape)
+        if S > 0 and self._draft_lengths.policy.per_request_lengths and self.proposer.takes_ragged_rows and \
+                self.context.mamba is None and self.config.ragged_rows:
+            self.context.enable_ragged_rows()  # each decode request runs 1 + s_r rows (docs/draft_lengths.md)
         self._draft_lengths.queue_view = self._queue_view
         self._requests = RequestBook(seed, config.finished_results_kept)  # every request not forgotten
         self._lifecycle = SlotLifecycle(self.context, self._requests, self._outputs, self.proposer, self._draft_lengths)
@@ -175,24 +178,28 @@ class TextGenerationController:
             return 0
         if self.context.table.num_live or self._scheduler.num_waiting or self._in_flight is not None:
             raise RuntimeError("warmup: call it before adding requests")
-        costs = self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
+        costs, row_costs = self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
         torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: start-up
-        self._draft_lengths.set_step_costs(costs, self._lockstep.group)  # rank 0's, on every rank
+        self._draft_lengths.set_step_costs(costs, self._lockstep.group, row_costs)  # rank 0's, on every rank
         return len(self._graphs)
 
-    def _replay_every_shape(self) -> Dict[Tuple[int, int], float]:
+    def _replay_every_shape(self) -> Tuple[Dict[Tuple[int, int], float], Dict[Tuple[int, int, int], float]]:
         """Replay the graph of every padded shape (every verify tier V and draft depth D the policy
         warms up, ``DraftLengths.warmup_tiers``) from a step that holds no request (capture it
         first if new). Returns the decode-only single steps' replay seconds by (batch size, D) where
-        V = D (a steady step verifies what the step before drafted): the policy's step costs."""
-        costs = {}
+        V = D (a steady step verifies what the step before drafted): the policy's step costs; and
+        with ragged rows the same by (batch size, token count, D) for every decode-only token count
+        (the ragged counts' masked graphs)."""
+        costs, row_costs = {}, {}
         for verify_width, num_drafts in self._draft_lengths.warmup_tiers():
             for shape in self.context.graph_shapes(verify_width):
-                for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
+                # a ragged decode-only count below the tier's G (1 + V): single steps, some request holds < V
+                ragged = not shape.has_prefill and shape.token_count != shape.request_count * (1 + verify_width)
+                for num_steps in (1,) if shape.has_prefill or ragged else self._scheduler.run_lengths:
                     if num_steps > 1 and verify_width < num_drafts:
                         continue  # a decode run's later steps verify its own lengths: its V >= its D
                     step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
-                    masks = self._draft_lengths.warmup_masks(verify_width, not shape.has_prefill)
+                    masks = self._draft_lengths.warmup_masks(verify_width, not shape.has_prefill and not ragged)
                     # the proposer's plans (skipped MTP windows: windows, catch-up, skip); the first one
                     # is the steady step's, whose replay time is the step's cost. The others follow only
                     # a step that drafted nothing: warmed only for a policy that chooses D = 0
@@ -207,13 +214,19 @@ class TextGenerationController:
                         if key not in self._graphs:
                             self.proposer.use_plan(plan)
                             self._graphs.run(key, lambda: self._launch_run(step, masked))
-                        if num_steps == 1 and not shape.has_prefill and verify_width == num_drafts and not masked \
-                                and plan_index == 0:
+                        steady = num_steps == 1 and not shape.has_prefill and verify_width == num_drafts and \
+                            plan_index == 0
+                        if steady and not masked:
                             cost_key = (shape.request_count, num_drafts)
                             costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
+                            if self.context.ragged_rows:
+                                row_costs[(shape.request_count, shape.token_count, num_drafts)] = costs[cost_key]
+                        elif steady and ragged:  # a ragged token count's cost (masked: some request holds < V)
+                            row_key = (shape.request_count, shape.token_count, num_drafts)
+                            row_costs[row_key] = max(row_costs.get(row_key, 0.0), self._graphs.timed_replay(key))
                         else:  # uploaded now, not mid-serving (StepGraphs.replay); no profile needed
                             self._graphs.replay(key)
-        return costs
+        return costs, row_costs
 
     def replay_graphs(self) -> int:
         """A check for tests and debugging, with no request queued or live: replay the last step's

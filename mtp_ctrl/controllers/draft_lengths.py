@@ -64,8 +64,8 @@ class HeldChoice:
         self.steps = steps  # steps it has served (counted in place: the held path is per step)
         self.hold = hold  # steps it may serve (decide_every, doubled while the policy repeats itself)
         self.key = key  # request_ids.tobytes()
-        # the held depth D (the most drafts of the choice the policy made), what a joining request
-        # takes; None: the choice held no request
+        # the held depth D (the most drafts of the choice the policy made, or its join_length), what a
+        # joining request takes; None: the choice held no request
         self.depth = depth if depth is not None or not lengths.shape[0] else int(lengths.max())  # host-ok: numpy
 
     def lengths_of(self, request_ids: np.ndarray, join_caps: Optional[Callable[[np.ndarray], np.ndarray]] = None
@@ -144,6 +144,8 @@ class DraftLengths:
             return True
         if step.num_decode == 0:
             return False
+        if step.dimensions.token_count != step.dimensions.request_count * (1 + V):
+            return True  # a ragged token count below the tier (warmup() captures its masked graph only)
         if min(step.host_verify_lengths) < V:
             return True
         return step.num_steps > 1 and min(step.host_draft_lengths[: step.num_decode]) < V
@@ -194,7 +196,7 @@ class DraftLengths:
         key = ids.tobytes()
         if held is not None and held.key == key and np.array_equal(held.lengths, lengths):
             hold = max(hold, min(2 * held.hold, self.policy.longest_hold or hold))
-        self._held = HeldChoice(ids.copy(), lengths, 1, hold, key)
+        self._held = HeldChoice(ids.copy(), lengths, 1, hold, key, self.policy.join_length())
         return lengths
 
     def _caps_of(self, request_ids: np.ndarray) -> np.ndarray:
@@ -313,16 +315,22 @@ class DraftLengths:
             self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.wall_seconds,
                                           None if timing.gpu_seconds < 0 else timing.gpu_seconds, timing.mixed)
 
-    def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None) -> None:
-        """The warm-up's replay times by (batch size, draft depths) for the policy's cost model;
-        under tensor parallelism every rank takes the first rank's (``group``: the TP ranks' gloo
-        group), so that every rank's policy makes the same choices."""
+    def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None,
+                       row_costs: Optional[Dict[Tuple[int, int, int], float]] = None) -> None:
+        """The warm-up's replay times by (batch size, draft depths) for the policy's cost model,
+        and with ragged rows by (batch size, token count, draft depths) (``row_costs``, for a cost
+        model that takes them: ``set_row_costs``); under tensor parallelism every rank takes the
+        first rank's (``group``: the TP ranks' gloo group), so that every rank's policy makes the
+        same choices."""
         if group is not None:
-            shared = [costs]
+            shared = [costs, row_costs]
             dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
-            costs = shared[0]
-        if self.policy.cost_model is not None:
-            self.policy.cost_model.set_measured(costs)
+            costs, row_costs = shared
+        cost_model = self.policy.cost_model
+        if cost_model is not None:
+            cost_model.set_measured(costs)
+            if row_costs and hasattr(cost_model, "set_row_costs"):
+                cost_model.set_row_costs(row_costs)
 
 
 def step_order_lengths(verified: np.ndarray, num_requests: int) -> np.ndarray:

@@ -129,6 +129,11 @@ class DraftLengthPolicy:
     # queued workload a request joins almost every step, and asking `choose` on each join is a
     # decision every step. False: a join asks `choose` at once (a policy whose lengths are per request)
     joins_take_held_depth = True
+    # the policy's lengths differ between requests of a step (not one depth for the batch): the
+    # controller then runs each decode request's own 1 + s_r rows (ragged rows) where the proposer
+    # and the model take them (Proposer.takes_ragged_rows; no Mamba / GDN layers), and warmup()
+    # captures the ragged token counts too
+    per_request_lengths = False
 
     def __init__(self):
         self.cost_model: Optional[StepCostModel] = None
@@ -146,6 +151,11 @@ class DraftLengthPolicy:
     def choose(self, query: DraftLengthQuery) -> np.ndarray:
         """``[n]`` int64 draft lengths in ``[0, query.caps]`` (clipped by the caller)."""
         raise NotImplementedError
+
+    def join_length(self) -> Optional[int]:
+        """With ``joins_take_held_depth``: the drafts (capped) a request that joins while the last
+        choice holds makes; None (the default): that choice's most drafts. Asked once per choice."""
+        return None
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
         """A step's outcome (``[m]`` each, host ints): request ``request_ids[i]`` verified
@@ -169,6 +179,8 @@ class RandomDraftLengths(DraftLengthPolicy):
     """Uniform random lengths in ``[0, cap]`` from a seeded generator (deterministic for equal
     call sequences, so every TP rank agrees), with probability ``all_zero`` of a step with no
     drafts at all. For tests: output must not depend on the lengths."""
+
+    per_request_lengths = True
 
     def __init__(self, seed: int = 0, all_zero: float = 0.2):
         super().__init__()
