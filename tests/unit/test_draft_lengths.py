@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtp_ctrl.controllers import MTPProposer, Proposer, SamplingParams
+from mtp_ctrl.controllers import MTPProposer, PerRequestGoodputPolicy, Proposer, SamplingParams
 from mtp_ctrl.controllers.draft_policy import FixedDraftLength, GoodputPolicy, RandomDraftLengths
 from mtp_ctrl.state.batch_dimensions import ragged_token_counts
 from tests.unit.controller_fixtures import MTP_DEPTH, OracleProposer
@@ -48,6 +48,28 @@ def test_mtp_proposer_random_lengths_equal_plain(mtp_model, plain, torch_twins, 
     controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer(mode, skip_idle_windows=skip),
                                 CheckedRandomLengths(seed=2), overlap_scheduling=overlap, **SQUEEZE)
     assert run(controller, ARRIVALS)[1] == plain[1]
+
+
+@pytest.mark.parametrize("policy,steps_per_launch", [("per_request", 1), ("random", 4)])
+def test_ragged_rows_equal_plain_and_free_every_block(mtp_model, plain, torch_twins, policy, steps_per_launch):
+    """Ragged rows (each decode request runs ``1 + s_r`` rows) under ``PerRequestGoodputPolicy``, and
+    under random lengths with decode runs (their steps keep ``1 + V`` rows a request) between single
+    ragged steps: plain decoding's output (churn, preemption, sampling), and every KV block back in
+    the pool at the end (the rewinds freed nothing twice and leaked nothing)."""
+    chosen = PerRequestGoodputPolicy(decide_every=1) if policy == "per_request" else RandomDraftLengths(seed=3)
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), chosen,
+                                decode_steps_per_launch=steps_per_launch, **SQUEEZE)
+    steps = []
+    controller.on_launch = lambda step, key: steps.append((step.num_steps, step.host_query_lengths[: step.num_decode]
+                                                          .tolist(), step.verify_width))
+    assert run(controller, ARRIVALS)[1] == plain[1]
+    allocator = controller.context.allocator
+    assert allocator.num_free_blocks == allocator.num_blocks
+    ragged = [rows for num_steps, rows, width in steps if num_steps == 1 and any(r < 1 + width for r in rows)]
+    assert ragged, steps  # some single step ran fewer rows than its tier
+    runs = [rows for num_steps, rows, width in steps if num_steps > 1]
+    assert (steps_per_launch > 1) == bool(runs) and all(set(rows) == {1 + width} for num_steps, rows, width in steps
+                                                        if num_steps > 1)
 
 
 class CountingMTP(MTPProposer):
