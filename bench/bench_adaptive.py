@@ -14,7 +14,9 @@ checked equal to plain decoding:
    ``p_r`` (a hash of request and position, no host work), so acceptance is set per request.
    Workloads: all 0.9, all 0.6, all 0.2, and a mix of the three (closed batches: as many
    requests as slots), and the mix queued (4x the slots in requests: a freed slot takes the next,
-   as a server runs); fixed S = 0..3 and goodput at S_max = 3. The random model's logits get wide margins (:func:`widen_logit_margins`), so that
+   as a server runs); fixed S = 0..3, goodput at S_max = 3 (one depth for the batch), and
+   ``PerRequestGoodputPolicy`` at S_max = 3 ("per-request": a length per request, ragged verify rows:
+   a decode request runs 1 + s_r rows; its mean s per label 0.9 / 0.6 / 0.2 is printed). The random model's logits get wide margins (:func:`widen_logit_margins`), so that
    bf16 verify steps of any row count emit plain decoding's tokens (no near ties) and the oracle's
    "true token" is the one the target emits: a request labelled p accepts p per depth. The
    measured acceptance per label (from each fixed-S point's accepted drafts) is printed.
@@ -68,8 +70,8 @@ from bench_forward import FULL_MODEL, QUICK_MODEL, build_model  # noqa: E402
 
 import mtp_ctrl  # noqa: E402
 from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
-from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, Proposer, SamplingParams,  # noqa: E402
-                                  TextGenerationController)
+from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, PerRequestGoodputPolicy, Proposer,  # noqa: E402
+                                  SamplingParams, TextGenerationController)
 from mtp_ctrl.controllers.step_costs import StepCostModel  # noqa: E402
 
 PROMPT_LEN = 64
@@ -81,6 +83,8 @@ class AcceptanceOracle(Proposer):
     ``sequences`` ``[n, L]`` int64 on the device (prompt + plain output of prompt ``r``), request
     ``id`` being prompt ``(id - first_id) % n`` (``first_id``: a device scalar the caller sets to
     the controller's next request id before each ``generate``; the graphs read it)."""
+
+    takes_ragged_rows = True  # reads bonus_positions only
 
     def __init__(self, sequences: torch.Tensor, rates: torch.Tensor, first_id: torch.Tensor):
         self.sequences, self.rates, self.first_id = sequences, rates, first_id  # [n, L] int64, [n] float32, [] int64
@@ -136,6 +140,32 @@ def per_depth_acceptance(results, labels, S):
             low, high = (middle, high) if sum(middle ** k for k in range(1, S + 1)) < mean else (low, middle)
         out[f"{label:g}"] = round(low, 3)
     return out
+
+
+class RecordedPerRequest(PerRequestGoodputPolicy):
+    """``PerRequestGoodputPolicy`` that sums the drafts each request verified (its ``observe``), for
+    the bench's lengths per label."""
+
+    def __init__(self):
+        super().__init__()
+        self.verified = {}  # request id -> [drafts verified, verify steps]
+
+    def observe(self, request_ids, draft_lengths, accepted_counts):
+        super().observe(request_ids, draft_lengths, accepted_counts)
+        for request_id, length in zip(request_ids.tolist(), draft_lengths.tolist()):
+            entry = self.verified.setdefault(request_id, [0, 0])
+            entry[0] += length
+            entry[1] += 1
+
+    def lengths_by_label(self, results, labels):
+        """``{label: mean drafts a verify step}`` over the requests of ``results`` (labels in order)."""
+        sums = {}
+        for result, label in zip(results, labels):
+            drafts, steps = self.verified.get(result.request_id, (0, 0))
+            entry = sums.setdefault(f"{label:g}", [0, 0])
+            entry[0] += drafts
+            entry[1] += steps
+        return {label: round(d / max(n, 1), 2) for label, (d, n) in sorted(sums.items())}
 
 
 class EqualCosts(StepCostModel):
@@ -202,7 +232,10 @@ def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="c
                              cuda_graph_batch_sizes=(batch,) if device == "cuda" else (),
                              **({} if idle_windows is None else dict(mtp_idle_windows=idle_windows)))
     controller = TextGenerationController(model, config, proposer=proposer, draft_policy=policy)
-    controller.warmup()
+    started = time.perf_counter()
+    graphs = controller.warmup()
+    print(f"warm-up: S = {S}, batch {batch}, {type(policy).__name__ if policy else 'fixed'}: {graphs} graphs in "
+          f"{time.perf_counter() - started:.1f} s", flush=True)
     return controller
 
 
@@ -234,6 +267,7 @@ class Table:
         for (part, batch, workload), rows in workloads.items():
             fixed = {row["S"]: row["tokens_per_s"] for row in rows if row["policy"] == "fixed"}
             adaptive = next((row for row in rows if row["policy"] == "goodput"), None)
+            per_request = next((row for row in rows if row["policy"] == "per-request"), None)
             running = next((row for row in rows if row["policy"] == "goodput run"), None)
             if adaptive is None:  # the run engine alone (--demo-goodput run)
                 adaptive, running = running, None
@@ -251,6 +285,11 @@ class Table:
                 print(f"{'':>5} {'':>5} {'':>8} | goodput, mtp_idle_windows='run': {rate:8.0f} "
                       f"{rate / fixed[best_s]:6.2f} {rate / fixed.get(0, rate):6.2f} | {running['lengths']} | "
                       f"{running['equal_plain']}")
+            if per_request is not None:
+                rate = per_request["tokens_per_s"]
+                print(f"{'':>5} {'':>5} {'':>8} | per-request goodput (ragged rows): {rate:8.0f} "
+                      f"{rate / fixed[best_s]:6.2f} {rate / fixed.get(0, rate):6.2f} | {per_request['lengths']} | "
+                      f"mean s by label {per_request.get('label_lengths')} | {per_request['equal_plain']}")
             pinned = next((row for row in rows if row["policy"] == "pinned"), None)
             if pinned is not None and row_s(rows, pinned["S"]):
                 print(f"{'':>5} {'':>5} {'':>8} | pinned goodput (S = {pinned['S']} each step): "
@@ -353,7 +392,8 @@ def large_part(args, table, device):
         if args.large_workloads:
             workloads = [w for w in workloads if w[0].split()[0] in args.large_workloads]
         proposer_engines = []
-        for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", GoodputPolicy())]:
+        for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", GoodputPolicy()),
+                                                                           (3, "per-request", RecordedPerRequest())]:
             if table.out_of_time():
                 break
             proposer = AcceptanceOracle(sequences, rates, first_id)
@@ -373,9 +413,11 @@ def large_part(args, table, device):
                     before=lambda c=controller: first_id.fill_(c.debug_view().next_request_id))
                 results = times.pop("results")
                 measured = per_depth_acceptance(results, labels[: len(prompts)], S) if name == "fixed" else None
+                label_lengths = policy.lengths_by_label(results, labels) if name == "per-request" else None
                 table.add(part="1B", batch=batch, workload=workload, S=S, policy=name, tokens_per_s=rate,
                           lengths=shares, equal_plain=outputs == plain_outputs, acceptance=measured,
-                          costs=cost_table(policy), explored=getattr(policy, "explored", None), **times)
+                          costs=cost_table(policy), explored=getattr(policy, "explored", None),
+                          label_lengths=label_lengths, graphs=controller.debug_view().num_cuda_graphs, **times)
         for *_, controller in proposer_engines:
             controller.close()
 
