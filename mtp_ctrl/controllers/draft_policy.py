@@ -430,7 +430,7 @@ def _at_depths(per_length: np.ndarray, caps: np.ndarray, max_depth: int) -> np.n
 
 
 def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.ndarray, max_depth: int,
-                         grid_points: int = 16) -> np.ndarray:
+                         grid_points: int = 16, lengths: Optional[np.ndarray] = None) -> np.ndarray:
     """``[max_depth + 1]``: the expected steps until every request is done, if the batch drafts D
     depths from now on (request r: ``min(D, cap_r)`` drafts).
 
@@ -440,13 +440,19 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     left needs about ``R / E[X]`` steps with variance ``R Var[X] / E[X]^3`` (renewal theory),
     taken as normal; the batch's expected maximum is integrated from the product of their CDFs
     (``grid_points`` points). At 0.2 acceptance and 48 tokens, the slowest of 64 requests needs
-    ~46 steps at D = 1 though the mean one needs 40: the tail that makes a closed batch slow."""
+    ~46 steps at D = 1 though the mean one needs 40: the tail that makes a closed batch slow.
+
+    ``lengths`` ``[C, n]`` (``PerRequestGoodputPolicy``): the columns are C candidates instead of
+    depths, request r drafting ``lengths[c, r]`` in candidate c (``caps``, ``max_depth`` unused): ``[C]``."""
     n, S = reach.shape
     k = np.arange(1, S + 1)  # [S]
     moments = np.zeros((2, n, S + 1))  # [2, n, S + 1]: E[A], E[A^2] with s drafts
     np.cumsum(reach, axis=1, out=moments[0, :, 1:])
     np.cumsum(reach * (2 * k - 1), axis=1, out=moments[1, :, 1:])
-    mean_a, square_a = _at_depths(moments[0], caps, max_depth), _at_depths(moments[1], caps, max_depth)  # [n, D + 1]
+    if lengths is None:
+        mean_a, square_a = _at_depths(moments[0], caps, max_depth), _at_depths(moments[1], caps, max_depth)  # [n, D + 1]
+    else:  # [n, C]: each candidate's own lengths
+        mean_a, square_a = (np.take_along_axis(moments[i], np.asarray(lengths).T, axis=1) for i in range(2))
     tokens = 1.0 + mean_a
     variance = np.maximum(square_a - mean_a ** 2, 0.0)
     left = np.maximum(np.asarray(tokens_left, dtype=np.float64), 1.0)[:, None]  # [n, 1]

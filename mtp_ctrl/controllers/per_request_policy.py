@@ -15,8 +15,8 @@ request:
   ``(G, D)`` (host work, bubbles, steps with prefill chunks);
 - while requests wait the policy takes the candidate with the most expected tokens per second
   (``(n + sum of its m) / cost``), when none waits (``drain_objective``) the one with the least
-  expected time to finish the batch (``expected_drain_steps`` of its lengths x its cost), over 32
-  candidates spread along the list.
+  expected time to finish the batch (``expected_drain_steps`` of its lengths x its cost), over 16
+  candidates spread along the list (and the first of each depth).
 
 Worked example (S = 3, three requests of acceptance 0.9 / 0.6 / 0.2 at every depth, a step
 costing ``1 + 0.1 (rows - 3)``, depth costs left out): the drafts sorted by expected tokens are
@@ -32,7 +32,7 @@ import numpy as np
 from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps
 from mtp_ctrl.controllers.step_costs import StepCostModel
 
-DRAIN_CANDIDATES = 32  # prefixes the drain objective evaluates (evenly spread, and each depth's first)
+DRAIN_CANDIDATES = 16  # prefixes the drain objective evaluates (evenly spread, and each depth's first)
 
 
 class RowCostModel(StepCostModel):
@@ -43,9 +43,15 @@ class RowCostModel(StepCostModel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.row_gpu: Dict[Tuple[int, int, int], float] = {}  # (G, T, D) -> replay seconds
+        self._row_tables: Dict[Tuple[int, int], Tuple[np.ndarray, np.ndarray]] = {}  # (G, D) -> ([k] T, [k] s)
 
     def set_row_costs(self, row_costs: Dict[Tuple[int, int, int], float]) -> None:
         self.row_gpu = {(int(g), int(t), int(d)): float(s) for (g, t, d), s in row_costs.items() if s > 0}
+        tables: Dict[Tuple[int, int], list] = {}
+        for (g, t, d), seconds in sorted(self.row_gpu.items()):
+            tables.setdefault((g, d), []).append((t, seconds))
+        self._row_tables = {key: (np.array([t for t, _ in rows], dtype=np.float64), np.array([s for _, s in rows]))
+                            for key, rows in tables.items()}
 
     def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray) -> np.ndarray:
         """``[c]`` seconds of decode-only steps at grid ``batch_size`` with ``rows[i]`` real rows and
@@ -55,19 +61,18 @@ class RowCostModel(StepCostModel):
         interpolates ``seconds(G, D)`` linearly in rows from ``seconds(G, 0)`` at G rows."""
         rows, depths = np.asarray(rows, dtype=np.float64), np.asarray(depths, dtype=np.int64)
         out = np.empty(rows.shape[0])
-        grids = sorted({g for g, _, _ in self.row_gpu if g >= batch_size})
-        grid = grids[0] if grids else None
+        grid = min((g for g, _ in self._row_tables if g >= batch_size), default=None)
         base = self.seconds(batch_size, 0)
-        for depth in np.unique(depths).tolist():  # host-ok: numpy, at most S + 1
+        for depth in range(int(depths.max()) + 1 if depths.shape[0] else 0):
             chosen = depths == depth
-            counts = sorted((t, s) for (g, t, d), s in self.row_gpu.items() if g == grid and d == depth)
             wall = self.seconds(batch_size, depth)
-            if counts:
-                tokens = np.array([t for t, _ in counts], dtype=np.float64)
+            table = self._row_tables.get((grid, depth))
+            if table is not None:
+                tokens, seconds = table
                 index = np.searchsorted(tokens, rows[chosen]).clip(max=tokens.shape[0] - 1)
                 gpu = self._lookup(self.gpu, batch_size, depth)
                 gap = max(0.0, wall - gpu) if gpu is not None and self.is_measured(batch_size, depth) else 0.0
-                out[chosen] = np.array([s for _, s in counts])[index] + gap
+                out[chosen] = seconds[index] + gap
             elif depth == 0:
                 out[chosen] = base
             else:  # rows between G (a plain step's) and G (1 + D) (the tier's)
@@ -116,8 +121,8 @@ class PerRequestGoodputPolicy(GoodputPolicy):
             candidates = _drain_candidates(depths)
             priors = self._population_priors(estimates, query.request_ids)
             drain_reach = reach if priors is None else np.cumprod(self._estimates(rows, priors), axis=1)
-            steps = np.array([expected_drain_steps(query.tokens_left, drain_reach, _lengths(request, m, n), S)[-1]
-                              for m in candidates.tolist()])  # host-ok: numpy
+            lengths = np.stack([_lengths(request, m, n) for m in candidates.tolist()])  # [C, n]  # host-ok: numpy
+            steps = expected_drain_steps(query.tokens_left, drain_reach, caps, S, lengths=lengths)  # [C]
             score = np.full(tokens.shape[0], -np.inf)
             score[candidates] = 1.0 / (steps * seconds[candidates])
         else:

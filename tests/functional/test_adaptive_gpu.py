@@ -173,7 +173,7 @@ def test_ragged_rows_replay_graphs_with_no_sync_and_equal_eager_and_plain(model,
         proposer = RaggedDeviceOracle(plain_sequences(PROMPTS, plain, 2 * (S + 1)).cuda()) if drafter == "oracle" \
             else None
         policy = RandomDraftLengths(seed=4) if drafter == "oracle" else PerRequestGoodputPolicy(decide_every=2)
-        controller = SyncChecked(model, make_config(S, cuda_graph_batch_sizes=(4, 8) if graphs else ()),
+        controller = SyncChecked(model, make_config(S, cuda_graph_batch_sizes=(8,) if graphs else ()),
                                  proposer=proposer, draft_policy=policy)
         warmed = controller.warmup()
         below_tier = []
