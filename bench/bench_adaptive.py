@@ -158,13 +158,15 @@ class RecordedPerRequest(PerRequestGoodputPolicy):
             entry[1] += 1
 
     def lengths_by_label(self, results, labels):
-        """``{label: mean drafts a verify step}`` over the requests of ``results`` (labels in order)."""
+        """``{label: mean drafts a verify step}`` over the requests of ``results`` (labels in order): the
+        drafts observed over the request's decode steps (a step where nobody verified a draft is not
+        observed: it counts 0)."""
         sums = {}
         for result, label in zip(results, labels):
-            drafts, steps = self.verified.get(result.request_id, (0, 0))
+            drafts, _ = self.verified.get(result.request_id, (0, 0))
             entry = sums.setdefault(f"{label:g}", [0, 0])
             entry[0] += drafts
-            entry[1] += steps
+            entry[1] += result.decode_steps
         return {label: round(d / max(n, 1), 2) for label, (d, n) in sorted(sums.items())}
 
 
@@ -240,11 +242,16 @@ def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="c
 
 
 def cost_table(policy):
-    """The goodput policy's learned step costs (ms by grid and depths), or None."""
+    """The goodput policy's learned step costs (ms by grid and depths), or None; with ragged rows
+    also the warm-up's replay ms by (G, token count, D) ("rows")."""
     if not isinstance(policy, GoodputPolicy) or isinstance(policy, PinnedGoodput):
         return None
-    return {key: {name: None if value is None else round(value, 3) for name, value in row.items()}
-            for key, row in policy.cost_model.table().items()}
+    table = {key: {name: None if value is None else round(value, 3) for name, value in row.items()}
+             for key, row in policy.cost_model.table().items()}
+    rows = getattr(policy.cost_model, "row_gpu", None)
+    if rows:
+        table["rows"] = {f"G={g}, T={t}, D={d}": round(seconds * 1e3, 3) for (g, t, d), seconds in sorted(rows.items())}
+    return table
 
 
 class Table:
@@ -312,9 +319,13 @@ class Table:
                   "of decode-only steps / GPU, 'mixed': the wall of steps with prefill chunks (the policy blends "
                   "them by their recent share); 'explored': choices made to measure a depth so far")
         for row in costed:
+            if "rows" in row["costs"]:
+                print(f"  {row['part']} batch {row['batch']} {row['workload']}: warm-up replay ms by token count: "
+                      + ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {value:.3f}"
+                                  for key, value in row["costs"]["rows"].items()))
             text = ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
                              + ("" if value.get("mixed_ms") is None else f" mixed {_ms(value['mixed_ms'])}")
-                             for key, value in row["costs"].items())
+                             for key, value in row["costs"].items() if key != "rows")
             print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
 
 
