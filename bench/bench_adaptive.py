@@ -250,7 +250,9 @@ def cost_table(policy):
              for key, row in policy.cost_model.table().items()}
     rows = getattr(policy.cost_model, "row_gpu", None)
     if rows:
-        table["rows"] = {f"G={g}, T={t}, D={d}": round(seconds * 1e3, 3) for (g, t, d), seconds in sorted(rows.items())}
+        table["rows"] = {f"G={g}, T={t}, D={d}{', mixed' if mixed else ''}": round(seconds * 1e3, 3)
+                         for (g, t, d, mixed), seconds in sorted(rows.items())}
+        table["prefill_rows"] = policy.cost_model.prefill_rows
     return table
 
 
@@ -322,10 +324,11 @@ class Table:
             if "rows" in row["costs"]:
                 print(f"  {row['part']} batch {row['batch']} {row['workload']}: warm-up replay ms by token count: "
                       + ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {value:.3f}"
-                                  for key, value in row["costs"]["rows"].items()))
+                                  for key, value in row["costs"]["rows"].items())
+                      + f"; prefill rows a mixed step {row['costs']['prefill_rows']}")
             text = ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
                              + ("" if value.get("mixed_ms") is None else f" mixed {_ms(value['mixed_ms'])}")
-                             for key, value in row["costs"].items() if key != "rows")
+                             for key, value in row["costs"].items() if key not in ("rows", "prefill_rows"))
             print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
 
 

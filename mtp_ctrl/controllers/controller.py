@@ -183,13 +183,13 @@ class TextGenerationController:
         self._draft_lengths.set_step_costs(costs, self._lockstep.group, row_costs)  # rank 0's, on every rank
         return len(self._graphs)
 
-    def _replay_every_shape(self) -> Tuple[Dict[Tuple[int, int], float], Dict[Tuple[int, int, int], float]]:
+    def _replay_every_shape(self) -> Tuple[Dict[Tuple[int, int], float], Dict[Tuple[int, int, int, bool], float]]:
         """Replay the graph of every padded shape (every verify tier V and draft depth D the policy
         warms up, ``DraftLengths.warmup_tiers``) from a step that holds no request (capture it
         first if new). Returns the decode-only single steps' replay seconds by (batch size, D) where
         V = D (a steady step verifies what the step before drafted): the policy's step costs; and
-        with ragged rows the same by (batch size, token count, D) for every decode-only token count
-        (the ragged counts' masked graphs)."""
+        with ragged rows the same by (batch size, token count, D, has prefill) for every token count
+        (decode-only: the ragged counts' masked graphs; with prefill chunks: each token bucket's)."""
         costs, row_costs = {}, {}
         for verify_width, num_drafts in self._draft_lengths.warmup_tiers():
             for shape in self.context.graph_shapes(verify_width):
@@ -220,10 +220,14 @@ class TextGenerationController:
                             cost_key = (shape.request_count, num_drafts)
                             costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
                             if self.context.ragged_rows:
-                                row_costs[(shape.request_count, shape.token_count, num_drafts)] = costs[cost_key]
+                                row_costs[(shape.request_count, shape.token_count, num_drafts, False)] = costs[cost_key]
                         elif steady and ragged:  # a ragged token count's cost (masked: some request holds < V)
-                            row_key = (shape.request_count, shape.token_count, num_drafts)
+                            row_key = (shape.request_count, shape.token_count, num_drafts, False)
                             row_costs[row_key] = max(row_costs.get(row_key, 0.0), self._graphs.timed_replay(key))
+                        elif self.context.ragged_rows and shape.has_prefill and verify_width == num_drafts and \
+                                plan_index == 0 and all_greedy:  # a token bucket with prefill chunks
+                            row_costs[(shape.request_count, shape.token_count, num_drafts, True)] = \
+                                self._graphs.timed_replay(key)
                         else:  # uploaded now, not mid-serving (StepGraphs.replay); no profile needed
                             self._graphs.replay(key)
         return costs, row_costs

@@ -290,8 +290,14 @@ class DraftLengths:
         (``StepCostModel.mixed_share``)."""
         if self._fixed or self.S == 0:
             return None
-        if applied and self.policy.cost_model is not None:
-            self.policy.cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
+        cost_model = self.policy.cost_model
+        if applied and cost_model is not None:
+            cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
+            if hasattr(cost_model, "record_prefill_rows"):  # rows of prefill chunks a mixed step carries
+                for step, _ in applied:
+                    if step.num_prefill:
+                        starts = step.host_query_start_loc
+                        cost_model.record_prefill_rows(int(starts[-1] - starts[step.num_decode]))
         launch_key = steady_key = None
         if len(applied) == 1:
             step, gpu_seconds = applied[0]
@@ -316,9 +322,9 @@ class DraftLengths:
                                           None if timing.gpu_seconds < 0 else timing.gpu_seconds, timing.mixed)
 
     def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None,
-                       row_costs: Optional[Dict[Tuple[int, int, int], float]] = None) -> None:
+                       row_costs: Optional[Dict[Tuple[int, int, int, bool], float]] = None) -> None:
         """The warm-up's replay times by (batch size, draft depths) for the policy's cost model,
-        and with ragged rows by (batch size, token count, draft depths) (``row_costs``, for a cost
+        and with ragged rows by (batch size, token count, draft depths, has prefill) (``row_costs``, for a cost
         model that takes them: ``set_row_costs``); under tensor parallelism every rank takes the
         first rank's (``group``: the TP ranks' gloo group), so that every rank's policy makes the
         same choices."""

@@ -11,8 +11,9 @@ request:
   with k); taking the first ``m`` of them gives lengths ``s_r``, ``n + m`` decode rows and
   ``D = max s_r`` depths;
 - each candidate costs :meth:`RowCostModel.row_seconds` ``(G, n + m, D)``: the warm-up's replay
-  time of the ragged token count its rows pad to, plus the loop's measured wall-over-GPU time at
-  ``(G, D)`` (host work, bubbles, steps with prefill chunks);
+  time of the ragged token count its rows pad to, blended by the share of steps with prefill
+  chunks with the token bucket its rows and the recent chunk rows pad to, plus the loop's
+  measured wall-over-GPU time at ``(G, D)`` (host work, bubbles);
 - while requests wait the policy takes the candidate with the most expected tokens per second
   (``(n + sum of its m) / cost``), when none waits (``drain_objective``) the one with the least
   expected time to finish the batch (``expected_drain_steps`` of its lengths x its cost), over 16
@@ -25,7 +26,8 @@ after the first m: 3.0, 3.55, 3.93, 4.18, **4.31** (m = 4), 4.27, ...; so s = (3
 tokens for 1.4, where fixed S = 1 / 2 / 3 get 3.62 / 3.69 / 3.61.
 """
 
-from typing import Dict, Optional, Tuple
+import collections
+from typing import Deque, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -37,47 +39,72 @@ DRAIN_CANDIDATES = 16  # prefixes the drain objective evaluates (evenly spread, 
 
 class RowCostModel(StepCostModel):
     """:class:`StepCostModel` (the loop's wall time per (G, D)) and, for ragged rows, the GPU time
-    of a decode-only step by its token count: ``row_gpu[(G, T, D)]``, the warm-up's replay times of
-    the ragged token counts (``controller.warmup()``; ``set_row_costs``)."""
+    of a step by its token count: ``row_gpu[(G, T, D, has_prefill)]``, the warm-up's replay times
+    of the decode-only ragged token counts and of the token buckets of steps with prefill chunks
+    (``controller.warmup()``; ``set_row_costs``), and the moving average of the prefill rows a step
+    with prefill chunks carries (``prefill_rows``, from the loop: ``record_prefill_rows``)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.row_gpu: Dict[Tuple[int, int, int], float] = {}  # (G, T, D) -> replay seconds
-        self._row_tables: Dict[Tuple[int, int], Tuple[np.ndarray, np.ndarray]] = {}  # (G, D) -> ([k] T, [k] s)
+        self.row_gpu: Dict[Tuple[int, int, int, bool], float] = {}  # (G, T, D, has prefill) -> replay seconds
+        # (G, D, has prefill) -> ([k] token counts, [k] seconds), increasing
+        self._row_tables: Dict[Tuple[int, int, bool], Tuple[np.ndarray, np.ndarray]] = {}
+        self.prefill_rows: Optional[float] = None
 
-    def set_row_costs(self, row_costs: Dict[Tuple[int, int, int], float]) -> None:
-        self.row_gpu = {(int(g), int(t), int(d)): float(s) for (g, t, d), s in row_costs.items() if s > 0}
-        tables: Dict[Tuple[int, int], list] = {}
-        for (g, t, d), seconds in sorted(self.row_gpu.items()):
-            tables.setdefault((g, d), []).append((t, seconds))
+    def set_row_costs(self, row_costs: Dict[Tuple[int, int, int, bool], float]) -> None:
+        self.row_gpu = {(int(g), int(t), int(d), bool(p)): float(s) for (g, t, d, p), s in row_costs.items() if s > 0}
+        tables: Dict[Tuple[int, int, bool], list] = {}
+        for (g, t, d, p), seconds in sorted(self.row_gpu.items()):
+            tables.setdefault((g, d, p), []).append((t, seconds))
         self._row_tables = {key: (np.array([t for t, _ in rows], dtype=np.float64), np.array([s for _, s in rows]))
                             for key, rows in tables.items()}
 
+    def record_prefill_rows(self, rows: int) -> None:
+        """A step with prefill chunks carried ``rows`` chunk rows (moving average, the share's weight)."""
+        old = self.prefill_rows
+        self.prefill_rows = float(rows) if old is None else old + self.share_smoothing * (rows - old)
+
+    def _rows_gpu(self, grid: Optional[int], depth: int, mixed: bool, rows: np.ndarray) -> Optional[np.ndarray]:
+        """Replay seconds of the smallest timed token count that holds ``rows`` (the largest past them), or None."""
+        table = self._row_tables.get((grid, depth, mixed))
+        if table is None:
+            return None
+        tokens, seconds = table
+        return seconds[np.searchsorted(tokens, rows).clip(max=tokens.shape[0] - 1)]
+
     def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray) -> np.ndarray:
-        """``[c]`` seconds of decode-only steps at grid ``batch_size`` with ``rows[i]`` real rows and
-        ``depths[i]`` draft depths: the replay time of the smallest measured token count that holds
-        the rows, plus ``max(0, seconds(G, D) - gpu(G, D))`` (what the loop adds to the GPU time at
-        that depth, measured; 0 before it is). A depth with no row costs (CPU, eager steps)
-        interpolates ``seconds(G, D)`` linearly in rows from ``seconds(G, 0)`` at G rows."""
+        """``[c]`` seconds of a step at grid ``batch_size`` whose decode requests run ``rows[i]`` rows
+        and draft ``depths[i]`` depths: what the loop adds over the GPU at that depth once measured
+        (``decode_seconds(G, D) - gpu(G, D)``: host work, bubbles) plus the GPU time of the rows:
+        the replay time of the decode-only token count that holds them, blended by ``mixed_share``
+        with the token bucket that holds them and the recent prefill rows (a step with prefill
+        chunks pads its rows to a power of two: one row more can double it). Without the mixed
+        buckets' times (or prefill rows), the decode-only count's time plus ``seconds(G, D) -
+        gpu(G, D)`` (the mixed steps' measured average as a constant); without row costs (CPU,
+        eager) ``seconds(G, D)`` linear in rows from ``seconds(G, 0)`` at G rows."""
         rows, depths = np.asarray(rows, dtype=np.float64), np.asarray(depths, dtype=np.int64)
         out = np.empty(rows.shape[0])
-        grid = min((g for g, _ in self._row_tables if g >= batch_size), default=None)
+        grid = min((g for g, _, _ in self._row_tables if g >= batch_size), default=None)
         base = self.seconds(batch_size, 0)
         for depth in range(int(depths.max()) + 1 if depths.shape[0] else 0):
             chosen = depths == depth
             wall = self.seconds(batch_size, depth)
-            table = self._row_tables.get((grid, depth))
-            if table is not None:
-                tokens, seconds = table
-                index = np.searchsorted(tokens, rows[chosen]).clip(max=tokens.shape[0] - 1)
-                gpu = self._lookup(self.gpu, batch_size, depth)
-                gap = max(0.0, wall - gpu) if gpu is not None and self.is_measured(batch_size, depth) else 0.0
-                out[chosen] = seconds[index] + gap
-            elif depth == 0:
-                out[chosen] = base
-            else:  # rows between G (a plain step's) and G (1 + D) (the tier's)
-                share = (rows[chosen] - batch_size) / (batch_size * depth)
-                out[chosen] = base + (wall - base) * share
+            decode = self._rows_gpu(grid, depth, False, rows[chosen])
+            if decode is None:
+                if depth == 0:
+                    out[chosen] = base
+                else:  # rows between G (a plain step's) and G (1 + D) (the tier's)
+                    out[chosen] = base + (wall - base) * (rows[chosen] - batch_size) / (batch_size * depth)
+                continue
+            gpu = self._lookup(self.gpu, batch_size, depth)
+            measured = gpu is not None and self.is_measured(batch_size, depth)
+            mixed = None if self.prefill_rows is None else \
+                self._rows_gpu(grid, depth, True, rows[chosen] + self.prefill_rows)
+            if mixed is None or self.mixed_share < 1e-3:
+                out[chosen] = decode + (max(0.0, wall - gpu) if measured else 0.0)
+            else:
+                gap = max(0.0, self.decode_seconds(batch_size, depth) - gpu) if measured else 0.0
+                out[chosen] = gap + decode + self.mixed_share * (mixed - decode)
         return out
 
 
@@ -85,7 +112,8 @@ class PerRequestGoodputPolicy(GoodputPolicy):
     """:class:`GoodputPolicy` with a draft length per request (module docstring): same arguments.
     Its lengths differ between requests (``per_request_lengths``): the controller runs ragged rows
     where the proposer and the model take them. A request that joins while a choice holds drafts
-    what a request with the batch's average acceptance would get (``join_length``), capped."""
+    what a request with the batch's average acceptance would get (``join_length``), capped; its
+    own acceptance counts start with its first outcome (``observe``)."""
 
     per_request_lengths = True
 
@@ -93,10 +121,27 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         super().__init__(*args, **kwargs)
         self._join_length: Optional[int] = None
         self.last_lengths = np.zeros(0, dtype=np.int64)  # the last choice (for benchmarks)
+        self._forgotten: Deque[int] = collections.deque()  # ids that left lately: observe makes them no row
 
     def bind(self, shape) -> None:
         super().bind(shape)
         self.cost_model = RowCostModel()
+        self._forgotten = collections.deque(maxlen=8 * shape.max_requests)
+
+    def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
+        """As :meth:`GoodputPolicy.observe`, but a request's own counts start with its first outcome,
+        not when a choice first sees it (a request that joined while a choice held verifies up to
+        ``decide_every`` steps before that, in a life of a few tens of steps), except for requests
+        that left lately (their last outcomes come after ``forget``: a row made then would be held for
+        good)."""
+        request_ids = np.asarray(request_ids, dtype=np.int64)
+        known = np.isin(request_ids, np.fromiter(self._forgotten, dtype=np.int64, count=len(self._forgotten)))
+        self._rows(np.unique(request_ids[~known]), create=True)
+        super().observe(request_ids, draft_lengths, accepted_counts)
+
+    def forget(self, request_id: int) -> None:
+        super().forget(request_id)
+        self._forgotten.append(request_id)
 
     def join_length(self) -> Optional[int]:
         return self._join_length

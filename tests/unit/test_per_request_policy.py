@@ -17,7 +17,7 @@ RATES = {1: 0.9, 2: 0.6, 3: 0.2, 4: 0.9, 5: 0.6, 6: 0.2}
 
 def row_costs(per_row=0.1, per_depth=0.0):
     """Warm-up row costs at grid G: ``1 + per_row (T - G) + per_depth D`` for every ragged count."""
-    return {(G, T, D): 1.0 + per_row * (T - G) + per_depth * D for D in range(S + 1)
+    return {(G, T, D, False): 1.0 + per_row * (T - G) + per_depth * D for D in range(S + 1)
             for T in range(G, G * (1 + S) + 1)}
 
 
@@ -69,7 +69,7 @@ def test_the_worked_example():
     outcomes each, prior weight 0), a step costing 1 + 0.1 (rows - 3): s = (3, 1, 0)."""
     policy = PerRequestGoodputPolicy(drain_objective=False, prior_weight=0.0)
     policy.bind(SHAPE)
-    policy.cost_model.set_row_costs({(3, T, D): 1.0 + 0.1 * (T - 3) for D in range(S + 1) for T in range(3, 13)})
+    policy.cost_model.set_row_costs({(3, T, D, False): 1.0 + 0.1 * (T - 3) for D in range(S + 1) for T in range(3, 13)})
     for depth in range(S + 1):
         policy.cost_model.record(3, depth, 1.0, 1.0)
     ids = np.array([7, 8, 9])
@@ -93,7 +93,7 @@ def test_drain_objective_and_join_length():
 
 def test_row_costs_pad_to_the_next_measured_count_and_add_the_loops_gap():
     model = RowCostModel()
-    model.set_row_costs({(8, 8, 0): 1.0, (8, 12, 1): 1.2, (8, 16, 1): 1.5})
+    model.set_row_costs({(8, 8, 0, False): 1.0, (8, 12, 1, False): 1.2, (8, 16, 1, False): 1.5})
     assert model.row_seconds(8, np.array([8, 9, 12, 13]), np.array([0, 1, 1, 1])).tolist() == [1.0, 1.2, 1.2, 1.5]
     model.set_measured({(8, 1): 1.5})
     model.record(8, 1, 2.0, 1.5)  # the loop's wall 0.5 over its GPU time at D = 1
@@ -102,3 +102,31 @@ def test_row_costs_pad_to_the_next_measured_count_and_add_the_loops_gap():
     plain.record(8, 0, 1.0, None)
     plain.record(8, 1, 2.0, None)
     assert np.allclose(plain.row_seconds(8, np.array([8, 12, 16]), np.array([0, 1, 1])), [1.0, 1.5, 2.0])
+
+
+def test_steps_with_prefill_chunks_cost_their_token_bucket():
+    """In a queue most steps carry a prompt chunk: their rows plus the chunk's pad to a token bucket
+    (powers of two), so the candidate whose rows tip the next bucket costs double there. Batch 6 of
+    0.9 / 0.6 / 0.2 requests, 6 chunk rows, buckets 16 and 32: decode-only costs alone draft (3, 3, 1)
+    (20 rows: a mixed step of 26, bucket 32); when every step is mixed the rows stay within 16 (4
+    drafts, the likeliest requests' first ones)."""
+    policy = trained(per_row=0.01)
+    assert choose(policy).tolist() == [3, 3, 1, 3, 3, 1]
+    model = policy.cost_model
+    model.set_row_costs({**row_costs(per_row=0.01), **{(G, T, D, True): 1.0 if T == 16 else 2.0
+                                                        for D in range(S + 1) for T in (16, 32)}})
+    for _ in range(200):
+        model.record_launches(1, 1)  # every step carries a prefill chunk...
+        model.record_prefill_rows(6)  # ... of 6 rows
+    lengths = choose(policy)
+    assert lengths.tolist() == [2, 0, 0, 2, 0, 0], lengths
+
+
+def test_a_joined_request_counts_from_its_first_outcome_but_not_after_it_left():
+    policy = trained()
+    prior = policy.acceptance(99).copy()  # not seen: the batch's average
+    policy.observe(np.full(8, 99), np.full(8, S), np.zeros(8, dtype=np.int64))  # joined, never chosen: 0 accepted
+    assert policy.acceptance(99)[0] < prior[0] - 0.2
+    policy.forget(98)
+    policy.observe(np.full(8, 98), np.full(8, S), np.zeros(8, dtype=np.int64))  # left, its last outcomes
+    assert np.allclose(policy.acceptance(98), policy.acceptance(97))  # no row: the average
