@@ -16,7 +16,8 @@ checked equal to plain decoding:
    requests as slots), and the mix queued (4x the slots in requests: a freed slot takes the next,
    as a server runs); fixed S = 0..3, goodput at S_max = 3 (one depth for the batch), and
    ``PerRequestGoodputPolicy`` at S_max = 3 ("per-request": a length per request, ragged verify rows:
-   a decode request runs 1 + s_r rows; its mean s per label 0.9 / 0.6 / 0.2 is printed). The random model's logits get wide margins (:func:`widen_logit_margins`), so that
+   a decode request runs 1 + s_r rows; its mean s per label 0.9 / 0.6 / 0.2 is printed). The random
+   model's logits get wide margins (:func:`widen_logit_margins`), so that
    bf16 verify steps of any row count emit plain decoding's tokens (no near ties) and the oracle's
    "true token" is the one the target emits: a request labelled p accepts p per depth. The
    measured acceptance per label (from each fixed-S point's accepted drafts) is printed.

@@ -14,10 +14,13 @@ request:
   time of the ragged token count its rows pad to, blended by the share of steps with prefill
   chunks with the token bucket its rows and the recent chunk rows pad to, plus the loop's
   measured wall-over-GPU time at ``(G, D)`` (host work, bubbles);
+- one depth for the whole batch (``min(D, cap_r)`` each, ``GoodputPolicy``'s candidates) joins them;
 - while requests wait the policy takes the candidate with the most expected tokens per second
-  (``(n + sum of its m) / cost``), when none waits (``drain_objective``) the one with the least
-  expected time to finish the batch (``expected_drain_steps`` of its lengths x its cost), over 16
-  candidates spread along the list (and the first of each depth).
+  (``n`` plus its drafts' expected tokens, over its cost), when none waits (``drain_objective``)
+  the one with the least expected time to finish the batch (``expected_drain_steps`` of its
+  lengths x its cost), over 16 prefixes spread along the list (and the first of each depth) and
+  the one-depth candidates: the batch ends with its slowest requests, so drafts of a request that
+  finishes early save nothing there.
 
 Worked example (S = 3, three requests of acceptance 0.9 / 0.6 / 0.2 at every depth, a step
 costing ``1 + 0.1 (rows - 3)``, depth costs left out): the drafts sorted by expected tokens are
@@ -154,43 +157,47 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         rows = self._rows(query.request_ids, create=True)
         estimates = self._estimates(rows)  # [n, S]
         reach = np.cumprod(estimates, axis=1)  # [n, S]: expected tokens of draft k (it and those before land)
-        # the candidates: the first m of the drafts sorted by expected tokens (draft k before k + 1)
+        # the candidates: the first m of the drafts sorted by expected tokens (draft k before k + 1),
+        # then one depth for the batch (min(D, cap_r) each: GoodputPolicy's choices)
         request, depth = np.nonzero(np.arange(S)[None, :] < caps[:, None])  # [M] each
         gains = reach[request, depth]
         order = np.lexsort((depth, -gains))
-        request, depth, gains = request[order], depth[order] + 1, gains[order]
-        tokens = n + np.concatenate([[0.0], np.cumsum(gains)])  # [M + 1]
-        depths = np.concatenate([[0], np.maximum.accumulate(depth)]) if depth.shape[0] else np.zeros(1, np.int64)
-        seconds = self.cost_model.row_seconds(G, n + np.arange(tokens.shape[0]), depths)  # [M + 1]
+        request, gains = request[order], gains[order]
+        num_prefixes, max_depth = request.shape[0] + 1, int(caps.max()) if n else 0
+        lengths = np.zeros((num_prefixes + max_depth + 1, n), dtype=np.int64)  # [C, n]
+        np.cumsum(np.eye(n, dtype=np.int64)[request], axis=0, out=lengths[1:num_prefixes])
+        lengths[num_prefixes:] = np.minimum(np.arange(max_depth + 1)[:, None], caps[None, :])
+        depths = lengths.max(axis=1) if n else np.zeros(lengths.shape[0], dtype=np.int64)  # [C]
+        seconds = self.cost_model.row_seconds(G, n + lengths.sum(axis=1), depths)  # [C]
         if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
-            candidates = _drain_candidates(depths)
+            scored = np.concatenate([_drain_candidates(depths[:num_prefixes]),
+                                     np.arange(num_prefixes, lengths.shape[0])])
             priors = self._population_priors(estimates, query.request_ids)
             drain_reach = reach if priors is None else np.cumprod(self._estimates(rows, priors), axis=1)
-            lengths = np.stack([_lengths(request, m, n) for m in candidates.tolist()])  # [C, n]  # host-ok: numpy
-            steps = expected_drain_steps(query.tokens_left, drain_reach, caps, S, lengths=lengths)  # [C]
-            score = np.full(tokens.shape[0], -np.inf)
-            score[candidates] = 1.0 / (steps * seconds[candidates])
+            steps = expected_drain_steps(query.tokens_left, drain_reach, caps, S, lengths=lengths[scored])  # [c]
+            score = np.full(lengths.shape[0], -np.inf)
+            score[scored] = 1.0 / (steps * seconds[scored])
         else:
-            score = tokens / seconds
+            expected = np.zeros((n, S + 1))  # [n, S + 1]: expected tokens of request r past its first with s drafts
+            np.cumsum(reach, axis=1, out=expected[:, 1:])
+            score = (n + np.take_along_axis(expected, lengths.T, axis=1).sum(axis=0)) / seconds
         best = int(np.argmax(score))
         # GoodputPolicy's exploration runs every depth once at this grid (one length for the batch)
-        by_depth = np.array([score[depths == d].max() for d in range(int(depths[-1]) + 1)])
+        by_depth = np.array([score[depths == d].max() for d in range(max_depth + 1)])
         self._steps_since_explore += query.steps
         explore = self._explore(G, by_depth, int(depths[best]))
         if explore != depths[best]:  # measure depth `explore`: the best candidate that runs it
             best = int(np.argmax(np.where(depths == explore, score, -np.inf)))
-        lengths = _lengths(request, best, n)
+        chosen = lengths[best]
         # a joining request: the drafts whose expected tokens reach the last one taken, at the prior
+        # (a choice of one depth: that depth)
         prior_reach = np.cumprod(self._estimates(np.array([-1]))[0])  # [S]
-        cutoff = gains[best - 1] if best > 0 else np.inf
-        self._join_length = int((prior_reach >= cutoff).sum())
-        self.last_depth, self.last_lengths = int(lengths.max()) if n else 0, lengths
-        return lengths
-
-
-def _lengths(request: np.ndarray, count: int, n: int) -> np.ndarray:
-    """``[n]`` int64: the drafts each request gets from the first ``count`` sorted drafts."""
-    return np.bincount(request[:count], minlength=n).astype(np.int64)
+        if best < num_prefixes:
+            self._join_length = int((prior_reach >= (gains[best - 1] if best > 0 else np.inf)).sum())
+        else:
+            self._join_length = int(depths[best])
+        self.last_depth, self.last_lengths = int(depths[best]), chosen
+        return chosen
 
 
 def _drain_candidates(depths: np.ndarray) -> np.ndarray:
