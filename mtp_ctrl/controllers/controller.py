@@ -221,13 +221,10 @@ class TextGenerationController:
                             costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
                             if self.context.ragged_rows:
                                 row_costs[(shape.request_count, shape.token_count, num_drafts, False)] = costs[cost_key]
-                        elif steady and ragged:  # a ragged token count's cost (masked: some request holds < V)
-                            row_key = (shape.request_count, shape.token_count, num_drafts, False)
-                            row_costs[row_key] = max(row_costs.get(row_key, 0.0), self._graphs.timed_replay(key))
-                        elif self.context.ragged_rows and shape.has_prefill and verify_width == num_drafts and \
-                                plan_index == 0 and all_greedy:  # a token bucket with prefill chunks
-                            row_costs[(shape.request_count, shape.token_count, num_drafts, True)] = \
-                                self._graphs.timed_replay(key)
+                        elif (ragged or shape.has_prefill) and self.context.ragged_rows and all_greedy and \
+                                verify_width == num_drafts and plan_index == 0:  # a ragged count's, a token bucket's
+                            row_key = (shape.request_count, shape.token_count, num_drafts, shape.has_prefill)
+                            row_costs[row_key] = self._graphs.timed_replay(key)
                         else:  # uploaded now, not mid-serving (StepGraphs.replay); no profile needed
                             self._graphs.replay(key)
         return costs, row_costs

@@ -445,7 +445,7 @@ class DynamicInferenceContext:
         """From now on a single step (not a decode run) gives decode request r ``1 + s_r`` rows, the
         drafts it holds, instead of ``1 + V`` (its logits rows stay ``1 + V``, the rows past ``s_r``
         repeating row ``s_r``: see ``StepBuffers.build``); a decode-only step pads its rows to one
-        of :meth:`ragged_token_counts`. Not for models with Mamba layers (their intermediate states
+        of ``batch_dimensions.ragged_token_counts``. Not for models with Mamba layers (their intermediate states
         are laid out ``1 + V`` a request)."""
         if self.mamba is not None:
             raise ValueError("ragged decode rows: a model with Mamba / GDN layers keeps 1 + V rows a request")
@@ -455,8 +455,8 @@ class DynamicInferenceContext:
                      verify_width: int, ragged: bool = False) -> Optional[BatchDimensions]:
         """The CUDA-graph shape a step pads to, or None (exact, eager): the request count rounds
         up to a batch bucket (decode-only: ``1 + verify_width`` rows each, or with ``ragged`` rows
-        the token count rounds up to one of ``ragged_token_counts`` (``batch_dimensions.py``)); a step with prefill
-        rounds its tokens up to a token bucket."""
+        the token count rounds up to one of ``ragged_token_counts``); a step with prefill rounds its
+        tokens up to a token bucket."""
         batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes)
         if batch_size is None:
             return None
