@@ -36,6 +36,7 @@ import numpy as np
 
 from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps
 from mtp_ctrl.controllers.step_costs import StepCostModel
+from mtp_ctrl.triton_ops._checks import check_int
 
 DRAIN_CANDIDATES = 16  # prefixes the drain objective evaluates (evenly spread, and each depth's first)
 
@@ -44,71 +45,89 @@ class RowCostModel(StepCostModel):
     """:class:`StepCostModel` (the loop's wall time per (G, D)) and, for ragged rows, the GPU time
     of a step by its token count: ``row_gpu[(G, T, D, has_prefill)]``, the warm-up's replay times
     of the decode-only ragged token counts and of the token buckets of steps with prefill chunks
-    (``controller.warmup()``; ``set_row_costs``), and the moving average of the prefill rows a step
-    with prefill chunks carries (``prefill_rows``, from the loop: ``record_prefill_rows``)."""
+    (``controller.warmup()``; ``set_row_costs``), and the prefill rows of the recent steps with
+    prefill chunks (``record_prefill_rows``, from the loop: ``prefill_rows`` is their moving average,
+    for reports; the cost takes the last ``PREFILL_SAMPLES`` of them one by one, since a bucket's
+    edge makes the cost of the average rows not the average cost)."""
+
+    PREFILL_SAMPLES = 32
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.row_gpu: Dict[Tuple[int, int, int, bool], float] = {}  # (G, T, D, has prefill) -> replay seconds
-        # (G, D, has prefill) -> ([k] token counts, [k] seconds), increasing
-        self._row_tables: Dict[Tuple[int, int, bool], Tuple[np.ndarray, np.ndarray]] = {}
+        # G -> ([D + 1, T + 1] decode-only, [D + 1, T' + 1] mixed or None): the replay seconds of the
+        # smallest timed token count >= t (the largest past them), NaN for a depth not timed
+        self._dense: Dict[int, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
         self.prefill_rows: Optional[float] = None
+        self._prefill_ring = np.zeros(self.PREFILL_SAMPLES, dtype=np.int64)  # the last mixed steps' prefill rows
+        self._prefill_count = 0
+        self.version = 0  # bumped when the row costs are set (a policy's kept price is then stale)
 
     def set_row_costs(self, row_costs: Dict[Tuple[int, int, int, bool], float]) -> None:
+        self.version += 1
         self.row_gpu = {(int(g), int(t), int(d), bool(p)): float(s) for (g, t, d, p), s in row_costs.items() if s > 0}
-        tables: Dict[Tuple[int, int, bool], list] = {}
+        tables: Dict[Tuple[int, bool], Dict[int, list]] = {}
         for (g, t, d, p), seconds in sorted(self.row_gpu.items()):
-            tables.setdefault((g, d, p), []).append((t, seconds))
-        self._row_tables = {key: (np.array([t for t, _ in rows], dtype=np.float64), np.array([s for _, s in rows]))
-                            for key, rows in tables.items()}
+            tables.setdefault((g, p), {}).setdefault(d, []).append((t, seconds))
+        self._dense = {}
+        for g in sorted({g for g, _ in tables}):
+            self._dense[g] = tuple(None if (g, p) not in tables else _dense_table(tables[(g, p)]) for p in (False, True))
 
     def record_prefill_rows(self, rows: int) -> None:
-        """A step with prefill chunks carried ``rows`` chunk rows (moving average, the share's weight)."""
+        """A step with prefill chunks carried ``rows`` chunk rows."""
         old = self.prefill_rows
         self.prefill_rows = float(rows) if old is None else old + self.share_smoothing * (rows - old)
-
-    def _rows_gpu(self, grid: Optional[int], depth: int, mixed: bool, rows: np.ndarray) -> Optional[np.ndarray]:
-        """Replay seconds of the smallest timed token count that holds ``rows`` (the largest past them), or None."""
-        table = self._row_tables.get((grid, depth, mixed))
-        if table is None:
-            return None
-        tokens, seconds = table
-        return seconds[np.searchsorted(tokens, rows).clip(max=tokens.shape[0] - 1)]
+        self._prefill_ring[self._prefill_count % self.PREFILL_SAMPLES] = rows
+        self._prefill_count += 1
 
     def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray) -> np.ndarray:
         """``[c]`` seconds of a step at grid ``batch_size`` whose decode requests run ``rows[i]`` rows
         and draft ``depths[i]`` depths: what the loop adds over the GPU at that depth once measured
         (``decode_seconds(G, D) - gpu(G, D)``: host work, bubbles) plus the GPU time of the rows:
         the replay time of the decode-only token count that holds them, blended by ``mixed_share``
-        with the token bucket that holds them and the recent prefill rows (a step with prefill
-        chunks pads its rows to a power of two: one row more can double it). Without the mixed
-        buckets' times (or prefill rows), the decode-only count's time plus ``seconds(G, D) -
-        gpu(G, D)`` (the mixed steps' measured average as a constant); without row costs (CPU,
-        eager) ``seconds(G, D)`` linear in rows from ``seconds(G, 0)`` at G rows."""
-        rows, depths = np.asarray(rows, dtype=np.float64), np.asarray(depths, dtype=np.int64)
-        out = np.empty(rows.shape[0])
-        grid = min((g for g, _, _ in self._row_tables if g >= batch_size), default=None)
-        base = self.seconds(batch_size, 0)
-        for depth in range(int(depths.max()) + 1 if depths.shape[0] else 0):
-            chosen = depths == depth
-            wall = self.seconds(batch_size, depth)
-            decode = self._rows_gpu(grid, depth, False, rows[chosen])
-            if decode is None:
-                if depth == 0:
-                    out[chosen] = base
-                else:  # rows between G (a plain step's) and G (1 + D) (the tier's)
-                    out[chosen] = base + (wall - base) * (rows[chosen] - batch_size) / (batch_size * depth)
-                continue
-            gpu = self._lookup(self.gpu, batch_size, depth)
-            measured = gpu is not None and self.is_measured(batch_size, depth)
-            mixed = None if self.prefill_rows is None else \
-                self._rows_gpu(grid, depth, True, rows[chosen] + self.prefill_rows)
-            if mixed is None or self.mixed_share < 1e-3:
-                out[chosen] = decode + (max(0.0, wall - gpu) if measured else 0.0)
-            else:
-                gap = max(0.0, self.decode_seconds(batch_size, depth) - gpu) if measured else 0.0
-                out[chosen] = gap + decode + self.mixed_share * (mixed - decode)
-        return out
+        with the mean over the recent mixed steps of the token bucket that holds the rows and that
+        step's prefill rows (a step with prefill chunks pads its rows to a power of two: one row more
+        can double it). Without the mixed buckets' times (or prefill rows), the decode-only count's
+        time plus ``seconds(G, D) - gpu(G, D)`` (the mixed steps' measured average as a constant);
+        without row costs (CPU, eager) ``seconds(G, D)`` linear in rows from ``seconds(G, 0)`` at G
+        rows. A fixed number of numpy calls (and a Python loop over the depths, not the candidates)."""
+        rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
+        num_depths = int(depths.max()) + 1 if depths.shape[0] else 1
+        wall = np.array([self.seconds(batch_size, d) for d in range(num_depths)])  # [D + 1]
+        # the linear guess: rows between G (a plain step's) and G (1 + D) (the tier's)
+        slope = (wall - wall[0]) / (batch_size * np.maximum(np.arange(num_depths), 1))  # [D + 1]
+        linear = wall[0] + slope[depths] * (rows - batch_size)  # [c]
+        grid = min((g for g in self._dense if g >= batch_size), default=None)
+        if grid is None or self._dense[grid][0] is None:
+            return linear
+        decode_table, mixed_table = self._dense[grid]
+        depth_rows = np.minimum(depths, decode_table.shape[0] - 1)
+        decode = decode_table[depth_rows, np.minimum(rows, decode_table.shape[1] - 1)]  # [c], NaN: depth not timed
+        gaps = np.zeros((2, num_depths))  # [2, D + 1]: the loop over the GPU (wall; decode-only wall) once measured
+        for d in range(num_depths):
+            gpu = self._lookup(self.gpu, batch_size, d)
+            if gpu is not None and self.is_measured(batch_size, d):
+                gaps[:, d] = max(0.0, wall[d] - gpu), max(0.0, self.decode_seconds(batch_size, d) - gpu)
+        out = decode + gaps[0, depths]
+        samples = min(self._prefill_count, self.PREFILL_SAMPLES)
+        if mixed_table is not None and samples and self.mixed_share >= 1e-3:
+            values, counts = np.unique(self._prefill_ring[:samples], return_counts=True)  # [u] each
+            tokens = np.minimum(rows[:, None] + values[None, :], mixed_table.shape[1] - 1)  # [c, u]
+            mixed = mixed_table[np.minimum(depths, mixed_table.shape[0] - 1)[:, None], tokens] @ (counts / samples)
+            blended = gaps[1, depths] + decode + self.mixed_share * (mixed - decode)
+            out = np.where(np.isnan(mixed), out, blended)
+        return np.where(np.isnan(decode), linear, out)
+
+
+def _dense_table(by_depth: Dict[int, list]) -> np.ndarray:
+    """``[D + 1, T + 1]``: at depth d and t rows the seconds of the smallest timed count >= t of
+    ``by_depth[d]`` (``[(count, seconds)]``, increasing), the largest past them; NaN: d not timed."""
+    last = max(t for rows in by_depth.values() for t, _ in rows)
+    out = np.full((max(by_depth) + 1, last + 1), np.nan)
+    for d, rows in by_depth.items():
+        tokens, seconds = np.array([t for t, _ in rows]), np.array([s for _, s in rows])
+        out[d] = seconds[np.searchsorted(tokens, np.arange(last + 1)).clip(max=tokens.shape[0] - 1)]
+    return out
 
 
 class PerRequestGoodputPolicy(GoodputPolicy):
@@ -120,9 +139,16 @@ class PerRequestGoodputPolicy(GoodputPolicy):
 
     per_request_lengths = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, search_every: int = 4, **kwargs):
         super().__init__(*args, **kwargs)
+        self.search_every = check_int("search_every", search_every, low=1)
         self._join_length: Optional[int] = None
+        # the last search's price of a draft: (grid, drain objective?, the row costs' version, the
+        # expected tokens a draft must reach or None with a one-depth choice, that depth), reused by the next search_every - 1
+        # choices; None: search next time
+        self._price: Optional[Tuple[int, bool, int, Optional[float], int]] = None
+        self._choices_since_search = 0
+        self.searches = 0  # choices that ran the candidate search (for tests and benchmarks)
         self.last_lengths = np.zeros(0, dtype=np.int64)  # the last choice (for benchmarks)
         self._forgotten: Deque[int] = collections.deque()  # ids that left lately: observe makes them no row
 
@@ -157,47 +183,82 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         rows = self._rows(query.request_ids, create=True)
         estimates = self._estimates(rows)  # [n, S]
         reach = np.cumprod(estimates, axis=1)  # [n, S]: expected tokens of draft k (it and those before land)
-        # the candidates: the first m of the drafts sorted by expected tokens (draft k before k + 1),
-        # then one depth for the batch (min(D, cap_r) each: GoodputPolicy's choices)
-        request, depth = np.nonzero(np.arange(S)[None, :] < caps[:, None])  # [M] each
-        gains = reach[request, depth]
-        order = np.lexsort((depth, -gains))
-        request, gains = request[order], gains[order]
-        num_prefixes, max_depth = request.shape[0] + 1, int(caps.max()) if n else 0
-        lengths = np.zeros((num_prefixes + max_depth + 1, n), dtype=np.int64)  # [C, n]
-        np.cumsum(np.eye(n, dtype=np.int64)[request], axis=0, out=lengths[1:num_prefixes])
-        lengths[num_prefixes:] = np.minimum(np.arange(max_depth + 1)[:, None], caps[None, :])
-        depths = lengths.max(axis=1) if n else np.zeros(lengths.shape[0], dtype=np.int64)  # [C]
-        seconds = self.cost_model.row_seconds(G, n + lengths.sum(axis=1), depths)  # [C]
-        if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
-            scored = np.concatenate([_drain_candidates(depths[:num_prefixes]),
-                                     np.arange(num_prefixes, lengths.shape[0])])
+        drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n)
+        self._choices_since_search += 1
+        price = self._price
+        if price is not None and price[:3] == (G, drain, self.cost_model.version) and \
+                self._choices_since_search < self.search_every:
+            # between searches: the last search's price on today's estimates (a joined request's own
+            # outcomes count at once), a few numpy calls
+            self._steps_since_explore += query.steps
+            if price[3] is None:
+                chosen = np.minimum(price[4], caps)
+            else:
+                chosen = ((reach >= price[3]) & (np.arange(S)[None, :] < caps[:, None])).sum(axis=1)
+            self.last_depth, self.last_lengths = int(chosen.max()) if n else 0, chosen
+            return chosen
+        self._choices_since_search, self.searches = 0, self.searches + 1
+        # the candidates: the first m of the drafts sorted by expected tokens (a stable sort of the
+        # row-major [n, S]: draft k before k + 1 of a request, reach falls with k), then one depth for
+        # the batch (min(D, cap_r) each: GoodputPolicy's choices); each scored from its prefix sums
+        # alone (no [candidates, n] lengths: a decision is a fixed number of numpy calls on n S values)
+        allowed = np.arange(S)[None, :] < caps[:, None]  # [n, S] bool
+        num_drafts = int(allowed.sum())
+        order = np.argsort(-np.where(allowed, reach, -1.0).ravel(), kind="stable")[:num_drafts]  # [M]
+        gains = reach.ravel()[order]  # [M], falling
+        max_depth = int(caps.max()) if n else 0
+        one_depth = np.minimum(np.arange(max_depth + 1)[None, :], caps[:, None])  # [n, D + 1]
+        expected = np.zeros((n, S + 1))  # [n, S + 1]: expected tokens of request r past its first with s drafts
+        np.cumsum(np.where(allowed, reach, 0.0), axis=1, out=expected[:, 1:])
+        drafts = np.concatenate([np.arange(num_drafts + 1), one_depth.sum(axis=0)])  # [C]
+        depths = np.concatenate([[0], np.maximum.accumulate(order % S + 1), np.arange(max_depth + 1)])  # [C]
+        tokens = n + np.concatenate([[0.0], np.cumsum(gains), np.take_along_axis(expected, one_depth, axis=1).sum(axis=0)])
+        seconds = self.cost_model.row_seconds(G, n + drafts, depths)  # [C]
+        num_prefixes = num_drafts + 1
+        if drain:
+            scored = np.concatenate([_drain_candidates(depths[:num_prefixes]), np.arange(num_prefixes, drafts.shape[0])])
             priors = self._population_priors(estimates, query.request_ids)
             drain_reach = reach if priors is None else np.cumprod(self._estimates(rows, priors), axis=1)
-            steps = expected_drain_steps(query.tokens_left, drain_reach, caps, S, lengths=lengths[scored])  # [c]
-            score = np.full(lengths.shape[0], -np.inf)
+            lengths = self._lengths_of(scored, num_prefixes, order, one_depth, n, S)  # [c, n]
+            steps = expected_drain_steps(query.tokens_left, drain_reach, caps, S, lengths=lengths)  # [c]
+            score = np.full(drafts.shape[0], -np.inf)
             score[scored] = 1.0 / (steps * seconds[scored])
         else:
-            expected = np.zeros((n, S + 1))  # [n, S + 1]: expected tokens of request r past its first with s drafts
-            np.cumsum(reach, axis=1, out=expected[:, 1:])
-            score = (n + np.take_along_axis(expected, lengths.T, axis=1).sum(axis=0)) / seconds
+            score = tokens / seconds
         best = int(np.argmax(score))
         # GoodputPolicy's exploration runs every depth once at this grid (one length for the batch)
-        by_depth = np.array([score[depths == d].max() for d in range(max_depth + 1)])
+        by_depth = np.full(max_depth + 1, -np.inf)
+        np.maximum.at(by_depth, depths, np.nan_to_num(score, nan=-np.inf))
         self._steps_since_explore += query.steps
         explore = self._explore(G, by_depth, int(depths[best]))
-        if explore != depths[best]:  # measure depth `explore`: the best candidate that runs it
+        exploring = explore != depths[best]
+        if exploring:  # measure depth `explore`: the best candidate that runs it
             best = int(np.argmax(np.where(depths == explore, score, -np.inf)))
-        chosen = lengths[best]
+        chosen = self._lengths_of(np.array([best]), num_prefixes, order, one_depth, n, S)[0]
         # a joining request: the drafts whose expected tokens reach the last one taken, at the prior
         # (a choice of one depth: that depth)
         prior_reach = np.cumprod(self._estimates(np.array([-1]))[0])  # [S]
-        if best < num_prefixes:
-            self._join_length = int((prior_reach >= (gains[best - 1] if best > 0 else np.inf)).sum())
-        else:
-            self._join_length = int(depths[best])
+        threshold = (gains[best - 1] if best > 0 else np.inf) if best < num_prefixes else None
+        self._join_length = int(depths[best]) if threshold is None else int((prior_reach >= threshold).sum())
+        # an exploring choice is not a price to keep
+        self._price = None if exploring else (G, drain, self.cost_model.version, threshold, int(depths[best]))
         self.last_depth, self.last_lengths = int(depths[best]), chosen
         return chosen
+
+    @staticmethod
+    def _lengths_of(candidates: np.ndarray, num_prefixes: int, order: np.ndarray, one_depth: np.ndarray,
+                    n: int, S: int) -> np.ndarray:
+        """``[c, n]`` the lengths of candidates ``[c]``: the first ``m`` sorted drafts (``m <
+        num_prefixes``; ``order`` ``[M]`` their flat ``r S + k`` indices), else one depth
+        (``one_depth`` ``[n, D + 1]``)."""
+        taken = np.full(n * S, order.shape[0], dtype=np.int64)  # [n S]: each draft's place in the order
+        taken[order] = np.arange(order.shape[0])
+        prefix = np.minimum(candidates, num_prefixes - 1)  # [c]
+        lengths = (taken.reshape(1, n, S) < prefix[:, None, None]).sum(axis=2)  # [c, n]
+        is_depth = candidates >= num_prefixes
+        if is_depth.any():
+            lengths[is_depth] = one_depth[:, candidates[is_depth] - num_prefixes].T
+        return lengths
 
 
 def _drain_candidates(depths: np.ndarray) -> np.ndarray:

@@ -1,0 +1,158 @@
+"""The per-request goodput policy in a scripted serving loop on the CPU (issue 34): no model, no GPU.
+
+    PYTHONPATH=$PWD python bench/simulate_per_request.py [--batch 64] [--steps 600] [--closed]
+
+A queue of requests labelled 0.9 / 0.6 / 0.2 (each draft lands with that probability, given the
+ones before it), ``--new-tokens`` each, admitted as slots free (one a step, a 64-token prompt chunk:
+the step that admits it is a mixed step). The controller's side is the real one
+(``DraftLengths.choose``: holds, joins take the held choice's ``join_length()``); the outcomes come
+to ``observe`` one step late (the overlapped loop's read-back). The cost of a step is scripted from
+the 1B's H100 figures at batch 64 (bench/RESULTS.md, "Adaptive", ragged): a decode-only step
+``1.35 ms + 2.5 us a row over G + 30 us a draft depth``, a mixed step its token bucket's time
+(``rows + 64`` rounded up to a power of two from 128: 1.6 / 1.95 / 2.3 ms) plus the depths; the
+policy gets those same costs as its warm-up row costs (``set_row_costs``). Prints tokens per ms of
+fixed S = 0..3 and of the policy, the policy's mean s by label over decode steps (s of a request's
+verify steps, its first step's join length included), and the policy's host time per decision.
+"""
+
+import argparse
+import collections
+import time
+
+import numpy as np
+
+from mtp_ctrl.controllers import PerRequestGoodputPolicy
+from mtp_ctrl.controllers.draft_lengths import DraftLengths
+from mtp_ctrl.controllers.draft_policy import FixedDraftLength
+from mtp_ctrl.state import EngineShape
+
+RATES = (0.9, 0.6, 0.2)
+CHUNK = 64  # prompt rows a join's prefill chunk carries
+
+
+def bucket(tokens: int) -> int:
+    return max(128, 1 << int(np.ceil(np.log2(max(tokens, 1)))))
+
+
+def scripted_seconds(G: int, rows: int, depth: int, mixed: int) -> float:
+    """A step's scripted cost (module docstring), seconds; ``mixed``: the prompt chunks it carries."""
+    if mixed:
+        return 1.2e-3 + 3e-6 * bucket(rows + CHUNK * mixed) + 3e-5 * depth
+    return 1.35e-3 + 2.5e-6 * (rows - G) + 3e-5 * depth
+
+
+def row_costs(G: int, S: int):
+    """The warm-up's replay times the controller would hand the policy: ragged counts (decode only)
+    and the mixed token buckets, at every depth."""
+    costs = {}
+    for depth in range(S + 1):
+        for rows in range(G, G * (1 + depth) + 1, max(1, G // 4)):
+            costs[(G, rows, depth, False)] = scripted_seconds(G, rows, depth, False)
+        for tokens in (128, 256, 512, 1024, 2048, 4096, 8192):
+            costs[(G, tokens, depth, True)] = scripted_seconds(G, tokens - CHUNK, depth, 1)
+    return costs
+
+
+def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int = 48, queued: bool = True,
+             seed: int = 0, warm_costs: bool = True):
+    """Run the scripted loop; returns ``(tokens, seconds, lengths by label [list of s per decode
+    step], decision host seconds [list])``."""
+    rng = np.random.default_rng(seed)
+    shape = EngineShape(max_requests=G, max_model_len=256, block_size_tokens=16, num_speculative_tokens=S,
+                        max_tokens_per_step=G * (1 + S) + CHUNK * G)
+    lengths_of = DraftLengths(policy, shape)
+    if isinstance(policy, PerRequestGoodputPolicy) and warm_costs:
+        costs = {(G, d): scripted_seconds(G, G * (1 + d), d, False) for d in range(S + 1)}
+        lengths_of.set_step_costs(costs, row_costs=row_costs(G, S))
+        for depth in range(S + 1):  # every depth measured (a warmed-up loop): no exploration holds
+            policy.cost_model.record(G, depth, costs[(G, depth)], costs[(G, depth)])
+    next_id, slots = 0, {}  # request id -> [rate, tokens left, held drafts (verified next step)]
+    waiting = steps * G if queued else 0
+    if not queued:
+        for _ in range(G):
+            slots[next_id] = [RATES[next_id % 3], new_tokens, 0]
+            next_id += 1
+    lengths_of.queue_view = lambda ids: (waiting, np.array([slots[i][1] for i in ids.tolist()], dtype=np.int64))
+    tokens = seconds = 0.0
+    by_label = collections.defaultdict(list)
+    decisions = []  # thread seconds of each policy.choose
+    choose = policy.choose
+
+    def timed_choose(query):
+        started = time.thread_time()
+        try:
+            return choose(query)
+        finally:
+            decisions.append(time.thread_time() - started)
+    policy.choose = timed_choose
+    pending = None  # the last step's outcomes, observed one step late
+    for _ in range(steps):
+        joined = 0
+        while queued and len(slots) < G and waiting:  # every free slot: a 64-token prompt chunk each
+            slots[next_id] = [RATES[next_id % 3], new_tokens, 0]
+            next_id, waiting, joined = next_id + 1, waiting - 1, joined + 1
+        if not slots:
+            break
+        ids = np.array(sorted(slots), dtype=np.int64)
+        if pending is not None:
+            policy.observe(*pending)
+        chosen = lengths_of.choose(ids, ids.shape[0], G)  # [n]: the drafts each makes this step
+        # verify what each holds (drafted last step), then hold what it drafts now
+        verified = np.array([slots[i][2] for i in ids.tolist()], dtype=np.int64)
+        accepted = np.zeros_like(verified)
+        for index, request_id in enumerate(ids.tolist()):
+            rate = slots[request_id][0]
+            while accepted[index] < verified[index] and rng.random() < rate:
+                accepted[index] += 1
+            by_label[rate].append(int(verified[index]))
+        rows = int(ids.shape[0] + verified.sum())
+        seconds += scripted_seconds(G, rows, int(chosen.max()) if chosen.shape[0] else 0, joined)
+        pending = (ids, verified, accepted)
+        if isinstance(policy, PerRequestGoodputPolicy):  # what the controller's step_timing tells the cost model
+            policy.cost_model.record_launches(int(joined > 0), 1)
+            if joined:
+                policy.cost_model.record_prefill_rows(CHUNK * joined)
+        for index, request_id in enumerate(ids.tolist()):
+            slot = slots[request_id]
+            emitted = min(1 + int(accepted[index]), slot[1])
+            tokens += emitted
+            slot[1] -= emitted
+            slot[2] = int(chosen[index])
+            if slot[1] <= 0:
+                del slots[request_id]
+                lengths_of.forget(request_id)
+    return tokens, seconds, by_label, decisions
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--closed", action="store_true", help="one closed batch (drains), not a queue")
+    args = parser.parse_args()
+    queued = not args.closed
+    S = 3
+    for label, make in [(f"fixed S = {s}", (lambda s=s: _Fixed(s))) for s in range(S + 1)] + \
+                       [("per-request", PerRequestGoodputPolicy)]:
+        tokens, seconds, by_label, decisions = simulate(make(), args.batch, S, args.steps, args.new_tokens, queued)
+        line = f"{label:>12}: {tokens / seconds / 1e3:7.2f} tok/ms"
+        if decisions:
+            line += "; mean s by label " + " / ".join(f"{rate}: {np.mean(by_label[rate]):.2f}" for rate in RATES)
+            line += f"; {len(decisions)} decisions, {np.mean(decisions) * 1e3:.3f} ms host each"
+        print(line, flush=True)
+
+
+class _Fixed(FixedDraftLength):
+    """Fixed S below the engine's S (the scripted loop's baseline)."""
+
+    def __init__(self, s: int):
+        super().__init__()
+        self.s = s
+
+    def choose(self, query):
+        return np.minimum(query.caps, self.s)
+
+
+if __name__ == "__main__":
+    main()
