@@ -139,7 +139,11 @@ class PerRequestGoodputPolicy(GoodputPolicy):
 
     per_request_lengths = True
 
-    def __init__(self, *args, search_every: int = 4, **kwargs):
+    def __init__(self, *args, search_every: int = 8, **kwargs):
+        # a request's own outcomes must tell within a few steps of a ~20-step life: a light prior, a
+        # choice every other step (between searches a few numpy calls: the price below)
+        kwargs.setdefault("prior_weight", 1.0)
+        kwargs.setdefault("decide_every", 2)
         super().__init__(*args, **kwargs)
         self.search_every = check_int("search_every", search_every, low=1)
         self._join_length: Optional[int] = None
@@ -171,6 +175,22 @@ class PerRequestGoodputPolicy(GoodputPolicy):
     def forget(self, request_id: int) -> None:
         super().forget(request_id)
         self._forgotten.append(request_id)
+
+    def _estimates(self, rows: np.ndarray, priors: Optional[np.ndarray] = None) -> np.ndarray:
+        """As :meth:`GoodputPolicy._estimates`, but with ``priors`` None a request's deeper depths
+        shrink toward the batch's average scaled by the request's own first-depth estimate (``a_{r,k}``
+        prior ``a_k a_{r,1} / a_1``, at most 1): a request reaches depth k only when the ones before
+        land, so a request whose first drafts seldom land has few counts past them, and its deeper
+        estimates would otherwise stay at the batch's."""
+        if priors is not None:
+            return super()._estimates(rows, priors)
+        reached, accepted = self._model
+        average = (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
+        counts = self._counts[rows]  # [n, 2, S]
+        first = (counts[:, 1, 0] + self.prior_weight * average[0]) / (counts[:, 0, 0] + self.prior_weight)  # [n]
+        priors = np.minimum(average[None, :] * (first / average[0])[:, None], 1.0)  # [n, S]
+        priors[:, 0] = average[0]
+        return (counts[:, 1] + self.prior_weight * priors) / (counts[:, 0] + self.prior_weight)
 
     def join_length(self) -> Optional[int]:
         return self._join_length

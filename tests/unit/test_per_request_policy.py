@@ -130,3 +130,118 @@ def test_a_joined_request_counts_from_its_first_outcome_but_not_after_it_left():
     policy.forget(98)
     policy.observe(np.full(8, 98), np.full(8, S), np.zeros(8, dtype=np.int64))  # left, its last outcomes
     assert np.allclose(policy.acceptance(98), policy.acceptance(97))  # no row: the average
+
+
+def test_mixed_steps_cost_the_mean_of_their_recent_buckets():
+    """The recent mixed steps' prefill rows one by one, not their average: 10 decode rows with chunks
+    of 2 or 14 rows pad to 16 or 32 half the time each (at their average, 8, always to 32)."""
+    model = RowCostModel()
+    model.set_row_costs({(8, 8, 0, False): 1.0, (8, 16, 0, False): 1.0,
+                         (8, 16, 0, True): 2.0, (8, 32, 0, True): 4.0})
+    for rows in (2, 14) * 8:
+        model.record_launches(1, 1)
+        model.record_prefill_rows(rows)
+    expected = 1.0 + model.mixed_share * (0.5 * 2.0 + 0.5 * 4.0 - 1.0)
+    assert np.allclose(model.row_seconds(8, np.array([10]), np.array([0])), [expected])
+
+
+def queued_loop(policy, steps=80, G=12, new_tokens=16, seed=0, per_row=0.03):
+    """A scripted queue (no model): requests labelled 0.9 / 0.6 / 0.2 by id % 3 (each draft lands
+    with that chance, given the ones before), refilled as they finish; the controller's side is
+    ``DraftLengths`` (holds, joins); outcomes come to ``observe`` one step late. A step costs its
+    rows (``row_costs``: ``per_row`` of a plain step each). Returns ``{rate: [s at each of a request's decode steps from its 4th on]}``."""
+    from mtp_ctrl.controllers.draft_lengths import DraftLengths
+    rng = np.random.default_rng(seed)
+    shape = EngineShape(max_requests=G, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
+                        max_tokens_per_step=G * (1 + S))
+    lengths_of = DraftLengths(policy, shape)
+    tier = {(G, d): 1.0 + per_row * G * d for d in range(S + 1)}
+    lengths_of.set_step_costs(tier, row_costs={(G, T, d, False): 1.0 + per_row * (T - G) for d in range(S + 1)
+                                               for T in range(G, G * (1 + S) + 1)})
+    for depth in range(S + 1):  # every depth measured: no exploration
+        policy.cost_model.record(G, depth, tier[(G, depth)], tier[(G, depth)])
+    slots, next_id = {}, 0  # id -> [tokens left, drafts held, decode steps]
+    lengths_of.queue_view = lambda ids: (1000, np.array([slots[i][0] for i in ids.tolist()]))
+    by_rate, pending = {0.9: [], 0.6: [], 0.2: []}, None
+    for _ in range(steps):
+        while len(slots) < G:
+            slots[next_id], next_id = [new_tokens, 0, 0], next_id + 1
+        ids = np.array(sorted(slots), dtype=np.int64)
+        if pending is not None:
+            policy.observe(*pending)
+        chosen = lengths_of.choose(ids, ids.shape[0], G)
+        verified = np.array([slots[i][1] for i in ids.tolist()], dtype=np.int64)
+        rates = np.array([(0.9, 0.6, 0.2)[i % 3] for i in ids.tolist()])
+        lands = rng.random((ids.shape[0], S)) < rates[:, None]
+        accepted = np.minimum(np.cumprod(lands, axis=1).sum(axis=1), verified)
+        pending = (ids, verified, accepted)
+        for request_id, s, a, rate in zip(ids.tolist(), chosen.tolist(), accepted.tolist(), rates.tolist()):
+            slot = slots[request_id]
+            slot[2] += 1
+            if slot[2] > 4:
+                by_rate[rate].append(s)
+            slot[0], slot[1] = slot[0] - 1 - a, s
+            if slot[0] <= 0:
+                del slots[request_id]
+                lengths_of.forget(request_id)
+    return by_rate
+
+
+def test_a_queue_orders_lengths_by_acceptance_within_a_few_steps():
+    """Requests join every step and live ~10 steps: from a request's 5th step on a 0.9 request
+    drafts more than a 0.6 one, which drafts more than a 0.2 one (a row costs 3 % of a plain step:
+    s = 3 / 2 / 0 once the estimates are right)."""
+    by_rate = queued_loop(PerRequestGoodputPolicy())
+    means = {rate: float(np.mean(s)) for rate, s in by_rate.items()}
+    assert means[0.9] > means[0.6] + 0.5 and means[0.6] > means[0.2] + 0.3, means
+    assert means[0.9] > 2.0 and means[0.2] < 0.5, means
+
+
+class CallCounter:
+    """Counts Python and C calls (numpy's included) under ``sys.setprofile``."""
+
+    def __enter__(self):
+        import sys
+        self.calls = 0
+
+        def count(frame, event, arg):
+            if event in ("call", "c_call"):
+                self.calls += 1
+        sys.setprofile(count)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+        sys.setprofile(None)
+
+
+def test_a_decision_is_a_fixed_number_of_calls_whatever_the_batch():
+    """No per-request Python: a search (and a choice between searches, which makes fewer calls) makes
+    about as many calls at 6 requests as at 60 (a per-request loop: 54 more), in either objective."""
+    counts = {}
+    for n in (6, 60):
+        shape = EngineShape(max_requests=64, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
+                            max_tokens_per_step=256)
+        for drain in (False, True):
+            policy = PerRequestGoodputPolicy(search_every=2)
+            policy.bind(shape)
+            policy.cost_model.set_row_costs({(64, T, d, False): 1.0 + 0.01 * T for d in range(S + 1)
+                                             for T in range(64, 257, 16)})
+            for depth in range(S + 1):
+                policy.cost_model.record(64, depth, 1.0, 1.0)
+            ids = np.arange(n, dtype=np.int64)
+            fields = dict(num_waiting=0, tokens_left=np.full(n, 20)) if drain else dict(num_waiting=5)
+            query = DraftLengthQuery(ids, np.full(n, S), S, 64, **fields)
+            policy.observe(ids, np.full(n, S), ids % (S + 1))
+            policy.choose(query)  # rows made
+            policy.observe(ids, np.full(n, S), ids % (S + 1))
+            calls = {}
+            for _ in range(2):  # one search, one choice on the kept price (search_every=2)
+                searches = policy.searches
+                with CallCounter() as counter:
+                    policy.choose(query)
+                calls[policy.searches > searches] = counter.calls
+            counts[(n, drain)] = (calls[True], calls[False])
+    for drain in (False, True):  # a branch may differ with the data (a one-depth best), not per request
+        assert np.abs(np.subtract(counts[(6, drain)], counts[(60, drain)])).max() <= 8, counts
+    assert all(kept < search / 3 for search, kept in counts.values()), counts
