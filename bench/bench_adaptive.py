@@ -64,6 +64,7 @@ if __name__ == "__main__":
 
     mtp_ctrl.quiet_known_warnings(ARGS.verbose)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
@@ -144,31 +145,48 @@ def per_depth_acceptance(results, labels, S):
 
 
 class RecordedPerRequest(PerRequestGoodputPolicy):
-    """``PerRequestGoodputPolicy`` that sums the drafts each request verified (its ``observe``), for
-    the bench's lengths per label."""
+    """``PerRequestGoodputPolicy`` that sums the drafts each request verified (its ``observe``, numpy:
+    no per-request Python added to the policy's host work), for the bench's lengths per label, and
+    times each decision (thread CPU time of ``choose``)."""
 
     def __init__(self):
         super().__init__()
-        self.verified = {}  # request id -> [drafts verified, verify steps]
+        self.verified = np.zeros(0, dtype=np.int64)  # [ids] drafts each request id verified
+        self.decision_seconds = []  # thread seconds of each choose since the last lengths_by_label
+        self._searches_before = 0
 
     def observe(self, request_ids, draft_lengths, accepted_counts):
         super().observe(request_ids, draft_lengths, accepted_counts)
-        for request_id, length in zip(request_ids.tolist(), draft_lengths.tolist()):
-            entry = self.verified.setdefault(request_id, [0, 0])
-            entry[0] += length
-            entry[1] += 1
+        ids = np.asarray(request_ids, dtype=np.int64)
+        if ids.size and int(ids.max()) >= self.verified.shape[0]:
+            self.verified = np.concatenate([self.verified, np.zeros(2 * int(ids.max()) + 2 - self.verified.shape[0],
+                                                                    dtype=np.int64)])
+        np.add.at(self.verified, ids, np.asarray(draft_lengths, dtype=np.int64))
+
+    def choose(self, query):
+        started = time.thread_time()
+        try:
+            return super().choose(query)
+        finally:
+            self.decision_seconds.append(time.thread_time() - started)
 
     def lengths_by_label(self, results, labels):
-        """``{label: mean drafts a verify step}`` over the requests of ``results`` (labels in order): the
+        """``{label: mean drafts a decode step}`` over the requests of ``results`` (labels in order): the
         drafts observed over the request's decode steps (a step where nobody verified a draft is not
-        observed: it counts 0)."""
+        observed: it counts 0); and the point's decisions (its untimed generates included): their
+        count, the searches among them, host ms a decision (mean)."""
         sums = {}
         for result, label in zip(results, labels):
-            drafts, _ = self.verified.get(result.request_id, (0, 0))
+            drafts = int(self.verified[result.request_id]) if result.request_id < self.verified.shape[0] else 0
             entry = sums.setdefault(f"{label:g}", [0, 0])
             entry[0] += drafts
             entry[1] += result.decode_steps
-        return {label: round(d / max(n, 1), 2) for label, (d, n) in sorted(sums.items())}
+        out = {label: round(d / max(n, 1), 2) for label, (d, n) in sorted(sums.items())}
+        times, self.decision_seconds = self.decision_seconds, []
+        out["decisions"], out["searches"] = len(times), self.searches - self._searches_before
+        out["host_ms_a_decision"] = round(float(np.mean(times)) * 1e3, 3) if times else None
+        self._searches_before = self.searches
+        return out
 
 
 class EqualCosts(StepCostModel):

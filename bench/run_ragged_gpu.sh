@@ -7,7 +7,9 @@
 #  2. bench_adaptive.py (<= 170 s, no point started after ADAPTIVE_BUDGET = 120 s): the 1B at batch 64
 #     and 8, the closed mix and the queued mix, fixed S = 0..3, goodput (one D) and per-request goodput
 #     (ragged rows) in the same run;
-#  3. the rest of tests/functional/test_adaptive_gpu.py (what is left of 280 s): the fixed policy's and
+#  3. (helper ragged2, <= 30 s, host CPU only) bench/time_policy_decisions.py: one decision's host time at
+#     batch 64, goodput against per-request (a search, the kept price, the default mix);
+#  4. the rest of tests/functional/test_adaptive_gpu.py (what is left of 285 s): the fixed policy's and
 #     the goodput policy's graphs and replays as before.
 # Usage (device machine, repo root): bash bench/run_ragged_gpu.sh [--quick]   (--quick: CPU smoke run, no tests)
 set -uo pipefail
@@ -23,7 +25,9 @@ echo "== bench at ${SECONDS}s"
 timeout 170 python3 bench/bench_adaptive.py "${quick[@]}" --budget-seconds "${ADAPTIVE_BUDGET:-120}" \
   --json "$out/bench_adaptive.json" --skip-demo "${points[@]}" --large-workloads mixed queued \
   2>&1 | tee "$out/bench_adaptive.log" | grep -v -i warn | grep -v '^{' | tail -60
-left=$((280 - SECONDS))
+echo "== host time of a decision at ${SECONDS}s"
+timeout 30 python3 bench/time_policy_decisions.py 2>&1 | grep -v -i warn | tee "$out/decisions.log"
+left=$((285 - SECONDS))
 echo "== rest of the GPU test at ${SECONDS}s (${left}s left)"
 if [ ${#quick[@]} -eq 0 ] && [ "$left" -gt 25 ]; then
   timeout "$left" python3 -m pytest tests/functional/test_adaptive_gpu.py -k "not ragged" -q -p no:cacheprovider \

@@ -22,6 +22,12 @@ request:
   the one-depth candidates: the batch ends with its slowest requests, so drafts of a request that
   finishes early save nothing there.
 
+The search runs once in ``search_every`` choices; between, a choice re-cuts today's estimates at the
+last search's price of a draft (the expected tokens of the last draft it took): a few numpy calls,
+so it can run every other step (``decide_every=2``) and a request's own outcomes count within a few
+steps of its first. A request's prior at depths past the first follows its own first-depth estimate
+(``_estimates``), with a light weight (``prior_weight=1``): in a queue a request lives ~20 steps.
+
 Worked example (S = 3, three requests of acceptance 0.9 / 0.6 / 0.2 at every depth, a step
 costing ``1 + 0.1 (rows - 3)``, depth costs left out): the drafts sorted by expected tokens are
 0.9, 0.81, 0.729 (request 0), 0.6 (request 1), 0.36, 0.216, 0.2, ...; tokens per unit of cost
@@ -131,9 +137,11 @@ def _dense_table(by_depth: Dict[int, list]) -> np.ndarray:
 
 
 class PerRequestGoodputPolicy(GoodputPolicy):
-    """:class:`GoodputPolicy` with a draft length per request (module docstring): same arguments.
-    Its lengths differ between requests (``per_request_lengths``): the controller runs ragged rows
-    where the proposer and the model take them. A request that joins while a choice holds drafts
+    """:class:`GoodputPolicy` with a draft length per request (module docstring): same arguments
+    (defaults ``prior_weight=1``, ``decide_every=2``, ``explore_tries=12``), and ``search_every``: the choices that run the
+    candidate search (one in this many; the others keep its price). Its lengths differ between
+    requests (``per_request_lengths``): the controller runs ragged rows where the proposer and the
+    model take them. A request that joins while a choice holds drafts
     what a request with the batch's average acceptance would get (``join_length``), capped; its
     own acceptance counts start with its first outcome (``observe``)."""
 
@@ -141,15 +149,17 @@ class PerRequestGoodputPolicy(GoodputPolicy):
 
     def __init__(self, *args, search_every: int = 8, **kwargs):
         # a request's own outcomes must tell within a few steps of a ~20-step life: a light prior, a
-        # choice every other step (between searches a few numpy calls: the price below)
+        # choice every other step (between searches a few numpy calls: the price below); a depth not
+        # measured yet is explored for as many steps as GoodputPolicy's 3 holds of 8
         kwargs.setdefault("prior_weight", 1.0)
         kwargs.setdefault("decide_every", 2)
+        kwargs.setdefault("explore_tries", 12)
         super().__init__(*args, **kwargs)
         self.search_every = check_int("search_every", search_every, low=1)
         self._join_length: Optional[int] = None
-        # the last search's price of a draft: (grid, drain objective?, the row costs' version, the
-        # expected tokens a draft must reach or None with a one-depth choice, that depth), reused by the next search_every - 1
-        # choices; None: search next time
+        # the last search's price of a draft, reused by the next search_every - 1 choices (None: search
+        # next time): (grid, drain objective?, the row costs' version, the expected tokens a draft must
+        # reach or None with a one-depth choice, that depth)
         self._price: Optional[Tuple[int, bool, int, Optional[float], int]] = None
         self._choices_since_search = 0
         self.searches = 0  # choices that ran the candidate search (for tests and benchmarks)
@@ -232,7 +242,8 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         np.cumsum(np.where(allowed, reach, 0.0), axis=1, out=expected[:, 1:])
         drafts = np.concatenate([np.arange(num_drafts + 1), one_depth.sum(axis=0)])  # [C]
         depths = np.concatenate([[0], np.maximum.accumulate(order % S + 1), np.arange(max_depth + 1)])  # [C]
-        tokens = n + np.concatenate([[0.0], np.cumsum(gains), np.take_along_axis(expected, one_depth, axis=1).sum(axis=0)])
+        tokens = n + np.concatenate([[0.0], np.cumsum(gains),
+                                     np.take_along_axis(expected, one_depth, axis=1).sum(axis=0)])  # [C]
         seconds = self.cost_model.row_seconds(G, n + drafts, depths)  # [C]
         num_prefixes = num_drafts + 1
         if drain:

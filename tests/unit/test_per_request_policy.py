@@ -149,7 +149,8 @@ def queued_loop(policy, steps=80, G=12, new_tokens=16, seed=0, per_row=0.03):
     """A scripted queue (no model): requests labelled 0.9 / 0.6 / 0.2 by id % 3 (each draft lands
     with that chance, given the ones before), refilled as they finish; the controller's side is
     ``DraftLengths`` (holds, joins); outcomes come to ``observe`` one step late. A step costs its
-    rows (``row_costs``: ``per_row`` of a plain step each). Returns ``{rate: [s at each of a request's decode steps from its 4th on]}``."""
+    rows (``row_costs``: ``per_row`` of a plain step each). Returns ``{rate: [s at each of a
+    request's decode steps from its 5th on]}``."""
     from mtp_ctrl.controllers.draft_lengths import DraftLengths
     rng = np.random.default_rng(seed)
     shape = EngineShape(max_requests=G, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
