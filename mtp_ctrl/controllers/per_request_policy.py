@@ -22,11 +22,12 @@ request:
   the one-depth candidates: the batch ends with its slowest requests, so drafts of a request that
   finishes early save nothing there.
 
-The search runs once in ``search_every`` choices; between, a choice re-cuts today's estimates at the
-last search's price of a draft (the expected tokens of the last draft it took): a few numpy calls,
-so it can run every other step (``decide_every=2``) and a request's own outcomes count within a few
-steps of its first. A request's prior at depths past the first follows its own first-depth estimate
+The search runs once in ``search_every`` choices (4); between, a choice re-cuts today's estimates
+at the last search's price of a draft (the expected tokens of the last draft it took): a few numpy
+calls. A request's prior at depths past the first follows its own first-depth estimate
 (``_estimates``), with a light weight (``prior_weight=1``): in a queue a request lives ~20 steps.
+Choices come every ``decide_every`` steps (8, as ``GoodputPolicy``'s): at 2 a GPU-bound batch of
+64 on an H200 became host-bound (bench/RESULTS.md, "Adaptive", ragged2).
 
 Worked example (S = 3, three requests of acceptance 0.9 / 0.6 / 0.2 at every depth, a step
 costing ``1 + 0.1 (rows - 3)``, depth costs left out): the drafts sorted by expected tokens are
@@ -35,8 +36,7 @@ after the first m: 3.0, 3.55, 3.93, 4.18, **4.31** (m = 4), 4.27, ...; so s = (3
 tokens for 1.4, where fixed S = 1 / 2 / 3 get 3.62 / 3.69 / 3.61.
 """
 
-import collections
-from typing import Deque, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -138,8 +138,8 @@ def _dense_table(by_depth: Dict[int, list]) -> np.ndarray:
 
 class PerRequestGoodputPolicy(GoodputPolicy):
     """:class:`GoodputPolicy` with a draft length per request (module docstring): same arguments
-    (defaults ``prior_weight=1``, ``decide_every=2``, ``explore_tries=12``), and ``search_every``: the choices that run the
-    candidate search (one in this many; the others keep its price). Its lengths differ between
+    (default ``prior_weight=1``), and ``search_every``: the choices that run the candidate search (one
+    in this many; the others keep its price). Its lengths differ between
     requests (``per_request_lengths``): the controller runs ragged rows where the proposer and the
     model take them. A request that joins while a choice holds drafts
     what a request with the batch's average acceptance would get (``join_length``), capped; its
@@ -147,13 +147,9 @@ class PerRequestGoodputPolicy(GoodputPolicy):
 
     per_request_lengths = True
 
-    def __init__(self, *args, search_every: int = 8, **kwargs):
-        # a request's own outcomes must tell within a few steps of a ~20-step life: a light prior, a
-        # choice every other step (between searches a few numpy calls: the price below); a depth not
-        # measured yet is explored for as many steps as GoodputPolicy's 3 holds of 8
+    def __init__(self, *args, search_every: int = 4, **kwargs):
+        # a request's own outcomes must tell within a few steps of a ~20-step life: a light prior
         kwargs.setdefault("prior_weight", 1.0)
-        kwargs.setdefault("decide_every", 2)
-        kwargs.setdefault("explore_tries", 12)
         super().__init__(*args, **kwargs)
         self.search_every = check_int("search_every", search_every, low=1)
         self._join_length: Optional[int] = None
@@ -164,12 +160,13 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         self._choices_since_search = 0
         self.searches = 0  # choices that ran the candidate search (for tests and benchmarks)
         self.last_lengths = np.zeros(0, dtype=np.int64)  # the last choice (for benchmarks)
-        self._forgotten: Deque[int] = collections.deque()  # ids that left lately: observe makes them no row
+        self._forgotten = np.full(8, -1, dtype=np.int64)  # ids that left lately (a ring): observe makes them no row
+        self._forgotten_next = 0
 
     def bind(self, shape) -> None:
         super().bind(shape)
         self.cost_model = RowCostModel()
-        self._forgotten = collections.deque(maxlen=8 * shape.max_requests)
+        self._forgotten = np.full(8 * shape.max_requests, -1, dtype=np.int64)
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
         """As :meth:`GoodputPolicy.observe`, but a request's own counts start with its first outcome,
@@ -178,13 +175,16 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         that left lately (their last outcomes come after ``forget``: a row made then would be held for
         good)."""
         request_ids = np.asarray(request_ids, dtype=np.int64)
-        known = np.isin(request_ids, np.fromiter(self._forgotten, dtype=np.int64, count=len(self._forgotten)))
-        self._rows(np.unique(request_ids[~known]), create=True)
+        rows = self._rows(request_ids, create=False)
+        if (rows < 0).any():  # requests not seen yet (joined since the last choice) or that left lately
+            new = request_ids[rows < 0]
+            self._rows(np.unique(new[~np.isin(new, self._forgotten)]), create=True)
         super().observe(request_ids, draft_lengths, accepted_counts)
 
     def forget(self, request_id: int) -> None:
         super().forget(request_id)
-        self._forgotten.append(request_id)
+        self._forgotten[self._forgotten_next] = request_id
+        self._forgotten_next = (self._forgotten_next + 1) % self._forgotten.shape[0]
 
     def _estimates(self, rows: np.ndarray, priors: Optional[np.ndarray] = None) -> np.ndarray:
         """As :meth:`GoodputPolicy._estimates`, but with ``priors`` None a request's deeper depths
