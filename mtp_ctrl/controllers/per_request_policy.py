@@ -22,7 +22,7 @@ request:
   the one-depth candidates: the batch ends with its slowest requests, so drafts of a request that
   finishes early save nothing there.
 
-The search runs once in ``search_every`` choices (4); between, a choice re-cuts today's estimates
+The search runs once in ``search_every`` choices (8); between, a choice re-cuts today's estimates
 at the last search's price of a draft (the expected tokens of the last draft it took): a few numpy
 calls. A request's prior at depths past the first follows its own first-depth estimate
 (``_estimates``), with a light weight (``prior_weight=1``): in a queue a request lives ~20 steps.
@@ -147,7 +147,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
 
     per_request_lengths = True
 
-    def __init__(self, *args, search_every: int = 4, **kwargs):
+    def __init__(self, *args, search_every: int = 8, **kwargs):
         # a request's own outcomes must tell within a few steps of a ~20-step life: a light prior
         kwargs.setdefault("prior_weight", 1.0)
         super().__init__(*args, **kwargs)
