@@ -38,7 +38,9 @@ and a logits row past ``s_r`` repeats row ``s_r`` with a masked draft (never acc
 S = V = 2, requests holding 2, 0 and 1 drafts::
 
     query_start_loc = [0, 3, 4, 6]     positions = [p0, p0+1, p0+2, p1, p2, p2+1]
-    logits_indices  = [0, 1, 2,  3, 3, 3,  4, 5, 5] A step padded to a CUDA-graph shape (``B`` requests, ``T`` rows; a decode-only
+    logits_indices  = [0, 1, 2,  3, 3, 3,  4, 5, 5]
+
+A step padded to a CUDA-graph shape (``B`` requests, ``T`` rows; a decode-only
 step has ``T = B * (1 + V)``): padding requests have no query rows (``query_start_loc`` repeats,
 ``seq_lens == 0``), padding rows carry position 0 and slot ``-1`` (no KV write).
 
