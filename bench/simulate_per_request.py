@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+import mtp_ctrl
 from mtp_ctrl.controllers import PerRequestGoodputPolicy
 from mtp_ctrl.controllers.draft_lengths import DraftLengths
 from mtp_ctrl.controllers.draft_policy import FixedDraftLength
@@ -130,7 +131,9 @@ def main():
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--closed", action="store_true", help="one closed batch (drains), not a queue")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args()
+    mtp_ctrl.quiet_known_warnings(args.verbose)
     queued = not args.closed
     S = 3
     for label, make in [(f"fixed S = {s}", (lambda s=s: _Fixed(s))) for s in range(S + 1)] + \

@@ -8,6 +8,7 @@ queue (estimates, costs), then decides for a different batch of 64 each call; wa
     PYTHONPATH=$PWD python bench/time_policy_decisions.py
 """
 
+import argparse
 import os
 import sys
 import time
@@ -17,6 +18,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from simulate_per_request import simulate  # noqa: E402
 
+import mtp_ctrl  # noqa: E402
+
 from mtp_ctrl.controllers import GoodputPolicy, PerRequestGoodputPolicy  # noqa: E402
 from mtp_ctrl.controllers.draft_policy import DraftLengthQuery  # noqa: E402
 
@@ -24,7 +27,11 @@ G, S = 64, 3
 
 
 def main():
-    policies = [("goodput", GoodputPolicy), ("per-request, a search each", lambda: PerRequestGoodputPolicy(search_every=1)),
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    mtp_ctrl.quiet_known_warnings(parser.parse_args().verbose)
+    policies = [("goodput", GoodputPolicy),
+                ("per-request, a search each", lambda: PerRequestGoodputPolicy(search_every=1)),
                 ("per-request, the kept price", lambda: PerRequestGoodputPolicy(search_every=10 ** 9)),
                 ("per-request (default)", PerRequestGoodputPolicy)]
     for name, make in policies:
