@@ -142,6 +142,9 @@ class EqualCosts(StepCostModel):
     def seconds(self, batch_size, num_drafts):
         return 1.0
 
+    def policy_seconds(self, batch_size, num_drafts):
+        return 1.0
+
 
 class PinnedGoodput(GoodputPolicy):
     """``GoodputPolicy`` whose step costs are all equal, so it drafts S on every step (acceptance is

@@ -132,6 +132,8 @@ class TextGenerationController:
         self._last_return: Optional[float] = None  # perf_counter() when the last step() call returned
         self._applied: List[Tuple[StepMetadata, Optional[float]]] = []  # launches it applied, their GPU seconds
         self._timing = None  # the last call's StepTiming for the draft-length cost model (sent at the next check)
+        self._decode_tokens = 0  # tokens the current call's applied launches' decode requests emitted
+        self._busy_at_return = False  # the last step() call returned with work in flight or waiting
         self._lockstep = TPLockstep(parallel_state.get_tensor_model_parallel_group(check_initialized=False),
                                     config.tp_check_timeout_s)  # ranks agree on every step
 
@@ -380,7 +382,7 @@ class TextGenerationController:
 
     def _step(self, collect: bool) -> List[StepOutput]:
         started = time.perf_counter()
-        self._steps_launched, self._applied = 0, []
+        self._steps_launched, self._applied, self._decode_tokens = 0, [], 0
         try:
             outputs = self._step_once(collect)
             if self._pending_outputs:
@@ -395,7 +397,11 @@ class TextGenerationController:
         self.metrics.record_step(now - started, max(self._steps_launched, 1))
         # the cost model's sample: the loop's wall time since the last return (host, GPU and the bubbles between)
         since, self._last_return = (None if self._last_return is None else now - self._last_return), now
-        self._timing = self._draft_lengths.step_timing(self._applied, since, self._steps_launched)
+        # realised too: the applied launches' decode tokens, and whether the last call returned with work
+        # in flight or waiting (then the time since is the loop's, not an idle caller's)
+        self._timing = self._draft_lengths.step_timing(self._applied, since, self._steps_launched, self._decode_tokens,
+                                                       self._busy_at_return)
+        self._busy_at_return = self._in_flight is not None or self.has_unfinished_requests()
         return outputs
 
     def _step_once(self, collect: bool) -> List[StepOutput]:
@@ -529,6 +535,7 @@ class TextGenerationController:
         counted = decode[None, :] & (emitted > 0)  # [k, n]
         self.metrics.record_acceptance(readbacks[:, :, 0][counted], step_order_lengths(verified, num_launched)[counted])
         self.metrics.emitted_tokens += int(emitted.sum())
+        self._decode_tokens += int(emitted[:, :num_decode].sum())  # the draft-length cost model's realised tokens
         for index, reason in finished:
             self._lifecycle.finish(int(request_ids[index]), reason)
         return self._outputs.emitted_since(slots, request_ids, counts_before, finished) if collect else []

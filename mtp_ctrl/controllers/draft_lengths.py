@@ -42,13 +42,18 @@ QueueView = Callable[[np.ndarray], Tuple[int, np.ndarray]]  # sampling request i
 
 
 class StepTiming(NamedTuple):
-    """One steady step's measured cost (``DraftLengths.step_timing``)."""
+    """One call's measured cost (``DraftLengths.step_timing``): a steady step's (the cost model's
+    sample), or only the call's realised wall and tokens (``steady`` False)."""
 
     batch_size: int  # G, the step's grid
-    num_drafts: int  # D (= its verify width V)
+    num_drafts: int  # D (= its verify width V); a realised-only call: V, the drafts it verified
     wall_seconds: float  # the loop's wall time per step (between consecutive step() returns)
     gpu_seconds: float  # the launch's GPU time per step (CUDA events), -1 off CUDA
     mixed: bool = False  # a step with prefill chunks (the cost model keeps those apart)
+    steady: bool = True  # a steady sample (the cost model's tables); False: realised sums only
+    tokens: int = -1  # tokens the applied launch's decode requests emitted (-1: none counted)
+    request_steps: int = 0  # its decode requests x steps
+    steps: int = 1  # steps the launch applied
 
 
 class HeldChoice:
@@ -272,7 +277,8 @@ class DraftLengths:
         self._in_flight.clear()
 
     def step_timing(self, applied: List[Tuple[StepMetadata, Optional[float]]], wall_seconds: Optional[float],
-                    steps_launched: int) -> Optional[StepTiming]:
+                    steps_launched: int, decode_tokens: Optional[int] = None,
+                    busy: Optional[bool] = None) -> Optional[StepTiming]:
         """What one ``step()`` call measured for the policy's cost model (``step_costs.py``), or None:
         ``applied``, the launches the call applied with their GPU seconds (None off CUDA);
         ``wall_seconds``, the time since the previous call returned (None: the first call).
@@ -285,7 +291,13 @@ class DraftLengths:
         seconds per step or -1, mixed)``; of a run of such calls, the first and then every
         ``TIMING_EVERY``-th (the averages move slowly; a depth tried is measured at once). Every
         call also tells the cost model how many of its applied launches carried prefill chunks
-        (``StepCostModel.mixed_share``)."""
+        (``StepCostModel.mixed_share``).
+
+        Realised (``decode_tokens`` given: the tokens the applied launches' decode requests emitted;
+        ``busy``: whether work was in flight or waiting when the call began, so the time since the
+        last return is the loop's, not an idle caller's): any other call that applied one launch with decode requests gives a
+        timing with ``steady`` False, for the cost model's realised sums (``record_realised``): its
+        grid, verify width V, wall and tokens. A steady sample carries the same."""
         if self._fixed or self.S == 0:
             return None
         if applied and self.policy.cost_model is not None:
@@ -297,19 +309,37 @@ class DraftLengths:
             if step.verify_width == step.num_drafts and steps_launched == step.num_steps:
                 steady_key = launch_key
         previous, self._timed_key = self._timed_key, launch_key
+        realised = decode_tokens is not None and busy and wall_seconds is not None and launch_key is not None \
+            and step.num_decode > 0
+        tokens = decode_tokens if realised else -1
+        request_steps = step.num_decode * step.num_steps if realised else 0
         if steady_key is None or previous is None or wall_seconds is None or \
                 (previous[:2] != steady_key[:2] if steady_key[2] else previous != steady_key):
             self._steady_calls = 0
-            return None
+            return self._realised_only(step, gpu_seconds, wall_seconds, tokens, request_steps) if realised else None
         self._steady_calls += 1
         if (self._steady_calls - 1) % TIMING_EVERY:
-            return None
+            return self._realised_only(step, gpu_seconds, wall_seconds, tokens, request_steps) if realised else None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
-        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu, steady_key[2])
+        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu, steady_key[2], True,
+                          tokens, request_steps, step.num_steps)
+
+    @staticmethod
+    def _realised_only(step: StepMetadata, gpu_seconds: Optional[float], wall_seconds: float, tokens: int,
+                       request_steps: int) -> StepTiming:
+        gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
+        return StepTiming(step.dimensions.request_count, step.verify_width, wall_seconds / step.num_steps, gpu,
+                          bool(step.num_prefill), False, tokens, request_steps, step.num_steps)
 
     def record_timing(self, timing: Optional[StepTiming]) -> None:
         """Feed a measurement (every TP rank gets the first rank's: ``TPLockstep.check``) to the cost model."""
-        if timing is not None and self.policy.cost_model is not None:
+        if timing is None or self.policy.cost_model is None:
+            return
+        if timing.tokens >= 0:  # first: against the model before this sample moves it
+            self.policy.cost_model.record_realised(timing.batch_size, timing.num_drafts,
+                                                   timing.wall_seconds * timing.steps, timing.steps, timing.tokens,
+                                                   timing.request_steps, timing.mixed)
+        if timing.steady:
             self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.wall_seconds,
                                           None if timing.gpu_seconds < 0 else timing.gpu_seconds, timing.mixed)
 

@@ -231,7 +231,7 @@ class GoodputPolicy(DraftLengthPolicy):
     """
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
-                 min_gain: float = 1.0, decide_every: int = 8, longest_hold: Optional[int] = None,
+                 min_gain: float = 1.02, decide_every: int = 8, longest_hold: Optional[int] = None,
                  drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
                  explore_within: float = 0.8, population_evidence: float = 2.0):
         super().__init__()
@@ -256,7 +256,9 @@ class GoodputPolicy(DraftLengthPolicy):
         _check_number("optimistic_prior", optimistic_prior, low=0.0, high=1.0)
         _check_number("min_gain", min_gain, low=0.0)
         self.decay, self.prior_weight, self.optimistic_prior = decay, prior_weight, optimistic_prior
-        self.min_gain = min_gain  # a deeper D must beat the shallower one by this factor (1.0: any gain)
+        # a deeper D must beat the best shallower one by this factor (1.0: any gain): a near tie, within the
+        # loop's run-to-run spread, keeps the fewer drafts (they cost less if the estimate is wrong)
+        self.min_gain = min_gain
         self.last_depth = None  # the D of the last choice (for benchmarks)
         self._index = RequestRows()  # request id -> its row of _counts
         self._leaving = []  # ids forgotten since the last lookup: their estimates join the population first
@@ -344,7 +346,8 @@ class GoodputPolicy(DraftLengthPolicy):
         rows = self._rows(query.request_ids, create=True)
         estimates = self._estimates(rows)  # [n, S]
         max_depth = int(caps.max()) if n else 0  # a deeper D drafts no more for anyone
-        seconds = np.array([self.cost_model.seconds(query.batch_size, depth) for depth in range(max_depth + 1)])
+        # the model's cost of each depth times what the loop realised around its steady steps (step_costs.py)
+        seconds = np.array([self.cost_model.policy_seconds(query.batch_size, depth) for depth in range(max_depth + 1)])
         if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
             priors = self._population_priors(estimates, query.request_ids)
             if priors is not None:
