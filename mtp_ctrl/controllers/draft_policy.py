@@ -260,6 +260,7 @@ class GoodputPolicy(DraftLengthPolicy):
         # loop's run-to-run spread, keeps the fewer drafts (they cost less if the estimate is wrong)
         self.min_gain = min_gain
         self.last_depth = None  # the D of the last choice (for benchmarks)
+        self.expected_tokens = None  # [D + 1] at the last choice: a request's expected tokens a step (reports)
         self._index = RequestRows()  # request id -> its row of _counts
         self._leaving = []  # ids forgotten since the last lookup: their estimates join the population first
 
@@ -348,17 +349,19 @@ class GoodputPolicy(DraftLengthPolicy):
         max_depth = int(caps.max()) if n else 0  # a deeper D drafts no more for anyone
         # the model's cost of each depth times what the loop realised around its steady steps (step_costs.py)
         seconds = np.array([self.cost_model.policy_seconds(query.batch_size, depth) for depth in range(max_depth + 1)])
+        score = None
         if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
             priors = self._population_priors(estimates, query.request_ids)
             if priors is not None:
                 estimates = self._estimates(rows, priors)
             steps = expected_drain_steps(query.tokens_left, np.cumprod(estimates, axis=1), caps, max_depth)
             score = 1.0 / (steps * seconds)
-        else:
-            gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
-            np.cumsum(np.cumprod(estimates, axis=1), axis=1, out=gain[:, 1:])
-            gain = _at_depths(gain, caps, max_depth)  # [n, max_depth + 1]: a request drafts min(D, cap_r)
-            score = (n + gain.sum(axis=0)) / seconds  # expected tokens per second of the batch at each D
+        gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
+        np.cumsum(np.cumprod(estimates, axis=1), axis=1, out=gain[:, 1:])
+        tokens = n + _at_depths(gain, caps, max_depth).sum(axis=0)  # [max_depth + 1]: a request drafts min(D, cap_r)
+        self.expected_tokens = tokens / max(n, 1)  # a request's tokens a step at each D (reports: vs realised)
+        if score is None:
+            score = tokens / seconds  # expected tokens per second of the batch at each D
         best_depth = 0
         for depth in range(1, max_depth + 1):
             if score[depth] > score[best_depth] * self.min_gain:

@@ -40,7 +40,8 @@ depth's *calibration* (realised wall / model), and the policy pays ``seconds(G, 
 calibration(G, D)`` (:meth:`StepCostModel.policy_seconds`). A depth with fewer than
 ``realised_min_steps`` realised steps takes the grid's pooled ratio (1 if none): what is common to
 every depth (a batch's end) then costs every depth alike. A sample is clipped at
-``outlier_factor`` x the model (a collection pause is not what a depth costs). The same sums
+``realised_clip`` (2) x the model (a collection pause is not what a depth costs; a batch's last
+call, host and GPU in series, is under it). The same sums
 count the tokens the steps' decode requests emitted and their request-steps
 (``realised_tokens``: tokens per request-step, for reports beside the wall).
 
@@ -86,6 +87,7 @@ class StepCostModel:
         self.realised: Dict[Key, List[float]] = {}
         self.realised_decay = 0.98  # per step: the sums follow about the last 50 steps of a key
         self.realised_min_steps = 8.0  # a key's own calibration once it holds this many (decayed) steps
+        self.realised_clip = 2.0  # a realised sample counts at most this many times the model (a pause is not a cost)
 
     @property
     def measured(self) -> Dict[Key, float]:
@@ -140,7 +142,7 @@ class StepCostModel:
         if steps <= 0 or not self.is_measured(batch_size, verify_width):
             return
         model = (self.mixed_seconds if mixed else self.decode_seconds)(batch_size, verify_width) * steps
-        wall = min(float(wall_seconds), self.outlier_factor * model)
+        wall = min(float(wall_seconds), self.realised_clip * model)
         key = (int(batch_size), int(verify_width))
         sums = self.realised.get(key)
         if sums is None:
