@@ -300,3 +300,19 @@ def test_new_requests_are_expected_to_spread_like_the_ones_that_left():
         new = np.arange(100, 164, dtype=np.int64)
         assert policy.choose(drain_query(new)).tolist() == [expected] * 64, rates[:3]
         assert np.allclose(policy.acceptance(100), policy.acceptance(10_000))  # the estimate itself: the average
+
+
+def test_requests_with_evidence_of_their_own_are_not_given_the_population_spread():
+    """After a mixed batch left, a closed batch of 0.9 requests that each verified a few full drafts
+    (more than ``population_evidence``) is judged on its own evidence and the average: it drafts S.
+    Quantile priors on top of that evidence would count the spread twice (the slowest-looking of
+    64 requests after three steps given the population's 0.2) and draft nothing."""
+    policy, ids = policy_with([0.9, 0.6, 0.2] * 21 + [0.9])
+    for request_id in ids.tolist():
+        policy.forget(request_id)
+    new = np.arange(100, 164, dtype=np.int64)
+    policy.choose(drain_query(new))  # rows for the new requests
+    accepted = np.where(np.arange(64) % 8 == 0, 1, S)  # every 8th accepted only one draft of three
+    for _ in range(3):
+        policy.observe(new, np.full(64, S), accepted)
+    assert policy.choose(drain_query(new)).tolist() == [S] * 64
