@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call for issue 34, helper tiers8 (step costs calibrated by the loop's realised walls;
 # a 2 % margin for deeper drafts; garbage collections counted per point), <= 240 s in all:
-#  1. bench_adaptive.py (<= 160 s, no point started after TIERS8_BUDGET s): the 1B at batch 64, the
-#     queued mix (fixed S = 0..3 and goodput at S_max = 3), then the demo at batch 32 and 128, T = 0
-#     and 1 (fixed S = 0..2 and goodput, the default engine); per point the goodput policy's cost
+#  1. bench_adaptive.py (<= 160 s, no point started after TIERS8_BUDGET s): the demo at batch 32 and
+#     128, T = 0 and 1 (fixed S = 0..2 and goodput, the default engine), then the 1B at batch 64, the
+#     queued mix (fixed S = 0..3 and goodput at S_max = 3); per point the goodput policy's cost
 #     model (steady wall, realised wall and calibration, realised vs expected tokens a request-step)
 #     and the garbage collections inside the timed generates;
 #  2. profile_no_draft_gpu.py --skip-large (<= 45 s): the demo at batch 128, plain against the S = 2
@@ -17,7 +17,7 @@ points=(--large-batches 64 --demo-batches 32 128)
 if [ "${1:-}" = "--quick" ]; then quick=(--quick --new-tokens 4); points=(--large-batches 4 --skip-demo); fi
 echo "== bench at ${SECONDS}s"
 timeout 160 python3 bench/bench_adaptive.py "${quick[@]}" --budget-seconds "${TIERS8_BUDGET:-110}" \
-  --json "$out/bench_adaptive.json" "${points[@]}" --large-workloads queued --demo-goodput skip --no-pinned 2>&1 \
+  --json "$out/bench_adaptive.json" "${points[@]}" --demo-first --large-workloads queued --demo-goodput skip --no-pinned 2>&1 \
   | tee "$out/bench_adaptive.log" | grep -v -i warn | grep -v '^{' | tail -60
 echo "== no-draft step at ${SECONDS}s"
 timeout 45 python3 bench/profile_no_draft_gpu.py --skip-large --skip-run-windows --catch-up-positions 8 32 \
