@@ -294,10 +294,12 @@ class DraftLengths:
         (``StepCostModel.mixed_share``).
 
         Realised (``decode_tokens`` given: the tokens the applied launches' decode requests emitted;
-        ``busy``: whether work was in flight or waiting when the call began, so the time since the
-        last return is the loop's, not an idle caller's): any other call that applied one launch with decode requests gives a
-        timing with ``steady`` False, for the cost model's realised sums (``record_realised``): its
-        grid, verify width V, wall and tokens. A steady sample carries the same."""
+        ``busy``: whether the call before returned with work in flight or waiting, so the time since
+        it is the loop's, not an idle caller's): any other call that applied one launch with decode
+        requests that verified what it drafted (V = D: a switch's launch, which verifies the old
+        depth and drafts the new, is left out: in a short hold it would charge the switch to the
+        depth) gives a timing with ``steady`` False, for the cost model's realised sums
+        (``record_realised``): its grid, V, wall and tokens. A steady sample carries the same."""
         if self._fixed or self.S == 0:
             return None
         if applied and self.policy.cost_model is not None:
@@ -310,7 +312,7 @@ class DraftLengths:
                 steady_key = launch_key
         previous, self._timed_key = self._timed_key, launch_key
         realised = decode_tokens is not None and busy and wall_seconds is not None and launch_key is not None \
-            and step.num_decode > 0
+            and step.num_decode > 0 and step.verify_width == step.num_drafts
         tokens = decode_tokens if realised else -1
         request_steps = step.num_decode * step.num_steps if realised else 0
         if steady_key is None or previous is None or wall_seconds is None or \

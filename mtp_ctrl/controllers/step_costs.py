@@ -33,8 +33,9 @@ ratio of the depths measured at its grid (1 if none).
 **Realised costs.** The steady samples leave out what a loop pays around them: the first calls
 after a switch of depth, the calls that apply a launch with nothing launched after it (a batch's
 end), decisions, forced catch-ups landing off the sampled calls. So every busy call that applied
-one launch with decode requests (:meth:`StepCostModel.record_realised`, keyed by the launch's grid
-and verify width V: the depth whose drafts it verified) adds its wall time, and the model's cost
+one launch with decode requests verifying what it drafted (V = D: a switch's own launch is left
+out, ``DraftLengths.step_timing``) adds (:meth:`StepCostModel.record_realised`, keyed by the
+launch's grid and D) its wall time, and the model's cost
 of the same steps, to decayed sums per key (weight ``realised_decay`` per step): the ratio is the
 depth's *calibration* (realised wall / model), and the policy pays ``seconds(G, D) *
 calibration(G, D)`` (:meth:`StepCostModel.policy_seconds`). A depth with fewer than
