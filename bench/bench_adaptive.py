@@ -14,7 +14,10 @@ checked equal to plain decoding:
    ``p_r`` (a hash of request and position, no host work), so acceptance is set per request.
    Workloads: all 0.9, all 0.6, all 0.2, and a mix of the three (closed batches: as many
    requests as slots), and the mix queued (4x the slots in requests: a freed slot takes the next,
-   as a server runs); fixed S = 0..3 and goodput at S_max = 3. The random model's logits get wide margins (:func:`widen_logit_margins`), so that
+   as a server runs); fixed S = 0..3, goodput at S_max = 3 (one depth for the batch), and
+   ``PerRequestGoodputPolicy`` at S_max = 3 ("per-request": a length per request, ragged verify rows:
+   a decode request runs 1 + s_r rows; its mean s per label 0.9 / 0.6 / 0.2 is printed). The random
+   model's logits get wide margins (:func:`widen_logit_margins`), so that
    bf16 verify steps of any row count emit plain decoding's tokens (no near ties) and the oracle's
    "true token" is the one the target emits: a request labelled p accepts p per depth. The
    measured acceptance per label (from each fixed-S point's accepted drafts) is printed.
@@ -69,8 +72,8 @@ from bench_forward import FULL_MODEL, QUICK_MODEL, build_model  # noqa: E402
 
 import mtp_ctrl  # noqa: E402
 from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
-from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, Proposer, SamplingParams,  # noqa: E402
-                                  TextGenerationController)
+from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, PerRequestGoodputPolicy, Proposer,  # noqa: E402
+                                  SamplingParams, TextGenerationController)
 from mtp_ctrl.controllers.step_costs import StepCostModel  # noqa: E402
 
 PROMPT_LEN = 64
@@ -82,6 +85,8 @@ class AcceptanceOracle(Proposer):
     ``sequences`` ``[n, L]`` int64 on the device (prompt + plain output of prompt ``r``), request
     ``id`` being prompt ``(id - first_id) % n`` (``first_id``: a device scalar the caller sets to
     the controller's next request id before each ``generate``; the graphs read it)."""
+
+    takes_ragged_rows = True  # reads bonus_positions only
 
     def __init__(self, sequences: torch.Tensor, rates: torch.Tensor, first_id: torch.Tensor):
         self.sequences, self.rates, self.first_id = sequences, rates, first_id  # [n, L] int64, [n] float32, [] int64
@@ -137,6 +142,34 @@ def per_depth_acceptance(results, labels, S):
             low, high = (middle, high) if sum(middle ** k for k in range(1, S + 1)) < mean else (low, middle)
         out[f"{label:g}"] = round(low, 3)
     return out
+
+
+class RecordedPerRequest(PerRequestGoodputPolicy):
+    """``PerRequestGoodputPolicy`` that sums the drafts each request verified (its ``observe``), for
+    the bench's lengths per label."""
+
+    def __init__(self):
+        super().__init__()
+        self.verified = {}  # request id -> [drafts verified, verify steps]
+
+    def observe(self, request_ids, draft_lengths, accepted_counts):
+        super().observe(request_ids, draft_lengths, accepted_counts)
+        for request_id, length in zip(request_ids.tolist(), draft_lengths.tolist()):
+            entry = self.verified.setdefault(request_id, [0, 0])
+            entry[0] += length
+            entry[1] += 1
+
+    def lengths_by_label(self, results, labels):
+        """``{label: mean drafts a verify step}`` over the requests of ``results`` (labels in order): the
+        drafts observed over the request's decode steps (a step where nobody verified a draft is not
+        observed: it counts 0)."""
+        sums = {}
+        for result, label in zip(results, labels):
+            drafts, _ = self.verified.get(result.request_id, (0, 0))
+            entry = sums.setdefault(f"{label:g}", [0, 0])
+            entry[0] += drafts
+            entry[1] += result.decode_steps
+        return {label: round(d / max(n, 1), 2) for label, (d, n) in sorted(sums.items())}
 
 
 class EqualCosts(StepCostModel):
@@ -244,12 +277,16 @@ def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="c
                              max_model_len=max_model_len, max_tokens_per_step=max(batch * PROMPT_LEN, 256),
                              cuda_graph_batch_sizes=(batch,) if device == "cuda" else (), **options)
     controller = TextGenerationController(model, config, proposer=proposer, draft_policy=policy)
-    controller.warmup()
+    started = time.perf_counter()
+    graphs = controller.warmup()
+    print(f"warm-up: S = {S}, batch {batch}, {type(policy).__name__ if policy else 'fixed'}: {graphs} graphs in "
+          f"{time.perf_counter() - started:.1f} s", flush=True)
     return controller
 
 
 def cost_table(policy):
-    """The goodput policy's learned step costs (ms by grid and depths), or None."""
+    """The goodput policy's learned step costs (ms by grid and depths), or None; with ragged rows
+    also the warm-up's replay ms by (G, token count, D) ("rows")."""
     if not isinstance(policy, GoodputPolicy) or isinstance(policy, PinnedGoodput):
         return None
     table = {key: {name: None if value is None else round(value, 3) for name, value in row.items()}
@@ -259,6 +296,11 @@ def cost_table(policy):
             for key, row in table.items():
                 if key.endswith(f"D={depth}"):
                     row["expected_tokens"] = round(tokens, 3)
+    rows = getattr(policy.cost_model, "row_gpu", None)
+    if rows:
+        table["rows"] = {f"G={g}, T={t}, D={d}{', mixed' if mixed else ''}": round(seconds * 1e3, 3)
+                         for (g, t, d, mixed), seconds in sorted(rows.items())}
+        table["prefill_rows"] = policy.cost_model.prefill_rows
     return table
 
 
@@ -282,6 +324,7 @@ class Table:
         for (part, batch, workload), rows in workloads.items():
             fixed = {row["S"]: row["tokens_per_s"] for row in rows if row["policy"] == "fixed"}
             adaptive = next((row for row in rows if row["policy"] == "goodput"), None)
+            per_request = next((row for row in rows if row["policy"] == "per-request"), None)
             running = next((row for row in rows if row["policy"] == "goodput run"), None)
             if adaptive is None:  # the run engine alone (--demo-goodput run)
                 adaptive, running = running, None
@@ -299,6 +342,11 @@ class Table:
                 print(f"{'':>5} {'':>5} {'':>8} | goodput, mtp_idle_windows='run': {rate:8.0f} "
                       f"{rate / fixed[best_s]:6.2f} {rate / fixed.get(0, rate):6.2f} | {running['lengths']} | "
                       f"{running['equal_plain']}")
+            if per_request is not None:
+                rate = per_request["tokens_per_s"]
+                print(f"{'':>5} {'':>5} {'':>8} | per-request goodput (ragged rows): {rate:8.0f} "
+                      f"{rate / fixed[best_s]:6.2f} {rate / fixed.get(0, rate):6.2f} | {per_request['lengths']} | "
+                      f"mean s by label {per_request.get('label_lengths')} | {per_request['equal_plain']}")
             pinned = next((row for row in rows if row["policy"] == "pinned"), None)
             if pinned is not None and row_s(rows, pinned["S"]):
                 print(f"{'':>5} {'':>5} {'':>8} | pinned goodput (S = {pinned['S']} each step): "
@@ -324,13 +372,18 @@ class Table:
                   "tokens a request-step (expected at the last choice); 'explored': choices made to measure a "
                   "depth so far")
         for row in costed:
+            if "rows" in row["costs"]:
+                print(f"  {row['part']} batch {row['batch']} {row['workload']}: warm-up replay ms by token count: "
+                      + ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {value:.3f}"
+                                  for key, value in row["costs"]["rows"].items())
+                      + f"; prefill rows a mixed step {row['costs']['prefill_rows']}")
             text = ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
                              + ("" if value.get("mixed_ms") is None else f" mixed {_ms(value['mixed_ms'])}")
                              + ("" if value.get("realised_ms") is None else
                                 f" real {_ms(value['realised_ms'])} x{value['calibration']:.2f}")
                              + ("" if value.get("tokens") is None else f" tok {value['tokens']:.2f}")
                              + ("" if value.get("expected_tokens") is None else f" (exp {value['expected_tokens']:.2f})")
-                             for key, value in row["costs"].items())
+                             for key, value in row["costs"].items() if key not in ("rows", "prefill_rows"))
             print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
         print("\ngarbage collections in the timed generates (gen 0 / 1 / 2, ms in all):")
         for row in self.rows:
@@ -412,7 +465,8 @@ def large_part(args, table, device):
         if args.large_workloads:
             workloads = [w for w in workloads if w[0].split()[0] in args.large_workloads]
         proposer_engines = []
-        for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", GoodputPolicy())]:
+        for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", GoodputPolicy()),
+                                                                           (3, "per-request", RecordedPerRequest())]:
             if table.out_of_time():
                 break
             proposer = AcceptanceOracle(sequences, rates, first_id)
@@ -432,9 +486,11 @@ def large_part(args, table, device):
                     before=lambda c=controller: first_id.fill_(c.debug_view().next_request_id))
                 results = times.pop("results")
                 measured = per_depth_acceptance(results, labels[: len(prompts)], S) if name == "fixed" else None
+                label_lengths = policy.lengths_by_label(results, labels) if name == "per-request" else None
                 table.add(part="1B", batch=batch, workload=workload, S=S, policy=name, tokens_per_s=rate,
                           lengths=shares, equal_plain=outputs == plain_outputs, acceptance=measured,
-                          costs=cost_table(policy), explored=getattr(policy, "explored", None), **times)
+                          costs=cost_table(policy), explored=getattr(policy, "explored", None),
+                          label_lengths=label_lengths, graphs=controller.debug_view().num_cuda_graphs, **times)
         for *_, controller in proposer_engines:
             controller.close()
 

@@ -19,6 +19,7 @@ _MODULE_OF = {
     "DraftContext": "draft_context",
     "DraftLengthPolicy": "draft_policy", "DraftLengthQuery": "draft_policy", "FixedDraftLength": "draft_policy",
     "GoodputPolicy": "draft_policy", "RandomDraftLengths": "draft_policy", "StepCostModel": "draft_policy",
+    "PerRequestGoodputPolicy": "per_request_policy",
     "DraftBatch": "proposers", "Proposer": "proposers",
     "GenerationResult": "requests", "Request": "requests", "RequestStatus": "requests",
     "FinishReason": "stop_rules",
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from mtp_ctrl.controllers.mtp_proposer import MTPProposer
     from mtp_ctrl.controllers.multi_layer_eagle_proposer import MultiLayerEagleProposer
     from mtp_ctrl.controllers.parallel_drafting_proposer import ParallelDraftingProposer
+    from mtp_ctrl.controllers.per_request_policy import PerRequestGoodputPolicy
     from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
     from mtp_ctrl.controllers.requests import GenerationResult, Request, RequestStatus
     from mtp_ctrl.controllers.stop_rules import FinishReason
@@ -67,6 +69,7 @@ __all__ = [
     "MTPProposer",
     "MultiLayerEagleProposer",
     "ParallelDraftingProposer",
+    "PerRequestGoodputPolicy",
     "Proposer",
     "RandomDraftLengths",
     "Request",

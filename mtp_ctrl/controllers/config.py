@@ -83,6 +83,13 @@ class InferenceConfig:
     mtp_catch_up_positions: with mtp_idle_windows="skip", M: the most positions a request's MTP
         windows may fall behind (its hidden ring holds S + M positions); a catch-up window has M
         rows more, and a no-draft step that would pass M runs the windows (a forced catch-up).
+    ragged_rows: with a draft-length policy whose lengths differ per request
+        (``DraftLengthPolicy.per_request_lengths``, e.g. ``PerRequestGoodputPolicy``), a single
+        step gives each decode request ``1 + s_r`` forward rows (the drafts it holds) instead of
+        ``1 + V`` (V: the most any of the step's decode requests holds), so a request that drafts
+        nothing costs one row. Default True; it applies where the proposer takes ragged rows
+        (``Proposer.takes_ragged_rows``: paged and single-position MTP) and the model has no
+        Mamba / GDN layers (those keep ``1 + V`` rows a request). False: ``1 + V`` rows always.
     overlap_scheduling: the host prepares step N + 1 while the GPU runs step N and learns step
         N's outcome one step late (default). False runs one step at a time (debugging, and the
         comparison); outputs are identical either way.
@@ -151,6 +158,7 @@ class InferenceConfig:
     mtp_reuse_last_layer: bool = False
     mtp_idle_windows: str = "skip"
     mtp_catch_up_positions: int = 8
+    ragged_rows: bool = True
     overlap_scheduling: bool = True
     finished_results_kept: int = 4096
     acceptance: str = "exact_match"
@@ -203,6 +211,8 @@ class InferenceConfig:
             raise TypeError(f"prefix_caching must be a bool, got {type(self.prefix_caching).__name__}")
         if self.prefix_state_snapshots is not None:
             _require_int("prefix_state_snapshots", self.prefix_state_snapshots, 0)
+        if not isinstance(self.ragged_rows, bool):
+            raise TypeError(f"ragged_rows must be a bool, got {type(self.ragged_rows).__name__}")
         if not isinstance(self.overlap_scheduling, bool):
             raise TypeError(f"overlap_scheduling must be a bool, got {type(self.overlap_scheduling).__name__}")
         _require_int("finished_results_kept", self.finished_results_kept, 0)

@@ -121,6 +121,9 @@ class TextGenerationController:
                                                  pool.num_cached_blocks))
         # how many drafts each request makes per step (controllers/draft_policy.py; default: S each)
         self._draft_lengths = DraftLengths(draft_policy, self.shape)
+        if S > 0 and self._draft_lengths.policy.per_request_lengths and self.proposer.takes_ragged_rows and \
+                self.context.mamba is None and self.config.ragged_rows:
+            self.context.enable_ragged_rows()  # each decode request runs 1 + s_r rows (docs/draft_lengths.md)
         self._draft_lengths.queue_view = self._queue_view
         self._requests = RequestBook(seed, config.finished_results_kept)  # every request not forgotten
         self._lifecycle = SlotLifecycle(self.context, self._requests, self._outputs, self.proposer, self._draft_lengths)
@@ -132,8 +135,6 @@ class TextGenerationController:
         self._last_return: Optional[float] = None  # perf_counter() when the last step() call returned
         self._applied: List[Tuple[StepMetadata, Optional[float]]] = []  # launches it applied, their GPU seconds
         self._timing = None  # the last call's StepTiming for the draft-length cost model (sent at the next check)
-        self._decode_tokens = 0  # tokens the current call's applied launches' decode requests emitted
-        self._busy_at_return = False  # the last step() call returned with work in flight or waiting
         self._lockstep = TPLockstep(parallel_state.get_tensor_model_parallel_group(check_initialized=False),
                                     config.tp_check_timeout_s)  # ranks agree on every step
 
@@ -177,24 +178,28 @@ class TextGenerationController:
             return 0
         if self.context.table.num_live or self._scheduler.num_waiting or self._in_flight is not None:
             raise RuntimeError("warmup: call it before adding requests")
-        costs = self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
+        costs, row_costs = self._replay_every_shape()  # a replay also uploads a new graph now, not mid-serving
         torch.cuda.current_stream(self.shape.device).synchronize()  # host-ok: start-up
-        self._draft_lengths.set_step_costs(costs, self._lockstep.group)  # rank 0's, on every rank
+        self._draft_lengths.set_step_costs(costs, self._lockstep.group, row_costs)  # rank 0's, on every rank
         return len(self._graphs)
 
-    def _replay_every_shape(self) -> Dict[Tuple[int, int], float]:
+    def _replay_every_shape(self) -> Tuple[Dict[Tuple[int, int], float], Dict[Tuple[int, int, int, bool], float]]:
         """Replay the graph of every padded shape (every verify tier V and draft depth D the policy
         warms up, ``DraftLengths.warmup_tiers``) from a step that holds no request (capture it
         first if new). Returns the decode-only single steps' replay seconds by (batch size, D) where
-        V = D (a steady step verifies what the step before drafted): the policy's step costs."""
-        costs = {}
+        V = D (a steady step verifies what the step before drafted): the policy's step costs; and
+        with ragged rows the same by (batch size, token count, D, has prefill) for every token count
+        (decode-only: the ragged counts' masked graphs; with prefill chunks: each token bucket's)."""
+        costs, row_costs = {}, {}
         for verify_width, num_drafts in self._draft_lengths.warmup_tiers():
             for shape in self.context.graph_shapes(verify_width):
-                for num_steps in (1,) if shape.has_prefill else self._scheduler.run_lengths:
+                # a ragged decode-only count below the tier's G (1 + V): single steps, some request holds < V
+                ragged = not shape.has_prefill and shape.token_count != shape.request_count * (1 + verify_width)
+                for num_steps in (1,) if shape.has_prefill or ragged else self._scheduler.run_lengths:
                     if num_steps > 1 and verify_width < num_drafts:
                         continue  # a decode run's later steps verify its own lengths: its V >= its D
                     step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
-                    masks = self._draft_lengths.warmup_masks(verify_width, not shape.has_prefill)
+                    masks = self._draft_lengths.warmup_masks(verify_width, not shape.has_prefill and not ragged)
                     # the proposer's plans (skipped MTP windows: windows, catch-up, skip); the first one
                     # is the steady step's, whose replay time is the step's cost. The others follow only
                     # a step that drafted nothing: warmed only for a policy that chooses D = 0
@@ -209,13 +214,20 @@ class TextGenerationController:
                         if key not in self._graphs:
                             self.proposer.use_plan(plan)
                             self._graphs.run(key, lambda: self._launch_run(step, masked))
-                        if num_steps == 1 and not shape.has_prefill and verify_width == num_drafts and not masked \
-                                and plan_index == 0:
+                        steady = num_steps == 1 and not shape.has_prefill and verify_width == num_drafts and \
+                            plan_index == 0
+                        if steady and not masked:
                             cost_key = (shape.request_count, num_drafts)
                             costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
+                            if self.context.ragged_rows:
+                                row_costs[(shape.request_count, shape.token_count, num_drafts, False)] = costs[cost_key]
+                        elif (ragged or shape.has_prefill) and self.context.ragged_rows and all_greedy and \
+                                verify_width == num_drafts and plan_index == 0:  # a ragged count's, a token bucket's
+                            row_key = (shape.request_count, shape.token_count, num_drafts, shape.has_prefill)
+                            row_costs[row_key] = self._graphs.timed_replay(key)
                         else:  # uploaded now, not mid-serving (StepGraphs.replay); no profile needed
                             self._graphs.replay(key)
-        return costs
+        return costs, row_costs
 
     def replay_graphs(self) -> int:
         """A check for tests and debugging, with no request queued or live: replay the last step's
@@ -382,7 +394,7 @@ class TextGenerationController:
 
     def _step(self, collect: bool) -> List[StepOutput]:
         started = time.perf_counter()
-        self._steps_launched, self._applied, self._decode_tokens = 0, [], 0
+        self._steps_launched, self._applied, self._decode_tokens = 0, [], 0  # _decode_tokens: by _apply
         try:
             outputs = self._step_once(collect)
             if self._pending_outputs:
@@ -395,13 +407,10 @@ class TextGenerationController:
             raise
         now = time.perf_counter()
         self.metrics.record_step(now - started, max(self._steps_launched, 1))
-        # the cost model's sample: the loop's wall time since the last return (host, GPU and the bubbles between)
+        # the cost model's sample: the loop's wall since the last return, decode tokens applied, work left
         since, self._last_return = (None if self._last_return is None else now - self._last_return), now
-        # realised too: the applied launches' decode tokens, and whether the last call returned with work
-        # in flight or waiting (then the time since is the loop's, not an idle caller's)
         self._timing = self._draft_lengths.step_timing(self._applied, since, self._steps_launched, self._decode_tokens,
-                                                       self._busy_at_return)
-        self._busy_at_return = self._in_flight is not None or self.has_unfinished_requests()
+                                                       self._in_flight is not None or self.has_unfinished_requests())
         return outputs
 
     def _step_once(self, collect: bool) -> List[StepOutput]:

@@ -69,8 +69,8 @@ class HeldChoice:
         self.steps = steps  # steps it has served (counted in place: the held path is per step)
         self.hold = hold  # steps it may serve (decide_every, doubled while the policy repeats itself)
         self.key = key  # request_ids.tobytes()
-        # the held depth D (the most drafts of the choice the policy made), what a joining request
-        # takes; None: the choice held no request
+        # the held depth D (the most drafts of the choice the policy made, or its join_length), what a
+        # joining request takes; None: the choice held no request
         self.depth = depth if depth is not None or not lengths.shape[0] else int(lengths.max())  # host-ok: numpy
 
     def lengths_of(self, request_ids: np.ndarray, join_caps: Optional[Callable[[np.ndarray], np.ndarray]] = None
@@ -115,6 +115,7 @@ class DraftLengths:
         self._held: Optional[HeldChoice] = None  # the policy's last choice
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
+        self._busy = False  # the last step() call returned with work left (the time since it is the loop's)
         self.queue_view: Optional[QueueView] = None  # set by the controller (None: nobody waits, lengths unknown)
 
     @property
@@ -149,6 +150,8 @@ class DraftLengths:
             return True
         if step.num_decode == 0:
             return False
+        if step.dimensions.token_count != step.dimensions.request_count * (1 + V):
+            return True  # a ragged token count below the tier (warmup() captures its masked graph only)
         if min(step.host_verify_lengths) < V:
             return True
         return step.num_steps > 1 and min(step.host_draft_lengths[: step.num_decode]) < V
@@ -199,7 +202,7 @@ class DraftLengths:
         key = ids.tobytes()
         if held is not None and held.key == key and np.array_equal(held.lengths, lengths):
             hold = max(hold, min(2 * held.hold, self.policy.longest_hold or hold))
-        self._held = HeldChoice(ids.copy(), lengths, 1, hold, key)
+        self._held = HeldChoice(ids.copy(), lengths, 1, hold, key, self.policy.join_length())
         return lengths
 
     def _caps_of(self, request_ids: np.ndarray) -> np.ndarray:
@@ -278,7 +281,7 @@ class DraftLengths:
 
     def step_timing(self, applied: List[Tuple[StepMetadata, Optional[float]]], wall_seconds: Optional[float],
                     steps_launched: int, decode_tokens: Optional[int] = None,
-                    busy: Optional[bool] = None) -> Optional[StepTiming]:
+                    work_left: bool = False) -> Optional[StepTiming]:
         """What one ``step()`` call measured for the policy's cost model (``step_costs.py``), or None:
         ``applied``, the launches the call applied with their GPU seconds (None off CUDA);
         ``wall_seconds``, the time since the previous call returned (None: the first call).
@@ -294,16 +297,24 @@ class DraftLengths:
         (``StepCostModel.mixed_share``).
 
         Realised (``decode_tokens`` given: the tokens the applied launches' decode requests emitted;
-        ``busy``: whether the call before returned with work in flight or waiting, so the time since
-        it is the loop's, not an idle caller's): any other call that applied one launch with decode
+        ``work_left``: whether this call returns with work in flight or waiting, kept for the next
+        call: only after such a return is the time since the loop's, not an idle caller's): any
+        other call that applied one launch with decode
         requests that verified what it drafted (V = D: a switch's launch, which verifies the old
         depth and drafts the new, is left out: in a short hold it would charge the switch to the
         depth) gives a timing with ``steady`` False, for the cost model's realised sums
         (``record_realised``): its grid, V, wall and tokens. A steady sample carries the same."""
         if self._fixed or self.S == 0:
             return None
-        if applied and self.policy.cost_model is not None:
-            self.policy.cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
+        busy, self._busy = self._busy, work_left
+        cost_model = self.policy.cost_model
+        if applied and cost_model is not None:
+            cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
+            if hasattr(cost_model, "record_prefill_rows"):  # rows of prefill chunks a mixed step carries
+                for step, _ in applied:
+                    if step.num_prefill:
+                        starts = step.host_query_start_loc
+                        cost_model.record_prefill_rows(int(starts[-1] - starts[step.num_decode]))
         launch_key = steady_key = None
         if len(applied) == 1:
             step, gpu_seconds = applied[0]
@@ -345,16 +356,22 @@ class DraftLengths:
             self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.wall_seconds,
                                           None if timing.gpu_seconds < 0 else timing.gpu_seconds, timing.mixed)
 
-    def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None) -> None:
-        """The warm-up's replay times by (batch size, draft depths) for the policy's cost model;
-        under tensor parallelism every rank takes the first rank's (``group``: the TP ranks' gloo
-        group), so that every rank's policy makes the same choices."""
+    def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None,
+                       row_costs: Optional[Dict[Tuple[int, int, int, bool], float]] = None) -> None:
+        """The warm-up's replay times by (batch size, draft depths) for the policy's cost model,
+        and with ragged rows by (batch size, token count, draft depths, has prefill) (``row_costs``, for a cost
+        model that takes them: ``set_row_costs``); under tensor parallelism every rank takes the
+        first rank's (``group``: the TP ranks' gloo group), so that every rank's policy makes the
+        same choices."""
         if group is not None:
-            shared = [costs]
+            shared = [costs, row_costs]
             dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
-            costs = shared[0]
-        if self.policy.cost_model is not None:
-            self.policy.cost_model.set_measured(costs)
+            costs, row_costs = shared
+        cost_model = self.policy.cost_model
+        if cost_model is not None:
+            cost_model.set_measured(costs)
+            if row_costs and hasattr(cost_model, "set_row_costs"):
+                cost_model.set_row_costs(row_costs)
 
 
 def step_order_lengths(verified: np.ndarray, num_requests: int) -> np.ndarray:

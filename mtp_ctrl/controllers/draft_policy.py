@@ -129,6 +129,11 @@ class DraftLengthPolicy:
     # queued workload a request joins almost every step, and asking `choose` on each join is a
     # decision every step. False: a join asks `choose` at once (a policy whose lengths are per request)
     joins_take_held_depth = True
+    # the policy's lengths differ between requests of a step (not one depth for the batch): the
+    # controller then runs each decode request's own 1 + s_r rows (ragged rows) where the proposer
+    # and the model take them (Proposer.takes_ragged_rows; no Mamba / GDN layers), and warmup()
+    # captures the ragged token counts too
+    per_request_lengths = False
 
     def __init__(self):
         self.cost_model: Optional[StepCostModel] = None
@@ -146,6 +151,11 @@ class DraftLengthPolicy:
     def choose(self, query: DraftLengthQuery) -> np.ndarray:
         """``[n]`` int64 draft lengths in ``[0, query.caps]`` (clipped by the caller)."""
         raise NotImplementedError
+
+    def join_length(self) -> Optional[int]:
+        """With ``joins_take_held_depth``: the drafts (capped) a request that joins while the last
+        choice holds makes; None (the default): that choice's most drafts. Asked once per choice."""
+        return None
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
         """A step's outcome (``[m]`` each, host ints): request ``request_ids[i]`` verified
@@ -169,6 +179,8 @@ class RandomDraftLengths(DraftLengthPolicy):
     """Uniform random lengths in ``[0, cap]`` from a seeded generator (deterministic for equal
     call sequences, so every TP rank agrees), with probability ``all_zero`` of a step with no
     drafts at all. For tests: output must not depend on the lengths."""
+
+    per_request_lengths = True
 
     def __init__(self, seed: int = 0, all_zero: float = 0.2):
         super().__init__()
@@ -432,7 +444,7 @@ def _at_depths(per_length: np.ndarray, caps: np.ndarray, max_depth: int) -> np.n
 
 
 def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.ndarray, max_depth: int,
-                         grid_points: int = 16) -> np.ndarray:
+                         grid_points: int = 16, lengths: Optional[np.ndarray] = None) -> np.ndarray:
     """``[max_depth + 1]``: the expected steps until every request is done, if the batch drafts D
     depths from now on (request r: ``min(D, cap_r)`` drafts).
 
@@ -442,13 +454,19 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     left needs about ``R / E[X]`` steps with variance ``R Var[X] / E[X]^3`` (renewal theory),
     taken as normal; the batch's expected maximum is integrated from the product of their CDFs
     (``grid_points`` points). At 0.2 acceptance and 48 tokens, the slowest of 64 requests needs
-    ~46 steps at D = 1 though the mean one needs 40: the tail that makes a closed batch slow."""
+    ~46 steps at D = 1 though the mean one needs 40: the tail that makes a closed batch slow.
+
+    ``lengths`` ``[C, n]`` (``PerRequestGoodputPolicy``): the columns are C candidates instead of
+    depths, request r drafting ``lengths[c, r]`` in candidate c (``caps``, ``max_depth`` unused): ``[C]``."""
     n, S = reach.shape
     k = np.arange(1, S + 1)  # [S]
     moments = np.zeros((2, n, S + 1))  # [2, n, S + 1]: E[A], E[A^2] with s drafts
     np.cumsum(reach, axis=1, out=moments[0, :, 1:])
     np.cumsum(reach * (2 * k - 1), axis=1, out=moments[1, :, 1:])
-    mean_a, square_a = _at_depths(moments[0], caps, max_depth), _at_depths(moments[1], caps, max_depth)  # [n, D + 1]
+    if lengths is None:
+        mean_a, square_a = _at_depths(moments[0], caps, max_depth), _at_depths(moments[1], caps, max_depth)  # [n, D + 1]
+    else:  # [n, C]: each candidate's own lengths
+        mean_a, square_a = (np.take_along_axis(moments[i], np.asarray(lengths).T, axis=1) for i in range(2))
     tokens = 1.0 + mean_a
     variance = np.maximum(square_a - mean_a ** 2, 0.0)
     left = np.maximum(np.asarray(tokens_left, dtype=np.float64), 1.0)[:, None]  # [n, 1]

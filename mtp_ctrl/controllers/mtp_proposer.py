@@ -66,6 +66,8 @@ class MTPProposer(Proposer):
     paged KV cache of its own (:meth:`bind`); how often those drafts are accepted depends on how the
     layer was trained (a layer trained only at depth 1 sees its own outputs as input)."""
 
+    takes_ragged_rows = True  # windows read the step's rows by query_start_loc and positions
+
     def __init__(self, mode: str = "paged", reuse_last_layer: bool = False, skip_idle_windows: bool = False,
                  catch_up_positions: int = 8):
         if mode not in ("paged", "single_position"):

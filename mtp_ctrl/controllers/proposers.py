@@ -65,6 +65,12 @@ class DraftBatch:
 class Proposer(abc.ABC):
     """Drafts ``num_speculative_tokens`` tokens per request."""
 
+    # The proposer reads the step's packed rows through ``query_start_loc``, ``first_positions`` /
+    # ``bonus_positions`` and ``last_accepted_rows`` only, so a decode request may run ``1 + s_r``
+    # rows (the drafts it holds) instead of ``1 + V`` (ragged rows; docs/draft_lengths.md). False
+    # (the default): the controller keeps ``1 + V`` rows a decode request (the padded layout).
+    takes_ragged_rows = False
+
     def bind(self, draft_context: DraftContext) -> None:
         """Called once by the controller's constructor (only when S > 0): allocate buffers and
         device rows here. Keeps ``draft_context`` as :attr:`draft_context`."""

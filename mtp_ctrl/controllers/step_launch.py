@@ -6,7 +6,9 @@ applies the read-back. No host sync and no value-dependent Python: the grid is t
 (padded) request count, every request has ``1 + V`` logits rows (V = ``step.verify_width``, the
 step's verify tier: the most drafts any of its decode requests holds), and the real counts
 (requests, decode requests, sampling requests) are read on the device, so a padded step can be
-captured in a CUDA graph (one per tier). A step with ``V = 0`` is a plain decode step.
+captured in a CUDA graph (one per tier). A step with ``V = 0`` is a plain decode step. With ragged
+rows (``context.ragged_rows``) decode request r ran only ``1 + s_r`` of its ``1 + V`` logits rows'
+packed rows (``StepMetadata``'s docstring); its logits rows keep the ``1 + V`` layout.
 """
 
 from typing import Callable, Optional
@@ -98,7 +100,8 @@ class StepLauncher:
             table.last_kv_block_offset, table.kv_length_offsets, table.kv_block_counts, table.last_kv_block_id,
             table.kv_block_ids, grid, 0, V, shape.block_size_tokens, num_active_requests=step.device_num_sampling,
             out=self._commit_buffers(V, grid, rows.shape[0]), keep_released_blocks=True, decode_count=num_decode,
-            request_slots=step.slot_ids,
+            request_slots=step.slot_ids,  # ragged rows: each decode request rewinds the rows it ran
+            query_start_loc=attention.query_start_loc[: grid + 1] if context.ragged_rows else None,
         )
         # each request's next input token to its slot (a request that sampled nothing this step, or
         # padding, writes a stale value that nothing reads: its next decode follows a step that samples)

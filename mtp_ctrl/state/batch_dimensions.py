@@ -59,3 +59,16 @@ def token_buckets(max_tokens_per_step: int, smallest: int = 64) -> Tuple[int, ..
         buckets.append(size)
         size *= 2
     return tuple(buckets) + (max_tokens_per_step,)
+
+
+RAGGED_ROW_FRACTION = 4  # ragged decode-only graphs: token counts every ceil(G / 4) rows
+
+
+def ragged_token_counts(batch_size: int, verify_width: int) -> Tuple[int, ...]:
+    """Token counts of the decode-only graphs of grid ``batch_size`` (G) at verify width V when
+    decode requests run ``1 + s_r`` rows each (ragged rows, ``s_r <= V``): from ``G`` up in steps of
+    ``ceil(G / RAGGED_ROW_FRACTION)`` rows, then ``G (1 + V)`` (the strided tier's shape, the last);
+    ``(G,)`` at V = 0. ``ragged_token_counts(8, 2) == (10, 12, 14, 16, 18, 20, 22, 24)``."""
+    full = batch_size * (1 + verify_width)
+    step = -(-batch_size // RAGGED_ROW_FRACTION)
+    return tuple(range(batch_size + step, full, step)) + (full,)

@@ -40,7 +40,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from mtp_ctrl.state.batch_dimensions import BatchDimensions, check_batch_sizes, round_up_batch_size, token_buckets
+from mtp_ctrl.state.batch_dimensions import (BatchDimensions, check_batch_sizes, ragged_token_counts, round_up_batch_size,
+                                             token_buckets)
 from mtp_ctrl.state.block_reservations import BlockReservations
 from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
@@ -100,6 +101,8 @@ class DynamicInferenceContext:
         self.cuda_graph_batch_sizes = check_batch_sizes(cuda_graph_batch_sizes, max_requests)
         # token counts of the graphs of steps with prefill chunks (none without batch buckets)
         self.cuda_graph_token_counts = token_buckets(shape.max_tokens_per_step) if self.cuda_graph_batch_sizes else ()
+        # decode requests run 1 + s_r rows each (the drafts they hold), not 1 + V (enable_ragged_rows)
+        self.ragged_rows = False
         self.scheduler = Scheduler(shape)
         if num_blocks is not None:
             self.allocator = KVBlockAllocator(num_blocks, block_size_tokens)
@@ -346,9 +349,13 @@ class DynamicInferenceContext:
             batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes) or num_requests
             lengths[:num_sampling] = draft_lengths(host.request_ids[slot_ids[:num_sampling]], num_sampling, batch_size)
         verify_width = self._verify_width(decode_slots, None if lengths is None else lengths[:num_decode], num_steps)
+        held = self._drafts_held[decode_slots]  # [nd] int64: drafts each decode request verifies this step
+        ragged = self.ragged_rows and num_steps == 1
         query_lengths = np.full(num_requests, 1 + verify_width, dtype=np.int64)  # [n] int64
+        if ragged:  # 1 + s_r rows each (logits rows stay 1 + V a request: StepBuffers.build)
+            query_lengths[:num_decode] = 1 + held
         query_lengths[num_decode:] = [chunk.shape[0] for chunk in chunks]
-        padded = self._graph_shape(num_requests, int(query_lengths.sum()), bool(chunks), verify_width)
+        padded = self._graph_shape(num_requests, int(query_lengths.sum()), bool(chunks), verify_width, ragged)
         if padded is not None or not chunks:  # one fixed bound, so a graph and the eager step split attention alike
             max_seq_len = self.shape.max_blocks_per_request * self.shape.block_size_tokens
         else:
@@ -356,7 +363,7 @@ class DynamicInferenceContext:
         block_writes = self._reservations.take_writes()
         step = self._step_buffers.build(slot_ids, query_lengths, num_decode, chunks, final_chunk_count, padded,
                                         block_writes, max_seq_len, next_prompt_token, num_steps, lengths, verify_width,
-                                        self._drafts_held[decode_slots])
+                                        held)
         self._drafts_held[slot_ids[:num_sampling]] = \
             self.shape.num_speculative_tokens if lengths is None else lengths[:num_sampling]
         self._steps_in_flight.append(step)
@@ -434,26 +441,44 @@ class DynamicInferenceContext:
 
     # ----- scheduling helpers ------------------------------------------------------------
 
+    def enable_ragged_rows(self) -> None:
+        """From now on a single step (not a decode run) gives decode request r ``1 + s_r`` rows, the
+        drafts it holds, instead of ``1 + V`` (its logits rows stay ``1 + V``, the rows past ``s_r``
+        repeating row ``s_r``: see ``StepBuffers.build``); a decode-only step pads its rows to one
+        of ``batch_dimensions.ragged_token_counts``. Not for models with Mamba layers (their intermediate states
+        are laid out ``1 + V`` a request)."""
+        if self.mamba is not None:
+            raise ValueError("ragged decode rows: a model with Mamba / GDN layers keeps 1 + V rows a request")
+        self.ragged_rows = True
+
     def _graph_shape(self, num_requests: int, token_count: int, has_prefill: bool,
-                     verify_width: int) -> Optional[BatchDimensions]:
+                     verify_width: int, ragged: bool = False) -> Optional[BatchDimensions]:
         """The CUDA-graph shape a step pads to, or None (exact, eager): the request count rounds
-        up to a batch bucket (decode-only: ``1 + verify_width`` rows each); a step with prefill
-        rounds its tokens up to a token bucket."""
+        up to a batch bucket (decode-only: ``1 + verify_width`` rows each, or with ``ragged`` rows
+        the token count rounds up to one of ``ragged_token_counts``); a step with prefill rounds its
+        tokens up to a token bucket."""
         batch_size = round_up_batch_size(num_requests, self.cuda_graph_batch_sizes)
         if batch_size is None:
             return None
         if not has_prefill:
+            if ragged:
+                tokens = round_up_batch_size(token_count, ragged_token_counts(batch_size, verify_width))
+                return BatchDimensions(tokens, batch_size, False)
             return BatchDimensions.decode_only(batch_size, verify_width)
         tokens = round_up_batch_size(token_count, self.cuda_graph_token_counts)
         return None if tokens is None else BatchDimensions(tokens, batch_size, True)
 
     def graph_shapes(self, verify_width: Optional[int] = None) -> List[BatchDimensions]:
         """Every CUDA-graph shape a step of verify width V (``verify_width``; default S) can be
-        padded to (see :meth:`_graph_shape`): the decode-only ones (``1 + V`` rows a request), and
+        padded to (see :meth:`_graph_shape`): the decode-only ones (``1 + V`` rows a request; with
+        ragged rows also the token counts below that), and
         the mixed ones (their token buckets do not depend on V; the graph key carries it)."""
         S = self.shape.num_speculative_tokens
         V = S if verify_width is None else verify_width
         shapes = [BatchDimensions.decode_only(size, V) for size in self.cuda_graph_batch_sizes]
+        if self.ragged_rows:  # the tier's ragged token counts below G (1 + V)
+            shapes += [BatchDimensions(tokens, size, False) for size in self.cuda_graph_batch_sizes
+                       for tokens in ragged_token_counts(size, V)[:-1]]
         shapes += [BatchDimensions(tokens, size, True)
                    for size in self.cuda_graph_batch_sizes for tokens in self.cuda_graph_token_counts]
         return shapes

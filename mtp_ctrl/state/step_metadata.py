@@ -4,7 +4,9 @@ Letters: R = max_requests, T = query rows, G = requests of the step's grid, MB =
 
 Rows are packed request by request in step order: every decode request has ``1 + V`` rows
 (its base token, then its drafts; V = ``verify_width``, the most drafts any of the step's decode
-requests holds, at most S), then every prefill request its chunk. The host knows how
+requests holds, at most S), then every prefill request its chunk. With ragged rows
+(``DynamicInferenceContext.enable_ragged_rows``) a decode request has ``1 + s_r`` rows, the drafts
+it holds (``host_verify_lengths``), and its logits rows stay ``1 + V`` (below). The host knows how
 many rows each request has; the device knows where they are (a decode request's KV length is
 the device's, see ``request_table``). So the work is split:
 
@@ -30,7 +32,15 @@ holds ``t0..t3``, block ``1`` is new)::
 
 ``logits_indices`` has ``1 + V`` entries per request of the grid: the decode rows, then each
 final chunk's last row, then zeros (rows computed and ignored), so the shapes of a step depend
-only on its grid. A step padded to a CUDA-graph shape (``B`` requests, ``T`` rows; a decode-only
+only on its grid. With ragged rows decode request r's logits row j is its packed row
+``qsl[r] + min(j, s_r)``: sampling, acceptance and the proposers keep the strided logits layout,
+and a logits row past ``s_r`` repeats row ``s_r`` with a masked draft (never accepted). Example,
+S = V = 2, requests holding 2, 0 and 1 drafts::
+
+    query_start_loc = [0, 3, 4, 6]     positions = [p0, p0+1, p0+2, p1, p2, p2+1]
+    logits_indices  = [0, 1, 2,  3, 3, 3,  4, 5, 5]
+
+A step padded to a CUDA-graph shape (``B`` requests, ``T`` rows; a decode-only
 step has ``T = B * (1 + V)``): padding requests have no query rows (``query_start_loc`` repeats,
 ``seq_lens == 0``), padding rows carry position 0 and slot ``-1`` (no KV write).
 
@@ -213,11 +223,11 @@ class StepBuffers:
             step = self._steady_step(steady_key, block_writes)
             if step is not None:
                 return step
-        stride = V + 1  # rows of each decode request
-        decode_rows = num_decode * stride
+        stride = V + 1  # logits rows of each decode request
         query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)  # [n + 1] int64
         np.cumsum(query_lengths, out=query_start_loc[1:])
         token_count = int(query_start_loc[-1])
+        decode_rows = int(query_start_loc[num_decode])  # num_decode * (1 + V) unless ragged
         num_prefill = num_requests - num_decode
         dimensions = BatchDimensions(token_count, num_requests, num_prefill > 0) if padded is None else padded
         batch_size, padded_tokens = dimensions.request_count, dimensions.token_count
@@ -234,9 +244,15 @@ class StepBuffers:
         # all (the rest point at row 0 and are ignored), so a graph's shapes do not depend on the split
         logits_indices = host["logits_indices"][: batch_size * stride]  # [G * (1 + V)] int64
         final_chunk_ends = query_start_loc[num_decode + 1 :][:num_final_prefill_chunks] - 1
-        logits_indices[:decode_rows] = np.arange(decode_rows)
-        logits_indices[decode_rows : decode_rows + num_final_prefill_chunks] = final_chunk_ends
-        logits_indices[decode_rows + num_final_prefill_chunks :] = 0
+        decode_logits = num_decode * stride
+        if decode_rows == decode_logits:  # every decode request has 1 + V rows
+            logits_indices[:decode_logits] = np.arange(decode_logits)
+        else:  # ragged: request r's logits row j is its row min(j, s_r) (rows past s_r: never accepted)
+            drafts_run = query_lengths[:num_decode, None] - 1  # [nd, 1] int64
+            logits_indices[:decode_logits] = (query_start_loc[:num_decode, None] +
+                                              np.minimum(np.arange(stride)[None, :], drafts_run)).ravel()
+        logits_indices[decode_logits : decode_logits + num_final_prefill_chunks] = final_chunk_ends
+        logits_indices[decode_logits + num_final_prefill_chunks :] = 0
         host["counts"][:] = (num_requests, num_decode, num_sampling)
         host["next_prompt_token"][0] = next_prompt_token
         host["request_ids"][:num_requests] = request_ids

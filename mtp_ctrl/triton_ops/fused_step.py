@@ -112,6 +112,7 @@ def _verify_and_commit_kernel(
     NUM_ACTIVE_PTR,
     NUM_DECODE_PTR,
     REQUEST_SLOTS_PTR,
+    QUERY_START_LOC_PTR,
     NUM_SPEC_TOKENS: tl.constexpr,
     BLOCK_SIZE_TOKENS: tl.constexpr,
     RELEASE_WIDTH: tl.constexpr,
@@ -122,11 +123,13 @@ def _verify_and_commit_kernel(
     DECODE_COUNT_IN_MEMORY: tl.constexpr,
     KEEP_RELEASED_BLOCKS: tl.constexpr,
     HAS_REQUEST_SLOTS: tl.constexpr,
+    HAS_QUERY_START_LOC: tl.constexpr,
 ):
     """One program per request of the grid (decode, then prefill). A padding request (``r >=``
     the real count) writes False over its mask rows, -1 as its last index and "release nothing",
     and leaves the caller's buffers and the KV state alone. With ``HAS_REQUEST_SLOTS`` request r's
-    KV state is row ``request_slots[r]`` of the state tensors."""
+    KV state is row ``request_slots[r]`` of the state tensors. With ``HAS_QUERY_START_LOC`` a decode
+    request rewinds the rows it ran (``query_start_loc``) past its accepted ones, not S past them."""
     request = tl.program_id(0)
     num_requests = tl.num_programs(0)
     if DECODE_COUNT_IN_MEMORY:  # a graph replays with a changing decode/prefill split
@@ -174,10 +177,15 @@ def _verify_and_commit_kernel(
         state_row = tl.load(REQUEST_SLOTS_PTR + request64)
     else:
         state_row = request64
+    if HAS_QUERY_START_LOC:  # ragged rows: the request ran 1 + s_r rows, s_r <= S
+        drafts_run = (tl.load(QUERY_START_LOC_PTR + request64 + 1) - tl.load(QUERY_START_LOC_PTR + request64) - 1)
+        drafts_run = drafts_run.to(tl.int64)
+    else:
+        drafts_run = NUM_SPEC_TOKENS
     _rewind_request(
         request,
         state_row,
-        tl.where(is_decode, NUM_SPEC_TOKENS - accepted_draft_count, 0),
+        tl.where(is_decode, drafts_run - accepted_draft_count, 0),
         is_real,
         LAST_KV_BLOCK_OFFSET_PTR,
         offset_stride,
@@ -245,6 +253,7 @@ def _check_args(
     num_active_requests,
     out,
     request_slots,
+    query_start_loc,
 ) -> None:
     """Validate every argument of :func:`verify_and_commit` (metadata only, so cacheable per signature)."""
     tokens = check_token_rows("input_tokens", input_tokens)
@@ -273,6 +282,9 @@ def _check_args(
         check_tensor("kv_length_offsets", kv_length_offsets, dtypes=INDEX_DTYPES, ndim=1, device=device)
         check_kv_state(last_kv_block_offset, kv_length_offsets, kv_block_counts, last_kv_block_id, kv_block_ids,
                        kv_length_offsets.shape[0], device)
+    if query_start_loc is not None:
+        check_tensor("query_start_loc", query_start_loc, dtypes=INDEX_DTYPES, ndim=1, device=device)
+        check_min_rows("query_start_loc", query_start_loc, num_requests + 1, "requests + 1")
     check_num_active_requests(num_active_requests, num_requests, device)
     if out is not None:
         release_width = max_released_blocks(num_speculative_tokens, block_size_tokens)
@@ -320,6 +332,7 @@ def verify_and_commit(
     keep_released_blocks: bool = False,
     decode_count: Optional[torch.Tensor] = None,
     request_slots: Optional[torch.Tensor] = None,
+    query_start_loc: Optional[torch.Tensor] = None,
 ) -> StepCommit:
     """Verify the drafts, write the next step's inputs and rewind the KV bookkeeping, in one launch.
 
@@ -362,6 +375,12 @@ def verify_and_commit(
     stay indexed by request. The controller passes its step's slot ids; padding requests may
     share a slot, whose state they leave alone.
 
+    ``query_start_loc`` (``[>= N + 1]`` int on the device; ragged rows): decode request r ran the
+    packed rows ``[qsl[r], qsl[r + 1])``, its base token and ``s_r <= S`` drafts, and rewinds
+    ``s_r - accepted`` (not ``S - accepted``); its logits rows stay strided (``1 + S`` each, those
+    past ``s_r`` repeating row ``s_r`` with a masked draft, so it accepts at most ``s_r``). None:
+    every decode request ran ``1 + S`` rows.
+
     Arguments are validated on the first call of each signature (every tensor's dtype, shape and
     device, every int): a call that repeats a validated signature skips the checks, one that
     differs in any checked property is checked again.
@@ -387,6 +406,7 @@ def verify_and_commit(
         num_active_requests,
         out,
         request_slots,
+        query_start_loc,
     )
     if decode_count is not None:
         _check_decode_count(decode_count, num_decode_requests, input_tokens.device)
@@ -420,6 +440,7 @@ def verify_and_commit(
             keep_released_blocks,
             decode_count,
             request_slots,
+            query_start_loc,
         )
     constants = _launch_constants(num_speculative_tokens, block_size_tokens)
     if out is None:
@@ -474,10 +495,12 @@ def verify_and_commit(
         active_count_ptr,
         active_count_ptr if decode_count is None else decode_count,
         active_count_ptr if request_slots is None else request_slots,
+        active_count_ptr if query_start_loc is None else query_start_loc,
         COUNT_IN_MEMORY=count_in_memory,
         DECODE_COUNT_IN_MEMORY=decode_count is not None,
         KEEP_RELEASED_BLOCKS=keep_released_blocks,
         HAS_REQUEST_SLOTS=request_slots is not None,
+        HAS_QUERY_START_LOC=query_start_loc is not None,
         **constants,
     )
     return out

@@ -4,7 +4,8 @@ request's KV by its rows, and derive positions, KV slots, sequence lengths and d
 Letters: G requests in the step's (padded) grid, T packed rows, R table slots, MB blocks per
 request, S drafts. Request r of the step holds table slot ``slot_ids[r]`` (its KV fields, block
 row, next and draft tokens live there) and owns rows ``[qsl[r], qsl[r + 1])``; decode requests
-come first, ``1 + S`` rows each. Example, block size 4, S = 1, one decode request in slot 3 at KV
+come first, each with ``1 + s`` rows (its base token and ``s <= S`` drafts: ``1 + V`` each in a
+strided step, ``1 + s_r`` in a ragged one; the rows come from ``query_start_loc``). Example, block size 4, S = 1, one decode request in slot 3 at KV
 length 6 and one prefill chunk of 3 rows in slot 0 at KV length 0, slot_ids = [3, 0],
 qsl = [0, 2, 5], T = 6 (one padding row): positions = [6, 7, 0, 1, 2, 0], the decode rows take
 ``next_tokens[3]`` and ``draft_tokens[3, 0]``, KV lengths of slots 3 and 0 become 8 and 3,
@@ -28,7 +29,7 @@ def _prepare_step_inputs_kernel(
     BLOCK_IDS_PTR, QUERY_START_LOC_PTR, SLOT_IDS_PTR, KV_LENGTHS_PTR, KV_BLOCK_COUNTS_PTR, LAST_OFFSET_PTR, LAST_BLOCK_ID_PTR,
     NEXT_TOKENS_PTR, DRAFT_TOKENS_PTR, NUM_DECODE_PTR, OUT_SEQ_LENS_PTR, OUT_POSITIONS_PTR, OUT_SLOTS_PTR,
     INPUT_IDS_PTR, OUT_BLOCK_TABLE_PTR, num_requests, num_rows, block_size, blocks_per_request, block_ids_stride,
-    draft_stride, out_block_table_stride, STRIDE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    draft_stride, out_block_table_stride, BLOCK_ROWS: tl.constexpr,
 ):
     """Program ``r < G``: request r (its state at table slot ``slot_ids[r]``); program G: the
     padding rows past the last request."""
@@ -54,7 +55,7 @@ def _prepare_step_inputs_kernel(
             columns = column_start + lanes
             in_row = columns < blocks_per_request
             tl.store(table_row + columns, tl.load(row_base + columns, mask=in_row, other=-1), mask=in_row)
-        decode_rows = tl.load(NUM_DECODE_PTR) * STRIDE
+        num_decode = tl.load(NUM_DECODE_PTR)
         for row_start in range(query_start, query_end, BLOCK_ROWS):
             rows = row_start + lanes
             in_request = rows < query_end
@@ -64,7 +65,7 @@ def _prepare_step_inputs_kernel(
             tl.store(OUT_POSITIONS_PTR + rows, positions, mask=in_request)
             tl.store(OUT_SLOTS_PTR + rows, block_ids * block_size + positions % block_size, mask=in_request)
             # a decode request's rows: the last verified token, then its drafts
-            is_decode = in_request & (rows < decode_rows)
+            is_decode = in_request & (r + 0 * lanes < num_decode)  # a decode request's rows (from query_start_loc)
             in_row = rows - query_start
             base_token = tl.load(NEXT_TOKENS_PTR + slot + 0 * rows, mask=is_decode & (in_row == 0), other=0)
             draft = tl.load(DRAFT_TOKENS_PTR + slot * draft_stride + tl.maximum(in_row - 1, 0),
@@ -154,5 +155,5 @@ def prepare_step_inputs(
         block_ids, query_start_loc, slot_ids, kv_length_offsets, kv_block_counts, last_kv_block_offset,
         last_kv_block_id, next_tokens, draft_tokens, num_decode, out_seq_lens, out_positions, out_slot_mapping,
         input_ids, out_block_table, num_requests, num_rows, block_size, block_ids.shape[1], block_ids.stride(0),
-        draft_tokens.stride(0), out_block_table.stride(0), STRIDE=draft_tokens.shape[1] + 1, BLOCK_ROWS=BLOCK_ROWS,
+        draft_tokens.stride(0), out_block_table.stride(0), BLOCK_ROWS=BLOCK_ROWS,
     )

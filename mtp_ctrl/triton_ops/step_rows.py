@@ -51,7 +51,8 @@ def _draft_batch_rows_kernel(QUERY_START_LOC_PTR, SEQ_LENS_PTR, ACCEPTED_PTR, CO
                      - tl.load(QUERY_START_LOC_PTR + requests, mask=is_request, other=0)).to(tl.int64)
     seq_lens = tl.load(SEQ_LENS_PTR + requests, mask=is_request, other=0).to(tl.int64)
     accepted = tl.load(ACCEPTED_PTR + requests, mask=is_request, other=0)
-    rewinds = tl.where(requests < num_decode, S - accepted, 0)
+    # a decode request ran 1 + s_r rows (its drafts; s_r = S in a strided step): the rejected ones rewind
+    rewinds = tl.where(requests < num_decode, query_lengths - 1 - accepted, 0)
     slots = tl.load(SLOT_IDS_PTR + requests, mask=is_request, other=0)
     tl.store(OUT_WRITE_ROWS_PTR + requests, tl.where(requests < num_active, slots, padding_row).to(tl.int64),
              mask=is_request)
@@ -112,7 +113,9 @@ def draft_batch_rows(
     out_bonus_positions: torch.Tensor,  # [G] int64, written: e, the position of its last sampled token
 ) -> None:
     """The proposer's per-request fields (``DraftBatch``): ``first = seq_len - q`` and
-    ``e = seq_len - (S - accepted)`` for a decode request, ``seq_len`` for the others."""
+    ``e = seq_len - (q - 1 - accepted)`` for a decode request (its ``q`` rows: the base token and
+    the drafts it verified, ``1 + S`` in a strided step, ``1 + s_r`` in a ragged one), ``seq_len``
+    for the others."""
     check_tensor("query_start_loc", query_start_loc, dtypes=(torch.int32,), ndim=1)
     num_requests = query_start_loc.shape[0] - 1
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(num_requests,))

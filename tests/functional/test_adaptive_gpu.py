@@ -1,14 +1,15 @@
 """GPU: per-request draft lengths (issue 34) replay the warmed-up CUDA graphs (one per verify
 tier and draft depth, and per plan of skipped MTP windows) with no host sync, and the output
-equals plain decoding; skipped MTP windows caught up draft what run windows draft."""
+equals plain decoding; skipped MTP windows caught up draft what run windows draft; ragged rows (a
+decode request runs 1 + s_r rows) replay their token counts' graphs with no host sync, == eager == plain."""
 
 import collections
 
 import pytest
 import torch
 
-from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, RandomDraftLengths, SamplingParams,
-                                  TextGenerationController)
+from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, PerRequestGoodputPolicy, RandomDraftLengths,
+                                  SamplingParams, TextGenerationController)
 from tests.functional.sync_checks import no_host_sync
 from tests.functional.test_controller_gpu import DeviceOracleProposer, plain_sequences
 from tests.unit.draft_length_fixtures import BurstyLengths
@@ -153,3 +154,39 @@ def test_skipped_mtp_windows_accept_what_run_windows_accept(model, temperature):
     run = run_bursty(model, params, 1, True, mtp_idle_windows="run")
     assert skipped[0] == run[0] and sum(run[1]) > 0
     assert skipped[1] == run[1], (skipped[1], run[1])
+
+
+class RaggedDeviceOracle(DeviceOracleProposer):
+    takes_ragged_rows = True  # reads bonus_positions only
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "mtp"])
+def test_ragged_rows_replay_graphs_with_no_sync_and_equal_eager_and_plain(model, drafter):
+    """Ragged rows: the device oracle under random lengths, paged MTP under PerRequestGoodputPolicy;
+    decode-only steps pad their rows to a ragged token count (some below the tier's G (1 + V)),
+    replay graphs ``warmup()`` captured (nothing captured while serving) with no host sync; outputs ==
+    eager == plain decoding, greedy and sampled requests together; every KV block freed."""
+    params = [SamplingParams(max_new_tokens=24, temperature=0.8 * (i % 2), seed=11 + i) for i in range(len(PROMPTS))]
+    plain = TextGenerationController(model, make_config(0)).generate(PROMPTS, params)
+    outputs = []
+    for graphs in (True, False):
+        proposer = RaggedDeviceOracle(plain_sequences(PROMPTS, plain, 2 * (S + 1)).cuda()) if drafter == "oracle" \
+            else None
+        policy = RandomDraftLengths(seed=4) if drafter == "oracle" else PerRequestGoodputPolicy(decide_every=2)
+        controller = SyncChecked(model, make_config(S, cuda_graph_batch_sizes=(8,) if graphs else ()),
+                                 proposer=proposer, draft_policy=policy)
+        warmed = controller.warmup()
+        below_tier = []
+        controller.on_launch = lambda step, key: below_tier.append(
+            not step.num_prefill and step.dimensions.token_count < step.dimensions.request_count * (1 + step.verify_width))
+        ids = [controller.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]  # id = the oracle's row
+        while controller.has_unfinished_requests():
+            controller.step()
+        outputs.append([controller.result(rid).output_tokens for rid in ids])
+        assert controller.debug_view().num_cuda_graphs == warmed  # nothing captured while serving
+        assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
+        if graphs:
+            assert warmed > 0 and any(below_tier), below_tier
+            assert controller.decode_launches > 4
+        controller.close()
+    assert outputs[0] == outputs[1] == [r.output_tokens for r in plain]

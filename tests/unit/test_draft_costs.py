@@ -133,22 +133,24 @@ def _step(G, V, D, prefill=0, steps=1, decode=None):
 
 
 def test_step_timing_counts_every_busy_call_as_realised():
-    """With the tokens the applied launch's decode requests emitted, every call after a busy return
-    that applied one launch with decode requests verifying what it drafted (V = D) is a realised
-    sample, steady or not; an idle return before it, a switch's launch (V != D), a launch without
-    decode requests or two launches are not."""
+    """With the tokens the applied launch's decode requests emitted, every call after a return with
+    work left that applied one launch with decode requests verifying what it drafted (V = D) is a
+    realised sample, steady or not; a call after an idle return, a switch's launch (V != D), a
+    launch without decode requests or two launches are not."""
     lengths = DraftLengths(GoodputPolicy(), SHAPE)
-    assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1, 16, busy=False) is None  # after an idle return
-    assert lengths.step_timing([(_step(8, 2, 0), 1e-3)], 5e-3, 1, 16, busy=True) is None  # a switch: V = 2, D = 0
-    assert lengths.step_timing([(_step(8, S, 0, prefill=8, decode=0), 1e-3)], 5e-3, 1, 0, busy=True) is None
-    lengths.step_timing([(_step(8, 0, 0, prefill=1), 1e-3)], 5e-3, 1, 7, busy=True)  # a mixed step (steady)
-    after_mixed = lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, busy=True)  # not steady: realised only
+    assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1, 16, work_left=True) is None  # the first call
+    assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1, 16, work_left=False).tokens == 16  # steady too
+    assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1, 16, work_left=True) is None  # after an idle return
+    assert lengths.step_timing([(_step(8, 2, 0), 1e-3)], 5e-3, 1, 16, work_left=True) is None  # a switch: V = 2, D = 0
+    assert lengths.step_timing([(_step(8, S, 0, prefill=8, decode=0), 1e-3)], 5e-3, 1, 0, work_left=True) is None
+    lengths.step_timing([(_step(8, 0, 0, prefill=1), 1e-3)], 5e-3, 1, 7, work_left=True)  # a mixed step (steady)
+    after_mixed = lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True)  # not steady: realised
     assert after_mixed == (8, 0, 6e-4, 4e-4, False, False, 8, 8, 1)
-    assert lengths.step_timing([(_step(8, 0, 0), 1e-3)] * 2, 5e-3, 2, 16, busy=True) is None  # two launches
-    lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, busy=True)
-    steady = lengths.step_timing([(_step(8, 0, 0, steps=4), 8e-3)], 4e-3, 4, 32, busy=True)  # a decode run
+    assert lengths.step_timing([(_step(8, 0, 0), 1e-3)] * 2, 5e-3, 2, 16, work_left=True) is None  # two launches
+    lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True)
+    steady = lengths.step_timing([(_step(8, 0, 0, steps=4), 8e-3)], 4e-3, 4, 32, work_left=True)  # a decode run
     assert steady == (8, 0, 1e-3, 2e-3, False, True, 32, 32, 4)
-    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, busy=True).steady is False  # not sampled
+    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True).steady is False  # not sampled
 
 
 def test_realised_walls_calibrate_each_depth():

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from mtp_ctrl.controllers import MTPProposer, Proposer, SamplingParams
+from mtp_ctrl.controllers import MTPProposer, PerRequestGoodputPolicy, Proposer, SamplingParams
 from mtp_ctrl.controllers.draft_policy import FixedDraftLength, GoodputPolicy, RandomDraftLengths
+from mtp_ctrl.state.batch_dimensions import ragged_token_counts
 from tests.unit.controller_fixtures import MTP_DEPTH, OracleProposer
 from tests.unit.draft_length_fixtures import (ARRIVALS, QUEUED, SQUEEZE, CheckedRandomLengths, MixedTiers,  # noqa: F401
                                               ZeroLengths, controller_for, mtp_model, plain, run)  # fixtures too
@@ -49,6 +50,28 @@ def test_mtp_proposer_random_lengths_equal_plain(mtp_model, plain, torch_twins, 
     assert run(controller, ARRIVALS)[1] == plain[1]
 
 
+@pytest.mark.parametrize("policy,steps_per_launch", [("per_request", 1), ("random", 4)])
+def test_ragged_rows_equal_plain_and_free_every_block(mtp_model, plain, torch_twins, policy, steps_per_launch):
+    """Ragged rows (each decode request runs ``1 + s_r`` rows) under ``PerRequestGoodputPolicy``, and
+    under random lengths with decode runs (their steps keep ``1 + V`` rows a request) between single
+    ragged steps: plain decoding's output (churn, preemption, sampling), and every KV block back in
+    the pool at the end (the rewinds freed nothing twice and leaked nothing)."""
+    chosen = PerRequestGoodputPolicy(decide_every=1) if policy == "per_request" else RandomDraftLengths(seed=3)
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), chosen,
+                                decode_steps_per_launch=steps_per_launch, **SQUEEZE)
+    steps = []
+    controller.on_launch = lambda step, key: steps.append((step.num_steps, step.host_query_lengths[: step.num_decode]
+                                                          .tolist(), step.verify_width))
+    assert run(controller, ARRIVALS)[1] == plain[1]
+    allocator = controller.context.allocator
+    assert allocator.num_free_blocks == allocator.num_blocks
+    ragged = [rows for num_steps, rows, width in steps if num_steps == 1 and any(r < 1 + width for r in rows)]
+    assert ragged, steps  # some single step ran fewer rows than its tier
+    runs = [rows for num_steps, rows, width in steps if num_steps > 1]
+    assert (steps_per_launch > 1) == bool(runs) and all(set(rows) == {1 + width} for num_steps, rows, width in steps
+                                                        if num_steps > 1)
+
+
 class CountingMTP(MTPProposer):
     def __init__(self, **options):
         super().__init__("paged", **options)
@@ -76,31 +99,52 @@ def test_skipped_idle_windows_run_no_depth(mtp_model, plain, torch_twins):
         assert (proposer.proposals[True] > 0) == expected_runs and proposer.proposals[False] > 0
 
 
-def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, plain, torch_twins):
+@pytest.mark.parametrize("ragged", [False, True])
+def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, plain, torch_twins, ragged):
     """A decode-only step verifies V = the most drafts any of its decode requests holds (chosen when
-    it last sampled): 1 + V rows per request, graph shape and key included, so steps of plain
+    it last sampled): 1 + V logits rows per request, graph shape and key included, so steps of plain
     decoding's width (V = 0) occur too; a decode-only step's key says it masks draft rows exactly
     when some request holds fewer than V. Random lengths change V from step to step; the output stays plain
-    decoding's (churn, preemption, padded steps, sampling)."""
-    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), RandomDraftLengths(seed=7), **SQUEEZE)
+    decoding's (churn, preemption, padded steps, sampling). ``ragged``: each decode request runs
+    ``1 + s_r`` forward rows (the drafts it holds; ``InferenceConfig.ragged_rows``), its logits
+    rows repeat row ``s_r`` past it, and a decode-only step pads its rows to a ragged token count
+    (masked below the tier's ``G (1 + V)``); else ``1 + V`` rows each (the padded layout)."""
+    controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged"), RandomDraftLengths(seed=7),
+                                ragged_rows=ragged, **SQUEEZE)
     held, widths, masks, mixed_widths = {}, [], [], []  # request id -> drafts it holds; V of each step; keys' masks
+    ragged_steps = []  # decode-only steps whose rows were not G (1 + V)
 
     def check(step, graph_key):
         if step.num_decode:  # with or without prefill chunks
             expected = max(held[request_id] for request_id in step.request_ids[: step.num_decode])
+            drafts = [held[request_id] for request_id in step.request_ids[: step.num_decode]]
             assert step.verify_width == expected, (step.verify_width, expected)
-            assert step.logits_indices.shape[0] == step.dimensions.request_count * (1 + expected)
+            assert list(step.host_verify_lengths) == drafts
+            G = step.dimensions.request_count
+            assert step.logits_indices.shape[0] == G * (1 + expected)
+            rows = step.host_query_lengths[: step.num_decode].tolist()
+            assert rows == ([1 + d for d in drafts] if ragged else [1 + expected] * len(drafts)), rows
+            starts = step.host_query_start_loc.tolist()
+            logits = [starts[r] + min(j, rows[r] - 1) for r in range(len(drafts)) for j in range(1 + expected)]
+            assert step.logits_indices[: len(logits)].tolist() == logits
+            full = step.dimensions.token_count == G * (1 + expected)
             if step.num_prefill == 0:
                 assert step.attention.max_query_len == 1 + expected
-                assert step.dimensions.token_count == step.dimensions.request_count * (1 + expected)
+                if ragged:
+                    assert step.dimensions.token_count in ragged_token_counts(G, expected)
+                    assert step.dimensions.token_count >= sum(rows)
+                    ragged_steps.append(not full)
+                else:
+                    assert full
             else:
                 mixed_widths.append(expected)
             assert graph_key is None or graph_key[3] == expected
             if graph_key is not None:
-                fewest = min(held[request_id] for request_id in step.request_ids[: step.num_decode])
-                # a step with prefill chunks masks at any V > 0 (one graph per mixed shape and tier)
-                assert graph_key[5] == (fewest < expected or (step.num_prefill > 0 and expected > 0)), \
-                    (graph_key, fewest)
+                fewest = min(drafts)
+                # a step with prefill chunks masks at any V > 0 (one graph per mixed shape and tier), a
+                # decode-only step at a ragged token count below the tier always (the one graph warmed up)
+                assert graph_key[5] == (fewest < expected or (step.num_prefill > 0 and expected > 0) or
+                                        (step.num_prefill == 0 and not full)), (graph_key, fewest)
                 masks.append(graph_key[5])
             widths.append(expected)
         else:
@@ -117,6 +161,7 @@ def test_verify_width_follows_the_drafts_held_and_changes_every_step(mtp_model, 
     assert True in masks and False in masks, masks
     changes = sum(a != b for a, b in zip(widths, widths[1:]))
     assert changes >= len(widths) // 3, widths
+    assert (True in ragged_steps) == ragged, ragged_steps
 
 
 def test_mixed_steps_verify_their_own_tier_under_a_queue(mtp_model, torch_twins):

@@ -1,5 +1,6 @@
 """Draft-length policies under tensor parallelism (CPU, two gloo ranks): TP = 2 emits TP = 1's
-tokens with random and goodput draft lengths, and every rank makes the same choices (the TP
+tokens with random, goodput and per-request goodput draft lengths (ragged rows), and every rank
+makes the same choices (the TP
 lockstep check compares each step's draft lengths, so a divergence would raise)."""
 
 import torch
@@ -15,9 +16,10 @@ SAMPLING = (dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=7))
 
 def generate_all(tensor_parallel_size: int):
     """Greedy, then sampled: plain (S = 0) and S = 2 (MTP drafting) with random lengths (greedy)
-    or goodput lengths (sampled); and the random policy's choices."""
-    from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, RandomDraftLengths, SamplingParams,
-                                      TextGenerationController)
+    or goodput lengths (sampled); then greedy with per-request goodput lengths; and the random
+    policy's choices."""
+    from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, PerRequestGoodputPolicy, RandomDraftLengths,
+                                      SamplingParams, TextGenerationController)
 
     model = build_tiny_model(tiny_config(mtp_num_layers=2, tensor_parallel_size=tensor_parallel_size))
     outputs, choices = [], []
@@ -30,6 +32,12 @@ def generate_all(tensor_parallel_size: int):
             outputs.append([list(result.output_tokens) for result in results])
             if isinstance(policy, RandomDraftLengths):
                 choices.append([lengths.tolist() for lengths in policy.chosen])
+    # a length per request (ragged rows), greedy: its costs are the first rank's on every rank
+    config = InferenceConfig(num_speculative_tokens=2, max_requests=2, block_size_tokens=4, max_model_len=48,
+                             max_tokens_per_step=64)
+    controller = TextGenerationController(model, config, draft_policy=PerRequestGoodputPolicy(decide_every=1))
+    results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=6, **SAMPLING[0]))
+    outputs.append([list(result.output_tokens) for result in results])
     return outputs, choices
 
 
@@ -49,7 +57,7 @@ def test_draft_lengths_tp2_match_tp1(tmp_path):
     ensure_single_process_groups()
     with torch_twins():
         outputs, choices = generate_all(1)
-    assert outputs[0] == outputs[1] and outputs[2] == outputs[3]  # == plain
+    assert outputs[0] == outputs[1] == outputs[4] and outputs[2] == outputs[3]  # == plain
     assert any(1 in step for step in choices[0]) and any(0 in step for step in choices[0])  # lengths varied
     path = tmp_path / "draft_lengths_tp1.pt"
     torch.save((outputs, choices), path)

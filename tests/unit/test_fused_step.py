@@ -304,3 +304,57 @@ def test_request_slots_equal_the_state_by_request(num_decode, num_prefill, num_s
         for got_rows, want_rows, before in zip(got_state, want_state, scattered):
             assert torch.equal(got_rows[slots[:num_real]], want_rows[:num_real])
             assert torch.equal(got_rows[others], before[others])
+
+
+def _ragged_case(drafts, num_spec, seed):
+    """Decode requests that ran ``1 + drafts[r]`` packed rows (ragged), their logits rows strided
+    (``1 + S`` each; rows past ``s_r`` repeat row ``s_r`` with a masked draft, as the controller lays
+    them out): (input tokens, output tokens, logits indices, query_start_loc) of the logits rows."""
+    generator = torch.Generator().manual_seed(seed)
+    stride, num_decode = num_spec + 1, len(drafts)
+    starts = torch.zeros(num_decode + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(drafts, dtype=torch.int32) + 1, 0)
+    depth = torch.arange(num_decode * stride) % stride
+    request = torch.arange(num_decode * stride) // stride
+    lengths = torch.tensor(drafts)[request]
+    logits_indices = starts[:-1].long()[request] + torch.minimum(depth, lengths)  # [Nd * (1 + S)]
+    output_tokens = torch.randint(0, 9, (num_decode * stride,), generator=generator)
+    input_tokens = torch.randint(0, 9, (num_decode * stride,), generator=generator)
+    copied = torch.rand(input_tokens.shape[0], generator=generator) < 0.7
+    input_tokens[1:][copied[1:]] = output_tokens[:-1][copied[1:]]
+    input_tokens[depth == 0] = 5
+    input_tokens[depth > lengths] = -1  # drafts past s_r were not made: masked
+    return input_tokens, output_tokens, logits_indices, starts
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ragged_rows_rewind_the_rows_each_request_ran(seed):
+    """``query_start_loc``: decode request r ran ``1 + s_r`` rows (s = 0, 3, 1, 2, 0; S = 3) and is
+    rewound by ``s_r - accepted``; the kernel equals the twin, and everything else equals the
+    strided call's (same logits rows) but the rewind."""
+    drafts, S, block_size = [0, 3, 1, 2, 0], 3, 2
+    inputs, outputs, indices, starts = _ragged_case(drafts, S, seed)
+    N = len(drafts)
+    state = make_kv_state(N, S, block_size, seed=seed)
+    results = []
+    for op in OPS:
+        for qsl in (starts, None):
+            buffers, kv_state = _buffers(N, S), clone_all(state)
+            got = op(inputs, outputs, indices, *buffers, *kv_state, N, 0, S, block_size, None, None,
+                     keep_released_blocks=True, query_start_loc=qsl)
+            results.append((list(got) + buffers, kv_state))
+    (ragged, ragged_state), (strided, strided_state), (twin, twin_state), _ = results
+    assert_all_equal(ragged + ragged_state, twin + twin_state)
+    same = [0, 1, 3, 4, 5, 6, 7]  # not blocks_to_release (the rewinds differ; with keep_released_blocks it is unused)
+    assert_all_equal([ragged[i] for i in same], [strided[i] for i in same])
+    accepted = ragged[-1]  # accepted_token_counts
+    assert bool((accepted <= torch.tensor(drafts)).all())
+    assert torch.equal(ragged_state[1], state[1] - (torch.tensor(drafts) - accepted))  # kv_length_offsets
+    assert torch.equal(strided_state[1], state[1] - (S - accepted))
+
+
+def test_query_start_loc_is_checked():
+    inputs, outputs, indices, starts = _ragged_case([1, 2], 2, 0)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        verify_and_commit(inputs, outputs, indices, *_buffers(2, 2), *make_kv_state(2, 2, 4, seed=0), 2, 0, 2, 4,
+                          query_start_loc=starts[:2])

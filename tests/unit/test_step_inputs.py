@@ -13,13 +13,14 @@ NAMES = ("block_writes", "block_ids", "query_start_loc", "slot_ids", "kv_length_
 
 
 def step_inputs_case(generator, num_decode, prefill_lengths, num_padding, S, block_size=4, max_requests=10,
-          padding_rows=3, num_writes=5):
+          padding_rows=3, num_writes=5, decode_drafts=None):
+    """``decode_drafts``: each decode request's drafts (ragged rows, ``1 + s_r`` each); None: S each."""
     def randint(low, high, size=()):
         return torch.randint(low, high, size, generator=generator)
 
     G = num_decode + len(prefill_lengths) + num_padding
     R, MB = max_requests, 32  # room for the longest case (30 + 70 tokens)
-    query_lengths = [1 + S] * num_decode + list(prefill_lengths) + [0] * num_padding
+    query_lengths = [1 + s for s in (decode_drafts or [S] * num_decode)] + list(prefill_lengths) + [0] * num_padding
     starts = torch.zeros(G + 1, dtype=torch.int32)
     starts[1:] = torch.cumsum(torch.tensor(query_lengths, dtype=torch.int32), 0)
     T = int(starts[-1]) + padding_rows
@@ -96,3 +97,28 @@ def test_bad_arguments_are_named(name, value, error):
     case[name] = value
     with pytest.raises(error, match=name):
         prepare_step_inputs(**case)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("decode_drafts,prefill_lengths", [([0, 3, 1, 2], ()), ([2, 0], (5,)), ([0, 0, 0], ())])
+def test_ragged_decode_rows(seed, decode_drafts, prefill_lengths):
+    """Decode requests of ``1 + s_r`` rows (S = 3), with and without a prefill chunk after them, and
+    an all-zero step: kernel == reference; each decode request's rows take its base token, then its
+    first ``s_r`` drafts, at its own positions."""
+    S, num_decode = 3, len(decode_drafts)
+    case = step_inputs_case(torch.Generator().manual_seed(seed), num_decode, prefill_lengths, 1, S,
+                            decode_drafts=decode_drafts)
+    want, before = _clone(case), _clone(case)
+    prepare_step_inputs(**case)
+    reference.prepare_step_inputs(**want)
+    for name in NAMES:
+        if isinstance(case[name], torch.Tensor):
+            assert torch.equal(case[name], want[name]), name
+    starts, slots = case["query_start_loc"].tolist(), case["slot_ids"]
+    for r, s in enumerate(decode_drafts):
+        slot, rows = int(slots[r]), slice(starts[r], starts[r + 1])
+        assert starts[r + 1] - starts[r] == 1 + s
+        expected = [int(before["next_tokens"][slot])] + before["draft_tokens"][slot, :s].tolist()
+        assert case["input_ids"][rows].tolist() == expected
+        first = int(before["kv_length_offsets"][slot])
+        assert case["out_positions"][rows].tolist() == list(range(first, first + 1 + s))

@@ -86,3 +86,14 @@ def test_bad_arguments_are_named():
     case["out_samples"], case["counts"] = torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="counts"):
         draft_batch_rows(**case)
+
+
+@pytest.mark.parametrize("op", [draft_batch_rows, reference.draft_batch_rows])
+def test_draft_rows_ragged_decode_rows(op):
+    """Ragged rows (S = 3): decode requests of 1, 2 and 4 rows (s = 0, 1, 3) that accepted 0, 1, 1
+    drafts: each bonus position rewinds its own rows, ``e = seq_len - (q - 1 - accepted)``."""
+    case = draft_rows_case(torch.Generator().manual_seed(0), 3, (3, 3, 3), 3)
+    case.update(query_start_loc=torch.tensor([0, 1, 3, 7], dtype=torch.int32),
+                seq_lens=torch.tensor([9, 20, 30], dtype=torch.int32), accepted_counts=torch.tensor([0, 1, 1]))
+    op(**case)
+    assert case["out_first_positions"].tolist() == [8, 18, 26] and case["out_bonus_positions"].tolist() == [9, 20, 28]

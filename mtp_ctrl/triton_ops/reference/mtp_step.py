@@ -165,11 +165,13 @@ def verify_and_commit(
     keep_released_blocks: bool = False,
     decode_count=None,
     request_slots=None,
+    query_start_loc=None,
 ):
     """The three reference ops in a row, on the real requests only (padding slots keep their state).
     ``keep_released_blocks``: the block ids stay in ``kv_block_ids`` and nothing is reported released.
     ``decode_count`` (a 1-element tensor): the decode-request count, ``num_decode_requests`` its bound.
-    ``request_slots``: request r's KV state is row ``request_slots[r]`` of the state tensors."""
+    ``request_slots``: request r's KV state is row ``request_slots[r]`` of the state tensors.
+    ``query_start_loc``: a decode request rewinds ``rows - 1 - accepted`` (its packed rows), not ``S - accepted``."""
     num_requests = num_decode_requests + num_prefill_requests
     if request_slots is not None:  # run on the requests' gathered state, then write it back
         slots = request_slots[:num_requests]
@@ -178,7 +180,8 @@ def verify_and_commit(
         result = verify_and_commit(input_tokens, output_tokens, required_logit_indices, sampled_tokens_buf,
                                    last_accepted_seq_buf, accepted_tokens_per_request, accepted_token_counts,
                                    *gathered, num_decode_requests, num_prefill_requests, num_speculative_tokens,
-                                   block_size_tokens, num_active_requests, out, keep_released_blocks, decode_count)
+                                   block_size_tokens, num_active_requests, out, keep_released_blocks, decode_count,
+                                   query_start_loc=query_start_loc)
         for tensor, rows in zip(state, gathered):  # padding requests left their (shared) slot's rows as they were
             tensor[slots] = rows
         return result
@@ -211,6 +214,10 @@ def verify_and_commit(
 
     decode_accepted_counts = torch.zeros(num_requests, dtype=torch.int64, device=device)  # [N]
     decode_accepted_counts[:num_decode_requests] = accepted_token_counts[:num_decode_requests]
+    if query_start_loc is not None:  # rewind rows - 1 - accepted = S - (accepted + S + 1 - rows)
+        starts = query_start_loc.long()
+        rows = (starts[1 : num_requests + 1] - starts[:num_requests])[:num_decode_requests]
+        decode_accepted_counts[:num_decode_requests] += num_speculative_tokens + 1 - rows
     is_prefill = (torch.arange(num_requests, device=device) >= num_decode_requests).to(torch.int32)  # [N]
     kept_block_ids = kv_block_ids.clone() if keep_released_blocks else None
     blocks_to_release, remove_mask = rewind_kv_cache(

@@ -38,13 +38,13 @@ def prepare_step_inputs(block_writes, block_ids, query_start_loc, slot_ids, kv_l
     out_positions.copy_(positions)
     out_slot_mapping.copy_(torch.where(valid, row_block_ids * block_size + positions % block_size, -1))
 
-    # decode rows take the last verified token, then the drafts; other rows keep their token
-    stride = draft_tokens.shape[1] + 1
-    row_slot = slots[(row_index // stride).clamp(max=G - 1)]  # [T] int64, if the row decodes
-    row_in_request = row_index % stride
+    # decode rows (request r < num_decode, its rows from query_start_loc) take the last verified token,
+    # then the drafts; other rows keep their token
+    row_slot = slots[row_requests]  # [T] int64
+    row_in_request = row_index - starts[row_requests]  # [T] int64
     decode_tokens = next_tokens[row_slot]  # [T] int64
-    if stride > 1:
-        drafts = draft_tokens[row_slot, (row_in_request - 1).clamp(min=0)]
+    if draft_tokens.shape[1] > 0:
+        drafts = draft_tokens[row_slot, (row_in_request - 1).clamp(min=0, max=draft_tokens.shape[1] - 1)]
         decode_tokens = torch.where(row_in_request > 0, drafts, decode_tokens)
-    is_decode_row = row_index < num_decode.reshape(()) * stride
+    is_decode_row = valid & (row_requests < num_decode.reshape(()))
     input_ids.copy_(torch.where(is_decode_row, decode_tokens, input_ids))

@@ -22,8 +22,9 @@ def draft_batch_rows(query_start_loc, seq_lens, accepted_counts, counts, slot_id
     num_active, num_decode, num_sampling = counts[0], counts[1], counts[2]
     starts = query_start_loc.long()
     lengths = seq_lens.long()
-    rewinds = torch.where(request_index < num_decode, num_speculative_tokens - accepted_counts[:num_requests], 0)
+    query_lengths = starts[1:] - starts[:-1]  # [G] int64: a decode request's 1 + its drafts
+    rewinds = torch.where(request_index < num_decode, query_lengths - 1 - accepted_counts[:num_requests], 0)
     out_write_rows.copy_(torch.where(request_index < num_active, slot_ids, padding_row))
     out_samples.copy_(request_index < num_sampling)
-    out_first_positions.copy_(lengths - (starts[1:] - starts[:-1]))
+    out_first_positions.copy_(lengths - query_lengths)
     out_bonus_positions.copy_(lengths - rewinds)

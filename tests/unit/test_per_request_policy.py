@@ -1,0 +1,132 @@
+"""PerRequestGoodputPolicy on its own (host numbers, no model): per-request lengths from the
+acceptance estimates and a cost by rows (a 0.9 request drafts more than a 0.2 one), the module's
+worked example, the drain objective, the join length, the row cost model, determinism."""
+
+import numpy as np
+
+from mtp_ctrl.controllers import PerRequestGoodputPolicy
+from mtp_ctrl.controllers.draft_policy import DraftLengthQuery
+from mtp_ctrl.controllers.per_request_policy import RowCostModel
+from mtp_ctrl.state import EngineShape
+
+S, G = 3, 6
+SHAPE = EngineShape(max_requests=8, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
+                    max_tokens_per_step=64)
+RATES = {1: 0.9, 2: 0.6, 3: 0.2, 4: 0.9, 5: 0.6, 6: 0.2}
+
+
+def row_costs(per_row=0.1, per_depth=0.0):
+    """Warm-up row costs at grid G: ``1 + per_row (T - G) + per_depth D`` for every ragged count."""
+    return {(G, T, D, False): 1.0 + per_row * (T - G) + per_depth * D for D in range(S + 1)
+            for T in range(G, G * (1 + S) + 1)}
+
+
+def trained(rates=RATES, steps=40, per_row=0.1, **options):
+    """A policy that saw ``steps`` full-length verifies per request (expected counts), with every
+    depth measured at grid G (no exploration) and the row costs above."""
+    policy = PerRequestGoodputPolicy(drain_objective=False, **options)
+    policy.bind(SHAPE)
+    policy.cost_model.set_row_costs(row_costs(per_row))
+    for depth in range(S + 1):
+        policy.cost_model.record(G, depth, 1.0, 1.0)
+    ids = np.array(list(rates), dtype=np.int64)
+    for _ in range(steps):
+        policy.choose(DraftLengthQuery(ids, np.full(ids.shape, S), S, G))
+        for request_id, rate in rates.items():
+            for accepted in range(S + 1):
+                weight = rate ** accepted * ((1 - rate) if accepted < S else 1.0)
+                for _ in range(int(round(weight * 10))):
+                    policy.observe(np.array([request_id]), np.array([S]), np.array([accepted]))
+    return policy
+
+
+def choose(policy, ids=tuple(RATES), caps=None, **fields):
+    ids = np.array(ids, dtype=np.int64)
+    caps = np.full(ids.shape, S, dtype=np.int64) if caps is None else np.array(caps, dtype=np.int64)
+    return policy.choose(DraftLengthQuery(ids, caps, S, G, **fields))
+
+
+def test_a_likely_request_drafts_more_than_an_unlikely_one():
+    lengths = choose(trained())
+    by_rate = {rate: [int(s) for request_id, s in zip(RATES, lengths) if RATES[request_id] == rate] for rate in (0.9, 0.6, 0.2)}
+    assert min(by_rate[0.9]) > max(by_rate[0.2]), by_rate
+    assert min(by_rate[0.9]) >= min(by_rate[0.6]) >= max(by_rate[0.2])
+    assert max(by_rate[0.2]) == 0 and min(by_rate[0.9]) == S  # a row costs 10 % of a step: 0.2 drafts never pay
+    free = choose(trained(per_row=0.0))  # rows cost nothing: everyone drafts S
+    assert free.tolist() == [S] * len(RATES)
+    assert choose(trained(per_row=5.0)).tolist() == [0] * len(RATES)  # a row costs 5 steps: nobody drafts
+
+
+def test_caps_and_determinism():
+    first, second = trained(), trained()
+    caps = [1, 3, 3, 0, 2, 3]
+    assert choose(first, caps=caps).tolist() == choose(second, caps=caps).tolist()
+    assert (choose(first, caps=caps) <= np.array(caps)).all()
+
+
+def test_the_worked_example():
+    """The module docstring's: three requests of 0.9 / 0.6 / 0.2 at every depth (estimates from 1e5
+    outcomes each, prior weight 0), a step costing 1 + 0.1 (rows - 3): s = (3, 1, 0)."""
+    policy = PerRequestGoodputPolicy(drain_objective=False, prior_weight=0.0)
+    policy.bind(SHAPE)
+    policy.cost_model.set_row_costs({(3, T, D, False): 1.0 + 0.1 * (T - 3) for D in range(S + 1) for T in range(3, 13)})
+    for depth in range(S + 1):
+        policy.cost_model.record(3, depth, 1.0, 1.0)
+    ids = np.array([7, 8, 9])
+    choose(policy, ids)  # makes their rows
+    for request_id, rate in zip(ids.tolist(), (0.9, 0.6, 0.2)):  # accepted k of S with probability rate^k (1 - rate)
+        weights = [rate ** k * ((1 - rate) if k < S else 1.0) for k in range(S + 1)]
+        accepted = np.repeat(np.arange(S + 1), np.round(np.array(weights) * 1e5).astype(np.int64))
+        policy.observe(np.full(accepted.shape, request_id), np.full(accepted.shape, S), accepted)
+    lengths = policy.choose(DraftLengthQuery(ids, np.full(3, S), S, 3))
+    assert lengths.tolist() == [3, 1, 0]
+
+
+def test_drain_objective_and_join_length():
+    policy = trained()
+    policy.drain_objective = True
+    lengths = choose(policy, num_waiting=0, tokens_left=np.full(len(RATES), 40))
+    assert lengths.shape == (len(RATES),) and (lengths[[0, 3]] >= lengths[[2, 5]]).all()
+    choose(policy)
+    assert 0 <= policy.join_length() <= S
+
+
+def test_row_costs_pad_to_the_next_measured_count_and_add_the_loops_gap():
+    model = RowCostModel()
+    model.set_row_costs({(8, 8, 0, False): 1.0, (8, 12, 1, False): 1.2, (8, 16, 1, False): 1.5})
+    assert model.row_seconds(8, np.array([8, 9, 12, 13]), np.array([0, 1, 1, 1])).tolist() == [1.0, 1.2, 1.2, 1.5]
+    model.set_measured({(8, 1): 1.5})
+    model.record(8, 1, 2.0, 1.5)  # the loop's wall 0.5 over its GPU time at D = 1
+    assert model.row_seconds(8, np.array([12]), np.array([1])).tolist() == [1.7]
+    plain = RowCostModel()  # no row costs: linear in rows between the D = 0 and D = 1 costs
+    plain.record(8, 0, 1.0, None)
+    plain.record(8, 1, 2.0, None)
+    assert np.allclose(plain.row_seconds(8, np.array([8, 12, 16]), np.array([0, 1, 1])), [1.0, 1.5, 2.0])
+
+
+def test_steps_with_prefill_chunks_cost_their_token_bucket():
+    """In a queue most steps carry a prompt chunk: their rows plus the chunk's pad to a token bucket
+    (powers of two), so the candidate whose rows tip the next bucket costs double there. Batch 6 of
+    0.9 / 0.6 / 0.2 requests, 6 chunk rows, buckets 16 and 32: decode-only costs alone draft (3, 3, 1)
+    (20 rows: a mixed step of 26, bucket 32); when every step is mixed the rows stay within 16 (4
+    drafts, the likeliest requests' first ones)."""
+    policy = trained(per_row=0.01)
+    assert choose(policy).tolist() == [3, 3, 1, 3, 3, 1]
+    model = policy.cost_model
+    model.set_row_costs({**row_costs(per_row=0.01), **{(G, T, D, True): 1.0 if T == 16 else 2.0
+                                                        for D in range(S + 1) for T in (16, 32)}})
+    for _ in range(200):
+        model.record_launches(1, 1)  # every step carries a prefill chunk...
+        model.record_prefill_rows(6)  # ... of 6 rows
+    lengths = choose(policy)
+    assert lengths.tolist() == [2, 0, 0, 2, 0, 0], lengths
+
+
+def test_a_joined_request_counts_from_its_first_outcome_but_not_after_it_left():
+    policy = trained()
+    prior = policy.acceptance(99).copy()  # not seen: the batch's average
+    policy.observe(np.full(8, 99), np.full(8, S), np.zeros(8, dtype=np.int64))  # joined, never chosen: 0 accepted
+    assert policy.acceptance(99)[0] < prior[0] - 0.2
+    policy.forget(98)
+    policy.observe(np.full(8, 98), np.full(8, S), np.zeros(8, dtype=np.int64))  # left, its last outcomes
+    assert np.allclose(policy.acceptance(98), policy.acceptance(97))  # no row: the average
