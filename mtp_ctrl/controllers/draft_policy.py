@@ -346,6 +346,22 @@ class GoodputPolicy(DraftLengthPolicy):
         priors[order] = ranked[((np.arange(n) + 0.5) * ranked.shape[0] / n).astype(np.int64)]
         return priors
 
+    def _drain_estimates(self, rows: np.ndarray, estimates: np.ndarray, request_ids: np.ndarray) -> np.ndarray:
+        """``[n, S]`` the drain objective's estimates: ``estimates`` with the population's quantile
+        priors (:meth:`_population_priors`) for the requests without evidence of their own (fewer
+        than ``population_evidence`` first drafts verified, decayed): the population's spread stands
+        in for a spread not seen yet; once a request has shown some, a quantile prior matched to its
+        rank counts its spread twice (the demo at batch 128, a closed batch after one like it: 8
+        steps in, its slowest expected 32 more steps at D = 2 where they took 22, and it switched to
+        D = 0: 43 steps for the batch against 30)."""
+        priors = self._population_priors(estimates, request_ids)
+        new = None if priors is None else self._counts[rows, 0, 0] < self.population_evidence  # [n]; rows -1: zeros
+        if new is None or not new.any():
+            return estimates
+        estimates = estimates.copy()
+        estimates[new] = self._estimates(rows[new], priors[new])
+        return estimates
+
     def acceptance(self, request_id: int) -> np.ndarray:
         """``[S]`` float64: the estimated acceptance of each depth given the ones before it."""
         return self._estimates(self._rows(np.array([request_id]), create=False))[0]
@@ -363,17 +379,7 @@ class GoodputPolicy(DraftLengthPolicy):
         seconds = np.array([self.cost_model.policy_seconds(query.batch_size, depth) for depth in range(max_depth + 1)])
         score = None
         if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
-            priors = self._population_priors(estimates, query.request_ids)
-            if priors is not None:
-                # only for requests without evidence of their own (fewer than population_evidence
-                # first drafts verified, decayed): the population's spread stands in for a spread
-                # not seen yet; once a request has shown some, a quantile prior matched to its rank
-                # counts its spread twice (the demo at batch 128, a closed batch after one like it:
-                # 8 steps in, its slowest expected 32 more steps at D = 2 where they took 22, and it
-                # switched to D = 0: 43 steps for the batch against 30)
-                new = self._counts[rows, 0, 0] < self.population_evidence  # [n] bool; rows -1 read zeros
-                if new.any():
-                    estimates[new] = self._estimates(rows[new], priors[new])
+            estimates = self._drain_estimates(rows, estimates, query.request_ids)
             steps = expected_drain_steps(query.tokens_left, np.cumprod(estimates, axis=1), caps, max_depth)
             score = 1.0 / (steps * seconds)
         gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts

@@ -172,8 +172,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
             scored = np.concatenate([_drain_candidates(depths[:num_prefixes]),
                                      np.arange(num_prefixes, lengths.shape[0])])
-            priors = self._population_priors(estimates, query.request_ids)
-            drain_reach = reach if priors is None else np.cumprod(self._estimates(rows, priors), axis=1)
+            drain_reach = np.cumprod(self._drain_estimates(rows, estimates, query.request_ids), axis=1)
             steps = expected_drain_steps(query.tokens_left, drain_reach, caps, S, lengths=lengths[scored])  # [c]
             score = np.full(lengths.shape[0], -np.inf)
             score[scored] = 1.0 / (steps * seconds[scored])
