@@ -31,6 +31,7 @@ rows as well as draft depths, and a step where it drafts nothing is a plain deco
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -193,6 +194,9 @@ class EqualCosts(StepCostModel):
     def seconds(self, batch_size, num_drafts):
         return 1.0
 
+    def policy_seconds(self, batch_size, num_drafts):
+        return 1.0
+
 
 class PinnedGoodput(GoodputPolicy):
     """``GoodputPolicy`` whose step costs are all equal, so it drafts S on every step (acceptance is
@@ -231,27 +235,65 @@ def run_point(controller, prompts, params, repeats=1, policy=None, before=None):
         controller.generate(prompts, params)
     controller.metrics.reset()
     seconds = float("inf")
+    collections = GarbageCollections()
     for _ in range(repeats):
         before()
         if controller.shape.device.type == "cuda":
             torch.cuda.synchronize()
-        started = time.perf_counter()
-        results = controller.generate(prompts, params)
-        seconds = min(seconds, time.perf_counter() - started)
+        with collections:
+            started = time.perf_counter()
+            results = controller.generate(prompts, params)
+            seconds = min(seconds, time.perf_counter() - started)
     metrics = controller.metrics.as_dict()
     counts = metrics["draft_length_counts"]
     shares = [round(c / max(sum(counts), 1), 2) for c in counts]
-    times = {"step_ms": metrics["step_time"]["mean_step_ms"], "gpu_ms": metrics["step_time"]["mean_gpu_ms"]}
+    times = {"step_ms": metrics["step_time"]["mean_step_ms"], "gpu_ms": metrics["step_time"]["mean_gpu_ms"],
+             "gc": collections.summary()}
     times["results"] = results
     return sum(len(r.output_tokens) for r in results) / seconds, [r.output_tokens for r in results], shares, times
 
 
-def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="cuda", idle_windows=None):
-    """``idle_windows``: ``InferenceConfig.mtp_idle_windows`` (None: its default, "skip")."""
+class GarbageCollections:
+    """Python's garbage collections inside ``with`` blocks: how many of each generation and their
+    milliseconds (a host-bound loop's spread: a full collection over every engine's objects is ms)."""
+
+    def __init__(self):
+        self.counts, self.seconds, self._started, self._active = [0, 0, 0], 0.0, None, False
+
+    def _callback(self, phase, info):
+        if not self._active:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.counts[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+    def __enter__(self):
+        self._active = True
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        self._active = False
+        gc.callbacks.remove(self._callback)
+
+    def summary(self):
+        """``[gen-0, gen-1, gen-2 collections, ms in all]``."""
+        return self.counts + [round(self.seconds * 1e3, 2)]
+
+
+def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="cuda", idle_windows=None,
+           catch_up_positions=None):
+    """``idle_windows``: ``InferenceConfig.mtp_idle_windows`` (None: its default, "skip");
+    ``catch_up_positions``: ``InferenceConfig.mtp_catch_up_positions`` (None: its default)."""
+    options = {} if idle_windows is None else dict(mtp_idle_windows=idle_windows)
+    if catch_up_positions is not None:
+        options["mtp_catch_up_positions"] = catch_up_positions
     config = InferenceConfig(num_speculative_tokens=S, max_requests=batch, block_size_tokens=16,
                              max_model_len=max_model_len, max_tokens_per_step=max(batch * PROMPT_LEN, 256),
-                             cuda_graph_batch_sizes=(batch,) if device == "cuda" else (),
-                             **({} if idle_windows is None else dict(mtp_idle_windows=idle_windows)))
+                             cuda_graph_batch_sizes=(batch,) if device == "cuda" else (), **options)
     controller = TextGenerationController(model, config, proposer=proposer, draft_policy=policy)
     started = time.perf_counter()
     graphs = controller.warmup()
@@ -267,6 +309,11 @@ def cost_table(policy):
         return None
     table = {key: {name: None if value is None else round(value, 3) for name, value in row.items()}
              for key, row in policy.cost_model.table().items()}
+    if policy.expected_tokens is not None:  # a request's expected tokens a step at each D, at the last choice
+        for depth, tokens in enumerate(policy.expected_tokens.tolist()):
+            for key, row in table.items():
+                if key.endswith(f"D={depth}"):
+                    row["expected_tokens"] = round(tokens, 3)
     rows = getattr(policy.cost_model, "row_gpu", None)
     if rows:
         table["rows"] = {f"G={g}, T={t}, D={d}{', mixed' if mixed else ''}": round(seconds * 1e3, 3)
@@ -338,7 +385,10 @@ class Table:
         if costed:
             print("\nthe policy's cost model after each point, ms per step by (grid G, depths D): the loop's wall "
                   "of decode-only steps / GPU, 'mixed': the wall of steps with prefill chunks (the policy blends "
-                  "them by their recent share); 'explored': choices made to measure a depth so far")
+                  "them by their recent share); 'real': every busy call's wall a step at that verify width and "
+                  "its calibration (real / model: what the policy multiplies the model by); 'tok': realised "
+                  "tokens a request-step (expected at the last choice); 'explored': choices made to measure a "
+                  "depth so far")
         for row in costed:
             if "rows" in row["costs"]:
                 print(f"  {row['part']} batch {row['batch']} {row['workload']}: warm-up replay ms by token count: "
@@ -347,8 +397,16 @@ class Table:
                       + f"; prefill rows a mixed step {row['costs']['prefill_rows']}")
             text = ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
                              + ("" if value.get("mixed_ms") is None else f" mixed {_ms(value['mixed_ms'])}")
+                             + ("" if value.get("realised_ms") is None else
+                                f" real {_ms(value['realised_ms'])} x{value['calibration']:.2f}")
+                             + ("" if value.get("tokens") is None else f" tok {value['tokens']:.2f}")
+                             + ("" if value.get("expected_tokens") is None else f" (exp {value['expected_tokens']:.2f})")
                              for key, value in row["costs"].items() if key not in ("rows", "prefill_rows"))
             print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
+        print("\ngarbage collections in the timed generates (gen 0 / 1 / 2, ms in all):")
+        for row in self.rows:
+            if row.get("gc"):
+                print(f"  {row['part']} batch {row['batch']} {row['workload']} {row['policy']} S={row['S']}: {row['gc']}")
 
 
 def _ms(value):

@@ -1,10 +1,12 @@
 """Issue 34: where a no-draft step's extra cost goes, on one GPU (one timed generate per engine).
 
-    python bench/profile_no_draft_gpu.py [--quick] [--skip-demo] [--skip-large]
+    python bench/profile_no_draft_gpu.py [--quick] [--skip-demo] [--skip-large] [--skip-run-windows]
+                                         [--catch-up-positions 8 32]
 
 1. Demo model, batch 128, greedy, 64 new tokens: plain decoding (S = 0) against the S = 2 engine
    drafting nothing (a policy returning 0 for everyone), with the MTP windows run on each
-   no-draft step (``mtp_idle_windows="run"``, the default) and skipped ("skip"). Per step: the
+   no-draft step (``mtp_idle_windows="run"``) and skipped ("skip", the default; with
+   ``--catch-up-positions``, one engine per M: a forced catch-up every M + 1 steps). Per step: the
    loop's wall, the GPU time (CUDA events around each launch), and the host's split: the graph
    replay call, the wait for the read-back, and everything else (bookkeeping).
 2. The 1B model (``bench_adaptive``'s, oracle drafter at 0.2 acceptance), batch 64, 48 new tokens,
@@ -29,6 +31,10 @@ def parse_args():
     parser.add_argument("--quick", action="store_true", help="CPU, tiny shapes")
     parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument("--skip-large", action="store_true")
+    parser.add_argument("--catch-up-positions", type=int, nargs="+", default=None,
+                        help="the skipped-windows engine at each of these mtp_catch_up_positions M (default: "
+                             "the config's)")
+    parser.add_argument("--skip-run-windows", action="store_true", help="no engine with the windows run")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
@@ -105,10 +111,14 @@ def demo_part(args, device):
     params = SamplingParams(max_new_tokens=new_tokens)
     print(f"demo batch {batch}, {new_tokens} new tokens, greedy: ms per step (mean over the timed generate)")
     reference = None
-    for label, S, policy, windows in (("plain S = 0", 0, None, "run"), ("S = 2, D = 0, windows run", 2, NoDrafts(), "run"),
-                                      ("S = 2, D = 0, windows skipped", 2, NoDrafts(), "skip")):
+    engines = [("plain S = 0", 0, None, "run", None)]
+    if not args.skip_run_windows:
+        engines.append(("S = 2, D = 0, windows run", 2, NoDrafts(), "run", None))
+    engines += [(f"S = 2, D = 0, windows skipped{'' if m is None else f', M = {m}'}", 2, NoDrafts(), "skip", m)
+                for m in (args.catch_up_positions or [None])]
+    for label, S, policy, windows, positions in engines:
         controller = engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy, device=device.type,
-                            idle_windows=windows)
+                            idle_windows=windows, catch_up_positions=positions)
         run_point(controller, prompts, params)
         best = None
         for _ in range(3):

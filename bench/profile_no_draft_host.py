@@ -51,6 +51,9 @@ class DepthZeroCheapest(StepCostModel):
     def seconds(self, batch_size, num_drafts):
         return 1.0 + num_drafts
 
+    def policy_seconds(self, batch_size, num_drafts):
+        return 1.0 + num_drafts
+
     def is_measured(self, batch_size, num_drafts):
         return True
 

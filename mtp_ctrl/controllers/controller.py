@@ -394,7 +394,7 @@ class TextGenerationController:
 
     def _step(self, collect: bool) -> List[StepOutput]:
         started = time.perf_counter()
-        self._steps_launched, self._applied = 0, []
+        self._steps_launched, self._applied, self._decode_tokens = 0, [], 0  # _decode_tokens: by _apply
         try:
             outputs = self._step_once(collect)
             if self._pending_outputs:
@@ -407,9 +407,10 @@ class TextGenerationController:
             raise
         now = time.perf_counter()
         self.metrics.record_step(now - started, max(self._steps_launched, 1))
-        # the cost model's sample: the loop's wall time since the last return (host, GPU and the bubbles between)
+        # the cost model's sample: the loop's wall since the last return, decode tokens applied, work left
         since, self._last_return = (None if self._last_return is None else now - self._last_return), now
-        self._timing = self._draft_lengths.step_timing(self._applied, since, self._steps_launched)
+        self._timing = self._draft_lengths.step_timing(self._applied, since, self._steps_launched, self._decode_tokens,
+                                                       self._in_flight is not None or self.has_unfinished_requests())
         return outputs
 
     def _step_once(self, collect: bool) -> List[StepOutput]:
@@ -543,6 +544,7 @@ class TextGenerationController:
         counted = decode[None, :] & (emitted > 0)  # [k, n]
         self.metrics.record_acceptance(readbacks[:, :, 0][counted], step_order_lengths(verified, num_launched)[counted])
         self.metrics.emitted_tokens += int(emitted.sum())
+        self._decode_tokens += int(emitted[:, :num_decode].sum())  # the draft-length cost model's realised tokens
         for index, reason in finished:
             self._lifecycle.finish(int(request_ids[index]), reason)
         return self._outputs.emitted_since(slots, request_ids, counts_before, finished) if collect else []

@@ -42,13 +42,18 @@ QueueView = Callable[[np.ndarray], Tuple[int, np.ndarray]]  # sampling request i
 
 
 class StepTiming(NamedTuple):
-    """One steady step's measured cost (``DraftLengths.step_timing``)."""
+    """One call's measured cost (``DraftLengths.step_timing``): a steady step's (the cost model's
+    sample), or only the call's realised wall and tokens (``steady`` False)."""
 
     batch_size: int  # G, the step's grid
-    num_drafts: int  # D (= its verify width V)
+    num_drafts: int  # D (= its verify width V); a realised-only call: V, the drafts it verified
     wall_seconds: float  # the loop's wall time per step (between consecutive step() returns)
     gpu_seconds: float  # the launch's GPU time per step (CUDA events), -1 off CUDA
     mixed: bool = False  # a step with prefill chunks (the cost model keeps those apart)
+    steady: bool = True  # a steady sample (the cost model's tables); False: realised sums only
+    tokens: int = -1  # tokens the applied launch's decode requests emitted (-1: none counted)
+    request_steps: int = 0  # its decode requests x steps
+    steps: int = 1  # steps the launch applied
 
 
 class HeldChoice:
@@ -110,6 +115,7 @@ class DraftLengths:
         self._held: Optional[HeldChoice] = None  # the policy's last choice
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
+        self._busy = False  # the last step() call returned with work left (the time since it is the loop's)
         self.queue_view: Optional[QueueView] = None  # set by the controller (None: nobody waits, lengths unknown)
 
     @property
@@ -274,7 +280,8 @@ class DraftLengths:
         self._in_flight.clear()
 
     def step_timing(self, applied: List[Tuple[StepMetadata, Optional[float]]], wall_seconds: Optional[float],
-                    steps_launched: int) -> Optional[StepTiming]:
+                    steps_launched: int, decode_tokens: Optional[int] = None,
+                    work_left: bool = False) -> Optional[StepTiming]:
         """What one ``step()`` call measured for the policy's cost model (``step_costs.py``), or None:
         ``applied``, the launches the call applied with their GPU seconds (None off CUDA);
         ``wall_seconds``, the time since the previous call returned (None: the first call).
@@ -287,9 +294,19 @@ class DraftLengths:
         seconds per step or -1, mixed)``; of a run of such calls, the first and then every
         ``TIMING_EVERY``-th (the averages move slowly; a depth tried is measured at once). Every
         call also tells the cost model how many of its applied launches carried prefill chunks
-        (``StepCostModel.mixed_share``)."""
+        (``StepCostModel.mixed_share``).
+
+        Realised (``decode_tokens`` given: the tokens the applied launches' decode requests emitted;
+        ``work_left``: whether this call returns with work in flight or waiting, kept for the next
+        call: only after such a return is the time since the loop's, not an idle caller's): any
+        other call that applied one launch with decode
+        requests that verified what it drafted (V = D: a switch's launch, which verifies the old
+        depth and drafts the new, is left out: in a short hold it would charge the switch to the
+        depth) gives a timing with ``steady`` False, for the cost model's realised sums
+        (``record_realised``): its grid, V, wall and tokens. A steady sample carries the same."""
         if self._fixed or self.S == 0:
             return None
+        busy, self._busy = self._busy, work_left
         cost_model = self.policy.cost_model
         if applied and cost_model is not None:
             cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
@@ -305,19 +322,37 @@ class DraftLengths:
             if step.verify_width == step.num_drafts and steps_launched == step.num_steps:
                 steady_key = launch_key
         previous, self._timed_key = self._timed_key, launch_key
+        realised = decode_tokens is not None and busy and wall_seconds is not None and launch_key is not None \
+            and step.num_decode > 0 and step.verify_width == step.num_drafts
+        tokens = decode_tokens if realised else -1
+        request_steps = step.num_decode * step.num_steps if realised else 0
         if steady_key is None or previous is None or wall_seconds is None or \
                 (previous[:2] != steady_key[:2] if steady_key[2] else previous != steady_key):
             self._steady_calls = 0
-            return None
+            return self._realised_only(step, gpu_seconds, wall_seconds, tokens, request_steps) if realised else None
         self._steady_calls += 1
         if (self._steady_calls - 1) % TIMING_EVERY:
-            return None
+            return self._realised_only(step, gpu_seconds, wall_seconds, tokens, request_steps) if realised else None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
-        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu, steady_key[2])
+        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu, steady_key[2], True,
+                          tokens, request_steps, step.num_steps)
+
+    @staticmethod
+    def _realised_only(step: StepMetadata, gpu_seconds: Optional[float], wall_seconds: float, tokens: int,
+                       request_steps: int) -> StepTiming:
+        gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
+        return StepTiming(step.dimensions.request_count, step.verify_width, wall_seconds / step.num_steps, gpu,
+                          bool(step.num_prefill), False, tokens, request_steps, step.num_steps)
 
     def record_timing(self, timing: Optional[StepTiming]) -> None:
         """Feed a measurement (every TP rank gets the first rank's: ``TPLockstep.check``) to the cost model."""
-        if timing is not None and self.policy.cost_model is not None:
+        if timing is None or self.policy.cost_model is None:
+            return
+        if timing.tokens >= 0:  # first: against the model before this sample moves it
+            self.policy.cost_model.record_realised(timing.batch_size, timing.num_drafts,
+                                                   timing.wall_seconds * timing.steps, timing.steps, timing.tokens,
+                                                   timing.request_steps, timing.mixed)
+        if timing.steady:
             self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.wall_seconds,
                                           None if timing.gpu_seconds < 0 else timing.gpu_seconds, timing.mixed)
 

@@ -243,7 +243,7 @@ class GoodputPolicy(DraftLengthPolicy):
     """
 
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
-                 min_gain: float = 1.0, decide_every: int = 8, longest_hold: Optional[int] = None,
+                 min_gain: float = 1.02, decide_every: int = 8, longest_hold: Optional[int] = None,
                  drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
                  explore_within: float = 0.8, population_evidence: float = 2.0):
         super().__init__()
@@ -268,8 +268,11 @@ class GoodputPolicy(DraftLengthPolicy):
         _check_number("optimistic_prior", optimistic_prior, low=0.0, high=1.0)
         _check_number("min_gain", min_gain, low=0.0)
         self.decay, self.prior_weight, self.optimistic_prior = decay, prior_weight, optimistic_prior
-        self.min_gain = min_gain  # a deeper D must beat the shallower one by this factor (1.0: any gain)
+        # a deeper D must beat the best shallower one by this factor (1.0: any gain): a near tie, within the
+        # loop's run-to-run spread, keeps the fewer drafts (they cost less if the estimate is wrong)
+        self.min_gain = min_gain
         self.last_depth = None  # the D of the last choice (for benchmarks)
+        self.expected_tokens = None  # [D + 1] at the last choice: a request's expected tokens a step (reports)
         self._index = RequestRows()  # request id -> its row of _counts
         self._leaving = []  # ids forgotten since the last lookup: their estimates join the population first
 
@@ -343,6 +346,22 @@ class GoodputPolicy(DraftLengthPolicy):
         priors[order] = ranked[((np.arange(n) + 0.5) * ranked.shape[0] / n).astype(np.int64)]
         return priors
 
+    def _drain_estimates(self, rows: np.ndarray, estimates: np.ndarray, request_ids: np.ndarray) -> np.ndarray:
+        """``[n, S]`` the drain objective's estimates: ``estimates`` with the population's quantile
+        priors (:meth:`_population_priors`) for the requests without evidence of their own (fewer
+        than ``population_evidence`` first drafts verified, decayed): the population's spread stands
+        in for a spread not seen yet; once a request has shown some, a quantile prior matched to its
+        rank counts its spread twice (the demo at batch 128, a closed batch after one like it: 8
+        steps in, its slowest expected 32 more steps at D = 2 where they took 22, and it switched to
+        D = 0: 43 steps for the batch against 30)."""
+        priors = self._population_priors(estimates, request_ids)
+        new = None if priors is None else self._counts[rows, 0, 0] < self.population_evidence  # [n]; rows -1: zeros
+        if new is None or not new.any():
+            return estimates
+        estimates = estimates.copy()
+        estimates[new] = self._estimates(rows[new], priors[new])
+        return estimates
+
     def acceptance(self, request_id: int) -> np.ndarray:
         """``[S]`` float64: the estimated acceptance of each depth given the ones before it."""
         return self._estimates(self._rows(np.array([request_id]), create=False))[0]
@@ -356,18 +375,19 @@ class GoodputPolicy(DraftLengthPolicy):
         rows = self._rows(query.request_ids, create=True)
         estimates = self._estimates(rows)  # [n, S]
         max_depth = int(caps.max()) if n else 0  # a deeper D drafts no more for anyone
-        seconds = np.array([self.cost_model.seconds(query.batch_size, depth) for depth in range(max_depth + 1)])
+        # the model's cost of each depth times what the loop realised around its steady steps (step_costs.py)
+        seconds = np.array([self.cost_model.policy_seconds(query.batch_size, depth) for depth in range(max_depth + 1)])
+        score = None
         if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
-            priors = self._population_priors(estimates, query.request_ids)
-            if priors is not None:
-                estimates = self._estimates(rows, priors)
+            estimates = self._drain_estimates(rows, estimates, query.request_ids)
             steps = expected_drain_steps(query.tokens_left, np.cumprod(estimates, axis=1), caps, max_depth)
             score = 1.0 / (steps * seconds)
-        else:
-            gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
-            np.cumsum(np.cumprod(estimates, axis=1), axis=1, out=gain[:, 1:])
-            gain = _at_depths(gain, caps, max_depth)  # [n, max_depth + 1]: a request drafts min(D, cap_r)
-            score = (n + gain.sum(axis=0)) / seconds  # expected tokens per second of the batch at each D
+        gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
+        np.cumsum(np.cumprod(estimates, axis=1), axis=1, out=gain[:, 1:])
+        tokens = n + _at_depths(gain, caps, max_depth).sum(axis=0)  # [max_depth + 1]: a request drafts min(D, cap_r)
+        self.expected_tokens = tokens / max(n, 1)  # a request's tokens a step at each D (reports: vs realised)
+        if score is None:
+            score = tokens / seconds  # expected tokens per second of the batch at each D
         best_depth = 0
         for depth in range(1, max_depth + 1):
             if score[depth] > score[best_depth] * self.min_gain:

@@ -248,8 +248,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         num_prefixes = num_drafts + 1
         if drain:
             scored = np.concatenate([_drain_candidates(depths[:num_prefixes]), np.arange(num_prefixes, drafts.shape[0])])
-            priors = self._population_priors(estimates, query.request_ids)
-            drain_reach = reach if priors is None else np.cumprod(self._estimates(rows, priors), axis=1)
+            drain_reach = np.cumprod(self._drain_estimates(rows, estimates, query.request_ids), axis=1)
             lengths = self._lengths_of(scored, num_prefixes, order, one_depth, n, S)  # [c, n]
             steps = expected_drain_steps(query.tokens_left, drain_reach, caps, S, lengths=lengths)  # [c]
             score = np.full(drafts.shape[0], -np.inf)

@@ -30,6 +30,22 @@ apart, a depth measured in a queued phase is not compared with one measured whil
 depth whose mixed cost is not measured yet takes its decode cost times the mean mixed / decode
 ratio of the depths measured at its grid (1 if none).
 
+**Realised costs.** The steady samples leave out what a loop pays around them: the first calls
+after a switch of depth, the calls that apply a launch with nothing launched after it (a batch's
+end), decisions, forced catch-ups landing off the sampled calls. So every busy call that applied
+one launch with decode requests verifying what it drafted (V = D: a switch's own launch is left
+out, ``DraftLengths.step_timing``) adds (:meth:`StepCostModel.record_realised`, keyed by the
+launch's grid and D) its wall time, and the model's cost
+of the same steps, to decayed sums per key (weight ``realised_decay`` per step): the ratio is the
+depth's *calibration* (realised wall / model), and the policy pays ``seconds(G, D) *
+calibration(G, D)`` (:meth:`StepCostModel.policy_seconds`). A depth with fewer than
+``realised_min_steps`` realised steps takes the grid's pooled ratio (1 if none): what is common to
+every depth (a batch's end) then costs every depth alike. A sample is clipped at
+``realised_clip`` (2) x the model (a collection pause is not what a depth costs; a batch's last
+call, host and GPU in series, is under it). The same sums
+count the tokens the steps' decode requests emitted and their request-steps
+(``realised_tokens``: tokens per request-step, for reports beside the wall).
+
 A depth not measured at a grid costs its GPU seed (an optimistic guess: a step's wall time is
 never below its GPU time) or, off CUDA, the cheapest wall time at the grid; the policy does not
 rely on the guess: it runs every depth it may choose until it is measured
@@ -40,7 +56,7 @@ every rank records the first rank's measurements (``TPLockstep`` carries them), 
 policy makes the same choices.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 Key = Tuple[int, int]  # (G, D)
 
@@ -67,6 +83,12 @@ class StepCostModel:
         self.mixed_wall: Dict[Key, float] = {}  # (G, D) -> wall seconds per steady step with prefill chunks
         self.mixed_share = 0.0  # moving average of the applied launches that carried prefill chunks
         self.share_smoothing = 1.0 / 32  # its weight of one launch
+        # (G, V) -> decayed sums over every busy call's applied launch (module docstring, "Realised costs"):
+        # [wall seconds, the model's seconds of the same steps, steps, tokens emitted, request-steps]
+        self.realised: Dict[Key, List[float]] = {}
+        self.realised_decay = 0.98  # per step: the sums follow about the last 50 steps of a key
+        self.realised_min_steps = 8.0  # a key's own calibration once it holds this many (decayed) steps
+        self.realised_clip = 2.0  # a realised sample counts at most this many times the model (a pause is not a cost)
 
     @property
     def measured(self) -> Dict[Key, float]:
@@ -77,7 +99,7 @@ class StepCostModel:
         """Seed the GPU seconds with the warm-up's replay times (drops the loop's measurements)."""
         self.gpu = {(int(g), int(d)): float(t) for (g, d), t in measured.items() if t > 0}
         self._gpu_seeded = {key: True for key in self.gpu}
-        self.wall, self._outliers, self.mixed_wall = {}, {}, {}
+        self.wall, self._outliers, self.mixed_wall, self.realised = {}, {}, {}, {}
 
     def record_launches(self, mixed: int, total: int) -> None:
         """``total`` launches were applied, ``mixed`` of them with prefill chunks: moves
@@ -109,6 +131,49 @@ class StepCostModel:
                 self.gpu.pop(key, None)
             self._average(self.gpu, key, gpu_seconds)
             self._gpu_seeded[key] = False
+
+    def record_realised(self, batch_size: int, verify_width: int, wall_seconds: float, steps: int,
+                        tokens: int, request_steps: int, mixed: bool = False) -> None:
+        """A busy call applied ``steps`` steps of grid ``batch_size`` verifying ``verify_width``
+        drafts in ``wall_seconds`` (the loop's time since the call before returned), whose decode
+        requests emitted ``tokens`` in ``request_steps`` request-steps (``mixed``: the launch had
+        prefill chunks). Kept beside the model's cost of the same steps (decode-only or mixed), only
+        once the steady model measured that key: the ratio is the depth's calibration
+        (:meth:`policy_seconds`)."""
+        if steps <= 0 or not self.is_measured(batch_size, verify_width):
+            return
+        model = (self.mixed_seconds if mixed else self.decode_seconds)(batch_size, verify_width) * steps
+        wall = min(float(wall_seconds), self.realised_clip * model)
+        key = (int(batch_size), int(verify_width))
+        sums = self.realised.get(key)
+        if sums is None:
+            sums = self.realised[key] = [0.0] * 5
+        keep = self.realised_decay ** steps
+        for index, sample in enumerate((wall, model, steps, tokens, request_steps)):
+            sums[index] = sums[index] * keep + sample
+
+    def calibration(self, batch_size: int, num_drafts: int) -> float:
+        """Realised wall / the model's seconds of depth ``num_drafts`` at the step's grid: its own
+        with ``realised_min_steps`` realised steps, else the grid's pooled ratio, else 1."""
+        grid = _grid_for(self.realised, batch_size)
+        if grid is None:
+            return 1.0
+        sums = self.realised.get((grid, int(num_drafts)))
+        if sums is not None and sums[2] >= self.realised_min_steps:
+            return sums[0] / sums[1]
+        pooled = [sums for (g, _), sums in self.realised.items() if g == grid and sums[2] >= self.realised_min_steps]
+        return sum(s[0] for s in pooled) / sum(s[1] for s in pooled) if pooled else 1.0
+
+    def policy_seconds(self, batch_size: int, num_drafts: int) -> float:
+        """What a step at depth ``num_drafts`` costs the policy: :meth:`seconds` times the depth's
+        :meth:`calibration` (what the loop realised around its steady steps)."""
+        return self.seconds(batch_size, num_drafts) * self.calibration(batch_size, num_drafts)
+
+    def realised_tokens(self, batch_size: int, num_drafts: int) -> Optional[float]:
+        """Tokens a decode request emitted per step at depth ``num_drafts`` (the realised sums), or None."""
+        grid = _grid_for(self.realised, batch_size)
+        sums = None if grid is None else self.realised.get((grid, int(num_drafts)))
+        return None if sums is None or sums[4] <= 0 else sums[3] / sums[4]
 
     def _average(self, table: Dict[Key, float], key: Key, sample: float) -> None:
         old = table.get(key)
@@ -157,16 +222,24 @@ class StepCostModel:
         return table[(min(grids), num_drafts)] if grids else None
 
     def table(self) -> Dict[str, Dict[str, Optional[float]]]:
-        """Plain data for reports: ``{"G=.., D=..": {"wall_ms", "gpu_ms", "mixed_ms", "step_ms"}}``
-        (wall and GPU: decode-only steps; mixed: steps with prefill chunks; step_ms: what the policy
-        uses, at the current ``mixed_share``)."""
+        """Plain data for reports: ``{"G=.., D=..": {"wall_ms", "gpu_ms", "mixed_ms", "step_ms",
+        "realised_ms", "calibration", "realised_steps", "tokens"}}`` (wall and GPU: decode-only
+        steps; mixed: steps with prefill chunks; step_ms: the model's blend at the current
+        ``mixed_share``; realised_ms: every busy call's wall a step, over ``realised_steps``
+        decayed steps; calibration: what the policy multiplies step_ms by; tokens: realised tokens
+        a decode request emitted a step)."""
         rows = {}
-        for g, d in sorted(set(self.gpu) | set(self.wall) | set(self.mixed_wall)):
+        for g, d in sorted(set(self.gpu) | set(self.wall) | set(self.mixed_wall) | set(self.realised)):
             gpu, wall, mixed = self.gpu.get((g, d)), self.wall.get((g, d)), self.mixed_wall.get((g, d))
+            realised = self.realised.get((g, d))
             rows[f"G={g}, D={d}"] = {"wall_ms": None if wall is None else wall * 1e3,
                                      "gpu_ms": None if gpu is None else gpu * 1e3,
                                      "mixed_ms": None if mixed is None else mixed * 1e3,
-                                     "step_ms": self.seconds(g, d) * 1e3}
+                                     "step_ms": self.seconds(g, d) * 1e3,
+                                     "realised_ms": None if realised is None else realised[0] / realised[2] * 1e3,
+                                     "calibration": self.calibration(g, d),
+                                     "realised_steps": None if realised is None else realised[2],
+                                     "tokens": self.realised_tokens(g, d)}
         return rows
 
 
