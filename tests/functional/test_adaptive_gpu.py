@@ -160,24 +160,24 @@ class RaggedDeviceOracle(DeviceOracleProposer):
     takes_ragged_rows = True  # reads bonus_positions only
 
 
-@pytest.mark.parametrize("drafter", ["oracle", "mtp"])
-def test_ragged_rows_replay_graphs_with_no_sync_and_equal_eager_and_plain(model, drafter):
-    """Ragged rows: the device oracle under random lengths, paged MTP under PerRequestGoodputPolicy;
-    decode-only steps pad their rows to a ragged token count (some below the tier's G (1 + V)),
-    replay graphs ``warmup()`` captured (nothing captured while serving) with no host sync; outputs ==
-    eager == plain decoding, greedy and sampled requests together; every KV block freed. With MTP a
-    third of the requests are capped at one draft: the policy's lengths follow its estimates (they may
-    give every request the same length), but its exploration of depths 2-3 then runs rows below the
-    tier whatever they say."""
+@pytest.mark.parametrize("drafter,policy_name", [("oracle", "random"), ("mtp", "random"), ("mtp", "per_request")])
+def test_ragged_rows_replay_graphs_with_no_sync_and_equal_eager_and_plain(model, drafter, policy_name):
+    """Ragged rows: the device oracle and paged MTP under random lengths, paged MTP under
+    PerRequestGoodputPolicy; decode-only steps pad their rows to a ragged token count (some below the
+    tier's G (1 + V) under random lengths), replay graphs ``warmup()`` captured (nothing captured while
+    serving) with no host sync; outputs == eager == plain decoding, greedy and sampled requests
+    together; every KV block freed. With the per-request policy a third of the requests are capped at
+    one draft; its lengths follow its estimates (on this small model they may give every request the
+    same length), so only the random lengths are required to run rows below the tier."""
     params = [SamplingParams(max_new_tokens=24, temperature=0.8 * (i % 2), seed=11 + i,
-                             num_speculative_tokens=1 if drafter == "mtp" and i % 3 == 2 else None)
+                             num_speculative_tokens=1 if policy_name == "per_request" and i % 3 == 2 else None)
               for i in range(len(PROMPTS))]
     plain = TextGenerationController(model, make_config(0)).generate(PROMPTS, params)
     outputs = []
     for graphs in (True, False):
         proposer = RaggedDeviceOracle(plain_sequences(PROMPTS, plain, 2 * (S + 1)).cuda()) if drafter == "oracle" \
             else None
-        policy = RandomDraftLengths(seed=4) if drafter == "oracle" else PerRequestGoodputPolicy(decide_every=2)
+        policy = RandomDraftLengths(seed=4) if policy_name == "random" else PerRequestGoodputPolicy(decide_every=2)
         controller = SyncChecked(model, make_config(S, cuda_graph_batch_sizes=(8,) if graphs else ()),
                                  proposer=proposer, draft_policy=policy)
         warmed = controller.warmup()
@@ -191,7 +191,7 @@ def test_ragged_rows_replay_graphs_with_no_sync_and_equal_eager_and_plain(model,
         assert controller.debug_view().num_cuda_graphs == warmed  # nothing captured while serving
         assert controller.context.allocator.num_free_blocks == controller.context.allocator.num_blocks
         if graphs:
-            assert warmed > 0 and any(below_tier), below_tier
-            assert controller.decode_launches > 4
+            assert warmed > 0 and controller.decode_launches > 4
+            assert policy_name != "random" or any(below_tier), below_tier
         controller.close()
     assert outputs[0] == outputs[1] == [r.output_tokens for r in plain]
