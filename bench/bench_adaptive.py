@@ -55,6 +55,9 @@ def parse_args(argv=None):
     parser.add_argument("--demo-goodput", choices=("both", "run", "skip"), default="both",
                         help="the demo's goodput engines: MTP windows skipped on no-draft steps and caught "
                              "up exactly (mtp_idle_windows='skip', the default engine), run, or both (default)")
+    parser.add_argument("--demo-decode-steps", type=int, default=1,
+                        help="InferenceConfig.decode_steps_per_launch of every demo engine (default 1; the "
+                             "host-bound demo's documented remedy: a decode run launches this many steps at once)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -285,10 +288,13 @@ class GarbageCollections:
 
 
 def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="cuda", idle_windows=None,
-           catch_up_positions=None):
+           catch_up_positions=None, decode_steps_per_launch=1):
     """``idle_windows``: ``InferenceConfig.mtp_idle_windows`` (None: its default, "skip");
-    ``catch_up_positions``: ``InferenceConfig.mtp_catch_up_positions`` (None: its default)."""
-    options = {} if idle_windows is None else dict(mtp_idle_windows=idle_windows)
+    ``catch_up_positions``: ``InferenceConfig.mtp_catch_up_positions`` (None: its default);
+    ``decode_steps_per_launch``: ``InferenceConfig``'s (decode runs)."""
+    options = dict(decode_steps_per_launch=decode_steps_per_launch)
+    if idle_windows is not None:
+        options["mtp_idle_windows"] = idle_windows
     if catch_up_positions is not None:
         options["mtp_catch_up_positions"] = catch_up_positions
     config = InferenceConfig(num_speculative_tokens=S, max_requests=batch, block_size_tokens=16,
@@ -422,6 +428,7 @@ def demo_part(args, table, device):
     held_out = load_stdlib_corpus().held_out
     new_tokens = args.new_tokens or (8 if args.quick else 64)
     batches = args.demo_batches or ((1, 4) if args.quick else (1, 8, 32, 128))
+    runs = f" runs of {args.demo_decode_steps}" if args.demo_decode_steps > 1 else ""  # the workload's label
     for batch in batches:
         prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
         # "goodput": the default engine (no-draft steps skip the MTP windows, caught up exactly later);
@@ -436,13 +443,14 @@ def demo_part(args, table, device):
             if table.out_of_time():
                 return
             controller = engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy, device=device.type,
-                                idle_windows="run" if name == "goodput run" else None)
+                                idle_windows="run" if name == "goodput run" else None,
+                                decode_steps_per_launch=args.demo_decode_steps)
             for temperature in (0.0, 1.0):
                 params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=5)
                 rate, outputs, shares, times = run_point(controller, prompts, params, repeats=3, policy=policy)
                 times.pop("results")
                 plain.setdefault(temperature, outputs)
-                table.add(part="demo", batch=batch, workload=f"T={temperature:g}", S=S, policy=name,
+                table.add(part="demo", batch=batch, workload=f"T={temperature:g}" + runs, S=S, policy=name,
                           tokens_per_s=rate, lengths=shares, equal_plain=outputs == plain[temperature],
                           costs=cost_table(policy), explored=getattr(policy, "explored", None), **times)
             controller.close()
