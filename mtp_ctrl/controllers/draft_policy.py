@@ -127,7 +127,8 @@ class DraftLengthPolicy:
     longest_hold = None
     # a request that joins while a choice holds takes its depth (capped) until the hold ends: in a
     # queued workload a request joins almost every step, and asking `choose` on each join is a
-    # decision every step. False: a join asks `choose` at once (a policy whose lengths are per request)
+    # decision every step (or the policy's `join_length()` when it gives one). False: a join asks
+    # `choose` at once
     joins_take_held_depth = True
     # the policy's lengths differ between requests of a step (not one depth for the batch): the
     # controller then runs each decode request's own 1 + s_r rows (ragged rows) where the proposer

@@ -138,8 +138,10 @@ def _dense_table(by_depth: Dict[int, list]) -> np.ndarray:
 
 class PerRequestGoodputPolicy(GoodputPolicy):
     """:class:`GoodputPolicy` with a draft length per request (module docstring): same arguments
-    (default ``prior_weight=1``), and ``search_every``: the choices that run the candidate search (one
-    in this many; the others keep its price). Its lengths differ between
+    (default ``prior_weight=1``; ``min_gain`` and the realised calibration are not used: candidates
+    are costed by the warm-up's replay times per token count and the best score is taken), and
+    ``search_every``: the choices that run the candidate search (one in this many; the others keep
+    its price). Its lengths differ between
     requests (``per_request_lengths``): the controller runs ragged rows where the proposer and the
     model take them. A request that joins while a choice holds drafts
     what a request with the batch's average acceptance would get (``join_length``), capped; its
@@ -198,7 +200,9 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         average = (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
         counts = self._counts[rows]  # [n, 2, S]
         first = (counts[:, 1, 0] + self.prior_weight * average[0]) / (counts[:, 0, 0] + self.prior_weight)  # [n]
-        priors = np.minimum(average[None, :] * (first / average[0])[:, None], 1.0)  # [n, S]
+        # the request's first-depth estimate over the batch's (1 while the batch's is 0: optimistic_prior=0)
+        scale = np.divide(first, average[0], out=np.ones_like(first), where=average[0] > 0)  # [n]
+        priors = np.minimum(average[None, :] * scale[:, None], 1.0)  # [n, S]
         priors[:, 0] = average[0]
         return (counts[:, 1] + self.prior_weight * priors) / (counts[:, 0] + self.prior_weight)
 

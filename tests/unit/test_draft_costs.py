@@ -156,7 +156,7 @@ def test_step_timing_counts_every_busy_call_as_realised():
 def test_realised_walls_calibrate_each_depth():
     """A depth's calibration is its realised wall over the model's cost of the same steps (kept only
     once the model measured the key); a depth with too few realised steps takes the grid's pooled
-    ratio; a sample is clipped at 3x the model; realised tokens per request-step are kept beside."""
+    ratio; a sample is clipped at 2x the model; realised tokens per request-step are kept beside."""
     model = StepCostModel()
     for depth, seconds in ((0, 1e-3), (2, 2e-3)):
         model.record(8, depth, seconds, None)

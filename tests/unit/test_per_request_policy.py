@@ -247,3 +247,11 @@ def test_a_decision_is_a_fixed_number_of_calls_whatever_the_batch():
     for drain in (False, True):  # a branch may differ with the data (a one-depth best), not per request
         assert np.abs(np.subtract(counts[(6, drain)], counts[(60, drain)])).max() <= 8, counts
     assert all(kept < search / 3 for search, kept in counts.values()), counts
+
+
+def test_estimates_stay_finite_with_a_zero_optimistic_prior():
+    """``optimistic_prior=0`` before any draft lands: the batch's first-depth estimate is 0, and a
+    request's deeper priors (scaled by its own over the batch's) stay finite, not 0/0."""
+    policy = PerRequestGoodputPolicy(optimistic_prior=0.0)
+    policy.bind(SHAPE)
+    assert np.isfinite(policy.acceptance(0)).all()
