@@ -9,79 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mtp_ctrl.state import (
-    BatchDimensions,
-    DynamicInferenceContext,
-    KVCacheFullError,
-    KVCacheSpec,
-    MambaSpec,
-    RowGroup,
-)
-from mtp_ctrl.state.engine_shape import EngineShape
-from mtp_ctrl.triton_ops.reference import rewind_kv_cache
-
-SHAPE_FIELDS = ("max_requests", "max_model_len", "block_size_tokens", "num_speculative_tokens", "max_tokens_per_step",
-                "decode_steps_per_launch", "device")
-
-KV_SPEC = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
-
-
-def make_context(**overrides):
-    args = dict(
-        max_requests=4,
-        max_model_len=32,
-        block_size_tokens=4,
-        num_speculative_tokens=2,
-        max_tokens_per_step=12,
-        kv_cache=KV_SPEC,
-        device="cpu",
-        num_blocks=24,
-    )
-    args.update(overrides)
-    shape = EngineShape(**{name: args.pop(name) for name in SHAPE_FIELDS if name in args})
-    return DynamicInferenceContext(shape, **args)
-
-
-def device_rewind(ctx, step, accepted):
-    """What verify_and_commit(keep_released_blocks=True, request_slots=...) does to the KV state:
-    rewind each decode request (in its slot) past its rejected drafts, keeping every block id
-    (the rewind sees a copy of them)."""
-    n = step.num_requests
-    accepted_counts = torch.zeros(n, dtype=torch.int64)  # [n] int64, prefill rows ignored
-    accepted_counts[: step.num_decode] = torch.as_tensor(np.asarray(accepted, dtype=np.int64))
-    rows, slots = ctx.table.device, torch.from_numpy(step.host_slot_ids)
-    state = [rows.last_kv_block_offset, rows.kv_length_offsets, rows.kv_block_counts, rows.last_kv_block_id]
-    gathered = [tensor[slots] for tensor in state]  # [n] each
-    rewind_kv_cache(accepted_counts, rows.prefill_status[slots], *gathered, rows.kv_block_ids[slots].clone(),
-                    ctx.shape.num_speculative_tokens, ctx.allocator.block_size_tokens)
-    for tensor, values in zip(state, gathered):
-        tensor[slots] = values
-
-
-def run_device_step(ctx, step, accepted):
-    """The device half of a step: prepare_inputs, check every real row has a KV slot in a block
-    the host gave, then the rewind."""
-    ctx.prepare_inputs(step)
-    rows = step.attention.num_actual_tokens
-    assert (step.attention.slot_mapping[:rows] >= 0).all()
-    slots = step.host_slot_ids
-    assert (ctx.table.device.kv_block_counts[slots].numpy() <= ctx.table.host.block_counts[slots]).all()
-    device_rewind(ctx, step, accepted)
-
-
-def step_and_commit(ctx, accepted=None):
-    step = ctx.build_step()
-    accepted = np.zeros(step.num_decode, np.int64) if accepted is None else np.asarray(accepted, np.int64)
-    run_device_step(ctx, step, accepted)
-    ctx.commit_readback(step, accepted)
-    assert ctx.table.mismatched_rows() == []
-    return step
-
-
-def held_blocks(ctx):
-    host, live = ctx.table.host, ctx.table.num_live
-    held = host.block_ids[:live]
-    return held[held >= 0].tolist()
+from mtp_ctrl.state import BatchDimensions, KVCacheFullError, KVCacheSpec, MambaSpec, RowGroup
+from tests.unit.context_fixtures import KV_SPEC, device_rewind, held_blocks, make_context, run_device_step, \
+    step_and_commit
 
 
 def test_hand_computed_step_of_two_decodes_and_a_prefill_chunk():
@@ -616,48 +546,3 @@ def test_a_decode_run_is_staged_only_for_decode_steps_and_reserves_every_step():
     assert tight.build_step(length_budgets=budgets).num_steps == 1  # a run would need 3 + 3 blocks, 3 free
     with pytest.raises(ValueError, match="decode runs have"):
         tight.build_padding_step(tight.graph_shapes()[0], num_steps=3)
-
-
-def test_hand_computed_ragged_decode_step():
-    """Ragged rows (``enable_ragged_rows``), bs = 4, S = 2, grid 4: requests 0, 1, 2 (prompts 5, 3, 4)
-    prefill and draft 2, 0 and 1 tokens; the next step runs 1 + s_r rows each (3, 1, 2: 6 rows, a
-    ragged count of grid 4: every row from 5 to 12), logits rows strided (1 + V = 3 a request, rows past s_r
-    repeating row s_r, the padding request's rows 0); a request that accepted none of its drafts
-    rewinds only the rows it ran; then an all-zero step (every s_r = 0) is a plain decode step."""
-    ctx = make_context(cuda_graph_batch_sizes=(4,))
-    ctx.enable_ragged_rows()
-    for request_id, length in enumerate((5, 3, 4)):
-        ctx.add_request(request_id, list(range(10 * (request_id + 1), 10 * (request_id + 1) + length)))
-    first = ctx.build_step(draft_lengths=lambda ids, n, batch: np.array([2, 0, 1]))
-    run_device_step(ctx, first, [])
-    ctx.commit_readback(first, np.zeros(0, np.int64))
-    ctx.table.next_tokens[:3] = torch.tensor([15, 23, 34])
-    ctx.table.draft_tokens[:3] = torch.tensor([[16, 17], [-5, -5], [35, -5]])
-    step = ctx.build_step(draft_lengths=lambda ids, n, batch: np.zeros(n, np.int64))
-    ctx.prepare_inputs(step)
-    att = step.attention
-    assert step.host_verify_lengths == (2, 0, 1) and step.verify_width == 2
-    assert step.host_query_lengths.tolist() == [3, 1, 2]
-    assert step.dimensions == BatchDimensions(token_count=6, request_count=4, has_prefill=False)
-    assert att.query_start_loc.tolist() == [0, 3, 4, 6, 6]
-    assert step.input_ids[:6].tolist() == [15, 16, 17, 23, 34, 35]
-    assert att.positions.tolist() == [5, 6, 7, 3, 4, 5]
-    assert (att.slot_mapping >= 0).all()
-    assert step.logits_indices.tolist() == [0, 1, 2, 3, 3, 3, 4, 5, 5, 0, 0, 0]
-    assert att.seq_lens.tolist() == [8, 4, 6, 0] and att.max_query_len == 3
-    rows = ctx.table.device
-    device_rewind_ragged = [2 - 0, 0, 1 - 1]  # s_r - accepted: request 0 accepted none, request 2 its one
-    before = rows.kv_length_offsets[:3].clone()
-    rows.kv_length_offsets[:3] = before - torch.tensor(device_rewind_ragged)  # what verify_and_commit(qsl=) does
-    ctx.commit_readback(step, np.array([0, 0, 1]))
-    assert ctx.table.host.known_lengths[:3].tolist() == rows.kv_length_offsets[:3].tolist() == [6, 4, 6]
-    plain = ctx.build_step(draft_lengths=lambda ids, n, batch: np.zeros(n, np.int64))
-    assert plain.verify_width == 0 and plain.host_query_lengths.tolist() == [1, 1, 1]
-    assert plain.dimensions == BatchDimensions(token_count=4, request_count=4, has_prefill=False)
-    assert plain.logits_indices.tolist() == [0, 1, 2, 0]
-
-
-def test_ragged_rows_are_refused_with_mamba_layers():
-    ctx = make_context(mamba=MambaSpec(num_layers=1, conv_state_shape=(2, 3), ssm_state_shape=(2, 2), dtype=torch.float32))
-    with pytest.raises(ValueError, match="Mamba"):
-        ctx.enable_ragged_rows()
