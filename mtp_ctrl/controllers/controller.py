@@ -194,7 +194,7 @@ class TextGenerationController:
         for verify_width, num_drafts in self._draft_lengths.warmup_tiers():
             for shape in self.context.graph_shapes(verify_width):
                 # a ragged decode-only count below the tier's G (1 + V): single steps, some request holds < V
-                ragged = not shape.has_prefill and shape.token_count != shape.request_count * (1 + verify_width)
+                ragged = shape.is_ragged(verify_width)
                 for num_steps in (1,) if shape.has_prefill or ragged else self._scheduler.run_lengths:
                     if num_steps > 1 and verify_width < num_drafts:
                         continue  # a decode run's later steps verify its own lengths: its V >= its D

@@ -150,7 +150,7 @@ class DraftLengths:
             return True
         if step.num_decode == 0:
             return False
-        if step.dimensions.token_count != step.dimensions.request_count * (1 + V):
+        if step.dimensions.is_ragged(V):
             return True  # a ragged token count below the tier (warmup() captures its masked graph only)
         if min(step.host_verify_lengths) < V:
             return True

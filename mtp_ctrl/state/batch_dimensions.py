@@ -27,6 +27,11 @@ class BatchDimensions:
     def decode_only(cls, batch_size: int, num_speculative_tokens: int) -> "BatchDimensions":
         return cls(batch_size * (num_speculative_tokens + 1), batch_size, False)
 
+    def is_ragged(self, verify_width: int) -> bool:
+        """A decode-only grid whose rows are not ``1 + verify_width`` per request: a ragged token count
+        (``ragged_token_counts``), below the tier's ``G (1 + V)``."""
+        return not self.has_prefill and self.token_count != self.request_count * (1 + verify_width)
+
 
 def check_batch_sizes(batch_sizes: Sequence[int], max_requests: int) -> Tuple[int, ...]:
     """Validate CUDA-graph batch sizes: strictly increasing ints in ``[1, max_requests]``."""

@@ -183,7 +183,7 @@ def test_ragged_rows_replay_graphs_with_no_sync_and_equal_eager_and_plain(model,
         warmed = controller.warmup()
         below_tier = []
         controller.on_launch = lambda step, key: below_tier.append(
-            not step.num_prefill and step.dimensions.token_count < step.dimensions.request_count * (1 + step.verify_width))
+            not step.num_prefill and step.dimensions.is_ragged(step.verify_width))
         ids = [controller.add_request(prompt, p) for prompt, p in zip(PROMPTS, params)]  # id = the oracle's row
         while controller.has_unfinished_requests():
             controller.step()
