@@ -28,10 +28,13 @@ def generate_all(tensor_parallel_size: int):
             config = InferenceConfig(num_speculative_tokens=S, max_requests=2, block_size_tokens=4, max_model_len=48,
                                      max_tokens_per_step=64)
             controller = TextGenerationController(model, config, draft_policy=policy)
+            ragged = []  # per launch: its decode requests ran ragged rows (1 + s_r each, below the tier)
+            controller.on_launch = lambda step, key: ragged.append(step.dimensions.is_ragged(step.verify_width))
             results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=6, **sampling))
             outputs.append([list(result.output_tokens) for result in results])
             if isinstance(policy, RandomDraftLengths):
                 choices.append([lengths.tolist() for lengths in policy.chosen])
+                choices.append(ragged)
     # a length per request (ragged rows), greedy: its costs are the first rank's on every rank
     config = InferenceConfig(num_speculative_tokens=2, max_requests=2, block_size_tokens=4, max_model_len=48,
                              max_tokens_per_step=64)
@@ -59,6 +62,7 @@ def test_draft_lengths_tp2_match_tp1(tmp_path):
         outputs, choices = generate_all(1)
     assert outputs[0] == outputs[1] == outputs[4] and outputs[2] == outputs[3]  # == plain
     assert any(1 in step for step in choices[0]) and any(0 in step for step in choices[0])  # lengths varied
+    assert any(choices[1])  # some step ran ragged rows (on every rank: the choices are compared)
     path = tmp_path / "draft_lengths_tp1.pt"
     torch.save((outputs, choices), path)
     spawn_ranks(_worker, (2, free_port(), str(path)))
