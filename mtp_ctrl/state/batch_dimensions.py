@@ -12,6 +12,7 @@ Shapes above every bucket run eagerly at their exact dimensions.
 """
 
 import dataclasses
+import functools
 from typing import Optional, Sequence, Tuple
 
 
@@ -69,6 +70,7 @@ def token_buckets(max_tokens_per_step: int, smallest: int = 64) -> Tuple[int, ..
 RAGGED_ROW_FRACTION = 4  # ragged decode-only graphs: token counts every ceil(G / 4) rows
 
 
+@functools.lru_cache(maxsize=None)  # read on every ragged decode step; a few (G, V) pairs an engine
 def ragged_token_counts(batch_size: int, verify_width: int) -> Tuple[int, ...]:
     """Token counts of the decode-only graphs of grid ``batch_size`` (G) at verify width V when
     decode requests run ``1 + s_r`` rows each (ragged rows, ``s_r <= V``): from ``G`` up in steps of
