@@ -358,3 +358,48 @@ def test_query_start_loc_is_checked():
     with pytest.raises(ValueError, match="query_start_loc"):
         verify_and_commit(inputs, outputs, indices, *_buffers(2, 2), *make_kv_state(2, 2, 4, seed=0), 2, 0, 2, 4,
                           query_start_loc=starts[:2])
+
+
+@pytest.mark.parametrize("num_decode,num_prefill,num_spec,block_size,num_padding",
+                         [(3, 1, 3, 2, 2), (4, 0, 2, 4, 1), (2, 2, 1, 3, 0)])
+def test_ragged_rows_by_slot_with_prefill_chunks_and_padding(num_decode, num_prefill, num_spec, block_size,
+                                                             num_padding):
+    """The controller's call with ragged rows: decode requests that ran ``1 + s_r`` rows
+    (``query_start_loc``; their logical rows past ``s_r`` masked), final prefill chunks after them,
+    padding programs (``query_start_loc`` repeats, the scratch slot), the KV state by table slot,
+    the decode and active counts on the device: the kernel equals the twin, each decode request is
+    rewound by ``s_r - accepted``, and no slot but the real requests' changes."""
+    stride, num_real = num_spec + 1, num_decode + num_prefill
+    num_requests, num_slots = num_real + num_padding, num_real + 4  # the last slot is the scratch slot
+    # logits rows: 1 + S per request of the grid (decode rows, the chunks' last rows, then ignored rows)
+    case = make_token_case(num_decode, num_prefill, num_spec, seed=9,
+                           extra_rows=num_requests * stride - num_decode * stride - num_prefill)
+    generator = torch.Generator().manual_seed(9)
+    drafts = torch.randint(0, num_spec + 1, (num_decode,), generator=generator)  # s_r
+    inputs = case.input_tokens.clone()
+    past = torch.arange(num_decode * stride) % stride > drafts.repeat_interleave(stride)
+    inputs[: num_decode * stride][past] = -1  # drafts a request did not make
+    lengths = torch.cat([drafts + 1, torch.randint(1, 5, (num_prefill,), generator=generator),
+                         torch.zeros(num_padding, dtype=torch.int64)])
+    starts = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(lengths, 0)
+    slots = torch.cat([torch.randperm(num_slots - 1, generator=generator)[:num_real],
+                       torch.full((num_padding,), num_slots - 1)])
+    state = make_kv_state(num_slots, num_spec, block_size, seed=9)
+    results = []
+    for op in OPS:
+        buffers, kv_state = _buffers(num_requests, num_spec), clone_all(state)
+        got = op(inputs, case.output_tokens, case.required_logit_indices, *buffers, *kv_state, num_requests, 0,
+                 num_spec, block_size, torch.tensor([num_real]), keep_released_blocks=True,
+                 decode_count=torch.tensor([num_decode]), request_slots=slots, query_start_loc=starts)
+        results.append((list(got) + buffers, kv_state))
+    (kernel, kernel_state), (twin, twin_state) = results
+    assert_all_equal(kernel + kernel_state, twin + twin_state)
+    accepted = kernel[-1][:num_decode]  # accepted_token_counts
+    assert bool((accepted <= drafts).all())
+    decode_slots = slots[:num_decode]
+    assert torch.equal(kernel_state[1][decode_slots], state[1][decode_slots] - (drafts - accepted))
+    others = torch.ones(num_slots, dtype=torch.bool)
+    others[slots[:num_real]] = False
+    for got_rows, before in zip(kernel_state, state):
+        assert torch.equal(got_rows[others], before[others])
