@@ -265,13 +265,11 @@ class DraftLengths:
             self._cap_values[rows[0]] = params.num_speculative_tokens
             self.masked = True
 
-    def forget(self, request_id: int) -> None:
-        """The request left the batch (finished or evicted; an evicted one comes back). Its
-        outcomes not yet observed count in the policy's batch model only (``observe`` makes no row)."""
-        self.policy.forget(request_id)
-
     def drop(self, request_id: int) -> None:
-        """The controller forgot the request."""
+        """The request is gone for good (finished or aborted; a preempted one is not dropped: it
+        comes back, and its acceptance counts stay its own): its cap goes, and the policy forgets
+        it (its outcomes not yet observed count in the policy's batch model only)."""
+        self.policy.forget(request_id)
         if self._caps.pop(request_id, None) is not None:
             self._cap_index.remove(request_id)
 
@@ -310,11 +308,10 @@ class DraftLengths:
         cost_model = self.policy.cost_model
         if applied and cost_model is not None:
             cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
-            if hasattr(cost_model, "record_prefill_rows"):  # rows of prefill chunks a mixed step carries
-                for step, _ in applied:
-                    if step.num_prefill:
-                        starts = step.host_query_start_loc
-                        cost_model.record_prefill_rows(int(starts[-1] - starts[step.num_decode]))
+            for step, _ in applied:  # rows of prefill chunks a mixed step carries
+                if step.num_prefill:
+                    starts = step.host_query_start_loc
+                    cost_model.record_prefill_rows(int(starts[-1] - starts[step.num_decode]))
         launch_key = steady_key = None
         if len(applied) == 1:
             step, gpu_seconds = applied[0]
@@ -359,10 +356,10 @@ class DraftLengths:
     def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None,
                        row_costs: Optional[Dict[Tuple[int, int, int, bool], float]] = None) -> None:
         """The warm-up's replay times by (batch size, draft depths) for the policy's cost model,
-        and with ragged rows by (batch size, token count, draft depths, has prefill) (``row_costs``, for a cost
-        model that takes them: ``set_row_costs``); under tensor parallelism every rank takes the
-        first rank's (``group``: the TP ranks' gloo group), so that every rank's policy makes the
-        same choices."""
+        and with ragged rows by (batch size, token count, draft depths, has prefill) (``row_costs``:
+        ``StepCostModel.set_row_costs``, kept by a cost model that costs rows); under tensor
+        parallelism every rank takes the first rank's (``group``: the TP ranks' gloo group), so that
+        every rank's policy makes the same choices."""
         if group is not None:
             shared = [costs, row_costs]
             dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
@@ -370,7 +367,7 @@ class DraftLengths:
         cost_model = self.policy.cost_model
         if cost_model is not None:
             cost_model.set_measured(costs)
-            if row_costs and hasattr(cost_model, "set_row_costs"):
+            if row_costs:
                 cost_model.set_row_costs(row_costs)
 
 

@@ -163,7 +163,9 @@ class DraftLengthPolicy:
         ``draft_lengths[i]`` drafts and accepted ``accepted_counts[i]``. Default: nothing."""
 
     def forget(self, request_id: int) -> None:
-        """The request left the batch (finished or evicted). Default: nothing."""
+        """The request is gone for good (finished or aborted), called once. A request preempted for
+        KV space is not forgotten: it returns with the same text, so its outcomes so far stay
+        evidence about it. Default: nothing."""
 
 
 class FixedDraftLength(DraftLengthPolicy):
@@ -310,7 +312,7 @@ class GoodputPolicy(DraftLengthPolicy):
     def _retire_leaving(self) -> None:
         """The requests forgotten since the last lookup: the estimate of each that verified at least
         ``population_evidence`` first drafts (decayed) joins the population; then their rows are freed."""
-        ids, self._leaving = np.unique(np.array(self._leaving, dtype=np.int64)), []  # once each (preempted, then finished)
+        ids, self._leaving = np.unique(np.array(self._leaving, dtype=np.int64)), []
         rows, _ = self._index.rows(ids)
         rows = rows[rows >= 0]
         rows = rows[self._counts[rows, 0, 0] >= self.population_evidence]
@@ -421,16 +423,21 @@ class GoodputPolicy(DraftLengthPolicy):
         return runner_up
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
+        # No new rows: with overlap, a request's last step is applied after it finished and was
+        # forgotten, and a row made then would be held (and decayed every choice) for good. Its
+        # outcome still counts in the batch model.
+        self._count_outcomes(self._rows(request_ids, create=False), draft_lengths, accepted_counts)
+
+    def _count_outcomes(self, rows: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
+        """Add ``observe``'s outcomes (``[m]`` each) to the batch model and to the requests' rows
+        ``rows`` ``[m]`` (-1: a request without a row: the batch model only)."""
         # Each outcome is a code (s, a) of (S + 1)^2; bincount the codes per request row, then one
         # product with the table of what each code adds to (reached, accepted) at each depth:
         # a few numpy calls whatever the outcomes (np.add.at over [m, 2, S] was ~10x slower).
         base = self._model.shape[1] + 1  # S + 1
         codes = np.asarray(draft_lengths, dtype=np.int64) * base + np.minimum(accepted_counts, draft_lengths)  # [m]
-        # No new rows: with overlap, a request's last step is applied after it finished and was
-        # forgotten, and a row made then would be held (and decayed every choice) for good. Its
-        # outcome still counts in the batch model.
         num_rows = self._counts.shape[0]
-        rows = self._rows(request_ids, create=False) % num_rows  # [m]; not held (-1): the last row
+        rows = rows % num_rows  # [m]; not held (-1): the last row
         histogram = np.bincount(rows * base * base + codes, minlength=num_rows * base * base)
         histogram = histogram.reshape(num_rows, base * base)  # [rows + 1, (S + 1)^2] outcomes by row and code
         self._model += (histogram.sum(axis=0) @ self._code_outcomes).reshape(self._model.shape)

@@ -174,14 +174,16 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         """As :meth:`GoodputPolicy.observe`, but a request's own counts start with its first outcome,
         not when a choice first sees it (a request that joined while a choice held verifies up to
         ``decide_every`` steps before that, in a life of a few tens of steps), except for requests
-        that left lately (their last outcomes come after ``forget``: a row made then would be held for
-        good)."""
+        forgotten lately (finished or aborted: their last outcomes come after ``forget``, and a row
+        made then would be held for good; a preempted request is not forgotten: its row stays)."""
         request_ids = np.asarray(request_ids, dtype=np.int64)
-        rows = self._rows(request_ids, create=False)
-        if (rows < 0).any():  # requests not seen yet (joined since the last choice) or that left lately
-            new = request_ids[rows < 0]
-            self._rows(np.unique(new[~np.isin(new, self._forgotten)]), create=True)
-        super().observe(request_ids, draft_lengths, accepted_counts)
+        rows = self._rows(request_ids, create=False)  # [m]
+        missing = rows < 0  # requests not seen yet (joined since the last choice) or that left lately
+        if missing.any():
+            missing[missing] = ~np.isin(request_ids[missing], self._forgotten)
+            if missing.any():  # rows for the joined ones (only they are looked up again)
+                rows[missing] = self._rows(request_ids[missing], create=True)
+        self._count_outcomes(rows, draft_lengths, accepted_counts)
 
     def forget(self, request_id: int) -> None:
         super().forget(request_id)

@@ -66,7 +66,6 @@ class SlotLifecycle:
         self.context.finish_requests(request_ids)
         for request_id in request_ids:
             self.proposer.forget(request_id)
-            self.draft_lengths.forget(request_id)
             request = self.requests.get(request_id)
             if request is None or request.finish_reason is not None:  # gone for good (an evicted one returns)
                 self.draft_lengths.drop(request_id)
@@ -93,6 +92,7 @@ class SlotLifecycle:
             if request_id in self.context:
                 self.scheduler.finished(request_id)
             else:  # it held no slot: its result is claimable now
+                self.draft_lengths.drop(request_id)
                 self.requests.finished([request_id])
 
     def abort_running(self) -> None:

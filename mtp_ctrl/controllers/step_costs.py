@@ -101,6 +101,15 @@ class StepCostModel:
         self._gpu_seeded = {key: True for key in self.gpu}
         self.wall, self._outliers, self.mixed_wall, self.realised = {}, {}, {}, {}
 
+    def set_row_costs(self, row_costs: Dict[Tuple[int, int, int, bool], float]) -> None:
+        """The warm-up's replay times by (G, token count, D, has prefill) of ragged rows
+        (``controller.warmup()`` times them for a per-request policy only). This model costs whole
+        steps by (G, D): it keeps none (``RowCostModel`` overrides it)."""
+
+    def record_prefill_rows(self, rows: int) -> None:
+        """An applied step with prefill chunks carried ``rows`` chunk rows. This model keeps none
+        (``RowCostModel`` overrides it: a ragged candidate's token bucket depends on them)."""
+
     def record_launches(self, mixed: int, total: int) -> None:
         """``total`` launches were applied, ``mixed`` of them with prefill chunks: moves
         ``mixed_share`` (every TP rank applies the same launches, so every rank's share agrees)."""

@@ -126,10 +126,39 @@ def test_a_depth_never_measured_is_given_up_after_explore_tries():
 
 
 def _step(G, V, D, prefill=0, steps=1, decode=None):
-    """What ``DraftLengths.step_timing`` reads of a step (``decode``: its decode requests, G if None)."""
+    """What ``DraftLengths.step_timing`` reads of a step (``decode``: its decode requests, G if None;
+    each prefill request a chunk of 3 rows)."""
+    decode = G if decode is None else decode
+    starts = np.concatenate([np.arange(decode + 1) * (1 + V), decode * (1 + V) + 3 * np.arange(1, prefill + 1)])
     return types.SimpleNamespace(num_prefill=prefill, verify_width=V, num_drafts=D, num_steps=steps,
-                                 num_decode=G if decode is None else decode,
+                                 num_decode=decode, host_query_start_loc=starts,
                                  dimensions=types.SimpleNamespace(request_count=G))
+
+
+def test_the_loop_hands_row_costs_and_prefill_rows_to_any_cost_model():
+    """The row-cost hooks are ``StepCostModel``'s (no-ops there): a cost model that overrides them
+    gets the warm-up's row costs and every applied mixed step's prefill rows, and the base model
+    takes both."""
+
+    class RowsSeen(StepCostModel):
+        def __init__(self):
+            super().__init__()
+            self.row_costs, self.prefill_rows = None, []
+
+        def set_row_costs(self, row_costs):
+            self.row_costs = row_costs
+
+        def record_prefill_rows(self, rows):
+            self.prefill_rows.append(rows)
+
+    for cost_model in (StepCostModel(), RowsSeen()):
+        policy = GoodputPolicy()
+        lengths = DraftLengths(policy, SHAPE)  # binds the policy
+        policy.cost_model = cost_model
+        lengths.set_step_costs({(8, 0): 1e-3}, row_costs={(8, 8, 0, False): 1e-3})
+        lengths.step_timing([(_step(8, 2, 2), 1e-3), (_step(8, 2, 2, prefill=2, decode=5), 1e-3)], 3e-3, 2)
+    assert cost_model.row_costs == {(8, 8, 0, False): 1e-3}
+    assert cost_model.prefill_rows == [6]  # the mixed launch's two chunks of 3 rows
 
 
 def test_step_timing_counts_every_busy_call_as_realised():

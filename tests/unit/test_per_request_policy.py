@@ -5,7 +5,7 @@ worked example, the drain objective, the join length, the row cost model, determ
 import numpy as np
 
 from mtp_ctrl.controllers import PerRequestGoodputPolicy
-from mtp_ctrl.controllers.draft_policy import DraftLengthQuery
+from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy
 from mtp_ctrl.controllers.per_request_policy import RowCostModel
 from mtp_ctrl.state import EngineShape
 
@@ -255,3 +255,26 @@ def test_estimates_stay_finite_with_a_zero_optimistic_prior():
     policy = PerRequestGoodputPolicy(optimistic_prior=0.0)
     policy.bind(SHAPE)
     assert np.isfinite(policy.acceptance(0)).all()
+
+
+def test_observe_looks_each_request_up_once():
+    """``observe`` of requests that hold rows makes the calls of ``GoodputPolicy.observe`` and a
+    check for missing rows, not a second lookup of the batch; it counts what ``GoodputPolicy``
+    counts, and a joined request (no row yet) gets its row and its outcomes."""
+    ids = np.tile(np.arange(1, 7), 4)  # four steps' outcomes of the batch
+    lengths, accepted = np.full(ids.shape, S), ids % (S + 1)
+    calls, policies = {}, {}
+    for kind in (GoodputPolicy, PerRequestGoodputPolicy):
+        policy = policies[kind] = kind(prior_weight=1.0)
+        policy.bind(SHAPE)
+        choose(policy)  # rows for requests 1..6
+        with CallCounter() as counter:
+            policy.observe(ids, lengths, accepted)
+        calls[kind] = counter.calls
+    assert calls[PerRequestGoodputPolicy] - calls[GoodputPolicy] <= 8, calls  # 4; with a second lookup 16
+    for request_id in range(1, 7):  # the first depth's estimate (deeper ones have per-request priors)
+        assert policies[GoodputPolicy].acceptance(request_id)[0] == \
+            policies[PerRequestGoodputPolicy].acceptance(request_id)[0]
+    joined = policies[PerRequestGoodputPolicy]
+    joined.observe(np.array([5, 9, 9]), np.array([S, S, S]), np.array([S, 0, 0]))  # 9 joined since the choice
+    assert joined.acceptance(9)[0] < joined.acceptance(5)[0]
