@@ -184,7 +184,7 @@ def queued_loop(policy, steps=80, G=12, new_tokens=16, seed=0, per_row=0.03):
             slot[0], slot[1] = slot[0] - 1 - a, s
             if slot[0] <= 0:
                 del slots[request_id]
-                lengths_of.forget(request_id)
+                lengths_of.drop(request_id)
     return by_rate
 
 
