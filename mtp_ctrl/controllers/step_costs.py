@@ -176,6 +176,9 @@ class StepCostModel:
     def calibration(self, batch_size: int, num_drafts: int) -> float:
         """Realised wall / the model's seconds of depth ``num_drafts`` at the step's grid: its own
         with ``realised_min_steps`` realised steps, else the grid's pooled ratio, else 1."""
+        sums = self.realised.get((batch_size, num_drafts))  # the step's own grid (then it is the one read)
+        if sums is not None and sums[2] >= self.realised_min_steps:
+            return sums[0] / sums[1]
         grid = _grid_for(self.realised, batch_size)
         if grid is None:
             return 1.0
@@ -202,6 +205,8 @@ class StepCostModel:
 
     def is_measured(self, batch_size: int, num_drafts: int) -> bool:
         """Whether the loop has timed depth ``num_drafts`` at the grid a step of ``batch_size`` reads."""
+        if (batch_size, num_drafts) in self.wall:  # the step's own grid (then it is the one read)
+            return True
         grid = _grid_for(self.wall, batch_size)
         return grid is not None and (grid, int(num_drafts)) in self.wall
 
@@ -226,6 +231,9 @@ class StepCostModel:
 
     def decode_seconds(self, batch_size: int, num_drafts: int) -> float:
         """A decode-only step at depth ``num_drafts`` (module docstring)."""
+        wall = self.wall.get((batch_size, num_drafts))  # the step's own grid (then it is the one read)
+        if wall is not None:
+            return wall
         grid = _grid_for(self.wall, batch_size)
         if grid is not None and (grid, num_drafts) in self.wall:
             return self.wall[(grid, num_drafts)]
