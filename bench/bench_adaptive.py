@@ -495,6 +495,10 @@ def large_part(args, table, device):
                                 device.type)
             engines.append(PointEngine(S, name, policy, controller,
                                        before=lambda c=controller: first_id.fill_(c.debug_view().next_request_id)))
+        if device.type == "cuda":  # the engines share the model; each holds its own KV, buffers and graph pools
+            print(f"1B batch {batch}, {len(engines)} engines warmed: GPU memory reserved "
+                  f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB, peak allocated "
+                  f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
         for workload, mix, prompts in workloads:
             if table.out_of_time(f"1B batch {batch} {workload}"):
                 break
