@@ -6,7 +6,9 @@ Each row is one engine at one point (part, batch, workload): ``runs`` (tokens/s 
 generate, interleaved round-robin with the point's other engines), ``tokens_per_s`` (their median),
 ``spread_pct`` ((max - min) / median, %). A comparison's verdict: "above" when every run of the
 engine beats every run of the reference (the two ranges do not meet), "below" when every run is
-behind, "within spread" otherwise (the margin does not exceed the spread: not settled).
+behind, "within spread" otherwise (the margin does not exceed the spread: not settled). "paired":
+the engine's run over the best fixed S's run of the same round-robin round, min-max over rounds
+(drift common to a round cancels; all above or all below 1 is a sign the median ratio holds).
 """
 
 import argparse
@@ -60,11 +62,19 @@ def rows_cost(costs):
     return grid, low, t_max, high
 
 
+def paired_ratios(runs, reference_runs):
+    """Run i of ``runs`` over run i of ``reference_runs`` (the same round-robin round: the same host
+    drift), sorted; [] when the counts differ."""
+    return sorted(a / b for a, b in zip(runs, reference_runs)) if len(runs) == len(reference_runs) else []
+
+
 def _rate(row, best_runs, plain_runs):
-    """'tokens/s (spread %)  /best  /plain  verdict vs best'."""
+    """'tokens/s (spread %)  /best  /plain  verdict vs best  paired /best (min-max over rounds)'."""
     rate, best, plain = row["tokens_per_s"], median(best_runs), median(plain_runs)
+    paired = paired_ratios(_runs(row), best_runs)
+    paired = f"{paired[0]:.2f}-{paired[-1]:.2f}" if len(paired) > 1 else "-"
     return (f"{rate:8.0f} ({row.get('spread_pct', 0) or 0:4.1f}%) {rate / best:5.2f} {rate / plain:5.2f} "
-            f"{verdict(_runs(row), best_runs):>13}")
+            f"{verdict(_runs(row), best_runs):>13} {paired:>9}")
 
 
 def print_workloads(rows, header=True):
@@ -75,7 +85,8 @@ def print_workloads(rows, header=True):
         workloads.setdefault((row["part"], row["batch"], row["workload"]), []).append(row)
     if header:
         print(f"\n{'part':>5} {'batch':>5} {'workload':>14} | fixed S tokens/s: median (spread: (max - min) / median) "
-              f"| policy: median (spread) /best /plain, vs best fixed S | lengths | == plain")
+              f"| policy: median (spread) /best /plain, vs best fixed S, paired /best (each round's ratio: min-max) "
+              "| lengths | == plain")
     for (part, batch, workload), point in workloads.items():
         fixed = {row["S"]: row for row in point if row["policy"] == "fixed"}
         text = " ".join(f"S{s}={row['tokens_per_s']:.0f} ({row.get('spread_pct', 0) or 0:.1f}%)"

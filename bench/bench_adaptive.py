@@ -27,9 +27,11 @@ Every timed run's outputs are checked equal to plain decoding's.
    as a server runs); fixed S = 0..3, goodput at S_max = 3 (one depth for the batch), and
    ``PerRequestGoodputPolicy`` at S_max = 3 ("per-request": a length per request, ragged verify rows:
    a decode request runs 1 + s_r rows; its mean s per label 0.9 / 0.6 / 0.2 is printed). Batches
-   256, 64, 8: at batch 256 rows cost (a decode-only step's GEMMs leave the weight-bound regime:
-   the warm-up's replay at 4 rows a request costs well over its replay at one; the table prints
-   both), which is where a length per request should beat one depth for the batch. The random
+   128, 256, 64, 8: at 128 and 256 rows cost (a decode-only step's GEMMs leave the weight-bound
+   regime: on an H200 at batch 256 the warm-up's replay at 4 rows a request costs 2.71x its replay
+   at one; the table prints both per point), so the rows a low-acceptance request saves are worth
+   something: where a length per request should beat one depth for the batch (at 256 no fixed
+   S beat plain on the mix: there the policies must fall back to plain decoding). The random
    model's logits get wide margins (:func:`widen_logit_margins`), so that
    bf16 verify steps of any row count emit plain decoding's tokens (no near ties) and the oracle's
    "true token" is the one the target emits: a request labelled p accepts p per depth. The
@@ -67,7 +69,7 @@ def parse_args(argv=None):
     parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument("--demo-first", action="store_true", help="run the demo part before the 1B one")
     parser.add_argument("--demo-batches", type=int, nargs="+", default=None, help="default 1 8 32 128 (quick: 1 4)")
-    parser.add_argument("--large-batches", type=int, nargs="+", default=None, help="default 256 64 8 (quick: 4)")
+    parser.add_argument("--large-batches", type=int, nargs="+", default=None, help="default 128 256 64 8 (quick: 4)")
     parser.add_argument("--skip-large", action="store_true")
     parser.add_argument("--large-workloads", nargs="+", default=None,
                         help="only these 1B workloads (0.9 0.6 0.2 mixed queued; default all)")
@@ -466,7 +468,7 @@ def large_part(args, table, device):
     if device.type == "cpu":
         model = model.float()
     widen_logit_margins(model)
-    batches = args.large_batches or ((4,) if args.quick else (256, 64, 8))
+    batches = args.large_batches or ((4,) if args.quick else (128, 256, 64, 8))
     generator = torch.Generator().manual_seed(0)
     for batch in batches:
         if table.out_of_time(f"1B batch {batch}"):

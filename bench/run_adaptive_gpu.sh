@@ -3,11 +3,14 @@
 # point timed ADAPTIVE_REPEATS (3) times interleaved round-robin, in parts, each a process under its
 # own timeout (a hang or a cut in one still returns the others), inside ADAPTIVE_TOTAL (560) s:
 #  1. the ~1B model with the acceptance oracle, the mixed workload closed and queued, fixed S = 0..3,
-#     goodput and per-request, at batch ADAPTIVE_LARGE_BATCHES ("256 64 8"; 256: the costlier-rows
-#     point); no point started after ADAPTIVE_LARGE_BUDGET (230) s;
+#     goodput and per-request, at batch ADAPTIVE_LARGE_BATCHES ("128 256 64 8"; 128 and 256: the
+#     costlier-rows points, where a decode-only step at 4 rows a request costs 2-3x one at a row);
+#     no batch started after ADAPTIVE_LARGE_BUDGET (290) s;
 #  2. the demo model at batch ADAPTIVE_DEMO_BATCHES ("32 128 1 8"), T = 0 and 1, fixed S = 0..2 and
 #     goodput (192 tokens a request, 2 x batch requests); no point started after
 #     ADAPTIVE_DEMO_BUDGET (110) s;
+# (H200, this script's parts measured apart: 1B batch 256 116 s, demo batch 32 + 128 66 s; the whole
+#  default ~400 s before the test.)
 #  3. the table of both parts (bench/adaptive_report.py over their JSON: partial parts included);
 #  4. tests/functional/test_adaptive_gpu.py in the time left, if >= 90 s (ADAPTIVE_TEST=0: never).
 # A part whose batches are "" is skipped; what was skipped for time is printed.
@@ -17,9 +20,9 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" 2>/dev/null || { cd "$(dirname "$0")/.."; out="${OUT:-gpu_logs}"; mkdir -p "$out"; }
 total="${ADAPTIVE_TOTAL:-560}"
-large_batches="${ADAPTIVE_LARGE_BATCHES-256 64 8}"
+large_batches="${ADAPTIVE_LARGE_BATCHES-128 256 64 8}"
 demo_batches="${ADAPTIVE_DEMO_BATCHES-32 128 1 8}"
-large_budget="${ADAPTIVE_LARGE_BUDGET:-230}"
+large_budget="${ADAPTIVE_LARGE_BUDGET:-290}"
 demo_budget="${ADAPTIVE_DEMO_BUDGET:-110}"
 test_on="${ADAPTIVE_TEST:-1}"
 common=(--repeats "${ADAPTIVE_REPEATS:-3}")
