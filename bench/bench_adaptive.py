@@ -63,6 +63,9 @@ def parse_args(argv=None):
                         help="timed generates of every engine a point, interleaved round-robin (default 3; quick 1)")
     parser.add_argument("--new-tokens", type=int, default=None,
                         help="tokens per request (default: demo 192, 1B 48; quick 8)")
+    parser.add_argument("--length-spread", type=float, default=0.0,
+                        help="1B: request i's tokens drawn uniformly from new-tokens * (1 -+ x) (seeded; default 0: "
+                             "all equal, so plain decoding's queued requests finish in lockstep)")
     parser.add_argument("--demo-waves", type=int, default=None,
                         help="the demo's prompts a point, in batches (default 2: 2 x batch requests; quick 1)")
     parser.add_argument("--json", default=None, help="also write the rows here")
@@ -84,6 +87,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
+    if not 0 <= args.length_spread < 1:
+        parser.error(f"--length-spread must be in [0, 1), got {args.length_spread}")
     for name in ("repeats", "new_tokens", "demo_waves"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -463,7 +468,8 @@ QUEUED = 4  # the queued workload: this many times the slots in requests (freed 
 def large_part(args, table, device):
     shape = QUICK_MODEL if args.quick else FULL_MODEL
     new_tokens = args.new_tokens or (8 if args.quick else 48)
-    max_model_len = PROMPT_LEN + new_tokens + 8
+    most_tokens = int(new_tokens * (1 + args.length_spread))
+    max_model_len = PROMPT_LEN + most_tokens + 8
     model = build_model(shape, device, max_model_len + 8)
     if device.type == "cpu":
         model = model.float()
@@ -479,11 +485,13 @@ def large_part(args, table, device):
         workloads.append((f"queued {QUEUED}x mixed", MIXES["mixed"], all_prompts))
         if args.large_workloads:
             workloads = [w for w in workloads if w[0].split()[0] in args.large_workloads]
-        params = SamplingParams(max_new_tokens=new_tokens)
+        lengths = torch.randint(max(int(new_tokens * (1 - args.length_spread)), 1), most_tokens + 1, (total,),
+                                generator=generator).tolist() if args.length_spread else [new_tokens] * total
+        all_params = [SamplingParams(max_new_tokens=n) for n in lengths]  # [total]: request i's
         plain_engine = PointEngine(0, "fixed", None, engine(model, 0, batch, max_model_len, device=device.type))
-        plain = {len(prompts): [r.output_tokens for r in plain_engine.generate(prompts, params)]  # S = 0: any mix
-                 for prompts in (all_prompts[:batch], all_prompts)}
-        width = PROMPT_LEN + new_tokens + 16
+        plain = {len(prompts): [r.output_tokens for r in plain_engine.generate(prompts, all_params[: len(prompts)])]
+                 for prompts in (all_prompts[:batch], all_prompts)}  # S = 0: the same for any mix
+        width = PROMPT_LEN + most_tokens + 16
         sequences = torch.zeros(total, width, dtype=torch.int64)
         for index, (prompt, output) in enumerate(zip(all_prompts, plain[total])):
             sequences[index, : len(prompt) + len(output)] = torch.tensor(list(prompt) + list(output))
@@ -506,7 +514,9 @@ def large_part(args, table, device):
                 break
             labels = [mix[i % len(mix)] for i in range(total)]
             rates.copy_(torch.tensor(labels, device=device))
-            records = measure(engines, prompts, params, args.repeats, plain_outputs=plain[len(prompts)])
+            records = measure(engines, prompts, all_params[: len(prompts)], args.repeats,
+                              plain_outputs=plain[len(prompts)])
+            workload += f", lengths +-{args.length_spread:g}" if args.length_spread else ""
             rows = []
             for entry, record in zip(engines, records):
                 results = record["results"]

@@ -16,6 +16,8 @@
 # A part whose batches are "" is skipped; what was skipped for time is printed.
 # Usage (device machine, repo root): bash bench/run_adaptive_gpu.sh [--quick] [bench_adaptive.py args]
 #   --quick: CPU smoke run of the same script (tiny shapes, 1 run a point; no GPU test).
+#   bench args go to both parts, e.g. --length-spread 0.5 (1B requests' lengths 48 x (1 -+ 0.5): plain
+#   decoding's queued requests no longer finish in lockstep; bench/RESULTS.md, "Adaptive", benchrep).
 # Logs, JSON and the table go to $OUT (or ./gpu_logs).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" 2>/dev/null || { cd "$(dirname "$0")/.."; out="${OUT:-gpu_logs}"; mkdir -p "$out"; }
