@@ -24,7 +24,8 @@ Every timed run's outputs are checked equal to plain decoding's.
    ``p_r`` (a hash of request and position, no host work), so acceptance is set per request.
    Workloads: all 0.9, all 0.6, all 0.2, and a mix of the three (closed batches: as many
    requests as slots), and the mix queued (4x the slots in requests: a freed slot takes the next,
-   as a server runs); fixed S = 0..3, goodput at S_max = 3 (one depth for the batch), and
+   as a server runs; 48 tokens each, or ``--length-spread x``: drawn from 48 x (1 -+ x), so that
+   plain decoding's requests do not all finish in the same step); fixed S = 0..3, goodput at S_max = 3 (one depth for the batch), and
    ``PerRequestGoodputPolicy`` at S_max = 3 ("per-request": a length per request, ragged verify rows:
    a decode request runs 1 + s_r rows; its mean s per label 0.9 / 0.6 / 0.2 is printed). Batches
    128, 256, 64, 8: at 128 and 256 rows cost (a decode-only step's GEMMs leave the weight-bound
