@@ -12,7 +12,7 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 main_root="${MAIN_ROOT:-$(cd "$here/../.." && pwd)}"
 out="${OUT:-$here/gpu_logs}"; mkdir -p "$out"
 site=""; [ -d /tmp/site ] && site="/tmp/site:"
-total="${POLICYHOST_TOTAL:-190}"  # seconds this script may take
+total="${POLICYHOST_TOTAL:-180}"  # seconds this script may take
 if [ "${1:-}" = "--quick" ]; then
   args=(--quick --skip-large --demo-batches 1 --no-pinned --demo-goodput skip --new-tokens 8)
 else
@@ -24,16 +24,18 @@ echo "branch: $here ($(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo
 run_part() {  # label, checkout root, seconds
   local label=$1 root=$2 limit=$3
   (cd "$root" && PYTHONPATH="$site$root" timeout "$limit" python3 bench/bench_adaptive.py "${args[@]}" \
-    --json "$out/$label.json") > "$out/$label.log" 2>&1
+    --budget-seconds $((limit - 30)) --json "$out/$label.json") > "$out/$label.log" 2>&1
   echo "== $label: rc $? at ${SECONDS} s"
 }
 
-run_part branch "$here" $((total * 2 / 5))
-run_part main "$main_root" $((total * 2 / 5))
-if [ $((total - SECONDS)) -gt 45 ]; then
+run_part branch "$here" $((total * 9 / 20))
+run_part main "$main_root" $((total * 9 / 20))
+if [ $((total - SECONDS)) -gt 60 ]; then
   run_part branch_again "$here" $((total - SECONDS - 5))
 fi
+# from each part's JSON (rewritten after every point: a part cut by its timeout keeps its finished points)
 echo "== wall ms / GPU ms a step (demo, S_max = 2; $(cat "$out/device.txt" 2>/dev/null || echo CPU))"
 for label in branch main branch_again; do
-  [ -f "$out/$label.log" ] && grep -E "(fixed S=2|goodput S=2): [0-9]" "$out/$label.log" | sed "s/^/$label /"
+  [ -f "$out/$label.json" ] && python3 bench/adaptive_report.py --details "$out/$label.json" 2>&1 \
+    | grep -E "(fixed S=2|goodput S=2): [0-9]" | sed "s/^/$label /"
 done
