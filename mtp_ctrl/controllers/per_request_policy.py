@@ -86,7 +86,8 @@ class RowCostModel(StepCostModel):
         self._prefill_ring[self._prefill_count % self.PREFILL_SAMPLES] = rows
         self._prefill_count += 1
 
-    def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray,
+                    prefill_scale: Optional[np.ndarray] = None) -> np.ndarray:
         """``[c]`` seconds of a step at grid ``batch_size`` whose decode requests run ``rows[i]`` rows
         and draft ``depths[i]`` depths: what the loop adds over the GPU at that depth once measured
         (``decode_seconds(G, D) - gpu(G, D)``: host work, bubbles) plus the GPU time of the rows:
@@ -96,7 +97,10 @@ class RowCostModel(StepCostModel):
         can double it). Without the mixed buckets' times (or prefill rows), the decode-only count's
         time plus ``seconds(G, D) - gpu(G, D)`` (the mixed steps' measured average as a constant);
         without row costs (CPU, eager) ``seconds(G, D)`` linear in rows from ``seconds(G, 0)`` at G
-        rows. A fixed number of numpy calls (and a Python loop over the depths, not the candidates)."""
+        rows. ``prefill_scale`` ``[c]`` (None: 1): each candidate's recent prefill rows times it (in a
+        queue a step's chunks come with the requests that finish: :meth:`PerRequestGoodputPolicy.choose`
+        scales them by the candidate's tokens a step over the recent steps'). A fixed number of numpy
+        calls (and a Python loop over the depths, not the candidates)."""
         rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
         num_depths = int(depths.max()) + 1 if depths.shape[0] else 1
         wall = np.array([self.seconds(batch_size, d) for d in range(num_depths)])  # [D + 1]
@@ -118,7 +122,9 @@ class RowCostModel(StepCostModel):
         samples = min(self._prefill_count, self.PREFILL_SAMPLES)
         if mixed_table is not None and samples and self.mixed_share >= 1e-3:
             values, counts = np.unique(self._prefill_ring[:samples], return_counts=True)  # [u] each
-            tokens = np.minimum(rows[:, None] + values[None, :], mixed_table.shape[1] - 1)  # [c, u]
+            prefill = values[None, :] if prefill_scale is None else \
+                np.rint(values[None, :] * np.asarray(prefill_scale, dtype=np.float64)[:, None]).astype(np.int64)
+            tokens = np.minimum(rows[:, None] + prefill, mixed_table.shape[1] - 1)  # [c, u]
             mixed = mixed_table[np.minimum(depths, mixed_table.shape[0] - 1)[:, None], tokens] @ (counts / samples)
             blended = gaps[1, depths] + decode + self.mixed_share * (mixed - decode)
             out = np.where(np.isnan(mixed), out, blended)
@@ -162,6 +168,10 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         self._choices_since_search = 0
         self.searches = 0  # choices that ran the candidate search (for tests and benchmarks)
         self.last_lengths = np.zeros(0, dtype=np.int64)  # the last choice (for benchmarks)
+        # the expected tokens a step of the last choice, and their moving average over the steps the
+        # choices served (per step the weight of mixed_share's: the window of the recent prefill rows)
+        self._last_tokens: Optional[float] = None
+        self.tokens_per_step: Optional[float] = None
         self._forgotten = np.full(8, -1, dtype=np.int64)  # ids that left lately (a ring): observe makes them no row
         self._forgotten_next = 0
 
@@ -218,6 +228,10 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         estimates = self._estimates(rows)  # [n, S]
         reach = np.cumprod(estimates, axis=1)  # [n, S]: expected tokens of draft k (it and those before land)
         drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n)
+        if self._last_tokens is not None:  # the steps the last choice served
+            keep = (1.0 - self.cost_model.share_smoothing) ** query.steps
+            old = self.tokens_per_step
+            self.tokens_per_step = self._last_tokens if old is None else self._last_tokens + keep * (old - self._last_tokens)
         self._choices_since_search += 1
         price = self._price
         if price is not None and price[:3] == (G, drain, self.cost_model.version) and \
@@ -230,6 +244,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
             else:
                 chosen = ((reach >= price[3]) & (np.arange(S)[None, :] < caps[:, None])).sum(axis=1)
             self.last_depth, self.last_lengths = int(chosen.max()) if n else 0, chosen
+            self._last_tokens = n + float(np.where(np.arange(S)[None, :] < chosen[:, None], reach, 0.0).sum())
             return chosen
         self._choices_since_search, self.searches = 0, self.searches + 1
         # the candidates: the first m of the drafts sorted by expected tokens (a stable sort of the
@@ -248,7 +263,12 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         depths = np.concatenate([[0], np.maximum.accumulate(order % S + 1), np.arange(max_depth + 1)])  # [C]
         tokens = n + np.concatenate([[0.0], np.cumsum(gains),
                                      np.take_along_axis(expected, one_depth, axis=1).sum(axis=0)])  # [C]
-        seconds = self.cost_model.row_seconds(G, n + drafts, depths)  # [C]
+        # while requests wait, a freed slot takes the next one: a step's prefill chunks come with the
+        # requests that finish, as many as its tokens finish; so a candidate's chunks are the recent
+        # steps' scaled by its tokens over theirs (priced at the recent chunks alone, drafting looked
+        # to share a fixed prefill cost among more tokens: the 1B at batch 256, 0.72x plain)
+        scale = tokens / self.tokens_per_step if query.num_waiting > 0 and self.tokens_per_step else None
+        seconds = self.cost_model.row_seconds(G, n + drafts, depths, prefill_scale=scale)  # [C]
         num_prefixes = num_drafts + 1
         if drain:
             scored = np.concatenate([_drain_candidates(depths[:num_prefixes]), np.arange(num_prefixes, drafts.shape[0])])
@@ -276,7 +296,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         self._join_length = int(depths[best]) if threshold is None else int((prior_reach >= threshold).sum())
         # an exploring choice is not a price to keep
         self._price = None if exploring else (G, drain, self.cost_model.version, threshold, int(depths[best]))
-        self.last_depth, self.last_lengths = int(depths[best]), chosen
+        self.last_depth, self.last_lengths, self._last_tokens = int(depths[best]), chosen, float(tokens[best])
         return chosen
 
     @staticmethod
