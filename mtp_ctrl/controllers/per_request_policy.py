@@ -154,6 +154,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
     own acceptance counts start with its first outcome (``observe``)."""
 
     per_request_lengths = True
+    YIELD_PRIOR = 8.0  # expected drafts of weight at a yield of 1 (draft_yield)
 
     def __init__(self, *args, search_every: int = 8, **kwargs):
         # a request's own outcomes must tell within a few steps of a ~20-step life: a light prior
@@ -172,6 +173,10 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         # choices served (per step the weight of mixed_share's: the window of the recent prefill rows)
         self._last_tokens: Optional[float] = None
         self.tokens_per_step: Optional[float] = None
+        # decayed sums over the outcomes (as the counts): [drafts accepted, the estimates' expected accepted
+        # drafts of the same verified drafts, taken before their outcome counts]: the drafts the policy takes
+        # are those whose estimates are high, so their estimates run high (shrunk priors, the winner's curse)
+        self._draft_yield = np.zeros(2)
         self._forgotten = np.full(8, -1, dtype=np.int64)  # ids that left lately (a ring): observe makes them no row
         self._forgotten_next = 0
 
@@ -191,7 +196,21 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         if (rows < 0).any():  # requests not seen yet (joined since the last choice) or that left lately
             new = request_ids[rows < 0]
             self._rows(np.unique(new[~np.isin(new, self._forgotten)]), create=True)
-        super().observe(request_ids, draft_lengths, accepted_counts)
+            rows = self._rows(request_ids, create=False)
+        lengths = np.asarray(draft_lengths, dtype=np.int64)  # [m]
+        S = self._model.shape[1]
+        verified = np.arange(S)[None, :] < lengths[:, None]  # [m, S]
+        if verified.any():  # what the estimates expected of these drafts, before they count
+            reach = np.cumprod(self._estimates(rows), axis=1)  # [m, S]; rows -1 read the zero row: the prior
+            self._draft_yield += (float(np.minimum(accepted_counts, lengths).sum()), float(reach[verified].sum()))
+        super().observe(request_ids, lengths, accepted_counts)
+
+    def draft_yield(self) -> float:
+        """Drafts accepted over what the estimates expected of them (decayed sums of the verified
+        drafts' outcomes; 8 expected drafts of prior weight at 1): what the search multiplies a
+        candidate's expected drafts by."""
+        accepted, expected = self._draft_yield
+        return (accepted + self.YIELD_PRIOR) / (expected + self.YIELD_PRIOR)
 
     def forget(self, request_id: int) -> None:
         super().forget(request_id)
@@ -224,9 +243,14 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         decay = self.decay ** query.steps  # per step since the last choice
         self._model *= decay
         self._counts *= decay
+        self._draft_yield *= decay
+        if query.tokens_left is not None:  # a draft past a request's last token emits nothing
+            caps = np.minimum(caps, np.maximum(np.asarray(query.tokens_left, dtype=np.int64) - 1, 0))
         rows = self._rows(query.request_ids, create=True)
         estimates = self._estimates(rows)  # [n, S]
-        reach = np.cumprod(estimates, axis=1)  # [n, S]: expected tokens of draft k (it and those before land)
+        # [n, S]: expected tokens of draft k (it and those before land), times what such drafts realised
+        draft_yield = self.draft_yield()
+        reach = np.minimum(np.cumprod(estimates, axis=1) * draft_yield, 1.0)
         drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n)
         if self._last_tokens is not None:  # the steps the last choice served
             keep = (1.0 - self.cost_model.share_smoothing) ** query.steps
@@ -291,7 +315,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         chosen = self._lengths_of(np.array([best]), num_prefixes, order, one_depth, n, S)[0]
         # a joining request: the drafts whose expected tokens reach the last one taken, at the prior
         # (a choice of one depth: that depth)
-        prior_reach = np.cumprod(self._estimates(np.array([-1]))[0])  # [S]
+        prior_reach = np.cumprod(self._estimates(np.array([-1]))[0]) * draft_yield  # [S]
         threshold = (gains[best - 1] if best > 0 else np.inf) if best < num_prefixes else None
         self._join_length = int(depths[best]) if threshold is None else int((prior_reach >= threshold).sum())
         # an exploring choice is not a price to keep
