@@ -163,9 +163,9 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         self.search_every = check_int("search_every", search_every, low=1)
         self._join_length: Optional[int] = None
         # the last search's price of a draft, reused by the next search_every - 1 choices (None: search
-        # next time): (grid, drain objective?, the row costs' version, the expected tokens a draft must
-        # reach or None with a one-depth choice, that depth)
-        self._price: Optional[Tuple[int, bool, int, Optional[float], int]] = None
+        # next time): (grid, drain objective?, requests waiting?, the row costs' version, the expected
+        # tokens a draft must reach or None with a one-depth choice, that depth)
+        self._price: Optional[Tuple[int, bool, bool, int, Optional[float], int]] = None
         self._choices_since_search = 0
         self.searches = 0  # choices that ran the candidate search (for tests and benchmarks)
         self.last_lengths = np.zeros(0, dtype=np.int64)  # the last choice (for benchmarks)
@@ -201,8 +201,11 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         S = self._model.shape[1]
         verified = np.arange(S)[None, :] < lengths[:, None]  # [m, S]
         if verified.any():  # what the estimates expected of these drafts, before they count
-            reach = np.cumprod(self._estimates(rows), axis=1)  # [m, S]; rows -1 read the zero row: the prior
-            self._draft_yield += (float(np.minimum(accepted_counts, lengths).sum()), float(reach[verified].sum()))
+            with np.errstate(invalid="ignore"):  # prior_weight 0 and no counts: no estimate (NaN), left out
+                reach = np.cumprod(self._estimates(rows), axis=1)  # [m, S]; rows -1 read the zero row: the prior
+            known = np.isfinite(reach[:, -1])  # [m]
+            self._draft_yield += (float(np.minimum(accepted_counts, lengths)[known].sum()),
+                                  float(reach[verified & known[:, None]].sum()))
         super().observe(request_ids, lengths, accepted_counts)
 
     def draft_yield(self) -> float:
@@ -258,15 +261,16 @@ class PerRequestGoodputPolicy(GoodputPolicy):
             self.tokens_per_step = self._last_tokens if old is None else self._last_tokens + keep * (old - self._last_tokens)
         self._choices_since_search += 1
         price = self._price
-        if price is not None and price[:3] == (G, drain, self.cost_model.version) and \
+        queued = query.num_waiting > 0  # chunks scale with a candidate's tokens (below)
+        if price is not None and price[:4] == (G, drain, queued, self.cost_model.version) and \
                 self._choices_since_search < self.search_every:
             # between searches: the last search's price on today's estimates (a joined request's own
             # outcomes count at once), a few numpy calls
             self._steps_since_explore += query.steps
-            if price[3] is None:
-                chosen = np.minimum(price[4], caps)
+            if price[4] is None:
+                chosen = np.minimum(price[5], caps)
             else:
-                chosen = ((reach >= price[3]) & (np.arange(S)[None, :] < caps[:, None])).sum(axis=1)
+                chosen = ((reach >= price[4]) & (np.arange(S)[None, :] < caps[:, None])).sum(axis=1)
             self.last_depth, self.last_lengths = int(chosen.max()) if n else 0, chosen
             self._last_tokens = n + float(np.where(np.arange(S)[None, :] < chosen[:, None], reach, 0.0).sum())
             return chosen
@@ -291,7 +295,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         # requests that finish, as many as its tokens finish; so a candidate's chunks are the recent
         # steps' scaled by its tokens over theirs (priced at the recent chunks alone, drafting looked
         # to share a fixed prefill cost among more tokens: the 1B at batch 256, 0.72x plain)
-        scale = tokens / self.tokens_per_step if query.num_waiting > 0 and self.tokens_per_step else None
+        scale = tokens / self.tokens_per_step if queued and self.tokens_per_step else None
         seconds = self.cost_model.row_seconds(G, n + drafts, depths, prefill_scale=scale)  # [C]
         num_prefixes = num_drafts + 1
         if drain:
@@ -319,7 +323,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         threshold = (gains[best - 1] if best > 0 else np.inf) if best < num_prefixes else None
         self._join_length = int(depths[best]) if threshold is None else int((prior_reach >= threshold).sum())
         # an exploring choice is not a price to keep
-        self._price = None if exploring else (G, drain, self.cost_model.version, threshold, int(depths[best]))
+        self._price = None if exploring else (G, drain, queued, self.cost_model.version, threshold, int(depths[best]))
         self.last_depth, self.last_lengths, self._last_tokens = int(depths[best]), chosen, float(tokens[best])
         return chosen
 

@@ -122,6 +122,37 @@ def test_steps_with_prefill_chunks_cost_their_token_bucket():
     assert lengths.tolist() == [2, 0, 0, 2, 0, 0], lengths
 
 
+def test_in_a_queue_a_drafts_prefill_rows_are_dear_and_low_acceptance_requests_draft_nothing():
+    """While requests wait, a freed slot takes the next one: a step's prompt chunks come with the
+    requests that finish, so a candidate's chunk rows scale with its tokens a step. Every step mixed
+    with 100 chunk rows, a row 0.1 of a plain step (a mixed step ``1 + 0.1 (T - G)``): at the chunks
+    as they came a 0.2 draft pays (0.2 tokens for 0.1, where a step yields ~1 token for 1); with the
+    chunk rows its token brings (~8 rows a token here) it costs more than its worth."""
+    policy = trained(per_row=0.1)
+    model = policy.cost_model
+    model.set_row_costs({**row_costs(per_row=0.1), **{(G, T, D, True): 1.0 + 0.1 * (T - G)
+                                                       for D in range(S + 1) for T in range(G, 512)}})
+    for _ in range(200):
+        model.record_launches(1, 1)
+        model.record_prefill_rows(100)
+    fixed_chunks = choose(policy)  # nobody waits (no drain objective here): the chunks as they came
+    assert fixed_chunks[[2, 5]].min() >= 1 and fixed_chunks[[0, 3]].tolist() == [S, S], fixed_chunks
+    for _ in range(4):  # a queue: the chunks scale with each candidate's tokens
+        lengths = choose(policy, num_waiting=100)
+        assert lengths[[2, 5]].tolist() == [0, 0], lengths  # the 0.2 requests
+        assert (lengths[[0, 3]] >= lengths[[1, 4]].max()).all() and (lengths[[1, 4]] <= 1).all(), lengths
+
+
+def test_expected_drafts_follow_what_such_drafts_realised():
+    """Drafts that land less often than their estimates said pull ``draft_yield`` below 1."""
+    policy = trained()
+    assert abs(policy.draft_yield() - 1.0) < 0.1
+    choose(policy)
+    ids = np.repeat(np.array(list(RATES), dtype=np.int64), 200)  # as many outcomes as the training's: none lands
+    policy.observe(ids, np.full(ids.shape, S), np.zeros(ids.shape, dtype=np.int64))
+    assert policy.draft_yield() < 0.7
+
+
 def test_a_joined_request_counts_from_its_first_outcome_but_not_after_it_left():
     policy = trained()
     prior = policy.acceptance(99).copy()  # not seen: the batch's average
