@@ -14,6 +14,15 @@ request:
   time of the ragged token count its rows pad to, blended by the share of steps with prefill
   chunks with the token bucket its rows and the recent chunk rows pad to, plus the loop's
   measured wall-over-GPU time at ``(G, D)`` (host work, bubbles);
+- while requests wait (a freed slot takes the next one) a step's prompt chunks come with the
+  requests that finish, as many as its tokens finish: a candidate's chunk rows are the recent mixed
+  steps' times its expected tokens a step over the recent steps' (``tokens_per_step``). Priced at
+  the recent chunks as they came, a draft's tokens looked to share a fixed prefill cost, so drafting
+  looked cheap where a step is mostly chunks (the 1B at batch 256 on an H200: 0.72x plain);
+- a draft's expected tokens are its estimate times ``draft_yield()``, what the drafts verified so
+  far realised over what their estimates expected (the drafts taken are those estimated high: with
+  shrunk priors and the winner's curse those run high), and a request drafts at most its tokens
+  left - 1;
 - one depth for the whole batch (``min(D, cap_r)`` each, ``GoodputPolicy``'s candidates) joins them;
 - while requests wait the policy takes the candidate with the most expected tokens per second
   (``n`` plus its drafts' expected tokens, over its cost), when none waits (``drain_objective``)
@@ -168,6 +177,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         self._price: Optional[Tuple[int, bool, bool, int, Optional[float], int]] = None
         self._choices_since_search = 0
         self.searches = 0  # choices that ran the candidate search (for tests and benchmarks)
+        self.last_priced: Optional[Tuple[float, float]] = None  # the last search's choice: (seconds, tokens) a step
         self.last_lengths = np.zeros(0, dtype=np.int64)  # the last choice (for benchmarks)
         # the expected tokens a step of the last choice, and their moving average over the steps the
         # choices served (per step the weight of mixed_share's: the window of the recent prefill rows)
@@ -325,6 +335,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         # an exploring choice is not a price to keep
         self._price = None if exploring else (G, drain, queued, self.cost_model.version, threshold, int(depths[best]))
         self.last_depth, self.last_lengths, self._last_tokens = int(depths[best]), chosen, float(tokens[best])
+        self.last_priced = (float(seconds[best]), float(tokens[best]))  # the search's choice (benchmarks)
         return chosen
 
     @staticmethod
