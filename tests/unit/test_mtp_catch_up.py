@@ -92,7 +92,7 @@ def drive(controller, pause_at=None):
     (8, 1, 4, True, False, False),  # the default M; a request paused while behind
     (2, 1, None, False, True, True),  # forced catch-ups; prefix caching (window floors, recomputed requests)
     (3, 4, None, True, False, False),  # decode runs: a launch plans each of its steps
-    (5, 4, 2, True, True, True),  # D changes every step, decode runs, a pause, prefix caching
+    (4, 4, 2, True, True, True),  # D changes every step, decode runs, a pause, prefix caching
 ])
 def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_twins, catch_up_positions,
                                                       steps_per_launch, pause_at, overlap, prefix_caching, depths):
