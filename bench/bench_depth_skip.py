@@ -90,7 +90,8 @@ def main(args):
     params = SamplingParams(max_new_tokens=new_tokens)
     for batch in args.batches or ((4,) if args.quick else (32, 128)):
         prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
-        engines = [("fixed S = 1", 1, FixedDraftLength(), None, None), ("fixed S = 2", 2, FixedDraftLength(), None, None),
+        engines = [("fixed S = 1", 1, FixedDraftLength(), None, None),
+                   ("fixed S = 2", 2, FixedDraftLength(), None, None),
                    ("S_max = 2, D = 1, windows run", 2, PinnedDepth(1), "run", None)]
         engines += [(f"S_max = 2, D = 1, skip M = {m}", 2, PinnedDepth(1), "skip", m) for m in args.catch_up_positions]
         print(f"\ndemo batch {batch}, greedy, {new_tokens} new tokens", flush=True)

@@ -129,7 +129,8 @@ def test_depths_past_d_skip_their_windows(mtp_model, plain, torch_twins):
                 hook.remove()
         assert any(decode_only and drafts == 1 for decode_only, drafts, _ in deltas)
         for decode_only, drafts, delta in deltas:
-            assert delta == ([1] + [0] * (MTP_DEPTH - 1) if skip and decode_only and drafts == 1 else [1] * MTP_DEPTH), deltas
+            depth_zero_only = skip and decode_only and drafts == 1
+            assert delta == ([1] + [0] * (MTP_DEPTH - 1) if depth_zero_only else [1] * MTP_DEPTH), deltas
 
 
 @pytest.mark.parametrize("ragged", [False, True])

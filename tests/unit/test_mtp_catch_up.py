@@ -12,26 +12,10 @@ import numpy as np
 import pytest
 
 from mtp_ctrl.controllers import MTPProposer
-from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
 from mtp_ctrl.controllers.mtp_catch_up import SKIP, WindowCatchUp
 from tests.unit.controller_fixtures import MTP_DEPTH
-from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, BurstyLengths, controller_for,  # noqa: F401
-                                              mtp_model, plain)  # the module fixtures
-
-
-class RandomDepths(DraftLengthPolicy):
-    """Each step a depth D in [0, S] (uniform): the first request drafts D (capped), the others
-    random lengths up to D."""
-
-    def __init__(self, seed: int):
-        super().__init__()
-        self._rng = np.random.default_rng(seed)
-
-    def choose(self, query):
-        depth = int(self._rng.integers(0, query.num_speculative_tokens + 1))
-        lengths = self._rng.integers(0, depth + 1, query.caps.shape[0])
-        lengths[:1] = depth
-        return np.minimum(lengths, query.caps)
+from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, BurstyLengths, RandomDepths,  # noqa: F401
+                                              controller_for, mtp_model, plain)  # the module fixtures
 
 
 class RecordingMTP(MTPProposer):
@@ -170,4 +154,5 @@ def test_warmup_plans_fixed_s_unchanged_and_skipped_depths_enumerated():
     assert catch_up.warmup_plans(steps(0, 1)) == ((SKIP,), ((S, M),))  # D = 0: skip, forced catch-up
     assert catch_up.warmup_plans(steps(1, 1)) == (((1, 0),), ((1, M),), ((S, M),))  # the steady plan first
     run_plans = catch_up.warmup_plans(steps(1, 1, num_steps=3))
-    assert run_plans[0] == ((1, 0),) * 3 and ((1, 0), (1, 0), (S, M)) in run_plans and len(set(run_plans)) == len(run_plans)
+    assert run_plans[0] == ((1, 0),) * 3 and ((1, 0), (1, 0), (S, M)) in run_plans
+    assert len(set(run_plans)) == len(run_plans)
