@@ -79,10 +79,14 @@ class InferenceConfig:
         them to cover the skipped positions (``MTPProposer(catch_up_positions=8)`` rows more, and
         a forced catch-up step when a request would fall further behind), so the depths' caches
         and the drafts are the same as with "run", which runs every depth over its window on
-        every step. Steps with prefill chunks run the windows either way.
+        every step. Steps with prefill chunks run the windows either way. The same per depth: a
+        decode-only step that drafts D < S runs depths 0..D-1 only, and the depths past D catch up
+        exactly on a later step that runs them (so a D = 1 step of an S = 2 engine costs near a
+        fixed S = 1 step); with "run" every step runs every depth's window.
     mtp_catch_up_positions: with mtp_idle_windows="skip", M: the most positions a request's MTP
         windows may fall behind (its hidden ring holds S + M positions); a catch-up window has M
-        rows more, and a no-draft step that would pass M runs the windows (a forced catch-up).
+        rows more, and a step that would leave a skipped depth more than M behind runs every
+        depth instead (a forced catch-up: in steady D = 1 at S = 2, one step in M / 2 + 1).
     ragged_rows: with a draft-length policy whose lengths differ per request
         (``DraftLengthPolicy.per_request_lengths``, e.g. ``PerRequestGoodputPolicy``), a single
         step gives each decode request ``1 + s_r`` forward rows (the drafts it holds) instead of
