@@ -66,7 +66,7 @@ def plan_costs(controller, prompts, params):
     """One generate: GPU ms (CUDA events) of its decode-only launches by plan, and their mean."""
     plans = []
     controller.on_launch = lambda step, key: plans.append(
-        None if step.num_prefill else (key[6] if key is not None else "eager"))
+        None if step.num_prefill else "eager" if key is None else "every window" if key[6] is None else key[6])
     LAUNCHES.clear()
     controller.generate(prompts, params)
     controller.on_launch = lambda step, key: None

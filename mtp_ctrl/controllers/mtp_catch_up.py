@@ -79,14 +79,15 @@ class WindowCatchUp:
 
     def plan_launch(self, step: StepMetadata) -> Tuple[Entry, ...]:
         """The launch's plan from the step's decode requests' lags, which it then moves on."""
-        slots = step.host_slot_ids  # [n] int64
+        S, slots = self.num_depths, step.host_slot_ids  # [n] int64
         decode_lags = self._lags[slots[: step.num_decode]]  # [n_d, S]
-        batch_lags = decode_lags.max(axis=0) if decode_lags.shape[0] else np.zeros(self.num_depths, np.int64)
-        plan = self.plan(step, batch_lags.tolist())  # host-ok: numpy
-        advance = 1 + step.verify_width
+        plan = self.plan(step, decode_lags.max(axis=0).tolist() if decode_lags.shape[0] else [0] * S)  # host-ok: numpy
+        # every request of the step moves the same way: per depth, reset (then behind) or behind more
+        advance, behind, reset = 1 + step.verify_width, [0] * S, [False] * S
         for run, _ in plan:
-            self._lags[slots, :run] = 0
-            self._lags[slots, run:] += advance
+            for depth in range(S):
+                reset[depth], behind[depth] = (True, 0) if depth < run else (reset[depth], behind[depth] + advance)
+        self._lags[slots] = behind if all(reset) else np.where(reset, behind, self._lags[slots] + behind)
         self.use(plan)
         return plan
 

@@ -72,7 +72,7 @@ class MTPProposer(Proposer):
     takes_ragged_rows = True  # windows read the step's rows by query_start_loc and positions
 
     def __init__(self, mode: str = "paged", reuse_last_layer: bool = False, skip_idle_windows: bool = False,
-                 catch_up_positions: int = 8):
+                 catch_up_positions: int = 16):
         if mode not in ("paged", "single_position"):
             raise ValueError(f"mode must be 'paged' or 'single_position', got {mode!r}")
         if not isinstance(reuse_last_layer, bool):
