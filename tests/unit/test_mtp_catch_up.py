@@ -75,8 +75,8 @@ def drive(controller, pause_at=None):
 @pytest.mark.parametrize("catch_up_positions,steps_per_launch,pause_at,overlap,prefix_caching,depths", [
     (8, 1, 4, True, False, False),  # M = 8; a request paused while behind
     (2, 1, None, False, True, True),  # forced catch-ups; prefix caching (window floors, recomputed requests)
-    (3, 4, None, True, False, False),  # decode runs: a launch plans each of its steps
-    (4, 4, 2, True, True, True),  # D changes every step, decode runs, a pause, prefix caching
+    (4, 4, 2, True, True, True),  # decode runs (a launch plans each of its steps), D changes every step,
+    # a pause, prefix caching
 ])
 def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_twins, catch_up_positions,
                                                       steps_per_launch, pause_at, overlap, prefix_caching, depths):
