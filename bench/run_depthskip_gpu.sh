@@ -5,6 +5,8 @@
 # batch 32 and 128, windows run and skipped at M = 8 and 16), then bench_adaptive's demo points
 # (fixed S = 0 / 1 / 2 and goodput, same process), then a short table. Each part under its own timeout.
 # Usage (device machine, repo root): bash bench/run_depthskip_gpu.sh [--quick]   (--quick: CPU smoke run)
+# Env: DEPTHSKIP_TEST_TIMEOUT (default 70 s: the helper's call, where 1 of the 6 tests ran; ~240 runs
+# them all), DEPTHSKIP_STEP_TIMEOUT (80), DEPTHSKIP_TOTAL (225: bench_adaptive gets what is left).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" 2>/dev/null || { cd "$(dirname "$0")/.."; out="${OUT:-gpu_logs}"; mkdir -p "$out"; }
 if [ "${1:-}" = "--quick" ]; then
