@@ -12,8 +12,9 @@ states and tokens as if no window had been skipped (the drafts are the same).
 Lags are monotone in depth (a depth is skipped only with every deeper one), so a step that runs
 ``D'`` depths starts all of them at ``w_{D'-1}`` (the largest start among them; the shallower ones
 rewrite final entries with the same values) and depth k's input hidden over those rows is depth
-``k - 1``'s output over the same rows. Afterwards ``w_{D'-1}`` moves on and is copied into depths
-``0..D'-2``; deeper starts stay (``MTPProposer._advance_window``).
+``k - 1``'s output over the same rows. Afterwards ``w_{D'-1}`` moves on for depths ``0..D'-1``;
+deeper starts stay (``MTPProposer._window_start``: one device row per depth, written by the steps
+that run exactly that many depths, so a step of every depth costs what it did without skipping).
 
 The host bounds how far each ``w_k`` fell behind: a step of verify width V that skips depth k moves
 ``e`` on by at most ``1 + V`` positions. This module keeps that bound per table slot and depth

@@ -23,8 +23,8 @@ default): a decode-only step that drafts D < S runs depths ``0..D-1`` only (none
 depth keeps its own window start ``w_k`` (device rows ``mtp_window_start_{k}``), the ring holds
 ``S + M`` positions (``catch_up_positions``), and the next step that runs a skipped depth widens its
 decode windows by M rows so they cover ``[w_k, e)`` again (``mtp_catch_up.py``): the same entries,
-the same drafts. A step that runs D' depths starts them all at ``w_{D'-1}``, then moves that start
-on and copies it into the shallower depths' rows.
+the same drafts. A step that runs D' depths starts them all at ``w_{D'-1}`` and moves that start on
+for all of them (``_window_start``).
 
 mtp_attention="single_position": each depth attends to its current row only (Megatron-LM's
 inference today); no window, one row per request and depth.
@@ -113,10 +113,12 @@ class MTPProposer(Proposer):
         self._token_history = draft_context.add_device_rows("mtp_token_history", (self._history_len,), torch.int64)
         self._hidden_ring = draft_context.add_device_rows("mtp_hidden_ring", (ring_slots, runner.hidden_size),
                                                           shape.kv_dtype)
-        # [R + 1] int64 each: window starts, one per depth with skipped windows (row k: w_k), else one
+        # [R + 1] int64 each: window starts, one per depth with skipped windows, else one (see _window_start)
         self._window_starts = [draft_context.add_device_rows(f"mtp_window_start_{depth}", (), torch.int64,
                                                              kv_start=True)
                                for depth in range(S if self._catch_up is not None else 1)]
+        # [R + 1] int64: the start of a step that runs fewer than S depths (its rows' maximum), then its next start
+        self._partial_window_start = torch.zeros_like(self._window_starts[0]) if self._catch_up is not None else None
         # [R + 1] int64: the first position the window may rewrite (a cached prefix's end, else 0)
         self._window_floor = draft_context.add_device_rows("mtp_window_floor", (), torch.int64, kv_start=True) \
             if draft_context.prefix_caching and self.mode == "paged" else None
@@ -198,13 +200,25 @@ class MTPProposer(Proposer):
         return drafts
 
     def _window_start(self, depths_run: int) -> torch.Tensor:
-        """``[R + 1]`` int64: the window start of depth ``D' - 1`` (where a step running D' depths starts)."""
-        return self._window_starts[min(max(depths_run, 1), len(self._window_starts)) - 1]
+        """``[R + 1]`` int64: where a step that runs ``depths_run`` D' depths starts, ``w_{D'-1}``.
+        Row k holds the start the last step that ran exactly k + 1 depths left (a step of D' depths
+        writes row ``D' - 1`` only: no copies), and a request's starts only move forward, so
+        ``w_k = max(row_k, ..., row_{S-1})``: row ``S - 1`` itself for a step of every depth (the
+        fixed-S steps: the same kernels as without skipping), else their maximum in a buffer of
+        its own (``S - D'`` small kernels), which ``_advance_window`` then moves on and writes back."""
+        rows = self._window_starts
+        if depths_run >= len(rows) or depths_run == 0:
+            return rows[-1]
+        torch.maximum(rows[depths_run - 1], rows[depths_run], out=self._partial_window_start)
+        for deeper in rows[depths_run + 1:]:
+            torch.maximum(self._partial_window_start, deeper, out=self._partial_window_start)
+        return self._partial_window_start
 
     def _advance_window(self, batch: DraftBatch, depths_run: int, move_window_start: bool = True) -> None:
         """The next window start of the depths that ran (the skipped ones keep theirs), and the
         decoder hidden of each request's last K positions."""
-        window_start = self._window_start(depths_run)
+        rows = self._window_starts
+        window_start = rows[-1] if depths_run >= len(rows) or depths_run == 0 else self._partial_window_start
         mtp_advance_window(batch.first_positions, batch.bonus_positions, batch.write_rows, batch.samples,
                            batch.step.attention.query_start_loc[: batch.num_requests + 1], batch.hidden,
                            window_start, self._hidden_ring, self.draft_context.shape.num_speculative_tokens,
@@ -213,8 +227,8 @@ class MTPProposer(Proposer):
             return
         if self._window_floor is not None:  # never below a cached prefix (stays in place: no allocation)
             torch.maximum(window_start, self._window_floor, out=window_start)
-        for shallower in self._window_starts[: max(depths_run - 1, 0)]:  # they ran the same window: the same start
-            shallower.copy_(window_start)
+        if window_start is self._partial_window_start:  # depths 0..D'-1 start here now (row D' - 1)
+            rows[depths_run - 1].copy_(window_start)
 
     def on_no_drafts(self, batch: DraftBatch) -> None:
         """No request drafts this step: record the step's tokens and move the window on. Paged mode
