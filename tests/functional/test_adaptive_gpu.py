@@ -120,7 +120,8 @@ def run_bursty(model, params, steps_per_launch, graphs, depths=False, **config):
     [0, S] every step (``depths``: ``RandomDepths``): (outputs, the metrics' accepted drafts per depth,
     warmed-up graphs, graphs at the end, decode launches, graph launches whose plan skipped the
     depths past 0 < D < S)."""
-    sizes = (2, 8) if graphs else ()  # (few shapes: each warms up every plan of every tier)
+    # few shapes: each warms up every plan of every tier (random depths: one batch size, more plans)
+    sizes = ((8,) if depths else (2, 8)) if graphs else ()
     controller = (SyncChecked if graphs else TextGenerationController)(
         model, make_config(S, decode_steps_per_launch=steps_per_launch, cuda_graph_batch_sizes=sizes, **config),
         draft_policy=RandomDepths(seed=3) if depths else BurstyLengths(seed=3))
