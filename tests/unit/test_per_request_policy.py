@@ -181,7 +181,7 @@ def queued_loop(policy, steps=80, G=12, new_tokens=16, seed=0, per_row=0.03):
     with that chance, given the ones before), refilled as they finish; the controller's side is
     ``DraftLengths`` (holds, joins); outcomes come to ``observe`` one step late. A step costs its
     rows (``row_costs``: ``per_row`` of a plain step each). Returns ``{rate: [s at each of a
-    request's decode steps from its 5th on]}``."""
+    request's decode steps from its 5th on, while it has more than S tokens left]}``."""
     from mtp_ctrl.controllers.draft_lengths import DraftLengths
     rng = np.random.default_rng(seed)
     shape = EngineShape(max_requests=G, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
@@ -210,7 +210,7 @@ def queued_loop(policy, steps=80, G=12, new_tokens=16, seed=0, per_row=0.03):
         for request_id, s, a, rate in zip(ids.tolist(), chosen.tolist(), accepted.tolist(), rates.tolist()):
             slot = slots[request_id]
             slot[2] += 1
-            if slot[2] > 4:
+            if slot[2] > 4 and slot[0] > S:  # a request drafts at most its tokens left - 1: not the last steps
                 by_rate[rate].append(s)
             slot[0], slot[1] = slot[0] - 1 - a, s
             if slot[0] <= 0:
@@ -220,11 +220,12 @@ def queued_loop(policy, steps=80, G=12, new_tokens=16, seed=0, per_row=0.03):
 
 
 def test_a_queue_orders_lengths_by_acceptance_within_a_few_steps():
-    """Requests join every step and live ~10 steps: from a request's 5th step on a 0.9 request
-    drafts more than a 0.6 one, which drafts more than a 0.2 one (a row costs 3 % of a plain step:
-    s = 3 / 2 / 0 once the estimates are right; ~2.0 / 1.3 / 0.5 here, where GoodputPolicy's prior
-    (weight 4, every depth toward the batch's) gave ~1.7 / 1.4 / 0.7: the first assertion fails)."""
-    by_rate = queued_loop(PerRequestGoodputPolicy())
+    """Requests join every step and live ~8-20 steps (24 tokens): from a request's 5th step on
+    (while it has more than S tokens left) a 0.9 request drafts more than a 0.6 one, which drafts
+    more than a 0.2 one (a row costs 3 % of a plain step: s = 3 / 2 / 0 once the estimates are right;
+    ~2.3 / 1.5 / 0.4 here; at 16 tokens GoodputPolicy's prior (weight 4, every depth toward the
+    batch's) gave ~1.7 / 1.4 / 0.7: the first assertion fails)."""
+    by_rate = queued_loop(PerRequestGoodputPolicy(), new_tokens=24)
     means = {rate: float(np.mean(s)) for rate, s in by_rate.items()}
     assert means[0.9] > means[0.6] + 0.4 and means[0.6] > means[0.2] + 0.4, means
     assert means[0.9] > 1.5 and means[0.2] < 1.0, means
