@@ -267,8 +267,8 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n)
         if self._last_tokens is not None:  # the steps the last choice served
             keep = (1.0 - self.cost_model.share_smoothing) ** query.steps
-            old = self.tokens_per_step
-            self.tokens_per_step = self._last_tokens if old is None else self._last_tokens + keep * (old - self._last_tokens)
+            last, old = self._last_tokens, self.tokens_per_step
+            self.tokens_per_step = last if old is None else last + keep * (old - last)
         self._choices_since_search += 1
         price = self._price
         queued = query.num_waiting > 0  # chunks scale with a candidate's tokens (below)
