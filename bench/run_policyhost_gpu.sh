@@ -19,7 +19,9 @@ else
   args=(--skip-large --demo-batches 32 128 --no-pinned --demo-goodput skip --new-tokens 192)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 fi
-echo "branch: $here ($(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo archive)); main: $main_root"
+# a copy under .wt/<name> is an archive: git there would name the enclosing checkout's commit
+rev="archive"; [ -e "$here/.git" ] && rev="$(git -C "$here" rev-parse --short HEAD)"
+echo "branch: $here ($rev); main: $main_root"
 
 run_part() {  # label, checkout root, seconds
   local label=$1 root=$2 limit=$3
