@@ -233,11 +233,14 @@ class GoodputPolicy(DraftLengthPolicy):
     Exploration: the cost of a depth is known only once the loop ran it. A depth the batch may
     take (``D <= max cap_r``) that is not measured at the step's grid is run first (the one that
     scores best on its optimistic seed; at most ``explore_tries`` holds per grid and depth, for
-    a loop that never reaches a steady step). After that, the first choice ``explore_every`` steps
-    after the last exploration runs the runner-up depth for one hold if it scores within
-    ``explore_within`` of the best: a measurement that was unlucky, or a cost that changed, is
-    corrected (at most ``1 - explore_within`` of one hold, ``decide_every`` steps, lost in
-    ``explore_every``).
+    a loop that never reaches a steady step). After that, the first choice a wait after the last
+    exploration runs the runner-up depth for one hold if it scores within ``explore_within`` of
+    the best, measured afresh (``StepCostModel.remeasure``): a measurement that was unlucky, or a
+    cost that changed, is corrected. The wait starts
+    at ``4 x decide_every`` steps and doubles with each such hold up to ``explore_every``: the first
+    measurements are taken while serving starts (a cold host, the first steps after capture) and a
+    depth measured dear then is never run again to correct it unless the runner-up comes back soon;
+    later a runner-up costs at most ``1 - explore_within`` of one hold in ``explore_every`` steps.
     Vectorised over the batch (numpy: no per-request Python in ``choose`` or ``observe``, a fixed
     number of numpy calls whatever the batch), and run once per ``decide_every`` steps while the
     batch stays the same (the controller reuses the choice meanwhile and hands the outcomes over in
@@ -262,6 +265,8 @@ class GoodputPolicy(DraftLengthPolicy):
         self._steps_since_explore = 0
         self.explored = 0  # choices made to measure a depth (not yet measured, or the runner-up)
         self.decide_every = check_int("decide_every", decide_every, low=1)
+        # steps to wait before the next runner-up hold: doubles from 4 x decide_every up to explore_every
+        self._explore_wait = min(4 * self.decide_every, self.explore_every)
         # None: 64 steps (or decide_every, if longer); a given hold cannot be shorter than decide_every
         self.longest_hold = (max(64, self.decide_every) if longest_hold is None
                              else check_int("longest_hold", longest_hold, low=self.decide_every))
@@ -403,8 +408,8 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def _explore(self, batch_size: int, score: np.ndarray, best_depth: int) -> int:
         """The depth to run: one the cost model has not measured at this grid (the best-scoring,
-        within ``explore_tries``), ``explore_every`` steps after the last exploration the runner-up
-        (if within ``explore_within`` of the best), else ``best_depth``."""
+        within ``explore_tries``), a wait (doubling up to ``explore_every``) after the last
+        exploration the runner-up (if within ``explore_within`` of the best), else ``best_depth``."""
         unmeasured = [depth for depth in range(score.shape[0])
                       if not self.cost_model.is_measured(batch_size, depth)
                       and self._tries.get((batch_size, depth), 0) < self.explore_tries]
@@ -414,13 +419,15 @@ class GoodputPolicy(DraftLengthPolicy):
             self.explored += 1
             self._steps_since_explore = 0
             return depth
-        if self._steps_since_explore < self.explore_every or score.shape[0] < 2:
+        if self._steps_since_explore < self._explore_wait or score.shape[0] < 2:
             return best_depth
         self._steps_since_explore = 0
+        self._explore_wait = min(2 * self._explore_wait, self.explore_every)
         runner_up = max((d for d in range(score.shape[0]) if d != best_depth), key=lambda d: score[d])
         if score[runner_up] < self.explore_within * score[best_depth]:
             return best_depth
         self.explored += 1
+        self.cost_model.remeasure(batch_size, runner_up)  # its next hold's samples replace the old estimate
         return runner_up
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:

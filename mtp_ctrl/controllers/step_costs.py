@@ -78,6 +78,7 @@ class StepCostModel:
         self.wall: Dict[Key, float] = {}  # (G, D) -> the loop's wall seconds per steady step (moving average)
         self.gpu: Dict[Key, float] = {}  # (G, D) -> GPU seconds of a step (warm-up seed, then the loop's average)
         self._gpu_seeded: Dict[Key, bool] = {}  # True while gpu[key] is only the warm-up's replay time
+        self._stale: set = set()  # keys whose next steady sample replaces the wall estimate (remeasure)
         self.outlier_factor = 3.0
         self._outliers: Dict[Key, int] = {}  # wall samples dropped in a row, by key
         self.mixed_wall: Dict[Key, float] = {}  # (G, D) -> wall seconds per steady step with prefill chunks
@@ -135,6 +136,9 @@ class StepCostModel:
             if self._outliers[outlier_key] < 3:
                 return  # a pause of the host, a collection, is not what a step costs; a lasting change is
         self._outliers[outlier_key] = 0
+        if not mixed and key in self._stale:  # measured afresh: the old estimate is dropped
+            self._stale.discard(key)
+            table.pop(key, None)
         self._average(table, key, wall_seconds)
         if mixed:
             return
@@ -143,6 +147,19 @@ class StepCostModel:
                 self.gpu.pop(key, None)
             self._average(self.gpu, key, gpu_seconds)
             self._gpu_seeded[key] = False
+
+    def remeasure(self, batch_size: int, num_drafts: int) -> None:
+        """Measure depth ``num_drafts`` afresh at the grid a step of ``batch_size`` reads: its next
+        steady sample replaces the wall estimate (which stays in use until then) and its realised
+        sums restart. The policy calls it when it runs a depth again to correct its estimate: one
+        taken while serving started (a cold host, the first steps after capture) would otherwise
+        decay away only over many more steps of a depth the policy has stopped running."""
+        grid = batch_size if (batch_size, num_drafts) in self.wall else _grid_for(self.wall, batch_size)
+        if grid is None:
+            return
+        key = (grid, int(num_drafts))
+        self._stale.add(key)
+        self.realised.pop(key, None)
 
     def record_realised(self, batch_size: int, verify_width: int, wall_seconds: float, steps: int,
                         tokens: int, request_steps: int, mixed: bool = False) -> None:

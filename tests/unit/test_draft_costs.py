@@ -114,6 +114,30 @@ def test_every_depth_is_measured_before_it_is_judged():
     assert {int(policy.choose(capped)[0]) for _ in range(6)} <= {0, 1}
 
 
+def test_a_depth_measured_dear_while_serving_starts_is_measured_afresh_soon():
+    """Depth 2 is timed dear while serving starts (a cold host) and depth 1 wins; the runner-up
+    comes back after 4 x decide_every steps (the wait then doubles), and its hold's first steady
+    sample replaces the old estimate (``StepCostModel.remeasure``), so the policy returns to it."""
+    policy = GoodputPolicy(decide_every=1, longest_hold=1, drain_objective=False, optimistic_prior=0.9,
+                           prior_weight=100.0)
+    policy.bind(SHAPE)
+    ids = np.arange(8, dtype=np.int64)
+    query = DraftLengthQuery(ids, np.full(8, 2), S, 8)
+    steady = {0: 1.0e-3, 1: 1.2e-3, 2: 1.3e-3}  # what each depth costs once the host is warm
+    cold = {0: 1.0e-3, 1: 1.2e-3, 2: 2.0e-3}  # depth 2's first measurements, taken cold (still the runner-up)
+    picks = []
+    for step in range(40):
+        depth = int(policy.choose(query)[0])
+        picks.append(depth)
+        costs = cold if step < 3 else steady
+        policy.cost_model.record(8, depth, wall_seconds=costs[depth], gpu_seconds=None)
+    assert 1 in picks[:6] and 2 not in picks[3:6], picks  # depth 2 looked dear: depth 1 ran
+    comeback = picks.index(2, 3)
+    assert comeback <= 3 + 4 + 2, picks  # the runner-up after ~4 x decide_every steps, not explore_every
+    assert picks[-10:] == [2] * 10, picks  # measured afresh: depth 2 is the best and is kept
+    assert policy.cost_model.wall[(8, 2)] == pytest.approx(steady[2])
+
+
 def test_a_depth_never_measured_is_given_up_after_explore_tries():
     """A loop that never reaches a steady step measures nothing: each depth is tried explore_tries
     times, then the policy decides on its estimates alone."""
