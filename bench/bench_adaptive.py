@@ -3,20 +3,36 @@
     python bench/bench_adaptive.py            # GPU: the demo model and a ~1B GPU-bound model
     python bench/bench_adaptive.py --quick    # CPU smoke run: tiny shapes, few points
 
-Two parts (the 1B model first), each point one timed ``generate`` (the demo's: the best of three)
-after an untimed one (compile, capture, warm the policy), CUDA graphs warmed up first, outputs
-checked equal to plain decoding:
+Two parts (the 1B model first). A point is a workload at a batch size; every engine of the point
+(fixed S = 0..S_max, the policies) is built and warmed first (CUDA graphs captured, an untimed
+``generate``, the goodput policy's exploration: none of it timed), then each engine is timed
+``--repeats`` times (default 3), interleaved round-robin (A, B, C, A, B, C, ...) so host drift
+hits all alike. Reported: each engine's median tokens/s and its spread ((max - min) / median);
+"/best" and "/plain" from medians; a verdict per comparison: "above" / "below" when the two
+engines' min-max ranges are apart, "within spread" when the margin does not exceed the spread.
+Every timed run's outputs are checked equal to plain decoding's.
 
 1. (second) The trained demo model (MTP drafting, 2 MTP layers), 64-byte held-out prompts, batch 1, 8,
    32, 128, greedy and T = 1 (seeded): fixed S = 0, 1, 2 and ``GoodputPolicy`` at S_max = 2.
+   A point generates 192 tokens a request (the checkpoint trained on 256-token windows: prompt
+   and output stay inside them) for 2 x batch requests (``--demo-waves``: the second wave takes
+   the slots the first frees), so that one run is >= ~100 ms of GPU work at batch 32 and 128 (a
+   run of 64 tokens was ~20 ms at batch 32: one garbage collection or slow host step moved it by
+   10-30 %).
 2. (first) A ~1B model (16 layers, hidden 2048, random bf16 weights: the step is GPU-bound) with a device
    oracle drafter: request r's draft at each depth is the true next token with probability
    ``p_r`` (a hash of request and position, no host work), so acceptance is set per request.
    Workloads: all 0.9, all 0.6, all 0.2, and a mix of the three (closed batches: as many
    requests as slots), and the mix queued (4x the slots in requests: a freed slot takes the next,
-   as a server runs); fixed S = 0..3, goodput at S_max = 3 (one depth for the batch), and
+   as a server runs; 48 tokens each, or ``--length-spread x``: drawn from 48 x (1 -+ x), so that
+   plain decoding's requests do not all finish in the same step); fixed S = 0..3, goodput at S_max = 3 (one depth for the batch), and
    ``PerRequestGoodputPolicy`` at S_max = 3 ("per-request": a length per request, ragged verify rows:
-   a decode request runs 1 + s_r rows; its mean s per label 0.9 / 0.6 / 0.2 is printed). The random
+   a decode request runs 1 + s_r rows; its mean s per label 0.9 / 0.6 / 0.2 is printed). Batches
+   128, 256, 64, 8: at 128 and 256 rows cost (a decode-only step's GEMMs leave the weight-bound
+   regime: on an H200 at batch 256 the warm-up's replay at 4 rows a request costs 2.71x its replay
+   at one; the table prints both per point), so the rows a low-acceptance request saves are worth
+   something: where a length per request should beat one depth for the batch (at 256 no fixed
+   S beat plain on the mix: there the policies must fall back to plain decoding). The random
    model's logits get wide margins (:func:`widen_logit_margins`), so that
    bf16 verify steps of any row count emit plain decoding's tokens (no near ties) and the oracle's
    "true token" is the one the target emits: a request labelled p accepts p per depth. The
@@ -27,7 +43,9 @@ steps at each draft length, and the best fixed S ("oracle best": the S one would
 the workload). A decode-only step verifies ``1 + V`` rows per decode request, V its verify tier
 (the most drafts any of its requests holds; docs/draft_lengths.md), so the policy saves verify
 rows as well as draft depths, and a step where it drafts nothing is a plain decode step.
-``--budget-seconds`` stops starting new points after that much wall time (partial tables print).
+``--budget-seconds`` stops starting new points after that much wall time; each finished point
+prints its summary at once and rewrites ``--json`` (``bench/adaptive_report.py`` prints the
+tables again from it, e.g. after a part was cut by a timeout).
 """
 
 import argparse
@@ -42,12 +60,20 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CPU, tiny shapes, few points")
     parser.add_argument("--budget-seconds", type=float, default=1e9, help="start no new point after this long")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64; quick 8)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed generates of every engine a point, interleaved round-robin (default 3; quick 1)")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="tokens per request (default: demo 192, 1B 48; quick 8)")
+    parser.add_argument("--length-spread", type=float, default=0.0,
+                        help="1B: request i's tokens drawn uniformly from new-tokens * (1 -+ x) (seeded; default 0: "
+                             "all equal, so plain decoding's queued requests finish in lockstep)")
+    parser.add_argument("--demo-waves", type=int, default=None,
+                        help="the demo's prompts a point, in batches (default 2: 2 x batch requests; quick 1)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument("--demo-first", action="store_true", help="run the demo part before the 1B one")
     parser.add_argument("--demo-batches", type=int, nargs="+", default=None, help="default 1 8 32 128 (quick: 1 4)")
-    parser.add_argument("--large-batches", type=int, nargs="+", default=None, help="default 8 64 (quick: 4)")
+    parser.add_argument("--large-batches", type=int, nargs="+", default=None, help="default 128 256 64 8 (quick: 4)")
     parser.add_argument("--skip-large", action="store_true")
     parser.add_argument("--large-workloads", nargs="+", default=None,
                         help="only these 1B workloads (0.9 0.6 0.2 mixed queued; default all)")
@@ -59,7 +85,15 @@ def parse_args(argv=None):
                         help="InferenceConfig.decode_steps_per_launch of every demo engine (default 1; the "
                              "host-bound demo's documented remedy: a decode run launches this many steps at once)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if not 0 <= args.length_spread < 1:
+        parser.error(f"--length-spread must be in [0, 1), got {args.length_spread}")
+    for name in ("repeats", "new_tokens", "demo_waves"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 if __name__ == "__main__":
@@ -72,6 +106,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
+import adaptive_report as report  # noqa: E402
 from bench_forward import FULL_MODEL, QUICK_MODEL, build_model  # noqa: E402
 
 import mtp_ctrl  # noqa: E402
@@ -81,6 +116,7 @@ from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, PerRequestGood
 from mtp_ctrl.controllers.step_costs import StepCostModel  # noqa: E402
 
 PROMPT_LEN = 64
+DEMO_NEW_TOKENS = 192  # the demo checkpoint trained on 256-token windows: prompt + output stay inside them
 MIXES = {"0.9": (0.9,), "0.6": (0.6,), "0.2": (0.2,), "mixed": (0.9, 0.6, 0.2)}
 
 
@@ -222,38 +258,79 @@ def explored(policy, batch):
     return all(policy.cost_model.is_measured(batch, d) for d in range(policy.shape.num_speculative_tokens + 1))
 
 
-def run_point(controller, prompts, params, repeats=1, policy=None, before=None):
-    """(tokens/s, outputs, draft-length shares, step time) of the best of ``repeats`` timed generates
-    after an untimed one (the host-bound demo points take 3: single runs there vary by tens of
-    percent); a goodput policy gets up to 3 more untimed ones until it has measured every depth at
-    this grid (its one-time exploration, a server's first seconds). Step time: the metrics' mean
-    wall and GPU ms per step over the timed generates. ``before()`` runs before each generate."""
-    before = before or (lambda: None)
-    before()
-    controller.generate(prompts, params)
+class PointEngine:
+    """One engine of a point: its fixed S (or S_max), name ("fixed", "goodput", ...), policy (None:
+    fixed S), controller, and ``before()`` (runs before each of its generates; the oracle's first id)."""
+
+    def __init__(self, S, name, policy, controller, before=None):
+        self.S, self.name, self.policy, self.controller = S, name, policy, controller
+        self.before = before or (lambda: None)
+
+    def generate(self, prompts, params):
+        self.before()
+        return self.controller.generate(prompts, params)
+
+
+def warm(entry, prompts, params):
+    """Untimed generates: one (compile, capture, warm the policy), then up to 3 more until a goodput
+    policy has measured every depth at this grid (its one-time exploration, a server's first
+    seconds); then the engine's metrics restart, so they cover only the timed runs."""
+    entry.generate(prompts, params)
     for _ in range(3):
-        if explored(policy, controller.config.max_requests):
+        if explored(entry.policy, entry.controller.config.max_requests):
             break
-        before()
-        controller.generate(prompts, params)
-    controller.metrics.reset()
-    seconds = float("inf")
-    collections = GarbageCollections()
+        entry.generate(prompts, params)
+    entry.controller.metrics.reset()
+
+
+def measure(engines, prompts, params, repeats, plain_outputs=None):
+    """Every engine warmed (:func:`warm`), then timed ``repeats`` times, interleaved round-robin (A, B,
+    C, A, B, C, ...) so host drift (clocks, other processes, the allocator) hits all alike. Per
+    engine a dict: ``runs`` (tokens/s of each timed generate), ``equal_plain`` (every run's outputs
+    == ``plain_outputs``; None: the first engine's first run is plain), ``results`` (the last run's),
+    ``lengths`` (share of verify steps at each draft length), ``step_ms`` / ``gpu_ms`` (the metrics'
+    mean wall / GPU per step over the timed runs), ``gc`` (collections inside them)."""
+    for entry in engines:
+        warm(entry, prompts, params)
+    records = [dict(runs=[], equal_plain=True, collections=GarbageCollections()) for _ in engines]
     for _ in range(repeats):
-        before()
-        if controller.shape.device.type == "cuda":
-            torch.cuda.synchronize()
-        with collections:
-            started = time.perf_counter()
-            results = controller.generate(prompts, params)
-            seconds = min(seconds, time.perf_counter() - started)
-    metrics = controller.metrics.as_dict()
-    counts = metrics["draft_length_counts"]
-    shares = [round(c / max(sum(counts), 1), 2) for c in counts]
-    times = {"step_ms": metrics["step_time"]["mean_step_ms"], "gpu_ms": metrics["step_time"]["mean_gpu_ms"],
-             "gc": collections.summary()}
-    times["results"] = results
-    return sum(len(r.output_tokens) for r in results) / seconds, [r.output_tokens for r in results], shares, times
+        for entry, record in zip(engines, records):
+            if entry.controller.shape.device.type == "cuda":
+                torch.cuda.synchronize()
+            with record["collections"]:
+                started = time.perf_counter()
+                results = entry.generate(prompts, params)
+                seconds = time.perf_counter() - started
+            outputs = [r.output_tokens for r in results]
+            plain_outputs = outputs if plain_outputs is None else plain_outputs
+            record["equal_plain"] &= outputs == plain_outputs
+            record["runs"].append(sum(len(tokens) for tokens in outputs) / seconds)
+            record["results"] = results
+    for entry, record in zip(engines, records):
+        metrics = entry.controller.metrics.as_dict()
+        counts = metrics["draft_length_counts"]
+        record.update(lengths=[round(c / max(sum(counts), 1), 2) for c in counts],
+                      step_ms=metrics["step_time"]["mean_step_ms"], gpu_ms=metrics["step_time"]["mean_gpu_ms"],
+                      gc=record.pop("collections").summary())
+    return records
+
+
+def run_point(controller, prompts, params, repeats=1, policy=None, before=None):
+    """One engine alone (the profiling scripts' helper): :func:`measure` of it; returns (the best run's
+    tokens/s, the last run's outputs, draft-length shares, ``{step_ms, gpu_ms, gc, results}``)."""
+    record = measure([PointEngine(None, None, policy, controller, before)], prompts, params, repeats)[0]
+    times = dict(step_ms=record["step_ms"], gpu_ms=record["gpu_ms"], gc=record["gc"], results=record["results"])
+    return max(record["runs"]), [r.output_tokens for r in record["results"]], record["lengths"], times
+
+
+def point_row(entry, record, **fields):
+    """A table row of ``entry`` at a point from its :func:`measure` record (``results`` left out)."""
+    runs = record["runs"]
+    return dict(fields, S=entry.S, policy=entry.name, tokens_per_s=report.median(runs),
+                spread_pct=report.spread_pct(runs), runs=[round(r, 1) for r in runs],
+                lengths=record["lengths"], equal_plain=record["equal_plain"], step_ms=record["step_ms"],
+                gpu_ms=record["gpu_ms"], gc=record["gc"], costs=cost_table(entry.policy),
+                explored=getattr(entry.policy, "explored", None))
 
 
 class GarbageCollections:
@@ -329,131 +406,61 @@ def cost_table(policy):
 
 
 class Table:
+    """The rows so far: printed as JSON lines as they come, a point's summary when it is done, the
+    JSON file rewritten after every point (a part killed by its timeout keeps what it measured)."""
+
     def __init__(self, args):
         self.args, self.rows, self.started = args, [], time.perf_counter()
 
-    def out_of_time(self) -> bool:
-        return time.perf_counter() - self.started > self.args.budget_seconds
+    def out_of_time(self, what="") -> bool:
+        late = time.perf_counter() - self.started > self.args.budget_seconds
+        if late and what:
+            print(f"skipped for time (--budget-seconds {self.args.budget_seconds:g}): {what}", flush=True)
+        return late
 
-    def add(self, **row):
-        self.rows.append(row)
-        print(json.dumps(row), flush=True)
-
-    def print_workloads(self):
-        workloads = {}
-        for row in self.rows:
-            workloads.setdefault((row["part"], row["batch"], row["workload"]), []).append(row)
-        print(f"\n{'part':>5} {'batch':>5} {'workload':>8} | fixed S tokens/s | {'adaptive':>8} {'/best':>6} "
-              f"{'/plain':>6} | best S | adaptive lengths (share of verify steps s = 0..S_max) | == plain")
-        for (part, batch, workload), rows in workloads.items():
-            fixed = {row["S"]: row["tokens_per_s"] for row in rows if row["policy"] == "fixed"}
-            adaptive = next((row for row in rows if row["policy"] == "goodput"), None)
-            per_request = next((row for row in rows if row["policy"] == "per-request"), None)
-            running = next((row for row in rows if row["policy"] == "goodput run"), None)
-            if adaptive is None:  # the run engine alone (--demo-goodput run)
-                adaptive, running = running, None
-            best_s = max(fixed, key=fixed.get) if fixed else None
-            text = " ".join(f"S{s}={rate:.0f}" for s, rate in sorted(fixed.items()))
-            same = all(row["equal_plain"] for row in rows)
-            if adaptive is None or best_s is None:
-                print(f"{part:>5} {batch:5d} {workload:>8} | {text} | (no adaptive point)")
-                continue
-            rate = adaptive["tokens_per_s"]
-            print(f"{part:>5} {batch:5d} {workload:>8} | {text} | {rate:8.0f} {rate / fixed[best_s]:6.2f} "
-                  f"{rate / fixed.get(0, rate):6.2f} | S={best_s} | {adaptive['lengths']} ({adaptive['policy']}) | {same}")
-            if running is not None:
-                rate = running["tokens_per_s"]
-                print(f"{'':>5} {'':>5} {'':>8} | goodput, mtp_idle_windows='run': {rate:8.0f} "
-                      f"{rate / fixed[best_s]:6.2f} {rate / fixed.get(0, rate):6.2f} | {running['lengths']} | "
-                      f"{running['equal_plain']}")
-            if per_request is not None:
-                rate = per_request["tokens_per_s"]
-                print(f"{'':>5} {'':>5} {'':>8} | per-request goodput (ragged rows): {rate:8.0f} "
-                      f"{rate / fixed[best_s]:6.2f} {rate / fixed.get(0, rate):6.2f} | {per_request['lengths']} | "
-                      f"mean s by label {per_request.get('label_lengths')} | {per_request['equal_plain']}")
-            pinned = next((row for row in rows if row["policy"] == "pinned"), None)
-            if pinned is not None and row_s(rows, pinned["S"]):
-                print(f"{'':>5} {'':>5} {'':>8} | pinned goodput (S = {pinned['S']} each step): "
-                      f"{pinned['tokens_per_s']:.0f}, {pinned['tokens_per_s'] / row_s(rows, pinned['S']):.2f}x "
-                      f"fixed S = {pinned['S']}")
-        print("\nstep time, ms (wall / GPU) per point:")
-        for row in self.rows:
-            gpu = "-" if row.get("gpu_ms") is None else f"{row['gpu_ms']:.3f}"
-            step = "-" if row.get("step_ms") is None else f"{row['step_ms']:.3f}"
-            name = f"{row['part']} batch {row['batch']} {row['workload']} {row['policy']} S={row['S']}"
-            print(f"  {name}: {step} / {gpu}")
-        measured = [row for row in self.rows if row.get("acceptance")]
-        if measured:
-            print("\nmeasured per-depth acceptance by label (fixed S points; the label is the oracle's p):")
-        for row in measured:
-            print(f"  {row['part']} batch {row['batch']} {row['workload']} S={row['S']}: {row['acceptance']}")
-        costed = [row for row in self.rows if row.get("costs")]
-        if costed:
-            print("\nthe policy's cost model after each point, ms per step by (grid G, depths D): the loop's wall "
-                  "of decode-only steps / GPU, 'mixed': the wall of steps with prefill chunks (the policy blends "
-                  "them by their recent share); 'real': every busy call's wall a step at that verify width and "
-                  "its calibration (real / model: what the policy multiplies the model by); 'tok': realised "
-                  "tokens a request-step (expected at the last choice); 'explored': choices made to measure a "
-                  "depth so far")
-        for row in costed:
-            if "rows" in row["costs"]:
-                print(f"  {row['part']} batch {row['batch']} {row['workload']}: warm-up replay ms by token count: "
-                      + ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {value:.3f}"
-                                  for key, value in row["costs"]["rows"].items())
-                      + f"; prefill rows a mixed step {row['costs']['prefill_rows']}")
-            text = ", ".join(f"{key.replace('=', '').replace(', ', ' ')} {_ms(value['wall_ms'])}/{_ms(value['gpu_ms'])}"
-                             + ("" if value.get("mixed_ms") is None else f" mixed {_ms(value['mixed_ms'])}")
-                             + ("" if value.get("realised_ms") is None else
-                                f" real {_ms(value['realised_ms'])} x{value['calibration']:.2f}")
-                             + ("" if value.get("tokens") is None else f" tok {value['tokens']:.2f}")
-                             + ("" if value.get("expected_tokens") is None else f" (exp {value['expected_tokens']:.2f})")
-                             for key, value in row["costs"].items() if key not in ("rows", "prefill_rows"))
-            print(f"  {row['part']} batch {row['batch']} {row['workload']}: {text}; explored {row.get('explored')}")
-        print("\ngarbage collections in the timed generates (gen 0 / 1 / 2, ms in all):")
-        for row in self.rows:
-            if row.get("gc"):
-                print(f"  {row['part']} batch {row['batch']} {row['workload']} {row['policy']} S={row['S']}: {row['gc']}")
-
-
-def _ms(value):
-    return "-" if value is None else f"{value:.3f}"
-
-
-def row_s(rows, S):
-    return next((row["tokens_per_s"] for row in rows if row["policy"] == "fixed" and row["S"] == S), None)
+    def add_point(self, rows):
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        self.rows += rows
+        report.print_workloads(rows, header=False)
+        if self.args.json:
+            with open(self.args.json, "w") as file:
+                json.dump(self.rows, file, indent=1)
 
 
 def demo_part(args, table, device):
     model = mtp_ctrl.load_demo_model(device=device)
     held_out = load_stdlib_corpus().held_out
-    new_tokens = args.new_tokens or (8 if args.quick else 64)
+    new_tokens = args.new_tokens or (8 if args.quick else DEMO_NEW_TOKENS)
+    waves = args.demo_waves or (1 if args.quick else 2)
     batches = args.demo_batches or ((1, 4) if args.quick else (1, 8, 32, 128))
     runs = f" runs of {args.demo_decode_steps}" if args.demo_decode_steps > 1 else ""  # the workload's label
     for batch in batches:
-        prompts = [w.tolist() for w in evenly_spaced_windows(held_out, batch, PROMPT_LEN)]
+        if table.out_of_time(f"demo batch {batch}"):
+            return
+        prompts = [w.tolist() for w in evenly_spaced_windows(held_out, waves * batch, PROMPT_LEN)]
         # "goodput": the default engine (no-draft steps skip the MTP windows, caught up exactly later);
         # "goodput run": mtp_idle_windows="run" (every no-draft step runs every depth's window)
-        engines = [(S, "fixed", None) for S in (0, 1, 2)]
-        engines += [(2, name, GoodputPolicy()) for name, kind in (("goodput", "skip"), ("goodput run", "run"))
-                    if args.demo_goodput in ("both", kind)]
+        kinds = [(S, "fixed", None) for S in (0, 1, 2)]
+        kinds += [(2, name, GoodputPolicy()) for name, kind in (("goodput", "skip"), ("goodput run", "run"))
+                  if args.demo_goodput in ("both", kind)]
         if (batch >= 32 or args.quick) and not args.no_pinned:  # the policy path's own cost (fixed S = 2's lengths)
-            engines.append((2, "pinned", PinnedGoodput()))
-        plain = {}
-        for S, name, policy in engines:
-            if table.out_of_time():
-                return
-            controller = engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy, device=device.type,
-                                idle_windows="run" if name == "goodput run" else None,
-                                decode_steps_per_launch=args.demo_decode_steps)
-            for temperature in (0.0, 1.0):
-                params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=5)
-                rate, outputs, shares, times = run_point(controller, prompts, params, repeats=3, policy=policy)
-                times.pop("results")
-                plain.setdefault(temperature, outputs)
-                table.add(part="demo", batch=batch, workload=f"T={temperature:g}" + runs, S=S, policy=name,
-                          tokens_per_s=rate, lengths=shares, equal_plain=outputs == plain[temperature],
-                          costs=cost_table(policy), explored=getattr(policy, "explored", None), **times)
-            controller.close()
+            kinds.append((2, "pinned", PinnedGoodput()))
+        engines = [PointEngine(S, name, policy, engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy,
+                                                       device=device.type,
+                                                       idle_windows="run" if name == "goodput run" else None,
+                                                       decode_steps_per_launch=args.demo_decode_steps))
+                   for S, name, policy in kinds]
+        for temperature in (0.0, 1.0):
+            if table.out_of_time(f"demo batch {batch} T = {temperature:g}"):
+                break
+            params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=5)
+            records = measure(engines, prompts, params, args.repeats)  # fixed S = 0 first: its first run is plain
+            workload = f"T={temperature:g}" + (f", {waves}x{new_tokens}" if waves > 1 else "") + runs
+            table.add_point([point_row(entry, record, part="demo", batch=batch, workload=workload)
+                             for entry, record in zip(engines, records)])
+        for entry in engines:
+            entry.controller.close()
 
 
 QUEUED = 4  # the queued workload: this many times the slots in requests (freed slots are refilled)
@@ -462,63 +469,67 @@ QUEUED = 4  # the queued workload: this many times the slots in requests (freed 
 def large_part(args, table, device):
     shape = QUICK_MODEL if args.quick else FULL_MODEL
     new_tokens = args.new_tokens or (8 if args.quick else 48)
-    max_model_len = PROMPT_LEN + new_tokens + 8
+    most_tokens = int(new_tokens * (1 + args.length_spread))
+    max_model_len = PROMPT_LEN + most_tokens + 8
     model = build_model(shape, device, max_model_len + 8)
     if device.type == "cpu":
         model = model.float()
     widen_logit_margins(model)
-    batches = args.large_batches or ((4,) if args.quick else (8, 64))
+    batches = args.large_batches or ((4,) if args.quick else (128, 256, 64, 8))
     generator = torch.Generator().manual_seed(0)
     for batch in batches:
+        if table.out_of_time(f"1B batch {batch}"):
+            return
         total = QUEUED * batch  # the queued workload's requests; the closed ones are its first `batch`
         all_prompts = torch.randint(0, shape["vocab_size"], (total, PROMPT_LEN), generator=generator).tolist()
         workloads = [(name, mix, all_prompts[:batch]) for name, mix in MIXES.items()]
         workloads.append((f"queued {QUEUED}x mixed", MIXES["mixed"], all_prompts))
-        params = SamplingParams(max_new_tokens=new_tokens)
-        controller = engine(model, 0, batch, max_model_len, device=device.type)
-        plain = {}
-        for name, _, prompts in (workloads[0], workloads[-1]):  # S = 0: the same for every mix
-            plain[len(prompts)] = run_point(controller, prompts, params)
-            plain[len(prompts)][3].pop("results")
-        controller.close()
-        width = PROMPT_LEN + new_tokens + 16
+        if args.large_workloads:
+            workloads = [w for w in workloads if w[0].split()[0] in args.large_workloads]
+        lengths = torch.randint(max(int(new_tokens * (1 - args.length_spread)), 1), most_tokens + 1, (total,),
+                                generator=generator).tolist() if args.length_spread else [new_tokens] * total
+        all_params = [SamplingParams(max_new_tokens=n) for n in lengths]  # [total]: request i's
+        plain_engine = PointEngine(0, "fixed", None, engine(model, 0, batch, max_model_len, device=device.type))
+        plain = {len(prompts): [r.output_tokens for r in plain_engine.generate(prompts, all_params[: len(prompts)])]
+                 for prompts in (all_prompts[:batch], all_prompts)}  # S = 0: the same for any mix
+        width = PROMPT_LEN + most_tokens + 16
         sequences = torch.zeros(total, width, dtype=torch.int64)
-        for index, (prompt, output) in enumerate(zip(all_prompts, plain[total][1])):
+        for index, (prompt, output) in enumerate(zip(all_prompts, plain[total])):
             sequences[index, : len(prompt) + len(output)] = torch.tensor(list(prompt) + list(output))
         sequences = sequences.to(device)
         rates = torch.zeros(total, device=device)
         first_id = torch.zeros((), dtype=torch.int64, device=device)
-        if args.large_workloads:
-            workloads = [w for w in workloads if w[0].split()[0] in args.large_workloads]
-        proposer_engines = []
+        engines = [plain_engine]
         for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", GoodputPolicy()),
                                                                            (3, "per-request", RecordedPerRequest())]:
-            if table.out_of_time():
-                break
-            proposer = AcceptanceOracle(sequences, rates, first_id)
-            proposer_engines.append((S, name, policy, engine(model, S, batch, max_model_len, policy, proposer,
-                                                             device.type)))
+            controller = engine(model, S, batch, max_model_len, policy, AcceptanceOracle(sequences, rates, first_id),
+                                device.type)
+            engines.append(PointEngine(S, name, policy, controller,
+                                       before=lambda c=controller: first_id.fill_(c.debug_view().next_request_id)))
+        if device.type == "cuda":  # the engines share the model; each holds its own KV, buffers and graph pools
+            print(f"1B batch {batch}, {len(engines)} engines warmed: GPU memory reserved "
+                  f"{torch.cuda.memory_reserved() / 2**30:.1f} GiB, peak allocated "
+                  f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
         for workload, mix, prompts in workloads:
+            if table.out_of_time(f"1B batch {batch} {workload}"):
+                break
             labels = [mix[i % len(mix)] for i in range(total)]
             rates.copy_(torch.tensor(labels, device=device))
-            plain_rate, plain_outputs, _, plain_times = plain[len(prompts)]
-            table.add(part="1B", batch=batch, workload=workload, S=0, policy="fixed", tokens_per_s=plain_rate,
-                      lengths=[1.0], equal_plain=True, **plain_times)
-            for S, name, policy, controller in proposer_engines:
-                if table.out_of_time():
-                    return
-                rate, outputs, shares, times = run_point(
-                    controller, prompts, params, policy=policy,
-                    before=lambda c=controller: first_id.fill_(c.debug_view().next_request_id))
-                results = times.pop("results")
-                measured = per_depth_acceptance(results, labels[: len(prompts)], S) if name == "fixed" else None
-                label_lengths = policy.lengths_by_label(results, labels) if name == "per-request" else None
-                table.add(part="1B", batch=batch, workload=workload, S=S, policy=name, tokens_per_s=rate,
-                          lengths=shares, equal_plain=outputs == plain_outputs, acceptance=measured,
-                          costs=cost_table(policy), explored=getattr(policy, "explored", None),
-                          label_lengths=label_lengths, graphs=controller.debug_view().num_cuda_graphs, **times)
-        for *_, controller in proposer_engines:
-            controller.close()
+            records = measure(engines, prompts, all_params[: len(prompts)], args.repeats,
+                              plain_outputs=plain[len(prompts)])
+            workload += f", lengths +-{args.length_spread:g}" if args.length_spread else ""
+            rows = []
+            for entry, record in zip(engines, records):
+                results = record["results"]
+                rows.append(point_row(entry, record, part="1B", batch=batch, workload=workload,
+                                      graphs=entry.controller.debug_view().num_cuda_graphs))
+                if entry.name == "fixed" and entry.S > 0:
+                    rows[-1]["acceptance"] = per_depth_acceptance(results, labels[: len(prompts)], entry.S)
+                if entry.name == "per-request":
+                    rows[-1]["label_lengths"] = entry.policy.lengths_by_label(results, labels)
+            table.add_point(rows)
+        for entry in engines:
+            entry.controller.close()
 
 
 def main(args):
@@ -530,12 +541,11 @@ def main(args):
         if not skip:
             part(args, table, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"\n{name}; greedy unless T says otherwise; one timed generate per point after an untimed one; "
-          f"'/best': adaptive over the best fixed S of the workload, '/plain': over S = 0")
-    table.print_workloads()
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(table.rows, file, indent=1)
+    print(f"\n== summary\n{name}; greedy unless T says otherwise; every engine of a point timed {args.repeats}x, interleaved "
+          "round-robin, after its untimed generates; tokens/s: the median; '/best': over the best fixed S's "
+          "median, '/plain': over S = 0's; verdict: the min-max ranges apart ('above' / 'below') or not")
+    report.print_workloads(table.rows)
+    report.print_details(table.rows)
 
 
 if __name__ == "__main__":

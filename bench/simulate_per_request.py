@@ -10,13 +10,17 @@ to ``observe`` one step late (the overlapped loop's read-back). The cost of a st
 the 1B's H100 figures at batch 64 (bench/RESULTS.md, "Adaptive", ragged): a decode-only step
 ``1.35 ms + 2.5 us a row over G + 30 us a draft depth``, a mixed step its token bucket's time
 (``rows + 64`` rounded up to a power of two from 128: 1.6 / 1.95 / 2.3 ms) plus the depths; the
-policy gets those same costs as its warm-up row costs (``set_row_costs``). Prints tokens per ms of
+policy gets those same costs as its warm-up row costs (``set_row_costs``). ``--row-costs-json``: the
+step costs are instead a GPU run's warm-up replays (``bench_adaptive.py --json``: the per-request
+engine's table at ``--batch``; a decode-only step costs the smallest recorded token count >= its rows
+at its depth or above, a mixed step its token bucket's), the same ones the policy gets. Prints tokens per ms of
 fixed S = 0..3 and of the policy, the policy's mean s by label over decode steps (s of a request's
 verify steps, its first step's join length included), and the policy's host time per decision.
 """
 
 import argparse
 import collections
+import json
 import time
 
 import numpy as np
@@ -42,9 +46,44 @@ def scripted_seconds(G: int, rows: int, depth: int, mixed: int) -> float:
     return 1.35e-3 + 2.5e-6 * (rows - G) + 3e-5 * depth
 
 
+class MeasuredCosts:
+    """Step costs from a GPU run's warm-up replays (``{(G, T, D, mixed): seconds}``, the table
+    ``bench_adaptive.py --json`` records for its per-request engine), in ``scripted_seconds``' terms."""
+
+    def __init__(self, path: str, batch: int):
+        with open(path) as file:
+            rows = next(row["costs"]["rows"] for row in json.load(file)
+                        if row["batch"] == batch and "rows" in (row.get("costs") or {}))
+        self.table = {}
+        for key, ms in rows.items():
+            fields = dict(part.split("=") for part in key.split(", ") if "=" in part)
+            self.table[(int(fields["G"]), int(fields["T"]), int(fields["D"]), key.endswith("mixed"))] = ms * 1e-3
+
+    def seconds(self, G: int, rows: int, depth: int, mixed: int) -> float:
+        """The recorded replay a step of ``rows`` verify rows (plus ``mixed`` prompt chunks) pads to."""
+        tokens = rows + CHUNK * mixed
+        keys = sorted(((d, t) for g, t, d, m in self.table if g == G and m == bool(mixed) and d >= depth
+                       and t >= tokens), key=lambda key: (key[0] != depth, key[1], key[0]))
+        d, t = keys[0] if keys else max((d, t) for g, t, d, m in self.table if g == G and m == bool(mixed))
+        return self.table[(G, t, d, bool(mixed))]
+
+
+MEASURED = None  # MeasuredCosts when --row-costs-json is given
+
+
+def step_seconds(G: int, rows: int, depth: int, mixed: int) -> float:
+    return (MEASURED or _Scripted).seconds(G, rows, depth, mixed)
+
+
+class _Scripted:
+    seconds = staticmethod(scripted_seconds)
+
+
 def row_costs(G: int, S: int):
     """The warm-up's replay times the controller would hand the policy: ragged counts (decode only)
     and the mixed token buckets, at every depth."""
+    if MEASURED is not None:
+        return {key: seconds for key, seconds in MEASURED.table.items() if key[0] == G and key[2] <= S}
     costs = {}
     for depth in range(S + 1):
         for rows in range(G, G * (1 + depth) + 1, max(1, G // 4)):
@@ -55,15 +94,22 @@ def row_costs(G: int, S: int):
 
 
 def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int = 48, queued: bool = True,
-             seed: int = 0, warm_costs: bool = True):
+             seed: int = 0, warm_costs: bool = True, length_spread: float = 0.0):
     """Run the scripted loop; returns ``(tokens, seconds, lengths by label [list of s per decode
-    step], decision host seconds [list])``."""
+    step], decision host seconds [list])``. ``length_spread`` x: request i's tokens are drawn
+    uniformly from ``new_tokens * (1 -+ x)`` (the same draws for every policy: seeded by request id)."""
     rng = np.random.default_rng(seed)
+
+    def tokens_of(request_id):
+        if not length_spread:
+            return new_tokens
+        low, high = int(new_tokens * (1 - length_spread)), int(new_tokens * (1 + length_spread))
+        return int(np.random.default_rng([seed, request_id]).integers(max(low, 1), high + 1))
     shape = EngineShape(max_requests=G, max_model_len=256, block_size_tokens=16, num_speculative_tokens=S,
                         max_tokens_per_step=G * (1 + S) + CHUNK * G)
     lengths_of = DraftLengths(policy, shape)
     if isinstance(policy, PerRequestGoodputPolicy) and warm_costs:
-        costs = {(G, d): scripted_seconds(G, G * (1 + d), d, False) for d in range(S + 1)}
+        costs = {(G, d): step_seconds(G, G * (1 + d), d, False) for d in range(S + 1)}
         lengths_of.set_step_costs(costs, row_costs=row_costs(G, S))
         for depth in range(S + 1):  # every depth measured (a warmed-up loop): no exploration holds
             policy.cost_model.record(G, depth, costs[(G, depth)], costs[(G, depth)])
@@ -71,7 +117,7 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
     waiting = steps * G if queued else 0
     if not queued:
         for _ in range(G):
-            slots[next_id] = [RATES[next_id % 3], new_tokens, 0]
+            slots[next_id] = [RATES[next_id % 3], tokens_of(next_id), 0]
             next_id += 1
     lengths_of.queue_view = lambda ids: (waiting, np.array([slots[i][1] for i in ids.tolist()], dtype=np.int64))
     tokens = seconds = 0.0
@@ -90,7 +136,7 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
     for _ in range(steps):
         joined = 0
         while queued and len(slots) < G and waiting:  # every free slot: a 64-token prompt chunk each
-            slots[next_id] = [RATES[next_id % 3], new_tokens, 0]
+            slots[next_id] = [RATES[next_id % 3], tokens_of(next_id), 0]
             next_id, waiting, joined = next_id + 1, waiting - 1, joined + 1
         if not slots:
             break
@@ -107,7 +153,7 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
                 accepted[index] += 1
             by_label[rate].append(int(verified[index]))
         rows = int(ids.shape[0] + verified.sum())
-        seconds += scripted_seconds(G, rows, int(chosen.max()) if chosen.shape[0] else 0, joined)
+        seconds += step_seconds(G, rows, int(chosen.max()) if chosen.shape[0] else 0, joined)
         pending = (ids, verified, accepted)
         if isinstance(policy, PerRequestGoodputPolicy):  # what the controller's step_timing tells the cost model
             policy.cost_model.record_launches(int(joined > 0), 1)
@@ -131,14 +177,21 @@ def main():
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--closed", action="store_true", help="one closed batch (drains), not a queue")
+    parser.add_argument("--length-spread", type=float, default=0.0,
+                        help="x: each request's tokens uniform in new-tokens * (1 -+ x) (default 0: all equal)")
+    parser.add_argument("--row-costs-json", default=None,
+                        help="step costs from this bench_adaptive.py --json file's warm-up replays at --batch")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args()
     mtp_ctrl.quiet_known_warnings(args.verbose)
+    global MEASURED
+    MEASURED = MeasuredCosts(args.row_costs_json, args.batch) if args.row_costs_json else None
     queued = not args.closed
     S = 3
     for label, make in [(f"fixed S = {s}", (lambda s=s: _Fixed(s))) for s in range(S + 1)] + \
                        [("per-request", PerRequestGoodputPolicy)]:
-        tokens, seconds, by_label, decisions = simulate(make(), args.batch, S, args.steps, args.new_tokens, queued)
+        tokens, seconds, by_label, decisions = simulate(make(), args.batch, S, args.steps, args.new_tokens, queued,
+                                                        length_spread=args.length_spread)
         line = f"{label:>12}: {tokens / seconds / 1e3:7.2f} tok/ms"
         if decisions:
             line += "; mean s by label " + " / ".join(f"{rate}: {np.mean(by_label[rate]):.2f}" for rate in RATES)

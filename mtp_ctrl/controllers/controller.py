@@ -200,11 +200,11 @@ class TextGenerationController:
                         continue  # a decode run's later steps verify its own lengths: its V >= its D
                     step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
                     masks = self._draft_lengths.warmup_masks(verify_width, not shape.has_prefill and not ragged)
-                    # the proposer's plans (skipped MTP windows: windows, catch-up, skip); the first one
-                    # is the steady step's, whose replay time is the step's cost. The others follow only
-                    # a step that drafted nothing: warmed only for a policy that chooses D = 0
+                    # the proposer's plans (skipped MTP windows: D' depths run, catch-up); the first one is
+                    # the steady step's (a D < S step's skips D..S-1), whose replay time is the step's cost.
+                    # The others follow only a step that drafted < S: warmed for a policy that chooses D < S
                     plans = self.proposer.warmup_plans(step) if self.shape.num_speculative_tokens > 0 else (None,)
-                    if 0 not in self._draft_lengths.warmup_depths():
+                    if min(self._draft_lengths.warmup_depths()) == self.shape.num_speculative_tokens:
                         plans = plans[:1]
                     for plan_index, plan, (all_greedy, masked) in (
                             (index, plan, variant) for index, plan in enumerate(plans)

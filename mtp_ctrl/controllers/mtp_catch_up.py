@@ -1,84 +1,112 @@
-"""Skipped MTP windows and their exact catch-up (``InferenceConfig(mtp_idle_windows="skip")``).
+"""Skipped MTP windows and their exact catch-up (``InferenceConfig(mtp_idle_windows="skip")``), per depth.
 
 Paged MTP drafting keeps every depth's cache final by running each depth over a window ``[w, e)``
-every step (``controllers/mtp_proposer.py``). A decode-only step where nobody drafts (D = 0) need
-not: it records its tokens, keeps the decoder hidden of its positions in the request's ring (``S +
-M`` slots instead of ``S``) and leaves ``w`` where the caches stopped being final. The next step that
-runs the windows (one that drafts, one with prefill chunks, or a forced catch-up) widens each decode
-request's window by ``M`` rows, so it covers ``[w, e)`` again: every depth's entry at every position
-is computed from the same hidden states and tokens as if no window had been skipped (the drafts
-are the same).
+every step (``controllers/mtp_proposer.py``). A decode-only step need not run the depths it does
+not draft from: a step where nobody drafts (D = 0) runs none, a step that drafts D < S runs depths
+``0..D-1`` only. A skipped depth's window start ``w_k`` stays where its cache stopped being final
+and the decoder hidden of the skipped positions stays in the request's ring (``S + M`` slots instead
+of ``S``). A later step that runs depth k widens each decode request's window by ``M`` rows so it
+covers ``[w_k, e)`` again: every depth's entry at every position is computed from the same hidden
+states and tokens as if no window had been skipped (the drafts are the same).
 
-The host bounds how far ``w`` fell behind: a skipped step of verify width V moves ``e`` on by at most
-``1 + V`` positions. This module keeps that bound per table slot (``m``) and plans each launch: a
-step skips its windows when it is decode-only, drafts nothing and every request's ``m`` stays
-within ``M`` after it; otherwise it runs them, ``M`` rows wider when some request has ``m > 0``
-(a *forced catch-up* when it drafts nothing). The plan (one entry a step of the launch) joins the
-CUDA graph key, so a replay needs no host value: a few variants per shape (windows or catch-up;
-skip or forced catch-up; a decode run's steps in their orders), captured at warm-up. A request
-that joins, or returns after a preemption, starts with a step that has prefill chunks (its windows
+Lags are monotone in depth (a depth is skipped only with every deeper one), so a step that runs
+``D'`` depths starts all of them at ``w_{D'-1}`` (the largest start among them; the shallower ones
+rewrite final entries with the same values) and depth k's input hidden over those rows is depth
+``k - 1``'s output over the same rows. Afterwards ``w_{D'-1}`` moves on for depths ``0..D'-1``;
+deeper starts stay (``MTPProposer._window_start``: one device row per depth, written by the steps
+that run exactly that many depths, so a step of every depth costs what it did without skipping).
+
+The host bounds how far each ``w_k`` fell behind: a step of verify width V that skips depth k moves
+``e`` on by at most ``1 + V`` positions. This module keeps that bound per table slot and depth
+(``[R + 1, S]``) and plans each launch, one entry ``(depths run, extra rows)`` a step:
+``(0, 0)`` (SKIP: a decode-only step where nobody drafts), ``(D, 0)`` / ``(D, M)`` (a decode-only
+step that drafts D < S: depths ``D..S-1`` skipped; M extra rows when depth ``D - 1`` has fallen
+behind), ``(S, 0)`` / ``(S, M)`` (every depth: a step that drafts S, a step with prefill chunks, or a
+*forced catch-up* when the deepest skipped depth would fall more than M behind). The fixed-S policy
+only ever plans ``(S, 0)``. The plan joins the CUDA graph key, so a replay needs no host value: a
+few variants per shape, captured at warm-up (:meth:`WindowCatchUp.warmup_plans`). A request that
+joins, or returns after a preemption, starts with a step that has prefill chunks (all its windows
 run, from its first position): nothing stale is read. A paused request keeps its slot and its
-``m``: the first step it returns to catches it up.
+lags: the first step it returns to catches it up.
+
+Choosing M: in steady D = 1 at S = 2 (V = 1) a forced catch-up comes every ``M / 2 + 1`` steps, a
+step of every depth with ``S + V + M`` window rows; a larger M makes them rarer (each a little
+wider), at the ring's cost of ``[R + 1, S + M, H]`` in the KV dtype.
 """
 
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 
 from mtp_ctrl.state.step_metadata import StepMetadata
 
-SKIP = -1  # a plan entry: the step runs no window; otherwise the rows a decode window gets past S + V
+Entry = Tuple[int, int]  # (depths run, rows each decode window gets past S + V)
+SKIP: Entry = (0, 0)  # the step runs no window
 
 
 class WindowCatchUp:
-    """``num_slots``: table slots (the scratch slot included); ``capacity`` M: the most positions a
-    request's window start may fall behind (its ring holds ``S + M`` positions)."""
+    """``num_slots``: table slots (the scratch slot included); ``num_depths``: S; ``capacity`` M: the
+    most positions a request's window start may fall behind (its ring holds ``S + M`` positions)."""
 
-    def __init__(self, num_slots: int, capacity: int):
-        self.capacity = capacity
-        self._lags = np.zeros(num_slots, np.int64)  # [R + 1] per slot: m, positions w may have fallen behind
-        self._plan: Tuple[int, ...] = ()
+    def __init__(self, num_slots: int, num_depths: int, capacity: int):
+        self.num_depths, self.capacity = num_depths, capacity
+        # [R + 1, S] per slot and depth: positions w_k may have fallen behind (non-decreasing in k)
+        self._lags = np.zeros((num_slots, num_depths), np.int64)
+        self._plan: Tuple[Entry, ...] = ()
         self._calls = 0  # propose / on_no_drafts calls since the plan was set (a capture runs a launch twice)
 
-    def plan(self, step: StepMetadata, lag: int) -> Tuple[int, ...]:
-        """Each step of the launch (a decode run has several): SKIP, or the extra rows of its decode
-        windows (0, or M while some request has fallen behind), from the batch's largest ``lag``."""
-        entries, advance = [], 1 + step.verify_width  # the most positions a step moves e on
+    def lags(self, slot: int) -> Tuple[int, ...]:
+        """How far each depth's window start of table slot ``slot`` may have fallen behind."""
+        return tuple(int(lag) for lag in self._lags[slot])  # host-ok: numpy
+
+    def _depths_run(self, step: StepMetadata, deepest_lag: int) -> int:
+        """D' for one step: D on a decode-only step that drafts D < S while the deepest skipped
+        depth stays within M, else S."""
+        S = self.num_depths
+        drafts = S if step.num_drafts < 0 else step.num_drafts
+        if step.decode_only and drafts < S and deepest_lag + 1 + step.verify_width <= self.capacity:
+            return drafts
+        return S
+
+    def plan(self, step: StepMetadata, lags: Sequence[int]) -> Tuple[Entry, ...]:
+        """Each step of the launch (a decode run has several): (depths run, extra rows), from the
+        batch's largest lag per depth ``lags`` ``[S]`` (non-decreasing)."""
+        lags, entries, advance = list(lags), [], 1 + step.verify_width  # the most positions a step moves e on
         for _ in range(step.num_steps):
-            if step.num_drafts == 0 and step.decode_only and lag + advance <= self.capacity:
-                entries.append(SKIP)
-                lag += advance
-            else:
-                entries.append(self.capacity if lag > 0 else 0)
-                lag = 0
+            run = self._depths_run(step, lags[-1])
+            entries.append((run, self.capacity if run and lags[run - 1] > 0 else 0))
+            lags = [0] * run + [lag + advance for lag in lags[run:]]
         return tuple(entries)
 
-    def plan_launch(self, step: StepMetadata) -> Tuple[int, ...]:
+    def plan_launch(self, step: StepMetadata) -> Tuple[Entry, ...]:
         """The launch's plan from the step's decode requests' lags, which it then moves on."""
-        slots = step.host_slot_ids  # [num_requests] int64
-        decode_lags = self._lags[slots[: step.num_decode]]
-        plan = self.plan(step, int(decode_lags.max()) if decode_lags.size else 0)
-        behind, windowed = 0, False
-        for entry in plan:
-            windowed, behind = (windowed, behind + 1 + step.verify_width) if entry == SKIP else (True, 0)
-        if windowed:
-            self._lags[slots] = behind
-        else:
-            self._lags[slots] += behind
+        S, slots = self.num_depths, step.host_slot_ids  # [n] int64
+        decode_lags = self._lags[slots[: step.num_decode]]  # [n_d, S]
+        plan = self.plan(step, decode_lags.max(axis=0).tolist() if decode_lags.shape[0] else [0] * S)  # host-ok: numpy
+        # every request of the step moves the same way: per depth, reset (then behind) or behind more
+        advance, behind, reset = 1 + step.verify_width, [0] * S, [False] * S
+        for run, _ in plan:
+            for depth in range(S):
+                reset[depth], behind[depth] = (True, 0) if depth < run else (reset[depth], behind[depth] + advance)
+        self._lags[slots] = behind if all(reset) else np.where(reset, behind, self._lags[slots] + behind)
         self.use(plan)
         return plan
 
-    def warmup_plans(self, step: StepMetadata) -> Tuple[Tuple[int, ...], ...]:
-        """Every plan the step's shape may take (lags 0..M; a few distinct ones), the caught-up one first."""
-        return tuple(dict.fromkeys(self.plan(step, lag) for lag in range(self.capacity + 1)))
+    def warmup_plans(self, step: StepMetadata) -> Tuple[Tuple[Entry, ...], ...]:
+        """Every plan the step's shape may take (a few distinct ones), the caught-up one first: only
+        the deepest lag's value and whether the step's deepest drafting depth lags matter."""
+        S, drafts = self.num_depths, (self.num_depths if step.num_drafts < 0 else step.num_drafts)
+        candidates = [[min(shallow, deep)] * drafts + [deep] * (S - drafts)
+                      for deep in range(self.capacity + 1) for shallow in (0, 1)]
+        return tuple(dict.fromkeys(self.plan(step, lags) for lags in candidates))
 
-    def use(self, plan: Tuple[int, ...]) -> None:
+    def use(self, plan: Tuple[Entry, ...]) -> None:
         self._plan, self._calls = plan, 0
 
-    def next_entry(self) -> int:
-        """The plan's entry for the step being built (0 without a plan: windows of S + V rows)."""
+    def next_entry(self) -> Entry:
+        """The plan's entry for the step being built (every depth, S + V rows, without a plan)."""
         if not self._plan:
-            return 0
+            return self.num_depths, 0
         entry = self._plan[self._calls % len(self._plan)]
         self._calls += 1
         return entry

@@ -19,9 +19,12 @@ comes from a small per-request ring, 10 and 11 from this step's rows; depth 0 re
 ``min(e, e + 1 - S) = 11``.
 
 Skipped windows (``skip_idle_windows``, ``InferenceConfig(mtp_idle_windows="skip")``, the
-default): a decode-only step where nobody drafts runs no depth; the ring then holds ``S + M``
-positions (``catch_up_positions``), ``w`` stays, and the next windowed step's decode windows are
-M rows wider so they cover ``[w, e)`` again (``mtp_catch_up.py``): the same entries, the same drafts.
+default): a decode-only step that drafts D < S runs depths ``0..D-1`` only (none when D = 0); each
+depth keeps its own window start ``w_k`` (device rows ``mtp_window_start_{k}``), the ring holds
+``S + M`` positions (``catch_up_positions``), and the next step that runs a skipped depth widens its
+decode windows by M rows so they cover ``[w_k, e)`` again (``mtp_catch_up.py``): the same entries,
+the same drafts. A step that runs D' depths starts them all at ``w_{D'-1}`` and moves that start on
+for all of them (``_window_start``).
 
 mtp_attention="single_position": each depth attends to its current row only (Megatron-LM's
 inference today); no window, one row per request and depth.
@@ -53,7 +56,7 @@ from typing import Optional, Tuple
 import torch
 
 from mtp_ctrl.controllers.draft_context import DraftContext
-from mtp_ctrl.controllers.mtp_catch_up import SKIP, WindowCatchUp
+from mtp_ctrl.controllers.mtp_catch_up import Entry, WindowCatchUp
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.step_metadata import StepMetadata
@@ -69,7 +72,7 @@ class MTPProposer(Proposer):
     takes_ragged_rows = True  # windows read the step's rows by query_start_loc and positions
 
     def __init__(self, mode: str = "paged", reuse_last_layer: bool = False, skip_idle_windows: bool = False,
-                 catch_up_positions: int = 8):
+                 catch_up_positions: int = 16):
         if mode not in ("paged", "single_position"):
             raise ValueError(f"mode must be 'paged' or 'single_position', got {mode!r}")
         if not isinstance(reuse_last_layer, bool):
@@ -82,7 +85,7 @@ class MTPProposer(Proposer):
         self.skip_idle_windows = skip_idle_windows  # InferenceConfig.mtp_idle_windows == "skip"
         self.catch_up_positions = catch_up_positions  # M: the most positions a skipped window falls behind
         self._catch_up: Optional[WindowCatchUp] = None
-        self._entry: Optional[int] = None  # the plan entry on_no_drafts took for the propose it calls
+        self._entry: Optional[Entry] = None  # the plan entry on_no_drafts took for the propose it calls
         self.reuse_last_layer = reuse_last_layer
 
     def bind(self, draft_context: DraftContext) -> None:
@@ -103,14 +106,19 @@ class MTPProposer(Proposer):
                                  list(targets[:-1]) + [_zeroed_like(targets[-1])] for depth in range(S)]
         self._history_len = shape.max_model_len + 2 * S + 2
         if self.mode == "paged" and self.skip_idle_windows:  # skipped windows, caught up later (mtp_catch_up.py)
-            self._catch_up = WindowCatchUp(draft_context.scratch_row + 1, self.catch_up_positions)
+            self._catch_up = WindowCatchUp(draft_context.scratch_row + 1, S, self.catch_up_positions)
         ring_slots = S + (self.catch_up_positions if self._catch_up is not None else 0)  # K
         # [R + 1, ...] each (last row: scratch): verified tokens by position, then the drafts;
         # decoder hidden of the last K accepted positions (position p at p % K); window start w
         self._token_history = draft_context.add_device_rows("mtp_token_history", (self._history_len,), torch.int64)
         self._hidden_ring = draft_context.add_device_rows("mtp_hidden_ring", (ring_slots, runner.hidden_size),
                                                           shape.kv_dtype)
-        self._window_start = draft_context.add_device_rows("mtp_window_start", (), torch.int64, kv_start=True)
+        # [R + 1] int64 each: window starts, one per depth with skipped windows, else one (see _window_start)
+        self._window_starts = [draft_context.add_device_rows(f"mtp_window_start_{depth}", (), torch.int64,
+                                                             kv_start=True)
+                               for depth in range(S if self._catch_up is not None else 1)]
+        # [R + 1] int64: the start of a step that runs fewer than S depths (its rows' maximum), then its next start
+        self._partial_window_start = torch.zeros_like(self._window_starts[0]) if self._catch_up is not None else None
         # [R + 1] int64: the first position the window may rewrite (a cached prefix's end, else 0)
         self._window_floor = draft_context.add_device_rows("mtp_window_floor", (), torch.int64, kv_start=True) \
             if draft_context.prefix_caching and self.mode == "paged" else None
@@ -126,33 +134,38 @@ class MTPProposer(Proposer):
 
     # ----- skipped windows (mtp_catch_up.py) ---------------------------------------------------
 
-    def plan_launch(self, step: StepMetadata) -> Optional[Tuple[int, ...]]:
-        """With ``skip_idle_windows``: per step of the launch, SKIP or the extra rows of its decode
-        windows (a catch-up); None otherwise."""
+    def plan_launch(self, step: StepMetadata) -> Optional[Tuple[Entry, ...]]:
+        """With ``skip_idle_windows``: per step of the launch, the depths it runs and the extra rows
+        of its decode windows (a catch-up); None otherwise."""
         return None if self._catch_up is None else self._catch_up.plan_launch(step)
 
-    def warmup_plans(self, step: StepMetadata) -> Tuple[Optional[Tuple[int, ...]], ...]:
+    def warmup_plans(self, step: StepMetadata) -> Tuple[Optional[Tuple[Entry, ...]], ...]:
         return (None,) if self._catch_up is None else self._catch_up.warmup_plans(step)
 
-    def use_plan(self, plan: Optional[Tuple[int, ...]]) -> None:
+    def use_plan(self, plan: Optional[Tuple[Entry, ...]]) -> None:
         if self._catch_up is not None:
             self._catch_up.use(plan or ())
 
-    def _next_entry(self) -> int:
-        return 0 if self._catch_up is None else self._catch_up.next_entry()
+    def _next_entry(self) -> Entry:
+        S = self.draft_context.shape.num_speculative_tokens
+        return (S, 0) if self._catch_up is None else self._catch_up.next_entry()
 
     # ----- drafting ------------------------------------------------------------------------
 
     def propose(self, batch: DraftBatch) -> torch.Tensor:
         entry, self._entry = (self._next_entry() if self._entry is None else self._entry), None
-        return self._propose(batch, entry)
+        return self._propose(batch, *entry)
 
-    def _propose(self, batch: DraftBatch, catch_up_rows: int) -> torch.Tensor:
-        """``catch_up_rows``: rows each decode window gets past ``S + V`` (windows skipped before)."""
+    def _propose(self, batch: DraftBatch, depths_run: int, catch_up_rows: int) -> torch.Tensor:
+        """``depths_run`` D' (paged mode): the depths whose windows run, ``>= D``;
+        ``catch_up_rows``: rows each decode window gets past ``S + V`` (windows skipped before)."""
         S, device, num_requests = self.draft_context.shape.num_speculative_tokens, batch.hidden.device, batch.num_requests
         ends = batch.bonus_positions  # [G] int64, e: the bonus token's position
+        num_drafts = batch.depths(S)
         if self.mode == "paged":
-            hidden, positions, history_rows, metadata = self._paged_window(batch, catch_up_rows)
+            if depths_run < num_drafts:
+                raise RuntimeError(f"MTPProposer: the plan runs {depths_run} depths, the step drafts {num_drafts}")
+            hidden, positions, history_rows, metadata = self._paged_window(batch, depths_run, catch_up_rows)
         else:
             self._record_verified_tokens(batch)
             hidden, positions, history_rows, metadata = self._single_position_rows(batch, ends)
@@ -167,10 +180,10 @@ class MTPProposer(Proposer):
         # [S, Tm] position of t_{i+k+1} for depth k; [S, G] where draft k goes
         token_index = (positions[None, :] + depth_offsets).clamp(0, self._history_len - 1)
         draft_positions = (ends[None, :] + depth_offsets).clamp(0, self._history_len - 1)
-        # depths from D on draft nothing this step; in paged mode their windows still run (no output
-        # layer) so that every depth's cache stays final for the positions the window leaves behind
-        num_drafts = batch.depths(S)
-        for depth in range(S if self.mode == "paged" else num_drafts):
+        # depths from D on draft nothing this step; in paged mode those up to D' still run their windows
+        # (no output layer) so that their caches stay final for the positions the window leaves behind
+        depths_run = depths_run if self.mode == "paged" else num_drafts
+        for depth in range(depths_run):
             tokens = self._token_history[history_rows, token_index[depth]]  # [Tm] int64
             drafting = depth < num_drafts
             logits, hidden = runner.mtp_forward(self._depth_layers[depth], hidden, tokens, row_positions, metadata,
@@ -183,35 +196,56 @@ class MTPProposer(Proposer):
             if self._draft_logits is not None:  # q: what the draft was drawn from
                 self._draft_logits.record(logits, draft_write_rows, depth)
             self._token_history[draft_write_rows, draft_positions[depth]] = drafts[:, depth]
-        self._advance_window(batch)
+        self._advance_window(batch, depths_run)
         return drafts
 
-    def _advance_window(self, batch: DraftBatch, move_window_start: bool = True) -> None:
-        """The next window start (kept when the windows were skipped), and the decoder hidden of
-        each request's last K positions."""
+    def _window_start(self, depths_run: int) -> torch.Tensor:
+        """``[R + 1]`` int64: where a step that runs ``depths_run`` D' depths starts, ``w_{D'-1}``.
+        Row k holds the start the last step that ran exactly k + 1 depths left (a step of D' depths
+        writes row ``D' - 1`` only: no copies), and a request's starts only move forward, so
+        ``w_k = max(row_k, ..., row_{S-1})``: row ``S - 1`` itself for a step of every depth (the
+        fixed-S steps: the same kernels as without skipping), else their maximum in a buffer of
+        its own (``S - D'`` small kernels), which ``_advance_window`` then moves on and writes back."""
+        rows = self._window_starts
+        if depths_run >= len(rows) or depths_run == 0:
+            return rows[-1]
+        torch.maximum(rows[depths_run - 1], rows[depths_run], out=self._partial_window_start)
+        for deeper in rows[depths_run + 1:]:
+            torch.maximum(self._partial_window_start, deeper, out=self._partial_window_start)
+        return self._partial_window_start
+
+    def _advance_window(self, batch: DraftBatch, depths_run: int, move_window_start: bool = True) -> None:
+        """The next window start of the depths that ran (the skipped ones keep theirs), and the
+        decoder hidden of each request's last K positions."""
+        rows = self._window_starts
+        window_start = rows[-1] if depths_run >= len(rows) or depths_run == 0 else self._partial_window_start
         mtp_advance_window(batch.first_positions, batch.bonus_positions, batch.write_rows, batch.samples,
                            batch.step.attention.query_start_loc[: batch.num_requests + 1], batch.hidden,
-                           self._window_start, self._hidden_ring, self.draft_context.shape.num_speculative_tokens,
+                           window_start, self._hidden_ring, self.draft_context.shape.num_speculative_tokens,
                            move_window_start=move_window_start)
+        if not move_window_start:
+            return
         if self._window_floor is not None:  # never below a cached prefix (stays in place: no allocation)
-            torch.maximum(self._window_start, self._window_floor, out=self._window_start)
+            torch.maximum(window_start, self._window_floor, out=window_start)
+        if window_start is self._partial_window_start:  # depths 0..D'-1 start here now (row D' - 1)
+            rows[depths_run - 1].copy_(window_start)
 
     def on_no_drafts(self, batch: DraftBatch) -> None:
         """No request drafts this step: record the step's tokens and move the window on. Paged mode
         also runs every depth over its window (no output layer), keeping every depth's cache final,
         unless ``skip_idle_windows`` and the step is decode-only: then the depths' entries at this
-        step's positions are written later: w stays, the ring keeps the decoder hidden, and the next
-        step that runs the windows widens them to cover ``[w, e)`` (``mtp_catch_up.py``; a forced
-        catch-up step when a request would fall more than ``catch_up_positions`` behind). A step
-        with prefill chunks always runs them: a prompt's entries are written once, and cached
-        prompt blocks are shared."""
+        step's positions are written later: the window starts stay, the ring keeps the decoder
+        hidden, and the next step that runs a depth widens its window to cover ``[w_k, e)``
+        (``mtp_catch_up.py``; a forced catch-up step when a request would fall more than
+        ``catch_up_positions`` behind). A step with prefill chunks always runs them: a prompt's
+        entries are written once, and cached prompt blocks are shared."""
         entry = self._next_entry()
-        if self.mode == "paged" and entry != SKIP:
+        if self.mode == "paged" and entry[0] > 0:
             self._entry = entry  # propose follows this step's plan entry
             self.propose(dataclasses.replace(batch, num_drafts=0))
             return
         self._record_verified_tokens(batch)
-        self._advance_window(batch, move_window_start=self.mode != "paged")
+        self._advance_window(batch, 0, move_window_start=self.mode != "paged")
 
     def _window_bounds(self, batch: DraftBatch, catch_up_rows: int) -> Tuple[int, int]:
         """(Tm, the longest window): bounds fixed by the step's shape and plan, so a padded step can
@@ -229,7 +263,7 @@ class MTPProposer(Proposer):
         longest_chunk = int(step.host_query_lengths.max())  # host-ok: host tensor
         return num_rows + num_requests * (S + extra), max(2 * S + extra, longest_chunk + S)
 
-    def _draft_window(self, batch: DraftBatch, num_window_rows: int, catch_up_rows: int = 0):
+    def _draft_window(self, batch: DraftBatch, num_window_rows: int, depths_run: int = 0, catch_up_rows: int = 0):
         """Record the step's verified tokens and lay out the windows (``mtp_draft_window``);
         returns its outputs: window query_start_loc [G + 1] int32, positions, slot mapping and
         table rows [Tm] int64, depth 0's hidden [Tm, H]."""
@@ -243,7 +277,8 @@ class MTPProposer(Proposer):
             attention.query_start_loc[: num_requests + 1], batch.first_positions, batch.bonus_positions,
             batch.write_rows, batch.samples, step.device_num_decode, step.num_active,
             attention.positions[:num_rows], step.input_ids[:num_rows], batch.next_tokens, batch.hidden,
-            attention.block_table[:num_requests], self._window_start, self._token_history, self._hidden_ring,
+            attention.block_table[:num_requests], self._window_start(depths_run), self._token_history,
+            self._hidden_ring,
             shape.num_speculative_tokens, shape.block_size_tokens, self.draft_context.scratch_row,
             window_query_start_loc, positions, slot_mapping, history_rows, hidden,
             decode_window_rows=shape.num_speculative_tokens + step.verify_width + catch_up_rows)
@@ -253,13 +288,13 @@ class MTPProposer(Proposer):
         """The step's rows at their positions, then each bonus token at ``e`` (no window)."""
         self._draft_window(batch, num_window_rows=0)
 
-    def _paged_window(self, batch: DraftBatch, catch_up_rows: int):
+    def _paged_window(self, batch: DraftBatch, depths_run: int, catch_up_rows: int):
         """Rows for positions ``[w, e)`` of every request, right-aligned in its window rows; rows
         before ``w`` and padding rows are masked (no KV write, output unused)."""
         step = batch.step
         num_window_rows, max_window_rows = self._window_bounds(batch, catch_up_rows)
         window_query_start_loc, positions, slot_mapping, history_rows, hidden = self._draft_window(
-            batch, num_window_rows, catch_up_rows)
+            batch, num_window_rows, depths_run, catch_up_rows)
         metadata = AttentionMetadata(
             query_start_loc=window_query_start_loc,
             seq_lens=batch.bonus_positions.clamp(min=0).to(torch.int32),

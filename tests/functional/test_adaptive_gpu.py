@@ -12,7 +12,7 @@ from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, PerRequestGood
                                   SamplingParams, TextGenerationController)
 from tests.functional.sync_checks import no_host_sync
 from tests.functional.test_controller_gpu import DeviceOracleProposer, plain_sequences
-from tests.unit.draft_length_fixtures import BurstyLengths
+from tests.unit.draft_length_fixtures import BurstyLengths, RandomDepths
 from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups, tiny_config
 
 PROMPTS = [[5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45], [4] * 11, [30, 31], [7, 7, 7, 1]]
@@ -115,45 +115,54 @@ def test_mixed_steps_replay_every_verify_tier_with_no_sync_and_equal_plain(model
     controller.close()
 
 
-def run_bursty(model, params, steps_per_launch, graphs, **config):
-    """The MTP proposer (paged) under runs of no-draft steps (``BurstyLengths``): (outputs, the
-    metrics' accepted drafts per depth, warmed-up graphs, graphs at the end, decode launches)."""
-    sizes = (2, 8) if graphs else ()  # (few shapes: each warms up every plan of every tier)
+def run_bursty(model, params, steps_per_launch, graphs, depths=False, **config):
+    """The MTP proposer (paged) under runs of no-draft steps (``BurstyLengths``), or a depth D in
+    [0, S] every step (``depths``: ``RandomDepths``): (outputs, the metrics' accepted drafts per depth,
+    warmed-up graphs, graphs at the end, decode launches, graph launches whose plan skipped the
+    depths past 0 < D < S)."""
+    # few shapes: each warms up every plan of every tier (random depths: one batch size, more plans)
+    sizes = ((8,) if depths else (2, 8)) if graphs else ()
     controller = (SyncChecked if graphs else TextGenerationController)(
         model, make_config(S, decode_steps_per_launch=steps_per_launch, cuda_graph_batch_sizes=sizes, **config),
-        draft_policy=BurstyLengths(seed=3))
+        draft_policy=RandomDepths(seed=3) if depths else BurstyLengths(seed=3))
     warmed = controller.warmup() if graphs else 0
+    partial = []
+    controller.on_launch = lambda step, key: partial.append(
+        key is not None and key[6] is not None and any(0 < run < S for run, _ in key[6]))
     ids = [controller.add_request(prompt, params) for prompt in PROMPTS]
     while controller.has_unfinished_requests():
         controller.step()
     metrics = controller.metrics.as_dict()
     result = ([controller.result(rid).output_tokens for rid in ids], metrics["accepted_per_depth"],
-              warmed, controller.debug_view().num_cuda_graphs, getattr(controller, "decode_launches", 0))
+              warmed, controller.debug_view().num_cuda_graphs, getattr(controller, "decode_launches", 0), sum(partial))
     controller.close()
     return result
 
 
-@pytest.mark.parametrize("temperature,steps_per_launch", [(0.0, 2), (0.8, 1)])
-def test_skipped_mtp_windows_catch_up_in_graphs_with_no_sync(model, temperature, steps_per_launch):
+@pytest.mark.parametrize("temperature,steps_per_launch,depths", [(0.0, 2, False), (0.8, 1, False), (0.8, 2, True)])
+def test_skipped_mtp_windows_catch_up_in_graphs_with_no_sync(model, temperature, steps_per_launch, depths):
     """``mtp_idle_windows="skip"`` (skipped windows caught up exactly): graphs of every plan (skip,
-    catch-up, forced catch-up, decode runs) are captured at warm-up and replay with no host sync;
-    outputs == eager == plain decoding."""
+    depths past D skipped, catch-up, forced catch-up, decode runs) are captured at warm-up and replay
+    with no host sync; outputs == eager == plain decoding."""
     params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=5)
     plain = [r.output_tokens for r in TextGenerationController(model, make_config(0)).generate(PROMPTS, params)]
-    outputs, _, warmed, graphs, launches = run_bursty(model, params, steps_per_launch, True,
-                                                      mtp_idle_windows="skip")
+    outputs, _, warmed, graphs, launches, partial = run_bursty(model, params, steps_per_launch, True, depths,
+                                                               mtp_idle_windows="skip")
     assert outputs == plain and graphs == warmed and launches > 4
-    assert run_bursty(model, params, steps_per_launch, False, mtp_idle_windows="skip")[0] == plain
+    assert partial > 0 or not depths  # graphs of D < S steps that skipped the deeper depths replayed
+    assert run_bursty(model, params, steps_per_launch, False, depths, mtp_idle_windows="skip")[0] == plain
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_skipped_mtp_windows_accept_what_run_windows_accept(model, temperature):
-    """Drafts with the windows skipped == with them run (the accepted drafts per depth; graphs)."""
+@pytest.mark.parametrize("temperature,depths", [(0.0, False), (0.8, False), (0.0, True)])
+def test_skipped_mtp_windows_accept_what_run_windows_accept(model, temperature, depths):
+    """Drafts with the windows skipped == with them run (the accepted drafts per depth; graphs);
+    ``depths``: D changes every step, the depths past it skipped."""
     params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=5)
-    skipped = run_bursty(model, params, 1, True, mtp_idle_windows="skip")
-    run = run_bursty(model, params, 1, True, mtp_idle_windows="run")
+    skipped = run_bursty(model, params, 1, True, depths, mtp_idle_windows="skip")
+    run = run_bursty(model, params, 1, True, depths, mtp_idle_windows="run")
     assert skipped[0] == run[0] and sum(run[1]) > 0
     assert skipped[1] == run[1], (skipped[1], run[1])
+    assert skipped[5] > 0 or not depths
 
 
 class RaggedDeviceOracle(DeviceOracleProposer):

@@ -87,6 +87,21 @@ class BurstyLengths(DraftLengthPolicy):
         return np.floor(self._rng.random(query.caps.shape[0]) * (query.caps + 1)).astype(np.int64)
 
 
+class RandomDepths(DraftLengthPolicy):
+    """Each step a depth D in [0, S] (uniform): the first request drafts D (capped), the others
+    random lengths up to D."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self._rng = np.random.default_rng(seed)
+
+    def choose(self, query):
+        depth = int(self._rng.integers(0, query.num_speculative_tokens + 1))
+        lengths = self._rng.integers(0, depth + 1, query.caps.shape[0])
+        lengths[:1] = depth
+        return np.minimum(lengths, query.caps)
+
+
 class ZeroLengths(DraftLengthPolicy):
     def choose(self, query):
         return np.zeros_like(query.caps)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtp_ctrl.controllers import MTPProposer, PerRequestGoodputPolicy, Proposer, SamplingParams
-from mtp_ctrl.controllers.draft_policy import FixedDraftLength, GoodputPolicy, RandomDraftLengths
+from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, FixedDraftLength, GoodputPolicy, RandomDraftLengths
 from mtp_ctrl.state.batch_dimensions import ragged_token_counts
 from tests.unit.controller_fixtures import MTP_DEPTH, OracleProposer
 from tests.unit.draft_length_fixtures import (ARRIVALS, QUEUED, SQUEEZE, CheckedRandomLengths, MixedTiers,  # noqa: F401
@@ -97,6 +97,40 @@ def test_skipped_idle_windows_run_no_depth(mtp_model, plain, torch_twins):
         proposer = CountingMTP(skip_idle_windows=skip, catch_up_positions=64)
         assert run(controller_for(mtp_model, MTP_DEPTH, proposer, ZeroLengths()), ARRIVALS)[1] == plain[1]
         assert (proposer.proposals[True] > 0) == expected_runs and proposer.proposals[False] > 0
+
+
+class OneDraft(DraftLengthPolicy):
+    def choose(self, query):
+        return np.minimum(query.caps, 1)
+
+
+def test_depths_past_d_skip_their_windows(mtp_model, plain, torch_twins):
+    """``mtp_idle_windows="skip"``: a decode-only step that drafts D = 1 < S runs MTP depth 0 only
+    (counted by forward hooks on each depth's layer); the depths past D run on steps with prefill
+    chunks (and forced catch-ups: none with M = 64 in 9 tokens); "run" runs every depth every step."""
+    for skip in (False, True):
+        calls, seen, deltas = [0] * MTP_DEPTH, [0] * MTP_DEPTH, []
+
+        def count(depth):
+            return lambda *args: calls.__setitem__(depth, calls[depth] + 1)
+
+        def on_launch(step, graph_key):
+            deltas.append((step.decode_only, step.num_drafts, [now - before for now, before in zip(calls, seen)]))
+            seen[:] = calls
+
+        hooks = [mtp_model.mtp.layers[depth].eh_proj.register_forward_hook(count(depth)) for depth in range(MTP_DEPTH)]
+        controller = controller_for(mtp_model, MTP_DEPTH, MTPProposer("paged", skip_idle_windows=skip,
+                                                                      catch_up_positions=64), OneDraft())
+        controller.on_launch = on_launch
+        try:
+            assert run(controller, ARRIVALS)[1] == plain[1]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert any(decode_only and drafts == 1 for decode_only, drafts, _ in deltas)
+        for decode_only, drafts, delta in deltas:
+            depth_zero_only = skip and decode_only and drafts == 1
+            assert delta == ([1] + [0] * (MTP_DEPTH - 1) if depth_zero_only else [1] * MTP_DEPTH), deltas
 
 
 @pytest.mark.parametrize("ragged", [False, True])

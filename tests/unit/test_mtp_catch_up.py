@@ -1,24 +1,36 @@
 """Skipped MTP windows caught up exactly (``InferenceConfig(mtp_idle_windows="skip")``,
-``controllers/mtp_catch_up.py``): with a policy that gives runs of no-draft steps, the MTP proposer
-drafts the same tokens with the windows skipped as with them run (greedy and seeded sampling),
-under churn, preemption, padded steps, decode runs and a request paused while behind; the output
-is plain decoding's; no-draft decode-only steps run no depth except a forced catch-up."""
+``controllers/mtp_catch_up.py``): with a policy that gives runs of no-draft steps, or a draft depth
+D that changes every step, the MTP proposer drafts the same tokens with the windows of the depths
+past D skipped as with them run (greedy and seeded sampling), under churn, preemption, padded
+steps, decode runs, prefix caching and a request paused while behind; the output is plain
+decoding's; no-draft decode-only steps run no depth except a forced catch-up. The launch plans
+(``WindowCatchUp``): lags per depth, forced catch-ups at M, the fixed-S shapes' plans."""
 
+import types
+
+import numpy as np
 import pytest
 
 from mtp_ctrl.controllers import MTPProposer
+from mtp_ctrl.controllers.mtp_catch_up import SKIP, WindowCatchUp
 from tests.unit.controller_fixtures import MTP_DEPTH
-from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, BurstyLengths, controller_for,  # noqa: F401
-                                              mtp_model, plain)  # the module fixtures
+from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, BurstyLengths, RandomDepths,  # noqa: F401
+                                              controller_for, mtp_model, plain)  # the module fixtures
 
 
 class RecordingMTP(MTPProposer):
     """Records every draft row of a sampling request: (request id, e, drafts of the step's D depths);
-    counts the decode-only steps that ran the windows while nobody drafted."""
+    counts the decode-only steps that ran the windows while nobody drafted; records each launch's
+    (D, plan)."""
 
     def __init__(self, **options):
         super().__init__("paged", **options)
-        self.drafts, self.idle_windows = [], 0
+        self.drafts, self.idle_windows, self.plans = [], 0, []
+
+    def plan_launch(self, step):
+        plan = super().plan_launch(step)
+        self.plans.append((step.num_drafts, step.decode_only, plan))
+        return plan
 
     def propose(self, batch):
         drafts = super().propose(batch)
@@ -60,17 +72,21 @@ def drive(controller, pause_at=None):
     return [controller.result(request_id).output_tokens for request_id in ids]
 
 
-@pytest.mark.parametrize("catch_up_positions,steps_per_launch,pause_at,overlap,prefix_caching", [
-    (8, 1, 4, True, False),  # the default M; a request paused while behind
-    (2, 1, None, False, True),  # forced catch-ups; prefix caching (window floors, recomputed requests)
-    (3, 4, None, True, False),  # decode runs: a launch plans each of its steps
+@pytest.mark.parametrize("catch_up_positions,steps_per_launch,pause_at,overlap,prefix_caching,depths", [
+    (8, 1, 4, True, False, False),  # M = 8; a request paused while behind
+    (2, 1, None, False, True, True),  # forced catch-ups; prefix caching (window floors, recomputed requests)
+    (4, 4, 2, True, True, True),  # decode runs (a launch plans each of its steps), D changes every step,
+    # a pause, prefix caching
 ])
 def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_twins, catch_up_positions,
-                                                      steps_per_launch, pause_at, overlap, prefix_caching):
+                                                      steps_per_launch, pause_at, overlap, prefix_caching, depths):
+    """``depths``: a depth D in [0, S] each step (``RandomDepths``: depths past D skipped), else
+    runs of no-draft steps (``BurstyLengths``)."""
     recorded = {}
     for skip in (False, True):
         proposer = RecordingMTP(skip_idle_windows=skip, catch_up_positions=catch_up_positions)
-        controller = controller_for(mtp_model, MTP_DEPTH, proposer, BurstyLengths(seed=catch_up_positions),
+        policy = (RandomDepths if depths else BurstyLengths)(seed=catch_up_positions)
+        controller = controller_for(mtp_model, MTP_DEPTH, proposer, policy,
                                     decode_steps_per_launch=steps_per_launch, overlap_scheduling=overlap,
                                     prefix_caching=prefix_caching, **SQUEEZE)
         launched = {}  # graph key -> a padded step launched with it
@@ -89,6 +105,11 @@ def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_tw
     run, skipped = recorded[False], recorded[True]
     assert len(run.drafts) > 8 and run.drafts == skipped.drafts  # token for token, sampled requests too
     assert run.idle_windows > 0 and skipped.idle_windows < run.idle_windows  # forced catch-ups only
+    assert all(plan is None for _, _, plan in run.plans)
+    partial = [(drafts, plan) for drafts, decode_only, plan in skipped.plans if any(0 < d < MTP_DEPTH for d, _ in plan)]
+    assert all(d in (drafts, MTP_DEPTH) for drafts, plan in partial for d, _ in plan)  # D' = D, or all S
+    if depths:  # decode-only steps that drafted 0 < D < S skipped the deeper depths, some of them behind
+        assert partial and any(rows > 0 for _, plan in partial for d, rows in plan if 0 < d < MTP_DEPTH), partial
 
 
 def test_catch_up_positions_is_checked(mtp_model):
@@ -97,3 +118,41 @@ def test_catch_up_positions_is_checked(mtp_model):
             MTPProposer("paged", skip_idle_windows=True, catch_up_positions=bad)
     with pytest.raises((TypeError, ValueError), match="mtp_catch_up_positions"):
         controller_for(mtp_model, MTP_DEPTH, mtp_catch_up_positions=0)
+
+
+def steps(num_drafts, verify_width, slots=(0, 1), num_steps=1, decode_only=True):
+    """What ``WindowCatchUp`` reads of a StepMetadata (host values): ``slots``' requests decode (beside
+    a prefill chunk unless ``decode_only``)."""
+    return types.SimpleNamespace(num_drafts=num_drafts, verify_width=verify_width, num_steps=num_steps,
+                                 decode_only=decode_only, host_slot_ids=np.asarray(slots, np.int64),
+                                 num_decode=len(slots))
+
+
+def test_window_plans_keep_a_lag_per_depth_and_force_a_catch_up_at_m():
+    S, M = 3, 8
+    catch_up = WindowCatchUp(num_slots=5, num_depths=S, capacity=M)
+    assert catch_up.plan_launch(steps(1, 1)) == ((1, 0),)  # depths 1, 2 skipped: 2 positions behind
+    assert catch_up.lags(0) == catch_up.lags(1) == (0, 2, 2) and catch_up.lags(2) == (0, 0, 0)
+    assert catch_up.plan_launch(steps(2, 1)) == ((2, 8),)  # depth 1 catches up (M rows more)
+    assert catch_up.lags(0) == (0, 0, 4)
+    assert catch_up.plan_launch(steps(0, 2, slots=(0,))) == (SKIP,)  # D = 0 as before: 3 more positions
+    assert catch_up.lags(0) == (3, 3, 7) and catch_up.lags(1) == (0, 0, 4)
+    assert catch_up.plan_launch(steps(1, 1)) == ((S, 8),)  # 7 + 2 > M: a forced catch-up of every depth
+    assert catch_up.lags(0) == catch_up.lags(1) == (0, 0, 0)
+    assert catch_up.plan_launch(steps(2, 2, num_steps=4)) == ((2, 0), (2, 0), (S, 8), (2, 0))  # a decode run
+    assert catch_up.lags(0) == (0, 0, 3)
+    assert catch_up.plan_launch(steps(1, 1, decode_only=False)) == ((S, 8),)  # prefill chunks: every depth
+    assert catch_up.lags(0) == (0, 0, 0)
+    assert catch_up.plan_launch(steps(S, S)) == ((S, 0),) and catch_up.lags(1) == (0, 0, 0)
+
+
+def test_warmup_plans_fixed_s_unchanged_and_skipped_depths_enumerated():
+    S, M = 2, 8
+    catch_up = WindowCatchUp(num_slots=3, num_depths=S, capacity=M)
+    assert catch_up.warmup_plans(steps(S, S)) == (((S, 0),), ((S, M),))  # the fixed S policy takes the first
+    assert catch_up.warmup_plans(steps(S, 1, decode_only=False))[0] == ((S, 0),)
+    assert catch_up.warmup_plans(steps(0, 1)) == ((SKIP,), ((S, M),))  # D = 0: skip, forced catch-up
+    assert catch_up.warmup_plans(steps(1, 1)) == (((1, 0),), ((1, M),), ((S, M),))  # the steady plan first
+    run_plans = catch_up.warmup_plans(steps(1, 1, num_steps=3))
+    assert run_plans[0] == ((1, 0),) * 3 and ((1, 0), (1, 0), (S, M)) in run_plans
+    assert len(set(run_plans)) == len(run_plans)
