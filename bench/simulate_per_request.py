@@ -15,7 +15,8 @@ step costs are instead a GPU run's warm-up replays (``bench_adaptive.py --json``
 engine's table at ``--batch``; a decode-only step costs the smallest recorded token count >= its rows
 at its depth or above, a mixed step its token bucket's), the same ones the policy gets. Prints tokens per ms of
 fixed S = 0..3 and of the policy, the policy's mean s by label over decode steps (s of a request's
-verify steps, its first step's join length included), and the policy's host time per decision.
+verify steps, its first step's join length included), the policy's host time per decision, and the
+seconds and tokens a step it priced its searches' choices at beside the simulated steps' means.
 """
 
 import argparse
@@ -96,7 +97,8 @@ def row_costs(G: int, S: int):
 def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int = 48, queued: bool = True,
              seed: int = 0, warm_costs: bool = True, length_spread: float = 0.0):
     """Run the scripted loop; returns ``(tokens, seconds, lengths by label [list of s per decode
-    step], decision host seconds [list])``. ``length_spread`` x: request i's tokens are drawn
+    step], decision host seconds [list], (the per-request policy's searches' priced (seconds, tokens)
+    a step [list], each simulated step's (seconds, tokens) [list]))``. ``length_spread`` x: request i's tokens are drawn
     uniformly from ``new_tokens * (1 -+ x)`` (the same draws for every policy: seeded by request id)."""
     rng = np.random.default_rng(seed)
 
@@ -124,15 +126,20 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
     by_label = collections.defaultdict(list)
     decisions = []  # thread seconds of each policy.choose
     choose = policy.choose
+    priced = []  # the per-request policy's searches: (seconds, tokens) a step it priced its choice at
 
     def timed_choose(query):
         started = time.thread_time()
+        searches = getattr(policy, "searches", 0)
         try:
             return choose(query)
         finally:
             decisions.append(time.thread_time() - started)
+            if getattr(policy, "searches", 0) > searches and policy.last_priced is not None:
+                priced.append(policy.last_priced)
     policy.choose = timed_choose
     pending = None  # the last step's outcomes, observed one step late
+    simulated = []  # (seconds, tokens) of each step
     for _ in range(steps):
         joined = 0
         while queued and len(slots) < G and waiting:  # every free slot: a 64-token prompt chunk each
@@ -153,7 +160,9 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
                 accepted[index] += 1
             by_label[rate].append(int(verified[index]))
         rows = int(ids.shape[0] + verified.sum())
-        seconds += step_seconds(G, rows, int(chosen.max()) if chosen.shape[0] else 0, joined)
+        cost = step_seconds(G, rows, int(chosen.max()) if chosen.shape[0] else 0, joined)
+        seconds += cost
+        step_tokens = tokens
         pending = (ids, verified, accepted)
         if isinstance(policy, PerRequestGoodputPolicy):  # what the controller's step_timing tells the cost model
             policy.cost_model.record_launches(int(joined > 0), 1)
@@ -168,7 +177,8 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
             if slot[1] <= 0:
                 del slots[request_id]
                 lengths_of.forget(request_id)
-    return tokens, seconds, by_label, decisions
+        simulated.append((cost, tokens - step_tokens))
+    return tokens, seconds, by_label, decisions, (priced, simulated)
 
 
 def main():
@@ -190,12 +200,17 @@ def main():
     S = 3
     for label, make in [(f"fixed S = {s}", (lambda s=s: _Fixed(s))) for s in range(S + 1)] + \
                        [("per-request", PerRequestGoodputPolicy)]:
-        tokens, seconds, by_label, decisions = simulate(make(), args.batch, S, args.steps, args.new_tokens, queued,
-                                                        length_spread=args.length_spread)
+        tokens, seconds, by_label, decisions, (priced, simulated) = simulate(
+            make(), args.batch, S, args.steps, args.new_tokens, queued, length_spread=args.length_spread)
         line = f"{label:>12}: {tokens / seconds / 1e3:7.2f} tok/ms"
         if decisions:
             line += "; mean s by label " + " / ".join(f"{rate}: {np.mean(by_label[rate]):.2f}" for rate in RATES)
             line += f"; {len(decisions)} decisions, {np.mean(decisions) * 1e3:.3f} ms host each"
+        if priced:  # what the policy expected of its choices against what the scripted steps gave
+            (priced_s, priced_tokens), (step_s, step_tokens) = np.mean(priced, axis=0), np.mean(simulated, axis=0)
+            line += (f"\n{'':>14}priced {priced_s * 1e3:.3f} ms, {priced_tokens:.1f} tokens a step "
+                     f"({priced_tokens / priced_s / 1e3:.1f} tok/ms; mean of its searches' choices), simulated "
+                     f"{step_s * 1e3:.3f} ms, {step_tokens:.1f} tokens")
         print(line, flush=True)
 
 

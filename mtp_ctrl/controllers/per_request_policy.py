@@ -14,6 +14,15 @@ request:
   time of the ragged token count its rows pad to, blended by the share of steps with prefill
   chunks with the token bucket its rows and the recent chunk rows pad to, plus the loop's
   measured wall-over-GPU time at ``(G, D)`` (host work, bubbles);
+- while requests wait (a freed slot takes the next one) a step's prompt chunks come with the
+  requests that finish, as many as its tokens finish: a candidate's chunk rows are the recent mixed
+  steps' times its expected tokens a step over the recent steps' (``tokens_per_step``). Priced at
+  the recent chunks as they came, a draft's tokens looked to share a fixed prefill cost, so drafting
+  looked cheap where a step is mostly chunks (the 1B at batch 256 on an H200: 0.72x plain);
+- a draft's expected tokens are its estimate times ``draft_yield()``, what the drafts verified so
+  far realised over what their estimates expected (the drafts taken are those estimated high: with
+  shrunk priors and the winner's curse those run high), and a request drafts at most its tokens
+  left - 1;
 - one depth for the whole batch (``min(D, cap_r)`` each, ``GoodputPolicy``'s candidates) joins them;
 - while requests wait the policy takes the candidate with the most expected tokens per second
   (``n`` plus its drafts' expected tokens, over its cost), when none waits (``drain_objective``)
@@ -86,7 +95,8 @@ class RowCostModel(StepCostModel):
         self._prefill_ring[self._prefill_count % self.PREFILL_SAMPLES] = rows
         self._prefill_count += 1
 
-    def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray,
+                    prefill_scale: Optional[np.ndarray] = None) -> np.ndarray:
         """``[c]`` seconds of a step at grid ``batch_size`` whose decode requests run ``rows[i]`` rows
         and draft ``depths[i]`` depths: what the loop adds over the GPU at that depth once measured
         (``decode_seconds(G, D) - gpu(G, D)``: host work, bubbles) plus the GPU time of the rows:
@@ -96,7 +106,10 @@ class RowCostModel(StepCostModel):
         can double it). Without the mixed buckets' times (or prefill rows), the decode-only count's
         time plus ``seconds(G, D) - gpu(G, D)`` (the mixed steps' measured average as a constant);
         without row costs (CPU, eager) ``seconds(G, D)`` linear in rows from ``seconds(G, 0)`` at G
-        rows. A fixed number of numpy calls (and a Python loop over the depths, not the candidates)."""
+        rows. ``prefill_scale`` ``[c]`` (None: 1): each candidate's recent prefill rows times it (in a
+        queue a step's chunks come with the requests that finish: :meth:`PerRequestGoodputPolicy.choose`
+        scales them by the candidate's tokens a step over the recent steps'). A fixed number of numpy
+        calls (and a Python loop over the depths, not the candidates)."""
         rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
         num_depths = int(depths.max()) + 1 if depths.shape[0] else 1
         wall = np.array([self.seconds(batch_size, d) for d in range(num_depths)])  # [D + 1]
@@ -118,7 +131,9 @@ class RowCostModel(StepCostModel):
         samples = min(self._prefill_count, self.PREFILL_SAMPLES)
         if mixed_table is not None and samples and self.mixed_share >= 1e-3:
             values, counts = np.unique(self._prefill_ring[:samples], return_counts=True)  # [u] each
-            tokens = np.minimum(rows[:, None] + values[None, :], mixed_table.shape[1] - 1)  # [c, u]
+            prefill = values[None, :] if prefill_scale is None else \
+                np.rint(values[None, :] * np.asarray(prefill_scale, dtype=np.float64)[:, None]).astype(np.int64)
+            tokens = np.minimum(rows[:, None] + prefill, mixed_table.shape[1] - 1)  # [c, u]
             mixed = mixed_table[np.minimum(depths, mixed_table.shape[0] - 1)[:, None], tokens] @ (counts / samples)
             blended = gaps[1, depths] + decode + self.mixed_share * (mixed - decode)
             out = np.where(np.isnan(mixed), out, blended)
@@ -148,6 +163,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
     own acceptance counts start with its first outcome (``observe``)."""
 
     per_request_lengths = True
+    YIELD_PRIOR = 8.0  # expected drafts of weight at a yield of 1 (draft_yield)
 
     def __init__(self, *args, search_every: int = 8, **kwargs):
         # a request's own outcomes must tell within a few steps of a ~20-step life: a light prior
@@ -156,12 +172,21 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         self.search_every = check_int("search_every", search_every, low=1)
         self._join_length: Optional[int] = None
         # the last search's price of a draft, reused by the next search_every - 1 choices (None: search
-        # next time): (grid, drain objective?, the row costs' version, the expected tokens a draft must
-        # reach or None with a one-depth choice, that depth)
-        self._price: Optional[Tuple[int, bool, int, Optional[float], int]] = None
+        # next time): (grid, drain objective?, requests waiting?, the row costs' version, the expected
+        # tokens a draft must reach or None with a one-depth choice, that depth)
+        self._price: Optional[Tuple[int, bool, bool, int, Optional[float], int]] = None
         self._choices_since_search = 0
         self.searches = 0  # choices that ran the candidate search (for tests and benchmarks)
+        self.last_priced: Optional[Tuple[float, float]] = None  # the last search's choice: (seconds, tokens) a step
         self.last_lengths = np.zeros(0, dtype=np.int64)  # the last choice (for benchmarks)
+        # the expected tokens a step of the last choice, and their moving average over the steps the
+        # choices served (per step the weight of mixed_share's: the window of the recent prefill rows)
+        self._last_tokens: Optional[float] = None
+        self.tokens_per_step: Optional[float] = None
+        # decayed sums over the outcomes (as the counts): [drafts accepted, the estimates' expected accepted
+        # drafts of the same verified drafts, taken before their outcome counts]: the drafts the policy takes
+        # are those whose estimates are high, so their estimates run high (shrunk priors, the winner's curse)
+        self._draft_yield = np.zeros(2)
         self._forgotten = np.full(8, -1, dtype=np.int64)  # ids that left lately (a ring): observe makes them no row
         self._forgotten_next = 0
 
@@ -183,7 +208,23 @@ class PerRequestGoodputPolicy(GoodputPolicy):
             missing[missing] = ~np.isin(request_ids[missing], self._forgotten)
             if missing.any():  # rows for the joined ones (only they are looked up again)
                 rows[missing] = self._rows(request_ids[missing], create=True)
-        self._count_outcomes(rows, draft_lengths, accepted_counts)
+        lengths = np.asarray(draft_lengths, dtype=np.int64)  # [m]
+        S = self._model.shape[1]
+        verified = np.arange(S)[None, :] < lengths[:, None]  # [m, S]
+        if verified.any():  # what the estimates expected of these drafts, before they count
+            with np.errstate(invalid="ignore"):  # prior_weight 0 and no counts: no estimate (NaN), left out
+                reach = np.cumprod(self._estimates(rows), axis=1)  # [m, S]; rows -1 read the zero row: the prior
+            known = np.isfinite(reach[:, -1])  # [m]
+            self._draft_yield += (float(np.minimum(accepted_counts, lengths)[known].sum()),
+                                  float(reach[verified & known[:, None]].sum()))
+        self._count_outcomes(rows, lengths, accepted_counts)
+
+    def draft_yield(self) -> float:
+        """Drafts accepted over what the estimates expected of them (decayed sums of the verified
+        drafts' outcomes; 8 expected drafts of prior weight at 1): what the search multiplies a
+        candidate's expected drafts by."""
+        accepted, expected = self._draft_yield
+        return (accepted + self.YIELD_PRIOR) / (expected + self.YIELD_PRIOR)
 
     def forget(self, request_id: int) -> None:
         super().forget(request_id)
@@ -216,22 +257,33 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         decay = self.decay ** query.steps  # per step since the last choice
         self._model *= decay
         self._counts *= decay
+        self._draft_yield *= decay
+        if query.tokens_left is not None:  # a draft past a request's last token emits nothing
+            caps = np.minimum(caps, np.maximum(np.asarray(query.tokens_left, dtype=np.int64) - 1, 0))
         rows = self._rows(query.request_ids, create=True)
         estimates = self._estimates(rows)  # [n, S]
-        reach = np.cumprod(estimates, axis=1)  # [n, S]: expected tokens of draft k (it and those before land)
+        # [n, S]: expected tokens of draft k (it and those before land), times what such drafts realised
+        draft_yield = self.draft_yield()
+        reach = np.minimum(np.cumprod(estimates, axis=1) * draft_yield, 1.0)
         drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n)
+        if self._last_tokens is not None:  # the steps the last choice served
+            keep = (1.0 - self.cost_model.share_smoothing) ** query.steps
+            last, old = self._last_tokens, self.tokens_per_step
+            self.tokens_per_step = last if old is None else last + keep * (old - last)
         self._choices_since_search += 1
         price = self._price
-        if price is not None and price[:3] == (G, drain, self.cost_model.version) and \
+        queued = query.num_waiting > 0  # chunks scale with a candidate's tokens (below)
+        if price is not None and price[:4] == (G, drain, queued, self.cost_model.version) and \
                 self._choices_since_search < self.search_every:
             # between searches: the last search's price on today's estimates (a joined request's own
             # outcomes count at once), a few numpy calls
             self._steps_since_explore += query.steps
-            if price[3] is None:
-                chosen = np.minimum(price[4], caps)
+            if price[4] is None:
+                chosen = np.minimum(price[5], caps)
             else:
-                chosen = ((reach >= price[3]) & (np.arange(S)[None, :] < caps[:, None])).sum(axis=1)
+                chosen = ((reach >= price[4]) & (np.arange(S)[None, :] < caps[:, None])).sum(axis=1)
             self.last_depth, self.last_lengths = int(chosen.max()) if n else 0, chosen
+            self._last_tokens = n + float(np.where(np.arange(S)[None, :] < chosen[:, None], reach, 0.0).sum())
             return chosen
         self._choices_since_search, self.searches = 0, self.searches + 1
         # the candidates: the first m of the drafts sorted by expected tokens (a stable sort of the
@@ -250,7 +302,12 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         depths = np.concatenate([[0], np.maximum.accumulate(order % S + 1), np.arange(max_depth + 1)])  # [C]
         tokens = n + np.concatenate([[0.0], np.cumsum(gains),
                                      np.take_along_axis(expected, one_depth, axis=1).sum(axis=0)])  # [C]
-        seconds = self.cost_model.row_seconds(G, n + drafts, depths)  # [C]
+        # while requests wait, a freed slot takes the next one: a step's prefill chunks come with the
+        # requests that finish, as many as its tokens finish; so a candidate's chunks are the recent
+        # steps' scaled by its tokens over theirs (priced at the recent chunks alone, drafting looked
+        # to share a fixed prefill cost among more tokens: the 1B at batch 256, 0.72x plain)
+        scale = tokens / self.tokens_per_step if queued and self.tokens_per_step else None
+        seconds = self.cost_model.row_seconds(G, n + drafts, depths, prefill_scale=scale)  # [C]
         num_prefixes = num_drafts + 1
         if drain:
             scored = np.concatenate([_drain_candidates(depths[:num_prefixes]), np.arange(num_prefixes, drafts.shape[0])])
@@ -273,12 +330,13 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         chosen = self._lengths_of(np.array([best]), num_prefixes, order, one_depth, n, S)[0]
         # a joining request: the drafts whose expected tokens reach the last one taken, at the prior
         # (a choice of one depth: that depth)
-        prior_reach = np.cumprod(self._estimates(np.array([-1]))[0])  # [S]
+        prior_reach = np.cumprod(self._estimates(np.array([-1]))[0]) * draft_yield  # [S]
         threshold = (gains[best - 1] if best > 0 else np.inf) if best < num_prefixes else None
         self._join_length = int(depths[best]) if threshold is None else int((prior_reach >= threshold).sum())
         # an exploring choice is not a price to keep
-        self._price = None if exploring else (G, drain, self.cost_model.version, threshold, int(depths[best]))
-        self.last_depth, self.last_lengths = int(depths[best]), chosen
+        self._price = None if exploring else (G, drain, queued, self.cost_model.version, threshold, int(depths[best]))
+        self.last_depth, self.last_lengths, self._last_tokens = int(depths[best]), chosen, float(tokens[best])
+        self.last_priced = (float(seconds[best]), float(tokens[best]))  # the search's choice (benchmarks)
         return chosen
 
     @staticmethod

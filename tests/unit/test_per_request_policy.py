@@ -122,6 +122,37 @@ def test_steps_with_prefill_chunks_cost_their_token_bucket():
     assert lengths.tolist() == [2, 0, 0, 2, 0, 0], lengths
 
 
+def test_in_a_queue_a_drafts_prefill_rows_are_dear_and_low_acceptance_requests_draft_nothing():
+    """While requests wait, a freed slot takes the next one: a step's prompt chunks come with the
+    requests that finish, so a candidate's chunk rows scale with its tokens a step. Every step mixed
+    with 100 chunk rows, a row 0.1 of a plain step (a mixed step ``1 + 0.1 (T - G)``): at the chunks
+    as they came a 0.2 draft pays (0.2 tokens for 0.1, where a step yields ~1 token for 1); with the
+    chunk rows its token brings (~8 rows a token here) it costs more than its worth."""
+    policy = trained(per_row=0.1)
+    model = policy.cost_model
+    model.set_row_costs({**row_costs(per_row=0.1), **{(G, T, D, True): 1.0 + 0.1 * (T - G)
+                                                       for D in range(S + 1) for T in range(G, 512)}})
+    for _ in range(200):
+        model.record_launches(1, 1)
+        model.record_prefill_rows(100)
+    fixed_chunks = choose(policy)  # nobody waits (no drain objective here): the chunks as they came
+    assert fixed_chunks[[2, 5]].min() >= 1 and fixed_chunks[[0, 3]].tolist() == [S, S], fixed_chunks
+    for _ in range(4):  # a queue: the chunks scale with each candidate's tokens
+        lengths = choose(policy, num_waiting=100)
+        assert lengths[[2, 5]].tolist() == [0, 0], lengths  # the 0.2 requests
+        assert (lengths[[0, 3]] >= lengths[[1, 4]].max()).all() and (lengths[[1, 4]] <= 1).all(), lengths
+
+
+def test_expected_drafts_follow_what_such_drafts_realised():
+    """Drafts that land less often than their estimates said pull ``draft_yield`` below 1."""
+    policy = trained()
+    assert abs(policy.draft_yield() - 1.0) < 0.1
+    choose(policy)
+    ids = np.repeat(np.array(list(RATES), dtype=np.int64), 200)  # as many outcomes as the training's: none lands
+    policy.observe(ids, np.full(ids.shape, S), np.zeros(ids.shape, dtype=np.int64))
+    assert policy.draft_yield() < 0.7
+
+
 def test_a_joined_request_counts_from_its_first_outcome_but_not_after_it_left():
     policy = trained()
     prior = policy.acceptance(99).copy()  # not seen: the batch's average
@@ -150,7 +181,7 @@ def queued_loop(policy, steps=80, G=12, new_tokens=16, seed=0, per_row=0.03):
     with that chance, given the ones before), refilled as they finish; the controller's side is
     ``DraftLengths`` (holds, joins); outcomes come to ``observe`` one step late. A step costs its
     rows (``row_costs``: ``per_row`` of a plain step each). Returns ``{rate: [s at each of a
-    request's decode steps from its 5th on]}``."""
+    request's decode steps from its 5th on, while it has more than S tokens left]}``."""
     from mtp_ctrl.controllers.draft_lengths import DraftLengths
     rng = np.random.default_rng(seed)
     shape = EngineShape(max_requests=G, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
@@ -179,7 +210,7 @@ def queued_loop(policy, steps=80, G=12, new_tokens=16, seed=0, per_row=0.03):
         for request_id, s, a, rate in zip(ids.tolist(), chosen.tolist(), accepted.tolist(), rates.tolist()):
             slot = slots[request_id]
             slot[2] += 1
-            if slot[2] > 4:
+            if slot[2] > 4 and slot[0] > S:  # a request drafts at most its tokens left - 1: not the last steps
                 by_rate[rate].append(s)
             slot[0], slot[1] = slot[0] - 1 - a, s
             if slot[0] <= 0:
@@ -189,11 +220,12 @@ def queued_loop(policy, steps=80, G=12, new_tokens=16, seed=0, per_row=0.03):
 
 
 def test_a_queue_orders_lengths_by_acceptance_within_a_few_steps():
-    """Requests join every step and live ~10 steps: from a request's 5th step on a 0.9 request
-    drafts more than a 0.6 one, which drafts more than a 0.2 one (a row costs 3 % of a plain step:
-    s = 3 / 2 / 0 once the estimates are right; ~2.0 / 1.3 / 0.5 here, where GoodputPolicy's prior
-    (weight 4, every depth toward the batch's) gave ~1.7 / 1.4 / 0.7: the first assertion fails)."""
-    by_rate = queued_loop(PerRequestGoodputPolicy())
+    """Requests join every step and live ~8-20 steps (24 tokens): from a request's 5th step on
+    (while it has more than S tokens left) a 0.9 request drafts more than a 0.6 one, which drafts
+    more than a 0.2 one (a row costs 3 % of a plain step: s = 3 / 2 / 0 once the estimates are right;
+    ~2.3 / 1.5 / 0.4 here; at 16 tokens GoodputPolicy's prior (weight 4, every depth toward the
+    batch's) gave ~1.7 / 1.4 / 0.7: the first assertion fails)."""
+    by_rate = queued_loop(PerRequestGoodputPolicy(), new_tokens=24)
     means = {rate: float(np.mean(s)) for rate, s in by_rate.items()}
     assert means[0.9] > means[0.6] + 0.4 and means[0.6] > means[0.2] + 0.4, means
     assert means[0.9] > 1.5 and means[0.2] < 1.0, means
