@@ -290,20 +290,32 @@ def test_estimates_stay_finite_with_a_zero_optimistic_prior():
 
 
 def test_observe_looks_each_request_up_once():
-    """``observe`` of requests that hold rows makes the calls of ``GoodputPolicy.observe`` and a
-    check for missing rows, not a second lookup of the batch; it counts what ``GoodputPolicy``
-    counts, and a joined request (no row yet) gets its row and its outcomes."""
+    """``observe`` of requests that hold rows looks the batch up once (``RequestRows.rows``; it was
+    twice), and counts what ``GoodputPolicy`` counts; a joined request (no row yet) gets its row
+    and its outcomes."""
+    import sys
+
+    from mtp_ctrl.controllers.draft_policy import RequestRows
+
     ids = np.tile(np.arange(1, 7), 4)  # four steps' outcomes of the batch
     lengths, accepted = np.full(ids.shape, S), ids % (S + 1)
-    calls, policies = {}, {}
+    policies = {}
     for kind in (GoodputPolicy, PerRequestGoodputPolicy):
         policy = policies[kind] = kind(prior_weight=1.0)
         policy.bind(SHAPE)
         choose(policy)  # rows for requests 1..6
-        with CallCounter() as counter:
-            policy.observe(ids, lengths, accepted)
-        calls[kind] = counter.calls
-    assert calls[PerRequestGoodputPolicy] - calls[GoodputPolicy] <= 8, calls  # 4; with a second lookup 16
+    lookups = []
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code is RequestRows.rows.__code__:
+            lookups.append(frame.f_locals["request_ids"].shape[0])
+    sys.setprofile(count)
+    try:
+        policies[PerRequestGoodputPolicy].observe(ids, lengths, accepted)
+    finally:
+        sys.setprofile(None)
+    assert lookups == [ids.shape[0]], lookups
+    policies[GoodputPolicy].observe(ids, lengths, accepted)
     for request_id in range(1, 7):  # the first depth's estimate (deeper ones have per-request priors)
         assert policies[GoodputPolicy].acceptance(request_id)[0] == \
             policies[PerRequestGoodputPolicy].acceptance(request_id)[0]
