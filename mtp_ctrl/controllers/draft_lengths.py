@@ -60,11 +60,11 @@ class HeldChoice:
     """The policy's last choice, reused while its requests stay the same, lose some, or (a policy
     with ``joins_take_held_depth``) gain some (``DraftLengths.choose``)."""
 
-    __slots__ = ("request_ids", "lengths", "steps", "hold", "key", "depth")
+    __slots__ = ("request_ids", "lengths", "steps", "hold", "key", "depth", "uniform")
 
     def __init__(self, request_ids: np.ndarray, lengths: np.ndarray, steps: int, hold: int, key: bytes,
-                 depth: Optional[int] = None):
-        self.request_ids = request_ids  # [n] int64, the sampling requests it was made for, in row order
+                 depth: Optional[int] = None, caps: Optional[np.ndarray] = None):
+        self.request_ids = request_ids  # [n] int64, the sampling requests it serves, in row order
         self.lengths = lengths  # [n] int64
         self.steps = steps  # steps it has served (counted in place: the held path is per step)
         self.hold = hold  # steps it may serve (decide_every, doubled while the policy repeats itself)
@@ -72,6 +72,15 @@ class HeldChoice:
         # the held depth D (the most drafts of the choice the policy made, or its join_length), what a
         # joining request takes; None: the choice held no request
         self.depth = depth if depth is not None or not lengths.shape[0] else int(lengths.max())  # host-ok: numpy
+        # every request drafts min(D, its cap) (``caps`` [n], the requests' caps), as a joining one
+        # does: the lengths of any requests are then their capped D, no lookup (GoodputPolicy's choices)
+        self.uniform = self.depth is not None and caps is not None and \
+            bool((lengths == np.minimum(self.depth, caps)).all())  # host-ok: numpy
+
+    def serve(self, request_ids: np.ndarray, lengths: np.ndarray, key: bytes) -> None:
+        """It serves one more step, to ``request_ids`` (``[n]``, a copy kept) with ``lengths``."""
+        self.request_ids, self.lengths, self.key = request_ids.copy(), lengths, key
+        self.steps += 1
 
     def lengths_of(self, request_ids: np.ndarray, join_caps: Optional[Callable[[np.ndarray], np.ndarray]] = None
                    ) -> Optional[np.ndarray]:
@@ -113,6 +122,10 @@ class DraftLengths:
         # per launched step: [k, n_d], None (S each) or 0 (0 each)
         self._in_flight: Deque[Union[np.ndarray, None, int]] = collections.deque()
         self._held: Optional[HeldChoice] = None  # the policy's last choice
+        # read-only int64 arrays handed out per step, made once: (n, value) -> [n] of value (_filled);
+        # (k, n_d) -> [k, n_d] of S (applied: the fixed-S launches' lengths verified)
+        self._filled_arrays: Dict[Tuple[int, int], np.ndarray] = {}
+        self._all_verified: Dict[Tuple[int, int], np.ndarray] = {}
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
         self._busy = False  # the last step() call returned with work left (the time since it is the loop's)
@@ -179,17 +192,23 @@ class DraftLengths:
                 held.steps += 1
                 return held.lengths
             # requests finished since: the others keep their lengths; requests joined: the held depth
-            kept = held.lengths_of(ids, self._caps_of if self.policy.joins_take_held_depth else None)
+            joins = self.policy.joins_take_held_depth
+            if held.uniform and joins:  # everyone's length is its capped D, whoever stays or joins
+                kept = self._capped(ids, held.depth)
+            else:
+                kept = held.lengths_of(ids, self._caps_of if joins else None)
             if kept is not None:
-                self._held = HeldChoice(ids.copy(), kept, held.steps + 1, held.hold, key, held.depth)
+                held.serve(ids, kept, key)
                 return kept
+        if S == 0 or (self._fixed and not self._caps):
+            return self._filled(num_sampling, S)  # fixed S, nobody capped: S each (a shared read-only array)
         caps = self._caps_of(ids)  # [n] int64
-        if S == 0 or (self._fixed and bool((caps == S).all())):
+        if self._fixed and bool((caps == S).all()):
             return caps
         self._flush_outcomes()  # the policy decides on every outcome so far
         steps = 1 if held is None else held.steps
         num_waiting, tokens_left = (0, None) if self.queue_view is None else self.queue_view(ids)
-        lengths = self.policy.choose(DraftLengthQuery(ids.copy(), caps, S, batch_size, steps, num_waiting,
+        lengths = self.policy.choose(DraftLengthQuery(ids.copy(), caps.copy(), S, batch_size, steps, num_waiting,
                                                       tokens_left))
         lengths = np.asarray(lengths)
         if lengths.shape != (num_sampling,) or not np.issubdtype(lengths.dtype, np.integer):
@@ -202,8 +221,23 @@ class DraftLengths:
         key = ids.tobytes()
         if held is not None and held.key == key and np.array_equal(held.lengths, lengths):
             hold = max(hold, min(2 * held.hold, self.policy.longest_hold or hold))
-        self._held = HeldChoice(ids.copy(), lengths, 1, hold, key, self.policy.join_length())
+        self._held = HeldChoice(ids.copy(), lengths, 1, hold, key, self.policy.join_length(), caps)
         return lengths
+
+    def _filled(self, n: int, value: int) -> np.ndarray:
+        """``[n]`` int64 of ``value``, read-only, made once per (n, value) (the held and fixed paths
+        hand the same lengths step after step: no allocation per step)."""
+        filled = self._filled_arrays.get((n, value))
+        if filled is None:
+            filled = self._filled_arrays[(n, value)] = np.full(n, value, dtype=np.int64)
+            filled.setflags(write=False)
+        return filled
+
+    def _capped(self, request_ids: np.ndarray, depth: int) -> np.ndarray:
+        """``[n]`` int64: ``min(depth, cap)`` of each of ``request_ids``."""
+        if not self._caps:
+            return self._filled(request_ids.shape[0], min(depth, self.S))
+        return np.minimum(depth, self._caps_of(request_ids))
 
     def _caps_of(self, request_ids: np.ndarray) -> np.ndarray:
         """``[n]`` int64: each request's most drafts, min(S, its SamplingParams cap)."""
@@ -234,8 +268,12 @@ class DraftLengths:
         """``accepted_counts``: ``[k, n_d]`` the read-back's counts of the oldest launched step (its
         decode rows, step row order). Tells the policy; returns the lengths verified, ``[k, n_d]``."""
         verified = self._in_flight.popleft() if self._in_flight else None
-        if verified is None:
-            verified = np.full(accepted_counts.shape, self.S, dtype=np.int64)
+        if verified is None:  # S each: a shared read-only array per shape
+            verified = self._all_verified.get(accepted_counts.shape)
+            if verified is None:
+                verified = self._all_verified[accepted_counts.shape] = np.full(accepted_counts.shape, self.S,
+                                                                                dtype=np.int64)
+                verified.setflags(write=False)
         elif isinstance(verified, int):  # 0: no request verified a draft (an outcome of s = 0 tells the policy nothing)
             return np.zeros(accepted_counts.shape, dtype=np.int64)
         if self.S > 0 and not self._fixed and accepted_counts.size:
@@ -310,33 +348,43 @@ class DraftLengths:
             return None
         busy, self._busy = self._busy, work_left
         cost_model = self.policy.cost_model
-        if applied and cost_model is not None:
-            cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
-            for step, _ in applied:  # rows of prefill chunks a mixed step carries
-                if step.num_prefill:
-                    starts = step.host_query_start_loc
-                    cost_model.record_prefill_rows(int(starts[-1] - starts[step.num_decode]))
-        launch_key = steady_key = None
-        if len(applied) == 1:
-            step, gpu_seconds = applied[0]
-            launch_key = (step.dimensions.request_count, step.num_drafts, bool(step.num_prefill))
-            if step.verify_width == step.num_drafts and steps_launched == step.num_steps:
-                steady_key = launch_key
+        if len(applied) != 1:  # none, or several (a sync applied one before): no sample
+            if applied and cost_model is not None:
+                cost_model.record_launches(sum(1 for step, _ in applied if step.num_prefill), len(applied))
+                for step, _ in applied:
+                    self._record_prefill_rows(cost_model, step)
+            self._timed_key, self._steady_calls = None, 0
+            return None
+        step, gpu_seconds = applied[0]
+        mixed = step.num_prefill > 0
+        if cost_model is not None:
+            cost_model.record_launches(int(mixed), 1)
+            if mixed:
+                self._record_prefill_rows(cost_model, step)
+        launch_key = (step.dimensions.request_count, step.num_drafts, mixed)
+        verifies_drafts = step.verify_width == step.num_drafts  # V = D
         previous, self._timed_key = self._timed_key, launch_key
-        realised = decode_tokens is not None and busy and wall_seconds is not None and launch_key is not None \
-            and step.num_decode > 0 and step.verify_width == step.num_drafts
+        realised = decode_tokens is not None and busy and wall_seconds is not None and step.num_decode > 0 \
+            and verifies_drafts
         tokens = decode_tokens if realised else -1
         request_steps = step.num_decode * step.num_steps if realised else 0
-        if steady_key is None or previous is None or wall_seconds is None or \
-                (previous[:2] != steady_key[:2] if steady_key[2] else previous != steady_key):
+        if not verifies_drafts or steps_launched != step.num_steps or previous is None or wall_seconds is None or \
+                (previous[:2] != launch_key[:2] if mixed else previous != launch_key):
             self._steady_calls = 0
             return self._realised_only(step, gpu_seconds, wall_seconds, tokens, request_steps) if realised else None
         self._steady_calls += 1
         if (self._steady_calls - 1) % TIMING_EVERY:
             return self._realised_only(step, gpu_seconds, wall_seconds, tokens, request_steps) if realised else None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
-        return StepTiming(steady_key[0], steady_key[1], wall_seconds / step.num_steps, gpu, steady_key[2], True,
+        return StepTiming(launch_key[0], launch_key[1], wall_seconds / step.num_steps, gpu, mixed, True,
                           tokens, request_steps, step.num_steps)
+
+    @staticmethod
+    def _record_prefill_rows(cost_model, step: StepMetadata) -> None:
+        """The rows of prefill chunks ``step`` carried (a mixed step), for the cost model."""
+        if step.num_prefill:
+            starts = step.host_query_start_loc
+            cost_model.record_prefill_rows(int(starts[-1] - starts[step.num_decode]))
 
     @staticmethod
     def _realised_only(step: StepMetadata, gpu_seconds: Optional[float], wall_seconds: float, tokens: int,

@@ -23,6 +23,7 @@ rank (the TP lockstep check includes the lengths).
 """
 
 import dataclasses
+import functools
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -488,7 +489,7 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     spread = np.maximum(np.sqrt(left * variance / tokens ** 3), 0.02)  # D = 0: exact (a narrow step)
     low = (mean - 5 * spread).max(axis=0)  # [D + 1]: below it every request is (almost surely) still running
     high = (mean + 5 * spread).max(axis=0)
-    t = low[None, :] + (high - low)[None, :] * np.linspace(0.0, 1.0, grid_points)[:, None]  # [K, D + 1]
+    t = low[None, :] + (high - low)[None, :] * _unit_grid(grid_points)  # [K, D + 1]
     # [K, D + 1, n] (requests last: the product over them reads contiguous memory), in place where it can
     z = t[:, :, None] - mean.T[None]
     z *= (1.0 / spread).T[None]
@@ -504,6 +505,15 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     done_by = cdf.prod(axis=2)  # [K, D + 1]: P(every request done by t)
     running = 1.0 - done_by  # trapezoid rule on the uniform grid (np.trapz is gone from numpy 2.4)
     return low + (running[1:] + running[:-1]).sum(axis=0) * 0.5 * (high - low) / (grid_points - 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _unit_grid(points: int) -> np.ndarray:
+    """``[points, 1]`` float64, evenly spaced over [0, 1] (read-only, made once: np.linspace costs
+    more than the rest of a small drain estimate)."""
+    grid = np.linspace(0.0, 1.0, points)[:, None]
+    grid.setflags(write=False)
+    return grid
 
 
 def _check_number(name: str, value, *, low: Optional[float] = None, high: Optional[float] = None) -> float:

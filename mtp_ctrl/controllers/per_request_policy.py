@@ -217,7 +217,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
             known = np.isfinite(reach[:, -1])  # [m]
             self._draft_yield += (float(np.minimum(accepted_counts, lengths)[known].sum()),
                                   float(reach[verified & known[:, None]].sum()))
-        self._count_outcomes(rows, lengths, accepted_counts)
+        self._count_outcomes(rows, lengths, accepted_counts)  # GoodputPolicy.observe with the rows looked up
 
     def draft_yield(self) -> float:
         """Drafts accepted over what the estimates expected of them (decayed sums of the verified

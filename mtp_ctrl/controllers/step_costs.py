@@ -113,6 +113,9 @@ class StepCostModel:
     def record_launches(self, mixed: int, total: int) -> None:
         """``total`` launches were applied, ``mixed`` of them with prefill chunks: moves
         ``mixed_share`` (every TP rank applies the same launches, so every rank's share agrees)."""
+        if total == 1:  # the overlapped loop applies one launch a call
+            self.mixed_share += self.share_smoothing * (float(mixed > 0) - self.mixed_share)
+            return
         for index in range(total):
             self.mixed_share += self.share_smoothing * (float(index < mixed) - self.mixed_share)
 
@@ -149,21 +152,33 @@ class StepCostModel:
         prefill chunks). Kept beside the model's cost of the same steps (decode-only or mixed), only
         once the steady model measured that key: the ratio is the depth's calibration
         (:meth:`policy_seconds`)."""
-        if steps <= 0 or not self.is_measured(batch_size, verify_width):
-            return
-        model = (self.mixed_seconds if mixed else self.decode_seconds)(batch_size, verify_width) * steps
-        wall = min(float(wall_seconds), self.realised_clip * model)
         key = (int(batch_size), int(verify_width))
+        # the step's own grid measured at this depth (every steady call of a batch): is_measured and
+        # decode_seconds read that entry (per step: no scan of the grids)
+        decode = self.wall.get(key)
+        if steps <= 0 or (decode is None and not self.is_measured(batch_size, verify_width)):
+            return
+        if mixed:
+            model = self.mixed_seconds(batch_size, verify_width) * steps
+        else:
+            model = (self.decode_seconds(batch_size, verify_width) if decode is None else decode) * steps
+        wall = min(float(wall_seconds), self.realised_clip * model)
         sums = self.realised.get(key)
         if sums is None:
             sums = self.realised[key] = [0.0] * 5
         keep = self.realised_decay ** steps
-        for index, sample in enumerate((wall, model, steps, tokens, request_steps)):
-            sums[index] = sums[index] * keep + sample
+        sums[0] = sums[0] * keep + wall
+        sums[1] = sums[1] * keep + model
+        sums[2] = sums[2] * keep + steps
+        sums[3] = sums[3] * keep + tokens
+        sums[4] = sums[4] * keep + request_steps
 
     def calibration(self, batch_size: int, num_drafts: int) -> float:
         """Realised wall / the model's seconds of depth ``num_drafts`` at the step's grid: its own
         with ``realised_min_steps`` realised steps, else the grid's pooled ratio, else 1."""
+        sums = self.realised.get((batch_size, num_drafts))  # the step's own grid (then it is the one read)
+        if sums is not None and sums[2] >= self.realised_min_steps:
+            return sums[0] / sums[1]
         grid = _grid_for(self.realised, batch_size)
         if grid is None:
             return 1.0
@@ -190,6 +205,8 @@ class StepCostModel:
 
     def is_measured(self, batch_size: int, num_drafts: int) -> bool:
         """Whether the loop has timed depth ``num_drafts`` at the grid a step of ``batch_size`` reads."""
+        if (batch_size, num_drafts) in self.wall:  # the step's own grid (then it is the one read)
+            return True
         grid = _grid_for(self.wall, batch_size)
         return grid is not None and (grid, int(num_drafts)) in self.wall
 
@@ -214,6 +231,9 @@ class StepCostModel:
 
     def decode_seconds(self, batch_size: int, num_drafts: int) -> float:
         """A decode-only step at depth ``num_drafts`` (module docstring)."""
+        wall = self.wall.get((batch_size, num_drafts))  # the step's own grid (then it is the one read)
+        if wall is not None:
+            return wall
         grid = _grid_for(self.wall, batch_size)
         if grid is not None and (grid, num_drafts) in self.wall:
             return self.wall[(grid, num_drafts)]
