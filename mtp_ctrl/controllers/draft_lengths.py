@@ -303,11 +303,15 @@ class DraftLengths:
             self._cap_values[rows[0]] = params.num_speculative_tokens
             self.masked = True
 
-    def drop(self, request_id: int) -> None:
-        """The request is gone for good (finished or aborted; a preempted one is not dropped: it
-        comes back, and its acceptance counts stay its own): its cap goes, and the policy forgets
-        it (its outcomes not yet observed count in the policy's batch model only)."""
+    def forget(self, request_id: int) -> None:
+        """The request is gone for good (finished or aborted; a preempted one is not forgotten: it
+        comes back, and its acceptance counts stay its own): the policy forgets it (its outcomes
+        not yet observed count in the policy's batch model only)."""
         self.policy.forget(request_id)
+
+    def drop(self, request_id: int) -> None:
+        """The controller is done with the request (gone for good): :meth:`forget`, and its cap goes."""
+        self.forget(request_id)
         if self._caps.pop(request_id, None) is not None:
             self._cap_index.remove(request_id)
 

@@ -84,9 +84,31 @@ def _cache_numpy_dtypes():
     interpreter._get_np_dtype = cached
 
 
+def _skip_the_discarded_overflow_checks():
+    """With ``sanitize_overflow`` (the interpreter's default) every int32 add, sub and mul is
+    recomputed in int64 and compared with the type's range, only to feed ``device_assert``, which
+    the interpreter drops: its ``InterpreterOptions.debug`` is False and nothing sets it (Triton's
+    ``device_assert`` returns at once without debug). That dead work was ~25 % of an interpreted
+    controller loop (test_overlap's padded churn: 36 of 145 profiled seconds). Off, the kernels
+    compute and check exactly what they did. Guarded: a Triton whose interpreter checks (debug on)
+    or lacks these internals runs unchanged."""
+    import dataclasses
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    options = getattr(getattr(interpreter, "interpreter_builder", None), "options", None)
+    if options is None or not dataclasses.is_dataclass(options) or getattr(options, "debug", True) \
+            or not getattr(options, "sanitize_overflow", False):
+        return
+    interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_the_language_once_per_launch()
     _cache_numpy_dtypes()
+    _skip_the_discarded_overflow_checks()
 
 
 @pytest.fixture

@@ -53,15 +53,21 @@ class MixedTiers:
 
 
 class CheckedRandomLengths(RandomDraftLengths):
-    """Random lengths; checks every outcome: a request accepts at most the drafts it verified."""
+    """Random lengths; checks every outcome: a request accepts at most the drafts it verified; and
+    that a request is forgotten once (when it is gone for good: a preempted one is not forgotten)."""
 
     def __init__(self, seed: int = 0, all_zero: float = 0.2):
         super().__init__(seed, all_zero)
         self.outcomes = []  # (verified, accepted) of every decode request-step
+        self.forgotten = []  # request ids, in the order forget() saw them
 
     def observe(self, request_ids, draft_lengths, accepted_counts):
         assert (accepted_counts <= draft_lengths).all(), (draft_lengths, accepted_counts)
         self.outcomes += list(zip(draft_lengths.tolist(), accepted_counts.tolist()))
+
+    def forget(self, request_id):
+        assert request_id not in self.forgotten, f"request {request_id} forgotten twice"
+        self.forgotten.append(request_id)
 
 
 class BurstyLengths(DraftLengthPolicy):

@@ -1,10 +1,12 @@
 """controller.abort_request (CPU, torch twins): a queued, a running and a paused request end
 with reason ABORTED and their output so far; the other requests finish as if nothing happened;
-every row and KV block is free afterwards; bad ids are refused by name."""
+every row and KV block is free afterwards, and the draft-length policy forgets every request
+once, the queued one included; bad ids are refused by name."""
 
 import pytest
 
-from mtp_ctrl.controllers import FinishReason, SamplingParams
+from mtp_ctrl.controllers import FinishReason, InferenceConfig, SamplingParams, TextGenerationController
+from mtp_ctrl.controllers.draft_policy import FixedDraftLength
 from tests.unit.controller_fixtures import PROMPTS, build_models, make_controller
 from tests.unit.megatron_fixtures import ensure_single_process_groups
 
@@ -23,10 +25,24 @@ def _released(controller):
     return context.table.num_live == 0 and context.allocator.num_free_blocks == context.allocator.num_blocks
 
 
+class ForgetLog(FixedDraftLength):
+    """S drafts each; records the requests the controller tells it are gone (``forget``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.forgotten = []
+
+    def forget(self, request_id):
+        self.forgotten.append(request_id)
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_abort_running_and_queued_requests(model, torch_twins, overlap):
     alone = make_controller(model, 2, max_requests=2, overlap_scheduling=overlap).generate(list(PROMPTS), PARAMS)
-    controller = make_controller(model, 2, max_requests=2, overlap_scheduling=overlap)
+    policy = ForgetLog()
+    controller = TextGenerationController(model, InferenceConfig(
+        num_speculative_tokens=2, max_requests=2, block_size_tokens=4, max_model_len=32, max_tokens_per_step=64,
+        overlap_scheduling=overlap), draft_policy=policy)  # make_controller's settings
     ids = [controller.add_request(prompt, params) for prompt, params in zip(PROMPTS, PARAMS)]
     streamed = {request_id: [] for request_id in ids}
     for _ in range(3):  # requests 0 and 1 run, 2 and 3 wait for a row
@@ -49,6 +65,7 @@ def test_abort_running_and_queued_requests(model, torch_twins, overlap):
         assert results[index].finish_reason == alone[index].finish_reason
     assert _released(controller)
     assert controller.debug_view().num_records == 0
+    assert sorted(policy.forgotten) == sorted(ids)  # each once: finished, aborted running, aborted queued
 
 
 def test_abort_paused_finished_and_unknown(model, torch_twins):

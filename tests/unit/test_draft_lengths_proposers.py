@@ -47,7 +47,8 @@ def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind,
 
 def test_rejection_acceptance_with_random_lengths(torch_twins):
     """Rejection acceptance (MTP drafting): greedy requests keep plain decoding's tokens under
-    random lengths; with no drafts at all every request, sampled too, samples as plain decoding."""
+    random lengths (and preemption: the policy forgets a request only when it finished); with no
+    drafts at all every request, sampled too, samples as plain decoding."""
     ensure_single_process_groups()
     model = build_models()[0]
     arrivals = ARRIVALS[:4]
@@ -55,9 +56,13 @@ def test_rejection_acceptance_with_random_lengths(torch_twins):
     greedy = [index for index, (_, _, params) in enumerate(arrivals) if params.greedy]
     sampled = [index for index, (_, _, params) in enumerate(arrivals) if not params.greedy]
     assert greedy and sampled
-    outputs = run(controller_for(model, MTP_DEPTH, policy=CheckedRandomLengths(seed=5), acceptance="rejection",
-                                 **SQUEEZE), arrivals)[1]
+    policy = CheckedRandomLengths(seed=5)
+    controller = controller_for(model, MTP_DEPTH, policy=policy, acceptance="rejection", **SQUEEZE)
+    ids, outputs = run(controller, arrivals)
     assert [outputs[i] for i in greedy] == [plain[i] for i in greedy]
+    # the policy forgets each request once, when it finished: a preempted one keeps its evidence
+    assert any(controller.result(i).preemptions for i in ids)
+    assert sorted(policy.forgotten) == sorted(ids)
     assert run(controller_for(model, MTP_DEPTH, policy=ZeroLengths(), acceptance="rejection"), arrivals)[1] == plain
 
 

@@ -53,13 +53,14 @@ def test_overlap_on_equals_off_equals_plain_under_churn_and_preemption(models, s
 
 def test_padded_overlap_through_the_interpreted_kernels_equals_plain(models):
     """The churn loop above (S = 3, overlap, every step padded to a graph shape) on the
-    interpreted kernels, smaller: four random requests, 16-row steps (prompts split into chunks),
-    a pool of 10 blocks for four requests of up to 7 blocks. (It ran seed 0's 7 requests at 64
-    rows: ~140 CPU s, the suite's slowest test.) It is the interpreted run of the paged MTP loop
-    (prefill chunks beside decode and verify rows): test_controller and test_mtp_draft_oracles run
-    that loop on the twins."""
+    interpreted kernels, smaller: four random requests (greedy and sampled, up to 4 tokens), 16-row
+    steps (prompts split into chunks), a pool of 10 blocks. It is the interpreted run of the paged
+    MTP loop, the model's rope, attention and sampler included: 5 launches at grids 2 and 4, three
+    of them with prefill chunks beside decode and verify rows, a sampled request decoding (seed 4;
+    seed 0's 4 requests of up to 8 tokens: 9 launches, two mixed, ~95 CPU s, the suite's slowest
+    test). test_controller and test_mtp_draft_oracles run that loop on the twins."""
     model, _ = models
-    arrivals = random_arrivals(0, 4, max_new_tokens=8, arrival_steps=range(4))
+    arrivals = random_arrivals(4, 4, max_new_tokens=4, arrival_steps=range(2))
     fields = dict(max_model_len=24, max_tokens_per_step=16)
     with twin_ops():
         plain = run_with_arrivals(make_controller(model, 0, overlap_scheduling=False, **fields), arrivals)
