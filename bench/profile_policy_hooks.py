@@ -20,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+import mtp_ctrl
 from mtp_ctrl.controllers import GoodputPolicy
 from mtp_ctrl.controllers.draft_lengths import DraftLengths
 from mtp_ctrl.state import EngineShape
@@ -141,7 +142,9 @@ def main():
     parser.add_argument("--accept", type=float, default=0.75)
     parser.add_argument("--batches", type=int, default=20, help="closed batches run (the first ones warm up)")
     parser.add_argument("--repeats", type=int, default=14, help="of them, timed (per hook: the median)")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args()
+    mtp_ctrl.quiet_known_warnings(args.verbose)
     for label, make in (("fixed", lambda: None), ("goodput", GoodputPolicy)):
         policy = make()
         passes = run(policy, args)

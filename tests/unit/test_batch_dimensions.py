@@ -70,5 +70,6 @@ def test_the_controller_keys_its_cuda_graphs_by_batch_dimensions(torch_twins):
     assert prefill_dims.has_prefill and prefill_dims.request_count == 4
     assert prefill_dims.token_count == round_up_batch_size(total_prompt, token_buckets(controller.config.max_tokens_per_step))
     # (shape, all greedy, steps per launch, verify width, draft depths, draft lengths masked, the
-    # proposer's plan): fixed S = 2; paged MTP's plan of a drafting step with no skipped window is (0,)
-    assert (BatchDimensions.decode_only(4, 2), True, 1, 2, 2, False, (0,)) in keys
+    # proposer's plan): fixed S = 2; paged MTP's plan of a drafting step with no skipped window is
+    # ((2, 0),): every depth run, no catch-up rows (controllers/mtp_catch_up.py)
+    assert (BatchDimensions.decode_only(4, 2), True, 1, 2, 2, False, ((2, 0),)) in keys
