@@ -66,6 +66,9 @@ class InferenceConfig:
     max_tokens_per_step: query rows of one forward pass; at least max_requests x (1 + S), so every
         decode request runs every step (prefill chunks share the rest).
     cuda_graph_batch_sizes: decode batch buckets captured as CUDA graphs (CUDA only; empty = eager).
+    cuda_graph_token_counts: token counts of the graphs of steps with prefill chunks (strictly
+        increasing, each <= max_tokens_per_step; a step above the last runs eagerly). Empty (the
+        default): ``batch_dimensions.token_buckets(max_tokens_per_step)``.
     mtp_attention: "paged" drafts with each MTP layer attending over its own paged KV cache (as
         trained); "single_position" attends to the current row only (Megatron-LM's inference).
     mtp_reuse_last_layer: S may exceed the model's MTP layers: the deeper depths run its last MTP
@@ -162,6 +165,7 @@ class InferenceConfig:
     max_model_len: int = 512
     max_tokens_per_step: int = 256
     cuda_graph_batch_sizes: Tuple[int, ...] = ()
+    cuda_graph_token_counts: Tuple[int, ...] = ()
     mtp_attention: str = "paged"
     mtp_reuse_last_layer: bool = False
     mtp_idle_windows: str = "skip"
@@ -208,6 +212,12 @@ class InferenceConfig:
                 f"max_tokens_per_step ({self.max_tokens_per_step})"
             )
         object.__setattr__(self, "cuda_graph_batch_sizes", buckets)
+        counts = _require_tuple("cuda_graph_token_counts", self.cuda_graph_token_counts, "token counts (() = default)")
+        for count in counts:
+            _require_int("cuda_graph_token_counts entries", count, 1, high=self.max_tokens_per_step)
+        if list(counts) != sorted(set(counts)):
+            raise ValueError(f"cuda_graph_token_counts must be strictly increasing, got {counts}")
+        object.__setattr__(self, "cuda_graph_token_counts", counts)
         if not isinstance(self.fused_rope, bool):
             raise TypeError(f"fused_rope must be a bool, got {type(self.fused_rope).__name__}")
         for name in ("fused_glue", "mamba_kernels"):

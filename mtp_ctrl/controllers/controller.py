@@ -149,6 +149,7 @@ class TextGenerationController:
         return DynamicInferenceContext(shape, kv_cache=kv_cache, num_blocks=num_blocks,
                                        kv_cache_bytes=config.kv_cache_bytes,
                                        cuda_graph_batch_sizes=config.cuda_graph_batch_sizes,
+                                       cuda_graph_token_counts=config.cuda_graph_token_counts or None,
                                        mamba=self.runner.mamba_spec,  # None without Mamba layers
                                        state_snapshots=self._state_snapshot_count())
 
@@ -170,8 +171,9 @@ class TextGenerationController:
 
     def warmup(self) -> int:
         """Capture the CUDA graph of every padded step shape now (and of every decode run length
-        of the decode-only shapes), for both sampling paths, so that serving never stops to
-        capture (a shape not warmed up is captured on first use). Each graph is recorded from a
+        of the decode-only shapes), for both sampling paths (steps with prefill chunks take the
+        general one), so that serving never stops to capture (a shape not warmed up is captured on
+        first use). Each graph is recorded from a
         step that holds no request. Call it before adding requests (on every rank under tensor
         parallelism); returns the number of graphs held."""
         if self._graphs is None:
@@ -206,9 +208,10 @@ class TextGenerationController:
                     plans = self.proposer.warmup_plans(step) if self.shape.num_speculative_tokens > 0 else (None,)
                     if min(self._draft_lengths.warmup_depths()) == self.shape.num_speculative_tokens:
                         plans = plans[:1]
+                    paths = (False,) if shape.has_prefill else (True, False)  # all greedy? (see _launch_step)
                     for plan_index, plan, (all_greedy, masked) in (
                             (index, plan, variant) for index, plan in enumerate(plans)
-                            for variant in itertools.product((True, False), masks)):
+                            for variant in itertools.product(paths, masks)):
                         self._all_greedy = all_greedy
                         key = self._graph_key(step, masked, plan)
                         if key not in self._graphs:
@@ -221,7 +224,8 @@ class TextGenerationController:
                             costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
                             if self.context.ragged_rows:
                                 row_costs[(shape.request_count, shape.token_count, num_drafts, False)] = costs[cost_key]
-                        elif (ragged or shape.has_prefill) and self.context.ragged_rows and all_greedy and \
+                        elif (ragged or shape.has_prefill) and self.context.ragged_rows and \
+                                all_greedy != shape.has_prefill and \
                                 verify_width == num_drafts and plan_index == 0:  # a ragged count's, a token bucket's
                             row_key = (shape.request_count, shape.token_count, num_drafts, shape.has_prefill)
                             row_costs[row_key] = self._graphs.timed_replay(key)
@@ -471,7 +475,10 @@ class TextGenerationController:
     def _launch_step(self, step: StepMetadata) -> LaunchedStep:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;
         returns without waiting."""
-        self._all_greedy = bool(self._outputs.greedy[step.host_slot_ids].all())
+        # a graph of a step with prefill chunks always takes the general sampling path (greedy rows are
+        # argmax there too): one graph a token count, verify tier and depth, not two
+        self._all_greedy = bool(self._outputs.greedy[step.host_slot_ids].all()) and \
+            not (step.graph_padded and step.dimensions.has_prefill)
         masked = self._draft_lengths.needs_mask(step)
         self._readbacks.begin()
         # the proposer's plan of host-chosen work (skipped MTP windows), which joins the graph key

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from mtp_ctrl.state.batch_dimensions import (BatchDimensions, check_batch_sizes, ragged_token_counts, round_up_batch_size,
-                                             token_buckets)
+                                             token_buckets, check_token_counts)
 from mtp_ctrl.state.block_reservations import BlockReservations
 from mtp_ctrl.state.engine_shape import EngineShape
 from mtp_ctrl.state.kv_block_allocator import KVBlockAllocator, KVCacheFullError
@@ -64,7 +64,7 @@ class DynamicInferenceContext:
         (decoder + MTP depths) and its dtype.
     num_blocks / kv_cache_bytes: the KV pool, as a block count or a byte budget.
     cuda_graph_batch_sizes: batch sizes with a CUDA graph (steps are padded to them; a step with
-        prefill chunks also pads its tokens to ``cuda_graph_token_counts``, powers of two from 64).
+        prefill chunks also pads its tokens to ``cuda_graph_token_counts``; None: ``token_buckets``).
     mamba: Mamba layer count and state shapes, or None for a model without Mamba layers.
     state_snapshots: recurrent-state snapshot slots for prefix caching on a hybrid model (``mamba``
         given; 0: none, a hybrid then takes no prefix-cache hit); with ``kv_cache_bytes`` they are
@@ -84,6 +84,7 @@ class DynamicInferenceContext:
         num_blocks: Optional[int] = None,
         kv_cache_bytes: Optional[int] = None,
         cuda_graph_batch_sizes: Sequence[int] = (),
+        cuda_graph_token_counts: Optional[Sequence[int]] = None,
         mamba: Optional[MambaSpec] = None,
         state_snapshots: int = 0,
     ):
@@ -100,7 +101,9 @@ class DynamicInferenceContext:
         max_requests, block_size_tokens, device = shape.max_requests, shape.block_size_tokens, shape.device
         self.cuda_graph_batch_sizes = check_batch_sizes(cuda_graph_batch_sizes, max_requests)
         # token counts of the graphs of steps with prefill chunks (none without batch buckets)
-        self.cuda_graph_token_counts = token_buckets(shape.max_tokens_per_step) if self.cuda_graph_batch_sizes else ()
+        token_counts = token_buckets(shape.max_tokens_per_step) if cuda_graph_token_counts is None else \
+            check_token_counts(cuda_graph_token_counts, shape.max_tokens_per_step)
+        self.cuda_graph_token_counts = token_counts if self.cuda_graph_batch_sizes else ()
         # decode requests run 1 + s_r rows each (the drafts they hold), not 1 + V (enable_ragged_rows)
         self.ragged_rows = False
         self.scheduler = Scheduler(shape)
