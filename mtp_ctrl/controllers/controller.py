@@ -190,8 +190,9 @@ class TextGenerationController:
         warms up, ``DraftLengths.warmup_tiers``) from a step that holds no request (capture it
         first if new). Returns the decode-only single steps' replay seconds by (batch size, D) where
         V = D (a steady step verifies what the step before drafted): the policy's step costs; and
-        with ragged rows the same by (batch size, token count, D, has prefill) for every token count
-        (decode-only: the ragged counts' masked graphs; with prefill chunks: each token bucket's)."""
+        the same by (batch size, token count, D, has prefill) for every token count (decode-only:
+        the tier's, with ragged rows also the ragged counts' masked graphs; with prefill chunks: each
+        token bucket's): the row costs a queue's steps are priced by (``RowCostModel``)."""
         costs, row_costs = {}, {}
         for verify_width, num_drafts in self._draft_lengths.warmup_tiers():
             for shape in self.context.graph_shapes(verify_width):
@@ -222,10 +223,8 @@ class TextGenerationController:
                         if steady and not masked:
                             cost_key = (shape.request_count, num_drafts)
                             costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
-                            if self.context.ragged_rows:
-                                row_costs[(shape.request_count, shape.token_count, num_drafts, False)] = costs[cost_key]
-                        elif (ragged or shape.has_prefill) and self.context.ragged_rows and \
-                                all_greedy != shape.has_prefill and \
+                            row_costs[(shape.request_count, shape.token_count, num_drafts, False)] = costs[cost_key]
+                        elif (ragged or shape.has_prefill) and all_greedy != shape.has_prefill and \
                                 verify_width == num_drafts and plan_index == 0:  # a ragged count's, a token bucket's
                             row_key = (shape.request_count, shape.token_count, num_drafts, shape.has_prefill)
                             row_costs[row_key] = self._graphs.timed_replay(key)

@@ -28,7 +28,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mtp_ctrl.controllers.step_costs import StepCostModel
+from mtp_ctrl.controllers.step_costs import RowCostModel, StepCostModel
 from mtp_ctrl.triton_ops._checks import check_int
 
 
@@ -284,9 +284,14 @@ class GoodputPolicy(DraftLengthPolicy):
         self.expected_tokens = None  # [D + 1] at the last choice: a request's expected tokens a step (reports)
         self._index = RequestRows()  # request id -> its row of _counts
         self._leaving = []  # ids forgotten since the last lookup: their estimates join the population first
+        # the expected tokens a step of the last choice, and their moving average over the steps the
+        # choices served (per step the weight of mixed_share's: the window of the recent prefill rows)
+        self._last_tokens: Optional[float] = None
+        self.tokens_per_step: Optional[float] = None
 
     def bind(self, shape) -> None:
         super().bind(shape)
+        self.cost_model = RowCostModel()  # a queue's steps are priced by their rows (choose)
         S = shape.num_speculative_tokens
         self._model = np.zeros((2, S))  # [2, S] (reached, accepted) over every request
         # [rows + 1, 2, S] (reached, accepted) per request, decayed every step; the last row stays zero,
@@ -384,18 +389,28 @@ class GoodputPolicy(DraftLengthPolicy):
         rows = self._rows(query.request_ids, create=True)
         estimates = self._estimates(rows)  # [n, S]
         max_depth = int(caps.max()) if n else 0  # a deeper D drafts no more for anyone
-        # the model's cost of each depth times what the loop realised around its steady steps (step_costs.py)
-        seconds = np.array([self.cost_model.policy_seconds(query.batch_size, depth) for depth in range(max_depth + 1)])
-        score = None
-        if self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n:
-            estimates = self._drain_estimates(rows, estimates, query.request_ids)
-            steps = expected_drain_steps(query.tokens_left, np.cumprod(estimates, axis=1), caps, max_depth)
-            score = 1.0 / (steps * seconds)
+        self._update_tokens_per_step(query.steps)
+        drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n)
         gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
         np.cumsum(np.cumprod(estimates, axis=1), axis=1, out=gain[:, 1:])
         tokens = n + _at_depths(gain, caps, max_depth).sum(axis=0)  # [max_depth + 1]: a request drafts min(D, cap_r)
         self.expected_tokens = tokens / max(n, 1)  # a request's tokens a step at each D (reports: vs realised)
-        if score is None:
+        depths = np.arange(max_depth + 1)
+        if query.num_waiting > 0 and self.cost_model.prices_rows(query.batch_size):
+            # a queue: a step's prompt chunks come with the requests that finish, as many as its tokens
+            # finish, so a depth's chunk rows are the recent ones times its tokens over the recent steps'
+            # (priced at the chunks as they came, drafts looked to share a fixed prefill cost: the 1B at
+            # batch 128 held D = 2 at 0.92x plain); each step priced by its rows (RowCostModel.row_seconds)
+            rows_at_depth = n + np.minimum(depths[None, :], caps[:, None]).sum(axis=0)  # [D + 1] decode rows
+            scale = tokens / self.tokens_per_step if self.tokens_per_step else None
+            seconds = self.cost_model.row_seconds(query.batch_size, rows_at_depth, depths, prefill_scale=scale)
+        else:  # the model's cost of each depth times what the loop realised around its steady steps (step_costs.py)
+            seconds = np.array([self.cost_model.policy_seconds(query.batch_size, depth) for depth in depths])
+        if drain:
+            estimates = self._drain_estimates(rows, estimates, query.request_ids)
+            steps = expected_drain_steps(query.tokens_left, np.cumprod(estimates, axis=1), caps, max_depth)
+            score = 1.0 / (steps * seconds)
+        else:
             score = tokens / seconds  # expected tokens per second of the batch at each D
         best_depth = 0
         for depth in range(1, max_depth + 1):
@@ -403,8 +418,15 @@ class GoodputPolicy(DraftLengthPolicy):
                 best_depth = depth
         self._steps_since_explore += query.steps
         depth = self._explore(query.batch_size, score, best_depth)
-        self.last_depth = depth
+        self.last_depth, self._last_tokens = depth, float(tokens[depth])
         return np.minimum(depth, caps).astype(np.int64)
+
+    def _update_tokens_per_step(self, steps: int) -> None:
+        """Fold the last choice's expected tokens a step into ``tokens_per_step`` over the ``steps`` it served."""
+        if self._last_tokens is not None:
+            keep = (1.0 - self.cost_model.share_smoothing) ** steps
+            last, old = self._last_tokens, self.tokens_per_step
+            self.tokens_per_step = last if old is None else last + keep * (old - last)
 
     def _explore(self, batch_size: int, score: np.ndarray, best_depth: int) -> int:
         """The depth to run: one the cost model has not measured at this grid (the best-scoring,

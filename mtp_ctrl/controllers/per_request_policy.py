@@ -50,105 +50,10 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps
-from mtp_ctrl.controllers.step_costs import StepCostModel
+from mtp_ctrl.controllers.step_costs import RowCostModel  # noqa: F401 (the policies' cost model; imported from here before)
 from mtp_ctrl.triton_ops._checks import check_int
 
 DRAIN_CANDIDATES = 16  # prefixes the drain objective evaluates (evenly spread, and each depth's first)
-
-
-class RowCostModel(StepCostModel):
-    """:class:`StepCostModel` (the loop's wall time per (G, D)) and, for ragged rows, the GPU time
-    of a step by its token count: ``row_gpu[(G, T, D, has_prefill)]``, the warm-up's replay times
-    of the decode-only ragged token counts and of the token buckets of steps with prefill chunks
-    (``controller.warmup()``; ``set_row_costs``), and the prefill rows of the recent steps with
-    prefill chunks (``record_prefill_rows``, from the loop: ``prefill_rows`` is their moving average,
-    for reports; the cost takes the last ``PREFILL_SAMPLES`` of them one by one, since a bucket's
-    edge makes the cost of the average rows not the average cost)."""
-
-    PREFILL_SAMPLES = 32
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.row_gpu: Dict[Tuple[int, int, int, bool], float] = {}  # (G, T, D, has prefill) -> replay seconds
-        # G -> ([D + 1, T + 1] decode-only, [D + 1, T' + 1] mixed or None): the replay seconds of the
-        # smallest timed token count >= t (the largest past them), NaN for a depth not timed
-        self._dense: Dict[int, Tuple[np.ndarray, Optional[np.ndarray]]] = {}
-        self.prefill_rows: Optional[float] = None
-        self._prefill_ring = np.zeros(self.PREFILL_SAMPLES, dtype=np.int64)  # the last mixed steps' prefill rows
-        self._prefill_count = 0
-        self.version = 0  # bumped when the row costs are set (a policy's kept price is then stale)
-
-    def set_row_costs(self, row_costs: Dict[Tuple[int, int, int, bool], float]) -> None:
-        self.version += 1
-        self.row_gpu = {(int(g), int(t), int(d), bool(p)): float(s) for (g, t, d, p), s in row_costs.items() if s > 0}
-        tables: Dict[Tuple[int, bool], Dict[int, list]] = {}
-        for (g, t, d, p), seconds in sorted(self.row_gpu.items()):
-            tables.setdefault((g, p), {}).setdefault(d, []).append((t, seconds))
-        self._dense = {}
-        for g in sorted({g for g, _ in tables}):
-            self._dense[g] = tuple(None if (g, p) not in tables else _dense_table(tables[(g, p)]) for p in (False, True))
-
-    def record_prefill_rows(self, rows: int) -> None:
-        """A step with prefill chunks carried ``rows`` chunk rows."""
-        old = self.prefill_rows
-        self.prefill_rows = float(rows) if old is None else old + self.share_smoothing * (rows - old)
-        self._prefill_ring[self._prefill_count % self.PREFILL_SAMPLES] = rows
-        self._prefill_count += 1
-
-    def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray,
-                    prefill_scale: Optional[np.ndarray] = None) -> np.ndarray:
-        """``[c]`` seconds of a step at grid ``batch_size`` whose decode requests run ``rows[i]`` rows
-        and draft ``depths[i]`` depths: what the loop adds over the GPU at that depth once measured
-        (``decode_seconds(G, D) - gpu(G, D)``: host work, bubbles) plus the GPU time of the rows:
-        the replay time of the decode-only token count that holds them, blended by ``mixed_share``
-        with the mean over the recent mixed steps of the token bucket that holds the rows and that
-        step's prefill rows (a step with prefill chunks pads its rows to a power of two: one row more
-        can double it). Without the mixed buckets' times (or prefill rows), the decode-only count's
-        time plus ``seconds(G, D) - gpu(G, D)`` (the mixed steps' measured average as a constant);
-        without row costs (CPU, eager) ``seconds(G, D)`` linear in rows from ``seconds(G, 0)`` at G
-        rows. ``prefill_scale`` ``[c]`` (None: 1): each candidate's recent prefill rows times it (in a
-        queue a step's chunks come with the requests that finish: :meth:`PerRequestGoodputPolicy.choose`
-        scales them by the candidate's tokens a step over the recent steps'). A fixed number of numpy
-        calls (and a Python loop over the depths, not the candidates)."""
-        rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
-        num_depths = int(depths.max()) + 1 if depths.shape[0] else 1
-        wall = np.array([self.seconds(batch_size, d) for d in range(num_depths)])  # [D + 1]
-        # the linear guess: rows between G (a plain step's) and G (1 + D) (the tier's)
-        slope = (wall - wall[0]) / (batch_size * np.maximum(np.arange(num_depths), 1))  # [D + 1]
-        linear = wall[0] + slope[depths] * (rows - batch_size)  # [c]
-        grid = min((g for g in self._dense if g >= batch_size), default=None)
-        if grid is None or self._dense[grid][0] is None:
-            return linear
-        decode_table, mixed_table = self._dense[grid]
-        depth_rows = np.minimum(depths, decode_table.shape[0] - 1)
-        decode = decode_table[depth_rows, np.minimum(rows, decode_table.shape[1] - 1)]  # [c], NaN: depth not timed
-        gaps = np.zeros((2, num_depths))  # [2, D + 1]: the loop over the GPU (wall; decode-only wall) once measured
-        for d in range(num_depths):
-            gpu = self._lookup(self.gpu, batch_size, d)
-            if gpu is not None and self.is_measured(batch_size, d):
-                gaps[:, d] = max(0.0, wall[d] - gpu), max(0.0, self.decode_seconds(batch_size, d) - gpu)
-        out = decode + gaps[0, depths]
-        samples = min(self._prefill_count, self.PREFILL_SAMPLES)
-        if mixed_table is not None and samples and self.mixed_share >= 1e-3:
-            values, counts = np.unique(self._prefill_ring[:samples], return_counts=True)  # [u] each
-            prefill = values[None, :] if prefill_scale is None else \
-                np.rint(values[None, :] * np.asarray(prefill_scale, dtype=np.float64)[:, None]).astype(np.int64)
-            tokens = np.minimum(rows[:, None] + prefill, mixed_table.shape[1] - 1)  # [c, u]
-            mixed = mixed_table[np.minimum(depths, mixed_table.shape[0] - 1)[:, None], tokens] @ (counts / samples)
-            blended = gaps[1, depths] + decode + self.mixed_share * (mixed - decode)
-            out = np.where(np.isnan(mixed), out, blended)
-        return np.where(np.isnan(decode), linear, out)
-
-
-def _dense_table(by_depth: Dict[int, list]) -> np.ndarray:
-    """``[D + 1, T + 1]``: at depth d and t rows the seconds of the smallest timed count >= t of
-    ``by_depth[d]`` (``[(count, seconds)]``, increasing), the largest past them; NaN: d not timed."""
-    last = max(t for rows in by_depth.values() for t, _ in rows)
-    out = np.full((max(by_depth) + 1, last + 1), np.nan)
-    for d, rows in by_depth.items():
-        tokens, seconds = np.array([t for t, _ in rows]), np.array([s for _, s in rows])
-        out[d] = seconds[np.searchsorted(tokens, np.arange(last + 1)).clip(max=tokens.shape[0] - 1)]
-    return out
 
 
 class PerRequestGoodputPolicy(GoodputPolicy):
@@ -179,10 +84,6 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         self.searches = 0  # choices that ran the candidate search (for tests and benchmarks)
         self.last_priced: Optional[Tuple[float, float]] = None  # the last search's choice: (seconds, tokens) a step
         self.last_lengths = np.zeros(0, dtype=np.int64)  # the last choice (for benchmarks)
-        # the expected tokens a step of the last choice, and their moving average over the steps the
-        # choices served (per step the weight of mixed_share's: the window of the recent prefill rows)
-        self._last_tokens: Optional[float] = None
-        self.tokens_per_step: Optional[float] = None
         # decayed sums over the outcomes (as the counts): [drafts accepted, the estimates' expected accepted
         # drafts of the same verified drafts, taken before their outcome counts]: the drafts the policy takes
         # are those whose estimates are high, so their estimates run high (shrunk priors, the winner's curse)
@@ -192,7 +93,6 @@ class PerRequestGoodputPolicy(GoodputPolicy):
 
     def bind(self, shape) -> None:
         super().bind(shape)
-        self.cost_model = RowCostModel()
         self._forgotten = np.full(8 * shape.max_requests, -1, dtype=np.int64)
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
@@ -266,10 +166,7 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         draft_yield = self.draft_yield()
         reach = np.minimum(np.cumprod(estimates, axis=1) * draft_yield, 1.0)
         drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n)
-        if self._last_tokens is not None:  # the steps the last choice served
-            keep = (1.0 - self.cost_model.share_smoothing) ** query.steps
-            last, old = self._last_tokens, self.tokens_per_step
-            self.tokens_per_step = last if old is None else last + keep * (old - last)
+        self._update_tokens_per_step(query.steps)  # the steps the last choice served
         self._choices_since_search += 1
         price = self._price
         queued = query.num_waiting > 0  # chunks scale with a candidate's tokens (below)

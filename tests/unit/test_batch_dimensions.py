@@ -3,7 +3,7 @@
 import pytest
 
 from mtp_ctrl.state import BatchDimensions, round_up_batch_size
-from mtp_ctrl.state.batch_dimensions import check_batch_sizes, token_buckets
+from mtp_ctrl.state.batch_dimensions import check_batch_sizes, check_token_counts, token_buckets
 
 
 def test_decode_only_dimensions():
@@ -32,6 +32,16 @@ def test_token_buckets():
     assert token_buckets(200) == (64, 128, 200)
     assert token_buckets(64) == (64,)
     assert token_buckets(48) == (48,)
+    # quarter-octave steps from 256 to 4096 rows (a queue's mixed steps land there), powers of two around
+    assert token_buckets(1024) == (64, 128, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+    assert token_buckets(16384) == (64, 128, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048,
+                                    2560, 3072, 3584, 4096, 8192, 16384)
+    assert token_buckets(16384, per_octave=1) == (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    assert token_buckets(300) == (64, 128, 256, 300)
+    assert check_token_counts([16, 48], 64) == (16, 48)
+    for bad in ([48, 16], [0, 16], [16, 65], [16, True]):
+        with pytest.raises(ValueError, match="cuda_graph_token_counts"):
+            check_token_counts(bad, 64)
 
 
 def test_round_up_without_buckets():

@@ -263,3 +263,35 @@ def test_a_held_choice_serves_a_batch_that_lost_requests():
     assert len(policy.steps) == 1
     assert lengths.choose(np.array([9, 6, 11], dtype=np.int64), 3, 8).tolist() == [1, 2, 3]  # one joined
     assert len(policy.steps) == 2
+
+
+def test_in_a_queue_a_depth_is_priced_by_its_rows_and_the_prompt_chunks_its_tokens_bring():
+    """While requests wait, a freed slot takes the next request: a step's prompt chunks come with the
+    requests that finish, as many as its tokens finish. With the warm-up's row costs (decode-only
+    steps weight-bound: a row 0.01 of a step; steps with chunks compute-bound: a row 0.1) and every
+    recent step carrying 100 chunk rows, a depth's drafts cost their rows at the mixed steps' price
+    plus the chunk rows their tokens bring: at acceptance 0.3 no depth pays (D = 0), where the
+    decode-only costs (nobody waits) make drafting pay (D >= 1)."""
+    G = 8
+    policy = GoodputPolicy(drain_objective=False, explore_within=1.0, min_gain=1.0)
+    policy.bind(SHAPE)
+    model = policy.cost_model
+    model.set_row_costs({**{(G, G * (1 + D), D, False): 1.0 + 0.01 * G * D for D in range(S + 1)},
+                         **{(G, T, D, True): 1.0 + 0.1 * (T - G) for D in range(S + 1) for T in range(G, 256)}})
+    for depth in range(S + 1):  # every depth measured (no exploration): the loop's wall = the GPU's
+        model.record(G, depth, 1.0 + 0.01 * G * depth, 1.0 + 0.01 * G * depth)
+    for _ in range(200):  # every recent step carried 100 chunk rows
+        model.record_launches(1, 1)
+        model.record_prefill_rows(100)
+    ids = np.arange(G, dtype=np.int64)
+    for _ in range(40):
+        policy.choose(query(ids, batch_size=G))
+        for accepted in range(S + 1):
+            weight = 0.3 ** accepted * ((1 - 0.3) if accepted < S else 1.0)
+            for _ in range(int(round(weight * 10))):
+                policy.observe(ids, np.full(G, S), np.full(G, accepted))
+    free = policy.choose(query(ids, batch_size=G))  # nobody waits: decode-only costs blended by the mixed share
+    assert policy.last_depth >= 1, free
+    for _ in range(3):  # a queue: every depth priced by its rows, its chunk rows scaled by its tokens
+        lengths = policy.choose(DraftLengthQuery(ids, np.full(G, S), S, G, num_waiting=50))
+        assert lengths.tolist() == [0] * G, lengths
