@@ -1,6 +1,10 @@
 """Where a decode step's host time goes: cProfile over the decode steps of the demo model.
 
     python bench/profile_step_host.py [--batch 8] [--num-speculative-tokens 0] [--no-overlap] [--steps 200]
+        [--draft-policy fixed|none|goodput]
+
+``--draft-policy none``: every request drafts 0 on an engine of S > 0 (a draft-length policy's
+D = 0 steps: what such a step costs the host beside a plain engine's, S = 0).
 """
 
 import argparse
@@ -20,6 +24,8 @@ def parse_args(description: str, default_batch: int, default_speculative: int, d
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--steps", type=int, default=default_steps)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--draft-policy", choices=("fixed", "none", "goodput"), default="fixed",
+                        help="fixed: S drafts a step (default); none: 0 drafts a step; goodput: GoodputPolicy")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
@@ -33,7 +39,17 @@ def decoding_demo_controller(args, graphs: bool):
     import torch
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
     from demo_model import init_distributed, load_demo_model
-    from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
+    from mtp_ctrl.controllers import GoodputPolicy, InferenceConfig, SamplingParams, TextGenerationController
+    from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
+
+    class NoDrafts(DraftLengthPolicy):
+        decide_every = 64  # a held choice, as a trained policy's
+
+        def warmup_depths(self, num_speculative_tokens):
+            return (0,)
+
+        def choose(self, query):
+            return query.caps * 0
 
     device = torch.device("cuda")
     init_distributed(1, device)
@@ -43,7 +59,8 @@ def decoding_demo_controller(args, graphs: bool):
                              block_size_tokens=16, max_model_len=400, max_tokens_per_step=max(64, args.batch * 64),
                              cuda_graph_batch_sizes=(args.batch,) if graphs else (),
                              overlap_scheduling=not args.no_overlap)
-    controller = TextGenerationController(model, config)
+    policy = {"fixed": None, "none": NoDrafts, "goodput": GoodputPolicy}[getattr(args, "draft_policy", "fixed")]
+    controller = TextGenerationController(model, config, draft_policy=policy() if policy else None)
     controller.generate(prompts, SamplingParams(max_new_tokens=8))  # compile, capture
     for prompt in prompts:
         controller.add_request(prompt, SamplingParams(max_new_tokens=300))
