@@ -408,7 +408,7 @@ class DraftLengths:
     def set_step_costs(self, costs: Dict[Tuple[int, int], float], group=None,
                        row_costs: Optional[Dict[Tuple[int, int, int, bool], float]] = None) -> None:
         """The warm-up's replay times by (batch size, draft depths) for the policy's cost model,
-        and with ragged rows by (batch size, token count, draft depths, has prefill) (``row_costs``:
+        and by (batch size, token count, draft depths, has prefill) (``row_costs``:
         ``StepCostModel.set_row_costs``, kept by a cost model that costs rows); under tensor
         parallelism every rank takes the first rank's (``group``: the TP ranks' gloo group), so that
         every rank's policy makes the same choices."""

@@ -105,9 +105,8 @@ class StepCostModel:
         self.wall, self._outliers, self.mixed_wall, self.realised = {}, {}, {}, {}
 
     def set_row_costs(self, row_costs: Dict[Tuple[int, int, int, bool], float]) -> None:
-        """The warm-up's replay times by (G, token count, D, has prefill) of ragged rows
-        (``controller.warmup()`` times them for a per-request policy only). This model costs whole
-        steps by (G, D): it keeps none (``RowCostModel`` overrides it)."""
+        """The warm-up's replay times by (G, token count, D, has prefill) (``controller.warmup()``).
+        This model costs whole steps by (G, D): it keeps none (``RowCostModel`` overrides it)."""
 
     def prices_rows(self, batch_size: int) -> bool:
         """Whether :meth:`RowCostModel.row_seconds` has the warm-up's row costs of a step of
@@ -297,9 +296,10 @@ class StepCostModel:
 
 
 class RowCostModel(StepCostModel):
-    """:class:`StepCostModel` (the loop's wall time per (G, D)) and, for ragged rows, the GPU time
-    of a step by its token count: ``row_gpu[(G, T, D, has_prefill)]``, the warm-up's replay times
-    of the decode-only ragged token counts and of the token buckets of steps with prefill chunks
+    """:class:`StepCostModel` (the loop's wall time per (G, D)) and the GPU time of a step by its
+    token count (the goodput policies' model: per-request candidates, and a queue's depths):
+    ``row_gpu[(G, T, D, has_prefill)]``, the warm-up's replay times of the decode-only token counts
+    (each tier's, and with ragged rows the ragged ones) and of the token buckets of steps with prefill chunks
     (``controller.warmup()``; ``set_row_costs``), and the prefill rows of the recent steps with
     prefill chunks (``record_prefill_rows``, from the loop: ``prefill_rows`` is their moving average,
     for reports; the cost takes the last ``PREFILL_SAMPLES`` of them one by one, since a bucket's
