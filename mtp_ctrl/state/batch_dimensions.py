@@ -36,13 +36,18 @@ class BatchDimensions:
 
 def check_batch_sizes(batch_sizes: Sequence[int], max_requests: int) -> Tuple[int, ...]:
     """Validate CUDA-graph batch sizes: strictly increasing ints in ``[1, max_requests]``."""
-    sizes = tuple(batch_sizes)
-    for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= max_requests:
-            raise ValueError(f"cuda_graph_batch_sizes entries must be ints in [1, {max_requests}], got {size!r}")
-    if list(sizes) != sorted(set(sizes)):
-        raise ValueError(f"cuda_graph_batch_sizes must be strictly increasing, got {sizes}")
-    return sizes
+    return _increasing_ints("cuda_graph_batch_sizes", batch_sizes, max_requests)
+
+
+def _increasing_ints(name: str, values: Sequence[int], most: int) -> Tuple[int, ...]:
+    """``values`` as a tuple of strictly increasing ints in ``[1, most]``, else a ValueError naming ``name``."""
+    values = tuple(values)
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise ValueError(f"{name} entries must be ints in [1, {most}], got {value!r}")
+    if list(values) != sorted(set(values)):
+        raise ValueError(f"{name} must be strictly increasing, got {values}")
+    return values
 
 
 def round_up_batch_size(batch_size: int, batch_sizes: Sequence[int]) -> Optional[int]:
@@ -84,13 +89,7 @@ def token_buckets(max_tokens_per_step: int, smallest: int = 64, per_octave: int 
 
 def check_token_counts(token_counts: Sequence[int], max_tokens_per_step: int) -> Tuple[int, ...]:
     """Validate mixed-step graph token counts: strictly increasing ints in ``[1, max_tokens_per_step]``."""
-    counts = tuple(token_counts)
-    for count in counts:
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= max_tokens_per_step:
-            raise ValueError(f"cuda_graph_token_counts entries must be ints in [1, {max_tokens_per_step}], got {count!r}")
-    if list(counts) != sorted(set(counts)):
-        raise ValueError(f"cuda_graph_token_counts must be strictly increasing, got {counts}")
-    return counts
+    return _increasing_ints("cuda_graph_token_counts", token_counts, max_tokens_per_step)
 
 
 RAGGED_ROW_FRACTION = 4  # ragged decode-only graphs: token counts every ceil(G / 4) rows
