@@ -473,9 +473,8 @@ class TextGenerationController:
 
     def _launch_step(self, step: StepMetadata) -> LaunchedStep:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;
-        returns without waiting."""
-        # a graph of a step with prefill chunks always takes the general sampling path (greedy rows are
-        # argmax there too): one graph a token count, verify tier and depth, not two
+        returns without waiting. A graph of a step with prefill chunks always takes the general
+        sampling path (greedy rows are argmax there too): one graph a token count, not two."""
         self._all_greedy = bool(self._outputs.greedy[step.host_slot_ids].all()) and \
             not (step.graph_padded and step.dimensions.has_prefill)
         masked = self._draft_lengths.needs_mask(step)
