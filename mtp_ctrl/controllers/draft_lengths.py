@@ -127,6 +127,7 @@ class DraftLengths:
         self._filled_arrays: Dict[Tuple[int, int], np.ndarray] = {}
         self._all_verified: Dict[Tuple[int, int], np.ndarray] = {}
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
+        self._outcome_runs = False  # some of _outcomes is a decode run's ([k, n_d], k > 1)
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
         self._busy = False  # the last step() call returned with work left (the time since it is the loop's)
         self.queue_view: Optional[QueueView] = None  # set by the controller (None: nobody waits, lengths unknown)
@@ -165,7 +166,8 @@ class DraftLengths:
             return False
         if step.dimensions.is_ragged(V):
             return True  # a ragged token count below the tier (warmup() captures its masked graph only)
-        if min(step.host_verify_lengths) < V:
+        held = step.host_verify_lengths  # each <= V (V is their most): some < V iff not all == V
+        if held.count(V) != len(held):  # tuple.count: ~3x cheaper than min() at batch 128
             return True
         return step.num_steps > 1 and min(step.host_draft_lengths[: step.num_decode]) < V
 
@@ -280,6 +282,7 @@ class DraftLengths:
             # kept as they come (the read-back's rows are reused: a copy); flattened once per observe,
             # when the policy next decides (or every longest_hold steps)
             self._outcomes.append((step.host_request_ids[: step.num_decode], verified, accepted_counts.copy()))
+            self._outcome_runs |= verified.shape[0] > 1
             if len(self._outcomes) >= max(self.policy.longest_hold or 1, self.policy.decide_every):
                 self._flush_outcomes()
         return verified
@@ -288,10 +291,14 @@ class DraftLengths:
         """Hand the outcomes gathered since the last call to the policy, in one ``observe``."""
         if self._outcomes:
             parts, self._outcomes = self._outcomes, []
-            request_ids = np.concatenate([ids if verified.shape[0] == 1 else np.tile(ids, verified.shape[0])
-                                          for ids, verified, _ in parts])
-            self.policy.observe(request_ids, np.concatenate([verified.ravel() for _, verified, _ in parts]),
-                                np.concatenate([accepted.ravel() for _, _, accepted in parts]))
+            ids, verified, accepted = zip(*parts)
+            if self._outcome_runs:  # decode runs: [k, n_d] each, ids once a step (flattened: step order)
+                self._outcome_runs = False
+                ids = [i if lengths.shape[0] == 1 else np.tile(i, lengths.shape[0]) for i, lengths in zip(ids, verified)]
+                verified, accepted = [v.ravel() for v in verified], [a.ravel() for a in accepted]
+            # else [1, n_d] each: one row a part, joined along axis 1 (axis=None, flattening each, is 2x slower)
+            self.policy.observe(np.concatenate(ids), np.concatenate(verified, axis=-1).ravel(),
+                                np.concatenate(accepted, axis=-1).ravel())
 
     def add(self, request_id: int, params: SamplingParams) -> None:
         """A request was queued: note its cap (kept until :meth:`drop`)."""

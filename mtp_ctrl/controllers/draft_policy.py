@@ -47,7 +47,12 @@ class DraftLengthQuery:
 
 class RequestRows:
     """Rows of per-request host arrays by request id, looked up for a whole batch at once (numpy,
-    no per-request Python): the ids held, sorted, beside their rows; freed rows are reused."""
+    no per-request Python): the ids held, sorted, beside their rows; freed rows are reused. While
+    the ids held span a short range (ids are handed out in order, so a batch's do), a lookup reads
+    a dense table by ``id - lowest`` (made once per set of ids) instead of a binary search: ~4x
+    cheaper for ``observe``'s flush of 64 steps at batch 128 (8192 ids)."""
+
+    DENSE_SLACK = 4  # the dense table is used while the ids span at most this many slots per id held (+ 64)
 
     def __init__(self):
         self._ids = np.zeros(0, dtype=np.int64)  # [m] int64, sorted
@@ -56,6 +61,8 @@ class RequestRows:
         self.capacity = 0  # rows handed out so far (the arrays they index must be this long)
         self._last = (self._ids, self._rows)  # (ids, rows) of the last lookup whose ids were all held
         self._removed = []  # ids removed since the last lookup (applied together: a batch drains at once)
+        # (lowest id - 1, [span + 2] rows by id - lowest + 1, else -1), None: not made (or too wide) for _ids
+        self._dense: Optional[Tuple[int, np.ndarray]] = None
 
     def rows(self, request_ids: np.ndarray, create: bool = False) -> Tuple[np.ndarray, np.ndarray]:
         """``([n] rows of request_ids (-1: not held), [k] rows given to new ids)``; with ``create``
@@ -66,12 +73,9 @@ class RequestRows:
         last_ids, last_rows = self._last
         if request_ids.shape == last_ids.shape and np.array_equal(request_ids, last_ids):
             return last_rows, last_rows[:0]  # the batch of the last lookup (steady decoding): every id held
-        positions = np.searchsorted(self._ids, request_ids)  # [n]
-        held = positions < self._ids.shape[0]
-        held[held] = self._ids[positions[held]] == request_ids[held]
-        rows = np.full(request_ids.shape, -1, dtype=np.int64)
-        rows[held] = self._rows[positions[held]]
-        if held.all():
+        rows = self._lookup(request_ids)  # [n], -1: not held
+        held = rows >= 0
+        if held.all() and request_ids.shape[0] <= self._ids.shape[0]:  # longer: repeats (observe's steps), not a batch
             self._last = (request_ids.copy(), rows)
         if not create or held.all():
             return rows, rows[:0]
@@ -83,8 +87,28 @@ class RequestRows:
         self.capacity += new_ids.shape[0] - reused
         ids, all_rows = np.concatenate([self._ids, new_ids]), np.concatenate([self._rows, new_rows])
         order = np.argsort(ids, kind="stable")
-        self._ids, self._rows = ids[order], all_rows[order]
+        self._ids, self._rows, self._dense = ids[order], all_rows[order], None
         return self.rows(request_ids)[0], new_rows
+
+    def _lookup(self, request_ids: np.ndarray) -> np.ndarray:
+        """``[n]`` int64 the rows of ``request_ids`` (-1: not held)."""
+        if self._dense is None and self._ids.shape[0]:
+            low, span = int(self._ids[0]), int(self._ids[-1] - self._ids[0]) + 1
+            if span <= self.DENSE_SLACK * self._ids.shape[0] + 64:
+                table = np.full(span + 2, -1, dtype=np.int64)
+                table[self._ids - (low - 1)] = self._rows
+                self._dense = (low - 1, table)
+        if self._dense is not None:
+            # ids below the range clip to the first slot, above it to the last: both -1 (an id
+            # outside int64's reach of `origin` wraps, but never onto a held id: the residues differ)
+            origin, table = self._dense
+            return table.take(request_ids - origin, mode="clip")
+        positions = np.searchsorted(self._ids, request_ids)  # [n]
+        held = positions < self._ids.shape[0]
+        held[held] = self._ids[positions[held]] == request_ids[held]
+        rows = np.full(request_ids.shape, -1, dtype=np.int64)
+        rows[held] = self._rows[positions[held]]
+        return rows
 
     def remove(self, request_id: int) -> None:
         """Free the row of ``request_id`` (nothing if it holds none); done at the next lookup."""
@@ -95,7 +119,7 @@ class RequestRows:
         self._removed = []
         if gone.any():
             self._free = np.concatenate([self._free, self._rows[gone]])
-            self._ids, self._rows = self._ids[~gone], self._rows[~gone]
+            self._ids, self._rows, self._dense = self._ids[~gone], self._rows[~gone], None
             self._last = (self._ids, self._rows)
 
     def __len__(self) -> int:
@@ -301,6 +325,7 @@ class GoodputPolicy(DraftLengthPolicy):
         # the drain objective's prior of a new request (module docstring: "population")
         self._population = np.zeros((max(32, 2 * shape.max_requests), S))
         self._population_size, self._population_next = 0, 0
+        self._ranked_population = None  # [P, S] the population ranked (_population_priors); None: stale
         # [(S + 1)^2, 2S]: what outcome code s * (S + 1) + a (s drafts verified, a accepted) adds to
         # (reached draft k: drafts 1..k-1 accepted and k verified; accepted draft k), k = 1..S
         lengths, accepted = np.divmod(np.arange((S + 1) ** 2), S + 1)  # [(S + 1)^2] each
@@ -333,6 +358,7 @@ class GoodputPolicy(DraftLengthPolicy):
             self._population[slots] = estimates
             self._population_next = int(slots[-1] + 1) % self._population.shape[0]
             self._population_size = min(self._population_size + estimates.shape[0], self._population.shape[0])
+            self._ranked_population = None  # the population changed: rank it again when next asked
         for request_id in ids.tolist():  # host-ok: numpy
             self._index.remove(request_id)
 
@@ -342,7 +368,7 @@ class GoodputPolicy(DraftLengthPolicy):
         reached, accepted = self._model
         if priors is None:
             priors = (accepted + self.optimistic_prior) / (reached + 1.0)  # [S]
-        counts = self._counts[rows]  # [n, 2, S]
+        counts = self._counts.take(rows, axis=0)  # [n, 2, S] (take: ~1.5x cheaper than counts[rows])
         return (counts[:, 1] + self.prior_weight * priors) / (counts[:, 0] + self.prior_weight)
 
     def _population_priors(self, estimates: np.ndarray, request_ids: np.ndarray) -> Optional[np.ndarray]:
@@ -352,10 +378,13 @@ class GoodputPolicy(DraftLengthPolicy):
         the end), not n copies of their average; None with fewer than 8 in the population."""
         if self._population_size < 8:
             return None
-        population = self._population[: self._population_size]
-        ranked = population[np.argsort(np.cumprod(population, axis=1).sum(axis=1), kind="stable")]  # [P, S]
+        ranked = self._ranked_population  # [P, S]: changes only when requests leave (_retire_leaving)
+        if ranked is None:
+            population = self._population[: self._population_size]
+            ranked = population[np.argsort(_prefix_products(population).sum(axis=1), kind="stable")]
+            self._ranked_population = ranked
         n = estimates.shape[0]
-        order = np.lexsort((request_ids, np.cumprod(estimates, axis=1).sum(axis=1)))  # [n] slowest first
+        order = np.lexsort((request_ids, _prefix_products(estimates).sum(axis=1)))  # [n] slowest first
         priors = np.empty_like(estimates)
         priors[order] = ranked[((np.arange(n) + 0.5) * ranked.shape[0] / n).astype(np.int64)]
         return priors
@@ -368,10 +397,12 @@ class GoodputPolicy(DraftLengthPolicy):
         rank counts its spread twice (the demo at batch 128, a closed batch after one like it: 8
         steps in, its slowest expected 32 more steps at D = 2 where they took 22, and it switched to
         D = 0: 43 steps for the batch against 30)."""
-        priors = self._population_priors(estimates, request_ids)
-        new = None if priors is None else self._counts[rows, 0, 0] < self.population_evidence  # [n]; rows -1: zeros
-        if new is None or not new.any():
+        if self._population_size < 8:  # no population priors (_population_priors)
             return estimates
+        new = self._counts[rows, 0, 0] < self.population_evidence  # [n]; rows -1: zeros
+        if not new.any():  # every request has its own evidence: no ranking needed
+            return estimates
+        priors = self._population_priors(estimates, request_ids)
         estimates = estimates.copy()
         estimates[new] = self._estimates(rows[new], priors[new])
         return estimates
@@ -391,8 +422,11 @@ class GoodputPolicy(DraftLengthPolicy):
         max_depth = int(caps.max()) if n else 0  # a deeper D drafts no more for anyone
         self._update_tokens_per_step(query.steps)
         drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n)
+        reach = _prefix_products(estimates)  # [n, S]: P(a step accepts draft k or more)
         gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
-        np.cumsum(np.cumprod(estimates, axis=1), axis=1, out=gain[:, 1:])
+        gain[:, 1:] = reach
+        for k in range(2, S + 1):  # prefix sums by column (S columns, whatever the batch: see _prefix_products)
+            gain[:, k] += gain[:, k - 1]
         tokens = n + _at_depths(gain, caps, max_depth).sum(axis=0)  # [max_depth + 1]: a request drafts min(D, cap_r)
         self.expected_tokens = tokens / max(n, 1)  # a request's tokens a step at each D (reports: vs realised)
         depths = np.arange(max_depth + 1)
@@ -407,8 +441,10 @@ class GoodputPolicy(DraftLengthPolicy):
         else:  # the model's cost of each depth times what the loop realised around its steady steps (step_costs.py)
             seconds = np.array([self.cost_model.policy_seconds(query.batch_size, depth) for depth in depths])
         if drain:
-            estimates = self._drain_estimates(rows, estimates, query.request_ids)
-            steps = expected_drain_steps(query.tokens_left, np.cumprod(estimates, axis=1), caps, max_depth)
+            drain_estimates = self._drain_estimates(rows, estimates, query.request_ids)
+            if drain_estimates is not estimates:  # some requests took population priors
+                reach = _prefix_products(drain_estimates)
+            steps = expected_drain_steps(query.tokens_left, reach, caps, max_depth)
             score = 1.0 / (steps * seconds)
         else:
             score = tokens / seconds  # expected tokens per second of the batch at each D
@@ -463,28 +499,39 @@ class GoodputPolicy(DraftLengthPolicy):
         ``rows`` ``[m]`` (-1: a request without a row: the batch model only)."""
         # Each outcome is a code (s, a) of (S + 1)^2; bincount the codes per request row, then one
         # product with the table of what each code adds to (reached, accepted) at each depth:
-        # a few numpy calls whatever the outcomes (np.add.at over [m, 2, S] was ~10x slower).
+        # a few numpy calls whatever the outcomes (np.add.at over [m, 2, S] was ~10x slower). Rows
+        # are shifted by one, so -1 (not held) bins in row 0 without an int64 modulo (~5x an add).
         base = self._model.shape[1] + 1  # S + 1
-        codes = np.asarray(draft_lengths, dtype=np.int64) * base + np.minimum(accepted_counts, draft_lengths)  # [m]
+        lengths = np.asarray(draft_lengths, dtype=np.int64)
+        keys = (rows + 1) * (base * base) + lengths * base + np.minimum(accepted_counts, lengths)  # [m]
         num_rows = self._counts.shape[0]
-        rows = rows % num_rows  # [m]; not held (-1): the last row
-        histogram = np.bincount(rows * base * base + codes, minlength=num_rows * base * base)
-        histogram = histogram.reshape(num_rows, base * base)  # [rows + 1, (S + 1)^2] outcomes by row and code
+        histogram = np.bincount(keys, minlength=num_rows * base * base)
+        histogram = histogram.reshape(num_rows, base * base)  # [rows + 1, (S + 1)^2]: row 0 not held, r + 1 row r
         self._model += (histogram.sum(axis=0) @ self._code_outcomes).reshape(self._model.shape)
-        histogram[-1] = 0  # the last row stays zero (rows not held read it)
-        self._counts += (histogram @ self._code_outcomes).reshape(self._counts.shape)
+        # the last row of _counts stays zero (rows not held read it)
+        self._counts[:-1] += (histogram[1:] @ self._code_outcomes).reshape(self._counts[:-1].shape)
 
     def forget(self, request_id: int) -> None:
         self._leaving.append(request_id)  # its estimate may join the population at the next lookup
 
 
+def _prefix_products(values: np.ndarray) -> np.ndarray:
+    """``[n, S]``: ``np.cumprod(values, axis=1)`` (the same products in the same order), a column at a
+    time: S is a handful of depths, and cumprod along a short axis loops per row (~3x slower at S = 2)."""
+    products = values.copy()
+    for k in range(1, values.shape[1]):
+        products[:, k] *= products[:, k - 1]
+    return products
+
+
 def _at_depths(per_length: np.ndarray, caps: np.ndarray, max_depth: int) -> np.ndarray:
-    """``per_length`` ``[n, S + 1]`` (a value per draft length s) read at ``min(D, cap_r)`` for D =
-    0..max_depth: ``[n, max_depth + 1]``."""
-    depths = np.arange(max_depth + 1)
+    """``per_length`` ``[n, ..., S + 1]`` (values per draft length s) read at ``min(D, cap_r)`` for
+    D = 0..max_depth: ``[n, ..., max_depth + 1]``."""
     if bool((caps >= max_depth).all()):
-        return per_length[:, : max_depth + 1]
-    return np.take_along_axis(per_length, np.minimum(depths[None, :], caps[:, None]), axis=1)
+        return per_length[..., : max_depth + 1]
+    at = np.minimum(np.arange(max_depth + 1)[None, :], caps[:, None])  # [n, D + 1]
+    at = at.reshape((at.shape[0],) + (1,) * (per_length.ndim - 2) + at.shape[1:])  # [n, 1..., D + 1]
+    return np.take_along_axis(per_length, at, axis=-1)
 
 
 def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.ndarray, max_depth: int,
@@ -503,14 +550,18 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     ``lengths`` ``[C, n]`` (``PerRequestGoodputPolicy``): the columns are C candidates instead of
     depths, request r drafting ``lengths[c, r]`` in candidate c (``caps``, ``max_depth`` unused): ``[C]``."""
     n, S = reach.shape
-    k = np.arange(1, S + 1)  # [S]
-    moments = np.zeros((2, n, S + 1))  # [2, n, S + 1]: E[A], E[A^2] with s drafts
-    np.cumsum(reach, axis=1, out=moments[0, :, 1:])
-    np.cumsum(reach * (2 * k - 1), axis=1, out=moments[1, :, 1:])
-    if lengths is None:
-        mean_a, square_a = _at_depths(moments[0], caps, max_depth), _at_depths(moments[1], caps, max_depth)  # [n, D + 1]
-    else:  # [n, C]: each candidate's own lengths
-        mean_a, square_a = (np.take_along_axis(moments[i], np.asarray(lengths).T, axis=1) for i in range(2))
+    # [n, 2, S + 1]: E[A], E[A^2] with s = 0..S drafts; both prefix sums a column at a time (as in
+    # _prefix_products: np.cumsum's adds in its order, ~4x cheaper than two cumsums over rows of S)
+    moments = np.zeros((n, 2, S + 1))
+    moments[:, 0, 1:] = reach
+    np.multiply(reach, 2 * np.arange(1, S + 1) - 1, out=moments[:, 1, 1:])
+    for s in range(2, S + 1):
+        moments[:, :, s] += moments[:, :, s - 1]
+    if lengths is None:  # [n, 2, D + 1]: request r drafts min(D, cap_r)
+        moments = _at_depths(moments, caps, max_depth)
+    else:  # [n, 2, C]: each candidate's own lengths
+        moments = np.take_along_axis(moments, np.asarray(lengths).T[:, None, :], axis=2)
+    mean_a, square_a = moments[:, 0], moments[:, 1]
     tokens = 1.0 + mean_a
     variance = np.maximum(square_a - mean_a ** 2, 0.0)
     left = np.maximum(np.asarray(tokens_left, dtype=np.float64), 1.0)[:, None]  # [n, 1]
@@ -518,12 +569,14 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     spread = np.maximum(np.sqrt(left * variance / tokens ** 3), 0.02)  # D = 0: exact (a narrow step)
     low = (mean - 5 * spread).max(axis=0)  # [D + 1]: below it every request is (almost surely) still running
     high = (mean + 5 * spread).max(axis=0)
-    t = low[None, :] + (high - low)[None, :] * _unit_grid(grid_points)  # [K, D + 1]
-    # [K, D + 1, n] (requests last: the product over them reads contiguous memory), in place where it can
-    z = t[:, :, None] - mean.T[None]
-    z *= (1.0 / spread).T[None]
-    np.clip(z, -8.0, 8.0, out=z)
-    cdf = z * z  # the normal CDF (tanh form): 0.5 (1 + tanh(0.79788 (z + 0.044715 z^3)))
+    t = low[:, None] + (high - low)[:, None] * _unit_grid(grid_points).T  # [D + 1, K]
+    # [n, D + 1, K], in place where it can: the grid last, so the broadcasts read contiguous rows (not
+    # transposed operands: ~3x) and the product over requests multiplies whole blocks (~2x the last axis)
+    z = t[None] - mean[:, :, None]
+    z *= (1.0 / spread)[:, :, None]
+    # the normal CDF (tanh form): 0.5 (1 + tanh(0.79788 (z + 0.044715 z^3))); z is not clipped to
+    # +-8: the tanh there (of +-24.7) is +-1.0 in float64 already, and z^3 stays far from overflow
+    cdf = z * z
     cdf *= 0.044715
     cdf += 1.0
     cdf *= z
@@ -531,9 +584,9 @@ def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.nd
     np.tanh(cdf, out=cdf)
     cdf += 1.0
     cdf *= 0.5
-    done_by = cdf.prod(axis=2)  # [K, D + 1]: P(every request done by t)
-    running = 1.0 - done_by  # trapezoid rule on the uniform grid (np.trapz is gone from numpy 2.4)
-    return low + (running[1:] + running[:-1]).sum(axis=0) * 0.5 * (high - low) / (grid_points - 1)
+    running = 1.0 - cdf.prod(axis=0)  # [D + 1, K]: P(some request still running at t)
+    # the trapezoid rule on the uniform grid (np.trapz is gone from numpy 2.4)
+    return low + (running[:, 1:] + running[:, :-1]).sum(axis=1) * 0.5 * (high - low) / (grid_points - 1)
 
 
 @functools.lru_cache(maxsize=8)

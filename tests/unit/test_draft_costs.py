@@ -374,3 +374,33 @@ def test_requests_with_evidence_of_their_own_are_not_given_the_population_spread
     for _ in range(3):
         policy.observe(new, np.full(64, S), accepted)
     assert policy.choose(drain_query(new)).tolist() == [S] * 64
+
+
+def test_the_population_ranking_is_kept_until_requests_leave():
+    """The drain objective ranks the population once and keeps the ranking while nobody leaves; when
+    requests leave with evidence, it is ranked again: after a mixed batch the new requests draft
+    nothing, and after 128 requests at 0.9 (the whole ring) left, a new batch drafts S, with the
+    priors a fresh ranking gives."""
+    policy, ids = policy_with([0.9, 0.6, 0.2] * 21 + [0.9])
+    for request_id in ids.tolist():
+        policy.forget(request_id)
+    new = np.arange(100, 164, dtype=np.int64)
+    assert policy.choose(drain_query(new)).tolist() == [0] * 64
+    ranked = policy._ranked_population
+    assert ranked is not None
+    policy.choose(drain_query(new))  # nobody left: the same ranking
+    assert policy._ranked_population is ranked
+    good = np.arange(200, 328, dtype=np.int64)  # 128 requests at 0.9 (the ring's size) verify and leave
+    policy.choose(drain_query(good))
+    accepted = np.full(128, S)  # every draft of a 0.9 request lands (expected counts: 0.9^3 ~ 0.73 of steps)
+    accepted[::4] = 2
+    for _ in range(10):
+        policy.observe(good, np.full(128, S), accepted)
+    for request_id in good.tolist() + new.tolist():
+        policy.forget(request_id)
+    fresh = np.arange(500, 564, dtype=np.int64)
+    assert policy.choose(drain_query(fresh)).tolist() == [S] * 64
+    estimates = np.full((64, S), 0.5)
+    kept = policy._population_priors(estimates, fresh)
+    policy._ranked_population = None  # ranked afresh
+    assert np.array_equal(kept, policy._population_priors(estimates, fresh))

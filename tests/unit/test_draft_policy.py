@@ -126,6 +126,28 @@ def test_request_rows_look_up_a_batch_and_reuse_freed_rows():
     assert index.capacity == 3 and len(index) == 3
 
 
+def test_request_rows_dense_table_and_binary_search_agree():
+    """Ids spanning a short range are looked up in a dense table (rebuilt when ids come or go), a
+    wide span by binary search: both give each id's row and -1 for ids not held, below, between,
+    above or far outside the range."""
+    rng = np.random.default_rng(0)
+    index, rows_of = RequestRows(), {}
+    for round_index in range(6):
+        wide = round_index % 2 == 1  # odd rounds hold an id far away: the span is wide
+        ids = rng.choice(np.arange(1000, 1100), size=20, replace=False)
+        ids = np.append(ids, 2 ** 40 + round_index) if wide else ids
+        rows, _ = index.rows(ids, create=True)
+        rows_of.update(zip(ids.tolist(), rows.tolist()))
+        gone = rng.choice([i for i in rows_of if i < 2 ** 40], size=5, replace=False).tolist()
+        for request_id in gone + ([] if wide else [i for i in rows_of if i >= 2 ** 40]):
+            index.remove(request_id)
+            del rows_of[request_id]
+        probe = np.concatenate([list(rows_of), np.arange(990, 1110), [-5, -2 ** 62, 2 ** 62, 2 ** 40 + 9]])
+        expected = [rows_of.get(request_id, -1) for request_id in probe.tolist()]
+        assert index.rows(np.tile(probe, 3))[0].tolist() == expected * 3, round_index
+        assert (index._dense is None) == wide, round_index
+
+
 def test_step_costs_follow_the_loop_not_the_warmup_seed():
     model = StepCostModel(smoothing=0.5)
     assert model.seconds(8, 0) < model.seconds(8, 2)  # nothing measured: the analytic default
