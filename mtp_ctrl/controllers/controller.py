@@ -171,11 +171,10 @@ class TextGenerationController:
 
     def warmup(self) -> int:
         """Capture the CUDA graph of every padded step shape now (and of every decode run length
-        of the decode-only shapes), for both sampling paths (steps with prefill chunks take the
-        general one), so that serving never stops to capture (a shape not warmed up is captured on
-        first use). Each graph is recorded from a
-        step that holds no request. Call it before adding requests (on every rank under tensor
-        parallelism); returns the number of graphs held."""
+        of the decode-only shapes, for both sampling paths), so that serving never stops to capture
+        (a shape not warmed up is captured on first use). Each graph is recorded from a step that
+        holds no request. Call it before adding requests (on every rank under tensor parallelism);
+        returns the number of graphs held."""
         if self._graphs is None:
             return 0
         if self.context.table.num_live or self._scheduler.num_waiting or self._in_flight is not None:

@@ -32,7 +32,8 @@ import numpy as np
 import torch.distributed as dist
 
 from mtp_ctrl.controllers.config import SamplingParams
-from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, DraftLengthQuery, FixedDraftLength, RequestRows
+from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, DraftLengthQuery, FixedDraftLength
+from mtp_ctrl.controllers.request_rows import RequestRows
 from mtp_ctrl.state import EngineShape, StepMetadata
 
 

@@ -9,7 +9,8 @@ import pytest
 from mtp_ctrl.controllers import SamplingParams
 from mtp_ctrl.controllers.draft_lengths import DraftLengths
 from mtp_ctrl.controllers.draft_policy import (DraftLengthPolicy, DraftLengthQuery, FixedDraftLength, GoodputPolicy,
-                                               RandomDraftLengths, RequestRows)
+                                               RandomDraftLengths)
+from mtp_ctrl.controllers.request_rows import RequestRows
 from mtp_ctrl.controllers.step_costs import StepCostModel
 from mtp_ctrl.state import EngineShape
 
