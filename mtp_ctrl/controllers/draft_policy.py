@@ -353,7 +353,7 @@ class GoodputPolicy(DraftLengthPolicy):
             # finish, so a depth's chunk rows are the recent ones times its tokens over the recent steps'
             # (priced at the chunks as they came, drafts looked to share a fixed prefill cost: the 1B at
             # batch 128 held D = 2 at 0.92x plain); each step priced by its rows (RowCostModel.row_seconds)
-            rows_at_depth = n + np.minimum(depths[None, :], caps[:, None]).sum(axis=0)  # [D + 1] decode rows
+            rows_at_depth = n * (1 + depths)  # [D + 1] decode rows: 1 + V each (one depth: no ragged rows)
             scale = tokens / self.tokens_per_step if self.tokens_per_step else None
             seconds = self.cost_model.row_seconds(query.batch_size, rows_at_depth, depths, prefill_scale=scale)
         else:  # the model's cost of each depth times what the loop realised around its steady steps (step_costs.py)

@@ -55,7 +55,7 @@ class RequestRows:
     def _lookup(self, request_ids: np.ndarray) -> np.ndarray:
         """``[n]`` int64 the rows of ``request_ids`` (-1: not held)."""
         if self._dense is None and self._ids.shape[0]:
-            low, span = int(self._ids[0]), int(self._ids[-1] - self._ids[0]) + 1
+            low, span = int(self._ids[0]), int(self._ids[-1]) - int(self._ids[0]) + 1  # Python ints: no int64 wrap
             if span <= self.DENSE_SLACK * self._ids.shape[0] + 64:
                 table = np.full(span + 2, -1, dtype=np.int64)
                 table[self._ids - (low - 1)] = self._rows

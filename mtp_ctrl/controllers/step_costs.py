@@ -24,8 +24,8 @@ keeps the share of recent steps that were mixed (``mixed_share``, a moving avera
 launches). What a step at depth D costs the policy is the blend ``(1 - share) decode(G, D) +
 share mixed(G, D)``: in a queued workload (a request joins almost every step) most steps are
 mixed, and a mixed step's cost grows with V differently (its rows round up to a token bucket,
-powers of two: at batch 64 with one 64-token chunk, 1 + V = 3 fills 256 rows, 1 + V = 4 pads to
-512), which decode-only samples cannot show; while a batch drains the share falls to 0. Timed
+``batch_dimensions.token_buckets``: one row more can cross a bucket's edge), which decode-only
+samples cannot show; while a batch drains the share falls to 0. Timed
 apart, a depth measured in a queued phase is not compared with one measured while draining. A
 depth whose mixed cost is not measured yet takes its decode cost times the mean mixed / decode
 ratio of the depths measured at its grid (1 if none).
@@ -109,8 +109,8 @@ class StepCostModel:
         This model costs whole steps by (G, D): it keeps none (``RowCostModel`` overrides it)."""
 
     def prices_rows(self, batch_size: int) -> bool:
-        """Whether :meth:`RowCostModel.row_seconds` has the warm-up's row costs of a step of
-        ``batch_size``'s grid (this model keeps none)."""
+        """Whether :meth:`RowCostModel.row_seconds` has the warm-up's decode-only row costs at the
+        smallest grid >= ``batch_size`` that holds any (this model keeps none)."""
         return False
 
     def record_prefill_rows(self, rows: int) -> None:
@@ -346,14 +346,15 @@ class RowCostModel(StepCostModel):
         (``decode_seconds(G, D) - gpu(G, D)``: host work, bubbles) plus the GPU time of the rows:
         the replay time of the decode-only token count that holds them, blended by ``mixed_share``
         with the mean over the recent mixed steps of the token bucket that holds the rows and that
-        step's prefill rows (a step with prefill chunks pads its rows to a power of two: one row more
-        can double it). Without the mixed buckets' times (or prefill rows), the decode-only count's
+        step's prefill rows (a step with prefill chunks pads its rows to a token bucket: one row more
+        can cross a bucket's edge). Without the mixed buckets' times (or prefill rows), the decode-only count's
         time plus ``seconds(G, D) - gpu(G, D)`` (the mixed steps' measured average as a constant);
         without row costs (CPU, eager) ``seconds(G, D)`` linear in rows from ``seconds(G, 0)`` at G
         rows. ``prefill_scale`` ``[c]`` (None: 1): each candidate's recent prefill rows times it (in a
-        queue a step's chunks come with the requests that finish: :meth:`PerRequestGoodputPolicy.choose`
-        scales them by the candidate's tokens a step over the recent steps'). A fixed number of numpy
-        calls (and a Python loop over the depths, not the candidates)."""
+        queue a step's chunks come with the requests that finish: the goodput policies scale them by
+        a candidate's tokens a step over the recent steps'). A depth the warm-up did not time takes
+        the linear guess. A fixed number of numpy calls (and a Python loop over the depths, not the
+        candidates)."""
         rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
         num_depths = int(depths.max()) + 1 if depths.shape[0] else 1
         wall = np.array([self.seconds(batch_size, d) for d in range(num_depths)])  # [D + 1]
@@ -364,8 +365,9 @@ class RowCostModel(StepCostModel):
         if grid is None or self._dense[grid][0] is None:
             return linear
         decode_table, mixed_table = self._dense[grid]
-        depth_rows = np.minimum(depths, decode_table.shape[0] - 1)
-        decode = decode_table[depth_rows, np.minimum(rows, decode_table.shape[1] - 1)]  # [c], NaN: depth not timed
+        timed = depths < decode_table.shape[0]  # [c] a depth past the table's: not timed (NaN, as a row of NaN)
+        decode = np.where(timed, decode_table[np.minimum(depths, decode_table.shape[0] - 1),
+                                              np.minimum(rows, decode_table.shape[1] - 1)], np.nan)  # [c]
         gaps = np.zeros((2, num_depths))  # [2, D + 1]: the loop over the GPU (wall; decode-only wall) once measured
         for d in range(num_depths):
             gpu = self._lookup(self.gpu, batch_size, d)
@@ -379,6 +381,7 @@ class RowCostModel(StepCostModel):
                 np.rint(values[None, :] * np.asarray(prefill_scale, dtype=np.float64)[:, None]).astype(np.int64)
             tokens = np.minimum(rows[:, None] + prefill, mixed_table.shape[1] - 1)  # [c, u]
             mixed = mixed_table[np.minimum(depths, mixed_table.shape[0] - 1)[:, None], tokens] @ (counts / samples)
+            mixed[depths >= mixed_table.shape[0]] = np.nan  # a depth the warm-up did not time
             blended = gaps[1, depths] + decode + self.mixed_share * (mixed - decode)
             out = np.where(np.isnan(mixed), out, blended)
         return np.where(np.isnan(decode), linear, out)

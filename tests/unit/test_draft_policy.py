@@ -146,7 +146,9 @@ def test_request_rows_dense_table_and_binary_search_agree():
         probe = np.concatenate([list(rows_of), np.arange(990, 1110), [-5, -2 ** 62, 2 ** 62, 2 ** 40 + 9]])
         expected = [rows_of.get(request_id, -1) for request_id in probe.tolist()]
         assert index.rows(np.tile(probe, 3))[0].tolist() == expected * 3, round_index
-        assert (index._dense is None) == wide, round_index
+    extremes = RequestRows()  # ids spanning more than int64 holds: a binary search, no overflow
+    rows, _ = extremes.rows(np.array([-2 ** 62, 2 ** 62]), create=True)
+    assert extremes.rows(np.array([2 ** 62, 0, -2 ** 62]))[0].tolist() == [rows[1], -1, rows[0]]
 
 
 def test_step_costs_follow_the_loop_not_the_warmup_seed():

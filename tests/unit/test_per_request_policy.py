@@ -105,6 +105,14 @@ def test_row_costs_pad_to_the_next_measured_count_and_add_the_loops_gap():
     assert np.allclose(plain.row_seconds(8, np.array([8, 12, 16]), np.array([0, 1, 1])), [1.0, 1.5, 2.0])
 
 
+def test_a_depth_the_warm_up_did_not_time_takes_the_linear_guess_not_a_shallower_depths_cost():
+    model = RowCostModel()
+    model.set_row_costs({(8, 8, 0, False): 1.0, (8, 16, 1, False): 2.0})  # D = 0 and 1 timed, D = 2 not
+    for depth, wall in ((0, 1.0), (1, 2.0), (2, 3.0)):
+        model.record(8, depth, wall, None)
+    assert np.allclose(model.row_seconds(8, np.array([8, 16, 24]), np.array([0, 1, 2])), [1.0, 2.0, 3.0])
+
+
 def test_steps_with_prefill_chunks_cost_their_token_bucket():
     """In a queue most steps carry a prompt chunk: their rows plus the chunk's pad to a token bucket
     (powers of two), so the candidate whose rows tip the next bucket costs double there. Batch 6 of
