@@ -191,6 +191,8 @@ class GoodputPolicy(DraftLengthPolicy):
     is then a small fraction of a host-bound step's.
     """
 
+    SMALLEST_POPULATION = 8  # estimates of requests that left, before the drain objective uses them as priors
+
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
                  min_gain: float = 1.02, decide_every: int = 8, longest_hold: Optional[int] = None,
                  drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
@@ -294,7 +296,7 @@ class GoodputPolicy(DraftLengthPolicy):
         (ties by id), take the population's estimates at evenly spread quantiles in the same order,
         so a batch of new requests is expected to hold the spread of recent ones (its slowest set
         the end), not n copies of their average; None with fewer than 8 in the population."""
-        if self._population_size < 8:
+        if self._population_size < self.SMALLEST_POPULATION:
             return None
         ranked = self._ranked_population  # [P, S]: changes only when requests leave (_retire_leaving)
         if ranked is None:
@@ -315,7 +317,7 @@ class GoodputPolicy(DraftLengthPolicy):
         rank counts its spread twice (the demo at batch 128, a closed batch after one like it: 8
         steps in, its slowest expected 32 more steps at D = 2 where they took 22, and it switched to
         D = 0: 43 steps for the batch against 30)."""
-        if self._population_size < 8:  # no population priors (_population_priors)
+        if self._population_size < self.SMALLEST_POPULATION:  # no population priors
             return estimates
         new = self._counts[rows, 0, 0] < self.population_evidence  # [n]; rows -1: zeros
         if not new.any():  # every request has its own evidence: no ranking needed
