@@ -26,6 +26,7 @@ def parse_args(description: str, default_batch: int, default_speculative: int, d
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--draft-policy", choices=("fixed", "none", "goodput"), default="fixed",
                         help="fixed: S drafts a step (default); none: 0 drafts a step; goodput: GoodputPolicy")
+    parser.add_argument("--graphs", action="store_true", help="profile_step_kernels: replay the step's CUDA graphs")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 

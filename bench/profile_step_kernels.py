@@ -2,9 +2,12 @@
 decode steps of the demo model, by kernel.
 
     python bench/profile_step_kernels.py [--batch 1] [--num-speculative-tokens 2] [--steps 20]
+        [--draft-policy fixed|none|goodput] [--graphs]
 
 Eager steps (no graph) so every launch is visible; kernel times are the same work a replayed
-graph runs. Prints kernels per step, the kernels by part of the step (set-up, decoder forward,
+graph runs. ``--graphs``: the steps replay their CUDA graphs (after 50 first-use steps), so the
+GPU time a step is the kernels a user's step runs, counted by the profiler (no host wait in it);
+the parts of the step are not labelled then (one graph launch holds them all). Prints kernels per step, the kernels by part of the step (set-up, decoder forward,
 sampling, verify, drafting and its MTP forwards), and the top kernels by total time.
 """
 
@@ -66,10 +69,14 @@ def launches_by_region(profiler):
 
 def main():
     args = parse_args(__doc__.splitlines()[0], default_batch=1, default_speculative=2, default_steps=20)
-    controller = decoding_demo_controller(args, graphs=False)  # eager: every launch is visible
+    controller = decoding_demo_controller(args, graphs=args.graphs)  # eager: every launch is visible
     import torch
 
-    label_regions(controller, torch)
+    if args.graphs:
+        for _ in range(50):  # first uses: tiers not warmed up are captured here
+            controller.step()
+    else:
+        label_regions(controller, torch)
 
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]  # CPU: the regions
@@ -86,14 +93,14 @@ def main():
             kernels[name] += 1
             times[name] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
     total_count, total_us = sum(kernels.values()), sum(times.values())
-    print(f"{torch.cuda.get_device_name()}; demo, batch {args.batch}, S = {args.num_speculative_tokens}, eager, "
-          f"{args.steps} steps: {total_count / args.steps:.0f} GPU ops per step, {total_us / args.steps:.0f} us "
+    print(f"{torch.cuda.get_device_name()}; demo, batch {args.batch}, S = {args.num_speculative_tokens}, "
+          f"{'graphs' if args.graphs else 'eager'}, policy {args.draft_policy}, {args.steps} steps: {total_count / args.steps:.0f} GPU ops per step, {total_us / args.steps:.0f} us "
           f"of GPU time per step")
     print(f"{'launches/step':>14}  part of the step")
     by_region = launches_by_region(profiler)
     for label, count in by_region.most_common():
         print(f"{count / args.steps:14.1f}  {label}")
-    if set(by_region) <= {REST}:
+    if set(by_region) <= {REST} and not args.graphs:
         print("warning: no launch fell in a labelled part: a method of REGIONS is no longer on the step's path")
     print(f"{'us/step':>8} {'n/step':>7}  kernel")
     for name, total in times.most_common(args.top):

@@ -19,22 +19,21 @@ class GenerationMetrics:
     """
 
     def __init__(self, num_speculative_tokens: int):
-        self.drafted_per_depth = [0] * num_speculative_tokens  # its length is S (the shape's; no copy kept)
+        # [S + 1, S + 1] int64: verify request-steps by (drafts verified, drafts accepted); every
+        # per-depth count is read from it (one bincount a step: the loop's host time)
+        self._outcomes = np.zeros((num_speculative_tokens + 1,) * 2, dtype=np.int64)
         self._prefix_source: Optional[Callable[[], Tuple[int, ...]]] = None  # watch_prefix_cache
         self.reset()
 
     @property
     def num_speculative_tokens(self) -> int:
         """S: the draft depths counted."""
-        return len(self.drafted_per_depth)
+        return self._outcomes.shape[0] - 1
 
     def reset(self) -> None:
         """Start counting afresh (e.g. after a warm-up run)."""
-        self.drafted_per_depth = [0] * self.num_speculative_tokens  # drafts proposed at depth k + 1
-        self.accepted_per_depth = [0] * self.num_speculative_tokens  # of those, accepted
+        self._outcomes = np.zeros_like(self._outcomes)
         self.verify_steps = 0  # request-steps that verified drafts (decode rows)
-        self.draft_length_counts = np.zeros(self.num_speculative_tokens + 1, dtype=np.int64)  # [S + 1]: verify
-        # steps by how many drafts they verified (the draft-length policy's choices)
         self.emitted_tokens = 0
         self.steps = 0
         self.step_seconds = 0.0
@@ -60,18 +59,33 @@ class GenerationMetrics:
         requests that verified at least k drafts."""
         counts = np.asarray(accepted_counts, dtype=np.int64)
         S = self.num_speculative_tokens
-        lengths = np.full(counts.shape, S, dtype=np.int64) if draft_lengths is None else \
-            np.asarray(draft_lengths, dtype=np.int64)
         self.verify_steps += int(counts.shape[0])
-        if S:
-            self.draft_length_counts += np.bincount(lengths.clip(0, S), minlength=S + 1)
-            # a request that accepted a drafts accepted depths 1..a: count requests with a > depth
-            histogram = np.bincount(counts, minlength=S + 1)
-            reaching = histogram[::-1].cumsum()[::-1]  # [S + 1]: requests accepting at least k
-            drafting = np.bincount(lengths.clip(0, S), minlength=S + 1)[::-1].cumsum()[::-1]  # [S + 1]: lengths >= k
-            for depth in range(S):
-                self.drafted_per_depth[depth] += int(drafting[depth + 1])
-                self.accepted_per_depth[depth] += int(reaching[depth + 1])
+        if not S or not counts.shape[0]:
+            return
+        if draft_lengths is None:
+            self._outcomes[S] += np.bincount(counts, minlength=S + 1)
+        else:
+            cells = np.asarray(draft_lengths, dtype=np.int64).clip(0, S) * (S + 1) + counts
+            self._outcomes += np.bincount(cells, minlength=(S + 1) ** 2).reshape(S + 1, S + 1)
+
+    @property
+    def draft_length_counts(self) -> np.ndarray:
+        """``[S + 1]`` int64: verify request-steps by how many drafts they verified (the draft-length
+        policy's choices)."""
+        return self._outcomes.sum(axis=1)
+
+    @property
+    def drafted_per_depth(self) -> List[int]:
+        """``[S]``: drafts verified at depth k + 1 (request-steps that verified at least k + 1)."""
+        at_least = self.draft_length_counts[::-1].cumsum()[::-1]  # [S + 1]: verified >= k
+        return [int(count) for count in at_least[1:]]
+
+    @property
+    def accepted_per_depth(self) -> List[int]:
+        """``[S]``: of :attr:`drafted_per_depth`, accepted (a request that accepted a drafts accepted
+        depths 1..a)."""
+        at_least = self._outcomes.sum(axis=0)[::-1].cumsum()[::-1]  # [S + 1]: accepted >= k
+        return [int(count) for count in at_least[1:]]
 
     def record_step(self, seconds: float, steps: int = 1) -> None:
         """A ``step`` call that took ``seconds`` and launched ``steps`` steps (a decode run: several)."""

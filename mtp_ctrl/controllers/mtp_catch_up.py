@@ -82,7 +82,19 @@ class WindowCatchUp:
         """The launch's plan from the step's decode requests' lags, which it then moves on."""
         S, slots = self.num_depths, step.host_slot_ids  # [n] int64
         decode_lags = self._lags[slots[: step.num_decode]]  # [n_d, S]
-        plan = self.plan(step, decode_lags.max(axis=0).tolist() if decode_lags.shape[0] else [0] * S)  # host-ok: numpy
+        lags = decode_lags.max(axis=0).tolist() if decode_lags.shape[0] else [0] * S  # host-ok: numpy
+        if step.num_steps == 1:  # one step (the common launch): its depths run reset, the rest fall behind
+            run = self._depths_run(step, lags[-1])
+            plan = ((run, self.capacity if run and lags[run - 1] > 0 else 0),)
+            if run == S:
+                self._lags[slots] = 0
+            elif run == 0:
+                self._lags[slots] += 1 + step.verify_width
+            else:
+                self._lags[slots] = np.where(np.arange(S) < run, 0, self._lags[slots] + 1 + step.verify_width)
+            self.use(plan)
+            return plan
+        plan = self.plan(step, lags)
         # every request of the step moves the same way: per depth, reset (then behind) or behind more
         advance, behind, reset = 1 + step.verify_width, [0] * S, [False] * S
         for run, _ in plan:

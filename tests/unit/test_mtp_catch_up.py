@@ -156,3 +156,24 @@ def test_warmup_plans_fixed_s_unchanged_and_skipped_depths_enumerated():
     run_plans = catch_up.warmup_plans(steps(1, 1, num_steps=3))
     assert run_plans[0] == ((1, 0),) * 3 and ((1, 0), (1, 0), (S, M)) in run_plans
     assert len(set(run_plans)) == len(run_plans)
+
+
+def test_one_step_launches_plan_and_lag_as_a_decode_run_of_them():
+    """A launch of one step (its own fast path) plans and moves the lags as a decode run of the
+    same steps does, from random lags (requests that joined at different steps)."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        S, M = int(rng.integers(1, 4)), int(rng.integers(4, 17))
+        single, run = (WindowCatchUp(num_slots=6, num_depths=S, capacity=M) for _ in range(2))
+        seed = int(rng.integers(1 << 30))
+        for catch_up in (single, run):  # the same history: random launches over random slots
+            history = np.random.default_rng(seed)
+            for _ in range(int(history.integers(0, 6))):
+                slots = history.choice(5, size=int(history.integers(1, 6)), replace=False)
+                catch_up.plan_launch(steps(int(history.integers(0, S + 1)), int(history.integers(0, S + 1)),
+                                           slots=slots, decode_only=bool(history.random() < 0.8)))
+        slots = rng.choice(5, size=int(rng.integers(1, 6)), replace=False)
+        drafts, width, count = int(rng.integers(0, S + 1)), int(rng.integers(0, S + 1)), int(rng.integers(1, 5))
+        plans = [single.plan_launch(steps(drafts, width, slots=slots))[0] for _ in range(count)]
+        assert tuple(plans) == run.plan_launch(steps(drafts, width, slots=slots, num_steps=count))
+        assert [single.lags(slot) for slot in range(6)] == [run.lags(slot) for slot in range(6)]
