@@ -1,7 +1,11 @@
 """Where a decode step's host time goes: cProfile over the decode steps of the demo model.
 
     python bench/profile_step_host.py [--batch 8] [--num-speculative-tokens 0] [--no-overlap] [--steps 200]
-        [--draft-policy fixed|none|goodput]
+        [--draft-policy fixed|none|goodput] [--timed]
+
+``--timed``: no cProfile (its per-call cost inflates small numpy calls several times): the wall
+time of the host's parts (the draft-length hooks, the MTP plan, metrics, step building, the
+read-back's application), each wrapped in ``time.perf_counter``, per steady step.
 
 ``--draft-policy none``: every request drafts 0 on an engine of S > 0 (a draft-length policy's
 D = 0 steps: what such a step costs the host beside a plain engine's, S = 0).
@@ -27,6 +31,7 @@ def parse_args(description: str, default_batch: int, default_speculative: int, d
     parser.add_argument("--draft-policy", choices=("fixed", "none", "goodput"), default="fixed",
                         help="fixed: S drafts a step (default); none: 0 drafts a step; goodput: GoodputPolicy")
     parser.add_argument("--graphs", action="store_true", help="profile_step_kernels: replay the step's CUDA graphs")
+    parser.add_argument("--timed", action="store_true", help="perf_counter per host part instead of cProfile")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
@@ -79,6 +84,9 @@ def main():
     for _ in range(100):  # unprofiled steady steps: the host share this profile explains
         controller.step()
     print(controller.metrics.summary())
+    if args.timed:
+        print_timed_parts(controller, args.steps)
+        return
     profiler = cProfile.Profile()
     profiler.enable()
     steps = 0
@@ -89,6 +97,38 @@ def main():
     print(f"{steps} steps")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
+
+
+def print_timed_parts(controller, steps: int) -> None:
+    """Wall microseconds per step of the host's parts over ``steps`` steady steps (perf_counter)."""
+    import collections
+    import time
+
+    from mtp_ctrl.controllers import controller as controller_module, draft_lengths, metrics, mtp_catch_up, output_rows
+
+    totals = collections.Counter()
+    parts = [(draft_lengths.DraftLengths, name) for name in ("choose", "launched", "applied", "step_timing",
+                                                              "record_timing")]
+    parts += [(metrics.GenerationMetrics, "record_acceptance"), (mtp_catch_up.WindowCatchUp, "plan_launch"),
+              (output_rows.OutputRows, "apply"), (controller_module.TextGenerationController, "_build_step"),
+              (controller_module.TextGenerationController, "_apply"), (controller_module.TextGenerationController, "step")]
+    for owner, name in parts:
+        original = getattr(owner, name)
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_name] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+    done = 0
+    while controller.has_unfinished_requests() and done < steps:
+        controller.step()
+        done += 1
+    print(f"{done} steps; host parts, us a step: " + ", ".join(
+        f"{name} {seconds / max(done, 1) * 1e6:.1f}" for name, seconds in sorted(totals.items())))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from mtp_ctrl.controllers.mtp_catch_up import Entry, WindowCatchUp
 from mtp_ctrl.controllers.proposers import DraftBatch, Proposer
 from mtp_ctrl.state.attention_metadata import AttentionMetadata
 from mtp_ctrl.state.step_metadata import StepMetadata
-from mtp_ctrl.triton_ops import mtp_advance_window, mtp_draft_window
+from mtp_ctrl.triton_ops import TokenRecord, mtp_advance_window, mtp_draft_window
 
 
 class MTPProposer(Proposer):
@@ -214,15 +214,22 @@ class MTPProposer(Proposer):
             torch.maximum(self._partial_window_start, deeper, out=self._partial_window_start)
         return self._partial_window_start
 
-    def _advance_window(self, batch: DraftBatch, depths_run: int, move_window_start: bool = True) -> None:
+    def _advance_window(self, batch: DraftBatch, depths_run: int, move_window_start: bool = True,
+                        record_tokens: bool = False) -> None:
         """The next window start of the depths that ran (the skipped ones keep theirs), and the
-        decoder hidden of each request's last K positions."""
+        decoder hidden of each request's last K positions; ``record_tokens``: the step's tokens too
+        (a step that lays out no window: one launch instead of two)."""
         rows = self._window_starts
         window_start = rows[-1] if depths_run >= len(rows) or depths_run == 0 else self._partial_window_start
+        record = None
+        if record_tokens:
+            step, num_rows = batch.step, batch.hidden.shape[0]
+            record = TokenRecord(step.attention.positions[:num_rows], step.input_ids[:num_rows], batch.next_tokens,
+                                 self._token_history, self.draft_context.scratch_row)
         mtp_advance_window(batch.first_positions, batch.bonus_positions, batch.write_rows, batch.samples,
                            batch.step.attention.query_start_loc[: batch.num_requests + 1], batch.hidden,
                            window_start, self._hidden_ring, self.draft_context.shape.num_speculative_tokens,
-                           move_window_start=move_window_start)
+                           move_window_start=move_window_start, record=record)
         if not move_window_start:
             return
         if self._window_floor is not None:  # never below a cached prefix (stays in place: no allocation)
@@ -244,8 +251,7 @@ class MTPProposer(Proposer):
             self._entry = entry  # propose follows this step's plan entry
             self.propose(dataclasses.replace(batch, num_drafts=0))
             return
-        self._record_verified_tokens(batch)
-        self._advance_window(batch, 0, move_window_start=self.mode != "paged")
+        self._advance_window(batch, 0, move_window_start=self.mode != "paged", record_tokens=True)
 
     def _window_bounds(self, batch: DraftBatch, catch_up_rows: int) -> Tuple[int, int]:
         """(Tm, the longest window): bounds fixed by the step's shape and plan, so a padded step can

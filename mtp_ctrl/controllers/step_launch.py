@@ -136,13 +136,13 @@ class StepLauncher:
         scratch_row = context.table.scratch_row
         write_rows, first_positions, bonus_positions = self._draft_positions[:, :grid]  # [G] int64 each
         samples = self._draft_samples[:grid]  # [G] bool
+        lengths = step.draft_lengths  # [>= G] int64 or None: each sampling request's s_r, to its table row
         draft_batch_rows(attention.query_start_loc[: grid + 1], attention.seq_lens[:grid], self.accepted_counts,
                          step.counts, step.slot_ids, step.verify_width, scratch_row, write_rows, samples,
-                         first_positions, bonus_positions)
+                         first_positions, bonus_positions, draft_lengths=lengths,
+                         out_draft_length_rows=None if lengths is None else self._draft_length_rows)
         S = shape.num_speculative_tokens
         num_drafts = S if step.num_drafts < 0 else step.num_drafts
-        if step.draft_lengths is not None:
-            self._draft_length_rows[torch.where(samples, write_rows, scratch_row)] = step.draft_lengths[:grid]
         batch = DraftBatch(
             step=step, hidden=hidden, num_requests=grid, samples=samples,
             next_tokens=self.next_tokens[:grid], last_accepted_rows=self.last_accepted_rows[:grid],

@@ -29,6 +29,7 @@ _OP_MODULES = {
     "ptd_prepare_inputs": "parallel_drafting",
     "mtp_draft_window": "mtp_window",
     "mtp_advance_window": "mtp_window",
+    "TokenRecord": "mtp_window",
     "shift_and_gather_cache": "shift_gather_cache",
     "shift_and_gather_cache_hidden": "shift_gather_cache",
     # the fused op's result type and release width

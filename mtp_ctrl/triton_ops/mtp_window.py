@@ -23,7 +23,7 @@ first chunk. Padding requests get none. Example, S = 2: a decode request with ``
 hidden from the ring, 10 and 11 from this step's rows 0 and 1 of the request.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -141,16 +141,35 @@ def _mtp_draft_window_kernel(
 @triton.jit
 def _mtp_advance_window_kernel(
     FIRST_PTR, ENDS_PTR, WRITE_ROWS_PTR, SAMPLES_PTR, QUERY_START_LOC_PTR, STEP_HIDDEN_PTR, WINDOW_STARTS_PTR,
-    RING_PTR, num_step_rows, hidden_size, step_hidden_stride, ring_stride_row, ring_stride_slot, ring_slots,
-    S: tl.constexpr, MOVE_WINDOW_START: tl.constexpr, BLOCK_RING: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
+    RING_PTR, STEP_POSITIONS_PTR, STEP_IDS_PTR, NEXT_TOKENS_PTR, HISTORY_PTR,
+    num_step_rows, hidden_size, step_hidden_stride, ring_stride_row, ring_stride_slot, ring_slots,
+    history_len, history_stride, padding_row,
+    S: tl.constexpr, MOVE_WINDOW_START: tl.constexpr, RECORD_TOKENS: tl.constexpr, BLOCK_RING: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
 ):
-    """Program r: request r's next window start and the ring of its last K positions' hidden."""
+    """Program r: request r's next window start and the ring of its last K positions' hidden;
+    with RECORD_TOKENS first its token record (as ``_mtp_draft_window_kernel``'s part 1: a step
+    that runs no window needs nothing else of that kernel)."""
     r = tl.program_id(0)
     first = tl.load(FIRST_PTR + r)
     end = tl.load(ENDS_PTR + r)
     table_row = tl.load(WRITE_ROWS_PTR + r)
     samples = (tl.load(SAMPLES_PTR + r) != 0).to(tl.int64)
     query_start = tl.load(QUERY_START_LOC_PTR + r).to(tl.int64)
+    if RECORD_TOKENS:
+        query_end = tl.load(QUERY_START_LOC_PTR + r + 1).to(tl.int64)
+        bonus_position = tl.minimum(tl.maximum(end, 0), history_len - 1)
+        lanes = tl.arange(0, BLOCK_ROWS)
+        for row_start in range(query_start, query_end, BLOCK_ROWS):
+            rows = row_start + lanes
+            in_request = rows < query_end
+            positions = tl.load(STEP_POSITIONS_PTR + rows, mask=in_request, other=0).to(tl.int64)
+            tokens = tl.load(STEP_IDS_PTR + rows, mask=in_request, other=0)
+            meets_bonus = (positions + (1 - samples) * history_len) == bonus_position  # never when not sampling
+            keep = in_request & (positions >= 0) & (positions < history_len) & ~meets_bonus
+            tl.store(HISTORY_PTR + table_row * history_stride + positions, tokens, mask=keep)
+        bonus_row = padding_row + samples * (table_row - padding_row)
+        tl.store(HISTORY_PTR + bonus_row * history_stride + bonus_position, tl.load(NEXT_TOKENS_PTR + r))
     if MOVE_WINDOW_START:
         tl.store(WINDOW_STARTS_PTR + table_row, tl.maximum(tl.minimum(end, end + samples - S), 0))
     offsets = tl.arange(0, BLOCK_RING)
@@ -165,6 +184,35 @@ def _mtp_advance_window_kernel(
         values = tl.load(STEP_HIDDEN_PTR + step_rows[:, None] * step_hidden_stride + cols[None, :], mask=mask)
         tl.store(RING_PTR + table_row * ring_stride_row + slots[:, None] * ring_stride_slot + cols[None, :],
                  values.to(RING_PTR.dtype.element_ty), mask=mask)
+
+
+class TokenRecord(NamedTuple):
+    """What :func:`mtp_advance_window` needs to record a step's tokens (``mtp_draft_window``'s
+    arguments of the same names)."""
+
+    step_positions: torch.Tensor  # [T] int64, positions of the step's rows
+    step_input_ids: torch.Tensor  # [T] int64, tokens of the step's rows
+    next_tokens: torch.Tensor  # [>= G] int64, each request's bonus token
+    token_history: torch.Tensor  # [R + 1, Lh] int64, written: tokens by position
+    padding_row: int  # the table row that takes the bonus writes of requests that did not sample
+
+
+def _check_record(record, num_requests: int, num_rows: int, window_starts, first_positions) -> None:
+    if not isinstance(record, TokenRecord):
+        raise TypeError(f"record must be a TokenRecord, got {type(record).__name__}")
+    check_tensor("step_positions", record.step_positions, dtypes=(torch.int64,), shape=(num_rows,))
+    check_tensor("step_input_ids", record.step_input_ids, dtypes=(torch.int64,), shape=(num_rows,))
+    check_tensor("next_tokens", record.next_tokens, dtypes=(torch.int64,), ndim=1)
+    if record.next_tokens.shape[0] < num_requests:
+        raise ValueError(f"next_tokens needs at least {num_requests} rows, got {record.next_tokens.shape[0]}")
+    check_tensor("token_history", record.token_history, dtypes=(torch.int64,), shape=(window_starts.shape[0], None))
+    check_int("padding_row", record.padding_row, low=0, high=window_starts.shape[0] - 1)
+    check_same_device(first_positions=first_positions, step_positions=record.step_positions,
+                      step_input_ids=record.step_input_ids, next_tokens=record.next_tokens,
+                      token_history=record.token_history)
+    check_contiguous(step_positions=record.step_positions, step_input_ids=record.step_input_ids,
+                     next_tokens=record.next_tokens, token_history=record.token_history)
+
 
 
 def _check_common(first_positions, bonus_positions, write_rows, samples, query_start_loc, step_hidden,
@@ -298,27 +346,37 @@ def mtp_advance_window(
     hidden_ring: torch.Tensor,  # [R + 1, K, H], K >= S, written: hidden of the last K positions (p at p % K)
     num_speculative_tokens: int,
     move_window_start: bool = True,
+    record: Optional[TokenRecord] = None,
 ) -> None:
     """After drafting: ``w = max(0, min(e, e + samples - S))`` (the tokens known at ``e`` are the
     verified ones plus the bonus of a request that sampled), and for each position ``p`` in
     ``[e - K, e)`` with ``p >= max(first, 0)``: ``hidden_ring[row, p % K] = step_hidden[row of p]``.
     ``move_window_start=False`` (a step that skipped the windows): w stays where the depths' caches
-    stopped being final, only the ring moves on (the next windowed step catches up from w)."""
+    stopped being final, only the ring moves on (the next windowed step catches up from w).
+    ``record`` (:class:`TokenRecord`): also record the step's tokens as :func:`mtp_draft_window`
+    does (its token history paragraph), in the same launch: a step that runs no window."""
     num_requests = _check_common(first_positions, bonus_positions, write_rows, samples, query_start_loc,
                                  step_hidden, window_starts, hidden_ring, num_speculative_tokens)
     if not isinstance(move_window_start, bool):
         raise TypeError(f"move_window_start must be a bool, got {type(move_window_start).__name__}")
+    if record is not None:
+        _check_record(record, num_requests, step_hidden.shape[0], window_starts, first_positions)
     if not use_triton(first_positions):
         reference.mtp_advance_window(first_positions, bonus_positions, write_rows, samples, query_start_loc,
                                      step_hidden, window_starts, hidden_ring, num_speculative_tokens,
-                                     move_window_start)
+                                     move_window_start, record)
         return
     if num_requests == 0:
         return
+    history = record.token_history if record is not None else window_starts  # unread without RECORD_TOKENS
     _mtp_advance_window_kernel[(num_requests,)](
         first_positions, bonus_positions, write_rows, samples, query_start_loc, step_hidden, window_starts,
-        hidden_ring, step_hidden.shape[0], step_hidden.shape[1], step_hidden.stride(0), hidden_ring.stride(0),
-        hidden_ring.stride(1), hidden_ring.shape[1], S=num_speculative_tokens, MOVE_WINDOW_START=move_window_start,
-        BLOCK_RING=triton.next_power_of_2(hidden_ring.shape[1]),
-        BLOCK_HIDDEN=min(BLOCK_HIDDEN, triton.next_power_of_2(step_hidden.shape[1])),
+        hidden_ring, *((record.step_positions, record.step_input_ids, record.next_tokens, history) if record
+                       else (window_starts,) * 4),
+        step_hidden.shape[0], step_hidden.shape[1], step_hidden.stride(0), hidden_ring.stride(0),
+        hidden_ring.stride(1), hidden_ring.shape[1], history.shape[-1], history.stride(0),
+        record.padding_row if record else 0, S=num_speculative_tokens, MOVE_WINDOW_START=move_window_start,
+        RECORD_TOKENS=record is not None, BLOCK_RING=triton.next_power_of_2(hidden_ring.shape[1]),
+        BLOCK_ROWS=BLOCK_ROWS, BLOCK_HIDDEN=min(BLOCK_HIDDEN, triton.next_power_of_2(step_hidden.shape[1])),
     )
+

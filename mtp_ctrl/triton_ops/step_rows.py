@@ -12,6 +12,8 @@ logits rows 0-3 belong to requests 0, 0, 1, 1, row 4 to request 2, row 5 (unused
 request 2, so their slots are [4, 4, 0, 0, 2, 2].
 """
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -40,8 +42,9 @@ def _logits_row_requests_kernel(LOGITS_INDICES_PTR, POSITIONS_PTR, NUM_DECODE_PT
 
 @triton.jit
 def _draft_batch_rows_kernel(QUERY_START_LOC_PTR, SEQ_LENS_PTR, ACCEPTED_PTR, COUNTS_PTR, SLOT_IDS_PTR, OUT_WRITE_ROWS_PTR,
-                             OUT_SAMPLES_PTR, OUT_FIRST_PTR, OUT_BONUS_PTR, num_requests, padding_row,
-                             S: tl.constexpr, BLOCK: tl.constexpr):
+                             OUT_SAMPLES_PTR, OUT_FIRST_PTR, OUT_BONUS_PTR, DRAFT_LENGTHS_PTR, OUT_LENGTH_ROWS_PTR,
+                             num_requests, padding_row, S: tl.constexpr, WRITE_LENGTHS: tl.constexpr,
+                             BLOCK: tl.constexpr):
     requests = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     is_request = requests < num_requests
     num_active = tl.load(COUNTS_PTR + 0 * requests)
@@ -54,9 +57,13 @@ def _draft_batch_rows_kernel(QUERY_START_LOC_PTR, SEQ_LENS_PTR, ACCEPTED_PTR, CO
     # a decode request ran 1 + s_r rows (its drafts; s_r = S in a strided step): the rejected ones rewind
     rewinds = tl.where(requests < num_decode, query_lengths - 1 - accepted, 0)
     slots = tl.load(SLOT_IDS_PTR + requests, mask=is_request, other=0)
-    tl.store(OUT_WRITE_ROWS_PTR + requests, tl.where(requests < num_active, slots, padding_row).to(tl.int64),
-             mask=is_request)
+    write_rows = tl.where(requests < num_active, slots, padding_row).to(tl.int64)
+    tl.store(OUT_WRITE_ROWS_PTR + requests, write_rows, mask=is_request)
     tl.store(OUT_SAMPLES_PTR + requests, requests < num_sampling, mask=is_request)
+    if WRITE_LENGTHS:  # each sampling request's draft length at its table row
+        sampling = is_request & (requests < num_sampling)
+        tl.store(OUT_LENGTH_ROWS_PTR + write_rows, tl.load(DRAFT_LENGTHS_PTR + requests, mask=sampling, other=0),
+                 mask=sampling)
     tl.store(OUT_FIRST_PTR + requests, seq_lens - query_lengths, mask=is_request)
     tl.store(OUT_BONUS_PTR + requests, seq_lens - rewinds, mask=is_request)
 
@@ -111,11 +118,15 @@ def draft_batch_rows(
     out_samples: torch.Tensor,  # [G] bool, written: the request sampled a token
     out_first_positions: torch.Tensor,  # [G] int64, written: position of its first row this step
     out_bonus_positions: torch.Tensor,  # [G] int64, written: e, the position of its last sampled token
+    draft_lengths: Optional[torch.Tensor] = None,  # [>= G] int64, each request's draft length s_r this step
+    out_draft_length_rows: Optional[torch.Tensor] = None,  # [R + 1] int64 by table slot, written (sampling requests)
 ) -> None:
     """The proposer's per-request fields (``DraftBatch``): ``first = seq_len - q`` and
     ``e = seq_len - (q - 1 - accepted)`` for a decode request (its ``q`` rows: the base token and
     the drafts it verified, ``1 + S`` in a strided step, ``1 + s_r`` in a ragged one), ``seq_len``
-    for the others."""
+    for the others. With ``draft_lengths``: ``out_draft_length_rows[slot] = draft_lengths[r]`` for
+    each sampling request (r < counts[2]): what the next step's verify masks by (one launch, not a
+    ``where`` and an index write)."""
     check_tensor("query_start_loc", query_start_loc, dtypes=(torch.int32,), ndim=1)
     num_requests = query_start_loc.shape[0] - 1
     check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(num_requests,))
@@ -137,13 +148,29 @@ def draft_batch_rows(
     check_contiguous(query_start_loc=query_start_loc, seq_lens=seq_lens, accepted_counts=accepted_counts,
                      counts=counts, slot_ids=slot_ids, out_write_rows=out_write_rows, out_samples=out_samples,
                      out_first_positions=out_first_positions, out_bonus_positions=out_bonus_positions)
+    if (draft_lengths is None) != (out_draft_length_rows is None):
+        raise ValueError("draft_lengths and out_draft_length_rows go together (both or neither)")
+    if draft_lengths is not None:
+        check_tensor("draft_lengths", draft_lengths, dtypes=(torch.int64,), ndim=1)
+        if draft_lengths.shape[0] < num_requests:
+            raise ValueError(f"draft_lengths has {draft_lengths.shape[0]} rows, the grid has {num_requests} requests")
+        check_tensor("out_draft_length_rows", out_draft_length_rows, dtypes=(torch.int64,), ndim=1)
+        if out_draft_length_rows.shape[0] <= padding_row:
+            raise ValueError(f"out_draft_length_rows has {out_draft_length_rows.shape[0]} rows, padding_row is "
+                             f"{padding_row}")
+        check_same_device(query_start_loc=query_start_loc, draft_lengths=draft_lengths,
+                          out_draft_length_rows=out_draft_length_rows)
+        check_contiguous(draft_lengths=draft_lengths, out_draft_length_rows=out_draft_length_rows)
     args = (query_start_loc, seq_lens, accepted_counts, counts, slot_ids, num_speculative_tokens, padding_row,
-            out_write_rows, out_samples, out_first_positions, out_bonus_positions)
+            out_write_rows, out_samples, out_first_positions, out_bonus_positions, draft_lengths, out_draft_length_rows)
     if not use_triton(query_start_loc):
         reference.draft_batch_rows(*args)
         return
     if num_requests == 0:
         return
+    write_lengths = draft_lengths is not None
     _draft_batch_rows_kernel[(triton.cdiv(num_requests, BLOCK),)](
         query_start_loc, seq_lens, accepted_counts, counts, slot_ids, out_write_rows, out_samples, out_first_positions,
-        out_bonus_positions, num_requests, padding_row, S=num_speculative_tokens, BLOCK=BLOCK)
+        out_bonus_positions, draft_lengths if write_lengths else out_write_rows,
+        out_draft_length_rows if write_lengths else out_write_rows, num_requests, padding_row,
+        S=num_speculative_tokens, WRITE_LENGTHS=write_lengths, BLOCK=BLOCK)

@@ -60,6 +60,25 @@ def test_mtp_window_kernels_match_reference_without_sync_and_replay(dtype):
     _assert_equal(gpu, fresh, fresh["padding_row"])
 
 
+def test_advance_with_a_token_record_matches_reference_without_sync():
+    """A step that runs no window: the advance records the tokens too (one launch), == its twin."""
+    from mtp_ctrl.triton_ops import TokenRecord
+
+    case = mtp_window_case(torch.Generator().manual_seed(4), 40, (9, 3), 2, 2, hidden_size=1024, max_requests=64,
+                           dtype=torch.bfloat16, verify_width=0, catch_up=6)
+    gpu = _to(case, "cuda")
+
+    def record(step):
+        return TokenRecord(step["step_positions"], step["step_input_ids"], step["next_tokens"], step["token_history"],
+                           step["padding_row"])
+
+    with no_host_sync():
+        mtp_advance_window(**{name: gpu[name] for name in ADVANCE_ARGS}, move_window_start=False, record=record(gpu))
+    reference.mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS}, move_window_start=False,
+                                 record=record(case))
+    _assert_equal(gpu, case, case["padding_row"])
+
+
 def test_prepare_step_inputs_matches_reference_without_sync_and_replay():
     def make(seed):
         return step_inputs_case(torch.Generator().manual_seed(seed), 6, (70, 5), 3, 2, max_requests=16)
@@ -87,10 +106,13 @@ def test_step_rows_match_reference_on_cuda():
     from mtp_ctrl.triton_ops import draft_batch_rows, logits_row_requests
     from tests.unit.test_step_rows import draft_rows_case, logits_rows_case
 
+    with_lengths = draft_rows_case(torch.Generator().manual_seed(1), 64, (50, 30, 45), 2)
+    with_lengths.update(draft_lengths=torch.randint(0, 3, (64,)), out_draft_length_rows=torch.full((1000,), -7))
     for op, twin, case in ((logits_row_requests, reference.logits_row_requests,
                             logits_rows_case(torch.Generator().manual_seed(0), 64, 40, 2)),
                            (draft_batch_rows, reference.draft_batch_rows,
-                            draft_rows_case(torch.Generator().manual_seed(0), 64, (50, 30, 45), 2))):
+                            draft_rows_case(torch.Generator().manual_seed(0), 64, (50, 30, 45), 2)),
+                           (draft_batch_rows, reference.draft_batch_rows, with_lengths)):
         gpu = _to(case, "cuda")
         with no_host_sync():
             op(**gpu)

@@ -5,7 +5,7 @@ worked example, and named errors."""
 import pytest
 import torch
 
-from mtp_ctrl.triton_ops import mtp_advance_window, mtp_draft_window, reference
+from mtp_ctrl.triton_ops import TokenRecord, mtp_advance_window, mtp_draft_window, reference
 
 BLOCK_SIZE = 4
 
@@ -179,6 +179,49 @@ def test_kernels_match_reference_catching_up(S, verify_width, catch_up, shape, m
     _assert_same(case, want, case["padding_row"])
     if not move_window_start:
         assert torch.equal(case["window_starts"], starts_before)
+
+
+def _record_of(case):
+    return TokenRecord(case["step_positions"], case["step_input_ids"], case["next_tokens"], case["token_history"],
+                       case["padding_row"])
+
+
+@pytest.mark.parametrize("S,catch_up", [(1, 0), (2, 0), (2, 3), (3, 5)])
+@pytest.mark.parametrize("shape", [(1, (), 0), (4, (), 3), (2, (5, 2), 1), (0, (), 2), (0, (), 0)])
+@pytest.mark.parametrize("move_window_start", [True, False])
+def test_advance_with_a_token_record_equals_an_empty_window_then_the_advance(S, catch_up, shape, move_window_start):
+    """A step that runs no window records its tokens inside the advance (``record``): the same
+    history, ring and starts as the window op at 0 rows followed by the advance, kernel and twin
+    alike (decode rows of one token, chunks, a mid-prompt chunk that samples nothing, padding)."""
+    num_decode, prefill_lengths, num_padding = shape
+    generator = torch.Generator().manual_seed(S * 100 + catch_up * 10 + num_decode + len(prefill_lengths))
+    case = mtp_window_case(generator, num_decode, prefill_lengths, num_padding, S, catch_up=catch_up, verify_width=0,
+                           extra_window_rows=0)
+    for name in ("out_positions", "out_slot_mapping", "out_history_rows"):
+        case[name] = case[name][:0]
+    case["out_hidden"] = case["out_hidden"][:0]
+    case["decode_window_rows"] = S
+    two_launches, twin = _clone(case), _clone(case)
+    mtp_draft_window(**two_launches)
+    mtp_advance_window(**{name: two_launches[name] for name in ADVANCE_ARGS}, move_window_start=move_window_start)
+    mtp_advance_window(**{name: case[name] for name in ADVANCE_ARGS}, move_window_start=move_window_start,
+                       record=_record_of(case))
+    reference.mtp_advance_window(**{name: twin[name] for name in ADVANCE_ARGS}, move_window_start=move_window_start,
+                                 record=_record_of(twin))
+    for want in (two_launches, twin):
+        for name in ("token_history", "hidden_ring", "window_starts"):  # the padding row takes racing writes
+            assert torch.equal(case[name][: case["padding_row"]], want[name][: case["padding_row"]]), name
+
+
+def test_advance_record_is_checked():
+    case = mtp_window_case(torch.Generator().manual_seed(3), 2, (), 1, 2, verify_width=0)
+    advance = {name: case[name] for name in ADVANCE_ARGS}
+    with pytest.raises(TypeError, match="record"):
+        mtp_advance_window(**advance, record=tuple(_record_of(case)))
+    with pytest.raises(ValueError, match="step_positions"):
+        mtp_advance_window(**advance, record=_record_of(case)._replace(step_positions=case["step_positions"][:-1]))
+    with pytest.raises(ValueError, match="padding_row"):
+        mtp_advance_window(**advance, record=_record_of(case)._replace(padding_row=10_000))
 
 
 @pytest.mark.parametrize("op", [mtp_draft_window, reference.mtp_draft_window])

@@ -48,9 +48,19 @@ def test_logits_row_requests_matches_reference(S, num_requests, num_decode):
 @pytest.mark.parametrize("S", [0, 2])
 @pytest.mark.parametrize("num_requests, counts", [(0, (0, 0, 0)), (1, (1, 1, 1)), (6, (4, 2, 3)), (8, (0, 0, 0)),
                                                   (150, (140, 100, 120))])
-def test_draft_batch_rows_matches_reference(S, num_requests, counts):
-    case = draft_rows_case(torch.Generator().manual_seed(S * 1000 + num_requests), num_requests, counts, S)
+@pytest.mark.parametrize("lengths", [False, True])
+def test_draft_batch_rows_matches_reference(S, num_requests, counts, lengths):
+    generator = torch.Generator().manual_seed(S * 1000 + num_requests)
+    case = draft_rows_case(generator, num_requests, counts, S)
+    if lengths:  # each sampling request's draft length to its table row; the rest (and padding's row) untouched
+        case.update(draft_lengths=torch.randint(0, S + 1, (num_requests + 2,), generator=generator),
+                    out_draft_length_rows=torch.full((1000,), -7))
     _run_both(draft_batch_rows, reference.draft_batch_rows, case)
+    if lengths:
+        rows = case["out_draft_length_rows"]
+        sampling = case["slot_ids"][: counts[2]]
+        assert torch.equal(rows[sampling], case["draft_lengths"][: counts[2]])
+        assert int((rows != -7).sum()) == counts[2]  # nothing else written (the padding row 999 included)
 
 
 @pytest.mark.parametrize("op", [logits_row_requests, reference.logits_row_requests])
@@ -86,6 +96,15 @@ def test_bad_arguments_are_named():
     case["out_samples"], case["counts"] = torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="counts"):
         draft_batch_rows(**case)
+    case["counts"] = torch.tensor([1, 1, 1])
+    with pytest.raises(ValueError, match="out_draft_length_rows"):  # one without the other
+        draft_batch_rows(**case, draft_lengths=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out_draft_length_rows"):  # too short for the padding row
+        draft_batch_rows(**case, draft_lengths=torch.zeros(2, dtype=torch.int64),
+                         out_draft_length_rows=torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(TypeError, match="draft_lengths"):
+        draft_batch_rows(**case, draft_lengths=torch.zeros(2, dtype=torch.int32),
+                         out_draft_length_rows=torch.zeros(1000, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("op", [draft_batch_rows, reference.draft_batch_rows])

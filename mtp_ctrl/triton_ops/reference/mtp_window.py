@@ -40,12 +40,8 @@ def mtp_draft_window(
     ends, first = bonus_positions, first_positions
     starts = query_start_loc.long()
     # 1. this step's rows at their positions, then each request's bonus token at e
-    row_index = torch.arange(T, device=device)
-    row_requests = torch.searchsorted(starts[1:], row_index, right=True).clamp(max=G - 1)
-    real_rows = (row_index < starts[G]) & (step_positions >= 0) & (step_positions < history_len)
-    token_history[write_rows[row_requests][real_rows], step_positions[real_rows]] = step_input_ids[real_rows]
-    bonus_rows = torch.where(samples, write_rows, padding_row)
-    token_history[bonus_rows, ends.clamp(0, history_len - 1)] = next_tokens[:G]
+    _record_tokens(query_start_loc, bonus_positions, write_rows, samples, step_positions, step_input_ids,
+                   next_tokens, token_history, padding_row)
     # 2. the windows
     decode_window_rows = 2 * S if decode_window_rows is None else decode_window_rows
     window_start, sizes = _window_layout(query_start_loc, first, write_rows, num_decode, num_active, window_starts,
@@ -73,12 +69,29 @@ def mtp_draft_window(
     out_hidden.copy_(torch.where(in_window[:, None], hidden, 0))
 
 
+def _record_tokens(query_start_loc, bonus_positions, write_rows, samples, step_positions, step_input_ids,
+                   next_tokens, token_history, padding_row):
+    """The step's rows' tokens at their positions, then each request's bonus token at e (its own row
+    if it sampled, else ``padding_row``)."""
+    G, T, history_len = bonus_positions.shape[0], step_positions.shape[0], token_history.shape[1]
+    starts = query_start_loc.long()
+    row_index = torch.arange(T, device=bonus_positions.device)
+    row_requests = torch.searchsorted(starts[1:], row_index, right=True).clamp(max=G - 1)
+    real_rows = (row_index < starts[G]) & (step_positions >= 0) & (step_positions < history_len)
+    token_history[write_rows[row_requests][real_rows], step_positions[real_rows]] = step_input_ids[real_rows]
+    bonus_rows = torch.where(samples, write_rows, padding_row)
+    token_history[bonus_rows, bonus_positions.clamp(0, history_len - 1)] = next_tokens[:G]
+
+
 def mtp_advance_window(first_positions, bonus_positions, write_rows, samples, query_start_loc, step_hidden,
-                       window_starts, hidden_ring, num_speculative_tokens, move_window_start=True):
+                       window_starts, hidden_ring, num_speculative_tokens, move_window_start=True, record=None):
     """Twin of :func:`mtp_ctrl.triton_ops.mtp_advance_window`."""
     G, T, S, K = first_positions.shape[0], step_hidden.shape[0], num_speculative_tokens, hidden_ring.shape[1]
     if G == 0:
         return
+    if record is not None:
+        _record_tokens(query_start_loc, bonus_positions, write_rows, samples, record.step_positions,
+                       record.step_input_ids, record.next_tokens, record.token_history, record.padding_row)
     ends, first, device = bonus_positions, first_positions, first_positions.device
     if move_window_start:
         window_starts[write_rows] = torch.minimum(ends, ends + samples.long() - S).clamp(min=0)

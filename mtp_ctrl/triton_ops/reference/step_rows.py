@@ -15,7 +15,8 @@ def logits_row_requests(logits_indices, positions, num_decode, num_speculative_t
 
 
 def draft_batch_rows(query_start_loc, seq_lens, accepted_counts, counts, slot_ids, num_speculative_tokens, padding_row,
-                     out_write_rows, out_samples, out_first_positions, out_bonus_positions):
+                     out_write_rows, out_samples, out_first_positions, out_bonus_positions, draft_lengths=None,
+                     out_draft_length_rows=None):
     """Twin of :func:`mtp_ctrl.triton_ops.draft_batch_rows`."""
     num_requests = seq_lens.shape[0]
     request_index = torch.arange(num_requests, device=seq_lens.device)  # [G] int64
@@ -28,3 +29,6 @@ def draft_batch_rows(query_start_loc, seq_lens, accepted_counts, counts, slot_id
     out_samples.copy_(request_index < num_sampling)
     out_first_positions.copy_(lengths - query_lengths)
     out_bonus_positions.copy_(lengths - rewinds)
+    if draft_lengths is not None:
+        sampling = request_index < num_sampling  # [G] bool
+        out_draft_length_rows[out_write_rows[sampling]] = draft_lengths[:num_requests][sampling]
