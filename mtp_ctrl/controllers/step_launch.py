@@ -91,7 +91,8 @@ class StepLauncher:
         if self._rejection is not None and not all_greedy and V > 0:  # draft rows: accept min(1, p/q) or resample
             output_tokens = self._rejection.resample(logits, output_tokens, input_tokens, row_requests,
                                                      positions, num_decode, V)
-        self.accepted_tokens.fill_(-1)
+        if V > 0:  # (a step that verifies no draft stages -1 columns directly: one launch, not two)
+            self.accepted_tokens.fill_(-1)
         self.accepted_counts.zero_()
         table = context.table.device
         verify_and_commit(  # the KV state by slot; next tokens, accepted rows and counts by request (V drafts each)
@@ -115,7 +116,10 @@ class StepLauncher:
         staged = readback[:grid]  # [G, S + 2]; columns past 2 + V stay -1 (accepted_tokens' fill)
         staged[:, 0] = self.accepted_counts[:grid]
         staged[:, 1] = self.next_tokens[:grid]
-        staged[:, 2:] = self.accepted_tokens[:grid]
+        if V > 0:
+            staged[:, 2:] = self.accepted_tokens[:grid]
+        elif S > 0:
+            staged[:, 2:].fill_(-1)
 
     def _mask_undrafted(self, input_tokens: torch.Tensor, row_requests: torch.Tensor,
                         num_decode: torch.Tensor, verify_width: int) -> torch.Tensor:
