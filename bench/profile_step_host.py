@@ -1,8 +1,10 @@
 """Where a decode step's host time goes: cProfile over the decode steps of the demo model.
 
     python bench/profile_step_host.py [--batch 8] [--num-speculative-tokens 0] [--no-overlap] [--steps 200]
-        [--draft-policy fixed|none|goodput] [--timed]
+        [--draft-policy fixed|none|goodput] [--timed] [--compare S:POLICY ...] [--rounds 4]
 
+``--compare 0:fixed 2:none 2:fixed 2:goodput``: those engines built in one process and their host
+parts timed round-robin (``--rounds``), medians (processes on a shared host differ by up to 1.5x).
 ``--timed``: no cProfile (its per-call cost inflates small numpy calls several times): the wall
 time of the host's parts (the draft-length hooks, the MTP plan, metrics, step building, the
 read-back's application), each wrapped in ``time.perf_counter``, per steady step.
@@ -32,13 +34,18 @@ def parse_args(description: str, default_batch: int, default_speculative: int, d
                         help="fixed: S drafts a step (default); none: 0 drafts a step; goodput: GoodputPolicy")
     parser.add_argument("--graphs", action="store_true", help="profile_step_kernels: replay the step's CUDA graphs")
     parser.add_argument("--timed", action="store_true", help="perf_counter per host part instead of cProfile")
+    parser.add_argument("--compare", nargs="+", metavar="S:POLICY", default=None,
+                        help="time the host parts of these engines in one process, round-robin (e.g. 0:fixed 2:none)")
+    parser.add_argument("--rounds", type=int, default=4, help="--compare: rounds over the engines")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
 
 def decoding_demo_controller(args, graphs: bool):
-    """The demo model (bf16, CUDA) with ``args.batch`` held-out prompts decoding 600 tokens each,
-    past warm-up (kernels compiled, graphs captured when ``graphs``): the state both profiles time."""
+    """The demo model (bf16, CUDA) with ``args.batch`` held-out prompts decoding, past warm-up
+    (kernels compiled, graphs captured when ``graphs``): the state both profiles time. Each request
+    may emit enough tokens that none finishes within the 155 set-up steps and ``args.steps`` profiled
+    ones at full acceptance (600 at least): every engine is timed mid-decode, none in its tail."""
     import mtp_ctrl
 
     mtp_ctrl.quiet_known_warnings(args.verbose)
@@ -58,18 +65,21 @@ def decoding_demo_controller(args, graphs: bool):
             return query.caps * 0
 
     device = torch.device("cuda")
-    init_distributed(1, device)
+    if not torch.distributed.is_initialized():  # --compare builds several engines in one process
+        init_distributed(1, device)
     model = load_demo_model(args.checkpoint, device).to(torch.bfloat16)
     prompts = [w.tolist() for w in evenly_spaced_windows(load_stdlib_corpus().held_out, args.batch, 64)]
+    new_tokens = max(600, (155 + args.steps) * (1 + args.num_speculative_tokens))
     config = InferenceConfig(num_speculative_tokens=args.num_speculative_tokens, max_requests=args.batch,
-                             block_size_tokens=16, max_model_len=700, max_tokens_per_step=max(64, args.batch * 64),
+                             block_size_tokens=16, max_model_len=64 + new_tokens + 16,
+                             max_tokens_per_step=max(64, args.batch * 64),
                              cuda_graph_batch_sizes=(args.batch,) if graphs else (),
                              overlap_scheduling=not args.no_overlap)
     policy = {"fixed": None, "none": NoDrafts, "goodput": GoodputPolicy}[getattr(args, "draft_policy", "fixed")]
     controller = TextGenerationController(model, config, draft_policy=policy() if policy else None)
     controller.generate(prompts, SamplingParams(max_new_tokens=8))  # compile, capture
     for prompt in prompts:
-        controller.add_request(prompt, SamplingParams(max_new_tokens=600))
+        controller.add_request(prompt, SamplingParams(max_new_tokens=new_tokens))
     for _ in range(5):
         controller.step()
     return controller
@@ -77,6 +87,9 @@ def decoding_demo_controller(args, graphs: bool):
 
 def main():
     args = parse_args(__doc__.splitlines()[0], default_batch=8, default_speculative=0, default_steps=200)
+    if args.compare:
+        compare_timed_parts(args)
+        return
     controller = decoding_demo_controller(args, graphs=True)
     for _ in range(50):  # first uses: graphs not warmed up are captured here (a policy's other tiers)
         controller.step()
@@ -85,50 +98,90 @@ def main():
         controller.step()
     print(controller.metrics.summary())
     if args.timed:
-        print_timed_parts(controller, args.steps)
+        totals = time_host_parts(lambda: "")
+        done = run_steps(controller, args.steps)
+        print(f"{done} steps; host parts, us a step: " + ", ".join(
+            f"{name} {seconds / max(done, 1) * 1e6:.1f}" for (_, name), seconds in sorted(totals.items())))
         return
     profiler = cProfile.Profile()
     profiler.enable()
-    steps = 0
-    while controller.has_unfinished_requests() and steps < args.steps:
-        controller.step()
-        steps += 1
+    steps = run_steps(controller, args.steps)
     profiler.disable()
     print(f"{steps} steps")
     pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
 
 
-def print_timed_parts(controller, steps: int) -> None:
-    """Wall microseconds per step of the host's parts over ``steps`` steady steps (perf_counter)."""
-    import collections
-    import time
-
-    from mtp_ctrl.controllers import controller as controller_module, draft_lengths, metrics, mtp_catch_up, output_rows
-
-    totals = collections.Counter()
-    parts = [(draft_lengths.DraftLengths, name) for name in ("choose", "launched", "applied", "step_timing",
-                                                              "record_timing")]
-    parts += [(metrics.GenerationMetrics, "record_acceptance"), (mtp_catch_up.WindowCatchUp, "plan_launch"),
-              (output_rows.OutputRows, "apply"), (controller_module.TextGenerationController, "_build_step"),
-              (controller_module.TextGenerationController, "_apply"), (controller_module.TextGenerationController, "step")]
-    for owner, name in parts:
-        original = getattr(owner, name)
-
-        def timed(*args, _original=original, _name=name, **kwargs):
-            started = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                totals[_name] += time.perf_counter() - started
-
-        setattr(owner, name, timed)
+def run_steps(controller, steps: int) -> int:
     done = 0
     while controller.has_unfinished_requests() and done < steps:
         controller.step()
         done += 1
-    print(f"{done} steps; host parts, us a step: " + ", ".join(
-        f"{name} {seconds / max(done, 1) * 1e6:.1f}" for name, seconds in sorted(totals.items())))
+    return done
+
+
+HOST_PARTS = (("draft_lengths", "DraftLengths", ("choose", "launched", "applied", "step_timing", "record_timing")),
+              ("metrics", "GenerationMetrics", ("record_acceptance",)),
+              ("mtp_catch_up", "WindowCatchUp", ("plan_launch",)),
+              ("output_rows", "OutputRows", ("apply",)),
+              ("controller", "TextGenerationController", ("_build_step", "_apply", "step")))
+
+
+def time_host_parts(label):
+    """Wrap the host's parts (``HOST_PARTS``) in ``perf_counter``; returns the totals in seconds by
+    ``(label(), part)`` (``label``: which engine runs now)."""
+    import collections
+    import importlib
+    import time
+
+    totals = collections.Counter()
+    for module_name, owner_name, names in HOST_PARTS:
+        owner = getattr(importlib.import_module(f"mtp_ctrl.controllers.{module_name}"), owner_name)
+        for name in names:
+            def timed(*args, _original=getattr(owner, name), _name=name, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    totals[(label(), _name)] += time.perf_counter() - started
+
+            setattr(owner, name, timed)
+    return totals
+
+
+def compare_timed_parts(args) -> None:
+    """``--compare S:policy ...``: every engine built in this process, then ``--rounds`` rounds of
+    ``--steps / rounds`` steady steps each, round-robin (host drift hits every engine alike);
+    prints each engine's median µs a step of each host part over the rounds."""
+    import copy
+    import statistics
+
+    engines = {}
+    for spec in args.compare:
+        S, _, policy = spec.partition(":")
+        engine_args = copy.copy(args)
+        engine_args.num_speculative_tokens, engine_args.draft_policy = int(S), policy or "fixed"
+        controller = decoding_demo_controller(engine_args, graphs=True)
+        run_steps(controller, 50)  # first uses: graphs not warmed up are captured here
+        engines[spec] = controller
+    current = [""]
+    totals = time_host_parts(lambda: current[0])
+    per_round = max(args.steps // args.rounds, 1)
+    samples = {}  # (engine, part) -> [us a step of each round]
+    for _ in range(args.rounds):
+        for spec, controller in engines.items():
+            current[0] = spec
+            before = dict(totals)
+            done = run_steps(controller, per_round)
+            for key, seconds in totals.items():
+                if key[0] == spec:
+                    samples.setdefault(key, []).append((seconds - before.get(key, 0.0)) / max(done, 1) * 1e6)
+    parts = sorted({part for _, part in samples})
+    print(f"batch {args.batch}, {args.rounds} rounds of {per_round} steps; median us a step (host parts):")
+    print(f"{'engine':>12} " + " ".join(f"{part:>17}" for part in parts))
+    for spec in engines:
+        print(f"{spec:>12} " + " ".join(
+            f"{statistics.median(samples[(spec, part)]) if (spec, part) in samples else 0.0:17.1f}" for part in parts))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 # length"): graph-replayed kernel time by torch.profiler ("kernels"), the host's parts by perf_counter
 # ("host"), the GPU tests of the step's MTP bookkeeping and draft lengths ("tests"), the demo's
 # adaptive points ("demo": batches D0_DEMO_BATCHES, default "128 1"). D0_KINDS (default "kernels
-# host"), D0_BATCHES="128 1", D0_ROUNDS (host profile rounds, default 2).
+# host"), D0_BATCHES="128 1", D0_ROUNDS (host profile rounds, default 2); "compare": the host parts
+# of plain, S = 2 none / fixed / goodput built in one process, round-robin (profile_step_host --compare).
+# D0_CONFIGS: the kernels/host engines, "S policy" comma-separated (default all four).
 source bench/gpu_env.sh >/dev/null
 o=$OUT; kinds="${D0_KINDS:-kernels host}"; batches="${D0_BATCHES:-128 1}"
-configs=("0 fixed" "2 none" "2 fixed" "2 goodput")
+IFS=, read -ra configs <<< "${D0_CONFIGS:-0 fixed,2 none,2 fixed,2 goodput}"  # "S policy" each
 if [[ $kinds == *kernels* ]]; then
   for b in $batches; do for cfg in "${configs[@]}"; do set -- $cfg
     echo "=== batch $b S=$1 $2" >> $o/kernels.txt
@@ -28,4 +30,10 @@ fi
 if [[ $kinds == *demo* ]]; then
   python bench/bench_adaptive.py --skip-large --demo-batches ${D0_DEMO_BATCHES:-128 1} --demo-goodput skip --no-pinned \
     --repeats 3 --json $o/demo.json 2>/dev/null | grep -v '^{' | tail -40
+fi
+if [[ $kinds == *compare* ]]; then
+  for b in $batches; do
+    python bench/profile_step_host.py --batch $b --compare 0:fixed 2:none 2:fixed 2:goodput --steps 200 --rounds 4 \
+      2>/dev/null | tail -6
+  done
 fi
