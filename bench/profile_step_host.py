@@ -159,6 +159,8 @@ def compare_timed_parts(args) -> None:
     engines = {}
     for spec in args.compare:
         S, _, policy = spec.partition(":")
+        if not S.isdigit() or policy not in ("", "fixed", "none", "goodput"):
+            raise ValueError(f"--compare takes S:POLICY (POLICY fixed, none or goodput), got {spec!r}")
         engine_args = copy.copy(args)
         engine_args.num_speculative_tokens, engine_args.draft_policy = int(S), policy or "fixed"
         controller = decoding_demo_controller(engine_args, graphs=True)
