@@ -14,7 +14,7 @@ policy gets those same costs as its warm-up row costs (``set_row_costs``). ``--r
 step costs are instead a GPU run's warm-up replays (``bench_adaptive.py --json``: the per-request
 engine's table at ``--batch``; a decode-only step costs the smallest recorded token count >= its rows
 at its depth or above, a mixed step its token bucket's), the same ones the policy gets. Prints tokens per ms of
-fixed S = 0..3 and of the policy, the policy's mean s by label over decode steps (s of a request's
+fixed S = 0..3, of ``GoodputPolicy`` (one depth for the batch) and of the per-request policy, the policy's mean s by label over decode steps (s of a request's
 verify steps, its first step's join length included), the policy's host time per decision, and the
 seconds and tokens a step it priced its searches' choices at beside the simulated steps' means.
 """
@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 import mtp_ctrl
-from mtp_ctrl.controllers import PerRequestGoodputPolicy
+from mtp_ctrl.controllers import GoodputPolicy, PerRequestGoodputPolicy
 from mtp_ctrl.controllers.draft_lengths import DraftLengths
 from mtp_ctrl.controllers.draft_policy import FixedDraftLength
 from mtp_ctrl.state import EngineShape
@@ -110,7 +110,7 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
     shape = EngineShape(max_requests=G, max_model_len=256, block_size_tokens=16, num_speculative_tokens=S,
                         max_tokens_per_step=G * (1 + S) + CHUNK * G)
     lengths_of = DraftLengths(policy, shape)
-    if isinstance(policy, PerRequestGoodputPolicy) and warm_costs:
+    if isinstance(policy, GoodputPolicy) and warm_costs:
         costs = {(G, d): step_seconds(G, G * (1 + d), d, False) for d in range(S + 1)}
         lengths_of.set_step_costs(costs, row_costs=row_costs(G, S))
         for depth in range(S + 1):  # every depth measured (a warmed-up loop): no exploration holds
@@ -164,7 +164,7 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
         seconds += cost
         step_tokens = tokens
         pending = (ids, verified, accepted)
-        if isinstance(policy, PerRequestGoodputPolicy):  # what the controller's step_timing tells the cost model
+        if isinstance(policy, GoodputPolicy):  # what the controller's step_timing tells the cost model
             policy.cost_model.record_launches(int(joined > 0), 1)
             if joined:
                 policy.cost_model.record_prefill_rows(CHUNK * joined)
@@ -199,7 +199,7 @@ def main():
     queued = not args.closed
     S = 3
     for label, make in [(f"fixed S = {s}", (lambda s=s: _Fixed(s))) for s in range(S + 1)] + \
-                       [("per-request", PerRequestGoodputPolicy)]:
+                       [("goodput", GoodputPolicy), ("per-request", PerRequestGoodputPolicy)]:
         tokens, seconds, by_label, decisions, (priced, simulated) = simulate(
             make(), args.batch, S, args.steps, args.new_tokens, queued, length_spread=args.length_spread)
         line = f"{label:>12}: {tokens / seconds / 1e3:7.2f} tok/ms"
