@@ -214,7 +214,6 @@ def _check_record(record, num_requests: int, num_rows: int, window_starts, first
                      next_tokens=record.next_tokens, token_history=record.token_history)
 
 
-
 def _check_common(first_positions, bonus_positions, write_rows, samples, query_start_loc, step_hidden,
                   window_starts, hidden_ring, num_speculative_tokens):
     check_tensor("first_positions", first_positions, dtypes=(torch.int64,), ndim=1)
@@ -379,4 +378,3 @@ def mtp_advance_window(
         RECORD_TOKENS=record is not None, BLOCK_RING=triton.next_power_of_2(hidden_ring.shape[1]),
         BLOCK_ROWS=BLOCK_ROWS, BLOCK_HIDDEN=min(BLOCK_HIDDEN, triton.next_power_of_2(step_hidden.shape[1])),
     )
-

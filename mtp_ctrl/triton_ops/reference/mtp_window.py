@@ -28,7 +28,6 @@ def mtp_draft_window(
     G, T = first_positions.shape[0], step_positions.shape[0]
     Tm, S = out_positions.shape[0], num_speculative_tokens
     device = first_positions.device
-    history_len = token_history.shape[1]
     if G == 0:  # nothing to record; every window row is padding
         out_window_query_start_loc.zero_()
         out_positions.fill_(-1)
