@@ -37,6 +37,7 @@ def parse_args(description: str, default_batch: int, default_speculative: int, d
     parser.add_argument("--compare", nargs="+", metavar="S:POLICY", default=None,
                         help="time the host parts of these engines in one process, round-robin (e.g. 0:fixed 2:none)")
     parser.add_argument("--rounds", type=int, default=4, help="--compare: rounds over the engines")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no graphs, eager twins)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
@@ -64,7 +65,7 @@ def decoding_demo_controller(args, graphs: bool):
         def choose(self, query):
             return query.caps * 0
 
-    device = torch.device("cuda")
+    device = torch.device(getattr(args, "device", "cuda"))
     if not torch.distributed.is_initialized():  # --compare builds several engines in one process
         init_distributed(1, device)
     model = load_demo_model(args.checkpoint, device).to(torch.bfloat16)
@@ -73,7 +74,7 @@ def decoding_demo_controller(args, graphs: bool):
     config = InferenceConfig(num_speculative_tokens=args.num_speculative_tokens, max_requests=args.batch,
                              block_size_tokens=16, max_model_len=64 + new_tokens + 16,
                              max_tokens_per_step=max(64, args.batch * 64),
-                             cuda_graph_batch_sizes=(args.batch,) if graphs else (),
+                             cuda_graph_batch_sizes=(args.batch,) if graphs and device.type == "cuda" else (),
                              overlap_scheduling=not args.no_overlap)
     policy = {"fixed": None, "none": NoDrafts, "goodput": GoodputPolicy}[getattr(args, "draft_policy", "fixed")]
     controller = TextGenerationController(model, config, draft_policy=policy() if policy else None)

@@ -236,3 +236,18 @@ def test_generate_progress_is_a_bar_over_tokens_on_a_terminal_and_lines_otherwis
                 "warm-up run 1/2 (plain): 8/8 tokens done, 16.0 tok/s (8 tokens in all)",
                 "timed run 2/2 (speculative): 8/8 tokens done, 32.0 tok/s (16 tokens in all)"]
             assert captured.err == ""
+
+
+def test_host_profile_compares_engines_in_one_process_on_cpu():
+    """``bench/profile_step_host.py --compare``'s smoke run (its GPU runs cost device time): every
+    engine built in one process, a row of host parts each."""
+    result = run_script("bench/profile_step_host.py", "--device", "cpu", "--batch", "1", "--compare", "0:fixed",
+                        "2:goodput", "--steps", "2", "--rounds", "1")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[-2:]}
+    assert set(rows) == {"0:fixed", "2:goodput"}
+    header = result.stdout.splitlines()[-3].split()
+    assert header[0] == "engine" and {"choose", "plan_launch", "step"} <= set(header)
+    assert float(rows["2:goodput"][header.index("plan_launch") - 1]) > 0  # an S = 2 engine plans its MTP windows
+    bad = run_script("bench/profile_step_host.py", "--device", "cpu", "--compare", "2:bogus")
+    assert bad.returncode != 0 and "--compare" in bad.stderr
