@@ -6,8 +6,9 @@
 Two parts (the 1B model first). A point is a workload at a batch size; every engine of the point
 (fixed S = 0..S_max, the policies) is built and warmed first (CUDA graphs captured, an untimed
 ``generate``, the goodput policy's exploration: none of it timed), then each engine is timed
-``--repeats`` times (default 3), interleaved round-robin (A, B, C, A, B, C, ...) so host drift
-hits all alike. Reported: each engine's median tokens/s and its spread ((max - min) / median);
+``--repeats`` times (default 3; the demo's points ``--demo-repeats``, default 7: its runs are
+~0.1-0.3 s and its host-bound loop moves 15-35 % between runs on some leases, so a median of 3
+says little), interleaved round-robin (A, B, C, A, B, C, ...) so host drift hits all alike. Reported: each engine's median tokens/s and its spread ((max - min) / median);
 "/best" and "/plain" from medians; a verdict per comparison: "above" / "below" when the two
 engines' min-max ranges are apart, "within spread" when the margin does not exceed the spread.
 Every timed run's outputs are checked equal to plain decoding's.
@@ -62,6 +63,9 @@ def parse_args(argv=None):
     parser.add_argument("--budget-seconds", type=float, default=1e9, help="start no new point after this long")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed generates of every engine a point, interleaved round-robin (default 3; quick 1)")
+    parser.add_argument("--demo-repeats", type=int, default=None,
+                        help="timed generates of each engine at a demo point (default: --repeats if given, else 7; "
+                             "quick 1)")
     parser.add_argument("--new-tokens", type=int, default=None,
                         help="tokens per request (default: demo 192, 1B 48; quick 8)")
     parser.add_argument("--length-spread", type=float, default=0.0,
@@ -86,11 +90,14 @@ def parse_args(argv=None):
                              "host-bound demo's documented remedy: a decode run launches this many steps at once)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args(argv)
+    given_repeats = args.repeats
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
+    if args.demo_repeats is None:  # --repeats alone sets both parts' (as before --demo-repeats)
+        args.demo_repeats = given_repeats or (1 if args.quick else 7)
     if not 0 <= args.length_spread < 1:
         parser.error(f"--length-spread must be in [0, 1), got {args.length_spread}")
-    for name in ("repeats", "new_tokens", "demo_waves"):
+    for name in ("repeats", "demo_repeats", "new_tokens", "demo_waves"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -455,7 +462,7 @@ def demo_part(args, table, device):
             if table.out_of_time(f"demo batch {batch} T = {temperature:g}"):
                 break
             params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=5)
-            records = measure(engines, prompts, params, args.repeats)  # fixed S = 0 first: its first run is plain
+            records = measure(engines, prompts, params, args.demo_repeats)  # fixed S = 0 first: its first run is plain
             workload = f"T={temperature:g}" + (f", {waves}x{new_tokens}" if waves > 1 else "") + runs
             table.add_point([point_row(entry, record, part="demo", batch=batch, workload=workload)
                              for entry, record in zip(engines, records)])
@@ -541,7 +548,8 @@ def main(args):
         if not skip:
             part(args, table, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"\n== summary\n{name}; greedy unless T says otherwise; every engine of a point timed {args.repeats}x, interleaved "
+    print(f"\n== summary\n{name}; greedy unless T says otherwise; every engine of a point timed {args.repeats}x (the demo's: "
+          f"{args.demo_repeats}x), interleaved "
           "round-robin, after its untimed generates; tokens/s: the median; '/best': over the best fixed S's "
           "median, '/plain': over S = 0's; verdict: the min-max ranges apart ('above' / 'below') or not")
     report.print_workloads(table.rows)

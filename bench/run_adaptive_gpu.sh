@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 34: its whole measurement (bench/bench_adaptive.py), every engine of a
-# point timed ADAPTIVE_REPEATS (3) times interleaved round-robin, in parts, each a process under its
+# point timed ADAPTIVE_REPEATS (3) times (a demo point ADAPTIVE_DEMO_REPEATS, 7: its runs are short and
+# its host-bound loop noisy) interleaved round-robin, in parts, each a process under its
 # own timeout (a hang or a cut in one still returns the others), inside ADAPTIVE_TOTAL (560) s:
 #  1. the ~1B model with the acceptance oracle, the mixed workload closed and queued, fixed S = 0..3,
 #     goodput and per-request, at batch ADAPTIVE_LARGE_BATCHES ("128 256 64 8"; 128 and 256: the
@@ -8,7 +9,7 @@
 #     no batch started after ADAPTIVE_LARGE_BUDGET (290) s;
 #  2. the demo model at batch ADAPTIVE_DEMO_BATCHES ("32 128 1 8"), T = 0 and 1, fixed S = 0..2 and
 #     goodput (192 tokens a request, 2 x batch requests); no point started after
-#     ADAPTIVE_DEMO_BUDGET (110) s;
+#     ADAPTIVE_DEMO_BUDGET (140) s;
 # (H200, this script's parts measured apart: 1B batch 256 116 s, demo batch 32 + 128 66 s; the whole
 #  default ~400 s before the test.)
 #  3. the table of both parts (bench/adaptive_report.py over their JSON: partial parts included);
@@ -25,7 +26,7 @@ total="${ADAPTIVE_TOTAL:-560}"
 large_batches="${ADAPTIVE_LARGE_BATCHES-128 256 64 8}"
 demo_batches="${ADAPTIVE_DEMO_BATCHES-32 128 1 8}"
 large_budget="${ADAPTIVE_LARGE_BUDGET:-290}"
-demo_budget="${ADAPTIVE_DEMO_BUDGET:-110}"
+demo_budget="${ADAPTIVE_DEMO_BUDGET:-140}"
 test_on="${ADAPTIVE_TEST:-1}"
 common=(--repeats "${ADAPTIVE_REPEATS:-3}")
 slack=(70 50)  # seconds a part may run past its budget (the point in flight): 1B, demo
@@ -51,7 +52,8 @@ if [ -n "$demo_batches" ]; then
   budget=$(min "$demo_budget" $(($(left) - 60)))
   limit=$(min $((budget + slack[1])) $(($(left) - 5)))
   echo "== demo part (batches $demo_batches) at ${SECONDS}s: no point after ${budget}s, timeout ${limit}s"
-  timeout "$limit" python3 bench/bench_adaptive.py "${common[@]}" --skip-large --demo-batches $demo_batches \
+  demo_repeats=(); [ "${common[0]}" = --quick ] || demo_repeats=(--demo-repeats "${ADAPTIVE_DEMO_REPEATS:-7}")
+  timeout "$limit" python3 bench/bench_adaptive.py "${common[@]}" "${demo_repeats[@]}" --skip-large --demo-batches $demo_batches \
     --demo-goodput skip --no-pinned --budget-seconds "$budget" --json "$out/adaptive_demo.json" "$@" 2>&1 \
     | tee "$out/adaptive_demo.log" | grep -v -i warn | grep -v '^{' | sed '/^== summary/,$d' | tail -60
   [ "${PIPESTATUS[0]}" = 124 ] && echo "== demo part: cut by its timeout (${limit}s): the table below has what it finished"
