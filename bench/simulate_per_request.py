@@ -17,10 +17,14 @@ at its depth or above, a mixed step its token bucket's), the same ones the polic
 fixed S = 0..3, of ``GoodputPolicy`` (one depth for the batch) and of the per-request policy, the policy's mean s by label over decode steps (s of a request's
 verify steps, its first step's join length included), the policy's host time per decision, and the
 seconds and tokens a step it priced its searches' choices at beside the simulated steps' means.
+``--oracle``: also every static per-label assignment (a request of label 0.9 / 0.6 / 0.2 always
+drafts s_0.9 / s_0.6 / s_0.2, knowing its label: 64 runs), the best of them and its ratio to the best
+fixed S: how far above the best fixed S a per-request policy could get on this workload.
 """
 
 import argparse
 import collections
+import itertools
 import json
 import time
 
@@ -29,7 +33,7 @@ import numpy as np
 import mtp_ctrl
 from mtp_ctrl.controllers import GoodputPolicy, PerRequestGoodputPolicy
 from mtp_ctrl.controllers.draft_lengths import DraftLengths
-from mtp_ctrl.controllers.draft_policy import FixedDraftLength
+from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, FixedDraftLength
 from mtp_ctrl.state import EngineShape
 
 RATES = (0.9, 0.6, 0.2)
@@ -53,8 +57,10 @@ class MeasuredCosts:
 
     def __init__(self, path: str, batch: int):
         with open(path) as file:
-            rows = next(row["costs"]["rows"] for row in json.load(file)
-                        if row["batch"] == batch and "rows" in (row.get("costs") or {}))
+            # the engine that recorded the most token counts at this batch: the per-request engine's
+            # ragged decode counts (a goodput engine's table has one decode count a depth)
+            rows = max((row["costs"]["rows"] for row in json.load(file)
+                        if row["batch"] == batch and "rows" in (row.get("costs") or {})), key=len)
         self.table = {}
         for key, ms in rows.items():
             fields = dict(part.split("=") for part in key.split(", ") if "=" in part)
@@ -191,6 +197,8 @@ def main():
                         help="x: each request's tokens uniform in new-tokens * (1 -+ x) (default 0: all equal)")
     parser.add_argument("--row-costs-json", default=None,
                         help="step costs from this bench_adaptive.py --json file's warm-up replays at --batch")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also the best static per-label lengths (64 runs; the module docstring)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args()
     mtp_ctrl.quiet_known_warnings(args.verbose)
@@ -198,6 +206,7 @@ def main():
     MEASURED = MeasuredCosts(args.row_costs_json, args.batch) if args.row_costs_json else None
     queued = not args.closed
     S = 3
+    best_fixed = 0.0  # tokens per second of the best fixed S (--oracle's reference)
     for label, make in [(f"fixed S = {s}", (lambda s=s: _Fixed(s))) for s in range(S + 1)] + \
                        [("goodput", GoodputPolicy), ("per-request", PerRequestGoodputPolicy)]:
         tokens, seconds, by_label, decisions, (priced, simulated) = simulate(
@@ -212,6 +221,31 @@ def main():
                      f"({priced_tokens / priced_s / 1e3:.1f} tok/ms; mean of its searches' choices), simulated "
                      f"{step_s * 1e3:.3f} ms, {step_tokens:.1f} tokens")
         print(line, flush=True)
+        best_fixed = max(best_fixed, tokens / seconds) if label.startswith("fixed") else best_fixed
+    if args.oracle:
+        scored = []
+        for lengths in itertools.product(range(S + 1), repeat=len(RATES)):
+            tokens, seconds, *_ = simulate(_PerLabel(lengths), args.batch, S, args.steps, args.new_tokens, queued,
+                                           length_spread=args.length_spread)
+            scored.append((tokens / seconds, lengths))
+        scored.sort(reverse=True)
+        print("   per-label: " + "; ".join(
+            f"s = {' / '.join(map(str, lengths))}: {rate / 1e3:.2f} tok/ms, {rate / best_fixed:.3f}x the best fixed S"
+            for rate, lengths in scored[:3]) + " (the best three static assignments by label "
+            + " / ".join(map(str, RATES)) + ")", flush=True)
+
+
+class _PerLabel(DraftLengthPolicy):
+    """The oracle's static lengths: a request of label ``RATES[i]`` (request id i mod 3) drafts ``lengths[i]``."""
+
+    per_request_lengths = True
+
+    def __init__(self, lengths):
+        super().__init__()
+        self.lengths = np.asarray(lengths, dtype=np.int64)  # [3] int64
+
+    def choose(self, query):
+        return np.minimum(query.caps, self.lengths[query.request_ids % len(RATES)])
 
 
 class _Fixed(FixedDraftLength):
