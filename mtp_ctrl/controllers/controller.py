@@ -37,7 +37,6 @@ and :meth:`on_apply`, and :meth:`debug_view`. The GPU part of a step is ``step_l
 engine's sizes are ``self.shape`` (an ``EngineShape``).
 """
 
-import itertools
 import time
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
@@ -51,6 +50,7 @@ from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.draft_context import DraftContext
 from mtp_ctrl.controllers.draft_lengths import DraftLengths, step_order_lengths
 from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
+from mtp_ctrl.controllers.graph_warmup import ROW_COST, STEP_COST, warmup_variants
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows
@@ -185,50 +185,29 @@ class TextGenerationController:
         return len(self._graphs)
 
     def _replay_every_shape(self) -> Tuple[Dict[Tuple[int, int], float], Dict[Tuple[int, int, int, bool], float]]:
-        """Replay the graph of every padded shape (every verify tier V and draft depth D the policy
-        warms up, ``DraftLengths.warmup_tiers``) from a step that holds no request (capture it
-        first if new). Returns the decode-only single steps' replay seconds by (batch size, D) where
-        V = D (a steady step verifies what the step before drafted): the policy's step costs; and
-        the same by (batch size, token count, D, has prefill) for every token count (decode-only:
-        the tier's, with ragged rows also the ragged counts' masked graphs; with prefill chunks: each
-        token bucket's): the row costs a queue's steps are priced by (``RowCostModel``)."""
+        """Replay the graph of every variant ``graph_warmup.warmup_variants`` lists (capture it first
+        if new), from steps that hold no request. Returns the replay seconds of the steady decode-only
+        steps by (batch size, D) (the policy's step costs), and by (batch size, token count, D, has
+        prefill) of those and of the ragged counts and token buckets (the row costs a queue's steps
+        are priced by: ``RowCostModel``)."""
         costs, row_costs = {}, {}
-        for verify_width, num_drafts in self._draft_lengths.warmup_tiers():
-            for shape in self.context.graph_shapes(verify_width):
-                # a ragged decode-only count below the tier's G (1 + V): single steps, some request holds < V
-                ragged = shape.is_ragged(verify_width)
-                for num_steps in (1,) if shape.has_prefill or ragged else self._scheduler.run_lengths:
-                    if num_steps > 1 and verify_width < num_drafts:
-                        continue  # a decode run's later steps verify its own lengths: its V >= its D
-                    step = self.context.build_padding_step(shape, num_steps, num_drafts, verify_width)
-                    masks = self._draft_lengths.warmup_masks(verify_width, not shape.has_prefill and not ragged)
-                    # the proposer's plans (skipped MTP windows: D' depths run, catch-up); the first one is
-                    # the steady step's (a D < S step's skips D..S-1), whose replay time is the step's cost.
-                    # The others follow only a step that drafted < S: warmed for a policy that chooses D < S
-                    plans = self.proposer.warmup_plans(step) if self.shape.num_speculative_tokens > 0 else (None,)
-                    if min(self._draft_lengths.warmup_depths()) == self.shape.num_speculative_tokens:
-                        plans = plans[:1]
-                    paths = (False,) if shape.has_prefill else (True, False)  # all greedy? (see _launch_step)
-                    for plan_index, plan, (all_greedy, masked) in (
-                            (index, plan, variant) for index, plan in enumerate(plans)
-                            for variant in itertools.product(paths, masks)):
-                        self._all_greedy = all_greedy
-                        key = self._graph_key(step, masked, plan)
-                        if key not in self._graphs:
-                            self.proposer.use_plan(plan)
-                            self._graphs.run(key, lambda: self._launch_run(step, masked))
-                        steady = num_steps == 1 and not shape.has_prefill and verify_width == num_drafts and \
-                            plan_index == 0
-                        if steady and not masked:
-                            cost_key = (shape.request_count, num_drafts)
-                            costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
-                            row_costs[(shape.request_count, shape.token_count, num_drafts, False)] = costs[cost_key]
-                        elif (ragged or shape.has_prefill) and all_greedy != shape.has_prefill and \
-                                verify_width == num_drafts and plan_index == 0:  # a ragged count's, a token bucket's
-                            row_key = (shape.request_count, shape.token_count, num_drafts, shape.has_prefill)
-                            row_costs[row_key] = self._graphs.timed_replay(key)
-                        else:  # uploaded now, not mid-serving (StepGraphs.replay); no profile needed
-                            self._graphs.replay(key)
+        for variant in warmup_variants(self.context, self._scheduler.run_lengths, self._draft_lengths, self.proposer):
+            step, masked = variant.step, variant.masked
+            self._all_greedy = variant.all_greedy
+            key = self._graph_key(step, masked, variant.plan)
+            if key not in self._graphs:
+                self.proposer.use_plan(variant.plan)
+                self._graphs.run(key, lambda: self._launch_run(step, masked))
+            shape = step.dimensions
+            if variant.use == STEP_COST:
+                cost_key = (shape.request_count, step.num_drafts)
+                costs[cost_key] = max(costs.get(cost_key, 0.0), self._graphs.timed_replay(key))
+                row_costs[(shape.request_count, shape.token_count, step.num_drafts, False)] = costs[cost_key]
+            elif variant.use == ROW_COST:
+                row_key = (shape.request_count, shape.token_count, step.num_drafts, shape.has_prefill)
+                row_costs[row_key] = self._graphs.timed_replay(key)
+            else:  # uploaded now, not mid-serving (StepGraphs.replay); no profile needed
+                self._graphs.replay(key)
         return costs, row_costs
 
     def replay_graphs(self) -> int:

@@ -39,6 +39,27 @@ BLOCK_HIDDEN = 128
 
 
 @triton.jit
+def _record_step_tokens(STEP_POSITIONS_PTR, STEP_IDS_PTR, NEXT_TOKENS_PTR, HISTORY_PTR, r, query_start, query_end,
+                        end, table_row, samples, history_len, history_stride, padding_row, BLOCK_ROWS: tl.constexpr):
+    """Request r's token record of one step (both kernels): the step's rows ``[query_start,
+    query_end)`` at their positions, then its sampled token at ``end`` (the bonus wins where they
+    meet); ``samples`` 0 or 1 (int64: the interpreter cannot mix a scalar condition into a block
+    mask): a request that does not sample writes its bonus to ``padding_row``."""
+    lanes = tl.arange(0, BLOCK_ROWS)
+    bonus_position = tl.minimum(tl.maximum(end, 0), history_len - 1)
+    for row_start in range(query_start, query_end, BLOCK_ROWS):
+        rows = row_start + lanes
+        in_request = rows < query_end
+        positions = tl.load(STEP_POSITIONS_PTR + rows, mask=in_request, other=0).to(tl.int64)
+        tokens = tl.load(STEP_IDS_PTR + rows, mask=in_request, other=0)
+        meets_bonus = (positions + (1 - samples) * history_len) == bonus_position  # never when not sampling
+        keep = in_request & (positions >= 0) & (positions < history_len) & ~meets_bonus
+        tl.store(HISTORY_PTR + table_row * history_stride + positions, tokens, mask=keep)
+    bonus_row = padding_row + samples * (table_row - padding_row)
+    tl.store(HISTORY_PTR + bonus_row * history_stride + bonus_position, tl.load(NEXT_TOKENS_PTR + r))
+
+
+@triton.jit
 def _mtp_draft_window_kernel(
     QUERY_START_LOC_PTR, FIRST_PTR, ENDS_PTR, WRITE_ROWS_PTR, SAMPLES_PTR, NUM_DECODE_PTR, NUM_ACTIVE_PTR,
     STEP_POSITIONS_PTR, STEP_IDS_PTR, NEXT_TOKENS_PTR, STEP_HIDDEN_PTR, BLOCK_TABLE_PTR, WINDOW_STARTS_PTR,
@@ -78,20 +99,10 @@ def _mtp_draft_window_kernel(
         first = tl.load(FIRST_PTR + r)
         end = tl.load(ENDS_PTR + r)
         table_row = tl.load(WRITE_ROWS_PTR + r)
-        samples = tl.load(SAMPLES_PTR + r).to(tl.int64)  # 0 or 1 (scalar int math: the interpreter
-        # cannot mix a scalar condition into a block mask)
-        bonus_position = tl.minimum(tl.maximum(end, 0), history_len - 1)
-        # 1. this step's rows at their positions (the bonus wins where they meet), then the bonus
-        for row_start in range(query_start, query_end, BLOCK_ROWS):
-            rows = row_start + lanes
-            in_request = rows < query_end
-            positions = tl.load(STEP_POSITIONS_PTR + rows, mask=in_request, other=0).to(tl.int64)
-            tokens = tl.load(STEP_IDS_PTR + rows, mask=in_request, other=0)
-            meets_bonus = (positions + (1 - samples) * history_len) == bonus_position  # never when not sampling
-            keep = in_request & (positions >= 0) & (positions < history_len) & ~meets_bonus
-            tl.store(HISTORY_PTR + table_row * history_stride + positions, tokens, mask=keep)
-        bonus_row = padding_row + samples * (table_row - padding_row)
-        tl.store(HISTORY_PTR + bonus_row * history_stride + bonus_position, tl.load(NEXT_TOKENS_PTR + r))
+        samples = tl.load(SAMPLES_PTR + r).to(tl.int64)  # 0 or 1
+        # 1. this step's tokens in the request's record
+        _record_step_tokens(STEP_POSITIONS_PTR, STEP_IDS_PTR, NEXT_TOKENS_PTR, HISTORY_PTR, r, query_start, query_end,
+                            end, table_row, samples, history_len, history_stride, padding_row, BLOCK_ROWS)
         # 2. its window rows
         for local_start in range(0, size, BLOCK_ROWS):
             local = local_start + lanes
@@ -148,8 +159,8 @@ def _mtp_advance_window_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
 ):
     """Program r: request r's next window start and the ring of its last K positions' hidden;
-    with RECORD_TOKENS first its token record (as ``_mtp_draft_window_kernel``'s part 1: a step
-    that runs no window needs nothing else of that kernel)."""
+    with RECORD_TOKENS first its token record (``_record_step_tokens``, as ``_mtp_draft_window_kernel``'s
+    part 1: a step that runs no window needs nothing else of that kernel)."""
     r = tl.program_id(0)
     first = tl.load(FIRST_PTR + r)
     end = tl.load(ENDS_PTR + r)
@@ -158,18 +169,8 @@ def _mtp_advance_window_kernel(
     query_start = tl.load(QUERY_START_LOC_PTR + r).to(tl.int64)
     if RECORD_TOKENS:
         query_end = tl.load(QUERY_START_LOC_PTR + r + 1).to(tl.int64)
-        bonus_position = tl.minimum(tl.maximum(end, 0), history_len - 1)
-        lanes = tl.arange(0, BLOCK_ROWS)
-        for row_start in range(query_start, query_end, BLOCK_ROWS):
-            rows = row_start + lanes
-            in_request = rows < query_end
-            positions = tl.load(STEP_POSITIONS_PTR + rows, mask=in_request, other=0).to(tl.int64)
-            tokens = tl.load(STEP_IDS_PTR + rows, mask=in_request, other=0)
-            meets_bonus = (positions + (1 - samples) * history_len) == bonus_position  # never when not sampling
-            keep = in_request & (positions >= 0) & (positions < history_len) & ~meets_bonus
-            tl.store(HISTORY_PTR + table_row * history_stride + positions, tokens, mask=keep)
-        bonus_row = padding_row + samples * (table_row - padding_row)
-        tl.store(HISTORY_PTR + bonus_row * history_stride + bonus_position, tl.load(NEXT_TOKENS_PTR + r))
+        _record_step_tokens(STEP_POSITIONS_PTR, STEP_IDS_PTR, NEXT_TOKENS_PTR, HISTORY_PTR, r, query_start, query_end,
+                            end, table_row, samples, history_len, history_stride, padding_row, BLOCK_ROWS)
     if MOVE_WINDOW_START:
         tl.store(WINDOW_STARTS_PTR + table_row, tl.maximum(tl.minimum(end, end + samples - S), 0))
     offsets = tl.arange(0, BLOCK_RING)
