@@ -525,7 +525,10 @@ class TextGenerationController:
         if self.shape.num_speculative_tokens > 0:
             notify_committed(self.proposer, step, readbacks, emitted)
         counted = decode[None, :] & (emitted > 0)  # [k, n]
-        self.metrics.record_acceptance(readbacks[:, :, 0][counted], step_order_lengths(verified, num_launched)[counted])
+        if verified.any():
+            self.metrics.record_acceptance(readbacks[:, :, 0][counted], step_order_lengths(verified, num_launched)[counted])
+        else:  # nobody verified a draft (a D = 0 step after one): counts only
+            self.metrics.record_no_drafts(int(counted.sum()))
         self.metrics.emitted_tokens += int(emitted.sum())
         self._decode_tokens += int(emitted[:, :num_decode].sum())  # the draft-length cost model's realised tokens
         for index, reason in finished:

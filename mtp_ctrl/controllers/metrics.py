@@ -69,6 +69,13 @@ class GenerationMetrics:
             cells = np.minimum(np.asarray(draft_lengths, dtype=np.int64), S) * (S + 1) + counts
             self._outcomes += np.bincount(cells, minlength=(S + 1) ** 2).reshape(S + 1, S + 1)
 
+    def record_no_drafts(self, count: int) -> None:
+        """``count`` decode request-steps that verified no draft (a step where nobody held one):
+        :meth:`record_acceptance` of ``count`` zeros with lengths 0, without the arrays."""
+        self.verify_steps += count
+        if self.num_speculative_tokens:
+            self._outcomes[0, 0] += count
+
     @property
     def draft_length_counts(self) -> np.ndarray:
         """``[S + 1]`` int64: verify request-steps by how many drafts they verified (the draft-length

@@ -30,10 +30,13 @@ def test_acceptance_counts_per_depth_and_draft_length_from_random_steps():
         all_lengths, all_counts = [], []
         for _ in range(20):
             n = int(rng.integers(0, 9))
-            lengths = rng.integers(0, S + 1, size=n)
+            lengths = rng.integers(0, S + 1, size=n) * (rng.random() < 0.7)  # some steps verify nothing
             counts = (rng.random(n) * (lengths + 1)).astype(np.int64)  # accepted <= verified
             given = None if rng.random() < 0.3 else lengths
-            metrics.record_acceptance(counts, given)
+            if given is not None and not lengths.any() and rng.random() < 0.5:
+                metrics.record_no_drafts(n)  # the controller's path for a step where nobody verified a draft
+            else:
+                metrics.record_acceptance(counts, given)
             all_lengths += (lengths if given is not None else np.full(n, S)).tolist()
             all_counts += counts.tolist()
         lengths, counts = np.array(all_lengths, np.int64), np.array(all_counts, np.int64)
