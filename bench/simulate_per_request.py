@@ -101,18 +101,14 @@ def row_costs(G: int, S: int):
 
 
 def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int = 48, queued: bool = True,
-             seed: int = 0, warm_costs: bool = True, length_spread: float = 0.0):
+             seed: int = 0, warm_costs: bool = True, length_spread: float = 0.0, waves: int = 0, warm_runs: int = 0):
     """Run the scripted loop; returns ``(tokens, seconds, lengths by label [list of s per decode
     step], decision host seconds [list], (the per-request policy's searches' priced (seconds, tokens)
     a step [list], each simulated step's (seconds, tokens) [list]))``. ``length_spread`` x: request i's tokens are drawn
-    uniformly from ``new_tokens * (1 -+ x)`` (the same draws for every policy: seeded by request id)."""
-    rng = np.random.default_rng(seed)
-
-    def tokens_of(request_id):
-        if not length_spread:
-            return new_tokens
-        low, high = int(new_tokens * (1 - length_spread)), int(new_tokens * (1 + length_spread))
-        return int(np.random.default_rng([seed, request_id]).integers(max(low, 1), high + 1))
+    uniformly from ``new_tokens * (1 -+ x)`` (the same draws for every policy: seeded by request id).
+    ``waves`` W > 0: a known queue of W x G requests (``bench_adaptive.py``'s "queued 4x" at W = 4),
+    run until every one is done (``steps`` is then only a bound); ``warm_runs``: run the workload this
+    many times first with the same policy (the benchmark times warm engines), the figures of the last."""
     shape = EngineShape(max_requests=G, max_model_len=256, block_size_tokens=16, num_speculative_tokens=S,
                         max_tokens_per_step=G * (1 + S) + CHUNK * G)
     lengths_of = DraftLengths(policy, shape)
@@ -121,8 +117,25 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
         lengths_of.set_step_costs(costs, row_costs=row_costs(G, S))
         for depth in range(S + 1):  # every depth measured (a warmed-up loop): no exploration holds
             policy.cost_model.record(G, depth, costs[(G, depth)], costs[(G, depth)])
-    next_id, slots = 0, {}  # request id -> [rate, tokens left, held drafts (verified next step)]
-    waiting = steps * G if queued else 0
+    first_id = 0
+    for run in range(warm_runs + 1):
+        result = _run(policy, lengths_of, G, steps if not waves else 100 * waves * new_tokens, new_tokens, queued,
+                      seed + run, length_spread, waves * G, first_id)
+        first_id = result[-1]
+    return result[:-1]
+
+
+def _run(policy, lengths_of, G, steps, new_tokens, queued, seed, length_spread, known_requests, first_id):
+    """One run of :func:`simulate`'s loop (requests from id ``first_id``); returns its figures and the next free id."""
+    rng = np.random.default_rng(seed)
+
+    def tokens_of(request_id):
+        if not length_spread:
+            return new_tokens
+        low, high = int(new_tokens * (1 - length_spread)), int(new_tokens * (1 + length_spread))
+        return int(np.random.default_rng([seed, request_id]).integers(max(low, 1), high + 1))
+    next_id, slots = first_id, {}  # request id -> [rate, tokens left, held drafts (verified next step)]
+    waiting = (known_requests or steps * G) if queued else 0
     if not queued:
         for _ in range(G):
             slots[next_id] = [RATES[next_id % 3], tokens_of(next_id), 0]
@@ -131,7 +144,7 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
     tokens = seconds = 0.0
     by_label = collections.defaultdict(list)
     decisions = []  # thread seconds of each policy.choose
-    choose = policy.choose
+    choose = type(policy).choose.__get__(policy)  # the class's (an earlier run's timed wrapper is an attribute)
     priced = []  # the per-request policy's searches: (seconds, tokens) a step it priced its choice at
 
     def timed_choose(query):
@@ -184,7 +197,7 @@ def simulate(policy, G: int = 64, S: int = 3, steps: int = 600, new_tokens: int 
                 del slots[request_id]
                 lengths_of.forget(request_id)
         simulated.append((cost, tokens - step_tokens))
-    return tokens, seconds, by_label, decisions, (priced, simulated)
+    return tokens, seconds, by_label, decisions, (priced, simulated), next_id
 
 
 def main():
@@ -193,6 +206,10 @@ def main():
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--closed", action="store_true", help="one closed batch (drains), not a queue")
+    parser.add_argument("--waves", type=int, default=0,
+                        help="W: a known queue of W x batch requests, run to the end (0: an endless queue, --steps)")
+    parser.add_argument("--warm-runs", type=int, default=0,
+                        help="run the workload this many times first with the same policy (warm, as the benchmark's)")
     parser.add_argument("--length-spread", type=float, default=0.0,
                         help="x: each request's tokens uniform in new-tokens * (1 -+ x) (default 0: all equal)")
     parser.add_argument("--row-costs-json", default=None,
@@ -210,7 +227,8 @@ def main():
     for label, make in [(f"fixed S = {s}", (lambda s=s: _Fixed(s))) for s in range(S + 1)] + \
                        [("goodput", GoodputPolicy), ("per-request", PerRequestGoodputPolicy)]:
         tokens, seconds, by_label, decisions, (priced, simulated) = simulate(
-            make(), args.batch, S, args.steps, args.new_tokens, queued, length_spread=args.length_spread)
+            make(), args.batch, S, args.steps, args.new_tokens, queued, length_spread=args.length_spread,
+            waves=args.waves, warm_runs=args.warm_runs)
         line = f"{label:>12}: {tokens / seconds / 1e3:7.2f} tok/ms"
         if decisions:
             line += "; mean s by label " + " / ".join(f"{rate}: {np.mean(by_label[rate]):.2f}" for rate in RATES)
@@ -226,7 +244,7 @@ def main():
         scored = []
         for lengths in itertools.product(range(S + 1), repeat=len(RATES)):
             tokens, seconds, *_ = simulate(_PerLabel(lengths), args.batch, S, args.steps, args.new_tokens, queued,
-                                           length_spread=args.length_spread)
+                                           length_spread=args.length_spread, waves=args.waves)
             scored.append((tokens / seconds, lengths))
         scored.sort(reverse=True)
         print("   per-label: " + "; ".join(
