@@ -140,7 +140,9 @@ def _run(policy, lengths_of, G, steps, new_tokens, queued, seed, length_spread, 
         for _ in range(G):
             slots[next_id] = [RATES[next_id % 3], tokens_of(next_id), 0]
             next_id += 1
-    lengths_of.queue_view = lambda ids: (waiting, np.array([slots[i][1] for i in ids.tolist()], dtype=np.int64))
+    lengths_of.queue_view = lambda ids: (waiting, np.array([slots[i][1] for i in ids.tolist()], dtype=np.int64),
+                                         round(np.mean([tokens_of(next_id + i) for i in range(min(waiting, 16))]))
+                                         if waiting else None)  # as the controller's: the next 16 waiting
     tokens = seconds = 0.0
     by_label = collections.defaultdict(list)
     decisions = []  # thread seconds of each policy.choose
@@ -187,6 +189,7 @@ def _run(policy, lengths_of, G, steps, new_tokens, queued, seed, length_spread, 
             policy.cost_model.record_launches(int(joined > 0), 1)
             if joined:
                 policy.cost_model.record_prefill_rows(CHUNK * joined)
+                policy.cost_model.record_prefill_chunks(CHUNK * joined, joined)
         for index, request_id in enumerate(ids.tolist()):
             slot = slots[request_id]
             emitted = min(1 + int(accepted[index]), slot[1])

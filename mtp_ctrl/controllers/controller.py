@@ -67,6 +67,7 @@ from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFull
 from mtp_ctrl.triton_ops import sample_tokens
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted by the launch applied, finished)
+JOINING_SAMPLE = 16  # waiting requests whose token budgets give the policy the length of a joining request
 
 
 class TextGenerationController:
@@ -441,13 +442,18 @@ class TextGenerationController:
                     raise
                 self._lifecycle.preempt_newest()
 
-    def _queue_view(self, request_ids: np.ndarray) -> Tuple[int, np.ndarray]:
+    def _queue_view(self, request_ids: np.ndarray) -> Tuple[int, np.ndarray, Optional[int]]:
         """For the draft-length policy (when it is asked): how many requests wait for the batch
         (to be admitted, or paused for KV space: either takes the blocks finishing requests free),
-        and ``[n]`` the tokens each of the live ``request_ids`` may still emit."""
+        ``[n]`` the tokens each of the live ``request_ids`` may still emit, and the mean of the most
+        the next ``JOINING_SAMPLE`` waiting requests may (None: none waits, or only paused ones)."""
         slots = np.fromiter(map(self.context.table.slot_of, request_ids.tolist()),  # host-ok: numpy ids
                             np.int64, request_ids.shape[0])
-        return self._scheduler.num_waiting + len(self._scheduler.paused_for_kv), self._outputs.tokens_left(slots)
+        budgets = [min(record.params.max_new_tokens, self.shape.max_model_len - len(record.prompt_tokens))
+                   for record in map(self._requests.__getitem__, self._scheduler.waiting_ids(JOINING_SAMPLE))]
+        joining = round(sum(budgets) / len(budgets)) if budgets else None
+        return (self._scheduler.num_waiting + len(self._scheduler.paused_for_kv), self._outputs.tokens_left(slots),
+                joining)
 
     def _launch_step(self, step: StepMetadata) -> LaunchedStep:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;

@@ -20,9 +20,11 @@ chunks apart, and the share of them), and
 at the next call's lockstep check.
 
 The queue: when the policy is asked, the controller's ``queue_view`` (if set) tells it how many
-requests wait to be admitted and how many tokens each of the step's sampling requests may still
-emit (``DraftLengthQuery.num_waiting``, ``tokens_left``): a batch nobody waits to join ends with
-its slowest request (``GoodputPolicy``'s drain objective).
+requests wait to be admitted, how many tokens each of the step's sampling requests may still
+emit and how many the next waiting request may (``DraftLengthQuery.num_waiting``, ``tokens_left``,
+``joining_tokens``): a batch nobody waits to join ends with its slowest request
+(``GoodputPolicy``'s drain objective); in a queue, the requests a step finishes bring prompt
+chunks, as many as finish (``RowCostModel.queue_seconds``).
 """
 
 import collections
@@ -39,7 +41,9 @@ from mtp_ctrl.state import EngineShape, StepMetadata
 
 TIMING_EVERY = 4  # step_timing keeps one in this many steady calls of the same (G, D)
 
-QueueView = Callable[[np.ndarray], Tuple[int, np.ndarray]]  # sampling request ids [n] -> (waiting, tokens left [n])
+# sampling request ids [n] -> (waiting, tokens left [n], the next waiting request's tokens or None);
+# a view that returns the first two only leaves joining_tokens None
+QueueView = Callable[[np.ndarray], Tuple]
 
 
 class StepTiming(NamedTuple):
@@ -210,9 +214,10 @@ class DraftLengths:
             return caps
         self._flush_outcomes()  # the policy decides on every outcome so far
         steps = 1 if held is None else held.steps
-        num_waiting, tokens_left = (0, None) if self.queue_view is None else self.queue_view(ids)
+        view = (0, None) if self.queue_view is None else self.queue_view(ids)
+        num_waiting, tokens_left, joining = view[0], view[1], (view[2] if len(view) > 2 else None)
         lengths = self.policy.choose(DraftLengthQuery(ids.copy(), caps.copy(), S, batch_size, steps, num_waiting,
-                                                      tokens_left))
+                                                      tokens_left, joining if num_waiting else None))
         lengths = np.asarray(lengths)
         if lengths.shape != (num_sampling,) or not np.issubdtype(lengths.dtype, np.integer):
             raise TypeError(f"{type(self.policy).__name__}.choose must return [{num_sampling}] ints, "
@@ -392,7 +397,9 @@ class DraftLengths:
         """The rows of prefill chunks ``step`` carried (a mixed step), for the cost model."""
         if step.num_prefill:
             starts = step.host_query_start_loc
-            cost_model.record_prefill_rows(int(starts[-1] - starts[step.num_decode]))
+            rows = int(starts[-1] - starts[step.num_decode])
+            cost_model.record_prefill_rows(rows)
+            cost_model.record_prefill_chunks(rows, step.num_prefill)
 
     @staticmethod
     def _realised_only(step: StepMetadata, gpu_seconds: Optional[float], wall_seconds: float, tokens: int,

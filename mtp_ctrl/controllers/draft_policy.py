@@ -44,6 +44,9 @@ class DraftLengthQuery:
     steps: int = 1  # steps since the policy's last choice (it held for them: ``decide_every``)
     num_waiting: int = 0  # requests queued, not yet admitted (0: the batch drains: nobody takes a freed slot)
     tokens_left: Optional[np.ndarray] = None  # [n] int64, the most tokens each may still emit (None: unknown)
+    # the most tokens the next waiting request may emit (its max_new_tokens within max_model_len): how
+    # long a request that takes a freed slot stays (None: unknown, or nobody waits)
+    joining_tokens: Optional[int] = None
 
 
 class DraftLengthPolicy:
@@ -351,13 +354,15 @@ class GoodputPolicy(DraftLengthPolicy):
         self.expected_tokens = tokens / max(n, 1)  # a request's tokens a step at each D (reports: vs realised)
         depths = np.arange(max_depth + 1)
         if query.num_waiting > 0 and self.cost_model.prices_rows(query.batch_size):
-            # a queue: a step's prompt chunks come with the requests that finish, as many as its tokens
-            # finish, so a depth's chunk rows are the recent ones times its tokens over the recent steps'
-            # (priced at the chunks as they came, drafts looked to share a fixed prefill cost: the 1B at
-            # batch 128 held D = 2 at 0.92x plain); each step priced by its rows (RowCostModel.row_seconds)
             rows_at_depth = n * (1 + depths)  # [D + 1] decode rows: 1 + V each (one depth: no ragged rows)
-            scale = tokens / self.tokens_per_step if self.tokens_per_step else None
-            seconds = self.cost_model.row_seconds(query.batch_size, rows_at_depth, depths, prefill_scale=scale)
+            seconds = queue_step_seconds(self.cost_model, query, rows_at_depth, depths, depths, tokens)
+            if seconds is None:
+                # the recent prompt chunks: a step's chunks come with the requests that finish, as many as
+                # its tokens finish, so a depth's chunk rows are the recent ones times its tokens over the
+                # recent steps' (priced at the chunks as they came, drafts looked to share a fixed prefill
+                # cost: the 1B at batch 128 held D = 2 at 0.92x plain); each step priced by its rows
+                scale = tokens / self.tokens_per_step if self.tokens_per_step else None
+                seconds = self.cost_model.row_seconds(query.batch_size, rows_at_depth, depths, prefill_scale=scale)
         else:  # the model's cost of each depth times what the loop realised around its steady steps (step_costs.py)
             seconds = np.array([self.cost_model.policy_seconds(query.batch_size, depth) for depth in depths])
         if drain:
@@ -433,6 +438,27 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def forget(self, request_id: int) -> None:
         self._leaving.append(request_id)  # its estimate may join the population at the next lookup
+
+
+def queue_step_seconds(cost_model, query: DraftLengthQuery, rows: np.ndarray, depths: np.ndarray, drafts: np.ndarray,
+                       tokens: np.ndarray) -> Optional[np.ndarray]:
+    """``[c]`` seconds a step of each candidate costs while requests wait, its prompt chunks
+    included (``RowCostModel.queue_seconds``): candidates that emit ``tokens`` ``[c]`` a step finish
+    ``tokens / joining_tokens`` requests a step (each freed slot takes a waiting request that stays
+    ``joining_tokens``); without drafts they finish in the groups of equal ``tokens_left`` they
+    are in now (at most ``num_waiting`` of them take a waiting request). None where the query or the
+    cost model cannot tell (no ``joining_tokens`` or ``tokens_left``, no prompt chunk measured, no
+    mixed buckets' times): the caller prices by the recent chunks."""
+    queue_seconds = getattr(cost_model, "queue_seconds", None)
+    if queue_seconds is None or not query.joining_tokens or query.tokens_left is None or not query.tokens_left.shape[0]:
+        return None
+    left = np.maximum(np.asarray(query.tokens_left, dtype=np.int64), 1)
+    _, sizes = np.unique(left, return_counts=True)  # [g] requests finishing together, earliest first
+    taken = np.minimum(np.cumsum(sizes), query.num_waiting)  # only as many as wait take a freed slot
+    groups = np.diff(taken, prepend=0)
+    period = max(float(query.joining_tokens), float(left.max()))  # a group joins once in a request's life
+    return queue_seconds(query.batch_size, rows, depths, drafts, np.asarray(tokens) / query.joining_tokens,
+                         groups[groups > 0], period)
 
 
 def _prefix_products(values: np.ndarray) -> np.ndarray:

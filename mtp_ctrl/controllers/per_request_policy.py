@@ -49,7 +49,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps
+from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps, queue_step_seconds
 from mtp_ctrl.controllers.step_costs import RowCostModel  # noqa: F401 (the policies' cost model; imported from here before)
 from mtp_ctrl.triton_ops._checks import check_int
 
@@ -203,8 +203,10 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         # requests that finish, as many as its tokens finish; so a candidate's chunks are the recent
         # steps' scaled by its tokens over theirs (priced at the recent chunks alone, drafting looked
         # to share a fixed prefill cost among more tokens: the 1B at batch 256, 0.72x plain)
-        scale = tokens / self.tokens_per_step if queued and self.tokens_per_step else None
-        seconds = self.cost_model.row_seconds(G, n + drafts, depths, prefill_scale=scale)  # [C]
+        seconds = queue_step_seconds(self.cost_model, query, n + drafts, depths, drafts, tokens) if queued else None
+        if seconds is None:
+            scale = tokens / self.tokens_per_step if queued and self.tokens_per_step else None
+            seconds = self.cost_model.row_seconds(G, n + drafts, depths, prefill_scale=scale)  # [C]
         num_prefixes = num_drafts + 1
         if drain:
             scored = np.concatenate([_drain_candidates(depths[:num_prefixes]), np.arange(num_prefixes, drafts.shape[0])])

@@ -117,6 +117,10 @@ class StepCostModel:
         """An applied step with prefill chunks carried ``rows`` chunk rows. This model keeps none
         (``RowCostModel`` overrides it: a ragged candidate's token bucket depends on them)."""
 
+    def record_prefill_chunks(self, rows: int, chunks: int) -> None:
+        """The same step's ``rows`` chunk rows were ``chunks`` prompts' chunks. This model keeps
+        none (``RowCostModel`` overrides it: what a joining request adds to a step)."""
+
     def record_launches(self, mixed: int, total: int) -> None:
         """``total`` launches were applied, ``mixed`` of them with prefill chunks: moves
         ``mixed_share`` (every TP rank applies the same launches, so every rank's share agrees)."""
@@ -316,6 +320,9 @@ class RowCostModel(StepCostModel):
         self.prefill_rows: Optional[float] = None
         self._prefill_ring = np.zeros(self.PREFILL_SAMPLES, dtype=np.int64)  # the last mixed steps' prefill rows
         self._prefill_count = 0
+        # moving average of the rows a prompt chunk brings (a mixed step's chunk rows over its prefill
+        # requests): what a joining request adds to the step it joins (queue_seconds)
+        self.chunk_rows: Optional[float] = None
         self.version = 0  # bumped when the row costs are set (a policy's kept price is then stale)
 
     def set_row_costs(self, row_costs: Dict[Tuple[int, int, int, bool], float]) -> None:
@@ -339,6 +346,12 @@ class RowCostModel(StepCostModel):
         self._prefill_ring[self._prefill_count % self.PREFILL_SAMPLES] = rows
         self._prefill_count += 1
 
+    def record_prefill_chunks(self, rows: int, chunks: int) -> None:
+        """The same step's ``rows`` chunk rows were ``chunks`` prompts' chunks: ``chunk_rows``, the
+        rows a joining request brings (:meth:`queue_seconds`)."""
+        per_chunk, old = rows / max(chunks, 1), self.chunk_rows
+        self.chunk_rows = per_chunk if old is None else old + self.share_smoothing * (per_chunk - old)
+
     def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray,
                     prefill_scale: Optional[np.ndarray] = None) -> np.ndarray:
         """``[c]`` seconds of a step at grid ``batch_size`` whose decode requests run ``rows[i]`` rows
@@ -356,23 +369,10 @@ class RowCostModel(StepCostModel):
         the linear guess. A fixed number of numpy calls (and a Python loop over the depths, not the
         candidates)."""
         rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
-        num_depths = int(depths.max()) + 1 if depths.shape[0] else 1
-        wall = np.array([self.seconds(batch_size, d) for d in range(num_depths)])  # [D + 1]
-        # the linear guess: rows between G (a plain step's) and G (1 + D) (the tier's)
-        slope = (wall - wall[0]) / (batch_size * np.maximum(np.arange(num_depths), 1))  # [D + 1]
-        linear = wall[0] + slope[depths] * (rows - batch_size)  # [c]
-        grid = min((g for g in self._dense if g >= batch_size), default=None)
-        if grid is None or self._dense[grid][0] is None:
+        linear, priced = self._decode_part(batch_size, rows, depths)
+        if priced is None:
             return linear
-        decode_table, mixed_table = self._dense[grid]
-        timed = depths < decode_table.shape[0]  # [c] a depth past the table's: not timed (NaN, as a row of NaN)
-        decode = np.where(timed, decode_table[np.minimum(depths, decode_table.shape[0] - 1),
-                                              np.minimum(rows, decode_table.shape[1] - 1)], np.nan)  # [c]
-        gaps = np.zeros((2, num_depths))  # [2, D + 1]: the loop over the GPU (wall; decode-only wall) once measured
-        for d in range(num_depths):
-            gpu = self._lookup(self.gpu, batch_size, d)
-            if gpu is not None and self.is_measured(batch_size, d):
-                gaps[:, d] = max(0.0, wall[d] - gpu), max(0.0, self.decode_seconds(batch_size, d) - gpu)
+        decode, gaps, mixed_table = priced
         out = decode + gaps[0, depths]
         samples = min(self._prefill_count, self.PREFILL_SAMPLES)
         if mixed_table is not None and samples and self.mixed_share >= 1e-3:
@@ -386,6 +386,84 @@ class RowCostModel(StepCostModel):
             out = np.where(np.isnan(mixed), out, blended)
         return np.where(np.isnan(decode), linear, out)
 
+    def queue_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray, drafts: np.ndarray,
+                      joins: np.ndarray, finish_groups: np.ndarray, period: float) -> Optional[np.ndarray]:
+        """``[c]`` seconds a step costs in a queue, with the prompt chunks its finishing requests bring
+        (every freed slot takes a waiting request, whose first chunk of ``chunk_rows`` rows joins a
+        step): candidate i's decode requests run ``rows[i]`` rows, draft ``depths[i]`` depths and
+        ``drafts[i]`` drafts in all, and emit tokens that finish ``joins[i]`` requests a step.
+
+        - A candidate with no drafts (``drafts[i] == 0``): every request emits one token a step, so
+          the requests finish in the groups they finish in now, ``finish_groups`` ``[g]`` (requests
+          that finish at the same step, as many as wait: a closed batch's lockstep, or a spread), once
+          every ``period`` steps (the joining requests' length): each group is one step with its
+          prompts' chunks, ``(mixed(rows + group chunks) - decode(rows)) / period`` a step;
+        - a candidate with drafts: finishes spread over steps (accepted drafts differ between
+          requests), ``k ~ Poisson(joins[i])`` joins a step, each step priced by the token bucket its
+          rows and k chunks pad to (``mixed(rows + k chunk_rows)``; a step past the largest bucket
+          in proportion).
+
+        So plain decoding of equal-length requests is priced at its one bulk prefill step a period,
+        where drafting spreads the same prompts over many mixed steps (each padded to a bucket, each
+        a mixed step's cost): what a queue's recent chunks (:meth:`row_seconds`) cannot tell while
+        the batch runs in lockstep. Plus the loop's measured wall over the GPU of a decode step at
+        the depth. None without the mixed buckets' times or a chunk measured (then
+        :meth:`row_seconds`)."""
+        rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
+        linear, priced = self._decode_part(batch_size, rows, depths)
+        if priced is None or priced[2] is None or not self.chunk_rows:
+            return None
+        decode, gaps, mixed_table = priced
+        chunk, largest = self.chunk_rows, mixed_table.shape[1] - 1
+        table_depths = np.minimum(depths, mixed_table.shape[0] - 1)  # [c]
+
+        def mixed(extra_rows: np.ndarray) -> np.ndarray:  # [c, k]: a step of rows + extra_rows ([c, k] or [k])
+            tokens = rows[:, None] + extra_rows
+            seconds = mixed_table[table_depths[:, None], np.minimum(tokens, largest)]
+            return seconds * np.maximum(tokens / largest, 1.0)  # past the largest bucket: in proportion
+
+        joins = np.maximum(np.asarray(joins, dtype=np.float64), 0.0)  # [c]
+        # Poisson(joins) weights of k = 0..K joins a step, by the recurrence w_{k+1} = w_k lambda / (k + 1)
+        K = int(np.ceil(joins.max() + 6.0 * np.sqrt(joins.max()))) + 2 if joins.shape[0] else 1
+        weights = np.empty((joins.shape[0], K + 1))  # [c, K + 1]
+        weights[:, 0] = np.exp(-joins)
+        for k in range(K):
+            weights[:, k + 1] = weights[:, k] * joins / (k + 1)
+        weights /= weights.sum(axis=1, keepdims=True)
+        steps = mixed(np.rint(np.arange(K + 1) * chunk).astype(np.int64)[None, :])  # [c, K + 1]
+        steps[:, 0] = decode
+        spread = (weights * steps).sum(axis=1)  # [c]
+        groups = np.asarray(finish_groups, dtype=np.int64)
+        bulk = decode + (mixed(np.rint(groups * chunk).astype(np.int64)[None, :]) - decode[:, None]).sum(axis=1) \
+            / max(float(period), 1.0) if groups.shape[0] else decode  # [c]
+        out = gaps[1, depths] + np.where(np.asarray(drafts) == 0, bulk, spread)
+        out[depths >= mixed_table.shape[0]] = np.nan  # a depth the warm-up did not time
+        return np.where(np.isnan(out) | np.isnan(decode), linear, out)
+
+    def _decode_part(self, batch_size: int, rows: np.ndarray, depths: np.ndarray):
+        """``(linear [c], (decode [c], gaps [2, D + 1], mixed table or None) or None)``: the linear
+        guess (rows between G and G (1 + D) from the wall times; module docstring), and with the
+        warm-up's decode-only row costs at the grid the replay time of each candidate's decode-only
+        token count (NaN at a depth not timed) and the loop's wall over the GPU at each depth once
+        measured (row 0: the blended wall, row 1: the decode-only wall)."""
+        num_depths = int(depths.max()) + 1 if depths.shape[0] else 1
+        wall = np.array([self.seconds(batch_size, d) for d in range(num_depths)])  # [D + 1]
+        # the linear guess: rows between G (a plain step's) and G (1 + D) (the tier's)
+        slope = (wall - wall[0]) / (batch_size * np.maximum(np.arange(num_depths), 1))  # [D + 1]
+        linear = wall[0] + slope[depths] * (rows - batch_size)  # [c]
+        grid = min((g for g in self._dense if g >= batch_size), default=None)
+        if grid is None or self._dense[grid][0] is None:
+            return linear, None
+        decode_table, mixed_table = self._dense[grid]
+        timed = depths < decode_table.shape[0]  # [c] a depth past the table's: not timed (NaN, as a row of NaN)
+        decode = np.where(timed, decode_table[np.minimum(depths, decode_table.shape[0] - 1),
+                                              np.minimum(rows, decode_table.shape[1] - 1)], np.nan)  # [c]
+        gaps = np.zeros((2, num_depths))  # [2, D + 1]: the loop over the GPU (wall; decode-only wall) once measured
+        for d in range(num_depths):
+            gpu = self._lookup(self.gpu, batch_size, d)
+            if gpu is not None and self.is_measured(batch_size, d):
+                gaps[:, d] = max(0.0, wall[d] - gpu), max(0.0, self.decode_seconds(batch_size, d) - gpu)
+        return linear, (decode, gaps, mixed_table)
 
 def _dense_table(by_depth: Dict[int, list]) -> np.ndarray:
     """``[D + 1, T + 1]``: at depth d and t rows the seconds of the smallest timed count >= t of

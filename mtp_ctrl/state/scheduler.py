@@ -39,6 +39,7 @@ next step takes one more block for it (``blocks_needed`` gives 1). A run of 4 st
 """
 
 import collections
+import itertools
 from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
@@ -121,6 +122,10 @@ class Scheduler:
     def next_waiting(self) -> Optional[int]:
         """The request that joins next, or None."""
         return self._waiting[0] if self._waiting else None
+
+    def waiting_ids(self, limit: int) -> List[int]:
+        """The first ``limit`` waiting requests, the one that joins next first."""
+        return list(itertools.islice(self._waiting, limit))
 
     def take_next_waiting(self) -> int:
         """Remove the request that joins next from the queue (it took a row) and return it."""
