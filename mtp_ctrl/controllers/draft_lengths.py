@@ -21,8 +21,8 @@ at the next call's lockstep check.
 
 The queue: when the policy is asked, the controller's ``queue_view`` (if set) tells it how many
 requests wait to be admitted, how many tokens each of the step's sampling requests may still
-emit and how many the next waiting request may (``DraftLengthQuery.num_waiting``, ``tokens_left``,
-``joining_tokens``): a batch nobody waits to join ends with its slowest request
+emit and how many a waiting request may (the mean budget of the next ones; ``DraftLengthQuery.num_waiting``,
+``tokens_left``, ``joining_tokens``): a batch nobody waits to join ends with its slowest request
 (``GoodputPolicy``'s drain objective); in a queue, the requests a step finishes bring prompt
 chunks, as many as finish (``RowCostModel.queue_seconds``).
 """
@@ -41,7 +41,7 @@ from mtp_ctrl.state import EngineShape, StepMetadata
 
 TIMING_EVERY = 4  # step_timing keeps one in this many steady calls of the same (G, D)
 
-# sampling request ids [n] -> (waiting, tokens left [n], the next waiting request's tokens or None);
+# sampling request ids [n] -> (waiting, tokens left [n], the waiting requests' mean token budget or None);
 # a view that returns the first two only leaves joining_tokens None
 QueueView = Callable[[np.ndarray], Tuple]
 

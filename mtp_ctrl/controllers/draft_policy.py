@@ -44,8 +44,8 @@ class DraftLengthQuery:
     steps: int = 1  # steps since the policy's last choice (it held for them: ``decide_every``)
     num_waiting: int = 0  # requests queued, not yet admitted (0: the batch drains: nobody takes a freed slot)
     tokens_left: Optional[np.ndarray] = None  # [n] int64, the most tokens each may still emit (None: unknown)
-    # the most tokens the next waiting request may emit (its max_new_tokens within max_model_len): how
-    # long a request that takes a freed slot stays (None: unknown, or nobody waits)
+    # the tokens a waiting request may emit (max_new_tokens within max_model_len; the controller: the mean
+    # of the next 16): how long a request that takes a freed slot stays (None: unknown, or nobody waits)
     joining_tokens: Optional[int] = None
 
 
