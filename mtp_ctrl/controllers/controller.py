@@ -449,7 +449,9 @@ class TextGenerationController:
         the next ``JOINING_SAMPLE`` waiting requests may (None: none waits, or only paused ones)."""
         slots = np.fromiter(map(self.context.table.slot_of, request_ids.tolist()),  # host-ok: numpy ids
                             np.int64, request_ids.shape[0])
+        # a preempted request waits first with its output so far: its budget is what it has left
         budgets = [min(record.params.max_new_tokens, self.shape.max_model_len - len(record.prompt_tokens))
+                   - len(record.output_tokens)
                    for record in map(self._requests.__getitem__, self._scheduler.waiting_ids(JOINING_SAMPLE))]
         joining = round(sum(budgets) / len(budgets)) if budgets else None
         return (self._scheduler.num_waiting + len(self._scheduler.paused_for_kv), self._outputs.tokens_left(slots),

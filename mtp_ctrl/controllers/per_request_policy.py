@@ -200,10 +200,12 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         tokens = n + np.concatenate([[0.0], np.cumsum(gains),
                                      np.take_along_axis(expected, one_depth, axis=1).sum(axis=0)])  # [C]
         # while requests wait, a freed slot takes the next one: a step's prefill chunks come with the
-        # requests that finish, as many as its tokens finish; so a candidate's chunks are the recent
-        # steps' scaled by its tokens over theirs (priced at the recent chunks alone, drafting looked
-        # to share a fixed prefill cost among more tokens: the 1B at batch 256, 0.72x plain)
-        seconds = queue_step_seconds(self.cost_model, query, n + drafts, depths, drafts, tokens) if queued else None
+        # requests that finish, as many as its tokens finish (queue_step_seconds: without drafts in the
+        # finish groups they are in, with drafts spread); without joining_tokens, the recent
+        # steps' chunks scaled by its tokens over theirs (priced at the recent chunks alone, drafting
+        # looked to share a fixed prefill cost among more tokens: the 1B at batch 256, 0.72x plain).
+        drafting = (drafts > 0).astype(np.float64)  # [C] drafts for anyone: the batch's finishes spread
+        seconds = queue_step_seconds(self.cost_model, query, n + drafts, depths, drafting, tokens) if queued else None
         if seconds is None:
             scale = tokens / self.tokens_per_step if queued and self.tokens_per_step else None
             seconds = self.cost_model.row_seconds(G, n + drafts, depths, prefill_scale=scale)  # [C]

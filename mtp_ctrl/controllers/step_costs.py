@@ -386,22 +386,23 @@ class RowCostModel(StepCostModel):
             out = np.where(np.isnan(mixed), out, blended)
         return np.where(np.isnan(decode), linear, out)
 
-    def queue_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray, drafts: np.ndarray,
+    def queue_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray, drafting: np.ndarray,
                       joins: np.ndarray, finish_groups: np.ndarray, period: float) -> Optional[np.ndarray]:
         """``[c]`` seconds a step costs in a queue, with the prompt chunks its finishing requests bring
         (every freed slot takes a waiting request, whose first chunk of ``chunk_rows`` rows joins a
-        step): candidate i's decode requests run ``rows[i]`` rows, draft ``depths[i]`` depths and
-        ``drafts[i]`` drafts in all, and emit tokens that finish ``joins[i]`` requests a step.
+        step): candidate i's decode requests run ``rows[i]`` rows and draft ``depths[i]`` depths,
+        a share ``drafting[i]`` of them draft at all, and their tokens finish ``joins[i]`` requests a
+        step.
 
-        - A candidate with no drafts (``drafts[i] == 0``): every request emits one token a step, so
-          the requests finish in the groups they finish in now, ``finish_groups`` ``[g]`` (requests
-          that finish at the same step, as many as wait: a closed batch's lockstep, or a spread), once
-          every ``period`` steps (the joining requests' length): each group is one step with its
-          prompts' chunks, ``(mixed(rows + group chunks) - decode(rows)) / period`` a step;
-        - a candidate with drafts: finishes spread over steps (accepted drafts differ between
-          requests), ``k ~ Poisson(joins[i])`` joins a step, each step priced by the token bucket its
-          rows and k chunks pad to (``mixed(rows + k chunk_rows)``; a step past the largest bucket
-          in proportion).
+        - Requests that draft nothing emit one token a step, so they finish in the groups they are in
+          now, ``finish_groups`` ``[g]`` (requests that finish at the same step, as many as wait: a
+          batch in lockstep, or spread), each group once a ``period`` (the joining requests'
+          length): a step of its prompts' chunks, ``(mixed(rows + group chunks) - decode(rows)) /
+          period`` a step, for the ``1 - drafting[i]`` share of the batch;
+        - the requests that draft spread their finishes over steps (accepted drafts differ between
+          requests): ``k ~ Poisson(drafting[i] joins[i])`` joins a step (at most the batch),
+          each step priced by the token bucket its rows and k chunks pad to (``mixed(rows + k
+          chunk_rows)``; a step past the largest bucket in proportion).
 
         So plain decoding of equal-length requests is priced at its one bulk prefill step a period,
         where drafting spreads the same prompts over many mixed steps (each padded to a bucket, each
@@ -422,21 +423,26 @@ class RowCostModel(StepCostModel):
             seconds = mixed_table[table_depths[:, None], np.minimum(tokens, largest)]
             return seconds * np.maximum(tokens / largest, 1.0)  # past the largest bucket: in proportion
 
-        joins = np.maximum(np.asarray(joins, dtype=np.float64), 0.0)  # [c]
-        # Poisson(joins) weights of k = 0..K joins a step, by the recurrence w_{k+1} = w_k lambda / (k + 1)
-        K = int(np.ceil(joins.max() + 6.0 * np.sqrt(joins.max()))) + 2 if joins.shape[0] else 1
-        weights = np.empty((joins.shape[0], K + 1))  # [c, K + 1]
-        weights[:, 0] = np.exp(-joins)
-        for k in range(K):
-            weights[:, k + 1] = weights[:, k] * joins / (k + 1)
+        drafting = np.clip(np.nan_to_num(np.asarray(drafting, dtype=np.float64)), 0.0, 1.0)  # [c]
+        # the drafting requests' joins a step: at most the batch (a finish frees one slot)
+        joins = np.clip(np.nan_to_num(np.asarray(joins, dtype=np.float64)) * drafting, 0.0, float(batch_size))  # [c]
+        most = float(joins.max()) if joins.shape[0] else 0.0
+        K = min(int(np.ceil(most + 6.0 * np.sqrt(most))) + 2, batch_size)  # k = 0..K joins
+        k = np.arange(K + 1, dtype=np.float64)  # [K + 1]
+        # Poisson weights in log space (exp(-lambda) underflows past ~745), renormalised over 0..K
+        log_factorials = np.concatenate([[0.0], np.cumsum(np.log(k[1:]))])  # [K + 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_weights = k[None, :] * np.log(joins)[:, None] - log_factorials[None, :]  # [c, K + 1]
+        log_weights[joins == 0.0] = np.where(k == 0, 0.0, -np.inf)  # lambda = 0: no join
+        weights = np.exp(log_weights - log_weights.max(axis=1, keepdims=True))
         weights /= weights.sum(axis=1, keepdims=True)
-        steps = mixed(np.rint(np.arange(K + 1) * chunk).astype(np.int64)[None, :])  # [c, K + 1]
+        steps = mixed(np.rint(k * chunk).astype(np.int64)[None, :])  # [c, K + 1]
         steps[:, 0] = decode
-        spread = (weights * steps).sum(axis=1)  # [c]
+        spread_extra = (weights * steps).sum(axis=1) - decode  # [c]
         groups = np.asarray(finish_groups, dtype=np.int64)
-        bulk = decode + (mixed(np.rint(groups * chunk).astype(np.int64)[None, :]) - decode[:, None]).sum(axis=1) \
-            / max(float(period), 1.0) if groups.shape[0] else decode  # [c]
-        out = gaps[1, depths] + np.where(np.asarray(drafts) == 0, bulk, spread)
+        bulk_extra = (mixed(np.rint(groups * chunk).astype(np.int64)[None, :]) - decode[:, None]).sum(axis=1) \
+            / max(float(period), 1.0) if groups.shape[0] else np.zeros_like(decode)  # [c]
+        out = gaps[1, depths] + decode + (1.0 - drafting) * bulk_extra + spread_extra
         out[depths >= mixed_table.shape[0]] = np.nan  # a depth the warm-up did not time
         return np.where(np.isnan(out) | np.isnan(decode), linear, out)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mtp_ctrl.controllers import SamplingParams
+from mtp_ctrl.controllers import PerRequestGoodputPolicy
 from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, DraftLengthQuery, GoodputPolicy
 from mtp_ctrl.controllers.step_costs import RowCostModel
 from mtp_ctrl.state import EngineShape
@@ -34,27 +35,43 @@ def bucket_seconds(rows, buckets):
 def test_plain_steps_pay_their_finish_groups_and_drafting_steps_poisson_joins():
     model, buckets = stepped_model()
     assert model.chunk_rows == 8.0
-    # plain (no drafts): the 4 requests finish together, once a period of 10 steps: one step of 4 chunks
-    plain = model.queue_seconds(4, np.array([4]), np.array([0]), np.array([0]), np.array([0.4]), np.array([4]), 10)
+    # plain (no request drafts): the 4 requests finish together, once a period of 10 steps: one step of 4 chunks
+    plain = model.queue_seconds(4, np.array([4]), np.array([0]), np.array([0.0]), np.array([0.4]), np.array([4]), 10)
     assert np.allclose(plain, 1.0 + (bucket_seconds(4 + 32, buckets) - 1.0) / 10)
-    spread = model.queue_seconds(4, np.array([4]), np.array([0]), np.array([0]), np.array([0.4]),
+    spread = model.queue_seconds(4, np.array([4]), np.array([0]), np.array([0.0]), np.array([0.4]),
                                  np.array([1, 1, 1, 1]), 10)  # one finish a step: four mixed steps of 1 chunk
     assert np.allclose(spread, 1.0 + 4 * (bucket_seconds(4 + 8, buckets) - 1.0) / 10)
-    # drafting (8 rows, D = 1): k ~ Poisson(0.7) joins a step, each step the bucket of 8 + 8 k rows
-    drafting = model.queue_seconds(4, np.array([8]), np.array([1]), np.array([4]), np.array([0.7]), np.array([4]), 10)
-    K = math.ceil(0.7 + 6 * math.sqrt(0.7)) + 2
-    weights = np.array([math.exp(-0.7) * 0.7 ** k / math.factorial(k) for k in range(K + 1)])
-    steps = [1.5] + [bucket_seconds(8 + 8 * k, buckets) for k in range(1, K + 1)]
-    assert np.allclose(drafting, weights @ steps / weights.sum())
+    # every request drafts (8 rows, D = 1): k ~ Poisson(0.7) joins a step (at most the batch, 4), each
+    # step the bucket of 8 + 8 k rows: against a Monte Carlo of the joins
+    drafting = model.queue_seconds(4, np.array([8]), np.array([1]), np.array([1.0]), np.array([0.7]), np.array([4]), 10)
+    joins = np.minimum(np.random.default_rng(0).poisson(0.7, 400_000), 4)
+    sampled = np.mean([1.5 if k == 0 else bucket_seconds(8 + 8 * k, buckets) for k in range(5)] @
+                      (np.bincount(joins, minlength=5) / joins.shape[0]))
+    assert abs(drafting[0] - sampled) < 2e-3
+    # half the requests draft: half the plain groups' price, the drafting half's joins
+    half = model.queue_seconds(4, np.array([8]), np.array([1]), np.array([0.5]), np.array([1.4]), np.array([4]), 10)
+    alone = model.queue_seconds(4, np.array([8, 8]), np.array([1, 1]), np.array([0.0, 1.0]), np.array([0.0, 0.7]),
+                                np.array([4]), 10)
+    assert np.allclose(half, 1.5 + 0.5 * (alone[0] - 1.5) + (alone[1] - 1.5))
     # a group past the largest bucket: the largest bucket's time in proportion to its rows
-    bulk = model.queue_seconds(4, np.array([4]), np.array([0]), np.array([0]), np.array([0.0]), np.array([20]), 10)
+    bulk = model.queue_seconds(4, np.array([4]), np.array([0]), np.array([0.0]), np.array([0.0]), np.array([20]), 10)
     assert np.allclose(bulk, 1.0 + (bucket_seconds(4 + 160, buckets) - 1.0) / 10)
+
+
+def test_many_joins_a_step_stay_finite_and_at_most_the_batch():
+    """Poisson weights in log space (exp(-lambda) underflows past ~745) and k at most the grid: a
+    thousand joins a step at grid 4 cost what 4 chunks a step do."""
+    model, buckets = stepped_model()
+    many = model.queue_seconds(4, np.array([8, 8]), np.array([1, 1]), np.array([1.0, 1.0]), np.array([1000.0, 4.0]),
+                               np.array([4]), 10)
+    assert np.isfinite(many).all() and many[0] <= bucket_seconds(8 + 32, buckets) + 1e-9
+    assert many[0] > many[1] * 0.99  # 4 joins on every step at most; Poisson(4) sometimes fewer
 
 
 def test_queue_prices_need_a_measured_chunk_and_mixed_buckets():
     model = RowCostModel()
     model.set_row_costs({(4, 4, 0, False): 1.0, (4, 16, 0, True): 1.2})
-    args = (4, np.array([4]), np.array([0]), np.array([0]), np.array([1.0]), np.array([4]), 10)
+    args = (4, np.array([4]), np.array([0]), np.array([0.0]), np.array([1.0]), np.array([4]), 10)
     assert model.queue_seconds(*args) is None  # no chunk seen yet
     model.record_prefill_chunks(24, 3)
     assert model.queue_seconds(*args) is not None
@@ -69,11 +86,11 @@ SHAPE = EngineShape(max_requests=G, max_model_len=128, block_size_tokens=4, num_
                     max_tokens_per_step=256)
 
 
-def queue_policy(rate=0.6):
+def queue_policy(rate=0.6, policy_class=GoodputPolicy):
     """A goodput policy at grid 8, S = 1, requests accepting ``rate``; a step with prompt chunks costs
     its decode-only step plus 0.5 (a mixed step's own cost) plus 2 us a chunk row: prompts that join
     together share the 0.5, prompts that join one by one pay it each."""
-    policy = GoodputPolicy()
+    policy = policy_class()
     policy.bind(SHAPE)
     decode = {0: 1.0e-3, 1: 1.5e-3}
     policy.cost_model.set_row_costs({(G, G * (1 + d), d, False): s for d, s in decode.items()} | {
@@ -103,8 +120,22 @@ def test_a_batch_in_lockstep_stays_plain_where_a_spread_one_drafts(trial):
     assert policy.choose(lockstep).tolist() == [0] * G
     spread = DraftLengthQuery(ids[order], np.full(G, S), S, G, 8, 100, JOINING - rng.permutation(G), JOINING)
     assert policy.choose(spread).tolist() == [1] * G
-    unknown = DraftLengthQuery(ids[order], np.full(G, S), S, G, 8, 100, np.full(G, JOINING))  # no joining_tokens
-    assert policy.choose(unknown).shape == (G,)  # priced by the recent chunks instead
+    # unknown or nonsense: priced by the recent chunks (row_seconds), the same for each
+    fallbacks = {joining: queue_policy()[0].choose(DraftLengthQuery(ids, np.full(G, S), S, G, 8, 100,
+                                                                      np.full(G, JOINING), joining)).tolist()
+                 for joining in (None, 0, -4)}
+    assert fallbacks[0] == fallbacks[-4] == fallbacks[None]
+
+
+def test_the_per_request_policy_prices_a_queue_alike():
+    """The same lockstep and spread batches for ``PerRequestGoodputPolicy``: its candidate without
+    drafts keeps the bulk groups, one with drafts spreads the requests that draft."""
+    policy, ids = queue_policy(policy_class=PerRequestGoodputPolicy)
+    lockstep = DraftLengthQuery(ids, np.full(G, S), S, G, 8, 100, np.full(G, JOINING), JOINING)
+    assert policy.choose(lockstep).tolist() == [0] * G
+    policy, ids = queue_policy(policy_class=PerRequestGoodputPolicy)
+    spread = DraftLengthQuery(ids, np.full(G, S), S, G, 8, 100, JOINING - np.arange(G), JOINING)
+    assert policy.choose(spread).sum() > 0
 
 
 class Queries(DraftLengthPolicy):
