@@ -7,8 +7,10 @@ generate, interleaved round-robin with the point's other engines), ``tokens_per_
 ``spread_pct`` ((max - min) / median, %). A comparison's verdict: "above" when every run of the
 engine beats every run of the reference (the two ranges do not meet), "below" when every run is
 behind, "within spread" otherwise (the margin does not exceed the spread: not settled). "paired":
-the engine's run over the best fixed S's run of the same round-robin round, min-max over rounds
-(drift common to a round cancels; all above or all below 1 is a sign the median ratio holds).
+the engine's run over the best fixed S's run of the same round-robin round, their median and
+min-max over rounds (drift common to a round cancels: on a host-bound point whose runs spread by
+tens of percent the paired median is the steadier estimate; all above or all below 1 is a sign the
+ratio holds).
 """
 
 import argparse
@@ -69,12 +71,12 @@ def paired_ratios(runs, reference_runs):
 
 
 def _rate(row, best_runs, plain_runs):
-    """'tokens/s (spread %)  /best  /plain  verdict vs best  paired /best (min-max over rounds)'."""
+    """'tokens/s (spread %)  /best  /plain  verdict vs best  paired /best: median (min-max over rounds)'."""
     rate, best, plain = row["tokens_per_s"], median(best_runs), median(plain_runs)
     paired = paired_ratios(_runs(row), best_runs)
-    paired = f"{paired[0]:.2f}-{paired[-1]:.2f}" if len(paired) > 1 else "-"
+    paired = f"{median(paired):.2f} ({paired[0]:.2f}-{paired[-1]:.2f})" if len(paired) > 1 else "-"
     return (f"{rate:8.0f} ({row.get('spread_pct', 0) or 0:4.1f}%) {rate / best:5.2f} {rate / plain:5.2f} "
-            f"{verdict(_runs(row), best_runs):>13} {paired:>9}")
+            f"{verdict(_runs(row), best_runs):>13} {paired:>16}")
 
 
 def print_workloads(rows, header=True):
@@ -85,7 +87,7 @@ def print_workloads(rows, header=True):
         workloads.setdefault((row["part"], row["batch"], row["workload"]), []).append(row)
     if header:
         print(f"\n{'part':>5} {'batch':>5} {'workload':>14} | fixed S tokens/s: median (spread: (max - min) / median) "
-              f"| policy: median (spread) /best /plain, vs best fixed S, paired /best (each round's ratio: min-max) "
+              f"| policy: median (spread) /best /plain, vs best fixed S, paired /best (each round's ratio: median (min-max)) "
               "| lengths | == plain")
     for (part, batch, workload), point in workloads.items():
         fixed = {row["S"]: row for row in point if row["policy"] == "fixed"}
