@@ -70,7 +70,9 @@ def decoding_demo_controller(args, graphs: bool):
         init_distributed(1, device)
     model = load_demo_model(args.checkpoint, device).to(torch.bfloat16)
     prompts = [w.tolist() for w in evenly_spaced_windows(load_stdlib_corpus().held_out, args.batch, 64)]
-    new_tokens = max(600, (155 + args.steps) * (1 + args.num_speculative_tokens))
+    # within the demo model's 1024 positions (a long --steps at S > 0 ends once requests finish)
+    new_tokens = min(max(600, (155 + args.steps) * (1 + args.num_speculative_tokens)),
+                     getattr(model, "max_sequence_length", 1024) - 64 - 16 - args.num_speculative_tokens)
     config = InferenceConfig(num_speculative_tokens=args.num_speculative_tokens, max_requests=args.batch,
                              block_size_tokens=16, max_model_len=64 + new_tokens + 16,
                              max_tokens_per_step=max(64, args.batch * 64),

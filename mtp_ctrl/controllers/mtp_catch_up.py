@@ -34,7 +34,7 @@ step of every depth with ``S + V + M`` window rows; a larger M makes them rarer 
 wider), at the ring's cost of ``[R + 1, S + M, H]`` in the KV dtype.
 """
 
-from typing import Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -52,12 +52,24 @@ class WindowCatchUp:
         self.num_depths, self.capacity = num_depths, capacity
         # [R + 1, S] per slot and depth: positions w_k may have fallen behind (non-decreasing in k)
         self._lags = np.zeros((num_slots, num_depths), np.int64)
+        # (slots' bytes, [n] int64 slots, [S] lags): every slot of the last launch has exactly these
+        # lags and ``_lags`` is stale for them (written back when another set of slots launches).
+        # Steady decoding launches the same slots step after step, all at the same lags (a step with
+        # prefill chunks resets them all): its plan then costs no per-slot array work.
+        self._uniform: Optional[Tuple[bytes, np.ndarray, List[int]]] = None
         self._plan: Tuple[Entry, ...] = ()
         self._calls = 0  # propose / on_no_drafts calls since the plan was set (a capture runs a launch twice)
 
     def lags(self, slot: int) -> Tuple[int, ...]:
         """How far each depth's window start of table slot ``slot`` may have fallen behind."""
+        self._write_back()
         return tuple(int(lag) for lag in self._lags[slot])  # host-ok: numpy
+
+    def _write_back(self) -> None:
+        if self._uniform is not None:
+            _, slots, lags = self._uniform
+            self._lags[slots] = lags
+            self._uniform = None
 
     def _depths_run(self, step: StepMetadata, deepest_lag: int) -> int:
         """D' for one step: D on a decode-only step that drafts D < S while the deepest skipped
@@ -71,36 +83,43 @@ class WindowCatchUp:
     def plan(self, step: StepMetadata, lags: Sequence[int]) -> Tuple[Entry, ...]:
         """Each step of the launch (a decode run has several): (depths run, extra rows), from the
         batch's largest lag per depth ``lags`` ``[S]`` (non-decreasing)."""
+        return self._plan_and_lags(step, lags)[0]
+
+    def _plan_and_lags(self, step: StepMetadata, lags: Sequence[int]) -> Tuple[Tuple[Entry, ...], List[int]]:
+        """:meth:`plan`, and the lags per depth a request at ``lags`` has after the launch."""
         lags, entries, advance = list(lags), [], 1 + step.verify_width  # the most positions a step moves e on
         for _ in range(step.num_steps):
             run = self._depths_run(step, lags[-1])
             entries.append((run, self.capacity if run and lags[run - 1] > 0 else 0))
             lags = [0] * run + [lag + advance for lag in lags[run:]]
-        return tuple(entries)
+        return tuple(entries), lags
 
     def plan_launch(self, step: StepMetadata) -> Tuple[Entry, ...]:
         """The launch's plan from the step's decode requests' lags, which it then moves on."""
-        S, slots = self.num_depths, step.host_slot_ids  # [n] int64
-        decode_lags = self._lags[slots[: step.num_decode]]  # [n_d, S]
-        lags = decode_lags.max(axis=0).tolist() if decode_lags.shape[0] else [0] * S  # host-ok: numpy
-        if step.num_steps == 1:  # one step (the common launch): its depths run reset, the rest fall behind
-            run = self._depths_run(step, lags[-1])
-            plan = ((run, self.capacity if run and lags[run - 1] > 0 else 0),)
-            if run == S:
-                self._lags[slots] = 0
-            elif run == 0:
-                self._lags[slots] += 1 + step.verify_width
-            else:
-                self._lags[slots] = np.where(np.arange(S) < run, 0, self._lags[slots] + 1 + step.verify_width)
+        S, slots, num_decode = self.num_depths, step.host_slot_ids, step.num_decode  # slots: [n] int64
+        key, uniform = slots.tobytes(), self._uniform
+        if uniform is not None and uniform[0] == key:  # the same slots as the last launch, at one lag each
+            plan, lags = self._plan_and_lags(step, uniform[2] if num_decode else [0] * S)
+            self._uniform = (key, uniform[1], lags)
             self.use(plan)
             return plan
-        plan = self.plan(step, lags)
-        # every request of the step moves the same way: per depth, reset (then behind) or behind more
-        advance, behind, reset = 1 + step.verify_width, [0] * S, [False] * S
-        for run, _ in plan:
-            for depth in range(S):
-                reset[depth], behind[depth] = (True, 0) if depth < run else (reset[depth], behind[depth] + advance)
-        self._lags[slots] = behind if all(reset) else np.where(reset, behind, self._lags[slots] + behind)
+        self._write_back()
+        decode_lags = self._lags[slots[:num_decode]]  # [n_d, S]
+        lags = decode_lags.max(axis=0).tolist() if num_decode else [0] * S  # host-ok: numpy
+        plan, moved = self._plan_and_lags(step, lags)
+        # the launch leaves its slots at one lag each when one of its steps ran every depth (a reset:
+        # prefill chunks, drafts of S, a forced catch-up) or its slots all decode at one lag already
+        if max(run for run, _ in plan) == S or (num_decode == slots.shape[0] and bool((decode_lags == decode_lags[:1]).all())):
+            self._uniform = (key, slots.copy(), moved)
+        elif step.num_steps == 1:  # its depths run reset, the rest fall behind
+            run = plan[0][0]
+            self._lags[slots] = np.where(np.arange(S) < run, 0, self._lags[slots] + 1 + step.verify_width)
+        else:  # every request of the step moves the same way: per depth, reset (then behind) or behind more
+            advance, behind, reset = 1 + step.verify_width, [0] * S, [False] * S
+            for run, _ in plan:
+                for depth in range(S):
+                    reset[depth], behind[depth] = (True, 0) if depth < run else (reset[depth], behind[depth] + advance)
+            self._lags[slots] = np.where(reset, behind, self._lags[slots] + behind)
         self.use(plan)
         return plan
 

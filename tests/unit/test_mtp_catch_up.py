@@ -177,3 +177,47 @@ def test_one_step_launches_plan_and_lag_as_a_decode_run_of_them():
         plans = [single.plan_launch(steps(drafts, width, slots=slots))[0] for _ in range(count)]
         assert tuple(plans) == run.plan_launch(steps(drafts, width, slots=slots, num_steps=count))
         assert [single.lags(slot) for slot in range(6)] == [run.lags(slot) for slot in range(6)]
+
+
+class EagerLags:
+    """The lag bookkeeping written out per slot and step (the rule ``WindowCatchUp`` keeps, with
+    no shortcut): a launch plans from its decode slots' largest lags, then each of its steps resets
+    the depths it ran for every slot of the launch and moves the others on by ``1 + V``."""
+
+    def __init__(self, num_slots, S, M):
+        self.lags, self.S, self.planner = np.zeros((num_slots, S), np.int64), S, WindowCatchUp(1, S, M)
+
+    def plan_launch(self, step):
+        decode = step.host_slot_ids[: step.num_decode]
+        plan = self.planner.plan(step, self.lags[decode].max(axis=0) if decode.shape[0] else [0] * self.S)
+        for run, _ in plan:
+            for slot in step.host_slot_ids:
+                self.lags[slot, :run] = 0
+                self.lags[slot, run:] += 1 + step.verify_width
+        return plan
+
+
+def test_steady_launches_plan_and_lag_as_every_slot_written_out():
+    """Launches of the same slots step after step take a shortcut (one lag for all of them); plans
+    and lags equal the per-slot bookkeeping's over random histories: slot sets repeated, shrunk and
+    changed, prefill chunks, decode runs, random depths and widths, lags read at random points."""
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        S, M, num_slots = int(rng.integers(1, 4)), int(rng.integers(2, 17)), 7
+        lazy, eager = WindowCatchUp(num_slots=num_slots, num_depths=S, capacity=M), EagerLags(num_slots, S, M)
+        slots = rng.choice(num_slots, size=int(rng.integers(1, num_slots + 1)), replace=False)
+        for _ in range(int(rng.integers(5, 40))):
+            change = rng.random()
+            if change < 0.15:  # another set of slots
+                slots = rng.choice(num_slots, size=int(rng.integers(1, num_slots + 1)), replace=False)
+            elif change < 0.25 and slots.shape[0] > 1:  # a request finished
+                slots = np.delete(slots, int(rng.integers(slots.shape[0])))
+            decode_only = bool(rng.random() < 0.85)
+            step = steps(int(rng.integers(0, S + 1)), int(rng.integers(0, S + 1)), slots=slots,
+                         num_steps=int(rng.integers(1, 4)) if rng.random() < 0.2 else 1, decode_only=decode_only)
+            if not decode_only:  # the last requests bring prefill chunks
+                step.num_decode = int(rng.integers(0, slots.shape[0]))
+            assert lazy.plan_launch(step) == eager.plan_launch(step)
+            if rng.random() < 0.2:
+                assert [lazy.lags(slot) for slot in range(num_slots)] == [tuple(row) for row in eager.lags.tolist()]
+        assert [lazy.lags(slot) for slot in range(num_slots)] == [tuple(row) for row in eager.lags.tolist()]
