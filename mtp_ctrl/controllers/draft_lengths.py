@@ -40,6 +40,10 @@ from mtp_ctrl.state import EngineShape, StepMetadata
 
 
 TIMING_EVERY = 4  # step_timing keeps one in this many steady calls of the same (G, D)
+# step_timing hands the realised samples of consecutive calls at one (G, V, mixed) over together, once
+# they hold this many steps: one record a few steps (the host pays a record per call otherwise, ~5 us
+# on the GPU hosts, a few % of a host-bound step); the cost model decays and clips per record
+REALISED_EVERY = 4
 
 # sampling request ids [n] -> (waiting, tokens left [n], the waiting requests' mean token budget or None);
 # a view that returns the first two only leaves joining_tokens None
@@ -135,6 +139,8 @@ class DraftLengths:
         self._outcome_runs = False  # some of _outcomes is a decode run's ([k, n_d], k > 1)
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
         self._busy = False  # the last step() call returned with work left (the time since it is the loop's)
+        # realised samples not handed over yet: [(G, V, mixed), wall seconds, steps, tokens, request-steps]
+        self._realised_pending: Optional[list] = None
         self.queue_view: Optional[QueueView] = None  # set by the controller (None: nobody waits, lengths unknown)
 
     @property
@@ -355,8 +361,11 @@ class DraftLengths:
         other call that applied one launch with decode
         requests that verified what it drafted (V = D: a switch's launch, which verifies the old
         depth and drafts the new, is left out: in a short hold it would charge the switch to the
-        depth) gives a timing with ``steady`` False, for the cost model's realised sums
-        (``record_realised``): its grid, V, wall and tokens. A steady sample carries the same."""
+        depth) is a realised sample for the cost model's sums (``record_realised``): its grid, V,
+        wall and tokens. Consecutive such calls at one (grid, V, mixed) are summed and handed over
+        as one timing with ``steady`` False once they hold ``REALISED_EVERY`` steps, or when a
+        sample at another key comes (the sum so far goes then, the new one waits). A steady sample
+        carries its own call's."""
         if self._fixed or self.S == 0:
             return None
         busy, self._busy = self._busy, work_left
@@ -384,10 +393,10 @@ class DraftLengths:
         if not verifies_drafts or steps_launched != step.num_steps or previous is None or wall_seconds is None or \
                 (previous[:2] != launch_key[:2] if mixed else previous != launch_key):
             self._steady_calls = 0
-            return self._realised_only(step, gpu_seconds, wall_seconds, tokens, request_steps) if realised else None
+            return self._add_realised(step, wall_seconds, tokens, request_steps) if realised else None
         self._steady_calls += 1
         if (self._steady_calls - 1) % TIMING_EVERY:
-            return self._realised_only(step, gpu_seconds, wall_seconds, tokens, request_steps) if realised else None
+            return self._add_realised(step, wall_seconds, tokens, request_steps) if realised else None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
         return StepTiming(launch_key[0], launch_key[1], wall_seconds / step.num_steps, gpu, mixed, True,
                           tokens, request_steps, step.num_steps)
@@ -401,12 +410,28 @@ class DraftLengths:
             cost_model.record_prefill_rows(rows)
             cost_model.record_prefill_chunks(rows, step.num_prefill)
 
+    def _add_realised(self, step: StepMetadata, wall_seconds: float, tokens: int,
+                      request_steps: int) -> Optional[StepTiming]:
+        """Sum a realised-only sample into the pending ones; the timing to hand over now, if any."""
+        key, pending = (step.dimensions.request_count, step.verify_width, bool(step.num_prefill)), self._realised_pending
+        if pending is not None and pending[0] == key:
+            pending[1] += wall_seconds
+            pending[2] += step.num_steps
+            pending[3] += tokens
+            pending[4] += request_steps
+            if pending[2] < REALISED_EVERY:
+                return None
+            self._realised_pending = None
+            return self._realised_timing(pending)
+        self._realised_pending = [key, wall_seconds, step.num_steps, tokens, request_steps]
+        if pending is None and step.num_steps >= REALISED_EVERY:  # a decode run: enough steps at once
+            pending, self._realised_pending = self._realised_pending, None
+        return None if pending is None else self._realised_timing(pending)
+
     @staticmethod
-    def _realised_only(step: StepMetadata, gpu_seconds: Optional[float], wall_seconds: float, tokens: int,
-                       request_steps: int) -> StepTiming:
-        gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
-        return StepTiming(step.dimensions.request_count, step.verify_width, wall_seconds / step.num_steps, gpu,
-                          bool(step.num_prefill), False, tokens, request_steps, step.num_steps)
+    def _realised_timing(pending: list) -> StepTiming:
+        (grid, verify_width, mixed), wall_seconds, steps, tokens, request_steps = pending
+        return StepTiming(grid, verify_width, wall_seconds / steps, -1.0, mixed, False, tokens, request_steps, steps)
 
     def record_timing(self, timing: Optional[StepTiming]) -> None:
         """Feed a measurement (every TP rank gets the first rank's: ``TPLockstep.check``) to the cost model."""
@@ -432,6 +457,7 @@ class DraftLengths:
             dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
             costs, row_costs = shared
         cost_model = self.policy.cost_model
+        self._realised_pending = None  # the model's realised sums start over
         if cost_model is not None:
             cost_model.set_measured(costs)
             if row_costs:

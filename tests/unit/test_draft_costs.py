@@ -10,7 +10,7 @@ import pytest
 
 from mtp_ctrl.controllers import SamplingParams
 from mtp_ctrl.controllers import controller as controller_module
-from mtp_ctrl.controllers.draft_lengths import TIMING_EVERY, DraftLengths
+from mtp_ctrl.controllers.draft_lengths import REALISED_EVERY, TIMING_EVERY, DraftLengths
 from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps
 from mtp_ctrl.controllers.step_costs import StepCostModel
 from mtp_ctrl.state import EngineShape
@@ -189,7 +189,9 @@ def test_step_timing_counts_every_busy_call_as_realised():
     """With the tokens the applied launch's decode requests emitted, every call after a return with
     work left that applied one launch with decode requests verifying what it drafted (V = D) is a
     realised sample, steady or not; a call after an idle return, a switch's launch (V != D), a
-    launch without decode requests or two launches are not."""
+    launch without decode requests or two launches are not. Realised-only samples at one key are
+    summed and handed over once they hold REALISED_EVERY steps, or when a sample at another key
+    comes; a steady sample carries its own."""
     lengths = DraftLengths(GoodputPolicy(), SHAPE)
     assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1, 16, work_left=True) is None  # the first call
     assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1, 16, work_left=False).tokens == 16  # steady too
@@ -197,13 +199,50 @@ def test_step_timing_counts_every_busy_call_as_realised():
     assert lengths.step_timing([(_step(8, 2, 0), 1e-3)], 5e-3, 1, 16, work_left=True) is None  # a switch: V = 2, D = 0
     assert lengths.step_timing([(_step(8, S, 0, prefill=8, decode=0), 1e-3)], 5e-3, 1, 0, work_left=True) is None
     lengths.step_timing([(_step(8, 0, 0, prefill=1), 1e-3)], 5e-3, 1, 7, work_left=True)  # a mixed step (steady)
-    after_mixed = lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True)  # not steady: realised
-    assert after_mixed == (8, 0, 6e-4, 4e-4, False, False, 8, 8, 1)
+    # after a mixed call: realised samples; one steady sample in TIMING_EVERY calls carries its own, the
+    # others are summed and handed over REALISED_EVERY steps at a time
+    walls = [(5 + index % 4) * 1e-4 for index in range(1 + 4 * TIMING_EVERY)]
+    handed = [lengths.step_timing([(_step(8, 0, 0), 4e-4)], wall, 1, 8, work_left=True) for wall in walls]
+    steady = [timing for timing in handed if timing is not None and timing.steady]
+    summed = [timing for timing in handed if timing is not None and not timing.steady]
+    assert [timing.steps for timing in steady] == [1] * 4 and [timing.steps for timing in summed] == [REALISED_EVERY] * 3
+    assert all(timing[:2] == (8, 0) and timing[4:] == (False, False, 32, 32, 4) for timing in summed)
+    summed_walls = sum(timing.wall_seconds * timing.steps for timing in summed)
+    steady_walls = sum(timing.wall_seconds for timing in steady)
+    assert summed_walls + steady_walls == pytest.approx(sum(walls[:-1]))  # the last call's sample waits
     assert lengths.step_timing([(_step(8, 0, 0), 1e-3)] * 2, 5e-3, 2, 16, work_left=True) is None  # two launches
-    lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True)
+    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True) is None  # pending
     steady = lengths.step_timing([(_step(8, 0, 0, steps=4), 8e-3)], 4e-3, 4, 32, work_left=True)  # a decode run
     assert steady == (8, 0, 1e-3, 2e-3, False, True, 32, 32, 4)
-    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True).steady is False  # not sampled
+    # a sample at another key (D = 1 now: the switch's launch first) hands the pending one over
+    assert lengths.step_timing([(_step(8, 0, 1), 4e-4)], 6e-4, 1, 8, work_left=True) is None
+    assert lengths.step_timing([(_step(8, 1, 1), 5e-4)], 9e-4, 1, 12, work_left=True).steady  # after a call at D = 1
+    handed = lengths.step_timing([(_step(8, 1, 1), 5e-4)], 9e-4, 1, 12, work_left=True)  # not sampled: realised
+    assert handed[:2] == (8, 0) and not handed.steady and handed.steps < REALISED_EVERY  # the D = 0 samples left
+
+
+def test_realised_samples_reach_the_cost_model_as_every_call_would():
+    """Handed over in sums of REALISED_EVERY steps, the realised samples of a long run at one depth
+    give the cost model the calibration and tokens per request-step that one record per call gives
+    (equal walls: the decay per step makes the sums alike)."""
+    models = []
+    for batched in (True, False):
+        policy = GoodputPolicy()
+        lengths = DraftLengths(policy, SHAPE)
+        lengths.set_step_costs({(8, 0): 4e-4, (8, 2): 8e-4})
+        lengths.step_timing([(_step(8, 2, 2), 8e-4)], 1e-3, 1, 24, work_left=True)
+        for _ in range(41):
+            timing = lengths.step_timing([(_step(8, 2, 2), 8e-4)], 1e-3, 1, 24, work_left=True)
+            if batched:
+                lengths.record_timing(timing)
+            elif timing is not None and timing.steady:
+                lengths.record_timing(timing)
+            else:  # one record per call
+                policy.cost_model.record_realised(8, 2, 1e-3, 1, 24, 8)
+        models.append(policy.cost_model)
+    batched, per_call = models
+    assert batched.calibration(8, 2) == pytest.approx(per_call.calibration(8, 2), rel=1e-6)
+    assert batched.realised_tokens(8, 2) == pytest.approx(per_call.realised_tokens(8, 2)) == pytest.approx(3.0)
 
 
 def test_realised_walls_calibrate_each_depth():
