@@ -11,7 +11,11 @@ on steady calls only: a call that applied one decode-only launch verifying what 
 (V = D) and launched as many steps, right after a call that did the same at the same key (so a
 switch of depth, a prefill or an idle pause between calls is never a sample).
 
-- Wall seconds: an exponential moving average of those samples. A sample over 3x the key's
+- Wall seconds: the mean of a key's samples while it has fewer than ``1 / smoothing`` (10), then
+  an exponential moving average of them (the first sample after a key is new or measured afresh
+  weighs 1 / n of the estimate after n samples, not 0.9^n: one unlucky first sample, a collection or
+  a catch-up beside it, no longer holds a depth's estimate high for tens of samples while the
+  policy, seeing it dear, stops running it). A sample over 3x the key's
   estimate (for a key not measured yet, the cheapest wall time at its grid) is dropped unless it
   is the third in a row: a garbage collection or a paused host would otherwise make a depth look
   expensive for good (the policy stops running it, so nothing corrects the estimate).
@@ -83,6 +87,7 @@ class StepCostModel:
         self._stale: set = set()  # keys whose next steady sample replaces the wall estimate (remeasure)
         self.outlier_factor = 3.0
         self._outliers: Dict[Key, int] = {}  # wall samples dropped in a row, by key
+        self._sample_counts: Dict[tuple, int] = {}  # (table, key) -> samples averaged since the key (re)started
         self.mixed_wall: Dict[Key, float] = {}  # (G, D) -> wall seconds per steady step with prefill chunks
         self.mixed_share = 0.0  # moving average of the applied launches that carried prefill chunks
         self.share_smoothing = 1.0 / 32  # its weight of one launch
@@ -103,6 +108,7 @@ class StepCostModel:
         self.gpu = {(int(g), int(d)): float(t) for (g, d), t in measured.items() if t > 0}
         self._gpu_seeded = {key: True for key in self.gpu}
         self.wall, self._outliers, self.mixed_wall, self.realised = {}, {}, {}, {}
+        self._sample_counts = {}
 
     def set_row_costs(self, row_costs: Dict[Tuple[int, int, int, bool], float]) -> None:
         """The warm-up's replay times by (G, token count, D, has prefill) (``controller.warmup()``).
@@ -149,13 +155,13 @@ class StepCostModel:
         if not mixed and key in self._stale:  # measured afresh: the old estimate is dropped
             self._stale.discard(key)
             table.pop(key, None)
-        self._average(table, key, wall_seconds)
+        self._average(table, key, wall_seconds, "mixed" if mixed else "wall")
         if mixed:
             return
         if gpu_seconds is not None:
             if self._gpu_seeded.get(key, True):  # the first in-loop measurement replaces the seed
                 self.gpu.pop(key, None)
-            self._average(self.gpu, key, gpu_seconds)
+            self._average(self.gpu, key, gpu_seconds, "gpu")
             self._gpu_seeded[key] = False
 
     def remeasure(self, batch_size: int, num_drafts: int) -> None:
@@ -226,9 +232,13 @@ class StepCostModel:
         sums = None if grid is None else self.realised.get((grid, int(num_drafts)))
         return None if sums is None or sums[4] <= 0 else sums[3] / sums[4]
 
-    def _average(self, table: Dict[Key, float], key: Key, sample: float) -> None:
+    def _average(self, table: Dict[Key, float], key: Key, sample: float, name: str) -> None:
+        """Move ``table[key]`` (``name``: which table) to the mean of its samples so far, or by
+        ``smoothing`` once it has 1 / smoothing of them (module docstring, "Wall seconds")."""
         old = table.get(key)
-        table[key] = float(sample) if old is None else old + self.smoothing * (float(sample) - old)
+        count = 1 if old is None else self._sample_counts.get((name, key), 1) + 1
+        self._sample_counts[(name, key)] = count
+        table[key] = float(sample) if old is None else old + max(self.smoothing, 1.0 / count) * (float(sample) - old)
 
     def is_measured(self, batch_size: int, num_drafts: int) -> bool:
         """Whether the loop has timed depth ``num_drafts`` at the grid a step of ``batch_size`` reads."""

@@ -138,6 +138,25 @@ def test_a_depth_measured_dear_while_serving_starts_is_measured_afresh_soon():
     assert policy.cost_model.wall[(8, 2)] == pytest.approx(steady[2])
 
 
+def test_a_key_estimate_is_the_mean_of_its_first_samples_then_a_moving_average():
+    """A new or remeasured key's estimate is the mean of its samples until it has 1 / smoothing of
+    them (one unlucky first sample weighs 1 / n, not 0.9^n), then moves by ``smoothing``; the GPU
+    figure likewise once the loop's samples replace the warm-up's seed."""
+    model = StepCostModel(smoothing=0.1)
+    model.set_measured({(8, 2): 1.0e-3})
+    samples = [2.0e-3] + [1.0e-3] * 9  # a first sample beside a collection (under the 3x outlier bound)
+    for sample in samples:
+        model.record(8, 2, wall_seconds=sample, gpu_seconds=sample)
+    assert model.wall[(8, 2)] == pytest.approx(sum(samples) / 10)  # 1.1 ms; an average from the first: 1.39
+    assert model.gpu[(8, 2)] == pytest.approx(sum(samples) / 10)
+    model.record(8, 2, wall_seconds=2.0e-3, gpu_seconds=None)  # the 11th: a moving average from now on
+    assert model.wall[(8, 2)] == pytest.approx(1.1e-3 + 0.1 * (2.0e-3 - 1.1e-3))
+    model.remeasure(8, 2)  # measured afresh: the mean starts over
+    for sample in (1.6e-3, 1.2e-3):
+        model.record(8, 2, wall_seconds=sample, gpu_seconds=None)
+    assert model.wall[(8, 2)] == pytest.approx(1.4e-3)
+
+
 def test_a_depth_never_measured_is_given_up_after_explore_tries():
     """A loop that never reaches a steady step measures nothing: each depth is tried explore_tries
     times, then the policy decides on its estimates alone."""
