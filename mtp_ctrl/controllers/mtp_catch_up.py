@@ -109,7 +109,9 @@ class WindowCatchUp:
         plan, moved = self._plan_and_lags(step, lags)
         # the launch leaves its slots at one lag each when one of its steps ran every depth (a reset:
         # prefill chunks, drafts of S, a forced catch-up) or its slots all decode at one lag already
-        if max(run for run, _ in plan) == S or (num_decode == slots.shape[0] and bool((decode_lags == decode_lags[:1]).all())):
+        every_depth_ran = max(run for run, _ in plan) == S
+        at_one_lag = num_decode == slots.shape[0] and bool((decode_lags == decode_lags[:1]).all())
+        if every_depth_ran or at_one_lag:
             self._uniform = (key, slots.copy(), moved)
         elif step.num_steps == 1:  # its depths run reset, the rest fall behind
             run = plan[0][0]
