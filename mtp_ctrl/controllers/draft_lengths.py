@@ -62,7 +62,8 @@ class StepTiming(NamedTuple):
     steady: bool = True  # a steady sample (the cost model's tables); False: realised sums only
     tokens: int = -1  # tokens the applied launch's decode requests emitted (-1: none counted)
     request_steps: int = 0  # its decode requests x steps
-    steps: int = 1  # steps the launch applied
+    steps: int = 1  # steps its realised part covers (a steady sample's own launch, and the calls summed with it)
+    realised_seconds: float = -1.0  # wall seconds of those steps; -1: wall_seconds * steps (the sample's own)
 
 
 class HeldChoice:
@@ -132,9 +133,10 @@ class DraftLengths:
         self._in_flight: Deque[Union[np.ndarray, None, int]] = collections.deque()
         self._held: Optional[HeldChoice] = None  # the policy's last choice
         # read-only int64 arrays handed out per step, made once: (n, value) -> [n] of value (_filled);
-        # (k, n_d) -> [k, n_d] of S (applied: the fixed-S launches' lengths verified)
+        # (k, n_d) -> [k, n_d] of S (applied: the fixed-S launches' lengths verified; _shared_fill)
         self._filled_arrays: Dict[Tuple[int, int], np.ndarray] = {}
         self._all_verified: Dict[Tuple[int, int], np.ndarray] = {}
+        self._none_verified: Dict[Tuple[int, int], np.ndarray] = {}  # (k, n_d) -> [k, n_d] of 0 (no-draft launches)
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
         self._outcome_runs = False  # some of _outcomes is a decode run's ([k, n_d], k > 1)
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
@@ -266,12 +268,12 @@ class DraftLengths:
         verifies the run's own lengths) and what its sampling requests drafted."""
         if self.S == 0:
             return
+        if step.verify_width == 0 and step.num_drafts == 0:  # V and D are the most drafts held and chosen
+            self._in_flight.append(0)  # nobody verifies or drafts (a no-draft step after one): nothing to observe
+            return
         num_decode, chosen, held, S = step.num_decode, step.host_draft_lengths, step.host_verify_lengths, self.S
         if held.count(S) == len(held) and chosen.count(S) == step.num_sampling_requests:
             self._in_flight.append(None)  # every request verifies and drafts S (the fixed-S path)
-            return
-        if held.count(0) == len(held) and chosen.count(0) == step.num_sampling_requests:
-            self._in_flight.append(0)  # nobody verifies or drafts (a no-draft step after one): nothing to observe
             return
         verified = np.empty((step.num_steps, num_decode), dtype=np.int64)  # [k, n_d] int64
         verified[0] = held  # the drafts each holds (the context's record, chosen when it last sampled)
@@ -283,13 +285,9 @@ class DraftLengths:
         decode rows, step row order). Tells the policy; returns the lengths verified, ``[k, n_d]``."""
         verified = self._in_flight.popleft() if self._in_flight else None
         if verified is None:  # S each: a shared read-only array per shape
-            verified = self._all_verified.get(accepted_counts.shape)
-            if verified is None:
-                verified = self._all_verified[accepted_counts.shape] = np.full(accepted_counts.shape, self.S,
-                                                                                dtype=np.int64)
-                verified.setflags(write=False)
+            verified = self._shared_fill(self._all_verified, accepted_counts.shape, self.S)
         elif isinstance(verified, int):  # 0: no request verified a draft (an outcome of s = 0 tells the policy nothing)
-            return np.zeros(accepted_counts.shape, dtype=np.int64)
+            return self._shared_fill(self._none_verified, accepted_counts.shape, 0)
         if self.S > 0 and not self._fixed and accepted_counts.size:
             # kept as they come (the read-back's rows are reused: a copy); flattened once per observe,
             # when the policy next decides (or every longest_hold steps)
@@ -298,6 +296,16 @@ class DraftLengths:
             if len(self._outcomes) >= max(self.policy.longest_hold or 1, self.policy.decide_every):
                 self._flush_outcomes()
         return verified
+
+    @staticmethod
+    def _shared_fill(arrays: Dict[Tuple[int, ...], np.ndarray], shape: Tuple[int, ...], value: int) -> np.ndarray:
+        """``shape`` int64 of ``value``, read-only, made once per shape in ``arrays`` (the lengths
+        verified of launches where every request verified S, or none a draft)."""
+        filled = arrays.get(shape)
+        if filled is None:
+            filled = arrays[shape] = np.full(shape, value, dtype=np.int64)
+            filled.setflags(write=False)
+        return filled
 
     def _flush_outcomes(self) -> None:
         """Hand the outcomes gathered since the last call to the policy, in one ``observe``."""
@@ -365,7 +373,8 @@ class DraftLengths:
         wall and tokens. Consecutive such calls at one (grid, V, mixed) are summed and handed over
         as one timing with ``steady`` False once they hold ``REALISED_EVERY`` steps, or when a
         sample at another key comes (the sum so far goes then, the new one waits). A steady sample
-        carries its own call's."""
+        carries its own call's, and the sum waiting at its key (``StepTiming.realised_seconds``):
+        one hand-over a few calls in a long run at one depth."""
         if self._fixed or self.S == 0:
             return None
         busy, self._busy = self._busy, work_left
@@ -398,6 +407,12 @@ class DraftLengths:
         if (self._steady_calls - 1) % TIMING_EVERY:
             return self._add_realised(step, wall_seconds, tokens, request_steps) if realised else None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
+        pending = self._realised_pending
+        if realised and pending is not None and pending[0] == launch_key:  # (G, V = D, mixed): sums join it
+            self._realised_pending = None
+            return StepTiming(launch_key[0], launch_key[1], wall_seconds / step.num_steps, gpu, mixed, True,
+                              tokens + pending[3], request_steps + pending[4], step.num_steps + pending[2],
+                              wall_seconds + pending[1])
         return StepTiming(launch_key[0], launch_key[1], wall_seconds / step.num_steps, gpu, mixed, True,
                           tokens, request_steps, step.num_steps)
 
@@ -438,9 +453,9 @@ class DraftLengths:
         if timing is None or self.policy.cost_model is None:
             return
         if timing.tokens >= 0:  # first: against the model before this sample moves it
-            self.policy.cost_model.record_realised(timing.batch_size, timing.num_drafts,
-                                                   timing.wall_seconds * timing.steps, timing.steps, timing.tokens,
-                                                   timing.request_steps, timing.mixed)
+            wall = timing.wall_seconds * timing.steps if timing.realised_seconds < 0 else timing.realised_seconds
+            self.policy.cost_model.record_realised(timing.batch_size, timing.num_drafts, wall, timing.steps,
+                                                   timing.tokens, timing.request_steps, timing.mixed)
         if timing.steady:
             self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.wall_seconds,
                                           None if timing.gpu_seconds < 0 else timing.gpu_seconds, timing.mixed)

@@ -34,7 +34,7 @@ step of every depth with ``S + V + M`` window rows; a larger M makes them rarer 
 wider), at the ring's cost of ``[R + 1, S + M, H]`` in the KV dtype.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -56,7 +56,10 @@ class WindowCatchUp:
         # lags and ``_lags`` is stale for them (written back when another set of slots launches).
         # Steady decoding launches the same slots step after step, all at the same lags (a step with
         # prefill chunks resets them all): its plan then costs no per-slot array work.
-        self._uniform: Optional[Tuple[bytes, np.ndarray, List[int]]] = None
+        self._uniform: Optional[Tuple[bytes, np.ndarray, Tuple[int, ...]]] = None
+        # (lags [S], V, D, steps, decode only) -> (plan, lags after): the uniform path's plans, which
+        # repeat (a held depth walks the same few lags over and over; at most M + 1 lags a depth)
+        self._plans: Dict[tuple, Tuple[Tuple[Entry, ...], Tuple[int, ...]]] = {}
         self._plan: Tuple[Entry, ...] = ()
         self._calls = 0  # propose / on_no_drafts calls since the plan was set (a capture runs a launch twice)
 
@@ -85,23 +88,34 @@ class WindowCatchUp:
         batch's largest lag per depth ``lags`` ``[S]`` (non-decreasing)."""
         return self._plan_and_lags(step, lags)[0]
 
-    def _plan_and_lags(self, step: StepMetadata, lags: Sequence[int]) -> Tuple[Tuple[Entry, ...], List[int]]:
+    def _plan_and_lags(self, step: StepMetadata, lags: Sequence[int]) -> Tuple[Tuple[Entry, ...], Tuple[int, ...]]:
         """:meth:`plan`, and the lags per depth a request at ``lags`` has after the launch."""
         lags, entries, advance = list(lags), [], 1 + step.verify_width  # the most positions a step moves e on
         for _ in range(step.num_steps):
             run = self._depths_run(step, lags[-1])
             entries.append((run, self.capacity if run and lags[run - 1] > 0 else 0))
             lags = [0] * run + [lag + advance for lag in lags[run:]]
-        return tuple(entries), lags
+        return tuple(entries), tuple(lags)
+
+    def _uniform_plan(self, step: StepMetadata, lags: Tuple[int, ...]) -> Tuple[Tuple[Entry, ...], Tuple[int, ...]]:
+        """:meth:`_plan_and_lags` of a launch whose requests all stand at ``lags``, remembered: it
+        depends on nothing else of the step."""
+        key = (lags, step.verify_width, step.num_drafts, step.num_steps, step.decode_only)
+        known = self._plans.get(key)
+        if known is None:
+            if len(self._plans) >= 4096:  # a bound for odd workloads; steady ones use a few dozen
+                self._plans.clear()
+            known = self._plans[key] = self._plan_and_lags(step, lags)
+        return known
 
     def plan_launch(self, step: StepMetadata) -> Tuple[Entry, ...]:
         """The launch's plan from the step's decode requests' lags, which it then moves on."""
         S, slots, num_decode = self.num_depths, step.host_slot_ids, step.num_decode  # slots: [n] int64
         key, uniform = slots.tobytes(), self._uniform
         if uniform is not None and uniform[0] == key:  # the same slots as the last launch, at one lag each
-            plan, lags = self._plan_and_lags(step, uniform[2] if num_decode else [0] * S)
+            plan, lags = self._uniform_plan(step, uniform[2] if num_decode else (0,) * S)
             self._uniform = (key, uniform[1], lags)
-            self.use(plan)
+            self._plan, self._calls = plan, 0  # use(plan)
             return plan
         self._write_back()
         decode_lags = self._lags[slots[:num_decode]]  # [n_d, S]

@@ -210,7 +210,7 @@ def test_step_timing_counts_every_busy_call_as_realised():
     realised sample, steady or not; a call after an idle return, a switch's launch (V != D), a
     launch without decode requests or two launches are not. Realised-only samples at one key are
     summed and handed over once they hold REALISED_EVERY steps, or when a sample at another key
-    comes; a steady sample carries its own."""
+    comes; a steady sample carries its own and the sum waiting at its key."""
     lengths = DraftLengths(GoodputPolicy(), SHAPE)
     assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1, 16, work_left=True) is None  # the first call
     assert lengths.step_timing([(_step(8, 2, 2), 1e-3)], 5e-3, 1, 16, work_left=False).tokens == 16  # steady too
@@ -218,26 +218,28 @@ def test_step_timing_counts_every_busy_call_as_realised():
     assert lengths.step_timing([(_step(8, 2, 0), 1e-3)], 5e-3, 1, 16, work_left=True) is None  # a switch: V = 2, D = 0
     assert lengths.step_timing([(_step(8, S, 0, prefill=8, decode=0), 1e-3)], 5e-3, 1, 0, work_left=True) is None
     lengths.step_timing([(_step(8, 0, 0, prefill=1), 1e-3)], 5e-3, 1, 7, work_left=True)  # a mixed step (steady)
-    # after a mixed call: realised samples; one steady sample in TIMING_EVERY calls carries its own, the
-    # others are summed and handed over REALISED_EVERY steps at a time
-    walls = [(5 + index % 4) * 1e-4 for index in range(1 + 4 * TIMING_EVERY)]
+    # after a mixed call (the first call is realised only): one steady sample in TIMING_EVERY calls, each
+    # carrying the realised samples summed since it at its key, so a long run hands over once in TIMING_EVERY
+    walls = [(5 + index % 4) * 1e-4 for index in range(5 + 4 * TIMING_EVERY)]  # the last 3 wait
     handed = [lengths.step_timing([(_step(8, 0, 0), 4e-4)], wall, 1, 8, work_left=True) for wall in walls]
-    steady = [timing for timing in handed if timing is not None and timing.steady]
-    summed = [timing for timing in handed if timing is not None and not timing.steady]
-    assert [timing.steps for timing in steady] == [1] * 4 and [timing.steps for timing in summed] == [REALISED_EVERY] * 3
-    assert all(timing[:2] == (8, 0) and timing[4:] == (False, False, 32, 32, 4) for timing in summed)
-    summed_walls = sum(timing.wall_seconds * timing.steps for timing in summed)
-    steady_walls = sum(timing.wall_seconds for timing in steady)
-    assert summed_walls + steady_walls == pytest.approx(sum(walls[:-1]))  # the last call's sample waits
+    assert all(timing is None or timing.steady for timing in handed)
+    steady = [timing for timing in handed if timing is not None]
+    assert [timing.steps for timing in steady] == [2] + [TIMING_EVERY] * 4
+    assert all(timing[:2] == (8, 0) and timing.tokens == 8 * timing.steps == timing.request_steps for timing in steady)
+    assert [timing.wall_seconds for timing in steady] == [walls[1 + TIMING_EVERY * index] for index in range(5)]
+    assert sum(timing.realised_seconds for timing in steady) == pytest.approx(sum(walls[:-3]))
     assert lengths.step_timing([(_step(8, 0, 0), 1e-3)] * 2, 5e-3, 2, 16, work_left=True) is None  # two launches
-    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True) is None  # pending
+    summed = lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True)  # no steady call: a sum
+    assert not summed.steady and summed.steps == REALISED_EVERY and summed[4:8] == (False, False, 32, 32)
+    assert summed.realised_seconds < 0 and summed.wall_seconds * REALISED_EVERY == pytest.approx(sum(walls[-3:]) + 6e-4)
     steady = lengths.step_timing([(_step(8, 0, 0, steps=4), 8e-3)], 4e-3, 4, 32, work_left=True)  # a decode run
-    assert steady == (8, 0, 1e-3, 2e-3, False, True, 32, 32, 4)
+    assert steady[:9] == (8, 0, 1e-3, 2e-3, False, True, 32, 32, 4) and steady.realised_seconds < 0
+    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True) is None  # pending
     # a sample at another key (D = 1 now: the switch's launch first) hands the pending one over
     assert lengths.step_timing([(_step(8, 0, 1), 4e-4)], 6e-4, 1, 8, work_left=True) is None
-    assert lengths.step_timing([(_step(8, 1, 1), 5e-4)], 9e-4, 1, 12, work_left=True).steady  # after a call at D = 1
+    assert lengths.step_timing([(_step(8, 1, 1), 5e-4)], 9e-4, 1, 12, work_left=True).steps == 1  # steady, its own
     handed = lengths.step_timing([(_step(8, 1, 1), 5e-4)], 9e-4, 1, 12, work_left=True)  # not sampled: realised
-    assert handed[:2] == (8, 0) and not handed.steady and handed.steps < REALISED_EVERY  # the D = 0 samples left
+    assert handed[:2] == (8, 0) and not handed.steady and handed.steps == 1  # the D = 0 sample left
 
 
 def test_realised_samples_reach_the_cost_model_as_every_call_would():
