@@ -258,11 +258,11 @@ class PinnedGoodput(GoodputPolicy):
 
 
 def explored(policy, batch):
-    """Whether the goodput policy's cost model has measured every depth at ``batch``'s grid (its
-    one-time exploration is over); True for other policies."""
+    """Whether the goodput policy's one-time exploration at ``batch``'s grid is over (every depth
+    measured, and timed a second time: ``GoodputPolicy.settled``); True for other policies."""
     if not isinstance(policy, GoodputPolicy) or isinstance(policy, PinnedGoodput):
         return True
-    return all(policy.cost_model.is_measured(batch, d) for d in range(policy.shape.num_speculative_tokens + 1))
+    return policy.settled(batch)
 
 
 class PointEngine:
@@ -280,8 +280,9 @@ class PointEngine:
 
 def warm(entry, prompts, params):
     """Untimed generates: one (compile, capture, warm the policy), then up to 3 more until a goodput
-    policy has measured every depth at this grid (its one-time exploration, a server's first
-    seconds); then the engine's metrics restart, so they cover only the timed runs."""
+    policy has measured every depth at this grid and timed each a second time (its one-time
+    exploration, a server's first seconds); then the engine's metrics restart, so they cover only
+    the timed runs."""
     entry.generate(prompts, params)
     for _ in range(3):
         if explored(entry.policy, entry.controller.config.max_requests):

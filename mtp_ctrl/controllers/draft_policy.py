@@ -199,7 +199,7 @@ class GoodputPolicy(DraftLengthPolicy):
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
                  min_gain: float = 1.02, decide_every: int = 8, longest_hold: Optional[int] = None,
                  drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
-                 explore_within: float = 0.8, population_evidence: float = 2.0):
+                 explore_within: float = 0.8, population_evidence: float = 2.0, retime_explored: bool = True):
         super().__init__()
         self.population_evidence = _check_number("population_evidence", population_evidence, low=0.0)
         if not isinstance(drain_objective, bool):
@@ -209,6 +209,10 @@ class GoodputPolicy(DraftLengthPolicy):
         self.explore_every = check_int("explore_every", explore_every, low=1)
         self.explore_within = _check_number("explore_within", explore_within, low=0.0, high=1.0)
         self._tries: Dict[Tuple[int, int], int] = {}  # (grid, D) -> holds run to measure it
+        if not isinstance(retime_explored, bool):
+            raise TypeError(f"retime_explored must be a bool, got {retime_explored!r}")
+        self.retime_explored = retime_explored
+        self._retimed: set = set()  # (grid, D) timed again after the first exploration (retime_explored)
         self._steps_since_explore = 0
         self.explored = 0  # choices made to measure a depth (not yet measured, or the runner-up)
         self.decide_every = check_int("decide_every", decide_every, low=1)
@@ -390,6 +394,14 @@ class GoodputPolicy(DraftLengthPolicy):
             last, old = self._last_tokens, self.tokens_per_step
             self.tokens_per_step = last if old is None else last + keep * (old - last)
 
+    def settled(self, batch_size: int) -> bool:
+        """Whether the one-time exploration at the grid of ``batch_size`` is over: every depth up to
+        S measured, and (``retime_explored``) every depth but one timed a second time."""
+        S = self.shape.num_speculative_tokens
+        if not all(self.cost_model.is_measured(batch_size, d) for d in range(S + 1)):
+            return False
+        return not self.retime_explored or sum(grid == batch_size for grid, _ in self._retimed) >= S
+
     def _explore(self, batch_size: int, score: np.ndarray, best_depth: int) -> int:
         """The depth to run: one the cost model has not measured at this grid (the best-scoring,
         within ``explore_tries``), a wait (doubling up to ``explore_every``) after the last
@@ -407,12 +419,21 @@ class GoodputPolicy(DraftLengthPolicy):
             return best_depth
         self._steps_since_explore = 0
         self._explore_wait = min(2 * self._explore_wait, self.explore_every)
-        runner_up = max((d for d in range(score.shape[0]) if d != best_depth), key=lambda d: score[d])
-        if score[runner_up] < self.explore_within * score[best_depth]:
-            return best_depth
+        others = [d for d in range(score.shape[0]) if d != best_depth]
+        # a depth measured only while serving started (its exploration hold: a cold host, the first
+        # steps after capture) is timed again once, whatever it scores: a dear first measurement of a
+        # depth far behind the best would never be corrected by the runner-up holds
+        first_timed = [d for d in others if (batch_size, d) not in self._retimed] if self.retime_explored else []
+        if first_timed:
+            depth = max(first_timed, key=lambda d: score[d])
+            self._retimed.add((batch_size, depth))
+        else:
+            depth = max(others, key=lambda d: score[d])  # the runner-up
+            if score[depth] < self.explore_within * score[best_depth]:
+                return best_depth
         self.explored += 1
-        self.cost_model.remeasure(batch_size, runner_up)  # its next hold's samples replace the old estimate
-        return runner_up
+        self.cost_model.remeasure(batch_size, depth)  # its next hold's samples replace the old estimate
+        return depth
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
         # No new rows: with overlap, a request's last step is applied after it finished and was

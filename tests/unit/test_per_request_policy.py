@@ -25,6 +25,7 @@ def trained(rates=RATES, steps=40, per_row=0.1, **options):
     """A policy that saw ``steps`` full-length verifies per request (expected counts), with every
     depth measured at grid G (no exploration) and the row costs above."""
     options.setdefault("explore_within", 1.0)  # no runner-up holds: the choice itself is the subject
+    options.setdefault("retime_explored", False)  # nor a second timing of each depth
     policy = PerRequestGoodputPolicy(drain_objective=False, **options)
     policy.bind(SHAPE)
     policy.cost_model.set_row_costs(row_costs(per_row))
