@@ -195,8 +195,9 @@ class DraftLengths:
         """``[num_sampling]`` int64 draft lengths of the step's sampling requests (row order). The
         policy's last choice holds for up to ``policy.decide_every`` steps while the sampling
         requests stay the same or some of them left (no per-step policy work on steady decoding,
-        nor while a batch drains), and twice as long each time the policy repeats it for the same
-        requests, up to ``policy.longest_hold`` steps. A new request takes the held depth (capped)
+        nor while a batch drains), and twice as long each time the policy repeats it (for the same
+        requests; a policy of one depth for the batch, not ``per_request_lengths``: that depth,
+        whoever joined or left), up to ``policy.longest_hold`` steps. A new request takes the held depth (capped)
         until the hold ends when ``policy.joins_take_held_depth``, else asks the policy at once."""
         S = self.S
         ids = request_ids[:num_sampling]  # [n] int64
@@ -231,13 +232,16 @@ class DraftLengths:
             raise TypeError(f"{type(self.policy).__name__}.choose must return [{num_sampling}] ints, "
                             f"got {lengths.dtype} {lengths.shape}")
         lengths = np.clip(lengths.astype(np.int64), 0, caps)
-        # the same choice for the same requests again: hold it twice as long (up to the policy's
-        # longest_hold); anything else starts over at decide_every
-        hold = self.policy.decide_every
+        # the same choice again (for the same requests, or, from a policy of one depth for the batch, that
+        # depth again whoever joined or left: a queue's batch changes every few steps): hold it twice as
+        # long (up to the policy's longest_hold); anything else starts over at decide_every
         key = ids.tobytes()
-        if held is not None and held.key == key and np.array_equal(held.lengths, lengths):
-            hold = max(hold, min(2 * held.hold, self.policy.longest_hold or hold))
-        self._held = HeldChoice(ids.copy(), lengths, 1, hold, key, self.policy.join_length(), caps)
+        choice = HeldChoice(ids.copy(), lengths, 1, self.policy.decide_every, key, self.policy.join_length(), caps)
+        one_depth_again = not self.policy.per_request_lengths and held is not None and held.uniform and \
+            choice.uniform and held.depth == choice.depth
+        if one_depth_again or (held is not None and held.key == key and np.array_equal(held.lengths, lengths)):
+            choice.hold = max(choice.hold, min(2 * held.hold, self.policy.longest_hold or choice.hold))
+        self._held = choice
         return lengths
 
     def _filled(self, n: int, value: int) -> np.ndarray:

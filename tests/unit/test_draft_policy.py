@@ -256,6 +256,25 @@ def test_a_repeated_choice_holds_twice_as_long_up_to_longest_hold():
     assert len(policy.steps) == asked + 1
 
 
+def test_one_depth_chosen_again_for_a_changing_batch_holds_twice_as_long():
+    """A queue's batch changes every few steps (a request finishes, the next joins): one depth for
+    everyone chosen again doubles the hold as it does for an unchanged batch (the policy is asked
+    once in longest_hold steps, not once in decide_every); a choice of lengths by request for
+    another batch starts over."""
+    policy = Repeating()  # S for everyone
+    lengths = DraftLengths(policy, SHAPE)
+    for step in range(60):
+        ids = np.arange(step // 3, step // 3 + 4, dtype=np.int64)  # one leaves and one joins every 3 steps
+        lengths.choose(ids, 4, 8)
+    assert policy.steps[:6] == [1, 2, 4, 8, 8, 8], policy.steps
+    by_request = ByRequest()
+    lengths = DraftLengths(by_request, SHAPE)
+    for step in range(12):
+        ids = np.arange(step // 3, step // 3 + 4, dtype=np.int64)
+        lengths.choose(ids, 4, 8)
+    assert set(by_request.steps[1:]) == {1, 2}, by_request.steps  # never doubled: the batch and its lengths changed
+
+
 def test_a_joining_request_takes_the_held_depth_until_the_hold_ends():
     """``joins_take_held_depth`` (the default): a request that joins while a choice holds drafts
     the held depth D (its cap if lower) without asking the policy; the hold does not restart, and
