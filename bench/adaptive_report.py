@@ -135,7 +135,8 @@ def print_details(rows):
         print("\nthe policy's cost model after each point, ms per step by (grid G, depths D): the loop's wall "
               "of decode-only steps / GPU, 'mixed': the wall of steps with prefill chunks; 'real': every busy "
               "call's wall a step and its calibration (real / model); 'tok': realised tokens a request-step "
-              "(expected at the last choice); 'explored': choices made to measure a depth so far")
+              "(expected at the last choice); 'explored': choices made to measure a depth so far; decisions: "
+              "the policy's choices since the point before (its warm-up generates included)")
     for row in costed:
         costs = row["costs"]
         if "rows" in costs:
@@ -150,8 +151,10 @@ def print_details(rows):
                          + ("" if value.get("tokens") is None else f" tok {value['tokens']:.2f}")
                          + ("" if value.get("expected_tokens") is None else f" (exp {value['expected_tokens']:.2f})")
                          for key, value in costs.items() if key not in ("rows", "prefill_rows"))
+        decisions = row.get("decisions")
         print(f"  {row['part']} batch {row['batch']} {row['workload']} {row['policy']}: {text}; "
-              f"explored {row.get('explored')}")
+              f"explored {row.get('explored')}"
+              + ("" if not decisions else f"; {decisions[0]} decisions, {decisions[1]} host ms each"))
     print("\ngarbage collections in the timed generates (gen 0 / 1 / 2, ms in all):")
     for row in rows:
         if row.get("gc"):

@@ -191,7 +191,32 @@ def per_depth_acceptance(results, labels, S):
     return out
 
 
-class RecordedPerRequest(PerRequestGoodputPolicy):
+class DecisionTimer:
+    """Mixin for a draft-length policy: times each decision (thread CPU time of ``choose``) for the
+    report (``take_decisions``)."""
+
+    def choose(self, query):
+        started = time.thread_time()
+        try:
+            return super().choose(query)
+        finally:
+            self.decision_seconds.append(time.thread_time() - started)
+
+    def take_decisions(self):
+        """``(decisions since the last call, host ms a decision or None)``."""
+        times, self.decision_seconds = self.decision_seconds, []
+        return len(times), (round(float(np.mean(times)) * 1e3, 3) if times else None)
+
+
+class TimedGoodput(DecisionTimer, GoodputPolicy):
+    """``GoodputPolicy`` whose decisions are counted and timed (``DecisionTimer``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.decision_seconds = []
+
+
+class RecordedPerRequest(DecisionTimer, PerRequestGoodputPolicy):
     """``PerRequestGoodputPolicy`` that sums the drafts each request verified (its ``observe``, numpy:
     no per-request Python added to the policy's host work), for the bench's lengths per label, and
     times each decision (thread CPU time of ``choose``)."""
@@ -210,13 +235,6 @@ class RecordedPerRequest(PerRequestGoodputPolicy):
                                                                     dtype=np.int64)])
         np.add.at(self.verified, ids, np.asarray(draft_lengths, dtype=np.int64))
 
-    def choose(self, query):
-        started = time.thread_time()
-        try:
-            return super().choose(query)
-        finally:
-            self.decision_seconds.append(time.thread_time() - started)
-
     def lengths_by_label(self, results, labels):
         """``{label: mean drafts a decode step}`` over the requests of ``results`` (labels in order): the
         drafts observed over the request's decode steps (a step where nobody verified a draft is not
@@ -229,9 +247,8 @@ class RecordedPerRequest(PerRequestGoodputPolicy):
             entry[0] += drafts
             entry[1] += result.decode_steps
         out = {label: round(d / max(n, 1), 2) for label, (d, n) in sorted(sums.items())}
-        times, self.decision_seconds = self.decision_seconds, []
-        out["decisions"], out["searches"] = len(times), self.searches - self._searches_before
-        out["host_ms_a_decision"] = round(float(np.mean(times)) * 1e3, 3) if times else None
+        out["decisions"], out["host_ms_a_decision"] = self.take_decisions()
+        out["searches"] = self.searches - self._searches_before
         self._searches_before = self.searches
         return out
 
@@ -338,7 +355,9 @@ def point_row(entry, record, **fields):
                 spread_pct=report.spread_pct(runs), runs=[round(r, 1) for r in runs],
                 lengths=record["lengths"], equal_plain=record["equal_plain"], step_ms=record["step_ms"],
                 gpu_ms=record["gpu_ms"], gc=record["gc"], costs=cost_table(entry.policy),
-                explored=getattr(entry.policy, "explored", None))
+                explored=getattr(entry.policy, "explored", None),
+                # the policy's decisions since its last row (warm-up generates included), host ms each
+                decisions=entry.policy.take_decisions() if isinstance(entry.policy, TimedGoodput) else None)
 
 
 class GarbageCollections:
@@ -450,7 +469,7 @@ def demo_part(args, table, device):
         # "goodput": the default engine (no-draft steps skip the MTP windows, caught up exactly later);
         # "goodput run": mtp_idle_windows="run" (every no-draft step runs every depth's window)
         kinds = [(S, "fixed", None) for S in (0, 1, 2)]
-        kinds += [(2, name, GoodputPolicy()) for name, kind in (("goodput", "skip"), ("goodput run", "run"))
+        kinds += [(2, name, TimedGoodput()) for name, kind in (("goodput", "skip"), ("goodput run", "run"))
                   if args.demo_goodput in ("both", kind)]
         if (batch >= 32 or args.quick) and not args.no_pinned:  # the policy path's own cost (fixed S = 2's lengths)
             kinds.append((2, "pinned", PinnedGoodput()))
@@ -508,7 +527,7 @@ def large_part(args, table, device):
         rates = torch.zeros(total, device=device)
         first_id = torch.zeros((), dtype=torch.int64, device=device)
         engines = [plain_engine]
-        for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", GoodputPolicy()),
+        for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", TimedGoodput()),
                                                                            (3, "per-request", RecordedPerRequest())]:
             controller = engine(model, S, batch, max_model_len, policy, AcceptanceOracle(sequences, rates, first_id),
                                 device.type)
