@@ -141,6 +141,7 @@ class DraftLengths:
         self._outcome_runs = False  # some of _outcomes is a decode run's ([k, n_d], k > 1)
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
         self._busy = False  # the last step() call returned with work left (the time since it is the loop's)
+        self._decided = False  # the policy made a choice since the last step_timing
         # realised samples not handed over yet: [(G, V, mixed), wall seconds, steps, tokens, request-steps]
         self._realised_pending: Optional[list] = None
         self.queue_view: Optional[QueueView] = None  # set by the controller (None: nobody waits, lengths unknown)
@@ -222,6 +223,7 @@ class DraftLengths:
         if self._fixed and bool((caps == S).all()):
             return caps
         self._flush_outcomes()  # the policy decides on every outcome so far
+        self._decided = True  # this call's wall holds the decision: no sample of a depth (step_timing)
         steps = 1 if held is None else held.steps
         view = (0, None) if self.queue_view is None else self.queue_view(ids)
         num_waiting, tokens_left, joining = view[0], view[1], (view[2] if len(view) > 2 else None)
@@ -378,10 +380,16 @@ class DraftLengths:
         as one timing with ``steady`` False once they hold ``REALISED_EVERY`` steps, or when a
         sample at another key comes (the sum so far goes then, the new one waits). A steady sample
         carries its own call's, and the sum waiting at its key (``StepTiming.realised_seconds``):
-        one hand-over a few calls in a long run at one depth."""
+        one hand-over a few calls in a long run at one depth.
+
+        A call whose build asked the policy (:meth:`choose` past a hold) is no sample at all: the
+        decision is the policy's host time whatever the depth (0.4-3 ms on the GPU hosts), and
+        charged to the depth whose hold it ended it made a depth timed in short holds look dear
+        (the demo's D = 0, timed in exploration holds of 8 steps, by ~0.3 ms a step)."""
         if self._fixed or self.S == 0:
             return None
         busy, self._busy = self._busy, work_left
+        decided, self._decided = self._decided, False
         cost_model = self.policy.cost_model
         if len(applied) != 1:  # none, or several (a sync applied one before): no sample
             if applied and cost_model is not None:
@@ -400,11 +408,11 @@ class DraftLengths:
         verifies_drafts = step.verify_width == step.num_drafts  # V = D
         previous, self._timed_key = self._timed_key, launch_key
         realised = decode_tokens is not None and busy and wall_seconds is not None and step.num_decode > 0 \
-            and verifies_drafts
+            and verifies_drafts and not decided
         tokens = decode_tokens if realised else -1
         request_steps = step.num_decode * step.num_steps if realised else 0
         if not verifies_drafts or steps_launched != step.num_steps or previous is None or wall_seconds is None or \
-                (previous[:2] != launch_key[:2] if mixed else previous != launch_key):
+                decided or (previous[:2] != launch_key[:2] if mixed else previous != launch_key):
             self._steady_calls = 0
             return self._add_realised(step, wall_seconds, tokens, request_steps) if realised else None
         self._steady_calls += 1

@@ -248,6 +248,23 @@ def test_step_timing_counts_every_busy_call_as_realised():
     assert handed[:2] == (8, 0) and not handed.steady and handed.steps == 1  # the D = 0 sample left
 
 
+def test_a_call_whose_build_asked_the_policy_is_no_sample():
+    """A decision is the policy's own host time, whatever the depth: the step() call whose build
+    asked the policy (a hold ended) is neither a steady nor a realised sample of the depth it
+    applied; the next call samples again."""
+    lengths = DraftLengths(GoodputPolicy(), SHAPE)
+    lengths.set_step_costs({(8, d): 1e-3 for d in range(S + 1)})
+    lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True)  # the first call
+    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True).steady
+    lengths.choose(np.arange(8, dtype=np.int64), 8, 8)  # no choice held: the policy decides
+    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 9e-3, 1, 8, work_left=True) is None
+    timing = lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True)
+    assert timing.steady and timing.wall_seconds == 6e-4 and timing.steps == 1  # nothing of the decision's call
+    lengths.choose(np.arange(8, dtype=np.int64), 8, 8)  # held: no decision
+    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True) is None  # realised, pending
+    assert lengths.step_timing([(_step(8, 0, 0), 4e-4)], 6e-4, 1, 8, work_left=True) is None
+
+
 def test_realised_samples_reach_the_cost_model_as_every_call_would():
     """Handed over in sums of REALISED_EVERY steps, the realised samples of a long run at one depth
     give the cost model the calibration and tokens per request-step that one record per call gives
