@@ -186,10 +186,13 @@ class GoodputPolicy(DraftLengthPolicy):
     measurements are taken while serving starts (a cold host, the first steps after capture) and a
     depth measured dear then is never run again to correct it unless the runner-up comes back soon;
     later a runner-up costs at most ``1 - explore_within`` of one hold in ``explore_every`` steps.
+    With ``retime_explored`` the first such waits time every depth but the best once more, whatever
+    it scores (one hold each, once per grid): a depth far behind the best otherwise keeps its cold
+    first measurement for good (:meth:`settled`: done at a grid).
     Vectorised over the batch (numpy: no per-request Python in ``choose`` or ``observe``, a fixed
     number of numpy calls whatever the batch), and run once per ``decide_every`` steps while the
     batch stays the same (the controller reuses the choice meanwhile and hands the outcomes over in
-    one ``observe``); a choice it repeats for the same batch holds twice as long, up to
+    one ``observe``); a depth it chooses again holds twice as long (whoever joined or left), up to
     ``longest_hold`` steps (steady decoding then asks it once in 64 steps): its host work per step
     is then a small fraction of a host-bound step's.
     """
