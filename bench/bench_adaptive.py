@@ -82,6 +82,8 @@ def parse_args(argv=None):
     parser.add_argument("--large-workloads", nargs="+", default=None,
                         help="only these 1B workloads (0.9 0.6 0.2 mixed queued; default all)")
     parser.add_argument("--no-pinned", action="store_true", help="skip the demo's pinned-goodput engine")
+    parser.add_argument("--pinned-plain", action="store_true",
+                        help="the demo also runs the S = 2 engine held at D = 0 by the goodput policy's path")
     parser.add_argument("--demo-goodput", choices=("both", "run", "skip"), default="both",
                         help="the demo's goodput engines: MTP windows skipped on no-draft steps and caught "
                              "up exactly (mtp_idle_windows='skip', the default engine), run, or both (default)")
@@ -272,6 +274,26 @@ class PinnedGoodput(GoodputPolicy):
     def bind(self, shape):
         super().bind(shape)
         self.cost_model = EqualCosts()
+
+
+class DepthCosts(StepCostModel):
+    """Every step costs 1 + 10 x its depths: drafting never pays (PinnedPlain)."""
+
+    def seconds(self, batch_size, num_drafts):
+        return 1.0 + 10.0 * num_drafts
+
+    def policy_seconds(self, batch_size, num_drafts):
+        return self.seconds(batch_size, num_drafts)
+
+
+class PinnedPlain(PinnedGoodput):
+    """``GoodputPolicy`` whose step costs make every draft a loss, so it holds D = 0 on every step
+    through the whole policy path (timing, holds, decisions): the S_max engine's sustained D = 0
+    against plain decoding's engine, in the same loop."""
+
+    def bind(self, shape):
+        GoodputPolicy.bind(self, shape)
+        self.cost_model = DepthCosts()
 
 
 def explored(policy, batch):
@@ -473,6 +495,8 @@ def demo_part(args, table, device):
                   if args.demo_goodput in ("both", kind)]
         if (batch >= 32 or args.quick) and not args.no_pinned:  # the policy path's own cost (fixed S = 2's lengths)
             kinds.append((2, "pinned", PinnedGoodput()))
+        if args.pinned_plain:  # the S = 2 engine held at D = 0 by the policy path, against plain's engine
+            kinds.append((2, "pinned 0", PinnedPlain()))
         engines = [PointEngine(S, name, policy, engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy,
                                                        device=device.type,
                                                        idle_windows="run" if name == "goodput run" else None,
