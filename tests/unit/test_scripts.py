@@ -240,14 +240,15 @@ def test_generate_progress_is_a_bar_over_tokens_on_a_terminal_and_lines_otherwis
 
 def test_host_profile_compares_engines_in_one_process_on_cpu():
     """``bench/profile_step_host.py --compare``'s smoke run (its GPU runs cost device time): every
-    engine built in one process, a row of host parts each."""
+    engine built in one process, a column each, a row per host part."""
     result = run_script("bench/profile_step_host.py", "--device", "cpu", "--batch", "1", "--compare", "0:fixed",
                         "2:goodput", "--steps", "2", "--rounds", "1")
     assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[-2:]}
-    assert set(rows) == {"0:fixed", "2:goodput"}
-    header = result.stdout.splitlines()[-3].split()
-    assert header[0] == "engine" and {"choose", "plan_launch", "step"} <= set(header)
-    assert float(rows["2:goodput"][header.index("plan_launch") - 1]) > 0  # an S = 2 engine plans its MTP windows
+    lines = result.stdout.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.split()[:1] == ["part"])
+    assert lines[start].split() == ["part", "0:fixed", "2:goodput"]
+    rows = {line.split()[0]: [float(value) for value in line.split()[1:]] for line in lines[start + 1:]}
+    assert {"choose", "plan_launch", "step", "build_step", "commit_readback"} <= set(rows)
+    assert rows["plan_launch"][1] > 0 == rows["plan_launch"][0]  # only the S = 2 engine plans MTP windows
     bad = run_script("bench/profile_step_host.py", "--device", "cpu", "--compare", "2:bogus")
     assert bad.returncode != 0 and "--compare" in bad.stderr
