@@ -132,11 +132,10 @@ class DraftLengths:
         # per launched step: [k, n_d], None (S each) or 0 (0 each)
         self._in_flight: Deque[Union[np.ndarray, None, int]] = collections.deque()
         self._held: Optional[HeldChoice] = None  # the policy's last choice
-        # read-only int64 arrays handed out per step, made once: (n, value) -> [n] of value (_filled);
-        # (k, n_d) -> [k, n_d] of S (applied: the fixed-S launches' lengths verified; _shared_fill)
-        self._filled_arrays: Dict[Tuple[int, int], np.ndarray] = {}
-        self._all_verified: Dict[Tuple[int, int], np.ndarray] = {}
-        self._none_verified: Dict[Tuple[int, int], np.ndarray] = {}  # (k, n_d) -> [k, n_d] of 0 (no-draft launches)
+        # read-only int64 arrays handed out step after step, made once (_filled): (shape, value) -> an
+        # array of value (the held and fixed paths' lengths; the lengths verified by launches where
+        # every request verified S, or none a draft)
+        self._filled_arrays: Dict[Tuple[Tuple[int, ...], int], np.ndarray] = {}
         self._outcomes: List[Tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # applied, not yet observed
         self._outcome_runs = False  # some of _outcomes is a decode run's ([k, n_d], k > 1)
         self._timed_key, self._steady_calls = None, 0  # step_timing's (G, D, mixed) and its steady calls in a row
@@ -218,7 +217,7 @@ class DraftLengths:
                 held.serve(ids, kept, key)
                 return kept
         if S == 0 or (self._fixed and not self._caps):
-            return self._filled(num_sampling, S)  # fixed S, nobody capped: S each (a shared read-only array)
+            return self._filled((num_sampling,), S)  # fixed S, nobody capped: S each (a shared read-only array)
         caps = self._caps_of(ids)  # [n] int64
         if self._fixed and bool((caps == S).all()):
             return caps
@@ -246,19 +245,19 @@ class DraftLengths:
         self._held = choice
         return lengths
 
-    def _filled(self, n: int, value: int) -> np.ndarray:
-        """``[n]`` int64 of ``value``, read-only, made once per (n, value) (the held and fixed paths
-        hand the same lengths step after step: no allocation per step)."""
-        filled = self._filled_arrays.get((n, value))
+    def _filled(self, shape: Tuple[int, ...], value: int) -> np.ndarray:
+        """An int64 array of ``shape`` filled with ``value``, read-only, made once per (shape, value):
+        the same lengths are handed out step after step, with no allocation per step."""
+        filled = self._filled_arrays.get((shape, value))
         if filled is None:
-            filled = self._filled_arrays[(n, value)] = np.full(n, value, dtype=np.int64)
+            filled = self._filled_arrays[(shape, value)] = np.full(shape, value, dtype=np.int64)
             filled.setflags(write=False)
         return filled
 
     def _capped(self, request_ids: np.ndarray, depth: int) -> np.ndarray:
         """``[n]`` int64: ``min(depth, cap)`` of each of ``request_ids``."""
         if not self._caps:
-            return self._filled(request_ids.shape[0], min(depth, self.S))
+            return self._filled(request_ids.shape, min(depth, self.S))
         return np.minimum(depth, self._caps_of(request_ids))
 
     def _caps_of(self, request_ids: np.ndarray) -> np.ndarray:
@@ -291,9 +290,9 @@ class DraftLengths:
         decode rows, step row order). Tells the policy; returns the lengths verified, ``[k, n_d]``."""
         verified = self._in_flight.popleft() if self._in_flight else None
         if verified is None:  # S each: a shared read-only array per shape
-            verified = self._shared_fill(self._all_verified, accepted_counts.shape, self.S)
+            verified = self._filled(accepted_counts.shape, self.S)
         elif isinstance(verified, int):  # 0: no request verified a draft (an outcome of s = 0 tells the policy nothing)
-            return self._shared_fill(self._none_verified, accepted_counts.shape, 0)
+            return self._filled(accepted_counts.shape, 0)
         if self.S > 0 and not self._fixed and accepted_counts.size:
             # kept as they come (the read-back's rows are reused: a copy); flattened once per observe,
             # when the policy next decides (or every longest_hold steps)
@@ -302,16 +301,6 @@ class DraftLengths:
             if len(self._outcomes) >= max(self.policy.longest_hold or 1, self.policy.decide_every):
                 self._flush_outcomes()
         return verified
-
-    @staticmethod
-    def _shared_fill(arrays: Dict[Tuple[int, ...], np.ndarray], shape: Tuple[int, ...], value: int) -> np.ndarray:
-        """``shape`` int64 of ``value``, read-only, made once per shape in ``arrays`` (the lengths
-        verified of launches where every request verified S, or none a draft)."""
-        filled = arrays.get(shape)
-        if filled is None:
-            filled = arrays[shape] = np.full(shape, value, dtype=np.int64)
-            filled.setflags(write=False)
-        return filled
 
     def _flush_outcomes(self) -> None:
         """Hand the outcomes gathered since the last call to the policy, in one ``observe``."""
