@@ -1,7 +1,7 @@
 """Where a decode step's host time goes: cProfile over the decode steps of the demo model.
 
     python bench/profile_step_host.py [--batch 8] [--num-speculative-tokens 0] [--no-overlap] [--steps 200]
-        [--draft-policy fixed|none|goodput] [--timed] [--compare S:POLICY ...] [--rounds 4]
+        [--draft-policy fixed|none|goodput|pinned0] [--timed] [--compare S:POLICY ...] [--rounds 4]
 
 ``--compare 0:fixed 2:none 2:fixed 2:goodput``: those engines built in one process and their host
 parts timed round-robin (``--rounds``), medians (processes on a shared host differ by up to 1.5x).
@@ -10,7 +10,9 @@ time of the host's parts (the draft-length hooks, the MTP plan, metrics, step bu
 read-back's application), each wrapped in ``time.perf_counter``, per steady step.
 
 ``--draft-policy none``: every request drafts 0 on an engine of S > 0 (a draft-length policy's
-D = 0 steps: what such a step costs the host beside a plain engine's, S = 0).
+D = 0 steps: what such a step costs the host beside a plain engine's, S = 0); ``pinned0``: the
+same depth through ``GoodputPolicy``'s whole path (holds, decisions, timing samples), with step costs
+that make every draft a loss (``bench_adaptive.PinnedPlain``).
 """
 
 import argparse
@@ -22,6 +24,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 
+POLICIES = ("fixed", "none", "goodput", "pinned0")
+
+
 def parse_args(description: str, default_batch: int, default_speculative: int, default_steps: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--checkpoint", default="mtp_ctrl/checkpoints/mtp_demo.pt")
@@ -30,8 +35,9 @@ def parse_args(description: str, default_batch: int, default_speculative: int, d
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--steps", type=int, default=default_steps)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--draft-policy", choices=("fixed", "none", "goodput"), default="fixed",
-                        help="fixed: S drafts a step (default); none: 0 drafts a step; goodput: GoodputPolicy")
+    parser.add_argument("--draft-policy", choices=POLICIES, default="fixed",
+                        help="fixed: S drafts a step (default); none: 0 drafts a step; goodput: GoodputPolicy; "
+                             "pinned0: GoodputPolicy held at 0 drafts")
     parser.add_argument("--graphs", action="store_true", help="profile_step_kernels: replay the step's CUDA graphs")
     parser.add_argument("--timed", action="store_true", help="perf_counter per host part instead of cProfile")
     parser.add_argument("--compare", nargs="+", metavar="S:POLICY", default=None,
@@ -78,7 +84,10 @@ def decoding_demo_controller(args, graphs: bool):
                              max_tokens_per_step=max(64, args.batch * 64),
                              cuda_graph_batch_sizes=(args.batch,) if graphs and device.type == "cuda" else (),
                              overlap_scheduling=not args.no_overlap)
-    policy = {"fixed": None, "none": NoDrafts, "goodput": GoodputPolicy}[getattr(args, "draft_policy", "fixed")]
+    from bench_adaptive import PinnedPlain
+
+    policy = {"fixed": None, "none": NoDrafts, "goodput": GoodputPolicy,
+              "pinned0": PinnedPlain}[getattr(args, "draft_policy", "fixed")]
     controller = TextGenerationController(model, config, draft_policy=policy() if policy else None)
     controller.generate(prompts, SamplingParams(max_new_tokens=8))  # compile, capture
     for prompt in prompts:
@@ -169,8 +178,8 @@ def compare_timed_parts(args) -> None:
     engines = {}
     for spec in args.compare:
         S, _, policy = spec.partition(":")
-        if not S.isdigit() or policy not in ("", "fixed", "none", "goodput"):
-            raise ValueError(f"--compare takes S:POLICY (POLICY fixed, none or goodput), got {spec!r}")
+        if not S.isdigit() or policy not in ("",) + POLICIES:
+            raise ValueError(f"--compare takes S:POLICY (POLICY one of {', '.join(POLICIES)}), got {spec!r}")
         engine_args = copy.copy(args)
         engine_args.num_speculative_tokens, engine_args.draft_policy = int(S), policy or "fixed"
         controller = decoding_demo_controller(engine_args, graphs=True)

@@ -242,11 +242,11 @@ def test_host_profile_compares_engines_in_one_process_on_cpu():
     """``bench/profile_step_host.py --compare``'s smoke run (its GPU runs cost device time): every
     engine built in one process, a column each, a row per host part."""
     result = run_script("bench/profile_step_host.py", "--device", "cpu", "--batch", "1", "--compare", "0:fixed",
-                        "2:goodput", "--steps", "2", "--rounds", "1")
+                        "2:pinned0", "--steps", "2", "--rounds", "1")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     start = next(index for index, line in enumerate(lines) if line.split()[:1] == ["part"])
-    assert lines[start].split() == ["part", "0:fixed", "2:goodput"]
+    assert lines[start].split() == ["part", "0:fixed", "2:pinned0"]
     rows = {line.split()[0]: [float(value) for value in line.split()[1:]] for line in lines[start + 1:]}
     assert {"choose", "plan_launch", "step", "build_step", "commit_readback"} <= set(rows)
     assert rows["plan_launch"][1] > 0 == rows["plan_launch"][0]  # only the S = 2 engine plans MTP windows

@@ -1,0 +1,217 @@
+"""Issue 34: what the goodput policy's step timings are made of, against the loop's own steps.
+
+    python bench/diagnose_depth_samples.py --batch 32 --temperature 1      # GPU: the demo model
+    python bench/diagnose_depth_samples.py --quick                          # CPU smoke run
+
+The demo point of ``bench_adaptive.py`` (64-byte prompts, ``2 x batch`` requests of 192 tokens on
+``batch`` slots): plain decoding (S = 0), the S = 2 engine with ``GoodputPolicy``, and the S = 2
+engine held at D = 0 through the policy's path ("pinned 0"). Each engine is warmed as the bench
+warms it, then timed ``--repeats`` times round-robin. Every ``step()`` call of the timed runs is
+logged: the loop's wall since the previous call returned (what the cost model samples), the launch
+it applied (its draft depths D, verify width V, prefill chunks, the MTP plan: a forced catch-up or
+not), how many requests it emitted for and how many finished. The goodput engine's cost-model
+records (steady samples and realised sums) are logged beside, each tied to the call it measured.
+The log uses the ``on_apply`` / ``on_launch`` / ``on_step_end`` hooks; overriding ``on_step_end``
+makes every engine collect its outputs each call (the same small host cost for all three).
+
+Printed: per engine and kind of call, the calls and their median wall; per depth, the policy's
+steady samples: how many, their median, and how many fell on calls that finished a request or ran
+below a full batch (the drain). So one sees whether a depth's estimate comes from the steps the
+loop mostly runs, or from a few unusual ones.
+"""
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CPU, tiny run")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 192 (quick 8)")
+    parser.add_argument("--json", default=None, help="also write every logged call here")
+    parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    import mtp_ctrl
+
+    mtp_ctrl.quiet_known_warnings(ARGS.verbose)
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # noqa: E402
+import bench_adaptive as bench  # noqa: E402
+
+import mtp_ctrl  # noqa: E402
+from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
+from mtp_ctrl.controllers import SamplingParams, TextGenerationController  # noqa: E402
+
+
+class LoggedController(TextGenerationController):
+    """Logs each ``step()`` call (see the module docstring) through the documented hooks."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls, self.logging, self.returned_at, self._logged_applies, self._launch_plans = [], False, None, [], {}
+
+    def on_launch(self, step, graph_key):
+        plan = None if graph_key is None else graph_key[-1]
+        self._launch_plans[id(step)] = plan
+
+    def on_apply(self, step, readbacks, overlapped):
+        self._logged_applies.append((step.num_drafts, step.verify_width, step.num_prefill > 0,
+                              _plan_kind(self._launch_plans.pop(id(step), None))))
+
+    def on_step_end(self, outputs):
+        """Each call's log entry (the wall since the last call's hook: generate's loop between them
+        included, as the cost model's sample includes it)."""
+        now = time.perf_counter()
+        if self.logging and self.returned_at is not None:
+            self.calls.append(dict(wall=now - self.returned_at, applied=list(self._logged_applies),
+                                   emitted=len(outputs), finished=sum(1 for _, _, done in outputs if done)))
+        self.returned_at, self._logged_applies = now, []
+
+
+def _plan_kind(plan):
+    """"catch-up" when a step of the plan widens its windows (M extra rows), "skip" when it runs
+    no window, "windows" otherwise, "-" without a plan (S = 0, fixed S)."""
+    if not plan:
+        return "-"
+    if any(extra for _, extra in plan):
+        return "catch-up"
+    return "skip" if all(depths == 0 for depths, _ in plan) else "windows"
+
+
+class SampleLog:
+    """Mixin for a goodput policy: logs every cost-model record with the controller's call count
+    (a record at call k measures call k - 1)."""
+
+    controller = None
+
+    def bind(self, shape):
+        super().bind(shape)
+        model, log, policy = self.cost_model, [], self
+        record, record_realised = model.record, model.record_realised
+
+        def logged_record(batch_size, num_drafts, wall_seconds, gpu_seconds, mixed=False):
+            log.append(dict(kind="steady", call=len(policy.controller.calls) - 1, D=num_drafts, mixed=mixed,
+                            wall=wall_seconds, logging=policy.controller.logging))
+            return record(batch_size, num_drafts, wall_seconds, gpu_seconds, mixed)
+
+        def logged_realised(batch_size, verify_width, wall_seconds, steps, tokens, request_steps, mixed=False):
+            log.append(dict(kind="realised", call=len(policy.controller.calls) - 1, D=verify_width, mixed=mixed,
+                            wall=wall_seconds / max(steps, 1), steps=steps, logging=policy.controller.logging))
+            return record_realised(batch_size, verify_width, wall_seconds, steps, tokens, request_steps, mixed)
+
+        model.record, model.record_realised, self.samples = logged_record, logged_realised, log
+
+
+class LoggedGoodput(SampleLog, bench.TimedGoodput):
+    pass
+
+
+class LoggedPinnedPlain(SampleLog, bench.PinnedPlain):
+    pass
+
+
+def build(model, S, batch, max_model_len, policy, device):
+    config = bench.InferenceConfig(num_speculative_tokens=S, max_requests=batch, block_size_tokens=16,
+                                   max_model_len=max_model_len, max_tokens_per_step=max(batch * bench.PROMPT_LEN, 256),
+                                   cuda_graph_batch_sizes=(batch,) if device == "cuda" else ())
+    controller = LoggedController(model, config, draft_policy=policy)
+    controller.warmup()
+    if policy is not None:
+        policy.controller = controller
+    return controller
+
+
+def summarize(name, controller, batch, samples=None):
+    """Printed rows (and returned): per kind of call, per depth's samples."""
+    print(f"\n== {name}: {len(controller.calls)} timed calls")
+    groups = collections.defaultdict(list)
+    for call in controller.calls:
+        if len(call["applied"]) != 1:
+            groups[("applied %d" % len(call["applied"]),)].append(call["wall"])
+            continue
+        D, V, mixed, plan = call["applied"][0]
+        phase = "finishes" if call["finished"] else ("drain" if call["emitted"] < batch else "full")
+        groups[(f"D={D} V={V}", "mixed" if mixed else "decode", plan, phase)].append(call["wall"])
+    rows = []
+    print(f"{'applied launch':14} {'kind':7} {'plan':9} {'phase':9} {'calls':>6} {'median ms':>10} {'mean ms':>8}")
+    for key, walls in sorted(groups.items()):
+        walls_ms = np.array(walls) * 1e3
+        row = dict(engine=name, key=list(key), calls=len(walls), median_ms=round(float(np.median(walls_ms)), 3),
+                   mean_ms=round(float(walls_ms.mean()), 3))
+        rows.append(row)
+        print(f"{key[0]:14} {(key[1] if len(key) > 1 else ''):7} {(key[2] if len(key) > 2 else ''):9} "
+              f"{(key[3] if len(key) > 3 else ''):9} {len(walls):6d} {row['median_ms']:10.3f} {row['mean_ms']:8.3f}")
+    if samples is not None:
+        print(f"-- {name}'s cost-model records in the timed runs, by depth (phase of the call measured)")
+        by_depth = collections.defaultdict(list)
+        for sample in samples:
+            if not sample["logging"] or sample["call"] < 0 or sample["call"] >= len(controller.calls):
+                continue
+            call = controller.calls[sample["call"]]
+            phase = "finishes" if call["finished"] else ("drain" if call["emitted"] < batch else "full")
+            by_depth[(sample["kind"], sample["D"], sample["mixed"], phase)].append(sample["wall"])
+        for key, walls in sorted(by_depth.items()):
+            walls_ms = np.array(walls) * 1e3
+            row = dict(engine=name, record=list(key), count=len(walls), median_ms=round(float(np.median(walls_ms)), 3))
+            rows.append(row)
+            print(f"{key[0]:8} D={key[1]} {'mixed' if key[2] else 'decode':6} {key[3]:9} {len(walls):5d} "
+                  f"{row['median_ms']:8.3f} ms")
+    return rows
+
+
+def main(args):
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    mtp_ctrl.init_single_process(device)
+    model = mtp_ctrl.load_demo_model(device=device)
+    batch = 2 if args.quick else args.batch
+    new_tokens = args.new_tokens or (8 if args.quick else bench.DEMO_NEW_TOKENS)
+    prompts = [w.tolist() for w in evenly_spaced_windows(load_stdlib_corpus().held_out, 2 * batch, bench.PROMPT_LEN)]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=args.temperature, seed=5)
+    max_len = bench.PROMPT_LEN + new_tokens + 8
+    kinds = [("plain", 0, None), ("goodput", 2, LoggedGoodput()), ("pinned 0", 2, LoggedPinnedPlain())]
+    engines = [bench.PointEngine(S, name, policy, build(model, S, batch, max_len, policy, device.type))
+               for name, S, policy in kinds]
+    for entry in engines:
+        bench.warm(entry, prompts, params)
+        entry.controller.logging = True
+    tokens_per_s = collections.defaultdict(list)
+    for _ in range(args.repeats):
+        for entry in engines:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            entry.controller.returned_at = None  # no wall across runs
+            started = time.perf_counter()
+            results = entry.generate(prompts, params)
+            tokens_per_s[entry.name].append(sum(len(r.output_tokens) for r in results) / (time.perf_counter() - started))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}; demo batch {batch}, T = {args.temperature:g}, {len(prompts)} requests x {new_tokens} tokens, "
+          f"{args.repeats} timed runs each")
+    for engine_name, runs in tokens_per_s.items():
+        print(f"{engine_name:10} tokens/s median {np.median(runs):10.0f}  runs {[round(r) for r in runs]}")
+    rows = []
+    for entry in engines:
+        rows += summarize(entry.name, entry.controller, batch, getattr(entry.policy, "samples", None))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(dict(tokens_per_s=tokens_per_s, rows=rows), file, indent=1)
+    for entry in engines:
+        entry.controller.close()
+
+
+if __name__ == "__main__":
+    main(ARGS)
