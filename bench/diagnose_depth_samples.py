@@ -35,6 +35,9 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=None, help="default 192 (quick 8)")
     parser.add_argument("--json", default=None, help="also write every logged call here")
+    parser.add_argument("--cprofile", nargs="*", default=(), metavar="ENGINE",
+                        help="cProfile these engines' timed generates (plain, goodput, 'pinned 0'); prints the "
+                             "package's functions by cumulative time, per timed call")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args(argv)
 
@@ -45,7 +48,9 @@ if __name__ == "__main__":
 
     mtp_ctrl.quiet_known_warnings(ARGS.verbose)
 
+import cProfile  # noqa: E402
 import json  # noqa: E402
+import pstats  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -190,19 +195,29 @@ def main(args):
         bench.warm(entry, prompts, params)
         entry.controller.logging = True
     tokens_per_s = collections.defaultdict(list)
+    profiles = {name: cProfile.Profile() for name in args.cprofile}
     for _ in range(args.repeats):
         for entry in engines:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             entry.controller.returned_at = None  # no wall across runs
+            profile = profiles.get(entry.name)
             started = time.perf_counter()
+            if profile is not None:
+                profile.enable()
             results = entry.generate(prompts, params)
+            if profile is not None:
+                profile.disable()
             tokens_per_s[entry.name].append(sum(len(r.output_tokens) for r in results) / (time.perf_counter() - started))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}; demo batch {batch}, T = {args.temperature:g}, {len(prompts)} requests x {new_tokens} tokens, "
           f"{args.repeats} timed runs each")
     for engine_name, runs in tokens_per_s.items():
         print(f"{engine_name:10} tokens/s median {np.median(runs):10.0f}  runs {[round(r) for r in runs]}")
+    for name, profile in profiles.items():
+        calls = len(next(entry for entry in engines if entry.name == name).controller.calls)
+        print(f"\n== cProfile of {name}'s timed generates ({calls} calls): the package's functions by cumulative time")
+        pstats.Stats(profile).sort_stats("cumulative").print_stats("mtp_ctrl", 45)
     rows = []
     for entry in engines:
         rows += summarize(entry.name, entry.controller, batch, getattr(entry.policy, "samples", None))

@@ -222,6 +222,7 @@ class TextGenerationController:
             raise RuntimeError("replay_graphs: call it with no request queued or live")
         if self._graphs is None:
             return 0
+        self.context.table.write_inserted_rows()  # the slots freed since the last step point at the scratch block
         self._graphs.replay_last()
         self._replay_every_shape()
         self.context.table.reset_free_rows()

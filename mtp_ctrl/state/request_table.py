@@ -33,18 +33,20 @@ Who owns what (each fact has one owner):
 
 Free slots and the scratch slot hold no request: on the device they point only at the
 context's scratch KV block and scratch Mamba slot (:meth:`set_free_row_targets`,
-:meth:`reset_free_rows`; :meth:`remove` resets the slots it frees, stream-ordered after any step
-in flight), never at a block or slot another request may hold, so a captured graph replayed over
-them (padding, or a stale replay) stays inside the pools.
+:meth:`reset_free_rows`; the slots :meth:`remove` frees are reset by the next
+:meth:`write_inserted_rows`, stream-ordered after any step in flight and before the next step the
+context stages), never at a block or slot another request may hold, so a captured graph replayed
+over them (padding, or a stale replay) stays inside the pools.
 
 KV fields of the request in slot ``s`` with ``kv_len = kv_length_offsets[s]`` rows written to its
 cache (block size ``bs``): ``kv_block_counts = ceil(kv_len / bs)``, ``last_kv_block_id =
 kv_block_ids[s, count - 1]`` (-1 when count == 0), ``last_kv_block_offset = (kv_len - 1) mod bs``.
 
 Joining and leaving cost a fixed number of device launches per call, not per request:
-:meth:`insert` writes only the host rows, and :meth:`write_inserted_rows` (the context calls it
-before it stages a step) resets the device rows of every request inserted since, from one staged
-host-to-device copy; :meth:`remove` resets the freed slots the same way.
+:meth:`insert` and :meth:`remove` write only the host rows, and :meth:`write_inserted_rows` (the
+context calls it before it stages a step) resets the device rows of every slot freed or taken since,
+from one staged host-to-device copy. A slot freed and taken again in between (a queue's finished
+request making room for the next) is written once, as the new request's.
 """
 
 import dataclasses
@@ -129,6 +131,7 @@ class RequestTable:
         self._host_rows: Dict[str, np.ndarray] = {}  # name -> [R + 1, ...] host rows
         # request id -> (prefill status, Mamba slot, values of _set_on_insert, first KV length) not on the device yet
         self._pending_inserts: Dict[int, Tuple[int, int, Mapping[str, float], int]] = {}
+        self._pending_resets: set = set()  # slots freed since the last write_inserted_rows, not taken again
         self._row_staging: Optional[StagingBuffers] = None  # built at the first batched device write
         self.host = HostRows(
             request_ids=self.add_host_rows("request_ids", (), fill=-1),
@@ -172,17 +175,21 @@ class RequestTable:
         the scratch block and Mamba slot, with no KV: one staged index copy and two indexed
         writes, stream-ordered, no host sync. A stale replay of a captured graph may have
         written free slots; this restores them."""
-        slots = [*self._free_slots, self._scratch_row] if slots is None else list(slots)
+        if slots is None:
+            slots, self._pending_resets = [*self._free_slots, self._scratch_row], set()
+        slots = list(slots)
         if not slots:
             return
         staging = self._staging()
         staging.wait_until_host_writable()
-        count = len(slots)
-        staging.host_arrays["reset_slots"][:count] = slots
+        staging.host_arrays["reset_slots"][: len(slots)] = slots
         staging.copy_to_device()
-        reset = staging.device["reset_slots"][:count]  # [k] int64
-        self._device_fields.index_copy_(1, reset, self._free_fields.expand(-1, count))
-        self._device_block_ids.index_fill_(0, reset, self._free_block)
+        self._write_free_targets(staging.device["reset_slots"][: len(slots)])
+
+    def _write_free_targets(self, slots: torch.Tensor) -> None:
+        """Point the device rows of ``slots`` (``[k]`` int64, staged on the device) at the free targets."""
+        self._device_fields.index_copy_(1, slots, self._free_fields.expand(-1, slots.shape[0]))
+        self._device_block_ids.index_fill_(0, slots, self._free_block)
 
     def enable_cached_prefixes(self) -> None:
         """Let :meth:`insert` take ``cached_block_ids`` (prefix caching): the batched row reset
@@ -291,6 +298,7 @@ class RequestTable:
         kv_length = len(cached_block_ids) * self.shape.block_size_tokens
         row_values = {**row_values, **{name: kv_length for name in self._kv_start_rows}}
         slot = self._free_slots.pop()
+        self._pending_resets.discard(slot)  # the insert's write resets it
         prefill = 1 if group == RowGroup.PREFILL else 0
         for name, rows in self._host_rows.items():
             rows[slot] = -1 if name in ("request_ids", "block_ids", "mamba_slot_ids") else 0
@@ -305,14 +313,20 @@ class RequestTable:
         return slot
 
     def write_inserted_rows(self) -> None:
-        """Reset the device rows of every request inserted since the last call: one
-        host-to-device copy, then one indexed write per row buffer, however many requests joined."""
+        """Write the device rows of every slot taken or freed since the last call: the inserted
+        requests' rows and the freed slots' free targets, from one host-to-device copy, then one
+        indexed write per row buffer, however many requests joined or left."""
         if not self._pending_inserts:
+            if self._pending_resets:
+                self.reset_free_rows(sorted(self._pending_resets))
+                self._pending_resets.clear()
             return
         staging = self._staging()
         staging.wait_until_host_writable()
         host = staging.host_arrays
-        count = len(self._pending_inserts)
+        count, resets = len(self._pending_inserts), sorted(self._pending_resets)
+        self._pending_resets.clear()
+        host["reset_slots"][: len(resets)] = resets
         for index, (request_id, (prefill, mamba_slot_id, values, kv_length)) in enumerate(self._pending_inserts.items()):
             host["insert_rows"][index] = self._slot_of[request_id]
             if self._cached_prefixes:
@@ -334,11 +348,14 @@ class RequestTable:
             self._device_block_ids.index_fill_(0, rows, -1)
         for name in self._set_on_insert:
             self._device_rows[name].index_copy_(0, rows, device[name][:count])
+        if resets:
+            self._write_free_targets(device["reset_slots"][: len(resets)])
 
     def remove(self, request_ids: Iterable[int]) -> None:
         """Free requests' slots (their blocks and Mamba slots must already be released): the host
-        rows are cleared, the device rows reset to the free targets in one batch, stream-ordered
-        after any step in flight (which may still read and write them). No other slot changes."""
+        rows are cleared now, the device rows reset to the free targets by the next
+        :meth:`write_inserted_rows` (with the inserts since, one batch), stream-ordered after any
+        step in flight (which may still read and write them). No other slot changes."""
         request_ids = list(request_ids)
         unknown = [request_id for request_id in request_ids if request_id not in self._slot_of]
         if unknown or len(set(request_ids)) != len(request_ids):  # checked before anything changes
@@ -354,7 +371,7 @@ class RequestTable:
             self.host.mamba_slot_ids[slot] = -1
             freed.append(slot)
         self._free_slots = sorted(self._free_slots + freed, reverse=True)  # the lowest slot is taken first
-        self.reset_free_rows(freed)
+        self._pending_resets.update(freed)
 
     def move(self, request_id: int, group: RowGroup) -> None:
         """Move a request to the end of ``group`` (host bookkeeping only: its slot stays)."""

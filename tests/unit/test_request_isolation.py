@@ -6,7 +6,7 @@ pop_result are not listed any more."""
 import pytest
 import torch
 
-from mtp_ctrl.controllers import SamplingParams
+from mtp_ctrl.controllers import InferenceConfig, SamplingParams, TextGenerationController
 from mtp_ctrl.controllers.stop_rules import FinishReason
 from tests.unit.controller_fixtures import build_models, make_controller
 from tests.unit.megatron_fixtures import VOCAB_SIZE, ensure_single_process_groups
@@ -90,15 +90,12 @@ def test_popped_results_are_not_listed(model, torch_twins):
 
 def test_free_rows_point_at_the_scratch_block(model, torch_twins):
     """Slots that hold no request (never used, or released when a request finished) and the
-    scratch slot padding requests use point only at the scratch KV block past the pool, with no KV:
-    a captured graph replayed over them (padding, or a stale replay) reads and writes inside the
-    caches, never at -1 or another request's block."""
-    controller = make_controller(model, 2)
-    context = controller.context
-    table, scratch = context.table, context.scratch_block
-    assert scratch == context.allocator.num_blocks and context.kv_caches[0][0].shape[0] == scratch + 1
+    scratch slot padding requests use point only at the scratch KV block past the pool, with no KV,
+    whenever a step launches (a freed slot is reset with the next step's row writes, or written
+    as the next request's when one takes it): a captured graph replayed over them (padding, or a
+    stale replay) reads and writes inside the caches, never at -1 or another request's block."""
 
-    def assert_free_rows_point_at_scratch():
+    def assert_free_rows_point_at_scratch(table, scratch):
         free = torch.ones(table.shape.max_requests + 1, dtype=torch.bool)  # [R + 1]: the scratch slot last
         free[torch.from_numpy(table.live_slots())] = False
         rows = table.device
@@ -107,13 +104,27 @@ def test_free_rows_point_at_the_scratch_block(model, torch_twins):
         assert (rows.kv_length_offsets[free] == 0).all() and (rows.kv_block_counts[free] == 0).all()
         assert (rows.mamba_slot_ids[free] == -1).all()  # no Mamba layers: nothing reads it
 
-    assert_free_rows_point_at_scratch()
-    for prompt, max_new_tokens in zip(([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]), (2, 9, 5)):
+    class Checked(TextGenerationController):
+        launches = 0
+
+        def on_launch(self, step, graph_key):  # on the CPU the launch's device work is done by now
+            assert_free_rows_point_at_scratch(self.context.table, self.context.scratch_block)
+            type(self).launches += 1
+
+    controller = Checked(model, InferenceConfig(num_speculative_tokens=2, max_requests=4, block_size_tokens=4,
+                                                max_model_len=32, max_tokens_per_step=64))
+    context = controller.context
+    table, scratch = context.table, context.scratch_block
+    assert scratch == context.allocator.num_blocks and context.kv_caches[0][0].shape[0] == scratch + 1
+    assert_free_rows_point_at_scratch(table, scratch)
+    # a queue: finished requests' slots are taken by waiting ones in the same call, or left free
+    for prompt, max_new_tokens in zip(([1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [3, 1], [7, 7, 7], [2]), (2, 9, 5, 3, 6, 4)):
         controller.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens))
     saw_released = False
     while controller.has_unfinished_requests():
         live_before = table.num_live
         controller.step()
         saw_released |= 0 < table.num_live < live_before
-        assert_free_rows_point_at_scratch()
-    assert saw_released and table.num_live == 0
+    assert saw_released and table.num_live == 0 and Checked.launches > 6
+    table.write_inserted_rows()  # the last freed slots' reset (the next step would stage it)
+    assert_free_rows_point_at_scratch(table, scratch)

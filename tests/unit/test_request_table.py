@@ -80,7 +80,8 @@ def test_groups_are_ordered_lists_of_stable_slots():
 
 def test_remove_frees_slots_and_resets_them_on_the_device():
     """DECODE [a, b, c] | PREFILL [d, e]; remove(a, d) -> DECODE [b, c] | PREFILL [e], every other
-    slot unchanged; the freed slots point at the scratch block and Mamba slot."""
+    slot unchanged; with the next row writes the freed slots point at the scratch block and Mamba
+    slot (one taken again in between is written as its new request's)."""
     table = make_table()
     table.set_free_row_targets(scratch_block=50, scratch_slot=7)
     for request_id in (1, 2, 3):
@@ -92,9 +93,18 @@ def test_remove_frees_slots_and_resets_them_on_the_device():
     assert table.host.request_ids[:5].tolist() == [-1, 2, 3, -1, 5]
     assert table.request_ids_in(RowGroup.DECODE) == [2, 3] and table.request_ids_in(RowGroup.PREFILL) == [5]
     device = table.device
+    table.write_inserted_rows()
     assert device.kv_block_ids[[0, 3]].unique().tolist() == [50] and device.mamba_slot_ids[[0, 3]].tolist() == [7, 7]
     assert device.mamba_slot_ids[[1, 2, 4]].tolist() == [2, 3, 5]
     assert device.kv_block_ids[table.scratch_row].unique().tolist() == [50]  # padding's slot too
+    # freed, then taken again before the writes: written once, as the new request's (no KV, its Mamba slot)
+    table.remove([2, 5])
+    assert table.insert(6, RowGroup.DECODE, mamba_slot_id=9) == 0  # slot 0 (free since before): the lowest
+    assert table.insert(7, RowGroup.DECODE, mamba_slot_id=8) == 1  # request 2's slot
+    table.write_inserted_rows()
+    assert device.mamba_slot_ids[:5].tolist() == [9, 8, 3, 7, 7]  # slot 4 (request 5's) reset, 3 still free
+    assert device.kv_block_ids[[0, 1]].unique().tolist() == [-1] and device.kv_length_offsets[[0, 1]].tolist() == [0, 0]
+    assert device.kv_block_ids[[3, 4]].unique().tolist() == [50] and table.mismatched_rows() == []
 
 
 def test_slots_keep_every_row_on_both_sides_through_moves_and_removals():
@@ -230,7 +240,7 @@ def test_inserted_rows_are_written_in_one_batch(seed):
     # stale device content in the free rows, as finished requests leave it
     table.device.kv_length_offsets[2:] = 55
     table.device.kv_block_ids[2:] = 9
-    groups, pending, inserted_as = {90: table.group_of(90), 91: table.group_of(91)}, [], {}
+    groups, pending, inserted_as, freed = {90: table.group_of(90), 91: table.group_of(91)}, [], {}, set()
     for request_id in range(rng.randint(1, 5)):
         group = rng.choice(GROUPS)
         table.insert(request_id, group, mamba_slot_id=request_id + 20,
@@ -243,6 +253,7 @@ def test_inserted_rows_are_written_in_one_batch(seed):
             table.move(moved, groups[moved])
         if rng.random() < 0.3:  # a pending request leaves before its row was ever written
             gone = rng.choice(pending)
+            freed.add(table.slot_of(gone))
             table.remove([gone])
             pending.remove(gone)
             del groups[gone]
@@ -253,14 +264,16 @@ def test_inserted_rows_are_written_in_one_batch(seed):
         row = table.slot_of(request_id)
         assert table.device.kv_length_offsets[row] == 100 + request_id
         assert table.device_rows_extra[row] == 5000 + request_id
-    if pending:
-        assert ops == 1 + 2 + 2  # the staged copy, fields and block ids, one per set_on_insert row
+    still_free = sorted(freed - set(table.live_slots().tolist()))  # freed in between and not taken again
+    assert table.device.kv_length_offsets[still_free].tolist() == [0] * len(still_free)  # reset, stale 55 gone
+    if pending:  # the staged copy, fields and block ids, one per set_on_insert row (and the resets' two)
+        assert ops == 1 + 2 + 2 + (2 if still_free else 0)
     assert _device_op_count(table.write_inserted_rows) == 0  # nothing pending
 
 
 def test_remove_costs_one_batch_of_device_writes_and_moves_nothing():
-    """Many requests leaving at once cost one staged copy and two indexed writes (the freed slots'
-    reset), as one does; the survivors' rows are untouched."""
+    """Leaving writes the host only; the next row writes reset every slot freed since with one
+    staged copy and two indexed writes, however many left; the survivors' rows are untouched."""
     table = _table_with_sampling_rows()
     for request_id in range(8):
         table.insert(request_id, GROUPS[request_id % 3], row_values={"temperature": request_id / 10,
@@ -270,8 +283,10 @@ def test_remove_costs_one_batch_of_device_writes_and_moves_nothing():
         row = table.slot_of(request_id)
         table.next_tokens[row] = 1000 + request_id
         table.device.kv_length_offsets[row] = 100 + request_id
-    assert _device_op_count(lambda: table.remove([0, 3, 4, 6])) == 1 + 2
-    assert _device_op_count(lambda: table.remove([1])) == 1 + 2
+    assert _device_op_count(lambda: table.remove([0, 3, 4, 6])) == 0
+    assert _device_op_count(lambda: table.remove([1])) == 0
+    assert _device_op_count(table.write_inserted_rows) == 1 + 2
+    assert table.device.kv_length_offsets[[0, 1, 3, 4, 6]].tolist() == [0] * 5
     for request_id in (2, 5, 7):
         row = table.slot_of(request_id)
         assert row == request_id
