@@ -51,7 +51,7 @@ request making room for the next) is written once, as the new request's.
 
 import dataclasses
 import enum
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -131,7 +131,7 @@ class RequestTable:
         self._host_rows: Dict[str, np.ndarray] = {}  # name -> [R + 1, ...] host rows
         # request id -> (prefill status, Mamba slot, values of _set_on_insert, first KV length) not on the device yet
         self._pending_inserts: Dict[int, Tuple[int, int, Mapping[str, float], int]] = {}
-        self._pending_resets: set = set()  # slots freed since the last write_inserted_rows, not taken again
+        self._pending_resets: Set[int] = set()  # slots freed since the last write_inserted_rows, not taken again
         self._row_staging: Optional[StagingBuffers] = None  # built at the first batched device write
         self.host = HostRows(
             request_ids=self.add_host_rows("request_ids", (), fill=-1),
