@@ -414,10 +414,11 @@ class GarbageCollections:
 
 
 def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="cuda", idle_windows=None,
-           catch_up_positions=None, decode_steps_per_launch=1):
+           catch_up_positions=None, decode_steps_per_launch=1, controller_class=None):
     """``idle_windows``: ``InferenceConfig.mtp_idle_windows`` (None: its default, "skip");
     ``catch_up_positions``: ``InferenceConfig.mtp_catch_up_positions`` (None: its default);
-    ``decode_steps_per_launch``: ``InferenceConfig``'s (decode runs)."""
+    ``decode_steps_per_launch``: ``InferenceConfig``'s (decode runs); ``controller_class``: a
+    ``TextGenerationController`` subclass to build (None: the controller itself)."""
     options = dict(decode_steps_per_launch=decode_steps_per_launch)
     if idle_windows is not None:
         options["mtp_idle_windows"] = idle_windows
@@ -426,7 +427,7 @@ def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="c
     config = InferenceConfig(num_speculative_tokens=S, max_requests=batch, block_size_tokens=16,
                              max_model_len=max_model_len, max_tokens_per_step=max(batch * PROMPT_LEN, 256),
                              cuda_graph_batch_sizes=(batch,) if device == "cuda" else (), **options)
-    controller = TextGenerationController(model, config, proposer=proposer, draft_policy=policy)
+    controller = (controller_class or TextGenerationController)(model, config, proposer=proposer, draft_policy=policy)
     started = time.perf_counter()
     graphs = controller.warmup()
     print(f"warm-up: S = {S}, batch {batch}, {type(policy).__name__ if policy else 'fixed'}: {graphs} graphs in "

@@ -131,11 +131,8 @@ class LoggedPinnedPlain(SampleLog, bench.PinnedPlain):
 
 
 def build(model, S, batch, max_model_len, policy, device):
-    config = bench.InferenceConfig(num_speculative_tokens=S, max_requests=batch, block_size_tokens=16,
-                                   max_model_len=max_model_len, max_tokens_per_step=max(batch * bench.PROMPT_LEN, 256),
-                                   cuda_graph_batch_sizes=(batch,) if device == "cuda" else ())
-    controller = LoggedController(model, config, draft_policy=policy)
-    controller.warmup()
+    """``bench_adaptive.engine``'s controller (its config, warmed up), logged; the policy learns it."""
+    controller = bench.engine(model, S, batch, max_model_len, policy, device=device, controller_class=LoggedController)
     if policy is not None:
         policy.controller = controller
     return controller
