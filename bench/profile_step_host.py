@@ -141,8 +141,9 @@ HOST_PARTS = (("draft_lengths", "DraftLengths", ("choose", "needs_mask", "launch
               ("cuda_graphs", "StepGraphs", ("run",)),
               ("slot_lifecycle", "SlotLifecycle", ("retire_finished", "admit_waiting")),
               ("tp_lockstep", "TPLockstep", ("check",)),
-              ("mtp_ctrl.state.context", "DynamicInferenceContext", ("build_step", "commit_readback")),
-              ("controller", "TextGenerationController", ("_build_step", "_launch_step", "_apply", "step")))
+              ("mtp_ctrl.state.context", "DynamicInferenceContext", ("build_step", "commit_readback", "needs_sync")),
+              ("controller", "TextGenerationController", ("_build_step", "_launch_step", "_apply", "_apply_in_flight",
+                                                           "_step_once", "has_unfinished_requests", "step")))
 
 
 def time_host_parts(label):
@@ -168,6 +169,23 @@ def time_host_parts(label):
     return totals
 
 
+def time_garbage_collection(totals, label) -> None:
+    """Add the time Python's garbage collector runs, by generation, to ``totals`` at ``(label(),
+    "gc<generation>")`` (its collections land inside whichever part allocated last)."""
+    import gc
+    import time
+
+    started = [0.0]
+
+    def on_collect(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            totals[(label(), f"gc{info['generation']}")] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(on_collect)
+
+
 def compare_timed_parts(args) -> None:
     """``--compare S:policy ...``: every engine built in this process, then ``--rounds`` rounds of
     ``--steps / rounds`` steady steps each, round-robin (host drift hits every engine alike);
@@ -187,6 +205,7 @@ def compare_timed_parts(args) -> None:
         engines[spec] = controller
     current = [""]
     totals = time_host_parts(lambda: current[0])
+    time_garbage_collection(totals, lambda: current[0])
     per_round = max(args.steps // args.rounds, 1)
     samples = {}  # (engine, part) -> [us a step of each round]
     for _ in range(args.rounds):
