@@ -8,7 +8,9 @@ Two parts (the 1B model first). A point is a workload at a batch size; every eng
 ``generate``, the goodput policy's exploration: none of it timed), then each engine is timed
 ``--repeats`` times (default 3; the demo's points ``--demo-repeats``, default 7: its runs are
 ~0.1-0.3 s and its host-bound loop moves 15-35 % between runs on some leases, so a median of 3
-says little), interleaved round-robin (A, B, C, A, B, C, ...) so host drift hits all alike. Reported: each engine's median tokens/s and its spread ((max - min) / median);
+says little), interleaved round-robin (A, B, C, A, B, C, ...) so host drift hits all alike, with
+the heap made before them frozen out of garbage collection (as the server's engine loop runs:
+one full collection of it took ~0.2 s, a whole demo run). Reported: each engine's median tokens/s and its spread ((max - min) / median);
 "/best" and "/plain" from medians; a verdict per comparison: "above" / "below" when the two
 engines' min-max ranges are apart, "within spread" when the margin does not exceed the spread.
 Every timed run's outputs are checked equal to plain decoding's.
@@ -50,6 +52,7 @@ tables again from it, e.g. after a part was cut by a timeout).
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -340,6 +343,32 @@ def measure(engines, prompts, params, repeats, plain_outputs=None):
     for entry in engines:
         warm(entry, prompts, params)
     records = [dict(runs=[], equal_plain=True, collections=GarbageCollections()) for _ in engines]
+    with frozen_heap():
+        plain_outputs = _timed_runs(engines, records, prompts, params, repeats, plain_outputs)
+    for entry, record in zip(engines, records):
+        metrics = entry.controller.metrics.as_dict()
+        counts = metrics["draft_length_counts"]
+        record.update(lengths=[round(c / max(sum(counts), 1), 2) for c in counts],
+                      step_ms=metrics["step_time"]["mean_step_ms"], gpu_ms=metrics["step_time"]["mean_gpu_ms"],
+                      gc=record.pop("collections").summary())
+    return records
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """The heap made so far (models, graphs, imports, the warm-up) left out of the garbage collections
+    inside the block, as the server's engine loop leaves its start-up (``serve/engine.py``): a full
+    collection of that heap took ~0.2 s on the GPU hosts, a whole demo run's wall."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _timed_runs(engines, records, prompts, params, repeats, plain_outputs):
+    """:func:`measure`'s timed generates, round-robin; returns the plain outputs."""
     for _ in range(repeats):
         for entry, record in zip(engines, records):
             if entry.controller.shape.device.type == "cuda":
@@ -353,13 +382,7 @@ def measure(engines, prompts, params, repeats, plain_outputs=None):
             record["equal_plain"] &= outputs == plain_outputs
             record["runs"].append(sum(len(tokens) for tokens in outputs) / seconds)
             record["results"] = results
-    for entry, record in zip(engines, records):
-        metrics = entry.controller.metrics.as_dict()
-        counts = metrics["draft_length_counts"]
-        record.update(lengths=[round(c / max(sum(counts), 1), 2) for c in counts],
-                      step_ms=metrics["step_time"]["mean_step_ms"], gpu_ms=metrics["step_time"]["mean_gpu_ms"],
-                      gc=record.pop("collections").summary())
-    return records
+    return plain_outputs
 
 
 def run_point(controller, prompts, params, repeats=1, policy=None, before=None):

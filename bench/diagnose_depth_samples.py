@@ -17,7 +17,9 @@ makes every engine collect its outputs each call (the same small host cost for a
 Printed: per engine and kind of call, the calls and their median wall; per depth, the policy's
 steady samples: how many, their median, and how many fell on calls that finished a request or ran
 below a full batch (the drain). So one sees whether a depth's estimate comes from the steps the
-loop mostly runs, or from a few unusual ones.
+loop mostly runs, or from a few unusual ones. Then the policy's decisions in the timed runs, by
+objective (tokens a second while requests wait, the drain when none does), the depth run and the
+top-scoring one, with each depth's priced seconds a step, score and expected tokens (means).
 """
 
 import argparse
@@ -120,6 +122,19 @@ class SampleLog:
             return record_realised(batch_size, verify_width, wall_seconds, steps, tokens, request_steps, mixed)
 
         model.record, model.record_realised, self.samples = logged_record, logged_realised, log
+        self.decisions = []
+
+    def choose(self, query):
+        lengths = super().choose(query)
+        drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None)
+        self.decisions.append(dict(call=len(self.controller.calls), logging=self.controller.logging,
+                                   mode="drain" if drain else ("queue" if query.num_waiting else "closed"),
+                                   requests=int(query.caps.shape[0]), waiting=int(query.num_waiting),
+                                   depth=int(self.last_depth), best=int(np.argmax(self.last_scores)),
+                                   seconds_ms=[round(float(s) * 1e3, 4) for s in self.last_seconds],
+                                   scores=[float(s) for s in self.last_scores],
+                                   tokens=[round(float(t), 3) for t in self.expected_tokens]))
+        return lengths
 
 
 class LoggedGoodput(SampleLog, bench.TimedGoodput):
@@ -176,6 +191,46 @@ def summarize(name, controller, batch, samples=None):
     return rows
 
 
+def summarize_decisions(name, decisions):
+    """Printed rows (and returned): the policy's decisions in the timed runs by (objective, depth
+    run, top-scoring depth), with each depth's mean priced ms a step and score over the best's."""
+    groups = collections.defaultdict(list)
+    for decision in decisions:
+        if decision["logging"]:
+            groups[(decision["mode"], decision["depth"], decision["best"])].append(decision)
+    rows = []
+    print(f"-- {name}'s decisions in the timed runs: objective, D run, top score's D; per depth: priced ms, "
+          f"score / top, expected tokens")
+    for (mode, depth, best), group in sorted(groups.items()):
+        seconds = np.mean([d["seconds_ms"] for d in group], axis=0)
+        relative = np.mean([np.array(d["scores"]) / max(d["scores"]) for d in group], axis=0)
+        tokens = np.mean([d["tokens"] for d in group], axis=0)
+        row = dict(engine=name, decisions=[mode, depth, best], count=len(group),
+                   seconds_ms=[round(float(x), 3) for x in seconds], score_over_top=[round(float(x), 3) for x in relative],
+                   tokens=[round(float(x), 3) for x in tokens])
+        rows.append(row)
+        print(f"{mode:7} D={depth} top={best} {len(group):4d}  ms {row['seconds_ms']}  score/top "
+              f"{row['score_over_top']}  tokens {row['tokens']}")
+    return rows
+
+
+def time_round_robin(engines, prompts, params, repeats, device, profiles, tokens_per_s):
+    """``repeats`` timed generates of each engine, round-robin (``profiles``: cProfile these engines')."""
+    for _ in range(repeats):
+        for entry in engines:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            entry.controller.returned_at = None  # no wall across runs
+            profile = profiles.get(entry.name)
+            started = time.perf_counter()
+            if profile is not None:
+                profile.enable()
+            results = entry.generate(prompts, params)
+            if profile is not None:
+                profile.disable()
+            tokens_per_s[entry.name].append(sum(len(r.output_tokens) for r in results) / (time.perf_counter() - started))
+
+
 def main(args):
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     mtp_ctrl.init_single_process(device)
@@ -193,19 +248,8 @@ def main(args):
         entry.controller.logging = True
     tokens_per_s = collections.defaultdict(list)
     profiles = {name: cProfile.Profile() for name in args.cprofile}
-    for _ in range(args.repeats):
-        for entry in engines:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            entry.controller.returned_at = None  # no wall across runs
-            profile = profiles.get(entry.name)
-            started = time.perf_counter()
-            if profile is not None:
-                profile.enable()
-            results = entry.generate(prompts, params)
-            if profile is not None:
-                profile.disable()
-            tokens_per_s[entry.name].append(sum(len(r.output_tokens) for r in results) / (time.perf_counter() - started))
+    with bench.frozen_heap():
+        time_round_robin(engines, prompts, params, args.repeats, device, profiles, tokens_per_s)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}; demo batch {batch}, T = {args.temperature:g}, {len(prompts)} requests x {new_tokens} tokens, "
           f"{args.repeats} timed runs each")
@@ -218,6 +262,8 @@ def main(args):
     rows = []
     for entry in engines:
         rows += summarize(entry.name, entry.controller, batch, getattr(entry.policy, "samples", None))
+        if getattr(entry.policy, "decisions", None):
+            rows += summarize_decisions(entry.name, entry.policy.decisions)
     if args.json:
         with open(args.json, "w") as file:
             json.dump(dict(tokens_per_s=tokens_per_s, rows=rows), file, indent=1)

@@ -236,6 +236,9 @@ class GoodputPolicy(DraftLengthPolicy):
         self.min_gain = min_gain
         self.last_depth = None  # the D of the last choice (for benchmarks)
         self.expected_tokens = None  # [D + 1] at the last choice: a request's expected tokens a step (reports)
+        # [D + 1] at the last choice: each depth's priced seconds a step and its score (higher is better:
+        # tokens a second, or one over the expected drain time); None before the first (reports)
+        self.last_seconds = self.last_scores = None
         self._index = RequestRows()  # request id -> its row of _counts
         self._leaving = []  # ids forgotten since the last lookup: their estimates join the population first
         # the expected tokens a step of the last choice, and their moving average over the steps the
@@ -381,6 +384,7 @@ class GoodputPolicy(DraftLengthPolicy):
             score = 1.0 / (steps * seconds)
         else:
             score = tokens / seconds  # expected tokens per second of the batch at each D
+        self.last_seconds, self.last_scores = seconds, score
         best_depth = 0
         for depth in range(1, max_depth + 1):
             if score[depth] > score[best_depth] * self.min_gain:
