@@ -125,7 +125,9 @@ class SampleLog:
         self.decisions = []
 
     def choose(self, query):
+        started = time.thread_time()
         lengths = super().choose(query)
+        host_ms = (time.thread_time() - started) * 1e3
         drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None)
         self.decisions.append(dict(call=len(self.controller.calls), logging=self.controller.logging,
                                    mode="drain" if drain else ("queue" if query.num_waiting else "closed"),
@@ -133,7 +135,7 @@ class SampleLog:
                                    depth=int(self.last_depth), best=int(np.argmax(self.last_scores)),
                                    seconds_ms=[round(float(s) * 1e3, 4) for s in self.last_seconds],
                                    scores=[float(s) for s in self.last_scores],
-                                   tokens=[round(float(t), 3) for t in self.expected_tokens]))
+                                   tokens=[round(float(t), 3) for t in self.expected_tokens], host_ms=host_ms))
         return lengths
 
 
@@ -199,18 +201,24 @@ def summarize_decisions(name, decisions):
         if decision["logging"]:
             groups[(decision["mode"], decision["depth"], decision["best"])].append(decision)
     rows = []
-    print(f"-- {name}'s decisions in the timed runs: objective, D run, top score's D; per depth: priced ms, "
-          f"score / top, expected tokens")
+    print(f"-- {name}'s decisions in the timed runs: objective, D run, top score's D; their host time (thread "
+          f"CPU); per depth: priced ms, score / top, expected tokens")
     for (mode, depth, best), group in sorted(groups.items()):
         seconds = np.mean([d["seconds_ms"] for d in group], axis=0)
         relative = np.mean([np.array(d["scores"]) / max(d["scores"]) for d in group], axis=0)
         tokens = np.mean([d["tokens"] for d in group], axis=0)
+        host_ms = [d["host_ms"] for d in group]
         row = dict(engine=name, decisions=[mode, depth, best], count=len(group),
+                   host_ms=[round(float(np.mean(host_ms)), 3), round(float(np.max(host_ms)), 3)],
                    seconds_ms=[round(float(x), 3) for x in seconds], score_over_top=[round(float(x), 3) for x in relative],
                    tokens=[round(float(x), 3) for x in tokens])
         rows.append(row)
-        print(f"{mode:7} D={depth} top={best} {len(group):4d}  ms {row['seconds_ms']}  score/top "
+        print(f"{mode:7} D={depth} top={best} {len(group):4d}  host ms mean / max {row['host_ms']}  "
+              f"priced ms {row['seconds_ms']}  score/top "
               f"{row['score_over_top']}  tokens {row['tokens']}")
+    warm = [d["host_ms"] for d in decisions if not d["logging"]]
+    if warm:
+        print(f"   (warm-up: {len(warm)} decisions, host ms mean {np.mean(warm):.3f}, max {np.max(warm):.3f})")
     return rows
 
 
