@@ -27,6 +27,9 @@ import functools
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
+# np.unique (the policies' row lookups, the queue's finish groups) imports numpy.ma on its first call:
+# 10-50 ms of host time inside the first decision while serving, unless it is imported with the package
+import numpy.ma  # noqa: F401
 
 from mtp_ctrl.controllers.request_rows import RequestRows
 from mtp_ctrl.controllers.step_costs import RowCostModel, StepCostModel

@@ -339,3 +339,34 @@ def test_in_a_queue_a_depth_is_priced_by_its_rows_and_the_prompt_chunks_its_toke
     for _ in range(3):  # a queue: every depth priced by its rows, its chunk rows scaled by its tokens
         lengths = policy.choose(DraftLengthQuery(ids, np.full(G, S), S, G, num_waiting=50))
         assert lengths.tolist() == [0] * G, lengths
+
+
+def test_a_decision_imports_nothing_while_serving():
+    """The first decisions of a fresh process (a request ranked, the drain, a queue) import no module:
+    an import there is host time inside a serving step (numpy's np.unique imports numpy.ma lazily,
+    ~50 ms on the GPU hosts)."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import numpy as np
+import torch
+from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy
+from mtp_ctrl.state import EngineShape
+shape = EngineShape(max_requests=8, max_model_len=64, block_size_tokens=4, num_speculative_tokens=2,
+                    max_tokens_per_step=64, device=torch.device("cpu"))
+policy = GoodputPolicy()
+policy.bind(shape)
+before = set(sys.modules)
+ids = np.arange(8, dtype=np.int64)
+for waiting, left in ((0, None), (0, np.full(8, 20)), (4, np.arange(8) + 5)):
+    policy.choose(DraftLengthQuery(ids, np.full(8, 2), 2, 8, 1, waiting, left, 30 if waiting else None))
+    policy.observe(ids, np.full(8, 2), np.ones(8, dtype=np.int64))
+    policy.forget(int(ids[0]))
+    ids = ids + 1
+print(sorted(set(sys.modules) - before))
+"""
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.strip().splitlines()[-1] == "[]"
