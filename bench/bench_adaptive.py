@@ -10,8 +10,8 @@ Two parts (the 1B model first). A point is a workload at a batch size; every eng
 ~0.1-0.3 s and its host-bound loop moves 15-35 % between runs on some leases, so a median of 3
 says little), interleaved round-robin (A, B, C, A, B, C, ...) so host drift hits all alike, with
 the heap made before them frozen out of garbage collection (as the server's engine loop runs:
-one full collection of it took ~0.2 s, a whole demo run). Reported: each engine's median tokens/s and its spread ((max - min) / median);
-"/best" and "/plain" from medians; a verdict per comparison: "above" / "below" when the two
+one full collection of it took ~0.2 s, a whole demo run). Reported: each engine's median
+tokens/s and its spread ((max - min) / median); "/best" and "/plain" from medians; a verdict per comparison: "above" / "below" when the two
 engines' min-max ranges are apart, "within spread" when the margin does not exceed the spread.
 Every timed run's outputs are checked equal to plain decoding's.
 

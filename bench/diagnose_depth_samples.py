@@ -210,7 +210,8 @@ def summarize_decisions(name, decisions):
         host_ms = [d["host_ms"] for d in group]
         row = dict(engine=name, decisions=[mode, depth, best], count=len(group),
                    host_ms=[round(float(np.mean(host_ms)), 3), round(float(np.max(host_ms)), 3)],
-                   seconds_ms=[round(float(x), 3) for x in seconds], score_over_top=[round(float(x), 3) for x in relative],
+                   seconds_ms=[round(float(x), 3) for x in seconds],
+                   score_over_top=[round(float(x), 3) for x in relative],
                    tokens=[round(float(x), 3) for x in tokens])
         rows.append(row)
         print(f"{mode:7} D={depth} top={best} {len(group):4d}  host ms mean / max {row['host_ms']}  "
@@ -236,7 +237,8 @@ def time_round_robin(engines, prompts, params, repeats, device, profiles, tokens
             results = entry.generate(prompts, params)
             if profile is not None:
                 profile.disable()
-            tokens_per_s[entry.name].append(sum(len(r.output_tokens) for r in results) / (time.perf_counter() - started))
+            seconds = time.perf_counter() - started
+            tokens_per_s[entry.name].append(sum(len(r.output_tokens) for r in results) / seconds)
 
 
 def main(args):
