@@ -11,8 +11,9 @@ Two parts (the 1B model first). A point is a workload at a batch size; every eng
 says little), interleaved round-robin (A, B, C, A, B, C, ...) so host drift hits all alike, with
 the heap made before them frozen out of garbage collection (as the server's engine loop runs:
 one full collection of it took ~0.2 s, a whole demo run). Reported: each engine's median
-tokens/s and its spread ((max - min) / median); "/best" and "/plain" from medians; a verdict per comparison: "above" / "below" when the two
-engines' min-max ranges are apart, "within spread" when the margin does not exceed the spread.
+tokens/s and its spread ((max - min) / median); "/best" and "/plain" from medians; a verdict per
+comparison: "above" / "below" when the two engines' min-max ranges are apart, "within spread"
+when the margin does not exceed the spread.
 Every timed run's outputs are checked equal to plain decoding's.
 
 1. (second) The trained demo model (MTP drafting, 2 MTP layers), 64-byte held-out prompts, batch 1, 8,
