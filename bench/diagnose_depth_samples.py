@@ -71,10 +71,21 @@ class LoggedController(TextGenerationController):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls, self.logging, self.returned_at, self._logged_applies, self._launch_plans = [], False, None, [], {}
+        self._keys_seen, self._call_launches = set(), []  # graph keys launched so far; this call's launch kinds
+        self.captured_keys = []  # graph keys first used (captured) while logging
 
     def on_launch(self, step, graph_key):
         plan = None if graph_key is None else graph_key[-1]
         self._launch_plans[id(step)] = plan
+        if graph_key is None:
+            self._call_launches.append("eager")  # no graph covers the step's shape
+        elif graph_key in self._keys_seen:
+            self._call_launches.append("replay")
+        else:  # the graph's first use: run eagerly, then captured (StepGraphs.run)
+            self._keys_seen.add(graph_key)
+            self._call_launches.append("capture")
+            if self.logging:
+                self.captured_keys.append(graph_key)
 
     def on_apply(self, step, readbacks, overlapped):
         self._logged_applies.append((step.num_drafts, step.verify_width, step.num_prefill > 0,
@@ -86,8 +97,9 @@ class LoggedController(TextGenerationController):
         now = time.perf_counter()
         if self.logging and self.returned_at is not None:
             self.calls.append(dict(wall=now - self.returned_at, applied=list(self._logged_applies),
-                                   emitted=len(outputs), finished=sum(1 for _, _, done in outputs if done)))
-        self.returned_at, self._logged_applies = now, []
+                                   emitted=len(outputs), finished=sum(1 for _, _, done in outputs if done),
+                                   launches=list(self._call_launches)))
+        self.returned_at, self._logged_applies, self._call_launches = now, [], []
 
 
 def _plan_kind(plan):
@@ -167,6 +179,13 @@ def summarize(name, controller, batch, samples=None):
         phase = "finishes" if call["finished"] else ("drain" if call["emitted"] < batch else "full")
         groups[(f"D={D} V={V}", "mixed" if mixed else "decode", plan, phase)].append(call["wall"])
     rows = []
+    for launch_kind in ("capture", "eager"):
+        walls = [call["wall"] for call in controller.calls if launch_kind in call["launches"]]
+        if walls:
+            print(f"calls that launched a step by {launch_kind}: {len(walls)}, {sum(walls) * 1e3:.1f} ms in all")
+            rows.append(dict(engine=name, launches=launch_kind, calls=len(walls), total_ms=round(sum(walls) * 1e3, 3)))
+    for key in controller.captured_keys:
+        print(f"    captured: {key}")
     print(f"{'applied launch':14} {'kind':7} {'plan':9} {'phase':9} {'calls':>6} {'median ms':>10} {'mean ms':>8}")
     for key, walls in sorted(groups.items()):
         walls_ms = np.array(walls) * 1e3

@@ -17,6 +17,7 @@ that make every draft a loss (``bench_adaptive.PinnedPlain``).
 
 import argparse
 import cProfile
+import math
 import os
 import pstats
 import sys
@@ -141,19 +142,32 @@ HOST_PARTS = (("draft_lengths", "DraftLengths", ("choose", "needs_mask", "launch
               ("cuda_graphs", "StepGraphs", ("run",)),
               ("slot_lifecycle", "SlotLifecycle", ("retire_finished", "admit_waiting")),
               ("tp_lockstep", "TPLockstep", ("check",)),
-              ("mtp_ctrl.state.context", "DynamicInferenceContext", ("build_step", "commit_readback", "needs_sync")),
+              ("mtp_ctrl.state.context", "DynamicInferenceContext", ("build_step", "commit_readback", "needs_sync",
+                                                                     "_verify_width", "_graph_shape",
+                                                                     "_decode_run_steps",
+                                                                     "_schedule_prefill_chunks")),
+              ("mtp_ctrl.state.block_reservations", "BlockReservations", ("reserve", "take_writes")),
+              ("mtp_ctrl.state.request_table", "RequestTable", ("write_inserted_rows",)),
+              ("mtp_ctrl.state.kv_block_allocator", "KVBlockAllocator", ("allocate",)),
+              ("mtp_ctrl.state.step_metadata", "StepBuffers", ("build", "prepare_inputs")),
+              ("mtp_ctrl.state.staging", "StagingBuffers", ("wait_until_host_writable", "copy_to_device")),
+              ("step_launch", "StepLauncher", ("launch",)),
+              ("mtp_proposer", "MTPProposer", ("on_step_scheduled", "propose", "on_no_drafts")),
               ("controller", "TextGenerationController", ("_build_step", "_launch_step", "_apply", "_apply_in_flight",
+                                                           "_queue_view",
                                                            "_step_once", "has_unfinished_requests", "step")))
 
 
-def time_host_parts(label):
+def time_host_parts(label, step_log=None):
     """Wrap the host's parts (``HOST_PARTS``) in ``perf_counter``; returns the totals in seconds by
-    ``(label(), part)`` (``label``: which engine runs now)."""
+    ``(label(), part)`` (``label``: which engine runs now). ``step_log`` (a dict): each ``step()``
+    call's seconds and its parts' seconds, appended to ``step_log[label()]``."""
     import collections
     import importlib
     import time
 
     totals = collections.Counter()
+    in_step = collections.Counter()  # the parts' seconds within the step() call running now
     for module_name, owner_name, names in HOST_PARTS:
         module = module_name if "." in module_name else f"mtp_ctrl.controllers.{module_name}"
         owner = getattr(importlib.import_module(module), owner_name)
@@ -163,7 +177,14 @@ def time_host_parts(label):
                 try:
                     return _original(*args, **kwargs)
                 finally:
-                    totals[(label(), _name)] += time.perf_counter() - started
+                    seconds = time.perf_counter() - started
+                    totals[(label(), _name)] += seconds
+                    if step_log is not None:
+                        if _name == "step":
+                            step_log.setdefault(label(), []).append((seconds, dict(in_step)))
+                            in_step.clear()
+                        else:
+                            in_step[_name] += seconds
 
             setattr(owner, name, timed)
     return totals
@@ -204,7 +225,9 @@ def compare_timed_parts(args) -> None:
         run_steps(controller, 50)  # first uses: graphs not warmed up are captured here
         engines[spec] = controller
     current = [""]
-    totals = time_host_parts(lambda: current[0])
+    step_log = {}  # engine -> [(seconds, {part: seconds})] of each step() call
+    totals = time_host_parts(lambda: current[0], step_log)
+    captures = log_graph_captures(lambda: current[0])
     time_garbage_collection(totals, lambda: current[0])
     per_round = max(args.steps // args.rounds, 1)
     samples = {}  # (engine, part) -> [us a step of each round]
@@ -223,6 +246,62 @@ def compare_timed_parts(args) -> None:
     for part in parts:
         print(f"{part:>18} " + " ".join(
             f"{statistics.median(samples[(spec, part)]) if (spec, part) in samples else 0.0:11.1f}" for spec in engines))
+    print_step_tails(step_log)
+    for spec, keys in captures.items():
+        print(f"{spec}: {len(keys)} graphs captured in the timed rounds (first uses), by key:")
+        for key in keys:
+            print(f"    {key}")
+
+
+def log_graph_captures(label):
+    """Log the key of each CUDA graph a step captures from now on (its first use), by ``label()``."""
+    from mtp_ctrl.controllers.cuda_graphs import StepGraphs
+
+    captures = {}
+    run = StepGraphs.run
+
+    def logged(graphs, key, launch):
+        if key not in graphs:
+            captures.setdefault(label(), []).append(key)
+        return run(graphs, key, launch)
+
+    StepGraphs.run = logged
+    return captures
+
+
+def print_step_tails(step_log) -> None:
+    """Each engine's step() calls: median, mean and tail (us), and what its slowest 5 % spend more
+    than its median call does (the parts whose excess is largest)."""
+    import statistics
+
+    print("\nstep() calls, us: median / mean / p90 / p99 / max; the slowest 5 %: parts over their median call's")
+    for spec, calls in step_log.items():
+        walls = sorted(seconds for seconds, _ in calls)
+        n = len(walls)
+        median = statistics.median(walls)
+        figures = (median, statistics.fmean(walls), nearest_rank(walls, 0.9), nearest_rank(walls, 0.99), walls[-1])
+        print(f"{spec:>11}: " + " / ".join(f"{seconds * 1e6:7.1f}" for seconds in figures) + f" over {n} calls; "
+              f"the tail's share of the mean's excess: {tail_share(walls, median):.0%}")
+        cut = nearest_rank(walls, 0.95)
+        slow = [parts for seconds, parts in calls if seconds >= cut]
+        typical = [parts for seconds, parts in calls if abs(seconds - median) <= 0.1 * median] or [p for _, p in calls]
+        names = {name for parts in slow for name in parts}
+        excess = {name: statistics.fmean(parts.get(name, 0.0) for parts in slow)
+                  - statistics.fmean(parts.get(name, 0.0) for parts in typical) for name in names}
+        top = sorted(excess.items(), key=lambda item: -item[1])[:8]
+        print(" " * 13 + ", ".join(f"{name} +{seconds * 1e6:.0f}" for name, seconds in top))
+
+
+def nearest_rank(ordered, share: float) -> float:
+    """The ``share`` percentile of the sorted ``ordered`` (nearest rank)."""
+    return ordered[min(len(ordered) - 1, max(math.ceil(share * len(ordered)) - 1, 0))]
+
+
+def tail_share(walls, median: float) -> float:
+    """The share of (mean - median) x calls that the calls above the 95th percentile make."""
+    cut = nearest_rank(walls, 0.95)
+    excess = sum(seconds - median for seconds in walls)
+    return sum(seconds - median for seconds in walls if seconds >= cut) / excess if excess > 0 else 0.0
 
 
 if __name__ == "__main__":

@@ -46,10 +46,15 @@ class BlockReservations:
         total = int(adding.sum())
         if total == 0:
             return
-        block_ids = self.allocator.allocate(total).numpy()  # KVCacheFullError before any change
-        write_rows = np.repeat(rows, adding)  # [k] int64
-        first_of_row = np.cumsum(adding) - adding  # [n] int64, index of each row's first new block
-        write_cols = host.block_counts[write_rows] + np.arange(total) - np.repeat(first_of_row, adding)
+        block_ids = np.array(self.allocator.take(total), dtype=np.int64)  # [k]; KVCacheFullError before any change
+        growing = np.flatnonzero(adding)  # [m] int64: the rows that take blocks
+        if growing.shape[0] == total:  # one block each: a decode step's usual case, no repeats
+            write_rows = rows[growing]  # [k] int64
+            write_cols = host.block_counts[write_rows]
+        else:
+            write_rows = np.repeat(rows, adding)  # [k] int64
+            first_of_row = np.cumsum(adding) - adding  # [n] int64, index of each row's first new block
+            write_cols = host.block_counts[write_rows] + np.arange(total) - np.repeat(first_of_row, adding)
         host.block_ids[write_rows, write_cols] = block_ids
         host.block_counts[rows] += adding
         self._writes.append(np.stack([write_rows, write_cols, block_ids]))

@@ -517,6 +517,8 @@ class DynamicInferenceContext:
         int64: the first ``p'`` prefill requests)."""
         host = self.table.host
         prefill_slots = self.table.slots_in(RowGroup.PREFILL)  # [p] int64
+        if prefill_slots.shape[0] == 0:  # a decode-only step: nothing to schedule (~30-70 us of numpy otherwise)
+            return [], prefill_slots
         known_lengths = host.known_lengths[prefill_slots]
         # [p] int64: where each chunk must end for a recurrent-state snapshot (hybrids; -1: anywhere)
         boundaries = self.prefix_cache.snapshot_boundaries(host.request_ids[prefill_slots], known_lengths)

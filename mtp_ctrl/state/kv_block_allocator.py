@@ -98,6 +98,11 @@ class KVBlockAllocator:
 
         Raises ``KVCacheFullError`` (pool unchanged) when fewer than ``count`` are free.
         """
+        return torch.tensor(self.take(count), dtype=torch.int64, device=self.device)
+
+    def take(self, count: int) -> List[int]:
+        """:meth:`allocate` for the host: the ``count`` blocks' ids as ints (the context's
+        reservations stage them in its own step copy, so no tensor is built for them)."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"count must be a non-negative int, got {count!r}")
         if count > self.num_free_blocks:
@@ -115,7 +120,7 @@ class KVBlockAllocator:
             taken.append(block_id)
         for block_id in taken:
             self._reference_counts[block_id] = 1
-        return torch.tensor(taken, dtype=torch.int64, device=self.device)
+        return taken
 
     def release(self, block_ids: BlockIds) -> None:
         """Drop one reference to each block; a block nobody holds any more is free again

@@ -36,6 +36,20 @@ def test_allocate_and_release_known_answer():
     assert pool.blocks_for_tokens(33) == 3 and pool.blocks_for_tokens(0) == 0
 
 
+def test_take_hands_out_host_ints_with_allocates_accounting():
+    """``take`` (the context's reservations: no tensor a step) is ``allocate`` as a list of ints."""
+    pool = KVBlockAllocator(num_blocks=4, block_size_tokens=16)
+    assert pool.take(2) == [0, 1] and pool.take(0) == []
+    assert pool.is_allocated(1) and pool.num_free_blocks == 2
+    with pytest.raises(KVCacheFullError):
+        pool.take(3)
+    assert pool.num_free_blocks == 2  # unchanged by the refusal
+    with pytest.raises(ValueError, match="count"):
+        pool.take(-1)
+    pool.release([0, 1])
+    assert sorted(pool.take(4)) == [0, 1, 2, 3]
+
+
 def test_release_validates_everything_before_changing_anything():
     pool = KVBlockAllocator(num_blocks=5, block_size_tokens=2)
     held = pool.allocate(3).tolist()

@@ -247,8 +247,11 @@ def test_host_profile_compares_engines_in_one_process_on_cpu():
     lines = result.stdout.splitlines()
     start = next(index for index, line in enumerate(lines) if line.split()[:1] == ["part"])
     assert lines[start].split() == ["part", "0:fixed", "2:pinned0"]
-    rows = {line.split()[0]: [float(value) for value in line.split()[1:]] for line in lines[start + 1:]}
-    assert {"choose", "plan_launch", "step", "build_step", "commit_readback"} <= set(rows)
+    end = lines.index("", start)  # the table ends at a blank line; each engine's step() tail follows
+    rows = {line.split()[0]: [float(value) for value in line.split()[1:]] for line in lines[start + 1:end]}
+    assert {"choose", "plan_launch", "step", "build_step", "commit_readback", "reserve"} <= set(rows)
     assert rows["plan_launch"][1] > 0 == rows["plan_launch"][0]  # only the S = 2 engine plans MTP windows
+    tails = [line.split()[0].rstrip(":") for line in lines[end + 2:] if " over 2 calls" in line]
+    assert tails == ["0:fixed", "2:pinned0"]  # median / mean / tail of each engine's step() calls
     bad = run_script("bench/profile_step_host.py", "--device", "cpu", "--compare", "2:bogus")
     assert bad.returncode != 0 and "--compare" in bad.stderr
