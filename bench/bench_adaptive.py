@@ -273,7 +273,8 @@ class PinnedGoodput(GoodputPolicy):
     lengths, the cost of the policy path itself."""
 
     def __init__(self):
-        super().__init__(drain_objective=False, explore_tries=0, explore_every=1 << 62)
+        # no exploration of any kind: no unmeasured depth tried, no runner-up hold, no depth timed again
+        super().__init__(drain_objective=False, explore_tries=0, explore_every=1 << 62, retime_explored=False)
 
     def bind(self, shape):
         super().bind(shape)

@@ -20,6 +20,8 @@ below a full batch (the drain). So one sees whether a depth's estimate comes fro
 loop mostly runs, or from a few unusual ones. Then the policy's decisions in the timed runs, by
 objective (tokens a second while requests wait, the drain when none does), the depth run and the
 top-scoring one, with each depth's priced seconds a step, score and expected tokens (means).
+Also per engine: the calls of the timed runs that launched a step eagerly or captured a CUDA graph
+(its first use, seen through ``on_launch``'s graph key), and the keys captured then.
 """
 
 import argparse

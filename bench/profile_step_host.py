@@ -4,7 +4,9 @@
         [--draft-policy fixed|none|goodput|pinned0] [--timed] [--compare S:POLICY ...] [--rounds 4]
 
 ``--compare 0:fixed 2:none 2:fixed 2:goodput``: those engines built in one process and their host
-parts timed round-robin (``--rounds``), medians (processes on a shared host differ by up to 1.5x).
+parts timed round-robin (``--rounds``), medians (processes on a shared host differ by up to 1.5x);
+then each engine's ``step()`` calls (median, mean, p90, p99, max; what its slowest 5 % spend more
+than a median call) and the CUDA graphs it captured in the timed rounds.
 ``--timed``: no cProfile (its per-call cost inflates small numpy calls several times): the wall
 time of the host's parts (the draft-length hooks, the MTP plan, metrics, step building, the
 read-back's application), each wrapped in ``time.perf_counter``, per steady step.

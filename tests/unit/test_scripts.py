@@ -255,3 +255,27 @@ def test_host_profile_compares_engines_in_one_process_on_cpu():
     assert tails == ["0:fixed", "2:pinned0"]  # median / mean / tail of each engine's step() calls
     bad = run_script("bench/profile_step_host.py", "--device", "cpu", "--compare", "2:bogus")
     assert bad.returncode != 0 and "--compare" in bad.stderr
+
+
+def test_the_benchmarks_pinned_policies_never_explore(monkeypatch):
+    """``bench_adaptive.PinnedPlain`` (the "pinned 0" engine) holds D = 0 and ``PinnedGoodput`` S on
+    every decision: neither tries another depth, nor times one again (``retime_explored``), however
+    many steps pass (their figures are the policy path's cost at one depth)."""
+    import numpy as np
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_adaptive
+    from mtp_ctrl.controllers.draft_policy import DraftLengthQuery
+    from mtp_ctrl.state import EngineShape
+
+    S, G = 2, 8
+    shape = EngineShape(max_requests=G, max_model_len=64, block_size_tokens=4, num_speculative_tokens=S,
+                        max_tokens_per_step=64)
+    ids, caps = np.arange(G, dtype=np.int64), np.full(G, S, dtype=np.int64)
+    for policy, depth in ((bench_adaptive.PinnedPlain(), 0), (bench_adaptive.PinnedGoodput(), S)):
+        policy.bind(shape)
+        for _ in range(50):  # 50 decisions of 64 steps each: past every exploration wait
+            lengths = policy.choose(DraftLengthQuery(ids, caps, S, G, 64, num_waiting=G))
+            assert lengths.tolist() == [depth] * G
+            policy.observe(ids, lengths, np.minimum(lengths, 1))
+        assert policy.explored == 0
