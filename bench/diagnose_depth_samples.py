@@ -21,7 +21,8 @@ loop mostly runs, or from a few unusual ones. Then the policy's decisions in the
 objective (tokens a second while requests wait, the drain when none does), the depth run and the
 top-scoring one, with each depth's priced seconds a step, score and expected tokens (means).
 Also per engine: the calls of the timed runs that launched a step eagerly or captured a CUDA graph
-(its first use, seen through ``on_launch``'s graph key), and the keys captured then.
+(a key ``warmup()`` did not capture: the controller holds one more graph after its launch), and
+the keys captured then.
 """
 
 import argparse
@@ -74,7 +75,8 @@ class LoggedController(TextGenerationController):
         super().__init__(*args, **kwargs)
         self.calls, self.logging, self.returned_at, self._logged_applies, self._launch_plans = [], False, None, [], {}
         self._keys_seen, self._call_launches = set(), []  # graph keys launched so far; this call's launch kinds
-        self.captured_keys = []  # graph keys first used (captured) while logging
+        self._num_graphs = None  # graphs held after the last new key's launch (None: before the first launch)
+        self.captured_keys = []  # graph keys captured by a launch while logging (not by warmup())
 
     def on_launch(self, step, graph_key):
         plan = None if graph_key is None else graph_key[-1]
@@ -83,10 +85,13 @@ class LoggedController(TextGenerationController):
             self._call_launches.append("eager")  # no graph covers the step's shape
         elif graph_key in self._keys_seen:
             self._call_launches.append("replay")
-        else:  # the graph's first use: run eagerly, then captured (StepGraphs.run)
+        else:  # the key's first launch: a replay of a graph warmup() captured, or a capture now (more graphs)
             self._keys_seen.add(graph_key)
-            self._call_launches.append("capture")
-            if self.logging:
+            num_graphs = self.debug_view().num_cuda_graphs  # a new key is rare: its cost stays out of the log
+            captured = self._num_graphs is not None and num_graphs > self._num_graphs  # the first: warm-up's run
+            self._num_graphs = num_graphs
+            self._call_launches.append("capture" if captured else "replay")
+            if captured and self.logging:
                 self.captured_keys.append(graph_key)
 
     def on_apply(self, step, readbacks, overlapped):
