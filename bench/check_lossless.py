@@ -1,6 +1,7 @@
 """Does speculative output equal plain output token for token on this device, whatever the batch?
 
     python bench/check_lossless.py [--batch 128] [--temperature 1] [--schedules 4] [--S 2]   # GPU
+        [--held-joins 4] [--no-prefix-caching]
     python bench/check_lossless.py --quick                                                    # CPU smoke run
 
 The demo model (as ``bench_adaptive.py`` serves it: fp32, CUDA graphs) generates ``2 x batch``
@@ -13,6 +14,12 @@ decoding's under schedule 0. Exact-match acceptance makes the output independent
 the batch only as far as the model's kernels give a row the same bits whatever else the step holds:
 a request that differs (printed: schedule, request, first differing position) means that some op's
 result depended on the step's shape (at T > 0 a near-tie of two tokens' noisy logits then flips).
+
+``--held-joins K`` adds a schedule (numbered ``--schedules``) that queues requests in groups: while
+requests decode, waiting ones are queued only once ``batch / 8`` slots are free or after K calls
+with a slot free (the admission pattern of the one differing output on record, bench/RESULTS.md,
+"Adaptive draft length", sixteenth session). ``--no-prefix-caching``: every request opts out of the
+prefix cache (a prompt then always prefills whole, in whatever step it joins).
 """
 
 import argparse
@@ -36,6 +43,9 @@ def parse_args():
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--schedules", type=int, default=4, help="arrival schedules (0: all at once; others seeded)")
     parser.add_argument("--S", type=int, nargs="+", default=[2], help="the speculative engines' S (fixed)")
+    parser.add_argument("--held-joins", type=int, default=0, metavar="K",
+                        help="add a schedule that queues requests in groups of batch / 8 (or after K calls)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="every request opts out of the prefix cache")
     parser.add_argument("--new-tokens", type=int, default=bench.DEMO_NEW_TOKENS)
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: batch 2, 8 tokens, 2 schedules")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
@@ -50,17 +60,38 @@ def arrival_steps(num_requests: int, schedule: int, spread: int) -> np.ndarray:
     return np.random.default_rng(schedule).integers(0, spread, num_requests)
 
 
-def run_schedule(controller, prompts, params, arrivals) -> list:
+def run_schedule(controller, prompts, params, arrivals, prefix_caching: bool = True) -> list:
     """Each prompt's output tokens, the requests queued at their arrival steps (step API)."""
     order = np.argsort(arrivals, kind="stable")
     request_ids, queued, calls = {}, 0, 0
     while queued < len(order) or controller.has_unfinished_requests():
         while queued < len(order) and arrivals[order[queued]] <= calls:
             index = int(order[queued])
-            request_ids[index] = controller.add_request(prompts[index], params)
+            request_ids[index] = controller.add_request(prompts[index], params, prefix_caching=prefix_caching)
             queued += 1
         controller.step()
         calls += 1
+    return [list(controller.pop_result(request_ids[index]).output_tokens) for index in range(len(prompts))]
+
+
+def run_held_joins(controller, prompts, params, batch: int, most_held_calls: int, prefix_caching: bool = True) -> list:
+    """Each prompt's output tokens, the requests queued in groups: the first ``batch`` at once, then,
+    while requests decode, the waiting ones only once ``batch / 8`` slots are free (requests queued
+    less requests finished) or after ``most_held_calls`` calls with a slot free."""
+    group = max(1, batch // 8)
+    request_ids, finished, queued, held_calls = {}, set(), 0, 0
+    while queued < len(prompts) or controller.has_unfinished_requests():
+        finished.update(controller.finished_request_ids())
+        free = batch - (queued - len(finished))
+        running = queued - len(finished)
+        if queued < len(prompts) and free > 0 and (running == 0 or min(free, len(prompts) - queued) >= group
+                                                   or held_calls >= most_held_calls):
+            for index in range(queued, min(queued + free, len(prompts))):
+                request_ids[index] = controller.add_request(prompts[index], params, prefix_caching=prefix_caching)
+            queued, held_calls = min(queued + free, len(prompts)), 0
+        elif queued < len(prompts) and free > 0:
+            held_calls += 1
+        controller.step()
     return [list(controller.pop_result(request_ids[index]).output_tokens) for index in range(len(prompts))]
 
 
@@ -83,8 +114,13 @@ def main(args):
     reference, differing = None, 0
     for S in [0] + [S for S in args.S if S > 0]:
         controller = bench.engine(model, S, batch, bench.PROMPT_LEN + new_tokens + 8, None, device=device.type)
-        for schedule in range(schedules):
-            outputs = run_schedule(controller, prompts, params, arrival_steps(len(prompts), schedule, spread))
+        for schedule in range(schedules + (1 if args.held_joins else 0)):
+            caching = not args.no_prefix_caching
+            if schedule == schedules:  # the held joins' schedule
+                outputs = run_held_joins(controller, prompts, params, batch, args.held_joins, caching)
+            else:
+                outputs = run_schedule(controller, prompts, params, arrival_steps(len(prompts), schedule, spread),
+                                       caching)
             if reference is None:
                 reference = outputs
                 continue

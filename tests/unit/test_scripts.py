@@ -279,3 +279,13 @@ def test_the_benchmarks_pinned_policies_never_explore(monkeypatch):
             assert lengths.tolist() == [depth] * G
             policy.observe(ids, lengths, np.minimum(lengths, 1))
         assert policy.explored == 0
+
+
+def test_lossless_check_runs_every_schedule_on_cpu():
+    """``bench/check_lossless.py --quick``: plain decoding and S = 2 over the all-at-once, a seeded
+    random and the held-joins arrival schedules, every output compared with plain decoding's."""
+    result = run_script("bench/check_lossless.py", "--quick", "--held-joins", "2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert sum(" requests differ from plain decoding's schedule 0" in line for line in lines) == 5  # 2 + 3 schedules
+    assert lines[-1].endswith("0 differing outputs in all")
