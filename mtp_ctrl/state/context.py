@@ -264,11 +264,18 @@ class DynamicInferenceContext:
     def needs_sync(self) -> bool:
         """Whether the next :meth:`build_step` would pause or resume requests, which it may only
         do once the host knows every decode request's length (no step in flight)."""
+        steps = max(self.steps_in_flight, 1)  # the next step is built with the launch in flight
+        if not self.scheduler.paused_for_kv:
+            # a request holds the blocks of its known tokens, so it needs at most the blocks of the
+            # (1 + S) tokens a step of the launch in flight and the next one add: when the free
+            # blocks hold that for every live request, no decode can pause (O(1), most steps)
+            most_per_request = self.scheduler.blocks_for((1 + self.shape.num_speculative_tokens) * (steps + 1))
+            if self.table.num_live * most_per_request <= self.allocator.num_free_blocks:
+                return False
         decode_slots = self.table.slots_in(RowGroup.DECODE)  # the next step's decodes: these and the prompts done
         if self._prompts_done:
             decode_slots = np.concatenate([decode_slots, [self.table.slot_of(rid) for rid in self._prompts_done]])
-        # the next step is built with the launch in flight (one step, or a decode run's steps)
-        needs = self._reservations.decode_needs(steps_in_flight=max(self.steps_in_flight, 1), slots=decode_slots)
+        needs = self._reservations.decode_needs(steps_in_flight=steps, slots=decode_slots)
         spare_blocks = self.allocator.num_free_blocks - int(needs.sum())
         if spare_blocks < 0:
             return True  # a decode must pause
