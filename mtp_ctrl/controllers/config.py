@@ -108,7 +108,8 @@ class InferenceConfig:
         takes them; beyond this many the oldest are dropped (``generate`` takes its own).
     acceptance: how a sampled request's drafts are verified. "exact_match" (default) keeps a draft
         while it equals the target's own sample at its position: output identical to plain
-        decoding for the same seed, token for token and batch-invariant. "rejection" is
+        decoding for the same seed, token for token and batch-invariant (up to float rounding
+        that depends on a step's row count: README, "Two acceptance rules"). "rejection" is
         speculative sampling: draft d is kept with probability min(1, p(d) / q(d)), the first
         rejected one replaced by a draw from max(0, p - q): the same distribution as plain
         sampling (not the same tokens), and more drafts accepted at temperature > 0. Greedy
