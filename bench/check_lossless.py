@@ -71,7 +71,7 @@ def run_schedule(controller, prompts, params, arrivals, prefix_caching: bool = T
             queued += 1
         controller.step()
         calls += 1
-    return [list(controller.pop_result(request_ids[index]).output_tokens) for index in range(len(prompts))]
+    return results_in_order(controller, request_ids)
 
 
 def run_held_joins(controller, prompts, params, batch: int, most_held_calls: int, prefix_caching: bool = True) -> list:
@@ -82,8 +82,8 @@ def run_held_joins(controller, prompts, params, batch: int, most_held_calls: int
     request_ids, finished, queued, held_calls = {}, set(), 0, 0
     while queued < len(prompts) or controller.has_unfinished_requests():
         finished.update(controller.finished_request_ids())
-        free = batch - (queued - len(finished))
         running = queued - len(finished)
+        free = batch - running
         if queued < len(prompts) and free > 0 and (running == 0 or min(free, len(prompts) - queued) >= group
                                                    or held_calls >= most_held_calls):
             for index in range(queued, min(queued + free, len(prompts))):
@@ -92,7 +92,12 @@ def run_held_joins(controller, prompts, params, batch: int, most_held_calls: int
         elif queued < len(prompts) and free > 0:
             held_calls += 1
         controller.step()
-    return [list(controller.pop_result(request_ids[index]).output_tokens) for index in range(len(prompts))]
+    return results_in_order(controller, request_ids)
+
+
+def results_in_order(controller, request_ids: dict) -> list:
+    """Each prompt's output tokens (``request_ids``: prompt index -> request id), popped."""
+    return [list(controller.pop_result(request_ids[index]).output_tokens) for index in range(len(request_ids))]
 
 
 def first_difference(output, reference) -> int:
