@@ -126,6 +126,7 @@ import mtp_ctrl  # noqa: E402
 from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
 from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, PerRequestGoodputPolicy, Proposer,  # noqa: E402
                                   SamplingParams, TextGenerationController)
+from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy  # noqa: E402
 from mtp_ctrl.controllers.step_costs import StepCostModel  # noqa: E402
 
 PROMPT_LEN = 64
@@ -299,6 +300,19 @@ class PinnedPlain(PinnedGoodput):
     def bind(self, shape):
         GoodputPolicy.bind(self, shape)
         self.cost_model = DepthCosts()
+
+
+class NoDrafts(DraftLengthPolicy):
+    """Every request drafts 0 on every step of an engine of S > 0 (held as a trained policy's choice):
+    what a D = 0 step costs beside a plain engine's (S = 0), without the goodput policy's own path."""
+
+    decide_every, longest_hold = 64, 64
+
+    def warmup_depths(self, num_speculative_tokens):
+        return (0,)
+
+    def choose(self, query):
+        return np.zeros_like(query.caps)
 
 
 def explored(policy, batch):

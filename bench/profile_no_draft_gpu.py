@@ -49,23 +49,15 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mtp_ctrl  # noqa: E402
-from bench_adaptive import (FULL_MODEL, PROMPT_LEN, QUICK_MODEL, AcceptanceOracle, build_model, engine,  # noqa: E402
-                            run_point, widen_logit_margins)
+from bench_adaptive import (FULL_MODEL, PROMPT_LEN, QUICK_MODEL, AcceptanceOracle, NoDrafts, build_model,  # noqa: E402
+                            engine, run_point, widen_logit_margins)
 from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
 from mtp_ctrl.controllers import GoodputPolicy, SamplingParams  # noqa: E402
 from mtp_ctrl.controllers import cuda_graphs as cuda_graphs_module  # noqa: E402
 from mtp_ctrl.controllers import readback as readback_module  # noqa: E402
-from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy  # noqa: E402
 
 HOST = collections.Counter()  # seconds of host time by part, for the engine being timed
 LAUNCHES = []  # (step, GPU seconds or None) of every launch applied
-
-
-class NoDrafts(DraftLengthPolicy):
-    decide_every, longest_hold = 8, 64
-
-    def choose(self, query):
-        return np.zeros_like(query.caps)
 
 
 def instrument():

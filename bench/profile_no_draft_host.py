@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mtp_ctrl  # noqa: E402
-from bench_adaptive import PROMPT_LEN, engine  # noqa: E402
+from bench_adaptive import PROMPT_LEN, NoDrafts, engine  # noqa: E402
 from profile_policy_path import timed  # noqa: E402  (thread time of a wrapped call, summed by label)
 from mtp_ctrl.cli.byte_corpus import evenly_spaced_windows, load_stdlib_corpus  # noqa: E402
 from mtp_ctrl.controllers import GoodputPolicy, SamplingParams  # noqa: E402
@@ -29,7 +29,6 @@ from mtp_ctrl.controllers import draft_lengths as draft_lengths_module  # noqa: 
 from mtp_ctrl.controllers import draft_policy as draft_policy_module  # noqa: E402
 from mtp_ctrl.controllers import output_rows as output_rows_module  # noqa: E402
 from mtp_ctrl.controllers import proposers as proposers_module  # noqa: E402
-from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy  # noqa: E402
 from mtp_ctrl.controllers.step_costs import StepCostModel  # noqa: E402
 
 Controller = controller_module.TextGenerationController
@@ -38,13 +37,6 @@ TIMED = [(draft_lengths_module.DraftLengths, name) for name in ("choose", "launc
          (output_rows_module.OutputRows, "apply"), (Controller, "_launch_run"), (Controller, "_build_step"),
          (Controller, "_apply"), (Controller, "_step")]
 FUNCTIONS = [(draft_policy_module, "expected_drain_steps"), (proposers_module, "notify_committed")]
-
-
-class NoDrafts(DraftLengthPolicy):
-    decide_every, longest_hold = 8, 64
-
-    def choose(self, query):
-        return np.zeros_like(query.caps)
 
 
 class DepthZeroCheapest(StepCostModel):

@@ -63,17 +63,6 @@ def decoding_demo_controller(args, graphs: bool):
     from byte_corpus import evenly_spaced_windows, load_stdlib_corpus
     from demo_model import init_distributed, load_demo_model
     from mtp_ctrl.controllers import GoodputPolicy, InferenceConfig, SamplingParams, TextGenerationController
-    from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
-
-    class NoDrafts(DraftLengthPolicy):
-        decide_every = 64  # a held choice, as a trained policy's
-
-        def warmup_depths(self, num_speculative_tokens):
-            return (0,)
-
-        def choose(self, query):
-            return query.caps * 0
-
     device = torch.device(getattr(args, "device", "cuda"))
     if not torch.distributed.is_initialized():  # --compare builds several engines in one process
         init_distributed(1, device)
@@ -87,7 +76,7 @@ def decoding_demo_controller(args, graphs: bool):
                              max_tokens_per_step=max(64, args.batch * 64),
                              cuda_graph_batch_sizes=(args.batch,) if graphs and device.type == "cuda" else (),
                              overlap_scheduling=not args.no_overlap)
-    from bench_adaptive import PinnedPlain
+    from bench_adaptive import NoDrafts, PinnedPlain
 
     policy = {"fixed": None, "none": NoDrafts, "goodput": GoodputPolicy,
               "pinned0": PinnedPlain}[getattr(args, "draft_policy", "fixed")]
