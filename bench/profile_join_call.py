@@ -34,7 +34,7 @@ def parse_args(argv=None):
     parser.add_argument("--joins", type=int, nargs="+", default=[1, 4, 16], help="requests that join a round")
     parser.add_argument("--engines", nargs="+", default=["0:fixed", "2:fixed", "2:none"], metavar="S:POLICY")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--top", type=int, default=10, help="the join step's top kernels printed (largest k)")
+    parser.add_argument("--top", type=int, default=10, help="the join and decode steps' top kernels printed (largest k)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--quick", action="store_true", help="CPU: batch 2, one join, one round, no graphs")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
@@ -112,12 +112,13 @@ def main(args):
                 controller.abort_request(request_id)
             while controller.has_unfinished_requests():
                 controller.step()
-            top = collections.Counter()
-            for name, row in samples["drained"]:
-                if name == "join":
-                    for event in row[3]:
-                        top[event.name[:60]] += event.device_time / 1e3 / rounds
-            top_kernels[(spec, k)] = top.most_common(args.top)
+            for top_kind, calls in (("join", rounds), ("decode", 4 * rounds)):
+                top = collections.Counter()
+                for name, row in samples["drained"]:
+                    if name == top_kind:
+                        for event in row[3]:
+                            top[event.name[:60]] += event.device_time / 1e3 / calls
+                top_kernels[(spec, k, top_kind)] = top.most_common(args.top)
             for kind in KINDS:
                 walls = [s for name, s in samples["wall"] if name == kind]
                 drained_rows = [s for name, s in samples["drained"] if name == kind]
@@ -131,9 +132,9 @@ def main(args):
     print("|---|---|---|---|---|---|---|")
     for (spec, k, kind), (wall, host, count, kernel) in table.items():
         print(f"| {spec} | {k} | {kind} | {wall * 1e3:.3f} | {host * 1e3:.3f} | {count:g} | {kernel * 1e3:.3f} |")
-    for (spec, k), top in top_kernels.items():
+    for (spec, k, kind), top in top_kernels.items():
         if k == max(joins) and top:
-            print(f"{spec}, {k} joining: the join step's top kernels, ms a call: "
+            print(f"{spec}, {k} joining, {kind} step's top kernels, ms a step: "
                   + "; ".join(f"{name} {ms:.3f}" for name, ms in top))
 
 

@@ -7,7 +7,12 @@ positions ``0 ..`` its own position, read through ``block_table[b]``.
 Kernel layout. One program handles (query tile, request, kv head, kv split). Its tile is
 ``BLOCK_Q`` query rows x all ``G = Hq / Hkv`` query heads that share the kv head, flattened
 into ``BLOCK_M = BLOCK_Q * G`` (padded to a power of two) matrix rows, so a decode request's
-``1 + S`` rows and its whole head group read each KV byte once. The KV range is cut into
+``1 + S`` rows and its whole head group read each KV byte once. When some request may hold more
+than one tile (prefill chunks; the MTP windows of a step with prefill chunks), the tiles of all
+requests are numbered in one row: request ``b`` owns tiles ``query_start_loc[b] // BLOCK_Q + b``
+onwards, a program finds its request by binary search, and the grid is ``T // BLOCK_Q + B``
+programs, not ``cdiv(max_query_len, BLOCK_Q) x B`` (mostly idle when one prompt joins a batch of
+decodes). The KV range is cut into
 ``num_kv_splits`` pieces (split-K), each program cutting its own tile's real context (read on the
 device: a CUDA graph sized for a long ``max_seq_len`` still splits a short context evenly, and a
 few prefill rows over a long cached prefix spread over every split). With more than one split,
@@ -66,6 +71,21 @@ def _tile_rows(QUERY_START_LOC_PTR, request, q_tile, group_size, BLOCK_Q: tl.con
 
 
 @triton.jit
+def _request_of_flat_tile(QUERY_START_LOC_PTR, flat_tile, batch_size, BLOCK_Q: tl.constexpr):
+    """The request whose query tiles hold flat tile ``flat_tile``: request ``b``'s tiles are flat
+    tiles ``query_start_loc[b] // BLOCK_Q + b ..`` (non-decreasing in ``b``, at least
+    ``cdiv(q_b, BLOCK_Q)`` of them), so a binary search over ``query_start_loc`` finds it."""
+    low = tl.zeros((), dtype=tl.int32)
+    high = low + batch_size - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        starts_before = (tl.load(QUERY_START_LOC_PTR + middle) // BLOCK_Q + middle) <= flat_tile
+        low = tl.where(starts_before, middle, low)
+        high = tl.where(starts_before, high, middle - 1)
+    return low
+
+
+@triton.jit
 def _paged_attention_kernel(
     QUERY_PTR,
     KEY_CACHE_PTR,
@@ -103,17 +123,26 @@ def _paged_attention_kernel(
     NUM_KV_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ZERO_BLOCK: tl.constexpr,
+    FLAT_TILES: tl.constexpr,
 ):
-    q_tile = tl.program_id(0)
-    request = tl.program_id(1)
-    if (request == batch_size - 1) & (tl.program_id(2) == 0):
-        # rows past the last request's (padding) belong to no program below: the last request's
-        # first programs zero them, each a share (the output is [T, Hq, D] contiguous, not pre-zeroed)
+    if FLAT_TILES:  # grid (num_tokens // BLOCK_Q + batch_size, 1, ...): every request's tiles in one row
+        flat_tile = tl.program_id(0)
+        request = _request_of_flat_tile(QUERY_START_LOC_PTR, flat_tile, batch_size, BLOCK_Q)
+        q_tile = flat_tile - (tl.load(QUERY_START_LOC_PTR + request) // BLOCK_Q + request)
+        zeroes_padding, zero_share, zero_shares = tl.program_id(2) == 0, flat_tile, tl.num_programs(0)
+    else:  # grid (num_q_tiles, batch_size, ...)
+        q_tile = tl.program_id(0)
+        request = tl.program_id(1)
+        zeroes_padding = (request == batch_size - 1) & (tl.program_id(2) == 0)
+        zero_share, zero_shares = q_tile, num_q_tiles
+    if zeroes_padding:
+        # rows past the last request's (padding) belong to no program below: some first programs
+        # zero them, each a share (the output is [T, Hq, D] contiguous, not pre-zeroed)
         row_elements = num_query_heads * head_dim
         tail_start = tl.load(QUERY_START_LOC_PTR + batch_size).to(tl.int64) * row_elements
         tail_end = tl.cast(num_tokens, tl.int64) * row_elements
-        share = tl.cdiv(tail_end - tail_start, num_q_tiles)
-        share_start = tail_start + q_tile * share
+        share = tl.cdiv(tail_end - tail_start, zero_shares)
+        share_start = tail_start + zero_share * share
         share_end = tl.minimum(share_start + share, tail_end)
         zeros = tl.zeros([ZERO_BLOCK], dtype=tl.float32)  # the store casts to the output's dtype
         for first in range(share_start, share_end, ZERO_BLOCK):
@@ -427,8 +456,14 @@ def paged_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
     num_q_tiles = triton.cdiv(query_rows_bound, block_q)
+    # Rows beyond one tile a request (prefill chunks, a mixed step's MTP windows): a (q tile, request)
+    # grid would launch num_q_tiles programs for every request, decode ones included, nearly all with
+    # nothing to do; the flat grid launches one a tile of the packed rows, plus one a request.
+    flat_tiles = num_q_tiles > 1
+    tile_programs = (num_tokens // block_q + batch_size, 1) if flat_tiles else (num_q_tiles, batch_size)
     if num_kv_splits is None:
-        num_kv_splits = _choose_num_kv_splits(query.device, num_q_tiles * batch_size * num_kv_heads, kv_token_bound, block_n)
+        num_kv_splits = _choose_num_kv_splits(query.device, tile_programs[0] * tile_programs[1] * num_kv_heads,
+                                              kv_token_bound, block_n)
 
     if num_kv_splits > 1:
         partial_acc = torch.empty((num_kv_splits, num_tokens, num_query_heads, head_dim), dtype=torch.float32, device=query.device)
@@ -436,7 +471,7 @@ def paged_attention(
         partial_sum = torch.empty_like(partial_max)  # [splits, T, Hq] fp32
     else:
         partial_acc = partial_max = partial_sum = output  # unused by the kernel
-    _paged_attention_kernel[(num_q_tiles, batch_size, num_kv_heads * num_kv_splits)](
+    _paged_attention_kernel[(*tile_programs, num_kv_heads * num_kv_splits)](
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         output, partial_acc, partial_max, partial_sum,
         softmax_scale * math.log2(math.e),
@@ -447,9 +482,9 @@ def paged_attention(
         num_tokens, num_query_heads, block_size_tokens, head_dim, group_size,
         batch_size, num_q_tiles,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        NUM_KV_SPLITS=num_kv_splits, ZERO_BLOCK=_ZERO_BLOCK,
+        NUM_KV_SPLITS=num_kv_splits, ZERO_BLOCK=_ZERO_BLOCK, FLAT_TILES=flat_tiles,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=_num_warps(query.device, num_q_tiles * batch_size * num_kv_heads * num_kv_splits),
+        num_warps=_num_warps(query.device, tile_programs[0] * tile_programs[1] * num_kv_heads * num_kv_splits),
     )
     if num_kv_splits > 1:
         combine_kv_splits(partial_acc, partial_max, partial_sum, query_start_loc, output)

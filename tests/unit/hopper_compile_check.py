@@ -95,10 +95,11 @@ def cases():
     attention_pointers = pointers(attention, "bf16", BLOCK_TABLE_PTR="i32", SEQ_LENS_PTR="i32",
                                   QUERY_START_LOC_PTR="i32", PARTIAL_ACC_PTR="fp32", PARTIAL_MAX_PTR="fp32",
                                   PARTIAL_SUM_PTR="fp32")
-    for splits in (1, 4):
-        yield (f"paged attention, {splits} splits", attention, attention_pointers, {"qk_scale"},
-               dict(BLOCK_Q=1, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, NUM_KV_SPLITS=splits, DOT_PRECISION="tf32",
-                    ZERO_BLOCK=paged_attn._ZERO_BLOCK))
+    for splits, flat, block_q in ((1, False, 1), (4, False, 1), (1, True, 32)):
+        yield (f"paged attention, {splits} splits{', flat tiles' if flat else ''}", attention, attention_pointers,
+               {"qk_scale"}, dict(BLOCK_Q=block_q, BLOCK_M=max(16, block_q * 2), BLOCK_N=64, BLOCK_D=128,
+                                  NUM_KV_SPLITS=splits, DOT_PRECISION="tf32", ZERO_BLOCK=paged_attn._ZERO_BLOCK,
+                                  FLAT_TILES=flat))
     combine = paged_attn._combine_kv_splits_kernel
     yield ("attention merge", combine, pointers(combine, "fp32", QUERY_START_LOC_PTR="i32", OUTPUT_PTR="bf16"), set(),
            dict(BLOCK_R=8, BLOCK_DC=128, SPLIT_CHUNK=4))

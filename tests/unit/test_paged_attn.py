@@ -158,6 +158,39 @@ def test_random_batches(seed):
     _check_all_paths(case)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_flat_tiles_random_mixed_steps_on_dirty_memory(monkeypatch, seed):
+    """Requests with more rows than one query tile (8 here: 8 query heads share 1 kv head) take the
+    flat grid: prefill chunks of 9-40 rows among decode requests of 1-4 rows, empty requests and
+    padding rows, with the graph's bounds (max_query_len up to every row) or none, 1 or 3 splits,
+    on NaN-filled memory: equal to dense SDPA, padding rows exactly 0."""
+    generator = torch.Generator().manual_seed(seed)
+    q_lens, seq_lens = [], []
+    for _ in range(int(torch.randint(1, 7, (), generator=generator))):
+        kind = int(torch.randint(0, 3, (), generator=generator))
+        q = (0, int(torch.randint(1, 5, (), generator=generator)), int(torch.randint(9, 41, (), generator=generator)))[kind]
+        q_lens.append(q)
+        seq_lens.append(q + (int(torch.randint(0, 30, (), generator=generator)) if q else 0))
+    q_lens[int(torch.randint(0, len(q_lens), (), generator=generator))] = 17  # at least one request of 3 tiles
+    seq_lens = [max(s, q) for s, q in zip(seq_lens, q_lens)]
+    padding_rows = int(torch.randint(0, 21, (), generator=generator))
+    case = make_paged_case(q_lens, seq_lens, num_query_heads=8, num_kv_heads=1, head_dim=16, block_size_tokens=4,
+                           padding_rows=padding_rows, seed=seed)
+    hints = [{}, dict(max_query_len=sum(q_lens) + padding_rows, max_seq_len=80), dict(max_query_len=max(q_lens))][seed % 3]
+    empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    expected = dense_attention(case)
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    out = paged_attention(*case.op_args(), num_kv_splits=(None, 1, 3)[seed % 3], **hints)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, expected, **TOL)
+    assert not out[sum(q_lens):].any()
+
+
 def test_padding_rows_and_requests_are_zero():
     case = make_paged_case([0, 3, 0], [0, 5, 0], num_query_heads=2, num_kv_heads=1, head_dim=16,
                            block_size_tokens=4, padding_rows=2)
