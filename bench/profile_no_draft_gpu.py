@@ -3,7 +3,7 @@
     python bench/profile_no_draft_gpu.py [--quick] [--skip-demo] [--skip-large] [--skip-run-windows]
                                          [--catch-up-positions 8 32]
 
-1. Demo model, batch 128, greedy, 64 new tokens: plain decoding (S = 0) against the S = 2 engine
+1. Demo model, batch 128, greedy, ``--new-tokens`` (64) new tokens: plain decoding (S = 0) against the S = 2 engine
    drafting nothing (a policy returning 0 for everyone), with the MTP windows run on each
    no-draft step (``mtp_idle_windows="run"``) and skipped ("skip", the default; with
    ``--catch-up-positions``, one engine per M: a forced catch-up every M + 1 steps). Per step: the
@@ -35,6 +35,8 @@ def parse_args():
                         help="the skipped-windows engine at each of these mtp_catch_up_positions M (default: "
                              "the config's)")
     parser.add_argument("--skip-run-windows", action="store_true", help="no engine with the windows run")
+    parser.add_argument("--new-tokens", type=int, default=64,
+                        help="the demo part's tokens a request (a forced catch-up comes once M positions fell behind)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     return parser.parse_args()
 
@@ -97,7 +99,7 @@ def timed_generate(controller, prompts, params, before=lambda: None):
 
 
 def demo_part(args, device):
-    batch, new_tokens = (4, 8) if args.quick else (128, 64)
+    batch, new_tokens = (4, 8) if args.quick else (128, args.new_tokens)
     model = mtp_ctrl.load_demo_model(device=device)
     prompts = [w.tolist() for w in evenly_spaced_windows(load_stdlib_corpus().held_out, batch, PROMPT_LEN)]
     params = SamplingParams(max_new_tokens=new_tokens)
