@@ -38,7 +38,7 @@ from mtp_ctrl.triton_ops import reference
 from mtp_ctrl.triton_ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_same_device, check_tensor
 from mtp_ctrl.triton_ops._dispatch import interpreter_enabled, sm_count, use_triton
 from mtp_ctrl.triton_ops.mla_tiles import MLATiles, kv_split_count, mla_tiles
-from mtp_ctrl.triton_ops.paged_attn import check_attention_scalars, combine_kv_splits
+from mtp_ctrl.triton_ops.paged_attn import check_attention_scalars, combine_kv_splits, request_of_flat_tile
 
 MAX_LATENT_DIM = 1024
 MAX_ROPE_DIM = 256
@@ -183,10 +183,10 @@ def _paged_mla_kernel(
     ql_stride_t, ql_stride_h, qr_stride_t, qr_stride_h, out_stride_t, out_stride_h,
     cache_stride_block, cache_stride_token, block_table_stride_b,
     num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
-    num_head_tiles, num_kv_splits,
+    num_head_tiles, num_kv_splits, batch_size,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-    FULL_DIMS: tl.constexpr,
+    FULL_DIMS: tl.constexpr, FLAT_TILES: tl.constexpr,
 ):
     """Program (query tile x head tile, split, request): ``BLOCK_Q`` rows x ``BLOCK_H`` heads,
     flattened into ``BLOCK_M`` matrix rows, over one split of the request's context. The tiles
@@ -194,17 +194,27 @@ def _paged_mla_kernel(
     and can share those rows through L2.
 
     Example: H = 4, BLOCK_H = 4, BLOCK_Q = 2 (a 1 + S = 2 verify): matrix rows 0..7 are
-    (row 0, head 0..3), (row 1, head 0..3).
+    (row 0, head 0..3), (row 1, head 0..3). ``FLAT_TILES``: axis 0 numbers every request's query
+    tiles in one row (``paged_attn``'s flat grid, axis 2 of size 1), for launches where a request
+    may hold more than one query tile.
     """
-    q_tile = tl.program_id(0) // num_head_tiles
     head_tile = tl.program_id(0) % num_head_tiles
     split = tl.program_id(1)
-    request = tl.program_id(2)
-    if request == tl.num_programs(2) - 1:
+    if FLAT_TILES:
+        flat_tile = tl.program_id(0) // num_head_tiles
+        request = request_of_flat_tile(QUERY_START_LOC_PTR, flat_tile, batch_size, BLOCK_Q)
+        q_tile = flat_tile - (tl.load(QUERY_START_LOC_PTR + request) // BLOCK_Q + request)
+        zeroes_padding = True  # every program a share
+    else:
+        q_tile = tl.program_id(0) // num_head_tiles
+        request = tl.program_id(2)
+        zeroes_padding = request == tl.num_programs(2) - 1
+    if zeroes_padding:
         # rows past the last request's (padding) belong to no program below: the last request's
-        # programs zero them, each a share (the output is [T, H, C] contiguous, not pre-zeroed)
+        # programs (flat tiles: every program) zero them, each a share (the output is [T, H, C]
+        # contiguous, not pre-zeroed)
         row_elements = num_heads * latent_dim
-        tail_start = tl.load(QUERY_START_LOC_PTR + request + 1).to(tl.int64) * row_elements
+        tail_start = tl.load(QUERY_START_LOC_PTR + batch_size).to(tl.int64) * row_elements
         tail_end = tl.cast(num_tokens, tl.int64) * row_elements
         sharers = tl.num_programs(0) * tl.num_programs(1)
         share = tl.cdiv(tail_end - tail_start, sharers)
@@ -392,10 +402,14 @@ def paged_mla_attention(
     latent_block, rope_block = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope_dim))
     num_head_tiles = triton.cdiv(num_heads, block_h)
     num_q_tiles = triton.cdiv(query_rows_bound, block_q)
+    # a request of several query tiles (prefill chunks, a mixed step's MTP windows): the Triton
+    # kernel's flat grid (paged_attn's), one program a tile of the packed rows plus one a request
+    flat_tiles = num_q_tiles > 1 and not tiles.wgmma
+    tile_rows = num_tokens // block_q + batch_size if flat_tiles else num_q_tiles * batch_size
     if num_kv_splits is None:
         num_kv_splits = 1
         if query_latent.is_cuda:
-            programs_per_split = num_q_tiles * batch_size * num_head_tiles
+            programs_per_split = tile_rows * num_head_tiles
             num_kv_splits = kv_split_count(tiles, sm_count(query_latent.device), programs_per_split, kv_token_bound,
                                            MAX_KV_SPLITS)
     if num_kv_splits == 1:
@@ -407,7 +421,8 @@ def paged_mla_attention(
                                   device=query_latent.device)
         partial_max = torch.empty((num_kv_splits, num_tokens, num_heads), dtype=torch.float32, device=query_latent.device)
         partial_sum = torch.empty_like(partial_max)
-    grid = (num_q_tiles * num_head_tiles, num_kv_splits, batch_size)
+    grid = (tile_rows * num_head_tiles, num_kv_splits, 1) if flat_tiles else \
+        (num_q_tiles * num_head_tiles, num_kv_splits, batch_size)
     qk_scale = softmax_scale * math.log2(math.e)
     if tiles.wgmma:
         launch = _gluon_module("mla_wgmma").launch_paged_mla_wgmma
@@ -424,11 +439,11 @@ def paged_mla_attention(
             query_latent.stride(0), query_latent.stride(1), query_rope.stride(0), query_rope.stride(1),
             output.stride(0), output.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_table.stride(0),
             num_tokens, num_heads, latent_dim, rope_dim, block_size_tokens, tokens_per_split,
-            num_head_tiles, num_kv_splits,
+            num_head_tiles, num_kv_splits, batch_size,
             BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_C=latent_block, BLOCK_R=rope_block,
             DOT_PRECISION="ieee" if query_latent.dtype == torch.float32 else "tf32", ZERO_BLOCK=_ZERO_BLOCK,
-            FULL_DIMS=latent_block == latent_dim and rope_block == rope_dim,
+            FULL_DIMS=latent_block == latent_dim and rope_block == rope_dim, FLAT_TILES=flat_tiles,
             num_warps=tiles.num_warps if query_latent.is_cuda else 4,
             num_stages=tiles.num_stages if query_latent.is_cuda else 1,
             **({"maxnreg": tiles.max_registers} if tiles.max_registers and query_latent.is_cuda else {}),

@@ -71,7 +71,7 @@ def _tile_rows(QUERY_START_LOC_PTR, request, q_tile, group_size, BLOCK_Q: tl.con
 
 
 @triton.jit
-def _request_of_flat_tile(QUERY_START_LOC_PTR, flat_tile, batch_size, BLOCK_Q: tl.constexpr):
+def request_of_flat_tile(QUERY_START_LOC_PTR, flat_tile, batch_size, BLOCK_Q: tl.constexpr):
     """The request whose query tiles hold flat tile ``flat_tile``: request ``b``'s tiles are flat
     tiles ``query_start_loc[b] // BLOCK_Q + b ..`` (non-decreasing in ``b``, at least
     ``cdiv(q_b, BLOCK_Q)`` of them), so a binary search over ``query_start_loc`` finds it."""
@@ -127,7 +127,7 @@ def _paged_attention_kernel(
 ):
     if FLAT_TILES:  # grid (num_tokens // BLOCK_Q + batch_size, 1, ...): every request's tiles in one row
         flat_tile = tl.program_id(0)
-        request = _request_of_flat_tile(QUERY_START_LOC_PTR, flat_tile, batch_size, BLOCK_Q)
+        request = request_of_flat_tile(QUERY_START_LOC_PTR, flat_tile, batch_size, BLOCK_Q)
         q_tile = flat_tile - (tl.load(QUERY_START_LOC_PTR + request) // BLOCK_Q + request)
         zeroes_padding, zero_share, zero_shares = tl.program_id(2) == 0, flat_tile, tl.num_programs(0)
     else:  # grid (num_q_tiles, batch_size, ...)

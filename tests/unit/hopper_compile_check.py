@@ -110,11 +110,14 @@ def cases():
     # runtime int (= 1 here when ints are constants: the one-split path)
     yield ("paged MLA attention", mla, mla_pointers, {"qk_scale"},
            dict(BLOCK_Q=1, BLOCK_H=16, BLOCK_M=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32",
-                ZERO_BLOCK=mla_attention._ZERO_BLOCK, FULL_DIMS=False))
-    # a verify (1 + S = 3 rows x 16 heads in one 64-row tile), no column masks
-    yield ("paged MLA attention, 64-row verify tile", mla, mla_pointers, {"qk_scale"},
-           dict(BLOCK_Q=4, BLOCK_H=16, BLOCK_M=64, BLOCK_N=64, BLOCK_C=512, BLOCK_R=64, DOT_PRECISION="tf32",
-                ZERO_BLOCK=mla_attention._ZERO_BLOCK, FULL_DIMS=True))
+                ZERO_BLOCK=mla_attention._ZERO_BLOCK, FULL_DIMS=False, FLAT_TILES=False))
+    # a verify (1 + S = 3 rows x 16 heads in one 64-row tile), no column masks; and the flat grid of
+    # a step with prefill chunks (requests of several such tiles)
+    for flat in (False, True):
+        yield (f"paged MLA attention, 64-row verify tile{', flat tiles' if flat else ''}", mla, mla_pointers,
+               {"qk_scale"}, dict(BLOCK_Q=4, BLOCK_H=16, BLOCK_M=64, BLOCK_N=64, BLOCK_C=512, BLOCK_R=64,
+                                  DOT_PRECISION="tf32", ZERO_BLOCK=mla_attention._ZERO_BLOCK, FULL_DIMS=True,
+                                  FLAT_TILES=flat))
     try:  # the Gluon kernel of 64 / 128 heads (a Triton without Gluon: not built, nothing to check)
         from mtp_ctrl.triton_ops import mla_wgmma
     except (ImportError, AttributeError):

@@ -55,6 +55,37 @@ def test_random_batches(seed):
     _check(case)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_flat_tiles_random_mixed_steps_on_dirty_memory(monkeypatch, seed):
+    """Requests of more rows than one query tile (4 rows x 4 heads in the 16-row tile) take the flat
+    grid: prefill chunks of 5-20 rows among decodes of 1-3 rows, empty requests and padding rows,
+    with the graph's bounds or none, 1 or 3 splits, on NaN-filled memory: equal to the twin's
+    dense reference, padding rows exactly 0."""
+    generator = torch.Generator().manual_seed(seed)
+    q_lens = [(0, int(torch.randint(1, 4, (), generator=generator)), int(torch.randint(5, 21, (), generator=generator)))
+              [int(torch.randint(0, 3, (), generator=generator))] for _ in range(int(torch.randint(1, 6, (),
+                                                                                                   generator=generator)))]
+    q_lens[int(torch.randint(0, len(q_lens), (), generator=generator))] = 9  # at least one request of 3 tiles
+    seq_lens = [q + int(torch.randint(0, 25, (), generator=generator)) if q else 0 for q in q_lens]
+    padding_rows = int(torch.randint(0, 9, (), generator=generator))
+    case = make_mla_case(q_lens, seq_lens, num_heads=4, latent_dim=16, rope_dim=8, block_size_tokens=4,
+                         padding_rows=padding_rows, seed=seed)
+    hints = [{}, dict(max_query_len=sum(q_lens) + padding_rows, max_seq_len=64)][seed % 2]
+    tiles = dataclasses.replace(DEFAULT_TILES, block_m=16, wgmma=False)
+    empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    expected = case.expected()
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    out = paged_mla_attention(*case.op_args(), num_kv_splits=(1, 3)[seed // 2], tiles=tiles, **hints)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, expected, **TOL)
+    assert not out[sum(q_lens):].any()
+
+
 @pytest.mark.parametrize("tiles", list(dict.fromkeys([DEFAULT_TILES] + [tiles for _, tiles in TILE_TABLE])),
                          ids=str)
 def test_every_table_entry_equals_twin(tiles):
