@@ -22,7 +22,10 @@ The host bounds how far each ``w_k`` fell behind: a step of verify width V that 
 ``(0, 0)`` (SKIP: a decode-only step where nobody drafts), ``(D, 0)`` / ``(D, M)`` (a decode-only
 step that drafts D < S: depths ``D..S-1`` skipped; M extra rows when depth ``D - 1`` has fallen
 behind), ``(S, 0)`` / ``(S, M)`` (every depth: a step that drafts S, a step with prefill chunks, or a
-*forced catch-up* when the deepest skipped depth would fall more than M behind). The fixed-S policy
+*forced catch-up* when the deepest skipped depth would fall more than M behind). A slot whose
+request never drafts (``set_may_draft``: its cap is 0) is left out: its lags plan nothing, and its
+windows, where a step runs them for others, cover what their rows reach (its cache keeps gaps that
+no draft of its reads; prefix caching shares only blocks of prefill tokens, written whole). The fixed-S policy
 only ever plans ``(S, 0)``. The plan joins the CUDA graph key, so a replay needs no host value: a
 few variants per shape, captured at warm-up (:meth:`WindowCatchUp.warmup_plans`). A request that
 joins, or returns after a preemption, starts with a step that has prefill chunks (all its windows
@@ -52,6 +55,10 @@ class WindowCatchUp:
         self.num_depths, self.capacity = num_depths, capacity
         # [R + 1, S] per slot and depth: positions w_k may have fallen behind (non-decreasing in k)
         self._lags = np.zeros((num_slots, num_depths), np.int64)
+        # [R + 1] bool: the slot's request may draft; a request that never does (its cap is 0) is
+        # left out of every plan: its windows are never caught up, its lags never force a step
+        self._may_draft = np.ones(num_slots, bool)
+        self._all_may_draft = True  # no slot is left out (the plan needs no mask)
         # (slots' bytes, [n] int64 slots, [S] lags): every slot of the last launch has exactly these
         # lags and ``_lags`` is stale for them (written back when another set of slots launches).
         # Steady decoding launches the same slots step after step, all at the same lags (a step with
@@ -62,6 +69,14 @@ class WindowCatchUp:
         self._plans: Dict[tuple, Tuple[Tuple[Entry, ...], Tuple[int, ...]]] = {}
         self._plan: Tuple[Entry, ...] = ()
         self._calls = 0  # propose / on_no_drafts calls since the plan was set (a capture runs a launch twice)
+
+    def set_may_draft(self, slot: int, may_draft: bool) -> None:
+        """Slot ``slot`` now holds a request that may draft, or one that never does."""
+        if bool(self._may_draft[slot]) != may_draft:
+            self._write_back()
+            self._may_draft[slot] = may_draft
+            self._lags[slot] = 0  # a slot's lags start over with its request (its prefill runs every window)
+            self._all_may_draft = bool(self._may_draft.all())
 
     def lags(self, slot: int) -> Tuple[int, ...]:
         """How far each depth's window start of table slot ``slot`` may have fallen behind."""
@@ -113,16 +128,21 @@ class WindowCatchUp:
         S, slots, num_decode = self.num_depths, step.host_slot_ids, step.num_decode  # slots: [n] int64
         key, uniform = slots.tobytes(), self._uniform
         if uniform is not None and uniform[0] == key:  # the same slots as the last launch, at one lag each
-            plan, lags = self._uniform_plan(step, uniform[2] if num_decode else (0,) * S)
-            self._uniform = (key, uniform[1], lags)
+            drafting = num_decode and (self._all_may_draft or bool(self._may_draft[slots[:num_decode]].any()))
+            plan, lags = self._uniform_plan(step, uniform[2] if drafting else (0,) * S)
+            self._uniform = (key, uniform[1], lags if drafting else (0,) * S)
             self._plan, self._calls = plan, 0  # use(plan)
             return plan
         self._write_back()
-        decode_lags = self._lags[slots[:num_decode]]  # [n_d, S]
-        lags = decode_lags.max(axis=0).tolist() if num_decode else [0] * S  # host-ok: numpy
+        decode_slots = slots[:num_decode]  # [n_d] int64
+        if not self._all_may_draft:  # requests that never draft: their lags plan nothing
+            decode_slots = decode_slots[self._may_draft[decode_slots]]
+        decode_lags = self._lags[decode_slots]  # [n_d', S]
+        lags = decode_lags.max(axis=0).tolist() if decode_slots.shape[0] else [0] * S  # host-ok: numpy
         plan, moved = self._plan_and_lags(step, lags)
         # the launch leaves its slots at one lag each when one of its steps ran every depth (a reset:
         # prefill chunks, drafts of S, a forced catch-up) or its slots all decode at one lag already
+        # (a slot left out of the plans may take any lag: nothing reads it)
         every_depth_ran = max(run for run, _ in plan) == S
         at_one_lag = num_decode == slots.shape[0] and bool((decode_lags == decode_lags[:1]).all())
         if every_depth_ran or at_one_lag:

@@ -134,6 +134,10 @@ class MTPProposer(Proposer):
 
     # ----- skipped windows (mtp_catch_up.py) ---------------------------------------------------
 
+    def on_admitted(self, slot: int, may_draft: bool) -> None:
+        if self._catch_up is not None:
+            self._catch_up.set_may_draft(slot, may_draft)
+
     def plan_launch(self, step: StepMetadata) -> Optional[Tuple[Entry, ...]]:
         """With ``skip_idle_windows``: per step of the launch, the depths it runs and the extra rows
         of its decode windows (a catch-up); None otherwise."""

@@ -114,6 +114,12 @@ class Proposer(abc.ABC):
     def forget(self, request_id: int) -> None:
         """The request left the running batch (finished or evicted): drop host state kept for it."""
 
+    def on_admitted(self, slot: int, may_draft: bool) -> None:
+        """A request took table slot ``slot`` (admitted, or back after a preemption). ``may_draft``
+        False: it never drafts (``SamplingParams(num_speculative_tokens=0)``), so nothing need be
+        kept exact for its drafts (the MTP proposer then never catches up its skipped windows).
+        Default: nothing."""
+
     def plan_launch(self, step: StepMetadata) -> Hashable:
         """Host-side, once per launch, before its graph key is made: a proposer whose per-step work
         depends on host state (a shape that changes what a graph captures) chooses it here, moves

@@ -48,6 +48,8 @@ class SlotLifecycle:
                                      RequestSampling.row_values(request.params, request.seed), request.use_prefix_cache)
             self.scheduler.take_next_waiting()  # only once the context holds it
             request.attach(self.outputs, self.context.table)  # the slot's rows own output and counters now
+            self.proposer.on_admitted(self.context.table.slot_of(request.request_id),
+                                      may_draft=request.params.num_speculative_tokens != 0)
 
     def preempt_newest(self) -> None:
         """Evict the newest live request to free its KV blocks; it waits first in the queue."""

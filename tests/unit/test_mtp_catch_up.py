@@ -6,6 +6,7 @@ steps, decode runs, prefix caching and a request paused while behind; the output
 decoding's; no-draft decode-only steps run no depth except a forced catch-up. The launch plans
 (``WindowCatchUp``): lags per depth, forced catch-ups at M, the fixed-S shapes' plans."""
 
+import dataclasses
 import types
 
 import numpy as np
@@ -55,12 +56,12 @@ def pause_some(controller, ids):
     return None
 
 
-def drive(controller, pause_at=None):
-    """ARRIVALS through ``controller``; with ``pause_at``, a live request is paused at that step for
+def drive(controller, pause_at=None, arrivals=ARRIVALS):
+    """``arrivals`` through ``controller``; with ``pause_at``, a live request is paused at that step for
     three steps (it keeps its slot, and how far its windows fell behind). Returns the outputs."""
-    ids, step, paused = [None] * len(ARRIVALS), 0, None
+    ids, step, paused = [None] * len(arrivals), 0, None
     while step == 0 or controller.has_unfinished_requests() or None in ids:
-        for index, (arrival_step, prompt, params) in enumerate(ARRIVALS):
+        for index, (arrival_step, prompt, params) in enumerate(arrivals):
             if arrival_step == step:
                 ids[index] = controller.add_request(prompt, params)
         if step == pause_at:
@@ -110,6 +111,32 @@ def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_tw
     assert all(d in (drafts, MTP_DEPTH) for drafts, plan in partial for d, _ in plan)  # D' = D, or all S
     if depths:  # decode-only steps that drafted 0 < D < S skipped the deeper depths, some of them behind
         assert partial and any(rows > 0 for _, plan in partial for d, rows in plan if 0 < d < MTP_DEPTH), partial
+
+
+@pytest.mark.parametrize("opted_out", [(0, 2, 4), (0, 1, 2, 3, 4, 5)])
+def test_requests_that_never_draft_are_never_caught_up(mtp_model, plain, torch_twins, opted_out):
+    """Requests with ``num_speculative_tokens=0`` never draft, so their skipped windows are never
+    caught up: with every request opted out, no decode-only launch runs an MTP depth (M = 2 forces a
+    catch-up every other step otherwise); with some opted out, the others draft what they draft with
+    every window run (their catch-ups stay exact). The output is plain decoding's either way, under
+    preemption and padded steps."""
+    arrivals = tuple((step, prompt, dataclasses.replace(params, num_speculative_tokens=0) if index in opted_out
+                      else params) for index, (step, prompt, params) in enumerate(ARRIVALS))
+    recorded = {}
+    for skip in (False, True):
+        proposer = RecordingMTP(skip_idle_windows=skip, catch_up_positions=2)
+        controller = controller_for(mtp_model, MTP_DEPTH, proposer, RandomDepths(seed=3), **SQUEEZE)
+        assert drive(controller, arrivals=arrivals) == plain[1]
+        recorded[skip] = proposer
+    # the draft rows of the requests that may draft (an opted-out request's rows, drafted beside them
+    # up to the step's D, are masked: it verifies none)
+    run, skipped = ([row for row in recorded[skip].drafts if row[0] not in opted_out] for skip in (False, True))
+    assert run == skipped
+    decode_depths = [d for _, decode_only, plan in recorded[True].plans if decode_only for d, _ in plan]
+    if len(opted_out) == len(ARRIVALS):
+        assert decode_depths and not any(decode_depths)  # no forced catch-up
+    else:
+        assert len(run) > 4 and any(decode_depths)
 
 
 def test_catch_up_positions_is_checked(mtp_model):
@@ -186,9 +213,15 @@ class EagerLags:
 
     def __init__(self, num_slots, S, M):
         self.lags, self.S, self.planner = np.zeros((num_slots, S), np.int64), S, WindowCatchUp(1, S, M)
+        self.may_draft = np.ones(num_slots, bool)  # a slot whose request never drafts plans nothing
+
+    def set_may_draft(self, slot, may_draft):
+        if self.may_draft[slot] != may_draft:
+            self.may_draft[slot], self.lags[slot] = may_draft, 0
 
     def plan_launch(self, step):
         decode = step.host_slot_ids[: step.num_decode]
+        decode = decode[self.may_draft[decode]]
         plan = self.planner.plan(step, self.lags[decode].max(axis=0) if decode.shape[0] else [0] * self.S)
         for run, _ in plan:
             for slot in step.host_slot_ids:
@@ -197,17 +230,29 @@ class EagerLags:
         return plan
 
 
-def test_steady_launches_plan_and_lag_as_every_slot_written_out():
+@pytest.mark.parametrize("never_drafting", [False, True])
+def test_steady_launches_plan_and_lag_as_every_slot_written_out(never_drafting):
     """Launches of the same slots step after step take a shortcut (one lag for all of them); plans
     and lags equal the per-slot bookkeeping's over random histories: slot sets repeated, shrunk and
-    changed, prefill chunks, decode runs, random depths and widths, lags read at random points."""
-    rng = np.random.default_rng(11)
+    changed, prefill chunks, decode runs, random depths and widths, lags read at random points.
+    ``never_drafting``: slots also take requests that never draft (``set_may_draft``), whose lags
+    plan nothing (their own lags are not compared: nothing reads them)."""
+    rng = np.random.default_rng(11 + never_drafting)
+
+    def compare_lags(lazy, eager, num_slots):
+        slots = [slot for slot in range(num_slots) if eager.may_draft[slot]]
+        assert [lazy.lags(slot) for slot in slots] == [tuple(eager.lags[slot].tolist()) for slot in slots]
+
     for _ in range(150):
         S, M, num_slots = int(rng.integers(1, 4)), int(rng.integers(2, 17)), 7
         lazy, eager = WindowCatchUp(num_slots=num_slots, num_depths=S, capacity=M), EagerLags(num_slots, S, M)
         slots = rng.choice(num_slots, size=int(rng.integers(1, num_slots + 1)), replace=False)
         for _ in range(int(rng.integers(5, 40))):
             change = rng.random()
+            if never_drafting and rng.random() < 0.15:  # a slot takes a request that never drafts, or one that may
+                slot, may_draft = int(rng.integers(num_slots)), bool(rng.random() < 0.5)
+                lazy.set_may_draft(slot, may_draft)
+                eager.set_may_draft(slot, may_draft)
             if change < 0.15:  # another set of slots
                 slots = rng.choice(num_slots, size=int(rng.integers(1, num_slots + 1)), replace=False)
             elif change < 0.25 and slots.shape[0] > 1:  # a request finished
@@ -219,5 +264,5 @@ def test_steady_launches_plan_and_lag_as_every_slot_written_out():
                 step.num_decode = int(rng.integers(0, slots.shape[0]))
             assert lazy.plan_launch(step) == eager.plan_launch(step)
             if rng.random() < 0.2:
-                assert [lazy.lags(slot) for slot in range(num_slots)] == [tuple(row) for row in eager.lags.tolist()]
-        assert [lazy.lags(slot) for slot in range(num_slots)] == [tuple(row) for row in eager.lags.tolist()]
+                compare_lags(lazy, eager, num_slots)
+        compare_lags(lazy, eager, num_slots)
