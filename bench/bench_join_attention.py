@@ -34,7 +34,8 @@ def parse_args(argv=None):
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="CPU: batch 4, joins 0 1, tiny shapes, 2 repeats")
-    parser.add_argument("--verbose", action="store_true", help="(no megatron-core import here; accepted for uniformity)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="(no megatron-core import here; accepted for uniformity)")
     return parser.parse_args(argv)
 
 

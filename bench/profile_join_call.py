@@ -34,7 +34,8 @@ def parse_args(argv=None):
     parser.add_argument("--joins", type=int, nargs="+", default=[1, 4, 16], help="requests that join a round")
     parser.add_argument("--engines", nargs="+", default=["0:fixed", "2:fixed", "2:none"], metavar="S:POLICY")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--top", type=int, default=10, help="the join and decode steps' top kernels printed (largest k)")
+    parser.add_argument("--top", type=int, default=10,
+                        help="the join and decode steps' top kernels printed (largest k)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--quick", action="store_true", help="CPU: batch 2, one join, one round, no graphs")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
@@ -95,7 +96,8 @@ def main(args):
             def drained():
                 sync()
                 started = time.perf_counter()
-                with profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]) as prof:
+                activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+                with profile(activities=[activity]) as prof:
                     controller.step()
                     host = time.perf_counter() - started
                     sync()

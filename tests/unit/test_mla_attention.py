@@ -62,12 +62,17 @@ def test_flat_tiles_random_mixed_steps_on_dirty_memory(monkeypatch, seed):
     with the graph's bounds or none, 1 or 3 splits, on NaN-filled memory: equal to the twin's
     dense reference, padding rows exactly 0."""
     generator = torch.Generator().manual_seed(seed)
-    q_lens = [(0, int(torch.randint(1, 4, (), generator=generator)), int(torch.randint(5, 21, (), generator=generator)))
-              [int(torch.randint(0, 3, (), generator=generator))] for _ in range(int(torch.randint(1, 6, (),
-                                                                                                   generator=generator)))]
-    q_lens[int(torch.randint(0, len(q_lens), (), generator=generator))] = 9  # at least one request of 3 tiles
-    seq_lens = [q + int(torch.randint(0, 25, (), generator=generator)) if q else 0 for q in q_lens]
-    padding_rows = int(torch.randint(0, 9, (), generator=generator))
+
+    def draw(low, high):
+        return int(torch.randint(low, high, (), generator=generator))
+
+    q_lens = []
+    for _ in range(draw(1, 6)):
+        decode, prefill = draw(1, 4), draw(5, 21)
+        q_lens.append((0, decode, prefill)[draw(0, 3)])  # padding, decode or prefill chunk
+    q_lens[draw(0, len(q_lens))] = 9  # at least one request of 3 tiles
+    seq_lens = [q + draw(0, 25) if q else 0 for q in q_lens]
+    padding_rows = draw(0, 9)
     case = make_mla_case(q_lens, seq_lens, num_heads=4, latent_dim=16, rope_dim=8, block_size_tokens=4,
                          padding_rows=padding_rows, seed=seed)
     hints = [{}, dict(max_query_len=sum(q_lens) + padding_rows, max_seq_len=64)][seed % 2]

@@ -168,7 +168,8 @@ def test_flat_tiles_random_mixed_steps_on_dirty_memory(monkeypatch, seed):
     q_lens, seq_lens = [], []
     for _ in range(int(torch.randint(1, 7, (), generator=generator))):
         kind = int(torch.randint(0, 3, (), generator=generator))
-        q = (0, int(torch.randint(1, 5, (), generator=generator)), int(torch.randint(9, 41, (), generator=generator)))[kind]
+        q = (0, int(torch.randint(1, 5, (), generator=generator)),
+             int(torch.randint(9, 41, (), generator=generator)))[kind]
         q_lens.append(q)
         seq_lens.append(q + (int(torch.randint(0, 30, (), generator=generator)) if q else 0))
     q_lens[int(torch.randint(0, len(q_lens), (), generator=generator))] = 17  # at least one request of 3 tiles
@@ -176,7 +177,8 @@ def test_flat_tiles_random_mixed_steps_on_dirty_memory(monkeypatch, seed):
     padding_rows = int(torch.randint(0, 21, (), generator=generator))
     case = make_paged_case(q_lens, seq_lens, num_query_heads=8, num_kv_heads=1, head_dim=16, block_size_tokens=4,
                            padding_rows=padding_rows, seed=seed)
-    hints = [{}, dict(max_query_len=sum(q_lens) + padding_rows, max_seq_len=80), dict(max_query_len=max(q_lens))][seed % 3]
+    hints = [{}, dict(max_query_len=sum(q_lens) + padding_rows, max_seq_len=80),
+             dict(max_query_len=max(q_lens))][seed % 3]
     empty = torch.empty
 
     def dirty_empty(*args, **kwargs):
