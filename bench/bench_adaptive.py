@@ -17,7 +17,9 @@ when the margin does not exceed the spread.
 Every timed run's outputs are checked equal to plain decoding's.
 
 1. (second) The trained demo model (MTP drafting, 2 MTP layers), 64-byte held-out prompts, batch 1, 8,
-   32, 128, greedy and T = 1 (seeded): fixed S = 0, 1, 2 and ``GoodputPolicy`` at S_max = 2.
+   32, 128, greedy and T = 1 (seeded): fixed S = 0, 1, 2 and ``GoodputPolicy`` at S_max = 2
+   (``--pinned-plain``: also the S = 2 engine held at D = 0 by the policy's path; ``--opted-out``:
+   also the S = 2 engine with every request's ``num_speculative_tokens=0``).
    A point generates 192 tokens a request (the checkpoint trained on 256-token windows: prompt
    and output stay inside them) for 2 x batch requests (``--demo-waves``: the second wave takes
    the slots the first frees), so that one run is >= ~100 ms of GPU work at batch 32 and 128 (a
@@ -54,6 +56,7 @@ tables again from it, e.g. after a part was cut by a timeout).
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -88,6 +91,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-pinned", action="store_true", help="skip the demo's pinned-goodput engine")
     parser.add_argument("--pinned-plain", action="store_true",
                         help="the demo also runs the S = 2 engine held at D = 0 by the goodput policy's path")
+    parser.add_argument("--opted-out", action="store_true",
+                        help="the demo also runs the S = 2 engine with every request's num_speculative_tokens = 0")
     parser.add_argument("--demo-goodput", choices=("both", "run", "skip"), default="both",
                         help="the demo's goodput engines: MTP windows skipped on no-draft steps and caught "
                              "up exactly (mtp_idle_windows='skip', the default engine), run, or both (default)")
@@ -336,6 +341,14 @@ class PointEngine:
         return self.controller.generate(prompts, params)
 
 
+class OptedOut(PointEngine):
+    """An engine of S > 0 whose requests all opt out of speculation (``num_speculative_tokens=0``):
+    what a request that never drafts costs beside plain decoding's engine."""
+
+    def generate(self, prompts, params):
+        return super().generate(prompts, dataclasses.replace(params, num_speculative_tokens=0))
+
+
 def warm(entry, prompts, params):
     """Untimed generates: one (compile, capture, warm the policy), then up to 3 more until a goodput
     policy has measured every depth at this grid and timed each a second time (its one-time
@@ -537,10 +550,12 @@ def demo_part(args, table, device):
             kinds.append((2, "pinned", PinnedGoodput()))
         if args.pinned_plain:  # the S = 2 engine held at D = 0 by the policy path, against plain's engine
             kinds.append((2, "pinned 0", PinnedPlain()))
-        engines = [PointEngine(S, name, policy, engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy,
-                                                       device=device.type,
-                                                       idle_windows="run" if name == "goodput run" else None,
-                                                       decode_steps_per_launch=args.demo_decode_steps))
+        if args.opted_out:  # the S = 2 engine with every request's num_speculative_tokens = 0
+            kinds.append((2, "opted out", None))
+        engines = [(OptedOut if name == "opted out" else PointEngine)(
+            S, name, policy, engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy, device=device.type,
+                                    idle_windows="run" if name == "goodput run" else None,
+                                    decode_steps_per_launch=args.demo_decode_steps))
                    for S, name, policy in kinds]
         for temperature in (0.0, 1.0):
             if table.out_of_time(f"demo batch {batch} T = {temperature:g}"):
