@@ -3,6 +3,7 @@
 Shared by tests/unit (CPU, interpreter) and tests/functional (CUDA).
 """
 
+import contextlib
 import dataclasses
 from typing import List
 
@@ -104,3 +105,20 @@ def random_mixed_lengths(generator: torch.Generator, num_requests: int, max_cont
         q_lens.append(q_len)
         seq_lens.append(seq_len)
     return q_lens, seq_lens
+
+
+@contextlib.contextmanager
+def nan_filled_empty():
+    """Within it every floating-point ``torch.empty`` comes back filled with NaN: a kernel whose
+    output is not zero-filled first must still write (or zero) every row it owns."""
+    empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    torch.empty = dirty_empty
+    try:
+        yield
+    finally:
+        torch.empty = empty

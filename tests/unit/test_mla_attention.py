@@ -12,7 +12,7 @@ from mtp_ctrl.triton_ops.mla_attention import MAX_KV_SPLITS, wgmma_kernel_applie
 from mtp_ctrl.triton_ops.mla_tiles import (DEFAULT_TILES, TILE_TABLE, TRITON_TILES_64_ROWS, VERIFY_TILES_16_HEADS,
                                           WGMMA_TILES, WGMMA_WS_TILES, MLATiles, kv_split_count, mla_tiles)
 from tests.unit.mla_cases import make_mla_case
-from tests.unit.paged_attention_cases import random_mixed_lengths
+from tests.unit.paged_attention_cases import nan_filled_empty, random_mixed_lengths
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -56,7 +56,7 @@ def test_random_batches(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_flat_tiles_random_mixed_steps_on_dirty_memory(monkeypatch, seed):
+def test_flat_tiles_random_mixed_steps_on_dirty_memory(seed):
     """Requests of more rows than one query tile (4 rows x 4 heads in the 16-row tile) take the flat
     grid: prefill chunks of 5-20 rows among decodes of 1-3 rows, empty requests and padding rows,
     with the graph's bounds or none, 1 or 3 splits, on NaN-filled memory: equal to the twin's
@@ -77,16 +77,9 @@ def test_flat_tiles_random_mixed_steps_on_dirty_memory(monkeypatch, seed):
                          padding_rows=padding_rows, seed=seed)
     hints = [{}, dict(max_query_len=sum(q_lens) + padding_rows, max_seq_len=64)][seed % 2]
     tiles = dataclasses.replace(DEFAULT_TILES, block_m=16, wgmma=False)
-    empty = torch.empty
-
-    def dirty_empty(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
     expected = case.expected()
-    monkeypatch.setattr(torch, "empty", dirty_empty)
-    out = paged_mla_attention(*case.op_args(), num_kv_splits=(1, 3)[seed // 2], tiles=tiles, **hints)
-    monkeypatch.undo()
+    with nan_filled_empty():
+        out = paged_mla_attention(*case.op_args(), num_kv_splits=(1, 3)[seed // 2], tiles=tiles, **hints)
     torch.testing.assert_close(out, expected, **TOL)
     assert not out[sum(q_lens):].any()
 

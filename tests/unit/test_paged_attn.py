@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mtp_ctrl.triton_ops import paged_attention, reference
-from tests.unit.paged_attention_cases import dense_attention, make_paged_case, random_mixed_lengths
+from tests.unit.paged_attention_cases import (dense_attention, make_paged_case, nan_filled_empty,
+                                               random_mixed_lengths)
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -103,14 +104,7 @@ def test_split_combine_random_splits_rows_and_padding(seed):
                            head_dim=(16, 24, 40)[seed], block_size_tokens=(16, 5, 8)[seed],
                            padding_rows=draw(0, 5), seed=seed)
     case.softmax_scale = 1.0
-    empty = torch.empty
-
-    def dirty_empty(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch, "empty", dirty_empty)
+    with nan_filled_empty():
         out = paged_attention(*case.op_args(), max_query_len=max(q_lens + [1]), max_seq_len=1024,
                               num_kv_splits=(5, 17, 9)[seed])
     torch.testing.assert_close(out, dense_attention(case), **TOL)
@@ -159,7 +153,7 @@ def test_random_batches(seed):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_flat_tiles_random_mixed_steps_on_dirty_memory(monkeypatch, seed):
+def test_flat_tiles_random_mixed_steps_on_dirty_memory(seed):
     """Requests with more rows than one query tile (8 here: 8 query heads share 1 kv head) take the
     flat grid: prefill chunks of 9-40 rows among decode requests of 1-4 rows, empty requests and
     padding rows, with the graph's bounds (max_query_len up to every row) or none, 1 or 3 splits,
@@ -179,16 +173,9 @@ def test_flat_tiles_random_mixed_steps_on_dirty_memory(monkeypatch, seed):
                            padding_rows=padding_rows, seed=seed)
     hints = [{}, dict(max_query_len=sum(q_lens) + padding_rows, max_seq_len=80),
              dict(max_query_len=max(q_lens))][seed % 3]
-    empty = torch.empty
-
-    def dirty_empty(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
     expected = dense_attention(case)
-    monkeypatch.setattr(torch, "empty", dirty_empty)
-    out = paged_attention(*case.op_args(), num_kv_splits=(None, 1, 3)[seed % 3], **hints)
-    monkeypatch.undo()
+    with nan_filled_empty():
+        out = paged_attention(*case.op_args(), num_kv_splits=(None, 1, 3)[seed % 3], **hints)
     torch.testing.assert_close(out, expected, **TOL)
     assert not out[sum(q_lens):].any()
 
@@ -205,22 +192,14 @@ def test_padding_rows_and_requests_are_zero():
 @pytest.mark.parametrize("q_lens,seq_lens,padding_rows", [
     ([0, 3, 0], [0, 5, 0], 2), ([2, 1], [9, 4], 1100), ([1, 1, 1], [3, 7, 2], 0), ([0, 0], [0, 0], 5),
 ])
-def test_padding_rows_are_zeroed_by_the_kernel_on_dirty_memory(monkeypatch, q_lens, seq_lens, padding_rows,
-                                                                 num_kv_splits):
+def test_padding_rows_are_zeroed_by_the_kernel_on_dirty_memory(q_lens, seq_lens, padding_rows, num_kv_splits):
     """The output is not zero-filled first: the last request's programs zero the rows past every
     request (a share each, in 1024-element stores). With every float torch.empty NaN-filled, the
     kernel still equals the reference, padding rows exactly 0."""
     case = make_paged_case(q_lens, seq_lens, num_query_heads=4, num_kv_heads=2, head_dim=16, block_size_tokens=4,
                            padding_rows=padding_rows, seed=len(q_lens) + padding_rows)
-    empty = torch.empty
-
-    def dirty_empty(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    monkeypatch.setattr(torch, "empty", dirty_empty)
-    out = paged_attention(*case.op_args(), num_kv_splits=num_kv_splits)
-    monkeypatch.undo()
+    with nan_filled_empty():
+        out = paged_attention(*case.op_args(), num_kv_splits=num_kv_splits)
     torch.testing.assert_close(out, reference.paged_attention(*case.op_args()), **TOL)
     assert not out[sum(q_lens):].any()
 
