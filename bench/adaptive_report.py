@@ -109,6 +109,8 @@ def print_workloads(rows, header=True):
                 extra += f" | mean s by label {row.get('label_lengths')}"
             if name == "pinned" and row["S"] in fixed:
                 extra = f" | {row['tokens_per_s'] / fixed[row['S']]['tokens_per_s']:.2f}x fixed S = {row['S']}"
+            if row.get("retired"):
+                extra += f" | retired {row['retired']}"
             print(f"{'':>27}| {name:>12}: {_rate(row, best_runs, plain_runs)} | {row['lengths']}{extra}")
         cost = next((rows_cost(row.get("costs")) for row in point if rows_cost(row.get("costs"))), None)
         if cost:

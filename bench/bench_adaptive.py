@@ -18,8 +18,9 @@ Every timed run's outputs are checked equal to plain decoding's.
 
 1. (second) The trained demo model (MTP drafting, 2 MTP layers), 64-byte held-out prompts, batch 1, 8,
    32, 128, greedy and T = 1 (seeded): fixed S = 0, 1, 2 and ``GoodputPolicy`` at S_max = 2
-   (``--pinned-plain``: also the S = 2 engine held at D = 0 by the policy's path; ``--opted-out``:
-   also the S = 2 engine with every request's ``num_speculative_tokens=0``).
+   (``--pinned-plain``: also the S = 2 engine held at D = 0 by the policy's path, without and with
+   retirement from speculation ("pinned 0", "retired 0"); ``--opted-out``: also the S = 2 engine
+   with every request's ``num_speculative_tokens=0``).
    A point generates 192 tokens a request (the checkpoint trained on 256-token windows: prompt
    and output stay inside them) for 2 x batch requests (``--demo-waves``: the second wave takes
    the slots the first frees), so that one run is >= ~100 ms of GPU work at batch 32 and 128 (a
@@ -90,7 +91,8 @@ def parse_args(argv=None):
                         help="only these 1B workloads (0.9 0.6 0.2 mixed queued; default all)")
     parser.add_argument("--no-pinned", action="store_true", help="skip the demo's pinned-goodput engine")
     parser.add_argument("--pinned-plain", action="store_true",
-                        help="the demo also runs the S = 2 engine held at D = 0 by the goodput policy's path")
+                        help="the demo also runs the S = 2 engine held at D = 0 by the goodput policy's path, "
+                             "without and with retirement from speculation")
     parser.add_argument("--opted-out", action="store_true",
                         help="the demo also runs the S = 2 engine with every request's num_speculative_tokens = 0")
     parser.add_argument("--demo-goodput", choices=("both", "run", "skip"), default="both",
@@ -307,6 +309,15 @@ class PinnedPlain(PinnedGoodput):
         self.cost_model = DepthCosts()
 
 
+class RetiredPlain(PinnedPlain):
+    """``PinnedPlain`` whose grid counts as settled, so its retirement rule applies (``GoodputPolicy``,
+    ``retire_after``): held at D = 0 while requests wait, it retires the batch from speculation and
+    admits the next requests retired (no MTP catch-ups from then on)."""
+
+    def settled(self, batch_size):
+        return True
+
+
 class NoDrafts(DraftLengthPolicy):
     """Every request drafts 0 on every step of an engine of S > 0 (held as a trained policy's choice):
     what a D = 0 step costs beside a plain engine's (S = 0), without the goodput policy's own path."""
@@ -430,6 +441,7 @@ def point_row(entry, record, **fields):
                 lengths=record["lengths"], equal_plain=record["equal_plain"], step_ms=record["step_ms"],
                 gpu_ms=record["gpu_ms"], gc=record["gc"], costs=cost_table(entry.policy),
                 explored=getattr(entry.policy, "explored", None),
+                retired=getattr(entry.policy, "retired", None),  # requests retired from speculation, all runs
                 # the policy's decisions since its last row (warm-up generates included), host ms each
                 decisions=entry.policy.take_decisions() if isinstance(entry.policy, TimedGoodput) else None)
 
@@ -550,6 +562,7 @@ def demo_part(args, table, device):
             kinds.append((2, "pinned", PinnedGoodput()))
         if args.pinned_plain:  # the S = 2 engine held at D = 0 by the policy path, against plain's engine
             kinds.append((2, "pinned 0", PinnedPlain()))
+            kinds.append((2, "retired 0", RetiredPlain()))  # the same, retiring its requests from speculation
         if args.opted_out:  # the S = 2 engine with every request's num_speculative_tokens = 0
             kinds.append((2, "opted out", None))
         engines = [(OptedOut if name == "opted out" else PointEngine)(

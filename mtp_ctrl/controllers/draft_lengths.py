@@ -144,6 +144,8 @@ class DraftLengths:
         # realised samples not handed over yet: [(G, V, mixed), wall seconds, steps, tokens, request-steps]
         self._realised_pending: Optional[list] = None
         self.queue_view: Optional[QueueView] = None  # set by the controller (None: nobody waits, lengths unknown)
+        # request id -> None: the proposer's side of a retirement (set by the controller: SlotLifecycle)
+        self.on_retired: Optional[Callable[[int], None]] = None
 
     @property
     def S(self) -> int:
@@ -232,6 +234,11 @@ class DraftLengths:
         if lengths.shape != (num_sampling,) or not np.issubdtype(lengths.dtype, np.integer):
             raise TypeError(f"{type(self.policy).__name__}.choose must return [{num_sampling}] ints, "
                             f"got {lengths.dtype} {lengths.shape}")
+        retiring = self.policy.retiring()
+        if len(retiring):
+            for request_id in retiring:
+                self.retire(int(request_id))
+            caps = self._caps_of(ids)  # a retired request verifies no draft from this step on
         lengths = np.clip(lengths.astype(np.int64), 0, caps)
         # the same choice again (for the same requests, or, from a policy of one depth for the batch, that
         # depth again whoever joined or left: a queue's batch changes every few steps): hold it twice as
@@ -318,12 +325,38 @@ class DraftLengths:
     def add(self, request_id: int, params: SamplingParams) -> None:
         """A request was queued: note its cap (kept until :meth:`drop`)."""
         if params.num_speculative_tokens is not None and params.num_speculative_tokens < self.S:
-            self._caps[request_id] = params.num_speculative_tokens
-            rows, _ = self._cap_index.rows(np.array([request_id]), create=True)
-            if self._cap_index.capacity > self._cap_values.shape[0]:
-                self._cap_values = np.resize(self._cap_values, self._cap_index.capacity)
-            self._cap_values[rows[0]] = params.num_speculative_tokens
-            self.masked = True
+            self._set_cap(request_id, params.num_speculative_tokens)
+
+    def _set_cap(self, request_id: int, cap: int) -> None:
+        self._caps[request_id] = cap
+        rows, _ = self._cap_index.rows(np.array([request_id]), create=True)
+        if self._cap_index.capacity > self._cap_values.shape[0]:
+            self._cap_values = np.resize(self._cap_values, self._cap_index.capacity)
+        self._cap_values[rows[0]] = cap
+        self.masked = True
+
+    def admitted(self, request_id: int) -> bool:
+        """A request took a table slot (admitted, or back after a preemption): whether it may
+        draft. Not if its cap is 0 (``SamplingParams(num_speculative_tokens=0)``, or retired), nor
+        if the policy admits no drafting request now (``DraftLengthPolicy.admits_drafts``: it is
+        then retired)."""
+        if self.S == 0 or self._caps.get(request_id) == 0:
+            return False
+        if not self.policy.admits_drafts():
+            self._set_cap(request_id, 0)  # retired on admission (the proposer is told by the caller)
+            return False
+        return True
+
+    def retire(self, request_id: int) -> None:
+        """The request never drafts again (``DraftLengthPolicy.retiring``): its cap is 0 until it is
+        gone for good, and ``on_retired`` (set by the controller: the proposer's side) is told."""
+        if self._caps.get(request_id) == 0:
+            return
+        self._set_cap(request_id, 0)
+        if self._held is not None:  # a held choice of a length > 0 for it ends here
+            self._held.hold = 0
+        if self.on_retired is not None:
+            self.on_retired(request_id)
 
     def forget(self, request_id: int) -> None:
         """The request is gone for good (finished or aborted; a preempted one is not forgotten: it

@@ -23,7 +23,6 @@ rank (the TP lockstep check includes the lengths).
 """
 
 import dataclasses
-import functools
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -31,6 +30,7 @@ import numpy as np
 # 10-50 ms of host time inside the first decision while serving, unless it is imported with the package
 import numpy.ma  # noqa: F401
 
+from mtp_ctrl.controllers.draft_estimates import at_depths, expected_drain_steps, prefix_products, queue_step_seconds
 from mtp_ctrl.controllers.request_rows import RequestRows
 from mtp_ctrl.controllers.step_costs import RowCostModel, StepCostModel
 from mtp_ctrl.triton_ops._checks import check_int
@@ -106,6 +106,21 @@ class DraftLengthPolicy:
         """With ``joins_take_held_depth``: the drafts (capped) a request that joins while the last
         choice holds makes; None (the default): that choice's most drafts. Asked once per choice."""
         return None
+
+    def admits_drafts(self) -> bool:
+        """Whether a request admitted now may draft (asked at each admission, a preempted request's
+        return included). False: it is retired from speculation on admission (see :meth:`retiring`).
+        Default: True."""
+        return True
+
+    def retiring(self) -> Sequence[int]:
+        """Request ids retired from speculation, asked after each :meth:`choose`: from the next
+        step on each verifies no draft, for good (its cap is 0, also after a preemption), and the
+        proposer stops keeping what only its drafts would read (``Proposer.on_retired``: the MTP
+        proposer never catches up its skipped windows again, so a batch held at D = 0 costs plain
+        decoding's steps, not plain's plus a catch-up every M positions). It cannot be undone for
+        that request. Default: none."""
+        return ()
 
     def observe(self, request_ids: np.ndarray, draft_lengths: np.ndarray, accepted_counts: np.ndarray) -> None:
         """A step's outcome (``[m]`` each, host ints): request ``request_ids[i]`` verified
@@ -198,6 +213,17 @@ class GoodputPolicy(DraftLengthPolicy):
     one ``observe``); a depth it chooses again holds twice as long (whoever joined or left), up to
     ``longest_hold`` steps (steady decoding then asks it once in 64 steps): its host work per step
     is then a small fraction of a host-bound step's.
+
+    Retirement: a batch held at D = 0 still keeps every MTP cache exact for when drafting resumes
+    (a forced catch-up every M positions: 12-13 % of a plain step's GPU time on the demo). So once
+    the policy has chosen D = 0 at a settled grid (:meth:`settled`) while requests wait, on its
+    own scores and not to explore, for ``retire_after`` steps in a row, it retires the live
+    requests from speculation (:meth:`retiring`) and admits new ones retired
+    (:meth:`admits_drafts`): the steps cost plain decoding's. It admits drafting requests again
+    when nobody waits (the queue's workload is over) or ``explore_every`` steps after retiring;
+    estimates that nothing refreshed meanwhile have drifted to the prior, so the new requests are
+    tried. ``retire_after=None``: never retire. Only in a queue: a closed batch that drains may
+    want drafts for its last requests, which a retired request could not make.
     """
 
     SMALLEST_POPULATION = 8  # estimates of requests that left, before the drain objective uses them as priors
@@ -205,8 +231,16 @@ class GoodputPolicy(DraftLengthPolicy):
     def __init__(self, decay: float = 0.95, prior_weight: float = 4.0, optimistic_prior: float = 0.8,
                  min_gain: float = 1.02, decide_every: int = 8, longest_hold: Optional[int] = None,
                  drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
-                 explore_within: float = 0.8, population_evidence: float = 2.0, retime_explored: bool = True):
+                 explore_within: float = 0.8, population_evidence: float = 2.0, retime_explored: bool = True,
+                 retire_after: Optional[int] = 64):
         super().__init__()
+        self.retire_after = None if retire_after is None else check_int("retire_after", retire_after, low=1)
+        self.speculation_retired = False  # requests admitted now are retired (admits_drafts); reports read it
+        self.retired = 0  # requests retired so far (reports)
+        self._zero_steps = 0  # steps in a row served by settled D = 0 choices while requests waited
+        self._last_zero = False  # the last choice was such a choice
+        self._retired_steps = 0  # steps since the policy last retired a batch
+        self._retiring: list = []  # ids retired by the last choice, not yet asked for (retiring)
         self.population_evidence = _check_number("population_evidence", population_evidence, low=0.0)
         if not isinstance(drain_objective, bool):
             raise TypeError(f"drain_objective must be a bool, got {drain_objective!r}")
@@ -317,10 +351,10 @@ class GoodputPolicy(DraftLengthPolicy):
         ranked = self._ranked_population  # [P, S]: changes only when requests leave (_retire_leaving)
         if ranked is None:
             population = self._population[: self._population_size]
-            ranked = population[np.argsort(_prefix_products(population).sum(axis=1), kind="stable")]
+            ranked = population[np.argsort(prefix_products(population).sum(axis=1), kind="stable")]
             self._ranked_population = ranked
         n = estimates.shape[0]
-        order = np.lexsort((request_ids, _prefix_products(estimates).sum(axis=1)))  # [n] slowest first
+        order = np.lexsort((request_ids, prefix_products(estimates).sum(axis=1)))  # [n] slowest first
         priors = np.empty_like(estimates)
         priors[order] = ranked[((np.arange(n) + 0.5) * ranked.shape[0] / n).astype(np.int64)]
         return priors
@@ -354,16 +388,19 @@ class GoodputPolicy(DraftLengthPolicy):
         self._counts *= decay
         # rows are made here, for the live requests a choice is for (observe() makes none: see there)
         rows = self._rows(query.request_ids, create=True)
+        if self.speculation_retired and self._still_retired(query):
+            self.last_depth = 0
+            return np.zeros_like(caps)
         estimates = self._estimates(rows)  # [n, S]
         max_depth = int(caps.max()) if n else 0  # a deeper D drafts no more for anyone
         self._update_tokens_per_step(query.steps)
         drain = bool(self.drain_objective and query.num_waiting == 0 and query.tokens_left is not None and n)
-        reach = _prefix_products(estimates)  # [n, S]: P(a step accepts draft k or more)
+        reach = prefix_products(estimates)  # [n, S]: P(a step accepts draft k or more)
         gain = np.zeros((n, S + 1))  # [n, S + 1]: expected accepted drafts with s drafts
         gain[:, 1:] = reach
-        for k in range(2, S + 1):  # prefix sums by column (S columns, whatever the batch: see _prefix_products)
+        for k in range(2, S + 1):  # prefix sums by column (S columns, whatever the batch: see prefix_products)
             gain[:, k] += gain[:, k - 1]
-        tokens = n + _at_depths(gain, caps, max_depth).sum(axis=0)  # [max_depth + 1]: a request drafts min(D, cap_r)
+        tokens = n + at_depths(gain, caps, max_depth).sum(axis=0)  # [max_depth + 1]: a request drafts min(D, cap_r)
         self.expected_tokens = tokens / max(n, 1)  # a request's tokens a step at each D (reports: vs realised)
         depths = np.arange(max_depth + 1)
         if query.num_waiting > 0 and self.cost_model.prices_rows(query.batch_size):
@@ -382,7 +419,7 @@ class GoodputPolicy(DraftLengthPolicy):
         if drain:
             drain_estimates = self._drain_estimates(rows, estimates, query.request_ids)
             if drain_estimates is not estimates:  # some requests took population priors
-                reach = _prefix_products(drain_estimates)
+                reach = prefix_products(drain_estimates)
             steps = expected_drain_steps(query.tokens_left, reach, caps, max_depth)
             score = 1.0 / (steps * seconds)
         else:
@@ -395,7 +432,43 @@ class GoodputPolicy(DraftLengthPolicy):
         self._steps_since_explore += query.steps
         depth = self._explore(query.batch_size, score, best_depth)
         self.last_depth, self._last_tokens = depth, float(tokens[depth])
+        self._retire_if_held_at_zero(query, depth == best_depth == 0 and max_depth > 0)
         return np.minimum(depth, caps).astype(np.int64)
+
+    def _still_retired(self, query: DraftLengthQuery) -> bool:
+        """Retirement (class docstring), while the policy admits requests retired: whether that
+        goes on (then the query's requests that may draft, admitted before it began, are retired
+        too); else new requests draft again, and are tried."""
+        self._retired_steps += query.steps
+        if query.num_waiting == 0 or self._retired_steps >= self.explore_every:
+            self.speculation_retired, self._last_zero = False, False
+            return False
+        self._retire(query.request_ids[query.caps > 0])
+        return True
+
+    def _retire_if_held_at_zero(self, query: DraftLengthQuery, chose_zero: bool) -> None:
+        """Retirement (class docstring): ``chose_zero``, this choice is D = 0 on the scores for
+        requests that may draft."""
+        held_zero = chose_zero and query.num_waiting > 0 and self.settled(query.batch_size)
+        self._zero_steps = self._zero_steps + query.steps if self._last_zero and held_zero else 0
+        self._last_zero = held_zero
+        if held_zero and self.retire_after is not None and self._zero_steps >= self.retire_after:
+            self._retire(query.request_ids[query.caps > 0])
+            self.speculation_retired, self._retired_steps, self._zero_steps = True, 0, 0
+
+    def _retire(self, request_ids: np.ndarray) -> None:
+        self._retiring.extend(request_ids.tolist())  # host-ok: numpy
+        self.retired += request_ids.shape[0]
+
+    def admits_drafts(self) -> bool:
+        if self.speculation_retired:
+            self.retired += 1
+            return False
+        return True
+
+    def retiring(self) -> Sequence[int]:
+        retiring, self._retiring = self._retiring, []
+        return retiring
 
     def _update_tokens_per_step(self, steps: int) -> None:
         """Fold the last choice's expected tokens a step into ``tokens_per_step`` over the ``steps`` it served."""
@@ -470,119 +543,6 @@ class GoodputPolicy(DraftLengthPolicy):
 
     def forget(self, request_id: int) -> None:
         self._leaving.append(request_id)  # its estimate may join the population at the next lookup
-
-
-def queue_step_seconds(cost_model, query: DraftLengthQuery, rows: np.ndarray, depths: np.ndarray,
-                       drafting: np.ndarray, tokens: np.ndarray) -> Optional[np.ndarray]:
-    """``[c]`` seconds a step of each candidate costs while requests wait, its prompt chunks
-    included (``RowCostModel.queue_seconds``): a candidate whose requests emit ``tokens`` ``[c]`` a
-    step finishes ``tokens / joining_tokens`` requests a step (each freed slot takes a waiting
-    request that stays ``joining_tokens``); one that drafts for nobody (``drafting`` ``[c]`` 0)
-    finishes them in the groups of equal ``tokens_left`` they are in now (as many as wait). The
-    policies pass ``drafting`` 1 for a candidate that drafts for anyone: a request that drafts
-    leaves its finish group, and its next request joins apart, so a group once broken does not
-    form again (in the CPU simulation of a lockstep queue at batch 256, pricing a few drafting
-    requests as only their share of the spread let the per-request policy draft for a few and ran
-    0.84x plain, against 0.99x). Nor is the spread capped at the requests waiting: when fewer wait
-    than a period brings, the batch is about to drain, and drafting then spreads the last wave's
-    finishes, which the drain pays for (capped, the simulation's queue of 4 x 256 ran 0.93x plain,
-    uncapped 0.96x). None where the query or the cost model cannot tell (no ``joining_tokens`` > 0
-    or ``tokens_left``, no prompt chunk measured, no mixed buckets' times): the caller prices by
-    the recent chunks."""
-    queue_seconds = getattr(cost_model, "queue_seconds", None)
-    joining = query.joining_tokens
-    if queue_seconds is None or not joining or joining <= 0 or query.tokens_left is None or \
-            not query.tokens_left.shape[0]:
-        return None
-    left = np.maximum(np.asarray(query.tokens_left, dtype=np.int64), 1)
-    _, sizes = np.unique(left, return_counts=True)  # [g] requests finishing together, earliest first
-    taken = np.minimum(np.cumsum(sizes), query.num_waiting)  # only as many as wait take a freed slot
-    groups = np.diff(taken, prepend=0)
-    return queue_seconds(query.batch_size, rows, depths, drafting, np.asarray(tokens, dtype=np.float64) / joining,
-                         groups[groups > 0], float(joining))
-
-
-def _prefix_products(values: np.ndarray) -> np.ndarray:
-    """``[n, S]``: ``np.cumprod(values, axis=1)`` (the same products in the same order), a column at a
-    time: S is a handful of depths, and cumprod along a short axis loops per row (~3x slower at S = 2)."""
-    products = values.copy()
-    for k in range(1, values.shape[1]):
-        products[:, k] *= products[:, k - 1]
-    return products
-
-
-def _at_depths(per_length: np.ndarray, caps: np.ndarray, max_depth: int) -> np.ndarray:
-    """``per_length`` ``[n, ..., S + 1]`` (values per draft length s) read at ``min(D, cap_r)`` for
-    D = 0..max_depth: ``[n, ..., max_depth + 1]``."""
-    if bool((caps >= max_depth).all()):
-        return per_length[..., : max_depth + 1]
-    at = np.minimum(np.arange(max_depth + 1)[None, :], caps[:, None])  # [n, D + 1]
-    at = at.reshape((at.shape[0],) + (1,) * (per_length.ndim - 2) + at.shape[1:])  # [n, 1..., D + 1]
-    return np.take_along_axis(per_length, at, axis=-1)
-
-
-def expected_drain_steps(tokens_left: np.ndarray, reach: np.ndarray, caps: np.ndarray, max_depth: int,
-                         grid_points: int = 16, lengths: Optional[np.ndarray] = None) -> np.ndarray:
-    """``[max_depth + 1]``: the expected steps until every request is done, if the batch drafts D
-    depths from now on (request r: ``min(D, cap_r)`` drafts).
-
-    ``tokens_left`` ``[n]``: tokens each may still emit; ``reach`` ``[n, S]``: P(a step accepts
-    draft k or more) per request. A step emits ``X = 1 + A`` tokens, ``A`` the accepted drafts
-    (``E[A] = sum_k P(A >= k)``, ``E[A^2] = sum_k (2k - 1) P(A >= k)``); a request with ``R`` tokens
-    left needs about ``R / E[X]`` steps with variance ``R Var[X] / E[X]^3`` (renewal theory),
-    taken as normal; the batch's expected maximum is integrated from the product of their CDFs
-    (``grid_points`` points). At 0.2 acceptance and 48 tokens, the slowest of 64 requests needs
-    ~46 steps at D = 1 though the mean one needs 40: the tail that makes a closed batch slow.
-
-    ``lengths`` ``[C, n]`` (``PerRequestGoodputPolicy``): the columns are C candidates instead of
-    depths, request r drafting ``lengths[c, r]`` in candidate c (``caps``, ``max_depth`` unused): ``[C]``."""
-    n, S = reach.shape
-    # [n, 2, S + 1]: E[A], E[A^2] with s = 0..S drafts; both prefix sums a column at a time (as in
-    # _prefix_products: np.cumsum's adds in its order, ~4x cheaper than two cumsums over rows of S)
-    moments = np.zeros((n, 2, S + 1))
-    moments[:, 0, 1:] = reach
-    np.multiply(reach, 2 * np.arange(1, S + 1) - 1, out=moments[:, 1, 1:])
-    for s in range(2, S + 1):
-        moments[:, :, s] += moments[:, :, s - 1]
-    if lengths is None:  # [n, 2, D + 1]: request r drafts min(D, cap_r)
-        moments = _at_depths(moments, caps, max_depth)
-    else:  # [n, 2, C]: each candidate's own lengths
-        moments = np.take_along_axis(moments, np.asarray(lengths).T[:, None, :], axis=2)
-    mean_a, square_a = moments[:, 0], moments[:, 1]
-    tokens = 1.0 + mean_a
-    variance = np.maximum(square_a - mean_a ** 2, 0.0)
-    left = np.maximum(np.asarray(tokens_left, dtype=np.float64), 1.0)[:, None]  # [n, 1]
-    mean = left / tokens  # [n, D + 1] steps
-    spread = np.maximum(np.sqrt(left * variance / tokens ** 3), 0.02)  # D = 0: exact (a narrow step)
-    low = (mean - 5 * spread).max(axis=0)  # [D + 1]: below it every request is (almost surely) still running
-    high = (mean + 5 * spread).max(axis=0)
-    t = low[:, None] + (high - low)[:, None] * _unit_grid(grid_points).T  # [D + 1, K]
-    # [n, D + 1, K], in place where it can: the grid last, so the broadcasts read contiguous rows (not
-    # transposed operands: ~3x) and the product over requests multiplies whole blocks (~2x the last axis)
-    z = t[None] - mean[:, :, None]
-    z *= (1.0 / spread)[:, :, None]
-    # the normal CDF (tanh form): 0.5 (1 + tanh(0.79788 (z + 0.044715 z^3))); z is not clipped to
-    # +-8: the tanh there (of +-24.7) is +-1.0 in float64 already, and z^3 stays far from overflow
-    cdf = z * z
-    cdf *= 0.044715
-    cdf += 1.0
-    cdf *= z
-    cdf *= 0.7978845608
-    np.tanh(cdf, out=cdf)
-    cdf += 1.0
-    cdf *= 0.5
-    running = 1.0 - cdf.prod(axis=0)  # [D + 1, K]: P(some request still running at t)
-    # the trapezoid rule on the uniform grid (np.trapz is gone from numpy 2.4)
-    return low + (running[:, 1:] + running[:, :-1]).sum(axis=1) * 0.5 * (high - low) / (grid_points - 1)
-
-
-@functools.lru_cache(maxsize=8)
-def _unit_grid(points: int) -> np.ndarray:
-    """``[points, 1]`` float64, evenly spaced over [0, 1] (read-only, made once: np.linspace costs
-    more than the rest of a small drain estimate)."""
-    grid = np.linspace(0.0, 1.0, points)[:, None]
-    grid.setflags(write=False)
-    return grid
 
 
 def _check_number(name: str, value, *, low: Optional[float] = None, high: Optional[float] = None) -> float:

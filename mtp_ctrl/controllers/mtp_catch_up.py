@@ -23,10 +23,11 @@ The host bounds how far each ``w_k`` fell behind: a step of verify width V that 
 step that drafts D < S: depths ``D..S-1`` skipped; M extra rows when depth ``D - 1`` has fallen
 behind), ``(S, 0)`` / ``(S, M)`` (every depth: a step that drafts S, a step with prefill chunks, or a
 *forced catch-up* when the deepest skipped depth would fall more than M behind). A slot whose
-request never drafts (``set_may_draft``: its cap is 0) is left out: its lags plan nothing, and its
-windows, where a step runs them for others, cover what their rows reach (its cache keeps gaps that
-no draft of its reads; prefix caching shares only blocks of prefill tokens, written whole). The fixed-S policy
-only ever plans ``(S, 0)``. The plan joins the CUDA graph key, so a replay needs no host value: a
+request never drafts (``set_may_draft``: its cap is 0, or the policy retired it) is left out: its
+lags plan nothing (a decode-only launch that drafts nothing and holds only such slots runs no
+window, whatever its verify width), and its windows, where a step runs them for others, cover
+what their rows reach (its cache keeps gaps that no draft of its reads; prefix caching shares only
+blocks of prefill tokens, written whole). The fixed-S policy only ever plans ``(S, 0)``. The plan joins the CUDA graph key, so a replay needs no host value: a
 few variants per shape, captured at warm-up (:meth:`WindowCatchUp.warmup_plans`). A request that
 joins, or returns after a preemption, starts with a step that has prefill chunks (all its windows
 run, from its first position): nothing stale is read. A paused request keeps its slot and its
@@ -129,14 +130,20 @@ class WindowCatchUp:
         key, uniform = slots.tobytes(), self._uniform
         if uniform is not None and uniform[0] == key:  # the same slots as the last launch, at one lag each
             drafting = num_decode and (self._all_may_draft or bool(self._may_draft[slots[:num_decode]].any()))
-            plan, lags = self._uniform_plan(step, uniform[2] if drafting else (0,) * S)
-            self._uniform = (key, uniform[1], lags if drafting else (0,) * S)
+            if not drafting and step.decode_only and step.num_drafts == 0:  # nobody here drafts, or ever will
+                plan = (SKIP,) * step.num_steps
+            else:
+                plan, lags = self._uniform_plan(step, uniform[2] if drafting else (0,) * S)
+                self._uniform = (key, uniform[1], lags if drafting else (0,) * S)
             self._plan, self._calls = plan, 0  # use(plan)
             return plan
         self._write_back()
         decode_slots = slots[:num_decode]  # [n_d] int64
         if not self._all_may_draft:  # requests that never draft: their lags plan nothing
             decode_slots = decode_slots[self._may_draft[decode_slots]]
+            if step.decode_only and step.num_drafts == 0 and not decode_slots.shape[0]:  # nobody here may draft
+                self.use((SKIP,) * step.num_steps)
+                return self._plan
         decode_lags = self._lags[decode_slots]  # [n_d', S]
         lags = decode_lags.max(axis=0).tolist() if decode_slots.shape[0] else [0] * S  # host-ok: numpy
         plan, moved = self._plan_and_lags(step, lags)
@@ -165,7 +172,10 @@ class WindowCatchUp:
         S, drafts = self.num_depths, (self.num_depths if step.num_drafts < 0 else step.num_drafts)
         candidates = [[min(shallow, deep)] * drafts + [deep] * (S - drafts)
                       for deep in range(self.capacity + 1) for shallow in (0, 1)]
-        return tuple(dict.fromkeys(self.plan(step, lags) for lags in candidates))
+        plans = [self.plan(step, lags) for lags in candidates]
+        if step.decode_only and drafts == 0:  # only slots that never draft (plan_launch): no window
+            plans.append((SKIP,) * step.num_steps)
+        return tuple(dict.fromkeys(plans))
 
     def use(self, plan: Tuple[Entry, ...]) -> None:
         self._plan, self._calls = plan, 0

@@ -138,6 +138,9 @@ class MTPProposer(Proposer):
         if self._catch_up is not None:
             self._catch_up.set_may_draft(slot, may_draft)
 
+    def on_retired(self, slot: int) -> None:
+        self.on_admitted(slot, may_draft=False)  # its lags plan nothing from now on
+
     def plan_launch(self, step: StepMetadata) -> Optional[Tuple[Entry, ...]]:
         """With ``skip_idle_windows``: per step of the launch, the depths it runs and the extra rows
         of its decode windows (a catch-up); None otherwise."""

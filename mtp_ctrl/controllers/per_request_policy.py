@@ -49,7 +49,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps, queue_step_seconds
+from mtp_ctrl.controllers.draft_estimates import expected_drain_steps, queue_step_seconds
+from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy
 from mtp_ctrl.controllers.step_costs import RowCostModel  # noqa: F401 (the policies' cost model; imported from here before)
 from mtp_ctrl.triton_ops._checks import check_int
 

@@ -120,6 +120,11 @@ class Proposer(abc.ABC):
         kept exact for its drafts (the MTP proposer then never catches up its skipped windows).
         Default: nothing."""
 
+    def on_retired(self, slot: int) -> None:
+        """The live request in table slot ``slot`` never drafts again (the draft-length policy
+        retired it: ``DraftLengthPolicy.retiring``): as ``on_admitted(slot, may_draft=False)``, from
+        the next step it builds on. Default: nothing."""
+
     def plan_launch(self, step: StepMetadata) -> Hashable:
         """Host-side, once per launch, before its graph key is made: a proposer whose per-step work
         depends on host state (a shape that changes what a graph captures) chooses it here, moves

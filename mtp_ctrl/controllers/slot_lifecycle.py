@@ -1,4 +1,5 @@
-"""Requests into and out of table slots: admission, preemption, finishing and retirement.
+"""Requests into and out of table slots: admission, preemption, finishing and retirement; and a
+live request's retirement from speculation (the draft-length policy gave up on its drafts).
 
 A request takes a table slot when it is admitted (``state/scheduler.py`` decides who and when)
 and keeps it until it leaves: finished, aborted, or preempted for KV space (then it waits again
@@ -27,6 +28,7 @@ class SlotLifecycle:
                  proposer: Proposer, draft_lengths: DraftLengths):
         self.context, self.scheduler = context, context.scheduler
         self.requests, self.outputs, self.proposer, self.draft_lengths = requests, outputs, proposer, draft_lengths
+        draft_lengths.on_retired = self.retire_from_speculation
 
     def can_admit(self) -> bool:
         request_id = self.scheduler.next_waiting()
@@ -49,7 +51,12 @@ class SlotLifecycle:
             self.scheduler.take_next_waiting()  # only once the context holds it
             request.attach(self.outputs, self.context.table)  # the slot's rows own output and counters now
             self.proposer.on_admitted(self.context.table.slot_of(request.request_id),
-                                      may_draft=request.params.num_speculative_tokens != 0)
+                                      may_draft=self.draft_lengths.admitted(request.request_id))
+
+    def retire_from_speculation(self, request_id: int) -> None:
+        """The live request never drafts again (the policy retired it): the proposer may stop
+        keeping what only its drafts would read (``Proposer.on_retired``)."""
+        self.proposer.on_retired(self.context.table.slot_of(request_id))
 
     def preempt_newest(self) -> None:
         """Evict the newest live request to free its KV blocks; it waits first in the queue."""

@@ -11,7 +11,8 @@ import pytest
 from mtp_ctrl.controllers import SamplingParams
 from mtp_ctrl.controllers import controller as controller_module
 from mtp_ctrl.controllers.draft_lengths import REALISED_EVERY, TIMING_EVERY, DraftLengths
-from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy, expected_drain_steps
+from mtp_ctrl.controllers.draft_estimates import expected_drain_steps
+from mtp_ctrl.controllers.draft_policy import DraftLengthQuery, GoodputPolicy
 from mtp_ctrl.controllers.step_costs import StepCostModel
 from mtp_ctrl.state import EngineShape
 from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, OracleProposer, build_models

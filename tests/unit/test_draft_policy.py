@@ -95,7 +95,8 @@ def test_analytic_cost_grows_with_depth_and_batch():
 
 @pytest.mark.parametrize("field,value", [("decay", 0.0), ("prior_weight", -1.0), ("optimistic_prior", 1.5),
                                          ("decide_every", 0), ("longest_hold", 0), ("longest_hold", 4),
-                                         ("explore_within", 1.5), ("population_evidence", -1.0), ("min_gain", -0.5)])
+                                         ("explore_within", 1.5), ("population_evidence", -1.0), ("min_gain", -0.5),
+                                         ("retire_after", 0)])
 def test_bad_goodput_arguments(field, value):
     with pytest.raises(ValueError, match=field):
         GoodputPolicy(**{field: value})
@@ -107,6 +108,7 @@ def test_bad_goodput_arguments(field, value):
     (lambda: GoodputPolicy(explore_within=None), "explore_within"),
     (lambda: GoodputPolicy(population_evidence="2"), "population_evidence"),
     (lambda: GoodputPolicy(decay=True), "decay"),
+    (lambda: GoodputPolicy(retire_after=2.0), "retire_after"),
     (lambda: StepCostModel(smoothing="x"), "smoothing"),
     (lambda: StepCostModel(per_row=None), "per_row"),
 ])
@@ -179,6 +181,46 @@ def test_goodput_follows_the_measured_wall_time():
         for _ in range(3):  # steady steps (a lone sample over 3x the cheapest would be dropped)
             policy.cost_model.record(8, depth, wall_seconds=seconds, gpu_seconds=1e-4)
     assert policy.choose(query([1, 2])).tolist() == [0, 0]
+
+
+def test_a_batch_held_at_zero_in_a_queue_is_retired_until_nobody_waits():
+    """GoodputPolicy, through the controller's side (DraftLengths): D = 0 chosen on its scores at a
+    settled grid for ``retire_after`` steps while requests wait retires the live requests that may
+    draft (told once each to ``on_retired``); requests admitted then are retired too (caps 0 for
+    good, also for a policy that would give them drafts); a request admitted before, sampling only
+    now, is retired at its first choice; once nobody waits, new requests may draft again."""
+    policy = GoodputPolicy(decide_every=4, longest_hold=8, retire_after=16, retime_explored=False)
+    lengths = DraftLengths(policy, SHAPE)
+    for depth in range(S + 1):  # every depth measured at the grid: drafting costs 10x a plain step
+        for _ in range(3):
+            policy.cost_model.record(8, depth, wall_seconds=1e-3 if depth == 0 else 1e-2, gpu_seconds=None)
+    assert policy.settled(8)
+    waiting, retired = [3], []
+    lengths.queue_view = lambda ids: (waiting[0], None)
+    lengths.on_retired = retired.append
+    assert lengths.admitted(1) and lengths.admitted(2) and lengths.admitted(3)
+    ids = np.array([1, 2])  # request 3 is prefilling: it samples later
+    for _ in range(40):
+        assert lengths.choose(ids, 2, 8).tolist() == [0, 0]
+    assert retired == [1, 2] and policy.speculation_retired and policy.retired == 2
+    assert not lengths.admitted(4)  # admitted retired: not told (the caller tells its proposer)
+    for _ in range(9):  # past the hold: request 3 samples, and is retired at once
+        assert lengths.choose(np.array([1, 2, 3, 4]), 4, 8).tolist() == [0] * 4
+    assert retired == [1, 2, 3] and policy.retired == 4
+    waiting[0] = 0
+    for _ in range(9):
+        lengths.choose(np.array([1, 2, 3, 4]), 4, 8)
+    assert not policy.speculation_retired and lengths.admitted(5)  # nobody waits: new requests draft again
+    assert lengths.admitted(1) is False  # a retired request stays retired (e.g. back after a preemption)
+    never = GoodputPolicy(decide_every=4, longest_hold=8, retire_after=None, retime_explored=False)
+    never_lengths = DraftLengths(never, SHAPE)
+    for depth in range(S + 1):
+        for _ in range(3):
+            never.cost_model.record(8, depth, wall_seconds=1e-3 if depth == 0 else 1e-2, gpu_seconds=None)
+    never_lengths.queue_view = lambda ids: (3, None)
+    for _ in range(100):
+        never_lengths.choose(ids, 2, 8)
+    assert never.retired == 0 and never_lengths.admitted(9)
 
 
 def test_goodput_counts_every_observation_of_a_batch():

@@ -22,15 +22,18 @@ from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, BurstyLengths, 
 class RecordingMTP(MTPProposer):
     """Records every draft row of a sampling request: (request id, e, drafts of the step's D depths);
     counts the decode-only steps that ran the windows while nobody drafted; records each launch's
-    (D, plan)."""
+    (D, plan), and ``clock()`` beside it."""
 
-    def __init__(self, **options):
+    def __init__(self, clock=None, **options):
         super().__init__("paged", **options)
         self.drafts, self.idle_windows, self.plans = [], 0, []
+        self.clock, self.clocks = clock, []  # clock(): a value recorded with each launch's plan
 
     def plan_launch(self, step):
         plan = super().plan_launch(step)
         self.plans.append((step.num_drafts, step.decode_only, plan))
+        if self.clock is not None:
+            self.clocks.append(self.clock())
         return plan
 
     def propose(self, batch):
@@ -139,6 +142,77 @@ def test_requests_that_never_draft_are_never_caught_up(mtp_model, plain, torch_t
         assert len(run) > 4 and any(decode_depths)
 
 
+class RetiringDepths(RandomDepths):
+    """``RandomDepths`` that retires requests from speculation at its ``retire_at``-th choice (all of
+    them, or every other one; with ``all_retired`` every request admitted later too). Its lengths
+    stay random for retired requests as well: the controller holds those at 0. Records, per retired
+    request, the outcomes observed after the retiring choice that verified a draft."""
+
+    def __init__(self, seed, retire_at, all_retired):
+        super().__init__(seed)
+        self.retire_at, self.all_retired, self.choices = retire_at, all_retired, 0
+        self._retiring, self.retired, self.drafted_after = [], set(), {}
+
+    def choose(self, query):
+        self.choices += 1
+        if self.choices == self.retire_at or (self.all_retired and self.choices > self.retire_at):
+            # all: also those admitted before the retiring choice that sampled only after it
+            ids = query.request_ids[query.caps > 0] if self.all_retired else query.request_ids[::2]
+            self._retiring = ids.tolist()
+            self.retired.update(self._retiring)
+        return super().choose(query)
+
+    def retiring(self):
+        retiring, self._retiring = self._retiring, []
+        return retiring
+
+    def admits_drafts(self):
+        return not (self.all_retired and self.choices >= self.retire_at)
+
+    def observe(self, request_ids, draft_lengths, accepted_counts):
+        for request_id, length in zip(request_ids.tolist(), draft_lengths.tolist()):
+            if request_id in self.retired and length > 0:
+                self.drafted_after[request_id] = self.drafted_after.get(request_id, 0) + 1
+
+
+@pytest.mark.parametrize("all_retired,prefix_caching", [(True, False), (False, True)])
+def test_retired_requests_never_draft_and_are_never_caught_up(mtp_model, plain, torch_twins, all_retired,
+                                                               prefix_caching):
+    """A policy retires requests from speculation mid-run (``DraftLengthPolicy.retiring``): each
+    verifies no draft once the drafts in flight are verified (at most two outcomes), also after a
+    preemption; the others draft what they draft with every window run; with every request retired
+    (and the later ones admitted retired) no decode-only launch from the retiring one on runs an MTP
+    depth (M = 2 forces a catch-up every other step otherwise). The output is plain decoding's, under
+    preemption, padded steps and sampling."""
+    recorded, policies = {}, {}
+    for skip in (False, True):
+        policy = RetiringDepths(seed=5, retire_at=4, all_retired=all_retired)
+        proposer = RecordingMTP(skip_idle_windows=skip, catch_up_positions=2, clock=lambda: policy.choices)
+        controller = controller_for(mtp_model, MTP_DEPTH, proposer, policy, prefix_caching=prefix_caching, **SQUEEZE)
+        launched = {}  # graph key -> a padded step launched with it
+        controller.on_launch = lambda step, key: launched.setdefault(key, step) if key is not None else None
+        assert drive(controller) == plain[1]
+        for key, step in launched.items():  # warm-up captures every plan launched (a graph per plan)
+            padding = controller.context.build_padding_step(step.dimensions, step.num_steps, step.num_drafts,
+                                                            step.verify_width)
+            assert key[6] in proposer.warmup_plans(padding), (key, step.num_prefill)
+        recorded[skip], policies[skip] = proposer, policy
+        assert policy.retired and all(count <= 2 for count in policy.drafted_after.values()), policy.drafted_after
+    run, skipped = recorded[False], recorded[True]
+    retired = policies[True].retired
+    assert [row for row in run.drafts if row[0] not in retired] == \
+        [row for row in skipped.drafts if row[0] not in retired]
+    after = [plan for (_, decode_only, plan), choices in zip(skipped.plans, skipped.clocks)
+             if decode_only and choices >= policies[True].retire_at]
+    assert after
+    if all_retired:
+        late = [plan for (_, decode_only, plan), choices in zip(skipped.plans, skipped.clocks)
+                if decode_only and choices >= policies[True].retire_at]
+        assert late and not any(depths for plan in late for depths, _ in plan)  # no depth runs, no catch-up
+    else:
+        assert any(depths for plan in after for depths, _ in plan)  # the others still draft
+
+
 def test_catch_up_positions_is_checked(mtp_model):
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="catch_up_positions"):
@@ -209,7 +283,8 @@ def test_one_step_launches_plan_and_lag_as_a_decode_run_of_them():
 class EagerLags:
     """The lag bookkeeping written out per slot and step (the rule ``WindowCatchUp`` keeps, with
     no shortcut): a launch plans from its decode slots' largest lags, then each of its steps resets
-    the depths it ran for every slot of the launch and moves the others on by ``1 + V``."""
+    the depths it ran for every slot of the launch and moves the others on by ``1 + V``; a
+    decode-only launch that drafts nothing, none of whose slots may ever draft, runs no window."""
 
     def __init__(self, num_slots, S, M):
         self.lags, self.S, self.planner = np.zeros((num_slots, S), np.int64), S, WindowCatchUp(1, S, M)
@@ -222,6 +297,8 @@ class EagerLags:
     def plan_launch(self, step):
         decode = step.host_slot_ids[: step.num_decode]
         decode = decode[self.may_draft[decode]]
+        if step.decode_only and step.num_drafts == 0 and not decode.shape[0]:  # nobody drafts, or ever will
+            return (SKIP,) * step.num_steps
         plan = self.planner.plan(step, self.lags[decode].max(axis=0) if decode.shape[0] else [0] * self.S)
         for run, _ in plan:
             for slot in step.host_slot_ids:
