@@ -311,8 +311,15 @@ class PinnedPlain(PinnedGoodput):
 
 class RetiredPlain(PinnedPlain):
     """``PinnedPlain`` whose grid counts as settled, so its retirement rule applies (``GoodputPolicy``,
-    ``retire_after``): held at D = 0 while requests wait, it retires the batch from speculation and
-    admits the next requests retired (no MTP catch-ups from then on)."""
+    here ``retire_after=4``, holds of 1 to 4 launches: it retires within the first few launches of a
+    run, where holds of up to 64 launches, carried over from the run before, could leave a whole
+    wave unretired): held at D = 0 while requests wait, it retires the batch from speculation and
+    admits the next requests retired (no MTP catch-ups from then on, and no MTP window over their
+    prompts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.retire_after, self.decide_every, self.longest_hold = 4, 1, 4
 
     def settled(self, batch_size):
         return True

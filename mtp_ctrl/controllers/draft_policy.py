@@ -232,7 +232,7 @@ class GoodputPolicy(DraftLengthPolicy):
                  min_gain: float = 1.02, decide_every: int = 8, longest_hold: Optional[int] = None,
                  drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
                  explore_within: float = 0.8, population_evidence: float = 2.0, retime_explored: bool = True,
-                 retire_after: Optional[int] = 64):
+                 retire_after: Optional[int] = 32):
         super().__init__()
         self.retire_after = None if retire_after is None else check_int("retire_after", retire_after, low=1)
         self.speculation_retired = False  # requests admitted now are retired (admits_drafts); reports read it

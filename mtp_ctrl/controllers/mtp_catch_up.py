@@ -24,8 +24,10 @@ step that drafts D < S: depths ``D..S-1`` skipped; M extra rows when depth ``D -
 behind), ``(S, 0)`` / ``(S, M)`` (every depth: a step that drafts S, a step with prefill chunks, or a
 *forced catch-up* when the deepest skipped depth would fall more than M behind). A slot whose
 request never drafts (``set_may_draft``: its cap is 0, or the policy retired it) is left out: its
-lags plan nothing (a decode-only launch that drafts nothing and holds only such slots runs no
-window, whatever its verify width), and its windows, where a step runs them for others, cover
+lags plan nothing (a launch that drafts nothing and holds only such slots runs no window,
+whatever its verify width; one with prefill chunks only if each was admitted so, its prompt blocks
+then not shared through the prefix cache: a request retired mid-way may have shared blocks whose
+windows must run), and its windows, where a step runs them for others, cover
 what their rows reach (its cache keeps gaps that no draft of its reads; prefix caching shares only
 blocks of prefill tokens, written whole). The fixed-S policy only ever plans ``(S, 0)``. The plan joins the CUDA graph key, so a replay needs no host value: a
 few variants per shape, captured at warm-up (:meth:`WindowCatchUp.warmup_plans`). A request that
@@ -60,6 +62,9 @@ class WindowCatchUp:
         # left out of every plan: its windows are never caught up, its lags never force a step
         self._may_draft = np.ones(num_slots, bool)
         self._all_may_draft = True  # no slot is left out (the plan needs no mask)
+        # [R + 1] bool: the slot's request was admitted never to draft (not retired later), so its
+        # prompt blocks are not shared (Proposer.prompt_state_complete): its prompt windows may be skipped
+        self._unshared_prompt = np.zeros(num_slots, bool)
         # (slots' bytes, [n] int64 slots, [S] lags): every slot of the last launch has exactly these
         # lags and ``_lags`` is stale for them (written back when another set of slots launches).
         # Steady decoding launches the same slots step after step, all at the same lags (a step with
@@ -71,8 +76,11 @@ class WindowCatchUp:
         self._plan: Tuple[Entry, ...] = ()
         self._calls = 0  # propose / on_no_drafts calls since the plan was set (a capture runs a launch twice)
 
-    def set_may_draft(self, slot: int, may_draft: bool) -> None:
-        """Slot ``slot`` now holds a request that may draft, or one that never does."""
+    def set_may_draft(self, slot: int, may_draft: bool, admitted: bool = True) -> None:
+        """Slot ``slot`` now holds a request that may draft, or one that never does (``admitted``:
+        it was admitted so, its prompt blocks unshared; False: a live request retired)."""
+        if admitted:
+            self._unshared_prompt[slot] = not may_draft
         if bool(self._may_draft[slot]) != may_draft:
             self._write_back()
             self._may_draft[slot] = may_draft
@@ -127,23 +135,21 @@ class WindowCatchUp:
     def plan_launch(self, step: StepMetadata) -> Tuple[Entry, ...]:
         """The launch's plan from the step's decode requests' lags, which it then moves on."""
         S, slots, num_decode = self.num_depths, step.host_slot_ids, step.num_decode  # slots: [n] int64
+        if not self._all_may_draft and step.num_drafts == 0 and not self._may_draft[slots].any() and \
+                (step.decode_only or self._unshared_prompt[slots].all()):  # nobody here drafts, or ever will
+            self.use((SKIP,) * step.num_steps)
+            return self._plan
         key, uniform = slots.tobytes(), self._uniform
         if uniform is not None and uniform[0] == key:  # the same slots as the last launch, at one lag each
             drafting = num_decode and (self._all_may_draft or bool(self._may_draft[slots[:num_decode]].any()))
-            if not drafting and step.decode_only and step.num_drafts == 0:  # nobody here drafts, or ever will
-                plan = (SKIP,) * step.num_steps
-            else:
-                plan, lags = self._uniform_plan(step, uniform[2] if drafting else (0,) * S)
-                self._uniform = (key, uniform[1], lags if drafting else (0,) * S)
+            plan, lags = self._uniform_plan(step, uniform[2] if drafting else (0,) * S)
+            self._uniform = (key, uniform[1], lags if drafting else (0,) * S)
             self._plan, self._calls = plan, 0  # use(plan)
             return plan
         self._write_back()
         decode_slots = slots[:num_decode]  # [n_d] int64
         if not self._all_may_draft:  # requests that never draft: their lags plan nothing
             decode_slots = decode_slots[self._may_draft[decode_slots]]
-            if step.decode_only and step.num_drafts == 0 and not decode_slots.shape[0]:  # nobody here may draft
-                self.use((SKIP,) * step.num_steps)
-                return self._plan
         decode_lags = self._lags[decode_slots]  # [n_d', S]
         lags = decode_lags.max(axis=0).tolist() if decode_slots.shape[0] else [0] * S  # host-ok: numpy
         plan, moved = self._plan_and_lags(step, lags)
@@ -173,7 +179,7 @@ class WindowCatchUp:
         candidates = [[min(shallow, deep)] * drafts + [deep] * (S - drafts)
                       for deep in range(self.capacity + 1) for shallow in (0, 1)]
         plans = [self.plan(step, lags) for lags in candidates]
-        if step.decode_only and drafts == 0:  # only slots that never draft (plan_launch): no window
+        if drafts == 0:  # slots that never draft (plan_launch): no window
             plans.append((SKIP,) * step.num_steps)
         return tuple(dict.fromkeys(plans))
 

@@ -139,7 +139,11 @@ class MTPProposer(Proposer):
             self._catch_up.set_may_draft(slot, may_draft)
 
     def on_retired(self, slot: int) -> None:
-        self.on_admitted(slot, may_draft=False)  # its lags plan nothing from now on
+        if self._catch_up is not None:  # its lags plan nothing from now on (its prompt was shared: not skipped)
+            self._catch_up.set_may_draft(slot, False, admitted=False)
+
+    def prompt_state_complete(self, may_draft: bool) -> bool:
+        return may_draft or self._catch_up is None  # a step of such requests only runs no prompt window
 
     def plan_launch(self, step: StepMetadata) -> Optional[Tuple[Entry, ...]]:
         """With ``skip_idle_windows``: per step of the launch, the depths it runs and the extra rows

@@ -120,6 +120,12 @@ class Proposer(abc.ABC):
         kept exact for its drafts (the MTP proposer then never catches up its skipped windows).
         Default: nothing."""
 
+    def prompt_state_complete(self, may_draft: bool) -> bool:
+        """Whether this proposer's state over the prompt of a request admitted with ``may_draft``
+        is computed in full. False: its prompt blocks are not shared through the prefix cache (the
+        MTP proposer skips the prompt windows of a step whose requests never draft). Default: True."""
+        return True
+
     def on_retired(self, slot: int) -> None:
         """The live request in table slot ``slot`` never drafts again (the draft-length policy
         retired it: ``DraftLengthPolicy.retiring``): as ``on_admitted(slot, may_draft=False)``, from

@@ -45,13 +45,14 @@ class SlotLifecycle:
         (``Scheduler.can_admit``)."""
         while self.can_admit():
             request = self.requests[self.scheduler.next_waiting()]
+            may_draft = self.draft_lengths.admitted(request.request_id)
             # the prompt was checked by check_prompt: as an int64 array the context checks only its dtype
             self.context.add_request(request.request_id, request.prefill_tokens(),
-                                     RequestSampling.row_values(request.params, request.seed), request.use_prefix_cache)
+                                     RequestSampling.row_values(request.params, request.seed), request.use_prefix_cache,
+                                     share_prefix=self.proposer.prompt_state_complete(may_draft))
             self.scheduler.take_next_waiting()  # only once the context holds it
             request.attach(self.outputs, self.context.table)  # the slot's rows own output and counters now
-            self.proposer.on_admitted(self.context.table.slot_of(request.request_id),
-                                      may_draft=self.draft_lengths.admitted(request.request_id))
+            self.proposer.on_admitted(self.context.table.slot_of(request.request_id), may_draft)
 
     def retire_from_speculation(self, request_id: int) -> None:
         """The live request never drafts again (the policy retired it): the proposer may stop

@@ -111,11 +111,12 @@ class PrefixCache:
         return keys
 
     def attach(self, request_id: int, tokens: np.ndarray, use_cache: bool = True,
-               states: Optional[MambaStateSlots] = None, mamba_slot: int = -1) -> List[int]:
+               states: Optional[MambaStateSlots] = None, mamba_slot: int = -1, share: bool = True) -> List[int]:
         """A joining request: the cached blocks its prefill tokens start with, one reference
         taken on each (the caller puts them in its block table). ``use_cache=False``: the
-        request neither attaches nor registers blocks. With snapshots, ``states`` / ``mamba_slot``
-        are the request's state slot: the hit's last snapshot is copied into it."""
+        request neither attaches nor registers blocks; ``share=False``: it attaches but registers
+        none (nor snapshots them). With snapshots, ``states`` / ``mamba_slot`` are the request's
+        state slot: the hit's last snapshot is copied into it."""
         keys = self.block_keys(tokens) if self.enabled and use_cache else []
         hit = self.allocator.lookup(keys)
         if self.snapshots is not None and keys:
@@ -126,7 +127,9 @@ class PrefixCache:
                 self.snapshots.restore(keys[len(hit) - 1], states, mamba_slot)
             self._boundaries[request_id] = sorted({found, len(keys)} - set(range(len(hit) + 1)))
         self.allocator.retain(hit)
-        self._keys[request_id] = keys
+        if not share:  # nothing of its own is registered: no keys (register_written), no boundaries
+            self._boundaries.pop(request_id, None)
+        self._keys[request_id] = keys if share else []
         self._registered[request_id] = len(hit)
         if keys:
             self.queried_tokens += int(tokens.shape[0])

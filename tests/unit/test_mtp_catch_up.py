@@ -120,7 +120,8 @@ def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_tw
 def test_requests_that_never_draft_are_never_caught_up(mtp_model, plain, torch_twins, opted_out):
     """Requests with ``num_speculative_tokens=0`` never draft, so their skipped windows are never
     caught up: with every request opted out, no decode-only launch runs an MTP depth (M = 2 forces a
-    catch-up every other step otherwise); with some opted out, the others draft what they draft with
+    catch-up every other step otherwise), nor any launch with prompt chunks; with some opted out, the
+    others draft what they draft with
     every window run (their catch-ups stay exact). The output is plain decoding's either way, under
     preemption and padded steps."""
     arrivals = tuple((step, prompt, dataclasses.replace(params, num_speculative_tokens=0) if index in opted_out
@@ -138,6 +139,8 @@ def test_requests_that_never_draft_are_never_caught_up(mtp_model, plain, torch_t
     decode_depths = [d for _, decode_only, plan in recorded[True].plans if decode_only for d, _ in plan]
     if len(opted_out) == len(ARRIVALS):
         assert decode_depths and not any(decode_depths)  # no forced catch-up
+        # nor any window of a prompt (no prefix caching: nothing would read them)
+        assert not any(d for _, _, plan in recorded[True].plans for d, _ in plan)
     else:
         assert len(run) > 4 and any(decode_depths)
 
@@ -283,8 +286,8 @@ def test_one_step_launches_plan_and_lag_as_a_decode_run_of_them():
 class EagerLags:
     """The lag bookkeeping written out per slot and step (the rule ``WindowCatchUp`` keeps, with
     no shortcut): a launch plans from its decode slots' largest lags, then each of its steps resets
-    the depths it ran for every slot of the launch and moves the others on by ``1 + V``; a
-    decode-only launch that drafts nothing, none of whose slots may ever draft, runs no window."""
+    the depths it ran for every slot of the launch and moves the others on by ``1 + V``; a launch
+    that drafts nothing, none of whose slots may ever draft, runs no window."""
 
     def __init__(self, num_slots, S, M):
         self.lags, self.S, self.planner = np.zeros((num_slots, S), np.int64), S, WindowCatchUp(1, S, M)
@@ -297,8 +300,8 @@ class EagerLags:
     def plan_launch(self, step):
         decode = step.host_slot_ids[: step.num_decode]
         decode = decode[self.may_draft[decode]]
-        if step.decode_only and step.num_drafts == 0 and not decode.shape[0]:  # nobody drafts, or ever will
-            return (SKIP,) * step.num_steps
+        if step.num_drafts == 0 and not self.may_draft[step.host_slot_ids].any():  # nobody drafts, or ever will
+            return (SKIP,) * step.num_steps  # (each admitted so here: prompt windows skipped too)
         plan = self.planner.plan(step, self.lags[decode].max(axis=0) if decode.shape[0] else [0] * self.S)
         for run, _ in plan:
             for slot in step.host_slot_ids:

@@ -320,9 +320,9 @@ def test_arrivals_while_decoding_join_without_applying_the_step_in_flight(models
     steps_in_flight_at_admission, early_applications = [], []
     add_request = controller.context.add_request
 
-    def add_and_record(request_id, tokens, row_values, *args):
+    def add_and_record(request_id, tokens, row_values, *args, **kwargs):
         steps_in_flight_at_admission.append(controller.context.steps_in_flight)
-        add_request(request_id, tokens, row_values, *args)
+        add_request(request_id, tokens, row_values, *args, **kwargs)
 
     def record_apply(step, readbacks, overlapped):  # the documented debug hook
         if not overlapped and controller.has_unfinished_requests():
