@@ -12,12 +12,14 @@ the loop pays), then with the GPU drained before each call (the call's host seco
 kernels of the step it launched from torch.profiler: their count and summed time). Medians per
 engine, ``k`` and kind of call (decode, join, the first and second call after the join).
 ``--engines S:POLICY``: ``fixed`` (every request drafts S), ``none`` (every request drafts 0 on
-an engine of S: a draft-length policy's D = 0 steps) or ``pinned0`` (the same through the goodput
-policy's whole path, ``bench_adaptive.PinnedPlain``).
+an engine of S: a draft-length policy's D = 0 steps), ``pinned0`` (the same through the goodput
+policy's whole path, ``bench_adaptive.PinnedPlain``) or ``optout`` (every request's
+``num_speculative_tokens=0``: never drafts, so no MTP window runs, over prompts neither).
 """
 
 import argparse
 import collections
+import dataclasses
 import os
 import statistics
 import sys
@@ -78,11 +80,13 @@ def main(args):
     table, top_kernels = {}, {}
     for spec in args.engines:
         S, policy_name = spec.split(":")
-        policy = {"fixed": None, "none": bench.NoDrafts(), "pinned0": bench.PinnedPlain()}[policy_name]
+        policy = {"fixed": None, "none": bench.NoDrafts(), "pinned0": bench.PinnedPlain(), "optout": None}[policy_name]
+        # optout: every request's num_speculative_tokens = 0 (never drafts: no MTP window at all)
+        engine_params = dataclasses.replace(params, num_speculative_tokens=0) if policy_name == "optout" else params
         controller = bench.engine(model, int(S), batch, bench.PROMPT_LEN + new_tokens + 16, policy,
                                   device=device.type)
         for k in joins:
-            live = [controller.add_request(prompt, params) for prompt in prompts[batch:2 * batch]]
+            live = [controller.add_request(prompt, engine_params) for prompt in prompts[batch:2 * batch]]
             for _ in range(8):
                 controller.step()
             last = [time.perf_counter()]
@@ -107,9 +111,9 @@ def main(args):
             samples = {"wall": [], "drained": []}
             for _ in range(rounds):
                 last[0] = time.perf_counter()
-                samples["wall"] += one_round(controller, prompts, params, live, k, free_running)
+                samples["wall"] += one_round(controller, prompts, engine_params, live, k, free_running)
             for _ in range(rounds):
-                samples["drained"] += one_round(controller, prompts, params, live, k, drained)
+                samples["drained"] += one_round(controller, prompts, engine_params, live, k, drained)
             for request_id in live:
                 controller.abort_request(request_id)
             while controller.has_unfinished_requests():
