@@ -1,6 +1,6 @@
 """Draft-length policies under tensor parallelism (CPU, two gloo ranks): TP = 2 emits TP = 1's
-tokens with random, goodput and per-request goodput draft lengths (ragged rows), and every rank
-makes the same choices (the TP
+tokens with random, goodput and per-request goodput draft lengths (ragged rows), and with requests
+retired from speculation mid-run, and every rank makes the same choices (the TP
 lockstep check compares each step's draft lengths, so a divergence would raise)."""
 
 import torch
@@ -12,6 +12,33 @@ from tests.unit.megatron_fixtures import (build_tiny_model, ensure_single_proces
 
 PROMPTS = ([5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45])
 SAMPLING = (dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=7))
+
+
+def retiring_random_lengths(seed: int):
+    """Random lengths that retire every sampling request from speculation at the third choice and
+    admit later ones retired (``DraftLengthPolicy.retiring`` / ``admits_drafts``)."""
+    from mtp_ctrl.controllers import RandomDraftLengths
+
+    class RetiringRandom(RandomDraftLengths):
+        def __init__(self):
+            super().__init__(seed)
+            self.retired, self._retiring = [], []
+
+        def choose(self, query):
+            lengths = super().choose(query)
+            if len(self.chosen) >= 3:
+                self._retiring = query.request_ids[query.caps > 0].tolist()
+                self.retired += self._retiring
+            return lengths
+
+        def retiring(self):
+            retiring, self._retiring = self._retiring, []
+            return retiring
+
+        def admits_drafts(self):
+            return len(self.chosen) < 3
+
+    return RetiringRandom()
 
 
 def generate_all(tensor_parallel_size: int):
@@ -41,6 +68,12 @@ def generate_all(tensor_parallel_size: int):
     controller = TextGenerationController(model, config, draft_policy=PerRequestGoodputPolicy(decide_every=1))
     results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=6, **SAMPLING[0]))
     outputs.append([list(result.output_tokens) for result in results])
+    # requests retired from speculation mid-run (greedy): every rank retires the same ones
+    retiring = retiring_random_lengths(seed=4)
+    controller = TextGenerationController(model, config, draft_policy=retiring)
+    results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=6, **SAMPLING[0]))
+    outputs.append([list(result.output_tokens) for result in results])
+    choices.append(retiring.retired)
     return outputs, choices
 
 
@@ -60,7 +93,8 @@ def test_draft_lengths_tp2_match_tp1(tmp_path):
     ensure_single_process_groups()
     with torch_twins():
         outputs, choices = generate_all(1)
-    assert outputs[0] == outputs[1] == outputs[4] and outputs[2] == outputs[3]  # == plain
+    assert outputs[0] == outputs[1] == outputs[4] == outputs[5] and outputs[2] == outputs[3]  # == plain
+    assert choices[2]  # some requests were retired
     assert any(1 in step for step in choices[0]) and any(0 in step for step in choices[0])  # lengths varied
     assert any(choices[1])  # some step ran ragged rows (on every rank: the choices are compared)
     path = tmp_path / "draft_lengths_tp1.pt"
