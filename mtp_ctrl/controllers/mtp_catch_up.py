@@ -27,10 +27,10 @@ request never drafts (``set_may_draft``: its cap is 0, or the policy retired it)
 lags plan nothing (a launch that drafts nothing and holds only such slots runs no window,
 whatever its verify width; one with prefill chunks only if each was admitted so, its prompt blocks
 then not shared through the prefix cache: a request retired mid-way may have shared blocks whose
-windows must run), and its windows, where a step runs them for others, cover
-what their rows reach (its cache keeps gaps that no draft of its reads; prefix caching shares only
-blocks of prefill tokens, written whole). The fixed-S policy only ever plans ``(S, 0)``. The plan joins the CUDA graph key, so a replay needs no host value: a
-few variants per shape, captured at warm-up (:meth:`WindowCatchUp.warmup_plans`). A request that
+windows must run), and its windows, where a step runs them for others, cover what their rows
+reach (its cache keeps gaps that no draft of its reads; prefix caching shares only blocks of
+prefill tokens, written whole). The fixed-S policy only ever plans ``(S, 0)``. The plan joins the
+CUDA graph key, so a replay needs no host value: a few variants per shape, captured at warm-up (:meth:`WindowCatchUp.warmup_plans`). A request that
 joins, or returns after a preemption, starts with a step that has prefill chunks (all its windows
 run, from its first position): nothing stale is read. A paused request keeps its slot and its
 lags: the first step it returns to catches it up.
