@@ -30,9 +30,10 @@ then not shared through the prefix cache: a request retired mid-way may have sha
 windows must run), and its windows, where a step runs them for others, cover what their rows
 reach (its cache keeps gaps that no draft of its reads; prefix caching shares only blocks of
 prefill tokens, written whole). The fixed-S policy only ever plans ``(S, 0)``. The plan joins the
-CUDA graph key, so a replay needs no host value: a few variants per shape, captured at warm-up (:meth:`WindowCatchUp.warmup_plans`). A request that
-joins, or returns after a preemption, starts with a step that has prefill chunks (all its windows
-run, from its first position): nothing stale is read. A paused request keeps its slot and its
+CUDA graph key, so a replay needs no host value: a few variants per shape, captured at warm-up
+(:meth:`WindowCatchUp.warmup_plans`). A request that joins, or returns after a preemption, starts
+with a step that has prefill chunks (all its windows run, from its first position): nothing stale
+is read. A paused request keeps its slot and its
 lags: the first step it returns to catches it up.
 
 Choosing M: in steady D = 1 at S = 2 (V = 1) a forced catch-up comes every ``M / 2 + 1`` steps, a
