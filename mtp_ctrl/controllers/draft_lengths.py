@@ -236,8 +236,13 @@ class DraftLengths:
                             f"got {lengths.dtype} {lengths.shape}")
         retiring = self.policy.retiring()
         if len(retiring):
-            for request_id in retiring:
-                self.retire(int(request_id))
+            retiring = np.asarray(retiring, dtype=np.int64).reshape(-1)  # [k] int64
+            unknown = retiring[~np.isin(retiring, ids)]
+            if unknown.shape[0]:  # checked before anything changes
+                raise ValueError(f"{type(self.policy).__name__}.retiring must return ids of the choice's requests, "
+                                 f"got {unknown[:8].tolist()}")
+            for request_id in retiring.tolist():  # host-ok: numpy
+                self.retire(request_id)
             caps = self._caps_of(ids)  # a retired request verifies no draft from this step on
         lengths = np.clip(lengths.astype(np.int64), 0, caps)
         # the same choice again (for the same requests, or, from a policy of one depth for the batch, that

@@ -114,7 +114,8 @@ class DraftLengthPolicy:
         return True
 
     def retiring(self) -> Sequence[int]:
-        """Request ids retired from speculation, asked after each :meth:`choose`: from the next
+        """Request ids retired from speculation, asked after each :meth:`choose` (ids of that
+        choice's requests, else a ValueError): from the next
         step on each verifies no draft, for good (its cap is 0, also after a preemption), and the
         proposer stops keeping what only its drafts would read (``Proposer.on_retired``: the MTP
         proposer never catches up its skipped windows again, so a batch held at D = 0 costs plain
@@ -389,7 +390,8 @@ class GoodputPolicy(DraftLengthPolicy):
         # rows are made here, for the live requests a choice is for (observe() makes none: see there)
         rows = self._rows(query.request_ids, create=True)
         if self.speculation_retired and self._still_retired(query):
-            self.last_depth = 0
+            self._update_tokens_per_step(query.steps)
+            self.last_depth, self._last_tokens = 0, float(n)  # a token a request a step
             return np.zeros_like(caps)
         estimates = self._estimates(rows)  # [n, S]
         max_depth = int(caps.max()) if n else 0  # a deeper D drafts no more for anyone

@@ -255,14 +255,17 @@ class MTPProposer(Proposer):
         step's positions are written later: the window starts stay, the ring keeps the decoder
         hidden, and the next step that runs a depth widens its window to cover ``[w_k, e)``
         (``mtp_catch_up.py``; a forced catch-up step when a request would fall more than
-        ``catch_up_positions`` behind). A step with prefill chunks always runs them: a prompt's
-        entries are written once, and cached prompt blocks are shared."""
+        ``catch_up_positions`` behind). A step with prefill chunks runs them, unless none of its
+        requests ever drafts (``WindowCatchUp``: their prompt blocks are not shared): then the window
+        starts move on as if the windows ran, so that a later chunk's window, run beside a request
+        that drafts, spans only that chunk and ``S`` (the bound its layout is sized by)."""
         entry = self._next_entry()
         if self.mode == "paged" and entry[0] > 0:
             self._entry = entry  # propose follows this step's plan entry
             self.propose(dataclasses.replace(batch, num_drafts=0))
             return
-        self._advance_window(batch, 0, move_window_start=self.mode != "paged", record_tokens=True)
+        move = self.mode != "paged" or not batch.step.decode_only  # nothing reads those requests' entries
+        self._advance_window(batch, 0, move_window_start=move, record_tokens=True)
 
     def _window_bounds(self, batch: DraftBatch, catch_up_rows: int) -> Tuple[int, int]:
         """(Tm, the longest window): bounds fixed by the step's shape and plan, so a padded step can

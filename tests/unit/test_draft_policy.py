@@ -223,6 +223,19 @@ def test_a_batch_held_at_zero_in_a_queue_is_retired_until_nobody_waits():
     assert never.retired == 0 and never_lengths.admitted(9)
 
 
+def test_a_policy_that_retires_a_request_not_in_its_choice_is_named():
+    class RetiresAStranger(FixedDraftLength):
+        def retiring(self):
+            return [99]
+
+    lengths, told = DraftLengths(RetiresAStranger(), SHAPE), []
+    lengths.on_retired = told.append
+    lengths.add(1, SamplingParams(num_speculative_tokens=2))  # capped: the policy is asked
+    with pytest.raises(ValueError, match="retiring.*99"):
+        lengths.choose(np.array([1]), 1, 8)
+    assert not told and lengths.admitted(99)  # nothing changed
+
+
 def test_goodput_counts_every_observation_of_a_batch():
     policy = GoodputPolicy()
     policy.bind(SHAPE)

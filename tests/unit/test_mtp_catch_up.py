@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from mtp_ctrl.controllers import MTPProposer
+from mtp_ctrl.controllers import MTPProposer, SamplingParams
 from mtp_ctrl.controllers.mtp_catch_up import SKIP, WindowCatchUp
 from tests.unit.controller_fixtures import MTP_DEPTH
 from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, BurstyLengths, RandomDepths,  # noqa: F401
@@ -214,6 +214,25 @@ def test_retired_requests_never_draft_and_are_never_caught_up(mtp_model, plain, 
         assert late and not any(depths for plan in late for depths, _ in plan)  # no depth runs, no catch-up
     else:
         assert any(depths for plan in after for depths, _ in plan)  # the others still draft
+
+
+def test_a_skipped_prompt_chunk_leaves_the_next_chunks_window_its_bound(mtp_model, torch_twins):
+    """A never-drafting request's first prompt chunk runs beside never-drafting decodes only (no
+    MTP window: SKIP), its last beside a drafting request's prompt (windows run): its window spans
+    that chunk and S, not the whole prompt so far (which overflowed the step's window rows). Output
+    == plain decoding, with windows skipped and run."""
+    long_prompt = np.random.default_rng(0).integers(0, 90, 20).tolist()
+    arrivals = ((0, [17, 3, 58], SamplingParams(max_new_tokens=30, num_speculative_tokens=0)),
+                (1, long_prompt, SamplingParams(max_new_tokens=6, num_speculative_tokens=0)),
+                (2, [10, 20, 30, 40, 50, 60, 70, 11], SamplingParams(max_new_tokens=12)))
+    fields = dict(max_model_len=64, max_tokens_per_step=20)
+    expected = drive(controller_for(mtp_model, 0, **fields), arrivals=arrivals)
+    for idle_windows in ("run", "skip"):
+        proposer = RecordingMTP(skip_idle_windows=idle_windows == "skip")
+        controller = controller_for(mtp_model, MTP_DEPTH, proposer, mtp_idle_windows=idle_windows, **fields)
+        assert drive(controller, arrivals=arrivals) == expected
+    mixed_skips = [plan for _, decode_only, plan in proposer.plans if not decode_only and plan == (SKIP,)]
+    assert mixed_skips  # the first chunk's step ran no window
 
 
 def test_catch_up_positions_is_checked(mtp_model):
