@@ -4,6 +4,7 @@ equals plain decoding; skipped MTP windows caught up draft what run windows draf
 decode request runs 1 + s_r rows) replay their token counts' graphs with no host sync, == eager == plain."""
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, PerRequestGood
                                   SamplingParams, TextGenerationController)
 from tests.functional.sync_checks import no_host_sync
 from tests.functional.test_controller_gpu import DeviceOracleProposer, plain_sequences
-from tests.unit.draft_length_fixtures import BurstyLengths, RandomDepths
+from tests.unit.draft_length_fixtures import BurstyLengths, RandomDepths, RetiringDepths
 from tests.unit.megatron_fixtures import build_tiny_model, ensure_single_process_groups, tiny_config
 
 PROMPTS = [[5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45], [4] * 11, [30, 31], [7, 7, 7, 1]]
@@ -163,6 +164,27 @@ def test_skipped_mtp_windows_accept_what_run_windows_accept(model, temperature, 
     assert skipped[0] == run[0] and sum(run[1]) > 0
     assert skipped[1] == run[1], (skipped[1], run[1])
     assert skipped[5] > 0 or not depths
+
+
+@pytest.mark.parametrize("temperature,all_retired", [(0.0, False), (0.8, True)])
+def test_opted_out_and_retired_requests_replay_graphs_with_no_sync_and_equal_plain(model, temperature, all_retired):
+    """Requests that opt out (``num_speculative_tokens=0``) beside drafting ones, which the policy
+    retires from speculation mid-run (every other one, or all and the later ones admitted retired),
+    MTP windows skipped: every launch replays a graph captured at warm-up (the plans that run no
+    window, prompt chunks included), decode steps with no host sync; outputs == plain decoding."""
+    base = SamplingParams(max_new_tokens=40, temperature=temperature, seed=5)
+    plain = [r.output_tokens for r in TextGenerationController(model, make_config(0)).generate(PROMPTS * 2, base)]
+    params = [dataclasses.replace(base, num_speculative_tokens=0) if index % 3 == 1 else base
+              for index in range(2 * len(PROMPTS))]  # 12 requests through 8 slots: later ones join a live batch
+    policy = RetiringDepths(seed=7, retire_at=8, all_retired=all_retired)
+    controller = SyncChecked(model, make_config(S, cuda_graph_batch_sizes=(8,)), draft_policy=policy)
+    warmed = controller.warmup()
+    plans = collections.Counter()
+    controller.on_launch = lambda step, key: plans.update([None if key is None else key[6]])
+    assert [r.output_tokens for r in controller.generate(PROMPTS * 2, params)] == plain
+    assert policy.retired and controller.debug_view().num_cuda_graphs == warmed and None not in plans
+    assert controller.decode_launches > 4 and plans[((0, 0),)] > 0  # steps that ran no MTP window
+    controller.close()
 
 
 class RaggedDeviceOracle(DeviceOracleProposer):

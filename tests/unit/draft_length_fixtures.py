@@ -102,6 +102,39 @@ class RandomDepths(DraftLengthPolicy):
         return np.minimum(lengths, query.caps)
 
 
+class RetiringDepths(RandomDepths):
+    """``RandomDepths`` that retires requests from speculation at its ``retire_at``-th choice (all of
+    them, or every other one; with ``all_retired`` every request admitted later too). Its lengths
+    stay random for retired requests as well: the controller holds those at 0. Records, per retired
+    request, the outcomes observed after the retiring choice that verified a draft."""
+
+    def __init__(self, seed, retire_at, all_retired):
+        super().__init__(seed)
+        self.retire_at, self.all_retired, self.choices = retire_at, all_retired, 0
+        self._retiring, self.retired, self.drafted_after = [], set(), {}
+
+    def choose(self, query):
+        self.choices += 1
+        if self.choices == self.retire_at or (self.all_retired and self.choices > self.retire_at):
+            # all: also those admitted before the retiring choice that sampled only after it
+            ids = query.request_ids[query.caps > 0] if self.all_retired else query.request_ids[::2]
+            self._retiring = ids.tolist()
+            self.retired.update(self._retiring)
+        return super().choose(query)
+
+    def retiring(self):
+        retiring, self._retiring = self._retiring, []
+        return retiring
+
+    def admits_drafts(self):
+        return not (self.all_retired and self.choices >= self.retire_at)
+
+    def observe(self, request_ids, draft_lengths, accepted_counts):
+        for request_id, length in zip(request_ids.tolist(), draft_lengths.tolist()):
+            if request_id in self.retired and length > 0:
+                self.drafted_after[request_id] = self.drafted_after.get(request_id, 0) + 1
+
+
 class ZeroLengths(DraftLengthPolicy):
     def choose(self, query):
         return np.zeros_like(query.caps)
