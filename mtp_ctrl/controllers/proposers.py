@@ -122,8 +122,9 @@ class Proposer(abc.ABC):
 
     def prompt_state_complete(self, may_draft: bool) -> bool:
         """Whether this proposer's state over the prompt of a request admitted with ``may_draft``
-        is computed in full. False: its prompt blocks are not shared through the prefix cache (the
-        MTP proposer skips the prompt windows of a step whose requests never draft). Default: True."""
+        is computed in full. False: its prompt blocks are shared through the prefix cache only with
+        requests of the same kind (the MTP proposer skips the prompt windows of a step whose
+        requests never draft). Default: True."""
         return True
 
     def on_retired(self, slot: int) -> None:

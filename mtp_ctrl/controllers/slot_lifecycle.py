@@ -21,6 +21,11 @@ from mtp_ctrl.controllers.stop_rules import FinishReason
 from mtp_ctrl.state import DynamicInferenceContext
 
 
+# the prefix-cache namespace of requests whose prompt blocks lack the proposer's state (they never
+# draft: Proposer.prompt_state_complete): they share blocks among themselves, never with the others
+NO_DRAFT_STATE = b"no-draft-state"
+
+
 class SlotLifecycle:
     """Moves requests between the waiting queue, the table's slots and the finished results."""
 
@@ -49,7 +54,8 @@ class SlotLifecycle:
             # the prompt was checked by check_prompt: as an int64 array the context checks only its dtype
             self.context.add_request(request.request_id, request.prefill_tokens(),
                                      RequestSampling.row_values(request.params, request.seed), request.use_prefix_cache,
-                                     share_prefix=self.proposer.prompt_state_complete(may_draft))
+                                     prefix_namespace=b"" if self.proposer.prompt_state_complete(may_draft)
+                                     else NO_DRAFT_STATE)
             self.scheduler.take_next_waiting()  # only once the context holds it
             request.attach(self.outputs, self.context.table)  # the slot's rows own output and counters now
             self.proposer.on_admitted(self.context.table.slot_of(request.request_id), may_draft)

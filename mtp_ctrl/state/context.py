@@ -186,12 +186,12 @@ class DynamicInferenceContext:
         return request_id in self.table
 
     def add_request(self, request_id: int, prompt_tokens: Tokens, row_values: Optional[Dict[str, float]] = None,
-                    use_prefix_cache: bool = True, share_prefix: bool = True) -> None:
+                    use_prefix_cache: bool = True, prefix_namespace: bytes = b"") -> None:
         """Admit a request with its prompt (``[P]`` int tokens: CPU tensor, numpy array or sequence).
         ``row_values``: the first values of the table's ``set_on_insert`` rows (``table.insert``).
         With prefix caching on (and ``use_prefix_cache``), it starts with the cached blocks its
-        prompt begins with and prefills only the rest; ``share_prefix=False``: its own prompt blocks
-        are not cached for others (their content may be incomplete: a proposer that skips the
+        prompt begins with and prefills only the rest; ``prefix_namespace``: it shares blocks only
+        with requests of the same namespace (their content differs: a proposer that skips the
         prompt windows of a request that never drafts).
 
         Allowed while a step is in flight (see the module docstring): the request takes a free
@@ -205,12 +205,13 @@ class DynamicInferenceContext:
         prompt = _as_prompt(prompt_tokens, self.shape.max_model_len)
         if self.num_free_rows == 0:
             raise RuntimeError(f"max_requests ({self.table.shape.max_requests}) requests are live; finish one first")
-        for name, value in (("use_prefix_cache", use_prefix_cache), ("share_prefix", share_prefix)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if not isinstance(use_prefix_cache, bool):
+            raise TypeError(f"use_prefix_cache must be a bool, got {type(use_prefix_cache).__name__}")
+        if not isinstance(prefix_namespace, bytes):
+            raise TypeError(f"prefix_namespace must be bytes, got {type(prefix_namespace).__name__}")
         slot = -1 if self.mamba is None else self.mamba.allocate_slot()
         cached_block_ids = self.prefix_cache.attach(request_id, prompt, use_prefix_cache, self.mamba, slot,
-                                                    share=share_prefix)
+                                                    prefix_namespace)
         table_slot = self.table.insert(request_id, RowGroup.PREFILL, slot, row_values, cached_block_ids)
         self._prefill_token_counts[table_slot] = prompt.shape[0]
         self._prefill_tokens[request_id] = prompt

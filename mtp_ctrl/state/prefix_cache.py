@@ -1,7 +1,8 @@
 """Prefix caching: which full KV blocks of a prompt can be reused, and under which key.
 
 A full block's key is a chained hash: ``key_b = sha256(key_{b-1} | salt | tokens[b*bs : (b+1)*bs + L])``
-(``key_{-1}`` is empty). ``L``, the *lookahead*, is how many tokens past the block the content of
+(``key_{-1}`` is the request's namespace, empty by default: requests of different namespaces never
+share a block, e.g. those whose blocks lack a proposer's state). ``L``, the *lookahead*, is how many tokens past the block the content of
 the block depends on: 0 for the decoder's own KV (position ``p`` depends on tokens ``<= p``), ``S``
 for MTP depths' paged caches (depth ``k`` at position ``p`` embeds ``t_{p+k+1}``), which live in
 the same blocks. The salt names everything else that changes a block's content (the proposer and
@@ -90,13 +91,14 @@ class PrefixCache:
         block_size = self.allocator.block_size_tokens
         return max(token_count - max(self.lookahead, 1), 0) // block_size
 
-    def block_keys(self, tokens: np.ndarray) -> List[bytes]:
-        """Keys of the cacheable blocks of ``tokens`` (``[P]`` int64)."""
+    def block_keys(self, tokens: np.ndarray, namespace: bytes = b"") -> List[bytes]:
+        """Keys of the cacheable blocks of ``tokens`` (``[P]`` int64). ``namespace`` seeds the chain
+        (``key_{-1}``): blocks of different namespaces never share a key."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         if not self.enabled:
             return []
         raw, block_bytes, lookahead_bytes = tokens.tobytes(), self.allocator.block_size_tokens * 8, self.lookahead * 8
-        keys, previous, sha256, salt = [], b"", hashlib.sha256, self.salt
+        keys, previous, sha256, salt = [], namespace, hashlib.sha256, self.salt
         memo = self._key_memo
         if len(memo) > _KEY_MEMO_ENTRIES:
             memo.clear()
@@ -111,13 +113,14 @@ class PrefixCache:
         return keys
 
     def attach(self, request_id: int, tokens: np.ndarray, use_cache: bool = True,
-               states: Optional[MambaStateSlots] = None, mamba_slot: int = -1, share: bool = True) -> List[int]:
+               states: Optional[MambaStateSlots] = None, mamba_slot: int = -1, namespace: bytes = b"") -> List[int]:
         """A joining request: the cached blocks its prefill tokens start with, one reference
         taken on each (the caller puts them in its block table). ``use_cache=False``: the
-        request neither attaches nor registers blocks; ``share=False``: it attaches but registers
-        none (nor snapshots them). With snapshots, ``states`` / ``mamba_slot`` are the request's
-        state slot: the hit's last snapshot is copied into it."""
-        keys = self.block_keys(tokens) if self.enabled and use_cache else []
+        request neither attaches nor registers blocks. ``namespace``: its blocks are looked up and
+        registered under keys of that namespace only (:meth:`block_keys`). With snapshots,
+        ``states`` / ``mamba_slot`` are the request's state slot: the hit's last snapshot is
+        copied into it."""
+        keys = self.block_keys(tokens, namespace) if self.enabled and use_cache else []
         hit = self.allocator.lookup(keys)
         if self.snapshots is not None and keys:
             found = len(hit)
@@ -127,9 +130,7 @@ class PrefixCache:
                 self.snapshots.restore(keys[len(hit) - 1], states, mamba_slot)
             self._boundaries[request_id] = sorted({found, len(keys)} - set(range(len(hit) + 1)))
         self.allocator.retain(hit)
-        if not share:  # nothing of its own is registered: no keys (register_written), no boundaries
-            self._boundaries.pop(request_id, None)
-        self._keys[request_id] = keys if share else []
+        self._keys[request_id] = keys
         self._registered[request_id] = len(hit)
         if keys:
             self.queried_tokens += int(tokens.shape[0])

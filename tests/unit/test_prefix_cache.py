@@ -61,8 +61,8 @@ def test_bad_input(models):
         controller.add_request([1, 2, 3], prefix_caching="no")
     with pytest.raises(TypeError, match="use_prefix_cache"):
         controller.context.add_request(99, [1, 2, 3], None, use_prefix_cache=1)
-    with pytest.raises(TypeError, match="share_prefix"):
-        controller.context.add_request(99, [1, 2, 3], None, share_prefix=None)
+    with pytest.raises(TypeError, match="prefix_namespace"):
+        controller.context.add_request(99, [1, 2, 3], None, prefix_namespace="x")
     assert 99 not in controller.context  # nothing was admitted
 
 

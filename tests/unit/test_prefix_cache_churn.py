@@ -52,23 +52,23 @@ def test_opt_outs_take_no_hit(models, torch_twins):
     assert single.metrics.as_dict()["prefix_cache"] == no_hits
 
 
-def test_requests_that_never_draft_share_no_prompt_blocks(models, torch_twins):
+def test_requests_that_never_draft_share_prompt_blocks_only_among_themselves(models, torch_twins):
     """A step whose requests never draft (``num_speculative_tokens=0``, or admitted retired) runs no
-    MTP window over their prompts (mtp_catch_up.py), so their prompt blocks are not cached for
-    others: a drafting request after one with the same prefix takes no hit (nor would it read MTP
-    entries never written); a request that never drafts still hits a drafting request's blocks.
-    Outputs equal caching off."""
+    MTP window over their prompts (mtp_catch_up.py), so their prompt blocks lack the MTP entries: a
+    drafting request takes no hit from them (nor would it read entries never written), and they take
+    none from a drafting request's; each kind hits its own. Outputs equal caching off."""
     model, _ = models
-    prompts = [SYSTEM + [1, 2], SYSTEM + [3], SYSTEM + [4]]
+    prompts = [SYSTEM + [1, 2], SYSTEM + [3], SYSTEM + [4], SYSTEM + [5]]
     never, drafting = SamplingParams(max_new_tokens=3, num_speculative_tokens=0), SamplingParams(max_new_tokens=3)
     outputs = {}
     for caching in (False, True):
         controller = make_controller(model, 2, prefix_caching=caching)
-        stats, outputs[caching] = [], []
-        for prompt, params in zip(prompts, (never, drafting, never)):
+        hits, outputs[caching] = [], []
+        for prompt, params in zip(prompts, (never, never, drafting, drafting)):
             outputs[caching] += controller.generate([prompt], params)
-            stats.append(controller.metrics.as_dict()["prefix_cache"]["hit_tokens"])
-    assert stats[0] == stats[1] == 0 and stats[2] == 16  # the second shared SYSTEM's 4 blocks; the first none
+            hits.append(controller.metrics.as_dict()["prefix_cache"]["hit_tokens"])
+    # the second hit the first's SYSTEM (4 blocks), the third nothing of theirs, the fourth the third's
+    assert hits == [0, 16, 16, 32]
     assert [o.output_tokens for o in outputs[True]] == [o.output_tokens for o in outputs[False]]
 
 
