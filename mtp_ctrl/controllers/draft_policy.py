@@ -44,7 +44,9 @@ class DraftLengthQuery:
     caps: np.ndarray  # [n] int64, each request's most drafts: min(S, its SamplingParams cap)
     num_speculative_tokens: int  # S, the engine's most drafts
     batch_size: int  # G, the step's grid (padded to its CUDA-graph batch when one covers it)
-    steps: int = 1  # steps since the policy's last choice (it held for them: ``decide_every``)
+    # launches since the policy's last choice (it held for them: ``decide_every``); a decode run's
+    # launch of k steps counts once (its lengths are chosen once), here and in every hold and decay
+    steps: int = 1
     num_waiting: int = 0  # requests queued, not yet admitted (0: the batch drains: nobody takes a freed slot)
     tokens_left: Optional[np.ndarray] = None  # [n] int64, the most tokens each may still emit (None: unknown)
     # the tokens a waiting request may emit (max_new_tokens within max_model_len; the controller: the mean
