@@ -220,9 +220,10 @@ class GoodputPolicy(DraftLengthPolicy):
     Retirement: a batch held at D = 0 still keeps every MTP cache exact for when drafting resumes
     (a forced catch-up every M positions: 12-13 % of a plain step's GPU time on the demo). So once
     the policy has chosen D = 0 at a settled grid (:meth:`settled`) while requests wait, on its
-    own scores and not to explore, for ``retire_after`` steps in a row, it retires the live
-    requests from speculation (:meth:`retiring`) and admits new ones retired
-    (:meth:`admits_drafts`): the steps cost plain decoding's. It admits drafting requests again
+    own scores and not to explore, for ``retire_after`` steps in a row (launches:
+    ``DraftLengthQuery.steps``), it retires the live requests from speculation (:meth:`retiring`)
+    and admits new ones retired (:meth:`admits_drafts`): the steps cost plain decoding's kernels
+    (+ 2-3 % on the demo: the draft-length glue). It admits drafting requests again
     when nobody waits (the queue's workload is over) or ``explore_every`` steps after retiring;
     estimates that nothing refreshed meanwhile have drifted to the prior, so the new requests are
     tried. ``retire_after=None``: never retire. Only in a queue: a closed batch that drains may
