@@ -239,8 +239,9 @@ class DraftLengths:
             retiring = np.asarray(retiring, dtype=np.int64).reshape(-1)  # [k] int64
             unknown = retiring[~np.isin(retiring, ids)]
             if unknown.shape[0]:  # checked before anything changes
+                shown = unknown[:8].tolist()  # host-ok: numpy, the error's message
                 raise ValueError(f"{type(self.policy).__name__}.retiring must return ids of the choice's requests, "
-                                 f"got {unknown[:8].tolist()}")
+                                 f"got {shown}")
             for request_id in retiring.tolist():  # host-ok: numpy
                 self.retire(request_id)
             caps = self._caps_of(ids)  # a retired request verifies no draft from this step on
