@@ -14,33 +14,6 @@ PROMPTS = ([5, 17, 3, 88, 41], [9, 9, 2], [60, 1, 33, 70, 12, 8, 45])
 SAMPLING = (dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=7))
 
 
-def retiring_random_lengths(seed: int):
-    """Random lengths that retire every sampling request from speculation at the third choice and
-    admit later ones retired (``DraftLengthPolicy.retiring`` / ``admits_drafts``)."""
-    from mtp_ctrl.controllers import RandomDraftLengths
-
-    class RetiringRandom(RandomDraftLengths):
-        def __init__(self):
-            super().__init__(seed)
-            self.retired, self._retiring = [], []
-
-        def choose(self, query):
-            lengths = super().choose(query)
-            if len(self.chosen) >= 3:
-                self._retiring = query.request_ids[query.caps > 0].tolist()
-                self.retired += self._retiring
-            return lengths
-
-        def retiring(self):
-            retiring, self._retiring = self._retiring, []
-            return retiring
-
-        def admits_drafts(self):
-            return len(self.chosen) < 3
-
-    return RetiringRandom()
-
-
 def generate_all(tensor_parallel_size: int):
     """Greedy, then sampled: plain (S = 0) and S = 2 (MTP drafting) with random lengths (greedy)
     or goodput lengths (sampled); then greedy with per-request goodput lengths; and the random
@@ -69,11 +42,13 @@ def generate_all(tensor_parallel_size: int):
     results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=6, **SAMPLING[0]))
     outputs.append([list(result.output_tokens) for result in results])
     # requests retired from speculation mid-run (greedy): every rank retires the same ones
-    retiring = retiring_random_lengths(seed=4)
+    from tests.unit.draft_length_fixtures import RetiringDepths
+
+    retiring = RetiringDepths(seed=4, retire_at=3, all_retired=True)
     controller = TextGenerationController(model, config, draft_policy=retiring)
     results = controller.generate(list(PROMPTS), SamplingParams(max_new_tokens=6, **SAMPLING[0]))
     outputs.append([list(result.output_tokens) for result in results])
-    choices.append(retiring.retired)
+    choices.append(sorted(retiring.retired))
     return outputs, choices
 
 
