@@ -112,6 +112,10 @@ def print_workloads(rows, header=True):
             if row.get("retired"):
                 extra += f" | retired {row['retired']}"
             print(f"{'':>27}| {name:>12}: {_rate(row, best_runs, plain_runs)} | {row['lengths']}{extra}")
+            for objective, entry in (row.get("trace") or {}).items():  # TimedGoodput: its prices by objective
+                print(f"{'':>27}|   {objective:>8}: {entry['choices']} choices, chosen by D {entry['chosen']}"
+                      + ("" if entry["ms"] is None else f", priced ms {entry['ms']}, score/best "
+                         f"{entry['relative_score']}, expected tokens {entry['tokens']}"))
         cost = next((rows_cost(row.get("costs")) for row in point if rows_cost(row.get("costs"))), None)
         if cost:
             grid, low, t_max, high = cost
@@ -126,7 +130,9 @@ def print_details(rows):
         gpu = "-" if row.get("gpu_ms") is None else f"{row['gpu_ms']:.3f}"
         step = "-" if row.get("step_ms") is None else f"{row['step_ms']:.3f}"
         print(f"  {row['part']} batch {row['batch']} {row['workload']} {row['policy']} S={row['S']}: {step} / {gpu}"
-              f"; tokens/s of each run {[round(r) for r in _runs(row)]}")
+              + ("" if row.get("steps") is None else f"; {row['steps']:.0f} steps and {row['outside_ms']:.1f} ms "
+                 "outside step() a run")
+              + f"; tokens/s of each run {[round(r) for r in _runs(row)]}")
     measured = [row for row in rows if row.get("acceptance")]
     if measured:
         print("\nmeasured per-depth acceptance by label (fixed S points; the label is the oracle's p):")

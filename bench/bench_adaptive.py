@@ -223,11 +223,40 @@ class DecisionTimer:
 
 
 class TimedGoodput(DecisionTimer, GoodputPolicy):
-    """``GoodputPolicy`` whose decisions are counted and timed (``DecisionTimer``)."""
+    """``GoodputPolicy`` whose decisions are counted and timed (``DecisionTimer``), and summarised
+    by objective (``trace``): what it priced each depth at and how it scored them."""
 
     def __init__(self):
         super().__init__()
         self.decision_seconds = []
+        self._trace = {}  # objective -> [choices, [D + 1] sums of ms, of scores, of expected tokens, chosen counts]
+
+    def choose(self, query):
+        lengths = super().choose(query)
+        if self.speculation_retired or self.last_seconds is None:  # a retired batch is not priced
+            objective = "retired"
+        else:
+            objective = "queue" if query.num_waiting > 0 else "drain"
+        entry = self._trace.setdefault(objective, [0, 0.0, 0.0, 0.0, np.zeros(self.shape.num_speculative_tokens + 1)])
+        entry[0] += 1
+        entry[4][self.last_depth] += 1
+        if objective != "retired" and self.last_seconds.shape[0] == self.shape.num_speculative_tokens + 1:
+            entry[1] = entry[1] + self.last_seconds * 1e3
+            entry[2] = entry[2] + self.last_scores / self.last_scores.max()
+            entry[3] = entry[3] + self.expected_tokens
+        return lengths
+
+    def take_trace(self):
+        """``{objective: {choices, ms, relative_score, tokens, chosen}}`` since the last call: the mean
+        priced ms a step, score over the best, expected tokens a request of each depth, and how often
+        each depth was chosen ("retired": choices made while retired, not priced)."""
+        trace, self._trace = self._trace, {}
+        out = {}
+        for objective, (count, ms, score, tokens, chosen) in trace.items():
+            mean = (lambda v: None if np.isscalar(v) else [round(float(x) / count, 3) for x in v])
+            out[objective] = dict(choices=count, ms=mean(ms), relative_score=mean(score), tokens=mean(tokens),
+                                  chosen=[int(c) for c in chosen])
+        return out
 
 
 class RecordedPerRequest(DecisionTimer, PerRequestGoodputPolicy):
@@ -397,7 +426,11 @@ def measure(engines, prompts, params, repeats, plain_outputs=None):
         counts = metrics["draft_length_counts"]
         record.update(lengths=[round(c / max(sum(counts), 1), 2) for c in counts],
                       step_ms=metrics["step_time"]["mean_step_ms"], gpu_ms=metrics["step_time"]["mean_gpu_ms"],
-                      gc=record.pop("collections").summary())
+                      gc=record.pop("collections").summary(),
+                      # per timed run: steps launched, and the run's wall outside step() calls (admission
+                      # of the prompts, results), ms
+                      steps=metrics["step_time"]["steps"] / repeats,
+                      outside_ms=(sum(record["run_seconds"]) - metrics["step_time"]["step_seconds"]) / repeats * 1e3)
     return records
 
 
@@ -428,6 +461,7 @@ def _timed_runs(engines, records, prompts, params, repeats, plain_outputs):
             plain_outputs = outputs if plain_outputs is None else plain_outputs
             record["equal_plain"] &= outputs == plain_outputs
             record["runs"].append(sum(len(tokens) for tokens in outputs) / seconds)
+            record.setdefault("run_seconds", []).append(seconds)
             record["results"] = results
     return plain_outputs
 
@@ -446,11 +480,13 @@ def point_row(entry, record, **fields):
     return dict(fields, S=entry.S, policy=entry.name, tokens_per_s=report.median(runs),
                 spread_pct=report.spread_pct(runs), runs=[round(r, 1) for r in runs],
                 lengths=record["lengths"], equal_plain=record["equal_plain"], step_ms=record["step_ms"],
+                steps=record["steps"], outside_ms=round(record["outside_ms"], 3),
                 gpu_ms=record["gpu_ms"], gc=record["gc"], costs=cost_table(entry.policy),
                 explored=getattr(entry.policy, "explored", None),
                 retired=getattr(entry.policy, "retired", None),  # requests retired from speculation, all runs
                 # the policy's decisions since its last row (warm-up generates included), host ms each
-                decisions=entry.policy.take_decisions() if isinstance(entry.policy, TimedGoodput) else None)
+                decisions=entry.policy.take_decisions() if isinstance(entry.policy, TimedGoodput) else None,
+                trace=entry.policy.take_trace() if isinstance(entry.policy, TimedGoodput) else None)
 
 
 class GarbageCollections:

@@ -196,6 +196,12 @@ class GoodputPolicy(DraftLengthPolicy):
     ranking: a closed batch after a mixed one expects a third of its requests at 0.2 from the
     first step, before they have shown it.
 
+    Switching: another depth must score ``switch_gain`` above the depth of the last choice made on
+    the scores (not to explore) to replace it: a switch costs what no step price shows (the MTP
+    catch-up of the windows D = 0 skipped, the first steps at a new depth), and at a near tie
+    flipping between depths cost more than either held. A batch that drains is priced by its
+    decode-only steps (nobody joins it: ``StepCostModel.policy_decode_seconds``).
+
     Exploration: the cost of a depth is known only once the loop ran it. A depth the batch may
     take (``D <= max cap_r``) that is not measured at the step's grid is run first (the one that
     scores best on its optimistic seed; at most ``explore_tries`` holds per grid and depth, for
@@ -236,8 +242,11 @@ class GoodputPolicy(DraftLengthPolicy):
                  min_gain: float = 1.02, decide_every: int = 8, longest_hold: Optional[int] = None,
                  drain_objective: bool = True, explore_tries: int = 3, explore_every: int = 512,
                  explore_within: float = 0.8, population_evidence: float = 2.0, retime_explored: bool = True,
-                 retire_after: Optional[int] = 32):
+                 retire_after: Optional[int] = 32, switch_gain: float = 1.05):
         super().__init__()
+        # another depth must score this factor above the one the last choice (on the scores) took to replace it
+        self.switch_gain = _check_number("switch_gain", switch_gain, low=1.0)
+        self._held_depth: Optional[int] = None
         self.retire_after = None if retire_after is None else check_int("retire_after", retire_after, low=1)
         self.speculation_retired = False  # requests admitted now are retired (admits_drafts); reports read it
         self.retired = 0  # requests retired so far (reports)
@@ -419,6 +428,8 @@ class GoodputPolicy(DraftLengthPolicy):
                 # cost: the 1B at batch 128 held D = 2 at 0.92x plain); each step priced by its rows
                 scale = tokens / self.tokens_per_step if self.tokens_per_step else None
                 seconds = self.cost_model.row_seconds(query.batch_size, rows_at_depth, depths, prefill_scale=scale)
+        elif drain:  # decode-only steps (nobody joins a draining batch), as the loop realised them (step_costs.py)
+            seconds = np.array([self.cost_model.policy_decode_seconds(query.batch_size, depth) for depth in depths])
         else:  # the model's cost of each depth times what the loop realised around its steady steps (step_costs.py)
             seconds = np.array([self.cost_model.policy_seconds(query.batch_size, depth) for depth in depths])
         if drain:
@@ -434,8 +445,14 @@ class GoodputPolicy(DraftLengthPolicy):
         for depth in range(1, max_depth + 1):
             if score[depth] > score[best_depth] * self.min_gain:
                 best_depth = depth
+        held = self._held_depth  # the depth of the last choice made on the scores (not to explore)
+        if held is not None and held != best_depth and held <= max_depth \
+                and score[held] * self.switch_gain >= score[best_depth]:
+            best_depth = held  # a switch costs what no price shows: keep the depth within switch_gain of the best
         self._steps_since_explore += query.steps
         depth = self._explore(query.batch_size, score, best_depth)
+        if depth == best_depth:
+            self._held_depth = depth
         self.last_depth, self._last_tokens = depth, float(tokens[depth])
         self._retire_if_held_at_zero(query, depth == best_depth == 0 and max_depth > 0)
         return np.minimum(depth, caps).astype(np.int64)

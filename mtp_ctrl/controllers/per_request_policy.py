@@ -59,7 +59,7 @@ DRAIN_CANDIDATES = 16  # prefixes the drain objective evaluates (evenly spread, 
 
 class PerRequestGoodputPolicy(GoodputPolicy):
     """:class:`GoodputPolicy` with a draft length per request (module docstring): same arguments
-    (default ``prior_weight=1``; ``min_gain``, ``retire_after`` and the realised calibration are not
+    (default ``prior_weight=1``; ``min_gain``, ``switch_gain``, ``retire_after`` and the realised calibration are not
     used: candidates are costed by the warm-up's replay times per token count and the best score is
     taken, and no request is retired from speculation), and
     ``search_every``: the choices that run the candidate search (one in this many; the others keep

@@ -226,6 +226,12 @@ class StepCostModel:
         :meth:`calibration` (what the loop realised around its steady steps)."""
         return self.seconds(batch_size, num_drafts) * self.calibration(batch_size, num_drafts)
 
+    def policy_decode_seconds(self, batch_size: int, num_drafts: int) -> float:
+        """:meth:`policy_seconds` of a decode-only step (no share of steps with prefill chunks): a
+        batch that drains admits nobody, so its steps carry no prompt chunks, whatever the share of
+        the steps before it did."""
+        return self.decode_seconds(batch_size, num_drafts) * self.calibration(batch_size, num_drafts)
+
     def realised_tokens(self, batch_size: int, num_drafts: int) -> Optional[float]:
         """Tokens a decode request emitted per step at depth ``num_drafts`` (the realised sums), or None."""
         grid = _grid_for(self.realised, batch_size)

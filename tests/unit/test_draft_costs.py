@@ -53,7 +53,7 @@ def test_a_closed_batch_of_low_acceptance_drafts_nothing_a_queued_one_drafts():
     the cost), but the batch ends with its slowest request (~45 steps at D = 1 against 48), so a
     batch nobody waits to join finishes sooner at D = 0. With requests waiting, tokens per second
     (a gain of 1.9 %: within the default margin ``min_gain`` = 1.02, which keeps the fewer drafts)."""
-    policy, ids = policy_with([0.2] * 64, min_gain=1.0)
+    policy, ids = policy_with([0.2] * 64, min_gain=1.0, switch_gain=1.0)  # each choice on its own
     assert policy.choose(drain_query(ids)).tolist() == [0] * 64
     assert policy.choose(drain_query(ids, waiting=5)).tolist() == [1] * 64
     margin, ids = policy_with([0.2] * 64)
@@ -481,3 +481,43 @@ def test_the_population_ranking_is_kept_until_requests_leave():
         policy.forget(request_id)
     fresh = np.arange(500, 564, dtype=np.int64)
     assert policy.choose(drain_query(fresh)).tolist() == [S] * 64  # a stale ranking: the mixed batch's priors
+
+
+def test_a_near_tie_keeps_the_depth_held_and_a_clear_gain_switches():
+    """``switch_gain``: a depth other than the last choice's (on the scores) must beat it by that
+    factor. 0.2 acceptance with requests waiting: D = 1 scores 1.9 % above D = 0 (the test above), so
+    a policy holding D = 0 keeps it, and one holding D = 1 keeps that. At 0.6 acceptance a policy
+    holds D = 0 while a draft costs 2.9x a plain step, and switches to D = S once it costs 1.3x."""
+    held_zero, ids = policy_with([0.2] * 64, min_gain=1.0)
+    assert held_zero.choose(drain_query(ids)).tolist() == [0] * 64  # the drain objective: D = 0
+    assert held_zero.choose(drain_query(ids, waiting=5)).tolist() == [0] * 64  # 1.9 % < switch_gain
+    held_one, ids = policy_with([0.2] * 64, min_gain=1.0, switch_gain=1.0)
+    assert held_one.choose(drain_query(ids, waiting=5)).tolist() == [1] * 64
+    held_one.switch_gain = 1.05
+    assert held_one.choose(drain_query(ids, waiting=5)).tolist() == [1] * 64
+    high, ids = policy_with([0.6] * 64, costs={0: 1.0e-3, 1: 2.9e-3, 2: 2.9e-3, 3: 2.9e-3})  # drafts 2.9x dearer
+    assert high.choose(drain_query(ids, waiting=5)).tolist() == [0] * 64
+    for _ in range(100):  # the drafts' cost falls to 1.3x a plain step's
+        for depth in range(1, S + 1):
+            high.cost_model.record(64, depth, wall_seconds=1.3e-3, gpu_seconds=None)
+    assert high.choose(drain_query(ids, waiting=5)).tolist() == [S] * 64
+    with pytest.raises(ValueError, match="switch_gain"):
+        GoodputPolicy(switch_gain=0.9)
+    with pytest.raises(TypeError, match="switch_gain"):
+        GoodputPolicy(switch_gain="1.1")
+
+
+def test_a_draining_batch_prices_decode_only_steps():
+    """Nobody joins a batch that drains, so its steps carry no prompt chunks: the drain objective
+    prices each depth's decode-only steps, whatever share of the steps before it had chunks (here
+    every one, and D = 0's mixed steps cost 8x its decode steps: priced blended, D = 0 would lose)."""
+    policy, ids = policy_with([0.2] * 64, min_gain=1.0, switch_gain=1.0)
+    policy.cost_model.record(64, 0, wall_seconds=1.0e-2, gpu_seconds=None, mixed=True)
+    for depth in range(1, S + 1):
+        policy.cost_model.record(64, depth, wall_seconds=2.0e-3, gpu_seconds=None, mixed=True)
+    for _ in range(200):
+        policy.cost_model.record_launches(mixed=1, total=1)
+    assert policy.cost_model.mixed_share > 0.99
+    assert policy.choose(drain_query(ids)).tolist() == [0] * 64
+    np.testing.assert_allclose(policy.last_seconds, [COSTS_1B[d] for d in range(S + 1)])
+    assert policy.cost_model.policy_seconds(64, 0) > 5 * COSTS_1B[0]  # what a queue's step is priced at
