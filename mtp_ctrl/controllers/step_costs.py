@@ -371,9 +371,8 @@ class RowCostModel(StepCostModel):
     def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray,
                     prefill_scale: Optional[np.ndarray] = None) -> np.ndarray:
         """``[c]`` seconds of a step at grid ``batch_size`` whose decode requests run ``rows[i]`` rows
-        and draft ``depths[i]`` depths: what the loop adds at that depth once measured over the replay
-        of its full tier (``decode_seconds(G, D)`` minus the replay time of ``G (1 + D)`` rows: host
-        work, bubbles, the step's work outside its graph) plus the GPU time of the rows:
+        and draft ``depths[i]`` depths: what the loop adds over the GPU at that depth once measured
+        (``decode_seconds(G, D) - gpu(G, D)``: host work, bubbles) plus the GPU time of the rows:
         the replay time of the decode-only token count that holds them, blended by ``mixed_share``
         with the mean over the recent mixed steps of the token bucket that holds the rows and that
         step's prefill rows (a step with prefill chunks pads its rows to a token bucket: one row more
@@ -424,7 +423,7 @@ class RowCostModel(StepCostModel):
         So plain decoding of equal-length requests is priced at its one bulk prefill step a period,
         where drafting spreads the same prompts over many mixed steps (each padded to a bucket, each
         a mixed step's cost): what a queue's recent chunks (:meth:`row_seconds`) cannot tell while
-        the batch runs in lockstep. Plus the loop's measured wall over the replay of a decode step at
+        the batch runs in lockstep. Plus the loop's measured wall over the GPU of a decode step at
         the depth. None without the mixed buckets' times or a chunk measured (then
         :meth:`row_seconds`)."""
         rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
@@ -467,8 +466,8 @@ class RowCostModel(StepCostModel):
         """``(linear [c], (decode [c], gaps [2, D + 1], mixed table or None) or None)``: the linear
         guess (rows between G and G (1 + D) from the wall times; module docstring), and with the
         warm-up's decode-only row costs at the grid the replay time of each candidate's decode-only
-        token count (NaN at a depth not timed) and the loop's wall over its full tier's replay at each
-        depth once measured (row 0: the blended wall, row 1: the decode-only wall)."""
+        token count (NaN at a depth not timed) and the loop's wall over the GPU at each depth once
+        measured (row 0: the blended wall, row 1: the decode-only wall)."""
         num_depths = int(depths.max()) + 1 if depths.shape[0] else 1
         wall = np.array([self.seconds(batch_size, d) for d in range(num_depths)])  # [D + 1]
         # the linear guess: rows between G (a plain step's) and G (1 + D) (the tier's)
@@ -481,18 +480,9 @@ class RowCostModel(StepCostModel):
         timed = depths < decode_table.shape[0]  # [c] a depth past the table's: not timed (NaN, as a row of NaN)
         decode = np.where(timed, decode_table[np.minimum(depths, decode_table.shape[0] - 1),
                                               np.minimum(rows, decode_table.shape[1] - 1)], np.nan)  # [c]
-        # [2, D + 1]: the loop's wall (blended; decode-only) over the replay time of the depth's full tier
-        # (G (1 + d) rows), once measured, so a step at the tier's rows costs the wall the loop measured.
-        # Over the loop's own GPU time (CUDA events) instead, a step's work outside its graph (input and
-        # read-back copies, catch-ups landing between samples) fell out of the price, and that work is
-        # a constant a step: the demo at batch 128 priced D = 0 at 0.27 ms where its steps took 0.42
-        # (replay 0.24, events 0.39), D = 2 at 0.79 where they took 0.78 (bench/RESULTS.md, "Adaptive")
-        gaps = np.zeros((2, num_depths))
+        gaps = np.zeros((2, num_depths))  # [2, D + 1]: the loop over the GPU (wall; decode-only wall) once measured
         for d in range(num_depths):
-            gpu = decode_table[d, min(batch_size * (1 + d), decode_table.shape[1] - 1)] \
-                if d < decode_table.shape[0] else np.nan
-            if np.isnan(gpu):  # a depth the warm-up did not time: the loop's GPU time
-                gpu = self._lookup(self.gpu, batch_size, d)
+            gpu = self._lookup(self.gpu, batch_size, d)
             if gpu is not None and self.is_measured(batch_size, d):
                 gaps[:, d] = max(0.0, wall[d] - gpu), max(0.0, self.decode_seconds(batch_size, d) - gpu)
         return linear, (decode, gaps, mixed_table)

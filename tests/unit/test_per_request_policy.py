@@ -106,17 +106,6 @@ def test_row_costs_pad_to_the_next_measured_count_and_add_the_loops_gap():
     assert np.allclose(plain.row_seconds(8, np.array([8, 12, 16]), np.array([0, 1, 1])), [1.0, 1.5, 2.0])
 
 
-def test_a_step_at_its_tiers_rows_costs_the_measured_wall_whatever_the_loops_gpu_time():
-    """The loop's gap is taken over the replay time of the depth's full tier (G (1 + D) rows), not
-    over the loop's own GPU time: that also holds the step's work outside its graph (copies,
-    catch-ups), a constant a step that would fall out of the price (here 0.4 of D = 1's 2.0)."""
-    model = RowCostModel()
-    model.set_row_costs({(8, 8, 0, False): 1.0, (8, 12, 1, False): 1.2, (8, 16, 1, False): 1.5})
-    model.record(8, 0, 1.3, 1.2)  # the loop's GPU time (CUDA events) above the replay's 1.0
-    model.record(8, 1, 2.0, 1.9)
-    assert np.allclose(model.row_seconds(8, np.array([8, 16, 12]), np.array([0, 1, 1])), [1.3, 2.0, 1.7])
-
-
 def test_a_depth_the_warm_up_did_not_time_takes_the_linear_guess_not_a_shallower_depths_cost():
     model = RowCostModel()
     model.set_row_costs({(8, 8, 0, False): 1.0, (8, 16, 1, False): 2.0})  # D = 0 and 1 timed, D = 2 not
