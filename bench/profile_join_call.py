@@ -10,7 +10,10 @@ prefill beside the others' decode rows (a "join" call, a mixed step), the next o
 too. The rounds run twice: free-running (each call's wall since the previous call returned: what
 the loop pays), then with the GPU drained before each call (the call's host seconds, and the
 kernels of the step it launched from torch.profiler: their count and summed time). Medians per
-engine, ``k`` and kind of call (decode, join, the first and second call after the join).
+engine, ``k`` and kind of call (decode, join, the first and second call after the join); the
+join's wall includes queuing its requests (``add_request``, between the calls). The last column
+sums over the free-running rounds the launches that ran eagerly (no CUDA graph covers the step)
+and the graphs captured in those calls (a key not warmed up is captured on its first use).
 ``--engines S:POLICY``: ``fixed`` (every request drafts S), ``none`` (every request drafts 0 on
 an engine of S: a draft-length policy's D = 0 steps), ``pinned0`` (the same through the goodput
 policy's whole path, ``bench_adaptive.PinnedPlain``) or ``optout`` (every request's
@@ -77,14 +80,26 @@ def main(args):
     new_tokens = 64 if args.quick else 700
     params = SamplingParams(max_new_tokens=new_tokens, temperature=args.temperature, seed=5)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    table, top_kernels = {}, {}
+    table, top_kernels, launches = {}, {}, {}
+    from mtp_ctrl.controllers import TextGenerationController
+
+    class CountingController(TextGenerationController):
+        """Counts the launches that ran eagerly (no CUDA graph covers the step) and the graphs
+        captured (a key not warmed up is captured on its first use), per call kind."""
+
+        eager_launches = 0
+
+        def on_launch(self, step, graph_key):
+            if graph_key is None:
+                CountingController.eager_launches += 1
+
     for spec in args.engines:
         S, policy_name = spec.split(":")
         policy = {"fixed": None, "none": bench.NoDrafts(), "pinned0": bench.PinnedPlain(), "optout": None}[policy_name]
         # optout: every request's num_speculative_tokens = 0 (never drafts: no MTP window at all)
         engine_params = dataclasses.replace(params, num_speculative_tokens=0) if policy_name == "optout" else params
         controller = bench.engine(model, int(S), batch, bench.PROMPT_LEN + new_tokens + 16, policy,
-                                  device=device.type)
+                                  device=device.type, controller_class=CountingController)
         for k in joins:
             live = [controller.add_request(prompt, engine_params) for prompt in prompts[batch:2 * batch]]
             for _ in range(8):
@@ -92,10 +107,12 @@ def main(args):
             last = [time.perf_counter()]
 
             def free_running():
+                eager, graphs = CountingController.eager_launches, controller.debug_view().num_cuda_graphs
                 controller.step()
                 now = time.perf_counter()
+                captured = controller.debug_view().num_cuda_graphs - graphs
                 seconds, last[0] = now - last[0], now
-                return seconds
+                return seconds, CountingController.eager_launches - eager, captured
 
             def drained():
                 sync()
@@ -126,7 +143,10 @@ def main(args):
                             top[event.name[:60]] += event.device_time / 1e3 / calls
                 top_kernels[(spec, k, top_kind)] = top.most_common(args.top)
             for kind in KINDS:
-                walls = [s for name, s in samples["wall"] if name == kind]
+                walls = [s[0] for name, s in samples["wall"] if name == kind]
+                # launches that ran eagerly, graphs captured: over the free-running rounds' calls of this kind
+                launches[(spec, k, kind)] = (sum(s[1] for name, s in samples["wall"] if name == kind),
+                                             sum(s[2] for name, s in samples["wall"] if name == kind))
                 drained_rows = [s for name, s in samples["drained"] if name == kind]
                 table[(spec, k, kind)] = (statistics.median(walls), statistics.median(r[0] for r in drained_rows),
                                           statistics.median(r[1] for r in drained_rows),
@@ -134,10 +154,12 @@ def main(args):
         controller.close()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}; demo batch {batch}, T = {args.temperature:g}; medians of {rounds} rounds; ms")
-    print("| engine | joins | call | wall | host (drained) | kernels | kernel ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | joins | call | wall | host (drained) | kernels | kernel ms | eager launches, graphs captured |")
+    print("|---|---|---|---|---|---|---|---|")
     for (spec, k, kind), (wall, host, count, kernel) in table.items():
-        print(f"| {spec} | {k} | {kind} | {wall * 1e3:.3f} | {host * 1e3:.3f} | {count:g} | {kernel * 1e3:.3f} |")
+        eager, captured = launches[(spec, k, kind)]
+        print(f"| {spec} | {k} | {kind} | {wall * 1e3:.3f} | {host * 1e3:.3f} | {count:g} | {kernel * 1e3:.3f} "
+              f"| {eager}, {captured} |")
     for (spec, k, kind), top in top_kernels.items():
         if k == max(joins) and top:
             print(f"{spec}, {k} joining, {kind} step's top kernels, ms a step: "
