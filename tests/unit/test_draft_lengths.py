@@ -250,6 +250,26 @@ def test_sampling_params_cap(mtp_model, torch_twins):
     assert counts[0] > 0 and counts[1] > 0 and counts[MTP_DEPTH] > 0 and counts[2] == 0
 
 
+def test_caps_of_requests_aborted_before_any_step_leave_the_others_caps(mtp_model, torch_twins):
+    """A request's cap is written with the next step's lookup (in one batch): requests capped and
+    aborted while queued, before any step, leave no row behind, and the others verify at most their
+    own caps (1 and 0 here: no step verifies 2 drafts or more)."""
+    caps = (1, 0, 0, 1, 1, 0)
+    arrivals = [(0, prompt, SamplingParams(max_new_tokens=6, num_speculative_tokens=cap))
+                for (_, prompt, _), cap in zip(ARRIVALS * 2, caps)]
+    controller = controller_for(mtp_model, MTP_DEPTH, policy=FixedDraftLength())
+    ids = [controller.add_request(prompt, params) for _, prompt, params in arrivals]
+    for request_id in ids[:3]:
+        controller.abort_request(request_id)
+    while controller.has_unfinished_requests():
+        controller.step()
+    kept = ids[3:]
+    expected = run(controller_for(mtp_model, 0), arrivals[3:])[1]
+    assert [controller.result(request_id).output_tokens for request_id in kept] == expected
+    counts = controller.metrics.as_dict()["draft_length_counts"]
+    assert counts[1] > 0 and counts[0] > 0 and sum(counts[2:]) == 0
+
+
 class EveryFourSteps(CheckedRandomLengths):
     """Random lengths, a choice held for up to 4 steps of the same batch (``decide_every``)."""
 
