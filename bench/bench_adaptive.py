@@ -229,7 +229,9 @@ class TimedGoodput(DecisionTimer, GoodputPolicy):
     def __init__(self):
         super().__init__()
         self.decision_seconds = []
-        self._trace = {}  # objective -> [choices, [D + 1] sums of ms, of scores, of expected tokens, chosen counts]
+        # objective -> [choices, [D + 1] sums of ms, of scores, of expected tokens, chosen counts, choices priced
+        # at every depth (those sums' count: a choice over fewer depths is not summed)]
+        self._trace = {}
 
     def choose(self, query):
         lengths = super().choose(query)
@@ -237,10 +239,12 @@ class TimedGoodput(DecisionTimer, GoodputPolicy):
             objective = "retired"
         else:
             objective = "queue" if query.num_waiting > 0 else "drain"
-        entry = self._trace.setdefault(objective, [0, 0.0, 0.0, 0.0, np.zeros(self.shape.num_speculative_tokens + 1)])
+        depths = self.shape.num_speculative_tokens + 1
+        entry = self._trace.setdefault(objective, [0, 0.0, 0.0, 0.0, np.zeros(depths), 0])
         entry[0] += 1
         entry[4][self.last_depth] += 1
-        if objective != "retired" and self.last_seconds.shape[0] == self.shape.num_speculative_tokens + 1:
+        if objective != "retired" and self.last_seconds.shape[0] == depths:
+            entry[5] += 1
             entry[1] = entry[1] + self.last_seconds * 1e3
             entry[2] = entry[2] + self.last_scores / self.last_scores.max()
             entry[3] = entry[3] + self.expected_tokens
@@ -252,8 +256,8 @@ class TimedGoodput(DecisionTimer, GoodputPolicy):
         each depth was chosen ("retired": choices made while retired, not priced)."""
         trace, self._trace = self._trace, {}
         out = {}
-        for objective, (count, ms, score, tokens, chosen) in trace.items():
-            mean = (lambda v: None if np.isscalar(v) else [round(float(x) / count, 3) for x in v])
+        for objective, (count, ms, score, tokens, chosen, priced) in trace.items():
+            mean = (lambda v: None if np.isscalar(v) else [round(float(x) / priced, 3) for x in v])
             out[objective] = dict(choices=count, ms=mean(ms), relative_score=mean(score), tokens=mean(tokens),
                                   chosen=[int(c) for c in chosen])
         return out

@@ -388,6 +388,8 @@ class DraftLengths:
         self.forget(request_id)
         if self._caps.pop(request_id, None) is not None:
             self._cap_index.remove(request_id)
+            if not self._caps:  # no capped request left: nothing pending may be looked up again
+                self._pending_caps = []
 
     def abandon(self) -> None:
         """The steps in flight were abandoned (a step raised): their outcomes never come."""

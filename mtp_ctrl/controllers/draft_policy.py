@@ -445,6 +445,7 @@ class GoodputPolicy(DraftLengthPolicy):
         for depth in range(1, max_depth + 1):
             if score[depth] > score[best_depth] * self.min_gain:
                 best_depth = depth
+        scores_zero = best_depth == 0  # retirement (for good) needs D = 0 best on the scores, not only held
         held = self._held_depth  # the depth of the last choice made on the scores (not to explore)
         if held is not None and held != best_depth and held <= max_depth \
                 and score[held] * self.switch_gain >= score[best_depth]:
@@ -454,7 +455,7 @@ class GoodputPolicy(DraftLengthPolicy):
         if depth == best_depth:
             self._held_depth = depth
         self.last_depth, self._last_tokens = depth, float(tokens[depth])
-        self._retire_if_held_at_zero(query, depth == best_depth == 0 and max_depth > 0)
+        self._retire_if_held_at_zero(query, depth == best_depth == 0 and scores_zero and max_depth > 0)
         return np.minimum(depth, caps).astype(np.int64)
 
     def _still_retired(self, query: DraftLengthQuery) -> bool:

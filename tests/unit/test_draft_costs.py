@@ -521,3 +521,18 @@ def test_a_draining_batch_prices_decode_only_steps():
     assert policy.choose(drain_query(ids)).tolist() == [0] * 64
     np.testing.assert_allclose(policy.last_seconds, [COSTS_1B[d] for d in range(S + 1)])
     assert policy.cost_model.policy_seconds(64, 0) > 5 * COSTS_1B[0]  # what a queue's step is priced at
+
+
+def test_a_depth_held_only_by_switch_gain_never_retires_the_batch():
+    """Retirement is for good, so it needs D = 0 best on the scores: a policy that keeps D = 0 only
+    because D = 1's 4 % gain is under ``switch_gain`` never retires; one whose scores pick D = 0 does."""
+    costs = {0: 1.24e-3, 1: 1.43e-3, 2: 1.60e-3, 3: 1.75e-3}  # 0.2 acceptance: D = 1 scores ~1.04x D = 0
+    for switch_gain, dear in ((1.05, False), (1.05, True)):
+        policy, ids = policy_with([0.2] * 64, costs={0: costs[0], **{d: 2.9e-3 for d in (1, 2, 3)}} if dear
+                                  else costs, switch_gain=switch_gain, retire_after=4, explore_every=10 ** 6,
+                                  retime_explored=False)
+        assert policy.settled(64)
+        assert policy.choose(drain_query(ids)).tolist() == [0] * 64  # a draining batch: D = 0
+        chosen = [int(policy.choose(drain_query(ids, waiting=5))[0]) for _ in range(40)]
+        assert chosen.count(0) > 30  # D = 0 held (a runner-up hold of D = 1 now and then)
+        assert policy.speculation_retired is dear and (policy.retired > 0) is dear
