@@ -199,7 +199,8 @@ class GoodputPolicy(DraftLengthPolicy):
     Switching: another depth must score ``switch_gain`` above the depth of the last choice made on
     the scores (not to explore) to replace it: a switch costs what no step price shows (the MTP
     catch-up of the windows D = 0 skipped, the first steps at a new depth), and at a near tie
-    flipping between depths cost more than either held. A batch that drains is priced by its
+    flipping between depths cost more than either held (a D = 0 kept only by this margin does not
+    count toward retirement, which is for good). A batch that drains is priced by its
     decode-only steps (nobody joins it: ``StepCostModel.policy_decode_seconds``).
 
     Exploration: the cost of a depth is known only once the loop ran it. A depth the batch may
