@@ -50,7 +50,7 @@ from mtp_ctrl.controllers.cuda_graphs import StepGraphs
 from mtp_ctrl.controllers.draft_context import DraftContext
 from mtp_ctrl.controllers.draft_lengths import DraftLengths, step_order_lengths
 from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy
-from mtp_ctrl.controllers.graph_warmup import ROW_COST, STEP_COST, warmup_variants
+from mtp_ctrl.controllers.graph_warmup import NO_DRAFT_PHASE, ROW_COST, STEP_COST, warmup_variants
 from mtp_ctrl.controllers.metrics import GenerationMetrics
 from mtp_ctrl.controllers.mtp_proposer import MTPProposer
 from mtp_ctrl.controllers.output_rows import OutputRows
@@ -197,8 +197,9 @@ class TextGenerationController:
             self._all_greedy = variant.all_greedy
             key = self._graph_key(step, masked, variant.plan)
             if key not in self._graphs:
-                self.proposer.use_plan(variant.plan)
-                self._graphs.run(key, lambda: self._launch_run(step, masked))
+                if variant.plan != NO_DRAFT_PHASE:
+                    self.proposer.use_plan(variant.plan)
+                self._graphs.run(key, lambda: self._launch_run(step, masked, variant.plan))
             shape = step.dimensions
             if variant.use == STEP_COST:
                 cost_key = (shape.request_count, step.num_drafts)
@@ -466,13 +467,12 @@ class TextGenerationController:
             not (step.graph_padded and step.dimensions.has_prefill)
         masked = self._draft_lengths.needs_mask(step)
         self._readbacks.begin()
-        # the proposer's plan of host-chosen work (skipped MTP windows), which joins the graph key
-        plan = self.proposer.plan_launch(step) if self.shape.num_speculative_tokens > 0 else None
+        plan = self._launch_plan(step)
         key = self._graph_key(step, masked, plan)
         if self._graphs is not None and key is not None:
-            self._graphs.run(key, lambda: self._launch_run(step, masked))
+            self._graphs.run(key, lambda: self._launch_run(step, masked, plan))
         else:
-            self._launch_run(step, masked)
+            self._launch_run(step, masked, plan)
         self.context.take_state_snapshots(step)  # hybrids: recurrent state at prompt-block boundaries
         launched = self._readbacks.end(step)
         self._draft_lengths.launched(step)
@@ -494,11 +494,24 @@ class TextGenerationController:
         return (step.dimensions, self._all_greedy, step.num_steps, step.verify_width, step.num_drafts,
                 masked, plan) if step.graph_padded else None
 
-    def _launch_run(self, step: StepMetadata, masked: bool) -> None:
+    def _launch_plan(self, step: StepMetadata) -> Hashable:
+        """The launch's plan, which joins its graph key: ``NO_DRAFT_PHASE`` for a decode-only step
+        that verifies and drafts nothing and whose requests never draft (no proposer work: a plain
+        engine's step), else the proposer's plan of host-chosen work (``Proposer.plan_launch``:
+        skipped MTP windows); None without drafting."""
+        if self.shape.num_speculative_tokens == 0:
+            return None
+        if step.decode_only and step.verify_width == 0 and step.num_drafts == 0 and \
+                self._lifecycle.none_drafts(step.host_slot_ids):
+            return NO_DRAFT_PHASE
+        return self.proposer.plan_launch(step)
+
+    def _launch_run(self, step: StepMetadata, masked: bool, plan: Hashable = None) -> None:
         """Every step of the launch (one, or a decode run): each derives its inputs on the device
         from the one before and stages its read-back in its own slot."""
+        draft_phase = plan != NO_DRAFT_PHASE
         for index in range(step.num_steps):
-            self._launcher.launch(step, self._readbacks.slot(index), self._all_greedy, masked)
+            self._launcher.launch(step, self._readbacks.slot(index), self._all_greedy, masked, draft_phase)
 
     def _apply_in_flight(self, collect: bool = False) -> List[StepOutput]:
         """Apply the step in flight with nothing launched after it (the host waits for the GPU)."""

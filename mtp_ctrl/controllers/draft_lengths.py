@@ -135,6 +135,8 @@ class DraftLengths:
         # per launched step: [k, n_d], None (S each) or 0 (0 each)
         self._in_flight: Deque[Union[np.ndarray, None, int]] = collections.deque()
         self._held: Optional[HeldChoice] = None  # the policy's last choice
+        # the fixed policy's last lengths (each request's cap, read-only) and the ids' bytes they are for
+        self._fixed_caps: Optional[Tuple[bytes, np.ndarray]] = None
         # read-only int64 arrays handed out step after step, made once (_filled): (shape, value) -> an
         # array of value (the held and fixed paths' lengths; the lengths verified by launches where
         # every request verified S, or none a draft)
@@ -223,9 +225,14 @@ class DraftLengths:
                 return kept
         if S == 0 or (self._fixed and not self._caps):
             return self._filled((num_sampling,), S)  # fixed S, nobody capped: S each (a shared read-only array)
+        if self._fixed:  # each request's cap: no decision, no queue view; looked up again only when ids change
+            key = ids.tobytes()
+            if self._fixed_caps is None or self._fixed_caps[0] != key:
+                caps = self._caps_of(ids)  # [n] int64
+                caps.setflags(write=False)
+                self._fixed_caps = (key, caps)
+            return self._fixed_caps[1]
         caps = self._caps_of(ids)  # [n] int64
-        if self._fixed and bool((caps == S).all()):
-            return caps
         self._flush_outcomes()  # the policy decides on every outcome so far
         self._decided = True  # this call's wall holds the decision: no sample of a depth (step_timing)
         steps = 1 if held is None else held.steps
@@ -341,6 +348,7 @@ class DraftLengths:
     def _set_cap(self, request_id: int, cap: int) -> None:
         self._caps[request_id] = cap
         self._pending_caps.append(request_id)
+        self._fixed_caps = None  # a live request's cap may have changed (a retirement)
         self.masked = True
 
     def _write_pending_caps(self) -> None:

@@ -25,20 +25,25 @@ from typing import Hashable, Iterator, NamedTuple
 from mtp_ctrl.state import StepMetadata
 
 STEP_COST, ROW_COST, UPLOAD = "step cost", "row cost", "upload"
+# the plan (in the graph key) of a decode-only step that verifies and drafts nothing and whose requests
+# never draft (each capped at 0, or retired): no draft phase at all, a plain engine's step
+NO_DRAFT_PHASE = "no draft phase"
 
 
 class WarmupVariant(NamedTuple):
     step: StepMetadata  # a padding step of the shape (no request), num_steps / verify_width / num_drafts set
     all_greedy: bool  # the all-greedy sampling path (decode-only shapes warm both paths)
     masked: bool  # draft rows masked by length (DraftLengths.warmup_masks)
-    plan: Hashable  # the proposer's plan (Proposer.warmup_plans; None without drafting)
+    plan: Hashable  # the proposer's plan (Proposer.warmup_plans; None without drafting), or NO_DRAFT_PHASE
     use: str  # STEP_COST, ROW_COST or UPLOAD (module docstring)
 
 
 def warmup_variants(context, run_lengths, draft_lengths, proposer) -> Iterator[WarmupVariant]:
     """Every graph variant of every padded shape (``context.graph_shapes`` of each verify tier V and
     draft depth D that ``draft_lengths.warmup_tiers()`` lists), decode runs of ``run_lengths`` for
-    the decode-only shapes, and each of the ``proposer``'s plans for it."""
+    the decode-only shapes, and each of the ``proposer``'s plans for it; with drafting, also the
+    decode-only shapes' steps of requests that never draft (``NO_DRAFT_PHASE``: whatever the policy,
+    a request may be capped at 0 drafts)."""
     S = draft_lengths.S
     every_depth_drafts_S = min(draft_lengths.warmup_depths()) == S  # fixed S: only the steady plan occurs
     for verify_width, num_drafts in draft_lengths.warmup_tiers():
@@ -69,3 +74,11 @@ def warmup_variants(context, run_lengths, draft_lengths, proposer) -> Iterator[W
                         else:
                             use = UPLOAD
                         yield WarmupVariant(step, all_greedy, masked, plan, use)
+    if S > 0:
+        for shape in context.graph_shapes(0):
+            if shape.has_prefill or shape.is_ragged(0):
+                continue
+            for num_steps in run_lengths:
+                step = context.build_padding_step(shape, num_steps, 0, 0)
+                for all_greedy in (True, False):
+                    yield WarmupVariant(step, all_greedy, False, NO_DRAFT_PHASE, UPLOAD)

@@ -103,7 +103,7 @@ class OutputRows:
         order; the tokens are in :attr:`tokens`.
         """
         num_steps = readbacks.shape[0]
-        if present is None and self._no_stop_possible(slots, num_steps):
+        if present is None and self._no_stop_possible(slots, readbacks[:, :, 0]):
             return self._append_all(readbacks, decode, slots), []
         emitted = np.zeros((num_steps, slots.shape[0]), dtype=np.int64)
         finished = []
@@ -147,12 +147,12 @@ class OutputRows:
             finished.append((int(row), REASONS[int(reasons[row])]))
         return emitted, finished
 
-    def _no_stop_possible(self, slots: np.ndarray, num_steps: int) -> bool:
-        """No request in ``slots`` can stop in these ``num_steps`` steps whatever they accept: none
-        has finished, none has eos ids or stop sequences, and ``num_steps * (1 + S)`` more tokens
-        reach neither max_new_tokens nor max_model_len (the common decode launch: 5 numpy
-        reductions instead of the full check)."""
-        counts = self.counts[slots] + num_steps * self.shape.stride  # [n] int64, the output length after full accepts
+    def _no_stop_possible(self, slots: np.ndarray, accepted: np.ndarray) -> bool:
+        """No request in ``slots`` stops in the launch whose steps accepted ``accepted`` (``[k, n]``
+        int64) drafts: none has finished, none has eos ids or stop sequences, and the tokens it
+        emitted (``accepted + 1`` a step) reach neither max_new_tokens nor max_model_len (the common
+        decode launch: a few numpy reductions instead of the full check)."""
+        counts = self.counts[slots] + (accepted + 1).sum(axis=0)  # [n] int64, the output length after the launch
         return not (self.finished[slots].any() or self.slow_stops[slots].any() or (self.eos[slots] >= 0).any()
                     or (counts >= self.max_new_tokens[slots]).any()
                     or (self.prompt_lengths[slots] + counts >= self.shape.max_model_len).any())

@@ -86,7 +86,9 @@ class Proposer(abc.ABC):
         """Called instead of :meth:`propose` in a step where no request drafts (the draft-length
         policy chose 0 for all, ``batch.num_drafts == 0``): keep the proposer's own state current
         for later steps, draft nothing. Default: run :meth:`propose` and drop its drafts (always
-        correct); a stateless proposer overrides it with nothing."""
+        correct); a stateless proposer overrides it with nothing. A decode-only step whose requests
+        all never draft (:meth:`on_admitted` with ``may_draft`` False, or :meth:`on_retired`) calls
+        neither: nothing of theirs is needed later."""
         self.propose(dataclasses.replace(batch, num_drafts=self.draft_context.shape.num_speculative_tokens))
 
     def draft_logits(self) -> Optional[torch.Tensor]:

@@ -12,6 +12,8 @@ after the step in flight.
 
 from typing import Iterable, List
 
+import numpy as np
+
 from mtp_ctrl.controllers.acceptance import RequestSampling
 from mtp_ctrl.controllers.draft_lengths import DraftLengths
 from mtp_ctrl.controllers.output_rows import OutputRows
@@ -34,6 +36,8 @@ class SlotLifecycle:
         self.context, self.scheduler = context, context.scheduler
         self.requests, self.outputs, self.proposer, self.draft_lengths = requests, outputs, proposer, draft_lengths
         draft_lengths.on_retired = self.retire_from_speculation
+        # [R + 1] bool by table slot: its request never drafts (capped at 0, or retired); read per launch
+        self._never_drafts = np.zeros(context.shape.max_requests + 1, dtype=bool)
 
     def can_admit(self) -> bool:
         request_id = self.scheduler.next_waiting()
@@ -58,12 +62,20 @@ class SlotLifecycle:
                                      else NO_DRAFT_STATE)
             self.scheduler.take_next_waiting()  # only once the context holds it
             request.attach(self.outputs, self.context.table)  # the slot's rows own output and counters now
-            self.proposer.on_admitted(self.context.table.slot_of(request.request_id), may_draft)
+            slot = self.context.table.slot_of(request.request_id)
+            self._never_drafts[slot] = not may_draft
+            self.proposer.on_admitted(slot, may_draft)
+
+    def none_drafts(self, slots: np.ndarray) -> bool:
+        """Whether no request in table ``slots`` (``[n]`` int64) drafts, now or later."""
+        return bool(self._never_drafts[slots].all())
 
     def retire_from_speculation(self, request_id: int) -> None:
         """The live request never drafts again (the policy retired it): the proposer may stop
         keeping what only its drafts would read (``Proposer.on_retired``)."""
-        self.proposer.on_retired(self.context.table.slot_of(request_id))
+        slot = self.context.table.slot_of(request_id)
+        self._never_drafts[slot] = True
+        self.proposer.on_retired(slot)
 
     def preempt_newest(self) -> None:
         """Evict the newest live request to free its KV blocks; it waits first in the queue."""

@@ -61,12 +61,15 @@ class StepLauncher:
                 remove_mask=torch.empty(release_shape, dtype=torch.bool, device=device),
             ))
 
-    def launch(self, step: StepMetadata, readback: torch.Tensor, all_greedy: bool, mask_drafts: bool = True) -> None:
+    def launch(self, step: StepMetadata, readback: torch.Tensor, all_greedy: bool, mask_drafts: bool = True,
+               draft_phase: bool = True) -> None:
         """One step's device work; stages ``[accepted count, bonus token, accepted drafts]`` of each
         request of the grid into ``readback`` (``[R, S + 2]`` int64 on the device). ``all_greedy``:
         every request samples greedily (a host flag from the requests' parameters). ``mask_drafts``:
         some request may hold fewer than S drafts (False skips the masking kernels: every request
-        drafted S)."""
+        drafted S). ``draft_phase`` False (``graph_warmup.NO_DRAFT_PHASE``: a decode-only step of V = D = 0 whose
+        requests never draft): neither the proposer nor its per-request rows run; each request's
+        draft length row stays 0, what it held to verify none."""
         context, attention, shape = self.context, step.attention, self.context.shape
         S, V = shape.num_speculative_tokens, step.verify_width
         context.prepare_inputs(step)
@@ -111,7 +114,7 @@ class StepLauncher:
         if num_mamba_decode > 0:  # keep each decode's state after its last accepted row
             context.mamba.commit_accepted(step.prefill_status[:num_mamba_decode], mamba.decode_slot_ids,
                                           self.accepted_counts[:num_mamba_decode], step.verify_stride)
-        if S > 0:
+        if S > 0 and draft_phase:
             self._draft(step, hidden, grid)
         staged = readback[:grid]  # [G, S + 2]; columns past 2 + V stay -1 (accepted_tokens' fill)
         staged[:, 0] = self.accepted_counts[:grid]

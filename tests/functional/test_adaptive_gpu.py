@@ -11,6 +11,7 @@ import torch
 
 from mtp_ctrl.controllers import (GoodputPolicy, InferenceConfig, PerRequestGoodputPolicy, RandomDraftLengths,
                                   SamplingParams, TextGenerationController)
+from mtp_ctrl.controllers.graph_warmup import NO_DRAFT_PHASE
 from tests.functional.sync_checks import no_host_sync
 from tests.functional.test_controller_gpu import DeviceOracleProposer, plain_sequences
 from tests.unit.draft_length_fixtures import BurstyLengths, RandomDepths, RetiringDepths
@@ -184,6 +185,8 @@ def test_opted_out_and_retired_requests_replay_graphs_with_no_sync_and_equal_pla
     assert [r.output_tokens for r in controller.generate(PROMPTS * 2, params)] == plain
     assert policy.retired and controller.debug_view().num_cuda_graphs == warmed and None not in plans
     assert controller.decode_launches > 4 and plans[((0, 0),)] > 0  # steps that ran no MTP window
+    # once every request is retired, decode steps run no draft phase at all (graphs warmed up for them)
+    assert plans[NO_DRAFT_PHASE] > 0 or not all_retired
     controller.close()
 
 

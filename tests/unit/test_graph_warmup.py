@@ -6,7 +6,7 @@ import pytest
 
 from mtp_ctrl.controllers import GoodputPolicy
 from mtp_ctrl.controllers.draft_lengths import DraftLengths
-from mtp_ctrl.controllers.graph_warmup import ROW_COST, STEP_COST, UPLOAD, warmup_variants
+from mtp_ctrl.controllers.graph_warmup import NO_DRAFT_PHASE, ROW_COST, STEP_COST, UPLOAD, warmup_variants
 from mtp_ctrl.controllers.mtp_catch_up import WindowCatchUp
 from tests.unit.context_fixtures import make_context
 
@@ -52,6 +52,15 @@ def test_every_graph_once_and_the_timed_replays(policy, ragged):
             assert step.dimensions.has_prefill or step.dimensions.is_ragged(step.verify_width)
         else:
             assert variant.use == UPLOAD
+    # whatever the policy, the decode-only steps of requests that never draft (capped at 0 or retired): every
+    # run length, both sampling paths, no draft phase (V = D = 0, never masked), uploaded only
+    no_draft_phase = [v for v in variants if v.plan == NO_DRAFT_PHASE]
+    decode_shapes = [shape for shape in ctx.graph_shapes(0) if not shape.has_prefill and not shape.is_ragged(0)]
+    assert {(v.step.dimensions, v.step.num_steps, v.all_greedy) for v in no_draft_phase} == \
+        {(shape, k, greedy) for shape in decode_shapes for k in ctx.scheduler.run_lengths for greedy in (True, False)}
+    assert all(v.step.verify_width == v.step.num_drafts == 0 and not v.masked and v.use == UPLOAD
+               for v in no_draft_phase)
+    variants = [v for v in variants if v.plan != NO_DRAFT_PHASE]
     if policy is None:  # fixed S: the steady plan only, S drafts verified and drafted, never masked
         assert {(v.step.verify_width, v.step.num_drafts, v.masked) for v in variants} == {(S, S, False)}
         assert all(v.plan == ((S, 0),) * v.step.num_steps for v in variants)

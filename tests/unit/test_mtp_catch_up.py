@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from mtp_ctrl.controllers import MTPProposer, SamplingParams
+from mtp_ctrl.controllers.graph_warmup import NO_DRAFT_PHASE
 from mtp_ctrl.controllers.mtp_catch_up import SKIP, WindowCatchUp
 from tests.unit.controller_fixtures import MTP_DEPTH
 from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, BurstyLengths, RandomDepths,  # noqa: F401
@@ -22,12 +23,32 @@ from tests.unit.draft_length_fixtures import (ARRIVALS, SQUEEZE, BurstyLengths, 
 class RecordingMTP(MTPProposer):
     """Records every draft row of a sampling request: (request id, e, drafts of the step's D depths);
     counts the decode-only steps that ran the windows while nobody drafted; records each launch's
-    (D, plan), and ``clock()`` beside it."""
+    (D, plan), and ``clock()`` beside it; and each scheduled step's (decode-only, clock, whether the
+    launch reached the proposer's draft phase: ``propose`` or ``on_no_drafts``)."""
 
     def __init__(self, clock=None, **options):
         super().__init__("paged", **options)
         self.drafts, self.idle_windows, self.plans = [], 0, []
         self.clock, self.clocks = clock, []  # clock(): a value recorded with each launch's plan
+        self.scheduled, self._draft_phase_ran, self._run_steps_seen = [], False, 0
+
+    def on_no_drafts(self, batch):
+        self._draft_phase_ran = True
+        super().on_no_drafts(batch)
+
+    def on_step_scheduled(self, step):
+        self.scheduled.append((step.decode_only, None if self.clock is None else self.clock(), self._draft_phase_ran))
+        self._run_steps_seen += 1
+        if self._run_steps_seen == step.num_steps:  # once a launch: every step of a decode run was scheduled
+            self._draft_phase_ran, self._run_steps_seen = False, 0
+        super().on_step_scheduled(step)
+
+    def launches_without_draft_phase(self, after=None):
+        """Decode-only steps (scheduled with the clock at ``after`` or later) whose launch ran no draft
+        phase, and those that ran one."""
+        steps = [ran for decode_only, clock, ran in self.scheduled
+                 if decode_only and (after is None or clock >= after)]
+        return steps.count(False), steps.count(True)
 
     def plan_launch(self, step):
         plan = super().plan_launch(step)
@@ -37,6 +58,7 @@ class RecordingMTP(MTPProposer):
         return plan
 
     def propose(self, batch):
+        self._draft_phase_ran = True
         drafts = super().propose(batch)
         step, depths = batch.step, batch.depths(MTP_DEPTH)
         if depths == 0:
@@ -101,7 +123,8 @@ def test_skipped_windows_draft_what_run_windows_draft(mtp_model, plain, torch_tw
         for key, step in launched.items():  # warm-up captures the plan of every padded step (a graph per plan)
             padding = controller.context.build_padding_step(step.dimensions, step.num_steps, step.num_drafts,
                                                             step.verify_width)
-            assert key[6] in proposer.warmup_plans(padding), (key, step.num_prefill)
+            no_draft_phase = key[6] == NO_DRAFT_PHASE and step.decode_only and key[3] == key[4] == 0
+            assert no_draft_phase or key[6] in proposer.warmup_plans(padding), (key, step.num_prefill)
             plans.add(key[6])
         assert len(plans) >= (3 if skip else 1) and (None in plans) != skip, plans
         if pause_at is None:
@@ -138,7 +161,11 @@ def test_requests_that_never_draft_are_never_caught_up(mtp_model, plain, torch_t
     assert run == skipped
     decode_depths = [d for _, decode_only, plan in recorded[True].plans if decode_only for d, _ in plan]
     if len(opted_out) == len(ARRIVALS):
-        assert decode_depths and not any(decode_depths)  # no forced catch-up
+        # no decode-only launch reaches the proposer (no draft phase: no window, no forced catch-up)
+        for skip in (False, True):
+            without, with_draft_phase = recorded[skip].launches_without_draft_phase()
+            assert without > 4 and with_draft_phase == 0
+        assert not decode_depths
         # nor any window of a prompt (no prefix caching: nothing would read them)
         assert not any(d for _, _, plan in recorded[True].plans for d, _ in plan)
     else:
@@ -165,7 +192,8 @@ def test_retired_requests_never_draft_and_are_never_caught_up(mtp_model, plain, 
         for key, step in launched.items():  # warm-up captures every plan launched (a graph per plan)
             padding = controller.context.build_padding_step(step.dimensions, step.num_steps, step.num_drafts,
                                                             step.verify_width)
-            assert key[6] in proposer.warmup_plans(padding), (key, step.num_prefill)
+            no_draft_phase = key[6] == NO_DRAFT_PHASE and step.decode_only and key[3] == key[4] == 0
+            assert no_draft_phase or key[6] in proposer.warmup_plans(padding), (key, step.num_prefill)
         recorded[skip], policies[skip] = proposer, policy
         assert policy.retired and all(count <= 2 for count in policy.drafted_after.values()), policy.drafted_after
     run, skipped = recorded[False], recorded[True]
@@ -174,11 +202,10 @@ def test_retired_requests_never_draft_and_are_never_caught_up(mtp_model, plain, 
         [row for row in skipped.drafts if row[0] not in retired]
     after = [plan for (_, decode_only, plan), choices in zip(skipped.plans, skipped.clocks)
              if decode_only and choices >= policies[True].retire_at]
-    assert after
-    if all_retired:
-        late = [plan for (_, decode_only, plan), choices in zip(skipped.plans, skipped.clocks)
-                if decode_only and choices >= policies[True].retire_at]
-        assert late and not any(depths for plan in late for depths, _ in plan)  # no depth runs, no catch-up
+    if all_retired:  # once the drafts in flight are verified, no decode-only launch runs a draft phase
+        assert not any(depths for plan in after for depths, _ in plan)  # no depth runs, no catch-up
+        without, with_draft_phase = skipped.launches_without_draft_phase(after=policies[True].retire_at + 1)
+        assert without > 4 and with_draft_phase == 0, (without, with_draft_phase)
     else:
         assert any(depths for plan in after for depths, _ in plan)  # the others still draft
 

@@ -61,7 +61,7 @@ def test_fast_path_equals_the_full_stop_check_and_step_by_step(S, num_steps, dat
     decode = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     fast, full, stepwise = _rows(S, requests), _rows(S, requests), _rows(S, requests)
     slots = SLOTS[:n]
-    took_fast = fast._no_stop_possible(slots, num_steps)
+    took_fast = fast._no_stop_possible(slots, readbacks[:, :, 0])
     params_of_row = lambda row: requests[row][0]  # noqa: E731
     got = fast.apply(readbacks, decode, slots, params_of_row)
     want = full.apply(readbacks, decode, slots, params_of_row, np.ones(n, dtype=bool))
@@ -76,14 +76,22 @@ def test_fast_path_equals_the_full_stop_check_and_step_by_step(S, num_steps, dat
 
 def test_the_fast_path_is_taken_only_when_no_row_can_stop():
     S, output = 2, [1, 2]
-    reach = len(output) + 1 + S  # 5
-    assert _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(SLOTS[:1], 1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=reach), 3, output)])._no_stop_possible(SLOTS[:1], 1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(SLOTS[:1], 2)  # a run of 2
-    assert not _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach, output)])._no_stop_possible(SLOTS[:1], 1)
-    assert _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach - 1, output)])._no_stop_possible(SLOTS[:1], 1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=50, eos_token_ids=(3,)), 3, output)])._no_stop_possible(SLOTS[:1], 1)
-    assert not _rows(S, [(SamplingParams(max_new_tokens=50, stop_sequences=((4, 5),)), 3, output)])._no_stop_possible(SLOTS[:1], 1)
+    reach = len(output) + 1 + S  # 5: the output length after a step that accepts every draft
+    full, none = np.full((1, 1), S), np.zeros((1, 1), dtype=np.int64)  # [k, n] accepted drafts
+    assert _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(SLOTS[:1], full)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=reach), 3, output)])._no_stop_possible(SLOTS[:1], full)
+    # what the launch accepted counts, not what it might have: one token emitted stays short of max_new_tokens
+    assert _rows(S, [(SamplingParams(max_new_tokens=reach), 3, output)])._no_stop_possible(SLOTS[:1], none)
+    run_of_2 = np.full((2, 1), S)
+    assert not _rows(S, [(SamplingParams(max_new_tokens=reach + 1), 3, output)])._no_stop_possible(SLOTS[:1], run_of_2)
+    rows = _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach, output)])
+    assert not rows._no_stop_possible(SLOTS[:1], full)
+    rows = _rows(S, [(SamplingParams(max_new_tokens=50), MAX_MODEL_LEN - reach - 1, output)])
+    assert rows._no_stop_possible(SLOTS[:1], full)
+    rows = _rows(S, [(SamplingParams(max_new_tokens=50, eos_token_ids=(3,)), 3, output)])
+    assert not rows._no_stop_possible(SLOTS[:1], none)
+    rows = _rows(S, [(SamplingParams(max_new_tokens=50, stop_sequences=((4, 5),)), 3, output)])
+    assert not rows._no_stop_possible(SLOTS[:1], none)
 
 
 def test_length_budgets_of_the_unfinished_rows():
