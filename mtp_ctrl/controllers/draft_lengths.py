@@ -517,8 +517,11 @@ class DraftLengths:
             return
         if timing.tokens >= 0:  # first: against the model before this sample moves it
             wall = timing.wall_seconds * timing.steps if timing.realised_seconds < 0 else timing.realised_seconds
+            expected = self.policy.expected_tokens  # [D + 1] at the last choice, or None
+            if expected is not None:
+                expected = float(expected[timing.num_drafts]) if timing.num_drafts < expected.shape[0] else None
             self.policy.cost_model.record_realised(timing.batch_size, timing.num_drafts, wall, timing.steps,
-                                                   timing.tokens, timing.request_steps, timing.mixed)
+                                                   timing.tokens, timing.request_steps, timing.mixed, expected)
         if timing.steady:
             self.policy.cost_model.record(timing.batch_size, timing.num_drafts, timing.wall_seconds,
                                           None if timing.gpu_seconds < 0 else timing.gpu_seconds, timing.mixed)

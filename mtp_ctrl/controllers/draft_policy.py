@@ -89,6 +89,9 @@ class DraftLengthPolicy:
 
     def __init__(self):
         self.cost_model: Optional[StepCostModel] = None
+        # [D + 1] float64 or None: a request's expected tokens a step at each depth, at the last choice
+        # (the cost model's realised samples keep them beside the tokens that came: its token_calibration)
+        self.expected_tokens: Optional[np.ndarray] = None
 
     def bind(self, shape) -> None:
         """Called once by the controller (S > 0 only) with its ``EngineShape`` (S is
@@ -226,15 +229,17 @@ class GoodputPolicy(DraftLengthPolicy):
 
     Retirement: a batch held at D = 0 still keeps every MTP cache exact for when drafting resumes
     (a forced catch-up every M positions: 12-13 % of a plain step's GPU time on the demo). So once
-    the policy has chosen D = 0 at a settled grid (:meth:`settled`) while requests wait, on its
-    own scores and not to explore, for ``retire_after`` steps in a row (launches:
-    ``DraftLengthQuery.steps``), it retires the live requests from speculation (:meth:`retiring`)
-    and admits new ones retired (:meth:`admits_drafts`): the steps cost plain decoding's kernels
-    (+ 2-3 % on the demo: the draft-length glue). It admits drafting requests again
-    when nobody waits (the queue's workload is over) or ``explore_every`` steps after retiring;
-    estimates that nothing refreshed meanwhile have drifted to the prior, so the new requests are
-    tried. ``retire_after=None``: never retire. Only in a queue: a closed batch that drains may
-    want drafts for its last requests, which a retired request could not make.
+    the policy has chosen D = 0 at a settled grid (:meth:`settled`), on its own scores and not to
+    explore, for ``retire_after`` steps in a row (launches: ``DraftLengthQuery.steps``), it retires
+    the live requests from speculation (:meth:`retiring`): their decode steps then run no draft
+    phase at all, plain decoding's kernels. While requests wait it also admits new ones retired
+    (:meth:`admits_drafts`), and admits drafting requests again when nobody waits (the queue's
+    workload is over) or ``explore_every`` steps after retiring; estimates that nothing refreshed
+    meanwhile have drifted to the prior, so the new requests are tried. A batch that drains (the
+    drain objective) is retired on the same rule: that objective weighs the batch's slowest
+    request already, so D = 0 held there means drafts do not pay for its tail either (at this
+    grid: a retired request cannot draft if its batch shrinks to a smaller one later).
+    ``retire_after=None``: never retire.
     """
 
     SMALLEST_POPULATION = 8  # estimates of requests that left, before the drain objective uses them as priors
@@ -286,7 +291,6 @@ class GoodputPolicy(DraftLengthPolicy):
         # loop's run-to-run spread, keeps the fewer drafts (they cost less if the estimate is wrong)
         self.min_gain = min_gain
         self.last_depth = None  # the D of the last choice (for benchmarks)
-        self.expected_tokens = None  # [D + 1] at the last choice: a request's expected tokens a step (reports)
         # [D + 1] at the last choice: each depth's priced seconds a step and its score (higher is better:
         # tokens a second, or one over the expected drain time); None before the first (reports)
         self.last_seconds = self.last_scores = None
@@ -416,8 +420,12 @@ class GoodputPolicy(DraftLengthPolicy):
         for k in range(2, S + 1):  # prefix sums by column (S columns, whatever the batch: see prefix_products)
             gain[:, k] += gain[:, k - 1]
         tokens = n + at_depths(gain, caps, max_depth).sum(axis=0)  # [max_depth + 1]: a request drafts min(D, cap_r)
-        self.expected_tokens = tokens / max(n, 1)  # a request's tokens a step at each D (reports: vs realised)
+        self.expected_tokens = tokens / max(n, 1)  # a request's tokens a step at each D (the realised ones' yardstick)
         depths = np.arange(max_depth + 1)
+        # what the loop emitted at each depth over what was expected of it (step_costs.py: last steps cut,
+        # estimates that run high): the tokens the choice counts on
+        token_calibration = np.array([self.cost_model.token_calibration(query.batch_size, depth) for depth in depths])
+        tokens = tokens * token_calibration
         if query.num_waiting > 0 and self.cost_model.prices_rows(query.batch_size):
             rows_at_depth = n * (1 + depths)  # [D + 1] decode rows: 1 + V each (one depth: no ragged rows)
             drafting = ((depths > 0) & bool((caps > 0).any())).astype(np.float64)  # [D + 1]: drafts for anyone
@@ -437,7 +445,7 @@ class GoodputPolicy(DraftLengthPolicy):
             drain_estimates = self._drain_estimates(rows, estimates, query.request_ids)
             if drain_estimates is not estimates:  # some requests took population priors
                 reach = prefix_products(drain_estimates)
-            steps = expected_drain_steps(query.tokens_left, reach, caps, max_depth)
+            steps = expected_drain_steps(query.tokens_left, reach, caps, max_depth) / token_calibration
             score = 1.0 / (steps * seconds)
         else:
             score = tokens / seconds  # expected tokens per second of the batch at each D
@@ -456,7 +464,7 @@ class GoodputPolicy(DraftLengthPolicy):
         if depth == best_depth:
             self._held_depth = depth
         self.last_depth, self._last_tokens = depth, float(tokens[depth])
-        self._retire_if_held_at_zero(query, depth == best_depth == 0 and scores_zero and max_depth > 0)
+        self._retire_if_held_at_zero(query, depth == best_depth == 0 and scores_zero and max_depth > 0, drain)
         return np.minimum(depth, caps).astype(np.int64)
 
     def _still_retired(self, query: DraftLengthQuery) -> bool:
@@ -470,15 +478,18 @@ class GoodputPolicy(DraftLengthPolicy):
         self._retire(query.request_ids[query.caps > 0])
         return True
 
-    def _retire_if_held_at_zero(self, query: DraftLengthQuery, chose_zero: bool) -> None:
+    def _retire_if_held_at_zero(self, query: DraftLengthQuery, chose_zero: bool, drain: bool) -> None:
         """Retirement (class docstring): ``chose_zero``, this choice is D = 0 on the scores for
-        requests that may draft."""
-        held_zero = chose_zero and query.num_waiting > 0 and self.settled(query.batch_size)
+        requests that may draft; ``drain``: it was made on the drain objective (nobody waits: the
+        batch is retired, and the requests that come later are tried as usual)."""
+        held_zero = chose_zero and (query.num_waiting > 0 or drain) and self.settled(query.batch_size)
         self._zero_steps = self._zero_steps + query.steps if self._last_zero and held_zero else 0
         self._last_zero = held_zero
         if held_zero and self.retire_after is not None and self._zero_steps >= self.retire_after:
             self._retire(query.request_ids[query.caps > 0])
-            self.speculation_retired, self._retired_steps, self._zero_steps = True, 0, 0
+            self._zero_steps = 0
+            if query.num_waiting > 0:  # a queue: the requests it admits are retired too, for a while
+                self.speculation_retired, self._retired_steps = True, 0
 
     def _retire(self, request_ids: np.ndarray) -> None:
         self._retiring.extend(request_ids.tolist())  # host-ok: numpy

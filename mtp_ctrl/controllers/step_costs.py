@@ -92,11 +92,13 @@ class StepCostModel:
         self.mixed_share = 0.0  # moving average of the applied launches that carried prefill chunks
         self.share_smoothing = 1.0 / 32  # its weight of one launch
         # (G, V) -> decayed sums over every busy call's applied launch (module docstring, "Realised costs"):
-        # [wall seconds, the model's seconds of the same steps, steps, tokens emitted, request-steps]
+        # [wall seconds, the model's seconds of the same steps, steps, tokens emitted, request-steps, tokens the
+        # policy expected of those request-steps]
         self.realised: Dict[Key, List[float]] = {}
         self.realised_decay = 0.98  # per step: the sums follow about the last 50 steps of a key
         self.realised_min_steps = 8.0  # a key's own calibration once it holds this many (decayed) steps
         self.realised_clip = 2.0  # a realised sample counts at most this many times the model (a pause is not a cost)
+        self.token_calibration_range = (0.5, 1.5)  # token_calibration's bounds (a few odd steps are not a trend)
 
     @property
     def measured(self) -> Dict[Key, float]:
@@ -178,13 +180,15 @@ class StepCostModel:
         self.realised.pop(key, None)
 
     def record_realised(self, batch_size: int, verify_width: int, wall_seconds: float, steps: int,
-                        tokens: int, request_steps: int, mixed: bool = False) -> None:
+                        tokens: int, request_steps: int, mixed: bool = False,
+                        expected_tokens: Optional[float] = None) -> None:
         """A busy call applied ``steps`` steps of grid ``batch_size`` verifying ``verify_width``
         drafts in ``wall_seconds`` (the loop's time since the call before returned), whose decode
         requests emitted ``tokens`` in ``request_steps`` request-steps (``mixed``: the launch had
-        prefill chunks). Kept beside the model's cost of the same steps (decode-only or mixed), only
-        once the steady model measured that key: the ratio is the depth's calibration
-        (:meth:`policy_seconds`)."""
+        prefill chunks; ``expected_tokens``: what the policy expected a request-step at that depth,
+        None: as many as came). Kept beside the model's cost of the same steps (decode-only or
+        mixed), only once the steady model measured that key: the ratio is the depth's calibration
+        (:meth:`policy_seconds`); the tokens over the expected ones, its :meth:`token_calibration`."""
         key = (int(batch_size), int(verify_width))
         # the step's own grid measured at this depth (every steady call of a batch): is_measured and
         # decode_seconds read that entry (per step: no scan of the grids)
@@ -198,13 +202,14 @@ class StepCostModel:
         wall = min(float(wall_seconds), self.realised_clip * model)
         sums = self.realised.get(key)
         if sums is None:
-            sums = self.realised[key] = [0.0] * 5
+            sums = self.realised[key] = [0.0] * 6
         keep = self.realised_decay ** steps
         sums[0] = sums[0] * keep + wall
         sums[1] = sums[1] * keep + model
         sums[2] = sums[2] * keep + steps
         sums[3] = sums[3] * keep + tokens
         sums[4] = sums[4] * keep + request_steps
+        sums[5] = sums[5] * keep + (tokens if expected_tokens is None else expected_tokens * request_steps)
 
     def calibration(self, batch_size: int, num_drafts: int) -> float:
         """Realised wall / the model's seconds of depth ``num_drafts`` at the step's grid: its own
@@ -231,6 +236,19 @@ class StepCostModel:
         batch that drains admits nobody, so its steps carry no prompt chunks, whatever the share of
         the steps before it did."""
         return self.decode_seconds(batch_size, num_drafts) * self.calibration(batch_size, num_drafts)
+
+    def token_calibration(self, batch_size: int, num_drafts: int) -> float:
+        """Tokens the loop's steps at depth ``num_drafts`` emitted over those the policy expected
+        of them (the realised sums of the step's grid, with ``realised_min_steps`` steps; else 1),
+        within ``token_calibration_range``. What the expectation misses comes out here: a request's
+        last step, cut at max_new_tokens; a decode run's steps after a request stopped; acceptance
+        estimates that run high (the demo at T = 1, D = 2: 2.35 tokens a request-step realised
+        where 2.50 were expected)."""
+        sums = self.realised.get((batch_size, num_drafts))
+        if sums is None or sums[2] < self.realised_min_steps or sums[5] <= 0:
+            return 1.0
+        low, high = self.token_calibration_range
+        return min(max(sums[3] / sums[5], low), high)
 
     def realised_tokens(self, batch_size: int, num_drafts: int) -> Optional[float]:
         """Tokens a decode request emitted per step at depth ``num_drafts`` (the realised sums), or None."""

@@ -330,6 +330,29 @@ def test_the_policy_drafts_only_where_the_realised_goodput_is_higher():
     assert policy.choose(drain_query(ids, waiting=5)).tolist() == [S] * 64
 
 
+def test_the_policy_counts_on_the_tokens_the_loop_emitted_not_those_it_expected():
+    """Realised steps that emit fewer tokens than the policy expected of them (token_calibration:
+    tokens over expected, per depth, bounded) lower what a depth counts on: drafting S at 0.5
+    acceptance expects 1.875 tokens a step for 1.3x a plain step's cost; where the loop emitted
+    0.6x the expected tokens at every drafting depth, the policy drafts nothing; emitting them
+    as expected, it drafts S again. Before a depth has enough realised steps its calibration is 1."""
+    policy, ids = policy_with([0.5] * 64)
+    assert policy.choose(drain_query(ids, waiting=5)).tolist() == [S] * 64
+    expected = policy.expected_tokens.copy()  # [S + 1] a request's tokens a step at each depth
+    assert policy.cost_model.token_calibration(64, S) == 1.0
+    for emitted in (0.6, 1.0):
+        for _ in range(200):
+            for depth, seconds in COSTS_1B.items():
+                tokens = round(64 * expected[depth] * (emitted if depth else 1.0))
+                policy.cost_model.record_realised(64, depth, seconds, 1, tokens, 64, expected_tokens=expected[depth])
+        assert policy.cost_model.token_calibration(64, S) == pytest.approx(emitted, rel=0.01)
+        assert policy.cost_model.token_calibration(64, 0) == pytest.approx(1.0)
+        assert policy.choose(drain_query(ids, waiting=5)).tolist() == ([0] if emitted < 1 else [S]) * 64
+    for _ in range(200):  # a wild run of steps is bounded (token_calibration_range)
+        policy.cost_model.record_realised(64, S, COSTS_1B[S], 1, 0, 64, expected_tokens=expected[S])
+    assert policy.cost_model.token_calibration(64, S) == policy.cost_model.token_calibration_range[0]
+
+
 def test_step_timing_samples_steady_calls_after_a_call_at_the_same_depth():
     """A call is a sample when it applied a steady launch (V = D) and the call before applied one
     of the same (G, D): the switch's first call (V = old width) and a call after a prefill are not;
