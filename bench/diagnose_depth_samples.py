@@ -38,6 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-steps", type=int, default=1, help="decode runs: steps a launch (InferenceConfig)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 192 (quick 8)")
     parser.add_argument("--json", default=None, help="also write every logged call here")
     parser.add_argument("--cprofile", nargs="*", default=(), metavar="ENGINE",
@@ -135,10 +136,12 @@ class SampleLog:
                             wall=wall_seconds, logging=policy.controller.logging))
             return record(batch_size, num_drafts, wall_seconds, gpu_seconds, mixed)
 
-        def logged_realised(batch_size, verify_width, wall_seconds, steps, tokens, request_steps, mixed=False):
+        def logged_realised(batch_size, verify_width, wall_seconds, steps, tokens, request_steps, mixed=False,
+                            expected_tokens=None):
             log.append(dict(kind="realised", call=len(policy.controller.calls) - 1, D=verify_width, mixed=mixed,
                             wall=wall_seconds / max(steps, 1), steps=steps, logging=policy.controller.logging))
-            return record_realised(batch_size, verify_width, wall_seconds, steps, tokens, request_steps, mixed)
+            return record_realised(batch_size, verify_width, wall_seconds, steps, tokens, request_steps, mixed,
+                                   expected_tokens)
 
         model.record, model.record_realised, self.samples = logged_record, logged_realised, log
         self.decisions = []
@@ -166,9 +169,11 @@ class LoggedPinnedPlain(SampleLog, bench.PinnedPlain):
     pass
 
 
-def build(model, S, batch, max_model_len, policy, device):
-    """``bench_adaptive.engine``'s controller (its config, warmed up), logged; the policy learns it."""
-    controller = bench.engine(model, S, batch, max_model_len, policy, device=device, controller_class=LoggedController)
+def build(model, S, batch, max_model_len, policy, device, decode_steps=1):
+    """``bench_adaptive.engine``'s controller (its config, warmed up; ``decode_steps``: decode runs),
+    logged; the policy learns it."""
+    controller = bench.engine(model, S, batch, max_model_len, policy, device=device, controller_class=LoggedController,
+                              decode_steps_per_launch=decode_steps)
     if policy is not None:
         policy.controller = controller
     return controller
@@ -277,7 +282,7 @@ def main(args):
     params = SamplingParams(max_new_tokens=new_tokens, temperature=args.temperature, seed=5)
     max_len = bench.PROMPT_LEN + new_tokens + 8
     kinds = [("plain", 0, None), ("goodput", 2, LoggedGoodput()), ("pinned 0", 2, LoggedPinnedPlain())]
-    engines = [bench.PointEngine(S, name, policy, build(model, S, batch, max_len, policy, device.type))
+    engines = [bench.PointEngine(S, name, policy, build(model, S, batch, max_len, policy, device.type, args.decode_steps))
                for name, S, policy in kinds]
     for entry in engines:
         bench.warm(entry, prompts, params)

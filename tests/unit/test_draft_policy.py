@@ -223,25 +223,6 @@ def test_a_batch_held_at_zero_in_a_queue_is_retired_until_nobody_waits():
     assert never.retired == 0 and never_lengths.admitted(9)
 
 
-def test_a_draining_batch_held_at_zero_is_retired_and_later_requests_may_draft():
-    """The drain objective (nobody waits, tokens left known) holding D = 0 on its scores at a settled
-    grid for ``retire_after`` steps retires the batch (its decode steps then run no draft phase),
-    and does not admit later requests retired: a request that arrives afterwards may draft."""
-    policy = GoodputPolicy(decide_every=4, longest_hold=8, retire_after=16, retime_explored=False)
-    lengths = DraftLengths(policy, SHAPE)
-    for depth in range(S + 1):  # every depth measured at the grid: drafting costs 10x a plain step
-        for _ in range(3):
-            policy.cost_model.record(8, depth, wall_seconds=1e-3 if depth == 0 else 1e-2, gpu_seconds=None)
-    retired = []
-    lengths.queue_view = lambda ids: (0, np.full(ids.shape[0], 40, dtype=np.int64))  # draining, 40 tokens each
-    lengths.on_retired = retired.append
-    assert lengths.admitted(1) and lengths.admitted(2)
-    for _ in range(40):
-        assert lengths.choose(np.array([1, 2]), 2, 8).tolist() == [0, 0]
-    assert retired == [1, 2] and policy.retired == 2 and not policy.speculation_retired
-    assert lengths.admitted(3)  # nobody was waiting: a later request is tried as usual
-
-
 def test_a_policy_that_retires_a_request_not_in_its_choice_is_named():
     class RetiresAStranger(FixedDraftLength):
         def retiring(self):
