@@ -131,7 +131,7 @@ HOST_PARTS = (("draft_lengths", "DraftLengths", ("choose", "needs_mask", "launch
               ("output_rows", "OutputRows", ("apply", "emitted_since")),
               ("readback", "Readbacks", ("begin", "end")),
               ("cuda_graphs", "StepGraphs", ("run",)),
-              ("slot_lifecycle", "SlotLifecycle", ("retire_finished", "admit_waiting")),
+              ("slot_lifecycle", "SlotLifecycle", ("retire_finished", "admit_waiting", "queue_view")),
               ("tp_lockstep", "TPLockstep", ("check",)),
               ("mtp_ctrl.state.context", "DynamicInferenceContext", ("build_step", "commit_readback", "needs_sync",
                                                                      "_verify_width", "_graph_shape",
@@ -145,7 +145,6 @@ HOST_PARTS = (("draft_lengths", "DraftLengths", ("choose", "needs_mask", "launch
               ("step_launch", "StepLauncher", ("launch",)),
               ("mtp_proposer", "MTPProposer", ("on_step_scheduled", "propose", "on_no_drafts")),
               ("controller", "TextGenerationController", ("_build_step", "_launch_step", "_apply", "_apply_in_flight",
-                                                           "_queue_view",
                                                            "_step_once", "has_unfinished_requests", "step")))
 
 

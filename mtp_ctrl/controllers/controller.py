@@ -67,7 +67,6 @@ from mtp_ctrl.state import BatchDimensions, DynamicInferenceContext, KVCacheFull
 from mtp_ctrl.triton_ops import sample_tokens
 
 StepOutput = Tuple[int, List[int], bool]  # (request_id, tokens emitted by the launch applied, finished)
-JOINING_SAMPLE = 16  # waiting requests whose token budgets give the policy the length of a joining request
 
 
 class TextGenerationController:
@@ -125,9 +124,9 @@ class TextGenerationController:
         if S > 0 and self._draft_lengths.policy.per_request_lengths and self.proposer.takes_ragged_rows and \
                 self.context.mamba is None and self.config.ragged_rows:
             self.context.enable_ragged_rows()  # each decode request runs 1 + s_r rows (docs/draft_lengths.md)
-        self._draft_lengths.queue_view = self._queue_view
         self._requests = RequestBook(seed, config.finished_results_kept)  # every request not forgotten
         self._lifecycle = SlotLifecycle(self.context, self._requests, self._outputs, self.proposer, self._draft_lengths)
+        self._draft_lengths.queue_view = self._lifecycle.queue_view
         self._all_greedy = False  # set per step from the running requests' SamplingParams
         self._idle_steps = 0  # step() calls that found nothing able to run
         self._pending_outputs: List[StepOutput] = []  # applied outside step() (close, pause): the next step() returns them
@@ -443,21 +442,6 @@ class TextGenerationController:
                 if not self._scheduler.should_preempt(self.context.table.num_live, self.context.steps_in_flight):
                     raise
                 self._lifecycle.preempt_newest()
-
-    def _queue_view(self, request_ids: np.ndarray) -> Tuple[int, np.ndarray, Optional[int]]:
-        """For the draft-length policy (when it is asked): how many requests wait for the batch
-        (to be admitted, or paused for KV space: either takes the blocks finishing requests free),
-        ``[n]`` the tokens each of the live ``request_ids`` may still emit, and the mean of the most
-        the next ``JOINING_SAMPLE`` waiting requests may (None: none waits, or only paused ones)."""
-        slots = np.fromiter(map(self.context.table.slot_of, request_ids.tolist()),  # host-ok: numpy ids
-                            np.int64, request_ids.shape[0])
-        # a preempted request waits first with its output so far: its budget is what it has left
-        budgets = [min(record.params.max_new_tokens, self.shape.max_model_len - len(record.prompt_tokens))
-                   - len(record.output_tokens)
-                   for record in map(self._requests.__getitem__, self._scheduler.waiting_ids(JOINING_SAMPLE))]
-        joining = round(sum(budgets) / len(budgets)) if budgets else None
-        return (self._scheduler.num_waiting + len(self._scheduler.paused_for_kv), self._outputs.tokens_left(slots),
-                joining)
 
     def _launch_step(self, step: StepMetadata) -> LaunchedStep:
         """Launch the step's GPU work (every step of a decode run) and the copy of its read-back;

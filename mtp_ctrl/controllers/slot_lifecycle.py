@@ -10,7 +10,7 @@ step still reads it as live, and a newly admitted request's device rows are rese
 after the step in flight.
 """
 
-from typing import Iterable, List
+from typing import Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from mtp_ctrl.state import DynamicInferenceContext
 # the prefix-cache namespace of requests whose prompt blocks lack the proposer's state (they never
 # draft: Proposer.prompt_state_complete): they share blocks among themselves, never with the others
 NO_DRAFT_STATE = b"no-draft-state"
+JOINING_SAMPLE = 16  # waiting requests whose token budgets give the policy the length of a joining request
 
 
 class SlotLifecycle:
@@ -69,6 +70,22 @@ class SlotLifecycle:
     def none_drafts(self, slots: np.ndarray) -> bool:
         """Whether no request in table ``slots`` (``[n]`` int64) drafts, now or later."""
         return bool(self._never_drafts[slots].all())
+
+    def queue_view(self, request_ids: np.ndarray) -> Tuple[int, np.ndarray, Optional[int]]:
+        """For the draft-length policy (when it is asked): how many requests wait for the batch
+        (to be admitted, or paused for KV space: either takes the blocks finishing requests free),
+        ``[n]`` the tokens each of the live ``request_ids`` may still emit, and the mean of the most
+        the next ``JOINING_SAMPLE`` waiting requests may (None: none waits, or only paused ones)."""
+        slots = np.fromiter(map(self.context.table.slot_of, request_ids.tolist()),  # host-ok: numpy ids
+                            np.int64, request_ids.shape[0])
+        # a preempted request waits first with its output so far: its budget is what it has left
+        max_model_len = self.context.shape.max_model_len
+        budgets = [min(record.params.max_new_tokens, max_model_len - len(record.prompt_tokens))
+                   - len(record.output_tokens)
+                   for record in map(self.requests.__getitem__, self.scheduler.waiting_ids(JOINING_SAMPLE))]
+        joining = round(sum(budgets) / len(budgets)) if budgets else None
+        return (self.scheduler.num_waiting + len(self.scheduler.paused_for_kv), self.outputs.tokens_left(slots),
+                joining)
 
     def retire_from_speculation(self, request_id: int) -> None:
         """The live request never drafts again (the policy retired it): the proposer may stop
