@@ -3,6 +3,8 @@ multi-layer EAGLE) on a target whose drafts often land, on hybrid Mamba and Gate
 rejection acceptance: output == plain decoding under random lengths, churn, preemption and
 padded steps, and under a queue (most steps carry a prefill chunk and verify their own tier)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,6 +45,29 @@ def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind,
     assert run(controller, ARRIVALS if arrivals == "closed" else QUEUED)[1] == plain[arrivals]
     assert any(accepted > 0 for _, accepted in policy.outcomes)  # drafts land: the masks matter
     assert arrivals == "closed" or len(set(tiers.widths)) >= S, tiers.widths  # mixed steps at several tiers
+
+
+@pytest.mark.parametrize("kind,policy,steps_per_launch", [("eagle", "fixed", 2), ("parallel", "random", 1),
+                                                            ("multi_layer", "random", 2)])
+def test_eagle_family_with_requests_that_never_draft_equal_plain(eagle_model, torch_twins, kind, policy,
+                                                                 steps_per_launch):
+    """The first four requests opt out (``num_speculative_tokens=0``): their decode steps, every live
+    request opted out, run no draft phase (no proposer call); the later ones draft beside them and
+    after them, under churn, preemption and decode runs: the output is plain decoding's."""
+    model, plain = eagle_model
+    torch.manual_seed(78)
+    if kind == "multi_layer":
+        proposer, S = MultiLayerEagleProposer(build_multi_layer_eagle_heads(model, 2, AUX_LAYERS).eval()), 2
+    else:
+        head = build_eagle_head(model, AUX_LAYERS, parallel_drafting=kind == "parallel").eval()
+        proposer, S = (ParallelDraftingProposer(head), 3) if kind == "parallel" else (EagleProposer(head), 3)
+    arrivals = tuple((step, prompt, dataclasses.replace(params, num_speculative_tokens=0) if index < 4 else params)
+                     for index, (step, prompt, params) in enumerate(ARRIVALS))
+    controller = controller_for(model, S, proposer, CheckedRandomLengths(seed=9) if policy == "random" else None,
+                                decode_steps_per_launch=steps_per_launch, **SQUEEZE)
+    ids, outputs = run(controller, arrivals)
+    assert outputs == plain["closed"]
+    assert any(controller.result(rid).preemptions for rid in ids)  # KV pressure evicted a request
 
 
 def test_rejection_acceptance_with_random_lengths(torch_twins):
