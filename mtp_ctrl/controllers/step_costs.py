@@ -442,9 +442,8 @@ class RowCostModel(StepCostModel):
         where drafting spreads the same prompts over many mixed steps (each padded to a bucket, each
         a mixed step's cost): what a queue's recent chunks (:meth:`row_seconds`) cannot tell while
         the batch runs in lockstep. Plus the loop's measured wall over the GPU of a decode step at
-        the depth, and on each step with prompt chunks what such steps cost past their replay and
-        that gap (:meth:`_join_overheads`). None without the mixed buckets' times or a chunk
-        measured (then :meth:`row_seconds`)."""
+        the depth. None without the mixed buckets' times or a chunk measured (then
+        :meth:`row_seconds`)."""
         rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
         linear, priced = self._decode_part(batch_size, rows, depths)
         if priced is None or priced[2] is None or not self.chunk_rows:
@@ -471,52 +470,15 @@ class RowCostModel(StepCostModel):
         log_weights[joins == 0.0] = np.where(k == 0, 0.0, -np.inf)  # lambda = 0: no join
         weights = np.exp(log_weights - log_weights.max(axis=1, keepdims=True))
         weights /= weights.sum(axis=1, keepdims=True)
-        # a step with prompt chunks also costs the loop its measured wall past its replay and past a
-        # decode step's gap (admission, single steps where decode runs) per join step, not per join
-        overhead = self._join_overheads(batch_size, depths, mixed_table)  # [c]
-        steps = mixed(np.rint(k * chunk).astype(np.int64)[None, :]) + overhead[:, None]  # [c, K + 1]
+        steps = mixed(np.rint(k * chunk).astype(np.int64)[None, :])  # [c, K + 1]
         steps[:, 0] = decode
         spread_extra = (weights * steps).sum(axis=1) - decode  # [c]
         groups = np.asarray(finish_groups, dtype=np.int64)
-        bulk_extra = (mixed(np.rint(groups * chunk).astype(np.int64)[None, :]) + overhead[:, None]
-                      - decode[:, None]).sum(axis=1) / max(float(period), 1.0) if groups.shape[0] \
-            else np.zeros_like(decode)  # [c]
+        bulk_extra = (mixed(np.rint(groups * chunk).astype(np.int64)[None, :]) - decode[:, None]).sum(axis=1) \
+            / max(float(period), 1.0) if groups.shape[0] else np.zeros_like(decode)  # [c]
         out = gaps[1, depths] + decode + (1.0 - drafting) * bulk_extra + spread_extra
         out[depths >= mixed_table.shape[0]] = np.nan  # a depth the warm-up did not time
         return np.where(np.isnan(out) | np.isnan(decode), linear, out)
-
-    def _join_overheads(self, batch_size: int, depths: np.ndarray, mixed_table: np.ndarray) -> np.ndarray:
-        """``[c]`` what a step with prompt chunks costs the loop beyond the replay of its token bucket
-        and beyond a decode step's gap (the loop's wall over the GPU), at candidate i's depth: the
-        measured wall of such steps (``mixed_wall``) less the mean replay of the buckets the recent
-        mixed steps' prefill rows and the grid's decode rows pad to, less the decode gap; the mean of the
-        measured depths' for a depth whose mixed steps are not measured, 0 with none measured. On
-        the demo with decode runs of 4 (H200) a mixed step took 1.1-1.8 ms of wall where its
-        replay read 0.4-0.5: admitting requests is host work, and a mixed step is one step where a
-        decode launch runs four."""
-        grid = _grid_for(self.mixed_wall, batch_size)
-        samples = min(self._prefill_count, self.PREFILL_SAMPLES)
-        out = np.zeros(depths.shape[0])
-        if grid is None or not samples:
-            return out
-        prefill = self._prefill_ring[:samples]  # [u] the recent mixed steps' prefill rows
-        measured = {}  # depth -> overhead
-        for depth in range(mixed_table.shape[0]):  # every timed depth: an unmeasured one takes their mean
-            wall = self.mixed_wall.get((grid, depth))
-            if wall is None:
-                continue
-            # the measured steps' decode rows: the grid's 1 + D each (one depth for the batch)
-            tokens = np.minimum(batch_size * (1 + depth) + prefill, mixed_table.shape[1] - 1)  # [u]
-            replay = float(mixed_table[depth, tokens].mean())
-            gpu = self._lookup(self.gpu, batch_size, depth)  # the decode gap, as _decode_part takes it
-            gap = max(0.0, self.decode_seconds(batch_size, depth) - gpu) \
-                if gpu is not None and self.is_measured(batch_size, depth) else 0.0
-            if not np.isnan(replay):
-                measured[depth] = max(0.0, wall - replay - gap)
-        if not measured:
-            return out
-        common = sum(measured.values()) / len(measured)
-        return np.array([measured.get(int(depth), common) for depth in depths])
 
     def _decode_part(self, batch_size: int, rows: np.ndarray, depths: np.ndarray):
         """``(linear [c], (decode [c], gaps [2, D + 1], mixed table or None) or None)``: the linear

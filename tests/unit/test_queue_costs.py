@@ -58,25 +58,6 @@ def test_plain_steps_pay_their_finish_groups_and_drafting_steps_poisson_joins():
     assert np.allclose(bulk, 1.0 + (bucket_seconds(4 + 160, buckets) - 1.0) / 10)
 
 
-def test_a_join_step_costs_its_measured_wall_past_its_replay():
-    """Steps with prompt chunks measured at 2.0 more wall than their bucket's replay (a decode step's
-    gap 0): every join step, not every join, pays that: plain decoding's one bulk step a period adds
-    2.0 / period, drafting's joins 2.0 x P(at least one join a step); a depth whose mixed steps were
-    not measured takes the measured depths' overhead; before any is measured, none is added."""
-    model, buckets = stepped_model()
-    args_plain = (4, np.array([4]), np.array([0]), np.array([0.0]), np.array([0.4]), np.array([4]), 10)
-    args_drafting = (4, np.array([8]), np.array([1]), np.array([1.0]), np.array([0.7]), np.array([4]), 10)
-    before = [model.queue_seconds(*args)[0] for args in (args_plain, args_drafting)]
-    for rows in (8, 16):  # the recent mixed steps' prefill rows
-        model.record_prefill_rows(rows)
-    replay = np.mean([bucket_seconds(8 + rows, buckets) for rows in (8, 16)])  # D = 1: 8 decode rows
-    for _ in range(4):
-        model.record(4, 1, wall_seconds=replay + 2.0, gpu_seconds=None, mixed=True)
-    plain, drafting = (model.queue_seconds(*args)[0] for args in (args_plain, args_drafting))
-    assert plain == pytest.approx(before[0] + 2.0 / 10)  # D = 0 not measured: D = 1's overhead, once a period
-    assert drafting == pytest.approx(before[1] + 2.0 * (1.0 - math.exp(-0.7)), rel=1e-3)
-
-
 def test_many_joins_a_step_stay_finite_and_at_most_the_batch():
     """Poisson weights in log space (exp(-lambda) underflows past ~745) and k at most the grid: a
     thousand joins a step at grid 4 cost what 4 chunks a step do."""
