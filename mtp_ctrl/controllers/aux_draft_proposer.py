@@ -19,6 +19,7 @@ class AuxDraftProposer(Proposer):
 
     module_name = "head"
     logits_name = "draft_logits"
+    sees_never_drafting_steps = False  # the head's cache is read only by the request's own drafts
 
     def __init__(self, module):
         self.module = module.eval()

@@ -480,13 +480,14 @@ class TextGenerationController:
 
     def _launch_plan(self, step: StepMetadata) -> Hashable:
         """The launch's plan, which joins its graph key: ``NO_DRAFT_PHASE`` for a decode-only step
-        that verifies and drafts nothing and whose requests never draft (no proposer work: a plain
-        engine's step), else the proposer's plan of host-chosen work (``Proposer.plan_launch``:
+        that verifies and drafts nothing and whose requests never draft, of a proposer that need not
+        see it (``Proposer.sees_never_drafting_steps``: no proposer work, a plain engine's step),
+        else the proposer's plan of host-chosen work (``Proposer.plan_launch``:
         skipped MTP windows); None without drafting."""
         if self.shape.num_speculative_tokens == 0:
             return None
         if step.decode_only and step.verify_width == 0 and step.num_drafts == 0 and \
-                self._lifecycle.none_drafts(step.host_slot_ids):
+                not self.proposer.sees_never_drafting_steps and self._lifecycle.none_drafts(step.host_slot_ids):
             return NO_DRAFT_PHASE
         return self.proposer.plan_launch(step)
 

@@ -64,6 +64,7 @@ class StepTiming(NamedTuple):
     request_steps: int = 0  # its decode requests x steps
     steps: int = 1  # steps its realised part covers (a steady sample's own launch, and the calls summed with it)
     realised_seconds: float = -1.0  # wall seconds of those steps; -1: wall_seconds * steps (the sample's own)
+    expected_tokens: float = -1.0  # the tokens the policy expected of its request-steps when launched; -1: unknown
 
 
 class HeldChoice:
@@ -134,6 +135,10 @@ class DraftLengths:
         self.masked = self.S > 0 and not self._fixed
         # per launched step: [k, n_d], None (S each) or 0 (0 each)
         self._in_flight: Deque[Union[np.ndarray, None, int]] = collections.deque()
+        # per launched step: the tokens a request-step the policy expected at its verify width (-1: unknown),
+        # and the last applied launch's (step_timing's realised sample keeps it beside the tokens that came)
+        self._expected_in_flight: Deque[float] = collections.deque()
+        self._applied_expected = -1.0
         self._held: Optional[HeldChoice] = None  # the policy's last choice
         # the fixed policy's last lengths (each request's cap, read-only) and the ids' bytes they are for
         self._fixed_caps: Optional[Tuple[bytes, np.ndarray]] = None
@@ -298,6 +303,9 @@ class DraftLengths:
         verifies the run's own lengths) and what its sampling requests drafted."""
         if self.S == 0:
             return
+        expected = self.policy.expected_tokens  # [D + 1] of the choice in force, or None
+        self._expected_in_flight.append(float(expected[step.verify_width])
+                                        if expected is not None and step.verify_width < expected.shape[0] else -1.0)
         if step.verify_width == 0 and step.num_drafts == 0:  # V and D are the most drafts held and chosen
             self._in_flight.append(0)  # nobody verifies or drafts (a no-draft step after one): nothing to observe
             return
@@ -314,6 +322,7 @@ class DraftLengths:
         """``accepted_counts``: ``[k, n_d]`` the read-back's counts of the oldest launched step (its
         decode rows, step row order). Tells the policy; returns the lengths verified, ``[k, n_d]``."""
         verified = self._in_flight.popleft() if self._in_flight else None
+        self._applied_expected = self._expected_in_flight.popleft() if self._expected_in_flight else -1.0
         if verified is None:  # S each: a shared read-only array per shape
             verified = self._filled(accepted_counts.shape, self.S)
         elif isinstance(verified, int):  # 0: no request verified a draft (an outcome of s = 0 tells the policy nothing)
@@ -402,6 +411,7 @@ class DraftLengths:
     def abandon(self) -> None:
         """The steps in flight were abandoned (a step raised): their outcomes never come."""
         self._in_flight.clear()
+        self._expected_in_flight.clear()
 
     def step_timing(self, applied: List[Tuple[StepMetadata, Optional[float]]], wall_seconds: Optional[float],
                     steps_launched: int, decode_tokens: Optional[int] = None,
@@ -462,22 +472,23 @@ class DraftLengths:
             and verifies_drafts and not decided
         tokens = decode_tokens if realised else -1
         request_steps = step.num_decode * step.num_steps if realised else 0
+        expected = self._applied_expected * request_steps if realised and self._applied_expected >= 0 else -1.0
         if not verifies_drafts or steps_launched != step.num_steps or previous is None or wall_seconds is None or \
                 decided or (previous[:2] != launch_key[:2] if mixed else previous != launch_key):
             self._steady_calls = 0
-            return self._add_realised(step, wall_seconds, tokens, request_steps) if realised else None
+            return self._add_realised(step, wall_seconds, tokens, request_steps, expected) if realised else None
         self._steady_calls += 1
         if (self._steady_calls - 1) % TIMING_EVERY:
-            return self._add_realised(step, wall_seconds, tokens, request_steps) if realised else None
+            return self._add_realised(step, wall_seconds, tokens, request_steps, expected) if realised else None
         gpu = -1.0 if gpu_seconds is None else gpu_seconds / step.num_steps
         pending = self._realised_pending
         if realised and pending is not None and pending[0] == launch_key:  # (G, V = D, mixed): sums join it
             self._realised_pending = None
             return StepTiming(launch_key[0], launch_key[1], wall_seconds / step.num_steps, gpu, mixed, True,
                               tokens + pending[3], request_steps + pending[4], step.num_steps + pending[2],
-                              wall_seconds + pending[1])
+                              wall_seconds + pending[1], _summed(expected, pending[5]))
         return StepTiming(launch_key[0], launch_key[1], wall_seconds / step.num_steps, gpu, mixed, True,
-                          tokens, request_steps, step.num_steps)
+                          tokens, request_steps, step.num_steps, -1.0, expected)
 
     @staticmethod
     def _record_prefill_rows(cost_model, step: StepMetadata) -> None:
@@ -488,8 +499,8 @@ class DraftLengths:
             cost_model.record_prefill_rows(rows)
             cost_model.record_prefill_chunks(rows, step.num_prefill)
 
-    def _add_realised(self, step: StepMetadata, wall_seconds: float, tokens: int,
-                      request_steps: int) -> Optional[StepTiming]:
+    def _add_realised(self, step: StepMetadata, wall_seconds: float, tokens: int, request_steps: int,
+                      expected: float = -1.0) -> Optional[StepTiming]:
         """Sum a realised-only sample into the pending ones; the timing to hand over now, if any."""
         key, pending = (step.dimensions.request_count, step.verify_width, bool(step.num_prefill)), self._realised_pending
         if pending is not None and pending[0] == key:
@@ -497,19 +508,21 @@ class DraftLengths:
             pending[2] += step.num_steps
             pending[3] += tokens
             pending[4] += request_steps
+            pending[5] = _summed(expected, pending[5])
             if pending[2] < REALISED_EVERY:
                 return None
             self._realised_pending = None
             return self._realised_timing(pending)
-        self._realised_pending = [key, wall_seconds, step.num_steps, tokens, request_steps]
+        self._realised_pending = [key, wall_seconds, step.num_steps, tokens, request_steps, expected]
         if pending is None and step.num_steps >= REALISED_EVERY:  # a decode run: enough steps at once
             pending, self._realised_pending = self._realised_pending, None
         return None if pending is None else self._realised_timing(pending)
 
     @staticmethod
     def _realised_timing(pending: list) -> StepTiming:
-        (grid, verify_width, mixed), wall_seconds, steps, tokens, request_steps = pending
-        return StepTiming(grid, verify_width, wall_seconds / steps, -1.0, mixed, False, tokens, request_steps, steps)
+        (grid, verify_width, mixed), wall_seconds, steps, tokens, request_steps, expected = pending
+        return StepTiming(grid, verify_width, wall_seconds / steps, -1.0, mixed, False, tokens, request_steps, steps,
+                          -1.0, expected)
 
     def record_timing(self, timing: Optional[StepTiming]) -> None:
         """Feed a measurement (every TP rank gets the first rank's: ``TPLockstep.check``) to the cost model."""
@@ -517,9 +530,9 @@ class DraftLengths:
             return
         if timing.tokens >= 0:  # first: against the model before this sample moves it
             wall = timing.wall_seconds * timing.steps if timing.realised_seconds < 0 else timing.realised_seconds
-            expected = self.policy.expected_tokens  # [D + 1] at the last choice, or None
-            if expected is not None:
-                expected = float(expected[timing.num_drafts]) if timing.num_drafts < expected.shape[0] else None
+            # the tokens expected a request-step of those steps when they were launched (None: unknown)
+            expected = timing.expected_tokens / timing.request_steps \
+                if timing.expected_tokens >= 0 and timing.request_steps > 0 else None
             self.policy.cost_model.record_realised(timing.batch_size, timing.num_drafts, wall, timing.steps,
                                                    timing.tokens, timing.request_steps, timing.mixed, expected)
         if timing.steady:
@@ -552,3 +565,8 @@ def step_order_lengths(verified: np.ndarray, num_requests: int) -> np.ndarray:
     width = min(verified.shape[1], num_requests)
     out[:, :width] = verified[:, :width]
     return out
+
+
+def _summed(expected: float, pending: float) -> float:
+    """Expected tokens of two parts of a realised sample summed; -1 (unknown) if either is."""
+    return expected + pending if expected >= 0 and pending >= 0 else -1.0

@@ -423,7 +423,8 @@ class GoodputPolicy(DraftLengthPolicy):
         self.expected_tokens = tokens / max(n, 1)  # a request's tokens a step at each D (the realised ones' yardstick)
         depths = np.arange(max_depth + 1)
         # what the loop emitted at each depth over what was expected of it (step_costs.py: last steps cut,
-        # estimates that run high): the tokens the choice counts on
+        # estimates that run high): the tokens a step the throughput objective counts on (the drain's
+        # steps come from the tokens left, where a cut last step adds no step)
         token_calibration = np.array([self.cost_model.token_calibration(query.batch_size, depth) for depth in depths])
         tokens = tokens * token_calibration
         if query.num_waiting > 0 and self.cost_model.prices_rows(query.batch_size):
@@ -445,7 +446,7 @@ class GoodputPolicy(DraftLengthPolicy):
             drain_estimates = self._drain_estimates(rows, estimates, query.request_ids)
             if drain_estimates is not estimates:  # some requests took population priors
                 reach = prefix_products(drain_estimates)
-            steps = expected_drain_steps(query.tokens_left, reach, caps, max_depth) / token_calibration
+            steps = expected_drain_steps(query.tokens_left, reach, caps, max_depth)
             score = 1.0 / (steps * seconds)
         else:
             score = tokens / seconds  # expected tokens per second of the batch at each D

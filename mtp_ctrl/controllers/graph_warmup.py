@@ -41,9 +41,10 @@ class WarmupVariant(NamedTuple):
 def warmup_variants(context, run_lengths, draft_lengths, proposer) -> Iterator[WarmupVariant]:
     """Every graph variant of every padded shape (``context.graph_shapes`` of each verify tier V and
     draft depth D that ``draft_lengths.warmup_tiers()`` lists), decode runs of ``run_lengths`` for
-    the decode-only shapes, and each of the ``proposer``'s plans for it; with drafting, also the
-    decode-only shapes' steps of requests that never draft (``NO_DRAFT_PHASE``: whatever the policy,
-    a request may be capped at 0 drafts)."""
+    the decode-only shapes, and each of the ``proposer``'s plans for it; for a policy that names a
+    depth below S (it may retire requests), also the decode-only shapes' steps of requests that
+    never draft (``NO_DRAFT_PHASE``, a proposer that need not see them); the fixed policy's engines
+    capture those on first use (requests that opt out), so their warm-up stays as it was."""
     S = draft_lengths.S
     every_depth_drafts_S = min(draft_lengths.warmup_depths()) == S  # fixed S: only the steady plan occurs
     for verify_width, num_drafts in draft_lengths.warmup_tiers():
@@ -74,7 +75,7 @@ def warmup_variants(context, run_lengths, draft_lengths, proposer) -> Iterator[W
                         else:
                             use = UPLOAD
                         yield WarmupVariant(step, all_greedy, masked, plan, use)
-    if S > 0:
+    if S > 0 and not every_depth_drafts_S and not proposer.sees_never_drafting_steps:
         for shape in context.graph_shapes(0):
             if shape.has_prefill or shape.is_ragged(0):
                 continue

@@ -70,6 +70,7 @@ class MTPProposer(Proposer):
     layer was trained (a layer trained only at depth 1 sees its own outputs as input)."""
 
     takes_ragged_rows = True  # windows read the step's rows by query_start_loc and positions
+    sees_never_drafting_steps = False  # a request that never drafts needs no window, token record or ring
 
     def __init__(self, mode: str = "paged", reuse_last_layer: bool = False, skip_idle_windows: bool = False,
                  catch_up_positions: int = 16):

@@ -70,6 +70,12 @@ class Proposer(abc.ABC):
     # rows (the drafts it holds) instead of ``1 + V`` (ragged rows; docs/draft_lengths.md). False
     # (the default): the controller keeps ``1 + V`` rows a decode request (the padded layout).
     takes_ragged_rows = False
+    # Whether a decode-only step whose requests all never draft (``on_admitted`` with ``may_draft``
+    # False, or ``on_retired``) reaches this proposer (``on_no_drafts``). False: such a step runs no
+    # draft phase at all, a plain engine's step (set it where nothing kept is read for those requests
+    # again: the MTP proposer, the EAGLE family). True (the default): every step reaches it, as a
+    # proposer with per-step side effects needs (``HiddenStateCapture`` records every verified row).
+    sees_never_drafting_steps = True
 
     def bind(self, draft_context: DraftContext) -> None:
         """Called once by the controller's constructor (only when S > 0): allocate buffers and
@@ -86,9 +92,9 @@ class Proposer(abc.ABC):
         """Called instead of :meth:`propose` in a step where no request drafts (the draft-length
         policy chose 0 for all, ``batch.num_drafts == 0``): keep the proposer's own state current
         for later steps, draft nothing. Default: run :meth:`propose` and drop its drafts (always
-        correct); a stateless proposer overrides it with nothing. A decode-only step whose requests
-        all never draft (:meth:`on_admitted` with ``may_draft`` False, or :meth:`on_retired`) calls
-        neither: nothing of theirs is needed later."""
+        correct); a stateless proposer overrides it with nothing. With
+        ``sees_never_drafting_steps`` False, a decode-only step whose requests all never draft
+        (:meth:`on_admitted` with ``may_draft`` False, or :meth:`on_retired`) calls neither."""
         self.propose(dataclasses.replace(batch, num_drafts=self.draft_context.shape.num_speculative_tokens))
 
     def draft_logits(self) -> Optional[torch.Tensor]:

@@ -86,7 +86,7 @@ class TPLockstep:
     def _exchange(self, failed: int, digest: int, message: str,
                   timing: Optional[StepTiming] = None) -> Optional[StepTiming]:
         # [failed, h, -h, timing (rank 0's; -1 elsewhere: the MAX takes rank 0's)] int64, host
-        flags = torch.tensor([failed, digest, -digest] + _encode(timing), dtype=torch.int64)  # [12] int64
+        flags = torch.tensor([failed, digest, -digest] + _encode(timing), dtype=torch.int64)  # [13] int64
         self._wait(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), message)
         values = flags.tolist()  # host-ok: CPU
         any_failed, digest_max, digest_min = values[0], values[1], -values[2]
@@ -123,13 +123,14 @@ class TPLockstep:
 
 def _encode(timing: Optional[StepTiming]) -> List[int]:
     """``[present (1: decode-only, 2: mixed; + 2: not steady), G, D, wall ns, GPU ns, tokens,
-    request-steps, steps, realised wall ns]`` (all -1: none)."""
+    request-steps, steps, realised wall ns, expected tokens x 1e6]`` (all -1: none)."""
     if timing is None:
-        return [-1] * 9
+        return [-1] * 10
     return [(2 if timing.mixed else 1) + (0 if timing.steady else 2), timing.batch_size, timing.num_drafts,
             round(timing.wall_seconds * 1e9), round(timing.gpu_seconds * 1e9) if timing.gpu_seconds >= 0 else -1,
             timing.tokens, timing.request_steps, timing.steps,
-            round(timing.realised_seconds * 1e9) if timing.realised_seconds >= 0 else -1]
+            round(timing.realised_seconds * 1e9) if timing.realised_seconds >= 0 else -1,
+            round(timing.expected_tokens * 1e6) if timing.expected_tokens >= 0 else -1]
 
 
 def _decode(values: List[int]) -> Optional[StepTiming]:
@@ -137,7 +138,7 @@ def _decode(values: List[int]) -> Optional[StepTiming]:
         return None
     return StepTiming(values[1], values[2], values[3] / 1e9, values[4] / 1e9 if values[4] >= 0 else -1.0,
                       values[0] in (2, 4), values[0] <= 2, values[5], values[6], values[7],
-                      values[8] / 1e9 if values[8] >= 0 else -1.0)
+                      values[8] / 1e9 if values[8] >= 0 else -1.0, values[9] / 1e6 if values[9] >= 0 else -1.0)
 
 
 def _difference(layouts: List[str]) -> str:

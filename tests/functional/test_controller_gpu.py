@@ -149,9 +149,8 @@ def _mixed_steps_replay_warmed_up_graphs(model, **config):
     controller = AllStepsSyncChecked(model, make_config(2, graphs=True, **config))
     graphs = controller.warmup()
     decode_shapes = sum(1 for shape in controller.context.graph_shapes() if not shape.has_prefill)
-    # both sampling paths for a decode-only shape, one for a shape with prefill chunks (the general path);
-    # and both paths of each decode-only shape's step of requests that never draft (no draft phase)
-    assert graphs == 2 * decode_shapes + (len(controller.context.graph_shapes()) - decode_shapes) + 2 * decode_shapes
+    # both sampling paths for a decode-only shape, one for a shape with prefill chunks (the general path)
+    assert graphs == 2 * decode_shapes + (len(controller.context.graph_shapes()) - decode_shapes)
     graphed = run_with_arrivals(controller, arrivals)
     assert controller.debug_view().num_cuda_graphs == graphs  # nothing captured while serving
     assert controller.mixed_replays > 3

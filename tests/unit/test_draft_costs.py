@@ -249,6 +249,31 @@ def test_step_timing_counts_every_busy_call_as_realised():
     assert handed[:2] == (8, 0) and not handed.steady and handed.steps == 1  # the D = 0 sample left
 
 
+def test_a_realised_sample_keeps_the_tokens_expected_when_its_steps_were_launched():
+    """The expected tokens of a realised sample are those of the choice in force at each launch
+    (``DraftLengths.launched``), summed over the calls it covers, not the policy's value when the
+    sample is recorded; ``record_timing`` hands them to the cost model (``token_calibration``)."""
+    policy = GoodputPolicy()
+    lengths = DraftLengths(policy, SHAPE)
+    step = types.SimpleNamespace(**vars(_step(8, 1, 1)), host_draft_lengths=(1,) * 8, host_verify_lengths=(1,) * 8,
+                                 num_sampling_requests=8, host_request_ids=np.arange(8))
+    policy.cost_model.record(8, 1, 1e-3, None)  # D = 1 measured: its realised sums are kept
+    timings = []
+    for call in range(2 * REALISED_EVERY):
+        policy.expected_tokens = np.array([1.0, 2.0 if call < REALISED_EVERY else 1.5])  # the choice in force
+        lengths.launched(step)
+        policy.expected_tokens = np.array([1.0, 9.0])  # a later choice: not what those steps were expected to do
+        lengths.applied(step, np.ones((1, 8), dtype=np.int64))
+        timings.append(lengths.step_timing([(step, 1e-3)], 1.2e-3, 1, 12, work_left=True))
+    handed = [timing for timing in timings if timing is not None and timing.tokens >= 0]
+    assert len(handed) >= 2 and handed[0].expected_tokens == pytest.approx(2.0 * handed[0].request_steps)
+    assert all(1.5 * t.request_steps - 1e-9 <= t.expected_tokens <= 2.0 * t.request_steps + 1e-9 for t in handed)
+    for timing in handed:
+        lengths.record_timing(timing)
+    # 12 tokens for 8 request-steps a call where 2 then 1.5 a request-step were expected (16 then 12)
+    assert 12 / 16 <= policy.cost_model.token_calibration(8, 1) <= 1.0
+
+
 def test_a_call_whose_build_asked_the_policy_is_no_sample():
     """A decision is the policy's own host time, whatever the depth: the step() call whose build
     asked the policy (a hold ended) is neither a steady nor a realised sample of the depth it

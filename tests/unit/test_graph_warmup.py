@@ -20,6 +20,7 @@ def variants_of(policy, ragged=False, decode_steps_per_launch=1):
         ctx.enable_ragged_rows()
     draft_lengths = DraftLengths(policy, ctx.shape)
     proposer = WindowCatchUp(num_slots=ctx.shape.max_requests + 1, num_depths=S, capacity=8)  # warmup_plans
+    proposer.sees_never_drafting_steps = False  # as the MTP proposer's (Proposer's attribute)
     return ctx, list(warmup_variants(ctx, ctx.scheduler.run_lengths, draft_lengths, proposer))
 
 
@@ -52,10 +53,12 @@ def test_every_graph_once_and_the_timed_replays(policy, ragged):
             assert step.dimensions.has_prefill or step.dimensions.is_ragged(step.verify_width)
         else:
             assert variant.use == UPLOAD
-    # whatever the policy, the decode-only steps of requests that never draft (capped at 0 or retired): every
-    # run length, both sampling paths, no draft phase (V = D = 0, never masked), uploaded only
+    # a policy that may retire (it names D < S): the decode-only steps of requests that never draft (capped
+    # at 0 or retired), every run length, both sampling paths, no draft phase (V = D = 0, never masked),
+    # uploaded only; the fixed policy's engines capture those on first use (their warm-up is as it was)
     no_draft_phase = [v for v in variants if v.plan == NO_DRAFT_PHASE]
-    decode_shapes = [shape for shape in ctx.graph_shapes(0) if not shape.has_prefill and not shape.is_ragged(0)]
+    decode_shapes = [shape for shape in ctx.graph_shapes(0) if not shape.has_prefill and not shape.is_ragged(0)] \
+        if policy else []
     assert {(v.step.dimensions, v.step.num_steps, v.all_greedy) for v in no_draft_phase} == \
         {(shape, k, greedy) for shape in decode_shapes for k in ctx.scheduler.run_lengths for greedy in (True, False)}
     assert all(v.step.verify_width == v.step.num_drafts == 0 and not v.masked and v.use == UPLOAD

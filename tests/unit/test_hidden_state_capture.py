@@ -20,6 +20,21 @@ def models():
     return model, dense
 
 
+def test_capture_records_every_position_of_requests_that_never_draft(models, tmp_path, torch_twins):
+    """Requests that opt out (``num_speculative_tokens=0``): their decode steps still reach the
+    capture (``Proposer.sees_never_drafting_steps``), which records every verified position."""
+    model, _ = models
+    prompts = [list(p) for p in PROMPTS]
+    capture = HiddenStateCapture(LAYERS, tmp_path / "capture", capacity_tokens=4096)
+    results = make_controller(model, 1, proposer=capture).generate(
+        prompts, SamplingParams(max_new_tokens=8, num_speculative_tokens=0))
+    capture.close()
+    _, _, positions, request_ids = load_capture(tmp_path / "capture")
+    for request_id, (prompt, result) in enumerate(zip(prompts, results)):
+        recorded = sorted(set(positions[request_ids == request_id].tolist()))
+        assert recorded == list(range(len(prompt) + len(result.output_tokens) - 1)), request_id
+
+
 def test_capture_equals_dense_states_across_flushes(models, tmp_path, torch_twins):
     model, dense = models
     prompts = [list(p) for p in PROMPTS]
