@@ -27,6 +27,14 @@ def eagle_model():
     return model, {"closed": plain_outputs(model)[1], "queued": queued}
 
 
+def eagle_family_proposer(model, kind):
+    """(proposer, S) of ``kind``: "eagle", "parallel" (parallel drafting) or "multi_layer" (2 heads)."""
+    if kind == "multi_layer":
+        return MultiLayerEagleProposer(build_multi_layer_eagle_heads(model, 2, AUX_LAYERS).eval()), 2
+    head = build_eagle_head(model, AUX_LAYERS, parallel_drafting=kind == "parallel").eval()
+    return (ParallelDraftingProposer(head), 3) if kind == "parallel" else (EagleProposer(head), 3)
+
+
 @pytest.mark.parametrize("arrivals", ["closed", "queued"])
 @pytest.mark.parametrize("kind", ["eagle", "parallel", "multi_layer"])
 def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind, arrivals):
@@ -34,11 +42,7 @@ def test_eagle_family_random_lengths_equal_plain(eagle_model, torch_twins, kind,
     requests and verify their own tier (several tiers occur; every one in the MTP and GDN tests)."""
     model, plain = eagle_model
     torch.manual_seed(77)
-    if kind == "multi_layer":
-        proposer, S = MultiLayerEagleProposer(build_multi_layer_eagle_heads(model, 2, AUX_LAYERS).eval()), 2
-    else:
-        head = build_eagle_head(model, AUX_LAYERS, parallel_drafting=kind == "parallel").eval()
-        proposer, S = (ParallelDraftingProposer(head), 3) if kind == "parallel" else (EagleProposer(head), 3)
+    proposer, S = eagle_family_proposer(model, kind)
     policy = CheckedRandomLengths(seed=4)
     controller = controller_for(model, S, proposer, policy, **SQUEEZE)
     controller.on_launch = tiers = MixedTiers(S)
@@ -56,11 +60,7 @@ def test_eagle_family_with_requests_that_never_draft_equal_plain(eagle_model, to
     after them, under churn, preemption and decode runs: the output is plain decoding's."""
     model, plain = eagle_model
     torch.manual_seed(78)
-    if kind == "multi_layer":
-        proposer, S = MultiLayerEagleProposer(build_multi_layer_eagle_heads(model, 2, AUX_LAYERS).eval()), 2
-    else:
-        head = build_eagle_head(model, AUX_LAYERS, parallel_drafting=kind == "parallel").eval()
-        proposer, S = (ParallelDraftingProposer(head), 3) if kind == "parallel" else (EagleProposer(head), 3)
+    proposer, S = eagle_family_proposer(model, kind)
     arrivals = tuple((step, prompt, dataclasses.replace(params, num_speculative_tokens=0) if index < 4 else params)
                      for index, (step, prompt, params) in enumerate(ARRIVALS))
     controller = controller_for(model, S, proposer, CheckedRandomLengths(seed=9) if policy == "random" else None,
