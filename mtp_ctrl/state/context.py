@@ -365,7 +365,9 @@ class DynamicInferenceContext:
             lengths[:num_sampling] = draft_lengths(host.request_ids[slot_ids[:num_sampling]], num_sampling, batch_size)
         verify_width = self._verify_width(decode_slots, None if lengths is None else lengths[:num_decode], num_steps)
         held = self._drafts_held[decode_slots]  # [nd] int64: drafts each decode request verifies this step
-        ragged = self.ragged_rows and num_steps == 1
+        # decode-only single steps: a step with prefill chunks keeps 1 + V rows a decode request, as
+        # its MTP windows' bound counts them (MTPProposer._window_bounds: S + V + catch-up a decode window)
+        ragged = self.ragged_rows and num_steps == 1 and not chunks
         query_lengths = np.full(num_requests, 1 + verify_width, dtype=np.int64)  # [n] int64
         if ragged:  # 1 + s_r rows each (logits rows stay 1 + V a request: StepBuffers.build)
             query_lengths[:num_decode] = 1 + held
@@ -457,11 +459,11 @@ class DynamicInferenceContext:
     # ----- scheduling helpers ------------------------------------------------------------
 
     def enable_ragged_rows(self) -> None:
-        """From now on a single step (not a decode run) gives decode request r ``1 + s_r`` rows, the
-        drafts it holds, instead of ``1 + V`` (its logits rows stay ``1 + V``, the rows past ``s_r``
-        repeating row ``s_r``: see ``StepBuffers.build``); a decode-only step pads its rows to one
-        of ``batch_dimensions.ragged_token_counts``. Not for models with Mamba layers (their intermediate states
-        are laid out ``1 + V`` a request)."""
+        """From now on a single decode-only step (not a decode run, nor a step with prefill chunks)
+        gives decode request r ``1 + s_r`` rows, the drafts it holds, instead of ``1 + V`` (its
+        logits rows stay ``1 + V``, the rows past ``s_r`` repeating row ``s_r``: see
+        ``StepBuffers.build``), and pads its rows to one of ``batch_dimensions.ragged_token_counts``.
+        Not for models with Mamba layers (their intermediate states are laid out ``1 + V`` a request)."""
         if self.mamba is not None:
             raise ValueError("ragged decode rows: a model with Mamba / GDN layers keeps 1 + V rows a request")
         self.ragged_rows = True

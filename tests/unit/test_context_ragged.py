@@ -48,6 +48,28 @@ def test_hand_computed_ragged_decode_step():
     assert plain.logits_indices.tolist() == [0, 1, 2, 0]
 
 
+def test_a_step_with_prefill_chunks_keeps_one_plus_v_rows_a_decode_request():
+    """Ragged rows, S = 2: requests 0 and 1 hold 2 and 0 drafts when request 2 joins. The step
+    with its prompt chunk gives both decode requests 1 + V = 3 rows (the MTP windows of a step
+    with prefill chunks are bounded by its rows plus S a request, which 1 + s_r rows undercount);
+    the next decode-only step is ragged again."""
+    ctx = make_context()
+    ctx.enable_ragged_rows()
+    for request_id, length in enumerate((5, 3)):
+        ctx.add_request(request_id, list(range(10 * (request_id + 1), 10 * (request_id + 1) + length)))
+    first = ctx.build_step(draft_lengths=lambda ids, n, batch: np.array([2, 0]))
+    run_device_step(ctx, first, [])
+    ctx.commit_readback(first, np.zeros(0, np.int64))
+    ctx.add_request(2, [7, 8, 9, 6])
+    mixed = ctx.build_step(draft_lengths=lambda ids, n, batch: np.array([1, 0, 2])[:n])
+    assert mixed.host_verify_lengths == (2, 0) and mixed.verify_width == 2
+    assert mixed.host_query_lengths.tolist() == [3, 3, 4]
+    run_device_step(ctx, mixed, [0, 0])
+    ctx.commit_readback(mixed, np.zeros(2, np.int64))
+    decode = ctx.build_step(draft_lengths=lambda ids, n, batch: np.zeros(n, np.int64))
+    assert decode.host_verify_lengths == (1, 0, 2) and decode.host_query_lengths.tolist() == [2, 1, 3]
+
+
 def test_ragged_rows_are_refused_with_mamba_layers():
     ctx = make_context(mamba=MambaSpec(num_layers=1, conv_state_shape=(2, 3), ssm_state_shape=(2, 2), dtype=torch.float32))
     with pytest.raises(ValueError, match="Mamba"):
