@@ -101,6 +101,8 @@ def parse_args(argv=None):
     parser.add_argument("--demo-decode-steps", type=int, default=1,
                         help="InferenceConfig.decode_steps_per_launch of every demo engine (default 1; the "
                              "host-bound demo's documented remedy: a decode run launches this many steps at once)")
+    parser.add_argument("--join-hold-steps", type=int, default=0,
+                        help="InferenceConfig.join_hold_steps of every engine (0: rows filled at once)")
     parser.add_argument("--verbose", action="store_true", help="show megatron-core's import-time warnings too")
     args = parser.parse_args(argv)
     given_repeats = args.repeats
@@ -525,12 +527,12 @@ class GarbageCollections:
 
 
 def engine(model, S, batch, max_model_len, policy=None, proposer=None, device="cuda", idle_windows=None,
-           catch_up_positions=None, decode_steps_per_launch=1, controller_class=None):
+           catch_up_positions=None, decode_steps_per_launch=1, controller_class=None, join_hold_steps=0):
     """``idle_windows``: ``InferenceConfig.mtp_idle_windows`` (None: its default, "skip");
     ``catch_up_positions``: ``InferenceConfig.mtp_catch_up_positions`` (None: its default);
-    ``decode_steps_per_launch``: ``InferenceConfig``'s (decode runs); ``controller_class``: a
+    ``decode_steps_per_launch``, ``join_hold_steps``: ``InferenceConfig``'s; ``controller_class``: a
     ``TextGenerationController`` subclass to build (None: the controller itself)."""
-    options = dict(decode_steps_per_launch=decode_steps_per_launch)
+    options = dict(decode_steps_per_launch=decode_steps_per_launch, join_hold_steps=join_hold_steps)
     if idle_windows is not None:
         options["mtp_idle_windows"] = idle_windows
     if catch_up_positions is not None:
@@ -615,7 +617,8 @@ def demo_part(args, table, device):
         engines = [(OptedOut if name == "opted out" else PointEngine)(
             S, name, policy, engine(model, S, batch, PROMPT_LEN + new_tokens + 8, policy, device=device.type,
                                     idle_windows="run" if name == "goodput run" else None,
-                                    decode_steps_per_launch=args.demo_decode_steps))
+                                    decode_steps_per_launch=args.demo_decode_steps,
+                                    join_hold_steps=args.join_hold_steps))
                    for S, name, policy in kinds]
         for temperature in (0.0, 1.0):
             if table.out_of_time(f"demo batch {batch} T = {temperature:g}"):
@@ -655,7 +658,8 @@ def large_part(args, table, device):
         lengths = torch.randint(max(int(new_tokens * (1 - args.length_spread)), 1), most_tokens + 1, (total,),
                                 generator=generator).tolist() if args.length_spread else [new_tokens] * total
         all_params = [SamplingParams(max_new_tokens=n) for n in lengths]  # [total]: request i's
-        plain_engine = PointEngine(0, "fixed", None, engine(model, 0, batch, max_model_len, device=device.type))
+        plain_engine = PointEngine(0, "fixed", None, engine(model, 0, batch, max_model_len, device=device.type,
+                                                            join_hold_steps=args.join_hold_steps))
         plain = {len(prompts): [r.output_tokens for r in plain_engine.generate(prompts, all_params[: len(prompts)])]
                  for prompts in (all_prompts[:batch], all_prompts)}  # S = 0: the same for any mix
         width = PROMPT_LEN + most_tokens + 16
@@ -669,7 +673,7 @@ def large_part(args, table, device):
         for S, name, policy in [(S, "fixed", None) for S in (1, 2, 3)] + [(3, "goodput", TimedGoodput()),
                                                                            (3, "per-request", RecordedPerRequest())]:
             controller = engine(model, S, batch, max_model_len, policy, AcceptanceOracle(sequences, rates, first_id),
-                                device.type)
+                                device.type, join_hold_steps=args.join_hold_steps)
             engines.append(PointEngine(S, name, policy, controller,
                                        before=lambda c=controller: first_id.fill_(c.debug_view().next_request_id)))
         if device.type == "cuda":  # the engines share the model; each holds its own KV, buffers and graph pools

@@ -122,6 +122,13 @@ class InferenceConfig:
         max_model_len; a request that stops mid-run (eos, stop sequence, max_new_tokens) is cut
         there and the rest of its run is discarded. 1 (default): one step per launch. Outputs are
         identical for every value.
+    join_hold_steps: while requests wait for a row, how many decode steps a freed row may stay
+        empty so that the waiting requests join together (the scheduler's rule: it ends once
+        enough rows are free for every waiting request or a quarter of ``max_requests``, and
+        never holds while nothing else runs). A step that admits requests costs several decode
+        steps' time whatever it admits, and speculation spreads the finishes that plain decoding
+        keeps in lockstep, so one join of many costs less than many of one. 0 (default): a
+        freed row is filled at once. Outputs are identical for every value.
     moe_backend: how the MoE layers of a mixture-of-experts model compute. "triton" (default) and
         "grouped_mm" take the sync-free path (expert dispatch sized on the device, grouped expert
         products by a Triton fused-MoE kernel or torch's grouped GEMM), so MoE steps replay CUDA
@@ -176,6 +183,7 @@ class InferenceConfig:
     finished_results_kept: int = 4096
     acceptance: str = "exact_match"
     decode_steps_per_launch: int = 1
+    join_hold_steps: int = 0
     moe_backend: str = "triton"
     tp_check_timeout_s: float = 300.0
     fused_rope: bool = True
@@ -248,6 +256,7 @@ class InferenceConfig:
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got {self.acceptance!r}")
         _require_int("decode_steps_per_launch", self.decode_steps_per_launch, 1, high=MAX_DECODE_STEPS_PER_LAUNCH)
+        _require_int("join_hold_steps", self.join_hold_steps, 0)
         if not isinstance(self.moe_backend, str):
             raise TypeError(f"moe_backend must be a str, one of {MOE_BACKENDS}, got {type(self.moe_backend).__name__}")
         if self.moe_backend not in MOE_BACKENDS:
@@ -264,7 +273,8 @@ class InferenceConfig:
         return EngineShape(max_requests=self.max_requests, max_model_len=self.max_model_len,
                            block_size_tokens=self.block_size_tokens, num_speculative_tokens=self.num_speculative_tokens,
                            max_tokens_per_step=self.max_tokens_per_step,
-                           decode_steps_per_launch=self.decode_steps_per_launch, device=device, kv_dtype=kv_dtype,
+                           decode_steps_per_launch=self.decode_steps_per_launch,
+                           join_hold_steps=self.join_hold_steps, device=device, kv_dtype=kv_dtype,
                            vocab_size=vocab_size)
 
 

@@ -363,6 +363,7 @@ class TextGenerationController:
         return ControllerDebugView(
             num_cuda_graphs=0 if self._graphs is None else len(self._graphs),
             cuda_graphs_enabled=self._graphs is not None, num_waiting=self._scheduler.num_waiting,
+            num_live=self.context.table.num_live,
             num_records=len(self._requests), num_unclaimed_results=len(self._requests.unclaimed_ids),
             num_retiring=self._scheduler.num_retiring, step_in_flight=self._in_flight is not None,
             num_prefills_held=self.context.num_prefills_held, next_request_id=self._requests.next_request_id,

@@ -224,6 +224,7 @@ class ControllerDebugView:
     num_cuda_graphs: int  # CUDA graphs captured (0 when eager)
     cuda_graphs_enabled: bool  # steps padded to a graph shape replay CUDA graphs
     num_waiting: int  # requests queued for a row
+    num_live: int  # requests holding a row (prefilling, decoding, paused, or finished with the row not freed yet)
     num_records: int  # requests the controller keeps: live, waiting, and finished results not taken
     num_unclaimed_results: int  # finished step-API results kept until pop_result (finished_results_kept)
     num_retiring: int  # finished requests whose rows are not freed yet

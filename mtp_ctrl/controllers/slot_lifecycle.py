@@ -20,7 +20,7 @@ from mtp_ctrl.controllers.output_rows import OutputRows
 from mtp_ctrl.controllers.proposers import Proposer
 from mtp_ctrl.controllers.requests import RequestBook
 from mtp_ctrl.controllers.stop_rules import FinishReason
-from mtp_ctrl.state import DynamicInferenceContext
+from mtp_ctrl.state import DynamicInferenceContext, RowGroup
 
 
 # the prefix-cache namespace of requests whose prompt blocks lack the proposer's state (they never
@@ -39,6 +39,7 @@ class SlotLifecycle:
         draft_lengths.on_retired = self.retire_from_speculation
         # [R + 1] bool by table slot: its request never drafts (capped at 0, or retired); read per launch
         self._never_drafts = np.zeros(context.shape.max_requests + 1, dtype=bool)
+        self._holds_joins = context.shape.join_hold_steps > 0
 
     def can_admit(self) -> bool:
         request_id = self.scheduler.next_waiting()
@@ -52,7 +53,9 @@ class SlotLifecycle:
     def admit_waiting(self) -> None:
         """Slots for waiting requests, also with a step in flight (the slot's device rows are
         reset stream-ordered after it), until the prefilling requests' backlog fills a step
-        (``Scheduler.can_admit``)."""
+        (``Scheduler.can_admit``); none while the scheduler holds joins (``Scheduler.joins_held``)."""
+        if self._holds_joins and self.scheduler.num_waiting and self._joins_held():
+            return
         while self.can_admit():
             request = self.requests[self.scheduler.next_waiting()]
             may_draft = self.draft_lengths.admitted(request.request_id)
@@ -66,6 +69,13 @@ class SlotLifecycle:
             slot = self.context.table.slot_of(request.request_id)
             self._never_drafts[slot] = not may_draft
             self.proposer.on_admitted(slot, may_draft)
+
+    def _joins_held(self) -> bool:
+        table = self.context.table
+        # requests the next step runs: a paused one (by the user or for KV) advances no hold's clock
+        num_running = table.group_size(RowGroup.DECODE) + table.group_size(RowGroup.PREFILL) - self.scheduler.num_retiring
+        next_request = self.requests[self.scheduler.next_waiting()]
+        return self.scheduler.joins_held(self.context.num_free_rows, max(num_running, 0), next_request.preemptions > 0)
 
     def none_drafts(self, slots: np.ndarray) -> bool:
         """Whether no request in table ``slots`` (``[n]`` int64) drafts, now or later."""

@@ -384,6 +384,7 @@ class DynamicInferenceContext:
         self._drafts_held[slot_ids[:num_sampling]] = \
             self.shape.num_speculative_tokens if lengths is None else lengths[:num_sampling]
         self._steps_in_flight.append(step)
+        self.scheduler.built(num_steps)
         self._snapshots_due = (step, self._snapshots_due[1])
         return step
 

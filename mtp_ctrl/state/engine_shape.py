@@ -24,6 +24,8 @@ class EngineShape:
     block. num_speculative_tokens: S drafts per decode step. max_tokens_per_step: query rows of one
     forward pass, at least ``R * (1 + S)`` so every decode request runs every step.
     decode_steps_per_launch: the most decode steps one launch runs (a decode run; 1 = single steps).
+    join_hold_steps: the most decode steps a free row may stay empty while requests wait, so that
+    joins come together (``Scheduler.joins_held``; 0 = every free row is filled at once).
     device: where the state lives. kv_dtype: what K/V (and drafters' hidden rows) are computed in.
     vocab_size: the target's vocabulary (None where no model is involved, e.g. state-only tests).
     """
@@ -34,6 +36,7 @@ class EngineShape:
     num_speculative_tokens: int
     max_tokens_per_step: int
     decode_steps_per_launch: int = 1
+    join_hold_steps: int = 0
     device: Union[str, torch.device] = "cpu"
     kv_dtype: torch.dtype = torch.float32
     vocab_size: Optional[int] = None
@@ -41,7 +44,7 @@ class EngineShape:
     def __post_init__(self):
         for name, low in (("max_requests", 1), ("max_model_len", 1), ("block_size_tokens", 1),
                           ("num_speculative_tokens", 0), ("max_tokens_per_step", 1),
-                          ("decode_steps_per_launch", 1)):
+                          ("decode_steps_per_launch", 1), ("join_hold_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")

@@ -21,6 +21,14 @@ the controller keeps each request's record. What it decides, and nothing else do
   left fill a step's token budget: it would get no chunk in the next step (the chunks go in row
   order and stop at the first partial one), so its admission (prefix lookup, staging) would only
   delay that step's launch; it joins a step later, overlapped with the GPU work.
+- **Holding joins** (``join_hold_steps`` > 0): while requests wait, rows that free one by one
+  stay empty until enough are free to take the waiting requests, or a quarter of the table
+  (``join_group_rows``), or ``join_hold_steps`` decode steps have run since the first went free
+  (:meth:`Scheduler.joins_held`). A step that admits requests costs far more than a decode step
+  whatever it admits (their prompt chunks, and the host's work on a join), so one join of many
+  costs less than many of one. Speculation spreads the finishes of requests that plain decoding
+  keeps in lockstep. The rule never holds a row while nothing else runs, nor for a request that
+  was evicted.
 - **Pausing for KV.** Decode rows get their blocks in row order; the first that does not fit and
   every later one that needs a block pause (:meth:`Scheduler.decodes_to_pause`). Paused requests
   resume oldest first, a younger one never overtakes (:meth:`Scheduler.num_to_resume`), and no
@@ -100,6 +108,9 @@ class Scheduler:
         self.admission_order: Dict[int, None] = {}  # live requests (ordered set), oldest first
         self.paused_for_kv: Dict[int, None] = {}  # ordered set: paused by the scheduler, oldest first
         self._retiring: Dict[int, None] = {}  # ordered set: finished, rows not freed yet
+        self.join_group_rows = max(1, shape.max_requests // 4)  # free rows that end a hold (joins_held)
+        self._steps_built = 0  # decode steps (a run counts each of its steps) built so far: the holds' clock
+        self._held_since: Optional[int] = None  # _steps_built when the rows now held first went free
 
     # ----- the queues ------------------------------------------------------------------------
 
@@ -207,6 +218,30 @@ class Scheduler:
         if free_rows <= 0 or prefill_backlog >= self.shape.max_tokens_per_step:
             return False
         return not preempted or int(self.worst_case_blocks(token_count, steps_in_flight=1)) <= free_blocks
+
+    def joins_held(self, free_rows: int, num_running: int, next_preempted: bool) -> bool:
+        """Whether the waiting requests stay out of the ``free_rows`` free rows for now (see the
+        module docstring, "Holding joins"): ``num_running``, the live requests that run next step
+        (none paused for KV); ``next_preempted``, the next waiting request was evicted. A hold
+        lasts ``join_hold_steps`` built decode steps at most; once it ends, every request that
+        :meth:`can_admit` lets in joins."""
+        wanted = min(self.num_waiting, self.join_group_rows)
+        if free_rows <= 0 or wanted == 0:
+            self._held_since = None
+            return False
+        if free_rows >= wanted or num_running == 0 or self.paused_for_kv or next_preempted:
+            self._held_since = None
+            return False
+        if self._held_since is None:
+            self._held_since = self._steps_built
+        if self._steps_built - self._held_since >= self.shape.join_hold_steps:
+            self._held_since = None
+            return False
+        return True
+
+    def built(self, num_steps: int) -> None:
+        """The context built a launch of ``num_steps`` decode steps (the clock of :meth:`joins_held`)."""
+        self._steps_built += num_steps
 
     def admitted(self, request_id: int) -> None:
         """The request took a row."""

@@ -237,3 +237,53 @@ def test_a_decode_run_never_reaches_max_model_len_before_its_last_step(S, most, 
     assert steps in scheduler.run_lengths
     assert steps == 1 or allowed(steps)
     assert not any(allowed(length) for length in scheduler.run_lengths if length > steps)
+
+
+def test_joins_held_known_answers():
+    scheduler = make_scheduler(max_requests=8, max_tokens_per_step=24, join_hold_steps=4)
+    assert scheduler.join_group_rows == 2  # a quarter of the table
+    for request_id in range(5):
+        scheduler.enqueue(request_id)
+    held = dict(num_running=7, next_preempted=False)
+    assert not scheduler.joins_held(free_rows=0, **held)  # no row to hold
+    assert scheduler.joins_held(free_rows=1, **held)  # 1 of the 2 rows wanted: the clock starts
+    scheduler.built(2)
+    assert scheduler.joins_held(free_rows=1, **held)
+    scheduler.built(2)  # 4 steps since the hold began: it ends
+    assert not scheduler.joins_held(free_rows=1, **held)
+    assert scheduler.joins_held(free_rows=1, **held)  # a new hold, a new clock
+    assert not scheduler.joins_held(free_rows=2, **held)  # enough rows
+    assert not scheduler.joins_held(free_rows=1, num_running=0, next_preempted=False)  # nothing else runs
+    assert not scheduler.joins_held(free_rows=1, num_running=7, next_preempted=True)  # an evicted request
+    scheduler.paused_for_kv_space(9)
+    assert not scheduler.joins_held(free_rows=1, **held)  # a pause for KV: nothing frees rows by running
+    scheduler.resumed(9)
+    scheduler.drop_waiting(range(1, 5))  # one waits: one free row takes it
+    assert not scheduler.joins_held(free_rows=1, **held)
+    assert not make_scheduler(max_requests=8, max_tokens_per_step=24).joins_held(free_rows=1, **held)  # off
+
+
+@settings(max_examples=60, deadline=None)
+@given(hold=st.integers(0, 6), rows=st.integers(1, 16),
+       calls=st.lists(st.tuples(st.integers(0, 16), st.integers(0, 16), st.integers(0, 4), st.integers(0, 4),
+                                st.booleans()), min_size=1, max_size=40))
+def test_a_hold_never_outlasts_join_hold_steps(hold, rows, calls):
+    """Random admission rounds (free rows, running requests, waiting requests, steps built after,
+    next evicted): a hold holds only rows fewer than the waiting requests and the group want, while
+    something runs, and ends at the first round ``join_hold_steps`` built steps after it began."""
+    scheduler = make_scheduler(max_requests=rows, max_tokens_per_step=3 * rows, join_hold_steps=hold)
+    held_since, steps = None, 0
+    for free, running, waiting, built, preempted in calls:
+        free = min(free, rows)
+        scheduler.drop_waiting(scheduler.waiting_ids(99))
+        for request_id in range(waiting):
+            scheduler.enqueue(request_id)
+        held = scheduler.joins_held(free, running, preempted)
+        if held:
+            assert hold > 0 and running > 0 and not preempted and 0 < free < min(waiting, scheduler.join_group_rows)
+            held_since = steps if held_since is None else held_since
+            assert steps - held_since < hold
+        else:
+            held_since = None
+        scheduler.built(built)
+        steps += built
