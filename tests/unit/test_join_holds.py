@@ -27,7 +27,7 @@ class JoinsRecorded(TextGenerationController):
         view = self.debug_view()
         self.join_launches += step.num_prefill > 0
         held = view.num_waiting > 0 and view.num_live < MAX_REQUESTS
-        self.streak = self.streak + 1 if held else 0
+        self.streak = self.streak + step.num_steps if held else 0  # on_launch: once a launch (a run: its k steps)
         self.longest_streak = max(self.longest_streak, self.streak)
 
 
