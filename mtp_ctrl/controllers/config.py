@@ -122,13 +122,15 @@ class InferenceConfig:
         max_model_len; a request that stops mid-run (eos, stop sequence, max_new_tokens) is cut
         there and the rest of its run is discarded. 1 (default): one step per launch. Outputs are
         identical for every value.
-    join_hold_steps: while requests wait for a row, how many decode steps a freed row may stay
-        empty so that the waiting requests join together (the scheduler's rule: it ends once
-        enough rows are free for every waiting request or a quarter of ``max_requests``, and
-        never holds while nothing else runs). A step that admits requests costs several decode
-        steps' time whatever it admits, and speculation spreads the finishes that plain decoding
-        keeps in lockstep, so one join of many costs less than many of one. 0 (default): a
-        freed row is filled at once. Outputs are identical for every value.
+    join_hold_steps: while requests wait for a row, how many steps a freed row may stay empty
+        so that the waiting requests join together (plus the rest of a decode run the limit falls
+        in). The hold ends once enough rows are free for every waiting request or a quarter of
+        ``max_requests`` (so below 8 requests it never holds), and none is taken while nothing
+        else runs, a request is paused for KV, or the next waiting request was evicted
+        (``Scheduler.joins_held``). A step that admits requests costs several decode steps' time
+        whatever it admits, and speculation spreads the finishes that plain decoding keeps in
+        lockstep, so one join of many costs less than many of one. 0 (default): a freed row is
+        filled at once. Outputs are identical for every value.
     moe_backend: how the MoE layers of a mixture-of-experts model compute. "triton" (default) and
         "grouped_mm" take the sync-free path (expert dispatch sized on the device, grouped expert
         products by a Triton fused-MoE kernel or torch's grouped GEMM), so MoE steps replay CUDA

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from mtp_ctrl.controllers.draft_policy import DraftLengthQuery
 
 def queue_step_seconds(cost_model, query: "DraftLengthQuery", rows: np.ndarray, depths: np.ndarray,
-                       drafting: np.ndarray, tokens: np.ndarray) -> Optional[np.ndarray]:
+                       drafting: np.ndarray, tokens: np.ndarray,
+                       mixed_rows: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
     """``[c]`` seconds a step of each candidate costs while requests wait, its prompt chunks
     included (``RowCostModel.queue_seconds``): a candidate whose requests emit ``tokens`` ``[c]`` a
     step finishes ``tokens / joining_tokens`` requests a step (each freed slot takes a waiting
@@ -28,7 +29,7 @@ def queue_step_seconds(cost_model, query: "DraftLengthQuery", rows: np.ndarray, 
     finishes, which the drain pays for (capped, the simulation's queue of 4 x 256 ran 0.93x plain,
     uncapped 0.96x). None where the query or the cost model cannot tell (no ``joining_tokens`` > 0
     or ``tokens_left``, no prompt chunk measured, no mixed buckets' times): the caller prices by
-    the recent chunks."""
+    the recent chunks. ``mixed_rows``: the decode rows of a step with prompt chunks (None: ``rows``)."""
     queue_seconds = getattr(cost_model, "queue_seconds", None)
     joining = query.joining_tokens
     if queue_seconds is None or not joining or joining <= 0 or query.tokens_left is None or \
@@ -39,7 +40,7 @@ def queue_step_seconds(cost_model, query: "DraftLengthQuery", rows: np.ndarray, 
     taken = np.minimum(np.cumsum(sizes), query.num_waiting)  # only as many as wait take a freed slot
     groups = np.diff(taken, prepend=0)
     return queue_seconds(query.batch_size, rows, depths, drafting, np.asarray(tokens, dtype=np.float64) / joining,
-                         groups[groups > 0], float(joining))
+                         groups[groups > 0], float(joining), mixed_rows=mixed_rows)
 
 
 def prefix_products(values: np.ndarray) -> np.ndarray:

@@ -278,6 +278,10 @@ class MTPProposer(Proposer):
         num_rows, extra = step.input_ids.shape[0], catch_up_rows
         if step.decode_only:
             return num_requests * (S + step.verify_width + extra), S + step.verify_width + extra
+        # the bound below counts 1 + V step rows a decode request (the context keeps steps with
+        # prefill chunks strided): fewer would let the windows run past it
+        if int(step.host_query_start_loc[step.num_decode]) != step.num_decode * step.verify_stride:  # host-ok: CPU
+            raise RuntimeError("MTPProposer: a step with prefill chunks must give each decode request 1 + V rows")
         if step.graph_padded:  # a bound that holds for every step the graph replays
             return num_rows + num_requests * (S + extra), num_rows + S + extra
         # eager: the host's longest chunk bounds the windows (the attention grid follows it)

@@ -12,7 +12,8 @@ request:
   ``D = max s_r`` depths;
 - each candidate costs :meth:`RowCostModel.row_seconds` ``(G, n + m, D)``: the warm-up's replay
   time of the ragged token count its rows pad to, blended by the share of steps with prefill
-  chunks with the token bucket its rows and the recent chunk rows pad to, plus the loop's
+  chunks with the token bucket that ``n (1 + D)`` rows (such a step is not ragged) and the recent
+  chunk rows pad to, plus the loop's
   measured wall-over-GPU time at ``(G, D)`` (host work, bubbles);
 - while requests wait (a freed slot takes the next one) a step's prompt chunks come with the
   requests that finish, as many as its tokens finish: a candidate's chunk rows are the recent mixed
@@ -207,10 +208,12 @@ class PerRequestGoodputPolicy(GoodputPolicy):
         # steps' chunks scaled by its tokens over theirs (priced at the recent chunks alone, drafting
         # looked to share a fixed prefill cost among more tokens: the 1B at batch 256, 0.72x plain).
         drafting = (drafts > 0).astype(np.float64)  # [C] drafts for anyone: the batch's finishes spread
-        seconds = queue_step_seconds(self.cost_model, query, n + drafts, depths, drafting, tokens) if queued else None
+        mixed_rows = n * (1 + depths)  # [C] a step with prompt chunks is not ragged: 1 + V rows a decode request
+        seconds = queue_step_seconds(self.cost_model, query, n + drafts, depths, drafting, tokens,
+                                     mixed_rows=mixed_rows) if queued else None
         if seconds is None:
             scale = tokens / self.tokens_per_step if queued and self.tokens_per_step else None
-            seconds = self.cost_model.row_seconds(G, n + drafts, depths, prefill_scale=scale)  # [C]
+            seconds = self.cost_model.row_seconds(G, n + drafts, depths, prefill_scale=scale, mixed_rows=mixed_rows)
         num_prefixes = num_drafts + 1
         if drain:
             scored = np.concatenate([_drain_candidates(depths[:num_prefixes]), np.arange(num_prefixes, drafts.shape[0])])

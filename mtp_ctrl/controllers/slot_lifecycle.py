@@ -54,7 +54,7 @@ class SlotLifecycle:
         """Slots for waiting requests, also with a step in flight (the slot's device rows are
         reset stream-ordered after it), until the prefilling requests' backlog fills a step
         (``Scheduler.can_admit``); none while the scheduler holds joins (``Scheduler.joins_held``)."""
-        if self._holds_joins and self.scheduler.num_waiting and self._joins_held():
+        if self._holds_joins and self._joins_held():
             return
         while self.can_admit():
             request = self.requests[self.scheduler.next_waiting()]
@@ -71,11 +71,12 @@ class SlotLifecycle:
             self.proposer.on_admitted(slot, may_draft)
 
     def _joins_held(self) -> bool:
-        table = self.context.table
+        table, scheduler = self.context.table, self.scheduler
         # requests the next step runs: a paused one (by the user or for KV) advances no hold's clock
-        num_running = table.group_size(RowGroup.DECODE) + table.group_size(RowGroup.PREFILL) - self.scheduler.num_retiring
-        next_request = self.requests[self.scheduler.next_waiting()]
-        return self.scheduler.joins_held(self.context.num_free_rows, max(num_running, 0), next_request.preemptions > 0)
+        num_running = table.group_size(RowGroup.DECODE) + table.group_size(RowGroup.PREFILL) - scheduler.num_retiring
+        next_id = scheduler.next_waiting()
+        next_preempted = next_id is not None and self.requests[next_id].preemptions > 0
+        return scheduler.joins_held(self.context.num_free_rows, max(num_running, 0), next_preempted)
 
     def none_drafts(self, slots: np.ndarray) -> bool:
         """Whether no request in table ``slots`` (``[n]`` int64) drafts, now or later."""

@@ -387,7 +387,7 @@ class RowCostModel(StepCostModel):
         self.chunk_rows = per_chunk if old is None else old + self.share_smoothing * (per_chunk - old)
 
     def row_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray,
-                    prefill_scale: Optional[np.ndarray] = None) -> np.ndarray:
+                    prefill_scale: Optional[np.ndarray] = None, mixed_rows: Optional[np.ndarray] = None) -> np.ndarray:
         """``[c]`` seconds of a step at grid ``batch_size`` whose decode requests run ``rows[i]`` rows
         and draft ``depths[i]`` depths: what the loop adds over the GPU at that depth once measured
         (``decode_seconds(G, D) - gpu(G, D)``: host work, bubbles) plus the GPU time of the rows:
@@ -399,10 +399,13 @@ class RowCostModel(StepCostModel):
         without row costs (CPU, eager) ``seconds(G, D)`` linear in rows from ``seconds(G, 0)`` at G
         rows. ``prefill_scale`` ``[c]`` (None: 1): each candidate's recent prefill rows times it (in a
         queue a step's chunks come with the requests that finish: the goodput policies scale them by
-        a candidate's tokens a step over the recent steps'). A depth the warm-up did not time takes
+        a candidate's tokens a step over the recent steps'). ``mixed_rows`` ``[c]`` (None: ``rows``):
+        the decode rows of a step with prefill chunks (ragged rows are for decode-only steps: there
+        each decode request runs ``1 + V``). A depth the warm-up did not time takes
         the linear guess. A fixed number of numpy calls (and a Python loop over the depths, not the
         candidates)."""
         rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
+        mixed_rows = rows if mixed_rows is None else np.asarray(mixed_rows, dtype=np.int64)
         linear, priced = self._decode_part(batch_size, rows, depths)
         if priced is None:
             return linear
@@ -413,7 +416,7 @@ class RowCostModel(StepCostModel):
             values, counts = np.unique(self._prefill_ring[:samples], return_counts=True)  # [u] each
             prefill = values[None, :] if prefill_scale is None else \
                 np.rint(values[None, :] * np.asarray(prefill_scale, dtype=np.float64)[:, None]).astype(np.int64)
-            tokens = np.minimum(rows[:, None] + prefill, mixed_table.shape[1] - 1)  # [c, u]
+            tokens = np.minimum(mixed_rows[:, None] + prefill, mixed_table.shape[1] - 1)  # [c, u]
             mixed = mixed_table[np.minimum(depths, mixed_table.shape[0] - 1)[:, None], tokens] @ (counts / samples)
             mixed[depths >= mixed_table.shape[0]] = np.nan  # a depth the warm-up did not time
             blended = gaps[1, depths] + decode + self.mixed_share * (mixed - decode)
@@ -421,7 +424,8 @@ class RowCostModel(StepCostModel):
         return np.where(np.isnan(decode), linear, out)
 
     def queue_seconds(self, batch_size: int, rows: np.ndarray, depths: np.ndarray, drafting: np.ndarray,
-                      joins: np.ndarray, finish_groups: np.ndarray, period: float) -> Optional[np.ndarray]:
+                      joins: np.ndarray, finish_groups: np.ndarray, period: float,
+                      mixed_rows: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
         """``[c]`` seconds a step costs in a queue, with the prompt chunks its finishing requests bring
         (every freed slot takes a waiting request, whose first chunk of ``chunk_rows`` rows joins a
         step): candidate i's decode requests run ``rows[i]`` rows and draft ``depths[i]`` depths,
@@ -442,9 +446,11 @@ class RowCostModel(StepCostModel):
         where drafting spreads the same prompts over many mixed steps (each padded to a bucket, each
         a mixed step's cost): what a queue's recent chunks (:meth:`row_seconds`) cannot tell while
         the batch runs in lockstep. Plus the loop's measured wall over the GPU of a decode step at
-        the depth. None without the mixed buckets' times or a chunk measured (then
+        the depth. ``mixed_rows`` ``[c]`` (None: ``rows``): the decode rows of a step with prompt
+        chunks (:meth:`row_seconds`). None without the mixed buckets' times or a chunk measured (then
         :meth:`row_seconds`)."""
         rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
+        mixed_rows = rows if mixed_rows is None else np.asarray(mixed_rows, dtype=np.int64)
         linear, priced = self._decode_part(batch_size, rows, depths)
         if priced is None or priced[2] is None or not self.chunk_rows:
             return None
@@ -452,8 +458,8 @@ class RowCostModel(StepCostModel):
         chunk, largest = self.chunk_rows, mixed_table.shape[1] - 1
         table_depths = np.minimum(depths, mixed_table.shape[0] - 1)  # [c]
 
-        def mixed(extra_rows: np.ndarray) -> np.ndarray:  # [c, k]: a step of rows + extra_rows ([c, k] or [k])
-            tokens = rows[:, None] + extra_rows
+        def mixed(extra_rows: np.ndarray) -> np.ndarray:  # [c, k]: a step of mixed_rows + extra_rows ([c, k] or [k])
+            tokens = mixed_rows[:, None] + extra_rows
             seconds = mixed_table[table_depths[:, None], np.minimum(tokens, largest)]
             return seconds * np.maximum(tokens / largest, 1.0)  # past the largest bucket: in proportion
 

@@ -24,7 +24,7 @@ class EngineShape:
     block. num_speculative_tokens: S drafts per decode step. max_tokens_per_step: query rows of one
     forward pass, at least ``R * (1 + S)`` so every decode request runs every step.
     decode_steps_per_launch: the most decode steps one launch runs (a decode run; 1 = single steps).
-    join_hold_steps: the most decode steps a free row may stay empty while requests wait, so that
+    join_hold_steps: how many built steps a free row may stay empty while requests wait, so that
     joins come together (``Scheduler.joins_held``; 0 = every free row is filled at once).
     device: where the state lives. kv_dtype: what K/V (and drafters' hidden rows) are computed in.
     vocab_size: the target's vocabulary (None where no model is involved, e.g. state-only tests).

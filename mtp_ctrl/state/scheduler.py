@@ -23,12 +23,13 @@ the controller keeps each request's record. What it decides, and nothing else do
   delay that step's launch; it joins a step later, overlapped with the GPU work.
 - **Holding joins** (``join_hold_steps`` > 0): while requests wait, rows that free one by one
   stay empty until enough are free to take the waiting requests, or a quarter of the table
-  (``join_group_rows``), or ``join_hold_steps`` decode steps have run since the first went free
-  (:meth:`Scheduler.joins_held`). A step that admits requests costs far more than a decode step
-  whatever it admits (their prompt chunks, and the host's work on a join), so one join of many
-  costs less than many of one. Speculation spreads the finishes of requests that plain decoding
-  keeps in lockstep. The rule never holds a row while nothing else runs, nor for a request that
-  was evicted.
+  (``join_group_rows``; so a table of fewer than 8 rows never holds), or ``join_hold_steps``
+  steps have been built since the hold began (:meth:`Scheduler.joins_held`). A step that admits
+  requests costs far more than a decode step whatever it admits (their prompt chunks, and the
+  host's work on a join), so one join of many costs less than many of one. Speculation spreads
+  the finishes of requests that plain decoding keeps in lockstep. The rule never holds a row while
+  nothing else runs, while a request is paused for KV, nor for a request that was evicted; rows
+  it let go are not held again.
 - **Pausing for KV.** Decode rows get their blocks in row order; the first that does not fit and
   every later one that needs a block pause (:meth:`Scheduler.decodes_to_pause`). Paused requests
   resume oldest first, a younger one never overtakes (:meth:`Scheduler.num_to_resume`), and no
@@ -109,8 +110,9 @@ class Scheduler:
         self.paused_for_kv: Dict[int, None] = {}  # ordered set: paused by the scheduler, oldest first
         self._retiring: Dict[int, None] = {}  # ordered set: finished, rows not freed yet
         self.join_group_rows = max(1, shape.max_requests // 4)  # free rows that end a hold (joins_held)
-        self._steps_built = 0  # decode steps (a run counts each of its steps) built so far: the holds' clock
+        self._steps_built = 0  # steps built so far (a decode run counts each of its steps): the holds' clock
         self._held_since: Optional[int] = None  # _steps_built when the rows now held first went free
+        self._hold_ended = False  # the rows free now were held, or let go: not held again (joins_held)
 
     # ----- the queues ------------------------------------------------------------------------
 
@@ -222,25 +224,30 @@ class Scheduler:
     def joins_held(self, free_rows: int, num_running: int, next_preempted: bool) -> bool:
         """Whether the waiting requests stay out of the ``free_rows`` free rows for now (see the
         module docstring, "Holding joins"): ``num_running``, the live requests that run next step
-        (none paused for KV); ``next_preempted``, the next waiting request was evicted. A hold
-        lasts ``join_hold_steps`` built decode steps at most; once it ends, every request that
-        :meth:`can_admit` lets in joins."""
+        (none paused for KV); ``next_preempted``, the next waiting request was evicted. Ask it
+        before every admission, also when nobody waits. A hold lasts until the first call
+        ``join_hold_steps`` built steps after it began (a decode run's steps all count, so a row may
+        stay empty up to ``join_hold_steps + decode_steps_per_launch - 1`` steps); once it ends, or
+        is not taken, the rows free now are not held again (every request :meth:`can_admit` lets in
+        joins) until no row is free or enough are."""
         wanted = min(self.num_waiting, self.join_group_rows)
-        if free_rows <= 0 or wanted == 0:
-            self._held_since = None
+        if free_rows <= 0 or wanted == 0 or free_rows >= wanted:  # nothing to hold: a later hold starts afresh
+            self._held_since, self._hold_ended = None, False
             return False
-        if free_rows >= wanted or num_running == 0 or self.paused_for_kv or next_preempted:
-            self._held_since = None
+        if self._hold_ended:
+            return False
+        if num_running == 0 or self.paused_for_kv or next_preempted or self.shape.join_hold_steps == 0:
+            self._hold_ended = True
             return False
         if self._held_since is None:
             self._held_since = self._steps_built
         if self._steps_built - self._held_since >= self.shape.join_hold_steps:
-            self._held_since = None
+            self._held_since, self._hold_ended = None, True
             return False
         return True
 
     def built(self, num_steps: int) -> None:
-        """The context built a launch of ``num_steps`` decode steps (the clock of :meth:`joins_held`)."""
+        """The context built a launch of ``num_steps`` steps (the clock of :meth:`joins_held`)."""
         self._steps_built += num_steps
 
     def admitted(self, request_id: int) -> None:

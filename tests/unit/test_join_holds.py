@@ -46,15 +46,16 @@ def queued_requests(seed: int, count: int = 20):
     return requests
 
 
-def drive(controller, requests, pause_at=None):
-    """Outputs in order. At step ``pause_at`` every decoding request but one is paused (three
-    steps later resumed): the rows they hold run nothing, so no hold may wait on them."""
+def drive(controller, requests, pause_at=None, pause_all=False):
+    """Outputs in order. At step ``pause_at`` every decoding request but one (``pause_all``: every
+    one) is paused, three steps later resumed: the rows they hold run nothing, so no hold may wait
+    on them."""
     ids = [controller.add_request(prompt, params) for prompt, params in requests]
     paused, step = [], 0
     while controller.has_unfinished_requests():
         if step == pause_at:
             decoding = [i for i in ids if controller.request_status(i).name == "DECODING"]
-            for request_id in decoding[1:]:
+            for request_id in decoding[0 if pause_all else 1:]:
                 try:  # it may finish in the read-back the pause waits for
                     controller.pause_request(request_id)
                     paused.append(request_id)
@@ -109,14 +110,15 @@ def test_staggered_finishes_join_together_when_held(mtp_model, torch_twins, S):
 
 @pytest.mark.parametrize("seed", [2, 3])
 def test_held_joins_under_kv_pressure_and_pauses_equal_plain(mtp_model, torch_twins, seed):
-    """Few KV blocks (decodes pause for KV, the newest is evicted) and user pauses: no hold hangs
-    the loop, and outputs equal plain decoding's."""
+    """Few KV blocks (decodes pause for KV, the newest is evicted) and user pauses (of every
+    running request too): no hold hangs the loop, and outputs equal plain decoding's."""
     requests = queued_requests(seed, count=16)
     plain = drive(make(mtp_model, 0, 0), requests)
-    for S, hold in ((0, 4), (MTP_DEPTH, 4), (MTP_DEPTH, 50)):
+    for S, hold, pause_all in ((0, 4, False), (MTP_DEPTH, 4, True), (MTP_DEPTH, 50, False), (MTP_DEPTH, 50, True)):
         controller = make(mtp_model, S, hold, num_kv_blocks=24, decode_steps_per_launch=2)
-        assert drive(controller, requests, pause_at=4) == plain
+        assert drive(controller, requests, pause_at=4, pause_all=pause_all) == plain
         assert controller.debug_view().num_live == 0
+        assert controller.longest_streak > 0  # a hold was taken
 
 
 def test_join_hold_steps_is_checked():

@@ -116,20 +116,22 @@ def test_a_depth_the_warm_up_did_not_time_takes_the_linear_guess_not_a_shallower
 
 def test_steps_with_prefill_chunks_cost_their_token_bucket():
     """In a queue most steps carry a prompt chunk: their rows plus the chunk's pad to a token bucket
-    (powers of two), so the candidate whose rows tip the next bucket costs double there. Batch 6 of
-    0.9 / 0.6 / 0.2 requests, 6 chunk rows, buckets 16 and 32: decode-only costs alone draft (3, 3, 1)
-    (20 rows: a mixed step of 26, bucket 32); when every step is mixed the rows stay within 16 (4
-    drafts, the likeliest requests' first ones)."""
+    (powers of two), and such a step is not ragged: each decode request runs ``1 + D`` rows whatever
+    it drafts. Batch 6 of 0.9 / 0.6 / 0.2 requests, 6 chunk rows, buckets 16 and 32: D = 0 fits 16
+    (12 rows), any D >= 1 pads to 32 (18 rows and up), so a ragged choice that would fit 16 (2 drafts
+    for each 0.9 request: 10 rows) is not there to take. At bucket 32 twice bucket 16's cost drafting
+    pays (~13.8 tokens for 2 against 6 for 1) and everyone drafts S; at three times it does not."""
     policy = trained(per_row=0.01)
     assert choose(policy).tolist() == [3, 3, 1, 3, 3, 1]
     model = policy.cost_model
-    model.set_row_costs({**row_costs(per_row=0.01), **{(G, T, D, True): 1.0 if T == 16 else 2.0
-                                                        for D in range(S + 1) for T in (16, 32)}})
-    for _ in range(200):
-        model.record_launches(1, 1)  # every step carries a prefill chunk...
-        model.record_prefill_rows(6)  # ... of 6 rows
-    lengths = choose(policy)
-    assert lengths.tolist() == [2, 0, 0, 2, 0, 0], lengths
+    for bucket_32, expected in ((2.0, [3] * 6), (3.0, [0] * 6)):
+        model.set_row_costs({**row_costs(per_row=0.01), **{(G, T, D, True): 1.0 if T == 16 else bucket_32
+                                                            for D in range(S + 1) for T in (16, 32)}})
+        for _ in range(200):
+            model.record_launches(1, 1)  # every step carries a prefill chunk...
+            model.record_prefill_rows(6)  # ... of 6 rows
+        lengths = choose(policy)
+        assert lengths.tolist() == expected, (bucket_32, lengths)
 
 
 def test_in_a_queue_a_drafts_prefill_rows_are_dear_and_low_acceptance_requests_draft_nothing():

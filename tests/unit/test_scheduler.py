@@ -251,16 +251,38 @@ def test_joins_held_known_answers():
     assert scheduler.joins_held(free_rows=1, **held)
     scheduler.built(2)  # 4 steps since the hold began: it ends
     assert not scheduler.joins_held(free_rows=1, **held)
-    assert scheduler.joins_held(free_rows=1, **held)  # a new hold, a new clock
+    scheduler.built(1)  # the row was let go (can_admit may still refuse a join: a prefill backlog) ...
+    assert not scheduler.joins_held(free_rows=1, **held)  # ... and is not held again
+    assert not scheduler.joins_held(free_rows=0, **held)  # the rows filled up: a later hold starts afresh
+    assert scheduler.joins_held(free_rows=1, **held)
     assert not scheduler.joins_held(free_rows=2, **held)  # enough rows
-    assert not scheduler.joins_held(free_rows=1, num_running=0, next_preempted=False)  # nothing else runs
-    assert not scheduler.joins_held(free_rows=1, num_running=7, next_preempted=True)  # an evicted request
+    for others in (dict(num_running=0, next_preempted=False), dict(num_running=7, next_preempted=True)):
+        assert scheduler.joins_held(free_rows=1, **held)  # (enough rows above: a new hold)
+        assert not scheduler.joins_held(free_rows=1, **others)  # nothing else runs; an evicted request
+        assert not scheduler.joins_held(free_rows=1, **held)  # let go: not held again
+        assert not scheduler.joins_held(free_rows=0, **held)
     scheduler.paused_for_kv_space(9)
     assert not scheduler.joins_held(free_rows=1, **held)  # a pause for KV: nothing frees rows by running
     scheduler.resumed(9)
+    assert not scheduler.joins_held(free_rows=0, **held)
     scheduler.drop_waiting(range(1, 5))  # one waits: one free row takes it
     assert not scheduler.joins_held(free_rows=1, **held)
     assert not make_scheduler(max_requests=8, max_tokens_per_step=24).joins_held(free_rows=1, **held)  # off
+
+
+def test_a_hold_asked_while_nobody_waits_does_not_carry_its_clock_over():
+    """The waiting requests of a hold go (aborted); later others wait: their hold gets a full clock."""
+    scheduler = make_scheduler(max_requests=8, max_tokens_per_step=24, join_hold_steps=4)
+    for request_id in range(5):
+        scheduler.enqueue(request_id)
+    held = dict(num_running=7, next_preempted=False)
+    assert scheduler.joins_held(free_rows=1, **held)
+    scheduler.drop_waiting(range(5))
+    assert not scheduler.joins_held(free_rows=1, **held)  # nobody waits (admit_waiting asks anyway)
+    scheduler.built(40)
+    for request_id in range(10, 15):
+        scheduler.enqueue(request_id)
+    assert scheduler.joins_held(free_rows=1, **held)
 
 
 @settings(max_examples=60, deadline=None)
@@ -270,20 +292,24 @@ def test_joins_held_known_answers():
 def test_a_hold_never_outlasts_join_hold_steps(hold, rows, calls):
     """Random admission rounds (free rows, running requests, waiting requests, steps built after,
     next evicted): a hold holds only rows fewer than the waiting requests and the group want, while
-    something runs, and ends at the first round ``join_hold_steps`` built steps after it began."""
+    something runs, and ends at the first round ``join_hold_steps`` built steps after it began; rows
+    let go are not held again until none is free, nobody waits, or enough are free."""
     scheduler = make_scheduler(max_requests=rows, max_tokens_per_step=3 * rows, join_hold_steps=hold)
-    held_since, steps = None, 0
+    held_since, let_go, steps = None, False, 0
     for free, running, waiting, built, preempted in calls:
         free = min(free, rows)
         scheduler.drop_waiting(scheduler.waiting_ids(99))
         for request_id in range(waiting):
             scheduler.enqueue(request_id)
         held = scheduler.joins_held(free, running, preempted)
-        if held:
-            assert hold > 0 and running > 0 and not preempted and 0 < free < min(waiting, scheduler.join_group_rows)
+        if free == 0 or waiting == 0 or free >= min(waiting, scheduler.join_group_rows):
+            held_since, let_go = None, False
+            assert not held
+        elif held:
+            assert hold > 0 and running > 0 and not preempted and not let_go
             held_since = steps if held_since is None else held_since
             assert steps - held_since < hold
         else:
-            held_since = None
+            held_since, let_go = None, True
         scheduler.built(built)
         steps += built
