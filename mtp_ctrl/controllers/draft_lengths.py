@@ -99,6 +99,8 @@ class HeldChoice:
         or with ``join_caps`` (the caps ``[k]`` of ``[k]`` new ids) ``min(depth, its cap)``."""
         if self.depth is None or (join_caps is None and request_ids.shape[0] > self.request_ids.shape[0]):
             return None
+        if self.request_ids.shape[0] == 0:  # nobody held: every request joins
+            return None if join_caps is None else np.minimum(self.depth, join_caps(request_ids))
         order = np.argsort(self.request_ids)
         positions = np.searchsorted(self.request_ids, request_ids, sorter=order).clip(max=order.shape[0] - 1)
         found = order[positions]  # [m]
@@ -212,6 +214,8 @@ class DraftLengths:
         whoever joined or left), up to ``policy.longest_hold`` steps. A new request takes the held depth (capped)
         until the hold ends when ``policy.joins_take_held_depth``, else asks the policy at once."""
         S = self.S
+        if num_sampling == 0:  # a step of prompt chunks that end no prompt: no lengths, the held choice untouched
+            return np.zeros(0, dtype=np.int64)
         ids = request_ids[:num_sampling]  # [n] int64
         held = self._held
         if held is not None and held.steps < held.hold:

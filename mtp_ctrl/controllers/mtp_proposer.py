@@ -349,7 +349,9 @@ class MTPProposer(Proposer):
             max_query_len=1,
             max_seq_len=1,
         )
-        hidden = batch.hidden[batch.last_accepted_rows.clamp(min=0)]  # [G, H]
+        # a grid entry that samples nothing this step (padding, a prompt chunk that does not end its
+        # prompt) keeps the row an earlier, larger step left it: read row 0 for it (its draft is masked)
+        hidden = batch.hidden[torch.where(batch.samples, batch.last_accepted_rows, 0).clamp(min=0)]  # [G, H]
         history_rows = torch.where(batch.samples, batch.write_rows, self.draft_context.scratch_row)
         return hidden, ends - 1, history_rows, metadata
 

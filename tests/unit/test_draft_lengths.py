@@ -13,7 +13,7 @@ import torch
 from mtp_ctrl.controllers import MTPProposer, PerRequestGoodputPolicy, Proposer, SamplingParams
 from mtp_ctrl.controllers.draft_policy import DraftLengthPolicy, FixedDraftLength, GoodputPolicy, RandomDraftLengths
 from mtp_ctrl.state.batch_dimensions import ragged_token_counts
-from tests.unit.controller_fixtures import MTP_DEPTH, OracleProposer
+from tests.unit.controller_fixtures import MTP_DEPTH, PROMPTS, OracleProposer
 from tests.unit.draft_length_fixtures import (ARRIVALS, QUEUED, SQUEEZE, CheckedRandomLengths, MixedTiers,  # noqa: F401
                                               ZeroLengths, controller_for, mtp_model, plain, run)  # fixtures too
 
@@ -318,3 +318,40 @@ def test_goodput_learns_step_costs_from_the_loop(mtp_model, plain, torch_twins):
     assert not policy.cost_model.gpu  # off CUDA: no warm-up seed, no CUDA events
     assert {grid for grid, _ in policy.cost_model.wall} <= {2, 4}  # the padded grids (SQUEEZE's graph sizes)
     assert 0 < policy.cost_model.mixed_share < 1  # the share of launches with prefill chunks (requests joined)
+
+
+def test_single_position_drafting_reads_no_stale_row_of_a_padded_entry(mtp_model, torch_twins):
+    """Single-position MTP gathers each grid entry's last accepted hidden row; an entry that samples
+    nothing this step (graph padding, a prompt chunk that ends no prompt) keeps the row an earlier,
+    larger step left it, past this step's rows. Random lengths on graph-padded grids (padded on the
+    CPU too), a request joining late: outputs equal plain decoding's."""
+    arrivals = ((0, PROMPTS[2], SamplingParams(max_new_tokens=5)), (4, PROMPTS[1], SamplingParams(max_new_tokens=9)))
+    fields = dict(max_requests=6, block_size_tokens=8, max_model_len=38, max_tokens_per_step=18,
+                  overlap_scheduling=False, prefix_caching=False, cuda_graph_batch_sizes=(3, 4))
+    expected = run(controller_for(mtp_model, 0, **fields), arrivals)[1]
+    controller = controller_for(mtp_model, 2, MTPProposer("single_position"), RandomDraftLengths(seed=369), **fields)
+    assert run(controller, arrivals)[1] == expected
+
+
+class ZeroNowJoinAtTwo(DraftLengthPolicy):
+    """Drafts nothing for the requests it is asked about; requests joining its held choice draft 2."""
+
+    decide_every = 8
+    per_request_lengths = True
+
+    def choose(self, query):
+        return np.zeros_like(query.caps)
+
+    def join_length(self):
+        return 2
+
+
+def test_a_step_that_samples_nothing_leaves_the_held_choice_alone(mtp_model, torch_twins):
+    """A step whose only request is a prompt chunk that ends no prompt has no lengths to choose: the
+    held choice (not uniform: its depth 2 is the joins', its requests draft 0) stays as it was, and
+    the next step's requests take their lengths from it."""
+    arrivals = ((0, PROMPTS[0], SamplingParams(max_new_tokens=3)),
+                (5, tuple(range(1, 21)), SamplingParams(max_new_tokens=4)))  # 20 prompt tokens: two chunks
+    fields = dict(max_model_len=32, max_tokens_per_step=12, overlap_scheduling=False, prefix_caching=False)
+    expected = run(controller_for(mtp_model, 0, **fields), arrivals)[1]
+    assert run(controller_for(mtp_model, 2, policy=ZeroNowJoinAtTwo(), **fields), arrivals)[1] == expected
