@@ -19,6 +19,18 @@ def hybrids():
     return {"mamba": build_hybrid_model(mtp_num_layers=2, chunk_size=8), "gdn": build_gdn_model(mtp_num_layers=2)}
 
 
+@pytest.fixture(scope="module")
+def long_memory_hybrids():
+    from tests.unit.gdn_fixtures import build_gdn_model
+    from tests.unit.hybrid_fixtures import build_hybrid_model, give_long_memory
+
+    ensure_single_process_groups()
+    models = {"mamba": build_hybrid_model(mtp_num_layers=2, chunk_size=4), "gdn": build_gdn_model(mtp_num_layers=2)}
+    for model in models.values():
+        give_long_memory(model)
+    return models
+
+
 def _snapshots(controller):
     return controller.context.prefix_cache.snapshots
 
@@ -90,3 +102,29 @@ def test_no_snapshot_slots_takes_no_hit(hybrids, torch_twins):
     assert controller.metrics.as_dict()["prefix_cache"]["hit_tokens"] == 0
     with pytest.raises(ValueError, match="prefix_state_snapshots"):
         make_controller(model, 0, prefix_caching=True, prefix_state_snapshots=-1)
+
+
+@pytest.mark.parametrize("family", ["mamba", "gdn"])
+def test_long_memory_hybrids_restore_the_state_a_hit_needs(long_memory_hybrids, torch_twins, family):
+    """The fixtures' default recurrent layers forget their state within a token or two, so a hit that
+    restored a wrong state would still give the same tokens. With long memory (the state decays
+    0.9-0.97 a token) it would not (a hit restoring the conv window but a zero SSM state changed the
+    tokens): requests one after another, each hitting the shared 16-token prefix, S = 2, caching
+    on == off."""
+    model = long_memory_hybrids[family]
+    prefix = [64, 77, 2, 77, 45, 49, 60, 27, 94, 5, 26, 36, 54, 39, 12, 4]  # 4 blocks of 4 tokens
+    tails = [[0, 4, 14], [95, 18], [62, 72, 71, 38], [1]]
+
+    def outputs(prefix_caching):
+        controller = make_controller(model, 2, prefix_caching=prefix_caching, overlap_scheduling=False, max_model_len=40,
+                                     max_tokens_per_step=32)
+        tokens = []
+        for tail in tails:  # one after the other: each later request hits the prefix
+            request_id = controller.add_request(prefix + tail, SamplingParams(max_new_tokens=12))
+            while controller.has_unfinished_requests():
+                controller.step()
+            tokens.append(controller.result(request_id).output_tokens)
+        return tokens, controller.metrics.as_dict()["prefix_cache"]["hit_tokens"]
+
+    on, hit_tokens = outputs(True)
+    assert hit_tokens > 0 and on == outputs(False)[0]
